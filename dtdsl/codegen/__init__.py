@@ -1,0 +1,1 @@
+"""dtdsl.codegen (see docs/architecture.md)."""

@@ -1,0 +1,1 @@
+"""dtdsl.cost (see docs/architecture.md)."""

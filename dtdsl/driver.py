@@ -1,0 +1,81 @@
+"""The compiler's linear driver: run the stages in order, stop after errors or at --emit.
+
+    bytes --decode--> Source --parse--> AST --check--> Program --> (graph, plan, ... later)
+
+Each stage is a function of its input that returns a new value and its
+diagnostics; the driver never runs a stage after one that reported errors.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from dtdsl.diagnostics import Diagnostic, has_errors
+from dtdsl.frontend import ast
+from dtdsl.frontend.check import check
+from dtdsl.frontend.parser import parse
+from dtdsl.ir.program import Program
+from dtdsl.source import MAX_SPEC_BYTES, Source, SourceError, decode_source
+
+__all__ = ["STAGES", "FrontendResult", "UsageError", "read_spec", "run_frontend"]
+
+STAGES = ("ast", "program")
+
+
+class UsageError(Exception):
+    """A problem with the command line rather than with a spec (exit code 2)."""
+
+
+@dataclass(frozen=True)
+class FrontendResult:
+    source: Source | None
+    spec: ast.Spec | None
+    program: Program | None
+    diagnostics: tuple[Diagnostic, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not has_errors(self.diagnostics)
+
+
+def read_spec(path: str) -> tuple[str, bytes]:
+    """The display name and bytes of a spec path ('-' is standard input)."""
+    if path == "-":
+        return "<stdin>", sys.stdin.buffer.read(MAX_SPEC_BYTES + 1)
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        raise UsageError(f"no such file: {path}") from None
+    except OSError as err:
+        raise UsageError(f"cannot read {path}: {err.strerror or err}") from None
+    if stat.S_ISDIR(info.st_mode):
+        raise UsageError(f"{path} is a directory; give a .dt file")
+    try:
+        with open(path, "rb") as f:
+            return path, f.read(MAX_SPEC_BYTES + 1)
+    except OSError as err:
+        raise UsageError(f"cannot read {path}: {err.strerror or err}") from None
+
+
+def run_frontend(name: str, data: bytes, *, stop_after: str = "program",
+                 base_dir: Path | None = None) -> FrontendResult:
+    """Decode, parse and check a spec, stopping at the first stage with errors."""
+    assert stop_after in STAGES, stop_after
+    decoded = decode_source(name, data)
+    if isinstance(decoded, SourceError):
+        diag = Diagnostic.error(decoded.code, decoded.message, decoded.span, hint=decoded.hint)
+        return FrontendResult(source=None, spec=None, program=None, diagnostics=(diag,))
+    source = decoded
+    parsed = parse(source)
+    if parsed.spec is None or stop_after == "ast":
+        return FrontendResult(source=source, spec=parsed.spec, program=None,
+                              diagnostics=parsed.diagnostics)
+    if base_dir is None:
+        base_dir = Path(name).resolve().parent if name != "<stdin>" else Path.cwd()
+    checked = check(parsed.spec, source, base_dir=base_dir)
+    return FrontendResult(source=source, spec=parsed.spec, program=checked.program,
+                          diagnostics=parsed.diagnostics + checked.diagnostics)

@@ -1,0 +1,339 @@
+"""Constraints: what the planner may choose for each module, checked up front.
+
+``tp(vit) in {1, 2, 4}``, ``pp(llm) == 8``, ``gpus(vit) >= 16``, ``memory(*) <= 90%``.
+Each module gets one ``ModuleConstraints``: the intersection of the wildcard
+and the module's own constraints, with defaults where nothing is said (TP from
+{1, 2, 4, 8}, 90% of GPU memory). Here too are the checks Megatron-LM users
+otherwise meet at launch time: a TP degree that cannot split a module's heads,
+pinned layouts whose GPU counts cannot be tiled, or constraints that need more
+GPUs than the cluster has.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from dtdsl.diagnostics import did_you_mean
+from dtdsl.frontend import ast
+from dtdsl.frontend.schema import (
+    INVALID, Ctx, FractionKind, IntKind, QuantityKind, describe_expr,
+)
+from dtdsl.ir.program import Cluster, IntDomain, Module, ModuleConstraints, Train
+from dtdsl.source import Span
+
+__all__ = ["AXES", "DEFAULT_MEMORY_FRACTION", "DEFAULT_TP", "resolve_constraints"]
+
+AXES = ("tp", "dp", "pp", "gpus", "memory")
+DEFAULT_TP = (1, 2, 4, 8)
+DEFAULT_MEMORY_FRACTION = 0.9
+_MAX_DEGREE = 1_000_000
+_DEGREE = IntKind(1, _MAX_DEGREE)
+
+
+@dataclass(frozen=True)
+class _Rule:
+    axis: str
+    target: str
+    domain: IntDomain | None   # tp/dp/pp/gpus
+    fraction: float | None     # memory as a share of the GPU
+    mem_bytes: int | None      # memory as a size
+    explicit_values: bool      # a set or a pin: every value was named by the user
+    node: ast.Constraint
+
+
+def _domain(c: ast.Constraint, ctx: Ctx) -> tuple[IntDomain, bool] | Any:
+    what = f"{c.axis}({c.target})"
+    value = c.value
+    if c.op == "in":
+        if isinstance(value, (ast.SetExpr, ast.ListExpr)):
+            items = [_DEGREE.convert(v, ctx, f"each value of {what}") for v in value.items]
+            if any(v is INVALID for v in items):
+                return INVALID
+            if not items:
+                return ctx.error("DT403", f"{what} in {{}} allows no value", value.span)
+            return IntDomain(values=tuple(sorted(set(items)))), True
+        if isinstance(value, ast.Range):
+            low = _DEGREE.convert(value.low, ctx, f"the low end of {what}")
+            high = _DEGREE.convert(value.high, ctx, f"the high end of {what}")
+            if low is INVALID or high is INVALID:
+                return INVALID
+            if low > high:
+                return ctx.error("DT403", f"{what} in {low}..{high} is empty", value.span,
+                                 hint=f"write {high}..{low}")
+            return IntDomain(low=low, high=high), False
+        return ctx.error("DT206", f"{what} in ... needs a set such as {{1, 2, 4}}, a list or "
+                         f"a range such as 1..8, not {describe_expr(value)}", value.span)
+    if isinstance(value, (ast.SetExpr, ast.ListExpr, ast.Range)):
+        return ctx.error("DT206", f"{what} {c.op} ... compares with one number; use 'in' for "
+                         f"{describe_expr(value)}", value.span,
+                         hint=f"write `{what} in ...`")
+    n = _DEGREE.convert(value, ctx, what)
+    if n is INVALID:
+        return INVALID
+    if c.op == "==":
+        return IntDomain(values=(n,)), True
+    if c.op == "<=":
+        return IntDomain(high=n), False
+    if c.op == "<":
+        if n <= 1:
+            return ctx.error("DT403", f"{what} < {n} allows no value", value.span)
+        return IntDomain(high=n - 1), False
+    if c.op == ">=":
+        return IntDomain(low=n), False
+    return IntDomain(low=n + 1), False  # ">"
+
+
+def _rule(c: ast.Constraint, modules: Mapping[str, Module], declared: set[str],
+          ctx: Ctx) -> _Rule | None:
+    if c.axis not in AXES:
+        guess = did_you_mean(c.axis, AXES)
+        ctx.error("DT205", f"unknown constraint '{c.axis}'", c.axis_span,
+                  notes=["constraints: tp, dp, pp, gpus (per module or *) and memory"],
+                  hint=f"did you mean '{guess}'?" if guess else None)
+        return None
+    if c.target != "*" and c.target in declared and c.target not in modules:
+        return None  # the module itself has errors, already reported
+    if c.target != "*" and c.target not in modules:
+        guess = did_you_mean(c.target, declared)
+        ctx.error("DT203", f"'{c.target}' in {c.axis}({c.target}) is not a module",
+                  c.target_span, notes=["modules: " + (", ".join(modules) or "none")],
+                  hint=f"did you mean '{guess}'?" if guess else "use * for every module")
+        return None
+    if c.axis == "memory":
+        if c.op not in ("<=", "<"):
+            ctx.error("DT404", f"memory({c.target}) takes an upper bound: "
+                      f"`memory({c.target}) <= 90%` or `<= 70 GiB`", c.span)
+            return None
+        if isinstance(c.value, ast.Number) and c.value.unit in ("%", None):
+            frac = FractionKind().convert(c.value, ctx, f"memory({c.target})")
+            return None if frac is INVALID else _Rule(c.axis, c.target, None, frac, None,
+                                                      False, c)
+        size = QuantityKind(dim="size", low=0, high=2**50).convert(
+            c.value, ctx, f"memory({c.target})")
+        return None if size is INVALID else _Rule(c.axis, c.target, None, None, int(size),
+                                                  False, c)
+    result = _domain(c, ctx)
+    if result is INVALID:
+        return None
+    domain, explicit = result
+    return _Rule(c.axis, c.target, domain, None, None, explicit, c)
+
+
+def _where(rules: Sequence[_Rule]) -> str:
+    return ", ".join(f"{r.axis}({r.target}) at line {r.node.span.line}" for r in rules)
+
+
+def _divisor_hint(module: Module, upper: int) -> str:
+    good = [t for t in range(1, min(upper, 1024) + 1) if not module.arch.tp_conflicts(t)]
+    return ", ".join(map(str, good[:10])) or "1"
+
+
+class _Resolver:
+    def __init__(self, modules: Mapping[str, Module], cluster: Cluster, train: Any,
+                 gpus_span: Span | None, ctx: Ctx) -> None:
+        self.modules = modules
+        self.cluster = cluster
+        self.train = train
+        self.gpus_span = gpus_span
+        self.ctx = ctx
+
+    def run(self, rules: Sequence[_Rule]) -> tuple[ModuleConstraints, ...] | Any:
+        ok = True
+        result = []
+        for module in self.modules.values():
+            mine = [r for r in rules if r.target in ("*", module.name)]
+            constraint = self._module(module, mine)
+            ok = ok and constraint is not INVALID
+            result.append(constraint)
+        if not ok:
+            return INVALID
+        self._fits_cluster(result)
+        return tuple(result)
+
+    def _axis(self, module: Module, axis: str, rules: Sequence[_Rule],
+              default: IntDomain) -> IntDomain | Any:
+        mine = [r for r in rules if r.axis == axis]
+        if not mine:
+            return default
+        domain = IntDomain()
+        for r in mine:
+            domain = domain.intersect(r.domain)
+        if domain.is_empty():
+            return self.ctx.error(
+                "DT403", f"the constraints on {axis}({module.name}) allow no value",
+                mine[-1].node.span, notes=[f"together: {_where(mine)}"],
+                hint="loosen one of them")
+        return domain
+
+    def _module(self, module: Module, rules: Sequence[_Rule]) -> ModuleConstraints | Any:
+        ctx = self.ctx
+        cluster = self.cluster
+        tp = self._axis(module, "tp", rules, IntDomain(values=DEFAULT_TP))
+        dp = self._axis(module, "dp", rules, IntDomain())
+        pp = self._axis(module, "pp", rules, IntDomain())
+        gpus = self._axis(module, "gpus", rules, IntDomain())
+        if any(d is INVALID for d in (tp, dp, pp, gpus)):
+            return INVALID
+        tp = self._tp(module, tp, [r for r in rules if r.axis == "tp"])
+        if tp is INVALID:
+            return INVALID
+
+        layers = module.arch.pipeline_layers
+        pp_rules = [r for r in rules if r.axis == "pp"]
+        if pp.low > layers:
+            return ctx.error("DT407", f"pp({module.name}) needs at least {pp.low} pipeline "
+                             f"stages, but {module.name} has only {layers} layers to split",
+                             pp_rules[-1].node.span if pp_rules else module.span,
+                             hint=f"allow pp <= {layers}")
+        pinned_pp = pp.pinned()
+        if pinned_pp and self.train is not INVALID and self.train.schedule == "interleaved":
+            chunks = pinned_pp * self.train.virtual_stages
+            if layers % chunks:
+                return ctx.error(
+                    "DT407", f"interleaved 1F1B with {self.train.virtual_stages} virtual stages "
+                    f"splits {module.name} into pp x {self.train.virtual_stages} = {chunks} "
+                    f"chunks, which do not divide its {layers} layers",
+                    pp_rules[-1].node.span,
+                    hint="pin a pp for which pp x virtual_stages divides the layers")
+
+        dp_rules = [r for r in rules if r.axis == "dp"]
+        pinned_dp = dp.pinned()
+        if module.role == "backbone" and pinned_dp and self.train is not INVALID:
+            micro = self.train.num_microbatches
+            if micro % pinned_dp:
+                good = [d for d in range(1, min(micro, 4096) + 1) if micro % d == 0][-6:]
+                return ctx.error(
+                    "DT406", f"dp({module.name}) == {pinned_dp} does not divide the "
+                    f"{micro} microbatches of a global batch ({self.train.global_batch} / "
+                    f"micro_batch {self.train.micro_batch}); every backbone replica must get "
+                    "the same number", dp_rules[-1].node.span,
+                    hint=f"use a dp that divides {micro}: e.g. {', '.join(map(str, good))}")
+
+        if not self._tiles(module, tp, pp, dp, gpus, rules):
+            return INVALID
+
+        fractions = [r.fraction for r in rules if r.fraction is not None]
+        sizes = [r.mem_bytes for r in rules if r.mem_bytes is not None]
+        for r in rules:
+            if r.mem_bytes is not None and r.mem_bytes > cluster.gpu.memory_bytes:
+                ctx.warning("DT404", f"memory({r.target}) allows more than a {cluster.gpu.name}'s "
+                            f"{cluster.gpu.memory_bytes / 1e9:g} GB; the GPU is the limit",
+                            r.node.span)
+        return ModuleConstraints(
+            module=module.name, tp=tp, dp=dp, pp=pp, gpus=gpus,
+            memory_fraction=min(fractions) if fractions else DEFAULT_MEMORY_FRACTION,
+            memory_bytes=min(sizes) if sizes else None)
+
+    def _tp(self, module: Module, domain: IntDomain, rules: Sequence[_Rule]) -> IntDomain | Any:
+        """Keep the TP degrees that split the module evenly; explain the ones that do not."""
+        ctx = self.ctx
+        upper = min(self.cluster.num_gpus, 1024)
+        candidates = domain.candidates(upper)
+        good = [t for t in candidates if not module.arch.tp_conflicts(t)]
+        bad = [t for t in candidates if module.arch.tp_conflicts(t)]
+        named = {v for r in rules if r.target == module.name and r.explicit_values
+                 for v in r.domain.values or ()}
+        hint_values = _divisor_hint(module, min(upper, self.cluster.gpus_per_node))
+        for t in bad:
+            if t in named:
+                rule = next(r for r in rules if r.target == module.name and r.explicit_values
+                            and t in (r.domain.values or ()))
+                ctx.error("DT401", f"tp {t} cannot split {module.name}: "
+                          f"{' and '.join(module.arch.tp_conflicts(t))} are not divisible by "
+                          f"{t}", rule.node.value.span,
+                          notes=["tensor parallelism shards heads and FFN columns evenly "
+                                 "across the TP group (Megatron-LM fails at launch otherwise)"],
+                          hint=f"TP degrees that work for {module.name}: {hint_values}")
+        if any(t in named for t in bad):
+            return INVALID
+        if not good:
+            source = f"the constraints ({_where(rules)})" if rules else \
+                f"the default candidates {{{', '.join(map(str, DEFAULT_TP))}}}"
+            return ctx.error("DT401", f"no TP degree allowed for {module.name} can split it: "
+                             f"{source} allow only {_listing_tp(candidates)}",
+                             rules[-1].node.span if rules else module.span,
+                             notes=[f"tp {t}: {' and '.join(module.arch.tp_conflicts(t))} not "
+                                    f"divisible by {t}" for t in bad[:4]],
+                             hint=f"allow one that works: `tp({module.name}) in "
+                             f"{{{hint_values}}}`")
+        dropped = [t for t in bad if t <= self.cluster.gpus_per_node]
+        if dropped:
+            ctx.warning("DT401", f"{module.name} cannot use tp {_listing_tp(dropped, 'or')}; the "
+                        f"planner will choose from tp {_listing_tp(good)}",
+                        rules[-1].node.span if rules else module.span,
+                        notes=[f"tp {t}: {' and '.join(module.arch.tp_conflicts(t))} do not "
+                               f"split {t} ways" for t in dropped],
+                        hint=f"TP degrees that work for {module.name}: {hint_values}; say so "
+                        f"with `tp({module.name}) in {{...}}` to silence this")
+        return IntDomain(values=tuple(good))
+
+    def _tiles(self, module: Module, tp: IntDomain, pp: IntDomain, dp: IntDomain,
+               gpus: IntDomain, rules: Sequence[_Rule]) -> bool:
+        """A pinned GPU count must be tp x pp x dp for some allowed tp, pp and dp."""
+        g = gpus.pinned()
+        if g is None:
+            return True
+        layers = module.arch.pipeline_layers
+        tps = tp.candidates(g)
+        pps = pp.candidates(min(g, layers))
+        for t in tps:
+            for p in pps:
+                if g % (t * p) == 0 and (g // (t * p)) in dp:
+                    return True
+        rule = next(r for r in reversed(rules) if r.axis == "gpus")
+        unit_sizes = sorted({t * p for t in tps for p in pps})[:4] or [1]
+        options = sorted({k * s for s in unit_sizes for k in range(1, 64)
+                          if (k * s) // s in dp and k * s <= max(2 * g, 8)})[:6]
+        self.ctx.error(
+            "DT402", f"gpus({module.name}) == {g} cannot be tiled by tp x pp x dp with tp in "
+            f"{tp.describe()}, pp in {pp.describe()} and dp in {dp.describe()}",
+            rule.node.span,
+            notes=[f"{module.name}'s GPUs are split into TP groups of tp GPUs, pipelines of pp "
+                   "stages and dp replicas: gpus = tp x pp x dp"],
+            hint=f"GPU counts that work: {', '.join(map(str, options))}" if options else
+            "loosen the tp, pp or dp constraints")
+        return False
+
+    def _fits_cluster(self, result: Sequence[ModuleConstraints]) -> None:
+        """Together, the modules' smallest layouts must fit in the cluster."""
+        need = []
+        for c in result:
+            smallest = min(c.tp.candidates(self.cluster.num_gpus) or (1,)) * c.pp.low * c.dp.low
+            need.append((c.module, max(smallest, c.gpus.low), c))
+        total = sum(n for _, n, _ in need)
+        if total <= self.cluster.num_gpus:
+            return
+        notes = []
+        for name, n, c in need:
+            why = f"gpus >= {c.gpus.low}" if c.gpus.low >= n else \
+                f"tp {min(c.tp.candidates(self.cluster.num_gpus) or (1,))} x pp {c.pp.low} x " \
+                f"dp {c.dp.low}"
+            notes.append(f"{name}: at least {n} ({why})")
+        self.ctx.error(
+            "DT402", f"the constraints need at least {total} GPUs, but the cluster has "
+            f"{self.cluster.num_gpus}", self.gpus_span or Span.point(1, 1), notes=notes,
+            hint=f"raise gpus to {total} or loosen the constraints")
+
+
+def _listing_tp(values: Sequence[int], last: str = "and") -> str:
+    values = [str(v) for v in values]
+    if len(values) <= 1:
+        return "".join(values) or "none"
+    return ", ".join(values[:-1]) + f" {last} " + values[-1]
+
+
+def resolve_constraints(block: ast.ConstraintsBlock | None, modules: Mapping[str, Module],
+                        declared: set[str], cluster: Cluster | Any, train: Train | Any,
+                        gpus_span: Span | None,
+                        ctx: Ctx) -> tuple[ModuleConstraints, ...] | Any:
+    """Per-module constraints, checked against the architectures and the cluster."""
+    rules = []
+    for c in block.constraints if block is not None else ():
+        rule = _rule(c, modules, declared, ctx)
+        if rule is not None:
+            rules.append(rule)
+    if cluster is INVALID:
+        return INVALID
+    return _Resolver(modules, cluster, train, gpus_span, ctx).run(rules)

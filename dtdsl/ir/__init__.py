@@ -1,0 +1,1 @@
+"""Intermediate representations: Program, and later StageGraph, Plan and Schedule."""

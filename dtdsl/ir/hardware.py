@@ -1,0 +1,39 @@
+"""Built-in GPU presets: what `gpu = H800` means.
+
+Memory is the data-sheet capacity in decimal GB; the peak is dense bf16 (no
+sparsity). Intra-node bandwidth is NVLink per GPU in one direction (half of the
+bidirectional figure NVIDIA quotes); inter-node bandwidth is the usual NIC per GPU.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+
+from pydantic import BaseModel, ConfigDict
+
+__all__ = ["GPU_PRESETS", "GpuPreset"]
+
+
+class GpuPreset(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    memory_bytes: int
+    peak_flops: float
+    intra_node_bw_bytes_per_s: float
+    inter_node_bw_bytes_per_s: float
+
+
+GPU_PRESETS = MappingProxyType({
+    # 80 GB SXM, 312 TFLOP/s bf16, NVLink3 600 GB/s bidirectional, 200 Gb/s HDR NIC.
+    "A100": GpuPreset(memory_bytes=80 * 10**9, peak_flops=312e12,
+                      intra_node_bw_bytes_per_s=300e9, inter_node_bw_bytes_per_s=25e9),
+    # 80 GB SXM, 989 TFLOP/s bf16, NVLink4 900 GB/s bidirectional, 400 Gb/s NDR NIC.
+    "H100": GpuPreset(memory_bytes=80 * 10**9, peak_flops=989e12,
+                      intra_node_bw_bytes_per_s=450e9, inter_node_bw_bytes_per_s=50e9),
+    # The export H100: same compute, NVLink cut to 400 GB/s bidirectional.
+    "H800": GpuPreset(memory_bytes=80 * 10**9, peak_flops=989e12,
+                      intra_node_bw_bytes_per_s=200e9, inter_node_bw_bytes_per_s=50e9),
+    # 141 GB HBM3e, H100 compute.
+    "H200": GpuPreset(memory_bytes=141 * 10**9, peak_flops=989e12,
+                      intra_node_bw_bytes_per_s=450e9, inter_node_bw_bytes_per_s=50e9),
+})

@@ -1,0 +1,429 @@
+"""The Program: a checked spec with every name resolved, every default filled in
+and every quantity in base units (bytes, bytes/s, FLOP/s, seconds).
+
+It is what the later stages (stage graph, cost model, planner) consume; they
+never look at the AST. ``Program.model_dump_json()`` is its text form (``--emit
+program``), and ``Program.model_validate_json`` reads it back.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from dtdsl.source import Span
+
+__all__ = [
+    "Arch", "Choice", "Cluster", "Constant", "DiTArch", "Dist", "Empirical", "Gpu",
+    "IntDomain", "LogNormal", "MLPArch", "Module", "ModuleConstraints", "Optimizer",
+    "Program", "Projector", "Quantity", "Train", "TransformerArch", "UNetArch",
+    "Uniform", "Zipf", "Data", "MODALITIES", "QUANTITIES", "ROLES", "SCHEDULES",
+]
+
+ROLES = ("encoder", "backbone", "generator")
+MODALITIES = ("image", "audio", "video")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+# What a sample carries, per modality. `count`: items encoded by the modality's
+# encoder; `gen_count`: items its generator learns to produce; `patches`: tokens
+# per image (per frame for video); `frames`: tokens per audio clip, frames per video.
+QUANTITIES = {
+    "text": ("tokens",),
+    "image": ("count", "patches", "gen_count"),
+    "video": ("count", "frames", "patches", "gen_count"),
+    "audio": ("count", "frames", "gen_count"),
+}
+
+
+class IRModel(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", kw_only=True)
+
+
+# ---- architectures -------------------------------------------------------------
+
+class TransformerArch(IRModel):
+    """A pre-norm transformer: ViT-style encoders and Llama-style backbones."""
+
+    kind: Literal["transformer"] = "transformer"
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int = 0
+    swiglu: bool = False
+    patch: int | None = None
+    in_channels: int | None = None  # encoders only: image/video 3, audio 1
+    causal: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def pipeline_layers(self) -> int:
+        """How many layers pipeline parallelism can split."""
+        return self.layers
+
+    def tp_conflicts(self, tp: int) -> tuple[str, ...]:
+        """What tensor parallelism of degree ``tp`` cannot split evenly (Megatron's rules:
+        attention heads, KV heads and the FFN width are sharded column-wise)."""
+        out = []
+        if self.heads % tp:
+            out.append(f"{self.heads} attention heads")
+        if self.kv_heads != self.heads and self.kv_heads % tp:
+            out.append(f"{self.kv_heads} KV heads")
+        if self.ffn % tp:
+            out.append(f"an FFN width of {self.ffn}")
+        return tuple(out)
+
+
+class UNetArch(IRModel):
+    """A Stable-Diffusion-style latent U-Net with cross-attention."""
+
+    kind: Literal["unet"] = "unet"
+    channels: int
+    mult: tuple[int, ...]
+    res_blocks: int
+    attn_res: tuple[int, ...]
+    latent: int
+    latent_channels: int = 4
+    head_dim: int = 64
+    context_dim: int = 1024
+    transformer_depth: int = 1
+    groups: int = 32
+
+    @property
+    def level_channels(self) -> tuple[int, ...]:
+        return tuple(self.channels * m for m in self.mult)
+
+    @property
+    def pipeline_layers(self) -> int:
+        """Residual blocks down, the middle block and residual blocks up."""
+        levels = len(self.mult)
+        return levels * self.res_blocks + 1 + levels * (self.res_blocks + 1)
+
+    @property
+    def attention_levels(self) -> tuple[int, ...]:
+        """Indices of the levels whose downsampling factor 2^i is listed in attn_res."""
+        return tuple(i for i in range(len(self.mult)) if 2 ** i in self.attn_res)
+
+    def tp_conflicts(self, tp: int) -> tuple[str, ...]:
+        """Channels (convolutions, GroupNorm groups) and attention heads split across TP."""
+        out = []
+        for i, ch in enumerate(self.level_channels):
+            if ch % tp:
+                out.append(f"{ch} channels at level {i}")
+            elif i in self.attention_levels and (ch // self.head_dim) % tp:
+                out.append(f"{ch // self.head_dim} attention heads at level {i}")
+        if self.groups % tp:
+            out.append(f"{self.groups} GroupNorm groups")
+        return tuple(dict.fromkeys(out))
+
+
+class DiTArch(IRModel):
+    """A diffusion transformer over latent patches, conditioned by cross-attention."""
+
+    kind: Literal["dit"] = "dit"
+    layers: int
+    hidden: int
+    heads: int
+    ffn: int
+    patch: int
+    latent: int
+    latent_channels: int = 4
+    context_dim: int
+
+    @property
+    def pipeline_layers(self) -> int:
+        return self.layers
+
+    def tp_conflicts(self, tp: int) -> tuple[str, ...]:
+        out = []
+        if self.heads % tp:
+            out.append(f"{self.heads} attention heads")
+        if self.ffn % tp:
+            out.append(f"an FFN width of {self.ffn}")
+        return tuple(out)
+
+
+class MLPArch(IRModel):
+    """A projector: ``depth`` linear layers from ``in_dim`` to ``out_dim``."""
+
+    kind: Literal["mlp"] = "mlp"
+    depth: int
+    in_dim: int
+    hidden: int
+    out_dim: int
+    activation: Literal["gelu", "silu", "relu"] = "gelu"
+
+
+Arch = Annotated[Union[TransformerArch, UNetArch, DiTArch], Field(discriminator="kind")]
+
+
+class Module(IRModel):
+    name: str
+    role: Literal["encoder", "backbone", "generator"]
+    modality: str | None
+    arch: Arch
+    frozen: bool = False
+    recompute: bool = False
+    span: Span
+
+    @property
+    def input_dim(self) -> int:
+        """The width a projector into this module must produce."""
+        arch = self.arch
+        return arch.hidden if isinstance(arch, TransformerArch) else arch.context_dim
+
+    @property
+    def output_dim(self) -> int:
+        """The width of the hidden states this module hands on."""
+        arch = self.arch
+        return arch.hidden if isinstance(arch, (TransformerArch, DiTArch)) else arch.channels
+
+
+class Projector(IRModel):
+    name: str
+    source: str
+    target: str
+    arch: MLPArch
+    frozen: bool = False
+    span: Span
+
+
+# ---- data -------------------------------------------------------------------------
+
+class Constant(IRModel):
+    kind: Literal["constant"] = "constant"
+    value: float
+
+
+class Uniform(IRModel):
+    """Integers (or reals for non-count quantities) uniform on [low, high]."""
+
+    kind: Literal["uniform"] = "uniform"
+    low: float
+    high: float
+
+
+class LogNormal(IRModel):
+    """exp(N(ln median, sigma^2))."""
+
+    kind: Literal["lognormal"] = "lognormal"
+    median: float
+    sigma: float
+
+
+class Zipf(IRModel):
+    """P(k) proportional to (k + 1)^-a for k = 0, 1, 2, ...: most samples carry few items."""
+
+    kind: Literal["zipf"] = "zipf"
+    a: float
+
+
+class Choice(IRModel):
+    kind: Literal["choice"] = "choice"
+    values: tuple[float, ...]
+    probs: tuple[float, ...]
+
+
+class Empirical(IRModel):
+    """Measured values read from a file; sampling draws from them uniformly."""
+
+    kind: Literal["empirical"] = "empirical"
+    path: str
+    key: str | None = None
+    sha256: str
+    values: tuple[float, ...]
+
+
+Dist = Annotated[Union[Constant, Uniform, LogNormal, Zipf, Choice, Empirical],
+                 Field(discriminator="kind")]
+
+
+class Quantity(IRModel):
+    """``modality.name ~ dist clamp [low, high]``."""
+
+    modality: str
+    name: str
+    dist: Dist
+    low: float | None = None
+    high: float | None = None
+    span: Span
+
+    @property
+    def key(self) -> str:
+        return f"{self.modality}.{self.name}"
+
+
+class Data(IRModel):
+    name: str
+    source: str | None = None
+    quantities: tuple[Quantity, ...]
+    span: Span
+
+    def get(self, modality: str, name: str) -> Quantity | None:
+        for q in self.quantities:
+            if q.modality == modality and q.name == name:
+                return q
+        return None
+
+
+# ---- cluster and training -------------------------------------------------------------
+
+class Gpu(IRModel):
+    name: str
+    memory_bytes: int
+    peak_flops: float
+
+
+class Cluster(IRModel):
+    name: str
+    gpu: Gpu
+    num_gpus: int
+    gpus_per_node: int
+    intra_node_bw_bytes_per_s: float
+    inter_node_bw_bytes_per_s: float
+    cpu_workers: int
+    span: Span
+
+
+class Optimizer(IRModel):
+    name: Literal["adamw", "adam"] = "adamw"
+    lr: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    zero: int = 1
+
+
+class Train(IRModel):
+    global_batch: int
+    micro_batch: int
+    seq_len: int
+    schedule: Literal["gpipe", "1f1b", "interleaved"]
+    virtual_stages: int
+    optimizer: Optimizer
+    precision: Literal["bf16", "fp16", "fp32"]
+    reorder: tuple[Literal["intra", "inter"], ...]
+    steps: int
+    seed: int
+    checkpoint_every: int
+    keep_checkpoints: int
+    grad_clip: float
+    span: Span
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.global_batch // self.micro_batch
+
+
+# ---- constraints --------------------------------------------------------------------
+
+class IntDomain(IRModel):
+    """Allowed positive integers: an explicit set, or the range [low, high] (high None: no bound)."""
+
+    low: int = 1
+    high: int | None = None
+    values: tuple[int, ...] | None = None
+
+    def __contains__(self, x: int) -> bool:
+        if x < self.low or (self.high is not None and x > self.high):
+            return False
+        return self.values is None or x in self.values
+
+    def intersect(self, other: "IntDomain") -> "IntDomain":
+        low = max(self.low, other.low)
+        highs = [h for h in (self.high, other.high) if h is not None]
+        high = min(highs) if highs else None
+        values = None
+        if self.values is not None or other.values is not None:
+            pool = set(self.values if self.values is not None else other.values)
+            if self.values is not None and other.values is not None:
+                pool &= set(other.values)
+            values = tuple(sorted(v for v in pool if v >= low and (high is None or v <= high)))
+        return IntDomain(low=low, high=high, values=values)
+
+    def is_empty(self) -> bool:
+        if self.values is not None:
+            return not self.values
+        return self.high is not None and self.high < self.low
+
+    def pinned(self) -> int | None:
+        """The single allowed value, if there is exactly one."""
+        if self.values is not None and len(self.values) == 1:
+            return self.values[0]
+        if self.values is None and self.high == self.low:
+            return self.low
+        return None
+
+    def candidates(self, upper: int) -> tuple[int, ...]:
+        """Allowed values no larger than ``upper``, ascending."""
+        top = upper if self.high is None else min(upper, self.high)
+        if self.values is not None:
+            return tuple(v for v in self.values if self.low <= v <= top)
+        return tuple(range(self.low, top + 1))
+
+    def describe(self) -> str:
+        if self.values is not None:
+            return "{" + ", ".join(map(str, self.values)) + "}"
+        if self.high is None:
+            return f">= {self.low}"
+        return f"{self.low}..{self.high}"
+
+
+class ModuleConstraints(IRModel):
+    """Everything the planner may choose for one module."""
+
+    module: str
+    tp: IntDomain
+    dp: IntDomain
+    pp: IntDomain
+    gpus: IntDomain
+    memory_fraction: float
+    memory_bytes: int | None = None
+
+    def memory_limit_bytes(self, gpu_memory_bytes: int) -> int:
+        """The per-GPU memory this module's ranks may use."""
+        limit = int(gpu_memory_bytes * self.memory_fraction)
+        return min(limit, self.memory_bytes) if self.memory_bytes is not None else limit
+
+
+# ---- the program ------------------------------------------------------------------------
+
+class Program(IRModel):
+    name: str
+    source_name: str
+    source_sha256: str
+    modules: tuple[Module, ...]
+    projectors: tuple[Projector, ...]
+    data: Data
+    cluster: Cluster
+    train: Train
+    constraints: tuple[ModuleConstraints, ...]
+
+    def module(self, name: str) -> Module:
+        for m in self.modules:
+            if m.name == name:
+                return m
+        raise KeyError(name)
+
+    @property
+    def backbone(self) -> Module:
+        (backbone,) = [m for m in self.modules if m.role == "backbone"]
+        return backbone
+
+    @property
+    def encoders(self) -> tuple[Module, ...]:
+        return tuple(m for m in self.modules if m.role == "encoder")
+
+    @property
+    def generators(self) -> tuple[Module, ...]:
+        return tuple(m for m in self.modules if m.role == "generator")
+
+    def constraints_for(self, module: str) -> ModuleConstraints:
+        for c in self.constraints:
+            if c.module == module:
+                return c
+        raise KeyError(module)

@@ -1,0 +1,1 @@
+"""dtdsl.planner (see docs/architecture.md)."""

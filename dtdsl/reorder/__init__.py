@@ -1,0 +1,1 @@
+"""dtdsl.reorder (see docs/architecture.md)."""

@@ -1,0 +1,1 @@
+"""dtdsl.runtime (see docs/architecture.md)."""

@@ -1,0 +1,1 @@
+"""dtdsl.schedule (see docs/architecture.md)."""

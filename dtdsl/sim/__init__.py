@@ -1,0 +1,1 @@
+"""dtdsl.sim (see docs/architecture.md)."""
