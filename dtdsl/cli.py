@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import json
 import sys
 import traceback
 from collections.abc import Sequence
 
 from dtdsl import __version__
 from dtdsl.codes import CODES, explain
-from dtdsl.diagnostics import Diagnostic, Severity, render_json, render_text
+from dtdsl.diagnostics import Diagnostic, render_json, render_text
 from dtdsl.driver import STAGES, UsageError, read_spec, run_frontend
 from dtdsl.frontend.ast import dump_ast
 from dtdsl.frontend.fmt import format_spec
@@ -58,7 +57,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
         if not result.ok:
             exit_code = max(exit_code, EXIT_ERRORS)
         if args.format == "text" and result.diagnostics:
-            texts.append(render_text(result.diagnostics, result.source))
+            texts.append(render_text(result.diagnostics, result.source, result.name))
         if result.ok and args.emit == "ast" and result.spec is not None:
             texts.append(dump_ast(result.spec))
         elif result.ok and args.emit == "program" and result.program is not None:
@@ -88,7 +87,7 @@ def _cmd_fmt(args: argparse.Namespace) -> int:
             continue
         result = run_frontend(name, data, stop_after="ast")
         if result.spec is None:
-            sys.stderr.write(render_text(result.diagnostics, result.source))
+            sys.stderr.write(render_text(result.diagnostics, result.source, result.name))
             exit_code = max(exit_code, EXIT_ERRORS)
             continue
         original = result.source.text

@@ -40,9 +40,13 @@ The file contains a NUL byte, which no text file has. dtc was probably given a
 binary file (a checkpoint, an archive, a compiled file) by mistake.
 """),
     "DT003": Code("Spec is too large", """
-Specs are limited to 1 MiB. A real spec is a few hundred lines; measured data
+Specs are limited to 128 KiB. A real spec is a few hundred lines; measured data
 (sample-size histograms, profiles) belongs in its own file, which the spec
 reads with `empirical("file.json")`.
+"""),
+    "DT009": Code("Too many problems", """
+dtc stops reporting after 1000 diagnostics in one spec: past that point the
+input is usually not a spec at all, and the first problems are the ones to fix.
 """),
     # ---- syntax (DT1xx)
     "DT101": Code("Syntax error", """

@@ -20,13 +20,16 @@ from dtdsl.source import Source, Span
 __all__ = [
     "Diagnostic",
     "Severity",
+    "MAX_SHOWN",
     "did_you_mean",
+    "sort_diagnostics",
     "has_errors",
     "render_json",
     "render_text",
 ]
 
 _MAX_SHOWN_LINE = 100  # characters of a source line shown around the caret
+MAX_SHOWN = 100  # diagnostics shown in full per file on the terminal
 
 
 class Severity(str, Enum):
@@ -63,6 +66,11 @@ def has_errors(diagnostics: Iterable[Diagnostic]) -> bool:
     return any(d.severity is Severity.ERROR for d in diagnostics)
 
 
+def sort_diagnostics(diagnostics: Iterable[Diagnostic]) -> tuple[Diagnostic, ...]:
+    """In source order (stable for diagnostics at the same place)."""
+    return tuple(sorted(diagnostics, key=lambda d: (d.span.line, d.span.column)))
+
+
 def did_you_mean(word: str, choices: Iterable[str]) -> str | None:
     """The closest of ``choices`` to ``word``, if one is close enough to suggest."""
     choices = list(choices)
@@ -81,10 +89,10 @@ def _printable(text: str) -> str:
     return "".join(c if c.isprintable() or c == " " else "?" for c in text.expandtabs(1))
 
 
-def _excerpt(source: Source, span: Span) -> list[str]:
-    line_text = _printable(source.line_text(span.line))
-    if span.line > source.text.count("\n") + 1:
+def _excerpt(lines: Sequence[str], span: Span) -> list[str]:
+    if not 1 <= span.line <= len(lines):
         return []
+    line_text = lines[span.line - 1]
     start = max(span.column - 1, 0)
     if span.end_line == span.line:
         width = max(span.end_column - span.column, 1)
@@ -95,6 +103,7 @@ def _excerpt(source: Source, span: Span) -> list[str]:
     if len(line_text) > _MAX_SHOWN_LINE:
         offset = max(0, min(start - _MAX_SHOWN_LINE // 3, len(line_text) - _MAX_SHOWN_LINE))
         line_text = line_text[offset:offset + _MAX_SHOWN_LINE]
+    line_text = _printable(line_text)
     caret_start = start - offset
     width = max(1, min(width, len(line_text) - caret_start if len(line_text) > caret_start else 1))
     gutter = str(span.line)
@@ -106,21 +115,28 @@ def _excerpt(source: Source, span: Span) -> list[str]:
     ]
 
 
-def render_text(diagnostics: Sequence[Diagnostic], source: Source | None) -> str:
-    """Compiler-style text: location, severity, code and message; source line with caret."""
+def render_text(diagnostics: Sequence[Diagnostic], source: Source | None, name: str,
+                limit: int = MAX_SHOWN) -> str:
+    """Compiler-style text: location, severity, code and message; source line with caret.
+
+    At most ``limit`` diagnostics are shown in full; the count line says how many more.
+    """
     blocks = []
-    name = source.name if source is not None else "<input>"
-    for diag in diagnostics:
+    source_lines = source.lines() if source is not None else []
+    for diag in diagnostics[:limit]:
         lines = [f"{name}:{diag.span.line}:{diag.span.column}: "
                  f"{diag.severity.value}[{diag.code}]: {diag.message}"]
         if source is not None:
-            lines += _excerpt(source, diag.span)
+            lines += _excerpt(source_lines, diag.span)
         lines += [f"  = note: {note}" for note in diag.notes]
         if diag.hint:
             lines.append(f"  = hint: {diag.hint}")
         blocks.append("\n".join(lines))
     errors = sum(d.severity is Severity.ERROR for d in diagnostics)
     warnings = len(diagnostics) - errors
+    if len(diagnostics) > limit:
+        blocks.append(f"... {len(diagnostics) - limit} more not shown "
+                      "(--format json lists them all)")
     if errors or warnings:
         blocks.append(f"{name}: {_count(errors, 'error')}, {_count(warnings, 'warning')}")
     return "\n\n".join(blocks) + ("\n" if blocks else "")
