@@ -207,6 +207,11 @@ def _divisors(n: int, limit: int = 1 << 20) -> list[int]:
     return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
 
 
+def _article(role: str) -> str:
+    return "the backbone" if role == "backbone" else f"an {role}" if role[0] in "aeiou" \
+        else f"a {role}"
+
+
 def _listing(values: Sequence[Any]) -> str:
     values = [str(v) for v in values]
     if len(values) <= 1:
@@ -220,7 +225,7 @@ class _Checker:
         self.source = source
         self.base_dir = base_dir
         self.ctx = Ctx()
-        self.declared: set[str] = set()  # every module name, valid or not
+        self.declared: dict[str, ast.Module] = {}  # every module, valid or not
 
     # ---- top level -------------------------------------------------------------
     def run(self) -> ir.Program | None:
@@ -246,8 +251,8 @@ class _Checker:
         modules, projectors = self._model(blocks.get("model"))
         cluster = self._cluster(blocks["cluster"]) if "cluster" in blocks else INVALID
         train = self._train(blocks["train"]) if "train" in blocks else INVALID
-        data = self._data(blocks["data"], modules) if "data" in blocks else INVALID
-        constraints = resolve_constraints(blocks.get("constraints"), modules, self.declared,
+        data = self._data(blocks["data"]) if "data" in blocks else INVALID
+        constraints = resolve_constraints(blocks.get("constraints"), modules, set(self.declared),
                                           cluster, train, self._gpus_span(blocks.get("cluster")),
                                           ctx)
         self._cross_checks(modules, projectors, data, train)
@@ -287,7 +292,7 @@ class _Checker:
                           hint="give each module its own name")
                 continue
             decls[item.name] = item
-            self.declared.add(item.name)
+            self.declared[item.name] = item
             module = self._module(item)
             if module is not INVALID:
                 modules[item.name] = module
@@ -367,11 +372,13 @@ class _Checker:
         kv_heads = args["kv_heads"] or heads
         if hidden % heads:
             ok = False
-            nearest = round(hidden / heads) * heads or heads
+            below = hidden // heads * heads
+            sizes = [h for h in (below, below + heads) if h > 0]
+            near = sorted(_divisors(hidden, 4096), key=lambda d: (abs(d - heads), d))[:3]
             ctx.error("DT305", f"hidden {hidden} is not divisible by heads {heads}: each head "
                       f"would get {hidden / heads:g} dimensions", _arg_span(call, "hidden"),
-                      hint=f"use hidden={nearest} ({nearest // heads} per head), or heads "
-                      f"that divide {hidden}: {_listing(_divisors(hidden, 256)[-4:])}")
+                      hint=f"use hidden={' or '.join(map(str, sizes))}, or heads="
+                      f"{' or '.join(map(str, sorted(near)))}")
         if heads % kv_heads:
             ok = False
             ctx.error("DT305", f"heads {heads} is not a multiple of kv_heads {kv_heads}: "
@@ -454,6 +461,8 @@ class _Checker:
                     modules: dict[str, ir.Module]) -> list[ir.Projector]:
         ctx = self.ctx
         edges: dict[tuple[str, str], ast.Projector] = {}
+        named = {n for item in block.items if isinstance(item, ast.Projector)
+                 for n in (item.source, item.target)}
         for item in block.items:
             if not isinstance(item, ast.Projector):
                 continue
@@ -500,9 +509,9 @@ class _Checker:
                               f"the {'backbone' if rb == 'encoder' else 'generators'}",
                               item.span, hint=f"write `projector {b} -> {a}`")
                 else:
-                    ctx.error("DT302", f"projector {a} -> {b} joins a {ra} to a {rb}; a "
-                              "projector joins an encoder to the backbone or the backbone to "
-                              "a generator", item.span)
+                    ctx.error("DT302", f"projector {a} -> {b} joins {_article(ra)} to "
+                              f"{_article(rb)}; a projector joins an encoder to the backbone or "
+                              "the backbone to a generator", item.span)
                 continue
             projector = self._projector(item, modules)
             if projector is not INVALID:
@@ -511,6 +520,8 @@ class _Checker:
         backbone = next((d for d in decls.values() if d.role == "backbone"), None)
         if backbone is not None:
             for decl in decls.values():
+                if decl.name in named and not any(decl.name in e for e in edges):
+                    continue  # its projectors have errors of their own
                 if decl.role == "encoder" and not any(a == decl.name for a, _ in edges):
                     ctx.error("DT304", f"encoder {decl.name} feeds nothing", decl.name_span,
                               hint=f"add `projector {decl.name} -> {backbone.name} : "
@@ -547,7 +558,7 @@ class _Checker:
             frozen=fields["frozen"], span=item.span)
 
     # ---- data ----------------------------------------------------------------------------
-    def _data(self, block: ast.DataBlock, modules: dict[str, ir.Module]) -> Any:
+    def _data(self, block: ast.DataBlock) -> Any:
         ctx = self.ctx
         fields = [i for i in block.items if isinstance(i, ast.Field)]
         values = resolve_fields(fields, DATA_FIELDS, ctx, "data", head_span(block.span, 4))
@@ -588,7 +599,9 @@ class _Checker:
 
         head = head_span(block.span, len("data"))
         needed = {"text.tokens": "the backbone"}
-        for m in modules.values():
+        for m in self.declared.values():  # invalid modules too: their data is not "unused"
+            if m.modality not in ir.MODALITIES:
+                continue
             if m.role == "encoder":
                 sizes = {"image": ("count", "patches"), "video": ("count", "frames", "patches"),
                          "audio": ("count", "frames")}[m.modality]
@@ -600,8 +613,10 @@ class _Checker:
                 ok = False
                 ctx.error("DT204", f"{user} needs a distribution for '{key}', which data does "
                           "not give", head, hint=f"add e.g. `{key} ~ {_EXAMPLES[key.split('.')[1]]}`")
+        unsure = any(m.modality not in ir.MODALITIES for m in self.declared.values()
+                     if m.role != "backbone")
         for key, item in seen.items():
-            if key not in needed:
+            if key not in needed and not unsure:
                 ctx.warning("DT501", f"data describes '{key}', but no module reads it",
                             item.target_span, hint="remove it, or add the module that uses it")
         if not ok:
@@ -802,13 +817,13 @@ class _Checker:
                              notes=["optimizers: adamw, adam"],
                              hint=f"did you mean '{guess}'?" if guess else None)
         args = resolve_call(call, _OPTIMIZER_ARGS, ctx, f"{call.func}()")
-        if not _ok(*args.values()):
-            return INVALID
-        if args["zero"] > 1:
+        if args["zero"] is not INVALID and args["zero"] > 1:
             return ctx.error("DT208", f"ZeRO stage {args['zero']} is not supported; dtdsl "
                              "shards optimizer state across data parallelism (stage 1), as "
                              "DistTrain does", _arg_span(call, "zero"),
                              hint="use zero=1 (or zero=0 to replicate optimizer state)")
+        if not _ok(*args.values()):
+            return INVALID
         if call.func == "adam":
             args["weight_decay"] = 0.0 if "weight_decay" not in \
                 {a.name for a in call.args} else args["weight_decay"]

@@ -140,16 +140,14 @@ class _Resolver:
         self.ctx = ctx
 
     def run(self, rules: Sequence[_Rule]) -> tuple[ModuleConstraints, ...] | Any:
-        ok = True
         result = []
         for module in self.modules.values():
             mine = [r for r in rules if r.target in ("*", module.name)]
-            constraint = self._module(module, mine)
-            ok = ok and constraint is not INVALID
-            result.append(constraint)
-        if not ok:
+            result.append(self._module(module, mine))
+        # Even with some modules in error, the rest may already need more than the cluster.
+        self._fits_cluster([c for c in result if c is not INVALID])
+        if any(c is INVALID for c in result):
             return INVALID
-        self._fits_cluster(result)
         return tuple(result)
 
     def _axis(self, module: Module, axis: str, rules: Sequence[_Rule],
@@ -180,18 +178,19 @@ class _Resolver:
         if tp is INVALID:
             return INVALID
 
+        ok = True
         layers = module.arch.pipeline_layers
         pp_rules = [r for r in rules if r.axis == "pp"]
-        if pp.low > layers:
-            return ctx.error("DT407", f"pp({module.name}) needs at least {pp.low} pipeline "
-                             f"stages, but {module.name} has only {layers} layers to split",
-                             pp_rules[-1].node.span if pp_rules else module.span,
-                             hint=f"allow pp <= {layers}")
+        if pp.smallest > layers:
+            ok = ctx.error("DT407", f"pp({module.name}) needs at least {pp.smallest} pipeline "
+                           f"stages, but {module.name} has only {layers} layers to split",
+                           pp_rules[-1].node.span if pp_rules else _header(module),
+                           hint=f"allow pp <= {layers}")
         pinned_pp = pp.pinned()
         if pinned_pp and self.train is not INVALID and self.train.schedule == "interleaved":
             chunks = pinned_pp * self.train.virtual_stages
             if layers % chunks:
-                return ctx.error(
+                ok = ctx.error(
                     "DT407", f"interleaved 1F1B with {self.train.virtual_stages} virtual stages "
                     f"splits {module.name} into pp x {self.train.virtual_stages} = {chunks} "
                     f"chunks, which do not divide its {layers} layers",
@@ -204,14 +203,14 @@ class _Resolver:
             micro = self.train.num_microbatches
             if micro % pinned_dp:
                 good = [d for d in range(1, min(micro, 4096) + 1) if micro % d == 0][-6:]
-                return ctx.error(
+                ok = ctx.error(
                     "DT406", f"dp({module.name}) == {pinned_dp} does not divide the "
                     f"{micro} microbatches of a global batch ({self.train.global_batch} / "
                     f"micro_batch {self.train.micro_batch}); every backbone replica must get "
                     "the same number", dp_rules[-1].node.span,
                     hint=f"use a dp that divides {micro}: e.g. {', '.join(map(str, good))}")
 
-        if not self._tiles(module, tp, pp, dp, gpus, rules):
+        if not self._tiles(module, tp, pp, dp, gpus, rules) or ok is INVALID:
             return INVALID
 
         fractions = [r.fraction for r in rules if r.fraction is not None]
@@ -236,13 +235,14 @@ class _Resolver:
         named = {v for r in rules if r.target == module.name and r.explicit_values
                  for v in r.domain.values or ()}
         hint_values = _divisor_hint(module, min(upper, self.cluster.gpus_per_node))
-        for t in bad:
-            if t in named:
-                rule = next(r for r in rules if r.target == module.name and r.explicit_values
-                            and t in (r.domain.values or ()))
-                ctx.error("DT401", f"tp {t} cannot split {module.name}: "
-                          f"{' and '.join(module.arch.tp_conflicts(t))} are not divisible by "
-                          f"{t}", rule.node.value.span,
+        explicit = [r for r in rules if r.target == module.name and r.explicit_values]
+        for rule in explicit:
+            wrong = [t for t in bad if t in (rule.domain.values or ())]
+            if wrong:
+                ctx.error("DT401", f"tp {_listing_tp(wrong)} cannot split {module.name}: "
+                          + "; ".join(f"{' and '.join(module.arch.tp_conflicts(t))} do not "
+                                      f"split {t} ways" for t in wrong),
+                          rule.node.value.span,
                           notes=["tensor parallelism shards heads and FFN columns evenly "
                                  "across the TP group (Megatron-LM fails at launch otherwise)"],
                           hint=f"TP degrees that work for {module.name}: {hint_values}")
@@ -253,16 +253,18 @@ class _Resolver:
                 f"the default candidates {{{', '.join(map(str, DEFAULT_TP))}}}"
             return ctx.error("DT401", f"no TP degree allowed for {module.name} can split it: "
                              f"{source} allow only {_listing_tp(candidates)}",
-                             rules[-1].node.span if rules else module.span,
+                             rules[-1].node.span if rules else _header(module),
                              notes=[f"tp {t}: {' and '.join(module.arch.tp_conflicts(t))} not "
                                     f"divisible by {t}" for t in bad[:4]],
                              hint=f"allow one that works: `tp({module.name}) in "
                              f"{{{hint_values}}}`")
         dropped = [t for t in bad if t <= self.cluster.gpus_per_node]
-        if dropped:
+        # The default candidates are a guess, not a request: only say something when they
+        # leave no tensor parallelism at all. Values the user wrote are always explained.
+        if dropped and (rules or good == [1]):
             ctx.warning("DT401", f"{module.name} cannot use tp {_listing_tp(dropped, 'or')}; the "
                         f"planner will choose from tp {_listing_tp(good)}",
-                        rules[-1].node.span if rules else module.span,
+                        rules[-1].node.span if rules else _header(module),
                         notes=[f"tp {t}: {' and '.join(module.arch.tp_conflicts(t))} do not "
                                f"split {t} ways" for t in dropped],
                         hint=f"TP degrees that work for {module.name}: {hint_values}; say so "
@@ -287,8 +289,8 @@ class _Resolver:
         options = sorted({k * s for s in unit_sizes for k in range(1, 64)
                           if (k * s) // s in dp and k * s <= max(2 * g, 8)})[:6]
         self.ctx.error(
-            "DT402", f"gpus({module.name}) == {g} cannot be tiled by tp x pp x dp with tp in "
-            f"{tp.describe()}, pp in {pp.describe()} and dp in {dp.describe()}",
+            "DT402", f"gpus({module.name}) == {g} cannot be tiled by tp x pp x dp with "
+            f"{_axis_text('tp', tp)}, {_axis_text('pp', pp)} and {_axis_text('dp', dp)}",
             rule.node.span,
             notes=[f"{module.name}'s GPUs are split into TP groups of tp GPUs, pipelines of pp "
                    "stages and dp replicas: gpus = tp x pp x dp"],
@@ -300,21 +302,34 @@ class _Resolver:
         """Together, the modules' smallest layouts must fit in the cluster."""
         need = []
         for c in result:
-            smallest = min(c.tp.candidates(self.cluster.num_gpus) or (1,)) * c.pp.low * c.dp.low
-            need.append((c.module, max(smallest, c.gpus.low), c))
+            smallest = c.tp.smallest * c.pp.smallest * c.dp.smallest
+            need.append((c.module, max(smallest, c.gpus.smallest), c))
         total = sum(n for _, n, _ in need)
         if total <= self.cluster.num_gpus:
             return
         notes = []
         for name, n, c in need:
-            why = f"gpus >= {c.gpus.low}" if c.gpus.low >= n else \
-                f"tp {min(c.tp.candidates(self.cluster.num_gpus) or (1,))} x pp {c.pp.low} x " \
-                f"dp {c.dp.low}"
+            why = f"gpus >= {c.gpus.smallest}" if c.gpus.smallest >= n else \
+                f"tp {c.tp.smallest} x pp {c.pp.smallest} x dp {c.dp.smallest}"
             notes.append(f"{name}: at least {n} ({why})")
         self.ctx.error(
             "DT402", f"the constraints need at least {total} GPUs, but the cluster has "
             f"{self.cluster.num_gpus}", self.gpus_span or Span.point(1, 1), notes=notes,
             hint=f"raise gpus to {total} or loosen the constraints")
+
+
+def _header(module: Module) -> Span:
+    """The ``encoder vit`` part of a module declaration."""
+    span = module.span
+    width = len(f"{module.role} {module.name}")
+    return Span(line=span.line, column=span.column, end_line=span.line,
+                end_column=span.column + width)
+
+
+def _axis_text(axis: str, domain: IntDomain) -> str:
+    if domain == IntDomain():
+        return f"any {axis}"
+    return f"{axis} in {domain.describe()}"
 
 
 def _listing_tp(values: Sequence[int], last: str = "and") -> str:

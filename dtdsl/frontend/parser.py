@@ -176,7 +176,7 @@ def _scan(text: str) -> _Scan:
 # ---- syntax errors -----------------------------------------------------------
 
 # A number followed on the same line by a word: a unit the lexer did not know.
-_UNIT_TYPO = re.compile(r"\d[ \t]*([A-Za-z_][A-Za-z0-9_]*)[ \t]*$")
+_UNIT_TYPO = re.compile(r"\d[ \t]*([A-Za-z_][A-Za-z0-9_]*)[ \t]*(?:#[^\n]*)?\s*$")
 
 
 def _span_at(text: str, offset: int, length: int, line_offset: int) -> Span:
@@ -186,7 +186,10 @@ def _span_at(text: str, offset: int, length: int, line_offset: int) -> Span:
                 end_column=column + length)
 
 
-def _unit_diagnostic(word: str, where: Span) -> Diagnostic:
+def _unit_diagnostic(word: str, where: Span, number: str = "") -> Diagnostic:
+    if (number + word).lower() == "1f1b":
+        return Diagnostic.error("DT101", f"unexpected '{number}{word}'", where,
+                                hint="schedule names are lowercase: 1f1b")
     guess = did_you_mean(word, UNITS)
     return Diagnostic.error(
         "DT107", f"unknown unit '{word}' after a number", where,
@@ -237,13 +240,16 @@ def _syntax_diagnostic(err: UnexpectedInput, text: str, line_offset: int) -> Dia
                  end_line=token.end_line + line_offset, end_column=token.end_column)
     before = text[:token.start_pos]
     after = text[token.end_pos:token.end_pos + 80]
-    if token.type == "NAME" and re.search(r"\d[ \t]*$", before) \
+    number = re.search(r"(\d+)[ \t]*$", before)
+    if token.type == "NAME" and number \
             and not re.match(r"[ \t]*=", after) and "COMMA" not in expected:
-        return _unit_diagnostic(token.value, where)
+        return _unit_diagnostic(token.value, where, number.group(1))
     typo = _UNIT_TYPO.search(before)
     if typo and expected and expected <= {"EQUAL", "DOT"}:
+        digit = before[typo.start()]
         return _unit_diagnostic(typo.group(1), _span_at(text, typo.start(1),
-                                                        len(typo.group(1)), line_offset))
+                                                        len(typo.group(1)), line_offset),
+                                digit if typo.start(1) == typo.start() + 1 else "")
     message = f"unexpected {_describe_token(token)}; expected {_describe_expected(expected)}"
     hint = None
     if "COMMA" in expected and token.type in {"NAME", "NUMBER", "STRING", "LSQB"}:

@@ -329,10 +329,12 @@ class Param:
 
 
 def _lookup(name: str, span: Span, params: dict[str, Param], ctx: Ctx, where: str,
-            noun: str) -> Param | None:
+            noun: str, suggested: set[str]) -> Param | None:
     if name in params:
         return params[name]
     guess = did_you_mean(name, params)
+    if guess:
+        suggested.add(guess)
     ctx.error("DT201", f"unknown {noun} '{name}' in {where}", span,
               notes=[f"{where} takes: " + ", ".join(params)],
               hint=f"did you mean '{guess}'?" if guess else None)
@@ -340,11 +342,13 @@ def _lookup(name: str, span: Span, params: dict[str, Param], ctx: Ctx, where: st
 
 
 def _fill_defaults(values: dict[str, Any], params: dict[str, Param], ctx: Ctx, where: str,
-                   span: Span, noun: str) -> dict[str, Any]:
+                   span: Span, noun: str, suggested: set[str]) -> dict[str, Any]:
     for p in params.values():
         if p.name in values:
             continue
-        if p.required:
+        if p.required and p.name in suggested:
+            values[p.name] = INVALID  # "did you mean" already pointed at it
+        elif p.required:
             values[p.name] = ctx.error("DT204", f"{where} needs the {noun} '{p.name}'", span,
                                        hint=p.doc or None)
         else:
@@ -361,6 +365,7 @@ def resolve_fields(fields: Sequence[ast.Field], params: Sequence[Param], ctx: Ct
     table = {p.name: p for p in params}
     values: dict[str, Any] = {}
     first: dict[str, ast.Field] = {}
+    suggested: set[str] = set()
     for f in fields:
         if f.key in first:
             ctx.error("DT202", f"'{f.key}' is set twice in {where}", f.key_span,
@@ -368,10 +373,10 @@ def resolve_fields(fields: Sequence[ast.Field], params: Sequence[Param], ctx: Ct
                       hint="remove one of them")
             continue
         first[f.key] = f
-        param = _lookup(f.key, f.key_span, table, ctx, where, "field")
+        param = _lookup(f.key, f.key_span, table, ctx, where, "field", suggested)
         if param is not None:
             values[f.key] = param.kind.convert(f.value, ctx, f"{where}.{f.key}")
-    return _fill_defaults(values, table, ctx, where, span, "field")
+    return _fill_defaults(values, table, ctx, where, span, "field", suggested)
 
 
 def resolve_call(call: ast.Call, params: Sequence[Param], ctx: Ctx, where: str,
@@ -382,6 +387,7 @@ def resolve_call(call: ast.Call, params: Sequence[Param], ctx: Ctx, where: str,
     order = list(table)[:positional]
     values: dict[str, Any] = {}
     seen: dict[str, Span] = {}
+    suggested: set[str] = set()
     position = 0
     for arg in call.args:
         name = arg.name
@@ -406,10 +412,10 @@ def resolve_call(call: ast.Call, params: Sequence[Param], ctx: Ctx, where: str,
         param = _lookup(name, arg.span if arg.name is None else
                         Span(line=arg.span.line, column=arg.span.column,
                              end_line=arg.span.line, end_column=arg.span.column + len(name)),
-                        table, ctx, where, "argument")
+                        table, ctx, where, "argument", suggested)
         if param is not None:
             values[name] = param.kind.convert(value, ctx, f"{name} in {where}")
-    return _fill_defaults(values, table, ctx, where, call.span, "argument")
+    return _fill_defaults(values, table, ctx, where, call.span, "argument", suggested)
 
 
 def is_finite_number(value: Any) -> bool:

@@ -350,6 +350,11 @@ class IntDomain(IRModel):
             return not self.values
         return self.high is not None and self.high < self.low
 
+    @property
+    def smallest(self) -> int:
+        """The smallest allowed value (``low`` alone ignores an explicit set)."""
+        return min(self.values) if self.values else self.low
+
     def pinned(self) -> int | None:
         """The single allowed value, if there is exactly one."""
         if self.values is not None and len(self.values) == 1:
