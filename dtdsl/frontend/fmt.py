@@ -139,11 +139,14 @@ class _Printer:
         widths, runs = self._alignment(items)
         commented: dict[int, list[tuple[int, int]]] = {}  # run -> (output index, code width)
         for i, item in enumerate(items):
-            self.leading(item.span.line, depth)
+            is_block = isinstance(item, (ast.Module, ast.Projector)) and \
+                not (isinstance(item, ast.Projector) and item.short)
+            # A simple statement's inner comments (a multi-line call) move above it;
+            # a block places its inner comments itself.
+            self.leading(item.span.line if is_block else item.span.end_line, depth)
             self._gap(item.span.line)
             shares_line = i + 1 < len(items) and items[i + 1].span.line == item.span.end_line
-            if isinstance(item, (ast.Module, ast.Projector)) and \
-                    not (isinstance(item, ast.Projector) and item.short):
+            if is_block:
                 self.block(item, depth, shares_line)
             else:
                 lines = self._simple(item, widths[i], depth)
@@ -178,11 +181,15 @@ class _Printer:
                 close()
                 continue
             if run:
+                # Adjacent in the output: no blank line between them in the source and no
+                # comment that will be printed between them (one before `item`, or inside it).
                 prev = items[run[-1]]
-                between = [c for c in self.comments
-                           if prev.span.end_line < c.span.line < item.span.end_line
-                           or prev.span.line <= c.span.line < prev.span.end_line]
-                if item.span.line != prev.span.end_line + 1 or between \
+                shared = item.span.line == prev.span.end_line
+                between = any(c.span.line < item.span.end_line and
+                              (c.span.line > prev.span.end_line or
+                               (shared and c.span.line == prev.span.end_line))
+                              for c in self.comments)
+                if item.span.line > prev.span.end_line + 1 or between \
                         or type(item) is not type(prev):
                     close()
             run.append(i)
@@ -214,9 +221,10 @@ class _Printer:
             header_comment = self.trailing(node.span.line) if \
                 node.span.end_line > node.span.line else ""
         if not children and not self._comments_before(node.span.end_line):
-            line = f"{pad}{header} {{}}"
-            self._emit([line + ("" if shares_line else self.trailing(node.span.end_line))],
-                       node.span.end_line)
+            line = f"{pad}{header} {{}}" + header_comment
+            if not header_comment and not shares_line:
+                line += self.trailing(node.span.end_line)
+            self._emit([line], node.span.end_line)
             return
         self._emit([f"{pad}{header} {{{header_comment}"], node.span.line)
         self.block_start = True

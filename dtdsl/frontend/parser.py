@@ -52,8 +52,6 @@ _TERMINAL_WORDS = {
     "NUMBER": "a number",
     "STRING": "a string",
     "SCHED_1F1B": "'1f1b'",
-    "ROLE": "'encoder', 'backbone' or 'generator'",
-    "CMP": "a comparison ('in', '==', '<=', '>=', '<' or '>')",
     "STAR": "'*'",
     "$END": "the end of the file",
 }
@@ -109,7 +107,7 @@ def _describe_token(token: Token) -> str:
         return f"number {token.value}"
     if token.type == "STRING":
         return f"string {token.value}"
-    if token.type in {"ROLE", "CMP"} or token.value.isalpha():
+    if token.value.isalpha():
         return f"keyword '{token.value}'"
     return f"'{token.value}'"
 
@@ -256,6 +254,8 @@ def _syntax_diagnostic(err: UnexpectedInput, text: str, line_offset: int) -> Dia
         hint = "separate arguments and items with ','"
     elif token.type == "NAME" and expected == {"EQUAL"}:
         hint = f"a field is written `{token.value} = value`"
+    elif token.type != "NAME" and token.value.isidentifier() and "NAME" in expected:
+        hint = f"'{token.value}' is a reserved word here; it cannot name a field"
     return Diagnostic.error("DT101", message, where, hint=hint)
 
 
@@ -417,6 +417,12 @@ class _Builder(Transformer):
 
     @v_args(meta=True)
     def selector(self, meta, children):
+        return children[0]
+
+    def role(self, children):
+        return children[0]
+
+    def cmp(self, children):
         return children[0]
 
     @v_args(meta=True)
