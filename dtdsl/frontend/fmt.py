@@ -274,17 +274,20 @@ def _header(node: ast.Node) -> tuple[str, Sequence[ast.Node]]:
 def format_spec(spec: ast.Spec) -> str:
     """The canonical text of a spec; ``parse(format_spec(s))`` has the same meaning as ``s``."""
     printer = _Printer(spec.comments)
+    blocks = spec.blocks
     if spec.name is not None:
-        printer.leading(spec.name_span.line, 0)
-        printer._gap(spec.name_span.line)
-        printer._emit([f"spec {spec.name}" + printer.trailing(spec.name_span.line)],
-                      spec.name_span.line)
-    for block in spec.blocks:
+        line = spec.name_span.line
+        printer.leading(line, 0)
+        printer._gap(line)
+        shared = bool(blocks) and blocks[0].span.line == line
+        printer._emit([f"spec {spec.name}" + ("" if shared else printer.trailing(line))], line)
+    for i, block in enumerate(blocks):
         if printer.leading(block.span.line, 0, separate=True):
             printer._gap(block.span.line)
         elif printer.out and printer.out[-1] != "":
             printer.out.append("")
-        printer.block(block, 0)
+        shares_line = i + 1 < len(blocks) and blocks[i + 1].span.line == block.span.end_line
+        printer.block(block, 0, shares_line)
     printer.rest()
     while printer.out and printer.out[-1] == "":
         printer.out.pop()

@@ -1,0 +1,115 @@
+"""Parsing: the AST, spans, literals, and the syntax errors of bad input."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from dtdsl.driver import run_frontend
+from dtdsl.frontend import ast
+from dtdsl.frontend.parser import MAX_NESTING, UNITS, parse
+from dtdsl.frontend.units import DIMENSIONS
+from dtdsl.resources import grammar_text
+from dtdsl.source import MAX_SPEC_BYTES, Source
+
+
+def _parse(text: str) -> ast.Spec:
+    result = parse(Source(name="t.dt", text=text))
+    assert result.spec is not None, result.diagnostics
+    return result.spec
+
+
+def _codes(data: bytes | str) -> list[tuple[str, int, int]]:
+    if isinstance(data, str):
+        data = data.encode()
+    result = run_frontend("t.dt", data, stop_after="ast")
+    return [(d.code, d.span.line, d.span.column) for d in result.diagnostics]
+
+
+def test_units_agree_with_grammar_and_dimensions():
+    regex = re.search(r"NUMBER: /(.*)/", grammar_text()).group(1)
+    in_grammar = set(re.search(r"\(\?:(TFLOP.*?%)\)", regex).group(1).replace("\\/", "/")
+                     .split("|"))
+    assert in_grammar == set(UNITS)
+    assert set(UNITS) == {u for d in DIMENSIONS.values() for u in d.factors}
+
+
+def test_numbers_units_and_spans():
+    spec = _parse("cluster c {\n  gpu = H800(memory = 80 GiB)\n  net = 400 Gb/s  m = 90%\n"
+                  "  k = 4k  big = 1_000  f = 1.5e3  neg = -2\n}\n")
+    fields = {f.key: f for f in spec.blocks[0].fields}
+    mem = fields["gpu"].value.args[0].value
+    assert (mem.value, mem.unit, mem.digits) == (80, "GiB", "80")
+    assert (mem.span.line, mem.span.column, mem.span.end_column) == (2, 23, 29)
+    assert fields["net"].value.unit == "Gb/s"
+    assert fields["m"].value.unit == "%"
+    assert (fields["k"].value.value, fields["k"].value.unit) == (4, "k")
+    assert fields["big"].value.value == 1000
+    assert fields["f"].value.value == 1500.0
+    assert fields["neg"].value.value == -2
+
+
+def test_keywords_are_names_where_no_keyword_fits():
+    spec = _parse("train { data = 1 in = 2 model = 3 }")
+    assert [f.key for f in spec.blocks[0].fields] == ["data", "in", "model"]
+
+
+def test_projector_forms_and_schedule_name():
+    spec = _parse("model {\n  projector a -> b : mlp(depth=2)\n  encoder x (image) {}\n"
+                  "  projector b -> c { arch = mlp() frozen = true }\n}\n"
+                  "train { schedule = 1f1b }")
+    short, module, block = spec.blocks[0].items
+    assert short.short and short.fields[0].key == "arch"
+    assert module.role == "encoder" and module.modality == "image"
+    assert not block.short and [f.key for f in block.fields] == ["arch", "frozen"]
+    assert spec.blocks[1].fields[0].value.name == "1f1b"
+
+
+def test_strings_and_escapes():
+    spec = _parse(r'data { source = "a\"b\\c\n" }')
+    assert spec.blocks[0].items[0].value.value == 'a"b\\c\n'
+    assert _codes(r'data { source = "a\qb" }') == [("DT108", 1, 19)]
+
+
+@pytest.mark.parametrize("data, code", [
+    (b"", None),
+    (b"\x00\x01binary", "DT002"),
+    (b"train { x = 1 }\n\xff\xfe", "DT001"),
+    (b"#" * (MAX_SPEC_BYTES + 1), "DT003"),
+    (b"train { x = " + b"{" * 60_000 + b"}" * 60_000 + b" }", "DT104"),
+    (b"train { x = " + b"[" * (MAX_NESTING + 1) + b"]" * (MAX_NESTING + 1) + b" }", "DT104"),
+    (b"train { x = " + b"9" * 400 + b" }", "DT105"),
+    (b"train { x = 1e400 }", "DT105"),
+    (b'train { x = "open }', "DT103"),
+    (b"train { x = (1 }", "DT102"),
+    (b"train { x = 1", "DT102"),
+    (b"train { x = 1 ; }", "DT101"),
+    (b"train { x = 3 Gib }", "DT107"),
+    (b"train { x = \xe2\x80\x9cq\xe2\x80\x9d }", "DT101"),
+])
+def test_bad_input_gets_located_diagnostics(data: bytes, code: str | None):
+    codes = _codes(data)
+    if code is None:
+        assert codes == []
+        return
+    assert codes and codes[0][0] == code
+    assert all(line >= 1 and column >= 1 for _, line, column in codes)
+
+
+def test_nesting_just_under_the_limit_parses():
+    depth = MAX_NESTING - 1
+    assert _codes("train { x = " + "[" * depth + "]" * depth + " }") == []
+
+
+def test_every_block_reports_its_first_syntax_error():
+    codes = _codes("model { encoder a (image) { x = } }\ndata { t.tokens ~ }\n"
+                   "train { seed = 1 }\ncluster { a = = 1 }\n")
+    assert [(c, line) for c, line, _ in codes] == [("DT101", 1), ("DT101", 2), ("DT101", 4)]
+
+
+def test_unit_typo_suggestion():
+    result = run_frontend("t.dt", b"cluster {\n  m = 80 Gib\n}\n", stop_after="ast")
+    (diag,) = result.diagnostics
+    assert diag.code == "DT107" and (diag.span.line, diag.span.column) == (2, 10)
+    assert "GiB" in diag.hint

@@ -1,0 +1,132 @@
+"""The dtc command line: exit codes, JSON output, usage errors, no tracebacks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dtdsl import cli
+
+ROOT = Path(__file__).resolve().parent.parent
+SPECS = sorted((ROOT / "specs").glob("*.dt"))
+
+
+def dtc(*args: str, stdin: bytes | None = None, cwd: Path | None = None):
+    proc = subprocess.run([sys.executable, "-m", "dtdsl.cli", *args], input=stdin,
+                          capture_output=True, cwd=cwd or ROOT, timeout=60)
+    out, err = proc.stdout.decode(), proc.stderr.decode()
+    assert "Traceback" not in out + err
+    return proc.returncode, out, err
+
+
+def test_shipped_specs_check_clean():
+    code, out, err = dtc("check", *map(str, SPECS))
+    assert code == 0, err
+    assert "warning" not in err
+
+
+def test_shipped_specs_are_formatted():
+    code, _, err = dtc("fmt", "--check", *map(str, SPECS))
+    assert code == 0, err
+
+
+def test_json_format_and_exit_code(tmp_path: Path):
+    bad = tmp_path / "bad.dt"
+    bad.write_text("train { global_batch = 64\n  globl = 3 }\n")
+    code, out, _ = dtc("check", "--format", "json", str(bad))
+    assert code == 1
+    doc = json.loads(out)
+    assert doc["errors"] == len([d for d in doc["diagnostics"] if d["severity"] == "error"])
+    first = doc["diagnostics"][0]
+    assert set(first) >= {"code", "severity", "message", "file", "line", "column", "end_line",
+                          "end_column", "hint"}
+    assert any(d["code"] == "DT201" and d["line"] == 2 for d in doc["diagnostics"])
+
+
+def test_text_format_points_at_the_source(tmp_path: Path):
+    bad = tmp_path / "bad.dt"
+    bad.write_text("cluster { gpu = H100  gpus = 8 GiB }\n")
+    code, _, err = dtc("check", str(bad))
+    assert code == 1
+    assert f"{bad}:1:30: error[DT207]" in err
+    assert "1 | cluster { gpu = H100  gpus = 8 GiB }" in err
+    assert "^^^^^" in err
+
+
+@pytest.mark.parametrize("make", [
+    lambda p: p / "missing.dt",
+    lambda p: p,  # a directory
+])
+def test_usage_errors_exit_2(tmp_path: Path, make):
+    path = make(tmp_path)
+    code, _, err = dtc("check", str(path))
+    assert code == 2 and err.startswith("dtc: error:")
+    code, out, _ = dtc("check", "--format", "json", str(path))
+    assert code == 2 and json.loads(out)["diagnostics"][0]["code"] == "DT000"
+
+
+def test_bad_arguments_exit_2():
+    assert dtc("check")[0] == 2
+    assert dtc("frobnicate")[0] == 2
+    assert dtc("check", "--emit", "nonsense", str(SPECS[0]))[0] == 2
+    assert dtc()[0] == 2
+
+
+def test_stdin_and_emit():
+    code, out, _ = dtc("check", "--emit", "program", "-", stdin=SPECS[0].read_bytes())
+    assert code == 0
+    assert json.loads(out)["modules"]
+    code, out, _ = dtc("check", "--emit", "ast", "-", stdin=b"train { steps = 3 }\n")
+    assert code == 0 and "Field key='steps'" in out
+
+
+def test_fmt_check_diff_and_write(tmp_path: Path):
+    spec = tmp_path / "x.dt"
+    spec.write_text("train {steps=3   # three\nseed=1}\n")
+    assert dtc("fmt", "--check", str(spec))[0] == 1
+    code, out, _ = dtc("fmt", "--diff", str(spec))
+    assert code == 0 and "+  steps = 3  # three" in out
+    assert spec.read_text() == "train {steps=3   # three\nseed=1}\n"
+    assert dtc("fmt", str(spec))[0] == 0
+    assert spec.read_text() == "train {\n  steps = 3  # three\n  seed  = 1\n}\n"
+    assert dtc("fmt", "--check", str(spec))[0] == 0
+    code, out, _ = dtc("fmt", "-", stdin=b"train{seed=1}")
+    assert out == "train {\n  seed = 1\n}\n"
+
+
+def test_fmt_refuses_syntax_errors(tmp_path: Path):
+    spec = tmp_path / "x.dt"
+    spec.write_text("train { seed = }\n")
+    code, _, err = dtc("fmt", str(spec))
+    assert code == 1 and "DT101" in err
+    assert spec.read_text() == "train { seed = }\n"
+
+
+def test_explain():
+    code, out, _ = dtc("explain", "DT401")
+    assert code == 0 and "Tensor parallelism" in out
+    code, out, _ = dtc("explain")
+    assert code == 0 and "DT305" in out
+    assert dtc("explain", "DT999")[0] == 2
+
+
+def test_internal_errors_exit_3_without_traceback(monkeypatch, capsys):
+    def boom(*args, **kwargs):
+        raise RuntimeError("simulated bug")
+
+    monkeypatch.setattr(cli, "run_frontend", boom)
+    assert cli.main(["check", str(SPECS[0])]) == 3
+    err = capsys.readouterr().err
+    assert "internal compiler error" in err and "simulated bug" in err
+    assert "Traceback" not in err
+    assert cli.main(["--debug", "check", str(SPECS[0])]) == 3
+    assert "Traceback" in capsys.readouterr().err
+
+
+def test_runs_from_any_folder(tmp_path: Path):
+    code, _, err = dtc("check", str(SPECS[0]), cwd=tmp_path)
+    assert code == 0, err
