@@ -139,7 +139,8 @@ _CUSTOM_GPU = (
 class _ReorderKind(Kind):
     """``reorder = [intra, inter]``, a single policy name, or ``none``."""
 
-    expects: str = field(default="a list of reorder policies such as [intra, inter], or none", kw_only=True)
+    expects: str = field(
+        default="a list of reorder policies such as [intra, inter], or none", kw_only=True)
 
     def convert(self, expr, ctx, what):
         if isinstance(expr, ast.Name) and expr.name == "none":
@@ -387,7 +388,7 @@ class _Checker:
                       hint=f"kv_heads must divide {heads}: {_listing(_divisors(heads))}")
         if decl.role == "backbone" and not args["vocab"]:
             ok = False
-            ctx.error("DT204", f"the backbone's transformer needs a vocabulary size",
+            ctx.error("DT204", "the backbone's transformer needs a vocabulary size",
                       call.span, hint="add vocab=128256 (Llama 3) or your tokenizer's size")
         if decl.role != "backbone" and args["vocab"]:
             ctx.warning("DT501", f"{decl.role} {decl.name} has a vocabulary, which only the "
@@ -612,7 +613,8 @@ class _Checker:
             if key not in seen:
                 ok = False
                 ctx.error("DT204", f"{user} needs a distribution for '{key}', which data does "
-                          "not give", head, hint=f"add e.g. `{key} ~ {_EXAMPLES[key.split('.')[1]]}`")
+                          "not give", head,
+                          hint=f"add e.g. `{key} ~ {_EXAMPLES[key.split('.')[1]]}`")
         unsure = any(m.modality not in ir.MODALITIES for m in self.declared.values()
                      if m.role != "backbone")
         for key, item in seen.items():

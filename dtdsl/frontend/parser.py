@@ -267,7 +267,7 @@ def _syntax_errors(text: str, scan: _Scan, first: UnexpectedInput) -> list[Diagn
     starts = list(scan.block_lines) or [1]
     if starts[0] != 1:
         starts.insert(0, 1)
-    bounds = list(zip(starts, starts[1:] + [len(lines) + 1]))
+    bounds = list(zip(starts, starts[1:] + [len(lines) + 1], strict=True))
     for start, end in bounds:
         if any(start <= line < end for line in bracket_lines):
             continue  # the bracket error already explains this block

@@ -20,7 +20,8 @@ from dtdsl.frontend.units import DIMENSIONS, dimension_of
 from dtdsl.source import Span
 
 __all__ = [
-    "INVALID", "BoolKind", "CallKind", "Ctx", "EnumKind", "FloatKind", "FractionKind", "IntKind", "Kind",
+    "INVALID", "BoolKind", "CallKind", "Ctx", "EnumKind", "FloatKind", "FractionKind", "IntKind",
+    "Kind",
     "ListKind", "Param", "QuantityKind", "StrKind", "describe_expr", "head_span",
     "resolve_call", "resolve_fields",
 ]

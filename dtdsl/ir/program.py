@@ -322,7 +322,7 @@ class Train(IRModel):
 # ---- constraints --------------------------------------------------------------------
 
 class IntDomain(IRModel):
-    """Allowed positive integers: an explicit set, or the range [low, high] (high None: no bound)."""
+    """Allowed positive integers: an explicit set, or the range [low, high] (None: unbounded)."""
 
     low: int = 1
     high: int | None = None
