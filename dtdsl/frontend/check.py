@@ -705,7 +705,7 @@ class _Checker:
             raw = path.read_bytes()
         except FileNotFoundError:
             return ctx.error("DT309", f"no such file: {args['path']}", span,
-                             notes=[f"looked for {path}"],
+                             notes=[f"looked for {_shown(path)}"],
                              hint="paths are relative to the spec's folder")
         except OSError as err:
             return ctx.error("DT309", f"cannot read {args['path']}: {err.strerror or err}",
@@ -856,6 +856,14 @@ _EXAMPLES = {
     "patches": "choice([256, 1024], p=[0.7, 0.3])",
     "frames": "uniform(100, 1500)",
 }
+
+
+def _shown(path: Path) -> str:
+    """A path as a user would type it: relative to the working directory when inside it."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
 
 
 def _parse_samples(raw: bytes, suffix: str, key: str) -> tuple[float, ...]:

@@ -77,9 +77,51 @@ def _value_lines(prefix: str, expr: ast.Node) -> list[str]:
     return lines
 
 
+def _is_block(item: ast.Node) -> bool:
+    return isinstance(item, (ast.ModelBlock, ast.DataBlock, ast.ClusterBlock, ast.TrainBlock,
+                             ast.ConstraintsBlock, ast.Module)) or \
+        (isinstance(item, ast.Projector) and not item.short)
+
+
+def _owners(spec: ast.Spec) -> dict[int, object]:
+    """Which statement (or closing brace, or the spec header) each end-of-line comment
+    belongs to: the last one that ends before it on its line, if nothing starts in between.
+    Comments not in the result stand on their own line or inside a statement."""
+    enders: dict[int, list[tuple[int, object]]] = {}   # line -> (end column, owner key)
+    starters: dict[int, list[int]] = {}                # line -> start columns
+
+    def visit(node: ast.Node) -> None:
+        starters.setdefault(node.span.line, []).append(node.span.column)
+        if _is_block(node):
+            enders.setdefault(node.span.end_line, []).append((node.span.end_column,
+                                                              ("close", id(node))))
+            for child in _header(node)[1]:
+                visit(child)
+        else:
+            enders.setdefault(node.span.end_line, []).append((node.span.end_column, id(node)))
+
+    if spec.name_span is not None:
+        enders.setdefault(spec.name_span.line, []).append((spec.name_span.end_column, "spec"))
+    for block in spec.blocks:
+        visit(block)
+    owners = {}
+    for i, comment in enumerate(spec.comments):
+        line, column = comment.span.line, comment.span.column
+        before = [e for e in enders.get(line, ()) if e[0] <= column]
+        if not before:
+            continue
+        end_column, key = max(before, key=lambda e: e[0])
+        if not any(end_column <= c < column for c in starters.get(line, ())):
+            owners[i] = key
+    return owners
+
+
 class _Printer:
-    def __init__(self, comments: Sequence[ast.Comment]) -> None:
-        self.comments = sorted(comments, key=lambda c: c.span.line)
+    def __init__(self, spec: ast.Spec) -> None:
+        owners = _owners(spec)
+        # Comments that end a line of code, by owner; the others wait for their place.
+        self.owned = {key: spec.comments[i] for i, key in owners.items()}
+        self.pending = [c for i, c in enumerate(spec.comments) if i not in owners]
         self.next_comment = 0
         self.out: list[str] = []
         self.last_line = 0          # source line where the last emitted item ended
@@ -97,15 +139,17 @@ class _Printer:
         self.last_line = end_line
         self.block_start = False
 
+    def _peek(self) -> ast.Comment | None:
+        return self.pending[self.next_comment] if self.next_comment < len(self.pending) \
+            else None
+
     def leading(self, before_line: int, depth: int, separate: bool = False) -> bool:
-        """Emit own-line comments that come before ``before_line``; True if any were.
+        """Emit the waiting comments that come before ``before_line``; True if any were.
 
         With ``separate`` (top-level blocks) the first comment is set off by a blank line.
         """
         emitted = False
-        while self.next_comment < len(self.comments) and \
-                self.comments[self.next_comment].span.line < before_line:
-            comment = self.comments[self.next_comment]
+        while (comment := self._peek()) is not None and comment.span.line < before_line:
             self.next_comment += 1
             if separate and not emitted:
                 if self.out and self.out[-1] != "":
@@ -116,19 +160,14 @@ class _Printer:
             emitted = True
         return emitted
 
-    def trailing(self, line: int) -> str:
-        """The end-of-line comment on ``line``, if any, as text to append."""
-        if self.next_comment < len(self.comments) and \
-                self.comments[self.next_comment].span.line == line:
-            comment = self.comments[self.next_comment]
-            self.next_comment += 1
-            return "  " + comment.text
-        return ""
+    def trailing(self, key: object) -> str:
+        """The end-of-line comment that belongs to ``key``, as text to append."""
+        comment = self.owned.get(key)
+        return "  " + comment.text if comment is not None else ""
 
     def rest(self) -> None:
         """Comments after the last block."""
-        while self.next_comment < len(self.comments):
-            comment = self.comments[self.next_comment]
+        while (comment := self._peek()) is not None:
             self.next_comment += 1
             self._gap(comment.span.line)
             self._emit([comment.text], comment.span.line)
@@ -139,23 +178,20 @@ class _Printer:
         widths, runs = self._alignment(items)
         commented: dict[int, list[tuple[int, int]]] = {}  # run -> (output index, code width)
         for i, item in enumerate(items):
-            is_block = isinstance(item, (ast.Module, ast.Projector)) and \
-                not (isinstance(item, ast.Projector) and item.short)
             # A simple statement's inner comments (a multi-line call) move above it;
             # a block places its inner comments itself.
-            self.leading(item.span.line if is_block else item.span.end_line, depth)
+            self.leading(item.span.line if _is_block(item) else item.span.end_line, depth)
             self._gap(item.span.line)
-            shares_line = i + 1 < len(items) and items[i + 1].span.line == item.span.end_line
-            if is_block:
-                self.block(item, depth, shares_line)
-            else:
-                lines = self._simple(item, widths[i], depth)
-                comment = "" if shares_line else self.trailing(item.span.end_line)
-                if comment and len(lines) == 1 and runs[i] is not None:
-                    commented.setdefault(runs[i], []).append((len(self.out), len(lines[0])))
-                lines[-1] += comment
-                self._emit(lines, item.span.end_line)
-        # End-of-line comments of one run line up, one space past its longest commented line.
+            if _is_block(item):
+                self.block(item, depth)
+                continue
+            lines = self._simple(item, widths[i], depth)
+            comment = self.trailing(id(item))
+            if comment and len(lines) == 1 and runs[i] is not None:
+                commented.setdefault(runs[i], []).append((len(self.out), len(lines[0])))
+            lines[-1] += comment
+            self._emit(lines, item.span.end_line)
+        # End-of-line comments of one run line up, two spaces past its longest commented line.
         for entries in commented.values():
             column = max(width for _, width in entries)
             for index, width in entries:
@@ -164,7 +200,8 @@ class _Printer:
 
     def _alignment(self, items: Sequence[ast.Node]) -> tuple[list[int], list[int | None]]:
         """Per statement: the width to pad its left side to (the widest in its run), and
-        its run's number (None outside runs)."""
+        its run's number (None outside runs). A run is adjacent statements of one kind
+        with no blank line and no printed comment line between them."""
         widths = [0] * len(items)
         runs: list[int | None] = [None] * len(items)
         run: list[int] = []
@@ -181,14 +218,9 @@ class _Printer:
                 close()
                 continue
             if run:
-                # Adjacent in the output: no blank line between them in the source and no
-                # comment that will be printed between them (one before `item`, or inside it).
                 prev = items[run[-1]]
-                shared = item.span.line == prev.span.end_line
-                between = any(c.span.line < item.span.end_line and
-                              (c.span.line > prev.span.end_line or
-                               (shared and c.span.line == prev.span.end_line))
-                              for c in self.comments)
+                between = any(prev.span.end_line <= c.span.line < item.span.end_line
+                              for c in self.pending)
                 if item.span.line > prev.span.end_line + 1 or between \
                         or type(item) is not type(prev):
                     close()
@@ -212,31 +244,30 @@ class _Printer:
             return _value_lines(f"{pad}{left} : ", item.fields[0].value)
         raise AssertionError(type(item).__name__)
 
-    def block(self, node: ast.Node, depth: int, shares_line: bool = False) -> None:
+    def block(self, node: ast.Node, depth: int) -> None:
         pad = _INDENT * depth
         header, children = _header(node)
-        first_child_line = children[0].span.line if children else None
+        # A comment after the '{' on the header's line, before any child, stays there.
         header_comment = ""
-        if first_child_line is None or first_child_line > node.span.line:
-            header_comment = self.trailing(node.span.line) if \
-                node.span.end_line > node.span.line else ""
-        if not children and not self._comments_before(node.span.end_line):
-            line = f"{pad}{header} {{}}" + header_comment
-            if not header_comment and not shares_line:
-                line += self.trailing(node.span.end_line)
-            self._emit([line], node.span.end_line)
+        comment = self._peek()
+        if comment is not None and comment.span.line == node.span.line and \
+                node.span.end_line > node.span.line and \
+                (not children or children[0].span.line > node.span.line):
+            self.next_comment += 1
+            header_comment = "  " + comment.text
+        closing = self.trailing(("close", id(node)))
+        if not children and not header_comment and not self._waiting_before(node.span.end_line):
+            self._emit([f"{pad}{header} {{}}{closing}"], node.span.end_line)
             return
         self._emit([f"{pad}{header} {{{header_comment}"], node.span.line)
         self.block_start = True
         self.statements(children, depth + 1)
         self.leading(node.span.end_line, depth + 1)
-        closing = f"{pad}}}"
-        self._emit([closing + ("" if shares_line else self.trailing(node.span.end_line))],
-                   node.span.end_line)
+        self._emit([f"{pad}}}{closing}"], node.span.end_line)
 
-    def _comments_before(self, line: int) -> bool:
-        return self.next_comment < len(self.comments) and \
-            self.comments[self.next_comment].span.line < line
+    def _waiting_before(self, line: int) -> bool:
+        comment = self._peek()
+        return comment is not None and comment.span.line < line
 
 
 def _left(item: ast.Node) -> str | None:
@@ -273,21 +304,18 @@ def _header(node: ast.Node) -> tuple[str, Sequence[ast.Node]]:
 
 def format_spec(spec: ast.Spec) -> str:
     """The canonical text of a spec; ``parse(format_spec(s))`` has the same meaning as ``s``."""
-    printer = _Printer(spec.comments)
-    blocks = spec.blocks
+    printer = _Printer(spec)
     if spec.name is not None:
         line = spec.name_span.line
         printer.leading(line, 0)
         printer._gap(line)
-        shared = bool(blocks) and blocks[0].span.line == line
-        printer._emit([f"spec {spec.name}" + ("" if shared else printer.trailing(line))], line)
-    for i, block in enumerate(blocks):
+        printer._emit([f"spec {spec.name}" + printer.trailing("spec")], line)
+    for block in spec.blocks:
         if printer.leading(block.span.line, 0, separate=True):
             printer._gap(block.span.line)
         elif printer.out and printer.out[-1] != "":
             printer.out.append("")
-        shares_line = i + 1 < len(blocks) and blocks[i + 1].span.line == block.span.end_line
-        printer.block(block, 0, shares_line)
+        printer.block(block, 0)
     printer.rest()
     while printer.out and printer.out[-1] == "":
         printer.out.pop()
