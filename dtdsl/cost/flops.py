@@ -1,0 +1,267 @@
+"""FLOPs and parameters of each architecture, by kind of work.
+
+Every count is of one forward pass, 2 FLOPs per multiply-accumulate. Work is
+kept by kind (``matmul``, ``attention``, ``conv``) because GPUs reach different
+fractions of their peak on each (see ``dtdsl.cost.model``).
+
+Attention convention: the backbone's attention is causal and counted as half of
+full attention (what FlashAttention computes); encoders and generators attend
+bidirectionally. MFU in dtdsl uses the same counts, so it is comparable to
+Megatron-LM's only after adding back the masked half of the backbone's attention
+(``backbone_flops_megatron`` gives Megatron's full-attention figure for checks).
+
+Backward passes: a trainable module costs 2x its forward (input and weight
+gradients); a frozen module whose input needs a gradient (a generator or a
+backbone fed by trainable modules) costs 1x (input gradients only); a frozen
+module with nothing trainable upstream costs nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from dtdsl.ir import program as ir
+
+__all__ = [
+    "UNetOp", "Work", "backbone_flops_megatron", "backward_factor", "dit_forward",
+    "encoder_item_forward", "mlp_forward_per_token", "module_params", "projector_params",
+    "transformer_layer_matmul_per_token", "transformer_layer_params", "unet_forward",
+    "unet_ops",
+]
+
+
+@dataclass(frozen=True)
+class Work:
+    """FLOPs by kind."""
+
+    matmul: float = 0.0
+    attention: float = 0.0
+    conv: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.matmul + self.attention + self.conv
+
+    def __add__(self, other: "Work") -> "Work":
+        return Work(self.matmul + other.matmul, self.attention + other.attention,
+                    self.conv + other.conv)
+
+    def __mul__(self, k: float) -> "Work":
+        return Work(self.matmul * k, self.attention * k, self.conv * k)
+
+    __rmul__ = __mul__
+
+
+# ---- transformers ------------------------------------------------------------------------
+
+def transformer_layer_matmul_per_token(arch: ir.TransformerArch) -> float:
+    """Projection and MLP FLOPs of one layer for one token: Q and O (h x h), K and V
+    (h x h * kv/heads, grouped-query attention), the MLP (2 or, with SwiGLU, 3 matrices)."""
+    h, f = arch.hidden, arch.ffn
+    qkvo = 2 * h * h * (2 + 2 * arch.kv_heads / arch.heads)
+    mlp = 2 * h * f * (3 if arch.swiglu else 2)
+    return qkvo + mlp
+
+
+def _attention(seq: float, hidden: int, causal: bool) -> float:
+    """Scores (Q K^T) and their application to V for one sequence, all heads."""
+    full = 4.0 * seq * seq * hidden
+    return full / 2 if causal else full
+
+
+def transformer_layer_params(arch: ir.TransformerArch) -> float:
+    h, f = arch.hidden, arch.ffn
+    return h * h * (2 + 2 * arch.kv_heads / arch.heads) + h * f * (3 if arch.swiglu else 2) + 4 * h
+
+
+def encoder_item_forward(arch: ir.TransformerArch, tokens: float) -> Work:
+    """A ViT-style encoder on one item (an image's patches, an audio clip's frames):
+    patch embedding, then every layer with bidirectional attention over the item."""
+    patch_dim = (arch.in_channels or 3) * (arch.patch or 1) ** 2
+    embed = 2 * tokens * patch_dim * arch.hidden
+    layers = arch.layers * (tokens * transformer_layer_matmul_per_token(arch))
+    attention = arch.layers * _attention(tokens, arch.hidden, causal=False)
+    return Work(matmul=embed + layers, attention=attention)
+
+
+def backbone_forward(arch: ir.TransformerArch, seq_len: int) -> Work:
+    """The LLM on one packed sequence of ``seq_len`` tokens, with its output head."""
+    layers = arch.layers * seq_len * transformer_layer_matmul_per_token(arch)
+    head = 2 * seq_len * arch.hidden * arch.vocab
+    return Work(matmul=layers + head,
+                attention=arch.layers * _attention(seq_len, arch.hidden, arch.causal))
+
+
+def backbone_flops_megatron(arch: ir.TransformerArch, seq_len: int, batch: int) -> float:
+    """Megatron-LM's forward+backward FLOPs per iteration (full attention counted):
+    12 B s L h^2 (1 + (f/h) k + g/a + s/h + V / (2 L h)), k = 1.5 with SwiGLU else 1."""
+    h, L = arch.hidden, arch.layers
+    k = 1.5 if arch.swiglu else 1.0
+    return 12 * batch * seq_len * L * h * h * (
+        1 + arch.ffn / h * k + arch.kv_heads / arch.heads + seq_len / h
+        + arch.vocab / (2 * L * h))
+
+
+# ---- U-Net ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class UNetOp:
+    """One weighted operation of a U-Net forward pass on one image."""
+
+    kind: str          # "conv", "linear" or "attention"
+    params: float      # weights and biases
+    flops: float
+    out_elements: float  # size of its output (activation memory)
+    level: int
+
+
+def _conv(cin: int, cout: int, k: int, res: int, level: int) -> UNetOp:
+    return UNetOp("conv", k * k * cin * cout + cout, 2.0 * k * k * cin * cout * res * res,
+                  cout * res * res, level)
+
+
+def _linear(din: int, dout: int, tokens: float, level: int, bias: bool = True) -> UNetOp:
+    return UNetOp("linear", din * dout + (dout if bias else 0), 2.0 * din * dout * tokens,
+                  dout * tokens, level)
+
+
+def _res_block(cin: int, cout: int, res: int, emb: int, level: int) -> Iterator[UNetOp]:
+    yield UNetOp("linear", 2 * cin, 0.0, cin * res * res, level)   # GroupNorm (scale, shift)
+    yield _conv(cin, cout, 3, res, level)
+    yield _linear(emb, cout, 1, level)                              # timestep embedding
+    yield UNetOp("linear", 2 * cout, 0.0, cout * res * res, level)  # GroupNorm
+    yield _conv(cout, cout, 3, res, level)
+    if cin != cout:
+        yield _conv(cin, cout, 1, res, level)                       # skip connection
+
+
+def _spatial_transformer(ch: int, res: int, arch: ir.UNetArch, cond_tokens: int,
+                         level: int) -> Iterator[UNetOp]:
+    """SD 2.x: GroupNorm, linear proj_in, `transformer_depth` blocks of self-attention,
+    cross-attention to the conditioning and a GEGLU MLP, linear proj_out."""
+    n = res * res
+    m = cond_tokens
+    ctx = arch.context_dim
+    yield UNetOp("linear", 2 * ch, 0.0, ch * n, level)
+    yield _linear(ch, ch, n, level)
+    for _ in range(arch.transformer_depth):
+        yield UNetOp("linear", 6 * ch, 0.0, 3 * ch * n, level)     # three LayerNorms
+        for _ in range(3):
+            yield _linear(ch, ch, n, level, bias=False)             # self-attention q, k, v
+        yield UNetOp("attention", 0, 4.0 * n * n * ch, ch * n, level)
+        yield _linear(ch, ch, n, level)                             # out
+        yield _linear(ch, ch, n, level, bias=False)                 # cross-attention q
+        yield _linear(ctx, ch, m, level, bias=False)                # k, v from the conditioning
+        yield _linear(ctx, ch, m, level, bias=False)
+        yield UNetOp("attention", 0, 4.0 * n * m * ch, ch * n, level)
+        yield _linear(ch, ch, n, level)
+        yield _linear(ch, 8 * ch, n, level)                         # GEGLU
+        yield _linear(4 * ch, ch, n, level)
+    yield _linear(ch, ch, n, level)                                 # proj_out
+
+
+def unet_ops(arch: ir.UNetArch, cond_tokens: int = 77) -> list[UNetOp]:
+    """The operations of one forward pass, built the way Stable Diffusion builds its U-Net."""
+    c0 = arch.channels
+    emb = 4 * c0
+    res = arch.latent
+    ops = [_conv(arch.latent_channels, c0, 3, res, 0),
+           _linear(c0, emb, 1, 0), _linear(emb, emb, 1, 0)]         # conv_in, time embedding
+    skips = [c0]
+    ch = c0
+    levels = len(arch.mult)
+    for level, mult in enumerate(arch.mult):
+        for _ in range(arch.res_blocks):
+            ops += _res_block(ch, c0 * mult, res, emb, level)
+            ch = c0 * mult
+            if 2 ** level in arch.attn_res:
+                ops += _spatial_transformer(ch, res, arch, cond_tokens, level)
+            skips.append(ch)
+        if level != levels - 1:
+            res //= 2
+            ops.append(_conv(ch, ch, 3, res, level))                # strided downsample
+            skips.append(ch)
+    ops += _res_block(ch, ch, res, emb, levels - 1)
+    ops += _spatial_transformer(ch, res, arch, cond_tokens, levels - 1)
+    ops += _res_block(ch, ch, res, emb, levels - 1)
+    for level in reversed(range(levels)):
+        for i in range(arch.res_blocks + 1):
+            ops += _res_block(ch + skips.pop(), c0 * arch.mult[level], res, emb, level)
+            ch = c0 * arch.mult[level]
+            if 2 ** level in arch.attn_res:
+                ops += _spatial_transformer(ch, res, arch, cond_tokens, level)
+            if level and i == arch.res_blocks:
+                res *= 2
+                ops.append(_conv(ch, ch, 3, res, level))            # upsample
+    ops.append(UNetOp("linear", 2 * ch, 0.0, ch * res * res, 0))
+    ops.append(_conv(ch, arch.latent_channels, 3, res, 0))          # conv_out
+    return ops
+
+
+def unet_forward(arch: ir.UNetArch, cond_tokens: int = 77) -> Work:
+    """One image through the U-Net."""
+    conv = matmul = attention = 0.0
+    for op in unet_ops(arch, cond_tokens):
+        if op.kind == "conv":
+            conv += op.flops
+        elif op.kind == "attention":
+            attention += op.flops
+        else:
+            matmul += op.flops
+    return Work(matmul=matmul, attention=attention, conv=conv)
+
+
+# ---- DiT -----------------------------------------------------------------------------------------
+
+def dit_tokens(arch: ir.DiTArch) -> int:
+    return (arch.latent // arch.patch) ** 2
+
+
+def dit_forward(arch: ir.DiTArch, cond_tokens: int = 77) -> Work:
+    """One image through a DiT with cross-attention: patch embedding, layers of
+    self-attention, cross-attention and MLP, the final projection to patches."""
+    n, h, m = dit_tokens(arch), arch.hidden, cond_tokens
+    patch_dim = arch.latent_channels * arch.patch ** 2
+    per_token = 2 * h * h * 4 + 2 * h * h * 2 + 2 * h * arch.ffn * 2   # self qkvo, cross q o, MLP
+    per_layer = n * per_token + 2 * 2 * m * arch.context_dim * h + 2 * h * 6 * h  # cross kv, adaLN
+    matmul = arch.layers * per_layer + 2 * n * patch_dim * h * 2
+    attention = arch.layers * (_attention(n, h, causal=False) + 4.0 * n * m * h)
+    return Work(matmul=matmul, attention=attention)
+
+
+# ---- projectors, parameters, backward ---------------------------------------------------------------
+
+def mlp_forward_per_token(arch: ir.MLPArch) -> float:
+    if arch.depth == 1:
+        return 2.0 * arch.in_dim * arch.out_dim
+    return 2.0 * (arch.in_dim * arch.hidden + (arch.depth - 2) * arch.hidden ** 2
+                  + arch.hidden * arch.out_dim)
+
+
+def projector_params(arch: ir.MLPArch) -> float:
+    return mlp_forward_per_token(arch) / 2
+
+
+def module_params(module: ir.Module) -> float:
+    """Parameters of a module (embeddings and output head included, untied)."""
+    arch = module.arch
+    if isinstance(arch, ir.TransformerArch):
+        params = arch.layers * transformer_layer_params(arch)
+        if module.role == "backbone":
+            params += 2 * arch.vocab * arch.hidden
+        else:
+            params += (arch.in_channels or 3) * (arch.patch or 1) ** 2 * arch.hidden
+        return params
+    if isinstance(arch, ir.UNetArch):
+        return sum(op.params for op in unet_ops(arch))
+    h = arch.hidden
+    per_layer = h * h * 4 + h * h * 2 + 2 * arch.context_dim * h + 2 * h * arch.ffn + 6 * h * h
+    return arch.layers * per_layer + 2 * arch.latent_channels * arch.patch ** 2 * h
+
+
+def backward_factor(module: ir.Module | ir.Projector, upstream_trainable: bool) -> float:
+    """Backward FLOPs as a multiple of forward FLOPs (see the module docstring)."""
+    if not module.frozen:
+        return 2.0
+    return 1.0 if upstream_trainable else 0.0

@@ -1,0 +1,389 @@
+"""The cost model: time, memory and communication of each parallelism unit.
+
+A *unit* is a module with the projectors that run beside it: an encoder's
+projector into the backbone runs on the encoder's last stage, a generator's
+projector from the backbone on the generator's first stage (as in DistTrain).
+
+All per-microbatch quantities are for one *backbone* microbatch (``micro_batch``
+samples); a unit with data parallelism dp_u while the backbone has dp_lm
+processes dp_lm / dp_u of them per step (``Algorithm 1``'s T_me).
+
+Times come from FLOPs divided by the GPU's dense peak times an efficiency per
+kind of work (``Efficiency``; calibratable), plus tensor-parallel all-reduces on
+the intra-node bandwidth (inter-node once a TP group spans nodes). With a
+measured profile (``dtdsl.cost.profile``) the compute part is interpolated from
+measurements instead.
+
+Memory per GPU: weights, fp32 gradient buffers and optimizer state (fp32 master
+weights, Adam m and v; sharded over dp under ZeRO-1; none for frozen units),
+plus activations times the microbatches in flight at the unit's first stage.
+In a chain encoder -> backbone -> generator under 1F1B, the encoder's first
+stage holds one microbatch per stage downstream of it, not only its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dtdsl.cost import flops
+from dtdsl.cost.samples import SampleSet, draw_samples
+from dtdsl.ir import program as ir
+
+__all__ = [
+    "CostModel", "CostParams", "Efficiency", "UnitCost", "all_reduce_time_s", "build_cost_model",
+    "in_flight",
+]
+
+_BYTES_BF16 = 2
+# Bytes per parameter: (weights, gradient buffer, optimizer state) by precision.
+_PARAM_BYTES = {"bf16": (2, 4, 12), "fp16": (2, 4, 12), "fp32": (4, 4, 8)}
+_COLLECTIVE_LATENCY_S = 20e-6   # per ring step
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """The fraction of the GPU's dense peak that each kind of work reaches.
+
+    Defaults are what large bf16 GEMMs, FlashAttention and cuDNN convolutions reach
+    on H100-class GPUs in practice; `dtc profile` measures the real thing.
+    """
+
+    matmul: float = 0.70
+    attention: float = 0.50
+    conv: float = 0.45
+
+
+@dataclass(frozen=True)
+class CostParams:
+    efficiency: Efficiency = field(default_factory=Efficiency)
+    samples: int = 4096        # synthetic samples drawn to take expectations
+    seed: int = 0
+
+
+def all_reduce_time_s(num_bytes, ranks, bw_bytes_per_s: float):
+    """A ring all-reduce: 2 (n - 1) / n of the data crosses each link, in 2 (n - 1) steps
+    (zero for one rank). ``num_bytes`` and ``ranks`` may be arrays."""
+    ranks = np.asarray(ranks, dtype=float)
+    return 2 * (ranks - 1) / ranks * np.asarray(num_bytes, dtype=float) / bw_bytes_per_s + \
+        2 * (ranks - 1) * _COLLECTIVE_LATENCY_S
+
+
+def in_flight(schedule: str, layers: int, pp, vpp, depth, microbatches: int):
+    """Activations held at a unit's first stage at the peak, as (microbatches in flight,
+    layers each of them holds there).
+
+    ``depth`` is the number of pipeline stages from this stage to the end of the chain
+    (this unit's own and every unit downstream). GPipe keeps every microbatch; 1F1B
+    keeps ``depth`` microbatches of its ``layers / pp`` layers; interleaved 1F1B keeps
+    2 (pp - 1) + (vpp - 1) pp + 1 chunks of ``layers / (pp vpp)`` layers (Megatron-LM),
+    plus one per stage downstream. Arguments other than ``schedule`` may be arrays."""
+    pp = np.asarray(pp)
+    per_stage = np.ceil(layers / pp)
+    if schedule == "gpipe":
+        return np.broadcast_to(microbatches, np.broadcast(pp, depth).shape), per_stage
+    one_f_one_b = np.minimum(depth, microbatches)
+    if schedule != "interleaved":
+        return one_f_one_b, per_stage
+    vpp = np.asarray(vpp)
+    chunks = np.minimum(2 * (pp - 1) + (vpp - 1) * pp + 1 + (np.asarray(depth) - pp),
+                        microbatches * vpp)
+    interleaved = vpp > 1
+    return (np.where(interleaved, chunks, one_f_one_b),
+            np.where(interleaved, np.ceil(layers / (pp * vpp)), per_stage))
+
+
+@dataclass(frozen=True)
+class UnitCost:
+    """Everything the planner needs to know about one unit."""
+
+    name: str
+    role: str
+    layers: int                      # what pipeline parallelism splits
+    params: float                    # module and co-located projectors
+    extra_stage_params: float        # embeddings, heads, projectors: on one stage
+    trainable_params: float          # those that get gradients and optimizer state
+    backward_factor: float
+    recompute: bool
+    fwd_work: flops.Work             # per backbone microbatch, whole unit (expected)
+    model_flops: float               # fwd + bwd FLOPs per backbone microbatch, for MFU
+    act_bytes_per_layer: float       # per backbone microbatch, tp = 1, a large one (99th pct)
+    act_bytes_per_layer_tp_split: float  # the part of it that TP divides
+    act_peak_ratio: float            # that large microbatch over the mean one (>= 1)
+    tp_comm_bytes: float             # all-reduced bytes per microbatch, forward, all layers
+    boundary_bytes: float            # activations leaving the unit per microbatch
+
+    @property
+    def trainable(self) -> bool:
+        return self.trainable_params > 0
+
+    def stage_params(self, pp):
+        """Parameters on the heaviest pipeline stage (``pp`` may be an array): its share
+        of the layers, plus the embeddings, heads or projectors that sit on one stage."""
+        layer_params = self.params - self.extra_stage_params
+        return layer_params / self.layers * np.ceil(self.layers / np.asarray(pp)) + \
+            self.extra_stage_params
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Unit costs and the cluster they run on."""
+
+    program: ir.Program
+    params: CostParams
+    units: tuple[UnitCost, ...]
+
+    def unit(self, name: str) -> UnitCost:
+        for u in self.units:
+            if u.name == name:
+                return u
+        raise KeyError(name)
+
+    @property
+    def peak_flops(self) -> float:
+        return self.program.cluster.gpu.peak_flops
+
+    def _tp_bandwidth(self, tp: int) -> float:
+        cluster = self.program.cluster
+        if tp <= cluster.gpus_per_node:
+            return cluster.intra_node_bw_bytes_per_s
+        return cluster.inter_node_bw_bytes_per_s
+
+    def compute_time_s(self, unit: UnitCost, tp: int) -> float:
+        """Forward compute of one backbone microbatch through the whole unit at TP ``tp``."""
+        eff = self.params.efficiency
+        w = unit.fwd_work
+        return (w.matmul / eff.matmul + w.attention / eff.attention + w.conv / eff.conv) / \
+            (self.peak_flops * tp)
+
+    def fwd_bwd_time_s(self, unit: UnitCost, tp: int) -> tuple[float, float]:
+        """Forward and backward time of one backbone microbatch through the whole unit,
+        TP communication included (Algorithm 1's C(TP), split into its two passes)."""
+        fwd = self.compute_time_s(unit, tp)
+        comm = self.tp_comm_time_s(unit, tp)
+        bwd = unit.backward_factor * fwd + (fwd if unit.recompute and unit.backward_factor
+                                             else 0.0)
+        bwd_comm = comm if unit.backward_factor else 0.0
+        return fwd + comm, bwd + bwd_comm
+
+    def tp_comm_time_s(self, unit: UnitCost, tp: int) -> float:
+        """All-reduces (reduce-scatter + all-gather with sequence parallelism) of one
+        forward pass: one message per layer with the bytes of that layer's collectives."""
+        if tp <= 1:
+            return 0.0
+        per_layer = unit.tp_comm_bytes / max(unit.layers, 1)
+        return float(unit.layers * all_reduce_time_s(per_layer, tp, self._tp_bandwidth(tp)))
+
+    def memory_bytes(self, unit: UnitCost, tp: int, pp, dp: int, vpp, depth,
+                     microbatches: int, share: float):
+        """Peak memory of one GPU of the unit's first stage (``pp``, ``vpp`` and ``depth``
+        may be arrays). ``share``: backbone microbatches per unit microbatch (dp_lm / dp)."""
+        program = self.program
+        weight_b, grad_b, optim_b = _PARAM_BYTES[program.train.precision]
+        stage = unit.stage_params(pp) / tp
+        trained = stage * unit.trainable_params / unit.params if unit.params else 0.0
+        zero = program.train.optimizer.zero
+        static = stage * weight_b + trained * (grad_b + optim_b / (dp if zero >= 1 else 1))
+        per_layer = (unit.act_bytes_per_layer - unit.act_bytes_per_layer_tp_split
+                     + unit.act_bytes_per_layer_tp_split / tp) * share
+        if unit.backward_factor == 0:
+            # Forward only: nothing is kept for backward, one layer's activations at a time.
+            return static + per_layer
+        count, chunk = in_flight(program.train.schedule, unit.layers, pp, vpp, depth,
+                                 microbatches)
+        # One microbatch in flight may be a large one; the others are average (the sum of
+        # several is far less skewed than one).
+        return static + chunk * per_layer * (1 + (count - 1) / unit.act_peak_ratio)
+
+    def dp_sync_coefficients(self, unit: UnitCost, tp, dp) -> tuple:
+        """(fixed_s, per_layer_s) with sync time = fixed_s + per_layer_s * ceil(L / pp):
+        the gradient reduce-scatter and parameter all-gather (ZeRO-1) of one stage, or an
+        all-reduce without ZeRO (the same bytes cross the network either way). ``tp`` and
+        ``dp`` may be arrays."""
+        if not unit.trainable:
+            zero = np.zeros(np.broadcast(np.asarray(tp), np.asarray(dp)).shape)
+            return zero, zero
+        bw = self.program.cluster.inter_node_bw_bytes_per_s
+        dp = np.asarray(dp, dtype=float)
+        # Bytes of trained gradient per parameter on a stage, sharded by TP.
+        per_param = unit.trainable_params / unit.params * _BYTES_BF16 / np.asarray(tp)
+        latency = all_reduce_time_s(0.0, dp, bw)
+        fixed = all_reduce_time_s(unit.extra_stage_params * per_param, dp, bw) - latency
+        per_layer = all_reduce_time_s(
+            (unit.params - unit.extra_stage_params) / unit.layers * per_param, dp, bw) - latency
+        return fixed + latency, per_layer
+
+    def dp_sync_time_s(self, unit: UnitCost, tp, pp, dp):
+        """Gradient synchronisation of the unit's heaviest stage at the end of a step."""
+        fixed, per_layer = self.dp_sync_coefficients(unit, tp, dp)
+        return fixed + per_layer * np.ceil(unit.layers / np.asarray(pp))
+
+    def p2p_time_s(self, num_bytes: float) -> float:
+        return num_bytes / self.program.cluster.inter_node_bw_bytes_per_s + \
+            _COLLECTIVE_LATENCY_S
+
+
+# ---- building the unit costs -----------------------------------------------------------------------
+
+def _upstream_trainable(program: ir.Program, module: ir.Module) -> bool:
+    """Does anything feeding this module need gradients (so it must compute them for
+    its inputs)?"""
+    if module.role == "encoder":
+        return False
+    feeders = [p for p in program.projectors if p.target == module.name]
+    if module.role == "backbone":
+        return any(not p.frozen or not program.module(p.source).frozen for p in feeders)
+    backbone = program.backbone
+    return any(not p.frozen for p in feeders) or not backbone.frozen or \
+        _upstream_trainable(program, backbone)
+
+
+def _transformer_activation_bytes(hidden: int, ffn: int, kv_ratio: float, swiglu: bool,
+                                  tokens: float, cross_attention: bool = False
+                                  ) -> tuple[float, float]:
+    """Activation bytes one transformer layer keeps for backward: (all, the TP-split part).
+
+    FlashAttention keeps no s x s scores; no dropout: the LayerNorm and block inputs,
+    Q, K, V, the attention output and the MLP's intermediate activations (Korthikanti
+    et al., adapted to GQA and SwiGLU). Tensor parallelism runs with sequence
+    parallelism, as Megatron-LM does for large models, so TP divides all of it."""
+    h, f = hidden, ffn
+    total = 8 * tokens * h + 2 * tokens * h * (1 + 2 * kv_ratio) + 2 * tokens * h + \
+        2 * tokens * f * (2 if swiglu else 1) + 2 * tokens * f
+    if cross_attention:   # its LayerNorm input; its queries and output
+        total += 6 * tokens * h
+    return total, total
+
+
+def _quantile_per_microbatch(values: np.ndarray, micro_batch: int, q: float = 0.99) -> float:
+    """A high quantile of the per-microbatch sum of per-sample values (memory must hold
+    the large microbatches, not the average one)."""
+    n = len(values) // micro_batch * micro_batch
+    if n == 0:
+        return float(values.sum())
+    per_mb = values[:n].reshape(-1, micro_batch).sum(axis=1)
+    return float(np.quantile(per_mb, q))
+
+
+def _ratio(peak: float, mean: float) -> float:
+    return max(peak / mean, 1.0) if mean > 0 else 1.0
+
+
+@dataclass
+class _Acc:
+    """What a unit costs, accumulated over its module and projectors."""
+
+    work: flops.Work = field(default_factory=flops.Work)
+    model_flops: float = 0.0
+    params: float = 0.0
+    trainable_params: float = 0.0
+    extra: float = 0.0            # parameters that sit on a single stage
+    act: float = 0.0
+    act_split: float = 0.0
+    act_tokens: float = 0.0       # tokens whose layer inputs recomputation keeps
+    peak_ratio: float = 1.0       # the large microbatch over the mean one
+    width: int = 0
+    comm: float = 0.0
+
+    def add_projector(self, proj: ir.Projector, tokens: float, upstream: bool) -> None:
+        w = flops.mlp_forward_per_token(proj.arch) * tokens
+        self.work = self.work + flops.Work(matmul=w)
+        self.model_flops += w * (1 + flops.backward_factor(proj, upstream))
+        params = flops.projector_params(proj.arch)
+        self.params += params
+        self.extra += params
+        if not proj.frozen:
+            self.trainable_params += params
+
+
+def _unit_cost(program: ir.Program, module: ir.Module, samples: SampleSet) -> UnitCost:
+    train = program.train
+    mb = train.micro_batch
+    arch = module.arch
+    upstream = _upstream_trainable(program, module)
+    bwd = flops.backward_factor(module, upstream)
+    acc = _Acc(params=flops.module_params(module))
+    acc.trainable_params = 0.0 if module.frozen else acc.params
+    boundary = 0.0
+
+    if module.role == "backbone":
+        tokens = train.seq_len * mb
+        acc.work = flops.backbone_forward(arch, train.seq_len) * mb
+        acc.act, acc.act_split = _transformer_activation_bytes(
+            arch.hidden, arch.ffn, arch.kv_heads / arch.heads, arch.swiglu, tokens)
+        acc.act_tokens, acc.width = tokens, arch.hidden
+        acc.comm = arch.layers * 2 * tokens * arch.hidden * _BYTES_BF16
+        acc.extra = 2 * arch.vocab * arch.hidden
+        boundary = tokens * arch.hidden * _BYTES_BF16
+        acc.model_flops = acc.work.total * (1 + bwd)
+    elif module.role == "encoder":
+        items = samples.items[module.modality]
+        p = items.sizes.astype(float)
+        linear = flops.encoder_item_forward(arch, 1.0).matmul        # per token
+        quadratic = flops.encoder_item_forward(arch, 1.0).attention  # per token^2
+        tokens = items.tokens()
+        acc.work = flops.Work(matmul=float(items.per_sample(linear * p).mean()) * mb,
+                              attention=float(items.per_sample(quadratic * p * p).mean()) * mb)
+        peak = _quantile_per_microbatch(tokens, mb)
+        acc.peak_ratio = _ratio(peak, float(tokens.mean()) * mb)
+        acc.act, acc.act_split = _transformer_activation_bytes(
+            arch.hidden, arch.ffn, arch.kv_heads / arch.heads, arch.swiglu, peak)
+        acc.act_tokens, acc.width = peak, arch.hidden
+        mean_tokens = float(tokens.mean()) * mb
+        acc.comm = arch.layers * 2 * mean_tokens * arch.hidden * _BYTES_BF16
+        acc.extra = (arch.in_channels or 3) * (arch.patch or 1) ** 2 * arch.hidden
+        acc.model_flops = acc.work.total * (1 + bwd)
+        for proj in program.projectors:
+            if proj.source == module.name:
+                acc.add_projector(proj, mean_tokens, upstream=not module.frozen)
+        boundary = mean_tokens * program.backbone.arch.hidden * _BYTES_BF16
+    else:
+        items = samples.items[f"{module.modality}.gen"]
+        count = float(items.counts.mean()) * mb
+        peak_items = _quantile_per_microbatch(items.counts.astype(float), mb)
+        acc.peak_ratio = _ratio(peak_items, count)
+        cond_tokens = 77
+        if isinstance(arch, ir.UNetArch):
+            per_item = flops.unet_forward(arch, cond_tokens)
+            ops = flops.unet_ops(arch, cond_tokens)
+            # Norm layers (no FLOPs) keep their inputs whole on every TP rank.
+            whole = sum(op.out_elements for op in ops if op.flops == 0 and op.kind != "attention")
+            total = sum(op.out_elements for op in ops)
+            per_layer = _BYTES_BF16 * peak_items / arch.pipeline_layers
+            acc.act, acc.act_split = total * per_layer, (total - whole) * per_layer
+            acc.act_tokens = total / arch.pipeline_layers / arch.channels * peak_items
+            acc.width = arch.channels
+            conv_out = sum(op.out_elements for op in ops if op.kind == "conv")
+            acc.comm = conv_out / 2 * _BYTES_BF16 * count   # one all-reduce per two convs
+        else:
+            per_item = flops.dit_forward(arch, cond_tokens)
+            n = flops.dit_tokens(arch)
+            acc.act, acc.act_split = _transformer_activation_bytes(
+                arch.hidden, arch.ffn, 1.0, False, n * peak_items, cross_attention=True)
+            acc.act_tokens, acc.width = n * peak_items, arch.hidden
+            acc.comm = arch.layers * 3 * n * arch.hidden * _BYTES_BF16 * count
+        acc.work = per_item * count
+        acc.model_flops = acc.work.total * (1 + bwd)
+        for proj in program.projectors:
+            if proj.target == module.name:
+                acc.add_projector(proj, cond_tokens * count, upstream=True)
+    if module.recompute:
+        # Full recomputation keeps only each layer's input; backward redoes the forward.
+        acc.act, acc.act_split = acc.act_tokens * acc.width * _BYTES_BF16, 0.0
+    return UnitCost(
+        name=module.name, role=module.role, layers=arch.pipeline_layers,
+        params=acc.params, extra_stage_params=min(acc.extra, acc.params),
+        trainable_params=acc.trainable_params, backward_factor=bwd,
+        recompute=module.recompute, fwd_work=acc.work, model_flops=acc.model_flops,
+        act_bytes_per_layer=acc.act, act_bytes_per_layer_tp_split=acc.act_split,
+        act_peak_ratio=acc.peak_ratio,
+        tp_comm_bytes=acc.comm, boundary_bytes=boundary)
+
+
+def build_cost_model(program: ir.Program, params: CostParams | None = None) -> CostModel:
+    """Unit costs for a program, expectations taken over synthetic samples of its data."""
+    params = params or CostParams()
+    samples = draw_samples(program, params.samples, params.seed)
+    units = tuple(_unit_cost(program, m, samples) for m in program.modules)
+    return CostModel(program=program, params=params, units=units)

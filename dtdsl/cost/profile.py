@@ -1,0 +1,745 @@
+"""DistTrain's profiler: measured forward and backward time (and memory) of every
+module and projector of a program, and a table that interpolates them.
+
+``profile_program`` builds each module's torch model (``dtdsl.runtime.models``) at
+every tensor-parallel degree it may run at (one TP rank's shard, timed on one
+device) and times forward and backward passes at a small grid of sizes ``x``.
+What ``x`` means depends on the role (see ``docs/profile.md``):
+
+- backbone: tokens of one packed sequence (one microbatch row), up to ``seq_len``;
+- encoder: tokens of ONE item (an image's patches, an audio clip's frames): the
+  time to encode one item;
+- generator: items (images) per forward pass, at the architecture's latent size,
+  attending to ``COND_TOKENS`` conditioning tokens;
+- projector: tokens through it.
+
+Transformers are profiled per layer: one layer (``build_layer``) is timed and
+multiplied by the layer count, and the embedding and head (backbone) or the patch
+embedding (encoder) are measured as a separate part and added, so even one layer
+of a 70B backbone fits on a CPU. U-Nets, DiTs and projectors are timed whole.
+
+A ``Profile`` is a versioned pydantic model written as JSON (``save_profile``,
+``load_profile``); a ``ProfileTable`` answers ``fwd_bwd_time_s(module, tp, x)`` by
+linear interpolation between the measured sizes.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from dtdsl.cost.samples import draw
+from dtdsl.ir import program as ir
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+# torch (two seconds to import) is imported only by the functions that measure: reading
+# a profile and interpolating it, all the cost model does, must not pay for it.
+
+__all__ = [
+    "COND_TOKENS", "PROFILE_VERSION", "DeviceInfo", "ModuleProfile", "PartPoint", "Point",
+    "Profile", "ProfileError", "ProfileTable", "check_profile", "default_points",
+    "default_tps", "load_profile", "profile_program", "save_profile",
+]
+
+PROFILE_VERSION = 1
+# Conditioning tokens a generator attends to (CLIP's 77), as dtdsl.cost.model assumes.
+COND_TOKENS = 77
+_TIMESTEPS = 1000
+
+
+class ProfileError(ValueError):
+    """A profile that cannot be read or does not cover what was asked of it."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", kw_only=True)
+
+
+class DeviceInfo(_Model):
+    """Where a profile was measured."""
+
+    type: Literal["cpu", "cuda"]
+    name: str                      # torch.cuda.get_device_name, or the CPU model
+    torch_version: str
+    dtype: Literal["bf16", "fp32"]  # bf16 on CUDA, fp32 on CPU
+    num_threads: int               # torch intra-op threads (CPU timings depend on it)
+
+
+class PartPoint(_Model):
+    """One measured part of a module at one (tp, x): ``count`` identical copies of it
+    make up the module (``layer`` x layers; ``embed_head``, ``patch_embed`` or
+    ``whole`` x 1). Times and memory are of ONE copy."""
+
+    name: str
+    count: int = Field(ge=1)
+    fwd_time_s: float = Field(ge=0)
+    bwd_time_s: float = Field(ge=0)
+    saved_bytes: int = Field(ge=0)        # tensors saved for backward (activation stash)
+    peak_memory_bytes: int = Field(ge=0)  # CUDA: peak above what was allocated before
+
+
+class Point(_Model):
+    """A module measured at tensor parallelism ``tp`` and size ``x``: the whole
+    module's forward and backward time and activation memory on one TP rank."""
+
+    tp: int = Field(ge=1)
+    x: int = Field(ge=1)
+    fwd_time_s: float = Field(ge=0)
+    bwd_time_s: float = Field(ge=0)
+    peak_memory_bytes: int = Field(ge=0)
+    parts: tuple[PartPoint, ...]
+
+
+class ModuleProfile(_Model):
+    """The measured points of one module or projector."""
+
+    name: str
+    role: Literal["encoder", "backbone", "generator", "projector"]
+    kind: Literal["transformer", "unet", "dit", "mlp"]
+    method: Literal["per_layer", "whole"]
+    arch_sha256: str                 # of the architecture's JSON: warns of a changed model
+    backward: bool                   # False: nothing needed gradients, bwd_time_s is 0
+    points: tuple[Point, ...]
+
+    @model_validator(mode="after")
+    def _unique_points(self) -> ModuleProfile:
+        seen = set()
+        for p in self.points:
+            if (p.tp, p.x) in seen:
+                raise ValueError(f"module {self.name!r} has two points at tp={p.tp}, x={p.x}")
+            seen.add((p.tp, p.x))
+        return self
+
+
+class Profile(_Model):
+    """A profile of every module and projector of one spec on one device (version 1)."""
+
+    version: Literal[1] = PROFILE_VERSION
+    device: DeviceInfo
+    created: datetime
+    spec: str
+    spec_sha256: str
+    repeats: int = Field(ge=1)
+    warmup: int = Field(ge=0)
+    modules: tuple[ModuleProfile, ...]
+
+    def module(self, name: str) -> ModuleProfile:
+        """The profile of module or projector ``name`` (ProfileError if absent)."""
+        for m in self.modules:
+            if m.name == name:
+                return m
+        have = ", ".join(m.name for m in self.modules) or "none"
+        raise ProfileError(f"the profile of spec '{self.spec}' has no module '{name}' "
+                           f"(it has: {have}); profile the spec that defines it")
+
+
+# ---- reading and writing ---------------------------------------------------------------------
+
+def save_profile(profile: Profile, path: str | os.PathLike) -> None:
+    """Write ``profile`` as indented JSON, atomically (a crash leaves the old file)."""
+    path = Path(path)
+    text = profile.model_dump_json(indent=2) + "\n"
+    fd, tmp = tempfile.mkstemp(dir=path.parent or ".", prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_profile(path: str | os.PathLike, *, program: ir.Program | None = None) -> Profile:
+    """Read a profile written by ``save_profile``.
+
+    Raises ProfileError if the file cannot be read, is not JSON, has another format
+    version or does not match the schema; with ``program``, also if the profile lacks
+    any of its modules or projectors. A profile of a different spec revision is
+    accepted: compare ``profile.spec_sha256`` (or call ``check_profile``) to warn."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as err:
+        raise ProfileError(f"cannot read profile {path}: {err.strerror or err}") from None
+    except UnicodeDecodeError:
+        raise ProfileError(f"{path} is not a profile: it is not UTF-8 text") from None
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ProfileError(f"{path} is not valid JSON: {err.msg} at line {err.lineno} "
+                           f"column {err.colno}") from None
+    if not isinstance(raw, dict) or "version" not in raw:
+        raise ProfileError(f"{path} is not a dtc profile: expected a JSON object with a "
+                           "'version' field")
+    if raw["version"] != PROFILE_VERSION:
+        raise ProfileError(f"{path} is a version {raw['version']!r} profile; this dtc reads "
+                           f"version {PROFILE_VERSION}: profile the spec again")
+    try:
+        profile = Profile.model_validate(raw)
+    except ValidationError as err:
+        problems = "; ".join(
+            f"{'.'.join(map(str, e['loc'])) or '(top)'}: {e['msg']}" for e in err.errors()[:3])
+        more = f" (and {err.error_count() - 3} more)" if err.error_count() > 3 else ""
+        raise ProfileError(f"{path} is not a valid version {PROFILE_VERSION} profile: "
+                           f"{problems}{more}") from None
+    if program is not None:
+        check_profile(profile, program)
+    return profile
+
+
+def _arch_sha256(arch: BaseModel) -> str:
+    return hashlib.sha256(arch.model_dump_json().encode()).hexdigest()
+
+
+def check_profile(profile: Profile, program: ir.Program) -> tuple[str, ...]:
+    """Does ``profile`` cover ``program``? Raises ProfileError naming the modules and
+    projectors it lacks; returns warnings (another spec revision, a changed
+    architecture) for the caller to show."""
+    have = {m.name for m in profile.modules}
+    wanted = [m.name for m in program.modules] + [p.name for p in program.projectors]
+    missing = [n for n in wanted if n not in have]
+    if missing:
+        raise ProfileError(
+            f"the profile (of spec '{profile.spec}') has no measurements for "
+            f"{', '.join(missing)}; it has {', '.join(sorted(have)) or 'none'}. "
+            "Profile this spec again")
+    warnings = []
+    if profile.spec_sha256 != program.source_sha256:
+        warnings.append(f"the profile was measured for another revision of spec "
+                        f"'{profile.spec}' (sha256 {profile.spec_sha256[:12]}, this one "
+                        f"{program.source_sha256[:12]})")
+    archs = {m.name: m.arch for m in program.modules} | \
+        {p.name: p.arch for p in program.projectors}
+    for m in profile.modules:
+        if m.name in archs and m.arch_sha256 != _arch_sha256(archs[m.name]):
+            warnings.append(f"'{m.name}' was profiled with another architecture; its "
+                            "measurements do not describe this spec's model")
+    return tuple(warnings)
+
+
+# ---- interpolation ---------------------------------------------------------------------------
+
+def _interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """Piecewise-linear through (xs, ys) (xs ascending), extended by the line through
+    the two nearest points outside the range, never below zero. One point: y
+    proportional to x."""
+    if len(xs) == 1:
+        return max(0.0, ys[0] * x / xs[0])
+    i = bisect.bisect_left(xs, x)
+    if i < len(xs) and xs[i] == x:
+        return float(ys[i])
+    a = min(max(i - 1, 0), len(xs) - 2)
+    slope = (ys[a + 1] - ys[a]) / (xs[a + 1] - xs[a])
+    return max(0.0, ys[a] + slope * (x - xs[a]))
+
+
+class ProfileTable:
+    """Measured times of a ``Profile``, interpolated in ``x`` at a measured ``tp``."""
+
+    def __init__(self, profile: Profile):
+        self.profile = profile
+        self._points: dict[str, dict[int, tuple[Point, ...]]] = {}
+        for m in profile.modules:
+            by_tp: dict[int, list[Point]] = {}
+            for p in m.points:
+                by_tp.setdefault(p.tp, []).append(p)
+            self._points[m.name] = {tp: tuple(sorted(ps, key=lambda p: p.x))
+                                    for tp, ps in sorted(by_tp.items())}
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        return tuple(self._points)
+
+    def tps(self, module: str) -> tuple[int, ...]:
+        """The TP degrees ``module`` was measured at."""
+        return tuple(self._module(module))
+
+    def xs(self, module: str, tp: int) -> tuple[int, ...]:
+        """The sizes ``module`` was measured at, at ``tp``."""
+        return tuple(p.x for p in self._curve(module, tp))
+
+    def fwd_bwd_time_s(self, module: str, tp: int, x: float) -> tuple[float, float]:
+        """Forward and backward time of the whole module on one TP rank at size ``x``
+        (see the module docstring for what ``x`` means per role)."""
+        curve = self._curve(module, tp, x)
+        xs = [p.x for p in curve]
+        return (_interpolate(xs, [p.fwd_time_s for p in curve], x),
+                _interpolate(xs, [p.bwd_time_s for p in curve], x))
+
+    def part_fwd_bwd_time_s(self, module: str, tp: int, x: float,
+                            part: str = "layer") -> tuple[float, float]:
+        """Forward and backward time of ONE copy of a part (one layer, the embedding
+        and head): what a pipeline stage holding some of the layers adds up."""
+        curve = self._curve(module, tp, x)
+        parts = [next((q for q in p.parts if q.name == part), None) for p in curve]
+        if any(q is None for q in parts):
+            names = sorted({q.name for p in curve for q in p.parts})
+            raise ProfileError(f"module '{module}' has no part '{part}' in its profile "
+                               f"(parts: {', '.join(names)})")
+        xs = [p.x for p in curve]
+        return (_interpolate(xs, [q.fwd_time_s for q in parts], x),
+                _interpolate(xs, [q.bwd_time_s for q in parts], x))
+
+    def peak_memory_bytes(self, module: str, tp: int, x: float) -> float:
+        """Activation memory of one forward+backward of the whole module at size ``x``."""
+        curve = self._curve(module, tp, x)
+        return _interpolate([p.x for p in curve], [p.peak_memory_bytes for p in curve], x)
+
+    def _module(self, module: str) -> dict[int, tuple[Point, ...]]:
+        if module not in self._points:
+            self.profile.module(module)   # raises the ProfileError naming what exists
+        return self._points[module]
+
+    def _curve(self, module: str, tp: int, x: float | None = None) -> tuple[Point, ...]:
+        by_tp = self._module(module)
+        if tp not in by_tp or not by_tp[tp]:
+            measured = ", ".join(
+                f"tp={t} at x={', '.join(str(p.x) for p in ps)}" for t, ps in by_tp.items())
+            raise ProfileError(f"module '{module}' was not profiled at tp={tp} (measured: "
+                               f"{measured or 'nothing'}); profile again with tp={tp}")
+        if x is not None and not x >= 0:
+            raise ValueError(f"size x must be a non-negative number, not {x!r}")
+        return by_tp[tp]
+
+
+# ---- what to measure -------------------------------------------------------------------------
+
+def _input_needs_grad(program: ir.Program, module: ir.Module) -> bool:
+    """Does anything feeding ``module`` train, so that its backward must produce input
+    gradients? (The rule of ``dtdsl.cost.model``'s backward factor.)"""
+    if module.role == "encoder":
+        return False
+    feeders = [p for p in program.projectors if p.target == module.name]
+    if module.role == "backbone":
+        return any(not p.frozen or not program.module(p.source).frozen for p in feeders)
+    backbone = program.backbone
+    return any(not p.frozen for p in feeders) or not backbone.frozen or \
+        _input_needs_grad(program, backbone)
+
+
+def _unit_of(program: ir.Program, proj: ir.Projector) -> ir.Module:
+    """The module whose parallelism unit runs a projector: an encoder's projector runs
+    on the encoder's ranks, a generator's on the generator's (as in DistTrain)."""
+    source = program.module(proj.source)
+    return source if source.role != "backbone" else program.module(proj.target)
+
+
+def _conflicts(program: ir.Program, name: str, tp: int) -> tuple[str, ...]:
+    from dtdsl.runtime.models import projector_tp_conflicts
+
+    for proj in program.projectors:
+        if proj.name == name:
+            return projector_tp_conflicts(proj.arch, tp)
+    return program.module(name).arch.tp_conflicts(tp)
+
+
+def default_tps(program: ir.Program, name: str) -> tuple[int, ...]:
+    """The TP degrees (up to 8) a module's constraints allow and its architecture can
+    split; a projector's are those of the module whose unit runs it."""
+    unit = name
+    for proj in program.projectors:
+        if proj.name == name:
+            unit = _unit_of(program, proj).name
+    candidates = program.constraints_for(unit).tp.candidates(8)
+    return tuple(tp for tp in candidates if not _conflicts(program, name, tp))
+
+
+def _sequence_points(seq_len: int) -> tuple[int, ...]:
+    return tuple(sorted({max(1, seq_len // d) for d in (8, 4, 2, 1)}))
+
+
+def _item_points(data: ir.Data, modality: str) -> tuple[int, ...]:
+    """Item sizes (tokens) the spec's data produces: its distinct values if few, else
+    the smallest, median and largest of a fixed draw."""
+    rng = np.random.default_rng(0)
+    n = 4096
+    if modality == "image":
+        keys = [("image", "patches")]
+    elif modality == "audio":
+        keys = [("audio", "frames")]
+    else:
+        keys = [(modality, "frames"), (modality, "patches")]
+    quantities = [data.get(m, q) for m, q in keys]
+    if any(q is None for q in quantities):
+        return (64, 256, 1024)
+    sizes = np.ones(n, dtype=np.int64)
+    for q in quantities:
+        sizes = sizes * draw(q, n, rng)
+    sizes = np.maximum(sizes, 1)
+    distinct = np.unique(sizes)
+    if len(distinct) > 4:
+        distinct = np.unique(np.rint(np.quantile(sizes, [0.0, 0.5, 1.0])).astype(np.int64))
+    values = tuple(int(v) for v in distinct)
+    if len(values) == 1:   # a second point gives the slope for other sizes
+        values = tuple(sorted({max(1, values[0] // 2), values[0]}))
+    return values
+
+
+def default_points(program: ir.Program, name: str) -> tuple[int, ...]:
+    """The sizes ``x`` a module or projector is measured at by default: backbone and
+    projectors seq_len / 8, / 4, / 2 and seq_len tokens; encoders the item sizes of
+    the data spec; generators 1, 2 and 4 items."""
+    if any(p.name == name for p in program.projectors):
+        return _sequence_points(program.train.seq_len)
+    module = program.module(name)
+    if module.role == "backbone":
+        return _sequence_points(program.train.seq_len)
+    if module.role == "encoder":
+        return _item_points(program.data, module.modality)
+    return (1, 2, 4)
+
+
+# ---- measuring -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Env:
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def sync(self) -> None:
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def prepare(self, model: nn.Module, trainable: bool) -> nn.Module:
+        model = model.to(device=self.device, dtype=self.dtype).train()
+        for p in model.parameters():
+            p.requires_grad_(trainable)
+        return model
+
+    def randn(self, *shape: int, grad: bool = False) -> torch.Tensor:
+        import torch
+
+        return torch.randn(*shape, device=self.device, dtype=self.dtype, requires_grad=grad)
+
+
+@dataclass(frozen=True)
+class _Part:
+    """A part to time: ``case(x)`` makes its inputs and returns a function that runs
+    its forward and returns the outputs to backpropagate from."""
+
+    name: str
+    count: int
+    models: tuple[nn.Module, ...]
+    case: Callable[[int], Callable[[], list[torch.Tensor]]]
+    grad: bool   # does its forward need autograd (any parameter or input wants gradients)
+
+
+@dataclass(frozen=True)
+class _Job:
+    name: str
+    role: str
+    kind: str
+    method: str
+    arch_sha256: str
+    tps: tuple[int, ...]
+    xs: tuple[int, ...]
+    build: Callable[[int, _Env], list[_Part]]
+
+
+def _transformer_parts(module: ir.Module, needs_grad: bool, tp: int, env: _Env) -> list[_Part]:
+    import torch
+
+    from dtdsl.runtime.models import Backbone, Encoder, build_layer
+
+    arch = module.arch
+    trainable = not module.frozen
+    # Inside the stack a layer's input comes from the layer before it, which trains
+    # whenever the module does.
+    layer_grad = trainable or needs_grad
+    layer = env.prepare(build_layer(module, tp), trainable)
+
+    def layer_case(x: int):
+        h = env.randn(1, x, arch.hidden, grad=layer_grad)
+        return lambda: [layer(h)]
+
+    parts = [_Part("layer", arch.layers, (layer,), layer_case, layer_grad)]
+    ends_arch = arch.model_copy(update={"layers": 0})
+    if module.role == "backbone":
+        ends = env.prepare(Backbone(ends_arch, tp=tp), trainable)
+
+        def ends_case(x: int):
+            tokens = torch.randint(0, arch.vocab, (1, x), device=env.device)
+            h = env.randn(1, x, arch.hidden, grad=layer_grad)   # the last layer's output
+
+            def run():
+                outs = [ends.output(ends.norm(h))]
+                embeds = ends.embed(tokens)
+                if embeds.requires_grad:
+                    outs.append(embeds)
+                return outs
+            return run
+
+        parts.append(_Part("embed_head", 1, (ends,), ends_case, layer_grad))
+    else:
+        ends = env.prepare(Encoder(ends_arch, tp=tp), trainable)
+
+        def patch_case(x: int):
+            patches = env.randn(1, x, ends.patch_dim)   # raw data: no gradient
+            return lambda: [ends(patches)]
+
+        parts.append(_Part("patch_embed", 1, (ends,), patch_case, trainable))
+    return parts
+
+
+def _generator_parts(module: ir.Module, needs_grad: bool, tp: int, env: _Env) -> list[_Part]:
+    import torch
+
+    from dtdsl.runtime.models import build_module
+
+    arch = module.arch
+    trainable = not module.frozen
+    model = env.prepare(build_module(module, tp), trainable)
+
+    def case(x: int):
+        latent = env.randn(x, arch.latent_channels, arch.latent, arch.latent)
+        timesteps = torch.randint(0, _TIMESTEPS, (x,), device=env.device)
+        context = env.randn(x, COND_TOKENS, arch.context_dim, grad=needs_grad)
+        return lambda: [model(latent, timesteps, context)]
+
+    return [_Part("whole", 1, (model,), case, trainable or needs_grad)]
+
+
+def _projector_parts(proj: ir.Projector, needs_grad: bool, tp: int, env: _Env) -> list[_Part]:
+    from dtdsl.runtime.models import build_projector
+
+    trainable = not proj.frozen
+    model = env.prepare(build_projector(proj, tp), trainable)
+
+    def case(x: int):
+        inputs = env.randn(1, x, proj.arch.in_dim, grad=needs_grad)
+        return lambda: [model(inputs)]
+
+    return [_Part("whole", 1, (model,), case, trainable or needs_grad)]
+
+
+def _check_requests(program: ir.Program, names: list[str], request: Mapping | None,
+                    what: str) -> None:
+    if request is None:
+        return
+    unknown = [n for n in request if n not in names]
+    if unknown:
+        raise ValueError(f"{what} given for {', '.join(map(repr, unknown))}, which the spec "
+                         f"does not define (modules and projectors: {', '.join(names)})")
+    for name, values in request.items():
+        if not values or any(int(v) != v or v < 1 for v in values):
+            raise ValueError(f"{what} for '{name}' must be positive integers, not {values!r}")
+
+
+def _jobs(program: ir.Program, tps: Mapping[str, Sequence[int]] | None,
+          points: Mapping[str, Sequence[int]] | None) -> list[_Job]:
+    names = [m.name for m in program.modules] + [p.name for p in program.projectors]
+    _check_requests(program, names, tps, "TP degrees")
+    _check_requests(program, names, points, "points")
+    jobs = []
+    for name in names:
+        job_tps = tuple(sorted(set(tps[name]))) if tps and name in tps else \
+            default_tps(program, name)
+        for tp in job_tps:
+            conflicts = _conflicts(program, name, tp)
+            if conflicts:
+                raise ValueError(f"'{name}' cannot be split {tp} ways: "
+                                 f"{', '.join(conflicts)}")
+        xs = tuple(sorted(set(points[name]))) if points and name in points else \
+            default_points(program, name)
+        proj = next((p for p in program.projectors if p.name == name), None)
+        if proj is not None:
+            source = program.module(proj.source)
+            grad = not source.frozen or _input_needs_grad(program, source)
+            jobs.append(_Job(name, "projector", "mlp", "whole", _arch_sha256(proj.arch),
+                             job_tps, xs,
+                             lambda tp, env, p=proj, g=grad: _projector_parts(p, g, tp, env)))
+            continue
+        module = program.module(name)
+        grad = _input_needs_grad(program, module)
+        if isinstance(module.arch, ir.TransformerArch):
+            build, method = _transformer_parts, "per_layer"
+        else:
+            build, method = _generator_parts, "whole"
+        jobs.append(_Job(name, module.role, module.arch.kind, method,
+                         _arch_sha256(module.arch), job_tps, xs,
+                         lambda tp, env, m=module, g=grad, b=build: b(m, g, tp, env)))
+    return jobs
+
+
+def _measure(part: _Part, x: int, env: _Env, repeats: int,
+             warmup: int) -> tuple[float, float, int, int]:
+    """Median forward and backward time of ``repeats`` timed passes after ``warmup``
+    untimed ones (at least one, so that gradient buffers exist), then the saved
+    bytes and peak memory of one more pass."""
+    import torch
+
+    run = part.case(x)
+    grads: list[torch.Tensor] = []
+
+    def once() -> tuple[float, float]:
+        with torch.set_grad_enabled(part.grad):
+            env.sync()
+            start = time.perf_counter()
+            outs = run()
+            env.sync()
+            mid = time.perf_counter()
+        if not part.grad:
+            return mid - start, 0.0
+        if not grads:
+            grads.extend(torch.randn_like(o) for o in outs)
+        pairs = [(o, g) for o, g in zip(outs, grads, strict=True) if o.requires_grad]
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        env.sync()
+        return mid - start, time.perf_counter() - mid
+
+    for _ in range(max(warmup, 1)):
+        once()
+    fwd, bwd = zip(*(once() for _ in range(repeats)), strict=True)
+
+    # Weights are saved for backward too; they are not activations.
+    weights = {p.untyped_storage().data_ptr() for m in part.models for p in m.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    if env.cuda:
+        env.sync()
+        torch.cuda.reset_peak_memory_stats(env.device)
+        before = torch.cuda.memory_allocated(env.device)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        once()
+    saved_bytes = sum(saved.values())
+    peak = torch.cuda.max_memory_allocated(env.device) - before if env.cuda else saved_bytes
+    return statistics.median(fwd), statistics.median(bwd), saved_bytes, max(peak, saved_bytes)
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def profile_program(program: ir.Program, *,
+                    tps: Mapping[str, Sequence[int]] | None = None,
+                    points: Mapping[str, Sequence[int]] | None = None,
+                    repeats: int = 3, warmup: int = 1,
+                    device: str | torch.device | None = None,
+                    num_threads: int | None = 1,
+                    progress: Callable[[int, int, str], None] | None = None) -> Profile:
+    """Measure every module and projector of ``program``.
+
+    ``tps`` and ``points`` map module or projector names to the TP degrees and sizes
+    to measure; names left out get ``default_tps`` and ``default_points``. Each point
+    is the median of ``repeats`` timed passes after ``warmup`` untimed ones.
+    ``device`` defaults to CUDA when available (bf16), else the CPU (fp32).
+    ``num_threads``: torch's intra-op threads while profiling on a CPU (restored
+    afterwards; None keeps the current setting). One by default: a CPU run puts one
+    gloo rank on each core, and multi-threaded timings of small operators swing by
+    10x or more when another process shares the cores.
+    ``progress(done, total, label)`` is called after each point. Raises ValueError
+    for names the spec does not define or TP degrees an architecture cannot split.
+    The caller's random state is left as it was."""
+    import torch
+
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"need repeats >= 1 and warmup >= 0, not {repeats} and {warmup}")
+    dev = torch.device(device if device is not None else
+                       "cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"can profile on a CPU or a CUDA device, not {dev}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("cannot profile on CUDA: torch sees no CUDA device here")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    env = _Env(dev, torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    if num_threads is not None and num_threads < 1:
+        raise ValueError(f"num_threads must be at least 1, not {num_threads}")
+    jobs = _jobs(program, tps, points)
+    previous_threads = torch.get_num_threads()
+    try:
+        if num_threads is not None and not env.cuda:
+            torch.set_num_threads(num_threads)
+        with torch.random.fork_rng(devices=[dev.index] if env.cuda else []):
+            torch.manual_seed(0)
+            modules = _run_jobs(jobs, env, repeats, warmup, progress)
+        threads = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(previous_threads)
+    device_info = DeviceInfo(
+        type=dev.type,
+        name=torch.cuda.get_device_name(dev) if env.cuda else _cpu_name(),
+        torch_version=torch.__version__,
+        dtype="bf16" if env.cuda else "fp32",
+        num_threads=threads)
+    return Profile(device=device_info, created=datetime.now(UTC),
+                   spec=program.name, spec_sha256=program.source_sha256,
+                   repeats=repeats, warmup=warmup, modules=modules)
+
+
+def _point(tp: int, x: int, stats: list[tuple[_Part, float, float, int, int]]) -> Point:
+    return Point(
+        tp=tp, x=x,
+        fwd_time_s=sum(p.count * fwd for p, fwd, _, _, _ in stats),
+        bwd_time_s=sum(p.count * bwd for p, _, bwd, _, _ in stats),
+        # Every copy's stash is held at once (the backward runs after all forwards);
+        # on top of them, the largest transient working set of any one part.
+        peak_memory_bytes=sum(p.count * saved for p, _, _, saved, _ in stats) +
+        max(peak - saved for _, _, _, saved, peak in stats),
+        parts=tuple(PartPoint(name=p.name, count=p.count, fwd_time_s=fwd, bwd_time_s=bwd,
+                              saved_bytes=saved, peak_memory_bytes=peak)
+                    for p, fwd, bwd, saved, peak in stats))
+
+
+def _run_jobs(jobs: list[_Job], env: _Env, repeats: int, warmup: int,
+              progress: Callable[[int, int, str], None] | None) -> tuple[ModuleProfile, ...]:
+    import torch
+
+    total = sum(len(j.tps) * len(j.xs) for j in jobs)
+    done = 0
+    results = []
+    for job in jobs:
+        points = []
+        backward = False
+        for tp in job.tps:
+            # Built once per tp, reused for every x: building dominates for small models.
+            parts = job.build(tp, env)
+            backward = backward or any(p.grad for p in parts)
+            for x in job.xs:
+                stats = [(part, *_measure(part, x, env, repeats, warmup)) for part in parts]
+                points.append(_point(tp, x, stats))
+                done += 1
+                if progress is not None:
+                    progress(done, total, f"{job.name} tp={tp} x={x}")
+            del parts
+            if env.cuda:
+                torch.cuda.empty_cache()
+        results.append(ModuleProfile(
+            name=job.name, role=job.role, kind=job.kind, method=job.method,
+            arch_sha256=job.arch_sha256, backward=backward, points=tuple(points)))
+    return tuple(results)
