@@ -239,6 +239,19 @@ A module cannot have more pipeline stages than layers, and with interleaved 1F1B
 each stage holds `virtual_stages` chunks, so pp x virtual_stages must divide the
 layer count.
 """),
+    "DT410": Code("No layout fits the cluster", """
+The planner found no layout of the modules that fits: some module does not fit
+in its per-GPU memory limit at any allowed TP and PP, or the smallest layouts
+that fit need more GPUs together than the cluster has. The message names the
+binding constraint and the numbers: how much memory a module's first pipeline
+stage needs, or how many GPUs each module needs at the least.
+
+    llm needs at least 96 GPUs to fit in 72 GB (90% of 80 GB) at tp <= 8;
+    the cluster has 64
+
+Give the cluster more GPUs, allow larger TP or PP, raise the memory share
+(`memory(*) <= 95%`), use a smaller micro batch, or turn on recomputation.
+"""),
     # ---- warnings (DT5xx)
     "DT501": Code("Ignored or unused setting", """
 A setting has no effect: a data quantity no module reads, a vocabulary on a

@@ -767,7 +767,7 @@ class _Checker:
             preset.intra_node_bw_bytes_per_s,
             inter_node_bw_bytes_per_s=values["inter_node_bw"] or
             preset.inter_node_bw_bytes_per_s,
-            cpu_workers=values["cpu_workers"], span=block.span)
+            cpu_workers=values["cpu_workers"], span=block.span, gpus_span=self._gpus_span(block))
 
     # ---- train -----------------------------------------------------------------------------
     def _train(self, block: ast.TrainBlock) -> Any:

@@ -287,6 +287,7 @@ class Cluster(IRModel):
     inter_node_bw_bytes_per_s: float
     cpu_workers: int
     span: Span
+    gpus_span: Span | None = None   # the `gpus = ...` field, for planner diagnostics
 
 
 class Optimizer(IRModel):

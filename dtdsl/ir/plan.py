@@ -1,0 +1,88 @@
+"""The Plan: how many GPUs each unit gets, its TP/DP/PP, and what that is predicted to cost.
+
+A versioned pydantic model; ``Plan.model_dump_json()`` is its text form and the
+``plan.json`` of a launch bundle. Ranks are laid out unit by unit in the order of
+``units``, each unit's ranks as a (pp, dp, tp) grid with TP innermost.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+__all__ = ["PLAN_VERSION", "Plan", "UnitPlan", "split_layers"]
+
+PLAN_VERSION = 1
+
+
+class UnitPlan(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", kw_only=True)
+
+    name: str
+    role: Literal["encoder", "backbone", "generator"]
+    projectors: tuple[str, ...]          # projectors that run on this unit's ranks
+    gpus: int
+    tp: int
+    dp: int
+    pp: int
+    vpp: int = 1
+    tp_replicated: bool = False           # the baseline's encoders: every TP rank computes it all
+    first_rank: int
+    layers_per_stage: tuple[int, ...]
+    microbatch_share: float               # backbone microbatches per unit microbatch (dp_lm / dp)
+    fwd_time_s: float                     # one unit microbatch on the slowest stage
+    bwd_time_s: float
+    dp_sync_time_s: float
+    memory_bytes: float                   # peak per GPU, first stage
+    memory_limit_bytes: float
+
+    @property
+    def ranks(self) -> range:
+        return range(self.first_rank, self.first_rank + self.gpus)
+
+
+class Plan(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", kw_only=True)
+
+    version: Literal[1] = PLAN_VERSION
+    spec: str
+    spec_sha256: str
+    search: Literal["convex", "exhaustive", "baseline"]
+    num_gpus: int                         # in the cluster
+    gpus_used: int
+    global_batch: int
+    micro_batch: int
+    num_microbatches: int                 # per backbone replica and iteration
+    schedule: Literal["gpipe", "1f1b", "interleaved"]
+    iteration_time_s: float
+    warmup_time_s: float
+    steady_time_s: float
+    dp_sync_time_s: float
+    model_flops_per_iteration: float
+    mfu: float
+    solve_time_s: float
+    candidates: int                       # TP/DP combinations considered
+    convex_solves: int                    # cvxpy problems solved (convex search)
+    evaluated: int                        # integer layouts evaluated exactly
+    baseline_iteration_time_s: float | None = None
+    units: tuple[UnitPlan, ...]
+
+    @property
+    def speedup(self) -> float | None:
+        """Throughput over the Megatron-style baseline on the same cluster."""
+        if self.baseline_iteration_time_s is None:
+            return None
+        return self.baseline_iteration_time_s / self.iteration_time_s
+
+    def unit(self, name: str) -> UnitPlan:
+        for u in self.units:
+            if u.name == name:
+                return u
+        raise KeyError(name)
+
+
+def split_layers(layers: int, stages: int) -> tuple[int, ...]:
+    """Layers per pipeline stage, as even as possible, the larger stages first."""
+    base, extra = divmod(layers, stages)
+    return tuple(base + (1 if i < extra else 0) for i in range(stages))
