@@ -1,0 +1,149 @@
+"""What every planner returns: a ``Plan`` built from the winning integer layout, or an
+``Infeasible`` that names the binding constraint."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dtdsl.ir.plan import Plan, UnitPlan, split_layers
+from dtdsl.source import Span
+
+__all__ = ["Infeasible", "Layout", "PlannerError", "make_plan", "no_layout_fits"]
+
+
+class PlannerError(RuntimeError):
+    """The solver misbehaved (did not converge, or its answer failed the re-check).
+    A compiler bug or a numerically hostile spec, never a silent fallback."""
+
+
+@dataclass(frozen=True)
+class Infeasible(Exception):
+    """No layout fits; ``message`` names the binding constraint, ``span`` the spec line."""
+
+    message: str
+    span: Span | None
+    notes: tuple[str, ...] = ()
+    hint: str | None = None
+    code: str = "DT410"
+
+    def __str__(self) -> str:
+        return self.message
+
+
+@dataclass(frozen=True)
+class Layout:
+    """An integer layout and its exact predicted iteration time."""
+
+    tp: tuple[int, ...]
+    dp: tuple[int, ...]
+    pp: tuple[int, ...]
+    iteration_time_s: float
+    replicated: tuple[bool, ...] = field(default=())
+    chained: bool = False
+
+
+def make_plan(ev, search: str, layout: Layout, *, solve_time_s: float, candidates: int,
+              convex_solves: int, evaluated: int,
+              baseline_iteration_time_s: float | None = None) -> Plan:
+    """The Plan of ``layout``, re-evaluated in full by the evaluator ``ev``."""
+    program = ev.cost.program
+    n = len(ev.units)
+    replicated = layout.replicated or (False,) * n
+    est = ev.evaluate(layout.tp, layout.dp, layout.pp, replicated=replicated,
+                      chained=layout.chained)
+    dp_lm = layout.dp[ev.backbone]
+    units, first = [], 0
+    for i, unit in enumerate(ev.units):
+        tp, dp, pp = layout.tp[i], layout.dp[i], layout.pp[i]
+        share = dp_lm / dp
+        fwd, bwd = ev.fwd_bwd(i, 1 if replicated[i] else tp)
+        heaviest = math.ceil(unit.layers / pp) / unit.layers
+        if unit.role == "encoder":
+            projectors = tuple(p.name for p in program.projectors if p.source == unit.name)
+        elif unit.role == "generator":
+            projectors = tuple(p.name for p in program.projectors if p.target == unit.name)
+        else:
+            projectors = ()
+        gpus = tp * dp * pp
+        units.append(UnitPlan(
+            name=unit.name, role=unit.role, projectors=projectors, gpus=gpus, tp=tp, dp=dp,
+            pp=pp, vpp=int(np.asarray(est.vpp[i])), tp_replicated=replicated[i],
+            first_rank=first, layers_per_stage=split_layers(unit.layers, pp),
+            microbatch_share=share, fwd_time_s=share * fwd * heaviest,
+            bwd_time_s=share * bwd * heaviest,
+            dp_sync_time_s=float(ev.cost.dp_sync_time_s(unit, 1 if replicated[i] else tp, pp,
+                                                         dp)),
+            memory_bytes=float(est.memory_bytes[i]), memory_limit_bytes=ev.memory_limit[i]))
+        first += gpus
+    iteration = float(est.iteration_time_s)
+    assert bool(est.feasible), "planners return feasible layouts"
+    assert math.isclose(iteration, layout.iteration_time_s, rel_tol=1e-9), \
+        (iteration, layout.iteration_time_s)
+    train = program.train
+    return Plan(
+        spec=program.name, spec_sha256=program.source_sha256, search=search,
+        num_gpus=ev.num_gpus, gpus_used=first, global_batch=train.global_batch,
+        micro_batch=train.micro_batch, num_microbatches=ev.microbatches(dp_lm),
+        schedule=train.schedule, iteration_time_s=iteration,
+        warmup_time_s=float(est.warmup_s), steady_time_s=float(est.steady_s),
+        dp_sync_time_s=float(est.sync_s),
+        model_flops_per_iteration=ev.model_flops_per_iteration, mfu=ev.mfu(iteration),
+        solve_time_s=solve_time_s, candidates=candidates, convex_solves=convex_solves,
+        evaluated=evaluated, baseline_iteration_time_s=baseline_iteration_time_s,
+        units=tuple(units))
+
+
+def _gb(num_bytes: float) -> str:
+    return f"{num_bytes / 1e9:.1f} GB"
+
+
+def no_layout_fits(space) -> Infeasible:
+    """Why nothing fits: a module that fits in memory at no allowed TP and PP, or the
+    modules' smallest fitting layouts need more GPUs together than the budget."""
+    program = space.program
+    ev = space.evaluator
+    cluster = program.cluster
+    gpu_memory = cluster.gpu.memory_bytes
+    lm = (space.dp_lms() or (1,))[0]
+    needs: list[tuple[str, int, str]] = []
+    for i, unit in enumerate(space.units):
+        limit = ev.memory_limit[i]
+        dp = lm if i == space.backbone else (space.dps(i, lm) or (1,))[0]
+        tps = space.tps(i) or (1,)
+        fits = space.smallest_fitting_pp(i, np.array(tps), np.full(len(tps), dp),
+                                         np.full(len(tps), lm))
+        options = [(t * dp * int(p), t, int(p)) for t, p in zip(tps, fits, strict=True) if p]
+        if not options:
+            top_pp = max(space.pps(i) or (1,))
+            mem = float(ev.cost.memory_bytes(
+                unit, max(tps), top_pp, dp, ev.vpp(i, top_pp),
+                top_pp + space.min_downstream_pp(i), space.total_microbatches // lm, lm / dp))
+            return Infeasible(
+                f"{unit.name} does not fit in {_gb(limit)} per GPU "
+                f"({limit / gpu_memory:.0%} of {_gb(gpu_memory)}) at any allowed layout: even "
+                f"at tp {max(tps)} and pp {top_pp} its first pipeline stage needs {_gb(mem)}",
+                program.module(unit.name).span,
+                notes=(f"{unit.name}: {unit.params / 1e9:.2f}B parameters, {unit.layers} "
+                       "pipeline layers",),
+                hint="allow larger tp or pp, raise the memory share, use a smaller micro_batch "
+                     "or set `recompute = true`")
+        gpus, tp, pp = min(options)
+        needs.append((unit.name, gpus, f"tp {tp} x pp {pp} x dp {dp}"))
+    total = sum(g for _, g, _ in needs)
+    notes = tuple(f"{n}: at least {g} GPUs ({how})" for n, g, how in needs)
+    span = cluster.gpus_span or cluster.span
+    if total > space.num_gpus:
+        name, most, _ = max(needs, key=lambda x: x[1])
+        i = [u.name for u in space.units].index(name)
+        limit = ev.memory_limit[i]
+        return Infeasible(
+            f"{name} needs at least {most} GPUs to fit in {_gb(limit)} per GPU "
+            f"({limit / gpu_memory:.0%} of {_gb(gpu_memory)}) at tp <= {max(space.tps(i))}; "
+            f"all modules together need at least {total}, the cluster has {space.num_gpus}",
+            span, notes=notes,
+            hint=f"give the cluster at least {total} GPUs, or allow larger tp or pp")
+    return Infeasible(f"no layout satisfies the constraints together on {space.num_gpus} GPUs",
+                      span, notes=notes, hint="loosen the dp, pp or gpus constraints")
