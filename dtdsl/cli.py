@@ -8,18 +8,30 @@ Python traceback unless they pass ``--debug``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
+import os
 import sys
+import tempfile
 import traceback
 from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dtdsl import __version__
 from dtdsl.codes import CODES, explain
 from dtdsl.diagnostics import Diagnostic, render_json, render_text
-from dtdsl.driver import STAGES, UsageError, read_spec, run_frontend
+from dtdsl.driver import STAGES, FrontendResult, UsageError, read_spec, run_frontend
 from dtdsl.frontend.ast import dump_ast
 from dtdsl.frontend.fmt import format_spec
+from dtdsl.ir.program import Program
 from dtdsl.source import Span
+
+if TYPE_CHECKING:
+    from dtdsl.cost.model import CostModel, Efficiency
+
+# Commands that plan or profile import numpy, cvxpy, rich and torch when they run:
+# `dtc check` and `dtc fmt` stay quick to start.
 
 __all__ = ["main"]
 
@@ -31,6 +43,16 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # argparse's own usage errors: exit 2, no traceback
         self.print_usage(sys.stderr)
         self.exit(EXIT_USAGE, f"dtc: error: {message}\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected at least 1, not {value}")
+    return value
 
 
 def _usage_diagnostic(message: str) -> Diagnostic:
@@ -57,19 +79,24 @@ def _cmd_check(args: argparse.Namespace) -> int:
         if not result.ok:
             exit_code = max(exit_code, EXIT_ERRORS)
         if args.format == "text" and result.diagnostics:
-            texts.append(render_text(result.diagnostics, result.source, result.name))
+            # Diagnostics, warnings included, go to stderr: stdout carries only --emit's text.
+            sys.stderr.write(render_text(result.diagnostics, result.source, result.name))
         if result.ok and args.emit == "ast" and result.spec is not None:
             texts.append(dump_ast(result.spec))
         elif result.ok and args.emit == "program" and result.program is not None:
             texts.append(result.program.model_dump_json(indent=2) + "\n")
+        elif result.ok and args.emit == "graph" and result.program is not None:
+            from dtdsl.ir.graph import build_graph, graph_text
+
+            texts.append(graph_text(build_graph(result.program)))
     if args.format == "json":
         if args.emit and exit_code == EXIT_OK:
             sys.stdout.write("".join(texts))  # --emit prints the stage's text form
         else:
             sys.stdout.write(render_json(results))
     else:
-        out = "".join(texts)
-        (sys.stdout if exit_code == EXIT_OK else sys.stderr).write(out)
+        if exit_code == EXIT_OK:
+            sys.stdout.write("".join(texts))
         if exit_code == EXIT_OK and not args.emit and not args.quiet:
             print(f"checked {len(args.specs)} spec{'s' if len(args.specs) != 1 else ''}: "
                   "no errors", file=sys.stderr)
@@ -111,6 +138,174 @@ def _cmd_fmt(args: argparse.Namespace) -> int:
     return exit_code
 
 
+def _load_program(path: str) -> tuple[FrontendResult | None, int]:
+    """Check one spec for a command that needs its Program: the result, or None and the
+    exit code after reporting why (diagnostics, warnings too, on stderr)."""
+    try:
+        name, data = read_spec(path)
+    except UsageError as err:
+        print(f"dtc: error: {err}", file=sys.stderr)
+        return None, EXIT_USAGE
+    result = run_frontend(name, data)
+    if result.diagnostics:
+        sys.stderr.write(render_text(result.diagnostics, result.source, result.name))
+    if not result.ok or result.program is None:
+        return None, EXIT_ERRORS
+    return result, EXIT_OK
+
+
+def _efficiency(values: Sequence[str] | None) -> Efficiency:
+    """``--efficiency matmul=0.6`` (repeatable; a bare number sets every kind)."""
+    from dtdsl.cost.model import Efficiency
+
+    eff = Efficiency()
+    kinds = [f.name for f in dataclasses.fields(Efficiency)]
+    for item in values or ():
+        key, sep, value = item.rpartition("=")
+        try:
+            number = float(value)
+        except ValueError:
+            number = -1.0
+        if not 0 < number <= 1 or (sep and key not in kinds):
+            raise UsageError(f"--efficiency takes KIND=FRACTION with KIND one of "
+                             f"{', '.join(kinds)} and 0 < FRACTION <= 1, or one fraction "
+                             f"for all, not {item!r}")
+        updates = {key: number} if sep else dict.fromkeys(kinds, number)
+        eff = dataclasses.replace(eff, **updates)
+    return eff
+
+
+def _cost_model(args: argparse.Namespace, program: Program) -> CostModel:
+    """The cost model of ``dtc plan``: analytic, or from ``--profile``. UsageError for an
+    unreadable profile or one that does not cover the spec."""
+    from dtdsl.cost.model import CostParams, build_cost_model
+    from dtdsl.cost.profile import ProfileError, ProfileTable, check_profile, load_profile
+
+    params = CostParams(efficiency=_efficiency(args.efficiency))
+    if args.profile is None:
+        return build_cost_model(program, params)
+    if args.efficiency:
+        raise UsageError("--efficiency calibrates the analytic model; a --profile replaces "
+                         "it: give one or the other")
+    try:
+        profile = load_profile(args.profile)
+        for warning in check_profile(profile, program):
+            print(f"dtc: warning: {warning}", file=sys.stderr)
+    except (OSError, ProfileError) as err:
+        raise UsageError(f"cannot use profile {args.profile}: {err}") from None
+    return build_cost_model(program, params, profile=ProfileTable(profile))
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from dtdsl.planner import EXHAUSTIVE_MAX_GPUS, Infeasible, PlannerError, plan
+    from dtdsl.report import progress_bar, render_plan, wide_console
+
+    result, code = _load_program(args.spec)
+    if result is None:
+        return code
+    program = result.program
+    assert program is not None
+    num_gpus = args.gpus or program.cluster.num_gpus
+    if args.search == "exhaustive" and num_gpus > EXHAUSTIVE_MAX_GPUS:
+        raise UsageError(f"--search exhaustive tries every layout and stops at "
+                         f"{EXHAUSTIVE_MAX_GPUS} GPUs; this plan is for {num_gpus} "
+                         "(use --gpus or the convex search)")
+    cost = _cost_model(args, program)
+    try:
+        with progress_bar(f"{args.search} search") as progress, \
+                progress_bar("baseline") as baseline_progress:
+            the_plan = plan(cost, num_gpus, search=args.search,
+                            compare_baseline=not args.no_baseline, progress=progress,
+                            baseline_progress=baseline_progress)
+    except Infeasible as err:
+        span = err.span or program.cluster.span
+        diag = Diagnostic.error(err.code, err.message, span, notes=err.notes, hint=err.hint)
+        sys.stderr.write(render_text([diag], result.source, result.name))
+        return EXIT_ERRORS
+    except PlannerError as err:
+        raise RuntimeError(f"the planner failed: {err}") from err
+    text = the_plan.model_dump_json(indent=2) + "\n"
+    if args.output:
+        _write_file(args.output, text)
+    if args.json:
+        sys.stdout.write(text)
+    else:
+        render_plan(the_plan, wide_console())
+    return EXIT_OK
+
+
+def _write_file(path: str, text: str) -> None:
+    """Write a whole file or nothing: a temporary file beside it, renamed into place."""
+    target = Path(path)
+    if target.is_dir():
+        raise UsageError(f"{path} is a directory; give a file name")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=target.parent if str(target.parent) else ".",
+                                   prefix=f".{target.name}.", suffix=".tmp")
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
+            f.write(text)
+        os.replace(tmp, target)
+    except OSError as err:
+        raise UsageError(f"cannot write {path}: {err.strerror or err}") from None
+
+
+def _cmd_profile(args: argparse.Namespace) -> int:
+    from dtdsl.cost.profile import profile_program, save_profile
+    from dtdsl.report import progress_bar, render_profile, wide_console
+
+    result, code = _load_program(args.spec)
+    if result is None:
+        return code
+    program = result.program
+    assert program is not None
+    tps = None
+    if args.tp:
+        try:
+            degrees = tuple(sorted({int(t) for t in args.tp.split(",")}))
+        except ValueError:
+            raise UsageError(f"--tp takes TP degrees such as 1,2,4, not {args.tp!r}") from None
+        tps = {name: degrees for name in
+               [m.name for m in program.modules] + [p.name for p in program.projectors]}
+    try:
+        with progress_bar("profiling") as progress:
+            profile = profile_program(program, tps=tps, repeats=args.repeats,
+                                      warmup=args.warmup, device=args.device,
+                                      num_threads=args.threads, progress=progress)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    save_profile(profile, args.output)
+    if not args.quiet:
+        render_profile(profile, wide_console(stderr=True))
+        print(f"wrote {args.output}", file=sys.stderr)
+    return EXIT_OK
+
+
+def _cmd_graph(args: argparse.Namespace) -> int:
+    from dtdsl.ir.graph import build_graph, graph_dot, graph_text
+    from dtdsl.ir.plan import Plan
+
+    result, code = _load_program(args.spec)
+    if result is None:
+        return code
+    plan = None
+    if args.plan:
+        try:
+            plan = Plan.model_validate_json(Path(args.plan).read_bytes())
+        except (OSError, ValueError) as err:
+            raise UsageError(f"cannot read plan {args.plan}: {err}") from None
+        assert result.program is not None
+        if plan.spec_sha256 != result.program.source_sha256:
+            print(f"dtc: warning: {args.plan} was planned for another revision of the spec",
+                  file=sys.stderr)
+    graph = build_graph(result.program, plan)
+    text = graph_dot(graph) if args.dot else graph_text(graph)
+    if args.output:
+        _write_file(args.output, text)
+    else:
+        sys.stdout.write(text)
+    return EXIT_OK
+
+
 def _cmd_explain(args: argparse.Namespace) -> int:
     if args.code is None:
         for code, entry in CODES.items():
@@ -135,9 +330,9 @@ def _parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check", help="check specs and report every problem")
     check.add_argument("specs", nargs="+", metavar="SPEC", help="spec files ('-' for stdin)")
     check.add_argument("--format", choices=("text", "json"), default="text")
-    check.add_argument("--emit", choices=STAGES,
+    check.add_argument("--emit", choices=(*STAGES, "graph"),
                        help="print the text form of a stage (ast: the syntax tree with spans; "
-                       "program: the resolved program as JSON)")
+                       "program: the resolved program as JSON; graph: the stage graph)")
     check.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
     check.set_defaults(func=_cmd_check)
 
@@ -147,6 +342,52 @@ def _parser() -> argparse.ArgumentParser:
                      help="change nothing; exit 1 if a spec is not formatted")
     fmt.add_argument("--diff", action="store_true", help="print the changes instead of writing")
     fmt.set_defaults(func=_cmd_fmt)
+
+    plan = sub.add_parser("plan", help="choose GPUs and TP/DP/PP for every module")
+    plan.add_argument("spec", metavar="SPEC", help="spec file ('-' for stdin)")
+    plan.add_argument("--gpus", type=_positive_int, metavar="N",
+                      help="plan for N GPUs instead of the spec's cluster.gpus")
+    plan.add_argument("--search", choices=("convex", "exhaustive", "baseline"),
+                      default="convex", help="convex: DistTrain's Algorithm 1 (default); "
+                      "exhaustive: every layout (<= 128 GPUs); baseline: Megatron-LM's "
+                      "rigid layout")
+    plan.add_argument("--profile", metavar="PROFILE",
+                      help="measured module times from `dtc profile` instead of the "
+                      "analytic model")
+    plan.add_argument("--efficiency", action="append", metavar="KIND=FRACTION",
+                      help="calibrate the analytic model: the fraction of peak FLOPs that "
+                      "matmul, attention or conv work reaches (repeatable; a bare "
+                      "fraction sets all)")
+    plan.add_argument("--json", action="store_true", help="print the Plan as JSON")
+    plan.add_argument("-o", "--output", metavar="FILE", help="also write the Plan JSON here")
+    plan.add_argument("--no-baseline", action="store_true",
+                      help="skip planning the baseline (no speedup reported)")
+    plan.set_defaults(func=_cmd_plan)
+
+    prof = sub.add_parser("profile", help="measure every module's forward and backward time "
+                          "on this machine")
+    prof.add_argument("spec", metavar="SPEC", help="spec file ('-' for stdin)")
+    prof.add_argument("-o", "--output", metavar="FILE", required=True,
+                      help="where to write the profile JSON")
+    prof.add_argument("--tp", metavar="DEGREES",
+                      help="TP degrees to measure, e.g. 1,2,4 (default: those each module "
+                      "allows up to 8)")
+    prof.add_argument("--repeats", type=_positive_int, default=3,
+                      help="timed passes per point (the median is kept)")
+    prof.add_argument("--warmup", type=int, default=1, help="untimed passes per point")
+    prof.add_argument("--device", help="cpu or cuda (default: cuda when there is one)")
+    prof.add_argument("--threads", type=_positive_int, default=1,
+                      help="torch CPU threads while measuring (default 1)")
+    prof.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
+    prof.set_defaults(func=_cmd_profile)
+
+    graph = sub.add_parser("graph", help="print the stage graph (text, or Graphviz DOT)")
+    graph.add_argument("spec", metavar="SPEC", help="spec file ('-' for stdin)")
+    graph.add_argument("--dot", action="store_true", help="Graphviz DOT instead of text")
+    graph.add_argument("--plan", metavar="PLAN", help="a Plan JSON (`dtc plan -o`): add "
+                       "each module's pipeline stages")
+    graph.add_argument("-o", "--output", metavar="FILE", help="write here, not to stdout")
+    graph.set_defaults(func=_cmd_graph)
 
     expl = sub.add_parser("explain", help="explain a diagnostic code (all codes without one)")
     expl.add_argument("code", nargs="?", metavar="CODE")
@@ -162,6 +403,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     try:
         return args.func(args)
+    except UsageError as err:
+        print(f"dtc: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
     except KeyboardInterrupt:
         print("dtc: interrupted", file=sys.stderr)
         return 130

@@ -43,11 +43,11 @@ class Work:
     def total(self) -> float:
         return self.matmul + self.attention + self.conv
 
-    def __add__(self, other: "Work") -> "Work":
+    def __add__(self, other: Work) -> Work:
         return Work(self.matmul + other.matmul, self.attention + other.attention,
                     self.conv + other.conv)
 
-    def __mul__(self, k: float) -> "Work":
+    def __mul__(self, k: float) -> Work:
         return Work(self.matmul * k, self.attention * k, self.conv * k)
 
     __rmul__ = __mul__
@@ -230,7 +230,7 @@ def dit_forward(arch: ir.DiTArch, cond_tokens: int = 77) -> Work:
     return Work(matmul=matmul, attention=attention)
 
 
-# ---- projectors, parameters, backward ---------------------------------------------------------------
+# ---- projectors, parameters, backward -------------------------------------------------------
 
 def mlp_forward_per_token(arch: ir.MLPArch) -> float:
     if arch.depth == 1:

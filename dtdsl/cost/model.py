@@ -11,8 +11,11 @@ processes dp_lm / dp_u of them per step (``Algorithm 1``'s T_me).
 Times come from FLOPs divided by the GPU's dense peak times an efficiency per
 kind of work (``Efficiency``; calibratable), plus tensor-parallel all-reduces on
 the intra-node bandwidth (inter-node once a TP group spans nodes). With a
-measured profile (``dtdsl.cost.profile``) the compute part is interpolated from
-measurements instead.
+measured profile (``dtdsl.cost.profile``, DistTrain's profiler) the compute part
+is interpolated linearly between measurements instead: each unit keeps the sizes
+its module and projectors see per backbone microbatch (``ProfileQuery``: the
+distinct item sizes and how many of each a microbatch carries on average), and
+the expected time is the weighted sum of the interpolated times.
 
 Memory per GPU: weights, fp32 gradient buffers and optimizer state (fp32 master
 weights, Adam m and v; sharded over dp under ZeRO-1; none for frozen units),
@@ -28,12 +31,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dtdsl.cost import flops
+from dtdsl.cost.profile import COND_TOKENS, ProfileTable
 from dtdsl.cost.samples import SampleSet, draw_samples
 from dtdsl.ir import program as ir
 
 __all__ = [
-    "CostModel", "CostParams", "Efficiency", "UnitCost", "all_reduce_time_s", "build_cost_model",
-    "in_flight",
+    "CostModel", "CostParams", "Efficiency", "ProfileQuery", "UnitCost", "all_reduce_time_s",
+    "build_cost_model", "in_flight",
 ]
 
 _BYTES_BF16 = 2
@@ -70,7 +74,7 @@ def all_reduce_time_s(num_bytes, ranks, bw_bytes_per_s: float):
         2 * (ranks - 1) * _COLLECTIVE_LATENCY_S
 
 
-def in_flight(schedule: str, layers: int, pp, vpp, depth, microbatches: int):
+def in_flight(schedule: str, layers: int, pp, vpp, depth, microbatches):
     """Activations held at a unit's first stage at the peak, as (microbatches in flight,
     layers each of them holds there).
 
@@ -82,7 +86,8 @@ def in_flight(schedule: str, layers: int, pp, vpp, depth, microbatches: int):
     pp = np.asarray(pp)
     per_stage = np.ceil(layers / pp)
     if schedule == "gpipe":
-        return np.broadcast_to(microbatches, np.broadcast(pp, depth).shape), per_stage
+        shape = np.broadcast(pp, np.asarray(depth), np.asarray(microbatches)).shape
+        return np.broadcast_to(microbatches, shape), per_stage
     one_f_one_b = np.minimum(depth, microbatches)
     if schedule != "interleaved":
         return one_f_one_b, per_stage
@@ -92,6 +97,27 @@ def in_flight(schedule: str, layers: int, pp, vpp, depth, microbatches: int):
     interleaved = vpp > 1
     return (np.where(interleaved, chunks, one_f_one_b),
             np.where(interleaved, np.ceil(layers / (pp * vpp)), per_stage))
+
+
+@dataclass(frozen=True)
+class ProfileQuery:
+    """What one module or projector of a unit sees per backbone microbatch, in the
+    profile's terms: on average ``weights[j]`` passes of size ``sizes[j]`` (see
+    ``dtdsl.cost.profile`` for what a size means per role)."""
+
+    name: str
+    sizes: tuple[float, ...]
+    weights: tuple[float, ...]
+
+    @staticmethod
+    def of(name: str, values: np.ndarray, per: float) -> ProfileQuery:
+        """Passes of the sizes in ``values``, ``per`` of them per microbatch on average
+        spread as ``values`` are."""
+        sizes, counts = np.unique(np.asarray(values, dtype=float), return_counts=True)
+        keep = sizes > 0
+        weights = counts[keep] / max(len(values), 1) * per
+        return ProfileQuery(name, tuple(float(x) for x in sizes[keep]),
+                            tuple(float(w) for w in weights))
 
 
 @dataclass(frozen=True)
@@ -113,6 +139,7 @@ class UnitCost:
     act_peak_ratio: float            # that large microbatch over the mean one (>= 1)
     tp_comm_bytes: float             # all-reduced bytes per microbatch, forward, all layers
     boundary_bytes: float            # activations leaving the unit per microbatch
+    queries: tuple[ProfileQuery, ...] = ()   # for a measured profile: module, projectors
 
     @property
     def trainable(self) -> bool:
@@ -133,6 +160,7 @@ class CostModel:
     program: ir.Program
     params: CostParams
     units: tuple[UnitCost, ...]
+    profile: ProfileTable | None = None
 
     def unit(self, name: str) -> UnitCost:
         for u in self.units:
@@ -151,20 +179,51 @@ class CostModel:
         return cluster.inter_node_bw_bytes_per_s
 
     def compute_time_s(self, unit: UnitCost, tp: int) -> float:
-        """Forward compute of one backbone microbatch through the whole unit at TP ``tp``."""
+        """Forward compute of one backbone microbatch through the whole unit at TP ``tp``
+        (analytic, whether or not there is a profile)."""
         eff = self.params.efficiency
         w = unit.fwd_work
         return (w.matmul / eff.matmul + w.attention / eff.attention + w.conv / eff.conv) / \
             (self.peak_flops * tp)
 
+    def tps(self, unit: UnitCost) -> tuple[int, ...] | None:
+        """The TP degrees the unit can be costed at: those its profile measured (module
+        and projectors alike), or None (any) without a profile."""
+        if self.profile is None:
+            return None
+        common = None
+        for q in unit.queries:
+            measured = set(self.profile.tps(q.name))
+            common = measured if common is None else common & measured
+        return tuple(sorted(common or ()))
+
+    def measured_time_s(self, unit: UnitCost, tp: int) -> tuple[float, float]:
+        """Forward and backward compute of one backbone microbatch from the profile:
+        the expected interpolated time over the sizes the unit sees."""
+        assert self.profile is not None
+        fwd = bwd = 0.0
+        for q in unit.queries:
+            for x, w in zip(q.sizes, q.weights, strict=True):
+                f, b = self.profile.fwd_bwd_time_s(q.name, tp, x)
+                fwd += w * f
+                bwd += w * b
+        return fwd, bwd
+
     def fwd_bwd_time_s(self, unit: UnitCost, tp: int) -> tuple[float, float]:
         """Forward and backward time of one backbone microbatch through the whole unit,
         TP communication included (Algorithm 1's C(TP), split into its two passes)."""
-        fwd = self.compute_time_s(unit, tp)
         comm = self.tp_comm_time_s(unit, tp)
+        bwd_comm = comm if unit.backward_factor else 0.0
+        if self.profile is not None:
+            fwd, bwd = self.measured_time_s(unit, tp)
+            if not unit.backward_factor:
+                bwd = 0.0
+            elif unit.recompute:   # the profile measures without recomputation
+                bwd += fwd
+            return fwd + comm, bwd + bwd_comm
+        fwd = self.compute_time_s(unit, tp)
         bwd = unit.backward_factor * fwd + (fwd if unit.recompute and unit.backward_factor
                                              else 0.0)
-        bwd_comm = comm if unit.backward_factor else 0.0
         return fwd + comm, bwd + bwd_comm
 
     def tp_comm_time_s(self, unit: UnitCost, tp: int) -> float:
@@ -224,7 +283,7 @@ class CostModel:
             _COLLECTIVE_LATENCY_S
 
 
-# ---- building the unit costs -----------------------------------------------------------------------
+# ---- building the unit costs ---------------------------------------------------------------
 
 def _upstream_trainable(program: ir.Program, module: ir.Module) -> bool:
     """Does anything feeding this module need gradients (so it must compute them for
@@ -256,14 +315,18 @@ def _transformer_activation_bytes(hidden: int, ffn: int, kv_ratio: float, swiglu
     return total, total
 
 
+def _per_microbatch(values: np.ndarray, micro_batch: int) -> np.ndarray:
+    """Sums of per-sample values over consecutive microbatches of the draw."""
+    n = len(values) // micro_batch * micro_batch
+    if n == 0:
+        return np.array([values.sum()], dtype=float)
+    return values[:n].reshape(-1, micro_batch).sum(axis=1)
+
+
 def _quantile_per_microbatch(values: np.ndarray, micro_batch: int, q: float = 0.99) -> float:
     """A high quantile of the per-microbatch sum of per-sample values (memory must hold
     the large microbatches, not the average one)."""
-    n = len(values) // micro_batch * micro_batch
-    if n == 0:
-        return float(values.sum())
-    per_mb = values[:n].reshape(-1, micro_batch).sum(axis=1)
-    return float(np.quantile(per_mb, q))
+    return float(np.quantile(_per_microbatch(values, micro_batch), q))
 
 
 def _ratio(peak: float, mean: float) -> float:
@@ -286,7 +349,10 @@ class _Acc:
     width: int = 0
     comm: float = 0.0
 
+    queries: list[ProfileQuery] = field(default_factory=list)
+
     def add_projector(self, proj: ir.Projector, tokens: float, upstream: bool) -> None:
+        self.queries.append(ProfileQuery(proj.name, (tokens,), (1.0,)))
         w = flops.mlp_forward_per_token(proj.arch) * tokens
         self.work = self.work + flops.Work(matmul=w)
         self.model_flops += w * (1 + flops.backward_factor(proj, upstream))
@@ -309,6 +375,7 @@ def _unit_cost(program: ir.Program, module: ir.Module, samples: SampleSet) -> Un
 
     if module.role == "backbone":
         tokens = train.seq_len * mb
+        acc.queries.append(ProfileQuery(module.name, (float(train.seq_len),), (float(mb),)))
         acc.work = flops.backbone_forward(arch, train.seq_len) * mb
         acc.act, acc.act_split = _transformer_activation_bytes(
             arch.hidden, arch.ffn, arch.kv_heads / arch.heads, arch.swiglu, tokens)
@@ -323,6 +390,8 @@ def _unit_cost(program: ir.Program, module: ir.Module, samples: SampleSet) -> Un
         linear = flops.encoder_item_forward(arch, 1.0).matmul        # per token
         quadratic = flops.encoder_item_forward(arch, 1.0).attention  # per token^2
         tokens = items.tokens()
+        acc.queries.append(ProfileQuery.of(module.name, items.sizes,
+                                           float(items.counts.mean()) * mb))
         acc.work = flops.Work(matmul=float(items.per_sample(linear * p).mean()) * mb,
                               attention=float(items.per_sample(quadratic * p * p).mean()) * mb)
         peak = _quantile_per_microbatch(tokens, mb)
@@ -343,7 +412,9 @@ def _unit_cost(program: ir.Program, module: ir.Module, samples: SampleSet) -> Un
         count = float(items.counts.mean()) * mb
         peak_items = _quantile_per_microbatch(items.counts.astype(float), mb)
         acc.peak_ratio = _ratio(peak_items, count)
-        cond_tokens = 77
+        cond_tokens = COND_TOKENS
+        acc.queries.append(ProfileQuery.of(
+            module.name, _per_microbatch(items.counts.astype(float), mb), 1.0))
         if isinstance(arch, ir.UNetArch):
             per_item = flops.unet_forward(arch, cond_tokens)
             ops = flops.unet_ops(arch, cond_tokens)
@@ -378,12 +449,15 @@ def _unit_cost(program: ir.Program, module: ir.Module, samples: SampleSet) -> Un
         recompute=module.recompute, fwd_work=acc.work, model_flops=acc.model_flops,
         act_bytes_per_layer=acc.act, act_bytes_per_layer_tp_split=acc.act_split,
         act_peak_ratio=acc.peak_ratio,
-        tp_comm_bytes=acc.comm, boundary_bytes=boundary)
+        tp_comm_bytes=acc.comm, boundary_bytes=boundary, queries=tuple(acc.queries))
 
 
-def build_cost_model(program: ir.Program, params: CostParams | None = None) -> CostModel:
-    """Unit costs for a program, expectations taken over synthetic samples of its data."""
+def build_cost_model(program: ir.Program, params: CostParams | None = None, *,
+                     profile: ProfileTable | None = None) -> CostModel:
+    """Unit costs for a program, expectations taken over synthetic samples of its data;
+    compute times measured in ``profile`` when given (see ``check_profile`` for whether
+    it covers the program)."""
     params = params or CostParams()
     samples = draw_samples(program, params.samples, params.seed)
     units = tuple(_unit_cost(program, m, samples) for m in program.modules)
-    return CostModel(program=program, params=params, units=units)
+    return CostModel(program=program, params=params, units=units, profile=profile)

@@ -7,9 +7,9 @@ A versioned pydantic model; ``Plan.model_dump_json()`` is its text form and the
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, computed_field, model_validator
 
 __all__ = ["PLAN_VERSION", "Plan", "UnitPlan", "split_layers"]
 
@@ -68,6 +68,15 @@ class Plan(BaseModel):
     baseline_iteration_time_s: float | None = None
     units: tuple[UnitPlan, ...]
 
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_derived(cls, data: Any) -> Any:
+        # ``speedup`` is written for readers of the JSON and derived again on reading.
+        if isinstance(data, dict) and "speedup" in data:
+            data = {k: v for k, v in data.items() if k != "speedup"}
+        return data
+
+    @computed_field  # type: ignore[prop-decorator]
     @property
     def speedup(self) -> float | None:
         """Throughput over the Megatron-style baseline on the same cluster."""

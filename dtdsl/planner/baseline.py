@@ -72,4 +72,5 @@ def plan_baseline(cost: CostModel, num_gpus: int | None = None, *,
     if best is None:
         raise no_layout_fits(space)
     return make_plan(ev, "baseline", best, solve_time_s=time.perf_counter() - start,
-                     candidates=candidates, convex_solves=0, evaluated=evaluated)
+                     candidates=candidates, convex_solves=0, evaluated=evaluated,
+                     baseline_iteration_time_s=best.iteration_time_s)

@@ -5,7 +5,7 @@ For every candidate TP/DP of the units (``Space.candidates``) the GPU counts
 integers and evaluated exactly (``Evaluator``). With T_u linear in 1/g_u:
 
     minimise   W_enc + W_lm + W_gen + (M - 1) * t + s                    (warm-up + steady + sync)
-    s.t.       t   >= a_u / g_u                 for every u    a_u = (dp_lm/dp_u) C_u(tp_u) tp_u dp_u
+    s.t.       t   >= a_u / g_u                 for every u   a_u = (dp_lm/dp_u) C_u(tp_u) tp_u dp_u
                s   >= s0_u + s1_u / g_u         for every u    (ZeRO-1 gradient sync of a stage)
                W_x >= c_u + h_u g_u             for u in x     (warm-up: (dp_lm/dp_u) C_u / vpp
                                                                 plus point-to-point hops 2 (pp - 1))
@@ -16,16 +16,17 @@ integers and evaluated exactly (``Evaluator``). With T_u linear in 1/g_u:
 ``W_enc`` (``W_gen``) is the slowest encoder (generator): they run side by side.
 This relaxes the integer problem (ceil(L/pp)/L >= 1/pp), so its optimum bounds
 every integer layout of the candidate from below. Candidates are visited in the
-order of a closed-form bound of the same relaxation (water-filling without the
-sync and hop terms, with integer stage sizes, vectorised over all candidates),
-and a candidate whose bound
-cannot beat the best layout found so far by more than ``tolerance`` is pruned.
+order of a closed-form lower bound (``_integer_fill``: water-filling of the steady
+stage time with integer stage sizes and hops, plus the least warm-up and sync,
+vectorised over all candidates), and a candidate whose bound cannot beat the best
+layout found so far by more than ``tolerance`` is pruned.
 """
 
 from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -131,8 +132,9 @@ def relaxation_bounds(space: Space, cands: Candidates) -> Relaxation:
     roles = [u.role for u in space.units]
     # Warm-up hops and sync at their least: the fewest and the most stages allowed.
     least_hops = hop0 * (pp_lo - 1)
-    bound = _path(warm + least_hops, roles, b) + ev.edge_s + m1 * t_star + \
-        (sync0 + sync1 / np.maximum(hi, 1)).max(axis=1)
+    with np.errstate(invalid="ignore"):   # inf * 0 on infeasible rows, masked next
+        bound = _path(warm + least_hops, roles, b) + ev.edge_s + m1 * t_star + \
+            (sync0 + sync1 / np.maximum(hi, 1)).max(axis=1)
     bound = np.where(feasible, bound, np.inf)
     return Relaxation(candidates=cands, a=a, warm=warm, hop=hop, hop0=hop0, sync0=sync0,
                       sync1=sync1, lo=lo, hi=hi, pp_lo=pp_lo, pp_hi=pp_hi, steady_mult=m1,
@@ -235,7 +237,10 @@ class _ConvexProgram:
         self.hi.value = rel.hi[c] / budget
         self.m1.value = float(rel.steady_mult[c])
         try:
-            self.problem.solve(solver=_SOLVER)
+            with warnings.catch_warnings():
+                # OPTIMAL_INACCURATE is accepted and re-checked below; its warning is noise.
+                warnings.simplefilter("ignore", UserWarning)
+                self.problem.solve(solver=_SOLVER)
         except cp.error.SolverError as exc:
             raise PlannerError(f"the convex solver failed on a candidate: {exc}") from exc
         if self.problem.status not in _ACCEPTED:

@@ -19,7 +19,7 @@ class PlannerError(RuntimeError):
     A compiler bug or a numerically hostile spec, never a silent fallback."""
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)   # not frozen: raising an exception sets its __traceback__
 class Infeasible(Exception):
     """No layout fits; ``message`` names the binding constraint, ``span`` the spec line."""
 
@@ -133,8 +133,12 @@ def no_layout_fits(space) -> Infeasible:
         gpus, tp, pp = min(options)
         needs.append((unit.name, gpus, f"tp {tp} x pp {pp} x dp {dp}"))
     total = sum(g for _, g, _ in needs)
-    notes = tuple(f"{n}: at least {g} GPUs ({how})" for n, g, how in needs)
+    notes = tuple(f"{n}: at least {g} GPU{'s' if g != 1 else ''} ({how})"
+                  for n, g, how in needs)
     span = cluster.gpus_span or cluster.span
+    if space.num_gpus != cluster.num_gpus:
+        notes += (f"planned for {space.num_gpus} GPUs (the spec's cluster has "
+                  f"{cluster.num_gpus})",)
     if total > space.num_gpus:
         name, most, _ = max(needs, key=lambda x: x[1])
         i = [u.name for u in space.units].index(name)

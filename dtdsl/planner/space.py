@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dtdsl.ir import program as ir
 from dtdsl.planner.evaluate import Evaluator
 
 __all__ = ["Candidates", "Space", "divisors", "efficient_pps"]
@@ -74,8 +73,13 @@ class Space:
 
     # ---- per-axis choices ----------------------------------------------------------------
     def tps(self, i: int) -> tuple[int, ...]:
+        """Allowed TP degrees (with a measured profile, those it measured)."""
         limit = min(self.num_gpus, _MAX_TP)
-        return self.constraints[i].tp.candidates(limit)
+        allowed = self.constraints[i].tp.candidates(limit)
+        measured = self.evaluator.cost.tps(self.units[i])
+        if measured is not None:
+            allowed = tuple(tp for tp in allowed if tp in measured)
+        return allowed
 
     def pps(self, i: int) -> tuple[int, ...]:
         """Allowed pipeline depths: at most one stage per layer."""

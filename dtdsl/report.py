@@ -1,0 +1,159 @@
+"""What ``dtc`` shows people: plans and profiles as tables, and progress while it works.
+
+Everything here renders with rich to a console the caller chooses (stdout for
+results, stderr for progress), so ``dtc plan > plan.txt`` and pipes stay clean.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Iterator
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from dtdsl.cost.profile import Profile
+from dtdsl.ir.plan import Plan
+
+__all__ = ["format_bytes", "format_flops", "format_seconds", "plan_table", "profile_table",
+           "progress_bar", "render_plan", "render_profile", "wide_console"]
+
+
+def format_seconds(seconds: float) -> str:
+    if seconds >= 1:
+        return f"{seconds:.3f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds * 1e6:.1f} us"
+
+
+def format_flops(flops: float) -> str:
+    for unit, size in (("EFLOP", 1e18), ("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9)):
+        if flops >= size:
+            return f"{flops / size:.1f} {unit}"
+    return f"{flops:.3g} FLOP"
+
+
+def format_bytes(num_bytes: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if num_bytes >= size:
+            return f"{num_bytes / size:.1f} {unit}"
+    return f"{num_bytes:.0f} B"
+
+
+def _layers(per_stage: tuple[int, ...]) -> str:
+    if len(set(per_stage)) == 1:
+        return f"{per_stage[0]}" if len(per_stage) == 1 else f"{per_stage[0]} x{len(per_stage)}"
+    return "/".join(str(n) for n in per_stage) if len(per_stage) <= 4 else \
+        f"{max(per_stage)}..{min(per_stage)} x{len(per_stage)}"
+
+
+def plan_table(plan: Plan) -> Table:
+    """One row per unit: its share of the cluster, layout and predicted costs (times per
+    unit microbatch on the slowest stage; memory of the first stage's GPUs)."""
+    title = (f"{plan.spec}: {plan.search} plan, {plan.gpus_used} of {plan.num_gpus} GPUs, "
+             f"{plan.schedule}, {plan.num_microbatches} microbatches per replica")
+    table = Table(title=title, title_justify="left")
+    for name, justify in (("unit", "left"), ("role", "left"), ("GPUs", "right"),
+                          ("TP", "right"), ("DP", "right"), ("PP", "right"), ("vpp", "right"),
+                          ("layers/stage", "right"), ("fwd", "right"), ("bwd", "right"),
+                          ("grad sync", "right"), ("memory/GPU", "right")):
+        table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+    for u in plan.units:
+        name = u.name + "".join(f" + {p}" for p in u.projectors)
+        role = u.role + (" (replicated over TP)" if u.tp_replicated else "")
+        share = u.memory_bytes / u.memory_limit_bytes if u.memory_limit_bytes else 0.0
+        table.add_row(
+            name, role, str(u.gpus), str(u.tp), str(u.dp), str(u.pp), str(u.vpp),
+            _layers(u.layers_per_stage), format_seconds(u.fwd_time_s),
+            format_seconds(u.bwd_time_s), format_seconds(u.dp_sync_time_s),
+            f"{format_bytes(u.memory_bytes)} of {format_bytes(u.memory_limit_bytes)} "
+            f"({share:.0%})")
+    return table
+
+
+def _summary(plan: Plan) -> list[str]:
+    lines = [
+        f"iteration time  {format_seconds(plan.iteration_time_s)}  (warm-up "
+        f"{format_seconds(plan.warmup_time_s)}, steady {format_seconds(plan.steady_time_s)}, "
+        f"gradient sync {format_seconds(plan.dp_sync_time_s)})",
+        f"MFU             {plan.mfu:.1%}  ({format_flops(plan.model_flops_per_iteration)} "
+        f"per iteration of {plan.global_batch} samples)",
+    ]
+    if plan.search == "baseline":
+        lines.append("speedup         1.00x  (this is the Megatron-LM baseline)")
+    elif plan.speedup is not None:
+        lines.append(f"speedup         {plan.speedup:.2f}x over the Megatron-LM baseline "
+                     f"({format_seconds(plan.baseline_iteration_time_s or 0.0)} per iteration)")
+    else:
+        lines.append("speedup         n/a  (no baseline layout fits this cluster)")
+    lines.append(
+        f"search          {plan.search} in {format_seconds(plan.solve_time_s)}: "
+        f"{plan.candidates:,} TP/DP candidates, {plan.convex_solves:,} convex solves, "
+        f"{plan.evaluated:,} integer layouts evaluated")
+    return lines
+
+
+def wide_console(**kwargs) -> Console:
+    """A console that does not fold tables when writing to a file or pipe."""
+    console = Console(**kwargs)
+    if not console.is_terminal:
+        console = Console(width=200, **kwargs)
+    return console
+
+
+def render_plan(plan: Plan, console: Console) -> None:
+    console.print(plan_table(plan))
+    for line in _summary(plan):
+        console.print(line, highlight=False, markup=False)
+
+
+def profile_table(profile: Profile) -> Table:
+    """Per module and TP degree: the sizes measured and the time at the largest."""
+    dev = profile.device
+    table = Table(title=f"profile of {profile.spec} on {dev.name} ({dev.type}, {dev.dtype}, "
+                  f"torch {dev.torch_version})", title_justify="left")
+    for name, justify in (("module", "left"), ("role", "left"), ("TP", "right"),
+                          ("sizes x", "right"), ("fwd @max x", "right"),
+                          ("bwd @max x", "right"), ("peak memory", "right")):
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for m in profile.modules:
+        by_tp: dict[int, list] = {}
+        for p in m.points:
+            by_tp.setdefault(p.tp, []).append(p)
+        for tp, points in sorted(by_tp.items()):
+            points.sort(key=lambda p: p.x)
+            top = points[-1]
+            table.add_row(m.name, m.role, str(tp), ", ".join(str(p.x) for p in points),
+                          format_seconds(top.fwd_time_s), format_seconds(top.bwd_time_s),
+                          format_bytes(top.peak_memory_bytes))
+    return table
+
+
+def render_profile(profile: Profile, console: Console) -> None:
+    console.print(profile_table(profile))
+
+
+@contextlib.contextmanager
+def progress_bar(label: str, *, enabled: bool | None = None
+                 ) -> Iterator[Callable[[int, int, str], None]]:
+    """A ``progress(done, total, note)`` callback drawing a bar on stderr while the block
+    runs (only on a terminal unless ``enabled``), erased when it ends."""
+    console = Console(stderr=True)
+    if enabled is None:
+        enabled = sys.stderr.isatty()
+    if not enabled:
+        yield lambda done, total, note: None
+        return
+    bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                   TextColumn("{task.fields[note]}"), TimeElapsedColumn(),
+                   console=console, transient=True)
+    task = bar.add_task(label, total=None, note="")
+
+    def update(done: int, total: int, note: str) -> None:
+        bar.update(task, completed=done, total=max(total, 1), note=note)
+
+    with bar:
+        yield update

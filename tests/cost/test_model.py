@@ -1,0 +1,237 @@
+"""The cost model: FLOPs against published figures and Megatron-LM's formula, memory
+under ZeRO and the pipeline schedules, and compute times from a measured profile."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dtdsl.cost import flops
+from dtdsl.cost.model import CostParams, Efficiency, build_cost_model, in_flight
+from dtdsl.cost.profile import (
+    DeviceInfo,
+    ModuleProfile,
+    PartPoint,
+    Point,
+    Profile,
+    ProfileTable,
+)
+from dtdsl.cost.samples import draw_samples
+from dtdsl.driver import run_frontend
+from dtdsl.ir import program as ir
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@cache
+def program(name: str, replace: tuple[tuple[str, str], ...] = ()) -> ir.Program:
+    path = ROOT / "specs" / f"{name}.dt"
+    text = path.read_text()
+    for old, new in replace:
+        assert old in text, old
+        text = text.replace(old, new)
+    result = run_frontend(str(path), text.encode())
+    assert result.ok, [d.message for d in result.diagnostics]
+    return result.program
+
+
+# ---- FLOPs and parameters ---------------------------------------------------------------
+
+def test_sd21_unet_parameters_match_the_published_count():
+    # diffusers' UNet2DConditionModel for stabilityai/stable-diffusion-2-1: 865,910,724.
+    assert flops.module_params(program("mllm_72b").module("sd")) == 865_910_724
+
+
+def test_sd_unet_macs_per_image_match_the_published_figure():
+    """SD's U-Net at a 64x64 latent: ~339 GMACs in its convolutions and linear layers
+    (the figure SnapFusion and the SD-on-mobile papers tabulate; attention score
+    products come on top)."""
+    ops = flops.unet_ops(program("mllm_72b").module("sd").arch, cond_tokens=77)
+    weighted = sum(op.flops for op in ops if op.kind in ("conv", "linear")) / 2
+    assert weighted / 1e9 == pytest.approx(339, rel=0.01)
+    total = flops.unet_forward(program("mllm_72b").module("sd").arch).total / 2
+    assert total > weighted
+
+
+def test_backbone_matches_megatron_formula_with_full_attention():
+    arch = program("mllm_72b").module("llm").arch
+    full = arch.model_copy(update={"causal": False})
+    seq, batch = 8192, 3
+    ours = flops.backbone_forward(full, seq).total * 3 * batch   # forward + 2x backward
+    assert ours == pytest.approx(flops.backbone_flops_megatron(full, seq, batch), rel=1e-12)
+
+
+def test_causal_attention_is_half_of_full():
+    arch = program("mllm_72b").module("llm").arch
+    assert arch.causal
+    full = flops.backbone_forward(arch.model_copy(update={"causal": False}), 4096)
+    causal = flops.backbone_forward(arch, 4096)
+    assert causal.attention == pytest.approx(full.attention / 2)
+    assert causal.matmul == full.matmul
+
+
+def test_vit_attention_is_bidirectional_and_quadratic():
+    arch = program("mllm_72b").module("vit").arch
+    one, two = flops.encoder_item_forward(arch, 256), flops.encoder_item_forward(arch, 512)
+    assert two.attention == pytest.approx(4 * one.attention)
+    assert one.attention == pytest.approx(arch.layers * 4 * 256 * 256 * arch.hidden)
+
+
+def test_backward_factors():
+    prog = program("mllm_9b")
+    vit = prog.module("vit")
+    assert flops.backward_factor(vit, upstream_trainable=False) == 2.0
+    frozen = vit.model_copy(update={"frozen": True})
+    assert flops.backward_factor(frozen, upstream_trainable=False) == 0.0
+    assert flops.backward_factor(frozen, upstream_trainable=True) == 1.0
+
+
+# ---- costs per unit --------------------------------------------------------------------------
+
+def test_costs_grow_with_the_data():
+    small = build_cost_model(program("mllm_9b"))
+    big = build_cost_model(program("mllm_9b", (
+        ("choice([256, 1024, 4096], p=[0.6, 0.3, 0.1])",
+         "choice([256, 1024, 4096], p=[0.1, 0.3, 0.6])"),)))
+    assert big.unit("vit").fwd_work.total > 2 * small.unit("vit").fwd_work.total
+    assert big.unit("llm").fwd_work == small.unit("llm").fwd_work   # packed to seq_len
+
+
+def test_frozen_encoder_keeps_no_gradients_or_optimizer_state():
+    trained = build_cost_model(program("mllm_9b"))
+    frozen = build_cost_model(program("mllm_9b", (
+        ("arch = transformer(layers=32, hidden=1280",
+         "frozen = true\n    arch = transformer(layers=32, hidden=1280"),)))
+    t, f = trained.unit("vit"), frozen.unit("vit")
+    assert f.backward_factor == 0.0 and f.trainable_params < f.params
+    args = {"tp": 1, "pp": 1, "dp": 4, "vpp": 1, "depth": 1, "microbatches": 8, "share": 1.0}
+    assert frozen.memory_bytes(f, **args) < 0.3 * trained.memory_bytes(t, **args)
+    assert frozen.fwd_bwd_time_s(f, 1)[1] == 0.0
+    # Only its projector (trainable, on the encoder's ranks) synchronises gradients.
+    assert 0 < float(frozen.dp_sync_time_s(f, 1, 1, 4)) < \
+        0.1 * float(trained.dp_sync_time_s(t, 1, 1, 4))
+
+
+def test_zero1_shards_optimizer_state_across_dp():
+    zero0 = build_cost_model(program("mllm_9b", (("zero=1", "zero=0"),)))
+    zero1 = build_cost_model(program("mllm_9b"))
+    u0, u1 = zero0.unit("llm"), zero1.unit("llm")
+    args = {"tp": 4, "pp": 4, "vpp": 1, "depth": 4, "microbatches": 32, "share": 1.0}
+    # Without ZeRO, dp changes nothing; with ZeRO-1 the 12 bytes/param of Adam state shrink.
+    assert zero0.memory_bytes(u0, dp=1, **args) == zero0.memory_bytes(u0, dp=8, **args)
+    saved = zero1.memory_bytes(u1, dp=1, **args) - zero1.memory_bytes(u1, dp=8, **args)
+    stage_params = u1.stage_params(4) / 4
+    assert saved == pytest.approx(stage_params * 12 * (1 - 1 / 8))
+
+
+def test_microbatches_in_flight_per_schedule():
+    # GPipe holds every microbatch; 1F1B one per stage downstream; interleaved 1F1B
+    # Megatron-LM's 2 (p - 1) + (v - 1) p + 1 chunks of L / (p v) layers.
+    assert [int(np.asarray(x)) for x in in_flight("gpipe", 32, 4, 1, 4, 16)] == [16, 8]
+    assert [int(np.asarray(x)) for x in in_flight("1f1b", 32, 4, 1, 6, 16)] == [6, 8]
+    assert [int(np.asarray(x)) for x in in_flight("1f1b", 32, 4, 1, 6, 3)] == [3, 8]
+    count, chunk = in_flight("interleaved", 32, 4, 2, 4, 16)
+    assert (int(count), int(chunk)) == (2 * 3 + 4 + 1, 4)
+    # Arrays broadcast, including the microbatch counts (one per DP candidate).
+    count, _ = in_flight("gpipe", 32, np.array([[1, 2, 4]]), 1, np.array([[1, 2, 4]]),
+                         np.array([[8], [16]]))
+    assert count.shape == (2, 3) and (count[1] == 16).all()
+
+
+def test_activation_memory_follows_the_schedule():
+    gpipe = build_cost_model(program("mllm_9b", (("schedule         = 1f1b",
+                                                  "schedule         = gpipe"),)))
+    onef = build_cost_model(program("mllm_9b"))
+    args = {"tp": 4, "pp": 4, "dp": 8, "vpp": 1, "depth": 4, "microbatches": 32, "share": 1.0}
+    assert gpipe.memory_bytes(gpipe.unit("llm"), **args) > \
+        2 * onef.memory_bytes(onef.unit("llm"), **args)
+
+
+def test_tp_communication_uses_the_intra_node_link():
+    model = build_cost_model(program("mllm_72b"))
+    llm = model.unit("llm")
+    assert model.tp_comm_time_s(llm, 1) == 0.0
+    within, across = model.tp_comm_time_s(llm, 8), model.tp_comm_time_s(llm, 16)
+    # 16 ranks span two nodes: the inter-node link is 4x slower on this cluster.
+    assert across > 3 * within
+
+
+def test_efficiency_scales_compute_time():
+    fast = build_cost_model(program("mllm_9b"), CostParams(efficiency=Efficiency(1.0, 1.0, 1.0)))
+    slow = build_cost_model(program("mllm_9b"), CostParams(efficiency=Efficiency(0.5, 0.5, 0.5)))
+    for name in ("vit", "llm", "sd"):
+        assert slow.compute_time_s(slow.unit(name), 2) == pytest.approx(
+            2 * fast.compute_time_s(fast.unit(name), 2))
+
+
+# ---- with a measured profile -------------------------------------------------------------------
+
+def _linear_profile(prog: ir.Program, slope: dict[str, float], tps=(1, 2)) -> Profile:
+    """Every module and projector measured at x = 1, 2 and 1000 with time slope * x / tp
+    (backward twice the forward)."""
+    roles = {m.name: m.role for m in prog.modules} | {p.name: "projector"
+                                                      for p in prog.projectors}
+    modules = []
+    for name, role in roles.items():
+        points = []
+        for tp in tps:
+            for x in (1, 2, 1000):
+                f = slope[name] * x / tp
+                points.append(Point(tp=tp, x=x, fwd_time_s=f, bwd_time_s=2 * f,
+                                    peak_memory_bytes=x, parts=(PartPoint(
+                                        name="whole", count=1, fwd_time_s=f,
+                                        bwd_time_s=2 * f, saved_bytes=x,
+                                        peak_memory_bytes=x),)))
+        modules.append(ModuleProfile(name=name, role=role, kind="mlp", method="whole",
+                                     arch_sha256="0" * 64, backward=True,
+                                     points=tuple(points)))
+    return Profile(device=DeviceInfo(type="cpu", name="test", torch_version="0",
+                                     dtype="fp32", num_threads=1),
+                   created=datetime(2026, 1, 1, tzinfo=UTC), spec=prog.name,
+                   spec_sha256=prog.source_sha256, repeats=1, warmup=0,
+                   modules=tuple(modules))
+
+
+def test_profile_times_are_expectations_over_the_data():
+    """With time linear in x the expected time per microbatch is slope x E[x per
+    microbatch]: tokens for the backbone, item tokens for encoders, items for
+    generators, tokens through projectors."""
+    prog = program("tiny_cpu")
+    slope = {"vit": 1e-3, "llm": 2e-4, "gen": 5e-2, "vit_to_llm": 1e-5, "llm_to_gen": 2e-5}
+    measured = build_cost_model(prog, profile=ProfileTable(_linear_profile(prog, slope)))
+    assert measured.tps(measured.unit("llm")) == (1, 2)
+    mb, seq = prog.train.micro_batch, prog.train.seq_len
+    fwd, bwd = measured.fwd_bwd_time_s(measured.unit("llm"), 1)
+    assert fwd == pytest.approx(slope["llm"] * seq * mb)
+    assert bwd == pytest.approx(2 * fwd)
+    # The encoder: the expected item tokens of a microbatch of the drawn samples.
+    vit = measured.unit("vit")
+    tokens = sum(w * x for q in vit.queries if q.name == "vit" for x, w in
+                 zip(q.sizes, q.weights, strict=True))
+    drawn = draw_samples(prog, measured.params.samples, measured.params.seed)
+    assert tokens == pytest.approx(drawn.items["image"].tokens().mean() * mb)
+    projected = [q for q in vit.queries if q.name == "vit_to_llm"]
+    assert projected[0].sizes == pytest.approx((tokens,))
+    assert measured.fwd_bwd_time_s(vit, 1)[0] == pytest.approx(
+        (slope["vit"] + slope["vit_to_llm"]) * tokens)
+    fwd1, _ = measured.fwd_bwd_time_s(vit, 1)
+    fwd2, _ = measured.fwd_bwd_time_s(vit, 2)
+    comm = measured.tp_comm_time_s(vit, 2)
+    assert fwd2 - comm == pytest.approx(fwd1 / 2)
+    # The generator: expected items per microbatch.
+    gen = measured.unit("gen")
+    items = sum(w * x for q in gen.queries if q.name == "gen" for x, w in
+                zip(q.sizes, q.weights, strict=True))
+    assert items == pytest.approx(0.4 * mb, rel=0.1)     # gen_count: 1 with p = 0.4
+
+
+def test_profile_limits_the_tp_degrees():
+    prog = program("tiny_cpu")
+    slope = dict.fromkeys(["vit", "llm", "gen", "vit_to_llm", "llm_to_gen"], 1e-4)
+    model = build_cost_model(prog, profile=ProfileTable(_linear_profile(prog, slope, tps=(1,))))
+    assert model.tps(model.unit("llm")) == (1,)
+    assert build_cost_model(prog).tps(model.unit("llm")) is None

@@ -1,0 +1,153 @@
+"""dtc plan, dtc profile and dtc graph: output, files, errors (in-process, for speed)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dtdsl import cli
+from dtdsl.ir.plan import Plan
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = str(ROOT / "specs" / "tiny_cpu.dt")
+M72 = str(ROOT / "specs" / "mllm_72b.dt")
+
+
+def run(capsys, *args: str) -> tuple[int, str, str]:
+    code = cli.main(list(args))
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    return code, out, err
+
+
+def test_plan_json_has_the_promised_fields(capsys):
+    code, out, err = run(capsys, "plan", M72, "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert {"search", "iteration_time_s", "mfu", "solve_time_s", "units", "speedup",
+            "baseline_iteration_time_s"} <= set(doc)
+    assert doc["search"] == "convex" and doc["num_gpus"] == 1172
+    for unit in doc["units"]:
+        assert {"name", "gpus", "tp", "dp", "pp"} <= set(unit)
+    assert sum(u["gpus"] for u in doc["units"]) <= 1172
+    assert 0.3 < doc["mfu"] < 0.6
+    assert doc["speedup"] > 1.0
+    assert Plan.model_validate(doc).speedup == pytest.approx(doc["speedup"])
+
+
+def test_plan_table_shows_units_time_mfu_speedup_and_search(capsys):
+    code, out, _ = run(capsys, "plan", TINY)
+    assert code == 0
+    for unit in ("vit + vit_to_llm", "llm", "gen + llm_to_gen"):
+        assert unit in out
+    for word in ("iteration time", "MFU", "speedup", "over the Megatron-LM baseline",
+                 "memory/GPU", "layers/stage", "convex solves"):
+        assert word in out
+
+
+def test_searches_agree_and_baseline_is_slower(capsys, tmp_path):
+    times = {}
+    for search in ("convex", "exhaustive", "baseline"):
+        code, out, err = run(capsys, "plan", TINY, "--gpus", "6", "--search", search, "--json")
+        assert code == 0, err
+        doc = json.loads(out)
+        assert doc["search"] == search and doc["num_gpus"] == 6
+        times[search] = doc["iteration_time_s"]
+    assert times["convex"] == pytest.approx(times["exhaustive"], rel=1e-3)
+    assert times["baseline"] > times["convex"]
+
+
+def test_plan_writes_the_plan_file(capsys, tmp_path):
+    target = tmp_path / "plan.json"
+    code, out, _ = run(capsys, "plan", TINY, "-o", str(target), "--no-baseline")
+    assert code == 0 and "speedup" in out
+    plan = Plan.model_validate_json(target.read_text())
+    assert plan.baseline_iteration_time_s is None and plan.spec == "tiny_cpu"
+
+
+def test_infeasible_plan_is_a_diagnostic_at_the_gpus_line(capsys):
+    code, out, err = run(capsys, "plan", M72, "--gpus", "16")
+    assert code == 1 and out == ""
+    assert "error[DT410]: llm needs at least" in err
+    assert "gpus          = 1172" in err           # the source line, with a caret below
+    assert "planned for 16 GPUs" in err
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("--search", "exhaustive"), "stops at 128 GPUs"),
+    (("--efficiency", "matmul=1.5"), "--efficiency takes"),
+    (("--efficiency", "tensor=0.5"), "--efficiency takes"),
+    (("--profile", "/nonexistent/profile.json"), "cannot use profile"),
+])
+def test_plan_usage_errors(capsys, args, message):
+    code, _, err = run(capsys, "plan", M72, *args)
+    assert code == 2 and message in err
+
+
+def test_efficiency_calibrates_the_analytic_model(capsys):
+    plans = {}
+    for eff in ("1.0", "0.35"):
+        code, out, _ = run(capsys, "plan", M72, "--efficiency", eff, "--json", "--no-baseline")
+        assert code == 0
+        plans[eff] = json.loads(out)
+    assert plans["0.35"]["iteration_time_s"] > 1.5 * plans["1.0"]["iteration_time_s"]
+
+
+def test_spec_errors_stop_before_planning(capsys, tmp_path):
+    bad = tmp_path / "bad.dt"
+    bad.write_text("train { global_batch = 64\n  globl = 3 }\n")
+    code, out, err = run(capsys, "plan", str(bad))
+    assert code == 1 and out == "" and "DT201" in err
+
+
+def test_profile_then_plan_with_it(capsys, tmp_path):
+    profile = tmp_path / "profile.json"
+    code, _, err = run(capsys, "profile", TINY, "-o", str(profile), "--tp", "1",
+                       "--repeats", "1", "--warmup", "0")
+    assert code == 0, err
+    assert "wrote" in err and "llm" in err
+    doc = json.loads(profile.read_text())
+    assert doc["version"] == 1 and doc["device"]["type"] in ("cpu", "cuda")
+    code, out, err = run(capsys, "plan", TINY, "--profile", str(profile), "--json")
+    assert code == 0, err
+    plan = json.loads(out)
+    # Only TP 1 was measured, so only TP 1 can be planned.
+    assert all(u["tp"] == 1 for u in plan["units"])
+    # The measured plan is another plan than the analytic one (a CPU, not the spec's GPU).
+    _, analytic, _ = run(capsys, "plan", TINY, "--json", "--no-baseline")
+    assert plan["iteration_time_s"] != json.loads(analytic)["iteration_time_s"]
+    # A profile of another spec does not cover this one.
+    code, _, err = run(capsys, "plan", M72, "--profile", str(profile))
+    assert code == 2 and "no measurements for" in err
+
+
+def test_profile_bad_tp_is_a_usage_error(capsys, tmp_path):
+    code, _, err = run(capsys, "profile", TINY, "-o", str(tmp_path / "p.json"), "--tp", "x")
+    assert code == 2 and "--tp takes" in err
+
+
+def test_graph_text_dot_and_emit(capsys, tmp_path):
+    code, text, _ = run(capsys, "graph", TINY)
+    assert code == 0 and text.startswith("graph tiny_cpu:")
+    code, emitted, _ = run(capsys, "check", "--emit", "graph", TINY)
+    assert code == 0 and emitted == text
+    plan = tmp_path / "plan.json"
+    assert run(capsys, "plan", TINY, "-o", str(plan), "--no-baseline")[0] == 0
+    dot = tmp_path / "g.dot"
+    code, out, _ = run(capsys, "graph", TINY, "--dot", "--plan", str(plan), "-o", str(dot))
+    assert code == 0 and out == ""
+    body = dot.read_text()
+    assert body.startswith('digraph "tiny_cpu" {') and body.rstrip().endswith("}")
+    assert "cluster_llm" in body and '"llm.s0"' in body
+
+
+def test_check_emit_keeps_warnings_off_stdout(capsys, tmp_path):
+    spec = tmp_path / "warn.dt"
+    text = Path(TINY).read_text().replace('  source = "data/tiny"\n',
+                                          '  source = "data/tiny"\n  audio.frames ~ constant(10)\n')
+    spec.write_text(text)
+    code, out, err = run(capsys, "check", "--emit", "program", str(spec))
+    assert code == 0 and "warning" in err
+    json.loads(out)   # stdout is the program and nothing else
