@@ -25,9 +25,9 @@ from dtdsl.ir import program as ir
 
 __all__ = [
     "UNetOp", "Work", "backbone_flops_megatron", "backward_factor", "dit_forward",
-    "encoder_item_forward", "mlp_forward_per_token", "module_params", "projector_params",
-    "transformer_layer_matmul_per_token", "transformer_layer_params", "unet_forward",
-    "unet_ops",
+    "encoder_item_forward", "input_needs_grad", "mlp_forward_per_token", "module_params",
+    "projector_params", "transformer_layer_matmul_per_token", "transformer_layer_params",
+    "unet_forward", "unet_ops",
 ]
 
 
@@ -258,6 +258,21 @@ def module_params(module: ir.Module) -> float:
     h = arch.hidden
     per_layer = h * h * 4 + h * h * 2 + 2 * arch.context_dim * h + 2 * h * arch.ffn + 6 * h * h
     return arch.layers * per_layer + 2 * arch.latent_channels * arch.patch ** 2 * h
+
+
+def input_needs_grad(program: ir.Program, module: ir.Module) -> bool:
+    """Does anything feeding ``module`` train, so that its backward must produce input
+    gradients? Encoders read data; the backbone's inputs need gradients when a
+    projector or encoder feeding it trains; a generator's when the backbone or anything
+    before it trains, or its projector does."""
+    if module.role == "encoder":
+        return False
+    feeders = [p for p in program.projectors if p.target == module.name]
+    if module.role == "backbone":
+        return any(not p.frozen or not program.module(p.source).frozen for p in feeders)
+    backbone = program.backbone
+    return any(not p.frozen for p in feeders) or not backbone.frozen or \
+        input_needs_grad(program, backbone)
 
 
 def backward_factor(module: ir.Module | ir.Projector, upstream_trainable: bool) -> float:

@@ -285,19 +285,6 @@ class CostModel:
 
 # ---- building the unit costs ---------------------------------------------------------------
 
-def _upstream_trainable(program: ir.Program, module: ir.Module) -> bool:
-    """Does anything feeding this module need gradients (so it must compute them for
-    its inputs)?"""
-    if module.role == "encoder":
-        return False
-    feeders = [p for p in program.projectors if p.target == module.name]
-    if module.role == "backbone":
-        return any(not p.frozen or not program.module(p.source).frozen for p in feeders)
-    backbone = program.backbone
-    return any(not p.frozen for p in feeders) or not backbone.frozen or \
-        _upstream_trainable(program, backbone)
-
-
 def _transformer_activation_bytes(hidden: int, ffn: int, kv_ratio: float, swiglu: bool,
                                   tokens: float, cross_attention: bool = False
                                   ) -> tuple[float, float]:
@@ -367,7 +354,7 @@ def _unit_cost(program: ir.Program, module: ir.Module, samples: SampleSet) -> Un
     train = program.train
     mb = train.micro_batch
     arch = module.arch
-    upstream = _upstream_trainable(program, module)
+    upstream = flops.input_needs_grad(program, module)
     bwd = flops.backward_factor(module, upstream)
     acc = _Acc(params=flops.module_params(module))
     acc.trainable_params = 0.0 if module.frozen else acc.params

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from dtdsl.cost.flops import input_needs_grad
 from dtdsl.cost.samples import draw
 from dtdsl.ir import program as ir
 
@@ -320,19 +321,6 @@ class ProfileTable:
 
 # ---- what to measure -------------------------------------------------------------------------
 
-def _input_needs_grad(program: ir.Program, module: ir.Module) -> bool:
-    """Does anything feeding ``module`` train, so that its backward must produce input
-    gradients? (The rule of ``dtdsl.cost.model``'s backward factor.)"""
-    if module.role == "encoder":
-        return False
-    feeders = [p for p in program.projectors if p.target == module.name]
-    if module.role == "backbone":
-        return any(not p.frozen or not program.module(p.source).frozen for p in feeders)
-    backbone = program.backbone
-    return any(not p.frozen for p in feeders) or not backbone.frozen or \
-        _input_needs_grad(program, backbone)
-
-
 def _unit_of(program: ir.Program, proj: ir.Projector) -> ir.Module:
     """The module whose parallelism unit runs a projector: an encoder's projector runs
     on the encoder's ranks, a generator's on the generator's (as in DistTrain)."""
@@ -566,13 +554,13 @@ def _jobs(program: ir.Program, tps: Mapping[str, Sequence[int]] | None,
         proj = next((p for p in program.projectors if p.name == name), None)
         if proj is not None:
             source = program.module(proj.source)
-            grad = not source.frozen or _input_needs_grad(program, source)
+            grad = not source.frozen or input_needs_grad(program, source)
             jobs.append(_Job(name, "projector", "mlp", "whole", _arch_sha256(proj.arch),
                              job_tps, xs,
                              lambda tp, env, p=proj, g=grad: _projector_parts(p, g, tp, env)))
             continue
         module = program.module(name)
-        grad = _input_needs_grad(program, module)
+        grad = input_needs_grad(program, module)
         if isinstance(module.arch, ir.TransformerArch):
             build, method = _transformer_parts, "per_layer"
         else:

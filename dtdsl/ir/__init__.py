@@ -1,1 +1,2 @@
-"""Intermediate representations: Program, and later StageGraph, Plan and Schedule."""
+"""Intermediate representations: Program (program.py), the stage graph (graph.py) and
+Plan (plan.py); the Schedule follows."""

@@ -320,6 +320,8 @@ def plan_convex(cost: CostModel, num_gpus: int | None = None, *, tolerance: floa
     ev = Evaluator(cost, num_gpus)
     space = Space(ev)
     cands = space.candidates()
+    if not len(cands):
+        raise no_layout_fits(space)
     rel = relaxation_bounds(space, cands)
     roles = [u.role for u in space.units]
     order = np.argsort(rel.bound, kind="stable")

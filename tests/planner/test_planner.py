@@ -185,6 +185,13 @@ def test_infeasible_names_the_binding_module_and_the_cluster_line():
     assert any(note.startswith("llm: at least") for note in exc.notes)
 
 
+@pytest.mark.parametrize("search", [plan_convex, plan_exhaustive, plan_baseline])
+def test_fewer_gpus_than_modules_is_infeasible(search):
+    with pytest.raises(Infeasible) as err:
+        search(cost("tiny_cpu"), 2)
+    assert "all modules together need at least 3" in err.value.message
+
+
 def test_module_too_large_for_any_layout_points_at_the_module():
     text = (ROOT / "specs" / "tiny_cpu.dt").read_text().replace(
         "memory=4 GiB", "memory=64 MiB").replace("vocab=512", "vocab=512000")
