@@ -213,11 +213,13 @@ allowed degree is left.
     constraints { tp(vit) in {2, 4} }     # error: 25 heads; TP that works: 1, 5
 """),
     "DT402": Code("Layout does not fit the cluster", """
-A pinned GPU count must be tp x pp x dp for some allowed tp, pp and dp, and the
-modules' smallest allowed layouts must fit in the cluster together. The message
-names the counts that work, or how many GPUs the constraints need.
+A pinned GPU count must be tp x pp x dp for some allowed tp, pp and dp, the
+modules' smallest allowed layouts must fit in the cluster together, and a TP
+group cannot be larger than the cluster. The message names the counts that
+work, or how many GPUs the constraints need.
 
     gpus(vit) == 12, tp(vit) == 8     # error: 12 is not a multiple of 8
+    tp(*) == 128                      # error on 64 GPUs: TP groups of 128 GPUs
 """),
     "DT403": Code("Constraints allow no value", """
 The constraints on one axis of one module (the wildcard `*` ones included)
@@ -226,8 +228,11 @@ empty set or range.
 """),
     "DT404": Code("Memory constraint problem", """
 `memory(...)` takes an upper bound, as a share of GPU memory (`<= 90%`) or a size
-(`<= 70 GiB`). As a warning: the bound is above the GPU's own capacity, so it
-has no effect.
+(`<= 70 GiB`). A size replaces the default share of 90%, so it must fit on the
+GPU: a size above the GPU's memory is an error too (check the GPU, and GB
+against GiB: an 80 GB GPU has 74.5 GiB).
+
+    memory(*) <= 80 GiB     # error on an 80 GB H100: write 80 GB, or 95%
 """),
     "DT406": Code("Backbone DP does not divide the microbatches", """
 Every data-parallel replica of the backbone runs the same number of microbatches
@@ -262,8 +267,13 @@ A lognormal or zipf distribution has no upper clamp, so rare samples can be
 arbitrarily large and one sample can dominate a batch. Add `clamp [low, high]`.
 """),
     "DT503": Code("Samples longer than the sequence", """
-The text-token clamp reaches beyond `seq_len`, so the longest samples would be
-truncated. Clamp the tokens at seq_len or raise it.
+A sample can carry more text tokens than `seq_len`, so the longest samples would
+be truncated. The largest value `text.tokens` can take is its distribution's
+(a constant's value, uniform's high, the largest choice or empirical value)
+limited by the clamp; for lognormal and zipf it is the upper clamp (without one,
+DT502 says the distribution is unbounded). Clamp the tokens at seq_len or raise it.
+
+    text.tokens ~ uniform(16, 400) clamp [1, 200]    # with seq_len = 128
 """),
 })
 

@@ -51,13 +51,13 @@ class Diagnostic(BaseModel):
 
     @classmethod
     def error(cls, code: str, message: str, span: Span, *, notes: Sequence[str] = (),
-              hint: str | None = None) -> "Diagnostic":
+              hint: str | None = None) -> Diagnostic:
         return cls(code=code, severity=Severity.ERROR, message=message, span=span,
                    notes=tuple(notes), hint=hint)
 
     @classmethod
     def warning(cls, code: str, message: str, span: Span, *, notes: Sequence[str] = (),
-                hint: str | None = None) -> "Diagnostic":
+                hint: str | None = None) -> Diagnostic:
         return cls(code=code, severity=Severity.WARNING, message=message, span=span,
                    notes=tuple(notes), hint=hint)
 

@@ -26,7 +26,7 @@ class Span(BaseModel):
     end_column: int
 
     @classmethod
-    def point(cls, line: int, column: int) -> "Span":
+    def point(cls, line: int, column: int) -> Span:
         return cls(line=line, column=column, end_line=line, end_column=column + 1)
 
     def __str__(self) -> str:

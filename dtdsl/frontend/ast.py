@@ -6,9 +6,10 @@ kept as written; the checker (``dtdsl.frontend.check``) resolves them.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field as PydField
+from pydantic import BaseModel, ConfigDict
+from pydantic import Field as PydField
 
 from dtdsl.source import Span
 
@@ -61,27 +62,27 @@ class Ref(Node):
 
 class ListExpr(Node):
     kind: Literal["list"] = "list"
-    items: tuple["Expr", ...]
+    items: tuple[Expr, ...]
 
 
 class SetExpr(Node):
     kind: Literal["set"] = "set"
-    items: tuple["Expr", ...]
+    items: tuple[Expr, ...]
 
 
 class Range(Node):
     """``low..high``, both ends included."""
 
     kind: Literal["range"] = "range"
-    low: "Expr"
-    high: "Expr"
+    low: Expr
+    high: Expr
 
 
 class Arg(Node):
     """A call argument: ``name = value``, a positional value, or a bare flag (a Name)."""
 
     name: str | None
-    value: "Expr"
+    value: Expr
 
 
 class Call(Node):
@@ -92,7 +93,7 @@ class Call(Node):
 
 
 Expr = Annotated[
-    Union[Number, String, Bool, Name, Ref, ListExpr, SetExpr, Range, Call],
+    Number | String | Bool | Name | Ref | ListExpr | SetExpr | Range | Call,
     PydField(discriminator="kind"),
 ]
 
@@ -159,13 +160,13 @@ class Projector(Node):
 
 class ModelBlock(Node):
     kind: Literal["model"] = "model"
-    items: tuple[Annotated[Union[Module, Projector], PydField(discriminator="kind")], ...]
+    items: tuple[Annotated[Module | Projector, PydField(discriminator="kind")], ...]
 
 
 class DataBlock(Node):
     kind: Literal["data"] = "data"
     name: str | None = None
-    items: tuple[Annotated[Union[Field, Distribution], PydField(discriminator="kind")], ...]
+    items: tuple[Annotated[Field | Distribution, PydField(discriminator="kind")], ...]
 
 
 class ClusterBlock(Node):
@@ -185,7 +186,7 @@ class ConstraintsBlock(Node):
 
 
 Block = Annotated[
-    Union[ModelBlock, DataBlock, ClusterBlock, TrainBlock, ConstraintsBlock],
+    ModelBlock | DataBlock | ClusterBlock | TrainBlock | ConstraintsBlock,
     PydField(discriminator="kind"),
 ]
 

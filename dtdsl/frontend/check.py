@@ -23,8 +23,21 @@ from dtdsl.diagnostics import Diagnostic, did_you_mean, has_errors
 from dtdsl.frontend import ast
 from dtdsl.frontend.constraints import resolve_constraints
 from dtdsl.frontend.schema import (
-    INVALID, BoolKind, CallKind, Ctx, EnumKind, FloatKind, IntKind, Kind, ListKind, Param,
-    QuantityKind, StrKind, head_span, resolve_call, resolve_fields,
+    INVALID,
+    BoolKind,
+    CallKind,
+    Ctx,
+    EnumKind,
+    FloatKind,
+    IntKind,
+    Kind,
+    ListKind,
+    Param,
+    QuantityKind,
+    StrKind,
+    head_span,
+    resolve_call,
+    resolve_fields,
 )
 from dtdsl.ir import program as ir
 from dtdsl.ir.hardware import GPU_PRESETS
@@ -64,7 +77,9 @@ UNET_ARGS = (
     Param("channels", IntKind(8, 8192), required=True, doc="channels=320"),
     Param("mult", ListKind(IntKind(1, 64), 1, 8), required=True, doc="mult=[1, 2, 4, 4]"),
     Param("res_blocks", IntKind(1, 16), required=True, doc="res_blocks=2"),
-    Param("attn_res", ListKind(IntKind(1, 1024), 0, 8), default=(4, 2, 1)),
+    # Default: attention at downsampling factors 4, 2 and 1 where the U-Net reaches them
+    # (SD 1.x/2.x: every level but the deepest of four); see _unet.
+    Param("attn_res", ListKind(IntKind(1, 1024), 0, 8)),
     Param("latent", IntKind(1, 1024), required=True, doc="latent=64 (a 512x512 image)"),
     Param("latent_channels", IntKind(1, 64), default=4),
     Param("head_dim", IntKind(1, 1024), default=64),
@@ -87,6 +102,7 @@ MLP_ARGS = (
     Param("hidden", IntKind(1, 1 << 17)),
     Param("activation", EnumKind(choices=("gelu", "silu", "relu")), default="gelu"),
 )
+_DEFAULT_ATTN_RES = (4, 2, 1)
 ARCHS = {"transformer": TRANSFORMER_ARGS, "unet": UNET_ARGS, "dit": DIT_ARGS}
 ROLE_ARCHS = {"encoder": ("transformer",), "backbone": ("transformer",),
               "generator": ("unet", "dit")}
@@ -284,9 +300,11 @@ class _Checker:
             if not isinstance(item, ast.Module):
                 continue
             if len(item.name) > MAX_NAME_LENGTH:
+                # Still declared, so that projectors, constraints and the backbone count
+                # do not report it a second time as missing.
                 ctx.error("DT208", f"module name is {len(item.name)} characters long; "
-                          f"names are limited to {MAX_NAME_LENGTH}", item.name_span)
-                continue
+                          f"names are limited to {MAX_NAME_LENGTH}", item.name_span,
+                          hint="choose a shorter name")
             if item.name in decls:
                 ctx.error("DT202", f"a second module named '{item.name}'", item.name_span,
                           notes=[f"the first is at line {decls[item.name].span.line}"],
@@ -353,9 +371,10 @@ class _Checker:
                                     "unet and dit (generators)"],
                              hint=f"did you mean '{guess}'?" if guess else None)
         if call.func not in allowed:
-            return ctx.error("DT306", f"a {decl.role} cannot be a {call.func}",
-                             call.func_span, notes=[f"a {decl.role} is "
-                                                    f"{' or '.join(allowed)}"])
+            return ctx.error("DT306", f"{_article(decl.role)} cannot be a {call.func}",
+                             call.func_span, notes=[
+                                 f"{_article(decl.role)} is "
+                                 + " or ".join(f"a {a}" for a in allowed)])
         where = f"{call.func}() of {decl.role} {decl.name}"
         args = resolve_call(call, ARCHS[call.func], ctx, where)
         if not _ok(*args.values()):
@@ -412,13 +431,16 @@ class _Checker:
         ok = True
         levels = len(args["mult"])
         reachable = [2 ** i for i in range(levels)]
+        if args["attn_res"] is None:
+            args["attn_res"] = tuple(f for f in _DEFAULT_ATTN_RES if f in reachable)
         for res in args["attn_res"]:
             if res not in reachable:
                 ok = False
                 ctx.error("DT305", f"attn_res {res} is never reached: a U-Net with {levels} "
                           f"levels downsamples by {_listing(reachable)}",
                           _arg_span(call, "attn_res"),
-                          hint="list downsampling factors where attention runs, e.g. [4, 2, 1]")
+                          hint="list downsampling factors where attention runs, e.g. "
+                          f"[{', '.join(map(str, reversed(reachable[:3])))}]")
         if args["latent"] % (2 ** (levels - 1)):
             ok = False
             ctx.error("DT305", f"latent {args['latent']} cannot be halved {levels - 1} times "
@@ -624,7 +646,8 @@ class _Checker:
         if not ok:
             return INVALID
         return ir.Data(name=block.name or "data", source=values["source"],
-                       quantities=tuple(quantities.values()), span=block.span)
+                       samples=values["samples"], quantities=tuple(quantities.values()),
+                       span=block.span)
 
     def _quantity(self, item: ast.Distribution, key: str) -> Any:
         ctx = self.ctx
@@ -809,8 +832,8 @@ class _Checker:
 
     def _optimizer(self, call: ast.Call | None | Any) -> Any:
         ctx = self.ctx
-        if call is None:
-            return ir.Optimizer()
+        if call is None:  # the same as `optimizer = adamw`
+            return ir.Optimizer(name="adamw", **{p.name: p.default for p in _OPTIMIZER_ARGS})
         if call is INVALID:
             return INVALID
         if call.func not in ("adamw", "adam"):
@@ -843,10 +866,15 @@ class _Checker:
         if data is INVALID or train is INVALID:
             return
         tokens = data.get("text", "tokens")
-        if tokens is not None and tokens.high is not None and tokens.high > train.seq_len:
-            ctx.warning("DT503", f"text.tokens reaches {tokens.high:g} but seq_len is "
+        longest = _largest(tokens) if tokens is not None else None
+        if longest is not None and longest > train.seq_len:
+            by_clamp = tokens.high is not None and longest == tokens.high
+            ctx.warning("DT503", f"text.tokens reaches {longest:g} but seq_len is "
                         f"{train.seq_len}: longer samples will be truncated", tokens.span,
-                        hint=f"clamp text.tokens at {train.seq_len} or raise seq_len")
+                        notes=[f"the {'clamp' if by_clamp else 'distribution'} allows "
+                               f"{longest:g} text tokens in one sample"],
+                        hint=f"clamp text.tokens at {train.seq_len} or raise seq_len to "
+                        f"{math.ceil(longest)}")
 
 
 _EXAMPLES = {
@@ -856,6 +884,27 @@ _EXAMPLES = {
     "patches": "choice([256, 1024], p=[0.7, 0.3])",
     "frames": "uniform(100, 1500)",
 }
+
+
+def _largest(q: ir.Quantity) -> float | None:
+    """The largest value a quantity can take (its distribution's, then clamped), or None
+    when it has no bound (an unclamped lognormal or zipf: DT502 says so)."""
+    dist = q.dist
+    if isinstance(dist, ir.Constant):
+        top = dist.value
+    elif isinstance(dist, ir.Uniform):
+        top = dist.high
+    elif isinstance(dist, ir.Choice):
+        top = max(v for v, p in zip(dist.values, dist.probs, strict=True) if p > 0)
+    elif isinstance(dist, ir.Empirical):
+        top = max(dist.values)
+    else:
+        top = math.inf
+    if q.high is not None:
+        top = min(top, q.high)
+    if q.low is not None:
+        top = max(top, q.low)
+    return None if math.isinf(top) else top
 
 
 def _shown(path: Path) -> str:

@@ -17,8 +17,14 @@ from typing import Any
 
 from dtdsl.diagnostics import did_you_mean
 from dtdsl.frontend import ast
+from dtdsl.frontend.fmt import expr_text
 from dtdsl.frontend.schema import (
-    INVALID, Ctx, FractionKind, IntKind, QuantityKind, describe_expr,
+    INVALID,
+    Ctx,
+    FractionKind,
+    IntKind,
+    QuantityKind,
+    describe_expr,
 )
 from dtdsl.ir.program import Cluster, IntDomain, Module, ModuleConstraints, Train
 from dtdsl.source import Span
@@ -121,6 +127,11 @@ def _rule(c: ast.Constraint, modules: Mapping[str, Module], declared: set[str],
     return _Rule(c.axis, c.target, domain, None, None, explicit, c)
 
 
+def _rule_text(r: _Rule) -> str:
+    """A constraint as written: ``tp(*) == 128``."""
+    return f"{r.axis}({r.target}) {r.node.op} {expr_text(r.node.value)}"
+
+
 def _where(rules: Sequence[_Rule]) -> str:
     return ", ".join(f"{r.axis}({r.target}) at line {r.node.span.line}" for r in rules)
 
@@ -138,17 +149,44 @@ class _Resolver:
         self.train = train
         self.gpus_span = gpus_span
         self.ctx = ctx
+        # Problems that come from `*` constraints alone are the same for every module:
+        # each is reported once, keyed by the rules that cause it.
+        self._reported: set[tuple] = set()
+
+    def _once(self, key: tuple) -> bool:
+        """True the first time ``key`` is seen."""
+        if key in self._reported:
+            return False
+        self._reported.add(key)
+        return True
 
     def run(self, rules: Sequence[_Rule]) -> tuple[ModuleConstraints, ...] | Any:
+        memory_ok = self._memory_sizes(rules)
         result = []
         for module in self.modules.values():
             mine = [r for r in rules if r.target in ("*", module.name)]
             result.append(self._module(module, mine))
         # Even with some modules in error, the rest may already need more than the cluster.
         self._fits_cluster([c for c in result if c is not INVALID])
-        if any(c is INVALID for c in result):
+        if any(c is INVALID for c in result) or not memory_ok:
             return INVALID
         return tuple(result)
+
+    def _memory_sizes(self, rules: Sequence[_Rule]) -> bool:
+        """A memory size is a limit the GPU must be able to give: once per constraint."""
+        gpu = self.cluster.gpu
+        ok = True
+        for r in rules:
+            if r.mem_bytes is not None and r.mem_bytes > gpu.memory_bytes:
+                ok = False
+                self.ctx.error(
+                    "DT404", f"{_rule_text(r)} is more than the GPU's memory "
+                    f"({gpu.name}: {_size_text(gpu.memory_bytes)})", r.node.value.span,
+                    notes=[("an explicit size replaces the default share of "
+                            f"{DEFAULT_MEMORY_FRACTION:.0%}, so it must fit on the GPU")],
+                    hint=f"write at most {gpu.memory_bytes / 1e9:g} GB, or a share such as "
+                    f"`memory({r.target}) <= 95%`")
+        return ok
 
     def _axis(self, module: Module, axis: str, rules: Sequence[_Rule],
               default: IntDomain) -> IntDomain | Any:
@@ -159,15 +197,17 @@ class _Resolver:
         for r in mine:
             domain = domain.intersect(r.domain)
         if domain.is_empty():
-            return self.ctx.error(
-                "DT403", f"the constraints on {axis}({module.name}) allow no value",
-                mine[-1].node.span, notes=[f"together: {_where(mine)}"],
-                hint="loosen one of them")
+            target = "*" if all(r.target == "*" for r in mine) else module.name
+            if self._once(("DT403", axis, tuple(map(id, mine)))):
+                self.ctx.error(
+                    "DT403", f"the constraints on {axis}({target}) allow no value",
+                    mine[-1].node.span, notes=[f"together: {_where(mine)}"],
+                    hint="loosen one of them")
+            return INVALID
         return domain
 
     def _module(self, module: Module, rules: Sequence[_Rule]) -> ModuleConstraints | Any:
         ctx = self.ctx
-        cluster = self.cluster
         tp = self._axis(module, "tp", rules, IntDomain(values=DEFAULT_TP))
         dp = self._axis(module, "dp", rules, IntDomain())
         pp = self._axis(module, "pp", rules, IntDomain())
@@ -215,21 +255,19 @@ class _Resolver:
 
         fractions = [r.fraction for r in rules if r.fraction is not None]
         sizes = [r.mem_bytes for r in rules if r.mem_bytes is not None]
-        for r in rules:
-            if r.mem_bytes is not None and r.mem_bytes > cluster.gpu.memory_bytes:
-                ctx.warning("DT404", f"memory({r.target}) allows more than a {cluster.gpu.name}'s "
-                            f"{cluster.gpu.memory_bytes / 1e9:g} GB; the GPU is the limit",
-                            r.node.span)
+        # The default share is only a default: an explicit size alone replaces it.
+        fraction = min(fractions) if fractions else 1.0 if sizes else DEFAULT_MEMORY_FRACTION
         return ModuleConstraints(
             module=module.name, tp=tp, dp=dp, pp=pp, gpus=gpus,
-            memory_fraction=min(fractions) if fractions else DEFAULT_MEMORY_FRACTION,
-            memory_bytes=min(sizes) if sizes else None)
+            memory_fraction=fraction, memory_bytes=min(sizes) if sizes else None)
 
     def _tp(self, module: Module, domain: IntDomain, rules: Sequence[_Rule]) -> IntDomain | Any:
         """Keep the TP degrees that split the module evenly; explain the ones that do not."""
         ctx = self.ctx
         upper = min(self.cluster.num_gpus, 1024)
         candidates = domain.candidates(upper)
+        if not candidates:  # the constraints only allow TP groups larger than the cluster
+            return self._tp_too_large(module, domain, rules)
         good = [t for t in candidates if not module.arch.tp_conflicts(t)]
         bad = [t for t in candidates if module.arch.tp_conflicts(t)]
         named = {v for r in rules if r.target == module.name and r.explicit_values
@@ -270,6 +308,31 @@ class _Resolver:
                         hint=f"TP degrees that work for {module.name}: {hint_values}; say so "
                         f"with `tp({module.name}) in {{...}}` to silence this")
         return IntDomain(values=tuple(good))
+
+    def _tp_too_large(self, module: Module, domain: IntDomain,
+                      rules: Sequence[_Rule]) -> Any:
+        if not self._once(("tp-cluster", tuple(map(id, rules)))):
+            return INVALID
+        cluster = self.cluster
+        everyone = all(r.target == "*" for r in rules)
+        target = "*" if everyone else module.name
+        covered = list(self.modules.values()) if everyone else [module]
+        node_size = min(cluster.num_gpus, cluster.gpus_per_node, 1024)
+        works = [t for t in range(1, node_size + 1)
+                 if not any(m.arch.tp_conflicts(t) for m in covered)] or [1]
+        size = f"{domain.smallest}" if domain.pinned() else f"at least {domain.smallest}"
+        self.ctx.error(
+            "DT402", f"{' and '.join(_rule_text(r) for r in rules)} "
+            f"{'asks' if len(rules) == 1 else 'ask'} for TP groups of "
+            f"{size} GPUs, but the cluster has only {cluster.num_gpus}",
+            rules[-1].node.span,
+            notes=["a TP group spans tp GPUs, usually within one node "
+                   + f"({cluster.gpus_per_node} GPUs here)"] +
+            [f"tp that works for {m.name}: {_divisor_hint(m, node_size)}" for m in covered
+             if len(covered) > 1],
+            hint=f"allow TP degrees the cluster can hold, e.g. `tp({target}) in "
+            f"{{{', '.join(map(str, works))}}}`")
+        return INVALID
 
     def _tiles(self, module: Module, tp: IntDomain, pp: IntDomain, dp: IntDomain,
                gpus: IntDomain, rules: Sequence[_Rule]) -> bool:
@@ -324,6 +387,12 @@ def _header(module: Module) -> Span:
     width = len(f"{module.role} {module.name}")
     return Span(line=span.line, column=span.column, end_line=span.line,
                 end_column=span.column + width)
+
+
+def _size_text(n_bytes: int) -> str:
+    """80 GB, and the GiB when they differ visibly: '80 GB = 74.5 GiB'."""
+    gb, gib = n_bytes / 1e9, n_bytes / 2**30
+    return f"{gb:g} GB" if abs(gb - gib) < 0.05 else f"{gb:g} GB = {gib:.3g} GiB"
 
 
 def _axis_text(axis: str, domain: IntDomain) -> str:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from dtdsl.frontend import ast
 
-__all__ = ["LINE_WIDTH", "format_spec"]
+__all__ = ["LINE_WIDTH", "expr_text", "format_spec"]
 
 LINE_WIDTH = 100
 _INDENT = "  "

@@ -71,6 +71,38 @@ def _lark() -> Lark:
                 maybe_placeholders=False)
 
 
+# What follows a word used as a name: a field or argument (`=`, not `==`), a call or
+# constraint (`(`), or a data quantity (`.`).
+_USED_AS_NAME = re.compile(r"\s*(?:=(?!=)|\(|\.)")
+
+
+def _keyword_as_name(err: UnexpectedInput) -> bool:
+    """Error handler: a keyword the parser cannot take here is an ordinary name.
+
+    The lexer reads a word as a keyword wherever the LALR tables list that keyword as a
+    lookahead, and merged states list ``encoder``, ``backbone``, ``generator``,
+    ``projector`` and ``clamp`` after every expression. So ``clamp = 1`` after another
+    field would be a syntax error, while the same field first in its block parses. When
+    the parser rejects such a keyword, accepts a name instead, and the word is used as
+    a name, feed it again as a name and go on; anything else stays a syntax error.
+    """
+    if not isinstance(err, UnexpectedToken):
+        return False
+    token = err.token
+    if token.type in ("NAME", "$END") or not token.value.isidentifier():
+        return False
+    text = err.interactive_parser.lexer_thread.state.text
+    text = getattr(text, "text", text)
+    if not _USED_AS_NAME.match(text, token.end_pos) or "NAME" not in _accepted(err):
+        return False
+    err.interactive_parser.feed_token(Token.new_borrow_pos("NAME", token.value, token))
+    return True
+
+
+def _parse_tree(text: str):
+    return _lark().parse(text, on_error=_keyword_as_name)
+
+
 def _span(item) -> Span:
     return Span(line=item.line, column=item.column, end_line=item.end_line,
                 end_column=item.end_column)
@@ -207,6 +239,25 @@ def _accepted(err: UnexpectedInput) -> set[str]:
     return set(getattr(err, "expected", ()) or ())
 
 
+# A keyword where the parser wanted a name, and it is not used as a name (no `=`, `(` or
+# `.` after it, so _keyword_as_name left it alone): what the user probably meant.
+_DECLARATION_HINT = ("`{0} ...` declares {1} directly inside `model {{ }}`; if this is one, "
+                     "close the block before it")
+_KEYWORD_HINTS = {
+    **{kw: _DECLARATION_HINT.format(kw, "a module") for kw in ("encoder", "backbone",
+                                                               "generator")},
+    "projector": _DECLARATION_HINT.format("projector", "a projector"),
+    "clamp": "`clamp [low, high]` goes right after a distribution: "
+             "`text.tokens ~ lognormal(median=256, sigma=0.8) clamp [16, 2048]`",
+}
+# A keyword the parser took as such, followed by `=`: it cannot name a field or argument there.
+_KEYWORD_AS_VALUE = {
+    "clamp": "right after a distribution, `clamp` starts its bounds: `clamp [low, high]`",
+    "true": "`true` is a value here, so it cannot name an argument",
+    "false": "`false` is a value here, so it cannot name an argument",
+}
+
+
 def _syntax_diagnostic(err: UnexpectedInput, text: str, line_offset: int) -> Diagnostic:
     if isinstance(err, UnexpectedCharacters):
         where = Span.point(err.line + line_offset, err.column)
@@ -255,7 +306,10 @@ def _syntax_diagnostic(err: UnexpectedInput, text: str, line_offset: int) -> Dia
     elif token.type == "NAME" and expected == {"EQUAL"}:
         hint = f"a field is written `{token.value} = value`"
     elif token.type != "NAME" and token.value.isidentifier() and "NAME" in expected:
-        hint = f"'{token.value}' is a reserved word here; it cannot name a field"
+        hint = _KEYWORD_HINTS.get(token.value, f"'{token.value}' is a keyword here")
+    elif token.type == "EQUAL" and (word := re.search(r"([A-Za-z_]\w*)\s*$", before)) \
+            and word.group(1) in _KEYWORD_AS_VALUE:
+        hint = _KEYWORD_AS_VALUE[word.group(1)]
     return Diagnostic.error("DT101", message, where, hint=hint)
 
 
@@ -273,7 +327,7 @@ def _syntax_errors(text: str, scan: _Scan, first: UnexpectedInput) -> list[Diagn
             continue  # the bracket error already explains this block
         chunk = "\n".join(lines[start - 1:end - 1])
         try:
-            _lark().parse(chunk)
+            _parse_tree(chunk)
         except UnexpectedInput as err:
             diags.append(_syntax_diagnostic(err, chunk, start - 1))
         if len(diags) >= _MAX_SYNTAX_ERRORS:
@@ -512,7 +566,7 @@ def parse(source: Source) -> ParseResult:
     if scan.too_deep:
         return ParseResult(spec=None, diagnostics=scan.diagnostics)
     try:
-        tree = _lark().parse(text)
+        tree = _parse_tree(text)
     except UnexpectedInput as err:
         return ParseResult(spec=None, diagnostics=tuple(_syntax_errors(text, scan, err)))
     builder = _Builder()

@@ -8,7 +8,7 @@ program``), and ``Program.model_validate_json`` reads it back.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -115,7 +115,8 @@ class UNetArch(IRModel):
             if ch % tp:
                 out.append(f"{ch} channels at level {i}")
             elif i in self.attention_levels and (ch // self.head_dim) % tp:
-                out.append(f"{ch // self.head_dim} attention heads at level {i}")
+                heads = ch // self.head_dim
+                out.append(f"{heads} attention head{'s' if heads != 1 else ''} at level {i}")
         if self.groups % tp:
             out.append(f"{self.groups} GroupNorm groups")
         return tuple(dict.fromkeys(out))
@@ -158,7 +159,7 @@ class MLPArch(IRModel):
     activation: Literal["gelu", "silu", "relu"] = "gelu"
 
 
-Arch = Annotated[Union[TransformerArch, UNetArch, DiTArch], Field(discriminator="kind")]
+Arch = Annotated[TransformerArch | UNetArch | DiTArch, Field(discriminator="kind")]
 
 
 class Module(IRModel):
@@ -238,7 +239,7 @@ class Empirical(IRModel):
     values: tuple[float, ...]
 
 
-Dist = Annotated[Union[Constant, Uniform, LogNormal, Zipf, Choice, Empirical],
+Dist = Annotated[Constant | Uniform | LogNormal | Zipf | Choice | Empirical,
                  Field(discriminator="kind")]
 
 
@@ -260,6 +261,7 @@ class Quantity(IRModel):
 class Data(IRModel):
     name: str
     source: str | None = None
+    samples: int | None = None      # how many samples the data set has, if the spec says
     quantities: tuple[Quantity, ...]
     span: Span
 
@@ -295,7 +297,7 @@ class Optimizer(IRModel):
     lr: float = 1e-4
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
-    weight_decay: float = 0.0
+    weight_decay: float = 0.01   # AdamW's usual default, as the checker fills in
     zero: int = 1
 
 
@@ -334,7 +336,7 @@ class IntDomain(IRModel):
             return False
         return self.values is None or x in self.values
 
-    def intersect(self, other: "IntDomain") -> "IntDomain":
+    def intersect(self, other: IntDomain) -> IntDomain:
         low = max(self.low, other.low)
         highs = [h for h in (self.high, other.high) if h is not None]
         high = min(highs) if highs else None

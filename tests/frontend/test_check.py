@@ -126,3 +126,116 @@ def test_int_domain():
     assert IntDomain(low=3).candidates(5) == (3, 4, 5)
     assert IntDomain(values=(5,)).pinned() == 5 and IntDomain(low=2, high=2).pinned() == 2
     assert IntDomain(low=4, high=2).is_empty()
+
+
+# ---- regressions from review ------------------------------------------------------------
+
+def diagnostics(text: str, **kwargs) -> list:
+    return list(run_frontend("t.dt", text.encode(), **kwargs).diagnostics)
+
+
+GENERATOR = BASE.replace("projector vit -> llm : mlp()", """projector vit -> llm : mlp()
+  generator sd (image) { arch = unet(channels=320, mult=MULT, res_blocks=1, latent=32) }
+  projector llm -> sd : mlp()""").replace("image.patches ~ 64", "image.patches ~ 64\n"
+                                        "  image.gen_count ~ 1")
+
+
+def test_default_optimizer_is_the_same_as_adamw():
+    implicit = program(BASE).train.optimizer
+    explicit = program(BASE.replace("seq_len = 512", "seq_len = 512  optimizer = adamw"))
+    assert implicit == explicit.train.optimizer
+    assert implicit.name == "adamw" and implicit.weight_decay == 0.01
+
+
+@pytest.mark.parametrize("mult, attn_res", [
+    ("[1]", (1,)), ("[1, 2]", (2, 1)), ("[1, 2, 4]", (4, 2, 1)), ("[1, 2, 4, 4]", (4, 2, 1)),
+])
+def test_unet_default_attn_res_fits_any_number_of_levels(mult, attn_res):
+    sd = program(GENERATOR.replace("MULT", mult)).module("sd")
+    assert sd.arch.attn_res == attn_res
+
+
+def test_unet_attn_res_given_is_still_checked():
+    spec = GENERATOR.replace("MULT", "[1, 2]").replace("latent=32", "latent=32, attn_res=[4]")
+    assert errors(spec) == ["DT305"]
+
+
+def test_memory_size_alone_replaces_the_default_share():
+    p = program(BASE + "constraints { memory(*) <= 76 GB }")
+    gpu = p.cluster.gpu.memory_bytes  # 94 GB: 90% would be 84.6 GB, more than the 76 asked
+    assert [c.memory_limit_bytes(gpu) for c in p.constraints] == [76 * 10**9] * 2
+    p = program(BASE + "constraints { memory(llm) <= 90 GB }")  # above the 90% default
+    assert p.constraints_for("llm").memory_limit_bytes(gpu) == 90 * 10**9
+    assert p.constraints_for("vit").memory_limit_bytes(gpu) == int(gpu * 0.9)
+    p = program(BASE + "constraints { memory(*) <= 50% memory(llm) <= 90 GB }")
+    assert p.constraints_for("llm").memory_limit_bytes(gpu) == gpu // 2
+
+
+def test_memory_size_above_the_gpu_is_one_error():
+    found = diagnostics(BASE + "constraints { memory(*) <= 100 GB }")
+    assert [(d.code, d.severity.value) for d in found] == [("DT404", "error")]
+    assert "100 GB" in found[0].message and "94 GB" in found[0].message
+
+
+def test_tp_above_the_cluster_says_what_was_asked_and_what_works():
+    found = diagnostics(BASE + "constraints { tp(*) == 128 }")
+    assert [d.code for d in found] == ["DT402"]
+    (d,) = found
+    assert "tp(*) == 128" in d.message and "64" in d.message and "none" not in d.message
+    assert "tp(*) in {1, 2}" in d.hint
+    (d,) = diagnostics(BASE + "constraints { tp(vit) >= 100 }")
+    assert d.code == "DT402" and "at least 100" in d.message and "tp(vit) in {1, 2, 4}" in d.hint
+
+
+def test_contradicting_wildcard_constraints_are_reported_once():
+    found = diagnostics(BASE + "constraints { tp(*) in {1, 2} tp(*) >= 4 }")
+    assert [d.code for d in found] == ["DT403"]
+    assert "tp(*)" in found[0].message
+
+
+def test_too_long_module_name_is_the_only_error():
+    for name in ("llm", "vit"):
+        found = diagnostics(BASE.replace(name, "m" * 70))
+        assert [d.code for d in found] == ["DT208"], [d.message for d in found]
+
+
+@pytest.mark.parametrize("old, new, message", [
+    ("transformer(layers=4, hidden=64, heads=4, patch=8)",
+     "unet(channels=64, mult=[1], res_blocks=1, latent=8)", "an encoder cannot be a unet"),
+    ("transformer(layers=8, hidden=128, heads=8, kv_heads=2, vocab=100, swiglu)",
+     "dit(layers=2, hidden=64, heads=4, latent=8)", "the backbone cannot be a dit"),
+])
+def test_role_messages_use_the_right_article(old, new, message):
+    (d,) = [d for d in diagnostics(BASE.replace(old, new)) if d.code == "DT306"]
+    assert d.message == message
+    assert d.notes[0] in ("an encoder is a transformer", "the backbone is a transformer")
+
+
+def test_data_samples_reach_the_program():
+    p = program(BASE.replace("image.patches ~ 64", "image.patches ~ 64\n  samples = 40M"))
+    assert p.data.samples == 40_000_000
+    assert Program.model_validate_json(p.model_dump_json()) == p
+    assert program(BASE).data.samples is None
+
+
+@pytest.mark.parametrize("tokens, reaches", [
+    ("constant(64) clamp [1, 1000]", None),           # the clamp is never reached
+    ("constant(600)", 600),
+    ("constant(64) clamp [600, 700]", 600),          # clamped up
+    ("uniform(16, 1000)", 1000),
+    ("uniform(16, 1000) clamp [16, 800]", 800),
+    ("choice([64, 2048], p=[1, 0])", None),
+    ("choice([64, 2048])", 2048),
+    ("lognormal(median=64, sigma=0.5) clamp [8, 1024]", 1024),
+    ("lognormal(median=64, sigma=0.5) clamp [8, 512]", None),
+    ('empirical("tokens.txt")', 900),
+])
+def test_dt503_compares_the_largest_sample(tokens, reaches, tmp_path: Path):
+    (tmp_path / "tokens.txt").write_text("100\n900\n")
+    spec = BASE.replace("lognormal(median=64, sigma=0.5) clamp [8, 256]", tokens)
+    found = [d for d in diagnostics(spec, base_dir=tmp_path) if d.code == "DT503"]
+    if reaches is None:
+        assert not found
+    else:
+        (d,) = found
+        assert d.message.startswith(f"text.tokens reaches {reaches} but seq_len is 512")

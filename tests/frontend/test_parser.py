@@ -113,3 +113,36 @@ def test_unit_typo_suggestion():
     (diag,) = result.diagnostics
     assert diag.code == "DT107" and (diag.span.line, diag.span.column) == (2, 10)
     assert "GiB" in diag.hint
+
+
+@pytest.mark.parametrize("text", [
+    "train { global_batch = 3  encoder = 1  backbone = 2  generator = 3 }",
+    "cluster { gpus = 8  projector = 1  clamp = 2 }",
+    'data { source = "x"  clamp = 3 }',
+    "data { text.tokens ~ constant(5)  encoder = 3 }",
+    "model { backbone llm { arch = x  generator = 1 } }",
+    "constraints { tp(x) <= 2  encoder(x) <= 3 }",
+    "data { text.tokens ~ constant(5)\n  projector.count ~ constant(1) }",
+])
+def test_keywords_name_fields_after_a_statement_too(text):
+    _parse(text)
+
+
+def test_keyword_field_is_an_unknown_field_wherever_it_stands():
+    spec = ("model { backbone llm { arch = transformer(layers=2, hidden=64, heads=4, vocab=8) } }"
+            "\ndata { text.tokens ~ constant(8) }\ncluster { gpu = H100  gpus = 8 }\n"
+            "train { global_batch = 8  seq_len = 64  clamp = 1 }\n")
+    result = run_frontend("t.dt", spec.encode())
+    assert [(d.code, d.message) for d in result.diagnostics] == \
+        [("DT201", "unknown field 'clamp' in train")]
+
+
+@pytest.mark.parametrize("text, word", [
+    ("train { a = 1  encoder vit (image) { } }", "declares a module"),
+    ('data { source = "x"  clamp [1, 2] }', "goes right after a distribution"),
+    ("data { text.tokens ~ constant(5)  clamp = 3 }", "starts its bounds"),
+    ("train { x = f(true=1) }", "cannot name an argument"),
+])
+def test_keywords_that_stay_keywords_get_a_clear_hint(text, word):
+    (d,) = parse(Source(name="t.dt", text=text)).diagnostics
+    assert d.code == "DT101" and word in d.hint and "reserved" not in d.hint
