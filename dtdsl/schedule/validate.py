@@ -1,0 +1,365 @@
+"""Schedule validation: every send has its receive, forwards precede backwards, no deadlock.
+
+``validate(schedule)`` raises a ``ScheduleError`` whose message states the problems and
+then prints the whole schedule grid (one row per unit stage, one column per action
+slot) with the offending actions marked ``[llm.s1:B3]!`` (a row label marked
+``[llm.s1]!`` when the problem is something missing from that stage), like torch
+pipelining's ``_validate_schedule``.
+
+Checks, in three phases (a phase runs only when the previous ones found nothing):
+
+1. Each stage alone: every unit stage present and its actions its own; microbatches,
+   chunks and peers in range, peers the right neighbours (``Schedule.producers`` /
+   ``consumers``); each (chunk, microbatch) forwarded exactly once; backwards at most
+   once, after their forward, for all microbatches of a chunk or none; a forward reads
+   its input: a ``RECV_F`` from every producer before it; sends after the pass that
+   produces their data, receives of gradients before the backward that uses them;
+   at most one ``SYNC`` and ``OPT``, ``SYNC`` after the last backward and followed by
+   ``OPT``, no forward after ``SYNC`` (the step ends the iteration).
+2. Pairing: every send has exactly one matching receive (same microbatch, direction,
+   chunks and ends) and every receive one send.
+3. Deadlock: execute the schedule abstractly (sends never block, a receive waits until
+   its send has run). That is a topological walk of the dependency graph (program
+   order within a stage, send -> receive across stages; F(j) -> B(j) holds by phase 1);
+   if stages stop before their end the graph has a cycle, and each stuck stage's
+   waiting receive is marked. Only receives can block, so the walk steps from receive
+   to receive, and a stage waiting for another is woken when that one moves on (a
+   32-stage x 256-microbatch pipeline, about 48,000 actions, validates in about 0.1 s).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+
+from dtdsl.ir.schedule import Action, ActionKind, Schedule
+
+_SENDS = frozenset({ActionKind.SEND_F, ActionKind.SEND_B})
+_COMM = frozenset({ActionKind.SEND_F, ActionKind.SEND_B, ActionKind.RECV_F, ActionKind.RECV_B})
+F, B, SYNC, OPT = ActionKind.F, ActionKind.B, ActionKind.SYNC, ActionKind.OPT
+SEND_F, SEND_B = ActionKind.SEND_F, ActionKind.SEND_B
+RECV_F, RECV_B = ActionKind.RECV_F, ActionKind.RECV_B
+
+__all__ = ["ScheduleError", "format_grid", "validate"]
+
+_MAX_PROBLEMS = 12
+# A mark on a stage's row label rather than on one action.
+ROW = -1
+
+Mark = tuple[int, int]    # (stage index, action slot or ROW)
+
+
+class ScheduleError(ValueError):
+    """An invalid schedule: ``problems`` says what, ``marks`` where; ``str()`` has both
+    and the whole grid."""
+
+    def __init__(self, problems: list[str], schedule: Schedule, marks: Iterable[Mark]):
+        self.problems = tuple(problems)
+        self.schedule = schedule
+        self.marks = frozenset(marks)
+        shown = list(self.problems[:_MAX_PROBLEMS])
+        if len(self.problems) > _MAX_PROBLEMS:
+            shown.append(f"... and {len(self.problems) - _MAX_PROBLEMS} more")
+        text = "invalid schedule:\n" + "\n".join(f"  {p}" for p in shown) + "\n\n" + \
+            format_grid(schedule, self.marks)
+        super().__init__(text)
+
+
+def format_grid(schedule: Schedule, marks: Iterable[Mark] = ()) -> str:
+    """The schedule as a grid: a row per unit stage, a column per action slot; marked
+    actions written in full as ``[llm.s1:B3]!``."""
+    marks = set(marks)
+    rows = []
+    for i, st in enumerate(schedule.stages):
+        label = f"[{st.where}]!" if (i, ROW) in marks else str(st.where)
+        cells = [f"[{a.format()}]!" if (i, k) in marks else a.format_local()
+                 for k, a in enumerate(st.actions)]
+        rows.append([label, *cells])
+    width = max((len(r) for r in rows), default=1)
+    header = ["slot", *(str(k) for k in range(width - 1))]
+    table = [header] + [r + [""] * (width - len(r)) for r in rows]
+    widths = [max(len(r[col]) for r in table) for col in range(width)]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip()
+                     for r in table)
+
+
+def _describe(a: Action) -> str:
+    return a.format()
+
+
+def _chunk_name(c: int) -> str:
+    return f"c{c}" if c else ""
+
+
+def _vs_name(vs: tuple[str, int, int]) -> str:
+    return f"{vs[0]}.s{vs[1]}{_chunk_name(vs[2])}"
+
+
+def _check_stages(schedule: Schedule) -> tuple[list[str], set[Mark]]:
+    problems: list[str] = []
+    marks: set[Mark] = set()
+    m = schedule.num_microbatches
+
+    def bad(msg: str, mark: Mark) -> None:
+        problems.append(msg)
+        marks.add(mark)
+
+    for u in schedule.units:
+        for s in range(u.pp):
+            if not schedule.has_stage(u.name, s):
+                problems.append(f"{u.name}.s{s} has no row: every stage of {u.name} "
+                                f"(pp {u.pp}) needs one")
+    for i, st in enumerate(schedule.stages):
+        unit, stage, actions = st.unit, st.stage, st.actions
+        vpp = schedule.unit(unit).vpp
+        producers = [schedule.producers(unit, stage, c) for c in range(vpp)]
+        consumers = [schedule.consumers(unit, stage, c) for c in range(vpp)]
+        upstream_peers = [set(p) for p in producers]
+        downstream_peers = [set(q) for q in consumers]
+        fwd: dict[tuple[int, int], int] = {}
+        bwd: dict[tuple[int, int], int] = {}
+        sync = opt = None
+        skip: set[int] = set()       # slots already reported: no follow-up problems
+        for k, a in enumerate(actions):
+            if a.unit != unit or a.stage != stage:
+                bad(f"{_describe(a)} is in the row of {st.where}", (i, k))
+                skip.add(k)
+                continue
+            mb = a.microbatch
+            if mb is not None and mb >= m:
+                bad(f"{_describe(a)}: microbatch out of range (the schedule has {m})", (i, k))
+                skip.add(k)
+                continue
+            c = a.chunk
+            if c >= vpp:
+                bad(f"{_describe(a)}: chunk out of range ({unit} has vpp {vpp})", (i, k))
+                skip.add(k)
+                continue
+            kind = a.kind
+            if kind in _COMM:
+                peer = (a.peer_unit, a.peer_stage, a.peer_chunk)
+                if not schedule.has_stage(a.peer_unit, a.peer_stage) or \
+                        a.peer_chunk >= schedule.unit(a.peer_unit).vpp:
+                    bad(f"{_describe(a)}: no such peer stage", (i, k))
+                    skip.add(k)
+                    continue
+                upstream = kind is RECV_F or kind is SEND_B
+                if peer not in (upstream_peers[c] if upstream else downstream_peers[c]):
+                    side = "producers" if upstream else "consumers"
+                    legal = producers[c] if upstream else consumers[c]
+                    names = ", ".join(f"{p[0]}.s{p[1]}c{p[2]}" for p in legal) or "none"
+                    bad(f"{_describe(a)}: the peer is not one of chunk {c}'s {side} "
+                        f"({names})", (i, k))
+                    skip.add(k)
+                continue
+            key = (c, mb)
+            if kind is F:
+                if key in fwd:
+                    bad(f"{_describe(a)} appears twice", (i, k))
+                else:
+                    fwd[key] = k
+                    if sync is not None:
+                        bad(f"{_describe(a)} runs after the stage's SYNC", (i, k))
+            elif kind is B:
+                if key in bwd:
+                    bad(f"{_describe(a)} appears twice", (i, k))
+                elif key not in fwd:
+                    bad(f"{_describe(a)} comes before its forward F{mb}{_chunk_name(c)}",
+                        (i, k))
+                bwd.setdefault(key, k)
+            elif kind is SYNC:
+                if sync is not None:
+                    bad(f"{_describe(a)} appears twice", (i, k))
+                sync = k if sync is None else sync
+            elif kind is OPT:
+                if opt is not None:
+                    bad(f"{_describe(a)} appears twice", (i, k))
+                elif sync is None:
+                    bad(f"{_describe(a)} before the stage's SYNC", (i, k))
+                opt = k if opt is None else opt
+        # Orders that need the whole row.
+        for c in range(vpp):
+            missing_f = [j for j in range(m) if (c, j) not in fwd]
+            if missing_f:
+                problems.append(f"{st.where} never runs the forward of microbatch"
+                                f"{'es' if len(missing_f) > 1 else ''} "
+                                f"{_ranges(missing_f)}" + (f" (chunk {c})" if c else ""))
+                marks.add((i, ROW))
+            done_b = [j for j in range(m) if (c, j) in bwd]
+            if done_b and len(done_b) < m:
+                missing = [j for j in range(m) if (c, j) not in bwd]
+                problems.append(f"{st.where} runs backwards of chunk {c} for some microbatches "
+                                f"but not for {_ranges(missing)}")
+                marks.add((i, ROW))
+        # A forward reads its input: a receive from every producer must precede it.
+        received: dict[tuple[int, int], set] = defaultdict(set)
+        end = len(actions)
+        for k, a in enumerate(actions):
+            kind = a.kind
+            if kind is F or kind is B or kind is SYNC or kind is OPT:
+                if kind is F and k not in skip:
+                    got = received.get((a.chunk, a.microbatch), ())
+                    for p in producers[a.chunk]:
+                        if p not in got:
+                            bad(f"{_describe(a)} runs without receiving its input from "
+                                f"{_vs_name(p)}", (i, k))
+                            break
+                continue
+            if k in skip:
+                continue
+            key = (a.chunk, a.microbatch)
+            if kind is SEND_F:
+                if not k > fwd.get(key, end):
+                    bad(f"{_describe(a)} sends before the forward that produces it", (i, k))
+            elif kind is SEND_B:
+                if not k > bwd.get(key, end):
+                    bad(f"{_describe(a)} sends before the backward that produces it", (i, k))
+            elif kind is RECV_F:
+                if not k < fwd.get(key, -1):
+                    bad(f"{_describe(a)} arrives after the forward that reads it", (i, k))
+                received[key].add((a.peer_unit, a.peer_stage, a.peer_chunk))
+            elif key not in bwd:
+                bad(f"{_describe(a)}: gradients received but the stage runs no backward of "
+                    "that microbatch", (i, k))
+            elif not k < bwd[key]:
+                bad(f"{_describe(a)} arrives after the backward that reads it", (i, k))
+        if sync is not None:
+            if not bwd:
+                bad(f"{st.where}:SYNC on a stage that runs no backward", (i, sync))
+            elif max(bwd.values()) > sync:
+                bad(f"{st.where}:SYNC before the stage's last backward", (i, sync))
+            elif opt is None:
+                bad(f"{st.where}:SYNC without an OPT after it", (i, sync))
+    return problems, marks
+
+
+def _ranges(values: list[int]) -> str:
+    out, start = [], None
+    for n, v in enumerate(values):
+        if start is None:
+            start = v
+        if n + 1 == len(values) or values[n + 1] != v + 1:
+            out.append(str(start) if start == v else f"{start}..{v}")
+            start = None
+    return ", ".join(out)
+
+
+_COUNTERPART = {SEND_F: RECV_F, SEND_B: RECV_B, RECV_F: SEND_F, RECV_B: SEND_B}
+
+
+def _counterpart(a: Action) -> str:
+    arrow = "<" if a.kind in _SENDS else ">"
+    return f"{a.peer_unit}.s{a.peer_stage}:{_COUNTERPART[a.kind]}{a.microbatch}" \
+        f"{_chunk_name(a.peer_chunk)}{arrow}{a.unit}.s{a.stage}{_chunk_name(a.chunk)}"
+
+
+def _pair(schedule: Schedule) -> tuple[list[str], set[Mark], dict[Mark, Mark]]:
+    """Match sends with receives. Returns the problems, their marks, receive -> send (in
+    the order of the receives: stage by stage, in program order)."""
+    # Keyed by (data kind, sending virtual stage, receiving virtual stage, microbatch);
+    # the data kind is the receive's, so that a send and its receive share the key.
+    sends: dict[tuple, Mark] = {}
+    recvs: dict[tuple, Mark] = {}
+    extra: list[Mark] = []
+    for i, st in enumerate(schedule.stages):
+        for k, a in enumerate(st.actions):
+            kind = a.kind
+            if kind is SEND_F or kind is SEND_B:
+                key = (_COUNTERPART[kind], a.unit, a.stage, a.chunk, a.peer_unit,
+                       a.peer_stage, a.peer_chunk, a.microbatch)
+                table = sends
+            elif kind is RECV_F or kind is RECV_B:
+                key = (kind, a.peer_unit, a.peer_stage, a.peer_chunk, a.unit, a.stage,
+                       a.chunk, a.microbatch)
+                table = recvs
+            else:
+                continue
+            if key in table:
+                extra.append((i, k))
+            else:
+                table[key] = (i, k)
+    problems: list[str] = []
+    marks: set[Mark] = set()
+    match: dict[Mark, Mark] = {}
+
+    def action(mark: Mark) -> Action:
+        return schedule.stages[mark[0]].actions[mark[1]]
+
+    for mark in extra:
+        problems.append(f"{_describe(action(mark))} appears twice")
+        marks.add(mark)
+    for key, recv in recvs.items():
+        send = sends.get(key)
+        if send is not None:
+            match[recv] = send
+        else:
+            a = action(recv)
+            problems.append(f"{_describe(a)} has no matching send {_counterpart(a)}")
+            marks.add(recv)
+    if len(match) < len(sends):
+        for key, send in sends.items():
+            if key not in recvs:
+                a = action(send)
+                problems.append(f"{_describe(a)} has no matching receive {_counterpart(a)}")
+                marks.add(send)
+    return problems, marks, match
+
+
+def _deadlock(schedule: Schedule, match: dict[Mark, Mark]) -> tuple[list[str], set[Mark]]:
+    """Run the schedule abstractly; the stages that cannot finish and where they stop.
+    ``match``: receive -> send, in program order per stage."""
+    stages = schedule.stages
+    n = len(stages)
+    # Per stage, only its receives matter (nothing else blocks): their slots and the
+    # (stage, slot) of their sends, in program order.
+    recv_slots: list[list[int]] = [[] for _ in range(n)]
+    recv_from: list[list[Mark]] = [[] for _ in range(n)]
+    for (i, k), send in match.items():
+        recv_slots[i].append(k)
+        recv_from[i].append(send)
+    at = [0] * n                 # index into recv_slots of the receive a stage waits at
+    # A stage has run every action before slot reached[i] (all of them when it is done).
+    reached = [0] * n
+    waiters: list[list[int]] = [[] for _ in range(n)]
+    ready = list(range(n))
+    while ready:
+        i = ready.pop()
+        slots, froms = recv_slots[i], recv_from[i]
+        p = at[i]
+        while p < len(slots):
+            si, sk = froms[p]
+            if reached[si] <= sk:
+                waiters[si].append(i)
+                break
+            p += 1
+        at[i] = p
+        new = slots[p] if p < len(slots) else len(stages[i].actions)
+        if new != reached[i]:
+            reached[i] = new
+            ready += waiters[i]
+            waiters[i] = []
+    stuck = [(i, recv_slots[i][at[i]]) for i in range(n) if at[i] < len(recv_slots[i])]
+    if not stuck:
+        return [], set()
+    problems = ["deadlock: no stage can go on (receives block until their send has run):"]
+    for i, k in stuck:
+        a = stages[i].actions[k]
+        si, sk = match[(i, k)]
+        problems.append(f"{_describe(a)} waits for {_describe(stages[si].actions[sk])}, "
+                        f"which {stages[si].where} has not reached "
+                        f"(it is stuck at slot {reached[si]})")
+    return problems, set(stuck)
+
+
+def validate(schedule: Schedule) -> None:
+    """Raise a ``ScheduleError`` (problems plus the marked grid) unless ``schedule`` is
+    complete, consistent and free of deadlock (see the module docstring)."""
+    problems, marks = _check_stages(schedule)
+    if problems:
+        raise ScheduleError(problems, schedule, marks)
+    problems, marks, match = _pair(schedule)
+    if problems:
+        raise ScheduleError(problems, schedule, marks)
+    problems, marks = _deadlock(schedule, match)
+    if problems:
+        raise ScheduleError(problems, schedule, marks)
