@@ -17,8 +17,8 @@ from rich.table import Table
 from dtdsl.cost.profile import Profile
 from dtdsl.ir.plan import Plan
 
-__all__ = ["format_bytes", "format_flops", "format_seconds", "plan_table", "profile_table",
-           "progress_bar", "render_plan", "render_profile", "wide_console"]
+__all__ = ["format_bytes", "format_flops", "format_seconds", "plan_markdown", "plan_table",
+           "profile_table", "progress_bar", "render_plan", "render_profile", "wide_console"]
 
 
 def format_seconds(seconds: float) -> str:
@@ -94,6 +94,24 @@ def _summary(plan: Plan) -> list[str]:
         f"{plan.candidates:,} TP/DP candidates, {plan.convex_solves:,} convex solves, "
         f"{plan.evaluated:,} integer layouts evaluated")
     return lines
+
+
+def plan_markdown(plan: Plan) -> str:
+    """The plan as Markdown (TensorBoard's text tab renders it): the unit table and the
+    summary lines."""
+    head = ["unit", "role", "GPUs", "TP", "DP", "PP", "vpp", "layers/stage", "fwd", "bwd",
+            "grad sync", "memory/GPU"]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for u in plan.units:
+        rows.append("| " + " | ".join([
+            u.name + "".join(f" + {p}" for p in u.projectors), u.role, str(u.gpus), str(u.tp),
+            str(u.dp), str(u.pp), str(u.vpp), _layers(u.layers_per_stage),
+            format_seconds(u.fwd_time_s), format_seconds(u.bwd_time_s),
+            format_seconds(u.dp_sync_time_s), format_bytes(u.memory_bytes)]) + " |")
+    title = (f"**{plan.spec}**: {plan.search} plan, {plan.gpus_used} of {plan.num_gpus} GPUs, "
+             f"{plan.schedule}, {plan.num_microbatches} microbatches per replica")
+    summary = "\n".join(f"    {line}" for line in _summary(plan))
+    return f"{title}\n\n" + "\n".join(rows) + f"\n\n{summary}\n"
 
 
 def wide_console(**kwargs) -> Console:

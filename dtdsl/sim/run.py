@@ -1,0 +1,62 @@
+"""Simulate training steps of a plan: draw each global batch, route it under a reorder
+policy, and simulate the lowered schedule with the durations of those samples."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from dtdsl.cost.model import CostModel
+from dtdsl.ir.plan import Plan
+from dtdsl.ir.program import Program
+from dtdsl.ir.schedule import Schedule
+from dtdsl.sim.simulate import SimResult, Simulator
+from dtdsl.sim.workload import (
+    batch_samples,
+    encoder_step_times,
+    imbalance,
+    iteration_durations,
+    model_flops,
+    route,
+    sample_work,
+)
+
+__all__ = ["StepResult", "simulate_steps"]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One simulated training step."""
+
+    step: int
+    result: SimResult
+    iteration_time_s: float
+    bubble_fraction: float        # mean over unit stages (slowest replica)
+    mfu: float
+    imbalance: float              # slowest replica over the mean, worst unit (1.0 balanced)
+
+    def scalars(self) -> dict[str, float]:
+        return {"mfu": self.mfu, "data/imbalance": self.imbalance}
+
+
+def simulate_steps(program: Program, cost: CostModel, plan: Plan, schedule: Schedule, *,
+                   steps: int, policy: frozenset[str], first_step: int = 0,
+                   progress: Callable[[int], None] | None = None) -> Iterator[StepResult]:
+    """Simulate ``steps`` training steps (global batches ``first_step``...), each on its
+    own batch of samples drawn from the spec's data, routed under ``policy`` (a subset of
+    {"intra", "inter"})."""
+    simulator = Simulator(schedule)
+    peak = plan.num_gpus * cost.peak_flops
+    for step in range(first_step, first_step + steps):
+        work = sample_work(cost, batch_samples(program, step))
+        routing = route(plan, work, policy, step_times=encoder_step_times(plan, work))
+        result = simulator.run(iteration_durations(plan, cost, schedule, routing, work))
+        t = result.iteration_time_s
+        bubbles = result.bubble_fraction()
+        yield StepResult(
+            step=step, result=result, iteration_time_s=t,
+            bubble_fraction=sum(bubbles.values()) / max(len(bubbles), 1),
+            mfu=model_flops(plan, cost, work) / (t * peak) if t > 0 else 0.0,
+            imbalance=imbalance(plan, routing, work))
+        if progress is not None:
+            progress(step)

@@ -1,0 +1,253 @@
+"""From a global batch of real (or drawn) samples to the durations of one iteration.
+
+1. ``sample_work``: each sample's forward work per unit, relative to the mean over the
+   cost model's own samples (so the expected durations are exactly the planner's): an
+   encoder's work grows with its items' patches (linear layers) and their squares
+   (attention), a generator's with how many items it generates, the backbone's is the
+   same for every sample (packed to the sequence length).
+2. ``route``: which microbatch step and which DP replica of every unit each sample goes
+   to, under a reorder policy. Without reordering, samples go in data order (backbone
+   replica r takes the r-th contiguous slice of the batch, in microbatches of
+   ``micro_batch``; another unit's replicas split each step's samples contiguously).
+   ``intra`` balances every unit's replicas per step (``dtdsl.reorder.intra.balance``: a
+   deterministic function of the costs, so units agree without talking); ``inter``
+   orders the steps for 1F1B by their encoder cost (``dtdsl.reorder.inter.best_order``).
+3. ``iteration_durations``: per pass, stage, chunk, step and replica, seconds: the plan's
+   per-microbatch times scaled by the work routed there; transfers and gradient sync
+   from the cost model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from dtdsl.cost import flops
+from dtdsl.cost.model import CostModel
+from dtdsl.cost.samples import SampleSet, draw_samples
+from dtdsl.ir.plan import Plan
+from dtdsl.ir.schedule import Schedule
+from dtdsl.sim.simulate import Durations
+
+__all__ = ["POLICIES", "Routing", "StepTimes", "batch_samples", "encoder_step_times",
+           "imbalance", "iteration_durations", "model_flops", "parse_policy", "route",
+           "sample_work"]
+
+POLICIES = ("none", "intra", "inter", "both")
+
+
+def parse_policy(policy: str | Iterable[str]) -> frozenset[str]:
+    """``none``/``intra``/``inter``/``both`` (or the spec's list) as a set of policies."""
+    if isinstance(policy, str):
+        if policy not in POLICIES:
+            raise ValueError(f"reorder policy {policy!r}; one of {', '.join(POLICIES)}")
+        return frozenset() if policy == "none" else \
+            frozenset({"intra", "inter"}) if policy == "both" else frozenset({policy})
+    return frozenset(policy)
+
+
+def batch_samples(program, step: int, num_samples: int | None = None) -> SampleSet:
+    """The samples of global batch ``step``, drawn from the spec's data distribution
+    (seeded by the spec's seed and the step, so every run sees the same batches)."""
+    n = num_samples or program.train.global_batch
+    return draw_samples(program, n, seed=program.train.seed * 1_000_003 + step + 1)
+
+
+def _raw_work(cost: CostModel, samples: SampleSet) -> dict[str, np.ndarray]:
+    program = cost.program
+    out: dict[str, np.ndarray] = {}
+    n = len(samples)
+    for module in program.modules:
+        if module.role == "backbone":
+            out[module.name] = np.ones(n)
+        elif module.role == "encoder":
+            items = samples.items[module.modality]
+            p = items.sizes.astype(float)
+            per_token = flops.encoder_item_forward(module.arch, 1.0)
+            out[module.name] = items.per_sample(per_token.matmul * p + per_token.attention * p * p)
+        else:
+            out[module.name] = samples.items[f"{module.modality}.gen"].counts.astype(float)
+    return out
+
+
+def sample_work(cost: CostModel, samples: SampleSet) -> dict[str, np.ndarray]:
+    """Per unit, each sample's forward work relative to the mean over the cost model's
+    samples (1.0 on average under the spec's distribution)."""
+    reference = _raw_work(cost, draw_samples(cost.program, cost.params.samples,
+                                             cost.params.seed))
+    raw = _raw_work(cost, samples)
+    out = {}
+    for name, values in raw.items():
+        mean = float(reference[name].mean())
+        out[name] = values / mean if mean > 0 else np.zeros_like(values)
+    return out
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Where each sample of a global batch goes: its microbatch step (execution order)
+    and, per unit, its DP replica."""
+
+    num_microbatches: int
+    step: np.ndarray                  # (B,)
+    replica: dict[str, np.ndarray]    # unit -> (B,)
+
+    def loads(self, unit: str, costs: np.ndarray, dp: int) -> np.ndarray:
+        """(steps, dp): the summed ``costs`` of each replica's samples per step."""
+        flat = self.step * dp + self.replica[unit]
+        return np.bincount(flat, weights=costs,
+                           minlength=self.num_microbatches * dp).reshape(-1, dp)
+
+
+# The first pipeline stage's forward and backward seconds per step, the later stages'
+# forward and backward seconds, and the number of stages: what inter orders by.
+StepTimes = tuple[np.ndarray, np.ndarray, float, float, int]
+
+
+def _contiguous(n: int, groups: int) -> np.ndarray:
+    """Group per position when n items are cut into ``groups`` contiguous runs whose sizes
+    differ by at most one (the first n % groups are the longer)."""
+    sizes = np.full(groups, n // groups)
+    sizes[: n % groups] += 1
+    return np.repeat(np.arange(groups), sizes)
+
+
+def route(plan: Plan, work: dict[str, np.ndarray], policy: frozenset[str], *,
+          step_times: Callable[[Routing], StepTimes] | None = None) -> Routing:
+    """Route a global batch (``work``: per unit, relative work per sample) per ``plan``.
+
+    ``step_times`` gives what ``inter`` orders by (see ``encoder_step_times``); without
+    it ``inter`` is skipped."""
+    m = plan.num_microbatches
+    mb = plan.micro_batch
+    backbone = next(u for u in plan.units if u.role == "backbone")
+    n = next(iter(work.values())).shape[0]
+    if n != plan.global_batch:
+        raise ValueError(f"{n} samples for a global batch of {plan.global_batch}")
+    index = np.arange(n)
+    step = (index % (m * mb)) // mb
+    replica: dict[str, np.ndarray] = {}
+    for u in plan.units:
+        r = np.empty(n, dtype=np.intp)
+        for j in range(m):
+            members = np.flatnonzero(step == j)
+            if u.name == backbone.name and "intra" not in policy:
+                r[members] = members // (m * mb)
+            elif "intra" in policy and u.dp > 1:
+                from dtdsl.reorder.intra import balance
+                r[members] = balance(work[u.name][members].tolist(), u.dp)
+            else:
+                r[members] = _contiguous(len(members), u.dp)
+        replica[u.name] = r
+    routing = Routing(num_microbatches=m, step=step, replica=replica)
+    if "inter" in policy and step_times is not None:
+        routing = _reorder_steps(routing, step_times(routing))
+    return routing
+
+
+def _reorder_steps(routing: Routing, times: StepTimes) -> Routing:
+    from dtdsl.reorder.inter import best_order
+    fwd, bwd, stage_f, stage_b, stages = times
+    order = best_order(list(fwd), list(bwd), stage_f, stage_b, stages)
+    position = np.empty(len(order), dtype=np.intp)
+    position[np.asarray(order)] = np.arange(len(order))
+    return Routing(num_microbatches=routing.num_microbatches,
+                   step=position[routing.step], replica=routing.replica)
+
+
+def _per_sample_seconds(plan: Plan) -> dict[str, tuple[float, float]]:
+    """Forward and backward seconds of one average sample on each unit's heaviest stage."""
+    out = {}
+    for u in plan.units:
+        samples = u.microbatch_share * plan.micro_batch
+        out[u.name] = (u.fwd_time_s / samples, u.bwd_time_s / samples)
+    return out
+
+
+def encoder_step_times(plan: Plan, work: dict[str, np.ndarray]
+                       ) -> Callable[[Routing], StepTimes]:
+    """A function of a Routing giving what inter-microbatch ordering needs: the encoders'
+    forward and backward seconds per step (their slowest replica, the slowest encoder),
+    the backbone's per-stage seconds, and the pipeline depth (encoder, backbone and
+    generator stages)."""
+    seconds = _per_sample_seconds(plan)
+    backbone = next(u for u in plan.units if u.role == "backbone")
+    encoders = [u for u in plan.units if u.role == "encoder"]
+    generators = [u for u in plan.units if u.role == "generator"]
+    depth = max((u.pp for u in encoders), default=0) + backbone.pp + \
+        max((u.pp for u in generators), default=0)
+
+    def times(routing: Routing) -> StepTimes:
+        m = routing.num_microbatches
+        fwd = np.zeros(m)
+        bwd = np.zeros(m)
+        for u in encoders:
+            load = routing.loads(u.name, work[u.name], u.dp).max(axis=1)
+            f, b = seconds[u.name]
+            fwd = np.maximum(fwd, load * f)
+            bwd = np.maximum(bwd, load * b)
+        f_lm, b_lm = (x * plan.micro_batch for x in seconds[backbone.name])
+        return fwd, bwd, f_lm, b_lm, max(depth, 1)
+
+    return times
+
+
+def imbalance(plan: Plan, routing: Routing, work: dict[str, np.ndarray]) -> float:
+    """How much longer the slowest replica works than the average one, over the
+    iteration: per unit the sum over steps of the largest replica load over the sum of
+    the mean ones; the worst unit (1.0: perfectly balanced)."""
+    worst = 1.0
+    for u in plan.units:
+        if u.dp < 2:
+            continue
+        loads = routing.loads(u.name, work[u.name], u.dp)
+        mean = loads.mean(axis=1).sum()
+        if mean > 0:
+            worst = max(worst, float(loads.max(axis=1).sum() / mean))
+    return worst
+
+
+def model_flops(plan: Plan, cost: CostModel, work: dict[str, np.ndarray]) -> float:
+    """The model FLOPs of this batch: the plan's expectation scaled, per unit, by the
+    batch's mean work."""
+    total = 0.0
+    for u in cost.units:
+        total += u.model_flops * float(work[u.name].mean())
+    return total * cost.program.train.num_microbatches
+
+
+def iteration_durations(plan: Plan, cost: CostModel, schedule: Schedule, routing: Routing,
+                        work: dict[str, np.ndarray]) -> Durations:
+    """Seconds of every pass, transfer and gradient sync of one iteration."""
+    seconds = _per_sample_seconds(plan)
+    compute = {}
+    links: dict[tuple[str, str], float] = {}
+    sync = {}
+    by_name = {u.name: u for u in plan.units}
+    for su in schedule.units:
+        u = by_name[su.name]
+        loads = routing.loads(u.name, work[u.name], u.dp)          # (M, dp)
+        layers = np.asarray(u.layers_per_stage, dtype=float)
+        stage_scale = layers / layers.max() / su.vpp                # (pp,)
+        f, b = seconds[u.name]
+        arr = np.empty((2, su.pp, su.vpp, routing.num_microbatches, su.dp))
+        arr[0] = (f * stage_scale)[:, None, None, None] * loads[None, None]
+        arr[1] = (b * stage_scale)[:, None, None, None] * loads[None, None]
+        compute[u.name] = arr
+        unit_cost = cost.unit(u.name)
+        hop = float(cost.p2p_time_s(unit_cost.boundary_bytes * u.microbatch_share))
+        links[(u.name, u.name)] = hop
+        sync[u.name] = np.full(su.pp, u.dp_sync_time_s)
+    # Between units: the encoder's (backbone's) output crosses to the backbone
+    # (generators), and the gradients of the same size come back.
+    backbone = next(u for u in plan.units if u.role == "backbone")
+    for u in plan.units:
+        if u.role == "encoder":
+            links[(u.name, backbone.name)] = links[(backbone.name, u.name)] = links[
+                (u.name, u.name)]
+        elif u.role == "generator":
+            links[(backbone.name, u.name)] = links[(u.name, backbone.name)] = links[
+                (backbone.name, backbone.name)]
+    return Durations(compute_s=compute, link_s=links, sync_s=sync)
