@@ -1,0 +1,102 @@
+"""How close intra-microbatch reordering gets to the lower bound on skewed per-sample costs,
+against DistTrain's greedy measured in the same run, and how long it takes.
+
+Targets: max group load / lower bound at most 1.002 on average and 1.01 at worst, for 64 to
+2048 samples over 8 to 64 groups; 2048 samples over 64 groups in at most 50 ms on a 2-core
+machine (single process).
+
+    python benchmarks/reorder_intra.py [--seeds 10] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import numpy as np
+from _common import timed
+
+from dtdsl.reorder.intra import balance, greedy_lpt, group_loads, lower_bound
+
+SIZES = (64, 256, 1024, 2048)
+GROUPS = (8, 16, 32, 64)
+KINDS = ("lognormal-1", "lognormal-1.5", "pareto-1.5", "mm-zipf-attn", "mm-geometric")
+MEAN_TARGET, WORST_TARGET, TIME_TARGET_S = 1.002, 1.01, 0.050
+
+
+def _images(rng: np.random.Generator, counts: np.ndarray) -> np.ndarray:
+    return np.array([rng.integers(256, 4097, k).sum() if k else 0 for k in counts], float)
+
+
+def draw(kind: str, n: int, seed: int) -> list[float]:
+    """Per-sample costs; the tests (tests/reorder/test_intra.py) draw the same."""
+    rng = np.random.default_rng(seed)
+    if kind == "lognormal-1":
+        x = rng.lognormal(0.0, 1.0, n)
+    elif kind == "lognormal-1.5":
+        x = rng.lognormal(0.0, 1.5, n)
+    elif kind == "pareto-1.5":
+        x = rng.pareto(1.5, n) + 1.0
+    elif kind == "mm-zipf-attn":
+        # Text tokens (128..2048) plus a Zipf number (0..16) of images of 256..4096 patches,
+        # with an attention term quadratic in the sequence length.
+        seq = rng.integers(128, 2049, n) + _images(rng, np.minimum(rng.zipf(2.0, n) - 1, 16))
+        x = seq + seq * seq / 8192.0
+    elif kind == "mm-geometric":
+        x = rng.integers(128, 2049, n) + _images(rng, np.minimum(rng.geometric(0.35, n) - 1, 16))
+    else:
+        raise ValueError(kind)
+    return [float(v) for v in x]
+
+
+def ratio(costs: list[float], assignment: list[int], groups: int) -> float:
+    bound = lower_bound(costs, groups)
+    return max(group_loads(costs, assignment, groups)) / bound if bound > 0 else 1.0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+
+    print(f"max group load / lower bound over {args.seeds} seeds")
+    print(f"{'costs':<14} {'n':>5} {'G':>3} {'greedy mean':>12} {'worst':>8} "
+          f"{'ours mean':>10} {'worst':>8} {'worst gain':>11}")
+    means, worsts = [], []
+    for kind in KINDS:
+        for n in SIZES:
+            for groups in GROUPS:
+                if groups > n // 2:
+                    continue
+                ours, greedy = [], []
+                for seed in range(args.seeds):
+                    costs = draw(kind, n, seed)
+                    ours.append(ratio(costs, balance(costs, groups), groups))
+                    greedy.append(ratio(costs, greedy_lpt(costs, groups), groups))
+                means.append(statistics.fmean(ours))
+                worsts.append(max(ours))
+                print(f"{kind:<14} {n:>5} {groups:>3} {statistics.fmean(greedy):>12.6f} "
+                      f"{max(greedy):>8.5f} {means[-1]:>10.6f} {worsts[-1]:>8.5f} "
+                      f"{max(greedy) / worsts[-1]:>10.4f}x")
+    for name, value, target in (("mean", max(means), MEAN_TARGET),
+                                ("worst", max(worsts), WORST_TARGET)):
+        verdict = "meets" if value <= target else "MISSES"
+        print(f"  -> {verdict} the {name} target {target} (highest cell: {value:.6f})")
+
+    print(f"\ntime per call, 2048 samples over 64 groups (median and best of {args.repeats})")
+    print(f"{'costs':<14} {'greedy':>9} {'ours':>9} {'best':>9} {'ours/greedy':>12}")
+    slowest = 0.0
+    for kind in KINDS:
+        costs = draw(kind, 2048, seed=0)
+        _, greedy_s, _ = timed(lambda c=costs: greedy_lpt(c, 64), args.repeats)
+        _, ours_s, best_s = timed(lambda c=costs: balance(c, 64), args.repeats)
+        slowest = max(slowest, ours_s)
+        print(f"{kind:<14} {greedy_s * 1e3:>7.1f}ms {ours_s * 1e3:>7.1f}ms {best_s * 1e3:>7.1f}ms "
+              f"{ours_s / greedy_s:>11.1f}x")
+    verdict = "meets" if slowest <= TIME_TARGET_S else "MISSES"
+    print(f"  -> {verdict} the 50 ms target ({slowest / TIME_TARGET_S:.2f} of it)")
+
+
+if __name__ == "__main__":
+    main()
