@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import json
 import os
 import sys
 import tempfile
@@ -29,6 +30,7 @@ from dtdsl.source import Span
 
 if TYPE_CHECKING:
     from dtdsl.cost.model import CostModel, Efficiency
+    from dtdsl.ir.plan import Plan
 
 # Commands that plan or profile import numpy, cvxpy, rich and torch when they run:
 # `dtc check` and `dtc fmt` stay quick to start.
@@ -89,6 +91,17 @@ def _cmd_check(args: argparse.Namespace) -> int:
             from dtdsl.ir.graph import build_graph, graph_text
 
             texts.append(graph_text(build_graph(result.program)))
+        elif result.ok and args.emit in ("plan", "schedule") and result.program is not None:
+            the_plan = _solve(result, result.program, None)
+            if the_plan is None:
+                exit_code = max(exit_code, EXIT_ERRORS)
+            elif args.emit == "plan":
+                texts.append(the_plan.model_dump_json(indent=2) + "\n")
+            else:
+                from dtdsl.ir.schedule import schedule_text
+                from dtdsl.schedule.lower import lower
+
+                texts.append(schedule_text(lower(the_plan, result.program)))
     if args.format == "json":
         if args.emit and exit_code == EXIT_OK:
             sys.stdout.write("".join(texts))  # --emit prints the stage's text form
@@ -234,6 +247,150 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _solve(result: FrontendResult, program: Program, cost: CostModel | None,
+           num_gpus: int | None = None) -> Plan | None:
+    """The convex plan of ``program`` (analytic costs unless ``cost``), or None after
+    printing why there is none."""
+    from dtdsl.cost.model import build_cost_model
+    from dtdsl.planner import Infeasible, PlannerError, plan
+    from dtdsl.report import progress_bar
+
+    cost = cost or build_cost_model(program)
+    try:
+        with progress_bar("convex search") as progress:
+            return plan(cost, num_gpus or program.cluster.num_gpus, compare_baseline=False,
+                        progress=progress)
+    except Infeasible as err:
+        span = err.span or program.cluster.span
+        diag = Diagnostic.error(err.code, err.message, span, notes=err.notes, hint=err.hint)
+        sys.stderr.write(render_text([diag], result.source, result.name))
+        return None
+    except PlannerError as err:
+        raise RuntimeError(f"the planner failed: {err}") from err
+
+
+def _read_plan(path: str, program: Program) -> Plan:
+    """A Plan JSON from ``dtc plan -o``, checked against ``program``'s units."""
+    from dtdsl.ir.plan import Plan
+
+    try:
+        the_plan = Plan.model_validate_json(Path(path).read_bytes())
+    except (OSError, ValueError) as err:
+        raise UsageError(f"cannot read plan {path}: {err}") from None
+    if the_plan.spec_sha256 != program.source_sha256:
+        print(f"dtc: warning: {path} was planned for another revision of the spec",
+              file=sys.stderr)
+    planned = sorted(u.name for u in the_plan.units)
+    modules = sorted(m.name for m in program.modules)
+    if planned != modules:
+        raise UsageError(f"plan {path} has units {', '.join(planned)} but the spec has "
+                         f"modules {', '.join(modules)}; plan this spec again")
+    return the_plan
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from dtdsl.report import plan_markdown, progress_bar, wide_console
+    from dtdsl.schedule.lower import LoweringError, lower
+    from dtdsl.sim.report import simulation_report
+    from dtdsl.sim.run import simulate_steps
+    from dtdsl.sim.tensorboard import TimelineWriter
+    from dtdsl.sim.trace import write_trace
+    from dtdsl.sim.workload import parse_policy
+
+    result, code = _load_program(args.spec)
+    if result is None:
+        return code
+    program = result.program
+    assert program is not None
+    cost = _cost_model(args, program)
+    if args.plan:
+        if args.gpus:
+            raise UsageError("--gpus plans for another cluster size; with --plan the plan "
+                             "is given: use one or the other")
+        the_plan = _read_plan(args.plan, program)
+    else:
+        the_plan = _solve(result, program, cost, args.gpus)
+        if the_plan is None:
+            return EXIT_ERRORS
+    try:
+        schedule = lower(the_plan, program)
+    except LoweringError as err:
+        raise UsageError(f"cannot lower the plan: {err}") from None
+    policy = parse_policy(args.reorder if args.reorder else program.train.reorder)
+    logdir = Path(args.logdir)
+    try:
+        logdir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UsageError(f"cannot create {args.logdir}: {err.strerror or err}") from None
+    steps, baseline, timelines = [], [], []
+    with progress_bar("simulating") as progress, TimelineWriter(logdir) as writer:
+        writer.add_text("plan", plan_markdown(the_plan))
+        for k, step in enumerate(simulate_steps(program, cost, the_plan, schedule,
+                                                steps=args.steps, policy=policy)):
+            timelines.append(step.result.timeline(step=step.step))
+            writer.add_step(step.step, timelines[-1], step.scalars())
+            steps.append(step)
+            progress(k + 1, args.steps, f"step {step.step}")
+        if policy:
+            baseline = list(simulate_steps(program, cost, the_plan, schedule,
+                                           steps=args.steps, policy=frozenset()))
+    trace_path = logdir / "trace.json"
+    write_trace(trace_path, timelines)
+    report = simulation_report(the_plan, steps, baseline, policy, logdir=str(logdir),
+                               trace=str(trace_path))
+    if args.json:
+        sys.stdout.write(json.dumps(report, indent=2) + "\n")
+    else:
+        from dtdsl.sim.report import render_simulation
+
+        render_simulation(report, wide_console())
+    return EXIT_OK
+
+
+def _read_costs(path: str) -> object:
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+        return json.loads(text)
+    except OSError as err:
+        raise UsageError(f"cannot read costs {path}: {err.strerror or err}") from None
+    except (ValueError, UnicodeDecodeError) as err:
+        raise UsageError(f"costs {path} is not JSON: {err}") from None
+
+
+def _cmd_reorder(args: argparse.Namespace) -> int:
+    data = _read_costs(args.costs)
+    try:
+        if args.policy == "intra":
+            from dtdsl.reorder.intra import report
+
+            if not isinstance(data, list):
+                raise ValueError("expected a JSON list of per-sample costs")
+            out = report(data, args.groups)
+        else:
+            from dtdsl.reorder.inter import report
+
+            keys = ("forward", "backward", "stage_forward", "stage_backward")
+            if not isinstance(data, dict) or any(k not in data for k in keys):
+                raise ValueError('expected a JSON object {"forward": [...], "backward": [...], '
+                                 '"stage_forward": f, "stage_backward": b}')
+            extra = sorted(set(data) - set(keys))
+            if extra:
+                raise ValueError(f"unknown key{'s' if len(extra) > 1 else ''} "
+                                 f"{', '.join(extra)}; expected {', '.join(keys)}")
+            out = report(data["forward"], data["backward"], data["stage_forward"],
+                         data["stage_backward"], args.stages)
+    except ValueError as err:
+        raise UsageError(f"{args.costs}: {err}") from None
+    if args.json:
+        sys.stdout.write(json.dumps(out) + "\n")
+    else:
+        from dtdsl.report import wide_console
+        from dtdsl.sim.report import render_reorder
+
+        render_reorder(args.policy, out, wide_console())
+    return EXIT_OK
+
+
 def _write_file(path: str, text: str) -> None:
     """Write a whole file or nothing: a temporary file beside it, renamed into place."""
     target = Path(path)
@@ -330,7 +487,7 @@ def _parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check", help="check specs and report every problem")
     check.add_argument("specs", nargs="+", metavar="SPEC", help="spec files ('-' for stdin)")
     check.add_argument("--format", choices=("text", "json"), default="text")
-    check.add_argument("--emit", choices=(*STAGES, "graph"),
+    check.add_argument("--emit", choices=(*STAGES, "graph", "plan", "schedule"),
                        help="print the text form of a stage (ast: the syntax tree with spans; "
                        "program: the resolved program as JSON; graph: the stage graph)")
     check.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
@@ -388,6 +545,45 @@ def _parser() -> argparse.ArgumentParser:
                        "each module's pipeline stages")
     graph.add_argument("-o", "--output", metavar="FILE", help="write here, not to stdout")
     graph.set_defaults(func=_cmd_graph)
+
+    sim = sub.add_parser("simulate", help="simulate training steps of a plan: TensorBoard "
+                         "scalars and Gantt charts, a Perfetto trace")
+    sim.add_argument("spec", metavar="SPEC", help="spec file ('-' for stdin)")
+    sim.add_argument("--plan", metavar="PLAN", help="a Plan JSON (`dtc plan -o`); default: "
+                     "plan the spec now (convex search)")
+    sim.add_argument("--gpus", type=_positive_int, metavar="N",
+                     help="plan for N GPUs instead of the spec's cluster")
+    sim.add_argument("--steps", type=_positive_int, default=4,
+                     help="training steps (global batches) to simulate (default 4)")
+    sim.add_argument("--reorder", choices=("none", "intra", "inter", "both"),
+                     help="sample reordering (default: the spec's train.reorder)")
+    sim.add_argument("--logdir", required=True, metavar="DIR",
+                     help="TensorBoard log directory (also gets trace.json)")
+    sim.add_argument("--profile", metavar="PROFILE",
+                     help="a profile from `dtc profile`: measured module times")
+    sim.add_argument("--efficiency", action="append", metavar="KIND=FRACTION",
+                     help="analytic model efficiency (see `dtc plan --help`)")
+    sim.add_argument("--json", action="store_true", help="print the results as JSON")
+    sim.set_defaults(func=_cmd_simulate)
+
+    reo = sub.add_parser("reorder", help="run a reordering policy on given sample costs")
+    reo_sub = reo.add_subparsers(dest="policy", metavar="POLICY", required=True)
+    intra = reo_sub.add_parser("intra", help="balance samples over DP groups of equal count")
+    intra.add_argument("--costs", required=True, metavar="FILE",
+                       help="a JSON list of per-sample costs ('-' for stdin)")
+    intra.add_argument("--groups", required=True, type=_positive_int, metavar="G",
+                       help="number of data-parallel groups")
+    intra.add_argument("--json", action="store_true", help="print the result as JSON")
+    intra.set_defaults(func=_cmd_reorder)
+    inter = reo_sub.add_parser("inter", help="order microbatches for 1F1B")
+    inter.add_argument("--costs", required=True, metavar="FILE",
+                       help='a JSON object {"forward": [...], "backward": [...], '
+                       '"stage_forward": f, "stage_backward": b} (\'-\' for stdin)')
+    inter.add_argument("--stages", required=True, type=_positive_int, metavar="P",
+                       help="pipeline stages: the first takes the per-microbatch times, "
+                       "P-1 more take stage_forward and stage_backward")
+    inter.add_argument("--json", action="store_true", help="print the result as JSON")
+    inter.set_defaults(func=_cmd_reorder)
 
     expl = sub.add_parser("explain", help="explain a diagnostic code (all codes without one)")
     expl.add_argument("code", nargs="?", metavar="CODE")

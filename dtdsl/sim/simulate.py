@@ -328,19 +328,18 @@ class Simulator:
             node = self._new_id[v]
             tu = by_name[unit]
             stage = schedule.stages[si].stage
+            ranks = [tu.rank(stage, r) for r in range(tu.dp)]
             t0 = start[node]
+            name = str(kind)
             if slot >= 0:
-                per_replica = compute[unit][0 if kind is F else 1, stage, c, j]
-                for r in range(tu.dp):
-                    events.append(Event(unit=unit, stage=stage, replica=r,
-                                        rank=tu.rank(stage, r), kind=kind.value, microbatch=j,
-                                        chunk=c, start_s=t0,
-                                        end_s=t0 + float(per_replica[r])))
+                ends = (t0 + compute[unit][0 if name == "F" else 1, stage, c, j]).tolist()
+                events += [Event(unit=unit, stage=stage, replica=r, rank=ranks[r], kind=name,
+                                 microbatch=j, chunk=c, start_s=t0, end_s=ends[r])
+                           for r in range(tu.dp)]
             else:
-                for r in range(tu.dp):
-                    events.append(Event(unit=unit, stage=stage, replica=r,
-                                        rank=tu.rank(stage, r), kind=kind.value,
-                                        microbatch=None, start_s=t0, end_s=end[node]))
+                events += [Event(unit=unit, stage=stage, replica=r, rank=ranks[r], kind=name,
+                                 microbatch=None, start_s=t0, end_s=end[node])
+                           for r in range(tu.dp)]
         return Timeline(source="predicted", num_microbatches=m, units=tunits,
                         events=tuple(events), step=step)
 

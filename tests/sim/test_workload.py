@@ -1,0 +1,165 @@
+"""Per-sample work, routing under the reorder policies, durations and simulated steps."""
+
+from __future__ import annotations
+
+import itertools
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dtdsl.cost.model import CostParams, build_cost_model
+from dtdsl.cost.samples import draw_samples
+from dtdsl.driver import run_frontend
+from dtdsl.planner import plan
+from dtdsl.schedule.lower import lower
+from dtdsl.sim.run import simulate_steps
+from dtdsl.sim.simulate import Simulator
+from dtdsl.sim.workload import (
+    batch_samples,
+    encoder_step_times,
+    imbalance,
+    iteration_durations,
+    parse_policy,
+    route,
+    sample_work,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@cache
+def _setup(name: str):
+    path = ROOT / "specs" / f"{name}.dt"
+    program = run_frontend(str(path), path.read_bytes()).program
+    cost = build_cost_model(program, CostParams(samples=1024))
+    the_plan = plan(cost, program.cluster.num_gpus, compare_baseline=False)
+    return program, cost, the_plan, lower(the_plan, program)
+
+
+def test_policies_parse():
+    assert parse_policy("none") == frozenset()
+    assert parse_policy("both") == {"intra", "inter"}
+    assert parse_policy(("intra",)) == {"intra"}
+    with pytest.raises(ValueError, match="one of"):
+        parse_policy("sideways")
+
+
+def test_work_is_relative_to_the_cost_models_samples():
+    program, cost, _, _ = _setup("mllm_9b")
+    reference = draw_samples(program, cost.params.samples, cost.params.seed)
+    work = sample_work(cost, reference)
+    for name, values in work.items():
+        assert values.mean() == pytest.approx(1.0), name
+    assert set(work) == {m.name for m in program.modules}
+    backbone = program.backbone.name
+    assert np.all(work[backbone] == 1.0)
+    encoder = program.encoders[0].name
+    assert work[encoder].std() > 0.1   # images per sample vary a lot in this spec
+
+
+def test_batches_are_seeded_by_step():
+    program, *_ = _setup("mllm_9b")
+    a, b = batch_samples(program, 3), batch_samples(program, 3)
+    assert np.array_equal(a.text_tokens, b.text_tokens)
+    assert not np.array_equal(a.text_tokens, batch_samples(program, 4).text_tokens)
+    assert len(a) == program.train.global_batch
+
+
+@pytest.mark.parametrize("policy", ["none", "intra", "inter", "both"])
+def test_routing_gives_every_replica_its_share(policy):
+    program, cost, the_plan, _ = _setup("mllm_9b")
+    work = sample_work(cost, batch_samples(program, 0))
+    routing = route(the_plan, work, parse_policy(policy),
+                    step_times=encoder_step_times(the_plan, work))
+    m, mb = the_plan.num_microbatches, the_plan.micro_batch
+    backbone = next(u for u in the_plan.units if u.role == "backbone")
+    counts = np.bincount(routing.step, minlength=m)
+    assert np.all(counts == backbone.dp * mb)
+    for u in the_plan.units:
+        per = routing.loads(u.name, np.ones(the_plan.global_batch), u.dp)
+        assert per.shape == (m, u.dp)
+        assert np.all(per.max(axis=1) - per.min(axis=1) <= 1), u.name
+    if policy == "none":
+        assert np.array_equal(routing.replica[backbone.name],
+                              np.arange(the_plan.global_batch) // (m * mb))
+
+
+def test_intra_balances_the_encoders():
+    from dtdsl.reorder.intra import lower_bound
+
+    program, cost, the_plan, _ = _setup("mllm_9b")
+    encoder = next(u for u in the_plan.units if u.role == "encoder")
+    assert encoder.dp > 1
+    for step in range(3):
+        work = sample_work(cost, batch_samples(program, step))
+        plain = imbalance(the_plan, route(the_plan, work, frozenset()), work)
+        routing = route(the_plan, work, parse_policy("intra"))
+        balanced = imbalance(the_plan, routing, work)
+        assert balanced < plain
+        # Few heavy-tailed samples per replica cannot always be balanced: compare with
+        # the best any assignment could do, step by step.
+        costs = work[encoder.name]
+        loads = routing.loads(encoder.name, costs, encoder.dp).max(axis=1)
+        for j in range(the_plan.num_microbatches):
+            members = costs[routing.step == j]
+            assert loads[j] <= max(1.01 * lower_bound(members.tolist(), encoder.dp),
+                                   _best_split(members, encoder.dp) * (1 + 1e-12))
+
+
+def _best_split(costs: np.ndarray, groups: int) -> float:
+    """The optimal max load over two equal halves (brute force), or inf when not small."""
+    n = len(costs)
+    if groups != 2 or n > 16 or n % 2:
+        return float("inf")
+    total = costs.sum()
+    best = float("inf")
+    for half in itertools.combinations(range(n), n // 2):
+        a = costs[list(half)].sum()
+        best = min(best, max(a, total - a))
+    return best
+
+
+def test_inter_permutes_whole_steps():
+    program, cost, the_plan, _ = _setup("mllm_9b")
+    work = sample_work(cost, batch_samples(program, 0))
+    times = encoder_step_times(the_plan, work)
+    plain = route(the_plan, work, parse_policy("intra"))
+    ordered = route(the_plan, work, parse_policy("both"), step_times=times)
+    # The same samples travel together; only the steps' order changes.
+    mapping = {}
+    for a, b in zip(plain.step.tolist(), ordered.step.tolist(), strict=True):
+        assert mapping.setdefault(a, b) == b
+    assert sorted(mapping.values()) == list(range(the_plan.num_microbatches))
+    for name in plain.replica:
+        assert np.array_equal(plain.replica[name], ordered.replica[name])
+
+
+def test_expected_work_simulates_close_to_the_plan():
+    for name in ("tiny_cpu", "mllm_9b", "audio_image"):
+        _, cost, the_plan, schedule = _setup(name)
+        work = {u.name: np.ones(the_plan.global_batch) for u in the_plan.units}
+        routing = route(the_plan, work, frozenset())
+        durations = iteration_durations(the_plan, cost, schedule, routing, work)
+        backbone = next(u for u in the_plan.units if u.role == "backbone")
+        # The heaviest stage's forward of one microbatch is the plan's.
+        heaviest = durations.compute_s[backbone.name][0].max()
+        assert heaviest == pytest.approx(backbone.fwd_time_s)
+        t = Simulator(schedule).run(durations).iteration_time_s
+        # The planner counts transfers as blocking and every stage as the heaviest: it may
+        # only be a little pessimistic.
+        assert 0.9 * the_plan.iteration_time_s <= t <= 1.001 * the_plan.iteration_time_s, name
+
+
+def test_simulated_steps_report_sane_figures():
+    program, cost, the_plan, schedule = _setup("mllm_9b")
+    plain = list(simulate_steps(program, cost, the_plan, schedule, steps=2,
+                                policy=frozenset()))
+    both = list(simulate_steps(program, cost, the_plan, schedule, steps=2,
+                               policy=parse_policy("both")))
+    assert [s.step for s in plain] == [0, 1]
+    for a, b in zip(plain, both, strict=True):
+        assert 0 < a.mfu < 1 and 0 <= a.bubble_fraction < 1
+        assert b.imbalance <= a.imbalance
+        assert b.iteration_time_s < a.iteration_time_s   # this spec's images are skewed

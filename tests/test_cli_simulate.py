@@ -1,0 +1,157 @@
+"""dtc simulate, dtc reorder and --emit schedule: outputs, files read back, errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dtdsl import cli
+from dtdsl.ir.schedule import parse_schedule
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = str(ROOT / "specs" / "tiny_cpu.dt")
+M9 = str(ROOT / "specs" / "mllm_9b.dt")
+
+
+def run(capsys, *args: str) -> tuple[int, str, str]:
+    code = cli.main(list(args))
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    return code, out, err
+
+
+def _events(logdir: Path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0, "images": 0,
+                                                      "tensors": 0})
+    acc.Reload()
+    return acc
+
+
+def test_simulate_writes_scalars_gantt_text_and_trace(capsys, tmp_path):
+    logdir = tmp_path / "tb"
+    code, out, err = run(capsys, "simulate", M9, "--steps", "3", "--reorder", "both",
+                         "--logdir", str(logdir), "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert [s["step"] for s in doc["steps"]] == [0, 1, 2]
+    assert doc["reorder"] == ["inter", "intra"]
+    assert doc["speedup"] > 1.0   # reordering helps on this spec's skewed images
+    acc = _events(logdir)
+    tags = acc.Tags()
+    for tag in ("time/iteration_s", "pipeline/bubble_fraction", "mfu", "data/imbalance"):
+        assert tag in tags["scalars"], tag
+        assert [e.step for e in acc.Scalars(tag)] == [0, 1, 2]
+    times = [e.value for e in acc.Scalars("time/iteration_s")]
+    assert times == pytest.approx([s["iteration_time_s"] for s in doc["steps"]], rel=1e-6)
+    assert any(t.startswith("pipeline/bubble/") for t in tags["scalars"])
+    gantt = [t for t in tags["images"] if "gantt" in t]
+    assert gantt and len(acc.Images(gantt[0])) == 3
+    assert acc.Images(gantt[0])[0].width > 100
+    text_tags = [t for t in tags["tensors"] if "plan" in t]
+    assert text_tags
+    trace = json.loads((logdir / "trace.json").read_text())
+    assert any(e.get("ph") == "X" and e["name"].startswith("F") for e in trace["traceEvents"])
+
+
+def test_simulate_table_and_plan_file(capsys, tmp_path):
+    plan_path = tmp_path / "plan.json"
+    assert run(capsys, "plan", TINY, "-o", str(plan_path), "--no-baseline")[0] == 0
+    code, out, err = run(capsys, "simulate", TINY, "--plan", str(plan_path), "--steps", "2",
+                         "--logdir", str(tmp_path / "tb"))
+    assert code == 0, err
+    for word in ("simulated steps", "iteration", "MFU", "planned", "tensorboard --logdir",
+                 "trace"):
+        assert word in out
+
+
+def test_simulate_errors(capsys, tmp_path):
+    code, _, err = run(capsys, "simulate", TINY, "--plan", str(tmp_path / "nope.json"),
+                       "--logdir", str(tmp_path / "tb"))
+    assert code == 2 and "cannot read plan" in err
+    m9_plan = tmp_path / "m9.json"
+    other = run(capsys, "plan", M9, "-o", str(m9_plan), "--no-baseline")
+    assert other[0] == 0
+    code, _, err = run(capsys, "simulate", TINY, "--plan", str(m9_plan),
+                       "--logdir", str(tmp_path / "tb"))
+    assert code == 2 and "plan this spec again" in err
+    for argv in (["--steps", "0", "--logdir", str(tmp_path)], []):   # --logdir is required
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["simulate", TINY, *argv])
+        assert exc.value.code == 2
+    capsys.readouterr()
+
+
+def test_emit_schedule_round_trips(capsys):
+    code, out, err = run(capsys, "check", TINY, "--emit", "schedule")
+    assert code == 0, err
+    schedule = parse_schedule(out)
+    assert {u.name for u in schedule.units} == {"vit", "llm", "gen"}
+    assert "llm.s0:" in out and "SEND_F0>" in out
+
+
+def test_reorder_intra_json(capsys, tmp_path):
+    rng = np.random.default_rng(0)
+    costs = rng.lognormal(0, 1.2, 256).tolist()
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps(costs))
+    code, out, err = run(capsys, "reorder", "intra", "--costs", str(path), "--groups", "16",
+                         "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assignment = doc["assignment"]
+    assert len(assignment) == 256 and set(assignment) == set(range(16))
+    loads = np.bincount(assignment, weights=costs, minlength=16)
+    assert np.bincount(assignment).tolist() == [16] * 16
+    assert doc["loads"] == pytest.approx(loads.tolist())
+    largest_plus_smallest = max(costs) + sum(sorted(costs)[:15])
+    bound = max(sum(costs) / 16, largest_plus_smallest)
+    assert doc["lower_bound"] == pytest.approx(bound)
+    assert doc["ratio"] == pytest.approx(loads.max() / bound)
+    assert doc["ratio"] < 1.01
+
+
+def test_reorder_inter_json(capsys, tmp_path):
+    rng = np.random.default_rng(1)
+    fwd = rng.lognormal(0, 0.6, 16)
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps({"forward": fwd.tolist(), "backward": (2 * fwd).tolist(),
+                                "stage_forward": 1.0, "stage_backward": 2.0}))
+    code, out, err = run(capsys, "reorder", "inter", "--costs", str(path), "--stages", "4",
+                         "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert sorted(doc["order"]) == list(range(16))
+    assert doc["iteration_time"] > 0
+    code, out, _ = run(capsys, "reorder", "inter", "--costs", str(path), "--stages", "4")
+    assert code == 0 and "iteration time" in out
+
+
+@pytest.mark.parametrize("content,words", [
+    ("[1, 2,", "not JSON"),
+    ('{"a": 1}', "list of per-sample costs"),
+    ("[1, -2, 3]", "costs"),
+])
+def test_reorder_intra_bad_input(capsys, tmp_path, content, words):
+    path = tmp_path / "c.json"
+    path.write_text(content)
+    code, _, err = run(capsys, "reorder", "intra", "--costs", str(path), "--groups", "2")
+    assert code == 2 and words in err
+
+
+def test_reorder_inter_bad_input(capsys, tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"forward": [1, 2], "backward": [1]}))
+    code, _, err = run(capsys, "reorder", "inter", "--costs", str(path), "--stages", "2")
+    assert code == 2 and "stage_forward" in err
+    path.write_text(json.dumps({"forward": [1, 2], "backward": [1], "stage_forward": 1,
+                                "stage_backward": 1}))
+    code, _, err = run(capsys, "reorder", "inter", "--costs", str(path), "--stages", "2")
+    assert code == 2 and "backward" in err
+    code, _, err = run(capsys, "reorder", "inter", "--costs", str(tmp_path / "none.json"),
+                       "--stages", "2")
+    assert code == 2 and "cannot read costs" in err
