@@ -477,6 +477,50 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_reference(args: argparse.Namespace) -> int:
+    import time
+
+    import torch
+
+    from dtdsl.runtime.reference import train_reference
+
+    result, code = _load_program(args.spec)
+    if result is None:
+        return code
+    program = result.program
+    assert program is not None
+    if args.micro_batch is not None and args.micro_batch > program.train.global_batch:
+        raise UsageError(f"--micro-batch {args.micro_batch} is larger than the global batch "
+                         f"of {program.train.global_batch}")
+    steps = args.steps or program.train.steps
+    out = sys.stdout if args.out in (None, "-") else None
+    if out is None:
+        target = Path(args.out)
+        if target.is_dir():
+            raise UsageError(f"{args.out} is a directory; give a file name")
+        try:
+            out = open(target, "w", encoding="utf-8", newline="\n")  # noqa: SIM115
+        except OSError as err:
+            raise UsageError(f"cannot write {args.out}: {err.strerror or err}") from None
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+    try:
+        for record in train_reference(program, steps, micro_batch=args.micro_batch,
+                                      seed=args.seed):
+            out.write(json.dumps(record) + "\n")
+            out.flush()
+            if not args.quiet:
+                print(f"step {record['step'] + 1}/{steps}  loss {record['loss']:.6f}  "
+                      f"({time.perf_counter() - start:.1f} s)", file=sys.stderr)
+    except ValueError as err:
+        raise UsageError(f"cannot train {result.name}: {err}") from None
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    return EXIT_OK
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="dtc", description="dtdsl: compile multimodal LLM training specs.")
     parser.add_argument("--version", action="version", version=f"dtc {__version__}")
@@ -584,6 +628,20 @@ def _parser() -> argparse.ArgumentParser:
                        "P-1 more take stage_forward and stage_backward")
     inter.add_argument("--json", action="store_true", help="print the result as JSON")
     inter.set_defaults(func=_cmd_reorder)
+
+    ref = sub.add_parser("reference", help="train the spec single-process in fp32 on the CPU: "
+                         "the per-step losses a distributed run must match")
+    ref.add_argument("spec", metavar="SPEC", help="spec file ('-' for stdin)")
+    ref.add_argument("--steps", type=_positive_int, metavar="N",
+                     help="training steps (default: the spec's train.steps)")
+    ref.add_argument("--out", metavar="FILE",
+                     help="write one JSON line per step here (default: stdout)")
+    ref.add_argument("--micro-batch", type=_positive_int, metavar="M",
+                     help="samples per microbatch (default: the spec's train.micro_batch)")
+    ref.add_argument("--seed", type=int, help="initialisation seed (default: train.seed)")
+    ref.add_argument("--threads", type=_positive_int, help="torch CPU threads")
+    ref.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+    ref.set_defaults(func=_cmd_reference)
 
     expl = sub.add_parser("explain", help="explain a diagnostic code (all codes without one)")
     expl.add_argument("code", nargs="?", metavar="CODE")
