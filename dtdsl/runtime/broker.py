@@ -1,0 +1,544 @@
+"""The cross-unit broker: per-sample activations forward, their gradients backward.
+
+The schedule IR's communication is unit level (``vit.s0:SEND_F3>llm.s0``); which replica
+of the receiver gets which sample is decided here, at sample granularity, so DP sizes need
+not divide (an encoder with dp 2 can feed a backbone with dp 3).
+
+**Routing.** At step j every unit's replicas together process the samples of the step;
+each unit has an *assignment* (the replica index per sample, in step order) that every
+rank computes alike from the per-sample costs (``dtdsl.reorder.intra.balance``), so no
+message is needed to agree on it. ``route`` turns the producer's and the consumer's
+assignment into the ordered sample list each (producer replica, consumer replica) pair
+carries; ``reverse`` gives the gradient direction.
+
+**Leaders** (Megatron MIMO bridge style). Only the first TP rank of the producer's last
+stage of each replica sends, and only the first TP rank of the consumer's first stage of
+each replica receives; the receiving leader then broadcasts the samples to its TP group,
+in its replica's step order. Gradients travel the same way backwards: consumer first-stage
+leaders send, producer last-stage leaders receive and broadcast to their TP group. A pair
+that carries no sample exchanges no message; both sides know this from the routes.
+
+**Matching.** gloo matches point-to-point messages by (source, tag); a message's tag is
+``((step mod 2**28) * 2 + direction) * 3 + part`` (direction 0 forward, 1 backward; parts
+below), so concurrent steps and both directions between the same two ranks cannot be
+confused. NCCL ignores tags and matches in program order per peer; every sender posts its
+messages in (step, direction, consumer replica) order and every receiver receives its
+sources in increasing replica order within a step, so the same program also matches there
+as long as the executor calls the broker in the schedule's order.
+
+**Wire format** (no pickle). One message is up to three point-to-point transfers:
+
+1. a fixed-size header, ``int64[HEADER_LEN]``: ``MAGIC``, tensor count, payload bytes,
+   ``MAX_NDIM``, then one row per tensor for the first ``INLINE_TENSORS`` tensors (dtype
+   code, ndim, shape padded with zeros to ``MAX_NDIM``), zero-filled;
+2. only if count > ``INLINE_TENSORS``: the remaining rows, ``int64[count - INLINE, 2 +
+   MAX_NDIM]``;
+3. if payload bytes > 0, the payload, ``uint8[payload bytes]``: every tensor's bytes,
+   contiguous, each starting at a multiple of ``ALIGN`` bytes.
+
+So a message of up to ``INLINE_TENSORS`` tensors costs two transfers. The receiver checks
+each part against limits (``MAX_TENSORS``, ``MAX_NDIM``, known dtype codes, ``max_bytes``,
+a payload size that matches the shapes) before it allocates anything, and raises
+``WireError`` with the reason. Received tensors are views into one payload buffer.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from dtdsl.runtime.mesh import ProcessGroups, RankRole, UnitGrid, grids, role_of
+
+if TYPE_CHECKING:
+    from dtdsl.ir.plan import Plan
+
+__all__ = [
+    "ALIGN",
+    "DEFAULT_MAX_BYTES",
+    "HEADER_LEN",
+    "INLINE_TENSORS",
+    "MAGIC",
+    "MAX_NDIM",
+    "MAX_TENSORS",
+    "Broker",
+    "StepSamples",
+    "WireError",
+    "broadcast_tensors",
+    "message_tag",
+    "recv_tensors",
+    "recv_tensors_many",
+    "reverse",
+    "route",
+    "send_tensors",
+]
+
+SampleId = Hashable
+Routes = dict[tuple[int, int], tuple[SampleId, ...]]
+
+# ---------------------------------------------------------------------------- routing
+
+
+def route(sample_ids: Sequence[SampleId], producer: Sequence[int], consumer: Sequence[int], *,
+          producer_dp: int | None = None, consumer_dp: int | None = None) -> Routes:
+    """For each (producer replica, consumer replica) pair that carries at least one sample,
+    the sample ids it carries, in step order. ``producer[i]`` / ``consumer[i]`` is the
+    replica of ``sample_ids[i]`` in each unit. Keys are sorted; pairs with no sample are
+    absent."""
+    ids = tuple(sample_ids)
+    if len(producer) != len(ids) or len(consumer) != len(ids):
+        raise ValueError(f"{len(ids)} samples but assignments of length {len(producer)} "
+                         f"(producer) and {len(consumer)} (consumer)")
+    if len(set(ids)) != len(ids):
+        raise ValueError("sample ids of a step must be distinct")
+    for name, assignment, dp in (("producer", producer, producer_dp),
+                                 ("consumer", consumer, consumer_dp)):
+        for r in assignment:
+            if operator.index(r) < 0 or (dp is not None and r >= dp):
+                top = "" if dp is None else dp - 1
+                raise ValueError(f"{name} replica {r!r} is outside 0..{top}")
+    out: dict[tuple[int, int], list[SampleId]] = {}
+    for sid, p, c in zip(ids, producer, consumer, strict=True):
+        out.setdefault((p, c), []).append(sid)
+    return {k: tuple(out[k]) for k in sorted(out)}
+
+
+def reverse(routes: Routes) -> Routes:
+    """The same routes seen from the other side: (consumer replica, producer replica)."""
+    return {k: routes[(k[1], k[0])] for k in sorted((c, p) for p, c in routes)}
+
+
+@dataclass(frozen=True, eq=False)
+class StepSamples:
+    """The samples of one step and each unit's assignment (replica per sample)."""
+
+    sample_ids: tuple[SampleId, ...]
+    assignment: Mapping[str, Sequence[int]]
+
+    def replicas(self, unit: str) -> Sequence[int]:
+        try:
+            a = self.assignment[unit]
+        except KeyError:
+            raise KeyError(f"no assignment for unit {unit!r} in this step") from None
+        if len(a) != len(self.sample_ids):
+            raise ValueError(f"unit {unit!r}: assignment of length {len(a)} for "
+                             f"{len(self.sample_ids)} samples")
+        return a
+
+    def samples_of(self, unit: str, replica: int) -> tuple[SampleId, ...]:
+        """The samples ``replica`` of ``unit`` processes, in step order."""
+        return tuple(s for s, r in zip(self.sample_ids, self.replicas(unit), strict=True)
+                     if r == replica)
+
+
+# ------------------------------------------------------------------------- wire format
+
+MAGIC = 0x6474_646C_7769_7231          # "dtdlwir1"
+MAX_NDIM = 8
+MAX_TENSORS = 1 << 16
+DEFAULT_MAX_BYTES = 1 << 34            # 16 GiB per message
+ALIGN = 16
+INLINE_TENSORS = 16
+_PREAMBLE = 4
+_WIDTH = 2 + MAX_NDIM
+HEADER_LEN = _PREAMBLE + INLINE_TENSORS * _WIDTH
+_TAG_STEPS = 1 << 28
+
+_DTYPES: tuple[torch.dtype, ...] = (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16,
+    torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool,
+    torch.complex64, torch.complex128,
+)
+_CODE = {dt: i for i, dt in enumerate(_DTYPES)}
+
+
+class WireError(ValueError):
+    """A message (or a tensor list to send) breaks the wire format or its limits."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Spec:
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _layout(specs: list[tuple[torch.dtype, tuple[int, ...]]]) -> tuple[list[_Spec], int]:
+    out, offset = [], 0
+    for dtype, shape in specs:
+        numel = 1
+        for d in shape:
+            numel *= d
+        nbytes = numel * dtype.itemsize
+        offset = _align(offset)
+        out.append(_Spec(dtype, shape, offset, nbytes))
+        offset += nbytes
+    return out, offset
+
+
+def _encode(tensors: Sequence[torch.Tensor], max_bytes: int,
+            device: torch.device | str | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(header, overflow rows or None, payload or None), on ``device`` (default: the
+    tensors' own device)."""
+    if len(tensors) > MAX_TENSORS:
+        raise WireError(f"{len(tensors)} tensors in one message; the limit is {MAX_TENSORS}")
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise WireError(f"item {i} is a {type(t).__name__}, not a tensor")
+    if device is None:
+        devices = {t.device for t in tensors}
+        if len(devices) > 1:
+            raise WireError("tensors of one message must share a device (or name one), got "
+                            f"{sorted(map(str, devices))}")
+        device = devices.pop() if devices else torch.device("cpu")
+    rows = []
+    for i, t in enumerate(tensors):
+        if t.dtype not in _CODE:
+            raise WireError(f"tensor {i}: dtype {t.dtype} is not supported on the wire")
+        if t.dim() > MAX_NDIM:
+            raise WireError(f"tensor {i}: {t.dim()} dimensions; the limit is {MAX_NDIM}")
+        rows.append((t.dtype, tuple(t.shape)))
+    specs, total = _layout(rows)
+    if total > max_bytes:
+        raise WireError(f"message of {total} bytes exceeds the limit of {max_bytes} bytes")
+    meta = [[_CODE[dtype], len(shape), *shape, *([0] * (MAX_NDIM - len(shape)))]
+            for dtype, shape in rows]
+    head = [MAGIC, len(tensors), total, MAX_NDIM]
+    for row in meta[:INLINE_TENSORS]:
+        head += row
+    head += [0] * (HEADER_LEN - len(head))
+    header = torch.tensor(head, dtype=torch.int64, device=device)
+    extra = None
+    if len(meta) > INLINE_TENSORS:
+        extra = torch.tensor(meta[INLINE_TENSORS:], dtype=torch.int64, device=device)
+    payload = None
+    if total:
+        payload = torch.empty(total, dtype=torch.uint8, device=device)
+        for t, s in zip(tensors, specs, strict=True):
+            if s.nbytes:
+                payload[s.offset:s.offset + s.nbytes].copy_(
+                    t.detach().contiguous().reshape(-1).view(torch.uint8))
+    return header, extra, payload
+
+
+def _check_header(header: torch.Tensor, max_bytes: int) -> tuple[int, int]:
+    """(tensor count, payload bytes) of a received header, checked against the limits."""
+    magic, count, total, ndim = (int(x) for x in header[:_PREAMBLE].tolist())
+    if magic != MAGIC:
+        raise WireError(f"bad magic {magic:#x}: not a dtdsl tensor message")
+    if ndim != MAX_NDIM:
+        raise WireError(f"peer pads shapes to {ndim} dimensions, we to {MAX_NDIM}")
+    if not 0 <= count <= MAX_TENSORS:
+        raise WireError(f"message announces {count} tensors; the limit is {MAX_TENSORS}")
+    if not 0 <= total <= max_bytes:
+        raise WireError(f"message announces {total} bytes; the limit is {max_bytes} bytes")
+    return count, total
+
+
+def _overflow(count: int) -> int:
+    """Rows of the overflow part for a message of ``count`` tensors."""
+    return max(0, count - INLINE_TENSORS)
+
+
+def _check_specs(header: torch.Tensor, extra: torch.Tensor | None, count: int,
+                 total: int) -> list[_Spec]:
+    """The tensors' layout from the header's inline rows and the overflow rows."""
+    inline = header[_PREAMBLE:].reshape(INLINE_TENSORS, _WIDTH).tolist()
+    if any(any(row) for row in inline[count:]):
+        raise WireError("header rows beyond the tensor count are not zero")
+    meta = inline[:count] + (extra.tolist() if extra is not None else [])
+    assert len(meta) == count
+    rows = []
+    for i, row in enumerate(meta):
+        code, ndim, dims = row[0], row[1], row[2:]
+        if not 0 <= code < len(_DTYPES):
+            raise WireError(f"tensor {i}: unknown dtype code {code}")
+        if not 0 <= ndim <= MAX_NDIM:
+            raise WireError(f"tensor {i}: ndim {ndim} is outside 0..{MAX_NDIM}")
+        if any(d < 0 for d in dims[:ndim]) or any(dims[ndim:]):
+            raise WireError(f"tensor {i}: bad shape {dims} for ndim {ndim}")
+        rows.append((_DTYPES[code], tuple(dims[:ndim])))
+    specs, size = _layout(rows)
+    if size != total:
+        raise WireError(f"shapes need {size} payload bytes but the message announces {total}")
+    return specs
+
+
+def _unpack(payload: torch.Tensor | None, specs: list[_Spec],
+            device: torch.device | str) -> list[torch.Tensor]:
+    out = []
+    for s in specs:
+        if s.nbytes == 0:
+            out.append(torch.empty(s.shape, dtype=s.dtype, device=device))
+        else:
+            assert payload is not None
+            out.append(payload[s.offset:s.offset + s.nbytes].view(s.dtype).view(s.shape))
+    return out
+
+
+def send_tensors(tensors: Sequence[torch.Tensor], dst: int, group: dist.ProcessGroup | None = None,
+                 *, tag: int = 0, device: torch.device | str | None = None,
+                 max_bytes: int = DEFAULT_MAX_BYTES) -> list[dist.Work]:
+    """Post a message of ``tensors`` to global rank ``dst`` (non-blocking) and return its
+    handles; wait on them all before the step ends. The tensors are copied into the send
+    buffers, so the caller may change or free them at once. ``tag``: 0..2**29-1. The
+    buffers live on ``device`` (the backend's device; default: the tensors' device)."""
+    header, extra, payload = _encode(tensors, max_bytes, device)
+    works = [dist.isend(header, dst, group=group, tag=_part(tag, 0))]
+    if extra is not None:
+        works.append(dist.isend(extra, dst, group=group, tag=_part(tag, 1)))
+    if payload is not None:
+        works.append(dist.isend(payload, dst, group=group, tag=_part(tag, 2)))
+    return works
+
+
+def recv_tensors(src: int, group: dist.ProcessGroup | None = None, *, tag: int = 0,
+                 device: torch.device | str = "cpu",
+                 max_bytes: int = DEFAULT_MAX_BYTES) -> list[torch.Tensor]:
+    """Receive one message sent by ``send_tensors`` from global rank ``src`` (blocking)."""
+    return recv_tensors_many([(src, tag)], group, device=device, max_bytes=max_bytes)[0]
+
+
+def recv_tensors_many(sources: Sequence[tuple[int, int]], group: dist.ProcessGroup | None = None,
+                      *, device: torch.device | str = "cpu",
+                      max_bytes: int = DEFAULT_MAX_BYTES) -> list[list[torch.Tensor]]:
+    """Receive one message from each (source rank, tag), all in flight together; the
+    messages in the order of ``sources``."""
+    headers = [torch.empty(HEADER_LEN, dtype=torch.int64, device=device) for _ in sources]
+    works = [dist.irecv(h, src, group=group, tag=_part(tag, 0))
+             for h, (src, tag) in zip(headers, sources, strict=True)]
+    for w in works:
+        w.wait()
+    heads = [_check_header(h, max_bytes) for h in headers]
+    extras: list[torch.Tensor | None] = []
+    works = []
+    for (src, tag), (count, _) in zip(sources, heads, strict=True):
+        if _overflow(count):
+            e = torch.empty((_overflow(count), _WIDTH), dtype=torch.int64, device=device)
+            works.append(dist.irecv(e, src, group=group, tag=_part(tag, 1)))
+            extras.append(e)
+        else:
+            extras.append(None)
+    for w in works:
+        w.wait()
+    specs = [_check_specs(h, e, count, total)
+             for h, e, (count, total) in zip(headers, extras, heads, strict=True)]
+    payloads: list[torch.Tensor | None] = []
+    works = []
+    for (src, tag), (_, total) in zip(sources, heads, strict=True):
+        if total:
+            buf = torch.empty(total, dtype=torch.uint8, device=device)
+            works.append(dist.irecv(buf, src, group=group, tag=_part(tag, 2)))
+            payloads.append(buf)
+        else:
+            payloads.append(None)
+    for w in works:
+        w.wait()
+    return [_unpack(p, s, device) for p, s in zip(payloads, specs, strict=True)]
+
+
+def broadcast_tensors(tensors: Sequence[torch.Tensor] | None, src: int,
+                      group: dist.ProcessGroup | None = None, *,
+                      device: torch.device | str = "cpu",
+                      max_bytes: int = DEFAULT_MAX_BYTES) -> list[torch.Tensor]:
+    """Broadcast a list of tensors of any shapes from global rank ``src`` to ``group``, in
+    the wire format; ``tensors`` is read on ``src`` only (pass ``None`` elsewhere). Returns
+    the list on every rank (``src`` gets its own tensors back)."""
+    if dist.get_rank() == src:
+        if tensors is None:
+            raise ValueError("the broadcasting rank must pass its tensors")
+        header, extra, payload = _encode(tensors, max_bytes, device)
+        for part in (header, extra, payload):
+            if part is not None:
+                dist.broadcast(part, src, group=group)
+        return list(tensors)
+    header = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
+    dist.broadcast(header, src, group=group)
+    count, total = _check_header(header, max_bytes)
+    extra = None
+    if _overflow(count):
+        extra = torch.empty((_overflow(count), _WIDTH), dtype=torch.int64, device=device)
+        dist.broadcast(extra, src, group=group)
+    specs = _check_specs(header, extra, count, total)
+    payload = None
+    if total:
+        payload = torch.empty(total, dtype=torch.uint8, device=device)
+        dist.broadcast(payload, src, group=group)
+    return _unpack(payload, specs, device)
+
+
+def _part(tag: int, part: int) -> int:
+    if not 0 <= tag < (1 << 29):
+        raise ValueError(f"message tag {tag} is outside 0..2**29-1")
+    return tag * 3 + part
+
+
+def message_tag(step: int, direction: int) -> int:
+    """The tag of the broker's messages for ``step`` (direction 0 forward, 1 backward)."""
+    if step < 0:
+        raise ValueError(f"step {step} is negative")
+    return (step % _TAG_STEPS) * 2 + direction
+
+
+# ------------------------------------------------------------------------------ broker
+
+_EDGES = {("encoder", "backbone"), ("backbone", "generator")}
+
+
+class Broker:
+    """Moves per-sample tensors between units for one rank (see the module docstring).
+
+    Every method is called by every rank of the relevant stage: ``send_forward`` and
+    ``recv_backward`` by the producer's last stage, ``recv_forward`` and ``send_backward``
+    by the consumer's first stage. Non-leaders' sends are no-ops (they return no handles);
+    receives broadcast within the receiving stage's TP group, so ``groups`` is needed
+    wherever the receiving side has tp > 1. Received tensors do not require grad: the
+    consumer marks its inputs ``requires_grad_()`` itself (they are leaves).
+    """
+
+    def __init__(self, plan: Plan, rank: int, groups: ProcessGroups | None = None, *,
+                 p2p_group: dist.ProcessGroup | None = None,
+                 device: torch.device | str = "cpu", max_bytes: int = DEFAULT_MAX_BYTES):
+        self.plan = plan
+        self.grids: dict[str, UnitGrid] = {g.name: g for g in grids(plan)}
+        self.role: RankRole = role_of(plan, rank)
+        if groups is not None and groups.rank != rank:
+            raise ValueError(f"groups belong to rank {groups.rank}, not {rank}")
+        self.groups = groups
+        self.p2p_group = p2p_group
+        self.device = torch.device(device)
+        self.max_bytes = max_bytes
+
+    @property
+    def rank(self) -> int:
+        return self.role.rank
+
+    def routes(self, producer: str, consumer: str, samples: StepSamples) -> Routes:
+        """(producer replica, consumer replica) -> samples, for this step."""
+        pg, cg = self._edge(producer, consumer)
+        return route(samples.sample_ids, samples.replicas(producer), samples.replicas(consumer),
+                     producer_dp=pg.dp, consumer_dp=cg.dp)
+
+    # -- forward: producer last stage -> consumer first stage
+
+    def send_forward(self, step: int, producer: str, consumer: str,
+                     tensors_by_sample: Mapping[SampleId, torch.Tensor],
+                     samples: StepSamples) -> list[dist.Work]:
+        pg, cg = self._edge(producer, consumer)
+        return self._send(message_tag(step, 0), pg, pg.last_stage, samples.replicas(producer),
+                          cg, 0, self.routes(producer, consumer, samples), tensors_by_sample,
+                          samples)
+
+    def recv_forward(self, step: int, producer: str, consumer: str,
+                     samples: StepSamples) -> dict[SampleId, torch.Tensor]:
+        pg, cg = self._edge(producer, consumer)
+        return self._recv(message_tag(step, 0), pg, pg.last_stage, cg, 0,
+                          reverse(self.routes(producer, consumer, samples)),
+                          samples.replicas(consumer), samples)
+
+    # -- backward: consumer first stage -> producer last stage
+
+    def send_backward(self, step: int, producer: str, consumer: str,
+                      grads_by_sample: Mapping[SampleId, torch.Tensor],
+                      samples: StepSamples) -> list[dist.Work]:
+        pg, cg = self._edge(producer, consumer)
+        return self._send(message_tag(step, 1), cg, 0, samples.replicas(consumer),
+                          pg, pg.last_stage, reverse(self.routes(producer, consumer, samples)),
+                          grads_by_sample, samples)
+
+    def recv_backward(self, step: int, producer: str, consumer: str,
+                      samples: StepSamples) -> dict[SampleId, torch.Tensor]:
+        pg, cg = self._edge(producer, consumer)
+        return self._recv(message_tag(step, 1), cg, 0, pg, pg.last_stage,
+                          self.routes(producer, consumer, samples),
+                          samples.replicas(producer), samples)
+
+    # -- internals
+
+    def _edge(self, producer: str, consumer: str) -> tuple[UnitGrid, UnitGrid]:
+        try:
+            pg, cg = self.grids[producer], self.grids[consumer]
+        except KeyError as exc:
+            raise KeyError(f"no unit {exc.args[0]!r} in the plan") from None
+        if (pg.role, cg.role) not in _EDGES:
+            raise ValueError(f"{producer} ({pg.role}) does not feed {consumer} ({cg.role}); "
+                             "the broker links encoder -> backbone and backbone -> generator")
+        return pg, cg
+
+    def _where(self, grid: UnitGrid, stage: int, what: str) -> RankRole:
+        r = self.role
+        if r.unit != grid.name or r.stage != stage:
+            raise RuntimeError(f"rank {r.rank} ({r.unit}.s{r.stage}) cannot {what}: only "
+                               f"{grid.name}.s{stage} does")
+        return r
+
+    def _send(self, tag: int, src: UnitGrid, src_stage: int, src_assignment: Sequence[int],
+              dst: UnitGrid, dst_stage: int, routes: Routes,
+              tensors: Mapping[SampleId, torch.Tensor], samples: StepSamples) -> list[dist.Work]:
+        me = self._where(src, src_stage, "send these tensors")
+        mine = [s for s, r in zip(samples.sample_ids, src_assignment, strict=True)
+                if r == me.replica]
+        own = set(mine)
+        if set(tensors) != own:
+            missing = [s for s in mine if s not in tensors]
+            extra = [s for s in tensors if s not in own]
+            raise ValueError(f"{src.name} replica {me.replica} must send samples {mine}; "
+                             f"missing {missing}, not its own {extra}")
+        if not me.is_leader:
+            return []
+        works: list[dist.Work] = []
+        for (s, d), ids in routes.items():
+            if s == me.replica:
+                works += send_tensors([tensors[i] for i in ids], dst.leader(dst_stage, d),
+                                      self.p2p_group, tag=tag, device=self.device,
+                                      max_bytes=self.max_bytes)
+        return works
+
+    def _recv(self, tag: int, src: UnitGrid, src_stage: int, dst: UnitGrid, dst_stage: int,
+              routes: Routes, dst_assignment: Sequence[int],
+              samples: StepSamples) -> dict[SampleId, torch.Tensor]:
+        """``routes`` keyed (receiving replica, sending replica)."""
+        me = self._where(dst, dst_stage, "receive these tensors")
+        order = [s for s, r in zip(samples.sample_ids, dst_assignment, strict=True)
+                 if r == me.replica]
+        if not order:
+            return {}
+        leader = dst.leader(dst_stage, me.replica)
+        if me.is_leader:
+            incoming = [(s, ids) for (d, s), ids in routes.items() if d == me.replica]
+            msgs = recv_tensors_many([(src.leader(src_stage, s), tag) for s, _ in incoming],
+                                     self.p2p_group, device=self.device,
+                                     max_bytes=self.max_bytes)
+            got: dict[SampleId, torch.Tensor] = {}
+            for (s, ids), tensors in zip(incoming, msgs, strict=True):
+                if len(tensors) != len(ids):
+                    raise WireError(f"{src.name} replica {s} sent {len(tensors)} tensors for "
+                                    f"{len(ids)} samples")
+                got.update(zip(ids, tensors, strict=True))
+            ordered = [got[s] for s in order]
+            if dst.tp > 1:
+                broadcast_tensors(ordered, leader, self._tp_group(), device=self.device,
+                                  max_bytes=self.max_bytes)
+        else:
+            ordered = broadcast_tensors(None, leader, self._tp_group(), device=self.device,
+                                        max_bytes=self.max_bytes)
+            if len(ordered) != len(order):
+                raise WireError(f"TP leader {leader} broadcast {len(ordered)} tensors for "
+                                f"{len(order)} samples")
+        return dict(zip(order, ordered, strict=True))
+
+    def _tp_group(self) -> dist.ProcessGroup:
+        if self.groups is None:
+            raise RuntimeError(f"unit {self.role.unit} has tp={self.role.grid.tp}: the broker "
+                               "needs this rank's ProcessGroups to broadcast within TP")
+        return self.groups.tp
