@@ -285,7 +285,56 @@ def _read_plan(path: str, program: Program) -> Plan:
     if planned != modules:
         raise UsageError(f"plan {path} has units {', '.join(planned)} but the spec has "
                          f"modules {', '.join(modules)}; plan this spec again")
+    problems = _plan_problems(the_plan, program)
+    if problems:
+        raise UsageError(f"plan {path} does not fit the spec: {'; '.join(problems)}; plan "
+                         "this spec again (`dtc plan SPEC -o plan.json`)")
     return the_plan
+
+
+def _plan_problems(the_plan: Plan, program: Program) -> list[str]:
+    """What makes a plan (with the spec's unit names) unusable for ``program``: another
+    batch, other roles or layer counts, or a layout that does not add up (a plan from
+    another spec, or edited by hand)."""
+    import math
+
+    train = program.train
+    out = []
+    for name, planned, spec in (("global_batch", the_plan.global_batch, train.global_batch),
+                                ("micro_batch", the_plan.micro_batch, train.micro_batch)):
+        if planned != spec:
+            out.append(f"{name} is {planned}, the spec's is {spec}")
+    backbones = [u for u in the_plan.units if u.role == "backbone"]
+    if len(backbones) != 1:
+        return out + [f"{len(backbones)} backbone units, not 1"]
+    dp_lm = backbones[0].dp
+    if dp_lm >= 1 and the_plan.num_microbatches * dp_lm * the_plan.micro_batch != \
+            the_plan.global_batch:
+        out.append(f"num_microbatches {the_plan.num_microbatches} x backbone dp {dp_lm} x "
+                   f"micro_batch {the_plan.micro_batch} is not the global batch "
+                   f"{the_plan.global_batch}")
+    for u in the_plan.units:
+        module = program.module(u.name)
+        if u.role != module.role:
+            out.append(f"{u.name}: role {u.role} in the plan, {module.role} in the spec")
+        if min(u.tp, u.dp, u.pp, u.vpp) < 1:
+            out.append(f"{u.name}: tp, dp, pp and vpp must be at least 1")
+            continue
+        if u.gpus != u.tp * u.dp * u.pp:
+            out.append(f"{u.name}: gpus {u.gpus} is not tp x dp x pp = {u.tp * u.dp * u.pp}")
+        layers = module.arch.pipeline_layers
+        if len(u.layers_per_stage) != u.pp or sum(u.layers_per_stage) != layers or \
+                min(u.layers_per_stage, default=0) < 1:
+            out.append(f"{u.name}: layers_per_stage {list(u.layers_per_stage)} does not split "
+                       f"its {layers} layers over pp {u.pp}")
+        if not math.isclose(u.microbatch_share, dp_lm / u.dp, rel_tol=1e-9):
+            out.append(f"{u.name}: microbatch_share {u.microbatch_share:g} is not backbone dp "
+                       f"/ dp = {dp_lm}/{u.dp}")
+        times = (u.fwd_time_s, u.bwd_time_s, u.dp_sync_time_s)
+        if not all(math.isfinite(t) and t >= 0 for t in times):
+            out.append(f"{u.name}: fwd_time_s, bwd_time_s and dp_sync_time_s must be finite "
+                       "and >= 0")
+    return out
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
@@ -318,12 +367,23 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         raise UsageError(f"cannot lower the plan: {err}") from None
     policy = parse_policy(args.reorder if args.reorder else program.train.reorder)
     logdir = Path(args.logdir)
+    if logdir.exists() and not logdir.is_dir():
+        raise UsageError(f"--logdir {args.logdir} is a file; give a directory (it is "
+                         "created if missing)")
     try:
         logdir.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise UsageError(f"cannot create {args.logdir}: {err.strerror or err}") from None
+    try:
+        # Try a file first: a SummaryWriter that cannot write leaves a thread that prints
+        # a traceback at exit.
+        with tempfile.TemporaryFile(dir=logdir):
+            pass
+        writer = TimelineWriter(logdir)
+    except OSError as err:
+        raise UsageError(f"cannot write to {args.logdir}: {err.strerror or err}") from None
     steps, baseline, timelines = [], [], []
-    with progress_bar("simulating") as progress, TimelineWriter(logdir) as writer:
+    with progress_bar("simulating") as progress, writer:
         writer.add_text("plan", plan_markdown(the_plan))
         for k, step in enumerate(simulate_steps(program, cost, the_plan, schedule,
                                                 steps=args.steps, policy=policy)):
@@ -335,7 +395,10 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
             baseline = list(simulate_steps(program, cost, the_plan, schedule,
                                            steps=args.steps, policy=frozenset()))
     trace_path = logdir / "trace.json"
-    write_trace(trace_path, timelines)
+    try:
+        write_trace(trace_path, timelines)
+    except OSError as err:
+        raise UsageError(f"cannot write {trace_path}: {err.strerror or err}") from None
     report = simulation_report(the_plan, steps, baseline, policy, logdir=str(logdir),
                                trace=str(trace_path))
     if args.json:

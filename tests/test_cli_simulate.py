@@ -48,6 +48,9 @@ def test_simulate_writes_scalars_gantt_text_and_trace(capsys, tmp_path):
         assert [e.step for e in acc.Scalars(tag)] == [0, 1, 2]
     times = [e.value for e in acc.Scalars("time/iteration_s")]
     assert times == pytest.approx([s["iteration_time_s"] for s in doc["steps"]], rel=1e-6)
+    # The printed bubble fraction is the one TensorBoard shows (every stage replica).
+    bubbles = [e.value for e in acc.Scalars("pipeline/bubble_fraction")]
+    assert bubbles == pytest.approx([s["bubble_fraction"] for s in doc["steps"]], rel=1e-5)
     assert any(t.startswith("pipeline/bubble/") for t in tags["scalars"])
     gantt = [t for t in tags["images"] if "gantt" in t]
     assert gantt and len(acc.Images(gantt[0])) == 3
@@ -84,6 +87,52 @@ def test_simulate_errors(capsys, tmp_path):
             cli.main(["simulate", TINY, *argv])
         assert exc.value.code == 2
     capsys.readouterr()
+
+
+def test_simulate_refuses_plans_that_do_not_fit_the_spec(capsys, tmp_path):
+    plan_path = tmp_path / "plan.json"
+    assert run(capsys, "plan", TINY, "-o", str(plan_path), "--no-baseline")[0] == 0
+    good = json.loads(plan_path.read_text())
+    llm = next(i for i, u in enumerate(good["units"]) if u["role"] == "backbone")
+    vit = next(i for i, u in enumerate(good["units"]) if u["name"] == "vit")
+    edits = {   # what a plan from another spec with the same module names, or a hand edit,
+                # would otherwise crash on or silently simulate wrongly
+        "global_batch is 32": lambda p: p.update(global_batch=32),
+        "micro_batch is 1": lambda p: p.update(micro_batch=1),
+        "not the global batch": lambda p: p.update(num_microbatches=p["num_microbatches"] + 1),
+        "role generator in the plan": lambda p: p["units"][vit].update(role="generator"),
+        "does not split": lambda p: p["units"][llm].update(layers_per_stage=[1, 1, 1]),
+        "at least 1": lambda p: p["units"][llm].update(pp=0),
+        "finite": lambda p: p["units"][llm].update(fwd_time_s=-1.0),
+    }
+    for words, edit in edits.items():
+        bad = json.loads(json.dumps(good))
+        edit(bad)
+        path = tmp_path / "bad.json"
+        path.write_text(json.dumps(bad))
+        code, _, err = run(capsys, "simulate", TINY, "--plan", str(path), "--steps", "1",
+                           "--logdir", str(tmp_path / "tb"))
+        assert code == 2 and "does not fit the spec" in err and words in err, (words, err)
+
+
+def test_simulate_logdir_errors(capsys, tmp_path, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    with monkeypatch.context() as patch:   # an unwritable log dir (root writes anywhere)
+        patch.setattr(cli.tempfile, "TemporaryFile", refuse)
+        code, _, err = run(capsys, "simulate", TINY, "--logdir", str(tmp_path / "ro"),
+                           "--steps", "1")
+    assert code == 2 and "cannot write to" in err and "Permission denied" in err
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    code, _, err = run(capsys, "simulate", TINY, "--logdir", str(afile), "--steps", "1")
+    assert code == 2 and "is a file" in err
+    logdir = tmp_path / "tb"
+    (logdir / "trace.json").mkdir(parents=True)
+    code, _, err = run(capsys, "simulate", TINY, "--logdir", str(logdir), "--steps", "1",
+                       "--reorder", "none")
+    assert code == 2 and "cannot write" in err and "trace.json" in err
 
 
 def test_emit_schedule_round_trips(capsys):

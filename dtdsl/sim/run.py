@@ -31,7 +31,8 @@ class StepResult:
     step: int
     result: SimResult
     iteration_time_s: float
-    bubble_fraction: float        # mean over unit stages (slowest replica)
+    bubble_fraction: float        # over every stage replica (TensorBoard's
+                                  # pipeline/bubble_fraction)
     mfu: float
     imbalance: float              # slowest replica over the mean, worst unit (1.0 balanced)
 
@@ -52,10 +53,9 @@ def simulate_steps(program: Program, cost: CostModel, plan: Plan, schedule: Sche
         routing = route(plan, work, policy, step_times=encoder_step_times(plan, work))
         result = simulator.run(iteration_durations(plan, cost, schedule, routing, work))
         t = result.iteration_time_s
-        bubbles = result.bubble_fraction()
         yield StepResult(
             step=step, result=result, iteration_time_s=t,
-            bubble_fraction=sum(bubbles.values()) / max(len(bubbles), 1),
+            bubble_fraction=result.mean_bubble_fraction(),
             mfu=model_flops(plan, cost, work) / (t * peak) if t > 0 else 0.0,
             imbalance=imbalance(plan, routing, work))
         if progress is not None:

@@ -14,11 +14,12 @@ waits for the slowest replica that feeds it. The timeline still shows each repli
 own duration, so the idle time that data imbalance causes is visible.
 
 Speed: ``Simulator(schedule)`` compiles the schedule once into a topologically ordered
-list of nodes (forwards, backwards, SYNC, OPT; sends fold into the pass before them and
-receives into the action after them, both take no time of their own) with two inputs
-each, ``start = max(end[a] + wa, end[b] + wb)``; ``run(durations)`` is then one plain
-loop over the nodes, so many iterations with different sample costs share the
-compilation. 32 stages x 256 microbatches (16k passes) run in a few milliseconds.
+list of nodes (forwards, backwards, SYNC, OPT; sends fold into the node before them and
+receives into the action after them, both take no time of their own; receives followed
+by a send become a wait node of no duration, so the send is posted after they arrive)
+with two inputs each, ``start = max(end[a] + wa, end[b] + wb)``; ``run(durations)`` is
+then one plain loop over the nodes, so many iterations with different sample costs share
+the compilation. 32 stages x 256 microbatches (16k passes) run in a few milliseconds.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ __all__ = ["Durations", "SimResult", "Simulator", "simulate"]
 
 F, B = ActionKind.F, ActionKind.B
 _FWD, _BWD = 0, 1
+# The duration slot of a node that only waits for receives (no action of its own).
+_WAIT = -2
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,6 +100,19 @@ class SimResult:
         t = self.iteration_time_s
         return {k: (1.0 - v / t) if t > 0 else 0.0 for k, v in self.busy_s().items()}
 
+    def mean_bubble_fraction(self) -> float:
+        """The share of the iteration that the replicas of all stages together are not
+        computing, each replica with its own durations (``timeline()``'s
+        ``mean_bubble_fraction``, TensorBoard's ``pipeline/bubble_fraction``)."""
+        t = self.iteration_time_s
+        sim = self.simulator
+        busy, rows = 0.0, 0
+        for u in sim.schedule.units:
+            arr = np.asarray(self.durations.compute_s[u.name], dtype=float)
+            busy += float(arr[sim.compute_used[u.name]].sum())
+            rows += u.pp * u.dp
+        return 1.0 - busy / (rows * t) if t > 0 and rows else 0.0
+
     def timeline(self, *, step: int = 0) -> Timeline:
         """The iteration as a Timeline: every replica's passes with its own duration (the
         replicas of a stage start together), SYNC and OPT."""
@@ -136,6 +152,13 @@ class Simulator:
             for a in st.actions:
                 kind = a.kind
                 if kind.is_send:
+                    if pending:
+                        # A send after a receive is posted once that receive has
+                        # arrived: the receives become a node of no duration first.
+                        last = len(raw)
+                        raw.append([si, ActionKind.SYNC, _WAIT, st.unit, None, 0, pending])
+                        nodes.append(last)
+                        pending = []
                     key = (kind.direction, a.unit, a.stage, a.chunk, a.peer_unit,
                            a.peer_stage, a.peer_chunk, a.microbatch)
                     producer[key] = last
@@ -157,7 +180,7 @@ class Simulator:
                 pending = []
             if pending:   # receives at the end of a stage: a node of no duration
                 last = len(raw)
-                raw.append([si, ActionKind.SYNC, -2, st.unit, None, 0, pending])
+                raw.append([si, ActionKind.SYNC, _WAIT, st.unit, None, 0, pending])
                 nodes.append(last)
             stage_nodes.append(nodes)
 
@@ -225,7 +248,8 @@ class Simulator:
             a_link.append(ins[0][1])
             b_in.append(ins[1][0])
             b_link.append(ins[1][1])
-            slots.append(raw[v][2])
+            # Waits (_WAIT) read the zero entry, like joins.
+            slots.append(max(raw[v][2], sentinel_slot))
             kinds.append(raw[v][1])
             owner.append(v)
             new_id[v] = len(slots) - 1
@@ -242,7 +266,7 @@ class Simulator:
         kinds_arr = np.array([k.value if k is not None else "" for k in kinds])
         self._is_sync = kinds_arr == ActionKind.SYNC.value
         self._is_opt = kinds_arr == ActionKind.OPT.value
-        # SYNC/OPT durations: per (unit, stage); real ones only (slot -1, not -2).
+        # SYNC/OPT durations: per (unit, stage); real ones only (slot -1, not _WAIT).
         sync_nodes, opt_nodes = [], []
         for v, (si, kind, slot, unit, _, _, _) in enumerate(raw):
             if slot == -1 and kind is ActionKind.SYNC:
@@ -259,6 +283,12 @@ class Simulator:
             compute_nodes += [new_id[v] for v in nodes if raw[v][2] >= 0]
             stage_compute[str(schedule.stages[si].where)] = (lo, len(compute_nodes))
         self.compute_nodes = np.asarray(compute_nodes, dtype=np.intp)
+        # Per unit, which (pass, stage, chunk, microbatch) the schedule runs at all.
+        used = np.zeros(self._num_compute, dtype=bool)
+        used[[raw[v][2] for v in range(n) if raw[v][2] >= 0]] = True
+        self.compute_used = {
+            u.name: used[base[u.name]:base[u.name] + 2 * u.pp * u.vpp * m].reshape(
+                2, u.pp, u.vpp, m) for u in schedule.units}
         self.stage_compute = stage_compute
         self._stage_nodes = stage_nodes
 
@@ -267,7 +297,7 @@ class Simulator:
     def _flat_durations(self, durations: Durations) -> tuple[np.ndarray, np.ndarray]:
         """Per flat compute slot: the slowest replica's seconds; per link: seconds."""
         m = self.schedule.num_microbatches
-        flat = np.zeros(self._num_compute + 1)   # last entry: slots -1/-2 read 0
+        flat = np.zeros(self._num_compute + 1)   # last entry: slot -1 reads 0
         for u in self.schedule.units:
             arr = np.asarray(durations.compute_s[u.name], dtype=float)
             want = (2, u.pp, u.vpp, m, u.dp)
@@ -323,7 +353,7 @@ class Simulator:
         start, end = result.start_s.tolist(), result.end_s.tolist()
         events: list[Event] = []
         for v, (si, kind, slot, unit, j, c, _) in enumerate(self._raw):
-            if slot == -2:
+            if slot == _WAIT:
                 continue
             node = self._new_id[v]
             tu = by_name[unit]

@@ -10,9 +10,10 @@ import pytest
 
 from dtdsl.cost.model import CostParams, build_cost_model
 from dtdsl.driver import run_frontend
-from dtdsl.ir.schedule import Schedule, ScheduleUnit
+from dtdsl.ir.schedule import Schedule, ScheduleUnit, parse_schedule
 from dtdsl.planner import plan
 from dtdsl.schedule.lower import GradientFlow, lower, lower_units
+from dtdsl.schedule.validate import validate
 from dtdsl.sim.simulate import Durations, Simulator, simulate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -191,3 +192,46 @@ def test_32_stages_by_256_microbatches_is_fast():
     # The target is 10 ms (benchmarks/simulate_time.py measures it); a shared CI machine
     # gets slack, a regression to per-action Python objects would not fit.
     assert best < 0.05, f"{best * 1e3:.1f} ms"
+
+
+def test_a_send_after_a_receive_waits_for_it():
+    # Valid, though the lowering never writes it: SEND_F1 follows RECV_B0 with no pass
+    # between, so it is posted when the gradient arrives (5.0) and reaches s1 at 5.5.
+    schedule = parse_schedule(
+        "schedule 1f1b microbatches=2\n"
+        "unit llm backbone tp=1 dp=1 pp=2 vpp=1 first_rank=0 share=1 layers=-\n"
+        "llm.s0: F0 SEND_F0>llm.s1 F1 RECV_B0<llm.s1 SEND_F1>llm.s1 B0 RECV_B1<llm.s1 B1\n"
+        "llm.s1: RECV_F0<llm.s0 F0 B0 SEND_B0>llm.s0 RECV_F1<llm.s0 F1 B1 SEND_B1>llm.s0\n")
+    validate(schedule)
+    d = Durations.uniform(schedule, 1.0, 2.0, link_s=0.5)
+    result = simulate(schedule, d)
+    assert result.iteration_time_s == pytest.approx(reference(schedule, d))
+    assert result.iteration_time_s == pytest.approx(11.0)
+    f1 = [e for e in result.timeline().events if e.stage == 1 and e.label == "F1"]
+    assert f1[0].start_s == pytest.approx(5.5)
+    assert result.busy_s() == {"llm.s0": pytest.approx(6.0), "llm.s1": pytest.approx(6.0)}
+
+
+def test_receives_at_the_end_of_a_stage_take_no_time():
+    # Not a valid schedule (nothing reads the data), but the simulator must not charge the
+    # wait for it with another action's duration.
+    schedule = parse_schedule(
+        "schedule 1f1b microbatches=1\n"
+        "unit llm backbone tp=1 dp=1 pp=2 vpp=1 first_rank=0 share=1 layers=-\n"
+        "llm.s0: F0 SEND_F0>llm.s1 B0\n"
+        "llm.s1: F0 B0 RECV_F0<llm.s0\n")
+    result = simulate(schedule, Durations.uniform(schedule, 1.0, 2.0))
+    assert result.iteration_time_s == pytest.approx(3.0)
+    assert len(result.timeline().events) == 4
+
+
+def test_mean_bubble_fraction_is_the_timelines(spec_schedule):
+    # What dtc simulate reports and what TensorBoard shows for the same step must agree:
+    # every replica with its own compute time, idle replicas included.
+    d = _random_durations(spec_schedule, np.random.default_rng(5))
+    result = simulate(spec_schedule, d)
+    assert result.mean_bubble_fraction() == pytest.approx(
+        result.timeline().mean_bubble_fraction(), abs=1e-12)
+    uniform = _pipeline("1f1b", 4, 8, dp=3)
+    assert simulate(uniform, Durations.uniform(uniform, 1.0, 2.0)).mean_bubble_fraction() == \
+        pytest.approx(3 / 11, abs=1e-12)
