@@ -1,0 +1,208 @@
+"""The schedule executor against the single-process reference (multi-rank gloo runs)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from functools import cache
+
+import pytest
+import torch
+
+from dtdsl.ir import program as ir
+from dtdsl.ir.plan import Plan, split_layers
+from dtdsl.ir.schedule import Schedule
+from dtdsl.runtime.executor import StageExecutor, gather_timeline
+from dtdsl.runtime.mesh import ProcessGroups, build_groups, role_of
+from dtdsl.runtime.model import build_model
+from dtdsl.runtime.reference import train_reference
+from dtdsl.runtime.routing import contiguous_split, step_samples
+from dtdsl.schedule.lower import lower
+from tests.runtime.dist import make_plan, run
+from tests.runtime.test_reference import program as tiny
+
+STEPS = 5
+LOSS_RTOL = 1e-4
+PARAM_RTOL = 5e-3     # of the norm of a parameter's update over the steps
+
+# The first AdamW imports torch._dynamo (seconds); do it once here, before the forks.
+torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
+
+
+def spec(batch: int, *, frozen: tuple[str, ...] = ()) -> ir.Program:
+    """tiny_cpu with a global batch of ``batch`` and the named modules/projectors frozen."""
+    p = tiny()
+    modules = tuple(m.model_copy(update={"frozen": True}) if m.name in frozen else m
+                    for m in p.modules)
+    projectors = tuple(q.model_copy(update={"frozen": True}) if q.name in frozen else q
+                       for q in p.projectors)
+    return p.model_copy(update={"modules": modules, "projectors": projectors,
+                                "train": p.train.model_copy(update={"global_batch": batch})})
+
+
+def plan_for(program: ir.Program, *units: tuple[str, str, int, int, int]) -> Plan:
+    """``make_plan`` with the program's layer counts, batch and microbatch count."""
+    base = make_plan(*units)
+    mb = program.train.micro_batch
+    dp_lm = next(u.dp for u in base.units if u.role == "backbone")
+    m, rest = divmod(program.train.global_batch, dp_lm * mb)
+    assert rest == 0
+    fixed = tuple(u.model_copy(update={
+        "layers_per_stage": split_layers(program.module(u.name).arch.pipeline_layers, u.pp)
+        if u.role != "generator" else (1,) * u.pp,
+        "microbatch_share": dp_lm / u.dp}) for u in base.units)
+    return base.model_copy(update={"units": fixed, "global_batch": program.train.global_batch,
+                                   "micro_batch": mb, "num_microbatches": m})
+
+
+@cache
+def reference(program: ir.Program) -> tuple[list[float], dict[str, tuple[torch.Tensor, ...]]]:
+    """The reference's losses, and per parameter its (initial, final) values."""
+    torch.set_num_threads(1)
+    model = build_model(program)
+    init = {n: p.detach().clone() for n, p in model.named_parameters()}
+    losses = [r["loss"] for r in train_reference(program, STEPS, model=model)]
+    params = {n.removeprefix("units."): (init[n], p.detach().clone())
+              for n, p in model.named_parameters()}
+    return losses, params
+
+
+def _train(rank: int, world: int, program: ir.Program, plan: Plan, losses: list[float],
+           params: dict[str, torch.Tensor], metrics: str) -> None:
+    groups = build_groups(plan)
+    schedule = lower(plan, program)
+    ex = StageExecutor(program, plan, schedule, rank=rank, groups=groups)
+    results = ex.train(STEPS, metrics_path=metrics)
+    for r, want in zip(results, losses, strict=True):
+        assert math.isclose(r["loss"], want, rel_tol=LOSS_RTOL), (r["step"], r["loss"], want)
+    # Every action of the stage is in the measured events, in order (SYNC and OPT are
+    # the last actions, and the last events).
+    actions = schedule.stage(ex.role.unit, ex.role.stage).actions
+    events = results[-1]["events"]
+    assert [(e.kind, e.microbatch) for e in events] == \
+        [(a.kind.value, a.microbatch) for a in actions]
+    assert all(0 <= e.start_s <= e.end_s for e in events)
+    timeline = gather_timeline(plan, STEPS - 1, events)
+    assert len(timeline.events) == sum(len(st.actions) * schedule.unit(st.unit).dp
+                                       for st in schedule.stages)
+    assert set(timeline.rows()) == {e.row for e in timeline.events}
+    mine = ex.named_parameters()
+    assert mine, "every stage holds parameters"
+    for name, p in mine.items():
+        init, want = params[name]
+        if not p.requires_grad:
+            assert torch.equal(p.detach(), want), name
+            continue
+        # Adam amplifies rounding where a gradient is near zero (the reference itself
+        # moves by ~2e-4 between micro_batch 2 and 8), so compare the whole update.
+        err = (p.detach() - want).norm().item()
+        assert err <= PARAM_RTOL * (want - init).norm().item() + 1e-7, (name, err)
+
+
+def check(program: ir.Program, plan: Plan) -> None:
+    losses, params = reference(program)
+    world = plan.gpus_used
+    with tempfile.TemporaryDirectory() as tmp:
+        metrics = os.path.join(tmp, "metrics.jsonl")
+        run(_train, world, program, plan, losses, params, metrics, timeout=180)
+        with open(metrics) as f:
+            lines = [json.loads(line) for line in f]
+    assert [x["step"] for x in lines] == list(range(STEPS))
+    for x, want in zip(lines, losses, strict=True):
+        assert math.isclose(x["loss"], want, rel_tol=LOSS_RTOL)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_routing_rule():
+    assert contiguous_split(5, 3) == (0, 0, 1, 1, 2)
+    assert contiguous_split(2, 3) == (0, 1)
+    program = spec(12)
+    plan = plan_for(program, ("vit", "encoder", 1, 2, 1), ("llm", "backbone", 1, 3, 1),
+                    ("gen", "generator", 1, 1, 1))
+    steps = step_samples(plan)
+    assert len(steps) == 2
+    assert steps[1].sample_ids == (2, 3, 6, 7, 10, 11)
+    assert tuple(steps[1].assignment["llm"]) == (0, 0, 1, 1, 2, 2)
+    assert tuple(steps[1].assignment["vit"]) == (0, 0, 0, 1, 1, 1)
+    assert sorted(i for s in steps for i in s.sample_ids) == list(range(12))
+    with pytest.raises(ValueError, match="does not fill"):
+        step_samples(plan, 10)
+
+
+def test_data_parallel_backbone():
+    program = spec(8)
+    check(program, plan_for(program, ("vit", "encoder", 1, 1, 1),
+                            ("llm", "backbone", 1, 2, 1), ("gen", "generator", 1, 1, 1)))
+
+
+def test_backbone_pipeline():
+    program = spec(8)
+    check(program, plan_for(program, ("vit", "encoder", 1, 1, 1),
+                            ("llm", "backbone", 1, 1, 2), ("gen", "generator", 1, 1, 1)))
+
+
+def test_data_parallel_ratio_that_does_not_divide():
+    program = spec(12)
+    check(program, plan_for(program, ("vit", "encoder", 1, 2, 1),
+                            ("llm", "backbone", 1, 3, 1), ("gen", "generator", 1, 1, 1)))
+
+
+def test_frozen_generator():
+    # The generator is frozen but its projector trains: its stage still runs B (the
+    # backbone needs the gradients) and steps an optimizer over the projector alone.
+    program = spec(8, frozen=("gen",))
+    check(program, plan_for(program, ("vit", "encoder", 1, 1, 1),
+                            ("llm", "backbone", 1, 2, 1), ("gen", "generator", 1, 1, 1)))
+
+
+def test_frozen_generator_and_projector():
+    # Nothing on the generator's rank trains: no SYNC/OPT there, yet it joins the
+    # job-wide optimizer step and still sends the backbone its gradients.
+    program = spec(8, frozen=("gen", "llm_to_gen"))
+    plan = plan_for(program, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, 1, 1),
+                    ("gen", "generator", 1, 1, 1))
+    actions = lower(plan, program).stage("gen", 0).actions
+    assert not any(a.kind.value in ("SYNC", "OPT") for a in actions)
+    check(program, plan)
+
+
+def test_encoder_and_backbone_pipelines():
+    # Inner encoder stages pass the packed image groups over PP point-to-point.
+    program = spec(8)
+    check(program, plan_for(program, ("vit", "encoder", 1, 1, 2),
+                            ("llm", "backbone", 1, 1, 2), ("gen", "generator", 1, 1, 1)))
+
+
+def test_frozen_encoder():
+    # Nothing on the encoder trains and the backbone's input needs no gradient: no B, no
+    # gradient traffic to the encoder.
+    program = spec(8, frozen=("vit", "vit_to_llm"))
+    plan = plan_for(program, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, 1, 1),
+                    ("gen", "generator", 1, 1, 1))
+    assert {a.kind.value for a in lower(plan, program).stage("vit", 0).actions} == \
+        {"F", "SEND_F"}
+    check(program, plan)
+
+
+@pytest.mark.parametrize(("layout", "match"), [
+    ((("vit", "encoder", 1, 1, 1), ("llm", "backbone", 2, 1, 1),
+      ("gen", "generator", 1, 1, 1)), "tp=2"),
+    ((("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, 1, 1),
+      ("gen", "generator", 1, 1, 2)), "pp=2"),
+])
+def test_unsupported_layouts(layout, match):
+    program = spec(8)
+    plan = plan_for(program, *layout)
+    rank = plan.units[-1].first_rank
+    groups = ProcessGroups(role=role_of(plan, rank), tp=None, dp=None, pp=None)
+    with pytest.raises(NotImplementedError, match=match):
+        StageExecutor(program, plan, Schedule.empty(plan), rank=rank, groups=groups)
