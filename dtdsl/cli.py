@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 __all__ = ["main"]
 
 EXIT_OK, EXIT_ERRORS, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
+TRACE_STEPS = 8   # dtc simulate: steps in the Perfetto trace (TensorBoard gets them all)
 BUG_REPORT = "https://github.com/dtdsl/dtdsl/issues"
 
 
@@ -374,7 +375,15 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         logdir.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise UsageError(f"cannot create {args.logdir}: {err.strerror or err}") from None
+    earlier = sorted(logdir.glob("events.out.tfevents.*"))
+    if earlier and not args.overwrite:
+        raise UsageError(f"--logdir {args.logdir} already holds TensorBoard events of an "
+                         f"earlier run ({len(earlier)} file{'s' if len(earlier) > 1 else ''}); "
+                         "TensorBoard would mix the runs: give a new directory, or "
+                         "--overwrite to delete them")
     try:
+        for path in earlier:
+            path.unlink()
         # Try a file first: a SummaryWriter that cannot write leaves a thread that prints
         # a traceback at exit.
         with tempfile.TemporaryFile(dir=logdir):
@@ -387,8 +396,10 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         writer.add_text("plan", plan_markdown(the_plan))
         for k, step in enumerate(simulate_steps(program, cost, the_plan, schedule,
                                                 steps=args.steps, policy=policy)):
-            timelines.append(step.result.timeline(step=step.step))
-            writer.add_step(step.step, timelines[-1], step.scalars())
+            timeline = step.result.timeline(step=step.step)
+            writer.add_step(step.step, timeline, step.scalars())
+            if k < TRACE_STEPS:   # a paper-scale step has ~50k events: keep the trace small
+                timelines.append(timeline)
             steps.append(step)
             progress(k + 1, args.steps, f"step {step.step}")
         if policy:
@@ -400,7 +411,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     except OSError as err:
         raise UsageError(f"cannot write {trace_path}: {err.strerror or err}") from None
     report = simulation_report(the_plan, steps, baseline, policy, logdir=str(logdir),
-                               trace=str(trace_path))
+                               trace=str(trace_path), trace_steps=len(timelines))
     if args.json:
         sys.stdout.write(json.dumps(report, indent=2) + "\n")
     else:
@@ -670,6 +681,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="a profile from `dtc profile`: measured module times")
     sim.add_argument("--efficiency", action="append", metavar="KIND=FRACTION",
                      help="analytic model efficiency (see `dtc plan --help`)")
+    sim.add_argument("--overwrite", action="store_true",
+                     help="delete the event files of an earlier run in --logdir")
     sim.add_argument("--json", action="store_true", help="print the results as JSON")
     sim.set_defaults(func=_cmd_simulate)
 

@@ -135,6 +135,23 @@ def test_simulate_logdir_errors(capsys, tmp_path, monkeypatch):
     assert code == 2 and "cannot write" in err and "trace.json" in err
 
 
+def test_simulate_refuses_to_mix_runs_in_one_logdir(capsys, tmp_path, monkeypatch):
+    logdir = tmp_path / "tb"
+    args = ("simulate", TINY, "--logdir", str(logdir), "--reorder", "none", "--json")
+    assert run(capsys, *args, "--steps", "1")[0] == 0
+    code, _, err = run(capsys, *args, "--steps", "2")
+    assert code == 2 and "earlier run" in err and "--overwrite" in err
+    monkeypatch.setattr(cli, "TRACE_STEPS", 1)
+    code, out, err = run(capsys, *args, "--steps", "2", "--overwrite")
+    assert code == 0, err
+    assert json.loads(out)["trace_steps"] == 1
+    assert [e.step for e in _events(logdir).Scalars("time/iteration_s")] == [0, 1]
+    trace = json.loads((logdir / "trace.json").read_text())
+    steps = {e["args"].get("step") for e in trace["traceEvents"]
+             if e.get("ph") == "X" and "args" in e}
+    assert steps == {0}
+
+
 def test_emit_schedule_round_trips(capsys):
     code, out, err = run(capsys, "check", TINY, "--emit", "schedule")
     assert code == 0, err

@@ -16,21 +16,10 @@ Every rank computes this alike from the plan, so no message is needed to agree o
 from __future__ import annotations
 
 from dtdsl.ir.plan import Plan
+from dtdsl.reorder.split import contiguous_split
 from dtdsl.runtime.broker import StepSamples
 
 __all__ = ["contiguous_split", "step_samples"]
-
-
-def contiguous_split(n: int, groups: int) -> tuple[int, ...]:
-    """The group of each of ``n`` items cut into ``groups`` contiguous runs whose sizes
-    differ by at most one (the first ``n % groups`` are the longer)."""
-    if groups < 1:
-        raise ValueError(f"groups must be at least 1, not {groups}")
-    base, extra = divmod(n, groups)
-    out: list[int] = []
-    for g in range(groups):
-        out += [g] * (base + (1 if g < extra else 0))
-    return tuple(out)
 
 
 def step_samples(plan: Plan, num_samples: int | None = None) -> tuple[StepSamples, ...]:

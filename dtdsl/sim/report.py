@@ -23,7 +23,8 @@ def _step(s: StepResult) -> dict[str, Any]:
 
 def simulation_report(plan: Plan, steps: Sequence[StepResult],
                       baseline: Sequence[StepResult], policy: frozenset[str], *,
-                      logdir: str, trace: str) -> dict[str, Any]:
+                      logdir: str, trace: str, trace_steps: int | None = None
+                      ) -> dict[str, Any]:
     """The simulated steps and their means; with a reorder policy, the same batches
     without reordering (``no_reorder``) and the speedup over them."""
     def mean(rows: Sequence[StepResult]) -> dict[str, float]:
@@ -43,6 +44,7 @@ def simulation_report(plan: Plan, steps: Sequence[StepResult],
             out["mean"]["iteration_time_s"]
     out["logdir"] = logdir
     out["trace"] = trace
+    out["trace_steps"] = len(steps) if trace_steps is None else trace_steps
     return out
 
 
@@ -73,7 +75,9 @@ def render_simulation(report: dict[str, Any], console: Console) -> None:
         lines.append(f"reordering      {report['speedup']:.3f}x faster than no reordering "
                      f"({format_seconds(baseline['mean']['iteration_time_s'])})")
     lines += [f"tensorboard     tensorboard --logdir {report['logdir']}",
-              f"trace           {report['trace']} (open in https://ui.perfetto.dev)"]
+              f"trace           {report['trace']} (open in https://ui.perfetto.dev)"
+              + (f", the first {report['trace_steps']} steps"
+                 if report["trace_steps"] < len(report["steps"]) else "")]
     for line in lines:
         console.print(line, highlight=False, markup=False)
 

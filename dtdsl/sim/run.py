@@ -12,13 +12,13 @@ from dtdsl.ir.program import Program
 from dtdsl.ir.schedule import Schedule
 from dtdsl.sim.simulate import SimResult, Simulator
 from dtdsl.sim.workload import (
+    WorkModel,
     batch_samples,
     encoder_step_times,
     imbalance,
     iteration_durations,
     model_flops,
     route,
-    sample_work,
 )
 
 __all__ = ["StepResult", "simulate_steps"]
@@ -47,16 +47,19 @@ def simulate_steps(program: Program, cost: CostModel, plan: Plan, schedule: Sche
     own batch of samples drawn from the spec's data, routed under ``policy`` (a subset of
     {"intra", "inter"})."""
     simulator = Simulator(schedule)
+    work_model = WorkModel(cost)
     peak = plan.num_gpus * cost.peak_flops
     for step in range(first_step, first_step + steps):
-        work = sample_work(cost, batch_samples(program, step))
+        samples = batch_samples(program, step)
+        work = work_model.relative(samples)
         routing = route(plan, work, policy, step_times=encoder_step_times(plan, work))
         result = simulator.run(iteration_durations(plan, cost, schedule, routing, work))
         t = result.iteration_time_s
         yield StepResult(
             step=step, result=result, iteration_time_s=t,
             bubble_fraction=result.mean_bubble_fraction(),
-            mfu=model_flops(plan, cost, work) / (t * peak) if t > 0 else 0.0,
+            mfu=model_flops(plan, cost, work_model.relative(samples, timed=False)) / (t * peak)
+            if t > 0 else 0.0,
             imbalance=imbalance(plan, routing, work))
         if progress is not None:
             progress(step)

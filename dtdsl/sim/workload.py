@@ -29,11 +29,12 @@ from dtdsl.cost.model import CostModel
 from dtdsl.cost.samples import SampleSet, draw_samples
 from dtdsl.ir.plan import Plan
 from dtdsl.ir.schedule import Schedule
+from dtdsl.reorder.split import contiguous_split
 from dtdsl.sim.simulate import Durations
 
 __all__ = ["POLICIES", "Routing", "StepTimes", "batch_samples", "encoder_step_times",
            "imbalance", "iteration_durations", "model_flops", "parse_policy", "route",
-           "sample_work"]
+           "sample_work", "WorkModel"]
 
 POLICIES = ("none", "intra", "inter", "both")
 
@@ -55,8 +56,9 @@ def batch_samples(program, step: int, num_samples: int | None = None) -> SampleS
     return draw_samples(program, n, seed=program.train.seed * 1_000_003 + step + 1)
 
 
-def _raw_work(cost: CostModel, samples: SampleSet) -> dict[str, np.ndarray]:
+def _raw_work(cost: CostModel, samples: SampleSet, *, timed: bool) -> dict[str, np.ndarray]:
     program = cost.program
+    eff = cost.params.efficiency
     out: dict[str, np.ndarray] = {}
     n = len(samples)
     for module in program.modules:
@@ -66,23 +68,42 @@ def _raw_work(cost: CostModel, samples: SampleSet) -> dict[str, np.ndarray]:
             items = samples.items[module.modality]
             p = items.sizes.astype(float)
             per_token = flops.encoder_item_forward(module.arch, 1.0)
-            out[module.name] = items.per_sample(per_token.matmul * p + per_token.attention * p * p)
+            linear, quadratic = per_token.matmul, per_token.attention
+            if timed:   # time, not FLOPs: attention runs at a lower efficiency than matmuls
+                linear, quadratic = linear / eff.matmul, quadratic / eff.attention
+            out[module.name] = items.per_sample(linear * p + quadratic * p * p)
         else:
             out[module.name] = samples.items[f"{module.modality}.gen"].counts.astype(float)
     return out
 
 
-def sample_work(cost: CostModel, samples: SampleSet) -> dict[str, np.ndarray]:
-    """Per unit, each sample's forward work relative to the mean over the cost model's
-    samples (1.0 on average under the spec's distribution)."""
-    reference = _raw_work(cost, draw_samples(cost.program, cost.params.samples,
-                                             cost.params.seed))
-    raw = _raw_work(cost, samples)
-    out = {}
-    for name, values in raw.items():
-        mean = float(reference[name].mean())
-        out[name] = values / mean if mean > 0 else np.zeros_like(values)
-    return out
+class WorkModel:
+    """Relative per-sample work of a cost model's units: the reference means are taken
+    once, over the cost model's own samples."""
+
+    def __init__(self, cost: CostModel) -> None:
+        self.cost = cost
+        reference = draw_samples(cost.program, cost.params.samples, cost.params.seed)
+        self._means = {timed: {name: float(v.mean()) for name, v in
+                               _raw_work(cost, reference, timed=timed).items()}
+                       for timed in (True, False)}
+
+    def relative(self, samples: SampleSet, *, timed: bool = True) -> dict[str, np.ndarray]:
+        """Per unit, each sample's forward work relative to the mean over the cost
+        model's samples (1.0 on average under the spec's distribution): in time when
+        ``timed`` (each kind of work at its efficiency), else in FLOPs (for MFU)."""
+        means = self._means[timed]
+        out = {}
+        for name, values in _raw_work(self.cost, samples, timed=timed).items():
+            mean = means[name]
+            out[name] = values / mean if mean > 0 else np.zeros_like(values)
+        return out
+
+
+def sample_work(cost: CostModel, samples: SampleSet, *, timed: bool = True
+                ) -> dict[str, np.ndarray]:
+    """``WorkModel(cost).relative(samples)`` (use a WorkModel for many batches)."""
+    return WorkModel(cost).relative(samples, timed=timed)
 
 
 @dataclass(frozen=True)
@@ -104,14 +125,6 @@ class Routing:
 # The first pipeline stage's forward and backward seconds per step, the later stages'
 # forward and backward seconds, and the number of stages: what inter orders by.
 StepTimes = tuple[np.ndarray, np.ndarray, float, float, int]
-
-
-def _contiguous(n: int, groups: int) -> np.ndarray:
-    """Group per position when n items are cut into ``groups`` contiguous runs whose sizes
-    differ by at most one (the first n % groups are the longer)."""
-    sizes = np.full(groups, n // groups)
-    sizes[: n % groups] += 1
-    return np.repeat(np.arange(groups), sizes)
 
 
 def route(plan: Plan, work: dict[str, np.ndarray], policy: frozenset[str], *,
@@ -139,7 +152,7 @@ def route(plan: Plan, work: dict[str, np.ndarray], policy: frozenset[str], *,
                 from dtdsl.reorder.intra import balance
                 r[members] = balance(work[u.name][members].tolist(), u.dp)
             else:
-                r[members] = _contiguous(len(members), u.dp)
+                r[members] = contiguous_split(len(members), u.dp)
         replica[u.name] = r
     routing = Routing(num_microbatches=m, step=step, replica=replica)
     if "inter" in policy and step_times is not None:
@@ -211,7 +224,7 @@ def imbalance(plan: Plan, routing: Routing, work: dict[str, np.ndarray]) -> floa
 
 def model_flops(plan: Plan, cost: CostModel, work: dict[str, np.ndarray]) -> float:
     """The model FLOPs of this batch: the plan's expectation scaled, per unit, by the
-    batch's mean work."""
+    batch's mean work (``work`` in FLOPs: ``relative(..., timed=False)``)."""
     total = 0.0
     for u in cost.units:
         total += u.model_flops * float(work[u.name].mean())

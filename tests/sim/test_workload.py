@@ -52,6 +52,13 @@ def test_work_is_relative_to_the_cost_models_samples():
     work = sample_work(cost, reference)
     for name, values in work.items():
         assert values.mean() == pytest.approx(1.0), name
+    in_flops = sample_work(cost, reference, timed=False)
+    for name, values in in_flops.items():
+        assert values.mean() == pytest.approx(1.0), name
+    # Attention runs at a lower efficiency than matmuls: in time, big images weigh more.
+    encoder = program.encoders[0].name
+    big = int(np.argmax(in_flops[encoder]))
+    assert work[encoder][big] > in_flops[encoder][big]
     assert set(work) == {m.name for m in program.modules}
     backbone = program.backbone.name
     assert np.all(work[backbone] == 1.0)
