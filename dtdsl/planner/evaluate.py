@@ -5,8 +5,8 @@ microbatches per backbone replica (DistTrain, section 5, with integer stages):
 
     T_u      = (dp_lm / dp_u) * C_u(tp_u) * ceil(L_u / pp_u) / L_u     one microbatch, one stage
                + 2 p2p_u if pp_u > 1                                 (activations out, gradients in)
-    warm-up  = longest path of T_u * pp_u / vpp_u  (encoders in parallel, then the backbone,
-               then generators in parallel), plus the point-to-point transfers along it
+    warm-up  = longest path of T_u (1 + (pp_u - 1) / vpp_u)  (encoders in parallel, then
+               the backbone, then generators in parallel), plus the point-to-point transfers
     steady   = max_u T_u * (M - 1)
     sync     = max_u (ZeRO-1 gradient reduce-scatter + parameter all-gather of u)
     T_iter   = warm-up + steady + sync
@@ -78,14 +78,19 @@ class Evaluator:
     def microbatches(self, dp_lm: int) -> int:
         return self.total_microbatches // dp_lm
 
-    def vpp(self, index: int, pp):
-        """Interleaving needs at least two stages and layers that split into pp * v chunks."""
+    def vpp(self, index: int, pp, microbatches: int | None = None):
+        """Interleaving needs at least two stages, layers that split into pp * v chunks
+        and, when ``microbatches`` is given, at least pp microbatches (with fewer the
+        warm-up is not shortened: one microbatch still crosses every chunk in turn)."""
         pp = np.asarray(pp)
         v = self.virtual_stages
         if self.schedule != "interleaved" or v <= 1:
             return np.ones_like(pp)
         layers = self.units[index].layers
-        return np.where((pp >= 2) & (layers % (pp * v) == 0), v, 1)
+        ok = (pp >= 2) & (layers % (pp * v) == 0)
+        if microbatches is not None:
+            ok = ok & (pp <= microbatches)
+        return np.where(ok, v, 1)
 
     def evaluate(self, tps: Sequence[int], dps: Sequence[int], pps: Sequence, *,
                  replicated: Sequence[bool] | None = None, chained: bool = False) -> Estimate:
@@ -112,11 +117,13 @@ class Evaluator:
             # back when the unit has more than one stage.
             t = share * (fwd + bwd) * np.ceil(unit.layers / pps[i]) / unit.layers + \
                 np.where(pps[i] > 1, 2 * hop, 0.0)
-            v = self.vpp(i, pps[i])
+            v = self.vpp(i, pps[i], m)
             hops = 2 * (pps[i] - 1) * hop
             stage.append(t)
             vpps.append(v)
-            warm.append(t * pps[i] / v + hops)
+            # Megatron-LM's interleaved 1F1B: m T + (pp - 1) T / v in all, so the warm-up
+            # is T (1 + (pp - 1) / v); DistTrain's T pp / v drops T (1 - 1/v). Equal at v 1.
+            warm.append(t * (1 + (pps[i] - 1) / v) + hops)
             sync.append(cost.dp_sync_time_s(unit, work_tp[i], pps[i], dps[i]))
         enc = [i for i in range(n) if self.roles[i] == "encoder"]
         gen = [i for i in range(n) if self.roles[i] == "generator"]

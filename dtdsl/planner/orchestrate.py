@@ -8,7 +8,9 @@ integers and evaluated exactly (``Evaluator``). With T_u linear in 1/g_u:
     s.t.       t   >= a_u / g_u                 for every u   a_u = (dp_lm/dp_u) C_u(tp_u) tp_u dp_u
                s   >= s0_u + s1_u / g_u         for every u    (ZeRO-1 gradient sync of a stage)
                W_x >= c_u + h_u g_u             for u in x     (warm-up: (dp_lm/dp_u) C_u / vpp
-                                                                plus point-to-point hops 2 (pp - 1))
+                                                                plus point-to-point hops 2 (pp - 1);
+                                                                DistTrain's T pp / vpp, at most the
+                                                                exact T (1 + (pp - 1) / vpp))
                sum_u g_u <= N                                  (the GPU budget)
                lo_u <= g_u <= hi_u                             (memory: the smallest pp that fits;
                                                                 at most one stage per layer)
