@@ -40,7 +40,14 @@ Gradients are summed over DP replicas and microbatches (``Zero1AdamW(average=Fal
 AdamW with the spec's settings on every trainable parameter, global-norm clipping at
 ``train.grad_clip``: exactly ``reference.train_reference``'s update.
 
-Limits: tp > 1 (DTensor TP) and interleaved schedules (vpp > 1) raise
+Tensor parallelism (encoders): each TP rank builds the full unit and keeps its shard
+(``tp.shard_transformer``, Megatron-style column/row-parallel layers with all-reduces
+inside the attention and MLP blocks); activations between blocks, the projector and the
+inputs are replicated, so every TP rank runs the same actions on the same samples, the
+broker's TP leader talks to other units and broadcasts what it receives, and PP
+neighbours pair by TP index. The optimizer counts replicated parameters once in the norm.
+
+Limits: tp > 1 on backbones and generators, and interleaved schedules (vpp > 1), raise
 NotImplementedError; a U-Net or DiT generator runs on one pipeline stage.
 """
 
@@ -77,6 +84,7 @@ from dtdsl.runtime.model import (
 )
 from dtdsl.runtime.optim import Zero1AdamW, optimizer_step
 from dtdsl.runtime.routing import step_samples
+from dtdsl.runtime.tp import TPLayout, shard_transformer
 from dtdsl.sim.timeline import Event, Timeline, TimelineUnit
 
 __all__ = ["StageExecutor", "gather_timeline", "measured_timeline", "run_rank"]
@@ -134,10 +142,10 @@ class StageExecutor:
         if self.role.rank != rank:
             raise ValueError(f"groups belong to rank {self.role.rank}, not {rank}")
         for u in plan.units:
-            if u.tp > 1:
+            if u.tp > 1 and u.role == "generator":
                 raise NotImplementedError(
-                    f"unit {u.name} has tp={u.tp}: the executor runs tp=1 units only so far "
-                    "(tensor parallelism is not wired into it yet); plan it with tp=1")
+                    f"unit {u.name} has tp={u.tp}: the executor runs tensor parallelism on "
+                    "transformer encoders and backbones only so far; plan it with tp=1")
             if u.vpp > 1:
                 raise NotImplementedError(
                     f"unit {u.name} has vpp={u.vpp}: the executor does not run interleaved "
@@ -162,6 +170,12 @@ class StageExecutor:
         program, role = self.program, self.role
         name = role.unit
         module = build_unit(program, name, self.seed)
+        # Every TP rank builds the full unit from the same seed and keeps its shard, so
+        # the shards are slices of the single-process parameters.
+        self.tp_layout: TPLayout | None = None
+        if role.grid.tp > 1:
+            self.tp_layout = shard_transformer(module, role.grid.tp, role.tp_index,
+                                               self.groups.tp)
         units: dict[str, nn.Module] = {name: module}
         params: list[nn.Parameter] = []
         if role.role == "generator":
@@ -205,10 +219,13 @@ class StageExecutor:
         if opt.name != "adamw" and opt.weight_decay > 0:
             raise NotImplementedError(f"optimizer {opt.name} with weight decay: the runtime "
                                       "has AdamW (decoupled weight decay) only")
+        sharded = set() if self.tp_layout is None else {
+            id(p) for n, p in module.named_parameters() if self.tp_layout.is_sharded(n)}
         self.optimizers = [] if not trainable else [Zero1AdamW(
             trainable, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
             weight_decay=opt.weight_decay, zero=opt.zero, dp_group=self.groups.dp,
-            average=False)]
+            average=False, tp_rank=role.tp_index,
+            tp_replicated=[p for p in trainable if id(p) not in sharded])]
 
     def named_parameters(self) -> dict[str, torch.Tensor]:
         """This stage's parameters as ``{"unit.param": tensor}`` (``unit`` a module or
@@ -217,6 +234,18 @@ class StageExecutor:
         mine = {id(p) for p in self.stage_params}
         return {f"{u}.{n}": p for u, m in self.model.units.items()
                 for n, p in m.named_parameters() if id(p) in mine}
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """``named_parameters`` with TP shards gathered into the full (single-process)
+        tensors. Collective over this rank's TP group when the unit has tp > 1."""
+        out = {}
+        for key, p in self.named_parameters().items():
+            unit, _, param = key.partition(".")
+            if self.tp_layout is not None and unit == self.role.unit:
+                out[key] = self.tp_layout.full(param, p.detach())
+            else:
+                out[key] = p.detach()
+        return out
 
     # ---- peers ----------------------------------------------------------------------------
 
@@ -405,7 +434,8 @@ class StageExecutor:
             loss_sum, hidden = backbone_output(bb, y, targets)
             conds = conditioning(hidden, lengths.tolist())
             mb.loss = loss_sum / max(1, self.norm.text_tokens)
-            self.lm += float(mb.loss.detach())
+            if role.is_leader:      # TP ranks hold the same loss: count it once
+                self.lm += float(mb.loss.detach())
             mb.outputs = dict(zip(ids, conds, strict=True))
             mb.outbox = {i: c.detach() for i, c in mb.outputs.items()}
         else:
@@ -424,7 +454,8 @@ class StageExecutor:
         gen_sum = generator_step(self.model, name, [conds[i] for i in ids],
                                  [s.targets[name] for s in samples])
         mb.loss = gen_sum / max(1, self.norm.gen_targets)
-        self.gen += float(mb.loss.detach())
+        if self.role.is_leader:     # TP ranks hold the same loss: count it once
+            self.gen += float(mb.loss.detach())
 
     # ---- backward ---------------------------------------------------------------------------
 
