@@ -40,15 +40,17 @@ Gradients are summed over DP replicas and microbatches (``Zero1AdamW(average=Fal
 AdamW with the spec's settings on every trainable parameter, global-norm clipping at
 ``train.grad_clip``: exactly ``reference.train_reference``'s update.
 
-Tensor parallelism (encoders): each TP rank builds the full unit and keeps its shard
-(``tp.shard_transformer``, Megatron-style column/row-parallel layers with all-reduces
+Tensor parallelism (encoders and backbones): each TP rank builds the full unit and keeps
+its shard (``tp.shard_transformer``, Megatron-style column/row-parallel layers with all-reduces
 inside the attention and MLP blocks); activations between blocks, the projector and the
 inputs are replicated, so every TP rank runs the same actions on the same samples, the
 broker's TP leader talks to other units and broadcasts what it receives, and PP
 neighbours pair by TP index. The optimizer counts replicated parameters once in the norm.
 
-Limits: tp > 1 on backbones and generators, and interleaved schedules (vpp > 1), raise
-NotImplementedError; a U-Net or DiT generator runs on one pipeline stage.
+Only the last backbone stage's TP leader adds the LM loss to the reported total (every TP
+rank computes it). Limits: tp > 1 on generators and interleaved schedules (vpp > 1) raise
+NotImplementedError; a U-Net or DiT generator runs on one pipeline stage; the backbone's
+embedding and output head are replicated, not vocabulary-parallel.
 """
 
 from __future__ import annotations
