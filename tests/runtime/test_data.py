@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-from functools import cache
-from pathlib import Path
-
 import pytest
 import torch
 
-from dtdsl.driver import run_frontend
-from dtdsl.ir import program as ir
 from dtdsl.runtime.data import (
     DIFFUSION_STEPS,
     Sample,
@@ -20,23 +15,7 @@ from dtdsl.runtime.data import (
     unpack_images,
 )
 from dtdsl.runtime.models import Encoder
-
-ROOT = Path(__file__).resolve().parents[2]
-TINY = ROOT / "specs" / "tiny_cpu.dt"
-
-
-@cache
-def program(text: str | None = None) -> ir.Program:
-    data = TINY.read_bytes() if text is None else text.encode()
-    result = run_frontend(str(TINY), data)
-    assert result.ok, [d.message for d in result.diagnostics]
-    return result.program
-
-
-def variant(old: str, new: str) -> ir.Program:
-    text = TINY.read_text()
-    assert old in text
-    return program(text.replace(old, new))
+from tests.runtime.specs import program, variant
 
 
 def same(a: Sample, b: Sample) -> bool:

@@ -114,13 +114,6 @@ def check(program: ir.Program, plan: Plan) -> None:
         assert math.isclose(x["loss"], want, rel_tol=LOSS_RTOL)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def test_routing_rule():
     assert contiguous_split(5, 3) == (0, 0, 1, 1, 2)

@@ -33,14 +33,6 @@ def load(name: str) -> ir.Program:
     return result.program
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: one thread is faster, and immune to other processes on the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def num_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())

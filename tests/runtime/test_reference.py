@@ -4,15 +4,10 @@ from __future__ import annotations
 
 import json
 import math
-from functools import cache
-from pathlib import Path
 
-import pytest
 import torch
 
 from dtdsl import cli
-from dtdsl.driver import run_frontend
-from dtdsl.ir import program as ir
 from dtdsl.runtime.data import make_batch, pack_images
 from dtdsl.runtime.model import (
     IGNORE,
@@ -27,37 +22,7 @@ from dtdsl.runtime.model import (
     microbatch_loss,
 )
 from dtdsl.runtime.reference import make_optimizer, train_reference
-
-ROOT = Path(__file__).resolve().parents[2]
-TINY = ROOT / "specs" / "tiny_cpu.dt"
-
-
-@cache
-def program(text: str | None = None) -> ir.Program:
-    data = TINY.read_bytes() if text is None else text.encode()
-    result = run_frontend(str(TINY), data)
-    assert result.ok, [d.message for d in result.diagnostics]
-    return result.program
-
-
-def variant(old: str, new: str) -> ir.Program:
-    text = TINY.read_text()
-    assert old in text
-    return program(text.replace(old, new))
-
-
-def small(batch: int = 8) -> ir.Program:
-    """The tiny spec with a smaller global batch: the same model, faster steps."""
-    p = program()
-    return p.model_copy(update={"train": p.train.model_copy(update={"global_batch": batch})})
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+from tests.runtime.specs import TINY, program, small, variant
 
 
 def test_initialisation_is_seeded_per_unit():

@@ -15,13 +15,6 @@ TOL = 1e-5
 SEED = 7
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def test_split_take_and_join_round_trip():
     full = torch.arange(24.0).reshape(12, 2)
