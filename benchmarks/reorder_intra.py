@@ -13,40 +13,16 @@ from __future__ import annotations
 import argparse
 import statistics
 
-import numpy as np
 from _common import timed
 
 from dtdsl.reorder.intra import balance, greedy_lpt, group_loads, lower_bound
+from tests.reorder.costs import KINDS, draw  # the costs the tests draw
 
 SIZES = (64, 256, 1024, 2048)
 GROUPS = (8, 16, 32, 64)
-KINDS = ("lognormal-1", "lognormal-1.5", "pareto-1.5", "mm-zipf-attn", "mm-geometric")
 MEAN_TARGET, WORST_TARGET, TIME_TARGET_S = 1.002, 1.01, 0.050
 
 
-def _images(rng: np.random.Generator, counts: np.ndarray) -> np.ndarray:
-    return np.array([rng.integers(256, 4097, k).sum() if k else 0 for k in counts], float)
-
-
-def draw(kind: str, n: int, seed: int) -> list[float]:
-    """Per-sample costs; the tests (tests/reorder/test_intra.py) draw the same."""
-    rng = np.random.default_rng(seed)
-    if kind == "lognormal-1":
-        x = rng.lognormal(0.0, 1.0, n)
-    elif kind == "lognormal-1.5":
-        x = rng.lognormal(0.0, 1.5, n)
-    elif kind == "pareto-1.5":
-        x = rng.pareto(1.5, n) + 1.0
-    elif kind == "mm-zipf-attn":
-        # Text tokens (128..2048) plus a Zipf number (0..16) of images of 256..4096 patches,
-        # with an attention term quadratic in the sequence length.
-        seq = rng.integers(128, 2049, n) + _images(rng, np.minimum(rng.zipf(2.0, n) - 1, 16))
-        x = seq + seq * seq / 8192.0
-    elif kind == "mm-geometric":
-        x = rng.integers(128, 2049, n) + _images(rng, np.minimum(rng.geometric(0.35, n) - 1, 16))
-    else:
-        raise ValueError(kind)
-    return [float(v) for v in x]
 
 
 def ratio(costs: list[float], assignment: list[int], groups: int) -> float:
