@@ -23,9 +23,13 @@ from dtdsl.schedule.lower import lower
 from tests.runtime.dist import make_plan, run
 from tests.runtime.test_reference import program as tiny
 
-STEPS = 5
+STEPS = 20            # the acceptance: 20 steps
 LOSS_RTOL = 1e-4
 PARAM_RTOL = 5e-3     # of the norm of a parameter's update over the steps
+PARAM_RMS = 1e-4      # and the root-mean-square difference per tensor within this (the issue's
+                      # 1e-4; single elements can differ by ~2e-4 after 20 steps where Adam's
+                      # m / sqrt(v) amplifies float summation order, as between two
+                      # micro-batch sizes of the reference itself)
 
 # The first AdamW imports torch._dynamo (seconds); do it once here, before the forks.
 torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
@@ -99,6 +103,7 @@ def _train(rank: int, world: int, program: ir.Program, plan: Plan, losses: list[
         # moves by ~2e-4 between micro_batch 2 and 8), so compare the whole update.
         err = (p.detach() - want).norm().item()
         assert err <= PARAM_RTOL * (want - init).norm().item() + 1e-7, (name, err)
+        assert err <= PARAM_RMS * want.numel() ** 0.5, (name, err)
 
 
 def check(program: ir.Program, plan: Plan) -> None:
@@ -224,6 +229,7 @@ def _train_tp(rank: int, world: int, program: ir.Program, plan: Plan, losses: li
         assert p.shape == want.shape, name
         err = (p - want).norm().item()
         assert err <= PARAM_RTOL * (want - init).norm().item() + 1e-7, (name, err)
+        assert err <= PARAM_RMS * want.numel() ** 0.5, (name, err)
 
 
 def check_tp(program: ir.Program, plan: Plan) -> None:
