@@ -296,18 +296,38 @@ class StageExecutor:
                 "time_s": time.perf_counter() - self._t0, "events": events}
 
     def train(self, steps: int, *, first_step: int = 0,
-              metrics_path: str | Path | None = None) -> list[dict[str, Any]]:
+              metrics_path: str | Path | None = None,
+              logdir: str | Path | None = None) -> list[dict[str, Any]]:
         """Run ``steps`` training steps from ``first_step``; ``run_step``'s result per step.
         Rank 0 appends ``{"step", "loss", "lm_loss", "gen_loss"}`` JSON lines to
-        ``metrics_path``."""
+        ``metrics_path``. With ``logdir`` every rank joins gathering each step's measured
+        Timeline and rank 0 writes it to TensorBoard with the simulator's writer (scalars,
+        Gantt image) plus the losses, so predicted and measured runs read alike."""
         out = []
-        for step in range(first_step, first_step + steps):
-            result = self.run_step(step)
-            out.append(result)
-            if metrics_path is not None and self.role.rank == 0:
-                with open(metrics_path, "a") as f:
-                    f.write(json.dumps({k: result[k] for k in ("step", "loss", "lm_loss",
-                                                                "gen_loss")}) + "\n")
+        writer = None
+        if logdir is not None and self.role.rank == 0:
+            from dtdsl.sim.tensorboard import TimelineWriter
+
+            writer = TimelineWriter(logdir)
+        try:
+            for step in range(first_step, first_step + steps):
+                result = self.run_step(step)
+                out.append(result)
+                if metrics_path is not None and self.role.rank == 0:
+                    with open(metrics_path, "a") as f:
+                        f.write(json.dumps({k: result[k] for k in (
+                            "step", "loss", "lm_loss", "gen_loss")}) + "\n")
+                if logdir is not None:
+                    timeline = gather_timeline(self.plan, step, result["events"])
+                    if writer is not None:
+                        scalars = {"loss/total": result["loss"], "loss/lm": result["lm_loss"],
+                                   "loss/gen": result["gen_loss"],
+                                   "grad_norm": result["grad_norm"]}
+                        writer.add_step(step, timeline, {k: float(v) for k, v in
+                                                         scalars.items() if v is not None})
+        finally:
+            if writer is not None:
+                writer.close()
         return out
 
     def _event(self, kind: str, microbatch: int | None, start: float) -> Event:
@@ -539,8 +559,9 @@ def gather_timeline(plan: Plan, step: int, events: Sequence[Event]) -> Timeline:
 
 def run_rank(program: ir.Program, plan: Plan, schedule: Schedule, *, steps: int, rank: int,
              groups: ProcessGroups, seed: int | None = None, first_step: int = 0,
-             metrics_path: str | Path | None = None) -> list[dict[str, Any]]:
+             metrics_path: str | Path | None = None,
+             logdir: str | Path | None = None) -> list[dict[str, Any]]:
     """Train ``steps`` steps (``first_step`` on) on this rank: ``StageExecutor(...).train``.
     Collective over every rank of ``plan``."""
     ex = StageExecutor(program, plan, schedule, rank=rank, groups=groups, seed=seed)
-    return ex.train(steps, first_step=first_step, metrics_path=metrics_path)
+    return ex.train(steps, first_step=first_step, metrics_path=metrics_path, logdir=logdir)

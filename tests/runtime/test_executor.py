@@ -14,7 +14,7 @@ import torch
 from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan, split_layers
 from dtdsl.ir.schedule import Schedule
-from dtdsl.runtime.executor import StageExecutor, gather_timeline
+from dtdsl.runtime.executor import StageExecutor, gather_timeline, run_rank
 from dtdsl.runtime.mesh import ProcessGroups, build_groups, role_of
 from dtdsl.runtime.model import build_model
 from dtdsl.runtime.reference import train_reference
@@ -259,3 +259,25 @@ def test_backbone_tensor_parallel(pp):
     program = spec(8)
     check_tp(program, plan_for(program, ("vit", "encoder", 1, 1, 1),
                                ("llm", "backbone", 2, 1, pp), ("gen", "generator", 1, 1, 1)))
+
+
+def _train_logged(rank: int, world: int, program: ir.Program, plan: Plan, logdir: str) -> None:
+    groups = build_groups(plan)
+    run_rank(program, plan, lower(plan, program), steps=2, rank=rank, groups=groups,
+             logdir=logdir)
+
+
+def test_measured_timelines_go_to_tensorboard(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    program = spec(8)
+    plan = plan_for(program, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, 2, 1),
+                    ("gen", "generator", 1, 1, 1))
+    run(_train_logged, plan.gpus_used, program, plan, str(tmp_path), timeout=120)
+    acc = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0, "images": 0})
+    acc.Reload()
+    tags = acc.Tags()
+    for tag in ("time/iteration_s", "pipeline/bubble_fraction", "loss/total", "grad_norm"):
+        assert [e.step for e in acc.Scalars(tag)] == [0, 1], tag
+    assert all(e.value > 0 for e in acc.Scalars("time/iteration_s"))
+    assert "pipeline/gantt" in tags["images"]
