@@ -18,7 +18,9 @@ from dtdsl.sim.workload import (
     imbalance,
     iteration_durations,
     model_flops,
+    reordered,
     route,
+    step_orders,
 )
 
 __all__ = ["StepResult", "simulate_steps"]
@@ -52,8 +54,19 @@ def simulate_steps(program: Program, cost: CostModel, plan: Plan, schedule: Sche
     for step in range(first_step, first_step + steps):
         samples = batch_samples(program, step)
         work = work_model.relative(samples)
-        routing = route(plan, work, policy, step_times=encoder_step_times(plan, work))
-        result = simulator.run(iteration_durations(plan, cost, schedule, routing, work))
+        routing = route(plan, work, policy - {"inter"})
+        if "inter" in policy:
+            # The ordering model sees the encoders' first stage only: simulate the candidate
+            # orders through the whole pipeline and keep the fastest (the first on ties).
+            best = None
+            for order in step_orders(encoder_step_times(plan, work)(routing)):
+                candidate = reordered(routing, order)
+                run = simulator.run(iteration_durations(plan, cost, schedule, candidate, work))
+                if best is None or run.iteration_time_s < best[0].iteration_time_s:
+                    best = (run, candidate)
+            result, routing = best
+        else:
+            result = simulator.run(iteration_durations(plan, cost, schedule, routing, work))
         t = result.iteration_time_s
         yield StepResult(
             step=step, result=result, iteration_time_s=t,

@@ -33,8 +33,8 @@ from dtdsl.reorder.split import contiguous_split
 from dtdsl.sim.simulate import Durations
 
 __all__ = ["POLICIES", "Routing", "StepTimes", "batch_samples", "encoder_step_times",
-           "imbalance", "iteration_durations", "model_flops", "parse_policy", "route",
-           "sample_work", "WorkModel"]
+           "imbalance", "iteration_durations", "model_flops", "parse_policy", "reordered", "route",
+           "sample_work", "step_orders", "WorkModel"]
 
 POLICIES = ("none", "intra", "inter", "both")
 
@@ -163,11 +163,36 @@ def route(plan: Plan, work: dict[str, np.ndarray], policy: frozenset[str], *,
 def _reorder_steps(routing: Routing, times: StepTimes) -> Routing:
     from dtdsl.reorder.inter import best_order
     fwd, bwd, stage_f, stage_b, stages = times
-    order = best_order(list(fwd), list(bwd), stage_f, stage_b, stages)
+    return reordered(routing, best_order(list(fwd), list(bwd), stage_f, stage_b, stages))
+
+
+def reordered(routing: Routing, order) -> Routing:
+    """``routing`` with its steps run in ``order`` (``order[k]``: the step that runs k-th)."""
     position = np.empty(len(order), dtype=np.intp)
     position[np.asarray(order)] = np.arange(len(order))
     return Routing(num_microbatches=routing.num_microbatches,
                    step=position[routing.step], replica=routing.replica)
+
+
+def step_orders(times: StepTimes) -> list[list[int]]:
+    """Candidate step orders for ``inter``, best first by the 1F1B model of
+    ``dtdsl.reorder.inter``: ours (``best_order``), DistTrain's, data order, and the
+    steps by size, ascending and descending (duplicates dropped). The model looks at the
+    first pipeline stage only; a caller with the whole pipeline (``simulate_steps``)
+    simulates each and keeps the fastest."""
+    from dtdsl.reorder.inter import best_order, disttrain_order
+
+    fwd, bwd, stage_f, stage_b, stages = times
+    f, b = list(fwd), list(bwd)
+    size = sorted(range(len(f)), key=lambda i: (f[i] + b[i], i))
+    orders = [best_order(f, b, stage_f, stage_b, stages),
+              disttrain_order(f, b, stages, stage_f, stage_b), list(range(len(f))), size,
+              size[::-1]]
+    out: list[list[int]] = []
+    for order in orders:
+        if order not in out:
+            out.append(order)
+    return out
 
 
 def _per_sample_seconds(plan: Plan) -> dict[str, tuple[float, float]]:

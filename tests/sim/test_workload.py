@@ -196,3 +196,15 @@ def test_interleaved_plans_simulate_no_slower_than_planned(global_batch):
                                     route(the_plan, work, frozenset()), work)
     t = Simulator(schedule).run(durations).iteration_time_s
     assert t <= 1.001 * the_plan.iteration_time_s
+
+
+def test_inter_never_loses_to_data_order():
+    # The step order is chosen by simulating candidates, data order among them.
+    program, cost, the_plan, schedule = _setup("mllm_9b")
+    intra = simulate_steps(program, cost, the_plan, schedule, steps=2,
+                           policy=parse_policy("intra"))
+    both = simulate_steps(program, cost, the_plan, schedule, steps=2,
+                          policy=parse_policy("both"))
+    for a, b in zip(intra, both, strict=True):
+        assert b.iteration_time_s <= a.iteration_time_s
+        assert b.imbalance == pytest.approx(a.imbalance)   # the same samples per step
