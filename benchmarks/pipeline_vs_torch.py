@@ -34,7 +34,6 @@ import tempfile
 import time
 
 import _common  # noqa: F401  (puts the repo root on sys.path)
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F

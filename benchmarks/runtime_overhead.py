@@ -34,7 +34,6 @@ import tempfile
 import time
 
 import _common  # noqa: F401  (puts the repo root on sys.path)
-
 import torch
 
 from dtdsl.ir import program as ir
