@@ -232,8 +232,10 @@ def main() -> None:
     for k in ("dtdsl", "torch"):
         for r, rk in enumerate(ranks):
             names = list(rk[k][-1]["kinds"])
-            parts = "  ".join(f"{n} {statistics.median(x['kinds'].get(n, 0.0) for x in rk[k][args.warmup:]) * 1e3:.1f}"
-                              for n in names)
+            after = rk[k][args.warmup:]
+            parts = "  ".join(
+                f"{n} {statistics.median(x['kinds'].get(n, 0.0) for x in after) * 1e3:.1f}"
+                for n in names)
             print(f"  {k:<6} rank {r}: {parts}")
     print()
     ratio = med["dtdsl"][0] / med["torch"][0]
