@@ -229,8 +229,6 @@ class Simulator:
         b_link: list[int] = []
         slots: list[int] = []
         new_id: dict[int, int] = {}
-        kinds: list[ActionKind | None] = []
-        owner: list[int] = []                # original node per new node (-1: join)
         for v in order:
             ins = [(new_id[src], link) for src, link in inputs[v]]
             while len(ins) > 2:
@@ -240,8 +238,6 @@ class Simulator:
                 b_in.append(y)
                 b_link.append(ly)
                 slots.append(sentinel_slot)
-                kinds.append(None)
-                owner.append(-1)
                 ins = [(len(slots) - 1, -1)] + ins[2:]
             ins += [(-1, -1)] * (2 - len(ins))
             a_in.append(ins[0][0])
@@ -250,8 +246,6 @@ class Simulator:
             b_link.append(ins[1][1])
             # Waits (_WAIT) read the zero entry, like joins.
             slots.append(max(raw[v][2], sentinel_slot))
-            kinds.append(raw[v][1])
-            owner.append(v)
             new_id[v] = len(slots) - 1
         total = len(slots)
         # Index total is the sentinel: end time 0, and link -1 (no link) reads weight 0.
@@ -263,9 +257,6 @@ class Simulator:
         self.num_nodes = total
         self._raw = raw
         self._new_id = new_id
-        kinds_arr = np.array([k.value if k is not None else "" for k in kinds])
-        self._is_sync = kinds_arr == ActionKind.SYNC.value
-        self._is_opt = kinds_arr == ActionKind.OPT.value
         # SYNC/OPT durations: per (unit, stage); real ones only (slot -1, not _WAIT).
         sync_nodes, opt_nodes = [], []
         for v, (si, kind, slot, unit, _, _, _) in enumerate(raw):
