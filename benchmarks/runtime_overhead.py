@@ -18,8 +18,17 @@ executor's measured events (wall time summed per action kind; RECV includes the 
 the peer, SYNC is ``optimizer_step``) and the main thread's CPU time (``thread_time``;
 the rest of the process CPU is gloo's threads).
 
-The plain loop and the runtime alternate ``--rounds`` times (fresh processes each), one
-thread per process; medians over the steps after ``--warmup`` of every round.
+**Contention control.** The runtime's three processes share 2 cores, which inflates the
+CPU time of the same work (caches, SMT siblings, the scheduler) whatever the runtime does.
+So the plain loop also runs as three concurrent copies (three busy processes, as many as
+the runtime's ranks; each its own full loop) and its CPU per step, per copy, is the control:
+``runtime / plain x3`` is the runtime's own overhead with contention factored out, ``plain
+x3 / plain`` the contention itself. (The runtime's ranks are not all busy all the time,
+the vit rank mostly waits, so the control is an upper bound on the contention it sees.)
+
+The plain loop, the plain loop x3 and the runtime alternate ``--rounds`` times (fresh
+processes each), one thread per process; medians over the steps after ``--warmup`` of
+every round.
 
     python benchmarks/runtime_overhead.py [--steps 8] [--warmup 2] [--rounds 2]
 """
@@ -56,7 +65,7 @@ def _plain(rank: int, world: int, program: ir.Program, steps: int, out: str) -> 
         c1, w1, t1 = time.process_time(), time.perf_counter(), time.thread_time()
         rows.append({"cpu": c1 - c0, "wall": w1 - w0, "thread": t1 - t0, "loss": r["loss"]})
         c0, w0, t0 = c1, w1, t1
-    with open(os.path.join(out, "plain.json"), "w") as f:
+    with open(os.path.join(out, f"plain{rank}.json"), "w") as f:
         json.dump(rows, f)
 
 
@@ -90,15 +99,21 @@ def main() -> None:
                     ("gen", "generator", 1, 1, 1))
     total = args.warmup + args.steps
     plain: list[dict] = []
+    plain3: list[dict] = []      # the contention control: every copy's rows
     ranks: list[list[dict]] = [[] for _ in range(plan.gpus_used)]
     units = []
     for _ in range(args.rounds):
         with tempfile.TemporaryDirectory() as out:
             run(_plain, 1, program, total, out, timeout=600)
-            with open(os.path.join(out, "plain.json")) as f:
+            with open(os.path.join(out, "plain0.json")) as f:
                 rows = json.load(f)
             plain += rows[args.warmup:]
             plain_losses = [x["loss"] for x in rows]
+        with tempfile.TemporaryDirectory() as out:
+            run(_plain, plan.gpus_used, program, total, out, timeout=600)
+            for r in range(plan.gpus_used):
+                with open(os.path.join(out, f"plain{r}.json")) as f:
+                    plain3 += json.load(f)[args.warmup:]
         with tempfile.TemporaryDirectory() as out:
             run(_runtime, plan.gpus_used, program, plan, total, out, timeout=600)
             for r in range(plan.gpus_used):
@@ -123,6 +138,9 @@ def main() -> None:
     p_cpu = med(plain, "cpu")
     print(f"{'plain loop':<14} {p_cpu * 1e3:>7.1f}ms {med(plain, 'thread') * 1e3:>7.1f}ms "
           f"{med(plain, 'wall') * 1e3:>8.1f}ms")
+    p3_cpu = med(plain3, "cpu")
+    print(f"{'plain x' + str(plan.gpus_used) + ' (each)':<14} {p3_cpu * 1e3:>7.1f}ms "
+          f"{med(plain3, 'thread') * 1e3:>7.1f}ms {med(plain3, 'wall') * 1e3:>8.1f}ms")
     for unit, rows in zip(units, ranks, strict=True):
         print(f"{'rank ' + unit:<14} {med(rows, 'cpu') * 1e3:>7.1f}ms "
               f"{med(rows, 'thread') * 1e3:>7.1f}ms {med(rows, 'wall') * 1e3:>8.1f}ms")
@@ -146,6 +164,10 @@ def main() -> None:
     print(f"runtime/plain CPU per step: {ratio:.3f} (target <= {TARGET:.2f}: "
           f"{'met' if ratio <= TARGET else 'NOT met'}); busiest rank / plain: "
           f"{crit / p_cpu:.3f}")
+    print(f"contention control: runtime / plain x{plan.gpus_used} CPU per step: "
+          f"{r_cpu / p3_cpu:.3f} (the runtime's own overhead); plain x{plan.gpus_used} / "
+          f"plain: {p3_cpu / p_cpu:.3f} (contention of {plan.gpus_used} busy processes on "
+          f"{os.cpu_count()} cores)")
 
 
 if __name__ == "__main__":

@@ -36,7 +36,18 @@ as long as the executor calls the broker in the schedule's order.
 3. if payload bytes > 0, the payload, ``uint8[payload bytes]``: every tensor's bytes,
    contiguous, each starting at a multiple of ``ALIGN`` bytes.
 
-So a message of up to ``INLINE_TENSORS`` tensors costs two transfers. The receiver checks
+So a message of up to ``INLINE_TENSORS`` tensors costs two transfers, and the receiver
+cannot post the payload's receive before the header has arrived (a dependent round trip).
+
+**Eager messages** (``eager=True`` on both sides; gloo/CPU only): a message of at most
+``INLINE_TENSORS`` tensors and ``EAGER_BYTES`` payload bytes travels as ONE transfer on
+the header's tag, ``uint8[HEADER_BYTES + payload bytes]``: the header (with
+``MAGIC_EAGER``) then the payload. An eager receiver posts one receive of the upper bound
+``HEADER_BYTES + EAGER_BYTES`` (gloo accepts a message shorter than the buffer), reads the
+header and takes the payload from the same buffer; a message that is not eager (too large,
+too many tensors) arrives as the normal parts with ``MAGIC``, and the eager receiver goes on
+to receive them. A receiver that is not eager must not get eager messages (the first part
+would not fit its header buffer). The receiver checks
 each part against limits (``MAX_TENSORS``, ``MAX_NDIM``, known dtype codes, ``max_bytes``,
 a payload size that matches the shapes) before it allocates anything, and raises
 ``WireError`` with the reason. Received tensors are views into one payload buffer.
@@ -62,7 +73,10 @@ __all__ = [
     "DEFAULT_MAX_BYTES",
     "HEADER_LEN",
     "INLINE_TENSORS",
+    "EAGER_BYTES",
+    "HEADER_BYTES",
     "MAGIC",
+    "MAGIC_EAGER",
     "MAX_NDIM",
     "MAX_TENSORS",
     "Broker",
@@ -138,6 +152,7 @@ class StepSamples:
 # ------------------------------------------------------------------------- wire format
 
 MAGIC = 0x6474_646C_7769_7231          # "dtdlwir1"
+MAGIC_EAGER = 0x6474_646C_7769_7232    # "dtdlwir2": header and payload in one transfer
 MAX_NDIM = 8
 MAX_TENSORS = 1 << 16
 DEFAULT_MAX_BYTES = 1 << 34            # 16 GiB per message
@@ -146,6 +161,9 @@ INLINE_TENSORS = 16
 _PREAMBLE = 4
 _WIDTH = 2 + MAX_NDIM
 HEADER_LEN = _PREAMBLE + INLINE_TENSORS * _WIDTH
+HEADER_BYTES = HEADER_LEN * 8
+EAGER_BYTES = 1 << 20                  # largest payload an eager message carries inline
+assert HEADER_BYTES % ALIGN == 0
 _TAG_STEPS = 1 << 28
 
 _DTYPES: tuple[torch.dtype, ...] = (
@@ -231,10 +249,16 @@ def _encode(tensors: Sequence[torch.Tensor], max_bytes: int,
     return header, extra, payload
 
 
-def _check_header(header: torch.Tensor, max_bytes: int) -> tuple[int, int]:
-    """(tensor count, payload bytes) of a received header, checked against the limits."""
+def _check_header(header: torch.Tensor, max_bytes: int, *, eager: bool = False
+                  ) -> tuple[int, int]:
+    """(tensor count, payload bytes) of a received header, checked against the limits;
+    ``eager``: an eager message's header (``MAGIC_EAGER``) is accepted too."""
     magic, count, total, ndim = (int(x) for x in header[:_PREAMBLE].tolist())
-    if magic != MAGIC:
+    if magic == MAGIC_EAGER and eager:
+        if count > INLINE_TENSORS or total > EAGER_BYTES:
+            raise WireError(f"eager message of {count} tensors and {total} bytes; the limits "
+                            f"are {INLINE_TENSORS} and {EAGER_BYTES}")
+    elif magic != MAGIC:
         raise WireError(f"bad magic {magic:#x}: not a dtdsl tensor message")
     if ndim != MAX_NDIM:
         raise WireError(f"peer pads shapes to {ndim} dimensions, we to {MAX_NDIM}")
@@ -288,12 +312,22 @@ def _unpack(payload: torch.Tensor | None, specs: list[_Spec],
 
 def send_tensors(tensors: Sequence[torch.Tensor], dst: int, group: dist.ProcessGroup | None = None,
                  *, tag: int = 0, device: torch.device | str | None = None,
-                 max_bytes: int = DEFAULT_MAX_BYTES) -> list[dist.Work]:
+                 max_bytes: int = DEFAULT_MAX_BYTES, eager: bool = False) -> list[dist.Work]:
     """Post a message of ``tensors`` to global rank ``dst`` (non-blocking) and return its
     handles; wait on them all before the step ends. The tensors are copied into the send
     buffers, so the caller may change or free them at once. ``tag``: 0..2**29-1. The
-    buffers live on ``device`` (the backend's device; default: the tensors' device)."""
+    buffers live on ``device`` (the backend's device; default: the tensors' device).
+    ``eager``: send a small message as one transfer (module docstring; the receiver must
+    be eager too; CPU buffers only, else the normal parts are sent)."""
     header, extra, payload = _encode(tensors, max_bytes, device)
+    total = 0 if payload is None else payload.numel()
+    if eager and extra is None and total <= EAGER_BYTES and header.device.type == "cpu":
+        buf = torch.empty(HEADER_BYTES + total, dtype=torch.uint8)
+        buf[:HEADER_BYTES].view(torch.int64).copy_(header)
+        buf[:8].view(torch.int64).fill_(MAGIC_EAGER)
+        if payload is not None:
+            buf[HEADER_BYTES:].copy_(payload)
+        return [dist.isend(buf, dst, group=group, tag=_part(tag, 0))]
     works = [dist.isend(header, dst, group=group, tag=_part(tag, 0))]
     if extra is not None:
         works.append(dist.isend(extra, dst, group=group, tag=_part(tag, 1)))
@@ -304,26 +338,39 @@ def send_tensors(tensors: Sequence[torch.Tensor], dst: int, group: dist.ProcessG
 
 def recv_tensors(src: int, group: dist.ProcessGroup | None = None, *, tag: int = 0,
                  device: torch.device | str = "cpu",
-                 max_bytes: int = DEFAULT_MAX_BYTES) -> list[torch.Tensor]:
-    """Receive one message sent by ``send_tensors`` from global rank ``src`` (blocking)."""
-    return recv_tensors_many([(src, tag)], group, device=device, max_bytes=max_bytes)[0]
+                 max_bytes: int = DEFAULT_MAX_BYTES, eager: bool = False) -> list[torch.Tensor]:
+    """Receive one message sent by ``send_tensors`` from global rank ``src`` (blocking).
+    ``eager``: accept eager messages (module docstring; CPU only)."""
+    return recv_tensors_many([(src, tag)], group, device=device, max_bytes=max_bytes,
+                             eager=eager)[0]
 
 
 def recv_tensors_many(sources: Sequence[tuple[int, int]], group: dist.ProcessGroup | None = None,
                       *, device: torch.device | str = "cpu",
-                      max_bytes: int = DEFAULT_MAX_BYTES) -> list[list[torch.Tensor]]:
+                      max_bytes: int = DEFAULT_MAX_BYTES,
+                      eager: bool = False) -> list[list[torch.Tensor]]:
     """Receive one message from each (source rank, tag), all in flight together; the
-    messages in the order of ``sources``."""
-    headers = [torch.empty(HEADER_LEN, dtype=torch.int64, device=device) for _ in sources]
-    works = [dist.irecv(h, src, group=group, tag=_part(tag, 0))
-             for h, (src, tag) in zip(headers, sources, strict=True)]
+    messages in the order of ``sources``. ``eager``: accept eager messages (module
+    docstring): the first receive of each is the upper bound ``HEADER_BYTES +
+    EAGER_BYTES`` (CPU only)."""
+    if eager and torch.device(device).type != "cpu":
+        raise ValueError("eager messages are for CPU (gloo) buffers only")
+    if eager:
+        firsts = [torch.empty(HEADER_BYTES + EAGER_BYTES, dtype=torch.uint8) for _ in sources]
+        headers = [f[:HEADER_BYTES].view(torch.int64) for f in firsts]
+    else:
+        firsts = headers = [torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
+                            for _ in sources]
+    works = [dist.irecv(f, src, group=group, tag=_part(tag, 0))
+             for f, (src, tag) in zip(firsts, sources, strict=True)]
     for w in works:
         w.wait()
-    heads = [_check_header(h, max_bytes) for h in headers]
+    heads = [_check_header(h, max_bytes, eager=eager) for h in headers]
+    inline = [eager and int(h[0]) == MAGIC_EAGER for h in headers]
     extras: list[torch.Tensor | None] = []
     works = []
-    for (src, tag), (count, _) in zip(sources, heads, strict=True):
-        if _overflow(count):
+    for (src, tag), (count, _), done in zip(sources, heads, inline, strict=True):
+        if _overflow(count) and not done:
             e = torch.empty((_overflow(count), _WIDTH), dtype=torch.int64, device=device)
             works.append(dist.irecv(e, src, group=group, tag=_part(tag, 1)))
             extras.append(e)
@@ -335,8 +382,10 @@ def recv_tensors_many(sources: Sequence[tuple[int, int]], group: dist.ProcessGro
              for h, e, (count, total) in zip(headers, extras, heads, strict=True)]
     payloads: list[torch.Tensor | None] = []
     works = []
-    for (src, tag), (_, total) in zip(sources, heads, strict=True):
-        if total:
+    for (src, tag), (_, total), done, first in zip(sources, heads, inline, firsts, strict=True):
+        if done:
+            payloads.append(first[HEADER_BYTES:HEADER_BYTES + total] if total else None)
+        elif total:
             buf = torch.empty(total, dtype=torch.uint8, device=device)
             works.append(dist.irecv(buf, src, group=group, tag=_part(tag, 2)))
             payloads.append(buf)
@@ -408,8 +457,12 @@ class Broker:
 
     def __init__(self, plan: Plan, rank: int, groups: ProcessGroups | None = None, *,
                  p2p_group: dist.ProcessGroup | None = None,
-                 device: torch.device | str = "cpu", max_bytes: int = DEFAULT_MAX_BYTES):
+                 device: torch.device | str = "cpu", max_bytes: int = DEFAULT_MAX_BYTES,
+                 eager: bool = False):
         self.plan = plan
+        # Small point-to-point messages in one transfer (wire format); both sides of a
+        # pair must agree, so every rank of a job builds its broker alike. CPU only.
+        self.eager = eager and torch.device(device).type == "cpu"
         self.grids: dict[str, UnitGrid] = {g.name: g for g in grids(plan)}
         self.role: RankRole = role_of(plan, rank)
         if groups is not None and groups.rank != rank:
@@ -501,7 +554,7 @@ class Broker:
             if s == me.replica:
                 works += send_tensors([tensors[i] for i in ids], dst.leader(dst_stage, d),
                                       self.p2p_group, tag=tag, device=self.device,
-                                      max_bytes=self.max_bytes)
+                                      max_bytes=self.max_bytes, eager=self.eager)
         return works
 
     def _recv(self, tag: int, src: UnitGrid, src_stage: int, dst: UnitGrid, dst_stage: int,
@@ -518,7 +571,7 @@ class Broker:
             incoming = [(s, ids) for (d, s), ids in routes.items() if d == me.replica]
             msgs = recv_tensors_many([(src.leader(src_stage, s), tag) for s, _ in incoming],
                                      self.p2p_group, device=self.device,
-                                     max_bytes=self.max_bytes)
+                                     max_bytes=self.max_bytes, eager=self.eager)
             got: dict[SampleId, torch.Tensor] = {}
             for (s, ids), tensors in zip(incoming, msgs, strict=True):
                 if len(tensors) != len(ids):

@@ -50,12 +50,14 @@ __all__ = [
     "GenTargets",
     "PackedImages",
     "Sample",
+    "SampleSizes",
     "image_encoder",
     "image_side",
     "make_batch",
     "make_sample",
     "pack_images",
     "sample_seed",
+    "sample_sizes",
     "unpack_images",
 ]
 
@@ -135,45 +137,92 @@ def _draw_one(quantity: ir.Quantity | None, rng: np.random.Generator, what: str)
     return int(draw(quantity, 1, rng)[0])
 
 
-def make_sample(program: ir.Program, step: int, index: int) -> Sample:
-    """Sample ``index`` of step ``step``'s global batch, built alone."""
-    seed = program.train.seed
+@dataclass(frozen=True)
+class SampleSizes:
+    """The sizes of one sample, drawn without building any tensor (``make_sample`` draws
+    exactly these): enough for the loss denominators (``loss_normalizer_of_sizes``)."""
+
+    text_tokens: int                    # len(tokens)
+    image_sides: tuple[int, ...]        # each image is [3, side, side]
+    gen_counts: dict[str, int]          # generator name -> G
+
+    @property
+    def num_gen_targets(self) -> int:
+        return sum(self.gen_counts.values())
+
+
+def sample_sizes(program: ir.Program, step: int, index: int) -> SampleSizes:
+    """The sizes of sample ``index`` of step ``step`` (those of ``make_sample``'s sample)
+    from its ``sizes`` stream alone: no tensor is built."""
+    sizes = np.random.default_rng(sample_seed(program.train.seed, step, index, "sizes"))
     data = program.data
-    sizes = np.random.default_rng(sample_seed(seed, step, index, "sizes"))
-    gen = torch.Generator().manual_seed(sample_seed(seed, step, index, "tensors"))
-
-    vocab = program.backbone.arch.vocab
     n_text = max(1, _draw_one(data.get("text", "tokens"), sizes, "text.tokens"))
-    rows = _successor_table(seed, vocab)
-    first = int(torch.randint(vocab, (1,), generator=gen))
-    choice = torch.randint(_SUCCESSORS, (n_text,), generator=gen).tolist()
-    ids = [first]
-    for k in choice[1:]:
-        ids.append(rows[ids[-1]][k])
-    tokens = torch.tensor(ids, dtype=torch.int64)
-
-    images: list[torch.Tensor] = []
+    sides: list[int] = []
     encoder = image_encoder(program)
     if encoder is not None:
         count = max(0, _draw_one(data.get("image", "count"), sizes, "image.count"))
         patches = draw(data.get("image", "patches"), count, sizes) if count else []
         patch = encoder.arch.patch or 1
-        for p in patches:
-            side = image_side(int(p), patch)
+        sides = [image_side(int(p), patch) for p in patches]
+    gen_counts = {
+        module.name: max(0, _draw_one(data.get(module.modality, "gen_count"), sizes,
+                                      f"{module.modality}.gen_count"))
+        for module in program.generators}
+    return SampleSizes(text_tokens=n_text, image_sides=tuple(sides), gen_counts=gen_counts)
+
+
+_PARTS = frozenset({"tokens", "images", "targets"})
+
+
+def make_sample(program: ir.Program, step: int, index: int, *,
+                parts: frozenset[str] | set[str] = _PARTS,
+                sizes: SampleSizes | None = None) -> Sample:
+    """Sample ``index`` of step ``step``'s global batch, built alone.
+
+    ``parts`` (default all of ``tokens``, ``images``, ``targets``) names what to build;
+    a part left out is empty (no tokens, no images, no targets) and only what the parts
+    asked for costs time. The parts built are identical to the full sample's: tensors
+    come from one random stream in the order tokens, images, targets, so asking for
+    ``targets`` still draws (and drops) the images' numbers. ``sizes``: this sample's
+    ``sample_sizes`` when the caller already has them."""
+    unknown = set(parts) - _PARTS
+    if unknown:
+        raise ValueError(f"unknown sample parts {sorted(unknown)}; known: {sorted(_PARTS)}")
+    seed = program.train.seed
+    if sizes is None:
+        sizes = sample_sizes(program, step, index)
+    gen = torch.Generator().manual_seed(sample_seed(seed, step, index, "tensors"))
+
+    vocab = program.backbone.arch.vocab
+    n_text = sizes.text_tokens
+    first = int(torch.randint(vocab, (1,), generator=gen))
+    choice = torch.randint(_SUCCESSORS, (n_text,), generator=gen)
+    if "tokens" in parts:
+        rows = _successor_table(seed, vocab)
+        ids = [first]
+        for k in choice[1:].tolist():
+            ids.append(rows[ids[-1]][k])
+        tokens = torch.tensor(ids, dtype=torch.int64)
+    else:
+        tokens = torch.empty(0, dtype=torch.int64)
+
+    images: list[torch.Tensor] = []
+    if "images" in parts or "targets" in parts:
+        for side in sizes.image_sides:
             images.append(torch.randn(3, side, side, generator=gen))
 
     targets: dict[str, GenTargets] = {}
-    for module in program.generators:
-        arch = module.arch
-        count = max(0, _draw_one(data.get(module.modality, "gen_count"), sizes,
-                                 f"{module.modality}.gen_count"))
-        shape = (count, arch.latent_channels, arch.latent, arch.latent)
-        targets[module.name] = GenTargets(
-            latents=torch.randn(shape, generator=gen),
-            noise=torch.randn(shape, generator=gen),
-            timesteps=torch.randint(DIFFUSION_STEPS, (count,), generator=gen))
-    return Sample(step=step, index=index, tokens=tokens, images=tuple(images),
-                  targets=targets)
+    if "targets" in parts:
+        for module in program.generators:
+            arch = module.arch
+            count = sizes.gen_counts[module.name]
+            shape = (count, arch.latent_channels, arch.latent, arch.latent)
+            targets[module.name] = GenTargets(
+                latents=torch.randn(shape, generator=gen),
+                noise=torch.randn(shape, generator=gen),
+                timesteps=torch.randint(DIFFUSION_STEPS, (count,), generator=gen))
+    return Sample(step=step, index=index, tokens=tokens,
+                  images=tuple(images) if "images" in parts else (), targets=targets)
 
 
 def make_batch(program: ir.Program, step: int) -> list[Sample]:

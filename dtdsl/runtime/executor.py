@@ -3,10 +3,16 @@
 Each global rank is one (stage, replica, tp_index) of one unit (``mesh.role_of``). Per
 training step it
 
-1. builds the global batch (``data.make_batch``; every rank can) and the loss
-   denominators over the whole batch (``model.loss_normalizer``);
+1. builds the samples its stage reads, and only the parts of them it reads
+   (``data.make_sample(..., parts=...)``: images on an encoder, tokens on the backbone's
+   first stage, generation targets on a generator, nothing elsewhere) before the step's
+   barrier (in a real job, preprocessing workers' work, off the training path); the
+   stages with a loss get the loss denominators over the whole batch from the samples'
+   sizes alone (``data.sample_sizes``: the same numbers as ``model.loss_normalizer`` of
+   ``data.make_batch``, without building a tensor);
 2. takes the samples of every unit replica at every microbatch step from
-   ``routing.step_samples`` (the broker's routes follow from the same assignment);
+   ``routing.step_samples``, computed once in the constructor (it depends on the plan
+   only; the broker's routes follow from the same assignment);
 3. runs its stage's action list in program order:
 
    - ``F``: the stage's slice of the unit on this replica's samples of the step. Input:
@@ -24,7 +30,9 @@ training step it
      the same replica and TP index, across units ``Broker.send_forward`` /
      ``send_backward``. Non-blocking: the handles are waited on at the end of the step
      (``send_tensors`` copies into its own buffers, so nothing is reused too early).
-   - ``RECV_F`` / ``RECV_B``: the matching blocking receives.
+   - ``RECV_F`` / ``RECV_B``: the matching blocking receives. Both directions use the
+     broker's eager wire messages (one transfer for a message of at most
+     ``broker.EAGER_BYTES``: no dependent header round trip).
    - ``SYNC`` / ``OPT``: markers. Gradient reduction and the update happen in one
      ``optim.optimizer_step`` that EVERY rank calls after its action list (with no
      optimizer where its stage trains nothing), because the global gradient norm and the
@@ -70,7 +78,15 @@ from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan
 from dtdsl.ir.schedule import Action, ActionKind, Schedule
 from dtdsl.runtime.broker import Broker, StepSamples, message_tag, recv_tensors, send_tensors
-from dtdsl.runtime.data import Sample, image_encoder, make_batch, pack_images, unpack_images
+from dtdsl.runtime.data import (
+    Sample,
+    SampleSizes,
+    image_encoder,
+    make_sample,
+    pack_images,
+    sample_sizes,
+    unpack_images,
+)
 from dtdsl.runtime.mesh import ProcessGroups, RankRole
 from dtdsl.runtime.model import (
     Normalizer,
@@ -82,7 +98,6 @@ from dtdsl.runtime.model import (
     encoder_input,
     encoder_layers,
     generator_step,
-    loss_normalizer,
 )
 from dtdsl.runtime.optim import Zero1AdamW, optimizer_step
 from dtdsl.runtime.routing import step_samples
@@ -162,9 +177,26 @@ class StageExecutor:
         self.actions: tuple[Action, ...] = schedule.stage(self.role.unit, self.role.stage).actions
         self.sends_grad = any(a.kind is ActionKind.SEND_B for a in self.actions)
         self.trains_in_schedule = any(a.kind is ActionKind.OPT for a in self.actions)
-        self.broker = Broker(plan, rank, groups)
+        # Eager wire messages (one transfer for a small message) on every PP and broker
+        # pair: every rank's executor sends and receives alike.
+        self.broker = Broker(plan, rank, groups, eager=True)
         self._build()
         self._t0 = 0.0
+        # Per microbatch step: every unit replica's samples (the plan's alone, so once)
+        # and this rank's sample ids among them.
+        self.steps: tuple[StepSamples, ...] = step_samples(plan, program.train.global_batch)
+        self._ids = tuple(tuple(s.samples_of(self.role.unit, self.role.replica))
+                          for s in self.steps)
+        r = self.role
+        self._parts: frozenset[str] = frozenset(
+            {"images"} if r.role == "encoder" else
+            {"tokens"} if r.role == "backbone" and r.is_first_stage else
+            {"targets"} if r.role == "generator" else ())
+        self._needs_norm = r.role == "generator" or (r.role == "backbone" and r.is_last_stage)
+        self._cache: dict[int, Sample] = {}
+        self._sizes: dict[int, SampleSizes] = {}
+        self.norm: Normalizer | None = None
+        self.step = -1
 
     # ---- building -------------------------------------------------------------------------
 
@@ -260,14 +292,21 @@ class StageExecutor:
         """Run training step ``step``; returns ``{"step", "loss", "lm_loss", "gen_loss",
         "grad_norm", "skipped", "time_s", "events"}`` (losses summed over the job,
         identical on every rank; events: this rank's measured actions)."""
-        batch = make_batch(self.program, step)
-        self.batch = batch
-        self.norm: Normalizer = loss_normalizer(self.model, batch)
-        self.steps: tuple[StepSamples, ...] = step_samples(self.plan, len(batch))
+        self.step = step
+        self._cache = {}
+        # Every sample's sizes, drawn once a step and shared by the denominators and
+        # make_sample (drawing them is most of a sample's cost where no image is built).
+        self._sizes = ({} if not (self._needs_norm or self._parts) else
+                       {i: sample_sizes(self.program, step, i)
+                        for i in range(self.program.train.global_batch)})
+        self.norm = self._normalizer(step) if self._needs_norm else None
+        if self._parts:     # build this rank's samples up front, off the timed actions
+            for ids in self._ids:
+                for i in ids:
+                    self._sample(i)
         self.micro: dict[int, _Micro] = {}
         self.pending: list[dist.Work] = []
         self.lm = self.gen = 0.0
-        self.step = step
         for p in self.stage_params:
             p.grad = None
         events: list[Event] = []
@@ -336,9 +375,33 @@ class StageExecutor:
                      rank=r.grid.leader(r.stage, r.replica), kind=kind, microbatch=microbatch,
                      start_s=start, end_s=time.perf_counter() - self._t0)
 
+    def _normalizer(self, step: int) -> Normalizer:
+        """``model.loss_normalizer`` of step ``step``'s whole batch, from the samples'
+        sizes alone (the same rule as ``model.text_kept`` / ``loss_tokens``); the sizes
+        from ``self._sizes`` where it holds them."""
+        patch, seq_len = self.model.patch, self.model.seq_len
+        known = getattr(self, "_sizes", {})
+        text = gen = 0
+        for i in range(self.program.train.global_batch):
+            sz = known.get(i) or sample_sizes(self.program, step, i)
+            image_tokens = sum((side // patch) ** 2 for side in sz.image_sides)
+            if image_tokens >= seq_len:
+                raise ValueError(f"sample {i} of step {step} has {image_tokens} image "
+                                 f"tokens, leaving no room for text in seq_len {seq_len}")
+            text += max(0, min(sz.text_tokens, seq_len - image_tokens) - 1)
+            gen += sz.num_gen_targets
+        return Normalizer(text_tokens=text, gen_targets=gen)
+
+    def _sample(self, i: int) -> Sample:
+        s = self._cache.get(i)
+        if s is None:
+            s = self._cache[i] = make_sample(self.program, self.step, i, parts=self._parts,
+                                             sizes=self._sizes.get(i))
+        return s
+
     def _samples(self, j: int) -> tuple[list[int], list[Sample]]:
-        ids = list(self.steps[j].samples_of(self.role.unit, self.role.replica))
-        return ids, [self.batch[i] for i in ids]
+        ids = list(self._ids[j])
+        return ids, [self._sample(i) for i in ids]
 
     def _tag(self, j: int, direction: int) -> int:
         return message_tag(self.step * self.plan.num_microbatches + j, direction)
@@ -380,7 +443,7 @@ class StageExecutor:
         assert a.peer_unit is not None and a.peer_stage is not None
         if a.peer_unit == self.role.unit:
             self.pending += send_tensors(list(payload), self._pp_peer(a.peer_stage),
-                                         tag=self._tag(j, direction))
+                                         tag=self._tag(j, direction), eager=True)
         elif direction == _FWD:
             self.pending += self.broker.send_forward(
                 self.step * self.plan.num_microbatches + j, self.role.unit, a.peer_unit,
@@ -393,7 +456,8 @@ class StageExecutor:
     def _recv(self, a: Action, j: int, direction: int) -> Any:
         assert a.peer_unit is not None and a.peer_stage is not None
         if a.peer_unit == self.role.unit:
-            return recv_tensors(self._pp_peer(a.peer_stage), tag=self._tag(j, direction))
+            return recv_tensors(self._pp_peer(a.peer_stage), tag=self._tag(j, direction),
+                                eager=True)
         index = self.step * self.plan.num_microbatches + j
         if direction == _FWD:
             return self.broker.recv_forward(index, a.peer_unit, self.role.unit, self.steps[j])
@@ -432,8 +496,9 @@ class StageExecutor:
     def _backbone_forward(self, j: int, mb: _Micro) -> None:
         role = self.role
         bb = self.model.unit(role.unit)
-        ids, samples = self._samples(j)
+        ids = list(self._ids[j])
         if role.is_first_stage:
+            samples = [self._sample(i) for i in ids]
             received: dict[str, dict[int, torch.Tensor]] = mb.inputs or {}
             width = bb.tok_embeddings.embedding_dim
             if received:
@@ -455,6 +520,7 @@ class StageExecutor:
         if role.is_last_stage:
             loss_sum, hidden = backbone_output(bb, y, targets)
             conds = conditioning(hidden, lengths.tolist())
+            assert self.norm is not None
             mb.loss = loss_sum / max(1, self.norm.text_tokens)
             if role.is_leader:      # TP ranks hold the same loss: count it once
                 self.lm += float(mb.loss.detach())
@@ -475,6 +541,7 @@ class StageExecutor:
         mb.inputs = conds
         gen_sum = generator_step(self.model, name, [conds[i] for i in ids],
                                  [s.targets[name] for s in samples])
+        assert self.norm is not None
         mb.loss = gen_sum / max(1, self.norm.gen_targets)
         if self.role.is_leader:     # TP ranks hold the same loss: count it once
             self.gen += float(mb.loss.detach())

@@ -9,9 +9,14 @@ job-wide decisions can sit between them::
     norm = global_grad_norm(sum(opt.grad_sq_norm()))           # one all_reduce(SUM), all ranks
     for opt: opt.skip() if found_inf else opt.apply(clip_coefficient(norm, max_norm))  # (b)+(c)
 
-:func:`optimizer_step` runs exactly that. Every rank of the job must call it (with an empty
-list where a rank has nothing to train, e.g. a frozen generator), because the norm and the
-inf flag are collectives over the whole world group.
+:func:`optimizer_step` computes exactly that with fewer passes and one collective fewer:
+each optimizer's squared norm and inf/NaN flag come from one float64 reduction over its
+shard where the norm covers the whole shard (:meth:`Zero1AdamW.grad_sq_norm_and_nonfinite`:
+a float64 sum of squares of fp32 values cannot overflow, so it is non-finite exactly when
+an element is), and the flag and the norm travel in one ``all_reduce(SUM)`` of two float64
+numbers (a positive flag sum means some rank saw inf/NaN). Every rank of the job must
+call it (with an empty list where a rank has nothing to train, e.g. a frozen generator),
+because the norm and the inf flag are collectives over the whole world group.
 
 **ZeRO-1 layout.** The rank's parameters, in the order given, are flattened into one fp32
 buffer of ``numel`` elements, padded with zeros to a multiple of the DP size; DP rank ``r``
@@ -271,6 +276,15 @@ class Zero1AdamW:
         """True when this rank's reduced gradient shard holds an inf or NaN."""
         return not bool(torch.isfinite(self._require_grads()).all())
 
+    def grad_sq_norm_and_nonfinite(self) -> tuple[float, bool]:
+        """``(grad_sq_norm(), local_nonfinite())`` in one pass over the shard where the
+        norm ranges cover all of it (the common case), else in two."""
+        g = self._require_grads()
+        if self._norm_ranges == [(0, g.numel())]:
+            sq = _sq_norm(g)
+            return sq, not math.isfinite(sq)
+        return self.grad_sq_norm(), self.local_nonfinite()
+
     def grad_sq_norm(self) -> float:
         """This rank's contribution to the squared global gradient norm (module rule)."""
         g = self._require_grads()
@@ -427,11 +441,25 @@ def optimizer_step(optimizers: Sequence[Zero1AdamW], *, grad_scale: float = 1.0,
     ``world_group``: every rank calls it, with ``[]`` where it trains nothing."""
     for opt in optimizers:
         opt.reduce_grads(grad_scale)
-    if found_nonfinite(any(opt.local_nonfinite() for opt in optimizers), world_group):
+    sq, bad = 0.0, False
+    for opt in optimizers:
+        o_sq, o_bad = opt.grad_sq_norm_and_nonfinite()
+        sq, bad = sq + o_sq, bad or o_bad
+    # The flag and the norm in one all_reduce(SUM) (module docstring); a non-finite
+    # rank's norm may be inf/NaN, which only matters when the step is skipped anyway.
+    if _dist_on():
+        t = torch.tensor([0.0 if bad else sq, 1.0 if bad else 0.0], dtype=torch.float64,
+                         device=_scalar_device(world_group))
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=world_group)
+        total_sq, flags = (float(x) for x in t.tolist())
+        bad = flags > 0
+    else:
+        total_sq = sq
+    if bad:
         for opt in optimizers:
             opt.skip()
         return StepResult(skipped=True, grad_norm=math.inf, clip_coef=0.0)
-    norm = global_grad_norm(sum(opt.grad_sq_norm() for opt in optimizers), world_group)
+    norm = math.sqrt(total_sq)
     coef = 1.0 if max_norm is None else clip_coefficient(norm, max_norm)
     for opt in optimizers:
         opt.apply(coef)

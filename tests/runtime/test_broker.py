@@ -320,3 +320,41 @@ def test_broker_forward_and_backward(case):
     world = sum(tp * dp * pp for _, _, tp, dp, pp in units)
     assert 2 <= world <= 6
     run(_broker_ranks, world, units, units[0][0], units[1][0])
+
+
+# ---- eager messages (one transfer for a small message) -----------------------------------------
+
+def _eager_ranks(rank: int, world: int) -> None:
+    small = [torch.arange(6, dtype=torch.float32).reshape(2, 3), torch.tensor([1, 2, 3])]
+    large = [torch.ones(B.EAGER_BYTES // 4 + 1)]                     # payload over the bound
+    if rank == 0:
+        works = send_tensors(small, 1, tag=1, eager=True)
+        assert len(works) == 1                                      # one transfer
+        works += send_tensors(large, 1, tag=2, eager=True)
+        assert len(works) == 3                                      # header + payload
+        works += send_tensors(_many(), 1, tag=3, eager=True)        # overflow rows: parts
+        works += send_tensors([], 1, tag=4, eager=True)
+        works += send_tensors(small, 1, tag=5)                      # a plain sender
+        for w in works:
+            w.wait()
+    else:
+        _same(small, recv_tensors(0, tag=1, eager=True))
+        _same(large, recv_tensors(0, tag=2, eager=True))
+        _same(_many(), recv_tensors(0, tag=3, eager=True))
+        assert recv_tensors(0, tag=4, eager=True) == []
+        _same(small, recv_tensors(0, tag=5, eager=True))            # eager receiver, plain msg
+
+
+def test_eager_messages_round_trip_and_fall_back_over_gloo():
+    run(_eager_ranks, 2)
+
+
+def test_eager_header_is_checked_against_its_limits():
+    header, _, _ = B._encode([torch.zeros(3)], B.DEFAULT_MAX_BYTES)
+    header[0] = B.MAGIC_EAGER
+    assert B._check_header(header, B.DEFAULT_MAX_BYTES, eager=True) == (1, 12)
+    with pytest.raises(WireError, match="bad magic"):
+        B._check_header(header, B.DEFAULT_MAX_BYTES)               # not an eager receiver
+    header[2] = B.EAGER_BYTES + 16
+    with pytest.raises(WireError, match="eager message"):
+        B._check_header(header, B.DEFAULT_MAX_BYTES, eager=True)

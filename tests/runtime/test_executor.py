@@ -281,3 +281,39 @@ def test_measured_timelines_go_to_tensorboard(tmp_path):
         assert [e.step for e in acc.Scalars(tag)] == [0, 1], tag
     assert all(e.value > 0 for e in acc.Scalars("time/iteration_s"))
     assert "pipeline/gantt" in tags["images"]
+
+
+# ---- per-step setup: only what the rank reads, sizes-only normaliser --------------------------
+
+def test_normalizer_from_sizes_matches_the_whole_batch():
+    """The executor's loss denominators from ``data.sample_sizes`` equal
+    ``model.loss_normalizer`` of the built batch, and ``make_sample``'s parts equal the
+    full sample's."""
+    from types import SimpleNamespace
+
+    from dtdsl.runtime.data import make_batch, make_sample, sample_sizes
+    from dtdsl.runtime.model import loss_normalizer
+
+    program = spec(16)
+    model = build_model(program)
+    fake = SimpleNamespace(program=program, model=model)
+    for step in range(3):
+        batch = make_batch(program, step)
+        assert StageExecutor._normalizer(fake, step) == loss_normalizer(model, batch)
+        for s in batch[:6]:
+            sz = sample_sizes(program, step, s.index)
+            assert sz.text_tokens == len(s.tokens)
+            assert sz.image_sides == tuple(im.shape[-1] for im in s.images)
+            assert sz.num_gen_targets == s.num_gen_targets
+            tok = make_sample(program, step, s.index, parts={"tokens"})
+            assert torch.equal(tok.tokens, s.tokens) and tok.images == () and not tok.targets
+            img = make_sample(program, step, s.index, parts={"images"})
+            assert len(img.images) == len(s.images)
+            assert all(torch.equal(a, b) for a, b in zip(img.images, s.images, strict=True))
+            tgt = make_sample(program, step, s.index, parts={"targets"})
+            for name, t in s.targets.items():
+                assert torch.equal(tgt.targets[name].latents, t.latents)
+                assert torch.equal(tgt.targets[name].noise, t.noise)
+                assert torch.equal(tgt.targets[name].timesteps, t.timesteps)
+    with pytest.raises(ValueError, match="unknown sample parts"):
+        make_sample(program, 0, 0, parts={"audio"})

@@ -365,3 +365,20 @@ def test_rejects_bad_arguments():
         Zero1AdamW([p], lr=0.1, tp_replicated=[torch.zeros(1)])
     with pytest.raises(RuntimeError, match="reduce_grads"):
         Zero1AdamW([p], lr=0.1).apply()
+
+
+def test_fused_norm_and_flag_match_the_separate_ones():
+    """``grad_sq_norm_and_nonfinite`` is ``(grad_sq_norm(), local_nonfinite())``, with
+    finite, huge (whose fp32 square would overflow) and inf/NaN gradients."""
+    params = [torch.nn.Parameter(torch.zeros(5)), torch.nn.Parameter(torch.zeros(3, 2))]
+    opt = Zero1AdamW(params, lr=1e-3)
+    for fill in (0.5, 3e38, math.inf, math.nan):
+        params[0].grad = torch.linspace(-1, 1, 5)
+        params[1].grad = torch.full((3, 2), fill)
+        opt.reduce_grads()
+        sq, bad = opt.grad_sq_norm_and_nonfinite()
+        ref_sq, ref_bad = opt.grad_sq_norm(), opt.local_nonfinite()
+        assert bad == ref_bad == (not math.isfinite(fill))
+        if not bad:
+            assert sq == ref_sq
+        opt.skip()
