@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
+from dtdsl.report import format_seconds
 from dtdsl.sim.timeline import Event, Row, Timeline
 
 __all__ = ["MAX_ROWS", "render_gantt"]
@@ -175,7 +176,7 @@ def _row_label(timeline: Timeline, row: Row) -> str:
 
 def _default_title(timeline: Timeline, num_collapsed: int) -> str:
     title = (f"{timeline.source} step {timeline.step}: iteration "
-             f"{_format_duration(timeline.iteration_time_s)}, "
+             f"{format_seconds(timeline.iteration_time_s)}, "
              f"bubble {timeline.mean_bubble_fraction():.1%}, "
              f"{timeline.num_microbatches} microbatches")
     if num_collapsed:
@@ -269,11 +270,3 @@ def _decimals(step: float) -> int:
         if abs(step * 10**d - round(step * 10**d)) < 1e-6:
             return d
     return 6
-
-
-def _format_duration(seconds: float) -> str:
-    if seconds >= 1:
-        return f"{seconds:.3f} s"
-    if seconds >= 1e-3:
-        return f"{seconds * 1e3:.2f} ms"
-    return f"{seconds * 1e6:.1f} us"
