@@ -247,12 +247,17 @@ class Zero1AdamW:
         by ``grad_scale`` (a loss normalisation factor, e.g. 1 / num_microbatches) and by
         ``1 / dp`` when averaging, then sum over the DP group; this rank keeps its shard."""
         buf = self._grad_buf    # its padding is never written, so it stays zero
-        for p, off in zip(self.params, self._offsets, strict=True):
-            n = _local(p).numel()
-            if p.grad is None:
-                buf[off:off + n].zero_()
-            else:
-                buf[off:off + n].copy_(_local_grad(p.grad).reshape(-1))
+        if all(p.grad is not None for p in self.params):
+            # One copy kernel for all of them, not one per parameter.
+            torch.cat([_local_grad(p.grad).reshape(-1) for p in self.params],
+                      out=buf[:self.numel])
+        else:
+            for p, off in zip(self.params, self._offsets, strict=True):
+                n = _local(p).numel()
+                if p.grad is None:
+                    buf[off:off + n].zero_()
+                else:
+                    buf[off:off + n].copy_(_local_grad(p.grad).reshape(-1))
         scale = grad_scale / self.dp_size if self.average else grad_scale
         if scale != 1.0:
             buf.mul_(scale)
@@ -329,9 +334,10 @@ class Zero1AdamW:
         else:
             full = torch.empty(self.padded_numel, dtype=self.dtype, device=shard.device)
             dist.all_gather(list(full.chunk(self.dp_size)), shard, group=self.dp_group)
-        for p, off in zip(self.params, self._offsets, strict=True):
-            t = _local(p)
-            t.copy_(full[off:off + t.numel()].view_as(t))
+        targets = [_local(p) for p in self.params]
+        sources = [chunk.view_as(t) for chunk, t in zip(
+            full[:self.numel].split([t.numel() for t in targets]), targets, strict=True)]
+        torch._foreach_copy_(targets, sources)
 
     def skip(self) -> None:
         """Drop the reduced gradients without touching parameters or state."""
