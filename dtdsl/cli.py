@@ -343,9 +343,10 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from dtdsl.schedule.lower import LoweringError, lower
     from dtdsl.sim.report import simulation_report
     from dtdsl.sim.run import simulate_steps
+    from dtdsl.sim.simulate import Simulator
     from dtdsl.sim.tensorboard import TimelineWriter
     from dtdsl.sim.trace import write_trace
-    from dtdsl.sim.workload import parse_policy
+    from dtdsl.sim.workload import WorkModel, parse_policy
 
     result, code = _load_program(args.spec)
     if result is None:
@@ -392,10 +393,11 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     except OSError as err:
         raise UsageError(f"cannot write to {args.logdir}: {err.strerror or err}") from None
     steps, baseline, timelines = [], [], []
+    shared = {"simulator": Simulator(schedule), "work_model": WorkModel(cost)}
     with progress_bar("simulating") as progress, writer:
         writer.add_text("plan", plan_markdown(the_plan))
         for k, step in enumerate(simulate_steps(program, cost, the_plan, schedule,
-                                                steps=args.steps, policy=policy)):
+                                                steps=args.steps, policy=policy, **shared)):
             timeline = step.result.timeline(step=step.step)
             writer.add_step(step.step, timeline, step.scalars())
             if k < TRACE_STEPS:   # a paper-scale step has ~50k events: keep the trace small
@@ -404,7 +406,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
             progress(k + 1, args.steps, f"step {step.step}")
         if policy:
             baseline = list(simulate_steps(program, cost, the_plan, schedule,
-                                           steps=args.steps, policy=frozenset()))
+                                           steps=args.steps, policy=frozenset(), **shared))
     trace_path = logdir / "trace.json"
     try:
         write_trace(trace_path, timelines)

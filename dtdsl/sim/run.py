@@ -44,12 +44,16 @@ class StepResult:
 
 def simulate_steps(program: Program, cost: CostModel, plan: Plan, schedule: Schedule, *,
                    steps: int, policy: frozenset[str], first_step: int = 0,
-                   progress: Callable[[int], None] | None = None) -> Iterator[StepResult]:
+                   progress: Callable[[int], None] | None = None,
+                   simulator: Simulator | None = None,
+                   work_model: WorkModel | None = None) -> Iterator[StepResult]:
     """Simulate ``steps`` training steps (global batches ``first_step``...), each on its
     own batch of samples drawn from the spec's data, routed under ``policy`` (a subset of
-    {"intra", "inter"})."""
-    simulator = Simulator(schedule)
-    work_model = WorkModel(cost)
+    {"intra", "inter"}). A caller simulating the same schedule again (e.g. without
+    reordering, to compare) passes the ``simulator`` and ``work_model`` of the first run
+    rather than compiling and drawing references twice."""
+    simulator = simulator or Simulator(schedule)
+    work_model = work_model or WorkModel(cost)
     peak = plan.num_gpus * cost.peak_flops
     for step in range(first_step, first_step + steps):
         samples = batch_samples(program, step)

@@ -132,7 +132,9 @@ def route(plan: Plan, work: dict[str, np.ndarray], policy: frozenset[str], *,
     """Route a global batch (``work``: per unit, relative work per sample) per ``plan``.
 
     ``step_times`` gives what ``inter`` orders by (see ``encoder_step_times``); without
-    it ``inter`` is skipped."""
+    it ``inter`` is skipped. ``inter`` here takes the 1F1B model's best order;
+    ``simulate_steps`` instead simulates every order of ``step_orders`` through the whole
+    pipeline."""
     m = plan.num_microbatches
     mb = plan.micro_batch
     backbone = next(u for u in plan.units if u.role == "backbone")
@@ -156,14 +158,12 @@ def route(plan: Plan, work: dict[str, np.ndarray], policy: frozenset[str], *,
         replica[u.name] = r
     routing = Routing(num_microbatches=m, step=step, replica=replica)
     if "inter" in policy and step_times is not None:
-        routing = _reorder_steps(routing, step_times(routing))
+        from dtdsl.reorder.inter import best_order
+
+        fwd, bwd, stage_f, stage_b, stages = step_times(routing)
+        routing = reordered(routing, best_order(list(fwd), list(bwd), stage_f, stage_b,
+                                                stages))
     return routing
-
-
-def _reorder_steps(routing: Routing, times: StepTimes) -> Routing:
-    from dtdsl.reorder.inter import best_order
-    fwd, bwd, stage_f, stage_b, stages = times
-    return reordered(routing, best_order(list(fwd), list(bwd), stage_f, stage_b, stages))
 
 
 def reordered(routing: Routing, order) -> Routing:
