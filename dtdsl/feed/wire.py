@@ -1,0 +1,803 @@
+"""The preprocessing transport: authenticated tensor messages over pyzmq, no pickle.
+
+A message is one zmq multipart message:
+
+- frame 0: ``PREFIX`` (``b"DTDW"`` and the format version byte) followed by the 32-byte
+  HMAC-SHA256 tag, keyed with the job's secret, over the prefix, the number of frames after
+  frame 0, and every later frame preceded by its length (so frames cannot be re-split,
+  dropped or appended without breaking the tag);
+- frame 1: a msgpack header ``{"kind": str, "meta": {...}, "arrays": [[name, dtype, shape,
+  nbytes], ...]}``; ``meta`` holds plain data only (None, bool, int, float, str, bytes,
+  lists, maps with str keys);
+- frames 2..: one raw little-endian C-order buffer per array, in header order.
+
+Receiving checks, in this order, so that the expensive or risky steps only ever see bytes
+that passed the cheap ones: frame count and sizes (no hashing of oversized input), the tag
+with ``hmac.compare_digest`` (no msgpack parsing of unauthenticated bytes), the header with
+msgpack's length limits and no ext types, then every array's dtype, shape and size. Any
+failure is a ``WireError`` with a ``Reason``; ``Receiver`` and ``Subscriber`` count it, log
+the first of each reason and drop the message: a hostile or broken peer can never crash a
+trainer, and never make ``recv`` wait past its timeout.
+
+Dtypes: ``uint8, int32, int64, float16, float32`` (``DTYPES``). Left out on purpose:
+
+- ``bfloat16``: numpy has no bfloat16, so a decoded array would have to pose as uint16 and
+  every reader of ``Message.arrays`` would have to know; workers produce uint8 images, int64
+  tokens and float32 latents, and casting to bf16 after the host-to-device copy costs nothing.
+  Adding it later is safe: receivers of this version reject it as ``bad_dtype``;
+- ``bool``: a raw byte other than 0 or 1 is not a valid numpy/torch bool; send masks as uint8;
+- ``float64``/``object`` and the rest: nothing the workers produce needs them.
+
+Zero copy: ``encode`` hands out memoryviews over the arrays' own memory (a non-contiguous
+array or tensor is copied once into C order), and zmq sends large frames straight from them,
+so **do not write into an array after sending it** (the bytes on the wire would no longer
+match the tag, and the receiver drops the message). ``decode`` returns read-only numpy views
+over the received frames; ``Message.tensor`` gives a writable torch tensor that shares the
+frame's memory when the frame is the message's own (as zmq frames are) and copies once
+otherwise.
+
+Sockets: ``Receiver`` (PULL, binds) and ``Sender`` (PUSH, connects) carry samples;
+``Publisher`` (PUB, binds) and ``Subscriber`` (SUB, connects) carry small control messages
+such as "trainer progress: step k". Binding takes one exact address (``tcp://HOST:PORT``
+or ``ipc://PATH``); wildcard hosts and ports are refused unless asked for explicitly.
+One socket object belongs to one thread (zmq sockets are not thread-safe).
+
+What this does not do: it does not stop replays (a recorded valid message sent again is
+valid again), does not hide the payload (no encryption), and does not authenticate a peer
+before zmq buffers its message (``zmq.MAXMSGSIZE`` bounds each frame, not the number of
+frames); binding only to the plan's addresses on a private network is the defence there.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import logging
+import math
+import os
+import re
+import secrets
+import stat
+import struct
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+import numpy as np
+import zmq
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "DEFAULT_HWM",
+    "DEFAULT_MAX_ARRAYS",
+    "DEFAULT_MAX_BYTES",
+    "DTYPES",
+    "MAX_HEADER_BYTES",
+    "PREFIX",
+    "SECRET_BYTES",
+    "Message",
+    "Publisher",
+    "Reason",
+    "Receiver",
+    "Sender",
+    "Subscriber",
+    "WireError",
+    "check_address",
+    "decode",
+    "encode",
+    "new_secret",
+    "read_secret",
+    "secret_from_text",
+    "secret_to_text",
+    "write_secret",
+]
+
+_log = logging.getLogger(__name__)
+
+MAGIC = b"DTDW"
+VERSION = 1
+PREFIX = MAGIC + bytes([VERSION])
+_TAG_BYTES = 32                              # HMAC-SHA256
+_FRAME0_BYTES = len(PREFIX) + _TAG_BYTES
+
+SECRET_BYTES = 32
+_MIN_SECRET_BYTES = 16                       # below this an HMAC key is guessable
+
+MAX_HEADER_BYTES = 64 * 1024                 # msgpack limits every length to this too
+DEFAULT_MAX_BYTES = 64 * 1024 * 1024         # payload of one message (all buffers)
+DEFAULT_MAX_ARRAYS = 256
+DEFAULT_HWM = 16                             # messages queued per socket before back-pressure
+_MAX_NAME_CHARS = 128
+_MAX_NDIM = 16
+_MAX_META_DEPTH = 16
+
+# Wire name -> little-endian numpy dtype; the wire is little-endian on every host.
+DTYPES: Mapping[str, np.dtype] = {
+    "uint8": np.dtype("<u1"),
+    "int32": np.dtype("<i4"),
+    "int64": np.dtype("<i8"),
+    "float16": np.dtype("<f2"),
+    "float32": np.dtype("<f4"),
+}
+_WIRE_NAME = {dtype: name for name, dtype in DTYPES.items()}
+_LENGTH = struct.Struct("<Q")
+
+
+class Reason(StrEnum):
+    """Why a message was dropped; the keys of ``Receiver.dropped``."""
+
+    FRAME_COUNT = "frame_count"
+    BAD_MAGIC = "bad_magic"
+    BAD_VERSION = "bad_version"
+    TOO_MANY_ARRAYS = "too_many_arrays"
+    HEADER_TOO_LARGE = "header_too_large"
+    OVERSIZED = "oversized"
+    BAD_TAG = "bad_tag"
+    BAD_HEADER = "bad_header"
+    BAD_DTYPE = "bad_dtype"
+    BAD_SHAPE = "bad_shape"
+    SIZE_MISMATCH = "size_mismatch"
+    UNEXPECTED = "unexpected"   # decode itself failed: a bug in this module, logged loudly
+
+
+class WireError(Exception):
+    """A received message is malformed, oversized or not authenticated."""
+
+    def __init__(self, reason: Reason, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True, eq=False)
+class Message:
+    """One valid message. ``arrays`` are read-only numpy views over the received frames."""
+
+    kind: str
+    meta: dict[str, Any]
+    arrays: dict[str, np.ndarray]
+    _buffers: dict[str, memoryview] = field(default_factory=dict, repr=False)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of array payload."""
+        return sum(array.nbytes for array in self.arrays.values())
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """Array ``name`` as a writable CPU tensor the caller may keep and modify.
+
+        Shares memory with the received frame when that frame is writable and aligned (zmq
+        frames are this message's private copy of the bytes, so nobody else sees the
+        writes), else copies once. It may alias ``arrays[name]``: after writing into the
+        tensor, read the tensor, not the numpy view.
+        """
+        import torch
+
+        array = self.arrays[name]
+        buffer = self._buffers.get(name)
+        if buffer is not None and not buffer.readonly and array.flags.aligned:
+            return torch.from_numpy(np.frombuffer(buffer, dtype=array.dtype).reshape(array.shape))
+        return torch.from_numpy(array.copy())
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every array as ``tensor(name)`` does."""
+        return {name: self.tensor(name) for name in self.arrays}
+
+
+# --- the secret --------------------------------------------------------------------------
+
+
+def new_secret() -> bytes:
+    """A fresh random per-job secret (``SECRET_BYTES`` bytes from ``secrets``)."""
+    return secrets.token_bytes(SECRET_BYTES)
+
+
+def secret_to_text(secret: bytes) -> str:
+    """The secret as lowercase hex, the form written into a bundle."""
+    return _check_secret(secret).hex()
+
+
+def secret_from_text(text: str) -> bytes:
+    """The inverse of ``secret_to_text`` (surrounding whitespace ignored)."""
+    try:
+        secret = bytes.fromhex(text.strip())
+    except ValueError:
+        raise ValueError(f"a job secret is {2 * SECRET_BYTES} hex digits; this text is "
+                         "not hex (write one with write_secret(path, new_secret()))") from None
+    if len(secret) != SECRET_BYTES:
+        raise ValueError(f"a job secret is {2 * SECRET_BYTES} hex digits, got "
+                         f"{2 * len(secret)}")
+    return secret
+
+
+def write_secret(path: str | os.PathLike[str], secret: bytes) -> Path:
+    """Write the secret as hex into ``path`` with mode 0600; returns the path.
+
+    The file is created private (mkstemp) and renamed over ``path``, so the secret is never
+    readable through wider permissions, not even those of a file it replaces.
+    """
+    path = Path(path)
+    text = secret_to_text(secret) + "\n"
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, text.encode("ascii"))
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp)
+        raise
+    os.close(fd)
+    os.replace(tmp, path)
+    return path
+
+
+def read_secret(path: str | os.PathLike[str]) -> bytes:
+    """Read a secret written by ``write_secret``.
+
+    Refuses (``PermissionError``) a file that its group or others may read or write, like
+    ssh does with private keys: the secret is what keeps other users' processes from
+    feeding our trainers.
+    """
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        mode = stat.S_IMODE(os.fstat(fd).st_mode)
+        if mode & 0o077:
+            raise PermissionError(f"{os.fspath(path)} has mode {mode:04o}: the job secret must "
+                                  f"be private to its owner; run: chmod 600 {os.fspath(path)}")
+        with os.fdopen(fd, "r", encoding="ascii", closefd=False) as file:
+            text = file.read(4 * SECRET_BYTES)
+    finally:
+        os.close(fd)
+    return secret_from_text(text)
+
+
+def _check_secret(secret: bytes) -> bytes:
+    if isinstance(secret, str):
+        raise TypeError("the secret is bytes; turn its hex text into bytes with "
+                        "secret_from_text(text)")
+    if not isinstance(secret, bytes | bytearray):
+        raise TypeError(f"the secret is bytes, got {type(secret).__name__}")
+    if len(secret) < _MIN_SECRET_BYTES:
+        raise ValueError(f"the secret has {len(secret)} bytes, at least {_MIN_SECRET_BYTES} "
+                         "are needed; make one with new_secret()")
+    return bytes(secret)
+
+
+# --- the message format ------------------------------------------------------------------
+
+
+def encode(kind: str, meta: Mapping[str, Any] | None, arrays: Mapping[str, Any] | None,
+           secret: bytes) -> list[bytes | memoryview]:
+    """The frames of one message (see the module docstring), ready for ``send_multipart``.
+
+    ``arrays`` maps names to numpy arrays or CPU torch tensors of a ``DTYPES`` dtype. The
+    buffers are memoryviews over the arrays themselves (no copy for contiguous ones).
+    Raises ``TypeError``/``ValueError`` for anything a receiver would drop, so a sender's
+    mistake shows up at the sender.
+    """
+    secret = _check_secret(secret)
+    _check_name(kind, "kind", ValueError)
+    meta = dict(meta or {})
+    _check_plain(meta, ValueError)
+    specs: list[list[Any]] = []
+    buffers: list[memoryview] = []
+    for name, value in (arrays or {}).items():
+        _check_name(name, "array name", ValueError)
+        array, wire_name = _as_wire_array(name, value)
+        specs.append([name, wire_name, list(array.shape), array.nbytes])
+        # reshape(-1) of a C-contiguous array is a view; the uint8 view makes a flat byte
+        # buffer for any shape, including 0-d and zero-size ones.
+        buffers.append(memoryview(array.reshape(-1).view(np.uint8)))
+    header = msgpack.packb({"kind": kind, "meta": meta, "arrays": specs}, use_bin_type=True)
+    if len(header) > MAX_HEADER_BYTES:
+        raise ValueError(f"the header is {len(header)} bytes, more than MAX_HEADER_BYTES = "
+                         f"{MAX_HEADER_BYTES}: move bulk data out of meta into arrays")
+    return [PREFIX + _tag(secret, header, buffers), header, *buffers]
+
+
+def decode(frames: Sequence[Any], secret: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES,
+           max_arrays: int = DEFAULT_MAX_ARRAYS) -> Message:
+    """Check and unpack the frames of one message; ``WireError`` if anything is wrong.
+
+    ``frames`` are bytes-like (bytes, memoryview, ``zmq.Frame``). The arrays of the result
+    are read-only views over them, not copies.
+    """
+    secret = _check_secret(secret)
+    if len(frames) < 2:
+        raise WireError(Reason.FRAME_COUNT, f"{len(frames)} frames, at least 2 are needed")
+    if len(frames) - 2 > max_arrays:
+        raise WireError(Reason.TOO_MANY_ARRAYS,
+                        f"{len(frames) - 2} array frames, at most {max_arrays}")
+    views = [_byte_view(frame) for frame in frames]
+    first, header, buffers = views[0], views[1], views[2:]
+    if len(first) != _FRAME0_BYTES or bytes(first[:len(MAGIC)]) != MAGIC:
+        raise WireError(Reason.BAD_MAGIC, f"frame 0 is not {MAGIC!r} and a tag")
+    if first[len(MAGIC)] != VERSION:
+        raise WireError(Reason.BAD_VERSION,
+                        f"wire format version {first[len(MAGIC)]}, this is {VERSION}")
+    if len(header) > MAX_HEADER_BYTES:
+        raise WireError(Reason.HEADER_TOO_LARGE,
+                        f"{len(header)} header bytes, at most {MAX_HEADER_BYTES}")
+    total = sum(len(buffer) for buffer in buffers)
+    if total > max_bytes:
+        raise WireError(Reason.OVERSIZED, f"{total} payload bytes, at most {max_bytes}")
+    # Before any parsing: nothing but the HMAC ever looks at unauthenticated bytes.
+    if not hmac.compare_digest(first[len(PREFIX):], _tag(secret, header, buffers)):
+        raise WireError(Reason.BAD_TAG, "the HMAC tag does not match (wrong secret or "
+                        "altered frames)")
+    kind, meta, specs = _parse_header(header)
+    if len(specs) != len(buffers):
+        raise WireError(Reason.FRAME_COUNT,
+                        f"the header lists {len(specs)} arrays, {len(buffers)} buffers came")
+    arrays: dict[str, np.ndarray] = {}
+    kept: dict[str, memoryview] = {}
+    for spec, buffer in zip(specs, buffers, strict=True):
+        name, array = _unpack_array(spec, buffer)
+        if name in arrays:
+            raise WireError(Reason.BAD_HEADER, f"array {name!r} listed twice")
+        arrays[name] = array
+        kept[name] = buffer
+    return Message(kind=kind, meta=meta, arrays=arrays, _buffers=kept)
+
+
+def _tag(secret: bytes, header: memoryview | bytes, buffers: Sequence[memoryview]) -> bytes:
+    # The frame count and every length go into the MAC: moving bytes from one frame to the
+    # next, or dropping or adding an empty frame, changes the tag.
+    mac = hmac.new(secret, digestmod="sha256")
+    mac.update(PREFIX)
+    mac.update(_LENGTH.pack(1 + len(buffers)))
+    for part in (header, *buffers):
+        mac.update(_LENGTH.pack(len(part)))
+        mac.update(part)
+    return mac.digest()
+
+
+def _byte_view(frame: Any) -> memoryview:
+    view = memoryview(frame)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return view
+
+
+def _as_wire_array(name: str, value: Any) -> tuple[np.ndarray, str]:
+    if isinstance(value, np.ndarray | np.generic):
+        array = np.asarray(value)   # a numpy scalar goes as a 0-d array
+    else:
+        torch = sys.modules.get("torch")     # no torch import for numpy-only producers
+        if torch is None or not isinstance(value, torch.Tensor):
+            raise TypeError(f"array {name!r} is a {type(value).__name__}; send numpy arrays "
+                            "or CPU torch tensors")
+        if value.device.type != "cpu":
+            raise ValueError(f"array {name!r} is on {value.device}; workers send CPU tensors "
+                             "(move it with .cpu() first)")
+        if value.dtype == torch.bfloat16:
+            raise TypeError(f"array {name!r} is bfloat16, which the wire does not carry (see "
+                            "the module docstring): send float32 and cast on the trainer")
+        array = value.detach().resolve_conj().resolve_neg().numpy()
+    wire_dtype = array.dtype.newbyteorder("<")
+    wire_name = _WIRE_NAME.get(wire_dtype)
+    if wire_name is None:
+        raise TypeError(f"array {name!r} has dtype {array.dtype}; the wire carries "
+                        f"{', '.join(DTYPES)}")
+    if array.dtype != wire_dtype or not array.flags.c_contiguous:
+        # astype keeps 0-d arrays 0-d (np.ascontiguousarray would make them 1-d).
+        array = array.astype(wire_dtype, order="C")
+    return array, wire_name
+
+
+def _check_name(name: Any, what: str, error: type[Exception]) -> str:
+    if not isinstance(name, str) or not name or len(name) > _MAX_NAME_CHARS:
+        raise error(f"{what} must be a non-empty str of at most {_MAX_NAME_CHARS} "
+                    f"characters, got {name!r:.80}")
+    return name
+
+
+def _check_plain(meta: Any, error: type[Exception]) -> None:
+    """``meta`` is a str-keyed map of plain msgpack data, nested at most _MAX_META_DEPTH."""
+    if not isinstance(meta, dict):
+        raise error(f"meta must be a map, got {type(meta).__name__}")
+    # An explicit stack: hostile nesting cannot reach Python's recursion limit.
+    stack: list[tuple[Any, str, int]] = [(meta, "meta", 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if depth > _MAX_META_DEPTH:
+            raise error(f"{path} is nested more than {_MAX_META_DEPTH} deep")
+        if value is None or isinstance(value, bool | int | float | str | bytes):
+            if isinstance(value, int) and not -(1 << 63) <= value < (1 << 64):
+                raise error(f"{path} = {value} does not fit in 64 bits")
+            continue
+        if isinstance(value, list | tuple):
+            stack.extend((item, f"{path}[{i}]", depth + 1) for i, item in enumerate(value))
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if not isinstance(key, str):
+                    raise error(f"{path} has a {type(key).__name__} key {key!r:.40}; "
+                                "meta keys are str")
+                stack.append((item, f"{path}[{key!r}]", depth + 1))
+        else:
+            raise error(f"{path} is a {type(value).__module__}.{type(value).__name__}; meta "
+                        "holds plain data only (None, bool, int, float, str, bytes, list, "
+                        "dict): convert it, e.g. int(x) or x.tolist()")
+
+
+def _parse_header(header: memoryview) -> tuple[str, dict[str, Any], list[Any]]:
+    try:
+        # Every length in the header is limited by its own size (msgpack's unpackb default),
+        # so a declared 4 GiB string fails at once; max_ext_len=0 refuses ext types, the
+        # timestamp one included; deep nesting hits msgpack's own stack limit.
+        obj = msgpack.unpackb(header, raw=False, strict_map_key=True, use_list=True,
+                              max_ext_len=0)
+    except Exception as err:      # msgpack raises several types for hostile bytes
+        raise WireError(Reason.BAD_HEADER, f"not a msgpack header: {err}") from None
+    if not isinstance(obj, dict) or set(obj) != {"kind", "meta", "arrays"}:
+        raise WireError(Reason.BAD_HEADER, "the header is not a map of kind, meta and arrays")
+    kind, meta, specs = obj["kind"], obj["meta"], obj["arrays"]
+    _check_name(kind, "kind", _BadHeader)
+    _check_plain(meta, _BadHeader)
+    if not isinstance(specs, list):
+        raise WireError(Reason.BAD_HEADER, "arrays is not a list")
+    return kind, meta, specs
+
+
+class _BadHeader(WireError):
+    """A WireError(BAD_HEADER) raised by the checks shared with ``encode``."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(Reason.BAD_HEADER, detail)
+
+
+def _unpack_array(spec: Any, buffer: memoryview) -> tuple[str, np.ndarray]:
+    if not isinstance(spec, list) or len(spec) != 4:
+        raise WireError(Reason.BAD_HEADER, "an array entry is not [name, dtype, shape, nbytes]")
+    name, wire_name, shape, nbytes = spec
+    _check_name(name, "array name", _BadHeader)
+    dtype = DTYPES.get(wire_name) if isinstance(wire_name, str) else None
+    if dtype is None:
+        raise WireError(Reason.BAD_DTYPE, f"array {name!r} has dtype {wire_name!r:.40}")
+    if (not isinstance(shape, list) or len(shape) > _MAX_NDIM
+            or not all(_is_int(dim) and dim >= 0 for dim in shape)):
+        raise WireError(Reason.BAD_SHAPE, f"array {name!r} has shape {shape!r:.80}")
+    # Python ints: a huge declared shape cannot overflow into a small product.
+    expected = math.prod(shape) * dtype.itemsize
+    if not _is_int(nbytes) or nbytes != expected or nbytes != len(buffer):
+        raise WireError(Reason.SIZE_MISMATCH,
+                        f"array {name!r}: shape {shape!r:.80} of {wire_name} is {expected} "
+                        f"bytes, declared {nbytes!r:.40}, buffer {len(buffer)}")
+    array = np.frombuffer(buffer, dtype=dtype).reshape(shape)
+    array.flags.writeable = False
+    return name, array
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# --- addresses ---------------------------------------------------------------------------
+
+
+def check_address(address: str, *, allow_wildcard: bool = False) -> str:
+    """``address`` unchanged if it names exactly one endpoint, else ``ValueError``.
+
+    Accepted: ``tcp://HOST:PORT`` (HOST an IP, ``[IPv6]`` or a name; PORT 1..65535) and
+    ``ipc://PATH``. Refused: wildcard hosts (``*``, ``0.0.0.0``, ``[::]``) unless
+    ``allow_wildcard``, and always wildcard or ephemeral ports (``*``, ``0``), ``ipc://*``,
+    zmq's ``source;destination`` form and other schemes.
+    """
+    scheme, sep, rest = address.partition("://") if isinstance(address, str) else ("", "", "")
+    if not sep:
+        raise ValueError(f"{address!r} is not an endpoint: write tcp://HOST:PORT or "
+                         "ipc://PATH")
+    if scheme == "ipc":
+        if not rest or rest == "*":
+            raise ValueError(f"{address!r}: name the socket file, e.g. ipc:///run/job/feed0")
+        return address
+    if scheme != "tcp":
+        raise ValueError(f"{address!r}: the transport is tcp:// or ipc://, not {scheme}://")
+    host, colon, port = rest.rpartition(":")
+    if ";" in rest or not colon or not host:
+        raise ValueError(f"{address!r} is not tcp://HOST:PORT")
+    if not port.isdecimal() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"{address!r}: the port must be one number in 1..65535 (a test "
+                         "that needs a free port uses Receiver.on_free_port)")
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if bare == "*":
+        wildcard = True
+    else:
+        try:
+            wildcard = ipaddress.ip_address(bare).is_unspecified
+        except ValueError:
+            if bare != host or not _HOST_NAME.fullmatch(host):
+                raise ValueError(f"{address!r}: {host!r} is not an IP address or host "
+                                 "name") from None
+            wildcard = False
+    if wildcard and not allow_wildcard:
+        raise ValueError(f"{address!r} listens on every interface; bind the one address "
+                         "the plan names (e.g. tcp://10.0.0.5:5555), or pass "
+                         "allow_wildcard=True if that is really meant")
+    return address
+
+
+_HOST_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?")
+
+
+def _needs_ipv6(address: str) -> bool:
+    return address.startswith("tcp://[")
+
+
+# --- sockets -----------------------------------------------------------------------------
+
+
+class _Socket:
+    """A zmq socket with the job secret; closes once, works as a context manager."""
+
+    def __init__(self, socket_type: int, secret: bytes, context: zmq.Context | None,
+                 linger_s: float) -> None:
+        self._secret = _check_secret(secret)
+        self._linger_s = linger_s
+        self._socket = (context or zmq.Context.instance()).socket(socket_type)
+        self.address = ""
+
+    def _bind(self, address: str, allow_wildcard: bool) -> None:
+        check_address(address, allow_wildcard=allow_wildcard)
+        if _needs_ipv6(address):
+            self._socket.setsockopt(zmq.IPV6, 1)
+        self._bind_checked(address)
+
+    def _bind_checked(self, address: str) -> None:
+        try:
+            self._socket.bind(address)
+        except zmq.ZMQError as err:
+            self._socket.close(linger=0)
+            raise OSError(f"cannot bind {address}: {err}") from err
+        self.address = address
+
+    def _bind_free_port(self, host: str) -> None:
+        check_address(f"tcp://{host}:1")
+        if _needs_ipv6(f"tcp://{host}"):
+            self._socket.setsockopt(zmq.IPV6, 1)
+        try:
+            port = self._socket.bind_to_random_port(f"tcp://{host}")
+        except zmq.ZMQError as err:
+            self._socket.close(linger=0)
+            raise OSError(f"cannot bind a free port on {host}: {err}") from err
+        self.address = f"tcp://{host}:{port}"
+
+    def _connect(self, address: str) -> None:
+        check_address(address)
+        if _needs_ipv6(address):
+            self._socket.setsockopt(zmq.IPV6, 1)
+        self._socket.connect(address)
+        self.address = address
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close`` has run."""
+        return self._socket.closed
+
+    def close(self, linger_s: float | None = None) -> None:
+        """Close the socket; unsent messages get ``linger_s`` seconds to leave."""
+        if not self._socket.closed:
+            linger = self._linger_s if linger_s is None else linger_s
+            self._socket.close(linger=round(linger * 1000))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _Inbox(_Socket):
+    """Receiving half: validates, counts and drops; never raises for bad input."""
+
+    def __init__(self, socket_type: int, secret: bytes, *, max_bytes: int, max_arrays: int,
+                 hwm: int, context: zmq.Context | None) -> None:
+        if max_bytes < 0 or max_arrays < 0 or hwm < 1:
+            raise ValueError("max_bytes and max_arrays must be >= 0 and hwm >= 1")
+        super().__init__(socket_type, secret, context, linger_s=0.0)
+        self.max_bytes = max_bytes
+        self.max_arrays = max_arrays
+        self.hwm = hwm
+        self.received = 0
+        self.dropped: Counter[str] = Counter()
+        # First defence: zmq itself cuts off a peer that sends a frame larger than any
+        # valid frame (it counts per frame, so total size is checked again in decode).
+        self._socket.setsockopt(zmq.MAXMSGSIZE, max(max_bytes, MAX_HEADER_BYTES))
+        self._socket.setsockopt(zmq.RCVHWM, hwm)
+        self._socket.setsockopt(zmq.LINGER, 0)
+
+    def recv(self, timeout_s: float | None = 0.0) -> Message | None:
+        """The next valid message, or None if none came within ``timeout_s`` (None: wait
+        for ever; 0: do not wait).
+
+        Invalid messages are dropped and counted in ``dropped``; they never extend the wait
+        past ``timeout_s``, so a None does not promise that nothing is queued (under a flood
+        of bad messages, a call with timeout 0 looks at one message).
+        """
+        deadline = None if timeout_s is None else time.monotonic() + max(0.0, timeout_s)
+        while True:
+            if deadline is None:
+                ready = self._socket.poll(None, zmq.POLLIN)
+            else:
+                remaining = deadline - time.monotonic()
+                ready = self._socket.poll(max(0, math.ceil(remaining * 1000)), zmq.POLLIN)
+            if not ready:
+                return None
+            frames = self._recv_frames()
+            if frames:
+                try:
+                    message = decode(frames, self._secret, max_bytes=self.max_bytes,
+                                     max_arrays=self.max_arrays)
+                except WireError as err:
+                    self._drop(err, frames[0])
+                except Exception as err:  # a decode bug must not take the trainer down either
+                    if not self.dropped[Reason.UNEXPECTED]:
+                        _log.error("decoding a message failed unexpectedly", exc_info=True)
+                    self._drop(WireError(Reason.UNEXPECTED, repr(err)), frames[0])
+                else:
+                    self.received += 1
+                    return message
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+
+    def _recv_frames(self) -> list[zmq.Frame]:
+        try:
+            first = self._socket.recv(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return []
+        frames = [first]
+        more = first.more
+        keep = self.max_arrays + 3   # one frame beyond the limit: decode reports it
+        while more:
+            # zmq delivers a multipart message whole: the rest is here, these never block.
+            frame = self._socket.recv(copy=False)
+            more = frame.more
+            if len(frames) < keep:
+                frames.append(frame)
+        return frames
+
+    def _drop(self, err: WireError, first: zmq.Frame) -> None:
+        self.dropped[str(err.reason)] += 1
+        try:
+            peer = first.get("Peer-Address")   # tcp only
+        except zmq.ZMQError:
+            peer = None
+        level = logging.WARNING if self.dropped[str(err.reason)] == 1 else logging.DEBUG
+        _log.log(level, "%s dropped a message from %s: %s%s", self.address, peer or "a peer",
+                 err, " (more drops for this reason are logged at debug level)"
+                 if level == logging.WARNING else "")
+
+
+class Receiver(_Inbox):
+    """A PULL socket bound to one exact address: a trainer rank's sample inbox."""
+
+    def __init__(self, address: str, secret: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES,
+                 max_arrays: int = DEFAULT_MAX_ARRAYS, hwm: int = DEFAULT_HWM,
+                 allow_wildcard: bool = False, context: zmq.Context | None = None) -> None:
+        super().__init__(zmq.PULL, secret, max_bytes=max_bytes, max_arrays=max_arrays,
+                         hwm=hwm, context=context)
+        self._bind(address, allow_wildcard)
+
+    @classmethod
+    def on_free_port(cls, secret: bytes, *, host: str = "127.0.0.1",
+                     max_bytes: int = DEFAULT_MAX_BYTES, max_arrays: int = DEFAULT_MAX_ARRAYS,
+                     hwm: int = DEFAULT_HWM, context: zmq.Context | None = None) -> Receiver:
+        """A Receiver on a free TCP port of ``host`` (zmq picks it, no race); the
+        address is in ``.address``. For tests and benchmarks: a job binds the plan's."""
+        self = cls.__new__(cls)
+        _Inbox.__init__(self, zmq.PULL, secret, max_bytes=max_bytes, max_arrays=max_arrays,
+                        hwm=hwm, context=context)
+        self._bind_free_port(host)
+        return self
+
+
+class Sender(_Socket):
+    """A PUSH socket connected to one Receiver: a worker's sample outbox.
+
+    Messages queue (up to ``hwm``) while the receiver is not up yet; ``send`` waits at most
+    ``timeout_s`` for room and returns False when there is none, so a worker never hangs on
+    a dead trainer. On close, queued messages get ``linger_s`` to leave.
+    """
+
+    def __init__(self, address: str, secret: bytes, *, hwm: int = DEFAULT_HWM,
+                 linger_s: float = 1.0, context: zmq.Context | None = None) -> None:
+        if hwm < 1:
+            raise ValueError("hwm must be >= 1")
+        super().__init__(zmq.PUSH, secret, context, linger_s)
+        self._socket.setsockopt(zmq.SNDHWM, hwm)
+        self._timeout_ms: int | None = None
+        self._connect(address)
+
+    def send(self, kind: str, meta: Mapping[str, Any] | None = None,
+             arrays: Mapping[str, Any] | None = None, *,
+             timeout_s: float | None = 10.0) -> bool:
+        """Send one message; False if the receiver did not take it within ``timeout_s``
+        (None: wait for ever). Do not write into the arrays afterwards (see the module
+        docstring). Raises ``TypeError``/``ValueError`` for a message a receiver would drop.
+        """
+        frames = encode(kind, meta, arrays, self._secret)
+        timeout_ms = -1 if timeout_s is None else max(0, math.ceil(timeout_s * 1000))
+        if timeout_ms != self._timeout_ms:
+            self._socket.setsockopt(zmq.SNDTIMEO, timeout_ms)
+            self._timeout_ms = timeout_ms
+        try:
+            # copy=False: pyzmq sends large frames from the arrays' memory, small ones copied.
+            self._socket.send_multipart(frames, copy=False)
+        except zmq.Again:
+            return False
+        return True
+
+
+class Publisher(_Socket):
+    """A PUB socket bound to one exact address: trainer rank 0's control announcements.
+
+    ``publish`` never blocks: a subscriber that falls ``hwm`` messages behind misses some,
+    and one that connects late misses earlier ones (zmq's slow joiner), so announce state
+    ("step k"), not events, and announce it again every step.
+    """
+
+    def __init__(self, address: str, secret: bytes, *, hwm: int = DEFAULT_HWM,
+                 allow_wildcard: bool = False, context: zmq.Context | None = None) -> None:
+        super().__init__(zmq.PUB, secret, context, linger_s=0.0)
+        self._socket.setsockopt(zmq.SNDHWM, hwm)
+        self._bind(address, allow_wildcard)
+
+    @classmethod
+    def on_free_port(cls, secret: bytes, *, host: str = "127.0.0.1",
+                     hwm: int = DEFAULT_HWM) -> Publisher:
+        """A Publisher on a free TCP port of ``host`` (see ``Receiver.on_free_port``)."""
+        self = cls.__new__(cls)
+        _Socket.__init__(self, zmq.PUB, secret, None, linger_s=0.0)
+        self._socket.setsockopt(zmq.SNDHWM, hwm)
+        self._bind_free_port(host)
+        return self
+
+    def publish(self, kind: str, meta: Mapping[str, Any] | None = None,
+                arrays: Mapping[str, Any] | None = None) -> None:
+        """Announce one message to every connected subscriber."""
+        self._socket.send_multipart(encode(kind, meta, arrays, self._secret), copy=False)
+
+
+class Subscriber(_Inbox):
+    """A SUB socket connected to one Publisher: a worker's view of the trainer's progress."""
+
+    def __init__(self, address: str, secret: bytes, *, max_bytes: int = 1024 * 1024,
+                 max_arrays: int = 16, hwm: int = DEFAULT_HWM,
+                 context: zmq.Context | None = None) -> None:
+        super().__init__(zmq.SUB, secret, max_bytes=max_bytes, max_arrays=max_arrays,
+                         hwm=hwm, context=context)
+        self._latest: Message | None = None
+        self._socket.setsockopt(zmq.SUBSCRIBE, b"")
+        self._connect(address)
+
+    def recv(self, timeout_s: float | None = 0.0) -> Message | None:
+        """The next valid announcement (as ``Receiver.recv``); it also becomes ``latest``."""
+        message = super().recv(timeout_s)
+        if message is not None:
+            self._latest = message
+        return message
+
+    def latest(self, timeout_s: float = 0.0) -> Message | None:
+        """The newest valid announcement so far; it stays the answer until a newer one.
+
+        Reads what is queued without waiting (at most ``2 * hwm`` messages, so a flood
+        cannot hold the caller); waits up to ``timeout_s`` only if nothing valid has ever
+        arrived.
+        """
+        for _ in range(2 * self.hwm):
+            if not self._socket.poll(0, zmq.POLLIN):
+                break
+            self.recv(0.0)
+        if self._latest is None and timeout_s > 0:
+            self.recv(timeout_s)
+        return self._latest
