@@ -143,7 +143,7 @@ class SampleSizes:
     exactly these): enough for the loss denominators (``loss_normalizer_of_sizes``)."""
 
     text_tokens: int                    # len(tokens)
-    image_sides: tuple[int, ...]        # each image is [3, side, side]
+    image_shapes: tuple[tuple[int, int], ...]   # each image's (height, width)
     gen_counts: dict[str, int]          # generator name -> G
 
     @property
@@ -168,7 +168,8 @@ def sample_sizes(program: ir.Program, step: int, index: int) -> SampleSizes:
         module.name: max(0, _draw_one(data.get(module.modality, "gen_count"), sizes,
                                       f"{module.modality}.gen_count"))
         for module in program.generators}
-    return SampleSizes(text_tokens=n_text, image_sides=tuple(sides), gen_counts=gen_counts)
+    return SampleSizes(text_tokens=n_text, image_shapes=tuple((s, s) for s in sides),
+                       gen_counts=gen_counts)
 
 
 _PARTS = frozenset({"tokens", "images", "targets"})
@@ -208,8 +209,8 @@ def make_sample(program: ir.Program, step: int, index: int, *,
 
     images: list[torch.Tensor] = []
     if "images" in parts or "targets" in parts:
-        for side in sizes.image_sides:
-            images.append(torch.randn(3, side, side, generator=gen))
+        for h, w in sizes.image_shapes:
+            images.append(torch.randn(3, h, w, generator=gen))
 
     targets: dict[str, GenTargets] = {}
     if "targets" in parts:

@@ -3,16 +3,14 @@
 Each global rank is one (stage, replica, tp_index) of one unit (``mesh.role_of``). Per
 training step it
 
-1. builds the samples its stage reads, and only the parts of them it reads
-   (``data.make_sample(..., parts=...)``: images on an encoder, tokens on the backbone's
-   first stage, generation targets on a generator, nothing elsewhere) before the step's
-   barrier (in a real job, preprocessing workers' work, off the training path); the
-   stages with a loss get the loss denominators over the whole batch from the samples'
-   sizes alone (``data.sample_sizes``: the same numbers as ``model.loss_normalizer`` of
-   ``data.make_batch``, without building a tensor);
-2. takes the samples of every unit replica at every microbatch step from
-   ``routing.step_samples``, computed once in the constructor (it depends on the plan
-   only; the broker's routes follow from the same assignment);
+1. takes the step's ``batch.StepBatch`` from its feed (``batch.BatchSource``; by default
+   ``batch.LocalBatches``, which builds it in this process from the spec's synthetic
+   data; in a launched job the preprocessing workers of ``dtdsl.feed`` build it on CPU
+   nodes ahead of time): the routing of every unit replica at every microbatch step under
+   the spec's reorder policy, the samples this rank reads with only the parts it reads
+   (images on an encoder, tokens on the backbone's first stage, generation targets on a
+   generator), and the loss denominators of the whole batch;
+2. this happens before the step's barrier, off the timed actions;
 3. runs its stage's action list in program order:
 
    - ``F``: the stage's slice of the unit on this replica's samples of the step. Input:
@@ -77,16 +75,9 @@ from torch import nn
 from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan
 from dtdsl.ir.schedule import Action, ActionKind, Schedule
+from dtdsl.runtime.batch import BatchSource, LocalBatches, StepBatch
 from dtdsl.runtime.broker import Broker, StepSamples, message_tag, recv_tensors, send_tensors
-from dtdsl.runtime.data import (
-    Sample,
-    SampleSizes,
-    image_encoder,
-    make_sample,
-    pack_images,
-    sample_sizes,
-    unpack_images,
-)
+from dtdsl.runtime.data import Sample, image_encoder, pack_images, unpack_images
 from dtdsl.runtime.mesh import ProcessGroups, RankRole
 from dtdsl.runtime.model import (
     Normalizer,
@@ -100,7 +91,6 @@ from dtdsl.runtime.model import (
     generator_step,
 )
 from dtdsl.runtime.optim import Zero1AdamW, optimizer_step
-from dtdsl.runtime.routing import step_samples
 from dtdsl.runtime.tp import TPLayout, shard_transformer
 from dtdsl.sim.timeline import Event, Timeline, TimelineUnit
 
@@ -153,7 +143,8 @@ class StageExecutor:
     (``train.seed`` to match the reference)."""
 
     def __init__(self, program: ir.Program, plan: Plan, schedule: Schedule, *,
-                 rank: int, groups: ProcessGroups, seed: int | None = None):
+                 rank: int, groups: ProcessGroups, seed: int | None = None,
+                 feed: BatchSource | None = None):
         self.program, self.plan, self.schedule = program, plan, schedule
         self.role: RankRole = groups.role
         if self.role.rank != rank:
@@ -182,19 +173,11 @@ class StageExecutor:
         self.broker = Broker(plan, rank, groups, eager=True)
         self._build()
         self._t0 = 0.0
-        # Per microbatch step: every unit replica's samples (the plan's alone, so once)
-        # and this rank's sample ids among them.
-        self.steps: tuple[StepSamples, ...] = step_samples(plan, program.train.global_batch)
-        self._ids = tuple(tuple(s.samples_of(self.role.unit, self.role.replica))
-                          for s in self.steps)
-        r = self.role
-        self._parts: frozenset[str] = frozenset(
-            {"images"} if r.role == "encoder" else
-            {"tokens"} if r.role == "backbone" and r.is_first_stage else
-            {"targets"} if r.role == "generator" else ())
-        self._needs_norm = r.role == "generator" or (r.role == "backbone" and r.is_last_stage)
-        self._cache: dict[int, Sample] = {}
-        self._sizes: dict[int, SampleSizes] = {}
+        self.feed: BatchSource = feed if feed is not None else LocalBatches(
+            program, plan, self.role)
+        self.batch: StepBatch | None = None
+        self.steps: tuple[StepSamples, ...] = ()
+        self._ids: tuple[tuple[int, ...], ...] = ()
         self.norm: Normalizer | None = None
         self.step = -1
 
@@ -293,17 +276,17 @@ class StageExecutor:
         "grad_norm", "skipped", "time_s", "events"}`` (losses summed over the job,
         identical on every rank; events: this rank's measured actions)."""
         self.step = step
-        self._cache = {}
-        # Every sample's sizes, drawn once a step and shared by the denominators and
-        # make_sample (drawing them is most of a sample's cost where no image is built).
-        self._sizes = ({} if not (self._needs_norm or self._parts) else
-                       {i: sample_sizes(self.program, step, i)
-                        for i in range(self.program.train.global_batch)})
-        self.norm = self._normalizer(step) if self._needs_norm else None
-        if self._parts:     # build this rank's samples up front, off the timed actions
-            for ids in self._ids:
-                for i in ids:
-                    self._sample(i)
+        # Off the timed actions: in a real job the preprocessing workers built it ahead.
+        batch = self.batch = self.feed.batch(step)
+        if batch.step != step:
+            raise RuntimeError(f"the data feed gave step {batch.step} for step {step}")
+        if len(batch.routing) != self.plan.num_microbatches:
+            raise RuntimeError(f"step {step}'s routing has {len(batch.routing)} microbatch "
+                               f"steps for a plan of {self.plan.num_microbatches}")
+        self.steps = batch.routing
+        r = self.role
+        self._ids = tuple(tuple(s.samples_of(r.unit, r.replica)) for s in self.steps)
+        self.norm = batch.normalizer
         self.micro: dict[int, _Micro] = {}
         self.pending: list[dist.Work] = []
         self.lm = self.gen = 0.0
@@ -332,7 +315,8 @@ class StageExecutor:
         lm, gen = (float(x) for x in totals)
         return {"step": step, "loss": lm + gen, "lm_loss": lm, "gen_loss": gen,
                 "grad_norm": result.grad_norm, "skipped": result.skipped,
-                "time_s": time.perf_counter() - self._t0, "events": events}
+                "time_s": time.perf_counter() - self._t0, "data_wait_s": batch.wait_s,
+                "events": events}
 
     def train(self, steps: int, *, first_step: int = 0,
               metrics_path: str | Path | None = None,
@@ -375,29 +359,14 @@ class StageExecutor:
                      rank=r.grid.leader(r.stage, r.replica), kind=kind, microbatch=microbatch,
                      start_s=start, end_s=time.perf_counter() - self._t0)
 
-    def _normalizer(self, step: int) -> Normalizer:
-        """``model.loss_normalizer`` of step ``step``'s whole batch, from the samples'
-        sizes alone (the same rule as ``model.text_kept`` / ``loss_tokens``); the sizes
-        from ``self._sizes`` where it holds them."""
-        patch, seq_len = self.model.patch, self.model.seq_len
-        known = getattr(self, "_sizes", {})
-        text = gen = 0
-        for i in range(self.program.train.global_batch):
-            sz = known.get(i) or sample_sizes(self.program, step, i)
-            image_tokens = sum((side // patch) ** 2 for side in sz.image_sides)
-            if image_tokens >= seq_len:
-                raise ValueError(f"sample {i} of step {step} has {image_tokens} image "
-                                 f"tokens, leaving no room for text in seq_len {seq_len}")
-            text += max(0, min(sz.text_tokens, seq_len - image_tokens) - 1)
-            gen += sz.num_gen_targets
-        return Normalizer(text_tokens=text, gen_targets=gen)
-
     def _sample(self, i: int) -> Sample:
-        s = self._cache.get(i)
-        if s is None:
-            s = self._cache[i] = make_sample(self.program, self.step, i, parts=self._parts,
-                                             sizes=self._sizes.get(i))
-        return s
+        assert self.batch is not None
+        try:
+            return self.batch.samples[i]
+        except KeyError:
+            raise RuntimeError(f"{self.role.unit}.s{self.role.stage} replica "
+                               f"{self.role.replica}: step {self.step}'s data lacks sample "
+                               f"{i}, which its routing sends here") from None
 
     def _samples(self, j: int) -> tuple[list[int], list[Sample]]:
         ids = list(self._ids[j])

@@ -1,6 +1,8 @@
 """Single-process reference training: the losses every distributed layout must match.
 
-Each step ``s`` (0, 1, ...) takes the global batch ``data.make_batch(program, s)``,
+Each step ``s`` (0, 1, ...) takes the global batch of a ``batch.SampleSource`` (by default
+the spec's synthetic data, ``data.make_batch(program, s)``; a dataset's batches with
+``dtdsl.feed.source.DatasetSource``), in position order,
 computes the loss denominators over the whole batch (``model.loss_normalizer``), runs
 the batch in microbatches of ``train.micro_batch`` consecutive samples, accumulating
 gradients (the microbatch losses are already divided by the global denominators, so
@@ -21,7 +23,7 @@ from collections.abc import Iterator
 import torch
 
 from dtdsl.ir import program as ir
-from dtdsl.runtime.data import make_batch
+from dtdsl.runtime.batch import SampleSource, SyntheticSource
 from dtdsl.runtime.model import Model, build_model, loss_normalizer, microbatch_loss
 
 __all__ = ["make_optimizer", "train_reference"]
@@ -39,14 +41,16 @@ def make_optimizer(program: ir.Program, model: Model) -> torch.optim.Optimizer:
 def train_reference(program: ir.Program, steps: int, *, micro_batch: int | None = None,
                     seed: int | None = None, first_step: int = 0,
                     pad_to: int | None = None, device: str | torch.device = "cpu",
-                    model: Model | None = None) -> Iterator[dict[str, float | int]]:
+                    model: Model | None = None, source: SampleSource | None = None
+                    ) -> Iterator[dict[str, float | int]]:
     """Train ``steps`` steps, yielding ``{"step", "loss", "lm_loss", "gen_loss"}`` after
     each (``loss = lm_loss + gen_loss``, each already normalised).
 
     ``micro_batch`` overrides ``train.micro_batch`` (``global_batch`` runs the batch
     whole); ``seed`` the initialisation seed (default ``train.seed``); ``pad_to``
     pads every backbone sequence to a fixed length (e.g. ``seq_len``) instead of the
-    microbatch's longest; ``model`` trains a given model (built here otherwise)."""
+    microbatch's longest; ``model`` trains a given model (built here otherwise);
+    ``source`` where the batches come from (default: the spec's synthetic data)."""
     train = program.train
     mb = train.micro_batch if micro_batch is None else micro_batch
     if mb < 1:
@@ -56,8 +60,10 @@ def train_reference(program: ir.Program, steps: int, *, micro_batch: int | None 
     model.train()
     optimizer = make_optimizer(program, model)
     params = [p for p in model.parameters() if p.requires_grad]
+    source = source if source is not None else SyntheticSource(program)
     for step in range(first_step, first_step + steps):
-        samples = make_batch(program, step)
+        sizes = source.sizes(step)
+        samples = [source.sample(step, i, sizes=sz) for i, sz in enumerate(sizes)]
         norm = loss_normalizer(model, samples)
         optimizer.zero_grad(set_to_none=True)
         total = lm = gen = 0.0

@@ -14,11 +14,12 @@ import torch
 from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan, split_layers
 from dtdsl.ir.schedule import Schedule
+from dtdsl.reorder.split import contiguous_split
+from dtdsl.runtime.batch import SyntheticSource, normalizer_of, route_batch
 from dtdsl.runtime.executor import StageExecutor, gather_timeline, run_rank
 from dtdsl.runtime.mesh import ProcessGroups, build_groups, role_of
 from dtdsl.runtime.model import build_model
 from dtdsl.runtime.reference import train_reference
-from dtdsl.runtime.routing import contiguous_split, step_samples
 from dtdsl.schedule.lower import lower
 from tests.runtime.dist import make_plan, run
 from tests.runtime.test_reference import program as tiny
@@ -126,14 +127,15 @@ def test_routing_rule():
     program = spec(12)
     plan = plan_for(program, ("vit", "encoder", 1, 2, 1), ("llm", "backbone", 1, 3, 1),
                     ("gen", "generator", 1, 1, 1))
-    steps = step_samples(plan)
+    sizes = SyntheticSource(program).sizes(0)
+    steps = route_batch(plan, program, sizes, frozenset())
     assert len(steps) == 2
     assert steps[1].sample_ids == (2, 3, 6, 7, 10, 11)
     assert tuple(steps[1].assignment["llm"]) == (0, 0, 1, 1, 2, 2)
     assert tuple(steps[1].assignment["vit"]) == (0, 0, 0, 1, 1, 1)
     assert sorted(i for s in steps for i in s.sample_ids) == list(range(12))
-    with pytest.raises(ValueError, match="does not fill"):
-        step_samples(plan, 10)
+    with pytest.raises(ValueError, match="10 samples for a global batch of 12"):
+        route_batch(plan, program, sizes[:10], frozenset())
 
 
 def test_data_parallel_backbone():
@@ -286,24 +288,22 @@ def test_measured_timelines_go_to_tensorboard(tmp_path):
 # ---- per-step setup: only what the rank reads, sizes-only normaliser --------------------------
 
 def test_normalizer_from_sizes_matches_the_whole_batch():
-    """The executor's loss denominators from ``data.sample_sizes`` equal
+    """The loss denominators from ``data.sample_sizes`` (``batch.normalizer_of``) equal
     ``model.loss_normalizer`` of the built batch, and ``make_sample``'s parts equal the
     full sample's."""
-    from types import SimpleNamespace
-
     from dtdsl.runtime.data import make_batch, make_sample, sample_sizes
     from dtdsl.runtime.model import loss_normalizer
 
     program = spec(16)
     model = build_model(program)
-    fake = SimpleNamespace(program=program, model=model)
     for step in range(3):
         batch = make_batch(program, step)
-        assert StageExecutor._normalizer(fake, step) == loss_normalizer(model, batch)
+        sizes = SyntheticSource(program).sizes(step)
+        assert normalizer_of(program, sizes) == loss_normalizer(model, batch)
         for s in batch[:6]:
             sz = sample_sizes(program, step, s.index)
             assert sz.text_tokens == len(s.tokens)
-            assert sz.image_sides == tuple(im.shape[-1] for im in s.images)
+            assert sz.image_shapes == tuple(tuple(im.shape[-2:]) for im in s.images)
             assert sz.num_gen_targets == s.num_gen_targets
             tok = make_sample(program, step, s.index, parts={"tokens"})
             assert torch.equal(tok.tokens, s.tokens) and tok.images == () and not tok.targets
