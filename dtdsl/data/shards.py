@@ -1,0 +1,727 @@
+"""The on-disk dataset format: WebDataset-style tar shards and an index for random access.
+
+A dataset is a directory::
+
+    DIR/index.json             what is where (written last: no index, no dataset)
+    DIR/shard-000000.tar       samples 0 .. S-1
+    DIR/shard-000001.tar       samples S .. 2S-1, ...
+
+Every sample has a key, ``"%08d" % i`` for its position ``i`` in the whole dataset, and
+these tar members (plain WebDataset convention: ``KEY.SUFFIX``; readers such as
+``webdataset`` group them by key):
+
+- ``KEY.txt``: the text, UTF-8;
+- ``KEY.json``: the sample's record, ``{"key", "images": [{"w", "h", "format"}, ...],
+  "gen_images": [...], "audio": [{"frames", "bins"}, ...], "gen_audio": [...]}`` plus
+  any extra fields of ``RawSample.meta``;
+- ``KEY.img0.png``, ``KEY.img1.jpg``, ...: the input images (PNG or JPEG, any size);
+- ``KEY.gen0.png``, ...: the images an image generator learns to produce;
+- ``KEY.aud0.npy``, ...: input audio as log-mel frames, a float32 ``[frames, bins]``
+  array in NumPy's ``.npy`` format (one row per frame, ``bins`` mel bins; ``synth``
+  writes standardised values, roughly zero mean and unit variance);
+- ``KEY.genaud0.npy``, ...: audio an audio generator learns to produce, the same way.
+
+Tars are USTAR, written deterministically: members sorted by name, mtime 0, uid/gid 0,
+empty user and group names, mode 0o644. The same samples give byte-identical shards.
+
+``index.json`` (``format`` ``"dtdsl-shards"``, ``version`` 1) lists the shards (name,
+sample count, size in bytes) and, per sample, its key, its shard, its members as
+``[name, offset, size, crc32]`` (``offset`` is the member's ``TarInfo.offset_data``,
+``name`` the part after ``KEY.``) and its sizes: ``text_bytes``, ``text_tokens``
+(``count_text_tokens``), ``images`` and ``gen_images`` as ``[w, h]`` pairs, ``audio`` and
+``gen_audio`` as frame counts. ``provenance`` holds what the writer says about the data
+(the synthesiser: the spec and the seed).
+
+``Dataset.open`` checks the index and that every shard has the size it records;
+``Dataset.read`` seeks to one sample with one read, checks each member's tar header
+(name, size, header checksum) and CRC-32; iterating streams the tars in order and
+checks the same. Every problem is a ``DatasetError`` naming the file.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import tarfile
+import zlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+__all__ = [
+    "DEFAULT_SAMPLES_PER_SHARD",
+    "FORMAT",
+    "INDEX_NAME",
+    "VERSION",
+    "Dataset",
+    "DatasetError",
+    "EncodedAudio",
+    "EncodedImage",
+    "Member",
+    "RawSample",
+    "SampleInfo",
+    "WriteResult",
+    "count_text_tokens",
+    "encode_audio",
+    "encode_image",
+    "sample_key",
+    "shard_name",
+    "text_pieces",
+    "write_dataset",
+]
+
+FORMAT = "dtdsl-shards"
+VERSION = 1
+INDEX_NAME = "index.json"
+DEFAULT_SAMPLES_PER_SHARD = 1000
+_BLOCK = tarfile.BLOCKSIZE          # one USTAR header block precedes every member's data
+_RESERVED = frozenset({"key", "images", "gen_images", "audio", "gen_audio"})
+_IMAGE_EXT = {"png": "png", "jpeg": "jpg"}
+_EXT_FORMAT = {"png": "png", "jpg": "jpeg"}
+_SHARD = re.compile(r"shard-\d{6,}\.tar")
+# One text token per word (a run of letters, digits or underscores) and per other
+# non-space character: the rule of the index's text_tokens and of decode.Tokenizer.
+_PIECE = re.compile(r"\w+|[^\w\s]")
+
+
+class DatasetError(Exception):
+    """A dataset that cannot be read or written: the message names the file."""
+
+
+def text_pieces(text: str) -> list[str]:
+    """The pieces (tokens) of ``text``: words and single punctuation characters."""
+    return _PIECE.findall(text)
+
+
+def count_text_tokens(text: str) -> int:
+    """How many tokens ``text`` has under ``text_pieces`` (the index's ``text_tokens``)."""
+    return sum(1 for _ in _PIECE.finditer(text))
+
+
+def sample_key(index: int) -> str:
+    """The key of the sample at position ``index`` of a dataset."""
+    return f"{index:08d}"
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:06d}.tar"
+
+
+# ---- samples ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class EncodedImage:
+    """An image file's bytes and its size in pixels."""
+
+    format: Literal["png", "jpeg"]
+    data: bytes = field(repr=False)
+    width: int
+    height: int
+
+    def __post_init__(self) -> None:
+        if self.format not in _IMAGE_EXT:
+            raise ValueError(f"image format must be png or jpeg, not {self.format!r}")
+
+
+@dataclass(frozen=True)
+class EncodedAudio:
+    """Log-mel frames as ``.npy`` bytes of a float32 ``[frames, bins]`` array."""
+
+    data: bytes = field(repr=False)
+    frames: int
+    bins: int
+
+    def array(self) -> np.ndarray:
+        """The float32 ``[frames, bins]`` array."""
+        return np.load(io.BytesIO(self.data), allow_pickle=False)
+
+
+@dataclass(frozen=True)
+class RawSample:
+    """One sample as stored: text, encoded images and audio.
+
+    ``meta`` holds the JSON record's extra fields; the standard ones (``key``, the
+    image and audio sizes) come from the other attributes."""
+
+    key: str
+    text: str
+    meta: Mapping[str, Any] = field(default_factory=dict)
+    images: tuple[EncodedImage, ...] = ()
+    gen_images: tuple[EncodedImage, ...] = ()
+    audio: tuple[EncodedAudio, ...] = ()
+    gen_audio: tuple[EncodedAudio, ...] = ()
+
+
+def encode_image(pixels: np.ndarray, format: Literal["png", "jpeg"], *,
+                 quality: int = 90) -> EncodedImage:
+    """Encode uint8 ``[H, W, 3]`` pixels as PNG (fast, level 1) or JPEG (``quality``)."""
+    from PIL import Image
+
+    if pixels.dtype != np.uint8 or pixels.ndim != 3 or pixels.shape[2] != 3:
+        raise ValueError(f"expected uint8 [H, W, 3] pixels, not {pixels.dtype} "
+                         f"{list(pixels.shape)}")
+    buf = io.BytesIO()
+    image = Image.fromarray(pixels, "RGB")
+    if format == "png":
+        image.save(buf, "PNG", compress_level=1)
+    elif format == "jpeg":
+        image.save(buf, "JPEG", quality=quality)
+    else:
+        raise ValueError(f"image format must be png or jpeg, not {format!r}")
+    return EncodedImage(format=format, data=buf.getvalue(), width=pixels.shape[1],
+                        height=pixels.shape[0])
+
+
+def encode_audio(frames: np.ndarray) -> EncodedAudio:
+    """Store a ``[frames, bins]`` array (converted to little-endian float32)."""
+    if frames.ndim != 2:
+        raise ValueError(f"expected [frames, bins] audio, not shape {list(frames.shape)}")
+    array = np.ascontiguousarray(frames, dtype="<f4")
+    buf = io.BytesIO()
+    np.save(buf, array, allow_pickle=False)
+    return EncodedAudio(data=buf.getvalue(), frames=array.shape[0], bins=array.shape[1])
+
+
+def _record(raw: RawSample) -> dict[str, Any]:
+    clash = sorted(_RESERVED & set(raw.meta))
+    if clash:
+        raise ValueError(f"sample {raw.key}: meta may not set {', '.join(clash)} (they come "
+                         "from the sample's own fields)")
+    record = dict(raw.meta)
+    record.update(
+        key=raw.key,
+        images=[{"w": i.width, "h": i.height, "format": i.format} for i in raw.images],
+        gen_images=[{"w": i.width, "h": i.height, "format": i.format}
+                    for i in raw.gen_images],
+        audio=[{"frames": a.frames, "bins": a.bins} for a in raw.audio],
+        gen_audio=[{"frames": a.frames, "bins": a.bins} for a in raw.gen_audio])
+    return record
+
+
+def _check_image(raw: RawSample, image: EncodedImage) -> None:
+    """The bytes are the format and size the sample says (Pillow reads only the header)."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(image.data)) as img:
+            found, size = (img.format or "").lower(), img.size
+    except (UnidentifiedImageError, OSError) as err:
+        raise ValueError(f"sample {raw.key}: an image is not a readable file: {err}") from None
+    if found != image.format or size != (image.width, image.height):
+        raise ValueError(f"sample {raw.key}: an image says {image.format} "
+                         f"{image.width}x{image.height} but is {found} {size[0]}x{size[1]}")
+
+
+def _check_audio(raw: RawSample, audio: EncodedAudio) -> None:
+    try:
+        buf = io.BytesIO(audio.data)
+        version = np.lib.format.read_magic(buf)
+        read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                       else np.lib.format.read_array_header_2_0)
+        shape, fortran, dtype = read_header(buf)
+    except (ValueError, OSError) as err:
+        raise ValueError(f"sample {raw.key}: audio is not a .npy array: {err}") from None
+    if dtype != np.dtype("<f4") or fortran or shape != (audio.frames, audio.bins):
+        raise ValueError(f"sample {raw.key}: audio says float32 [{audio.frames}, "
+                         f"{audio.bins}] but holds {dtype} {list(shape)}")
+
+
+def _members(raw: RawSample) -> list[tuple[str, bytes]]:
+    """The sample's members as (name after ``KEY.``, bytes), sorted by name."""
+    for image in raw.images + raw.gen_images:
+        _check_image(raw, image)
+    for audio in raw.audio + raw.gen_audio:
+        _check_audio(raw, audio)
+    record = json.dumps(_record(raw), sort_keys=True, separators=(",", ":")).encode()
+    out = [("txt", raw.text.encode("utf-8")), ("json", record)]
+    out += [(f"img{k}.{_IMAGE_EXT[i.format]}", i.data) for k, i in enumerate(raw.images)]
+    out += [(f"gen{k}.{_IMAGE_EXT[i.format]}", i.data) for k, i in enumerate(raw.gen_images)]
+    out += [(f"aud{k}.npy", a.data) for k, a in enumerate(raw.audio)]
+    out += [(f"genaud{k}.npy", a.data) for k, a in enumerate(raw.gen_audio)]
+    return sorted(out)
+
+
+# ---- the index -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Member:
+    """Where one member's bytes are in its shard."""
+
+    name: str       # after "KEY.", e.g. "img0.png"
+    offset: int     # of the data (TarInfo.offset_data); the header is the block before
+    size: int
+    crc32: int
+
+
+@dataclass(frozen=True)
+class SampleInfo:
+    """A sample's place and sizes, from the index alone."""
+
+    key: str
+    shard: str
+    members: tuple[Member, ...]
+    text_bytes: int
+    text_tokens: int
+    images: tuple[tuple[int, int], ...]        # (width, height) of each input image
+    gen_images: tuple[tuple[int, int], ...]
+    audio: tuple[int, ...]                     # frames of each input clip
+    gen_audio: tuple[int, ...]
+
+    def _entry(self, shard: int) -> dict[str, Any]:
+        return {"key": self.key, "shard": shard,
+                "members": [[m.name, m.offset, m.size, m.crc32] for m in self.members],
+                "text_bytes": self.text_bytes, "text_tokens": self.text_tokens,
+                "images": [list(s) for s in self.images],
+                "gen_images": [list(s) for s in self.gen_images],
+                "audio": list(self.audio), "gen_audio": list(self.gen_audio)}
+
+
+@dataclass(frozen=True)
+class _Shard:
+    name: str
+    num_samples: int
+    size_bytes: int
+
+
+def _is_count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _parse_sample(i: int, entry: Any, shards: list[_Shard]) -> SampleInfo:
+    """One index entry, checked; ValueError says what is wrong."""
+    if not isinstance(entry, dict):
+        raise ValueError("not an object")
+    missing = sorted({"key", "shard", "members", "text_bytes", "text_tokens", "images",
+                      "gen_images", "audio", "gen_audio"} - set(entry))
+    if missing:
+        raise ValueError(f"missing {', '.join(missing)}")
+    if entry["key"] != sample_key(i):
+        raise ValueError(f"key {entry['key']!r}, expected {sample_key(i)!r}")
+    shard = entry["shard"]
+    if not _is_count(shard) or shard >= len(shards):
+        raise ValueError(f"shard {shard!r} is not one of the {len(shards)} shards")
+    size = shards[shard].size_bytes
+    members = []
+    for m in entry["members"] if isinstance(entry["members"], list) else [None]:
+        if not (isinstance(m, list) and len(m) == 4 and isinstance(m[0], str)
+                and all(map(_is_count, m[1:]))):
+            raise ValueError(f"member {m!r} is not [name, offset, size, crc32]")
+        if m[1] < _BLOCK or m[1] + m[2] > size:
+            raise ValueError(f"member {m[0]} at {m[1]}+{m[2]} lies outside its shard "
+                             f"({size} bytes)")
+        members.append(Member(name=m[0], offset=m[1], size=m[2], crc32=m[3]))
+    for name in ("text_bytes", "text_tokens"):
+        if not _is_count(entry[name]):
+            raise ValueError(f"{name} {entry[name]!r} is not a count")
+    pairs = {}
+    for name in ("images", "gen_images"):
+        items = entry[name]
+        if not isinstance(items, list) or not all(
+                isinstance(p, list) and len(p) == 2 and all(map(_is_count, p)) for p in items):
+            raise ValueError(f"{name} is not a list of [w, h]")
+        pairs[name] = tuple((p[0], p[1]) for p in items)
+    counts = {}
+    for name in ("audio", "gen_audio"):
+        items = entry[name]
+        if not isinstance(items, list) or not all(map(_is_count, items)):
+            raise ValueError(f"{name} is not a list of frame counts")
+        counts[name] = tuple(items)
+    info = SampleInfo(key=entry["key"], shard=shards[shard].name, members=tuple(members),
+                      text_bytes=entry["text_bytes"], text_tokens=entry["text_tokens"],
+                      images=pairs["images"], gen_images=pairs["gen_images"],
+                      audio=counts["audio"], gen_audio=counts["gen_audio"])
+    expected = _member_names(info)
+    names = [m.name for m in members]
+    if sorted(_stem(n) for n in names) != sorted(expected) or names != sorted(names):
+        raise ValueError(f"members {names} do not match its sizes (expected {expected} in "
+                         "name order)")
+    return info
+
+
+def _stem(name: str) -> str:
+    """A member name without the image extension (``img0.jpg`` -> ``img0``)."""
+    return name.rsplit(".", 1)[0] if name.endswith((".png", ".jpg")) else name
+
+
+def _member_names(info: SampleInfo) -> list[str]:
+    return (["txt", "json"] + [f"img{k}" for k in range(len(info.images))]
+            + [f"gen{k}" for k in range(len(info.gen_images))]
+            + [f"aud{k}.npy" for k in range(len(info.audio))]
+            + [f"genaud{k}.npy" for k in range(len(info.gen_audio))])
+
+
+def _parse_index(path: Path, text: bytes) -> tuple[list[_Shard], list[SampleInfo], dict]:
+    try:
+        doc = json.loads(text)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise DatasetError(f"corrupt index {path}: not JSON ({err})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise DatasetError(f"{path} is not a dtdsl dataset index (no \"format\": "
+                           f"\"{FORMAT}\")")
+    if doc.get("version") != VERSION:
+        raise DatasetError(f"{path} has format version {doc.get('version')!r}; this dtc "
+                           f"reads version {VERSION}")
+    try:
+        raw_shards, raw_samples = doc["shards"], doc["samples"]
+        if not isinstance(raw_shards, list) or not isinstance(raw_samples, list):
+            raise ValueError("shards and samples must be lists")
+        if doc.get("num_samples") != len(raw_samples):
+            raise ValueError(f"num_samples is {doc.get('num_samples')!r} but "
+                             f"{len(raw_samples)} samples are listed")
+        shards = []
+        for k, s in enumerate(raw_shards):
+            if not (isinstance(s, dict) and isinstance(s.get("name"), str)
+                    and _SHARD.fullmatch(s["name"]) and _is_count(s.get("num_samples"))
+                    and _is_count(s.get("size_bytes"))):
+                raise ValueError(f"shard {k} is not {{name: shard-NNNNNN.tar, num_samples, "
+                                 "size_bytes}")
+            shards.append(_Shard(s["name"], s["num_samples"], s["size_bytes"]))
+        samples = []
+        for i, entry in enumerate(raw_samples):
+            try:
+                samples.append(_parse_sample(i, entry, shards))
+            except (ValueError, TypeError) as err:
+                raise ValueError(f"sample {i}: {err}") from None
+        per_shard = [0] * len(shards)
+        for i, entry in enumerate(raw_samples):
+            per_shard[entry["shard"]] += 1
+            if i and entry["shard"] < raw_samples[i - 1]["shard"]:
+                raise ValueError(f"sample {i} is in an earlier shard than sample {i - 1}")
+        for s, n in zip(shards, per_shard, strict=True):
+            if s.num_samples != n:
+                raise ValueError(f"{s.name} says {s.num_samples} samples; the index puts "
+                                 f"{n} in it")
+    except (ValueError, TypeError, KeyError) as err:
+        raise DatasetError(f"corrupt index {path}: {err}") from None
+    provenance = doc.get("provenance")
+    return shards, samples, provenance if isinstance(provenance, dict) else {}
+
+
+# ---- writing ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class WriteResult:
+    path: Path
+    num_samples: int
+    num_shards: int
+    num_bytes: int          # shards and index together
+
+
+def _tar_info(name: str, size: int) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.size = size
+    info.mtime = 0
+    info.mode = 0o644
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    info.type = tarfile.REGTYPE
+    return info
+
+
+def _prepare_directory(directory: Path, overwrite: bool) -> None:
+    if directory.exists() and not directory.is_dir():
+        raise DatasetError(f"{directory} exists and is not a directory")
+    if not directory.exists():
+        try:
+            directory.mkdir(parents=True)
+        except OSError as err:
+            raise DatasetError(f"cannot create {directory}: {err.strerror or err}") from None
+        return
+    entries = list(directory.iterdir())
+    if not entries:
+        return
+    if not overwrite:
+        raise DatasetError(f"{directory} is not empty; overwrite it explicitly to replace "
+                           "the dataset in it")
+    # The index goes first, so that a dataset half overwritten is never readable.
+    ours = [directory / INDEX_NAME] + sorted(
+        e for e in entries if _SHARD.fullmatch(e.name) or e.name.endswith(".tar.partial"))
+    for path in ours:
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as err:
+            raise DatasetError(f"cannot remove {path}: {err.strerror or err}") from None
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".partial")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def write_dataset(directory: str | os.PathLike[str], samples: Iterable[RawSample], *,
+                  samples_per_shard: int = DEFAULT_SAMPLES_PER_SHARD, overwrite: bool = False,
+                  provenance: Mapping[str, Any] | None = None,
+                  progress: Callable[[int], None] | None = None) -> WriteResult:
+    """Write ``samples`` (keys must be ``sample_key(0)``, ``sample_key(1)``, ...) as shards
+    of ``samples_per_shard`` and the index, into ``directory`` (created if needed).
+
+    A non-empty directory is a DatasetError unless ``overwrite``, which first removes the
+    index and the shards of the dataset there (other files stay). ``provenance`` goes
+    into the index as is (JSON). ``progress(n)`` is called after each sample. ValueError for a
+    sample whose parts do not say what they are (wrong key, image size or format)."""
+    if samples_per_shard < 1:
+        raise ValueError(f"samples_per_shard must be at least 1, not {samples_per_shard}")
+    directory = Path(directory)
+    _prepare_directory(directory, overwrite)
+    shards: list[dict[str, Any]] = []
+    entries: list[dict[str, Any]] = []
+    tar: tarfile.TarFile | None = None
+    handle = None
+    total = 0
+
+    def close_shard() -> None:
+        nonlocal tar, handle
+        if tar is None or handle is None:
+            return
+        tar.close()
+        handle.close()
+        name = shards[-1]["name"]
+        partial = directory / f"{name}.partial"
+        shards[-1]["size_bytes"] = partial.stat().st_size
+        os.replace(partial, directory / name)
+        tar = handle = None
+
+    try:
+        for i, raw in enumerate(samples):
+            if raw.key != sample_key(i):
+                raise ValueError(f"sample {i} has key {raw.key!r}; the dataset's keys are "
+                                 f"positions, {sample_key(i)!r} here")
+            if i % samples_per_shard == 0:
+                close_shard()
+                name = shard_name(len(shards))
+                shards.append({"name": name, "num_samples": 0, "size_bytes": 0})
+                handle = open(directory / f"{name}.partial", "wb")  # noqa: SIM115
+                tar = tarfile.open(fileobj=handle, mode="w", format=tarfile.USTAR_FORMAT)
+            assert tar is not None
+            members = []
+            for name, data in _members(raw):
+                tar.addfile(_tar_info(f"{raw.key}.{name}", len(data)), io.BytesIO(data))
+                padded = -(-len(data) // _BLOCK) * _BLOCK
+                members.append(Member(name=name, offset=tar.offset - padded,
+                                      size=len(data), crc32=zlib.crc32(data)))
+            sample = SampleInfo(
+                key=raw.key, shard=shards[-1]["name"], members=tuple(members),
+                text_bytes=len(raw.text.encode("utf-8")),
+                text_tokens=count_text_tokens(raw.text),
+                images=tuple((i.width, i.height) for i in raw.images),
+                gen_images=tuple((i.width, i.height) for i in raw.gen_images),
+                audio=tuple(a.frames for a in raw.audio),
+                gen_audio=tuple(a.frames for a in raw.gen_audio))
+            entries.append(sample._entry(len(shards) - 1))
+            shards[-1]["num_samples"] += 1
+            total = i + 1
+            if progress is not None:
+                progress(total)
+        close_shard()
+    except OSError as err:
+        raise DatasetError(f"cannot write to {directory}: {err.strerror or err}") from None
+    finally:
+        if handle is not None:
+            handle.close()
+
+    head = {"format": FORMAT, "version": VERSION, "num_samples": total,
+            "samples_per_shard": samples_per_shard, "provenance": dict(provenance or {}),
+            "shards": shards}
+    # One sample per line: readable, and diffs of two indexes line up.
+    text = json.dumps(head, sort_keys=True, indent=1)[:-2] + ',\n "samples": [\n'
+    text += ",\n".join(json.dumps(e, sort_keys=True, separators=(",", ":")) for e in entries)
+    text += "\n ]\n}\n"
+    try:
+        _write_atomic(directory / INDEX_NAME, text.encode())
+    except OSError as err:
+        raise DatasetError(f"cannot write {directory / INDEX_NAME}: "
+                           f"{err.strerror or err}") from None
+    num_bytes = sum(s["size_bytes"] for s in shards) + len(text.encode())
+    return WriteResult(path=directory, num_samples=total, num_shards=len(shards),
+                       num_bytes=num_bytes)
+
+
+# ---- reading ------------------------------------------------------------------------------
+
+class Dataset:
+    """A dataset directory opened for reading: ``len``, ``key``, ``info`` (index only),
+    ``read`` (one sample by offset) and iteration (streams the shards in order).
+
+    Shard files stay open until ``close`` (or the end of a ``with`` block); reads use
+    ``os.pread``, so one Dataset may be shared by threads and survives ``fork``."""
+
+    def __init__(self, path: Path, shards: list[_Shard], samples: list[SampleInfo],
+                 provenance: dict[str, Any]) -> None:
+        self.path = path
+        self.provenance: Mapping[str, Any] = provenance   # what the writer said
+        self._shards = shards
+        self._samples = samples
+        self._files: dict[str, io.BufferedReader] = {}
+
+    @classmethod
+    def open(cls, directory: str | os.PathLike[str]) -> Dataset:
+        """Open and check a dataset: DatasetError for a missing or corrupt index, or a
+        missing shard or one of another size than the index records."""
+        path = Path(directory)
+        index = path / INDEX_NAME
+        if not path.is_dir():
+            raise DatasetError(f"no dataset at {path}: not a directory")
+        try:
+            text = index.read_bytes()
+        except FileNotFoundError:
+            raise DatasetError(f"no dataset index {index} (an unfinished or foreign "
+                               "directory?)") from None
+        except OSError as err:
+            raise DatasetError(f"cannot read {index}: {err.strerror or err}") from None
+        shards, samples, provenance = _parse_index(index, text)
+        for shard in shards:
+            file = path / shard.name
+            try:
+                size = file.stat().st_size
+            except FileNotFoundError:
+                raise DatasetError(f"missing shard {file} (listed in {index})") from None
+            except OSError as err:
+                raise DatasetError(f"cannot read {file}: {err.strerror or err}") from None
+            if size != shard.size_bytes:
+                raise DatasetError(f"corrupt shard {file}: {size} bytes, the index says "
+                                   f"{shard.size_bytes}")
+        return cls(path, shards, samples, provenance)
+
+    def __len__(self) -> int:
+        return len(self._samples)
+
+    def __enter__(self) -> Dataset:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for file in self._files.values():
+            file.close()
+        self._files.clear()
+
+    @property
+    def shard_names(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self._shards)
+
+    def key(self, i: int) -> str:
+        return self._samples[i].key
+
+    def info(self, i: int) -> SampleInfo:
+        """Sample ``i``'s place and sizes (no shard is read)."""
+        return self._samples[i]
+
+    def read(self, i: int) -> RawSample:
+        """Sample ``i``, read with one seek; headers and CRCs checked."""
+        info = self._samples[i]
+        file = self._files.get(info.shard)
+        if file is None:
+            file = self._files[info.shard] = open(self.path / info.shard, "rb")  # noqa: SIM115
+        start = min(m.offset for m in info.members) - _BLOCK
+        end = max(m.offset + m.size for m in info.members)
+        where = self.path / info.shard
+        try:
+            buf = os.pread(file.fileno(), end - start, start)
+        except OSError as err:
+            raise DatasetError(f"cannot read {where}: {err.strerror or err}") from None
+        if len(buf) != end - start:
+            raise DatasetError(f"corrupt shard {where}: sample {info.key} is cut off")
+        view = memoryview(buf)
+        blobs = {}
+        for m in info.members:
+            at = m.offset - start
+            try:
+                header = tarfile.TarInfo.frombuf(bytes(view[at - _BLOCK:at]), "utf-8",
+                                                 "surrogateescape")
+            except tarfile.HeaderError as err:
+                raise DatasetError(f"corrupt shard {where}: sample {info.key}, member "
+                                   f"{m.name}: bad tar header ({err})") from None
+            if header.name != f"{info.key}.{m.name}" or header.size != m.size:
+                raise DatasetError(f"corrupt shard {where}: at offset {m.offset} the index "
+                                   f"expects {info.key}.{m.name} of {m.size} bytes, the tar "
+                                   f"has {header.name} of {header.size}")
+            blobs[m.name] = bytes(view[at:at + m.size])
+        return _assemble(info, blobs, where)
+
+    def __iter__(self) -> Iterator[RawSample]:
+        """Every sample in order, streaming each tar from start to end (no seeks)."""
+        samples = iter(self._samples)
+        for shard in self._shards:
+            where = self.path / shard.name
+            try:
+                with tarfile.open(where, mode="r|") as tar:
+                    yield from _stream(tar, [next(samples) for _ in range(shard.num_samples)],
+                                       where)
+            except (tarfile.TarError, OSError, EOFError) as err:
+                raise DatasetError(f"corrupt shard {where}: {err}") from None
+
+
+def _stream(tar: tarfile.TarFile, infos: list[SampleInfo], where: Path) -> Iterator[RawSample]:
+    members = iter(tar)
+    for info in infos:
+        blobs = {}
+        for m in info.members:
+            found = next(members, None)
+            if found is None:
+                raise DatasetError(f"corrupt shard {where}: it ends before sample {info.key}'s "
+                                   f"member {m.name}")
+            if found.name != f"{info.key}.{m.name}" or found.size != m.size or \
+                    found.offset_data != m.offset:
+                raise DatasetError(f"corrupt shard {where}: expected {info.key}.{m.name} of "
+                                   f"{m.size} bytes at {m.offset}, found {found.name} of "
+                                   f"{found.size} at {found.offset_data}")
+            file = tar.extractfile(found)
+            assert file is not None  # a regular file, checked by name and size above
+            blobs[m.name] = file.read()
+        yield _assemble(info, blobs, where)
+    extra = next(members, None)
+    if extra is not None:
+        raise DatasetError(f"corrupt shard {where}: unexpected member {extra.name} after "
+                           f"the {len(infos)} samples of the index")
+
+
+def _assemble(info: SampleInfo, blobs: dict[str, bytes], where: Path) -> RawSample:
+    """A RawSample from its members' bytes, checked against the index."""
+    def bad(message: str) -> DatasetError:
+        return DatasetError(f"corrupt shard {where}: sample {info.key}: {message}")
+
+    for m in info.members:
+        if zlib.crc32(blobs[m.name]) != m.crc32:
+            raise bad(f"member {m.name} fails its CRC-32 check")
+    try:
+        text = blobs["txt"].decode("utf-8")
+        record = json.loads(blobs["json"])
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise bad(f"unreadable text or record ({err})") from None
+    if not isinstance(record, dict) or record.get("key") != info.key:
+        raise bad("its JSON record does not carry its key")
+    try:
+        parts = {}
+        for kind, sizes in (("img", info.images), ("gen", info.gen_images)):
+            names = {_stem(n): n for n in blobs if n.startswith(kind) and
+                     not n.startswith("genaud")}
+            entries = record["images" if kind == "img" else "gen_images"]
+            items = []
+            for k, (w, h) in enumerate(sizes):
+                name = names[f"{kind}{k}"]
+                fmt = _EXT_FORMAT[name.rsplit(".", 1)[1]]
+                if entries[k] != {"w": w, "h": h, "format": fmt}:
+                    raise ValueError(f"record {entries[k]} disagrees with {name} {w}x{h}")
+                items.append(EncodedImage(format=fmt, data=blobs[name], width=w, height=h))
+            parts[kind] = tuple(items)
+        for kind, frames in (("aud", info.audio), ("genaud", info.gen_audio)):
+            entries = record["audio" if kind == "aud" else "gen_audio"]
+            clips = []
+            for k, n in enumerate(frames):
+                if entries[k]["frames"] != n:
+                    raise ValueError(f"record {entries[k]} disagrees with {n} frames")
+                clips.append(EncodedAudio(data=blobs[f"{kind}{k}.npy"], frames=n,
+                                          bins=int(entries[k]["bins"])))
+            parts[kind] = tuple(clips)
+    except (KeyError, IndexError, TypeError, ValueError) as err:
+        raise bad(f"record and index disagree ({err})") from None
+    meta = {k: v for k, v in record.items() if k not in _RESERVED}
+    return RawSample(key=info.key, text=text, meta=meta, images=parts["img"],
+                     gen_images=parts["gen"], audio=parts["aud"], gen_audio=parts["genaud"])
