@@ -1,0 +1,267 @@
+"""Decoding stored samples into the arrays the model reads (NumPy; no torch here).
+
+``Decoder.for_program(program, seed=...)`` is built once per spec; ``decoder.decode(raw)``
+turns a ``RawSample`` into a ``DecodedSample``:
+
+- ``tokens``: int64 ``[T]`` from ``Tokenizer`` (one id per ``shards.text_pieces`` piece,
+  so ``T`` is the index's ``text_tokens``), cut to ``max_tokens`` when given;
+- ``images``: for the spec's image encoder, uint8 ``[3, H, W]`` per input image, resized
+  (Pillow, bilinear) to ``patch_grid``: ``H`` and ``W`` multiples of the encoder's patch,
+  at most the clamp high of ``image.patches`` patches when the spec gives one. Without
+  an image encoder nothing reads them and ``images`` is empty;
+- ``audio``: for an audio encoder, float32 ``[frames, bins]`` per clip, cut to the clamp
+  high of ``audio.frames`` when there is one;
+- ``gen``: per generator (by module name) ``LatentTargets``: ``latents`` float32 ``[G, C,
+  L, L]`` (``C`` the generator's ``latent_channels``, ``L`` its ``latent``), ``noise``
+  float32 ``[G, C, L, L]`` and ``timesteps`` int64 ``[G]`` in ``[0, DIFFUSION_STEPS)``.
+  An image generator's targets are the sample's ``gen_images``, an audio generator's its
+  ``gen_audio`` (two generators of one modality share them).
+
+The latents are a fixed, deterministic stand-in for a VAE encoder, not a learnt one. An
+image is box-filtered to ``L x L``, its pixels mapped to ``[-1, 1]`` and its three colour
+channels to ``C`` by a fixed matrix (unit rows drawn once from a seed of ``C``) times
+``IMAGE_LATENT_SCALE``, which gives about unit variance on synthesised images. Audio
+frames are resized (bilinear) to ``L x L`` and multiplied by a fixed unit vector of ``C``
+weights and ``AUDIO_LATENT_SCALE`` (standardised log-mel frames are already about unit
+variance). The noise and timesteps come from a NumPy generator seeded by a SHA-256 of
+``(seed, key, generator name)``, so a sample decodes the same in any process and order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dtdsl.data.shards import DatasetError, EncodedAudio, EncodedImage, RawSample, text_pieces
+from dtdsl.ir import program as ir
+
+__all__ = [
+    "AUDIO_LATENT_SCALE",
+    "DIFFUSION_STEPS",
+    "IMAGE_LATENT_SCALE",
+    "DecodedSample",
+    "Decoder",
+    "LatentTargets",
+    "Tokenizer",
+    "decode_sample",
+    "patch_grid",
+]
+
+DIFFUSION_STEPS = 1000      # DDPM's discrete timesteps, as in dtdsl.runtime.data
+IMAGE_LATENT_SCALE = 2.0
+AUDIO_LATENT_SCALE = 1.0
+
+
+def _seed(*parts: object) -> int:
+    """A 63-bit seed from a SHA-256 of ``parts`` (never ``hash()``: it varies by process)."""
+    text = ":".join(map(str, ("dtdsl-decode", *parts)))
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
+
+
+@dataclass(frozen=True)
+class Tokenizer:
+    """A hashing tokenizer: each piece of ``shards.text_pieces`` (a word or a punctuation
+    character) is one id, the first 8 bytes of its BLAKE2b digest modulo ``vocab``.
+    Deterministic, no vocabulary file; different pieces may share an id."""
+
+    vocab: int
+    _ids: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.vocab < 1:
+            raise ValueError(f"vocab must be at least 1, not {self.vocab}")
+
+    def token_id(self, piece: str) -> int:
+        found = self._ids.get(piece)
+        if found is None:
+            digest = hashlib.blake2b(piece.encode("utf-8", "surrogatepass"), digest_size=8)
+            found = self._ids[piece] = int.from_bytes(digest.digest(), "little") % self.vocab
+        return found
+
+    def encode(self, text: str) -> np.ndarray:
+        """int64 ``[T]``: one id per piece of ``text``."""
+        return np.fromiter(map(self.token_id, text_pieces(text)), dtype=np.int64)
+
+
+def patch_grid(width: int, height: int, patch: int,
+               max_patches: int | None = None) -> tuple[int, int]:
+    """Patches across and down for a ``width x height`` image: each side rounded to a
+    whole number of patches (halves up, at least 1), then both scaled down together until
+    there are at most ``max_patches``."""
+    gw, gh = max(1, int(width / patch + 0.5)), max(1, int(height / patch + 0.5))
+    if max_patches is not None and gw * gh > max_patches:
+        limit = max(1, max_patches)
+        scale = math.sqrt(limit / (gw * gh))
+        gw, gh = max(1, math.floor(gw * scale)), max(1, math.floor(gh * scale))
+        while gw * gh > limit:
+            if gw >= gh:
+                gw -= 1
+            else:
+                gh -= 1
+    return gw, gh
+
+
+@dataclass(frozen=True, eq=False)
+class LatentTargets:
+    """One generator's targets for one sample (G items, G may be 0)."""
+
+    latents: np.ndarray      # [G, C, L, L] float32
+    noise: np.ndarray        # [G, C, L, L] float32
+    timesteps: np.ndarray    # [G] int64 in [0, DIFFUSION_STEPS)
+
+    def __len__(self) -> int:
+        return int(self.latents.shape[0])
+
+
+@dataclass(frozen=True, eq=False)
+class DecodedSample:
+    key: str
+    tokens: np.ndarray                   # [T] int64
+    images: tuple[np.ndarray, ...]       # each [3, H, W] uint8
+    audio: tuple[np.ndarray, ...]        # each [frames, bins] float32
+    gen: dict[str, LatentTargets]        # generator name -> its targets
+
+
+@dataclass(frozen=True, eq=False)
+class _Generator:
+    name: str
+    modality: str
+    channels: int
+    latent: int
+    weights: np.ndarray      # [C, 3] for images, [C] for audio
+
+
+def _generator(module: ir.Module) -> _Generator:
+    arch = module.arch
+    assert isinstance(arch, (ir.UNetArch, ir.DiTArch))
+    c = arch.latent_channels
+    rng = np.random.default_rng(_seed("latent-map", module.modality, c))
+    if module.modality == "image":
+        weights = rng.standard_normal((c, 3))
+        weights /= np.linalg.norm(weights, axis=1, keepdims=True)
+        weights *= IMAGE_LATENT_SCALE
+    else:
+        weights = rng.choice([-1.0, 1.0], size=c) * AUDIO_LATENT_SCALE
+    return _Generator(name=module.name, modality=module.modality or "", channels=c,
+                      latent=arch.latent, weights=weights.astype(np.float32))
+
+
+def _high(data: ir.Data, modality: str, name: str) -> int | None:
+    quantity = data.get(modality, name)
+    if quantity is None or quantity.high is None:
+        return None
+    return int(quantity.high)
+
+
+@dataclass(frozen=True, eq=False)
+class Decoder:
+    """Decodes samples for one spec; build it once (``for_program``), decode many."""
+
+    tokenizer: Tokenizer
+    seed: int
+    max_tokens: int | None
+    patch: int | None                 # the image encoder's; None: no image encoder
+    max_patches: int | None
+    audio: bool                       # the spec has an audio encoder
+    max_frames: int | None
+    generators: tuple[_Generator, ...]
+
+    @classmethod
+    def for_program(cls, program: ir.Program, *, seed: int,
+                    max_tokens: int | None = None) -> Decoder:
+        """ValueError for video modules (no video data yet)."""
+        for module in program.modules:
+            if module.modality == "video":
+                raise ValueError(f"'{module.name}' reads video; samples carry text, images "
+                                 "and audio only")
+        image = next((m for m in program.encoders if m.modality == "image"), None)
+        patch = None
+        if image is not None:
+            patch = getattr(image.arch, "patch", None) or 1
+        return cls(tokenizer=Tokenizer(program.backbone.arch.vocab), seed=seed,
+                   max_tokens=max_tokens, patch=patch,
+                   max_patches=_high(program.data, "image", "patches"),
+                   audio=any(m.modality == "audio" for m in program.encoders),
+                   max_frames=_high(program.data, "audio", "frames"),
+                   generators=tuple(_generator(m) for m in program.generators))
+
+    def decode(self, raw: RawSample) -> DecodedSample:
+        """The arrays of one sample. DatasetError for an image or clip that does not
+        decode."""
+        tokens = self.tokenizer.encode(raw.text)
+        if self.max_tokens is not None:
+            tokens = tokens[:self.max_tokens]
+        images: tuple[np.ndarray, ...] = ()
+        if self.patch is not None:
+            images = tuple(self._image(raw, k, image) for k, image in enumerate(raw.images))
+        audio: tuple[np.ndarray, ...] = ()
+        if self.audio:
+            audio = tuple(self._clip(raw, clip)[:self.max_frames] for clip in raw.audio)
+        gen = {g.name: self._targets(raw, g) for g in self.generators}
+        return DecodedSample(key=raw.key, tokens=tokens, images=images, audio=audio, gen=gen)
+
+    def _open(self, raw: RawSample, image: EncodedImage):
+        from PIL import Image
+
+        try:
+            img = Image.open(io.BytesIO(image.data))
+            img.load()
+        except OSError as err:
+            raise DatasetError(f"sample {raw.key}: cannot decode a {image.format} image: "
+                               f"{err}") from None
+        return img if img.mode == "RGB" else img.convert("RGB")
+
+    def _image(self, raw: RawSample, k: int, image: EncodedImage) -> np.ndarray:
+        from PIL import Image
+
+        assert self.patch is not None
+        img = self._open(raw, image)
+        gw, gh = patch_grid(img.width, img.height, self.patch, self.max_patches)
+        size = (gw * self.patch, gh * self.patch)
+        if img.size != size:
+            img = img.resize(size, Image.Resampling.BILINEAR)
+        return np.ascontiguousarray(np.asarray(img).transpose(2, 0, 1))
+
+    def _clip(self, raw: RawSample, clip: EncodedAudio) -> np.ndarray:
+        try:
+            array = clip.array()
+        except (ValueError, OSError) as err:
+            raise DatasetError(f"sample {raw.key}: cannot decode audio: {err}") from None
+        if array.dtype != np.float32 or array.ndim != 2:
+            raise DatasetError(f"sample {raw.key}: audio is {array.dtype} "
+                               f"{list(array.shape)}, not float32 [frames, bins]")
+        return array
+
+    def _targets(self, raw: RawSample, g: _Generator) -> LatentTargets:
+        from PIL import Image
+
+        size = (g.latent, g.latent)
+        if g.modality == "image":
+            latents = []
+            for image in raw.gen_images:
+                img = self._open(raw, image).resize(size, Image.Resampling.BOX)
+                pixels = np.asarray(img, dtype=np.float32) * (2 / 255) - 1     # [L, L, 3]
+                latents.append(np.einsum("cr,hwr->chw", g.weights, pixels))
+        else:
+            latents = []
+            for clip in raw.gen_audio:
+                frames = Image.fromarray(self._clip(raw, clip))  # mode "F"
+                small = np.asarray(frames.resize(size, Image.Resampling.BILINEAR))
+                latents.append(g.weights[:, None, None] * small[None])
+        shape = (len(latents), g.channels, g.latent, g.latent)
+        stacked = (np.stack(latents).astype(np.float32, copy=False) if latents
+                   else np.zeros(shape, dtype=np.float32))
+        rng = np.random.default_rng(_seed(self.seed, raw.key, g.name))
+        timesteps = rng.integers(0, DIFFUSION_STEPS, size=len(latents), dtype=np.int64)
+        noise = rng.standard_normal(shape, dtype=np.float32)
+        return LatentTargets(latents=stacked, noise=noise, timesteps=timesteps)
+
+
+def decode_sample(program: ir.Program, raw: RawSample, *, seed: int,
+                  max_tokens: int | None = None) -> DecodedSample:
+    """Decode one sample (builds a ``Decoder``; keep one to decode many)."""
+    return Decoder.for_program(program, seed=seed, max_tokens=max_tokens).decode(raw)

@@ -1,0 +1,101 @@
+"""The measured data distribution of a dataset, from its index alone (``dtc data stats``).
+
+``measure`` gives one list of values per spec quantity:
+
+- ``text.tokens``: per sample, the index's ``text_tokens`` (``shards.count_text_tokens``:
+  words and punctuation marks, the pieces ``decode.Tokenizer`` gives one id each);
+- ``image.count`` and ``image.gen_count``: input images and images to generate per
+  sample; ``image.patches``: per input image, the patches ``decode.patch_grid`` gives it
+  (its sides rounded to whole patches, at most the spec's clamp high when given);
+- ``audio.count``, ``audio.gen_count``: clips per sample; ``audio.frames``: per input clip.
+
+Counts of a modality are listed when any sample carries an item of it, per-item sizes
+when there is at least one item, so every list is usable as it is. ``stats_json`` writes
+them as ``{"text.tokens": [...], ...}``, the object form of an empirical file: a spec can
+say ``text.tokens ~ empirical("stats.json")``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+from dtdsl.data.decode import patch_grid
+from dtdsl.data.shards import Dataset
+
+__all__ = ["DEFAULT_PATCH", "QuantityStats", "measure", "stats_json", "stats_table",
+           "summarize"]
+
+DEFAULT_PATCH = 14
+
+
+def measure(dataset: Dataset, *, patch: int = DEFAULT_PATCH,
+            max_patches: int | None = None) -> dict[str, list[int]]:
+    """The values of each quantity over the dataset (see the module docstring)."""
+    if patch < 1:
+        raise ValueError(f"patch must be at least 1, not {patch}")
+    infos = [dataset.info(i) for i in range(len(dataset))]
+    out: dict[str, list[int]] = {"text.tokens": [s.text_tokens for s in infos]}
+    if any(s.images or s.gen_images for s in infos):
+        out["image.count"] = [len(s.images) for s in infos]
+        patches = [gw * gh for s in infos for w, h in s.images
+                   for gw, gh in [patch_grid(w, h, patch, max_patches)]]
+        if patches:
+            out["image.patches"] = patches
+        out["image.gen_count"] = [len(s.gen_images) for s in infos]
+    if any(s.audio or s.gen_audio for s in infos):
+        out["audio.count"] = [len(s.audio) for s in infos]
+        frames = [n for s in infos for n in s.audio]
+        if frames:
+            out["audio.frames"] = frames
+        out["audio.gen_count"] = [len(s.gen_audio) for s in infos]
+    return out
+
+
+@dataclass(frozen=True)
+class QuantityStats:
+    name: str
+    count: int
+    mean: float
+    min: int
+    p50: int
+    p90: int
+    p99: int
+    max: int
+
+
+def summarize(values: dict[str, list[int]]) -> list[QuantityStats]:
+    """Count, mean, extremes and percentiles (values that occur: the inverted CDF) of each
+    non-empty list."""
+    out = []
+    for name, items in values.items():
+        if not items:
+            continue
+        array = np.asarray(items)
+        p50, p90, p99 = np.percentile(array, [50, 90, 99], method="inverted_cdf")
+        out.append(QuantityStats(name=name, count=len(array), mean=float(array.mean()),
+                                 min=int(array.min()), p50=int(p50), p90=int(p90),
+                                 p99=int(p99), max=int(array.max())))
+    return out
+
+
+def stats_table(stats: list[QuantityStats], title: str):
+    """A rich Table, one row per quantity."""
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    table.add_column("quantity", no_wrap=True)
+    for column in ("count", "mean", "min", "p50", "p90", "p99", "max"):
+        table.add_column(column, justify="right", no_wrap=True)
+    for s in stats:
+        table.add_row(s.name, f"{s.count:,}", f"{s.mean:.2f}", str(s.min), str(s.p50),
+                      str(s.p90), str(s.p99), str(s.max))
+    return table
+
+
+def stats_json(values: dict[str, list[int]]) -> str:
+    """``{"quantity": [values...]}`` with one quantity per line."""
+    lines = [f"  {json.dumps(name)}: {json.dumps(items)}" for name, items in values.items()]
+    return "{\n" + ",\n".join(lines) + "\n}\n"
