@@ -81,11 +81,11 @@ def summarize(values: dict[str, list[int]]) -> list[QuantityStats]:
     return out
 
 
-def stats_table(stats: list[QuantityStats], title: str):
+def stats_table(stats: list[QuantityStats]):
     """A rich Table, one row per quantity."""
     from rich.table import Table
 
-    table = Table(title=title, title_justify="left")
+    table = Table()
     table.add_column("quantity", no_wrap=True)
     for column in ("count", "mean", "min", "p50", "p90", "p99", "max"):
         table.add_column(column, justify="right", no_wrap=True)

@@ -36,7 +36,7 @@ def test_summarize():
     (s,) = summarize({"x": list(range(1, 101)), "empty": []})
     assert (s.name, s.count, s.mean, s.min, s.p50, s.p90, s.p99, s.max) == \
         ("x", 100, 50.5, 1, 50, 90, 99, 100)
-    table = stats_table([s], "title")
+    table = stats_table([s])
     assert [c.header for c in table.columns] == ["quantity", "count", "mean", "min", "p50",
                                                  "p90", "p99", "max"]
 

@@ -1,0 +1,173 @@
+"""``dtc data synth`` and ``dtc data stats``; ``register`` adds them to dtc's parser.
+
+The commands follow ``dtdsl.cli``'s conventions (and reuse its helpers, imported when
+they run, since ``dtdsl.cli`` imports this module): a bad command line or an unreadable
+dataset is a ``UsageError`` (exit 2), a spec with errors exit 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dtdsl.driver import FrontendResult
+    from dtdsl.ir.program import Program
+
+__all__ = ["DEFAULT_MAX_SAMPLES", "register"]
+
+DEFAULT_MAX_SAMPLES = 2048   # the default size without data.samples: 4 x the steps' samples
+
+
+def _default_samples(program: Program) -> int:
+    if program.data.samples is not None:
+        return program.data.samples
+    train = program.train
+    return min(4 * train.global_batch * train.steps, DEFAULT_MAX_SAMPLES)
+
+
+def _output_dir(args: argparse.Namespace, result: FrontendResult, program: Program) -> Path:
+    """``-o``, or the spec's ``data.source`` relative to the spec's folder (the rule of
+    empirical files)."""
+    from dtdsl.driver import UsageError
+
+    if args.output:
+        return Path(args.output)
+    source = program.data.source
+    if source is None:
+        raise UsageError(f"{result.name} has no data.source; give the output directory "
+                         "with -o DIR")
+    if "{" in source or source.endswith(".tar"):
+        raise UsageError(f"data.source {source!r} names shard files, not a directory; give "
+                         "the output directory with -o DIR")
+    path = Path(source)
+    if not path.is_absolute():
+        base = Path(result.name).resolve().parent if result.name != "<stdin>" else Path.cwd()
+        path = base / path
+    return path
+
+
+def _cmd_synth(args: argparse.Namespace) -> int:
+    from dtdsl.cli import EXIT_OK, _load_program
+    from dtdsl.data.shards import DatasetError, write_dataset
+    from dtdsl.data.synth import provenance, synthesize
+    from dtdsl.driver import UsageError
+    from dtdsl.report import format_bytes, progress_bar
+
+    result, code = _load_program(args.spec)
+    if result is None:
+        return code
+    program = result.program
+    assert program is not None
+    out = _output_dir(args, result, program)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"{out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not args.overwrite:
+        raise UsageError(f"{out} is not empty; pass --overwrite to replace the dataset in it "
+                         "(only its index.json and shard-*.tar files are removed)")
+    num_samples = args.samples or _default_samples(program)
+    seed = program.train.seed if args.seed is None else args.seed
+    start = time.perf_counter()
+    try:
+        samples = synthesize(program, num_samples, seed)
+        with progress_bar(f"synthesising {program.name}") as progress:
+            written = write_dataset(
+                out, samples, samples_per_shard=args.shard_size, overwrite=args.overwrite,
+                provenance=provenance(program, seed),
+                progress=lambda done: progress(done, num_samples, ""))
+    except ValueError as err:
+        raise UsageError(f"cannot synthesise data for {result.name}: {err}") from None
+    except DatasetError as err:
+        raise UsageError(str(err)) from None
+    if not args.quiet:
+        shards = f"{written.num_shards} shard{'s' if written.num_shards != 1 else ''}"
+        print(f"wrote {written.num_samples:,} samples of {program.name} (seed {seed}) to "
+              f"{out}: {shards}, {format_bytes(written.num_bytes)}, "
+              f"{time.perf_counter() - start:.1f} s", file=sys.stderr)
+    return EXIT_OK
+
+
+def _cmd_stats(args: argparse.Namespace) -> int:
+    from dtdsl.cli import EXIT_OK, _load_program, _write_file
+    from dtdsl.data.shards import Dataset, DatasetError
+    from dtdsl.data.stats import DEFAULT_PATCH, measure, stats_json, stats_table, summarize
+    from dtdsl.driver import UsageError
+    from dtdsl.report import wide_console
+
+    patch, max_patches = args.patch or DEFAULT_PATCH, None
+    if args.spec is not None:
+        result, code = _load_program(args.spec)
+        if result is None:
+            return code
+        program = result.program
+        assert program is not None
+        encoder = next((m for m in program.encoders if m.modality == "image"), None)
+        if encoder is not None:
+            patch = getattr(encoder.arch, "patch", None) or 1
+        quantity = program.data.get("image", "patches")
+        if quantity is not None and quantity.high is not None:
+            max_patches = int(quantity.high)
+    try:
+        with Dataset.open(args.dataset) as dataset:
+            values = measure(dataset, patch=patch, max_patches=max_patches)
+            title = (f"{args.dataset}: {len(dataset):,} samples in "
+                     f"{len(dataset.shard_names)} shards (image patches of {patch} px)")
+    except DatasetError as err:
+        raise UsageError(str(err)) from None
+    text = stats_json(values)
+    if args.output:
+        _write_file(args.output, text)
+    if args.json:
+        sys.stdout.write(text)
+    else:
+        console = wide_console()
+        console.print(title, markup=False, highlight=False)
+        console.print(stats_table(summarize(values)))
+    return EXIT_OK
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``data`` (with ``synth`` and ``stats``) to dtc's subcommands."""
+    from dtdsl.cli import _positive_int
+    from dtdsl.data.shards import DEFAULT_SAMPLES_PER_SHARD
+
+    data = subparsers.add_parser("data", help="synthesise a dataset that follows a spec, "
+                                 "measure a dataset's distribution")
+    sub = data.add_subparsers(dest="data_command", metavar="COMMAND", required=True)
+
+    synth = sub.add_parser("synth", help="write synthetic samples that follow the spec's data "
+                           "block as tar shards")
+    synth.add_argument("spec", metavar="SPEC", help="spec file ('-' for stdin)")
+    synth.add_argument("-o", "--output", metavar="DIR",
+                       help="output directory (default: the spec's data.source, relative to "
+                       "the spec's folder)")
+    synth.add_argument("--samples", type=_positive_int, metavar="N",
+                       help="how many samples (default: data.samples, else 4 x global_batch "
+                       f"x steps, at most {DEFAULT_MAX_SAMPLES})")
+    synth.add_argument("--seed", type=int, metavar="S",
+                       help="random seed (default: the spec's train.seed)")
+    synth.add_argument("--shard-size", type=_positive_int, metavar="N",
+                       default=DEFAULT_SAMPLES_PER_SHARD,
+                       help=f"samples per shard (default {DEFAULT_SAMPLES_PER_SHARD})")
+    synth.add_argument("--overwrite", action="store_true",
+                       help="replace the dataset in a non-empty output directory")
+    synth.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
+    synth.set_defaults(func=_cmd_synth)
+
+    stats = sub.add_parser("stats", help="measure a dataset's distribution from its index: a "
+                           "table, or JSON a spec can read with empirical(...)")
+    stats.add_argument("dataset", metavar="DIR", help="dataset directory (with index.json)")
+    how = stats.add_mutually_exclusive_group()
+    how.add_argument("--spec", metavar="SPEC",
+                     help="count image patches with this spec's image encoder (its patch, "
+                     "and the clamp of image.patches)")
+    how.add_argument("--patch", type=_positive_int, metavar="PX",
+                     help="patch size in pixels for image.patches (default 14)")
+    stats.add_argument("--json", action="store_true",
+                       help='print {"quantity": [values...]} instead of the table')
+    stats.add_argument("-o", "--output", metavar="FILE",
+                       help="also write that JSON here (for empirical(\"FILE\"))")
+    stats.set_defaults(func=_cmd_stats)
