@@ -597,6 +597,46 @@ def _cmd_reference(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_compile(args: argparse.Namespace) -> int:
+    from dtdsl.codegen.compile import BundleOptions, compile_bundle
+    from dtdsl.codegen.emit import BundleError
+    from dtdsl.schedule.lower import LoweringError, lower
+
+    result, code = _load_program(args.spec)
+    if result is None:
+        return code
+    program = result.program
+    assert program is not None and result.source is not None
+    if args.data is not None and args.synthetic:
+        raise UsageError("--data names a dataset and --synthetic draws samples instead: "
+                         "give one or the other")
+    cost = _cost_model(args, program)
+    if args.plan:
+        the_plan = _read_plan(args.plan, program)
+    else:
+        the_plan = _solve(result, program, cost)
+        if the_plan is None:
+            return EXIT_ERRORS
+    try:
+        schedule = lower(the_plan, program)
+    except LoweringError as err:
+        raise UsageError(f"cannot lower the plan: {err}") from None
+    options = BundleOptions(
+        steps=args.steps, workers=args.workers, data=args.data, synthetic=args.synthetic,
+        hosts=tuple(h for h in (args.hosts or "").split(",") if h),
+        port_base=args.port_base, max_restarts=args.max_restarts)
+    try:
+        written = compile_bundle(args.output, source=result.source.text.encode("utf-8"),
+                                 spec_path=args.spec, program=program, plan=the_plan,
+                                 schedule=schedule, options=options, overwrite=args.overwrite)
+    except (BundleError, ValueError) as err:
+        raise UsageError(str(err)) from None
+    ranks = the_plan.gpus_used
+    print(f"dtc: wrote {len(written)} files to {args.output} ({ranks} ranks); launch with "
+          f"{Path(args.output) / 'launch.sh'}", file=sys.stderr)
+    return EXIT_OK
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="dtc", description="dtdsl: compile multimodal LLM training specs.")
     parser.add_argument("--version", action="version", version=f"dtc {__version__}")
@@ -665,6 +705,37 @@ def _parser() -> argparse.ArgumentParser:
                        "each module's pipeline stages")
     graph.add_argument("-o", "--output", metavar="FILE", help="write here, not to stdout")
     graph.set_defaults(func=_cmd_graph)
+
+    comp = sub.add_parser("compile", help="write a launch bundle: rank programs, "
+                          "preprocessing workers, launch.sh, slurm.sbatch")
+    comp.add_argument("spec", metavar="SPEC", help="spec file ('-' for stdin)")
+    comp.add_argument("-o", "--output", required=True, metavar="DIR",
+                      help="the bundle directory (created; must be new or empty)")
+    comp.add_argument("--plan", metavar="PLAN", help="a Plan JSON (`dtc plan -o`); default: "
+                      "plan the spec now (convex search)")
+    comp.add_argument("--profile", metavar="PROFILE",
+                      help="a profile from `dtc profile`: measured module times")
+    comp.add_argument("--efficiency", action="append", metavar="KIND=FRACTION",
+                      help="analytic model efficiency (see `dtc plan --help`)")
+    comp.add_argument("--steps", type=_positive_int, metavar="N",
+                      help="training steps (default: the spec's train.steps)")
+    comp.add_argument("--workers", type=int, metavar="N",
+                      help="preprocessing worker processes (default: cluster.cpu_workers; "
+                      "0 builds batches inside the trainers)")
+    comp.add_argument("--data", metavar="DIR", help="the dataset (default: the spec's "
+                      "data.source, relative to the spec)")
+    comp.add_argument("--synthetic", action="store_true",
+                      help="train on samples drawn from the spec's distributions")
+    comp.add_argument("--hosts", metavar="H0,H1,...",
+                      help="each node's address for the preprocessing feed (default: "
+                      "127.0.0.1 on one node)")
+    comp.add_argument("--port-base", type=int, default=29600, metavar="P",
+                      help="the feed's first port (default 29600)")
+    comp.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                      help="torchrun restarts after a failed rank (default 0)")
+    comp.add_argument("--overwrite", action="store_true",
+                      help="replace an earlier bundle in DIR (its run directories are kept)")
+    comp.set_defaults(func=_cmd_compile)
 
     sim = sub.add_parser("simulate", help="simulate training steps of a plan: TensorBoard "
                          "scalars and Gantt charts, a Perfetto trace")

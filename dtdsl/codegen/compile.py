@@ -1,0 +1,101 @@
+"""``dtc compile``: from a checked spec and its plan to a launch bundle on disk."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from dtdsl.codegen.emit import emit_bundle
+from dtdsl.codegen.views import bundle_view
+from dtdsl.ir import program as ir
+from dtdsl.ir.plan import Plan
+from dtdsl.ir.schedule import Schedule
+from dtdsl.runtime.job import CheckpointConfig, DataConfig, FeedConfig, Job
+
+__all__ = ["BundleOptions", "DEFAULT_PORT_BASE", "DEFAULT_RDZV_PORT", "compile_bundle",
+           "make_job"]
+
+DEFAULT_PORT_BASE = 29600       # the feed: control channel, then one port per trainer rank
+DEFAULT_RDZV_PORT = 29500       # torchrun's rendezvous on multi-node launches
+MAX_MESSAGE_BYTES = 1 << 30
+KEEP_CHECKPOINTS = 3
+
+
+@dataclass(frozen=True)
+class BundleOptions:
+    """What ``dtc compile``'s options decide (None: the spec's or the default)."""
+
+    steps: int | None = None
+    workers: int | None = None
+    prefetch: int = 2
+    data: str | None = None          # a dataset directory, as the user wrote it
+    synthetic: bool = False          # samples drawn from the spec's distributions
+    hosts: tuple[str, ...] = ()
+    port_base: int = DEFAULT_PORT_BASE
+    max_restarts: int = 0
+
+
+def _data(program: ir.Program, spec_dir: Path, out: Path, options: BundleOptions
+          ) -> tuple[DataConfig, str | None]:
+    """The job's data source, and a warning when its dataset is not there yet."""
+    if options.synthetic:
+        return DataConfig(kind="synthetic"), None
+    if options.data is not None:
+        where = Path(options.data)
+    elif program.data.source is not None and not any(c in program.data.source for c in "{*?"):
+        where = spec_dir / program.data.source
+    else:
+        return DataConfig(kind="synthetic"), (
+            "the spec names no dataset directory (data.source); the bundle trains on "
+            "samples drawn from the spec's distributions (give --data DIR for a dataset)")
+    rel = os.path.relpath(where.resolve(), out.resolve())
+    warning = None
+    if not (where / "index.json").is_file():
+        warning = (f"no dataset at {where} yet (write one with `dtc data synth`); the "
+                   "bundle's workers will look for it there")
+    return DataConfig(kind="dataset", path=Path(rel).as_posix()), warning
+
+
+def make_job(program: ir.Program, plan: Plan, data: DataConfig, options: BundleOptions
+             ) -> Job:
+    """The job description of a bundle."""
+    world = plan.gpus_used
+    per_node = min(program.cluster.gpus_per_node, world)
+    nodes = math.ceil(world / per_node)
+    hosts = options.hosts or (("127.0.0.1",) if nodes == 1 else
+                              tuple(f"node{i}" for i in range(nodes)))
+    if len(hosts) != nodes:
+        raise ValueError(f"--hosts names {len(hosts)} hosts for {nodes} nodes")
+    last_port = options.port_base + 1 + world
+    if last_port > 65535:
+        raise ValueError(f"--port-base {options.port_base} leaves no room for {world} ranks' "
+                         "ports below 65536")
+    workers = program.cluster.cpu_workers if options.workers is None else options.workers
+    return Job(spec=program.name, spec_sha256=program.source_sha256, world_size=world,
+               nodes=nodes, gpus_per_node=per_node,
+               steps=options.steps or program.train.steps,
+               reorder=tuple(sorted(program.train.reorder)), data=data,
+               feed=FeedConfig(workers=workers, prefetch=options.prefetch, hosts=hosts,
+                               port_base=options.port_base,
+                               max_message_bytes=MAX_MESSAGE_BYTES),
+               checkpoint=CheckpointConfig(every=program.train.checkpoint_every,
+                                           keep=KEEP_CHECKPOINTS))
+
+
+def compile_bundle(out: str | Path, *, source: bytes, spec_path: str, program: ir.Program,
+                   plan: Plan, schedule: Schedule, options: BundleOptions,
+                   overwrite: bool = False) -> list[str]:
+    """Write the bundle of ``program`` under ``plan`` into ``out``; the paths written.
+    Warnings go to stderr."""
+    spec_dir = Path(spec_path).parent if spec_path not in ("-", "<stdin>") else Path.cwd()
+    data, warning = _data(program, spec_dir, Path(out), options)
+    if warning:
+        print(f"dtc: warning: {warning}", file=sys.stderr)
+    job = make_job(program, plan, data, options)
+    view = bundle_view(program, plan, schedule, job, rdzv_port=DEFAULT_RDZV_PORT,
+                       max_restarts=options.max_restarts)
+    return emit_bundle(out, source=source, program=program, plan=plan, schedule=schedule,
+                       job=job, view=view, overwrite=overwrite)

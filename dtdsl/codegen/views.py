@@ -1,0 +1,132 @@
+"""View models of a launch bundle: every decision the generated files embody, made here.
+
+Templates only loop and substitute; what each file says comes from these frozen
+dataclasses, built from the checked Program, the Plan and the lowered Schedule. Values
+reach the templates as Python objects and leave them through the ``py`` (a Python
+literal) and ``sh`` (a quoted shell word) filters only, so no text of the spec is ever
+spliced into code.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from dtdsl.ir import program as ir
+from dtdsl.ir.plan import Plan
+from dtdsl.ir.schedule import Schedule
+from dtdsl.runtime.job import Job
+from dtdsl.runtime.mesh import UnitGrid, grids
+
+__all__ = ["BundleView", "RankFileView", "RankView", "bundle_view", "rank_file_name"]
+
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+
+
+def rank_file_name(unit: str, stage: int) -> str:
+    """The rank program of a unit's pipeline stage, relative to the bundle."""
+    if not _IDENT.match(unit):   # the grammar's identifier rule: a compiler bug otherwise
+        raise AssertionError(f"unit name {unit!r} is not an identifier")
+    return f"ranks/{unit}_s{stage}.py"
+
+
+@dataclass(frozen=True)
+class RankView:
+    rank: int
+    replica: int
+    tp_index: int
+    tp_group: tuple[int, ...]
+    dp_group: tuple[int, ...]
+    pp_group: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class RankFileView:
+    """One rank program: a pipeline stage of one unit and every rank that runs it."""
+
+    path: str
+    unit: str
+    role: str
+    stage: int
+    layers: tuple[int, int]
+    tp: int
+    dp: int
+    pp: int
+    ranks: tuple[RankView, ...]
+    schedule: tuple[str, ...]
+
+    @property
+    def rank_list(self) -> str:
+        return ", ".join(str(r.rank) for r in self.ranks)
+
+
+@dataclass(frozen=True)
+class BundleView:
+    """Everything the templates of one bundle read."""
+
+    spec: str
+    spec_sha256: str
+    world_size: int
+    nodes: int
+    gpus_per_node: int
+    steps: int
+    workers: int
+    prefetch: int
+    reorder: tuple[str, ...]
+    port_base: int
+    rdzv_port: int
+    max_restarts: int
+    cpus_per_task: int
+    rank_files: tuple[RankFileView, ...]
+
+    @property
+    def rank_table(self) -> tuple[tuple[int, str], ...]:
+        return tuple(sorted((r.rank, f.path) for f in self.rank_files for r in f.ranks))
+
+    @property
+    def reorder_text(self) -> str:
+        return ", ".join(self.reorder) or "none"
+
+    @property
+    def job_name(self) -> str:
+        return f"dtdsl-{self.spec}"
+
+
+def _layers(grid: UnitGrid, plan: Plan, stage: int) -> tuple[int, int]:
+    split = plan.unit(grid.name).layers_per_stage
+    start = sum(split[:stage])
+    return start, start + split[stage]
+
+
+def _rank_files(plan: Plan, schedule: Schedule) -> tuple[RankFileView, ...]:
+    out = []
+    for g in grids(plan):
+        unit = plan.unit(g.name)
+        for stage in range(g.pp):
+            ranks = []
+            for replica in range(g.dp):
+                for t in range(g.tp):
+                    ranks.append(RankView(
+                        rank=g.rank(stage, replica, t), replica=replica, tp_index=t,
+                        tp_group=g.tp_group_ranks(stage, replica),
+                        dp_group=g.dp_group_ranks(stage, t),
+                        pp_group=g.pp_group_ranks(replica, t)))
+            out.append(RankFileView(
+                path=rank_file_name(g.name, stage), unit=g.name, role=unit.role, stage=stage,
+                layers=_layers(g, plan, stage), tp=g.tp, dp=g.dp, pp=g.pp,
+                ranks=tuple(sorted(ranks, key=lambda r: r.rank)),
+                schedule=tuple(str(a) for a in schedule.stage(g.name, stage).actions)))
+    return tuple(out)
+
+
+def bundle_view(program: ir.Program, plan: Plan, schedule: Schedule, job: Job, *,
+                rdzv_port: int, max_restarts: int) -> BundleView:
+    """The view of a bundle for ``program`` under ``plan``."""
+    return BundleView(
+        spec=program.name, spec_sha256=program.source_sha256, world_size=job.world_size,
+        nodes=job.nodes, gpus_per_node=job.gpus_per_node, steps=job.steps,
+        workers=job.feed.workers, prefetch=job.feed.prefetch, reorder=tuple(job.reorder),
+        port_base=job.feed.port_base, rdzv_port=rdzv_port, max_restarts=max_restarts,
+        cpus_per_task=max(1, program.cluster.cpu_workers // max(1, job.nodes))
+        if program.cluster.cpu_workers else 8,
+        rank_files=_rank_files(plan, schedule))
