@@ -81,9 +81,11 @@ __all__ = [
     "DEFAULT_MAX_ARRAYS",
     "DEFAULT_MAX_BYTES",
     "DTYPES",
+    "MAGIC",
     "MAX_HEADER_BYTES",
     "PREFIX",
     "SECRET_BYTES",
+    "VERSION",
     "Message",
     "Publisher",
     "Reason",
@@ -177,8 +179,8 @@ class Message:
 
         Shares memory with the received frame when that frame is writable and aligned (zmq
         frames are this message's private copy of the bytes, so nobody else sees the
-        writes), else copies once. It may alias ``arrays[name]``: after writing into the
-        tensor, read the tensor, not the numpy view.
+        writes), else copies once. It may alias ``arrays[name]`` and the tensors of other
+        calls for the same name: write into one of them only, and read that one.
         """
         import torch
 
@@ -282,7 +284,8 @@ def encode(kind: str, meta: Mapping[str, Any] | None, arrays: Mapping[str, Any] 
 
     ``arrays`` maps names to numpy arrays or CPU torch tensors of a ``DTYPES`` dtype. The
     buffers are memoryviews over the arrays themselves (no copy for contiguous ones).
-    Raises ``TypeError``/``ValueError`` for anything a receiver would drop, so a sender's
+    Raises ``TypeError``/``ValueError`` for anything every receiver would drop (its own
+    ``max_bytes`` and ``max_arrays`` aside), so a sender's
     mistake shows up at the sender.
     """
     secret = _check_secret(secret)
