@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ __all__ = ["BundleOptions", "DEFAULT_PORT_BASE", "DEFAULT_RDZV_PORT", "compile_b
 DEFAULT_PORT_BASE = 29600       # the feed: control channel, then one port per trainer rank
 DEFAULT_RDZV_PORT = 29500       # torchrun's rendezvous on multi-node launches
 MAX_MESSAGE_BYTES = 1 << 30
+_HOST = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.\-]*[A-Za-z0-9])?\Z|\[[0-9A-Fa-f:.]+\]\Z")
 KEEP_CHECKPOINTS = 3
 
 
@@ -67,6 +69,10 @@ def make_job(program: ir.Program, plan: Plan, data: DataConfig, options: BundleO
     nodes = math.ceil(world / per_node)
     hosts = options.hosts or (("127.0.0.1",) if nodes == 1 else
                               tuple(f"node{i}" for i in range(nodes)))
+    bad = [h for h in hosts if not _HOST.match(h)]
+    if bad:
+        raise ValueError(f"--hosts: {bad[0]!r} is not a host name or address (letters, "
+                         "digits, '.', '-'; IPv6 in brackets)")
     if len(hosts) != nodes:
         raise ValueError(f"--hosts names {len(hosts)} hosts for {nodes} nodes")
     last_port = options.port_base + 1 + world

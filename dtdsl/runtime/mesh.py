@@ -32,9 +32,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-import torch.distributed as dist
+if TYPE_CHECKING:   # torch is imported where groups are built: planning tools never pay for it
+    from torch.distributed import ProcessGroup
 
-if TYPE_CHECKING:
     from dtdsl.ir.plan import Plan, UnitPlan
 
 __all__ = ["ProcessGroups", "RankRole", "UnitGrid", "build_groups", "grids", "role_of"]
@@ -199,9 +199,9 @@ class ProcessGroups:
     """This rank's process groups (and the ranks in each, as global ranks)."""
 
     role: RankRole
-    tp: dist.ProcessGroup
-    dp: dist.ProcessGroup
-    pp: dist.ProcessGroup
+    tp: ProcessGroup
+    dp: ProcessGroup
+    pp: ProcessGroup
 
     @property
     def rank(self) -> int:
@@ -212,6 +212,8 @@ def build_groups(plan: Plan, *, backend: str | None = None) -> ProcessGroups:
     """Create every unit's TP, DP and PP groups on this rank, in the order of the module
     docstring, and return the three this rank is in. Collective: every rank of the default
     group must call it. The default group's size must equal the plan's ranks."""
+    import torch.distributed as dist
+
     if not dist.is_initialized():
         raise RuntimeError("build_groups needs torch.distributed to be initialised")
     world = dist.get_world_size()
@@ -219,7 +221,7 @@ def build_groups(plan: Plan, *, backend: str | None = None) -> ProcessGroups:
         raise ValueError(f"the plan uses {_world(plan)} ranks but the world size is {world}")
     rank = dist.get_rank()
     role = role_of(plan, rank)
-    mine: dict[str, dist.ProcessGroup] = {}
+    mine: dict[str, ProcessGroup] = {}
     for g in grids(plan):
         for kind, members in (("tp", g.tp_groups()), ("dp", g.dp_groups()),
                               ("pp", g.pp_groups())):

@@ -1,0 +1,153 @@
+"""dtc compile: bundle contents, determinism, safety against hostile specs, scale."""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import os
+import stat
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from dtdsl import cli
+from dtdsl.codegen.emit import SECRET_FILE, py_literal
+
+ROOT = Path(__file__).resolve().parents[2]
+SPECS = ROOT / "specs"
+
+
+def compile_spec(spec: Path, out: Path, *extra: str) -> int:
+    return cli.main(["compile", str(spec), "-o", str(out), *extra])
+
+
+def files_of(bundle: Path) -> dict[str, bytes]:
+    return {p.relative_to(bundle).as_posix(): p.read_bytes()
+            for p in sorted(bundle.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("name", ["tiny_cpu", "mllm_72b"])
+def test_two_compiles_are_byte_identical_but_for_the_key(tmp_path, name):
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert compile_spec(SPECS / f"{name}.dt", a) == 0
+    assert compile_spec(SPECS / f"{name}.dt", b) == 0
+    fa, fb = files_of(a), files_of(b)
+    assert fa.keys() == fb.keys()
+    differ = [p for p in fa if fa[p] != fb[p]]
+    assert differ == [SECRET_FILE]
+
+
+def test_bundle_layout_headers_manifest_and_key(tmp_path):
+    out = tmp_path / "bundle"
+    assert compile_spec(SPECS / "tiny_cpu.dt", out, "--synthetic") == 0
+    files = files_of(out)
+    for path in ("spec.dt", "program.json", "plan.json", "schedule.txt", "job.json",
+                 "train.py", "workers/worker.py", "launch.sh", "slurm.sbatch", "README.md",
+                 "manifest.json", SECRET_FILE):
+        assert path in files, path
+    sha = json.loads(files["plan.json"])["spec_sha256"]
+    for path, data in files.items():
+        if path.endswith((".py", ".sh", ".sbatch", ".md")) or path == "schedule.txt":
+            head = data.decode().splitlines()[:3]
+            assert any("@generated" in line and sha in line for line in head), path
+        if path.endswith(".py"):
+            ast.parse(data.decode(), path)
+    manifest = json.loads(files["manifest.json"])
+    assert set(manifest["files"]) == set(files) - {"manifest.json", SECRET_FILE}
+    for path, digest in manifest["files"].items():
+        assert hashlib.sha256(files[path]).hexdigest() == digest
+    assert stat.S_IMODE(os.stat(out / SECRET_FILE).st_mode) == 0o600
+    assert len(bytes.fromhex(files[SECRET_FILE].decode().strip())) == 32
+    assert os.access(out / "launch.sh", os.X_OK)
+    # every rank of the plan has exactly one program, which names it
+    table = ast.literal_eval(_assignment(files["train.py"].decode(), "RANK_TABLE"))
+    assert sorted(table) == list(range(json.loads(files["job.json"])["world_size"]))
+    for rank, path in table.items():
+        assert f"        {rank}: RankEntry(" in files[path].decode()
+
+
+def _assignment(text: str, name: str) -> str:
+    for node in ast.parse(text).body:
+        if isinstance(node, ast.Assign) and node.targets[0].id == name:  # type: ignore[attr-defined]
+            return ast.unparse(node.value)
+    raise AssertionError(f"no {name}")
+
+
+def test_refuses_a_non_bundle_directory_and_overwrites_a_bundle(tmp_path, capsys):
+    out = tmp_path / "b"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    assert compile_spec(SPECS / "tiny_cpu.dt", out) == 2
+    assert "holds no bundle" in capsys.readouterr().err
+    out2 = tmp_path / "b2"
+    assert compile_spec(SPECS / "tiny_cpu.dt", out2) == 0
+    (out2 / "run").mkdir()
+    (out2 / "run" / "metrics.jsonl").write_text("{}\n")
+    assert compile_spec(SPECS / "tiny_cpu.dt", out2) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    assert compile_spec(SPECS / "tiny_cpu.dt", out2, "--overwrite", "--steps", "3") == 0
+    assert (out2 / "run" / "metrics.jsonl").read_text() == "{}\n"
+    assert json.loads((out2 / "job.json").read_text())["steps"] == 3
+
+
+HOSTILE = [
+    '\\"); __import__(\'os\').system(\'touch PWNED\') #',
+    "line\\nbreak\\\\ and '''triple''' $(touch PWNED) `touch PWNED`",
+]
+
+
+@pytest.mark.parametrize("text", HOSTILE)
+def test_hostile_strings_stay_inert_data(tmp_path, text):
+    spec = (SPECS / "tiny_cpu.dt").read_text().replace('source = "data/tiny"',
+                                                       f'source = "{text}"')
+    path = tmp_path / "hostile.dt"
+    path.write_text(spec)
+    out = tmp_path / "bundle"
+    assert compile_spec(path, out, "--steps", "1") == 0
+    files = files_of(out)
+    for rel, data in files.items():
+        body = data.decode()
+        if rel.endswith((".py", ".sh", ".sbatch")):
+            assert "PWNED" not in body, rel
+            if rel.endswith(".py"):
+                ast.parse(body)
+    bash = subprocess.run(["bash", "-n", str(out / "launch.sh")], capture_output=True)
+    assert bash.returncode == 0
+    # the text survives as data, exactly
+    program = json.loads(files["program.json"])
+    assert "PWNED" in program["data"]["source"]
+    assert not list(tmp_path.rglob("PWNED"))
+
+
+def test_bad_hosts_and_options_are_usage_errors(tmp_path, capsys):
+    out = tmp_path / "b"
+    assert compile_spec(SPECS / "tiny_cpu.dt", out, "--hosts", "a;touch PWNED") == 2
+    assert "not a host name" in capsys.readouterr().err
+    assert compile_spec(SPECS / "tiny_cpu.dt", out, "--hosts", "h1,h2") == 2
+    assert "2 hosts for 1 nodes" in capsys.readouterr().err
+    assert compile_spec(SPECS / "tiny_cpu.dt", out, "--workers", "-1") == 2
+    assert compile_spec(SPECS / "tiny_cpu.dt", out, "--data", "x", "--synthetic") == 2
+    assert not out.exists() or not any(out.iterdir())
+    assert compile_spec(SPECS / "tiny_cpu.dt", out, "--hosts", "trainer-0.example.org") == 0
+
+
+def test_py_literal_round_trips():
+    for value in [None, True, 0, -3, 1.5, 1e-300, "a'\"\\\n\x00é", (), (1,), (1, "x"),
+                  [1, [2]], {"k": (1, 2), 3: None}]:
+        assert ast.literal_eval(py_literal(value)) == value
+    with pytest.raises(TypeError):
+        py_literal(float("nan"))
+    with pytest.raises(TypeError):
+        py_literal(object())
+
+
+def test_paper_scale_compile_time(tmp_path):
+    start = time.perf_counter()
+    assert compile_spec(SPECS / "mllm_72b.dt", tmp_path / "b") == 0
+    elapsed = time.perf_counter() - start
+    assert elapsed <= 10.0, f"compiling mllm_72b took {elapsed:.1f} s"
+    job = json.loads((tmp_path / "b" / "job.json").read_text())
+    assert job["world_size"] > 1000 and job["nodes"] == -(-job["world_size"] // 8)
