@@ -3,9 +3,10 @@
 A message is one zmq multipart message:
 
 - frame 0: ``PREFIX`` (``b"DTDW"`` and the format version byte) followed by the 32-byte
-  HMAC-SHA256 tag, keyed with the job's secret, over the prefix, the number of frames after
-  frame 0, and every later frame preceded by its length (so frames cannot be re-split,
-  dropped or appended without breaking the tag);
+  HMAC-SHA256 tag, keyed with the job's secret, over: the prefix; the number N of frames
+  after frame 0 and their N lengths (N + 1 little-endian uint64); then those frames' bytes
+  in order. With every length in it, frames cannot be re-split, dropped or appended
+  without breaking the tag;
 - frame 1: a msgpack header ``{"kind": str, "meta": {...}, "arrays": [[name, dtype, shape,
   nbytes], ...]}``; ``meta`` holds plain data only (None, bool, int, float, str, bytes,
   lists, maps with str keys);
@@ -131,7 +132,6 @@ DTYPES: Mapping[str, np.dtype] = {
     "float32": np.dtype("<f4"),
 }
 _WIRE_NAME = {dtype: name for name, dtype in DTYPES.items()}
-_LENGTH = struct.Struct("<Q")
 
 
 class Reason(StrEnum):
@@ -285,8 +285,7 @@ def encode(kind: str, meta: Mapping[str, Any] | None, arrays: Mapping[str, Any] 
     ``arrays`` maps names to numpy arrays or CPU torch tensors of a ``DTYPES`` dtype. The
     buffers are memoryviews over the arrays themselves (no copy for contiguous ones).
     Raises ``TypeError``/``ValueError`` for anything every receiver would drop (its own
-    ``max_bytes`` and ``max_arrays`` aside), so a sender's
-    mistake shows up at the sender.
+    ``max_bytes`` and ``max_arrays`` aside), so a sender's mistake shows up at the sender.
     """
     secret = _check_secret(secret)
     _check_name(kind, "kind", ValueError)
@@ -356,12 +355,12 @@ def decode(frames: Sequence[Any], secret: bytes, *, max_bytes: int = DEFAULT_MAX
 def _tag(secret: bytes, header: memoryview | bytes, buffers: Sequence[memoryview]) -> bytes:
     # The frame count and every length go into the MAC: moving bytes from one frame to the
     # next, or dropping or adding an empty frame, changes the tag.
+    lengths = [len(header), *(len(buffer) for buffer in buffers)]
     mac = hmac.new(secret, digestmod="sha256")
-    mac.update(PREFIX)
-    mac.update(_LENGTH.pack(1 + len(buffers)))
-    for part in (header, *buffers):
-        mac.update(_LENGTH.pack(len(part)))
-        mac.update(part)
+    mac.update(PREFIX + struct.pack(f"<{1 + len(lengths)}Q", len(lengths), *lengths))
+    mac.update(header)
+    for buffer in buffers:
+        mac.update(buffer)
     return mac.digest()
 
 

@@ -53,13 +53,10 @@ def forge(header: bytes, buffers: list[bytes], secret: bytes = SECRET,
     """A message with a valid tag around any header and buffers, the tag computed from the
     format's description (not with wire's code): what a buggy or compromised worker that
     holds the secret could send."""
-    mac = hmac.new(secret, digestmod="sha256")
-    mac.update(prefix)
-    mac.update(struct.pack("<Q", 1 + len(buffers)))
-    for part in (header, *buffers):
-        mac.update(struct.pack("<Q", len(part)))
-        mac.update(part)
-    return [prefix + mac.digest(), header, *buffers]
+    parts = [header, *buffers]
+    lengths = b"".join(struct.pack("<Q", n) for n in (len(parts), *map(len, parts)))
+    tag = hmac.new(secret, prefix + lengths + b"".join(parts), digestmod="sha256").digest()
+    return [prefix + tag, header, *buffers]
 
 
 def header(kind: object = "k", meta: object = None, arrays: object = ()) -> bytes:
