@@ -569,6 +569,15 @@ def _cmd_reference(args: argparse.Namespace) -> int:
         raise UsageError(f"--micro-batch {args.micro_batch} is larger than the global batch "
                          f"of {program.train.global_batch}")
     steps = args.steps or program.train.steps
+    source = None
+    if args.data is not None:
+        from dtdsl.data.shards import DatasetError
+        from dtdsl.feed.source import DatasetSource
+
+        try:
+            source = DatasetSource(program, args.data)
+        except (DatasetError, ValueError) as err:
+            raise UsageError(f"cannot read dataset {args.data}: {err}") from None
     out = sys.stdout if args.out in (None, "-") else None
     if out is None:
         target = Path(args.out)
@@ -583,7 +592,7 @@ def _cmd_reference(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     try:
         for record in train_reference(program, steps, micro_batch=args.micro_batch,
-                                      seed=args.seed):
+                                      seed=args.seed, source=source):
             out.write(json.dumps(record) + "\n")
             out.flush()
             if not args.quiet:
@@ -737,6 +746,10 @@ def _parser() -> argparse.ArgumentParser:
                       help="replace an earlier bundle in DIR (its run directories are kept)")
     comp.set_defaults(func=_cmd_compile)
 
+    from dtdsl.data.cli import register as register_data
+
+    register_data(sub)
+
     sim = sub.add_parser("simulate", help="simulate training steps of a plan: TensorBoard "
                          "scalars and Gantt charts, a Perfetto trace")
     sim.add_argument("spec", metavar="SPEC", help="spec file ('-' for stdin)")
@@ -788,6 +801,8 @@ def _parser() -> argparse.ArgumentParser:
     ref.add_argument("--micro-batch", type=_positive_int, metavar="M",
                      help="samples per microbatch (default: the spec's train.micro_batch)")
     ref.add_argument("--seed", type=int, help="initialisation seed (default: train.seed)")
+    ref.add_argument("--data", metavar="DIR", help="train on this dataset's batches (as a "
+                     "launched bundle reads them) instead of the spec's synthetic samples")
     ref.add_argument("--threads", type=_positive_int, help="torch CPU threads")
     ref.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
     ref.set_defaults(func=_cmd_reference)

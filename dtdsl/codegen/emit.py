@@ -25,7 +25,6 @@ import hashlib
 import json
 import math
 import os
-import secrets
 import shlex
 import shutil
 import subprocess
@@ -38,6 +37,7 @@ import jinja2
 
 from dtdsl import __version__
 from dtdsl.codegen.views import BundleView
+from dtdsl.feed.wire import new_secret, write_secret
 from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan
 from dtdsl.ir.schedule import Schedule, schedule_text
@@ -218,11 +218,7 @@ def emit_bundle(out: str | Path, *, source: bytes, program: ir.Program, plan: Pl
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(f.data)
             os.chmod(path, 0o755 if f.executable else 0o644)
-        key = out / SECRET_FILE
-        fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as handle:
-            handle.write(secrets.token_hex(32) + "\n")
-        os.chmod(key, 0o600)
+        write_secret(out / SECRET_FILE, new_secret())
     except OSError as err:
         raise BundleError(f"cannot write the bundle into {out}: {err.strerror or err}") \
             from None

@@ -199,14 +199,14 @@ def run(program: RankProgram, bundle: str | Path, argv: Sequence[str] | None = N
     log = None
     try:
         groups = build_groups(plan)
-        source = _data_source(job, bundle, program_ir, args.data)
         if job.feed.workers > 0:
             from dtdsl.feed.client import RemoteBatches
 
             feed: Any = RemoteBatches(job, bundle, program_ir, plan, groups.role,
                                       port_base=args.port_base)
         else:
-            feed = LocalBatches(program_ir, plan, groups.role, source=source,
+            feed = LocalBatches(program_ir, plan, groups.role,
+                                source=_data_source(job, bundle, program_ir, args.data),
                                 policy=frozenset(job.reorder))
         ex = StageExecutor(program_ir, plan, schedule, rank=rank, groups=groups, feed=feed)
         first = 0

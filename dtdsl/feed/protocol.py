@@ -1,0 +1,123 @@
+"""The feed's messages: one training step's data for one trainer rank, and the progress
+announcements the workers pace themselves by.
+
+A ``batch`` message (``wire`` kind ``"batch"``) carries, for step ``meta["step"]``:
+
+- ``routing``: ``order`` int64 ``[B]`` (the positions of every microbatch step, steps
+  concatenated in execution order), ``counts`` int64 ``[M]`` (positions per step),
+  ``assign.<unit>`` int64 ``[B]`` (each position's replica of that unit, aligned with
+  ``order``);
+- the loss denominators ``meta["norm"] = [text_tokens, gen_targets]``;
+- the keys of the batch (``keys``: uint8, the keys joined by newlines) for rank 0, which
+  records them in ``samples.jsonl``;
+- the samples this rank reads, only the parts it reads: ``p<pos>.tokens`` int64,
+  ``p<pos>.img<k>`` uint8 ``[3, H, W]`` (decoded images; float32 where the job draws
+  synthetic samples), ``p<pos>.<generator>.latents`` / ``.noise`` float32 and
+  ``.timesteps`` int64.
+
+A ``progress`` message (kind ``"progress"``, published by trainer rank 0) says
+``meta["next_step"]``: the step the trainers need next; ``meta["done"]`` is true once they
+have finished.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["BATCH", "PROGRESS", "batch_message", "read_batch"]
+
+BATCH = "batch"
+PROGRESS = "progress"
+
+
+def _array(x: Any) -> np.ndarray:
+    if hasattr(x, "numpy"):     # a torch tensor
+        return x.detach().contiguous().numpy()
+    return np.ascontiguousarray(x)
+
+
+def batch_message(step: int, routing: Sequence[Any], normalizer: Any, samples: Mapping[int, Any],
+                  units: Sequence[str], keys: Sequence[str] | None
+                  ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """The meta and arrays of one ``batch`` message. ``routing``: ``StepSamples`` per
+    microbatch step; ``samples``: position -> an object with ``tokens``, ``images`` and
+    ``gen`` (name -> latents/noise/timesteps), numpy or torch, each possibly empty."""
+    order = [i for s in routing for i in s.sample_ids]
+    arrays: dict[str, np.ndarray] = {
+        "order": np.asarray(order, dtype=np.int64),
+        "counts": np.asarray([len(s.sample_ids) for s in routing], dtype=np.int64)}
+    for unit in units:
+        arrays[f"assign.{unit}"] = np.asarray(
+            [r for s in routing for r in s.assignment[unit]], dtype=np.int64)
+    if keys is not None:
+        arrays["keys"] = np.frombuffer("\n".join(keys).encode(), dtype=np.uint8)
+    for pos, s in samples.items():
+        if s.tokens is not None:
+            arrays[f"p{pos}.tokens"] = _array(s.tokens).astype(np.int64, copy=False)
+        for k, image in enumerate(s.images or ()):
+            arrays[f"p{pos}.img{k}"] = _array(image)
+        for name, t in (s.gen or {}).items():
+            arrays[f"p{pos}.{name}.latents"] = _array(t.latents)
+            arrays[f"p{pos}.{name}.noise"] = _array(t.noise)
+            arrays[f"p{pos}.{name}.timesteps"] = _array(t.timesteps).astype(np.int64,
+                                                                            copy=False)
+    meta = {"step": step, "norm": [int(normalizer.text_tokens), int(normalizer.gen_targets)],
+            "positions": sorted(int(p) for p in samples),
+            "parts": sorted({p for s in samples.values() for p in s.parts})}
+    return meta, arrays
+
+
+def read_batch(message: Any, units: Sequence[str], generators: Sequence[str]) -> Any:
+    """The ``runtime.batch.StepBatch`` of a valid ``batch`` message. ValueError when it
+    is inconsistent (a worker bug or a mismatched bundle)."""
+    import torch
+
+    from dtdsl.feed.source import image_tensor
+    from dtdsl.runtime.batch import StepBatch
+    from dtdsl.runtime.broker import StepSamples
+    from dtdsl.runtime.data import GenTargets, Sample
+    from dtdsl.runtime.model import Normalizer
+
+    meta, arrays = message.meta, message.arrays
+    step = int(meta["step"])
+    order = arrays["order"].tolist()
+    counts = arrays["counts"].tolist()
+    if sum(counts) != len(order):
+        raise ValueError(f"step {step}: routing counts {counts} do not add up to "
+                         f"{len(order)} positions")
+    assign = {u: arrays[f"assign.{u}"].tolist() for u in units}
+    routing, at = [], 0
+    for c in counts:
+        routing.append(StepSamples(sample_ids=tuple(order[at:at + c]),
+                                   assignment={u: tuple(a[at:at + c])
+                                               for u, a in assign.items()}))
+        at += c
+    keys: tuple[str, ...] = ()
+    if "keys" in arrays:
+        keys = tuple(arrays["keys"].tobytes().decode().split("\n"))
+    parts = set(meta["parts"])
+    samples = {}
+    for pos in meta["positions"]:
+        tokens = (message.tensor(f"p{pos}.tokens") if "tokens" in parts
+                  else torch.empty(0, dtype=torch.int64))
+        images = []
+        k = 0
+        while f"p{pos}.img{k}" in arrays:
+            image = arrays[f"p{pos}.img{k}"]
+            images.append(image_tensor(image) if image.dtype == np.uint8
+                          else message.tensor(f"p{pos}.img{k}"))
+            k += 1
+        targets = {}
+        if "targets" in parts:
+            for name in generators:
+                targets[name] = GenTargets(latents=message.tensor(f"p{pos}.{name}.latents"),
+                                           noise=message.tensor(f"p{pos}.{name}.noise"),
+                                           timesteps=message.tensor(f"p{pos}.{name}.timesteps"))
+        samples[int(pos)] = Sample(step=step, index=int(pos), tokens=tokens,
+                                   images=tuple(images), targets=targets)
+    norm = meta["norm"]
+    return StepBatch(step=step, keys=keys, routing=tuple(routing), samples=samples,
+                     normalizer=Normalizer(text_tokens=int(norm[0]), gen_targets=int(norm[1])))

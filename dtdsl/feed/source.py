@@ -1,0 +1,131 @@
+"""Training batches from a dataset on disk (``dtdsl.data.shards``): which samples make up
+each step, and each of them decoded into the runtime's tensors.
+
+**Order.** The run reads the dataset as one stream of epochs: global batch ``s`` holds
+stream positions ``s*B .. s*B + B - 1`` (``B = train.global_batch``); stream position
+``t`` is sample ``perm_e[t mod N]`` of epoch ``e = t div N``, where ``perm_e`` is a
+permutation of the ``N`` samples seeded by ``(train.seed, e)`` alone. So the batches are
+a function of the seed and the step, whatever reads them (any number of workers, a
+trainer resumed at step k), and every sample of an epoch is consumed exactly once.
+
+**Tensors.** ``dtdsl.data.decode.Decoder`` gives numpy arrays; ``to_sample`` turns them
+into a ``runtime.data.Sample``: token ids as they are, images from uint8 to float32 in
+[-1, 1] (``x / 127.5 - 1``), the generators' latents, noise and timesteps as they are.
+The preprocessing workers ship the uint8 images and the trainers convert them with the
+same function, so a launched run and ``dtc reference --data`` see identical tensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+from dtdsl.ir import program as ir
+
+__all__ = ["DatasetSource", "epoch_permutation", "image_tensor", "stream_indices",
+           "to_sample"]
+
+
+def epoch_permutation(seed: int, epoch: int, n: int) -> np.ndarray:
+    """The order of the ``n`` samples in epoch ``epoch`` (a pure function of its inputs)."""
+    digest = hashlib.sha256(f"dtdsl:epoch:{seed}:{epoch}:{n}".encode()).digest()
+    return np.random.default_rng(int.from_bytes(digest[:8], "little")).permutation(n)
+
+
+def stream_indices(seed: int, n: int, step: int, batch: int) -> list[int]:
+    """The dataset indices of global batch ``step`` (module docstring)."""
+    if n < 1:
+        raise ValueError("the dataset is empty")
+    perms: dict[int, np.ndarray] = {}
+    out = []
+    for t in range(step * batch, (step + 1) * batch):
+        epoch, at = divmod(t, n)
+        if epoch not in perms:
+            perms[epoch] = epoch_permutation(seed, epoch, n)
+        out.append(int(perms[epoch][at]))
+    return out
+
+
+def image_tensor(pixels: np.ndarray):
+    """A uint8 ``[3, H, W]`` image as the float32 tensor the encoder reads."""
+    import torch
+
+    return torch.from_numpy(np.asarray(pixels).astype(np.float32)).div_(127.5).sub_(1.0)
+
+
+def to_sample(step: int, position: int, decoded, parts: frozenset[str]):
+    """A ``runtime.data.Sample`` from a ``DecodedSample`` (only ``parts`` filled)."""
+    import torch
+
+    from dtdsl.runtime.data import GenTargets, Sample
+
+    tokens = (torch.from_numpy(np.array(decoded.tokens, dtype=np.int64)) if "tokens" in parts
+              else torch.empty(0, dtype=torch.int64))
+    images = tuple(image_tensor(im) for im in decoded.images) if "images" in parts else ()
+    targets = {}
+    if "targets" in parts:
+        for name, t in decoded.gen.items():
+            targets[name] = GenTargets(latents=torch.from_numpy(np.array(t.latents)),
+                                       noise=torch.from_numpy(np.array(t.noise)),
+                                       timesteps=torch.from_numpy(np.array(t.timesteps)))
+    return Sample(step=step, index=position, tokens=tokens, images=images, targets=targets)
+
+
+class DatasetSource:
+    """A ``runtime.batch.SampleSource`` over a dataset directory (module docstring)."""
+
+    def __init__(self, program: ir.Program, path: str | Path, *, seed: int | None = None):
+        from dtdsl.data.decode import Decoder
+        from dtdsl.data.shards import Dataset
+
+        self.program = program
+        self.path = Path(path)
+        self.dataset = Dataset.open(self.path)
+        self.seed = program.train.seed if seed is None else seed
+        self.decoder = Decoder.for_program(program, seed=self.seed)
+        self.batch = program.train.global_batch
+        image = next((m for m in program.encoders if m.modality == "image"), None)
+        self.patch = (image.arch.patch or 1) if image is not None else None
+        self._indices = lru_cache(maxsize=8)(self._step_indices)
+
+    def _step_indices(self, step: int) -> tuple[int, ...]:
+        return tuple(stream_indices(self.seed, len(self.dataset), step, self.batch))
+
+    def indices(self, step: int) -> tuple[int, ...]:
+        """The dataset indices of step ``step``'s samples, by position."""
+        return self._indices(step)
+
+    def keys(self, step: int) -> tuple[str, ...]:
+        return tuple(self.dataset.key(i) for i in self.indices(step))
+
+    def sizes(self, step: int) -> list:
+        """Every position's sizes from the index (the decoded shapes, no pixel read)."""
+        from dtdsl.data.decode import patch_grid
+        from dtdsl.runtime.data import SampleSizes
+
+        out = []
+        for i in self.indices(step):
+            info = self.dataset.info(i)
+            shapes: tuple[tuple[int, int], ...] = ()
+            if self.patch is not None:
+                grids = [patch_grid(w, h, self.patch, self.decoder.max_patches)
+                         for w, h in info.images]
+                shapes = tuple((gh * self.patch, gw * self.patch) for gw, gh in grids)
+            gen = {g.name: (len(info.gen_images) if g.modality == "image" else
+                            len(info.gen_audio)) for g in self.program.generators}
+            out.append(SampleSizes(text_tokens=info.text_tokens, image_shapes=shapes,
+                                   gen_counts=gen))
+        return out
+
+    def decode(self, step: int, position: int):
+        """The ``DecodedSample`` (numpy) at ``position`` of step ``step``."""
+        return self.decoder.decode(self.dataset.read(self.indices(step)[position]))
+
+    def sample(self, step: int, position: int,
+               parts: frozenset[str] = frozenset({"tokens", "images", "targets"}),
+               sizes: Sequence | None = None):
+        return to_sample(step, position, self.decode(step, position), parts)

@@ -1,0 +1,269 @@
+"""Preprocessing workers: read, decode and reorder each step's samples on CPU and stream
+every trainer rank its part, ahead of the trainers.
+
+Worker ``w`` of ``W`` owns the training steps ``s`` with ``s mod W == w``. For each it
+
+1. takes the step's samples from the job's source (a dataset: ``feed.source.DatasetSource``,
+   whose batches depend on the seed and step alone; or the spec's synthetic draw) and their
+   sizes from the dataset's index;
+2. routes them under the job's reorder policies with the simulator's rule
+   (``runtime.batch.route_batch``: intra-microbatch balancing across every unit's DP
+   replicas, inter-microbatch ordering of the steps for 1F1B) and computes the loss
+   denominators of the batch;
+3. decodes every sample once (images resized to whole patches, text tokenized, generation
+   targets encoded) and sends each trainer rank one ``protocol`` batch message with the
+   routing and the parts of its samples that its stage reads (``runtime.batch.parts_of``).
+
+Pacing: trainer rank 0 publishes the step it needs next; a worker builds step ``s`` only
+once ``s < next_step + prefetch``, so at most ``prefetch`` steps wait in the trainers'
+queues. A worker that has sent its last step waits until the trainers are past it (so a
+message still queued in its socket is not lost when it exits).
+
+Restarts: a worker killed at any point is started again by ``supervise`` with the same
+index; it resumes at its first step at or after the trainers' progress and sends those
+steps again. A trainer keeps the first copy of each step it receives and drops copies of
+steps it has (or had), so no sample is lost or consumed twice.
+
+Fault injection (tests): ``DTDSL_FAULT=worker<w>@<s>`` makes worker ``w`` kill itself with
+SIGKILL when it reaches step ``s``, once per run directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["FeedContext", "build_messages", "main", "run_worker", "supervise"]
+
+log = logging.getLogger("dtdsl.feed.worker")
+
+POLL_S = 0.05
+MAX_RESTARTS = 20
+
+
+@dataclass
+class _Payload:
+    tokens: Any = None
+    images: tuple = ()
+    gen: dict = field(default_factory=dict)
+    parts: frozenset[str] = frozenset()
+
+
+def fault_point(who: str, step: int, run_dir: Path) -> None:
+    """SIGKILL this process when ``DTDSL_FAULT`` names ``who`` at ``step`` (once per
+    run directory: a marker file records that it happened)."""
+    spec = os.environ.get("DTDSL_FAULT", "")
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        target, _, at = item.partition("@")
+        if target != who or not at.isdigit() or int(at) != step:
+            continue
+        marker = run_dir / "faults" / f"{who}@{step}"
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return
+        os.close(fd)
+        print(f"DTDSL_FAULT: killing {who} at step {step}", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class FeedContext:
+    """Everything a worker needs of the bundle, loaded once."""
+
+    def __init__(self, bundle: Path, data_override: str | None = None):
+        from dtdsl.feed.source import DatasetSource
+        from dtdsl.ir.plan import Plan
+        from dtdsl.ir.program import Program
+        from dtdsl.runtime.batch import SyntheticSource
+        from dtdsl.runtime.job import load_job
+        from dtdsl.runtime.mesh import role_of
+
+        self.bundle = bundle
+        self.job = job = load_job(bundle)
+        self.program = Program.model_validate_json((bundle / job.program_file).read_bytes())
+        self.plan = Plan.model_validate_json((bundle / job.plan_file).read_bytes())
+        self.policy = frozenset(job.reorder)
+        if job.data.kind == "dataset" or data_override is not None:
+            path = Path(data_override) if data_override else bundle / str(job.data.path)
+            self.source: Any = DatasetSource(self.program, path)
+        else:
+            self.source = SyntheticSource(self.program)
+        self.work_model = None
+        if self.policy:
+            from dtdsl.cost.model import build_cost_model
+            from dtdsl.sim.workload import WorkModel
+
+            self.work_model = WorkModel(build_cost_model(self.program))
+        self.roles = [role_of(self.plan, r) for r in range(job.world_size)]
+        self.units = [u.name for u in self.plan.units]
+
+
+def _payload(ctx: FeedContext, step: int, position: int, parts: frozenset[str],
+             cache: dict[int, Any]) -> _Payload:
+    from dtdsl.feed.source import DatasetSource
+
+    if not parts:
+        return _Payload()
+    if isinstance(ctx.source, DatasetSource):
+        decoded = cache.get(position)
+        if decoded is None:
+            decoded = cache[position] = ctx.source.decode(step, position)
+        return _Payload(tokens=decoded.tokens if "tokens" in parts else None,
+                        images=decoded.images if "images" in parts else (),
+                        gen=decoded.gen if "targets" in parts else {}, parts=parts)
+    s = ctx.source.sample(step, position, parts)
+    return _Payload(tokens=s.tokens if "tokens" in parts else None, images=s.images,
+                    gen=dict(s.targets), parts=parts)
+
+
+def build_messages(ctx: FeedContext, step: int) -> list[tuple[dict, dict]]:
+    """Step ``step``'s batch message (meta, arrays) for every trainer rank, by rank."""
+    from dtdsl.feed.protocol import batch_message
+    from dtdsl.runtime.batch import normalizer_of, parts_of, route_batch
+
+    sizes = ctx.source.sizes(step)
+    routing = route_batch(ctx.plan, ctx.program, sizes, ctx.policy, ctx.work_model)
+    norm = normalizer_of(ctx.program, sizes)
+    keys = ctx.source.keys(step)
+    cache: dict[int, Any] = {}
+    out = []
+    for role in ctx.roles:
+        parts = parts_of(role)
+        positions = [i for s in routing for i in s.samples_of(role.unit, role.replica)]
+        samples = {i: _payload(ctx, step, i, parts, cache) for i in positions} if parts else {}
+        out.append(batch_message(step, routing, norm, samples, ctx.units,
+                                 keys if role.rank == 0 else None))
+    return out
+
+
+def run_worker(bundle: Path, index: int, *, run_dir: Path, steps: int | None = None,
+               port_base: int | None = None, data: str | None = None,
+               first_step: int = 0) -> int:
+    """Worker ``index``: produce its steps until the job's last; the exit status."""
+    from dtdsl.feed import wire
+    from dtdsl.feed.protocol import BATCH, PROGRESS
+
+    ctx = FeedContext(bundle, data)
+    job = ctx.job
+    workers = job.feed.workers
+    if not 0 <= index < workers:
+        raise ValueError(f"worker index {index} outside 0..{workers - 1}")
+    total = job.steps if steps is None else steps
+    secret = wire.read_secret(bundle / job.secret_file)
+    senders = [wire.Sender(job.feed.trainer_address(r, job.gpus_per_node, port_base), secret,
+                           hwm=job.feed.prefetch + 1, linger_s=5.0)
+               for r in range(job.world_size)]
+    progress = wire.Subscriber(job.feed.control_address(port_base), secret)
+    next_step = first_step
+    done = False
+
+    def refresh(timeout_s: float = 0.0) -> None:
+        nonlocal next_step, done
+        msg = progress.latest(timeout_s)
+        if msg is not None and msg.kind == PROGRESS:
+            next_step = max(next_step, int(msg.meta["next_step"]))
+            done = done or bool(msg.meta.get("done"))
+
+    try:
+        refresh(1.0)
+        step = next_step + (index - next_step) % workers
+        last = -1
+        while step < first_step + total and not done:
+            while step >= next_step + job.feed.prefetch and not done:
+                refresh(POLL_S)
+                time.sleep(POLL_S)
+            if done:
+                break
+            if step < next_step:        # the trainers are already past it
+                step += workers
+                continue
+            fault_point(f"worker{index}", step, run_dir)
+            start = time.perf_counter()
+            messages = build_messages(ctx, step)
+            for rank, (meta, arrays) in enumerate(messages):
+                while not senders[rank].send(BATCH, meta, arrays, timeout_s=1.0):
+                    refresh()
+                    if done or step < next_step:
+                        break
+            log.info("worker %d: step %d sent in %.3f s", index, step,
+                     time.perf_counter() - start)
+            last = step
+            step += workers
+        while last >= 0 and next_step <= last and not done:   # let queued messages leave
+            refresh(POLL_S)
+            time.sleep(POLL_S)
+    finally:
+        for s in senders:
+            s.close()
+        progress.close()
+    return 0
+
+
+def supervise(bundle: Path, argv: Sequence[str]) -> int:
+    """Run every worker as a child process and start again any that dies abnormally
+    (at most ``MAX_RESTARTS`` restarts in all); the exit status."""
+    from dtdsl.runtime.job import load_job
+
+    workers = load_job(bundle).feed.workers
+    script = bundle / "workers" / "worker.py"
+
+    def start(i: int) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, str(script), "--index", str(i), *argv])
+
+    procs = {i: start(i) for i in range(workers)}
+    restarts = 0
+    status = 0
+    try:
+        while procs:
+            time.sleep(0.2)
+            for i, p in list(procs.items()):
+                code = p.poll()
+                if code is None:
+                    continue
+                if code == 0:
+                    del procs[i]
+                elif restarts < MAX_RESTARTS:
+                    restarts += 1
+                    print(f"supervisor: worker {i} exited with {code}; restarting it "
+                          f"({restarts}/{MAX_RESTARTS})", file=sys.stderr, flush=True)
+                    procs[i] = start(i)
+                else:
+                    print(f"supervisor: worker {i} exited with {code}; no restarts left",
+                          file=sys.stderr, flush=True)
+                    del procs[i]
+                    status = 1
+    finally:
+        for p in procs.values():
+            p.terminate()
+    return status
+
+
+def main(bundle: Path, argv: Sequence[str] | None = None) -> int:
+    """The command line of a bundle's ``workers/worker.py``."""
+    p = argparse.ArgumentParser(prog="worker.py", description="preprocessing workers")
+    who = p.add_mutually_exclusive_group(required=True)
+    who.add_argument("--all", action="store_true", help="run every worker, restarting any "
+                     "that dies")
+    who.add_argument("--index", type=int, help="run this worker")
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--steps", type=int)
+    p.add_argument("--port-base", type=int)
+    p.add_argument("--data")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(message)s")
+    if args.all:
+        rest = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--all"]
+        return supervise(bundle, rest)
+    return run_worker(bundle, args.index, run_dir=Path(args.run_dir), steps=args.steps,
+                      port_base=args.port_base, data=args.data)
