@@ -522,7 +522,7 @@ def test_live_receiver_keeps_its_timeout_under_a_flood_of_bad_messages():
             for timeout_s in (0.0, 0.3):
                 start = time.monotonic()
                 assert receiver.recv(timeout_s) is None
-                assert time.monotonic() - start < timeout_s + 0.3
+                assert time.monotonic() - start < timeout_s + 0.5   # slack: shared cores
             assert receiver.dropped[Reason.BAD_TAG] >= 1
         finally:
             stop.set()
