@@ -54,9 +54,94 @@ def launch(bundle: Path, run_dir: Path, *extra: str, timeout: float = 300,
                           check=False)
 
 
-def reference_losses(steps: int) -> list[float]:
+def reference_losses(steps: int, data: Path | None = None) -> list[float]:
     program = run_frontend(str(SPEC), SPEC.read_bytes()).program
-    return [r["loss"] for r in train_reference(program, steps)]
+    source = None
+    if data is not None:
+        from dtdsl.feed.source import DatasetSource
+
+        source = DatasetSource(program, data)
+    return [r["loss"] for r in train_reference(program, steps, source=source)]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def consumed(run_dir: Path, unit: str) -> dict[int, list[str]]:
+    """Per step, the keys ``unit``'s replicas consumed (all replicas together)."""
+    out: dict[int, list[str]] = {}
+    for r in read_jsonl(run_dir / "samples.jsonl"):
+        if r["unit"] == unit:
+            out.setdefault(r["step"], []).extend(r["keys"])
+    return out
+
+
+DATASET_SAMPLES = 48        # 3 global batches of 16: one epoch in 3 steps
+FEED_STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("data") / "tiny"
+    assert cli.main(["data", "synth", str(SPEC), "-o", str(out), "--samples",
+                     str(DATASET_SAMPLES), "-q"]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def fed_bundle(tmp_path_factory, dataset) -> Path:
+    bundle = tmp_path_factory.mktemp("bundle") / "b"
+    assert cli.main(["compile", str(SPEC), "-o", str(bundle), "--data", str(dataset),
+                     "--workers", "2"]) == 0
+    return bundle
+
+
+@pytest.fixture(scope="module")
+def fed_run(tmp_path_factory, fed_bundle) -> Path:
+    run_dir = tmp_path_factory.mktemp("run") / "r"
+    proc = launch(fed_bundle, run_dir, "--steps", str(FEED_STEPS))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return run_dir
+
+
+@pytest.mark.slow
+def test_fed_bundle_matches_the_reference_and_consumes_an_epoch_once(fed_run, dataset):
+    metrics = read_jsonl(fed_run / "metrics.jsonl")
+    for m, ref in zip(metrics, reference_losses(FEED_STEPS, dataset), strict=True):
+        assert m["loss"] == pytest.approx(ref, rel=RTOL)
+    keys = sorted(f"{i:08d}" for i in range(DATASET_SAMPLES))
+    for unit in ("vit", "llm", "gen"):
+        per_step = consumed(fed_run, unit)
+        epoch = [k for step in range(3) for k in per_step[step]]
+        assert sorted(epoch) == keys, unit          # every sample once in epoch 0
+        assert len(set(per_step[3])) == 16          # the next epoch has begun
+    log = (fed_run / "logs" / "workers.log").read_text()
+    assert "worker 0: step 0 sent" in log and "worker 1: step 1 sent" in log
+
+
+@pytest.mark.slow
+def test_three_workers_and_a_killed_worker_deliver_the_same_batches(
+        tmp_path, fed_bundle, fed_run, dataset):
+    three = tmp_path / "three"
+    assert cli.main(["compile", str(SPEC), "-o", str(three), "--data", str(dataset),
+                     "--workers", "3"]) == 0
+    run3 = tmp_path / "run3"
+    proc = launch(three, run3, "--steps", str(FEED_STEPS))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    killed = tmp_path / "killed"
+    proc = launch(fed_bundle, killed, "--steps", str(FEED_STEPS),
+                  env={"DTDSL_FAULT": "worker0@2"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (killed / "faults" / "worker0@2").exists()
+    log = (killed / "logs" / "workers.log").read_text()
+    assert "killing worker0 at step 2" in log and "restarting it" in log
+    want = read_jsonl(fed_run / "samples.jsonl")
+    losses = [m["loss"] for m in read_jsonl(fed_run / "metrics.jsonl")]
+    for other in (run3, killed):
+        assert read_jsonl(other / "samples.jsonl") == want
+        got = [m["loss"] for m in read_jsonl(other / "metrics.jsonl")]
+        assert got == pytest.approx(losses, rel=1e-6)
 
 
 @pytest.mark.slow
