@@ -1,0 +1,131 @@
+"""The feed: batch order over epochs, worker messages against in-process batches, and a
+live trainer inbox under hostile messages."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dtdsl import cli
+from dtdsl.feed import wire
+from dtdsl.feed.client import FeedTimeout, RemoteBatches
+from dtdsl.feed.protocol import BATCH, read_batch
+from dtdsl.feed.source import DatasetSource, epoch_permutation, stream_indices
+from dtdsl.feed.worker import FeedContext, build_messages
+from dtdsl.runtime.batch import LocalBatches
+from dtdsl.runtime.job import load_job
+from dtdsl.runtime.mesh import role_of
+
+ROOT = Path(__file__).resolve().parents[2]
+SPEC = ROOT / "specs" / "tiny_cpu.dt"
+
+
+def test_stream_order_is_a_permutation_per_epoch_and_a_function_of_seed_and_step():
+    n, batch = 40, 16
+    stream = [i for step in range(5) for i in stream_indices(7, n, step, batch)]
+    assert sorted(stream[:n]) == list(range(n))             # epoch 0: each once
+    assert sorted(stream[n:2 * n]) == list(range(n))        # epoch 1: each once
+    assert stream[:n] != stream[n:2 * n]                    # reshuffled
+    assert stream_indices(7, n, 3, batch) == stream[48:64]  # any step alone
+    assert not np.array_equal(epoch_permutation(7, 0, n), epoch_permutation(8, 0, n))
+    with pytest.raises(ValueError, match="empty"):
+        stream_indices(7, 0, 0, batch)
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("feed")
+    data = root / "data"
+    assert cli.main(["data", "synth", str(SPEC), "-o", str(data), "--samples", "40",
+                     "-q"]) == 0
+    out = root / "bundle"
+    assert cli.main(["compile", str(SPEC), "-o", str(out), "--data", str(data),
+                     "--workers", "1"]) == 0
+    return out
+
+
+class _Message:
+    """What Receiver.recv gives, from encode/decode without sockets."""
+
+    def __new__(cls, meta, arrays, secret=b"k" * 32):
+        return wire.decode(wire.encode(BATCH, meta, arrays, secret), secret)
+
+
+def _same_sample(a, b) -> None:
+    assert torch.equal(a.tokens, b.tokens)
+    assert len(a.images) == len(b.images)
+    for x, y in zip(a.images, b.images, strict=True):
+        assert torch.equal(x, y)
+    assert a.targets.keys() == b.targets.keys()
+    for name in a.targets:
+        for field in ("latents", "noise", "timesteps"):
+            assert torch.equal(getattr(a.targets[name], field), getattr(b.targets[name], field))
+
+
+def test_worker_messages_equal_in_process_batches(bundle):
+    ctx = FeedContext(bundle)
+    units = [u.name for u in ctx.plan.units]
+    generators = [g.name for g in ctx.program.generators]
+    source = DatasetSource(ctx.program, ctx.source.path)
+    for step in (0, 2, 3):      # step 2 crosses into the second epoch
+        messages = build_messages(ctx, step)
+        assert len(messages) == ctx.job.world_size
+        for rank, (meta, arrays) in enumerate(messages):
+            got = read_batch(_Message(meta, arrays), units, generators)
+            want = LocalBatches(ctx.program, ctx.plan, role_of(ctx.plan, rank), source=source,
+                                policy=ctx.policy, work_model=ctx.work_model).batch(step)
+            assert got.step == want.step and got.normalizer == want.normalizer
+            assert [(s.sample_ids, dict(s.assignment)) for s in got.routing] == \
+                [(s.sample_ids, dict(s.assignment)) for s in want.routing]
+            assert got.samples.keys() == want.samples.keys()
+            for i in want.samples:
+                _same_sample(got.samples[i], want.samples[i])
+            assert got.keys == (want.keys if rank == 0 else ())
+
+
+def test_a_live_trainer_inbox_takes_only_valid_batches(bundle, monkeypatch):
+    """Hostile messages (wrong secret, garbage, truncated, oversized), stale and duplicate
+    steps against a RemoteBatches: it returns the valid batches in order and counts the rest."""
+    job = load_job(bundle)
+    ctx = FeedContext(bundle)
+    secret = wire.read_secret(bundle / job.secret_file)
+    port = wire.Receiver.on_free_port(secret)       # find a free port range, then free it
+    base = int(port.address.rsplit(":", 1)[1]) + 100
+    port.close()
+    role = role_of(ctx.plan, 1)                     # a backbone rank: tokens
+    feed = RemoteBatches(job, bundle, ctx.program, ctx.plan, role, port_base=base,
+                         timeout_s=5.0)
+    address = job.feed.trainer_address(1, job.gpus_per_node, base)
+    import zmq
+
+    raw = zmq.Context.instance().socket(zmq.PUSH)
+    raw.connect(address)
+    good = {step: build_messages(ctx, step)[1] for step in range(3)}
+    try:
+        frames = wire.encode(BATCH, *good[0], secret)
+        raw.send_multipart(wire.encode(BATCH, *good[0], b"x" * 32))       # wrong secret
+        raw.send_multipart([b"garbage"])
+        raw.send_multipart(frames[:-1])                                   # truncated
+        raw.send_multipart([bytes(f) for f in frames[:2]] + [b"\0" * (2 << 20)])  # bad size
+        raw.send_multipart(wire.encode(BATCH, *good[1], secret))          # ahead: buffered
+        raw.send_multipart(frames)
+        raw.send_multipart(frames)                                        # duplicate
+        first = feed.batch(0)
+        assert first.step == 0 and first.wait_s >= 0
+        assert feed.batch(1).step == 1
+        raw.send_multipart(frames)                                        # stale
+        raw.send_multipart(wire.encode(BATCH, *good[2], secret))
+        assert feed.batch(2).step == 2
+        assert sum(feed.dropped.values()) >= 4
+        feed.timeout_s = 0.5
+        start = time.monotonic()
+        with pytest.raises(FeedTimeout, match="no data for step 3"):
+            feed.batch(3)
+        assert time.monotonic() - start < 3
+    finally:
+        raw.close(0)
+        feed.close()
