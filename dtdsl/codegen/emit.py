@@ -149,7 +149,8 @@ def _files(source: bytes, program: ir.Program, plan: Plan, schedule: Schedule, j
     python = [("train.py", render("train.py.j2", view))]
     python += [(f.path, render("rank.py.j2", view, **_rank_fields(f)))
                for f in view.rank_files]
-    python.append(("workers/worker.py", render("worker.py.j2", view)))
+    python.append(("workers/worker.py", render("worker.py.j2", view,
+                                               **worker_fields(job))))
     for path, text in python:
         _check_python(path, text)
         files.append(_File(path, text.encode(), executable=True))
@@ -162,6 +163,13 @@ def _files(source: bytes, program: ir.Program, plan: Plan, schedule: Schedule, j
         "Do not edit: change the spec and run `dtc compile` again. -->", 1)
     files.append(_File("README.md", readme.encode()))
     return sorted(files, key=lambda f: f.path)
+
+
+def worker_fields(job: Job) -> dict[str, Any]:
+    """What the worker program states as data (and checks against job.json)."""
+    return {"data": job.data.path if job.data.kind == "dataset" else None,
+            "trainers": tuple((r, job.feed.trainer_address(r, job.gpus_per_node))
+                              for r in range(job.world_size))}
 
 
 def _rank_fields(f: Any) -> dict[str, Any]:

@@ -248,8 +248,28 @@ def supervise(bundle: Path, argv: Sequence[str]) -> int:
     return status
 
 
-def main(bundle: Path, argv: Sequence[str] | None = None) -> int:
-    """The command line of a bundle's ``workers/worker.py``."""
+def _check_expected(bundle: Path, expected: dict[str, Any]) -> None:
+    """The worker program's stated configuration against job.json (a stale or edited
+    program fails here)."""
+    from dtdsl.codegen.emit import worker_fields
+    from dtdsl.runtime.job import load_job
+
+    job = load_job(bundle)
+    actual = {"workers": job.feed.workers, "prefetch": job.feed.prefetch,
+              "reorder": tuple(job.reorder), **worker_fields(job)}
+    actual["trainers"] = dict(actual["trainers"])
+    for key, value in expected.items():
+        if actual.get(key) != value:
+            raise SystemExit(f"worker.py says {key} = {value!r} but job.json gives "
+                             f"{actual.get(key)!r}: recompile the bundle")
+
+
+def main(bundle: Path, argv: Sequence[str] | None = None,
+         expected: dict[str, Any] | None = None) -> int:
+    """The command line of a bundle's ``workers/worker.py``; ``expected``: what the
+    generated program states, checked against the bundle's job.json."""
+    if expected is not None:
+        _check_expected(bundle, expected)
     p = argparse.ArgumentParser(prog="worker.py", description="preprocessing workers")
     who = p.add_mutually_exclusive_group(required=True)
     who.add_argument("--all", action="store_true", help="run every worker, restarting any "
