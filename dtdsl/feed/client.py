@@ -9,12 +9,14 @@ first valid message for that step: messages of later steps wait in a buffer (the
 run up to ``prefetch`` steps ahead), copies of a step already taken (a restarted worker
 sends its steps again) are dropped, and so is anything the wire rejects (wrong secret,
 malformed, oversized: counted in ``dropped``). The time spent waiting is the step's
-``wait_s``.
+``wait_s``. Decoding happens on a background thread as messages arrive.
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +31,11 @@ class FeedTimeout(RuntimeError):
 
 
 class RemoteBatches:
-    """A BatchSource fed by the preprocessing workers (module docstring)."""
+    """A BatchSource fed by the preprocessing workers (module docstring).
+
+    A background thread owns the inbox socket: it verifies, decodes and converts messages
+    into ``StepBatch``es as they arrive, so by the time the trainer asks for a step that
+    the workers delivered ahead, only a dictionary lookup is left on the training path."""
 
     def __init__(self, job: Any, bundle: Path, program: Any, plan: Any, role: Any, *,
                  port_base: int | None = None, timeout_s: float = 600.0):
@@ -46,14 +52,42 @@ class RemoteBatches:
             hwm=job.feed.prefetch + 2)
         self.publisher = (wire.Publisher(job.feed.control_address(port_base), secret)
                           if role.rank == 0 else None)
-        self._pending: dict[int, Any] = {}
+        self._ready: dict[int, Any] = {}
         self._next = 0
         self._announced = 0.0
+        self._error: BaseException | None = None
+        self._closed = threading.Event()
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._pump, name=f"feed-inbox-{role.rank}",
+                                        daemon=True)
+        self._thread.start()
 
     @property
     def dropped(self) -> Any:
         """Messages the wire rejected, by reason."""
         return self.receiver.dropped
+
+    def _pump(self) -> None:
+        from dtdsl.feed.protocol import BATCH, read_batch
+
+        try:
+            while not self._closed.is_set():
+                message = self.receiver.recv(timeout_s=0.1)
+                if message is None or message.kind != BATCH:
+                    continue
+                got = message.meta.get("step")
+                with self._cond:
+                    if not isinstance(got, int) or got < self._next or got in self._ready:
+                        continue    # a copy of a step taken or buffered: a worker restarted
+                batch = read_batch(message, self.units, self.generators)
+                with self._cond:
+                    if got >= self._next and got not in self._ready:
+                        self._ready[got] = batch
+                        self._cond.notify_all()
+        except BaseException as err:    # handed to the training thread by batch()
+            with self._cond:
+                self._error = err
+                self._cond.notify_all()
 
     def _announce(self, step: int, done: bool = False) -> None:
         from dtdsl.feed.protocol import PROGRESS
@@ -63,36 +97,32 @@ class RemoteBatches:
             self._announced = time.monotonic()
 
     def batch(self, step: int) -> Any:
-        from dtdsl.feed.protocol import BATCH, read_batch
-
         start = time.perf_counter()
-        if step < self._next:
-            raise ValueError(f"step {step} was already taken (next is {self._next})")
-        self._next = step
-        self._pending = {s: m for s, m in self._pending.items() if s >= step}
+        with self._cond:
+            if step < self._next:
+                raise ValueError(f"step {step} was already taken (next is {self._next})")
+            self._next = step
+            for s in [s for s in self._ready if s < step]:
+                del self._ready[s]
         self._announce(step)
         deadline = time.monotonic() + self.timeout_s
-        while step not in self._pending:
-            now = time.monotonic()
-            if now >= deadline:
-                raise FeedTimeout(
-                    f"rank {self.role.rank}: no data for step {step} in {self.timeout_s:g} s "
-                    f"(are the preprocessing workers running? see the run's logs/); "
-                    f"dropped messages: {dict(self.receiver.dropped) or 'none'}")
-            if now - self._announced >= ANNOUNCE_S:
-                self._announce(step)
-            message = self.receiver.recv(timeout_s=min(ANNOUNCE_S, deadline - now))
-            if message is None or message.kind != BATCH:
-                continue
-            got = message.meta.get("step")
-            if not isinstance(got, int) or got < step or got in self._pending:
-                continue        # a copy of a step taken or buffered: a worker restarted
-            self._pending[got] = message
-        message = self._pending.pop(step)
-        self._next = step + 1
-        batch = read_batch(message, self.units, self.generators)
-        from dataclasses import replace
-
+        with self._cond:
+            while step not in self._ready:
+                if self._error is not None:
+                    raise RuntimeError(f"rank {self.role.rank}: the feed's inbox failed: "
+                                       f"{self._error!r}") from self._error
+                now = time.monotonic()
+                if now >= deadline:
+                    raise FeedTimeout(
+                        f"rank {self.role.rank}: no data for step {step} in "
+                        f"{self.timeout_s:g} s (are the preprocessing workers running? see "
+                        f"the run's logs/); dropped messages: "
+                        f"{dict(self.receiver.dropped) or 'none'}")
+                if now - self._announced >= ANNOUNCE_S:
+                    self._announce(step)
+                self._cond.wait(timeout=min(ANNOUNCE_S, deadline - now))
+            batch = self._ready.pop(step)
+            self._next = step + 1
         return replace(batch, wait_s=time.perf_counter() - start)
 
     def close(self) -> None:
@@ -102,4 +132,6 @@ class RemoteBatches:
                 self._announce(self._next, done=True)
                 time.sleep(0.05)
             self.publisher.close()
+        self._closed.set()
+        self._thread.join(timeout=5)
         self.receiver.close()
