@@ -91,6 +91,19 @@ def make_job(program: ir.Program, plan: Plan, data: DataConfig, options: BundleO
                                            keep=KEEP_CHECKPOINTS))
 
 
+def runtime_limits(plan: Plan) -> list[str]:
+    """What of ``plan`` the runtime cannot run yet (the bundle is still written: a plan
+    is data, and a later runtime runs it)."""
+    out = []
+    for u in plan.units:
+        if u.vpp > 1:
+            out.append(f"{u.name} is interleaved (vpp={u.vpp}); the executor runs vpp=1")
+        if u.tp > 1 and u.role == "generator":
+            out.append(f"generator {u.name} has tp={u.tp}; the executor shards encoders and "
+                       "backbones only")
+    return out
+
+
 def compile_bundle(out: str | Path, *, source: bytes, spec_path: str, program: ir.Program,
                    plan: Plan, schedule: Schedule, options: BundleOptions,
                    overwrite: bool = False) -> list[str]:
@@ -100,6 +113,8 @@ def compile_bundle(out: str | Path, *, source: bytes, spec_path: str, program: i
     data, warning = _data(program, spec_dir, Path(out), options)
     if warning:
         print(f"dtc: warning: {warning}", file=sys.stderr)
+    for limit in runtime_limits(plan):
+        print(f"dtc: warning: the runtime cannot run this plan yet: {limit}", file=sys.stderr)
     job = make_job(program, plan, data, options)
     view = bundle_view(program, plan, schedule, job, rdzv_port=DEFAULT_RDZV_PORT,
                        max_restarts=options.max_restarts)
