@@ -163,3 +163,17 @@ def test_paper_scale_compile_time(tmp_path):
     assert elapsed <= 10.0, f"compiling mllm_72b took {elapsed:.1f} s"
     job = json.loads((tmp_path / "b" / "job.json").read_text())
     assert job["world_size"] > 1000 and job["nodes"] == -(-job["world_size"] // 8)
+
+
+def test_plans_the_runtime_cannot_run_yet_are_named(tmp_path):
+    from dtdsl.codegen.compile import runtime_limits
+    from dtdsl.ir.plan import Plan
+
+    assert compile_spec(SPECS / "tiny_cpu.dt", tmp_path / "b") == 0
+    plan = Plan.model_validate_json((tmp_path / "b" / "plan.json").read_bytes())
+    assert runtime_limits(plan) == []
+    units = tuple(u.model_copy(update={"vpp": 2}) if u.role == "backbone" else
+                  u.model_copy(update={"tp": 2}) if u.role == "generator" else u
+                  for u in plan.units)
+    limits = runtime_limits(plan.model_copy(update={"units": units}))
+    assert len(limits) == 2 and "vpp=2" in limits[0] and "tp=2" in limits[1]
