@@ -40,3 +40,13 @@ def test_wheel_contains_resources_and_dtc_runs_elsewhere(tmp_path: Path):
     run = subprocess.run([str(site / "bin" / "dtc"), "check", str(spec)], cwd=elsewhere,
                          env=env, capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
+    for template in (ROOT / "codegen_templates").glob("*.j2"):
+        assert f"dtdsl/_templates/{template.name}" in names
+    for package in ("data", "feed", "codegen", "runtime"):
+        assert f"dtdsl/{package}/__init__.py" in names
+    bundle = elsewhere / "bundle"
+    run = subprocess.run([str(site / "bin" / "dtc"), "compile", str(spec), "-o", str(bundle),
+                          "--synthetic"], cwd=elsewhere, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert (bundle / "launch.sh").is_file() and (bundle / "ranks").is_dir()
