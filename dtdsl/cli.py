@@ -31,6 +31,7 @@ from dtdsl.source import Span
 if TYPE_CHECKING:
     from dtdsl.cost.model import CostModel, Efficiency
     from dtdsl.ir.plan import Plan
+    from dtdsl.ir.schedule import Schedule
 
 # Commands that plan or profile import numpy, cvxpy, rich and torch when they run:
 # `dtc check` and `dtc fmt` stay quick to start.
@@ -338,9 +339,27 @@ def _plan_problems(the_plan: Plan, program: Program) -> list[str]:
     return out
 
 
+def _plan_and_schedule(plan_path: str | None, result: FrontendResult, program: Program,
+                       cost: CostModel, num_gpus: int | None = None
+                       ) -> tuple[Plan, Schedule] | None:
+    """The plan (read from ``plan_path``, else solved) and its lowered schedule, or None
+    after printing why there is no plan."""
+    from dtdsl.schedule.lower import LoweringError, lower
+
+    if plan_path:
+        the_plan = _read_plan(plan_path, program)
+    else:
+        the_plan = _solve(result, program, cost, num_gpus)
+        if the_plan is None:
+            return None
+    try:
+        return the_plan, lower(the_plan, program)
+    except LoweringError as err:
+        raise UsageError(f"cannot lower the plan: {err}") from None
+
+
 def _cmd_simulate(args: argparse.Namespace) -> int:
     from dtdsl.report import plan_markdown, progress_bar, wide_console
-    from dtdsl.schedule.lower import LoweringError, lower
     from dtdsl.sim.report import simulation_report
     from dtdsl.sim.run import simulate_steps
     from dtdsl.sim.simulate import Simulator
@@ -358,15 +377,10 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         if args.gpus:
             raise UsageError("--gpus plans for another cluster size; with --plan the plan "
                              "is given: use one or the other")
-        the_plan = _read_plan(args.plan, program)
-    else:
-        the_plan = _solve(result, program, cost, args.gpus)
-        if the_plan is None:
-            return EXIT_ERRORS
-    try:
-        schedule = lower(the_plan, program)
-    except LoweringError as err:
-        raise UsageError(f"cannot lower the plan: {err}") from None
+    planned = _plan_and_schedule(args.plan, result, program, cost, args.gpus)
+    if planned is None:
+        return EXIT_ERRORS
+    the_plan, schedule = planned
     policy = parse_policy(args.reorder if args.reorder else program.train.reorder)
     logdir = Path(args.logdir)
     if logdir.exists() and not logdir.is_dir():
@@ -609,7 +623,6 @@ def _cmd_reference(args: argparse.Namespace) -> int:
 def _cmd_compile(args: argparse.Namespace) -> int:
     from dtdsl.codegen.compile import BundleOptions, compile_bundle
     from dtdsl.codegen.emit import BundleError
-    from dtdsl.schedule.lower import LoweringError, lower
 
     result, code = _load_program(args.spec)
     if result is None:
@@ -619,17 +632,10 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     if args.data is not None and args.synthetic:
         raise UsageError("--data names a dataset and --synthetic draws samples instead: "
                          "give one or the other")
-    cost = _cost_model(args, program)
-    if args.plan:
-        the_plan = _read_plan(args.plan, program)
-    else:
-        the_plan = _solve(result, program, cost)
-        if the_plan is None:
-            return EXIT_ERRORS
-    try:
-        schedule = lower(the_plan, program)
-    except LoweringError as err:
-        raise UsageError(f"cannot lower the plan: {err}") from None
+    planned = _plan_and_schedule(args.plan, result, program, _cost_model(args, program))
+    if planned is None:
+        return EXIT_ERRORS
+    the_plan, schedule = planned
     options = BundleOptions(
         steps=args.steps, workers=args.workers, data=args.data, synthetic=args.synthetic,
         hosts=tuple(h for h in (args.hosts or "").split(",") if h),

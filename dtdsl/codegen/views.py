@@ -16,6 +16,7 @@ from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan
 from dtdsl.ir.schedule import Schedule
 from dtdsl.runtime.job import Job
+from dtdsl.runtime.launch import RankEntry
 from dtdsl.runtime.mesh import UnitGrid, grids
 
 __all__ = ["BundleView", "RankFileView", "RankView", "bundle_view", "rank_file_name"]
@@ -32,12 +33,10 @@ def rank_file_name(unit: str, stage: int) -> str:
 
 @dataclass(frozen=True)
 class RankView:
+    """A global rank and the entry its stage program states for it."""
+
     rank: int
-    replica: int
-    tp_index: int
-    tp_group: tuple[int, ...]
-    dp_group: tuple[int, ...]
-    pp_group: tuple[int, ...]
+    entry: RankEntry
 
 
 @dataclass(frozen=True)
@@ -106,11 +105,10 @@ def _rank_files(plan: Plan, schedule: Schedule) -> tuple[RankFileView, ...]:
             ranks = []
             for replica in range(g.dp):
                 for t in range(g.tp):
-                    ranks.append(RankView(
-                        rank=g.rank(stage, replica, t), replica=replica, tp_index=t,
-                        tp_group=g.tp_group_ranks(stage, replica),
+                    ranks.append(RankView(rank=g.rank(stage, replica, t), entry=RankEntry(
+                        replica=replica, tp_index=t, tp_group=g.tp_group_ranks(stage, replica),
                         dp_group=g.dp_group_ranks(stage, t),
-                        pp_group=g.pp_group_ranks(replica, t)))
+                        pp_group=g.pp_group_ranks(replica, t))))
             out.append(RankFileView(
                 path=rank_file_name(g.name, stage), unit=g.name, role=unit.role, stage=stage,
                 layers=_layers(g, plan, stage), tp=g.tp, dp=g.dp, pp=g.pp,
