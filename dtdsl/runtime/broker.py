@@ -50,7 +50,16 @@ to receive them. A receiver that is not eager must not get eager messages (the f
 would not fit its header buffer). The receiver checks
 each part against limits (``MAX_TENSORS``, ``MAX_NDIM``, known dtype codes, ``max_bytes``,
 a payload size that matches the shapes) before it allocates anything, and raises
-``WireError`` with the reason. Received tensors are views into one payload buffer.
+``WireError`` with the reason. Received tensors are views into one payload buffer. An
+eager message is built straight in its one send buffer (no separate payload copy).
+
+**Posting ahead.** gloo's TCP transport is a rendezvous: a message's data leaves the
+sender only once the receiver has posted a receive for its (source, tag), so a receive
+posted when the data is needed costs a round trip (receiver's notice, sender's data) and
+a wake-up of the sender's I/O thread. ``post_recv`` posts a message's first part early
+and ``recv_posted`` completes it; ``Broker.post_forward`` / ``post_backward`` do so for
+the broker's receives (``recv_forward`` / ``recv_backward`` take what they posted). The
+executor keeps its next RECV actions posted.
 """
 
 from __future__ import annotations
@@ -80,10 +89,13 @@ __all__ = [
     "MAX_NDIM",
     "MAX_TENSORS",
     "Broker",
+    "PostedRecv",
     "StepSamples",
     "WireError",
     "broadcast_tensors",
     "message_tag",
+    "post_recv",
+    "recv_posted",
     "recv_tensors",
     "recv_tensors_many",
     "reverse",
@@ -203,11 +215,11 @@ def _layout(specs: list[tuple[torch.dtype, tuple[int, ...]]]) -> tuple[list[_Spe
     return out, offset
 
 
-def _encode(tensors: Sequence[torch.Tensor], max_bytes: int,
-            device: torch.device | str | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(header, overflow rows or None, payload or None), on ``device`` (default: the
-    tensors' own device)."""
+def _describe(tensors: Sequence[torch.Tensor], max_bytes: int,
+              device: torch.device | str | None
+              ) -> tuple[torch.device | str, list[_Spec], int, list[int], list[list[int]]]:
+    """A message's device, layout, payload bytes, header values (``HEADER_LEN``) and
+    overflow rows, after checking ``tensors`` against the limits."""
     if len(tensors) > MAX_TENSORS:
         raise WireError(f"{len(tensors)} tensors in one message; the limit is {MAX_TENSORS}")
     for i, t in enumerate(tensors):
@@ -235,18 +247,47 @@ def _encode(tensors: Sequence[torch.Tensor], max_bytes: int,
     for row in meta[:INLINE_TENSORS]:
         head += row
     head += [0] * (HEADER_LEN - len(head))
+    return device, specs, total, head, meta[INLINE_TENSORS:]
+
+
+def _fill(payload: torch.Tensor, tensors: Sequence[torch.Tensor], specs: list[_Spec]) -> None:
+    """Copy ``tensors`` into their places in ``payload`` (uint8): each through a view of its
+    own dtype and shape, so a strided tensor needs no contiguous copy of its own first."""
+    for t, s in zip(tensors, specs, strict=True):
+        if s.nbytes:
+            payload[s.offset:s.offset + s.nbytes].view(s.dtype).view(s.shape).copy_(t.detach())
+
+
+def _encode(tensors: Sequence[torch.Tensor], max_bytes: int,
+            device: torch.device | str | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(header, overflow rows or None, payload or None), on ``device`` (default: the
+    tensors' own device)."""
+    device, specs, total, head, overflow = _describe(tensors, max_bytes, device)
     header = torch.tensor(head, dtype=torch.int64, device=device)
     extra = None
-    if len(meta) > INLINE_TENSORS:
-        extra = torch.tensor(meta[INLINE_TENSORS:], dtype=torch.int64, device=device)
+    if overflow:
+        extra = torch.tensor(overflow, dtype=torch.int64, device=device)
     payload = None
     if total:
         payload = torch.empty(total, dtype=torch.uint8, device=device)
-        for t, s in zip(tensors, specs, strict=True):
-            if s.nbytes:
-                payload[s.offset:s.offset + s.nbytes].copy_(
-                    t.detach().contiguous().reshape(-1).view(torch.uint8))
+        _fill(payload, tensors, specs)
     return header, extra, payload
+
+
+def _encode_eager(tensors: Sequence[torch.Tensor], max_bytes: int,
+                  device: torch.device | str | None = None) -> torch.Tensor | None:
+    """The eager message (header with ``MAGIC_EAGER``, then the payload, in one CPU buffer)
+    of ``tensors``, or None when they do not fit one (too many tensors, too many bytes,
+    not on the CPU): then the normal parts are sent."""
+    device, specs, total, head, overflow = _describe(tensors, max_bytes, device)
+    if overflow or total > EAGER_BYTES or torch.device(device).type != "cpu":
+        return None
+    head[0] = MAGIC_EAGER
+    buf = torch.empty(HEADER_BYTES + total, dtype=torch.uint8)
+    buf[:HEADER_BYTES].view(torch.int64).copy_(torch.tensor(head, dtype=torch.int64))
+    _fill(buf[HEADER_BYTES:], tensors, specs)
+    return buf
 
 
 def _check_header(header: torch.Tensor, max_bytes: int, *, eager: bool = False
@@ -319,15 +360,11 @@ def send_tensors(tensors: Sequence[torch.Tensor], dst: int, group: dist.ProcessG
     buffers live on ``device`` (the backend's device; default: the tensors' device).
     ``eager``: send a small message as one transfer (module docstring; the receiver must
     be eager too; CPU buffers only, else the normal parts are sent)."""
+    if eager:
+        buf = _encode_eager(tensors, max_bytes, device)
+        if buf is not None:
+            return [dist.isend(buf, dst, group=group, tag=_part(tag, 0))]
     header, extra, payload = _encode(tensors, max_bytes, device)
-    total = 0 if payload is None else payload.numel()
-    if eager and extra is None and total <= EAGER_BYTES and header.device.type == "cpu":
-        buf = torch.empty(HEADER_BYTES + total, dtype=torch.uint8)
-        buf[:HEADER_BYTES].view(torch.int64).copy_(header)
-        buf[:8].view(torch.int64).fill_(MAGIC_EAGER)
-        if payload is not None:
-            buf[HEADER_BYTES:].copy_(payload)
-        return [dist.isend(buf, dst, group=group, tag=_part(tag, 0))]
     works = [dist.isend(header, dst, group=group, tag=_part(tag, 0))]
     if extra is not None:
         works.append(dist.isend(extra, dst, group=group, tag=_part(tag, 1)))
@@ -345,6 +382,37 @@ def recv_tensors(src: int, group: dist.ProcessGroup | None = None, *, tag: int =
                              eager=eager)[0]
 
 
+@dataclass(eq=False, slots=True)
+class PostedRecv:
+    """A message whose first transfer is posted (``post_recv``); ``recv_posted`` waits for
+    it and receives the rest."""
+
+    src: int
+    tag: int
+    group: dist.ProcessGroup | None
+    eager: bool
+    first: torch.Tensor         # the first part's buffer
+    work: dist.Work
+
+
+def post_recv(src: int, group: dist.ProcessGroup | None = None, *, tag: int = 0,
+              device: torch.device | str = "cpu", eager: bool = False) -> PostedRecv:
+    """Post the receive of the first part of the message from global rank ``src`` with
+    ``tag`` (non-blocking): the header, or with ``eager`` the whole of an eager message
+    (a buffer of ``HEADER_BYTES + EAGER_BYTES``, CPU only). Posting early pays: gloo
+    sends a message's data only once the receiver has posted for it, so a message whose
+    receive is already posted travels as soon as it is sent, with no round trip at the
+    receive. Complete it with ``recv_posted``."""
+    if eager and torch.device(device).type != "cpu":
+        raise ValueError("eager messages are for CPU (gloo) buffers only")
+    if eager:
+        first = torch.empty(HEADER_BYTES + EAGER_BYTES, dtype=torch.uint8)
+    else:
+        first = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
+    return PostedRecv(src=src, tag=tag, group=group, eager=eager, first=first,
+                      work=dist.irecv(first, src, group=group, tag=_part(tag, 0)))
+
+
 def recv_tensors_many(sources: Sequence[tuple[int, int]], group: dist.ProcessGroup | None = None,
                       *, device: torch.device | str = "cpu",
                       max_bytes: int = DEFAULT_MAX_BYTES,
@@ -353,26 +421,27 @@ def recv_tensors_many(sources: Sequence[tuple[int, int]], group: dist.ProcessGro
     messages in the order of ``sources``. ``eager``: accept eager messages (module
     docstring): the first receive of each is the upper bound ``HEADER_BYTES +
     EAGER_BYTES`` (CPU only)."""
-    if eager and torch.device(device).type != "cpu":
-        raise ValueError("eager messages are for CPU (gloo) buffers only")
-    if eager:
-        firsts = [torch.empty(HEADER_BYTES + EAGER_BYTES, dtype=torch.uint8) for _ in sources]
-        headers = [f[:HEADER_BYTES].view(torch.int64) for f in firsts]
-    else:
-        firsts = headers = [torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
-                            for _ in sources]
-    works = [dist.irecv(f, src, group=group, tag=_part(tag, 0))
-             for f, (src, tag) in zip(firsts, sources, strict=True)]
-    for w in works:
-        w.wait()
-    heads = [_check_header(h, max_bytes, eager=eager) for h in headers]
-    inline = [eager and int(h[0]) == MAGIC_EAGER for h in headers]
+    return recv_posted([post_recv(src, group, tag=tag, device=device, eager=eager)
+                        for src, tag in sources], device=device, max_bytes=max_bytes)
+
+
+def recv_posted(posted: Sequence[PostedRecv], *, device: torch.device | str = "cpu",
+                max_bytes: int = DEFAULT_MAX_BYTES) -> list[list[torch.Tensor]]:
+    """Complete receives posted with ``post_recv`` (blocking): the messages, in order."""
+    for p in posted:
+        p.work.wait()
+    headers = [p.first[:HEADER_BYTES].view(torch.int64) if p.eager else p.first
+               for p in posted]
+    heads = [_check_header(h, max_bytes, eager=p.eager) for h, p in zip(headers, posted,
+                                                                        strict=True)]
+    inline = [p.eager and int(h[0]) == MAGIC_EAGER for h, p in zip(headers, posted,
+                                                                    strict=True)]
     extras: list[torch.Tensor | None] = []
     works = []
-    for (src, tag), (count, _), done in zip(sources, heads, inline, strict=True):
+    for p, (count, _), done in zip(posted, heads, inline, strict=True):
         if _overflow(count) and not done:
             e = torch.empty((_overflow(count), _WIDTH), dtype=torch.int64, device=device)
-            works.append(dist.irecv(e, src, group=group, tag=_part(tag, 1)))
+            works.append(dist.irecv(e, p.src, group=p.group, tag=_part(p.tag, 1)))
             extras.append(e)
         else:
             extras.append(None)
@@ -382,12 +451,12 @@ def recv_tensors_many(sources: Sequence[tuple[int, int]], group: dist.ProcessGro
              for h, e, (count, total) in zip(headers, extras, heads, strict=True)]
     payloads: list[torch.Tensor | None] = []
     works = []
-    for (src, tag), (_, total), done, first in zip(sources, heads, inline, firsts, strict=True):
+    for p, (_, total), done in zip(posted, heads, inline, strict=True):
         if done:
-            payloads.append(first[HEADER_BYTES:HEADER_BYTES + total] if total else None)
+            payloads.append(p.first[HEADER_BYTES:HEADER_BYTES + total] if total else None)
         elif total:
             buf = torch.empty(total, dtype=torch.uint8, device=device)
-            works.append(dist.irecv(buf, src, group=group, tag=_part(tag, 2)))
+            works.append(dist.irecv(buf, p.src, group=p.group, tag=_part(p.tag, 2)))
             payloads.append(buf)
         else:
             payloads.append(None)
@@ -471,6 +540,9 @@ class Broker:
         self.p2p_group = p2p_group
         self.device = torch.device(device)
         self.max_bytes = max_bytes
+        # The last routes per (producer, consumer), by the StepSamples they came from: a
+        # rank asks for the same step's routes up to three times (post, receive, send).
+        self._routes: dict[tuple[str, str], tuple[StepSamples, Routes]] = {}
 
     @property
     def rank(self) -> int:
@@ -478,9 +550,14 @@ class Broker:
 
     def routes(self, producer: str, consumer: str, samples: StepSamples) -> Routes:
         """(producer replica, consumer replica) -> samples, for this step."""
+        hit = self._routes.get((producer, consumer))
+        if hit is not None and hit[0] is samples:
+            return hit[1]
         pg, cg = self._edge(producer, consumer)
-        return route(samples.sample_ids, samples.replicas(producer), samples.replicas(consumer),
-                     producer_dp=pg.dp, consumer_dp=cg.dp)
+        out = route(samples.sample_ids, samples.replicas(producer), samples.replicas(consumer),
+                    producer_dp=pg.dp, consumer_dp=cg.dp)
+        self._routes[(producer, consumer)] = (samples, out)
+        return out
 
     # -- forward: producer last stage -> consumer first stage
 
@@ -492,12 +569,22 @@ class Broker:
                           cg, 0, self.routes(producer, consumer, samples), tensors_by_sample,
                           samples)
 
-    def recv_forward(self, step: int, producer: str, consumer: str,
-                     samples: StepSamples) -> dict[SampleId, torch.Tensor]:
+    def recv_forward(self, step: int, producer: str, consumer: str, samples: StepSamples,
+                     posted: Sequence[PostedRecv] | None = None
+                     ) -> dict[SampleId, torch.Tensor]:
+        """``posted``: what ``post_forward`` posted for this step, if it was called."""
         pg, cg = self._edge(producer, consumer)
         return self._recv(message_tag(step, 0), pg, pg.last_stage, cg, 0,
                           reverse(self.routes(producer, consumer, samples)),
-                          samples.replicas(consumer), samples)
+                          samples.replicas(consumer), samples, posted)
+
+    def post_forward(self, step: int, producer: str, consumer: str,
+                     samples: StepSamples) -> list[PostedRecv]:
+        """Post ``recv_forward``'s receives ahead (``post_recv``); pass them to it."""
+        pg, cg = self._edge(producer, consumer)
+        return self._post(message_tag(step, 0), pg, pg.last_stage, cg, 0,
+                          reverse(self.routes(producer, consumer, samples)),
+                          samples.replicas(consumer))
 
     # -- backward: consumer first stage -> producer last stage
 
@@ -509,12 +596,22 @@ class Broker:
                           pg, pg.last_stage, reverse(self.routes(producer, consumer, samples)),
                           grads_by_sample, samples)
 
-    def recv_backward(self, step: int, producer: str, consumer: str,
-                      samples: StepSamples) -> dict[SampleId, torch.Tensor]:
+    def recv_backward(self, step: int, producer: str, consumer: str, samples: StepSamples,
+                      posted: Sequence[PostedRecv] | None = None
+                      ) -> dict[SampleId, torch.Tensor]:
+        """``posted``: what ``post_backward`` posted for this step, if it was called."""
         pg, cg = self._edge(producer, consumer)
         return self._recv(message_tag(step, 1), cg, 0, pg, pg.last_stage,
                           self.routes(producer, consumer, samples),
-                          samples.replicas(producer), samples)
+                          samples.replicas(producer), samples, posted)
+
+    def post_backward(self, step: int, producer: str, consumer: str,
+                      samples: StepSamples) -> list[PostedRecv]:
+        """Post ``recv_backward``'s receives ahead (``post_recv``); pass them to it."""
+        pg, cg = self._edge(producer, consumer)
+        return self._post(message_tag(step, 1), cg, 0, pg, pg.last_stage,
+                          self.routes(producer, consumer, samples),
+                          samples.replicas(producer))
 
     # -- internals
 
@@ -557,10 +654,21 @@ class Broker:
                                       max_bytes=self.max_bytes, eager=self.eager)
         return works
 
+    def _post(self, tag: int, src: UnitGrid, src_stage: int, dst: UnitGrid, dst_stage: int,
+              routes: Routes, dst_assignment: Sequence[int]) -> list[PostedRecv]:
+        """The leader's receives of ``_recv``, posted; nothing elsewhere."""
+        me = self._where(dst, dst_stage, "receive these tensors")
+        if not me.is_leader or me.replica not in dst_assignment:
+            return []
+        return [post_recv(src.leader(src_stage, s), self.p2p_group, tag=tag,
+                          device=self.device, eager=self.eager)
+                for (d, s) in routes if d == me.replica]
+
     def _recv(self, tag: int, src: UnitGrid, src_stage: int, dst: UnitGrid, dst_stage: int,
-              routes: Routes, dst_assignment: Sequence[int],
-              samples: StepSamples) -> dict[SampleId, torch.Tensor]:
-        """``routes`` keyed (receiving replica, sending replica)."""
+              routes: Routes, dst_assignment: Sequence[int], samples: StepSamples,
+              posted: Sequence[PostedRecv] | None = None) -> dict[SampleId, torch.Tensor]:
+        """``routes`` keyed (receiving replica, sending replica); ``posted``: ``_post``'s
+        receives for the same message, or None to post them here."""
         me = self._where(dst, dst_stage, "receive these tensors")
         order = [s for s, r in zip(samples.sample_ids, dst_assignment, strict=True)
                  if r == me.replica]
@@ -569,9 +677,14 @@ class Broker:
         leader = dst.leader(dst_stage, me.replica)
         if me.is_leader:
             incoming = [(s, ids) for (d, s), ids in routes.items() if d == me.replica]
-            msgs = recv_tensors_many([(src.leader(src_stage, s), tag) for s, _ in incoming],
-                                     self.p2p_group, device=self.device,
-                                     max_bytes=self.max_bytes, eager=self.eager)
+            sources = [(src.leader(src_stage, s), tag) for s, _ in incoming]
+            if posted is None:
+                posted = [post_recv(r, self.p2p_group, tag=t, device=self.device,
+                                    eager=self.eager) for r, t in sources]
+            elif [(p.src, p.tag) for p in posted] != sources:
+                raise RuntimeError(f"receives posted for {[(p.src, p.tag) for p in posted]}, "
+                                   f"but this message comes from {sources}")
+            msgs = recv_posted(posted, device=self.device, max_bytes=self.max_bytes)
             got: dict[SampleId, torch.Tensor] = {}
             for (s, ids), tensors in zip(incoming, msgs, strict=True):
                 if len(tensors) != len(ids):

@@ -30,13 +30,15 @@ training step it
      (``send_tensors`` copies into its own buffers, so nothing is reused too early).
    - ``RECV_F`` / ``RECV_B``: the matching blocking receives. Both directions use the
      broker's eager wire messages (one transfer for a message of at most
-     ``broker.EAGER_BYTES``: no dependent header round trip).
+     ``broker.EAGER_BYTES``: no dependent header round trip), and the receives of the
+     rank's next ``_PREPOST`` RECV actions are posted ahead (the first before the step's
+     barrier), so a message travels as soon as it is sent (``broker.post_recv``).
    - ``SYNC`` / ``OPT``: markers. Gradient reduction and the update happen in one
      ``optim.optimizer_step`` that EVERY rank calls after its action list (with no
      optimizer where its stage trains nothing), because the global gradient norm and the
-     inf/NaN agreement are collectives over the whole job. On a stage that trains, the
-     time of that call is recorded as its ``SYNC`` (the DP reduce is inside it) and
-     ``OPT`` events.
+     inf/NaN agreement are collectives over the whole job; the step's losses are summed
+     over the job in the same all-reduce. On a stage that trains, the time of that call
+     is recorded as its ``SYNC`` (the DP reduce is inside it) and ``OPT`` events.
 
 Message tags: ``broker.message_tag(step * M + j, direction)`` for microbatch step ``j``
 of training step ``step``; PP pairs and broker pairs are different rank pairs, and gloo
@@ -63,6 +65,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,7 +79,15 @@ from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan
 from dtdsl.ir.schedule import Action, ActionKind, Schedule
 from dtdsl.runtime.batch import BatchSource, LocalBatches, StepBatch
-from dtdsl.runtime.broker import Broker, StepSamples, message_tag, recv_tensors, send_tensors
+from dtdsl.runtime.broker import (
+    Broker,
+    PostedRecv,
+    StepSamples,
+    message_tag,
+    post_recv,
+    recv_posted,
+    send_tensors,
+)
 from dtdsl.runtime.data import Sample, image_encoder, pack_images, unpack_images
 from dtdsl.runtime.mesh import ProcessGroups, RankRole
 from dtdsl.runtime.model import (
@@ -97,6 +108,11 @@ from dtdsl.sim.timeline import Event, Timeline, TimelineUnit
 __all__ = ["StageExecutor", "gather_timeline", "measured_timeline", "run_rank"]
 
 _FWD, _BWD = 0, 1
+_RECVS = (ActionKind.RECV_F, ActionKind.RECV_B)
+# How many of its next RECV actions a rank keeps posted (``broker.post_recv``): gloo moves a
+# message's data only once its receive is posted, so a receive posted ahead saves the
+# round trip at the RECV. Each holds a ``HEADER_BYTES + EAGER_BYTES`` buffer until then.
+_PREPOST = 8
 
 
 class _Units:
@@ -293,26 +309,30 @@ class StageExecutor:
         for p in self.stage_params:
             p.grad = None
         events: list[Event] = []
+        # Receives posted ahead (``_PREPOST``): the first ones before the barrier.
+        self._to_post = deque(i for i, a in enumerate(self.actions) if a.kind in _RECVS)
+        self._posted: dict[int, list[PostedRecv]] = {}
+        self._post_ahead()
         dist.barrier()     # a common origin for every rank's event times
         self._t0 = time.perf_counter()
-        for a in self.actions:
+        for i, a in enumerate(self.actions):
             if a.kind in (ActionKind.SYNC, ActionKind.OPT):
                 continue
             start = time.perf_counter() - self._t0
-            self._run(a)
+            self._run(i, a)
             events.append(self._event(a.kind.value, a.microbatch, start))
         for w in self.pending:
             w.wait()
         start = time.perf_counter() - self._t0
         train = self.program.train
+        # The step's losses are summed over the job in the optimizer's one all-reduce.
         result = optimizer_step(self.optimizers,
-                                max_norm=train.grad_clip if train.grad_clip > 0 else None)
+                                max_norm=train.grad_clip if train.grad_clip > 0 else None,
+                                totals=(self.lm, self.gen))
         if self.trains_in_schedule:
             events.append(self._event("SYNC", None, start))
             events.append(self._event("OPT", None, start))
-        totals = torch.tensor([self.lm, self.gen], dtype=torch.float64)
-        dist.all_reduce(totals)
-        lm, gen = (float(x) for x in totals)
+        lm, gen = result.totals
         return {"step": step, "loss": lm + gen, "lm_loss": lm, "gen_loss": gen,
                 "grad_norm": result.grad_norm, "skipped": result.skipped,
                 "time_s": time.perf_counter() - self._t0, "data_wait_s": batch.wait_s,
@@ -375,7 +395,8 @@ class StageExecutor:
     def _tag(self, j: int, direction: int) -> int:
         return message_tag(self.step * self.plan.num_microbatches + j, direction)
 
-    def _run(self, a: Action) -> None:
+    def _run(self, index: int, a: Action) -> None:
+        """Run action ``a``, the ``index``-th of this stage's list."""
         j = a.microbatch
         assert j is not None
         mb = self.micro.setdefault(j, _Micro())
@@ -394,7 +415,7 @@ class StageExecutor:
             self._send(a, j, mb.input_grads, _BWD)
             self.micro.pop(j, None)
         elif kind is ActionKind.RECV_F:
-            got = self._recv(a, j, _FWD)
+            got = self._recv(index, a, j, _FWD)
             if a.peer_unit == self.role.unit:
                 mb.inputs = got
             else:
@@ -402,7 +423,7 @@ class StageExecutor:
                     mb.inputs = {}
                 mb.inputs[a.peer_unit] = got
         elif kind is ActionKind.RECV_B:
-            mb.grads_in[a.peer_unit] = self._recv(a, j, _BWD)
+            mb.grads_in[a.peer_unit] = self._recv(index, a, j, _BWD)
         else:   # pragma: no cover - SYNC/OPT are handled by run_step
             raise AssertionError(kind)
 
@@ -422,15 +443,36 @@ class StageExecutor:
                 self.step * self.plan.num_microbatches + j, a.peer_unit, self.role.unit,
                 payload, self.steps[j])
 
-    def _recv(self, a: Action, j: int, direction: int) -> Any:
-        assert a.peer_unit is not None and a.peer_stage is not None
+    def _post(self, a: Action) -> list[PostedRecv]:
+        """Post the receives of RECV action ``a`` (see ``_PREPOST``)."""
+        assert a.peer_unit is not None and a.peer_stage is not None and a.microbatch is not None
+        j = a.microbatch
         if a.peer_unit == self.role.unit:
-            return recv_tensors(self._pp_peer(a.peer_stage), tag=self._tag(j, direction),
-                                eager=True)
+            direction = _FWD if a.kind is ActionKind.RECV_F else _BWD
+            return [post_recv(self._pp_peer(a.peer_stage), tag=self._tag(j, direction),
+                              eager=True)]
         index = self.step * self.plan.num_microbatches + j
+        if a.kind is ActionKind.RECV_F:
+            return self.broker.post_forward(index, a.peer_unit, self.role.unit, self.steps[j])
+        return self.broker.post_backward(index, self.role.unit, a.peer_unit, self.steps[j])
+
+    def _post_ahead(self) -> None:
+        while self._to_post and len(self._posted) < _PREPOST:
+            i = self._to_post.popleft()
+            self._posted[i] = self._post(self.actions[i])
+
+    def _recv(self, index: int, a: Action, j: int, direction: int) -> Any:
+        assert a.peer_unit is not None and a.peer_stage is not None
+        posted = self._posted.pop(index)
+        self._post_ahead()      # the next one goes out while this one is waited for
+        if a.peer_unit == self.role.unit:
+            return recv_posted(posted)[0]
+        step = self.step * self.plan.num_microbatches + j
         if direction == _FWD:
-            return self.broker.recv_forward(index, a.peer_unit, self.role.unit, self.steps[j])
-        return self.broker.recv_backward(index, self.role.unit, a.peer_unit, self.steps[j])
+            return self.broker.recv_forward(step, a.peer_unit, self.role.unit, self.steps[j],
+                                            posted)
+        return self.broker.recv_backward(step, self.role.unit, a.peer_unit, self.steps[j],
+                                         posted)
 
     def _leaf(self, t: torch.Tensor) -> torch.Tensor:
         """A received tensor as an autograd leaf (own storage, gradient wanted when this
