@@ -67,6 +67,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import TYPE_CHECKING
 
 import torch
@@ -215,11 +216,40 @@ def _layout(specs: list[tuple[torch.dtype, tuple[int, ...]]]) -> tuple[list[_Spe
     return out, offset
 
 
+Signature = tuple[tuple[torch.dtype, tuple[int, ...]], ...]
+
+
+@lru_cache(maxsize=1024)
+def _plan(signature: Signature, max_bytes: int
+          ) -> tuple[tuple[_Spec, ...], int, torch.Tensor, torch.Tensor | None]:
+    """The layout, payload bytes, header (``int64[HEADER_LEN]``, CPU) and overflow rows of
+    a message of tensors of these (dtype, shape)s, checked against the limits. Memoised: a
+    run sends the same few signatures over and over. The tensors returned are shared, so
+    never written."""
+    for i, (dtype, shape) in enumerate(signature):
+        if dtype not in _CODE:
+            raise WireError(f"tensor {i}: dtype {dtype} is not supported on the wire")
+        if len(shape) > MAX_NDIM:
+            raise WireError(f"tensor {i}: {len(shape)} dimensions; the limit is {MAX_NDIM}")
+    specs, total = _layout(list(signature))
+    if total > max_bytes:
+        raise WireError(f"message of {total} bytes exceeds the limit of {max_bytes} bytes")
+    meta = [[_CODE[dtype], len(shape), *shape, *([0] * (MAX_NDIM - len(shape)))]
+            for dtype, shape in signature]
+    head = [MAGIC, len(signature), total, MAX_NDIM]
+    for row in meta[:INLINE_TENSORS]:
+        head += row
+    head += [0] * (HEADER_LEN - len(head))
+    overflow = meta[INLINE_TENSORS:]
+    return (tuple(specs), total, torch.tensor(head, dtype=torch.int64),
+            torch.tensor(overflow, dtype=torch.int64) if overflow else None)
+
+
 def _describe(tensors: Sequence[torch.Tensor], max_bytes: int,
               device: torch.device | str | None
-              ) -> tuple[torch.device | str, list[_Spec], int, list[int], list[list[int]]]:
-    """A message's device, layout, payload bytes, header values (``HEADER_LEN``) and
-    overflow rows, after checking ``tensors`` against the limits."""
+              ) -> tuple[torch.device | str, tuple[_Spec, ...], int, torch.Tensor,
+                         torch.Tensor | None]:
+    """A message's device, then ``_plan`` of its tensors, after checking them."""
     if len(tensors) > MAX_TENSORS:
         raise WireError(f"{len(tensors)} tensors in one message; the limit is {MAX_TENSORS}")
     for i, t in enumerate(tensors):
@@ -231,26 +261,11 @@ def _describe(tensors: Sequence[torch.Tensor], max_bytes: int,
             raise WireError("tensors of one message must share a device (or name one), got "
                             f"{sorted(map(str, devices))}")
         device = devices.pop() if devices else torch.device("cpu")
-    rows = []
-    for i, t in enumerate(tensors):
-        if t.dtype not in _CODE:
-            raise WireError(f"tensor {i}: dtype {t.dtype} is not supported on the wire")
-        if t.dim() > MAX_NDIM:
-            raise WireError(f"tensor {i}: {t.dim()} dimensions; the limit is {MAX_NDIM}")
-        rows.append((t.dtype, tuple(t.shape)))
-    specs, total = _layout(rows)
-    if total > max_bytes:
-        raise WireError(f"message of {total} bytes exceeds the limit of {max_bytes} bytes")
-    meta = [[_CODE[dtype], len(shape), *shape, *([0] * (MAX_NDIM - len(shape)))]
-            for dtype, shape in rows]
-    head = [MAGIC, len(tensors), total, MAX_NDIM]
-    for row in meta[:INLINE_TENSORS]:
-        head += row
-    head += [0] * (HEADER_LEN - len(head))
-    return device, specs, total, head, meta[INLINE_TENSORS:]
+    return (device, *_plan(tuple((t.dtype, tuple(t.shape)) for t in tensors), max_bytes))
 
 
-def _fill(payload: torch.Tensor, tensors: Sequence[torch.Tensor], specs: list[_Spec]) -> None:
+def _fill(payload: torch.Tensor, tensors: Sequence[torch.Tensor],
+          specs: Sequence[_Spec]) -> None:
     """Copy ``tensors`` into their places in ``payload`` (uint8): each through a view of its
     own dtype and shape, so a strided tensor needs no contiguous copy of its own first."""
     for t, s in zip(tensors, specs, strict=True):
@@ -264,10 +279,8 @@ def _encode(tensors: Sequence[torch.Tensor], max_bytes: int,
     """(header, overflow rows or None, payload or None), on ``device`` (default: the
     tensors' own device)."""
     device, specs, total, head, overflow = _describe(tensors, max_bytes, device)
-    header = torch.tensor(head, dtype=torch.int64, device=device)
-    extra = None
-    if overflow:
-        extra = torch.tensor(overflow, dtype=torch.int64, device=device)
+    header = head.to(device, copy=True)
+    extra = None if overflow is None else overflow.to(device, copy=True)
     payload = None
     if total:
         payload = torch.empty(total, dtype=torch.uint8, device=device)
@@ -281,11 +294,12 @@ def _encode_eager(tensors: Sequence[torch.Tensor], max_bytes: int,
     of ``tensors``, or None when they do not fit one (too many tensors, too many bytes,
     not on the CPU): then the normal parts are sent."""
     device, specs, total, head, overflow = _describe(tensors, max_bytes, device)
-    if overflow or total > EAGER_BYTES or torch.device(device).type != "cpu":
+    if overflow is not None or total > EAGER_BYTES or torch.device(device).type != "cpu":
         return None
-    head[0] = MAGIC_EAGER
     buf = torch.empty(HEADER_BYTES + total, dtype=torch.uint8)
-    buf[:HEADER_BYTES].view(torch.int64).copy_(torch.tensor(head, dtype=torch.int64))
+    words = buf[:HEADER_BYTES].view(torch.int64)
+    words.copy_(head)
+    words[0] = MAGIC_EAGER
     _fill(buf[HEADER_BYTES:], tensors, specs)
     return buf
 
@@ -308,6 +322,20 @@ def _check_header(header: torch.Tensor, max_bytes: int, *, eager: bool = False
     if not 0 <= total <= max_bytes:
         raise WireError(f"message announces {total} bytes; the limit is {max_bytes} bytes")
     return count, total
+
+
+@lru_cache(maxsize=1024)
+def _read_header(raw: bytes, max_bytes: int, eager: bool
+                 ) -> tuple[int, int, bool, tuple[_Spec, ...] | None]:
+    """(tensor count, payload bytes, eager message?, layout or None when overflow rows
+    follow) of a received CPU header given as its bytes, checked (``_check_header``,
+    ``_check_specs``). Memoised: a run receives the same few headers over and over."""
+    header = torch.frombuffer(bytearray(raw), dtype=torch.int64)
+    count, total = _check_header(header, max_bytes, eager=eager)
+    done = eager and int(header[0]) == MAGIC_EAGER
+    if _overflow(count) and not done:
+        return count, total, done, None
+    return count, total, done, tuple(_check_specs(header, None, count, total))
 
 
 def _overflow(count: int) -> int:
@@ -432,10 +460,13 @@ def recv_posted(posted: Sequence[PostedRecv], *, device: torch.device | str = "c
         p.work.wait()
     headers = [p.first[:HEADER_BYTES].view(torch.int64) if p.eager else p.first
                for p in posted]
-    heads = [_check_header(h, max_bytes, eager=p.eager) for h, p in zip(headers, posted,
-                                                                        strict=True)]
-    inline = [p.eager and int(h[0]) == MAGIC_EAGER for h, p in zip(headers, posted,
-                                                                    strict=True)]
+    known: list[tuple[int, int, bool, tuple[_Spec, ...] | None]] = [
+        _read_header(h.numpy().tobytes(), max_bytes, p.eager) if h.device.type == "cpu"
+        else (*_check_header(h, max_bytes, eager=p.eager),
+              p.eager and int(h[0]) == MAGIC_EAGER, None)
+        for h, p in zip(headers, posted, strict=True)]
+    heads = [(count, total) for count, total, _, _ in known]
+    inline = [done for _, _, done, _ in known]
     extras: list[torch.Tensor | None] = []
     works = []
     for p, (count, _), done in zip(posted, heads, inline, strict=True):
@@ -447,8 +478,8 @@ def recv_posted(posted: Sequence[PostedRecv], *, device: torch.device | str = "c
             extras.append(None)
     for w in works:
         w.wait()
-    specs = [_check_specs(h, e, count, total)
-             for h, e, (count, total) in zip(headers, extras, heads, strict=True)]
+    specs = [k[3] if k[3] is not None else _check_specs(h, e, k[0], k[1])
+             for h, e, k in zip(headers, extras, known, strict=True)]
     payloads: list[torch.Tensor | None] = []
     works = []
     for p, (_, total), done in zip(posted, heads, inline, strict=True):
@@ -511,6 +542,7 @@ def message_tag(step: int, direction: int) -> int:
 # ------------------------------------------------------------------------------ broker
 
 _EDGES = {("encoder", "backbone"), ("backbone", "generator")}
+_ROUTES_KEPT = 4096     # cached routes before the cache starts over
 
 
 class Broker:
@@ -540,9 +572,11 @@ class Broker:
         self.p2p_group = p2p_group
         self.device = torch.device(device)
         self.max_bytes = max_bytes
-        # The last routes per (producer, consumer), by the StepSamples they came from: a
-        # rank asks for the same step's routes up to three times (post, receive, send).
-        self._routes: dict[tuple[str, str], tuple[StepSamples, Routes]] = {}
+        # Routes by (producer, consumer, StepSamples): a rank asks for the same microbatch
+        # step's routes up to three times (post, receive, send), and a feed without a
+        # reorder policy hands out the same StepSamples every step. The StepSamples is
+        # kept with its routes, so its id cannot be reused while the entry lives.
+        self._routes: dict[tuple[str, str, int], tuple[StepSamples, Routes]] = {}
 
     @property
     def rank(self) -> int:
@@ -550,13 +584,16 @@ class Broker:
 
     def routes(self, producer: str, consumer: str, samples: StepSamples) -> Routes:
         """(producer replica, consumer replica) -> samples, for this step."""
-        hit = self._routes.get((producer, consumer))
-        if hit is not None and hit[0] is samples:
+        key = (producer, consumer, id(samples))
+        hit = self._routes.get(key)
+        if hit is not None:
             return hit[1]
         pg, cg = self._edge(producer, consumer)
         out = route(samples.sample_ids, samples.replicas(producer), samples.replicas(consumer),
                     producer_dp=pg.dp, consumer_dp=cg.dp)
-        self._routes[(producer, consumer)] = (samples, out)
+        if len(self._routes) >= _ROUTES_KEPT:
+            self._routes.clear()
+        self._routes[key] = (samples, out)
         return out
 
     # -- forward: producer last stage -> consumer first stage

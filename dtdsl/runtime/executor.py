@@ -31,8 +31,8 @@ training step it
    - ``RECV_F`` / ``RECV_B``: the matching blocking receives. Both directions use the
      broker's eager wire messages (one transfer for a message of at most
      ``broker.EAGER_BYTES``: no dependent header round trip), and the receives of the
-     rank's next ``_PREPOST`` RECV actions are posted ahead (the first before the step's
-     barrier), so a message travels as soon as it is sent (``broker.post_recv``).
+     rank's next ``_PREPOST`` RECV actions are posted ahead (the first at the start of
+     the step), so a message travels as soon as it is sent (``broker.post_recv``).
    - ``SYNC`` / ``OPT``: markers. Gradient reduction and the update happen in one
      ``optim.optimizer_step`` that EVERY rank calls after its action list (with no
      optimizer where its stage trains nothing), because the global gradient norm and the
@@ -183,11 +183,15 @@ class StageExecutor:
         self.module_spec = program.module(self.role.unit)
         self.actions: tuple[Action, ...] = schedule.stage(self.role.unit, self.role.stage).actions
         self.sends_grad = any(a.kind is ActionKind.SEND_B for a in self.actions)
+        self.sends_forward = any(a.kind is ActionKind.SEND_F for a in self.actions)
         self.trains_in_schedule = any(a.kind is ActionKind.OPT for a in self.actions)
         # Eager wire messages (one transfer for a small message) on every PP and broker
         # pair: every rank's executor sends and receives alike.
         self.broker = Broker(plan, rank, groups, eager=True)
+        self._leader = self.role.grid.leader(self.role.stage, self.role.replica)
         self._build()
+        self._forward = {"encoder": self._encoder_forward, "backbone": self._backbone_forward,
+                         "generator": self._generator_forward}[self.role.role]
         self._t0 = 0.0
         self.feed: BatchSource = feed if feed is not None else LocalBatches(
             program, plan, self.role)
@@ -309,12 +313,11 @@ class StageExecutor:
         for p in self.stage_params:
             p.grad = None
         events: list[Event] = []
-        # Receives posted ahead (``_PREPOST``): the first ones before the barrier.
         self._to_post = deque(i for i, a in enumerate(self.actions) if a.kind in _RECVS)
         self._posted: dict[int, list[PostedRecv]] = {}
-        self._post_ahead()
         dist.barrier()     # a common origin for every rank's event times
         self._t0 = time.perf_counter()
+        self._post_ahead()     # the first _PREPOST receives
         for i, a in enumerate(self.actions):
             if a.kind in (ActionKind.SYNC, ActionKind.OPT):
                 continue
@@ -375,9 +378,9 @@ class StageExecutor:
 
     def _event(self, kind: str, microbatch: int | None, start: float) -> Event:
         r = self.role
-        return Event(unit=r.unit, stage=r.stage, replica=r.replica,
-                     rank=r.grid.leader(r.stage, r.replica), kind=kind, microbatch=microbatch,
-                     start_s=start, end_s=time.perf_counter() - self._t0)
+        return Event(unit=r.unit, stage=r.stage, replica=r.replica, rank=self._leader,
+                     kind=kind, microbatch=microbatch, start_s=start,
+                     end_s=time.perf_counter() - self._t0)
 
     def _sample(self, i: int) -> Sample:
         assert self.batch is not None
@@ -402,8 +405,7 @@ class StageExecutor:
         mb = self.micro.setdefault(j, _Micro())
         kind = a.kind
         if kind is ActionKind.F:
-            {"encoder": self._encoder_forward, "backbone": self._backbone_forward,
-             "generator": self._generator_forward}[self.role.role](j, mb)
+            self._forward(j, mb)
         elif kind is ActionKind.B:
             self._backward(j, mb)
             self.micro.pop(j)
@@ -530,13 +532,14 @@ class StageExecutor:
         y = backbone_layers(bb, x, self.start, self.stop)
         if role.is_last_stage:
             loss_sum, hidden = backbone_output(bb, y, targets)
-            conds = conditioning(hidden, lengths.tolist())
             assert self.norm is not None
             mb.loss = loss_sum / max(1, self.norm.text_tokens)
             if role.is_leader:      # TP ranks hold the same loss: count it once
                 self.lm += float(mb.loss.detach())
-            mb.outputs = dict(zip(ids, conds, strict=True))
-            mb.outbox = {i: c.detach() for i, c in mb.outputs.items()}
+            if self.sends_forward:  # the generators' conditioning
+                conds = conditioning(hidden, lengths.tolist())
+                mb.outputs = dict(zip(ids, conds, strict=True))
+                mb.outbox = {i: c.detach() for i, c in mb.outputs.items()}
         else:
             mb.outputs = [y]
             mb.outbox = [y.detach(), targets, lengths]
