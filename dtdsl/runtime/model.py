@@ -58,6 +58,7 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils.rnn import pad_sequence
 
 from dtdsl.ir import program as ir
 from dtdsl.runtime.data import (
@@ -99,6 +100,7 @@ __all__ = [
 
 COND_TOKENS = 16   # the backbone states a generator is conditioned on: the last 16 tokens
 IGNORE = -100      # target id of positions without a loss
+_DENSE_LOSS = 0.9  # targets at this share of positions or more: the LM head on all of them
 
 
 # ---- building --------------------------------------------------------------------------
@@ -252,23 +254,30 @@ def backbone_input(backbone: Backbone, image_embeds: Sequence[torch.Tensor],
     """Sequences ``[image tokens, text tokens]`` (text cut to fit ``seq_len``),
     right-padded with zero embeddings to the longest (or ``pad_to``)."""
     device = backbone.tok_embeddings.weight.device
-    rows, targets, lengths = [], [], []
+    kept, starts, lengths = [], [], []
     for img, ids in zip(image_embeds, tokens, strict=True):
         n_img = img.shape[0]
         if n_img >= seq_len:
             raise ValueError(f"{n_img} image tokens leave no room for text in seq_len "
                              f"{seq_len}")
-        ids = ids[:seq_len - n_img].to(device)
-        rows.append(torch.cat([img, backbone.embed(ids[None])[0]], dim=0))
-        target = torch.full((n_img + len(ids),), IGNORE, dtype=torch.int64, device=device)
-        target[n_img:n_img + len(ids) - 1] = ids[1:]
-        targets.append(target)
+        ids = ids[:seq_len - n_img]
+        kept.append(ids)
+        starts.append(n_img)
         lengths.append(n_img + len(ids))
     width = max(lengths) if pad_to is None else pad_to
     if width < max(lengths):
         raise ValueError(f"pad_to {pad_to} is shorter than a sequence of {max(lengths)}")
-    embeds = torch.stack([F.pad(r, (0, 0, 0, width - r.shape[0])) for r in rows])
-    target = torch.stack([F.pad(t, (0, width - t.shape[0]), value=IGNORE) for t in targets])
+    # One embedding lookup for every sequence's text and one padded copy of the rows: a
+    # few ops per microbatch, not a few per sample (their backward too).
+    text = backbone.embed(torch.cat(kept).to(device)[None])[0].split([len(k) for k in kept])
+    rows = [t if img.shape[0] == 0 else torch.cat([img, t], dim=0)
+            for img, t in zip(image_embeds, text, strict=True)]
+    embeds = pad_sequence(rows, batch_first=True)
+    if embeds.shape[1] < width:
+        embeds = F.pad(embeds, (0, 0, 0, width - embeds.shape[1]))
+    target = torch.full((len(kept), width), IGNORE, dtype=torch.int64, device=device)
+    for row, n_img, ids in zip(target, starts, kept, strict=True):
+        row[n_img:n_img + len(ids) - 1] = ids[1:]
     return BackboneBatch(embeds=embeds, targets=target, lengths=tuple(lengths))
 
 
@@ -287,8 +296,15 @@ def backbone_output(backbone: Backbone, x: torch.Tensor,
     positions with a target. Returns ``(loss sum, normed hidden states [B, S, hidden])``."""
     hidden = backbone.norm(x)
     mask = targets != IGNORE
-    logits = backbone.output(hidden[mask])
-    loss = F.cross_entropy(logits, targets[mask], reduction="sum")
+    if int(mask.sum()) >= _DENSE_LOSS * mask.numel():
+        # Nearly every position has a target: the head on all of them is cheaper than
+        # gathering the rows (and scattering their gradient back).
+        logits = backbone.output(hidden)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE,
+                               reduction="sum")
+    else:   # image tokens, padding: the head (vocabulary-wide) only where it counts
+        logits = backbone.output(hidden[mask])
+        loss = F.cross_entropy(logits, targets[mask], reduction="sum")
     return loss, hidden
 
 
