@@ -14,6 +14,7 @@ malformed, oversized: counted in ``dropped``). The time spent waiting is the ste
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from dataclasses import replace
@@ -52,6 +53,9 @@ class RemoteBatches:
             hwm=job.feed.prefetch + 2)
         self.publisher = (wire.Publisher(job.feed.control_address(port_base), secret)
                           if role.rank == 0 else None)
+        # Told to the workers with every announcement: a new session (a restarted trainer
+        # job) makes them go back and send again the steps it asks for.
+        self.session = secrets.token_hex(8)
         self._ready: dict[int, Any] = {}
         self._next = 0
         self._announced = 0.0
@@ -93,7 +97,8 @@ class RemoteBatches:
         from dtdsl.feed.protocol import PROGRESS
 
         if self.publisher is not None:
-            self.publisher.publish(PROGRESS, {"next_step": step, "done": done})
+            self.publisher.publish(PROGRESS, {"next_step": step, "done": done,
+                                              "session": self.session})
             self._announced = time.monotonic()
 
     def batch(self, step: int) -> Any:

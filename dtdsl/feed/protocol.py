@@ -17,7 +17,9 @@ A ``batch`` message (``wire`` kind ``"batch"``) carries, for step ``meta["step"]
 
 A ``progress`` message (kind ``"progress"``, published by trainer rank 0) says
 ``meta["next_step"]``: the step the trainers need next; ``meta["done"]`` is true once they
-have finished.
+have finished; ``meta["session"]``: a token drawn by each start of the trainers (a torchrun
+restart or a resumed run draws a new one, and the workers then send again from
+``next_step``).
 """
 
 from __future__ import annotations

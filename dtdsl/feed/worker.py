@@ -16,13 +16,20 @@ Worker ``w`` of ``W`` owns the training steps ``s`` with ``s mod W == w``. For e
 
 Pacing: trainer rank 0 publishes the step it needs next; a worker builds step ``s`` only
 once ``s < next_step + prefetch``, so at most ``prefetch`` steps wait in the trainers'
-queues. A worker that has sent its last step waits until the trainers are past it (so a
-message still queued in its socket is not lost when it exits).
+queues.
 
 Restarts: a worker killed at any point is started again by ``supervise`` with the same
 index; it resumes at its first step at or after the trainers' progress and sends those
 steps again. A trainer keeps the first copy of each step it receives and drops copies of
-steps it has (or had), so no sample is lost or consumed twice.
+steps it has (or had), so no sample is lost or consumed twice. When the trainers restart
+(torchrun restarts them all after a failure, and they resume from a checkpoint) their
+announcements carry a new session token: every worker goes back to its first step at or
+after their ``next_step`` and sends again (messages still queued for the dead trainers
+reach the new ones and are valid data for their steps, since a step's batch depends on
+the seed and the step alone; the new trainers drop those of steps before their start). So
+a worker exits only when the trainers say they are done (or after ``IDLE_S`` without word
+once it has nothing left to send), not when they pass its last step: they may come back.
+``--resume`` starts the workers at the newest complete checkpoint's step.
 
 Fault injection (tests): ``DTDSL_FAULT=worker<w>@<s>`` makes worker ``w`` kill itself with
 SIGKILL when it reaches step ``s``, once per run directory.
@@ -48,6 +55,7 @@ log = logging.getLogger("dtdsl.feed.worker")
 
 POLL_S = 0.05
 MAX_RESTARTS = 20
+IDLE_S = 3600.0     # a worker with nothing left to send exits after this long without word
 
 
 @dataclass
@@ -149,7 +157,9 @@ def build_messages(ctx: FeedContext, step: int) -> list[tuple[dict, dict]]:
 def run_worker(bundle: Path, index: int, *, run_dir: Path, steps: int | None = None,
                port_base: int | None = None, data: str | None = None,
                first_step: int = 0) -> int:
-    """Worker ``index``: produce its steps until the job's last; the exit status."""
+    """Worker ``index``: produce its steps from ``first_step`` up to the job's step count
+    (``steps``: the total, as the trainers count it), following the trainers back when
+    they restart, until they say they are done; the exit status."""
     from dtdsl.feed import wire
     from dtdsl.feed.protocol import BATCH, PROGRESS
 
@@ -166,24 +176,51 @@ def run_worker(bundle: Path, index: int, *, run_dir: Path, steps: int | None = N
     progress = wire.Subscriber(job.feed.control_address(port_base), secret)
     next_step = first_step
     done = False
+    session: str | None = None
+    rewind = False          # the trainers restarted: go back to their next step
+    heard = time.monotonic()
 
     def refresh(timeout_s: float = 0.0) -> None:
-        nonlocal next_step, done
+        nonlocal next_step, done, session, rewind, heard
         msg = progress.latest(timeout_s)
-        if msg is not None and msg.kind == PROGRESS:
-            next_step = max(next_step, int(msg.meta["next_step"]))
+        if msg is None or msg.kind != PROGRESS:
+            return
+        got, said = int(msg.meta["next_step"]), msg.meta.get("session")
+        if said != session:
+            # A new start of the trainers (a torchrun restart, a resumed run): the steps
+            # it needs may be ones this worker sent to the dead trainers already.
+            if session is not None or got < next_step:
+                rewind = True
+                log.info("worker %d: the trainers (re)started at step %d", index, got)
+            session, next_step, done = said, got, bool(msg.meta.get("done"))
+        elif got > next_step or msg.meta.get("done"):
+            next_step = max(next_step, got)
             done = done or bool(msg.meta.get("done"))
+        else:
+            return
+        heard = time.monotonic()
+
+    def mine(at: int) -> int:
+        """This worker's first step at or after ``at``."""
+        return at + (index - at) % workers
 
     try:
         refresh(1.0)
-        step = next_step + (index - next_step) % workers
-        last = -1
-        while step < first_step + total and not done:
-            while step >= next_step + job.feed.prefetch and not done:
+        step = mine(next_step)
+        while not done:
+            if rewind:
+                rewind = False
+                step = mine(next_step)
+            if step >= total or step >= next_step + job.feed.prefetch:
+                # Ahead of the trainers, or all sent: wait for progress, a restart or the
+                # end (a worker whose trainers vanished for good gives up after IDLE_S).
                 refresh(POLL_S)
                 time.sleep(POLL_S)
-            if done:
-                break
+                if step >= total and time.monotonic() - heard > IDLE_S:
+                    log.warning("worker %d: no word from the trainers in %.0f s; exiting",
+                                index, IDLE_S)
+                    break
+                continue
             if step < next_step:        # the trainers are already past it
                 step += workers
                 continue
@@ -193,15 +230,14 @@ def run_worker(bundle: Path, index: int, *, run_dir: Path, steps: int | None = N
             for rank, (meta, arrays) in enumerate(messages):
                 while not senders[rank].send(BATCH, meta, arrays, timeout_s=1.0):
                     refresh()
-                    if done or step < next_step:
+                    if done or rewind or step < next_step:
                         break
-            log.info("worker %d: step %d sent in %.3f s", index, step,
-                     time.perf_counter() - start)
-            last = step
+                if done or rewind:
+                    break
+            else:
+                log.info("worker %d: step %d sent in %.3f s", index, step,
+                         time.perf_counter() - start)
             step += workers
-        while last >= 0 and next_step <= last and not done:   # let queued messages leave
-            refresh(POLL_S)
-            time.sleep(POLL_S)
     finally:
         for s in senders:
             s.close()
@@ -220,6 +256,10 @@ def supervise(bundle: Path, argv: Sequence[str]) -> int:
     def start(i: int) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, str(script), "--index", str(i), *argv])
 
+    def stop(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)      # so that the workers are stopped below
+
+    signal.signal(signal.SIGTERM, stop)
     procs = {i: start(i) for i in range(workers)}
     restarts = 0
     status = 0
@@ -279,11 +319,19 @@ def main(bundle: Path, argv: Sequence[str] | None = None,
     p.add_argument("--steps", type=int)
     p.add_argument("--port-base", type=int)
     p.add_argument("--data")
+    p.add_argument("--resume", action="store_true", help="start at the step of the newest "
+                   "complete checkpoint in the run directory (the trainers resume there)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(message)s")
     if args.all:
         rest = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--all"]
         return supervise(bundle, rest)
+    first = 0
+    if args.resume:
+        from dtdsl.runtime.checkpoint import complete_checkpoints
+
+        done = complete_checkpoints(args.run_dir)
+        first = done[-1][0] if done else 0
     return run_worker(bundle, args.index, run_dir=Path(args.run_dir), steps=args.steps,
-                      port_base=args.port_base, data=args.data)
+                      port_base=args.port_base, data=args.data, first_step=first)
