@@ -746,8 +746,9 @@ def _parser() -> argparse.ArgumentParser:
                       "127.0.0.1 on one node)")
     comp.add_argument("--port-base", type=int, default=29600, metavar="P",
                       help="the feed's first port (default 29600)")
-    comp.add_argument("--max-restarts", type=int, default=0, metavar="N",
-                      help="torchrun restarts after a failed rank (default 0)")
+    comp.add_argument("--max-restarts", type=int, metavar="N",
+                      help="torchrun restarts after a failed rank, each resuming from the "
+                      "newest checkpoint (default 3)")
     comp.add_argument("--overwrite", action="store_true",
                       help="replace an earlier bundle in DIR (its run directories are kept)")
     comp.set_defaults(func=_cmd_compile)

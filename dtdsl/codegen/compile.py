@@ -16,14 +16,17 @@ from dtdsl.ir.plan import Plan
 from dtdsl.ir.schedule import Schedule
 from dtdsl.runtime.job import CheckpointConfig, DataConfig, FeedConfig, Job
 
-__all__ = ["BundleOptions", "DEFAULT_PORT_BASE", "DEFAULT_RDZV_PORT", "compile_bundle",
-           "make_job"]
+__all__ = ["BundleOptions", "DEFAULT_MAX_RESTARTS", "DEFAULT_PORT_BASE", "DEFAULT_RDZV_PORT",
+           "compile_bundle", "make_job"]
 
 DEFAULT_PORT_BASE = 29600       # the feed: control channel, then one port per trainer rank
 DEFAULT_RDZV_PORT = 29500       # torchrun's rendezvous on multi-node launches
 MAX_MESSAGE_BYTES = 1 << 30
 _HOST = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.\-]*[A-Za-z0-9])?\Z|\[[0-9A-Fa-f:.]+\]\Z")
 KEEP_CHECKPOINTS = 3
+# torchrun restarts every rank after one fails and the job resumes from its newest
+# checkpoint (runtime.checkpoint): a few restarts ride out a lost rank without a person.
+DEFAULT_MAX_RESTARTS = 3
 
 
 @dataclass(frozen=True)
@@ -37,7 +40,7 @@ class BundleOptions:
     synthetic: bool = False          # samples drawn from the spec's distributions
     hosts: tuple[str, ...] = ()
     port_base: int = DEFAULT_PORT_BASE
-    max_restarts: int = 0
+    max_restarts: int | None = None  # None: DEFAULT_MAX_RESTARTS
 
 
 def _data(program: ir.Program, spec_dir: Path, out: Path, options: BundleOptions
@@ -117,6 +120,7 @@ def compile_bundle(out: str | Path, *, source: bytes, spec_path: str, program: i
         print(f"dtc: warning: the runtime cannot run this plan yet: {limit}", file=sys.stderr)
     job = make_job(program, plan, data, options)
     view = bundle_view(program, plan, schedule, job, rdzv_port=DEFAULT_RDZV_PORT,
-                       max_restarts=options.max_restarts)
+                       max_restarts=DEFAULT_MAX_RESTARTS if options.max_restarts is None
+                       else options.max_restarts)
     return emit_bundle(out, source=source, program=program, plan=plan, schedule=schedule,
                        job=job, view=view, overwrite=overwrite)

@@ -12,12 +12,30 @@ unit, stage, layer range, TP/DP/PP coordinates, process groups and schedule as d
 3. builds the ``executor.StageExecutor`` with the rank's data feed: with preprocessing
    workers (``job.feed.workers > 0``) a ``dtdsl.feed.client.RemoteBatches`` receiving what
    the workers ship, else ``batch.LocalBatches`` building batches in-process;
-4. trains the job's steps. Rank 0 writes the run directory: ``metrics.jsonl`` (per step:
-   loss, its parts, the measured iteration time, the data wait, samples/s),
-   ``samples.jsonl`` (per step, unit and DP replica: the keys of the samples consumed) and
-   TensorBoard logs under ``tb/`` (losses, throughput, data wait, and the measured
-   pipeline Gantt chart of every step next to the simulator's predicted one of the same
-   plan: tags ``measured/...`` and ``predicted/...``).
+4. resumes (``--resume``, or any torchrun restart: ``TORCHELASTIC_RESTART_COUNT > 0``)
+   from the newest complete checkpoint of the run directory (``checkpoint.Checkpointer``;
+   resharded when it was written under another plan), or starts at step 0;
+5. trains up to the job's step count (``--steps``: the total, also when resuming), saving
+   a checkpoint every ``job.checkpoint.every`` steps (``--checkpoint-mode``: ``thread``
+   writes in the background, ``sync`` on the training thread). Rank 0 writes the run
+   directory: ``metrics.jsonl`` (per step: loss, its parts, the measured iteration time,
+   the data wait, samples/s, and the seconds a checkpoint save took on the training thread
+   where one was saved), ``samples.jsonl`` (per step, unit and DP replica: the keys of the
+   samples consumed) and TensorBoard logs under ``tb/`` (losses, throughput, data wait, and
+   the measured pipeline Gantt chart of every step next to the simulator's predicted one of
+   the same plan: tags ``measured/...`` and ``predicted/...``).
+
+**Resuming at step k** keeps the lines of steps before k in ``metrics.jsonl`` and
+``samples.jsonl`` and drops the later ones (the steps after the checkpoint that a killed
+run had done: they run again), so a run ends with exactly one line per step, the last run's;
+TensorBoard is told to purge its events from step k on (``purge_step``). A fresh start
+(no ``--resume``, first torchrun attempt) drops every earlier line, and moves checkpoints
+of an earlier run in the same directory aside to ``checkpoints.replaced-<time>/`` so that
+a restart of this run cannot load them (``launch.sh`` refuses such a start instead).
+
+**Fault injection** (tests): ``DTDSL_FAULT=rank<r>@<s>`` kills trainer rank ``r`` with
+SIGKILL when it reaches step ``s``, once per run directory (``dtdsl.feed.worker.fault_point``,
+marker files under ``faults/``); torchrun then restarts every rank and they resume.
 """
 
 from __future__ import annotations
@@ -69,6 +87,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, help="training steps (default: the job's)")
     p.add_argument("--port-base", type=int, help="the feed's port base (default: the job's)")
     p.add_argument("--data", help="the dataset (default: the job's)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest complete "
+                   "checkpoint in the run directory (torchrun restarts always do)")
+    p.add_argument("--checkpoint-mode", choices=("thread", "sync"), default="thread",
+                   help="thread: save in the background (default); sync: on the training "
+                   "thread")
     return p.parse_args(argv)
 
 
@@ -105,6 +128,24 @@ def _data_source(job: Any, bundle: Path, program_ir: Any, override: str | None) 
     return DatasetSource(program_ir, path)
 
 
+def _keep_before(path: Path, first: int) -> None:
+    """Keep the JSON lines of ``path`` whose step is before ``first`` (a torn last line of a
+    killed run goes too); written to a new file that replaces the old one."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text("utf-8").splitlines():
+        try:
+            step = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            continue
+        if isinstance(step, int) and step < first:
+            kept.append(line + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept), "utf-8")
+    os.replace(tmp, path)
+
+
 class _RunLog:
     """Rank 0's writers: metrics.jsonl, samples.jsonl and TensorBoard."""
 
@@ -114,8 +155,16 @@ class _RunLog:
 
         self.run_dir = run_dir
         self.plan = plan
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            _keep_before(run_dir / name, first_step)
         self.metrics = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
         self.samples = open(run_dir / "samples.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+        if first_step > 0 and (run_dir / "tb").is_dir():
+            # Events of the steps that run again are purged from view (TensorBoard reads
+            # the files in name order: this one sorts before the writer's below).
+            from torch.utils.tensorboard import SummaryWriter
+
+            SummaryWriter(log_dir=str(run_dir / "tb"), purge_step=first_step).close()
         self.writer = TimelineWriter(run_dir / "tb", prefix=True)
         from dtdsl.report import plan_markdown
 
@@ -129,12 +178,15 @@ class _RunLog:
         from dtdsl.cost.model import build_cost_model
         from dtdsl.sim.run import simulate_steps
 
+        if steps <= first:
+            return
         cost = build_cost_model(program_ir)
-        for r in simulate_steps(program_ir, cost, self.plan, schedule, steps=steps,
+        for r in simulate_steps(program_ir, cost, self.plan, schedule, steps=steps - first,
                                 policy=frozenset(job.reorder), first_step=first):
             self.writer.add_step(r.step, r.result.timeline(step=r.step), r.scalars())
 
-    def step(self, result: dict[str, Any], timeline: Any, batch: Any, plan: Any) -> None:
+    def step(self, result: dict[str, Any], timeline: Any, batch: Any, plan: Any,
+             checkpoint_s: float | None = None) -> None:
         step, wall = result["step"], result["time_s"]
         n = len(batch.keys)
         record = {"step": step, "loss": result["loss"], "lm_loss": result["lm_loss"],
@@ -142,6 +194,8 @@ class _RunLog:
                   "skipped": result["skipped"], "iteration_time_s": wall,
                   "data_wait_s": result["data_wait_s"],
                   "samples_per_s": n / wall if wall > 0 else 0.0}
+        if checkpoint_s is not None:
+            record["checkpoint_s"] = checkpoint_s
         self.metrics.write(json.dumps(record) + "\n")
         self.metrics.flush()
         for u in plan.units:
@@ -157,6 +211,8 @@ class _RunLog:
                    "data/wait_fraction": result["data_wait_s"] / wall if wall > 0 else 0.0}
         if result["grad_norm"] is not None:
             scalars["grad_norm"] = result["grad_norm"]
+        if checkpoint_s is not None:
+            scalars["checkpoint/save_s"] = checkpoint_s
         self.writer.add_step(step, timeline, scalars)
 
     def close(self) -> None:
@@ -165,16 +221,31 @@ class _RunLog:
         self.writer.close()
 
 
+def _set_aside_checkpoints(run_dir: Path) -> None:
+    """A fresh start: an earlier run's checkpoints in the same directory move aside, so a
+    restart of this run cannot load them (module docstring)."""
+    from dtdsl.runtime.checkpoint import checkpoint_root
+
+    root = checkpoint_root(run_dir)
+    if root.is_dir() and any(root.iterdir()):
+        aside = root.with_name(f"checkpoints.replaced-{int(time.time())}")
+        root.rename(aside)
+        print(f"a fresh start: the checkpoints of an earlier run moved to {aside} (use "
+              "--resume to continue a run)", flush=True)
+
+
 def run(program: RankProgram, bundle: str | Path, argv: Sequence[str] | None = None) -> int:
     """Train this rank (``RANK`` / ``WORLD_SIZE`` from torchrun's environment) per the
     bundle at ``bundle``; the module docstring says how. Returns the exit status."""
     import torch
     import torch.distributed as dist
 
+    from dtdsl.feed.worker import fault_point
     from dtdsl.ir.plan import Plan
     from dtdsl.ir.program import Program
     from dtdsl.ir.schedule import parse_schedule
     from dtdsl.runtime.batch import LocalBatches
+    from dtdsl.runtime.checkpoint import Checkpointer
     from dtdsl.runtime.executor import StageExecutor, gather_timeline
     from dtdsl.runtime.job import load_job
     from dtdsl.runtime.mesh import build_groups
@@ -192,12 +263,17 @@ def run(program: RankProgram, bundle: str | Path, argv: Sequence[str] | None = N
     steps = args.steps if args.steps is not None else job.steps
     run_dir = Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    resume = args.resume or restart > 0
 
     torch.set_num_threads(max(1, int(os.environ.get("DTDSL_THREADS", "1"))))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
     log = None
+    ckpt = None
     try:
+        if not resume and rank == 0:
+            _set_aside_checkpoints(run_dir)
         groups = build_groups(plan)
         if job.feed.workers > 0:
             from dtdsl.feed.client import RemoteBatches
@@ -209,24 +285,42 @@ def run(program: RankProgram, bundle: str | Path, argv: Sequence[str] | None = N
                                 source=_data_source(job, bundle, program_ir, args.data),
                                 policy=frozenset(job.reorder))
         ex = StageExecutor(program_ir, plan, schedule, rank=rank, groups=groups, feed=feed)
-        first = 0
+        # After build_groups on every rank: the checkpoints' own gloo group.
+        ckpt = Checkpointer(ex, run_dir, keep=job.checkpoint.keep, mode=args.checkpoint_mode,
+                            spec_sha256=job.spec_sha256)
+        if resume and rank == 0:
+            print(f"resuming (torchrun restart {restart})" if restart else "resuming",
+                  flush=True)
+        first = ckpt.resume() if resume else 0
+        every = job.checkpoint.every
         if rank == 0:
             log = _RunLog(run_dir, plan, program_ir, schedule, job, first, steps)
+            if first >= steps:
+                print(f"nothing to do: the run is at step {first} of {steps}", flush=True)
         start = time.perf_counter()
-        for step in range(first, first + steps):
+        for step in range(first, steps):
+            fault_point(f"rank{rank}", step, run_dir)
             result = ex.run_step(step)
             timeline = gather_timeline(plan, step, result["events"])
+            saved = None
+            if every > 0 and (step + 1) % every == 0:
+                saved = ckpt.save(step + 1)
             if log is not None:
                 assert ex.batch is not None
-                log.step(result, timeline, ex.batch, plan)
-                print(f"step {step + 1}/{first + steps}  loss {result['loss']:.5f}  "
+                log.step(result, timeline, ex.batch, plan, checkpoint_s=saved)
+                note = "" if saved is None else f"  checkpoint {saved * 1e3:.0f} ms"
+                print(f"step {step + 1}/{steps}  loss {result['loss']:.5f}  "
                       f"{result['time_s'] * 1e3:.0f} ms  data wait "
-                      f"{result['data_wait_s'] * 1e3:.1f} ms  "
+                      f"{result['data_wait_s'] * 1e3:.1f} ms{note}  "
                       f"({time.perf_counter() - start:.1f} s)", flush=True)
+        ckpt.close()
+        ckpt = None
         if hasattr(feed, "close"):
             feed.close()
     finally:
         if log is not None:
             log.close()
+        if ckpt is not None:      # failing: do not wait for a save in flight
+            ckpt.close(wait=False)
         dist.destroy_process_group()
     return 0
