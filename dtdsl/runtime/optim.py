@@ -114,20 +114,31 @@ def _scalar_device(group: Any) -> torch.device:
     return torch.device("cpu")
 
 
-_SQ_CHUNK = 1 << 22     # elements per float64 pass of _sq_norm: bounds its temporary
+# Elements per chunk of the optimizer's element-wise passes that need a temporary (the
+# float64 copy of the norm, Adam's denominator): the temporary is one small buffer reused
+# every step, not a shard-sized tensor allocated and freed each time (on CPU every such
+# allocation comes back as fresh pages: thousands of page faults per step). 2**16 floats
+# also stay in L2 between the two ops that touch them.
+_CHUNK = 1 << 16
 
 
-def _sq_norm(t: torch.Tensor) -> float:
+def _sq_norm(t: torch.Tensor, scratch: torch.Tensor | None = None) -> float:
     """The squared 2-norm of ``t`` as a Python float, accumulated in float64: the square of
     a large fp32 gradient must not overflow to inf and be mistaken for a non-finite
     gradient, so it is non-finite exactly when an element is. A float64 copy and a dot
-    product (chunks of ``_SQ_CHUNK`` elements) take a fifth of the time of
-    ``vector_norm(dtype=float64)`` on CPU; products of fp32 values are exact in float64."""
+    product, ``_CHUNK`` elements at a time (a fifth of the time of
+    ``vector_norm(dtype=float64)`` on CPU; products of fp32 values are exact in float64);
+    ``scratch``: a float64 buffer of at least ``_CHUNK`` elements on ``t``'s device for
+    the copies."""
     if t.numel() == 0:
         return 0.0
     total = 0.0
-    for chunk in t.detach().reshape(-1).split(_SQ_CHUNK):
-        x = chunk.to(torch.float64)
+    for chunk in t.detach().reshape(-1).split(_CHUNK):
+        if scratch is None:
+            x = chunk.to(torch.float64)
+        else:
+            x = scratch[:chunk.numel()]
+            x.copy_(chunk)
         total += float(torch.dot(x, x))
     return total
 
@@ -229,6 +240,9 @@ class Zero1AdamW:
         self._grad_shard: torch.Tensor | None = None
         self.exp_avg = torch.zeros(shard_numel, **fp32)
         self.exp_avg_sq = torch.zeros(shard_numel, **fp32)
+        chunk = min(max(shard_numel, 1), _CHUNK)      # the per-chunk temporaries (_CHUNK)
+        self._scratch32 = torch.empty(chunk, **fp32)
+        self._scratch64 = torch.empty(chunk, dtype=torch.float64, device=self.device)
         # fp32 params are their own master copy; lower precision keeps an fp32 shard.
         self.master: torch.Tensor | None = None
         if self.dtype != torch.float32:
@@ -316,14 +330,14 @@ class Zero1AdamW:
         norm ranges cover all of it (the common case), else in two."""
         g = self._require_grads()
         if self._norm_ranges == [(0, g.numel())]:
-            sq = _sq_norm(g)
+            sq = _sq_norm(g, self._scratch64)
             return sq, not math.isfinite(sq)
         return self.grad_sq_norm(), self.local_nonfinite()
 
     def grad_sq_norm(self) -> float:
         """This rank's contribution to the squared global gradient norm (module rule)."""
         g = self._require_grads()
-        return sum(_sq_norm(g[lo:hi]) for lo, hi in self._norm_ranges)
+        return sum(_sq_norm(g[lo:hi], self._scratch64) for lo, hi in self._norm_ranges)
 
     # -- phases (b) and (c): update and gather ------------------------------------------
 
@@ -333,7 +347,7 @@ class Zero1AdamW:
         all-gather the updated shards into the parameters."""
         grad = self._require_grads()
         if clip_coef != 1.0:
-            grad = grad * clip_coef
+            grad.mul_(clip_coef)    # our own buffer, refilled by the next reduce_grads
         if self.master is not None:
             param = self.master
         elif self._flat is not None:
@@ -350,8 +364,13 @@ class Zero1AdamW:
         bias_correction1 = 1 - beta1 ** self.num_steps
         bias_correction2 = 1 - beta2 ** self.num_steps
         step_size = self.lr / bias_correction1
-        denom = self.exp_avg_sq.sqrt().div_(math.sqrt(bias_correction2)).add_(self.eps)
-        param.addcdiv_(self.exp_avg, denom, value=-step_size)
+        root = math.sqrt(bias_correction2)
+        for lo in range(0, param.numel(), _CHUNK):   # the denominator a chunk at a time
+            hi = min(lo + _CHUNK, param.numel())
+            denom = self._scratch32[:hi - lo]
+            torch.sqrt(self.exp_avg_sq[lo:hi], out=denom)
+            denom.div_(root).add_(self.eps)
+            param[lo:hi].addcdiv_(self.exp_avg[lo:hi], denom, value=-step_size)
         self._grad_shard = None
         self._gather(param)
 
