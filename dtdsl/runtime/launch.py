@@ -7,7 +7,7 @@ unit, stage, layer range, TP/DP/PP coordinates, process groups and schedule as d
 
 1. checks the program against the bundle: the rank's coordinates and groups equal those
    the plan gives (``mesh.role_of``), its action list equals the bundle's schedule;
-2. initialises torch.distributed (gloo on CPUs, NCCL where CUDA is available; the
+2. initialises torch.distributed (gloo: the executor runs on CPU tensors so far; the
    rendezvous comes from torchrun's environment) and every process group;
 3. builds the ``executor.StageExecutor`` with the rank's data feed: with preprocessing
    workers (``job.feed.workers > 0``) a ``dtdsl.feed.client.RemoteBatches`` receiving what
@@ -267,7 +267,9 @@ def run(program: RankProgram, bundle: str | Path, argv: Sequence[str] | None = N
     resume = args.resume or restart > 0
 
     torch.set_num_threads(max(1, int(os.environ.get("DTDSL_THREADS", "1"))))
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    # The executor keeps its tensors on the CPU so far (bf16 / NCCL on GPUs is issue 5's
+    # open part): gloo everywhere, rather than NCCL handed CPU tensors.
+    backend = "gloo"
     dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
     log = None
     ckpt = None
