@@ -269,12 +269,16 @@ def backbone_input(backbone: Backbone, image_embeds: Sequence[torch.Tensor],
         raise ValueError(f"pad_to {pad_to} is shorter than a sequence of {max(lengths)}")
     # One embedding lookup for every sequence's text and one padded copy of the rows: a
     # few ops per microbatch, not a few per sample (their backward too).
-    text = backbone.embed(torch.cat(kept).to(device)[None])[0].split([len(k) for k in kept])
-    rows = [t if img.shape[0] == 0 else torch.cat([img, t], dim=0)
-            for img, t in zip(image_embeds, text, strict=True)]
-    embeds = pad_sequence(rows, batch_first=True)
-    if embeds.shape[1] < width:
-        embeds = F.pad(embeds, (0, 0, 0, width - embeds.shape[1]))
+    text = backbone.embed(torch.cat(kept).to(device)[None])[0]
+    if not any(starts) and all(len(k) == width for k in kept):
+        embeds = text.view(len(kept), width, -1)     # text only, no padding: no copy at all
+    else:
+        pieces = text.split([len(k) for k in kept])
+        rows = [t if img.shape[0] == 0 else torch.cat([img, t], dim=0)
+                for img, t in zip(image_embeds, pieces, strict=True)]
+        embeds = pad_sequence(rows, batch_first=True)
+        if embeds.shape[1] < width:
+            embeds = F.pad(embeds, (0, 0, 0, width - embeds.shape[1]))
     target = torch.full((len(kept), width), IGNORE, dtype=torch.int64, device=device)
     for row, n_img, ids in zip(target, starts, kept, strict=True):
         row[n_img:n_img + len(ids) - 1] = ids[1:]
