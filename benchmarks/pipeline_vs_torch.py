@@ -9,18 +9,34 @@ same fixed shapes), split 2 + 2 layers over pp=2: stage 0 the token embedding an
 Global batch 16 in 8 microbatches of 2, one training step each:
 
 - dtdsl: ``StageExecutor.run_step`` of the lowered 1F1B schedule of that plan (F, B,
-  SEND/RECV over ``send_tensors``, then ``optimizer_step``: Zero1AdamW with the global
-  grad-norm all-reduce and clip, and the loss all-reduce);
+  SEND/RECV over ``send_tensors`` with receives posted ahead, then ``optimizer_step``:
+  Zero1AdamW with the global grad norm and the step's losses in one all-reduce, clip);
 - torch: ``Schedule1F1B.step`` (``scale_grads=False``: the losses are sums, as in
-  dtdsl), then the same update by hand: global grad norm (one all-reduce), clip,
-  ``torch.optim.AdamW`` (foreach=False), and a loss all-reduce.
+  dtdsl), then the same update by hand: global grad norm and the step's loss in one
+  all-reduce (as dtdsl sums its losses in its norm's all-reduce), clip,
+  ``torch.optim.AdamW`` (foreach=False).
 
 Both run in the same two processes, alternating step by step (a barrier before each), so
 drift and machine noise hit both alike; the figure is the median over the measured steps
 of the slower rank's step wall time (and its CPU time). Both start from the same weights
-(same seed) and data, so their losses agree (printed). One thread per rank.
+(same seed) and data, so their losses agree (printed). One thread per rank. The two ranks
+need both of the CI machine's cores, so every other job on the machine lands in the wall
+times (step times swing 1.5-2x with the load): take the median of several runs. (Pinning
+the ranks and running them under SCHED_FIFO, as ``runtime_overhead.py`` does on one CPU,
+does not work here: it starves the machine's other work on both cores, and the torch side
+then burns 2.5-6x its normal CPU per step.)
 
-    python benchmarks/pipeline_vs_torch.py [--steps 12] [--warmup 3]
+The torch side's loss travels in its norm's all-reduce since dtdsl's does: an earlier
+version all-reduced it separately after the update, a collective dtdsl does not pay.
+
+Data is built before the timed steps on both sides: the torch side's token and target
+tensors, and dtdsl's ``StepBatch`` es from ``batch.LocalBatches`` (served by a prebuilt
+feed), so neither side's CPU figure counts building samples, nor dtdsl's routing under
+the spec's reorder policy (the ``inter`` local search, redone on every rank), which the
+torch side does not do at all; in a job the preprocessing workers do it. Neither wall
+figure ever counted data (both start after the step's barrier).
+
+    python benchmarks/pipeline_vs_torch.py [--steps 20] [--warmup 3]
 """
 
 from __future__ import annotations
@@ -37,11 +53,13 @@ import _common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from runtime_overhead import _PrebuiltBatches
 from torch import nn
 
 from dtdsl.driver import run_frontend
 from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan
+from dtdsl.runtime.batch import LocalBatches
 from dtdsl.runtime.data import make_batch
 from dtdsl.runtime.executor import StageExecutor
 from dtdsl.runtime.mesh import build_groups
@@ -110,7 +128,7 @@ def _tokens_targets(program: ir.Program, step: int) -> tuple[torch.Tensor, torch
     return tokens, targets
 
 
-def _torch_side(rank: int, program: ir.Program, plan: Plan):
+def _torch_side(rank: int, program: ir.Program, plan: Plan, steps: int):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
     bb = build_unit(program, "llm", program.train.seed)
     bb.train()
@@ -130,10 +148,11 @@ def _torch_side(rank: int, program: ir.Program, plan: Plan):
     adamw = torch.optim.AdamW(params, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
                               weight_decay=opt.weight_decay, foreach=False)
     clip = program.train.grad_clip
+    data = [_tokens_targets(program, i) for i in range(steps)]
 
     def step(i: int) -> dict:
-        c0 = time.process_time()    # the data counts, as in run_step
-        tokens, targets = _tokens_targets(program, i)
+        c0 = time.process_time()
+        tokens, targets = data[i]
         for p in params:
             p.grad = None
         dist.barrier()
@@ -148,25 +167,27 @@ def _torch_side(rank: int, program: ir.Program, plan: Plan):
         for p in params:
             if p.grad is not None:
                 sq += p.grad.detach().double().pow(2).sum()
-        dist.all_reduce(sq)
-        norm = float(sq.sqrt())
+        # The squared norm and the step's loss summed over the ranks in one all-reduce.
+        both = torch.stack([sq, torch.tensor(float(sum(x.detach() for x in losses))
+                                             if losses else 0.0, dtype=torch.float64)])
+        dist.all_reduce(both)
+        norm, loss = float(both[0].sqrt()), float(both[1])
         if clip > 0 and norm > clip:
             for p in params:
                 if p.grad is not None:
                     p.grad.mul_(clip / (norm + 1e-6))
         adamw.step()
-        loss = torch.tensor([float(sum(x.detach() for x in losses)) if losses else 0.0],
-                            dtype=torch.float64)
-        dist.all_reduce(loss)
         t2 = time.perf_counter()
-        return {"wall": t2 - t0, "cpu": time.process_time() - c0, "loss": float(loss),
+        return {"wall": t2 - t0, "cpu": time.process_time() - c0, "loss": loss,
                 "kinds": {"schedule": t1 - t0, "clip+AdamW+loss": t2 - t1}}
 
     return step
 
 
-def _dtdsl_side(rank: int, program: ir.Program, plan: Plan):
-    ex = StageExecutor(program, plan, lower(plan, program), rank=rank, groups=build_groups(plan))
+def _dtdsl_side(rank: int, program: ir.Program, plan: Plan, steps: int):
+    groups = build_groups(plan)
+    feed = _PrebuiltBatches(LocalBatches(program, plan, groups.role), steps)
+    ex = StageExecutor(program, plan, lower(plan, program), rank=rank, groups=groups, feed=feed)
 
     def step(i: int) -> dict:
         c0 = time.process_time()
@@ -182,7 +203,8 @@ def _dtdsl_side(rank: int, program: ir.Program, plan: Plan):
 
 
 def _bench(rank: int, world: int, program: ir.Program, plan: Plan, steps: int, out: str) -> None:
-    sides = {"dtdsl": _dtdsl_side(rank, program, plan), "torch": _torch_side(rank, program, plan)}
+    sides = {"dtdsl": _dtdsl_side(rank, program, plan, steps),
+             "torch": _torch_side(rank, program, plan, steps)}
     rows: dict[str, list[dict]] = {k: [] for k in sides}
     for i in range(steps):
         order = ("dtdsl", "torch") if i % 2 == 0 else ("torch", "dtdsl")
@@ -194,7 +216,7 @@ def _bench(rank: int, world: int, program: ir.Program, plan: Plan, steps: int, o
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=12, help="measured steps")
+    parser.add_argument("--steps", type=int, default=20, help="measured steps")
     parser.add_argument("--warmup", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(1)
