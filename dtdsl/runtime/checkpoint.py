@@ -3,13 +3,17 @@ checkpoint complete.
 
 **Layout.** A checkpoint holds, for every trainable parameter ``unit.param`` of the job (the
 keys of ``StageExecutor.named_parameters()``), the full parameter and its full AdamW state,
-as one ``torch.distributed.checkpoint`` (DCP) state dict with the flat keys::
+as one ``torch.distributed.checkpoint`` (DCP) state dict::
 
-    model/<unit.param>              the parameter (its dtype), full shape
-    optim/<unit.param>/exp_avg      fp32, full shape
-    optim/<unit.param>/exp_avg_sq   fp32, full shape
-    optim/<unit.param>/step         int64 scalar: the optimizer steps taken
-    optim/<unit.param>/master       fp32 master weights (only for bf16/fp16 parameters)
+    {"model": {"<unit.param>": parameter (its dtype), ...},
+     "optim": {"<unit.param>": {"exp_avg": fp32, "exp_avg_sq": fp32,
+                                "master": fp32 (only for bf16/fp16 parameters)}, ...},
+     "step": int64 scalar}       # optimizer steps taken (one count: every optimizer of the
+                                 # job steps, or skips, together)
+
+which DCP stores under the flattened keys ``model.<unit.param>``,
+``optim.<unit.param>.exp_avg`` and so on, and ``step``. (Nested, not flat: DCP wraps every
+top-level entry in a logging call that costs about a millisecond, a second per save here.)
 
 "Full" means what the single-process model (``model.build_model``) holds: TP shards are
 gathered (``TPLayout.full``) and the ZeRO-1 optimizer shards all-gathered over the DP group
@@ -44,15 +48,17 @@ generator states. The runtime draws nothing from the global generators (batches,
 timesteps are functions of the seed, the step and the sample; initialisation forks its own
 generator), so restoring them changes nothing today; they are kept for code that will.
 
-**Saving modes** (``Checkpointer``): ``sync`` writes on the training thread; ``thread``
-stages a CPU copy on the training thread and writes with ``dcp.async_save`` in a
-background thread, and a second background thread commits (manifest, rename, pruning) once
-the write is done. At most one save is in flight: the next save, and ``wait``/``close``,
-first wait for it. The saves use their own gloo process group, so the background
-collectives never interleave with the training's. (DCP's process-based ``async_save``, a
-checkpoint daemon per rank as DistTrain uses, is not offered: its daemon outlives a
-SIGKILLed trainer and re-imports torch and joins a new gloo group at the first save, which
-is what a restarted job cannot afford.)
+**Saving modes** (``Checkpointer``): ``sync`` writes on the training thread (``dcp.save``);
+``thread`` copies the tensors to CPU memory on the training thread (after gathering them),
+then a background thread runs ``dcp.save`` on that copy and commits, at a lower CPU
+priority than the training (nice +10 for the thread, Linux). This is what
+``dcp.async_save``'s thread mode does, with the commit in the same thread. At most one save
+is in flight: the next save, and ``wait``/``close``, first wait for it. The saves use their
+own gloo process group, so the background collectives never interleave with the
+training's. (DCP's process-based ``async_save``, a checkpoint daemon per rank as DistTrain
+saves from a dedicated process, is not offered: its daemon outlives a SIGKILLed trainer,
+and it re-imports torch and joins a new gloo group at the first save, which is what a
+restarted job cannot afford.)
 """
 
 from __future__ import annotations
@@ -248,12 +254,13 @@ def _gather_flat(opt: Any, state: dict[str, Any], key: str) -> Any:
     import torch
     import torch.distributed as dist
 
-    shard = state[key]
+    # state_dict() gives CPU copies; the DP and TP groups gather on the optimizer's device
+    # (NCCL on GPUs).
+    shard = state[key].to(opt.device).contiguous()
     if state["zero"] != 1 or state["dp_size"] == 1:
         return shard
-    full = torch.empty(_padded(state), dtype=shard.dtype)
-    dist.all_gather(list(full.chunk(state["dp_size"])), shard.contiguous(),
-                    group=opt.dp_group)
+    full = torch.empty(_padded(state), dtype=shard.dtype, device=shard.device)
+    dist.all_gather(list(full.chunk(state["dp_size"])), shard, group=opt.dp_group)
     return full
 
 
@@ -281,23 +288,23 @@ def full_state_dict(ex: Any) -> dict[str, Any]:
     be the live parameters: copy them before training goes on."""
     import torch
 
-    out: dict[str, Any] = {}
-    params = ex.named_parameters()
-    for key, p in params.items():
-        if p.requires_grad:
-            out[f"model/{key}"] = _full(ex, key, p.detach())
+    model = {key: _full(ex, key, p.detach()) for key, p in ex.named_parameters().items()
+             if p.requires_grad}
+    out: dict[str, Any] = {"model": model}
+    optim: dict[str, dict[str, Any]] = {}
     for opt, names in _optimizer_names(ex):
         state = opt.state_dict()
-        flats = {k: _gather_flat(opt, state, k)[:state["numel"]]
-                 for k in ("exp_avg", "exp_avg_sq", "master") if k in state}
         sizes = [int(torch.Size(s).numel()) for s in state["param_shapes"]]
-        step = torch.tensor(int(state["num_steps"]), dtype=torch.int64)
-        for k, flat in flats.items():
+        for k in ("exp_avg", "exp_avg_sq", "master"):
+            if k not in state:
+                continue
+            flat = _gather_flat(opt, state, k)[:state["numel"]]
             for key, piece, shape in zip(names, flat.split(sizes), state["param_shapes"],
                                          strict=True):
-                out[f"optim/{key}/{k}"] = _full(ex, key, piece.view(shape))
-        for key in names:
-            out[f"optim/{key}/step"] = step
+                optim.setdefault(key, {})[k] = _full(ex, key, piece.view(shape))
+        out["step"] = torch.tensor(int(state["num_steps"]), dtype=torch.int64)
+    if optim:
+        out["optim"] = optim
     return out
 
 
@@ -312,18 +319,19 @@ def _template(ex: Any) -> dict[str, Any]:
             shape[split.dim] *= ex.tp_layout.tp
         return shape
 
-    out: dict[str, Any] = {}
-    for key, p in ex.named_parameters().items():
-        if p.requires_grad:
-            out[f"model/{key}"] = torch.empty(full_shape(key, p.shape), dtype=p.dtype)
+    out: dict[str, Any] = {"model": {
+        key: torch.empty(full_shape(key, p.shape), dtype=p.dtype)
+        for key, p in ex.named_parameters().items() if p.requires_grad}}
+    optim: dict[str, dict[str, Any]] = {}
     for opt, names in _optimizer_names(ex):
         state = opt.state_dict()
         kinds = [k for k in ("exp_avg", "exp_avg_sq", "master") if k in state]
         for key, shape in zip(names, state["param_shapes"], strict=True):
-            for k in kinds:
-                out[f"optim/{key}/{k}"] = torch.empty(full_shape(key, shape),
-                                                      dtype=torch.float32)
-            out[f"optim/{key}/step"] = torch.tensor(0, dtype=torch.int64)
+            optim[key] = {k: torch.empty(full_shape(key, shape), dtype=torch.float32)
+                          for k in kinds}
+        out["step"] = torch.tensor(0, dtype=torch.int64)
+    if optim:
+        out["optim"] = optim
     return out
 
 
@@ -343,21 +351,16 @@ def load_full_state_dict(ex: Any, state: dict[str, Any]) -> None:
     with torch.no_grad():
         for key, p in ex.named_parameters().items():
             if p.requires_grad:
-                p.copy_(_local(ex, key, state[f"model/{key}"]))
+                p.copy_(_local(ex, key, state["model"][key]))
     for opt, names in _optimizer_names(ex):
         mine = opt.state_dict()
-        steps = {int(state[f"optim/{key}/step"]) for key in names}
-        if len(steps) != 1:
-            raise CheckpointError(f"the parameters of one optimizer have different step "
-                                  f"counts {sorted(steps)} in the checkpoint")
         lo, hi = mine["shard"]
-        new = dict(mine, num_steps=steps.pop())
+        new = dict(mine, num_steps=int(state["step"]))
         for k in ("exp_avg", "exp_avg_sq", "master"):
             if k not in mine:
                 continue
             flat = torch.zeros(_padded(mine), dtype=torch.float32)
-            pieces = [_local(ex, key, state[f"optim/{key}/{k}"]).reshape(-1)
-                      for key in names]
+            pieces = [_local(ex, key, state["optim"][key][k]).reshape(-1) for key in names]
             torch.cat(pieces, out=flat[:mine["numel"]])
             new[k] = flat[lo:hi]
         opt.load_state_dict(new)
@@ -375,6 +378,25 @@ def _rng_tensor(text: str) -> Any:
     return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
 
 
+def _cpu_copy(state: Any) -> Any:
+    """A copy of a nested state dict with every tensor copied to (or on) the CPU."""
+    if isinstance(state, dict):
+        return {k: _cpu_copy(v) for k, v in state.items()}
+    return state.detach().to("cpu", copy=True)
+
+
+def _lower_priority(nice: int) -> None:
+    """Raise the calling thread's nice value by ``nice`` so that it yields the CPU to the
+    training threads (Linux: a thread's nice value is its own); elsewhere nothing."""
+    if nice <= 0:
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
+    except (AttributeError, OSError):
+        pass
+
+
 class Checkpointer:
     """Saves and loads one executor's part of the job's checkpoints (module docstring).
 
@@ -388,11 +410,15 @@ class Checkpointer:
         mode: ``sync`` or ``thread``.
         spec_sha256: the spec's hash (default: the program's ``source_sha256``).
         log: where rank 0 reports saves and loads (default: print to stdout).
+        nice: how much lower the background thread's CPU priority is than the training
+            thread's (``thread`` mode; 0: the same). On a CPU-bound node the write otherwise
+            slows the next step by more than a synchronous save costs
+            (``benchmarks/checkpoint_save.py``).
     """
 
     def __init__(self, ex: Any, run_dir: str | Path, *, keep: int = 3,
                  mode: str = "thread", spec_sha256: str | None = None,
-                 log: Callable[[str], None] | None = None) -> None:
+                 log: Callable[[str], None] | None = None, nice: int = 10) -> None:
         import torch.distributed as dist
 
         if mode not in MODES:
@@ -400,13 +426,13 @@ class Checkpointer:
         if keep < 1:
             raise ValueError(f"keep={keep}: keep at least one checkpoint")
         self.ex, self.run_dir, self.keep, self.mode = ex, Path(run_dir), keep, mode
+        self.nice = nice
         self.rank = dist.get_rank()
         self.spec_sha256 = spec_sha256 or ex.program.source_sha256
         self.plan_sha256 = plan_sha256(ex.plan)
         self.log = log or (lambda text: print(text, flush=True))
         self.group = dist.new_group(backend="gloo")
         self._pending: Future | None = None
-        self._error: BaseException | None = None
         self.saved: list[int] = []          # steps committed (rank 0) or written (others)
 
     # -- saving ---------------------------------------------------------------------------
@@ -443,21 +469,22 @@ class Checkpointer:
             meta = dcp.save(state, checkpoint_id=str(tmp), process_group=self.group)
             self._finish(step, tmp, manifest, meta)
             return time.perf_counter() - start
-        # async_save stages a CPU copy of the tensors here, then writes in the background.
-        future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group)
-        upload = getattr(future, "upload_completion", future)
+        # The CPU copy here (training changes the tensors next), the write in the
+        # background: dcp.save in a thread of our own that also commits, at a lower CPU
+        # priority than the training thread's.
+        staged = _cpu_copy(state)
         done: Future = Future()
 
-        def commit(f: Future) -> None:
+        def write() -> None:
+            _lower_priority(self.nice)
             try:
-                self._finish(step, tmp, manifest, f.result())
+                meta = dcp.save(staged, checkpoint_id=str(tmp), process_group=self.group)
+                self._finish(step, tmp, manifest, meta)
                 done.set_result(step)
             except BaseException as err:   # re-raised on the training thread by wait()
                 done.set_exception(err)
 
-        # The commit runs in the thread that completes the upload (never the trainer's).
-        upload.add_done_callback(lambda f: threading.Thread(
-            target=commit, args=(f,), name="dtdsl-checkpoint-commit", daemon=True).start())
+        threading.Thread(target=write, name="dtdsl-checkpoint", daemon=True).start()
         self._pending = done
         return time.perf_counter() - start
 
