@@ -250,6 +250,13 @@ def _describe(tensors: Sequence[torch.Tensor], max_bytes: int,
               ) -> tuple[torch.device | str, tuple[_Spec, ...], int, torch.Tensor,
                          torch.Tensor | None]:
     """A message's device, then ``_plan`` of its tensors, after checking them."""
+    device, signature = _signature(tensors, device)
+    return (device, *_plan(signature, max_bytes))
+
+
+def _signature(tensors: Sequence[torch.Tensor], device: torch.device | str | None
+               ) -> tuple[torch.device | str, Signature]:
+    """A message's device and its tensors' (dtype, shape)s, after checking them."""
     if len(tensors) > MAX_TENSORS:
         raise WireError(f"{len(tensors)} tensors in one message; the limit is {MAX_TENSORS}")
     for i, t in enumerate(tensors):
@@ -261,7 +268,34 @@ def _describe(tensors: Sequence[torch.Tensor], max_bytes: int,
             raise WireError("tensors of one message must share a device (or name one), got "
                             f"{sorted(map(str, devices))}")
         device = devices.pop() if devices else torch.device("cpu")
-    return (device, *_plan(tuple((t.dtype, tuple(t.shape)) for t in tensors), max_bytes))
+    return device, tuple((t.dtype, tuple(t.shape)) for t in tensors)
+
+
+@lru_cache(maxsize=1024)
+def _eager_plan(signature: Signature, max_bytes: int
+                ) -> tuple[torch.Tensor | None, ...] | None:
+    """The parts of an eager message of tensors of these (dtype, shape)s, in order, with
+    ``None`` where a tensor's bytes go: the header (``MAGIC_EAGER``) as bytes, then each
+    tensor that has bytes after the zeros that align it, then the zeros that end the
+    payload where ``_layout`` does. None when the message is not eager (too many tensors
+    or bytes). Memoised, and the tensors in it shared: never written."""
+    specs, total, head, overflow = _plan(signature, max_bytes)
+    if overflow is not None or total > EAGER_BYTES:
+        return None
+    words = head.clone()
+    words[0] = MAGIC_EAGER
+    zeros = torch.zeros(ALIGN, dtype=torch.uint8)
+    parts: list[torch.Tensor | None] = [words.view(torch.uint8)]
+    end = 0
+    for s in specs:
+        if s.nbytes:
+            if s.offset > end:
+                parts.append(zeros[:s.offset - end])
+            parts.append(None)
+            end = s.offset + s.nbytes
+    if total > end:
+        parts.append(zeros[:total - end])
+    return tuple(parts)
 
 
 def _fill(payload: torch.Tensor, tensors: Sequence[torch.Tensor],
@@ -292,16 +326,17 @@ def _encode_eager(tensors: Sequence[torch.Tensor], max_bytes: int,
                   device: torch.device | str | None = None) -> torch.Tensor | None:
     """The eager message (header with ``MAGIC_EAGER``, then the payload, in one CPU buffer)
     of ``tensors``, or None when they do not fit one (too many tensors, too many bytes,
-    not on the CPU): then the normal parts are sent."""
-    device, specs, total, head, overflow = _describe(tensors, max_bytes, device)
-    if overflow is not None or total > EAGER_BYTES or torch.device(device).type != "cpu":
+    not on the CPU): then the normal parts are sent. One ``cat`` of the memoised header
+    and padding with the tensors' bytes: a handful of ops whatever the message."""
+    device, signature = _signature(tensors, device)
+    if torch.device(device).type != "cpu":
         return None
-    buf = torch.empty(HEADER_BYTES + total, dtype=torch.uint8)
-    words = buf[:HEADER_BYTES].view(torch.int64)
-    words.copy_(head)
-    words[0] = MAGIC_EAGER
-    _fill(buf[HEADER_BYTES:], tensors, specs)
-    return buf
+    template = _eager_plan(signature, max_bytes)
+    if template is None:
+        return None
+    data = iter([t.detach().cpu().reshape(-1).view(torch.uint8) for t in tensors
+                 if t.numel()])
+    return torch.cat([next(data) if part is None else part for part in template])
 
 
 def _check_header(header: torch.Tensor, max_bytes: int, *, eager: bool = False
@@ -458,13 +493,19 @@ def recv_posted(posted: Sequence[PostedRecv], *, device: torch.device | str = "c
     """Complete receives posted with ``post_recv`` (blocking): the messages, in order."""
     for p in posted:
         p.work.wait()
-    headers = [p.first[:HEADER_BYTES].view(torch.int64) if p.eager else p.first
-               for p in posted]
-    known: list[tuple[int, int, bool, tuple[_Spec, ...] | None]] = [
-        _read_header(h.numpy().tobytes(), max_bytes, p.eager) if h.device.type == "cpu"
-        else (*_check_header(h, max_bytes, eager=p.eager),
-              p.eager and int(h[0]) == MAGIC_EAGER, None)
-        for h, p in zip(headers, posted, strict=True)]
+    def header(p: PostedRecv) -> torch.Tensor:
+        return p.first[:HEADER_BYTES].view(torch.int64) if p.eager else p.first
+
+    known: list[tuple[int, int, bool, tuple[_Spec, ...] | None]] = []
+    for p in posted:
+        if p.first.device.type == "cpu":    # its bytes straight from numpy: no torch op
+            raw = p.first.numpy()
+            known.append(_read_header((raw[:HEADER_BYTES] if p.eager else raw).tobytes(),
+                                      max_bytes, p.eager))
+        else:
+            h = header(p)
+            known.append((*_check_header(h, max_bytes, eager=p.eager),
+                          p.eager and int(h[0]) == MAGIC_EAGER, None))
     heads = [(count, total) for count, total, _, _ in known]
     inline = [done for _, _, done, _ in known]
     extras: list[torch.Tensor | None] = []
@@ -478,8 +519,8 @@ def recv_posted(posted: Sequence[PostedRecv], *, device: torch.device | str = "c
             extras.append(None)
     for w in works:
         w.wait()
-    specs = [k[3] if k[3] is not None else _check_specs(h, e, k[0], k[1])
-             for h, e, k in zip(headers, extras, known, strict=True)]
+    specs = [k[3] if k[3] is not None else _check_specs(header(p), e, k[0], k[1])
+             for p, e, k in zip(posted, extras, known, strict=True)]
     payloads: list[torch.Tensor | None] = []
     works = []
     for p, (_, total), done in zip(posted, heads, inline, strict=True):
@@ -576,7 +617,7 @@ class Broker:
         # step's routes up to three times (post, receive, send), and a feed without a
         # reorder policy hands out the same StepSamples every step. The StepSamples is
         # kept with its routes, so its id cannot be reused while the entry lives.
-        self._routes: dict[tuple[str, str, int], tuple[StepSamples, Routes]] = {}
+        self._routes: dict[tuple[str, str, int], tuple[StepSamples, Routes, Routes]] = {}
 
     @property
     def rank(self) -> int:
@@ -584,17 +625,22 @@ class Broker:
 
     def routes(self, producer: str, consumer: str, samples: StepSamples) -> Routes:
         """(producer replica, consumer replica) -> samples, for this step."""
+        return self._cached_routes(producer, consumer, samples)[1]
+
+    def _cached_routes(self, producer: str, consumer: str, samples: StepSamples
+                       ) -> tuple[StepSamples, Routes, Routes]:
+        """(samples, routes, reversed routes), computed once per StepSamples."""
         key = (producer, consumer, id(samples))
         hit = self._routes.get(key)
         if hit is not None:
-            return hit[1]
+            return hit
         pg, cg = self._edge(producer, consumer)
         out = route(samples.sample_ids, samples.replicas(producer), samples.replicas(consumer),
                     producer_dp=pg.dp, consumer_dp=cg.dp)
         if len(self._routes) >= _ROUTES_KEPT:
             self._routes.clear()
-        self._routes[key] = (samples, out)
-        return out
+        self._routes[key] = hit = (samples, out, reverse(out))
+        return hit
 
     # -- forward: producer last stage -> consumer first stage
 
@@ -612,7 +658,7 @@ class Broker:
         """``posted``: what ``post_forward`` posted for this step, if it was called."""
         pg, cg = self._edge(producer, consumer)
         return self._recv(message_tag(step, 0), pg, pg.last_stage, cg, 0,
-                          reverse(self.routes(producer, consumer, samples)),
+                          self._cached_routes(producer, consumer, samples)[2],
                           samples.replicas(consumer), samples, posted)
 
     def post_forward(self, step: int, producer: str, consumer: str,
@@ -620,7 +666,7 @@ class Broker:
         """Post ``recv_forward``'s receives ahead (``post_recv``); pass them to it."""
         pg, cg = self._edge(producer, consumer)
         return self._post(message_tag(step, 0), pg, pg.last_stage, cg, 0,
-                          reverse(self.routes(producer, consumer, samples)),
+                          self._cached_routes(producer, consumer, samples)[2],
                           samples.replicas(consumer))
 
     # -- backward: consumer first stage -> producer last stage
@@ -630,7 +676,7 @@ class Broker:
                       samples: StepSamples) -> list[dist.Work]:
         pg, cg = self._edge(producer, consumer)
         return self._send(message_tag(step, 1), cg, 0, samples.replicas(consumer),
-                          pg, pg.last_stage, reverse(self.routes(producer, consumer, samples)),
+                          pg, pg.last_stage, self._cached_routes(producer, consumer, samples)[2],
                           grads_by_sample, samples)
 
     def recv_backward(self, step: int, producer: str, consumer: str, samples: StepSamples,
