@@ -54,6 +54,14 @@ def launch(bundle: Path, run_dir: Path, *extra: str, timeout: float = 300,
                           check=False)
 
 
+def launch_ok(bundle: Path, run_dir: Path, *extra: str,
+              env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``launch``, asserting it exited 0 (the tail of its output otherwise)."""
+    proc = launch(bundle, run_dir, *extra, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
 def reference_losses(steps: int, data: Path | None = None) -> list[float]:
     program = run_frontend(str(SPEC), SPEC.read_bytes()).program
     source = None
@@ -100,8 +108,7 @@ def fed_bundle(tmp_path_factory, dataset) -> Path:
 @pytest.fixture(scope="module")
 def fed_run(tmp_path_factory, fed_bundle) -> Path:
     run_dir = tmp_path_factory.mktemp("run") / "r"
-    proc = launch(fed_bundle, run_dir, "--steps", str(FEED_STEPS))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    launch_ok(fed_bundle, run_dir, "--steps", str(FEED_STEPS))
     return run_dir
 
 
@@ -127,12 +134,10 @@ def test_three_workers_and_a_killed_worker_deliver_the_same_batches(
     assert cli.main(["compile", str(SPEC), "-o", str(three), "--data", str(dataset),
                      "--workers", "3"]) == 0
     run3 = tmp_path / "run3"
-    proc = launch(three, run3, "--steps", str(FEED_STEPS))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    launch_ok(three, run3, "--steps", str(FEED_STEPS))
     killed = tmp_path / "killed"
-    proc = launch(fed_bundle, killed, "--steps", str(FEED_STEPS),
-                  env={"DTDSL_FAULT": "worker0@2"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    launch_ok(fed_bundle, killed, "--steps", str(FEED_STEPS),
+              env={"DTDSL_FAULT": "worker0@2"})
     assert (killed / "faults" / "worker0@2").exists()
     log = (killed / "logs" / "workers.log").read_text()
     assert "killing worker0 at step 2" in log and "restarting it" in log
@@ -150,8 +155,7 @@ def test_in_process_bundle_matches_the_reference(tmp_path):
     assert cli.main(["compile", str(SPEC), "-o", str(bundle), "--synthetic",
                      "--workers", "0"]) == 0
     run_dir = tmp_path / "run"
-    proc = launch(bundle, run_dir, "--steps", str(STEPS))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    launch_ok(bundle, run_dir, "--steps", str(STEPS))
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(STEPS))
     for m, ref in zip(metrics, reference_losses(STEPS), strict=True):

@@ -18,6 +18,7 @@ from tests.codegen.test_bundle_run import (  # noqa: F401  (dataset is a fixture
     consumed,
     dataset,
     launch,
+    launch_ok,
     read_jsonl,
 )
 
@@ -42,8 +43,7 @@ def bundle(tmp_path_factory, dataset) -> Path:  # noqa: F811
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, bundle) -> Path:
     run_dir = tmp_path_factory.mktemp("fault") / "run"
-    proc = launch(bundle, run_dir, "--steps", str(STEPS))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    launch_ok(bundle, run_dir, "--steps", str(STEPS))
     return run_dir
 
 
