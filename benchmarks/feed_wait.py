@@ -24,7 +24,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,6 +34,7 @@ from pathlib import Path
 from _common import ROOT
 
 from dtdsl import cli
+from dtdsl.feed import wire
 
 SPEC = ROOT / "specs" / "tiny_cpu.dt"
 
@@ -84,16 +84,10 @@ def reorder_cost(bundle: Path, steps: int) -> tuple[float, float]:
     return out[0], out[1]
 
 
-def _port_base() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1] + 50
-
-
 def launch(bundle: Path, run_dir: Path, steps: int) -> list[dict]:
     env = {**os.environ, "PYTHON": sys.executable}
     proc = subprocess.run(["bash", str(bundle / "launch.sh"), "--run-dir", str(run_dir),
-                           "--steps", str(steps), "--port-base", str(_port_base())],
+                           "--steps", str(steps), "--port-base", str(wire.free_port_base(16))],
                           capture_output=True, text=True, env=env, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"launch failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")

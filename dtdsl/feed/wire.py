@@ -58,6 +58,7 @@ import math
 import os
 import re
 import secrets
+import socket
 import stat
 import struct
 import sys
@@ -81,6 +82,7 @@ __all__ = [
     "DEFAULT_HWM",
     "DEFAULT_MAX_ARRAYS",
     "DEFAULT_MAX_BYTES",
+    "BIND_WAIT_S",
     "DTYPES",
     "MAGIC",
     "MAX_HEADER_BYTES",
@@ -97,6 +99,8 @@ __all__ = [
     "check_address",
     "decode",
     "encode",
+    "ephemeral_ports",
+    "free_port_base",
     "new_secret",
     "read_secret",
     "secret_from_text",
@@ -119,6 +123,7 @@ MAX_HEADER_BYTES = 64 * 1024                 # msgpack limits every length to th
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024         # payload of one message (all buffers)
 DEFAULT_MAX_ARRAYS = 256
 DEFAULT_HWM = 16                             # messages queued per socket before back-pressure
+BIND_WAIT_S = 30.0                           # how long a bind waits for a port in use
 _MAX_NAME_CHARS = 128
 _MAX_NDIM = 16
 _MAX_META_DEPTH = 16
@@ -532,6 +537,41 @@ def check_address(address: str, *, allow_wildcard: bool = False) -> str:
 _HOST_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?")
 
 
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range of source ports for outgoing connections (Linux; the IANA range
+    elsewhere). A listening port inside it may be taken by any connection before it is
+    bound, and a peer that keeps connecting to it before it is bound may connect to itself."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 49152, 65535
+
+
+def free_port_base(span: int, host: str = "127.0.0.1", *, low: int = 20000) -> int:
+    """A port P with P .. P + span - 1 all free on ``host`` now, below the ephemeral range
+    (best effort: probed, then released). For tests and benchmarks that launch a job."""
+    top = min(ephemeral_ports()[0], 65536) - span
+    if top <= low:
+        raise RuntimeError(f"no room for {span} ports between {low} and the ephemeral range")
+    rng = secrets.SystemRandom()
+    for _ in range(100):
+        base = rng.randrange(low, top)
+        probes: list[socket.socket] = []
+        try:
+            for port in range(base, base + span):
+                probe = socket.socket()
+                probes.append(probe)
+                probe.bind((host, port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for probe in probes:
+                probe.close()
+    raise RuntimeError(f"found no {span} free ports in a row on {host}")
+
+
 def _needs_ipv6(address: str) -> bool:
     return address.startswith("tcp://[")
 
@@ -556,11 +596,28 @@ class _Socket:
         self._bind_checked(address)
 
     def _bind_checked(self, address: str) -> None:
-        try:
-            self._socket.bind(address)
-        except zmq.ZMQError as err:
-            self._socket.close(linger=0)
-            raise OSError(f"cannot bind {address}: {err}") from err
+        # A port in use may be free a moment later: a restarted trainer's port can be held
+        # briefly by the sockets of its dead predecessor, or by a peer's connection attempt
+        # that the kernel gave that very port as its source (a TCP self-connect, possible
+        # when the port lies in the ephemeral range). Wait for it, up to BIND_WAIT_S.
+        deadline = time.monotonic() + BIND_WAIT_S
+        warned = False
+        while True:
+            try:
+                self._socket.bind(address)
+                break
+            except zmq.ZMQError as err:
+                if err.errno == zmq.EADDRINUSE and time.monotonic() < deadline:
+                    if not warned:
+                        _log.warning("%s is in use; retrying for up to %g s", address,
+                                     BIND_WAIT_S)
+                        warned = True
+                    time.sleep(0.2)
+                    continue
+                self._socket.close(linger=0)
+                hint = (" (another job on these ports? choose another --port-base)"
+                        if err.errno == zmq.EADDRINUSE else "")
+                raise OSError(f"cannot bind {address}: {err}{hint}") from err
         self.address = address
 
     def _bind_free_port(self, host: str) -> None:

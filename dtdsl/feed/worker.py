@@ -24,11 +24,12 @@ steps again. A trainer keeps the first copy of each step it receives and drops c
 steps it has (or had), so no sample is lost or consumed twice. When the trainers restart
 (torchrun restarts them all after a failure, and they resume from a checkpoint) their
 announcements carry a new session token: every worker goes back to its first step at or
-after their ``next_step`` and sends again (messages still queued for the dead trainers
-reach the new ones and are valid data for their steps, since a step's batch depends on
-the seed and the step alone; the new trainers drop those of steps before their start). So
-a worker exits only when the trainers say they are done (or after ``IDLE_S`` without word
-once it has nothing left to send), not when they pass its last step: they may come back.
+after their ``next_step`` and sends again (the new trainers drop copies of steps they
+have, or are past). It does so on the first session it hears of too: trainers may die
+before they announce anything, after taking (and losing) what a worker sent ahead, so that
+the first session a worker hears is already a restart. So a worker exits only when the
+trainers say they are done (or after ``IDLE_S`` without word once it has nothing left to
+send), not when they pass its last step: they may come back.
 ``--resume`` starts the workers at the newest complete checkpoint's step.
 
 Fault injection (tests): ``DTDSL_FAULT=worker<w>@<s>`` makes worker ``w`` kill itself with
@@ -187,11 +188,12 @@ def run_worker(bundle: Path, index: int, *, run_dir: Path, steps: int | None = N
             return
         got, said = int(msg.meta["next_step"]), msg.meta.get("session")
         if said != session:
-            # A new start of the trainers (a torchrun restart, a resumed run): the steps
-            # it needs may be ones this worker sent to the dead trainers already.
-            if session is not None or got < next_step:
-                rewind = True
-                log.info("worker %d: the trainers (re)started at step %d", index, got)
+            # A start of the trainers: the first this worker hears of, or a new one (a
+            # torchrun restart, a resumed run). Either way the steps it needs may be ones
+            # this worker already sent to trainers that died, perhaps before they ever
+            # announced themselves: go back and send again (the trainers drop copies).
+            rewind = True
+            log.info("worker %d: the trainers (session %s) start at step %d", index, said, got)
             session, next_step, done = said, got, bool(msg.meta.get("done"))
         elif got > next_step or msg.meta.get("done"):
             next_step = max(next_step, got)

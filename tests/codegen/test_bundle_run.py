@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ import pytest
 
 from dtdsl import cli
 from dtdsl.driver import run_frontend
+from dtdsl.feed import wire
 from dtdsl.runtime.reference import train_reference
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,34 +22,11 @@ STEPS = 3
 RTOL = 1e-4
 
 
-def free_port_base(span: int = 16) -> int:
-    """A port with ``span`` free ports after it (best effort: bound then released)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + span >= 65000:
-            continue
-        try:
-            socks = []
-            for p in range(base, base + span):
-                t = socket.socket()
-                socks.append(t)
-                t.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for t in socks:
-                t.close()
-    raise RuntimeError("no free port range")
-
-
 def launch(bundle: Path, run_dir: Path, *extra: str, timeout: float = 300,
            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     full = {**os.environ, "PYTHON": sys.executable, **(env or {})}
     return subprocess.run(["bash", str(bundle / "launch.sh"), "--run-dir", str(run_dir),
-                           "--port-base", str(free_port_base()), *extra],
+                           "--port-base", str(wire.free_port_base(16)), *extra],
                           capture_output=True, text=True, timeout=timeout, env=full,
                           check=False)
 

@@ -146,6 +146,34 @@ def test_bad_hosts_and_options_are_usage_errors(tmp_path, capsys):
     assert compile_spec(SPECS / "tiny_cpu.dt", out, "--hosts", "trainer-0.example.org") == 0
 
 
+def test_launch_script_refuses_bad_arguments_before_starting_anything(tmp_path):
+    from dtdsl.feed.wire import ephemeral_ports
+
+    out = tmp_path / "b"
+    assert compile_spec(SPECS / "tiny_cpu.dt", out, "--synthetic") == 0
+    env = {**os.environ, "PYTHON": "/nonexistent/python"}   # nothing may start
+
+    def launch(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["bash", str(out / "launch.sh"), *args], capture_output=True,
+                              text=True, env=env, timeout=30, check=False)
+
+    for args, said in [(("--steps", "0"), "--steps wants a positive integer"),
+                       (("--steps", "x"), "--steps wants a positive integer"),
+                       (("--port-base", "x"), "--port-base wants a port number"),
+                       (("--max-restarts", "-1"), "--max-restarts wants a count"),
+                       (("--checkpoint-mode", "async"), "--checkpoint-mode is thread or sync"),
+                       (("--nnodes", "2"), "not --nnodes 2"),
+                       (("--node-rank", "1"), "past the last node"),
+                       (("--bogus",), "unknown argument: --bogus")]:
+        proc = launch(*args)
+        assert proc.returncode == 2 and said in proc.stderr, (args, proc.stderr)
+        assert not (out / "run").exists(), args
+    low = ephemeral_ports()[0]
+    if low < 65000:     # a port base in the ephemeral range is worth a warning
+        proc = launch("--port-base", str(low), "--node-rank", "9")
+        assert proc.returncode == 2 and "ephemeral range" in proc.stderr
+
+
 def test_py_literal_round_trips():
     for value in [None, True, 0, -3, 1.5, 1e-300, "a'\"\\\n\x00é", (), (1,), (1, "x"),
                   [1, [2]], {"k": (1, 2), 3: None}]:

@@ -129,3 +129,40 @@ def test_a_live_trainer_inbox_takes_only_valid_batches(bundle, monkeypatch):
     finally:
         raw.close(0)
         feed.close()
+
+
+def test_trainers_that_die_before_announcing_get_their_steps_again(bundle):
+    """The worker sends ahead before it hears of any trainer; those trainers die without a
+    word; the first session the worker hears is their restart, asking for step 0 again."""
+    import threading
+
+    from dtdsl.feed.worker import run_worker
+
+    job = load_job(bundle)
+    ctx = FeedContext(bundle)
+    secret = wire.read_secret(bundle / job.secret_file)
+    base = wire.free_port_base(job.world_size + 1)
+    addresses = [job.feed.trainer_address(r, job.gpus_per_node, base)
+                 for r in range(job.world_size)]
+    dead = [wire.Receiver(a, secret, max_arrays=1 << 16) for a in addresses]
+    status: list[int] = []
+    worker = threading.Thread(target=lambda: status.append(run_worker(
+        bundle, 0, run_dir=bundle / "run-silent", steps=3, port_base=base)), daemon=True)
+    worker.start()
+    feeds: list[RemoteBatches] = []
+    try:
+        for inbox in dead:                          # the first trainers take step 0 ...
+            message = inbox.recv(timeout_s=60)
+            assert message is not None and message.meta["step"] == 0
+        for inbox in dead:                          # ... and die without a word
+            inbox.close(linger_s=0)
+        feeds = [RemoteBatches(job, bundle, ctx.program, ctx.plan, role_of(ctx.plan, r),
+                               port_base=base, timeout_s=30.0)
+                 for r in range(job.world_size)]
+        for feed in feeds:                          # rank 0 announces the new session
+            assert feed.batch(0).step == 0
+    finally:
+        for feed in feeds:
+            feed.close()                            # rank 0 says done: the worker exits
+        worker.join(timeout=30)
+    assert not worker.is_alive() and status == [0]

@@ -393,6 +393,27 @@ def test_receiver_binds_a_wildcard_when_asked():
             assert receiver.recv(5.0).meta == {"i": 1}
 
 
+def test_a_bind_waits_for_a_port_in_use_to_be_released(monkeypatch):
+    base = wire.free_port_base(2)
+    assert base + 2 <= wire.ephemeral_ports()[0]
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", base))
+    holder.listen()
+    threading.Timer(0.6, holder.close).start()
+    start = time.monotonic()
+    with Receiver(f"tcp://127.0.0.1:{base}", SECRET) as receiver:   # waits, then binds
+        assert time.monotonic() - start >= 0.5
+        with Sender(receiver.address, SECRET) as sender:
+            assert sender.send("k", {"i": 1})
+            assert receiver.recv(5.0).meta == {"i": 1}
+    monkeypatch.setattr(wire, "BIND_WAIT_S", 0.3)
+    with socket.socket() as holder:                 # held for good: a clear error
+        holder.bind(("127.0.0.1", base + 1))
+        holder.listen()
+        with pytest.raises(OSError, match="choose another --port-base"):
+            Receiver(f"tcp://127.0.0.1:{base + 1}", SECRET)
+
+
 # --- live sockets --------------------------------------------------------------------------
 
 
