@@ -84,7 +84,10 @@ def test_a_killed_rank_restarts_the_job_from_its_checkpoint(tmp_path, bundle, un
     resumed = re.findall(r"resumed from \S+/ckpt-(\d+) at step (\d+) \(same plan", out)
     assert resumed and resumed[0][0] == resumed[0][1] and int(resumed[0][0]) in (2, 4), out
     log = (run_dir / "logs" / "workers.log").read_text()
-    assert "the trainers (re)started at step" in log and "restarting it" in log
+    heard = re.findall(r"the trainers \(session (\w+)\) start at step (\d+)", log)
+    assert len({session for session, _ in heard}) == 2, log     # the first and the restart
+    assert resumed[0][1] in {at for _, at in heard}, log        # followed back to its step
+    assert "restarting it" in log
     assert not list(checkpoint_root(run_dir).glob("*.tmp"))
 
     # launch.sh --resume carries the run on to STEPS (workers and trainers resume).
