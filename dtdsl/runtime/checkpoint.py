@@ -312,6 +312,8 @@ def _template(ex: Any) -> dict[str, Any]:
     """Empty full-size tensors for every key ``full_state_dict`` would give on this rank."""
     import torch
 
+    from dtdsl.runtime.tp import local_tensor
+
     def full_shape(key: str, local_shape: Any) -> list[int]:
         shape = list(local_shape)
         split = _tp_split(ex, key)
@@ -320,7 +322,7 @@ def _template(ex: Any) -> dict[str, Any]:
         return shape
 
     out: dict[str, Any] = {"model": {
-        key: torch.empty(full_shape(key, p.shape), dtype=p.dtype)
+        key: torch.empty(full_shape(key, local_tensor(p).shape), dtype=p.dtype)
         for key, p in ex.named_parameters().items() if p.requires_grad}}
     optim: dict[str, dict[str, Any]] = {}
     for opt, names in _optimizer_names(ex):
@@ -348,10 +350,12 @@ def load_full_state_dict(ex: Any, state: dict[str, Any]) -> None:
     and its ZeRO shard. Local; no collective."""
     import torch
 
+    from dtdsl.runtime.tp import local_tensor
+
     with torch.no_grad():
         for key, p in ex.named_parameters().items():
             if p.requires_grad:
-                p.copy_(_local(ex, key, state["model"][key]))
+                local_tensor(p).copy_(_local(ex, key, state["model"][key]))
     for opt, names in _optimizer_names(ex):
         mine = opt.state_dict()
         lo, hi = mine["shard"]

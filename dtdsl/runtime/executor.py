@@ -49,11 +49,12 @@ AdamW with the spec's settings on every trainable parameter, global-norm clippin
 ``train.grad_clip``: exactly ``reference.train_reference``'s update.
 
 Tensor parallelism (encoders and backbones): each TP rank builds the full unit and keeps
-its shard (``tp.shard_transformer``, Megatron-style column/row-parallel layers with all-reduces
-inside the attention and MLP blocks); activations between blocks, the projector and the
-inputs are replicated, so every TP rank runs the same actions on the same samples, the
-broker's TP leader talks to other units and broadcasts what it receives, and PP
-neighbours pair by TP index. The optimizer counts replicated parameters once in the norm.
+its shard (``tp.shard_transformer``: DTensor ``ColwiseParallel``/``RowwiseParallel`` on
+the attention and MLP blocks, all-reduces inside them); activations between blocks, the
+projector and the inputs are replicated, so every TP rank runs the same actions on the
+same samples, the broker's TP leader talks to other units and broadcasts what it
+receives, and PP neighbours pair by TP index. The optimizer updates the DTensor
+parameters through their local shards and counts replicated parameters once in the norm.
 
 Only the last backbone stage's TP leader adds the LM loss to the reported total (every TP
 rank computes it). Limits: tp > 1 on generators and interleaved schedules (vpp > 1) raise

@@ -66,6 +66,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dtdsl.runtime.tp import local_tensor
+
 __all__ = [
     "StepResult",
     "Zero1AdamW",
@@ -83,12 +85,6 @@ def _dist_on() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The rank-local tensor of a DTensor (TP), or the tensor itself."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
-
-
 def _local_grad(g: torch.Tensor) -> torch.Tensor:
     """The rank-local gradient. A DTensor gradient can be ``Partial`` (the grad of a
     replicated norm weight fed by a sharded activation holds per-TP-rank partial sums):
@@ -100,7 +96,7 @@ def _local_grad(g: torch.Tensor) -> torch.Tensor:
 
         g = g.redistribute(g.device_mesh,
                            [Replicate() if pl.is_partial() else pl for pl in placements])
-    return _local(g)
+    return local_tensor(g)
 
 
 def _uses_nccl(group: Any, device: torch.device) -> bool:
@@ -186,7 +182,7 @@ class Zero1AdamW:
             raise ValueError(f"betas {betas} must lie in [0, 1)")
         if lr < 0 or eps < 0 or weight_decay < 0:
             raise ValueError("lr, eps and weight_decay must be non-negative")
-        locals_ = [_local(p) for p in self.params]
+        locals_ = [local_tensor(p) for p in self.params]
         dtypes = {t.dtype for t in locals_}
         devices = {t.device for t in locals_}
         if len(dtypes) != 1 or len(devices) != 1:
@@ -253,7 +249,7 @@ class Zero1AdamW:
         # themselves: no per-step copy of every parameter out and back (DTensor
         # parameters keep their own storage and take that copy).
         self._flat: torch.Tensor | None = None
-        if all(_local(p) is p for p in self.params):
+        if all(local_tensor(p) is p for p in self.params):
             flat = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
             with torch.no_grad():
                 for p, off in zip(self.params, self._offsets, strict=True):
@@ -269,7 +265,7 @@ class Zero1AdamW:
         out = []
         for p, off in zip(self.params, self._offsets, strict=True):
             lo = max(off, self.shard_start)
-            hi = min(off + _local(p).numel(), self.shard_end)
+            hi = min(off + local_tensor(p).numel(), self.shard_end)
             out.append((lo - self.shard_start, max(lo, hi) - self.shard_start))
         return out
 
@@ -279,7 +275,7 @@ class Zero1AdamW:
         for p, off, (lo, hi) in zip(self.params, self._offsets, self._shard_overlaps(),
                                     strict=True):
             if lo < hi:
-                src = _local(p).reshape(-1)
+                src = local_tensor(p).reshape(-1)
                 base = self.shard_start - off
                 out[lo:hi].copy_(src[lo + base:hi + base])
 
@@ -297,7 +293,7 @@ class Zero1AdamW:
                       out=buf[:self.numel])
         else:
             for p, off in zip(self.params, self._offsets, strict=True):
-                n = _local(p).numel()
+                n = local_tensor(p).numel()
                 if p.grad is None:
                     buf[off:off + n].zero_()
                 else:
@@ -398,7 +394,7 @@ class Zero1AdamW:
         else:
             full = torch.empty(self.padded_numel, dtype=self.dtype, device=shard.device)
             dist.all_gather(list(full.chunk(self.dp_size)), shard, group=self.dp_group)
-        targets = [_local(p) for p in self.params]
+        targets = [local_tensor(p) for p in self.params]
         sources = [chunk.view_as(t) for chunk, t in zip(
             full[:self.numel].split([t.numel() for t in targets]), targets, strict=True)]
         torch._foreach_copy_(targets, sources)
@@ -429,7 +425,7 @@ class Zero1AdamW:
             "weight_decay": self.weight_decay,
             "zero": self.zero, "dp_size": self.dp_size, "dp_rank": self.dp_rank,
             "numel": self.numel, "shard": [self.shard_start, self.shard_end],
-            "param_shapes": [list(_local(p).shape) for p in self.params],
+            "param_shapes": [list(local_tensor(p).shape) for p in self.params],
             "exp_avg": self.exp_avg.detach().clone().cpu(),
             "exp_avg_sq": self.exp_avg_sq.detach().clone().cpu(),
         }

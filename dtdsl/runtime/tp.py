@@ -1,31 +1,33 @@
-"""Megatron-style tensor parallelism for the transformer units (encoder and backbone).
+"""Tensor parallelism for the transformer units (encoder and backbone), with DTensor.
 
 ``shard_transformer(module, tp, tp_rank, group)`` turns a full ``Encoder`` or
 ``Backbone`` (built with ``tp=1`` from the unit's seed, so every TP rank starts from
-the same weights) into this rank's shard, in place:
+the same weights) into this rank's shard, in place, with
+``torch.distributed.tensor.parallel.parallelize_module`` on every transformer layer
+over a one-dimensional ``DeviceMesh`` of the TP process group:
 
-* column-parallel: the fused QKV matrix keeps this rank's query heads and KV heads
-  (``heads / tp`` and ``kv_heads / tp`` of each of Q, K and V), the MLP's first matrix
-  this rank's FFN columns (of the gate and of the up projection with SwiGLU);
-* row-parallel: the attention output and the MLP's last matrix keep the matching
-  input columns and produce partial sums;
+* ``ColwiseParallel``: the fused QKV matrix and the MLP's first matrix (with SwiGLU, the
+  fused gate and up projections) become ``Shard(0)`` DTensors; their input is
+  ``Replicate`` (its gradient is all-reduced over the group in backward) and their output
+  this rank's slice, a plain local tensor;
+* ``RowwiseParallel``: the attention output and the MLP's last matrix become ``Shard(1)``
+  DTensors, take the local slice and all-reduce their partial sums to a replicated
+  plain tensor (the gradient passes unchanged);
 * replicated: norms, the patch / token embedding, the output head (not vocabulary
-  parallel yet) and everything outside the layers.
+  parallel yet) and everything outside the layers stay plain tensors.
 
-Each attention and MLP block gets two hooks: on its input an identity whose backward
-all-reduces the input gradient over the TP group (the replicated activation feeds every
-rank's shard), on its output an all-reduce of the partial sums whose backward is the
-identity. So every activation outside the blocks, and the gradient of every replicated
-parameter, is the same on every TP rank, and the local shards of the sharded weights
-get exactly the slices of the single-process gradients.
+So every activation outside the attention and MLP blocks, and the gradient of every
+replicated parameter, is the same on every TP rank, and the local shards of the sharded
+weights get exactly the slices of the single-process gradients.
 
-Why not DTensor ``ColwiseParallel``: it shards a weight into contiguous row blocks,
-but the fused QKV matrix (rows ``[Q | K | V]``) and the fused SwiGLU matrix
-(``[gate | up]``) need one block from *each* segment per rank. DTensor would need the
-weights re-laid out first (so parameter layouts would no longer match the
-single-process model's) and a DeviceMesh per TP sub-group; the explicit slices keep
-plain local parameters whose names and meanings equal the reference's, which the
-optimizer (``tp_replicated``) and the checks use directly.
+Fused matrices: ``ColwiseParallel`` cuts a weight into contiguous row blocks, but the
+fused ``[Q | K | V]`` and ``[gate | up]`` matrices need one block of *each* segment per
+rank (rank ``r``: its query heads, its KV heads, its FFN columns). Their rows are
+therefore permuted before sharding into rank-major order (``ShardSplit``: rank ``r``'s
+blocks of every segment, then rank ``r + 1``'s), so that block ``r`` of the permuted
+matrix is exactly rank ``r``'s slices and the layer's forward splits its local output by
+its local head counts. ``TPLayout.full`` undoes the permutation: checkpoints and checks
+see the single-process layout and names.
 """
 
 from __future__ import annotations
@@ -40,46 +42,13 @@ from torch import nn
 
 from dtdsl.runtime.models.transformer import MLP, SelfAttention, TransformerLayer
 
-__all__ = ["ShardSplit", "TPLayout", "copy_to_tp", "reduce_from_tp", "shard_transformer"]
+__all__ = ["ShardSplit", "TPLayout", "local_tensor", "shard_transformer"]
 
 
-class _CopyToTP(torch.autograd.Function):
-    """Identity forward; all-reduce of the gradient backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    """All-reduce (sum) forward; identity backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        out = x.contiguous().clone()
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
-
-
-def copy_to_tp(x: torch.Tensor, group: Any) -> torch.Tensor:
-    """``x`` unchanged; its gradient is summed over ``group`` (column-parallel input)."""
-    return _CopyToTP.apply(x, group)
-
-
-def reduce_from_tp(x: torch.Tensor, group: Any) -> torch.Tensor:
-    """The sum of ``x`` over ``group``; the gradient passes unchanged (row-parallel output)."""
-    return _ReduceFromTP.apply(x, group)
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The rank-local tensor of a DTensor (sharing its storage), or ``t`` itself."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,8 +85,8 @@ class TPLayout:
     tp: int
     rank: int
     group: Any
+    mesh: Any = None                                              # the TP DeviceMesh
     splits: dict[str, ShardSplit] = field(default_factory=dict)   # by parameter name
-    handles: list[Any] = field(default_factory=list)              # the hooks
 
     def is_sharded(self, name: str) -> bool:
         return name in self.splits
@@ -126,33 +95,49 @@ class TPLayout:
         """The module's parameters that are whole (and equal) on every TP rank."""
         return [p for n, p in module.named_parameters() if n not in self.splits]
 
+    def local_shape(self, name: str, full: Sequence[int]) -> list[int]:
+        """The shape of this rank's shard of parameter ``name`` of full shape ``full``."""
+        shape = list(full)
+        split = self.splits.get(name)
+        if split is not None:
+            shape[split.dim] //= self.tp
+        return shape
+
     def full(self, name: str, local: torch.Tensor) -> torch.Tensor:
-        """The full value of parameter (or gradient) ``name`` from this rank's ``local``
-        one: an all-gather over the TP group for sharded ones (collective), ``local``
+        """The full value of parameter (or gradient, or optimizer state) ``name``, in the
+        single-process layout, from this rank's ``local`` one (a DTensor or its local
+        tensor): an all-gather over the TP group for sharded ones (collective), ``local``
         itself otherwise."""
         split = self.splits.get(name)
         if split is None:
             return local
-        local = local.detach().contiguous()
+        local = local_tensor(local.detach()).contiguous()
         parts = [torch.empty_like(local) for _ in range(self.tp)]
         dist.all_gather(parts, local, group=self.group)
         return split.join(parts)
 
 
-def _shard_param(module: nn.Module, attr: str, split: ShardSplit, tp: int, rank: int) -> None:
-    old: nn.Parameter = getattr(module, attr)
-    new = nn.Parameter(split.take(old.detach(), tp, rank).clone(),
-                       requires_grad=old.requires_grad)
-    setattr(module, attr, new)
-    if isinstance(module, nn.Linear):   # keep the reported shape honest
-        module.out_features, module.in_features = new.shape
+def _rank_major(split: ShardSplit, full: torch.Tensor, tp: int) -> torch.Tensor:
+    """``full`` with its ``split.dim`` reordered so that contiguous block ``r`` of ``tp``
+    is rank ``r``'s shard (``split.take``)."""
+    return torch.cat([split.take(full, tp, r) for r in range(tp)], dim=split.dim)
 
 
 def _check_linear(linear: nn.Linear, what: str, *, row: bool) -> None:
     if row and linear.bias is not None:
-        # A row-parallel bias would be added once per rank before the sum.
+        # DTensor would add a replicated bias to partial sums; not needed by our layers.
         raise NotImplementedError(f"{what}: row-parallel layers with a bias are not "
                                   "supported by tensor parallelism yet")
+
+
+def _tp_mesh(group: Any, tp: int, rank: int) -> Any:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mesh = DeviceMesh.from_group(group, "cpu")
+    if mesh.size() != tp or mesh.get_local_rank() != rank:
+        raise ValueError(f"the TP group has {mesh.size()} ranks with this one at "
+                         f"{mesh.get_local_rank()}, not {tp} with it at {rank}")
+    return mesh
 
 
 def shard_transformer(module: nn.Module, tp: int, rank: int, group: Any) -> TPLayout:
@@ -170,42 +155,49 @@ def shard_transformer(module: nn.Module, tp: int, rank: int, group: Any) -> TPLa
                                   "transformer layers only")
     if getattr(module, "tp", 1) != 1:
         raise ValueError("build the module with tp=1; shard_transformer cuts the shard")
-
-    def pre(mod: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        return (copy_to_tp(args[0], group), *args[1:])
-
-    def post(mod: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor:
-        return reduce_from_tp(out, group)
-
-    for i, layer in enumerate(layers):
+    for i, layer in enumerate(layers):     # check every layer before changing any
         attn: SelfAttention = layer.attn
         mlp: MLP = layer.mlp
-        prefix = f"layers.{i}"
-        for what, count in (("attention heads", attn.heads), ("KV heads", attn.kv_heads)):
+        for what, count in (("attention heads", attn.heads), ("KV heads", attn.kv_heads),
+                            ("FFN columns", mlp.w2.in_features)):
             if count % tp:
                 raise ValueError(f"tensor parallelism {tp} cannot split {count} {what} "
                                  "evenly")
-        _check_linear(attn.wo, f"{prefix}.attn.wo", row=True)
-        _check_linear(mlp.w2, f"{prefix}.mlp.w2", row=True)
+        _check_linear(attn.wo, f"layers.{i}.attn.wo", row=True)
+        _check_linear(mlp.w2, f"layers.{i}.mlp.w2", row=True)
+
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    layout.mesh = _tp_mesh(group, tp, rank)
+    for i, layer in enumerate(layers):
+        attn, mlp = layer.attn, layer.mlp
         d = attn.head_dim
         q, kv = attn.heads * d, attn.kv_heads * d
         ffn = mlp.w2.in_features
-        if ffn % tp:
-            raise ValueError(f"tensor parallelism {tp} cannot split {ffn} FFN columns evenly")
-        splits = {
-            (attn.wqkv, "weight", f"{prefix}.attn.wqkv.weight"): ShardSplit(0, (q, kv, kv)),
-            (attn.wo, "weight", f"{prefix}.attn.wo.weight"): ShardSplit(1, (q,)),
-            (mlp.w1, "weight", f"{prefix}.mlp.w1.weight"):
-                ShardSplit(0, (ffn, ffn) if mlp.swiglu else (ffn,)),
-            (mlp.w2, "weight", f"{prefix}.mlp.w2.weight"): ShardSplit(1, (ffn,)),
-        }
-        for (owner, attr, name), split in splits.items():
-            _shard_param(owner, attr, split, tp, rank)
-            layout.splits[name] = split
+        fused = {"attn.wqkv": ShardSplit(0, (q, kv, kv)),
+                 "mlp.w1": ShardSplit(0, (ffn, ffn) if mlp.swiglu else (ffn,))}
+        with torch.no_grad():
+            for name, split in fused.items():
+                weight = layer.get_submodule(name).weight
+                weight.copy_(_rank_major(split, weight, tp))
+        # Every rank holds the same full weights (same seed): each keeps its block, no
+        # communication (src_data_rank=None).
+        parallelize_module(layer, layout.mesh, {
+            "attn.wqkv": ColwiseParallel(), "attn.wo": RowwiseParallel(),
+            "mlp.w1": ColwiseParallel(), "mlp.w2": RowwiseParallel(),
+        }, src_data_rank=None)
+        prefix = f"layers.{i}"
+        layout.splits.update({
+            f"{prefix}.attn.wqkv.weight": fused["attn.wqkv"],
+            f"{prefix}.attn.wo.weight": ShardSplit(1, (q,)),
+            f"{prefix}.mlp.w1.weight": fused["mlp.w1"],
+            f"{prefix}.mlp.w2.weight": ShardSplit(1, (ffn,)),
+        })
         # The forward reshapes by head count: use this rank's heads.
         attn.heads //= tp
         attn.kv_heads //= tp
-        for block in (attn, mlp):
-            layout.handles.append(block.register_forward_pre_hook(pre))
-            layout.handles.append(block.register_forward_hook(post))
     return layout

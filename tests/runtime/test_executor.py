@@ -10,6 +10,7 @@ from functools import cache
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan, split_layers
@@ -20,6 +21,7 @@ from dtdsl.runtime.executor import StageExecutor, gather_timeline, run_rank
 from dtdsl.runtime.mesh import ProcessGroups, build_groups, role_of
 from dtdsl.runtime.model import build_model
 from dtdsl.runtime.reference import train_reference
+from dtdsl.runtime.tp import local_tensor
 from dtdsl.schedule.lower import lower
 from tests.runtime.dist import make_plan, run
 from tests.runtime.test_reference import program as tiny
@@ -225,7 +227,11 @@ def _train_tp(rank: int, world: int, program: ir.Program, plan: Plan, losses: li
     full = ex.full_parameters()     # collective over the TP group
     assert full.keys() == local.keys() and full
     if ex.role.grid.tp > 1:
-        assert any(local[n].shape != full[n].shape for n in full), "nothing was sharded"
+        sharded = [n for n in full if isinstance(local[n], DTensor)]
+        assert sharded, "nothing was sharded"
+        for n in sharded:       # the DTensor's local shard: a slice of the full tensor
+            assert local_tensor(local[n]).shape != full[n].shape, n
+            assert not isinstance(full[n], DTensor), n
     for name, p in full.items():
         init, want = params[name]
         assert p.shape == want.shape, name

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from dtdsl.runtime.model import build_unit
-from dtdsl.runtime.tp import ShardSplit, shard_transformer
+from dtdsl.runtime.tp import ShardSplit, local_tensor, shard_transformer
 from tests.runtime.dist import run
 from tests.runtime.test_reference import program as tiny
 
@@ -64,12 +65,17 @@ def _compare(rank: int, world: int, name: str) -> None:
         if layout.is_sharded(n):
             sharded += 1
             split = layout.splits[n]
-            assert p.shape != value.shape, n
-            assert torch.equal(p.detach(), split.take(value, world, rank)), n
-            torch.testing.assert_close(p.grad, split.take(grad, world, rank),
+            assert isinstance(p, DTensor) and isinstance(p.grad, DTensor), n
+            local, local_grad = local_tensor(p.detach()), local_tensor(p.grad)
+            assert local.shape != value.shape, n
+            assert list(local.shape) == layout.local_shape(n, value.shape), n
+            assert torch.equal(local, split.take(value, world, rank)), n
+            torch.testing.assert_close(local_grad, split.take(grad, world, rank),
                                        rtol=TOL, atol=TOL, msg=n)
             torch.testing.assert_close(layout.full(n, p.grad), grad, rtol=TOL, atol=TOL)
+            assert torch.equal(layout.full(n, p), value), n
         else:
+            assert not isinstance(p, DTensor), n
             assert torch.equal(p.detach(), value), n
             torch.testing.assert_close(p.grad, grad, rtol=TOL, atol=TOL, msg=n)
     assert sharded == 4 * len(shard.layers)
