@@ -55,12 +55,14 @@ search: work neither side's training does. Timing both sides' data instead would
 data builders, not training.
 
 The work the runtime does on top of the loop's is all in the figure: communication (the
-broker's serialisation and gloo, its background threads included), the sharded optimizer
+broker's serialisation and its transfers: ``links.LocalLinks`` between these same-host
+ranks, with its writer thread, or gloo with its I/O threads under
+``DTDSL_LOCAL_LINKS=0``; the collectives are gloo's), the sharded optimizer
 with its collectives (one all-reduce for the grad norm, the inf/NaN flag and the losses)
 and the barrier of every step. Where it goes is printed per rank from the executor's
 measured events (wall time summed per action kind; RECV includes the wait for the peer,
 SYNC is ``optimizer_step``) and the main thread's CPU time (``thread_time``; the rest of
-the process CPU is gloo's threads). One thread per process.
+the process CPU is gloo's and the links' threads). One compute thread per process.
 
     python benchmarks/runtime_overhead.py [--steps 16] [--warmup 2] [--cpus 1|all]
                                           [--sched fifo|other]

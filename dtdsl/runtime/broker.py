@@ -60,6 +60,14 @@ a wake-up of the sender's I/O thread. ``post_recv`` posts a message's first part
 and ``recv_posted`` completes it; ``Broker.post_forward`` / ``post_backward`` do so for
 the broker's receives (``recv_forward`` / ``recv_backward`` take what they posted). The
 executor keeps its next RECV actions posted.
+
+**Local links.** With ``use_local_links(links)`` (the executor does so on CPU), every
+point-to-point transfer here between two ranks of one host goes over
+``links.LocalLinks`` (Unix sockets: one system call a side, no rendezvous, none of gloo's
+I/O-thread wake-ups) instead of gloo; the same parts, tags and matching. Both ranks of a
+pair decide alike (the links are agreed on collectively), so a message and its receive
+always take the same path; transfers on a group other than the default one, and
+non-CPU buffers, stay on ``torch.distributed``.
 """
 
 from __future__ import annotations
@@ -68,7 +76,7 @@ import operator
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -77,6 +85,41 @@ from dtdsl.runtime.mesh import ProcessGroups, RankRole, UnitGrid, grids, role_of
 
 if TYPE_CHECKING:
     from dtdsl.ir.plan import Plan
+    from dtdsl.runtime.links import LocalLinks
+
+_links: LocalLinks | None = None
+
+
+def use_local_links(links: LocalLinks | None) -> LocalLinks | None:
+    """Send this process's point-to-point transfers to same-host ranks over ``links``
+    (None: all over torch.distributed again); the links used before."""
+    global _links
+    before, _links = _links, links
+    return before
+
+
+def local_links() -> LocalLinks | None:
+    """The links ``use_local_links`` set, if any."""
+    return _links
+
+
+def _linked(peer: int, group: dist.ProcessGroup | None, buf: torch.Tensor) -> bool:
+    return (_links is not None and group is None and buf.device.type == "cpu"
+            and _links.links(peer))
+
+
+def _isend(buf: torch.Tensor, dst: int, group: dist.ProcessGroup | None, tag: int) -> Any:
+    if _linked(dst, group, buf):
+        assert _links is not None
+        return _links.isend(buf, dst, tag)
+    return dist.isend(buf, dst, group=group, tag=tag)
+
+
+def _irecv(buf: torch.Tensor, src: int, group: dist.ProcessGroup | None, tag: int) -> Any:
+    if _linked(src, group, buf):
+        assert _links is not None
+        return _links.irecv(buf, src, tag)
+    return dist.irecv(buf, src, group=group, tag=tag)
 
 __all__ = [
     "ALIGN",
@@ -101,7 +144,9 @@ __all__ = [
     "recv_tensors_many",
     "reverse",
     "route",
+    "local_links",
     "send_tensors",
+    "use_local_links",
 ]
 
 SampleId = Hashable
@@ -426,13 +471,13 @@ def send_tensors(tensors: Sequence[torch.Tensor], dst: int, group: dist.ProcessG
     if eager:
         buf = _encode_eager(tensors, max_bytes, device)
         if buf is not None:
-            return [dist.isend(buf, dst, group=group, tag=_part(tag, 0))]
+            return [_isend(buf, dst, group, _part(tag, 0))]
     header, extra, payload = _encode(tensors, max_bytes, device)
-    works = [dist.isend(header, dst, group=group, tag=_part(tag, 0))]
+    works = [_isend(header, dst, group, _part(tag, 0))]
     if extra is not None:
-        works.append(dist.isend(extra, dst, group=group, tag=_part(tag, 1)))
+        works.append(_isend(extra, dst, group, _part(tag, 1)))
     if payload is not None:
-        works.append(dist.isend(payload, dst, group=group, tag=_part(tag, 2)))
+        works.append(_isend(payload, dst, group, _part(tag, 2)))
     return works
 
 
@@ -473,7 +518,7 @@ def post_recv(src: int, group: dist.ProcessGroup | None = None, *, tag: int = 0,
     else:
         first = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
     return PostedRecv(src=src, tag=tag, group=group, eager=eager, first=first,
-                      work=dist.irecv(first, src, group=group, tag=_part(tag, 0)))
+                      work=_irecv(first, src, group, _part(tag, 0)))
 
 
 def recv_tensors_many(sources: Sequence[tuple[int, int]], group: dist.ProcessGroup | None = None,
@@ -513,7 +558,7 @@ def recv_posted(posted: Sequence[PostedRecv], *, device: torch.device | str = "c
     for p, (count, _), done in zip(posted, heads, inline, strict=True):
         if _overflow(count) and not done:
             e = torch.empty((_overflow(count), _WIDTH), dtype=torch.int64, device=device)
-            works.append(dist.irecv(e, p.src, group=p.group, tag=_part(p.tag, 1)))
+            works.append(_irecv(e, p.src, p.group, _part(p.tag, 1)))
             extras.append(e)
         else:
             extras.append(None)
@@ -528,7 +573,7 @@ def recv_posted(posted: Sequence[PostedRecv], *, device: torch.device | str = "c
             payloads.append(p.first[HEADER_BYTES:HEADER_BYTES + total] if total else None)
         elif total:
             buf = torch.empty(total, dtype=torch.uint8, device=device)
-            works.append(dist.irecv(buf, p.src, group=p.group, tag=_part(p.tag, 2)))
+            works.append(_irecv(buf, p.src, p.group, _part(p.tag, 2)))
             payloads.append(buf)
         else:
             payloads.append(None)

@@ -88,8 +88,10 @@ from dtdsl.runtime.broker import (
     post_recv,
     recv_posted,
     send_tensors,
+    use_local_links,
 )
 from dtdsl.runtime.data import Sample, image_encoder, pack_images, unpack_images
+from dtdsl.runtime.links import shared_local_links
 from dtdsl.runtime.mesh import ProcessGroups, RankRole
 from dtdsl.runtime.model import (
     Normalizer,
@@ -189,6 +191,9 @@ class StageExecutor:
         # Eager wire messages (one transfer for a small message) on every PP and broker
         # pair: every rank's executor sends and receives alike.
         self.broker = Broker(plan, rank, groups, eager=True)
+        # On CPU, transfers between ranks of one host go over Unix sockets (links.py).
+        if dist.is_initialized() and dist.get_backend() == "gloo":
+            use_local_links(shared_local_links())
         self._leader = self.role.grid.leader(self.role.stage, self.role.replica)
         self._build()
         self._forward = {"encoder": self._encoder_forward, "backbone": self._backbone_forward,

@@ -17,6 +17,7 @@ from dtdsl.ir.plan import Plan, split_layers
 from dtdsl.ir.schedule import Schedule
 from dtdsl.reorder.split import contiguous_split
 from dtdsl.runtime.batch import SyntheticSource, normalizer_of, route_batch
+from dtdsl.runtime.broker import local_links
 from dtdsl.runtime.executor import StageExecutor, gather_timeline, run_rank
 from dtdsl.runtime.mesh import ProcessGroups, build_groups, role_of
 from dtdsl.runtime.model import build_model
@@ -81,6 +82,8 @@ def _train(rank: int, world: int, program: ir.Program, plan: Plan, losses: list[
     groups = build_groups(plan)
     schedule = lower(plan, program)
     ex = StageExecutor(program, plan, schedule, rank=rank, groups=groups)
+    # Same-host transfers go over local links unless DTDSL_LOCAL_LINKS=0 (then gloo).
+    assert (local_links() is None) == (os.environ.get("DTDSL_LOCAL_LINKS") == "0")
     results = ex.train(STEPS, metrics_path=metrics)
     for r, want in zip(results, losses, strict=True):
         assert math.isclose(r["loss"], want, rel_tol=LOSS_RTOL), (r["step"], r["loss"], want)
@@ -149,6 +152,13 @@ def test_data_parallel_backbone():
 def test_backbone_pipeline():
     program = spec(8)
     check(program, plan_for(program, ("vit", "encoder", 1, 1, 1),
+                            ("llm", "backbone", 1, 1, 2), ("gen", "generator", 1, 1, 1)))
+
+
+def test_backbone_pipeline_over_gloo(monkeypatch):
+    monkeypatch.setenv("DTDSL_LOCAL_LINKS", "0")
+    program = spec(8)
+    check(program, plan_for(program, ("vit", "encoder", 1, 2, 1),
                             ("llm", "backbone", 1, 1, 2), ("gen", "generator", 1, 1, 1)))
 
 

@@ -1,0 +1,70 @@
+"""Local links (``dtdsl.runtime.links``): gloo's point-to-point semantics over Unix
+sockets between the ranks of one host."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from dtdsl.runtime.links import LocalLinks
+from tests.runtime.dist import run
+
+
+def _exchange(rank: int, world: int) -> None:
+    links = LocalLinks.create(rank, world)
+    assert links is not None and links.peers == frozenset(range(world)) - {rank}
+    peer = 1 - rank
+    try:
+        # Out of order: receives posted in one order, messages sent in another; one
+        # message arrives before its receive is posted (stashed), one is empty, one is
+        # larger than the socket buffers (the writer thread finishes it), and both ranks
+        # send to each other before either receives.
+        big = torch.arange(3 << 20, dtype=torch.int32) * (rank + 1)
+        small = torch.full((5,), float(rank))
+        empty = torch.empty(0, dtype=torch.int64)
+        sends = [links.isend(big, peer, 7), links.isend(small, peer, 3),
+                 links.isend(empty, peer, 9), links.isend(small + 10, peer, 3)]
+        got_small = torch.empty(64)                 # a receive larger than the message
+        got_small2 = torch.empty(5)
+        got_empty = torch.empty(0, dtype=torch.int64)
+        got_big = torch.empty(3 << 20, dtype=torch.int32)
+        r_small = links.irecv(got_small, peer, 3)
+        r_big = links.irecv(got_big, peer, 7)
+        r_big.wait()                                # reads tag 3 and 9 on the way: stashed
+        r_empty = links.irecv(got_empty, peer, 9)   # completes from the stash
+        r_small2 = links.irecv(got_small2, peer, 3)
+        for w in (r_small, r_empty, r_small2, *sends):
+            w.wait()
+        assert torch.equal(got_big, torch.arange(3 << 20, dtype=torch.int32) * (peer + 1))
+        assert r_small.nbytes == 20 and torch.equal(got_small[:5], torch.full((5,), peer))
+        assert torch.equal(got_small2, torch.full((5,), peer + 10.0))     # in send order
+        assert r_empty.nbytes == 0
+        dist.barrier()
+    finally:
+        links.close()
+
+
+def test_local_links_match_by_source_and_tag_in_order():
+    run(_exchange, 2, timeout=60)
+
+
+def _dies(rank: int, world: int) -> None:
+    links = LocalLinks.create(rank, world)
+    assert links is not None
+    if rank == 1:
+        links.isend(torch.ones(2), 0, 1).wait()
+        links.close()
+        return
+    links.irecv(torch.empty(2), 1, 1).wait()
+    try:
+        links.irecv(torch.empty(2), 1, 2).wait()
+    except ConnectionError as err:
+        assert "rank 1 closed its local link" in str(err)
+    else:
+        raise AssertionError("waiting on a closed peer returned")
+    finally:
+        links.close()
+
+
+def test_a_peer_that_closes_its_links_fails_the_wait():
+    run(_dies, 2, timeout=60)
