@@ -36,7 +36,7 @@ the spec's reorder policy (the ``inter`` local search, redone on every rank), wh
 torch side does not do at all; in a job the preprocessing workers do it. Neither wall
 figure ever counted data (both start after the step's barrier).
 
-    python benchmarks/pipeline_vs_torch.py [--steps 20] [--warmup 3]
+    python benchmarks/pipeline_vs_torch.py [--steps 40] [--warmup 3]
 """
 
 from __future__ import annotations
@@ -216,7 +216,7 @@ def _bench(rank: int, world: int, program: ir.Program, plan: Plan, steps: int, o
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20, help="measured steps")
+    parser.add_argument("--steps", type=int, default=40, help="measured steps")
     parser.add_argument("--warmup", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(1)

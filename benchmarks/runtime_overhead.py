@@ -64,7 +64,7 @@ measured events (wall time summed per action kind; RECV includes the wait for th
 SYNC is ``optimizer_step``) and the main thread's CPU time (``thread_time``; the rest of
 the process CPU is gloo's and the links' threads). One compute thread per process.
 
-    python benchmarks/runtime_overhead.py [--steps 16] [--warmup 2] [--cpus 1|all]
+    python benchmarks/runtime_overhead.py [--steps 32] [--warmup 2] [--cpus 1|all]
                                           [--sched fifo|other]
 """
 
@@ -193,7 +193,7 @@ def _bench(rank: int, world: int, program: ir.Program, plan: Plan, steps: int,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=16, help="measured steps")
+    parser.add_argument("--steps", type=int, default=32, help="measured steps")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--cpus", choices=("1", "all"), default="1",
                         help="1: every process on one CPU (default); all: unpinned")
