@@ -19,8 +19,12 @@ host a Unix stream socket carries the same bytes with one ``sendmsg`` and one
 
 Frames on a socket: ``int64`` tag, ``int64`` byte count, then the bytes. Each rank
 listens on an abstract Unix socket (no file, gone with the process) named by a job token
-that every rank of the job agrees on (``LocalLinks.create``: one collective) and its
-rank; a sender connects on its first message and introduces itself with its rank.
+that every rank of the job agrees on (``LocalLinks.create``: one collective, which also
+shares every rank's process id) and its rank; a sender connects on its first message and
+introduces itself with its rank. Abstract socket names are visible to every process of
+the network namespace, so a connection counts only when the kernel's credentials of its
+peer (``SO_PEERCRED``) show the process id of the rank it claims to be; others are
+closed unread.
 Receiving runs on the calling thread (inside ``wait``), which is where a rank blocks
 anyway. A peer that dies closes its sockets: waiting on it raises ``ConnectionError``.
 """
@@ -33,7 +37,7 @@ import select
 import socket
 import struct
 import threading
-from collections.abc import Iterable
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -149,17 +153,20 @@ class _Inbound:
 class LocalLinks:
     """Point-to-point transfers to and from the ranks in ``peers`` (module docstring)."""
 
-    def __init__(self, rank: int, peers: Iterable[int], token: str) -> None:
+    def __init__(self, rank: int, pids: Mapping[int, int], token: str) -> None:
+        """``pids``: the process id of every rank to link, this one's included."""
         self.rank = rank
-        self.peers = frozenset(peers) - {rank}
+        self.peers = frozenset(pids) - {rank}
+        self._pids = dict(pids)
         self.token = token
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(_address(token, rank))
-        self._listener.listen(max(len(self.peers), 1))
+        self._listener.listen(64)
         self._listener.setblocking(False)
         self._out: dict[int, _Outbound] = {}
         self._in: dict[int, _Inbound] = {}
         self._unknown: list[tuple[socket.socket, bytearray]] = []    # accepted, no hello yet
+        self._gone: set[int] = set()            # peers whose connection closed
         self._posted: dict[tuple[int, int], collections.deque[_RecvWork]] = {}
         self._stash: dict[tuple[int, int], collections.deque[bytearray]] = {}
         self._cond = threading.Condition()
@@ -177,13 +184,13 @@ class LocalLinks:
 
         import torch.distributed as dist
 
-        mine = (host_identity(), secrets.token_hex(8) if rank == 0 else "")
+        mine = (host_identity(), os.getpid(), secrets.token_hex(8) if rank == 0 else "")
         every: list[Any] = [None] * world
         dist.all_gather_object(every, mine)
-        peers = [r for r, (host, _) in enumerate(every) if host == mine[0]]
-        if len(peers) < 2:
-            return None
-        return cls(rank, peers, every[0][1])
+        pids = {r: pid for r, (host, pid, _) in enumerate(every) if host == mine[0]}
+        links = cls(rank, pids, every[0][2]) if len(pids) > 1 else None
+        dist.barrier()      # every rank listens before any connects
+        return links
 
     def links(self, peer: int) -> bool:
         """Whether transfers with ``peer`` go over these links."""
@@ -278,6 +285,9 @@ class LocalLinks:
     def _progress(self, want: _RecvWork) -> None:
         """Read from every inbound connection until ``want`` is complete."""
         while want.nbytes is None:
+            if want.src in self._gone:
+                raise ConnectionError(f"rank {want.src} closed its local link (did it "
+                                      "exit?)")
             socks = [self._listener, *(i.sock for i in self._in.values()),
                      *(s for s, _ in self._unknown)]
             readable, _, _ = select.select(socks, [], [])
@@ -301,14 +311,17 @@ class LocalLinks:
             if s is sock:
                 chunk = sock.recv(_HELLO.size - len(hello))
                 if not chunk:
-                    raise ConnectionError("a peer closed its local link before saying who "
-                                          "it is")
+                    del self._unknown[k]
+                    sock.close()
+                    return
                 hello += chunk
                 if len(hello) == _HELLO.size:
                     del self._unknown[k]
                     (src,) = _HELLO.unpack(hello)
-                    if src not in self.peers or src in self._in:
-                        raise ConnectionError(f"unexpected local link from rank {src}")
+                    if (src not in self.peers or src in self._in
+                            or _peer_pid(sock) != self._pids[src]):
+                        sock.close()        # not the rank it claims to be: ignore it
+                        return
                     self._in[src] = _Inbound(sock, src)
                 return
         inbound = next(i for i in self._in.values() if i.sock is sock)
@@ -326,8 +339,14 @@ class LocalLinks:
                 return
             if i.body is None:
                 if n == 0:
-                    raise ConnectionError(f"rank {i.src} closed its local link (did it "
-                                          "exit?)")
+                    if i.head_got:
+                        raise ConnectionError(f"rank {i.src} closed its local link "
+                                              "mid-message")
+                    # Between messages: what it sent is all here; a wait for more fails.
+                    del self._in[i.src]
+                    self._gone.add(i.src)
+                    i.sock.close()
+                    return
                 i.head_got += n
                 if i.head_got < _FRAME.size:
                     continue
@@ -378,6 +397,12 @@ class LocalLinks:
         for sock in [self._listener, *(o.sock for o in self._out.values()),
                      *(i.sock for i in self._in.values()), *(s for s, _ in self._unknown)]:
             sock.close()
+
+
+def _peer_pid(sock: socket.socket) -> int:
+    """The process id of the other end of a Unix socket, from the kernel."""
+    cred = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", cred)[0]
 
 
 def _write(sock: socket.socket, views: list[memoryview]) -> list[memoryview]:

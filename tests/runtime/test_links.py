@@ -68,3 +68,38 @@ def _dies(rank: int, world: int) -> None:
 
 def test_a_peer_that_closes_its_links_fails_the_wait():
     run(_dies, 2, timeout=60)
+
+
+_IMPOSTOR = """
+import socket, struct, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.connect(sys.argv[1].replace("@", "\\0", 1))
+s.sendall(struct.pack("<q", 0) + struct.pack("<qq", 5, 8) + b"IMPOSTOR")
+"""
+
+
+def _impostor(rank: int, world: int) -> None:
+    import subprocess
+    import sys
+
+    links = LocalLinks.create(rank, world)
+    assert links is not None
+    try:
+        if rank == 0:       # another process claims to be rank 0, before rank 0 connects
+            address = f"@dtdsl-{links.token}-1"
+            subprocess.run([sys.executable, "-c", _IMPOSTOR, address], check=True)
+        dist.barrier()
+        if rank == 0:
+            links.isend(torch.tensor([1.5], dtype=torch.float64), 1, 5).wait()
+        else:
+            got = torch.zeros(1, dtype=torch.float64)
+            work = links.irecv(got, 0, 5)
+            work.wait()
+            assert work.nbytes == 8 and got.item() == 1.5     # the real rank 0's bytes
+        dist.barrier()
+    finally:
+        links.close()
+
+
+def test_a_connection_from_another_process_is_ignored():
+    run(_impostor, 2, timeout=60)
