@@ -37,6 +37,7 @@ import select
 import socket
 import struct
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -153,9 +154,12 @@ class _Inbound:
 class LocalLinks:
     """Point-to-point transfers to and from the ranks in ``peers`` (module docstring)."""
 
-    def __init__(self, rank: int, pids: Mapping[int, int], token: str) -> None:
-        """``pids``: the process id of every rank to link, this one's included."""
+    def __init__(self, rank: int, pids: Mapping[int, int], token: str, *,
+                 timeout_s: float = 1800.0) -> None:
+        """``pids``: the process id of every rank to link, this one's included;
+        ``timeout_s``: how long a receive waits before it raises ``TimeoutError``."""
         self.rank = rank
+        self.timeout_s = timeout_s
         self.peers = frozenset(pids) - {rank}
         self._pids = dict(pids)
         self.token = token
@@ -188,7 +192,14 @@ class LocalLinks:
         every: list[Any] = [None] * world
         dist.all_gather_object(every, mine)
         pids = {r: pid for r, (host, pid, _) in enumerate(every) if host == mine[0]}
-        links = cls(rank, pids, every[0][2]) if len(pids) > 1 else None
+        try:    # the default group's timeout, as gloo's own transfers would wait
+            backend = dist.distributed_c10d._get_default_group()._get_backend(
+                torch.device("cpu"))
+            timeout_s = backend.options._timeout.total_seconds()
+        except (AttributeError, RuntimeError):
+            timeout_s = 1800.0
+        links = (cls(rank, pids, every[0][2], timeout_s=timeout_s) if len(pids) > 1
+                 else None)
         dist.barrier()      # every rank listens before any connects
         return links
 
@@ -284,13 +295,18 @@ class LocalLinks:
 
     def _progress(self, want: _RecvWork) -> None:
         """Read from every inbound connection until ``want`` is complete."""
+        deadline = time.monotonic() + self.timeout_s
         while want.nbytes is None:
             if want.src in self._gone:
                 raise ConnectionError(f"rank {want.src} closed its local link (did it "
                                       "exit?)")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"rank {self.rank}: no message from rank {want.src} "
+                                   f"(tag {want.tag}) in {self.timeout_s:g} s")
             socks = [self._listener, *(i.sock for i in self._in.values()),
                      *(s for s, _ in self._unknown)]
-            readable, _, _ = select.select(socks, [], [])
+            readable, _, _ = select.select(socks, [], [], left)
             for sock in readable:
                 if sock is self._listener:
                     self._accept()

@@ -103,3 +103,28 @@ def _impostor(rank: int, world: int) -> None:
 
 def test_a_connection_from_another_process_is_ignored():
     run(_impostor, 2, timeout=60)
+
+
+def _silent(rank: int, world: int) -> None:
+    import time
+
+    links = LocalLinks.create(rank, world)
+    assert links is not None and links.timeout_s == 60     # the default group's timeout
+    links.timeout_s = 0.5
+    try:
+        if rank == 0:
+            start = time.monotonic()
+            try:
+                links.irecv(torch.empty(1), 1, 4).wait()
+            except TimeoutError as err:
+                assert "no message from rank 1 (tag 4) in 0.5 s" in str(err)
+            else:
+                raise AssertionError("a receive nobody sends to returned")
+            assert 0.5 <= time.monotonic() - start < 5
+        dist.barrier()
+    finally:
+        links.close()
+
+
+def test_a_receive_times_out_like_the_process_group():
+    run(_silent, 2, timeout=60)
