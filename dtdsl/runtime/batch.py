@@ -37,7 +37,7 @@ from dtdsl.runtime.model import Normalizer
 
 if TYPE_CHECKING:
     from dtdsl.runtime.mesh import RankRole
-    from dtdsl.sim.workload import WorkModel
+    from dtdsl.sim.workload import Routing, WorkModel
 
 __all__ = [
     "ALL_PARTS",
@@ -49,6 +49,7 @@ __all__ = [
     "normalizer_of",
     "parts_of",
     "route_batch",
+    "routing_of",
     "sample_set",
 ]
 
@@ -190,6 +191,24 @@ def route_batch(plan: Plan, program: ir.Program, sizes: Sequence[SampleSizes],
             assignment={u.name: tuple(int(r) for r in routing.replica[u.name][members])
                         for u in plan.units}))
     return tuple(out)
+
+
+def routing_of(plan: Plan, steps: Sequence[StepSamples]) -> Routing:
+    """``route_batch``'s result as the simulator's ``Routing`` (per position: its
+    microbatch step and every unit's replica): to simulate the batch a run trains on."""
+    from dtdsl.sim.workload import Routing
+
+    n = sum(len(s.sample_ids) for s in steps)
+    step = np.full(n, -1, dtype=np.int64)
+    replica = {u.name: np.zeros(n, dtype=np.int64) for u in plan.units}
+    for j, s in enumerate(steps):
+        ids = np.asarray(s.sample_ids, dtype=np.int64)
+        step[ids] = j
+        for unit, where in s.assignment.items():
+            replica[unit][ids] = where
+    if (step < 0).any():
+        raise ValueError("the routing leaves positions of the batch out")
+    return Routing(num_microbatches=len(steps), step=step, replica=replica)
 
 
 class LocalBatches:

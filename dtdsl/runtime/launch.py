@@ -22,8 +22,9 @@ unit, stage, layer range, TP/DP/PP coordinates, process groups and schedule as d
    the data wait, samples/s, and the seconds a checkpoint save took on the training thread
    where one was saved), ``samples.jsonl`` (per step, unit and DP replica: the keys of the
    samples consumed) and TensorBoard logs under ``tb/`` (losses, throughput, data wait, and
-   the measured pipeline Gantt chart of every step next to the simulator's predicted one of
-   the same plan: tags ``measured/...`` and ``predicted/...``).
+   the measured pipeline Gantt chart of every step next to the simulator's prediction for
+   the very batch the step trained on (its samples' sizes from the data source, routed as
+   the run routed them): tags ``measured/...`` and ``predicted/...``).
 
 **Resuming at step k** keeps the lines of steps before k in ``metrics.jsonl`` and
 ``samples.jsonl`` and drops the later ones (the steps after the checkpoint that a killed
@@ -150,7 +151,7 @@ class _RunLog:
     """Rank 0's writers: metrics.jsonl, samples.jsonl and TensorBoard."""
 
     def __init__(self, run_dir: Path, plan: Any, program_ir: Any, schedule: Any,
-                 job: Any, first_step: int, steps: int):
+                 source: Any, first_step: int):
         from dtdsl.sim.tensorboard import TimelineWriter
 
         self.run_dir = run_dir
@@ -169,21 +170,26 @@ class _RunLog:
         from dtdsl.report import plan_markdown
 
         self.writer.add_text("plan", plan_markdown(plan))
-        self._predict(program_ir, schedule, job, first_step, steps)
-
-    def _predict(self, program_ir: Any, schedule: Any, job: Any, first: int,
-                 steps: int) -> None:
-        """The simulator's timelines of the same plan and steps (its own draw of the
-        spec's data), under ``predicted/``."""
         from dtdsl.cost.model import build_cost_model
-        from dtdsl.sim.run import simulate_steps
+        from dtdsl.sim.simulate import Simulator
+        from dtdsl.sim.workload import WorkModel
 
-        if steps <= first:
-            return
-        cost = build_cost_model(program_ir)
-        for r in simulate_steps(program_ir, cost, self.plan, schedule, steps=steps - first,
-                                policy=frozenset(job.reorder), first_step=first):
-            self.writer.add_step(r.step, r.result.timeline(step=r.step), r.scalars())
+        self.program, self.source = program_ir, source
+        self.cost = build_cost_model(program_ir)
+        self.simulator = Simulator(schedule)
+        self.work_model = WorkModel(self.cost)
+
+    def _predict(self, step: int, batch: Any) -> None:
+        """The simulator's timeline of the very batch this step trained on (the sizes of
+        its samples from the data source, the routing the run used), under
+        ``predicted/``."""
+        from dtdsl.runtime.batch import routing_of, sample_set
+        from dtdsl.sim.run import simulate_routed
+
+        samples = sample_set(self.program, self.source.sizes(step))
+        r = simulate_routed(self.cost, self.plan, self.simulator, self.work_model, step,
+                            samples, routing_of(self.plan, batch.routing))
+        self.writer.add_step(step, r.result.timeline(step=step), r.scalars())
 
     def step(self, result: dict[str, Any], timeline: Any, batch: Any, plan: Any,
              checkpoint_s: float | None = None) -> None:
@@ -214,6 +220,7 @@ class _RunLog:
         if checkpoint_s is not None:
             scalars["checkpoint/save_s"] = checkpoint_s
         self.writer.add_step(step, timeline, scalars)
+        self._predict(step, batch)
 
     def close(self) -> None:
         self.metrics.close()
@@ -296,7 +303,8 @@ def run(program: RankProgram, bundle: str | Path, argv: Sequence[str] | None = N
         first = ckpt.resume() if resume else 0
         every = job.checkpoint.every
         if rank == 0:
-            log = _RunLog(run_dir, plan, program_ir, schedule, job, first, steps)
+            log = _RunLog(run_dir, plan, program_ir, schedule,
+                          _data_source(job, bundle, program_ir, args.data), first)
             if first >= steps:
                 print(f"nothing to do: the run is at step {first} of {steps}", flush=True)
         start = time.perf_counter()

@@ -6,12 +6,16 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+import numpy as np
+
 from dtdsl.cost.model import CostModel
+from dtdsl.cost.samples import SampleSet
 from dtdsl.ir.plan import Plan
 from dtdsl.ir.program import Program
 from dtdsl.ir.schedule import Schedule
 from dtdsl.sim.simulate import SimResult, Simulator
 from dtdsl.sim.workload import (
+    Routing,
     WorkModel,
     batch_samples,
     encoder_step_times,
@@ -23,7 +27,7 @@ from dtdsl.sim.workload import (
     step_orders,
 )
 
-__all__ = ["StepResult", "simulate_steps"]
+__all__ = ["StepResult", "simulate_routed", "simulate_steps"]
 
 
 @dataclass(frozen=True)
@@ -54,7 +58,6 @@ def simulate_steps(program: Program, cost: CostModel, plan: Plan, schedule: Sche
     rather than compiling and drawing references twice."""
     simulator = simulator or Simulator(schedule)
     work_model = work_model or WorkModel(cost)
-    peak = plan.num_gpus * cost.peak_flops
     for step in range(first_step, first_step + steps):
         samples = batch_samples(program, step)
         work = work_model.relative(samples)
@@ -71,12 +74,29 @@ def simulate_steps(program: Program, cost: CostModel, plan: Plan, schedule: Sche
             result, routing = best
         else:
             result = simulator.run(iteration_durations(plan, cost, schedule, routing, work))
-        t = result.iteration_time_s
-        yield StepResult(
-            step=step, result=result, iteration_time_s=t,
-            bubble_fraction=result.mean_bubble_fraction(),
-            mfu=model_flops(plan, cost, work_model.relative(samples, timed=False)) / (t * peak)
-            if t > 0 else 0.0,
-            imbalance=imbalance(plan, routing, work))
+        yield _step_result(step, result, plan, cost, work_model, samples, routing, work)
         if progress is not None:
             progress(step)
+
+
+def _step_result(step: int, result: SimResult, plan: Plan, cost: CostModel,
+                 work_model: WorkModel, samples: SampleSet, routing: Routing,
+                 work: dict[str, np.ndarray]) -> StepResult:
+    t = result.iteration_time_s
+    peak = plan.num_gpus * cost.peak_flops
+    return StepResult(
+        step=step, result=result, iteration_time_s=t,
+        bubble_fraction=result.mean_bubble_fraction(),
+        mfu=model_flops(plan, cost, work_model.relative(samples, timed=False)) / (t * peak)
+        if t > 0 else 0.0,
+        imbalance=imbalance(plan, routing, work))
+
+
+def simulate_routed(cost: CostModel, plan: Plan, simulator: Simulator,
+                    work_model: WorkModel, step: int, samples: SampleSet,
+                    routing: Routing) -> StepResult:
+    """Simulate one step of given samples routed as given (a run's own batch and routing,
+    e.g. the runtime's: its predicted timeline next to the measured one)."""
+    work = work_model.relative(samples)
+    result = simulator.run(iteration_durations(plan, cost, simulator.schedule, routing, work))
+    return _step_result(step, result, plan, cost, work_model, samples, routing, work)

@@ -156,3 +156,32 @@ def test_in_process_bundle_matches_the_reference(tmp_path):
     assert {"measured/loss/total", "measured/data/wait_s",
             "measured/throughput/samples_per_s", "predicted/time/iteration_s"} <= \
         set(tags["scalars"])
+    # The prediction of each step is the simulator's for that step's own batch and routing.
+    got = [(e.step, e.value) for e in acc.Scalars("predicted/time/iteration_s")]
+    assert [s for s, _ in got] == list(range(STEPS))
+    assert [v for _, v in got] == pytest.approx(predicted_times(bundle, STEPS), rel=1e-6)
+
+
+def predicted_times(bundle: Path, steps: int) -> list[float]:
+    from dtdsl.cost.model import build_cost_model
+    from dtdsl.ir.plan import Plan
+    from dtdsl.runtime.batch import SyntheticSource, route_batch, routing_of, sample_set
+    from dtdsl.schedule.lower import lower
+    from dtdsl.sim.run import simulate_routed
+    from dtdsl.sim.simulate import Simulator
+    from dtdsl.sim.workload import WorkModel
+
+    program = run_frontend(str(SPEC), SPEC.read_bytes()).program
+    plan = Plan.model_validate_json((bundle / "plan.json").read_bytes())
+    cost = build_cost_model(program)
+    work_model, simulator = WorkModel(cost), Simulator(lower(plan, program))
+    source = SyntheticSource(program)
+    out = []
+    for step in range(steps):
+        sizes = source.sizes(step)
+        routing = route_batch(plan, program, sizes, frozenset(program.train.reorder),
+                              work_model)
+        out.append(simulate_routed(cost, plan, simulator, work_model, step,
+                                   sample_set(program, sizes),
+                                   routing_of(plan, routing)).iteration_time_s)
+    return out
