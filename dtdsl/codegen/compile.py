@@ -101,9 +101,6 @@ def runtime_limits(plan: Plan) -> list[str]:
     for u in plan.units:
         if u.vpp > 1:
             out.append(f"{u.name} is interleaved (vpp={u.vpp}); the executor runs vpp=1")
-        if u.tp > 1 and u.role == "generator":
-            out.append(f"generator {u.name} has tp={u.tp}; the executor shards encoders and "
-                       "backbones only")
     return out
 
 

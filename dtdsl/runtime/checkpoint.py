@@ -277,7 +277,9 @@ def _full(ex: Any, key: str, local: Any) -> Any:
     """The full tensor of ``key`` from this rank's local one (collective over the TP group
     for a sharded parameter)."""
     if _tp_split(ex, key) is None:
-        return local
+        from dtdsl.runtime.tp import local_tensor
+
+        return local_tensor(local)      # a replicated DTensor's local tensor is whole
     return ex.tp_layout.full(key.partition(".")[2], local)
 
 

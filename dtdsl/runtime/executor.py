@@ -48,18 +48,19 @@ Gradients are summed over DP replicas and microbatches (``Zero1AdamW(average=Fal
 AdamW with the spec's settings on every trainable parameter, global-norm clipping at
 ``train.grad_clip``: exactly ``reference.train_reference``'s update.
 
-Tensor parallelism (encoders and backbones): each TP rank builds the full unit and keeps
-its shard (``tp.shard_transformer``: DTensor ``ColwiseParallel``/``RowwiseParallel`` on
-the attention and MLP blocks, all-reduces inside them); activations between blocks, the
-projector and the inputs are replicated, so every TP rank runs the same actions on the
-same samples, the broker's TP leader talks to other units and broadcasts what it
-receives, and PP neighbours pair by TP index. The optimizer updates the DTensor
-parameters through their local shards and counts replicated parameters once in the norm.
+Tensor parallelism (every unit): each TP rank builds the full unit and keeps its shard
+(``tp.shard_unit``: DTensor ``ColwiseParallel``/``RowwiseParallel`` on the attention and
+MLP blocks, all-reduces inside them); activations between blocks, the projector and the
+inputs are replicated, so every TP rank runs the same actions on the same samples, the
+broker's TP leader talks to other units and broadcasts what it receives, and PP
+neighbours pair by TP index. The optimizer updates the DTensor parameters through their
+local shards and counts replicated parameters once in the norm.
 
 Only the last backbone stage's TP leader adds the LM loss to the reported total (every TP
-rank computes it). Limits: tp > 1 on generators and interleaved schedules (vpp > 1) raise
-NotImplementedError; a U-Net or DiT generator runs on one pipeline stage; the backbone's
-embedding and output head are replicated, not vocabulary-parallel.
+rank computes it); a generator's TP leader likewise adds its loss. Limits: interleaved
+schedules (vpp > 1) raise NotImplementedError; a U-Net or DiT generator runs on one
+pipeline stage; the backbone's embedding and output head are replicated, not
+vocabulary-parallel.
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ from dtdsl.runtime.model import (
     generator_step,
 )
 from dtdsl.runtime.optim import Zero1AdamW, optimizer_step
-from dtdsl.runtime.tp import TPLayout, shard_transformer
+from dtdsl.runtime.tp import TPLayout, shard_unit
 from dtdsl.sim.timeline import Event, Timeline, TimelineUnit
 
 __all__ = ["StageExecutor", "gather_timeline", "measured_timeline", "run_rank"]
@@ -169,10 +170,6 @@ class StageExecutor:
         if self.role.rank != rank:
             raise ValueError(f"groups belong to rank {self.role.rank}, not {rank}")
         for u in plan.units:
-            if u.tp > 1 and u.role == "generator":
-                raise NotImplementedError(
-                    f"unit {u.name} has tp={u.tp}: the executor runs tensor parallelism on "
-                    "transformer encoders and backbones only so far; plan it with tp=1")
             if u.vpp > 1:
                 raise NotImplementedError(
                     f"unit {u.name} has vpp={u.vpp}: the executor does not run interleaved "
@@ -217,8 +214,7 @@ class StageExecutor:
         # the shards are slices of the single-process parameters.
         self.tp_layout: TPLayout | None = None
         if role.grid.tp > 1:
-            self.tp_layout = shard_transformer(module, role.grid.tp, role.tp_index,
-                                               self.groups.tp)
+            self.tp_layout = shard_unit(module, role.grid.tp, role.tp_index, self.groups.tp)
         units: dict[str, nn.Module] = {name: module}
         params: list[nn.Parameter] = []
         if role.role == "generator":

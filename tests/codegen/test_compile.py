@@ -204,4 +204,4 @@ def test_plans_the_runtime_cannot_run_yet_are_named(tmp_path):
                   u.model_copy(update={"tp": 2}) if u.role == "generator" else u
                   for u in plan.units)
     limits = runtime_limits(plan.model_copy(update={"units": units}))
-    assert len(limits) == 2 and "vpp=2" in limits[0] and "tp=2" in limits[1]
+    assert len(limits) == 1 and "vpp=2" in limits[0]       # generator TP runs

@@ -92,9 +92,9 @@ PROGRAM = spec(8)
 # A: the backbone data parallel (ZeRO-1 shards its Adam state over 2 ranks)
 PLAN_A = plan_for(PROGRAM, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, 2, 1),
                   ("gen", "generator", 1, 1, 1))
-# B: the backbone tensor parallel
+# B: the backbone and the generator tensor parallel (5 ranks)
 PLAN_B = plan_for(PROGRAM, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 2, 1, 1),
-                  ("gen", "generator", 1, 1, 1))
+                  ("gen", "generator", 2, 1, 1))
 # C: the encoder tensor parallel, the backbone in two pipeline stages (5 ranks)
 PLAN_C = plan_for(PROGRAM, ("vit", "encoder", 2, 1, 1), ("llm", "backbone", 1, 1, 2),
                   ("gen", "generator", 1, 1, 1))
@@ -206,11 +206,13 @@ def test_save_resume_and_reshard(tmp_path):
     assert s["first"] == 2 and s["losses"] == a["losses"][2:4]
     assert "same plan" in s["logs"][0]
 
-    # Plan B (backbone TP 2) from A's background save: resharded, matches the reference.
+    # Plan B (backbone and generator TP 2) from A's background save: resharded, matches
+    # the reference; its save gathers the TP shards (and the generator's replicated
+    # DTensor biases) back into the full tensors.
     b = _go(PLAN_B, a_dir, 2, {6: "thread"}, tmp_path / "b.json", want_at=6)
     assert b["first"] == 4 and "resharded from" in b["logs"][0]
     _close(b["losses"], ref[4:6])
-    assert read_manifest(latest_checkpoint(a_dir)).units[1].tp == 2
+    assert [u.tp for u in read_manifest(latest_checkpoint(a_dir)).units] == [1, 2, 2]
 
     # Plan C (encoder TP 2, backbone PP 2, 5 ranks) from B's save, written by TP ranks.
     c = _go(PLAN_C, a_dir, 2, {}, tmp_path / "c.json", want_at=8)

@@ -61,7 +61,10 @@ class _ResBlock(nn.Module):
         return h + (x if self.skip is None else self.skip(_local(x, self.tp)))
 
 
-class _GEGLU(nn.Module):
+class GEGLU(nn.Module):
+    """The U-Net transformer block's MLP: a GELU-gated linear unit (``proj`` to value and
+    gate, ``out`` back)."""
+
     def __init__(self, ch: int, tp: int):
         super().__init__()
         self.proj = nn.Linear(ch, 8 * ch // tp)
@@ -81,7 +84,7 @@ class _TransformerBlock(nn.Module):
         self.norm2 = nn.LayerNorm(ch)
         self.attn2 = CrossAttention(ch, arch.context_dim, heads, arch.head_dim, out_bias=True)
         self.norm3 = nn.LayerNorm(ch)
-        self.ff = _GEGLU(ch, tp)
+        self.ff = GEGLU(ch, tp)
 
     def forward(self, x: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
         x = x + self.attn1(self.norm1(x))
