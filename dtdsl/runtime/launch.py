@@ -241,6 +241,41 @@ def _set_aside_checkpoints(run_dir: Path) -> None:
               "--resume to continue a run)", flush=True)
 
 
+def _resume_decision(run_dir: Path, rank: int, asked: bool, restart: int) -> bool:
+    """Whether this attempt resumes, one answer for every rank (rank 0 decides and
+    broadcasts: a collective). It resumes when asked (``--resume``), on a counted torchrun
+    restart, and whenever this launch (``DTDSL_LAUNCH_ID``, set once per ``launch.sh``) has
+    started before: on several nodes, torchrun restarts the workers of the nodes that did
+    not fail without counting a restart there, so node 0's ranks would otherwise take the
+    restart for a fresh start."""
+    import torch.distributed as dist
+
+    decision = [asked or restart > 0]
+    if rank == 0:
+        launch = os.environ.get("DTDSL_LAUNCH_ID", "")
+        marker = run_dir / "launches" / launch if launch else None
+        if marker is not None and marker.exists():
+            decision[0] = True
+        if marker is not None:
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.touch()
+    dist.broadcast_object_list(decision, src=0)
+    return bool(decision[0])
+
+
+def _check_node(rank: int, job: Any) -> None:
+    """On several nodes, this rank must run on the node the bundle placed it on (its feed
+    address is that node's): torchrun's c10d rendezvous numbers the nodes by host name,
+    not by ``--node-rank``."""
+    node = os.environ.get("DTDSL_NODE_RANK")
+    if job.nodes > 1 and node is not None and int(node) != rank // job.gpus_per_node:
+        raise SystemExit(
+            f"rank {rank} belongs on node {rank // job.gpus_per_node} but started on the node "
+            f"launched with --node-rank {node}: torchrun's c10d rendezvous orders the nodes "
+            "by host name, so give --node-rank (and --hosts at compile time) in the order of "
+            "the nodes' sorted host names")
+
+
 def run(program: RankProgram, bundle: str | Path, argv: Sequence[str] | None = None) -> int:
     """Train this rank (``RANK`` / ``WORLD_SIZE`` from torchrun's environment) per the
     bundle at ``bundle``; the module docstring says how. Returns the exit status."""
@@ -271,13 +306,14 @@ def run(program: RankProgram, bundle: str | Path, argv: Sequence[str] | None = N
     run_dir = Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    resume = args.resume or restart > 0
 
     torch.set_num_threads(max(1, int(os.environ.get("DTDSL_THREADS", "1"))))
     # The executor keeps its tensors on the CPU so far (bf16 / NCCL on GPUs is issue 5's
     # open part): gloo everywhere, rather than NCCL handed CPU tensors.
     backend = "gloo"
     dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
+    _check_node(rank, job)
+    resume = _resume_decision(run_dir, rank, args.resume, restart)
     log = None
     ckpt = None
     try:
