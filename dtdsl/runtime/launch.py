@@ -12,7 +12,7 @@ unit, stage, layer range, TP/DP/PP coordinates, process groups and schedule as d
 3. builds the ``executor.StageExecutor`` with the rank's data feed: with preprocessing
    workers (``job.feed.workers > 0``) a ``dtdsl.feed.client.RemoteBatches`` receiving what
    the workers ship, else ``batch.LocalBatches`` building batches in-process;
-4. resumes (``--resume``, or any torchrun restart: ``TORCHELASTIC_RESTART_COUNT > 0``)
+4. resumes (``--resume``, or any later attempt of the same launch: ``_resume_decision``)
    from the newest complete checkpoint of the run directory (``checkpoint.Checkpointer``;
    resharded when it was written under another plan), or starts at step 0;
 5. trains up to the job's step count (``--steps``: the total, also when resuming), saving
