@@ -79,10 +79,10 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "BIND_WAIT_S",
     "DEFAULT_HWM",
     "DEFAULT_MAX_ARRAYS",
     "DEFAULT_MAX_BYTES",
-    "BIND_WAIT_S",
     "DTYPES",
     "MAGIC",
     "MAX_HEADER_BYTES",

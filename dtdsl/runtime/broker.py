@@ -137,6 +137,7 @@ __all__ = [
     "StepSamples",
     "WireError",
     "broadcast_tensors",
+    "local_links",
     "message_tag",
     "post_recv",
     "recv_posted",
@@ -144,7 +145,6 @@ __all__ = [
     "recv_tensors_many",
     "reverse",
     "route",
-    "local_links",
     "send_tensors",
     "use_local_links",
 ]

@@ -320,14 +320,16 @@ def run(program: RankProgram, bundle: str | Path, argv: Sequence[str] | None = N
         if not resume and rank == 0:
             _set_aside_checkpoints(run_dir)
         groups = build_groups(plan)
+        # The samples' source: read by the in-process feed, and by rank 0's predictions.
+        source = (_data_source(job, bundle, program_ir, args.data)
+                  if job.feed.workers == 0 or rank == 0 else None)
         if job.feed.workers > 0:
             from dtdsl.feed.client import RemoteBatches
 
             feed: Any = RemoteBatches(job, bundle, program_ir, plan, groups.role,
                                       port_base=args.port_base)
         else:
-            feed = LocalBatches(program_ir, plan, groups.role,
-                                source=_data_source(job, bundle, program_ir, args.data),
+            feed = LocalBatches(program_ir, plan, groups.role, source=source,
                                 policy=frozenset(job.reorder))
         ex = StageExecutor(program_ir, plan, schedule, rank=rank, groups=groups, feed=feed)
         # After build_groups on every rank: the checkpoints' own gloo group.
@@ -339,8 +341,7 @@ def run(program: RankProgram, bundle: str | Path, argv: Sequence[str] | None = N
         first = ckpt.resume() if resume else 0
         every = job.checkpoint.every
         if rank == 0:
-            log = _RunLog(run_dir, plan, program_ir, schedule,
-                          _data_source(job, bundle, program_ir, args.data), first)
+            log = _RunLog(run_dir, plan, program_ir, schedule, source, first)
             if first >= steps:
                 print(f"nothing to do: the run is at step {first} of {steps}", flush=True)
         start = time.perf_counter()

@@ -90,10 +90,9 @@ _WRITTEN = _Written()
 
 
 class _SendWork:
-    __slots__ = ("_done", "_error", "_links")
+    __slots__ = ("_done", "_error")
 
-    def __init__(self, links: LocalLinks) -> None:
-        self._links = links
+    def __init__(self) -> None:
         self._done = threading.Event()
         self._error: BaseException | None = None
 
@@ -234,7 +233,7 @@ class LocalLinks:
                 views = _write(out.sock, views)
                 if not views:
                     return _WRITTEN
-            work = _SendWork(self)
+            work = _SendWork()
             out.queue.append([views, work])
         with self._cond:
             self._cond.notify()
@@ -278,22 +277,12 @@ class LocalLinks:
         if src not in self.peers:
             raise ValueError(f"rank {src} is not linked to rank {self.rank}")
         work = _RecvWork(self, src, tag, _bytes_of(tensor))
-        stashed = self._stash.get((src, tag))
-        if stashed:
-            self._complete(work, stashed.popleft())
-            if not stashed:
-                del self._stash[(src, tag)]
+        data = _take(self._stash, (src, tag))
+        if data is not None:
+            _deliver(work, data)
         else:
             self._posted.setdefault((src, tag), collections.deque()).append(work)
         return work
-
-    def _complete(self, work: _RecvWork, data: bytearray | memoryview) -> None:
-        n = len(data)
-        if n > len(work.target):
-            raise ValueError(f"a message of {n} bytes from rank {work.src} (tag {work.tag}) "
-                             f"does not fit the {len(work.target)}-byte receive")
-        work.target[:n] = data
-        work.nbytes = n
 
     def _progress(self, want: _RecvWork) -> None:
         """Read from every inbound connection until ``want`` is complete."""
@@ -348,11 +337,9 @@ class LocalLinks:
     def _pump(self, i: _Inbound) -> None:
         """Read what ``i``'s socket holds now into the current frame, completing frames."""
         while True:
-            try:
-                if i.body is None:
-                    n = i.sock.recv_into(memoryview(i.head)[i.head_got:])
-                else:
-                    n = i.sock.recv_into(i.body[i.got:]) if i.got < len(i.body) else 0
+            try:    # a body being read is never complete here: completion clears it below
+                n = i.sock.recv_into(memoryview(i.head)[i.head_got:] if i.body is None
+                                     else i.body[i.got:])
             except BlockingIOError:
                 return
             if i.body is None:
@@ -370,21 +357,14 @@ class LocalLinks:
                     continue
                 i.tag, size = _FRAME.unpack(i.head)
                 i.head_got = 0
-                posted = self._posted.get((i.src, i.tag))
-                if posted:
-                    i.work = posted.popleft()
-                    if not posted:
-                        del self._posted[(i.src, i.tag)]
-                    if size > len(i.work.target):
-                        raise ValueError(f"a message of {size} bytes from rank {i.src} "
-                                         f"(tag {i.tag}) does not fit the "
-                                         f"{len(i.work.target)}-byte receive")
+                i.work = _take(self._posted, (i.src, i.tag))
+                if i.work is not None:      # straight into the posted receive's tensor
+                    _check_fits(i.work, size)
                     i.body = i.work.target[:size]
                 else:
-                    i.work = None
                     i.body = memoryview(bytearray(size))
                 i.got = 0
-            elif n == 0 and i.got < len(i.body):
+            elif n == 0:
                 raise ConnectionError(f"rank {i.src} closed its local link mid-message")
             else:
                 i.got += n
@@ -398,11 +378,9 @@ class LocalLinks:
     def _arrived(self, src: int, tag: int, data: bytearray) -> None:
         """A whole message read before its receive was known: to a receive posted since,
         or to the stash."""
-        posted = self._posted.get((src, tag))
-        if posted:
-            self._complete(posted.popleft(), data)
-            if not posted:
-                del self._posted[(src, tag)]
+        work = _take(self._posted, (src, tag))
+        if work is not None:
+            _deliver(work, data)
         else:
             self._stash.setdefault((src, tag), collections.deque()).append(data)
 
@@ -415,6 +393,31 @@ class LocalLinks:
         for sock in [self._listener, *(o.sock for o in self._out.values()),
                      *(i.sock for i in self._in.values()), *(s for s, _ in self._unknown)]:
             sock.close()
+
+
+def _take(queues: dict[tuple[int, int], collections.deque[Any]], key: tuple[int, int]
+          ) -> Any:
+    """The first item queued under ``key`` (removed; an emptied queue is dropped), or None."""
+    queue = queues.get(key)
+    if not queue:
+        return None
+    item = queue.popleft()
+    if not queue:
+        del queues[key]
+    return item
+
+
+def _check_fits(work: _RecvWork, size: int) -> None:
+    if size > len(work.target):
+        raise ValueError(f"a message of {size} bytes from rank {work.src} (tag {work.tag}) "
+                         f"does not fit the {len(work.target)}-byte receive")
+
+
+def _deliver(work: _RecvWork, data: bytearray) -> None:
+    """Complete ``work`` with a message read before it was posted."""
+    _check_fits(work, len(data))
+    work.target[:len(data)] = data
+    work.nbytes = len(data)
 
 
 def _peer_pid(sock: socket.socket) -> int:

@@ -99,14 +99,6 @@ class TPLayout:
         """The module's parameters that are whole (and equal) on every TP rank."""
         return [p for n, p in module.named_parameters() if n not in self.splits]
 
-    def local_shape(self, name: str, full: Sequence[int]) -> list[int]:
-        """The shape of this rank's shard of parameter ``name`` of full shape ``full``."""
-        shape = list(full)
-        split = self.splits.get(name)
-        if split is not None:
-            shape[split.dim] //= self.tp
-        return shape
-
     def full(self, name: str, local: torch.Tensor) -> torch.Tensor:
         """The full value of parameter (or gradient, or optimizer state) ``name``, in the
         single-process layout, from this rank's ``local`` one (a DTensor or its local

@@ -60,7 +60,8 @@ def test_two_nodes_train_like_the_reference_and_survive_a_killed_rank(tmp_path,
     assert "DTDSL_FAULT: killing rank3 at step 3" in out
     # The job restarted on both nodes: from ckpt-2 if its background save had committed
     # when rank 3 died, else from the start.
-    assert "resuming (torchrun restart" in out, out[-4000:]
+    # (node 0's workers restart with or without a counted torchrun restart: either way)
+    assert re.search(r"^resuming\b", out, re.M), out[-4000:]
     assert re.search(r"checkpoint: (resumed from \S+/ckpt-2 at step 2|none in)", out), \
         out[-4000:]
     metrics = read_jsonl(run_dir / "metrics.jsonl")

@@ -3,6 +3,10 @@ sockets between the ranks of one host."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -10,11 +14,20 @@ from dtdsl.runtime.links import LocalLinks
 from tests.runtime.dist import run
 
 
-def _exchange(rank: int, world: int) -> None:
+@contextmanager
+def linked(rank: int, world: int) -> Iterator[LocalLinks]:
+    """This rank's links to every other (all on this host), closed after."""
     links = LocalLinks.create(rank, world)
     assert links is not None and links.peers == frozenset(range(world)) - {rank}
-    peer = 1 - rank
     try:
+        yield links
+    finally:
+        links.close()
+
+
+def _exchange(rank: int, world: int) -> None:
+    peer = 1 - rank
+    with linked(rank, world) as links:
         # Out of order: receives posted in one order, messages sent in another; one
         # message arrives before its receive is posted (stashed), one is empty, one is
         # larger than the socket buffers (the writer thread finishes it), and both ranks
@@ -40,8 +53,6 @@ def _exchange(rank: int, world: int) -> None:
         assert torch.equal(got_small2, torch.full((5,), peer + 10.0))     # in send order
         assert r_empty.nbytes == 0
         dist.barrier()
-    finally:
-        links.close()
 
 
 def test_local_links_match_by_source_and_tag_in_order():
@@ -49,21 +60,13 @@ def test_local_links_match_by_source_and_tag_in_order():
 
 
 def _dies(rank: int, world: int) -> None:
-    links = LocalLinks.create(rank, world)
-    assert links is not None
-    if rank == 1:
-        links.isend(torch.ones(2), 0, 1).wait()
-        links.close()
-        return
-    links.irecv(torch.empty(2), 1, 1).wait()
-    try:
-        links.irecv(torch.empty(2), 1, 2).wait()
-    except ConnectionError as err:
-        assert "rank 1 closed its local link" in str(err)
-    else:
-        raise AssertionError("waiting on a closed peer returned")
-    finally:
-        links.close()
+    with linked(rank, world) as links:
+        if rank == 1:       # sends one message and closes its links
+            links.isend(torch.ones(2), 0, 1).wait()
+            return
+        links.irecv(torch.empty(2), 1, 1).wait()
+        with pytest.raises(ConnectionError, match="rank 1 closed its local link"):
+            links.irecv(torch.empty(2), 1, 2).wait()
 
 
 def test_a_peer_that_closes_its_links_fails_the_wait():
@@ -82,9 +85,7 @@ def _impostor(rank: int, world: int) -> None:
     import subprocess
     import sys
 
-    links = LocalLinks.create(rank, world)
-    assert links is not None
-    try:
+    with linked(rank, world) as links:
         if rank == 0:       # another process claims to be rank 0, before rank 0 connects
             address = f"@dtdsl-{links.token}-1"
             subprocess.run([sys.executable, "-c", _IMPOSTOR, address], check=True)
@@ -97,8 +98,6 @@ def _impostor(rank: int, world: int) -> None:
             work.wait()
             assert work.nbytes == 8 and got.item() == 1.5     # the real rank 0's bytes
         dist.barrier()
-    finally:
-        links.close()
 
 
 def test_a_connection_from_another_process_is_ignored():
@@ -108,22 +107,15 @@ def test_a_connection_from_another_process_is_ignored():
 def _silent(rank: int, world: int) -> None:
     import time
 
-    links = LocalLinks.create(rank, world)
-    assert links is not None and links.timeout_s == 60     # the default group's timeout
-    links.timeout_s = 0.5
-    try:
+    with linked(rank, world) as links:
+        assert links.timeout_s == 60     # the default group's timeout
+        links.timeout_s = 0.5
         if rank == 0:
             start = time.monotonic()
-            try:
+            with pytest.raises(TimeoutError, match=r"no message from rank 1 \(tag 4\) in 0.5 s"):
                 links.irecv(torch.empty(1), 1, 4).wait()
-            except TimeoutError as err:
-                assert "no message from rank 1 (tag 4) in 0.5 s" in str(err)
-            else:
-                raise AssertionError("a receive nobody sends to returned")
             assert 0.5 <= time.monotonic() - start < 5
         dist.barrier()
-    finally:
-        links.close()
 
 
 def test_a_receive_times_out_like_the_process_group():
