@@ -6,8 +6,9 @@ between top-level blocks; at most one blank line kept between statements;
 statements; calls wider than the line limit wrapped under their open
 parenthesis. Comments stay where they were: own-line comments before the
 statement that follows them, end-of-line comments at the end of their
-statement's last line (a comment inside a multi-line statement moves above it).
-The output depends only on the AST and the comments, so formatting is idempotent.
+statement's last line (a comment inside a multi-line statement moves above it);
+trailing whitespace is dropped from every line, comments included. The output depends
+only on the AST and the comments, so formatting is idempotent.
 """
 
 from __future__ import annotations
