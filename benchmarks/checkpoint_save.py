@@ -50,15 +50,15 @@ import _common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 import torch.distributed as dist
 
+from dtdsl.data.batch import LocalBatches, StepBatch
 from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan
-from dtdsl.runtime.batch import LocalBatches, StepBatch
-from dtdsl.runtime.checkpoint import Checkpointer, latest_checkpoint
-from dtdsl.runtime.executor import StageExecutor
-from dtdsl.runtime.mesh import build_groups
+from dtdsl.parallel.mesh import build_groups
 from dtdsl.schedule.lower import lower
-from tests.runtime.dist import run
-from tests.runtime.test_executor import plan_for, spec
+from dtdsl.train.checkpoint import Checkpointer, latest_checkpoint
+from dtdsl.train.executor import StageExecutor
+from tests.dist import run
+from tests.train.test_executor import plan_for, spec
 
 MODES = ("none", "sync", "thread", "thread-nice0")
 SPAN = 3            # steps timed per pattern: the save's step and the two after it

@@ -70,8 +70,8 @@ def worker_rates(bundle: Path, steps: int, batch: int) -> tuple[float, float]:
 
 def reorder_cost(bundle: Path, steps: int) -> tuple[float, float]:
     """Seconds per step of routing with the job's policies and in data order."""
+    from dtdsl.data.batch import route_batch
     from dtdsl.feed.worker import FeedContext
-    from dtdsl.runtime.batch import route_batch
 
     ctx = FeedContext(bundle)
     sizes = [ctx.source.sizes(s) for s in range(steps)]

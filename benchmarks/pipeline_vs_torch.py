@@ -56,17 +56,17 @@ import torch.nn.functional as F
 from runtime_overhead import _PrebuiltBatches
 from torch import nn
 
+from dtdsl.data.batch import LocalBatches
+from dtdsl.data.sample import make_batch
 from dtdsl.driver import run_frontend
 from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan
-from dtdsl.runtime.batch import LocalBatches
-from dtdsl.runtime.data import make_batch
-from dtdsl.runtime.executor import StageExecutor
-from dtdsl.runtime.mesh import build_groups
-from dtdsl.runtime.model import IGNORE, build_unit
+from dtdsl.models.multimodal import IGNORE, build_unit
+from dtdsl.parallel.mesh import build_groups
 from dtdsl.schedule.lower import lower
-from tests.runtime.dist import run
-from tests.runtime.specs import TINY
+from dtdsl.train.executor import StageExecutor
+from tests.dist import run
+from tests.specs import TINY
 
 TOKENS = 128
 
@@ -89,7 +89,7 @@ def backbone_program() -> ir.Program:
 
 
 def pp2_plan(program: ir.Program) -> Plan:
-    from tests.runtime.test_executor import plan_for
+    from tests.train.test_executor import plan_for
     return plan_for(program, ("llm", "backbone", 1, 1, 2))
 
 

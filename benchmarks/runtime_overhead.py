@@ -81,16 +81,16 @@ import _common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 import torch.distributed as dist
 
+from dtdsl.data.batch import ALL_PARTS, LocalBatches, StepBatch, SyntheticSource
+from dtdsl.data.sample import Sample, SampleSizes
 from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan
-from dtdsl.runtime.batch import ALL_PARTS, LocalBatches, StepBatch, SyntheticSource
-from dtdsl.runtime.data import Sample, SampleSizes
-from dtdsl.runtime.executor import StageExecutor
-from dtdsl.runtime.mesh import build_groups
-from dtdsl.runtime.reference import train_reference
+from dtdsl.parallel.mesh import build_groups
 from dtdsl.schedule.lower import lower
-from tests.runtime.dist import run
-from tests.runtime.test_executor import plan_for, spec
+from dtdsl.train.executor import StageExecutor
+from dtdsl.train.reference import train_reference
+from tests.dist import run
+from tests.train.test_executor import plan_for, spec
 
 TARGET = 1.05
 BATCH = 16

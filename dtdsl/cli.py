@@ -572,7 +572,7 @@ def _cmd_reference(args: argparse.Namespace) -> int:
 
     import torch
 
-    from dtdsl.runtime.reference import train_reference
+    from dtdsl.train.reference import train_reference
 
     result, code = _load_program(args.spec)
     if result is None:

@@ -42,7 +42,7 @@ def test_wheel_contains_resources_and_dtc_runs_elsewhere(tmp_path: Path):
     assert run.returncode == 0, run.stderr
     for template in (ROOT / "codegen_templates").glob("*.j2"):
         assert f"dtdsl/_templates/{template.name}" in names
-    for package in ("data", "feed", "codegen", "runtime"):
+    for package in ("data", "feed", "codegen", "models", "parallel", "train"):
         assert f"dtdsl/{package}/__init__.py" in names
     bundle = elsewhere / "bundle"
     run = subprocess.run([str(site / "bin" / "dtc"), "compile", str(spec), "-o", str(bundle),

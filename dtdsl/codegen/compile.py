@@ -14,7 +14,7 @@ from dtdsl.codegen.views import bundle_view
 from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan
 from dtdsl.ir.schedule import Schedule
-from dtdsl.runtime.job import CheckpointConfig, DataConfig, FeedConfig, Job
+from dtdsl.train.job import CheckpointConfig, DataConfig, FeedConfig, Job
 
 __all__ = ["BundleOptions", "DEFAULT_MAX_RESTARTS", "DEFAULT_PORT_BASE", "DEFAULT_RDZV_PORT",
            "compile_bundle", "make_job"]

@@ -38,11 +38,12 @@ import jinja2
 from dtdsl import __version__
 from dtdsl.codegen.views import BundleView
 from dtdsl.feed.wire import new_secret, write_secret
+from dtdsl.feed.worker import worker_fields
 from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan
 from dtdsl.ir.schedule import Schedule, schedule_text
 from dtdsl.resources import templates_dir
-from dtdsl.runtime.job import Job
+from dtdsl.train.job import Job
 
 __all__ = ["BundleError", "MANIFEST", "SECRET_FILE", "emit_bundle", "py_literal", "render"]
 
@@ -165,11 +166,6 @@ def _files(source: bytes, program: ir.Program, plan: Plan, schedule: Schedule, j
     return sorted(files, key=lambda f: f.path)
 
 
-def worker_fields(job: Job) -> dict[str, Any]:
-    """What the worker program states as data (and checks against job.json)."""
-    return {"data": job.data.path if job.data.kind == "dataset" else None,
-            "trainers": tuple((r, job.feed.trainer_address(r, job.gpus_per_node))
-                              for r in range(job.world_size))}
 
 
 def _rank_fields(f: Any) -> dict[str, Any]:

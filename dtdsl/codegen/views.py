@@ -15,9 +15,8 @@ from dataclasses import dataclass
 from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan
 from dtdsl.ir.schedule import Schedule
-from dtdsl.runtime.job import Job
-from dtdsl.runtime.launch import RankEntry
-from dtdsl.runtime.mesh import UnitGrid, grids
+from dtdsl.parallel.mesh import UnitGrid, grids
+from dtdsl.train.job import Job, RankEntry
 
 __all__ = ["BundleView", "RankFileView", "RankView", "bundle_view", "rank_file_name"]
 

@@ -1,7 +1,7 @@
 """DistTrain's profiler: measured forward and backward time (and memory) of every
 module and projector of a program, and a table that interpolates them.
 
-``profile_program`` builds each module's torch model (``dtdsl.runtime.models``) at
+``profile_program`` builds each module's torch model (``dtdsl.models``) at
 every tensor-parallel degree it may run at (one TP rank's shard, timed on one
 device) and times forward and backward passes at a small grid of sizes ``x``.
 What ``x`` means depends on the role (see ``docs/profile.md``):
@@ -329,7 +329,7 @@ def _unit_of(program: ir.Program, proj: ir.Projector) -> ir.Module:
 
 
 def _conflicts(program: ir.Program, name: str, tp: int) -> tuple[str, ...]:
-    from dtdsl.runtime.models import projector_tp_conflicts
+    from dtdsl.models import projector_tp_conflicts
 
     for proj in program.projectors:
         if proj.name == name:
@@ -449,7 +449,7 @@ class _Job:
 def _transformer_parts(module: ir.Module, needs_grad: bool, tp: int, env: _Env) -> list[_Part]:
     import torch
 
-    from dtdsl.runtime.models import Backbone, Encoder, build_layer
+    from dtdsl.models import Backbone, Encoder, build_layer
 
     arch = module.arch
     trainable = not module.frozen
@@ -494,7 +494,7 @@ def _transformer_parts(module: ir.Module, needs_grad: bool, tp: int, env: _Env) 
 def _generator_parts(module: ir.Module, needs_grad: bool, tp: int, env: _Env) -> list[_Part]:
     import torch
 
-    from dtdsl.runtime.models import build_module
+    from dtdsl.models import build_module
 
     arch = module.arch
     trainable = not module.frozen
@@ -510,7 +510,7 @@ def _generator_parts(module: ir.Module, needs_grad: bool, tp: int, env: _Env) ->
 
 
 def _projector_parts(proj: ir.Projector, needs_grad: bool, tp: int, env: _Env) -> list[_Part]:
-    from dtdsl.runtime.models import build_projector
+    from dtdsl.models import build_projector
 
     trainable = not proj.frozen
     model = env.prepare(build_projector(proj, tp), trainable)

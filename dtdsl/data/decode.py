@@ -51,7 +51,7 @@ __all__ = [
     "patch_grid",
 ]
 
-DIFFUSION_STEPS = 1000      # DDPM's discrete timesteps, as in dtdsl.runtime.data
+DIFFUSION_STEPS = 1000      # DDPM's discrete timesteps, as in dtdsl.data.sample
 IMAGE_LATENT_SCALE = 2.0
 AUDIO_LATENT_SCALE = 1.0
 

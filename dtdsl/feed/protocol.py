@@ -77,11 +77,11 @@ def read_batch(message: Any, units: Sequence[str], generators: Sequence[str]) ->
     is inconsistent (a worker bug or a mismatched bundle)."""
     import torch
 
+    from dtdsl.data.batch import StepBatch
+    from dtdsl.data.sample import GenTargets, Sample
     from dtdsl.feed.source import image_tensor
-    from dtdsl.runtime.batch import StepBatch
-    from dtdsl.runtime.broker import StepSamples
-    from dtdsl.runtime.data import GenTargets, Sample
-    from dtdsl.runtime.model import Normalizer
+    from dtdsl.models.multimodal import Normalizer
+    from dtdsl.parallel.broker import StepSamples
 
     meta, arrays = message.meta, message.arrays
     step = int(meta["step"])

@@ -61,7 +61,7 @@ def to_sample(step: int, position: int, decoded, parts: frozenset[str]):
     """A ``runtime.data.Sample`` from a ``DecodedSample`` (only ``parts`` filled)."""
     import torch
 
-    from dtdsl.runtime.data import GenTargets, Sample
+    from dtdsl.data.sample import GenTargets, Sample
 
     tokens = (torch.from_numpy(np.array(decoded.tokens, dtype=np.int64)) if "tokens" in parts
               else torch.empty(0, dtype=torch.int64))
@@ -105,7 +105,7 @@ class DatasetSource:
     def sizes(self, step: int) -> list:
         """Every position's sizes from the index (the decoded shapes, no pixel read)."""
         from dtdsl.data.decode import patch_grid
-        from dtdsl.runtime.data import SampleSizes
+        from dtdsl.data.sample import SampleSizes
 
         out = []
         for i in self.indices(step):

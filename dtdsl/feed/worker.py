@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -67,35 +66,18 @@ class _Payload:
     parts: frozenset[str] = frozenset()
 
 
-def fault_point(who: str, step: int, run_dir: Path) -> None:
-    """SIGKILL this process when ``DTDSL_FAULT`` names ``who`` at ``step`` (once per
-    run directory: a marker file records that it happened)."""
-    spec = os.environ.get("DTDSL_FAULT", "")
-    for item in filter(None, (s.strip() for s in spec.split(","))):
-        target, _, at = item.partition("@")
-        if target != who or not at.isdigit() or int(at) != step:
-            continue
-        marker = run_dir / "faults" / f"{who}@{step}"
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            return
-        os.close(fd)
-        print(f"DTDSL_FAULT: killing {who} at step {step}", file=sys.stderr, flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class FeedContext:
     """Everything a worker needs of the bundle, loaded once."""
 
     def __init__(self, bundle: Path, data_override: str | None = None):
+        from dtdsl.data.batch import SyntheticSource
         from dtdsl.feed.source import DatasetSource
         from dtdsl.ir.plan import Plan
         from dtdsl.ir.program import Program
-        from dtdsl.runtime.batch import SyntheticSource
-        from dtdsl.runtime.job import load_job
-        from dtdsl.runtime.mesh import role_of
+        from dtdsl.parallel.mesh import role_of
+        from dtdsl.train.job import load_job
 
         self.bundle = bundle
         self.job = job = load_job(bundle)
@@ -137,8 +119,8 @@ def _payload(ctx: FeedContext, step: int, position: int, parts: frozenset[str],
 
 def build_messages(ctx: FeedContext, step: int) -> list[tuple[dict, dict]]:
     """Step ``step``'s batch message (meta, arrays) for every trainer rank, by rank."""
+    from dtdsl.data.batch import normalizer_of, parts_of, route_batch
     from dtdsl.feed.protocol import batch_message
-    from dtdsl.runtime.batch import normalizer_of, parts_of, route_batch
 
     sizes = ctx.source.sizes(step)
     routing = route_batch(ctx.plan, ctx.program, sizes, ctx.policy, ctx.work_model)
@@ -163,6 +145,7 @@ def run_worker(bundle: Path, index: int, *, run_dir: Path, steps: int | None = N
     they restart, until they say they are done; the exit status."""
     from dtdsl.feed import wire
     from dtdsl.feed.protocol import BATCH, PROGRESS
+    from dtdsl.train.job import fault_point
 
     ctx = FeedContext(bundle, data)
     job = ctx.job
@@ -250,7 +233,7 @@ def run_worker(bundle: Path, index: int, *, run_dir: Path, steps: int | None = N
 def supervise(bundle: Path, argv: Sequence[str]) -> int:
     """Run every worker as a child process and start again any that dies abnormally
     (at most ``MAX_RESTARTS`` restarts in all); the exit status."""
-    from dtdsl.runtime.job import load_job
+    from dtdsl.train.job import load_job
 
     workers = load_job(bundle).feed.workers
     script = bundle / "workers" / "worker.py"
@@ -293,8 +276,7 @@ def supervise(bundle: Path, argv: Sequence[str]) -> int:
 def _check_expected(bundle: Path, expected: dict[str, Any]) -> None:
     """The worker program's stated configuration against job.json (a stale or edited
     program fails here)."""
-    from dtdsl.codegen.emit import worker_fields
-    from dtdsl.runtime.job import load_job
+    from dtdsl.train.job import load_job
 
     job = load_job(bundle)
     actual = {"workers": job.feed.workers, "prefetch": job.feed.prefetch,
@@ -331,9 +313,15 @@ def main(bundle: Path, argv: Sequence[str] | None = None,
         return supervise(bundle, rest)
     first = 0
     if args.resume:
-        from dtdsl.runtime.checkpoint import complete_checkpoints
+        from dtdsl.train.checkpoint import complete_checkpoints
 
         done = complete_checkpoints(args.run_dir)
         first = done[-1][0] if done else 0
     return run_worker(bundle, args.index, run_dir=Path(args.run_dir), steps=args.steps,
                       port_base=args.port_base, data=args.data, first_step=first)
+
+def worker_fields(job: Any) -> dict[str, Any]:
+    """What the worker program states as data (and checks against job.json)."""
+    return {"data": job.data.path if job.data.kind == "dataset" else None,
+            "trainers": tuple((r, job.feed.trainer_address(r, job.gpus_per_node))
+                              for r in range(job.world_size))}

@@ -1,7 +1,7 @@
 """The split without reordering: items cut into contiguous runs, one per group.
 
 Shared by the simulator's routing (``dtdsl.sim.workload``) and the runtime's
-(through ``dtdsl.runtime.batch.route_batch``), so predicted and measured runs route alike.
+(through ``dtdsl.data.batch.route_batch``), so predicted and measured runs route alike.
 """
 
 from __future__ import annotations

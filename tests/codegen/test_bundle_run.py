@@ -14,7 +14,7 @@ import pytest
 from dtdsl import cli
 from dtdsl.driver import run_frontend
 from dtdsl.feed import wire
-from dtdsl.runtime.reference import train_reference
+from dtdsl.train.reference import train_reference
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = ROOT / "specs" / "tiny_cpu.dt"
@@ -164,8 +164,8 @@ def test_in_process_bundle_matches_the_reference(tmp_path):
 
 def predicted_times(bundle: Path, steps: int) -> list[float]:
     from dtdsl.cost.model import build_cost_model
+    from dtdsl.data.batch import SyntheticSource, route_batch, routing_of, sample_set
     from dtdsl.ir.plan import Plan
-    from dtdsl.runtime.batch import SyntheticSource, route_batch, routing_of, sample_set
     from dtdsl.schedule.lower import lower
     from dtdsl.sim.run import simulate_routed
     from dtdsl.sim.simulate import Simulator

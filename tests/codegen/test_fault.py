@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from dtdsl import cli
-from dtdsl.runtime.checkpoint import checkpoint_root, complete_checkpoints, read_manifest
+from dtdsl.train.checkpoint import checkpoint_root, complete_checkpoints, read_manifest
 from tests.codegen.test_bundle_run import (  # noqa: F401  (dataset is a fixture)
     DATASET_SAMPLES,
     SPEC,

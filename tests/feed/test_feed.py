@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from dtdsl import cli
+from dtdsl.data.batch import LocalBatches
 from dtdsl.feed import wire
 from dtdsl.feed.client import FeedTimeout, RemoteBatches
 from dtdsl.feed.protocol import BATCH, read_batch
 from dtdsl.feed.source import DatasetSource, epoch_permutation, stream_indices
 from dtdsl.feed.worker import FeedContext, build_messages
-from dtdsl.runtime.batch import LocalBatches
-from dtdsl.runtime.job import load_job
-from dtdsl.runtime.mesh import role_of
+from dtdsl.parallel.mesh import role_of
+from dtdsl.train.job import load_job
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = ROOT / "specs" / "tiny_cpu.dt"

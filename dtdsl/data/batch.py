@@ -1,0 +1,249 @@
+"""A training step's data as one rank reads it: where each sample goes, this rank's samples,
+and the loss denominators of the whole global batch.
+
+Three layers:
+
+- a ``SampleSource`` says which samples make up a step's global batch and builds any of
+  them: ``SyntheticSource`` draws them from the spec's distributions
+  (``data.make_sample``), ``dtdsl.feed.source.DatasetSource`` reads a dataset;
+- ``route_batch`` decides where every sample of a batch goes under the spec's reorder
+  policy, with the simulator's own rule (``dtdsl.sim.workload.route``: intra-microbatch
+  balancing of every unit's replicas, inter-microbatch ordering of the steps for 1F1B),
+  so predicted and measured runs route alike;
+- a ``BatchSource`` hands a rank its ``StepBatch`` per training step: ``LocalBatches``
+  builds it in the rank's own process (tests, the reference); the preprocessing workers
+  (``dtdsl.feed``) build the same thing on CPU nodes and ship it.
+
+A sample's place in the step is its *position* 0..B-1 in the global batch (the order the
+source lists the keys); the routing refers to positions only, so any reordering is a
+relabelling of where positions go and the loss, a sum over the batch divided by
+denominators of the whole batch, does not depend on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+from dtdsl.cost.samples import ItemSet, SampleSet
+from dtdsl.data.sample import Sample, SampleSizes, image_encoder, make_sample, sample_sizes
+from dtdsl.ir import program as ir
+from dtdsl.ir.plan import Plan
+from dtdsl.models.multimodal import Normalizer
+from dtdsl.parallel.broker import StepSamples
+
+if TYPE_CHECKING:
+    from dtdsl.parallel.mesh import RankRole
+    from dtdsl.sim.workload import Routing, WorkModel
+
+__all__ = [
+    "ALL_PARTS",
+    "BatchSource",
+    "LocalBatches",
+    "SampleSource",
+    "StepBatch",
+    "SyntheticSource",
+    "normalizer_of",
+    "parts_of",
+    "route_batch",
+    "routing_of",
+    "sample_set",
+]
+
+ALL_PARTS = frozenset({"tokens", "images", "targets"})
+
+
+@dataclass(frozen=True, eq=False)
+class StepBatch:
+    """One training step's data as one rank reads it."""
+
+    step: int
+    keys: tuple[str, ...]               # per position: the sample's key (for samples.jsonl)
+    routing: tuple[StepSamples, ...]    # per microbatch step, in execution order
+    samples: Mapping[int, Sample]       # position -> this rank's parts of it (its positions)
+    normalizer: Normalizer
+    wait_s: float = 0.0                 # how long the rank waited for it
+
+
+class SampleSource(Protocol):
+    """Which samples make up each step's global batch, and each of them built."""
+
+    def keys(self, step: int) -> tuple[str, ...]:
+        """The keys of step ``step``'s samples, by position."""
+        ...
+
+    def sizes(self, step: int) -> list[SampleSizes]:
+        """Every position's sizes (cheap: no pixel is decoded)."""
+        ...
+
+    def sample(self, step: int, position: int, parts: frozenset[str] = ALL_PARTS,
+               sizes: SampleSizes | None = None) -> Sample:
+        """The sample at ``position`` of step ``step``, with the ``parts`` asked for
+        (``sizes``: its ``sizes(step)`` entry, when the caller has it)."""
+        ...
+
+
+class BatchSource(Protocol):
+    """Hands a rank its data, one training step at a time (steps in increasing order)."""
+
+    def batch(self, step: int) -> StepBatch: ...
+
+
+class SyntheticSource:
+    """Samples drawn from the spec's data distributions (``data.make_sample``): position
+    ``i`` of step ``s`` is seeded from ``(train.seed, s, i)`` alone."""
+
+    def __init__(self, program: ir.Program):
+        self.program = program
+
+    def keys(self, step: int) -> tuple[str, ...]:
+        return tuple(f"synthetic/{step}/{i}" for i in range(self.program.train.global_batch))
+
+    def sizes(self, step: int) -> list[SampleSizes]:
+        return [sample_sizes(self.program, step, i)
+                for i in range(self.program.train.global_batch)]
+
+    def sample(self, step: int, position: int, parts: frozenset[str] = ALL_PARTS,
+               sizes: SampleSizes | None = None) -> Sample:
+        return make_sample(self.program, step, position, parts=parts, sizes=sizes)
+
+
+def parts_of(role: RankRole) -> frozenset[str]:
+    """What of its samples a rank reads: images on every encoder stage (their shapes
+    group the packed activations), tokens on the backbone's first stage, generation
+    targets on a generator; nothing elsewhere."""
+    if role.role == "encoder":
+        return frozenset({"images"})
+    if role.role == "backbone":
+        return frozenset({"tokens"}) if role.is_first_stage else frozenset()
+    return frozenset({"targets"})
+
+
+def _patch(program: ir.Program) -> int:
+    encoder = image_encoder(program)
+    return (encoder.arch.patch or 1) if encoder is not None else 1
+
+
+def normalizer_of(program: ir.Program, sizes: Sequence[SampleSizes]) -> Normalizer:
+    """``model.loss_normalizer`` of a batch from its samples' sizes alone (the rule of
+    ``model.text_kept`` / ``loss_tokens``). ValueError for a sample whose image tokens
+    leave no room for text."""
+    patch, seq_len = _patch(program), program.train.seq_len
+    text = gen = 0
+    for i, sz in enumerate(sizes):
+        image_tokens = sum((h // patch) * (w // patch) for h, w in sz.image_shapes)
+        if image_tokens >= seq_len:
+            raise ValueError(f"sample {i} has {image_tokens} image tokens, leaving no room "
+                             f"for text in seq_len {seq_len}")
+        text += max(0, min(sz.text_tokens, seq_len - image_tokens) - 1)
+        gen += sz.num_gen_targets
+    return Normalizer(text_tokens=text, gen_targets=gen)
+
+
+def sample_set(program: ir.Program, sizes: Sequence[SampleSizes]) -> SampleSet:
+    """The cost model's view of real samples: text tokens, and per encoder modality and
+    generated modality the items' sizes (patches per image; one unit per generated item)."""
+    patch = _patch(program)
+    items: dict[str, ItemSet] = {}
+    for module in program.modules:
+        if module.role == "encoder" and module.modality not in items:
+            shapes = [sz.image_shapes for sz in sizes]
+            items[module.modality] = ItemSet(
+                counts=np.array([len(s) for s in shapes], dtype=np.int64),
+                sizes=np.array([(h // patch) * (w // patch) for s in shapes for h, w in s],
+                               dtype=np.int64))
+        elif module.role == "generator" and f"{module.modality}.gen" not in items:
+            counts = np.array([sz.gen_counts.get(module.name, 0) for sz in sizes],
+                              dtype=np.int64)
+            items[f"{module.modality}.gen"] = ItemSet(
+                counts=counts, sizes=np.ones(int(counts.sum()), dtype=np.int64))
+    return SampleSet(text_tokens=np.array([sz.text_tokens for sz in sizes], dtype=np.int64),
+                     items=items)
+
+
+def route_batch(plan: Plan, program: ir.Program, sizes: Sequence[SampleSizes],
+                policy: frozenset[str], work_model: WorkModel | None = None
+                ) -> tuple[StepSamples, ...]:
+    """Where every sample of a batch goes under ``policy`` (a subset of ``{"intra",
+    "inter"}``): per microbatch step in execution order, its positions (increasing) and
+    every unit's replica per position. ``work_model`` (a ``sim.workload.WorkModel`` of the
+    spec's cost model) is needed when ``policy`` is not empty."""
+    from dtdsl.sim.workload import encoder_step_times, route
+
+    n = len(sizes)
+    if policy:
+        if work_model is None:
+            raise ValueError(f"reorder policy {sorted(policy)} needs a work model")
+        work = work_model.relative(sample_set(program, sizes))
+        times = encoder_step_times(plan, work)
+    else:   # data order: only the batch size matters
+        work = {u.name: np.ones(n) for u in plan.units}
+        times = None
+    routing = route(plan, work, policy, step_times=times)
+    out = []
+    for j in range(plan.num_microbatches):
+        members = np.flatnonzero(routing.step == j)
+        out.append(StepSamples(
+            sample_ids=tuple(int(i) for i in members),
+            assignment={u.name: tuple(int(r) for r in routing.replica[u.name][members])
+                        for u in plan.units}))
+    return tuple(out)
+
+
+def routing_of(plan: Plan, steps: Sequence[StepSamples]) -> Routing:
+    """``route_batch``'s result as the simulator's ``Routing`` (per position: its
+    microbatch step and every unit's replica): to simulate the batch a run trains on."""
+    from dtdsl.sim.workload import Routing
+
+    n = sum(len(s.sample_ids) for s in steps)
+    step = np.full(n, -1, dtype=np.int64)
+    replica = {u.name: np.zeros(n, dtype=np.int64) for u in plan.units}
+    for j, s in enumerate(steps):
+        ids = np.asarray(s.sample_ids, dtype=np.int64)
+        step[ids] = j
+        for unit, where in s.assignment.items():
+            replica[unit][ids] = where
+    if (step < 0).any():
+        raise ValueError("the routing leaves positions of the batch out")
+    return Routing(num_microbatches=len(steps), step=step, replica=replica)
+
+
+class LocalBatches:
+    """A ``BatchSource`` that builds every step's batch in this process from ``source``:
+    routing under ``policy`` (default the spec's ``train.reorder``), this rank's samples
+    with the parts its stage reads (``parts_of(role)``) and the denominators."""
+
+    def __init__(self, program: ir.Program, plan: Plan, role: RankRole, *,
+                 source: SampleSource | None = None, policy: frozenset[str] | None = None,
+                 work_model: WorkModel | None = None):
+        self.program, self.plan, self.role = program, plan, role
+        self.source = source if source is not None else SyntheticSource(program)
+        self.policy = frozenset(program.train.reorder) if policy is None else policy
+        if self.policy and work_model is None:
+            from dtdsl.cost.model import build_cost_model
+            from dtdsl.sim.workload import WorkModel
+
+            work_model = WorkModel(build_cost_model(program))
+        self.work_model = work_model
+        self.parts = parts_of(role)
+        self._static: tuple[StepSamples, ...] | None = None
+
+    def batch(self, step: int) -> StepBatch:
+        sizes = self.source.sizes(step)
+        if self.policy:
+            routing = route_batch(self.plan, self.program, sizes, self.policy, self.work_model)
+        else:   # data order does not depend on the samples: route once
+            if self._static is None:
+                self._static = route_batch(self.plan, self.program, sizes, frozenset())
+            routing = self._static
+        samples: dict[int, Sample] = {}
+        if self.parts:
+            r = self.role
+            for s in routing:
+                for i in s.samples_of(r.unit, r.replica):
+                    samples[i] = self.source.sample(step, i, self.parts, sizes=sizes[i])
+        return StepBatch(step=step, keys=self.source.keys(step), routing=routing,
+                         samples=samples, normalizer=normalizer_of(self.program, sizes))

@@ -1,0 +1,284 @@
+"""Deterministic synthetic training data: real tensors for every sample of a global batch.
+
+``make_batch(program, step)`` gives the ``train.global_batch`` samples of one training
+step; ``make_sample(program, step, index)`` gives one of them alone, equal to the one
+in the batch. Every sample is seeded from ``(train.seed, step, index)`` only, so any
+rank of a distributed run can build exactly the samples it was routed, in any order,
+and a single-process reference run builds the very same tensors.
+
+What a sample carries (sizes drawn with ``dtdsl.cost.samples.draw``, so they follow the
+spec's distributions and clamps exactly as the cost model and simulator see them):
+
+- ``tokens``: ``text.tokens`` int64 token ids. They are not uniform noise but a walk on
+  a fixed sparse Markov chain (``_SUCCESSORS`` successors per token, seeded by the spec
+  seed alone, successors drawn Zipf-skewed over the vocabulary), so a language model can
+  learn something in a few steps and a training loss visibly falls;
+- ``images``: ``image.count`` float32 images ``[3, H, W]`` for the image encoder: square,
+  ``H = W = g * patch`` where ``g = round(sqrt(image.patches))`` (at least 1), so the
+  encoder sees ``g^2`` patches (exactly ``image.patches`` when it is a square number, as
+  in every shipped spec);
+- ``targets``: per generator (by module name) ``GenTargets``: ``gen_count`` latents
+  ``[G, C, L, L]`` (``C`` the generator's ``latent_channels``, ``L`` its ``latent``),
+  with the noise ``[G, C, L, L]`` and the integer timesteps ``[G]`` in
+  ``[0, DIFFUSION_STEPS)`` of the denoising loss.
+
+Packing: the ViT encoder (``models.Encoder``) takes ``[B, N, patch_dim]`` with no
+attention mask, so images of different sizes cannot share a row without attending to
+each other. ``pack_images`` therefore groups images by patch count: one dense
+``[B_k, N_k, patch_dim]`` tensor per distinct size, no padding at all;
+``unpack_images`` turns per-group outputs back into one ``[tokens_i, D]`` tensor per
+sample (its images' tokens in order).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cache
+
+import numpy as np
+import torch
+
+from dtdsl.cost.samples import draw
+from dtdsl.ir import program as ir
+from dtdsl.models.transformer import Encoder
+
+__all__ = [
+    "DIFFUSION_STEPS",
+    "GenTargets",
+    "PackedImages",
+    "Sample",
+    "SampleSizes",
+    "image_encoder",
+    "image_side",
+    "make_batch",
+    "make_sample",
+    "pack_images",
+    "sample_seed",
+    "sample_sizes",
+    "unpack_images",
+]
+
+DIFFUSION_STEPS = 1000     # DDPM's discrete timesteps
+_SUCCESSORS = 4            # successors per token in the text Markov chain
+_ZIPF_A = 1.1              # skew of the successor draw over the vocabulary
+
+
+def sample_seed(seed: int, step: int, index: int, what: str = "") -> int:
+    """A 63-bit seed for one sample (and one stream ``what`` of it), stable across
+    processes and Python versions (no ``hash()``)."""
+    digest = hashlib.sha256(f"dtdsl:{seed}:{step}:{index}:{what}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+@dataclass(frozen=True, eq=False)
+class GenTargets:
+    """A sample's generation targets for one generator (G of them, G may be 0)."""
+
+    latents: torch.Tensor      # [G, C, L, L] float32: the clean latents x0
+    noise: torch.Tensor        # [G, C, L, L] float32: the noise to predict
+    timesteps: torch.Tensor    # [G] int64 in [0, DIFFUSION_STEPS)
+
+    def __len__(self) -> int:
+        return int(self.latents.shape[0])
+
+
+@dataclass(frozen=True, eq=False)
+class Sample:
+    """One training sample: built from ``(train.seed, step, index)`` alone."""
+
+    step: int
+    index: int                              # position in the step's global batch
+    tokens: torch.Tensor                    # [T] int64
+    images: tuple[torch.Tensor, ...]        # each [3, H, W] float32
+    targets: dict[str, GenTargets]          # generator name -> its targets
+
+    @property
+    def num_gen_targets(self) -> int:
+        return sum(len(t) for t in self.targets.values())
+
+
+def image_encoder(program: ir.Program) -> ir.Module | None:
+    """The image encoder, or None. ValueError for encoders the reference runtime does
+    not model (audio, video, or more than one image encoder)."""
+    found = None
+    for module in program.encoders:
+        if module.modality != "image" or not isinstance(module.arch, ir.TransformerArch):
+            raise ValueError(f"the runtime has no data for the {module.modality} encoder "
+                             f"'{module.name}'; only image (ViT) encoders are modelled")
+        if found is not None:
+            raise ValueError(f"two image encoders ('{found.name}', '{module.name}'); the "
+                             "runtime models one")
+        found = module
+    return found
+
+
+def image_side(patches: int, patch: int) -> int:
+    """The side of the square image with about ``patches`` patches of ``patch`` pixels."""
+    return max(1, round(math.sqrt(patches))) * patch
+
+
+@cache
+def _successor_table(seed: int, vocab: int) -> tuple[tuple[int, ...], ...]:
+    """``vocab`` rows of ``_SUCCESSORS`` next-token candidates: fixed by the spec seed."""
+    gen = torch.Generator().manual_seed(sample_seed(seed, -1, -1, "markov"))
+    ranks = torch.arange(1, vocab + 1, dtype=torch.float64)
+    probs = ranks ** -_ZIPF_A
+    perm = torch.randperm(vocab, generator=gen)                # which ids are frequent
+    picks = torch.multinomial(probs, vocab * _SUCCESSORS, replacement=True, generator=gen)
+    return tuple(map(tuple, perm[picks].view(vocab, _SUCCESSORS).tolist()))
+
+
+def _draw_one(quantity: ir.Quantity | None, rng: np.random.Generator, what: str) -> int:
+    if quantity is None:
+        raise ValueError(f"the spec's data block has no {what}, which the model needs")
+    return int(draw(quantity, 1, rng)[0])
+
+
+@dataclass(frozen=True)
+class SampleSizes:
+    """The sizes of one sample, drawn without building any tensor (``make_sample`` draws
+    exactly these): enough for the loss denominators (``loss_normalizer_of_sizes``)."""
+
+    text_tokens: int                    # len(tokens)
+    image_shapes: tuple[tuple[int, int], ...]   # each image's (height, width)
+    gen_counts: dict[str, int]          # generator name -> G
+
+    @property
+    def num_gen_targets(self) -> int:
+        return sum(self.gen_counts.values())
+
+
+def sample_sizes(program: ir.Program, step: int, index: int) -> SampleSizes:
+    """The sizes of sample ``index`` of step ``step`` (those of ``make_sample``'s sample)
+    from its ``sizes`` stream alone: no tensor is built."""
+    sizes = np.random.default_rng(sample_seed(program.train.seed, step, index, "sizes"))
+    data = program.data
+    n_text = max(1, _draw_one(data.get("text", "tokens"), sizes, "text.tokens"))
+    sides: list[int] = []
+    encoder = image_encoder(program)
+    if encoder is not None:
+        count = max(0, _draw_one(data.get("image", "count"), sizes, "image.count"))
+        patches = draw(data.get("image", "patches"), count, sizes) if count else []
+        patch = encoder.arch.patch or 1
+        sides = [image_side(int(p), patch) for p in patches]
+    gen_counts = {
+        module.name: max(0, _draw_one(data.get(module.modality, "gen_count"), sizes,
+                                      f"{module.modality}.gen_count"))
+        for module in program.generators}
+    return SampleSizes(text_tokens=n_text, image_shapes=tuple((s, s) for s in sides),
+                       gen_counts=gen_counts)
+
+
+_PARTS = frozenset({"tokens", "images", "targets"})
+
+
+def make_sample(program: ir.Program, step: int, index: int, *,
+                parts: frozenset[str] | set[str] = _PARTS,
+                sizes: SampleSizes | None = None) -> Sample:
+    """Sample ``index`` of step ``step``'s global batch, built alone.
+
+    ``parts`` (default all of ``tokens``, ``images``, ``targets``) names what to build;
+    a part left out is empty (no tokens, no images, no targets) and only what the parts
+    asked for costs time. The parts built are identical to the full sample's: tensors
+    come from one random stream in the order tokens, images, targets, so asking for
+    ``targets`` still draws (and drops) the images' numbers. ``sizes``: this sample's
+    ``sample_sizes`` when the caller already has them."""
+    unknown = set(parts) - _PARTS
+    if unknown:
+        raise ValueError(f"unknown sample parts {sorted(unknown)}; known: {sorted(_PARTS)}")
+    seed = program.train.seed
+    if sizes is None:
+        sizes = sample_sizes(program, step, index)
+    gen = torch.Generator().manual_seed(sample_seed(seed, step, index, "tensors"))
+
+    vocab = program.backbone.arch.vocab
+    n_text = sizes.text_tokens
+    first = int(torch.randint(vocab, (1,), generator=gen))
+    choice = torch.randint(_SUCCESSORS, (n_text,), generator=gen)
+    if "tokens" in parts:
+        rows = _successor_table(seed, vocab)
+        ids = [first]
+        for k in choice[1:].tolist():
+            ids.append(rows[ids[-1]][k])
+        tokens = torch.tensor(ids, dtype=torch.int64)
+    else:
+        tokens = torch.empty(0, dtype=torch.int64)
+
+    images: list[torch.Tensor] = []
+    if "images" in parts or "targets" in parts:
+        for h, w in sizes.image_shapes:
+            images.append(torch.randn(3, h, w, generator=gen))
+
+    targets: dict[str, GenTargets] = {}
+    if "targets" in parts:
+        for module in program.generators:
+            arch = module.arch
+            count = sizes.gen_counts[module.name]
+            shape = (count, arch.latent_channels, arch.latent, arch.latent)
+            targets[module.name] = GenTargets(
+                latents=torch.randn(shape, generator=gen),
+                noise=torch.randn(shape, generator=gen),
+                timesteps=torch.randint(DIFFUSION_STEPS, (count,), generator=gen))
+    return Sample(step=step, index=index, tokens=tokens,
+                  images=tuple(images) if "images" in parts else (), targets=targets)
+
+
+def make_batch(program: ir.Program, step: int) -> list[Sample]:
+    """The ``train.global_batch`` samples of training step ``step``, in index order."""
+    return [make_sample(program, step, i) for i in range(program.train.global_batch)]
+
+
+@dataclass(frozen=True, eq=False)
+class PackedImages:
+    """Images of several samples grouped by size for the encoder, with no padding.
+
+    ``groups[k]`` is ``[B_k, N_k, patch_dim]`` flattened patches; ``owners[k][j]`` is
+    the ``(sample position, image position)`` of its row ``j``; ``counts[i]`` how many
+    images sample position ``i`` has."""
+
+    groups: tuple[torch.Tensor, ...]
+    owners: tuple[tuple[tuple[int, int], ...], ...]
+    counts: tuple[int, ...]
+
+
+def pack_images(images: Sequence[Sequence[torch.Tensor]], patch: int) -> PackedImages:
+    """Group every image of ``images`` (one sequence per sample) by its patch count, in
+    order of first appearance, and patchify each group (``Encoder.patchify``)."""
+    by_shape: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+    for i, sample_images in enumerate(images):
+        for j, image in enumerate(sample_images):
+            by_shape.setdefault(tuple(image.shape), []).append((i, j))
+    groups, owners = [], []
+    for members in by_shape.values():
+        stacked = torch.stack([images[i][j] for i, j in members])
+        groups.append(Encoder.patchify(stacked, patch))
+        owners.append(tuple(members))
+    return PackedImages(groups=tuple(groups), owners=tuple(owners),
+                        counts=tuple(len(s) for s in images))
+
+
+def unpack_images(packed: PackedImages, outputs: Sequence[torch.Tensor],
+                  width: int | None = None) -> list[torch.Tensor]:
+    """Per-group outputs ``[B_k, N_k, D]`` back to one ``[sum of N, D]`` tensor per
+    sample (its images' tokens in image order; ``[0, D]`` for a sample without images,
+    ``D`` from the outputs or ``width`` when there are none)."""
+    per_image: list[list[torch.Tensor | None]] = [[None] * c for c in packed.counts]
+    for members, out in zip(packed.owners, outputs, strict=True):
+        for row, (i, j) in enumerate(members):
+            per_image[i][j] = out[row]
+    if outputs:
+        width, like = outputs[0].shape[-1], outputs[0]
+    else:
+        if width is None:
+            raise ValueError("no images to unpack: give the output width")
+        like = torch.empty(0)
+    result = []
+    for items in per_image:
+        if items:
+            result.append(torch.cat(items, dim=0))
+        else:
+            result.append(like.new_zeros((0, width)))
+    return result

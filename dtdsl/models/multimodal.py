@@ -1,0 +1,392 @@
+"""The multimodal model as per-unit steps that a disaggregated runtime can split.
+
+``build_model(program, seed)`` builds every module and projector on one device, each
+initialised from its own seed ``init_seed(seed, name)`` (the spec seed and the unit's
+name only), so the parameters do not depend on the parallel layout: a distributed
+runtime builds the full unit with the same seed and keeps its shard. Frozen modules
+and projectors (``frozen = true``) get ``requires_grad = False``.
+
+The forward pass is three steps, one per kind of unit, each a plain function of the
+unit's torch modules and its inputs:
+
+- ``encode(model, samples)``: each sample's images (grouped by size, no padding, see
+  ``data.pack_images``) through the ViT and the encoder->backbone projector: one
+  ``[image tokens_i, hidden_llm]`` tensor per sample. Split into ``encoder_input`` and
+  ``encoder_layers(encoder, xs, start, stop)`` for pipeline stages.
+- ``backbone_step(model, image_embeds, samples)``: per sample the sequence
+  ``[image tokens, text tokens]`` (image tokens are never cut; text beyond ``seq_len``
+  is truncated, as the checker's DT503 warns), right-padded to the longest sequence of
+  the call (or to ``pad_to``, e.g. ``seq_len`` for fixed shapes: the model is causal,
+  so padding after a sequence changes none of its outputs), causal LM. The LM loss is
+  the *sum* of next-token cross-entropies at text positions: the text token at
+  position ``j`` predicts text token ``j + 1``; no loss at image positions (nor for the
+  first text token from the last image token) nor at padding, so a sample with ``T``
+  kept text tokens has ``T - 1`` loss tokens. It also returns each sample's
+  conditioning for the generators: the final normed hidden states of its last
+  ``COND_TOKENS`` real tokens (all of them when it has fewer). Split into
+  ``backbone_input``, ``backbone_layers(backbone, x, start, stop)`` and
+  ``backbone_output`` for pipeline stages.
+- ``generator_step(model, name, conditioning, targets)``: conditioning through the
+  backbone->generator projector gives the cross-attention context; each target's
+  clean latent is noised to its timestep (DDPM, linear betas 1e-4..0.02 over
+  ``DIFFUSION_STEPS``), the generator predicts the noise; the result is the *sum*
+  over targets of each target's mean squared error.
+
+The loss of any subset of a step's samples is::
+
+    loss = LM_sum(subset) / N_text + GEN_sum(subset) / N_gen
+
+where ``N_text`` (text loss tokens) and ``N_gen`` (generation targets, all generators
+together) are counted over the whole GLOBAL batch (``loss_normalizer``; at least 1
+each). Both terms are sums over samples divided by batch-wide constants, so the losses
+of any split of the global batch (DP replicas, microbatches) add up to the loss of the
+whole batch, and so do their gradients: a distributed run sums them (no averaging over
+replicas or microbatches).
+
+U-Net generators are not split by layers (skip connections cross every level); the
+encoder and backbone expose their ``layers`` lists, and the step functions take layer
+ranges, so pipeline stages can run contiguous slices.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils.rnn import pad_sequence
+
+from dtdsl.data.sample import (
+    DIFFUSION_STEPS,
+    GenTargets,
+    Sample,
+    image_encoder,
+    pack_images,
+    unpack_images,
+)
+from dtdsl.ir import program as ir
+from dtdsl.models import build_module, build_projector
+from dtdsl.models.transformer import Backbone, Encoder, sinusoidal_embedding
+
+__all__ = [
+    "COND_TOKENS",
+    "IGNORE",
+    "BackboneBatch",
+    "LossParts",
+    "Model",
+    "Normalizer",
+    "alphas_cumprod",
+    "backbone_input",
+    "backbone_layers",
+    "backbone_output",
+    "backbone_step",
+    "build_model",
+    "build_unit",
+    "conditioning",
+    "encode",
+    "encoder_input",
+    "encoder_layers",
+    "generator_step",
+    "init_seed",
+    "loss_normalizer",
+    "loss_tokens",
+    "microbatch_loss",
+    "text_kept",
+]
+
+COND_TOKENS = 16   # the backbone states a generator is conditioned on: the last 16 tokens
+IGNORE = -100      # target id of positions without a loss
+_DENSE_LOSS = 0.9  # targets at this share of positions or more: the LM head on all of them
+
+
+# ---- building --------------------------------------------------------------------------
+
+def init_seed(seed: int, name: str) -> int:
+    """The initialisation seed of unit ``name`` (a module or projector)."""
+    digest = hashlib.sha256(f"dtdsl-init:{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def build_unit(program: ir.Program, name: str, seed: int, tp: int = 1) -> nn.Module:
+    """Module or projector ``name``, initialised from ``init_seed(seed, name)`` without
+    touching the global RNG, frozen if the spec says so."""
+    projectors = {p.name: p for p in program.projectors}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(init_seed(seed, name))
+        if name in projectors:
+            spec: ir.Module | ir.Projector = projectors[name]
+            unit = build_projector(projectors[name], tp=tp)
+        else:
+            spec = program.module(name)
+            unit = build_module(spec, tp=tp)
+    if spec.frozen:
+        unit.requires_grad_(False)
+    return unit
+
+
+class Model(nn.Module):
+    """Every unit of a program: ``units[name]`` for modules and projectors alike, plus
+    the names that wire them (``encoder``, ``backbone``, ``generators``,
+    ``enc_proj`` and ``gen_proj[generator]``)."""
+
+    def __init__(self, program: ir.Program, seed: int):
+        super().__init__()
+        enc = image_encoder(program)
+        self.encoder = enc.name if enc is not None else None
+        self.backbone = program.backbone.name
+        self.generators = tuple(m.name for m in program.generators)
+        self.seq_len = program.train.seq_len
+        self.patch = (enc.arch.patch or 1) if enc is not None else 1
+
+        def projector(source: str, target: str) -> str:
+            for p in program.projectors:
+                if p.source == source and p.target == target:
+                    return p.name
+            raise ValueError(f"the spec has no projector {source} -> {target}, which the "
+                             "runtime needs")
+
+        self.enc_proj = projector(self.encoder, self.backbone) if self.encoder else None
+        self.gen_proj = {g: projector(self.backbone, g) for g in self.generators}
+        names = [m.name for m in program.modules] + [p.name for p in program.projectors]
+        self.units = nn.ModuleDict({n: build_unit(program, n, seed) for n in names})
+
+    def unit(self, name: str) -> nn.Module:
+        return self.units[name]
+
+
+def build_model(program: ir.Program, seed: int | None = None) -> Model:
+    """All modules and projectors of ``program`` on the current default device, fp32;
+    ``seed`` defaults to ``train.seed``."""
+    return Model(program, program.train.seed if seed is None else seed)
+
+
+# ---- loss normalisation ----------------------------------------------------------------
+
+def text_kept(sample: Sample, patch: int, seq_len: int) -> int:
+    """How many of the sample's text tokens fit after its image tokens in ``seq_len``.
+    ValueError when its image tokens alone leave no room for text."""
+    image_tokens = sum((im.shape[-2] // patch) * (im.shape[-1] // patch)
+                       for im in sample.images)
+    if image_tokens >= seq_len:
+        raise ValueError(f"sample {sample.index} of step {sample.step} has {image_tokens} "
+                         f"image tokens, leaving no room for text in seq_len {seq_len}")
+    return min(len(sample.tokens), seq_len - image_tokens)
+
+
+def loss_tokens(sample: Sample, patch: int, seq_len: int) -> int:
+    """The sample's LM loss tokens: its kept text tokens but the first."""
+    return max(0, text_kept(sample, patch, seq_len) - 1)
+
+
+@dataclass(frozen=True)
+class Normalizer:
+    """The global batch's loss denominators."""
+
+    text_tokens: int   # next-token losses over the whole global batch
+    gen_targets: int   # generation targets over the whole global batch, all generators
+
+
+def loss_normalizer(model: Model, samples: Sequence[Sample]) -> Normalizer:
+    """The denominators of the loss of ``samples``, the WHOLE global batch."""
+    return Normalizer(
+        text_tokens=sum(loss_tokens(s, model.patch, model.seq_len) for s in samples),
+        gen_targets=sum(s.num_gen_targets for s in samples))
+
+
+# ---- encoder -----------------------------------------------------------------------------
+
+def encoder_input(encoder: Encoder, groups: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Patch embedding plus position code of each packed group ``[B, N, patch_dim]``
+    (exactly what ``Encoder.forward`` does before its layers)."""
+    out = []
+    for patches in groups:
+        x = encoder.patch_embed(patches)
+        positions = torch.arange(x.shape[1], device=x.device)
+        out.append(x + sinusoidal_embedding(positions, encoder.hidden).to(x.dtype))
+    return out
+
+
+def encoder_layers(encoder: Encoder, xs: Sequence[torch.Tensor], start: int = 0,
+                   stop: int | None = None) -> list[torch.Tensor]:
+    """Layers ``start:stop`` of the encoder on each group."""
+    layers = encoder.layers[start:stop]
+    out = []
+    for x in xs:
+        for layer in layers:
+            x = layer(x)
+        out.append(x)
+    return out
+
+
+def encode(model: Model, samples: Sequence[Sample]) -> list[torch.Tensor]:
+    """Each sample's image tokens in backbone width ``[tokens_i, hidden_llm]``
+    (``[0, hidden_llm]`` without images, or without an encoder)."""
+    backbone: Backbone = model.unit(model.backbone)
+    width = backbone.tok_embeddings.embedding_dim
+    device = backbone.tok_embeddings.weight.device
+    if model.encoder is None:
+        return [torch.zeros(0, width, device=device) for _ in samples]
+    encoder: Encoder = model.unit(model.encoder)
+    packed = pack_images([[im.to(device) for im in s.images] for s in samples], model.patch)
+    hidden = encoder_layers(encoder, encoder_input(encoder, packed.groups))
+    projector = model.unit(model.enc_proj)
+    return unpack_images(packed, [projector(h) for h in hidden], width=width)
+
+
+# ---- backbone ----------------------------------------------------------------------------
+
+@dataclass(frozen=True, eq=False)
+class BackboneBatch:
+    """The backbone's input for a list of samples."""
+
+    embeds: torch.Tensor            # [B, S, hidden]: image tokens, then text, then zeros
+    targets: torch.Tensor           # [B, S] next-token ids, IGNORE where there is no loss
+    lengths: tuple[int, ...]        # real (unpadded) length of each sequence
+
+
+def backbone_input(backbone: Backbone, image_embeds: Sequence[torch.Tensor],
+                   tokens: Sequence[torch.Tensor], seq_len: int,
+                   pad_to: int | None = None) -> BackboneBatch:
+    """Sequences ``[image tokens, text tokens]`` (text cut to fit ``seq_len``),
+    right-padded with zero embeddings to the longest (or ``pad_to``)."""
+    device = backbone.tok_embeddings.weight.device
+    kept, starts, lengths = [], [], []
+    for img, ids in zip(image_embeds, tokens, strict=True):
+        n_img = img.shape[0]
+        if n_img >= seq_len:
+            raise ValueError(f"{n_img} image tokens leave no room for text in seq_len "
+                             f"{seq_len}")
+        ids = ids[:seq_len - n_img]
+        kept.append(ids)
+        starts.append(n_img)
+        lengths.append(n_img + len(ids))
+    width = max(lengths) if pad_to is None else pad_to
+    if width < max(lengths):
+        raise ValueError(f"pad_to {pad_to} is shorter than a sequence of {max(lengths)}")
+    # One embedding lookup for every sequence's text and one padded copy of the rows: a
+    # few ops per microbatch, not a few per sample (their backward too).
+    text = backbone.embed(torch.cat(kept).to(device)[None])[0]
+    if not any(starts) and all(len(k) == width for k in kept):
+        embeds = text.view(len(kept), width, -1)     # text only, no padding: no copy at all
+    else:
+        pieces = text.split([len(k) for k in kept])
+        rows = [t if img.shape[0] == 0 else torch.cat([img, t], dim=0)
+                for img, t in zip(image_embeds, pieces, strict=True)]
+        embeds = pad_sequence(rows, batch_first=True)
+        if embeds.shape[1] < width:
+            embeds = F.pad(embeds, (0, 0, 0, width - embeds.shape[1]))
+    target = torch.full((len(kept), width), IGNORE, dtype=torch.int64, device=device)
+    for row, n_img, ids in zip(target, starts, kept, strict=True):
+        row[n_img:n_img + len(ids) - 1] = ids[1:]
+    return BackboneBatch(embeds=embeds, targets=target, lengths=tuple(lengths))
+
+
+def backbone_layers(backbone: Backbone, x: torch.Tensor, start: int = 0,
+                    stop: int | None = None) -> torch.Tensor:
+    """Layers ``start:stop`` of the backbone on ``[B, S, hidden]`` (positions 0..S-1)."""
+    positions = torch.arange(x.shape[1], device=x.device)
+    for layer in backbone.layers[start:stop]:
+        x = layer(x, positions)
+    return x
+
+
+def backbone_output(backbone: Backbone, x: torch.Tensor,
+                    targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last stage: final norm, then the summed next-token cross-entropy at the
+    positions with a target. Returns ``(loss sum, normed hidden states [B, S, hidden])``."""
+    hidden = backbone.norm(x)
+    mask = targets != IGNORE
+    if int(mask.sum()) >= _DENSE_LOSS * mask.numel():
+        # Nearly every position has a target: the head on all of them is cheaper than
+        # gathering the rows (and scattering their gradient back).
+        logits = backbone.output(hidden)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE,
+                               reduction="sum")
+    else:   # image tokens, padding: the head (vocabulary-wide) only where it counts
+        logits = backbone.output(hidden[mask])
+        loss = F.cross_entropy(logits, targets[mask], reduction="sum")
+    return loss, hidden
+
+
+def conditioning(hidden: torch.Tensor, lengths: Sequence[int],
+                 k: int = COND_TOKENS) -> list[torch.Tensor]:
+    """Each sequence's last ``min(k, length)`` real hidden states ``[<=k, hidden]``."""
+    return [hidden[i, max(0, n - k):n] for i, n in enumerate(lengths)]
+
+
+def backbone_step(model: Model, image_embeds: Sequence[torch.Tensor],
+                  samples: Sequence[Sample], pad_to: int | None = None
+                  ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The whole backbone: ``(LM loss sum, per-sample conditioning)``."""
+    backbone: Backbone = model.unit(model.backbone)
+    batch = backbone_input(backbone, image_embeds, [s.tokens for s in samples],
+                           model.seq_len, pad_to)
+    x = backbone_layers(backbone, batch.embeds)
+    loss, hidden = backbone_output(backbone, x, batch.targets)
+    return loss, conditioning(hidden, batch.lengths)
+
+
+# ---- generators --------------------------------------------------------------------------
+
+@cache
+def _alphas_cumprod() -> torch.Tensor:
+    betas = torch.linspace(1e-4, 0.02, DIFFUSION_STEPS, dtype=torch.float64)
+    return torch.cumprod(1.0 - betas, dim=0)
+
+
+def alphas_cumprod(device: torch.device | str = "cpu") -> torch.Tensor:
+    """DDPM's cumulative signal fractions ``[DIFFUSION_STEPS]`` (float32)."""
+    return _alphas_cumprod().to(device=device, dtype=torch.float32)
+
+
+def generator_step(model: Model, name: str, cond: Sequence[torch.Tensor],
+                   targets: Sequence[GenTargets]) -> torch.Tensor:
+    """Generator ``name`` on the samples' conditioning and targets (one of each per
+    sample): the sum over targets of the mean squared noise-prediction error. Targets
+    whose contexts have the same length are batched together."""
+    generator = model.unit(name)
+    projector = model.unit(model.gen_proj[name])
+    device = next(generator.parameters()).device
+    abar = alphas_cumprod(device)
+    groups: dict[int, list[tuple[torch.Tensor, GenTargets]]] = {}
+    for c, t in zip(cond, targets, strict=True):
+        if len(t):
+            groups.setdefault(c.shape[0], []).append((c, t))
+    total = torch.zeros((), device=device)
+    for members in groups.values():
+        context = torch.cat([projector(c)[None].expand(len(t), -1, -1) for c, t in members])
+        x0 = torch.cat([t.latents for _, t in members]).to(device)
+        noise = torch.cat([t.noise for _, t in members]).to(device)
+        steps = torch.cat([t.timesteps for _, t in members]).to(device)
+        a = abar[steps].view(-1, 1, 1, 1)
+        noisy = a.sqrt() * x0 + (1 - a).sqrt() * noise
+        pred = generator(noisy, steps, context)
+        total = total + ((pred - noise) ** 2).flatten(1).mean(dim=1).sum()
+    return total
+
+
+# ---- the loss of a microbatch --------------------------------------------------------------
+
+@dataclass(frozen=True, eq=False)
+class LossParts:
+    total: torch.Tensor     # lm / N_text + gen / N_gen: the tensor to backpropagate
+    lm_sum: torch.Tensor    # summed next-token cross-entropy
+    gen_sum: torch.Tensor   # summed per-target denoising MSE, all generators
+
+
+def microbatch_loss(model: Model, samples: Sequence[Sample], norm: Normalizer,
+                    pad_to: int | None = None) -> LossParts:
+    """The loss of ``samples`` (any subset of a global batch) with the global batch's
+    denominators ``norm``; see the module docstring for the formula."""
+    embeds = encode(model, samples)
+    lm_sum, cond = backbone_step(model, embeds, samples, pad_to)
+    gen_sum = torch.zeros((), device=lm_sum.device)
+    for name in model.generators:
+        gen_sum = gen_sum + generator_step(model, name, cond,
+                                           [s.targets[name] for s in samples])
+    total = lm_sum / max(1, norm.text_tokens) + gen_sum / max(1, norm.gen_targets)
+    return LossParts(total=total, lm_sum=lm_sum, gen_sum=gen_sum)

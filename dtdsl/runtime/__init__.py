@@ -1,1 +1,0 @@
-"""dtdsl.runtime (see docs/architecture.md)."""

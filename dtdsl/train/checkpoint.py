@@ -1,0 +1,575 @@
+"""Sharded checkpoints in a plan-independent layout, resume, and the files that make a
+checkpoint complete.
+
+**Layout.** A checkpoint holds, for every trainable parameter ``unit.param`` of the job (the
+keys of ``StageExecutor.named_parameters()``), the full parameter and its full AdamW state,
+as one ``torch.distributed.checkpoint`` (DCP) state dict::
+
+    {"model": {"<unit.param>": parameter (its dtype), ...},
+     "optim": {"<unit.param>": {"exp_avg": fp32, "exp_avg_sq": fp32,
+                                "master": fp32 (only for bf16/fp16 parameters)}, ...},
+     "step": int64 scalar}       # optimizer steps taken (one count: every optimizer of the
+                                 # job steps, or skips, together)
+
+which DCP stores under the flattened keys ``model.<unit.param>``,
+``optim.<unit.param>.exp_avg`` and so on, and ``step``. (Nested, not flat: DCP wraps every
+top-level entry in a logging call that costs about a millisecond, a second per save here.)
+
+"Full" means what the single-process model (``model.build_model``) holds: TP shards are
+gathered (``TPLayout.full``) and the ZeRO-1 optimizer shards all-gathered over the DP group
+(``Zero1AdamW.state_dict`` is the rank's shard of a flat buffer of the stage's parameters).
+Nothing in the layout depends on the plan, so a checkpoint written under one plan loads
+under any other plan of the same spec: each rank asks for the full tensors of the
+parameters its stage holds and keeps its TP slice (``ShardSplit.take``) and its ZeRO shard.
+Frozen parameters are not saved: every rank re-initialises them from the spec's seed.
+
+**Writers.** The DP and TP ranks of a stage all offer the same full tensors under the same
+keys; DCP's save planner keeps one writer per key (the rank with the least data so far), so
+each tensor is written once and the writes spread over the job's ranks (one
+``__<rank>_0.distcp`` file per rank that writes anything, plus DCP's ``.metadata``).
+Gathering the full tensors on every DP/TP rank of a stage costs transient memory of one full
+stage copy of parameters and Adam state; at large scale a rank-local chunked write (DTensor
+offsets) would avoid it.
+
+**Files.** Under ``RUN_DIR/checkpoints/``, a checkpoint is written into ``ckpt-<N>.tmp/``
+(``N``: the steps done, i.e. the next step to run, the data cursor), then rank 0 writes
+``manifest.json`` into it and renames the directory to ``ckpt-<N>/``. DCP's finish step
+gathers every rank's write results on rank 0 before rank 0's save returns: that is the
+barrier after which every rank's files are on disk (``fsync``ed). So a directory without the
+``.tmp`` suffix is complete; ``latest_checkpoint`` also requires a readable manifest and
+DCP's ``.metadata``. An interrupted save leaves a ``.tmp`` directory that is never loaded
+and is removed when the job resumes. After each commit only the newest ``keep`` complete
+checkpoints are kept.
+
+**Manifest** (``Manifest``): format and version, the steps done and the next step, the spec's
+and the plan's sha256 (a checkpoint of another spec is refused; another plan is resharded),
+the world size and each unit's layout when it was written, how it was saved, and the torch
+generator states. The runtime draws nothing from the global generators (batches, noise and
+timesteps are functions of the seed, the step and the sample; initialisation forks its own
+generator), so restoring them changes nothing today; they are kept for code that will.
+
+**Saving modes** (``Checkpointer``): ``sync`` writes on the training thread (``dcp.save``);
+``thread`` copies the tensors to CPU memory on the training thread (after gathering them),
+then a background thread runs ``dcp.save`` on that copy and commits, at a lower CPU
+priority than the training (nice +10 for the thread, Linux). This is what
+``dcp.async_save``'s thread mode does, with the commit in the same thread. At most one save
+is in flight: the next save, and ``wait``/``close``, first wait for it. The saves use their
+own gloo process group, so the background collectives never interleave with the
+training's. (DCP's process-based ``async_save``, a checkpoint daemon per rank as DistTrain
+saves from a dedicated process, is not offered: its daemon outlives a SIGKILLed trainer,
+and it re-imports torch and joins a new gloo group at the first save, which is what a
+restarted job cannot afford.)
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import re
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+__all__ = [
+    "FORMAT",
+    "MODES",
+    "VERSION",
+    "CheckpointError",
+    "Checkpointer",
+    "Manifest",
+    "checkpoint_root",
+    "complete_checkpoints",
+    "full_state_dict",
+    "latest_checkpoint",
+    "load_full_state_dict",
+    "plan_sha256",
+    "read_manifest",
+]
+
+FORMAT = "dtdsl-checkpoint"
+VERSION = 1
+MODES = ("sync", "thread")
+MANIFEST = "manifest.json"
+_NAME = re.compile(r"ckpt-(\d+)\Z")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used here (another spec, missing tensors, bad files)."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class UnitLayout(_Model):
+    name: str
+    tp: int
+    dp: int
+    pp: int
+
+
+class Manifest(_Model):
+    """``manifest.json`` of one checkpoint (module docstring)."""
+
+    format: Literal["dtdsl-checkpoint"] = FORMAT
+    version: Literal[1] = VERSION
+    step: int                       # steps done
+    next_step: int                  # the data cursor: the step a resumed run starts with
+    spec: str
+    spec_sha256: str
+    plan_sha256: str
+    world_size: int
+    units: tuple[UnitLayout, ...]
+    mode: Literal["sync", "thread"]
+    num_tensors: int                # keys in the DCP checkpoint (the whole job's)
+    rng_torch: str                  # base64 of torch.get_rng_state() on rank 0
+    rng_cuda: str | None = None     # the same for the current CUDA device, if any
+
+
+# ---- files ------------------------------------------------------------------------------
+
+def checkpoint_root(run_dir: str | Path) -> Path:
+    """Where a run's checkpoints live."""
+    return Path(run_dir) / "checkpoints"
+
+
+def read_manifest(path: str | Path) -> Manifest:
+    """The manifest of the checkpoint directory ``path``; CheckpointError when it is
+    missing or invalid."""
+    file = Path(path) / MANIFEST
+    try:
+        return Manifest.model_validate_json(file.read_bytes())
+    except OSError as err:
+        raise CheckpointError(f"cannot read {file}: {err.strerror or err}") from None
+    except ValueError as err:
+        raise CheckpointError(f"{file} is not a checkpoint manifest: {err}") from None
+
+
+def complete_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """The run's complete checkpoints as (steps done, directory), oldest first: directories
+    ``ckpt-<N>`` (no ``.tmp``) with DCP's ``.metadata`` and a valid manifest for step N."""
+    root = checkpoint_root(run_dir)
+    out = []
+    try:
+        entries = list(root.iterdir())
+    except OSError:
+        return []
+    for path in entries:
+        m = _NAME.match(path.name)
+        if m is None or not path.is_dir() or not (path / ".metadata").is_file():
+            continue
+        try:
+            manifest = read_manifest(path)
+        except CheckpointError:
+            continue
+        if manifest.step == int(m.group(1)):
+            out.append((manifest.step, path))
+    return sorted(out)
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint of the run, or None."""
+    done = complete_checkpoints(run_dir)
+    return done[-1][1] if done else None
+
+
+def plan_sha256(plan: Any) -> str:
+    """The sha256 of a Plan's JSON (its text form)."""
+    return hashlib.sha256(plan.model_dump_json().encode()).hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _commit(tmp: Path, manifest: Manifest, keep: int) -> Path:
+    """Rank 0, once every rank's data is written: the manifest, then the rename that makes
+    the checkpoint complete, then pruning to the newest ``keep``."""
+    file = tmp / MANIFEST
+    with open(file, "w", encoding="utf-8") as f:
+        f.write(manifest.model_dump_json(indent=2) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    final = tmp.with_name(f"ckpt-{manifest.step}")
+    if final.exists():      # the same step saved again after a resume: replace it
+        old = tmp.with_name(f"ckpt-{manifest.step}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+        shutil.rmtree(old, ignore_errors=True)
+    tmp.rename(final)
+    _fsync_dir(final.parent)
+    done = complete_checkpoints(final.parent.parent)
+    for _, path in done[:max(0, len(done) - keep)]:
+        shutil.rmtree(path, ignore_errors=True)
+    return final
+
+
+def _remove_incomplete(run_dir: Path) -> None:
+    root = checkpoint_root(run_dir)
+    if root.is_dir():
+        for path in root.iterdir():
+            if path.name.endswith((".tmp", ".old")) and path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+
+
+# ---- the canonical state dict -------------------------------------------------------------
+
+def _optimizer_names(ex: Any) -> list[tuple[Any, list[str]]]:
+    """Per optimizer of the executor, the ``unit.param`` name of each of its parameters."""
+    names = {id(p): key for key, p in ex.named_parameters().items()}
+    out = []
+    for opt in ex.optimizers:
+        try:
+            out.append((opt, [names[id(p)] for p in opt.params]))
+        except KeyError:
+            raise AssertionError("an optimizer holds a parameter that named_parameters "
+                                 "does not list") from None
+    return out
+
+
+def _padded(state: dict[str, Any]) -> int:
+    lo, hi = state["shard"]
+    return (hi - lo) * (state["dp_size"] if state["zero"] == 1 else 1)
+
+
+def _gather_flat(opt: Any, state: dict[str, Any], key: str) -> Any:
+    """The whole flat buffer of ``state[key]`` (this rank's ZeRO shard), all-gathered over
+    the optimizer's DP group when it is sharded."""
+    import torch
+    import torch.distributed as dist
+
+    # state_dict() gives CPU copies; the DP and TP groups gather on the optimizer's device
+    # (NCCL on GPUs).
+    shard = state[key].to(opt.device).contiguous()
+    if state["zero"] != 1 or state["dp_size"] == 1:
+        return shard
+    full = torch.empty(_padded(state), dtype=shard.dtype, device=shard.device)
+    dist.all_gather(list(full.chunk(state["dp_size"])), shard, group=opt.dp_group)
+    return full
+
+
+def _tp_split(ex: Any, key: str) -> Any:
+    """The TP split of parameter ``key`` on this rank, or None when it is whole."""
+    unit, _, param = key.partition(".")
+    layout = getattr(ex, "tp_layout", None)
+    if layout is None or unit != ex.role.unit:
+        return None
+    return layout.splits.get(param)
+
+
+def _full(ex: Any, key: str, local: Any) -> Any:
+    """The full tensor of ``key`` from this rank's local one (collective over the TP group
+    for a sharded parameter)."""
+    if _tp_split(ex, key) is None:
+        from dtdsl.parallel.tp import local_tensor
+
+        return local_tensor(local)      # a replicated DTensor's local tensor is whole
+    return ex.tp_layout.full(key.partition(".")[2], local)
+
+
+def full_state_dict(ex: Any) -> dict[str, Any]:
+    """This rank's part of the canonical checkpoint (module docstring): the full tensors of
+    the trainable parameters its stage holds and their Adam state. Collective over the
+    rank's TP and DP groups (every rank of a stage calls it at the same point). Tensors may
+    be the live parameters: copy them before training goes on."""
+    import torch
+
+    model = {key: _full(ex, key, p.detach()) for key, p in ex.named_parameters().items()
+             if p.requires_grad}
+    out: dict[str, Any] = {"model": model}
+    optim: dict[str, dict[str, Any]] = {}
+    for opt, names in _optimizer_names(ex):
+        state = opt.state_dict()
+        sizes = [int(torch.Size(s).numel()) for s in state["param_shapes"]]
+        for k in ("exp_avg", "exp_avg_sq", "master"):
+            if k not in state:
+                continue
+            flat = _gather_flat(opt, state, k)[:state["numel"]]
+            for key, piece, shape in zip(names, flat.split(sizes), state["param_shapes"],
+                                         strict=True):
+                optim.setdefault(key, {})[k] = _full(ex, key, piece.view(shape))
+        out["step"] = torch.tensor(int(state["num_steps"]), dtype=torch.int64)
+    if optim:
+        out["optim"] = optim
+    return out
+
+
+def _template(ex: Any) -> dict[str, Any]:
+    """Empty full-size tensors for every key ``full_state_dict`` would give on this rank."""
+    import torch
+
+    from dtdsl.parallel.tp import local_tensor
+
+    def full_shape(key: str, local_shape: Any) -> list[int]:
+        shape = list(local_shape)
+        split = _tp_split(ex, key)
+        if split is not None:
+            shape[split.dim] *= ex.tp_layout.tp
+        return shape
+
+    out: dict[str, Any] = {"model": {
+        key: torch.empty(full_shape(key, local_tensor(p).shape), dtype=p.dtype)
+        for key, p in ex.named_parameters().items() if p.requires_grad}}
+    optim: dict[str, dict[str, Any]] = {}
+    for opt, names in _optimizer_names(ex):
+        state = opt.state_dict()
+        kinds = [k for k in ("exp_avg", "exp_avg_sq", "master") if k in state]
+        for key, shape in zip(names, state["param_shapes"], strict=True):
+            optim[key] = {k: torch.empty(full_shape(key, shape), dtype=torch.float32)
+                          for k in kinds}
+        out["step"] = torch.tensor(0, dtype=torch.int64)
+    if optim:
+        out["optim"] = optim
+    return out
+
+
+def _local(ex: Any, key: str, full: Any) -> Any:
+    split = _tp_split(ex, key)
+    if split is None:
+        return full
+    return split.take(full, ex.tp_layout.tp, ex.tp_layout.rank)
+
+
+def load_full_state_dict(ex: Any, state: dict[str, Any]) -> None:
+    """Set the executor's parameters and optimizer state from a canonical state dict
+    (``full_state_dict``'s keys for this rank, full tensors): each rank keeps its TP slice
+    and its ZeRO shard. Local; no collective."""
+    import torch
+
+    from dtdsl.parallel.tp import local_tensor
+
+    with torch.no_grad():
+        for key, p in ex.named_parameters().items():
+            if p.requires_grad:
+                local_tensor(p).copy_(_local(ex, key, state["model"][key]))
+    for opt, names in _optimizer_names(ex):
+        mine = opt.state_dict()
+        lo, hi = mine["shard"]
+        new = dict(mine, num_steps=int(state["step"]))
+        for k in ("exp_avg", "exp_avg_sq", "master"):
+            if k not in mine:
+                continue
+            flat = torch.zeros(_padded(mine), dtype=torch.float32)
+            pieces = [_local(ex, key, state["optim"][key][k]).reshape(-1) for key in names]
+            torch.cat(pieces, out=flat[:mine["numel"]])
+            new[k] = flat[lo:hi]
+        opt.load_state_dict(new)
+
+
+# ---- saving and resuming ----------------------------------------------------------------------
+
+def _rng_b64(state: Any) -> str:
+    return base64.b64encode(bytes(state.numpy().tobytes())).decode()
+
+
+def _rng_tensor(text: str) -> Any:
+    import torch
+
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+
+def _cpu_copy(state: Any) -> Any:
+    """A copy of a nested state dict with every tensor copied to (or on) the CPU."""
+    if isinstance(state, dict):
+        return {k: _cpu_copy(v) for k, v in state.items()}
+    return state.detach().to("cpu", copy=True)
+
+
+def _lower_priority(nice: int) -> None:
+    """Raise the calling thread's nice value by ``nice`` so that it yields the CPU to the
+    training threads (Linux: a thread's nice value is its own); elsewhere nothing."""
+    if nice <= 0:
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
+    except (AttributeError, OSError):
+        pass
+
+
+class Checkpointer:
+    """Saves and loads one executor's part of the job's checkpoints (module docstring).
+
+    Every rank constructs it at the same point (it creates a gloo process group, a
+    collective) and calls ``save``/``resume``/``close`` at the same steps.
+
+    Args:
+        ex: this rank's ``StageExecutor``.
+        run_dir: the run directory (checkpoints go to ``run_dir/checkpoints``).
+        keep: how many complete checkpoints to keep (the newest).
+        mode: ``sync`` or ``thread``.
+        spec_sha256: the spec's hash (default: the program's ``source_sha256``).
+        log: where rank 0 reports saves and loads (default: print to stdout).
+        nice: how much lower the background thread's CPU priority is than the training
+            thread's (``thread`` mode; 0: the same). On a CPU-bound node the write otherwise
+            slows the next step by more than a synchronous save costs
+            (``benchmarks/checkpoint_save.py``).
+    """
+
+    def __init__(self, ex: Any, run_dir: str | Path, *, keep: int = 3,
+                 mode: str = "thread", spec_sha256: str | None = None,
+                 log: Callable[[str], None] | None = None, nice: int = 10) -> None:
+        import torch.distributed as dist
+
+        if mode not in MODES:
+            raise ValueError(f"checkpoint mode {mode!r}: write one of {', '.join(MODES)}")
+        if keep < 1:
+            raise ValueError(f"keep={keep}: keep at least one checkpoint")
+        self.ex, self.run_dir, self.keep, self.mode = ex, Path(run_dir), keep, mode
+        self.nice = nice
+        self.rank = dist.get_rank()
+        self.spec_sha256 = spec_sha256 or ex.program.source_sha256
+        self.plan_sha256 = plan_sha256(ex.plan)
+        self.log = log or (lambda text: print(text, flush=True))
+        self.group = dist.new_group(backend="gloo")
+        self._pending: Future | None = None
+        self.saved: list[int] = []          # steps committed (rank 0) or written (others)
+
+    # -- saving ---------------------------------------------------------------------------
+
+    def _manifest(self, step: int) -> dict[str, Any]:
+        """The manifest's fields known when the save starts (all but the tensor count)."""
+        import torch
+
+        cuda = None
+        if torch.cuda.is_available():
+            cuda = _rng_b64(torch.cuda.get_rng_state())
+        plan, program = self.ex.plan, self.ex.program
+        return dict(step=step, next_step=step, spec=program.name,
+                    spec_sha256=self.spec_sha256, plan_sha256=self.plan_sha256,
+                    world_size=plan.gpus_used,
+                    units=tuple(UnitLayout(name=u.name, tp=u.tp, dp=u.dp, pp=u.pp)
+                                for u in plan.units),
+                    mode=self.mode, rng_torch=_rng_b64(torch.get_rng_state()), rng_cuda=cuda)
+
+    def save(self, step: int) -> float:
+        """Checkpoint the state after ``step`` steps (the next step to run is ``step``).
+        Collective. Returns the seconds it took on this (the training) thread: all of the
+        save in ``sync`` mode; in ``thread`` mode the wait for the previous save, gathering
+        the full tensors and staging their CPU copy."""
+        import torch.distributed.checkpoint as dcp
+
+        start = time.perf_counter()
+        self.wait()
+        state = full_state_dict(self.ex)
+        tmp = checkpoint_root(self.run_dir) / f"ckpt-{step}.tmp"
+        tmp.mkdir(parents=True, exist_ok=True)
+        manifest = self._manifest(step) if self.rank == 0 else None
+        if self.mode == "sync":
+            meta = dcp.save(state, checkpoint_id=str(tmp), process_group=self.group)
+            self._finish(step, tmp, manifest, meta)
+            return time.perf_counter() - start
+        # The CPU copy here (training changes the tensors next), the write in the
+        # background: dcp.save in a thread of our own that also commits, at a lower CPU
+        # priority than the training thread's.
+        staged = _cpu_copy(state)
+        done: Future = Future()
+
+        def write() -> None:
+            _lower_priority(self.nice)
+            try:
+                meta = dcp.save(staged, checkpoint_id=str(tmp), process_group=self.group)
+                self._finish(step, tmp, manifest, meta)
+                done.set_result(step)
+            except BaseException as err:   # re-raised on the training thread by wait()
+                done.set_exception(err)
+
+        threading.Thread(target=write, name="dtdsl-checkpoint", daemon=True).start()
+        self._pending = done
+        return time.perf_counter() - start
+
+    def _finish(self, step: int, tmp: Path, fields: dict[str, Any] | None,
+                meta: Any) -> None:
+        """After DCP's save returned ``meta`` (its global Metadata): rank 0 commits."""
+        if fields is not None:
+            manifest = Manifest(**fields, num_tensors=len(meta.state_dict_metadata))
+            final = _commit(tmp, manifest, self.keep)
+            self.log(f"checkpoint: saved {final} ({self.mode})")
+        self.saved.append(step)
+
+    def wait(self) -> None:
+        """Wait for the save in flight, if any (its commit included); re-raise its error."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self, *, wait: bool = True) -> None:
+        """Wait for the save in flight and free the checkpoint process group. With
+        ``wait=False`` (a job already failing) the save in flight is abandoned: its
+        ``.tmp`` directory is never loaded, and its error is not raised."""
+        import torch.distributed as dist
+
+        if not wait:
+            self._pending = None
+            return
+        try:
+            self.wait()
+        finally:
+            if self.group is not None:
+                dist.destroy_process_group(self.group)
+                self.group = None
+
+    # -- resuming ---------------------------------------------------------------------------
+
+    def resume(self) -> int:
+        """Load the newest complete checkpoint of the run directory (rank 0 picks it, every
+        rank loads its part, resharded to this plan) and return the step to continue
+        from; 0 when there is none. Collective. Removes interrupted saves first."""
+        import torch
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+
+        found = -1
+        if self.rank == 0:
+            _remove_incomplete(self.run_dir)
+            done = complete_checkpoints(self.run_dir)
+            found = done[-1][0] if done else -1
+        pick = torch.tensor([found], dtype=torch.int64)
+        dist.broadcast(pick, src=0, group=self.group)
+        step = int(pick.item())
+        if step < 0:
+            if self.rank == 0:
+                self.log(f"checkpoint: none in {checkpoint_root(self.run_dir)}; "
+                         "starting at step 0")
+            return 0
+        path = checkpoint_root(self.run_dir) / f"ckpt-{step}"
+        manifest = read_manifest(path)
+        if manifest.spec_sha256 != self.spec_sha256:
+            raise CheckpointError(
+                f"{path} was written for spec {manifest.spec} (sha256 "
+                f"{manifest.spec_sha256[:12]}...), this job runs sha256 "
+                f"{self.spec_sha256[:12]}...; resume only with the same spec")
+        start = time.perf_counter()
+        state = _template(self.ex)
+        try:
+            dcp.load(state, checkpoint_id=str(path), process_group=self.group)
+        except Exception as err:
+            raise CheckpointError(f"cannot load {path}: {err}") from err
+        load_full_state_dict(self.ex, state)
+        torch.set_rng_state(_rng_tensor(manifest.rng_torch))
+        if manifest.rng_cuda is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(_rng_tensor(manifest.rng_cuda))
+        if self.rank == 0:
+            layout = " ".join(f"{u.name}:tp{u.tp}dp{u.dp}pp{u.pp}" for u in manifest.units)
+            how = ("same plan" if manifest.plan_sha256 == self.plan_sha256 else
+                   f"resharded from {layout}")
+            self.log(f"checkpoint: resumed from {path} at step {manifest.next_step} ({how}, "
+                     f"{time.perf_counter() - start:.2f} s)")
+        return manifest.next_step
+

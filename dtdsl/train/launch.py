@@ -1,0 +1,349 @@
+"""What a generated rank program runs: one trainer rank of a launch bundle.
+
+A bundle's ``train.py`` (started by ``torchrun`` on every rank) picks the rank's program
+from its rank table (``ranks/<unit>_s<stage>.py``): a module that spells out the rank's
+unit, stage, layer range, TP/DP/PP coordinates, process groups and schedule as data in a
+``RankProgram`` and calls ``run``. ``run``
+
+1. checks the program against the bundle: the rank's coordinates and groups equal those
+   the plan gives (``mesh.role_of``), its action list equals the bundle's schedule;
+2. initialises torch.distributed (gloo: the executor runs on CPU tensors so far; the
+   rendezvous comes from torchrun's environment) and every process group;
+3. builds the ``executor.StageExecutor`` with the rank's data feed: with preprocessing
+   workers (``job.feed.workers > 0``) a ``dtdsl.feed.client.RemoteBatches`` receiving what
+   the workers ship, else ``batch.LocalBatches`` building batches in-process;
+4. resumes (``--resume``, or any later attempt of the same launch: ``_resume_decision``)
+   from the newest complete checkpoint of the run directory (``checkpoint.Checkpointer``;
+   resharded when it was written under another plan), or starts at step 0;
+5. trains up to the job's step count (``--steps``: the total, also when resuming), saving
+   a checkpoint every ``job.checkpoint.every`` steps (``--checkpoint-mode``: ``thread``
+   writes in the background, ``sync`` on the training thread). Rank 0 writes the run
+   directory: ``metrics.jsonl`` (per step: loss, its parts, the measured iteration time,
+   the data wait, samples/s, and the seconds a checkpoint save took on the training thread
+   where one was saved), ``samples.jsonl`` (per step, unit and DP replica: the keys of the
+   samples consumed) and TensorBoard logs under ``tb/`` (losses, throughput, data wait, and
+   the measured pipeline Gantt chart of every step next to the simulator's prediction for
+   the very batch the step trained on (its samples' sizes from the data source, routed as
+   the run routed them): tags ``measured/...`` and ``predicted/...``).
+
+**Resuming at step k** keeps the lines of steps before k in ``metrics.jsonl`` and
+``samples.jsonl`` and drops the later ones (the steps after the checkpoint that a killed
+run had done: they run again), so a run ends with exactly one line per step, the last run's;
+TensorBoard is told to purge its events from step k on (``purge_step``). A fresh start
+(no ``--resume``, first torchrun attempt) drops every earlier line, and moves checkpoints
+of an earlier run in the same directory aside to ``checkpoints.replaced-<time>/`` so that
+a restart of this run cannot load them (``launch.sh`` refuses such a start instead).
+
+**Fault injection** (tests): ``DTDSL_FAULT=rank<r>@<s>`` kills trainer rank ``r`` with
+SIGKILL when it reaches step ``s``, once per run directory (``dtdsl.train.job.fault_point``,
+marker files under ``faults/``); torchrun then restarts every rank and they resume.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from dtdsl.train.job import RankEntry, RankProgram
+
+__all__ = ["run"]
+
+
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="train.py", description="one trainer rank of a bundle "
+                                "(started by torchrun; see the bundle's README)")
+    p.add_argument("--run-dir", required=True, help="where metrics, samples, TensorBoard "
+                   "logs and checkpoints go")
+    p.add_argument("--steps", type=int, help="training steps (default: the job's)")
+    p.add_argument("--port-base", type=int, help="the feed's port base (default: the job's)")
+    p.add_argument("--data", help="the dataset (default: the job's)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest complete "
+                   "checkpoint in the run directory (torchrun restarts always do)")
+    p.add_argument("--checkpoint-mode", choices=("thread", "sync"), default="thread",
+                   help="thread: save in the background (default); sync: on the training "
+                   "thread")
+    return p.parse_args(argv)
+
+
+def _check(program: RankProgram, rank: int, plan: Any, schedule: Any) -> None:
+    """The rank program against the bundle's plan and schedule (a hand-edited or stale
+    program fails here, before any collective)."""
+    from dtdsl.parallel.mesh import role_of
+
+    if rank not in program.ranks:
+        raise RuntimeError(f"rank {rank} is not in the rank table of {program.unit}.s"
+                           f"{program.stage} ({sorted(program.ranks)})")
+    role = role_of(plan, rank)
+    entry = program.ranks[rank]
+    want = RankEntry(replica=role.replica, tp_index=role.tp_index, tp_group=role.tp_ranks,
+                     dp_group=role.dp_ranks, pp_group=role.pp_ranks)
+    if (role.unit, role.stage) != (program.unit, program.stage) or entry != want:
+        raise RuntimeError(f"rank {rank}: the rank program says {program.unit}.s"
+                           f"{program.stage} {entry} but plan.json gives {role.unit}.s"
+                           f"{role.stage} {want}; recompile the bundle")
+    actions = tuple(str(a) for a in schedule.stage(program.unit, program.stage).actions)
+    if actions != tuple(program.schedule):
+        raise RuntimeError(f"{program.unit}.s{program.stage}: the rank program's schedule "
+                           "differs from schedule.txt; recompile the bundle")
+
+
+def _data_source(job: Any, bundle: Path, program_ir: Any, override: str | None) -> Any:
+    from dtdsl.data.batch import SyntheticSource
+
+    if job.data.kind == "synthetic" and override is None:
+        return SyntheticSource(program_ir)
+    from dtdsl.feed.source import DatasetSource
+
+    path = Path(override) if override is not None else bundle / str(job.data.path)
+    return DatasetSource(program_ir, path)
+
+
+def _keep_before(path: Path, first: int) -> None:
+    """Keep the JSON lines of ``path`` whose step is before ``first`` (a torn last line of a
+    killed run goes too); written to a new file that replaces the old one."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text("utf-8").splitlines():
+        try:
+            step = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            continue
+        if isinstance(step, int) and step < first:
+            kept.append(line + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept), "utf-8")
+    os.replace(tmp, path)
+
+
+class _RunLog:
+    """Rank 0's writers: metrics.jsonl, samples.jsonl and TensorBoard."""
+
+    def __init__(self, run_dir: Path, plan: Any, program_ir: Any, schedule: Any,
+                 source: Any, first_step: int):
+        from dtdsl.sim.tensorboard import TimelineWriter
+
+        self.run_dir = run_dir
+        self.plan = plan
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            _keep_before(run_dir / name, first_step)
+        self.metrics = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+        self.samples = open(run_dir / "samples.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+        if first_step > 0 and (run_dir / "tb").is_dir():
+            # Events of the steps that run again are purged from view (TensorBoard reads
+            # the files in name order: this one sorts before the writer's below).
+            from torch.utils.tensorboard import SummaryWriter
+
+            SummaryWriter(log_dir=str(run_dir / "tb"), purge_step=first_step).close()
+        self.writer = TimelineWriter(run_dir / "tb", prefix=True)
+        from dtdsl.report import plan_markdown
+
+        self.writer.add_text("plan", plan_markdown(plan))
+        from dtdsl.cost.model import build_cost_model
+        from dtdsl.sim.simulate import Simulator
+        from dtdsl.sim.workload import WorkModel
+
+        self.program, self.source = program_ir, source
+        self.cost = build_cost_model(program_ir)
+        self.simulator = Simulator(schedule)
+        self.work_model = WorkModel(self.cost)
+
+    def _predict(self, step: int, batch: Any) -> None:
+        """The simulator's timeline of the very batch this step trained on (the sizes of
+        its samples from the data source, the routing the run used), under
+        ``predicted/``."""
+        from dtdsl.data.batch import routing_of, sample_set
+        from dtdsl.sim.run import simulate_routed
+
+        samples = sample_set(self.program, self.source.sizes(step))
+        r = simulate_routed(self.cost, self.plan, self.simulator, self.work_model, step,
+                            samples, routing_of(self.plan, batch.routing))
+        self.writer.add_step(step, r.result.timeline(step=step), r.scalars())
+
+    def step(self, result: dict[str, Any], timeline: Any, batch: Any, plan: Any,
+             checkpoint_s: float | None = None) -> None:
+        step, wall = result["step"], result["time_s"]
+        n = len(batch.keys)
+        record = {"step": step, "loss": result["loss"], "lm_loss": result["lm_loss"],
+                  "gen_loss": result["gen_loss"], "grad_norm": result["grad_norm"],
+                  "skipped": result["skipped"], "iteration_time_s": wall,
+                  "data_wait_s": result["data_wait_s"],
+                  "samples_per_s": n / wall if wall > 0 else 0.0}
+        if checkpoint_s is not None:
+            record["checkpoint_s"] = checkpoint_s
+        self.metrics.write(json.dumps(record) + "\n")
+        self.metrics.flush()
+        for u in plan.units:
+            for replica in range(u.dp):
+                keys = [batch.keys[i] for s in batch.routing
+                        for i in s.samples_of(u.name, replica)]
+                self.samples.write(json.dumps({"step": step, "unit": u.name,
+                                               "replica": replica, "keys": keys}) + "\n")
+        self.samples.flush()
+        scalars = {"loss/total": result["loss"], "loss/lm": result["lm_loss"],
+                   "loss/gen": result["gen_loss"], "throughput/samples_per_s":
+                   record["samples_per_s"], "data/wait_s": result["data_wait_s"],
+                   "data/wait_fraction": result["data_wait_s"] / wall if wall > 0 else 0.0}
+        if result["grad_norm"] is not None:
+            scalars["grad_norm"] = result["grad_norm"]
+        if checkpoint_s is not None:
+            scalars["checkpoint/save_s"] = checkpoint_s
+        self.writer.add_step(step, timeline, scalars)
+        self._predict(step, batch)
+
+    def close(self) -> None:
+        self.metrics.close()
+        self.samples.close()
+        self.writer.close()
+
+
+def _set_aside_checkpoints(run_dir: Path) -> None:
+    """A fresh start: an earlier run's checkpoints in the same directory move aside, so a
+    restart of this run cannot load them (module docstring)."""
+    from dtdsl.train.checkpoint import checkpoint_root
+
+    root = checkpoint_root(run_dir)
+    if root.is_dir() and any(root.iterdir()):
+        aside = root.with_name(f"checkpoints.replaced-{int(time.time())}")
+        root.rename(aside)
+        print(f"a fresh start: the checkpoints of an earlier run moved to {aside} (use "
+              "--resume to continue a run)", flush=True)
+
+
+def _resume_decision(run_dir: Path, rank: int, asked: bool, restart: int) -> bool:
+    """Whether this attempt resumes, one answer for every rank (rank 0 decides and
+    broadcasts: a collective). It resumes when asked (``--resume``), on a counted torchrun
+    restart, and whenever this launch (``DTDSL_LAUNCH_ID``, set once per ``launch.sh``) has
+    started before: on several nodes, torchrun restarts the workers of the nodes that did
+    not fail without counting a restart there, so node 0's ranks would otherwise take the
+    restart for a fresh start."""
+    import torch.distributed as dist
+
+    decision = [asked or restart > 0]
+    if rank == 0:
+        launch = os.environ.get("DTDSL_LAUNCH_ID", "")
+        marker = run_dir / "launches" / launch if launch else None
+        if marker is not None and marker.exists():
+            decision[0] = True
+        if marker is not None:
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.touch()
+    dist.broadcast_object_list(decision, src=0)
+    return bool(decision[0])
+
+
+def _check_node(rank: int, job: Any) -> None:
+    """On several nodes, this rank must run on the node the bundle placed it on (its feed
+    address is that node's): torchrun's c10d rendezvous numbers the nodes by host name,
+    not by ``--node-rank``."""
+    node = os.environ.get("DTDSL_NODE_RANK")
+    if job.nodes > 1 and node is not None and int(node) != rank // job.gpus_per_node:
+        raise SystemExit(
+            f"rank {rank} belongs on node {rank // job.gpus_per_node} but started on the node "
+            f"launched with --node-rank {node}: torchrun's c10d rendezvous orders the nodes "
+            "by host name, so give --node-rank (and --hosts at compile time) in the order of "
+            "the nodes' sorted host names")
+
+
+def run(program: RankProgram, bundle: str | Path, argv: Sequence[str] | None = None) -> int:
+    """Train this rank (``RANK`` / ``WORLD_SIZE`` from torchrun's environment) per the
+    bundle at ``bundle``; the module docstring says how. Returns the exit status."""
+    import torch
+    import torch.distributed as dist
+
+    from dtdsl.data.batch import LocalBatches
+    from dtdsl.ir.plan import Plan
+    from dtdsl.ir.program import Program
+    from dtdsl.ir.schedule import parse_schedule
+    from dtdsl.parallel.mesh import build_groups
+    from dtdsl.train.checkpoint import Checkpointer
+    from dtdsl.train.executor import StageExecutor, gather_timeline
+    from dtdsl.train.job import fault_point, load_job
+
+    args = _parse(argv)
+    bundle = Path(bundle)
+    job = load_job(bundle)
+    program_ir = Program.model_validate_json((bundle / job.program_file).read_bytes())
+    plan = Plan.model_validate_json((bundle / job.plan_file).read_bytes())
+    schedule = parse_schedule((bundle / job.schedule_file).read_text("utf-8"))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world != job.world_size:
+        raise RuntimeError(f"started with {world} ranks; the bundle needs {job.world_size}")
+    _check(program, rank, plan, schedule)
+    steps = args.steps if args.steps is not None else job.steps
+    run_dir = Path(args.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+    torch.set_num_threads(max(1, int(os.environ.get("DTDSL_THREADS", "1"))))
+    # The executor keeps its tensors on the CPU so far (bf16 / NCCL on GPUs is issue 5's
+    # open part): gloo everywhere, rather than NCCL handed CPU tensors.
+    backend = "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
+    _check_node(rank, job)
+    resume = _resume_decision(run_dir, rank, args.resume, restart)
+    log = None
+    ckpt = None
+    try:
+        if not resume and rank == 0:
+            _set_aside_checkpoints(run_dir)
+        groups = build_groups(plan)
+        # The samples' source: read by the in-process feed, and by rank 0's predictions.
+        source = (_data_source(job, bundle, program_ir, args.data)
+                  if job.feed.workers == 0 or rank == 0 else None)
+        if job.feed.workers > 0:
+            from dtdsl.feed.client import RemoteBatches
+
+            feed: Any = RemoteBatches(job, bundle, program_ir, plan, groups.role,
+                                      port_base=args.port_base)
+        else:
+            feed = LocalBatches(program_ir, plan, groups.role, source=source,
+                                policy=frozenset(job.reorder))
+        ex = StageExecutor(program_ir, plan, schedule, rank=rank, groups=groups, feed=feed)
+        # After build_groups on every rank: the checkpoints' own gloo group.
+        ckpt = Checkpointer(ex, run_dir, keep=job.checkpoint.keep, mode=args.checkpoint_mode,
+                            spec_sha256=job.spec_sha256)
+        if resume and rank == 0:
+            print(f"resuming (torchrun restart {restart})" if restart else "resuming",
+                  flush=True)
+        first = ckpt.resume() if resume else 0
+        every = job.checkpoint.every
+        if rank == 0:
+            log = _RunLog(run_dir, plan, program_ir, schedule, source, first)
+            if first >= steps:
+                print(f"nothing to do: the run is at step {first} of {steps}", flush=True)
+        start = time.perf_counter()
+        for step in range(first, steps):
+            fault_point(f"rank{rank}", step, run_dir)
+            result = ex.run_step(step)
+            timeline = gather_timeline(plan, step, result["events"])
+            saved = None
+            if every > 0 and (step + 1) % every == 0:
+                saved = ckpt.save(step + 1)
+            if log is not None:
+                assert ex.batch is not None
+                log.step(result, timeline, ex.batch, plan, checkpoint_s=saved)
+                note = "" if saved is None else f"  checkpoint {saved * 1e3:.0f} ms"
+                print(f"step {step + 1}/{steps}  loss {result['loss']:.5f}  "
+                      f"{result['time_s'] * 1e3:.0f} ms  data wait "
+                      f"{result['data_wait_s'] * 1e3:.1f} ms{note}  "
+                      f"({time.perf_counter() - start:.1f} s)", flush=True)
+        ckpt.close()
+        ckpt = None
+        if hasattr(feed, "close"):
+            feed.close()
+    finally:
+        if log is not None:
+            log.close()
+        if ckpt is not None:      # failing: do not wait for a save in flight
+            ckpt.close(wait=False)
+        dist.destroy_process_group()
+    return 0

@@ -1,0 +1,183 @@
+"""The torch models: parameter counts against the analytic model, forward and backward
+on the tiny spec, tensor-parallel shards."""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+import pytest
+import torch
+
+from dtdsl.cost import flops
+from dtdsl.driver import run_frontend
+from dtdsl.ir import program as ir
+from dtdsl.models import (
+    Backbone,
+    DiT,
+    Encoder,
+    build_layer,
+    build_module,
+    build_projector,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+SPECS = sorted(p.name for p in (ROOT / "specs").glob("*.dt"))
+
+
+@cache
+def load(name: str) -> ir.Program:
+    path = ROOT / "specs" / name
+    result = run_frontend(str(path), path.read_bytes())
+    assert result.ok, [d.message for d in result.diagnostics]
+    return result.program
+
+
+
+def num_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def expected_params(module: ir.Module) -> int:
+    """flops.module_params, less what it over-counts for a backbone: it counts two
+    LayerNorms (4 h) per layer, a backbone has two RMSNorms (2 h, no bias) per layer
+    and one final RMSNorm (h)."""
+    params = flops.module_params(module)
+    if module.role == "backbone":
+        h = module.arch.hidden
+        params -= module.arch.layers * 2 * h - h
+    return int(params)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_param_counts_match_the_analytic_model(spec):
+    program = load(spec)
+    with torch.device("meta"):   # the 70B backbone costs nothing here
+        for module in program.modules:
+            model = build_module(module)
+            assert num_params(model) == expected_params(module), module.name
+            # The norm difference is negligible at paper scale (0.12% of the tiny backbone).
+            if flops.module_params(module) > 1e8:
+                assert abs(num_params(model) / flops.module_params(module) - 1) < 1e-3
+        for proj in program.projectors:
+            assert num_params(build_projector(proj)) == flops.projector_params(proj.arch)
+
+
+def test_known_models_have_their_published_sizes():
+    program = load("mllm_9b.dt")
+    with torch.device("meta"):
+        assert num_params(build_module(program.module("sd"))) == 865_910_724    # SD 2.1 U-Net
+        assert num_params(build_module(program.backbone)) == 8_030_261_248      # Llama 3 8B
+
+
+def test_tiny_modules_train_on_cpu():
+    program = load("tiny_cpu.dt")
+    torch.manual_seed(0)
+    vit, llm, gen = (build_module(m) for m in program.modules)
+
+    patches = torch.randn(2, 16, 3 * 8 * 8)
+    out = vit(patches)
+    assert out.shape == (2, 16, 64)
+    out.square().mean().backward()
+
+    tokens = torch.randint(0, 512, (2, 32))
+    logits = llm(tokens)
+    assert logits.shape == (2, 32, 512)
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
+    assert llm.hidden_states(tokens).shape == (2, 32, 128)
+
+    latent = torch.randn(3, 4, 8, 8)
+    context = torch.randn(3, 77, 64, requires_grad=True)
+    noise = gen(latent, torch.randint(0, 1000, (3,)), context)
+    assert noise.shape == latent.shape
+    noise.square().mean().backward()
+    assert context.grad is not None and context.grad.abs().sum() > 0
+
+    for model in (vit, llm, gen):
+        assert all(p.grad is not None for p in model.parameters())
+
+    vit_to_llm, llm_to_gen = (build_projector(p) for p in program.projectors)
+    assert vit_to_llm(out.detach()).shape == (2, 16, 128)
+    assert llm_to_gen(torch.randn(2, 5, 128)).shape == (2, 5, 64)
+
+
+def test_causal_backbone_ignores_the_future():
+    program = load("tiny_cpu.dt")
+    torch.manual_seed(0)
+    llm = build_module(program.backbone).eval()
+    tokens = torch.randint(0, 512, (1, 12))
+    changed = tokens.clone()
+    changed[0, 8:] = (changed[0, 8:] + 1) % 512
+    with torch.no_grad():
+        a, b = llm(tokens), llm(changed)
+    torch.testing.assert_close(a[0, :8], b[0, :8])
+    assert not torch.allclose(a[0, 8:], b[0, 8:])
+
+
+def test_patchify_flattens_patches():
+    images = torch.arange(2 * 3 * 16 * 16, dtype=torch.float32).reshape(2, 3, 16, 16)
+    patches = Encoder.patchify(images, 8)
+    assert patches.shape == (2, 4, 3 * 64)
+    assert torch.equal(patches[0, 1].reshape(3, 8, 8), images[0, :, :8, 8:])
+
+
+def test_dit_forward_backward_and_params():
+    arch = ir.DiTArch(layers=2, hidden=64, heads=4, ffn=128, patch=2, latent=8,
+                      latent_channels=4, context_dim=32)
+    module = ir.Module(name="dit", role="generator", modality="image", arch=arch,
+                       span=load("tiny_cpu.dt").modules[0].span)
+    torch.manual_seed(0)
+    model = build_module(module)
+    assert isinstance(model, DiT)
+    assert num_params(model) == flops.module_params(module)
+    latent = torch.randn(2, 4, 8, 8)
+    out = model(latent, torch.tensor([3, 700]), torch.randn(2, 7, 32))
+    assert out.shape == latent.shape
+    out.sum().backward()
+    shard = build_module(module, tp=2)
+    assert shard(latent, torch.tensor([3, 700]), torch.randn(2, 7, 32)).shape == latent.shape
+    layer_params = num_params(build_layer(module))
+    assert num_params(build_layer(module, tp=2)) == pytest.approx(layer_params / 2, rel=0.05)
+
+
+@pytest.mark.parametrize("name", ["vit", "llm"])
+def test_a_tp2_layer_holds_half_the_weights(name):
+    module = load("tiny_cpu.dt").module(name)
+    h = module.arch.hidden
+    norms = 4 * h if module.role == "encoder" else 2 * h   # replicated on every rank
+    full, half = num_params(build_layer(module)), num_params(build_layer(module, tp=2))
+    assert half == (full - norms) / 2 + norms
+
+
+def test_tp2_shards_run_with_full_width_outputs():
+    program = load("tiny_cpu.dt")
+    torch.manual_seed(0)
+    vit, llm, gen = (build_module(m, tp=2) for m in program.modules)
+    assert vit(torch.randn(1, 16, 192)).shape == (1, 16, 64)
+    layer = build_layer(program.backbone, tp=2)
+    h = torch.randn(1, 10, 128, requires_grad=True)
+    layer(h).sum().backward()
+    assert h.grad.shape == h.shape
+    assert isinstance(llm, Backbone) and llm.vocab_shard == 256
+    assert llm(torch.randint(0, 512, (1, 10))).shape == (1, 10, 256)   # the local vocab slice
+    full = num_params(build_module(program.module("gen")))
+    assert num_params(gen) / full == pytest.approx(0.5, abs=0.02)
+    latent = torch.randn(2, 4, 8, 8)
+    gen(latent, torch.tensor([1, 2]), torch.randn(2, 77, 64)).sum().backward()
+
+
+def test_vocab_parallel_embedding_zeroes_tokens_it_does_not_own():
+    llm = build_module(load("tiny_cpu.dt").backbone, tp=2)
+    out = llm.embed(torch.tensor([[0, 255, 256, 511]]))
+    assert out[0, :2].abs().sum() > 0
+    assert torch.equal(out[0, 2:], torch.zeros(2, 128))
+
+
+def test_unsplittable_tp_and_unsupported_layers_are_refused():
+    program = load("mllm_9b.dt")
+    with pytest.raises(ValueError, match="5 attention heads at level 0"):
+        build_module(program.module("sd"), tp=2)
+    with pytest.raises(ValueError, match="32 attention heads"):
+        build_layer(program.backbone, tp=3)
+    with pytest.raises(ValueError, match="whole module"):
+        build_layer(program.module("sd"))

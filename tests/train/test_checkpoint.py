@@ -1,0 +1,275 @@
+"""Checkpoints: the canonical layout, one writer per tensor, complete-only loading, bitwise
+resume under the same plan and resharded resume under other plans (in-process gloo ranks)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from functools import cache
+from pathlib import Path
+
+import pytest
+import torch
+
+from dtdsl.ir import program as ir
+from dtdsl.ir.plan import Plan
+from dtdsl.models.multimodal import build_model
+from dtdsl.parallel.mesh import build_groups
+from dtdsl.schedule.lower import lower
+from dtdsl.train.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    Manifest,
+    UnitLayout,
+    _commit,
+    checkpoint_root,
+    complete_checkpoints,
+    latest_checkpoint,
+    read_manifest,
+)
+from dtdsl.train.executor import StageExecutor
+from dtdsl.train.reference import train_reference
+from tests.dist import run
+from tests.train.test_executor import LOSS_RTOL, PARAM_RMS, PARAM_RTOL, plan_for, spec
+
+# ---- files: what counts as a checkpoint --------------------------------------------------
+
+
+def _manifest(step: int) -> Manifest:
+    return Manifest(step=step, next_step=step, spec="s", spec_sha256="a" * 64,
+                    plan_sha256="b" * 64, world_size=1,
+                    units=(UnitLayout(name="u", tp=1, dp=1, pp=1),), mode="sync",
+                    num_tensors=0, rng_torch="")
+
+
+def _fake(run_dir: Path, name: str, *, manifest: Manifest | None = None,
+          metadata: bool = True) -> Path:
+    path = checkpoint_root(run_dir) / name
+    path.mkdir(parents=True)
+    if metadata:
+        (path / ".metadata").write_bytes(b"x")
+    if manifest is not None:
+        (path / "manifest.json").write_text(manifest.model_dump_json())
+    return path
+
+
+def test_only_complete_checkpoints_count(tmp_path):
+    assert latest_checkpoint(tmp_path) is None
+    _fake(tmp_path, "ckpt-2", manifest=_manifest(2))
+    _fake(tmp_path, "ckpt-4.tmp", manifest=_manifest(4))      # interrupted: never renamed
+    _fake(tmp_path, "ckpt-6")                                  # no manifest
+    _fake(tmp_path, "ckpt-8", manifest=_manifest(7))           # manifest of another step
+    _fake(tmp_path, "ckpt-10", manifest=_manifest(10), metadata=False)   # no DCP metadata
+    (checkpoint_root(tmp_path) / "ckpt-12").write_text("a file")
+    (checkpoint_root(tmp_path) / "ckpt-14").mkdir()
+    (checkpoint_root(tmp_path) / "ckpt-14" / "manifest.json").write_text("{not json")
+    assert [s for s, _ in complete_checkpoints(tmp_path)] == [2]
+    assert latest_checkpoint(tmp_path) == checkpoint_root(tmp_path) / "ckpt-2"
+    with pytest.raises(CheckpointError, match="not a checkpoint manifest"):
+        read_manifest(checkpoint_root(tmp_path) / "ckpt-14")
+
+
+def test_commit_renames_last_and_keeps_the_newest(tmp_path):
+    for step in (3, 6, 9, 12):
+        tmp = _fake(tmp_path, f"ckpt-{step}.tmp")
+        assert latest_checkpoint(tmp_path) != tmp.with_name(f"ckpt-{step}")
+        final = _commit(tmp, _manifest(step), keep=2)
+        assert final.name == f"ckpt-{step}" and not tmp.exists()
+        assert read_manifest(final).step == step
+    assert [s for s, _ in complete_checkpoints(tmp_path)] == [9, 12]
+    # The same step saved again (a resumed run passing it once more) replaces it.
+    tmp = _fake(tmp_path, "ckpt-12.tmp")
+    (tmp / "marker").write_text("new")
+    final = _commit(tmp, _manifest(12), keep=2)
+    assert (final / "marker").read_text() == "new"
+    assert sorted(p.name for p in checkpoint_root(tmp_path).iterdir()) == ["ckpt-12", "ckpt-9"]
+
+
+# ---- multi-rank: save, resume, reshard ------------------------------------------------------
+
+TOTAL = 8
+PROGRAM = spec(8)
+# A: the backbone data parallel (ZeRO-1 shards its Adam state over 2 ranks)
+PLAN_A = plan_for(PROGRAM, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, 2, 1),
+                  ("gen", "generator", 1, 1, 1))
+# B: the backbone and the generator tensor parallel (5 ranks)
+PLAN_B = plan_for(PROGRAM, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 2, 1, 1),
+                  ("gen", "generator", 2, 1, 1))
+# C: the encoder tensor parallel, the backbone in two pipeline stages (5 ranks)
+PLAN_C = plan_for(PROGRAM, ("vit", "encoder", 2, 1, 1), ("llm", "backbone", 1, 1, 2),
+                  ("gen", "generator", 1, 1, 1))
+
+
+@cache
+def _reference() -> tuple[list[float], dict[int, dict[str, tuple[torch.Tensor, ...]]]]:
+    """The reference's losses of TOTAL steps, and per step count in (4, 6, 8) every
+    parameter's (initial, value after that many steps)."""
+    torch.set_num_threads(1)
+    model = build_model(PROGRAM)
+    init = {n: p.detach().clone() for n, p in model.named_parameters()}
+    losses, params = [], {}
+    for r in train_reference(PROGRAM, TOTAL, model=model):
+        losses.append(r["loss"])
+        if r["step"] + 1 in (4, 6, 8):
+            params[r["step"] + 1] = {n.removeprefix("units."): (init[n], p.detach().clone())
+                                     for n, p in model.named_parameters()}
+    return losses, params
+
+
+def _phase(rank: int, world: int, program: ir.Program, plan: Plan, run_dir: str,
+           steps: int, saves: dict[int, str], out: str,
+           want: dict[str, tuple[torch.Tensor, torch.Tensor]] | None) -> None:
+    """Resume from ``run_dir`` (or start), train ``steps`` steps, save after the steps in
+    ``saves`` (step -> mode); rank 0 writes the first step and the losses to ``out``;
+    with ``want`` the full parameters at the end are checked against the reference's."""
+    ex = StageExecutor(program, plan, lower(plan, program), rank=rank,
+                       groups=build_groups(plan))
+    logs: list[str] = []
+    ckpts = {mode: Checkpointer(ex, run_dir, keep=3, mode=mode, log=logs.append)
+             for mode in ("sync", "thread")}
+    first = ckpts["sync"].resume()
+    losses = []
+    for step in range(first, first + steps):
+        losses.append(ex.run_step(step)["loss"])
+        if step + 1 in saves:
+            ckpts[saves[step + 1]].save(step + 1)
+    for c in ckpts.values():
+        c.close()
+    if want is not None:
+        for name, p in ex.full_parameters().items():
+            init, ref = want[name]
+            err = (p - ref).norm().item()
+            assert err <= PARAM_RTOL * (ref - init).norm().item() + 1e-7, (name, err)
+            assert err <= PARAM_RMS * ref.numel() ** 0.5, (name, err)
+    if rank == 0:
+        Path(out).write_text(json.dumps({"first": first, "losses": losses, "logs": logs}))
+
+
+def _go(plan: Plan, run_dir: Path, steps: int, saves: dict[int, str], out: Path,
+        want_at: int | None = None) -> dict:
+    want = _reference()[1][want_at] if want_at is not None else None
+    run(_phase, plan.gpus_used, PROGRAM, plan, str(run_dir), steps, saves, str(out), want,
+        timeout=240)
+    return json.loads(out.read_text())
+
+
+def _close(got: list[float], want: list[float]) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert g == pytest.approx(w, rel=LOSS_RTOL)
+
+
+def test_save_resume_and_reshard(tmp_path):
+    ref, _ = _reference()
+    a_dir = tmp_path / "a"
+    # Plan A from scratch: a synchronous save after 2 steps, one in the background after 4.
+    a = _go(PLAN_A, a_dir, 4, {2: "sync", 4: "thread"}, tmp_path / "a.json", want_at=4)
+    assert a["first"] == 0
+    _close(a["losses"], ref[:4])
+    assert [s for s, _ in complete_checkpoints(a_dir)] == [2, 4]
+    m = read_manifest(checkpoint_root(a_dir) / "ckpt-4")
+    assert (m.step, m.next_step, m.mode, m.world_size) == (4, 4, "thread", 4)
+    assert m.spec_sha256 == PROGRAM.source_sha256
+    assert [(u.name, u.tp, u.dp, u.pp) for u in m.units] == [
+        ("vit", 1, 1, 1), ("llm", 1, 2, 1), ("gen", 1, 1, 1)]
+
+    # The layout: every trainable parameter of the model, full, with its Adam state, each
+    # tensor written by exactly one rank, the writes spread over the ranks.
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = FileSystemReader(str(checkpoint_root(a_dir) / "ckpt-4")).read_metadata()
+    model = build_model(PROGRAM)
+    trainable = {n.removeprefix("units."): p for n, p in model.named_parameters()
+                 if p.requires_grad}
+    keys = set(meta.state_dict_metadata)
+    assert keys == ({f"model.{n}" for n in trainable} | {"step"} |
+                    {f"optim.{n}.{k}" for n in trainable for k in ("exp_avg", "exp_avg_sq")})
+    assert m.num_tensors == len(keys)
+    for n, p in trainable.items():
+        assert tuple(meta.state_dict_metadata[f"model.{n}"].size) == tuple(p.shape)
+        assert tuple(meta.state_dict_metadata[f"optim.{n}.exp_avg"].size) == tuple(p.shape)
+    writers: dict[str, set[str]] = {}
+    for index, info in meta.storage_data.items():
+        writers.setdefault(index.fqn, set()).add(info.relative_path)
+    assert set(writers) == keys
+    assert all(len(files) == 1 for files in writers.values()), "a tensor written twice"
+    # llm is on ranks 1 and 2 (DP): both offer its tensors, each written by one of them
+    llm_files = {f for k, files in writers.items()
+                 if k.startswith(("model.llm.", "optim.llm.")) for f in files}
+    assert {f.split("_")[2] for f in llm_files} == {"1", "2"}
+    assert len({f for files in writers.values() for f in files}) == 4
+
+    # The same plan from ckpt-2 (in a run directory of its own): bitwise the same losses.
+    same = tmp_path / "same"
+    shutil.copytree(checkpoint_root(a_dir) / "ckpt-2", checkpoint_root(same) / "ckpt-2")
+    s = _go(PLAN_A, same, 2, {}, tmp_path / "same.json")
+    assert s["first"] == 2 and s["losses"] == a["losses"][2:4]
+    assert "same plan" in s["logs"][0]
+
+    # Plan B (backbone and generator TP 2) from A's background save: resharded, matches
+    # the reference; its save gathers the TP shards (and the generator's replicated
+    # DTensor biases) back into the full tensors.
+    b = _go(PLAN_B, a_dir, 2, {6: "thread"}, tmp_path / "b.json", want_at=6)
+    assert b["first"] == 4 and "resharded from" in b["logs"][0]
+    _close(b["losses"], ref[4:6])
+    assert [u.tp for u in read_manifest(latest_checkpoint(a_dir)).units] == [1, 2, 2]
+
+    # Plan C (encoder TP 2, backbone PP 2, 5 ranks) from B's save, written by TP ranks.
+    c = _go(PLAN_C, a_dir, 2, {}, tmp_path / "c.json", want_at=8)
+    assert c["first"] == 6
+    _close(c["losses"], ref[6:8])
+
+
+def test_an_interrupted_save_is_not_loaded_and_is_removed(tmp_path):
+    ref, _ = _reference()
+    _go(PLAN_A, tmp_path, 2, {1: "sync", 2: "sync"}, tmp_path / "a.json")
+    # Simulate a save of step 2 interrupted before its commit.
+    root = checkpoint_root(tmp_path)
+    (root / "ckpt-2" / "manifest.json").unlink()
+    (root / "ckpt-2").rename(root / "ckpt-2.tmp")
+    r = _go(PLAN_A, tmp_path, 1, {}, tmp_path / "r.json")
+    assert r["first"] == 1
+    _close(r["losses"], ref[1:2])
+    assert sorted(p.name for p in root.iterdir()) == ["ckpt-1"]
+
+
+def test_another_spec_is_refused(tmp_path):
+    _go(PLAN_A, tmp_path, 1, {1: "sync"}, tmp_path / "a.json")
+    path = checkpoint_root(tmp_path) / "ckpt-1" / "manifest.json"
+    data = json.loads(path.read_text())
+    data["spec_sha256"] = "f" * 64
+    path.write_text(json.dumps(data))
+    with pytest.raises(AssertionError, match="resume only with the same spec"):
+        _go(PLAN_A, tmp_path, 1, {}, tmp_path / "b.json")
+
+
+def _frozen(rank: int, world: int, program: ir.Program, plan: Plan, run_dir: str,
+            out: str) -> None:
+    ex = StageExecutor(program, plan, lower(plan, program), rank=rank,
+                       groups=build_groups(plan))
+    ck = Checkpointer(ex, run_dir, mode="sync", log=lambda _: None)
+    first = ck.resume()
+    losses = []
+    for step in range(first, 2):
+        losses.append(ex.run_step(step)["loss"])
+        if step == 0:
+            ck.save(1)
+    ck.close()
+    if rank == 0:
+        Path(out).write_text(json.dumps({"first": first, "losses": losses}))
+
+
+def test_frozen_units_are_not_saved_and_a_rank_with_nothing_to_save_takes_part(tmp_path):
+    program = spec(8, frozen=("gen", "llm_to_gen"))
+    plan = plan_for(program, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, 1, 1),
+                    ("gen", "generator", 1, 1, 1))
+    run(_frozen, 3, program, plan, str(tmp_path), str(tmp_path / "a.json"), timeout=120)
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = FileSystemReader(str(checkpoint_root(tmp_path) / "ckpt-1")).read_metadata()
+    units = {k.split(".")[1] for k in meta.state_dict_metadata if k != "step"}
+    assert units == {"vit", "vit_to_llm", "llm"}
+    a = json.loads((tmp_path / "a.json").read_text())
+    run(_frozen, 3, program, plan, str(tmp_path), str(tmp_path / "b.json"), timeout=120)
+    b = json.loads((tmp_path / "b.json").read_text())
+    assert b["first"] == 1 and b["losses"] == a["losses"][1:]

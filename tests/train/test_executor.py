@@ -1,0 +1,343 @@
+"""The schedule executor against the single-process reference (multi-rank gloo runs)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from functools import cache
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+from dtdsl.data.batch import SyntheticSource, normalizer_of, route_batch
+from dtdsl.ir import program as ir
+from dtdsl.ir.plan import Plan, split_layers
+from dtdsl.ir.schedule import Schedule
+from dtdsl.models.multimodal import build_model
+from dtdsl.parallel.broker import local_links
+from dtdsl.parallel.mesh import ProcessGroups, build_groups, role_of
+from dtdsl.parallel.tp import local_tensor
+from dtdsl.reorder.split import contiguous_split
+from dtdsl.schedule.lower import lower
+from dtdsl.train.executor import StageExecutor, gather_timeline, run_rank
+from dtdsl.train.reference import train_reference
+from tests.dist import make_plan, run
+from tests.train.test_reference import program as tiny
+
+STEPS = 20            # the issue's acceptance: 20 steps
+LOSS_RTOL = 1e-4
+PARAM_RTOL = 5e-3     # of the norm of a parameter's update over the steps
+PARAM_RMS = 1e-4      # and the root-mean-square difference per tensor within this (the issue's
+                      # 1e-4; single elements can differ by ~2e-4 after 20 steps where Adam's
+                      # m / sqrt(v) amplifies float summation order, as between two
+                      # micro-batch sizes of the reference itself)
+
+# The first AdamW imports torch._dynamo (seconds); do it once here, before the forks.
+torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
+
+
+def spec(batch: int, *, frozen: tuple[str, ...] = ()) -> ir.Program:
+    """tiny_cpu with a global batch of ``batch`` and the named modules/projectors frozen."""
+    p = tiny()
+    modules = tuple(m.model_copy(update={"frozen": True}) if m.name in frozen else m
+                    for m in p.modules)
+    projectors = tuple(q.model_copy(update={"frozen": True}) if q.name in frozen else q
+                       for q in p.projectors)
+    return p.model_copy(update={"modules": modules, "projectors": projectors,
+                                "train": p.train.model_copy(update={"global_batch": batch})})
+
+
+def plan_for(program: ir.Program, *units: tuple[str, str, int, int, int]) -> Plan:
+    """``make_plan`` with the program's layer counts, batch and microbatch count."""
+    base = make_plan(*units)
+    mb = program.train.micro_batch
+    dp_lm = next(u.dp for u in base.units if u.role == "backbone")
+    m, rest = divmod(program.train.global_batch, dp_lm * mb)
+    assert rest == 0
+    fixed = tuple(u.model_copy(update={
+        "layers_per_stage": split_layers(program.module(u.name).arch.pipeline_layers, u.pp)
+        if u.role != "generator" else (1,) * u.pp,
+        "microbatch_share": dp_lm / u.dp}) for u in base.units)
+    return base.model_copy(update={"units": fixed, "global_batch": program.train.global_batch,
+                                   "micro_batch": mb, "num_microbatches": m})
+
+
+@cache
+def reference(program: ir.Program) -> tuple[list[float], dict[str, tuple[torch.Tensor, ...]]]:
+    """The reference's losses, and per parameter its (initial, final) values."""
+    torch.set_num_threads(1)
+    model = build_model(program)
+    init = {n: p.detach().clone() for n, p in model.named_parameters()}
+    losses = [r["loss"] for r in train_reference(program, STEPS, model=model)]
+    params = {n.removeprefix("units."): (init[n], p.detach().clone())
+              for n, p in model.named_parameters()}
+    return losses, params
+
+
+def _train(rank: int, world: int, program: ir.Program, plan: Plan, losses: list[float],
+           params: dict[str, torch.Tensor], metrics: str) -> None:
+    groups = build_groups(plan)
+    schedule = lower(plan, program)
+    ex = StageExecutor(program, plan, schedule, rank=rank, groups=groups)
+    # Same-host transfers go over local links unless DTDSL_LOCAL_LINKS=0 (then gloo).
+    assert (local_links() is None) == (os.environ.get("DTDSL_LOCAL_LINKS") == "0")
+    results = ex.train(STEPS, metrics_path=metrics)
+    for r, want in zip(results, losses, strict=True):
+        assert math.isclose(r["loss"], want, rel_tol=LOSS_RTOL), (r["step"], r["loss"], want)
+    # Every action of the stage is in the measured events, in order (SYNC and OPT are
+    # the last actions, and the last events).
+    actions = schedule.stage(ex.role.unit, ex.role.stage).actions
+    events = results[-1]["events"]
+    assert [(e.kind, e.microbatch) for e in events] == \
+        [(a.kind.value, a.microbatch) for a in actions]
+    assert all(0 <= e.start_s <= e.end_s for e in events)
+    timeline = gather_timeline(plan, STEPS - 1, events)
+    assert len(timeline.events) == sum(len(st.actions) * schedule.unit(st.unit).dp
+                                       for st in schedule.stages)
+    assert set(timeline.rows()) == {e.row for e in timeline.events}
+    mine = ex.named_parameters()
+    assert mine, "every stage holds parameters"
+    for name, p in mine.items():
+        init, want = params[name]
+        if not p.requires_grad:
+            assert torch.equal(p.detach(), want), name
+            continue
+        # Adam amplifies rounding where a gradient is near zero (the reference itself
+        # moves by ~2e-4 between micro_batch 2 and 8), so compare the whole update.
+        err = (p.detach() - want).norm().item()
+        assert err <= PARAM_RTOL * (want - init).norm().item() + 1e-7, (name, err)
+        assert err <= PARAM_RMS * want.numel() ** 0.5, (name, err)
+
+
+def check(program: ir.Program, plan: Plan) -> None:
+    losses, params = reference(program)
+    world = plan.gpus_used
+    with tempfile.TemporaryDirectory() as tmp:
+        metrics = os.path.join(tmp, "metrics.jsonl")
+        run(_train, world, program, plan, losses, params, metrics, timeout=180)
+        with open(metrics) as f:
+            lines = [json.loads(line) for line in f]
+    assert [x["step"] for x in lines] == list(range(STEPS))
+    for x, want in zip(lines, losses, strict=True):
+        assert math.isclose(x["loss"], want, rel_tol=LOSS_RTOL)
+
+
+
+def test_routing_rule():
+    assert contiguous_split(5, 3) == (0, 0, 1, 1, 2)
+    assert contiguous_split(2, 3) == (0, 1)
+    program = spec(12)
+    plan = plan_for(program, ("vit", "encoder", 1, 2, 1), ("llm", "backbone", 1, 3, 1),
+                    ("gen", "generator", 1, 1, 1))
+    sizes = SyntheticSource(program).sizes(0)
+    steps = route_batch(plan, program, sizes, frozenset())
+    assert len(steps) == 2
+    assert steps[1].sample_ids == (2, 3, 6, 7, 10, 11)
+    assert tuple(steps[1].assignment["llm"]) == (0, 0, 1, 1, 2, 2)
+    assert tuple(steps[1].assignment["vit"]) == (0, 0, 0, 1, 1, 1)
+    assert sorted(i for s in steps for i in s.sample_ids) == list(range(12))
+    with pytest.raises(ValueError, match="10 samples for a global batch of 12"):
+        route_batch(plan, program, sizes[:10], frozenset())
+
+
+def test_data_parallel_backbone():
+    program = spec(8)
+    check(program, plan_for(program, ("vit", "encoder", 1, 1, 1),
+                            ("llm", "backbone", 1, 2, 1), ("gen", "generator", 1, 1, 1)))
+
+
+def test_backbone_pipeline():
+    program = spec(8)
+    check(program, plan_for(program, ("vit", "encoder", 1, 1, 1),
+                            ("llm", "backbone", 1, 1, 2), ("gen", "generator", 1, 1, 1)))
+
+
+def test_backbone_pipeline_over_gloo(monkeypatch):
+    monkeypatch.setenv("DTDSL_LOCAL_LINKS", "0")
+    program = spec(8)
+    check(program, plan_for(program, ("vit", "encoder", 1, 2, 1),
+                            ("llm", "backbone", 1, 1, 2), ("gen", "generator", 1, 1, 1)))
+
+
+def test_data_parallel_ratio_that_does_not_divide():
+    program = spec(12)
+    check(program, plan_for(program, ("vit", "encoder", 1, 2, 1),
+                            ("llm", "backbone", 1, 3, 1), ("gen", "generator", 1, 1, 1)))
+
+
+def test_frozen_generator():
+    # The generator is frozen but its projector trains: its stage still runs B (the
+    # backbone needs the gradients) and steps an optimizer over the projector alone.
+    program = spec(8, frozen=("gen",))
+    check(program, plan_for(program, ("vit", "encoder", 1, 1, 1),
+                            ("llm", "backbone", 1, 2, 1), ("gen", "generator", 1, 1, 1)))
+
+
+def test_frozen_generator_and_projector():
+    # Nothing on the generator's rank trains: no SYNC/OPT there, yet it joins the
+    # job-wide optimizer step and still sends the backbone its gradients.
+    program = spec(8, frozen=("gen", "llm_to_gen"))
+    plan = plan_for(program, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, 1, 1),
+                    ("gen", "generator", 1, 1, 1))
+    actions = lower(plan, program).stage("gen", 0).actions
+    assert not any(a.kind.value in ("SYNC", "OPT") for a in actions)
+    check(program, plan)
+
+
+def test_encoder_and_backbone_pipelines():
+    # Inner encoder stages pass the packed image groups over PP point-to-point.
+    program = spec(8)
+    check(program, plan_for(program, ("vit", "encoder", 1, 1, 2),
+                            ("llm", "backbone", 1, 1, 2), ("gen", "generator", 1, 1, 1)))
+
+
+def test_frozen_encoder():
+    # Nothing on the encoder trains and the backbone's input needs no gradient: no B, no
+    # gradient traffic to the encoder.
+    program = spec(8, frozen=("vit", "vit_to_llm"))
+    plan = plan_for(program, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, 1, 1),
+                    ("gen", "generator", 1, 1, 1))
+    assert {a.kind.value for a in lower(plan, program).stage("vit", 0).actions} == \
+        {"F", "SEND_F"}
+    check(program, plan)
+
+
+@pytest.mark.parametrize(("layout", "match"), [
+    ((("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, 1, 1),
+      ("gen", "generator", 1, 1, 2)), "pp=2"),
+])
+def test_unsupported_layouts(layout, match):
+    program = spec(8)
+    plan = plan_for(program, *layout)
+    rank = plan.units[-1].first_rank
+    groups = ProcessGroups(role=role_of(plan, rank), tp=None, dp=None, pp=None)
+    with pytest.raises(NotImplementedError, match=match):
+        StageExecutor(program, plan, Schedule.empty(plan), rank=rank, groups=groups)
+
+
+# ---- tensor parallelism -------------------------------------------------------------------
+
+def _train_tp(rank: int, world: int, program: ir.Program, plan: Plan, losses: list[float],
+              params: dict[str, torch.Tensor]) -> None:
+    groups = build_groups(plan)
+    schedule = lower(plan, program)
+    ex = StageExecutor(program, plan, schedule, rank=rank, groups=groups)
+    results = ex.train(STEPS)
+    for r, want in zip(results, losses, strict=True):
+        assert math.isclose(r["loss"], want, rel_tol=LOSS_RTOL), (r["step"], r["loss"], want)
+    timeline = gather_timeline(plan, STEPS - 1, results[-1]["events"])
+    assert len(timeline.events) == sum(len(st.actions) * schedule.unit(st.unit).dp
+                                       for st in schedule.stages)
+    local = ex.named_parameters()
+    full = ex.full_parameters()     # collective over the TP group
+    assert full.keys() == local.keys() and full
+    if ex.role.grid.tp > 1:
+        sharded = [n for n in full if isinstance(local[n], DTensor)
+                   and any(pl.is_shard() for pl in local[n].placements)]
+        assert sharded, "nothing was sharded"
+        for n in sharded:       # the DTensor's local shard: a slice of the full tensor
+            assert local_tensor(local[n]).shape != full[n].shape, n
+            assert not isinstance(full[n], DTensor), n
+    for name, p in full.items():
+        init, want = params[name]
+        assert p.shape == want.shape, name
+        err = (p - want).norm().item()
+        assert err <= PARAM_RTOL * (want - init).norm().item() + 1e-7, (name, err)
+        assert err <= PARAM_RMS * want.numel() ** 0.5, (name, err)
+
+
+def check_tp(program: ir.Program, plan: Plan) -> None:
+    losses, params = reference(program)
+    run(_train_tp, plan.gpus_used, program, plan, losses, params, timeout=180)
+
+
+def test_encoder_tensor_parallel_backbone_pipeline():
+    # The acceptance layout: encoder TP 2, backbone PP 2 (5 ranks).
+    program = spec(8)
+    check_tp(program, plan_for(program, ("vit", "encoder", 2, 1, 1),
+                               ("llm", "backbone", 1, 1, 2), ("gen", "generator", 1, 1, 1)))
+
+
+@pytest.mark.parametrize("vit", [("vit", "encoder", 2, 1, 2), ("vit", "encoder", 2, 2, 1)],
+                         ids=["tp2-pp2", "tp2-dp2"])
+def test_encoder_tensor_parallel_with_pipeline_or_data_parallel(vit):
+    # PP neighbours pair by TP index; DP groups (one per TP index) reduce their shards.
+    program = spec(8)
+    check_tp(program, plan_for(program, vit, ("llm", "backbone", 1, 1, 1),
+                               ("gen", "generator", 1, 1, 1)))
+
+
+def test_generator_tensor_parallel():
+    # The U-Net's attention and GEGLU blocks split over 2 TP ranks (its convolutions
+    # replicated); its TP leader receives the backbone's conditioning and broadcasts it,
+    # and sends the conditioning's gradient back.
+    program = spec(8)
+    check_tp(program, plan_for(program, ("vit", "encoder", 1, 1, 1),
+                               ("llm", "backbone", 1, 1, 1), ("gen", "generator", 2, 1, 1)))
+
+
+@pytest.mark.parametrize("pp", [1, 2], ids=["tp2", "tp2-pp2"])
+def test_backbone_tensor_parallel(pp):
+    # Only the last stage's TP leader adds the LM loss to the reported total.
+    program = spec(8)
+    check_tp(program, plan_for(program, ("vit", "encoder", 1, 1, 1),
+                               ("llm", "backbone", 2, 1, pp), ("gen", "generator", 1, 1, 1)))
+
+
+def _train_logged(rank: int, world: int, program: ir.Program, plan: Plan, logdir: str) -> None:
+    groups = build_groups(plan)
+    run_rank(program, plan, lower(plan, program), steps=2, rank=rank, groups=groups,
+             logdir=logdir)
+
+
+def test_measured_timelines_go_to_tensorboard(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    program = spec(8)
+    plan = plan_for(program, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, 2, 1),
+                    ("gen", "generator", 1, 1, 1))
+    run(_train_logged, plan.gpus_used, program, plan, str(tmp_path), timeout=120)
+    acc = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0, "images": 0})
+    acc.Reload()
+    tags = acc.Tags()
+    for tag in ("time/iteration_s", "pipeline/bubble_fraction", "loss/total", "grad_norm"):
+        assert [e.step for e in acc.Scalars(tag)] == [0, 1], tag
+    assert all(e.value > 0 for e in acc.Scalars("time/iteration_s"))
+    assert "pipeline/gantt" in tags["images"]
+
+
+# ---- per-step setup: only what the rank reads, sizes-only normaliser --------------------------
+
+def test_normalizer_from_sizes_matches_the_whole_batch():
+    """The loss denominators from ``data.sample_sizes`` (``batch.normalizer_of``) equal
+    ``model.loss_normalizer`` of the built batch, and ``make_sample``'s parts equal the
+    full sample's."""
+    from dtdsl.data.sample import make_batch, make_sample, sample_sizes
+    from dtdsl.models.multimodal import loss_normalizer
+
+    program = spec(16)
+    model = build_model(program)
+    for step in range(3):
+        batch = make_batch(program, step)
+        sizes = SyntheticSource(program).sizes(step)
+        assert normalizer_of(program, sizes) == loss_normalizer(model, batch)
+        for s in batch[:6]:
+            sz = sample_sizes(program, step, s.index)
+            assert sz.text_tokens == len(s.tokens)
+            assert sz.image_shapes == tuple(tuple(im.shape[-2:]) for im in s.images)
+            assert sz.num_gen_targets == s.num_gen_targets
+            tok = make_sample(program, step, s.index, parts={"tokens"})
+            assert torch.equal(tok.tokens, s.tokens) and tok.images == () and not tok.targets
+            img = make_sample(program, step, s.index, parts={"images"})
+            assert len(img.images) == len(s.images)
+            assert all(torch.equal(a, b) for a, b in zip(img.images, s.images, strict=True))
+            tgt = make_sample(program, step, s.index, parts={"targets"})
+            for name, t in s.targets.items():
+                assert torch.equal(tgt.targets[name].latents, t.latents)
+                assert torch.equal(tgt.targets[name].noise, t.noise)
+                assert torch.equal(tgt.targets[name].timesteps, t.timesteps)
+    with pytest.raises(ValueError, match="unknown sample parts"):
+        make_sample(program, 0, 0, parts={"audio"})
