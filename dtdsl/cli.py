@@ -623,6 +623,7 @@ def _cmd_reference(args: argparse.Namespace) -> int:
 def _cmd_compile(args: argparse.Namespace) -> int:
     from dtdsl.codegen.compile import BundleOptions, compile_bundle
     from dtdsl.codegen.emit import BundleError
+    from dtdsl.codegen.support import runtime_support
 
     result, code = _load_program(args.spec)
     if result is None:
@@ -632,10 +633,20 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     if args.data is not None and args.synthetic:
         raise UsageError("--data names a dataset and --synthetic draws samples instead: "
                          "give one or the other")
+    # What the runtime cannot train is an error before anything is written: the spec's
+    # own features before planning (no need to wait for the planner), the plan's after.
+    unsupported = runtime_support(program)
+    if unsupported:
+        sys.stderr.write(render_text(unsupported, result.source, result.name))
+        return EXIT_ERRORS
     planned = _plan_and_schedule(args.plan, result, program, _cost_model(args, program))
     if planned is None:
         return EXIT_ERRORS
     the_plan, schedule = planned
+    unsupported = runtime_support(program, the_plan)
+    if unsupported:
+        sys.stderr.write(render_text(unsupported, result.source, result.name))
+        return EXIT_ERRORS
     options = BundleOptions(
         steps=args.steps, workers=args.workers, data=args.data, synthetic=args.synthetic,
         hosts=tuple(h for h in (args.hosts or "").split(",") if h),

@@ -122,8 +122,11 @@ quantity is missing. The hint shows what to add. Examples: the backbone needs
 A name that must be one of a fixed set is not: an architecture (transformer,
 unet, dit, mlp), a distribution (constant, uniform, lognormal, zipf, choice,
 empirical), a GPU preset (A100, H100, H800, H200 or custom(...)), a schedule
-(gpipe, 1f1b, interleaved), an optimizer (adamw, adam), a precision, a reorder
-policy, a modality or a constraint. The message suggests the closest name.
+(gpipe, 1f1b, interleaved), an optimizer (adamw, adam), a learning-rate
+schedule (constant, linear, cosine), a precision, a reorder policy, a modality or
+a constraint. The message suggests the closest name.
+
+    lr_schedule = cosin(warmup=100)     # error: did you mean 'cosine'?
 """),
     "DT206": Code("Wrong kind of value", """
 A field or argument got the wrong kind of value: a string where a number is
@@ -143,7 +146,12 @@ rate (989 TFLOPS), and counts no unit at all.
     "DT208": Code("Value out of range", """
 A value is outside what the setting allows or what is believable: sizes must be
 positive, probabilities between 0 and 1 summing to 1, clamps non-empty, lr
-above 0, the ZeRO stage 0 or 1, and so on. The message names the allowed range.
+above 0, the ZeRO stage 0 or 1, a learning-rate warmup between 0 and the
+training's `steps`, a `min_lr` no higher than the optimizer's `lr`, and so on.
+The message names the allowed range.
+
+    steps = 1000
+    lr_schedule = cosine(warmup=2000)     # error: the warmup is longer than the run
 """),
     # ---- model structure (DT3xx)
     "DT301": Code("Not exactly one backbone", """
@@ -274,6 +282,24 @@ limited by the clamp; for lognormal and zipf it is the upper clamp (without one,
 DT502 says the distribution is unbounded). Clamp the tokens at seq_len or raise it.
 
     text.tokens ~ uniform(16, 400) clamp [1, 200]    # with seq_len = 128
+"""),
+    # ---- what the runtime cannot train yet (DT6xx, dtc compile only)
+    "DT601": Code("The runtime cannot train this yet", """
+The spec (or its plan) is valid, and `dtc check`, `dtc plan` and `dtc simulate`
+accept it, but `dtc compile` stops before writing a bundle because the runtime
+lacks a part it needs. The message names the part; the hint says what to write
+instead. Today the runtime cannot train:
+
+- an encoder of another modality than images (audio, video): only image (ViT)
+  encoders are modelled;
+- more than one image encoder;
+- `precision = fp16`: there is no loss scaling yet (use bf16 or fp32);
+- interleaved pipeline schedules (a plan with vpp > 1, from
+  `schedule = interleaved(...)`): use `schedule = 1f1b` or `gpipe`;
+- a generator on more than one pipeline stage: constrain it with
+  `pp(gen) == 1`.
+
+    encoder beats (audio) { ... }      # error: the runtime has no audio encoder yet
 """),
 })
 

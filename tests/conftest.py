@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+# Every process the tests start (launched bundles, torchrun, gloo children) checks that its
+# point-to-point transfers are matched as NCCL would match them (dtdsl.parallel.p2p).
+os.environ.setdefault("DTDSL_P2P_CHECK", "1")
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = sorted((ROOT / "specs").glob("*.dt"))

@@ -41,6 +41,9 @@ def _child(rank: int, fn: Callable[..., Any], world: int, tmp: str, pg_timeout: 
            args: tuple[Any, ...]) -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    # Every multi-rank test runs under the ordering check (parallel.p2p): a transfer that
+    # NCCL's in-order matching would pair wrongly fails the test.
+    os.environ.setdefault("DTDSL_P2P_CHECK", "1")
     dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'store')}",
                             rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=pg_timeout))
@@ -62,7 +65,11 @@ def _errors(tmp: str) -> str:
         if name.startswith("error."):
             with open(os.path.join(tmp, name)) as f:
                 stamp, _, text = f.read().partition("\n")
-            found.append((float(stamp), int(name.split(".")[1]), text))
+            try:
+                when = float(stamp)
+            except ValueError:      # still being written by a rank that is failing now
+                when = float("inf")
+            found.append((when, int(name.split(".")[1]), text))
     return "\n".join(f"--- rank {rank} failed{' first' if i == 0 else ''}:\n{text}"
                      for i, (_, rank, text) in enumerate(sorted(found)))
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dtdsl.codegen.emit import emit_bundle
+from dtdsl.codegen.support import runtime_support
 from dtdsl.codegen.views import bundle_view
 from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan
@@ -94,27 +95,21 @@ def make_job(program: ir.Program, plan: Plan, data: DataConfig, options: BundleO
                                            keep=KEEP_CHECKPOINTS))
 
 
-def runtime_limits(plan: Plan) -> list[str]:
-    """What of ``plan`` the runtime cannot run yet (the bundle is still written: a plan
-    is data, and a later runtime runs it)."""
-    out = []
-    for u in plan.units:
-        if u.vpp > 1:
-            out.append(f"{u.name} is interleaved (vpp={u.vpp}); the executor runs vpp=1")
-    return out
-
-
 def compile_bundle(out: str | Path, *, source: bytes, spec_path: str, program: ir.Program,
                    plan: Plan, schedule: Schedule, options: BundleOptions,
                    overwrite: bool = False) -> list[str]:
     """Write the bundle of ``program`` under ``plan`` into ``out``; the paths written.
-    Warnings go to stderr."""
+    Warnings go to stderr. ValueError, before anything is written, for a spec or plan the
+    runtime cannot train (``dtc compile`` reports those as diagnostics first:
+    ``support.runtime_support``)."""
+    unsupported = runtime_support(program, plan)
+    if unsupported:
+        raise ValueError("the runtime cannot train this spec yet: " +
+                         "; ".join(d.message for d in unsupported))
     spec_dir = Path(spec_path).parent if spec_path not in ("-", "<stdin>") else Path.cwd()
     data, warning = _data(program, spec_dir, Path(out), options)
     if warning:
         print(f"dtc: warning: {warning}", file=sys.stderr)
-    for limit in runtime_limits(plan):
-        print(f"dtc: warning: the runtime cannot run this plan yet: {limit}", file=sys.stderr)
     job = make_job(program, plan, data, options)
     view = bundle_view(program, plan, schedule, job, rdzv_port=DEFAULT_RDZV_PORT,
                        max_restarts=DEFAULT_MAX_RESTARTS if options.max_restarts is None

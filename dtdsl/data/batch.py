@@ -65,6 +65,8 @@ class StepBatch:
     routing: tuple[StepSamples, ...]    # per microbatch step, in execution order
     samples: Mapping[int, Sample]       # position -> this rank's parts of it (its positions)
     normalizer: Normalizer
+    sizes: tuple[SampleSizes, ...] = ()  # per position: every sample's sizes (the shapes
+                                         # of what ranks exchange follow from them)
     wait_s: float = 0.0                 # how long the rank waited for it
 
 
@@ -246,4 +248,5 @@ class LocalBatches:
                 for i in s.samples_of(r.unit, r.replica):
                     samples[i] = self.source.sample(step, i, self.parts, sizes=sizes[i])
         return StepBatch(step=step, keys=self.source.keys(step), routing=routing,
-                         samples=samples, normalizer=normalizer_of(self.program, sizes))
+                         samples=samples, normalizer=normalizer_of(self.program, sizes),
+                         sizes=tuple(sizes))

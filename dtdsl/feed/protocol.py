@@ -42,15 +42,26 @@ def _array(x: Any) -> np.ndarray:
 
 
 def batch_message(step: int, routing: Sequence[Any], normalizer: Any, samples: Mapping[int, Any],
-                  units: Sequence[str], keys: Sequence[str] | None
-                  ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+                  units: Sequence[str], keys: Sequence[str] | None,
+                  sizes: Sequence[Any] = ()) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """The meta and arrays of one ``batch`` message. ``routing``: ``StepSamples`` per
     microbatch step; ``samples``: position -> an object with ``tokens``, ``images`` and
-    ``gen`` (name -> latents/noise/timesteps), numpy or torch, each possibly empty."""
+    ``gen`` (name -> latents/noise/timesteps), numpy or torch, each possibly empty;
+    ``sizes``: every position's ``SampleSizes`` (a few integers each: every rank gets
+    them, the shapes of what ranks exchange follow from them)."""
     order = [i for s in routing for i in s.sample_ids]
     arrays: dict[str, np.ndarray] = {
         "order": np.asarray(order, dtype=np.int64),
         "counts": np.asarray([len(s.sample_ids) for s in routing], dtype=np.int64)}
+    if sizes:
+        arrays["sizes.text"] = np.asarray([z.text_tokens for z in sizes], dtype=np.int64)
+        arrays["sizes.images"] = np.asarray([len(z.image_shapes) for z in sizes],
+                                            dtype=np.int64)
+        arrays["sizes.hw"] = np.asarray([hw for z in sizes for hw in z.image_shapes],
+                                        dtype=np.int64).reshape(-1, 2)
+        for name in sorted({g for z in sizes for g in z.gen_counts}):
+            arrays[f"sizes.gen.{name}"] = np.asarray([z.gen_counts.get(name, 0)
+                                                      for z in sizes], dtype=np.int64)
     for unit in units:
         arrays[f"assign.{unit}"] = np.asarray(
             [r for s in routing for r in s.assignment[unit]], dtype=np.int64)
@@ -78,7 +89,7 @@ def read_batch(message: Any, units: Sequence[str], generators: Sequence[str]) ->
     import torch
 
     from dtdsl.data.batch import StepBatch
-    from dtdsl.data.sample import GenTargets, Sample
+    from dtdsl.data.sample import GenTargets, Sample, SampleSizes
     from dtdsl.feed.source import image_tensor
     from dtdsl.models.multimodal import Normalizer
     from dtdsl.parallel.broker import StepSamples
@@ -120,6 +131,20 @@ def read_batch(message: Any, units: Sequence[str], generators: Sequence[str]) ->
                                            timesteps=message.tensor(f"p{pos}.{name}.timesteps"))
         samples[int(pos)] = Sample(step=step, index=int(pos), tokens=tokens,
                                    images=tuple(images), targets=targets)
+    sizes: list[SampleSizes] = []
+    if "sizes.text" in arrays:
+        text, counts_img = arrays["sizes.text"].tolist(), arrays["sizes.images"].tolist()
+        hw = [tuple(x) for x in arrays["sizes.hw"].reshape(-1, 2).tolist()]
+        if len(counts_img) != len(text) or sum(counts_img) != len(hw):
+            raise ValueError(f"step {step}: inconsistent sample sizes")
+        gens = {name: arrays[f"sizes.gen.{name}"].tolist() for name in generators
+                if f"sizes.gen.{name}" in arrays}
+        at = 0
+        for i, (t, c) in enumerate(zip(text, counts_img, strict=True)):
+            sizes.append(SampleSizes(text_tokens=int(t), image_shapes=tuple(hw[at:at + c]),
+                                     gen_counts={g: int(v[i]) for g, v in gens.items()}))
+            at += c
     norm = meta["norm"]
     return StepBatch(step=step, keys=keys, routing=tuple(routing), samples=samples,
-                     normalizer=Normalizer(text_tokens=int(norm[0]), gen_targets=int(norm[1])))
+                     normalizer=Normalizer(text_tokens=int(norm[0]), gen_targets=int(norm[1])),
+                     sizes=tuple(sizes))

@@ -133,7 +133,7 @@ def build_messages(ctx: FeedContext, step: int) -> list[tuple[dict, dict]]:
         positions = [i for s in routing for i in s.samples_of(role.unit, role.replica)]
         samples = {i: _payload(ctx, step, i, parts, cache) for i in positions} if parts else {}
         out.append(batch_message(step, routing, norm, samples, ctx.units,
-                                 keys if role.rank == 0 else None))
+                                 keys if role.rank == 0 else None, sizes))
     return out
 
 

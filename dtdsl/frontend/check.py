@@ -175,6 +175,7 @@ TRAIN_FIELDS = (
     Param("seq_len", IntKind(16, 10**7), required=True, doc="seq_len = 8192"),
     Param("schedule", CallKind(allow_bare=True)),
     Param("optimizer", CallKind(allow_bare=True)),
+    Param("lr_schedule", CallKind(allow_bare=True)),
     Param("precision", EnumKind(choices=("bf16", "fp16", "fp32")), default="bf16"),
     Param("reorder", _ReorderKind(), default=("intra", "inter")),
     Param("steps", IntKind(1, 10**9), default=1000),
@@ -196,6 +197,13 @@ _OPTIMIZER_ARGS = (
     Param("weight_decay", FloatKind(low=0, high=10), default=0.01),
     Param("zero", IntKind(0, 3), default=1),
 )
+_WARMUP = Param("warmup", IntKind(0, 10**9), default=0)
+_MIN_LR = Param("min_lr", FloatKind(low=0, high=10), default=0.0)
+_LR_SCHEDULE_ARGS = {
+    "constant": (_WARMUP,),
+    "linear": (_WARMUP, _MIN_LR),
+    "cosine": (_WARMUP, _MIN_LR),
+}
 
 
 @dataclass(frozen=True)
@@ -799,6 +807,8 @@ class _Checker:
                                 head_span(block.span, len("train")))
         schedule, virtual = self._schedule(values["schedule"])
         optimizer = self._optimizer(values["optimizer"])
+        lr_schedule = self._lr_schedule(values["lr_schedule"], optimizer, values["steps"],
+                                        _field(block.fields, "steps") is not None)
         gb, mb = values["global_batch"], values["micro_batch"]
         if _ok(gb, mb) and gb % mb:
             f = _field(block.fields, "micro_batch")
@@ -807,10 +817,12 @@ class _Checker:
                       f.span if f else block.span,
                       hint=f"micro_batch must divide {gb}: e.g. {_listing(good)}")
             values["micro_batch"] = INVALID
-        if not _ok(*values.values(), schedule, virtual, optimizer):
+        if not _ok(*values.values(), schedule, virtual, optimizer, lr_schedule):
             return INVALID
+        spans = {f"{key}_span": f.span for key in ("schedule", "precision")
+                 if (f := _field(block.fields, key)) is not None}
         values.update(schedule=schedule, virtual_stages=virtual, optimizer=optimizer,
-                      span=block.span)
+                      lr_schedule=lr_schedule, span=block.span, **spans)
         return ir.Train(**values)
 
     def _schedule(self, call: ast.Call | None | Any) -> tuple[Any, Any]:
@@ -853,6 +865,42 @@ class _Checker:
             args["weight_decay"] = 0.0 if "weight_decay" not in \
                 {a.name for a in call.args} else args["weight_decay"]
         return ir.Optimizer(name=call.func, **args)
+
+    def _lr_schedule(self, call: ast.Call | None | Any, optimizer: Any, steps: Any,
+                     steps_given: bool) -> Any:
+        """``lr_schedule = cosine(warmup=..., min_lr=...)``: the warmup must fit in the
+        training steps and the decay must end at or below the optimizer's peak lr."""
+        ctx = self.ctx
+        if call is None:
+            return ir.LRSchedule()
+        if call is INVALID:
+            return INVALID
+        if call.func not in _LR_SCHEDULE_ARGS:
+            guess = did_you_mean(call.func, _LR_SCHEDULE_ARGS)
+            return ctx.error("DT205", f"unknown learning-rate schedule '{call.func}'",
+                             call.func_span,
+                             notes=["learning-rate schedules: constant(warmup=0), "
+                                    "linear(warmup=0, min_lr=0), cosine(warmup=0, min_lr=0)"],
+                             hint=f"did you mean '{guess}'?" if guess else None)
+        args = resolve_call(call, _LR_SCHEDULE_ARGS[call.func], ctx, f"{call.func}()")
+        warmup, min_lr = args["warmup"], args.get("min_lr", 0.0)
+        if _ok(warmup, steps) and warmup > steps:
+            default = "" if steps_given else " by default"
+            warmup = ctx.error("DT208", f"a warmup of {warmup:,} steps is longer than the "
+                               f"training: train.steps is {steps:,}{default}",
+                               _arg_span(call, "warmup"),
+                               notes=["the learning rate would never reach its peak"],
+                               hint=f"warm up for at most {steps:,} steps, or raise steps")
+        if _ok(min_lr, optimizer) and min_lr > optimizer.lr:
+            min_lr = ctx.error("DT208", f"min_lr {min_lr:g} is above the peak learning rate: "
+                               f"lr={optimizer.lr:g} of {optimizer.name}()",
+                               _arg_span(call, "min_lr"),
+                               notes=[f"{call.func}() decays from lr down to min_lr"],
+                               hint=f"write a min_lr of at most {optimizer.lr:g} (0 by "
+                               "default), or raise lr in the optimizer")
+        if not _ok(warmup, min_lr):
+            return INVALID
+        return ir.LRSchedule(name=call.func, warmup=warmup, min_lr=min_lr)
 
     # ---- checks across blocks ----------------------------------------------------------------
     def _cross_checks(self, modules, projectors, data, train) -> None:

@@ -16,14 +16,16 @@ from dtdsl.source import Span
 
 __all__ = [
     "Arch", "Choice", "Cluster", "Constant", "DiTArch", "Dist", "Empirical", "Gpu",
-    "IntDomain", "LogNormal", "MLPArch", "Module", "ModuleConstraints", "Optimizer",
-    "Program", "Projector", "Quantity", "Train", "TransformerArch", "UNetArch",
-    "Uniform", "Zipf", "Data", "MODALITIES", "QUANTITIES", "ROLES", "SCHEDULES",
+    "IntDomain", "LRSchedule", "LogNormal", "MLPArch", "Module", "ModuleConstraints",
+    "Optimizer", "Program", "Projector", "Quantity", "Train", "TransformerArch", "UNetArch",
+    "Uniform", "Zipf", "Data", "LR_SCHEDULES", "MODALITIES", "QUANTITIES", "ROLES",
+    "SCHEDULES",
 ]
 
 ROLES = ("encoder", "backbone", "generator")
 MODALITIES = ("image", "audio", "video")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
+LR_SCHEDULES = ("constant", "linear", "cosine")
 # What a sample carries, per modality. `count`: items encoded by the modality's
 # encoder; `gen_count`: items its generator learns to produce; `patches`: tokens
 # per image (per frame for video); `frames`: tokens per audio clip, frames per video.
@@ -301,6 +303,17 @@ class Optimizer(IRModel):
     zero: int = 1
 
 
+class LRSchedule(IRModel):
+    """The learning rate over the training steps, relative to the optimizer's peak ``lr``:
+    a linear warmup over ``warmup`` steps, then ``constant``, or a ``linear`` or ``cosine``
+    decay that reaches ``min_lr`` at ``train.steps``. ``dtdsl.train.lr`` computes it;
+    docs/language.md gives the formula."""
+
+    name: Literal["constant", "linear", "cosine"] = "constant"
+    warmup: int = 0          # steps; 0: the first step runs at the peak lr
+    min_lr: float = 0.0      # where a decay ends (constant has none: 0)
+
+
 class Train(IRModel):
     global_batch: int
     micro_batch: int
@@ -308,6 +321,9 @@ class Train(IRModel):
     schedule: Literal["gpipe", "1f1b", "interleaved"]
     virtual_stages: int
     optimizer: Optimizer
+    # The default is today's constant learning rate, so Programs written before the
+    # field existed (a bundle's program.json) still read.
+    lr_schedule: LRSchedule = LRSchedule()
     precision: Literal["bf16", "fp16", "fp32"]
     reorder: tuple[Literal["intra", "inter"], ...]
     steps: int
@@ -316,6 +332,10 @@ class Train(IRModel):
     keep_checkpoints: int
     grad_clip: float
     span: Span
+    # The `schedule = ...` and `precision = ...` fields when the spec writes them, for
+    # diagnostics of later stages (dtc compile's runtime support).
+    schedule_span: Span | None = None
+    precision_span: Span | None = None
 
     @property
     def num_microbatches(self) -> int:

@@ -53,7 +53,8 @@ class DiTBlock(nn.Module):
         self.norm3 = nn.LayerNorm(h, elementwise_affine=False, eps=1e-6)
         self.mlp = MLP(h, shard_size(arch.ffn, tp, "FFN columns"), tanh_gelu=True)
         self.ada = nn.Linear(h // tp, 6 * h, bias=False)
-        # adaLN-Zero: every block starts as the identity.
+        # adaLN-Zero: every block starts as the identity (``models.init`` zeroes it).
+        self.ada.zero_init = True
         nn.init.zeros_(self.ada.weight)
 
     def forward(self, x: torch.Tensor, cond: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
@@ -79,6 +80,7 @@ class DiT(nn.Module):
         self.blocks = nn.ModuleList(DiTBlock(arch, tp=tp) for _ in range(arch.layers))
         self.norm_out = nn.LayerNorm(arch.hidden, elementwise_affine=False, eps=1e-6)
         self.proj_out = nn.Linear(arch.hidden, patch_dim, bias=False)
+        self.proj_out.zero_init = True
         nn.init.zeros_(self.proj_out.weight)
 
     def forward(self, latent: torch.Tensor, timesteps: torch.Tensor,

@@ -50,7 +50,6 @@ ranges, so pipeline stages can run contiguous slices.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -64,12 +63,14 @@ from dtdsl.data.sample import (
     DIFFUSION_STEPS,
     GenTargets,
     Sample,
+    SampleSizes,
     image_encoder,
     pack_images,
     unpack_images,
 )
 from dtdsl.ir import program as ir
 from dtdsl.models import build_module, build_projector
+from dtdsl.models.init import init_module
 from dtdsl.models.transformer import Backbone, Encoder, sinusoidal_embedding
 
 __all__ = [
@@ -91,11 +92,16 @@ __all__ = [
     "encoder_input",
     "encoder_layers",
     "generator_step",
-    "init_seed",
+    "image_tokens",
+    "init_unit",
+    "layer_range",
     "loss_normalizer",
     "loss_tokens",
     "microbatch_loss",
+    "packed_shapes",
+    "sequence_length",
     "text_kept",
+    "unit_spec",
 ]
 
 COND_TOKENS = 16   # the backbone states a generator is conditioned on: the last 16 tokens
@@ -105,27 +111,83 @@ _DENSE_LOSS = 0.9  # targets at this share of positions or more: the LM head on 
 
 # ---- building --------------------------------------------------------------------------
 
-def init_seed(seed: int, name: str) -> int:
-    """The initialisation seed of unit ``name`` (a module or projector)."""
-    digest = hashlib.sha256(f"dtdsl-init:{seed}:{name}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
+def unit_spec(program: ir.Program, name: str) -> ir.Module | ir.Projector:
+    """The module or projector called ``name``."""
+    for p in program.projectors:
+        if p.name == name:
+            return p
+    return program.module(name)
 
 
-def build_unit(program: ir.Program, name: str, seed: int, tp: int = 1) -> nn.Module:
-    """Module or projector ``name``, initialised from ``init_seed(seed, name)`` without
-    touching the global RNG, frozen if the spec says so."""
-    projectors = {p.name: p for p in program.projectors}
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(init_seed(seed, name))
-        if name in projectors:
-            spec: ir.Module | ir.Projector = projectors[name]
-            unit = build_projector(projectors[name], tp=tp)
+def init_unit(program: ir.Program, name: str, module: nn.Module, seed: int, *,
+              prefix: str = "", skip: set[int] | None = None) -> None:
+    """Initialise ``module`` (unit ``name``, or its part at ``prefix`` inside the unit; a
+    materialised module, plain or TP-sharded) by ``models.init``'s layout-independent
+    rules, from the spec ``seed``; parameters whose ``id`` is in ``skip`` are left."""
+    spec = unit_spec(program, name)
+    layers = getattr(spec.arch, "layers", None) or getattr(spec.arch, "depth", 1)
+    head = "output" if isinstance(spec, ir.Module) and spec.role == "backbone" else None
+    init_module(module, seed=seed, unit=name, prefix=prefix, num_layers=int(layers),
+                head=head, skip=skip)
+
+
+def build_unit(program: ir.Program, name: str, seed: int, tp: int = 1, *,
+               device: torch.device | str | None = None) -> nn.Module:
+    """Module or projector ``name`` on ``device`` (default: the current default device),
+    initialised by ``init_unit`` from ``seed`` (nothing is drawn from the global RNG),
+    frozen if the spec says so. On the meta device nothing is initialised: a rank
+    materialises and initialises what it owns (``train.stage``)."""
+    spec = unit_spec(program, name)
+    # Built on meta (no memory, no draws from the global RNG by torch's default
+    # initialisers), then materialised and initialised once, by our rules.
+    with torch.device("meta"):
+        if isinstance(spec, ir.Projector):
+            unit = build_projector(spec, tp=tp)
         else:
-            spec = program.module(name)
             unit = build_module(spec, tp=tp)
+    target = torch.device(device) if device is not None else torch.get_default_device()
+    if target.type != "meta":
+        unit.to_empty(device=target)
+        init_unit(program, name, unit, seed)
     if spec.frozen:
         unit.requires_grad_(False)
     return unit
+
+
+def layer_range(module: nn.Module, start: int = 0, stop: int | None = None) -> list[nn.Module]:
+    """Layers ``start:stop`` (global indices) of an encoder or backbone, in order; a
+    pipeline stage's module holds only its own (``layers`` is keyed by index)."""
+    layers = module.layers
+    total = int(max(map(int, layers.keys()), default=-1)) + 1 if stop is None else stop
+    try:
+        return [layers[str(i)] for i in range(start, total)]
+    except KeyError as err:
+        raise ValueError(f"layer {err.args[0]} is not held by this module (it holds "
+                         f"{sorted(map(int, layers.keys()))})") from None
+
+
+# ---- shapes ------------------------------------------------------------------------------
+
+def image_tokens(sizes: SampleSizes, patch: int) -> int:
+    """The encoder tokens of a sample's images (its rows in the backbone's sequence)."""
+    return sum((h // patch) * (w // patch) for h, w in sizes.image_shapes)
+
+
+def sequence_length(sizes: SampleSizes, patch: int, seq_len: int) -> int:
+    """The length of a sample's backbone sequence: its image tokens and the text that
+    fits after them in ``seq_len`` (``backbone_input``'s rule)."""
+    n_img = image_tokens(sizes, patch)
+    return n_img + min(sizes.text_tokens, max(0, seq_len - n_img))
+
+
+def packed_shapes(sizes: Sequence[SampleSizes], patch: int) -> list[tuple[int, int]]:
+    """``(images, patches)`` of every group ``pack_images`` makes of these samples' images,
+    in its order: what an encoder stage's activations look like, from sizes alone."""
+    groups: dict[tuple[int, int], int] = {}
+    for sz in sizes:
+        for h, w in sz.image_shapes:
+            groups[(h, w)] = groups.get((h, w), 0) + 1
+    return [(n, (h // patch) * (w // patch)) for (h, w), n in groups.items()]
 
 
 class Model(nn.Module):
@@ -213,7 +275,7 @@ def encoder_input(encoder: Encoder, groups: Sequence[torch.Tensor]) -> list[torc
 def encoder_layers(encoder: Encoder, xs: Sequence[torch.Tensor], start: int = 0,
                    stop: int | None = None) -> list[torch.Tensor]:
     """Layers ``start:stop`` of the encoder on each group."""
-    layers = encoder.layers[start:stop]
+    layers = layer_range(encoder, start, stop)
     out = []
     for x in xs:
         for layer in layers:
@@ -289,7 +351,7 @@ def backbone_layers(backbone: Backbone, x: torch.Tensor, start: int = 0,
                     stop: int | None = None) -> torch.Tensor:
     """Layers ``start:stop`` of the backbone on ``[B, S, hidden]`` (positions 0..S-1)."""
     positions = torch.arange(x.shape[1], device=x.device)
-    for layer in backbone.layers[start:stop]:
+    for layer in layer_range(backbone, start, stop):
         x = layer(x, positions)
     return x
 
@@ -303,12 +365,20 @@ def backbone_output(backbone: Backbone, x: torch.Tensor,
     if int(mask.sum()) >= _DENSE_LOSS * mask.numel():
         # Nearly every position has a target: the head on all of them is cheaper than
         # gathering the rows (and scattering their gradient back).
-        logits = backbone.output(hidden)
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE,
-                               reduction="sum")
+        logits, labels = backbone.output(hidden).flatten(0, 1), targets.flatten()
     else:   # image tokens, padding: the head (vocabulary-wide) only where it counts
-        logits = backbone.output(hidden[mask])
-        loss = F.cross_entropy(logits, targets[mask], reduction="sum")
+        logits, labels = backbone.output(hidden[mask]), targets[mask]
+    if hasattr(logits, "placements"):
+        # A vocabulary-parallel head (parallel.tp): each TP rank holds its columns of the
+        # logits and the cross-entropy reduces across them (loss_parallel).
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        with loss_parallel():
+            loss = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE,
+                                   reduction="sum")
+        loss = loss.full_tensor()
+    else:
+        loss = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE, reduction="sum")
     return loss, hidden
 
 
@@ -364,8 +434,10 @@ def generator_step(model: Model, name: str, cond: Sequence[torch.Tensor],
         steps = torch.cat([t.timesteps for _, t in members]).to(device)
         a = abar[steps].view(-1, 1, 1, 1)
         noisy = a.sqrt() * x0 + (1 - a).sqrt() * noise
-        pred = generator(noisy, steps, context)
-        total = total + ((pred - noise) ** 2).flatten(1).mean(dim=1).sum()
+        # In the compute dtype of the generator's parameters (bf16 under mixed precision:
+        # the context comes out of its projector in it); the error in fp32.
+        pred = generator(noisy.to(context.dtype), steps, context)
+        total = total + ((pred.float() - noise) ** 2).flatten(1).mean(dim=1).sum()
     return total
 
 

@@ -88,32 +88,35 @@ class SelfAttention(nn.Module):
 
     def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, *,
                  causal: bool = False, rotary: bool = False, out_bias: bool = False,
-                 rope_theta: float = _ROPE_THETA):
+                 qkv_bias: bool = False, rope_theta: float = _ROPE_THETA):
         super().__init__()
         if heads % kv_heads:
             raise ValueError(f"{heads} query heads cannot share {kv_heads} KV heads evenly")
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.causal, self.rotary, self.rope_theta = causal, rotary, rope_theta
-        # One fused matrix for Q, K and V: one GEMM instead of three.
-        self.wqkv = nn.Linear(dim, (heads + 2 * kv_heads) * head_dim, bias=False)
+        # Separate Q, K and V projections (as Hugging Face and torchtitan keep them): each
+        # is cut by heads under tensor parallelism and maps one to one to a checkpoint.
+        self.wq = nn.Linear(dim, heads * head_dim, bias=qkv_bias)
+        self.wk = nn.Linear(dim, kv_heads * head_dim, bias=qkv_bias)
+        self.wv = nn.Linear(dim, kv_heads * head_dim, bias=qkv_bias)
         self.wo = nn.Linear(heads * head_dim, dim, bias=out_bias)
+        self.wo.residual_out = True
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         batch, seq, _ = x.shape
         d = self.head_dim
-        q, k, v = self.wqkv(x).split(
-            [self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
-        q = q.view(batch, seq, self.heads, d)
-        k = k.view(batch, seq, self.kv_heads, d)
-        v = v.view(batch, seq, self.kv_heads, d)
+        # -1 heads: under tensor parallelism a rank's projections hold its heads only.
+        q = self.wq(x).view(batch, seq, -1, d)
+        k = self.wk(x).view(batch, seq, -1, d)
+        v = self.wv(x).view(batch, seq, -1, d)
         if self.rotary:
             if positions is None:
                 positions = torch.arange(seq, device=x.device)
             q, k = _apply_rotary(q, k, positions, self.rope_theta)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=self.causal,
-            enable_gqa=self.kv_heads != self.heads)
-        return self.wo(out.transpose(1, 2).reshape(batch, seq, self.heads * d))
+            enable_gqa=q.shape[2] != k.shape[2])
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
 class CrossAttention(nn.Module):
@@ -125,17 +128,20 @@ class CrossAttention(nn.Module):
         super().__init__()
         self.heads, self.head_dim = heads, head_dim
         self.wq = nn.Linear(dim, heads * head_dim, bias=False)
-        self.wkv = nn.Linear(context_dim, 2 * heads * head_dim, bias=False)
+        self.wk = nn.Linear(context_dim, heads * head_dim, bias=False)
+        self.wv = nn.Linear(context_dim, heads * head_dim, bias=False)
         self.wo = nn.Linear(heads * head_dim, dim, bias=out_bias)
+        self.wo.residual_out = True
 
     def forward(self, x: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
         batch, n, _ = x.shape
         m = context.shape[1]
-        h, d = self.heads, self.head_dim
-        q = self.wq(x).view(batch, n, h, d).transpose(1, 2)
-        k, v = self.wkv(context).view(batch, m, 2, h, d).unbind(dim=2)
-        out = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2))
-        return self.wo(out.transpose(1, 2).reshape(batch, n, h * d))
+        d = self.head_dim
+        q = self.wq(x).view(batch, n, -1, d).transpose(1, 2)
+        k = self.wk(context).view(batch, m, -1, d).transpose(1, 2)
+        v = self.wv(context).view(batch, m, -1, d).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v)
+        return self.wo(out.transpose(1, 2).reshape(batch, n, -1))
 
 
 class MLP(nn.Module):
@@ -146,14 +152,15 @@ class MLP(nn.Module):
         super().__init__()
         self.swiglu = swiglu
         self.gelu_approximate = "tanh" if tanh_gelu else "none"
-        # SwiGLU's gate and up projections fused into one matrix, as for QKV.
-        self.w1 = nn.Linear(dim, (2 if swiglu else 1) * ffn, bias=False)
+        # SwiGLU as Llama: w2(silu(w1 x) * w3 x); GELU: w2(gelu(w1 x)).
+        self.w1 = nn.Linear(dim, ffn, bias=False)
+        self.w3 = nn.Linear(dim, ffn, bias=False) if swiglu else None
         self.w2 = nn.Linear(ffn, dim, bias=False)
+        self.w2.residual_out = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.swiglu:
-            gate, up = self.w1(x).chunk(2, dim=-1)
-            return self.w2(F.silu(gate) * up)
+        if self.w3 is not None:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
         return self.w2(F.gelu(self.w1(x), approximate=self.gelu_approximate))
 
 
@@ -206,8 +213,10 @@ class Encoder(nn.Module):
         self.patch_dim = (arch.in_channels or 3) * (arch.patch or 1) ** 2
         # Replicated on every TP rank: a few thousand parameters, not worth a collective.
         self.patch_embed = nn.Linear(self.patch_dim, arch.hidden, bias=False)
-        self.layers = nn.ModuleList(TransformerLayer(arch, tp=tp, role="encoder")
-                                    for _ in range(arch.layers))
+        # Keyed by the layer's index: a pipeline stage deletes the layers it does not run
+        # and the others keep their names (``layers.<i>.``) whatever the plan.
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(arch, tp=tp, role="encoder")
+                                     for i in range(arch.layers)})
 
     @staticmethod
     def patchify(images: torch.Tensor, patch: int) -> torch.Tensor:
@@ -221,7 +230,7 @@ class Encoder(nn.Module):
         x = self.patch_embed(patches)
         positions = torch.arange(x.shape[1], device=x.device)
         x = x + sinusoidal_embedding(positions, self.hidden).to(x.dtype)
-        for layer in self.layers:
+        for layer in self.layers.values():
             x = layer(x)
         return x
 
@@ -243,8 +252,8 @@ class Backbone(nn.Module):
         self.tp = tp
         self.vocab_shard = -(-arch.vocab // tp)
         self.tok_embeddings = nn.Embedding(self.vocab_shard, arch.hidden)
-        self.layers = nn.ModuleList(TransformerLayer(arch, tp=tp, role="backbone")
-                                    for _ in range(arch.layers))
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(arch, tp=tp, role="backbone")
+                                     for i in range(arch.layers)})
         self.norm = nn.RMSNorm(arch.hidden, eps=1e-5)
         self.output = nn.Linear(arch.hidden, self.vocab_shard, bias=False)
 
@@ -263,7 +272,7 @@ class Backbone(nn.Module):
         if (tokens is None) == (embeds is None):
             raise ValueError("give exactly one of tokens and embeds")
         x = self.embed(tokens) if embeds is None else embeds
-        for layer in self.layers:
+        for layer in self.layers.values():
             x = layer(x, positions)
         return self.norm(x)
 

@@ -62,17 +62,19 @@ class _ResBlock(nn.Module):
 
 
 class GEGLU(nn.Module):
-    """The U-Net transformer block's MLP: a GELU-gated linear unit (``proj`` to value and
-    gate, ``out`` back)."""
+    """The U-Net transformer block's MLP: a GELU-gated linear unit, ``out(value(x) *
+    gelu(gate(x)))`` (diffusers fuses ``value`` and ``gate`` into one ``proj``; they are
+    separate here so tensor parallelism cuts each by columns)."""
 
     def __init__(self, ch: int, tp: int):
         super().__init__()
-        self.proj = nn.Linear(ch, 8 * ch // tp)
+        self.value = nn.Linear(ch, 4 * ch // tp)
+        self.gate = nn.Linear(ch, 4 * ch // tp)
         self.out = nn.Linear(4 * ch // tp, ch)
+        self.out.residual_out = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        value, gate = self.proj(x).chunk(2, dim=-1)
-        return self.out(value * F.gelu(gate))
+        return self.out(self.value(x) * F.gelu(self.gate(x)))
 
 
 class _TransformerBlock(nn.Module):

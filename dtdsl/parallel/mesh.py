@@ -14,30 +14,28 @@ laid out as a (pp, dp, tp) grid with TP innermost::
 
 Every global rank of a unit is in exactly one group of each kind.
 
-**Group creation order.** ``torch.distributed.new_group`` is collective over the whole
-default group: every rank must call it for every group, in the same order, whether or not
-it is a member. ``build_groups`` creates them in this fixed order::
-
-    for unit in plan.units:                    # plan order
-        for group in UnitGrid.tp_groups():     # stage-major, then replica
-        for group in UnitGrid.dp_groups():     # stage-major, then tp_index
-        for group in UnitGrid.pp_groups():     # replica-major, then tp_index
-
-and keeps the three groups this rank belongs to. Any other code that creates groups must
-do so entirely before or entirely after ``build_groups`` on every rank.
+**Meshes.** ``build_groups`` makes one ``DeviceMesh`` per unit over the unit's ranks,
+shaped ``(pp, dp_replicate, dp_shard, tp)`` (``MESH_DIMS``): the DP ranks are a shard
+dimension under ZeRO >= 1 (FSDP2 shards over it) and a replicate dimension under ZeRO 0.
+Its TP dimension is the TP group above, its DP dimensions the DP group, its PP dimension
+the PP group. DeviceMesh creates each dimension's groups with ``new_group``, which is
+collective over the whole default group, so every rank builds every unit's mesh, in plan
+order, and keeps its own. Any other code that creates groups must do so entirely before or
+entirely after ``build_groups`` on every rank.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:   # torch is imported where groups are built: planning tools never pay for it
     from torch.distributed import ProcessGroup
 
     from dtdsl.ir.plan import Plan, UnitPlan
 
-__all__ = ["ProcessGroups", "RankRole", "UnitGrid", "build_groups", "grids", "role_of"]
+__all__ = ["MESH_DIMS", "ProcessGroups", "RankRole", "UnitGrid", "build_groups", "grids",
+           "role_of", "unit_mesh_shape"]
 
 Role = Literal["encoder", "backbone", "generator"]
 
@@ -196,23 +194,36 @@ def _world(plan: Plan) -> int:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ProcessGroups:
-    """This rank's process groups (and the ranks in each, as global ranks)."""
+    """This rank's place in its unit: the unit's DeviceMesh (``("pp", "dp_replicate",
+    "dp_shard", "tp")``) and the TP process group."""
 
     role: RankRole
+    mesh: Any
     tp: ProcessGroup
-    dp: ProcessGroup
-    pp: ProcessGroup
 
     @property
     def rank(self) -> int:
         return self.role.rank
 
 
-def build_groups(plan: Plan, *, backend: str | None = None) -> ProcessGroups:
-    """Create every unit's TP, DP and PP groups on this rank, in the order of the module
-    docstring, and return the three this rank is in. Collective: every rank of the default
-    group must call it. The default group's size must equal the plan's ranks."""
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+def unit_mesh_shape(grid: UnitGrid, zero: int) -> tuple[int, int, int, int]:
+    """The unit's mesh shape ``(pp, dp_replicate, dp_shard, tp)``: data parallelism
+    shards (ZeRO >= 1) or replicates (ZeRO 0) over the DP ranks."""
+    return (grid.pp, 1, grid.dp, grid.tp) if zero >= 1 else (grid.pp, grid.dp, 1, grid.tp)
+
+
+def build_groups(plan: Plan, *, device_type: str = "cpu", zero: int = 1) -> ProcessGroups:
+    """Build every unit's DeviceMesh (``MESH_DIMS``: the unit's ranks laid out as in the
+    module docstring, TP innermost) on this rank, in plan order, and return this rank's.
+    Collective: every rank of the default group calls it (DeviceMesh creates its process
+    groups with ``new_group``, which every rank must call for every group, member or not).
+    The default group's size must equal the plan's ranks."""
+    import torch
     import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
 
     if not dist.is_initialized():
         raise RuntimeError("build_groups needs torch.distributed to be initialised")
@@ -221,13 +232,12 @@ def build_groups(plan: Plan, *, backend: str | None = None) -> ProcessGroups:
         raise ValueError(f"the plan uses {_world(plan)} ranks but the world size is {world}")
     rank = dist.get_rank()
     role = role_of(plan, rank)
-    mine: dict[str, ProcessGroup] = {}
+    mine = None
     for g in grids(plan):
-        for kind, members in (("tp", g.tp_groups()), ("dp", g.dp_groups()),
-                              ("pp", g.pp_groups())):
-            for ranks in members:
-                pg = dist.new_group(list(ranks), backend=backend)
-                if rank in ranks:
-                    assert kind not in mine, f"rank {rank} in two {kind} groups"
-                    mine[kind] = pg
-    return ProcessGroups(role=role, tp=mine["tp"], dp=mine["dp"], pp=mine["pp"])
+        ranks = torch.arange(g.first_rank, g.first_rank + g.size).reshape(
+            unit_mesh_shape(g, zero))
+        mesh = DeviceMesh(device_type, ranks, mesh_dim_names=MESH_DIMS)
+        if g.name == role.unit:
+            mine = mesh
+    assert mine is not None
+    return ProcessGroups(role=role, mesh=mine, tp=mine.get_group("tp"))

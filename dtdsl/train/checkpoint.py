@@ -1,35 +1,21 @@
 """Sharded checkpoints in a plan-independent layout, resume, and the files that make a
 checkpoint complete.
 
-**Layout.** A checkpoint holds, for every trainable parameter ``unit.param`` of the job (the
-keys of ``StageExecutor.named_parameters()``), the full parameter and its full AdamW state,
-as one ``torch.distributed.checkpoint`` (DCP) state dict::
+**Layout.** A checkpoint is one ``torch.distributed.checkpoint`` (DCP) state dict of
+DTensors, from torch's ``get_state_dict`` over each rank's stage module and optimizer::
 
-    {"model": {"<unit.param>": parameter (its dtype), ...},
-     "optim": {"<unit.param>": {"exp_avg": fp32, "exp_avg_sq": fp32,
-                                "master": fp32 (only for bf16/fp16 parameters)}, ...},
-     "step": int64 scalar}       # optimizer steps taken (one count: every optimizer of the
-                                 # job steps, or skips, together)
+    {"model": {"units.<unit>.<param>": DTensor, ...},     # every parameter, frozen too
+     "optim": {"units.<unit>.<param>": {"exp_avg", "exp_avg_sq", "step"}, ...}}
 
-which DCP stores under the flattened keys ``model.<unit.param>``,
-``optim.<unit.param>.exp_avg`` and so on, and ``step``. (Nested, not flat: DCP wraps every
-top-level entry in a logging call that costs about a millisecond, a second per save here.)
-
-"Full" means what the single-process model (``model.build_model``) holds: TP shards are
-gathered (``TPLayout.full``) and the ZeRO-1 optimizer shards all-gathered over the DP group
-(``Zero1AdamW.state_dict`` is the rank's shard of a flat buffer of the stage's parameters).
-Nothing in the layout depends on the plan, so a checkpoint written under one plan loads
-under any other plan of the same spec: each rank asks for the full tensors of the
-parameters its stage holds and keeps its TP slice (``ShardSplit.take``) and its ZeRO shard.
-Frozen parameters are not saved: every rank re-initialises them from the spec's seed.
-
-**Writers.** The DP and TP ranks of a stage all offer the same full tensors under the same
-keys; DCP's save planner keeps one writer per key (the rank with the least data so far), so
-each tensor is written once and the writes spread over the job's ranks (one
-``__<rank>_0.distcp`` file per rank that writes anything, plus DCP's ``.metadata``).
-Gathering the full tensors on every DP/TP rank of a stage costs transient memory of one full
-stage copy of parameters and Adam state; at large scale a rank-local chunked write (DTensor
-offsets) would avoid it.
+(the optimizer's param groups are not saved: the learning rate comes from the spec's
+schedule each step). The names are the single-process model's (a stage module keeps the
+global names of the layers it holds, and FSDP2 and activation checkpointing do not rename
+parameters), and the values are DTensors: each rank writes only its own shards (FSDP2's
+DP shard of its TP shard), with their offsets in the full tensor. So nothing in the
+layout depends on the plan, and DCP reshards on load: a checkpoint written under one plan
+loads under any other plan of the same spec, each rank reading exactly the pieces of the
+full tensors its shards cover. No rank ever gathers a full tensor. Frozen modules'
+weights are saved too and loaded with the rest.
 
 **Files.** Under ``RUN_DIR/checkpoints/``, a checkpoint is written into ``ckpt-<N>.tmp/``
 (``N``: the steps done, i.e. the next step to run, the data cursor), then rank 0 writes
@@ -49,7 +35,7 @@ timesteps are functions of the seed, the step and the sample; initialisation for
 generator), so restoring them changes nothing today; they are kept for code that will.
 
 **Saving modes** (``Checkpointer``): ``sync`` writes on the training thread (``dcp.save``);
-``thread`` copies the tensors to CPU memory on the training thread (after gathering them),
+``thread`` copies the rank's shards to CPU memory on the training thread (DCP's staging),
 then a background thread runs ``dcp.save`` on that copy and commits, at a lower CPU
 priority than the training (nice +10 for the thread, Linux). This is what
 ``dcp.async_save``'s thread mode does, with the commit in the same thread. At most one save
@@ -86,11 +72,11 @@ __all__ = [
     "Manifest",
     "checkpoint_root",
     "complete_checkpoints",
-    "full_state_dict",
     "latest_checkpoint",
-    "load_full_state_dict",
+    "load_state_dict",
     "plan_sha256",
     "read_manifest",
+    "state_dict",
 ]
 
 FORMAT = "dtdsl-checkpoint"
@@ -228,148 +214,42 @@ def _remove_incomplete(run_dir: Path) -> None:
                 shutil.rmtree(path, ignore_errors=True)
 
 
-# ---- the canonical state dict -------------------------------------------------------------
+# ---- the state dict ------------------------------------------------------------------------
 
-def _optimizer_names(ex: Any) -> list[tuple[Any, list[str]]]:
-    """Per optimizer of the executor, the ``unit.param`` name of each of its parameters."""
-    names = {id(p): key for key, p in ex.named_parameters().items()}
-    out = []
-    for opt in ex.optimizers:
-        try:
-            out.append((opt, [names[id(p)] for p in opt.params]))
-        except KeyError:
-            raise AssertionError("an optimizer holds a parameter that named_parameters "
-                                 "does not list") from None
-    return out
+def _optimizers(ex: Any) -> list[Any]:
+    return [o.optimizer for o in ex.optimizers]
 
 
-def _padded(state: dict[str, Any]) -> int:
-    lo, hi = state["shard"]
-    return (hi - lo) * (state["dp_size"] if state["zero"] == 1 else 1)
+def state_dict(ex: Any) -> dict[str, Any]:
+    """This rank's part of the checkpoint (module docstring): DTensor shards keyed by the
+    plan-independent names of the stage's parameters and their optimizer state. The
+    tensors are the live ones: stage a copy before training goes on."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    module = ex.stage.module
+    if not ex.optimizers:
+        return {"model": get_model_state_dict(module)}
+    model, optim = get_state_dict(module, _optimizers(ex))
+    return {"model": model, "optim": optim["state"]}
 
 
-def _gather_flat(opt: Any, state: dict[str, Any], key: str) -> Any:
-    """The whole flat buffer of ``state[key]`` (this rank's ZeRO shard), all-gathered over
-    the optimizer's DP group when it is sharded."""
-    import torch
-    import torch.distributed as dist
+def load_state_dict(ex: Any, state: dict[str, Any]) -> None:
+    """Set the stage's parameters and optimizer state from ``state`` (``state_dict``'s
+    keys, loaded in place by DCP: each rank's shards, resharded from any plan)."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
 
-    # state_dict() gives CPU copies; the DP and TP groups gather on the optimizer's device
-    # (NCCL on GPUs).
-    shard = state[key].to(opt.device).contiguous()
-    if state["zero"] != 1 or state["dp_size"] == 1:
-        return shard
-    full = torch.empty(_padded(state), dtype=shard.dtype, device=shard.device)
-    dist.all_gather(list(full.chunk(state["dp_size"])), shard, group=opt.dp_group)
-    return full
-
-
-def _tp_split(ex: Any, key: str) -> Any:
-    """The TP split of parameter ``key`` on this rank, or None when it is whole."""
-    unit, _, param = key.partition(".")
-    layout = getattr(ex, "tp_layout", None)
-    if layout is None or unit != ex.role.unit:
-        return None
-    return layout.splits.get(param)
-
-
-def _full(ex: Any, key: str, local: Any) -> Any:
-    """The full tensor of ``key`` from this rank's local one (collective over the TP group
-    for a sharded parameter)."""
-    if _tp_split(ex, key) is None:
-        from dtdsl.parallel.tp import local_tensor
-
-        return local_tensor(local)      # a replicated DTensor's local tensor is whole
-    return ex.tp_layout.full(key.partition(".")[2], local)
-
-
-def full_state_dict(ex: Any) -> dict[str, Any]:
-    """This rank's part of the canonical checkpoint (module docstring): the full tensors of
-    the trainable parameters its stage holds and their Adam state. Collective over the
-    rank's TP and DP groups (every rank of a stage calls it at the same point). Tensors may
-    be the live parameters: copy them before training goes on."""
-    import torch
-
-    model = {key: _full(ex, key, p.detach()) for key, p in ex.named_parameters().items()
-             if p.requires_grad}
-    out: dict[str, Any] = {"model": model}
-    optim: dict[str, dict[str, Any]] = {}
-    for opt, names in _optimizer_names(ex):
-        state = opt.state_dict()
-        sizes = [int(torch.Size(s).numel()) for s in state["param_shapes"]]
-        for k in ("exp_avg", "exp_avg_sq", "master"):
-            if k not in state:
-                continue
-            flat = _gather_flat(opt, state, k)[:state["numel"]]
-            for key, piece, shape in zip(names, flat.split(sizes), state["param_shapes"],
-                                         strict=True):
-                optim.setdefault(key, {})[k] = _full(ex, key, piece.view(shape))
-        out["step"] = torch.tensor(int(state["num_steps"]), dtype=torch.int64)
-    if optim:
-        out["optim"] = optim
-    return out
-
-
-def _template(ex: Any) -> dict[str, Any]:
-    """Empty full-size tensors for every key ``full_state_dict`` would give on this rank."""
-    import torch
-
-    from dtdsl.parallel.tp import local_tensor
-
-    def full_shape(key: str, local_shape: Any) -> list[int]:
-        shape = list(local_shape)
-        split = _tp_split(ex, key)
-        if split is not None:
-            shape[split.dim] *= ex.tp_layout.tp
-        return shape
-
-    out: dict[str, Any] = {"model": {
-        key: torch.empty(full_shape(key, local_tensor(p).shape), dtype=p.dtype)
-        for key, p in ex.named_parameters().items() if p.requires_grad}}
-    optim: dict[str, dict[str, Any]] = {}
-    for opt, names in _optimizer_names(ex):
-        state = opt.state_dict()
-        kinds = [k for k in ("exp_avg", "exp_avg_sq", "master") if k in state]
-        for key, shape in zip(names, state["param_shapes"], strict=True):
-            optim[key] = {k: torch.empty(full_shape(key, shape), dtype=torch.float32)
-                          for k in kinds}
-        out["step"] = torch.tensor(0, dtype=torch.int64)
-    if optim:
-        out["optim"] = optim
-    return out
-
-
-def _local(ex: Any, key: str, full: Any) -> Any:
-    split = _tp_split(ex, key)
-    if split is None:
-        return full
-    return split.take(full, ex.tp_layout.tp, ex.tp_layout.rank)
-
-
-def load_full_state_dict(ex: Any, state: dict[str, Any]) -> None:
-    """Set the executor's parameters and optimizer state from a canonical state dict
-    (``full_state_dict``'s keys for this rank, full tensors): each rank keeps its TP slice
-    and its ZeRO shard. Local; no collective."""
-    import torch
-
-    from dtdsl.parallel.tp import local_tensor
-
-    with torch.no_grad():
-        for key, p in ex.named_parameters().items():
-            if p.requires_grad:
-                local_tensor(p).copy_(_local(ex, key, state["model"][key]))
-    for opt, names in _optimizer_names(ex):
-        mine = opt.state_dict()
-        lo, hi = mine["shard"]
-        new = dict(mine, num_steps=int(state["step"]))
-        for k in ("exp_avg", "exp_avg_sq", "master"):
-            if k not in mine:
-                continue
-            flat = torch.zeros(_padded(mine), dtype=torch.float32)
-            pieces = [_local(ex, key, state["optim"][key][k]).reshape(-1) for key in names]
-            torch.cat(pieces, out=flat[:mine["numel"]])
-            new[k] = flat[lo:hi]
-        opt.load_state_dict(new)
+    module = ex.stage.module
+    if not ex.optimizers:
+        set_model_state_dict(module, state["model"])
+        return
+    _, current = get_state_dict(module, _optimizers(ex))
+    set_state_dict(module, _optimizers(ex), model_state_dict=state["model"],
+                   optim_state_dict={"state": state["optim"],
+                                     "param_groups": current["param_groups"]})
 
 
 # ---- saving and resuming ----------------------------------------------------------------------
@@ -385,10 +265,11 @@ def _rng_tensor(text: str) -> Any:
 
 
 def _cpu_copy(state: Any) -> Any:
-    """A copy of a nested state dict with every tensor copied to (or on) the CPU."""
-    if isinstance(state, dict):
-        return {k: _cpu_copy(v) for k, v in state.items()}
-    return state.detach().to("cpu", copy=True)
+    """A copy of a state dict with every tensor (DTensors: their local shards) in CPU
+    memory, as ``dcp.async_save`` stages it."""
+    from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+
+    return _copy_state_dict(state, _create_cpu_state_dict(state))
 
 
 def _lower_priority(nice: int) -> None:
@@ -467,7 +348,7 @@ class Checkpointer:
 
         start = time.perf_counter()
         self.wait()
-        state = full_state_dict(self.ex)
+        state = state_dict(self.ex)
         tmp = checkpoint_root(self.run_dir) / f"ckpt-{step}.tmp"
         tmp.mkdir(parents=True, exist_ok=True)
         manifest = self._manifest(step) if self.rank == 0 else None
@@ -502,6 +383,16 @@ class Checkpointer:
             final = _commit(tmp, manifest, self.keep)
             self.log(f"checkpoint: saved {final} ({self.mode})")
         self.saved.append(step)
+
+    def poll(self) -> None:
+        """Raise at once the error of a background save that failed (a full disk, a lost
+        peer): the run must not go on believing it is checkpointed. Local; call it every
+        step."""
+        pending = self._pending
+        if pending is not None and pending.done() and pending.exception() is not None:
+            self._pending = None
+            raise CheckpointError(f"a background checkpoint save failed: "
+                                  f"{pending.exception()}") from pending.exception()
 
     def wait(self) -> None:
         """Wait for the save in flight, if any (its commit included); re-raise its error."""
@@ -556,12 +447,12 @@ class Checkpointer:
                 f"{manifest.spec_sha256[:12]}...), this job runs sha256 "
                 f"{self.spec_sha256[:12]}...; resume only with the same spec")
         start = time.perf_counter()
-        state = _template(self.ex)
+        state = state_dict(self.ex)
         try:
             dcp.load(state, checkpoint_id=str(path), process_group=self.group)
         except Exception as err:
             raise CheckpointError(f"cannot load {path}: {err}") from err
-        load_full_state_dict(self.ex, state)
+        load_state_dict(self.ex, state)
         torch.set_rng_state(_rng_tensor(manifest.rng_torch))
         if manifest.rng_cuda is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state(_rng_tensor(manifest.rng_cuda))

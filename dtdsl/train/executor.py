@@ -65,9 +65,9 @@ vocabulary-parallel.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,73 +75,55 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from dtdsl.data.batch import BatchSource, LocalBatches, StepBatch
-from dtdsl.data.sample import Sample, image_encoder, pack_images, unpack_images
+from dtdsl.data.sample import Sample, SampleSizes, image_encoder, pack_images, unpack_images
 from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan
 from dtdsl.ir.schedule import Action, ActionKind, Schedule
 from dtdsl.models.multimodal import (
+    COND_TOKENS,
     Normalizer,
     backbone_input,
     backbone_layers,
     backbone_output,
-    build_unit,
     conditioning,
     encoder_input,
     encoder_layers,
     generator_step,
+    image_tokens,
+    packed_shapes,
+    sequence_length,
 )
-from dtdsl.parallel.broker import (
-    Broker,
-    PostedRecv,
-    StepSamples,
-    message_tag,
-    post_recv,
-    recv_posted,
-    send_tensors,
-    use_local_links,
-)
-from dtdsl.parallel.links import shared_local_links
+from dtdsl.parallel.broker import Broker, PendingSamples, StepSamples
+from dtdsl.parallel.device import to_device
 from dtdsl.parallel.mesh import ProcessGroups, RankRole
-from dtdsl.parallel.tp import TPLayout, shard_unit
+from dtdsl.parallel.p2p import P2P, Received, TensorSpec
 from dtdsl.sim.timeline import Event, Timeline, TimelineUnit
-from dtdsl.train.optim import Zero1AdamW, optimizer_step
+from dtdsl.train.optim import StageOptimizer, optimizer_step
+from dtdsl.train.stage import Stage, build_stage, projector_between
 
 __all__ = ["StageExecutor", "gather_timeline", "measured_timeline", "run_rank"]
 
-_FWD, _BWD = 0, 1
-_RECVS = (ActionKind.RECV_F, ActionKind.RECV_B)
-# How many of its next RECV actions a rank keeps posted (``broker.post_recv``): gloo moves a
-# message's data only once its receive is posted, so a receive posted ahead saves the
-# round trip at the RECV. Each holds a ``HEADER_BYTES + EAGER_BYTES`` buffer until then.
-_PREPOST = 8
+_FWD, _BWD = "F", "B"
+_COMM = (ActionKind.SEND_F, ActionKind.SEND_B, ActionKind.RECV_F, ActionKind.RECV_B)
 
 
 class _Units:
     """The few ``model.Model`` attributes the model's step functions read, for the units
-    this rank holds (a duck-typed stand-in: a rank never builds the whole model)."""
+    a stage holds (a rank never builds the whole model)."""
 
-    def __init__(self, program: ir.Program, units: dict[str, nn.Module]):
+    def __init__(self, program: ir.Program, units: Any):
         enc = image_encoder(program)
         self.units = units
         self.patch = (enc.arch.patch or 1) if enc is not None else 1
         self.seq_len = program.train.seq_len
         self.backbone = program.backbone.name
-        self.gen_proj = {g.name: _projector(program, program.backbone.name, g.name)
+        self.gen_proj = {g.name: projector_between(program, program.backbone.name, g.name)
                          for g in program.generators}
 
-    def unit(self, name: str) -> nn.Module:
+    def unit(self, name: str) -> torch.nn.Module:
         return self.units[name]
-
-
-def _projector(program: ir.Program, source: str, target: str) -> str:
-    for p in program.projectors:
-        if p.source == source and p.target == target:
-            return p.name
-    raise ValueError(f"the spec has no projector {source} -> {target}, which the runtime "
-                     "needs")
 
 
 @dataclass
@@ -149,22 +131,24 @@ class _Micro:
     """What one microbatch leaves between its actions on this rank."""
 
     inputs: Any = None          # received / built inputs (leaves where gradients go back)
+    pending: dict[str, Any] = field(default_factory=dict)   # RECV_F in flight, by peer unit
     outputs: Any = None         # F's outputs that B differentiates
     outbox: Any = None          # what SEND_F sends
     loss: torch.Tensor | None = None
-    grads_in: dict[str, Any] = field(default_factory=dict)    # RECV_B by peer unit
+    grads_in: dict[str, Any] = field(default_factory=dict)  # RECV_B in flight, by peer unit
     input_grads: Any = None     # what SEND_B sends
 
 
 class StageExecutor:
     """Runs one rank's stage of ``schedule`` (see the module docstring).
 
-    ``groups``: this rank's ``mesh.build_groups(plan)``; ``seed``: the initialisation seed
-    (``train.seed`` to match the reference)."""
+    ``groups``: this rank's ``mesh.build_groups(plan)``; ``device``: the rank's device
+    (``parallel.device.rank_device``); ``seed``: the initialisation seed (``train.seed``
+    to match the reference)."""
 
     def __init__(self, program: ir.Program, plan: Plan, schedule: Schedule, *,
-                 rank: int, groups: ProcessGroups, seed: int | None = None,
-                 feed: BatchSource | None = None):
+                 rank: int, groups: ProcessGroups, device: torch.device | str = "cpu",
+                 seed: int | None = None, feed: BatchSource | None = None):
         self.program, self.plan, self.schedule = program, plan, schedule
         self.role: RankRole = groups.role
         if self.role.rank != rank:
@@ -174,27 +158,43 @@ class StageExecutor:
                 raise NotImplementedError(
                     f"unit {u.name} has vpp={u.vpp}: the executor does not run interleaved "
                     "schedules yet; plan it with vpp=1")
+        if self.role.role == "generator" and self.role.grid.pp != 1:
+            raise NotImplementedError(f"generator {self.role.unit} has pp={self.role.grid.pp}: "
+                                      "U-Net and DiT generators run on one pipeline stage")
         if schedule.num_microbatches != plan.num_microbatches:
             raise ValueError(f"schedule of {schedule.num_microbatches} microbatches for a "
                              f"plan of {plan.num_microbatches}")
         self.groups = groups
+        self.device = torch.device(device)
         self.seed = program.train.seed if seed is None else seed
-        self.unit_plan = plan.unit(self.role.unit)
-        self.module_spec = program.module(self.role.unit)
         self.actions: tuple[Action, ...] = schedule.stage(self.role.unit, self.role.stage).actions
         self.sends_grad = any(a.kind is ActionKind.SEND_B for a in self.actions)
         self.sends_forward = any(a.kind is ActionKind.SEND_F for a in self.actions)
         self.trains_in_schedule = any(a.kind is ActionKind.OPT for a in self.actions)
-        # Eager wire messages (one transfer for a small message) on every PP and broker
-        # pair: every rank's executor sends and receives alike.
-        self.broker = Broker(plan, rank, groups, eager=True)
-        # On CPU, transfers between ranks of one host go over Unix sockets (links.py).
-        if dist.is_initialized() and dist.get_backend() == "gloo":
-            use_local_links(shared_local_links())
+        backwards = [i for i, a in enumerate(self.actions) if a.kind is ActionKind.B]
+        self._last_backward = backwards[-1] if backwards else -1
+        self.p2p = P2P(self.device)
+        self.broker = Broker(plan, rank, self.p2p, groups)
         self._leader = self.role.grid.leader(self.role.stage, self.role.replica)
-        self._build()
+        run = {"encoder": _run_encoder, "backbone": _run_backbone,
+               "generator": _run_generator}[self.role.role]
+        self.stage: Stage = build_stage(program, plan, self.role, groups.mesh, self.device,
+                                        seed=self.seed, run=run)
+        self.stage.module.executor_state = _StageState(self)
+        self.model = _Units(program, self.stage.module.units)
+        self.dtype = self.stage.compute_dtype
+        self._patch = self.model.patch
+        self._width = program.backbone.arch.hidden
+        self._build_optimizer()
         self._forward = {"encoder": self._encoder_forward, "backbone": self._backbone_forward,
                          "generator": self._generator_forward}[self.role.role]
+        # Under a vocabulary-parallel head the cross-entropy's backward must run in the
+        # loss_parallel context too (torch's rule).
+        self._backward_context = contextlib.nullcontext
+        if self.role.role == "backbone" and self.role.grid.tp > 1 and self.role.is_last_stage:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            self._backward_context = loss_parallel
         self._t0 = 0.0
         self.feed: BatchSource = feed if feed is not None else LocalBatches(
             program, plan, self.role)
@@ -206,84 +206,39 @@ class StageExecutor:
 
     # ---- building -------------------------------------------------------------------------
 
-    def _build(self) -> None:
+    def _build_optimizer(self) -> None:
         program, role = self.program, self.role
-        name = role.unit
-        module = build_unit(program, name, self.seed)
-        # Every TP rank builds the full unit from the same seed and keeps its shard, so
-        # the shards are slices of the single-process parameters.
-        self.tp_layout: TPLayout | None = None
-        if role.grid.tp > 1:
-            self.tp_layout = shard_unit(module, role.grid.tp, role.tp_index, self.groups.tp)
-        units: dict[str, nn.Module] = {name: module}
-        params: list[nn.Parameter] = []
-        if role.role == "generator":
-            if role.grid.pp != 1:
-                raise NotImplementedError(f"generator {name} has pp={role.grid.pp}: U-Net and "
-                                          "DiT generators run on one pipeline stage")
-            proj = _projector(program, program.backbone.name, name)
-            units[proj] = build_unit(program, proj, self.seed)
-            params += list(module.parameters()) + list(units[proj].parameters())
-        else:
-            split = tuple(self.unit_plan.layers_per_stage)
-            total = len(module.layers)
-            if len(split) != role.grid.pp or sum(split) != total:
-                raise ValueError(f"unit {name}: layers_per_stage {split} does not split its "
-                                 f"{total} layers over pp={role.grid.pp} stages")
-            self.start = sum(split[:role.stage])
-            self.stop = self.start + split[role.stage]
-            if role.is_first_stage:
-                first = module.patch_embed if role.role == "encoder" else module.tok_embeddings
-                params += list(first.parameters())
-            for layer in module.layers[self.start:self.stop]:
-                params += list(layer.parameters())
-            if role.is_last_stage:
-                if role.role == "encoder":
-                    proj = _projector(program, name, program.backbone.name)
-                    units[proj] = build_unit(program, proj, self.seed)
-                    params += list(units[proj].parameters())
-                else:
-                    params += list(module.norm.parameters()) + list(module.output.parameters())
-        for m in units.values():
-            m.train()
-        self.model = _Units(program, units)
-        self.stage_params = params
-        trainable = [p for p in params if p.requires_grad]
+        named = self.stage.named_parameters()
+        trainable = [(k, p) for k, p in named.items() if p.requires_grad]
         if bool(trainable) != self.trains_in_schedule:
-            raise RuntimeError(f"{name}.s{role.stage}: the schedule says it "
+            raise RuntimeError(f"{role.unit}.s{role.stage}: the schedule says it "
                                f"{'trains' if self.trains_in_schedule else 'trains nothing'}"
                                f" but it holds {len(trainable)} trainable parameters; lower "
                                "the schedule from the same program")
         opt = program.train.optimizer
-        if opt.name != "adamw" and opt.weight_decay > 0:
-            raise NotImplementedError(f"optimizer {opt.name} with weight decay: the runtime "
-                                      "has AdamW (decoupled weight decay) only")
-        sharded = set() if self.tp_layout is None else {
-            id(p) for n, p in module.named_parameters() if self.tp_layout.is_sharded(n)}
-        self.optimizers = [] if not trainable else [Zero1AdamW(
-            trainable, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
-            weight_decay=opt.weight_decay, zero=opt.zero, dp_group=self.groups.dp,
-            average=False, tp_rank=role.tp_index,
-            tp_replicated=[p for p in trainable if id(p) not in sharded])]
+        self.optimizers: list[StageOptimizer] = []
+        if trainable:
+            from dtdsl.train.lr import lr_at
+
+            train = program.train
+            self.optimizers.append(StageOptimizer(
+                [p for _, p in trainable], name=opt.name, lr=opt.lr, betas=tuple(opt.betas),
+                eps=opt.eps, weight_decay=opt.weight_decay, tp_index=role.tp_index,
+                counted_on_tp=[k in self.stage.tp_sharded for k, _ in trainable],
+                lr_at=lambda step: lr_at(train.lr_schedule, opt.lr, train.steps, step)))
 
     def named_parameters(self) -> dict[str, torch.Tensor]:
-        """This stage's parameters as ``{"unit.param": tensor}`` (``unit`` a module or
-        projector name, ``param`` its name in that module): the keys of
-        ``model.Model.units``' parameters without the ``units.`` prefix."""
-        mine = {id(p) for p in self.stage_params}
-        return {f"{u}.{n}": p for u, m in self.model.units.items()
-                for n, p in m.named_parameters() if id(p) in mine}
+        """This stage's parameters as ``{"unit.param": tensor}`` (DTensors: FSDP2's
+        shards, with TP placements where sharded)."""
+        return self.stage.named_parameters()
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        """``named_parameters`` with TP shards gathered into the full (single-process)
-        tensors. Collective over this rank's TP group when the unit has tp > 1."""
+        """``named_parameters`` as full (single-process) tensors. Collective over the
+        stage's ranks (DTensor ``full_tensor``)."""
         out = {}
         for key, p in self.named_parameters().items():
-            unit, _, param = key.partition(".")
-            if self.tp_layout is not None and unit == self.role.unit:
-                out[key] = self.tp_layout.full(param, p.detach())
-            else:
-                out[key] = p.detach()
+            full = getattr(p, "full_tensor", None)
+            out[key] = (full() if callable(full) else p).detach()
         return out
 
     # ---- peers ----------------------------------------------------------------------------
@@ -301,39 +256,44 @@ class StageExecutor:
         # Off the timed actions: in a real job the preprocessing workers built it ahead.
         batch = self.batch = self.feed.batch(step)
         if batch.step != step:
-            raise RuntimeError(f"the data feed gave step {batch.step} for step {step}")
+            raise RuntimeError(f"the data feed gave step {step} for step {step}")
         if len(batch.routing) != self.plan.num_microbatches:
             raise RuntimeError(f"step {step}'s routing has {len(batch.routing)} microbatch "
                                f"steps for a plan of {self.plan.num_microbatches}")
+        if len(batch.sizes) != sum(len(s.sample_ids) for s in batch.routing):
+            raise RuntimeError(f"step {step}'s data has sizes of {len(batch.sizes)} samples "
+                               "for the batch it routes; the feed must send every sample's "
+                               "sizes")
         self.steps = batch.routing
         r = self.role
         self._ids = tuple(tuple(s.samples_of(r.unit, r.replica)) for s in self.steps)
         self.norm = batch.normalizer
         self.micro: dict[int, _Micro] = {}
-        self.pending: list[dist.Work] = []
-        self.lm = self.gen = 0.0
-        for p in self.stage_params:
-            p.grad = None
+        self.lm = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.gen = torch.zeros((), dtype=torch.float64, device=self.device)
         events: list[Event] = []
-        self._to_post = deque(i for i, a in enumerate(self.actions) if a.kind in _RECVS)
-        self._posted: dict[int, list[PostedRecv]] = {}
+        self.stage.begin_step()
         dist.barrier()     # a common origin for every rank's event times
         self._t0 = time.perf_counter()
-        self._post_ahead()     # the first _PREPOST receives
         for i, a in enumerate(self.actions):
             if a.kind in (ActionKind.SYNC, ActionKind.OPT):
                 continue
+            if a.kind not in _COMM:
+                # Consecutive communication actions go out as one batch, before compute.
+                self.p2p.flush()
             start = time.perf_counter() - self._t0
             self._run(i, a)
             events.append(self._event(a.kind.value, a.microbatch, start))
-        for w in self.pending:
-            w.wait()
+        self.p2p.wait_sends()
+        if self.micro and any(m.pending or m.grads_in for m in self.micro.values()):
+            raise RuntimeError(f"{r.unit}.s{r.stage}: step {step} ended with receives "
+                               "nobody used; the schedule and the executor disagree")
         start = time.perf_counter() - self._t0
         train = self.program.train
         # The step's losses are summed over the job in the optimizer's one all-reduce.
-        result = optimizer_step(self.optimizers,
+        result = optimizer_step(self.optimizers, step=step,
                                 max_norm=train.grad_clip if train.grad_clip > 0 else None,
-                                totals=(self.lm, self.gen))
+                                totals=(float(self.lm), float(self.gen)), device=self.device)
         if self.trains_in_schedule:
             events.append(self._event("SYNC", None, start))
             events.append(self._event("OPT", None, start))
@@ -366,7 +326,8 @@ class StageExecutor:
                         f.write(json.dumps({k: result[k] for k in (
                             "step", "loss", "lm_loss", "gen_loss")}) + "\n")
                 if logdir is not None:
-                    timeline = gather_timeline(self.plan, step, result["events"])
+                    timeline = gather_timeline(self.plan, step, result["events"],
+                                               device=self.device)
                     if writer is not None:
                         scalars = {"loss/total": result["loss"], "loss/lm": result["lm_loss"],
                                    "loss/gen": result["gen_loss"],
@@ -393,12 +354,13 @@ class StageExecutor:
                                f"{self.role.replica}: step {self.step}'s data lacks sample "
                                f"{i}, which its routing sends here") from None
 
-    def _samples(self, j: int) -> tuple[list[int], list[Sample]]:
-        ids = list(self._ids[j])
-        return ids, [self._sample(i) for i in ids]
+    def _sizes(self, i: int) -> SampleSizes:
+        assert self.batch is not None
+        return self.batch.sizes[i]
 
-    def _tag(self, j: int, direction: int) -> int:
-        return message_tag(self.step * self.plan.num_microbatches + j, direction)
+    def _index(self, j: int) -> int:
+        """Microbatch ``j``'s index in the run (labels of its messages)."""
+        return self.step * self.plan.num_microbatches + j
 
     def _run(self, index: int, a: Action) -> None:
         """Run action ``a``, the ``index``-th of this stage's list."""
@@ -409,7 +371,7 @@ class StageExecutor:
         if kind is ActionKind.F:
             self._forward(j, mb)
         elif kind is ActionKind.B:
-            self._backward(j, mb)
+            self._backward(index, j, mb)
             self.micro.pop(j)
             if self.sends_grad:
                 self.micro[j] = _Micro(input_grads=mb.input_grads)
@@ -419,64 +381,74 @@ class StageExecutor:
             self._send(a, j, mb.input_grads, _BWD)
             self.micro.pop(j, None)
         elif kind is ActionKind.RECV_F:
-            got = self._recv(index, a, j, _FWD)
-            if a.peer_unit == self.role.unit:
-                mb.inputs = got
-            else:
-                if mb.inputs is None:
-                    mb.inputs = {}
-                mb.inputs[a.peer_unit] = got
+            assert a.peer_unit is not None
+            mb.pending[a.peer_unit] = self._recv(a, j, _FWD)
         elif kind is ActionKind.RECV_B:
-            mb.grads_in[a.peer_unit] = self._recv(index, a, j, _BWD)
+            assert a.peer_unit is not None
+            mb.grads_in[a.peer_unit] = self._recv(a, j, _BWD)
         else:   # pragma: no cover - SYNC/OPT are handled by run_step
             raise AssertionError(kind)
 
     # ---- communication --------------------------------------------------------------------
 
-    def _send(self, a: Action, j: int, payload: Any, direction: int) -> None:
+    def _send(self, a: Action, j: int, payload: Any, direction: str) -> None:
         assert a.peer_unit is not None and a.peer_stage is not None
+        index = self._index(j)
         if a.peer_unit == self.role.unit:
-            self.pending += send_tensors(list(payload), self._pp_peer(a.peer_stage),
-                                         tag=self._tag(j, direction), eager=True)
+            peer = self._pp_peer(a.peer_stage)
+            self.p2p.send(peer, list(payload),
+                          self._pp_label(direction, index, (self.role.stage, a.peer_stage)))
         elif direction == _FWD:
-            self.pending += self.broker.send_forward(
-                self.step * self.plan.num_microbatches + j, self.role.unit, a.peer_unit,
-                payload, self.steps[j])
+            self.broker.send_forward(index, self.role.unit, a.peer_unit, payload, self.steps[j])
         else:
-            self.pending += self.broker.send_backward(
-                self.step * self.plan.num_microbatches + j, a.peer_unit, self.role.unit,
-                payload, self.steps[j])
+            self.broker.send_backward(index, a.peer_unit, self.role.unit, payload,
+                                      self.steps[j])
 
-    def _post(self, a: Action) -> list[PostedRecv]:
-        """Post the receives of RECV action ``a`` (see ``_PREPOST``)."""
-        assert a.peer_unit is not None and a.peer_stage is not None and a.microbatch is not None
-        j = a.microbatch
-        if a.peer_unit == self.role.unit:
-            direction = _FWD if a.kind is ActionKind.RECV_F else _BWD
-            return [post_recv(self._pp_peer(a.peer_stage), tag=self._tag(j, direction),
-                              eager=True)]
-        index = self.step * self.plan.num_microbatches + j
-        if a.kind is ActionKind.RECV_F:
-            return self.broker.post_forward(index, a.peer_unit, self.role.unit, self.steps[j])
-        return self.broker.post_backward(index, self.role.unit, a.peer_unit, self.steps[j])
+    def _pp_label(self, direction: str, index: int, stages: tuple[int, int]) -> str:
+        r = self.role
+        return (f"{r.unit}.s{stages[0]}->{r.unit}.s{stages[1]} {direction} {index} "
+                f"r{r.replica}t{r.tp_index}")
 
-    def _post_ahead(self) -> None:
-        while self._to_post and len(self._posted) < _PREPOST:
-            i = self._to_post.popleft()
-            self._posted[i] = self._post(self.actions[i])
-
-    def _recv(self, index: int, a: Action, j: int, direction: int) -> Any:
+    def _recv(self, a: Action, j: int, direction: str) -> Received | PendingSamples:
         assert a.peer_unit is not None and a.peer_stage is not None
-        posted = self._posted.pop(index)
-        self._post_ahead()      # the next one goes out while this one is waited for
+        index = self._index(j)
         if a.peer_unit == self.role.unit:
-            return recv_posted(posted)[0]
-        step = self.step * self.plan.num_microbatches + j
+            peer = self._pp_peer(a.peer_stage)
+            specs = self._pp_specs(j, direction)
+            return self.p2p.recv(peer, specs, self._pp_label(direction, index,
+                                                             (a.peer_stage, self.role.stage)))
         if direction == _FWD:
-            return self.broker.recv_forward(step, a.peer_unit, self.role.unit, self.steps[j],
-                                            posted)
-        return self.broker.recv_backward(step, self.role.unit, a.peer_unit, self.steps[j],
-                                         posted)
+            return self.broker.recv_forward(index, a.peer_unit, self.role.unit, self.steps[j],
+                                            self._edge_spec(a.peer_unit))
+        return self.broker.recv_backward(index, self.role.unit, a.peer_unit, self.steps[j],
+                                         self._edge_spec(a.peer_unit))
+
+    def _edge_spec(self, peer: str) -> Any:
+        """The shape of one sample's tensor on the edge between this unit and ``peer``."""
+        role = self.role.role
+        peer_role = self.plan.unit(peer).role
+        width, patch, seq_len = self._width, self._patch, self.program.train.seq_len
+        if {role, peer_role} == {"encoder", "backbone"}:
+            return lambda i: TensorSpec((image_tokens(self._sizes(i), patch), width),
+                                        self.dtype)
+        return lambda i: TensorSpec(
+            (min(COND_TOKENS, sequence_length(self._sizes(i), patch, seq_len)), width),
+            self.dtype)
+
+    def _pp_specs(self, j: int, direction: str) -> list[TensorSpec]:
+        """What a PP message of microbatch ``j`` holds (forward: activations and, on a
+        backbone, the targets; backward: the activations' gradients)."""
+        sizes = [self._sizes(i) for i in self._ids[j]]
+        if self.role.role == "encoder":
+            hidden = self.program.module(self.role.unit).arch.hidden
+            return [TensorSpec((n, tokens, hidden), self.dtype)
+                    for n, tokens in packed_shapes(sizes, self._patch)]
+        seq = max((sequence_length(z, self._patch, self.program.train.seq_len)
+                   for z in sizes), default=0)
+        specs = [TensorSpec((len(sizes), seq, self._width), self.dtype)]
+        if direction == _FWD:
+            specs.append(TensorSpec((len(sizes), seq), torch.int64))
+        return specs
 
     def _leaf(self, t: torch.Tensor) -> torch.Tensor:
         """A received tensor as an autograd leaf (own storage, gradient wanted when this
@@ -484,24 +456,28 @@ class StageExecutor:
         t = t.clone()
         return t.requires_grad_(True) if self.sends_grad and t.is_floating_point() else t
 
+    @staticmethod
+    def _wait(pending: Any) -> Any:
+        return pending.wait()
+
     # ---- forwards ---------------------------------------------------------------------------
 
     def _encoder_forward(self, j: int, mb: _Micro) -> None:
         role = self.role
-        enc = self.model.unit(role.unit)
-        ids, samples = self._samples(j)
-        packed = pack_images([s.images for s in samples], self.model.patch)
+        ids, samples = list(self._ids[j]), [self._sample(i) for i in self._ids[j]]
+        images = [to_device(list(s.images), self.device) for s in samples]
+        packed = pack_images(images, self._patch)
         if role.is_first_stage:
-            xs = encoder_input(enc, packed.groups)
+            xs = None
             mb.inputs = None
         else:
-            xs = [self._leaf(t) for t in mb.inputs]
+            (pending,) = mb.pending.values()
+            xs = [self._leaf(t) for t in self._wait(pending)]
             mb.inputs = xs
-        ys = encoder_layers(enc, xs, self.start, self.stop)
+        mb.pending = {}
+        ys = self.stage.module(packed.groups if xs is None else xs, first=xs is None)
         if role.is_last_stage:
-            proj = self.model.unit(_projector(self.program, role.unit, self.model.backbone))
-            width = self.program.backbone.arch.hidden
-            outs = unpack_images(packed, [proj(h) for h in ys], width=width)
+            outs = unpack_images(packed, ys, width=self._width)
             mb.outputs = dict(zip(ids, outs, strict=True))
             mb.outbox = {i: o.detach() for i, o in mb.outputs.items()}
         else:
@@ -510,82 +486,91 @@ class StageExecutor:
 
     def _backbone_forward(self, j: int, mb: _Micro) -> None:
         role = self.role
-        bb = self.model.unit(role.unit)
         ids = list(self._ids[j])
         if role.is_first_stage:
             samples = [self._sample(i) for i in ids]
-            received: dict[str, dict[int, torch.Tensor]] = mb.inputs or {}
-            width = bb.tok_embeddings.embedding_dim
-            if received:
-                if len(received) != 1:
+            if mb.pending:
+                if len(mb.pending) != 1:
                     raise NotImplementedError("the runtime models one image encoder")
-                (per_sample,) = received.values()
+                (pending,) = mb.pending.values()
+                per_sample = self._wait(pending)
                 embeds = {i: self._leaf(per_sample[i]) for i in ids}
             else:
-                embeds = {i: torch.zeros(0, width) for i in ids}
+                embeds = {i: torch.zeros(0, self._width, dtype=self.dtype, device=self.device)
+                          for i in ids}
             mb.inputs = embeds
-            batch = backbone_input(bb, [embeds[i] for i in ids], [s.tokens for s in samples],
-                                   self.model.seq_len)
-            x, targets, lengths = batch.embeds, batch.targets, torch.tensor(batch.lengths)
+            tokens = [to_device(s.tokens, self.device) for s in samples]
+            out = self.stage.module(image_embeds=[embeds[i] for i in ids], tokens=tokens)
         else:
-            x_in, targets, lengths = mb.inputs
+            (pending,) = mb.pending.values()
+            x_in, targets = self._wait(pending)
             x = self._leaf(x_in)
             mb.inputs = [x]
-        y = backbone_layers(bb, x, self.start, self.stop)
+            out = self.stage.module(x=x, targets=targets)
+        mb.pending = {}
         if role.is_last_stage:
-            loss_sum, hidden = backbone_output(bb, y, targets)
+            loss_sum, hidden = out
             assert self.norm is not None
             mb.loss = loss_sum / max(1, self.norm.text_tokens)
             if role.is_leader:      # TP ranks hold the same loss: count it once
-                self.lm += float(mb.loss.detach())
+                self.lm += mb.loss.detach().double()
             if self.sends_forward:  # the generators' conditioning
-                conds = conditioning(hidden, lengths.tolist())
+                lengths = [sequence_length(self._sizes(i), self._patch,
+                                           self.program.train.seq_len) for i in ids]
+                conds = conditioning(hidden, lengths)
                 mb.outputs = dict(zip(ids, conds, strict=True))
                 mb.outbox = {i: c.detach() for i, c in mb.outputs.items()}
         else:
+            y, targets = out
             mb.outputs = [y]
-            mb.outbox = [y.detach(), targets, lengths]
+            mb.outbox = [y.detach(), targets]
 
     def _generator_forward(self, j: int, mb: _Micro) -> None:
         name = self.role.unit
-        ids, samples = self._samples(j)
-        received = mb.inputs or {}
-        if len(received) != 1:
+        ids, samples = list(self._ids[j]), [self._sample(i) for i in self._ids[j]]
+        if len(mb.pending) != 1:
             raise RuntimeError(f"{name}: F{j} without the backbone's conditioning")
-        (per_sample,) = received.values()
+        (pending,) = mb.pending.values()
+        per_sample = self._wait(pending)
+        mb.pending = {}
         conds = {i: self._leaf(per_sample[i]) for i in ids}
         mb.inputs = conds
-        gen_sum = generator_step(self.model, name, [conds[i] for i in ids],
-                                 [s.targets[name] for s in samples])
+        targets = [to_device(s.targets[name], self.device) for s in samples]
+        gen_sum = self.stage.module([conds[i] for i in ids], targets)
         assert self.norm is not None
         mb.loss = gen_sum / max(1, self.norm.gen_targets)
         if self.role.is_leader:     # TP ranks hold the same loss: count it once
-            self.gen += float(mb.loss.detach())
+            self.gen += mb.loss.detach().double()
 
     # ---- backward ---------------------------------------------------------------------------
 
-    def _backward(self, j: int, mb: _Micro) -> None:
+    def _backward(self, index: int, j: int, mb: _Micro) -> None:
         tensors: list[torch.Tensor] = []
         grads: list[torch.Tensor] = []
         if mb.loss is not None and mb.loss.requires_grad:
             tensors.append(mb.loss)
             grads.append(torch.ones_like(mb.loss))
+        received = {peer: self._wait(p) for peer, p in mb.grads_in.items()}
+        mb.grads_in = {}
         if isinstance(mb.outputs, dict):
             # Per-sample outputs read by other units: sum what every consumer sent.
-            for per_sample in mb.grads_in.values():
+            for per_sample in received.values():
                 for i, g in per_sample.items():
                     out = mb.outputs[i]
                     if out.requires_grad:
                         tensors.append(out)
                         grads.append(g)
         elif mb.outputs is not None:
-            (received,) = mb.grads_in.values()
-            for out, g in zip(mb.outputs, received, strict=True):
+            (got,) = received.values()
+            for out, g in zip(mb.outputs, got, strict=True):
                 if out.requires_grad:
                     tensors.append(out)
                     grads.append(g)
         if tensors:
-            torch.autograd.backward(tensors, grads)
+            with self._backward_context():
+                torch.autograd.backward(tensors, grads)
+        if index == self._last_backward:
+            self.stage.reduce_gradients()
         if not self.sends_grad:
             return
 
@@ -596,6 +581,52 @@ class StageExecutor:
             mb.input_grads = {i: grad(x) for i, x in mb.inputs.items()}
         else:
             mb.input_grads = [grad(x) for x in mb.inputs]
+
+
+class _StageState:
+    """What a stage's forward reads of its executor besides its arguments."""
+
+    def __init__(self, ex: StageExecutor):
+        self.program = ex.program
+        self.start, self.stop = ex.stage.start, ex.stage.stop
+        self.role = ex.role
+        self.seq_len = ex.program.train.seq_len
+
+
+def _run_encoder(module: Any, xs: Sequence[torch.Tensor], *, first: bool) -> list[torch.Tensor]:
+    st = module.executor_state
+    enc = module.units[st.role.unit]
+    if first:
+        xs = encoder_input(enc, xs)
+    ys = encoder_layers(enc, xs, st.start, st.stop)
+    if st.role.is_last_stage:
+        proj = module.units[projector_between(st.program, st.role.unit,
+                                              st.program.backbone.name)]
+        return [proj(h) for h in ys]
+    return ys
+
+
+def _run_backbone(module: Any, *, x: torch.Tensor | None = None,
+                  image_embeds: Sequence[torch.Tensor] | None = None,
+                  tokens: Sequence[torch.Tensor] | None = None,
+                  targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    st = module.executor_state
+    bb = module.units[st.role.unit]
+    if x is None:
+        assert image_embeds is not None and tokens is not None
+        batch = backbone_input(bb, image_embeds, tokens, st.seq_len)
+        x, targets = batch.embeds, batch.targets
+    assert targets is not None
+    y = backbone_layers(bb, x, st.start, st.stop)
+    if st.role.is_last_stage:
+        return backbone_output(bb, y, targets)
+    return y, targets
+
+
+def _run_generator(module: Any, conds: Sequence[torch.Tensor], targets: Sequence[Any]
+                   ) -> torch.Tensor:
+    st = module.executor_state
+    return generator_step(_Units(st.program, module.units), st.role.unit, conds, targets)
 
 
 def measured_timeline(plan: Plan, step: int, events: Sequence[Event]) -> Timeline:
@@ -610,7 +641,8 @@ def measured_timeline(plan: Plan, step: int, events: Sequence[Event]) -> Timelin
 _KINDS = tuple(k.value for k in ActionKind)
 
 
-def gather_timeline(plan: Plan, step: int, events: Sequence[Event]) -> Timeline:
+def gather_timeline(plan: Plan, step: int, events: Sequence[Event], *,
+                    device: torch.device | str = "cpu") -> Timeline:
     """The measured ``Timeline`` of one step from every rank's ``events`` (collective over
     the default group; every rank gets the whole timeline). Events are gathered from TP
     leaders only (a replica's TP ranks run in lockstep, one event stands for them all).
@@ -622,12 +654,13 @@ def gather_timeline(plan: Plan, step: int, events: Sequence[Event]) -> Timeline:
     rows = torch.tensor([[names.index(e.unit), e.stage, e.replica, e.rank, _KINDS.index(e.kind),
                           -1 if e.microbatch is None else e.microbatch, e.chunk, e.start_s,
                           e.end_s] for e in mine], dtype=torch.float64).reshape(-1, 9)
-    counts = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
-    dist.all_gather(counts, torch.tensor([len(mine)], dtype=torch.int64))
+    counts = [torch.zeros(1, dtype=torch.int64, device=device)
+              for _ in range(dist.get_world_size())]
+    dist.all_gather(counts, torch.tensor([len(mine)], dtype=torch.int64, device=device))
     width = max(int(c) for c in counts)
-    padded = torch.zeros(width, 9, dtype=torch.float64)
-    padded[:len(mine)] = rows
-    parts = [torch.empty(width, 9, dtype=torch.float64) for _ in counts]
+    padded = torch.zeros(width, 9, dtype=torch.float64, device=device)
+    padded[:len(mine)] = rows.to(device)
+    parts = [torch.empty(width, 9, dtype=torch.float64, device=device) for _ in counts]
     dist.all_gather(parts, padded)
     out = []
     for part, count in zip(parts, counts, strict=True):
@@ -642,9 +675,10 @@ def gather_timeline(plan: Plan, step: int, events: Sequence[Event]) -> Timeline:
 
 def run_rank(program: ir.Program, plan: Plan, schedule: Schedule, *, steps: int, rank: int,
              groups: ProcessGroups, seed: int | None = None, first_step: int = 0,
-             metrics_path: str | Path | None = None,
-             logdir: str | Path | None = None) -> list[dict[str, Any]]:
+             metrics_path: str | Path | None = None, logdir: str | Path | None = None,
+             device: torch.device | str = "cpu") -> list[dict[str, Any]]:
     """Train ``steps`` steps (``first_step`` on) on this rank: ``StageExecutor(...).train``.
     Collective over every rank of ``plan``."""
-    ex = StageExecutor(program, plan, schedule, rank=rank, groups=groups, seed=seed)
+    ex = StageExecutor(program, plan, schedule, rank=rank, groups=groups, seed=seed,
+                       device=device)
     return ex.train(steps, first_step=first_step, metrics_path=metrics_path, logdir=logdir)

@@ -42,7 +42,6 @@ marker files under ``faults/``); torchrun then restarts every rank and they resu
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import time
@@ -263,6 +262,7 @@ def run(program: RankProgram, bundle: str | Path, argv: Sequence[str] | None = N
     from dtdsl.ir.plan import Plan
     from dtdsl.ir.program import Program
     from dtdsl.ir.schedule import parse_schedule
+    from dtdsl.parallel.device import init_distributed, rank_device
     from dtdsl.parallel.mesh import build_groups
     from dtdsl.train.checkpoint import Checkpointer
     from dtdsl.train.executor import StageExecutor, gather_timeline
@@ -284,10 +284,9 @@ def run(program: RankProgram, bundle: str | Path, argv: Sequence[str] | None = N
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
     torch.set_num_threads(max(1, int(os.environ.get("DTDSL_THREADS", "1"))))
-    # The executor keeps its tensors on the CPU so far (bf16 / NCCL on GPUs is issue 5's
-    # open part): gloo everywhere, rather than NCCL handed CPU tensors.
-    backend = "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
+    # cuda:LOCAL_RANK with NCCL where there is a GPU, the CPU with gloo otherwise.
+    device = rank_device()
+    init_distributed(device, timeout_s=600)
     _check_node(rank, job)
     resume = _resume_decision(run_dir, rank, args.resume, restart)
     log = None
@@ -295,7 +294,8 @@ def run(program: RankProgram, bundle: str | Path, argv: Sequence[str] | None = N
     try:
         if not resume and rank == 0:
             _set_aside_checkpoints(run_dir)
-        groups = build_groups(plan)
+        groups = build_groups(plan, device_type=device.type,
+                              zero=program_ir.train.optimizer.zero)
         # The samples' source: read by the in-process feed, and by rank 0's predictions.
         source = (_data_source(job, bundle, program_ir, args.data)
                   if job.feed.workers == 0 or rank == 0 else None)
@@ -307,7 +307,8 @@ def run(program: RankProgram, bundle: str | Path, argv: Sequence[str] | None = N
         else:
             feed = LocalBatches(program_ir, plan, groups.role, source=source,
                                 policy=frozenset(job.reorder))
-        ex = StageExecutor(program_ir, plan, schedule, rank=rank, groups=groups, feed=feed)
+        ex = StageExecutor(program_ir, plan, schedule, rank=rank, groups=groups, feed=feed,
+                           device=device)
         # After build_groups on every rank: the checkpoints' own gloo group.
         ckpt = Checkpointer(ex, run_dir, keep=job.checkpoint.keep, mode=args.checkpoint_mode,
                             spec_sha256=job.spec_sha256)
@@ -323,8 +324,9 @@ def run(program: RankProgram, bundle: str | Path, argv: Sequence[str] | None = N
         start = time.perf_counter()
         for step in range(first, steps):
             fault_point(f"rank{rank}", step, run_dir)
+            ckpt.poll()     # a failed background save stops the run now
             result = ex.run_step(step)
-            timeline = gather_timeline(plan, step, result["events"])
+            timeline = gather_timeline(plan, step, result["events"], device=device)
             saved = None
             if every > 0 and (step + 1) % every == 0:
                 saved = ckpt.save(step + 1)

@@ -8,12 +8,14 @@ the batch in microbatches of ``train.micro_batch`` consecutive samples, accumula
 gradients (the microbatch losses are already divided by the global denominators, so
 they are summed, not averaged), clips the global gradient norm to
 ``train.grad_clip`` (all trainable parameters together; 0 disables) and takes one
-optimizer step: AdamW (or Adam) with the spec's lr, betas, eps and weight decay, on
-every trainable parameter (norms and biases decay too), constant learning rate.
+optimizer step: AdamW (or Adam) with the spec's betas, eps and weight decay, on every
+trainable parameter (norms and biases decay too), at the learning rate of the spec's
+schedule for that step (``train.lr.lr_at``: ``lr`` is the peak).
 
 The step's loss is the sum of its microbatch losses, i.e. the loss of the whole global
 batch; microbatching changes it only by floating-point rounding. Everything runs in
-fp32 on one device (CPU by default), whatever ``train.precision`` says.
+fp32 on one device (CPU by default), whatever ``train.precision`` says: the reference a
+bf16 run is held against.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 from dtdsl.data.batch import SampleSource, SyntheticSource
 from dtdsl.ir import program as ir
 from dtdsl.models.multimodal import Model, build_model, loss_normalizer, microbatch_loss
+from dtdsl.train.lr import lr_at
 
 __all__ = ["make_optimizer", "train_reference"]
 
@@ -75,5 +78,7 @@ def train_reference(program: ir.Program, steps: int, *, micro_batch: int | None 
             gen += parts.gen_sum.item() / max(1, norm.gen_targets)
         if train.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(params, train.grad_clip, foreach=False)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(train.lr_schedule, train.optimizer.lr, train.steps, step)
         optimizer.step()
         yield {"step": step, "loss": total, "lm_loss": lm, "gen_loss": gen}

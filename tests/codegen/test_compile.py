@@ -193,15 +193,124 @@ def test_paper_scale_compile_time(tmp_path):
     assert job["world_size"] > 1000 and job["nodes"] == -(-job["world_size"] // 8)
 
 
-def test_plans_the_runtime_cannot_run_yet_are_named(tmp_path):
-    from dtdsl.codegen.compile import runtime_limits
+# ---- what the runtime cannot train yet: DT601 at compile time, nothing written ------------
+
+TINY = (SPECS / "tiny_cpu.dt").read_text()
+
+
+def _tiny(*edits: tuple[str, str]) -> str:
+    text = TINY
+    for old, new in edits:
+        assert old in text, old
+        text = text.replace(old, new)
+    return text
+
+
+_SECOND_IMAGE_ENCODER = _tiny(
+    ("  backbone llm {", "  encoder vit2 (image) {\n"
+     "    arch = transformer(layers=2, hidden=64, heads=4, ffn=128, patch=8)\n  }\n"
+     "  backbone llm {"),
+    ("  projector vit -> llm : mlp(depth=2)",
+     "  projector vit -> llm : mlp(depth=2)\n  projector vit2 -> llm : mlp(depth=2)"),
+    ("gpus          = 4", "gpus          = 5"))
+_FP16 = _tiny(("precision        = fp32", "precision        = fp16"))
+_GENERATOR_PP = _tiny(("  tp(*) in {1, 2}", "  tp(*) in {1, 2}\n  pp(gen) == 2"))
+_INTERLEAVED = _tiny(("= 1f1b", "= interleaved(virtual_stages=2)"),
+                     ("  tp(*) in {1, 2}", "  tp(*) in {1, 2}\n  pp(llm) == 2"))
+
+
+def _unsupported(tmp_path: Path, capsys, text: str | None, spec: Path | None = None
+                 ) -> tuple[str, list[int]]:
+    """Compile a spec the runtime cannot train: exit 1, DT601 errors (their lines), no
+    bundle; the rendered diagnostics."""
+    if spec is None:
+        spec = tmp_path / "spec.dt"
+        spec.write_text(text)
+    out = tmp_path / "bundle"
+    capsys.readouterr()
+    assert compile_spec(spec, out) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = [int(line.split(":")[1]) for line in err.splitlines()
+             if line.startswith(f"{spec}:") and "error[" in line]
+    assert lines and all(f"{spec}:{n}:" in err for n in lines)
+    assert err.count("error[DT601]") == len(lines), err
+    assert not out.exists(), "nothing may be written"
+    return err, lines
+
+
+def _line_of(text: str, needle: str) -> int:
+    return next(i for i, line in enumerate(text.splitlines(), 1) if needle in line)
+
+
+def test_an_audio_encoder_is_refused_at_compile_time(tmp_path, capsys):
+    spec = SPECS / "audio_image.dt"
+    err, lines = _unsupported(tmp_path, capsys, None, spec)
+    assert lines == [_line_of(spec.read_text(), "encoder beats (audio)")]
+    assert "no audio encoder" in err and "remove encoder beats" in err
+
+
+def test_a_second_image_encoder_is_refused(tmp_path, capsys):
+    err, lines = _unsupported(tmp_path, capsys, _SECOND_IMAGE_ENCODER)
+    assert lines == [_line_of(_SECOND_IMAGE_ENCODER, "encoder vit2 (image)")]
+    assert "one image encoder" in err and "vit, vit2" in err
+
+
+def test_fp16_is_refused_at_the_precision_field(tmp_path, capsys):
+    err, lines = _unsupported(tmp_path, capsys, _FP16)
+    assert lines == [_line_of(_FP16, "precision        = fp16")]
+    assert "loss scaling" in err and "precision = bf16" in err
+
+
+def test_a_generator_on_two_pipeline_stages_is_refused(tmp_path, capsys):
+    err, lines = _unsupported(tmp_path, capsys, _GENERATOR_PP)
+    assert lines == [_line_of(_GENERATOR_PP, "generator gen (image)")]
+    assert "2 pipeline stages" in err and "pp(gen) == 1" in err
+
+
+def test_an_interleaved_plan_is_refused_at_the_schedule_field(tmp_path, capsys):
+    err, lines = _unsupported(tmp_path, capsys, _INTERLEAVED)
+    assert lines == [_line_of(_INTERLEAVED, "schedule         = interleaved")]
+    assert "llm (vpp=2)" in err and "schedule = 1f1b" in err
+
+
+def test_an_interleaved_plan_read_with_plan_points_at_the_module(tmp_path, capsys):
+    """A plan from a file may interleave a unit that the spec's schedule does not name."""
+    from dtdsl.codegen.support import runtime_support
+    from dtdsl.driver import run_frontend
     from dtdsl.ir.plan import Plan
 
-    assert compile_spec(SPECS / "tiny_cpu.dt", tmp_path / "b") == 0
-    plan = Plan.model_validate_json((tmp_path / "b" / "plan.json").read_bytes())
-    assert runtime_limits(plan) == []
-    units = tuple(u.model_copy(update={"vpp": 2}) if u.role == "backbone" else
-                  u.model_copy(update={"tp": 2}) if u.role == "generator" else u
+    assert cli.main(["plan", str(SPECS / "tiny_cpu.dt"), "-o", str(tmp_path / "p.json")]) == 0
+    plan = Plan.model_validate_json((tmp_path / "p.json").read_bytes())
+    program = run_frontend("tiny_cpu.dt", TINY.encode()).program
+    assert runtime_support(program, plan) == []
+    units = tuple(u.model_copy(update={"vpp": 2}) if u.role == "backbone" else u
                   for u in plan.units)
-    limits = runtime_limits(plan.model_copy(update={"units": units}))
-    assert len(limits) == 1 and "vpp=2" in limits[0]       # generator TP runs
+    (diag,) = runtime_support(program, plan.model_copy(update={"units": units}))
+    assert diag.code == "DT601" and "llm (vpp=2)" in diag.message
+    assert diag.span == program.module("llm").span
+
+
+@pytest.mark.parametrize("text", [_SECOND_IMAGE_ENCODER, _FP16, _GENERATOR_PP, _INTERLEAVED])
+def test_plan_and_simulate_still_accept_what_compile_refuses(tmp_path, capsys, text):
+    spec = tmp_path / "spec.dt"
+    spec.write_text(text)
+    assert cli.main(["plan", str(spec), "--no-baseline", "-o", str(tmp_path / "p.json")]) == 0
+    assert cli.main(["simulate", str(spec), "--plan", str(tmp_path / "p.json"), "--steps",
+                     "1", "--logdir", str(tmp_path / "tb")]) == 0
+
+
+def test_compile_bundle_refuses_what_the_runtime_cannot_train(tmp_path):
+    from dtdsl.codegen.compile import BundleOptions, compile_bundle
+    from dtdsl.driver import run_frontend
+    from dtdsl.ir.plan import Plan
+    from dtdsl.schedule.lower import lower
+
+    assert cli.main(["plan", str(SPECS / "tiny_cpu.dt"), "-o", str(tmp_path / "p.json")]) == 0
+    plan = Plan.model_validate_json((tmp_path / "p.json").read_bytes())
+    program = run_frontend("fp16.dt", _FP16.encode()).program
+    with pytest.raises(ValueError, match="loss scaling"):
+        compile_bundle(tmp_path / "b", source=_FP16.encode(), spec_path="fp16.dt",
+                       program=program, plan=plan, schedule=lower(plan, program),
+                       options=BundleOptions())
+    assert not (tmp_path / "b").exists()

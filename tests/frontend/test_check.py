@@ -239,3 +239,73 @@ def test_dt503_compares_the_largest_sample(tokens, reaches, tmp_path: Path):
     else:
         (d,) = found
         assert d.message.startswith(f"text.tokens reaches {reaches} but seq_len is 512")
+
+
+# ---- learning-rate schedules --------------------------------------------------------------
+
+def _train(fields: str) -> str:
+    return BASE.replace("train { global_batch = 32  micro_batch = 2  seq_len = 512 }",
+                        f"train {{ global_batch = 32  micro_batch = 2  seq_len = 512 {fields} }}")
+
+
+def test_lr_schedule_default_is_constant_without_warmup():
+    s = program(BASE).train.lr_schedule
+    assert (s.name, s.warmup, s.min_lr) == ("constant", 0, 0.0)
+    assert program(_train("lr_schedule = constant")).train.lr_schedule == s
+    assert program(_train("lr_schedule = constant()")).train.lr_schedule == s
+
+
+@pytest.mark.parametrize("fields, expected", [
+    ("lr_schedule = cosine(warmup=100, min_lr=1e-5)", ("cosine", 100, 1e-5)),
+    ("lr_schedule = linear(warmup=10)", ("linear", 10, 0.0)),
+    ("lr_schedule = cosine", ("cosine", 0, 0.0)),
+    ("lr_schedule = constant(warmup=1k)", ("constant", 1000, 0.0)),
+    # the edges: a warmup of the whole run, a decay that ends at the peak
+    ("steps = 50  lr_schedule = linear(warmup=50)", ("linear", 50, 0.0)),
+    ("optimizer = adamw(lr=3e-4)  lr_schedule = cosine(min_lr=3e-4)", ("cosine", 0, 3e-4)),
+])
+def test_lr_schedules_resolve(fields, expected):
+    s = program(_train(fields)).train.lr_schedule
+    assert (s.name, s.warmup, s.min_lr) == expected
+
+
+@pytest.mark.parametrize("fields, code, message", [
+    ("lr_schedule = cosin(warmup=5)", "DT205", "did you mean 'cosine'?"),
+    ("lr_schedule = cosine(warmup=-1)", "DT208", "between 0 and"),
+    ("lr_schedule = cosine(warmup=2.5)", "DT206", "whole number"),
+    ("steps = 100  lr_schedule = cosine(warmup=101)", "DT208", "train.steps is 100"),
+    ("lr_schedule = linear(warmup=1001)", "DT208", "train.steps is 1,000 by default"),
+    ("optimizer = adam(lr=1e-4)  lr_schedule = cosine(min_lr=2e-4)", "DT208",
+     "lr=0.0001 of adam()"),
+    ("lr_schedule = linear(min_lr=2e-4)", "DT208", "above the peak"),    # the default lr
+    ("lr_schedule = cosine(min_lr=-1e-5)", "DT208", "between 0 and 10"),
+    ("lr_schedule = constant(min_lr=1e-5)", "DT201", "unknown argument 'min_lr'"),
+    ("lr_schedule = cosine(100)", "DT206", "name this one"),
+    ('lr_schedule = "cosine"', "DT206", "must be a call"),
+])
+def test_lr_schedule_errors(fields, code, message):
+    result = run_frontend("t.dt", _train(fields).encode())
+    found = [d for d in result.diagnostics if d.severity.value == "error"]
+    assert [d.code for d in found] == [code], [d.message for d in found]
+    shown = found[0].message + " " + (found[0].hint or "")
+    assert message in shown, shown
+
+
+def test_lr_schedule_round_trips_through_fmt_and_json():
+    from dtdsl.frontend.fmt import format_spec
+
+    text = _train("lr_schedule = cosine(warmup = 100 , min_lr=1e-5,)")
+    result = run_frontend("t.dt", text.encode())
+    formatted = format_spec(result.spec)
+    assert "  lr_schedule  = cosine(warmup=100, min_lr=1e-5)\n" in formatted
+    again = run_frontend("t.dt", formatted.encode())
+    assert format_spec(again.spec) == formatted
+    assert again.program.train.lr_schedule == result.program.train.lr_schedule
+    assert Program.model_validate_json(again.program.model_dump_json()) == again.program
+
+
+def test_train_field_spans_for_later_stages():
+    p = program(_train("precision = fp16  schedule = gpipe"))
+    assert p.train.precision_span.line == p.train.schedule_span.line
+    assert p.train.precision_span.column < p.train.schedule_span.column
+    assert program(BASE).train.precision_span is None

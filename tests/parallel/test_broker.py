@@ -1,5 +1,6 @@
-"""The broker: sample routing (pure), the tensor wire format (pure and over gloo), and
-activations forward / gradients backward between units on gloo ranks."""
+"""The broker: sample routing (pure), and activations forward / gradients backward
+between units on gloo ranks over ordered point-to-point transfers with receiver-known
+shapes."""
 
 from __future__ import annotations
 
@@ -9,21 +10,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dtdsl.parallel import broker as B
-from dtdsl.parallel.broker import (
-    MAX_NDIM,
-    Broker,
-    StepSamples,
-    WireError,
-    broadcast_tensors,
-    recv_tensors,
-    reverse,
-    route,
-    send_tensors,
-)
+from dtdsl.parallel.broker import Broker, StepSamples, reverse, route
 from dtdsl.parallel.mesh import build_groups
+from dtdsl.parallel.p2p import P2P, TensorSpec
 from dtdsl.reorder.intra import balance
-from tests.dist import make_plan, run
+from tests.dist import ChildFailed, make_plan, run
 
 # ---- routing (pure) ---------------------------------------------------------------------------
 
@@ -81,149 +72,21 @@ def test_route_rejects_bad_input():
 
 # ---- wire format (pure) -----------------------------------------------------------------------
 
-def _mixed() -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    return [
-        torch.randn(3, 5, generator=g),
-        torch.tensor(7, dtype=torch.int64),                        # 0-d
-        torch.empty(0, 4),                                         # empty
-        torch.randn(2, 3, generator=g).to(torch.bfloat16),
-        torch.tensor([True, False, True]),
-        torch.randn(4, generator=g, dtype=torch.float64),
-        torch.arange(6, dtype=torch.int8).reshape(1, 2, 3),
-        torch.randn(2, 2, generator=g).to(torch.complex64),
-        torch.randn(4, 6, generator=g).t(),                        # not contiguous
-        torch.tensor(1.5, dtype=torch.float16),                    # 0-d, 2 bytes
-        torch.zeros(*([1] * MAX_NDIM)),
-    ]
-
-
-def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
-    assert len(a) == len(b)
-    for x, y in zip(a, b, strict=True):
-        assert x.dtype == y.dtype and x.shape == y.shape
-        assert torch.equal(x, y)
-
-
-def _many() -> list[torch.Tensor]:
-    """More tensors than the header holds inline: the overflow part is used."""
-    return [torch.full((i % 4, 2), float(i), dtype=torch.float64 if i % 2 else torch.float32)
-            for i in range(B.INLINE_TENSORS + 5)]
-
-
-def _roundtrip(tensors, max_bytes=B.DEFAULT_MAX_BYTES):
-    header, extra, payload = B._encode(tensors, max_bytes)
-    assert header.shape == (B.HEADER_LEN,)
-    assert (extra is not None) == (len(tensors) > B.INLINE_TENSORS)
-    count, total = B._check_header(header, max_bytes)
-    return B._unpack(payload, B._check_specs(header, extra, count, total), "cpu")
-
-
-def test_wire_encoding_round_trips_mixed_tensors():
-    tensors = _mixed()
-    _same(tensors, _roundtrip(tensors))
-    assert _roundtrip([]) == []
-    _same([torch.empty(0)], _roundtrip([torch.empty(0)]))
-    _same(_many(), _roundtrip(_many()))
-    out = _roundtrip([torch.ones(1, dtype=torch.uint8), torch.ones(2, dtype=torch.complex128)])
-    assert out[1].data_ptr() % B.ALIGN == 0          # views start aligned
-
-
-def test_wire_limits_raise_clear_errors():
-    with pytest.raises(WireError, match="exceeds the limit of 100 bytes"):
-        B._encode([torch.zeros(200, dtype=torch.uint8)], 100)
-    with pytest.raises(WireError, match="dimensions; the limit"):
-        B._encode([torch.zeros(*([1] * (MAX_NDIM + 1)))], 1 << 20)
-    with pytest.raises(WireError, match="not supported"):
-        B._encode([torch.zeros(2, dtype=torch.uint16)], 1 << 20)
-    with pytest.raises(WireError, match="not a tensor"):
-        B._encode([[1, 2]], 1 << 20)
-    header, _, _ = B._encode([torch.zeros(10)], 1 << 20)
-    with pytest.raises(WireError, match="announces 40 bytes; the limit is 8"):
-        B._check_header(header, 8)
-
-    def broken(index: int, value: int) -> torch.Tensor:
-        bad = header.clone()
-        bad[index] = value
-        return bad
-
-    with pytest.raises(WireError, match="bad magic"):
-        B._check_header(broken(0, 12345), 1 << 20)
-    with pytest.raises(WireError, match="announces 70000 tensors"):
-        B._check_header(broken(1, 70000), 1 << 20)
-    row = B._PREAMBLE                         # the first tensor's row
-    with pytest.raises(WireError, match="unknown dtype code 99"):
-        B._check_specs(broken(row, 99), None, 1, 40)
-    with pytest.raises(WireError, match="ndim 9"):
-        B._check_specs(broken(row + 1, 9), None, 1, 40)
-    with pytest.raises(WireError, match="bad shape"):
-        B._check_specs(broken(row + 2, -1), None, 1, 40)
-    with pytest.raises(WireError, match="bad shape"):
-        B._check_specs(broken(row + 3, 5), None, 1, 40)      # past ndim: must be 0
-    with pytest.raises(WireError, match="beyond the tensor count"):
-        B._check_specs(broken(row + B._WIDTH, 1), None, 1, 40)
-    with pytest.raises(WireError, match="need 40 payload bytes"):
-        B._check_specs(header, None, 1, 48)
-
-
-# ---- wire format over gloo ----------------------------------------------------------------------
-
-def _wire_ranks(rank: int, world: int) -> None:
-    tensors = _mixed()
-    other = [torch.arange(5.0), torch.tensor(3)] + _many()
-    if rank == 0:
-        # two messages on different tags, received in the opposite order
-        works = send_tensors(tensors, 1, tag=4) + send_tensors(other, 1, tag=5)
-        works += send_tensors([], 2, tag=0)
-        for w in works:
-            w.wait()
-    elif rank == 1:
-        _same(other, recv_tensors(0, tag=5))
-        _same(tensors, recv_tensors(0, tag=4))
-    else:
-        assert recv_tensors(0, tag=0) == []
-    # a broadcast of variable shapes from rank 1 to everyone
-    got = broadcast_tensors(tensors if rank == 1 else None, 1)
-    _same(tensors, got)
-    got = broadcast_tensors([] if rank == 2 else None, 2)
-    assert got == []
-    _same(_many(), broadcast_tensors(_many() if rank == 0 else None, 0))
-
-
-def test_wire_round_trip_over_gloo():
-    run(_wire_ranks, 3)
-
-
-def _wire_limit_ranks(rank: int, world: int) -> None:
-    if rank == 0:
-        for w in send_tensors([torch.zeros(64)], 1):
-            w.wait()
-    else:
-        with pytest.raises(WireError, match="announces 256 bytes; the limit is 128"):
-            recv_tensors(0, max_bytes=128)
-        # the rejected message's payload is still on the way: drain it by hand
-        dist.recv(torch.empty(256, dtype=torch.uint8), 0, tag=B._part(0, 2))
-
-
-def test_receiver_enforces_its_size_limit():
-    run(_wire_limit_ranks, 2)
-
-
-# ---- broker (pure checks) -----------------------------------------------------------------------
-
 PLAN_2_3 = make_plan(("vit", "encoder", 1, 2, 1), ("llm", "backbone", 1, 3, 1))
 
 
 def test_broker_checks_edges_stages_and_samples():
     samples = StepSamples((1, 2, 3), {"vit": [0, 1, 0], "llm": [2, 1, 0]})
-    consumer = Broker(PLAN_2_3, 2)
+    p2p = P2P(torch.device("cpu"))
+    consumer = Broker(PLAN_2_3, 2, p2p)
+    spec = _spec(0)
     with pytest.raises(RuntimeError, match=r"rank 2 \(llm.s0\) cannot send"):
         consumer.send_forward(0, "vit", "llm", {}, samples)
     with pytest.raises(ValueError, match="does not feed"):
-        consumer.recv_forward(0, "llm", "vit", samples)
+        consumer.recv_forward(0, "llm", "vit", samples, spec)
     with pytest.raises(KeyError, match="no unit 'sd'"):
-        consumer.recv_forward(0, "vit", "sd", samples)
-    producer = Broker(PLAN_2_3, 0)
+        consumer.recv_forward(0, "vit", "sd", samples, spec)
+    producer = Broker(PLAN_2_3, 0, p2p)
     with pytest.raises(ValueError, match=r"missing \[3\], not its own \[2\]"):
         producer.send_forward(0, "vit", "llm", {1: torch.zeros(1), 2: torch.zeros(1)}, samples)
     assert producer.routes("vit", "llm", samples) == {(0, 0): (3,), (0, 2): (1,), (1, 1): (2,)}
@@ -256,49 +119,53 @@ def _gradient(step: int, sid: int) -> torch.Tensor:
     return -2.0 * _activation(step, sid) + 0.5
 
 
-def _broker_ranks(rank: int, world: int, units: tuple, producer: str, consumer: str) -> None:
+def _spec(step: int):
+    """What a receiver expects of a sample's tensor: known from the step's data alone."""
+    return lambda sid: TensorSpec((1 + sid % 3, 4), torch.float32)
+
+
+def _broker_ranks(rank: int, world: int, units: tuple, producer: str, consumer: str,
+                  misorder: bool = False) -> None:
     plan = make_plan(*units)
     groups = build_groups(plan)
-    broker = Broker(plan, rank, groups)
+    p2p = P2P(torch.device("cpu"))
+    assert p2p.check
+    broker = Broker(plan, rank, p2p, groups)
     me = groups.role
     pg, cg = broker.grids[producer], broker.grids[consumer]
     steps = {j: _step_samples(j, producer, pg.dp, consumer, cg.dp) for j in range(STEPS)}
 
     if me.unit == producer and me.is_last_stage:
-        works = []
-        for j in range(STEPS):     # every step's sends in flight together
+        order = list(range(STEPS))
+        if misorder:        # the producer sends steps 0 and 1 the wrong way round
+            order[0], order[1] = order[1], order[0]
+        for j in order:     # every step's sends go out together
             mine = steps[j].samples_of(producer, me.replica)
-            works += broker.send_forward(j, producer, consumer,
-                                         {s: _activation(j, s) for s in mine}, steps[j])
-        if not me.is_leader:
-            assert works == []
-        for w in works:
-            w.wait()
-        for j in reversed(range(STEPS)):   # tags keep out-of-order receives apart
-            got = broker.recv_backward(j, producer, consumer, steps[j])
+            broker.send_forward(j, producer, consumer, {s: _activation(j, s) for s in mine},
+                                steps[j])
+        pending = {j: broker.recv_backward(j, producer, consumer, steps[j], _spec(j))
+                   for j in range(STEPS)}
+        p2p.flush()
+        for j in range(STEPS):
+            got = pending[j].wait()
             mine = steps[j].samples_of(producer, me.replica)
             assert list(got) == list(mine)
             for s, g in got.items():
                 assert torch.equal(g, _gradient(j, s)), (j, s)
 
     elif me.unit == consumer and me.is_first_stage:
-        received = {}
-        for j in reversed(range(STEPS)):
-            got = broker.recv_forward(j, producer, consumer, steps[j])
+        pending = {j: broker.recv_forward(j, producer, consumer, steps[j], _spec(j))
+                   for j in range(STEPS)}
+        p2p.flush()
+        for j in range(STEPS):
+            got = pending[j].wait()
             mine = steps[j].samples_of(consumer, me.replica)
             assert list(got) == list(mine), (j, me)
             for s, x in got.items():
                 assert torch.equal(x, _activation(j, s)), (j, s)
-            received[j] = got
-        works = []
-        for j in range(STEPS):
-            works += broker.send_backward(
-                j, producer, consumer, {s: -2.0 * x + 0.5 for s, x in received[j].items()},
-                steps[j])
-        if not me.is_leader:
-            assert works == []
-        for w in works:
-            w.wait()
+            broker.send_backward(j, producer, consumer,
+                                 {s: -2.0 * x + 0.5 for s, x in got.items()}, steps[j])
+    p2p.wait_sends()
     dist.barrier()
 
 
@@ -322,39 +189,11 @@ def test_broker_forward_and_backward(case):
     run(_broker_ranks, world, units, units[0][0], units[1][0])
 
 
-# ---- eager messages (one transfer for a small message) -----------------------------------------
-
-def _eager_ranks(rank: int, world: int) -> None:
-    small = [torch.arange(6, dtype=torch.float32).reshape(2, 3), torch.tensor([1, 2, 3])]
-    large = [torch.ones(B.EAGER_BYTES // 4 + 1)]                     # payload over the bound
-    if rank == 0:
-        works = send_tensors(small, 1, tag=1, eager=True)
-        assert len(works) == 1                                      # one transfer
-        works += send_tensors(large, 1, tag=2, eager=True)
-        assert len(works) == 3                                      # header + payload
-        works += send_tensors(_many(), 1, tag=3, eager=True)        # overflow rows: parts
-        works += send_tensors([], 1, tag=4, eager=True)
-        works += send_tensors(small, 1, tag=5)                      # a plain sender
-        for w in works:
-            w.wait()
-    else:
-        _same(small, recv_tensors(0, tag=1, eager=True))
-        _same(large, recv_tensors(0, tag=2, eager=True))
-        _same(_many(), recv_tensors(0, tag=3, eager=True))
-        assert recv_tensors(0, tag=4, eager=True) == []
-        _same(small, recv_tensors(0, tag=5, eager=True))            # eager receiver, plain msg
 
 
-def test_eager_messages_round_trip_and_fall_back_over_gloo():
-    run(_eager_ranks, 2)
-
-
-def test_eager_header_is_checked_against_its_limits():
-    header, _, _ = B._encode([torch.zeros(3)], B.DEFAULT_MAX_BYTES)
-    header[0] = B.MAGIC_EAGER
-    assert B._check_header(header, B.DEFAULT_MAX_BYTES, eager=True) == (1, 12)
-    with pytest.raises(WireError, match="bad magic"):
-        B._check_header(header, B.DEFAULT_MAX_BYTES)               # not an eager receiver
-    header[2] = B.EAGER_BYTES + 16
-    with pytest.raises(WireError, match="eager message"):
-        B._check_header(header, B.DEFAULT_MAX_BYTES, eager=True)
+def test_a_misordered_broker_transfer_fails_the_ordering_check():
+    # Same sizes, wrong order: NCCL would deliver step 1's activations as step 0's.
+    units = CASES["enc-dp2-to-llm-dp3"]
+    with pytest.raises(ChildFailed, match=r"OrderingError: message #0 from rank \d: "
+                                          r"expected 'vit->llm F 0"):
+        run(_broker_ranks, 5, units, "vit", "llm", True)

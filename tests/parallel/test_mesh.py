@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from dtdsl.ir.schedule import ScheduleUnit
-from dtdsl.parallel.mesh import UnitGrid, build_groups, grids, role_of
+from dtdsl.parallel.mesh import MESH_DIMS, UnitGrid, build_groups, grids, role_of, unit_mesh_shape
 from dtdsl.sim.timeline import TimelineUnit
 from tests.dist import ChildFailed, make_plan, run
 
@@ -95,12 +95,19 @@ def test_grids_reject_gaps_and_bad_sizes():
         UnitGrid(name="u", role="encoder", tp=0, dp=1, pp=1)
 
 
-def _groups_on_ranks(rank: int, world: int) -> None:
-    groups = build_groups(PLAN6)
+def _groups_on_ranks(rank: int, world: int, zero: int) -> None:
+    groups = build_groups(PLAN6, zero=zero)
     role = groups.role
     assert groups.rank == rank and role == role_of(PLAN6, rank)
-    for kind, expected in (("tp", role.tp_ranks), ("dp", role.dp_ranks), ("pp", role.pp_ranks)):
-        pg = getattr(groups, kind)
+    mesh = groups.mesh
+    assert mesh.mesh_dim_names == MESH_DIMS
+    assert tuple(mesh.shape) == unit_mesh_shape(role.grid, zero)
+    dp = mesh["dp_shard"] if zero else mesh["dp_replicate"]
+    assert mesh["dp_replicate" if zero else "dp_shard"].size() == 1
+    for kind, pg, expected in (("tp", groups.tp, role.tp_ranks),
+                               ("tp mesh", mesh.get_group("tp"), role.tp_ranks),
+                               ("dp", dp.get_group(), role.dp_ranks),
+                               ("pp", mesh.get_group("pp"), role.pp_ranks)):
         assert tuple(dist.get_process_group_ranks(pg)) == expected, kind
         # the group works and holds exactly those ranks
         x = torch.tensor([float(rank)])
@@ -111,8 +118,9 @@ def _groups_on_ranks(rank: int, world: int) -> None:
     assert (role.unit, role.stage, role.replica, role.tp_index) == expected_roles[rank]
 
 
-def test_build_groups_on_six_ranks():
-    run(_groups_on_ranks, 6)
+@pytest.mark.parametrize("zero", [1, 0])
+def test_build_groups_on_six_ranks(zero):
+    run(_groups_on_ranks, 6, zero)
 
 
 def _wrong_world(rank: int, world: int) -> None:

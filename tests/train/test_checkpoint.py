@@ -4,6 +4,7 @@ resume under the same plan and resharded resume under other plans (in-process gl
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from functools import cache
 from pathlib import Path
@@ -173,31 +174,38 @@ def test_save_resume_and_reshard(tmp_path):
     assert [(u.name, u.tp, u.dp, u.pp) for u in m.units] == [
         ("vit", 1, 1, 1), ("llm", 1, 2, 1), ("gen", 1, 1, 1)]
 
-    # The layout: every trainable parameter of the model, full, with its Adam state, each
-    # tensor written by exactly one rank, the writes spread over the ranks.
+    # The layout: every parameter of the model (frozen ones too) under its single-process
+    # name, with its full shape, and the AdamW state of the trainable ones; each element
+    # written once, by the rank whose shard holds it (no rank gathers a full tensor).
     from torch.distributed.checkpoint import FileSystemReader
 
     meta = FileSystemReader(str(checkpoint_root(a_dir) / "ckpt-4")).read_metadata()
     model = build_model(PROGRAM)
-    trainable = {n.removeprefix("units."): p for n, p in model.named_parameters()
-                 if p.requires_grad}
+    params = dict(model.named_parameters())
+    trainable = {n for n, p in params.items() if p.requires_grad}
     keys = set(meta.state_dict_metadata)
-    assert keys == ({f"model.{n}" for n in trainable} | {"step"} |
-                    {f"optim.{n}.{k}" for n in trainable for k in ("exp_avg", "exp_avg_sq")})
+    assert keys == ({f"model.{n}" for n in params} |
+                    {f"optim.{n}.{k}" for n in trainable
+                     for k in ("exp_avg", "exp_avg_sq", "step")})
     assert m.num_tensors == len(keys)
-    for n, p in trainable.items():
+    for n, p in params.items():
         assert tuple(meta.state_dict_metadata[f"model.{n}"].size) == tuple(p.shape)
-        assert tuple(meta.state_dict_metadata[f"optim.{n}.exp_avg"].size) == tuple(p.shape)
-    writers: dict[str, set[str]] = {}
+        if n in trainable:
+            assert tuple(meta.state_dict_metadata[f"optim.{n}.exp_avg"].size) == tuple(p.shape)
+    chunks: dict[str, list] = {}
+    files: dict[str, set[str]] = {}
     for index, info in meta.storage_data.items():
-        writers.setdefault(index.fqn, set()).add(info.relative_path)
-    assert set(writers) == keys
-    assert all(len(files) == 1 for files in writers.values()), "a tensor written twice"
-    # llm is on ranks 1 and 2 (DP): both offer its tensors, each written by one of them
-    llm_files = {f for k, files in writers.items()
-                 if k.startswith(("model.llm.", "optim.llm.")) for f in files}
-    assert {f.split("_")[2] for f in llm_files} == {"1", "2"}
-    assert len({f for files in writers.values() for f in files}) == 4
+        chunks.setdefault(index.fqn, []).append(index.offset)
+        files.setdefault(index.fqn, set()).add(info.relative_path)
+    for key in keys:
+        if key.endswith(".step"):
+            continue
+        entry = meta.state_dict_metadata[key]
+        written = sum(math.prod(c.sizes) for c in entry.chunks)
+        assert written == math.prod(entry.size), key     # the shards tile the tensor once
+    # llm is on ranks 1 and 2 (DP 2, FSDP2): each writes its own half of each tensor
+    assert {f.split("_")[2] for f in files["model.units.llm.layers.0.attn.wq.weight"]} == \
+        {"1", "2"}
 
     # The same plan from ckpt-2 (in a run directory of its own): bitwise the same losses.
     same = tmp_path / "same"
@@ -206,9 +214,8 @@ def test_save_resume_and_reshard(tmp_path):
     assert s["first"] == 2 and s["losses"] == a["losses"][2:4]
     assert "same plan" in s["logs"][0]
 
-    # Plan B (backbone and generator TP 2) from A's background save: resharded, matches
-    # the reference; its save gathers the TP shards (and the generator's replicated
-    # DTensor biases) back into the full tensors.
+    # Plan B (backbone and generator TP 2) from A's background save: resharded by DCP,
+    # matches the reference; it saves its TP shards as they are.
     b = _go(PLAN_B, a_dir, 2, {6: "thread"}, tmp_path / "b.json", want_at=6)
     assert b["first"] == 4 and "resharded from" in b["logs"][0]
     _close(b["losses"], ref[4:6])
@@ -259,7 +266,9 @@ def _frozen(rank: int, world: int, program: ir.Program, plan: Plan, run_dir: str
         Path(out).write_text(json.dumps({"first": first, "losses": losses}))
 
 
-def test_frozen_units_are_not_saved_and_a_rank_with_nothing_to_save_takes_part(tmp_path):
+def test_frozen_units_are_saved_without_optimizer_state_and_resume_bitwise(tmp_path):
+    # Nothing on the generator's rank trains: it saves its weights (no optimizer state)
+    # and takes part in every save and load.
     program = spec(8, frozen=("gen", "llm_to_gen"))
     plan = plan_for(program, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, 1, 1),
                     ("gen", "generator", 1, 1, 1))
@@ -267,8 +276,10 @@ def test_frozen_units_are_not_saved_and_a_rank_with_nothing_to_save_takes_part(t
     from torch.distributed.checkpoint import FileSystemReader
 
     meta = FileSystemReader(str(checkpoint_root(tmp_path) / "ckpt-1")).read_metadata()
-    units = {k.split(".")[1] for k in meta.state_dict_metadata if k != "step"}
-    assert units == {"vit", "vit_to_llm", "llm"}
+    units = {k.split(".")[2] for k in meta.state_dict_metadata if k.startswith("model.")}
+    assert units == {"vit", "vit_to_llm", "llm", "gen", "llm_to_gen"}
+    optimized = {k.split(".")[2] for k in meta.state_dict_metadata if k.startswith("optim.")}
+    assert optimized == {"vit", "vit_to_llm", "llm"}
     a = json.loads((tmp_path / "a.json").read_text())
     run(_frozen, 3, program, plan, str(tmp_path), str(tmp_path / "b.json"), timeout=120)
     b = json.loads((tmp_path / "b.json").read_text())

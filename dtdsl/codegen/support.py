@@ -1,0 +1,96 @@
+"""What the runtime cannot train yet, as diagnostics of ``dtc compile``.
+
+A spec and its plan can be valid for planning and simulation (``dtc plan``, ``dtc
+simulate``) and still need a part the runtime (``dtdsl.train``) does not have. ``dtc
+compile`` reports those here, before it writes anything, so a user meets
+``file:line:col: error[DT601]`` at compile time rather than a traceback at launch. Each
+entry names the missing part and what to write instead; remove an entry when the
+runtime learns to run it.
+"""
+
+from __future__ import annotations
+
+from dtdsl.diagnostics import Diagnostic
+from dtdsl.ir import program as ir
+from dtdsl.ir.plan import Plan
+
+__all__ = ["runtime_support"]
+
+_CODE = "DT601"
+
+
+def _encoders(program: ir.Program) -> list[Diagnostic]:
+    out = []
+    image: list[ir.Module] = []
+    for module in program.encoders:
+        if module.modality != "image":
+            out.append(Diagnostic.error(
+                _CODE, f"the runtime has no {module.modality} encoder yet: '{module.name}' "
+                f"reads {module.modality}, and only image encoders (ViT) are modelled",
+                module.span,
+                notes=["dtc plan and dtc simulate accept this spec; a bundle cannot train "
+                       "it yet"],
+                hint=f"to compile a bundle, remove encoder {module.name}, its projector and "
+                "the data quantities only it reads"))
+        else:
+            image.append(module)
+    for extra in image[1:]:
+        out.append(Diagnostic.error(
+            _CODE, f"the runtime models one image encoder, but the spec has "
+            f"{len(image)}: {', '.join(m.name for m in image)}", extra.span,
+            notes=["the runtime's samples carry one encoder's images, and the backbone "
+                   "reads one encoder's tokens"],
+            hint=f"to compile a bundle, keep one image encoder: remove '{extra.name}' and "
+            "its projector"))
+    return out
+
+
+def _precision(program: ir.Program) -> list[Diagnostic]:
+    train = program.train
+    if train.precision != "fp16":
+        return []
+    return [Diagnostic.error(
+        _CODE, "precision fp16 needs loss scaling, which the runtime does not have yet",
+        train.precision_span or train.span,
+        notes=["without a loss scale, fp16 gradients underflow and the run would diverge "
+               "or skip every step"],
+        hint="write `precision = bf16` (same memory, fp32's range) or `precision = fp32`")]
+
+
+def _plan(program: ir.Program, plan: Plan) -> list[Diagnostic]:
+    out = []
+    interleaved = [u for u in plan.units if u.vpp > 1]
+    if interleaved:
+        units = ", ".join(f"{u.name} (vpp={u.vpp})" for u in interleaved)
+        train = program.train
+        # A plan read with --plan may interleave a unit under a spec that does not ask
+        # for it: then the unit is the place to point at.
+        span = train.schedule_span if train.schedule == "interleaved" and \
+            train.schedule_span is not None else program.module(interleaved[0].name).span
+        out.append(Diagnostic.error(
+            _CODE, f"the runtime does not run interleaved pipeline schedules yet; the plan "
+            f"interleaves {units}", span,
+            notes=["the executor runs one model chunk per pipeline stage (vpp=1)"],
+            hint="write `schedule = 1f1b` (or gpipe) in train and plan again"))
+    for u in plan.units:
+        if u.role == "generator" and u.pp > 1:
+            out.append(Diagnostic.error(
+                _CODE, f"generator {u.name} is planned on {u.pp} pipeline stages; the runtime "
+                "runs a U-Net or DiT generator on one stage", program.module(u.name).span,
+                notes=["the executor keeps a generator's layers on one stage (a U-Net's "
+                       "skip connections cross every level)"],
+                hint=f"constrain it to one stage, `pp({u.name}) == 1` in constraints, and "
+                "plan again"))
+    return out
+
+
+def runtime_support(program: ir.Program, plan: Plan | None = None) -> list[Diagnostic]:
+    """Errors (DT601) for what of ``program`` and ``plan`` the runtime cannot train yet: an
+    encoder other than an image encoder, a second image encoder, ``precision = fp16``, and
+    with a plan: interleaved units (vpp > 1) and generators on more than one pipeline stage.
+
+    Without ``plan`` only the spec's own features are checked (before planning)."""
+    out = _encoders(program) + _precision(program)
+    if plan is not None:
+        out += _plan(program, plan)
+    return out

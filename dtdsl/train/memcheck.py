@@ -1,0 +1,380 @@
+"""The peak memory of one rank of a distributed training job, measured on a CPU-only host.
+
+A paper-scale job (e.g. rank 37 of 1170, a 72B backbone stage with TP 8 and DP 4 under
+FSDP2) cannot be run here, but one rank of it can be *replayed*: every tensor is a
+``FakeTensor`` (shape, dtype and device, no data), every collective goes to torch's fake
+process group (it returns at once and moves nothing), and torch's ``MemTracker`` counts the
+bytes of every tensor storage alive at each op. The rank runs its real code path — the
+same modules, DTensor tensor parallelism, ``fully_shard``, autograd and optimizer — on the
+shapes it would see, so what it holds at its peak is what it would hold on the GPU, up to
+the caching allocator (fragmentation and reserved-but-free blocks are not modelled; each
+storage is rounded up to ``allocation_granularity_bytes`` as the CUDA allocator does).
+
+Usage::
+
+    with fake_world(world_size=1170, rank=37) as world:
+        mesh = world.device_mesh(range(32, 96), (2, 4, 8), ("pp", "dp", "tp"))
+        with torch.device("meta"):
+            stage = build_stage(...)                     # the real runtime modules
+        parallelize_module(..., mesh["tp"], plan)         # TP / SP
+        fully_shard(block, mesh=mesh["dp"], mp_policy=..., reshard_after_forward=False)
+        stage.to_empty(device=world.device)               # fake storage, no bytes
+        opt = torch.optim.AdamW(stage.parameters(), fused=True)
+        init_optimizer_state(opt)                          # as after the first step
+
+        def step():
+            outs = [stage(microbatch()) for _ in range(k)] # k microbatches in flight
+            for out in outs: out.backward(grad_like(out))
+            del outs
+            opt.step(); opt.zero_grad()
+
+        report = measure_peak(step, track=(stage, opt))
+    report.peak_bytes, report.by_category
+
+Rules for the measured code:
+
+* **Device "cpu".** The fake world pretends to be on the CPU: with a CPU-only build of
+  torch, autograd on fake ``cuda`` tensors aborts the process (its ``AccumulateGrad``
+  asks for a CUDA device guard; an uncatchable C++ error), FSDP2 calls ``torch.cuda``
+  (streams, events, ``current_device``), and ``torch.autocast("cuda")`` silently turns
+  itself off. :func:`fake_world` therefore accepts ``"cuda"`` only where CUDA is really
+  available. Memory does not depend on the device type, except: the allocator rounding
+  (emulated), the attention kernel (CPU flash attention keeps the output and the
+  log-sum-exp, as CUDA flash attention does), and ``torch.autocast("cpu")``'s op lists,
+  which differ a little from CUDA's (mixed precision through FSDP's ``param_dtype`` is
+  the same on both).
+* **Build everything inside the world**, on the meta device, and materialise with
+  ``to_empty(device=world.device)`` after ``parallelize_module`` and ``fully_shard`` (or
+  build directly on ``world.device``): tensors are then fake. ``.to()`` on a module of
+  fake parameters fails ("Couldn't swap Linear.weight"). A real tensor reaching a fake
+  op raises (``FakeTensorMode`` without ``allow_non_fake_inputs``), so nothing real is
+  allocated by mistake. DeviceMeshes are built with the fake mode switched off (their rank
+  tables are real integer tensors; :func:`fake_world` patches ``DeviceMesh.__init__``
+  for its duration, which also covers the mesh ``fully_shard`` builds for TP + FSDP).
+* **Keep attention on local tensors** (``ColwiseParallel()`` with the default
+  ``use_local_output=True`` on q/k/v): DTensor has no sharding rule for the CPU flash
+  attention op.
+* **Tensors made before** :func:`measure_peak` are invisible to it unless they are the
+  parameters or buffers of a module that runs forward inside it, the state of an optimizer
+  that steps inside it, or are passed in ``track``. Make the inputs inside ``step_fn``.
+* **A steady-state step**: the optimizer state is created in the first step, so a first
+  step alone under-states the forward/backward peak. Either run two steps in ``step_fn``
+  or (half the cost) :func:`init_optimizer_state` first and ``track`` the optimizer.
+* **Cost**: every op goes through Python (DTensor, FakeTensor and the tracker), about
+  0.1 s of CPU per transformer layer and microbatch (forward and backward), whatever the
+  tensor sizes.
+
+What ``by_category`` means (bytes alive at the moment of the peak; they sum to
+``peak_bytes``): ``params`` the module parameters, which under FSDP2 are the sharded fp32
+parameters plus the unsharded (all-gathered, ``param_dtype``) ones while they exist;
+``buffers``; ``grads`` parameter gradients (sharded ones after the reduce-scatter);
+``activations`` what the forward makes (saved activations, outputs, FSDP's all-gather
+buffers); ``temporaries`` what the backward makes besides parameter gradients (gradients
+of activations, unsharded gradients before the reduce-scatter); ``optimizer_state``
+everything the optimizer step makes, its state included; ``other`` tensors passed in
+``track``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch.distributed._tools import mem_tracker as _mem_tracker
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+__all__ = [
+    "CATEGORIES",
+    "CUDA_ALLOCATION_GRANULARITY_BYTES",
+    "FakeWorld",
+    "MemoryReport",
+    "fake_world",
+    "init_optimizer_state",
+    "measure_peak",
+]
+
+CUDA_ALLOCATION_GRANULARITY_BYTES = 512
+"""The CUDA caching allocator rounds every block up to a multiple of this."""
+
+# MemTracker's reference types -> our category names, in report order.
+_CATEGORY_OF = {
+    _mem_tracker._MemRefType.PARAM: "params",
+    _mem_tracker._MemRefType.BUFFER: "buffers",
+    _mem_tracker._MemRefType.GRAD: "grads",
+    _mem_tracker._MemRefType.ACT: "activations",
+    _mem_tracker._MemRefType.TEMP: "temporaries",
+    _mem_tracker._MemRefType.OPT: "optimizer_state",
+    _mem_tracker._MemRefType.OTH: "other",
+}
+CATEGORIES: tuple[str, ...] = tuple(_CATEGORY_OF.values())
+"""The keys of :attr:`MemoryReport.by_category`, in order."""
+
+_PHASES = ("forward", "backward", "optimizer")
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """What one rank held while ``step_fn`` ran (see the module docstring for categories).
+
+    ``peak_bytes``: the most bytes of tensor storage alive at once; ``by_category``: those
+    bytes split by what the tensors were (sums to ``peak_bytes``); ``peak_phase``: where
+    the peak happened, ``"forward"`` (also: outside any module and outside backward, e.g.
+    the loss), ``"backward"`` or ``"optimizer"``; ``final_bytes`` / ``final_by_category``:
+    what was still alive when ``step_fn`` returned (with ``step_fn``'s locals gone: the
+    parameters, gradients not set to None, the optimizer state)."""
+
+    peak_bytes: int
+    by_category: Mapping[str, int]
+    peak_phase: str
+    final_bytes: int
+    final_by_category: Mapping[str, int]
+
+    def __str__(self) -> str:
+        parts = ", ".join(f"{k} {v / 2**30:.3f}" for k, v in self.by_category.items() if v)
+        return f"peak {self.peak_bytes / 2**30:.3f} GiB in {self.peak_phase} ({parts})"
+
+
+@dataclass(frozen=True)
+class FakeWorld:
+    """One rank's view of a fake job: ``world_size`` ranks of which this process is
+    ``rank``, tensors on ``device`` (fake), collectives to the fake process group."""
+
+    world_size: int
+    rank: int
+    device: torch.device
+    fake_mode: FakeTensorMode
+
+    def device_mesh(
+        self,
+        ranks: Iterable[int],
+        shape: Sequence[int],
+        dim_names: Sequence[str],
+    ) -> DeviceMesh:
+        """A DeviceMesh over the global ``ranks`` (row-major into ``shape``), e.g. one
+        unit's ranks ``range(first, first + pp * dp * tp)`` as ``(pp, dp, tp)``. It must
+        contain this rank; slice it (``mesh["tp"]``, ``mesh["dp", "tp"]``) for the TP and
+        FSDP meshes, so that ``fully_shard`` can combine them."""
+        ranks = list(ranks)
+        if math.prod(shape) != len(ranks) or len(shape) != len(dim_names):
+            raise ValueError(f"{len(ranks)} ranks do not fill a mesh of shape {tuple(shape)} "
+                             f"named {tuple(dim_names)}")
+        if len(set(ranks)) != len(ranks) or not all(0 <= r < self.world_size for r in ranks):
+            raise ValueError(f"mesh ranks must be distinct ranks of the world of "
+                             f"{self.world_size}: {ranks}")
+        if self.rank not in ranks:
+            raise ValueError(f"rank {self.rank} is not in the mesh's ranks {ranks}")
+        with unset_fake_temporarily():
+            table = torch.tensor(ranks, dtype=torch.int64).reshape(tuple(shape))
+            return DeviceMesh(self.device.type, table, mesh_dim_names=tuple(dim_names))
+
+
+def _init_mesh_without_fake(orig_init: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(orig_init)
+    def init(self: DeviceMesh, *args: Any, **kwargs: Any) -> None:
+        with unset_fake_temporarily():
+            orig_init(self, *args, **kwargs)
+
+    return init
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int, rank: int, device_type: str = "cpu") -> Iterator[FakeWorld]:
+    """Be ``rank`` of a fake job of ``world_size`` ranks for the duration of the block.
+
+    Sets up the default process group on torch's fake backend, a ``FakeTensorMode``
+    (entered for the block) and the ``DeviceMesh`` patch the module docstring explains,
+    and empties DTensor's sharding-propagation caches; on exit undoes all of it
+    (``destroy_process_group``), so worlds can follow one another in one process and a
+    measurement does not depend on what ran before it. No other process group may exist
+    in the process. ``device_type`` is ``"cpu"``, or ``"cuda"`` only where CUDA is
+    available (see the module docstring)."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not a rank of a world of {world_size}")
+    if device_type not in ("cpu", "cuda"):
+        raise ValueError(f"device_type must be 'cpu' or 'cuda', not {device_type!r}")
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            "device_type 'cuda' needs a CUDA build of torch with a GPU: on a CPU-only "
+            "build autograd aborts the process on fake CUDA tensors; use 'cpu' (the "
+            "measured memory is the same, see dtdsl.train.memcheck)")
+    if dist.is_initialized():
+        raise RuntimeError("a default process group already exists; fake_world makes its own")
+    # Importing fake_pg registers the "fake" backend.
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    _clear_sharding_caches()
+    try:
+        with (
+            mock.patch.object(DeviceMesh, "__init__", _init_mesh_without_fake(DeviceMesh.__init__)),
+            FakeTensorMode() as fake_mode,
+        ):
+            device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
+            yield FakeWorld(world_size, rank, device, fake_mode)
+    finally:
+        _clear_sharding_caches()
+        dist.destroy_process_group()
+        gc.collect()
+
+
+def _clear_sharding_caches() -> None:
+    """Empty DTensor's caches of sharding propagation. Their entries hold the meshes (and
+    through them the process groups) of the world that filled them, and an entry found
+    for an equal mesh of a later world would skip the shape propagation, so a measurement
+    would depend on what ran before it in the process."""
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    propagator._propagate_tensor_meta_cached.cache_clear()
+
+
+class _ShardingPropagation:
+    """Stands in for ``ShardingPropagator._fake_mode_lock`` (a context manager around
+    DTensor's output-shape propagation) to tell the tracker to ignore what it allocates:
+    inside an outer ``FakeTensorMode`` the propagation reuses that mode and makes fake
+    tensors of the *global* shapes, which ``MemTracker`` cannot tell from real ones."""
+
+    def __init__(self, tracker: _StepTracker, inner: Any) -> None:
+        self._tracker = tracker
+        self._inner = inner
+
+    def __enter__(self) -> Any:
+        self._tracker.propagating += 1
+        return self._inner.__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        self._tracker.propagating -= 1
+        return self._inner.__exit__(*exc)
+
+
+class _StepTracker(_mem_tracker.MemTracker):
+    """``MemTracker`` for a training step: ignores DTensor's shape propagation, allows a
+    root module to run forward more than once (microbatches, steps), keeps only the
+    global peak (the per-module peaks cost a pass over every module at every op) and
+    notes the phase of the peak."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.propagating = 0
+        self.peak_phase = "forward"
+        self._saved_lock: Any = None
+
+    def __enter__(self) -> _StepTracker:
+        if self._depth == 0:
+            self._saved_lock = ShardingPropagator._fake_mode_lock
+            ShardingPropagator._fake_mode_lock = _ShardingPropagation(self, self._saved_lock)
+        try:
+            super().__enter__()
+        except BaseException:
+            if self._depth == 0:
+                ShardingPropagator._fake_mode_lock = self._saved_lock
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            if self._depth == 0:
+                ShardingPropagator._fake_mode_lock = self._saved_lock
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if self.propagating:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
+        # MemTracker refuses a second forward of a root module ("multiple iterative
+        # calls"); forgetting the per-module stats (not the global ones) allows it.
+        if module in self.memory_tracking and not self._mod_tracker.is_bw:
+            name = self._mod_tracker.get_known_fqn(module)
+            if set(self._mod_tracker.parents) - {name} == {"Global"}:
+                self.reset_mod_stats()
+        super()._pre_fw_hook(module, inputs)
+
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        for dev, snap in self._curr_mem_snap.items():
+            total = snap[_mem_tracker._TOTAL_KEY]
+            if self._peak_mem.get(dev, 0) < total:
+                self._peak_mem[dev] = total
+                self._peak_mem_snap[dev] = dict(snap)
+                self.peak_phase = _PHASES[
+                    2 if self._in_opt else 1 if self._mod_tracker.is_bw else 0]
+
+
+def _rounded_size(granularity_bytes: int) -> Callable[[Any], int]:
+    def mem_consumed(winfo: Any) -> int:
+        nbytes = winfo.size * winfo.element_size
+        return -(-nbytes // granularity_bytes) * granularity_bytes
+
+    return mem_consumed
+
+
+def _by_category(snapshot: dict[torch.device, dict[Any, int]]) -> dict[str, int]:
+    totals = dict.fromkeys(CATEGORIES, 0)
+    for dev_snap in snapshot.values():
+        for key, nbytes in dev_snap.items():
+            if key in _CATEGORY_OF:
+                totals[_CATEGORY_OF[key]] += nbytes
+    return totals
+
+
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create ``optimizer``'s state as its first step does, without a forward or backward:
+    one step on zero gradients, then the gradients set back to None. (On fake tensors the
+    values do not matter.) Then measure one training step with ``track=(model,
+    optimizer)`` instead of two steps: about the same peak at half the cost (what the
+    first step leaves behind besides the optimizer state, e.g. FSDP2's last
+    reduce-scatter buffer, is not counted). Only for ``torch.optim`` optimizers that keep
+    their state in ``optimizer.state``."""
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    for p in params:
+        p.grad = None
+
+
+def measure_peak(
+    step_fn: Callable[[], None],
+    *,
+    track: Iterable[torch.nn.Module | torch.optim.Optimizer | torch.Tensor] = (),
+    allocation_granularity_bytes: int = CUDA_ALLOCATION_GRANULARITY_BYTES,
+) -> MemoryReport:
+    """Run ``step_fn`` once under a memory tracker and report this rank's peak.
+
+    Meant for a :func:`fake_world` (it works on real tensors too). ``track``: modules,
+    optimizers and tensors that exist before the call and should count from the start
+    (a module's parameters otherwise count from its first forward, an optimizer's state
+    from its first step inside ``step_fn``). Every storage counts
+    ``allocation_granularity_bytes``-rounded (1: exact bytes)."""
+    if allocation_granularity_bytes < 1:
+        raise ValueError("allocation_granularity_bytes must be positive")
+    gc.collect()
+    tracker = _StepTracker()
+    with mock.patch.object(_mem_tracker._WeakRefInfo, "_calculate_mem_consumed",
+                           _rounded_size(allocation_granularity_bytes)):
+        tracker.track_external(*track)
+        with tracker:
+            step_fn()
+        gc.collect()
+        peak = _by_category(tracker.get_tracker_snapshot("peak"))
+        final = _by_category(tracker.get_tracker_snapshot("current"))
+    return MemoryReport(
+        peak_bytes=sum(peak.values()),
+        by_category=MappingProxyType(peak),
+        peak_phase=tracker.peak_phase,
+        final_bytes=sum(final.values()),
+        final_by_category=MappingProxyType(final),
+    )

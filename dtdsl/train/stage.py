@@ -1,0 +1,261 @@
+"""One rank's pipeline stage of one unit, built as torch's production parts build it.
+
+``build_stage(program, plan, role, mesh, device)`` returns a :class:`Stage`: the torch
+module of this rank's stage (``StageModule``: the unit's layers this stage runs, its first
+stage's embedding, its last stage's head or the projector that follows it, a generator's
+projector), built so that memory matches the plan:
+
+1. **Meta first.** The whole unit is built on the meta device (no memory), and the layers
+   other stages run are deleted; the stage keeps the global names of what it holds
+   (``units.<unit>.layers.<i>...``), so checkpoint keys do not depend on the plan.
+2. **Tensor parallelism** (``parallel.tp.parallelize_unit``) over the unit's TP mesh: still
+   on meta, DTensor shards.
+3. **Activation checkpointing** of every layer when the spec says ``recompute = true``
+   (``checkpoint_wrapper``: the layer's activations are recomputed in backward).
+4. **Materialise and shard, a layer at a time.** Each layer is materialised on the rank's
+   device (``to_empty``), initialised by ``models.init``'s layout-independent rules from
+   the spec seed (the very values the single-process reference holds at those positions)
+   and handed to FSDP2 (``fully_shard`` over the unit's DP mesh); then the rest of the stage
+   the same way, as the root. At no time does a rank hold more than one layer's TP shard
+   beyond its own DP shard.
+
+**FSDP2** (``fully_shard``) is the data parallelism and ZeRO of every stage, with the spec's
+``MixedPrecisionPolicy``: ``precision = bf16`` computes in bf16 parameters and activations,
+keeps fp32 master weights (the sharded parameters) and optimizer state, and reduces
+gradients in fp32; ``fp32`` is exact. ZeRO stages map as follows:
+
+* ``zero = 1`` (the default, DistTrain's): parameters sharded over DP, kept unsharded from
+  the first forward of a step to its last backward (``reshard_after_forward=False``, no
+  reshard after backward until the last microbatch), gradients accumulated unsharded in
+  fp32 over the microbatches and reduce-scattered once, after the last backward, the
+  optimizer stepping its shard: ZeRO-1's memory for optimizer state and communication;
+* ``zero = 0``: FSDP2 over a (replicate, shard) mesh with a shard dimension of one (HSDP):
+  every DP rank holds everything and gradients are all-reduced.
+
+FSDP2 cannot keep fp32 gradients *unsharded between steps* only for the optimizer's shard
+(true ZeRO-1 keeps the full gradient buffer, which FSDP2 frees after the reduce-scatter):
+here the gradient memory after the step is one shard, less than ZeRO-1's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from dtdsl.ir import program as ir
+from dtdsl.ir.plan import Plan
+from dtdsl.models.multimodal import build_unit, init_unit
+from dtdsl.parallel.mesh import RankRole
+
+__all__ = ["COMPUTE_DTYPES", "Stage", "StageModule", "build_stage", "projector_between"]
+
+COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def projector_between(program: ir.Program, source: str, target: str) -> str:
+    """The name of the projector ``source -> target``; ValueError when there is none."""
+    for p in program.projectors:
+        if p.source == source and p.target == target:
+            return p.name
+    raise ValueError(f"the spec has no projector {source} -> {target}, which the runtime "
+                     "needs")
+
+
+class StageModule(nn.Module):
+    """The modules of one rank's stage under ``units`` (by unit name: the module, and the
+    projector the stage runs). Its ``forward`` is the stage's work for one microbatch;
+    ``train.executor`` gives it the stage's inputs. FSDP2's root is this module."""
+
+    def __init__(self, units: dict[str, nn.Module], run: Any):
+        super().__init__()
+        self.units = nn.ModuleDict(units)
+        self._run = run
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run(self, *args, **kwargs)
+
+
+@dataclass(eq=False)
+class Stage:
+    """What ``build_stage`` built for one rank."""
+
+    module: StageModule
+    role: RankRole
+    start: int                      # [start, stop) of the unit's layers on this stage
+    stop: int
+    compute_dtype: torch.dtype
+    tp_sharded: set[str] = field(default_factory=set)   # names sharded over TP
+    layers: list[nn.Module] = field(default_factory=list)  # FSDP2 units, forward order
+
+    def named_parameters(self) -> dict[str, torch.Tensor]:
+        """``{"<unit>.<param>": parameter}`` for every parameter the stage holds."""
+        return {_strip(n): p for n, p in self.module.named_parameters()}
+
+    def trainable(self) -> list[nn.Parameter]:
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    def begin_step(self) -> None:
+        """Before the step's first action: all-gather every FSDP2 group's parameters, in
+        forward order, on every DP rank alike (ZeRO-1: the parameters stay whole for the
+        step), and accumulate gradients unsharded (in fp32, FSDP2's reduce dtype) until
+        ``reduce_gradients``. Gathering here, not lazily at each module's first call,
+        keeps the DP ranks' collectives in step even when a replica's microbatch leaves a
+        module idle (an encoder replica with no images in it)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        if not isinstance(self.module, FSDPModule):
+            return
+        self.module.set_requires_gradient_sync(False, recurse=True)
+        self.module.set_is_last_backward(False)
+        self.module.set_reshard_after_backward(False, recurse=True)
+        for m in [self.module, *self.layers]:
+            m.unshard()
+
+    def reduce_gradients(self) -> None:
+        """After the step's last backward: reduce-scatter every FSDP2 group's accumulated
+        gradients over DP, in the same order on every DP rank (the reverse of forward, as
+        autograd would), then reshard, whatever each rank's last microbatch held (one
+        without generation targets runs no backward at all). torch's pipelining stages
+        reduce this way too."""
+        from torch.distributed.fsdp import FSDPModule
+
+        if not isinstance(self.module, FSDPModule):
+            return
+        self.module.set_requires_gradient_sync(True, recurse=True)
+        self.module.set_is_last_backward(True)
+        self.module.set_reshard_after_backward(True, recurse=True)
+        state = self.module._get_fsdp_state()
+        for member in reversed(state._state_ctx.all_states):
+            for group in reversed(member._fsdp_param_groups):
+                group.post_backward()
+        state._root_post_backward_final_callback()
+
+
+def _strip(name: str) -> str:
+    """``units.<unit>.<param>`` (FSDP and checkpoint wrappers' prefixes removed) to
+    ``<unit>.<param>``."""
+    name = name.replace("_checkpoint_wrapped_module.", "").replace("_fsdp_wrapped_module.", "")
+    return name.removeprefix("units.")
+
+
+def _owned_layers(module: nn.Module, start: int, stop: int) -> None:
+    for key in list(module.layers.keys()):
+        if not start <= int(key) < stop:
+            del module.layers[key]
+
+
+def _fsdp_units(stage: StageModule, program: ir.Program) -> Iterator[tuple[str, str, nn.Module]]:
+    """(unit, prefix in the unit, module) of each module that becomes its own FSDP2 unit:
+    every layer (encoder and backbone layers, a DiT's blocks), in forward order."""
+    for name, unit in stage.units.items():
+        layers = getattr(unit, "layers", None)
+        if isinstance(layers, nn.ModuleDict):
+            for key, layer in layers.items():
+                yield name, f"layers.{key}", layer
+        blocks = getattr(unit, "blocks", None)
+        if isinstance(blocks, nn.ModuleList) and not isinstance(layers, nn.ModuleDict):
+            for i, block in enumerate(blocks):
+                yield name, f"blocks.{i}", block
+
+
+def _sum_gradients(module: Any) -> None:
+    """Reduce gradients over DP by summing, not averaging: every microbatch loss is
+    already divided by the whole global batch's denominators (``models.multimodal``).
+    Parameters a replica did not use this step (an encoder replica without images)
+    reduce zeros, so every DP rank issues the same collectives."""
+    module.set_gradient_divide_factor(1.0)
+    module.set_force_sum_reduction_for_comms(True)
+    module.set_reduce_scatter_unused_params(True, recurse=False)
+
+
+def build_stage(program: ir.Program, plan: Plan, role: RankRole, mesh: Any,
+                device: torch.device, *, seed: int | None = None, run: Any = None) -> Stage:
+    """This rank's stage (module docstring). ``mesh``: the unit's DeviceMesh with
+    dimensions ``("pp", "dp_replicate", "dp_shard", "tp")`` (``parallel.mesh``); ``run``:
+    the stage's forward, ``run(stage_module, ...)``."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from dtdsl.parallel.tp import parallelize_unit
+
+    seed = program.train.seed if seed is None else seed
+    name = role.unit
+    spec = program.module(name)
+    unit_plan = plan.unit(name)
+    compute_dtype = COMPUTE_DTYPES[program.train.precision]
+    units: dict[str, nn.Module] = {name: build_unit(program, name, seed, device="meta")}
+    start, stop = 0, 0
+    if role.role == "generator":
+        units[projector_between(program, program.backbone.name, name)] = build_unit(
+            program, projector_between(program, program.backbone.name, name), seed,
+            device="meta")
+    else:
+        split = tuple(unit_plan.layers_per_stage)
+        total = spec.arch.layers
+        if len(split) != role.grid.pp or sum(split) != total:
+            raise ValueError(f"unit {name}: layers_per_stage {split} does not split its "
+                             f"{total} layers over pp={role.grid.pp} stages")
+        start = sum(split[:role.stage])
+        stop = start + split[role.stage]
+        module = units[name]
+        _owned_layers(module, start, stop)
+        if not role.is_first_stage:
+            if role.role == "encoder":
+                module.patch_embed = None
+            else:
+                module.tok_embeddings = None
+        if not role.is_last_stage and role.role == "backbone":
+            module.norm = None
+            module.output = None
+        if role.is_last_stage and role.role == "encoder":
+            proj = projector_between(program, name, program.backbone.name)
+            units[proj] = build_unit(program, proj, seed, device="meta")
+
+    tp_sharded: set[str] = set()
+    if role.grid.tp > 1:
+        tp_sharded = {f"{name}.{n}" for n in parallelize_unit(units[name], mesh["tp"])}
+    stage = StageModule(units, run)
+    if spec.recompute:
+        for unit_name, prefix, layer in list(_fsdp_units(stage, program)):
+            parent = stage.units[unit_name].get_submodule(prefix.rpartition(".")[0])
+            parent.register_module(prefix.rpartition(".")[2], checkpoint_wrapper(layer))
+
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    # ZeRO-1: shard over DP; ZeRO-0: replicate over DP (HSDP with shards of one rank).
+    dp_mesh = mesh["dp_shard"] if mesh["dp_replicate"].size() == 1 else \
+        mesh["dp_replicate", "dp_shard"]
+    layers = []
+    for unit_name, prefix, layer in list(_fsdp_units(stage, program)):
+        layer.to_empty(device=device)
+        inner = getattr(layer, "_checkpoint_wrapped_module", layer)
+        init_unit(program, unit_name, inner, seed, prefix=prefix)
+        fully_shard(layer, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
+        _sum_gradients(layer)
+        layers.append(layer)
+    # The rest (embeddings, norms, heads, projectors, convolutions): materialise what is
+    # still on meta, initialise it by name, and make the stage FSDP2's root.
+    done = {id(p) for layer in layers for p in layer.parameters()}
+    for unit_name, unit in stage.units.items():
+        for m in unit.modules():
+            direct = [p for p in m.parameters(recurse=False) if id(p) not in done]
+            if direct:
+                m.to_empty(device=device, recurse=False)
+        for bname, b in unit.named_buffers():
+            if b.is_meta:
+                raise RuntimeError(f"{unit_name}: buffer {bname} has no initialiser")
+        init_unit(program, unit_name, unit, seed, skip=done)
+    fully_shard(stage, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
+    _sum_gradients(stage)
+    for unit_name in stage.units:
+        frozen = (program.module(unit_name).frozen
+                  if unit_name in {m.name for m in program.modules}
+                  else next(p for p in program.projectors if p.name == unit_name).frozen)
+        if frozen:
+            stage.units[unit_name].requires_grad_(False)
+    stage.train()
+    return Stage(module=stage, role=role, start=start, stop=stop,
+                 compute_dtype=compute_dtype, tp_sharded=tp_sharded, layers=layers)
