@@ -358,6 +358,37 @@ def _plan_and_schedule(plan_path: str | None, result: FrontendResult, program: P
         raise UsageError(f"cannot lower the plan: {err}") from None
 
 
+def _cmd_memcheck(args: argparse.Namespace) -> int:
+    from dtdsl.report import format_bytes, progress_bar
+    from dtdsl.train.memplan import check_memory
+
+    result, code = _load_program(args.spec)
+    if result is None:
+        return code
+    program = result.program
+    assert program is not None
+    cost = _cost_model(args, program)
+    planned = _plan_and_schedule(args.plan, result, program, cost)
+    if planned is None:
+        return EXIT_ERRORS
+    the_plan, _ = planned
+    with progress_bar("memcheck", enabled=not args.json and sys.stderr.isatty()) as bar:
+        stages = check_memory(program, the_plan, cost=cost, progress=bar)
+    if args.json:
+        print(json.dumps({"stages": [s.as_json() for s in stages]}, indent=2))
+    else:
+        print(f"{'stage':<16}{'rank':>6}{'in flight':>10}{'predicted':>12}{'measured':>12}"
+              f"{'error':>8}{'capacity':>12}  peak in")
+        for s in stages:
+            over = " OVER" if s.measured_bytes > s.capacity_bytes else ""
+            print(f"{s.unit + '.s' + str(s.stage):<16}{s.rank:>6}{s.in_flight:>10}"
+                  f"{format_bytes(s.predicted_bytes):>12}{format_bytes(s.measured_bytes):>12}"
+                  f"{s.error:>+8.1%}{format_bytes(s.capacity_bytes):>12}  {s.peak_phase}"
+                  f"{over}")
+    over = [s for s in stages if s.measured_bytes > s.capacity_bytes]
+    return EXIT_ERRORS if over else EXIT_OK
+
+
 def _cmd_simulate(args: argparse.Namespace) -> int:
     from dtdsl.report import plan_markdown, progress_bar, wide_console
     from dtdsl.sim.report import simulation_report
@@ -808,6 +839,19 @@ def _parser() -> argparse.ArgumentParser:
                        "P-1 more take stage_forward and stage_backward")
     inter.add_argument("--json", action="store_true", help="print the result as JSON")
     inter.set_defaults(func=_cmd_reorder)
+
+    mem = sub.add_parser("memcheck", help="measure every stage's peak memory on fake "
+                         "tensors (the runtime's real modules, one rank per stage) next to "
+                         "the planner's prediction")
+    mem.add_argument("spec", metavar="SPEC", help="spec file ('-' for stdin)")
+    mem.add_argument("--plan", metavar="PLAN", help="a Plan JSON (`dtc plan -o`); default: "
+                     "plan the spec now (convex search)")
+    mem.add_argument("--profile", metavar="PROFILE",
+                     help="a profile from `dtc profile`: measured module times")
+    mem.add_argument("--efficiency", action="append", metavar="KIND=FRACTION",
+                     help="analytic model efficiency (see `dtc plan --help`)")
+    mem.add_argument("--json", action="store_true", help="print JSON: {\"stages\": [...]}")
+    mem.set_defaults(func=_cmd_memcheck)
 
     ref = sub.add_parser("reference", help="train the spec single-process in fp32 on the CPU: "
                          "the per-step losses a distributed run must match")

@@ -21,8 +21,8 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
                          r"(\d+\.\d+)", ("--precision", "bf16")),
 ])
 def test_runtime_benchmark_runs(script, figure, args):
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / script), "--steps", "2",
-                           "--warmup", "1", *args], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / script), "--steps", "5",
+                           "--warmup", "2", *args], capture_output=True, text=True,
                           timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     drift = re.search(r"max rel diff (\d\.\de[-+]\d+)", proc.stdout)     # same losses

@@ -140,6 +140,10 @@ class UnitCost:
     tp_comm_bytes: float             # all-reduced bytes per microbatch, forward, all layers
     boundary_bytes: float            # activations leaving the unit per microbatch
     queries: tuple[ProfileQuery, ...] = ()   # for a measured profile: module, projectors
+    first_stage_params: float = 0.0  # of extra_stage_params, those on the first stage (the
+                                     # embedding); the rest sit on the last (head, projector)
+    peak_items: float = 0.0          # a large microbatch's tokens (backbone: text, encoder:
+                                     # image tokens) or generation targets (generator)
 
     @property
     def trainable(self) -> bool:
@@ -255,6 +259,34 @@ class CostModel:
         # several is far less skewed than one).
         return static + chunk * per_layer * (1 + (count - 1) / unit.act_peak_ratio)
 
+    def stage_memory_bytes(self, unit: UnitCost, *, tp: int, pp: int, dp: int, vpp: int,
+                           stage: int, layers: int, depth: int, microbatches: int,
+                           share: float) -> float:
+        """Peak memory of one GPU of pipeline stage ``stage`` (of ``pp``) holding ``layers``
+        of the unit's layers, the first stage's embedding and the last stage's head or
+        projector; ``depth``: pipeline stages from this stage to the end of the chain.
+        ``memory_bytes`` is this for the heaviest stage; ``dtc memcheck`` compares it with
+        what the runtime's stage holds."""
+        weight_b, grad_b, optim_b = _PARAM_BYTES[self.program.train.precision]
+        layer_params = (unit.params - unit.extra_stage_params) / max(unit.layers, 1)
+        params = layer_params * layers
+        if stage == 0:
+            params += unit.first_stage_params
+        if stage == pp - 1:
+            params += unit.extra_stage_params - unit.first_stage_params
+        params /= tp
+        trained = params * unit.trainable_params / unit.params if unit.params else 0.0
+        zero = self.program.train.optimizer.zero
+        static = params * weight_b + trained * (grad_b + optim_b / (dp if zero >= 1 else 1))
+        per_layer = (unit.act_bytes_per_layer - unit.act_bytes_per_layer_tp_split
+                     + unit.act_bytes_per_layer_tp_split / tp) * share
+        if unit.backward_factor == 0:
+            return float(static + per_layer)
+        count, _ = in_flight(self.program.train.schedule, unit.layers, pp, vpp, depth,
+                             microbatches)
+        count = float(count)
+        return float(static + layers * per_layer * (1 + (count - 1) / unit.act_peak_ratio))
+
     def dp_sync_coefficients(self, unit: UnitCost, tp, dp) -> tuple:
         """(fixed_s, per_layer_s) with sync time = fixed_s + per_layer_s * ceil(L / pp):
         the gradient reduce-scatter and parameter all-gather (ZeRO-1) of one stage, or an
@@ -329,6 +361,8 @@ class _Acc:
     params: float = 0.0
     trainable_params: float = 0.0
     extra: float = 0.0            # parameters that sit on a single stage
+    first: float = 0.0            # of those, the ones on the first stage
+    peak_items: float = 0.0       # a large microbatch's tokens or generation targets
     act: float = 0.0
     act_split: float = 0.0
     act_tokens: float = 0.0       # tokens whose layer inputs recomputation keeps
@@ -366,9 +400,10 @@ def _unit_cost(program: ir.Program, module: ir.Module, samples: SampleSet) -> Un
         acc.work = flops.backbone_forward(arch, train.seq_len) * mb
         acc.act, acc.act_split = _transformer_activation_bytes(
             arch.hidden, arch.ffn, arch.kv_heads / arch.heads, arch.swiglu, tokens)
-        acc.act_tokens, acc.width = tokens, arch.hidden
+        acc.act_tokens, acc.width, acc.peak_items = tokens, arch.hidden, tokens
         acc.comm = arch.layers * 2 * tokens * arch.hidden * _BYTES_BF16
         acc.extra = 2 * arch.vocab * arch.hidden
+        acc.first = arch.vocab * arch.hidden        # the embedding; the head on the last
         boundary = tokens * arch.hidden * _BYTES_BF16
         acc.model_flops = acc.work.total * (1 + bwd)
     elif module.role == "encoder":
@@ -385,10 +420,11 @@ def _unit_cost(program: ir.Program, module: ir.Module, samples: SampleSet) -> Un
         acc.peak_ratio = _ratio(peak, float(tokens.mean()) * mb)
         acc.act, acc.act_split = _transformer_activation_bytes(
             arch.hidden, arch.ffn, arch.kv_heads / arch.heads, arch.swiglu, peak)
-        acc.act_tokens, acc.width = peak, arch.hidden
+        acc.act_tokens, acc.width, acc.peak_items = peak, arch.hidden, peak
         mean_tokens = float(tokens.mean()) * mb
         acc.comm = arch.layers * 2 * mean_tokens * arch.hidden * _BYTES_BF16
         acc.extra = (arch.in_channels or 3) * (arch.patch or 1) ** 2 * arch.hidden
+        acc.first = acc.extra                       # the patch embedding; projectors last
         acc.model_flops = acc.work.total * (1 + bwd)
         for proj in program.projectors:
             if proj.source == module.name:
@@ -399,6 +435,7 @@ def _unit_cost(program: ir.Program, module: ir.Module, samples: SampleSet) -> Un
         count = float(items.counts.mean()) * mb
         peak_items = _quantile_per_microbatch(items.counts.astype(float), mb)
         acc.peak_ratio = _ratio(peak_items, count)
+        acc.peak_items = peak_items
         cond_tokens = COND_TOKENS
         acc.queries.append(ProfileQuery.of(
             module.name, _per_microbatch(items.counts.astype(float), mb), 1.0))
@@ -436,7 +473,8 @@ def _unit_cost(program: ir.Program, module: ir.Module, samples: SampleSet) -> Un
         recompute=module.recompute, fwd_work=acc.work, model_flops=acc.model_flops,
         act_bytes_per_layer=acc.act, act_bytes_per_layer_tp_split=acc.act_split,
         act_peak_ratio=acc.peak_ratio,
-        tp_comm_bytes=acc.comm, boundary_bytes=boundary, queries=tuple(acc.queries))
+        tp_comm_bytes=acc.comm, boundary_bytes=boundary, queries=tuple(acc.queries),
+        first_stage_params=min(acc.first, acc.params), peak_items=acc.peak_items)
 
 
 def build_cost_model(program: ir.Program, params: CostParams | None = None, *,

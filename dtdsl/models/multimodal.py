@@ -356,13 +356,17 @@ def backbone_layers(backbone: Backbone, x: torch.Tensor, start: int = 0,
     return x
 
 
-def backbone_output(backbone: Backbone, x: torch.Tensor,
-                    targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def backbone_output(backbone: Backbone, x: torch.Tensor, targets: torch.Tensor,
+                    *, loss_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The last stage: final norm, then the summed next-token cross-entropy at the
-    positions with a target. Returns ``(loss sum, normed hidden states [B, S, hidden])``."""
+    positions with a target. Returns ``(loss sum, normed hidden states [B, S, hidden])``.
+    ``loss_tokens``: how many positions have a target, when the caller knows it from the
+    samples' sizes (otherwise counted here, which waits for the device)."""
     hidden = backbone.norm(x)
     mask = targets != IGNORE
-    if int(mask.sum()) >= _DENSE_LOSS * mask.numel():
+    if loss_tokens is None:
+        loss_tokens = int(mask.sum())
+    if loss_tokens >= _DENSE_LOSS * mask.numel():
         # Nearly every position has a target: the head on all of them is cheaper than
         # gathering the rows (and scattering their gradient back).
         logits, labels = backbone.output(hidden).flatten(0, 1), targets.flatten()

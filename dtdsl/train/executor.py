@@ -358,6 +358,13 @@ class StageExecutor:
         assert self.batch is not None
         return self.batch.sizes[i]
 
+    def _loss_tokens(self, ids: Sequence[int]) -> int:
+        """The next-token targets of these samples (``models.multimodal.loss_tokens``'s
+        rule), from their sizes: no device round trip to count them."""
+        seq_len = self.program.train.seq_len
+        return sum(max(0, sequence_length(self._sizes(i), self._patch, seq_len)
+                       - image_tokens(self._sizes(i), self._patch) - 1) for i in ids)
+
     def _index(self, j: int) -> int:
         """Microbatch ``j``'s index in the run (labels of its messages)."""
         return self.step * self.plan.num_microbatches + j
@@ -500,13 +507,14 @@ class StageExecutor:
                           for i in ids}
             mb.inputs = embeds
             tokens = [to_device(s.tokens, self.device) for s in samples]
-            out = self.stage.module(image_embeds=[embeds[i] for i in ids], tokens=tokens)
+            out = self.stage.module(image_embeds=[embeds[i] for i in ids], tokens=tokens,
+                                    loss_tokens=self._loss_tokens(ids))
         else:
             (pending,) = mb.pending.values()
             x_in, targets = self._wait(pending)
             x = self._leaf(x_in)
             mb.inputs = [x]
-            out = self.stage.module(x=x, targets=targets)
+            out = self.stage.module(x=x, targets=targets, loss_tokens=self._loss_tokens(ids))
         mb.pending = {}
         if role.is_last_stage:
             loss_sum, hidden = out
@@ -609,7 +617,8 @@ def _run_encoder(module: Any, xs: Sequence[torch.Tensor], *, first: bool) -> lis
 def _run_backbone(module: Any, *, x: torch.Tensor | None = None,
                   image_embeds: Sequence[torch.Tensor] | None = None,
                   tokens: Sequence[torch.Tensor] | None = None,
-                  targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  targets: torch.Tensor | None = None,
+                  loss_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     st = module.executor_state
     bb = module.units[st.role.unit]
     if x is None:
@@ -619,7 +628,7 @@ def _run_backbone(module: Any, *, x: torch.Tensor | None = None,
     assert targets is not None
     y = backbone_layers(bb, x, st.start, st.stop)
     if st.role.is_last_stage:
-        return backbone_output(bb, y, targets)
+        return backbone_output(bb, y, targets, loss_tokens=loss_tokens)
     return y, targets
 
 

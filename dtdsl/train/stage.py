@@ -12,12 +12,12 @@ projector), built so that memory matches the plan:
    on meta, DTensor shards.
 3. **Activation checkpointing** of every layer when the spec says ``recompute = true``
    (``checkpoint_wrapper``: the layer's activations are recomputed in backward).
-4. **Materialise and shard, a layer at a time.** Each layer is materialised on the rank's
-   device (``to_empty``), initialised by ``models.init``'s layout-independent rules from
-   the spec seed (the very values the single-process reference holds at those positions)
-   and handed to FSDP2 (``fully_shard`` over the unit's DP mesh); then the rest of the stage
-   the same way, as the root. At no time does a rank hold more than one layer's TP shard
-   beyond its own DP shard.
+4. **Shard, then materialise.** Every layer becomes an FSDP2 unit (``fully_shard`` over
+   the unit's DP mesh), the stage its root, all still on meta; then ``to_empty`` allocates
+   this rank's DP shards of its TP shards and nothing else, and each element is
+   initialised by ``models.init``'s layout-independent rules from the spec seed and its
+   position in the full tensor (the very values the single-process reference holds
+   there). No rank ever holds a tensor, or a shard, it does not own.
 
 **FSDP2** (``fully_shard``) is the data parallelism and ZeRO of every stage, with the spec's
 ``MixedPrecisionPolicy``: ``precision = bf16`` computes in bf16 parameters and activations,
@@ -63,6 +63,26 @@ def projector_between(program: ir.Program, source: str, target: str) -> str:
             return p.name
     raise ValueError(f"the spec has no projector {source} -> {target}, which the runtime "
                      "needs")
+
+
+def _unwrapped(module: nn.Module) -> nn.Module:
+    """``module`` with activation checkpointing's wrappers taken out of its parameters'
+    names (a copy of the module tree's view, sharing the parameters): initialisation
+    names parameters as the single-process model does."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointWrapper,
+    )
+
+    if not any(isinstance(m, CheckpointWrapper) for m in module.modules()):
+        return module
+    view = nn.Module()
+    for name, child in module.named_children():
+        inner = child._checkpoint_wrapped_module if isinstance(child, CheckpointWrapper) \
+            else child
+        view.add_module(name, _unwrapped(inner))
+    for name, param in module.named_parameters(recurse=False):
+        view.register_parameter(name, param)
+    return view
 
 
 class StageModule(nn.Module):
@@ -173,10 +193,12 @@ def _sum_gradients(module: Any) -> None:
 
 
 def build_stage(program: ir.Program, plan: Plan, role: RankRole, mesh: Any,
-                device: torch.device, *, seed: int | None = None, run: Any = None) -> Stage:
+                device: torch.device, *, seed: int | None = None, run: Any = None,
+                initialize: bool = True) -> Stage:
     """This rank's stage (module docstring). ``mesh``: the unit's DeviceMesh with
     dimensions ``("pp", "dp_replicate", "dp_shard", "tp")`` (``parallel.mesh``); ``run``:
-    the stage's forward, ``run(stage_module, ...)``."""
+    the stage's forward, ``run(stage_module, ...)``; ``initialize=False`` leaves the
+    materialised values as they are (``dtc memcheck``'s fake tensors have none)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -229,27 +251,21 @@ def build_stage(program: ir.Program, plan: Plan, role: RankRole, mesh: Any,
     dp_mesh = mesh["dp_shard"] if mesh["dp_replicate"].size() == 1 else \
         mesh["dp_replicate", "dp_shard"]
     layers = []
-    for unit_name, prefix, layer in list(_fsdp_units(stage, program)):
-        layer.to_empty(device=device)
-        inner = getattr(layer, "_checkpoint_wrapped_module", layer)
-        init_unit(program, unit_name, inner, seed, prefix=prefix)
+    for _, _, layer in list(_fsdp_units(stage, program)):
         fully_shard(layer, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
         _sum_gradients(layer)
         layers.append(layer)
-    # The rest (embeddings, norms, heads, projectors, convolutions): materialise what is
-    # still on meta, initialise it by name, and make the stage FSDP2's root.
-    done = {id(p) for layer in layers for p in layer.parameters()}
+    fully_shard(stage, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
+    _sum_gradients(stage)
+    # Only now is anything allocated: this rank's DP shards of its TP shards, each
+    # element initialised from its position in the full tensor.
+    stage.to_empty(device=device)
     for unit_name, unit in stage.units.items():
-        for m in unit.modules():
-            direct = [p for p in m.parameters(recurse=False) if id(p) not in done]
-            if direct:
-                m.to_empty(device=device, recurse=False)
         for bname, b in unit.named_buffers():
             if b.is_meta:
                 raise RuntimeError(f"{unit_name}: buffer {bname} has no initialiser")
-        init_unit(program, unit_name, unit, seed, skip=done)
-    fully_shard(stage, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
-    _sum_gradients(stage)
+        if initialize:
+            init_unit(program, unit_name, _unwrapped(unit), seed)
     for unit_name in stage.units:
         frozen = (program.module(unit_name).frozen
                   if unit_name in {m.name for m in program.modules}

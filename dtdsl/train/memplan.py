@@ -1,0 +1,278 @@
+"""``dtc memcheck``: the planner's memory model held against the runtime's real stages, at
+paper scale, on a machine without GPUs.
+
+For every unit stage of a plan, one of its ranks (replica 0, TP index 0) is replayed in a
+fake world of the plan's size (``train.memcheck.fake_world``: fake tensors, the fake
+process group): the stage is built exactly as a bundle's rank builds it
+(``train.stage.build_stage``: meta device, tensor parallelism, activation checkpointing,
+FSDP2 with the spec's mixed precision), its optimizer's state created, and its part of
+one iteration run under ``MemTracker`` (``train.memcheck.measure_peak``): as many
+forwards as its schedule keeps in flight at once (the most microbatches it has run
+forward and not yet backward in its action list), their backwards, the gradient
+reduction and the optimizer step. The microbatches are the large ones the cost model
+budgets for: a backbone microbatch of ``micro_batch`` sequences of ``seq_len`` tokens
+(the dense LM head over all of them), an encoder microbatch of the 99th-percentile image
+tokens, a generator microbatch of the 99th-percentile generation targets, each times the
+unit's share of backbone microbatches.
+
+The measured peak is reported next to ``CostModel.stage_memory_bytes`` for the same stage
+and the GPU's capacity.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dtdsl.ir import program as ir
+from dtdsl.ir.plan import Plan
+from dtdsl.ir.schedule import ActionKind, Schedule
+
+__all__ = ["StageMemory", "check_memory", "in_flight_of"]
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """One unit stage: the measured peak of one of its ranks and the prediction."""
+
+    unit: str
+    stage: int
+    rank: int
+    in_flight: int
+    predicted_bytes: float
+    measured_bytes: int
+    capacity_bytes: float
+    by_category: dict[str, int]
+    peak_phase: str
+    time_s: float
+
+    @property
+    def error(self) -> float:
+        """(measured - predicted) / predicted."""
+        return (self.measured_bytes - self.predicted_bytes) / max(self.predicted_bytes, 1.0)
+
+    def as_json(self) -> dict[str, Any]:
+        return {"unit": self.unit, "stage": self.stage, "rank": self.rank,
+                "predicted_bytes": int(self.predicted_bytes),
+                "measured_bytes": int(self.measured_bytes),
+                "capacity_bytes": int(self.capacity_bytes), "in_flight": self.in_flight,
+                "peak_phase": self.peak_phase, "by_category": dict(self.by_category)}
+
+
+def in_flight_of(schedule: Schedule, unit: str, stage: int) -> int:
+    """The most microbatches the stage has run forward and not yet backward at once (every
+    microbatch it runs, for a stage that runs no backward)."""
+    outstanding = peak = 0
+    has_backward = False
+    for a in schedule.stage(unit, stage).actions:
+        if a.kind is ActionKind.F:
+            outstanding += 1
+            peak = max(peak, outstanding)
+        elif a.kind is ActionKind.B:
+            outstanding -= 1
+            has_backward = True
+    return peak if has_backward else 1
+
+
+class _State:
+    """What a stage's forward reads of its executor (``train.executor._StageState``)."""
+
+    def __init__(self, program: ir.Program, role: Any, start: int, stop: int):
+        self.program, self.role = program, role
+        self.start, self.stop = start, stop
+        self.seq_len = program.train.seq_len
+
+
+def _depth(plan: Plan, unit: str, stage: int) -> int:
+    """Pipeline stages from ``stage`` of ``unit`` to the end of the chain (the planner's
+    rule in ``planner.evaluate``, unchained)."""
+    u = plan.unit(unit)
+    gen = max((g.pp for g in plan.units if g.role == "generator"), default=0)
+    backbone = next(g.pp for g in plan.units if g.role == "backbone")
+    own = u.pp - stage
+    if u.role == "encoder":
+        return own + backbone + gen
+    if u.role == "backbone":
+        return own + gen
+    return own
+
+
+def _inputs(program: ir.Program, cost: Any, unit: Any, role: Any, share: float,
+            dtype: torch.dtype, device: torch.device) -> Callable[[], tuple[tuple, dict]]:
+    """A function making one large microbatch's inputs for the stage's forward."""
+    from dtdsl.data.sample import DIFFUSION_STEPS, GenTargets
+
+    module = program.module(role.unit)
+    arch = module.arch
+    train = program.train
+    if role.role == "backbone":
+        b, s, h = train.micro_batch, train.seq_len, arch.hidden
+
+        def backbone() -> tuple[tuple, dict]:
+            if role.is_first_stage:
+                tokens = [torch.zeros(s, dtype=torch.int64, device=device) for _ in range(b)]
+                embeds = [torch.zeros(0, h, dtype=dtype, device=device) for _ in range(b)]
+                return (), {"image_embeds": embeds, "tokens": tokens, "loss_tokens": b * s}
+            x = torch.zeros(b, s, h, dtype=dtype, device=device, requires_grad=True)
+            return (), {"x": x, "targets": torch.zeros(b, s, dtype=torch.int64,
+                                                       device=device), "loss_tokens": b * s}
+        return backbone
+    if role.role == "encoder":
+        patch = arch.patch or 1
+        tokens = max(1, int(math.ceil(unit.peak_items * share)))
+        items = cost.program.data.get("image", "patches")
+        per_image = 256 if items is None else max(1, int(round(_mean(items))))
+        side = max(1, round(math.sqrt(per_image)))
+        per_image = side * side
+        n = max(1, math.ceil(tokens / per_image))
+        width = (arch.in_channels or 3) * patch * patch
+
+        def encoder() -> tuple[tuple, dict]:
+            if role.is_first_stage:
+                return ([torch.zeros(n, per_image, width, dtype=dtype, device=device)],), \
+                    {"first": True}
+            x = torch.zeros(n, per_image, arch.hidden, dtype=dtype, device=device,
+                            requires_grad=True)
+            return ([x],), {"first": False}
+        return encoder
+    count = max(1, int(math.ceil(unit.peak_items * share)))
+    hidden = program.backbone.arch.hidden
+    shape = (1, arch.latent_channels, arch.latent, arch.latent)
+
+    def generator() -> tuple[tuple, dict]:
+        conds = [torch.zeros(16, hidden, dtype=dtype, device=device, requires_grad=True)
+                 for _ in range(count)]
+        targets = [GenTargets(latents=torch.zeros(shape, device=device),
+                              noise=torch.zeros(shape, device=device),
+                              timesteps=torch.full((1,), DIFFUSION_STEPS - 1,
+                                                   dtype=torch.int64, device=device))
+                   for _ in range(count)]
+        return (conds, targets), {}
+    return generator
+
+
+def _mean(q: ir.Quantity) -> float:
+    from dtdsl.cost.samples import draw
+
+    values = draw(q, 4096, __import__("numpy").random.default_rng(0))
+    return float(values.mean()) if len(values) else 1.0
+
+
+def _run_stage(module: Any, *args: Any, **kwargs: Any) -> Any:
+    from dtdsl.train.executor import _run_backbone, _run_encoder, _run_generator
+
+    role = module.executor_state.role.role
+    fn = {"encoder": _run_encoder, "backbone": _run_backbone, "generator": _run_generator}
+    return fn[role](module, *args, **kwargs)
+
+
+def _loss_of(role: Any, out: Any) -> torch.Tensor:
+    """A scalar to differentiate standing in for the stage's loss and the gradients it
+    would receive: the loss where the stage has one, else every output."""
+    if role.role == "generator":
+        return out
+    if role.role == "backbone":
+        if role.is_last_stage:
+            return out[0]
+        return out[0].float().sum()
+    return sum(o.float().sum() for o in out)
+
+
+def _measure_stage(program: ir.Program, plan: Plan, schedule: Schedule, cost: Any,
+                   unit: str, stage: int) -> StageMemory:
+    from dtdsl.parallel.mesh import MESH_DIMS, grids, unit_mesh_shape
+    from dtdsl.train.memcheck import fake_world, init_optimizer_state, measure_peak
+    from dtdsl.train.optim import StageOptimizer
+    from dtdsl.train.stage import build_stage
+
+    start_s = time.perf_counter()
+    grid = next(g for g in grids(plan) if g.name == unit)
+    rank = grid.rank(stage, 0, 0)
+    u = plan.unit(unit)
+    k = in_flight_of(schedule, unit, stage)
+    zero = program.train.optimizer.zero
+    dp_lm = next(x.dp for x in plan.units if x.role == "backbone")
+    share = dp_lm / u.dp
+    unit_cost = cost.unit(unit)
+    from dtdsl.parallel.mesh import RankRole
+
+    role = RankRole(rank=rank, grid=grid, stage=stage, replica=0, tp_index=0)
+    with fake_world(plan.gpus_used, rank, "cpu") as world:
+        mesh = world.device_mesh(grid.ranks, unit_mesh_shape(grid, zero), MESH_DIMS)
+        built = build_stage(program, plan, role, mesh, world.device, run=_run_stage,
+                            initialize=False)
+        built.module.executor_state = _State(program, role, built.start, built.stop)
+        trainable = built.trainable()
+        opt = None
+        if trainable:
+            o = program.train.optimizer
+            opt = StageOptimizer(trainable, name=o.name, lr=o.lr, betas=tuple(o.betas),
+                                 eps=o.eps, weight_decay=o.weight_decay)
+            init_optimizer_state(opt.optimizer)
+        make = _inputs(program, cost, unit_cost, role, share, built.compute_dtype,
+                       world.device)
+        trains = unit_cost.backward_factor > 0
+
+        def step() -> None:
+            built.begin_step()
+            outs = []
+            for _ in range(k):
+                args, kwargs = make()
+                out = built.module(*args, **kwargs)
+                outs.append(_loss_of(role, out) if trains else None)
+                del out
+            if trains:
+                for loss in outs:
+                    with _loss_context(built, role):
+                        loss.backward()
+                outs.clear()
+                built.reduce_gradients()
+            if opt is not None:
+                opt.optimizer.step()
+                opt.zero_grad()
+
+        report = measure_peak(step, track=(built.module,) + ((opt.optimizer,) if opt else ()))
+    depth = _depth(plan, unit, stage)
+    layers = built.stop - built.start if u.role != "generator" else unit_cost.layers
+    predicted = cost.stage_memory_bytes(
+        unit_cost, tp=u.tp, pp=u.pp, dp=u.dp, vpp=u.vpp, stage=stage, layers=layers,
+        depth=depth, microbatches=plan.num_microbatches, share=share)
+    return StageMemory(unit=unit, stage=stage, rank=rank, in_flight=k,
+                       predicted_bytes=predicted, measured_bytes=report.peak_bytes,
+                       capacity_bytes=program.cluster.gpu.memory_bytes,
+                       by_category=dict(report.by_category), peak_phase=report.peak_phase,
+                       time_s=time.perf_counter() - start_s)
+
+
+def _loss_context(built: Any, role: Any) -> Any:
+    import contextlib
+
+    if role.role == "backbone" and role.grid.tp > 1 and role.is_last_stage:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+    return contextlib.nullcontext()
+
+
+def check_memory(program: ir.Program, plan: Plan, *, cost: Any = None,
+                 progress: Callable[[int, int, str], None] | None = None) -> list[StageMemory]:
+    """Measure every unit stage of ``plan`` (module docstring), in plan order."""
+    from dtdsl.cost.model import build_cost_model
+    from dtdsl.schedule.lower import lower
+
+    cost = cost if cost is not None else build_cost_model(program)
+    schedule = lower(plan, program)
+    todo = [(u.name, s) for u in plan.units for s in range(u.pp)]
+    out = []
+    for i, (unit, stage) in enumerate(todo):
+        if progress is not None:
+            progress(i, len(todo), f"{unit}.s{stage}")
+        out.append(_measure_stage(program, plan, schedule, cost, unit, stage))
+    if progress is not None:
+        progress(len(todo), len(todo), "done")
+    return out
