@@ -373,7 +373,7 @@ def _cmd_memcheck(args: argparse.Namespace) -> int:
         return EXIT_ERRORS
     the_plan, _ = planned
     with progress_bar("memcheck", enabled=not args.json and sys.stderr.isatty()) as bar:
-        stages = check_memory(program, the_plan, cost=cost, progress=bar)
+        stages = check_memory(program, the_plan, cost=cost, jobs=args.jobs, progress=bar)
     if args.json:
         print(json.dumps({"stages": [s.as_json() for s in stages]}, indent=2))
     else:
@@ -851,6 +851,9 @@ def _parser() -> argparse.ArgumentParser:
     mem.add_argument("--efficiency", action="append", metavar="KIND=FRACTION",
                      help="analytic model efficiency (see `dtc plan --help`)")
     mem.add_argument("--json", action="store_true", help="print JSON: {\"stages\": [...]}")
+    mem.add_argument("--jobs", type=_positive_int, default=os.cpu_count() or 1, metavar="N",
+                     help="stages measured at once, each in a process of its own (default: "
+                     "the CPU count)")
     mem.set_defaults(func=_cmd_memcheck)
 
     ref = sub.add_parser("reference", help="train the spec single-process in fp32 on the CPU: "

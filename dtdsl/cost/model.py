@@ -255,6 +255,8 @@ class CostModel:
             return static + per_layer
         count, chunk = in_flight(program.train.schedule, unit.layers, pp, vpp, depth,
                                  microbatches)
+        if unit.role == "backbone":     # the LM head's logits, where it is the first stage
+            static = static + np.where(np.asarray(pp) == 1, self.logits_bytes(tp, count), 0.0)
         # One microbatch in flight may be a large one; the others are average (the sum of
         # several is far less skewed than one).
         return static + chunk * per_layer * (1 + (count - 1) / unit.act_peak_ratio)
@@ -285,7 +287,21 @@ class CostModel:
         count, _ = in_flight(self.program.train.schedule, unit.layers, pp, vpp, depth,
                              microbatches)
         count = float(count)
-        return float(static + layers * per_layer * (1 + (count - 1) / unit.act_peak_ratio))
+        head = 0.0
+        if unit.role == "backbone" and stage == pp - 1:
+            head = float(self.logits_bytes(tp, count))
+        return float(static + head +
+                     layers * per_layer * (1 + (count - 1) / unit.act_peak_ratio))
+
+    def logits_bytes(self, tp, in_flight) -> float:
+        """What the backbone's LM head holds at its peak, per token and entry of this
+        rank's slice of the vocabulary (measured, ``dtc memcheck``): the cross-entropy's
+        fp32 log-probabilities of every microbatch in flight (4 bytes), and in one
+        microbatch's backward their gradient, the softmax and the bf16 logits' gradient
+        (12 bytes). ``tp`` and ``in_flight`` may be arrays."""
+        train, arch = self.program.train, self.program.backbone.arch
+        entries = train.micro_batch * train.seq_len * np.ceil(arch.vocab / np.asarray(tp))
+        return entries * (4.0 * np.asarray(in_flight) + 12.0)
 
     def dp_sync_coefficients(self, unit: UnitCost, tp, dp) -> tuple:
         """(fixed_s, per_layer_s) with sync time = fixed_s + per_layer_s * ceil(L / pp):
@@ -318,20 +334,31 @@ class CostModel:
 # ---- building the unit costs ---------------------------------------------------------------
 
 def _transformer_activation_bytes(hidden: int, ffn: int, kv_ratio: float, swiglu: bool,
-                                  tokens: float, cross_attention: bool = False
-                                  ) -> tuple[float, float]:
-    """Activation bytes one transformer layer keeps for backward: (all, the TP-split part).
+                                  tokens: float, cross_attention: bool = False, *,
+                                  rms_norm: bool = True,
+                                  sequence_parallel: bool = True) -> tuple[float, float]:
+    """Activation bytes one of the runtime's transformer layers keeps for backward (bf16
+    activations), per ``tokens``: (all, the part TP divides).
 
-    FlashAttention keeps no s x s scores; no dropout: the LayerNorm and block inputs,
-    Q, K, V, the attention output and the MLP's intermediate activations (Korthikanti
-    et al., adapted to GQA and SwiGLU). Tensor parallelism runs with sequence
-    parallelism, as Megatron-LM does for large models, so TP divides all of it."""
+    What autograd keeps in ``models.transformer`` (measured with saved-tensor hooks; no
+    dropout, flash attention, so no s x s scores): each norm's saved state (RMSNorm: its
+    fp32 upcast input and bf16 normalised output, 14 h bytes per token for the two;
+    LayerNorm: its input, 4 h); each block's normed input, which its projections keep
+    (4 h); attention's rotated queries and keys, values, output and the output
+    projection's input (6 h + 4 kv h); the MLP's intermediates (SwiGLU 8 f, GELU 4 f).
+    Tensor parallelism divides the attention and MLP internals; with sequence
+    parallelism (the backbone, ``parallel.tp``) the norms' state too, while the normed
+    inputs the projections keep are gathered whole on every TP rank."""
     h, f = hidden, ffn
-    total = 8 * tokens * h + 2 * tokens * h * (1 + 2 * kv_ratio) + 2 * tokens * h + \
-        2 * tokens * f * (2 if swiglu else 1) + 2 * tokens * f
-    if cross_attention:   # its LayerNorm input; its queries and output
-        total += 6 * tokens * h
-    return total, total
+    norms = (14 if rms_norm else 4) * h
+    whole = 4 * h
+    inner = 6 * h + 4 * kv_ratio * h + (8 if swiglu else 4) * f
+    if cross_attention:     # its norm's input, normed input, queries, output, projection
+        norms += 2 * h
+        whole += 2 * h
+        inner += 6 * h
+    split = inner + (norms if sequence_parallel else 0)
+    return tokens * (norms + whole + inner), tokens * split
 
 
 def _per_microbatch(values: np.ndarray, micro_batch: int) -> np.ndarray:
@@ -399,7 +426,8 @@ def _unit_cost(program: ir.Program, module: ir.Module, samples: SampleSet) -> Un
         acc.queries.append(ProfileQuery(module.name, (float(train.seq_len),), (float(mb),)))
         acc.work = flops.backbone_forward(arch, train.seq_len) * mb
         acc.act, acc.act_split = _transformer_activation_bytes(
-            arch.hidden, arch.ffn, arch.kv_heads / arch.heads, arch.swiglu, tokens)
+            arch.hidden, arch.ffn, arch.kv_heads / arch.heads, arch.swiglu, tokens,
+            rms_norm=True, sequence_parallel=True)
         acc.act_tokens, acc.width, acc.peak_items = tokens, arch.hidden, tokens
         acc.comm = arch.layers * 2 * tokens * arch.hidden * _BYTES_BF16
         acc.extra = 2 * arch.vocab * arch.hidden
@@ -419,7 +447,8 @@ def _unit_cost(program: ir.Program, module: ir.Module, samples: SampleSet) -> Un
         peak = _quantile_per_microbatch(tokens, mb)
         acc.peak_ratio = _ratio(peak, float(tokens.mean()) * mb)
         acc.act, acc.act_split = _transformer_activation_bytes(
-            arch.hidden, arch.ffn, arch.kv_heads / arch.heads, arch.swiglu, peak)
+            arch.hidden, arch.ffn, arch.kv_heads / arch.heads, arch.swiglu, peak,
+            rms_norm=False, sequence_parallel=False)
         acc.act_tokens, acc.width, acc.peak_items = peak, arch.hidden, peak
         mean_tokens = float(tokens.mean()) * mb
         acc.comm = arch.layers * 2 * mean_tokens * arch.hidden * _BYTES_BF16
@@ -455,7 +484,8 @@ def _unit_cost(program: ir.Program, module: ir.Module, samples: SampleSet) -> Un
             per_item = flops.dit_forward(arch, cond_tokens)
             n = flops.dit_tokens(arch)
             acc.act, acc.act_split = _transformer_activation_bytes(
-                arch.hidden, arch.ffn, 1.0, False, n * peak_items, cross_attention=True)
+                arch.hidden, arch.ffn, 1.0, False, n * peak_items, cross_attention=True,
+                rms_norm=False, sequence_parallel=False)
             acc.act_tokens, acc.width = n * peak_items, arch.hidden
             acc.comm = arch.layers * 3 * n * arch.hidden * _BYTES_BF16 * count
         acc.work = per_item * count

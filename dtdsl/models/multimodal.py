@@ -71,7 +71,14 @@ from dtdsl.data.sample import (
 from dtdsl.ir import program as ir
 from dtdsl.models import build_module, build_projector
 from dtdsl.models.init import init_module
-from dtdsl.models.transformer import Backbone, Encoder, sinusoidal_embedding
+from dtdsl.models.transformer import (
+    Backbone,
+    Encoder,
+    gather_sequence,
+    scatter_sequence,
+    sequence_parallel_degree,
+    sinusoidal_embedding,
+)
 
 __all__ = [
     "COND_TOKENS",
@@ -91,6 +98,7 @@ __all__ = [
     "encode",
     "encoder_input",
     "encoder_layers",
+    "gather_sequence",
     "generator_step",
     "image_tokens",
     "init_unit",
@@ -99,7 +107,9 @@ __all__ = [
     "loss_tokens",
     "microbatch_loss",
     "packed_shapes",
+    "scatter_sequence",
     "sequence_length",
+    "sequence_parallel_degree",
     "text_kept",
     "unit_spec",
 ]
@@ -329,6 +339,8 @@ def backbone_input(backbone: Backbone, image_embeds: Sequence[torch.Tensor],
     width = max(lengths) if pad_to is None else pad_to
     if width < max(lengths):
         raise ValueError(f"pad_to {pad_to} is shorter than a sequence of {max(lengths)}")
+    # Sequence parallelism cuts the sequence into equal pieces: pad to a multiple.
+    width = -(-width // sequence_parallel_degree(backbone)) * sequence_parallel_degree(backbone)
     # One embedding lookup for every sequence's text and one padded copy of the rows: a
     # few ops per microbatch, not a few per sample (their backward too).
     text = backbone.embed(torch.cat(kept).to(device)[None])[0]
@@ -349,8 +361,11 @@ def backbone_input(backbone: Backbone, image_embeds: Sequence[torch.Tensor],
 
 def backbone_layers(backbone: Backbone, x: torch.Tensor, start: int = 0,
                     stop: int | None = None) -> torch.Tensor:
-    """Layers ``start:stop`` of the backbone on ``[B, S, hidden]`` (positions 0..S-1)."""
-    positions = torch.arange(x.shape[1], device=x.device)
+    """Layers ``start:stop`` of the backbone on ``[B, S, hidden]`` (positions 0..S-1), or
+    under sequence parallelism on this TP rank's piece ``[B, S / tp, hidden]`` (attention
+    and MLP gather the whole sequence, ``parallel.tp``)."""
+    seq = x.shape[1] * sequence_parallel_degree(backbone)
+    positions = torch.arange(seq, device=x.device)
     for layer in layer_range(backbone, start, stop):
         x = layer(x, positions)
     return x
@@ -362,7 +377,7 @@ def backbone_output(backbone: Backbone, x: torch.Tensor, targets: torch.Tensor,
     positions with a target. Returns ``(loss sum, normed hidden states [B, S, hidden])``.
     ``loss_tokens``: how many positions have a target, when the caller knows it from the
     samples' sizes (otherwise counted here, which waits for the device)."""
-    hidden = backbone.norm(x)
+    hidden = gather_sequence(backbone, backbone.norm(x))
     mask = targets != IGNORE
     if loss_tokens is None:
         loss_tokens = int(mask.sum())
@@ -399,7 +414,7 @@ def backbone_step(model: Model, image_embeds: Sequence[torch.Tensor],
     backbone: Backbone = model.unit(model.backbone)
     batch = backbone_input(backbone, image_embeds, [s.tokens for s in samples],
                            model.seq_len, pad_to)
-    x = backbone_layers(backbone, batch.embeds)
+    x = backbone_layers(backbone, scatter_sequence(backbone, batch.embeds))
     loss, hidden = backbone_output(backbone, x, batch.targets)
     return loss, conditioning(hidden, batch.lengths)
 

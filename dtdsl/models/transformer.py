@@ -39,6 +39,9 @@ __all__ = [
     "SelfAttention",
     "TransformerLayer",
     "shard_size",
+    "gather_sequence",
+    "scatter_sequence",
+    "sequence_parallel_degree",
     "sinusoidal_embedding",
 ]
 
@@ -235,6 +238,38 @@ class Encoder(nn.Module):
         return x
 
 
+def sequence_parallel_degree(backbone: nn.Module) -> int:
+    """How many pieces sequence parallelism cuts the backbone's sequences into (its TP
+    degree, ``parallel.tp``), 1 without it."""
+    mesh = getattr(backbone, "sp_mesh", None)
+    return 1 if mesh is None else mesh.size()
+
+
+def scatter_sequence(backbone: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """This TP rank's piece ``[B, S / tp, hidden]`` of a replicated ``[B, S, hidden]``
+    (sequence parallelism; ``x`` itself without it). In backward the pieces' gradients
+    are all-gathered into the whole one."""
+    mesh = getattr(backbone, "sp_mesh", None)
+    if mesh is None:
+        return x
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    return DTensor.from_local(x, mesh, [Replicate()], run_check=False).redistribute(
+        mesh, [Shard(1)]).to_local()
+
+
+def gather_sequence(backbone: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The whole ``[B, S, hidden]`` from this TP rank's piece (all-gather; ``x`` itself
+    without sequence parallelism)."""
+    mesh = getattr(backbone, "sp_mesh", None)
+    if mesh is None:
+        return x
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    return DTensor.from_local(x, mesh, [Shard(1)], run_check=False).redistribute(
+        mesh, [Replicate()]).to_local()
+
+
 class Backbone(nn.Module):
     """A Llama-style decoder: token embedding, layers, final RMSNorm, untied output head.
 
@@ -272,9 +307,12 @@ class Backbone(nn.Module):
         if (tokens is None) == (embeds is None):
             raise ValueError("give exactly one of tokens and embeds")
         x = self.embed(tokens) if embeds is None else embeds
+        if positions is None:
+            positions = torch.arange(x.shape[1], device=x.device)
+        x = scatter_sequence(self, x)
         for layer in self.layers.values():
             x = layer(x, positions)
-        return self.norm(x)
+        return gather_sequence(self, self.norm(x))
 
     def forward(self, tokens: torch.Tensor | None = None, *,
                 embeds: torch.Tensor | None = None,

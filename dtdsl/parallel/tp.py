@@ -11,6 +11,8 @@ anything is materialised, or on real weights):
   (``Shard(1)``; their partial sums are all-reduced, a bias stays ``Replicate`` and is added
   once). The projections are separate matrices, so each is a plain contiguous cut and a
   DCP checkpoint reshards between TP degrees by itself;
+* a backbone runs with sequence parallelism (``_parallelize_backbone``): norms on this
+  rank's piece of the sequence, attention and MLP gather it and reduce-scatter back;
 * a backbone's token embedding is vocabulary-parallel (``RowwiseParallel`` on the embedding:
   a rank holds its rows of the vocabulary, ids it does not own embed to zero and the
   partial embeddings are all-reduced) and so is its LM head (``ColwiseParallel`` with
@@ -19,9 +21,10 @@ anything is materialised, or on real weights):
 * replicated: norms, the encoder's patch embedding, projectors, the U-Net's convolutions, a
   DiT's modulation and everything else outside the blocks.
 
-So activations between blocks are the same on every TP rank, and so are the gradients of
-replicated parameters. The names of the parameters do not change: a checkpoint key is the
-same under any TP degree.
+So activations between blocks are the same on every TP rank (a backbone's: each rank its
+piece of them), and the gradients of replicated parameters are too (a backbone's norm
+weights: ``Partial`` sums that the optimizer reduces). The names of the parameters do not
+change: a checkpoint key is the same under any TP degree.
 """
 
 from __future__ import annotations
@@ -81,13 +84,15 @@ def parallelize_unit(module: nn.Module, tp_mesh: Any) -> set[str]:
     conflicts = tp_conflicts(module, tp)
     if conflicts:
         raise ValueError(f"tensor parallelism {tp} cannot split " + ", ".join(conflicts))
-    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
         parallelize_module,
     )
 
+    if isinstance(module, Backbone):
+        _parallelize_backbone(module, tp_mesh)
+        return {n for n, p in module.named_parameters() if is_tp_sharded(p)}
     found = False
     for _, block, _ in list(_blocks(module)):
         plan = {attr: ColwiseParallel() for attr in _COL if isinstance(getattr(block, attr,
@@ -96,16 +101,56 @@ def parallelize_unit(module: nn.Module, tp_mesh: Any) -> set[str]:
                      if isinstance(getattr(block, attr, None), nn.Linear)})
         parallelize_module(block, tp_mesh, plan)
         found = True
-    if isinstance(module, Backbone):
-        parallelize_module(module, tp_mesh, {
-            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(),
-                                              output_layouts=Replicate()),
-            "output": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
-        })
     if not found:
         raise NotImplementedError(f"{type(module).__name__}: tensor parallelism shards "
                                   "attention and MLP blocks, and it has none")
     return {n for n, p in module.named_parameters() if is_tp_sharded(p)}
+
+
+def _parallelize_backbone(module: Backbone, tp_mesh: Any) -> None:
+    """Megatron-style TP with sequence parallelism on a backbone (torchtitan's Llama plan):
+    the residual stream between blocks is this rank's piece of the sequence ``[B, S / tp,
+    hidden]``; norms run on it (``SequenceParallel``); attention and MLP gather the whole
+    sequence at their input and reduce-scatter it at their output (``RowwiseParallel``
+    to ``Shard(1)``). The embedding and the head are vocabulary parallel; the caller cuts
+    the embedded sequence into pieces (``models.multimodal.scatter_sequence``) and
+    gathers the final norm's output (``gather_sequence``)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    for layer in module.layers.values():
+        mlp_plan = {f"mlp.{w}": ColwiseParallel() for w in ("w1", "w3")
+                    if getattr(layer.mlp, w, None) is not None}
+        parallelize_module(layer, tp_mesh, {
+            "attn_norm": SequenceParallel(use_local_output=True),
+            "attn": PrepareModuleInput(input_layouts=(Shard(1), None),
+                                       desired_input_layouts=(Replicate(), None)),
+            "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(),
+            "attn.wv": ColwiseParallel(),
+            "attn.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "mlp_norm": SequenceParallel(use_local_output=True),
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),),
+                                      desired_input_layouts=(Replicate(),)),
+            **mlp_plan,
+            "mlp.w2": RowwiseParallel(output_layouts=Shard(1)),
+        })
+    plan: dict[str, Any] = {}
+    if module.tok_embeddings is not None:
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(),
+                                                 output_layouts=Replicate())
+    if module.norm is not None:
+        plan["norm"] = SequenceParallel(use_local_output=True)
+    if module.output is not None:
+        plan["output"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+    if plan:
+        parallelize_module(module, tp_mesh, plan)
+    module.sp_mesh = tp_mesh
 
 
 def is_tp_sharded(param: Any) -> bool:

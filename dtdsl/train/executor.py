@@ -93,6 +93,7 @@ from dtdsl.models.multimodal import (
     generator_step,
     image_tokens,
     packed_shapes,
+    scatter_sequence,
     sequence_length,
 )
 from dtdsl.parallel.broker import Broker, PendingSamples, StepSamples
@@ -452,7 +453,10 @@ class StageExecutor:
                     for n, tokens in packed_shapes(sizes, self._patch)]
         seq = max((sequence_length(z, self._patch, self.program.train.seq_len)
                    for z in sizes), default=0)
-        specs = [TensorSpec((len(sizes), seq, self._width), self.dtype)]
+        # Sequence parallelism: each TP rank sends its PP peer its piece of the sequence.
+        tp = self.role.grid.tp
+        seq = -(-seq // tp) * tp
+        specs = [TensorSpec((len(sizes), seq // tp, self._width), self.dtype)]
         if direction == _FWD:
             specs.append(TensorSpec((len(sizes), seq), torch.int64))
         return specs
@@ -624,7 +628,7 @@ def _run_backbone(module: Any, *, x: torch.Tensor | None = None,
     if x is None:
         assert image_embeds is not None and tokens is not None
         batch = backbone_input(bb, image_embeds, tokens, st.seq_len)
-        x, targets = batch.embeds, batch.targets
+        x, targets = scatter_sequence(bb, batch.embeds), batch.targets
     assert targets is not None
     y = backbone_layers(bb, x, st.start, st.stop)
     if st.role.is_last_stage:

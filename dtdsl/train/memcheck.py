@@ -303,6 +303,14 @@ class _StepTracker(_mem_tracker.MemTracker):
                 self.reset_mod_stats()
         super()._pre_fw_hook(module, inputs)
 
+    def _track_module_params_and_buffers(self, module: torch.nn.Module,
+                                         install_grad_hooks: bool = True) -> Any:
+        # MemTracker hooks every parameter's gradient, and a frozen one (no grad) cannot
+        # take a hook: a module holding any has its gradients counted by the ops that
+        # make them (as temporaries) instead of by the hooks.
+        hooks = install_grad_hooks and all(p.requires_grad for p in module.parameters())
+        return super()._track_module_params_and_buffers(module, install_grad_hooks=hooks)
+
     def _update_peak_stats(self, peak_state: Any) -> None:
         for dev, snap in self._curr_mem_snap.items():
             total = snap[_mem_tracker._TOTAL_KEY]

@@ -9,11 +9,14 @@ FSDP2 with the spec's mixed precision), its optimizer's state created, and its p
 one iteration run under ``MemTracker`` (``train.memcheck.measure_peak``): as many
 forwards as its schedule keeps in flight at once (the most microbatches it has run
 forward and not yet backward in its action list), their backwards, the gradient
-reduction and the optimizer step. The microbatches are the large ones the cost model
-budgets for: a backbone microbatch of ``micro_batch`` sequences of ``seq_len`` tokens
-(the dense LM head over all of them), an encoder microbatch of the 99th-percentile image
-tokens, a generator microbatch of the 99th-percentile generation targets, each times the
-unit's share of backbone microbatches.
+reduction and the optimizer step, in 1F1B's order at its fullest: after the first
+backward the gradients exist, and one more forward brings the in-flight microbatches
+back to their most. The microbatches are those the cost model budgets for:
+one large microbatch in flight and the others average (a backbone microbatch is always
+``micro_batch`` sequences of ``seq_len`` tokens, the dense LM head over all of them; an
+encoder's the 99th percentile of a microbatch's image tokens, then the mean; a
+generator's likewise of generation targets), each times the unit's share of backbone
+microbatches.
 
 The measured peak is reported next to ``CostModel.stage_memory_bytes`` for the same stage
 and the GPU's capacity.
@@ -103,28 +106,34 @@ def _depth(plan: Plan, unit: str, stage: int) -> int:
 
 
 def _inputs(program: ir.Program, cost: Any, unit: Any, role: Any, share: float,
-            dtype: torch.dtype, device: torch.device) -> Callable[[], tuple[tuple, dict]]:
-    """A function making one large microbatch's inputs for the stage's forward."""
+            dtype: torch.dtype, device: torch.device,
+            large: bool) -> Callable[[], tuple[tuple, dict]]:
+    """A function making the inputs of one microbatch for the stage's forward: a large
+    one (the cost model's 99th percentile) or an average one."""
     from dtdsl.data.sample import DIFFUSION_STEPS, GenTargets
 
     module = program.module(role.unit)
     arch = module.arch
     train = program.train
     if role.role == "backbone":
-        b, s, h = train.micro_batch, train.seq_len, arch.hidden
+        b, h = train.micro_batch, arch.hidden
+        s = -(-train.seq_len // role.grid.tp) * role.grid.tp
 
         def backbone() -> tuple[tuple, dict]:
             if role.is_first_stage:
                 tokens = [torch.zeros(s, dtype=torch.int64, device=device) for _ in range(b)]
                 embeds = [torch.zeros(0, h, dtype=dtype, device=device) for _ in range(b)]
                 return (), {"image_embeds": embeds, "tokens": tokens, "loss_tokens": b * s}
-            x = torch.zeros(b, s, h, dtype=dtype, device=device, requires_grad=True)
+            # Under sequence parallelism, this TP rank's piece of the sequence.
+            x = torch.zeros(b, s // role.grid.tp, h, dtype=dtype, device=device,
+                            requires_grad=True)
             return (), {"x": x, "targets": torch.zeros(b, s, dtype=torch.int64,
                                                        device=device), "loss_tokens": b * s}
         return backbone
     if role.role == "encoder":
         patch = arch.patch or 1
-        tokens = max(1, int(math.ceil(unit.peak_items * share)))
+        tokens = max(1, int(math.ceil(unit.peak_items * share
+                                      / (1.0 if large else unit.act_peak_ratio))))
         items = cost.program.data.get("image", "patches")
         per_image = 256 if items is None else max(1, int(round(_mean(items))))
         side = max(1, round(math.sqrt(per_image)))
@@ -140,7 +149,8 @@ def _inputs(program: ir.Program, cost: Any, unit: Any, role: Any, share: float,
                             requires_grad=True)
             return ([x],), {"first": False}
         return encoder
-    count = max(1, int(math.ceil(unit.peak_items * share)))
+    count = max(1, int(math.ceil(unit.peak_items * share
+                                 / (1.0 if large else unit.act_peak_ratio))))
     hidden = program.backbone.arch.hidden
     shape = (1, arch.latent_channels, arch.latent, arch.latent)
 
@@ -214,24 +224,32 @@ def _measure_stage(program: ir.Program, plan: Plan, schedule: Schedule, cost: An
             opt = StageOptimizer(trainable, name=o.name, lr=o.lr, betas=tuple(o.betas),
                                  eps=o.eps, weight_decay=o.weight_decay)
             init_optimizer_state(opt.optimizer)
-        make = _inputs(program, cost, unit_cost, role, share, built.compute_dtype,
-                       world.device)
+        makers = [_inputs(program, cost, unit_cost, role, share, built.compute_dtype,
+                          world.device, large) for large in (True, False)]
         trains = unit_cost.backward_factor > 0
 
+        def forward(i: int) -> Any:
+            args, kwargs = makers[0 if i == 0 else 1]()
+            out = built.module(*args, **kwargs)
+            return _loss_of(role, out) if trains else None
+
+        def backward(loss: Any) -> None:
+            with _loss_context(built, role):
+                loss.backward()
+
         def step() -> None:
+            # 1F1B's steady state at its fullest: k microbatches forward (one of them
+            # large), one backward (from now on the gradients exist), one more forward
+            # (k in flight again, next to the gradients), then the rest backward.
             built.begin_step()
-            outs = []
-            for _ in range(k):
-                args, kwargs = make()
-                out = built.module(*args, **kwargs)
-                outs.append(_loss_of(role, out) if trains else None)
-                del out
+            outs = [forward(i) for i in range(k)]
             if trains:
-                for loss in outs:
-                    with _loss_context(built, role):
-                        loss.backward()
-                outs.clear()
+                backward(outs.pop(0))
+                outs.append(forward(k))
+                while outs:
+                    backward(outs.pop(0))
                 built.reduce_gradients()
+            outs.clear()
             if opt is not None:
                 opt.optimizer.step()
                 opt.zero_grad()
@@ -259,20 +277,35 @@ def _loss_context(built: Any, role: Any) -> Any:
     return contextlib.nullcontext()
 
 
-def check_memory(program: ir.Program, plan: Plan, *, cost: Any = None,
+def check_memory(program: ir.Program, plan: Plan, *, cost: Any = None, jobs: int = 1,
                  progress: Callable[[int, int, str], None] | None = None) -> list[StageMemory]:
-    """Measure every unit stage of ``plan`` (module docstring), in plan order."""
+    """Measure every unit stage of ``plan`` (module docstring), in plan order. Each stage
+    is measured in a process of its own, forked from this one (a fake world leaves
+    process-wide state behind: process group names, DeviceMesh and DTensor caches), up
+    to ``jobs`` at a time."""
+    import multiprocessing
+
     from dtdsl.cost.model import build_cost_model
     from dtdsl.schedule.lower import lower
 
     cost = cost if cost is not None else build_cost_model(program)
     schedule = lower(plan, program)
     todo = [(u.name, s) for u in plan.units for s in range(u.pp)]
-    out = []
-    for i, (unit, stage) in enumerate(todo):
-        if progress is not None:
-            progress(i, len(todo), f"{unit}.s{stage}")
-        out.append(_measure_stage(program, plan, schedule, cost, unit, stage))
     if progress is not None:
-        progress(len(todo), len(todo), "done")
-    return out
+        progress(0, len(todo), "")
+    context = multiprocessing.get_context("fork")
+    results: dict[int, StageMemory] = {}
+    with context.Pool(max(1, jobs), maxtasksperchild=1) as pool:
+        pending = [pool.apply_async(_measure_in_child, (program, plan, schedule, cost, u, s))
+                   for u, s in todo]
+        for i, task in enumerate(pending):
+            results[i] = task.get()
+            if progress is not None:
+                progress(i + 1, len(todo), f"{todo[i][0]}.s{todo[i][1]}")
+    return [results[i] for i in range(len(todo))]
+
+
+def _measure_in_child(program: ir.Program, plan: Plan, schedule: Schedule, cost: Any,
+                      unit: str, stage: int) -> StageMemory:
+    torch.set_num_threads(1)
+    return _measure_stage(program, plan, schedule, cost, unit, stage)
