@@ -23,3 +23,15 @@ def pytest_addoption(parser):
 @pytest.fixture
 def update_golden(request) -> bool:
     return request.config.getoption("--update-golden")
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny tensors: one torch thread is faster, and immune to other processes on the
+    cores. The model, parallel and train tests use it for every test (their conftest)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -52,7 +52,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -421,15 +420,12 @@ def backbone_step(model: Model, image_embeds: Sequence[torch.Tensor],
 
 # ---- generators --------------------------------------------------------------------------
 
-@cache
-def _alphas_cumprod() -> torch.Tensor:
-    betas = torch.linspace(1e-4, 0.02, DIFFUSION_STEPS, dtype=torch.float64)
-    return torch.cumprod(1.0 - betas, dim=0)
-
-
 def alphas_cumprod(device: torch.device | str = "cpu") -> torch.Tensor:
-    """DDPM's cumulative signal fractions ``[DIFFUSION_STEPS]`` (float32)."""
-    return _alphas_cumprod().to(device=device, dtype=torch.float32)
+    """DDPM's cumulative signal fractions ``[DIFFUSION_STEPS]`` (float32), made where they
+    are used (a thousand numbers; no tensor is kept between calls, so none outlives the
+    device or the fake-tensor mode it was made in)."""
+    betas = torch.linspace(1e-4, 0.02, DIFFUSION_STEPS, dtype=torch.float64, device=device)
+    return torch.cumprod(1.0 - betas, dim=0).to(torch.float32)
 
 
 def generator_step(model: Model, name: str, cond: Sequence[torch.Tensor],

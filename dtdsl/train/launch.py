@@ -287,6 +287,9 @@ def run(program: RankProgram, bundle: str | Path, argv: Sequence[str] | None = N
     # cuda:LOCAL_RANK with NCCL where there is a GPU, the CPU with gloo otherwise.
     device = rank_device()
     init_distributed(device, timeout_s=600)
+    if rank == 0:
+        print(f"rank 0 of {world} on {device} ({dist.get_backend()}), "
+              f"{program_ir.train.precision}", flush=True)
     _check_node(rank, job)
     resume = _resume_decision(run_dir, rank, args.resume, restart)
     log = None

@@ -1,15 +1,10 @@
-"""Shared fixtures of the runtime tests."""
+"""Every test here runs with one torch thread (tests/conftest.py's ``one_thread``)."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: one thread is faster, and immune to other processes on the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
     yield
-    torch.set_num_threads(threads)

@@ -284,3 +284,18 @@ def test_frozen_units_are_saved_without_optimizer_state_and_resume_bitwise(tmp_p
     run(_frozen, 3, program, plan, str(tmp_path), str(tmp_path / "b.json"), timeout=120)
     b = json.loads((tmp_path / "b.json").read_text())
     assert b["first"] == 1 and b["losses"] == a["losses"][1:]
+
+
+def test_a_failed_background_save_stops_the_run_at_once():
+    from concurrent.futures import Future
+
+    from dtdsl.train.checkpoint import CheckpointError
+
+    ck = Checkpointer.__new__(Checkpointer)     # the save's bookkeeping alone
+    done: Future = Future()
+    ck._pending = done
+    ck.poll()                                  # still writing: nothing to say
+    done.set_exception(OSError(28, "No space left on device"))
+    with pytest.raises(CheckpointError, match="background checkpoint save failed.*No space"):
+        ck.poll()
+    ck.poll()                                  # said once

@@ -7,6 +7,7 @@ import math
 import os
 import tempfile
 from functools import cache
+from pathlib import Path
 
 import pytest
 import torch
@@ -338,3 +339,68 @@ def test_normalizer_from_sizes_matches_the_whole_batch():
                 assert torch.equal(tgt.targets[name].timesteps, t.timesteps)
     with pytest.raises(ValueError, match="unknown sample parts"):
         make_sample(program, 0, 0, parts={"audio"})
+
+
+# ---- precision, recompute, learning-rate schedule --------------------------------------------
+
+def _train_bf16(rank: int, world: int, program: ir.Program, plan: Plan,
+                losses: list[float], out: str) -> None:
+    groups = build_groups(plan)
+    ex = StageExecutor(program, plan, lower(plan, program), rank=rank, groups=groups)
+    # bf16 compute: the stage's parameters (fp32 shards) are gathered into bf16 ones.
+    assert ex.stage.compute_dtype == torch.bfloat16
+    assert all(p.dtype == torch.float32 for p in ex.named_parameters().values())
+    results = ex.train(STEPS)
+    if rank == 0:
+        Path(out).write_text(json.dumps([r["loss"] for r in results]))
+
+
+def test_bf16_trains_within_three_percent_of_the_fp32_reference(tmp_path):
+    program = spec(8)
+    bf16 = program.model_copy(update={"train": program.train.model_copy(
+        update={"precision": "bf16"})})
+    plan = plan_for(bf16, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 2, 2, 1),
+                    ("gen", "generator", 1, 1, 1))
+    losses, _ = reference(program)          # fp32, one process
+    out = tmp_path / "losses.json"
+    run(_train_bf16, plan.gpus_used, bf16, plan, losses, str(out), timeout=300)
+    got = json.loads(out.read_text())
+    assert len(got) == STEPS
+    for step, (g, want) in enumerate(zip(got, losses, strict=True)):
+        assert abs(g - want) <= 0.03 * abs(want), (step, g, want)
+    assert got != losses, "bf16 computed exactly the fp32 losses: it did not run in bf16"
+
+
+def test_recompute_and_a_cosine_schedule_match_the_reference():
+    # Activation checkpointing changes no number; the learning rate follows the schedule
+    # (warmup, then cosine to min_lr) in the runtime as in the reference.
+    from dtdsl.ir.program import LRSchedule
+
+    base = spec(8)
+    modules = tuple(m.model_copy(update={"recompute": m.name in ("vit", "llm")})
+                    for m in base.modules)
+    train = base.train.model_copy(update={"lr_schedule": LRSchedule(
+        name="cosine", warmup=3, min_lr=1e-4), "steps": STEPS})
+    program = base.model_copy(update={"modules": modules, "train": train})
+    check(program, plan_for(program, ("vit", "encoder", 1, 1, 1),
+                            ("llm", "backbone", 2, 1, 2), ("gen", "generator", 1, 1, 1)))
+
+
+def _wrapped(rank: int, world: int, program: ir.Program, plan: Plan) -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    ex = StageExecutor(program, plan, lower(plan, program), rank=rank, groups=build_groups(plan))
+    wrapped = [m for m in ex.stage.module.modules() if isinstance(m, CheckpointWrapper)]
+    if ex.role.unit == "llm":      # recompute = true: every layer of the stage
+        assert len(wrapped) == ex.stage.stop - ex.stage.start > 0
+    else:
+        assert not wrapped
+
+
+def test_recompute_wraps_the_layers_of_the_units_that_ask_for_it():
+    base = spec(8)
+    modules = tuple(m.model_copy(update={"recompute": m.name == "llm"}) for m in base.modules)
+    program = base.model_copy(update={"modules": modules})
+    run(_wrapped, 4, program, plan_for(program, ("vit", "encoder", 1, 1, 1),
+                                       ("llm", "backbone", 1, 1, 2),
+                                       ("gen", "generator", 1, 1, 1)), timeout=120)
