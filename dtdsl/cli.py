@@ -359,6 +359,7 @@ def _plan_and_schedule(plan_path: str | None, result: FrontendResult, program: P
 
 
 def _cmd_memcheck(args: argparse.Namespace) -> int:
+    from dtdsl.codegen.support import runtime_support
     from dtdsl.report import format_bytes, progress_bar
     from dtdsl.train.memplan import check_memory
 
@@ -366,12 +367,22 @@ def _cmd_memcheck(args: argparse.Namespace) -> int:
     if result is None:
         return code
     program = result.program
-    assert program is not None
+    assert program is not None and result.source is not None
+    # Only what the runtime can build can be measured (the spec's features, then the
+    # plan's): the same diagnostics as dtc compile.
+    unsupported = runtime_support(program)
+    if unsupported:
+        sys.stderr.write(render_text(unsupported, result.source, result.name))
+        return EXIT_ERRORS
     cost = _cost_model(args, program)
     planned = _plan_and_schedule(args.plan, result, program, cost)
     if planned is None:
         return EXIT_ERRORS
     the_plan, _ = planned
+    unsupported = runtime_support(program, the_plan)
+    if unsupported:
+        sys.stderr.write(render_text(unsupported, result.source, result.name))
+        return EXIT_ERRORS
     with progress_bar("memcheck", enabled=not args.json and sys.stderr.isatty()) as bar:
         stages = check_memory(program, the_plan, cost=cost, jobs=args.jobs, progress=bar)
     if args.json:

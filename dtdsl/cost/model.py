@@ -144,6 +144,8 @@ class UnitCost:
                                      # embedding); the rest sit on the last (head, projector)
     peak_items: float = 0.0          # a large microbatch's tokens (backbone: text, encoder:
                                      # image tokens) or generation targets (generator)
+    recompute_layer_bytes: float = 0.0       # with recompute: one layer's activations, made
+    recompute_layer_bytes_tp_split: float = 0.0  # again in backward (and what TP divides)
 
     @property
     def trainable(self) -> bool:
@@ -255,6 +257,7 @@ class CostModel:
             return static + per_layer
         count, chunk = in_flight(program.train.schedule, unit.layers, pp, vpp, depth,
                                  microbatches)
+        static = static + self._recompute_bytes(unit, tp, share)
         if unit.role == "backbone":     # the LM head's logits, where it is the first stage
             static = static + np.where(np.asarray(pp) == 1, self.logits_bytes(tp, count), 0.0)
         # One microbatch in flight may be a large one; the others are average (the sum of
@@ -287,11 +290,18 @@ class CostModel:
         count, _ = in_flight(self.program.train.schedule, unit.layers, pp, vpp, depth,
                              microbatches)
         count = float(count)
+        static = static + self._recompute_bytes(unit, tp, share)
         head = 0.0
         if unit.role == "backbone" and stage == pp - 1:
             head = float(self.logits_bytes(tp, count))
         return float(static + head +
                      layers * per_layer * (1 + (count - 1) / unit.act_peak_ratio))
+
+    @staticmethod
+    def _recompute_bytes(unit: UnitCost, tp, share: float):
+        """With recomputation, the one layer whose activations backward makes again."""
+        whole = unit.recompute_layer_bytes - unit.recompute_layer_bytes_tp_split
+        return (whole + unit.recompute_layer_bytes_tp_split / np.asarray(tp)) * share
 
     def logits_bytes(self, tp, in_flight) -> float:
         """What the backbone's LM head holds at its peak, per token and entry of this
@@ -493,8 +503,11 @@ def _unit_cost(program: ir.Program, module: ir.Module, samples: SampleSet) -> Un
         for proj in program.projectors:
             if proj.target == module.name:
                 acc.add_projector(proj, cond_tokens * count, upstream=True)
+    recompute_layer = (0.0, 0.0)
     if module.recompute:
-        # Full recomputation keeps only each layer's input; backward redoes the forward.
+        # Full recomputation keeps only each layer's input; backward redoes the forward,
+        # one layer at a time: that layer's activations exist again while it runs.
+        recompute_layer = (acc.act, acc.act_split)
         acc.act, acc.act_split = acc.act_tokens * acc.width * _BYTES_BF16, 0.0
     return UnitCost(
         name=module.name, role=module.role, layers=arch.pipeline_layers,
@@ -504,7 +517,9 @@ def _unit_cost(program: ir.Program, module: ir.Module, samples: SampleSet) -> Un
         act_bytes_per_layer=acc.act, act_bytes_per_layer_tp_split=acc.act_split,
         act_peak_ratio=acc.peak_ratio,
         tp_comm_bytes=acc.comm, boundary_bytes=boundary, queries=tuple(acc.queries),
-        first_stage_params=min(acc.first, acc.params), peak_items=acc.peak_items)
+        first_stage_params=min(acc.first, acc.params), peak_items=acc.peak_items,
+        recompute_layer_bytes=recompute_layer[0],
+        recompute_layer_bytes_tp_split=recompute_layer[1])
 
 
 def build_cost_model(program: ir.Program, params: CostParams | None = None, *,

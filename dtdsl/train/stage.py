@@ -39,6 +39,7 @@ here the gradient memory after the step is one shard, less than ZeRO-1's.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -204,6 +205,10 @@ def build_stage(program: ir.Program, plan: Plan, role: RankRole, mesh: Any,
 
     from dtdsl.parallel.tp import parallelize_unit
 
+    # FSDP2 warns of any view a root module returns (an in-place op on it would skip its
+    # pre-backward hook); the stage's views (a DTensor's local tensor) are never written.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPStageModule\) "
+                            r"returned a view tensor")
     seed = program.train.seed if seed is None else seed
     name = role.unit
     spec = program.module(name)
