@@ -371,21 +371,25 @@ def backbone_layers(backbone: Backbone, x: torch.Tensor, start: int = 0,
 
 
 def backbone_output(backbone: Backbone, x: torch.Tensor, targets: torch.Tensor,
-                    *, loss_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    *, loss_tokens: int | None = None, loss_rows: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """The last stage: final norm, then the summed next-token cross-entropy at the
     positions with a target. Returns ``(loss sum, normed hidden states [B, S, hidden])``.
-    ``loss_tokens``: how many positions have a target, when the caller knows it from the
-    samples' sizes (otherwise counted here, which waits for the device)."""
+    ``loss_tokens`` / ``loss_rows``: how many positions have a target and which (flat
+    indices into ``[B, S]``), when the caller knows them from the samples' sizes
+    (otherwise found here, which waits for the device)."""
     hidden = gather_sequence(backbone, backbone.norm(x))
-    mask = targets != IGNORE
     if loss_tokens is None:
-        loss_tokens = int(mask.sum())
-    if loss_tokens >= _DENSE_LOSS * mask.numel():
+        loss_tokens = int((targets != IGNORE).sum())
+    if loss_tokens >= _DENSE_LOSS * targets.numel():
         # Nearly every position has a target: the head on all of them is cheaper than
         # gathering the rows (and scattering their gradient back).
         logits, labels = backbone.output(hidden).flatten(0, 1), targets.flatten()
     else:   # image tokens, padding: the head (vocabulary-wide) only where it counts
-        logits, labels = backbone.output(hidden[mask]), targets[mask]
+        if loss_rows is None:
+            loss_rows = (targets.flatten() != IGNORE).nonzero().squeeze(1)
+        logits = backbone.output(hidden.flatten(0, 1).index_select(0, loss_rows))
+        labels = targets.flatten().index_select(0, loss_rows)
     if hasattr(logits, "placements"):
         # A vocabulary-parallel head (parallel.tp): each TP rank holds its columns of the
         # logits and the cross-entropy reduces across them (loss_parallel).

@@ -35,6 +35,8 @@ def rank_device(local_rank: int | None = None) -> torch.device:
         return torch.device("cpu")
     index = int(os.environ.get("LOCAL_RANK", "0")) if local_rank is None else local_rank
     count = torch.accelerator.device_count()
+    if count == 1:      # one device visible to this process (e.g. Slurm's --gpus-per-task=1)
+        index = 0
     if index >= count:
         raise ValueError(f"local rank {index} but this node has {count} "
                          f"{accelerator.type} devices: start at most {count} ranks per node")

@@ -22,8 +22,8 @@ stream.
 **Checking** (``check=True``, or ``DTDSL_P2P_CHECK=1``; on in every multi-rank test): each
 message is preceded by a fixed-size descriptor (its sequence number, byte count and the
 sender's label of what it is, e.g. ``llm.s0->llm.s1 F 3 r0t0``), and the receiver
-compares it with the label and size it expects before it posts the payload's receive
-(the senders' side is unchanged). A message
+compares it with the label and size it expects (on gloo before it posts the payload's
+receive; on NCCL, where both receives must be in one group, before it reads the payload). A message
 that in-order matching would pair with the wrong receive fails the receiver with an
 :class:`OrderingError` naming both, instead of silently corrupting activations on a GPU.
 """
@@ -33,6 +33,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -128,9 +129,15 @@ class Received:
     desc: torch.Tensor | None = None
     group: dist.ProcessGroup | None = None
     tag: int = 0
+    device: torch.device | None = None
+    deferred: bool = False      # the payload's receive waits for the checked descriptor
     works: list = field(default_factory=list)
     _tensors: list[torch.Tensor] | None = None
     _flushed: bool = False
+
+    def _distinct_works(self) -> list[Any]:
+        """The Works to wait for, each once (NCCL gives one Work for a whole batch)."""
+        return list({id(w): w for w in self.works}.values())
 
     def wait(self) -> list[torch.Tensor]:
         if self._tensors is not None:
@@ -139,7 +146,7 @@ class Received:
             raise RuntimeError(f"receive of {self.label!r} waited before its batch was "
                                "flushed (P2P.flush)")
         if self.desc is not None:
-            self.works[0].wait()
+            self._distinct_works()[0].wait()
             magic, seq, nbytes, label = _read_descriptor(self.desc)
             want = sum(s.nbytes for s in self.specs)
             if magic != _DESC_MAGIC or seq != self.seq or nbytes != want \
@@ -148,13 +155,16 @@ class Received:
                     f"message #{self.seq} from rank {self.peer}: expected {self.label!r} "
                     f"({want} bytes) but in-order matching pairs it with the peer's #{seq} "
                     f"{label!r} ({nbytes} bytes)")
-            if self.buf is not None:
+            if self.deferred:
                 dist.irecv(self.buf, self.peer, group=self.group, tag=self.tag).wait()
+            else:
+                for w in self._distinct_works()[1:]:
+                    w.wait()
         else:
-            for w in self.works:
+            for w in self._distinct_works():
                 w.wait()
         self._tensors = unpack(self.buf, self.specs) if self.buf is not None else \
-            [torch.empty(s.shape, dtype=s.dtype) for s in self.specs]
+            [torch.empty(s.shape, dtype=s.dtype, device=self.device) for s in self.specs]
         return self._tensors
 
 
@@ -168,12 +178,14 @@ class P2P:
         self.device = torch.device(device)
         self.check = check_enabled() if check is None else check
         self.group = group
+        self._defer_payload = self.check and (
+            not dist.is_initialized() or dist.get_backend(group) == "gloo")
         self._sent: dict[int, int] = {}
         self._received: dict[int, int] = {}
         self._ops: list[dist.P2POp] = []
         self._posted: list[Received] = []
-        self._keep: list[torch.Tensor] = []        # send buffers until their batch is done
-        self._send_works: list[dist.Work] = []
+        # Sends in flight with their buffers (freed once the send has completed).
+        self._send_works: list[tuple[dist.Work, torch.Tensor]] = []
 
     def _tag(self, seq: int, part: int) -> int:
         # One tag per message (two when checking): gloo then matches by order, as NCCL.
@@ -188,10 +200,8 @@ class P2P:
         if self.check:
             desc = _descriptor(seq, buf.numel(), label, self.device)
             self._ops.append(dist.P2POp(dist.isend, desc, peer, self.group, self._tag(seq, 0)))
-            self._keep.append(desc)
         if buf.numel():
             self._ops.append(dist.P2POp(dist.isend, buf, peer, self.group, self._tag(seq, 1)))
-            self._keep.append(buf)
 
     def recv(self, peer: int, specs: Sequence[TensorSpec], label: str) -> Received:
         """Queue the receive of the message from ``peer`` whose tensors ``specs``
@@ -200,17 +210,21 @@ class P2P:
         self._received[peer] = seq + 1
         specs = tuple(specs)
         nbytes = sum(s.nbytes for s in specs)
-        r = Received(peer=peer, label=label, specs=specs, seq=seq, buf=None, group=self.group)
+        r = Received(peer=peer, label=label, specs=specs, seq=seq, buf=None, group=self.group,
+                     device=self.device)
         if nbytes:
             r.buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         if self.check:
-            # The payload's receive is posted once its descriptor has been checked: a
-            # payload of the wrong size must never reach a posted buffer (gloo aborts).
             r.desc = torch.empty(_DESC_BYTES, dtype=torch.uint8, device=self.device)
             r.tag = self._tag(seq, 1)
             self._ops.append(dist.P2POp(dist.irecv, r.desc, peer, self.group,
                                         self._tag(seq, 0)))
-        elif nbytes:
+            # On gloo the payload's receive is posted once its descriptor has been
+            # checked (a payload of the wrong size must never reach a posted buffer: gloo
+            # aborts). NCCL must have it in the same group as the descriptor's (its
+            # senders send both in one group, and a later receive would wait on them).
+            r.deferred = self._defer_payload and nbytes > 0
+        if nbytes and not r.deferred:
             self._ops.append(dist.P2POp(dist.irecv, r.buf, peer, self.group,
                                         self._tag(seq, 1)))
         self._posted.append(r)
@@ -224,10 +238,18 @@ class P2P:
             self._posted.clear()
             return
         works = dist.batch_isend_irecv(self._ops)
+        if len(works) == 1 < len(self._ops):
+            # NCCL runs a batch as one group and returns one Work for all of it (gloo
+            # returns one per operation).
+            works = works * len(self._ops)
         by_tensor = {id(op.tensor): w for op, w in zip(self._ops, works, strict=True)}
+        # Sends that completed free their buffers now, not at the end of the step.
+        done = [i for i, (w, _) in enumerate(self._send_works) if w.is_completed()]
+        for i in reversed(done):
+            del self._send_works[i]
         for op, w in zip(self._ops, works, strict=True):
             if op.op is dist.isend:
-                self._send_works.append(w)
+                self._send_works.append((w, op.tensor))
         for r in self._posted:
             r.works = [by_tensor[id(t)] for t in (r.desc, r.buf)
                        if t is not None and id(t) in by_tensor]
@@ -238,7 +260,6 @@ class P2P:
     def wait_sends(self) -> None:
         """Wait until every send issued so far has completed; its buffers are freed."""
         self.flush()
-        for w in self._send_works:
+        for w, _ in self._send_works:
             w.wait()
         self._send_works.clear()
-        self._keep.clear()

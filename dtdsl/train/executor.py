@@ -285,6 +285,11 @@ class StageExecutor:
             start = time.perf_counter() - self._t0
             self._run(i, a)
             events.append(self._event(a.kind.value, a.microbatch, start))
+        self.p2p.flush()    # the last sends (a last SEND_B) go out before the reduction
+        if self._last_backward >= 0:
+            # FSDP2's gradient reduction, once, after the stage's last backward (waiting
+            # for it before the last gradient is sent would hold the previous stage up).
+            self.stage.reduce_gradients()
         self.p2p.wait_sends()
         if self.micro and any(m.pending or m.grads_in for m in self.micro.values()):
             raise RuntimeError(f"{r.unit}.s{r.stage}: step {step} ended with receives "
@@ -365,6 +370,23 @@ class StageExecutor:
         seq_len = self.program.train.seq_len
         return sum(max(0, sequence_length(self._sizes(i), self._patch, seq_len)
                        - image_tokens(self._sizes(i), self._patch) - 1) for i in ids)
+
+    def _loss_rows(self, ids: Sequence[int]) -> torch.Tensor | None:
+        """The positions (flat, in the padded ``[B, S]`` batch) that have a next-token
+        target, made on the host from the samples' sizes and copied without blocking: the
+        head runs on those rows only, with no device round trip to find them. None on a
+        stage without the head."""
+        if not self.role.is_last_stage or self.role.role != "backbone":
+            return None
+        seq_len, patch = self.program.train.seq_len, self._patch
+        lengths = [sequence_length(self._sizes(i), patch, seq_len) for i in ids]
+        tp = self.role.grid.tp
+        width = -(-max(lengths, default=0) // tp) * tp
+        rows: list[int] = []
+        for b, i in enumerate(ids):
+            n_img = image_tokens(self._sizes(i), patch)
+            rows.extend(range(b * width + n_img, b * width + lengths[b] - 1))
+        return to_device(torch.tensor(rows, dtype=torch.int64), self.device)
 
     def _index(self, j: int) -> int:
         """Microbatch ``j``'s index in the run (labels of its messages)."""
@@ -512,13 +534,15 @@ class StageExecutor:
             mb.inputs = embeds
             tokens = [to_device(s.tokens, self.device) for s in samples]
             out = self.stage.module(image_embeds=[embeds[i] for i in ids], tokens=tokens,
-                                    loss_tokens=self._loss_tokens(ids))
+                                    loss_tokens=self._loss_tokens(ids),
+                                    loss_rows=self._loss_rows(ids))
         else:
             (pending,) = mb.pending.values()
             x_in, targets = self._wait(pending)
             x = self._leaf(x_in)
             mb.inputs = [x]
-            out = self.stage.module(x=x, targets=targets, loss_tokens=self._loss_tokens(ids))
+            out = self.stage.module(x=x, targets=targets, loss_tokens=self._loss_tokens(ids),
+                                    loss_rows=self._loss_rows(ids))
         mb.pending = {}
         if role.is_last_stage:
             loss_sum, hidden = out
@@ -581,8 +605,6 @@ class StageExecutor:
         if tensors:
             with self._backward_context():
                 torch.autograd.backward(tensors, grads)
-        if index == self._last_backward:
-            self.stage.reduce_gradients()
         if not self.sends_grad:
             return
 
@@ -603,13 +625,14 @@ class _StageState:
         self.start, self.stop = ex.stage.start, ex.stage.stop
         self.role = ex.role
         self.seq_len = ex.program.train.seq_len
+        self.dtype = ex.stage.compute_dtype
 
 
 def _run_encoder(module: Any, xs: Sequence[torch.Tensor], *, first: bool) -> list[torch.Tensor]:
     st = module.executor_state
     enc = module.units[st.role.unit]
-    if first:
-        xs = encoder_input(enc, xs)
+    if first:       # pixels to the compute dtype (the stage's root casts no input)
+        xs = encoder_input(enc, [x.to(st.dtype) for x in xs])
     ys = encoder_layers(enc, xs, st.start, st.stop)
     if st.role.is_last_stage:
         proj = module.units[projector_between(st.program, st.role.unit,
@@ -622,7 +645,8 @@ def _run_backbone(module: Any, *, x: torch.Tensor | None = None,
                   image_embeds: Sequence[torch.Tensor] | None = None,
                   tokens: Sequence[torch.Tensor] | None = None,
                   targets: torch.Tensor | None = None,
-                  loss_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  loss_tokens: int | None = None,
+                  loss_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     st = module.executor_state
     bb = module.units[st.role.unit]
     if x is None:
@@ -632,7 +656,7 @@ def _run_backbone(module: Any, *, x: torch.Tensor | None = None,
     assert targets is not None
     y = backbone_layers(bb, x, st.start, st.stop)
     if st.role.is_last_stage:
-        return backbone_output(bb, y, targets, loss_tokens=loss_tokens)
+        return backbone_output(bb, y, targets, loss_tokens=loss_tokens, loss_rows=loss_rows)
     return y, targets
 
 

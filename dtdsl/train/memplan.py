@@ -35,6 +35,7 @@ import torch
 from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan
 from dtdsl.ir.schedule import ActionKind, Schedule
+from dtdsl.train.stage import COMPUTE_DTYPES
 
 __all__ = ["StageMemory", "check_memory", "in_flight_of"]
 
@@ -89,6 +90,7 @@ class _State:
         self.program, self.role = program, role
         self.start, self.stop = start, stop
         self.seq_len = program.train.seq_len
+        self.dtype = COMPUTE_DTYPES[program.train.precision]
 
 
 def _depth(plan: Plan, unit: str, stage: int) -> int:

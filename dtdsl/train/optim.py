@@ -20,7 +20,8 @@ Its local block is distinct data along every mesh dimension where its placement 
 ``Shard`` and a copy along every ``Replicate`` one: it counts on the ranks whose
 coordinate is 0 along its replicate dimensions. A parameter that is not TP-sharded lives on
 the DP mesh only and is the same on every TP rank of the stage: it counts on TP index 0
-(``counted_on_tp``). ``Partial`` placements are reduced first.
+(``counted_on_tp``). A ``Partial`` gradient (a sequence-parallel norm's) is summed over
+its TP group by FSDP2 before its reduce-scatter; one reaching the optimizer is an error.
 
 The optimizer is ``torch.optim.AdamW`` (``Adam`` for ``adam``), fused where the device has a
 fused kernel, over the DTensor parameters: FSDP2's fp32 shards, so master weights and both
@@ -56,13 +57,14 @@ def clip_coefficient(norm: float, max_norm: float | None) -> float:
     return min(1.0, max_norm / (norm + 1e-6))
 
 
-def _reduce_partial(g: Any) -> Any:
+def _reduced(g: Any) -> Any:
+    """``g``, checked to hold whole sums: FSDP2 reduces a ``Partial`` gradient (a sequence-
+    parallel norm's) over its TP group before its reduce-scatter. Reducing one here would
+    be a collective on only the ranks that have that gradient: refuse instead."""
     placements = getattr(g, "placements", None)
     if placements is not None and any(pl.is_partial() for pl in placements):
-        from torch.distributed.tensor import Replicate
-
-        g = g.redistribute(g.device_mesh,
-                           [Replicate() if pl.is_partial() else pl for pl in placements])
+        raise RuntimeError(f"a Partial gradient ({placements}) reached the optimizer: its "
+                           "sum over the TP group was not taken")
     return g
 
 
@@ -117,7 +119,7 @@ class StageOptimizer:
         for p, on_tp in zip(self.params, self._counted_tp, strict=True):
             if p.grad is None:
                 continue
-            g = _reduce_partial(p.grad)
+            g = _reduced(p.grad)
             local = _local(g)
             s = local.detach().double().pow(2).sum()
             bad = torch.maximum(bad, (~torch.isfinite(s)).double())

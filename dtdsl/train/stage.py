@@ -134,7 +134,7 @@ class Stage:
         self.module.set_is_last_backward(False)
         self.module.set_reshard_after_backward(False, recurse=True)
         for m in [self.module, *self.layers]:
-            m.unshard()
+            m.unshard(async_op=True)    # FSDP2's pre-forward waits for each
 
     def reduce_gradients(self) -> None:
         """After the step's last backward: reduce-scatter every FSDP2 group's accumulated
@@ -260,7 +260,11 @@ def build_stage(program: ir.Program, plan: Plan, role: RankRole, mesh: Any,
         fully_shard(layer, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
         _sum_gradients(layer)
         layers.append(layer)
-    fully_shard(stage, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
+    # The root casts no input: a generator's targets (its noise and clean latents) stay
+    # fp32 for the loss; the stage's forward casts what its modules read.
+    root_mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32,
+                                   cast_forward_inputs=False)
+    fully_shard(stage, mesh=dp_mesh, mp_policy=root_mp, reshard_after_forward=False)
     _sum_gradients(stage)
     # Only now is anything allocated: this rank's DP shards of its TP shards, each
     # element initialised from its position in the full tensor.

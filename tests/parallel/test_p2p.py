@@ -50,3 +50,47 @@ def test_a_misordered_transfer_fails_the_check():
     with pytest.raises(ChildFailed, match=r"OrderingError: message #0 from rank 0: "
                                           r"expected 'a from 0'.*'b from 0'"):
         run(_exchange, 2, True)
+
+
+class _OneWork:
+    """What NCCL's batch_isend_irecv returns: one Work for the whole group."""
+
+    def __init__(self, works):
+        self.works = works
+        self.done = False
+
+    def wait(self):     # as NCCL's, waiting again returns at once
+        if not self.done:
+            for w in self.works:
+                w.wait()
+            self.done = True
+        return True
+
+    def is_completed(self):
+        return all(w.is_completed() for w in self.works)
+
+
+def _exchange_as_nccl(rank: int, world: int) -> None:
+    import torch.distributed as dist
+
+    batch = dist.batch_isend_irecv
+    dist.batch_isend_irecv = lambda ops: [_OneWork(batch(ops))]
+    try:
+        p2p = P2P(torch.device("cpu"))
+        p2p._defer_payload = False      # NCCL: descriptor and payload in one group
+        peer = 1 - rank
+        for step in range(3):
+            p2p.send(peer, [torch.full((5,), 10.0 * step + rank)], f"x{step} from {rank}")
+            got = p2p.recv(peer, [TensorSpec((5,), torch.float32)], f"x{step} from {peer}")
+            p2p.flush()
+            assert torch.equal(got.wait()[0], torch.full((5,), 10.0 * step + peer))
+        p2p.wait_sends()
+        assert not p2p._send_works
+    finally:
+        dist.batch_isend_irecv = batch
+
+
+def test_one_work_per_batch_and_payloads_received_with_their_descriptors():
+    # NCCL returns one Work per batch and needs a message's receives in one group: the
+    # same program runs on that path too.
+    run(_exchange_as_nccl, 2)
