@@ -358,8 +358,28 @@ def _plan_and_schedule(plan_path: str | None, result: FrontendResult, program: P
         raise UsageError(f"cannot lower the plan: {err}") from None
 
 
-def _cmd_memcheck(args: argparse.Namespace) -> int:
+def _runtime_plan(plan_path: str | None, result: FrontendResult, program: Program,
+                  cost: CostModel) -> tuple[Plan, Schedule] | None:
+    """``_plan_and_schedule`` for a command that builds the runtime (compile, memcheck):
+    None after printing DT601 errors for what the runtime cannot train yet, the spec's own
+    features before planning (no need to wait for the planner), the plan's after."""
     from dtdsl.codegen.support import runtime_support
+
+    assert result.source is not None
+    unsupported = runtime_support(program)
+    planned = None
+    if not unsupported:
+        planned = _plan_and_schedule(plan_path, result, program, cost)
+        if planned is None:
+            return None
+        unsupported = runtime_support(program, planned[0])
+    if unsupported:
+        sys.stderr.write(render_text(unsupported, result.source, result.name))
+        return None
+    return planned
+
+
+def _cmd_memcheck(args: argparse.Namespace) -> int:
     from dtdsl.report import format_bytes, progress_bar
     from dtdsl.train.memplan import check_memory
 
@@ -367,22 +387,13 @@ def _cmd_memcheck(args: argparse.Namespace) -> int:
     if result is None:
         return code
     program = result.program
-    assert program is not None and result.source is not None
-    # Only what the runtime can build can be measured (the spec's features, then the
-    # plan's): the same diagnostics as dtc compile.
-    unsupported = runtime_support(program)
-    if unsupported:
-        sys.stderr.write(render_text(unsupported, result.source, result.name))
-        return EXIT_ERRORS
+    assert program is not None
     cost = _cost_model(args, program)
-    planned = _plan_and_schedule(args.plan, result, program, cost)
+    # Only what the runtime can build can be measured: dtc compile's diagnostics.
+    planned = _runtime_plan(args.plan, result, program, cost)
     if planned is None:
         return EXIT_ERRORS
     the_plan, _ = planned
-    unsupported = runtime_support(program, the_plan)
-    if unsupported:
-        sys.stderr.write(render_text(unsupported, result.source, result.name))
-        return EXIT_ERRORS
     with progress_bar("memcheck", enabled=not args.json and sys.stderr.isatty()) as bar:
         stages = check_memory(program, the_plan, cost=cost, jobs=args.jobs, progress=bar)
     if args.json:
@@ -665,7 +676,6 @@ def _cmd_reference(args: argparse.Namespace) -> int:
 def _cmd_compile(args: argparse.Namespace) -> int:
     from dtdsl.codegen.compile import BundleOptions, compile_bundle
     from dtdsl.codegen.emit import BundleError
-    from dtdsl.codegen.support import runtime_support
 
     result, code = _load_program(args.spec)
     if result is None:
@@ -675,20 +685,11 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     if args.data is not None and args.synthetic:
         raise UsageError("--data names a dataset and --synthetic draws samples instead: "
                          "give one or the other")
-    # What the runtime cannot train is an error before anything is written: the spec's
-    # own features before planning (no need to wait for the planner), the plan's after.
-    unsupported = runtime_support(program)
-    if unsupported:
-        sys.stderr.write(render_text(unsupported, result.source, result.name))
-        return EXIT_ERRORS
-    planned = _plan_and_schedule(args.plan, result, program, _cost_model(args, program))
+    # What the runtime cannot train is an error before anything is written.
+    planned = _runtime_plan(args.plan, result, program, _cost_model(args, program))
     if planned is None:
         return EXIT_ERRORS
     the_plan, schedule = planned
-    unsupported = runtime_support(program, the_plan)
-    if unsupported:
-        sys.stderr.write(render_text(unsupported, result.source, result.name))
-        return EXIT_ERRORS
     options = BundleOptions(
         steps=args.steps, workers=args.workers, data=args.data, synthetic=args.synthetic,
         hosts=tuple(h for h in (args.hosts or "").split(",") if h),
