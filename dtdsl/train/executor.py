@@ -65,7 +65,6 @@ vocabulary-parallel.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 from collections.abc import Sequence
@@ -104,7 +103,7 @@ from dtdsl.sim.timeline import Event, Timeline, TimelineUnit
 from dtdsl.train.optim import StageOptimizer, optimizer_step
 from dtdsl.train.stage import Stage, build_stage, projector_between
 
-__all__ = ["StageExecutor", "gather_timeline", "measured_timeline", "run_rank"]
+__all__ = ["StageExecutor", "gather_timeline", "measured_timeline", "run_rank", "stage_run"]
 
 _FWD, _BWD = "F", "B"
 _COMM = (ActionKind.SEND_F, ActionKind.SEND_B, ActionKind.RECV_F, ActionKind.RECV_B)
@@ -177,11 +176,8 @@ class StageExecutor:
         self.p2p = P2P(self.device)
         self.broker = Broker(plan, rank, self.p2p, groups)
         self._leader = self.role.grid.leader(self.role.stage, self.role.replica)
-        run = {"encoder": _run_encoder, "backbone": _run_backbone,
-               "generator": _run_generator}[self.role.role]
         self.stage: Stage = build_stage(program, plan, self.role, groups.mesh, self.device,
-                                        seed=self.seed, run=run)
-        self.stage.module.executor_state = _StageState(self)
+                                        seed=self.seed, run=stage_run(self.role.role))
         self.model = _Units(program, self.stage.module.units)
         self.dtype = self.stage.compute_dtype
         self._patch = self.model.patch
@@ -189,13 +185,6 @@ class StageExecutor:
         self._build_optimizer()
         self._forward = {"encoder": self._encoder_forward, "backbone": self._backbone_forward,
                          "generator": self._generator_forward}[self.role.role]
-        # Under a vocabulary-parallel head the cross-entropy's backward must run in the
-        # loss_parallel context too (torch's rule).
-        self._backward_context = contextlib.nullcontext
-        if self.role.role == "backbone" and self.role.grid.tp > 1 and self.role.is_last_stage:
-            from torch.distributed.tensor.parallel import loss_parallel
-
-            self._backward_context = loss_parallel
         self._t0 = 0.0
         self.feed: BatchSource = feed if feed is not None else LocalBatches(
             program, plan, self.role)
@@ -489,10 +478,6 @@ class StageExecutor:
         t = t.clone()
         return t.requires_grad_(True) if self.sends_grad and t.is_floating_point() else t
 
-    @staticmethod
-    def _wait(pending: Any) -> Any:
-        return pending.wait()
-
     # ---- forwards ---------------------------------------------------------------------------
 
     def _encoder_forward(self, j: int, mb: _Micro) -> None:
@@ -505,7 +490,7 @@ class StageExecutor:
             mb.inputs = None
         else:
             (pending,) = mb.pending.values()
-            xs = [self._leaf(t) for t in self._wait(pending)]
+            xs = [self._leaf(t) for t in pending.wait()]
             mb.inputs = xs
         mb.pending = {}
         ys = self.stage.module(packed.groups if xs is None else xs, first=xs is None)
@@ -526,7 +511,7 @@ class StageExecutor:
                 if len(mb.pending) != 1:
                     raise NotImplementedError("the runtime models one image encoder")
                 (pending,) = mb.pending.values()
-                per_sample = self._wait(pending)
+                per_sample = pending.wait()
                 embeds = {i: self._leaf(per_sample[i]) for i in ids}
             else:
                 embeds = {i: torch.zeros(0, self._width, dtype=self.dtype, device=self.device)
@@ -538,7 +523,7 @@ class StageExecutor:
                                     loss_rows=self._loss_rows(ids))
         else:
             (pending,) = mb.pending.values()
-            x_in, targets = self._wait(pending)
+            x_in, targets = pending.wait()
             x = self._leaf(x_in)
             mb.inputs = [x]
             out = self.stage.module(x=x, targets=targets, loss_tokens=self._loss_tokens(ids),
@@ -567,7 +552,7 @@ class StageExecutor:
         if len(mb.pending) != 1:
             raise RuntimeError(f"{name}: F{j} without the backbone's conditioning")
         (pending,) = mb.pending.values()
-        per_sample = self._wait(pending)
+        per_sample = pending.wait()
         mb.pending = {}
         conds = {i: self._leaf(per_sample[i]) for i in ids}
         mb.inputs = conds
@@ -586,7 +571,7 @@ class StageExecutor:
         if mb.loss is not None and mb.loss.requires_grad:
             tensors.append(mb.loss)
             grads.append(torch.ones_like(mb.loss))
-        received = {peer: self._wait(p) for peer, p in mb.grads_in.items()}
+        received = {peer: p.wait() for peer, p in mb.grads_in.items()}
         mb.grads_in = {}
         if isinstance(mb.outputs, dict):
             # Per-sample outputs read by other units: sum what every consumer sent.
@@ -603,7 +588,7 @@ class StageExecutor:
                     tensors.append(out)
                     grads.append(g)
         if tensors:
-            with self._backward_context():
+            with self.stage.backward_context():
                 torch.autograd.backward(tensors, grads)
         if not self.sends_grad:
             return
@@ -617,19 +602,8 @@ class StageExecutor:
             mb.input_grads = [grad(x) for x in mb.inputs]
 
 
-class _StageState:
-    """What a stage's forward reads of its executor besides its arguments."""
-
-    def __init__(self, ex: StageExecutor):
-        self.program = ex.program
-        self.start, self.stop = ex.stage.start, ex.stage.stop
-        self.role = ex.role
-        self.seq_len = ex.program.train.seq_len
-        self.dtype = ex.stage.compute_dtype
-
-
 def _run_encoder(module: Any, xs: Sequence[torch.Tensor], *, first: bool) -> list[torch.Tensor]:
-    st = module.executor_state
+    st = module.stage_state
     enc = module.units[st.role.unit]
     if first:       # pixels to the compute dtype (the stage's root casts no input)
         xs = encoder_input(enc, [x.to(st.dtype) for x in xs])
@@ -647,7 +621,7 @@ def _run_backbone(module: Any, *, x: torch.Tensor | None = None,
                   targets: torch.Tensor | None = None,
                   loss_tokens: int | None = None,
                   loss_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    st = module.executor_state
+    st = module.stage_state
     bb = module.units[st.role.unit]
     if x is None:
         assert image_embeds is not None and tokens is not None
@@ -662,8 +636,14 @@ def _run_backbone(module: Any, *, x: torch.Tensor | None = None,
 
 def _run_generator(module: Any, conds: Sequence[torch.Tensor], targets: Sequence[Any]
                    ) -> torch.Tensor:
-    st = module.executor_state
+    st = module.stage_state
     return generator_step(_Units(st.program, module.units), st.role.unit, conds, targets)
+
+
+def stage_run(role: str) -> Any:
+    """The forward of a stage of a unit of ``role`` (``StageModule``'s ``run``)."""
+    return {"encoder": _run_encoder, "backbone": _run_backbone,
+            "generator": _run_generator}[role]
 
 
 def measured_timeline(plan: Plan, step: int, events: Sequence[Event]) -> Timeline:

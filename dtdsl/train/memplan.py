@@ -30,12 +30,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan
 from dtdsl.ir.schedule import ActionKind, Schedule
-from dtdsl.train.stage import COMPUTE_DTYPES
 
 __all__ = ["StageMemory", "check_memory", "in_flight_of"]
 
@@ -81,16 +81,6 @@ def in_flight_of(schedule: Schedule, unit: str, stage: int) -> int:
             outstanding -= 1
             has_backward = True
     return peak if has_backward else 1
-
-
-class _State:
-    """What a stage's forward reads of its executor (``train.executor._StageState``)."""
-
-    def __init__(self, program: ir.Program, role: Any, start: int, stop: int):
-        self.program, self.role = program, role
-        self.start, self.stop = start, stop
-        self.seq_len = program.train.seq_len
-        self.dtype = COMPUTE_DTYPES[program.train.precision]
 
 
 def _depth(plan: Plan, unit: str, stage: int) -> int:
@@ -171,16 +161,8 @@ def _inputs(program: ir.Program, cost: Any, unit: Any, role: Any, share: float,
 def _mean(q: ir.Quantity) -> float:
     from dtdsl.cost.samples import draw
 
-    values = draw(q, 4096, __import__("numpy").random.default_rng(0))
+    values = draw(q, 4096, np.random.default_rng(0))
     return float(values.mean()) if len(values) else 1.0
-
-
-def _run_stage(module: Any, *args: Any, **kwargs: Any) -> Any:
-    from dtdsl.train.executor import _run_backbone, _run_encoder, _run_generator
-
-    role = module.executor_state.role.role
-    fn = {"encoder": _run_encoder, "backbone": _run_backbone, "generator": _run_generator}
-    return fn[role](module, *args, **kwargs)
 
 
 def _loss_of(role: Any, out: Any) -> torch.Tensor:
@@ -198,6 +180,7 @@ def _loss_of(role: Any, out: Any) -> torch.Tensor:
 def _measure_stage(program: ir.Program, plan: Plan, schedule: Schedule, cost: Any,
                    unit: str, stage: int) -> StageMemory:
     from dtdsl.parallel.mesh import MESH_DIMS, grids, unit_mesh_shape
+    from dtdsl.train.executor import stage_run
     from dtdsl.train.memcheck import fake_world, init_optimizer_state, measure_peak
     from dtdsl.train.optim import StageOptimizer
     from dtdsl.train.stage import build_stage
@@ -216,9 +199,8 @@ def _measure_stage(program: ir.Program, plan: Plan, schedule: Schedule, cost: An
     role = RankRole(rank=rank, grid=grid, stage=stage, replica=0, tp_index=0)
     with fake_world(plan.gpus_used, rank, "cpu") as world:
         mesh = world.device_mesh(grid.ranks, unit_mesh_shape(grid, zero), MESH_DIMS)
-        built = build_stage(program, plan, role, mesh, world.device, run=_run_stage,
-                            initialize=False)
-        built.module.executor_state = _State(program, role, built.start, built.stop)
+        built = build_stage(program, plan, role, mesh, world.device,
+                            run=stage_run(role.role), initialize=False)
         trainable = built.trainable()
         opt = None
         if trainable:
@@ -236,7 +218,7 @@ def _measure_stage(program: ir.Program, plan: Plan, schedule: Schedule, cost: An
             return _loss_of(role, out) if trains else None
 
         def backward(loss: Any) -> None:
-            with _loss_context(built, role):
+            with built.backward_context():
                 loss.backward()
 
         def step() -> None:
@@ -267,16 +249,6 @@ def _measure_stage(program: ir.Program, plan: Plan, schedule: Schedule, cost: An
                        capacity_bytes=program.cluster.gpu.memory_bytes,
                        by_category=dict(report.by_category), peak_phase=report.peak_phase,
                        time_s=time.perf_counter() - start_s)
-
-
-def _loss_context(built: Any, role: Any) -> Any:
-    import contextlib
-
-    if role.role == "backbone" and role.grid.tp > 1 and role.is_last_stage:
-        from torch.distributed.tensor.parallel import loss_parallel
-
-        return loss_parallel()
-    return contextlib.nullcontext()
 
 
 def check_memory(program: ir.Program, plan: Plan, *, cost: Any = None, jobs: int = 1,

@@ -52,7 +52,8 @@ from dtdsl.ir.plan import Plan
 from dtdsl.models.multimodal import build_unit, init_unit
 from dtdsl.parallel.mesh import RankRole
 
-__all__ = ["COMPUTE_DTYPES", "Stage", "StageModule", "build_stage", "projector_between"]
+__all__ = ["COMPUTE_DTYPES", "Stage", "StageModule", "StageState", "build_stage",
+           "projector_between"]
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -86,10 +87,26 @@ def _unwrapped(module: nn.Module) -> nn.Module:
     return view
 
 
+@dataclass(frozen=True)
+class StageState:
+    """What a stage's forward reads besides its arguments."""
+
+    program: ir.Program
+    role: RankRole
+    start: int          # [start, stop) of the unit's layers on this stage
+    stop: int
+    dtype: torch.dtype  # the compute dtype
+
+    @property
+    def seq_len(self) -> int:
+        return self.program.train.seq_len
+
+
 class StageModule(nn.Module):
     """The modules of one rank's stage under ``units`` (by unit name: the module, and the
-    projector the stage runs). Its ``forward`` is the stage's work for one microbatch;
-    ``train.executor`` gives it the stage's inputs. FSDP2's root is this module."""
+    projector the stage runs). Its ``forward`` is the stage's work for one microbatch
+    (``run(module, ...)``, reading ``module.stage_state``); ``train.executor`` gives it the
+    stage's inputs. FSDP2's root is this module."""
 
     def __init__(self, units: dict[str, nn.Module], run: Any):
         super().__init__()
@@ -115,6 +132,19 @@ class Stage:
     def named_parameters(self) -> dict[str, torch.Tensor]:
         """``{"<unit>.<param>": parameter}`` for every parameter the stage holds."""
         return {_strip(n): p for n, p in self.module.named_parameters()}
+
+    def backward_context(self) -> Any:
+        """What a backward of this stage runs in: ``loss_parallel`` on a backbone's last
+        stage with a vocabulary-parallel head (torch's rule: its cross-entropy's backward
+        too), nothing elsewhere."""
+        import contextlib
+
+        role = self.role
+        if role.role == "backbone" and role.grid.tp > 1 and role.is_last_stage:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return contextlib.nullcontext()
 
     def trainable(self) -> list[nn.Parameter]:
         return [p for p in self.module.parameters() if p.requires_grad]
@@ -282,5 +312,7 @@ def build_stage(program: ir.Program, plan: Plan, role: RankRole, mesh: Any,
         if frozen:
             stage.units[unit_name].requires_grad_(False)
     stage.train()
+    stage.stage_state = StageState(program=program, role=role, start=start, stop=stop,
+                             dtype=compute_dtype)
     return Stage(module=stage, role=role, start=start, stop=stop,
                  compute_dtype=compute_dtype, tp_sharded=tp_sharded, layers=layers)
