@@ -706,6 +706,33 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from dtdsl.models.hf import HFError
+    from dtdsl.train.checkpoint import CheckpointError
+    from dtdsl.train.export import export_checkpoint
+
+    program = None
+    if args.spec is not None:
+        result, code = _load_program(args.spec)
+        if result is None:
+            return code
+        program = result.program
+    out = Path(args.output)
+    if out.exists() and any(out.iterdir()) and not args.overwrite:
+        raise UsageError(f"{out} is not empty; pass --overwrite to write into it")
+    units = tuple(u for u in args.units.split(",") if u) if args.units else None
+    try:
+        done = export_checkpoint(args.run_dir, out, step=args.step, dtype=args.dtype,
+                                 units=units, program=program,
+                                 log=lambda line: print(f"dtc export: {line}", file=sys.stderr))
+    except (CheckpointError, HFError) as err:
+        raise UsageError(str(err)) from None
+    hf = sum(u.hf for u in done)
+    print(f"dtc: exported {len(done)} units to {out} ({hf} as Hugging Face models)",
+          file=sys.stderr)
+    return EXIT_OK
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="dtc", description="dtdsl: compile multimodal LLM training specs.")
     parser.add_argument("--version", action="version", version=f"dtc {__version__}")
@@ -883,6 +910,22 @@ def _parser() -> argparse.ArgumentParser:
     ref.add_argument("--threads", type=_positive_int, help="torch CPU threads")
     ref.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
     ref.set_defaults(func=_cmd_reference)
+
+    exp = sub.add_parser("export", help="write a run's checkpoint as Hugging Face model "
+                         "directories, one per unit (transformers / diffusers load them)")
+    exp.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (its newest "
+                     "checkpoint) or a checkpoint directory")
+    exp.add_argument("--step", type=_positive_int, metavar="N",
+                     help="the checkpoint after N steps (default: the newest)")
+    exp.add_argument("-o", "--output", required=True, metavar="DIR",
+                     help="where to write: DIR/<unit>/ for each unit")
+    exp.add_argument("--dtype", choices=("fp32", "bf16", "fp16"),
+                     help="cast the weights (default: as trained, fp32)")
+    exp.add_argument("--units", metavar="A,B", help="only these units (default: all)")
+    exp.add_argument("--spec", metavar="SPEC", help="the spec it was trained from, for a "
+                     "checkpoint that does not carry its program.json")
+    exp.add_argument("--overwrite", action="store_true", help="write into a non-empty DIR")
+    exp.set_defaults(func=_cmd_export)
 
     expl = sub.add_parser("explain", help="explain a diagnostic code (all codes without one)")
     expl.add_argument("code", nargs="?", metavar="CODE")

@@ -205,6 +205,44 @@ or non-numeric values, no values). Paths are relative to the spec's folder.
 Every module and projector is frozen, so no parameter would receive a gradient.
 Unfreeze at least one (typically the projectors and the backbone).
 """),
+    "DT311": Code("Hugging Face model unusable", """
+`arch = hf("DIR")` and `pretrained = "DIR"` read a Hugging Face model directory,
+as `save_pretrained` of `transformers` or `diffusers` writes it: `config.json`
+and `*.safetensors` weights (one file, or shards with their index). The
+directory is missing, has no `config.json`, its config is not valid JSON, or it
+describes a model dtdsl does not build. dtdsl reads `llama`, `mistral` and
+`qwen2` decoders (backbones), `clip` and `siglip` vision towers (image encoders;
+a full CLIP or SigLIP directory gives its vision tower) and diffusers'
+`UNet2DConditionModel` of Stable Diffusion 1.x/2.x (generators; a pipeline
+directory gives its `unet/`, with the noise schedule of its
+`scheduler/scheduler_config.json`). The message names what is not supported:
+another `model_type`, a rope scaling or activation dtdsl does not compute,
+SDXL's extra embeddings. A model of the wrong kind for the module's role is
+refused too (a vision tower as the backbone). Paths are relative to the spec's
+folder.
+
+    encoder vit (image) {
+      arch = hf("models/clip-vit-large-patch14", feature_layer=-2)
+    }
+"""),
+    "DT312": Code("Pretrained weights do not fit", """
+`pretrained = "DIR"` loads the weights in DIR into the module, and they must be
+the weights of its architecture: every tensor the architecture has, in its
+shape. The message names the first tensor that is missing or has another shape
+(the notes list more). The weights must be safetensors; a directory with only
+`pytorch_model.bin` is refused (load it once with `from_pretrained` and save it
+with `save_pretrained`, which writes safetensors). Pretrained weights go into an
+`hf(...)` architecture (or none: `pretrained` alone takes the checkpoint's
+own); dtdsl's `transformer(...)` and `unet(...)` are not Hugging Face models.
+"""),
+    "DT313": Code("Sequence longer than the model attends", """
+The backbone computes something else past a length, and `seq_len` reaches past
+it: a sliding attention window (Mistral v0.1's 4096 tokens, Qwen2 with
+`use_sliding_window`) or dynamic NTK rope scaling, which changes the
+frequencies beyond `max_position_embeddings`. dtdsl trains full causal
+attention with fixed frequencies, which is exactly what these models compute
+up to that length. Lower `seq_len` to the length the message gives.
+"""),
     # ---- parallelism (DT4xx)
     "DT401": Code("Tensor parallelism cannot split the module", """
 Tensor parallelism of degree t shards a transformer's attention heads, KV heads
@@ -284,6 +322,15 @@ DT502 says the distribution is unbounded). Clamp the tokens at seq_len or raise 
     text.tokens ~ uniform(16, 400) clamp [1, 200]    # with seq_len = 128
 """),
     # ---- what the runtime cannot train yet (DT6xx, dtc compile only)
+    "DT504": Code("Hugging Face model read with a default", """
+A Hugging Face directory leaves out something that changes training, and dtdsl
+uses the library's default. Today: a U-Net directory without a
+`scheduler_config.json` beside it (or in the pipeline's `scheduler/`) trains on
+diffusers' DDPMScheduler defaults, a linear beta schedule from 1e-4 to 0.02 over
+1000 steps with epsilon prediction. Stable Diffusion was trained on
+`scaled_linear` betas from 0.00085 to 0.012 (SD 2.x 768-v: `v_prediction`), so
+give the U-Net its pipeline's scheduler config.
+"""),
     "DT601": Code("The runtime cannot train this yet", """
 The spec (or its plan) is valid, and `dtc check`, `dtc plan` and `dtc simulate`
 accept it, but `dtc compile` stops before writing a bundle because the runtime

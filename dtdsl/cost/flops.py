@@ -24,8 +24,9 @@ from dataclasses import dataclass
 from dtdsl.ir import program as ir
 
 __all__ = [
-    "UNetOp", "Work", "backbone_flops_megatron", "backward_factor", "dit_forward",
-    "encoder_item_forward", "input_needs_grad", "mlp_forward_per_token", "module_params",
+    "UNetOp", "Work", "backbone_ends_params", "backbone_flops_megatron", "backward_factor",
+    "dit_forward", "encoder_ends_params", "encoder_item_forward", "encoder_tokens",
+    "input_needs_grad", "mlp_forward_per_token", "module_params",
     "projector_params", "transformer_layer_matmul_per_token", "transformer_layer_params",
     "unet_forward", "unet_ops",
 ]
@@ -55,11 +56,16 @@ class Work:
 
 # ---- transformers ------------------------------------------------------------------------
 
+def _attention_width(arch: ir.TransformerArch) -> int:
+    """The queries' width: heads x head width (``hidden`` unless the head width is set)."""
+    return arch.heads * arch.head_dim
+
+
 def transformer_layer_matmul_per_token(arch: ir.TransformerArch) -> float:
-    """Projection and MLP FLOPs of one layer for one token: Q and O (h x h), K and V
-    (h x h * kv/heads, grouped-query attention), the MLP (2 or, with SwiGLU, 3 matrices)."""
-    h, f = arch.hidden, arch.ffn
-    qkvo = 2 * h * h * (2 + 2 * arch.kv_heads / arch.heads)
+    """Projection and MLP FLOPs of one layer for one token: Q and O (h x heads d), K and
+    V (h x kv_heads d, grouped-query attention), the MLP (2 or, with SwiGLU, 3 matrices)."""
+    h, f, d = arch.hidden, arch.ffn, arch.head_dim
+    qkvo = 2 * h * d * (2 * arch.heads + 2 * arch.kv_heads)
     mlp = 2 * h * f * (3 if arch.swiglu else 2)
     return qkvo + mlp
 
@@ -70,18 +76,38 @@ def _attention(seq: float, hidden: int, causal: bool) -> float:
     return full / 2 if causal else full
 
 
-def transformer_layer_params(arch: ir.TransformerArch) -> float:
-    h, f = arch.hidden, arch.ffn
-    return h * h * (2 + 2 * arch.kv_heads / arch.heads) + h * f * (3 if arch.swiglu else 2) + 4 * h
+def _norm_params(arch: ir.TransformerArch, role: str) -> int:
+    return arch.hidden * (1 if arch.norm_kind(role) == "rms" else 2)
+
+
+def transformer_layer_params(arch: ir.TransformerArch, role: str = "encoder") -> float:
+    """One layer's parameters: projections (and their biases where the architecture has
+    them), the MLP, two norms (RMSNorm: a weight; LayerNorm: a weight and a bias)."""
+    h, f, d = arch.hidden, arch.ffn, arch.head_dim
+    q, kv = arch.heads * d, arch.kv_heads * d
+    attn = 2 * h * q + 2 * h * kv
+    if arch.qkv_bias:
+        attn += q + 2 * kv
+    if arch.out_bias:
+        attn += h
+    mats = 3 if arch.swiglu else 2
+    mlp = mats * h * f + ((mats - 1) * f + h if arch.mlp_bias else 0)
+    return attn + mlp + 2 * _norm_params(arch, role)
+
+
+def encoder_tokens(arch: ir.TransformerArch, patches: float) -> float:
+    """The rows an encoder's layers run on for an item of ``patches`` patches (its class
+    token included)."""
+    return patches + (1 if arch.cls_token else 0)
 
 
 def encoder_item_forward(arch: ir.TransformerArch, tokens: float) -> Work:
-    """A ViT-style encoder on one item (an image's patches, an audio clip's frames):
-    patch embedding, then every layer with bidirectional attention over the item."""
+    """A ViT-style encoder on one item of ``tokens`` rows (``encoder_tokens``): patch
+    embedding, then every layer with bidirectional attention over the item."""
     patch_dim = (arch.in_channels or 3) * (arch.patch or 1) ** 2
     embed = 2 * tokens * patch_dim * arch.hidden
     layers = arch.layers * (tokens * transformer_layer_matmul_per_token(arch))
-    attention = arch.layers * _attention(tokens, arch.hidden, causal=False)
+    attention = arch.layers * _attention(tokens, _attention_width(arch), causal=False)
     return Work(matmul=embed + layers, attention=attention)
 
 
@@ -90,7 +116,7 @@ def backbone_forward(arch: ir.TransformerArch, seq_len: int) -> Work:
     layers = arch.layers * seq_len * transformer_layer_matmul_per_token(arch)
     head = 2 * seq_len * arch.hidden * arch.vocab
     return Work(matmul=layers + head,
-                attention=arch.layers * _attention(seq_len, arch.hidden, arch.causal))
+                attention=arch.layers * _attention(seq_len, _attention_width(arch), arch.causal))
 
 
 def backbone_flops_megatron(arch: ir.TransformerArch, seq_len: int, batch: int) -> float:
@@ -126,6 +152,11 @@ def _linear(din: int, dout: int, tokens: float, level: int, bias: bool = True) -
                   dout * tokens, level)
 
 
+def _pointwise_conv(cin: int, cout: int, tokens: float, level: int) -> UNetOp:
+    """A 1x1 convolution over ``tokens`` pixels (SD 1.x's proj_in/proj_out)."""
+    return UNetOp("conv", cin * cout + cout, 2.0 * cin * cout * tokens, cout * tokens, level)
+
+
 def _res_block(cin: int, cout: int, res: int, emb: int, level: int) -> Iterator[UNetOp]:
     yield UNetOp("linear", 2 * cin, 0.0, cin * res * res, level)   # GroupNorm (scale, shift)
     yield _conv(cin, cout, 3, res, level)
@@ -138,13 +169,15 @@ def _res_block(cin: int, cout: int, res: int, emb: int, level: int) -> Iterator[
 
 def _spatial_transformer(ch: int, res: int, arch: ir.UNetArch, cond_tokens: int,
                          level: int) -> Iterator[UNetOp]:
-    """SD 2.x: GroupNorm, linear proj_in, `transformer_depth` blocks of self-attention,
-    cross-attention to the conditioning and a GEGLU MLP, linear proj_out."""
+    """GroupNorm, proj_in (linear in SD 2.x, a 1x1 convolution in SD 1.x),
+    `transformer_depth` blocks of self-attention, cross-attention to the conditioning and
+    a GEGLU MLP, proj_out."""
     n = res * res
     m = cond_tokens
     ctx = arch.context_dim
+    proj = _linear if arch.linear_proj else _pointwise_conv
     yield UNetOp("linear", 2 * ch, 0.0, ch * n, level)
-    yield _linear(ch, ch, n, level)
+    yield proj(ch, ch, n, level)
     for _ in range(arch.transformer_depth):
         yield UNetOp("linear", 6 * ch, 0.0, 3 * ch * n, level)     # three LayerNorms
         for _ in range(3):
@@ -158,7 +191,7 @@ def _spatial_transformer(ch: int, res: int, arch: ir.UNetArch, cond_tokens: int,
         yield _linear(ch, ch, n, level)
         yield _linear(ch, 8 * ch, n, level)                         # GEGLU
         yield _linear(4 * ch, ch, n, level)
-    yield _linear(ch, ch, n, level)                                 # proj_out
+    yield proj(ch, ch, n, level)                                    # proj_out
 
 
 def unet_ops(arch: ir.UNetArch, cond_tokens: int = 77) -> list[UNetOp]:
@@ -243,15 +276,35 @@ def projector_params(arch: ir.MLPArch) -> float:
     return mlp_forward_per_token(arch) / 2
 
 
+def encoder_ends_params(arch: ir.TransformerArch) -> float:
+    """An encoder's parameters outside its layers: the patch embedding (and its bias), the
+    class token, learned positions, the pre- and post-norm."""
+    h = arch.hidden
+    params = (arch.in_channels or 3) * (arch.patch or 1) ** 2 * h + (h if arch.patch_bias else 0)
+    if arch.cls_token:
+        params += h
+    if arch.positions == "learned":
+        params += (((arch.image_size or 0) // (arch.patch or 1)) ** 2 + int(arch.cls_token)) * h
+    norm = _norm_params(arch, "encoder")
+    return params + norm * (int(arch.pre_norm) + int(arch.post_norm))
+
+
+def backbone_ends_params(arch: ir.TransformerArch) -> float:
+    """A backbone's parameters outside its layers: the token embedding, the LM head (none
+    of its own when tied to the embedding) and the final norm."""
+    return arch.vocab * arch.hidden * (1 if arch.tie_embeddings else 2) + \
+        _norm_params(arch, "backbone")
+
+
 def module_params(module: ir.Module) -> float:
-    """Parameters of a module (embeddings and output head included, untied)."""
+    """Parameters of a module, exactly those of its torch model (``dtdsl.models``)."""
     arch = module.arch
     if isinstance(arch, ir.TransformerArch):
-        params = arch.layers * transformer_layer_params(arch)
+        params = arch.layers * transformer_layer_params(arch, module.role)
         if module.role == "backbone":
-            params += 2 * arch.vocab * arch.hidden
+            params += backbone_ends_params(arch)
         else:
-            params += (arch.in_channels or 3) * (arch.patch or 1) ** 2 * arch.hidden
+            params += encoder_ends_params(arch)
         return params
     if isinstance(arch, ir.UNetArch):
         return sum(op.params for op in unet_ops(arch))

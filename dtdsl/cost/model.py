@@ -146,6 +146,8 @@ class UnitCost:
                                      # image tokens) or generation targets (generator)
     recompute_layer_bytes: float = 0.0       # with recompute: one layer's activations, made
     recompute_layer_bytes_tp_split: float = 0.0  # again in backward (and what TP divides)
+    tied_head_params: float = 0.0    # a tied LM head: the embedding again on the last stage
+                                     # when the first is another (pp > 1)
 
     @property
     def trainable(self) -> bool:
@@ -156,7 +158,7 @@ class UnitCost:
         of the layers, plus the embeddings, heads or projectors that sit on one stage."""
         layer_params = self.params - self.extra_stage_params
         return layer_params / self.layers * np.ceil(self.layers / np.asarray(pp)) + \
-            self.extra_stage_params
+            self.extra_stage_params + np.where(np.asarray(pp) > 1, self.tied_head_params, 0.0)
 
 
 @dataclass(frozen=True)
@@ -279,6 +281,8 @@ class CostModel:
             params += unit.first_stage_params
         if stage == pp - 1:
             params += unit.extra_stage_params - unit.first_stage_params
+            if pp > 1:
+                params += unit.tied_head_params
         params /= tp
         trained = params * unit.trainable_params / unit.params if unit.params else 0.0
         zero = self.program.train.optimizer.zero
@@ -399,6 +403,7 @@ class _Acc:
     trainable_params: float = 0.0
     extra: float = 0.0            # parameters that sit on a single stage
     first: float = 0.0            # of those, the ones on the first stage
+    tied: float = 0.0             # a tied head's copy on the last stage
     peak_items: float = 0.0       # a large microbatch's tokens or generation targets
     act: float = 0.0
     act_split: float = 0.0
@@ -440,16 +445,22 @@ def _unit_cost(program: ir.Program, module: ir.Module, samples: SampleSet) -> Un
             rms_norm=True, sequence_parallel=True)
         acc.act_tokens, acc.width, acc.peak_items = tokens, arch.hidden, tokens
         acc.comm = arch.layers * 2 * tokens * arch.hidden * _BYTES_BF16
-        acc.extra = 2 * arch.vocab * arch.hidden
-        acc.first = arch.vocab * arch.hidden        # the embedding; the head on the last
+        # The embedding on the first stage; the head (none of its own when tied to the
+        # embedding) and the final norm on the last.
+        acc.extra = flops.backbone_ends_params(arch)
+        acc.first = arch.vocab * arch.hidden
+        acc.tied = arch.vocab * arch.hidden if arch.tie_embeddings else 0.0
         boundary = tokens * arch.hidden * _BYTES_BF16
         acc.model_flops = acc.work.total * (1 + bwd)
     elif module.role == "encoder":
         items = samples.items[module.modality]
-        p = items.sizes.astype(float)
+        # The layers run on each item's patches and its class token, if it has one; the
+        # projector and the backbone see the patches.
+        p = flops.encoder_tokens(arch, items.sizes.astype(float))
         linear = flops.encoder_item_forward(arch, 1.0).matmul        # per token
         quadratic = flops.encoder_item_forward(arch, 1.0).attention  # per token^2
-        tokens = items.tokens()
+        patch_tokens = items.tokens()
+        tokens = patch_tokens + items.counts * (flops.encoder_tokens(arch, 0.0))
         acc.queries.append(ProfileQuery.of(module.name, items.sizes,
                                            float(items.counts.mean()) * mb))
         acc.work = flops.Work(matmul=float(items.per_sample(linear * p).mean()) * mb,
@@ -462,13 +473,14 @@ def _unit_cost(program: ir.Program, module: ir.Module, samples: SampleSet) -> Un
         acc.act_tokens, acc.width, acc.peak_items = peak, arch.hidden, peak
         mean_tokens = float(tokens.mean()) * mb
         acc.comm = arch.layers * 2 * mean_tokens * arch.hidden * _BYTES_BF16
-        acc.extra = (arch.in_channels or 3) * (arch.patch or 1) ** 2 * arch.hidden
-        acc.first = acc.extra                       # the patch embedding; projectors last
+        acc.extra = flops.encoder_ends_params(arch)
+        acc.first = acc.extra                       # the embeddings; projectors last
         acc.model_flops = acc.work.total * (1 + bwd)
+        mean_patches = float(patch_tokens.mean()) * mb
         for proj in program.projectors:
             if proj.source == module.name:
-                acc.add_projector(proj, mean_tokens, upstream=not module.frozen)
-        boundary = mean_tokens * program.backbone.arch.hidden * _BYTES_BF16
+                acc.add_projector(proj, mean_patches, upstream=not module.frozen)
+        boundary = mean_patches * program.backbone.arch.hidden * _BYTES_BF16
     else:
         items = samples.items[f"{module.modality}.gen"]
         count = float(items.counts.mean()) * mb
@@ -519,7 +531,7 @@ def _unit_cost(program: ir.Program, module: ir.Module, samples: SampleSet) -> Un
         tp_comm_bytes=acc.comm, boundary_bytes=boundary, queries=tuple(acc.queries),
         first_stage_params=min(acc.first, acc.params), peak_items=acc.peak_items,
         recompute_layer_bytes=recompute_layer[0],
-        recompute_layer_bytes_tp_split=recompute_layer[1])
+        recompute_layer_bytes_tp_split=recompute_layer[1], tied_head_params=acc.tied)
 
 
 def build_cost_model(program: ir.Program, params: CostParams | None = None, *,

@@ -485,7 +485,7 @@ def _transformer_parts(module: ir.Module, needs_grad: bool, tp: int, env: _Env) 
 
         def patch_case(x: int):
             patches = env.randn(1, x, ends.patch_dim)   # raw data: no gradient
-            return lambda: [ends(patches)]
+            return lambda: [ends.finish(ends.embed(patches))]
 
         parts.append(_Part("patch_embed", 1, (ends,), patch_case, trainable))
     return parts

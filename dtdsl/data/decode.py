@@ -13,7 +13,7 @@ turns a ``RawSample`` into a ``DecodedSample``:
   high of ``audio.frames`` when there is one;
 - ``gen``: per generator (by module name) ``LatentTargets``: ``latents`` float32 ``[G, C,
   L, L]`` (``C`` the generator's ``latent_channels``, ``L`` its ``latent``), ``noise``
-  float32 ``[G, C, L, L]`` and ``timesteps`` int64 ``[G]`` in ``[0, DIFFUSION_STEPS)``.
+  float32 ``[G, C, L, L]`` and ``timesteps`` int64 ``[G]`` below the generator's timesteps.
   An image generator's targets are the sample's ``gen_images``, an audio generator's its
   ``gen_audio`` (two generators of one modality share them).
 
@@ -51,7 +51,7 @@ __all__ = [
     "patch_grid",
 ]
 
-DIFFUSION_STEPS = 1000      # DDPM's discrete timesteps, as in dtdsl.data.sample
+DIFFUSION_STEPS = 1000      # DDPM's discrete timesteps, the default of a generator's
 IMAGE_LATENT_SCALE = 2.0
 AUDIO_LATENT_SCALE = 1.0
 
@@ -111,7 +111,7 @@ class LatentTargets:
 
     latents: np.ndarray      # [G, C, L, L] float32
     noise: np.ndarray        # [G, C, L, L] float32
-    timesteps: np.ndarray    # [G] int64 in [0, DIFFUSION_STEPS)
+    timesteps: np.ndarray    # [G] int64 in [0, the generator's timesteps)
 
     def __len__(self) -> int:
         return int(self.latents.shape[0])
@@ -133,6 +133,7 @@ class _Generator:
     channels: int
     latent: int
     weights: np.ndarray      # [C, 3] for images, [C] for audio
+    timesteps: int           # the generator's discrete timesteps
 
 
 def _generator(module: ir.Module) -> _Generator:
@@ -147,7 +148,8 @@ def _generator(module: ir.Module) -> _Generator:
     else:
         weights = rng.choice([-1.0, 1.0], size=c) * AUDIO_LATENT_SCALE
     return _Generator(name=module.name, modality=module.modality or "", channels=c,
-                      latent=arch.latent, weights=weights.astype(np.float32))
+                      latent=arch.latent, weights=weights.astype(np.float32),
+                      timesteps=arch.timesteps)
 
 
 def _high(data: ir.Data, modality: str, name: str) -> int | None:
@@ -256,7 +258,7 @@ class Decoder:
         stacked = (np.stack(latents).astype(np.float32, copy=False) if latents
                    else np.zeros(shape, dtype=np.float32))
         rng = np.random.default_rng(_seed(self.seed, raw.key, g.name))
-        timesteps = rng.integers(0, DIFFUSION_STEPS, size=len(latents), dtype=np.int64)
+        timesteps = rng.integers(0, g.timesteps, size=len(latents), dtype=np.int64)
         noise = rng.standard_normal(shape, dtype=np.float32)
         return LatentTargets(latents=stacked, noise=noise, timesteps=timesteps)
 

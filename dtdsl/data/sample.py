@@ -20,7 +20,7 @@ spec's distributions and clamps exactly as the cost model and simulator see them
 - ``targets``: per generator (by module name) ``GenTargets``: ``gen_count`` latents
   ``[G, C, L, L]`` (``C`` the generator's ``latent_channels``, ``L`` its ``latent``),
   with the noise ``[G, C, L, L]`` and the integer timesteps ``[G]`` in
-  ``[0, DIFFUSION_STEPS)`` of the denoising loss.
+  ``[0, T)`` of the denoising loss (``T``: the generator's ``timesteps``).
 
 Packing: the ViT encoder (``models.Encoder``) takes ``[B, N, patch_dim]`` with no
 attention mask, so images of different sizes cannot share a row without attending to
@@ -43,6 +43,7 @@ import torch
 
 from dtdsl.cost.samples import draw
 from dtdsl.ir import program as ir
+from dtdsl.models.diffusion import DEFAULT_TIMESTEPS
 from dtdsl.models.transformer import Encoder
 
 __all__ = [
@@ -61,7 +62,7 @@ __all__ = [
     "unpack_images",
 ]
 
-DIFFUSION_STEPS = 1000     # DDPM's discrete timesteps
+DIFFUSION_STEPS = DEFAULT_TIMESTEPS   # DDPM's discrete timesteps (a generator may have others)
 _SUCCESSORS = 4            # successors per token in the text Markov chain
 _ZIPF_A = 1.1              # skew of the successor draw over the vocabulary
 
@@ -79,7 +80,7 @@ class GenTargets:
 
     latents: torch.Tensor      # [G, C, L, L] float32: the clean latents x0
     noise: torch.Tensor        # [G, C, L, L] float32: the noise to predict
-    timesteps: torch.Tensor    # [G] int64 in [0, DIFFUSION_STEPS)
+    timesteps: torch.Tensor    # [G] int64 in [0, the generator's timesteps)
 
     def __len__(self) -> int:
         return int(self.latents.shape[0])
@@ -221,7 +222,7 @@ def make_sample(program: ir.Program, step: int, index: int, *,
             targets[module.name] = GenTargets(
                 latents=torch.randn(shape, generator=gen),
                 noise=torch.randn(shape, generator=gen),
-                timesteps=torch.randint(DIFFUSION_STEPS, (count,), generator=gen))
+                timesteps=torch.randint(arch.timesteps, (count,), generator=gen))
     return Sample(step=step, index=index, tokens=tokens,
                   images=tuple(images) if "images" in parts else (), targets=targets)
 
@@ -235,13 +236,14 @@ def make_batch(program: ir.Program, step: int) -> list[Sample]:
 class PackedImages:
     """Images of several samples grouped by size for the encoder, with no padding.
 
-    ``groups[k]`` is ``[B_k, N_k, patch_dim]`` flattened patches; ``owners[k][j]`` is
-    the ``(sample position, image position)`` of its row ``j``; ``counts[i]`` how many
-    images sample position ``i`` has."""
+    ``groups[k]`` is ``[B_k, N_k, patch_dim]`` flattened patches of images whose patch
+    grid is ``grids[k]`` (rows, columns); ``owners[k][j]`` is the ``(sample position, image
+    position)`` of its row ``j``; ``counts[i]`` how many images sample position ``i`` has."""
 
     groups: tuple[torch.Tensor, ...]
     owners: tuple[tuple[tuple[int, int], ...], ...]
     counts: tuple[int, ...]
+    grids: tuple[tuple[int, int], ...] = ()
 
 
 def pack_images(images: Sequence[Sequence[torch.Tensor]], patch: int) -> PackedImages:
@@ -251,13 +253,14 @@ def pack_images(images: Sequence[Sequence[torch.Tensor]], patch: int) -> PackedI
     for i, sample_images in enumerate(images):
         for j, image in enumerate(sample_images):
             by_shape.setdefault(tuple(image.shape), []).append((i, j))
-    groups, owners = [], []
-    for members in by_shape.values():
+    groups, owners, grids = [], [], []
+    for shape, members in by_shape.items():
         stacked = torch.stack([images[i][j] for i, j in members])
         groups.append(Encoder.patchify(stacked, patch))
         owners.append(tuple(members))
+        grids.append((shape[-2] // patch, shape[-1] // patch))
     return PackedImages(groups=tuple(groups), owners=tuple(owners),
-                        counts=tuple(len(s) for s in images))
+                        counts=tuple(len(s) for s in images), grids=tuple(grids))
 
 
 def unpack_images(packed: PackedImages, outputs: Sequence[torch.Tensor],

@@ -52,8 +52,10 @@ MAX_EMPIRICAL_VALUES = 10_000_000
 # ---- parameter tables (docs/language.md lists the same) -------------------------
 
 MODULE_FIELDS = (
-    Param("arch", CallKind(), required=True,
-          doc="arch = transformer(...), unet(...) or dit(...)"),
+    # Required unless `pretrained` is given (then it defaults to hf(pretrained)).
+    Param("arch", CallKind(),
+          doc='arch = transformer(...), unet(...), dit(...) or hf("DIR")'),
+    Param("pretrained", StrKind(), doc='pretrained = "models/llama-3-8b"'),
     Param("frozen", BoolKind(), default=False),
     Param("recompute", BoolKind(), default=False),
 )
@@ -97,15 +99,21 @@ DIT_ARGS = (
     Param("latent_channels", IntKind(1, 64), default=4),
     Param("context_dim", IntKind(1, 1 << 17)),
 )
+HF_ARGS = (
+    Param("path", StrKind(), required=True, doc='hf("models/clip-vit-large-patch14")'),
+    # The vision tower's hidden_states index the projector reads (LLaVA: -2); default: its
+    # last_hidden_state.
+    Param("feature_layer", IntKind(-1024, 1024)),
+)
 MLP_ARGS = (
     Param("depth", IntKind(1, 16), default=2),
     Param("hidden", IntKind(1, 1 << 17)),
     Param("activation", EnumKind(choices=("gelu", "silu", "relu")), default="gelu"),
 )
 _DEFAULT_ATTN_RES = (4, 2, 1)
-ARCHS = {"transformer": TRANSFORMER_ARGS, "unet": UNET_ARGS, "dit": DIT_ARGS}
-ROLE_ARCHS = {"encoder": ("transformer",), "backbone": ("transformer",),
-              "generator": ("unet", "dit")}
+ARCHS = {"transformer": TRANSFORMER_ARGS, "unet": UNET_ARGS, "dit": DIT_ARGS, "hf": HF_ARGS}
+ROLE_ARCHS = {"encoder": ("transformer", "hf"), "backbone": ("transformer", "hf"),
+              "generator": ("unet", "dit", "hf")}
 
 _COUNT = FloatKind(low=0)
 DISTRIBUTIONS: dict[str, tuple[tuple[Param, ...], int]] = {
@@ -360,14 +368,30 @@ class _Checker:
                       notes=["modalities: " + ", ".join(ir.MODALITIES)],
                       hint=f"did you mean '{guess}'?" if guess else None)
             modality = INVALID
-        arch = INVALID
-        if fields["arch"] is not INVALID:
-            arch = self._arch(fields["arch"], decl, modality)
-        if not _ok(modality, arch, fields["frozen"], fields["recompute"]):
+        arch = source = INVALID
+        call, pretrained = fields["arch"], fields["pretrained"]
+        if call is None and pretrained is None:
+            arch = ctx.error("DT204", f"{where} needs an architecture", decl.name_span,
+                             hint='write `arch = transformer(...)` (or unet, dit), `arch = '
+                             'hf("DIR")` for a Hugging Face model, or `pretrained = "DIR"` '
+                             "for its weights too")
+        elif call is None and pretrained is not INVALID:
+            # pretrained alone: the architecture is the checkpoint's own.
+            path_span = _field(decl.fields, "pretrained").value.span
+            arch, source = self._hf_model(pretrained, None, decl, modality, path_span)
+        elif call is not INVALID:
+            arch = self._arch(call, decl, modality)
+            if call.func == "hf" and arch is not INVALID:
+                arch, source = arch
+        weights = None
+        if pretrained not in (None, INVALID) and arch is not INVALID:
+            weights = self._pretrained(pretrained, decl, arch, source)
+        if not _ok(modality, arch, fields["frozen"], fields["recompute"], weights, pretrained):
             return INVALID
         return ir.Module(name=decl.name, role=decl.role, modality=modality, arch=arch,
                          frozen=fields["frozen"], recompute=fields["recompute"],
-                         span=decl.span)
+                         span=decl.span, hf=source if source is not INVALID else None,
+                         pretrained=weights)
 
     def _arch(self, call: ast.Call, decl: ast.Module, modality: Any) -> Any:
         ctx = self.ctx
@@ -382,16 +406,82 @@ class _Checker:
             return ctx.error("DT306", f"{_article(decl.role)} cannot be a {call.func}",
                              call.func_span, notes=[
                                  f"{_article(decl.role)} is "
-                                 + " or ".join(f"a {a}" for a in allowed)])
+                                 + " or ".join(f"a {a}" for a in allowed if a != "hf")
+                                 + ", or a Hugging Face model: hf(\"DIR\")"])
         where = f"{call.func}() of {decl.role} {decl.name}"
-        args = resolve_call(call, ARCHS[call.func], ctx, where)
+        args = resolve_call(call, ARCHS[call.func], ctx, where,
+                            positional=1 if call.func == "hf" else 0)
         if not _ok(*args.values()):
             return INVALID
+        if call.func == "hf":
+            span = call.args[0].span if call.args and call.args[0].name is None else \
+                _arg_span(call, "path")
+            arch, source = self._hf_model(args["path"], args["feature_layer"], decl, modality,
+                                          span)
+            return INVALID if arch is INVALID else (arch, source)
         if call.func == "transformer":
             return self._transformer(call, decl, modality, args)
         if call.func == "unet":
             return self._unet(call, args)
         return self._dit(call, args)
+
+    def _path(self, text: str) -> Path:
+        """A path of the spec: relative to the spec's folder, ``~`` expanded, absolute."""
+        path = Path(text).expanduser()
+        return (path if path.is_absolute() else self.base_dir / path).resolve()
+
+    def _hf_model(self, text: str, feature_layer: int | None, decl: ast.Module, modality: Any,
+                  span: Span) -> tuple[Any, Any]:
+        """``(architecture, ir.HFSource)`` of the Hugging Face model in directory ``text``
+        (``hf("DIR")``, or ``pretrained`` alone), or ``(INVALID, INVALID)`` with a DT311."""
+        from dtdsl.models.hf.config import HFError, read_hf
+
+        ctx = self.ctx
+        try:
+            model = read_hf(self._path(text), role=decl.role, feature_layer=feature_layer)
+        except HFError as err:
+            missing = not self._path(text).exists() and not Path(text).is_absolute()
+            ctx.error("DT311", err.message, span, hint=err.hint or (
+                "paths are relative to the spec's folder" if missing else None))
+            return INVALID, INVALID
+        if decl.role == "encoder" and modality not in (INVALID, "image"):
+            ctx.error("DT306", f"{model.source.family} is a vision tower; encoder {decl.name} "
+                      f"reads {modality}", span, hint=f"write `encoder {decl.name} (image) {{`")
+            return INVALID, INVALID
+        for note in model.notes:
+            ctx.warning("DT504", note, span)
+        return model.arch, model.source
+
+    def _pretrained(self, text: str, decl: ast.Module, arch: Any, source: Any) -> Any:
+        """The absolute directory of a module's pretrained weights, checked against its
+        architecture (every tensor there, in its shape; nothing read but the headers)."""
+        from dtdsl.models.hf import Checkpoint, HFError, check_weights, read_hf
+
+        ctx = self.ctx
+        span = _field(decl.fields, "pretrained").value.span
+        if source is INVALID or source is None:
+            return ctx.error("DT312", f"pretrained weights of {decl.role} {decl.name} are read "
+                             f"into a Hugging Face architecture, and {arch.kind}(...) is "
+                             "dtdsl's own", span,
+                             hint=f'write `arch = hf("{text}")`, or leave arch out')
+        try:
+            weights = read_hf(self._path(text), role=decl.role)
+            if weights.source.family != source.family:
+                return ctx.error("DT312", f"{text} holds a {weights.source.family} model, but "
+                                 f"the architecture is a {source.family}", span)
+            with Checkpoint(weights.weights_dir) as checkpoint:
+                problems = check_weights(_meta_module(decl.role, arch), source.family, arch,
+                                         checkpoint)
+        except HFError as err:
+            return ctx.error("DT312" if "safetensors" in err.message else "DT311",
+                             err.message, span, hint=err.hint)
+        if problems:
+            more = len(problems) - 5
+            return ctx.error("DT312", f"the weights in {text} do not fit {decl.role} "
+                             f"{decl.name}: {problems[0]}", span,
+                             notes=problems[1:5] + ([f"and {more} more"] if more > 0 else []),
+                             hint="point pretrained at the checkpoint of this architecture")
+        return str(weights.weights_dir)
 
     def _transformer(self, call, decl, modality, args) -> Any:
         ctx = self.ctx
@@ -911,6 +1001,9 @@ class _Checker:
             first = next(iter(modules.values()))
             ctx.error("DT310", "every module and projector is frozen: nothing would be trained",
                       first.span, hint="unfreeze at least one module or projector")
+        if train is not INVALID:
+            for m in modules.values():
+                self._attention_reach(m, train)
         if data is INVALID or train is INVALID:
             return
         tokens = data.get("text", "tokens")
@@ -925,6 +1018,25 @@ class _Checker:
                         f"{math.ceil(longest)}")
 
 
+    def _attention_reach(self, module: ir.Module, train: ir.Train) -> None:
+        """A backbone whose attention differs beyond some length (a sliding window, NTK
+        rope scaling past the trained positions) trains only sequences within it."""
+        arch = module.arch
+        if not isinstance(arch, ir.TransformerArch) or module.role != "backbone":
+            return
+        limits = []
+        if arch.sliding_window is not None:
+            limits.append((arch.sliding_window, "its sliding attention window"))
+        if arch.rope.scaling == "dynamic" and arch.rope.max_positions is not None:
+            limits.append((arch.rope.max_positions, "the positions its dynamic rope scaling "
+                                                    "leaves unscaled"))
+        for limit, what in limits:
+            if train.seq_len > limit:
+                self.ctx.error("DT313", f"seq_len {train.seq_len} is longer than {what} "
+                               f"({limit} tokens) of backbone {module.name}", train.span,
+                               hint=f"set seq_len to at most {limit}")
+
+
 _EXAMPLES = {
     "tokens": "lognormal(median=256, sigma=0.8) clamp [16, 2048]",
     "count": "zipf(a=1.6) clamp [0, 8]",
@@ -932,6 +1044,16 @@ _EXAMPLES = {
     "patches": "choice([256, 1024], p=[0.7, 0.3])",
     "frames": "uniform(100, 1500)",
 }
+
+
+def _meta_module(role: str, arch: Any) -> Any:
+    """The runtime's module of ``arch`` on the meta device (names and shapes, no memory)."""
+    import torch
+
+    from dtdsl.models import build_arch
+
+    with torch.device("meta"):
+        return build_arch(role, arch)
 
 
 def _largest(q: ir.Quantity) -> float | None:

@@ -15,7 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from dtdsl.source import Span
 
 __all__ = [
-    "Arch", "Choice", "Cluster", "Constant", "DiTArch", "Dist", "Empirical", "Gpu",
+    "Arch", "Choice", "Cluster", "Constant", "DiTArch", "Dist", "Empirical", "Gpu", "HFSource",
+    "RoPE",
     "IntDomain", "LRSchedule", "LogNormal", "MLPArch", "Module", "ModuleConstraints",
     "Optimizer", "Program", "Projector", "Quantity", "Train", "TransformerArch", "UNetArch",
     "Uniform", "Zipf", "Data", "LR_SCHEDULES", "MODALITIES", "QUANTITIES", "ROLES",
@@ -43,8 +44,45 @@ class IRModel(BaseModel):
 
 # ---- architectures -------------------------------------------------------------
 
+class RoPE(IRModel):
+    """A backbone's rotary position embedding, as Hugging Face's ``rope_parameters`` give it:
+    the base ``theta`` and a frequency scaling (``models.rope`` computes it)."""
+
+    theta: float = 500_000.0
+    scaling: Literal["default", "linear", "llama3", "yarn", "dynamic"] = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0              # llama3
+    high_freq_factor: float = 4.0             # llama3
+    original_max_positions: int | None = None  # llama3, yarn
+    max_positions: int | None = None          # the model's max_position_embeddings
+    attention_factor: float | None = None     # yarn: scales cos and sin
+    beta_fast: float = 32.0                   # yarn
+    beta_slow: float = 1.0                    # yarn
+    mscale: float | None = None               # yarn
+    mscale_all_dim: float | None = None       # yarn
+    truncate: bool = True                     # yarn
+
+
+class HFSource(IRModel):
+    """Where a module's architecture came from: a Hugging Face directory (``arch =
+    hf("DIR")``). Kept so that ``dtc export`` writes the same kind of model back."""
+
+    path: str                  # the directory, absolute
+    family: Literal["llama", "mistral", "qwen2", "clip", "siglip", "unet"]
+    config: str                # the model's config.json (a CLIP/SigLIP's vision part), JSON
+    config_sha256: str         # of the config file as read
+    scheduler: str | None = None   # a U-Net's scheduler_config.json, JSON, when there is one
+    source_layers: int | None = None  # layers in the checkpoint (a tower read below its top)
+    feature_layer: int | None = None  # hidden_states[feature_layer] a projector reads
+
+
 class TransformerArch(IRModel):
-    """A pre-norm transformer: ViT-style encoders and Llama-style backbones."""
+    """A pre-norm transformer: ViT-style encoders (CLIP and SigLIP vision towers among them)
+    and Llama-style backbones (Llama, Mistral, Qwen2).
+
+    The fields after ``causal`` are the details that make a module the very architecture of
+    a Hugging Face model (``arch = hf(...)`` sets them from its config); their defaults are
+    what ``transformer(...)`` builds."""
 
     kind: Literal["transformer"] = "transformer"
     layers: int
@@ -57,10 +95,49 @@ class TransformerArch(IRModel):
     patch: int | None = None
     in_channels: int | None = None  # encoders only: image/video 3, audio 1
     causal: bool = False
+    kv_channels: int | None = None  # the width of a head when it is not hidden / heads
+    # None: RMSNorm (eps 1e-5) on a backbone, LayerNorm (eps 1e-6) on an encoder.
+    norm: Literal["layer", "rms"] | None = None
+    norm_eps: float | None = None
+    # None: SiLU gating with swiglu, exact GELU otherwise.
+    activation: Literal["silu", "gelu", "gelu_tanh", "quick_gelu"] | None = None
+    qkv_bias: bool = False
+    out_bias: bool = False          # the attention output projection's bias
+    mlp_bias: bool = False
+    rope: RoPE = RoPE()             # backbones only
+    tie_embeddings: bool = False    # backbones: the LM head is the token embedding
+    # A sliding attention window (Mistral): equal to full causal attention on sequences
+    # that fit in it, which is all the checker lets a spec train.
+    sliding_window: int | None = None
+    # Vision towers: learned positions (for an ``image_size`` square image, interpolated
+    # for other sizes) or dtdsl's sinusoidal code; CLIP's class token (dropped from what
+    # the projector reads); a biased patch embedding (SigLIP); a norm before the layers
+    # (CLIP's ``pre_layrnorm``) and after them (SigLIP's ``post_layernorm``).
+    positions: Literal["sinusoidal", "learned"] = "sinusoidal"
+    image_size: int | None = None
+    cls_token: bool = False
+    patch_bias: bool = False
+    pre_norm: bool = False
+    post_norm: bool = False
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.kv_channels or self.hidden // self.heads
+
+    def norm_kind(self, role: str) -> str:
+        """``"rms"`` or ``"layer"``: the norm of a module of ``role``."""
+        return self.norm or ("rms" if role == "backbone" else "layer")
+
+    def eps(self, role: str) -> float:
+        """The norms' epsilon for a module of ``role``."""
+        if self.norm_eps is not None:
+            return self.norm_eps
+        return 1e-5 if self.norm_kind(role) == "rms" else 1e-6
+
+    @property
+    def act(self) -> str:
+        """The MLP's activation (the gate's, with swiglu)."""
+        return self.activation or ("silu" if self.swiglu else "gelu")
 
     @property
     def pipeline_layers(self) -> int:
@@ -81,7 +158,8 @@ class TransformerArch(IRModel):
 
 
 class UNetArch(IRModel):
-    """A Stable-Diffusion-style latent U-Net with cross-attention."""
+    """A Stable-Diffusion-style latent U-Net with cross-attention (diffusers'
+    ``UNet2DConditionModel`` of SD 1.x/2.x), with the noise schedule it is trained on."""
 
     kind: Literal["unet"] = "unet"
     channels: int
@@ -94,10 +172,30 @@ class UNetArch(IRModel):
     context_dim: int = 1024
     transformer_depth: int = 1
     groups: int = 32
+    # Attention heads per level (SD 1.x: 8 everywhere; SD 2.x: 5, 10, 20, 20); None:
+    # ``channels // head_dim`` at each level.
+    heads: tuple[int, ...] | None = None
+    linear_proj: bool = True        # the spatial transformers' proj_in/out (SD 2.x), or 1x1 convs
+    norm_eps: float = 1e-5          # the residual blocks' GroupNorms
+    # The training objective: the noise (epsilon) or the velocity (v_prediction) at integer
+    # timesteps in [0, timesteps) of a beta schedule (DDPM's linear 1e-4..0.02 by default;
+    # SD's scaled_linear 0.00085..0.012).
+    prediction: Literal["epsilon", "v_prediction"] = "epsilon"
+    beta_schedule: Literal["linear", "scaled_linear", "squaredcos_cap_v2"] = "linear"
+    beta_start: float = 1e-4
+    beta_end: float = 0.02
+    timesteps: int = 1000
 
     @property
     def level_channels(self) -> tuple[int, ...]:
         return tuple(self.channels * m for m in self.mult)
+
+    def level_heads(self, level: int) -> int:
+        """The attention heads of the spatial transformers at ``level`` (the middle
+        block's are the deepest level's)."""
+        if self.heads is not None:
+            return self.heads[level]
+        return self.level_channels[level] // self.head_dim
 
     @property
     def pipeline_layers(self) -> int:
@@ -111,16 +209,18 @@ class UNetArch(IRModel):
         return tuple(i for i in range(len(self.mult)) if 2 ** i in self.attn_res)
 
     def tp_conflicts(self, tp: int) -> tuple[str, ...]:
-        """Channels (convolutions, GroupNorm groups) and attention heads split across TP."""
+        """Attention heads and the GEGLU width split across TP (the runtime shards the
+        attention and MLP blocks; convolutions and norms are replicated)."""
         out = []
-        for i, ch in enumerate(self.level_channels):
-            if ch % tp:
-                out.append(f"{ch} channels at level {i}")
-            elif i in self.attention_levels and (ch // self.head_dim) % tp:
-                heads = ch // self.head_dim
-                out.append(f"{heads} attention head{'s' if heads != 1 else ''} at level {i}")
-        if self.groups % tp:
-            out.append(f"{self.groups} GroupNorm groups")
+        levels = len(self.mult)
+        for i in (*self.attention_levels, levels - 1):
+            heads = self.level_heads(i)
+            where = "the middle block" if i == levels - 1 and i not in self.attention_levels \
+                else f"level {i}"
+            if heads % tp:
+                out.append(f"{heads} attention head{'s' if heads != 1 else ''} at {where}")
+            elif (4 * self.level_channels[i]) % tp:
+                out.append(f"a GEGLU width of {4 * self.level_channels[i]} at {where}")
         return tuple(dict.fromkeys(out))
 
 
@@ -136,6 +236,7 @@ class DiTArch(IRModel):
     latent: int
     latent_channels: int = 4
     context_dim: int
+    timesteps: int = 1000      # DDPM's linear schedule, the noise as the target
 
     @property
     def pipeline_layers(self) -> int:
@@ -172,6 +273,8 @@ class Module(IRModel):
     frozen: bool = False
     recompute: bool = False
     span: Span
+    hf: HFSource | None = None       # arch = hf("DIR"): where the architecture came from
+    pretrained: str | None = None    # pretrained = "DIR": the weights, absolute
 
     @property
     def input_dim(self) -> int:

@@ -28,7 +28,8 @@ from dtdsl.models.unet import UNet
 
 __all__ = [
     "Backbone", "DiT", "DiTBlock", "Encoder", "Projector", "TransformerLayer", "UNet",
-    "build_layer", "build_module", "build_projector", "projector_tp_conflicts",
+    "build_arch", "build_layer", "build_module", "build_projector", "projector_tp_conflicts",
+    "tie_weights",
 ]
 
 
@@ -48,17 +49,34 @@ def build_module(module: ir.Module, tp: int = 1) -> nn.Module:
     ``UNet`` or ``DiT``. Raises ValueError for a role/architecture pair the runtime has
     no model for, or a ``tp`` the architecture cannot split."""
     _check_tp(module, tp)
-    arch = module.arch
-    if isinstance(arch, ir.TransformerArch) and module.role == "encoder":
-        return Encoder(arch, tp=tp)
-    if isinstance(arch, ir.TransformerArch) and module.role == "backbone":
-        return Backbone(arch, tp=tp)
-    if isinstance(arch, ir.UNetArch) and module.role == "generator":
-        return UNet(arch, tp=tp)
-    if isinstance(arch, ir.DiTArch) and module.role == "generator":
-        return DiT(arch, tp=tp)
-    raise ValueError(f"no runtime model for a {module.role} with a {arch.kind} architecture "
-                     f"(module '{module.name}')")
+    return build_arch(module.role, module.arch, tp, name=module.name)
+
+
+def build_arch(role: str, arch: ir.Arch, tp: int = 1, *, name: str = "") -> nn.Module:
+    """The torch model of a module of ``role`` with architecture ``arch`` (see
+    ``build_module``); the model keeps ``arch`` and ``role`` as attributes (what
+    ``models.hf.save_hf`` writes back)."""
+    if isinstance(arch, ir.TransformerArch) and role == "encoder":
+        model: nn.Module = Encoder(arch, tp=tp)
+    elif isinstance(arch, ir.TransformerArch) and role == "backbone":
+        model = Backbone(arch, tp=tp)
+    elif isinstance(arch, ir.UNetArch) and role == "generator":
+        model = UNet(arch, tp=tp)
+    elif isinstance(arch, ir.DiTArch) and role == "generator":
+        model = DiT(arch, tp=tp)
+    else:
+        raise ValueError(f"no runtime model for a {role} with a {arch.kind} architecture"
+                         + (f" (module '{name}')" if name else ""))
+    model.arch, model.role = arch, role
+    return model
+
+
+def tie_weights(module: nn.Module) -> None:
+    """Tie every tied-embedding backbone in ``module`` again: ``to_empty`` (materialising a
+    meta module) and tensor parallelism give each module its own new parameters."""
+    for m in module.modules():
+        if isinstance(m, Backbone):
+            m.tie()
 
 
 def build_layer(module: ir.Module, tp: int = 1) -> nn.Module:

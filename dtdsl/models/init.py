@@ -14,7 +14,8 @@ last bit between CPU and CUDA kernels, nothing more.
 
 The scheme is Llama's as torchtitan sets it (not PyTorch's defaults): linear weights
 ``N(0, 0.02)``; the projections that write into the residual stream (attention ``wo``, MLP
-``w2``, a GEGLU's ``out``) ``N(0, 0.02 / sqrt(2 * layers))``; token embeddings ``N(0, 1)``;
+``w2``, a GEGLU's ``out``) ``N(0, 0.02 / sqrt(2 * layers))``; token embeddings ``N(0, 1)``
+(learned position embeddings ``N(0, 0.02)``, a class token ``N(0, hidden**-0.5)``);
 the LM head ``N(0, hidden**-0.5)``; convolutions ``N(0, fan_in**-0.5)``; norms' weights one,
 biases zero; modules marked ``zero_init`` (a DiT's modulation and output, whose zero start
 makes each block the identity) zero. Normal draws are clamped at three standard
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["InitRule", "hash_normal_", "init_module", "init_rule", "param_keys"]
+__all__ = ["InitRule", "hash_normal_", "init_module", "init_rule", "local_block", "param_keys"]
 
 _M32 = 0xFFFFFFFF
 _CHUNK = 1 << 22            # elements hashed at once: bounds the int64 temporaries
@@ -124,10 +125,13 @@ def init_rule(owner: nn.Module, attr: str, param: torch.Tensor, num_layers: int,
         return InitRule("zeros")
     if isinstance(owner, _NORMS):
         return InitRule("ones" if attr == "weight" else "zeros")
+    stds = getattr(owner, "param_init_std", {})
+    if attr in stds:        # a module's own parameter with its own scale (a class token)
+        return InitRule("normal", stds[attr])
     if attr == "bias" or param.dim() < 2:
         return InitRule("zeros")
     if isinstance(owner, nn.Embedding):
-        return InitRule("normal", 1.0)
+        return InitRule("normal", getattr(owner, "init_std", 1.0))
     if head:
         return InitRule("normal", param.shape[-1] ** -0.5)
     if isinstance(owner, nn.modules.conv._ConvNd):
@@ -138,7 +142,7 @@ def init_rule(owner: nn.Module, attr: str, param: torch.Tensor, num_layers: int,
     return InitRule("normal", _STD)
 
 
-def _block(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+def local_block(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
     """(local tensor, full shape, offsets of the local block) of a plain tensor or a
     DTensor (any placements whose local block is contiguous in the full tensor)."""
     to_local = getattr(param, "to_local", None)
@@ -171,7 +175,7 @@ def init_module(module: nn.Module, *, seed: int, unit: str, prefix: str = "",
             name = f"{mod_name}.{attr}" if mod_name else attr
             rule = init_rule(owner, attr, param, num_layers, head=head is not None
                              and mod_name == head)
-            local, full_shape, offsets = _block(param)
+            local, full_shape, offsets = local_block(param)
             if rule.kind == "zeros":
                 local.zero_()
             elif rule.kind == "ones":

@@ -28,9 +28,9 @@ unit's torch modules and its inputs:
   ``backbone_output`` for pipeline stages.
 - ``generator_step(model, name, conditioning, targets)``: conditioning through the
   backbone->generator projector gives the cross-attention context; each target's
-  clean latent is noised to its timestep (DDPM, linear betas 1e-4..0.02 over
-  ``DIFFUSION_STEPS``), the generator predicts the noise; the result is the *sum*
-  over targets of each target's mean squared error.
+  clean latent is noised to its timestep under the generator's noise schedule, the
+  generator predicts the noise or the velocity (``models.diffusion``: its scheduler
+  config's); the result is the *sum* over targets of each target's mean squared error.
 
 The loss of any subset of a step's samples is::
 
@@ -59,7 +59,6 @@ from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 
 from dtdsl.data.sample import (
-    DIFFUSION_STEPS,
     GenTargets,
     Sample,
     SampleSizes,
@@ -68,7 +67,8 @@ from dtdsl.data.sample import (
     unpack_images,
 )
 from dtdsl.ir import program as ir
-from dtdsl.models import build_module, build_projector
+from dtdsl.models import build_module, build_projector, tie_weights
+from dtdsl.models.diffusion import noisy_and_target
 from dtdsl.models.init import init_module
 from dtdsl.models.transformer import (
     Backbone,
@@ -76,7 +76,6 @@ from dtdsl.models.transformer import (
     gather_sequence,
     scatter_sequence,
     sequence_parallel_degree,
-    sinusoidal_embedding,
 )
 
 __all__ = [
@@ -86,7 +85,6 @@ __all__ = [
     "LossParts",
     "Model",
     "Normalizer",
-    "alphas_cumprod",
     "backbone_input",
     "backbone_layers",
     "backbone_output",
@@ -97,6 +95,7 @@ __all__ = [
     "encode",
     "encoder_input",
     "encoder_layers",
+    "encoder_output",
     "gather_sequence",
     "generator_step",
     "image_tokens",
@@ -131,9 +130,19 @@ def unit_spec(program: ir.Program, name: str) -> ir.Module | ir.Projector:
 def init_unit(program: ir.Program, name: str, module: nn.Module, seed: int, *,
               prefix: str = "", skip: set[int] | None = None) -> None:
     """Initialise ``module`` (unit ``name``, or its part at ``prefix`` inside the unit; a
-    materialised module, plain or TP-sharded) by ``models.init``'s layout-independent
-    rules, from the spec ``seed``; parameters whose ``id`` is in ``skip`` are left."""
+    materialised module, plain or sharded: TP and FSDP2 shards) from the unit's
+    ``pretrained`` weights, each parameter's block read from its checkpoint
+    (``models.hf.load_weights``), or else by ``models.init``'s layout-independent rules
+    from the spec ``seed``; parameters whose ``id`` is in ``skip`` are left."""
     spec = unit_spec(program, name)
+    if isinstance(spec, ir.Module) and spec.pretrained is not None:
+        from dtdsl.models.hf import Checkpoint, load_weights
+
+        assert spec.hf is not None, "the checker gives every pretrained module its source"
+        with Checkpoint(spec.pretrained) as checkpoint:
+            load_weights(module, spec.hf.family, spec.arch, checkpoint, skip=skip,
+                         prefix=prefix)
+        return
     layers = getattr(spec.arch, "layers", None) or getattr(spec.arch, "depth", 1)
     head = "output" if isinstance(spec, ir.Module) and spec.role == "backbone" else None
     init_module(module, seed=seed, unit=name, prefix=prefix, num_layers=int(layers),
@@ -157,6 +166,7 @@ def build_unit(program: ir.Program, name: str, seed: int, tp: int = 1, *,
     target = torch.device(device) if device is not None else torch.get_default_device()
     if target.type != "meta":
         unit.to_empty(device=target)
+        tie_weights(unit)
         init_unit(program, name, unit, seed)
     if spec.frozen:
         unit.requires_grad_(False)
@@ -189,14 +199,16 @@ def sequence_length(sizes: SampleSizes, patch: int, seq_len: int) -> int:
     return n_img + min(sizes.text_tokens, max(0, seq_len - n_img))
 
 
-def packed_shapes(sizes: Sequence[SampleSizes], patch: int) -> list[tuple[int, int]]:
-    """``(images, patches)`` of every group ``pack_images`` makes of these samples' images,
-    in its order: what an encoder stage's activations look like, from sizes alone."""
+def packed_shapes(sizes: Sequence[SampleSizes], patch: int, extra_tokens: int = 0
+                  ) -> list[tuple[int, int]]:
+    """``(images, rows)`` of every group ``pack_images`` makes of these samples' images, in
+    its order: what an encoder stage's activations look like, from sizes alone (``rows``:
+    an image's patches plus ``extra_tokens``, its class token)."""
     groups: dict[tuple[int, int], int] = {}
     for sz in sizes:
         for h, w in sz.image_shapes:
             groups[(h, w)] = groups.get((h, w), 0) + 1
-    return [(n, (h // patch) * (w // patch)) for (h, w), n in groups.items()]
+    return [(n, (h // patch) * (w // patch) + extra_tokens) for (h, w), n in groups.items()]
 
 
 class Model(nn.Module):
@@ -221,6 +233,7 @@ class Model(nn.Module):
                              "runtime needs")
 
         self.enc_proj = projector(self.encoder, self.backbone) if self.encoder else None
+        self.archs = {m.name: m.arch for m in program.modules}
         self.gen_proj = {g: projector(self.backbone, g) for g in self.generators}
         names = [m.name for m in program.modules] + [p.name for p in program.projectors]
         self.units = nn.ModuleDict({n: build_unit(program, n, seed) for n in names})
@@ -270,15 +283,20 @@ def loss_normalizer(model: Model, samples: Sequence[Sample]) -> Normalizer:
 
 # ---- encoder -----------------------------------------------------------------------------
 
-def encoder_input(encoder: Encoder, groups: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Patch embedding plus position code of each packed group ``[B, N, patch_dim]``
-    (exactly what ``Encoder.forward`` does before its layers)."""
-    out = []
-    for patches in groups:
-        x = encoder.patch_embed(patches)
-        positions = torch.arange(x.shape[1], device=x.device)
-        out.append(x + sinusoidal_embedding(positions, encoder.hidden).to(x.dtype))
-    return out
+def encoder_input(encoder: Encoder, groups: Sequence[torch.Tensor],
+                  grids: Sequence[tuple[int, int]] | None = None) -> list[torch.Tensor]:
+    """Each packed group ``[B, N, patch_dim]`` (of images with patch grid ``grids[k]``) to
+    the first layer's input: ``Encoder.embed`` (patch embedding, class token, positions,
+    pre-norm; exactly what ``Encoder.forward`` does before its layers)."""
+    if grids is None:
+        grids = [None] * len(groups)
+    return [encoder.embed(patches, grid) for patches, grid in zip(groups, grids, strict=True)]
+
+
+def encoder_output(encoder: Encoder, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The last layer's output of each group to what the projector reads
+    (``Encoder.finish``: post-norm, class token dropped)."""
+    return [encoder.finish(x) for x in xs]
 
 
 def encoder_layers(encoder: Encoder, xs: Sequence[torch.Tensor], start: int = 0,
@@ -303,7 +321,8 @@ def encode(model: Model, samples: Sequence[Sample]) -> list[torch.Tensor]:
         return [torch.zeros(0, width, device=device) for _ in samples]
     encoder: Encoder = model.unit(model.encoder)
     packed = pack_images([[im.to(device) for im in s.images] for s in samples], model.patch)
-    hidden = encoder_layers(encoder, encoder_input(encoder, packed.groups))
+    hidden = encoder_output(encoder, encoder_layers(
+        encoder, encoder_input(encoder, packed.groups, packed.grids)))
     projector = model.unit(model.enc_proj)
     return unpack_images(packed, [projector(h) for h in hidden], width=width)
 
@@ -424,14 +443,6 @@ def backbone_step(model: Model, image_embeds: Sequence[torch.Tensor],
 
 # ---- generators --------------------------------------------------------------------------
 
-def alphas_cumprod(device: torch.device | str = "cpu") -> torch.Tensor:
-    """DDPM's cumulative signal fractions ``[DIFFUSION_STEPS]`` (float32), made where they
-    are used (a thousand numbers; no tensor is kept between calls, so none outlives the
-    device or the fake-tensor mode it was made in)."""
-    betas = torch.linspace(1e-4, 0.02, DIFFUSION_STEPS, dtype=torch.float64, device=device)
-    return torch.cumprod(1.0 - betas, dim=0).to(torch.float32)
-
-
 def generator_step(model: Model, name: str, cond: Sequence[torch.Tensor],
                    targets: Sequence[GenTargets]) -> torch.Tensor:
     """Generator ``name`` on the samples' conditioning and targets (one of each per
@@ -440,7 +451,7 @@ def generator_step(model: Model, name: str, cond: Sequence[torch.Tensor],
     generator = model.unit(name)
     projector = model.unit(model.gen_proj[name])
     device = next(generator.parameters()).device
-    abar = alphas_cumprod(device)
+    arch = model.archs[name]
     groups: dict[int, list[tuple[torch.Tensor, GenTargets]]] = {}
     for c, t in zip(cond, targets, strict=True):
         if len(t):
@@ -451,12 +462,11 @@ def generator_step(model: Model, name: str, cond: Sequence[torch.Tensor],
         x0 = torch.cat([t.latents for _, t in members]).to(device)
         noise = torch.cat([t.noise for _, t in members]).to(device)
         steps = torch.cat([t.timesteps for _, t in members]).to(device)
-        a = abar[steps].view(-1, 1, 1, 1)
-        noisy = a.sqrt() * x0 + (1 - a).sqrt() * noise
+        noisy, target = noisy_and_target(arch, x0, noise, steps)
         # In the compute dtype of the generator's parameters (bf16 under mixed precision:
         # the context comes out of its projector in it); the error in fp32.
         pred = generator(noisy.to(context.dtype), steps, context)
-        total = total + ((pred.float() - noise) ** 2).flatten(1).mean(dim=1).sum()
+        total = total + ((pred.float() - target) ** 2).flatten(1).mean(dim=1).sum()
     return total
 
 

@@ -1,35 +1,49 @@
-"""Pre-norm transformers built from a ``TransformerArch``: ViT-style encoders and
-Llama-style backbones, plus the attention and MLP blocks the U-Net and DiT reuse.
+"""Pre-norm transformers built from a ``TransformerArch``: vision towers (CLIP, SigLIP and
+dtdsl's own ViT) and Llama-family decoders (Llama 2/3, Mistral, Qwen2), plus the attention
+and MLP blocks the U-Net and DiT reuse.
 
-Parameters mirror ``dtdsl.cost.flops`` so that the analytic model and the runtime
-count the same model: linear layers carry no biases (as in Llama; the ViT's
-biases are 0.06% of ViT-H and the analytic model leaves them out), encoders use
-LayerNorm (weight and bias) and a parameter-free sinusoidal position code (items
-vary in length), backbones use RMSNorm and rotary position embeddings.
+Each module is the architecture its Hugging Face counterpart computes, detail for detail,
+as the ``TransformerArch`` fields say (``arch = hf(...)`` fills them from a config; the
+defaults are ``transformer(...)``'s plain model):
 
-One known difference from ``flops.module_params``: it counts 4 h norm parameters
-per layer (two LayerNorms) for every transformer, while a backbone's two RMSNorms
-hold 2 h, and its final RMSNorm adds h. The torch backbone therefore has
-``layers * 2 h - h`` fewer parameters than the analytic count (0.002% of a 70B model).
+- norms: RMSNorm or LayerNorm with the config's epsilon; a vision tower's optional
+  ``pre_norm`` (CLIP's ``pre_layrnorm``) and ``post_norm`` (SigLIP's ``post_layernorm``);
+- attention: grouped-query, a head width that may differ from ``hidden / heads``, biases
+  on Q, K, V (Qwen2, CLIP) and on the output projection (CLIP), rotary embeddings with
+  the config's theta and scaling on a backbone (``models.rope``);
+- MLP: SwiGLU (``w2(silu(w1 x) * w3 x)``) or a plain one with GELU, tanh-GELU (SigLIP) or
+  quick-GELU (CLIP), with or without biases;
+- a vision tower's patch embedding (a linear map of flattened patches: the same numbers
+  as a ``kernel = stride = patch`` convolution), its class token and learned position
+  embedding (interpolated bicubically for another image size, as Hugging Face's
+  ``interpolate_pos_encoding``) or dtdsl's sinusoidal code;
+- a backbone's tied or untied LM head.
 
-Tensor parallelism: every class takes the *per-rank* sizes of a Megatron-style
-shard (``tp`` divides heads, KV heads and the FFN width). Column-parallel layers
-(QKV, the MLP's first matrices) produce the local slice; row-parallel ones (the
-attention output, the MLP's last matrix) consume it and produce full-width
-partial sums. The all-reduce that would add those partial sums across ranks is
-left out: a shard on one device computes exactly one rank's share, which is what
-profiling measures (communication is costed separately).
+Projections are separate matrices (``wq``, ``wk``, ``wv``, ``wo``; ``w1``, ``w3``, ``w2``): one
+to one with a checkpoint's tensors (``models.hf`` maps the names) and a plain cut under
+tensor parallelism.
+
+Tensor parallelism (``tp``): every class takes the *per-rank* sizes of a Megatron-style
+shard (``tp`` divides heads, KV heads and the FFN width). Column-parallel layers (QKV, the
+MLP's first matrices) produce the local slice; row-parallel ones (the attention output,
+the MLP's last matrix) consume it and produce full-width partial sums. The all-reduce
+that would add those partial sums across ranks is left out: a shard on one device
+computes exactly one rank's share, which is what profiling measures (communication is
+costed separately). The distributed runtime builds ``tp = 1`` modules and shards them
+with DTensor (``parallel.tp``).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dtdsl.ir import program as ir
+from dtdsl.models.rope import apply_rotary
 
 __all__ = [
     "MLP",
@@ -38,6 +52,7 @@ __all__ = [
     "Encoder",
     "SelfAttention",
     "TransformerLayer",
+    "activation",
     "shard_size",
     "gather_sequence",
     "scatter_sequence",
@@ -45,13 +60,12 @@ __all__ = [
     "sinusoidal_embedding",
 ]
 
-_ROPE_THETA = 500_000.0   # Llama 3's base: long packed sequences
-
 
 def sinusoidal_embedding(positions: torch.Tensor, dim: int,
                          max_period: float = 10_000.0) -> torch.Tensor:
     """The transformer's fixed sin/cos code of ``positions`` (any shape; float or int):
-    shape ``positions.shape + (dim,)``, float32. Also the diffusion timestep embedding."""
+    shape ``positions.shape + (dim,)``, float32, cosines first (diffusers'
+    ``flip_sin_to_cos``, no frequency shift). Also the diffusion timestep embedding."""
     half = dim // 2
     freqs = torch.exp(-math.log(max_period) *
                       torch.arange(half, dtype=torch.float32, device=positions.device) / half)
@@ -62,24 +76,21 @@ def sinusoidal_embedding(positions: torch.Tensor, dim: int,
     return emb
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
+def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(1.702 * x)
 
 
-def _apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
-                  theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotary embeddings (rotate-half form) on ``[B, S, H, D]`` queries and keys."""
-    dim = q.shape[-1]
-    inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32,
-                                            device=q.device) / dim)
-    angles = positions.float().unsqueeze(-1) * inv_freq           # [..., S, D/2]
-    angles = torch.cat([angles, angles], dim=-1)
-    if angles.dim() == 2:                                          # [S, D]: shared by the batch
-        angles = angles.unsqueeze(0)
-    cos = angles.cos().unsqueeze(2).to(q.dtype)                    # [B or 1, S, 1, D]
-    sin = angles.sin().unsqueeze(2).to(q.dtype)
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu, "gelu": F.gelu, "gelu_tanh": _gelu_tanh, "quick_gelu": _quick_gelu}
+
+
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The activation function called ``name`` (``ir.TransformerArch.activation``)."""
+    return _ACTIVATIONS[name]
 
 
 class SelfAttention(nn.Module):
@@ -87,16 +98,16 @@ class SelfAttention(nn.Module):
 
     ``heads`` and ``kv_heads`` are this rank's heads; ``dim`` is the full model width.
     Input and output ``[B, S, dim]``; ``positions`` (``[S]`` or ``[B, S]``) only
-    matters with ``rotary``."""
+    matters with ``rope``."""
 
     def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, *,
-                 causal: bool = False, rotary: bool = False, out_bias: bool = False,
-                 qkv_bias: bool = False, rope_theta: float = _ROPE_THETA):
+                 causal: bool = False, rope: ir.RoPE | None = None, out_bias: bool = False,
+                 qkv_bias: bool = False):
         super().__init__()
         if heads % kv_heads:
             raise ValueError(f"{heads} query heads cannot share {kv_heads} KV heads evenly")
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.causal, self.rotary, self.rope_theta = causal, rotary, rope_theta
+        self.causal, self.rope = causal, rope
         # Separate Q, K and V projections (as Hugging Face and torchtitan keep them): each
         # is cut by heads under tensor parallelism and maps one to one to a checkpoint.
         self.wq = nn.Linear(dim, heads * head_dim, bias=qkv_bias)
@@ -112,10 +123,10 @@ class SelfAttention(nn.Module):
         q = self.wq(x).view(batch, seq, -1, d)
         k = self.wk(x).view(batch, seq, -1, d)
         v = self.wv(x).view(batch, seq, -1, d)
-        if self.rotary:
+        if self.rope is not None:
             if positions is None:
                 positions = torch.arange(seq, device=x.device)
-            q, k = _apply_rotary(q, k, positions, self.rope_theta)
+            q, k = apply_rotary(q, k, positions, self.rope)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=self.causal,
             enable_gqa=q.shape[2] != k.shape[2])
@@ -148,23 +159,24 @@ class CrossAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """The feed-forward block: SwiGLU (``w2(silu(gate) * up)``) or GELU; ``ffn`` is this
-    rank's width. ``tanh_gelu`` selects DiT's approximate GELU."""
+    """The feed-forward block; ``ffn`` is this rank's width. Gated (SwiGLU as Llama:
+    ``w2(act(w1 x) * w3 x)``) or plain (``w2(act(w1 x))``), ``act`` by name
+    (``activation``); ``tanh_gelu`` is DiT's shorthand for ``act="gelu_tanh"``."""
 
-    def __init__(self, dim: int, ffn: int, *, swiglu: bool = False, tanh_gelu: bool = False):
+    def __init__(self, dim: int, ffn: int, *, swiglu: bool = False, tanh_gelu: bool = False,
+                 act: str | None = None, bias: bool = False):
         super().__init__()
-        self.swiglu = swiglu
-        self.gelu_approximate = "tanh" if tanh_gelu else "none"
-        # SwiGLU as Llama: w2(silu(w1 x) * w3 x); GELU: w2(gelu(w1 x)).
-        self.w1 = nn.Linear(dim, ffn, bias=False)
-        self.w3 = nn.Linear(dim, ffn, bias=False) if swiglu else None
-        self.w2 = nn.Linear(ffn, dim, bias=False)
+        name = act or ("silu" if swiglu else "gelu_tanh" if tanh_gelu else "gelu")
+        self.act = activation(name)
+        self.w1 = nn.Linear(dim, ffn, bias=bias)
+        self.w3 = nn.Linear(dim, ffn, bias=bias) if swiglu else None
+        self.w2 = nn.Linear(ffn, dim, bias=bias)
         self.w2.residual_out = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.w3 is not None:
-            return self.w2(F.silu(self.w1(x)) * self.w3(x))
-        return self.w2(F.gelu(self.w1(x), approximate=self.gelu_approximate))
+            return self.w2(self.act(self.w1(x)) * self.w3(x))
+        return self.w2(self.act(self.w1(x)))
 
 
 def shard_size(value: int, tp: int, what: str) -> int:
@@ -174,28 +186,31 @@ def shard_size(value: int, tp: int, what: str) -> int:
     return value // tp
 
 
+def _norm(arch: ir.TransformerArch, role: str) -> nn.Module:
+    h, eps = arch.hidden, arch.eps(role)
+    return nn.RMSNorm(h, eps=eps) if arch.norm_kind(role) == "rms" else nn.LayerNorm(h, eps=eps)
+
+
 class TransformerLayer(nn.Module):
     """One pre-norm layer: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``.
 
-    Backbones (``role="backbone"``): RMSNorm, rotary embeddings, causal attention if
-    the architecture says so. Encoders: LayerNorm, bidirectional attention.
-    Input and output ``[B, S, hidden]``."""
+    Backbones (``role="backbone"``): rotary embeddings and causal attention if the
+    architecture says so; encoders: bidirectional attention without rotation. Norms,
+    biases and the activation as the architecture gives them. Input and output
+    ``[B, S, hidden]``."""
 
     def __init__(self, arch: ir.TransformerArch, *, tp: int = 1, role: str = "encoder"):
         super().__init__()
-        backbone = role == "backbone"
         h = arch.hidden
         heads = shard_size(arch.heads, tp, "attention heads")
         kv_heads = shard_size(arch.kv_heads, tp, "KV heads")
         ffn = shard_size(arch.ffn, tp, "FFN columns")
-        def norm() -> nn.Module:
-            return nn.RMSNorm(h, eps=1e-5) if backbone else nn.LayerNorm(h, eps=1e-6)
-
-        self.attn_norm = norm()
+        self.attn_norm = _norm(arch, role)
         self.attn = SelfAttention(h, heads, kv_heads, arch.head_dim, causal=arch.causal,
-                                  rotary=backbone)
-        self.mlp_norm = norm()
-        self.mlp = MLP(h, ffn, swiglu=arch.swiglu)
+                                  rope=arch.rope if role == "backbone" else None,
+                                  qkv_bias=arch.qkv_bias, out_bias=arch.out_bias)
+        self.mlp_norm = _norm(arch, role)
+        self.mlp = MLP(h, ffn, swiglu=arch.swiglu, act=arch.act, bias=arch.mlp_bias)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), positions)
@@ -203,39 +218,95 @@ class TransformerLayer(nn.Module):
 
 
 class Encoder(nn.Module):
-    """A ViT-style encoder over flattened patches.
+    """A vision transformer over flattened patches (CLIP's, SigLIP's or dtdsl's ViT).
 
-    ``forward(patches)``: ``patches`` is ``[B, N, in_channels * patch^2]`` (one row per
-    image patch or audio frame, see ``patchify``); returns the last layer's hidden
-    states ``[B, N, hidden]`` (no final norm: the projector follows, as in LLaVA,
-    and ``flops.module_params`` counts none)."""
+    The work is split for pipeline stages: ``embed(patches, grid)`` (first stage: patch
+    embedding, class token, positions, pre-norm), ``layers`` (keyed by global index),
+    ``finish(x)`` (last stage: post-norm, then the class token dropped: what a projector
+    reads, ``[B, N, hidden]``). ``forward(pixel_values [B, C, H, W])`` runs it all and
+    returns what Hugging Face's vision model returns as ``last_hidden_state`` (class
+    token included)."""
 
     def __init__(self, arch: ir.TransformerArch, *, tp: int = 1):
         super().__init__()
         self.hidden = arch.hidden
-        self.patch_dim = (arch.in_channels or 3) * (arch.patch or 1) ** 2
+        self.patch = arch.patch or 1
+        self.in_channels = arch.in_channels or 3
+        self.patch_dim = self.in_channels * self.patch ** 2
+        self.learned = arch.positions == "learned"
+        # Whether each image's rows start with a class token (a plain attribute: a later
+        # pipeline stage holds no class embedding but its rows still carry one).
+        self.has_cls = arch.cls_token
+        self.grid = (arch.image_size or 0) // self.patch if self.learned else 0
+        if self.learned and self.grid < 1:
+            raise ValueError("learned positions need the image size the tower was trained at")
         # Replicated on every TP rank: a few thousand parameters, not worth a collective.
-        self.patch_embed = nn.Linear(self.patch_dim, arch.hidden, bias=False)
+        self.patch_embed = nn.Linear(self.patch_dim, arch.hidden, bias=arch.patch_bias)
+        self.cls_embedding = nn.Parameter(torch.empty(arch.hidden)) if arch.cls_token else None
+        self.pos_embed = (nn.Embedding(self.grid ** 2 + int(arch.cls_token), arch.hidden)
+                          if self.learned else None)
+        if self.pos_embed is not None:
+            self.pos_embed.init_std = 0.02      # models.init: not an embedding's N(0, 1)
+        self.param_init_std = {"cls_embedding": arch.hidden ** -0.5}
+        self.pre_norm = _norm(arch, "encoder") if arch.pre_norm else None
         # Keyed by the layer's index: a pipeline stage deletes the layers it does not run
         # and the others keep their names (``layers.<i>.``) whatever the plan.
         self.layers = nn.ModuleDict({str(i): TransformerLayer(arch, tp=tp, role="encoder")
                                      for i in range(arch.layers)})
+        self.post_norm = _norm(arch, "encoder") if arch.post_norm else None
 
     @staticmethod
     def patchify(images: torch.Tensor, patch: int) -> torch.Tensor:
-        """``[B, C, H, W]`` images to ``[B, (H/p)(W/p), C p^2]`` flattened patches."""
+        """``[B, C, H, W]`` images to ``[B, (H/p)(W/p), C p^2]`` flattened patches, each in
+        ``(channel, row, column)`` order: a ``kernel = stride = p`` convolution's weights
+        flattened the same way apply to them as a linear map."""
         b, c, hgt, wid = images.shape
         x = images.reshape(b, c, hgt // patch, patch, wid // patch, patch)
         return x.permute(0, 2, 4, 1, 3, 5).reshape(b, (hgt // patch) * (wid // patch),
                                                    c * patch * patch)
 
-    def forward(self, patches: torch.Tensor) -> torch.Tensor:
+    def _learned_positions(self, grid: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+        weight = self.pos_embed.weight
+        cls, patches = (weight[:1], weight[1:]) if self.cls_embedding is not None else \
+            (weight[:0], weight)
+        if tuple(grid) != (self.grid, self.grid):
+            # Hugging Face's interpolate_pos_encoding: the trained grid resized bicubically.
+            square = patches.reshape(1, self.grid, self.grid, -1).permute(0, 3, 1, 2)
+            square = F.interpolate(square.float(), size=tuple(grid), mode="bicubic",
+                                   align_corners=False)
+            patches = square.permute(0, 2, 3, 1).reshape(grid[0] * grid[1], -1)
+        return torch.cat([cls.to(patches.dtype), patches]).to(dtype)
+
+    def embed(self, patches: torch.Tensor, grid: tuple[int, int] | None = None) -> torch.Tensor:
+        """``[B, N, patch_dim]`` flattened patches of images whose patch grid is ``grid``
+        (rows, columns; default: square) to the first layer's input ``[B, N (+1), hidden]``."""
         x = self.patch_embed(patches)
-        positions = torch.arange(x.shape[1], device=x.device)
-        x = x + sinusoidal_embedding(positions, self.hidden).to(x.dtype)
+        n = x.shape[1]
+        if grid is None:
+            side = math.isqrt(n)
+            grid = (side, n // side) if side * side == n else (1, n)
+        if self.cls_embedding is not None:
+            x = torch.cat([self.cls_embedding.to(x.dtype).expand(x.shape[0], 1, -1), x], dim=1)
+        if self.learned:
+            x = x + self._learned_positions(grid, x.dtype)
+        else:
+            positions = torch.arange(n, device=x.device)
+            x = x + sinusoidal_embedding(positions, self.hidden).to(x.dtype)
+        return self.pre_norm(x) if self.pre_norm is not None else x
+
+    def finish(self, x: torch.Tensor, *, keep_cls: bool = False) -> torch.Tensor:
+        """The last layer's output to what the tower hands on: the post-norm, then (unless
+        ``keep_cls``) without the class token."""
+        if self.post_norm is not None:
+            x = self.post_norm(x)
+        return x if keep_cls or not self.has_cls else x[:, 1:]
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        grid = (pixel_values.shape[-2] // self.patch, pixel_values.shape[-1] // self.patch)
+        x = self.embed(self.patchify(pixel_values, self.patch), grid)
         for layer in self.layers.values():
             x = layer(x)
-        return x
+        return self.finish(x, keep_cls=True)
 
 
 def sequence_parallel_degree(backbone: nn.Module) -> int:
@@ -271,7 +342,8 @@ def gather_sequence(backbone: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 class Backbone(nn.Module):
-    """A Llama-style decoder: token embedding, layers, final RMSNorm, untied output head.
+    """A Llama-family decoder: token embedding, layers, final norm, LM head (the embedding
+    itself when ``tie_embeddings``).
 
     With ``tp > 1`` the embedding and the head hold this rank's ``ceil(vocab / tp)``
     rows (vocabulary parallelism); token ids outside the slice embed to zero, as on
@@ -285,12 +357,22 @@ class Backbone(nn.Module):
     def __init__(self, arch: ir.TransformerArch, *, tp: int = 1):
         super().__init__()
         self.tp = tp
+        self.tied = arch.tie_embeddings
         self.vocab_shard = -(-arch.vocab // tp)
         self.tok_embeddings = nn.Embedding(self.vocab_shard, arch.hidden)
         self.layers = nn.ModuleDict({str(i): TransformerLayer(arch, tp=tp, role="backbone")
                                      for i in range(arch.layers)})
-        self.norm = nn.RMSNorm(arch.hidden, eps=1e-5)
+        self.norm = _norm(arch, "backbone")
         self.output = nn.Linear(arch.hidden, self.vocab_shard, bias=False)
+        if self.tied:
+            self.tie()
+
+    def tie(self) -> None:
+        """Make the LM head's weight the token embedding's (after anything that replaced
+        either parameter, such as tensor parallelism); nothing without tied embeddings or
+        on a stage that holds only one of them."""
+        if self.tied and self.tok_embeddings is not None and self.output is not None:
+            self.output.weight = self.tok_embeddings.weight
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token ids ``[B, S]`` to embeddings ``[B, S, hidden]`` (this rank's rows)."""

@@ -1,21 +1,33 @@
-"""A Stable-Diffusion-2.x-style latent U-Net built from a ``UNetArch``.
+"""A Stable-Diffusion latent U-Net built from a ``UNetArch``: diffusers'
+``UNet2DConditionModel`` of SD 1.x/2.x, module for module.
 
-It is built in exactly the order of ``dtdsl.cost.flops.unet_ops`` (conv_in, the
-time embedding, residual blocks with GroupNorm, spatial transformers with linear
-proj_in/proj_out, self-attention, cross-attention to the conditioning and a GEGLU
-MLP, strided-conv downsampling, nearest upsampling + conv, skip concatenation),
-so its parameter count is ``flops.module_params`` exactly (865,910,724 for SD 2.1).
+The module tree is diffusers': ``conv_in``, ``time_embedding`` (``linear_1``, SiLU,
+``linear_2`` over the sinusoidal timestep code, cosines first), ``down_blocks`` (residual
+blocks, spatial transformers at the levels with attention, a strided-conv downsampler
+but at the deepest level), ``mid_block`` (residual, transformer, residual), ``up_blocks``
+(deepest first: residual blocks over the concatenated skips, transformers, a nearest x2
+upsampler and conv but at the shallowest level), ``conv_norm_out``, SiLU, ``conv_out``. The
+residual blocks' GroupNorms use ``norm_eps``, the transformers' GroupNorm 1e-6 and their
+LayerNorms 1e-5, as diffusers builds them. Each level's attention has the architecture's
+head count (SD 1.x: 8 heads everywhere; SD 2.x: 64-wide heads), the middle block the
+deepest level's.
 
-Tensor parallelism (``tp``): the per-rank shard of a Megatron-style split, valid
-where ``arch.tp_conflicts(tp)`` is empty. In a residual block the first conv and
-the timestep projection are column-parallel (``cout / tp`` channels), the second
-GroupNorm normalises the local ``groups / tp`` groups, and the second conv is
-row-parallel back to ``cout``. Attention splits heads, the GEGLU MLP its width.
-Layers whose input is replicated on every rank (the 1x1 skip conv, proj_in,
-proj_out, down/upsampling convs) are row-parallel over a slice of their input
-channels, so their work is divided too; conv_in, conv_out and the GroupNorms on
-replicated inputs are replicated. The all-reduces after row-parallel layers are
-left out (see ``transformer.py``): the shard computes one rank's share.
+Three things are kept in a form that is the same computation but cuts or maps better:
+
+- a spatial transformer's ``proj_in``/``proj_out`` are linear layers on the flattened
+  pixels whether the checkpoint has linear layers (SD 2.x) or 1x1 convolutions (SD 1.x):
+  the same numbers (``models.hf`` reshapes the weights);
+- attention projections are ``wq``, ``wk``, ``wv``, ``wo`` (diffusers' ``to_q`` ... ``to_out.0``);
+- the GEGLU's fused ``proj`` (its first half the value, its second the gate) is two
+  matrices, ``value`` and ``gate``, so tensor parallelism cuts each by columns.
+
+It is built in exactly the order of ``dtdsl.cost.flops.unet_ops``, so its parameter count
+is ``flops.module_params`` exactly (865,910,724 for SD 2.1).
+
+Tensor parallelism (``tp``): the per-rank shard of what the runtime shards (``parallel.tp``):
+each attention's heads and each GEGLU's width are divided by ``tp``; convolutions, norms,
+the projections around the transformers and the time embedding are replicated. The
+all-reduces after the row-parallel ``wo`` and ``out`` are left out (see ``transformer.py``).
 """
 
 from __future__ import annotations
@@ -25,68 +37,59 @@ import torch.nn.functional as F
 from torch import nn
 
 from dtdsl.ir import program as ir
-from dtdsl.models.transformer import (
-    CrossAttention,
-    SelfAttention,
-    sinusoidal_embedding,
-)
+from dtdsl.models.transformer import CrossAttention, SelfAttention, shard_size, sinusoidal_embedding
 
-__all__ = ["UNet"]
+__all__ = ["GEGLU", "UNet"]
 
 
-def _local(x: torch.Tensor, tp: int) -> torch.Tensor:
-    """Rank 0's slice of the channel dimension of a replicated input (a row-parallel
-    layer's input): channels are dim 1 of images, the last dim of token tensors."""
-    if tp == 1:
-        return x
-    dim = 1 if x.dim() == 4 else -1
-    return x.narrow(dim, 0, x.shape[dim] // tp)
+class ResnetBlock(nn.Module):
+    """diffusers' ``ResnetBlock2D`` (the default time-embedding form)."""
 
-
-class _ResBlock(nn.Module):
-    def __init__(self, cin: int, cout: int, emb: int, groups: int, tp: int):
+    def __init__(self, cin: int, cout: int, emb: int, groups: int, eps: float):
         super().__init__()
-        self.tp = tp
-        self.norm1 = nn.GroupNorm(groups, cin)
-        self.conv1 = nn.Conv2d(cin, cout // tp, 3, padding=1)
-        self.emb_proj = nn.Linear(emb, cout // tp)
-        self.norm2 = nn.GroupNorm(groups // tp, cout // tp)
-        self.conv2 = nn.Conv2d(cout // tp, cout, 3, padding=1)
-        self.skip = nn.Conv2d(cin // tp, cout, 1) if cin != cout else None
+        self.norm1 = nn.GroupNorm(groups, cin, eps=eps)
+        self.conv1 = nn.Conv2d(cin, cout, 3, padding=1)
+        self.time_emb_proj = nn.Linear(emb, cout)
+        self.norm2 = nn.GroupNorm(groups, cout, eps=eps)
+        self.conv2 = nn.Conv2d(cout, cout, 3, padding=1)
+        self.conv_shortcut = nn.Conv2d(cin, cout, 1) if cin != cout else None
 
     def forward(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
         h = self.conv1(F.silu(self.norm1(x)))
-        h = h + self.emb_proj(F.silu(emb))[:, :, None, None]
+        h = h + self.time_emb_proj(F.silu(emb))[:, :, None, None]
         h = self.conv2(F.silu(self.norm2(h)))
-        return h + (x if self.skip is None else self.skip(_local(x, self.tp)))
+        return h + (x if self.conv_shortcut is None else self.conv_shortcut(x))
 
 
 class GEGLU(nn.Module):
-    """The U-Net transformer block's MLP: a GELU-gated linear unit, ``out(value(x) *
-    gelu(gate(x)))`` (diffusers fuses ``value`` and ``gate`` into one ``proj``; they are
-    separate here so tensor parallelism cuts each by columns)."""
+    """The transformer block's MLP: a GELU-gated linear unit, ``out(value(x) *
+    gelu(gate(x)))``; ``inner`` is this rank's width."""
 
-    def __init__(self, ch: int, tp: int):
+    def __init__(self, ch: int, inner: int):
         super().__init__()
-        self.value = nn.Linear(ch, 4 * ch // tp)
-        self.gate = nn.Linear(ch, 4 * ch // tp)
-        self.out = nn.Linear(4 * ch // tp, ch)
+        self.value = nn.Linear(ch, inner)
+        self.gate = nn.Linear(ch, inner)
+        self.out = nn.Linear(inner, ch)
         self.out.residual_out = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(self.value(x) * F.gelu(self.gate(x)))
 
 
-class _TransformerBlock(nn.Module):
-    def __init__(self, ch: int, arch: ir.UNetArch, tp: int):
+class TransformerBlock(nn.Module):
+    """diffusers' ``BasicTransformerBlock``: self-attention, cross-attention to the
+    conditioning, GEGLU, each after a LayerNorm and added to the residual."""
+
+    def __init__(self, ch: int, heads: int, context_dim: int, tp: int):
         super().__init__()
-        heads = ch // arch.head_dim // tp
+        head_dim = ch // heads
+        local = shard_size(heads, tp, "attention heads")
         self.norm1 = nn.LayerNorm(ch)
-        self.attn1 = SelfAttention(ch, heads, heads, arch.head_dim, out_bias=True)
+        self.attn1 = SelfAttention(ch, local, local, head_dim, out_bias=True)
         self.norm2 = nn.LayerNorm(ch)
-        self.attn2 = CrossAttention(ch, arch.context_dim, heads, arch.head_dim, out_bias=True)
+        self.attn2 = CrossAttention(ch, context_dim, local, head_dim, out_bias=True)
         self.norm3 = nn.LayerNorm(ch)
-        self.ff = GEGLU(ch, tp)
+        self.ff = GEGLU(ch, shard_size(4 * ch, tp, "GEGLU columns"))
 
     def forward(self, x: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
         x = x + self.attn1(self.norm1(x))
@@ -94,59 +97,111 @@ class _TransformerBlock(nn.Module):
         return x + self.ff(self.norm3(x))
 
 
-class _SpatialTransformer(nn.Module):
-    def __init__(self, ch: int, arch: ir.UNetArch, tp: int):
+class SpatialTransformer(nn.Module):
+    """diffusers' ``Transformer2DModel`` on a feature map ``[B, C, H, W]``."""
+
+    def __init__(self, ch: int, heads: int, arch: ir.UNetArch, tp: int):
         super().__init__()
-        self.tp = tp
         self.norm = nn.GroupNorm(arch.groups, ch, eps=1e-6)
-        self.proj_in = nn.Linear(ch // tp, ch)
-        self.blocks = nn.ModuleList(_TransformerBlock(ch, arch, tp)
-                                    for _ in range(arch.transformer_depth))
-        self.proj_out = nn.Linear(ch // tp, ch)
+        self.proj_in = nn.Linear(ch, ch)
+        self.transformer_blocks = nn.ModuleList(
+            TransformerBlock(ch, heads, arch.context_dim, tp)
+            for _ in range(arch.transformer_depth))
+        self.proj_out = nn.Linear(ch, ch)
 
     def forward(self, x: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
         b, c, hgt, wid = x.shape
-        h = self.norm(x).flatten(2).transpose(1, 2)              # [B, HW, C]
-        h = self.proj_in(_local(h, self.tp))
-        for block in self.blocks:
+        h = self.proj_in(self.norm(x).permute(0, 2, 3, 1).reshape(b, hgt * wid, c))
+        for block in self.transformer_blocks:
             h = block(h, context)
-        h = self.proj_out(_local(h, self.tp))
-        return x + h.transpose(1, 2).reshape(b, c, hgt, wid)
+        h = self.proj_out(h)
+        return x + h.reshape(b, hgt, wid, c).permute(0, 3, 1, 2)
 
 
-class _Downsample(nn.Module):
-    def __init__(self, ch: int, tp: int):
+class Downsample(nn.Module):
+    def __init__(self, ch: int):
         super().__init__()
-        self.tp = tp
-        self.conv = nn.Conv2d(ch // tp, ch, 3, stride=2, padding=1)
+        self.conv = nn.Conv2d(ch, ch, 3, stride=2, padding=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.conv(_local(x, self.tp))
+        return self.conv(x)
 
 
-class _Upsample(nn.Module):
-    def __init__(self, ch: int, tp: int):
+class Upsample(nn.Module):
+    def __init__(self, ch: int):
         super().__init__()
-        self.tp = tp
-        self.conv = nn.Conv2d(ch // tp, ch, 3, padding=1)
+        self.conv = nn.Conv2d(ch, ch, 3, padding=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.conv(F.interpolate(_local(x, self.tp), scale_factor=2.0, mode="nearest"))
+        return self.conv(F.interpolate(x, scale_factor=2.0, mode="nearest"))
 
 
-class _Step(nn.ModuleList):
-    """One entry of SD's input/middle/output block lists: layers applied in turn, each
-    given what it needs (timestep embedding, conditioning)."""
+class _Block(nn.Module):
+    """A down or up block: residual blocks, each followed by its spatial transformer when
+    the level has attention, then the resampler (if any)."""
 
-    def forward(self, x: torch.Tensor, emb: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
-        for layer in self:
-            if isinstance(layer, _ResBlock):
-                x = layer(x, emb)
-            elif isinstance(layer, _SpatialTransformer):
-                x = layer(x, context)
-            else:
-                x = layer(x)
+    def __init__(self) -> None:
+        super().__init__()
+        self.resnets = nn.ModuleList()
+        self.attentions = nn.ModuleList()
+
+    def pairs(self):
+        attentions = list(self.attentions) or [None] * len(self.resnets)
+        return zip(self.resnets, attentions, strict=True)
+
+
+class DownBlock(_Block):
+    def __init__(self) -> None:
+        super().__init__()
+        self.downsamplers = nn.ModuleList()
+
+    def forward(self, x: torch.Tensor, emb: torch.Tensor, context: torch.Tensor
+                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        skips = []
+        for resnet, attention in self.pairs():
+            x = resnet(x, emb)
+            if attention is not None:
+                x = attention(x, context)
+            skips.append(x)
+        for down in self.downsamplers:
+            x = down(x)
+            skips.append(x)
+        return x, skips
+
+
+class UpBlock(_Block):
+    def __init__(self) -> None:
+        super().__init__()
+        self.upsamplers = nn.ModuleList()
+
+    def forward(self, x: torch.Tensor, skips: list[torch.Tensor], emb: torch.Tensor,
+                context: torch.Tensor) -> torch.Tensor:
+        for resnet, attention in self.pairs():
+            x = resnet(torch.cat([x, skips.pop()], dim=1), emb)
+            if attention is not None:
+                x = attention(x, context)
+        for up in self.upsamplers:
+            x = up(x)
         return x
+
+
+class MidBlock(_Block):
+    def forward(self, x: torch.Tensor, emb: torch.Tensor, context: torch.Tensor
+                ) -> torch.Tensor:
+        x = self.resnets[0](x, emb)
+        for attention, resnet in zip(self.attentions, self.resnets[1:], strict=True):
+            x = resnet(attention(x, context), emb)
+        return x
+
+
+class TimestepEmbedding(nn.Module):
+    def __init__(self, cin: int, emb: int):
+        super().__init__()
+        self.linear_1 = nn.Linear(cin, emb)
+        self.linear_2 = nn.Linear(emb, emb)
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(F.silu(self.linear_1(t)))
 
 
 class UNet(nn.Module):
@@ -161,60 +216,67 @@ class UNet(nn.Module):
         if conflicts:
             raise ValueError(f"tensor parallelism {tp} cannot split the U-Net's "
                              + ", ".join(conflicts))
-        for ch in arch.level_channels:
-            if ch % arch.head_dim:
-                raise ValueError(f"{ch} channels are not a whole number of "
-                                 f"{arch.head_dim}-wide attention heads")
+        for level in (*arch.attention_levels, len(arch.mult) - 1):
+            ch, heads = arch.level_channels[level], arch.level_heads(level)
+            if heads < 1 or ch % heads:
+                raise ValueError(f"{ch} channels at level {level} are not a whole number of "
+                                 f"{heads} attention heads")
         c0 = arch.channels
         emb = 4 * c0
+        eps, groups = arch.norm_eps, arch.groups
         self.model_channels = c0
         self.conv_in = nn.Conv2d(arch.latent_channels, c0, 3, padding=1)
-        # Column- then row-parallel: the pair needs one all-reduce.
-        self.time_embed = nn.Sequential(nn.Linear(c0, emb // tp), nn.SiLU(),
-                                        nn.Linear(emb // tp, emb))
+        self.time_embedding = TimestepEmbedding(c0, emb)
         levels = len(arch.mult)
         attention = set(arch.attention_levels)
-        self.input_blocks = nn.ModuleList()
+
+        def transformer(ch: int, level: int) -> SpatialTransformer:
+            return SpatialTransformer(ch, arch.level_heads(level), arch, tp)
+
+        self.down_blocks = nn.ModuleList()
         skips = [c0]
         ch = c0
         for level, mult in enumerate(arch.mult):
+            block = DownBlock()
             for _ in range(arch.res_blocks):
-                step = _Step([_ResBlock(ch, c0 * mult, emb, arch.groups, tp)])
+                block.resnets.append(ResnetBlock(ch, c0 * mult, emb, groups, eps))
                 ch = c0 * mult
                 if level in attention:
-                    step.append(_SpatialTransformer(ch, arch, tp))
-                self.input_blocks.append(step)
+                    block.attentions.append(transformer(ch, level))
                 skips.append(ch)
             if level != levels - 1:
-                self.input_blocks.append(_Step([_Downsample(ch, tp)]))
+                block.downsamplers.append(Downsample(ch))
                 skips.append(ch)
-        self.middle_block = _Step([_ResBlock(ch, ch, emb, arch.groups, tp),
-                                   _SpatialTransformer(ch, arch, tp),
-                                   _ResBlock(ch, ch, emb, arch.groups, tp)])
-        self.output_blocks = nn.ModuleList()
+            self.down_blocks.append(block)
+        self.mid_block = MidBlock()
+        self.mid_block.resnets.append(ResnetBlock(ch, ch, emb, groups, eps))
+        self.mid_block.attentions.append(transformer(ch, levels - 1))
+        self.mid_block.resnets.append(ResnetBlock(ch, ch, emb, groups, eps))
+        self.up_blocks = nn.ModuleList()
         for level in reversed(range(levels)):
-            for i in range(arch.res_blocks + 1):
-                cout = c0 * arch.mult[level]
-                step = _Step([_ResBlock(ch + skips.pop(), cout, emb, arch.groups, tp)])
+            block = UpBlock()
+            cout = c0 * arch.mult[level]
+            for _ in range(arch.res_blocks + 1):
+                block.resnets.append(ResnetBlock(ch + skips.pop(), cout, emb, groups, eps))
                 ch = cout
                 if level in attention:
-                    step.append(_SpatialTransformer(ch, arch, tp))
-                if level and i == arch.res_blocks:
-                    step.append(_Upsample(ch, tp))
-                self.output_blocks.append(step)
-        self.norm_out = nn.GroupNorm(arch.groups, ch)
+                    block.attentions.append(transformer(ch, level))
+            if level:
+                block.upsamplers.append(Upsample(ch))
+            self.up_blocks.append(block)
+        self.conv_norm_out = nn.GroupNorm(groups, ch, eps=eps)
         self.conv_out = nn.Conv2d(ch, arch.latent_channels, 3, padding=1)
 
     def forward(self, latent: torch.Tensor, timesteps: torch.Tensor,
                 context: torch.Tensor) -> torch.Tensor:
         t = sinusoidal_embedding(timesteps, self.model_channels).to(latent.dtype)
-        emb = self.time_embed(t)
+        emb = self.time_embedding(t)
         h = self.conv_in(latent)
-        hs = [h]
-        for step in self.input_blocks:
-            h = step(h, emb, context)
-            hs.append(h)
-        h = self.middle_block(h, emb, context)
-        for step in self.output_blocks:
-            h = step(torch.cat([h, hs.pop()], dim=1), emb, context)
-        return self.conv_out(F.silu(self.norm_out(h)))
+        skips = [h]
+        for block in self.down_blocks:
+            h, more = block(h, emb, context)
+            skips.extend(more)
+        h = self.mid_block(h, emb, context)
+        for block in self.up_blocks:
+            h = block(h, skips, emb, context)
+        return self.conv_out(F.silu(self.conv_norm_out(h)))

@@ -150,6 +150,9 @@ def _parallelize_backbone(module: Backbone, tp_mesh: Any) -> None:
         plan["output"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
     if plan:
         parallelize_module(module, tp_mesh, plan)
+    # parallelize_module gave the embedding and the head a DTensor each; tied embeddings
+    # share one again (both Shard(0) over the vocabulary on the same mesh).
+    module.tie()
     module.sp_mesh = tp_mesh
 
 

@@ -66,7 +66,7 @@ def _raw_work(cost: CostModel, samples: SampleSet, *, timed: bool) -> dict[str, 
             out[module.name] = np.ones(n)
         elif module.role == "encoder":
             items = samples.items[module.modality]
-            p = items.sizes.astype(float)
+            p = flops.encoder_tokens(module.arch, items.sizes.astype(float))
             per_token = flops.encoder_item_forward(module.arch, 1.0)
             linear, quadratic = per_token.matmul, per_token.attention
             if timed:   # time, not FLOPs: attention runs at a lower efficiency than matmuls

@@ -19,6 +19,7 @@ weights are saved too and loaded with the rest.
 
 **Files.** Under ``RUN_DIR/checkpoints/``, a checkpoint is written into ``ckpt-<N>.tmp/``
 (``N``: the steps done, i.e. the next step to run, the data cursor), then rank 0 writes
+``program.json`` (the checked spec: ``dtc export`` reads the checkpoint with it) and
 ``manifest.json`` into it and renames the directory to ``ckpt-<N>/``. DCP's finish step
 gathers every rank's write results on rank 0 before rank 0's save returns: that is the
 barrier after which every rank's files are on disk (``fsync``ed). So a directory without the
@@ -66,6 +67,7 @@ from pydantic import BaseModel, ConfigDict
 __all__ = [
     "FORMAT",
     "MODES",
+    "PROGRAM",
     "VERSION",
     "CheckpointError",
     "Checkpointer",
@@ -83,6 +85,7 @@ FORMAT = "dtdsl-checkpoint"
 VERSION = 1
 MODES = ("sync", "thread")
 MANIFEST = "manifest.json"
+PROGRAM = "program.json"    # the checked spec it was trained from (``dtc export`` reads it)
 _NAME = re.compile(r"ckpt-(\d+)\Z")
 
 
@@ -184,9 +187,14 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _commit(tmp: Path, manifest: Manifest, keep: int) -> Path:
-    """Rank 0, once every rank's data is written: the manifest, then the rename that makes
-    the checkpoint complete, then pruning to the newest ``keep``."""
+def _commit(tmp: Path, manifest: Manifest, keep: int, program: str | None = None) -> Path:
+    """Rank 0, once every rank's data is written: the program and the manifest, then the
+    rename that makes the checkpoint complete, then pruning to the newest ``keep``."""
+    if program is not None:
+        with open(tmp / PROGRAM, "w", encoding="utf-8") as f:
+            f.write(program)
+            f.flush()
+            os.fsync(f.fileno())
     file = tmp / MANIFEST
     with open(file, "w", encoding="utf-8") as f:
         f.write(manifest.model_dump_json(indent=2) + "\n")
@@ -321,6 +329,7 @@ class Checkpointer:
         self.group = dist.new_group(backend="gloo")
         self._pending: Future | None = None
         self.saved: list[int] = []          # steps committed (rank 0) or written (others)
+        self.loaded: int | None = None      # the checkpoint ``resume`` loaded, if any
 
     # -- saving ---------------------------------------------------------------------------
 
@@ -380,7 +389,7 @@ class Checkpointer:
         """After DCP's save returned ``meta`` (its global Metadata): rank 0 commits."""
         if fields is not None:
             manifest = Manifest(**fields, num_tensors=len(meta.state_dict_metadata))
-            final = _commit(tmp, manifest, self.keep)
+            final = _commit(tmp, manifest, self.keep, self.ex.program.model_dump_json())
             self.log(f"checkpoint: saved {final} ({self.mode})")
         self.saved.append(step)
 
@@ -453,6 +462,7 @@ class Checkpointer:
         except Exception as err:
             raise CheckpointError(f"cannot load {path}: {err}") from err
         load_state_dict(self.ex, state)
+        self.loaded = step
         torch.set_rng_state(_rng_tensor(manifest.rng_torch))
         if manifest.rng_cuda is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state(_rng_tensor(manifest.rng_cuda))

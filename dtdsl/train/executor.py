@@ -89,6 +89,7 @@ from dtdsl.models.multimodal import (
     conditioning,
     encoder_input,
     encoder_layers,
+    encoder_output,
     generator_step,
     image_tokens,
     packed_shapes,
@@ -121,6 +122,7 @@ class _Units:
         self.backbone = program.backbone.name
         self.gen_proj = {g.name: projector_between(program, program.backbone.name, g.name)
                          for g in program.generators}
+        self.archs = {m.name: m.arch for m in program.modules}
 
     def unit(self, name: str) -> torch.nn.Module:
         return self.units[name]
@@ -144,11 +146,13 @@ class StageExecutor:
 
     ``groups``: this rank's ``mesh.build_groups(plan)``; ``device``: the rank's device
     (``parallel.device.rank_device``); ``seed``: the initialisation seed (``train.seed``
-    to match the reference)."""
+    to match the reference); ``initialize=False``: leave the parameters for a checkpoint
+    to fill (``Stage.initialize`` when there is none)."""
 
     def __init__(self, program: ir.Program, plan: Plan, schedule: Schedule, *,
                  rank: int, groups: ProcessGroups, device: torch.device | str = "cpu",
-                 seed: int | None = None, feed: BatchSource | None = None):
+                 seed: int | None = None, feed: BatchSource | None = None,
+                 initialize: bool = True):
         self.program, self.plan, self.schedule = program, plan, schedule
         self.role: RankRole = groups.role
         if self.role.rank != rank:
@@ -177,7 +181,8 @@ class StageExecutor:
         self.broker = Broker(plan, rank, self.p2p, groups)
         self._leader = self.role.grid.leader(self.role.stage, self.role.replica)
         self.stage: Stage = build_stage(program, plan, self.role, groups.mesh, self.device,
-                                        seed=self.seed, run=stage_run(self.role.role))
+                                        seed=self.seed, run=stage_run(self.role.role),
+                                        initialize=initialize)
         self.model = _Units(program, self.stage.module.units)
         self.dtype = self.stage.compute_dtype
         self._patch = self.model.patch
@@ -215,6 +220,9 @@ class StageExecutor:
                 [p for _, p in trainable], name=opt.name, lr=opt.lr, betas=tuple(opt.betas),
                 eps=opt.eps, weight_decay=opt.weight_decay, tp_index=role.tp_index,
                 counted_on_tp=[k in self.stage.tp_sharded for k, _ in trainable],
+                # A tied LM head on the last stage is the first stage's embedding again.
+                uncounted=[k == self.stage.tied_name and role.is_last_stage
+                           for k, _ in trainable],
                 lr_at=lambda step: lr_at(train.lr_schedule, opt.lr, train.steps, step)))
 
     def named_parameters(self) -> dict[str, torch.Tensor]:
@@ -459,9 +467,9 @@ class StageExecutor:
         backbone, the targets; backward: the activations' gradients)."""
         sizes = [self._sizes(i) for i in self._ids[j]]
         if self.role.role == "encoder":
-            hidden = self.program.module(self.role.unit).arch.hidden
-            return [TensorSpec((n, tokens, hidden), self.dtype)
-                    for n, tokens in packed_shapes(sizes, self._patch)]
+            arch = self.program.module(self.role.unit).arch
+            return [TensorSpec((n, rows, arch.hidden), self.dtype)
+                    for n, rows in packed_shapes(sizes, self._patch, int(arch.cls_token))]
         seq = max((sequence_length(z, self._patch, self.program.train.seq_len)
                    for z in sizes), default=0)
         # Sequence parallelism: each TP rank sends its PP peer its piece of the sequence.
@@ -493,7 +501,8 @@ class StageExecutor:
             xs = [self._leaf(t) for t in pending.wait()]
             mb.inputs = xs
         mb.pending = {}
-        ys = self.stage.module(packed.groups if xs is None else xs, first=xs is None)
+        ys = self.stage.module(packed.groups if xs is None else xs, first=xs is None,
+                               grids=packed.grids)
         if role.is_last_stage:
             outs = unpack_images(packed, ys, width=self._width)
             mb.outputs = dict(zip(ids, outs, strict=True))
@@ -602,16 +611,17 @@ class StageExecutor:
             mb.input_grads = [grad(x) for x in mb.inputs]
 
 
-def _run_encoder(module: Any, xs: Sequence[torch.Tensor], *, first: bool) -> list[torch.Tensor]:
+def _run_encoder(module: Any, xs: Sequence[torch.Tensor], *, first: bool,
+                 grids: Sequence[tuple[int, int]] | None = None) -> list[torch.Tensor]:
     st = module.stage_state
     enc = module.units[st.role.unit]
     if first:       # pixels to the compute dtype (the stage's root casts no input)
-        xs = encoder_input(enc, [x.to(st.dtype) for x in xs])
+        xs = encoder_input(enc, [x.to(st.dtype) for x in xs], grids)
     ys = encoder_layers(enc, xs, st.start, st.stop)
     if st.role.is_last_stage:
         proj = module.units[projector_between(st.program, st.role.unit,
                                               st.program.backbone.name)]
-        return [proj(h) for h in ys]
+        return [proj(h) for h in encoder_output(enc, ys)]
     return ys
 
 

@@ -310,8 +310,10 @@ def run(program: RankProgram, bundle: str | Path, argv: Sequence[str] | None = N
         else:
             feed = LocalBatches(program_ir, plan, groups.role, source=source,
                                 policy=frozenset(job.reorder))
+        # A resumed run takes every parameter from its checkpoint: nothing is initialised
+        # or read from pretrained weights first (unless it finds no checkpoint).
         ex = StageExecutor(program_ir, plan, schedule, rank=rank, groups=groups, feed=feed,
-                           device=device)
+                           device=device, initialize=not resume)
         # After build_groups on every rank: the checkpoints' own gloo group.
         ckpt = Checkpointer(ex, run_dir, keep=job.checkpoint.keep, mode=args.checkpoint_mode,
                             spec_sha256=job.spec_sha256)
@@ -319,6 +321,8 @@ def run(program: RankProgram, bundle: str | Path, argv: Sequence[str] | None = N
             print(f"resuming (torchrun restart {restart})" if restart else "resuming",
                   flush=True)
         first = ckpt.resume() if resume else 0
+        if resume and ckpt.loaded is None:
+            ex.stage.initialize(program_ir, program_ir.train.seed)
         every = job.checkpoint.every
         if rank == 0:
             log = _RunLog(run_dir, plan, program_ir, schedule, source, first)

@@ -87,12 +87,15 @@ class StageOptimizer:
     """The spec's optimizer over one stage's trainable parameters.
 
     ``counted_on_tp``: per parameter, whether it is TP-sharded (counts on every TP rank)
-    rather than replicated over TP (counts on TP index 0 only); ``tp_index``: this rank's.
-    ``lr_at``: the learning rate of an optimizer step (0-based)."""
+    rather than replicated over TP (counts on TP index 0 only); ``tp_index``: this rank's;
+    ``uncounted``: per parameter, whether it is a copy counted elsewhere (a tied LM head on
+    a backbone's last stage: its first stage counts the embedding). ``lr_at``: the
+    learning rate of an optimizer step (0-based)."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], *, name: str, lr: float,
                  betas: tuple[float, float], eps: float, weight_decay: float,
                  tp_index: int = 0, counted_on_tp: Sequence[bool] | None = None,
+                 uncounted: Sequence[bool] | None = None,
                  lr_at: Callable[[int], float] | None = None):
         self.params = list(params)
         if not self.params:
@@ -108,7 +111,11 @@ class StageOptimizer:
         flags = [True] * len(self.params) if counted_on_tp is None else list(counted_on_tp)
         if len(flags) != len(self.params):
             raise ValueError("counted_on_tp needs one flag per parameter")
-        self._counted_tp = [f or tp_index == 0 for f in flags]
+        copies = [False] * len(self.params) if uncounted is None else list(uncounted)
+        if len(copies) != len(self.params):
+            raise ValueError("uncounted needs one flag per parameter")
+        self._counted_tp = [(f or tp_index == 0) and not c for f, c in zip(flags, copies,
+                                                                          strict=True)]
 
     def grad_sq_norm_and_nonfinite(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(this rank's share of the job's squared gradient norm, whether any of its

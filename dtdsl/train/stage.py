@@ -15,9 +15,11 @@ projector), built so that memory matches the plan:
 4. **Shard, then materialise.** Every layer becomes an FSDP2 unit (``fully_shard`` over
    the unit's DP mesh), the stage its root, all still on meta; then ``to_empty`` allocates
    this rank's DP shards of its TP shards and nothing else, and each element is
-   initialised by ``models.init``'s layout-independent rules from the spec seed and its
-   position in the full tensor (the very values the single-process reference holds
-   there). No rank ever holds a tensor, or a shard, it does not own.
+   initialised: read from the unit's ``pretrained`` checkpoint (the block of each tensor
+   the rank's shard covers, ``models.hf``), or by ``models.init``'s layout-independent
+   rules from the spec seed and its position in the full tensor (the very values the
+   single-process reference holds there). No rank ever holds or reads a tensor, or a
+   shard, it does not own.
 
 **FSDP2** (``fully_shard``) is the data parallelism and ZeRO of every stage, with the spec's
 ``MixedPrecisionPolicy``: ``precision = bf16`` computes in bf16 parameters and activations,
@@ -128,6 +130,12 @@ class Stage:
     compute_dtype: torch.dtype
     tp_sharded: set[str] = field(default_factory=set)   # names sharded over TP
     layers: list[nn.Module] = field(default_factory=list)  # FSDP2 units, forward order
+    # A backbone with tied embeddings over several pipeline stages holds the embedding on
+    # its first stage and again, as the LM head, on its last: the two copies' gradients
+    # are summed over this group of the pair (same replica and TP index), as Megatron's
+    # embedding group does, so both take the same optimizer step.
+    tied_group: Any = None
+    tied_name: str | None = None      # the copy's name, "<unit>.tok_embeddings.weight"
 
     def named_parameters(self) -> dict[str, torch.Tensor]:
         """``{"<unit>.<param>": parameter}`` for every parameter the stage holds."""
@@ -145,6 +153,16 @@ class Stage:
 
             return loss_parallel()
         return contextlib.nullcontext()
+
+    def initialize(self, program: ir.Program, seed: int) -> None:
+        """Give every parameter the stage holds its first value: its block of the unit's
+        pretrained checkpoint, or the layout-independent initialisation from ``seed``
+        (``models.multimodal.init_unit``). No rank reads or computes more than its
+        shards. A run resuming from a checkpoint skips this: the checkpoint holds every
+        parameter, frozen ones too."""
+        with torch.no_grad():
+            for unit_name, unit in self.module.units.items():
+                init_unit(program, unit_name, _unwrapped(unit), seed)
 
     def trainable(self) -> list[nn.Parameter]:
         return [p for p in self.module.parameters() if p.requires_grad]
@@ -184,6 +202,19 @@ class Stage:
             for group in reversed(member._fsdp_param_groups):
                 group.post_backward()
         state._root_post_backward_final_callback()
+        self._sum_tied_gradients()
+
+    def _sum_tied_gradients(self) -> None:
+        if self.tied_group is None:
+            return
+        import torch.distributed as dist
+
+        param = self.named_parameters()[self.tied_name]
+        if param.grad is None:      # FSDP2 reduces unused parameters too: never None here
+            raise RuntimeError(f"{self.tied_name} has no gradient to sum with its tied copy")
+        grad = param.grad
+        dist.all_reduce(grad.to_local() if hasattr(grad, "to_local") else grad,
+                        group=self.tied_group)
 
 
 def _strip(name: str) -> str:
@@ -197,6 +228,45 @@ def _owned_layers(module: nn.Module, start: int, stop: int) -> None:
     for key in list(module.layers.keys()):
         if not start <= int(key) < stop:
             del module.layers[key]
+
+
+def _owned_ends(module: nn.Module, role: RankRole) -> None:
+    """Drop what only the unit's first stage runs (an encoder's embeddings and pre-norm, a
+    backbone's token embedding) from later stages, and what only its last stage runs (an
+    encoder's post-norm, a backbone's final norm and head) from earlier ones. A backbone
+    with tied embeddings keeps the embedding on its last stage too: it is the head."""
+    if role.role == "encoder":
+        if not role.is_first_stage:
+            module.patch_embed = module.cls_embedding = module.pos_embed = None
+            module.pre_norm = None
+        if not role.is_last_stage:
+            module.post_norm = None
+    elif role.role == "backbone":
+        if not role.is_last_stage:
+            module.norm = module.output = None
+        if not role.is_first_stage and not (module.tied and role.is_last_stage):
+            module.tok_embeddings = None
+
+
+def _tie_across_stages(stage: Stage, spec: ir.Module) -> None:
+    """The group of a tied embedding's two copies (``Stage.tied_group``), on the first and
+    last stage of a backbone with tied embeddings over several pipeline stages. Only the
+    pair creates it (``use_local_synchronization``): no other rank takes part."""
+    role = stage.role
+    arch = spec.arch
+    if not (role.role == "backbone" and getattr(arch, "tie_embeddings", False)
+            and role.grid.pp > 1 and (role.is_first_stage or role.is_last_stage)
+            and not spec.frozen):
+        return
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    grid = role.grid
+    pair = [grid.rank(0, role.replica, role.tp_index),
+            grid.rank(grid.pp - 1, role.replica, role.tp_index)]
+    stage.tied_group = dist.new_group(pair, use_local_synchronization=True)
+    stage.tied_name = f"{role.unit}.tok_embeddings.weight"
 
 
 def _fsdp_units(stage: StageModule, program: ir.Program) -> Iterator[tuple[str, str, nn.Module]]:
@@ -229,7 +299,8 @@ def build_stage(program: ir.Program, plan: Plan, role: RankRole, mesh: Any,
     """This rank's stage (module docstring). ``mesh``: the unit's DeviceMesh with
     dimensions ``("pp", "dp_replicate", "dp_shard", "tp")`` (``parallel.mesh``); ``run``:
     the stage's forward, ``run(stage_module, ...)``; ``initialize=False`` leaves the
-    materialised values as they are (``dtc memcheck``'s fake tensors have none)."""
+    materialised values as they are (``dtc memcheck``'s fake tensors have none; a resumed
+    run loads them from its checkpoint, or calls ``Stage.initialize`` when it has none)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -260,14 +331,7 @@ def build_stage(program: ir.Program, plan: Plan, role: RankRole, mesh: Any,
         stop = start + split[role.stage]
         module = units[name]
         _owned_layers(module, start, stop)
-        if not role.is_first_stage:
-            if role.role == "encoder":
-                module.patch_embed = None
-            else:
-                module.tok_embeddings = None
-        if not role.is_last_stage and role.role == "backbone":
-            module.norm = None
-            module.output = None
+        _owned_ends(module, role)
         if role.is_last_stage and role.role == "encoder":
             proj = projector_between(program, name, program.backbone.name)
             units[proj] = build_unit(program, proj, seed, device="meta")
@@ -303,8 +367,6 @@ def build_stage(program: ir.Program, plan: Plan, role: RankRole, mesh: Any,
         for bname, b in unit.named_buffers():
             if b.is_meta:
                 raise RuntimeError(f"{unit_name}: buffer {bname} has no initialiser")
-        if initialize:
-            init_unit(program, unit_name, _unwrapped(unit), seed)
     for unit_name in stage.units:
         frozen = (program.module(unit_name).frozen
                   if unit_name in {m.name for m in program.modules}
@@ -313,6 +375,10 @@ def build_stage(program: ir.Program, plan: Plan, role: RankRole, mesh: Any,
             stage.units[unit_name].requires_grad_(False)
     stage.train()
     stage.stage_state = StageState(program=program, role=role, start=start, stop=stop,
-                             dtype=compute_dtype)
-    return Stage(module=stage, role=role, start=start, stop=stop,
-                 compute_dtype=compute_dtype, tp_sharded=tp_sharded, layers=layers)
+                                   dtype=compute_dtype)
+    built = Stage(module=stage, role=role, start=start, stop=stop,
+                  compute_dtype=compute_dtype, tp_sharded=tp_sharded, layers=layers)
+    _tie_across_stages(built, spec)
+    if initialize:
+        built.initialize(program, seed)
+    return built

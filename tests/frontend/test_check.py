@@ -208,7 +208,8 @@ def test_too_long_module_name_is_the_only_error():
 def test_role_messages_use_the_right_article(old, new, message):
     (d,) = [d for d in diagnostics(BASE.replace(old, new)) if d.code == "DT306"]
     assert d.message == message
-    assert d.notes[0] in ("an encoder is a transformer", "the backbone is a transformer")
+    assert d.notes[0] in ('an encoder is a transformer, or a Hugging Face model: hf("DIR")',
+                          'the backbone is a transformer, or a Hugging Face model: hf("DIR")')
 
 
 def test_data_samples_reach_the_program():

@@ -25,9 +25,8 @@ def _inputs(name: str, module: torch.nn.Module) -> tuple[dict, torch.Tensor]:
                   "context": torch.randn(2, 5, arch.context_dim, generator=gen)}
         return kwargs, torch.randn(latent.shape, generator=gen)
     if name == "vit":
-        x = torch.randn(2, 16, module.patch_dim, generator=gen)
-        kwargs = {"patches": x}
-        out_dim = module.hidden
+        kwargs = {"pixel_values": torch.randn(2, 3, 32, 32, generator=gen)}
+        return kwargs, torch.randn(2, 16, module.hidden, generator=gen)
     else:
         x = torch.randint(0, module.vocab_shard, (2, 24), generator=gen)
         kwargs = {"tokens": x}

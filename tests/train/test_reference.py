@@ -47,11 +47,15 @@ def test_layer_ranges_compose():
     samples = make_batch(p, 0)[:6]
     enc = model.unit("vit")
     packed = pack_images([s.images for s in samples], 8)
-    xs = encoder_input(enc, packed.groups)
+    xs = encoder_input(enc, packed.groups, packed.grids)
     whole = encoder_layers(enc, xs)
     split = encoder_layers(enc, encoder_layers(enc, xs, 0, 1), 1, None)
-    for g, w, s in zip(packed.groups, whole, split, strict=True):
-        assert torch.allclose(w, enc(g), atol=1e-6) and torch.equal(w, s)
+    images = {}
+    for s in samples:
+        for im in s.images:
+            images.setdefault(tuple(im.shape), []).append(im)
+    for w, s, stack in zip(whole, split, images.values(), strict=True):
+        assert torch.allclose(w, enc(torch.stack(stack)), atol=1e-6) and torch.equal(w, s)
     llm = model.unit("llm")
     batch = backbone_input(llm, encode(model, samples), [s.tokens for s in samples], 512)
     full = backbone_layers(llm, batch.embeds)

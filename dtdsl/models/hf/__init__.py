@@ -1,0 +1,250 @@
+"""Hugging Face models in and out: configs (``config``), safetensors checkpoints
+(``weights``), and the functions people call.
+
+- ``load_hf(DIR)`` returns dtdsl's module for a Hugging Face directory, its weights loaded:
+  a ``Backbone`` (Llama, Mistral, Qwen2: called on token ids it returns the logits), an
+  ``Encoder`` (CLIP or SigLIP vision: called on pixel values it returns what the
+  Hugging Face model returns as ``last_hidden_state``) or a ``UNet`` (SD 1.x/2.x: called on
+  ``(latents, timesteps, context)`` it returns the noise or velocity prediction).
+- ``save_hf(module, DIR)`` writes a dtdsl module as a Hugging Face directory (config and
+  safetensors) that ``transformers`` / ``diffusers`` ``from_pretrained`` load.
+- ``load_weights(module, ...)`` fills a materialised module, or one rank's shards of it
+  (DTensors: TP and FSDP2 shards), from a checkpoint: each tensor's block is read from its
+  file and nothing else (the runtime's loader, ``train.stage``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dtdsl.ir import program as ir
+from dtdsl.models.hf.config import HFError, HFModel, config_for, read_hf, scheduler_config_for
+from dtdsl.models.hf.weights import (
+    Checkpoint,
+    HFTensor,
+    Source,
+    hf_key_prefix,
+    hf_tensors,
+    source_of,
+    write_checkpoint,
+)
+
+__all__ = [
+    "Checkpoint", "HFError", "HFModel", "LoadReport", "check_weights", "checkpoint_prefixes",
+    "export_module", "load_hf", "load_weights", "read_hf", "save_hf",
+]
+
+_LIBRARY = {"unet": "diffusers"}
+
+
+def checkpoint_prefixes(family: str, checkpoint: Checkpoint) -> dict[str, str]:
+    """The key prefixes this checkpoint uses for a model of ``family`` (the Hub's when it
+    holds nothing to tell by)."""
+    default = hf_key_prefix(family)
+    if family in ("llama", "mistral", "qwen2"):
+        return {"body": checkpoint.prefix_for("embed_tokens.weight", default["body"]),
+                "head": checkpoint.prefix_for("lm_head.weight", default["head"])}
+    if family in ("clip", "siglip"):
+        return {"body": checkpoint.prefix_for("embeddings.patch_embedding.weight",
+                                              default["body"])}
+    return default
+
+
+def _stored_shape(checkpoint: Checkpoint, source: Source) -> tuple[int, ...]:
+    """What the dtdsl tensor's full shape is, as the checkpoint stores it."""
+    shape = checkpoint.shape(source.key)
+    if source.rows is not None:
+        if not shape or shape[0] < source.rows[1]:
+            raise HFError(f"tensor {source.key!r} has shape {list(shape)}, too small for rows "
+                          f"{source.rows[0]}..{source.rows[1]}")
+        shape = (source.rows[1] - source.rows[0], *shape[1:])
+    if source.shape is not None:
+        if shape != source.shape:
+            raise HFError(f"tensor {source.key!r} has shape {list(shape)}, not "
+                          f"{list(source.shape)}")
+        shape = (shape[0], int(torch.Size(shape[1:]).numel())) if len(shape) > 1 else shape
+    return tuple(shape)
+
+
+def check_weights(module: nn.Module, family: str, arch: ir.TransformerArch | ir.UNetArch,
+                  checkpoint: Checkpoint) -> list[str]:
+    """What keeps ``checkpoint`` from filling ``module`` (any device, meta included):
+    tensors it lacks and shapes that differ, one message each (empty: it fits)."""
+    prefixes = checkpoint_prefixes(family, checkpoint)
+    problems = []
+    for name, param in module.named_parameters():
+        try:
+            source = source_of(family, name, arch, prefixes)
+        except KeyError:
+            problems.append(f"dtdsl's parameter {name} has no counterpart in a {family} "
+                            "checkpoint")
+            continue
+        if source.key not in checkpoint:
+            problems.append(f"no tensor {source.key!r} (for {name})")
+            continue
+        try:
+            stored = _stored_shape(checkpoint, source)
+        except HFError as err:
+            problems.append(err.message)
+            continue
+        want = tuple(param.shape)
+        if stored != want:
+            problems.append(f"tensor {source.key!r} has shape {list(stored)}, but {name} "
+                            f"needs {list(want)}")
+    return problems
+
+
+class LoadReport:
+    """What ``load_weights`` read: bytes, the largest single read, tensors filled."""
+
+    def __init__(self) -> None:
+        self.bytes_read = 0
+        self.largest_read = 0
+        self.tensors = 0
+
+
+@torch.no_grad()
+def load_weights(module: nn.Module, family: str, arch: ir.TransformerArch | ir.UNetArch,
+                 checkpoint: Checkpoint, *, skip: set[int] | None = None,
+                 prefix: str = "") -> LoadReport:
+    """Fill every parameter of ``module`` (materialised: plain tensors or DTensors whose
+    local block is contiguous in the full tensor) with its block of the checkpoint, cast
+    to the parameter's dtype; ``prefix``: ``module``'s name inside the unit; parameters
+    whose ``id`` is in ``skip`` are left. HFError for a tensor the checkpoint lacks or
+    holds in another shape."""
+    from dtdsl.models.init import local_block
+
+    prefixes = checkpoint_prefixes(family, checkpoint)
+    report = LoadReport()
+    seen: set[int] = set()
+    before = checkpoint.bytes_read
+    for name, param in module.named_parameters(prefix=prefix.rstrip(".")):
+        if id(param) in seen or (skip is not None and id(param) in skip):
+            continue
+        seen.add(id(param))
+        try:
+            source = source_of(family, name, arch, prefixes)
+        except KeyError:
+            raise HFError(f"dtdsl's parameter {name} has no counterpart in a {family} "
+                          "checkpoint") from None
+        local, full_shape, offsets = local_block(param)
+        stored = _stored_shape(checkpoint, source)
+        if stored != tuple(full_shape):
+            raise HFError(f"tensor {source.key!r} has shape {list(stored)}, but {name} needs "
+                          f"{list(full_shape)}")
+        if local.numel() == 0:
+            continue
+        block = checkpoint.read(source, offsets, local.shape)
+        local.copy_(block.reshape(local.shape))
+        del block
+        report.tensors += 1
+    report.bytes_read = checkpoint.bytes_read - before
+    report.largest_read = checkpoint.largest_read
+    return report
+
+
+def load_hf(path: str | Path, *, feature_layer: int | None = None,
+            device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+            ) -> nn.Module:
+    """dtdsl's module for the Hugging Face model in ``path``, its weights loaded (module
+    docstring); ``feature_layer``: read a vision tower up to that ``hidden_states`` index."""
+    from dtdsl.models import build_arch, tie_weights
+
+    model = read_hf(path, feature_layer=feature_layer)
+    with torch.device("meta"):
+        module = build_arch(model.role, model.arch)
+    module.to_empty(device=device)
+    module.to(dtype)
+    tie_weights(module)
+    with Checkpoint(model.weights_dir) as checkpoint:
+        load_weights(module, model.source.family, model.arch, checkpoint)
+    module.hf_source = model.source
+    return module
+
+
+def _write_configs(directory: Path, arch: Any, role: str, source: ir.HFSource | None,
+                   layers: int | None = None) -> str:
+    """Write ``config.json`` (and a U-Net's ``scheduler_config.json``); the library."""
+    directory.mkdir(parents=True, exist_ok=True)
+    config = config_for(arch, role, source, layers=layers)
+    (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if isinstance(arch, ir.UNetArch):
+        (directory / "scheduler_config.json").write_text(
+            json.dumps(scheduler_config_for(arch, source), indent=2, sort_keys=True) + "\n")
+        return "diffusers"
+    return "transformers"
+
+
+def _family(arch: Any, role: str, source: ir.HFSource | None) -> str:
+    if source is not None:
+        return source.family
+    if isinstance(arch, ir.UNetArch):
+        return "unet"
+    if role == "backbone":
+        return "llama"
+    return "clip" if getattr(arch, "cls_token", False) else "siglip"
+
+
+def export_module(directory: str | Path, *, arch: ir.TransformerArch | ir.UNetArch, role: str,
+                  source: ir.HFSource | None, shapes: Mapping[str, tuple[tuple[int, ...],
+                                                                       torch.dtype]],
+                  get: Callable[[str], torch.Tensor], pretrained: str | None = None,
+                  dtype: torch.dtype | None = None, max_shard_bytes: int = 5 << 30
+                  ) -> list[Path]:
+    """Write a module as a Hugging Face directory from its parameters' ``shapes`` and a
+    getter of each full tensor (``save_hf`` and ``dtc export`` share this). A vision tower
+    read below its top layer from ``pretrained`` weights is written whole: its trained
+    layers, and the layers and norms above them as the pretrained checkpoint has them,
+    so the directory stands in for the original one."""
+    directory = Path(directory)
+    family = _family(arch, role, source)
+    tensors = hf_tensors(family, arch, shapes, get, dtype=dtype)
+    layers = None
+    extra: list[HFTensor] = []
+    if (source is not None and source.feature_layer is not None and pretrained is not None
+            and role == "encoder"):
+        ckpt = Checkpoint(pretrained)
+        body = checkpoint_prefixes(family, ckpt)["body"]
+        have = {t.key for t in tensors}
+        for key in ckpt.keys():
+            if not key.startswith(body):
+                continue
+            out_key = hf_key_prefix(family)["body"] + key[len(body):]
+            if out_key in have or ".head." in key[len(body) - 1:] or key.endswith(".position_ids"):
+                continue
+            shape, stored = ckpt.shape(key), ckpt.dtype(key)
+            numel = int(torch.Size(shape).numel())
+
+            def make(key=key, shape=shape) -> torch.Tensor:
+                with Checkpoint(pretrained) as c:
+                    t = c.read(Source(key), (0,) * len(shape), shape).clone()
+                return t.to(dtype) if dtype is not None else t
+
+            extra.append(HFTensor(out_key, numel * (dtype or stored).itemsize, make))
+        layers = source.source_layers
+        ckpt.close()
+    library = _write_configs(directory, arch, role, source, layers=layers)
+    return write_checkpoint(directory, tensors + extra, library=library,
+                            max_shard_bytes=max_shard_bytes)
+
+
+def save_hf(module: nn.Module, path: str | Path, *, dtype: torch.dtype | None = None,
+            max_shard_bytes: int = 5 << 30) -> list[Path]:
+    """Write ``module`` (built by ``dtdsl.models``, e.g. ``load_hf``) as a Hugging Face
+    directory; ``dtype``: cast the weights (default: as they are). HFError when no Hugging
+    Face model computes what the module computes."""
+    arch, role = getattr(module, "arch", None), getattr(module, "role", None)
+    if arch is None or role is None:
+        raise HFError(f"{type(module).__name__} was not built by dtdsl.models (it has no "
+                      "architecture to write)")
+    params = dict(module.named_parameters())
+    shapes = {n: (tuple(p.shape), p.dtype) for n, p in params.items()}
+    return export_module(path, arch=arch, role=role, source=getattr(module, "hf_source", None),
+                         shapes=shapes, get=lambda n: params[n].detach().cpu(), dtype=dtype,
+                         max_shard_bytes=max_shard_bytes)

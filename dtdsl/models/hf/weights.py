@@ -1,0 +1,416 @@
+"""Hugging Face safetensors checkpoints: dtdsl's parameter names mapped to theirs, blocks of
+tensors read without reading the rest, and checkpoints written back.
+
+**Names.** ``source_of(family, name, arch)`` says where the dtdsl parameter ``name`` (a
+unit-level name such as ``layers.3.attn.wq.weight``) lives in a Hugging Face checkpoint of
+``family``: a ``Source`` (the checkpoint key, a row range of it, and the tensor's shape
+there when it differs from dtdsl's). Everything maps one to one, but for three kept forms
+of the same numbers: a diffusers GEGLU's fused ``ff.net.0.proj`` holds dtdsl's ``value``
+(its first half of rows) and ``gate`` (its second half); an SD 1.x transformer's 1x1
+``proj_in``/``proj_out`` convolutions ``[o, i, 1, 1]`` are dtdsl's linear ``[o, i]``; a
+vision tower's patch convolution ``[h, c, p, p]`` is dtdsl's linear map ``[h, c p^2]`` of
+flattened patches. Key prefixes (``model.``, ``vision_model.``, a LLaVA's
+``language_model.``) are found in the checkpoint (``Checkpoint.prefix_for``).
+
+**Reading** (``Checkpoint``): a directory's ``*.safetensors`` (one file, or shards with
+their ``*.safetensors.index.json``), through ``safe_open``: ``read(key, offsets, shape)``
+returns just that block of the stored tensor (``get_slice``), so a rank reads the rows and
+columns its shards cover and nothing else.
+
+**Writing** (``write_checkpoint``): tensors into shards of at most ``max_shard_bytes`` with
+the index Hugging Face's ``from_pretrained`` reads (``model.safetensors`` /
+``diffusion_pytorch_model.safetensors``, ``...-00001-of-0000N.safetensors`` when sharded).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dtdsl.ir import program as ir
+from dtdsl.models.hf.config import HFError
+
+__all__ = ["Checkpoint", "HFTensor", "Source", "WEIGHT_FILES", "hf_key_prefix", "hf_tensors",
+           "source_of", "write_checkpoint"]
+
+# The file names transformers and diffusers write.
+WEIGHT_FILES = {"transformers": "model.safetensors",
+                "diffusers": "diffusion_pytorch_model.safetensors"}
+_MAX_HEADER_KEYS = 1_000_000
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a dtdsl tensor is stored: ``key``, rows ``[rows[0], rows[1])`` of it (all when
+    None), and its stored ``shape`` when that differs from dtdsl's (a view: only the
+    dimensions after the first are regrouped)."""
+
+    key: str
+    rows: tuple[int, int] | None = None
+    shape: tuple[int, ...] | None = None
+
+
+# ---- names ---------------------------------------------------------------------------------
+
+_DECODER_LAYER = {
+    "attn_norm": "input_layernorm", "attn.wq": "self_attn.q_proj",
+    "attn.wk": "self_attn.k_proj", "attn.wv": "self_attn.v_proj",
+    "attn.wo": "self_attn.o_proj", "mlp_norm": "post_attention_layernorm",
+    "mlp.w1": "mlp.gate_proj", "mlp.w3": "mlp.up_proj", "mlp.w2": "mlp.down_proj",
+}
+_VISION_LAYER = {
+    "attn_norm": "layer_norm1", "attn.wq": "self_attn.q_proj", "attn.wk": "self_attn.k_proj",
+    "attn.wv": "self_attn.v_proj", "attn.wo": "self_attn.out_proj", "mlp_norm": "layer_norm2",
+    "mlp.w1": "mlp.fc1", "mlp.w2": "mlp.fc2",
+}
+_VISION_ENDS = {
+    "patch_embed": "embeddings.patch_embedding", "cls_embedding": "embeddings.class_embedding",
+    "pos_embed": "embeddings.position_embedding", "pre_norm": "pre_layrnorm",
+    "post_norm": "post_layernorm",
+}
+_UNET_ATTN = {"wq": "to_q", "wk": "to_k", "wv": "to_v", "wo": "to_out.0"}
+_LAYER = re.compile(r"layers\.(\d+)\.(.+)\.(weight|bias)$")
+
+
+def hf_key_prefix(family: str) -> dict[str, str]:
+    """The key prefixes ``write_checkpoint`` gives a model of ``family`` (the Hub's layout:
+    what ``from_pretrained`` of ``transformers`` 4 and 5 and ``diffusers`` load)."""
+    if family in ("llama", "mistral", "qwen2"):
+        return {"body": "model.", "head": ""}
+    if family in ("clip", "siglip"):
+        return {"body": "vision_model."}
+    return {"body": ""}
+
+
+def source_of(family: str, name: str, arch: ir.TransformerArch | ir.UNetArch,
+              prefixes: Mapping[str, str] | None = None) -> Source:
+    """Where dtdsl's parameter ``name`` of a ``family`` module is stored (module
+    docstring); ``prefixes``: the checkpoint's key prefixes (default: the Hub's).
+    KeyError for a name the family has no tensor for."""
+    pre = dict(hf_key_prefix(family))
+    pre.update(prefixes or {})
+    body = pre["body"]
+    if family in ("llama", "mistral", "qwen2"):
+        if name == "tok_embeddings.weight":
+            return Source(f"{body}embed_tokens.weight")
+        if name == "norm.weight":
+            return Source(f"{body}norm.weight")
+        if name == "output.weight":
+            if arch.tie_embeddings:
+                return Source(f"{body}embed_tokens.weight")
+            return Source(f"{pre.get('head', '')}lm_head.weight")
+        m = _LAYER.fullmatch(name)
+        if m and m.group(2) in _DECODER_LAYER:
+            return Source(f"{body}layers.{m.group(1)}.{_DECODER_LAYER[m.group(2)]}.{m.group(3)}")
+        raise KeyError(name)
+    if family in ("clip", "siglip"):
+        m = _LAYER.fullmatch(name)
+        if m and m.group(2) in _VISION_LAYER:
+            return Source(f"{body}encoder.layers.{m.group(1)}.{_VISION_LAYER[m.group(2)]}."
+                          f"{m.group(3)}")
+        head, _, attr = name.partition(".")
+        if head in _VISION_ENDS:
+            key = f"{body}{_VISION_ENDS[head]}" + (f".{attr}" if attr else "")
+            if name == "patch_embed.weight":
+                c, p = arch.in_channels or 3, arch.patch or 1
+                return Source(key, shape=(arch.hidden, c, p, p))
+            return Source(key)
+        raise KeyError(name)
+    return _unet_source(name, arch, body)
+
+
+def _unet_source(name: str, arch: ir.UNetArch, body: str) -> Source:
+    parts = name.split(".")
+    if "ff" in parts:
+        i = parts.index("ff")
+        stem = ".".join(parts[:i])
+        which, attr = parts[i + 1], parts[-1]
+        if which == "out":
+            return Source(f"{body}{stem}.ff.net.2.{attr}")
+        # value: the fused projection's first half of rows, gate: its second half.
+        ch = _unet_channels(arch, parts)
+        inner = 4 * ch
+        rows = (0, inner) if which == "value" else (inner, 2 * inner)
+        return Source(f"{body}{stem}.ff.net.0.proj.{attr}", rows=rows)
+    for i, part in enumerate(parts):
+        if part in ("attn1", "attn2") and i + 1 < len(parts) and parts[i + 1] in _UNET_ATTN:
+            parts = parts[:i + 1] + _UNET_ATTN[parts[i + 1]].split(".") + parts[i + 2:]
+            return Source(body + ".".join(parts))
+    if len(parts) >= 2 and parts[-2] in ("proj_in", "proj_out") and parts[-1] == "weight" \
+            and not arch.linear_proj:
+        ch = _unet_channels(arch, parts)
+        return Source(body + name, shape=(ch, ch, 1, 1))
+    return Source(body + name)
+
+
+def _unet_channels(arch: ir.UNetArch, parts: Sequence[str]) -> int:
+    """The channels of the U-Net block a parameter name sits in."""
+    levels = len(arch.mult)
+    if parts[0] == "down_blocks":
+        return arch.level_channels[int(parts[1])]
+    if parts[0] == "up_blocks":
+        return arch.level_channels[levels - 1 - int(parts[1])]
+    return arch.level_channels[-1]       # the middle block
+
+
+# ---- reading ---------------------------------------------------------------------------
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+           "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
+           "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+
+
+class Checkpoint:
+    """The safetensors tensors of a Hugging Face directory (module docstring): headers are
+    read once, each block with its file opened for that read. A context manager too."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._files: dict[str, Path] = {}          # key -> file
+        self._headers: dict[Path, dict[str, Any]] = {}
+        self.bytes_read = 0
+        self.largest_read = 0
+        self._index()
+
+    def _index(self) -> None:
+        indexes = sorted(self.path.glob("*.safetensors.index.json"))
+        if indexes:
+            for index in indexes:
+                try:
+                    weight_map = json.loads(index.read_text())["weight_map"]
+                except (OSError, ValueError, KeyError, TypeError) as err:
+                    raise HFError(f"{index} is not a safetensors index: {err}") from None
+                for key, file in weight_map.items():
+                    target = (self.path / file).resolve()
+                    if self.path.resolve() not in target.parents:
+                        raise HFError(f"{index} points outside its directory: {file!r}")
+                    self._files[key] = target
+            missing = sorted({f for f in self._files.values() if not f.is_file()})
+            if missing:
+                raise HFError(f"{indexes[0].name} lists {missing[0].name}, which is missing",
+                              hint="copy every shard of the checkpoint")
+            return
+        files = sorted(self.path.glob("*.safetensors"))
+        if not files:
+            others = sorted(p.name for p in self.path.iterdir()
+                            if p.suffix in (".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack"))
+            raise HFError(f"{self.path} has no safetensors weights" +
+                          (f" (it has {', '.join(others[:3])})" if others else ""),
+                          hint="dtdsl reads *.safetensors; save the model with "
+                          "save_pretrained(..., safe_serialization=True)")
+        for file in files:
+            for key in self._header(file):
+                if key in self._files:
+                    raise HFError(f"tensor {key!r} is in both {self._files[key].name} and "
+                                  f"{file.name}")
+                self._files[key] = file
+
+    def _header(self, file: Path) -> dict[str, Any]:
+        """The file's header: ``{key: {"dtype", "shape", "data_offsets"}}`` (read, not mapped)."""
+        if file not in self._headers:
+            try:
+                with open(file, "rb") as f:
+                    size = int.from_bytes(f.read(8), "little")
+                    if size <= 0 or size > 100 << 20:
+                        raise ValueError(f"a header of {size} bytes")
+                    header = json.loads(f.read(size))
+            except (OSError, ValueError) as err:
+                raise HFError(f"{file} is not a safetensors file: {err}") from None
+            header.pop("__metadata__", None)
+            if len(header) > _MAX_HEADER_KEYS:
+                raise HFError(f"{file} lists {len(header)} tensors")
+            self._headers[file] = header
+        return self._headers[file]
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Nothing stays open between reads; here for symmetry with ``with``."""
+
+    def keys(self) -> list[str]:
+        return sorted(self._files)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._files
+
+    def _info(self, key: str) -> dict[str, Any]:
+        try:
+            file = self._files[key]
+        except KeyError:
+            raise HFError(f"the checkpoint in {self.path} has no tensor {key!r}") from None
+        info = self._header(file).get(key)
+        if info is None:
+            raise HFError(f"{file.name} does not hold {key!r}, which its index puts there")
+        return info
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(int(n) for n in self._info(key)["shape"])
+
+    def dtype(self, key: str) -> torch.dtype:
+        name = self._info(key)["dtype"]
+        if name not in _DTYPES:
+            raise HFError(f"tensor {key!r} is stored as {name}, which dtdsl does not read")
+        return _DTYPES[name]
+
+    def prefix_for(self, suffix: str, default: str) -> str:
+        """The prefix before ``suffix`` of the one key that ends in it (``model.`` for
+        ``embed_tokens.weight``); ``default`` when no key does. HFError when several do."""
+        found = sorted({k[:-len(suffix)] for k in self._files if k.endswith(suffix)
+                        and (len(k) == len(suffix) or k[-len(suffix) - 1] == ".")})
+        if not found:
+            return default
+        if len(found) > 1:
+            raise HFError(f"the checkpoint has {len(found)} tensors named *{suffix} "
+                          f"({', '.join(p + suffix for p in found[:3])}); which model to read "
+                          "is ambiguous")
+        return found[0]
+
+
+    def read(self, source: Source, offsets: Sequence[int], shape: Sequence[int]) -> torch.Tensor:
+        """The block of dtdsl shape ``shape`` at ``offsets`` (one per dimension of the dtdsl
+        tensor) of the tensor ``source`` names, as stored (its dtype)."""
+        stored = self.shape(source.key)
+        rows = source.rows
+        view = source.shape
+        if view is not None and tuple(stored) != tuple(view):
+            raise HFError(f"tensor {source.key!r} has shape {list(stored)}, not "
+                          f"{list(view)}")
+        base = rows[0] if rows else 0
+        from safetensors import safe_open
+
+        # Opened for this read only: the file's pages the slice touched leave the process
+        # with the mapping, so a rank never holds more of a checkpoint than one block.
+        with safe_open(str(self._files[source.key]), framework="pt", device="cpu") as handle:
+            block = self._slice(source.key, handle.get_slice(source.key), stored, view, base,
+                                offsets, shape)
+        nbytes = block.numel() * block.element_size()
+        self.bytes_read += nbytes
+        self.largest_read = max(self.largest_read, nbytes)
+        return block
+
+    @staticmethod
+    def _slice(key: str, piece: Any, stored: Sequence[int], view: Sequence[int] | None,
+               base: int, offsets: Sequence[int], shape: Sequence[int]) -> torch.Tensor:
+        if not shape:                                  # a scalar
+            block = piece[:] if stored else piece[...]
+        elif view is not None:
+            # Regrouped trailing dimensions: read whole rows, then cut the rest.
+            r0 = base + int(offsets[0])
+            block = piece[r0:r0 + int(shape[0])]
+            block = block.reshape(int(shape[0]), -1)
+            tail = tuple(slice(int(o), int(o) + int(n)) for o, n in zip(offsets[1:], shape[1:],
+                                                                      strict=True))
+            block = block[(slice(None), *tail)]
+        else:
+            if len(stored) != len(shape):
+                raise HFError(f"tensor {key!r} has {len(stored)} dimensions, not "
+                              f"{len(shape)}")
+            index = [slice(base + int(offsets[0]), base + int(offsets[0]) + int(shape[0]))]
+            index += [slice(int(o), int(o) + int(n)) for o, n in zip(offsets[1:], shape[1:],
+                                                                   strict=True)]
+            block = piece[tuple(index)]
+        return block
+
+
+# ---- writing ---------------------------------------------------------------------------
+
+def _shard_name(stem: str, i: int, n: int) -> str:
+    base, ext = stem.rsplit(".", 1)
+    return f"{base}-{i:05d}-of-{n:05d}.{ext}"
+
+
+def write_checkpoint(directory: str | Path, tensors: Iterable[HFTensor], *, library: str,
+                     max_shard_bytes: int = 5 << 30,
+                     metadata: Mapping[str, str] | None = None) -> list[Path]:
+    """Write ``tensors`` (each made when its shard is written, so at most one shard is in
+    memory) into ``directory`` as ``library``
+    (``transformers`` or ``diffusers``) names its safetensors, sharded at
+    ``max_shard_bytes`` with an index when there is more than one shard. Returns the
+    files written."""
+    from safetensors.torch import save_file
+
+    stem = WEIGHT_FILES[library]
+    items = list(tensors)
+    shards: list[list[HFTensor]] = [[]]
+    size = 0
+    for item in items:
+        if shards[-1] and size + item.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(item)
+        size += item.nbytes
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    weight_map = {}
+    meta = {"format": "pt", **(metadata or {})}
+    for i, shard in enumerate(shards, start=1):
+        name = stem if len(shards) == 1 else _shard_name(stem, i, len(shards))
+        data = {t.key: t.make().contiguous() for t in shard}
+        save_file(data, str(directory / name), metadata=meta)
+        del data
+        written.append(directory / name)
+        weight_map.update({t.key: name for t in shard})
+    if len(shards) > 1:
+        index = directory / f"{stem}.index.json"
+        index.write_text(json.dumps({"metadata": {"total_size": sum(i.nbytes for i in items)},
+                                     "weight_map": weight_map}, indent=2, sort_keys=True))
+        written.append(index)
+    return written
+
+
+@dataclass(frozen=True)
+class HFTensor:
+    """One tensor to write: its key, size, and how to make it from dtdsl's tensors."""
+
+    key: str
+    nbytes: int
+    make: Callable[[], torch.Tensor]
+
+
+def hf_tensors(family: str, arch: ir.TransformerArch | ir.UNetArch,
+               shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+               get: Callable[[str], torch.Tensor], *, dtype: torch.dtype | None = None
+               ) -> list[HFTensor]:
+    """The Hugging Face tensors of a module whose parameters are ``shapes`` (``{name:
+    (shape, dtype)}``), each made on demand from ``get(name)`` (the full dtdsl tensor): the
+    GEGLU halves joined, kernels given their stored shape, cast to ``dtype`` if given."""
+    groups: dict[str, list[tuple[str, Source]]] = {}
+    for name in shapes:
+        src = source_of(family, name, arch)
+        groups.setdefault(src.key, []).append((name, src))
+    out = []
+    for key, members in groups.items():
+        members.sort(key=lambda m: m[1].rows or (0, 0))
+        if len(members) > 1 and all(m[1].rows is None for m in members):
+            members = members[:1]       # tied copies of one tensor (an LM head): write one
+        numel = sum(int(torch.Size(shapes[name][0]).numel()) for name, _ in members)
+        item = (dtype or shapes[members[0][0]][1]).itemsize
+
+        def make(members=members) -> torch.Tensor:
+            parts = []
+            for name, src in members:
+                t = get(name)
+                if dtype is not None:
+                    t = t.to(dtype)
+                parts.append(t.reshape(src.shape) if src.shape is not None else t)
+            return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+        if len(members) > 1:
+            ranges = [m[1].rows for m in members]
+            if any(r is None for r in ranges) or ranges[0][0] != 0 or any(
+                    a[1] != b[0] for a, b in zip(ranges, ranges[1:], strict=False)):
+                raise AssertionError(f"{key}: dtdsl tensors {[m[0] for m in members]} do not "
+                                     "tile it")
+        out.append(HFTensor(key=key, nbytes=numel * item, make=make))
+    return out

@@ -1,0 +1,196 @@
+"""``dtc export``: a run's checkpoint as Hugging Face directories, one per unit.
+
+A checkpoint (``train.checkpoint``) is a DCP state dict of every unit's parameters under
+their plan-independent names, with the ``program.json`` it was trained from. Export reads
+it in one process, no process group, whatever plan wrote it (DCP reassembles the shards),
+and writes each module as ``OUT/<module>/``:
+
+- the backbone, a vision tower, a U-Net: a Hugging Face directory (``config.json`` and
+  safetensors, sharded at 5 GiB with an index; a U-Net's ``scheduler_config.json``) that
+  ``transformers`` / ``diffusers`` ``from_pretrained`` load (``models.hf.export_module``). A
+  module read from a Hugging Face directory keeps that config, with the architecture's
+  values written over it; a vision tower read below its top layer from pretrained weights
+  is written whole, its untrained top taken from those weights;
+- a module no Hugging Face class computes (dtdsl's own ViT, a DiT) and every projector:
+  ``model.safetensors`` under dtdsl's parameter names and ``dtdsl.json`` (the
+  architecture), so nothing trained is lost.
+
+Tensors are read a batch at a time (at most ``BATCH_BYTES``) and written shard by shard:
+memory holds about one shard, not the model.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dtdsl.ir import program as ir
+from dtdsl.train.checkpoint import (
+    PROGRAM,
+    CheckpointError,
+    complete_checkpoints,
+    read_manifest,
+)
+
+__all__ = ["BATCH_BYTES", "ExportedUnit", "export_checkpoint", "find_checkpoint"]
+
+BATCH_BYTES = 1 << 30
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ExportedUnit:
+    name: str
+    directory: Path
+    hf: bool                 # a Hugging Face model (else dtdsl's own safetensors)
+    note: str = ""           # why not, for one that is not
+
+
+def find_checkpoint(path: str | Path, step: int | None = None) -> Path:
+    """The checkpoint directory: ``path`` itself when it is one, else the run directory's
+    newest complete checkpoint (or the one after ``step`` steps)."""
+    path = Path(path)
+    if (path / ".metadata").is_file() and (path / "manifest.json").is_file():
+        if step is not None and read_manifest(path).step != step:
+            raise CheckpointError(f"{path} holds step {read_manifest(path).step}, not {step}")
+        return path
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is not a run directory or a checkpoint")
+    done = complete_checkpoints(path)
+    if not done:
+        raise CheckpointError(f"{path} has no complete checkpoint (looked in "
+                              f"{path / 'checkpoints'})")
+    if step is None:
+        return done[-1][1]
+    for n, found in done:
+        if n == step:
+            return found
+    raise CheckpointError(f"{path} has no checkpoint after {step} steps; it has "
+                          + ", ".join(str(n) for n, _ in done))
+
+
+class _Reader:
+    """Full tensors of a DCP checkpoint by name, loaded in batches in the order asked."""
+
+    def __init__(self, path: Path, order: Sequence[str], shapes: dict[str, tuple]):
+        import torch.distributed.checkpoint as dcp
+
+        self._dcp = dcp
+        self.path, self.order, self.shapes = path, list(order), shapes
+        self._cache: dict[str, torch.Tensor] = {}
+
+    def get(self, key: str) -> torch.Tensor:
+        if key not in self._cache:
+            self._cache.clear()
+            start = self.order.index(key)
+            batch, size = {}, 0
+            for name in self.order[start:]:
+                shape, dtype = self.shapes[name]
+                nbytes = int(torch.Size(shape).numel()) * dtype.itemsize
+                if batch and size + nbytes > BATCH_BYTES:
+                    break
+                batch[name] = torch.empty(shape, dtype=dtype)
+                size += nbytes
+            self._dcp.load(batch, checkpoint_id=str(self.path), no_dist=True)
+            self._cache.update(batch)
+        return self._cache.pop(key)
+
+
+def _program(ckpt: Path, spec_program: ir.Program | None) -> ir.Program:
+    manifest = read_manifest(ckpt)
+    if spec_program is not None:
+        if spec_program.source_sha256 != manifest.spec_sha256:
+            raise CheckpointError(f"{ckpt} was trained from another spec (sha256 "
+                                  f"{manifest.spec_sha256[:12]}...)")
+        return spec_program
+    try:
+        return ir.Program.model_validate_json((ckpt / PROGRAM).read_bytes())
+    except OSError:
+        raise CheckpointError(f"{ckpt} has no {PROGRAM} (written before dtdsl kept it): "
+                              "give the spec it was trained from with --spec") from None
+    except ValueError as err:
+        raise CheckpointError(f"{ckpt / PROGRAM} is not a program: {err}") from None
+
+
+def export_checkpoint(path: str | Path, out: str | Path, *, step: int | None = None,
+                      dtype: str | None = None, units: Sequence[str] | None = None,
+                      program: ir.Program | None = None,
+                      log: Callable[[str], None] = lambda _: None) -> list[ExportedUnit]:
+    """Export the checkpoint at ``path`` (a run directory, newest or ``step``; or a
+    checkpoint directory) into ``out`` (module docstring). ``dtype``: ``fp32``, ``bf16`` or
+    ``fp16`` (default: as trained, fp32 master weights); ``units``: only these;
+    ``program``: the spec's program when the checkpoint has none."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from dtdsl.models.hf import HFError, export_module
+
+    ckpt = find_checkpoint(path, step)
+    prog = _program(ckpt, program)
+    metadata = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    names = [m.name for m in prog.modules] + [p.name for p in prog.projectors]
+    if units is not None:
+        unknown = sorted(set(units) - set(names))
+        if unknown:
+            raise CheckpointError(f"no unit {', '.join(unknown)} in the checkpoint; it has "
+                                  + ", ".join(names))
+        names = [n for n in names if n in units]
+    cast = _DTYPES[dtype] if dtype is not None else None
+    out = Path(out)
+    done = []
+    for name in names:
+        prefix = f"model.units.{name}."
+        shapes = {k[len(prefix):]: (tuple(v.size), v.properties.dtype)
+                  for k, v in metadata.items() if k.startswith(prefix)}
+        if not shapes:
+            raise CheckpointError(f"{ckpt} holds no parameters of {name}")
+        reader = _Reader(ckpt, [prefix + k for k in shapes],
+                         {prefix + k: v for k, v in shapes.items()})
+
+        def get(key: str, reader: _Reader = reader, prefix: str = prefix) -> torch.Tensor:
+            return reader.get(prefix + key)
+
+        target = out / name
+        spec = next((m for m in prog.modules if m.name == name), None)
+        if spec is not None and not isinstance(spec.arch, ir.DiTArch):
+            try:
+                export_module(target, arch=spec.arch, role=spec.role, source=spec.hf,
+                              shapes=shapes, get=get, pretrained=spec.pretrained, dtype=cast)
+                done.append(ExportedUnit(name, target, hf=True))
+                log(f"{name}: {target} (Hugging Face {spec.hf.family if spec.hf else 'model'})")
+                continue
+            except HFError as err:
+                note = err.message
+        else:
+            note = "a projector" if spec is None else "a DiT has no Hugging Face class here"
+        _write_own(target, name, spec, prog, shapes, get, cast)
+        done.append(ExportedUnit(name, target, hf=False, note=note))
+        log(f"{name}: {target} (dtdsl's names: {note})")
+    return done
+
+
+def _write_own(target: Path, name: str, spec: ir.Module | None, prog: ir.Program,
+               shapes: dict[str, tuple], get: Callable[[str], torch.Tensor],
+               cast: torch.dtype | None) -> None:
+    """A unit under dtdsl's own names, with its architecture beside it."""
+    from dtdsl.models.hf.weights import HFTensor, write_checkpoint
+
+    arch = spec.arch if spec is not None else next(p for p in prog.projectors
+                                                    if p.name == name).arch
+    tensors = []
+    for key, (shape, dtype) in shapes.items():
+        numel = int(torch.Size(shape).numel())
+
+        def make(key: str = key) -> torch.Tensor:
+            t = get(key)
+            return t.to(cast) if cast is not None else t
+
+        tensors.append(HFTensor(key, numel * (cast or dtype).itemsize, make))
+    target.mkdir(parents=True, exist_ok=True)
+    (target / "dtdsl.json").write_text(json.dumps(
+        {"unit": name, "role": spec.role if spec is not None else "projector",
+         "arch": arch.model_dump(mode="json")}, indent=2, sort_keys=True) + "\n")
+    write_checkpoint(target, tensors, library="transformers")

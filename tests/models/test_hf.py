@@ -1,0 +1,207 @@
+"""Hugging Face models in and out (``dtdsl.models.hf``): tiny models made here with
+``transformers`` and ``diffusers``, loaded into dtdsl's modules, compared with the
+libraries' forwards, written back and loaded by the libraries."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dtdsl.cost import flops
+from dtdsl.ir import program as ir
+from dtdsl.models.hf import Checkpoint, HFError, load_hf, read_hf, save_hf
+from tests.hf_models import make_clip, make_decoder, make_siglip, make_unet, quiet
+
+pytest.importorskip("transformers")
+pytest.importorskip("diffusers")
+
+LOAD_RTOL = 1e-4     # the issue's bound: our forward against the library's, fp32
+SAVE_RTOL = 1e-6     # the library on what we wrote against our forward
+
+
+def rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+def num_params(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+DECODERS = {
+    "llama3-rope-scaling": ("llama", {}),
+    "llama2-biases": ("llama", dict(rope_scaling=None, rope_theta=10000.0, attention_bias=True,
+                                    mlp_bias=True, rms_norm_eps=1e-6)),
+    "llama-linear-rope": ("llama", dict(rope_scaling={"rope_type": "linear", "factor": 4.0})),
+    "llama-yarn": ("llama", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                               "original_max_position_embeddings": 256})),
+    "mistral-head-dim": ("mistral", dict(head_dim=32, rope_theta=1e6)),
+    "qwen2-tied": ("qwen2", dict(tie_word_embeddings=True)),
+    "qwen2-mha": ("qwen2", dict(num_key_value_heads=4)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DECODERS))
+def test_decoders_equal_transformers(case, tmp_path):
+    import transformers
+
+    family, config = DECODERS[case]
+    path = make_decoder(tmp_path / "in", family, **config)
+    ours = load_hf(path)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    assert num_params(ours) == num_params(theirs)
+    assert num_params(ours) == flops.module_params(ir.Module(
+        name="llm", role="backbone", modality=None, arch=ours.arch,
+        span=_span()))
+    ids = torch.randint(0, 128, (2, 300), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = theirs(ids).logits
+        got = ours(ids)
+    assert rel(got, want) < LOAD_RTOL
+    save_hf(ours, tmp_path / "out")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(back) is type(theirs)
+    with torch.no_grad():
+        assert rel(back(ids).logits, got) < SAVE_RTOL
+
+
+@pytest.mark.parametrize("kind", ["clip", "clip-full", "siglip", "clip-gelu"])
+def test_vision_towers_equal_transformers(kind, tmp_path):
+    from transformers import CLIPVisionModel, SiglipVisionModel
+
+    if kind == "siglip":
+        path, cls = make_siglip(tmp_path / "in"), SiglipVisionModel
+    else:
+        extra = {"hidden_act": "gelu"} if kind == "clip-gelu" else {}
+        path = make_clip(tmp_path / "in", full=kind == "clip-full", **extra)
+        cls = CLIPVisionModel
+    ours = load_hf(path)
+    theirs = cls.from_pretrained(path).eval()
+    pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    other = torch.randn(2, 3, 48, 64, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert rel(ours(pixels), theirs(pixels).last_hidden_state) < LOAD_RTOL
+        # Another image size: the learned positions interpolated as transformers does.
+        assert rel(ours(other), theirs(other, interpolate_pos_encoding=True)
+                   .last_hidden_state) < LOAD_RTOL
+        got = ours(pixels)
+    save_hf(ours, tmp_path / "out")
+    back = cls.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        assert rel(back(pixels).last_hidden_state, got) < SAVE_RTOL
+
+
+@pytest.mark.parametrize("kind", ["clip", "siglip"])
+def test_a_feature_layer_reads_that_hidden_state(kind, tmp_path):
+    from transformers import CLIPVisionModel, SiglipVisionModel
+
+    path = (make_siglip if kind == "siglip" else make_clip)(tmp_path / "in")
+    cls = SiglipVisionModel if kind == "siglip" else CLIPVisionModel
+    ours = load_hf(path, feature_layer=-2)
+    assert len(ours.layers) == 2          # the last layer is never run, so never built
+    theirs = cls.from_pretrained(path).eval()
+    pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = theirs(pixels, output_hidden_states=True).hidden_states[-2]
+        assert rel(ours(pixels), want) < LOAD_RTOL
+
+
+@pytest.mark.parametrize("sd,prediction", [(2, "v_prediction"), (1, "epsilon")])
+def test_unets_equal_diffusers(sd, prediction, tmp_path):
+    from diffusers import DDPMScheduler, UNet2DConditionModel
+
+    from dtdsl.models.diffusion import alphas_cumprod, noisy_and_target
+
+    quiet()
+    path = make_unet(tmp_path / "in", sd=sd, prediction=prediction)
+    ours = load_hf(path)
+    assert ours.arch.prediction == prediction and ours.arch.beta_schedule == "scaled_linear"
+    assert ours.arch.linear_proj == (sd == 2)
+    theirs = UNet2DConditionModel.from_pretrained(path / "unet").eval()
+    assert num_params(ours) == num_params(theirs)
+    gen = torch.Generator().manual_seed(3)
+    latents = torch.randn(2, 4, 8, 8, generator=gen)
+    steps = torch.tensor([3, 700])
+    context = torch.randn(2, 7, 24, generator=gen)
+    with torch.no_grad():
+        got = ours(latents, steps, context)
+        assert rel(got, theirs(latents, steps, context).sample) < LOAD_RTOL
+    # The noise schedule and the training target are the scheduler's.
+    scheduler = DDPMScheduler.from_pretrained(path / "scheduler")
+    assert torch.equal(alphas_cumprod(ours.arch), scheduler.alphas_cumprod)
+    noise = torch.randn(latents.shape, generator=gen)
+    noisy, target = noisy_and_target(ours.arch, latents, noise, steps)
+    assert torch.allclose(noisy, scheduler.add_noise(latents, noise, steps))
+    want = scheduler.get_velocity(latents, noise, steps) if prediction == "v_prediction" \
+        else noise
+    assert torch.allclose(target, want)
+    save_hf(ours, tmp_path / "out")
+    back = UNet2DConditionModel.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        assert rel(back(latents, steps, context).sample, got) < SAVE_RTOL
+    saved = json.loads((tmp_path / "out" / "scheduler_config.json").read_text())
+    assert saved["prediction_type"] == prediction
+
+
+def test_sharded_checkpoints_read_and_write(tmp_path):
+    import transformers
+
+    path = make_decoder(tmp_path / "in")
+    ours = load_hf(path)
+    written = save_hf(ours, tmp_path / "out", max_shard_bytes=20_000)
+    assert (tmp_path / "out" / "model.safetensors.index.json") in written
+    assert len([p for p in written if p.suffix == ".safetensors"]) > 2
+    again = load_hf(tmp_path / "out")      # our reader follows the index too
+    for (n, a), (_, b) in zip(ours.named_parameters(), again.named_parameters(), strict=True):
+        assert torch.equal(a, b), n
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    ids = torch.randint(0, 128, (1, 20))
+    with torch.no_grad():
+        assert rel(theirs(ids).logits, ours(ids)) < SAVE_RTOL
+
+
+def test_a_block_is_read_without_the_rest(tmp_path):
+    path = make_decoder(tmp_path / "in")
+    with Checkpoint(path) as ckpt:
+        from dtdsl.models.hf.weights import Source
+
+        key = "model.layers.1.mlp.down_proj.weight"
+        block = ckpt.read(Source(key), (8, 32), (4, 16))
+        assert block.shape == (4, 16)
+        assert ckpt.bytes_read == 4 * 16 * 4
+        full = ckpt.read(Source(key), (0, 0), ckpt.shape(key))
+        assert torch.equal(block, full[8:12, 32:48])
+
+
+def test_unreadable_directories_say_why(tmp_path):
+    with pytest.raises(HFError, match="does not exist"):
+        read_hf(tmp_path / "nothing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(HFError, match="no config.json"):
+        read_hf(tmp_path / "empty")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text('{"model_type": "gpt2"}')
+    with pytest.raises(HFError, match="model_type 'gpt2' is not supported"):
+        read_hf(bad)
+    (bad / "config.json").write_text("{not json")
+    with pytest.raises(HFError, match="not valid JSON"):
+        read_hf(bad)
+    clip = make_clip(tmp_path / "clip")
+    with pytest.raises(HFError, match="cannot be the backbone"):
+        read_hf(clip, role="backbone")
+    llama = make_decoder(tmp_path / "llama", rope_scaling={"rope_type": "longrope",
+                                                           "short_factor": [1.0] * 8,
+                                                           "long_factor": [1.0] * 8})
+    with pytest.raises(HFError, match="rope type 'longrope'"):
+        read_hf(llama)
+    (llama / "model.safetensors").rename(llama / "pytorch_model.bin")
+    with pytest.raises(HFError, match="no safetensors"):
+        Checkpoint(llama)
+
+
+def _span():
+    from dtdsl.source import Span
+
+    return Span.point(1, 1)

@@ -1,0 +1,316 @@
+"""Training from pretrained Hugging Face weights across gloo ranks: a tiny spec whose
+encoder (CLIP vision) and backbone (Llama 3 with rope scaling; Qwen2 with tied embeddings)
+are ``pretrained`` directories made here with ``transformers``. Each rank reads only the
+blocks of the checkpoint its shards cover; the run equals ``dtc reference``; ``dtc export``
+of its checkpoint loads in ``transformers`` with the reference's logits."""
+
+from __future__ import annotations
+
+import math
+import re
+from functools import cache
+from pathlib import Path
+
+import pytest
+import torch
+
+from dtdsl.driver import run_frontend
+from dtdsl.ir import program as ir
+from dtdsl.ir.plan import Plan
+from dtdsl.models.init import local_block
+from dtdsl.models.multimodal import build_model
+from dtdsl.parallel.mesh import build_groups
+from dtdsl.schedule.lower import lower
+from dtdsl.train.checkpoint import Checkpointer
+from dtdsl.train.executor import StageExecutor
+from dtdsl.train.reference import train_reference
+from tests.dist import run
+from tests.hf_models import make_clip, make_decoder, quiet
+from tests.train.test_executor import LOSS_RTOL, PARAM_RMS, PARAM_RTOL, plan_for
+
+pytest.importorskip("transformers")
+
+STEPS = 5
+SPEC = """
+spec pretrained_tiny
+
+model {{
+  encoder vit (image) {{
+    arch       = hf("clip", feature_layer={feature_layer})
+    pretrained = "clip"
+  }}
+  backbone llm {{
+    pretrained = "{backbone}"
+  }}
+  projector vit -> llm : mlp(depth=2)
+}}
+
+data tiny {{
+  text.tokens   ~ lognormal(median=48, sigma=0.5) clamp [8, 192]
+  image.count   ~ zipf(a=2.0) clamp [0, 3]
+  image.patches ~ choice([16, 64], p=[0.7, 0.3])  # 32x32 (CLIP's size) and 64x64 images
+}}
+
+cluster local {{
+  gpu           = custom(name="cpu", memory=4 GiB, peak=0.1 TFLOPS)
+  gpus          = 8
+  gpus_per_node = 8
+  intra_node_bw = 4 GB/s
+  inter_node_bw = 4 GB/s
+}}
+
+train {{
+  global_batch     = 8
+  micro_batch      = 2
+  seq_len          = 512
+  schedule         = 1f1b
+  optimizer        = adamw(lr=1e-3, weight_decay=0.01)
+  precision        = fp32
+  steps            = {steps}
+  seed             = 7
+  checkpoint_every = {steps}
+}}
+"""
+
+
+@cache
+def models(root: str) -> Path:
+    """The pretrained directories (made once per test session)."""
+    path = Path(root)
+    make_clip(path / "clip", layers=3, hidden=32, heads=4, ffn=64, image=32, patch=8)
+    make_decoder(path / "llama", "llama", layers=4, hidden=64, heads=4, kv_heads=2, ffn=96,
+                 vocab=128)
+    make_decoder(path / "qwen", "qwen2", layers=4, hidden=64, heads=4, kv_heads=2, ffn=96,
+                 vocab=128, tie_word_embeddings=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> Path:
+    quiet()
+    return models(str(tmp_path_factory.mktemp("hf")))
+
+
+@cache
+def program(root: str, backbone: str = "llama", feature_layer: int = -2) -> ir.Program:
+    text = SPEC.format(backbone=backbone, feature_layer=feature_layer, steps=STEPS)
+    spec = Path(root) / f"spec_{backbone}_{feature_layer}.dt"
+    spec.write_text(text)
+    result = run_frontend(str(spec), text.encode())
+    assert result.ok, [d.message for d in result.diagnostics]
+    return result.program
+
+
+@cache
+def reference(prog: ir.Program) -> tuple[list[float], dict[str, tuple[torch.Tensor, ...]]]:
+    """The reference's losses, and per parameter its (initial, final) values."""
+    torch.set_num_threads(1)
+    model = build_model(prog)
+    init = {n: p.detach().clone() for n, p in model.named_parameters()}
+    losses = [r["loss"] for r in train_reference(prog, STEPS, model=model)]
+    final = {n.removeprefix("units."): (init[n], p.detach().clone())
+             for n, p in model.named_parameters()}
+    return losses, final
+
+
+def _stored(prog: ir.Program, unit: str, name: str) -> torch.Tensor | None:
+    """The pretrained tensor behind a unit's parameter, read whole with safetensors (the
+    test's own reading, independent of dtdsl's loader); None for a projector."""
+    from safetensors.torch import load_file
+
+    module = next((m for m in prog.modules if m.name == unit), None)
+    if module is None or module.pretrained is None:
+        return None
+    tensors = load_file(str(Path(module.pretrained) / "model.safetensors"))
+    if module.hf.family == "clip":
+        key = name.replace("patch_embed", "embeddings.patch_embedding").replace(
+            "cls_embedding", "embeddings.class_embedding").replace(
+            "pos_embed", "embeddings.position_embedding").replace("pre_norm", "pre_layrnorm")
+        key = re.sub(r"^layers\.", "encoder.layers.", key)
+        for a, b in (("attn_norm", "layer_norm1"), ("mlp_norm", "layer_norm2"),
+                     ("attn.wq", "self_attn.q_proj"), ("attn.wk", "self_attn.k_proj"),
+                     ("attn.wv", "self_attn.v_proj"), ("attn.wo", "self_attn.out_proj"),
+                     ("mlp.w1", "mlp.fc1"), ("mlp.w2", "mlp.fc2")):
+            key = key.replace(a, b)
+        t = tensors[key]
+        return t.flatten(1) if name == "patch_embed.weight" else t
+    key = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight":
+           "model.norm.weight", "output.weight": "lm_head.weight"}.get(name)
+    if key is None:
+        key = "model." + name
+        for a, b in (("attn_norm", "input_layernorm"), ("mlp_norm", "post_attention_layernorm"),
+                     ("attn.wq", "self_attn.q_proj"), ("attn.wk", "self_attn.k_proj"),
+                     ("attn.wv", "self_attn.v_proj"), ("attn.wo", "self_attn.o_proj"),
+                     ("mlp.w1", "mlp.gate_proj"), ("mlp.w3", "mlp.up_proj"),
+                     ("mlp.w2", "mlp.down_proj")):
+            key = key.replace(a, b)
+    if key not in tensors and module.arch.tie_embeddings:
+        key = "model.embed_tokens.weight"
+    return tensors[key]
+
+
+def _train(rank: int, world: int, prog: ir.Program, plan: Plan, losses: list[float],
+           params: dict[str, tuple[torch.Tensor, ...]], run_dir: str) -> None:
+    groups = build_groups(plan)
+    ex = StageExecutor(prog, plan, lower(plan, prog), rank=rank, groups=groups)
+    # Step 0: every parameter the rank holds is its block of the pretrained tensor.
+    for name, p in ex.named_parameters().items():
+        unit, _, local_name = name.partition(".")
+        want = _stored(prog, unit, local_name)
+        local, _, offsets = local_block(p.detach())
+        if want is None:
+            assert torch.equal(local, _block_of(params[name][0], offsets, local.shape)), name
+            continue
+        assert torch.equal(local, _block_of(want.float(), offsets, local.shape)), name
+    ckpt = Checkpointer(ex, run_dir, mode="sync")
+    results = ex.train(STEPS)
+    for r, want in zip(results, losses, strict=True):
+        assert math.isclose(r["loss"], want, rel_tol=LOSS_RTOL), (r["step"], r["loss"], want)
+    ckpt.save(STEPS)
+    ckpt.close()
+    for name, p in ex.full_parameters().items():
+        init, want = params[name]
+        err = (p - want).norm().item()
+        # A key projection's bias adds the same q.b to every score of a query, which the
+        # softmax ignores: its gradient is rounding noise, which Adam turns into full
+        # steps in both runs, so only the absolute bound applies to it.
+        if not name.endswith("attn.wk.bias"):
+            assert err <= PARAM_RTOL * (want - init).norm().item() + 1e-7, (name, err)
+        assert err <= PARAM_RMS * want.numel() ** 0.5, (name, err)
+
+
+def _block_of(full: torch.Tensor, offsets, shape) -> torch.Tensor:
+    index = tuple(slice(o, o + n) for o, n in zip(offsets, shape, strict=True))
+    return full[index]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backbone,feature_layer,layout", [
+    ("llama", -2, (("vit", "encoder", 2, 1, 1), ("llm", "backbone", 2, 1, 2))),
+    # Tied embeddings over two pipeline stages: the head on the last stage is the first
+    # stage's embedding, their gradients summed (and the CLIP tower's own top, no
+    # feature layer).
+    ("qwen", None, (("vit", "encoder", 1, 1, 2), ("llm", "backbone", 1, 2, 2))),
+])
+def test_pretrained_modules_train_as_the_reference(hf_dir, tmp_path, backbone, feature_layer,
+                                                   layout):
+    import transformers
+    from transformers import CLIPVisionModel
+
+    from dtdsl.models.hf import load_hf
+    from dtdsl.train.export import export_checkpoint
+
+    prog = program(str(hf_dir), backbone, feature_layer if feature_layer is not None else -1)
+    if feature_layer is None:
+        prog = _without_feature_layer(hf_dir, backbone)
+    plan = plan_for(prog, *layout)
+    losses, params = reference(prog)
+    # The pretrained weights, not a random start: the first loss is the pretrained model's.
+    run(_train, plan.gpus_used, prog, plan, losses, params, str(tmp_path / "run"), timeout=300)
+
+    # dtc export: Hugging Face directories that transformers loads, holding the trained
+    # weights (the reference's, up to the run's rounding).
+    out = tmp_path / "export"
+    exported = {u.name: u for u in export_checkpoint(tmp_path / "run", out)}
+    assert exported["llm"].hf and exported["vit"].hf and not exported["vit_to_llm"].hf
+    model = build_model(prog)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(params[n.removeprefix("units.")][1])
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out / "llm").eval()
+    ids = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = model.unit("llm")(ids)
+        got = theirs(ids).logits
+        assert ((got - want).abs().max() / want.abs().max()).item() < 1e-3
+        assert torch.allclose(load_hf(out / "llm")(ids), got, rtol=1e-5, atol=1e-5)
+    tower = CLIPVisionModel.from_pretrained(out / "vit").eval()
+    pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        hidden = tower(pixels, output_hidden_states=True).hidden_states
+        layer = feature_layer if feature_layer is not None else -1
+        want = model.unit("vit")(pixels)
+        got = hidden[layer] if feature_layer is not None else tower(pixels).last_hidden_state
+        assert ((got - want).abs().max() / want.abs().max()).item() < 1e-3
+
+
+def _without_feature_layer(hf_dir: Path, backbone: str) -> ir.Program:
+    text = SPEC.format(backbone=backbone, feature_layer=0, steps=STEPS).replace(
+        'arch       = hf("clip", feature_layer=0)\n', "")
+    spec = hf_dir / f"spec_{backbone}_top.dt"
+    spec.write_text(text)
+    result = run_frontend(str(spec), text.encode())
+    assert result.ok, [d.message for d in result.diagnostics]
+    return result.program
+
+
+# ---- memory while loading ---------------------------------------------------------------
+
+_LOAD = """
+import json, re, sys
+import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from dtdsl.driver import run_frontend
+from dtdsl.models.init import local_block
+from dtdsl.parallel.mesh import build_groups
+from dtdsl.train.stage import build_stage
+from tests.train.test_executor import plan_for
+
+def hwm():
+    return int(re.search(r"VmHWM:\\s+(\\d+)", open("/proc/self/status").read()).group(1)) << 10
+
+spec, world, rank, layout = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
+prog = run_frontend(spec, open(spec, "rb").read()).program
+plan = plan_for(prog, *[tuple(u) for u in layout])
+dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+groups = build_groups(plan)
+open("/proc/self/clear_refs", "w").write("5")     # reset the peak to now
+before = hwm()
+stage = build_stage(prog, plan, groups.role, groups.mesh, torch.device("cpu"),
+                    initialize=False)
+stage.initialize(prog, prog.train.seed)
+peak = hwm() - before
+share = sum(local_block(p)[0].numel() * 4 for p in stage.module.parameters())
+print(json.dumps({"peak": peak, "share": share}))
+"""
+
+
+@pytest.mark.slow
+def test_a_rank_reads_only_its_share(tmp_path):
+    """A rank's peak memory while it builds its stage and loads its weights stays below its
+    share of the module plus one tensor (measured: the process's peak resident set)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    quiet()
+    # About 180 MB of fp32 weights, stored in bf16: the embedding and the head are the
+    # largest tensors (64 MB each in fp32).
+    make_decoder(tmp_path / "big", "llama", layers=4, hidden=512, heads=8, kv_heads=4,
+                 ffn=1536, vocab=32000, dtype=torch.bfloat16)
+    spec = tmp_path / "big.dt"
+    spec.write_text(SPEC.format(backbone="big", feature_layer=-2, steps=1).replace(
+        '''  encoder vit (image) {
+    arch       = hf("clip", feature_layer=-2)
+    pretrained = "clip"
+  }
+''', "").replace("  projector vit -> llm : mlp(depth=2)\n", "").replace(
+        "  image.count   ~ zipf(a=2.0) clamp [0, 3]\n", "").replace(
+        "  image.patches ~ choice([16, 64], p=[0.7, 0.3])  # 32x32 (CLIP's size) and 64x64 "
+        "images\n", ""))
+    largest = 32000 * 512 * 4
+    total = 4 * (2 * 32000 * 512 + 512 + 4 * (2 * 512 * 512 + 2 * 512 * 256 + 3 * 512 * 1536
+                                              + 2 * 512))
+    root = Path(__file__).resolve().parents[2]
+    for world, layout in ((4, [["llm", "backbone", 2, 2, 1]]), (2, [["llm", "backbone", 1, 1, 2]])):
+        out = subprocess.run(
+            [sys.executable, "-c", _LOAD, str(spec), str(world), str(world - 1),
+             json.dumps(layout)], capture_output=True, text=True, cwd=root, timeout=300,
+            env={**os.environ, "PYTHONPATH": str(root)})
+        assert out.returncode == 0, out.stderr
+        got = json.loads(out.stdout.strip().splitlines()[-1])
+        print(layout, got)
+        assert got["share"] < 0.6 * total      # a quarter, or one stage of two
+        assert got["peak"] < got["share"] + largest, (layout, got)
