@@ -46,6 +46,14 @@ _PARAM_BYTES = {"bf16": (2, 4, 12), "fp16": (2, 4, 12), "fp32": (4, 4, 8)}
 _COLLECTIVE_LATENCY_S = 20e-6   # per ring step
 
 
+def _frozen_master_bytes(precision: str, dp, zero: int):
+    """Bytes per frozen parameter beyond its compute copy: under mixed precision FSDP2 keeps
+    the fp32 parameter sharded over DP (a trained one's is in its optimizer bytes)."""
+    if precision == "fp32":
+        return 0.0
+    return 4 / (np.asarray(dp) if zero >= 1 else 1)
+
+
 @dataclass(frozen=True)
 class Efficiency:
     """The fraction of the GPU's dense peak that each kind of work reaches.
@@ -251,7 +259,8 @@ class CostModel:
         stage = unit.stage_params(pp) / tp
         trained = stage * unit.trainable_params / unit.params if unit.params else 0.0
         zero = program.train.optimizer.zero
-        static = stage * weight_b + trained * (grad_b + optim_b / (dp if zero >= 1 else 1))
+        static = stage * weight_b + trained * (grad_b + optim_b / (dp if zero >= 1 else 1)) \
+            + (stage - trained) * _frozen_master_bytes(program.train.precision, dp, zero)
         per_layer = (unit.act_bytes_per_layer - unit.act_bytes_per_layer_tp_split
                      + unit.act_bytes_per_layer_tp_split / tp) * share
         if unit.backward_factor == 0:
@@ -286,7 +295,8 @@ class CostModel:
         params /= tp
         trained = params * unit.trainable_params / unit.params if unit.params else 0.0
         zero = self.program.train.optimizer.zero
-        static = params * weight_b + trained * (grad_b + optim_b / (dp if zero >= 1 else 1))
+        static = params * weight_b + trained * (grad_b + optim_b / (dp if zero >= 1 else 1)) \
+            + (params - trained) * _frozen_master_bytes(self.program.train.precision, dp, zero)
         per_layer = (unit.act_bytes_per_layer - unit.act_bytes_per_layer_tp_split
                      + unit.act_bytes_per_layer_tp_split / tp) * share
         if unit.backward_factor == 0:
@@ -347,7 +357,16 @@ class CostModel:
 
 # ---- building the unit costs ---------------------------------------------------------------
 
-def _transformer_activation_bytes(hidden: int, ffn: int, kv_ratio: float, swiglu: bool,
+def _mlp_factor(arch: ir.TransformerArch) -> int:
+    """Bytes per FFN column and token that a layer's MLP keeps for backward (bf16): the
+    activation's input and output (4), SwiGLU's gate and product too (8), quick-GELU's
+    sigmoid and input of its product too (6; measured with saved-tensor hooks)."""
+    if arch.swiglu:
+        return 8
+    return 6 if arch.act == "quick_gelu" else 4
+
+
+def _transformer_activation_bytes(hidden: int, ffn: int, kv_ratio: float, mlp_factor: int,
                                   tokens: float, cross_attention: bool = False, *,
                                   rms_norm: bool = True,
                                   sequence_parallel: bool = True) -> tuple[float, float]:
@@ -359,14 +378,15 @@ def _transformer_activation_bytes(hidden: int, ffn: int, kv_ratio: float, swiglu
     fp32 upcast input and bf16 normalised output, 14 h bytes per token for the two;
     LayerNorm: its input, 4 h); each block's normed input, which its projections keep
     (4 h); attention's rotated queries and keys, values, output and the output
-    projection's input (6 h + 4 kv h); the MLP's intermediates (SwiGLU 8 f, GELU 4 f).
+    projection's input (6 h + 4 kv h); the MLP's intermediates (``mlp_factor`` f bytes:
+    SwiGLU 8 f, GELU 4 f, see ``_mlp_factor``).
     Tensor parallelism divides the attention and MLP internals; with sequence
     parallelism (the backbone, ``parallel.tp``) the norms' state too, while the normed
     inputs the projections keep are gathered whole on every TP rank."""
     h, f = hidden, ffn
     norms = (14 if rms_norm else 4) * h
     whole = 4 * h
-    inner = 6 * h + 4 * kv_ratio * h + (8 if swiglu else 4) * f
+    inner = 6 * h + 4 * kv_ratio * h + mlp_factor * f
     if cross_attention:     # its norm's input, normed input, queries, output, projection
         norms += 2 * h
         whole += 2 * h
@@ -441,7 +461,7 @@ def _unit_cost(program: ir.Program, module: ir.Module, samples: SampleSet) -> Un
         acc.queries.append(ProfileQuery(module.name, (float(train.seq_len),), (float(mb),)))
         acc.work = flops.backbone_forward(arch, train.seq_len) * mb
         acc.act, acc.act_split = _transformer_activation_bytes(
-            arch.hidden, arch.ffn, arch.kv_heads / arch.heads, arch.swiglu, tokens,
+            arch.hidden, arch.ffn, arch.kv_heads / arch.heads, _mlp_factor(arch), tokens,
             rms_norm=True, sequence_parallel=True)
         acc.act_tokens, acc.width, acc.peak_items = tokens, arch.hidden, tokens
         acc.comm = arch.layers * 2 * tokens * arch.hidden * _BYTES_BF16
@@ -468,7 +488,7 @@ def _unit_cost(program: ir.Program, module: ir.Module, samples: SampleSet) -> Un
         peak = _quantile_per_microbatch(tokens, mb)
         acc.peak_ratio = _ratio(peak, float(tokens.mean()) * mb)
         acc.act, acc.act_split = _transformer_activation_bytes(
-            arch.hidden, arch.ffn, arch.kv_heads / arch.heads, arch.swiglu, peak,
+            arch.hidden, arch.ffn, arch.kv_heads / arch.heads, _mlp_factor(arch), peak,
             rms_norm=False, sequence_parallel=False)
         acc.act_tokens, acc.width, acc.peak_items = peak, arch.hidden, peak
         mean_tokens = float(tokens.mean()) * mb
@@ -506,7 +526,7 @@ def _unit_cost(program: ir.Program, module: ir.Module, samples: SampleSet) -> Un
             per_item = flops.dit_forward(arch, cond_tokens)
             n = flops.dit_tokens(arch)
             acc.act, acc.act_split = _transformer_activation_bytes(
-                arch.hidden, arch.ffn, 1.0, False, n * peak_items, cross_attention=True,
+                arch.hidden, arch.ffn, 1.0, 4, n * peak_items, cross_attention=True,
                 rms_norm=False, sequence_parallel=False)
             acc.act_tokens, acc.width = n * peak_items, arch.hidden
             acc.comm = arch.layers * 3 * n * arch.hidden * _BYTES_BF16 * count

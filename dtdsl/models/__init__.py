@@ -14,6 +14,9 @@ Build on the meta device to count parameters of a large model for free::
 
     with torch.device("meta"):
         model = build_module(program.backbone)
+
+Hugging Face models in and out (``models.hf``): ``load_hf(DIR)`` returns dtdsl's module for a
+Hugging Face directory, weights loaded; ``save_hf(module, DIR)`` writes one back.
 """
 
 from __future__ import annotations
@@ -28,8 +31,8 @@ from dtdsl.models.unet import UNet
 
 __all__ = [
     "Backbone", "DiT", "DiTBlock", "Encoder", "Projector", "TransformerLayer", "UNet",
-    "build_arch", "build_layer", "build_module", "build_projector", "projector_tp_conflicts",
-    "tie_weights",
+    "build_arch", "build_layer", "build_module", "build_projector", "load_hf",
+    "projector_tp_conflicts", "save_hf", "tie_weights",
 ]
 
 
@@ -98,3 +101,6 @@ def build_projector(proj: ir.Projector, tp: int = 1) -> Projector:
     if tp < 1:
         raise ValueError(f"tensor parallelism must be at least 1, not {tp}")
     return Projector(proj.arch, tp=tp)
+
+
+from dtdsl.models.hf import load_hf, save_hf  # noqa: E402 - after what models.hf builds with

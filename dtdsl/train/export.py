@@ -22,6 +22,7 @@ memory holds about one shard, not the model.
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,7 +96,9 @@ class _Reader:
                     break
                 batch[name] = torch.empty(shape, dtype=dtype)
                 size += nbytes
-            self._dcp.load(batch, checkpoint_id=str(self.path), no_dist=True)
+            with warnings.catch_warnings():     # DCP's note that it loads in one process
+                warnings.filterwarnings("ignore", message=".*single process")
+                self._dcp.load(batch, checkpoint_id=str(self.path), no_dist=True)
             self._cache.update(batch)
         return self._cache.pop(key)
 

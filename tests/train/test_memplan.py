@@ -61,7 +61,8 @@ def test_cli_json(capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["mllm_9b", "mllm_15b", "mllm_72b"])
+# llava_sd: architectures read from Hugging Face configs (CLIP, Llama 3.1, the SD 2.1 U-Net).
+@pytest.mark.parametrize("name", ["mllm_9b", "mllm_15b", "mllm_72b", "llava_sd"])
 def test_paper_scale_plans_match_the_memory_model(name, capsys):
     start = time.perf_counter()
     code = cli.main(["memcheck", str(ROOT / "specs" / f"{name}.dt"), "--json"])

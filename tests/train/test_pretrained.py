@@ -25,7 +25,7 @@ from dtdsl.train.checkpoint import Checkpointer
 from dtdsl.train.executor import StageExecutor
 from dtdsl.train.reference import train_reference
 from tests.dist import run
-from tests.hf_models import make_clip, make_decoder, quiet
+from tests.hf_models import make_clip, make_decoder, make_unet, quiet
 from tests.train.test_executor import LOSS_RTOL, PARAM_RMS, PARAM_RTOL, plan_for
 
 pytest.importorskip("transformers")
@@ -77,6 +77,7 @@ train {{
 def models(root: str) -> Path:
     """The pretrained directories (made once per test session)."""
     path = Path(root)
+    make_unet(path / "sd", sd=2, prediction="v_prediction", context=24, latent=8)
     make_clip(path / "clip", layers=3, hidden=32, heads=4, ffn=64, image=32, patch=8)
     make_decoder(path / "llama", "llama", layers=4, hidden=64, heads=4, kv_heads=2, ffn=96,
                  vocab=128)
@@ -91,10 +92,22 @@ def hf_dir(tmp_path_factory) -> Path:
     return models(str(tmp_path_factory.mktemp("hf")))
 
 
+GENERATOR = """  generator gen (image) {
+    pretrained = "sd"
+  }
+  projector llm -> gen : mlp(depth=2)
+"""
+
+
 @cache
-def program(root: str, backbone: str = "llama", feature_layer: int = -2) -> ir.Program:
+def program(root: str, backbone: str = "llama", feature_layer: int = -2,
+            generator: bool = False) -> ir.Program:
     text = SPEC.format(backbone=backbone, feature_layer=feature_layer, steps=STEPS)
-    spec = Path(root) / f"spec_{backbone}_{feature_layer}.dt"
+    if generator:
+        text = text.replace("  projector vit -> llm : mlp(depth=2)\n",
+                            "  projector vit -> llm : mlp(depth=2)\n" + GENERATOR).replace(
+            "clamp [0, 3]\n", "clamp [0, 3]\n  image.gen_count ~ choice([0, 1], p=[0.5, 0.5])\n")
+    spec = Path(root) / f"spec_{backbone}_{feature_layer}_{int(generator)}.dt"
     spec.write_text(text)
     result = run_frontend(str(spec), text.encode())
     assert result.ok, [d.message for d in result.diagnostics]
@@ -119,8 +132,8 @@ def _stored(prog: ir.Program, unit: str, name: str) -> torch.Tensor | None:
     from safetensors.torch import load_file
 
     module = next((m for m in prog.modules if m.name == unit), None)
-    if module is None or module.pretrained is None:
-        return None
+    if module is None or module.pretrained is None or module.hf.family == "unet":
+        return None     # the reference's loading (held against diffusers in tests/models)
     tensors = load_file(str(Path(module.pretrained) / "model.safetensors"))
     if module.hf.family == "clip":
         key = name.replace("patch_embed", "embeddings.patch_embedding").replace(
@@ -177,6 +190,62 @@ def _train(rank: int, world: int, prog: ir.Program, plan: Plan, losses: list[flo
         if not name.endswith("attn.wk.bias"):
             assert err <= PARAM_RTOL * (want - init).norm().item() + 1e-7, (name, err)
         assert err <= PARAM_RMS * want.numel() ** 0.5, (name, err)
+
+
+def _resume(rank: int, world: int, prog: ir.Program, plan: Plan,
+            params: dict[str, tuple[torch.Tensor, ...]], run_dir: str) -> None:
+    groups = build_groups(plan)
+    ex = StageExecutor(prog, plan, lower(plan, prog), rank=rank, groups=groups,
+                       initialize=False)
+    ckpt = Checkpointer(ex, run_dir, mode="sync")
+    assert ckpt.resume() == STEPS and ckpt.loaded == STEPS
+    ckpt.close()
+    for name, p in ex.full_parameters().items():
+        assert torch.equal(p, _trained(run_dir, name, p)), name
+
+
+def _trained(run_dir: str, name: str, like: torch.Tensor) -> torch.Tensor:
+    """A parameter as the checkpoint holds it (read with DCP in this process)."""
+    import torch.distributed.checkpoint as dcp
+
+    out = {f"model.units.{name}": torch.empty_like(like)}
+    dcp.load(out, checkpoint_id=str(Path(run_dir) / "checkpoints" / f"ckpt-{STEPS}"),
+             no_dist=True)
+    return out[f"model.units.{name}"]
+
+
+@pytest.mark.slow
+def test_a_pretrained_unet_trains_and_a_resume_reads_no_pretrained_weights(hf_dir, tmp_path):
+    from diffusers import UNet2DConditionModel
+
+    prog = program(str(hf_dir), "llama", -2, generator=True)
+    assert prog.module("gen").arch.prediction == "v_prediction"
+    plan = plan_for(prog, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, 1, 1),
+                    ("gen", "generator", 2, 1, 1))
+    losses, params = reference(prog)
+    run_dir = str(tmp_path / "run")
+    run(_train, plan.gpus_used, prog, plan, losses, params, run_dir, timeout=300)
+    # Resuming takes every parameter, frozen or pretrained, from the checkpoint: with the
+    # pretrained directories gone it resumes all the same.
+    gone = prog.model_copy(update={"modules": tuple(
+        m.model_copy(update={"pretrained": str(tmp_path / "gone")}) if m.pretrained else m
+        for m in prog.modules)})
+    run(_resume, plan.gpus_used, gone, plan, params, run_dir, timeout=120)
+    # The exported U-Net is diffusers' with the trained weights.
+    from dtdsl.train.export import export_checkpoint
+
+    export_checkpoint(run_dir, tmp_path / "out", units=["gen"])
+    theirs = UNet2DConditionModel.from_pretrained(tmp_path / "out" / "gen").eval()
+    model = build_model(prog)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(params[n.removeprefix("units.")][1])
+        gen = torch.Generator().manual_seed(4)
+        x, t, c = (torch.randn(2, 4, 8, 8, generator=gen), torch.tensor([10, 900]),
+                   torch.randn(2, 5, 24, generator=gen))
+        want = model.unit("gen")(x, t, c)
+        got = theirs(x, t, c).sample
+        assert ((got - want).abs().max() / want.abs().max()).item() < 1e-3
 
 
 def _block_of(full: torch.Tensor, offsets, shape) -> torch.Tensor:
@@ -314,3 +383,38 @@ def test_a_rank_reads_only_its_share(tmp_path):
         print(layout, got)
         assert got["share"] < 0.6 * total      # a quarter, or one stage of two
         assert got["peak"] < got["share"] + largest, (layout, got)
+
+
+# ---- a bundle's launch, dtc export's command line -----------------------------------------
+
+@pytest.mark.slow
+def test_a_bundle_checks_its_pretrained_weights_before_it_starts(hf_dir, tmp_path):
+    import shutil
+
+    from dtdsl import cli
+    from tests.codegen.test_bundle_run import launch, launch_ok
+
+    weights = tmp_path / "llama"
+    shutil.copytree(hf_dir / "llama", weights)
+    text = SPEC.format(backbone=weights, feature_layer=-2, steps=2).replace(
+        '"clip"', f'"{hf_dir / "clip"}"').replace("gpus          = 8", "gpus          = 2")
+    spec = tmp_path / "tiny.dt"
+    spec.write_text(text)
+    bundle = tmp_path / "bundle"
+    assert cli.main(["compile", str(spec), "-o", str(bundle), "--synthetic",
+                     "--workers", "0"]) == 0
+    launch_ok(bundle, tmp_path / "run")
+    # Gone weights: one line before torchrun starts, no rank's traceback.
+    shutil.rmtree(weights)
+    proc = launch(bundle, tmp_path / "run2")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (f"launch.sh: backbone llm: pretrained {weights}: {weights} "
+                                   "does not exist")
+    # The run's checkpoint holds everything: it resumes, and exports, without them.
+    launch_ok(bundle, tmp_path / "run", "--resume", "--steps", "3")
+    out = tmp_path / "out"
+    assert cli.main(["export", str(tmp_path / "run"), "-o", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["llm", "vit", "vit_to_llm"]
+    assert cli.main(["export", str(tmp_path / "run"), "-o", str(out)]) == 2   # not empty
+    assert cli.main(["export", str(tmp_path / "run"), "--step", "7", "-o",
+                     str(tmp_path / "o2")]) == 2

@@ -1,0 +1,78 @@
+"""What a launch checks before torchrun starts a rank: one clear line per problem, not a
+traceback per rank per restart.
+
+``python -m dtdsl.train.preflight BUNDLE [--run-dir DIR]`` (``launch.sh`` runs it on every
+node) checks that every ``pretrained`` directory the bundle's program names is still
+there, still holds the model the bundle was compiled against (its ``config.json`` has the
+same sha256) and still has every tensor in its shape (the safetensors headers, nothing
+more is read). A run directory with a complete checkpoint needs none of it: a resumed run
+takes every parameter from its checkpoint. Exit status 0, or 2 with the problems on
+stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from dtdsl.ir import program as ir
+
+__all__ = ["check_pretrained", "main"]
+
+
+def check_pretrained(program: ir.Program) -> list[str]:
+    """Problems with the program's pretrained weights (empty: all there and fitting)."""
+    problems: list[str] = []
+    for module in program.modules:
+        if module.pretrained is None:
+            continue
+        # Imported here: a bundle without pretrained weights starts without torch.
+        from dtdsl.models import build_arch
+        from dtdsl.models.hf import Checkpoint, HFError, check_weights, read_hf
+
+        where = f"{module.role} {module.name}: pretrained {module.pretrained}"
+        try:
+            found = read_hf(module.pretrained, role=module.role)
+            if module.hf is not None and Path(module.hf.path) == found.weights_dir and \
+                    found.source.config_sha256 != module.hf.config_sha256:
+                problems.append(f"{where}: its config.json changed since the bundle was "
+                                "compiled; compile again")
+                continue
+            import torch
+
+            with torch.device("meta"):
+                meta = build_arch(module.role, module.arch)
+            with Checkpoint(found.weights_dir) as ckpt:
+                assert module.hf is not None
+                wrong = check_weights(meta, module.hf.family, module.arch, ckpt)
+            if wrong:
+                problems.append(f"{where}: {wrong[0]}" + (f" (and {len(wrong) - 1} more)"
+                                                        if len(wrong) > 1 else ""))
+        except HFError as err:
+            problems.append(f"{where}: {err.message}")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dtdsl.train.preflight",
+                                     description="check a bundle's inputs before a launch")
+    parser.add_argument("bundle", help="the bundle directory")
+    parser.add_argument("--run-dir", help="the run directory (a checkpoint there: resuming)")
+    args = parser.parse_args(argv)
+    from dtdsl.train.checkpoint import complete_checkpoints
+    from dtdsl.train.job import load_job
+
+    bundle = Path(args.bundle)
+    job = load_job(bundle)
+    program = ir.Program.model_validate_json((bundle / job.program_file).read_bytes())
+    if args.run_dir is not None and complete_checkpoints(args.run_dir):
+        return 0
+    problems = check_pretrained(program)
+    for line in problems:
+        print(f"launch.sh: {line}", file=sys.stderr)
+    return 2 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
