@@ -87,9 +87,49 @@ def test_vision_towers_equal_transformers(kind, tmp_path):
                    .last_hidden_state) < LOAD_RTOL
         got = ours(pixels)
     save_hf(ours, tmp_path / "out")
-    back = cls.from_pretrained(tmp_path / "out").eval()
+    back, info = cls.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not info["missing_keys"] and not info["mismatched_keys"], info
     with torch.no_grad():
-        assert rel(back(pixels).last_hidden_state, got) < SAVE_RTOL
+        assert rel(back.eval()(pixels).last_hidden_state, got) < SAVE_RTOL
+        # What dtdsl's tower does not hold (CLIP's pooling norm, SigLIP's head) is the
+        # original's: the directory stands in for it.
+        assert rel(back(pixels).pooler_output, theirs(pixels).pooler_output) < LOAD_RTOL
+
+
+def test_a_full_siglip_gives_its_vision_tower(tmp_path):
+    from transformers import SiglipConfig, SiglipModel
+
+    quiet()
+    model = SiglipModel(SiglipConfig(
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, image_size=32, patch_size=8),
+        text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4)))
+    model.save_pretrained(tmp_path / "in")
+    ours = load_hf(tmp_path / "in")
+    assert ours.arch.post_norm and ours.arch.patch_bias and not ours.arch.cls_token
+    pixels = torch.randn(1, 3, 32, 32)
+    with torch.no_grad():
+        want = model.vision_model(pixel_values=pixels).last_hidden_state
+        assert rel(ours(pixels), want) < LOAD_RTOL
+
+
+def test_weight_variants_beside_the_checkpoint_are_not_read(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = make_decoder(tmp_path / "in")
+    tensors = load_file(str(path / "model.safetensors"))
+    # A Hub directory's fp16 variant, and another format's file under other names.
+    save_file({k: v.half() for k, v in tensors.items()}, str(path / "model.fp16.safetensors"))
+    save_file({"tok_embeddings.weight": tensors["model.embed_tokens.weight"]},
+              str(path / "consolidated.safetensors"))
+    with Checkpoint(path) as ckpt:
+        assert ckpt.dtype("model.embed_tokens.weight") == torch.float32
+        assert "tok_embeddings.weight" not in ckpt
+    (path / "model.safetensors").unlink()
+    (path / "consolidated.safetensors").unlink()
+    with Checkpoint(path) as ckpt:          # the variant alone is the checkpoint
+        assert ckpt.dtype("model.embed_tokens.weight") == torch.float16
 
 
 @pytest.mark.parametrize("kind", ["clip", "siglip"])
@@ -105,6 +145,13 @@ def test_a_feature_layer_reads_that_hidden_state(kind, tmp_path):
     with torch.no_grad():
         want = theirs(pixels, output_hidden_states=True).hidden_states[-2]
         assert rel(ours(pixels), want) < LOAD_RTOL
+    # Written back whole: its layers, then the original's top layer above them.
+    save_hf(ours, tmp_path / "out")
+    back, info = cls.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not info["missing_keys"] and back.config.num_hidden_layers == 3
+    with torch.no_grad():
+        assert rel(back.eval()(pixels).last_hidden_state,
+                   theirs(pixels).last_hidden_state) < SAVE_RTOL
 
 
 @pytest.mark.parametrize("sd,prediction", [(2, "v_prediction"), (1, "epsilon")])

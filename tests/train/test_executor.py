@@ -66,12 +66,14 @@ def plan_for(program: ir.Program, *units: tuple[str, str, int, int, int]) -> Pla
 
 
 @cache
-def reference(program: ir.Program) -> tuple[list[float], dict[str, tuple[torch.Tensor, ...]]]:
-    """The reference's losses, and per parameter its (initial, final) values."""
+def reference(program: ir.Program, steps: int = STEPS
+              ) -> tuple[list[float], dict[str, tuple[torch.Tensor, ...]]]:
+    """The reference's losses over ``steps``, and per parameter its (initial, final)
+    values."""
     torch.set_num_threads(1)
     model = build_model(program)
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
-    losses = [r["loss"] for r in train_reference(program, STEPS, model=model)]
+    losses = [r["loss"] for r in train_reference(program, steps, model=model)]
     params = {n.removeprefix("units."): (init[n], p.detach().clone())
               for n, p in model.named_parameters()}
     return losses, params

@@ -23,10 +23,10 @@ from dtdsl.parallel.mesh import build_groups
 from dtdsl.schedule.lower import lower
 from dtdsl.train.checkpoint import Checkpointer
 from dtdsl.train.executor import StageExecutor
-from dtdsl.train.reference import train_reference
 from tests.dist import run
 from tests.hf_models import make_clip, make_decoder, make_unet, quiet
 from tests.train.test_executor import LOSS_RTOL, PARAM_RMS, PARAM_RTOL, plan_for
+from tests.train.test_executor import reference as executor_reference
 
 pytest.importorskip("transformers")
 
@@ -114,16 +114,9 @@ def program(root: str, backbone: str = "llama", feature_layer: int = -2,
     return result.program
 
 
-@cache
 def reference(prog: ir.Program) -> tuple[list[float], dict[str, tuple[torch.Tensor, ...]]]:
-    """The reference's losses, and per parameter its (initial, final) values."""
-    torch.set_num_threads(1)
-    model = build_model(prog)
-    init = {n: p.detach().clone() for n, p in model.named_parameters()}
-    losses = [r["loss"] for r in train_reference(prog, STEPS, model=model)]
-    final = {n.removeprefix("units."): (init[n], p.detach().clone())
-             for n, p in model.named_parameters()}
-    return losses, final
+    """The reference's losses over STEPS, and per parameter its (initial, final) values."""
+    return executor_reference(prog, STEPS)
 
 
 def _stored(prog: ir.Program, unit: str, name: str) -> torch.Tensor | None:

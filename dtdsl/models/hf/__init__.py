@@ -165,14 +165,15 @@ def load_hf(path: str | Path, *, feature_layer: int | None = None,
     with Checkpoint(model.weights_dir) as checkpoint:
         load_weights(module, model.source.family, model.arch, checkpoint)
     module.hf_source = model.source
+    module.hf_weights = str(model.weights_dir)     # save_hf completes a tower from them
     return module
 
 
 def _write_configs(directory: Path, arch: Any, role: str, source: ir.HFSource | None,
-                   layers: int | None = None) -> str:
+                   layers: int | None = None, extra: Mapping[str, Any] | None = None) -> str:
     """Write ``config.json`` (and a U-Net's ``scheduler_config.json``); the library."""
     directory.mkdir(parents=True, exist_ok=True)
-    config = config_for(arch, role, source, layers=layers)
+    config = {**config_for(arch, role, source, layers=layers), **(extra or {})}
     (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     if isinstance(arch, ir.UNetArch):
         (directory / "scheduler_config.json").write_text(
@@ -191,6 +192,37 @@ def _family(arch: Any, role: str, source: ir.HFSource | None) -> str:
     return "clip" if getattr(arch, "cls_token", False) else "siglip"
 
 
+def _tower_rest(family: str, pretrained: str, have: set[str],
+                dtype: torch.dtype | None) -> list[HFTensor]:
+    """The tensors of a vision tower's checkpoint that dtdsl's module does not hold (the
+    layers above its feature layer, CLIP's pooling norm, SigLIP's pooling head), under the
+    key names ``write_checkpoint`` gives the tower, read from ``pretrained`` when written."""
+    out = []
+    with Checkpoint(pretrained) as ckpt:
+        body = checkpoint_prefixes(family, ckpt)["body"]
+        for key in ckpt.keys():
+            out_key = hf_key_prefix(family)["body"] + key[len(body):]
+            if not key.startswith(body) or out_key in have or key.endswith(".position_ids"):
+                continue
+            shape, stored = ckpt.shape(key), ckpt.dtype(key)
+
+            def make(key: str = key, shape: tuple[int, ...] = shape) -> torch.Tensor:
+                with Checkpoint(pretrained) as c:
+                    t = c.read(Source(key), (0,) * len(shape), shape)
+                return t.to(dtype) if dtype is not None else t
+
+            out.append(HFTensor(out_key, int(torch.Size(shape).numel()) *
+                                (dtype or stored).itemsize, make))
+    return out
+
+
+def _identity_norm(key: str, width: int, dtype: torch.dtype) -> list[HFTensor]:
+    return [HFTensor(f"{key}.weight", width * dtype.itemsize,
+                     lambda: torch.ones(width, dtype=dtype)),
+            HFTensor(f"{key}.bias", width * dtype.itemsize,
+                     lambda: torch.zeros(width, dtype=dtype))]
+
+
 def export_module(directory: str | Path, *, arch: ir.TransformerArch | ir.UNetArch, role: str,
                   source: ir.HFSource | None, shapes: Mapping[str, tuple[tuple[int, ...],
                                                                        torch.dtype]],
@@ -198,47 +230,43 @@ def export_module(directory: str | Path, *, arch: ir.TransformerArch | ir.UNetAr
                   dtype: torch.dtype | None = None, max_shard_bytes: int = 5 << 30
                   ) -> list[Path]:
     """Write a module as a Hugging Face directory from its parameters' ``shapes`` and a
-    getter of each full tensor (``save_hf`` and ``dtc export`` share this). A vision tower
-    read below its top layer from ``pretrained`` weights is written whole: its trained
-    layers, and the layers and norms above them as the pretrained checkpoint has them,
-    so the directory stands in for the original one."""
+    getter of each full tensor (``save_hf`` and ``dtc export`` share this).
+
+    A vision tower is written whole, so that ``from_pretrained`` initialises nothing: what
+    dtdsl's module does not hold (the layers above a feature layer, CLIP's pooling norm,
+    SigLIP's pooling head) comes from the ``pretrained`` weights it started from, untrained,
+    and the config keeps their layer count; without them, a tower read below its top is
+    written with its own layers, CLIP's pooling norm as the identity and SigLIP without its
+    head."""
     directory = Path(directory)
     family = _family(arch, role, source)
     tensors = hf_tensors(family, arch, shapes, get, dtype=dtype)
     layers = None
-    extra: list[HFTensor] = []
-    if (source is not None and source.feature_layer is not None and pretrained is not None
-            and role == "encoder"):
-        ckpt = Checkpoint(pretrained)
-        body = checkpoint_prefixes(family, ckpt)["body"]
+    config_extra: dict[str, Any] = {}
+    if role == "encoder" and family in ("clip", "siglip"):
         have = {t.key for t in tensors}
-        for key in ckpt.keys():
-            if not key.startswith(body):
-                continue
-            out_key = hf_key_prefix(family)["body"] + key[len(body):]
-            if out_key in have or ".head." in key[len(body) - 1:] or key.endswith(".position_ids"):
-                continue
-            shape, stored = ckpt.shape(key), ckpt.dtype(key)
-            numel = int(torch.Size(shape).numel())
-
-            def make(key=key, shape=shape) -> torch.Tensor:
-                with Checkpoint(pretrained) as c:
-                    t = c.read(Source(key), (0,) * len(shape), shape).clone()
-                return t.to(dtype) if dtype is not None else t
-
-            extra.append(HFTensor(out_key, numel * (dtype or stored).itemsize, make))
-        layers = source.source_layers
-        ckpt.close()
-    library = _write_configs(directory, arch, role, source, layers=layers)
-    return write_checkpoint(directory, tensors + extra, library=library,
+        body = hf_key_prefix(family)["body"]
+        if pretrained is not None:
+            tensors += _tower_rest(family, pretrained, have, dtype)
+            if source is not None and source.feature_layer is not None:
+                layers = source.source_layers
+        keys = {t.key for t in tensors}
+        if family == "clip" and f"{body}post_layernorm.weight" not in keys:
+            width = arch.hidden
+            tensors += _identity_norm(f"{body}post_layernorm", width, dtype or torch.float32)
+        if family == "siglip" and not any(k.startswith(f"{body}head.") for k in keys):
+            config_extra["vision_use_head"] = False
+    library = _write_configs(directory, arch, role, source, layers=layers, extra=config_extra)
+    return write_checkpoint(directory, tensors, library=library,
                             max_shard_bytes=max_shard_bytes)
 
 
 def save_hf(module: nn.Module, path: str | Path, *, dtype: torch.dtype | None = None,
             max_shard_bytes: int = 5 << 30) -> list[Path]:
     """Write ``module`` (built by ``dtdsl.models``, e.g. ``load_hf``) as a Hugging Face
-    directory; ``dtype``: cast the weights (default: as they are). HFError when no Hugging
-    Face model computes what the module computes."""
+    directory; ``dtype``: cast the weights (default: as they are). A vision tower from
+    ``load_hf`` is completed from the weights it was loaded from (``export_module``).
+    HFError when no Hugging Face model computes what the module computes."""
     arch, role = getattr(module, "arch", None), getattr(module, "role", None)
     if arch is None or role is None:
         raise HFError(f"{type(module).__name__} was not built by dtdsl.models (it has no "
@@ -247,4 +275,5 @@ def save_hf(module: nn.Module, path: str | Path, *, dtype: torch.dtype | None = 
     shapes = {n: (tuple(p.shape), p.dtype) for n, p in params.items()}
     return export_module(path, arch=arch, role=role, source=getattr(module, "hf_source", None),
                          shapes=shapes, get=lambda n: params[n].detach().cpu(), dtype=dtype,
+                         pretrained=getattr(module, "hf_weights", None),
                          max_shard_bytes=max_shard_bytes)

@@ -578,8 +578,6 @@ def config_for(arch: ir.TransformerArch | ir.UNetArch, role: str,
            "num_channels": arch.in_channels or 3, "image_size": arch.image_size,
            "patch_size": arch.patch, "layer_norm_eps": arch.eps("encoder"),
            "hidden_act": _ACT_NAMES[arch.act]}
-    if family == "siglip":
-        out.setdefault("vision_use_head", False)
     return out
 
 

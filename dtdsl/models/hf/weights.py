@@ -179,37 +179,66 @@ class Checkpoint:
         self._index()
 
     def _index(self) -> None:
-        indexes = sorted(self.path.glob("*.safetensors.index.json"))
-        if indexes:
-            for index in indexes:
-                try:
-                    weight_map = json.loads(index.read_text())["weight_map"]
-                except (OSError, ValueError, KeyError, TypeError) as err:
-                    raise HFError(f"{index} is not a safetensors index: {err}") from None
-                for key, file in weight_map.items():
-                    target = (self.path / file).resolve()
-                    if self.path.resolve() not in target.parents:
-                        raise HFError(f"{index} points outside its directory: {file!r}")
-                    self._files[key] = target
-            missing = sorted({f for f in self._files.values() if not f.is_file()})
-            if missing:
-                raise HFError(f"{indexes[0].name} lists {missing[0].name}, which is missing",
-                              hint="copy every shard of the checkpoint")
-            return
-        files = sorted(self.path.glob("*.safetensors"))
-        if not files:
-            others = sorted(p.name for p in self.path.iterdir()
-                            if p.suffix in (".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack"))
-            raise HFError(f"{self.path} has no safetensors weights" +
-                          (f" (it has {', '.join(others[:3])})" if others else ""),
-                          hint="dtdsl reads *.safetensors; save the model with "
-                          "save_pretrained(..., safe_serialization=True)")
-        for file in files:
-            for key in self._header(file):
-                if key in self._files:
-                    raise HFError(f"tensor {key!r} is in both {self._files[key].name} and "
-                                  f"{file.name}")
-                self._files[key] = file
+        """Which file holds each tensor. The libraries' own names win (``model.safetensors``
+        and ``diffusion_pytorch_model.safetensors``, or their ``.index.json``), as
+        ``from_pretrained`` picks them: a Hub directory often holds a variant beside them
+        (``...fp16.safetensors``) or another format's file (Mistral's
+        ``consolidated.safetensors``). Otherwise the one index, or the one file, there is."""
+        standard = [self.path / f"{stem}.index.json" for stem in WEIGHT_FILES.values()] + \
+            [self.path / stem for stem in WEIGHT_FILES.values()]
+        chosen = next((p for p in standard if p.is_file()), None)
+        if chosen is None:
+            indexes = sorted(self.path.glob("*.safetensors.index.json"))
+            files = sorted(self.path.glob("*.safetensors"))
+            candidates = indexes or files
+            if len(candidates) > 1 and not indexes:
+                # Unindexed shards of one checkpoint: every key in exactly one file.
+                for file in files:
+                    self._add_file(file)
+                return
+            if len(candidates) > 1:
+                raise HFError(f"{self.path} holds {len(candidates)} safetensors indexes "
+                              f"({', '.join(p.name for p in candidates[:3])}); which "
+                              "checkpoint to read is ambiguous",
+                              hint="keep one, or name it model.safetensors.index.json")
+            if not candidates:
+                others = sorted(p.name for p in self.path.iterdir()
+                                if p.suffix in (".bin", ".pt", ".pth", ".ckpt", ".h5",
+                                                ".msgpack"))
+                raise HFError(f"{self.path} has no safetensors weights" +
+                              (f" (it has {', '.join(others[:3])})" if others else ""),
+                              hint="dtdsl reads *.safetensors; save the model with "
+                              "save_pretrained(..., safe_serialization=True)")
+            chosen = candidates[0]
+        if chosen.name.endswith(".index.json"):
+            self._add_index(chosen)
+        else:
+            self._add_file(chosen)
+
+    def _add_index(self, index: Path) -> None:
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError("weight_map is not an object")
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise HFError(f"{index} is not a safetensors index: {err}") from None
+        root = self.path.resolve()
+        for key, file in weight_map.items():
+            target = (self.path / str(file)).resolve()
+            if root not in target.parents:
+                raise HFError(f"{index} points outside its directory: {file!r}")
+            self._files[key] = target
+        missing = sorted({f for f in self._files.values() if not f.is_file()})
+        if missing:
+            raise HFError(f"{index.name} lists {missing[0].name}, which is missing",
+                          hint="copy every shard of the checkpoint")
+
+    def _add_file(self, file: Path) -> None:
+        for key in self._header(file):
+            if key in self._files:
+                raise HFError(f"tensor {key!r} is in both {self._files[key].name} and "
+                              f"{file.name}")
+            self._files[key] = file
 
     def _header(self, file: Path) -> dict[str, Any]:
         """The file's header: ``{key: {"dtype", "shape", "data_offsets"}}`` (read, not mapped)."""
