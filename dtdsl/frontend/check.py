@@ -466,15 +466,17 @@ class _Checker:
                              hint=f'write `arch = hf("{text}")`, or leave arch out')
         try:
             weights = read_hf(self._path(text), role=decl.role)
-            if weights.source.family != source.family:
-                return ctx.error("DT312", f"{text} holds a {weights.source.family} model, but "
-                                 f"the architecture is a {source.family}", span)
+        except HFError as err:
+            return ctx.error("DT311", err.message, span, hint=err.hint)
+        if weights.source.family != source.family:
+            return ctx.error("DT312", f"{text} holds a {weights.source.family} model, but "
+                             f"the architecture is a {source.family}", span)
+        try:
             with Checkpoint(weights.weights_dir) as checkpoint:
                 problems = check_weights(_meta_module(decl.role, arch), source.family, arch,
                                          checkpoint)
         except HFError as err:
-            return ctx.error("DT312" if "safetensors" in err.message else "DT311",
-                             err.message, span, hint=err.hint)
+            return ctx.error("DT312", err.message, span, hint=err.hint)
         if problems:
             more = len(problems) - 5
             return ctx.error("DT312", f"the weights in {text} do not fit {decl.role} "

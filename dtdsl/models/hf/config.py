@@ -450,7 +450,7 @@ def read_hf(path: str | Path, *, role: str | None = None,
                           "(generators)")
     if role is not None and role != found_role:
         what = {"backbone": "a language model", "encoder": "a vision tower",
-                "generator": "a diffusion U-Net"}[found_role]
+                "generator": f"a diffusers {cfg.get('_class_name') or 'model'}"}[found_role]
         article = {"backbone": "the", "encoder": "an", "generator": "a"}[role]
         raise HFError(f"{root} holds {what}, which cannot be {article} {role}")
     if feature_layer is not None and found_role != "encoder":
