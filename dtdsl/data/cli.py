@@ -52,7 +52,7 @@ def _output_dir(args: argparse.Namespace, result: FrontendResult, program: Progr
 
 def _cmd_synth(args: argparse.Namespace) -> int:
     from dtdsl.cli import EXIT_OK, _load_program
-    from dtdsl.data.shards import DatasetError, write_dataset
+    from dtdsl.data.shards import DatasetError, DatasetExists, check_writable, write_dataset
     from dtdsl.data.synth import provenance, synthesize
     from dtdsl.driver import UsageError
     from dtdsl.report import format_bytes, progress_bar
@@ -63,11 +63,13 @@ def _cmd_synth(args: argparse.Namespace) -> int:
     program = result.program
     assert program is not None
     out = _output_dir(args, result, program)
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"{out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not args.overwrite:
-        raise UsageError(f"{out} is not empty; pass --overwrite to replace the dataset in it "
-                         "(only its index.json and shard-*.tar files are removed)")
+    try:        # before any sample is made: a folder of someone else's files is refused
+        check_writable(out, args.overwrite)
+    except DatasetExists:
+        raise UsageError(f"{out} holds a dataset: pass --overwrite to replace it (only its "
+                         "index and the shards the index lists are removed)") from None
+    except DatasetError as err:
+        raise UsageError(str(err)) from None
     num_samples = args.samples or _default_samples(program)
     seed = program.train.seed if args.seed is None else args.seed
     start = time.perf_counter()

@@ -60,12 +60,14 @@ __all__ = [
     "VERSION",
     "Dataset",
     "DatasetError",
+    "DatasetExists",
     "EncodedAudio",
     "EncodedImage",
     "Member",
     "RawSample",
     "SampleInfo",
     "WriteResult",
+    "check_writable",
     "count_text_tokens",
     "encode_audio",
     "encode_image",
@@ -91,6 +93,10 @@ _PIECE = re.compile(r"\w+|[^\w\s]")
 
 class DatasetError(Exception):
     """A dataset that cannot be read or written: the message names the file."""
+
+
+class DatasetExists(DatasetError):
+    """A dataset is where one would be written, and nobody said to replace it."""
 
 
 def text_pieces(text: str) -> list[str]:
@@ -423,24 +429,60 @@ def _tar_info(name: str, size: int) -> tarfile.TarInfo:
     return info
 
 
-def _prepare_directory(directory: Path, overwrite: bool) -> None:
+_PARTIAL = re.compile(r"(shard-\d{6,}\.tar|index\.json)\.partial")
+
+
+def _our_files(directory: Path, entries: list[Path]) -> list[Path] | None:
+    """The files of ``directory`` that a ``write_dataset`` wrote: its index, the shards the
+    index lists, and what an interrupted write left (``*.partial`` of those names); None
+    when the directory holds no index of ours, but for such leftovers."""
+    index = directory / INDEX_NAME
+    leftovers = [e for e in entries if _PARTIAL.fullmatch(e.name)]
+    if not index.is_file():
+        return leftovers if len(leftovers) == len(entries) else None
+    try:
+        head = json.loads(index.read_bytes())
+        names = [s["name"] for s in head["shards"]] if head.get("format") == FORMAT else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        names = None
+    if names is None or not all(isinstance(n, str) and _SHARD.fullmatch(n) for n in names):
+        return None
+    return [index] + [directory / n for n in names if (directory / n).exists()] + leftovers
+
+
+def check_writable(directory: str | os.PathLike[str], overwrite: bool) -> None:
+    """That ``write_dataset`` may write into ``directory``: it is new or empty, or it holds
+    a dataset that ``write_dataset`` wrote and ``overwrite`` says to replace. A directory
+    with anything else in it is never written into: DatasetError naming what is there."""
+    directory = Path(directory)
     if directory.exists() and not directory.is_dir():
         raise DatasetError(f"{directory} exists and is not a directory")
+    if not directory.exists():
+        return
+    entries = sorted(directory.iterdir())
+    if not entries:
+        return
+    ours = _our_files(directory, entries)
+    if ours is None:
+        shown = ", ".join(e.name for e in entries[:3]) + (", ..." if len(entries) > 3 else "")
+        raise DatasetError(f"{directory} holds files dtdsl did not write ({shown}); write the "
+                           "dataset into a new or empty directory")
+    if not overwrite:
+        raise DatasetExists(f"{directory} is not empty: it holds a dataset; overwrite it "
+                            "explicitly to replace it")
+
+
+def _prepare_directory(directory: Path, overwrite: bool) -> None:
+    check_writable(directory, overwrite)
     if not directory.exists():
         try:
             directory.mkdir(parents=True)
         except OSError as err:
             raise DatasetError(f"cannot create {directory}: {err.strerror or err}") from None
         return
-    entries = list(directory.iterdir())
-    if not entries:
-        return
-    if not overwrite:
-        raise DatasetError(f"{directory} is not empty; overwrite it explicitly to replace "
-                           "the dataset in it")
-    # The index goes first, so that a dataset half overwritten is never readable.
-    ours = [directory / INDEX_NAME] + sorted(
-        e for e in entries if _SHARD.fullmatch(e.name) or e.name.endswith(".tar.partial"))
+    ours = _our_files(directory, sorted(directory.iterdir())) or []
+    # The index goes first, so that a dataset half overwritten is never readable. Only
+    # what the index says this writer wrote goes: other files in the folder stay.
     for path in ours:
         try:
             path.unlink(missing_ok=True)
@@ -461,8 +503,10 @@ def write_dataset(directory: str | os.PathLike[str], samples: Iterable[RawSample
     """Write ``samples`` (keys must be ``sample_key(0)``, ``sample_key(1)``, ...) as shards
     of ``samples_per_shard`` and the index, into ``directory`` (created if needed).
 
-    A non-empty directory is a DatasetError unless ``overwrite``, which first removes the
-    index and the shards of the dataset there (other files stay). ``provenance`` goes
+    A directory that is not empty is a DatasetError unless it holds a dataset written here
+    and ``overwrite`` is given: then its index and the shards the index lists are removed
+    first (``check_writable``; other files stay, and a directory with files this function
+    did not write is never written into). ``provenance`` goes
     into the index as is (JSON). ``progress(n)`` is called after each sample. ValueError for a
     sample whose parts do not say what they are (wrong key, image size or format)."""
     if samples_per_shard < 1:

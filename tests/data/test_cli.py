@@ -58,8 +58,14 @@ def test_synth_refuses_a_non_empty_directory(tmp_path: Path, capsys):
     out = tmp_path / "out"
     out.mkdir()
     (out / "x.txt").write_text("mine")
+    for extra in ((), ("--overwrite",)):    # someone's files: never written into
+        assert dtc("data", "synth", str(spec), "-o", str(out), "--samples", "2", *extra) == 2
+        assert f"{out} holds files dtdsl did not write (x.txt)" in capsys.readouterr().err
+    (out / "x.txt").unlink()
+    assert dtc("data", "synth", str(spec), "-o", str(out), "--samples", "2", "-q") == 0
+    (out / "x.txt").write_text("mine")
     assert dtc("data", "synth", str(spec), "-o", str(out), "--samples", "2") == 2
-    assert f"{out} is not empty; pass --overwrite" in capsys.readouterr().err
+    assert f"{out} holds a dataset: pass --overwrite to replace it" in capsys.readouterr().err
     assert dtc("data", "synth", str(spec), "-o", str(out), "--samples", "2", "--overwrite",
                "-q") == 0
     assert sorted(p.name for p in out.iterdir()) == ["index.json", "shard-000000.tar", "x.txt"]

@@ -162,6 +162,29 @@ def test_non_empty_directory_needs_overwrite(tmp_path: Path):
         assert list(ds) == _samples()[:2]
 
 
+def test_files_it_did_not_write_are_never_touched(tmp_path: Path):
+    """Someone's WebDataset shards have our shard names: without our index the folder is
+    refused, overwrite or not, and nothing in it changes."""
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    for name, data in (("shard-000000.tar", b"their data"), ("index.json", b'{"a": 1}')):
+        (theirs / name).write_bytes(data)
+    for overwrite in (False, True):
+        with pytest.raises(DatasetError, match="holds files dtdsl did not write"):
+            write_dataset(theirs, _samples(), overwrite=overwrite)
+    assert (theirs / "shard-000000.tar").read_bytes() == b"their data"
+    assert sorted(p.name for p in theirs.iterdir()) == ["index.json", "shard-000000.tar"]
+    # Ours, with a shard of someone else's next to the ones the index lists: only what the
+    # index lists is replaced.
+    ours = tmp_path / "ours"
+    write_dataset(ours, _samples(), samples_per_shard=1)
+    (ours / "shard-000099.tar").write_bytes(b"not ours")
+    write_dataset(ours, _samples()[:1], overwrite=True)
+    assert (ours / "shard-000099.tar").read_bytes() == b"not ours"
+    with Dataset.open(ours) as ds:
+        assert list(ds) == _samples()[:1]
+
+
 # ---- reading broken datasets -------------------------------------------------------------
 
 @pytest.fixture
