@@ -79,6 +79,14 @@ def _cmd_check(args: argparse.Namespace) -> int:
             continue
         stop = args.emit if args.emit in STAGES else "program"
         result = run_frontend(name, data, stop_after=stop)
+        if result.ok and result.program is not None and not args.synthetic and not args.emit:
+            # The data the spec names must be readable (not part of the pure front end:
+            # it reads the file system).
+            from dtdsl.data.sources import data_diagnostics
+
+            more = data_diagnostics(result.program, _spec_dir(name))
+            if more:
+                result = dataclasses.replace(result, diagnostics=(*result.diagnostics, *more))
         results.append((name, result.diagnostics))
         if not result.ok:
             exit_code = max(exit_code, EXIT_ERRORS)
@@ -673,6 +681,34 @@ def _cmd_reference(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _spec_dir(name: str) -> Path:
+    """The folder a spec's relative paths start from."""
+    return Path(name).resolve().parent if name not in ("-", "<stdin>") else Path.cwd()
+
+
+def _data_ready(args: argparse.Namespace, result: FrontendResult, program: Program) -> bool:
+    """Whether the data a bundle will train on can be read: ``--data``, else the spec's
+    source (DT314 at its line otherwise). A spec without a source needs ``--data`` or
+    ``--synthetic``: a bundle never falls back to drawn samples by itself."""
+    from dtdsl.data.sources import data_diagnostics, source_problem
+
+    if args.data is not None:
+        problem = source_problem(args.data, Path.cwd())
+        if problem is not None:
+            raise UsageError(f"--data {args.data}: {problem}")
+        return True
+    if program.data.source is None:
+        raise UsageError("the spec's data block names no source: give --data SOURCE (a "
+                         "dataset, WebDataset shards) or --synthetic (samples drawn from the "
+                         "spec's distributions)")
+    found = data_diagnostics(program, _spec_dir(result.name))
+    if found:
+        assert result.source is not None
+        sys.stderr.write(render_text(found, result.source, result.name))
+        return False
+    return True
+
+
 def _cmd_compile(args: argparse.Namespace) -> int:
     from dtdsl.codegen.compile import BundleOptions, compile_bundle
     from dtdsl.codegen.emit import BundleError
@@ -685,6 +721,8 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     if args.data is not None and args.synthetic:
         raise UsageError("--data names a dataset and --synthetic draws samples instead: "
                          "give one or the other")
+    if not args.synthetic and not _data_ready(args, result, program):
+        return EXIT_ERRORS
     # What the runtime cannot train is an error before anything is written.
     planned = _runtime_plan(args.plan, result, program, _cost_model(args, program))
     if planned is None:
@@ -746,6 +784,10 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--emit", choices=(*STAGES, "graph", "plan", "schedule"),
                        help="print the text form of a stage (ast: the syntax tree with spans; "
                        "program: the resolved program as JSON; graph: the stage graph)")
+    check.add_argument("--synthetic", action="store_true",
+                       help="do not check that the data source can be read (a spec planned, "
+                       "or compiled to train on samples drawn from its distributions; "
+                       "--emit does not check it either)")
     check.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
     check.set_defaults(func=_cmd_check)
 
@@ -818,7 +860,8 @@ def _parser() -> argparse.ArgumentParser:
     comp.add_argument("--workers", type=int, metavar="N",
                       help="preprocessing worker processes (default: cluster.cpu_workers; "
                       "0 builds batches inside the trainers)")
-    comp.add_argument("--data", metavar="DIR", help="the dataset (default: the spec's "
+    comp.add_argument("--data", metavar="SOURCE", help="the data: a dataset directory or "
+                      "WebDataset shards (a folder, a brace pattern; default: the spec's "
                       "data.source, relative to the spec)")
     comp.add_argument("--synthetic", action="store_true",
                       help="train on samples drawn from the spec's distributions")

@@ -243,6 +243,21 @@ frequencies beyond `max_position_embeddings`. dtdsl trains full causal
 attention with fixed frequencies, which is exactly what these models compute
 up to that length. Lower `seq_len` to the length the message gives.
 """),
+    "DT314": Code("Data source cannot be read", """
+`dtc check` and `dtc compile` read the spec's `source` (relative to the spec's
+folder) before anything runs, so that a bundle never trains on something else
+than the data it names. A source is a dtdsl dataset (a folder with the
+`index.json` that `dtc data synth` writes) or WebDataset shards: a folder of
+`.tar` files, a brace pattern such as `shards/{000000..004095}.tar`, or a
+`.tar`. The message says what is wrong: no such file (the first missing one of a
+pattern), a folder with neither an index nor shards, a shard that is not a tar,
+a damaged index. Only the index or the first shard's first header is read here;
+`dtc data index SOURCE` reads everything.
+
+To plan or compile without data on purpose, pass `--synthetic`: the bundle then
+trains on samples drawn from the spec's distributions. `dtc compile --data
+SOURCE` reads another source instead.
+"""),
     # ---- parallelism (DT4xx)
     "DT401": Code("Tensor parallelism cannot split the module", """
 Tensor parallelism of degree t shards a transformer's attention heads, KV heads

@@ -24,9 +24,27 @@ def dtc(*args: str, stdin: bytes | None = None, cwd: Path | None = None):
 
 
 def test_shipped_specs_check_clean():
-    code, out, err = dtc("check", *map(str, SPECS))
+    # tiny_cpu's dataset is written by `dtc data synth` (the README's first command).
+    code, out, err = dtc("check", "--synthetic", *map(str, SPECS))
     assert code == 0, err
     assert "warning" not in err
+
+
+def test_a_source_that_cannot_be_read_is_an_error_at_its_line(tmp_path):
+    spec = tmp_path / "tiny.dt"
+    spec.write_text((ROOT / "specs" / "tiny_cpu.dt").read_text())
+    code, _, err = dtc("check", str(spec))
+    assert code == 1
+    assert f"tiny.dt:25:12: error[DT314]: data source 'data/tiny' cannot be read: no such " \
+        f"file: {tmp_path / 'data' / 'tiny'}" in err
+    (tmp_path / "data" / "tiny").mkdir(parents=True)
+    (tmp_path / "data" / "tiny" / "notes.txt").write_text("")
+    code, _, err = dtc("check", str(spec))
+    assert code == 1 and "holds no dataset: no dtdsl index and no .tar shards" in err
+    (tmp_path / "data" / "tiny" / "000000.tar").write_bytes(b"garbage" * 100)
+    code, _, err = dtc("check", str(spec))
+    assert code == 1 and "000000.tar is not a readable tar" in err
+    assert dtc("check", "--synthetic", str(spec))[0] == 0
 
 
 def test_shipped_specs_are_formatted():

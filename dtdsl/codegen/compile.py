@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import os
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,24 +44,22 @@ class BundleOptions:
 
 
 def _data(program: ir.Program, spec_dir: Path, out: Path, options: BundleOptions
-          ) -> tuple[DataConfig, str | None]:
-    """The job's data source, and a warning when its dataset is not there yet."""
+          ) -> DataConfig:
+    """The job's data source: ``--synthetic``, ``--data``, or the spec's source (relative to
+    the bundle when it is relative; a brace pattern stays one). ``dtc compile`` has checked
+    that it can be read; without any, ValueError (never drawn samples unasked)."""
     if options.synthetic:
-        return DataConfig(kind="synthetic"), None
+        return DataConfig(kind="synthetic")
     if options.data is not None:
-        where = Path(options.data)
-    elif program.data.source is not None and not any(c in program.data.source for c in "{*?"):
-        where = spec_dir / program.data.source
+        where = str(Path(options.data).expanduser().absolute())
+    elif program.data.source is not None:
+        given = Path(program.data.source).expanduser()
+        where = str(given if given.is_absolute() else spec_dir.absolute() / given)
     else:
-        return DataConfig(kind="synthetic"), (
-            "the spec names no dataset directory (data.source); the bundle trains on "
-            "samples drawn from the spec's distributions (give --data DIR for a dataset)")
-    rel = os.path.relpath(where.resolve(), out.resolve())
-    warning = None
-    if not (where / "index.json").is_file():
-        warning = (f"no dataset at {where} yet (write one with `dtc data synth`); the "
-                   "bundle's workers will look for it there")
-    return DataConfig(kind="dataset", path=Path(rel).as_posix()), warning
+        raise ValueError("the spec's data block names no source: give a dataset or ask for "
+                         "synthetic samples")
+    rel = os.path.relpath(os.path.normpath(where), out.absolute())
+    return DataConfig(kind="dataset", path=Path(rel).as_posix())
 
 
 def make_job(program: ir.Program, plan: Plan, data: DataConfig, options: BundleOptions
@@ -107,9 +104,7 @@ def compile_bundle(out: str | Path, *, source: bytes, spec_path: str, program: i
         raise ValueError("the runtime cannot train this spec yet: " +
                          "; ".join(d.message for d in unsupported))
     spec_dir = Path(spec_path).parent if spec_path not in ("-", "<stdin>") else Path.cwd()
-    data, warning = _data(program, spec_dir, Path(out), options)
-    if warning:
-        print(f"dtc: warning: {warning}", file=sys.stderr)
+    data = _data(program, spec_dir, Path(out), options)
     job = make_job(program, plan, data, options)
     view = bundle_view(program, plan, schedule, job, rdzv_port=DEFAULT_RDZV_PORT,
                        max_restarts=DEFAULT_MAX_RESTARTS if options.max_restarts is None

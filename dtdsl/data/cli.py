@@ -94,12 +94,13 @@ def _cmd_synth(args: argparse.Namespace) -> int:
 
 def _cmd_stats(args: argparse.Namespace) -> int:
     from dtdsl.cli import EXIT_OK, _load_program, _write_file
-    from dtdsl.data.shards import Dataset, DatasetError
+    from dtdsl.data.shards import DatasetError
     from dtdsl.data.stats import DEFAULT_PATCH, measure, stats_json, stats_table, summarize
     from dtdsl.driver import UsageError
     from dtdsl.report import wide_console
 
     patch, max_patches = args.patch or DEFAULT_PATCH, None
+    program = None
     if args.spec is not None:
         result, code = _load_program(args.spec)
         if result is None:
@@ -112,13 +113,17 @@ def _cmd_stats(args: argparse.Namespace) -> int:
         quantity = program.data.get("image", "patches")
         if quantity is not None and quantity.high is not None:
             max_patches = int(quantity.high)
+    program = program if args.spec is not None else None
     try:
-        with Dataset.open(args.dataset) as dataset:
+        with _open(args.dataset, program) as dataset:
             values = measure(dataset, patch=patch, max_patches=max_patches)
             title = (f"{args.dataset}: {len(dataset):,} samples in "
                      f"{len(dataset.shard_names)} shards (image patches of {patch} px)")
+            skipped = dict(getattr(dataset, "skipped", {}))
     except DatasetError as err:
         raise UsageError(str(err)) from None
+    if skipped:
+        title += "; skipped " + ", ".join(f"{n} ({why})" for why, n in sorted(skipped.items()))
     text = stats_json(values)
     if args.output:
         _write_file(args.output, text)
@@ -131,8 +136,39 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _open(source: str, program: Program | None, *, rebuild: bool = False):
+    """A dataset or WebDataset shards, indexed with a progress bar on stderr when needed."""
+    from dtdsl.data.sources import open_dataset
+    from dtdsl.report import progress_bar
+
+    with progress_bar(f"indexing {source}", enabled=sys.stderr.isatty()) as bar:
+        return open_dataset(source, program=program, rebuild=rebuild,
+                            progress=lambda done, total: bar(done, total, "shards"))
+
+
+def _cmd_index(args: argparse.Namespace) -> int:
+    from dtdsl.cli import EXIT_OK
+    from dtdsl.data.shards import DatasetError
+    from dtdsl.driver import UsageError
+
+    start = time.perf_counter()
+    try:
+        with _open(args.source, None, rebuild=args.rebuild) as dataset:
+            where = getattr(getattr(dataset, "index", None), "path", None)
+            skipped = dict(getattr(dataset, "skipped", {}))
+            line = (f"{args.source}: {len(dataset):,} samples in {len(dataset.shard_names)} "
+                    f"shards")
+    except DatasetError as err:
+        raise UsageError(str(err)) from None
+    if skipped:
+        line += "; skipped " + ", ".join(f"{n} ({why})" for why, n in sorted(skipped.items()))
+    line += f"; index {where}" if where else " (a dtdsl dataset: its own index)"
+    print(f"{line} ({time.perf_counter() - start:.1f} s)", file=sys.stderr)
+    return EXIT_OK
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``data`` (with ``synth`` and ``stats``) to dtc's subcommands."""
+    """Add ``data`` (with ``synth``, ``stats`` and ``index``) to dtc's subcommands."""
     from dtdsl.cli import _positive_int
     from dtdsl.data.shards import DEFAULT_SAMPLES_PER_SHARD
 
@@ -161,7 +197,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     stats = sub.add_parser("stats", help="measure a dataset's distribution from its index: a "
                            "table, or JSON a spec can read with empirical(...)")
-    stats.add_argument("dataset", metavar="DIR", help="dataset directory (with index.json)")
+    stats.add_argument("dataset", metavar="SOURCE", help="a dataset directory (with "
+                       "index.json) or WebDataset shards (a folder, a brace pattern, a .tar)")
     how = stats.add_mutually_exclusive_group()
     how.add_argument("--spec", metavar="SPEC",
                      help="count image patches with this spec's image encoder (its patch, "
@@ -173,3 +210,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     stats.add_argument("-o", "--output", metavar="FILE",
                        help="also write that JSON here (for empirical(\"FILE\"))")
     stats.set_defaults(func=_cmd_stats)
+
+    index = sub.add_parser("index", help="index WebDataset shards for random access (once: "
+                           "kept in .dtdsl-index/ beside them, or the user's cache)")
+    index.add_argument("source", metavar="SOURCE", help="WebDataset shards: a folder, a brace "
+                       "pattern such as 'shards/{000000..000099}.tar', or a .tar")
+    index.add_argument("--rebuild", action="store_true",
+                       help="read every shard again even if an index of them exists")
+    index.set_defaults(func=_cmd_index)

@@ -124,14 +124,14 @@ def shard_name(index: int) -> str:
 class EncodedImage:
     """An image file's bytes and its size in pixels."""
 
-    format: Literal["png", "jpeg"]
+    format: Literal["png", "jpeg", "webp"]   # webp: read from WebDataset shards only
     data: bytes = field(repr=False)
     width: int
     height: int
 
     def __post_init__(self) -> None:
-        if self.format not in _IMAGE_EXT:
-            raise ValueError(f"image format must be png or jpeg, not {self.format!r}")
+        if self.format not in (*_IMAGE_EXT, "webp"):
+            raise ValueError(f"image format must be png, jpeg or webp, not {self.format!r}")
 
 
 @dataclass(frozen=True)

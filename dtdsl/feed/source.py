@@ -1,5 +1,6 @@
-"""Training batches from a dataset on disk (``dtdsl.data.shards``): which samples make up
-each step, and each of them decoded into the runtime's tensors.
+"""Training batches from a dataset on disk (``dtdsl.data.sources``: a dtdsl dataset or
+WebDataset shards): which samples make up each step, and each of them decoded into the
+runtime's tensors.
 
 **Order.** The run reads the dataset as one stream of epochs: global batch ``s`` holds
 stream positions ``s*B .. s*B + B - 1`` (``B = train.global_batch``); stream position
@@ -80,11 +81,12 @@ class DatasetSource:
 
     def __init__(self, program: ir.Program, path: str | Path, *, seed: int | None = None):
         from dtdsl.data.decode import Decoder
-        from dtdsl.data.shards import Dataset
+        from dtdsl.data.sources import open_dataset
 
         self.program = program
-        self.path = Path(path)
-        self.dataset = Dataset.open(self.path)
+        self.path = path
+        # A dtdsl dataset, or WebDataset shards (a folder, a brace pattern: indexed once).
+        self.dataset = open_dataset(str(path), program=program)
         self.seed = program.train.seed if seed is None else seed
         self.decoder = Decoder.for_program(program, seed=self.seed)
         self.batch = program.train.global_batch

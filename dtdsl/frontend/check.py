@@ -745,9 +745,11 @@ class _Checker:
                             item.target_span, hint="remove it, or add the module that uses it")
         if not ok:
             return INVALID
+        source_field = _field(fields, "source")
         return ir.Data(name=block.name or "data", source=values["source"],
                        samples=values["samples"], quantities=tuple(quantities.values()),
-                       span=block.span)
+                       span=block.span,
+                       source_span=source_field.value.span if source_field else None)
 
     def _quantity(self, item: ast.Distribution, key: str) -> Any:
         ctx = self.ctx

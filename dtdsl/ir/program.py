@@ -369,6 +369,7 @@ class Data(IRModel):
     samples: int | None = None      # how many samples the data set has, if the spec says
     quantities: tuple[Quantity, ...]
     span: Span
+    source_span: Span | None = None  # the `source = ...` value, for data diagnostics
 
     def get(self, modality: str, name: str) -> Quantity | None:
         for q in self.quantities:

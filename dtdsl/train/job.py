@@ -29,11 +29,13 @@ class _Model(BaseModel):
 
 
 class DataConfig(_Model):
-    """Where the samples come from: a dataset written by ``dtc data synth`` (or any in its
-    format), or samples drawn from the spec's distributions."""
+    """Where the samples come from: a dataset (written by ``dtc data synth``, or WebDataset
+    shards: ``data.sources``), or samples drawn from the spec's distributions."""
 
     kind: Literal["dataset", "synthetic"]
-    path: str | None = None        # the dataset, relative to the bundle unless absolute
+    # The dataset, relative to the bundle unless absolute: a folder, a .tar, or a brace
+    # pattern of shards.
+    path: str | None = None
 
 
 class FeedConfig(_Model):

@@ -1,13 +1,14 @@
 """What a launch checks before torchrun starts a rank: one clear line per problem, not a
 traceback per rank per restart.
 
-``python -m dtdsl.train.preflight BUNDLE [--run-dir DIR]`` (``launch.sh`` runs it on every
-node) checks that every ``pretrained`` directory the bundle's program names is still
-there, still holds the model the bundle was compiled against (its ``config.json`` has the
-same sha256) and still has every tensor in its shape (the safetensors headers, nothing
-more is read). A run directory with a complete checkpoint needs none of it: a resumed run
-takes every parameter from its checkpoint. Exit status 0, or 2 with the problems on
-stderr.
+``python -m dtdsl.train.preflight BUNDLE [--run-dir DIR] [--data SOURCE]`` (``launch.sh``
+runs it on every node) checks that the bundle's data can be read (and indexes WebDataset
+shards once, before the workers and trainers open them), and that every ``pretrained``
+directory the bundle's program names is still there, still holds the model the bundle
+was compiled against (its ``config.json`` has the same sha256) and still has every tensor
+in its shape (the safetensors headers, nothing more is read). A run directory with a
+complete checkpoint needs no pretrained weights: a resumed run takes every parameter from
+its checkpoint. Exit status 0, or 2 with the problems on stderr.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from dtdsl.ir import program as ir
 
-__all__ = ["check_pretrained", "main"]
+__all__ = ["check_data", "check_pretrained", "main"]
 
 
 def check_pretrained(program: ir.Program) -> list[str]:
@@ -54,11 +55,34 @@ def check_pretrained(program: ir.Program) -> list[str]:
     return problems
 
 
+def check_data(program: ir.Program, source: str) -> list[str]:
+    """Problems with the bundle's data (empty: readable). WebDataset shards are indexed
+    here, once, before any worker or trainer opens them."""
+    from dtdsl.data.shards import DatasetError
+    from dtdsl.data.sources import open_dataset, source_problem
+
+    problem = source_problem(source)
+    if problem is not None:
+        return [f"data {source}: {problem}"]
+    try:
+        with open_dataset(source, program=program,
+                          progress=lambda done, total: print(
+                              f"launch.sh: indexing {source}: {done}/{total} shards",
+                              file=sys.stderr, flush=True) if done in (1, total) else None
+                          ) as dataset:
+            if len(dataset) == 0:
+                return [f"data {source}: no usable sample"]
+    except DatasetError as err:
+        return [f"data {source}: {err}"]
+    return []
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dtdsl.train.preflight",
                                      description="check a bundle's inputs before a launch")
     parser.add_argument("bundle", help="the bundle directory")
     parser.add_argument("--run-dir", help="the run directory (a checkpoint there: resuming)")
+    parser.add_argument("--data", help="the data the launch reads instead of the bundle's")
     args = parser.parse_args(argv)
     from dtdsl.train.checkpoint import complete_checkpoints
     from dtdsl.train.job import load_job
@@ -66,9 +90,12 @@ def main(argv: list[str] | None = None) -> int:
     bundle = Path(args.bundle)
     job = load_job(bundle)
     program = ir.Program.model_validate_json((bundle / job.program_file).read_bytes())
-    if args.run_dir is not None and complete_checkpoints(args.run_dir):
-        return 0
-    problems = check_pretrained(program)
+    problems: list[str] = []
+    if args.data is not None or job.data.kind == "dataset":
+        source = args.data if args.data is not None else str(bundle / str(job.data.path))
+        problems += check_data(program, source)
+    if args.run_dir is None or not complete_checkpoints(args.run_dir):
+        problems += check_pretrained(program)
     for line in problems:
         print(f"launch.sh: {line}", file=sys.stderr)
     return 2 if problems else 0

@@ -21,7 +21,26 @@ SPECS = ROOT / "specs"
 
 
 def compile_spec(spec: Path, out: Path, *extra: str) -> int:
+    """``dtc compile``; with samples drawn from the spec unless ``extra`` names data (the
+    shipped specs' datasets are not in a fresh checkout)."""
+    if "--data" not in extra and "--synthetic" not in extra and "--real-data" not in extra:
+        extra = (*extra, "--synthetic")
+    extra = tuple(e for e in extra if e != "--real-data")
     return cli.main(["compile", str(spec), "-o", str(out), *extra])
+
+
+def test_a_bundle_never_falls_back_to_drawn_samples(tmp_path, capsys):
+    spec = tmp_path / "tiny.dt"
+    spec.write_text((SPECS / "tiny_cpu.dt").read_text())
+    assert compile_spec(spec, tmp_path / "a", "--real-data") == 1
+    assert "error[DT314]: data source 'data/tiny' cannot be read" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists()
+    spec.write_text(spec.read_text().replace('  source = "data/tiny"\n', ""))
+    assert compile_spec(spec, tmp_path / "b", "--real-data") == 2
+    assert "names no source: give --data SOURCE" in capsys.readouterr().err
+    assert compile_spec(spec, tmp_path / "c", "--data", str(tmp_path / "none")) == 2
+    assert f"--data {tmp_path / 'none'}: no such file" in capsys.readouterr().err
+    assert compile_spec(spec, tmp_path / "d") == 0       # --synthetic: asked for
 
 
 def files_of(bundle: Path) -> dict[str, bytes]:

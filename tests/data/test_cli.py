@@ -124,7 +124,8 @@ def test_stats(tiny_dataset: Path, tmp_path: Path, capsys):
 
 def test_stats_errors(tmp_path: Path, tiny_dataset: Path, capsys):
     assert dtc("data", "stats", str(tmp_path)) == 2
-    assert f"no dataset index {tmp_path / 'index.json'}" in capsys.readouterr().err
+    assert f"{tmp_path} holds no dataset: no dtdsl index and no .tar shards" in \
+        capsys.readouterr().err
     with pytest.raises(SystemExit):
         dtc("data", "stats", str(tiny_dataset), "--spec", str(TINY), "--patch", "8")
     assert "not allowed with argument" in capsys.readouterr().err

@@ -72,7 +72,7 @@ def test_stats_json_is_an_empirical_file_dtc_check_accepts(tiny_dataset: Path,
     assert len(lines) == 1
     spec = tmp_path / "measured.dt"
     spec.write_text(text.replace(lines[0], f'  {key} ~ empirical("stats.json")'))
-    assert cli.main(["check", "-q", str(spec)]) == 0
+    assert cli.main(["check", "-q", "--synthetic", str(spec)]) == 0
     program = check_spec(spec.read_text(), str(spec))
     quantity = program.data.get(*key.split("."))
     assert isinstance(quantity.dist, ir.Empirical)

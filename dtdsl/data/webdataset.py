@@ -1,0 +1,401 @@
+"""WebDataset tar shards, read directly: the files the ``webdataset`` package's
+``ShardWriter`` and img2dataset write, with an index built once for random access.
+
+**Sources.** A source is a directory (its ``*.tar`` files, sorted), a brace pattern
+(``shards/{000000..004095}.tar``: numeric ranges keep the width of their first bound; and
+``{a,b,c}`` alternatives), a single ``.tar``, or a list of those (``expand_source``). A
+pattern or file that names no existing tar is a ``DatasetError`` naming the first missing
+one.
+
+**Samples.** Tar members are grouped by key as ``webdataset`` groups them: the member's
+path up to the first dot of its file name is the key (``dir/00042.jpg`` and
+``dir/00042.txt`` are sample ``dir/00042``), the rest is its extension. A sample takes its
+text from ``txt`` (or ``text``, ``caption``), its record from ``json``, and its images from
+every member whose extension ends in ``jpg``, ``jpeg``, ``png`` or ``webp`` (``jpg``, or
+``0.jpg``, ``1.png``, ... in name order). Images whose extension starts with ``gen`` are
+generation targets (``gen.jpg``, ``gen0.png``); the others are inputs, or targets when the
+model reads no images (``image_role="target"``: a text-to-image set for a generator). Keys
+starting with ``__`` and members of no extension are ignored. When two shards hold the
+same key (two runs of a writer, both from 000000), every key is qualified by its shard's
+name (``000003/000042``).
+
+**The index** (``WebIndex``): every sample's members (offset, size, CRC-32), its text size
+and token count (``shards.count_text_tokens``) and each image's width and height (from its
+header). It is built by reading every shard once, written as JSON under
+``.dtdsl-index/`` beside the shards when that folder is writable (else
+``$XDG_CACHE_HOME/dtdsl/index/``), and named by a fingerprint of the shards (path, size,
+modification time): a changed shard makes a new index. What cannot be a sample is counted
+and skipped, never a traceback: a member that is cut off (a truncated tar: the samples
+before it stay), an image whose header does not decode, text that is not UTF-8 or is
+empty, a sample with no text. ``WebIndex.skipped`` has the counts by reason.
+
+``WebDataset`` has ``shards.Dataset``'s reading interface (``len``, ``key``, ``info``,
+``read``, iteration), so statistics, decoding and the feed read both alike.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import re
+import tarfile
+import zlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dtdsl.data.shards import (
+    DatasetError,
+    EncodedImage,
+    Member,
+    RawSample,
+    SampleInfo,
+    count_text_tokens,
+)
+
+__all__ = ["INDEX_FORMAT", "WebDataset", "WebIndex", "build_index", "expand_source",
+           "index_path", "resolve_shards"]
+
+INDEX_FORMAT = "dtdsl-webdataset-index"
+INDEX_VERSION = 1
+_BLOCK = tarfile.BLOCKSIZE
+_IMAGE_EXT = {"jpg": "jpeg", "jpeg": "jpeg", "png": "png", "webp": "webp"}
+_TEXT_EXT = ("txt", "text", "caption")
+_BRACE = re.compile(r"\{([^{}]*)\}")
+_RANGE = re.compile(r"(\d+)\.\.(\d+)")
+_MAX_EXPANSION = 10_000_000
+
+
+def expand_source(pattern: str) -> list[str]:
+    """The paths a brace pattern names, in order (``a{1..3}`` -> ``a1 a2 a3``; a range keeps
+    its first bound's zero padding; ``{x,y}`` alternatives). ValueError for a range that
+    runs backwards or expands too far."""
+    m = _BRACE.search(pattern)
+    if m is None:
+        return [pattern]
+    body = m.group(1)
+    r = _RANGE.fullmatch(body)
+    if r:
+        lo, hi = int(r.group(1)), int(r.group(2))
+        if hi < lo:
+            raise ValueError(f"the range {{{body}}} runs backwards")
+        if hi - lo >= _MAX_EXPANSION:
+            raise ValueError(f"the range {{{body}}} names more than {_MAX_EXPANSION:,} files")
+        width = len(r.group(1))
+        items = [str(i).zfill(width) for i in range(lo, hi + 1)]
+    else:
+        items = body.split(",")
+    out = []
+    for item in items:
+        out.extend(expand_source(pattern[:m.start()] + item + pattern[m.end():]))
+    return out
+
+
+def resolve_shards(source: str | Path | Sequence[str | Path], base_dir: str | Path = "."
+                   ) -> list[Path]:
+    """The tar files of a source (module docstring), absolute; DatasetError when one is
+    missing or none is found."""
+    patterns = [str(source)] if isinstance(source, (str, Path)) else [str(p) for p in source]
+    base = Path(base_dir)
+    out: list[Path] = []
+    for pattern in patterns:
+        try:
+            names = expand_source(pattern)
+        except ValueError as err:
+            raise DatasetError(f"source {pattern!r}: {err}") from None
+        for name in names:
+            path = Path(name).expanduser()
+            path = path if path.is_absolute() else base / path
+            if path.is_dir():
+                tars = sorted(p for p in path.glob("*.tar") if p.is_file())
+                if not tars:
+                    raise DatasetError(f"{path} holds no dataset: no dtdsl index and no .tar "
+                                       "shards")
+                out.extend(p.resolve() for p in tars)
+            elif path.is_file():
+                out.append(path.resolve())
+            else:
+                shown = f"{pattern!r} ({len(names):,} files)" if len(names) > 1 else ""
+                raise DatasetError(f"no such file: {path}" + (f", named by {shown}"
+                                                              if shown else ""))
+    if not out:
+        raise DatasetError(f"source {source!r} names no files")
+    return out
+
+
+def _split(name: str) -> tuple[str, str] | None:
+    """(key, extension) of a tar member, as webdataset splits it; None to ignore it."""
+    folder, _, base = name.rpartition("/")
+    stem, dot, ext = base.partition(".")
+    if not dot or not stem or stem.startswith("__") or not ext:
+        return None
+    return (f"{folder}/{stem}" if folder else stem), ext.lower()
+
+
+def _image_ext(ext: str) -> str | None:
+    last = ext.rsplit(".", 1)[-1]
+    return _IMAGE_EXT.get(last)
+
+
+def _image_size(data: bytes) -> tuple[int, int]:
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as img:     # reads the header, not the pixels
+        return int(img.width), int(img.height)
+
+
+@dataclass
+class _Scan:
+    samples: list[dict[str, Any]] = field(default_factory=list)
+    skipped: dict[str, int] = field(default_factory=dict)
+
+    def skip(self, reason: str) -> None:
+        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+
+
+def _finish(scan: _Scan, shard: int, key: str, members: list[list[Any]],
+            blobs: dict[str, bytes]) -> None:
+    """One sample's index entry from its members, or a counted skip."""
+    text_member = next((m for m in members if m[0] in _TEXT_EXT), None)
+    if text_member is None:
+        return scan.skip("no text")
+    try:
+        text = blobs[text_member[0]].decode("utf-8")
+    except UnicodeDecodeError:
+        return scan.skip("text not UTF-8")
+    if not text.strip():
+        return scan.skip("empty text")
+    images = []
+    for name, *_ in members:
+        if _image_ext(name) is not None:
+            try:
+                images.append([name, *_image_size(blobs[name])])
+            except Exception:  # noqa: BLE001 - PIL raises many kinds for a broken header
+                return scan.skip("unreadable image")
+    meta_member = next((m for m in members if m[0] == "json"), None)
+    if meta_member is not None:
+        try:
+            record = json.loads(blobs["json"])
+        except (UnicodeDecodeError, ValueError):
+            return scan.skip("unreadable json")
+        if not isinstance(record, dict):
+            return scan.skip("unreadable json")
+    scan.samples.append({"key": key, "shard": shard, "members": members,
+                         "text": text_member[0], "text_bytes": len(blobs[text_member[0]]),
+                         "text_tokens": count_text_tokens(text), "images": images})
+
+
+def _scan_shard(path: Path, shard: int, scan: _Scan) -> None:
+    key: str | None = None
+    members: list[list[Any]] = []
+    blobs: dict[str, bytes] = {}
+    try:
+        with tarfile.open(path, mode="r:") as tar:
+            for info in tar:
+                if not info.isfile():
+                    continue
+                split = _split(info.name)
+                if split is None:
+                    continue
+                k, ext = split
+                if k != key:
+                    if key is not None:
+                        _finish(scan, shard, key, members, blobs)
+                    key, members, blobs = k, [], {}
+                f = tar.extractfile(info)
+                assert f is not None
+                data = f.read()
+                if len(data) != info.size:
+                    raise EOFError(f"{info.name} is cut off")
+                members.append([ext, info.offset_data, info.size, zlib.crc32(data)])
+                blobs[ext] = data
+    except (tarfile.TarError, EOFError, OSError) as err:
+        if isinstance(err, OSError) and not isinstance(err, EOFError) and \
+                not path.exists():
+            raise DatasetError(f"cannot read {path}: {err}") from None
+        # A truncated or damaged tar: the samples before the damage stay.
+        scan.skip("cut off (truncated tar)")
+        return
+    if key is not None:
+        _finish(scan, shard, key, members, blobs)
+
+
+def _fingerprint(shards: Sequence[Path]) -> str:
+    h = hashlib.sha256(f"{INDEX_FORMAT}:{INDEX_VERSION}".encode())
+    for path in shards:
+        st = path.stat()
+        h.update(f"\0{path}\0{st.st_size}\0{st.st_mtime_ns}".encode())
+    return h.hexdigest()
+
+
+def index_path(shards: Sequence[Path], cache_dir: str | Path | None = None) -> Path:
+    """Where the index of these shards lives (module docstring)."""
+    name = f"{_fingerprint(shards)[:32]}.json"
+    if cache_dir is not None:
+        return Path(cache_dir) / name
+    beside = shards[0].parent / ".dtdsl-index"
+    if os.access(shards[0].parent, os.W_OK) or beside.is_dir():
+        return beside / name
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "dtdsl" / "index" / name
+
+
+@dataclass(frozen=True)
+class WebIndex:
+    shards: tuple[Path, ...]
+    samples: tuple[dict[str, Any], ...]
+    skipped: Mapping[str, int]
+    path: Path | None = None          # where it is cached
+
+
+def build_index(shards: Sequence[Path], *, cache_dir: str | Path | None = None,
+                progress: Callable[[int, int], None] | None = None,
+                rebuild: bool = False) -> WebIndex:
+    """The index of these shards: read from its cache, or built (every shard read once,
+    ``progress(done, total)`` after each) and cached."""
+    shards = [Path(p) for p in shards]
+    target = index_path(shards, cache_dir)
+    if not rebuild and target.is_file():
+        try:
+            data = json.loads(target.read_bytes())
+            if data.get("format") == INDEX_FORMAT and data.get("version") == INDEX_VERSION \
+                    and data.get("shards") == [str(p) for p in shards]:
+                return WebIndex(tuple(shards), tuple(data["samples"]), data["skipped"],
+                                target)
+        except (OSError, ValueError, KeyError, TypeError):
+            pass          # unreadable: build it again
+    scan = _Scan()
+    for i, path in enumerate(shards):
+        _scan_shard(path, i, scan)
+        if progress is not None:
+            progress(i + 1, len(shards))
+    # Keys name samples in the run's records, so they must be unique: shards of two runs
+    # of a writer often both start at 000000, and then every key says its shard too.
+    if len({s["key"] for s in scan.samples}) < len(scan.samples):
+        for s in scan.samples:
+            s["key"] = f"{shards[s['shard']].stem}/{s['key']}"
+    index = WebIndex(tuple(shards), tuple(scan.samples), dict(scan.skipped), target)
+    body = {"format": INDEX_FORMAT, "version": INDEX_VERSION,
+            "shards": [str(p) for p in shards], "skipped": index.skipped,
+            "samples": list(index.samples)}
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(target.name + f".{os.getpid()}.partial")
+        tmp.write_text(json.dumps(body, separators=(",", ":")))
+        os.replace(tmp, target)
+    except OSError:
+        return WebIndex(index.shards, index.samples, index.skipped, None)   # not cached
+    return index
+
+
+class WebDataset:
+    """WebDataset shards opened for reading (module docstring): ``shards.Dataset``'s
+    interface. ``image_role``: whether a sample's plain images are encoder ``input``s or
+    generation ``target``s."""
+
+    def __init__(self, index: WebIndex, *, image_role: str = "input"):
+        if image_role not in ("input", "target"):
+            raise ValueError(f"image_role is input or target, not {image_role!r}")
+        self.index = index
+        self.path = index.shards[0].parent
+        self.provenance: Mapping[str, Any] = {"webdataset": [str(p) for p in index.shards]}
+        self._roles = [[name.startswith("gen") or image_role == "target"
+                        for name, _, _ in s["images"]] for s in index.samples]
+        self._infos = [self._info(s, roles) for s, roles in zip(index.samples, self._roles,
+                                                                strict=True)]
+        self._entries = index.samples
+        self._files: dict[int, io.BufferedReader] = {}
+
+    @classmethod
+    def open(cls, source: str | Path | Sequence[str | Path], *, base_dir: str | Path = ".",
+             image_role: str = "input", cache_dir: str | Path | None = None,
+             progress: Callable[[int, int], None] | None = None) -> WebDataset:
+        shards = resolve_shards(source, base_dir)
+        return cls(build_index(shards, cache_dir=cache_dir, progress=progress),
+                   image_role=image_role)
+
+    def _info(self, entry: dict[str, Any], roles: list[bool]) -> SampleInfo:
+        inputs, targets = [], []
+        for (_, w, h), to_generate in zip(entry["images"], roles, strict=True):
+            (targets if to_generate else inputs).append((int(w), int(h)))
+        return SampleInfo(
+            key=entry["key"], shard=str(self.index.shards[entry["shard"]]),
+            members=tuple(Member(name=m[0], offset=m[1], size=m[2], crc32=m[3])
+                          for m in entry["members"]),
+            text_bytes=entry["text_bytes"], text_tokens=entry["text_tokens"],
+            images=tuple(inputs), gen_images=tuple(targets), audio=(), gen_audio=())
+
+    def __len__(self) -> int:
+        return len(self._infos)
+
+    def __enter__(self) -> WebDataset:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+    @property
+    def shard_names(self) -> tuple[str, ...]:
+        return tuple(p.name for p in self.index.shards)
+
+    @property
+    def skipped(self) -> Mapping[str, int]:
+        return self.index.skipped
+
+    def key(self, i: int) -> str:
+        return self._infos[i].key
+
+    def info(self, i: int) -> SampleInfo:
+        return self._infos[i]
+
+    def read(self, i: int) -> RawSample:
+        """Sample ``i``, read with one seek; tar headers and CRCs checked."""
+        entry, info = self._entries[i], self._infos[i]
+        shard = entry["shard"]
+        where = self.index.shards[shard]
+        file = self._files.get(shard)
+        if file is None:
+            try:
+                file = self._files[shard] = open(where, "rb")  # noqa: SIM115
+            except OSError as err:
+                raise DatasetError(f"cannot read {where}: {err.strerror or err}") from None
+        start = min(m.offset for m in info.members) - _BLOCK
+        end = max(m.offset + m.size for m in info.members)
+        try:
+            buf = os.pread(file.fileno(), end - start, start)
+        except OSError as err:
+            raise DatasetError(f"cannot read {where}: {err.strerror or err}") from None
+        if len(buf) != end - start:
+            raise DatasetError(f"{where} changed since it was indexed: sample {info.key} is "
+                               "cut off")
+        blobs = {}
+        for m in info.members:
+            data = buf[m.offset - start:m.offset - start + m.size]
+            if zlib.crc32(data) != m.crc32:
+                raise DatasetError(f"{where} changed since it was indexed: sample "
+                                   f"{info.key}, member {m.name} fails its CRC-32 check")
+            blobs[m.name] = data
+        text = blobs[entry["text"]].decode("utf-8")
+        meta = json.loads(blobs["json"]) if "json" in blobs else {}
+        images, targets = [], []
+        for (name, w, h), to_generate in zip(entry["images"], self._roles[i], strict=True):
+            fmt = _image_ext(name)
+            assert fmt is not None
+            (targets if to_generate else images).append(
+                EncodedImage(format=fmt, data=blobs[name], width=int(w), height=int(h)))
+        meta = {k: v for k, v in meta.items()
+                if k not in ("key", "images", "gen_images", "audio", "gen_audio")}
+        return RawSample(key=info.key, text=text, meta=meta, images=tuple(images),
+                         gen_images=tuple(targets))
+
+    def __iter__(self) -> Iterator[RawSample]:
+        for i in range(len(self)):
+            yield self.read(i)

@@ -1,0 +1,164 @@
+"""WebDataset shards written by the ``webdataset`` package, read directly: grouping by key,
+the index (built once, cached, rebuilt when a shard changes), damaged data counted and
+skipped, sources that cannot be read refused; a tiny bundle trains on them."""
+
+from __future__ import annotations
+
+import io
+import os
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dtdsl import cli
+from dtdsl.data.shards import DatasetError
+from dtdsl.data.sources import open_dataset, source_problem
+from dtdsl.data.webdataset import WebDataset, build_index, expand_source, resolve_shards
+
+wds = pytest.importorskip("webdataset")
+
+SIZES = [(32, 32), (64, 64), (48, 40)]     # (width, height)
+
+
+def _jpeg(rng: np.random.Generator, w: int, h: int) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(buf, "JPEG")
+    return buf.getvalue()
+
+
+def write_shards(root: Path, n: int = 48, per_shard: int = 10, *, gen_every: int = 3,
+                 seed: int = 0) -> list[str]:
+    """``n`` samples of a JPEG and a caption (every ``gen_every``-th also an image to
+    generate, ``gen.jpg``), ``per_shard`` to a tar, written by webdataset's ShardWriter.
+    Returns the keys."""
+    rng = np.random.default_rng(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    keys = []
+    with wds.ShardWriter(str(root / "%06d.tar"), maxcount=per_shard, verbose=0) as sink:
+        for i in range(n):
+            w, h = SIZES[i % len(SIZES)]
+            sample = {"__key__": f"s{i:05d}", "jpg": _jpeg(rng, w, h),
+                      "txt": " ".join(f"word{rng.integers(100)}" for _ in range(5 + i % 7)),
+                      "json": {"source": "test", "i": i}}
+            if gen_every and i % gen_every == 0:
+                sample["gen.jpg"] = _jpeg(rng, 32, 32)
+            sink.write(sample)
+            keys.append(f"s{i:05d}")
+    return keys
+
+
+def test_brace_patterns_expand_like_webdatasets():
+    assert expand_source("a/{000..002}.tar") == ["a/000.tar", "a/001.tar", "a/002.tar"]
+    assert expand_source("{x,y}/{8..10}") == ["x/8", "x/9", "x/10", "y/8", "y/9", "y/10"]
+    assert expand_source("plain.tar") == ["plain.tar"]
+    with pytest.raises(ValueError, match="runs backwards"):
+        expand_source("{5..1}")
+
+
+def test_samples_are_grouped_by_key_with_their_sizes(tmp_path):
+    keys = write_shards(tmp_path / "s", n=12, per_shard=5)
+    ds = WebDataset.open("s/{000000..000002}.tar", base_dir=tmp_path)
+    assert len(ds) == 12 and [ds.key(i) for i in range(12)] == keys
+    info = ds.info(1)
+    assert info.images == ((64, 64),) and info.gen_images == ()
+    assert ds.info(3).gen_images == ((32, 32),)        # its gen.jpg: an image to generate
+    raw = ds.read(3)
+    assert raw.text.startswith("word") and raw.meta == {"source": "test", "i": 3}
+    assert [(im.format, im.width, im.height) for im in raw.images] == [("jpeg", 32, 32)]
+    assert len(raw.gen_images) == 1
+    # The same through a folder, and with the images as targets (a text-to-image model).
+    targets = WebDataset.open(tmp_path / "s", image_role="target")
+    assert targets.info(1).images == () and targets.info(1).gen_images == ((64, 64),)
+    with pytest.raises(DatasetError, match="no such file"):
+        resolve_shards("s/{000000..000009}.tar", tmp_path)
+
+
+def test_the_index_is_built_once_and_rebuilt_when_a_shard_changes(tmp_path):
+    write_shards(tmp_path / "s", n=12, per_shard=5)
+    shards = resolve_shards(str(tmp_path / "s"))
+    first = build_index(shards)
+    assert first.path is not None and first.path.parent == tmp_path / "s" / ".dtdsl-index"
+    again = build_index(shards)
+    assert again.path == first.path and again.samples == first.samples
+    # A shard rewritten: another fingerprint, another index.
+    write_shards(tmp_path / "s", n=12, per_shard=5, seed=9)
+    os.utime(shards[0], ns=(1, 1))
+    changed = build_index(shards)
+    assert changed.path != first.path and changed.samples != first.samples
+
+
+def test_damaged_samples_are_counted_and_skipped(tmp_path):
+    root = tmp_path / "s"
+    write_shards(root, n=10, per_shard=10)
+    # A corrupt JPEG and an empty caption in a second shard, and a third cut in half.
+    with tarfile.open(root / "000001.tar", "w") as tar:
+        for name, data in (("bad.jpg", b"not a jpeg"), ("bad.txt", b"a caption"),
+                           ("empty.txt", b"   "), ("notext.json", b"{}")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    write_shards(tmp_path / "t", n=6, per_shard=6, seed=3)
+    whole = (tmp_path / "t" / "000000.tar").read_bytes()
+    (root / "000002.tar").write_bytes(whole[:len(whole) // 2])
+    ds = WebDataset.open(root)
+    assert ds.skipped == {"unreadable image": 1, "empty text": 1, "no text": 1,
+                          "cut off (truncated tar)": 1}
+    assert 10 < len(ds) < 16                             # the truncated shard's first samples
+    for i in range(len(ds)):
+        ds.read(i)
+
+
+def test_sources_that_cannot_be_read_say_why(tmp_path):
+    assert "no such file" in source_problem("missing/{0..3}.tar", tmp_path)
+    (tmp_path / "empty").mkdir()
+    assert "holds no dataset" in source_problem("empty", tmp_path)
+    (tmp_path / "junk.tar").write_bytes(b"x" * 2000)
+    assert "not a readable tar" in source_problem("junk.tar", tmp_path)
+    write_shards(tmp_path / "ok", n=3)
+    assert source_problem("ok", tmp_path) is None
+    with open_dataset("ok", base_dir=tmp_path) as ds:
+        assert len(ds) == 3
+
+
+def test_data_stats_and_index_read_webdataset_shards(tmp_path, capsys):
+    write_shards(tmp_path / "s", n=12, per_shard=5)
+    pattern = str(tmp_path / "s" / "{000000..000002}.tar")
+    assert cli.main(["data", "index", pattern]) == 0
+    assert "12 samples in 3 shards" in capsys.readouterr().err
+    assert cli.main(["data", "stats", pattern, "--patch", "8", "--json"]) == 0
+    import json
+
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["image.count"] == [1] * 12
+    assert sorted(set(stats["image.patches"])) == [16, 30, 64]    # 32x32, 48x40, 64x64 at 8 px
+    assert stats["image.gen_count"] == [1 if i % 3 == 0 else 0 for i in range(12)]
+
+
+@pytest.mark.slow
+def test_a_bundle_trains_on_webdataset_shards_and_consumes_each_key_once(tmp_path):
+    from tests.codegen.test_bundle_run import (
+        SPEC,
+        consumed,
+        launch_ok,
+        read_jsonl,
+        reference_losses,
+    )
+
+    keys = write_shards(tmp_path / "shards", n=48, per_shard=10)
+    spec = tmp_path / "tiny.dt"
+    spec.write_text(SPEC.read_text().replace('source = "data/tiny"',
+                                             'source = "shards/{000000..000004}.tar"'))
+    bundle = tmp_path / "bundle"
+    assert cli.main(["compile", str(spec), "-o", str(bundle), "--workers", "2"]) == 0
+    run_dir = tmp_path / "run"
+    launch_ok(bundle, run_dir, "--steps", "4")
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    want = reference_losses(4, tmp_path / "shards" / "{000000..000004}.tar")
+    assert [m["loss"] for m in metrics] == pytest.approx(want, rel=1e-4)
+    for unit in ("vit", "llm", "gen"):
+        per_step = consumed(run_dir, unit)
+        assert sorted(k for step in range(3) for k in per_step[step]) == keys, unit
