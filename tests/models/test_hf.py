@@ -208,6 +208,24 @@ def test_sharded_checkpoints_read_and_write(tmp_path):
         assert rel(theirs(ids).logits, ours(ids)) < SAVE_RTOL
 
 
+def test_writing_again_replaces_the_checkpoint_there(tmp_path):
+    import transformers
+
+    ours = load_hf(make_decoder(tmp_path / "in"))
+    save_hf(ours, tmp_path / "out", max_shard_bytes=20_000)       # sharded, with an index
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.mul_(2)
+    save_hf(ours, tmp_path / "out")                               # one file
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json",
+                                                                   "model.safetensors"]
+    ids = torch.randint(0, 128, (1, 20))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        assert rel(theirs(ids).logits, ours(ids)) < SAVE_RTOL
+        assert rel(load_hf(tmp_path / "out")(ids), ours(ids)) < SAVE_RTOL
+
+
 def test_a_block_is_read_without_the_rest(tmp_path):
     path = make_decoder(tmp_path / "in")
     with Checkpoint(path) as ckpt:

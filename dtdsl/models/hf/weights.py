@@ -180,12 +180,13 @@ class Checkpoint:
 
     def _index(self) -> None:
         """Which file holds each tensor. The libraries' own names win (``model.safetensors``
-        and ``diffusion_pytorch_model.safetensors``, or their ``.index.json``), as
+        and ``diffusion_pytorch_model.safetensors``, then their ``.index.json``), as
         ``from_pretrained`` picks them: a Hub directory often holds a variant beside them
         (``...fp16.safetensors``) or another format's file (Mistral's
         ``consolidated.safetensors``). Otherwise the one index, or the one file, there is."""
-        standard = [self.path / f"{stem}.index.json" for stem in WEIGHT_FILES.values()] + \
-            [self.path / stem for stem in WEIGHT_FILES.values()]
+        # transformers' and diffusers' order: the single file, then the sharded index.
+        standard = [self.path / stem for stem in WEIGHT_FILES.values()] + \
+            [self.path / f"{stem}.index.json" for stem in WEIGHT_FILES.values()]
         chosen = next((p for p in standard if p.is_file()), None)
         if chosen is None:
             indexes = sorted(self.path.glob("*.safetensors.index.json"))
@@ -380,6 +381,13 @@ def write_checkpoint(directory: str | Path, tensors: Iterable[HFTensor], *, libr
         size += item.nbytes
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    # A checkpoint written here before (sharded, or not) would be read instead of this one,
+    # or beside it: its files go first.
+    base = stem.rsplit(".", 1)[0]
+    stale = re.compile(rf"{re.escape(base)}(-\d{{5}}-of-\d{{5}})?\.safetensors(\.index\.json)?")
+    for old in directory.iterdir():
+        if stale.fullmatch(old.name):
+            old.unlink()
     written = []
     weight_map = {}
     meta = {"format": "pt", **(metadata or {})}
