@@ -167,11 +167,15 @@ def init_module(module: nn.Module, *, seed: int, unit: str, prefix: str = "",
     with contiguous local blocks) by the layout-independent rules above. ``prefix`` is
     ``module``'s name inside the unit (so a layer built alone draws what the whole unit
     draws at that name); ``head``: the name (inside the unit) of the LM head's module;
-    parameters whose ``id`` is in ``skip`` are left as they are."""
+    parameters whose ``id`` is in ``skip`` are left as they are. A parameter shared by two
+    modules (a tied LM head) is initialised once, by its first owner's rule and name: on
+    every stage that holds it (the embedding comes first), whatever else it holds."""
+    done = set(skip or ())
     for mod_name, owner in module.named_modules(prefix=prefix.rstrip(".")):
         for attr, param in owner.named_parameters(recurse=False):
-            if skip is not None and id(param) in skip:
+            if id(param) in done:
                 continue
+            done.add(id(param))
             name = f"{mod_name}.{attr}" if mod_name else attr
             rule = init_rule(owner, attr, param, num_layers, head=head is not None
                              and mod_name == head)

@@ -102,7 +102,7 @@ def _inputs(program: ir.Program, cost: Any, unit: Any, role: Any, share: float,
             large: bool) -> Callable[[], tuple[tuple, dict]]:
     """A function making the inputs of one microbatch for the stage's forward: a large
     one (the cost model's 99th percentile) or an average one."""
-    from dtdsl.data.sample import DIFFUSION_STEPS, GenTargets
+    from dtdsl.data.sample import GenTargets
 
     module = program.module(role.unit)
     arch = module.arch
@@ -130,14 +130,15 @@ def _inputs(program: ir.Program, cost: Any, unit: Any, role: Any, share: float,
         per_image = 256 if items is None else max(1, int(round(_mean(items))))
         side = max(1, round(math.sqrt(per_image)))
         per_image = side * side
-        n = max(1, math.ceil(tokens / per_image))
+        rows = per_image + int(arch.cls_token)        # a class token's row too
+        n = max(1, math.ceil(tokens / rows))
         width = (arch.in_channels or 3) * patch * patch
 
         def encoder() -> tuple[tuple, dict]:
             if role.is_first_stage:
                 return ([torch.zeros(n, per_image, width, dtype=dtype, device=device)],), \
                     {"first": True}
-            x = torch.zeros(n, per_image, arch.hidden, dtype=dtype, device=device,
+            x = torch.zeros(n, rows, arch.hidden, dtype=dtype, device=device,
                             requires_grad=True)
             return ([x],), {"first": False}
         return encoder
@@ -151,7 +152,7 @@ def _inputs(program: ir.Program, cost: Any, unit: Any, role: Any, share: float,
                  for _ in range(count)]
         targets = [GenTargets(latents=torch.zeros(shape, device=device),
                               noise=torch.zeros(shape, device=device),
-                              timesteps=torch.full((1,), DIFFUSION_STEPS - 1,
+                              timesteps=torch.full((1,), arch.timesteps - 1,
                                                    dtype=torch.int64, device=device))
                    for _ in range(count)]
         return (conds, targets), {}

@@ -145,7 +145,10 @@ def test_a_feature_layer_reads_that_hidden_state(kind, tmp_path):
     with torch.no_grad():
         want = theirs(pixels, output_hidden_states=True).hidden_states[-2]
         assert rel(ours(pixels), want) < LOAD_RTOL
-    # Written back whole: its layers, then the original's top layer above them.
+    # Written back whole: its layers, then the original's top layer above them; into the
+    # folder it came from as well (read before it is replaced).
+    save_hf(ours, path)
+    assert rel(load_hf(path, feature_layer=-2)(pixels), ours(pixels)) < SAVE_RTOL
     save_hf(ours, tmp_path / "out")
     back, info = cls.from_pretrained(tmp_path / "out", output_loading_info=True)
     assert not info["missing_keys"] and back.config.num_hidden_layers == 3
@@ -237,6 +240,19 @@ def test_a_block_is_read_without_the_rest(tmp_path):
         assert ckpt.bytes_read == 4 * 16 * 4
         full = ckpt.read(Source(key), (0, 0), ckpt.shape(key))
         assert torch.equal(block, full[8:12, 32:48])
+
+
+def test_keys_a_config_leaves_out_take_the_class_defaults(tmp_path):
+    path = tmp_path / "mistral"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({
+        "model_type": "mistral", "hidden_size": 64, "num_attention_heads": 16,
+        "intermediate_size": 96, "num_hidden_layers": 2, "vocab_size": 128,
+        "attention_bias": True}))          # MistralAttention has no biases regardless
+    arch = read_hf(path).arch
+    assert arch.kv_heads == 8 and not arch.qkv_bias and not arch.out_bias
+    assert arch.sliding_window == 4096 and arch.rope.theta == 10000.0
+    assert arch.eps("backbone") == 1e-6
 
 
 def test_unreadable_directories_say_why(tmp_path):

@@ -101,13 +101,15 @@ GENERATOR = """  generator gen (image) {
 
 @cache
 def program(root: str, backbone: str = "llama", feature_layer: int = -2,
-            generator: bool = False) -> ir.Program:
+            generator: bool = False, weights: bool = True) -> ir.Program:
     text = SPEC.format(backbone=backbone, feature_layer=feature_layer, steps=STEPS)
+    if not weights:          # the backbone's architecture only, initialised by dtdsl
+        text = text.replace(f'pretrained = "{backbone}"', f'arch = hf("{backbone}")')
     if generator:
         text = text.replace("  projector vit -> llm : mlp(depth=2)\n",
                             "  projector vit -> llm : mlp(depth=2)\n" + GENERATOR).replace(
             "clamp [0, 3]\n", "clamp [0, 3]\n  image.gen_count ~ choice([0, 1], p=[0.5, 0.5])\n")
-    spec = Path(root) / f"spec_{backbone}_{feature_layer}_{int(generator)}.dt"
+    spec = Path(root) / f"spec_{backbone}_{feature_layer}_{int(generator)}_{int(weights)}.dt"
     spec.write_text(text)
     result = run_frontend(str(spec), text.encode())
     assert result.ok, [d.message for d in result.diagnostics]
@@ -183,6 +185,28 @@ def _train(rank: int, world: int, prog: ir.Program, plan: Plan, losses: list[flo
         if not name.endswith("attn.wk.bias"):
             assert err <= PARAM_RTOL * (want - init).norm().item() + 1e-7, (name, err)
         assert err <= PARAM_RMS * want.numel() ** 0.5, (name, err)
+
+
+@pytest.mark.slow
+def test_a_tied_architecture_over_two_stages_starts_as_the_reference(hf_dir):
+    """Tied embeddings initialised by dtdsl (no weights): both stages' copies start as the
+    reference's one tensor, so the run equals the reference."""
+    prog = program(str(hf_dir), "qwen", -2, weights=False)
+    assert prog.backbone.pretrained is None and prog.backbone.arch.tie_embeddings
+    plan = plan_for(prog, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, 1, 2))
+    losses, params = reference(prog)
+    run(_train_only, plan.gpus_used, prog, plan, losses, params, timeout=300)
+
+
+def _train_only(rank: int, world: int, prog: ir.Program, plan: Plan, losses: list[float],
+                params: dict[str, tuple[torch.Tensor, ...]]) -> None:
+    groups = build_groups(plan)
+    ex = StageExecutor(prog, plan, lower(plan, prog), rank=rank, groups=groups)
+    for name, p in ex.named_parameters().items():
+        local, _, offsets = local_block(p.detach())
+        assert torch.equal(local, _block_of(params[name][0], offsets, local.shape)), name
+    for r, want in zip(ex.train(STEPS), losses, strict=True):
+        assert math.isclose(r["loss"], want, rel_tol=LOSS_RTOL), (r["step"], r["loss"], want)
 
 
 def _resume(rank: int, world: int, prog: ir.Program, plan: Plan,

@@ -228,7 +228,10 @@ def _decoder(cfg: dict[str, Any], family: str) -> ir.TransformerArch:
     d = _DECODER_DEFAULTS[family]
     hidden = _int(cfg, "hidden_size", d)
     heads = _int(cfg, "num_attention_heads", d)
-    kv = cfg.get("num_key_value_heads") or heads
+    # Left out: the class default (Mistral's 8, Qwen2's 32); null, or Llama's default: MHA.
+    kv = cfg["num_key_value_heads"] if "num_key_value_heads" in cfg else \
+        d.get("num_key_value_heads")
+    kv = kv or heads
     layers = _int(cfg, "num_hidden_layers", d)
     act = _get(cfg, "hidden_act", d)
     if act != "silu":
@@ -251,9 +254,11 @@ def _decoder(cfg: dict[str, Any], family: str) -> ir.TransformerArch:
         window = cfg["sliding_window"]
     if family == "qwen2":
         qkv_bias, out_bias, mlp_bias = True, False, False
+    elif family == "mistral":          # MistralAttention has no biases, whatever the config
+        qkv_bias = out_bias = mlp_bias = False
     else:
         qkv_bias = out_bias = bool(_get(cfg, "attention_bias", d))
-        mlp_bias = bool(_get(cfg, "mlp_bias", d)) if family == "llama" else False
+        mlp_bias = bool(_get(cfg, "mlp_bias", d))
     return ir.TransformerArch(
         layers=layers, hidden=hidden, heads=heads, kv_heads=kv,
         ffn=_int(cfg, "intermediate_size", d), vocab=_int(cfg, "vocab_size", d), swiglu=True,

@@ -25,7 +25,10 @@ the index Hugging Face's ``from_pretrained`` reads (``model.safetensors`` /
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -180,13 +183,15 @@ class Checkpoint:
 
     def _index(self) -> None:
         """Which file holds each tensor. The libraries' own names win (``model.safetensors``
-        and ``diffusion_pytorch_model.safetensors``, then their ``.index.json``), as
+        and ``diffusion_pytorch_model.safetensors``, and their ``.index.json``), as their
         ``from_pretrained`` picks them: a Hub directory often holds a variant beside them
         (``...fp16.safetensors``) or another format's file (Mistral's
         ``consolidated.safetensors``). Otherwise the one index, or the one file, there is."""
-        # transformers' and diffusers' order: the single file, then the sharded index.
-        standard = [self.path / stem for stem in WEIGHT_FILES.values()] + \
-            [self.path / f"{stem}.index.json" for stem in WEIGHT_FILES.values()]
+        # from_pretrained's order: transformers takes the single file before the sharded
+        # index, diffusers the index before the single file.
+        model, unet = WEIGHT_FILES["transformers"], WEIGHT_FILES["diffusers"]
+        standard = [self.path / model, self.path / f"{model}.index.json",
+                    self.path / f"{unet}.index.json", self.path / unet]
         chosen = next((p for p in standard if p.is_file()), None)
         if chosen is None:
             indexes = sorted(self.path.glob("*.safetensors.index.json"))
@@ -381,29 +386,39 @@ def write_checkpoint(directory: str | Path, tensors: Iterable[HFTensor], *, libr
         size += item.nbytes
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    # A checkpoint written here before (sharded, or not) would be read instead of this one,
-    # or beside it: its files go first.
-    base = stem.rsplit(".", 1)[0]
-    stale = re.compile(rf"{re.escape(base)}(-\d{{5}}-of-\d{{5}})?\.safetensors(\.index\.json)?")
-    for old in directory.iterdir():
-        if stale.fullmatch(old.name):
-            old.unlink()
-    written = []
+    # Written beside, then moved in: a tensor may still be read from the checkpoint being
+    # replaced (a tower's untrained top, saved back into the folder it came from).
+    staging = Path(tempfile.mkdtemp(prefix=".dtdsl-write-", dir=directory))
+    names = []
     weight_map = {}
     meta = {"format": "pt", **(metadata or {})}
-    for i, shard in enumerate(shards, start=1):
-        name = stem if len(shards) == 1 else _shard_name(stem, i, len(shards))
-        data = {t.key: t.make().contiguous() for t in shard}
-        save_file(data, str(directory / name), metadata=meta)
-        del data
-        written.append(directory / name)
-        weight_map.update({t.key: name for t in shard})
-    if len(shards) > 1:
-        index = directory / f"{stem}.index.json"
-        index.write_text(json.dumps({"metadata": {"total_size": sum(i.nbytes for i in items)},
-                                     "weight_map": weight_map}, indent=2, sort_keys=True))
-        written.append(index)
-    return written
+    try:
+        for i, shard in enumerate(shards, start=1):
+            name = stem if len(shards) == 1 else _shard_name(stem, i, len(shards))
+            data = {t.key: t.make().contiguous() for t in shard}
+            save_file(data, str(staging / name), metadata=meta)
+            del data
+            names.append(name)
+            weight_map.update({t.key: name for t in shard})
+        if len(shards) > 1:
+            index = f"{stem}.index.json"
+            (staging / index).write_text(json.dumps(
+                {"metadata": {"total_size": sum(i.nbytes for i in items)},
+                 "weight_map": weight_map}, indent=2, sort_keys=True))
+            names.append(index)
+        # A checkpoint written here before (sharded or not) would be read instead of this
+        # one, or beside it: it goes, then this one moves in.
+        base = stem.rsplit(".", 1)[0]
+        stale = re.compile(rf"{re.escape(base)}(-\d{{5}}-of-\d{{5}})?\.safetensors"
+                           r"(\.index\.json)?")
+        for old in directory.iterdir():
+            if old.is_file() and stale.fullmatch(old.name):
+                old.unlink()
+        for name in names:
+            os.replace(staging / name, directory / name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return [directory / name for name in names]
 
 
 @dataclass(frozen=True)
