@@ -11,13 +11,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import webdataset as wds
 
 from dtdsl import cli
 from dtdsl.data.shards import DatasetError
 from dtdsl.data.sources import open_dataset, source_problem
 from dtdsl.data.webdataset import WebDataset, build_index, expand_source, resolve_shards
-
-wds = pytest.importorskip("webdataset")
 
 SIZES = [(32, 32), (64, 64), (48, 40)]     # (width, height)
 

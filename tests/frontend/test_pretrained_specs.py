@@ -13,9 +13,6 @@ from dtdsl.driver import run_frontend
 from dtdsl.ir import program as ir
 from tests.hf_models import make_clip, make_decoder, make_unet
 
-pytest.importorskip("transformers")
-pytest.importorskip("diffusers")
-
 SPEC = """
 model {
   encoder vit (image) {

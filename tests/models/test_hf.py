@@ -14,9 +14,6 @@ from dtdsl.ir import program as ir
 from dtdsl.models.hf import Checkpoint, HFError, load_hf, read_hf, save_hf
 from tests.hf_models import make_clip, make_decoder, make_siglip, make_unet, quiet
 
-pytest.importorskip("transformers")
-pytest.importorskip("diffusers")
-
 LOAD_RTOL = 1e-4     # the bound: our forward against the library's, fp32
 SAVE_RTOL = 1e-6     # the library on what we wrote against our forward
 

@@ -28,8 +28,6 @@ from tests.hf_models import make_clip, make_decoder, make_unet, quiet
 from tests.train.test_executor import LOSS_RTOL, PARAM_RMS, PARAM_RTOL, plan_for
 from tests.train.test_executor import reference as executor_reference
 
-pytest.importorskip("transformers")
-
 STEPS = 5
 SPEC = """
 spec pretrained_tiny
