@@ -258,6 +258,19 @@ To plan or compile without data on purpose, pass `--synthetic`: the bundle then
 trains on samples drawn from the spec's distributions. `dtc compile --data
 SOURCE` reads another source instead.
 """),
+    "DT315": Code("Tokenizer unusable", """
+The data block's `tokenizer` (a `tokenizer.json`, or a Hugging Face folder
+holding one with its `tokenizer_config.json`; by default the backbone's
+`pretrained` folder when it has one) turns the data's text into token ids in the
+preprocessing workers. dtc loads it with the `tokenizers` package when it checks
+the spec. The message says what is wrong: no such file, a folder with only a
+SentencePiece `tokenizer.model` (write a `tokenizer.json` with transformers'
+`AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)`), a file that is not a
+tokenizer, more token ids than the backbone's vocabulary, or a `chat` format
+whose special tokens the tokenizer lacks.
+
+    data { tokenizer = "qwen2-7b"  chat = "llama3" }   # error: no <|start_header_id|>
+"""),
     # ---- parallelism (DT4xx)
     "DT401": Code("Tensor parallelism cannot split the module", """
 Tensor parallelism of degree t shards a transformer's attention heads, KV heads

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from dtdsl.cost.samples import ItemSet, SampleSet
+from dtdsl.data.layout import layout_of
 from dtdsl.data.sample import Sample, SampleSizes, image_encoder, make_sample, sample_sizes
 from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan
@@ -130,18 +131,11 @@ def _patch(program: ir.Program) -> int:
 
 
 def normalizer_of(program: ir.Program, sizes: Sequence[SampleSizes]) -> Normalizer:
-    """``model.loss_normalizer`` of a batch from its samples' sizes alone (the rule of
-    ``model.text_kept`` / ``loss_tokens``). ValueError for a sample whose image tokens
-    leave no room for text."""
+    """``model.loss_normalizer`` of a batch from its samples' sizes alone (``data.layout``'s
+    rule: each sample's trained tokens that fit in ``seq_len``)."""
     patch, seq_len = _patch(program), program.train.seq_len
-    text = gen = 0
-    for i, sz in enumerate(sizes):
-        image_tokens = sum((h // patch) * (w // patch) for h, w in sz.image_shapes)
-        if image_tokens >= seq_len:
-            raise ValueError(f"sample {i} has {image_tokens} image tokens, leaving no room "
-                             f"for text in seq_len {seq_len}")
-        text += max(0, min(sz.text_tokens, seq_len - image_tokens) - 1)
-        gen += sz.num_gen_targets
+    text = sum(layout_of(sz, patch, seq_len).loss_tokens for sz in sizes)
+    gen = sum(sz.num_gen_targets for sz in sizes)
     return Normalizer(text_tokens=text, gen_targets=gen)
 
 

@@ -96,6 +96,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     from dtdsl.cli import EXIT_OK, _load_program, _write_file
     from dtdsl.data.shards import DatasetError
     from dtdsl.data.stats import DEFAULT_PATCH, measure, stats_json, stats_table, summarize
+    from dtdsl.data.text import TokenizerError
     from dtdsl.driver import UsageError
     from dtdsl.report import wide_console
 
@@ -115,12 +116,16 @@ def _cmd_stats(args: argparse.Namespace) -> int:
             max_patches = int(quantity.high)
     program = program if args.spec is not None else None
     try:
-        with _open(args.dataset, program) as dataset:
-            values = measure(dataset, patch=patch, max_patches=max_patches)
+        tokenizer = _tokenizer(args, program)
+        with _open(args.dataset, program, image_folder=args.image_folder) as dataset:
+            values = measure(dataset, patch=patch, max_patches=max_patches,
+                             tokenizer=tokenizer)
             title = (f"{args.dataset}: {len(dataset):,} samples in "
-                     f"{len(dataset.shard_names)} shards (image patches of {patch} px)")
+                     f"{len(dataset.shard_names)} shards (image patches of {patch} px; "
+                     + (f"text tokens of {tokenizer.path}" if tokenizer is not None else
+                        "text in words and marks, no tokenizer given") + ")")
             skipped = dict(getattr(dataset, "skipped", {}))
-    except DatasetError as err:
+    except (DatasetError, TokenizerError) as err:
         raise UsageError(str(err)) from None
     if skipped:
         title += "; skipped " + ", ".join(f"{n} ({why})" for why, n in sorted(skipped.items()))
@@ -136,35 +141,73 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _open(source: str, program: Program | None, *, rebuild: bool = False):
-    """A dataset or WebDataset shards, indexed with a progress bar on stderr when needed."""
+def _tokenizer(args: argparse.Namespace, program: Program | None):
+    """The tokenizer to count text with: ``--tokenizer``, else the spec's; None: words."""
+    from dtdsl.data.text import HFTokenizer
+
+    if getattr(args, "tokenizer", None):
+        return HFTokenizer.load(args.tokenizer, args.chat)
+    if program is not None and program.data.tokenizer is not None:
+        return HFTokenizer.load(program.data.tokenizer, program.data.chat)
+    return None
+
+
+def _open(source: str, program: Program | None, *, rebuild: bool = False,
+          image_folder: str | None = None):
+    """A dataset, WebDataset shards or a LLaVA JSON, indexed with a progress bar on stderr
+    when needed."""
     from dtdsl.data.sources import open_dataset
     from dtdsl.report import progress_bar
 
     with progress_bar(f"indexing {source}", enabled=sys.stderr.isatty()) as bar:
         return open_dataset(source, program=program, rebuild=rebuild,
-                            progress=lambda done, total: bar(done, total, "shards"))
+                            image_folder=image_folder,
+                            progress=lambda done, total: bar(done, total, "parts"))
 
 
 def _cmd_index(args: argparse.Namespace) -> int:
     from dtdsl.cli import EXIT_OK
     from dtdsl.data.shards import DatasetError
+    from dtdsl.data.text import TokenizerError
     from dtdsl.driver import UsageError
 
     start = time.perf_counter()
     try:
-        with _open(args.source, None, rebuild=args.rebuild) as dataset:
-            where = getattr(getattr(dataset, "index", None), "path", None)
+        tokenizer = _tokenizer(args, None)
+        with _open(args.source, None, rebuild=args.rebuild,
+                   image_folder=args.image_folder) as dataset:
+            index = getattr(dataset, "index", None)
+            where = getattr(index, "cached", None) if hasattr(index, "cached") else \
+                getattr(index, "path", None)
+            if tokenizer is not None:
+                from dtdsl.data.text import token_layouts
+
+                layouts = token_layouts(dataset, tokenizer)
+                unusable = sum(lay is None for lay in layouts)
             skipped = dict(getattr(dataset, "skipped", {}))
             line = (f"{args.source}: {len(dataset):,} samples in {len(dataset.shard_names)} "
                     f"shards")
-    except DatasetError as err:
+    except (DatasetError, TokenizerError) as err:
         raise UsageError(str(err)) from None
     if skipped:
         line += "; skipped " + ", ".join(f"{n} ({why})" for why, n in sorted(skipped.items()))
     line += f"; index {where}" if where else " (a dtdsl dataset: its own index)"
+    if tokenizer is not None:
+        line += f"; token counts of {tokenizer.path}" + (
+            f" ({unusable} samples whose text does not go with their images)" if unusable
+            else "")
     print(f"{line} ({time.perf_counter() - start:.1f} s)", file=sys.stderr)
     return EXIT_OK
+
+
+def _text_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tokenizer", metavar="PATH",
+                        help="count text tokens with this tokenizer.json (or a Hugging Face "
+                        "folder holding one); default: the spec's, else words and marks")
+    parser.add_argument("--chat", choices=("chatml", "llama3", "llava"),
+                        help="the chat format of conversations (default: the tokenizer's)")
+    parser.add_argument("--image-folder", metavar="DIR",
+                        help="where a LLaVA JSON's image paths start (default: its folder)")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -198,13 +241,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     stats = sub.add_parser("stats", help="measure a dataset's distribution from its index: a "
                            "table, or JSON a spec can read with empirical(...)")
     stats.add_argument("dataset", metavar="SOURCE", help="a dataset directory (with "
-                       "index.json) or WebDataset shards (a folder, a brace pattern, a .tar)")
+                       "index.json), WebDataset shards (a folder, a brace pattern, a .tar) or "
+                       "a LLaVA-style .json/.jsonl")
     how = stats.add_mutually_exclusive_group()
     how.add_argument("--spec", metavar="SPEC",
                      help="count image patches with this spec's image encoder (its patch, "
                      "and the clamp of image.patches)")
     how.add_argument("--patch", type=_positive_int, metavar="PX",
                      help="patch size in pixels for image.patches (default 14)")
+    _text_options(stats)
     stats.add_argument("--json", action="store_true",
                        help='print {"quantity": [values...]} instead of the table')
     stats.add_argument("-o", "--output", metavar="FILE",
@@ -213,8 +258,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     index = sub.add_parser("index", help="index WebDataset shards for random access (once: "
                            "kept in .dtdsl-index/ beside them, or the user's cache)")
-    index.add_argument("source", metavar="SOURCE", help="WebDataset shards: a folder, a brace "
-                       "pattern such as 'shards/{000000..000099}.tar', or a .tar")
+    index.add_argument("source", metavar="SOURCE", help="WebDataset shards (a folder, a brace "
+                       "pattern such as 'shards/{000000..000099}.tar', a .tar) or a LLaVA-style "
+                       ".json/.jsonl")
     index.add_argument("--rebuild", action="store_true",
                        help="read every shard again even if an index of them exists")
+    _text_options(index)
     index.set_defaults(func=_cmd_index)

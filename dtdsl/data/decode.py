@@ -3,8 +3,10 @@
 ``Decoder.for_program(program, seed=...)`` is built once per spec; ``decoder.decode(raw)``
 turns a ``RawSample`` into a ``DecodedSample``:
 
-- ``tokens``: int64 ``[T]`` from ``Tokenizer`` (one id per ``shards.text_pieces`` piece,
-  so ``T`` is the index's ``text_tokens``), cut to ``max_tokens`` when given;
+- ``tokens``: int64 ``[T]`` from the spec's tokenizer (``data.text``: a Hugging Face
+  tokenizer with the sample's special tokens and chat format, or the hashing tokenizer of
+  synthetic data), with ``image_at`` (where each image goes) and ``trained`` (the tokens
+  the loss trains on): the sample's ``TokenLayout``;
 - ``images``: for the spec's image encoder, uint8 ``[3, H, W]`` per input image, resized
   (Pillow, bilinear) to ``patch_grid``: ``H`` and ``W`` multiples of the encoder's patch,
   at most the clamp high of ``image.patches`` patches when the spec gives one. Without
@@ -32,11 +34,19 @@ from __future__ import annotations
 import hashlib
 import io
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
-from dtdsl.data.shards import DatasetError, EncodedAudio, EncodedImage, RawSample, text_pieces
+from dtdsl.data.shards import DatasetError, EncodedAudio, EncodedImage, RawSample
+from dtdsl.data.text import (
+    HashTokenizer,
+    HFTokenizer,
+    TokenizerError,
+    TokenLayout,
+    conversation_of,
+    load_tokenizer,
+)
 from dtdsl.ir import program as ir
 
 __all__ = [
@@ -46,7 +56,6 @@ __all__ = [
     "DecodedSample",
     "Decoder",
     "LatentTargets",
-    "Tokenizer",
     "decode_sample",
     "patch_grid",
 ]
@@ -60,31 +69,6 @@ def _seed(*parts: object) -> int:
     """A 63-bit seed from a SHA-256 of ``parts`` (never ``hash()``: it varies by process)."""
     text = ":".join(map(str, ("dtdsl-decode", *parts)))
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
-
-
-@dataclass(frozen=True)
-class Tokenizer:
-    """A hashing tokenizer: each piece of ``shards.text_pieces`` (a word or a punctuation
-    character) is one id, the first 8 bytes of its BLAKE2b digest modulo ``vocab``.
-    Deterministic, no vocabulary file; different pieces may share an id."""
-
-    vocab: int
-    _ids: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        if self.vocab < 1:
-            raise ValueError(f"vocab must be at least 1, not {self.vocab}")
-
-    def token_id(self, piece: str) -> int:
-        found = self._ids.get(piece)
-        if found is None:
-            digest = hashlib.blake2b(piece.encode("utf-8", "surrogatepass"), digest_size=8)
-            found = self._ids[piece] = int.from_bytes(digest.digest(), "little") % self.vocab
-        return found
-
-    def encode(self, text: str) -> np.ndarray:
-        """int64 ``[T]``: one id per piece of ``text``."""
-        return np.fromiter(map(self.token_id, text_pieces(text)), dtype=np.int64)
 
 
 def patch_grid(width: int, height: int, patch: int,
@@ -124,6 +108,8 @@ class DecodedSample:
     images: tuple[np.ndarray, ...]       # each [3, H, W] uint8
     audio: tuple[np.ndarray, ...]        # each [frames, bins] float32
     gen: dict[str, LatentTargets]        # generator name -> its targets
+    image_at: tuple[int, ...] = ()       # per image: the text tokens before it
+    trained: tuple[tuple[int, int], ...] = ()   # text-token ranges with a loss
 
 
 @dataclass(frozen=True, eq=False)
@@ -163,9 +149,8 @@ def _high(data: ir.Data, modality: str, name: str) -> int | None:
 class Decoder:
     """Decodes samples for one spec; build it once (``for_program``), decode many."""
 
-    tokenizer: Tokenizer
+    tokenizer: HFTokenizer | HashTokenizer
     seed: int
-    max_tokens: int | None
     patch: int | None                 # the image encoder's; None: no image encoder
     max_patches: int | None
     audio: bool                       # the spec has an audio encoder
@@ -173,9 +158,9 @@ class Decoder:
     generators: tuple[_Generator, ...]
 
     @classmethod
-    def for_program(cls, program: ir.Program, *, seed: int,
-                    max_tokens: int | None = None) -> Decoder:
-        """ValueError for video modules (no video data yet)."""
+    def for_program(cls, program: ir.Program, *, seed: int) -> Decoder:
+        """ValueError for video modules (no video data yet); ``text.TokenizerError`` for a
+        tokenizer that does not load."""
         for module in program.modules:
             if module.modality == "video":
                 raise ValueError(f"'{module.name}' reads video; samples carry text, images "
@@ -184,19 +169,27 @@ class Decoder:
         patch = None
         if image is not None:
             patch = getattr(image.arch, "patch", None) or 1
-        return cls(tokenizer=Tokenizer(program.backbone.arch.vocab), seed=seed,
-                   max_tokens=max_tokens, patch=patch,
+        tokenizer = load_tokenizer(program.data.tokenizer, program.backbone.arch.vocab,
+                                   program.data.chat)
+        return cls(tokenizer=tokenizer, seed=seed, patch=patch,
                    max_patches=_high(program.data, "image", "patches"),
                    audio=any(m.modality == "audio" for m in program.encoders),
                    max_frames=_high(program.data, "audio", "frames"),
                    generators=tuple(_generator(m) for m in program.generators))
 
+    def layout(self, raw: RawSample, images: int) -> TokenLayout:
+        """The sample's token layout (``data.text``). DatasetError when its text and
+        images do not go together (more ``<image>`` placeholders than images, a turn from
+        nobody known, a conversation with synthetic data's tokenizer)."""
+        try:
+            return self.tokenizer.layout(raw.text, images, conversation_of(raw.meta))
+        except (TokenizerError, DatasetError) as err:
+            raise DatasetError(f"sample {raw.key}: {err}") from None
+
     def decode(self, raw: RawSample) -> DecodedSample:
         """The arrays of one sample. DatasetError for an image or clip that does not
-        decode."""
-        tokens = self.tokenizer.encode(raw.text)
-        if self.max_tokens is not None:
-            tokens = tokens[:self.max_tokens]
+        decode, or text that does not go with its images."""
+        layout = self.layout(raw, len(raw.images))
         images: tuple[np.ndarray, ...] = ()
         if self.patch is not None:
             images = tuple(self._image(raw, k, image) for k, image in enumerate(raw.images))
@@ -204,7 +197,8 @@ class Decoder:
         if self.audio:
             audio = tuple(self._clip(raw, clip)[:self.max_frames] for clip in raw.audio)
         gen = {g.name: self._targets(raw, g) for g in self.generators}
-        return DecodedSample(key=raw.key, tokens=tokens, images=images, audio=audio, gen=gen)
+        return DecodedSample(key=raw.key, tokens=layout.ids, images=images, audio=audio,
+                             gen=gen, image_at=layout.image_at, trained=layout.trained)
 
     def _open(self, raw: RawSample, image: EncodedImage):
         from PIL import Image
@@ -263,7 +257,6 @@ class Decoder:
         return LatentTargets(latents=stacked, noise=noise, timesteps=timesteps)
 
 
-def decode_sample(program: ir.Program, raw: RawSample, *, seed: int,
-                  max_tokens: int | None = None) -> DecodedSample:
+def decode_sample(program: ir.Program, raw: RawSample, *, seed: int) -> DecodedSample:
     """Decode one sample (builds a ``Decoder``; keep one to decode many)."""
-    return Decoder.for_program(program, seed=seed, max_tokens=max_tokens).decode(raw)
+    return Decoder.for_program(program, seed=seed).decode(raw)

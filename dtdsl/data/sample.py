@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from dtdsl.cost.samples import draw
+from dtdsl.data.layout import fit
 from dtdsl.ir import program as ir
 from dtdsl.models.diffusion import DEFAULT_TIMESTEPS
 from dtdsl.models.transformer import Encoder
@@ -95,6 +96,8 @@ class Sample:
     tokens: torch.Tensor                    # [T] int64
     images: tuple[torch.Tensor, ...]        # each [3, H, W] float32
     targets: dict[str, GenTargets]          # generator name -> its targets
+    image_at: tuple[int, ...] | None = None             # as in ``SampleSizes``
+    trained: tuple[tuple[int, int], ...] | None = None
 
     @property
     def num_gen_targets(self) -> int:
@@ -146,15 +149,44 @@ class SampleSizes:
     text_tokens: int                    # len(tokens)
     image_shapes: tuple[tuple[int, int], ...]   # each image's (height, width)
     gen_counts: dict[str, int]          # generator name -> G
+    # Where the images go and what the loss trains on (``data.text.TokenLayout``): per
+    # image, the text tokens before it; text-token ranges [a, b) that are next-token
+    # targets. Left out: every image before the text, every text token but the first
+    # trained (synthetic samples).
+    image_at: tuple[int, ...] | None = None
+    trained: tuple[tuple[int, int], ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.image_at is None:
+            object.__setattr__(self, "image_at", (0,) * len(self.image_shapes))
+        if self.trained is None:
+            object.__setattr__(self, "trained", ((1, self.text_tokens),)
+                               if self.text_tokens > 1 else ())
+        if len(self.image_at) != len(self.image_shapes):
+            raise ValueError(f"{len(self.image_shapes)} images but {len(self.image_at)} "
+                             "image places")
 
     @property
     def num_gen_targets(self) -> int:
         return sum(self.gen_counts.values())
 
+    @property
+    def places(self) -> tuple[int, ...]:
+        """Per image: how many text tokens come before it."""
+        assert self.image_at is not None
+        return self.image_at
+
+    @property
+    def trained_ranges(self) -> tuple[tuple[int, int], ...]:
+        """Text-token ranges ``[a, b)`` whose tokens are next-token targets."""
+        assert self.trained is not None
+        return self.trained
+
 
 def sample_sizes(program: ir.Program, step: int, index: int) -> SampleSizes:
     """The sizes of sample ``index`` of step ``step`` (those of ``make_sample``'s sample)
-    from its ``sizes`` stream alone: no tensor is built."""
+    from its ``sizes`` stream alone, cut to ``seq_len`` (``data.layout.fit``): no tensor
+    is built."""
     sizes = np.random.default_rng(sample_seed(program.train.seed, step, index, "sizes"))
     data = program.data
     n_text = max(1, _draw_one(data.get("text", "tokens"), sizes, "text.tokens"))
@@ -169,8 +201,12 @@ def sample_sizes(program: ir.Program, step: int, index: int) -> SampleSizes:
         module.name: max(0, _draw_one(data.get(module.modality, "gen_count"), sizes,
                                       f"{module.modality}.gen_count"))
         for module in program.generators}
-    return SampleSizes(text_tokens=n_text, image_shapes=tuple((s, s) for s in sides),
-                       gen_counts=gen_counts)
+    drawn = SampleSizes(text_tokens=n_text, image_shapes=tuple((s, s) for s in sides),
+                        gen_counts=gen_counts)
+    # Cut to seq_len as every source cuts its samples (data.layout): images that do not
+    # fit are dropped, the text cut.
+    return fit(drawn, (encoder.arch.patch or 1) if encoder is not None else 1,
+               program.train.seq_len)
 
 
 _PARTS = frozenset({"tokens", "images", "targets"})

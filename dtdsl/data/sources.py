@@ -2,6 +2,8 @@
 
 - a directory holding a dtdsl dataset (its ``index.json``, as ``dtc data synth`` writes it):
   ``shards.Dataset``;
+- a ``.json`` or ``.jsonl`` file: LLaVA-style conversations with an image folder
+  (``llava``; the spec's ``image_folder``, by default the file's folder);
 - anything else: WebDataset tar shards (``webdataset``: a directory of ``*.tar``, a brace
   pattern, a ``.tar``, or a list of them).
 
@@ -21,8 +23,8 @@ from typing import Any
 from dtdsl.data.shards import FORMAT, INDEX_NAME, Dataset, DatasetError
 from dtdsl.ir import program as ir
 
-__all__ = ["data_diagnostics", "image_role", "is_dtdsl_dataset", "open_dataset",
-           "source_problem"]
+__all__ = ["data_diagnostics", "image_role", "is_dtdsl_dataset", "is_synthetic",
+           "open_dataset", "source_problem"]
 
 
 def _single(source: str | Path | Sequence[str | Path]) -> str | None:
@@ -66,29 +68,44 @@ def _resolve(source: str | Sequence[str], base_dir: Path) -> Path | None:
 def open_dataset(source: str | Sequence[str], *, base_dir: str | Path = ".",
                  program: ir.Program | None = None, cache_dir: str | Path | None = None,
                  progress: Callable[[int, int], None] | None = None,
-                 rebuild: bool = False) -> Any:
-    """The dataset ``source`` names (module docstring), opened: a ``shards.Dataset`` or a
-    ``webdataset.WebDataset`` (indexed now if it has no index yet, or ``rebuild``).
-    DatasetError when it cannot be read."""
+                 rebuild: bool = False, image_folder: str | Path | None = None) -> Any:
+    """The dataset ``source`` names (module docstring), opened: a ``shards.Dataset``, a
+    ``llava.LlavaDataset`` or a ``webdataset.WebDataset`` (indexed now if it has no index
+    yet, or ``rebuild``). DatasetError when it cannot be read."""
+    from dtdsl.data.llava import LlavaDataset, is_llava_source
     from dtdsl.data.webdataset import WebDataset, build_index, resolve_shards
 
     base = Path(base_dir)
     path = _resolve(source, base)
     if path is not None and path.is_dir() and is_dtdsl_dataset(path):
         return Dataset.open(path)
+    if path is not None and is_llava_source(path):
+        folder = image_folder if image_folder is not None else (
+            program.data.image_folder if program is not None else None)
+        return LlavaDataset.open(path, folder, cache_dir=cache_dir, progress=progress)
     shards = resolve_shards(source, base)
     return WebDataset(build_index(shards, cache_dir=cache_dir, progress=progress,
                                   rebuild=rebuild), image_role=image_role(program))
+
+
+def is_synthetic(source: str | Sequence[str], base_dir: str | Path = ".") -> bool:
+    """Whether ``source`` is a dataset ``dtc data synth`` wrote (text of a made-up language,
+    which the hashing tokenizer reads)."""
+    path = _resolve(source, Path(base_dir))
+    return path is not None and path.is_dir() and is_dtdsl_dataset(path)
 
 
 def source_problem(source: str | Sequence[str], base_dir: str | Path = ".") -> str | None:
     """Why ``source`` cannot be read, or None: it names no file, a dtdsl dataset whose
     index is missing or corrupt, an empty folder, or a first shard that is not a tar.
     Reads the index or the first shard's first header, nothing more."""
+    from dtdsl.data.llava import is_llava_source
     from dtdsl.data.webdataset import resolve_shards
 
     base = Path(base_dir)
     path = _resolve(source, base)
+    if path is not None and is_llava_source(path):
+        return _json_problem(path)
     try:
         if path is not None and path.is_dir() and is_dtdsl_dataset(path):
             with Dataset.open(path):
@@ -109,6 +126,22 @@ def source_problem(source: str | Sequence[str], base_dir: str | Path = ".") -> s
     return None
 
 
+def _json_problem(path: Path) -> str | None:
+    """Why a LLaVA-style JSON cannot be read (its first bytes only), or None."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096).lstrip()
+    except OSError as err:
+        return f"cannot read {path}: {err.strerror or err}"
+    if not head:
+        return f"{path} is empty"
+    if path.suffix == ".json" and not head.startswith(b"["):
+        return f"{path} is not a JSON array of records (LLaVA's format)"
+    if path.suffix == ".jsonl" and not head.startswith(b"{"):
+        return f"{path} does not start with a JSON record"
+    return None
+
+
 def data_diagnostics(program: ir.Program, base_dir: str | Path) -> list[Any]:
     """DT314 at the spec's ``source`` when it names data that cannot be read (``dtc check``
     and ``dtc compile`` report it unless asked for synthetic samples); paths are relative
@@ -120,6 +153,14 @@ def data_diagnostics(program: ir.Program, base_dir: str | Path) -> list[Any]:
         return []
     problem = source_problem(source, base_dir)
     if problem is None:
+        if program.data.tokenizer is None and not is_synthetic(source, base_dir):
+            return [Diagnostic.error(
+                "DT315", f"data source {source!r} is real text, which needs a tokenizer",
+                program.data.source_span or program.data.span,
+                notes=["the hashing tokenizer is only for synthetic data (`dtc data synth`)"],
+                hint='add `tokenizer = "PATH"` to the data block (a tokenizer.json or a '
+                "Hugging Face folder), or give the backbone `pretrained` weights whose "
+                "folder has one")]
         return []
     return [Diagnostic.error(
         "DT314", f"data source {source!r} cannot be read: {problem}",

@@ -2,8 +2,11 @@
 
 ``measure`` gives one list of values per spec quantity:
 
-- ``text.tokens``: per sample, the index's ``text_tokens`` (``shards.count_text_tokens``:
-  words and punctuation marks, the pieces ``decode.Tokenizer`` gives one id each);
+- ``text.tokens``: per sample, its tokens under the given tokenizer (``data.text``: special
+  tokens and chat format included, as the backbone reads them), or else the index's
+  ``text_tokens`` (``shards.count_text_tokens``: words and punctuation marks, the pieces
+  the hashing tokenizer of synthetic data gives one id each). Samples whose text does
+  not go with their images under that tokenizer are left out, as a run leaves them out;
 - ``image.count`` and ``image.gen_count``: input images and images to generate per
   sample; ``image.patches``: per input image, the patches ``decode.patch_grid`` gives it
   (its sides rounded to whole patches, at most the spec's clamp high when given);
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -32,12 +36,22 @@ DEFAULT_PATCH = 14
 
 
 def measure(dataset: Dataset, *, patch: int = DEFAULT_PATCH,
-            max_patches: int | None = None) -> dict[str, list[int]]:
-    """The values of each quantity over the dataset (see the module docstring)."""
+            max_patches: int | None = None, tokenizer: Any = None,
+            progress: Any = None) -> dict[str, list[int]]:
+    """The values of each quantity over the dataset (see the module docstring);
+    ``tokenizer``: a ``data.text`` tokenizer to count text with."""
     if patch < 1:
         raise ValueError(f"patch must be at least 1, not {patch}")
     infos = [dataset.info(i) for i in range(len(dataset))]
-    out: dict[str, list[int]] = {"text.tokens": [s.text_tokens for s in infos]}
+    if tokenizer is not None:
+        from dtdsl.data.text import token_layouts
+
+        layouts = token_layouts(dataset, tokenizer, progress=progress)
+        infos = [s for s, lay in zip(infos, layouts, strict=True) if lay is not None]
+        text = [lay[0] for lay in layouts if lay is not None]
+    else:
+        text = [s.text_tokens for s in infos]
+    out: dict[str, list[int]] = {"text.tokens": text}
     if any(s.images or s.gen_images for s in infos):
         out["image.count"] = [len(s.images) for s in infos]
         patches = [gw * gh for s in infos for w, h in s.images

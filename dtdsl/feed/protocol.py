@@ -59,6 +59,11 @@ def batch_message(step: int, routing: Sequence[Any], normalizer: Any, samples: M
                                             dtype=np.int64)
         arrays["sizes.hw"] = np.asarray([hw for z in sizes for hw in z.image_shapes],
                                         dtype=np.int64).reshape(-1, 2)
+        arrays["sizes.at"] = np.asarray([p for z in sizes for p in z.places], dtype=np.int64)
+        arrays["sizes.ntrained"] = np.asarray([len(z.trained_ranges) for z in sizes],
+                                              dtype=np.int64)
+        arrays["sizes.trained"] = np.asarray([r for z in sizes for r in z.trained_ranges],
+                                             dtype=np.int64).reshape(-1, 2)
         for name in sorted({g for z in sizes for g in z.gen_counts}):
             arrays[f"sizes.gen.{name}"] = np.asarray([z.gen_counts.get(name, 0)
                                                       for z in sizes], dtype=np.int64)
@@ -111,6 +116,27 @@ def read_batch(message: Any, units: Sequence[str], generators: Sequence[str]) ->
     keys: tuple[str, ...] = ()
     if "keys" in arrays:
         keys = tuple(arrays["keys"].tobytes().decode().split("\n"))
+    sizes: list[SampleSizes] = []
+    if "sizes.text" in arrays:
+        text, counts_img = arrays["sizes.text"].tolist(), arrays["sizes.images"].tolist()
+        hw = [tuple(x) for x in arrays["sizes.hw"].reshape(-1, 2).tolist()]
+        if len(counts_img) != len(text) or sum(counts_img) != len(hw):
+            raise ValueError(f"step {step}: inconsistent sample sizes")
+        places = arrays["sizes.at"].tolist()
+        ntrained = arrays["sizes.ntrained"].tolist()
+        ranges = [tuple(r) for r in arrays["sizes.trained"].reshape(-1, 2).tolist()]
+        if len(places) != len(hw) or len(ntrained) != len(text) or \
+                sum(ntrained) != len(ranges):
+            raise ValueError(f"step {step}: inconsistent sample layouts")
+        gens = {name: arrays[f"sizes.gen.{name}"].tolist() for name in generators
+                if f"sizes.gen.{name}" in arrays}
+        at = r = 0
+        for i, (t, c) in enumerate(zip(text, counts_img, strict=True)):
+            sizes.append(SampleSizes(text_tokens=int(t), image_shapes=tuple(hw[at:at + c]),
+                                     gen_counts={g: int(v[i]) for g, v in gens.items()},
+                                     image_at=tuple(places[at:at + c]),
+                                     trained=tuple(ranges[r:r + ntrained[i]])))
+            at, r = at + c, r + ntrained[i]
     parts = set(meta["parts"])
     samples = {}
     for pos in meta["positions"]:
@@ -129,21 +155,11 @@ def read_batch(message: Any, units: Sequence[str], generators: Sequence[str]) ->
                 targets[name] = GenTargets(latents=message.tensor(f"p{pos}.{name}.latents"),
                                            noise=message.tensor(f"p{pos}.{name}.noise"),
                                            timesteps=message.tensor(f"p{pos}.{name}.timesteps"))
+        layout = sizes[int(pos)] if sizes else None
         samples[int(pos)] = Sample(step=step, index=int(pos), tokens=tokens,
-                                   images=tuple(images), targets=targets)
-    sizes: list[SampleSizes] = []
-    if "sizes.text" in arrays:
-        text, counts_img = arrays["sizes.text"].tolist(), arrays["sizes.images"].tolist()
-        hw = [tuple(x) for x in arrays["sizes.hw"].reshape(-1, 2).tolist()]
-        if len(counts_img) != len(text) or sum(counts_img) != len(hw):
-            raise ValueError(f"step {step}: inconsistent sample sizes")
-        gens = {name: arrays[f"sizes.gen.{name}"].tolist() for name in generators
-                if f"sizes.gen.{name}" in arrays}
-        at = 0
-        for i, (t, c) in enumerate(zip(text, counts_img, strict=True)):
-            sizes.append(SampleSizes(text_tokens=int(t), image_shapes=tuple(hw[at:at + c]),
-                                     gen_counts={g: int(v[i]) for g, v in gens.items()}))
-            at += c
+                                   images=tuple(images), targets=targets,
+                                   image_at=layout.image_at if layout else None,
+                                   trained=layout.trained if layout else None)
     norm = meta["norm"]
     return StepBatch(step=step, keys=keys, routing=tuple(routing), samples=samples,
                      normalizer=Normalizer(text_tokens=int(norm[0]), gen_targets=int(norm[1])),

@@ -22,6 +22,7 @@ import hashlib
 from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -73,29 +74,48 @@ def to_sample(step: int, position: int, decoded, parts: frozenset[str]):
             targets[name] = GenTargets(latents=torch.from_numpy(np.array(t.latents)),
                                        noise=torch.from_numpy(np.array(t.noise)),
                                        timesteps=torch.from_numpy(np.array(t.timesteps)))
-    return Sample(step=step, index=position, tokens=tokens, images=images, targets=targets)
+    return Sample(step=step, index=position, tokens=tokens, images=images, targets=targets,
+                  image_at=decoded.image_at, trained=decoded.trained)
 
 
 class DatasetSource:
-    """A ``runtime.batch.SampleSource`` over a dataset directory (module docstring)."""
+    """A ``runtime.batch.SampleSource`` over a dataset (module docstring). Its samples are
+    those the tokenizer can lay out (``data.text.token_layouts``; the others are counted in
+    ``skipped``), each cut to ``seq_len`` as ``data.layout.fit`` cuts it."""
 
-    def __init__(self, program: ir.Program, path: str | Path, *, seed: int | None = None):
+    def __init__(self, program: ir.Program, path: str | Path, *, seed: int | None = None,
+                 progress: Any = None):
         from dtdsl.data.decode import Decoder
+        from dtdsl.data.shards import Dataset, DatasetError
         from dtdsl.data.sources import open_dataset
+        from dtdsl.data.text import HashTokenizer, token_layouts
 
         self.program = program
         self.path = path
-        # A dtdsl dataset, or WebDataset shards (a folder, a brace pattern: indexed once).
-        self.dataset = open_dataset(str(path), program=program)
+        # A dtdsl dataset, WebDataset shards or a LLaVA JSON (indexed once).
+        self.dataset = open_dataset(str(path), program=program, progress=progress)
         self.seed = program.train.seed if seed is None else seed
         self.decoder = Decoder.for_program(program, seed=self.seed)
+        if isinstance(self.decoder.tokenizer, HashTokenizer) and \
+                not isinstance(self.dataset, Dataset):
+            raise DatasetError(f"{path} holds real text, which needs a tokenizer: the data "
+                               "block's `tokenizer` (the hashing one is for synthetic data)")
         self.batch = program.train.global_batch
         image = next((m for m in program.encoders if m.modality == "image"), None)
         self.patch = (image.arch.patch or 1) if image is not None else None
+        layouts = token_layouts(self.dataset, self.decoder.tokenizer, progress=progress)
+        self.usable = [i for i, lay in enumerate(layouts) if lay is not None]
+        self.skipped = len(layouts) - len(self.usable)
+        self._layouts = layouts
+        if not self.usable:
+            raise DatasetError(f"{path}: none of its {len(layouts)} samples can be read with "
+                               "the spec's tokenizer")
         self._indices = lru_cache(maxsize=8)(self._step_indices)
+        self._sizes = lru_cache(maxsize=8)(self._step_sizes)
 
     def _step_indices(self, step: int) -> tuple[int, ...]:
-        return tuple(stream_indices(self.seed, len(self.dataset), step, self.batch))
+        picks = stream_indices(self.seed, len(self.usable), step, self.batch)
+        return tuple(self.usable[k] for k in picks)
 
     def indices(self, step: int) -> tuple[int, ...]:
         """The dataset indices of step ``step``'s samples, by position."""
@@ -104,28 +124,53 @@ class DatasetSource:
     def keys(self, step: int) -> tuple[str, ...]:
         return tuple(self.dataset.key(i) for i in self.indices(step))
 
-    def sizes(self, step: int) -> list:
-        """Every position's sizes from the index (the decoded shapes, no pixel read)."""
+    def _step_sizes(self, step: int) -> tuple:
         from dtdsl.data.decode import patch_grid
+        from dtdsl.data.layout import fit
         from dtdsl.data.sample import SampleSizes
 
         out = []
+        seq_len, patch = self.program.train.seq_len, self.patch or 1
         for i in self.indices(step):
             info = self.dataset.info(i)
+            layout = self._layouts[i]
+            assert layout is not None
+            text, places, trained = layout
             shapes: tuple[tuple[int, int], ...] = ()
             if self.patch is not None:
                 grids = [patch_grid(w, h, self.patch, self.decoder.max_patches)
                          for w, h in info.images]
                 shapes = tuple((gh * self.patch, gw * self.patch) for gw, gh in grids)
+            else:
+                places = ()       # no encoder reads the images: text only
             gen = {g.name: (len(info.gen_images) if g.modality == "image" else
                             len(info.gen_audio)) for g in self.program.generators}
-            out.append(SampleSizes(text_tokens=info.text_tokens, image_shapes=shapes,
-                                   gen_counts=gen))
-        return out
+            out.append(fit(SampleSizes(text_tokens=text, image_shapes=shapes, gen_counts=gen,
+                                       image_at=places, trained=trained), patch, seq_len))
+        return tuple(out)
+
+    def sizes(self, step: int) -> list:
+        """Every position's sizes from the index and the token layouts (the decoded
+        shapes, cut to ``seq_len``; no pixel read)."""
+        return list(self._sizes(step))
 
     def decode(self, step: int, position: int):
-        """The ``DecodedSample`` (numpy) at ``position`` of step ``step``."""
-        return self.decoder.decode(self.dataset.read(self.indices(step)[position]))
+        """The ``DecodedSample`` (numpy) at ``position`` of step ``step``, cut as its
+        ``sizes`` entry says."""
+        import dataclasses
+
+        from dtdsl.data.shards import DatasetError
+
+        index = self.indices(step)[position]
+        decoded = self.decoder.decode(self.dataset.read(index))
+        sizes = self._sizes(step)[position]
+        if len(decoded.tokens) != self._layouts[index][0]:
+            raise DatasetError(f"sample {decoded.key} changed since it was indexed: "
+                               f"{len(decoded.tokens)} tokens, not {self._layouts[index][0]}")
+        return dataclasses.replace(
+            decoded, tokens=decoded.tokens[:sizes.text_tokens],
+            images=decoded.images[:len(sizes.image_shapes)] if self.patch is not None else (),
+            image_at=sizes.image_at, trained=sizes.trained)
 
     def sample(self, step: int, position: int,
                parts: frozenset[str] = frozenset({"tokens", "images", "targets"}),

@@ -14,7 +14,7 @@ import hashlib
 import json
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -135,6 +135,9 @@ _UNBOUNDED = frozenset({"lognormal", "zipf"})
 DATA_FIELDS = (
     Param("source", StrKind(), doc='source = "shards/{000000..000099}.tar"'),
     Param("samples", IntKind(1, 10**12)),
+    Param("tokenizer", StrKind(), doc='tokenizer = "llama-3.1-8b/tokenizer.json"'),
+    Param("chat", EnumKind(choices=("chatml", "llama3", "llava"))),
+    Param("image_folder", StrKind(), doc='image_folder = "coco/train2017"'),
 )
 
 CLUSTER_FIELDS = (
@@ -284,7 +287,7 @@ class _Checker:
         modules, projectors = self._model(blocks.get("model"))
         cluster = self._cluster(blocks["cluster"]) if "cluster" in blocks else INVALID
         train = self._train(blocks["train"]) if "train" in blocks else INVALID
-        data = self._data(blocks["data"]) if "data" in blocks else INVALID
+        data = self._data(blocks["data"], modules) if "data" in blocks else INVALID
         constraints = resolve_constraints(blocks.get("constraints"), modules, set(self.declared),
                                           cluster, train, self._gpus_span(blocks.get("cluster")),
                                           ctx)
@@ -681,10 +684,11 @@ class _Checker:
             frozen=fields["frozen"], span=item.span)
 
     # ---- data ----------------------------------------------------------------------------
-    def _data(self, block: ast.DataBlock) -> Any:
+    def _data(self, block: ast.DataBlock, modules: Mapping[str, Any]) -> Any:
         ctx = self.ctx
         fields = [i for i in block.items if isinstance(i, ast.Field)]
         values = resolve_fields(fields, DATA_FIELDS, ctx, "data", head_span(block.span, 4))
+        tokenizer = self._tokenizer(fields, values, modules)
         quantities: dict[str, ir.Quantity] = {}
         seen: dict[str, ast.Distribution] = {}
         ok = _ok(*values.values())
@@ -743,13 +747,46 @@ class _Checker:
             if key not in needed and not unsure:
                 ctx.warning("DT501", f"data describes '{key}', but no module reads it",
                             item.target_span, hint="remove it, or add the module that uses it")
-        if not ok:
+        if not ok or tokenizer is INVALID:
             return INVALID
         source_field = _field(fields, "source")
+        folder = values["image_folder"]
         return ir.Data(name=block.name or "data", source=values["source"],
                        samples=values["samples"], quantities=tuple(quantities.values()),
                        span=block.span,
-                       source_span=source_field.value.span if source_field else None)
+                       source_span=source_field.value.span if source_field else None,
+                       tokenizer=tokenizer, chat=values["chat"],
+                       image_folder=str(self._path(folder)) if folder is not None else None)
+
+    def _tokenizer(self, fields: Sequence[ast.Field], values: Mapping[str, Any],
+                   modules: Mapping[str, Any]) -> Any:
+        """The absolute path of the data's tokenizer: the ``tokenizer`` field, else the
+        backbone's pretrained directory when it holds a ``tokenizer.json``; None for the
+        hashing tokenizer of synthetic data. Loaded here once (DT315 when it cannot be, or
+        its ids do not fit the backbone's vocabulary)."""
+        from dtdsl.data.text import TokenizerError, load_tokenizer
+
+        backbone = next((m for m in modules.values()
+                         if m is not INVALID and m.role == "backbone"), None)
+        field = _field(fields, "tokenizer")
+        if field is not None and values["tokenizer"] is not None:
+            path, span = self._path(values["tokenizer"]), field.value.span
+        elif backbone is not None and backbone.pretrained is not None and \
+                (Path(backbone.pretrained) / "tokenizer.json").is_file():
+            path, span = Path(backbone.pretrained), None
+        else:
+            return None
+        if backbone is None or not isinstance(getattr(backbone.arch, "vocab", None), int):
+            return str(path)
+        try:
+            load_tokenizer(path, backbone.arch.vocab, values["chat"])
+        except TokenizerError as err:
+            chat = _field(fields, "chat")
+            where = span or (chat.value.span if chat is not None else backbone.span)
+            return self.ctx.error("DT315", f"tokenizer {path}: {err}", where,
+                                  hint="point `tokenizer` at a tokenizer.json or a Hugging "
+                                  "Face folder holding one, made for the backbone")
+        return str(path)
 
     def _quantity(self, item: ast.Distribution, key: str) -> Any:
         ctx = self.ctx

@@ -370,6 +370,10 @@ class Data(IRModel):
     quantities: tuple[Quantity, ...]
     span: Span
     source_span: Span | None = None  # the `source = ...` value, for data diagnostics
+    tokenizer: str | None = None     # a tokenizer.json or a folder holding one (absolute);
+                                     # None: the hashing tokenizer of synthetic data
+    chat: str | None = None          # the chat format of conversations (data.text)
+    image_folder: str | None = None  # where a LLaVA-style JSON's image paths start
 
     def get(self, modality: str, name: str) -> Quantity | None:
         for q in self.quantities:

@@ -13,16 +13,16 @@ unit's torch modules and its inputs:
   ``data.pack_images``) through the ViT and the encoder->backbone projector: one
   ``[image tokens_i, hidden_llm]`` tensor per sample. Split into ``encoder_input`` and
   ``encoder_layers(encoder, xs, start, stop)`` for pipeline stages.
-- ``backbone_step(model, image_embeds, samples)``: per sample the sequence
-  ``[image tokens, text tokens]`` (image tokens are never cut; text beyond ``seq_len``
-  is truncated, as the checker's DT503 warns), right-padded to the longest sequence of
-  the call (or to ``pad_to``, e.g. ``seq_len`` for fixed shapes: the model is causal,
-  so padding after a sequence changes none of its outputs), causal LM. The LM loss is
-  the *sum* of next-token cross-entropies at text positions: the text token at
-  position ``j`` predicts text token ``j + 1``; no loss at image positions (nor for the
-  first text token from the last image token) nor at padding, so a sample with ``T``
-  kept text tokens has ``T - 1`` loss tokens. It also returns each sample's
-  conditioning for the generators: the final normed hidden states of its last
+- ``backbone_step(model, image_embeds, samples)``: per sample its sequence as
+  ``data.layout`` places it: the text tokens with each image's embeddings spliced in
+  where the sample puts it (``<image>`` in the text; before the text for synthetic and
+  caption data), cut at ``seq_len``, right-padded to the longest sequence of the call
+  (or to ``pad_to``, e.g. ``seq_len`` for fixed shapes: the model is causal, so padding
+  after a sequence changes none of its outputs), causal LM. The LM loss is the *sum* of
+  next-token cross-entropies of the sample's trained tokens (a caption's text and EOS;
+  a conversation's assistant turns; every synthetic token but the first), each predicted
+  at the position before it; none at image positions or padding. It also returns each
+  sample's conditioning for the generators: the final normed hidden states of its last
   ``COND_TOKENS`` real tokens (all of them when it has fewer). Split into
   ``backbone_input``, ``backbone_layers(backbone, x, start, stop)`` and
   ``backbone_output`` for pipeline stages.
@@ -56,8 +56,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.utils.rnn import pad_sequence
 
+from dtdsl.data.layout import SequenceLayout, layout_of, sequence_layout
 from dtdsl.data.sample import (
     GenTargets,
     Sample,
@@ -108,7 +108,7 @@ __all__ = [
     "scatter_sequence",
     "sequence_length",
     "sequence_parallel_degree",
-    "text_kept",
+    "sample_layout",
     "unit_spec",
 ]
 
@@ -193,10 +193,8 @@ def image_tokens(sizes: SampleSizes, patch: int) -> int:
 
 
 def sequence_length(sizes: SampleSizes, patch: int, seq_len: int) -> int:
-    """The length of a sample's backbone sequence: its image tokens and the text that
-    fits after them in ``seq_len`` (``backbone_input``'s rule)."""
-    n_img = image_tokens(sizes, patch)
-    return n_img + min(sizes.text_tokens, max(0, seq_len - n_img))
+    """The length of a sample's backbone sequence (``data.layout``'s rule)."""
+    return layout_of(sizes, patch, seq_len).length
 
 
 def packed_shapes(sizes: Sequence[SampleSizes], patch: int, extra_tokens: int = 0
@@ -250,20 +248,21 @@ def build_model(program: ir.Program, seed: int | None = None) -> Model:
 
 # ---- loss normalisation ----------------------------------------------------------------
 
-def text_kept(sample: Sample, patch: int, seq_len: int) -> int:
-    """How many of the sample's text tokens fit after its image tokens in ``seq_len``.
-    ValueError when its image tokens alone leave no room for text."""
-    image_tokens = sum((im.shape[-2] // patch) * (im.shape[-1] // patch)
-                       for im in sample.images)
-    if image_tokens >= seq_len:
-        raise ValueError(f"sample {sample.index} of step {sample.step} has {image_tokens} "
-                         f"image tokens, leaving no room for text in seq_len {seq_len}")
-    return min(len(sample.tokens), seq_len - image_tokens)
+def sample_layout(sample: Sample, patch: int, seq_len: int) -> SequenceLayout:
+    """Where a sample's text and images sit in its sequence, and which tokens are targets
+    (``data.layout``; the rule its ``SampleSizes`` give)."""
+    return sequence_layout(
+        len(sample.tokens), [(im.shape[-2] // patch) * (im.shape[-1] // patch)
+                             for im in sample.images],
+        sample.image_at if sample.image_at is not None else (0,) * len(sample.images),
+        sample.trained if sample.trained is not None else
+        (((1, len(sample.tokens)),) if len(sample.tokens) > 1 else ()), seq_len)
 
 
 def loss_tokens(sample: Sample, patch: int, seq_len: int) -> int:
-    """The sample's LM loss tokens: its kept text tokens but the first."""
-    return max(0, text_kept(sample, patch, seq_len) - 1)
+    """The sample's LM loss tokens: its trained tokens that fit in ``seq_len``, but one at
+    the sequence's first position."""
+    return sample_layout(sample, patch, seq_len).loss_tokens
 
 
 @dataclass(frozen=True)
@@ -333,48 +332,83 @@ def encode(model: Model, samples: Sequence[Sample]) -> list[torch.Tensor]:
 class BackboneBatch:
     """The backbone's input for a list of samples."""
 
-    embeds: torch.Tensor            # [B, S, hidden]: image tokens, then text, then zeros
+    embeds: torch.Tensor            # [B, S, hidden]: text with images spliced in, zeros after
     targets: torch.Tensor           # [B, S] next-token ids, IGNORE where there is no loss
     lengths: tuple[int, ...]        # real (unpadded) length of each sequence
 
 
 def backbone_input(backbone: Backbone, image_embeds: Sequence[torch.Tensor],
-                   tokens: Sequence[torch.Tensor], seq_len: int,
+                   tokens: Sequence[torch.Tensor], layouts: Sequence[SequenceLayout],
                    pad_to: int | None = None) -> BackboneBatch:
-    """Sequences ``[image tokens, text tokens]`` (text cut to fit ``seq_len``),
-    right-padded with zero embeddings to the longest (or ``pad_to``)."""
+    """Each sample's sequence as its ``layouts`` entry places it (``data.layout``: text
+    tokens with the sample's images, ``image_embeds[i]`` the rows of its images in order,
+    spliced in; cut to the kept text), right-padded with zero embeddings to the longest
+    (or ``pad_to``), and the next-token targets of its trained tokens. ValueError for an
+    image the layout drops (sources fit their samples before they are encoded)."""
     device = backbone.tok_embeddings.weight.device
-    kept, starts, lengths = [], [], []
-    for img, ids in zip(image_embeds, tokens, strict=True):
-        n_img = img.shape[0]
-        if n_img >= seq_len:
-            raise ValueError(f"{n_img} image tokens leave no room for text in seq_len "
-                             f"{seq_len}")
-        ids = ids[:seq_len - n_img]
-        kept.append(ids)
-        starts.append(n_img)
-        lengths.append(n_img + len(ids))
-    width = max(lengths) if pad_to is None else pad_to
-    if width < max(lengths):
+    lengths = [lay.length for lay in layouts]
+    width = max(lengths, default=0) if pad_to is None else pad_to
+    if width < max(lengths, default=0):
         raise ValueError(f"pad_to {pad_to} is shorter than a sequence of {max(lengths)}")
     # Sequence parallelism cuts the sequence into equal pieces: pad to a multiple.
-    width = -(-width // sequence_parallel_degree(backbone)) * sequence_parallel_degree(backbone)
-    # One embedding lookup for every sequence's text and one padded copy of the rows: a
-    # few ops per microbatch, not a few per sample (their backward too).
-    text = backbone.embed(torch.cat(kept).to(device)[None])[0]
-    if not any(starts) and all(len(k) == width for k in kept):
-        embeds = text.view(len(kept), width, -1)     # text only, no padding: no copy at all
+    sp = sequence_parallel_degree(backbone)
+    width = -(-width // sp) * sp
+    # Where every kept text token and image row goes in the flat [B * S] batch, and which
+    # positions predict which token: made on the host from the layouts, then two copies
+    # and one embedding lookup per microbatch, whatever the samples hold.
+    text_dst: list[int] = []
+    image_dst: list[int] = []
+    loss_dst: list[int] = []
+    loss_src: list[int] = []
+    kept: list[torch.Tensor] = []
+    offset = 0
+    for b, (ids, img, lay) in enumerate(zip(tokens, image_embeds, layouts, strict=True)):
+        if img.shape[0] != sum(lay.image_tokens):
+            raise ValueError(f"sample {b}: {img.shape[0]} image rows, but its layout keeps "
+                             f"{sum(lay.image_tokens)} (fit the sample to seq_len first)")
+        base = b * width
+        for first, stop, at in lay.text_runs:
+            text_dst.extend(range(base + at, base + at + stop - first))
+        for start, n in zip(lay.image_starts, lay.image_tokens, strict=True):
+            image_dst.extend(range(base + start, base + start + n))
+        for (a, _), (lo, hi) in zip(_loss_tokens_of(lay), lay.loss_positions(), strict=True):
+            loss_dst.extend(range(base + lo, base + hi))
+            loss_src.extend(range(offset + a, offset + a + hi - lo))
+        kept.append(ids[:lay.text])
+        offset += lay.text
+    flat_tokens = torch.cat(kept).to(device) if kept else torch.empty(0, dtype=torch.int64,
+                                                                       device=device)
+    text = backbone.embed(flat_tokens[None])[0]
+    rows = len(layouts) * width
+    if not image_dst and len(text_dst) == rows:
+        embeds = text.view(len(layouts), width, -1)     # text only, no padding: no copy
     else:
-        pieces = text.split([len(k) for k in kept])
-        rows = [t if img.shape[0] == 0 else torch.cat([img, t], dim=0)
-                for img, t in zip(image_embeds, pieces, strict=True)]
-        embeds = pad_sequence(rows, batch_first=True)
-        if embeds.shape[1] < width:
-            embeds = F.pad(embeds, (0, 0, 0, width - embeds.shape[1]))
-    target = torch.full((len(kept), width), IGNORE, dtype=torch.int64, device=device)
-    for row, n_img, ids in zip(target, starts, kept, strict=True):
-        row[n_img:n_img + len(ids) - 1] = ids[1:]
-    return BackboneBatch(embeds=embeds, targets=target, lengths=tuple(lengths))
+        embeds = text.new_zeros(rows, text.shape[-1])
+        embeds = embeds.index_copy(0, _index(text_dst, device), text)
+        if image_dst:
+            embeds = embeds.index_copy(0, _index(image_dst, device),
+                                       torch.cat(list(image_embeds)).to(text.dtype))
+        embeds = embeds.view(len(layouts), width, -1)
+    target = torch.full((rows,), IGNORE, dtype=torch.int64, device=device)
+    if loss_dst:
+        target[_index(loss_dst, device)] = flat_tokens[_index(loss_src, device)]
+    return BackboneBatch(embeds=embeds, targets=target.view(len(layouts), width),
+                         lengths=tuple(lengths))
+
+
+def _loss_tokens_of(lay: SequenceLayout) -> list[tuple[int, int]]:
+    """The text-token ranges behind ``lay.loss_positions()``, in the same order."""
+    out = []
+    for a, b in lay.loss:
+        for first, stop, _ in lay.text_runs:
+            lo, hi = max(a, first), min(b, stop)
+            if lo < hi:
+                out.append((lo, hi))
+    return out
+
+
+def _index(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
 
 
 def backbone_layers(backbone: Backbone, x: torch.Tensor, start: int = 0,
@@ -435,7 +469,8 @@ def backbone_step(model: Model, image_embeds: Sequence[torch.Tensor],
     """The whole backbone: ``(LM loss sum, per-sample conditioning)``."""
     backbone: Backbone = model.unit(model.backbone)
     batch = backbone_input(backbone, image_embeds, [s.tokens for s in samples],
-                           model.seq_len, pad_to)
+                           [sample_layout(s, model.patch, model.seq_len) for s in samples],
+                           pad_to)
     x = backbone_layers(backbone, scatter_sequence(backbone, batch.embeds))
     loss, hidden = backbone_output(backbone, x, batch.targets)
     return loss, conditioning(hidden, batch.lengths)

@@ -76,6 +76,7 @@ import torch
 import torch.distributed as dist
 
 from dtdsl.data.batch import BatchSource, LocalBatches, StepBatch
+from dtdsl.data.layout import SequenceLayout, layout_of
 from dtdsl.data.sample import Sample, SampleSizes, image_encoder, pack_images, unpack_images
 from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan
@@ -94,7 +95,6 @@ from dtdsl.models.multimodal import (
     image_tokens,
     packed_shapes,
     scatter_sequence,
-    sequence_length,
 )
 from dtdsl.parallel.broker import Broker, PendingSamples, StepSamples
 from dtdsl.parallel.device import to_device
@@ -194,6 +194,7 @@ class StageExecutor:
         self.feed: BatchSource = feed if feed is not None else LocalBatches(
             program, plan, self.role)
         self.batch: StepBatch | None = None
+        self._layouts: dict[int, SequenceLayout] = {}    # this step's, by position
         self.steps: tuple[StepSamples, ...] = ()
         self._ids: tuple[tuple[int, ...], ...] = ()
         self.norm: Normalizer | None = None
@@ -253,6 +254,7 @@ class StageExecutor:
         self.step = step
         # Off the timed actions: in a real job the preprocessing workers built it ahead.
         batch = self.batch = self.feed.batch(step)
+        self._layouts = {}
         if batch.step != step:
             raise RuntimeError(f"the data feed gave step {step} for step {step}")
         if len(batch.routing) != self.plan.num_microbatches:
@@ -361,12 +363,18 @@ class StageExecutor:
         assert self.batch is not None
         return self.batch.sizes[i]
 
+    def _layout(self, i: int) -> SequenceLayout:
+        """Sample ``i``'s place in the backbone's sequence (``data.layout``), from its sizes."""
+        found = self._layouts.get(i)
+        if found is None:
+            found = self._layouts[i] = layout_of(self._sizes(i), self._patch,
+                                                 self.program.train.seq_len)
+        return found
+
     def _loss_tokens(self, ids: Sequence[int]) -> int:
         """The next-token targets of these samples (``models.multimodal.loss_tokens``'s
         rule), from their sizes: no device round trip to count them."""
-        seq_len = self.program.train.seq_len
-        return sum(max(0, sequence_length(self._sizes(i), self._patch, seq_len)
-                       - image_tokens(self._sizes(i), self._patch) - 1) for i in ids)
+        return sum(self._layout(i).loss_tokens for i in ids)
 
     def _loss_rows(self, ids: Sequence[int]) -> torch.Tensor | None:
         """The positions (flat, in the padded ``[B, S]`` batch) that have a next-token
@@ -375,14 +383,12 @@ class StageExecutor:
         stage without the head."""
         if not self.role.is_last_stage or self.role.role != "backbone":
             return None
-        seq_len, patch = self.program.train.seq_len, self._patch
-        lengths = [sequence_length(self._sizes(i), patch, seq_len) for i in ids]
         tp = self.role.grid.tp
-        width = -(-max(lengths, default=0) // tp) * tp
+        width = -(-max((self._layout(i).length for i in ids), default=0) // tp) * tp
         rows: list[int] = []
         for b, i in enumerate(ids):
-            n_img = image_tokens(self._sizes(i), patch)
-            rows.extend(range(b * width + n_img, b * width + lengths[b] - 1))
+            for lo, hi in self._layout(i).loss_positions():
+                rows.extend(range(b * width + lo, b * width + hi))
         return to_device(torch.tensor(rows, dtype=torch.int64), self.device)
 
     def _index(self, j: int) -> int:
@@ -454,13 +460,12 @@ class StageExecutor:
         """The shape of one sample's tensor on the edge between this unit and ``peer``."""
         role = self.role.role
         peer_role = self.plan.unit(peer).role
-        width, patch, seq_len = self._width, self._patch, self.program.train.seq_len
+        width, patch = self._width, self._patch
         if {role, peer_role} == {"encoder", "backbone"}:
             return lambda i: TensorSpec((image_tokens(self._sizes(i), patch), width),
                                         self.dtype)
-        return lambda i: TensorSpec(
-            (min(COND_TOKENS, sequence_length(self._sizes(i), patch, seq_len)), width),
-            self.dtype)
+        return lambda i: TensorSpec((min(COND_TOKENS, self._layout(i).length), width),
+                                    self.dtype)
 
     def _pp_specs(self, j: int, direction: str) -> list[TensorSpec]:
         """What a PP message of microbatch ``j`` holds (forward: activations and, on a
@@ -470,8 +475,7 @@ class StageExecutor:
             arch = self.program.module(self.role.unit).arch
             return [TensorSpec((n, rows, arch.hidden), self.dtype)
                     for n, rows in packed_shapes(sizes, self._patch, int(arch.cls_token))]
-        seq = max((sequence_length(z, self._patch, self.program.train.seq_len)
-                   for z in sizes), default=0)
+        seq = max((self._layout(i).length for i in self._ids[j]), default=0)
         # Sequence parallelism: each TP rank sends its PP peer its piece of the sequence.
         tp = self.role.grid.tp
         seq = -(-seq // tp) * tp
@@ -528,6 +532,7 @@ class StageExecutor:
             mb.inputs = embeds
             tokens = [to_device(s.tokens, self.device) for s in samples]
             out = self.stage.module(image_embeds=[embeds[i] for i in ids], tokens=tokens,
+                                    layouts=[self._layout(i) for i in ids],
                                     loss_tokens=self._loss_tokens(ids),
                                     loss_rows=self._loss_rows(ids))
         else:
@@ -545,9 +550,7 @@ class StageExecutor:
             if role.is_leader:      # TP ranks hold the same loss: count it once
                 self.lm += mb.loss.detach().double()
             if self.sends_forward:  # the generators' conditioning
-                lengths = [sequence_length(self._sizes(i), self._patch,
-                                           self.program.train.seq_len) for i in ids]
-                conds = conditioning(hidden, lengths)
+                conds = conditioning(hidden, [self._layout(i).length for i in ids])
                 mb.outputs = dict(zip(ids, conds, strict=True))
                 mb.outbox = {i: c.detach() for i, c in mb.outputs.items()}
         else:
@@ -628,14 +631,15 @@ def _run_encoder(module: Any, xs: Sequence[torch.Tensor], *, first: bool,
 def _run_backbone(module: Any, *, x: torch.Tensor | None = None,
                   image_embeds: Sequence[torch.Tensor] | None = None,
                   tokens: Sequence[torch.Tensor] | None = None,
+                  layouts: Sequence[SequenceLayout] | None = None,
                   targets: torch.Tensor | None = None,
                   loss_tokens: int | None = None,
                   loss_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     st = module.stage_state
     bb = module.units[st.role.unit]
     if x is None:
-        assert image_embeds is not None and tokens is not None
-        batch = backbone_input(bb, image_embeds, tokens, st.seq_len)
+        assert image_embeds is not None and tokens is not None and layouts is not None
+        batch = backbone_input(bb, image_embeds, tokens, layouts)
         x, targets = scatter_sequence(bb, batch.embeds), batch.targets
     assert targets is not None
     y = backbone_layers(bb, x, st.start, st.stop)

@@ -39,8 +39,8 @@ def launch_ok(bundle: Path, run_dir: Path, *extra: str,
     return proc
 
 
-def reference_losses(steps: int, data: Path | None = None) -> list[float]:
-    program = run_frontend(str(SPEC), SPEC.read_bytes()).program
+def reference_losses(steps: int, data: Path | None = None, spec: Path = SPEC) -> list[float]:
+    program = run_frontend(str(spec), spec.read_bytes()).program
     source = None
     if data is not None:
         from dtdsl.feed.source import DatasetSource

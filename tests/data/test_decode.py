@@ -7,9 +7,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dtdsl.data.decode import DIFFUSION_STEPS, Decoder, Tokenizer, decode_sample, patch_grid
+from dtdsl.data.decode import DIFFUSION_STEPS, Decoder, decode_sample, patch_grid
 from dtdsl.data.shards import Dataset, DatasetError, RawSample, encode_image, text_pieces
 from dtdsl.data.synth import synthesize
+from dtdsl.data.text import HashTokenizer as Tokenizer
 
 
 def test_tokenizer_is_fixed_and_in_range():
@@ -94,10 +95,12 @@ def test_deterministic_and_seeded_by_key_and_generator(tiny):
                               a.gen["gen"].noise)
 
 
-def test_max_tokens(tiny):
+def test_synthetic_text_layout(tiny):
+    """The hashing tokenizer's layout: one id per piece, images first, every token but
+    the first trained."""
     raw = RawSample(key="00000000", text="a b c d e f")
-    assert decode_sample(tiny, raw, seed=0, max_tokens=4).tokens.shape == (4,)
-    assert decode_sample(tiny, raw, seed=0).tokens.shape == (6,)
+    out = decode_sample(tiny, raw, seed=0)
+    assert out.tokens.shape == (6,) and out.image_at == () and out.trained == ((1, 6),)
 
 
 def test_resized_to_patches_under_the_clamp(av):

@@ -17,6 +17,7 @@ from dtdsl import cli
 from dtdsl.data.shards import DatasetError
 from dtdsl.data.sources import open_dataset, source_problem
 from dtdsl.data.webdataset import WebDataset, build_index, expand_source, resolve_shards
+from tests.text_models import make_tokenizer
 
 SIZES = [(32, 32), (64, 64), (48, 40)]     # (width, height)
 
@@ -148,15 +149,16 @@ def test_a_bundle_trains_on_webdataset_shards_and_consumes_each_key_once(tmp_pat
     )
 
     keys = write_shards(tmp_path / "shards", n=48, per_shard=10)
+    make_tokenizer(tmp_path / "tok")
     spec = tmp_path / "tiny.dt"
-    spec.write_text(SPEC.read_text().replace('source = "data/tiny"',
-                                             'source = "shards/{000000..000004}.tar"'))
+    spec.write_text(SPEC.read_text().replace(
+        'source = "data/tiny"', 'source = "shards/{000000..000004}.tar"\n  tokenizer = "tok"'))
     bundle = tmp_path / "bundle"
     assert cli.main(["compile", str(spec), "-o", str(bundle), "--workers", "2"]) == 0
     run_dir = tmp_path / "run"
     launch_ok(bundle, run_dir, "--steps", "4")
     metrics = read_jsonl(run_dir / "metrics.jsonl")
-    want = reference_losses(4, tmp_path / "shards" / "{000000..000004}.tar")
+    want = reference_losses(4, tmp_path / "shards" / "{000000..000004}.tar", spec)
     assert [m["loss"] for m in metrics] == pytest.approx(want, rel=1e-4)
     for unit in ("vit", "llm", "gen"):
         per_step = consumed(run_dir, unit)

@@ -20,6 +20,7 @@ from dtdsl.models.multimodal import (
     encoder_layers,
     loss_normalizer,
     microbatch_loss,
+    sample_layout,
 )
 from dtdsl.train.reference import make_optimizer, train_reference
 from tests.specs import TINY, program, small, variant
@@ -57,24 +58,28 @@ def test_layer_ranges_compose():
     for w, s, stack in zip(whole, split, images.values(), strict=True):
         assert torch.allclose(w, enc(torch.stack(stack)), atol=1e-6) and torch.equal(w, s)
     llm = model.unit("llm")
-    batch = backbone_input(llm, encode(model, samples), [s.tokens for s in samples], 512)
+    batch = backbone_input(llm, encode(model, samples), [s.tokens for s in samples],
+                           [sample_layout(s, model.patch, 512) for s in samples])
     full = backbone_layers(llm, batch.embeds)
     assert torch.equal(full, backbone_layers(llm, backbone_layers(llm, batch.embeds, 0, 3), 3))
 
 
 def test_sequences_and_loss_tokens():
-    p = variant("seq_len          = 512", "seq_len = 112")       # long texts get truncated
+    p = variant("seq_len          = 512", "seq_len = 112")       # long texts get cut
     model = build_model(p)
     samples = make_batch(p, 0)
     norm = loss_normalizer(model, samples)
     embeds = encode(model, samples)
-    batch = backbone_input(model.unit("llm"), embeds, [s.tokens for s in samples], 112)
+    layouts = [sample_layout(s, model.patch, 112) for s in samples]
+    batch = backbone_input(model.unit("llm"), embeds, [s.tokens for s in samples], layouts)
     assert batch.embeds.shape[:2] == batch.targets.shape == (16, max(batch.lengths))
     assert max(batch.lengths) == 112
     assert int((batch.targets != IGNORE).sum()) == norm.text_tokens
     for s, e, n, t in zip(samples, embeds, batch.lengths, batch.targets, strict=True):
+        # Synthetic samples: images first, then text; every text token but the first is a
+        # target, predicted at the position before it. Sources cut them to seq_len.
         kept = n - e.shape[0]
-        assert kept == min(len(s.tokens), 112 - e.shape[0])
+        assert kept == len(s.tokens) <= 112 - e.shape[0]
         assert torch.equal(t[e.shape[0]:n - 1], s.tokens[1:kept])
         assert bool((t[:e.shape[0]] == IGNORE).all()) and bool((t[n - 1:] == IGNORE).all())
     assert norm.gen_targets == sum(len(s.targets["gen"]) for s in samples)

@@ -1,0 +1,118 @@
+"""Where a sample's tokens and images sit in the backbone's sequence, and which positions
+carry a loss: one rule for the data layer, the model, the runtime and the loss denominators.
+
+A sample is its text tokens ``0..T-1`` with images inserted: image ``k`` (of ``N_k``
+encoder tokens) goes before text token ``image_at[k]`` (``T``: after the text). The
+backbone's sequence lays them out in that order. ``trained`` names the text tokens that are
+next-token targets; each is predicted at the position just before it (an image's last
+token when it follows one), and a token at the sequence's first position is never a
+target (nothing precedes it).
+
+A sample longer than ``seq_len`` is cut at ``seq_len``: text tokens up to the cut stay, an
+image that does not fit whole is dropped with everything after it (``fit``). The data
+sources fit their samples before anything is routed, so the encoders never see an image
+the backbone drops, and ``SequenceLayout.cut`` says that a sample was cut.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dtdsl.data.sample import SampleSizes
+
+__all__ = ["SequenceLayout", "fit", "layout_of", "sequence_layout"]
+
+
+@dataclass(frozen=True)
+class SequenceLayout:
+    """One sample in the backbone's sequence."""
+
+    length: int                             # positions it takes
+    text: int                               # text tokens kept (a prefix of the text)
+    image_tokens: tuple[int, ...]           # per kept image (a prefix): its tokens
+    image_starts: tuple[int, ...]           # per kept image: its first position
+    text_runs: tuple[tuple[int, int, int], ...]   # (first token, stop, first position)
+    loss: tuple[tuple[int, int], ...]       # text-token ranges [a, b) with a target
+    cut: bool                               # the sample was longer than seq_len
+
+    @property
+    def loss_tokens(self) -> int:
+        return sum(b - a for a, b in self.loss)
+
+    def position(self, token: int) -> int:
+        """The position of kept text token ``token``."""
+        for first, stop, at in self.text_runs:
+            if first <= token < stop:
+                return at + token - first
+        raise IndexError(f"text token {token} is not kept")
+
+    def loss_positions(self) -> list[tuple[int, int]]:
+        """Ranges of positions that predict a target (each just before its token)."""
+        out = []
+        for a, b in self.loss:
+            for first, stop, at in self.text_runs:
+                lo, hi = max(a, first), min(b, stop)
+                if lo < hi:
+                    out.append((at + lo - first - 1, at + hi - first - 1))
+        return out
+
+
+def sequence_layout(text_tokens: int, image_tokens: Sequence[int], image_at: Sequence[int],
+                    trained: Sequence[tuple[int, int]], seq_len: int) -> SequenceLayout:
+    """The layout of one sample (module docstring)."""
+    if len(image_at) != len(image_tokens):
+        raise ValueError(f"{len(image_tokens)} images but {len(image_at)} image places")
+    pos = prev = 0
+    starts: list[int] = []
+    runs: list[tuple[int, int, int]] = []
+    cut = False
+
+    def text_until(stop: int) -> bool:
+        nonlocal pos, prev
+        take = min(stop - prev, seq_len - pos)
+        if take > 0:
+            runs.append((prev, prev + take, pos))
+        pos, prev = pos + max(take, 0), prev + max(take, 0)
+        return prev == stop
+
+    for n, at in zip(image_tokens, image_at, strict=True):
+        if not text_until(at) or pos + n > seq_len:
+            cut = True
+            break
+        starts.append(pos)
+        pos += n
+    else:
+        cut = not text_until(text_tokens)
+    kept = prev
+    loss = []
+    for a, b in trained:
+        a, b = max(a, 0), min(b, kept)
+        # The sequence's first position predicts nothing: a token there has no target.
+        if runs and runs[0][2] == 0 and a == runs[0][0]:
+            a += 1
+        if a < b:
+            loss.append((a, b))
+    return SequenceLayout(length=pos, text=kept, image_tokens=tuple(image_tokens[:len(starts)]),
+                          image_starts=tuple(starts), text_runs=tuple(runs),
+                          loss=tuple(loss), cut=cut)
+
+
+def layout_of(sizes: SampleSizes, patch: int, seq_len: int) -> SequenceLayout:
+    """The layout of a sample from its sizes (``patch``: the image encoder's)."""
+    return sequence_layout(sizes.text_tokens,
+                           [(h // patch) * (w // patch) for h, w in sizes.image_shapes],
+                           sizes.places, sizes.trained_ranges, seq_len)
+
+
+def fit(sizes: SampleSizes, patch: int, seq_len: int) -> SampleSizes:
+    """``sizes`` of the sample cut to ``seq_len`` (itself when it fits)."""
+    lay = layout_of(sizes, patch, seq_len)
+    if not lay.cut:
+        return sizes
+    n = len(lay.image_starts)
+    trained = tuple((a, min(b, lay.text)) for a, b in sizes.trained_ranges if a < lay.text)
+    return replace(sizes, text_tokens=lay.text, image_shapes=sizes.image_shapes[:n],
+                   image_at=sizes.places[:n], trained=trained)

@@ -1,0 +1,313 @@
+"""LLaVA-style conversation data, read directly: a JSON array (or JSON Lines) of records
+with an image folder.
+
+A record is ``{"id": ..., "image": "coco/train2017/000000033471.jpg", "conversations":
+[{"from": "human", "value": "<image>\\nWhat ..."}, {"from": "gpt", "value": "..."}, ...]}``
+as LLaVA's instruction sets have it: ``image`` is a path under the image folder (the
+spec's ``image_folder``, by default the JSON's own folder), or a list of them, or absent
+for a text-only conversation; turns are from ``human``, ``gpt`` or ``system`` (``user`` and
+``assistant`` are read too). ``data.text`` renders the conversation with the tokenizer's
+chat format, the images at their ``<image>`` placeholders, and trains on the assistant
+turns only.
+
+**The index** is built once by reading the JSON and every image's header: per record its
+byte range in the file, its key (``id``, or its position; qualified by position when ids
+repeat), its text size and its images' paths, sizes in bytes and width and height. It is
+cached like a WebDataset's (``.dtdsl-index/`` beside the JSON when that folder is
+writable, else ``$XDG_CACHE_HOME/dtdsl/index/``), named by a fingerprint of the JSON
+(path, size, modification time) and the image folder: a changed JSON makes a new index. A
+record that cannot be a sample is counted and skipped: not an object, no conversation,
+a turn from nobody known, a missing or unreadable image. Reading a sample checks that
+its images still have the size they were indexed with.
+
+``LlavaDataset`` has ``shards.Dataset``'s reading interface (``len``, ``key``, ``info``,
+``read``, iteration).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dtdsl.data.shards import DatasetError, EncodedImage, RawSample, SampleInfo, count_text_tokens
+
+__all__ = ["INDEX_FORMAT", "LlavaDataset", "LlavaIndex", "build_index", "is_llava_source"]
+
+INDEX_FORMAT = "dtdsl-llava-index"
+INDEX_VERSION = 1
+_FORMATS = {"JPEG": "jpeg", "PNG": "png", "WEBP": "webp"}
+_ROLES = frozenset({"human", "gpt", "system", "user", "assistant"})
+
+
+def is_llava_source(path: str | Path) -> bool:
+    """Whether ``path`` names a LLaVA-style JSON file (by its extension)."""
+    return str(path).endswith((".json", ".jsonl"))
+
+
+def _records(data: bytes, path: Path) -> Iterator[tuple[int, int, Any]]:
+    """``(byte offset, byte size, value)`` of each record of a JSON array or JSON Lines."""
+    text = data.decode("utf-8")
+    if path.suffix == ".jsonl":
+        at = 0
+        for line in data.split(b"\n"):
+            if line.strip():
+                try:
+                    yield at, len(line), json.loads(line)
+                except ValueError:
+                    yield at, len(line), None
+            at += len(line) + 1
+        return
+    decoder = json.JSONDecoder()
+    i = 0
+    while i < len(text) and text[i].isspace():
+        i += 1
+    if i == len(text) or text[i] != "[":
+        raise DatasetError(f"{path} is not a JSON array of records (LLaVA's format) nor a "
+                           ".jsonl file")
+    i += 1
+    byte = len(text[:i].encode())
+    prev = i
+    while True:
+        while i < len(text) and (text[i].isspace() or text[i] == ","):
+            i += 1
+        if i >= len(text):
+            raise DatasetError(f"{path} ends inside its array (a cut-off file?)")
+        if text[i] == "]":
+            return
+        try:
+            value, end = decoder.raw_decode(text, i)
+        except ValueError as err:
+            raise DatasetError(f"{path} is not valid JSON: {err}") from None
+        byte += len(text[prev:i].encode())
+        size = len(text[i:end].encode())
+        yield byte, size, value
+        byte, prev, i = byte + size, end, end
+
+
+def _fingerprint(path: Path, folder: Path) -> str:
+    st = path.stat()
+    h = hashlib.sha256(f"{INDEX_FORMAT}:{INDEX_VERSION}\0{path}\0{st.st_size}\0"
+                       f"{st.st_mtime_ns}\0{folder}".encode())
+    return h.hexdigest()
+
+
+def index_path(path: Path, folder: Path, cache_dir: str | Path | None = None) -> Path:
+    name = f"{_fingerprint(path, folder)[:32]}.json"
+    if cache_dir is not None:
+        return Path(cache_dir) / name
+    beside = path.parent / ".dtdsl-index"
+    if os.access(path.parent, os.W_OK) or beside.is_dir():
+        return beside / name
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "dtdsl" / "index" / name
+
+
+@dataclass(frozen=True)
+class LlavaIndex:
+    path: Path                       # the JSON
+    folder: Path                     # where image paths start
+    samples: tuple[dict[str, Any], ...]
+    skipped: Mapping[str, int]
+    cached: Path | None = None
+
+
+def _image_header(file: Path) -> tuple[str, int, int]:
+    from PIL import Image
+
+    with Image.open(file) as img:           # reads the header, not the pixels
+        fmt = _FORMATS.get(img.format or "")
+        if fmt is None:
+            raise OSError(f"{img.format} images are not read")
+        return fmt, int(img.width), int(img.height)
+
+
+def _entry(position: int, offset: int, size: int, record: Any, folder: Path,
+           skip: Callable[[str], None]) -> dict[str, Any] | None:
+    if not isinstance(record, dict):
+        return skip("not a record")
+    turns = record.get("conversations")
+    if not isinstance(turns, list) or not turns or not all(
+            isinstance(t, dict) and str(t.get("from", t.get("role", ""))).lower() in _ROLES
+            and isinstance(t.get("value", ""), str) for t in turns):
+        return skip("no conversation")
+    names = record.get("image")
+    names = [] if names is None else [names] if isinstance(names, str) else names
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        return skip("image not a path")
+    images = []
+    for name in names:
+        file = folder / name
+        try:
+            fmt, w, h = _image_header(file)
+            images.append([name, fmt, w, h, file.stat().st_size])
+        except FileNotFoundError:
+            return skip("missing image")
+        except Exception:  # noqa: BLE001 - PIL raises many kinds for a broken header
+            return skip("unreadable image")
+    text = "\n".join(str(t.get("value", "")) for t in turns)
+    key = record.get("id", position)
+    return {"key": str(key), "offset": offset, "size": size, "text_bytes": len(text.encode()),
+            "text_tokens": count_text_tokens(text), "images": images}
+
+
+def build_index(path: str | Path, image_folder: str | Path | None = None, *,
+                cache_dir: str | Path | None = None,
+                progress: Callable[[int, int], None] | None = None,
+                rebuild: bool = False) -> LlavaIndex:
+    """The index of a LLaVA-style JSON (module docstring): read from its cache, or built
+    and cached. DatasetError when the file cannot be read."""
+    path = Path(path).expanduser().resolve()
+    folder = Path(image_folder).expanduser().resolve() if image_folder else path.parent
+    try:
+        target = index_path(path, folder, cache_dir)
+    except OSError as err:
+        raise DatasetError(f"cannot read {path}: {err.strerror or err}") from None
+    if not rebuild and target.is_file():
+        try:
+            data = json.loads(target.read_bytes())
+            if data.get("format") == INDEX_FORMAT and data.get("version") == INDEX_VERSION:
+                return LlavaIndex(path, folder, tuple(data["samples"]), data["skipped"],
+                                  target)
+        except (OSError, ValueError, KeyError, TypeError):
+            pass        # unreadable: build it again
+    try:
+        raw = path.read_bytes()
+    except OSError as err:
+        raise DatasetError(f"cannot read {path}: {err.strerror or err}") from None
+    skipped: dict[str, int] = {}
+
+    def skip(reason: str) -> None:
+        skipped[reason] = skipped.get(reason, 0) + 1
+
+    samples = []
+    try:
+        for position, (offset, size, record) in enumerate(_records(raw, path)):
+            entry = _entry(position, offset, size, record, folder, skip)
+            if entry is not None:
+                samples.append(entry)
+            if progress is not None and position % 10_000 == 9_999:
+                progress(offset + size, len(raw))
+    except UnicodeDecodeError as err:
+        raise DatasetError(f"{path} is not UTF-8: {err}") from None
+    if progress is not None:
+        progress(len(raw), len(raw))
+    if len({s["key"] for s in samples}) < len(samples):
+        for k, s in enumerate(samples):
+            s["key"] = f"{k}/{s['key']}"
+    index = LlavaIndex(path, folder, tuple(samples), skipped, target)
+    body = {"format": INDEX_FORMAT, "version": INDEX_VERSION, "json": str(path),
+            "image_folder": str(folder), "skipped": skipped, "samples": samples}
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(target.name + f".{os.getpid()}.partial")
+        tmp.write_text(json.dumps(body, separators=(",", ":")))
+        os.replace(tmp, target)
+    except OSError:
+        return LlavaIndex(path, folder, index.samples, skipped, None)
+    return index
+
+
+class LlavaDataset:
+    """A LLaVA-style JSON opened for reading (module docstring)."""
+
+    def __init__(self, index: LlavaIndex):
+        self.index = index
+        self.path = index.path.parent
+        self.provenance: Mapping[str, Any] = {"llava": str(index.path),
+                                              "image_folder": str(index.folder)}
+        self._infos = [SampleInfo(key=s["key"], shard=str(index.path), members=(),
+                                  text_bytes=s["text_bytes"], text_tokens=s["text_tokens"],
+                                  images=tuple((int(w), int(h)) for _, _, w, h, _ in s["images"]),
+                                  gen_images=(), audio=(), gen_audio=())
+                       for s in index.samples]
+        self._file: Any = None
+
+    @classmethod
+    def open(cls, path: str | Path, image_folder: str | Path | None = None, *,
+             cache_dir: str | Path | None = None,
+             progress: Callable[[int, int], None] | None = None) -> LlavaDataset:
+        return cls(build_index(path, image_folder, cache_dir=cache_dir, progress=progress))
+
+    @property
+    def fingerprint(self) -> str:
+        return _fingerprint(self.index.path, self.index.folder)
+
+    @property
+    def shard_names(self) -> tuple[str, ...]:
+        return (self.index.path.name,)
+
+    @property
+    def skipped(self) -> Mapping[str, int]:
+        return self.index.skipped
+
+    def __len__(self) -> int:
+        return len(self._infos)
+
+    def __enter__(self) -> LlavaDataset:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def key(self, i: int) -> str:
+        return self._infos[i].key
+
+    def info(self, i: int) -> SampleInfo:
+        return self._infos[i]
+
+    def _record(self, i: int) -> dict[str, Any]:
+        entry = self.index.samples[i]
+        where = self.index.path
+        if self._file is None:
+            try:
+                self._file = open(where, "rb")  # noqa: SIM115
+            except OSError as err:
+                raise DatasetError(f"cannot read {where}: {err.strerror or err}") from None
+        try:
+            buf = os.pread(self._file.fileno(), entry["size"], entry["offset"])
+            record = json.loads(buf)
+        except (OSError, ValueError) as err:
+            raise DatasetError(f"{where} changed since it was indexed: record "
+                               f"{entry['key']} does not read ({err})") from None
+        if not isinstance(record, dict):
+            raise DatasetError(f"{where} changed since it was indexed: record "
+                               f"{entry['key']} is not an object")
+        return record
+
+    def read_text(self, i: int) -> RawSample:
+        """Sample ``i``'s text and conversation, without its images' bytes."""
+        record = self._record(i)
+        turns = record["conversations"]
+        text = "\n".join(str(t.get("value", "")) for t in turns)
+        return RawSample(key=self._infos[i].key, text=text, meta={"conversations": turns})
+
+    def read(self, i: int) -> RawSample:
+        """Sample ``i`` with its images (each checked to have its indexed size)."""
+        sample = self.read_text(i)
+        images = []
+        for name, fmt, w, h, size in self.index.samples[i]["images"]:
+            file = self.index.folder / name
+            try:
+                data = file.read_bytes()
+            except OSError as err:
+                raise DatasetError(f"cannot read {file}: {err.strerror or err}") from None
+            if len(data) != size:
+                raise DatasetError(f"{file} changed since it was indexed ({len(data)} bytes, "
+                                   f"not {size})")
+            images.append(EncodedImage(format=fmt, data=data, width=int(w), height=int(h)))
+        return RawSample(key=sample.key, text=sample.text, meta=sample.meta,
+                         images=tuple(images))
+
+    def __iter__(self) -> Iterator[RawSample]:
+        for i in range(len(self)):
+            yield self.read(i)

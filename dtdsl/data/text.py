@@ -1,0 +1,461 @@
+"""A sample's text as the backbone reads it: token ids, where its images go, and which tokens
+the loss trains on.
+
+``TokenLayout`` is that result for one sample: ``ids`` (the text's token ids, int64, no
+placeholder ids), ``image_at`` (per image, how many text tokens come before it: its
+embeddings are spliced in there) and ``trained`` (ranges ``[a, b)`` of text-token indices
+whose tokens are next-token targets). The backbone's sequence is the text with each image's
+embeddings inserted at its place; a trained token is predicted from the position before it
+(an image's last patch, when the token follows an image), and a token at the sequence's
+first position has nothing to be predicted from (``models.multimodal.sequence_layout``).
+
+Two tokenizers:
+
+- ``HFTokenizer``: a ``tokenizer.json`` (or a Hugging Face directory holding one, with its
+  ``tokenizer_config.json``) through the ``tokenizers`` package. The special tokens its
+  post-processor adds (Llama's BOS) begin every sample, the config's ``eos_token`` ends a
+  caption and every assistant turn. A caption (WebDataset ``txt``) is ``BOS, images,
+  caption, EOS``, trained on the caption and EOS; an ``<image>`` in the text places an
+  image there instead. A conversation (LLaVA's ``conversations``: ``human``/``gpt`` turns,
+  optional ``system``) is rendered turn by turn with a ``ChatFormat`` (ChatML for Qwen,
+  Llama 3's headers, or LLaVA-1.5's ``USER:``/``ASSISTANT:``; by default the one whose
+  special tokens the tokenizer has) and trained on the assistant turns only: their text and
+  their end token. Images without an ``<image>`` go at the start of the first user turn, as
+  LLaVA puts them.
+- ``HashTokenizer``: for synthetic data only (``dtc data synth`` and samples drawn from the
+  spec): one id per word or punctuation mark, a hash modulo the vocabulary; images first,
+  every token but the first trained.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dtdsl.data.shards import DatasetError, text_pieces
+
+__all__ = [
+    "CHAT_FORMATS",
+    "IMAGE_PLACEHOLDER",
+    "ChatFormat",
+    "HFTokenizer",
+    "HashTokenizer",
+    "TokenLayout",
+    "TokenizerError",
+    "conversation_of",
+    "load_tokenizer",
+    "token_layouts",
+    "tokenizer_path",
+]
+
+IMAGE_PLACEHOLDER = "<image>"
+_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+          "system": "system"}
+
+
+class TokenizerError(ValueError):
+    """A tokenizer that cannot be loaded or used: the message says why."""
+
+
+@dataclass(frozen=True, eq=False)
+class TokenLayout:
+    """One sample's text for the backbone (module docstring)."""
+
+    ids: np.ndarray                             # [T] int64
+    image_at: tuple[int, ...]                   # per image: text tokens before it
+    trained: tuple[tuple[int, int], ...]        # text-token ranges [a, b) with a loss
+
+    def __post_init__(self) -> None:
+        n = len(self.ids)
+        if any(not 0 <= p <= n for p in self.image_at) or list(self.image_at) != sorted(
+                self.image_at):
+            raise ValueError(f"image places {self.image_at} are not in order within {n} tokens")
+        last = 0
+        for a, b in self.trained:
+            if not last <= a < b <= n:
+                raise ValueError(f"trained ranges {self.trained} are not ordered, disjoint "
+                                 f"ranges within {n} tokens")
+            last = b
+
+    def to_json(self) -> list[Any]:
+        return [len(self.ids), list(self.image_at), [list(r) for r in self.trained]]
+
+
+# ---- the hashing tokenizer (synthetic data) ------------------------------------------------
+
+@dataclass(frozen=True)
+class HashTokenizer:
+    """A hashing tokenizer: each piece of ``shards.text_pieces`` (a word or a punctuation
+    character) is one id, the first 8 bytes of its BLAKE2b digest modulo ``vocab``.
+    Deterministic, no vocabulary file; different pieces may share an id. Only for
+    synthetic data, whose text is words of a made-up language."""
+
+    vocab: int
+    _ids: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.vocab < 1:
+            raise ValueError(f"vocab must be at least 1, not {self.vocab}")
+
+    @property
+    def fingerprint(self) -> str:
+        return f"hash:{self.vocab}"
+
+    def token_id(self, piece: str) -> int:
+        found = self._ids.get(piece)
+        if found is None:
+            digest = hashlib.blake2b(piece.encode("utf-8", "surrogatepass"), digest_size=8)
+            found = self._ids[piece] = int.from_bytes(digest.digest(), "little") % self.vocab
+        return found
+
+    def encode(self, text: str) -> np.ndarray:
+        """int64 ``[T]``: one id per piece of ``text``."""
+        return np.fromiter(map(self.token_id, text_pieces(text)), dtype=np.int64)
+
+    def layout(self, text: str, images: int, conversation: Sequence[Mapping[str, Any]] | None
+               = None) -> TokenLayout:
+        """Images first, then the text, every text token but the first trained."""
+        if conversation is not None:
+            raise TokenizerError("conversations need a real tokenizer (the data block's "
+                                 "`tokenizer`), not the hashing one of synthetic data")
+        ids = self.encode(text)
+        return TokenLayout(ids=ids, image_at=(0,) * images,
+                           trained=((1, len(ids)),) if len(ids) > 1 else ())
+
+
+# ---- chat formats ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ChatFormat:
+    """How a conversation is written out: per role a header before its text and a footer
+    after it; an assistant turn trains on its text and ``trained_footer`` (the end token),
+    never on the header or the rest of the footer. ``{eos}`` stands for the tokenizer's
+    end-of-sequence token."""
+
+    name: str
+    headers: Mapping[str, str]
+    footers: Mapping[str, str]
+    trained_footer: str            # the part of the assistant footer with a loss
+    marker: str | None = None      # a special token that says a tokenizer uses this format
+
+
+CHAT_FORMATS: dict[str, ChatFormat] = {f.name: f for f in (
+    # Qwen's (and many others'): <|im_start|>role\n...<|im_end|>\n
+    ChatFormat("chatml",
+               headers={r: f"<|im_start|>{r}\n" for r in ("system", "user", "assistant")},
+               footers={r: "<|im_end|>\n" for r in ("system", "user", "assistant")},
+               trained_footer="<|im_end|>", marker="<|im_start|>"),
+    # Llama 3's
+    ChatFormat("llama3",
+               headers={r: f"<|start_header_id|>{r}<|end_header_id|>\n\n"
+                        for r in ("system", "user", "assistant")},
+               footers={r: "<|eot_id|>" for r in ("system", "user", "assistant")},
+               trained_footer="<|eot_id|>", marker="<|start_header_id|>"),
+    # LLaVA-1.5's (Vicuna v1): "SYSTEM USER: ... ASSISTANT: ...</s>"
+    ChatFormat("llava",
+               headers={"system": "", "user": "USER: ", "assistant": "ASSISTANT: "},
+               footers={"system": " ", "user": " ", "assistant": "{eos}"},
+               trained_footer="{eos}"),
+)}
+
+
+# ---- Hugging Face tokenizers ---------------------------------------------------------------
+
+def tokenizer_path(path: str | Path) -> Path:
+    """The ``tokenizer.json`` that ``path`` names (the file, or a directory holding it).
+    TokenizerError when there is none."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        found = p / "tokenizer.json"
+        if found.is_file():
+            return found
+        if (p / "tokenizer.model").is_file():
+            raise TokenizerError(
+                f"{p} has a SentencePiece tokenizer.model but no tokenizer.json; write one "
+                "with transformers: AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)")
+        raise TokenizerError(f"{p} has no tokenizer.json")
+    if p.is_file():
+        return p
+    raise TokenizerError(f"{p} does not exist")
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as tokenizer_config.json gives it: a string or an AddedToken dict."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+@dataclass(frozen=True, eq=False)
+class HFTokenizer:
+    """A ``tokenizers.Tokenizer`` with what a sample's layout needs from its config."""
+
+    path: Path                       # the tokenizer.json
+    tokenizer: Any = field(repr=False)
+    prefix: tuple[int, ...]          # what begins every sample (BOS)
+    eos: int | None
+    eos_text: str | None
+    chat: ChatFormat
+    fingerprint: str
+
+    @classmethod
+    def load(cls, path: str | Path, chat: str | None = None) -> HFTokenizer:
+        """The tokenizer at ``path`` (module docstring); ``chat`` names a ``CHAT_FORMATS``
+        entry (default: the one whose marker the vocabulary has, else ``llava``)."""
+        from tokenizers import Tokenizer
+
+        file = tokenizer_path(path)
+        try:
+            raw = file.read_bytes()
+            tok = Tokenizer.from_str(raw.decode("utf-8"))
+        except (OSError, UnicodeDecodeError, Exception) as err:  # noqa: BLE001
+            raise TokenizerError(f"{file} is not a tokenizers tokenizer.json: {err}") from None
+        config: dict[str, Any] = {}
+        config_file = file.parent / "tokenizer_config.json"
+        if config_file.is_file():
+            try:
+                config = json.loads(config_file.read_text())
+            except (OSError, ValueError) as err:
+                raise TokenizerError(f"{config_file} is not readable JSON: {err}") from None
+        # What the post-processor adds around a text (Llama's BOS): the library's own rule.
+        bare = tok.encode("a", add_special_tokens=False).ids
+        full = tok.encode("a", add_special_tokens=True).ids
+        at = next((i for i in range(len(full) - len(bare) + 1)
+                   if full[i:i + len(bare)] == bare), 0)
+        prefix = list(full[:at])
+        bos_text = _token_text(config.get("bos_token"))
+        if config.get("add_bos_token") and bos_text is not None and not prefix:
+            bos = tok.token_to_id(bos_text)
+            if bos is not None:
+                prefix = [bos]
+        eos_text = _token_text(config.get("eos_token"))
+        eos = tok.token_to_id(eos_text) if eos_text is not None else None
+        if eos is None:       # a bare tokenizer.json: the end token its vocabulary has
+            for guess in ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>"):
+                eos = tok.token_to_id(guess)
+                if eos is not None:
+                    eos_text = guess
+                    break
+        if eos is None:
+            eos_text = None
+        vocab = tok.get_vocab(with_added_tokens=True)
+        if chat is None:
+            fmt = next((f for f in CHAT_FORMATS.values()
+                        if f.marker is not None and f.marker in vocab), CHAT_FORMATS["llava"])
+        elif chat in CHAT_FORMATS:
+            fmt = CHAT_FORMATS[chat]
+        else:
+            raise TokenizerError(f"unknown chat format {chat!r}; known: "
+                                 f"{', '.join(CHAT_FORMATS)}")
+        if fmt.marker is not None and fmt.marker not in vocab:
+            raise TokenizerError(f"the {fmt.name} chat format needs the special token "
+                                 f"{fmt.marker}, which {file} does not have")
+        digest = hashlib.sha256(raw)
+        digest.update(json.dumps([prefix, eos, fmt.name]).encode())
+        return cls(path=file, tokenizer=tok, prefix=tuple(prefix), eos=eos, eos_text=eos_text,
+                   chat=fmt, fingerprint=digest.hexdigest())
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.tokenizer.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``, no special tokens added (those written in it are read)."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False).ids) if text else []
+
+    def layout(self, text: str, images: int,
+               conversation: Sequence[Mapping[str, Any]] | None = None) -> TokenLayout:
+        """A caption's or a conversation's layout (module docstring). The sample is written
+        out as one string with its images' places, each stretch between two images
+        tokenized whole (as a chat template's output is), and a token is trained when its
+        characters overlap a trained part of the string (how ``transformers`` finds the
+        assistant's tokens). TokenizerError for a text with more ``<image>`` placeholders
+        than the sample has images."""
+        eos = self.eos_text or ""
+        parts: list[tuple[str, bool]] = []     # (text, trained), images as IMAGE_PLACEHOLDER
+        if conversation is None:
+            placed = text.count(IMAGE_PLACEHOLDER)
+            self._check_placeholders(placed, images)
+            parts.append((IMAGE_PLACEHOLDER * (images - placed), False))
+            parts.append((text + eos, True))
+        else:
+            turns = [(self._role(t), str(t.get("value", ""))) for t in conversation]
+            placed = sum(v.count(IMAGE_PLACEHOLDER) for _, v in turns)
+            self._check_placeholders(placed, images)
+            missing = images - placed
+            chat = self.chat
+            for role, value in turns:
+                if missing and role == "user":
+                    value, missing = IMAGE_PLACEHOLDER * missing + "\n" + value, 0
+                footer = chat.footers[role].replace("{eos}", eos)
+                parts.append((chat.headers[role], False))
+                if role == "assistant":
+                    end = chat.trained_footer.replace("{eos}", eos)
+                    rest = footer[len(end):] if footer.startswith(end) else footer
+                    parts.extend(((value + end, True), (rest, False)))
+                else:
+                    parts.append((value + footer, False))
+            if missing:
+                raise TokenizerError(f"{images} images but no user turn to place them in")
+        return self._tokenize(parts)
+
+    def _tokenize(self, parts: list[tuple[str, bool]]) -> TokenLayout:
+        ids: list[int] = list(self.prefix)
+        image_at: list[int] = []
+        flags: list[bool] = [False] * len(ids)
+        stretch, spans = "", []          # the text since the last image, its trained spans
+
+        def flush() -> None:
+            nonlocal stretch, spans
+            if stretch:
+                enc = self.tokenizer.encode(stretch, add_special_tokens=False)
+                ids.extend(enc.ids)
+                flags.extend(any(s < b and e > a for a, b in spans) for s, e in enc.offsets)
+            stretch, spans = "", []
+
+        for piece, trained in parts:
+            for k, chunk in enumerate(piece.split(IMAGE_PLACEHOLDER)):
+                if k:
+                    flush()
+                    image_at.append(len(ids))
+                if trained and chunk:
+                    spans.append((len(stretch), len(stretch) + len(chunk)))
+                stretch += chunk
+        flush()
+        trained_ranges: list[tuple[int, int]] = []
+        for i, flag in enumerate(flags):
+            if flag and trained_ranges and trained_ranges[-1][1] == i:
+                trained_ranges[-1] = (trained_ranges[-1][0], i + 1)
+            elif flag:
+                trained_ranges.append((i, i + 1))
+        return TokenLayout(ids=np.asarray(ids, dtype=np.int64), image_at=tuple(image_at),
+                           trained=tuple(trained_ranges))
+
+    @staticmethod
+    def _check_placeholders(placed: int, images: int) -> None:
+        if placed > images:
+            raise TokenizerError(f"the text has {placed} {IMAGE_PLACEHOLDER} placeholders "
+                                 f"but the sample has {images} images")
+
+    @staticmethod
+    def _role(turn: Mapping[str, Any]) -> str:
+        who = str(turn.get("from", turn.get("role", "")))
+        role = _ROLES.get(who.lower())
+        if role is None:
+            raise TokenizerError(f"a conversation turn from {who!r}: turns are from human, "
+                                 "gpt or system (or user, assistant)")
+        return role
+
+
+def load_tokenizer(path: str | Path | None, vocab: int, chat: str | None = None
+                   ) -> HFTokenizer | HashTokenizer:
+    """The tokenizer at ``path`` for a backbone of ``vocab`` ids, or the hashing one when
+    ``path`` is None. TokenizerError when its ids do not fit the backbone."""
+    if path is None:
+        return HashTokenizer(vocab)
+    tok = HFTokenizer.load(path, chat)
+    if tok.vocab_size > vocab:
+        raise TokenizerError(f"{tok.path} has {tok.vocab_size} token ids, more than the "
+                             f"backbone's vocabulary of {vocab}")
+    return tok
+
+
+def conversation_of(meta: Mapping[str, Any]) -> Sequence[Mapping[str, Any]] | None:
+    """A sample's conversation (its record's ``conversations``), or None for a caption.
+    DatasetError for a ``conversations`` that is not a list of turns."""
+    turns = meta.get("conversations")
+    if turns is None:
+        return None
+    if not isinstance(turns, list) or not all(isinstance(t, Mapping) for t in turns):
+        raise DatasetError("conversations is not a list of turns")
+    return turns
+
+
+# ---- layouts of a whole dataset, cached ------------------------------------------------------
+
+_LAYOUTS_FORMAT = "dtdsl-token-layouts"
+_LAYOUTS_VERSION = 1
+Layout = tuple[int, tuple[int, ...], tuple[tuple[int, int], ...]]   # (T, image_at, trained)
+
+
+def _dataset_identity(dataset: Any) -> tuple[str, Path | None]:
+    """A fingerprint of a dataset's contents and the folder its caches go in (None: keep
+    them in memory only)."""
+    index = getattr(dataset, "index", None)
+    if index is not None:           # WebDataset shards, a LLaVA JSON: their index's cache
+        where = getattr(index, "cached", None) if hasattr(index, "cached") else index.path
+        return (where.stem, where.parent) if where is not None else ("", None)
+    import os
+
+    path = Path(dataset.path) / "index.json"      # a dtdsl dataset: its index
+    st = path.stat()
+    ident = hashlib.sha256(f"{path}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return ident, cache / "dtdsl" / "index"
+
+
+def token_layouts(dataset: Any, tokenizer: HFTokenizer | HashTokenizer, *,
+                  progress: Any = None) -> list[Layout | None]:
+    """Every sample's ``(text tokens, image places, trained ranges)`` under ``tokenizer``
+    (None for a sample whose text does not go with its images: it is left out of the
+    run), cached beside the dataset's index, named by the dataset's and the tokenizer's
+    fingerprints. The hashing tokenizer's come from the index's counts, nothing read."""
+    n = len(dataset)
+    if isinstance(tokenizer, HashTokenizer):
+        out: list[Layout | None] = []
+        for i in range(n):
+            info = dataset.info(i)
+            t = info.text_tokens
+            out.append((t, (0,) * len(info.images), ((1, t),) if t > 1 else ()))
+        return out
+    import os
+
+    ident, folder = _dataset_identity(dataset)
+    name = hashlib.sha256(f"{ident}\0{tokenizer.fingerprint}".encode()).hexdigest()[:32]
+    target = folder / f"tokens-{name}.json" if folder is not None else None
+    if target is not None and target.is_file():
+        try:
+            body = json.loads(target.read_bytes())
+            if body.get("format") == _LAYOUTS_FORMAT and body.get("version") == \
+                    _LAYOUTS_VERSION and len(body["layouts"]) == n:
+                return [None if e is None else (int(e[0]), tuple(e[1]),
+                                                tuple(tuple(r) for r in e[2]))
+                        for e in body["layouts"]]
+        except (OSError, ValueError, KeyError, TypeError):
+            pass          # unreadable: count again
+    read = getattr(dataset, "read_text", None) or dataset.read
+    layouts: list[Layout | None] = []
+    failed: dict[str, int] = {}
+    for i in range(n):
+        raw = read(i)
+        try:
+            lay = tokenizer.layout(raw.text, len(dataset.info(i).images),
+                                   conversation_of(raw.meta))
+            layouts.append((len(lay.ids), lay.image_at, lay.trained))
+        except (TokenizerError, DatasetError) as err:
+            reason = str(err).split(":")[0][:80]
+            failed[reason] = failed.get(reason, 0) + 1
+            layouts.append(None)
+        if progress is not None and (i % 10_000 == 9_999 or i == n - 1):
+            progress(i + 1, n)
+    if target is not None:
+        body = {"format": _LAYOUTS_FORMAT, "version": _LAYOUTS_VERSION,
+                "tokenizer": str(tokenizer.path), "skipped": failed,
+                "layouts": [None if e is None else [e[0], list(e[1]), [list(r) for r in e[2]]]
+                            for e in layouts]}
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_name(target.name + f".{os.getpid()}.partial")
+            tmp.write_text(json.dumps(body, separators=(",", ":")))
+            os.replace(tmp, target)
+        except OSError:
+            pass          # not cached: counted again next time
+    return layouts
