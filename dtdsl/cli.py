@@ -690,17 +690,21 @@ def _data_ready(args: argparse.Namespace, result: FrontendResult, program: Progr
     """Whether the data a bundle will train on can be read: ``--data``, else the spec's
     source (DT314 at its line otherwise). A spec without a source needs ``--data`` or
     ``--synthetic``: a bundle never falls back to drawn samples by itself."""
-    from dtdsl.data.sources import data_diagnostics, source_problem
+    from dtdsl.data.sources import data_diagnostics, is_synthetic, source_problem
 
     if args.data is not None:
         problem = source_problem(args.data, Path.cwd())
         if problem is not None:
             raise UsageError(f"--data {args.data}: {problem}")
+        if program.data.tokenizer is None and not is_synthetic(args.data, Path.cwd()):
+            raise UsageError(f"--data {args.data} is real text, which needs a tokenizer: add "
+                             '`tokenizer = "PATH"` to the spec\'s data block (the hashing '
+                             "tokenizer is only for synthetic data)")
         return True
     if program.data.source is None:
         raise UsageError("the spec's data block names no source: give --data SOURCE (a "
-                         "dataset, WebDataset shards) or --synthetic (samples drawn from the "
-                         "spec's distributions)")
+                         "dataset, WebDataset shards, a LLaVA JSON) or --synthetic (samples "
+                         "drawn from the spec's distributions)")
     found = data_diagnostics(program, _spec_dir(result.name))
     if found:
         assert result.source is not None

@@ -101,7 +101,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     from dtdsl.report import wide_console
 
     patch, max_patches = args.patch or DEFAULT_PATCH, None
-    program = None
+    program = policy = None
     if args.spec is not None:
         result, code = _load_program(args.spec)
         if result is None:
@@ -114,12 +114,16 @@ def _cmd_stats(args: argparse.Namespace) -> int:
         quantity = program.data.get("image", "patches")
         if quantity is not None and quantity.high is not None:
             max_patches = int(quantity.high)
+        if encoder is not None:
+            from dtdsl.data.images import ImagePolicy
+
+            policy = ImagePolicy.for_encoder(encoder, max_patches)
     program = program if args.spec is not None else None
     try:
         tokenizer = _tokenizer(args, program)
         with _open(args.dataset, program, image_folder=args.image_folder) as dataset:
             values = measure(dataset, patch=patch, max_patches=max_patches,
-                             tokenizer=tokenizer)
+                             tokenizer=tokenizer, images=policy)
             title = (f"{args.dataset}: {len(dataset):,} samples in "
                      f"{len(dataset.shard_names)} shards (image patches of {patch} px; "
                      + (f"text tokens of {tokenizer.path}" if tokenizer is not None else

@@ -7,10 +7,11 @@ turns a ``RawSample`` into a ``DecodedSample``:
   tokenizer with the sample's special tokens and chat format, or the hashing tokenizer of
   synthetic data), with ``image_at`` (where each image goes) and ``trained`` (the tokens
   the loss trains on): the sample's ``TokenLayout``;
-- ``images``: for the spec's image encoder, uint8 ``[3, H, W]`` per input image, resized
-  (Pillow, bilinear) to ``patch_grid``: ``H`` and ``W`` multiples of the encoder's patch,
-  at most the clamp high of ``image.patches`` patches when the spec gives one. Without
-  an image encoder nothing reads them and ``images`` is empty;
+- ``images``: for the spec's image encoder, uint8 ``[3, H, W]`` per input image, sized as
+  that encoder expects (``images.ImagePolicy``: a Hugging Face tower's fixed size and
+  crop, or native resolution in whole patches under the clamp high of
+  ``image.patches``). Without an image encoder nothing reads them and ``images`` is
+  empty;
 - ``audio``: for an audio encoder, float32 ``[frames, bins]`` per clip, cut to the clamp
   high of ``audio.frames`` when there is one;
 - ``gen``: per generator (by module name) ``LatentTargets``: ``latents`` float32 ``[G, C,
@@ -33,11 +34,11 @@ from __future__ import annotations
 
 import hashlib
 import io
-import math
 from dataclasses import dataclass
 
 import numpy as np
 
+from dtdsl.data.images import ImagePolicy, patch_grid
 from dtdsl.data.shards import DatasetError, EncodedAudio, EncodedImage, RawSample
 from dtdsl.data.text import (
     HashTokenizer,
@@ -69,24 +70,6 @@ def _seed(*parts: object) -> int:
     """A 63-bit seed from a SHA-256 of ``parts`` (never ``hash()``: it varies by process)."""
     text = ":".join(map(str, ("dtdsl-decode", *parts)))
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
-
-
-def patch_grid(width: int, height: int, patch: int,
-               max_patches: int | None = None) -> tuple[int, int]:
-    """Patches across and down for a ``width x height`` image: each side rounded to a
-    whole number of patches (halves up, at least 1), then both scaled down together until
-    there are at most ``max_patches``."""
-    gw, gh = max(1, int(width / patch + 0.5)), max(1, int(height / patch + 0.5))
-    if max_patches is not None and gw * gh > max_patches:
-        limit = max(1, max_patches)
-        scale = math.sqrt(limit / (gw * gh))
-        gw, gh = max(1, math.floor(gw * scale)), max(1, math.floor(gh * scale))
-        while gw * gh > limit:
-            if gw >= gh:
-                gw -= 1
-            else:
-                gh -= 1
-    return gw, gh
 
 
 @dataclass(frozen=True, eq=False)
@@ -151,8 +134,7 @@ class Decoder:
 
     tokenizer: HFTokenizer | HashTokenizer
     seed: int
-    patch: int | None                 # the image encoder's; None: no image encoder
-    max_patches: int | None
+    images: ImagePolicy | None        # the image encoder's; None: no image encoder
     audio: bool                       # the spec has an audio encoder
     max_frames: int | None
     generators: tuple[_Generator, ...]
@@ -166,13 +148,12 @@ class Decoder:
                 raise ValueError(f"'{module.name}' reads video; samples carry text, images "
                                  "and audio only")
         image = next((m for m in program.encoders if m.modality == "image"), None)
-        patch = None
+        policy = None
         if image is not None:
-            patch = getattr(image.arch, "patch", None) or 1
+            policy = ImagePolicy.for_encoder(image, _high(program.data, "image", "patches"))
         tokenizer = load_tokenizer(program.data.tokenizer, program.backbone.arch.vocab,
                                    program.data.chat)
-        return cls(tokenizer=tokenizer, seed=seed, patch=patch,
-                   max_patches=_high(program.data, "image", "patches"),
+        return cls(tokenizer=tokenizer, seed=seed, images=policy,
                    audio=any(m.modality == "audio" for m in program.encoders),
                    max_frames=_high(program.data, "audio", "frames"),
                    generators=tuple(_generator(m) for m in program.generators))
@@ -191,7 +172,7 @@ class Decoder:
         decode, or text that does not go with its images."""
         layout = self.layout(raw, len(raw.images))
         images: tuple[np.ndarray, ...] = ()
-        if self.patch is not None:
+        if self.images is not None:
             images = tuple(self._image(raw, k, image) for k, image in enumerate(raw.images))
         audio: tuple[np.ndarray, ...] = ()
         if self.audio:
@@ -212,15 +193,8 @@ class Decoder:
         return img if img.mode == "RGB" else img.convert("RGB")
 
     def _image(self, raw: RawSample, k: int, image: EncodedImage) -> np.ndarray:
-        from PIL import Image
-
-        assert self.patch is not None
-        img = self._open(raw, image)
-        gw, gh = patch_grid(img.width, img.height, self.patch, self.max_patches)
-        size = (gw * self.patch, gh * self.patch)
-        if img.size != size:
-            img = img.resize(size, Image.Resampling.BILINEAR)
-        return np.ascontiguousarray(np.asarray(img).transpose(2, 0, 1))
+        assert self.images is not None
+        return self.images.resize(self._open(raw, image))
 
     def _clip(self, raw: RawSample, clip: EncodedAudio) -> np.ndarray:
         try:

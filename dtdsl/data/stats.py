@@ -8,8 +8,9 @@
   the hashing tokenizer of synthetic data gives one id each). Samples whose text does
   not go with their images under that tokenizer are left out, as a run leaves them out;
 - ``image.count`` and ``image.gen_count``: input images and images to generate per
-  sample; ``image.patches``: per input image, the patches ``decode.patch_grid`` gives it
-  (its sides rounded to whole patches, at most the spec's clamp high when given);
+  sample; ``image.patches``: per input image, the patches the encoder's
+  ``images.ImagePolicy`` gives it (a Hugging Face tower's fixed size; else its sides
+  rounded to whole patches, at most the spec's clamp high when given);
 - ``audio.count``, ``audio.gen_count``: clips per sample; ``audio.frames``: per input clip.
 
 Counts of a modality are listed when any sample carries an item of it, per-item sizes
@@ -26,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from dtdsl.data.decode import patch_grid
+from dtdsl.data.images import ImagePolicy
 from dtdsl.data.shards import Dataset
 
 __all__ = ["DEFAULT_PATCH", "QuantityStats", "measure", "stats_json", "stats_table",
@@ -37,11 +38,15 @@ DEFAULT_PATCH = 14
 
 def measure(dataset: Dataset, *, patch: int = DEFAULT_PATCH,
             max_patches: int | None = None, tokenizer: Any = None,
-            progress: Any = None) -> dict[str, list[int]]:
+            progress: Any = None, images: ImagePolicy | None = None) -> dict[str, list[int]]:
     """The values of each quantity over the dataset (see the module docstring);
-    ``tokenizer``: a ``data.text`` tokenizer to count text with."""
+    ``tokenizer``: a ``data.text`` tokenizer to count text with; ``images``: the image
+    encoder's policy (a Hugging Face tower's fixed size), else native resolution in
+    patches of ``patch`` under ``max_patches``."""
     if patch < 1:
         raise ValueError(f"patch must be at least 1, not {patch}")
+    if images is None:
+        images = ImagePolicy(patch=patch, max_patches=max_patches)
     infos = [dataset.info(i) for i in range(len(dataset))]
     if tokenizer is not None:
         from dtdsl.data.text import token_layouts
@@ -54,8 +59,8 @@ def measure(dataset: Dataset, *, patch: int = DEFAULT_PATCH,
     out: dict[str, list[int]] = {"text.tokens": text}
     if any(s.images or s.gen_images for s in infos):
         out["image.count"] = [len(s.images) for s in infos]
-        patches = [gw * gh for s in infos for w, h in s.images
-                   for gw, gh in [patch_grid(w, h, patch, max_patches)]]
+        patches = [(ih // images.patch) * (iw // images.patch) for s in infos
+                   for w, h in s.images for ih, iw in [images.shape(w, h)]]
         if patches:
             out["image.patches"] = patches
         out["image.gen_count"] = [len(s.gen_images) for s in infos]

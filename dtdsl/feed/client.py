@@ -45,6 +45,9 @@ class RemoteBatches:
         self.job, self.role = job, role
         self.units = [u.name for u in plan.units]
         self.generators = [g.name for g in program.generators]
+        from dtdsl.feed.source import image_norm
+
+        self.norm = image_norm(program)
         self.timeout_s = timeout_s
         secret = wire.read_secret(Path(bundle) / job.secret_file)
         self.receiver = wire.Receiver(
@@ -83,7 +86,7 @@ class RemoteBatches:
                 with self._cond:
                     if not isinstance(got, int) or got < self._next or got in self._ready:
                         continue    # a copy of a step taken or buffered: a worker restarted
-                batch = read_batch(message, self.units, self.generators)
+                batch = read_batch(message, self.units, self.generators, self.norm)
                 with self._cond:
                     if got >= self._next and got not in self._ready:
                         self._ready[got] = batch

@@ -88,9 +88,11 @@ def batch_message(step: int, routing: Sequence[Any], normalizer: Any, samples: M
     return meta, arrays
 
 
-def read_batch(message: Any, units: Sequence[str], generators: Sequence[str]) -> Any:
-    """The ``runtime.batch.StepBatch`` of a valid ``batch`` message. ValueError when it
-    is inconsistent (a worker bug or a mismatched bundle)."""
+def read_batch(message: Any, units: Sequence[str], generators: Sequence[str],
+               norm: Any = None) -> Any:
+    """The ``runtime.batch.StepBatch`` of a valid ``batch`` message (uint8 images
+    normalised with ``norm``: the encoder's mean and std, ``source.image_norm``).
+    ValueError when it is inconsistent (a worker bug or a mismatched bundle)."""
     import torch
 
     from dtdsl.data.batch import StepBatch
@@ -146,7 +148,7 @@ def read_batch(message: Any, units: Sequence[str], generators: Sequence[str]) ->
         k = 0
         while f"p{pos}.img{k}" in arrays:
             image = arrays[f"p{pos}.img{k}"]
-            images.append(image_tensor(image) if image.dtype == np.uint8
+            images.append(image_tensor(image, norm) if image.dtype == np.uint8
                           else message.tensor(f"p{pos}.img{k}"))
             k += 1
         targets = {}

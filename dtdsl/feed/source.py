@@ -28,7 +28,7 @@ import numpy as np
 
 from dtdsl.ir import program as ir
 
-__all__ = ["DatasetSource", "epoch_permutation", "image_tensor", "stream_indices",
+__all__ = ["DatasetSource", "epoch_permutation", "image_norm", "image_tensor", "stream_indices",
            "to_sample"]
 
 
@@ -52,22 +52,38 @@ def stream_indices(seed: int, n: int, step: int, batch: int) -> list[int]:
     return out
 
 
-def image_tensor(pixels: np.ndarray):
-    """A uint8 ``[3, H, W]`` image as the float32 tensor the encoder reads."""
-    import torch
+def image_norm(program: ir.Program) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The mean and std the spec's image encoder normalises its pixels with."""
+    from dtdsl.data.images import HALF, ImagePolicy
 
-    return torch.from_numpy(np.asarray(pixels).astype(np.float32)).div_(127.5).sub_(1.0)
+    image = next((m for m in program.encoders if m.modality == "image"), None)
+    if image is None:
+        return HALF, HALF
+    policy = ImagePolicy.for_encoder(image)
+    return policy.mean, policy.std
 
 
-def to_sample(step: int, position: int, decoded, parts: frozenset[str]):
-    """A ``runtime.data.Sample`` from a ``DecodedSample`` (only ``parts`` filled)."""
+def image_tensor(pixels: np.ndarray, norm: tuple[tuple[float, ...], tuple[float, ...]]
+                 | None = None):
+    """A uint8 ``[3, H, W]`` image as the float32 tensor the encoder reads (``norm``: its
+    mean and std, ``image_norm``; default 0.5 and 0.5)."""
+    from dtdsl.data.images import normalize
+
+    return normalize(pixels, *norm) if norm is not None else normalize(pixels)
+
+
+def to_sample(step: int, position: int, decoded, parts: frozenset[str],
+              norm: tuple[tuple[float, ...], tuple[float, ...]] | None = None):
+    """A ``runtime.data.Sample`` from a ``DecodedSample`` (only ``parts`` filled; images
+    normalised with ``norm``, ``image_norm``)."""
     import torch
 
     from dtdsl.data.sample import GenTargets, Sample
 
     tokens = (torch.from_numpy(np.array(decoded.tokens, dtype=np.int64)) if "tokens" in parts
               else torch.empty(0, dtype=torch.int64))
-    images = tuple(image_tensor(im) for im in decoded.images) if "images" in parts else ()
+    images = (tuple(image_tensor(im, norm) for im in decoded.images) if "images" in parts
+              else ())
     targets = {}
     if "targets" in parts:
         for name, t in decoded.gen.items():
@@ -103,6 +119,7 @@ class DatasetSource:
         self.batch = program.train.global_batch
         image = next((m for m in program.encoders if m.modality == "image"), None)
         self.patch = (image.arch.patch or 1) if image is not None else None
+        self.norm = image_norm(program)
         layouts = token_layouts(self.dataset, self.decoder.tokenizer, progress=progress)
         self.usable = [i for i, lay in enumerate(layouts) if lay is not None]
         self.skipped = len(layouts) - len(self.usable)
@@ -125,7 +142,6 @@ class DatasetSource:
         return tuple(self.dataset.key(i) for i in self.indices(step))
 
     def _step_sizes(self, step: int) -> tuple:
-        from dtdsl.data.decode import patch_grid
         from dtdsl.data.layout import fit
         from dtdsl.data.sample import SampleSizes
 
@@ -137,10 +153,8 @@ class DatasetSource:
             assert layout is not None
             text, places, trained = layout
             shapes: tuple[tuple[int, int], ...] = ()
-            if self.patch is not None:
-                grids = [patch_grid(w, h, self.patch, self.decoder.max_patches)
-                         for w, h in info.images]
-                shapes = tuple((gh * self.patch, gw * self.patch) for gw, gh in grids)
+            if self.decoder.images is not None:
+                shapes = tuple(self.decoder.images.shape(w, h) for w, h in info.images)
             else:
                 places = ()       # no encoder reads the images: text only
             gen = {g.name: (len(info.gen_images) if g.modality == "image" else
@@ -175,4 +189,4 @@ class DatasetSource:
     def sample(self, step: int, position: int,
                parts: frozenset[str] = frozenset({"tokens", "images", "targets"}),
                sizes: Sequence | None = None):
-        return to_sample(step, position, self.decode(step, position), parts)
+        return to_sample(step, position, self.decode(step, position), parts, self.norm)

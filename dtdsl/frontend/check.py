@@ -783,7 +783,7 @@ class _Checker:
         except TokenizerError as err:
             chat = _field(fields, "chat")
             where = span or (chat.value.span if chat is not None else backbone.span)
-            return self.ctx.error("DT315", f"tokenizer {path}: {err}", where,
+            return self.ctx.error("DT315", f"the tokenizer cannot be used: {err}", where,
                                   hint="point `tokenizer` at a tokenizer.json or a Hugging "
                                   "Face folder holding one, made for the backbone")
         return str(path)

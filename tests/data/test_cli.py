@@ -111,7 +111,7 @@ def test_default_sample_count(tiny, tmp_path: Path):
 def test_stats(tiny_dataset: Path, tmp_path: Path, capsys):
     assert dtc("data", "stats", str(tiny_dataset), "--spec", str(TINY)) == 0
     out = capsys.readouterr().out
-    assert "2,000 samples in 4 shards (image patches of 8 px)" in out
+    assert "2,000 samples in 4 shards (image patches of 8 px; " in out
     assert "text.tokens" in out and "image.patches" in out and "p99" in out
     assert dtc("data", "stats", str(tiny_dataset), "--json", "--patch", "8", "-o",
                str(tmp_path / "s.json")) == 0

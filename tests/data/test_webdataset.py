@@ -163,3 +163,31 @@ def test_a_bundle_trains_on_webdataset_shards_and_consumes_each_key_once(tmp_pat
     for unit in ("vit", "llm", "gen"):
         per_step = consumed(run_dir, unit)
         assert sorted(k for step in range(3) for k in per_step[step]) == keys, unit
+
+
+def test_real_text_needs_a_tokenizer_and_stats_count_with_it(tmp_path, capsys):
+    """Shards hold real text: without a tokenizer dtc check says so at the source line
+    (the hashing tokenizer is for synthetic data only); dtc data stats counts text.tokens
+    with the tokenizer given, BOS and EOS included."""
+    from tests.codegen.test_bundle_run import SPEC
+
+    write_shards(tmp_path / "shards", n=6, per_shard=3)
+    spec = tmp_path / "tiny.dt"
+    spec.write_text(SPEC.read_text().replace('source = "data/tiny"', 'source = "shards"'))
+    assert cli.main(["check", str(spec)]) == 1
+    err = capsys.readouterr().err
+    assert "error[DT315]: data source 'shards' is real text, which needs a tokenizer" in err
+    make_tokenizer(tmp_path / "tok")
+    spec.write_text(spec.read_text().replace('source = "shards"',
+                                             'source = "shards"\n  tokenizer = "tok"'))
+    assert cli.main(["check", str(spec)]) == 0
+    capsys.readouterr()
+    assert cli.main(["data", "stats", str(tmp_path / "shards"), "--tokenizer",
+                     str(tmp_path / "tok"), "--json"]) == 0
+    stats = __import__("json").loads(capsys.readouterr().out)
+    from transformers import PreTrainedTokenizerFast
+
+    theirs = PreTrainedTokenizerFast.from_pretrained(str(tmp_path / "tok"))
+    with open_dataset("shards", base_dir=tmp_path) as ds:
+        texts = [ds.read(i).text for i in range(len(ds))]
+    assert stats["text.tokens"] == [len(theirs(t)["input_ids"]) + 1 for t in texts]

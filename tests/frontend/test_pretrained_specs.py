@@ -160,3 +160,46 @@ def test_unsupported_configs_name_what(hf, tmp_path):
 def test_a_module_needs_an_architecture(hf):
     result = check(hf, backbone="frozen = true")
     assert codes(result) == ["DT204"] and "needs an architecture" in result.diagnostics[0].message
+
+
+# ---- the data's tokenizer ----------------------------------------------------------------
+
+def _with_data(hf: Path, fields: str, backbone: str):
+    text = (SPEC.replace("ENCODER", 'pretrained = "clip"').replace("BACKBONE", backbone)
+            .replace("GENERATOR", 'arch = hf("sd")').replace("SEQ", "512")
+            .replace("  image.gen_count ~ 1\n", "  image.gen_count ~ 1\n" + fields))
+    return run_frontend(str(hf / "spec.dt"), text.encode(), base_dir=hf)
+
+
+def test_the_tokenizer_defaults_to_the_backbones_folder(hf):
+    from tests.text_models import make_tokenizer
+
+    make_decoder(hf / "llama512", vocab=512)
+    make_tokenizer(hf / "llama512")
+    result = _with_data(hf, "", 'pretrained = "llama512"')
+    assert result.ok, [d.message for d in result.diagnostics]
+    assert result.program.data.tokenizer == str((hf / "llama512").resolve())
+    # weights without a tokenizer: none (synthetic data only)
+    assert check(hf).program.data.tokenizer is None
+    # the data block's own wins, relative to the spec
+    make_tokenizer(hf / "other", vocab=300)
+    result = _with_data(hf, '  tokenizer = "other/tokenizer.json"\n',
+                        'pretrained = "llama512"')
+    assert result.program.data.tokenizer == str((hf / "other" / "tokenizer.json").resolve())
+
+
+def test_tokenizers_that_do_not_fit_are_dt315_at_the_field(hf):
+    from tests.text_models import make_tokenizer
+
+    result = _with_data(hf, '  tokenizer = "nowhere"\n', 'pretrained = "llama"')
+    (d,) = [d for d in result.diagnostics if d.code == "DT315"]
+    line = next(i for i, t in enumerate(SPEC.splitlines(), 1) if "image.gen_count" in t) + 1
+    assert d.message.endswith("nowhere does not exist") and d.span.line == line
+    make_tokenizer(hf / "big")                       # 400 ids for a vocabulary of 128
+    result = _with_data(hf, '  tokenizer = "big"\n', 'pretrained = "llama"')
+    assert "more than the backbone's vocabulary of 128" in result.diagnostics[0].message
+    make_decoder(hf / "llama512b", vocab=512)
+    result = _with_data(hf, '  tokenizer = "big"\n  chat = "llama3"\n',
+                        'pretrained = "llama512b"')
+    assert codes(result) == ["DT315"] and "<|start_header_id|>" in \
+        result.diagnostics[0].message

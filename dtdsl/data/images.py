@@ -1,0 +1,145 @@
+"""Images as the encoder that reads them expects: size and normalisation from its
+configuration.
+
+``ImagePolicy.for_encoder(module, max_patches)`` gives one of two policies:
+
+- **fixed size** for a Hugging Face vision tower (``arch = hf(...)``: CLIP, SigLIP), as its
+  image processor does it: the folder's ``preprocessor_config.json`` when there is one
+  (``size``, ``crop_size``, ``do_center_crop``, ``resample``, ``image_mean``,
+  ``image_std``), else the family's defaults: CLIP resizes the shorter side to the tower's
+  ``image_size`` (bicubic) and crops the centre square, with OpenAI's mean and std; SigLIP
+  resizes to the square (bicubic), mean and std 0.5;
+- **native resolution** for dtdsl's own ViT: each side rounded to whole patches, both
+  scaled down together to at most ``max_patches`` (the clamp high of ``image.patches``),
+  bilinear, mean and std 0.5 (pixels to ``[-1, 1]``).
+
+Resizing runs in the preprocessing workers (``decode``), which ship uint8 pixels; the
+trainers normalise them (``normalize``: a per-channel affine on the uint8 tensor, a
+quarter of the bytes on the wire of float32 pixels).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["CLIP_MEAN", "CLIP_STD", "ImagePolicy", "normalize", "patch_grid"]
+
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+HALF = (0.5, 0.5, 0.5)
+_RESAMPLE = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic", 4: "box", 5: "hamming"}
+
+
+def patch_grid(width: int, height: int, patch: int,
+               max_patches: int | None = None) -> tuple[int, int]:
+    """Patches across and down for a ``width x height`` image: each side rounded to a
+    whole number of patches (halves up, at least 1), then both scaled down together until
+    there are at most ``max_patches``."""
+    gw, gh = max(1, int(width / patch + 0.5)), max(1, int(height / patch + 0.5))
+    if max_patches is not None and gw * gh > max_patches:
+        limit = max(1, max_patches)
+        scale = math.sqrt(limit / (gw * gh))
+        gw, gh = max(1, math.floor(gw * scale)), max(1, math.floor(gh * scale))
+        while gw * gh > limit:
+            if gw >= gh:
+                gw -= 1
+            else:
+                gh -= 1
+    return gw, gh
+
+
+@dataclass(frozen=True)
+class ImagePolicy:
+    """How images are sized and normalised for one encoder (module docstring)."""
+
+    patch: int
+    size: tuple[int, int] | None = None        # fixed (height, width); None: native
+    shortest_edge: int | None = None           # fixed: resize the shorter side, then crop
+    max_patches: int | None = None             # native: the patch budget
+    resample: str = "bilinear"
+    mean: tuple[float, float, float] = HALF
+    std: tuple[float, float, float] = HALF
+
+    @classmethod
+    def for_encoder(cls, module: Any, max_patches: int | None = None) -> ImagePolicy:
+        arch = module.arch
+        patch = getattr(arch, "patch", None) or 1
+        hf = getattr(module, "hf", None)
+        if hf is None or hf.family not in ("clip", "siglip") or not arch.image_size:
+            return cls(patch=patch, max_patches=max_patches)
+        side = int(arch.image_size)
+        if hf.family == "clip":
+            base = cls(patch=patch, size=(side, side), shortest_edge=side, resample="bicubic",
+                       mean=CLIP_MEAN, std=CLIP_STD)
+        else:
+            base = cls(patch=patch, size=(side, side), resample="bicubic")
+        return base._with_processor(Path(hf.path) / "preprocessor_config.json")
+
+    def _with_processor(self, file: Path) -> ImagePolicy:
+        """This policy with what a ``preprocessor_config.json`` says instead."""
+        if not file.is_file():
+            return self
+        try:
+            config = json.loads(file.read_text())
+        except (OSError, ValueError):
+            return self
+        size, edge = self.size, self.shortest_edge
+        given = config.get("size")
+        if isinstance(given, int):
+            given = {"shortest_edge": given}
+        if isinstance(given, dict) and "shortest_edge" in given:
+            edge = int(given["shortest_edge"])
+            crop = config.get("crop_size", edge)
+            crop = crop if isinstance(crop, dict) else {"height": crop, "width": crop}
+            size = (int(crop["height"]), int(crop["width"])) if config.get(
+                "do_center_crop", True) else (edge, edge)
+        elif isinstance(given, dict) and "height" in given:
+            size, edge = (int(given["height"]), int(given["width"])), None
+        mean = tuple(config.get("image_mean", self.mean))
+        std = tuple(config.get("image_std", self.std))
+        resample = _RESAMPLE.get(config.get("resample"), self.resample)
+        return ImagePolicy(patch=self.patch, size=size, shortest_edge=edge,
+                           resample=resample, mean=mean, std=std)  # type: ignore[arg-type]
+
+    def shape(self, width: int, height: int) -> tuple[int, int]:
+        """The ``(height, width)`` in pixels an image of this size is given to the encoder."""
+        if self.size is not None:
+            return self.size
+        gw, gh = patch_grid(width, height, self.patch, self.max_patches)
+        return gh * self.patch, gw * self.patch
+
+    def resize(self, img: Any) -> np.ndarray:
+        """A Pillow RGB image to uint8 ``[3, H, W]`` of ``shape``."""
+        from PIL import Image
+
+        method = getattr(Image.Resampling, self.resample.upper())
+        h, w = self.shape(img.width, img.height)
+        if self.shortest_edge is not None:
+            # transformers' rule: the shorter side exact, the longer int(edge * long / short)
+            edge, short, long = self.shortest_edge, min(img.size), max(img.size)
+            new = ((edge, int(edge * long / short)) if img.width <= img.height
+                   else (int(edge * long / short), edge))
+            if img.size != new:
+                img = img.resize(new, method)
+            left, top = (img.width - w) // 2, (img.height - h) // 2
+            img = img.crop((left, top, left + w, top + h))
+        elif img.size != (w, h):
+            img = img.resize((w, h), method)
+        return np.ascontiguousarray(np.asarray(img).transpose(2, 0, 1))
+
+
+def normalize(pixels: Any, mean: tuple[float, ...] = HALF, std: tuple[float, ...] = HALF):
+    """uint8 ``[3, H, W]`` pixels (numpy or torch) to the float32 tensor the encoder reads:
+    ``(x / 255 - mean) / std`` per channel."""
+    import torch
+
+    x = torch.as_tensor(np.asarray(pixels)).to(torch.float32)
+    m = torch.tensor(mean, dtype=torch.float32).view(3, 1, 1)
+    s = torch.tensor(std, dtype=torch.float32).view(3, 1, 1)
+    return x.div_(255.0).sub_(m).div_(s)
