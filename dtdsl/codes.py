@@ -247,11 +247,12 @@ up to that length. Lower `seq_len` to the length the message gives.
 `dtc check` and `dtc compile` read the spec's `source` (relative to the spec's
 folder) before anything runs, so that a bundle never trains on something else
 than the data it names. A source is a dtdsl dataset (a folder with the
-`index.json` that `dtc data synth` writes) or WebDataset shards: a folder of
+`index.json` that `dtc data synth` writes), WebDataset shards (a folder of
 `.tar` files, a brace pattern such as `shards/{000000..004095}.tar`, or a
-`.tar`. The message says what is wrong: no such file (the first missing one of a
-pattern), a folder with neither an index nor shards, a shard that is not a tar,
-a damaged index. Only the index or the first shard's first header is read here;
+`.tar`), or a LLaVA-style `.json`/`.jsonl` of conversations. The message says
+what is wrong: no such file (the first missing one of a pattern), a folder with
+neither an index nor shards, a shard that is not a tar, a damaged index, a JSON
+that is not an array of records. Only the index or the first shard's first header is read here;
 `dtc data index SOURCE` reads everything.
 
 To plan or compile without data on purpose, pass `--synthetic`: the bundle then

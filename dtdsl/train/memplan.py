@@ -102,6 +102,7 @@ def _inputs(program: ir.Program, cost: Any, unit: Any, role: Any, share: float,
             large: bool) -> Callable[[], tuple[tuple, dict]]:
     """A function making the inputs of one microbatch for the stage's forward: a large
     one (the cost model's 99th percentile) or an average one."""
+    from dtdsl.data.layout import sequence_layout
     from dtdsl.data.sample import GenTargets
 
     module = program.module(role.unit)
@@ -115,7 +116,9 @@ def _inputs(program: ir.Program, cost: Any, unit: Any, role: Any, share: float,
             if role.is_first_stage:
                 tokens = [torch.zeros(s, dtype=torch.int64, device=device) for _ in range(b)]
                 embeds = [torch.zeros(0, h, dtype=dtype, device=device) for _ in range(b)]
-                return (), {"image_embeds": embeds, "tokens": tokens, "loss_tokens": b * s}
+                layouts = [sequence_layout(s, [], [], [(0, s)], s)] * b
+                return (), {"image_embeds": embeds, "tokens": tokens, "layouts": layouts,
+                            "loss_tokens": b * s}
             # Under sequence parallelism, this TP rank's piece of the sequence.
             x = torch.zeros(b, s // role.grid.tp, h, dtype=dtype, device=device,
                             requires_grad=True)
