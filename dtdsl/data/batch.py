@@ -22,15 +22,25 @@ denominators of the whole batch, does not depend on it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import itertools
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from dtdsl.cost.samples import ItemSet, SampleSet
-from dtdsl.data.layout import layout_of
-from dtdsl.data.sample import Sample, SampleSizes, image_encoder, make_sample, sample_sizes
+from dtdsl.data.layout import layout_of, pack
+from dtdsl.data.sample import (
+    Sample,
+    SampleSizes,
+    image_encoder,
+    join_samples,
+    join_sizes,
+    make_sample,
+    sample_sizes,
+)
 from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan
 from dtdsl.models.multimodal import Normalizer
@@ -96,22 +106,49 @@ class BatchSource(Protocol):
 
 
 class SyntheticSource:
-    """Samples drawn from the spec's data distributions (``data.make_sample``): position
-    ``i`` of step ``s`` is seeded from ``(train.seed, s, i)`` alone."""
+    """Samples drawn from the spec's data distributions (``data.make_sample``): document
+    ``i`` of step ``s`` is seeded from ``(train.seed, s, i)`` alone. Position ``i`` is
+    document ``i``; with ``train.packing``, the documents ``0, 1, 2, ...`` of the step
+    packed into ``global_batch`` sequences (``data.layout.pack``; those left in sequences
+    still open when the batch is full are not used)."""
 
     def __init__(self, program: ir.Program):
         self.program = program
+        self._patch = _patch(program)
+        self._rows = lru_cache(maxsize=8)(self._step_rows)
+
+    def _step_rows(self, step: int) -> tuple[tuple[tuple[int, ...], ...],
+                                             dict[int, SampleSizes]]:
+        """Per position its documents, and the documents' sizes."""
+        program, batch = self.program, self.program.train.global_batch
+        if not program.train.packing:
+            docs = {i: sample_sizes(program, step, i) for i in range(batch)}
+            return tuple((i,) for i in range(batch)), docs
+        docs = {}
+        seq_len = program.train.seq_len
+
+        def lengths() -> Iterator[int]:
+            for i in itertools.count():
+                docs[i] = sample_sizes(program, step, i)
+                yield layout_of(docs[i], self._patch, seq_len).length
+
+        rows = pack(lengths(), seq_len, rows=batch)
+        return tuple(tuple(r) for r in rows), docs
 
     def keys(self, step: int) -> tuple[str, ...]:
-        return tuple(f"synthetic/{step}/{i}" for i in range(self.program.train.global_batch))
+        rows, _ = self._rows(step)
+        return tuple("+".join(f"synthetic/{step}/{i}" for i in r) for r in rows)
 
     def sizes(self, step: int) -> list[SampleSizes]:
-        return [sample_sizes(self.program, step, i)
-                for i in range(self.program.train.global_batch)]
+        rows, docs = self._rows(step)
+        return [join_sizes([docs[i] for i in r]) for r in rows]
 
     def sample(self, step: int, position: int, parts: frozenset[str] = ALL_PARTS,
                sizes: SampleSizes | None = None) -> Sample:
-        return make_sample(self.program, step, position, parts=parts, sizes=sizes)
+        rows, docs = self._rows(step)
+        row = rows[position]
+        made = [make_sample(self.program, step, i, parts=parts, sizes=docs[i]) for i in row]
+        return join_samples(made, sizes or join_sizes([docs[i] for i in row]), position)
 
 
 def parts_of(role: RankRole) -> frozenset[str]:

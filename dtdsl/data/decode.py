@@ -35,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import io
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -58,6 +59,7 @@ __all__ = [
     "Decoder",
     "LatentTargets",
     "decode_sample",
+    "join_decoded",
     "patch_grid",
 ]
 
@@ -93,6 +95,9 @@ class DecodedSample:
     gen: dict[str, LatentTargets]        # generator name -> its targets
     image_at: tuple[int, ...] = ()       # per image: the text tokens before it
     trained: tuple[tuple[int, int], ...] = ()   # text-token ranges with a loss
+    doc_text: tuple[int, ...] | None = None     # a packed sequence's documents
+    doc_images: tuple[int, ...] | None = None   # (``data.sample.SampleSizes``)
+    doc_gen: dict[str, tuple[int, ...]] | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -229,6 +234,26 @@ class Decoder:
         timesteps = rng.integers(0, g.timesteps, size=len(latents), dtype=np.int64)
         noise = rng.standard_normal(shape, dtype=np.float32)
         return LatentTargets(latents=stacked, noise=noise, timesteps=timesteps)
+
+
+def join_decoded(docs: list[DecodedSample], sizes: Any = None) -> DecodedSample:
+    """Decoded samples packed into one sequence whose sizes are ``sizes`` (``join_sizes``
+    of theirs): their arrays one after the other (one sample: itself)."""
+    if len(docs) == 1:
+        return docs[0]
+    assert sizes is not None
+    gen = {}
+    for name in docs[0].gen:
+        parts = [d.gen[name] for d in docs]
+        gen[name] = LatentTargets(latents=np.concatenate([t.latents for t in parts]),
+                                  noise=np.concatenate([t.noise for t in parts]),
+                                  timesteps=np.concatenate([t.timesteps for t in parts]))
+    return DecodedSample(
+        key="+".join(d.key for d in docs), tokens=np.concatenate([d.tokens for d in docs]),
+        images=tuple(im for d in docs for im in d.images),
+        audio=tuple(a for d in docs for a in d.audio), gen=gen, image_at=sizes.image_at,
+        trained=sizes.trained, doc_text=sizes.doc_text, doc_images=sizes.doc_images,
+        doc_gen=sizes.doc_gen)
 
 
 def decode_sample(program: ir.Program, raw: RawSample, *, seed: int) -> DecodedSample:

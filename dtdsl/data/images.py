@@ -139,7 +139,10 @@ def normalize(pixels: Any, mean: tuple[float, ...] = HALF, std: tuple[float, ...
     ``(x / 255 - mean) / std`` per channel."""
     import torch
 
-    x = torch.as_tensor(np.asarray(pixels)).to(torch.float32)
+    if isinstance(pixels, torch.Tensor):
+        x = pixels.to(torch.float32)
+    else:                  # a copy in float32 (the wire's arrays are read-only)
+        x = torch.from_numpy(np.asarray(pixels).astype(np.float32))
     m = torch.tensor(mean, dtype=torch.float32).view(3, 1, 1)
     s = torch.tensor(std, dtype=torch.float32).view(3, 1, 1)
     return x.div_(255.0).sub_(m).div_(s)

@@ -16,14 +16,14 @@ the backbone drops, and ``SequenceLayout.cut`` says that a sample was cut.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from dtdsl.data.sample import SampleSizes
 
-__all__ = ["SequenceLayout", "fit", "layout_of", "sequence_layout"]
+__all__ = ["SequenceLayout", "concat", "fit", "layout_of", "pack", "sequence_layout"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,14 @@ class SequenceLayout:
     text_runs: tuple[tuple[int, int, int], ...]   # (first token, stop, first position)
     loss: tuple[tuple[int, int], ...]       # text-token ranges [a, b) with a target
     cut: bool                               # the sample was longer than seq_len
+    # A packed sequence's documents: (first position, length) each; they attend only
+    # within themselves and their positions restart at 0. Empty: one document.
+    docs: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def spans(self) -> tuple[tuple[int, int], ...]:
+        """(first position, length) of each document (the whole sequence when one)."""
+        return self.docs or ((0, self.length),)
 
     @property
     def loss_tokens(self) -> int:
@@ -101,10 +109,67 @@ def sequence_layout(text_tokens: int, image_tokens: Sequence[int], image_at: Seq
 
 
 def layout_of(sizes: SampleSizes, patch: int, seq_len: int) -> SequenceLayout:
-    """The layout of a sample from its sizes (``patch``: the image encoder's)."""
-    return sequence_layout(sizes.text_tokens,
-                           [(h // patch) * (w // patch) for h, w in sizes.image_shapes],
-                           sizes.places, sizes.trained_ranges, seq_len)
+    """The layout of a sample from its sizes (``patch``: the image encoder's); of a packed
+    sequence, its documents' layouts one after the other."""
+    if sizes.doc_text is None:
+        return sequence_layout(sizes.text_tokens,
+                               [(h // patch) * (w // patch) for h, w in sizes.image_shapes],
+                               sizes.places, sizes.trained_ranges, seq_len)
+    return concat([layout_of(d, patch, seq_len) for d in sizes.docs()], seq_len)
+
+
+def concat(layouts: Sequence[SequenceLayout], seq_len: int) -> SequenceLayout:
+    """Documents packed one after the other in one sequence. ValueError when one was cut
+    (documents are fitted before they are packed) or they do not fit together."""
+    pos = text = 0
+    image_tokens: list[int] = []
+    starts: list[int] = []
+    runs: list[tuple[int, int, int]] = []
+    loss: list[tuple[int, int]] = []
+    docs: list[tuple[int, int]] = []
+    for lay in layouts:
+        if lay.cut or lay.docs:
+            raise ValueError("only whole documents that fit in seq_len are packed")
+        image_tokens.extend(lay.image_tokens)
+        starts.extend(s + pos for s in lay.image_starts)
+        runs.extend((a + text, b + text, at + pos) for a, b, at in lay.text_runs)
+        loss.extend((a + text, b + text) for a, b in lay.loss)
+        docs.append((pos, lay.length))
+        pos, text = pos + lay.length, text + lay.text
+    if pos > seq_len:
+        raise ValueError(f"packed documents of {pos} positions exceed seq_len {seq_len}")
+    return SequenceLayout(length=pos, text=text, image_tokens=tuple(image_tokens),
+                          image_starts=tuple(starts), text_runs=tuple(runs), loss=tuple(loss),
+                          cut=False, docs=tuple(docs))
+
+
+def pack(lengths: Iterable[int], seq_len: int, *, rows: int | None = None,
+         window: int = 16) -> list[list[int]]:
+    """Documents of these lengths (each at most ``seq_len``) packed into sequences of
+    ``seq_len``, in stream order: each goes to the first open sequence it fits in, else
+    opens one; with more than ``window`` open, the oldest is closed. Returns the
+    sequences as lists of document indices, in the order they close (the open ones at
+    the end, oldest first). With ``rows``, stops once that many have closed: the
+    documents still open are not used (the caller's stream decides what follows)."""
+    done: list[list[int]] = []
+    open_rows: list[list[int]] = []
+    room: list[int] = []
+    for i, n in enumerate(lengths):
+        if n > seq_len:
+            raise ValueError(f"document {i} has {n} positions, more than seq_len {seq_len}")
+        k = next((k for k, r in enumerate(room) if r >= n), None)
+        if k is None:
+            open_rows.append([i])
+            room.append(seq_len - n)
+            if len(open_rows) > window:
+                done.append(open_rows.pop(0))
+                room.pop(0)
+        else:
+            open_rows[k].append(i)
+            room[k] -= n
+        if rows is not None and len(done) >= rows:
+            return done[:rows]
+    return done + open_rows
 
 
 def fit(sizes: SampleSizes, patch: int, seq_len: int) -> SampleSizes:

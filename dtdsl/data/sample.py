@@ -35,7 +35,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 
 import numpy as np
@@ -55,6 +55,8 @@ __all__ = [
     "SampleSizes",
     "image_encoder",
     "image_side",
+    "join_samples",
+    "join_sizes",
     "make_batch",
     "make_sample",
     "pack_images",
@@ -98,6 +100,9 @@ class Sample:
     targets: dict[str, GenTargets]          # generator name -> its targets
     image_at: tuple[int, ...] | None = None             # as in ``SampleSizes``
     trained: tuple[tuple[int, int], ...] | None = None
+    doc_text: tuple[int, ...] | None = None             # a packed sequence's documents
+    doc_images: tuple[int, ...] | None = None
+    doc_gen: dict[str, tuple[int, ...]] | None = None
 
     @property
     def num_gen_targets(self) -> int:
@@ -155,6 +160,13 @@ class SampleSizes:
     # trained (synthetic samples).
     image_at: tuple[int, ...] | None = None
     trained: tuple[tuple[int, int], ...] | None = None
+    # A packed sequence (``data.layout.pack``) of several samples, its documents: per
+    # document its text tokens, its images and per generator its targets, in order (all
+    # the sample's text, images and targets, the documents' one after the other). None:
+    # one document.
+    doc_text: tuple[int, ...] | None = None
+    doc_images: tuple[int, ...] | None = None
+    doc_gen: dict[str, tuple[int, ...]] | None = None
 
     def __post_init__(self) -> None:
         if self.image_at is None:
@@ -165,6 +177,35 @@ class SampleSizes:
         if len(self.image_at) != len(self.image_shapes):
             raise ValueError(f"{len(self.image_shapes)} images but {len(self.image_at)} "
                              "image places")
+        if self.doc_text is not None:
+            assert self.doc_images is not None and self.doc_gen is not None
+            if sum(self.doc_text) != self.text_tokens or \
+                    sum(self.doc_images) != len(self.image_shapes) or \
+                    len(self.doc_images) != len(self.doc_text) or any(
+                        sum(c) != self.gen_counts.get(g, 0) or len(c) != len(self.doc_text)
+                        for g, c in self.doc_gen.items()):
+                raise ValueError("the documents of a packed sequence do not add up to it")
+
+    @property
+    def num_docs(self) -> int:
+        return 1 if self.doc_text is None else len(self.doc_text)
+
+    def docs(self) -> list[SampleSizes]:
+        """The documents of a packed sequence, each as its own sizes (itself when it is
+        one document)."""
+        if self.doc_text is None:
+            return [self]
+        assert self.doc_images is not None and self.doc_gen is not None
+        out, t0, i0 = [], 0, 0
+        for d, (nt, ni) in enumerate(zip(self.doc_text, self.doc_images, strict=True)):
+            trained = tuple((max(a, t0) - t0, min(b, t0 + nt) - t0) for a, b in self.trained_ranges
+                            if a < t0 + nt and b > t0)
+            out.append(SampleSizes(
+                text_tokens=nt, image_shapes=self.image_shapes[i0:i0 + ni],
+                gen_counts={g: c[d] for g, c in self.doc_gen.items()},
+                image_at=tuple(p - t0 for p in self.places[i0:i0 + ni]), trained=trained))
+            t0, i0 = t0 + nt, i0 + ni
+        return out
 
     @property
     def num_gen_targets(self) -> int:
@@ -181,6 +222,49 @@ class SampleSizes:
         """Text-token ranges ``[a, b)`` whose tokens are next-token targets."""
         assert self.trained is not None
         return self.trained
+
+
+def join_samples(docs: Sequence[Sample], sizes: SampleSizes, index: int) -> Sample:
+    """One packed sequence at position ``index`` of ``docs`` (each one document, with any
+    parts), whose sizes are ``sizes`` (``join_sizes`` of theirs): their tokens, images and
+    targets one after the other."""
+    if len(docs) == 1:
+        return replace(docs[0], index=index)
+    targets = {}
+    for g in sizes.gen_counts:
+        parts = [d.targets[g] for d in docs if g in d.targets]
+        if parts:
+            targets[g] = GenTargets(latents=torch.cat([t.latents for t in parts]),
+                                    noise=torch.cat([t.noise for t in parts]),
+                                    timesteps=torch.cat([t.timesteps for t in parts]))
+    return Sample(step=docs[0].step, index=index, tokens=torch.cat([d.tokens for d in docs]),
+                  images=tuple(im for d in docs for im in d.images), targets=targets,
+                  image_at=sizes.image_at, trained=sizes.trained, doc_text=sizes.doc_text,
+                  doc_images=sizes.doc_images, doc_gen=sizes.doc_gen)
+
+
+def join_sizes(docs: Sequence[SampleSizes]) -> SampleSizes:
+    """One packed sequence of ``docs`` (each one document), in order; a single document
+    is itself."""
+    if len(docs) == 1:
+        return docs[0]
+    text = images = 0
+    image_at: list[int] = []
+    trained: list[tuple[int, int]] = []
+    names = sorted({g for d in docs for g in d.gen_counts})
+    for d in docs:
+        if d.doc_text is not None:
+            raise ValueError("a packed sequence is packed again")
+        image_at.extend(p + text for p in d.places)
+        trained.extend((a + text, b + text) for a, b in d.trained_ranges)
+        text, images = text + d.text_tokens, images + len(d.image_shapes)
+    return SampleSizes(
+        text_tokens=text, image_shapes=tuple(s for d in docs for s in d.image_shapes),
+        gen_counts={g: sum(d.gen_counts.get(g, 0) for d in docs) for g in names},
+        image_at=tuple(image_at), trained=tuple(trained),
+        doc_text=tuple(d.text_tokens for d in docs),
+        doc_images=tuple(len(d.image_shapes) for d in docs),
+        doc_gen={g: tuple(d.gen_counts.get(g, 0) for d in docs) for g in names})
 
 
 def sample_sizes(program: ir.Program, step: int, index: int) -> SampleSizes:

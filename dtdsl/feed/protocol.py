@@ -64,6 +64,17 @@ def batch_message(step: int, routing: Sequence[Any], normalizer: Any, samples: M
                                               dtype=np.int64)
         arrays["sizes.trained"] = np.asarray([r for z in sizes for r in z.trained_ranges],
                                              dtype=np.int64).reshape(-1, 2)
+        # packed sequences: per position its documents (0: one document, not packed)
+        arrays["sizes.ndocs"] = np.asarray([len(z.doc_text) if z.doc_text is not None else 0
+                                            for z in sizes], dtype=np.int64)
+        arrays["sizes.doc_text"] = np.asarray([n for z in sizes for n in z.doc_text or ()],
+                                              dtype=np.int64)
+        arrays["sizes.doc_images"] = np.asarray([n for z in sizes for n in z.doc_images or ()],
+                                                dtype=np.int64)
+        for name in sorted({g for z in sizes for g in z.doc_gen or {}}):
+            arrays[f"sizes.doc_gen.{name}"] = np.asarray(
+                [n for z in sizes if z.doc_gen is not None for n in z.doc_gen.get(name, ())],
+                dtype=np.int64)
         for name in sorted({g for z in sizes for g in z.gen_counts}):
             arrays[f"sizes.gen.{name}"] = np.asarray([z.gen_counts.get(name, 0)
                                                       for z in sizes], dtype=np.int64)
@@ -132,13 +143,27 @@ def read_batch(message: Any, units: Sequence[str], generators: Sequence[str],
             raise ValueError(f"step {step}: inconsistent sample layouts")
         gens = {name: arrays[f"sizes.gen.{name}"].tolist() for name in generators
                 if f"sizes.gen.{name}" in arrays}
-        at = r = 0
+        ndocs = arrays["sizes.ndocs"].tolist()
+        doc_text = arrays["sizes.doc_text"].tolist()
+        doc_images = arrays["sizes.doc_images"].tolist()
+        doc_gen = {name: arrays[f"sizes.doc_gen.{name}"].tolist() for name in generators
+                   if f"sizes.doc_gen.{name}" in arrays}
+        if len(ndocs) != len(text) or len(doc_text) != sum(ndocs) or \
+                len(doc_images) != sum(ndocs):
+            raise ValueError(f"step {step}: inconsistent packed sequences")
+        at = r = d = 0
         for i, (t, c) in enumerate(zip(text, counts_img, strict=True)):
+            n = ndocs[i]
+            docs = {}
+            if n:
+                docs = dict(doc_text=tuple(doc_text[d:d + n]),
+                            doc_images=tuple(doc_images[d:d + n]),
+                            doc_gen={g: tuple(v[d:d + n]) for g, v in doc_gen.items()})
             sizes.append(SampleSizes(text_tokens=int(t), image_shapes=tuple(hw[at:at + c]),
                                      gen_counts={g: int(v[i]) for g, v in gens.items()},
                                      image_at=tuple(places[at:at + c]),
-                                     trained=tuple(ranges[r:r + ntrained[i]])))
-            at, r = at + c, r + ntrained[i]
+                                     trained=tuple(ranges[r:r + ntrained[i]]), **docs))
+            at, r, d = at + c, r + ntrained[i], d + n
     parts = set(meta["parts"])
     samples = {}
     for pos in meta["positions"]:
@@ -161,7 +186,10 @@ def read_batch(message: Any, units: Sequence[str], generators: Sequence[str],
         samples[int(pos)] = Sample(step=step, index=int(pos), tokens=tokens,
                                    images=tuple(images), targets=targets,
                                    image_at=layout.image_at if layout else None,
-                                   trained=layout.trained if layout else None)
+                                   trained=layout.trained if layout else None,
+                                   doc_text=layout.doc_text if layout else None,
+                                   doc_images=layout.doc_images if layout else None,
+                                   doc_gen=layout.doc_gen if layout else None)
     norm = meta["norm"]
     return StepBatch(step=step, keys=keys, routing=tuple(routing), samples=samples,
                      normalizer=Normalizer(text_tokens=int(norm[0]), gen_targets=int(norm[1])),

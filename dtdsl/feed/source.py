@@ -91,7 +91,9 @@ def to_sample(step: int, position: int, decoded, parts: frozenset[str],
                                        noise=torch.from_numpy(np.array(t.noise)),
                                        timesteps=torch.from_numpy(np.array(t.timesteps)))
     return Sample(step=step, index=position, tokens=tokens, images=images, targets=targets,
-                  image_at=decoded.image_at, trained=decoded.trained)
+                  image_at=decoded.image_at, trained=decoded.trained,
+                  doc_text=decoded.doc_text, doc_images=decoded.doc_images,
+                  doc_gen=decoded.doc_gen)
 
 
 class DatasetSource:
@@ -127,64 +129,113 @@ class DatasetSource:
         if not self.usable:
             raise DatasetError(f"{path}: none of its {len(layouts)} samples can be read with "
                                "the spec's tokenizer")
-        self._indices = lru_cache(maxsize=8)(self._step_indices)
-        self._sizes = lru_cache(maxsize=8)(self._step_sizes)
+        self._doc_sizes: dict[int, Any] = {}
+        self._rows = lru_cache(maxsize=8)(self._step_rows)
+        self._epoch_rows = lru_cache(maxsize=2)(self._pack_epoch)
+        self._epoch_counts: dict[int, int] = {}
 
-    def _step_indices(self, step: int) -> tuple[int, ...]:
-        picks = stream_indices(self.seed, len(self.usable), step, self.batch)
-        return tuple(self.usable[k] for k in picks)
+    # ---- which samples ----------------------------------------------------------------------
+
+    def _pack_epoch(self, epoch: int) -> tuple[tuple[int, ...], ...]:
+        """Epoch ``epoch``'s samples in its order, packed into sequences (dataset indices)."""
+        from dtdsl.data.layout import layout_of, pack
+
+        order = [self.usable[k] for k in epoch_permutation(self.seed, epoch, len(self.usable))]
+        seq_len, patch = self.program.train.seq_len, self.patch or 1
+        rows = pack((layout_of(self.doc_sizes(i), patch, seq_len).length for i in order),
+                    seq_len)
+        return tuple(tuple(order[j] for j in r) for r in rows)
+
+    def _step_rows(self, step: int) -> tuple[tuple[int, ...], ...]:
+        if not self.program.train.packing:
+            picks = stream_indices(self.seed, len(self.usable), step, self.batch)
+            return tuple((self.usable[k],) for k in picks)
+        # The epochs' packed sequences one after the other; step s takes B of them.
+        start, out = step * self.batch, []
+        epoch = first = 0           # first: the stream position of the epoch's first row
+        while len(out) < self.batch:
+            count = self.sequences_in_epoch(epoch)
+            at = start + len(out) - first
+            if at < count:
+                out.extend(self._epoch_rows(epoch)[at:at + self.batch - len(out)])
+            first, epoch = first + count, epoch + 1
+        return tuple(out)
+
+    def sequences_in_epoch(self, epoch: int) -> int:
+        """How many packed sequences epoch ``epoch`` makes (its samples, once each)."""
+        if epoch not in self._epoch_counts:
+            self._epoch_counts[epoch] = len(self._epoch_rows(epoch))
+        return self._epoch_counts[epoch]
+
+    def rows(self, step: int) -> tuple[tuple[int, ...], ...]:
+        """Per position of step ``step``, the dataset indices of its samples (one each
+        without packing)."""
+        return self._rows(step)
 
     def indices(self, step: int) -> tuple[int, ...]:
-        """The dataset indices of step ``step``'s samples, by position."""
-        return self._indices(step)
+        """The dataset indices of step ``step``'s samples, in order."""
+        return tuple(i for r in self.rows(step) for i in r)
 
     def keys(self, step: int) -> tuple[str, ...]:
-        return tuple(self.dataset.key(i) for i in self.indices(step))
+        return tuple("+".join(self.dataset.key(i) for i in r) for r in self.rows(step))
 
-    def _step_sizes(self, step: int) -> tuple:
+    # ---- sizes and samples ----------------------------------------------------------------
+
+    def doc_sizes(self, i: int) -> Any:
+        """Dataset sample ``i``'s sizes from the index and its token layout (the decoded
+        shapes, cut to ``seq_len``; no pixel read)."""
+        found = self._doc_sizes.get(i)
+        if found is not None:
+            return found
         from dtdsl.data.layout import fit
         from dtdsl.data.sample import SampleSizes
 
-        out = []
-        seq_len, patch = self.program.train.seq_len, self.patch or 1
-        for i in self.indices(step):
-            info = self.dataset.info(i)
-            layout = self._layouts[i]
-            assert layout is not None
-            text, places, trained = layout
-            shapes: tuple[tuple[int, int], ...] = ()
-            if self.decoder.images is not None:
-                shapes = tuple(self.decoder.images.shape(w, h) for w, h in info.images)
-            else:
-                places = ()       # no encoder reads the images: text only
-            gen = {g.name: (len(info.gen_images) if g.modality == "image" else
-                            len(info.gen_audio)) for g in self.program.generators}
-            out.append(fit(SampleSizes(text_tokens=text, image_shapes=shapes, gen_counts=gen,
-                                       image_at=places, trained=trained), patch, seq_len))
-        return tuple(out)
+        info = self.dataset.info(i)
+        layout = self._layouts[i]
+        assert layout is not None
+        text, places, trained = layout
+        shapes: tuple[tuple[int, int], ...] = ()
+        if self.decoder.images is not None:
+            shapes = tuple(self.decoder.images.shape(w, h) for w, h in info.images)
+        else:
+            places = ()       # no encoder reads the images: text only
+        gen = {g.name: (len(info.gen_images) if g.modality == "image" else
+                        len(info.gen_audio)) for g in self.program.generators}
+        found = self._doc_sizes[i] = fit(
+            SampleSizes(text_tokens=text, image_shapes=shapes, gen_counts=gen,
+                        image_at=places, trained=trained),
+            self.patch or 1, self.program.train.seq_len)
+        return found
 
     def sizes(self, step: int) -> list:
-        """Every position's sizes from the index and the token layouts (the decoded
-        shapes, cut to ``seq_len``; no pixel read)."""
-        return list(self._sizes(step))
+        """Every position's sizes (a packed sequence's: its samples' joined)."""
+        from dtdsl.data.sample import join_sizes
 
-    def decode(self, step: int, position: int):
-        """The ``DecodedSample`` (numpy) at ``position`` of step ``step``, cut as its
-        ``sizes`` entry says."""
+        return [join_sizes([self.doc_sizes(i) for i in r]) for r in self.rows(step)]
+
+    def _decode_one(self, i: int):
         import dataclasses
 
         from dtdsl.data.shards import DatasetError
 
-        index = self.indices(step)[position]
-        decoded = self.decoder.decode(self.dataset.read(index))
-        sizes = self._sizes(step)[position]
-        if len(decoded.tokens) != self._layouts[index][0]:
+        decoded = self.decoder.decode(self.dataset.read(i))
+        sizes = self.doc_sizes(i)
+        if len(decoded.tokens) != self._layouts[i][0]:
             raise DatasetError(f"sample {decoded.key} changed since it was indexed: "
-                               f"{len(decoded.tokens)} tokens, not {self._layouts[index][0]}")
+                               f"{len(decoded.tokens)} tokens, not {self._layouts[i][0]}")
         return dataclasses.replace(
             decoded, tokens=decoded.tokens[:sizes.text_tokens],
             images=decoded.images[:len(sizes.image_shapes)] if self.patch is not None else (),
             image_at=sizes.image_at, trained=sizes.trained)
+
+    def decode(self, step: int, position: int):
+        """The ``DecodedSample`` (numpy) at ``position`` of step ``step``, each sample cut
+        as its sizes say; a packed sequence's samples joined."""
+        from dtdsl.data.decode import join_decoded
+
+        row = self.rows(step)[position]
+        return join_decoded([self._decode_one(i) for i in row],
+                            self.sizes(step)[position] if len(row) > 1 else None)
 
     def sample(self, step: int, position: int,
                parts: frozenset[str] = frozenset({"tokens", "images", "targets"}),

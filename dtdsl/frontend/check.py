@@ -194,6 +194,7 @@ TRAIN_FIELDS = (
     Param("checkpoint_every", IntKind(0, 10**9), default=0),
     Param("keep_checkpoints", IntKind(1, 1000), default=3),
     Param("grad_clip", FloatKind(low=0, high=1e6), default=1.0),
+    Param("packing", BoolKind(), default=False),
 )
 _SCHEDULE_ARGS = {
     "gpipe": (),

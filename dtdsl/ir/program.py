@@ -440,6 +440,10 @@ class Train(IRModel):
     keep_checkpoints: int
     grad_clip: float
     span: Span
+    # Sequence packing: each of the global_batch sequences is documents packed up to
+    # seq_len (data.layout.pack), as Megatron-LM counts batches of packed data; False: one
+    # sample per sequence. Defaulted so that earlier Programs still read.
+    packing: bool = False
     # The `schedule = ...` and `precision = ...` fields when the spec writes them, for
     # diagnostics of later stages (dtc compile's runtime support).
     schedule_span: Span | None = None

@@ -57,7 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dtdsl.data.layout import SequenceLayout, layout_of, sequence_layout
+from dtdsl.data.layout import SequenceLayout, layout_of
 from dtdsl.data.sample import (
     GenTargets,
     Sample,
@@ -92,6 +92,9 @@ __all__ = [
     "build_model",
     "build_unit",
     "conditioning",
+    "conditioning_rows",
+    "document_masks",
+    "document_targets",
     "encode",
     "encoder_input",
     "encoder_layers",
@@ -109,6 +112,7 @@ __all__ = [
     "sequence_length",
     "sequence_parallel_degree",
     "sample_layout",
+    "sample_sizes_of",
     "unit_spec",
 ]
 
@@ -248,15 +252,20 @@ def build_model(program: ir.Program, seed: int | None = None) -> Model:
 
 # ---- loss normalisation ----------------------------------------------------------------
 
+def sample_sizes_of(sample: Sample) -> SampleSizes:
+    """A whole sample's sizes, from its tensors (tokens, images and targets)."""
+    return SampleSizes(
+        text_tokens=len(sample.tokens),
+        image_shapes=tuple((int(im.shape[-2]), int(im.shape[-1])) for im in sample.images),
+        gen_counts={g: len(t) for g, t in sample.targets.items()},
+        image_at=sample.image_at, trained=sample.trained, doc_text=sample.doc_text,
+        doc_images=sample.doc_images, doc_gen=sample.doc_gen)
+
+
 def sample_layout(sample: Sample, patch: int, seq_len: int) -> SequenceLayout:
     """Where a sample's text and images sit in its sequence, and which tokens are targets
     (``data.layout``; the rule its ``SampleSizes`` give)."""
-    return sequence_layout(
-        len(sample.tokens), [(im.shape[-2] // patch) * (im.shape[-1] // patch)
-                             for im in sample.images],
-        sample.image_at if sample.image_at is not None else (0,) * len(sample.images),
-        sample.trained if sample.trained is not None else
-        (((1, len(sample.tokens)),) if len(sample.tokens) > 1 else ()), seq_len)
+    return layout_of(sample_sizes_of(sample), patch, seq_len)
 
 
 def loss_tokens(sample: Sample, patch: int, seq_len: int) -> int:
@@ -335,6 +344,8 @@ class BackboneBatch:
     embeds: torch.Tensor            # [B, S, hidden]: text with images spliced in, zeros after
     targets: torch.Tensor           # [B, S] next-token ids, IGNORE where there is no loss
     lengths: tuple[int, ...]        # real (unpadded) length of each sequence
+    positions: torch.Tensor | None = None   # packed documents (``document_masks``)
+    mask: torch.Tensor | None = None
 
 
 def backbone_input(backbone: Backbone, image_embeds: Sequence[torch.Tensor],
@@ -392,8 +403,9 @@ def backbone_input(backbone: Backbone, image_embeds: Sequence[torch.Tensor],
     target = torch.full((rows,), IGNORE, dtype=torch.int64, device=device)
     if loss_dst:
         target[_index(loss_dst, device)] = flat_tokens[_index(loss_src, device)]
+    positions, mask = document_masks(layouts, width, device)
     return BackboneBatch(embeds=embeds, targets=target.view(len(layouts), width),
-                         lengths=tuple(lengths))
+                         lengths=tuple(lengths), positions=positions, mask=mask)
 
 
 def _loss_tokens_of(lay: SequenceLayout) -> list[tuple[int, int]]:
@@ -411,15 +423,44 @@ def _index(values: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
 
 
+def document_masks(layouts: Sequence[SequenceLayout], width: int,
+                   device: torch.device | str) -> tuple[torch.Tensor | None,
+                                                         torch.Tensor | None]:
+    """``(positions [B, S], attention mask [B, 1, S, S])`` of sequences packed from
+    several documents (``data.layout``): positions restart at 0 in every document, and a
+    position attends to the positions of its own document up to itself (padding after
+    the documents is one more document). ``(None, None)`` when no sequence holds more
+    than one document: plain causal attention over positions ``0..S-1``."""
+    if all(len(lay.spans) <= 1 for lay in layouts):
+        return None, None
+    positions = torch.empty(len(layouts), width, dtype=torch.int64)
+    docs = torch.empty(len(layouts), width, dtype=torch.int64)
+    for b, lay in enumerate(layouts):
+        end = 0
+        for d, (start, n) in enumerate(lay.spans):
+            positions[b, start:start + n] = torch.arange(n)
+            docs[b, start:start + n] = d
+            end = start + n
+        positions[b, end:] = torch.arange(width - end)
+        docs[b, end:] = len(lay.spans)
+    positions, docs = positions.to(device), docs.to(device)
+    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+    mask = (docs[:, :, None] == docs[:, None, :]) & causal
+    return positions, mask[:, None]
+
+
 def backbone_layers(backbone: Backbone, x: torch.Tensor, start: int = 0,
-                    stop: int | None = None) -> torch.Tensor:
-    """Layers ``start:stop`` of the backbone on ``[B, S, hidden]`` (positions 0..S-1), or
+                    stop: int | None = None, *, positions: torch.Tensor | None = None,
+                    mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Layers ``start:stop`` of the backbone on ``[B, S, hidden]`` (positions 0..S-1,
+    causal; or ``positions`` and ``mask`` of packed documents, ``document_masks``), or
     under sequence parallelism on this TP rank's piece ``[B, S / tp, hidden]`` (attention
     and MLP gather the whole sequence, ``parallel.tp``)."""
-    seq = x.shape[1] * sequence_parallel_degree(backbone)
-    positions = torch.arange(seq, device=x.device)
+    if positions is None:
+        seq = x.shape[1] * sequence_parallel_degree(backbone)
+        positions = torch.arange(seq, device=x.device)
     for layer in layer_range(backbone, start, stop):
-        x = layer(x, positions)
+        x = layer(x, positions, mask)
     return x
 
 
@@ -457,10 +498,42 @@ def backbone_output(backbone: Backbone, x: torch.Tensor, targets: torch.Tensor,
     return loss, hidden
 
 
-def conditioning(hidden: torch.Tensor, lengths: Sequence[int],
+def conditioning(hidden: torch.Tensor, layouts: Sequence[SequenceLayout],
                  k: int = COND_TOKENS) -> list[torch.Tensor]:
-    """Each sequence's last ``min(k, length)`` real hidden states ``[<=k, hidden]``."""
-    return [hidden[i, max(0, n - k):n] for i, n in enumerate(lengths)]
+    """Per sequence, each document's last ``min(k, length)`` hidden states, the documents'
+    one after the other ``[rows, hidden]`` (``conditioning_rows``)."""
+    out = []
+    for i, lay in enumerate(layouts):
+        parts = [hidden[i, start + max(0, n - k):start + n] for start, n in lay.spans]
+        out.append(parts[0] if len(parts) == 1 else torch.cat(parts))
+    return out
+
+
+def conditioning_rows(layout: SequenceLayout, k: int = COND_TOKENS) -> list[int]:
+    """The rows of each document's conditioning in ``conditioning``'s output."""
+    return [min(k, n) for _, n in layout.spans]
+
+
+def document_targets(conds: Sequence[torch.Tensor], targets: Sequence[GenTargets],
+                     rows: Sequence[Sequence[int]], counts: Sequence[Sequence[int]]
+                     ) -> tuple[list[torch.Tensor], list[GenTargets]]:
+    """Per-sequence conditioning and targets split into their documents' (``rows``: each
+    sequence's documents' conditioning rows, ``conditioning_rows``; ``counts``: their
+    targets, the sizes' ``doc_gen``)."""
+    out_c, out_t = [], []
+    for c, t, r, n in zip(conds, targets, rows, counts, strict=True):
+        if len(r) == 1:
+            out_c.append(c)
+            out_t.append(t)
+            continue
+        at = tt = 0
+        for n_rows, n_targets in zip(r, n, strict=True):
+            out_c.append(c[at:at + n_rows])
+            end = tt + n_targets
+            out_t.append(GenTargets(latents=t.latents[tt:end], noise=t.noise[tt:end],
+                                    timesteps=t.timesteps[tt:end]))
+            at, tt = at + n_rows, end
+    return out_c, out_t
 
 
 def backbone_step(model: Model, image_embeds: Sequence[torch.Tensor],
@@ -471,9 +544,11 @@ def backbone_step(model: Model, image_embeds: Sequence[torch.Tensor],
     batch = backbone_input(backbone, image_embeds, [s.tokens for s in samples],
                            [sample_layout(s, model.patch, model.seq_len) for s in samples],
                            pad_to)
-    x = backbone_layers(backbone, scatter_sequence(backbone, batch.embeds))
+    x = backbone_layers(backbone, scatter_sequence(backbone, batch.embeds),
+                        positions=batch.positions, mask=batch.mask)
     loss, hidden = backbone_output(backbone, x, batch.targets)
-    return loss, conditioning(hidden, batch.lengths)
+    return loss, conditioning(hidden, [sample_layout(s, model.patch, model.seq_len)
+                                       for s in samples])
 
 
 # ---- generators --------------------------------------------------------------------------
@@ -521,8 +596,13 @@ def microbatch_loss(model: Model, samples: Sequence[Sample], norm: Normalizer,
     embeds = encode(model, samples)
     lm_sum, cond = backbone_step(model, embeds, samples, pad_to)
     gen_sum = torch.zeros((), device=lm_sum.device)
+    layouts = [sample_layout(s, model.patch, model.seq_len) for s in samples]
+    rows = [conditioning_rows(lay) for lay in layouts]
     for name in model.generators:
-        gen_sum = gen_sum + generator_step(model, name, cond,
-                                           [s.targets[name] for s in samples])
+        counts = [s.doc_gen[name] if s.doc_gen is not None else (len(s.targets[name]),)
+                  for s in samples]
+        conds, targets = document_targets(cond, [s.targets[name] for s in samples], rows,
+                                          counts)
+        gen_sum = gen_sum + generator_step(model, name, conds, targets)
     total = lm_sum / max(1, norm.text_tokens) + gen_sum / max(1, norm.gen_targets)
     return LossParts(total=total, lm_sum=lm_sum, gen_sum=gen_sum)

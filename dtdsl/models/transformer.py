@@ -98,7 +98,8 @@ class SelfAttention(nn.Module):
 
     ``heads`` and ``kv_heads`` are this rank's heads; ``dim`` is the full model width.
     Input and output ``[B, S, dim]``; ``positions`` (``[S]`` or ``[B, S]``) only
-    matters with ``rope``."""
+    matters with ``rope``; ``mask`` (``[B, 1, S, S]``, True where a query attends a key)
+    replaces the causal rule when given."""
 
     def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, *,
                  causal: bool = False, rope: ir.RoPE | None = None, out_bias: bool = False,
@@ -116,7 +117,8 @@ class SelfAttention(nn.Module):
         self.wo = nn.Linear(heads * head_dim, dim, bias=out_bias)
         self.wo.residual_out = True
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         batch, seq, _ = x.shape
         d = self.head_dim
         # -1 heads: under tensor parallelism a rank's projections hold its heads only.
@@ -127,9 +129,11 @@ class SelfAttention(nn.Module):
             if positions is None:
                 positions = torch.arange(seq, device=x.device)
             q, k = apply_rotary(q, k, positions, self.rope)
+        # ``mask`` ([B, 1, S, S], True: attend): packed documents, each causal within
+        # itself (``models.multimodal.document_masks``); without it plain causal.
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=self.causal,
-            enable_gqa=q.shape[2] != k.shape[2])
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+            is_causal=self.causal and mask is None, enable_gqa=q.shape[2] != k.shape[2])
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -212,8 +216,9 @@ class TransformerLayer(nn.Module):
         self.mlp_norm = _norm(arch, role)
         self.mlp = MLP(h, ffn, swiglu=arch.swiglu, act=arch.act, bias=arch.mlp_bias)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), positions)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), positions, mask)
         return x + self.mlp(self.mlp_norm(x))
 
 

@@ -129,8 +129,8 @@ def _parallelize_backbone(module: Backbone, tp_mesh: Any) -> None:
                     if getattr(layer.mlp, w, None) is not None}
         parallelize_module(layer, tp_mesh, {
             "attn_norm": SequenceParallel(use_local_output=True),
-            "attn": PrepareModuleInput(input_layouts=(Shard(1), None),
-                                       desired_input_layouts=(Replicate(), None)),
+            "attn": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                       desired_input_layouts=(Replicate(), None, None)),
             "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(),
             "attn.wv": ColwiseParallel(),
             "attn.wo": RowwiseParallel(output_layouts=Shard(1)),

@@ -82,12 +82,14 @@ from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan
 from dtdsl.ir.schedule import Action, ActionKind, Schedule
 from dtdsl.models.multimodal import (
-    COND_TOKENS,
     Normalizer,
     backbone_input,
     backbone_layers,
     backbone_output,
     conditioning,
+    conditioning_rows,
+    document_masks,
+    document_targets,
     encoder_input,
     encoder_layers,
     encoder_output,
@@ -464,7 +466,7 @@ class StageExecutor:
         if {role, peer_role} == {"encoder", "backbone"}:
             return lambda i: TensorSpec((image_tokens(self._sizes(i), patch), width),
                                         self.dtype)
-        return lambda i: TensorSpec((min(COND_TOKENS, self._layout(i).length), width),
+        return lambda i: TensorSpec((sum(conditioning_rows(self._layout(i))), width),
                                     self.dtype)
 
     def _pp_specs(self, j: int, direction: str) -> list[TensorSpec]:
@@ -541,6 +543,7 @@ class StageExecutor:
             x = self._leaf(x_in)
             mb.inputs = [x]
             out = self.stage.module(x=x, targets=targets, loss_tokens=self._loss_tokens(ids),
+                                    layouts=[self._layout(i) for i in ids],
                                     loss_rows=self._loss_rows(ids))
         mb.pending = {}
         if role.is_last_stage:
@@ -550,7 +553,7 @@ class StageExecutor:
             if role.is_leader:      # TP ranks hold the same loss: count it once
                 self.lm += mb.loss.detach().double()
             if self.sends_forward:  # the generators' conditioning
-                conds = conditioning(hidden, [self._layout(i).length for i in ids])
+                conds = conditioning(hidden, [self._layout(i) for i in ids])
                 mb.outputs = dict(zip(ids, conds, strict=True))
                 mb.outbox = {i: c.detach() for i, c in mb.outputs.items()}
         else:
@@ -569,7 +572,13 @@ class StageExecutor:
         conds = {i: self._leaf(per_sample[i]) for i in ids}
         mb.inputs = conds
         targets = [to_device(s.targets[name], self.device) for s in samples]
-        gen_sum = self.stage.module([conds[i] for i in ids], targets)
+        # A packed sequence's documents each have their own conditioning and targets.
+        docs_c, docs_t = document_targets(
+            [conds[i] for i in ids], targets,
+            [conditioning_rows(self._layout(i)) for i in ids],
+            [self._sizes(i).doc_gen[name] if self._sizes(i).doc_gen is not None
+             else (self._sizes(i).gen_counts.get(name, 0),) for i in ids])
+        gen_sum = self.stage.module(docs_c, docs_t)
         assert self.norm is not None
         mb.loss = gen_sum / max(1, self.norm.gen_targets)
         if self.role.is_leader:     # TP ranks hold the same loss: count it once
@@ -637,12 +646,17 @@ def _run_backbone(module: Any, *, x: torch.Tensor | None = None,
                   loss_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     st = module.stage_state
     bb = module.units[st.role.unit]
+    assert layouts is not None
     if x is None:
-        assert image_embeds is not None and tokens is not None and layouts is not None
+        assert image_embeds is not None and tokens is not None
         batch = backbone_input(bb, image_embeds, tokens, layouts)
         x, targets = scatter_sequence(bb, batch.embeds), batch.targets
+        positions, mask = batch.positions, batch.mask
+    else:
+        assert targets is not None
+        positions, mask = document_masks(layouts, targets.shape[1], x.device)
     assert targets is not None
-    y = backbone_layers(bb, x, st.start, st.stop)
+    y = backbone_layers(bb, x, st.start, st.stop, positions=positions, mask=mask)
     if st.role.is_last_stage:
         return backbone_output(bb, y, targets, loss_tokens=loss_tokens, loss_rows=loss_rows)
     return y, targets

@@ -112,18 +112,20 @@ def _inputs(program: ir.Program, cost: Any, unit: Any, role: Any, share: float,
         b, h = train.micro_batch, arch.hidden
         s = -(-train.seq_len // role.grid.tp) * role.grid.tp
 
+        layouts = [sequence_layout(s, [], [], [(0, s)], s)] * b
+
         def backbone() -> tuple[tuple, dict]:
             if role.is_first_stage:
                 tokens = [torch.zeros(s, dtype=torch.int64, device=device) for _ in range(b)]
                 embeds = [torch.zeros(0, h, dtype=dtype, device=device) for _ in range(b)]
-                layouts = [sequence_layout(s, [], [], [(0, s)], s)] * b
                 return (), {"image_embeds": embeds, "tokens": tokens, "layouts": layouts,
                             "loss_tokens": b * s}
             # Under sequence parallelism, this TP rank's piece of the sequence.
             x = torch.zeros(b, s // role.grid.tp, h, dtype=dtype, device=device,
                             requires_grad=True)
             return (), {"x": x, "targets": torch.zeros(b, s, dtype=torch.int64,
-                                                       device=device), "loss_tokens": b * s}
+                                                       device=device),
+                        "layouts": layouts, "loss_tokens": b * s}
         return backbone
     if role.role == "encoder":
         patch = arch.patch or 1

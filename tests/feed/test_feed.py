@@ -166,3 +166,35 @@ def test_trainers_that_die_before_announcing_get_their_steps_again(bundle):
             feed.close()                            # rank 0 says done: the worker exits
         worker.join(timeout=30)
     assert not worker.is_alive() and status == [0]
+
+
+def test_packed_sequences_travel_with_their_documents(tmp_path):
+    """With train.packing, a worker's messages carry each position's documents: the
+    trainers' batches equal the in-process ones, sizes (documents included) and all."""
+    spec = tmp_path / "packed.dt"
+    spec.write_text(SPEC.read_text().replace(
+        "  seed             = 1234\n", "  seed             = 1234\n  packing = true\n"))
+    data = tmp_path / "data"
+    assert cli.main(["data", "synth", str(spec), "-o", str(data), "--samples", "60",
+                     "-q"]) == 0
+    out = tmp_path / "bundle"
+    assert cli.main(["compile", str(spec), "-o", str(out), "--data", str(data),
+                     "--workers", "1"]) == 0
+    ctx = FeedContext(out)
+    assert ctx.program.train.packing
+    units = [u.name for u in ctx.plan.units]
+    generators = [g.name for g in ctx.program.generators]
+    source = DatasetSource(ctx.program, ctx.source.path)
+    packed = 0
+    for step in (0, 1):
+        for rank, (meta, arrays) in enumerate(build_messages(ctx, step)):
+            got = read_batch(_Message(meta, arrays), units, generators)
+            want = LocalBatches(ctx.program, ctx.plan, role_of(ctx.plan, rank), source=source,
+                                policy=ctx.policy, work_model=ctx.work_model).batch(step)
+            assert got.sizes == want.sizes and got.normalizer == want.normalizer
+            packed += sum(z.num_docs > 1 for z in got.sizes)
+            for i in want.samples:
+                _same_sample(got.samples[i], want.samples[i])
+                assert got.samples[i].doc_text == want.samples[i].doc_text
+                assert got.samples[i].doc_gen == want.samples[i].doc_gen
+    assert packed > 0
