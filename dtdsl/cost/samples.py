@@ -87,8 +87,88 @@ def _item_sizes(data: ir.Data, modality: str, total: int, rng: np.random.Generat
 
 
 def draw_samples(program: ir.Program, n: int, seed: int = 0) -> SampleSet:
-    """n samples following the spec's data block (only what its modules read)."""
+    """n sequences as the runtime trains on them, drawn from the spec's data block (only
+    what its modules read): each drawn sample cut to ``seq_len`` as the sources cut it
+    (``data.layout``: its encoders' items first, an item that does not fit dropped with
+    those after it, then the text that fits), and with ``train.packing`` the samples packed
+    into sequences as ``data.layout.pack`` packs them (a sequence's text and items are its
+    samples')."""
+    if not program.train.packing:
+        return _cut(program, _draw_documents(program, n, np.random.default_rng(seed)))
+    from dtdsl.data.layout import pack
+
     rng = np.random.default_rng(seed)
+    seq_len = program.train.seq_len
+    docs: list[SampleSet] = []
+    rows: list[list[int]] = []
+    while len(rows) < n:
+        # Draw more documents and pack everything drawn so far (packing is a function of
+        # the stream, so a longer stream only closes more sequences).
+        docs.append(_cut(program, _draw_documents(program, max(2 * n, 64), rng)))
+        stream = _concat(docs)
+        rows = pack(_positions(stream), seq_len, rows=n)
+    return _join(stream, rows)
+
+
+def _positions(samples: SampleSet) -> np.ndarray:
+    """Each sample's positions in the backbone's sequence: its text and encoder items."""
+    total = samples.text_tokens.astype(np.int64).copy()
+    for key, items in samples.items.items():
+        if not key.endswith(".gen"):
+            total += items.tokens().astype(np.int64)
+    return total
+
+
+def _cut(program: ir.Program, samples: SampleSet) -> SampleSet:
+    """Each sample cut to ``seq_len`` (``draw_samples``)."""
+    room = np.full(len(samples), program.train.seq_len, dtype=np.int64)
+    items = dict(samples.items)
+    for key, item in samples.items.items():
+        if key.endswith(".gen") or not len(item.sizes):
+            continue
+        owner = np.repeat(np.arange(len(item.counts)), item.counts)
+        cum = np.cumsum(item.sizes)
+        has = item.counts > 0
+        first = (np.cumsum(item.counts) - item.counts)[has]
+        before = np.repeat(cum[first] - item.sizes[first], item.counts[has])
+        # The items' running total within their sample only grows: what fits is a prefix.
+        keep = cum - before <= room[owner]
+        counts = np.bincount(owner[keep], minlength=len(item.counts)).astype(np.int64)
+        used = np.bincount(owner[keep], weights=item.sizes[keep],
+                           minlength=len(item.counts)).astype(np.int64)
+        room = room - used
+        items[key] = ItemSet(counts=counts, sizes=item.sizes[keep])
+    return SampleSet(text_tokens=np.minimum(samples.text_tokens, room), items=items)
+
+
+def _concat(parts: list[SampleSet]) -> SampleSet:
+    keys = parts[0].items.keys()
+    return SampleSet(
+        text_tokens=np.concatenate([p.text_tokens for p in parts]),
+        items={k: ItemSet(counts=np.concatenate([p.items[k].counts for p in parts]),
+                          sizes=np.concatenate([p.items[k].sizes for p in parts]))
+               for k in keys})
+
+
+def _join(samples: SampleSet, rows: list[list[int]]) -> SampleSet:
+    """The sequences ``rows`` (lists of sample indices) of ``samples``."""
+    order = np.asarray([i for r in rows for i in r], dtype=np.int64)
+    owner = np.repeat(np.arange(len(rows)), [len(r) for r in rows])
+    text = np.bincount(owner, weights=samples.text_tokens[order],
+                       minlength=len(rows)).astype(np.int64)
+    items = {}
+    for key, item in samples.items.items():
+        starts = np.concatenate([[0], np.cumsum(item.counts)[:-1]]).astype(np.int64)
+        sizes = [item.sizes[starts[i]:starts[i] + item.counts[i]] for i in order]
+        counts = np.bincount(owner, weights=item.counts[order],
+                             minlength=len(rows)).astype(np.int64)
+        items[key] = ItemSet(counts=counts, sizes=np.concatenate(sizes) if sizes else
+                             np.zeros(0, dtype=np.int64))
+    return SampleSet(text_tokens=text, items=items)
+
+
+def _draw_documents(program: ir.Program, n: int, rng: np.random.Generator) -> SampleSet:
+    """n samples as the data block draws them, before any cut."""
     data = program.data
     text = draw(data.get("text", "tokens"), n, rng)
     items: dict[str, ItemSet] = {}

@@ -273,6 +273,10 @@ class StageExecutor:
         self.micro: dict[int, _Micro] = {}
         self.lm = torch.zeros((), dtype=torch.float64, device=self.device)
         self.gen = torch.zeros((), dtype=torch.float64, device=self.device)
+        # What this rank's stage took in this step, counted from the tensors themselves
+        # (on a unit's first stage): image patches, backbone positions and the text tokens
+        # among them, generation targets.
+        self.processed = {"patches": 0, "positions": 0, "text_tokens": 0, "targets": 0}
         events: list[Event] = []
         self.stage.begin_step()
         dist.barrier()     # a common origin for every rank's event times
@@ -308,7 +312,7 @@ class StageExecutor:
         return {"step": step, "loss": lm + gen, "lm_loss": lm, "gen_loss": gen,
                 "grad_norm": result.grad_norm, "skipped": result.skipped,
                 "time_s": time.perf_counter() - self._t0, "data_wait_s": batch.wait_s,
-                "events": events}
+                "events": events, "processed": dict(self.processed)}
 
     def train(self, steps: int, *, first_step: int = 0,
               metrics_path: str | Path | None = None,
@@ -502,6 +506,7 @@ class StageExecutor:
         if role.is_first_stage:
             xs = None
             mb.inputs = None
+            self.processed["patches"] += sum(g.shape[0] * g.shape[1] for g in packed.groups)
         else:
             (pending,) = mb.pending.values()
             xs = [self._leaf(t) for t in pending.wait()]
@@ -533,6 +538,9 @@ class StageExecutor:
                           for i in ids}
             mb.inputs = embeds
             tokens = [to_device(s.tokens, self.device) for s in samples]
+            self.processed["text_tokens"] += sum(len(t) for t in tokens)
+            self.processed["positions"] += sum(len(t) for t in tokens) + sum(
+                embeds[i].shape[0] for i in ids)
             out = self.stage.module(image_embeds=[embeds[i] for i in ids], tokens=tokens,
                                     layouts=[self._layout(i) for i in ids],
                                     loss_tokens=self._loss_tokens(ids),
@@ -578,6 +586,7 @@ class StageExecutor:
             [conditioning_rows(self._layout(i)) for i in ids],
             [self._sizes(i).doc_gen[name] if self._sizes(i).doc_gen is not None
              else (self._sizes(i).gen_counts.get(name, 0),) for i in ids])
+        self.processed["targets"] += sum(len(t) for t in docs_t)
         gen_sum = self.stage.module(docs_c, docs_t)
         assert self.norm is not None
         mb.loss = gen_sum / max(1, self.norm.gen_targets)

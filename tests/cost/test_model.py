@@ -97,7 +97,9 @@ def test_costs_grow_with_the_data():
     big = build_cost_model(program("mllm_9b", (
         ("choice([256, 1024, 4096], p=[0.6, 0.3, 0.1])",
          "choice([256, 1024, 4096], p=[0.1, 0.3, 0.6])"),)))
-    assert big.unit("vit").fwd_work.total > 2 * small.unit("vit").fwd_work.total
+    # Larger images, more encoder work; not in proportion: an image that does not fit in
+    # seq_len is dropped, as the data sources drop it.
+    assert big.unit("vit").fwd_work.total > 1.5 * small.unit("vit").fwd_work.total
     assert big.unit("llm").fwd_work == small.unit("llm").fwd_work   # packed to seq_len
 
 

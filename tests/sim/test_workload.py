@@ -102,7 +102,7 @@ def test_intra_balances_the_encoders():
     # Fewer encoder replicas than backbone replicas: each takes several samples of a
     # microbatch step, and intra has something to balance (with as many replicas as the
     # backbone's and one sample per microbatch, every replica takes one sample).
-    program, cost, the_plan, _ = _setup("mllm_9b", "dp(vit) <= 4")
+    program, cost, the_plan, _ = _setup("mllm_9b", "dp(vit) <= 2")
     encoder = next(u for u in the_plan.units if u.role == "encoder")
     backbone = next(u for u in the_plan.units if u.role == "backbone")
     assert 1 < encoder.dp < backbone.dp
@@ -176,7 +176,7 @@ def test_simulated_steps_report_sane_figures():
     assert [s.step for s in plain] == [0, 1]
     for a, b in zip(plain, both, strict=True):
         assert 0 < a.mfu < 1 and 0 <= a.bubble_fraction < 1
-        assert b.imbalance <= a.imbalance
+        assert b.imbalance <= a.imbalance * (1 + 1e-12)   # equal up to rounding
         assert b.iteration_time_s < a.iteration_time_s   # this spec's images are skewed
 
 

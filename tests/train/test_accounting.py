@@ -1,0 +1,84 @@
+"""One token accounting: what each unit of a run takes in, step by step, is what the
+simulator is handed for that step (``data.batch.sample_set`` of the step's sizes, as a
+launched run's predicted timelines simulate it), and the cost model's drawn sequences are
+the runtime's: cut to seq_len, packed as the runtime packs them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dtdsl.cost.samples import draw_samples
+from dtdsl.data.batch import SyntheticSource, sample_set
+from dtdsl.ir import program as ir
+from dtdsl.ir.plan import Plan
+from tests.dist import run
+from tests.specs import variant
+from tests.train.test_executor import plan_for
+
+STEPS = 3
+
+
+def tiny(packing: bool, batch: int = 8) -> ir.Program:
+    text = "  seed             = 1234\n"
+    p = variant(text, text + f"  packing          = {'true' if packing else 'false'}\n")
+    return p.model_copy(update={"train": p.train.model_copy(update={"global_batch": batch})})
+
+
+def _expected(program: ir.Program, sizes) -> dict[str, int]:
+    """What the simulator takes a step's units to process."""
+    ss = sample_set(program, sizes)
+    image = ss.items["image"]
+    return {"patches": int(image.sizes.sum()),
+            "positions": int(ss.text_tokens.sum() + image.sizes.sum()),
+            "text_tokens": int(ss.text_tokens.sum()),
+            "targets": int(ss.items["image.gen"].counts.sum())}
+
+
+def _count(rank: int, world: int, program: ir.Program, plan: Plan) -> None:
+    from dtdsl.parallel.mesh import build_groups
+    from dtdsl.schedule.lower import lower
+    from dtdsl.train.executor import StageExecutor
+
+    groups = build_groups(plan)
+    ex = StageExecutor(program, plan, lower(plan, program), rank=rank, groups=groups)
+    which = {"encoder": ("patches",), "backbone": ("positions", "text_tokens"),
+             "generator": ("targets",)}[ex.role.role]
+    for step in range(STEPS):
+        got = ex.run_step(step)["processed"]
+        want = _expected(program, ex.batch.sizes)
+        for key in which:
+            assert got[key] == want[key] > 0, (ex.role.unit, step, key, got, want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("packing", [False, True], ids=["one-per-sequence", "packed"])
+def test_each_unit_processes_what_the_simulator_assumed(packing):
+    program = tiny(packing)
+    plan = plan_for(program, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, 1, 1),
+                    ("gen", "generator", 1, 1, 1))
+    run(_count, plan.gpus_used, program, plan, timeout=180)
+
+
+@pytest.mark.parametrize("packing", [False, True], ids=["one-per-sequence", "packed"])
+def test_the_cost_models_sequences_are_the_runtimes(packing):
+    """The cost model's drawn sequences and the runtime's (synthetic data, 40 steps) agree
+    in their means: positions, text tokens, images and patches per sequence."""
+    program = tiny(packing, batch=16)
+    source = SyntheticSource(program)
+    runtime = [sample_set(program, source.sizes(step)) for step in range(40)]
+    drawn = draw_samples(program, 4000, seed=5)
+
+    def means(sets):
+        text = np.concatenate([s.text_tokens for s in sets])
+        counts = np.concatenate([s.items["image"].counts for s in sets])
+        patches = np.concatenate([s.items["image"].tokens() for s in sets])
+        return {"text": text.mean(), "images": counts.mean(), "patches": patches.mean(),
+                "positions": (text + patches).mean()}
+
+    got, want = means(runtime), means([drawn])
+    for key in want:
+        assert got[key] == pytest.approx(want[key], rel=0.08), (key, got, want)
+    assert max((s.text_tokens + s.items["image"].tokens()).max() for s in runtime) <= 512
+    if packing:
+        assert got["positions"] > 0.9 * 512         # sequences are filled
