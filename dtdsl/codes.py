@@ -218,8 +218,9 @@ directory gives its `unet/`, with the noise schedule of its
 `scheduler/scheduler_config.json`). The message names what is not supported:
 another `model_type`, a rope scaling or activation dtdsl does not compute,
 SDXL's extra embeddings. A model of the wrong kind for the module's role is
-refused too (a vision tower as the backbone). Paths are relative to the spec's
-folder.
+refused too (a vision tower as the backbone). A generator's `vae = "DIR"` must be
+a diffusers `AutoencoderKL` folder (`DownEncoderBlock2D` blocks, SiLU). Paths are
+relative to the spec's folder.
 
     encoder vit (image) {
       arch = hf("models/clip-vit-large-patch14", feature_layer=-2)
@@ -234,6 +235,8 @@ shape. The message names the first tensor that is missing or has another shape
 with `save_pretrained`, which writes safetensors). Pretrained weights go into an
 `hf(...)` architecture (or none: `pretrained` alone takes the checkpoint's
 own); dtdsl's `transformer(...)` and `unet(...)` are not Hugging Face models.
+A generator's VAE must make latents of the width the generator denoises (its
+`latent_channels`).
 """),
     "DT313": Code("Sequence longer than the model attends", """
 The backbone computes something else past a length, and `seq_len` reaches past

@@ -96,6 +96,23 @@ def make_siglip(path: Path, *, seed: int = 2, layers: int = 3, hidden: int = 32,
     return path
 
 
+def make_vae(path: Path, *, channels: tuple[int, ...] = (16, 32), latent_channels: int = 4,
+             seed: int = 4, shift: float | None = None) -> Path:
+    """A small diffusers AutoencoderKL (SD's layout: DownEncoderBlock2D, mid attention,
+    quant_conv) saved in ``path``."""
+    from diffusers import AutoencoderKL
+
+    quiet()
+    vae = AutoencoderKL(in_channels=3, out_channels=3, block_out_channels=channels,
+                        down_block_types=("DownEncoderBlock2D",) * len(channels),
+                        up_block_types=("UpDecoderBlock2D",) * len(channels),
+                        layers_per_block=1, latent_channels=latent_channels, norm_num_groups=8,
+                        sample_size=32, shift_factor=shift)
+    randomize(vae, seed, std=0.05)
+    vae.save_pretrained(path)
+    return path
+
+
 def make_unet(path: Path, *, sd: int = 2, seed: int = 3, prediction: str = "epsilon",
               context: int = 24, latent: int = 8, channels: tuple[int, ...] = (32, 64),
               pipeline: bool = True) -> Path:

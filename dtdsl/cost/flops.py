@@ -333,3 +333,35 @@ def backward_factor(module: ir.Module | ir.Projector, upstream_trainable: bool) 
     if not module.frozen:
         return 2.0
     return 1.0 if upstream_trainable else 0.0
+
+
+def vae_encoder_forward(vae: ir.VAEArch, side: int) -> Work:
+    """diffusers' AutoencoderKL encoder (``models.vae``) on one ``side x side`` image: its
+    convolutions (3x3 unless said), the mid block's one-head attention over all positions,
+    and ``quant_conv``."""
+    ch, per = vae.block_out_channels, vae.layers_per_block
+
+    def conv(res: float, cin: int, cout: int, k: int = 3) -> float:
+        return 2.0 * res * res * cin * cout * k * k
+
+    def resnet(res: float, cin: int, cout: int) -> float:
+        return conv(res, cin, cout) + conv(res, cout, cout) + (
+            conv(res, cin, cout, 1) if cin != cout else 0.0)
+
+    total = conv(side, vae.in_channels, ch[0])
+    res, prev = float(side), ch[0]
+    for i, c in enumerate(ch):
+        for j in range(per):
+            total += resnet(res, prev if j == 0 else c, c)
+        prev = c
+        if i < len(ch) - 1:
+            res /= 2
+            total += conv(res, c, c)          # the stride-2 downsampling conv
+    c = ch[-1]
+    total += 2 * resnet(res, c, c) + conv(res, c, 2 * vae.latent_channels)
+    if vae.quant_conv:
+        total += conv(res, 2 * vae.latent_channels, 2 * vae.latent_channels, 1)
+    n = res * res
+    matmul = 4 * 2.0 * n * c * c if vae.mid_attention else 0.0
+    attention = 2 * 2.0 * n * n * c if vae.mid_attention else 0.0
+    return Work(matmul=matmul, attention=attention, conv=total)

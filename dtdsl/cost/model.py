@@ -156,6 +156,8 @@ class UnitCost:
     recompute_layer_bytes_tp_split: float = 0.0  # again in backward (and what TP divides)
     tied_head_params: float = 0.0    # a tied LM head: the embedding again on the last stage
                                      # when the first is another (pp > 1)
+    frozen_fwd_work: flops.Work = flops.Work()   # forward only, whole on every TP rank:
+                                     # a generator's VAE encoder on its targets
 
     @property
     def trainable(self) -> bool:
@@ -227,7 +229,15 @@ class CostModel:
 
     def fwd_bwd_time_s(self, unit: UnitCost, tp: int) -> tuple[float, float]:
         """Forward and backward time of one backbone microbatch through the whole unit,
-        TP communication included (Algorithm 1's C(TP), split into its two passes)."""
+        TP communication included (Algorithm 1's C(TP), split into its two passes); a
+        generator's VAE encoding in the forward, not divided by TP."""
+        fwd, bwd = self._fwd_bwd_time_s(unit, tp)
+        eff, w = self.params.efficiency, unit.frozen_fwd_work
+        vae = (w.matmul / eff.matmul + w.attention / eff.attention + w.conv / eff.conv) / \
+            self.peak_flops
+        return fwd + vae, bwd
+
+    def _fwd_bwd_time_s(self, unit: UnitCost, tp: int) -> tuple[float, float]:
         comm = self.tp_comm_time_s(unit, tp)
         bwd_comm = comm if unit.backward_factor else 0.0
         if self.profile is not None:
@@ -418,6 +428,7 @@ class _Acc:
     """What a unit costs, accumulated over its module and projectors."""
 
     work: flops.Work = field(default_factory=flops.Work)
+    frozen: flops.Work = field(default_factory=flops.Work)   # forward only (a VAE)
     model_flops: float = 0.0
     params: float = 0.0
     trainable_params: float = 0.0
@@ -532,6 +543,10 @@ def _unit_cost(program: ir.Program, module: ir.Module, samples: SampleSet) -> Un
             acc.comm = arch.layers * 3 * n * arch.hidden * _BYTES_BF16 * count
         acc.work = per_item * count
         acc.model_flops = acc.work.total * (1 + bwd)
+        if module.vae is not None:
+            acc.frozen = flops.vae_encoder_forward(module.vae, arch.latent *
+                                                   module.vae.downscale) * count
+            acc.model_flops += acc.frozen.total
         for proj in program.projectors:
             if proj.target == module.name:
                 acc.add_projector(proj, cond_tokens * count, upstream=True)
@@ -545,6 +560,7 @@ def _unit_cost(program: ir.Program, module: ir.Module, samples: SampleSet) -> Un
         name=module.name, role=module.role, layers=arch.pipeline_layers,
         params=acc.params, extra_stage_params=min(acc.extra, acc.params),
         trainable_params=acc.trainable_params, backward_factor=bwd,
+        frozen_fwd_work=acc.frozen,
         recompute=module.recompute, fwd_work=acc.work, model_flops=acc.model_flops,
         act_bytes_per_layer=acc.act, act_bytes_per_layer_tp_split=acc.act_split,
         act_peak_ratio=acc.peak_ratio,

@@ -76,14 +76,18 @@ def _seed(*parts: object) -> int:
 
 @dataclass(frozen=True, eq=False)
 class LatentTargets:
-    """One generator's targets for one sample (G items, G may be 0)."""
+    """One generator's targets for one sample (G items, G may be 0): the clean latents, or
+    for a generator with a VAE the images and the posterior's noise that its ranks turn
+    into latents (``models.vae``)."""
 
-    latents: np.ndarray      # [G, C, L, L] float32
-    noise: np.ndarray        # [G, C, L, L] float32
-    timesteps: np.ndarray    # [G] int64 in [0, the generator's timesteps)
+    latents: np.ndarray | None   # [G, C, L, L] float32 (None: ``pixels`` instead)
+    noise: np.ndarray            # [G, C, L, L] float32
+    timesteps: np.ndarray        # [G] int64 in [0, the generator's timesteps)
+    pixels: np.ndarray | None = None   # [G, 3, S, S] uint8, S = L x the VAE's downscale
+    eps: np.ndarray | None = None      # [G, C, L, L] float32: the VAE posterior's noise
 
     def __len__(self) -> int:
-        return int(self.latents.shape[0])
+        return int(self.noise.shape[0])
 
 
 @dataclass(frozen=True, eq=False)
@@ -108,6 +112,7 @@ class _Generator:
     latent: int
     weights: np.ndarray      # [C, 3] for images, [C] for audio
     timesteps: int           # the generator's discrete timesteps
+    vae_size: int | None = None   # with a VAE: the side of the images it encodes
 
 
 def _generator(module: ir.Module) -> _Generator:
@@ -121,9 +126,10 @@ def _generator(module: ir.Module) -> _Generator:
         weights *= IMAGE_LATENT_SCALE
     else:
         weights = rng.choice([-1.0, 1.0], size=c) * AUDIO_LATENT_SCALE
+    vae_size = arch.latent * module.vae.downscale if module.vae is not None else None
     return _Generator(name=module.name, modality=module.modality or "", channels=c,
                       latent=arch.latent, weights=weights.astype(np.float32),
-                      timesteps=arch.timesteps)
+                      timesteps=arch.timesteps, vae_size=vae_size)
 
 
 def _high(data: ir.Data, modality: str, name: str) -> int | None:
@@ -215,6 +221,8 @@ class Decoder:
         from PIL import Image
 
         size = (g.latent, g.latent)
+        if g.vae_size is not None:
+            return self._vae_targets(raw, g)
         if g.modality == "image":
             latents = []
             for image in raw.gen_images:
@@ -236,6 +244,24 @@ class Decoder:
         return LatentTargets(latents=stacked, noise=noise, timesteps=timesteps)
 
 
+    def _vae_targets(self, raw: RawSample, g: _Generator) -> LatentTargets:
+        """A VAE generator's targets: its images at the VAE's size (the shorter side
+        resized, the centre cropped, as diffusers' training scripts do), the posterior's
+        noise, the diffusion noise and timesteps."""
+        assert g.vae_size is not None
+        side = g.vae_size
+        policy = ImagePolicy(patch=1, size=(side, side), shortest_edge=side)
+        images = [policy.resize(self._open(raw, image)) for image in raw.gen_images]
+        pixels = (np.stack(images) if images else np.zeros((0, 3, side, side), np.uint8))
+        shape = (len(images), g.channels, g.latent, g.latent)
+        rng = np.random.default_rng(_seed(self.seed, raw.key, g.name))
+        timesteps = rng.integers(0, g.timesteps, size=len(images), dtype=np.int64)
+        noise = rng.standard_normal(shape, dtype=np.float32)
+        eps = rng.standard_normal(shape, dtype=np.float32)
+        return LatentTargets(latents=None, noise=noise, timesteps=timesteps, pixels=pixels,
+                             eps=eps)
+
+
 def join_decoded(docs: list[DecodedSample], sizes: Any = None) -> DecodedSample:
     """Decoded samples packed into one sequence whose sizes are ``sizes`` (``join_sizes``
     of theirs): their arrays one after the other (one sample: itself)."""
@@ -245,9 +271,14 @@ def join_decoded(docs: list[DecodedSample], sizes: Any = None) -> DecodedSample:
     gen = {}
     for name in docs[0].gen:
         parts = [d.gen[name] for d in docs]
-        gen[name] = LatentTargets(latents=np.concatenate([t.latents for t in parts]),
-                                  noise=np.concatenate([t.noise for t in parts]),
-                                  timesteps=np.concatenate([t.timesteps for t in parts]))
+
+        def cat(field: str, parts: list = parts) -> np.ndarray | None:
+            values = [getattr(t, field) for t in parts]
+            return None if values[0] is None else np.concatenate(values)
+
+        gen[name] = LatentTargets(latents=cat("latents"), noise=cat("noise"),
+                                  timesteps=cat("timesteps"), pixels=cat("pixels"),
+                                  eps=cat("eps"))
     return DecodedSample(
         key="+".join(d.key for d in docs), tokens=np.concatenate([d.tokens for d in docs]),
         images=tuple(im for d in docs for im in d.images),

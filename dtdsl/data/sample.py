@@ -81,12 +81,29 @@ def sample_seed(seed: int, step: int, index: int, what: str = "") -> int:
 class GenTargets:
     """A sample's generation targets for one generator (G of them, G may be 0)."""
 
-    latents: torch.Tensor      # [G, C, L, L] float32: the clean latents x0
+    latents: torch.Tensor | None   # [G, C, L, L] float32: the clean latents x0 (None:
+                                   # a VAE generator's ``pixels`` and ``eps`` instead)
     noise: torch.Tensor        # [G, C, L, L] float32: the noise to predict
     timesteps: torch.Tensor    # [G] int64 in [0, the generator's timesteps)
+    pixels: torch.Tensor | None = None   # [G, 3, S, S] uint8: images the VAE encodes
+    eps: torch.Tensor | None = None      # [G, C, L, L] float32: its posterior's noise
 
     def __len__(self) -> int:
-        return int(self.latents.shape[0])
+        return int(self.noise.shape[0])
+
+    def slice(self, start: int, stop: int) -> GenTargets:
+        """Targets ``start:stop``."""
+        return GenTargets(*(None if t is None else t[start:stop] for t in (
+            self.latents, self.noise, self.timesteps, self.pixels, self.eps)))
+
+    @staticmethod
+    def cat(parts: Sequence[GenTargets]) -> GenTargets:
+        """The targets of ``parts`` one after the other."""
+        def one(field: str) -> torch.Tensor | None:
+            values = [getattr(t, field) for t in parts]
+            return None if values[0] is None else torch.cat(values)
+        return GenTargets(one("latents"), one("noise"), one("timesteps"), one("pixels"),
+                          one("eps"))
 
 
 @dataclass(frozen=True, eq=False)
@@ -234,9 +251,7 @@ def join_samples(docs: Sequence[Sample], sizes: SampleSizes, index: int) -> Samp
     for g in sizes.gen_counts:
         parts = [d.targets[g] for d in docs if g in d.targets]
         if parts:
-            targets[g] = GenTargets(latents=torch.cat([t.latents for t in parts]),
-                                    noise=torch.cat([t.noise for t in parts]),
-                                    timesteps=torch.cat([t.timesteps for t in parts]))
+            targets[g] = GenTargets.cat(parts)
     return Sample(step=docs[0].step, index=index, tokens=torch.cat([d.tokens for d in docs]),
                   images=tuple(im for d in docs for im in d.images), targets=targets,
                   image_at=sizes.image_at, trained=sizes.trained, doc_text=sizes.doc_text,

@@ -13,7 +13,8 @@ A ``batch`` message (``wire`` kind ``"batch"``) carries, for step ``meta["step"]
 - the samples this rank reads, only the parts it reads: ``p<pos>.tokens`` int64,
   ``p<pos>.img<k>`` uint8 ``[3, H, W]`` (decoded images; float32 where the job draws
   synthetic samples), ``p<pos>.<generator>.latents`` / ``.noise`` float32 and
-  ``.timesteps`` int64.
+  ``.timesteps`` int64 (a generator with a VAE: ``.pixels`` uint8 ``[G, 3, S, S]`` and
+  ``.eps`` float32 instead of ``.latents``).
 
 A ``progress`` message (kind ``"progress"``, published by trainer rank 0) says
 ``meta["next_step"]``: the step the trainers need next; ``meta["done"]`` is true once they
@@ -89,7 +90,11 @@ def batch_message(step: int, routing: Sequence[Any], normalizer: Any, samples: M
         for k, image in enumerate(s.images or ()):
             arrays[f"p{pos}.img{k}"] = _array(image)
         for name, t in (s.gen or {}).items():
-            arrays[f"p{pos}.{name}.latents"] = _array(t.latents)
+            if t.latents is not None:
+                arrays[f"p{pos}.{name}.latents"] = _array(t.latents)
+            else:           # a VAE generator: its images (uint8) and posterior noise
+                arrays[f"p{pos}.{name}.pixels"] = _array(t.pixels)
+                arrays[f"p{pos}.{name}.eps"] = _array(t.eps)
             arrays[f"p{pos}.{name}.noise"] = _array(t.noise)
             arrays[f"p{pos}.{name}.timesteps"] = _array(t.timesteps).astype(np.int64,
                                                                             copy=False)
@@ -179,9 +184,14 @@ def read_batch(message: Any, units: Sequence[str], generators: Sequence[str],
         targets = {}
         if "targets" in parts:
             for name in generators:
-                targets[name] = GenTargets(latents=message.tensor(f"p{pos}.{name}.latents"),
+                def opt(field: str, prefix: str = f"p{pos}.{name}") -> Any:
+                    key = f"{prefix}.{field}"
+                    return message.tensor(key) if key in arrays else None
+
+                targets[name] = GenTargets(latents=opt("latents"),
                                            noise=message.tensor(f"p{pos}.{name}.noise"),
-                                           timesteps=message.tensor(f"p{pos}.{name}.timesteps"))
+                                           timesteps=message.tensor(f"p{pos}.{name}.timesteps"),
+                                           pixels=opt("pixels"), eps=opt("eps"))
         layout = sizes[int(pos)] if sizes else None
         samples[int(pos)] = Sample(step=step, index=int(pos), tokens=tokens,
                                    images=tuple(images), targets=targets,

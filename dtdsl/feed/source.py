@@ -87,9 +87,12 @@ def to_sample(step: int, position: int, decoded, parts: frozenset[str],
     targets = {}
     if "targets" in parts:
         for name, t in decoded.gen.items():
-            targets[name] = GenTargets(latents=torch.from_numpy(np.array(t.latents)),
-                                       noise=torch.from_numpy(np.array(t.noise)),
-                                       timesteps=torch.from_numpy(np.array(t.timesteps)))
+            def tensor(x: Any) -> Any:
+                return None if x is None else torch.from_numpy(np.array(x))
+
+            targets[name] = GenTargets(latents=tensor(t.latents), noise=tensor(t.noise),
+                                       timesteps=tensor(t.timesteps), pixels=tensor(t.pixels),
+                                       eps=tensor(t.eps))
     return Sample(step=step, index=position, tokens=tokens, images=images, targets=targets,
                   image_at=decoded.image_at, trained=decoded.trained,
                   doc_text=decoded.doc_text, doc_images=decoded.doc_images,

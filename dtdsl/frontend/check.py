@@ -58,6 +58,9 @@ MODULE_FIELDS = (
     Param("pretrained", StrKind(), doc='pretrained = "models/llama-3-8b"'),
     Param("frozen", BoolKind(), default=False),
     Param("recompute", BoolKind(), default=False),
+    # Generators: the VAE that turns target images into latents (default: the `vae`
+    # folder of the diffusers pipeline the U-Net comes from).
+    Param("vae", StrKind(), doc='vae = "sd-2-1/vae"'),
 )
 PROJECTOR_FIELDS = (
     Param("arch", CallKind(), required=True, doc="arch = mlp(depth=2)"),
@@ -390,12 +393,47 @@ class _Checker:
         weights = None
         if pretrained not in (None, INVALID) and arch is not INVALID:
             weights = self._pretrained(pretrained, decl, arch, source)
-        if not _ok(modality, arch, fields["frozen"], fields["recompute"], weights, pretrained):
+        vae = self._vae(decl, fields["vae"], arch, source, modality)
+        if not _ok(modality, arch, fields["frozen"], fields["recompute"], weights, pretrained,
+                   vae):
             return INVALID
         return ir.Module(name=decl.name, role=decl.role, modality=modality, arch=arch,
                          frozen=fields["frozen"], recompute=fields["recompute"],
                          span=decl.span, hf=source if source is not INVALID else None,
-                         pretrained=weights)
+                         pretrained=weights, vae=vae)
+
+    def _vae(self, decl: ast.Module, text: Any, arch: Any, source: Any, modality: Any) -> Any:
+        """A generator's VAE: the ``vae`` field's folder, else its pipeline's ``vae``; None
+        without one (targets then come as latents: synthetic data's stand-in)."""
+        from dtdsl.models.vae import VAEConfig, VAEError, find_vae
+
+        ctx = self.ctx
+        field = _field(decl.fields, "vae")
+        if text is INVALID or arch is INVALID:
+            return INVALID
+        if text is not None and (decl.role != "generator" or modality != "image"):
+            return ctx.error("DT306", f"only an image generator has a VAE; {decl.role} "
+                             f"{decl.name} does not", field.value.span,
+                             hint="remove the vae field")
+        if text is not None:
+            path, span = self._path(text), field.value.span
+        elif decl.role == "generator" and source not in (None, INVALID) and \
+                source.family == "unet" and (found := find_vae(source.path)) is not None:
+            path, span = found, decl.name_span
+        else:
+            return None
+        try:
+            cfg = VAEConfig.read(path)
+        except VAEError as err:
+            return ctx.error("DT311", str(err), span,
+                             hint="point vae at a diffusers AutoencoderKL folder (config.json "
+                             "and safetensors)")
+        want = getattr(arch, "latent_channels", None)
+        if want is not None and cfg.latent_channels != want:
+            return ctx.error("DT312", f"the VAE in {path} makes {cfg.latent_channels}-channel "
+                             f"latents; generator {decl.name} denoises {want}", span,
+                             hint="use the VAE the generator was trained with")
+        return cfg.arch()
 
     def _arch(self, call: ast.Call, decl: ast.Module, modality: Any) -> Any:
         ctx = self.ctx

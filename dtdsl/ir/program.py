@@ -265,6 +265,26 @@ class MLPArch(IRModel):
 Arch = Annotated[TransformerArch | UNetArch | DiTArch, Field(discriminator="kind")]
 
 
+class VAEArch(IRModel):
+    """A generator's VAE encoder (diffusers' ``AutoencoderKL``): what turns its target
+    images into latents (``models.vae``)."""
+
+    path: str                           # the folder, absolute
+    in_channels: int = 3
+    block_out_channels: tuple[int, ...]
+    layers_per_block: int
+    latent_channels: int
+    norm_num_groups: int
+    scaling_factor: float
+    shift_factor: float = 0.0
+    mid_attention: bool = True
+    quant_conv: bool = True
+
+    @property
+    def downscale(self) -> int:
+        return 2 ** (len(self.block_out_channels) - 1)
+
+
 class Module(IRModel):
     name: str
     role: Literal["encoder", "backbone", "generator"]
@@ -275,6 +295,7 @@ class Module(IRModel):
     span: Span
     hf: HFSource | None = None       # arch = hf("DIR"): where the architecture came from
     pretrained: str | None = None    # pretrained = "DIR": the weights, absolute
+    vae: VAEArch | None = None       # a generator's: its targets' images to latents
 
     @property
     def input_dim(self) -> int:

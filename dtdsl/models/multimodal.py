@@ -239,6 +239,14 @@ class Model(nn.Module):
         self.gen_proj = {g: projector(self.backbone, g) for g in self.generators}
         names = [m.name for m in program.modules] + [p.name for p in program.projectors]
         self.units = nn.ModuleDict({n: build_unit(program, n, seed) for n in names})
+        # Generators' frozen VAE encoders: not units (no parameters to train or save).
+        self.vaes = {}
+        for m in program.generators:
+            if m.vae is not None:
+                from dtdsl.models.vae import VAEConfig, load_vae
+
+                self.vaes[m.name] = load_vae(VAEConfig.of(m.vae),
+                                             device=torch.get_default_device())
 
     def unit(self, name: str) -> nn.Module:
         return self.units[name]
@@ -529,10 +537,8 @@ def document_targets(conds: Sequence[torch.Tensor], targets: Sequence[GenTargets
         at = tt = 0
         for n_rows, n_targets in zip(r, n, strict=True):
             out_c.append(c[at:at + n_rows])
-            end = tt + n_targets
-            out_t.append(GenTargets(latents=t.latents[tt:end], noise=t.noise[tt:end],
-                                    timesteps=t.timesteps[tt:end]))
-            at, tt = at + n_rows, end
+            out_t.append(t.slice(tt, tt + n_targets))
+            at, tt = at + n_rows, tt + n_targets
     return out_c, out_t
 
 
@@ -567,11 +573,19 @@ def generator_step(model: Model, name: str, cond: Sequence[torch.Tensor],
         if len(t):
             groups.setdefault(c.shape[0], []).append((c, t))
     total = torch.zeros((), device=device)
+    vae = getattr(model, "vaes", {}).get(name)
     for members in groups.values():
         context = torch.cat([projector(c)[None].expand(len(t), -1, -1) for c, t in members])
-        x0 = torch.cat([t.latents for _, t in members]).to(device)
-        noise = torch.cat([t.noise for _, t in members]).to(device)
-        steps = torch.cat([t.timesteps for _, t in members]).to(device)
+        batch = GenTargets.cat([t for _, t in members])
+        if batch.latents is not None:
+            x0 = batch.latents.to(device)
+        else:       # a VAE generator: its frozen encoder makes the latents (no gradient)
+            if vae is None:
+                raise ValueError(f"generator {name}'s targets are images, but it has no VAE")
+            assert batch.pixels is not None and batch.eps is not None
+            pixels = batch.pixels.to(device).float().div_(127.5).sub_(1.0)
+            x0 = vae.latents(pixels, batch.eps.to(device))
+        noise, steps = batch.noise.to(device), batch.timesteps.to(device)
         noisy, target = noisy_and_target(arch, x0, noise, steps)
         # In the compute dtype of the generator's parameters (bf16 under mixed precision:
         # the context comes out of its projector in it); the error in fp32.

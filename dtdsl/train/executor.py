@@ -116,9 +116,10 @@ class _Units:
     """The few ``model.Model`` attributes the model's step functions read, for the units
     a stage holds (a rank never builds the whole model)."""
 
-    def __init__(self, program: ir.Program, units: Any):
+    def __init__(self, program: ir.Program, units: Any, vaes: dict[str, Any] | None = None):
         enc = image_encoder(program)
         self.units = units
+        self.vaes = vaes or {}
         self.patch = (enc.arch.patch or 1) if enc is not None else 1
         self.seq_len = program.train.seq_len
         self.backbone = program.backbone.name
@@ -674,7 +675,9 @@ def _run_backbone(module: Any, *, x: torch.Tensor | None = None,
 def _run_generator(module: Any, conds: Sequence[torch.Tensor], targets: Sequence[Any]
                    ) -> torch.Tensor:
     st = module.stage_state
-    return generator_step(_Units(st.program, module.units), st.role.unit, conds, targets)
+    vaes = {st.role.unit: st.vae} if st.vae is not None else None
+    return generator_step(_Units(st.program, module.units, vaes), st.role.unit, conds,
+                          targets)
 
 
 def stage_run(role: str) -> Any:

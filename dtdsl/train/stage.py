@@ -98,6 +98,7 @@ class StageState:
     start: int          # [start, stop) of the unit's layers on this stage
     stop: int
     dtype: torch.dtype  # the compute dtype
+    vae: Any = None     # a generator's frozen VAE encoder (models.vae), outside FSDP
 
     @property
     def seq_len(self) -> int:
@@ -374,8 +375,18 @@ def build_stage(program: ir.Program, plan: Plan, role: RankRole, mesh: Any,
         if frozen:
             stage.units[unit_name].requires_grad_(False)
     stage.train()
+    vae = None
+    if role.role == "generator" and spec.vae is not None:
+        # Frozen and small (SD's encoder: 34M parameters): one whole copy per generator
+        # rank, in fp32 (as diffusers' SD VAE runs), never sharded, trained or saved.
+        from torch._guards import detect_fake_mode
+
+        from dtdsl.models.vae import VAEConfig, load_vae
+
+        vae = load_vae(VAEConfig.of(spec.vae), device=device,
+                       weights=detect_fake_mode() is None)   # memcheck: shapes only
     stage.stage_state = StageState(program=program, role=role, start=start, stop=stop,
-                                   dtype=compute_dtype)
+                                   dtype=compute_dtype, vae=vae)
     built = Stage(module=stage, role=role, start=start, stop=stop,
                   compute_dtype=compute_dtype, tp_sharded=tp_sharded, layers=layers)
     _tie_across_stages(built, spec)
