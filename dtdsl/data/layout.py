@@ -180,4 +180,4 @@ def fit(sizes: SampleSizes, patch: int, seq_len: int) -> SampleSizes:
     n = len(lay.image_starts)
     trained = tuple((a, min(b, lay.text)) for a, b in sizes.trained_ranges if a < lay.text)
     return replace(sizes, text_tokens=lay.text, image_shapes=sizes.image_shapes[:n],
-                   image_at=sizes.places[:n], trained=trained)
+                   image_at=sizes.places[:n], trained=trained, cut=1)

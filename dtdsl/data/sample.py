@@ -184,6 +184,7 @@ class SampleSizes:
     doc_text: tuple[int, ...] | None = None
     doc_images: tuple[int, ...] | None = None
     doc_gen: dict[str, tuple[int, ...]] | None = None
+    cut: int = 0        # how many of its samples were cut to seq_len (``data.layout.fit``)
 
     def __post_init__(self) -> None:
         if self.image_at is None:
@@ -279,7 +280,8 @@ def join_sizes(docs: Sequence[SampleSizes]) -> SampleSizes:
         image_at=tuple(image_at), trained=tuple(trained),
         doc_text=tuple(d.text_tokens for d in docs),
         doc_images=tuple(len(d.image_shapes) for d in docs),
-        doc_gen={g: tuple(d.gen_counts.get(g, 0) for d in docs) for g in names})
+        doc_gen={g: tuple(d.gen_counts.get(g, 0) for d in docs) for g in names},
+        cut=sum(d.cut for d in docs))
 
 
 def sample_sizes(program: ir.Program, step: int, index: int) -> SampleSizes:

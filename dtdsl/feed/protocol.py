@@ -65,6 +65,7 @@ def batch_message(step: int, routing: Sequence[Any], normalizer: Any, samples: M
                                               dtype=np.int64)
         arrays["sizes.trained"] = np.asarray([r for z in sizes for r in z.trained_ranges],
                                              dtype=np.int64).reshape(-1, 2)
+        arrays["sizes.cut"] = np.asarray([z.cut for z in sizes], dtype=np.int64)
         # packed sequences: per position its documents (0: one document, not packed)
         arrays["sizes.ndocs"] = np.asarray([len(z.doc_text) if z.doc_text is not None else 0
                                             for z in sizes], dtype=np.int64)
@@ -149,6 +150,7 @@ def read_batch(message: Any, units: Sequence[str], generators: Sequence[str],
         gens = {name: arrays[f"sizes.gen.{name}"].tolist() for name in generators
                 if f"sizes.gen.{name}" in arrays}
         ndocs = arrays["sizes.ndocs"].tolist()
+        cut = arrays["sizes.cut"].tolist()
         doc_text = arrays["sizes.doc_text"].tolist()
         doc_images = arrays["sizes.doc_images"].tolist()
         doc_gen = {name: arrays[f"sizes.doc_gen.{name}"].tolist() for name in generators
@@ -167,7 +169,8 @@ def read_batch(message: Any, units: Sequence[str], generators: Sequence[str],
             sizes.append(SampleSizes(text_tokens=int(t), image_shapes=tuple(hw[at:at + c]),
                                      gen_counts={g: int(v[i]) for g, v in gens.items()},
                                      image_at=tuple(places[at:at + c]),
-                                     trained=tuple(ranges[r:r + ntrained[i]]), **docs))
+                                     trained=tuple(ranges[r:r + ntrained[i]]), cut=cut[i],
+                                     **docs))
             at, r, d = at + c, r + ntrained[i], d + n
     parts = set(meta["parts"])
     samples = {}

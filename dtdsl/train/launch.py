@@ -175,7 +175,11 @@ class _RunLog:
                   "gen_loss": result["gen_loss"], "grad_norm": result["grad_norm"],
                   "skipped": result["skipped"], "iteration_time_s": wall,
                   "data_wait_s": result["data_wait_s"],
-                  "samples_per_s": n / wall if wall > 0 else 0.0}
+                  "samples_per_s": n / wall if wall > 0 else 0.0,
+                  # samples longer than seq_len, cut there (data.layout), and with packing
+                  # the samples the step's sequences hold
+                  "cut_samples": sum(z.cut for z in batch.sizes),
+                  "documents": sum(z.num_docs for z in batch.sizes)}
         if checkpoint_s is not None:
             record["checkpoint_s"] = checkpoint_s
         self.metrics.write(json.dumps(record) + "\n")
@@ -190,7 +194,9 @@ class _RunLog:
         scalars = {"loss/total": result["loss"], "loss/lm": result["lm_loss"],
                    "loss/gen": result["gen_loss"], "throughput/samples_per_s":
                    record["samples_per_s"], "data/wait_s": result["data_wait_s"],
-                   "data/wait_fraction": result["data_wait_s"] / wall if wall > 0 else 0.0}
+                   "data/wait_fraction": result["data_wait_s"] / wall if wall > 0 else 0.0,
+                   "data/cut_samples": record["cut_samples"],
+                   "data/documents": record["documents"]}
         if result["grad_norm"] is not None:
             scalars["grad_norm"] = result["grad_norm"]
         if checkpoint_s is not None:

@@ -252,6 +252,7 @@ def test_a_pipeline_trains_on_conversations_as_the_reference(tmp_path):
                                                          len(source.dataset.info(i).images)).ids)
               for i, sz in zip(source.indices(0), source.sizes(0), strict=True))
     assert cut > 0, "seq_len 64 cuts some conversations"
+    assert sum(z.cut for z in source.sizes(0)) == cut       # and each is counted
     losses = [r["loss"] for r in train_reference(program, 3, source=source)]
     plan = plan_for(program, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, 1, 2))
     run(_train_llava, plan.gpus_used, program, plan, losses, data, timeout=300)

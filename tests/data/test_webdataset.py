@@ -158,6 +158,8 @@ def test_a_bundle_trains_on_webdataset_shards_and_consumes_each_key_once(tmp_pat
     run_dir = tmp_path / "run"
     launch_ok(bundle, run_dir, "--steps", "4")
     metrics = read_jsonl(run_dir / "metrics.jsonl")
+    # one sample per sequence (no packing), none longer than seq_len
+    assert all(m["documents"] == 16 and m["cut_samples"] == 0 for m in metrics)
     want = reference_losses(4, tmp_path / "shards" / "{000000..000004}.tar", spec)
     assert [m["loss"] for m in metrics] == pytest.approx(want, rel=1e-4)
     for unit in ("vit", "llm", "gen"):
