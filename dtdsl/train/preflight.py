@@ -56,23 +56,23 @@ def check_pretrained(program: ir.Program) -> list[str]:
 
 
 def check_data(program: ir.Program, source: str) -> list[str]:
-    """Problems with the bundle's data (empty: readable). WebDataset shards are indexed
-    here, once, before any worker or trainer opens them."""
+    """Problems with the bundle's data (empty: readable). WebDataset shards and LLaVA
+    JSON are indexed here, and their text's tokens counted with the spec's tokenizer, once,
+    before any worker or trainer opens them."""
     from dtdsl.data.shards import DatasetError
-    from dtdsl.data.sources import open_dataset, source_problem
+    from dtdsl.data.sources import source_problem
+    from dtdsl.data.text import TokenizerError
+    from dtdsl.feed.source import DatasetSource
 
     problem = source_problem(source)
     if problem is not None:
         return [f"data {source}: {problem}"]
     try:
-        with open_dataset(source, program=program,
-                          progress=lambda done, total: print(
-                              f"launch.sh: indexing {source}: {done}/{total} shards",
-                              file=sys.stderr, flush=True) if done in (1, total) else None
-                          ) as dataset:
-            if len(dataset) == 0:
-                return [f"data {source}: no usable sample"]
-    except DatasetError as err:
+        found = DatasetSource(program, source, progress=lambda done, total: print(
+            f"launch.sh: indexing {source}: {done}/{total}", file=sys.stderr,
+            flush=True) if done in (1, total) else None)
+        found.dataset.close()
+    except (DatasetError, TokenizerError) as err:
         return [f"data {source}: {err}"]
     return []
 
