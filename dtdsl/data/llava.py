@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dtdsl.data.cache import cache_path, read_cache, write_cache
 from dtdsl.data.shards import DatasetError, EncodedImage, RawSample, SampleInfo, count_text_tokens
 
 __all__ = ["INDEX_FORMAT", "LlavaDataset", "LlavaIndex", "build_index", "is_llava_source"]
@@ -97,14 +98,7 @@ def _fingerprint(path: Path, folder: Path) -> str:
 
 
 def index_path(path: Path, folder: Path, cache_dir: str | Path | None = None) -> Path:
-    name = f"{_fingerprint(path, folder)[:32]}.json"
-    if cache_dir is not None:
-        return Path(cache_dir) / name
-    beside = path.parent / ".dtdsl-index"
-    if os.access(path.parent, os.W_OK) or beside.is_dir():
-        return beside / name
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "dtdsl" / "index" / name
+    return cache_path(path.parent, f"{_fingerprint(path, folder)[:32]}.json", cache_dir)
 
 
 @dataclass(frozen=True)
@@ -167,13 +161,11 @@ def build_index(path: str | Path, image_folder: str | Path | None = None, *,
         target = index_path(path, folder, cache_dir)
     except OSError as err:
         raise DatasetError(f"cannot read {path}: {err.strerror or err}") from None
-    if not rebuild and target.is_file():
+    data = None if rebuild else read_cache(target, INDEX_FORMAT, INDEX_VERSION)
+    if data is not None:
         try:
-            data = json.loads(target.read_bytes())
-            if data.get("format") == INDEX_FORMAT and data.get("version") == INDEX_VERSION:
-                return LlavaIndex(path, folder, tuple(data["samples"]), data["skipped"],
-                                  target)
-        except (OSError, ValueError, KeyError, TypeError):
+            return LlavaIndex(path, folder, tuple(data["samples"]), data["skipped"], target)
+        except (KeyError, TypeError):
             pass        # unreadable: build it again
     try:
         raw = path.read_bytes()
@@ -202,13 +194,8 @@ def build_index(path: str | Path, image_folder: str | Path | None = None, *,
     index = LlavaIndex(path, folder, tuple(samples), skipped, target)
     body = {"format": INDEX_FORMAT, "version": INDEX_VERSION, "json": str(path),
             "image_folder": str(folder), "skipped": skipped, "samples": samples}
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(target.name + f".{os.getpid()}.partial")
-        tmp.write_text(json.dumps(body, separators=(",", ":")))
-        os.replace(tmp, target)
-    except OSError:
-        return LlavaIndex(path, folder, index.samples, skipped, None)
+    if not write_cache(target, body):
+        return LlavaIndex(path, folder, index.samples, skipped, None)      # not cached
     return index
 
 

@@ -393,13 +393,13 @@ def _dataset_identity(dataset: Any) -> tuple[str, Path | None]:
     if index is not None:           # WebDataset shards, a LLaVA JSON: their index's cache
         where = getattr(index, "cached", None) if hasattr(index, "cached") else index.path
         return (where.stem, where.parent) if where is not None else ("", None)
-    import os
+    from dtdsl.data.cache import user_cache_dir
 
     path = Path(dataset.path) / "index.json"      # a dtdsl dataset: its index
     st = path.stat()
     ident = hashlib.sha256(f"{path}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return ident, cache / "dtdsl" / "index"
+    # never beside it: a dataset's folder holds only what dtc data synth wrote
+    return ident, user_cache_dir()
 
 
 def token_layouts(dataset: Any, tokenizer: HFTokenizer | HashTokenizer, *,
@@ -408,6 +408,8 @@ def token_layouts(dataset: Any, tokenizer: HFTokenizer | HashTokenizer, *,
     (None for a sample whose text does not go with its images: it is left out of the
     run), cached beside the dataset's index, named by the dataset's and the tokenizer's
     fingerprints. The hashing tokenizer's come from the index's counts, nothing read."""
+    from dtdsl.data.cache import read_cache, write_cache
+
     n = len(dataset)
     if isinstance(tokenizer, HashTokenizer):
         out: list[Layout | None] = []
@@ -416,20 +418,17 @@ def token_layouts(dataset: Any, tokenizer: HFTokenizer | HashTokenizer, *,
             t = info.text_tokens
             out.append((t, (0,) * len(info.images), ((1, t),) if t > 1 else ()))
         return out
-    import os
-
     ident, folder = _dataset_identity(dataset)
     name = hashlib.sha256(f"{ident}\0{tokenizer.fingerprint}".encode()).hexdigest()[:32]
     target = folder / f"tokens-{name}.json" if folder is not None else None
-    if target is not None and target.is_file():
+    body = read_cache(target, _LAYOUTS_FORMAT, _LAYOUTS_VERSION) if target else None
+    if body is not None:
         try:
-            body = json.loads(target.read_bytes())
-            if body.get("format") == _LAYOUTS_FORMAT and body.get("version") == \
-                    _LAYOUTS_VERSION and len(body["layouts"]) == n:
+            if len(body["layouts"]) == n:
                 return [None if e is None else (int(e[0]), tuple(e[1]),
                                                 tuple(tuple(r) for r in e[2]))
                         for e in body["layouts"]]
-        except (OSError, ValueError, KeyError, TypeError):
+        except (KeyError, TypeError, IndexError):
             pass          # unreadable: count again
     read = getattr(dataset, "read_text", None) or dataset.read
     layouts: list[Layout | None] = []
@@ -446,16 +445,10 @@ def token_layouts(dataset: Any, tokenizer: HFTokenizer | HashTokenizer, *,
             layouts.append(None)
         if progress is not None and (i % 10_000 == 9_999 or i == n - 1):
             progress(i + 1, n)
-    if target is not None:
-        body = {"format": _LAYOUTS_FORMAT, "version": _LAYOUTS_VERSION,
-                "tokenizer": str(tokenizer.path), "skipped": failed,
-                "layouts": [None if e is None else [e[0], list(e[1]), [list(r) for r in e[2]]]
-                            for e in layouts]}
-        try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            tmp = target.with_name(target.name + f".{os.getpid()}.partial")
-            tmp.write_text(json.dumps(body, separators=(",", ":")))
-            os.replace(tmp, target)
-        except OSError:
-            pass          # not cached: counted again next time
+    if target is not None:       # not cached when it cannot be written: counted again
+        write_cache(target, {
+            "format": _LAYOUTS_FORMAT, "version": _LAYOUTS_VERSION,
+            "tokenizer": str(tokenizer.path), "skipped": failed,
+            "layouts": [None if e is None else [e[0], list(e[1]), [list(r) for r in e[2]]]
+                        for e in layouts]})
     return layouts

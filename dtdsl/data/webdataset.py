@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dtdsl.data.cache import cache_path, read_cache, write_cache
 from dtdsl.data.shards import (
     DatasetError,
     EncodedImage,
@@ -233,14 +234,7 @@ def _fingerprint(shards: Sequence[Path]) -> str:
 
 def index_path(shards: Sequence[Path], cache_dir: str | Path | None = None) -> Path:
     """Where the index of these shards lives (module docstring)."""
-    name = f"{_fingerprint(shards)[:32]}.json"
-    if cache_dir is not None:
-        return Path(cache_dir) / name
-    beside = shards[0].parent / ".dtdsl-index"
-    if os.access(shards[0].parent, os.W_OK) or beside.is_dir():
-        return beside / name
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "dtdsl" / "index" / name
+    return cache_path(shards[0].parent, f"{_fingerprint(shards)[:32]}.json", cache_dir)
 
 
 @dataclass(frozen=True)
@@ -258,14 +252,11 @@ def build_index(shards: Sequence[Path], *, cache_dir: str | Path | None = None,
     ``progress(done, total)`` after each) and cached."""
     shards = [Path(p) for p in shards]
     target = index_path(shards, cache_dir)
-    if not rebuild and target.is_file():
+    data = None if rebuild else read_cache(target, INDEX_FORMAT, INDEX_VERSION)
+    if data is not None and data.get("shards") == [str(p) for p in shards]:
         try:
-            data = json.loads(target.read_bytes())
-            if data.get("format") == INDEX_FORMAT and data.get("version") == INDEX_VERSION \
-                    and data.get("shards") == [str(p) for p in shards]:
-                return WebIndex(tuple(shards), tuple(data["samples"]), data["skipped"],
-                                target)
-        except (OSError, ValueError, KeyError, TypeError):
+            return WebIndex(tuple(shards), tuple(data["samples"]), data["skipped"], target)
+        except (KeyError, TypeError):
             pass          # unreadable: build it again
     scan = _Scan()
     for i, path in enumerate(shards):
@@ -281,12 +272,7 @@ def build_index(shards: Sequence[Path], *, cache_dir: str | Path | None = None,
     body = {"format": INDEX_FORMAT, "version": INDEX_VERSION,
             "shards": [str(p) for p in shards], "skipped": index.skipped,
             "samples": list(index.samples)}
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(target.name + f".{os.getpid()}.partial")
-        tmp.write_text(json.dumps(body, separators=(",", ":")))
-        os.replace(tmp, target)
-    except OSError:
+    if not write_cache(target, body):
         return WebIndex(index.shards, index.samples, index.skipped, None)   # not cached
     return index
 
