@@ -106,7 +106,7 @@ def draw_samples(program: ir.Program, n: int, seed: int = 0) -> SampleSet:
         # the stream, so a longer stream only closes more sequences).
         docs.append(_cut(program, _draw_documents(program, max(2 * n, 64), rng)))
         stream = _concat(docs)
-        rows = pack(_positions(stream), seq_len, rows=n)
+        rows = pack(_positions(stream), seq_len, rows=n)     # closed sequences only
     return _join(stream, rows)
 
 
@@ -120,11 +120,19 @@ def _positions(samples: SampleSet) -> np.ndarray:
 
 
 def _cut(program: ir.Program, samples: SampleSet) -> SampleSet:
-    """Each sample cut to ``seq_len`` (``draw_samples``)."""
-    room = np.full(len(samples), program.train.seq_len, dtype=np.int64)
+    """Each sample cut to ``seq_len`` as ``data.layout.fit`` cuts a synthetic sample (its
+    items first, then its text): an item that does not fit is dropped with all that
+    follows it, text included; a sample whose first item alone does not fit keeps its
+    text, without items."""
+    seq_len = program.train.seq_len
+    room = np.full(len(samples), seq_len, dtype=np.int64)
+    stopped = np.zeros(len(samples), dtype=bool)     # an item was dropped: nothing follows
+    any_kept = np.zeros(len(samples), dtype=bool)
     items = dict(samples.items)
-    for key, item in samples.items.items():
-        if key.endswith(".gen") or not len(item.sizes):
+    encoders = [k for k in samples.items if not k.endswith(".gen")]
+    for key in encoders:
+        item = samples.items[key]
+        if not len(item.sizes):
             continue
         owner = np.repeat(np.arange(len(item.counts)), item.counts)
         cum = np.cumsum(item.sizes)
@@ -132,13 +140,19 @@ def _cut(program: ir.Program, samples: SampleSet) -> SampleSet:
         first = (np.cumsum(item.counts) - item.counts)[has]
         before = np.repeat(cum[first] - item.sizes[first], item.counts[has])
         # The items' running total within their sample only grows: what fits is a prefix.
-        keep = cum - before <= room[owner]
+        keep = (cum - before <= room[owner]) & ~stopped[owner]
         counts = np.bincount(owner[keep], minlength=len(item.counts)).astype(np.int64)
         used = np.bincount(owner[keep], weights=item.sizes[keep],
                            minlength=len(item.counts)).astype(np.int64)
-        room = room - used
+        room, any_kept = room - used, any_kept | (counts > 0)
+        stopped |= counts < item.counts
         items[key] = ItemSet(counts=counts, sizes=item.sizes[keep])
-    return SampleSet(text_tokens=np.minimum(samples.text_tokens, room), items=items)
+    text = np.where(stopped, 0, np.minimum(samples.text_tokens, room))
+    # Nothing would be left: the text alone, without items.
+    alone = stopped & ~any_kept
+    if alone.any():
+        text = np.where(alone, np.minimum(samples.text_tokens, seq_len), text)
+    return SampleSet(text_tokens=text, items=items)
 
 
 def _concat(parts: list[SampleSet]) -> SampleSet:

@@ -9,7 +9,8 @@ token when it follows one), and a token at the sequence's first position is neve
 target (nothing precedes it).
 
 A sample longer than ``seq_len`` is cut at ``seq_len``: text tokens up to the cut stay, an
-image that does not fit whole is dropped with everything after it (``fit``). The data
+image that does not fit whole is dropped with everything after it (``fit``; a sample whose
+first image alone does not fit keeps its text, without images). The data
 sources fit their samples before anything is routed, so the encoders never see an image
 the backbone drops, and ``SequenceLayout.cut`` says that a sample was cut.
 """
@@ -149,8 +150,8 @@ def pack(lengths: Iterable[int], seq_len: int, *, rows: int | None = None,
     ``seq_len``, in stream order: each goes to the first open sequence it fits in, else
     opens one; with more than ``window`` open, the oldest is closed. Returns the
     sequences as lists of document indices, in the order they close (the open ones at
-    the end, oldest first). With ``rows``, stops once that many have closed: the
-    documents still open are not used (the caller's stream decides what follows)."""
+    the end, oldest first). With ``rows``, only closed sequences, at most that many,
+    stopping once that many have closed: the documents still open are not used."""
     done: list[list[int]] = []
     open_rows: list[list[int]] = []
     room: list[int] = []
@@ -169,14 +170,21 @@ def pack(lengths: Iterable[int], seq_len: int, *, rows: int | None = None,
             room[k] -= n
         if rows is not None and len(done) >= rows:
             return done[:rows]
-    return done + open_rows
+    # The stream ended: with ``rows``, only what closed (the caller draws more); without,
+    # the open sequences too.
+    return done if rows is not None else done + open_rows
 
 
 def fit(sizes: SampleSizes, patch: int, seq_len: int) -> SampleSizes:
-    """``sizes`` of the sample cut to ``seq_len`` (itself when it fits)."""
+    """``sizes`` of the sample cut to ``seq_len`` (itself when it fits). A sample whose
+    sequence would be empty (its first image alone is longer than ``seq_len``) keeps its
+    text without its images instead."""
     lay = layout_of(sizes, patch, seq_len)
     if not lay.cut:
         return sizes
+    if lay.length == 0 and sizes.text_tokens > 0 and sizes.image_shapes:
+        return replace(fit(replace(sizes, image_shapes=(), image_at=()), patch, seq_len),
+                       cut=1)
     n = len(lay.image_starts)
     trained = tuple((a, min(b, lay.text)) for a, b in sizes.trained_ranges if a < lay.text)
     return replace(sizes, text_tokens=lay.text, image_shapes=sizes.image_shapes[:n],

@@ -341,7 +341,7 @@ def make_sample(program: ir.Program, step: int, index: int, *,
         ids = [first]
         for k in choice[1:].tolist():
             ids.append(rows[ids[-1]][k])
-        tokens = torch.tensor(ids, dtype=torch.int64)
+        tokens = torch.tensor(ids[:n_text], dtype=torch.int64)   # none when cut to 0
     else:
         tokens = torch.empty(0, dtype=torch.int64)
 

@@ -239,8 +239,9 @@ class Model(nn.Module):
         self.gen_proj = {g: projector(self.backbone, g) for g in self.generators}
         names = [m.name for m in program.modules] + [p.name for p in program.projectors]
         self.units = nn.ModuleDict({n: build_unit(program, n, seed) for n in names})
-        # Generators' frozen VAE encoders: not units (no parameters to train or save).
-        self.vaes = {}
+        # Generators' frozen VAE encoders: not units (nothing to train or save), but
+        # submodules, so the model moves them with it.
+        self.vaes = nn.ModuleDict()
         for m in program.generators:
             if m.vae is not None:
                 from dtdsl.models.vae import VAEConfig, load_vae
@@ -398,16 +399,16 @@ def backbone_input(backbone: Backbone, image_embeds: Sequence[torch.Tensor],
     flat_tokens = torch.cat(kept).to(device) if kept else torch.empty(0, dtype=torch.int64,
                                                                        device=device)
     text = backbone.embed(flat_tokens[None])[0]
-    rows = len(layouts) * width
+    rows, hidden = len(layouts) * width, text.shape[-1]
     if not image_dst and len(text_dst) == rows:
-        embeds = text.view(len(layouts), width, -1)     # text only, no padding: no copy
+        embeds = text.view(len(layouts), width, hidden)   # text only, no padding: no copy
     else:
         embeds = text.new_zeros(rows, text.shape[-1])
         embeds = embeds.index_copy(0, _index(text_dst, device), text)
         if image_dst:
             embeds = embeds.index_copy(0, _index(image_dst, device),
                                        torch.cat(list(image_embeds)).to(text.dtype))
-        embeds = embeds.view(len(layouts), width, -1)
+        embeds = embeds.view(len(layouts), width, hidden)
     target = torch.full((rows,), IGNORE, dtype=torch.int64, device=device)
     if loss_dst:
         target[_index(loss_dst, device)] = flat_tokens[_index(loss_src, device)]
@@ -573,7 +574,8 @@ def generator_step(model: Model, name: str, cond: Sequence[torch.Tensor],
         if len(t):
             groups.setdefault(c.shape[0], []).append((c, t))
     total = torch.zeros((), device=device)
-    vae = getattr(model, "vaes", {}).get(name)
+    vaes = getattr(model, "vaes", {})
+    vae = vaes[name] if name in vaes else None
     for members in groups.values():
         context = torch.cat([projector(c)[None].expand(len(t), -1, -1) for c, t in members])
         batch = GenTargets.cat([t for _, t in members])

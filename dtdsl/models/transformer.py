@@ -130,10 +130,17 @@ class SelfAttention(nn.Module):
                 positions = torch.arange(seq, device=x.device)
             q, k = apply_rotary(q, k, positions, self.rope)
         # ``mask`` ([B, 1, S, S], True: attend): packed documents, each causal within
-        # itself (``models.multimodal.document_masks``); without it plain causal.
+        # itself (``models.multimodal.document_masks``); without it plain causal. With a
+        # mask the KV heads are repeated for their query heads: CUDA's memory-efficient
+        # kernel takes a mask but not grouped heads (it would fall back to the math one).
+        gqa = q.shape[2] != k.shape[2]
+        if mask is not None and gqa:
+            group = q.shape[2] // k.shape[2]
+            k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+            gqa = False
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-            is_causal=self.causal and mask is None, enable_gqa=q.shape[2] != k.shape[2])
+            is_causal=self.causal and mask is None, enable_gqa=gqa)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 

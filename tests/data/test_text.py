@@ -206,3 +206,16 @@ def test_backbone_input_splices_images_at_their_places():
     assert batch.targets[0].tolist() == [IGNORE] * 4 + [7, 8, IGNORE]
     assert batch.targets[1].tolist() == [10] + [IGNORE] * 6
     assert torch.equal(batch.embeds[1, 2:], torch.zeros(5, 8))
+
+
+def test_backbone_input_of_empty_sequences():
+    from dtdsl.ir.program import TransformerArch
+    from dtdsl.models.multimodal import backbone_input
+    from dtdsl.models.transformer import Backbone
+
+    bb = Backbone(TransformerArch(layers=1, hidden=8, heads=2, kv_heads=2, ffn=16, vocab=50,
+                                  causal=True))
+    empty = sequence_layout(0, [], [], [], 16)
+    batch = backbone_input(bb, [torch.zeros(0, 8)], [torch.zeros(0, dtype=torch.int64)],
+                           [empty])
+    assert batch.embeds.shape == (1, 0, 8) and batch.targets.shape == (1, 0)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from dtdsl.cost.samples import draw_samples
 from dtdsl.data.batch import SyntheticSource, sample_set
@@ -82,3 +83,56 @@ def test_the_cost_models_sequences_are_the_runtimes(packing):
     assert max((s.text_tokens + s.items["image"].tokens()).max() for s in runtime) <= 512
     if packing:
         assert got["positions"] > 0.9 * 512         # sequences are filled
+
+
+@pytest.mark.parametrize("packing", [False, True], ids=["one-per-sequence", "packed"])
+@pytest.mark.parametrize("n", [1, 5, 16, 30])
+def test_the_cost_model_draws_as_many_sequences_as_asked(packing, n):
+    assert len(draw_samples(tiny(packing), n, seed=2)) == n
+
+
+def test_the_cost_models_cut_is_the_sources():
+    """Sample by sample, the cost model's cut (``cost.samples``) keeps what ``data.layout.fit``
+    keeps of the same sizes, at a seq_len that cuts many of them."""
+    from dtdsl.cost.samples import _cut, _draw_documents
+    from dtdsl.data.layout import fit
+    from dtdsl.data.sample import SampleSizes
+
+    program = variant("seq_len          = 512", "seq_len          = 80")
+    drawn = _draw_documents(program, 400, np.random.default_rng(3))
+    cut = _cut(program, drawn)
+    image, kept = drawn.items["image"], cut.items["image"]
+    at = np.concatenate([[0], np.cumsum(image.counts)])
+    k_at = np.concatenate([[0], np.cumsum(kept.counts)])
+    changed = 0
+    for i in range(len(drawn)):
+        sides = [int(round(p ** 0.5)) * 8 for p in image.sizes[at[i]:at[i + 1]]]
+        sizes = SampleSizes(text_tokens=int(drawn.text_tokens[i]),
+                            image_shapes=tuple((s, s) for s in sides), gen_counts={})
+        want = fit(sizes, 8, 80)
+        assert cut.text_tokens[i] == want.text_tokens, i
+        assert [(s // 8) ** 2 for s, _ in want.image_shapes] == \
+            kept.sizes[k_at[i]:k_at[i + 1]].tolist(), i
+        changed += want.cut
+    assert changed > 50
+
+
+def test_samples_cut_to_nothing_keep_their_text_and_train():
+    """A sample whose first image alone exceeds seq_len keeps its text (no images); its
+    tensors have exactly its sizes' tokens, and a packed batch's loss is computed."""
+    from dtdsl.data.layout import layout_of
+    from dtdsl.models.multimodal import build_model, loss_normalizer, microbatch_loss
+
+    p = variant("seq_len          = 512", "seq_len          = 48")
+    p = p.model_copy(update={"train": p.train.model_copy(update={"packing": True,
+                                                                  "global_batch": 4})})
+    source = SyntheticSource(p)
+    sizes = source.sizes(0)
+    samples = [source.sample(0, i) for i in range(4)]
+    for z, s in zip(sizes, samples, strict=True):
+        assert len(s.tokens) == z.text_tokens
+        assert all(layout_of(d, 8, 48).length > 0 for d in z.docs())
+    assert sum(z.cut for z in sizes) > 0
+    model = build_model(p)
+    loss = microbatch_loss(model, samples, loss_normalizer(model, samples))
+    assert torch.isfinite(loss.total)
