@@ -346,7 +346,9 @@ arbitrarily large and one sample can dominate a batch. Add `clamp [low, high]`.
 """),
     "DT503": Code("Samples longer than the sequence", """
 A sample can carry more text tokens than `seq_len`, so the longest samples would
-be truncated. The largest value `text.tokens` can take is its distribution's
+be cut: the data sources cut every sample at `seq_len` (text up to the cut, an
+image that does not fit dropped with what follows it) and a run counts them per
+step (`cut_samples` in metrics.jsonl). The largest value `text.tokens` can take is its distribution's
 (a constant's value, uniform's high, the largest choice or empirical value)
 limited by the clamp; for lognormal and zipf it is the upper clamp (without one,
 DT502 says the distribution is unbounded). Clamp the tokens at seq_len or raise it.
