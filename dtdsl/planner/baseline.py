@@ -2,13 +2,17 @@
 
 One TP degree and one DP degree for the whole model. The encoders and generators
 become extra pipeline stages of the backbone's pipeline, before and after it,
-and since a pipeline stage spans one TP group, each of those stages is
-replicated across the TP group's GPUs: every rank computes the whole encoder (or
-generator) stage, so TP buys them nothing. Every unit has the backbone's DP and
-microbatch, and the pipeline is one chain, encoders one after another.
+ONE stage each, as Megatron-LM's multimodal training does it (its LLaVA model
+provider, ``examples/multimodal/model.py``, asserts
+``encoder_pipeline_model_parallel_size <= 1``: "LLaVA does not support pp>1 for
+encoder on it's own pipeline rank"). A pipeline stage spans one TP group, so each
+of those stages is replicated across the TP group's GPUs: every rank computes the
+whole encoder (or generator) stage, so TP buys them nothing. Every unit has the
+backbone's DP and microbatch, and the pipeline is one chain, encoders one after
+another. ``docs/planner.md`` describes it with its source.
 
-The baseline is the best such layout (every allowed TP, DP and pipeline split),
-so speedups over it are not against a straw man.
+The baseline is the best such layout (every allowed TP, DP and backbone pipeline
+split), so speedups over it are not against a straw man.
 """
 
 from __future__ import annotations
@@ -38,7 +42,9 @@ def plan_baseline(cost: CostModel, num_gpus: int | None = None, *,
     space = Space(ev)
     b = space.backbone
     replicated = tuple(i != b for i in range(space.n))
-    choices = [np.asarray(efficient_pps(u.layers, space.pps(i)))
+    # The backbone's pipeline is split as it fits best; every other unit is one stage.
+    choices = [np.asarray(efficient_pps(u.layers, space.pps(i)) if i == b else
+                          [p for p in space.pps(i) if p == 1])
                for i, u in enumerate(space.units)]
     if any(c.size == 0 for c in choices):
         raise no_layout_fits(space)

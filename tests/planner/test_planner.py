@@ -177,6 +177,17 @@ def test_baseline_is_megatron_rigid_layout():
     assert best.iteration_time_s < base.iteration_time_s
 
 
+@pytest.mark.parametrize("name,gpus", [("mllm_9b", 64), ("mllm_15b", 128), ("mllm_72b", 1172),
+                                       ("audio_image", 99)])
+def test_the_baseline_gives_encoders_and_generators_one_stage_each(name, gpus):
+    """Megatron-LM's multimodal model provider asserts encoder_pipeline_model_parallel_size
+    <= 1: an encoder or generator never gets more than one pipeline stage of its own."""
+    base = plan_baseline(cost(name), gpus)
+    assert [u.pp for u in base.units if u.role != "backbone"] == \
+        [1] * sum(u.role != "backbone" for u in base.units)
+    assert base.unit(next(u.name for u in base.units if u.role == "backbone")).pp > 1
+
+
 def test_more_gpus_never_make_the_plan_slower():
     times = [plan_convex(cost("mllm_15b"), n).iteration_time_s for n in (32, 48, 64, 96, 128)]
     assert all(b <= a * (1 + TOLERANCE) for a, b in itertools.pairwise(times))
