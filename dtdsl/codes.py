@@ -348,10 +348,11 @@ arbitrarily large and one sample can dominate a batch. Add `clamp [low, high]`.
 A sample can carry more text tokens than `seq_len`, so the longest samples would
 be cut: the data sources cut every sample at `seq_len` (text up to the cut, an
 image that does not fit dropped with what follows it) and a run counts them per
-step (`cut_samples` in metrics.jsonl). The largest value `text.tokens` can take is its distribution's
-(a constant's value, uniform's high, the largest choice or empirical value)
-limited by the clamp; for lognormal and zipf it is the upper clamp (without one,
-DT502 says the distribution is unbounded). Clamp the tokens at seq_len or raise it.
+step (`cut_samples` in metrics.jsonl). The largest value `text.tokens` can take
+is its distribution's (a constant's value, uniform's high, the largest choice or
+empirical value) limited by the clamp; for lognormal and zipf it is the upper
+clamp (without one, DT502 says the distribution is unbounded). Clamp the tokens
+at seq_len or raise it.
 
     text.tokens ~ uniform(16, 400) clamp [1, 200]    # with seq_len = 128
 """),

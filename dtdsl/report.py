@@ -80,8 +80,11 @@ def _summary(plan: Plan) -> list[str]:
         f"{format_seconds(plan.warmup_time_s)}, steady {format_seconds(plan.steady_time_s)}, "
         f"gradient sync {format_seconds(plan.dp_sync_time_s)})",
         f"MFU             {plan.mfu:.1%}  ({format_flops(plan.model_flops_per_iteration)} "
-        f"per iteration of {plan.global_batch} samples)",
+        f"per iteration of {plan.global_batch} samples; causal attention half)",
     ]
+    if plan.mfu_full_attention is not None:
+        lines.append(f"MFU, paper-era  {plan.mfu_full_attention:.1%}  (causal attention "
+                     "counted whole: Megatron-LM 2021, DistTrain)")
     if plan.search == "baseline":
         lines.append("speedup         1.00x  (this is the Megatron-LM baseline)")
     elif plan.speedup is not None:

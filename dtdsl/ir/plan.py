@@ -60,7 +60,10 @@ class Plan(BaseModel):
     steady_time_s: float
     dp_sync_time_s: float
     model_flops_per_iteration: float
-    mfu: float
+    mfu: float                            # causal attention counted as the half it computes
+    # MFU with causal attention counted whole (the paper-era convention of Megatron-LM's
+    # 2021 formula and DistTrain); None in plans written before it existed.
+    mfu_full_attention: float | None = None
     solve_time_s: float
     candidates: int                       # TP/DP combinations considered
     convex_solves: int                    # cvxpy problems solved (convex search)

@@ -67,6 +67,14 @@ class Evaluator:
                if "generator" in self.roles else 0.0)
         self.model_flops_per_iteration = sum(u.model_flops for u in self.units) * \
             self.total_microbatches
+        # The other convention: causal attention counted whole, as the paper-era formula
+        # (Narayanan et al. 2021, DistTrain) counts it; the model FLOPs above count the
+        # half a causal mask computes.
+        causal = [u for u in self.units
+                  if u.role == "backbone" and program.backbone.arch.causal]
+        self.model_flops_full_attention_per_iteration = self.model_flops_per_iteration + sum(
+            u.fwd_work.attention * (1 + u.backward_factor) for u in causal) * \
+            self.total_microbatches
 
     def fwd_bwd(self, index: int, tp: int) -> tuple[float, float]:
         """C_u(tp), split into forward and backward, per backbone microbatch."""
@@ -158,10 +166,12 @@ class Evaluator:
                         steady_s=steady, sync_s=sync_s, gpus=gpus, stage_time_s=tuple(stage),
                         memory_bytes=tuple(memory), vpp=tuple(vpps))
 
-    def mfu(self, iteration_time_s: float) -> float:
-        """Model FLOPs per iteration over what the whole cluster could do in that time."""
-        return self.model_flops_per_iteration / (
-            iteration_time_s * self.num_gpus * self.cost.peak_flops)
+    def mfu(self, iteration_time_s: float, *, full_attention: bool = False) -> float:
+        """Model FLOPs per iteration over what the whole cluster could do in that time
+        (``full_attention``: causal attention counted whole, the paper-era convention)."""
+        flops = self.model_flops_full_attention_per_iteration if full_attention else \
+            self.model_flops_per_iteration
+        return flops / (iteration_time_s * self.num_gpus * self.cost.peak_flops)
 
 
 def _sum(values: list, empty):

@@ -91,6 +91,7 @@ def make_plan(ev, search: str, layout: Layout, *, solve_time_s: float, candidate
         warmup_time_s=float(est.warmup_s), steady_time_s=float(est.steady_s),
         dp_sync_time_s=float(est.sync_s),
         model_flops_per_iteration=ev.model_flops_per_iteration, mfu=ev.mfu(iteration),
+        mfu_full_attention=ev.mfu(iteration, full_attention=True),
         solve_time_s=solve_time_s, candidates=candidates, convex_solves=convex_solves,
         evaluated=evaluated, baseline_iteration_time_s=baseline_iteration_time_s,
         units=tuple(units))

@@ -233,3 +233,24 @@ def test_module_too_large_for_any_layout_points_at_the_module():
 def test_exhaustive_refuses_large_clusters():
     with pytest.raises(ValueError, match="128 GPUs"):
         plan_exhaustive(cost("tiny_cpu"), 200)
+
+
+def test_mfu_is_reported_in_both_conventions():
+    """The paper-era MFU counts the backbone's causal attention whole: its model FLOPs are
+    the half-counted ones plus the backbone's attention once more, fwd and bwd, and equal
+    Megatron-LM's formula for the backbone with full attention."""
+    from dtdsl.cost import flops
+
+    c = cost("mllm_9b")
+    result = plan_convex(c, 64)
+    llm = next(u for u in c.units if u.role == "backbone")
+    extra = llm.fwd_work.attention * (1 + llm.backward_factor) * c.program.train.num_microbatches
+    ratio = (result.model_flops_per_iteration + extra) / result.model_flops_per_iteration
+    assert result.mfu_full_attention == pytest.approx(result.mfu * ratio, rel=1e-12)
+    assert result.mfu < result.mfu_full_attention < 1
+    arch = c.program.backbone.arch
+    train = c.program.train
+    whole = flops.backbone_flops_megatron(arch.model_copy(update={"causal": False}),
+                                          train.seq_len, train.global_batch)
+    half = flops.backbone_forward(arch, train.seq_len).total * 3 * train.global_batch
+    assert half + extra == pytest.approx(whole, rel=1e-9)
