@@ -134,6 +134,7 @@ class DatasetSource:
                                "the spec's tokenizer")
         self._doc_sizes: dict[int, Any] = {}
         self._rows = lru_cache(maxsize=8)(self._step_rows)
+        self._sizes = lru_cache(maxsize=8)(self._step_sizes)
         self._epoch_rows = lru_cache(maxsize=2)(self._pack_epoch)
         self._epoch_counts: dict[int, int] = {}
 
@@ -210,11 +211,15 @@ class DatasetSource:
             self.patch or 1, self.program.train.seq_len)
         return found
 
-    def sizes(self, step: int) -> list:
-        """Every position's sizes (a packed sequence's: its samples' joined)."""
+    def _step_sizes(self, step: int) -> tuple:
         from dtdsl.data.sample import join_sizes
 
-        return [join_sizes([self.doc_sizes(i) for i in r]) for r in self.rows(step)]
+        return tuple(join_sizes([self.doc_sizes(i) for i in r]) for r in self.rows(step))
+
+    def sizes(self, step: int) -> list:
+        """Every position's sizes (a packed sequence's: its samples' joined); made once
+        per step, however many positions a worker decodes."""
+        return list(self._sizes(step))
 
     def _decode_one(self, i: int):
         import dataclasses
@@ -238,7 +243,7 @@ class DatasetSource:
 
         row = self.rows(step)[position]
         return join_decoded([self._decode_one(i) for i in row],
-                            self.sizes(step)[position] if len(row) > 1 else None)
+                            self._sizes(step)[position] if len(row) > 1 else None)
 
     def sample(self, step: int, position: int,
                parts: frozenset[str] = frozenset({"tokens", "images", "targets"}),

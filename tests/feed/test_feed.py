@@ -36,16 +36,20 @@ def test_stream_order_is_a_permutation_per_epoch_and_a_function_of_seed_and_step
         stream_indices(7, 0, 0, batch)
 
 
-@pytest.fixture(scope="module")
-def bundle(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("feed")
+def make_bundle(root: Path, spec: Path, samples: int) -> Path:
+    """``spec``'s bundle with one worker, fed by a dataset of ``samples`` synthesised here."""
     data = root / "data"
-    assert cli.main(["data", "synth", str(SPEC), "-o", str(data), "--samples", "40",
+    assert cli.main(["data", "synth", str(spec), "-o", str(data), "--samples", str(samples),
                      "-q"]) == 0
     out = root / "bundle"
-    assert cli.main(["compile", str(SPEC), "-o", str(out), "--data", str(data),
+    assert cli.main(["compile", str(spec), "-o", str(out), "--data", str(data),
                      "--workers", "1"]) == 0
     return out
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory) -> Path:
+    return make_bundle(tmp_path_factory.mktemp("feed"), SPEC, 40)
 
 
 class _Message:
@@ -174,13 +178,7 @@ def test_packed_sequences_travel_with_their_documents(tmp_path):
     spec = tmp_path / "packed.dt"
     spec.write_text(SPEC.read_text().replace(
         "  seed             = 1234\n", "  seed             = 1234\n  packing = true\n"))
-    data = tmp_path / "data"
-    assert cli.main(["data", "synth", str(spec), "-o", str(data), "--samples", "60",
-                     "-q"]) == 0
-    out = tmp_path / "bundle"
-    assert cli.main(["compile", str(spec), "-o", str(out), "--data", str(data),
-                     "--workers", "1"]) == 0
-    ctx = FeedContext(out)
+    ctx = FeedContext(make_bundle(tmp_path, spec, 60))
     assert ctx.program.train.packing
     units = [u.name for u in ctx.plan.units]
     generators = [g.name for g in ctx.program.generators]
