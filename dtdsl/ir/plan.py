@@ -71,6 +71,12 @@ class Plan(BaseModel):
     baseline_iteration_time_s: float | None = None
     units: tuple[UnitPlan, ...]
 
+    @property
+    def rigid(self) -> bool:
+        """Megatron-LM's layout (the baseline): one chain of stages per DP replica, every
+        unit with the backbone's DP, so a sample stays on its replica's pipeline."""
+        return self.search == "baseline"
+
     @model_validator(mode="before")
     @classmethod
     def _drop_derived(cls, data: Any) -> Any:

@@ -7,11 +7,17 @@ send was posted plus the transfer time on the link; SYNC and OPT take their dura
 So every action starts at the later of the end of the previous action on its stage and
 the arrival of what it receives, and the iteration ends with the last action.
 
-The data-parallel replicas of a stage start each action together and the stage goes on
-when the slowest has finished: every replica exchanges data with its neighbours through
-the broker (fan-in and fan-out between units of different DP sizes), so a microbatch
-waits for the slowest replica that feeds it. The timeline still shows each replica's
-own duration, so the idle time that data imbalance causes is visible.
+Who waits for whom. Every data-parallel replica of a stage runs its own program with its
+own durations. Within a unit, replica r of one stage exchanges activations and gradients
+with replica r of the next (its own pipeline). Between units the broker couples replicas
+exactly where samples cross (``dtdsl.parallel.broker``: a pair of replicas that carries
+no sample of a step exchanges no message): replica r of the consumer waits, at step j,
+for the producer replicas holding its samples of step j (``Durations.routes``; without
+routes, every producer replica, the broker's worst case), and gradients go back the same
+pairs. A stage's gradient synchronisation is a collective over its replicas: SYNC starts
+when the last replica reaches it. So the replicas of a rigid pipeline (the same replica
+index in every unit, Megatron-LM's layout) are independent pipelines that meet only at
+the gradient sync, and data imbalance shows as each replica's own idle time.
 
 Speed: ``Simulator(schedule)`` compiles the schedule once into a topologically ordered
 list of nodes (forwards, backwards, SYNC, OPT; sends fold into the node before them and
@@ -20,12 +26,14 @@ by a send become a wait node of no duration, so the send is posted after they ar
 with two inputs each, ``start = max(end[a] + wa, end[b] + wb)``; ``run(durations)`` is
 then one plain loop over the nodes, so many iterations with different sample costs share
 the compilation. 32 stages x 256 microbatches (16k passes) run in a few milliseconds.
+Schedules with data parallelism run the same nodes per replica (a list of replica times
+per node, the routes read per step), a few times slower per node.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -52,12 +60,16 @@ class Durations:
     (activations from src to dst, or gradients from src back to dst; src == dst for the
     hops between a unit's own stages); missing links take no time.
     ``sync_s[unit]``, ``opt_s[unit]``: shape (pp,): the gradient synchronisation and the
-    optimizer step of each stage (zero when missing)."""
+    optimizer step of each stage (zero when missing).
+    ``routes[(producer, consumer)]``: bool, shape (M, producer dp, consumer dp): whether
+    replica q of the producer sends samples of microbatch step j to replica r of the
+    consumer (and gets their gradients back); a missing edge couples every pair."""
 
     compute_s: Mapping[str, np.ndarray]
     link_s: Mapping[tuple[str, str], float] = field(default_factory=dict)
     sync_s: Mapping[str, np.ndarray] = field(default_factory=dict)
     opt_s: Mapping[str, np.ndarray] = field(default_factory=dict)
+    routes: Mapping[tuple[str, str], np.ndarray] = field(default_factory=dict)
 
     @staticmethod
     def uniform(schedule: Schedule, forward_s: float, backward_s: float, *,
@@ -82,17 +94,20 @@ class SimResult:
 
     simulator: Simulator
     durations: Durations
-    start_s: np.ndarray
-    end_s: np.ndarray
+    start_s: np.ndarray           # per node: when its first replica starts
+    end_s: np.ndarray             # per node: when its last replica ends
+    node_s: np.ndarray            # per node: its slowest replica's seconds
     iteration_time_s: float
+    # (nodes, largest dp): when each replica of a node starts (NaN past its unit's dp);
+    # None when every replica starts together (no data parallelism).
+    replica_start_s: np.ndarray | None = None
 
     def busy_s(self) -> dict[str, float]:
         """Per unit stage (``llm.s1``): seconds of compute on its slowest replica."""
         sim = self.simulator
-        dur = self.end_s - self.start_s
         out: dict[str, float] = {}
         for name, (lo, hi) in sim.stage_compute.items():
-            out[name] = float(dur[sim.compute_nodes[lo:hi]].sum())
+            out[name] = float(self.node_s[sim.compute_nodes[lo:hi]].sum())
         return out
 
     def bubble_fraction(self) -> dict[str, float]:
@@ -166,7 +181,13 @@ class Simulator:
                 if kind.is_recv:
                     key = (kind.direction, a.peer_unit, a.peer_stage, a.peer_chunk, a.unit,
                            a.stage, a.chunk, a.microbatch)
-                    pending.append((key, link_index.get((a.peer_unit, a.unit), -1)))
+                    # Between units the broker decides which replicas exchange: the
+                    # forward edge (producer, consumer), the step, and the direction.
+                    backward = kind.direction is B
+                    edge = None if a.peer_unit == a.unit else (
+                        ((a.unit, a.peer_unit) if backward else (a.peer_unit, a.unit)),
+                        a.microbatch, backward)
+                    pending.append((key, link_index.get((a.peer_unit, a.unit), -1), edge))
                     continue
                 if kind is F or kind is B:
                     d = _FWD if kind is F else _BWD
@@ -187,18 +208,22 @@ class Simulator:
         # Pass 2: inputs as node ids; the previous node on the stage is an input too.
         n = len(raw)
         inputs: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+        # The same inputs with the broker's edge of each (None: replica to replica).
+        routed: list[list[tuple[int, int, tuple | None]]] = [[] for _ in range(n)]
         for nodes in stage_nodes:
             prev = -1
             for v in nodes:
                 if prev >= 0:
                     inputs[v].append((prev, -1))
-                for key, link in raw[v][6]:
+                    routed[v].append((prev, -1, None))
+                for key, link, edge in raw[v][6]:
                     if key not in producer:
                         raise ScheduleError([f"a receive at node {v} has no send "
                                              "(validate the schedule first)"], schedule, ())
                     src = producer[key]
                     if src >= 0:
                         inputs[v].append((src, link))
+                        routed[v].append((src, link, edge))
                 prev = v
 
         # Topological order (Kahn); a cycle is a deadlock.
@@ -283,6 +308,22 @@ class Simulator:
         self.stage_compute = stage_compute
         self._stage_nodes = stage_nodes
 
+        # Per replica: the nodes in topological order with their inputs (by position in
+        # that order), their unit's replica count, where their durations are and whether
+        # they are a collective over the replicas (SYNC).
+        self.replicated = any(u.dp > 1 for u in schedule.units)
+        position = {v: k for k, v in enumerate(order)}
+        unit_index = {u.name: k for k, u in enumerate(schedule.units)}
+        lanes: list[tuple] = []
+        for v in order:
+            si, kind, slot, unit, _, _, _ = raw[v]
+            u = units[unit]
+            ins = tuple((position[src], link, edge) for src, link, edge in routed[v])
+            local = slot - base[unit] if slot >= 0 else slot
+            lanes.append((ins, u.dp, unit_index[unit], local, new_id[v],
+                          slot == -1 and kind is ActionKind.SYNC))
+        self._lane_nodes = lanes
+
     # ---- running ----------------------------------------------------------------------------
 
     def _flat_durations(self, durations: Durations) -> tuple[np.ndarray, np.ndarray]:
@@ -314,6 +355,8 @@ class Simulator:
         for node, unit, stage in self._opt_nodes:
             if unit in durations.opt_s:
                 dur[node] = float(np.asarray(durations.opt_s[unit])[stage])
+        if self.replicated or durations.routes:
+            return self._run_replicas(durations, dur, links)
         wa = links[self._a_link].tolist()
         wb = links[self._b_link].tolist()
         d = dur.tolist()
@@ -329,7 +372,82 @@ class Simulator:
             i += 1
         end_arr = np.asarray(end[:n])
         return SimResult(simulator=self, durations=durations, start_s=end_arr - dur,
-                         end_s=end_arr, iteration_time_s=float(end_arr.max(initial=0.0)))
+                         end_s=end_arr, node_s=dur,
+                         iteration_time_s=float(end_arr.max(initial=0.0)))
+
+    def _feeders(self, durations: Durations) -> Callable[[tuple], list | None]:
+        """Per broker edge, step and direction: for each receiving replica, the sending
+        replicas it waits for (None: all of them)."""
+        m = self.schedule.num_microbatches
+        dps = {u.name: u.dp for u in self.schedule.units}
+        routes = {}
+        for (a, b), mask in durations.routes.items():
+            mask = np.asarray(mask, dtype=bool)
+            want = (m, dps.get(a, -1), dps.get(b, -1))
+            if mask.shape != want:
+                raise ValueError(f"routes[{(a, b)!r}] has shape {mask.shape}, expected {want} "
+                                 "(microbatch, producer replica, consumer replica)")
+            routes[(a, b)] = mask
+        cache: dict[tuple, list | None] = {}
+
+        def feeders(key: tuple) -> list | None:
+            if key not in cache:
+                edge, j, backward = key
+                mask = routes.get(edge)
+                if mask is None:
+                    cache[key] = None
+                else:
+                    pairs = mask[j] if backward else mask[j].T    # (receiver, sender)
+                    cache[key] = [np.flatnonzero(row).tolist() for row in pairs]
+            return cache[key]
+
+        return feeders
+
+    def _run_replicas(self, durations: Durations, dur: np.ndarray,
+                      links: np.ndarray) -> SimResult:
+        """The iteration replica by replica (see the module docstring)."""
+        per_unit = [np.asarray(durations.compute_s[u.name], dtype=float)
+                    .reshape(-1, u.dp).tolist() for u in self.schedule.units]
+        link = links.tolist()
+        feeders = self._feeders(durations)
+        tail = dur.tolist()
+        starts: list[list[float]] = []
+        ends: list[list[float]] = []
+        for ins, dp, ui, local, node, barrier in self._lane_nodes:
+            cur = [0.0] * dp
+            for src, li, edge in ins:
+                e, w = ends[src], link[li]
+                if edge is None:
+                    cur = [c if c > x + w else x + w for c, x in zip(cur, e, strict=True)]
+                    continue
+                fed = feeders(edge)
+                if fed is None:
+                    t = max(e) + w
+                    cur = [c if c > t else t for c in cur]
+                else:
+                    cur = [max(c, max(e[q] for q in qs) + w) if qs else c
+                           for c, qs in zip(cur, fed, strict=True)]
+            if barrier:
+                cur = [max(cur)] * dp
+            if local >= 0:
+                end = [c + x for c, x in zip(cur, per_unit[ui][local], strict=True)]
+            else:
+                d = tail[node]
+                end = [c + d for c in cur]
+            starts.append(cur)
+            ends.append(end)
+        n = self.num_nodes
+        width = max(u.dp for u in self.schedule.units)
+        replica_start = np.full((n, width), np.nan)
+        start_arr = np.zeros(n)
+        end_arr = np.zeros(n)
+        for (_, dp, _, _, node, _), s, e in zip(self._lane_nodes, starts, ends, strict=True):
+            replica_start[node, :dp] = s
+            start_arr[node] = min(s)
+            end_arr[node] = max(e)
+        return SimResult(simulator=self, durations=durations, start_s=start_arr,
+                         end_s=end_arr, node_s=dur, replica_start_s=replica_start,
+                         iteration_time_s=float(end_arr.max(initial=0.0)))
 
     # ---- timelines --------------------------------------------------------------------------
 
@@ -341,7 +459,7 @@ class Simulator:
         by_name = {u.name: u for u in tunits}
         compute = {name: np.asarray(arr, dtype=float)
                    for name, arr in result.durations.compute_s.items()}
-        start, end = result.start_s.tolist(), result.end_s.tolist()
+        start = result.start_s.tolist()
         events: list[Event] = []
         for v, (si, kind, slot, unit, j, c, _) in enumerate(self._raw):
             if slot == _WAIT:
@@ -350,16 +468,18 @@ class Simulator:
             tu = by_name[unit]
             stage = schedule.stages[si].stage
             ranks = [tu.rank(stage, r) for r in range(tu.dp)]
-            t0 = start[node]
+            t0 = [start[node]] * tu.dp if result.replica_start_s is None else \
+                result.replica_start_s[node, :tu.dp].tolist()
             name = str(kind)
             if slot >= 0:
-                ends = (t0 + compute[unit][0 if name == "F" else 1, stage, c, j]).tolist()
+                d = compute[unit][0 if name == "F" else 1, stage, c, j].tolist()
                 events += [Event(unit=unit, stage=stage, replica=r, rank=ranks[r], kind=name,
-                                 microbatch=j, chunk=c, start_s=t0, end_s=ends[r])
+                                 microbatch=j, chunk=c, start_s=t0[r], end_s=t0[r] + d[r])
                            for r in range(tu.dp)]
             else:
+                d = float(result.node_s[node])
                 events += [Event(unit=unit, stage=stage, replica=r, rank=ranks[r], kind=name,
-                                 microbatch=None, start_s=t0, end_s=end[node])
+                                 microbatch=None, start_s=t0[r], end_s=t0[r] + d)
                            for r in range(tu.dp)]
         return Timeline(source="predicted", num_microbatches=m, units=tunits,
                         events=tuple(events), step=step)

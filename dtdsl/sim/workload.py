@@ -121,6 +121,14 @@ class Routing:
         return np.bincount(flat, weights=costs,
                            minlength=self.num_microbatches * dp).reshape(-1, dp)
 
+    def pairs(self, producer: str, producer_dp: int, consumer: str,
+              consumer_dp: int) -> np.ndarray:
+        """(steps, producer dp, consumer dp): whether a sample of the step goes from that
+        producer replica to that consumer replica (the broker's routes)."""
+        out = np.zeros((self.num_microbatches, producer_dp, consumer_dp), dtype=bool)
+        out[self.step, self.replica[producer], self.replica[consumer]] = True
+        return out
+
 
 # The first pipeline stage's forward and backward seconds per step, the later stages'
 # forward and backward seconds, and the number of stages: what inter orders by.
@@ -145,17 +153,32 @@ def route(plan: Plan, work: dict[str, np.ndarray], policy: frozenset[str], *,
     step = (index % (m * mb)) // mb
     replica: dict[str, np.ndarray] = {}
     for u in plan.units:
+        if plan.rigid and u.name != backbone.name:
+            continue
         r = np.empty(n, dtype=np.intp)
+        total = np.zeros(u.dp)       # each replica's work so far (intra)
         for j in range(m):
             members = np.flatnonzero(step == j)
             if u.name == backbone.name and "intra" not in policy:
                 r[members] = members // (m * mb)
             elif "intra" in policy and u.dp > 1:
                 from dtdsl.reorder.intra import balance
-                r[members] = balance(work[u.name][members].tolist(), u.dp)
+                costs = work[u.name][members]
+                groups = np.asarray(balance(costs.tolist(), u.dp))
+                # The step's heaviest group goes to the replica with the least work so
+                # far: one sample can outweigh a step's others, and a replica given the
+                # heaviest group every step would fall behind the others for good.
+                load = np.bincount(groups, weights=costs, minlength=u.dp)
+                relabel = np.empty(u.dp, dtype=np.intp)
+                relabel[np.argsort(-load, kind="stable")] = np.argsort(total, kind="stable")
+                r[members] = relabel[groups]
+                total += np.bincount(r[members], weights=costs, minlength=u.dp)
             else:
                 r[members] = contiguous_split(len(members), u.dp)
         replica[u.name] = r
+    if plan.rigid:
+        # One pipeline per replica: a sample stays on its backbone replica's pipeline.
+        replica = {u.name: replica[backbone.name] for u in plan.units}
     routing = Routing(num_microbatches=m, step=step, replica=replica)
     if "inter" in policy and step_times is not None:
         from dtdsl.reorder.inter import best_order
@@ -279,13 +302,19 @@ def iteration_durations(plan: Plan, cost: CostModel, schedule: Schedule, routing
         links[(u.name, u.name)] = hop
         sync[u.name] = np.full(su.pp, u.dp_sync_time_s)
     # Between units: the encoder's (backbone's) output crosses to the backbone
-    # (generators), and the gradients of the same size come back.
+    # (generators), and the gradients of the same size come back, between the replicas
+    # whose samples cross (the broker's routes).
     backbone = next(u for u in plan.units if u.role == "backbone")
+    routes = {}
     for u in plan.units:
         if u.role == "encoder":
             links[(u.name, backbone.name)] = links[(backbone.name, u.name)] = links[
                 (u.name, u.name)]
+            routes[(u.name, backbone.name)] = routing.pairs(u.name, u.dp, backbone.name,
+                                                            backbone.dp)
         elif u.role == "generator":
             links[(backbone.name, u.name)] = links[(u.name, backbone.name)] = links[
                 (backbone.name, backbone.name)]
-    return Durations(compute_s=compute, link_s=links, sync_s=sync)
+            routes[(backbone.name, u.name)] = routing.pairs(backbone.name, backbone.dp,
+                                                            u.name, u.dp)
+    return Durations(compute_s=compute, link_s=links, sync_s=sync, routes=routes)

@@ -26,46 +26,63 @@ def _pipeline(name: str, p: int, m: int, *, vpp: int = 1, dp: int = 1) -> Schedu
 
 
 def reference(schedule: Schedule, durations: Durations) -> float:
-    """Execute the actions one by one: a stage runs its next action when it can (a
-    receive once its send has been posted, plus the link time); the clock of a stage is
-    the end of its last action. Quadratic, obviously right."""
-    m = schedule.num_microbatches
+    """Execute the actions one by one, every replica of every stage with its own clock: a
+    replica runs its next action when it can (a receive once its sends have been posted,
+    plus the link time: from the same replica within a unit, from the replicas the routes
+    name between units, all of them without routes; SYNC once every replica of the stage
+    has reached it). Quadratic, obviously right."""
     units = {u.name: u for u in schedule.units}
-    clock = {st.where: 0.0 for st in schedule.stages}
-    pos = {st.where: 0 for st in schedule.stages}
+    lanes = [(st, r) for st in schedule.stages for r in range(units[st.unit].dp)]
+    clock = {(st.where, r): 0.0 for st, r in lanes}
+    pos = {(st.where, r): 0 for st, r in lanes}
     posted: dict[tuple, float] = {}
-    remaining = sum(len(st.actions) for st in schedule.stages)
+    remaining = sum(len(st.actions) for st, _ in lanes)
+
+    def senders(a, r: int) -> list[int]:
+        if a.peer_unit == a.unit:
+            return [r]
+        backward = a.kind.direction.value == "B"
+        edge = (a.unit, a.peer_unit) if backward else (a.peer_unit, a.unit)
+        if edge not in durations.routes:
+            return list(range(units[a.peer_unit].dp))
+        mask = np.asarray(durations.routes[edge])[a.microbatch]
+        return [int(q) for q in np.flatnonzero(mask[r] if backward else mask[:, r])]
+
     while remaining:
         progressed = False
-        for st in schedule.stages:
-            where = st.where
-            while pos[where] < len(st.actions):
-                a = st.actions[pos[where]]
-                t = clock[where]
+        for st, r in lanes:
+            lane = (st.where, r)
+            while pos[lane] < len(st.actions):
+                a = st.actions[pos[lane]]
+                t = clock[lane]
                 if a.kind.is_send:
                     key = (a.kind.direction, a.unit, a.stage, a.chunk, a.peer_unit,
-                           a.peer_stage, a.peer_chunk, a.microbatch)
+                           a.peer_stage, a.peer_chunk, a.microbatch, r)
                     posted[key] = t
                 elif a.kind.is_recv:
-                    key = (a.kind.direction, a.peer_unit, a.peer_stage, a.peer_chunk, a.unit,
-                           a.stage, a.chunk, a.microbatch)
-                    if key not in posted:
+                    keys = [(a.kind.direction, a.peer_unit, a.peer_stage, a.peer_chunk, a.unit,
+                             a.stage, a.chunk, a.microbatch, q) for q in senders(a, r)]
+                    if any(k not in posted for k in keys):
                         break
                     link = durations.link_s.get((a.peer_unit, a.unit), 0.0)
-                    clock[where] = max(t, posted[key] + link)
+                    clock[lane] = max([t] + [posted[k] + link for k in keys])
                 elif a.kind.is_compute:
                     arr = np.asarray(durations.compute_s[a.unit])
-                    d = arr[0 if a.kind.value == "F" else 1, a.stage, a.chunk, a.microbatch]
-                    clock[where] = t + float(np.max(d))
+                    d = arr[0 if a.kind.value == "F" else 1, a.stage, a.chunk, a.microbatch, r]
+                    clock[lane] = t + float(d)
                 else:
+                    others = [(st.where, q) for q in range(units[st.unit].dp)]
+                    if a.kind.value == "SYNC":
+                        if any(pos[o] < pos[lane] for o in others):
+                            break       # a collective: every replica must reach it
+                        t = max(clock[o] for o in others if pos[o] == pos[lane])
                     table = durations.sync_s if a.kind.value == "SYNC" else durations.opt_s
-                    if a.unit in table:
-                        clock[where] = t + float(np.asarray(table[a.unit])[a.stage])
-                pos[where] += 1
+                    clock[lane] = t + (float(np.asarray(table[a.unit])[a.stage])
+                                       if a.unit in table else 0.0)
+                pos[lane] += 1
                 remaining -= 1
                 progressed = True
         assert progressed, "reference deadlocked"
-    del m, units
     return max(clock.values())
 
 
@@ -106,20 +123,72 @@ def test_links_delay_the_receiver():
     assert simulate(schedule, d).iteration_time_s == pytest.approx(1 + 0.25 + 3 + 0.25 + 2)
 
 
-def test_replicas_wait_for_the_slowest_and_keep_their_own_durations():
+def test_replicas_run_their_own_pipelines_and_meet_at_the_gradient_sync():
     schedule = _pipeline("1f1b", 2, 2, dp=2)
     d = Durations.uniform(schedule, 1.0, 2.0)
     d.compute_s["llm"][0, 0, 0, :, 1] = 1.5          # replica 1 of stage 0: slower forwards
+    sync = {"llm": np.array([0.5, 0.5])}
+    d = Durations(compute_s=d.compute_s, sync_s=sync)
     result = simulate(schedule, d)
-    uniform = simulate(schedule, Durations.uniform(schedule, 1.0, 2.0))
-    assert result.iteration_time_s > uniform.iteration_time_s
     assert result.iteration_time_s == pytest.approx(reference(schedule, d))
-    events = [e for e in result.timeline().events if e.kind == "F" and e.stage == 0]
-    by_replica = {(e.replica, e.microbatch): e.duration_s for e in events}
-    assert by_replica[(0, 0)] == pytest.approx(1.0)
-    assert by_replica[(1, 0)] == pytest.approx(1.5)
-    ranks = {(e.replica, e.rank) for e in events}
-    assert ranks == {(0, 0), (1, 1)}
+    # Each replica alone: replica 1's pipeline is the longer one, and the sync waits for it.
+    alone = []
+    for r in range(2):
+        one = _pipeline("1f1b", 2, 2)
+        alone.append(simulate(one, Durations(
+            compute_s={"llm": d.compute_s["llm"][..., r:r + 1]}, sync_s=sync)).iteration_time_s)
+    assert alone[1] > alone[0]
+    assert result.iteration_time_s == pytest.approx(alone[1])
+    events = result.timeline().events
+    fwd = {(e.replica, e.microbatch): e for e in events if e.kind == "F" and e.stage == 0}
+    assert fwd[(0, 0)].duration_s == pytest.approx(1.0)
+    assert fwd[(1, 0)].duration_s == pytest.approx(1.5)
+    # Replica 0 does not wait for replica 1: its second forward starts after its own first.
+    assert fwd[(0, 1)].start_s == pytest.approx(1.0)
+    assert fwd[(1, 1)].start_s == pytest.approx(1.5)
+    syncs = [e for e in events if e.kind == "SYNC" and e.stage == 0]
+    assert len({e.start_s for e in syncs}) == 1      # a collective: every replica together
+    assert {(e.replica, e.rank) for e in fwd.values()} == {(0, 0), (1, 1)}
+
+
+def _two_units(dp_enc: int, dp_llm: int, m: int = 4) -> Schedule:
+    units = (ScheduleUnit(name="vit", role="encoder", tp=1, dp=dp_enc, pp=1),
+             ScheduleUnit(name="llm", role="backbone", tp=1, dp=dp_llm, pp=2))
+    base = Schedule.skeleton("1f1b", m, units)
+    return lower_units(base, GradientFlow.everywhere(base))
+
+
+def test_units_wait_only_for_the_replicas_whose_samples_they_receive():
+    schedule = _two_units(2, 2)
+    d = Durations.uniform(schedule, 1.0, 2.0)
+    d.compute_s["vit"][:, :, :, :, 1] *= 3                    # encoder replica 1 is slow
+    diagonal = np.broadcast_to(np.eye(2, dtype=bool), (4, 2, 2))
+    everyone = np.ones((4, 2, 2), dtype=bool)
+    times = {}
+    for name, mask in (("diagonal", diagonal), ("everyone", everyone), ("none", None)):
+        routed = Durations(compute_s=d.compute_s,
+                           routes={} if mask is None else {("vit", "llm"): mask})
+        result = simulate(schedule, routed)
+        times[name] = result.iteration_time_s
+        assert times[name] == pytest.approx(reference(schedule, routed))
+        if name == "diagonal":   # backbone replica 0 never waits for encoder replica 1
+            f = {e.microbatch: e.start_s for e in result.timeline().events
+                 if e.kind == "F" and e.unit == "llm" and e.stage == 0 and e.replica == 0}
+            assert f[0] == pytest.approx(1.0)
+    # Without routes every pair exchanges (the broker's worst case).
+    assert times["none"] == pytest.approx(times["everyone"])
+    assert times["diagonal"] <= times["everyone"]
+    # Backbone replica 0's chain is fast, replica 1's is not: the iteration is replica 1's.
+    assert times["diagonal"] == pytest.approx(simulate(_two_units(1, 1), Durations(
+        compute_s={k: v[..., 1:2] for k, v in d.compute_s.items()})).iteration_time_s)
+
+
+def test_routes_of_the_wrong_shape_are_refused():
+    schedule = _two_units(2, 2)
+    d = Durations.uniform(schedule, 1.0, 2.0)
+    bad = Durations(compute_s=d.compute_s, routes={("vit", "llm"): np.ones((4, 2, 3), bool)})
+    with pytest.raises(ValueError, match="routes"):
+        simulate(schedule, bad)
 
 
 def _spec_schedules():
@@ -143,6 +212,23 @@ def test_matches_the_reference_on_shipped_specs(spec_schedule):
     sim = Simulator(spec_schedule)
     for _ in range(3):
         d = _random_durations(spec_schedule, rng)
+        assert sim.run(d).iteration_time_s == pytest.approx(reference(spec_schedule, d),
+                                                            rel=1e-12)
+
+
+def test_matches_the_reference_with_random_routes(spec_schedule):
+    rng = np.random.default_rng(2)
+    sim = Simulator(spec_schedule)
+    units = {u.name: u for u in spec_schedule.units}
+    backbone = next(u for u in spec_schedule.units if u.role == "backbone")
+    edges = [(u.name, backbone.name) if u.role == "encoder" else (backbone.name, u.name)
+             for u in spec_schedule.units if u.role != "backbone"]
+    m = spec_schedule.num_microbatches
+    for _ in range(2):
+        d = _random_durations(spec_schedule, rng)
+        routes = {(a, b): rng.random((m, units[a].dp, units[b].dp)) < 0.5 for a, b in edges}
+        d = Durations(compute_s=d.compute_s, link_s=d.link_s, sync_s=d.sync_s,
+                      opt_s=d.opt_s, routes=routes)
         assert sim.run(d).iteration_time_s == pytest.approx(reference(spec_schedule, d),
                                                             rel=1e-12)
 
