@@ -50,6 +50,19 @@ def _layers(per_stage: tuple[int, ...]) -> str:
         f"{max(per_stage)}..{min(per_stage)} x{len(per_stage)}"
 
 
+def _role(plan: Plan, u) -> str:
+    """A unit's role with how the baseline runs it."""
+    notes = []
+    if u.tp_replicated:
+        notes.append("replicated over TP")
+    if u.colocated:
+        notes.append("on the backbone's " + ("first" if u.role == "encoder" else "last") +
+                     " stage")
+    if u.recompute:
+        notes.append("recompute")
+    return u.role + (f" ({', '.join(notes)})" if notes else "")
+
+
 def plan_table(plan: Plan) -> Table:
     """One row per unit: its share of the cluster, layout and predicted costs (times per
     unit microbatch on the slowest stage; memory of the first stage's GPUs)."""
@@ -63,7 +76,7 @@ def plan_table(plan: Plan) -> Table:
         table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
     for u in plan.units:
         name = u.name + "".join(f" + {p}" for p in u.projectors)
-        role = u.role + (" (replicated over TP)" if u.tp_replicated else "")
+        role = _role(plan, u)
         share = u.memory_bytes / u.memory_limit_bytes if u.memory_limit_bytes else 0.0
         table.add_row(
             name, role, str(u.gpus), str(u.tp), str(u.dp), str(u.pp), str(u.vpp),
@@ -107,7 +120,8 @@ def plan_markdown(plan: Plan) -> str:
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for u in plan.units:
         rows.append("| " + " | ".join([
-            u.name + "".join(f" + {p}" for p in u.projectors), u.role, str(u.gpus), str(u.tp),
+            u.name + "".join(f" + {p}" for p in u.projectors), _role(plan, u), str(u.gpus),
+            str(u.tp),
             str(u.dp), str(u.pp), str(u.vpp), _layers(u.layers_per_stage),
             format_seconds(u.fwd_time_s), format_seconds(u.bwd_time_s),
             format_seconds(u.dp_sync_time_s), format_bytes(u.memory_bytes)]) + " |")

@@ -72,6 +72,16 @@ def _plan(program: ir.Program, plan: Plan) -> list[Diagnostic]:
             f"interleaves {units}", span,
             notes=["the executor runs one model chunk per pipeline stage (vpp=1)"],
             hint="write `schedule = 1f1b` (or gpipe) in train and plan again"))
+    if plan.rigid:
+        out.append(Diagnostic.error(
+            _CODE, "the plan is the Megatron-LM baseline, a layout to compare with: the "
+            "runtime does not replicate an encoder over its TP group, co-locate it with the "
+            "backbone's stages or recompute where the spec does not ask", program.train.span,
+            notes=["`dtc plan --search baseline` prices Megatron-LM's rigid layout; the "
+                   "runtime trains disaggregated plans"],
+            hint="compile without --plan, or with a plan from the convex or exhaustive "
+                 "search"))
+        return out
     for u in plan.units:
         if u.role == "generator" and u.pp > 1:
             out.append(Diagnostic.error(
@@ -87,7 +97,8 @@ def _plan(program: ir.Program, plan: Plan) -> list[Diagnostic]:
 def runtime_support(program: ir.Program, plan: Plan | None = None) -> list[Diagnostic]:
     """Errors (DT601) for what of ``program`` and ``plan`` the runtime cannot train yet: an
     encoder other than an image encoder, a second image encoder, ``precision = fp16``, and
-    with a plan: interleaved units (vpp > 1) and generators on more than one pipeline stage.
+    with a plan: the baseline's plans, interleaved units (vpp > 1) and generators on more
+    than one pipeline stage.
 
     Without ``plan`` only the spec's own features are checked (before planning)."""
     out = _encoders(program) + _precision(program)

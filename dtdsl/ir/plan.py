@@ -28,6 +28,13 @@ class UnitPlan(BaseModel):
     pp: int
     vpp: int = 1
     tp_replicated: bool = False           # the baseline's encoders: every TP rank computes it all
+    # The baseline's other placement (Megatron-LM's encoder_pipeline_model_parallel_size
+    # = 0): an encoder (generator) runs on the GPUs of the backbone's first (last) stage,
+    # with the backbone's TP, and holds no GPU of its own (gpus 0).
+    colocated: bool = False
+    # Activation recomputation of every layer: the spec's setting, or the baseline's to
+    # make a layout fit (Megatron-LM's --recompute-granularity full).
+    recompute: bool = False
     first_rank: int
     layers_per_stage: tuple[int, ...]
     microbatch_share: float               # backbone microbatches per unit microbatch (dp_lm / dp)

@@ -71,6 +71,7 @@ def make_plan(ev, search: str, layout: Layout, *, solve_time_s: float, candidate
         units.append(UnitPlan(
             name=unit.name, role=unit.role, projectors=projectors, gpus=gpus, tp=tp, dp=dp,
             pp=pp, vpp=int(np.asarray(est.vpp[i])), tp_replicated=replicated[i],
+            recompute=program.module(unit.name).recompute,
             first_rank=first, layers_per_stage=split_layers(unit.layers, pp),
             microbatch_share=share, fwd_time_s=share * fwd * heaviest,
             bwd_time_s=share * bwd * heaviest,

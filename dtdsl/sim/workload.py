@@ -307,7 +307,18 @@ def iteration_durations(plan: Plan, cost: CostModel, schedule: Schedule, routing
     backbone = next(u for u in plan.units if u.role == "backbone")
     routes = {}
     for u in plan.units:
-        if u.role == "encoder":
+        if u.colocated:
+            # The baseline's co-located encoder (generator): its passes run on the
+            # backbone's first (last) stage, on the same replica as the sample's backbone.
+            loads = routing.loads(u.name, work[u.name], u.dp)
+            f, b = seconds[u.name]
+            at = 0 if u.role == "encoder" else backbone.pp - 1
+            vpp_b = compute[backbone.name].shape[2]
+            chunk = 0 if u.role == "encoder" else vpp_b - 1
+            compute[backbone.name][0, at, chunk] += f * loads
+            compute[backbone.name][1, at, chunk] += b * loads
+            sync[backbone.name][at] += u.dp_sync_time_s
+        elif u.role == "encoder":
             links[(u.name, backbone.name)] = links[(backbone.name, u.name)] = links[
                 (u.name, u.name)]
             routes[(u.name, backbone.name)] = routing.pairs(u.name, u.dp, backbone.name,

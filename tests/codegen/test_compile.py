@@ -310,6 +310,23 @@ def test_an_interleaved_plan_read_with_plan_points_at_the_module(tmp_path, capsy
     assert diag.span == program.module("llm").span
 
 
+def test_the_baseline_plan_is_refused_by_compile_and_simulated(tmp_path, capsys):
+    """The Megatron-LM baseline is a layout to compare with: compile refuses it with
+    DT601, simulate runs it (its co-located units inside the backbone's stages)."""
+    spec = str(SPECS / "tiny_cpu.dt")
+    out = str(tmp_path / "base.json")
+    assert cli.main(["plan", spec, "--search", "baseline", "-o", out]) == 0
+    assert "on the backbone's first stage" in capsys.readouterr().out
+    assert cli.main(["compile", spec, "--plan", out, "--synthetic", "-o",
+                     str(tmp_path / "b")]) != 0
+    err = capsys.readouterr().err
+    assert "DT601" in err and "Megatron-LM baseline" in err
+    assert cli.main(["simulate", spec, "--plan", out, "--steps", "1", "--logdir",
+                     str(tmp_path / "tb"), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["mean"]["iteration_time_s"] > 0
+
+
 @pytest.mark.parametrize("text", [_SECOND_IMAGE_ENCODER, _FP16, _GENERATOR_PP, _INTERLEAVED])
 def test_plan_and_simulate_still_accept_what_compile_refuses(tmp_path, capsys, text):
     spec = tmp_path / "spec.dt"

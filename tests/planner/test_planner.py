@@ -164,17 +164,60 @@ def test_plan_is_consistent_and_round_trips_through_json():
     assert Plan.model_validate_json(text) == result
 
 
-def test_baseline_is_megatron_rigid_layout():
-    base = plan_baseline(cost("mllm_72b"), 512)
+@pytest.mark.parametrize("name,gpus", [("mllm_72b", 512), ("tiny_cpu", 4)])
+def test_baseline_is_megatron_rigid_layout(name, gpus):
+    base = plan_baseline(cost(name), gpus)
     backbone = base.unit("llm")
+    assert base.rigid
     for u in base.units:
-        # One TP and DP for the whole model; encoders and generators are extra stages
-        # of the one pipeline, each replicated across its TP group.
+        # One TP and DP for the whole model; encoders and generators are extra stages of
+        # the one pipeline, each replicated across its TP group, or co-located on the
+        # backbone's first (last) stage GPUs, split by its TP.
         assert (u.tp, u.dp) == (backbone.tp, backbone.dp)
-        assert u.tp_replicated == (u.role != "backbone")
+        if u.role == "backbone":
+            assert not u.tp_replicated and not u.colocated
+        elif u.colocated:
+            assert u.gpus == 0 and not u.tp_replicated and u.pp == 1
+        else:
+            assert u.tp_replicated and u.gpus == u.tp * u.dp
+    assert base.gpus_used == sum(u.gpus for u in base.units)
     assert base.speedup == pytest.approx(1.0)
-    best = plan_convex(cost("mllm_72b"), 512)
-    assert best.iteration_time_s < base.iteration_time_s
+
+
+def test_the_baseline_takes_the_faster_placement():
+    """Own stages and co-location are both tried; the faster that fits is kept."""
+    for name, gpus in (("tiny_cpu", 4), ("mllm_72b", 1172)):
+        c = cost(name)
+        base = plan_baseline(c, gpus)
+        own = plan_baseline(c, gpus, placements=("stages",))
+        co = plan_baseline(c, gpus, placements=("colocated",))
+        assert not any(u.colocated for u in own.units)
+        assert all(u.colocated for u in co.units if u.role != "backbone")
+        assert base.iteration_time_s == pytest.approx(min(own.iteration_time_s,
+                                                          co.iteration_time_s))
+    # A tiny encoder on a 4-GPU cluster: its own stage would cost a third of the GPUs.
+    assert all(u.colocated for u in plan_baseline(cost("tiny_cpu"), 4).units
+               if u.role != "backbone")
+
+
+def test_the_baseline_recomputes_only_where_nothing_fits_without():
+    text = (ROOT / "specs" / "tiny_cpu.dt").read_text()
+    tight = from_text(text.replace("memory=4 GiB", "memory=20 MiB"))
+    roomier = from_text(text.replace("memory=4 GiB", "memory=24 MiB"))
+    base = plan_baseline(build_cost_model(tight), 4)
+    assert all(u.recompute for u in base.units)
+    # It is the plan of the same spec asking for recomputation everywhere.
+    asked = text.replace("memory=4 GiB", "memory=20 MiB")
+    for arch in ("patch=8)", "swiglu)", "groups=8)"):
+        asked = asked.replace(arch, arch + "\n    recompute = true")
+    everywhere = plan_baseline(build_cost_model(from_text(asked)), 4)
+    assert all(u.recompute for u in everywhere.units)
+    assert everywhere.iteration_time_s == pytest.approx(base.iteration_time_s)
+    assert [(u.tp, u.dp, u.pp, u.colocated) for u in everywhere.units] == \
+        [(u.tp, u.dp, u.pp, u.colocated) for u in base.units]
+    assert not any(u.recompute for u in plan_baseline(build_cost_model(roomier), 4).units)
+    with pytest.raises(Infeasible):
+        plan_baseline(build_cost_model(tight), 4, recompute=False)
 
 
 @pytest.mark.parametrize("name,gpus", [("mllm_9b", 64), ("mllm_15b", 128), ("mllm_72b", 1172),
@@ -213,11 +256,19 @@ def test_infeasible_names_the_binding_module_and_the_cluster_line():
     assert any(note.startswith("llm: at least") for note in exc.notes)
 
 
-@pytest.mark.parametrize("search", [plan_convex, plan_exhaustive, plan_baseline])
+@pytest.mark.parametrize("search", [plan_convex, plan_exhaustive])
 def test_fewer_gpus_than_modules_is_infeasible(search):
     with pytest.raises(Infeasible) as err:
         search(cost("tiny_cpu"), 2)
     assert "all modules together need at least 3" in err.value.message
+
+
+def test_the_baseline_co_locates_on_fewer_gpus_than_modules():
+    base = plan_baseline(cost("tiny_cpu"), 2)
+    assert base.gpus_used <= 2
+    assert all(u.colocated for u in base.units if u.role != "backbone")
+    with pytest.raises(Infeasible):
+        plan_baseline(cost("tiny_cpu"), 2, placements=("stages",))
 
 
 def test_module_too_large_for_any_layout_points_at_the_module():

@@ -167,6 +167,32 @@ def test_expected_work_simulates_close_to_the_plan():
         assert 0.9 * the_plan.iteration_time_s <= t <= 1.001 * the_plan.iteration_time_s, name
 
 
+@pytest.mark.parametrize("name,placement", [("tiny_cpu", "colocated"), ("mllm_9b", "colocated"),
+                                            ("mllm_9b", "stages"), ("mllm_72b", "stages")])
+def test_the_baseline_simulates_close_to_its_plan(name, placement):
+    """The Megatron-LM baseline's layouts (own stages, or co-located in the backbone's first
+    and last stages) simulate to their planned time on expected work, and their replicas
+    are one chain each: a sample stays on its replica in every unit."""
+    from dtdsl.planner import plan_baseline
+
+    path = ROOT / "specs" / f"{name}.dt"
+    program = run_frontend(str(path), path.read_bytes()).program
+    cost = build_cost_model(program, CostParams(samples=1024))
+    base = plan_baseline(cost, placements=(placement,))
+    assert base.rigid
+    schedule = lower(base, program)
+    assert {u.name for u in schedule.units} == {u.name for u in base.units
+                                               if not u.colocated}
+    work = {u.name: np.ones(base.global_batch) for u in base.units}
+    routing = route(base, work, frozenset())
+    backbone = next(u for u in base.units if u.role == "backbone")
+    for u in base.units:
+        assert np.array_equal(routing.replica[u.name], routing.replica[backbone.name])
+    t = Simulator(schedule).run(iteration_durations(base, cost, schedule, routing,
+                                                    work)).iteration_time_s
+    assert 0.9 * base.iteration_time_s <= t <= 1.001 * base.iteration_time_s
+
+
 def test_simulated_steps_report_sane_figures():
     program, cost, the_plan, schedule = _setup("mllm_9b", "dp(vit) <= 4")
     plain = list(simulate_steps(program, cost, the_plan, schedule, steps=2,
