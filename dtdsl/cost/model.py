@@ -89,8 +89,12 @@ def in_flight(schedule: str, layers: int, pp, vpp, depth, microbatches):
     ``depth`` is the number of pipeline stages from this stage to the end of the chain
     (this unit's own and every unit downstream). GPipe keeps every microbatch; 1F1B
     keeps ``depth`` microbatches of its ``layers / pp`` layers; interleaved 1F1B keeps
-    2 (pp - 1) + (vpp - 1) pp + 1 chunks of ``layers / (pp vpp)`` layers (Megatron-LM),
-    plus one per stage downstream. Arguments other than ``schedule`` may be arrays."""
+    its first stage's warm-up and one more forward, (vpp - 1) G + 2 (pp - 1) + 1 + D
+    chunks of ``layers / (pp vpp)`` layers (at most all M vpp), D = depth - pp the stages
+    downstream and G the first microbatch group of ``dtdsl.schedule.lower.group_sizes``:
+    ceil(M / max(1, M // max(pp, D))): pp where pp divides M and D <= pp (Megatron-LM's
+    2 (pp - 1) + (vpp - 1) pp + 1), more otherwise (torch's ScheduleInterleaved1F1B).
+    Arguments other than ``schedule`` may be arrays."""
     pp = np.asarray(pp)
     per_stage = np.ceil(layers / pp)
     if schedule == "gpipe":
@@ -100,8 +104,11 @@ def in_flight(schedule: str, layers: int, pp, vpp, depth, microbatches):
     if schedule != "interleaved":
         return one_f_one_b, per_stage
     vpp = np.asarray(vpp)
-    chunks = np.minimum(2 * (pp - 1) + (vpp - 1) * pp + 1 + (np.asarray(depth) - pp),
-                        microbatches * vpp)
+    m = np.asarray(microbatches)
+    down = np.asarray(depth) - pp
+    groups = np.maximum(1, m // np.maximum(np.maximum(pp, down), 1))
+    first_group = -(-m // groups)
+    chunks = np.minimum(2 * (pp - 1) + (vpp - 1) * first_group + 1 + down, m * vpp)
     interleaved = vpp > 1
     return (np.where(interleaved, chunks, one_f_one_b),
             np.where(interleaved, np.ceil(layers / (pp * vpp)), per_stage))

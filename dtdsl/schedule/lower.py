@@ -36,34 +36,42 @@ without ``SYNC``/``OPT``.
 
 Interleaved 1F1B
 ----------------
-Within a unit with vpp v > 1: Megatron-LM's interleaved schedule. Chunk c of stage s is
-virtual stage c * pp + s; forwards run in groups of G microbatches per chunk (chunk 0
-for microbatches 0..G-1, chunk 1 for the same, ..., then the next group), backwards in
-the same groups with the chunks reversed; stage s warms up with (v - 1) G + 2 (pp - 1 - s)
-+ D forwards, where D is the warm-up the downstream units ask of the last virtual stage
-as above (0 when nothing downstream sends gradients; Megatron's count plus one per
+Within a unit with vpp v > 1: the interleaved schedule of Megatron-LM and of
+torch.distributed.pipelining's ScheduleInterleaved1F1B. Chunk c of stage s is virtual
+stage c * pp + s; forwards run in groups of microbatches per chunk (chunk 0 for the
+group's microbatches, chunk 1 for the same, ..., then the next group), backwards in the
+same groups with the chunks reversed; stage s warms up with (v - 1) G + 2 (pp - 1 - s) + D
+forwards, G the first group's size and D the warm-up the downstream units ask of the
+last virtual stage as above (0 when nothing downstream sends gradients; one more per
 downstream stage, as ``dtdsl.cost.model.in_flight`` assumes), and then alternates one
-forward and one backward. G is Megatron's default pp, or D where a downstream pipeline
-is deeper (so that the last chunk keeps feeding it). Units with vpp 1 in an interleaved
-plan run plain 1F1B. Restrictions (a ``LoweringError``): interleaving needs pp >= 2,
-GPipe and 1F1B do not interleave.
+forward and one backward. The groups (``group_sizes``): max(1, M // g) of them, g = pp or
+D where a downstream pipeline is deeper (so that the last chunk keeps feeding it), as
+equal as possible, the larger first. That is torch's order wherever torch accepts M
+(its M // pp rounds of M / rounds microbatches, M a multiple of the rounds) and
+Megatron-LM's (groups of pp) wherever Megatron accepts M (a multiple of pp). With
+uniform passes a lone interleaved unit then takes (max(M, pp) + (min(M, pp) - 1) / v)
+stage times of forward and backward, never more than plain 1F1B's (M + pp - 1); with a
+short last group instead (Megatron's groups for any M) it could be slower than 1F1B.
+Between other units, Megatron's fixed groups of g are tried as well and the faster
+order kept (``lower_compute``). Units with vpp 1 in an interleaved plan run plain 1F1B.
+Restrictions (a ``LoweringError``): interleaving needs pp >= 2, GPipe and 1F1B do not
+interleave.
 
-Megatron-LM knows no units downstream and accepts only microbatch counts of at least G
-with a last group of 0 or at least pp microbatches; outside that its fixed alternation
-can deadlock (a short last group makes stage 0 wait for stage pp-1's forward of the previous chunk
-while stage pp-1 waits for a gradient from stage 0; a downstream pipeline of depth D >= 2
-waits for forward j + D - 1 of the last chunk, a group later than the alternation runs
-it). So a backward runs after the alternation's count of forwards *or later*: after
-every forward its gradient depends on, namely its own forward, the forwards the
-gradient-sending consumer (the next virtual stage, or the downstream units) runs before
-that backward, transitively. Backwards are placed in the backward order, a consumer's
-before its producer's; where Megatron's rules hold nothing moves and the order is
-exactly Megatron's.
+The fixed alternation can still deadlock: a downstream pipeline of depth D >= 2 waits
+for forward j + D - 1 of the last chunk, a group later than the alternation runs it;
+Megatron's fixed groups with a short last group (where ``lower_compute`` keeps them)
+make stage 0 wait for stage pp-1's forward of the previous chunk while stage pp-1 waits
+for a gradient from stage 0. So a backward runs after the
+alternation's count of forwards *or later*: after every forward its gradient depends
+on, namely its own forward, the forwards the gradient-sending consumer (the next
+virtual stage, or the downstream units) runs before that backward, transitively.
+Backwards are placed in the backward order, a consumer's before its producer's; where
+the alternation is valid nothing moves and the order is exactly Megatron's or torch's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from dtdsl.cost.flops import input_needs_grad
 from dtdsl.ir.plan import Plan
@@ -79,7 +87,8 @@ from dtdsl.ir.schedule import (
 from dtdsl.schedule.validate import validate
 
 __all__ = ["GradientFlow", "LoweringError", "add_communication", "add_optimizer",
-           "gradient_flow", "interleaved_order", "lower", "lower_compute", "lower_units"]
+           "gradient_flow", "group_sizes", "interleaved_order", "lower", "lower_compute",
+           "lower_units"]
 
 F, B = ActionKind.F, ActionKind.B
 SEND_F, RECV_F = ActionKind.SEND_F, ActionKind.RECV_F
@@ -167,17 +176,40 @@ def _reverse_topological(units: Iterable[ScheduleUnit]) -> list[ScheduleUnit]:
 Pass = tuple[ActionKind, int, int]
 
 
-def interleaved_order(num_microbatches: int, vpp: int, group: int
+def interleaved_order(num_microbatches: int, vpp: int, group: int | Sequence[int]
                       ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """Megatron-LM's interleaved order: (microbatch, chunk) of the forwards and of the
-    backwards. Groups of ``group`` microbatches per chunk (a shorter last group)."""
+    backwards. Groups of ``group`` microbatches per chunk (a shorter last group), or of
+    the sizes ``group`` lists, in turn."""
+    sizes = _fixed_groups(num_microbatches, group) if isinstance(group, int) else list(group)
+    if sum(sizes) != num_microbatches or min(sizes, default=1) < 1:
+        raise ValueError(f"group sizes {sizes} do not cover {num_microbatches} microbatches")
     fwd: list[tuple[int, int]] = []
-    for start in range(0, num_microbatches, group):
-        members = range(start, min(start + group, num_microbatches))
+    start = 0
+    for size in sizes:
+        members = range(start, start + size)
+        start += size
         for c in range(vpp):
             fwd += [(j, c) for j in members]
     bwd = [(j, vpp - 1 - c) for j, c in fwd]
     return fwd, bwd
+
+
+def _fixed_groups(num_microbatches: int, group: int) -> list[int]:
+    """Megatron-LM's groups: ``group`` microbatches each, the last one shorter."""
+    return [min(group, num_microbatches - start) for start in range(0, num_microbatches, group)]
+
+
+def group_sizes(num_microbatches: int, least: int) -> list[int]:
+    """The microbatch groups of an interleaved order: as many groups of at least
+    ``least`` microbatches as fit (one when fewer), as equal as possible, the larger
+    first. With ``least`` pp that is torch.distributed.pipelining's grouping wherever
+    its ScheduleInterleaved1F1B accepts M (max(1, M // pp) rounds of M / rounds each; it
+    refuses M the rounds do not divide), and Megatron-LM's groups of pp wherever M is a
+    multiple of pp."""
+    rounds = max(1, num_microbatches // max(least, 1))
+    size, extra = divmod(num_microbatches, rounds)
+    return [size + 1] * extra + [size] * (rounds - extra)
 
 
 def _merge(fwd: list[tuple[int, int]], bwd: list[tuple[int, int]], before: list[int]
@@ -217,7 +249,34 @@ def _forwards_before(order: list[Pass], chunk: int) -> dict[int, int]:
 
 def lower_compute(base: Schedule, flow: GradientFlow) -> Schedule:
     """Step 1: the forwards and backwards of every unit stage of ``base`` (its units,
-    schedule name and microbatch count; its actions are ignored), in order."""
+    schedule name and microbatch count; its actions are ignored), in order.
+
+    Interleaved units take ``group_sizes`` (torch's order where torch applies). In a
+    pipeline of several units, Megatron-LM's fixed groups of max(pp, D) are tried too and
+    the faster of the two orders (``_makespan``, uniform passes) is kept, the
+    ``group_sizes`` one on a tie: next to units without chunks neither is always the
+    faster (larger groups make the chunk-0 forwards, which read an encoder, and the
+    last chunk's, which feed a generator, come in longer bursts)."""
+    orders = _orders(base, flow, group_sizes)
+    if len(base.units) > 1 and any(u.vpp > 1 for u in base.units):
+        fixed = _orders(base, flow, _fixed_groups)
+        if fixed != orders and _makespan(base, flow, fixed) < _makespan(base, flow, orders):
+            orders = fixed
+    stages = tuple(
+        StageSchedule(unit=st.unit, stage=st.stage, actions=tuple(
+            Action(unit=st.unit, stage=st.stage, kind=kind, microbatch=j, chunk=c)
+            for kind, j, c in orders[(st.unit, st.stage)]))
+        for st in base.stages)
+    return base.with_stages(stages)
+
+
+Groups = Callable[[int, int], list[int]]
+
+
+def _orders(base: Schedule, flow: GradientFlow, groups: Groups
+            ) -> dict[tuple[str, int], list[Pass]]:
+    """Every unit stage's passes, interleaved units with microbatch groups ``groups(M,
+    least)``."""
     m = base.num_microbatches
     orders: dict[tuple[str, int], list[Pass]] = {}
 
@@ -254,26 +313,55 @@ def lower_compute(base: Schedule, flow: GradientFlow) -> Schedule:
                 warmup = m if base.name == "gpipe" else min(m, demand((u.name, s, 0)))
                 orders[(u.name, s)] = _one_f_one_b(fwd, bwd, warmup)
             continue
-        orders.update(_interleaved(u, m, flow, consumer_reads, demand))
+        orders.update(_interleaved(u, m, flow, consumer_reads, demand, groups))
+    return orders
 
-    stages = tuple(
-        StageSchedule(unit=st.unit, stage=st.stage, actions=tuple(
-            Action(unit=st.unit, stage=st.stage, kind=kind, microbatch=j, chunk=c)
-            for kind, j, c in orders[(st.unit, st.stage)]))
-        for st in base.stages)
-    return base.with_stages(stages)
+
+def _makespan(base: Schedule, flow: GradientFlow,
+              orders: dict[tuple[str, int], list[Pass]]) -> float:
+    """When the last pass of ``orders`` ends if every stage's forward takes 1 / vpp and
+    its backward 2 / vpp and transfers take no time (a pass starts when its stage is
+    free and its inputs are there: the producers' forwards, the consumers' backwards)."""
+    end: dict[tuple[str, int, int, ActionKind, int], float] = {}
+    vpp = {u.name: u.vpp for u in base.units}
+    todo = {key: 0 for key in orders}
+    free = dict.fromkeys(orders, 0.0)
+    progress = True
+    while progress:
+        progress = False
+        for (unit, s), order in orders.items():
+            k = todo[(unit, s)]
+            while k < len(order):
+                kind, j, c = order[k]
+                if kind is F:
+                    deps = [(*p, F, j) for p in base.producers(unit, s, c)]
+                else:
+                    deps = [(unit, s, c, F, j)] + [(*q, B, j) for q in base.consumers(unit, s, c)
+                                                   if q in flow.backward]
+                if any(d not in end for d in deps):
+                    break
+                start = max([free[(unit, s)]] + [end[d] for d in deps])
+                free[(unit, s)] = end[(unit, s, c, kind, j)] = \
+                    start + (1.0 if kind is F else 2.0) / vpp[unit]
+                k += 1
+                progress = True
+            todo[(unit, s)] = k
+    if any(todo[key] < len(order) for key, order in orders.items()):
+        raise LoweringError("internal: the lowered orders deadlock")
+    return max(free.values(), default=0.0)
 
 
 def _interleaved(u: ScheduleUnit, m: int, flow: GradientFlow,
                  consumer_reads: Callable[[VirtualStage], list[tuple[VirtualStage, dict]]],
-                 demand: Callable[[VirtualStage], int]) -> dict[tuple[str, int], list[Pass]]:
+                 demand: Callable[[VirtualStage], int], groups: Groups
+                 ) -> dict[tuple[str, int], list[Pass]]:
     """The orders of an interleaved unit's stages (see the module docstring), given
     ``lower_compute``'s view of the units downstream."""
     v, pp = u.vpp, u.pp
     last = (u.name, pp - 1, v - 1)
     downstream = demand(last)
-    group = max(pp, downstream)
-    fwd, bwd = interleaved_order(m, v, group)
+    sizes = groups(m, max(pp, downstream))
+    fwd, bwd = interleaved_order(m, v, sizes)
     total = len(fwd)
     position = {fc: k for k, fc in enumerate(fwd)}
     # Stage 0's forwards of chunk c >= 1 read stage pp-1's chunk c - 1: how many forwards
@@ -292,7 +380,7 @@ def _interleaved(u: ScheduleUnit, m: int, flow: GradientFlow,
     # before[(s, j, c)]: forwards stage s runs before its backward of (j, c).
     before: dict[tuple[int, int, int], int] = {}
     runs: list[list[tuple[int, int]]] = [[] for _ in range(pp)]
-    warmup = [min(total, (v - 1) * group + 2 * (pp - 1 - s) + downstream) for s in range(pp)]
+    warmup = [min(total, (v - 1) * sizes[0] + 2 * (pp - 1 - s) + downstream) for s in range(pp)]
     for j, c in bwd:             # backwards in order: a consumer's is placed before its producer's
         for s in reversed(range(pp)):
             if (u.name, s, c) not in flow.backward:

@@ -22,6 +22,7 @@ from dtdsl.schedule.lower import (
     add_communication,
     add_optimizer,
     gradient_flow,
+    group_sizes,
     interleaved_order,
     lower,
     lower_compute,
@@ -164,18 +165,25 @@ def forwards_before_each_backward(order: list[str]) -> list[int]:
 @pytest.mark.parametrize("pp,v", [(2, 2), (3, 2), (4, 3), (5, 2), (6, 4)])
 @pytest.mark.parametrize("m", [1, 2, 5, 7, 9, 13])
 def test_interleaved_outside_megatrons_rules(pp: int, v: int, m: int):
-    # A short last group (or fewer microbatches than stages) can deadlock Megatron's fixed
-    # alternation; lower_units validates. The forwards and backwards keep Megatron's
-    # orders, and each backward comes no earlier than the alternation would run it.
+    # Megatron's groups of pp would leave a short last group (or, below pp microbatches,
+    # one short group), which can deadlock its fixed alternation and is slow. The groups
+    # are max(1, M // pp) of at least pp microbatches, as equal as possible, the larger
+    # first (torch's ScheduleInterleaved1F1B where M divides into them; see
+    # test_interleaved_torch.py for its order and times); lower_units validates. Each
+    # backward comes no earlier than the alternation after (v - 1) G + 2 (pp - 1 - rank)
+    # warm-up forwards would run it (G the first group).
     schedule = lowered("interleaved", m, unit("llm", "backbone", pp, vpp=v))
-    fwd, bwd = interleaved_order(m, v, pp)
+    sizes = group_sizes(m, pp)
+    assert len(sizes) == max(1, m // pp) and max(sizes) - min(sizes) <= 1
+    assert sizes == sorted(sizes, reverse=True) and min(sizes) >= min(m, pp)
+    fwd, bwd = interleaved_order(m, v, sizes)
     name = {True: "F", False: "B"}
     for rank in range(pp):
         order = passes(schedule, "llm", rank)
         for forward, table in ((True, fwd), (False, bwd)):
             assert [p for p in order if p.startswith(name[forward])] == \
                 [f"{name[forward]}{j}" + (f"c{c}" if c else "") for j, c in table]
-        w = (v - 1) * pp + 2 * (pp - 1 - rank)
+        w = (v - 1) * sizes[0] + 2 * (pp - 1 - rank)
         counts = forwards_before_each_backward(order)
         assert all(n >= min(w + i + 1, m * v) for i, n in enumerate(counts))
 
