@@ -319,7 +319,8 @@ class _Evaluator:
         self.fwd = np.asarray(fwd, dtype=np.float64)
         self.bwd = np.asarray(bwd, dtype=np.float64)
         self.num_microbatches = len(fwd)
-        self.steps = _stage0_steps(stages, len(fwd), stage_forward + stage_backward)
+        self.stages, self.cycle = stages, stage_forward + stage_backward
+        self.steps = _stage0_steps(stages, len(fwd), self.cycle)
         self.evaluated = 0
         self._fwd_list, self._bwd_list = fwd, bwd
         self._scratch = [np.empty(0) for _ in range(3)]   # reused: fresh pages cost faults
@@ -331,6 +332,24 @@ class _Evaluator:
             if buf.size < size:
                 self._scratch[k] = np.empty(size)
         return [buf[:size].reshape(self.num_microbatches, columns) for buf in self._scratch]
+
+    def pair_offsets(self) -> list[float]:
+        """k c for k < m + Q, as ``_stage0_steps`` computes them."""
+        if not hasattr(self, "_pair_offsets"):
+            self._pair_offsets = [k * self.cycle
+                                  for k in range(self.num_microbatches + self.stages - 1)]
+        return self._pair_offsets
+
+    def patch_offsets(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """For ``_Patches``, by k (pair k - Q): the forward's offset k c (inf: no forward),
+        the backward's (k c; -inf: none) and 1.0 where there is a backward (0.0: none)."""
+        if not hasattr(self, "_offsets"):
+            m, q = self.num_microbatches, self.stages - 1
+            k = np.arange(m + q)
+            x = k * self.cycle
+            self._offsets = (np.where(k < m, x, math.inf), np.where(k >= q, x, -math.inf),
+                             (k >= q).astype(np.float64))
+        return self._offsets
 
     def one(self, order: Sequence[int]) -> tuple[float, float]:
         """(iteration time, tie-breaker) of one order."""
@@ -397,6 +416,210 @@ class _Evaluator:
                 add(t, bwd[pos], out=t)
                 add(acc, t, out=acc)
         return t, acc
+
+
+# ---------------------------------------------------------------------------------------------
+# Patched evaluation: many orders that differ from one base order in a few places
+
+
+_COUPLE_PAIRS = 2            # pairs walked past a patch's last change before it must have coupled
+_PATCHED_MIN = _FULL_NEIGHBOURHOOD + 1   # microbatches from which the local search uses it
+
+
+class _Walked:
+    """Stage 0 walked pair by pair over one order, its state kept at every pair boundary.
+
+    Pair ``i`` (-Q <= i < m) is stage 0's forward at position i + Q (when < m), then its
+    backward at position i (when >= 0): the same steps as ``_walk``, in the same order, with
+    the same floats. Boundary ``k`` (0..m+Q) is the state after the first k pairs: ``t``
+    (stage 0's clock), ``p`` (the running max of a_j - j c) and ``acc`` (the tie-breaker so
+    far). The state (t, p) moves through a pair max-plus linearly, so an order differing from
+    this one only at positions lo..hi runs as this one up to boundary lo, and once its state
+    after hi is this one's plus the same shift d in both t and p, it stays so to the end:
+    time and backward ends all d later (``_Patches``)."""
+
+    def __init__(self, evaluator: _Evaluator, order: Sequence[int]):
+        self.ev = evaluator
+        m, q = evaluator.num_microbatches, evaluator.stages - 1
+        self.order = np.array(order, dtype=np.intp)
+        self._t = [0.0] * (m + q + 1)
+        self._p = [-math.inf] * (m + q + 1)
+        self._acc = [0.0] * (m + q + 1)
+        self._walk(0)
+
+    def update(self, order: np.ndarray) -> None:
+        """Walk ``order`` again from the first position where it differs."""
+        diff = np.flatnonzero(order != self.order)
+        self.order = np.array(order, dtype=np.intp)
+        if len(diff):
+            self._walk(int(diff[0]))
+
+    def _walk(self, start: int) -> None:
+        ev = self.ev
+        m, q = ev.num_microbatches, ev.stages - 1
+        fpos, bpos = ev.fwd[self.order].tolist(), ev.bwd[self.order].tolist()
+        ts, ps, accs = self._t, self._p, self._acc
+        t, best, acc = ts[start], ps[start], accs[start]
+        offsets = ev.pair_offsets()
+        # Pair k - Q: the forward at position k (k < m), then the backward at k - Q (k >= Q).
+        for k in range(start, min(q, m + q)):   # warm-up: forwards alone
+            t += fpos[k]
+            v = t - offsets[k]
+            if v > best:
+                best = v
+            ts[k + 1], ps[k + 1] = t, best
+        for k in range(max(start, q), m):       # steady state: a forward, then a backward
+            x = offsets[k]
+            g = best + x
+            t += fpos[k]
+            v = t - x
+            if v > best:
+                best = v
+            if g > t:
+                t = g
+            t += bpos[k - q]
+            acc += t
+            ts[k + 1], ps[k + 1], accs[k + 1] = t, best, acc
+        for k in range(max(start, m), m + q):   # cool-down: backwards alone
+            g = best + offsets[k]
+            if g > t:
+                t = g
+            t += bpos[k - q]
+            acc += t
+            ts[k + 1], accs[k + 1] = t, acc
+            ps[k + 1] = best
+        self.t, self.p, self.acc = np.array(ts), np.array(ps), np.array(accs)
+        self.fpad = np.concatenate([ev.fwd[self.order], np.zeros(q)])
+        self.bpad = np.concatenate([np.zeros(q), ev.bwd[self.order]])
+        self.time, self.sum = t, acc
+
+
+class _Patches:
+    """Candidate orders given by their changes to a base order, cut into patches: runs of
+    changed positions less than ``horizon`` + Q + 1 apart. A patch is walked from the base
+    state at its first position's boundary through ``horizon`` pairs past its last change;
+    there its state must be the base's shifted (coupled, see ``_Walked``), else its candidate
+    is evaluated again with a longer horizon (which also merges its patches). Shifts add up
+    over a candidate's patches, and so do tie-breaker differences. Patches alike in several
+    candidates (``dedupe``: the orders ``_take`` tries share most) are walked once.
+
+    Changes are (candidate, position, source), sorted by candidate then position; the source
+    is the base position whose microbatch moves there (``by_position``) or that microbatch."""
+
+    def __init__(self, evaluator: _Evaluator, cand: np.ndarray, pos: np.ndarray,
+                 src: np.ndarray, by_position: bool, horizon: int = _COUPLE_PAIRS,
+                 dedupe: bool = False):
+        m, q = evaluator.num_microbatches, evaluator.stages - 1
+        self.ev, self.horizon, self.by_position = evaluator, horizon, by_position
+        self.cand, self.pos, self.src, self.dedupe = cand, pos, src, dedupe
+        breaks = np.ones(len(pos), dtype=bool)
+        breaks[1:] = (cand[1:] != cand[:-1]) | (pos[1:] - pos[:-1] >= horizon + q + 1)
+        patch = np.cumsum(breaks) - 1
+        first = np.flatnonzero(breaks)
+        last = np.append(first[1:] - 1, len(pos) - 1)
+        self.patch_cand = cand[first]
+        self.unique = np.arange(len(first))   # patch -> the walked patch it is like
+        if dedupe and len(first) > 1:
+            walked = self._dedupe(pos, src, patch, first, last)
+            keep = np.isin(patch, walked)
+            pos, src, patch = pos[keep], src[keep], np.searchsorted(walked, patch[keep])
+            first, last = first[walked], last[walked]
+            first, last = np.searchsorted(np.flatnonzero(keep), first), None
+            last = np.append(first[1:] - 1, len(pos) - 1)
+        lo, hi = pos[first], pos[last]
+        # To the end from near it: the cool-down's state seldom couples.
+        last_pair = np.where(hi + horizon + 2 * q + _COUPLE_PAIRS >= m - 1, m - 1, hi + horizon)
+        pairs = last_pair - lo + q + 1
+        # Stable sorts of small integers: radix sorts.
+        small = np.int16 if m + q < 1 << 15 else np.int32
+        perm = np.argsort((pairs.max(initial=0) - pairs).astype(small), kind="stable")
+        rank = np.empty_like(perm)
+        rank[perm] = np.arange(len(perm))
+        self.rank = rank   # walked patch -> its column
+        self.lo, self.end = lo[perm], lo[perm] + pairs[perm]
+        self.rounds = int(pairs.max()) if len(pairs) else 0
+        counts = np.bincount(pairs, minlength=self.rounds + 1)
+        self.active = [int(x) for x in np.cumsum(counts[::-1])[::-1][1:]]
+        rf = pos - lo[patch]   # the round of a change's forward; its backward comes Q later
+        order = np.argsort(rf.astype(small), kind="stable")
+        self.cols, self.run_src = rank[patch][order], src[order]
+        rounds = np.arange(self.rounds + 1)
+        self.f_bounds = np.searchsorted(rf[order], rounds).tolist()
+        self.b_bounds = np.searchsorted(rf[order] + q, rounds).tolist()
+
+    def _dedupe(self, pos, src, patch, first, last) -> np.ndarray:
+        """Point ``self.unique`` at one patch of each kind; return those patches."""
+        # Group by (first position, length, two hashes of the changes), then check that each
+        # patch's changes are its representative's, one by one (a patch unlike it stays its
+        # own).
+        with np.errstate(over="ignore"):
+            h = pos.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15) + src.astype(np.uint64)
+            h1 = np.add.reduceat(h * np.uint64(0xBF58476D1CE4E5B9), first)
+            h2 = np.add.reduceat((h ^ (h >> np.uint64(29))) * np.uint64(0x94D049BB133111EB),
+                                 first)
+        count = last - first + 1
+        key = np.lexsort((h2, h1, count, pos[first]))
+        new = np.ones(len(key), dtype=bool)
+        new[1:] = ((pos[first][key][1:] != pos[first][key][:-1])
+                   | (count[key][1:] != count[key][:-1])
+                   | (h1[key][1:] != h1[key][:-1]) | (h2[key][1:] != h2[key][:-1]))
+        rep = np.empty(len(key), dtype=np.intp)
+        rep[key] = key[np.flatnonzero(new)[np.cumsum(new) - 1]]
+        other = first[rep][patch] + np.arange(len(pos)) - first[patch]
+        unlike = np.unique(patch[(pos != pos[other]) | (src != src[other])])
+        rep[unlike] = unlike
+        walked = np.unique(rep)
+        self.unique = np.searchsorted(walked, rep)
+        return walked
+
+    def evaluate(self, base: _Walked, num_candidates: int) -> tuple[np.ndarray, np.ndarray]:
+        """(iteration time, tie-breaker) of every candidate."""
+        ev = self.ev
+        times, sums, uncoupled = self._run(base, num_candidates)
+        if len(uncoupled):
+            keep = np.isin(self.cand, uncoupled)
+            again = _Patches(ev, self.cand[keep], self.pos[keep], self.src[keep],
+                             self.by_position, horizon=4 * self.horizon, dedupe=self.dedupe)
+            t2, s2 = again.evaluate(base, num_candidates)
+            times[uncoupled], sums[uncoupled] = t2[uncoupled], s2[uncoupled]
+        return times, sums
+
+    def _run(self, base: _Walked, num_candidates: int):
+        ev = self.ev
+        m, q = ev.num_microbatches, ev.stages - 1
+        ids = base.order[self.run_src] if self.by_position else self.run_src
+        vf, vb = ev.fwd[ids], ev.bwd[ids]
+        xf, xb, hb = ev.patch_offsets()
+        fpad, bpad = base.fpad, base.bpad
+        lo = self.lo
+        t, p = base.t[lo], base.p[lo]
+        acc = np.zeros(len(lo))
+        fb, bb, cols = self.f_bounds, self.b_bounds, self.cols
+        for r in range(self.rounds):
+            n = self.active[r]
+            j = lo[:n] + r
+            f, b = fpad[j], bpad[j]
+            if fb[r + 1] > fb[r]:
+                f[cols[fb[r]:fb[r + 1]]] = vf[fb[r]:fb[r + 1]]
+            if bb[r + 1] > bb[r]:
+                b[cols[bb[r]:bb[r + 1]]] = vb[bb[r]:bb[r + 1]]
+            tt, pp = t[:n], p[:n]
+            tt += f
+            g = pp + xb[j]
+            np.maximum(pp, tt - xf[j], out=pp)
+            np.maximum(tt, g, out=tt)
+            tt += b
+            acc[:n] += tt * hb[j]
+        end = self.end
+        shift = t - base.t[end]
+        coupled = np.abs(shift - (p - base.p[end])) <= _REL_TOL * max(1.0, abs(base.time))
+        coupled |= end == m + q
+        dacc = acc - (base.acc[end] - base.acc[lo]) + (m + q - np.maximum(end, q)) * shift
+        column = self.rank[self.unique]   # every patch's walked column
+        cand = self.patch_cand
+        times = base.time + np.bincount(cand, shift[column], minlength=num_candidates)
+        sums = base.sum + np.bincount(cand, dacc[column], minlength=num_candidates)
+        return times, sums, np.unique(cand[~coupled[column]])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -579,11 +802,32 @@ class _Neighbourhood:
         bounds = np.linspace(0, self.size, num_chunks + 1).astype(int)
         self.chunks = [np.arange(lo, hi) for lo, hi in itertools.pairwise(bounds)]
         self._kept: dict[int, tuple[int, np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._patches: dict[int, _Patches] = {}
 
     def chunk_changes(self, c: int) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
         if c not in self._kept:
             self._kept[c] = self.changes(self.chunks[c])
         return self._kept[c]
+
+    def chunk_patches(self, evaluator: _Evaluator, c: int) -> _Patches:
+        if c not in self._patches:
+            self._patches[c] = self.patches(evaluator, self.chunks[c])
+        return self._patches[c]
+
+    def patches(self, evaluator: _Evaluator, moves: np.ndarray) -> _Patches:
+        """The moves (candidate k: ``moves[k]``) as ``_Patches`` of the order they act on:
+        the changes of ``changes``, by candidate and position."""
+        a, b, swap = self.a[moves], self.b[moves], self.is_swap[moves]
+        lo, hi = np.minimum(a, b), np.maximum(a, b)
+        span = np.where(swap, 2, hi - lo + 1)
+        starts = np.cumsum(span) - span
+        col = np.repeat(np.arange(len(moves)), span)
+        offset = np.arange(len(col)) - starts[col]
+        a, b, lo, hi, swap = a[col], b[col], lo[col], hi[col], swap[col]
+        pos = np.where(swap, np.where(offset == 0, lo, hi), lo + offset)
+        source = np.where(a < b, pos + 1, pos - 1)   # insertions: the microbatches between
+        source = np.where(swap, np.where(pos == a, b, a), np.where(pos == b, a, source))
+        return _Patches(evaluator, col, pos, source, by_position=True)
 
     def changes(self, moves: np.ndarray) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
         """(count, rows, cols, sources) of the moves (column k: ``moves[k]``) for
@@ -603,6 +847,21 @@ class _Neighbourhood:
         return (len(moves), np.concatenate([a[swap], b[swap], row]),
                 np.concatenate([cols[swap], cols[swap], col]),
                 np.concatenate([b[swap], a[swap], source]))
+
+    def apply_array(self, order: np.ndarray, base: np.ndarray, move: int) -> None:
+        """``apply`` on an array."""
+        x, y = base[self.a[move]], base[self.b[move]]
+        i, k = int(np.flatnonzero(order == x)[0]), int(np.flatnonzero(order == y)[0])
+        if self.is_swap[move]:
+            order[i], order[k] = y, x
+            return
+        # x out, then back in just after y (moving later) or just before it (earlier).
+        to = k + (self.a[move] < self.b[move]) - (i < k)
+        if i < to:
+            order[i:to] = order[i + 1:to + 1]
+        elif to < i:
+            order[to + 1:i + 1] = order[to:i]
+        order[to] = x
 
     def apply(self, order: list[int], base: np.ndarray, move: int) -> None:
         """Apply ``move``, as found on ``base``, to ``order`` in place by the microbatches it
@@ -649,9 +908,13 @@ class _Search:
     """One local search's state: its order, its (time, tie-breaker), each move's gap (its
     time minus the best when last simulated), where it is in its round."""
 
-    def __init__(self, evaluator: _Evaluator, start: list[int], num_moves: int):
+    def __init__(self, evaluator: _Evaluator, start: list[int], num_moves: int,
+                 patched: bool = False):
         self.current = np.asarray(start, dtype=np.intp)
-        self.best = evaluator.one(self.current)
+        # Patched: the order's walk, kept up to date (its time and tie-breaker exact).
+        self.walked = _Walked(evaluator, self.current) if patched else None
+        self.best = ((self.walked.time, self.walked.sum) if self.walked is not None
+                     else evaluator.one(self.current))
         self.gap = np.zeros(num_moves)
         self.chunk = 0               # the next chunk of the sweep; past the last: focused
         self.round_start = self.best[0]
@@ -671,7 +934,9 @@ def _local_search(evaluator: _Evaluator, starts: list[list[int]], moves: _Neighb
     (most moves stay far from improving; re-simulating them every pass was most of the
     work). A search stops after a round without a shorter time (a local optimum for the
     time), at ``lower_bound``, after ``max_passes`` passes, or at ``deadline``."""
-    searches = [_Search(evaluator, start, moves.size) for start in starts]
+    m = evaluator.num_microbatches
+    patched = m >= _PATCHED_MIN and evaluator.stages <= m
+    searches = [_Search(evaluator, start, moves.size, patched) for start in starts]
     focus = min(moves.size, max(_FOCUS_MIN, moves.size // _FOCUS_SHARE))
     for npass in range(max_passes + 1):
         for s in searches:
@@ -682,20 +947,28 @@ def _local_search(evaluator: _Evaluator, starts: list[list[int]], moves: _Neighb
         batches = []
         for s in active:
             if s.chunk < len(moves.chunks):
-                chosen, changes = moves.chunks[s.chunk], moves.chunk_changes(s.chunk)
+                chosen = moves.chunks[s.chunk]
+                changes = (moves.chunk_patches(evaluator, s.chunk) if patched
+                           else moves.chunk_changes(s.chunk))
             else:
                 chosen = np.sort(np.argpartition(s.gap, focus - 1)[:focus])
-                changes = moves.changes(chosen)
+                changes = (moves.patches(evaluator, chosen) if patched
+                           else moves.changes(chosen))
             batches.append((chosen, changes))
-        times, sums = evaluator.neighbours([s.current for s in active],
-                                           [changes for _, changes in batches])
-        lo = 0
-        proposals = []
-        for s, (chosen, _) in zip(active, batches, strict=True):
-            hi = lo + len(chosen)
-            proposals.append(_propose(s, moves, chosen, times[lo:hi], sums[lo:hi]))
-            lo = hi
-        _take(evaluator, active, proposals)
+        if patched:
+            results = [changes.evaluate(s.walked, len(chosen))
+                       for s, (chosen, changes) in zip(active, batches, strict=True)]
+        else:
+            times, sums = evaluator.neighbours([s.current for s in active],
+                                               [changes for _, changes in batches])
+            bounds = np.cumsum([0] + [len(chosen) for chosen, _ in batches])
+            results = [(times[lo:hi], sums[lo:hi]) for lo, hi in itertools.pairwise(bounds)]
+        proposals = [_propose(s, moves, chosen, t, sums)
+                     for s, (chosen, _), (t, sums) in zip(active, batches, results, strict=True)]
+        if patched:
+            _take_patched(evaluator, active, proposals)
+        else:
+            _take(evaluator, active, proposals)
         for s, (_, kept) in zip(active, proposals, strict=True):
             if s.chunk < len(moves.chunks):
                 s.chunk += 1
@@ -725,7 +998,7 @@ def _propose(search: _Search, moves: _Neighbourhood, chosen: np.ndarray, times: 
     if not len(candidates):
         return [], 0
     ranked = candidates[np.lexsort((sums[candidates], times[candidates]))]
-    trial = [int(i) for i in search.current]
+    trial = search.current.copy()
     named: set[int] = set()
     prefixes = []
     for k in ranked[:_SCAN]:
@@ -733,9 +1006,9 @@ def _propose(search: _Search, moves: _Neighbourhood, chosen: np.ndarray, times: 
         x, y = int(search.current[moves.a[move]]), int(search.current[moves.b[move]])
         if x in named or y in named:
             continue
-        moves.apply(trial, search.current, move)
+        moves.apply_array(trial, search.current, move)
         named |= {x, y}
-        prefixes.append(np.array(trial))
+        prefixes.append(trial.copy())
         if len(prefixes) > _EXTRA_TRIES:
             break
     if len(prefixes) == 1:
@@ -763,6 +1036,23 @@ def _take(evaluator: _Evaluator, searches: list[_Search],
             n = lo + int(np.lexsort((sums[lo:hi], times[lo:hi]))[0])
             s.current, s.best = tried[n], (float(times[n]), float(sums[n]))
             lo = hi
+
+
+def _take_patched(evaluator: _Evaluator, searches: list[_Search],
+                  proposals: list[tuple[list[np.ndarray], int]]) -> None:
+    """``_take`` for patched searches: each search's proposed orders are evaluated as
+    changes to its order; whichever order a search then holds is walked again, its time and
+    tie-breaker exact."""
+    for s, (prefixes, _) in zip(searches, proposals, strict=True):
+        if prefixes:
+            tried = np.array(prefixes)
+            cand, pos = np.nonzero(tried != s.current)
+            times, sums = _Patches(evaluator, cand, pos, tried[cand, pos], by_position=False,
+                                   dedupe=True).evaluate(s.walked, len(tried))
+            evaluator.evaluated += len(tried)
+            s.current = tried[int(np.lexsort((sums, times))[0])]
+        s.walked.update(s.current)
+        s.best = (s.walked.time, s.walked.sum)
 
 
 def _neighbourhood(num_microbatches: int, stages: int) -> _Neighbourhood:
