@@ -422,7 +422,7 @@ class _Evaluator:
 # Patched evaluation: many orders that differ from one base order in a few places
 
 
-_COUPLE_PAIRS = 2            # pairs walked past a patch's last change before it must have coupled
+_COUPLE_PAIRS = 1            # pairs walked past a patch's last change before it must have coupled
 _PATCHED_MIN = _FULL_NEIGHBOURHOOD + 1   # microbatches from which the local search uses it
 
 
@@ -468,18 +468,24 @@ class _Walked:
             if v > best:
                 best = v
             ts[k + 1], ps[k + 1] = t, best
-        for k in range(max(start, q), m):       # steady state: a forward, then a backward
-            x = offsets[k]
-            g = best + x
-            t += fpos[k]
-            v = t - x
-            if v > best:
-                best = v
-            if g > t:
-                t = g
-            t += bpos[k - q]
-            acc += t
-            ts[k + 1], ps[k + 1], accs[k + 1] = t, best, acc
+        k0 = max(start, q)
+        if k0 < m:   # steady state: a forward, then a backward
+            tl, pl, al = [], [], []
+            t_add, p_add, a_add = tl.append, pl.append, al.append
+            for x, f, b in zip(offsets[k0:m], fpos[k0:m], bpos[k0 - q:m - q], strict=True):
+                g = best + x
+                t += f
+                v = t - x
+                if v > best:
+                    best = v
+                if g > t:
+                    t = g
+                t += b
+                acc += t
+                t_add(t)
+                p_add(best)
+                a_add(acc)
+            ts[k0 + 1:m + 1], ps[k0 + 1:m + 1], accs[k0 + 1:m + 1] = tl, pl, al
         for k in range(max(start, m), m + q):   # cool-down: backwards alone
             g = best + offsets[k]
             if g > t:
@@ -494,49 +500,52 @@ class _Walked:
         self.time, self.sum = t, acc
 
 
+def _end_zone(horizon: int, q: int, m: int) -> int:
+    """The first position from which a patch is walked to the end: the cool-down's state
+    seldom couples."""
+    return m - 1 - horizon - 2 * q - _COUPLE_PAIRS
+
+
+def _cuts(pos: np.ndarray, horizon: int, q: int, m: int) -> np.ndarray:
+    """Where a new patch starts among one candidate's changed positions (ascending): at the
+    first, and at each at least ``horizon`` + Q + 1 after the one before (whose patch then
+    ends before it), unless that one's patch is walked to the end."""
+    cut = np.ones(len(pos), dtype=bool)
+    cut[1:] = (pos[1:] - pos[:-1] >= horizon + q + 1) & (pos[:-1] < _end_zone(horizon, q, m))
+    return cut
+
+
 class _Patches:
     """Candidate orders given by their changes to a base order, cut into patches: runs of
     changed positions less than ``horizon`` + Q + 1 apart. A patch is walked from the base
     state at its first position's boundary through ``horizon`` pairs past its last change;
     there its state must be the base's shifted (coupled, see ``_Walked``), else its candidate
     is evaluated again with a longer horizon (which also merges its patches). Shifts add up
-    over a candidate's patches, and so do tie-breaker differences. Patches alike in several
-    candidates (``dedupe``: the orders ``_take`` tries share most) are walked once.
+    over a candidate's patches, and so do tie-breaker differences.
 
     Changes are (candidate, position, source), sorted by candidate then position; the source
     is the base position whose microbatch moves there (``by_position``) or that microbatch."""
 
     def __init__(self, evaluator: _Evaluator, cand: np.ndarray, pos: np.ndarray,
-                 src: np.ndarray, by_position: bool, horizon: int = _COUPLE_PAIRS,
-                 dedupe: bool = False):
+                 src: np.ndarray, by_position: bool, horizon: int = _COUPLE_PAIRS):
         m, q = evaluator.num_microbatches, evaluator.stages - 1
         self.ev, self.horizon, self.by_position = evaluator, horizon, by_position
-        self.cand, self.pos, self.src, self.dedupe = cand, pos, src, dedupe
-        breaks = np.ones(len(pos), dtype=bool)
-        breaks[1:] = (cand[1:] != cand[:-1]) | (pos[1:] - pos[:-1] >= horizon + q + 1)
+        self.cand, self.pos, self.src = cand, pos, src
+        breaks = _cuts(pos, horizon, q, m)
+        breaks[1:] |= cand[1:] != cand[:-1]
         patch = np.cumsum(breaks) - 1
         first = np.flatnonzero(breaks)
         last = np.append(first[1:] - 1, len(pos) - 1)
-        self.patch_cand = cand[first]
-        self.unique = np.arange(len(first))   # patch -> the walked patch it is like
-        if dedupe and len(first) > 1:
-            walked = self._dedupe(pos, src, patch, first, last)
-            keep = np.isin(patch, walked)
-            pos, src, patch = pos[keep], src[keep], np.searchsorted(walked, patch[keep])
-            first, last = first[walked], last[walked]
-            first, last = np.searchsorted(np.flatnonzero(keep), first), None
-            last = np.append(first[1:] - 1, len(pos) - 1)
         lo, hi = pos[first], pos[last]
-        # To the end from near it: the cool-down's state seldom couples.
-        last_pair = np.where(hi + horizon + 2 * q + _COUPLE_PAIRS >= m - 1, m - 1, hi + horizon)
+        last_pair = np.where(hi >= _end_zone(horizon, q, m), m - 1, hi + horizon)
         pairs = last_pair - lo + q + 1
         # Stable sorts of small integers: radix sorts.
         small = np.int16 if m + q < 1 << 15 else np.int32
         perm = np.argsort((pairs.max(initial=0) - pairs).astype(small), kind="stable")
         rank = np.empty_like(perm)
         rank[perm] = np.arange(len(perm))
-        self.rank = rank   # walked patch -> its column
         self.lo, self.end = lo[perm], lo[perm] + pairs[perm]
+        self.patch_cand = cand[first][perm]
         self.rounds = int(pairs.max()) if len(pairs) else 0
         counts = np.bincount(pairs, minlength=self.rounds + 1)
         self.active = [int(x) for x in np.cumsum(counts[::-1])[::-1][1:]]
@@ -547,39 +556,15 @@ class _Patches:
         self.f_bounds = np.searchsorted(rf[order], rounds).tolist()
         self.b_bounds = np.searchsorted(rf[order] + q, rounds).tolist()
 
-    def _dedupe(self, pos, src, patch, first, last) -> np.ndarray:
-        """Point ``self.unique`` at one patch of each kind; return those patches."""
-        # Group by (first position, length, two hashes of the changes), then check that each
-        # patch's changes are its representative's, one by one (a patch unlike it stays its
-        # own).
-        with np.errstate(over="ignore"):
-            h = pos.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15) + src.astype(np.uint64)
-            h1 = np.add.reduceat(h * np.uint64(0xBF58476D1CE4E5B9), first)
-            h2 = np.add.reduceat((h ^ (h >> np.uint64(29))) * np.uint64(0x94D049BB133111EB),
-                                 first)
-        count = last - first + 1
-        key = np.lexsort((h2, h1, count, pos[first]))
-        new = np.ones(len(key), dtype=bool)
-        new[1:] = ((pos[first][key][1:] != pos[first][key][:-1])
-                   | (count[key][1:] != count[key][:-1])
-                   | (h1[key][1:] != h1[key][:-1]) | (h2[key][1:] != h2[key][:-1]))
-        rep = np.empty(len(key), dtype=np.intp)
-        rep[key] = key[np.flatnonzero(new)[np.cumsum(new) - 1]]
-        other = first[rep][patch] + np.arange(len(pos)) - first[patch]
-        unlike = np.unique(patch[(pos != pos[other]) | (src != src[other])])
-        rep[unlike] = unlike
-        walked = np.unique(rep)
-        self.unique = np.searchsorted(walked, rep)
-        return walked
-
     def evaluate(self, base: _Walked, num_candidates: int) -> tuple[np.ndarray, np.ndarray]:
         """(iteration time, tie-breaker) of every candidate."""
         ev = self.ev
         times, sums, uncoupled = self._run(base, num_candidates)
+        self.retried = bool(len(uncoupled))
         if len(uncoupled):
             keep = np.isin(self.cand, uncoupled)
             again = _Patches(ev, self.cand[keep], self.pos[keep], self.src[keep],
-                             self.by_position, horizon=4 * self.horizon, dedupe=self.dedupe)
+                             self.by_position, horizon=4 * self.horizon + 1)
             t2, s2 = again.evaluate(base, num_candidates)
             times[uncoupled], sums[uncoupled] = t2[uncoupled], s2[uncoupled]
         return times, sums
@@ -609,17 +594,19 @@ class _Patches:
             np.maximum(pp, tt - xf[j], out=pp)
             np.maximum(tt, g, out=tt)
             tt += b
-            acc[:n] += tt * hb[j]
+            if r < q:   # warm-up pairs (no backward) only in the first Q rounds
+                acc[:n] += tt * hb[j]
+            else:
+                acc[:n] += tt
         end = self.end
         shift = t - base.t[end]
         coupled = np.abs(shift - (p - base.p[end])) <= _REL_TOL * max(1.0, abs(base.time))
         coupled |= end == m + q
         dacc = acc - (base.acc[end] - base.acc[lo]) + (m + q - np.maximum(end, q)) * shift
-        column = self.rank[self.unique]   # every patch's walked column
         cand = self.patch_cand
-        times = base.time + np.bincount(cand, shift[column], minlength=num_candidates)
-        sums = base.sum + np.bincount(cand, dacc[column], minlength=num_candidates)
-        return times, sums, np.unique(cand[~coupled[column]])
+        times = base.time + np.bincount(cand, shift, minlength=num_candidates)
+        sums = base.sum + np.bincount(cand, dacc, minlength=num_candidates)
+        return times, sums, np.unique(cand[~coupled])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -848,20 +835,25 @@ class _Neighbourhood:
                 np.concatenate([cols[swap], cols[swap], col]),
                 np.concatenate([b[swap], a[swap], source]))
 
-    def apply_array(self, order: np.ndarray, base: np.ndarray, move: int) -> None:
-        """``apply`` on an array."""
+    def apply_array(self, order: np.ndarray, where: np.ndarray, base: np.ndarray,
+                    move: int) -> None:
+        """``apply`` on an array, ``where`` its inverse (the position of each microbatch),
+        both kept up to date."""
         x, y = base[self.a[move]], base[self.b[move]]
-        i, k = int(np.flatnonzero(order == x)[0]), int(np.flatnonzero(order == y)[0])
+        i, k = int(where[x]), int(where[y])
         if self.is_swap[move]:
             order[i], order[k] = y, x
+            where[x], where[y] = k, i
             return
         # x out, then back in just after y (moving later) or just before it (earlier).
-        to = k + (self.a[move] < self.b[move]) - (i < k)
+        to = k + int(self.a[move] < self.b[move]) - (i < k)
         if i < to:
             order[i:to] = order[i + 1:to + 1]
         elif to < i:
             order[to + 1:i + 1] = order[to:i]
         order[to] = x
+        lo, hi = min(i, to), max(i, to)
+        where[order[lo:hi + 1]] = np.arange(lo, hi + 1)
 
     def apply(self, order: list[int], base: np.ndarray, move: int) -> None:
         """Apply ``move``, as found on ``base``, to ``order`` in place by the microbatches it
@@ -937,7 +929,7 @@ def _local_search(evaluator: _Evaluator, starts: list[list[int]], moves: _Neighb
     m = evaluator.num_microbatches
     patched = m >= _PATCHED_MIN and evaluator.stages <= m
     searches = [_Search(evaluator, start, moves.size, patched) for start in starts]
-    focus = min(moves.size, max(_FOCUS_MIN, moves.size // _FOCUS_SHARE))
+    focus = min(moves.size, _CHUNK, max(_FOCUS_MIN, moves.size // _FOCUS_SHARE))
     for npass in range(max_passes + 1):
         for s in searches:
             s.done = s.done or npass == max_passes or s.best[0] <= lower_bound * (1 + _REL_TOL)
@@ -950,10 +942,12 @@ def _local_search(evaluator: _Evaluator, starts: list[list[int]], moves: _Neighb
                 chosen = moves.chunks[s.chunk]
                 changes = (moves.chunk_patches(evaluator, s.chunk) if patched
                            else moves.chunk_changes(s.chunk))
+            elif patched:
+                chosen = _smallest(s.gap, focus)
+                changes = moves.patches(evaluator, chosen)
             else:
                 chosen = np.sort(np.argpartition(s.gap, focus - 1)[:focus])
-                changes = (moves.patches(evaluator, chosen) if patched
-                           else moves.changes(chosen))
+                changes = moves.changes(chosen)
             batches.append((chosen, changes))
         if patched:
             results = [changes.evaluate(s.walked, len(chosen))
@@ -979,6 +973,14 @@ def _local_search(evaluator: _Evaluator, starts: list[list[int]], moves: _Neighb
     return [([int(i) for i in s.current], s.best[0], s.best[1]) for s in searches]
 
 
+def _smallest(values: np.ndarray, k: int) -> np.ndarray:
+    """Indices of ``k`` smallest values, ascending (ties at the k-th: the first ones); a
+    partition costs a fraction of an argpartition."""
+    kth = np.partition(values, k - 1)[k - 1]
+    below = np.flatnonzero(values < kth)
+    return np.sort(np.concatenate([below, np.flatnonzero(values == kth)[:k - len(below)]]))
+
+
 def _propose(search: _Search, moves: _Neighbourhood, chosen: np.ndarray, times: np.ndarray,
              sums: np.ndarray) -> tuple[list[np.ndarray], int]:
     """Record the gaps of the moves ``chosen`` (simulated: ``times``, ``sums``); return the
@@ -999,6 +1001,8 @@ def _propose(search: _Search, moves: _Neighbourhood, chosen: np.ndarray, times: 
         return [], 0
     ranked = candidates[np.lexsort((sums[candidates], times[candidates]))]
     trial = search.current.copy()
+    where = np.empty_like(trial)
+    where[trial] = np.arange(len(trial))
     named: set[int] = set()
     prefixes = []
     for k in ranked[:_SCAN]:
@@ -1006,7 +1010,7 @@ def _propose(search: _Search, moves: _Neighbourhood, chosen: np.ndarray, times: 
         x, y = int(search.current[moves.a[move]]), int(search.current[moves.b[move]])
         if x in named or y in named:
             continue
-        moves.apply_array(trial, search.current, move)
+        moves.apply_array(trial, where, search.current, move)
         named |= {x, y}
         prefixes.append(trial.copy())
         if len(prefixes) > _EXTRA_TRIES:
@@ -1046,13 +1050,56 @@ def _take_patched(evaluator: _Evaluator, searches: list[_Search],
     for s, (prefixes, _) in zip(searches, proposals, strict=True):
         if prefixes:
             tried = np.array(prefixes)
-            cand, pos = np.nonzero(tried != s.current)
-            times, sums = _Patches(evaluator, cand, pos, tried[cand, pos], by_position=False,
-                                   dedupe=True).evaluate(s.walked, len(tried))
+            times, sums = _prefix_times(evaluator, s.walked, tried)
             evaluator.evaluated += len(tried)
             s.current = tried[int(np.lexsort((sums, times))[0])]
         s.walked.update(s.current)
         s.best = (s.walked.time, s.walked.sum)
+
+
+def _prefix_times(evaluator: _Evaluator, base: _Walked, tried: np.ndarray,
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """(time, tie-breaker) of orders each made from the one before by a few changes (from
+    ``base`` for the first), as ``_propose`` makes them.
+
+    The positions any of them changes, cut where ``_Patches`` would cut, make clusters; an
+    order changes few clusters from the order before, so each cluster's content at each
+    order it changes is one candidate for ``_Patches`` (about as many as there are orders,
+    where walking every order's patches walked each many times), and an order's shift is
+    its clusters' latest. Should a patch not couple (its walk would then reach into the
+    next cluster), every order is evaluated whole instead."""
+    q = evaluator.stages - 1
+    diff = tried != base.order
+    union = np.flatnonzero(diff.any(axis=0))
+    if not len(union):
+        return np.full(len(tried), base.time), np.full(len(tried), base.sum)
+    starts = np.flatnonzero(_cuts(union, _COUPLE_PAIRS, q, evaluator.num_microbatches))
+    content = tried[:, union]
+    changed = np.empty(content.shape, dtype=bool)
+    changed[0] = diff[0, union]
+    changed[1:] = content[1:] != content[:-1]
+    changed = np.logical_or.reduceat(changed, starts, axis=1)   # (order, cluster)
+    order_of, cluster = np.nonzero(changed)                      # versions, by order
+    sizes = np.diff(np.append(starts, len(union)))
+    version = np.repeat(np.arange(len(cluster)), sizes[cluster])
+    column = np.arange(len(version)) - np.repeat(np.cumsum(sizes[cluster]) - sizes[cluster],
+                                                 sizes[cluster]) + starts[cluster][version]
+    pos = union[column]
+    keep = diff[order_of[version], pos]
+    version, pos = version[keep], pos[keep]
+    patches = _Patches(evaluator, version, pos, tried[order_of[version], pos],
+                       by_position=False)
+    times, sums = patches.evaluate(base, len(cluster))
+    if patches.retried:
+        cand, pos = np.nonzero(diff)
+        return _Patches(evaluator, cand, pos, tried[cand, pos],
+                        by_position=False).evaluate(base, len(tried))
+    latest = np.full(changed.shape, -1)
+    latest[order_of, cluster] = np.arange(len(cluster))
+    latest = np.maximum.accumulate(latest, axis=0)
+    shift = np.append(times - base.time, 0.0)[latest].sum(axis=1)
+    dsum = np.append(sums - base.sum, 0.0)[latest].sum(axis=1)
+    return base.time + shift, base.sum + dsum
 
 
 def _neighbourhood(num_microbatches: int, stages: int) -> _Neighbourhood:
