@@ -32,7 +32,7 @@ import numpy as np
 
 from dtdsl.cost import flops
 from dtdsl.cost.profile import COND_TOKENS, ProfileTable
-from dtdsl.cost.samples import SampleSet, draw_samples
+from dtdsl.cost.samples import SampleSet, draw_samples, microbatch_lengths, positions
 from dtdsl.ir import program as ir
 
 __all__ = [
@@ -165,6 +165,8 @@ class UnitCost:
                                      # when the first is another (pp > 1)
     frozen_fwd_work: flops.Work = flops.Work()   # forward only, whole on every TP rank:
                                      # a generator's VAE encoder on its targets
+    model_attention_flops: float = 0.0   # a backbone's forward attention FLOPs per
+                                     # microbatch as model_flops counts them (causal: half)
 
     @property
     def trainable(self) -> bool:
@@ -437,6 +439,7 @@ class _Acc:
     work: flops.Work = field(default_factory=flops.Work)
     frozen: flops.Work = field(default_factory=flops.Work)   # forward only (a VAE)
     model_flops: float = 0.0
+    model_attention: float = 0.0  # the backbone's forward attention FLOPs in model_flops
     params: float = 0.0
     trainable_params: float = 0.0
     extra: float = 0.0            # parameters that sit on a single stage
@@ -475,21 +478,32 @@ def _unit_cost(program: ir.Program, module: ir.Module, samples: SampleSet) -> Un
     boundary = 0.0
 
     if module.role == "backbone":
+        # The runtime pads a microbatch to its longest sequence: compute and transfers are
+        # priced at the padded lengths of the drawn microbatches, the model FLOPs (MFU) at
+        # the sequences' own lengths, activation memory at seq_len (a microbatch may reach
+        # it).
+        lengths = positions(samples).astype(float)
+        padded = microbatch_lengths(lengths, mb)
+        sizes, counts = np.unique(padded, return_counts=True)
+        acc.queries.append(ProfileQuery(module.name, tuple(float(x) for x in sizes),
+                                        tuple(float(c) * mb / len(padded) for c in counts)))
+        acc.work = _mean_work(flops.backbone_forward(arch, padded)) * mb
+        useful = _mean_work(flops.backbone_forward(arch, lengths)) * mb
+        acc.model_attention = useful.attention
         tokens = train.seq_len * mb
-        acc.queries.append(ProfileQuery(module.name, (float(train.seq_len),), (float(mb),)))
-        acc.work = flops.backbone_forward(arch, train.seq_len) * mb
+        mean_tokens = float(padded.mean()) * mb
         acc.act, acc.act_split = _transformer_activation_bytes(
             arch.hidden, arch.ffn, arch.kv_heads / arch.heads, _mlp_factor(arch), tokens,
             rms_norm=True, sequence_parallel=True)
         acc.act_tokens, acc.width, acc.peak_items = tokens, arch.hidden, tokens
-        acc.comm = arch.layers * 2 * tokens * arch.hidden * _BYTES_BF16
+        acc.comm = arch.layers * 2 * mean_tokens * arch.hidden * _BYTES_BF16
         # The embedding on the first stage; the head (none of its own when tied to the
         # embedding) and the final norm on the last.
         acc.extra = flops.backbone_ends_params(arch)
         acc.first = arch.vocab * arch.hidden
         acc.tied = arch.vocab * arch.hidden if arch.tie_embeddings else 0.0
-        boundary = tokens * arch.hidden * _BYTES_BF16
-        acc.model_flops = acc.work.total * (1 + bwd)
+        boundary = mean_tokens * arch.hidden * _BYTES_BF16
+        acc.model_flops = useful.total * (1 + bwd)
     elif module.role == "encoder":
         items = samples.items[module.modality]
         # The layers run on each item's patches and its class token, if it has one; the
@@ -574,7 +588,15 @@ def _unit_cost(program: ir.Program, module: ir.Module, samples: SampleSet) -> Un
         tp_comm_bytes=acc.comm, boundary_bytes=boundary, queries=tuple(acc.queries),
         first_stage_params=min(acc.first, acc.params), peak_items=acc.peak_items,
         recompute_layer_bytes=recompute_layer[0],
-        recompute_layer_bytes_tp_split=recompute_layer[1], tied_head_params=acc.tied)
+        recompute_layer_bytes_tp_split=recompute_layer[1], tied_head_params=acc.tied,
+        model_attention_flops=acc.model_attention)
+
+
+def _mean_work(work: flops.Work) -> flops.Work:
+    """The mean of a Work of arrays."""
+    return flops.Work(matmul=float(np.mean(work.matmul)),
+                      attention=float(np.mean(work.attention)),
+                      conv=float(np.mean(work.conv)))
 
 
 def build_cost_model(program: ir.Program, params: CostParams | None = None, *,

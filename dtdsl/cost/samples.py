@@ -16,7 +16,7 @@ import numpy as np
 
 from dtdsl.ir import program as ir
 
-__all__ = ["ItemSet", "SampleSet", "draw", "draw_samples"]
+__all__ = ["ItemSet", "SampleSet", "draw", "draw_samples", "microbatch_lengths", "positions"]
 
 
 def draw(quantity: ir.Quantity, n: int, rng: np.random.Generator) -> np.ndarray:
@@ -106,17 +106,31 @@ def draw_samples(program: ir.Program, n: int, seed: int = 0) -> SampleSet:
         # the stream, so a longer stream only closes more sequences).
         docs.append(_cut(program, _draw_documents(program, max(2 * n, 64), rng)))
         stream = _concat(docs)
-        rows = pack(_positions(stream), seq_len, rows=n)     # closed sequences only
+        rows = pack(positions(stream), seq_len, rows=n)     # closed sequences only
     return _join(stream, rows)
 
 
-def _positions(samples: SampleSet) -> np.ndarray:
+def positions(samples: SampleSet) -> np.ndarray:
     """Each sample's positions in the backbone's sequence: its text and encoder items."""
     total = samples.text_tokens.astype(np.int64).copy()
     for key, items in samples.items.items():
         if not key.endswith(".gen"):
             total += items.tokens().astype(np.int64)
     return total
+
+
+def microbatch_lengths(lengths: np.ndarray, micro_batch: int) -> np.ndarray:
+    """The length the backbone pads each microbatch to: the longest of each run of
+    ``micro_batch`` consecutive sequences (the runtime pads a microbatch to its longest
+    sequence, ``models.multimodal.backbone_input``); a short last run counts too."""
+    lengths = np.asarray(lengths, dtype=float)
+    n = len(lengths)
+    if n == 0:
+        return lengths
+    groups = -(-n // micro_batch)
+    padded = np.full(groups * micro_batch, -np.inf)
+    padded[:n] = lengths
+    return padded.reshape(groups, micro_batch).max(axis=1)
 
 
 def _cut(program: ir.Program, samples: SampleSet) -> SampleSet:

@@ -73,7 +73,7 @@ class Evaluator:
         causal = [u for u in self.units
                   if u.role == "backbone" and program.backbone.arch.causal]
         self.model_flops_full_attention_per_iteration = self.model_flops_per_iteration + sum(
-            u.fwd_work.attention * (1 + u.backward_factor) for u in causal) * \
+            u.model_attention_flops * (1 + u.backward_factor) for u in causal) * \
             self.total_microbatches
 
     def fwd_bwd(self, index: int, tp: int) -> tuple[float, float]:

@@ -3,8 +3,8 @@
 1. ``sample_work``: each sample's forward work per unit, relative to the mean over the
    cost model's own samples (so the expected durations are exactly the planner's): an
    encoder's work grows with its items' patches (linear layers) and their squares
-   (attention), a generator's with how many items it generates, the backbone's is the
-   same for every sample (packed to the sequence length).
+   (attention), a generator's with how many items it generates, the backbone's with
+   its sequence's length (a microbatch padded to its longest: ``Routing.padded_loads``).
 2. ``route``: which microbatch step and which DP replica of every unit each sample goes
    to, under a reorder policy. Without reordering, samples go in data order (backbone
    replica r takes the r-th contiguous slice of the batch, in microbatches of
@@ -26,7 +26,7 @@ import numpy as np
 
 from dtdsl.cost import flops
 from dtdsl.cost.model import CostModel
-from dtdsl.cost.samples import SampleSet, draw_samples
+from dtdsl.cost.samples import SampleSet, draw_samples, microbatch_lengths, positions
 from dtdsl.ir.plan import Plan
 from dtdsl.ir.schedule import Schedule
 from dtdsl.reorder.split import contiguous_split
@@ -60,10 +60,9 @@ def _raw_work(cost: CostModel, samples: SampleSet, *, timed: bool) -> dict[str, 
     program = cost.program
     eff = cost.params.efficiency
     out: dict[str, np.ndarray] = {}
-    n = len(samples)
     for module in program.modules:
         if module.role == "backbone":
-            out[module.name] = np.ones(n)
+            out[module.name] = _backbone_work(cost, module, positions(samples), timed=timed)
         elif module.role == "encoder":
             items = samples.items[module.modality]
             p = flops.encoder_tokens(module.arch, items.sizes.astype(float))
@@ -77,9 +76,21 @@ def _raw_work(cost: CostModel, samples: SampleSet, *, timed: bool) -> dict[str, 
     return out
 
 
+def _backbone_work(cost: CostModel, module, lengths: np.ndarray, *, timed: bool) -> np.ndarray:
+    """The backbone's forward work on sequences of ``lengths`` (in time units when
+    ``timed``: each kind of work at its efficiency)."""
+    w = flops.backbone_forward(module.arch, np.asarray(lengths, dtype=float))
+    if not timed:
+        return np.asarray(w.total, dtype=float)
+    eff = cost.params.efficiency
+    return np.asarray(w.matmul / eff.matmul + w.attention / eff.attention, dtype=float)
+
+
 class WorkModel:
     """Relative per-sample work of a cost model's units: the reference means are taken
-    once, over the cost model's own samples."""
+    once, over the cost model's own samples. The backbone's time is relative to its mean
+    per sample in a microbatch padded to its longest sequence, as the cost model prices it
+    (``Routing.padded_loads``); its FLOPs to their mean per sample."""
 
     def __init__(self, cost: CostModel) -> None:
         self.cost = cost
@@ -87,6 +98,10 @@ class WorkModel:
         self._means = {timed: {name: float(v.mean()) for name, v in
                                _raw_work(cost, reference, timed=timed).items()}
                        for timed in (True, False)}
+        program = cost.program
+        padded = microbatch_lengths(positions(reference), program.train.micro_batch)
+        self._means[True][program.backbone.name] = float(
+            _backbone_work(cost, program.backbone, padded, timed=True).mean())
 
     def relative(self, samples: SampleSet, *, timed: bool = True) -> dict[str, np.ndarray]:
         """Per unit, each sample's forward work relative to the mean over the cost
@@ -120,6 +135,16 @@ class Routing:
         flat = self.step * dp + self.replica[unit]
         return np.bincount(flat, weights=costs,
                            minlength=self.num_microbatches * dp).reshape(-1, dp)
+
+    def padded_loads(self, unit: str, costs: np.ndarray, dp: int) -> np.ndarray:
+        """(steps, dp): each replica's samples per step times the largest of their
+        ``costs``: a microbatch padded to its longest sequence (the backbone)."""
+        flat = self.step * dp + self.replica[unit]
+        size = self.num_microbatches * dp
+        count = np.bincount(flat, minlength=size)
+        largest = np.zeros(size)
+        np.maximum.at(largest, flat, np.asarray(costs, dtype=float))
+        return (count * largest).reshape(-1, dp)
 
     def pairs(self, producer: str, producer_dp: int, consumer: str,
               consumer_dp: int) -> np.ndarray:
@@ -255,6 +280,14 @@ def encoder_step_times(plan: Plan, work: dict[str, np.ndarray]
     return times
 
 
+def _loads(routing: Routing, unit, work: dict[str, np.ndarray]) -> np.ndarray:
+    """(steps, dp): a unit's work per replica and step; the backbone pads a microbatch to
+    its longest sequence."""
+    if unit.role == "backbone":
+        return routing.padded_loads(unit.name, work[unit.name], unit.dp)
+    return routing.loads(unit.name, work[unit.name], unit.dp)
+
+
 def imbalance(plan: Plan, routing: Routing, work: dict[str, np.ndarray]) -> float:
     """How much longer the slowest replica works than the average one, over the
     iteration: per unit the sum over steps of the largest replica load over the sum of
@@ -263,7 +296,7 @@ def imbalance(plan: Plan, routing: Routing, work: dict[str, np.ndarray]) -> floa
     for u in plan.units:
         if u.dp < 2:
             continue
-        loads = routing.loads(u.name, work[u.name], u.dp)
+        loads = _loads(routing, u, work)
         mean = loads.mean(axis=1).sum()
         if mean > 0:
             worst = max(worst, float(loads.max(axis=1).sum() / mean))
@@ -289,7 +322,7 @@ def iteration_durations(plan: Plan, cost: CostModel, schedule: Schedule, routing
     by_name = {u.name: u for u in plan.units}
     for su in schedule.units:
         u = by_name[su.name]
-        loads = routing.loads(u.name, work[u.name], u.dp)          # (M, dp)
+        loads = _loads(routing, u, work)                            # (M, dp)
         layers = np.asarray(u.layers_per_stage, dtype=float)
         stage_scale = layers / layers.max() / su.vpp                # (pp,)
         f, b = seconds[u.name]
@@ -310,7 +343,7 @@ def iteration_durations(plan: Plan, cost: CostModel, schedule: Schedule, routing
         if u.colocated:
             # The baseline's co-located encoder (generator): its passes run on the
             # backbone's first (last) stage, on the same replica as the sample's backbone.
-            loads = routing.loads(u.name, work[u.name], u.dp)
+            loads = _loads(routing, u, work)
             f, b = seconds[u.name]
             at = 0 if u.role == "encoder" else backbone.pp - 1
             vpp_b = compute[backbone.name].shape[2]

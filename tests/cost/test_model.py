@@ -20,7 +20,7 @@ from dtdsl.cost.profile import (
     Profile,
     ProfileTable,
 )
-from dtdsl.cost.samples import draw_samples
+from dtdsl.cost.samples import draw_samples, microbatch_lengths, positions
 from dtdsl.driver import run_frontend
 from dtdsl.ir import program as ir
 
@@ -100,7 +100,17 @@ def test_costs_grow_with_the_data():
     # Larger images, more encoder work; not in proportion: an image that does not fit in
     # seq_len is dropped, as the data sources drop it.
     assert big.unit("vit").fwd_work.total > 1.5 * small.unit("vit").fwd_work.total
-    assert big.unit("llm").fwd_work == small.unit("llm").fwd_work   # packed to seq_len
+    # The backbone pads a microbatch to its longest sequence: longer sequences, more work,
+    # never more than seq_len's.
+    prog = program("mllm_9b")
+    full = flops.backbone_forward(prog.backbone.arch, prog.train.seq_len).total * \
+        prog.train.micro_batch
+    assert small.unit("llm").fwd_work.total < big.unit("llm").fwd_work.total <= full
+    # MFU counts the sequences' own tokens, not the padding of a microbatch of several.
+    tiny = build_cost_model(program("tiny_cpu"))
+    assert program("tiny_cpu").train.micro_batch > 1
+    llm = tiny.unit("llm")
+    assert llm.model_flops < llm.fwd_work.total * (1 + llm.backward_factor)
 
 
 def test_frozen_encoder_keeps_no_gradients_or_optimizer_state():
@@ -206,15 +216,18 @@ def test_profile_times_are_expectations_over_the_data():
     slope = {"vit": 1e-3, "llm": 2e-4, "gen": 5e-2, "vit_to_llm": 1e-5, "llm_to_gen": 2e-5}
     measured = build_cost_model(prog, profile=ProfileTable(_linear_profile(prog, slope)))
     assert measured.tps(measured.unit("llm")) == (1, 2)
-    mb, seq = prog.train.micro_batch, prog.train.seq_len
+    mb = prog.train.micro_batch
+    drawn = draw_samples(prog, measured.params.samples, measured.params.seed)
     fwd, bwd = measured.fwd_bwd_time_s(measured.unit("llm"), 1)
-    assert fwd == pytest.approx(slope["llm"] * seq * mb)
+    # The backbone: the expected length of a microbatch padded to its longest sequence.
+    padded = microbatch_lengths(positions(drawn), mb)
+    assert padded.mean() < prog.train.seq_len
+    assert fwd == pytest.approx(slope["llm"] * padded.mean() * mb)
     assert bwd == pytest.approx(2 * fwd)
     # The encoder: the expected item tokens of a microbatch of the drawn samples.
     vit = measured.unit("vit")
     tokens = sum(w * x for q in vit.queries if q.name == "vit" for x, w in
                  zip(q.sizes, q.weights, strict=True))
-    drawn = draw_samples(prog, measured.params.samples, measured.params.seed)
     assert tokens == pytest.approx(drawn.items["image"].tokens().mean() * mb)
     projected = [q for q in vit.queries if q.name == "vit_to_llm"]
     assert projected[0].sizes == pytest.approx((tokens,))
