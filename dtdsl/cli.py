@@ -730,14 +730,15 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     if not args.synthetic and not _data_ready(args, result, program):
         return EXIT_ERRORS
     # What the runtime cannot train is an error before anything is written.
-    planned = _runtime_plan(args.plan, result, program, _cost_model(args, program))
+    cost = _cost_model(args, program)
+    planned = _runtime_plan(args.plan, result, program, cost)
     if planned is None:
         return EXIT_ERRORS
     the_plan, schedule = planned
     options = BundleOptions(
         steps=args.steps, workers=args.workers, data=args.data, synthetic=args.synthetic,
         hosts=tuple(h for h in (args.hosts or "").split(",") if h),
-        port_base=args.port_base, max_restarts=args.max_restarts)
+        port_base=args.port_base, max_restarts=args.max_restarts, cost=cost)
     try:
         written = compile_bundle(args.output, source=result.source.text.encode("utf-8"),
                                  spec_path=args.spec, program=program, plan=the_plan,

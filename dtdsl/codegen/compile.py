@@ -7,6 +7,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from dtdsl.codegen.emit import emit_bundle
 from dtdsl.codegen.support import runtime_support
@@ -14,7 +15,7 @@ from dtdsl.codegen.views import bundle_view
 from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan
 from dtdsl.ir.schedule import Schedule
-from dtdsl.train.job import CheckpointConfig, DataConfig, FeedConfig, Job
+from dtdsl.train.job import CheckpointConfig, CostConfig, DataConfig, FeedConfig, Job
 
 __all__ = ["BundleOptions", "DEFAULT_MAX_RESTARTS", "DEFAULT_PORT_BASE", "DEFAULT_RDZV_PORT",
            "compile_bundle", "make_job"]
@@ -24,6 +25,7 @@ DEFAULT_RDZV_PORT = 29500       # torchrun's rendezvous on multi-node launches
 MAX_MESSAGE_BYTES = 1 << 30
 _HOST = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.\-]*[A-Za-z0-9])?\Z|\[[0-9A-Fa-f:.]+\]\Z")
 KEEP_CHECKPOINTS = 3
+PROFILE_FILE = "profile.json"    # the measured profile the plan was made with
 # torchrun restarts every rank after one fails and the job resumes from its newest
 # checkpoint (runtime.checkpoint): a few restarts ride out a lost rank without a person.
 DEFAULT_MAX_RESTARTS = 3
@@ -41,6 +43,9 @@ class BundleOptions:
     hosts: tuple[str, ...] = ()
     port_base: int = DEFAULT_PORT_BASE
     max_restarts: int | None = None  # None: DEFAULT_MAX_RESTARTS
+    # The cost model the plan was made with (``dtc compile --efficiency/--profile``): the
+    # run's predictions use it too. None: the analytic defaults.
+    cost: Any = None
 
 
 def _data(program: ir.Program, spec_dir: Path, out: Path, options: BundleOptions
@@ -89,7 +94,16 @@ def make_job(program: ir.Program, plan: Plan, data: DataConfig, options: BundleO
                                port_base=options.port_base,
                                max_message_bytes=MAX_MESSAGE_BYTES),
                checkpoint=CheckpointConfig(every=program.train.checkpoint_every,
-                                           keep=KEEP_CHECKPOINTS))
+                                           keep=KEEP_CHECKPOINTS),
+               cost=_cost_config(options.cost))
+
+
+def _cost_config(cost: Any) -> CostConfig:
+    if cost is None:
+        return CostConfig()
+    e = cost.params.efficiency
+    return CostConfig(matmul=e.matmul, attention=e.attention, conv=e.conv,
+                      profile_file=PROFILE_FILE if cost.profile is not None else None)
 
 
 def compile_bundle(out: str | Path, *, source: bytes, spec_path: str, program: ir.Program,
@@ -109,5 +123,7 @@ def compile_bundle(out: str | Path, *, source: bytes, spec_path: str, program: i
     view = bundle_view(program, plan, schedule, job, rdzv_port=DEFAULT_RDZV_PORT,
                        max_restarts=DEFAULT_MAX_RESTARTS if options.max_restarts is None
                        else options.max_restarts)
+    profile = options.cost.profile.profile if options.cost is not None and \
+        options.cost.profile is not None else None
     return emit_bundle(out, source=source, program=program, plan=plan, schedule=schedule,
-                       job=job, view=view, overwrite=overwrite)
+                       job=job, view=view, overwrite=overwrite, profile=profile)

@@ -137,7 +137,7 @@ def _json(model: Any) -> bytes:
 
 
 def _files(source: bytes, program: ir.Program, plan: Plan, schedule: Schedule, job: Job,
-           view: BundleView) -> list[_File]:
+           view: BundleView, profile: Any = None) -> list[_File]:
     program = program.model_copy(update={"source_name": "spec.dt"})
     plan = plan.model_copy(update={"solve_time_s": 0.0})
     files = [
@@ -147,6 +147,10 @@ def _files(source: bytes, program: ir.Program, plan: Plan, schedule: Schedule, j
         _File("schedule.txt", (_header(view, "#") + "\n" + schedule_text(schedule)).encode()),
         _File("job.json", _json(job)),
     ]
+    if job.cost.profile_file is not None:
+        if profile is None:
+            raise AssertionError("the job names a profile and none was given")
+        files.append(_File(job.cost.profile_file, _json(profile)))
     python = [("train.py", render("train.py.j2", view))]
     python += [(f.path, render("rank.py.j2", view, **_rank_fields(f)))
                for f in view.rank_files]
@@ -209,11 +213,11 @@ def _clear(out: Path, overwrite: bool) -> None:
 
 def emit_bundle(out: str | Path, *, source: bytes, program: ir.Program, plan: Plan,
                 schedule: Schedule, job: Job, view: BundleView,
-                overwrite: bool = False) -> list[str]:
+                overwrite: bool = False, profile: Any = None) -> list[str]:
     """Write the bundle into ``out``; returns the paths written, relative to it.
     BundleError for a target that cannot take it."""
     out = Path(out)
-    files = _files(source, program, plan, schedule, job, view)
+    files = _files(source, program, plan, schedule, job, view, profile)
     files.append(_manifest(view, files))
     _clear(out, overwrite)
     try:

@@ -5,6 +5,8 @@ Tags written by ``TimelineWriter.add_step``:
 - ``time/iteration_s``: the timeline's iteration time;
 - ``pipeline/bubble_fraction``: the mean bubble fraction over all stage replicas;
 - ``pipeline/bubble/<unit>.s<N>``: each stage's bubble fraction (mean over its replicas);
+- ``pipeline/compute_s/<unit>.s<N>``: each stage's seconds of forward and backward
+  compute (mean over its replicas);
 - the caller's extra scalars under their own tags (``mfu``, ``data/imbalance``);
 - ``pipeline/gantt``: the Gantt chart (``dtdsl.sim.gantt``), every ``gantt_every`` steps.
 
@@ -57,6 +59,8 @@ class TimelineWriter:
                   "pipeline/bubble_fraction": timeline.mean_bubble_fraction()}
         values.update((f"pipeline/bubble/{stage}", bubble)
                       for stage, bubble in sorted(timeline.bubble_fraction().items()))
+        values.update((f"pipeline/compute_s/{stage}", busy)
+                      for stage, busy in sorted(timeline.compute_s().items()))
         for name, value in (scalars or {}).items():
             values[name] = float(value)
         for name, value in values.items():

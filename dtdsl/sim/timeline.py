@@ -145,6 +145,14 @@ class Timeline:
                 busy[e.row] = busy.get(e.row, 0.0) + e.duration_s
         return busy
 
+    def compute_s(self) -> dict[str, float]:
+        """Per unit stage (``llm.s1``): seconds of forward and backward compute (mean over
+        its replicas)."""
+        per_stage: dict[str, list[float]] = defaultdict(list)
+        for (unit, stage, _), busy in self.busy_s().items():
+            per_stage[f"{unit}.s{stage}"].append(busy)
+        return {name: sum(b) / len(b) for name, b in per_stage.items()}
+
     def bubble_fraction(self) -> dict[str, float]:
         """Per unit stage (``llm.s1``): the share of the iteration its replicas spend not
         computing (mean over the replicas)."""

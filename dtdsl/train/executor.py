@@ -286,8 +286,11 @@ class StageExecutor:
             if a.kind in (ActionKind.SYNC, ActionKind.OPT):
                 continue
             if a.kind not in _COMM:
-                # Consecutive communication actions go out as one batch, before compute.
+                # Consecutive communication actions go out as one batch, before compute;
+                # a pass's time starts once what it receives is here (its wait for a
+                # peer is the pipeline's bubble, not its compute).
                 self.p2p.flush()
+                self._await_inputs(a)
             start = time.perf_counter() - self._t0
             self._run(i, a)
             events.append(self._event(a.kind.value, a.microbatch, start))
@@ -401,6 +404,15 @@ class StageExecutor:
     def _index(self, j: int) -> int:
         """Microbatch ``j``'s index in the run (labels of its messages)."""
         return self.step * self.plan.num_microbatches + j
+
+    def _await_inputs(self, a: Action) -> None:
+        """Wait for the receives pass ``a`` reads (they keep what they received)."""
+        mb = self.micro.get(a.microbatch)
+        if mb is None:
+            return
+        waiting = mb.pending if a.kind is ActionKind.F else mb.grads_in
+        for received in waiting.values():
+            received.wait()
 
     def _run(self, index: int, a: Action) -> None:
         """Run action ``a``, the ``index``-th of this stage's list."""

@@ -14,12 +14,12 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["JOB_VERSION", "CheckpointConfig", "DataConfig", "FeedConfig", "Job", "RankEntry",
-           "RankProgram", "fault_point", "load_job"]
+__all__ = ["JOB_VERSION", "CheckpointConfig", "CostConfig", "DataConfig", "FeedConfig", "Job",
+           "RankEntry", "RankProgram", "fault_point", "load_job"]
 
 JOB_VERSION = 1
 
@@ -58,6 +58,29 @@ class FeedConfig(_Model):
         return f"tcp://{self.hosts[0]}:{base}"
 
 
+class CostConfig(_Model):
+    """The cost model the plan was made with, so the run's predictions (TensorBoard's
+    ``predicted/``) price its batches the same way: the analytic model's efficiencies, or
+    the measured profile (``dtc compile --profile``, copied into the bundle)."""
+
+    matmul: float = Field(default=0.70, gt=0, le=1)
+    attention: float = Field(default=0.50, gt=0, le=1)
+    conv: float = Field(default=0.45, gt=0, le=1)
+    profile_file: str | None = None
+
+    def cost_model(self, program: Any, bundle: str | Path) -> Any:
+        """The plan's cost model for ``program`` (a ``cost.model.CostModel``)."""
+        from dtdsl.cost.model import CostParams, Efficiency, build_cost_model
+        from dtdsl.cost.profile import ProfileTable, load_profile
+
+        params = CostParams(efficiency=Efficiency(matmul=self.matmul,
+                                                  attention=self.attention, conv=self.conv))
+        table = None
+        if self.profile_file is not None:
+            table = ProfileTable(load_profile(Path(bundle) / self.profile_file))
+        return build_cost_model(program, params, profile=table)
+
+
 class CheckpointConfig(_Model):
     every: int = Field(ge=0)       # steps between checkpoints (0: none)
     keep: int = Field(ge=1)        # the newest this many are kept
@@ -77,6 +100,7 @@ class Job(_Model):
     data: DataConfig
     feed: FeedConfig
     checkpoint: CheckpointConfig
+    cost: CostConfig = Field(default_factory=CostConfig)
     program_file: str = "program.json"
     plan_file: str = "plan.json"
     schedule_file: str = "schedule.txt"

@@ -21,18 +21,21 @@ unit, stage, layer range, TP/DP/PP coordinates, process groups and schedule as d
    directory: ``metrics.jsonl`` (per step: loss, its parts, the measured iteration time,
    the data wait, samples/s, and the seconds a checkpoint save took on the training thread
    where one was saved), ``samples.jsonl`` (per step, unit and DP replica: the keys of the
-   samples consumed) and TensorBoard logs under ``tb/`` (losses, throughput, data wait, and
-   the measured pipeline Gantt chart of every step next to the simulator's prediction for
-   the very batch the step trained on (its samples' sizes from the data source, routed as
-   the run routed them): tags ``measured/...`` and ``predicted/...``).
+   samples consumed), ``timelines.jsonl`` (per step, the measured timeline and the
+   predicted one, for jobs of at most ``TIMELINE_RANKS`` ranks) and TensorBoard logs
+   under ``tb/`` (losses, throughput, data wait, and the measured pipeline Gantt chart
+   of every step next to the simulator's prediction for the very batch the step trained
+   on (its samples' sizes from the data source, routed as the run routed them): tags
+   ``measured/...`` and ``predicted/...``).
 
-**Resuming at step k** keeps the lines of steps before k in ``metrics.jsonl`` and
-``samples.jsonl`` and drops the later ones (the steps after the checkpoint that a killed
-run had done: they run again), so a run ends with exactly one line per step, the last run's;
-TensorBoard is told to purge its events from step k on (``purge_step``). A fresh start
-(no ``--resume``, first torchrun attempt) drops every earlier line, and moves checkpoints
-of an earlier run in the same directory aside to ``checkpoints.replaced-<time>/`` so that
-a restart of this run cannot load them (``launch.sh`` refuses such a start instead).
+**Resuming at step k** keeps the lines of steps before k in ``metrics.jsonl``,
+``samples.jsonl`` and ``timelines.jsonl`` and drops the later ones (the steps after the
+checkpoint that a killed run had done: they run again), so a run ends with exactly one
+line per step, the last run's; TensorBoard is told to purge its events from step k on
+(``purge_step``). A fresh start (no ``--resume``, first torchrun attempt) drops every
+earlier line, and moves checkpoints of an earlier run in the same directory aside to
+``checkpoints.replaced-<time>/`` so that a restart of this run cannot load them
+(``launch.sh`` refuses such a start instead).
 
 **Fault injection** (tests): ``DTDSL_FAULT=rank<r>@<s>`` kills trainer rank ``r`` with
 SIGKILL when it reaches step ``s``, once per run directory (``dtdsl.train.job.fault_point``,
@@ -51,7 +54,10 @@ from typing import Any
 
 from dtdsl.train.job import RankEntry, RankProgram
 
-__all__ = ["run"]
+__all__ = ["TIMELINE_RANKS", "run"]
+
+# Jobs of at most this many ranks write every step's timelines to timelines.jsonl.
+TIMELINE_RANKS = 64
 
 
 
@@ -127,14 +133,18 @@ class _RunLog:
     """Rank 0's writers: metrics.jsonl, samples.jsonl and TensorBoard."""
 
     def __init__(self, run_dir: Path, plan: Any, program_ir: Any, schedule: Any,
-                 source: Any, first_step: int):
+                 source: Any, first_step: int, cost: Any):
         from dtdsl.sim.tensorboard import TimelineWriter
 
         self.run_dir = run_dir
         self.plan = plan
-        for name in ("metrics.jsonl", "samples.jsonl"):
+        for name in ("metrics.jsonl", "samples.jsonl", "timelines.jsonl"):
             _keep_before(run_dir / name, first_step)
         self.metrics = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+        # Per step the measured and the predicted timeline (``sim.timeline.Timeline``
+        # JSON), for jobs small enough that their events stay small.
+        self.timelines = open(run_dir / "timelines.jsonl", "a", encoding="utf-8") \
+            if plan.gpus_used <= TIMELINE_RANKS else None  # noqa: SIM115
         self.samples = open(run_dir / "samples.jsonl", "a", encoding="utf-8")  # noqa: SIM115
         if first_step > 0 and (run_dir / "tb").is_dir():
             # Events of the steps that run again are purged from view (TensorBoard reads
@@ -146,16 +156,15 @@ class _RunLog:
         from dtdsl.report import plan_markdown
 
         self.writer.add_text("plan", plan_markdown(plan))
-        from dtdsl.cost.model import build_cost_model
         from dtdsl.sim.simulate import Simulator
         from dtdsl.sim.workload import WorkModel
 
         self.program, self.source = program_ir, source
-        self.cost = build_cost_model(program_ir)
+        self.cost = cost          # the plan's: its efficiencies or measured profile
         self.simulator = Simulator(schedule)
         self.work_model = WorkModel(self.cost)
 
-    def _predict(self, step: int, batch: Any) -> None:
+    def _predict(self, step: int, batch: Any) -> Any:
         """The simulator's timeline of the very batch this step trained on (the sizes of
         its samples from the data source, the routing the run used), under
         ``predicted/``."""
@@ -165,7 +174,9 @@ class _RunLog:
         samples = sample_set(self.program, self.source.sizes(step))
         r = simulate_routed(self.cost, self.plan, self.simulator, self.work_model, step,
                             samples, routing_of(self.plan, batch.routing))
-        self.writer.add_step(step, r.result.timeline(step=step), r.scalars())
+        predicted = r.result.timeline(step=step)
+        self.writer.add_step(step, predicted, r.scalars())
+        return predicted
 
     def step(self, result: dict[str, Any], timeline: Any, batch: Any, plan: Any,
              checkpoint_s: float | None = None) -> None:
@@ -202,9 +213,16 @@ class _RunLog:
         if checkpoint_s is not None:
             scalars["checkpoint/save_s"] = checkpoint_s
         self.writer.add_step(step, timeline, scalars)
-        self._predict(step, batch)
+        predicted = self._predict(step, batch)
+        if self.timelines is not None:
+            self.timelines.write(json.dumps({"step": step, "measured": timeline.to_json(),
+                                             "predicted": predicted.to_json()},
+                                            separators=(",", ":")) + "\n")
+            self.timelines.flush()
 
     def close(self) -> None:
+        if self.timelines is not None:
+            self.timelines.close()
         self.metrics.close()
         self.samples.close()
         self.writer.close()
@@ -331,7 +349,8 @@ def run(program: RankProgram, bundle: str | Path, argv: Sequence[str] | None = N
             ex.stage.initialize(program_ir, program_ir.train.seed)
         every = job.checkpoint.every
         if rank == 0:
-            log = _RunLog(run_dir, plan, program_ir, schedule, source, first)
+            log = _RunLog(run_dir, plan, program_ir, schedule, source, first,
+                          job.cost.cost_model(program_ir, bundle))
             if first >= steps:
                 print(f"nothing to do: the run is at step {first} of {steps}", flush=True)
         start = time.perf_counter()

@@ -160,6 +160,23 @@ def test_in_process_bundle_matches_the_reference(tmp_path):
     got = [(e.step, e.value) for e in acc.Scalars("predicted/time/iteration_s")]
     assert [s for s, _ in got] == list(range(STEPS))
     assert [v for _, v in got] == pytest.approx(predicted_times(bundle, STEPS), rel=1e-6)
+    # timelines.jsonl: both timelines of every step; a pass's measured time starts when
+    # its inputs are there, so it is compute: within the step, never longer than it.
+    from dtdsl.sim.timeline import Timeline
+
+    lines = read_jsonl(run_dir / "timelines.jsonl")
+    assert [line["step"] for line in lines] == list(range(STEPS))
+    for line, (_, predicted) in zip(lines, got, strict=True):
+        measured = Timeline.from_json(line["measured"])
+        assert Timeline.from_json(line["predicted"]).iteration_time_s == \
+            pytest.approx(predicted, rel=1e-6)
+        plan = json.loads((bundle / "plan.json").read_text())
+        assert set(measured.compute_s()) == {f"{u['name']}.s{s}" for u in plan["units"]
+                                             for s in range(u["pp"])}
+        assert all(0 < v <= measured.iteration_time_s
+                   for v in measured.compute_s().values())
+    assert {"measured/pipeline/compute_s/vit.s0", "predicted/pipeline/compute_s/vit.s0"} <= \
+        set(tags["scalars"])
 
 
 def predicted_times(bundle: Path, steps: int) -> list[float]:

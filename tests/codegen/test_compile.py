@@ -350,3 +350,41 @@ def test_compile_bundle_refuses_what_the_runtime_cannot_train(tmp_path):
                        program=program, plan=plan, schedule=lower(plan, program),
                        options=BundleOptions())
     assert not (tmp_path / "b").exists()
+
+
+def test_the_bundle_predicts_with_the_plans_cost_model(tmp_path):
+    """A bundle carries the cost model its plan was made with (efficiencies, or the
+    measured profile copied in), so the run's predictions price batches the same way."""
+    from dtdsl.cost.profile import save_profile
+    from dtdsl.driver import run_frontend
+    from dtdsl.train.job import load_job
+    from tests.cost.test_model import _linear_profile
+
+    spec = str(SPECS / "tiny_cpu.dt")
+    program = run_frontend(spec, TINY.encode()).program
+    calibrated = tmp_path / "calibrated"
+    assert cli.main(["compile", spec, "--synthetic", "--efficiency", "matmul=0.4",
+                     "-o", str(calibrated)]) == 0
+    job = load_job(calibrated)
+    assert (job.cost.matmul, job.cost.profile_file) == (0.4, None)
+    cost = job.cost.cost_model(program, calibrated)
+    assert cost.params.efficiency.matmul == 0.4 and cost.profile is None
+
+    profile = tmp_path / "profile.json"
+    slope = {"vit": 1e-3, "llm": 2e-4, "gen": 5e-2, "vit_to_llm": 1e-5, "llm_to_gen": 2e-5}
+    save_profile(_linear_profile(program, slope), profile)
+    measured = tmp_path / "measured"
+    assert cli.main(["compile", spec, "--synthetic", "--profile", str(profile),
+                     "-o", str(measured)]) == 0
+    job = load_job(measured)
+    assert job.cost.profile_file == "profile.json"
+    assert json.loads((measured / "profile.json").read_text()) == \
+        json.loads(profile.read_text())
+    cost = job.cost.cost_model(program, measured)
+    assert cost.profile is not None
+    plan = json.loads((measured / "plan.json").read_text())
+    llm = next(u for u in plan["units"] if u["name"] == "llm")
+    fwd, _ = cost.fwd_bwd_time_s(cost.unit("llm"), llm["tp"])
+    assert llm["fwd_time_s"] == pytest.approx(
+        fwd * llm["microbatch_share"] * max(llm["layers_per_stage"]) /
+        sum(llm["layers_per_stage"]), rel=1e-9)
