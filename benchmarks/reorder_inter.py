@@ -7,7 +7,11 @@ Stage-0 (encoder) costs are lognormal with backwards twice the forwards; the uni
 take the mean stage-0 times (small cases: scaled 0.5..1.5, so both the encoder and the
 backbone bound the pipeline).
 
+Beyond 64 microbatches the local search evaluates its moves as patches of its order (1024
+microbatches in about a second, was about 12 s).
+
     python benchmarks/reorder_inter.py [--seeds 20] [--large-seeds 3] [--shuffles 200]
+                                       [--sizes 16 64 256 1024]
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from dtdsl.reorder.inter import (
 
 Case = tuple[list[float], list[float], float, float, int]
 SMALL_M, SMALL_P = range(4, 9), range(2, 9)
-LARGE_M, LARGE_P, SIGMAS = (16, 64, 256), (4, 8, 16), (0.6, 1.0)
+LARGE_M, LARGE_P, SIGMAS = (16, 64, 256, 1024), (4, 8, 16), (0.6, 1.0)
 
 
 def case(rng: random.Random, m: int, p: int, sigma: float, scale: float = 1.0) -> Case:
@@ -84,7 +88,7 @@ def small(seeds: int, shuffles: int) -> None:
           f"(mean gap {mean:.3%})\n")
 
 
-def large(seeds: int, shuffles: int) -> None:
+def large(seeds: int, shuffles: int, sizes: tuple[int, ...] = LARGE_M) -> None:
     """Iteration time relative to identity and to the best of ``shuffles`` random orders;
     seconds per call of disttrain_order and best_order (median over seeds)."""
     names = list(policies(shuffles))
@@ -93,7 +97,7 @@ def large(seeds: int, shuffles: int) -> None:
     print(f"{'m':>4} {'P':>3} {'sigma':>5} " + " ".join(f"{n:>10}" for n in names)
           + f" {'dt/rand':>8} {'ours/rand':>9} {'t_dt':>8} {'t_ours':>8} {'ratio':>6}")
     target_met = True
-    for m in LARGE_M:
+    for m in sizes:
         for p in LARGE_P:
             for sigma in SIGMAS:
                 rel: dict[str, list[float]] = {n: [] for n in names}
@@ -136,9 +140,11 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=20, help="cases per (m, P), small")
     parser.add_argument("--large-seeds", type=int, default=3, help="seeds per large case")
     parser.add_argument("--shuffles", type=int, default=200, help="random orders tried")
+    parser.add_argument("--sizes", type=int, nargs="+", default=list(LARGE_M),
+                        help="microbatch counts of the larger cases")
     args = parser.parse_args()
     small(args.seeds, args.shuffles)
-    large(args.large_seeds, args.shuffles)
+    large(args.large_seeds, args.shuffles, tuple(args.sizes))
 
 
 if __name__ == "__main__":

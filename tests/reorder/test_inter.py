@@ -287,7 +287,7 @@ def test_moves_simulated_as_applied(m, window, ends, reach):
 # Patched evaluation (beyond 64 microbatches): against whole walks
 
 PATCHED_CASES = [(65, 2, 1.0), (96, 6, 0.6), (200, 16, 1.3), (300, 8, 1.0), (120, 40, 0.8),
-                 (130, 65, 1.0), (1024, 8, 1.0)]
+                 (130, 65, 1.0), (70, 70, 1.0), (1024, 8, 1.0)]
 
 
 def _patched_setup(m, p, scale, seed=0):
@@ -355,6 +355,25 @@ def test_prefix_orders_match_whole_walks(m, p, scale):
     times, sums = inter._prefix_times(evaluator, walked, tried)
     whole_t, whole_s = evaluator(tried)
     assert _rel(times, whole_t) < 1e-12 and _rel(sums, whole_s) < 1e-12
+
+
+@pytest.mark.parametrize(("m", "p", "sigma"), [(65, 2, 1.0), (70, 70, 0.6), (130, 65, 1.0),
+                                               (200, 3, 0.6)])
+def test_patched_searches_never_worse(m, p, sigma):
+    """Patched local searches (also with as many stages as microbatches) return an order no
+    worse than the starts, its time exact against the reference."""
+    fwd, bwd, f, b, p = encoder_case(random.Random(m + p), m, p, sigma)
+    best = best_order(fwd, bwd, f, b, p)
+    assert _is_permutation(best, m)
+    t_best = simulate_1f1b(fwd, bwd, f, b, p, best)
+    ascending = by_size(fwd, bwd)
+    for other in (disttrain_order(fwd, bwd, p, f, b), list(range(m)), ascending,
+                  ascending[::-1]):
+        assert t_best <= simulate_1f1b(fwd, bwd, f, b, p, other)
+    assert close(t_best, reference_time(fwd, bwd, f, b, p, best))
+    start = list(range(m))[::-1]
+    improved = improve_order(start, fwd, bwd, f, b, p, max_passes=20)
+    assert simulate_1f1b(fwd, bwd, f, b, p, improved) <= simulate_1f1b(fwd, bwd, f, b, p, start)
 
 
 def test_patches_that_do_not_couple_are_walked_further(monkeypatch):
