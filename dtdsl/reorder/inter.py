@@ -58,7 +58,7 @@ _EXTRA_TRIES = 32            # further improving moves composed (and simulated) 
 _SCAN = 128                  # improving moves looked at per pass for those
 _SCALAR_TRIES = 8            # up to this many, those are simulated one by one
 _FOCUS_MIN, _FOCUS_SHARE = 64, 16   # focused passes: the 1/16 closest moves, at least 64
-                                    # and at most a chunk (``_CHUNK``)
+_FOCUS_MAX = 1024                   # and at most this many
 _FULL_NEIGHBOURHOOD = 64     # microbatches up to which every swap and insertion is a move
 # Beyond: swaps up to 16 apart or touching the first or last 2 P positions; insertions up to
 # max(16, 2 P) apart (they shift everything between: farther ones cost much and rarely help).
@@ -462,46 +462,51 @@ class _Walked:
     def _walk(self, start: int) -> None:
         ev = self.ev
         m, q = ev.num_microbatches, ev.stages - 1
-        fpos, bpos = ev.fwd[self.order].tolist(), ev.bwd[self.order].tolist()
+        fwd, bwd = ev.fwd[self.order], ev.bwd[self.order]
+        fpos, bpos = fwd.tolist(), bwd.tolist()
         ts, ps, accs = self._t, self._p, self._acc
         t, best, acc = ts[start], ps[start], accs[start]
         offsets = ev.pair_offsets()
-        # Pair k - Q: the forward at position k (k < m), then the backward at k - Q (k >= Q).
-        for k in range(start, min(q, m + q)):   # warm-up: forwards alone
-            t += fpos[k]
-            v = t - offsets[k]
+        # Pair k - Q: the forward at position k (k < m), then the backward at k - Q (k >= Q);
+        # its state goes to boundary k + 1.
+        k0, k1 = start, min(q, m + q)
+        for k, x, f in zip(range(k0 + 1, k1 + 1), offsets[k0:k1], fpos[k0:k1],
+                           strict=True):                                  # warm-up
+            t += f
+            v = t - x
             if v > best:
                 best = v
-            ts[k + 1], ps[k + 1] = t, best
+            ts[k] = t
+            ps[k] = best
         k0 = max(start, q)
-        if k0 < m:   # steady state: a forward, then a backward
-            tl, pl, al = [], [], []
-            t_add, p_add, a_add = tl.append, pl.append, al.append
-            for x, f, b in zip(offsets[k0:m], fpos[k0:m], bpos[k0 - q:m - q], strict=True):
-                g = best + x
-                t += f
-                v = t - x
-                if v > best:
-                    best = v
-                if g > t:
-                    t = g
-                t += b
-                acc += t
-                t_add(t)
-                p_add(best)
-                a_add(acc)
-            ts[k0 + 1:m + 1], ps[k0 + 1:m + 1], accs[k0 + 1:m + 1] = tl, pl, al
-        for k in range(max(start, m), m + q):   # cool-down: backwards alone
-            g = best + offsets[k]
+        for k, x, f, b in zip(range(k0 + 1, m + 1), offsets[k0:m], fpos[k0:m],
+                              bpos[k0 - q:m - q], strict=True):          # steady state
+            g = best + x
+            t += f
+            v = t - x
+            if v > best:
+                best = v
             if g > t:
                 t = g
-            t += bpos[k - q]
+            t += b
             acc += t
-            ts[k + 1], accs[k + 1] = t, acc
-            ps[k + 1] = best
+            ts[k] = t
+            ps[k] = best
+            accs[k] = acc
+        k0 = max(start, m)
+        for k, x, b in zip(range(k0 + 1, m + q + 1), offsets[k0:m + q],
+                           bpos[k0 - q:m], strict=True):                  # cool-down
+            g = best + x
+            if g > t:
+                t = g
+            t += b
+            acc += t
+            ts[k] = t
+            ps[k] = best
+            accs[k] = acc
         self.t, self.p, self.acc = np.array(ts), np.array(ps), np.array(accs)
-        self.fpad = np.concatenate([ev.fwd[self.order], np.zeros(q)])
-        self.bpad = np.concatenate([np.zeros(q), ev.bwd[self.order]])
+        self.fpad = np.concatenate([fwd, np.zeros(q)])
+        self.bpad = np.concatenate([np.zeros(q), bwd])
         self.time, self.sum = t, acc
 
 
@@ -939,7 +944,7 @@ def _local_search(evaluator: _Evaluator, starts: list[list[int]], moves: _Neighb
     m = evaluator.num_microbatches
     patched = m >= _PATCHED_MIN and evaluator.stages <= m
     searches = [_Search(evaluator, start, moves.size, patched) for start in starts]
-    focus = min(moves.size, _CHUNK, max(_FOCUS_MIN, moves.size // _FOCUS_SHARE))
+    focus = min(moves.size, _FOCUS_MAX, max(_FOCUS_MIN, moves.size // _FOCUS_SHARE))
     for npass in range(max_passes + 1):
         for s in searches:
             s.done = s.done or npass == max_passes or s.best[0] <= lower_bound * (1 + _REL_TOL)
