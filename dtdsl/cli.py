@@ -59,6 +59,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected 0 or more, not {value}")
+    return value
+
+
 def _usage_diagnostic(message: str) -> Diagnostic:
     return Diagnostic.error("DT000", message, Span.point(1, 1))
 
@@ -239,7 +249,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                 progress_bar("baseline") as baseline_progress:
             the_plan = plan(cost, num_gpus, search=args.search,
                             compare_baseline=not args.no_baseline, progress=progress,
-                            baseline_progress=baseline_progress)
+                            baseline_progress=baseline_progress,
+                            simulate_steps=args.simulate_steps)
     except Infeasible as err:
         span = err.span or program.cluster.span
         diag = Diagnostic.error(err.code, err.message, span, notes=err.notes, hint=err.hint)
@@ -822,6 +833,10 @@ def _parser() -> argparse.ArgumentParser:
                       "fraction sets all)")
     plan.add_argument("--json", action="store_true", help="print the Plan as JSON")
     plan.add_argument("-o", "--output", metavar="FILE", help="also write the Plan JSON here")
+    plan.add_argument("--simulate-steps", type=_non_negative, default=4, metavar="N",
+                      help="also simulate the plan and the baseline on N global batches "
+                      "drawn from the spec's data, with and without reordering (default "
+                      "4; 0: the mean-work prediction only)")
     plan.add_argument("--no-baseline", action="store_true",
                       help="skip planning the baseline (no speedup reported)")
     plan.set_defaults(func=_cmd_plan)

@@ -105,6 +105,20 @@ def _summary(plan: Plan) -> list[str]:
                      f"({format_seconds(plan.baseline_iteration_time_s or 0.0)} per iteration)")
     else:
         lines.append("speedup         n/a  (no baseline layout fits this cluster)")
+    sim = plan.simulated
+    if sim is not None:
+        policy = "+".join(sim.policy) if sim.policy else "none"
+        line = (f"simulated       {format_seconds(sim.iteration_time_s)} per iteration on "
+                f"{sim.steps} drawn batches (reorder {policy})")
+        if sim.policy:
+            line += f", {format_seconds(sim.no_reorder_iteration_time_s)} without reordering"
+        lines.append(line)
+        if sim.speedup is not None and plan.search != "baseline":
+            text = f"{sim.speedup:.2f}x over the baseline's " \
+                f"{format_seconds(sim.baseline_iteration_time_s or 0.0)}"
+            if sim.policy:
+                text += f" ({sim.no_reorder_speedup:.2f}x without reordering)"
+            lines.append(f"  speedup       {text}")
     lines.append(
         f"search          {plan.search} in {format_seconds(plan.solve_time_s)}: "
         f"{plan.candidates:,} TP/DP candidates, {plan.convex_solves:,} convex solves, "

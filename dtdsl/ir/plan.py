@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, computed_field, model_validator
 
-__all__ = ["PLAN_VERSION", "Plan", "UnitPlan", "split_layers"]
+__all__ = ["PLAN_VERSION", "Plan", "Simulated", "UnitPlan", "split_layers"]
 
 PLAN_VERSION = 1
 
@@ -49,6 +49,34 @@ class UnitPlan(BaseModel):
         return range(self.first_rank, self.first_rank + self.gpus)
 
 
+class Simulated(BaseModel):
+    """A plan's iteration time on drawn batches (``dtdsl.sim``): the mean over ``steps``
+    global batches drawn from the spec's data, each routed under the spec's reorder
+    policy and without, and the baseline's on the same batches (Megatron-LM does not
+    reorder)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", kw_only=True)
+
+    steps: int
+    policy: tuple[str, ...]               # the spec's train.reorder
+    iteration_time_s: float
+    no_reorder_iteration_time_s: float
+    baseline_iteration_time_s: float | None = None
+    candidates: int = 1                   # layouts the planner scored on these batches
+
+    @property
+    def speedup(self) -> float | None:
+        if self.baseline_iteration_time_s is None:
+            return None
+        return self.baseline_iteration_time_s / self.iteration_time_s
+
+    @property
+    def no_reorder_speedup(self) -> float | None:
+        if self.baseline_iteration_time_s is None:
+            return None
+        return self.baseline_iteration_time_s / self.no_reorder_iteration_time_s
+
+
 class Plan(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", kw_only=True)
 
@@ -76,6 +104,7 @@ class Plan(BaseModel):
     convex_solves: int                    # cvxpy problems solved (convex search)
     evaluated: int                        # integer layouts evaluated exactly
     baseline_iteration_time_s: float | None = None
+    simulated: Simulated | None = None    # on drawn batches (dtc plan --simulate-steps)
     units: tuple[UnitPlan, ...]
 
     @property

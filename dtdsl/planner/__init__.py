@@ -15,15 +15,16 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from dtdsl.cost.model import CostModel
-from dtdsl.ir.plan import Plan
+from dtdsl.ir.plan import Plan, Simulated
 from dtdsl.planner.baseline import plan_baseline
 from dtdsl.planner.exhaustive import MAX_GPUS as EXHAUSTIVE_MAX_GPUS
 from dtdsl.planner.exhaustive import plan_exhaustive
 from dtdsl.planner.orchestrate import plan_convex
 from dtdsl.planner.result import Infeasible, PlannerError
+from dtdsl.planner.simulated import simulate_plan
 
 __all__ = ["EXHAUSTIVE_MAX_GPUS", "SEARCHES", "Infeasible", "PlannerError", "plan",
-           "plan_baseline", "plan_convex", "plan_exhaustive"]
+           "plan_baseline", "plan_convex", "plan_exhaustive", "simulate_plan"]
 
 SEARCHES = ("convex", "exhaustive", "baseline")
 Progress = Callable[[int, int, str], None]
@@ -31,20 +32,43 @@ Progress = Callable[[int, int, str], None]
 
 def plan(cost: CostModel, num_gpus: int | None = None, *, search: str = "convex",
          compare_baseline: bool = True, progress: Progress | None = None,
-         baseline_progress: Progress | None = None) -> Plan:
+         baseline_progress: Progress | None = None, simulate_steps: int = 0) -> Plan:
     """Plan with ``search`` and, unless it is the baseline itself or ``compare_baseline``
     is off, also plan the baseline on the same cluster so the Plan carries the speedup
-    over it (left unset when no baseline layout fits)."""
+    over it (left unset when no baseline layout fits).
+
+    ``simulate_steps`` > 0: score on that many drawn batches (``planner.simulated``): the
+    plan under the spec's reorder policy and without, and the baseline without; the
+    Plan's ``simulated`` holds the figures."""
     if search not in SEARCHES:
         raise ValueError(f"unknown search {search!r}; one of {', '.join(SEARCHES)}")
     if search == "baseline":
-        return plan_baseline(cost, num_gpus, progress=progress)
-    planner = plan_convex if search == "convex" else plan_exhaustive
-    result = planner(cost, num_gpus, progress=progress)
-    if not compare_baseline:
+        result = plan_baseline(cost, num_gpus, progress=progress)
+        baseline = result
+    else:
+        planner = plan_convex if search == "convex" else plan_exhaustive
+        result = planner(cost, num_gpus, progress=progress)
+        baseline = None
+        if compare_baseline:
+            try:
+                baseline = plan_baseline(cost, num_gpus, progress=baseline_progress)
+            except Infeasible:
+                baseline = None
+            else:
+                result = result.model_copy(
+                    update={"baseline_iteration_time_s": baseline.iteration_time_s})
+    if simulate_steps <= 0:
         return result
-    try:
-        baseline = plan_baseline(cost, num_gpus, progress=baseline_progress)
-    except Infeasible:
-        return result
-    return result.model_copy(update={"baseline_iteration_time_s": baseline.iteration_time_s})
+    # Megatron-LM's rigid layout does not reorder.
+    policy = frozenset() if result.rigid else frozenset(cost.program.train.reorder)
+    steps = simulate_steps
+    timed = simulate_plan(cost, result, policy=policy, steps=steps)
+    plain = timed if not policy else simulate_plan(cost, result, policy=frozenset(),
+                                                   steps=steps)
+    base = None
+    if baseline is not None:
+        base = plain if baseline is result else simulate_plan(
+            cost, baseline, policy=frozenset(), steps=steps)
+    return result.model_copy(update={"simulated": Simulated(
+        steps=steps, policy=tuple(sorted(policy)), iteration_time_s=timed,
+        no_reorder_iteration_time_s=plain, baseline_iteration_time_s=base)})
