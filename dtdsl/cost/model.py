@@ -188,6 +188,8 @@ class CostModel:
     params: CostParams
     units: tuple[UnitCost, ...]
     profile: ProfileTable | None = None
+    # fwd_bwd_time_s per (unit, tp): asked for every layout the planner evaluates.
+    _times: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def unit(self, name: str) -> UnitCost:
         for u in self.units:
@@ -240,6 +242,13 @@ class CostModel:
         """Forward and backward time of one backbone microbatch through the whole unit,
         TP communication included (Algorithm 1's C(TP), split into its two passes); a
         generator's VAE encoding in the forward, not divided by TP."""
+        key = (id(unit), int(tp))
+        hit = self._times.get(key)
+        if hit is None or hit[0] is not unit:
+            hit = self._times[key] = (unit, self._unit_fwd_bwd_time_s(unit, tp))
+        return hit[1]
+
+    def _unit_fwd_bwd_time_s(self, unit: UnitCost, tp: int) -> tuple[float, float]:
         fwd, bwd = self._fwd_bwd_time_s(unit, tp)
         eff, w = self.params.efficiency, unit.frozen_fwd_work
         vae = (w.matmul / eff.matmul + w.attention / eff.attention + w.conv / eff.conv) / \
@@ -347,10 +356,18 @@ class CostModel:
         return entries * (4.0 * np.asarray(in_flight) + 12.0)
 
     def dp_sync_coefficients(self, unit: UnitCost, tp, dp) -> tuple:
-        """(fixed_s, per_layer_s) with sync time = fixed_s + per_layer_s * ceil(L / pp):
-        the gradient reduce-scatter and parameter all-gather (ZeRO-1) of one stage, or an
-        all-reduce without ZeRO (the same bytes cross the network either way). ``tp`` and
-        ``dp`` may be arrays."""
+        """(fixed_s, per_layer_s) with the step's exposed data-parallel communication of
+        one stage = fixed_s + per_layer_s * ceil(L / pp). ``tp`` and ``dp`` may be arrays.
+
+        As the runtime does it (``train.stage``): without ZeRO an all-reduce of the
+        gradients after the last backward. With ZeRO-1 the same bytes as a
+        reduce-scatter after the last backward (exposed) and a parameter all-gather that
+        every stage starts, asynchronously, at the start of the next step (FSDP2's
+        ``unshard(async_op=True)``), each layer's first forward waiting for its own: a
+        layer's gather (a seconds) runs behind the previous layer's forward (f seconds, one
+        microbatch), so of the layers' gathers min(a, f) + max(0, a - f) per layer is
+        exposed, and the embeddings', heads' and projectors' whole. TP collectives are not
+        overlapped (the runtime's DTensor collectives are synchronous)."""
         if not unit.trainable:
             zero = np.zeros(np.broadcast(np.asarray(tp), np.asarray(dp)).shape)
             return zero, zero
@@ -359,10 +376,24 @@ class CostModel:
         # Bytes of trained gradient per parameter on a stage, sharded by TP.
         per_param = unit.trainable_params / unit.params * _BYTES_BF16 / np.asarray(tp)
         latency = all_reduce_time_s(0.0, dp, bw)
-        fixed = all_reduce_time_s(unit.extra_stage_params * per_param, dp, bw) - latency
+        fixed = all_reduce_time_s(unit.extra_stage_params * per_param, dp, bw)
         per_layer = all_reduce_time_s(
             (unit.params - unit.extra_stage_params) / unit.layers * per_param, dp, bw) - latency
-        return fixed + latency, per_layer
+        if self.program.train.optimizer.zero < 1:
+            return fixed, per_layer
+        # Reduce-scatter and all-gather move half an all-reduce each.
+        gather = per_layer / 2
+        forward = self._layer_forward_s(unit, tp)
+        hidden = np.minimum(gather, forward)
+        return fixed + hidden, per_layer - hidden
+
+    def _layer_forward_s(self, unit: UnitCost, tp) -> np.ndarray:
+        """One layer's forward of one microbatch at each ``tp`` (may be an array)."""
+        tps = np.asarray(tp)
+        out = np.empty(tps.shape)
+        for t in np.unique(tps):
+            out[tps == t] = self.fwd_bwd_time_s(unit, int(t))[0] / max(unit.layers, 1)
+        return out if out.ndim else out[()]
 
     def dp_sync_time_s(self, unit: UnitCost, tp, pp, dp):
         """Gradient synchronisation of the unit's heaviest stage at the end of a step."""

@@ -250,3 +250,32 @@ def test_profile_limits_the_tp_degrees():
     model = build_cost_model(prog, profile=ProfileTable(_linear_profile(prog, slope, tps=(1,))))
     assert model.tps(model.unit("llm")) == (1,)
     assert build_cost_model(prog).tps(model.unit("llm")) is None
+
+
+def test_the_parameter_all_gather_overlaps_the_first_forward():
+    """ZeRO-1: the gradient reduce-scatter is exposed; each layer's parameter all-gather
+    (started at the step's start) hides behind the previous layer's forward, so of L
+    layers' gathers min(a, f) + max(0, a - f) L is exposed. Without ZeRO the all-reduce
+    is exposed whole."""
+    from dtdsl.cost.model import all_reduce_time_s
+
+    zero0 = build_cost_model(program("mllm_9b", (("zero=1", "zero=0"),)))
+    zero1 = build_cost_model(program("mllm_9b"))
+    bw = zero1.program.cluster.inter_node_bw_bytes_per_s
+    for name, tp, dp in (("llm", 2, 4), ("llm", 8, 16), ("vit", 1, 8)):
+        unit = zero1.unit(name)
+        per_param = unit.trainable_params / unit.params * 2 / tp
+        layer = all_reduce_time_s((unit.params - unit.extra_stage_params) / unit.layers
+                                  * per_param, dp, bw) - all_reduce_time_s(0.0, dp, bw)
+        ends = all_reduce_time_s(unit.extra_stage_params * per_param, dp, bw)
+        assert zero0.dp_sync_coefficients(zero0.unit(name), tp, dp) == \
+            pytest.approx((ends, layer), rel=1e-12)
+        a = layer / 2
+        f = zero1.fwd_bwd_time_s(unit, tp)[0] / unit.layers
+        fixed, per_layer = zero1.dp_sync_coefficients(unit, tp, dp)
+        assert fixed == pytest.approx(ends + min(a, f), rel=1e-12)
+        assert per_layer == pytest.approx(a + max(0.0, a - f), rel=1e-12)
+        # Arrays of TP degrees give the same coefficients.
+        arr_fixed, arr_layer = zero1.dp_sync_coefficients(unit, np.array([tp, tp]), dp)
+        assert arr_fixed == pytest.approx([fixed] * 2) and arr_layer == pytest.approx(
+            [per_layer] * 2)
