@@ -7,6 +7,7 @@ results, stderr for progress), so ``dtc plan > plan.txt`` and pipes stay clean.
 from __future__ import annotations
 
 import contextlib
+import io
 import sys
 from collections.abc import Callable, Iterator
 
@@ -153,8 +154,52 @@ def wide_console(**kwargs) -> Console:
     return console
 
 
+def plan_tables_stacked(plan: Plan) -> tuple[Table, Table]:
+    """``plan_table`` for narrow terminals: the layout, then the costs, each with its
+    unit column (names and roles wrap; numbers never do)."""
+    title = (f"{plan.spec}: {plan.search} plan, {plan.gpus_used} of {plan.num_gpus} GPUs, "
+             f"{plan.schedule}, {plan.num_microbatches} microbatches per replica")
+    layout = Table(title=title, title_justify="left")
+    layout.add_column("unit", overflow="fold", ratio=1)
+    layout.add_column("role", overflow="fold", ratio=1)
+    for name in ("GPUs", "TP", "DP", "PP", "vpp", "layers/stage"):
+        layout.add_column(name, justify="right", no_wrap=True)
+    limits = {u.memory_limit_bytes for u in plan.units}
+    memory = "memory/GPU" + (f" of {format_bytes(limits.pop())}" if len(limits) == 1 else "")
+    costs = Table(title="per unit microbatch, slowest stage", title_justify="left")
+    costs.add_column("unit", overflow="fold", ratio=1)
+    for name in ("fwd", "bwd", "grad sync", memory):
+        costs.add_column(name, justify="right", no_wrap=True)
+    for u in plan.units:
+        name = u.name + "".join(f" + {p}" for p in u.projectors)
+        layout.add_row(name, _role(plan, u), str(u.gpus), str(u.tp), str(u.dp), str(u.pp),
+                       str(u.vpp), _layers(u.layers_per_stage))
+        share = u.memory_bytes / u.memory_limit_bytes if u.memory_limit_bytes else 0.0
+        used = f"{format_bytes(u.memory_bytes)} ({share:.0%})"
+        if len({v.memory_limit_bytes for v in plan.units}) > 1:
+            used = f"{format_bytes(u.memory_bytes)} of {format_bytes(u.memory_limit_bytes)}"
+        costs.add_row(name, format_seconds(u.fwd_time_s), format_seconds(u.bwd_time_s),
+                      format_seconds(u.dp_sync_time_s), used)
+    return layout, costs
+
+
+def _natural_width(table: Table) -> int:
+    """The columns ``table`` takes when nothing is squeezed."""
+    probe = Console(width=10_000, file=io.StringIO(), color_system=None)
+    probe.print(table)
+    return max((len(line.rstrip()) for line in probe.file.getvalue().splitlines()),
+               default=0)
+
+
 def render_plan(plan: Plan, console: Console) -> None:
-    console.print(plan_table(plan))
+    """The plan's table, stacked in two when the console is too narrow for one (no cell
+    is ever dropped), then the summary lines."""
+    table = plan_table(plan)
+    if _natural_width(table) <= console.width:
+        console.print(table)
+    else:
+        for part in plan_tables_stacked(plan):
+            console.print(part)
     for line in _summary(plan):
         console.print(line, highlight=False, markup=False)
 
