@@ -18,10 +18,14 @@ integers and evaluated exactly (``Evaluator``). With T_u linear in 1/g_u:
 ``W_enc`` (``W_gen``) is the slowest encoder (generator): they run side by side.
 This relaxes the integer problem (ceil(L/pp)/L >= 1/pp), so its optimum bounds
 every integer layout of the candidate from below. Candidates are visited in the
-order of a closed-form lower bound (``_integer_fill``: water-filling of the steady
-stage time with integer stage sizes and hops, plus the least warm-up and sync,
-vectorised over all candidates), and a candidate whose bound cannot beat the best
-layout found so far by more than ``tolerance`` is pruned.
+order of a closed-form lower bound (``_Fill``: water-filling of the steady stage time
+with integer stage sizes and hops, plus the least warm-up and sync, vectorised over all
+candidates), and the search stops at the first whose bound cannot beat the best layout
+found so far by more than ``tolerance``. Before its convex program, a visited candidate
+is bounded once more with its integer depths (``_IntegerBound``: steady time, warm-up
+and sync coupled through the stages each unit needs), and skipped when that bound shows
+it cannot beat the best layout: the answer is the same, with far fewer convex programs
+(issue 18: audio_image, five units, on 99 GPUs, from 145 to 3).
 """
 
 from __future__ import annotations
@@ -47,6 +51,11 @@ Progress = Callable[[int, int, str], None]
 
 _SOLVER = cp.CLARABEL
 _ACCEPTED = (cp.OPTIMAL, cp.OPTIMAL_INACCURATE)
+# Clarabel's tolerances for a second try when its answer's objective is not the one it
+# reports: a unit with a tiny share of a large budget (a generator's one GPU of 1296)
+# can leave its steady-state constraint violated by 0.5-7% at the defaults (mllm_72b on
+# 1296 GPUs). Tighter tolerances mend some; the others are repaired without pruning.
+_PRECISE = {"tol_gap_abs": 1e-10, "tol_gap_rel": 1e-10, "tol_feas": 1e-10}
 
 
 @dataclass(frozen=True)
@@ -67,10 +76,34 @@ class Relaxation:
     steady_mult: np.ndarray  # (c,): M - 1
     feasible: np.ndarray     # (c,)
     bound: np.ndarray        # (c,): closed-form lower bound of the iteration time
+    head: np.ndarray         # (c,): its least warm-up plus the edge transfers
+    sync_least: np.ndarray   # (c,): its least sync
+    fill: _Fill              # the steady stage time's bisection, over the feasible rows
+    fill_row: np.ndarray     # (c,): a candidate's row in ``fill`` (-1: infeasible)
+
+    def update(self, cands: np.ndarray) -> None:
+        """Recompute ``bound`` of these (feasible) candidates from the fill's state."""
+        t_star = self.fill.lower(self.fill_row[cands])
+        with np.errstate(invalid="ignore"):   # inf * 0 when the fill is unreachable
+            self.bound[cands] = self.head[cands] + self.steady_mult[cands] * t_star + \
+                self.sync_least[cands]
+
+    def refine(self, cands: np.ndarray) -> None:
+        """Finish the fill's bisection for these candidates: their ``bound`` is then
+        exactly what ``relaxation_bounds`` gives without ``coarse``."""
+        cands = np.asarray(cands)
+        cands = cands[self.feasible[cands]]
+        rows = self.fill_row[cands]
+        todo = self.fill.steps[rows] < _FILL_STEPS
+        cands, rows = cands[todo], rows[todo]
+        if len(rows):
+            self.fill.bisect(rows, _FILL_STEPS - int(self.fill.steps[rows].max()))
+            self.update(cands)
 
 
-def relaxation_bounds(space: Space, cands: Candidates) -> Relaxation:
-    """The relaxation's coefficients and a closed-form lower bound for every candidate."""
+def relaxation_bounds(space: Space, cands: Candidates, *, coarse: bool = False) -> Relaxation:
+    """The relaxation's coefficients and a closed-form lower bound for every candidate
+    (``coarse``: a looser one, exact after ``Relaxation.refine``)."""
     ev = space.evaluator
     cost = ev.cost
     n, b = space.n, space.backbone
@@ -126,64 +159,188 @@ def relaxation_bounds(space: Space, cands: Candidates) -> Relaxation:
     feasible = (pp_lo > 0).all(axis=1) & (pp_lo <= pp_hi).all(axis=1) & \
         (lo.sum(axis=1) <= space.num_gpus)
 
-    t_star = np.full(len(tp), np.inf)
     rows = np.flatnonzero(feasible)
-    t_star[rows] = _integer_fill((share * c_fwd_bwd)[rows], hop0[rows],
-                                 np.array([u.layers for u in space.units]), stage_gpus[rows],
-                                 pp_lo[rows], pp_hi[rows], space.num_gpus)
+    fill = _Fill((share * c_fwd_bwd)[rows], hop0[rows],
+                 np.array([u.layers for u in space.units]), stage_gpus[rows],
+                 pp_lo[rows], pp_hi[rows], space.num_gpus)
+    fill.bisect(slice(None), _COARSE_STEPS if coarse else _FILL_STEPS)
     roles = [u.role for u in space.units]
     # Warm-up hops and sync at their least: the fewest and the most stages allowed.
     least_hops = hop0 * (pp_lo - 1)
-    with np.errstate(invalid="ignore"):   # inf * 0 on infeasible rows, masked next
-        bound = _path(warm + least_hops, roles, b) + ev.edge_s + m1 * t_star + \
-            (sync0 + sync1 / np.maximum(hi, 1)).max(axis=1)
-    bound = np.where(feasible, bound, np.inf)
-    return Relaxation(candidates=cands, a=a, warm=warm, hop=hop, hop0=hop0, sync0=sync0,
-                      sync1=sync1, lo=lo, hi=hi, pp_lo=pp_lo, pp_hi=pp_hi, steady_mult=m1,
-                      feasible=feasible, bound=bound)
+    head = _path(warm + least_hops, roles, b) + ev.edge_s
+    sync_least = (sync0 + sync1 / np.maximum(hi, 1)).max(axis=1)
+    row_of = np.full(len(tp), -1)
+    row_of[rows] = np.arange(len(rows))
+    rel = Relaxation(candidates=cands, a=a, warm=warm, hop=hop, hop0=hop0, sync0=sync0,
+                     sync1=sync1, lo=lo, hi=hi, pp_lo=pp_lo, pp_hi=pp_hi, steady_mult=m1,
+                     feasible=feasible, bound=np.full(len(tp), np.inf), head=head,
+                     sync_least=sync_least, fill=fill, fill_row=row_of)
+    rel.update(rows)
+    return rel
 
 
 def _path(warm: np.ndarray, roles: list[str], backbone: int) -> np.ndarray:
     """Warm-up along the longest path: slowest encoder, the backbone, slowest generator."""
-    out = warm[:, backbone].copy()
+    out = warm[..., backbone].copy()
     for role in ("encoder", "generator"):
         cols = [i for i, r in enumerate(roles) if r == role]
         if cols:
-            out += warm[:, cols].max(axis=1)
+            out += warm[..., cols].max(axis=-1)
     return out
 
 
-def _integer_fill(k: np.ndarray, hop: np.ndarray, layers: np.ndarray, stage_gpus: np.ndarray,
-                  pp_lo: np.ndarray, pp_hi: np.ndarray, budget: int) -> np.ndarray:
+# Bisection steps of the fill: to a relative 1e-9 of its range. The search first runs
+# _COARSE_STEPS on every candidate (a valid, looser bound) and the rest only on those
+# whose coarse bound may beat the best layout (``Relaxation.refine``).
+_FILL_STEPS = 36
+_COARSE_STEPS = 10
+
+
+class _Fill:
     """Per row, a lower bound of the slowest stage's time over integer layouts: the
     least t at which giving every unit the fewest stages that reach it fits the budget.
     A unit's stage time is k_u ceil(L_u / pp_u) / L_u, plus ``hop_u`` (activations out,
     gradients back) when pp_u > 1, and pp_u is at least its memory floor. Integer stage
     sizes make this tighter than continuous water-filling (k_u / pp_u <= t), which it
     always dominates; it ignores the allowed-value sets and the sync and warm-up terms,
-    so it never exceeds the true optimum."""
-    k = np.where(k > 0, k, 1e-30)
+    so it never exceeds the true optimum.
 
-    def fits(t):
+    Found by bisection in log t, resumable per row: every row's steps depend on that row
+    alone, so a row bisected in two goes (or within a subset of rows) ends exactly where
+    it would in one."""
+
+    def __init__(self, k, hop, layers, stage_gpus, pp_lo, pp_hi, budget) -> None:
+        self.k = np.where(k > 0, k, 1e-30)
+        self.hop, self.layers, self.stage_gpus = hop, layers, stage_gpus
+        self.pp_lo, self.pp_hi, self.budget = pp_lo, pp_hi, budget
+        self.lo_t = np.log((self.k / layers).max(axis=1) * 0.999)  # below one layer per stage
+        self.hi_t = np.log((self.k + hop).max(axis=1) * 1.001)     # no more than one stage
+        self.reachable = self._fits(slice(None), np.exp(self.hi_t))
+        self.steps = np.zeros(len(self.k), dtype=int)
+
+    def _fits(self, rows, t: np.ndarray) -> np.ndarray:
+        k, hop, layers = self.k[rows], self.hop[rows], self.layers
         t = t[:, None]
         biggest = np.floor((t - hop) * layers / k)              # layers per stage allowed
         pp = np.where(k <= t, 1, np.ceil(layers / np.maximum(biggest, 1)))
-        pp = np.maximum(pp, pp_lo)
-        ok = ((k <= t) | (biggest >= 1)) & (pp <= pp_hi)
+        pp = np.maximum(pp, self.pp_lo[rows])
+        ok = ((k <= t) | (biggest >= 1)) & (pp <= self.pp_hi[rows])
         # A floor above 1 brings the hops in.
         ok &= (pp == 1) | (k * np.ceil(layers / pp) / layers + hop <= t)
-        return ok.all(axis=1) & ((stage_gpus * pp).sum(axis=1) <= budget)
+        return ok.all(axis=1) & ((self.stage_gpus[rows] * pp).sum(axis=1) <= self.budget)
 
-    lo_t = np.log((k / layers).max(axis=1) * 0.999)            # below one layer per stage
-    hi_t = np.log((k + hop).max(axis=1) * 1.001)               # no more than one stage
-    reachable = fits(np.exp(hi_t))
-    for _ in range(36):     # to a relative 1e-9 of the range
-        mid = (lo_t + hi_t) / 2
-        ok = fits(np.exp(mid))
-        hi_t = np.where(ok, mid, hi_t)
-        lo_t = np.where(ok, lo_t, mid)
-    # lo_t is infeasible, so it is below the true minimum: a safe bound.
-    return np.where(reachable, np.exp(lo_t), np.inf)
+    def bisect(self, rows, steps: int) -> None:
+        """``steps`` more halvings of the rows' brackets (rows: an index array or a slice)."""
+        lo_t, hi_t = self.lo_t[rows], self.hi_t[rows]
+        for _ in range(steps):
+            mid = (lo_t + hi_t) / 2
+            ok = self._fits(rows, np.exp(mid))
+            hi_t = np.where(ok, mid, hi_t)
+            lo_t = np.where(ok, lo_t, mid)
+        self.lo_t[rows], self.hi_t[rows] = lo_t, hi_t
+        self.steps[rows] += steps
+
+    def lower(self, rows) -> np.ndarray:
+        """The rows' bounds so far: lo_t is infeasible, so below the true minimum."""
+        return np.where(self.reachable[rows], np.exp(self.lo_t[rows]), np.inf)
+
+
+# Stage-time levels the integer bound tries per candidate before its tail term.
+_LEVELS = 6
+
+
+class _IntegerBound:
+    """A per-candidate lower bound that couples the three terms through integer depths.
+
+    The closed-form bound takes the least steady stage time, the least warm-up and the
+    least sync independently, so a candidate whose fastest layout needs many stages (a
+    long warm-up) looks as good as one that needs few. Here, for each of the lowest
+    ``_LEVELS`` stage times t a layout of the candidate can have (the units' T_u at their
+    efficient depths, ``efficient_pps``: a dominated depth has the same T_u and sync and
+    no shorter warm-up), every unit is held to the depths that reach t, between its
+    memory floor and what the budget leaves once every other unit has its fewest such
+    stages, and its warm-up and sync are taken at their least over those depths. The
+    terms are ``Evaluator.evaluate``'s: 1F1B warm-up with hops, ZeRO-1 sync, and an
+    interleaved warm-up at DistTrain's T pp / v, below the evaluator's. A layout whose
+    slowest stage is t is bounded by that level's value, one slower than every level by
+    the closed-form rest at the next level's t. The least of these, never below the
+    closed-form bound, bounds every layout of the candidate.
+    """
+
+    def __init__(self, space: Space, rel: Relaxation) -> None:
+        self.space, self.rel = space, rel
+        ev = space.evaluator
+        self.roles = [u.role for u in space.units]
+        depths = [efficient_pps(u.layers, space.pps(i)) for i, u in enumerate(space.units)]
+        width = max(1, *(len(d) for d in depths))
+        self.pp = np.zeros((space.n, width), dtype=int)      # 0: padding
+        for i, d in enumerate(depths):
+            self.pp[i, :len(d)] = d
+        self.fwd_bwd = {(i, t): sum(ev.fwd_bwd(i, t))
+                        for i in range(space.n) for t in space.tps(i)}
+
+    def __call__(self, cands: np.ndarray) -> np.ndarray:
+        space, rel, ev = self.space, self.rel, self.space.evaluator
+        cost, b, n = ev.cost, space.backbone, space.n
+        tp, dp = rel.candidates.tp[cands], rel.candidates.dp[cands]
+        dp_lm = dp[:, b]
+        m = ev.total_microbatches // dp_lm
+        share = dp_lm[:, None] / dp
+        stage = tp * dp
+        pp = self.pp[None, :, :]                                  # (1, n, P)
+        # T, W and S of every unit at every efficient depth: (c, n, P), as Evaluator has them.
+        shape = (len(cands), n, self.pp.shape[1])
+        t_stage, warm, sync = np.empty(shape), np.empty(shape), np.empty(shape)
+        for i, unit in enumerate(space.units):
+            c = np.array([self.fwd_bwd[i, int(x)] for x in tp[:, i]])
+            hop = cost.p2p_time_s(unit.boundary_bytes * share[:, i])[:, None]
+            p = self.pp[i][None, :]
+            t = (share[:, i] * c)[:, None] * np.ceil(unit.layers / np.maximum(p, 1)) / \
+                unit.layers + np.where(p > 1, 2 * hop, 0.0)
+            v = ev.vpp(i, np.maximum(p, 1), m[:, None])
+            t_stage[:, i] = t
+            # Interleaved: DistTrain's T pp / v, below Evaluator's T (1 + (pp - 1) / v) and
+            # below any schedule that sends one microbatch through pp v chunks of T / v.
+            interleaved = t * p / v
+            warm[:, i] = np.where(v > 1, interleaved, t * (1 + (p - 1) / v)) + \
+                2 * (p - 1) * hop
+            sync[:, i] = cost.dp_sync_time_s(unit, tp[:, i][:, None], np.maximum(p, 1),
+                                             dp[:, i][:, None])
+        valid = (pp > 0) & (pp >= rel.pp_lo[cands][:, :, None]) & \
+            (pp <= rel.pp_hi[cands][:, :, None])
+        for i in range(n):
+            valid[:, i] &= space.gpus_allowed(i, stage[:, i][:, None] * self.pp[i][None, :])
+        # The levels: the lowest stage times at or above the fill's (a lower bound of any
+        # layout's slowest stage), the first _LEVELS of them tried, the next one the tail.
+        t_low = rel.fill.lower(rel.fill_row[cands])
+        flat = np.where(valid & (t_stage >= t_low[:, None, None] * (1 - 1e-6)), t_stage, np.inf)
+        flat = flat.reshape(len(cands), -1)
+        count = min(_LEVELS + 1, flat.shape[1])
+        levels = np.sort(np.partition(flat, count - 1, axis=1)[:, :count], axis=1)
+        tau, tail = levels[:, :_LEVELS], levels[:, _LEVELS] if count > _LEVELS else \
+            np.full(len(cands), np.inf)
+        # (c, K, n, P): which depths reach each level.
+        reach = valid[:, None] & (t_stage[:, None] <= tau[:, :, None, None])
+        big = np.iinfo(self.pp.dtype).max // 4
+        fewest = np.where(reach, pp[:, None], big).min(axis=-1)   # (c, K, n)
+        ok = (fewest < big).all(axis=-1)
+        fewest = np.where(fewest < big, fewest, 0)
+        used = (stage[:, None] * fewest).sum(axis=-1)            # (c, K)
+        ok &= used <= space.num_gpus
+        room = (space.num_gpus - used)[..., None] + stage[:, None] * fewest
+        most = np.minimum(room // stage[:, None], rel.pp_hi[cands][:, None])
+        reach &= pp[:, None] <= most[..., None]
+        least_warm = np.where(reach, warm[:, None], np.inf).min(axis=-1)
+        least_sync = np.where(reach, sync[:, None], np.inf).min(axis=-1)
+        m1 = rel.steady_mult[cands]
+        with np.errstate(invalid="ignore"):
+            value = _path(least_warm, self.roles, b) + ev.edge_s + m1[:, None] * tau + \
+                least_sync.max(axis=-1)
+            value = np.where(ok & np.isfinite(tau), value, np.inf).min(axis=1)
+            # Slower layouts: the closed-form rest at the tail level's stage time.
+            rest = rel.head[cands] + m1 * tail + rel.sync_least[cands]
+            rest = np.where(np.isfinite(tail), rest, np.inf)
+        return np.maximum(np.minimum(value, rest), rel.bound[cands])
 
 
 class _ConvexProgram:
@@ -226,9 +383,11 @@ class _ConvexProgram:
         self.problem = cp.Problem(cp.Minimize(objective), constraints)
         assert self.problem.is_dpp()
 
-    def solve(self, rel: Relaxation, c: int, budget: int) -> tuple[np.ndarray, float]:
+    def solve(self, rel: Relaxation, c: int, budget: int, *,
+              precise: bool = False) -> tuple[np.ndarray, float]:
         """The relaxed optimum of candidate ``c``: GPU counts and objective (without the
-        constant edge transfers). Raises PlannerError when the solver does not converge."""
+        constant edge transfers); ``precise``: to tighter tolerances. Raises PlannerError
+        when the solver does not converge."""
         # In units of the budget: g = N x, so a / g = (a / N) / x and h g = (h N) x.
         self.a.value = rel.a[c] / budget
         self.warm.value = rel.warm[c] - rel.hop0[c]
@@ -242,7 +401,7 @@ class _ConvexProgram:
             with warnings.catch_warnings():
                 # OPTIMAL_INACCURATE is accepted and re-checked below; its warning is noise.
                 warnings.simplefilter("ignore", UserWarning)
-                self.problem.solve(solver=_SOLVER)
+                self.problem.solve(solver=_SOLVER, **(_PRECISE if precise else {}))
         except cp.error.SolverError as exc:
             raise PlannerError(f"the convex solver failed on a candidate: {exc}") from exc
         if self.problem.status not in _ACCEPTED:
@@ -253,8 +412,9 @@ class _ConvexProgram:
 
 
 def _recheck(rel: Relaxation, c: int, g: np.ndarray, value: float, budget: int,
-             roles: list[str], backbone: int) -> None:
-    """Re-verify the solver's answer in plain numpy: feasible, and its objective."""
+             roles: list[str], backbone: int) -> bool:
+    """Re-verify the solver's answer in plain numpy: feasible (else PlannerError), and
+    whether its objective is the one reported."""
     slack = 1e-5 * max(budget, 1)
     if g.sum() > budget + slack or (g < rel.lo[c] - slack).any() or \
             (g > rel.hi[c] + slack).any():
@@ -262,9 +422,7 @@ def _recheck(rel: Relaxation, c: int, g: np.ndarray, value: float, budget: int,
     warm = rel.warm[c] - rel.hop0[c] + rel.hop[c] * g
     objective = _path(warm[None, :], roles, backbone)[0] + \
         rel.steady_mult[c] * (rel.a[c] / g).max() + (rel.sync0[c] + rel.sync1[c] / g).max()
-    if not math.isclose(objective, value, rel_tol=1e-3, abs_tol=1e-6):
-        raise PlannerError(f"the convex solver reports {value:.6g} s but its answer costs "
-                           f"{objective:.6g} s")
+    return math.isclose(objective, value, rel_tol=1e-3, abs_tol=1e-6)
 
 
 def _window(allowed: tuple[int, ...], target: float, lo: int, hi: int,
@@ -311,12 +469,30 @@ def _best_of(space: Space, tps, dps, pp_lists) -> tuple[Layout | None, int]:
     return Layout(tp=tuple(tps), dp=tuple(dps), pp=pps, iteration_time_s=float(times[k])), size
 
 
+# The first wave of the search refines the candidates whose coarse bound is within this
+# of the least; the next ones, all those that may still beat the best layout found.
+_FIRST_WAVE = 1e-2
+# Chunks of the integer bound: candidates bounded together, in the order they are visited.
+_CHUNK = 64
+# Round-off between the bounds' sums and Evaluator's, relative.
+_SLACK = 1e-9
+
+
 def plan_convex(cost: CostModel, num_gpus: int | None = None, *, tolerance: float = 1e-3,
                 progress: Progress | None = None) -> Plan:
     """Algorithm 1: the layout with the least predicted iteration time, found by
     branch and bound over the candidates with one convex program per candidate
-    that survives the bound. Raises ``Infeasible`` when no layout fits, naming the
-    binding constraint, and ``PlannerError`` when the solver misbehaves."""
+    that survives the bounds. Raises ``Infeasible`` when no layout fits, naming the
+    binding constraint, and ``PlannerError`` when the solver misbehaves.
+
+    Candidates are visited in the order of the closed-form bound, and the search stops
+    at the first whose bound is within ``tolerance`` of the best layout. A visited
+    candidate whose integer bound (``_IntegerBound``) is no less than the best layout
+    cannot improve on it and skips its convex program and repair; the others go on as
+    before, so the search ends with the same layout as without the integer bound, having
+    solved and evaluated less. The closed-form bound is computed coarsely for every
+    candidate and exactly only for those that may be visited (``Relaxation.refine``),
+    in waves whose union is exactly the prefix of the full order that is visited."""
     start = time.perf_counter()
     num_gpus = num_gpus or cost.program.cluster.num_gpus
     ev = Evaluator(cost, num_gpus)
@@ -324,34 +500,85 @@ def plan_convex(cost: CostModel, num_gpus: int | None = None, *, tolerance: floa
     cands = space.candidates()
     if not len(cands):
         raise no_layout_fits(space)
-    rel = relaxation_bounds(space, cands)
+    rel = relaxation_bounds(space, cands, coarse=True)
     roles = [u.role for u in space.units]
-    order = np.argsort(rel.bound, kind="stable")
-    order = order[np.isfinite(rel.bound[order])]
-    if not len(order):
+    pending = np.flatnonzero(np.isfinite(rel.bound))        # not yet refined
+    if not len(pending):
         raise no_layout_fits(space)
+    total = len(pending)
+    integer_bound = _IntegerBound(space, rel)
     program = _ConvexProgram(roles, space.backbone)
     best: Layout | None = None
-    solves = evaluated = 0
-    for visited, c in enumerate(order):
-        if best is not None and rel.bound[c] >= best.iteration_time_s * (1 - tolerance):
+    solves = evaluated = visited = 0
+    threshold = float(rel.bound[pending].min()) * (1 + _FIRST_WAVE)
+    waiting = pending[:0]                                   # refined, not yet visited
+    while len(pending) or len(waiting):
+        # Refine every candidate whose coarse bound is below the threshold: the rest have
+        # exact bounds at or above it, so the refined ones below it come first in the full
+        # order, and in the same order among themselves (ties by index, as a stable sort).
+        take = rel.bound[pending] < threshold
+        rel.refine(pending[take])
+        wave = np.sort(np.concatenate([waiting, pending[take]]))
+        pending = pending[~take]
+        ready = rel.bound[wave] < threshold
+        wave, waiting = wave[ready], wave[~ready]
+        wave = wave[np.argsort(rel.bound[wave], kind="stable")]
+        stop = False
+        for at in range(0, len(wave), _CHUNK):
+            chunk = wave[at:at + _CHUNK]
+            if best is not None and rel.bound[chunk[0]] >= best.iteration_time_s * \
+                    (1 - tolerance):
+                stop = True
+                break
+            tight = integer_bound(chunk)
+            for c, floor in zip(chunk, tight, strict=True):
+                if best is not None and rel.bound[c] >= best.iteration_time_s * (1 - tolerance):
+                    stop = True
+                    break
+                if progress is not None:
+                    progress(visited, total, f"{solves} convex solves")
+                visited += 1
+                if best is not None and floor * (1 - _SLACK) >= best.iteration_time_s:
+                    continue        # no layout of this candidate beats the best one
+                g, value = program.solve(rel, c, num_gpus)
+                solves += 1
+                if not _recheck(rel, c, g, value, num_gpus, roles, space.backbone):
+                    g, value = program.solve(rel, c, num_gpus, precise=True)
+                    if not _recheck(rel, c, g, value, num_gpus, roles, space.backbone):
+                        # Its value is no bound: repair around its answer, prune nothing.
+                        value = -math.inf
+                if best is not None and value + ev.edge_s >= best.iteration_time_s * \
+                        (1 - tolerance):
+                    continue
+                tps, dps = tuple(int(x) for x in cands.tp[c]), tuple(int(x) for x in cands.dp[c])
+                layout, n_eval = repair(space, tps, dps, rel.pp_lo[c], rel.pp_hi[c],
+                                        g / (cands.tp[c] * cands.dp[c]))
+                evaluated += n_eval
+                if layout is None:
+                    continue
+                if layout.iteration_time_s < floor * (1 - _SLACK):
+                    raise PlannerError(
+                        f"the integer bound ({floor:.6g} s) exceeds a layout's exact cost "
+                        f"({layout.iteration_time_s:.6g} s): it no longer matches Evaluator")
+                if best is None or layout.iteration_time_s < best.iteration_time_s:
+                    best = layout
+            if stop:
+                break
+        if stop:
             break
-        if progress is not None:
-            progress(visited, len(order), f"{solves} convex solves")
-        g, value = program.solve(rel, c, num_gpus)
-        solves += 1
-        _recheck(rel, c, g, value, num_gpus, roles, space.backbone)
-        if best is not None and value + ev.edge_s >= best.iteration_time_s * (1 - tolerance):
-            continue
-        tps, dps = tuple(int(x) for x in cands.tp[c]), tuple(int(x) for x in cands.dp[c])
-        layout, n_eval = repair(space, tps, dps, rel.pp_lo[c], rel.pp_hi[c],
-                                g / (cands.tp[c] * cands.dp[c]))
-        evaluated += n_eval
-        if layout is not None and (best is None or
-                                   layout.iteration_time_s < best.iteration_time_s):
-            best = layout
+        # The next wave: every candidate that may still beat the best layout.
+        if best is not None:
+            if threshold >= best.iteration_time_s * (1 - tolerance):
+                break
+            threshold = best.iteration_time_s * (1 - tolerance)
+        else:
+            rest = np.concatenate([rel.bound[pending], rel.bound[waiting]])
+            if not len(rest):
+                break
+            threshold = np.nextafter(max(threshold * (1 + 4 * _FIRST_WAVE), rest.min()),
+                                     np.inf)
     if progress is not None:
-        progress(len(order), len(order), f"{solves} convex solves")
+        progress(total, total, f"{solves} convex solves")
     if best is None:
         raise no_layout_fits(space)
     return make_plan(ev, "convex", best, solve_time_s=time.perf_counter() - start,
