@@ -73,7 +73,7 @@ def plan_table(plan: Plan) -> Table:
     for name, justify in (("unit", "left"), ("role", "left"), ("GPUs", "right"),
                           ("TP", "right"), ("DP", "right"), ("PP", "right"), ("vpp", "right"),
                           ("layers/stage", "right"), ("fwd", "right"), ("bwd", "right"),
-                          ("grad sync", "right"), ("memory/GPU", "right")):
+                          ("sync + opt", "right"), ("memory/GPU", "right")):
         table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
     for u in plan.units:
         name = u.name + "".join(f" + {p}" for p in u.projectors)
@@ -92,7 +92,7 @@ def _summary(plan: Plan) -> list[str]:
     lines = [
         f"iteration time  {format_seconds(plan.iteration_time_s)}  (warm-up "
         f"{format_seconds(plan.warmup_time_s)}, steady {format_seconds(plan.steady_time_s)}, "
-        f"gradient sync {format_seconds(plan.dp_sync_time_s)})",
+        f"sync + optimizer {format_seconds(plan.dp_sync_time_s)})",
         f"MFU             {plan.mfu:.1%}  ({format_flops(plan.model_flops_per_iteration)} "
         f"per iteration of {plan.global_batch} samples; causal attention half)",
     ]
@@ -131,7 +131,7 @@ def plan_markdown(plan: Plan) -> str:
     """The plan as Markdown (TensorBoard's text tab renders it): the unit table and the
     summary lines."""
     head = ["unit", "role", "GPUs", "TP", "DP", "PP", "vpp", "layers/stage", "fwd", "bwd",
-            "grad sync", "memory/GPU"]
+            "sync + opt", "memory/GPU"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for u in plan.units:
         rows.append("| " + " | ".join([
@@ -168,7 +168,7 @@ def plan_tables_stacked(plan: Plan) -> tuple[Table, Table]:
     memory = "memory/GPU" + (f" of {format_bytes(limits.pop())}" if len(limits) == 1 else "")
     costs = Table(title="per unit microbatch, slowest stage", title_justify="left")
     costs.add_column("unit", overflow="fold", ratio=1)
-    for name in ("fwd", "bwd", "grad sync", memory):
+    for name in ("fwd", "bwd", "sync + opt", memory):
         costs.add_column(name, justify="right", no_wrap=True)
     for u in plan.units:
         name = u.name + "".join(f" + {p}" for p in u.projectors)

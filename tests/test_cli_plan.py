@@ -191,5 +191,5 @@ def test_the_plan_stays_readable_at_every_width(width):
                     rows.append(tuple(cells[2:6]))
             assert rows == [(str(u.gpus), str(u.tp), str(u.dp), str(u.pp))
                             for u in the_plan.units], (name, width, buf.getvalue())
-            for word in ("fwd", "grad sync", "memory/GPU", "iteration time"):
+            for word in ("fwd", "sync + opt", "memory/GPU", "iteration time"):
                 assert word in buf.getvalue()

@@ -356,8 +356,9 @@ class CostModel:
         return entries * (4.0 * np.asarray(in_flight) + 12.0)
 
     def dp_sync_coefficients(self, unit: UnitCost, tp, dp) -> tuple:
-        """(fixed_s, per_layer_s) with the step's exposed data-parallel communication of
-        one stage = fixed_s + per_layer_s * ceil(L / pp). ``tp`` and ``dp`` may be arrays.
+        """(fixed_s, per_layer_s) with the end of a step on one stage, its exposed
+        data-parallel communication and its optimizer step (measured in a profile),
+        = fixed_s + per_layer_s * ceil(L / pp). ``tp`` and ``dp`` may be arrays.
 
         As the runtime does it (``train.stage``): without ZeRO an all-reduce of the
         gradients after the last backward. With ZeRO-1 the same bytes as a
@@ -379,13 +380,31 @@ class CostModel:
         fixed = all_reduce_time_s(unit.extra_stage_params * per_param, dp, bw)
         per_layer = all_reduce_time_s(
             (unit.params - unit.extra_stage_params) / unit.layers * per_param, dp, bw) - latency
+        opt_fixed, opt_layer = self._optimizer_coefficients(unit, tp, dp)
         if self.program.train.optimizer.zero < 1:
-            return fixed, per_layer
+            return fixed + opt_fixed, per_layer + opt_layer
         # Reduce-scatter and all-gather move half an all-reduce each.
         gather = per_layer / 2
         forward = self._layer_forward_s(unit, tp)
         hidden = np.minimum(gather, forward)
-        return fixed + hidden, per_layer - hidden
+        return fixed + hidden + opt_fixed, per_layer - hidden + opt_layer
+
+    def _optimizer_coefficients(self, unit: UnitCost, tp, dp) -> tuple:
+        """(fixed_s, per_layer_s) of the optimizer step on a stage's trained parameters
+        (its TP shard, and its DP shard under ZeRO-1), at the profile's measured
+        seconds per parameter; zero without a profile that measured it."""
+        rate = self.profile.profile.optimizer_s_per_param if self.profile is not None \
+            else None
+        shape = np.broadcast(np.asarray(tp), np.asarray(dp)).shape
+        if not rate:
+            return np.zeros(shape), np.zeros(shape)
+        shard = np.asarray(tp, dtype=float) * (
+            np.asarray(dp, dtype=float) if self.program.train.optimizer.zero >= 1 else 1.0)
+        trained = unit.trainable_params / unit.params
+        fixed = unit.extra_stage_params * trained / shard * rate
+        per_layer = (unit.params - unit.extra_stage_params) / unit.layers * trained / shard \
+            * rate
+        return np.broadcast_to(fixed, shape) + 0.0, np.broadcast_to(per_layer, shape) + 0.0
 
     def _layer_forward_s(self, unit: UnitCost, tp) -> np.ndarray:
         """One layer's forward of one microbatch at each ``tp`` (may be an array)."""
@@ -396,7 +415,8 @@ class CostModel:
         return out if out.ndim else out[()]
 
     def dp_sync_time_s(self, unit: UnitCost, tp, pp, dp):
-        """Gradient synchronisation of the unit's heaviest stage at the end of a step."""
+        """The end of a step on the unit's heaviest stage: its exposed gradient
+        synchronisation and its optimizer step (``dp_sync_coefficients``)."""
         fixed, per_layer = self.dp_sync_coefficients(unit, tp, dp)
         return fixed + per_layer * np.ceil(unit.layers / np.asarray(pp))
 

@@ -140,6 +140,9 @@ class Profile(_Model):
     repeats: int = Field(ge=1)
     warmup: int = Field(ge=0)
     modules: tuple[ModuleProfile, ...]
+    # The spec's optimizer step (the runtime's kernel: fused or foreach) per fp32
+    # parameter it updates; None in profiles written before it was measured.
+    optimizer_s_per_param: float | None = Field(default=None, ge=0)
 
     def module(self, name: str) -> ModuleProfile:
         """The profile of module or projector ``name`` (ProfileError if absent)."""
@@ -676,6 +679,7 @@ def profile_program(program: ir.Program, *,
         with torch.random.fork_rng(devices=[dev.index] if env.cuda else []):
             torch.manual_seed(0)
             modules = _run_jobs(jobs, env, repeats, warmup, progress)
+            optimizer = _optimizer_s_per_param(program, env, repeats, warmup)
         threads = torch.get_num_threads()
     finally:
         torch.set_num_threads(previous_threads)
@@ -687,7 +691,38 @@ def profile_program(program: ir.Program, *,
         num_threads=threads)
     return Profile(device=device_info, created=datetime.now(UTC),
                    spec=program.name, spec_sha256=program.source_sha256,
-                   repeats=repeats, warmup=warmup, modules=modules)
+                   repeats=repeats, warmup=warmup, modules=modules,
+                   optimizer_s_per_param=optimizer)
+
+
+def _optimizer_s_per_param(program: ir.Program, env: _Env, repeats: int,
+                           warmup: int) -> float:
+    """The spec's optimizer step per parameter, as the runtime takes it
+    (``train.optim.StageOptimizer``: fp32 parameters, fused or foreach kernel), timed on
+    a few tensors of 4M (CPU) or 64M (CUDA) parameters in all: the median of
+    ``repeats`` steps after ``warmup`` (at least one: the first step allocates the
+    moments)."""
+    import torch
+
+    from dtdsl.train.optim import _kernel
+
+    total = (1 << 26) if env.cuda else (1 << 22)
+    params = [torch.zeros(total // 4, dtype=torch.float32, device=env.device,
+                          requires_grad=True) for _ in range(4)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = program.train.optimizer
+    cls = torch.optim.AdamW if opt.name == "adamw" else torch.optim.Adam
+    optimizer = cls(params, lr=1e-4, **_kernel(env.device))
+    times = []
+    for k in range(max(warmup, 1) + repeats):
+        env.sync()
+        start = time.perf_counter()
+        optimizer.step()
+        env.sync()
+        if k >= max(warmup, 1):
+            times.append(time.perf_counter() - start)
+    return statistics.median(times) / total
 
 
 def _point(tp: int, x: int, stats: list[tuple[_Part, float, float, int, int]]) -> Point:

@@ -40,7 +40,7 @@ class UnitPlan(BaseModel):
     microbatch_share: float               # backbone microbatches per unit microbatch (dp_lm / dp)
     fwd_time_s: float                     # one unit microbatch on the slowest stage
     bwd_time_s: float
-    dp_sync_time_s: float
+    dp_sync_time_s: float                 # end of step: exposed DP sync and optimizer step
     memory_bytes: float                   # peak per GPU, first stage
     memory_limit_bytes: float
 

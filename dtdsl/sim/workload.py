@@ -314,7 +314,8 @@ def model_flops(plan: Plan, cost: CostModel, work: dict[str, np.ndarray]) -> flo
 
 def iteration_durations(plan: Plan, cost: CostModel, schedule: Schedule, routing: Routing,
                         work: dict[str, np.ndarray]) -> Durations:
-    """Seconds of every pass, transfer and gradient sync of one iteration."""
+    """Seconds of every pass, transfer and end of step (gradient sync and optimizer
+    step, as SYNC: ``UnitPlan.dp_sync_time_s``) of one iteration."""
     seconds = _per_sample_seconds(plan)
     compute = {}
     links: dict[tuple[str, str], float] = {}

@@ -279,3 +279,23 @@ def test_the_parameter_all_gather_overlaps_the_first_forward():
         arr_fixed, arr_layer = zero1.dp_sync_coefficients(unit, np.array([tp, tp]), dp)
         assert arr_fixed == pytest.approx([fixed] * 2) and arr_layer == pytest.approx(
             [per_layer] * 2)
+
+
+def test_the_optimizer_step_ends_a_stage_at_the_profiles_rate():
+    """With a profile that timed the optimizer, each stage's end-of-step time grows by its
+    trained parameters (its TP shard; its DP shard under ZeRO-1) times the rate."""
+    prog = program("tiny_cpu")
+    slope = {"vit": 1e-3, "llm": 2e-4, "gen": 5e-2, "vit_to_llm": 1e-5, "llm_to_gen": 2e-5}
+    base = _linear_profile(prog, slope)
+    without = build_cost_model(prog, profile=ProfileTable(base))
+    rate = 3e-9
+    timed = build_cost_model(prog, profile=ProfileTable(
+        base.model_copy(update={"optimizer_s_per_param": rate})))
+    for name, tp, dp in (("llm", 1, 2), ("llm", 2, 1), ("vit", 1, 4)):
+        unit = timed.unit(name)
+        f0, l0 = without.dp_sync_coefficients(without.unit(name), tp, dp)
+        f1, l1 = timed.dp_sync_coefficients(unit, tp, dp)
+        shard = tp * dp      # tiny_cpu: zero=1
+        assert f1 - f0 == pytest.approx(unit.extra_stage_params / shard * rate, rel=1e-9)
+        assert l1 - l0 == pytest.approx(
+            (unit.params - unit.extra_stage_params) / unit.layers / shard * rate, rel=1e-9)

@@ -1,0 +1,40 @@
+"""The planner's prediction against a run on this machine (issue 18's check): profile,
+plan a two-rank spec with the profile, run its bundle, and print per step each stage's
+measured compute and the iteration against the prediction (targets: 15% per stage, 20%
+per iteration, on a quiet machine). The same measurement as
+``tests/train/test_predicted_vs_measured.py``.
+
+    python benchmarks/predicted_vs_measured.py [--steps 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+import _common  # noqa: F401  (puts the repository on the path for tests.*)
+
+from tests.train.test_predicted_vs_measured import STEPS, WARMUP, measure
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=STEPS)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        result = measure(Path(tmp), steps=args.steps)
+    steps = len(result.measured_s["iteration"])
+    print(f"{'':<10} " + " ".join(f"{'step ' + str(k):>16}" for k in
+                                  range(WARMUP, WARMUP + steps)) +
+          f" {'mean ratio':>11}")
+    for name in [*result.stages, "iteration"]:
+        cells = " ".join(f"{m * 1e3:7.0f}/{p * 1e3:<6.0f}ms" for m, p in
+                         zip(result.measured_s[name], result.predicted_s[name], strict=True))
+        print(f"{name:<10} {cells} {result.mean_ratio(name):>10.3f}x")
+    print("\nmeasured/predicted per step (a stage's compute: its forward and backward "
+          "passes, from when their inputs arrived)")
+
+
+if __name__ == "__main__":
+    main()

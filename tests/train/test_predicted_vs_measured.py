@@ -1,0 +1,141 @@
+"""The planner's prediction against a run: profile this machine (``dtc profile``), plan a
+two-rank spec with the profile, run its bundle (one thread per rank, each on its own
+core) and compare, step by step, each stage's measured compute and the measured
+iteration with the prediction the run wrote next to them (``timelines.jsonl``: the
+simulator on that step's own batch, routed as the run routed it, priced by the profile).
+
+Targets (issue 18): within 15% per stage and 20% per iteration, on a quiet machine: the
+test needs the machine to itself, so it skips under pytest-xdist (``.ci/run`` runs the
+suite serially). The backbone's stage and the iteration meet them; the encoder's stage
+falls short (see the test). ``benchmarks/predicted_vs_measured.py`` prints every figure.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from statistics import fmean
+
+import pytest
+
+from dtdsl import cli
+from tests.codegen.test_bundle_run import launch_ok, read_jsonl
+
+STAGE_TOLERANCE = 0.15
+ITERATION_TOLERANCE = 0.20
+ENCODER_TOLERANCE = 0.35     # short of STAGE_TOLERANCE: see the test
+STEPS = 7
+WARMUP = 2           # steps not compared: allocations, first-call dispatch, Adam's moments
+
+# An encoder and a backbone on one rank each, large enough that compute, not Python,
+# dominates a pass on a CPU core.
+SPEC = """\
+spec predicted_vs_measured
+
+model {
+  encoder vit (image) {
+    arch = transformer(layers=4, hidden=384, heads=6, ffn=1536, patch=8)
+  }
+  backbone llm {
+    arch = transformer(layers=4, hidden=512, heads=8, kv_heads=4, ffn=1536, vocab=2048,
+                       swiglu)
+  }
+  projector vit -> llm : mlp(depth=2)
+}
+
+data synthetic {
+  text.tokens   ~ lognormal(median=96, sigma=0.4) clamp [16, 256]
+  image.count   ~ choice([1, 2], p=[0.5, 0.5])
+  image.patches ~ choice([64, 144], p=[0.5, 0.5])
+}
+
+cluster local {
+  gpu           = custom(name="cpu", memory=4 GiB, peak=0.1 TFLOPS)
+  gpus          = 2
+  gpus_per_node = 2
+  intra_node_bw = 4 GB/s
+  inter_node_bw = 4 GB/s
+  cpu_workers   = 0
+}
+
+train {
+  global_batch     = 8
+  micro_batch      = 1
+  seq_len          = 512
+  schedule         = 1f1b
+  optimizer        = adamw(lr=1e-3, weight_decay=0.01, zero=1)
+  precision        = fp32
+  steps            = 6
+  seed             = 7
+  checkpoint_every = 0
+}
+
+constraints {
+  tp(*) == 1
+}
+"""
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Measured and predicted seconds per compared step: each stage's compute and the
+    iteration."""
+
+    measured_s: dict[str, list[float]]
+    predicted_s: dict[str, list[float]]
+
+    @property
+    def stages(self) -> list[str]:
+        return sorted(k for k in self.measured_s if k != "iteration")
+
+    def mean_ratio(self, name: str) -> float:
+        """Measured over predicted, over the compared steps (a stage or "iteration")."""
+        return fmean(self.measured_s[name]) / fmean(self.predicted_s[name])
+
+
+def measure(work: Path, *, steps: int = STEPS) -> Comparison:
+    """Profile, plan, compile and run the spec in ``work``; compare the steps after the
+    first WARMUP."""
+    from dtdsl.sim.timeline import Timeline
+
+    spec = work / "spec.dt"
+    spec.write_text(SPEC)
+    profile = work / "profile.json"
+    assert cli.main(["profile", str(spec), "-o", str(profile), "--device", "cpu",
+                     "--threads", "1", "-q"]) == 0
+    bundle = work / "bundle"
+    assert cli.main(["compile", str(spec), "--profile", str(profile), "--synthetic",
+                     "--workers", "0", "-o", str(bundle)]) == 0
+    run_dir = work / "run"
+    launch_ok(bundle, run_dir, "--steps", str(steps),
+              env={"DTDSL_THREADS": "1", "OMP_NUM_THREADS": "1"})
+    measured: dict[str, list[float]] = {}
+    predicted: dict[str, list[float]] = {}
+    for line in read_jsonl(run_dir / "timelines.jsonl")[WARMUP:]:
+        m = Timeline.from_json(line["measured"])
+        p = Timeline.from_json(line["predicted"])
+        for stage, seconds in m.compute_s().items():
+            measured.setdefault(stage, []).append(seconds)
+            predicted.setdefault(stage, []).append(p.compute_s()[stage])
+        measured.setdefault("iteration", []).append(m.iteration_time_s)
+        predicted.setdefault("iteration", []).append(p.iteration_time_s)
+    return Comparison(measured_s=measured, predicted_s=predicted)
+
+
+@pytest.mark.slow
+def test_predicted_stage_and_iteration_times_match_a_run(tmp_path):
+    if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1 or (os.cpu_count() or 1) < 2:
+        pytest.skip("timing needs two cores to itself (runs in the serial suite, .ci/run)")
+    result = measure(tmp_path)
+    assert result.stages == ["llm.s0", "vit.s0"]
+    ratio = result.mean_ratio("llm.s0")
+    assert abs(ratio - 1) <= STAGE_TOLERANCE, (ratio, result)
+    # The encoder's passes are small (one or two images): the runtime's fixed cost per
+    # pass (input preparation, FSDP2 hooks, the broker's packing), some 10 ms here, is
+    # not in the profile, which times layers. It measures 1.18x to 1.25x: short of the
+    # 15% target, held to ENCODER_TOLERANCE so it does not get worse unseen.
+    ratio = result.mean_ratio("vit.s0")
+    assert abs(ratio - 1) <= ENCODER_TOLERANCE, (ratio, result)
+    ratio = result.mean_ratio("iteration")
+    assert abs(ratio - 1) <= ITERATION_TOLERANCE, (ratio, result)
