@@ -420,6 +420,17 @@ class CostModel:
         fixed, per_layer = self.dp_sync_coefficients(unit, tp, dp)
         return fixed + per_layer * np.ceil(unit.layers / np.asarray(pp))
 
+    def hop_time_s(self, unit: UnitCost, tp, share=1.0):
+        """One pipeline transfer of a unit microbatch (``share`` backbone microbatches)
+        between two of the unit's own stages. With sequence parallelism every TP rank of
+        the backbone sends its 1/tp of the sequence to its peer, all at once
+        (``train.executor``'s PP messages); an encoder's or generator's stages send the
+        whole activations. ``tp`` and ``share`` may be arrays."""
+        bytes_ = unit.boundary_bytes * np.asarray(share, dtype=float)
+        if unit.role == "backbone":
+            bytes_ = bytes_ / np.asarray(tp, dtype=float)
+        return self.p2p_time_s(bytes_)
+
     def p2p_time_s(self, num_bytes: float) -> float:
         return num_bytes / self.program.cluster.inter_node_bw_bytes_per_s + \
             _COLLECTIVE_LATENCY_S

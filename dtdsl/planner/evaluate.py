@@ -120,7 +120,7 @@ class Evaluator:
         for i, unit in enumerate(self.units):
             fwd, bwd = self.fwd_bwd(i, work_tp[i])
             share = dp_lm / dps[i]
-            hop = cost.p2p_time_s(unit.boundary_bytes * share)
+            hop = cost.hop_time_s(unit, work_tp[i], share)
             # A stage's compute, plus sending its activations on and its input gradients
             # back when the unit has more than one stage.
             t = share * (fwd + bwd) * np.ceil(unit.layers / pps[i]) / unit.layers + \

@@ -144,7 +144,7 @@ def relaxation_bounds(space: Space, cands: Candidates, *, coarse: bool = False) 
         # ceil(L/pp) >= L/pp = L tp dp / g
         sync0[:, i] = fixed
         sync1[:, i] = per_layer * unit.layers * stage_gpus[:, i]
-        p2p = cost.p2p_time_s(unit.boundary_bytes * share[:, i])
+        p2p = cost.hop_time_s(unit, tp[:, i], share[:, i])
         hop[:, i] = 2 * p2p / stage_gpus[:, i]
     # No unit can take more than the budget leaves after every other unit's floor.
     floors = stage_gpus * pp_lo
@@ -293,7 +293,7 @@ class _IntegerBound:
         t_stage, warm, sync = np.empty(shape), np.empty(shape), np.empty(shape)
         for i, unit in enumerate(space.units):
             c = np.array([self.fwd_bwd[i, int(x)] for x in tp[:, i]])
-            hop = cost.p2p_time_s(unit.boundary_bytes * share[:, i])[:, None]
+            hop = cost.hop_time_s(unit, tp[:, i], share[:, i])[:, None]
             p = self.pp[i][None, :]
             t = (share[:, i] * c)[:, None] * np.ceil(unit.layers / np.maximum(p, 1)) / \
                 unit.layers + np.where(p > 1, 2 * hop, 0.0)

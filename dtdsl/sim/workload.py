@@ -332,7 +332,8 @@ def iteration_durations(plan: Plan, cost: CostModel, schedule: Schedule, routing
         arr[1] = (b * stage_scale)[:, None, None, None] * loads[None, None]
         compute[u.name] = arr
         unit_cost = cost.unit(u.name)
-        hop = float(cost.p2p_time_s(unit_cost.boundary_bytes * u.microbatch_share))
+        hop = float(cost.hop_time_s(unit_cost, 1 if u.tp_replicated else u.tp,
+                                    u.microbatch_share))
         links[(u.name, u.name)] = hop
         sync[u.name] = np.full(su.pp, u.dp_sync_time_s)
     # Between units: the encoder's (backbone's) output crosses to the backbone

@@ -299,3 +299,16 @@ def test_the_optimizer_step_ends_a_stage_at_the_profiles_rate():
         assert f1 - f0 == pytest.approx(unit.extra_stage_params / shard * rate, rel=1e-9)
         assert l1 - l0 == pytest.approx(
             (unit.params - unit.extra_stage_params) / unit.layers / shard * rate, rel=1e-9)
+
+
+def test_pipeline_transfers_are_split_by_tp_under_sequence_parallelism():
+    """The backbone's TP ranks each send their 1/tp of the sequence to their peer at once;
+    an encoder's stages send the whole activations."""
+    c = build_cost_model(program("mllm_9b"))
+    llm, vit = c.unit("llm"), c.unit("vit")
+    for tp in (1, 2, 8):
+        assert c.hop_time_s(llm, tp, 2.0) == pytest.approx(
+            c.p2p_time_s(llm.boundary_bytes * 2.0 / tp))
+        assert c.hop_time_s(vit, tp) == pytest.approx(c.p2p_time_s(vit.boundary_bytes))
+    assert np.allclose(c.hop_time_s(llm, np.array([1, 4]), 1.0),
+                       [c.hop_time_s(llm, 1), c.hop_time_s(llm, 4)])
