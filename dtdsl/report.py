@@ -109,8 +109,9 @@ def _summary(plan: Plan) -> list[str]:
     sim = plan.simulated
     if sim is not None:
         policy = "+".join(sim.policy) if sim.policy else "none"
+        scored = f", the fastest of {sim.candidates} layouts" if sim.candidates > 1 else ""
         line = (f"simulated       {format_seconds(sim.iteration_time_s)} per iteration on "
-                f"{sim.steps} drawn batches (reorder {policy})")
+                f"{sim.steps} drawn batches (reorder {policy}{scored})")
         if sim.policy:
             line += f", {format_seconds(sim.no_reorder_iteration_time_s)} without reordering"
         lines.append(line)

@@ -583,3 +583,46 @@ def plan_convex(cost: CostModel, num_gpus: int | None = None, *, tolerance: floa
         raise no_layout_fits(space)
     return make_plan(ev, "convex", best, solve_time_s=time.perf_counter() - start,
                      candidates=len(cands), convex_solves=solves, evaluated=evaluated)
+
+
+def convex_alternatives(cost: CostModel, num_gpus: int | None, best: Plan, *, count: int,
+                        within: float = 0.25) -> list[Plan]:
+    """Up to ``count`` runners-up of the convex search's ``best`` plan: for the TP/DP
+    candidates of least relaxation bound, other than ``best``'s, within ``within`` of its
+    iteration time, each one's best integer layout (as the search repairs it), fastest
+    first. What ``planner.plan`` scores on drawn batches next to ``best``: the mean-work
+    formula cannot see stragglers, so a layout a little slower in expectation may be the
+    faster one on real batches."""
+    if count < 1:
+        return []
+    num_gpus = num_gpus or cost.program.cluster.num_gpus
+    ev = Evaluator(cost, num_gpus)
+    space = Space(ev)
+    cands = space.candidates()
+    if not len(cands):
+        return []
+    rel = relaxation_bounds(space, cands, coarse=True)
+    limit = best.iteration_time_s * (1 + within)
+    near = np.flatnonzero(rel.bound < limit)           # coarse bounds are lower bounds
+    rel.refine(near)
+    near = near[rel.bound[near] < limit]
+    near = near[np.argsort(rel.bound[near], kind="stable")]
+    roles = [u.role for u in space.units]
+    program = _ConvexProgram(roles, space.backbone)
+    taken = {(tuple(u.tp for u in best.units), tuple(u.dp for u in best.units))}
+    found: list[Layout] = []
+    for c in near[:8 * count]:
+        tps = tuple(int(x) for x in cands.tp[c])
+        dps = tuple(int(x) for x in cands.dp[c])
+        if (tps, dps) in taken:
+            continue
+        g, _ = program.solve(rel, c, num_gpus)
+        layout, _ = repair(space, tps, dps, rel.pp_lo[c], rel.pp_hi[c],
+                           g / (cands.tp[c] * cands.dp[c]))
+        if layout is None or layout.iteration_time_s >= limit:
+            continue
+        taken.add((tps, dps))
+        found.append(layout)
+    found.sort(key=lambda layout: layout.iteration_time_s)
+    return [make_plan(ev, "convex", layout, solve_time_s=0.0, candidates=len(cands),
+                      convex_solves=0, evaluated=0) for layout in found[:count]]

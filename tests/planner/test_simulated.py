@@ -59,3 +59,28 @@ def test_dtc_plan_prints_the_simulated_speedups(capsys):
     assert "drawn batches" not in capsys.readouterr().out
     with pytest.raises(SystemExit):
         cli.main(["plan", str(TINY), "--simulate-steps", "-1"])
+
+
+def test_the_plan_is_the_fastest_of_its_runners_up_on_drawn_batches(cost):
+    """Stragglers in the objective: the convex plan and its runners-up in expectation are
+    scored on the same drawn batches under the spec's policy; the fastest is kept."""
+    from dtdsl.planner import plan_convex
+    from dtdsl.planner.orchestrate import convex_alternatives
+
+    best = plan_convex(cost, 8)
+    others = convex_alternatives(cost, 8, best, count=3)
+    assert others, "tiny_cpu on 8 GPUs has runners-up"
+    layouts = {(tuple(u.tp for u in p.units), tuple(u.dp for u in p.units))
+               for p in [best, *others]}
+    assert len(layouts) == 1 + len(others)            # each another TP/DP candidate
+    times = [p.iteration_time_s for p in others]
+    assert times == sorted(times)
+    assert all(best.iteration_time_s <= t <= 1.25 * best.iteration_time_s for t in times)
+    policy = parse_policy(cost.program.train.reorder)
+    scored = [simulate_plan(cost, p, policy=policy, steps=2) for p in [best, *others]]
+    chosen = plan(cost, 8, simulate_steps=2, alternatives=3)
+    assert chosen.simulated.candidates == 1 + len(others)
+    assert chosen.simulated.iteration_time_s == pytest.approx(min(scored), rel=1e-12)
+    k = scored.index(min(scored))
+    assert [(u.tp, u.dp, u.pp) for u in chosen.units] == \
+        [(u.tp, u.dp, u.pp) for u in [best, *others][k].units]
