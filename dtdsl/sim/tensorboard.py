@@ -70,6 +70,14 @@ class TimelineWriter:
             self._writer.add_image(pre + "pipeline/gantt", image, global_step=step,
                                    dataformats="HWC")
 
+    def add_scalars(self, step: int, scalars: dict[str, float], *,
+                    source: str = "measured") -> None:
+        """``scalars`` at ``step`` without a timeline (a step whose timeline was not
+        gathered), under ``source``'s prefix when the writer prefixes."""
+        pre = f"{source}/" if self._prefix else ""
+        for name, value in scalars.items():
+            self._writer.add_scalar(pre + name, float(value), global_step=step)
+
     def add_text(self, tag: str, markdown: str, step: int = 0) -> None:
         """Write ``markdown`` (e.g. the plan summary) under ``tag``; TensorBoard renders it."""
         self._writer.add_text(tag, markdown, global_step=step)

@@ -106,7 +106,8 @@ from dtdsl.sim.timeline import Event, Timeline, TimelineUnit
 from dtdsl.train.optim import StageOptimizer, optimizer_step
 from dtdsl.train.stage import Stage, build_stage, projector_between
 
-__all__ = ["StageExecutor", "gather_timeline", "measured_timeline", "run_rank", "stage_run"]
+__all__ = ["TELEMETRY_BYTES", "StageExecutor", "gather_timeline", "measured_timeline",
+           "run_rank", "stage_run", "telemetry_every"]
 
 _FWD, _BWD = "F", "B"
 _COMM = (ActionKind.SEND_F, ActionKind.SEND_B, ActionKind.RECV_F, ActionKind.RECV_B)
@@ -343,7 +344,7 @@ class StageExecutor:
                 if logdir is not None:
                     timeline = gather_timeline(self.plan, step, result["events"],
                                                device=self.device)
-                    if writer is not None:
+                    if writer is not None and timeline is not None:
                         scalars = {"loss/total": result["loss"], "loss/lm": result["lm_loss"],
                                    "loss/gen": result["gen_loss"],
                                    "grad_norm": result["grad_norm"]}
@@ -710,13 +711,28 @@ def measured_timeline(plan: Plan, step: int, events: Sequence[Event]) -> Timelin
 _KINDS = tuple(k.value for k in ActionKind)
 
 
+# What rank 0 may receive of measured timelines per training step, on average.
+TELEMETRY_BYTES = 64 * 1024
+_ROW_BYTES = 9 * 8      # one event: nine float64 fields
+
+
+def telemetry_every(plan: Plan, schedule: Schedule) -> int:
+    """Gather the measured timeline every this many steps: rank 0 receives every rank's
+    events (padded to the longest action list), at most ``TELEMETRY_BYTES`` per step on
+    average. Every step for small jobs; for a 1170-rank job a few hundred steps apart."""
+    width = max((sum(a.kind in (ActionKind.F, ActionKind.B) for a in st.actions) + 2
+                 for st in schedule.stages), default=1)
+    received = plan.gpus_used * (width * _ROW_BYTES + 8)
+    return max(1, -(-received // TELEMETRY_BYTES))
+
+
 def gather_timeline(plan: Plan, step: int, events: Sequence[Event], *,
-                    device: torch.device | str = "cpu") -> Timeline:
-    """The measured ``Timeline`` of one step from every rank's ``events`` (collective over
-    the default group; every rank gets the whole timeline). Events are gathered from TP
-    leaders only (a replica's TP ranks run in lockstep, one event stands for them all).
-    Each rank's times are relative to its own start of the step, taken right after a
-    barrier, so they compare across ranks up to the barrier's skew."""
+                    device: torch.device | str = "cpu", dst: int = 0) -> Timeline | None:
+    """The measured ``Timeline`` of one step from every rank's ``events``, on rank ``dst``
+    (None on the others; collective over the default group). Events come from TP leaders
+    only (a replica's TP ranks run in lockstep, one event stands for them all). Each
+    rank's times are relative to its own start of the step, taken right after a barrier,
+    so they compare across ranks up to the barrier's skew."""
     names = [u.name for u in plan.units]
     rank = dist.get_rank()
     mine = [e for e in events if e.rank == rank]
@@ -729,8 +745,11 @@ def gather_timeline(plan: Plan, step: int, events: Sequence[Event], *,
     width = max(int(c) for c in counts)
     padded = torch.zeros(width, 9, dtype=torch.float64, device=device)
     padded[:len(mine)] = rows.to(device)
-    parts = [torch.empty(width, 9, dtype=torch.float64, device=device) for _ in counts]
-    dist.all_gather(parts, padded)
+    parts = [torch.empty(width, 9, dtype=torch.float64, device=device)
+             for _ in counts] if rank == dst else None
+    dist.gather(padded, parts, dst=dst)
+    if parts is None:
+        return None
     out = []
     for part, count in zip(parts, counts, strict=True):
         for row in part[:int(count)].tolist():

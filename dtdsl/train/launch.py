@@ -24,9 +24,11 @@ unit, stage, layer range, TP/DP/PP coordinates, process groups and schedule as d
    samples consumed), ``timelines.jsonl`` (per step, the measured timeline and the
    predicted one, for jobs of at most ``TIMELINE_RANKS`` ranks) and TensorBoard logs
    under ``tb/`` (losses, throughput, data wait, and the measured pipeline Gantt chart
-   of every step next to the simulator's prediction for the very batch the step trained
-   on (its samples' sizes from the data source, routed as the run routed them): tags
-   ``measured/...`` and ``predicted/...``).
+   next to the simulator's prediction for the very batch the step trained on (its
+   samples' sizes from the data source, routed as the run routed them): tags
+   ``measured/...`` and ``predicted/...``). The measured timeline is gathered to rank 0
+   only, every ``executor.telemetry_every`` steps: every step for small jobs, so that
+   rank 0 receives at most ``TELEMETRY_BYTES`` (64 KiB) per step on average.
 
 **Resuming at step k** keeps the lines of steps before k in ``metrics.jsonl``,
 ``samples.jsonl`` and ``timelines.jsonl`` and drops the later ones (the steps after the
@@ -212,6 +214,9 @@ class _RunLog:
             scalars["grad_norm"] = result["grad_norm"]
         if checkpoint_s is not None:
             scalars["checkpoint/save_s"] = checkpoint_s
+        if timeline is None:        # not gathered this step (executor.telemetry_every)
+            self.writer.add_scalars(step, scalars)
+            return
         self.writer.add_step(step, timeline, scalars)
         predicted = self._predict(step, batch)
         if self.timelines is not None:
@@ -289,7 +294,7 @@ def run(program: RankProgram, bundle: str | Path, argv: Sequence[str] | None = N
     from dtdsl.parallel.device import init_distributed, rank_device
     from dtdsl.parallel.mesh import build_groups
     from dtdsl.train.checkpoint import Checkpointer
-    from dtdsl.train.executor import StageExecutor, gather_timeline
+    from dtdsl.train.executor import StageExecutor, gather_timeline, telemetry_every
     from dtdsl.train.job import fault_point, load_job
 
     args = _parse(argv)
@@ -353,12 +358,15 @@ def run(program: RankProgram, bundle: str | Path, argv: Sequence[str] | None = N
                           job.cost.cost_model(program_ir, bundle))
             if first >= steps:
                 print(f"nothing to do: the run is at step {first} of {steps}", flush=True)
+        # Measured timelines, bounded in bytes: every step for small jobs (executor).
+        telemetry = telemetry_every(plan, schedule)
         start = time.perf_counter()
         for step in range(first, steps):
             fault_point(f"rank{rank}", step, run_dir)
             ckpt.poll()     # a failed background save stops the run now
             result = ex.run_step(step)
-            timeline = gather_timeline(plan, step, result["events"], device=device)
+            timeline = gather_timeline(plan, step, result["events"], device=device) \
+                if (step - first) % telemetry == 0 else None
             saved = None
             if every > 0 and (step + 1) % every == 0:
                 saved = ckpt.save(step + 1)
