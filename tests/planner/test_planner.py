@@ -105,8 +105,9 @@ def test_dominated_depths_never_win():
         assert full.evaluated > fast.evaluated
 
 
-def _exact_candidate_optimum(space: Space, tps, dps) -> float:
-    """The best iteration time of one TP/DP candidate over every pipeline depth."""
+def exact_candidate_optimum(space: Space, tps, dps, *, allowed: bool = False) -> float:
+    """The best iteration time of one TP/DP candidate over every pipeline depth (with
+    ``allowed``, only the GPU counts the spec's constraints allow each unit)."""
     ev = space.evaluator
     stage = [t * d for t, d in zip(tps, dps, strict=True)]
     spare = space.num_gpus - sum(stage)
@@ -118,6 +119,9 @@ def _exact_candidate_optimum(space: Space, tps, dps) -> float:
     est = ev.evaluate(tps, dps, grids)
     used = sum(s * g for s, g in zip(stage, grids, strict=True))
     ok = np.asarray(est.feasible) & (used <= space.num_gpus)
+    if allowed:
+        for i in range(space.n):
+            ok = ok & space.gpus_allowed(i, stage[i] * grids[i])
     return float(np.where(ok, est.iteration_time_s, np.inf).min()) if ok.any() else np.inf
 
 
@@ -132,7 +136,7 @@ def test_relaxation_bound_never_exceeds_the_exact_optimum(spec, gpus):
     picks = rng.choice(len(cands), size=min(len(cands), 60), replace=False)
     checked = 0
     for c in picks:
-        exact = _exact_candidate_optimum(space, tuple(int(x) for x in cands.tp[c]),
+        exact = exact_candidate_optimum(space, tuple(int(x) for x in cands.tp[c]),
                                          tuple(int(x) for x in cands.dp[c]))
         if np.isfinite(exact):
             checked += 1

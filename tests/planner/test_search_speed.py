@@ -19,6 +19,7 @@ from dtdsl.planner.evaluate import Evaluator
 from dtdsl.planner.orchestrate import relaxation_bounds
 from dtdsl.planner.space import Space
 from tests.planner.random_specs import random_spec
+from tests.planner.test_planner import exact_candidate_optimum
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -72,23 +73,6 @@ def test_shipped_specs_solve_few_convex_programs(spec, gpus, solves):
 
 # ---- the integer bound ------------------------------------------------------------------------
 
-def _exact_optimum(space: Space, tps, dps) -> float:
-    """The best iteration time of one TP/DP candidate over every allowed pipeline depth."""
-    ev = space.evaluator
-    stage = [t * d for t, d in zip(tps, dps, strict=True)]
-    spare = space.num_gpus - sum(stage)
-    pps = [np.asarray([p for p in space.pps(i) if (p - 1) * stage[i] <= spare])
-           for i in range(space.n)]
-    if any(p.size == 0 for p in pps):
-        return np.inf
-    grids = np.meshgrid(*pps, indexing="ij", sparse=True)
-    est = ev.evaluate(tps, dps, grids)
-    ok = np.asarray(est.feasible)
-    for i in range(space.n):
-        ok = ok & space.gpus_allowed(i, stage[i] * grids[i])
-    return float(np.where(ok, est.iteration_time_s, np.inf).min()) if ok.any() else np.inf
-
-
 def _check_integer_bound(model, gpus: int, picks: int, seed: int = 0) -> int:
     space = Space(Evaluator(model, gpus))
     cands = space.candidates()
@@ -104,8 +88,8 @@ def _check_integer_bound(model, gpus: int, picks: int, seed: int = 0) -> int:
     assert (tight >= rel.bound[rows]).all()
     checked = 0
     for c, bound in zip(rows, tight, strict=True):
-        exact = _exact_optimum(space, tuple(int(x) for x in cands.tp[c]),
-                               tuple(int(x) for x in cands.dp[c]))
+        exact = exact_candidate_optimum(space, tuple(int(x) for x in cands.tp[c]),
+                                        tuple(int(x) for x in cands.dp[c]), allowed=True)
         assert bound <= exact * (1 + 1e-9), (c, bound, exact)
         checked += np.isfinite(exact)
     return checked
@@ -132,8 +116,8 @@ def test_integer_bound_is_tight(spec, gpus):
     rel = relaxation_bounds(space, cands)
     rows, exact = [], []
     for c in np.argsort(rel.bound, kind="stable")[:400]:
-        best = _exact_optimum(space, tuple(int(x) for x in cands.tp[c]),
-                              tuple(int(x) for x in cands.dp[c]))
+        best = exact_candidate_optimum(space, tuple(int(x) for x in cands.tp[c]),
+                                        tuple(int(x) for x in cands.dp[c]), allowed=True)
         if np.isfinite(best):
             rows.append(c)
             exact.append(best)
