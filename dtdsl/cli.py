@@ -746,8 +746,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     the_plan, schedule = planned
     options = BundleOptions(
         steps=args.steps, workers=args.workers, data=args.data, synthetic=args.synthetic,
-        hosts=tuple(h for h in (args.hosts or "").split(",") if h),
-        port_base=args.port_base, max_restarts=args.max_restarts, cost=cost)
+        max_restarts=args.max_restarts, cost=cost)
     try:
         written = compile_bundle(args.output, source=result.source.text.encode("utf-8"),
                                  spec_path=args.spec, program=program, plan=the_plan,
@@ -879,18 +878,14 @@ def _parser() -> argparse.ArgumentParser:
     comp.add_argument("--steps", type=_positive_int, metavar="N",
                       help="training steps (default: the spec's train.steps)")
     comp.add_argument("--workers", type=int, metavar="N",
-                      help="preprocessing worker processes (default: cluster.cpu_workers; "
-                      "0 builds batches inside the trainers)")
+                      help="preprocessing worker processes, spread over the nodes: each "
+                      "node runs ceil(N / nodes) for its own trainers (default: "
+                      "cluster.cpu_workers; 0 builds batches inside the trainers)")
     comp.add_argument("--data", metavar="SOURCE", help="the data: a dataset directory or "
                       "WebDataset shards (a folder, a brace pattern; default: the spec's "
                       "data.source, relative to the spec)")
     comp.add_argument("--synthetic", action="store_true",
                       help="train on samples drawn from the spec's distributions")
-    comp.add_argument("--hosts", metavar="H0,H1,...",
-                      help="each node's address for the preprocessing feed (default: "
-                      "127.0.0.1 on one node)")
-    comp.add_argument("--port-base", type=int, default=29600, metavar="P",
-                      help="the feed's first port (default 29600)")
     comp.add_argument("--max-restarts", type=int, metavar="N",
                       help="torchrun restarts after a failed rank, each resuming from the "
                       "newest checkpoint (default 3)")

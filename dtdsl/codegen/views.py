@@ -71,7 +71,7 @@ class BundleView:
     workers: int
     prefetch: int
     reorder: tuple[str, ...]
-    port_base: int
+    workers_per_node: int
     rdzv_port: int
     max_restarts: int
     cpus_per_task: int
@@ -123,7 +123,8 @@ def bundle_view(program: ir.Program, plan: Plan, schedule: Schedule, job: Job, *
         spec=program.name, spec_sha256=program.source_sha256, world_size=job.world_size,
         nodes=job.nodes, gpus_per_node=job.gpus_per_node, steps=job.steps,
         workers=job.feed.workers, prefetch=job.feed.prefetch, reorder=tuple(job.reorder),
-        port_base=job.feed.port_base, rdzv_port=rdzv_port, max_restarts=max_restarts,
+        workers_per_node=job.feed.workers_per_node,
+        rdzv_port=rdzv_port, max_restarts=max_restarts,
         cpus_per_task=max(1, program.cluster.cpu_workers // max(1, job.nodes))
         if program.cluster.cpu_workers else 8,
         rank_files=_rank_files(plan, schedule))

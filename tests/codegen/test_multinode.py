@@ -35,16 +35,16 @@ def test_two_nodes_train_like_the_reference_and_survive_a_killed_rank(tmp_path,
                     .replace("checkpoint_every = 10", "checkpoint_every = 2"))
     bundle = tmp_path / "bundle"
     assert cli.main(["compile", str(spec), "-o", str(bundle), "--data", str(dataset),
-                     "--workers", "2", "--hosts", "127.0.0.1,127.0.0.1"]) == 0
+                     "--workers", "2"]) == 0
     run_dir = tmp_path / "run"
-    rdzv, port_base = wire.free_port_base(1), wire.free_port_base(8)
+    rdzv = wire.free_port_base(1)
     env = {**os.environ, "PYTHON": sys.executable, "DTDSL_FAULT": "rank3@3"}
     procs = []
     for node in (0, 1):     # node 0 first: c10d numbers nodes of one host by process id
         procs.append(subprocess.Popen(
             ["bash", str(bundle / "launch.sh"), "--nnodes", "2", "--node-rank", str(node),
              "--rdzv", f"127.0.0.1:{rdzv}", "--run-dir", str(run_dir),
-             "--port-base", str(port_base), "--steps", str(STEPS)],
+             "--steps", str(STEPS)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env))
         time.sleep(1.0)
     outs = []
