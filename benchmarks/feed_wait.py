@@ -34,7 +34,6 @@ from pathlib import Path
 from _common import ROOT
 
 from dtdsl import cli
-from dtdsl.feed import wire
 
 SPEC = ROOT / "specs" / "tiny_cpu.dt"
 
@@ -87,7 +86,7 @@ def reorder_cost(bundle: Path, steps: int) -> tuple[float, float]:
 def launch(bundle: Path, run_dir: Path, steps: int) -> list[dict]:
     env = {**os.environ, "PYTHON": sys.executable}
     proc = subprocess.run(["bash", str(bundle / "launch.sh"), "--run-dir", str(run_dir),
-                           "--steps", str(steps), "--port-base", str(wire.free_port_base(16))],
+                           "--steps", str(steps)],
                           capture_output=True, text=True, env=env, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"launch failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")

@@ -628,7 +628,7 @@ class _Socket:
                     time.sleep(0.2)
                     continue
                 self._socket.close(linger=0)
-                hint = (" (another job on these ports? choose another --port-base)"
+                hint = (" (another job on this address?)"
                         if err.errno == zmq.EADDRINUSE else "")
                 raise OSError(f"cannot bind {address}: {err}{hint}") from err
         self.address = address

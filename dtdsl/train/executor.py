@@ -107,7 +107,7 @@ from dtdsl.train.optim import StageOptimizer, optimizer_step
 from dtdsl.train.stage import Stage, build_stage, projector_between
 
 __all__ = ["TELEMETRY_BYTES", "StageExecutor", "gather_timeline", "measured_timeline",
-           "run_rank", "stage_run", "telemetry_every"]
+           "run_rank", "stage_run", "telemetry_bytes", "telemetry_every"]
 
 _FWD, _BWD = "F", "B"
 _COMM = (ActionKind.SEND_F, ActionKind.SEND_B, ActionKind.RECV_F, ActionKind.RECV_B)
@@ -716,14 +716,19 @@ TELEMETRY_BYTES = 64 * 1024
 _ROW_BYTES = 9 * 8      # one event: nine float64 fields
 
 
-def telemetry_every(plan: Plan, schedule: Schedule) -> int:
-    """Gather the measured timeline every this many steps: rank 0 receives every rank's
-    events (padded to the longest action list), at most ``TELEMETRY_BYTES`` per step on
-    average. Every step for small jobs; for a 1170-rank job a few hundred steps apart."""
+def telemetry_bytes(plan: Plan, schedule: Schedule) -> int:
+    """What rank 0 receives in one ``gather_timeline``: every rank's events, padded to
+    the longest list (a stage's passes and two more), and its count."""
     width = max((sum(a.kind in (ActionKind.F, ActionKind.B) for a in st.actions) + 2
                  for st in schedule.stages), default=1)
-    received = plan.gpus_used * (width * _ROW_BYTES + 8)
-    return max(1, -(-received // TELEMETRY_BYTES))
+    return plan.gpus_used * (width * _ROW_BYTES + 8)
+
+
+def telemetry_every(plan: Plan, schedule: Schedule) -> int:
+    """Gather the measured timeline every this many steps: rank 0 receives at most
+    ``TELEMETRY_BYTES`` per step on average (``telemetry_bytes``). Every step for small
+    jobs; for a 1170-rank job a few hundred steps apart."""
+    return max(1, -(-telemetry_bytes(plan, schedule) // TELEMETRY_BYTES))
 
 
 def gather_timeline(plan: Plan, step: int, events: Sequence[Event], *,
