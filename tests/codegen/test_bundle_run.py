@@ -13,7 +13,6 @@ import pytest
 
 from dtdsl import cli
 from dtdsl.driver import run_frontend
-from dtdsl.feed import wire
 from dtdsl.train.reference import train_reference
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,9 +25,8 @@ def launch(bundle: Path, run_dir: Path, *extra: str, timeout: float = 300,
            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     full = {**os.environ, "PYTHON": sys.executable, **(env or {})}
     return subprocess.run(["bash", str(bundle / "launch.sh"), "--run-dir", str(run_dir),
-                           "--port-base", str(wire.free_port_base(16)), *extra],
-                          capture_output=True, text=True, timeout=timeout, env=full,
-                          check=False)
+                           *extra], capture_output=True, text=True, timeout=timeout,
+                          env=full, check=False)
 
 
 def launch_ok(bundle: Path, run_dir: Path, *extra: str,
@@ -51,6 +49,13 @@ def reference_losses(steps: int, data: Path | None = None, spec: Path = SPEC) ->
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def workers_log(run_dir: Path) -> str:
+    """The preprocessing workers' logs of every node (``logs/workers-HOST-PID.log``)."""
+    logs = sorted((run_dir / "logs").glob("workers-*.log"))
+    assert logs, f"no workers' log in {run_dir / 'logs'}"
+    return "".join(p.read_text() for p in logs)
 
 
 def consumed(run_dir: Path, unit: str) -> dict[int, list[str]]:
@@ -100,7 +105,7 @@ def test_fed_bundle_matches_the_reference_and_consumes_an_epoch_once(fed_run, da
         epoch = [k for step in range(3) for k in per_step[step]]
         assert sorted(epoch) == keys, unit          # every sample once in epoch 0
         assert len(set(per_step[3])) == 16          # the next epoch has begun
-    log = (fed_run / "logs" / "workers.log").read_text()
+    log = workers_log(fed_run)
     assert "worker 0: step 0 sent" in log and "worker 1: step 1 sent" in log
 
 
@@ -116,7 +121,7 @@ def test_three_workers_and_a_killed_worker_deliver_the_same_batches(
     launch_ok(fed_bundle, killed, "--steps", str(FEED_STEPS),
               env={"DTDSL_FAULT": "worker0@2"})
     assert (killed / "faults" / "worker0@2").exists()
-    log = (killed / "logs" / "workers.log").read_text()
+    log = workers_log(killed)
     assert "killing worker0 at step 2" in log and "restarting it" in log
     want = read_jsonl(fed_run / "samples.jsonl")
     losses = [m["loss"] for m in read_jsonl(fed_run / "metrics.jsonl")]
