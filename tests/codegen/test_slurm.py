@@ -91,7 +91,7 @@ def slurm_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     (tmp_path / "tmp").mkdir(exist_ok=True)
     return {**os.environ, "PATH": f"{FAKE_SLURM}{os.pathsep}{os.environ['PATH']}",
             "FAKE_SLURM_NODELIST": NODELIST, "FAKE_SLURM_SPOOL": str(spool),
-            "FAKE_SLURM_CPUS": "2", "PYTHON": sys.executable,
+            "FAKE_SLURM_CPUS": "2(x3)", "PYTHON": sys.executable,
             "DTDSL_RDZV_HOST": "127.0.0.1", "DTDSL_RDZV_PORT": str(free_port()),
             "TMPDIR": str(tmp_path / "tmp"), **extra}
 
@@ -272,6 +272,14 @@ def test_sbatch_from_anywhere_finds_its_bundle(tmp_path, three_nodes):
         [f"-m dtdsl.train.dryrun {three_nodes.resolve()} --node {k}" for k in range(3)]
     srun = (tmp_path / "spool" / "srun.args").read_text()
     assert srun.startswith("--ntasks-per-node=1 --cpus-per-task=2 --cpu-bind=none ")
+    # the smallest node's CPUs; a requeued job resumes
+    log.unlink()
+    requeued = {**env, "FAKE_SLURM_CPUS": "16(x2),12", "SLURM_RESTART_COUNT": "1"}
+    status, out, _ = sbatch(elsewhere, three_nodes / "slurm.sbatch", "--dry-run", env=requeued)
+    assert status == 0, out
+    srun = (tmp_path / "spool" / "srun.args").read_text().splitlines()[-1]
+    assert srun.startswith("--ntasks-per-node=1 --cpus-per-task=12 ") and \
+        srun.endswith(" --resume --dry-run"), srun
 
     # Without the job's record, the directory it was submitted from: the bundle itself.
     log.unlink()
