@@ -7,6 +7,7 @@ killed."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -254,6 +255,18 @@ def test_dry_run_runs_preflight_then_the_dry_run_module(tmp_path, one_node, thre
                       f"-m dtdsl.train.dryrun {b}"]            # every node's ranks
     assert dry(b, "--node-rank", "1", "--data", "d")[1:] == [f"-m dtdsl.train.dryrun {b} --node 1"]
     assert "--data d" in log.read_text().splitlines()[0]
+
+
+@pytest.mark.slow
+def test_dry_run_of_a_node_with_the_real_module(tmp_path, three_nodes):
+    if importlib.util.find_spec("dtdsl.train.dryrun") is None:
+        pytest.skip("dtdsl.train.dryrun is not built yet")
+    proc = subprocess.run(["bash", str(three_nodes / "launch.sh"), "--dry-run", "--node-rank",
+                           "2", "--run-dir", str(tmp_path / "run")],
+                          env={**os.environ, "PYTHON": sys.executable}, capture_output=True,
+                          text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert not (tmp_path / "run").exists()
 
 
 def test_sbatch_from_anywhere_finds_its_bundle(tmp_path, three_nodes):
