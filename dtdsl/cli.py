@@ -894,8 +894,9 @@ def _parser() -> argparse.ArgumentParser:
     comp.add_argument("--steps", type=_positive_int, metavar="N",
                       help="training steps (default: the spec's train.steps)")
     comp.add_argument("--workers", type=int, metavar="N",
-                      help="preprocessing worker processes (default: cluster.cpu_workers; "
-                      "0 builds batches inside the trainers)")
+                      help="preprocessing worker processes, spread over the nodes: each "
+                      "node runs ceil(N / nodes) for its own trainers (default: "
+                      "cluster.cpu_workers; 0 builds batches inside the trainers)")
     comp.add_argument("--data", metavar="SOURCE", help="the data: a dataset directory or "
                       "WebDataset shards (a folder, a brace pattern; default: the spec's "
                       "data.source, relative to the spec)")

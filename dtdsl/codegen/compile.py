@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,13 +17,11 @@ from dtdsl.ir.plan import Plan
 from dtdsl.ir.schedule import Schedule
 from dtdsl.train.job import CheckpointConfig, CostConfig, DataConfig, FeedConfig, Job
 
-__all__ = ["BundleOptions", "DEFAULT_MAX_RESTARTS", "DEFAULT_PORT_BASE", "DEFAULT_RDZV_PORT",
+__all__ = ["BundleOptions", "DEFAULT_MAX_RESTARTS", "DEFAULT_RDZV_PORT",
            "compile_bundle", "make_job"]
 
-DEFAULT_PORT_BASE = 29600       # the feed: control channel, then one port per trainer rank
 DEFAULT_RDZV_PORT = 29500       # torchrun's rendezvous on multi-node launches
 MAX_MESSAGE_BYTES = 1 << 30
-_HOST = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.\-]*[A-Za-z0-9])?\Z|\[[0-9A-Fa-f:.]+\]\Z")
 KEEP_CHECKPOINTS = 3
 PROFILE_FILE = "profile.json"    # the measured profile the plan was made with
 # torchrun restarts every rank after one fails and the job resumes from its newest
@@ -41,8 +38,6 @@ class BundleOptions:
     prefetch: int = 2
     data: str | None = None          # a dataset directory, as the user wrote it
     synthetic: bool = False          # samples drawn from the spec's distributions
-    hosts: tuple[str, ...] = ()
-    port_base: int = DEFAULT_PORT_BASE
     max_restarts: int | None = None  # None: DEFAULT_MAX_RESTARTS
     slurm: SlurmOptions = SlurmOptions()   # slurm.sbatch's --time, --partition, --account
     # The cost model the plan was made with (``dtc compile --efficiency/--profile``): the
@@ -75,25 +70,14 @@ def make_job(program: ir.Program, plan: Plan, data: DataConfig, options: BundleO
     world = plan.gpus_used
     per_node = min(program.cluster.gpus_per_node, world)
     nodes = math.ceil(world / per_node)
-    hosts = options.hosts or (("127.0.0.1",) if nodes == 1 else
-                              tuple(f"node{i}" for i in range(nodes)))
-    bad = [h for h in hosts if not _HOST.match(h)]
-    if bad:
-        raise ValueError(f"--hosts: {bad[0]!r} is not a host name or address (letters, "
-                         "digits, '.', '-'; IPv6 in brackets)")
-    if len(hosts) != nodes:
-        raise ValueError(f"--hosts names {len(hosts)} hosts for {nodes} nodes")
-    last_port = options.port_base + 1 + world
-    if last_port > 65535:
-        raise ValueError(f"--port-base {options.port_base} leaves no room for {world} ranks' "
-                         "ports below 65536")
     workers = program.cluster.cpu_workers if options.workers is None else options.workers
     return Job(spec=program.name, spec_sha256=program.source_sha256, world_size=world,
                nodes=nodes, gpus_per_node=per_node,
                steps=options.steps or program.train.steps,
                reorder=tuple(sorted(program.train.reorder)), data=data,
-               feed=FeedConfig(workers=workers, prefetch=options.prefetch, hosts=hosts,
-                               port_base=options.port_base,
+               feed=FeedConfig(workers=workers,
+                               workers_per_node=math.ceil(workers / nodes),
+                               prefetch=options.prefetch,
                                max_message_bytes=MAX_MESSAGE_BYTES),
                checkpoint=CheckpointConfig(every=program.train.checkpoint_every,
                                            keep=KEEP_CHECKPOINTS),

@@ -144,7 +144,7 @@ def bundle_view(program: ir.Program, plan: Plan, schedule: Schedule, job: Job, *
         spec=program.name, spec_sha256=program.source_sha256, world_size=job.world_size,
         nodes=job.nodes, gpus_per_node=job.gpus_per_node, steps=job.steps,
         workers=job.feed.workers, prefetch=job.feed.prefetch,
-        workers_per_node=-(-job.feed.workers // job.nodes), reorder=tuple(job.reorder),
+        workers_per_node=job.feed.workers_per_node, reorder=tuple(job.reorder),
         rdzv_port=rdzv_port, max_restarts=max_restarts, slurm=slurm,
         last_node=_last_node(job.world_size, job.nodes, job.gpus_per_node),
         launch_command="./launch.sh" if job.nodes == 1 else "sbatch slurm.sbatch",

@@ -1,10 +1,11 @@
 """The trainer's side of the feed: a ``runtime.batch.BatchSource`` receiving what the
 preprocessing workers ship (``dtdsl.feed.worker``).
 
-Every trainer rank binds one ``wire.Receiver`` at the address the job names for it;
-trainer rank 0 also binds the ``wire.Publisher`` that tells the workers the step the
-trainers need next (``protocol.PROGRESS``; announced again while it waits, since a
-subscriber that joins late misses what was said before). ``batch(step)`` returns the
+Every trainer rank binds one ``wire.Receiver`` in its node's feed directory, named by its
+local rank; the node's first trainer (local rank 0) also binds the ``wire.Publisher`` that
+tells the node's workers the step the trainers need next and which global ranks the node
+holds (``protocol.PROGRESS``; announced again while it waits, since a subscriber that joins
+late misses what was said before). ``batch(step)`` returns the
 first valid message for that step: messages of later steps wait in a buffer (the workers
 run up to ``prefetch`` steps ahead), copies of a step already taken (a restarted worker
 sends its steps again) are dropped, and so is anything the wire rejects (wrong secret,
@@ -17,6 +18,7 @@ from __future__ import annotations
 import secrets
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -39,7 +41,8 @@ class RemoteBatches:
     the workers delivered ahead, only a dictionary lookup is left on the training path."""
 
     def __init__(self, job: Any, bundle: Path, program: Any, plan: Any, role: Any, *,
-                 port_base: int | None = None, timeout_s: float = 600.0):
+                 feed_dir: Path, local_rank: int, node_ranks: Sequence[int],
+                 timeout_s: float = 600.0):
         from dtdsl.feed import wire
 
         self.job, self.role = job, role
@@ -49,13 +52,19 @@ class RemoteBatches:
 
         self.norm = image_norm(program)
         self.timeout_s = timeout_s
+        if list(node_ranks)[local_rank] != role.rank:
+            raise ValueError(f"rank {role.rank} is not local rank {local_rank} of the node's "
+                             f"ranks {list(node_ranks)}")
+        self.node_ranks = list(node_ranks)
         secret = wire.read_secret(Path(bundle) / job.secret_file)
+        self.context = wire.bounded_context(job.feed.max_sockets(job.gpus_per_node))
         self.receiver = wire.Receiver(
-            job.feed.trainer_address(role.rank, job.gpus_per_node, port_base), secret,
+            job.feed.trainer_address(feed_dir, local_rank), secret,
             max_bytes=job.feed.max_message_bytes, max_arrays=MAX_ARRAYS,
-            hwm=job.feed.prefetch + 2)
-        self.publisher = (wire.Publisher(job.feed.control_address(port_base), secret)
-                          if role.rank == 0 else None)
+            hwm=job.feed.prefetch + 2, context=self.context)
+        self.publisher = (wire.Publisher(job.feed.control_address(feed_dir), secret,
+                                         context=self.context)
+                          if local_rank == 0 else None)
         # Told to the workers with every announcement: a new session (a restarted trainer
         # job) makes them go back and send again the steps it asks for.
         self.session = secrets.token_hex(8)
@@ -101,7 +110,8 @@ class RemoteBatches:
 
         if self.publisher is not None:
             self.publisher.publish(PROGRESS, {"next_step": step, "done": done,
-                                              "session": self.session})
+                                              "session": self.session,
+                                              "ranks": self.node_ranks})
             self._announced = time.monotonic()
 
     def batch(self, step: int) -> Any:
@@ -134,7 +144,7 @@ class RemoteBatches:
         return replace(batch, wait_s=time.perf_counter() - start)
 
     def close(self) -> None:
-        """Tell the workers the trainers are done (rank 0), then close the sockets."""
+        """Tell the workers the trainers are done (local rank 0), then close the sockets."""
         if self.publisher is not None:
             for _ in range(3):      # a state announcement: repeat it for late subscribers
                 self._announce(self._next, done=True)
@@ -143,3 +153,4 @@ class RemoteBatches:
         self._closed.set()
         self._thread.join(timeout=5)
         self.receiver.close()
+        self.context.term()

@@ -85,6 +85,7 @@ __all__ = [
     "DEFAULT_MAX_BYTES",
     "DTYPES",
     "MAGIC",
+    "bounded_context",
     "MAX_HEADER_BYTES",
     "PREFIX",
     "SECRET_BYTES",
@@ -577,6 +578,18 @@ def _needs_ipv6(address: str) -> bool:
 
 
 # --- sockets -----------------------------------------------------------------------------
+
+
+def bounded_context(max_sockets: int) -> zmq.Context:
+    """A new zmq context that refuses more than ``max_sockets`` sockets (zmq's default is
+    1023): a process that should open a handful fails loudly at the first one too many
+    instead of running into the descriptor limit somewhere else. Terminate it when done."""
+    if max_sockets < 1:
+        raise ValueError("max_sockets must be at least 1")
+    context = zmq.Context()
+    context.set(zmq.MAX_SOCKETS, max_sockets)
+    return context
+
 
 
 class _Socket:

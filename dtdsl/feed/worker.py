@@ -1,7 +1,12 @@
 """Preprocessing workers: read, decode and reorder each step's samples on CPU and stream
-every trainer rank its part, ahead of the trainers.
+every trainer rank of their node its part, ahead of the trainers.
 
-Worker ``w`` of ``W`` owns the training steps ``s`` with ``s mod W == w``. For each it
+Every node runs ``job.feed.workers_per_node`` workers for its own trainers (``launch.sh``
+starts them before torchrun). They meet over zmq ``ipc://`` sockets in the node's feed
+directory (``train.job.feed_dir``): a worker connects one ``Sender`` to each local
+trainer's inbox and one ``Subscriber`` to the node's announcements, so the sockets a
+process opens do not grow with the job. Worker ``w`` of ``W`` on a node owns the training
+steps ``s`` with ``s mod W == w``. For each it
 
 1. takes the step's samples from the job's source (a dataset: ``feed.source.DatasetSource``,
    whose batches depend on the seed and step alone; or the spec's synthetic draw) and their
@@ -9,14 +14,20 @@ Worker ``w`` of ``W`` owns the training steps ``s`` with ``s mod W == w``. For e
 2. routes them under the job's reorder policies with the simulator's rule
    (``runtime.batch.route_batch``: intra-microbatch balancing across every unit's DP
    replicas, inter-microbatch ordering of the steps for 1F1B) and computes the loss
-   denominators of the batch;
-3. decodes every sample once (images resized to whole patches, text tokenized, generation
-   targets encoded) and sends each trainer rank one ``protocol`` batch message with the
-   routing and the parts of its samples that its stage reads (``runtime.batch.parts_of``).
+   denominators of the batch; every node's workers compute the same routing;
+3. decodes the samples its node's ranks read (images resized to whole patches, text
+   tokenized, generation targets encoded; each once) and sends each of those ranks one
+   ``protocol`` batch message with the routing and the parts of its samples that its
+   stage reads (``runtime.batch.parts_of``).
 
-Pacing: trainer rank 0 publishes the step it needs next; a worker builds step ``s`` only
-once ``s < next_step + prefetch``, so at most ``prefetch`` steps wait in the trainers'
-queues.
+**Which ranks.** torchrun's rendezvous decides which global ranks a node holds (and may
+decide differently after a restart), so a worker does not know them in advance: the
+node's first trainer (local rank 0) announces them with its progress (``ranks``, in local
+rank order), and the worker sends the message of ``ranks[i]`` to local trainer ``i``.
+
+Pacing: the node's first trainer announces the step it needs next; a worker builds step
+``s`` only once ``s < next_step + prefetch``, so at most ``prefetch`` steps wait in the
+trainers' queues.
 
 Restarts: a worker killed at any point is started again by ``supervise`` with the same
 index; it resumes at its first step at or after the trainers' progress and sends those
@@ -24,13 +35,11 @@ steps again. A trainer keeps the first copy of each step it receives and drops c
 steps it has (or had), so no sample is lost or consumed twice. When the trainers restart
 (torchrun restarts them all after a failure, and they resume from a checkpoint) their
 announcements carry a new session token: every worker goes back to its first step at or
-after their ``next_step`` and sends again (the new trainers drop copies of steps they
-have, or are past). It does so on the first session it hears of too: trainers may die
-before they announce anything, after taking (and losing) what a worker sent ahead, so that
-the first session a worker hears is already a restart. So a worker exits only when the
-trainers say they are done (or after ``IDLE_S`` without word once it has nothing left to
-send), not when they pass its last step: they may come back.
-``--resume`` starts the workers at the newest complete checkpoint's step.
+after their ``next_step`` and sends again, to the ranks the new session names (the new
+trainers drop copies of steps they have, or are past). A worker exits only when the
+trainers say they are done (or after ``IDLE_S`` without word), not when they pass its
+last step: they may come back. ``--resume`` starts the workers at the newest complete
+checkpoint's step.
 
 Fault injection (tests): ``DTDSL_FAULT=worker<w>@<s>`` makes worker ``w`` kill itself with
 SIGKILL when it reaches step ``s``, once per run directory.
@@ -117,8 +126,10 @@ def _payload(ctx: FeedContext, step: int, position: int, parts: frozenset[str],
                     gen=dict(s.targets), parts=parts)
 
 
-def build_messages(ctx: FeedContext, step: int) -> list[tuple[dict, dict]]:
-    """Step ``step``'s batch message (meta, arrays) for every trainer rank, by rank."""
+def build_messages(ctx: FeedContext, step: int, ranks: Sequence[int] | None = None
+                   ) -> list[tuple[dict, dict]]:
+    """Step ``step``'s batch message (meta, arrays) for each of ``ranks`` (default: every
+    trainer rank), in that order."""
     from dtdsl.data.batch import normalizer_of, parts_of, route_batch
     from dtdsl.feed.protocol import batch_message
 
@@ -128,7 +139,8 @@ def build_messages(ctx: FeedContext, step: int) -> list[tuple[dict, dict]]:
     keys = ctx.source.keys(step)
     cache: dict[int, Any] = {}
     out = []
-    for role in ctx.roles:
+    for rank in (range(ctx.job.world_size) if ranks is None else ranks):
+        role = ctx.roles[rank]
         parts = parts_of(role)
         positions = [i for s in routing for i in s.samples_of(role.unit, role.replica)]
         samples = {i: _payload(ctx, step, i, parts, cache) for i in positions} if parts else {}
@@ -137,47 +149,66 @@ def build_messages(ctx: FeedContext, step: int) -> list[tuple[dict, dict]]:
     return out
 
 
-def run_worker(bundle: Path, index: int, *, run_dir: Path, steps: int | None = None,
-               port_base: int | None = None, data: str | None = None,
-               first_step: int = 0) -> int:
-    """Worker ``index``: produce its steps from ``first_step`` up to the job's step count
-    (``steps``: the total, as the trainers count it), following the trainers back when
-    they restart, until they say they are done; the exit status."""
+def _announced_ranks(meta: dict[str, Any], job: Any) -> tuple[int, ...] | None:
+    """The node's ranks an announcement names, if they are a valid set for this node's
+    trainers (at most one per local trainer, each a rank of the job)."""
+    ranks = meta.get("ranks")
+    if not isinstance(ranks, list) or not 0 < len(ranks) <= job.gpus_per_node or not all(
+            isinstance(r, int) and not isinstance(r, bool) and 0 <= r < job.world_size
+            for r in ranks):
+        return None
+    return tuple(ranks)
+
+
+def run_worker(bundle: Path, index: int, *, run_dir: Path, feed_dir: Path,
+               steps: int | None = None, data: str | None = None, first_step: int = 0) -> int:
+    """Worker ``index`` of its node: produce its steps from ``first_step`` up to the job's
+    step count (``steps``: the total, as the trainers count it) for the node's trainers,
+    following them back when they restart, until they say they are done; the exit
+    status."""
     from dtdsl.feed import wire
     from dtdsl.feed.protocol import BATCH, PROGRESS
     from dtdsl.train.job import fault_point
 
     ctx = FeedContext(bundle, data)
     job = ctx.job
-    workers = job.feed.workers
+    workers = job.feed.workers_per_node
     if not 0 <= index < workers:
         raise ValueError(f"worker index {index} outside 0..{workers - 1}")
     total = job.steps if steps is None else steps
     secret = wire.read_secret(bundle / job.secret_file)
-    senders = [wire.Sender(job.feed.trainer_address(r, job.gpus_per_node, port_base), secret,
-                           hwm=job.feed.prefetch + 1, linger_s=5.0)
-               for r in range(job.world_size)]
-    progress = wire.Subscriber(job.feed.control_address(port_base), secret)
+    context = wire.bounded_context(job.feed.max_sockets(job.gpus_per_node))
+    senders = [wire.Sender(job.feed.trainer_address(feed_dir, local), secret,
+                           hwm=job.feed.prefetch + 1, linger_s=5.0, context=context)
+               for local in range(job.gpus_per_node)]
+    progress = wire.Subscriber(job.feed.control_address(feed_dir), secret, context=context)
     next_step = first_step
     done = False
     session: str | None = None
+    ranks: tuple[int, ...] = ()     # the node's ranks, by local rank (announced)
     rewind = False          # the trainers restarted: go back to their next step
     heard = time.monotonic()
 
     def refresh(timeout_s: float = 0.0) -> None:
-        nonlocal next_step, done, session, rewind, heard
+        nonlocal next_step, done, session, ranks, rewind, heard
         msg = progress.latest(timeout_s)
         if msg is None or msg.kind != PROGRESS:
             return
         got, said = int(msg.meta["next_step"]), msg.meta.get("session")
         if said != session:
             # A start of the trainers: the first this worker hears of, or a new one (a
-            # torchrun restart, a resumed run). Either way the steps it needs may be ones
-            # this worker already sent to trainers that died, perhaps before they ever
-            # announced themselves: go back and send again (the trainers drop copies).
+            # torchrun restart, a resumed run). Either way the steps they need may be ones
+            # this worker already sent to trainers that died: go back and send again (the
+            # trainers drop copies), to the ranks this start put on the node.
+            named = _announced_ranks(msg.meta, job)
+            if named is None:
+                log.warning("worker %d: an announcement names no valid ranks: %r", index,
+                            msg.meta.get("ranks"))
+                return
             rewind = True
-            log.info("worker %d: the trainers (session %s) start at step %d", index, said, got)
-            session, next_step, done = said, got, bool(msg.meta.get("done"))
+            log.info("worker %d: the trainers (session %s, ranks %s) start at step %d",
+                     index, said, list(named), got)
+            session, ranks, next_step, done = said, named, got, bool(msg.meta.get("done"))
         elif got > next_step or msg.meta.get("done"):
             next_step = max(next_step, got)
             done = done or bool(msg.meta.get("done"))
@@ -190,18 +221,18 @@ def run_worker(bundle: Path, index: int, *, run_dir: Path, steps: int | None = N
         return at + (index - at) % workers
 
     try:
-        refresh(1.0)
         step = mine(next_step)
         while not done:
             if rewind:
                 rewind = False
                 step = mine(next_step)
-            if step >= total or step >= next_step + job.feed.prefetch:
-                # Ahead of the trainers, or all sent: wait for progress, a restart or the
-                # end (a worker whose trainers vanished for good gives up after IDLE_S).
+            if not ranks or step >= total or step >= next_step + job.feed.prefetch:
+                # Not told the node's ranks yet, ahead of the trainers, or all sent: wait
+                # for progress, a restart or the end (a worker whose trainers vanished for
+                # good gives up after IDLE_S).
                 refresh(POLL_S)
                 time.sleep(POLL_S)
-                if step >= total and time.monotonic() - heard > IDLE_S:
+                if time.monotonic() - heard > IDLE_S and (step >= total or not ranks):
                     log.warning("worker %d: no word from the trainers in %.0f s; exiting",
                                 index, IDLE_S)
                     break
@@ -211,22 +242,23 @@ def run_worker(bundle: Path, index: int, *, run_dir: Path, steps: int | None = N
                 continue
             fault_point(f"worker{index}", step, run_dir)
             start = time.perf_counter()
-            messages = build_messages(ctx, step)
-            for rank, (meta, arrays) in enumerate(messages):
-                while not senders[rank].send(BATCH, meta, arrays, timeout_s=1.0):
+            messages = build_messages(ctx, step, ranks)
+            for local, (meta, arrays) in enumerate(messages):
+                while not senders[local].send(BATCH, meta, arrays, timeout_s=1.0):
                     refresh()
                     if done or rewind or step < next_step:
                         break
                 if done or rewind:
                     break
             else:
-                log.info("worker %d: step %d sent in %.3f s", index, step,
-                         time.perf_counter() - start)
+                log.info("worker %d: step %d sent to ranks %s in %.3f s", index, step,
+                         f"{ranks[0]}..{ranks[-1]}", time.perf_counter() - start)
             step += workers
     finally:
         for s in senders:
             s.close()
         progress.close()
+        context.term()
     return 0
 
 
@@ -235,7 +267,7 @@ def supervise(bundle: Path, argv: Sequence[str]) -> int:
     (at most ``MAX_RESTARTS`` restarts in all); the exit status."""
     from dtdsl.train.job import load_job
 
-    workers = load_job(bundle).feed.workers
+    workers = load_job(bundle).feed.workers_per_node
     script = bundle / "workers" / "worker.py"
 
     def start(i: int) -> subprocess.Popen:
@@ -279,9 +311,8 @@ def _check_expected(bundle: Path, expected: dict[str, Any]) -> None:
     from dtdsl.train.job import load_job
 
     job = load_job(bundle)
-    actual = {"workers": job.feed.workers, "prefetch": job.feed.prefetch,
+    actual = {"workers": job.feed.workers_per_node, "prefetch": job.feed.prefetch,
               "reorder": tuple(job.reorder), **worker_fields(job)}
-    actual["trainers"] = dict(actual["trainers"])
     for key, value in expected.items():
         if actual.get(key) != value:
             raise SystemExit(f"worker.py says {key} = {value!r} but job.json gives "
@@ -301,13 +332,16 @@ def main(bundle: Path, argv: Sequence[str] | None = None,
     who.add_argument("--index", type=int, help="run this worker")
     p.add_argument("--run-dir", required=True)
     p.add_argument("--steps", type=int)
-    p.add_argument("--port-base", type=int)
+    p.add_argument("--feed-dir", help="the node's feed directory (default: "
+                   "$DTDSL_FEED_DIR, which launch.sh sets)")
     p.add_argument("--data")
     p.add_argument("--resume", action="store_true", help="start at the step of the newest "
                    "complete checkpoint in the run directory (the trainers resume there)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(message)s")
+    from dtdsl.train.job import feed_dir
+
     if args.all:
         rest = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--all"]
         return supervise(bundle, rest)
@@ -317,11 +351,13 @@ def main(bundle: Path, argv: Sequence[str] | None = None,
 
         done = complete_checkpoints(args.run_dir)
         first = done[-1][0] if done else 0
-    return run_worker(bundle, args.index, run_dir=Path(args.run_dir), steps=args.steps,
-                      port_base=args.port_base, data=args.data, first_step=first)
+    try:
+        where = feed_dir(args.feed_dir)
+    except ValueError as err:
+        raise SystemExit(f"worker.py: {err}") from None
+    return run_worker(bundle, args.index, run_dir=Path(args.run_dir), feed_dir=where,
+                      steps=args.steps, data=args.data, first_step=first)
 
 def worker_fields(job: Any) -> dict[str, Any]:
     """What the worker program states as data (and checks against job.json)."""
-    return {"data": job.data.path if job.data.kind == "dataset" else None,
-            "trainers": tuple((r, job.feed.trainer_address(r, job.gpus_per_node))
-                              for r in range(job.world_size))}
+    return {"data": job.data.path if job.data.kind == "dataset" else None}

@@ -18,10 +18,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["JOB_VERSION", "CheckpointConfig", "CostConfig", "DataConfig", "FeedConfig", "Job",
-           "RankEntry", "RankProgram", "fault_point", "load_job"]
+__all__ = ["FEED_DIR_ENV", "JOB_VERSION", "CheckpointConfig", "CostConfig", "DataConfig",
+           "FeedConfig", "Job", "RankEntry", "RankProgram", "fault_point", "feed_dir", "load_job"]
 
-JOB_VERSION = 1
+JOB_VERSION = 2
 
 
 class _Model(BaseModel):
@@ -39,23 +39,60 @@ class DataConfig(_Model):
 
 
 class FeedConfig(_Model):
-    """The preprocessing workers and their transport."""
+    """The preprocessing workers and their transport.
 
-    workers: int = Field(ge=0)     # 0: every trainer builds its own batches in-process
+    Workers run on every node and serve that node's trainers only, over zmq ``ipc://``
+    sockets in a node-local directory (``feed_dir``: ``launch.sh`` makes one per node and
+    exports it as ``DTDSL_FEED_DIR``). Nothing names a host: a node's trainers and workers
+    find each other there, and the workers learn which global ranks the node holds from
+    its first trainer's announcements, after torchrun's rendezvous has numbered the
+    nodes. Each process opens a bounded number of sockets: a worker one per local trainer
+    and one subscription, a trainer one inbox (and the node's first trainer one
+    announcement socket), whatever the job's size."""
+
+    workers: int = Field(ge=0)     # asked for (cluster.cpu_workers): 0 builds in-process
+    workers_per_node: int = Field(ge=0)   # run on every node: ceil(workers / nodes)
     prefetch: int = Field(ge=1)    # steps a worker may run ahead of the trainers
-    hosts: tuple[str, ...]         # per node: the address its trainers bind to
-    port_base: int = Field(ge=1024, le=65000)   # trainer rank r listens on port_base + 1 + r
     max_message_bytes: int = Field(ge=1)
 
-    def trainer_address(self, rank: int, gpus_per_node: int, port_base: int | None = None
-                        ) -> str:
-        base = self.port_base if port_base is None else port_base
-        return f"tcp://{self.hosts[rank // gpus_per_node]}:{base + 1 + rank}"
+    @staticmethod
+    def trainer_address(feed_dir: str | Path, local_rank: int) -> str:
+        """The inbox of the node's trainer ``local_rank``."""
+        return f"ipc://{Path(feed_dir) / f'trainer-{local_rank}'}"
 
-    def control_address(self, port_base: int | None = None) -> str:
-        """Trainer rank 0 publishes the training progress here (on node 0)."""
-        base = self.port_base if port_base is None else port_base
-        return f"tcp://{self.hosts[0]}:{base}"
+    @staticmethod
+    def control_address(feed_dir: str | Path) -> str:
+        """Where the node's first trainer announces the step its node needs next."""
+        return f"ipc://{Path(feed_dir) / 'progress'}"
+
+    def max_sockets(self, gpus_per_node: int) -> int:
+        """The zmq sockets one feed process may open (the limit set on its context): a
+        worker's senders to every local trainer and its subscription, with room to spare."""
+        return gpus_per_node + 2
+
+
+# The environment variable that names a node's feed directory (launch.sh sets it).
+FEED_DIR_ENV = "DTDSL_FEED_DIR"
+# A Unix socket path holds at most 107 bytes on Linux (sun_path); the longest name below
+# the feed directory is "trainer-NNNN".
+_IPC_PATH_MAX = 107
+
+
+def feed_dir(given: str | Path | None = None) -> Path:
+    """The node's feed directory: ``given``, else ``$DTDSL_FEED_DIR``. ValueError when
+    neither is set, or when the directory is missing or its socket paths would be too
+    long for a Unix socket."""
+    where = given if given is not None else os.environ.get(FEED_DIR_ENV)
+    if not where:
+        raise ValueError(f"no feed directory: launch.sh sets {FEED_DIR_ENV} (a node-local "
+                         "directory for the workers' sockets); give --feed-dir or set it")
+    path = Path(where).absolute()
+    if not path.is_dir():
+        raise ValueError(f"the feed directory {path} does not exist")
+    if len(str(path / "trainer-0000").encode()) > _IPC_PATH_MAX:
+        raise ValueError(f"the feed directory {path} is too long for Unix socket paths "
+                         f"({_IPC_PATH_MAX} bytes): set TMPDIR to a shorter directory")
+    return path
 
 
 class CostConfig(_Model):
@@ -89,7 +126,7 @@ class CheckpointConfig(_Model):
 class Job(_Model):
     """``job.json``."""
 
-    version: Literal[1] = JOB_VERSION
+    version: Literal[2] = JOB_VERSION
     spec: str                      # the spec's name
     spec_sha256: str
     world_size: int = Field(ge=1)
@@ -106,6 +143,25 @@ class Job(_Model):
     schedule_file: str = "schedule.txt"
     secret_file: str = "job.key"
 
+    @property
+    def launched(self) -> int:
+        """The processes torchrun starts: ``gpus_per_node`` on every node. When the plan's
+        ranks do not fill the last node, the last ones in rendezvous order are spares
+        that exit at once (``spares``): every node is launched alike, so that any node
+        may come last in torchrun's order."""
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def spares(self) -> int:
+        return self.launched - self.world_size
+
+    def node_ranks(self, rank: int, local_rank: int, local_world: int) -> range:
+        """The plan's ranks on the node of global ``rank`` (its ``LOCAL_RANK`` and
+        ``LOCAL_WORLD_SIZE`` from torchrun): torchrun numbers a node's processes
+        contiguously, so they are those from ``rank - local_rank`` on, spares left out."""
+        first = rank - local_rank
+        return range(first, min(first + local_world, self.world_size))
+
 
 def load_job(bundle: str | Path) -> Job:
     """``bundle/job.json``; ValueError naming the file when it is missing or invalid."""
@@ -115,7 +171,21 @@ def load_job(bundle: str | Path) -> Job:
     except OSError as err:
         raise ValueError(f"cannot read {path}: {err.strerror or err}") from None
     except ValueError as err:
+        version = _version_of(path)
+        if version is not None and version != JOB_VERSION:
+            raise ValueError(f"{path} was written by another dtc (job version {version}, "
+                             f"this one reads {JOB_VERSION}): compile the bundle again") \
+                from None
         raise ValueError(f"{path} is not a valid job description: {err}") from None
+
+
+def _version_of(path: Path) -> Any:
+    import json
+
+    try:
+        return json.loads(path.read_bytes()).get("version")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 @dataclass(frozen=True)

@@ -7,11 +7,16 @@ unit, stage, layer range, TP/DP/PP coordinates, process groups and schedule as d
 
 1. checks the program against the bundle: the rank's coordinates and groups equal those
    the plan gives (``mesh.role_of``), its action list equals the bundle's schedule;
-2. initialises torch.distributed (gloo: the executor runs on CPU tensors so far; the
-   rendezvous comes from torchrun's environment) and every process group;
+2. initialises torch.distributed (NCCL on GPUs, gloo on CPUs; the rendezvous comes from
+   torchrun's environment) over the plan's ranks and the process groups. Every node is
+   launched with ``gpus_per_node`` processes; when the plan's ranks do not fill the last
+   node, the processes torchrun numbers past them are spares that exit at once (``Job.
+   spares``), whichever node comes last in its rendezvous order. A rank's role follows
+   from its ``RANK`` after the rendezvous, nothing from host names;
 3. builds the ``executor.StageExecutor`` with the rank's data feed: with preprocessing
    workers (``job.feed.workers > 0``) a ``dtdsl.feed.client.RemoteBatches`` receiving what
-   the workers ship, else ``batch.LocalBatches`` building batches in-process;
+   its node's workers ship (the node's feed directory, ``--feed-dir`` or
+   ``$DTDSL_FEED_DIR``), else ``batch.LocalBatches`` building batches in-process;
 4. resumes (``--resume``, or any later attempt of the same launch: ``_resume_decision``)
    from the newest complete checkpoint of the run directory (``checkpoint.Checkpointer``;
    resharded when it was written under another plan), or starts at step 0;
@@ -70,7 +75,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--run-dir", required=True, help="where metrics, samples, TensorBoard "
                    "logs and checkpoints go")
     p.add_argument("--steps", type=int, help="training steps (default: the job's)")
-    p.add_argument("--port-base", type=int, help="the feed's port base (default: the job's)")
+    p.add_argument("--feed-dir", help="the node's feed directory, where its workers "
+                   "connect (default: $DTDSL_FEED_DIR, which launch.sh sets)")
     p.add_argument("--data", help="the dataset (default: the job's)")
     p.add_argument("--resume", action="store_true", help="continue from the newest complete "
                    "checkpoint in the run directory (torchrun restarts always do)")
@@ -268,19 +274,6 @@ def _resume_decision(run_dir: Path, rank: int, asked: bool, restart: int) -> boo
     return bool(decision[0])
 
 
-def _check_node(rank: int, job: Any) -> None:
-    """On several nodes, this rank must run on the node the bundle placed it on (its feed
-    address is that node's): torchrun's c10d rendezvous numbers the nodes by host name,
-    not by ``--node-rank``."""
-    node = os.environ.get("DTDSL_NODE_RANK")
-    if job.nodes > 1 and node is not None and int(node) != rank // job.gpus_per_node:
-        raise SystemExit(
-            f"rank {rank} belongs on node {rank // job.gpus_per_node} but started on the node "
-            f"launched with --node-rank {node}: torchrun's c10d rendezvous orders the nodes "
-            "by host name, so give --node-rank (and --hosts at compile time) in the order of "
-            "the nodes' sorted host names")
-
-
 def run(program: RankProgram, bundle: str | Path, argv: Sequence[str] | None = None) -> int:
     """Train this rank (``RANK`` / ``WORLD_SIZE`` from torchrun's environment) per the
     bundle at ``bundle``; the module docstring says how. Returns the exit status."""
@@ -304,8 +297,13 @@ def run(program: RankProgram, bundle: str | Path, argv: Sequence[str] | None = N
     plan = Plan.model_validate_json((bundle / job.plan_file).read_bytes())
     schedule = parse_schedule((bundle / job.schedule_file).read_text("utf-8"))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if world != job.world_size:
-        raise RuntimeError(f"started with {world} ranks; the bundle needs {job.world_size}")
+    if world not in (job.world_size, job.launched):
+        raise RuntimeError(f"started with {world} ranks; the bundle needs {job.world_size} "
+                           f"({job.nodes} node(s) of {job.gpus_per_node} processes)")
+    if rank >= job.world_size:
+        print(f"rank {rank}: a spare (the plan uses ranks 0..{job.world_size - 1} of the "
+              f"{world} started); exiting", flush=True)
+        return 0
     _check(program, rank, plan, schedule)
     steps = args.steps if args.steps is not None else job.steps
     run_dir = Path(args.run_dir)
@@ -315,11 +313,11 @@ def run(program: RankProgram, bundle: str | Path, argv: Sequence[str] | None = N
     torch.set_num_threads(max(1, int(os.environ.get("DTDSL_THREADS", "1"))))
     # cuda:LOCAL_RANK with NCCL where there is a GPU, the CPU with gloo otherwise.
     device = rank_device()
-    init_distributed(device, timeout_s=600)
+    # The plan's ranks only: spares (rendezvous ranks past the plan's) never join.
+    init_distributed(device, timeout_s=600, rank=rank, world_size=job.world_size)
     if rank == 0:
-        print(f"rank 0 of {world} on {device} ({dist.get_backend()}), "
+        print(f"rank 0 of {job.world_size} on {device} ({dist.get_backend()}), "
               f"{program_ir.train.precision}", flush=True)
-    _check_node(rank, job)
     resume = _resume_decision(run_dir, rank, args.resume, restart)
     log = None
     ckpt = None
@@ -333,9 +331,13 @@ def run(program: RankProgram, bundle: str | Path, argv: Sequence[str] | None = N
                   if job.feed.workers == 0 or rank == 0 else None)
         if job.feed.workers > 0:
             from dtdsl.feed.client import RemoteBatches
+            from dtdsl.train.job import feed_dir
 
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            node = job.node_ranks(rank, local, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
             feed: Any = RemoteBatches(job, bundle, program_ir, plan, groups.role,
-                                      port_base=args.port_base)
+                                      feed_dir=feed_dir(args.feed_dir), local_rank=local,
+                                      node_ranks=node)
         else:
             feed = LocalBatches(program_ir, plan, groups.role, source=source,
                                 policy=frozenset(job.reorder))

@@ -25,8 +25,14 @@ def launch(bundle: Path, run_dir: Path, *extra: str, timeout: float = 300,
            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     full = {**os.environ, "PYTHON": sys.executable, **(env or {})}
     return subprocess.run(["bash", str(bundle / "launch.sh"), "--run-dir", str(run_dir),
-                           *extra], capture_output=True, text=True, timeout=timeout,
-                          env=full, check=False)
+                           *extra],
+                          capture_output=True, text=True, timeout=timeout, env=full,
+                          check=False)
+
+
+def worker_log(run_dir: Path) -> str:
+    """What the preprocessing workers of every node logged (``logs/workers-*.log``)."""
+    return "".join(p.read_text() for p in sorted((run_dir / "logs").glob("workers*.log")))
 
 
 def launch_ok(bundle: Path, run_dir: Path, *extra: str,
@@ -49,13 +55,6 @@ def reference_losses(steps: int, data: Path | None = None, spec: Path = SPEC) ->
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def workers_log(run_dir: Path) -> str:
-    """The preprocessing workers' logs of every node (``logs/workers-HOST-PID.log``)."""
-    logs = sorted((run_dir / "logs").glob("workers-*.log"))
-    assert logs, f"no workers' log in {run_dir / 'logs'}"
-    return "".join(p.read_text() for p in logs)
 
 
 def consumed(run_dir: Path, unit: str) -> dict[int, list[str]]:
@@ -105,7 +104,7 @@ def test_fed_bundle_matches_the_reference_and_consumes_an_epoch_once(fed_run, da
         epoch = [k for step in range(3) for k in per_step[step]]
         assert sorted(epoch) == keys, unit          # every sample once in epoch 0
         assert len(set(per_step[3])) == 16          # the next epoch has begun
-    log = workers_log(fed_run)
+    log = worker_log(fed_run)
     assert "worker 0: step 0 sent" in log and "worker 1: step 1 sent" in log
 
 
@@ -121,7 +120,7 @@ def test_three_workers_and_a_killed_worker_deliver_the_same_batches(
     launch_ok(fed_bundle, killed, "--steps", str(FEED_STEPS),
               env={"DTDSL_FAULT": "worker0@2"})
     assert (killed / "faults" / "worker0@2").exists()
-    log = workers_log(killed)
+    log = worker_log(killed)
     assert "killing worker0 at step 2" in log and "restarting it" in log
     want = read_jsonl(fed_run / "samples.jsonl")
     losses = [m["loss"] for m in read_jsonl(fed_run / "metrics.jsonl")]

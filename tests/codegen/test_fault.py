@@ -20,7 +20,7 @@ from tests.codegen.test_bundle_run import (  # noqa: F401  (dataset is a fixture
     launch,
     launch_ok,
     read_jsonl,
-    workers_log,
+    worker_log,
 )
 
 EVERY = 2           # checkpoint every 2 steps
@@ -84,8 +84,8 @@ def test_a_killed_rank_restarts_the_job_from_its_checkpoint(tmp_path, bundle, un
     # committed by then, else ckpt-2.
     resumed = re.findall(r"resumed from \S+/ckpt-(\d+) at step (\d+) \(same plan", out)
     assert resumed and resumed[0][0] == resumed[0][1] and int(resumed[0][0]) in (2, 4), out
-    log = workers_log(run_dir)
-    heard = re.findall(r"the trainers \(session (\w+)\) start at step (\d+)", log)
+    log = worker_log(run_dir)
+    heard = re.findall(r"the trainers \(session (\w+), ranks [^)]*\) start at step (\d+)", log)
     assert len({session for session, _ in heard}) == 2, log     # the first and the restart
     assert resumed[0][1] in {at for _, at in heard}, log        # followed back to its step
     assert "restarting it" in log

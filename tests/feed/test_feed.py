@@ -72,6 +72,10 @@ def _same_sample(a, b) -> None:
 
 def test_worker_messages_equal_in_process_batches(bundle):
     ctx = FeedContext(bundle)
+    # A node's worker builds its ranks' messages only, in the order asked.
+    some = build_messages(ctx, 1, [3, 1])
+    every = build_messages(ctx, 1)
+    assert [m[0] for m in some] == [every[3][0], every[1][0]]
     units = [u.name for u in ctx.plan.units]
     generators = [g.name for g in ctx.program.generators]
     source = DatasetSource(ctx.program, ctx.source.path)
@@ -91,19 +95,16 @@ def test_worker_messages_equal_in_process_batches(bundle):
             assert got.keys == (want.keys if rank == 0 else ())
 
 
-def test_a_live_trainer_inbox_takes_only_valid_batches(bundle, monkeypatch):
+def test_a_live_trainer_inbox_takes_only_valid_batches(bundle, tmp_path):
     """Hostile messages (wrong secret, garbage, truncated, oversized), stale and duplicate
     steps against a RemoteBatches: it returns the valid batches in order and counts the rest."""
     job = load_job(bundle)
     ctx = FeedContext(bundle)
     secret = wire.read_secret(bundle / job.secret_file)
-    port = wire.Receiver.on_free_port(secret)       # find a free port range, then free it
-    base = int(port.address.rsplit(":", 1)[1]) + 100
-    port.close()
     role = role_of(ctx.plan, 1)                     # a backbone rank: tokens
-    feed = RemoteBatches(job, bundle, ctx.program, ctx.plan, role, port_base=base,
-                         timeout_s=5.0)
-    address = job.feed.trainer_address(1, job.gpus_per_node, base)
+    feed = RemoteBatches(job, bundle, ctx.program, ctx.plan, role, feed_dir=tmp_path,
+                         local_rank=1, node_ranks=[0, 1], timeout_s=5.0)
+    address = job.feed.trainer_address(tmp_path, 1)
     import zmq
 
     raw = zmq.Context.instance().socket(zmq.PUSH)
@@ -135,41 +136,76 @@ def test_a_live_trainer_inbox_takes_only_valid_batches(bundle, monkeypatch):
         feed.close()
 
 
-def test_trainers_that_die_before_announcing_get_their_steps_again(bundle):
-    """The worker sends ahead before it hears of any trainer; those trainers die without a
-    word; the first session the worker hears is their restart, asking for step 0 again."""
+def test_a_node_worker_serves_the_ranks_its_trainers_announce_and_follows_restarts(
+        bundle, tmp_path):
+    """One node's worker knows no ranks until its first trainer announces them; it feeds
+    those ranks by local rank. The first trainers take step 0 and die; their restart
+    (a new session, the node now holding other ranks, as a new rendezvous may decide)
+    gets step 0 again, for the new ranks."""
     import threading
 
+    from dtdsl.feed.protocol import PROGRESS
     from dtdsl.feed.worker import run_worker
 
     job = load_job(bundle)
     ctx = FeedContext(bundle)
     secret = wire.read_secret(bundle / job.secret_file)
-    base = wire.free_port_base(job.world_size + 1)
-    addresses = [job.feed.trainer_address(r, job.gpus_per_node, base)
-                 for r in range(job.world_size)]
-    dead = [wire.Receiver(a, secret, max_arrays=1 << 16) for a in addresses]
+    assert job.world_size == 4 and job.feed.workers_per_node == 1
     status: list[int] = []
     worker = threading.Thread(target=lambda: status.append(run_worker(
-        bundle, 0, run_dir=bundle / "run-silent", steps=3, port_base=base)), daemon=True)
+        bundle, 0, run_dir=bundle / "run-node", feed_dir=tmp_path, steps=3)), daemon=True)
     worker.start()
     feeds: list[RemoteBatches] = []
     try:
-        for inbox in dead:                          # the first trainers take step 0 ...
-            message = inbox.recv(timeout_s=60)
-            assert message is not None and message.meta["step"] == 0
-        for inbox in dead:                          # ... and die without a word
+        # The first trainers of this node: ranks 2 and 3, by local rank.
+        dead = [wire.Receiver(job.feed.trainer_address(tmp_path, local), secret,
+                              max_arrays=1 << 16) for local in range(2)]
+        announce = wire.Publisher(job.feed.control_address(tmp_path), secret)
+        deadline = time.monotonic() + 60
+        got: list = [None, None]
+        while None in got and time.monotonic() < deadline:
+            announce.publish(PROGRESS, {"next_step": 0, "done": False, "session": "first",
+                                        "ranks": [2, 3]})
+            for local, inbox in enumerate(dead):
+                got[local] = got[local] or inbox.recv(timeout_s=0.2)
+        assert [m.meta["step"] for m in got] == [0, 0]
+        want = build_messages(ctx, 0, [2, 3])
+        assert [m.meta for m in got] == [w[0] for w in want]
+        for inbox in dead:                          # ... and they die
             inbox.close(linger_s=0)
+        announce.close()
+        # The restart: this node now holds ranks 0 and 1.
         feeds = [RemoteBatches(job, bundle, ctx.program, ctx.plan, role_of(ctx.plan, r),
-                               port_base=base, timeout_s=30.0)
-                 for r in range(job.world_size)]
-        for feed in feeds:                          # rank 0 announces the new session
-            assert feed.batch(0).step == 0
+                               feed_dir=tmp_path, local_rank=r, node_ranks=[0, 1],
+                               timeout_s=30.0) for r in (0, 1)]
+        for feed in feeds:
+            batch = feed.batch(0)
+            assert batch.step == 0
+        assert feeds[0].batch(1).step == 1
     finally:
         for feed in feeds:
-            feed.close()                            # rank 0 says done: the worker exits
+            feed.close()                            # local rank 0 says done: the worker exits
         worker.join(timeout=30)
     assert not worker.is_alive() and status == [0]
+
+
+def test_feed_processes_open_a_bounded_number_of_sockets(bundle, tmp_path):
+    """A trainer's and a worker's zmq context refuse sockets past the plan's bound, so a
+    large job fails loudly at the first socket too many."""
+    import zmq
+
+    job = load_job(bundle)
+    limit = job.feed.max_sockets(job.gpus_per_node)
+    assert limit == job.gpus_per_node + 2
+    context = wire.bounded_context(limit)
+    try:
+        sockets = [context.socket(zmq.PUSH) for _ in range(limit)]
+        with pytest.raises(zmq.ZMQError):
+            context.socket(zmq.PUSH)
+    finally:
+        for sock in sockets:
+            sock.close(0)
+        context.term()
 
 
 def test_packed_sequences_travel_with_their_documents(tmp_path):
