@@ -344,13 +344,20 @@ def test_three_slurm_nodes_train_like_the_reference_and_resume_after_a_killed_ra
     assert "DTDSL_FAULT: killing rank4 at step 3" in out
     resumed = re.findall(r"checkpoint: resumed from (\S+) at step (\d+)", out)
     assert resumed == [(str(run_dir / "checkpoints" / "ckpt-2"), "2")], out[-8000:]
-    # Every node's trainers came back at step 2: each node's workers heard them.
+    # Every node's trainers came back at step 2: each node's workers heard them (a new
+    # session), the first time at step 0.
     logs = sorted((run_dir / "logs").glob("workers-*.log"))
     assert len(logs) == 3, logs
+    nodes: list[str] = []
     for path in logs:
-        heard = re.findall(r"the trainers \(session (\w+)\) start at step (\d+)",
-                           path.read_text())
-        assert [at for _, at in heard] == ["0", "2"], (path, path.read_text()[-3000:])
+        heard = re.findall(r"the trainers \(session (\w+), ranks ([^)]*)\) start at step "
+                           r"(\d+)", path.read_text())
+        assert [at for _, _, at in heard] == ["0", "2"], (path, path.read_text()[-3000:])
+        nodes.append(heard[0][1])
+    # the ranks of each node as the rendezvous placed them; rank 5 a spare
+    assert sorted(nodes) == ["[0, 1]", "[2, 3]", "[4]"]
+    assert re.search(r"^\d: rank 5: a spare \(the plan's ranks are 0\.\.4\); exiting$", out,
+                     re.M), out[-8000:]
     # One line per step, the re-run's, equal to the single-process reference.
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(STEPS))
