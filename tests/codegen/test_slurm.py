@@ -13,7 +13,6 @@ import os
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ import pytest
 
 from dtdsl import cli
 from dtdsl.codegen.slurm import slurm_time
+from dtdsl.feed import wire
 from tests.codegen.test_bundle_run import (  # noqa: F401  (dataset is a fixture)
     RTOL,
     SPEC,
@@ -78,12 +78,6 @@ def dtc(*argv: str) -> int:
         return int(exit_.code or 0)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def slurm_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     """The environment sbatch runs in: the stand-ins first on PATH, the rendezvous on this
     machine (the fake node names resolve nowhere: DTDSL_RDZV_HOST), node-local TMPDIR."""
@@ -93,7 +87,7 @@ def slurm_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     return {**os.environ, "PATH": f"{FAKE_SLURM}{os.pathsep}{os.environ['PATH']}",
             "FAKE_SLURM_NODELIST": NODELIST, "FAKE_SLURM_SPOOL": str(spool),
             "FAKE_SLURM_CPUS": "2(x3)", "PYTHON": sys.executable,
-            "DTDSL_RDZV_HOST": "127.0.0.1", "DTDSL_RDZV_PORT": str(free_port()),
+            "DTDSL_RDZV_HOST": "127.0.0.1", "DTDSL_RDZV_PORT": str(wire.free_port_base(1)),
             "TMPDIR": str(tmp_path / "tmp"), **extra}
 
 
