@@ -33,7 +33,10 @@ unit, stage, layer range, TP/DP/PP coordinates, process groups and schedule as d
    samples' sizes from the data source, routed as the run routed them): tags
    ``measured/...`` and ``predicted/...``). The measured timeline is gathered to rank 0
    only, every ``executor.telemetry_every`` steps: every step for small jobs, so that
-   rank 0 receives at most ``TELEMETRY_BYTES`` (64 KiB) per step on average.
+   rank 0 receives at most ``TELEMETRY_BYTES`` (64 KiB) per step on average. TensorBoard,
+   the predictions and ``timelines.jsonl`` are written on a background thread
+   (``_Telemetry``): the training step never waits for them, and when the charts fall
+   behind, steps go without charts rather than the run slowing down.
 
 **Resuming at step k** keeps the lines of steps before k in ``metrics.jsonl``,
 ``samples.jsonl`` and ``timelines.jsonl`` and drops the later ones (the steps after the
@@ -138,53 +141,21 @@ def _keep_before(path: Path, first: int) -> None:
 
 
 class _RunLog:
-    """Rank 0's writers: metrics.jsonl, samples.jsonl and TensorBoard."""
+    """Rank 0's writers: metrics.jsonl and samples.jsonl on the training thread (small,
+    and what a resumed run must find complete), TensorBoard, the predicted timelines and
+    timelines.jsonl on a background thread (``_Telemetry``): the training step never
+    waits for a Gantt chart, a simulation or TensorBoard's disk."""
 
     def __init__(self, run_dir: Path, plan: Any, program_ir: Any, schedule: Any,
                  source: Any, first_step: int, cost: Any):
-        from dtdsl.sim.tensorboard import TimelineWriter
-
         self.run_dir = run_dir
         self.plan = plan
         for name in ("metrics.jsonl", "samples.jsonl", "timelines.jsonl"):
             _keep_before(run_dir / name, first_step)
         self.metrics = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
-        # Per step the measured and the predicted timeline (``sim.timeline.Timeline``
-        # JSON), for jobs small enough that their events stay small.
-        self.timelines = open(run_dir / "timelines.jsonl", "a", encoding="utf-8") \
-            if plan.gpus_used <= TIMELINE_RANKS else None  # noqa: SIM115
         self.samples = open(run_dir / "samples.jsonl", "a", encoding="utf-8")  # noqa: SIM115
-        if first_step > 0 and (run_dir / "tb").is_dir():
-            # Events of the steps that run again are purged from view (TensorBoard reads
-            # the files in name order: this one sorts before the writer's below).
-            from torch.utils.tensorboard import SummaryWriter
-
-            SummaryWriter(log_dir=str(run_dir / "tb"), purge_step=first_step).close()
-        self.writer = TimelineWriter(run_dir / "tb", prefix=True)
-        from dtdsl.report import plan_markdown
-
-        self.writer.add_text("plan", plan_markdown(plan))
-        from dtdsl.sim.simulate import Simulator
-        from dtdsl.sim.workload import WorkModel
-
-        self.program, self.source = program_ir, source
-        self.cost = cost          # the plan's: its efficiencies or measured profile
-        self.simulator = Simulator(schedule)
-        self.work_model = WorkModel(self.cost)
-
-    def _predict(self, step: int, batch: Any) -> Any:
-        """The simulator's timeline of the very batch this step trained on (the sizes of
-        its samples from the data source, the routing the run used), under
-        ``predicted/``."""
-        from dtdsl.data.batch import routing_of, sample_set
-        from dtdsl.sim.run import simulate_routed
-
-        samples = sample_set(self.program, self.source.sizes(step))
-        r = simulate_routed(self.cost, self.plan, self.simulator, self.work_model, step,
-                            samples, routing_of(self.plan, batch.routing))
-        predicted = r.result.timeline(step=step)
-        self.writer.add_step(step, predicted, r.scalars())
-        return predicted
+        self.telemetry = _Telemetry(run_dir, plan, program_ir, schedule, source, first_step,
+                                    cost)
 
     def step(self, result: dict[str, Any], timeline: Any, batch: Any, plan: Any,
              checkpoint_s: float | None = None) -> None:
@@ -220,6 +191,89 @@ class _RunLog:
             scalars["grad_norm"] = result["grad_norm"]
         if checkpoint_s is not None:
             scalars["checkpoint/save_s"] = checkpoint_s
+        self.telemetry.put(step, scalars, timeline, batch)
+
+    def close(self) -> None:
+        self.metrics.close()
+        self.samples.close()
+        self.telemetry.close()
+
+
+class _Telemetry:
+    """Rank 0's TensorBoard writer, the simulator's prediction of each step and
+    timelines.jsonl, on a thread of their own.
+
+    ``put`` only queues. Scalars are never dropped; the measured timeline of a step (and so
+    its Gantt charts and prediction) is, when ``MAX_CHARTS_BEHIND`` of them already wait:
+    a run whose charts cannot keep up gets fewer charts, never a slower step (``skipped``
+    counts them, reported at close). A failure here is reported once and ends the
+    telemetry, not the run. ``close`` waits for what is queued."""
+
+    MAX_CHARTS_BEHIND = 4
+
+    def __init__(self, run_dir: Path, plan: Any, program_ir: Any, schedule: Any,
+                 source: Any, first_step: int, cost: Any):
+        import queue
+        import threading
+
+        from dtdsl.sim.simulate import Simulator
+        from dtdsl.sim.tensorboard import TimelineWriter
+        from dtdsl.sim.workload import WorkModel
+
+        if first_step > 0 and (run_dir / "tb").is_dir():
+            # Events of the steps that run again are purged from view (TensorBoard reads
+            # the files in name order: this one sorts before the writer's below).
+            from torch.utils.tensorboard import SummaryWriter
+
+            SummaryWriter(log_dir=str(run_dir / "tb"), purge_step=first_step).close()
+        self.plan, self.program, self.source, self.cost = plan, program_ir, source, cost
+        self.writer = TimelineWriter(run_dir / "tb", prefix=True)
+        from dtdsl.report import plan_markdown
+
+        self.writer.add_text("plan", plan_markdown(plan))
+        # Per step the measured and the predicted timeline (``sim.timeline.Timeline``
+        # JSON), for jobs small enough that their events stay small.
+        self.timelines = open(run_dir / "timelines.jsonl", "a", encoding="utf-8") \
+            if plan.gpus_used <= TIMELINE_RANKS else None  # noqa: SIM115
+        self.simulator = Simulator(schedule)
+        self.work_model = WorkModel(cost)
+        self.skipped = 0
+        self.failed: BaseException | None = None
+        self._charts = 0            # measured timelines queued, not yet drawn
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="telemetry", daemon=True)
+        self._thread.start()
+
+    def put(self, step: int, scalars: dict[str, float], timeline: Any, batch: Any) -> None:
+        """Queue one step's telemetry (``timeline``: None when not gathered this step)."""
+        with self._lock:
+            if timeline is not None and self._charts >= self.MAX_CHARTS_BEHIND:
+                timeline = None
+                self.skipped += 1
+            if timeline is not None:
+                self._charts += 1
+        self._queue.put((step, scalars, timeline, batch))
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            step, scalars, timeline, batch = item
+            try:
+                if self.failed is None:
+                    self._write(step, scalars, timeline, batch)
+            except Exception as err:       # telemetry must not take the run down
+                self.failed = err
+                print(f"telemetry stopped at step {step}: {err!r}", flush=True)
+            finally:
+                if timeline is not None:
+                    with self._lock:
+                        self._charts -= 1
+
+    def _write(self, step: int, scalars: dict[str, float], timeline: Any,
+               batch: Any) -> None:
         if timeline is None:        # not gathered this step (executor.telemetry_every)
             self.writer.add_scalars(step, scalars)
             return
@@ -231,11 +285,28 @@ class _RunLog:
                                             separators=(",", ":")) + "\n")
             self.timelines.flush()
 
+    def _predict(self, step: int, batch: Any) -> Any:
+        """The simulator's timeline of the very batch this step trained on (the sizes of
+        its samples from the data source, the routing the run used), under
+        ``predicted/``."""
+        from dtdsl.data.batch import routing_of, sample_set
+        from dtdsl.sim.run import simulate_routed
+
+        samples = sample_set(self.program, self.source.sizes(step))
+        r = simulate_routed(self.cost, self.plan, self.simulator, self.work_model, step,
+                            samples, routing_of(self.plan, batch.routing))
+        predicted = r.result.timeline(step=step)
+        self.writer.add_step(step, predicted, r.scalars())
+        return predicted
+
     def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+        if self.skipped:
+            print(f"telemetry: {self.skipped} step(s) without charts (the charts fell "
+                  f"behind by {self.MAX_CHARTS_BEHIND})", flush=True)
         if self.timelines is not None:
             self.timelines.close()
-        self.metrics.close()
-        self.samples.close()
         self.writer.close()
 
 
