@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dtdsl import __version__
+from dtdsl.codegen.slurm import slurm_name, slurm_time
 from dtdsl.codes import CODES, explain
 from dtdsl.diagnostics import Diagnostic, render_json, render_text
 from dtdsl.driver import STAGES, FrontendResult, UsageError, read_spec, run_frontend
@@ -65,6 +66,16 @@ def _int_at_least(low: int) -> Callable[[str], int]:
 
 _positive_int = _int_at_least(1)
 _non_negative = _int_at_least(0)
+
+
+def _slurm_option(check: Callable[..., str], *args: str) -> Callable[[str], str]:
+    """An argparse type: a value ``check`` (``codegen.slurm``) accepts for slurm.sbatch."""
+    def parse(text: str) -> str:
+        try:
+            return check(text, *args)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+    return parse
 
 
 def _usage_diagnostic(message: str) -> Diagnostic:
@@ -727,6 +738,7 @@ def _data_ready(args: argparse.Namespace, result: FrontendResult, program: Progr
 def _cmd_compile(args: argparse.Namespace) -> int:
     from dtdsl.codegen.compile import BundleOptions, compile_bundle
     from dtdsl.codegen.emit import BundleError
+    from dtdsl.codegen.slurm import SlurmOptions
 
     result, code = _load_program(args.spec)
     if result is None:
@@ -746,7 +758,8 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     the_plan, schedule = planned
     options = BundleOptions(
         steps=args.steps, workers=args.workers, data=args.data, synthetic=args.synthetic,
-        max_restarts=args.max_restarts, cost=cost)
+        max_restarts=args.max_restarts, cost=cost,
+        slurm=SlurmOptions(time=args.time, partition=args.partition, account=args.account))
     try:
         written = compile_bundle(args.output, source=result.source.text.encode("utf-8"),
                                  spec_path=args.spec, program=program, plan=the_plan,
@@ -754,8 +767,11 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     except (BundleError, ValueError) as err:
         raise UsageError(str(err)) from None
     ranks = the_plan.gpus_used
+    # Several nodes (more ranks than a node has GPUs): Slurm, or launch.sh on every node.
+    how = (f"sbatch {Path(args.output) / 'slurm.sbatch'}"
+           if ranks > program.cluster.gpus_per_node else f"{Path(args.output) / 'launch.sh'}")
     print(f"dtc: wrote {len(written)} files to {args.output} ({ranks} ranks); launch with "
-          f"{Path(args.output) / 'launch.sh'}", file=sys.stderr)
+          f"{how}", file=sys.stderr)
     return EXIT_OK
 
 
@@ -886,6 +902,13 @@ def _parser() -> argparse.ArgumentParser:
                       "data.source, relative to the spec)")
     comp.add_argument("--synthetic", action="store_true",
                       help="train on samples drawn from the spec's distributions")
+    comp.add_argument("--time", type=_slurm_option(slurm_time), metavar="LIMIT",
+                      help="slurm.sbatch's time limit (#SBATCH --time: MINUTES, HH:MM:SS, "
+                      "D-HH:MM:SS, ...; default: a commented line to fill in)")
+    comp.add_argument("--partition", type=_slurm_option(slurm_name, "partition"), metavar="P",
+                      help="slurm.sbatch's partition (#SBATCH --partition)")
+    comp.add_argument("--account", type=_slurm_option(slurm_name, "account"), metavar="A",
+                      help="slurm.sbatch's account (#SBATCH --account)")
     comp.add_argument("--max-restarts", type=int, metavar="N",
                       help="torchrun restarts after a failed rank, each resuming from the "
                       "newest checkpoint (default 3)")

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from dtdsl.codegen.emit import emit_bundle
+from dtdsl.codegen.slurm import SlurmOptions
 from dtdsl.codegen.support import runtime_support
 from dtdsl.codegen.views import bundle_view
 from dtdsl.ir import program as ir
@@ -38,6 +39,7 @@ class BundleOptions:
     data: str | None = None          # a dataset directory, as the user wrote it
     synthetic: bool = False          # samples drawn from the spec's distributions
     max_restarts: int | None = None  # None: DEFAULT_MAX_RESTARTS
+    slurm: SlurmOptions = SlurmOptions()   # slurm.sbatch's --time, --partition, --account
     # The cost model the plan was made with (``dtc compile --efficiency/--profile``): the
     # run's predictions use it too. None: the analytic defaults.
     cost: Any = None
@@ -101,12 +103,13 @@ def compile_bundle(out: str | Path, *, source: bytes, spec_path: str, program: i
     if unsupported:
         raise ValueError("the runtime cannot train this spec yet: " +
                          "; ".join(d.message for d in unsupported))
+    options.slurm.check()
     spec_dir = Path(spec_path).parent if spec_path not in ("-", "<stdin>") else Path.cwd()
     data = _data(program, spec_dir, Path(out), options)
     job = make_job(program, plan, data, options)
     view = bundle_view(program, plan, schedule, job, rdzv_port=DEFAULT_RDZV_PORT,
                        max_restarts=DEFAULT_MAX_RESTARTS if options.max_restarts is None
-                       else options.max_restarts)
+                       else options.max_restarts, slurm=options.slurm)
     profile = options.cost.profile.profile if options.cost is not None and \
         options.cost.profile is not None else None
     return emit_bundle(out, source=source, program=program, plan=plan, schedule=schedule,

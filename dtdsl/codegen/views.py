@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from dtdsl.codegen.slurm import SlurmOptions
 from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan
 from dtdsl.ir.schedule import Schedule
@@ -70,11 +71,16 @@ class BundleView:
     steps: int
     workers: int
     prefetch: int
-    reorder: tuple[str, ...]
     workers_per_node: int
+    reorder: tuple[str, ...]
     rdzv_port: int
     max_restarts: int
-    cpus_per_task: int
+    slurm: SlurmOptions
+    # Every node runs gpus_per_node processes; on the last node in torchrun's rendezvous
+    # order those past the world size are spares that exit at once: what the last node
+    # runs, a sentence ('' when every node is full).
+    last_node: str
+    launch_command: str                  # the README's first command: one node or several
     rank_files: tuple[RankFileView, ...]
 
     @property
@@ -116,15 +122,30 @@ def _rank_files(plan: Plan, schedule: Schedule) -> tuple[RankFileView, ...]:
     return tuple(out)
 
 
+def _last_node(world: int, nodes: int, per_node: int) -> str:
+    """What the last node in the rendezvous order runs, when it holds spares."""
+    first = (nodes - 1) * per_node
+    spares = nodes * per_node - world
+    if spares == 0:
+        return ""
+    ranks = f"rank {first}" if world - first == 1 else f"ranks {first}..{world - 1}"
+    rest = ("its other process is a spare that exits" if spares == 1 else
+            f"its other {spares} processes are spares that exit")
+    return (f"The {world} ranks fill {nodes - 1} node{'s' if nodes > 2 else ''} and part of "
+            f"one more: node {nodes - 1}, the last in torchrun's rendezvous order (by host "
+            f"name), runs {world - first} of its {per_node} GPUs' ranks ({ranks}); {rest} "
+            "at once.")
+
+
 def bundle_view(program: ir.Program, plan: Plan, schedule: Schedule, job: Job, *,
-                rdzv_port: int, max_restarts: int) -> BundleView:
+                rdzv_port: int, max_restarts: int, slurm: SlurmOptions) -> BundleView:
     """The view of a bundle for ``program`` under ``plan``."""
     return BundleView(
         spec=program.name, spec_sha256=program.source_sha256, world_size=job.world_size,
         nodes=job.nodes, gpus_per_node=job.gpus_per_node, steps=job.steps,
-        workers=job.feed.workers, prefetch=job.feed.prefetch, reorder=tuple(job.reorder),
-        workers_per_node=job.feed.workers_per_node,
-        rdzv_port=rdzv_port, max_restarts=max_restarts,
-        cpus_per_task=max(1, program.cluster.cpu_workers // max(1, job.nodes))
-        if program.cluster.cpu_workers else 8,
+        workers=job.feed.workers, prefetch=job.feed.prefetch,
+        workers_per_node=job.feed.workers_per_node, reorder=tuple(job.reorder),
+        rdzv_port=rdzv_port, max_restarts=max_restarts, slurm=slurm,
+        last_node=_last_node(job.world_size, job.nodes, job.gpus_per_node),
+        launch_command="./launch.sh" if job.nodes == 1 else "sbatch slurm.sbatch",
         rank_files=_rank_files(plan, schedule))

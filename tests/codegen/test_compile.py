@@ -157,6 +157,12 @@ def test_bad_options_are_usage_errors(tmp_path, capsys):
     out = tmp_path / "b"
     assert compile_spec(SPECS / "tiny_cpu.dt", out, "--workers", "-1") == 2
     assert compile_spec(SPECS / "tiny_cpu.dt", out, "--data", "x", "--synthetic") == 2
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:     # gone: the feed names no host
+        cli.main(["compile", str(SPECS / "tiny_cpu.dt"), "-o", str(out), "--synthetic",
+                  "--hosts", "h1"])
+    assert exit_.value.code == 2
+    assert "unrecognized arguments: --hosts" in capsys.readouterr().err
     assert not out.exists() or not any(out.iterdir())
 
 
@@ -174,7 +180,9 @@ def test_launch_script_refuses_bad_arguments_before_starting_anything(tmp_path):
                        (("--max-restarts", "-1"), "--max-restarts wants a count"),
                        (("--checkpoint-mode", "async"), "--checkpoint-mode is thread or sync"),
                        (("--nnodes", "2"), "not --nnodes 2"),
-                       (("--node-rank", "1"), "past the last node"),
+                       (("--node-rank", "1"), "--node-rank wants 0..0, not '1'"),
+                       (("--node-rank", "x"), "--node-rank wants 0..0, not 'x'"),
+                       (("--port-base", "29600"), "unknown argument: --port-base"),
                        (("--bogus",), "unknown argument: --bogus")]:
         proc = launch(*args)
         assert proc.returncode == 2 and said in proc.stderr, (args, proc.stderr)
