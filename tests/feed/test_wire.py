@@ -410,7 +410,7 @@ def test_a_bind_waits_for_a_port_in_use_to_be_released(monkeypatch):
     with socket.socket() as holder:                 # held for good: a clear error
         holder.bind(("127.0.0.1", base + 1))
         holder.listen()
-        with pytest.raises(OSError, match="choose another --port-base"):
+        with pytest.raises(OSError, match="another job on this address"):
             Receiver(f"tcp://127.0.0.1:{base + 1}", SECRET)
 
 
