@@ -19,12 +19,14 @@ weights are saved too and loaded with the rest.
 
 **Files.** Under ``RUN_DIR/checkpoints/``, a checkpoint is written into ``ckpt-<N>.tmp/``
 (``N``: the steps done, i.e. the next step to run, the data cursor), then rank 0 writes
-``program.json`` (the checked spec: ``dtc export`` reads the checkpoint with it) and
-``manifest.json`` into it and renames the directory to ``ckpt-<N>/``. DCP's finish step
-gathers every rank's write results on rank 0 before rank 0's save returns: that is the
-barrier after which every rank's files are on disk (``fsync``ed). So a directory without the
-``.tmp`` suffix is complete; ``latest_checkpoint`` also requires a readable manifest and
-DCP's ``.metadata``. An interrupted save leaves a ``.tmp`` directory that is never loaded
+DCP's ``.metadata``, ``program.json`` (the checked spec: ``dtc export`` reads the
+checkpoint with it) and ``manifest.json`` into it and renames the directory to
+``ckpt-<N>/``. Rank 0 does so only once every rank has posted its write results (what
+DCP's finish step gathers) to the default group's store, which a rank does after its
+files are on disk (``fsync``ed): that is the barrier. A rank whose write failed posts its
+error instead, and rank 0 commits nothing. So a directory without the ``.tmp`` suffix is
+complete; ``latest_checkpoint`` also requires a readable manifest and DCP's
+``.metadata``. An interrupted save leaves a ``.tmp`` directory that is never loaded
 and is removed when the job resumes. After each commit only the newest ``keep`` complete
 checkpoints are kept.
 
@@ -35,17 +37,33 @@ generator states. The runtime draws nothing from the global generators (batches,
 timesteps are functions of the seed, the step and the sample; initialisation forks its own
 generator), so restoring them changes nothing today; they are kept for code that will.
 
-**Saving modes** (``Checkpointer``): ``sync`` writes on the training thread (``dcp.save``);
-``thread`` copies the rank's shards to CPU memory on the training thread (DCP's staging),
-then a background thread runs ``dcp.save`` on that copy and commits, at a lower CPU
-priority than the training (nice +10 for the thread, Linux). This is what
-``dcp.async_save``'s thread mode does, with the commit in the same thread. At most one save
-is in flight: the next save, and ``wait``/``close``, first wait for it. The saves use their
-own gloo process group, so the background collectives never interleave with the
-training's. (DCP's process-based ``async_save``, a checkpoint daemon per rank as DistTrain
-saves from a dedicated process, is not offered: its daemon outlives a SIGKILLed trainer,
-and it re-imports torch and joins a new gloo group at the first save, which is what a
-restarted job cannot afford.)
+**Coordination without a group of its own.** ``dcp.save`` is two collective steps around
+the writes: planning (every rank's local plan gathered on rank 0, which gives each
+replicated tensor one writer and makes the metadata, and scatters the plans back) and
+finishing (the write results gathered on rank 0). A background save running both over the
+default group would interleave its collectives with the training thread's on the same
+group (sequence numbers cross and the ranks hang), and a second world-size gloo group for
+it would cost every rank a socket to every other rank (1169 descriptors at 1170 ranks). So
+the planning runs on the training thread, over the default group, at the step boundary
+where every rank saves (DCP's own planner, writer and ``_DistWrapper``); the writes issue
+no collective; and the finish goes through the default group's store (a key per rank,
+which rank 0 waits for and deletes), which carries no collective and is safe from any
+thread. ``use_collectives=False`` (rank-local metadata, no planning across ranks) was not
+taken: every replica of a replicated tensor would be written (under ZeRO 0 the whole model
+per DP replica), and a load under another plan needs the global metadata anyway.
+``resume`` (rank 0's choice of step broadcast) and ``dcp.load`` run on the training thread
+over the default group.
+
+**Saving modes** (``Checkpointer``): ``sync`` plans, writes and commits on the training
+thread; ``thread`` copies the rank's shards to CPU memory (DCP's staging) and plans on the
+training thread, then a background thread writes that copy and (rank 0) commits, at a
+lower CPU priority than the training (nice +10 for the thread, Linux). This is what
+``dcp.async_save``'s thread mode does, with the planning moved out of the thread and the
+commit into it. At most one save is in flight: the next save, and ``wait``/``close``/
+``resume``, first wait for it. (DCP's process-based ``async_save``, a checkpoint daemon
+per rank as DistTrain saves from a dedicated process, is not offered: its daemon outlives a
+SIGKILLed trainer, and it re-imports torch and joins a new gloo group at the first save,
+which is what a restarted job cannot afford.)
 """
 
 from __future__ import annotations
@@ -53,12 +71,15 @@ from __future__ import annotations
 import base64
 import hashlib
 import os
+import pickle
 import re
 import shutil
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -292,11 +313,89 @@ def _lower_priority(nice: int) -> None:
         pass
 
 
+@dataclass(frozen=True, slots=True)
+class _PlannedSave:
+    """DCP's save, planned: this rank's part of the global plan, the planner and writer
+    that carry it out, and (rank 0) the checkpoint's metadata. ``key``: where in the
+    default group's store the ranks post what they wrote, unique to this save."""
+
+    planner: Any
+    writer: Any
+    plan: Any
+    metadata: Any
+    key: str
+
+
+def _plan_save(state: dict[str, Any], path: Path) -> _PlannedSave:
+    """``dcp.save``'s planning, on the calling thread: every rank's local plan gathered
+    on rank 0, which makes the global plan (each replicated tensor given to one writer)
+    and the metadata, and scattered back, over the default group (DCP's own
+    ``_DistWrapper``: a rank's failure is raised on every rank)."""
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.utils import _DistWrapper
+
+    writer = FileSystemWriter(str(path))
+    planner = DefaultSavePlanner()
+    group = _DistWrapper(None, True, 0)
+    metadata = None
+
+    def local() -> Any:
+        planner.set_up_planner(state_dict=state, storage_meta=writer.storage_meta(),
+                               is_coordinator=group.is_coordinator)
+        writer.set_up_storage_writer(group.is_coordinator, rank=group.rank)
+        return writer.prepare_local_plan(planner.create_local_plan())
+
+    def central(plans: list[Any]) -> list[Any]:
+        nonlocal metadata
+        plans, metadata = planner.create_global_plan(plans)
+        key = f"dtdsl/checkpoint/{uuid.uuid4().hex}"
+        return [(plan, key) for plan in writer.prepare_global_plan(plans)]
+
+    plan, key = group.reduce_scatter("plan", local, central)
+    return _PlannedSave(planner=planner, writer=writer, plan=plan, metadata=metadata, key=key)
+
+
+def _write_and_post(save: _PlannedSave, rank: int) -> None:
+    """Write this rank's files (``fsync``ed) and post the outcome to the default store
+    under ``save.key``: the write results, or the error (then re-raised here)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    try:
+        done = save.writer.write_data(save.planner.finish_plan(save.plan), save.planner)
+        done.wait()
+        outcome: tuple[str, Any] = ("ok", done.value())
+    except BaseException as err:
+        outcome = ("error", f"{type(err).__name__}: {err}")
+        raise
+    finally:
+        c10d._get_default_store().set(f"{save.key}/{rank}", pickle.dumps(outcome))
+
+
+def _collect(save: _PlannedSave, world: int) -> list[Any]:
+    """Rank 0: every rank's write results, once all have posted them (the barrier after
+    which every rank's files are on disk; the store's timeout bounds the wait), removed
+    from the store; CheckpointError naming the ranks that failed."""
+    import torch.distributed.distributed_c10d as c10d
+
+    store = c10d._get_default_store()
+    keys = [f"{save.key}/{r}" for r in range(world)]
+    store.wait(keys)
+    outcomes = [pickle.loads(v) for v in store.multi_get(keys)]
+    for key in keys:
+        store.delete_key(key)
+    failed = {r: what for r, (status, what) in enumerate(outcomes) if status != "ok"}
+    if failed:
+        raise CheckpointError("ranks failed to write their part: " + "; ".join(
+            f"rank {r}: {what}" for r, what in sorted(failed.items())))
+    return [what for _, what in outcomes]
+
+
 class Checkpointer:
     """Saves and loads one executor's part of the job's checkpoints (module docstring).
 
-    Every rank constructs it at the same point (it creates a gloo process group, a
-    collective) and calls ``save``/``resume``/``close`` at the same steps.
+    Every rank constructs it and calls ``save``/``resume``/``close`` at the same steps
+    (they are collective over the default group). It creates no process group.
 
     Args:
         ex: this rank's ``StageExecutor``.
@@ -322,11 +421,10 @@ class Checkpointer:
             raise ValueError(f"keep={keep}: keep at least one checkpoint")
         self.ex, self.run_dir, self.keep, self.mode = ex, Path(run_dir), keep, mode
         self.nice = nice
-        self.rank = dist.get_rank()
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.spec_sha256 = spec_sha256 or ex.program.source_sha256
         self.plan_sha256 = plan_sha256(ex.plan)
         self.log = log or (lambda text: print(text, flush=True))
-        self.group = dist.new_group(backend="gloo")
         self._pending: Future | None = None
         self.saved: list[int] = []          # steps committed (rank 0) or written (others)
         self.loaded: int | None = None      # the checkpoint ``resume`` loaded, if any
@@ -351,31 +449,28 @@ class Checkpointer:
     def save(self, step: int) -> float:
         """Checkpoint the state after ``step`` steps (the next step to run is ``step``).
         Collective. Returns the seconds it took on this (the training) thread: all of the
-        save in ``sync`` mode; in ``thread`` mode the wait for the previous save, gathering
-        the full tensors and staging their CPU copy."""
-        import torch.distributed.checkpoint as dcp
-
+        save in ``sync`` mode; in ``thread`` mode the wait for the previous save, staging
+        the shards' CPU copy and planning."""
         start = time.perf_counter()
         self.wait()
-        state = state_dict(self.ex)
         tmp = checkpoint_root(self.run_dir) / f"ckpt-{step}.tmp"
         tmp.mkdir(parents=True, exist_ok=True)
         manifest = self._manifest(step) if self.rank == 0 else None
+        state = state_dict(self.ex)
         if self.mode == "sync":
-            meta = dcp.save(state, checkpoint_id=str(tmp), process_group=self.group)
-            self._finish(step, tmp, manifest, meta)
+            self._write(step, tmp, manifest, _plan_save(state, tmp))
             return time.perf_counter() - start
-        # The CPU copy here (training changes the tensors next), the write in the
-        # background: dcp.save in a thread of our own that also commits, at a lower CPU
-        # priority than the training thread's.
+        # The CPU copy and the planning (collective over the default group) here, the
+        # write and the commit in a thread of our own at a lower CPU priority: it issues
+        # no collective, so it never interleaves with the training thread's.
         staged = _cpu_copy(state)
+        save = _plan_save(staged, tmp)
         done: Future = Future()
 
         def write() -> None:
             _lower_priority(self.nice)
             try:
-                meta = dcp.save(staged, checkpoint_id=str(tmp), process_group=self.group)
-                self._finish(step, tmp, manifest, meta)
+                self._write(step, tmp, manifest, save)
                 done.set_result(step)
             except BaseException as err:   # re-raised on the training thread by wait()
                 done.set_exception(err)
@@ -384,11 +479,14 @@ class Checkpointer:
         self._pending = done
         return time.perf_counter() - start
 
-    def _finish(self, step: int, tmp: Path, fields: dict[str, Any] | None,
-                meta: Any) -> None:
-        """After DCP's save returned ``meta`` (its global Metadata): rank 0 commits."""
+    def _write(self, step: int, tmp: Path, fields: dict[str, Any] | None,
+               save: _PlannedSave) -> None:
+        """Write this rank's part and post it; rank 0 then waits for every rank's, writes
+        DCP's metadata (``.metadata``) and commits."""
+        _write_and_post(save, self.rank)
         if fields is not None:
-            manifest = Manifest(**fields, num_tensors=len(meta.state_dict_metadata))
+            save.writer.finish(metadata=save.metadata, results=_collect(save, self.world))
+            manifest = Manifest(**fields, num_tensors=len(save.metadata.state_dict_metadata))
             final = _commit(tmp, manifest, self.keep, self.ex.program.model_dump_json())
             self.log(f"checkpoint: saved {final} ({self.mode})")
         self.saved.append(step)
@@ -410,20 +508,13 @@ class Checkpointer:
             pending.result()
 
     def close(self, *, wait: bool = True) -> None:
-        """Wait for the save in flight and free the checkpoint process group. With
-        ``wait=False`` (a job already failing) the save in flight is abandoned: its
-        ``.tmp`` directory is never loaded, and its error is not raised."""
-        import torch.distributed as dist
-
+        """Wait for the save in flight. With ``wait=False`` (a job already failing) the
+        save in flight is abandoned: its ``.tmp`` directory is never loaded, and its
+        error is not raised."""
         if not wait:
             self._pending = None
             return
-        try:
-            self.wait()
-        finally:
-            if self.group is not None:
-                dist.destroy_process_group(self.group)
-                self.group = None
+        self.wait()
 
     # -- resuming ---------------------------------------------------------------------------
 
@@ -435,14 +526,15 @@ class Checkpointer:
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
 
+        self.wait()
         found = -1
         if self.rank == 0:
             _remove_incomplete(self.run_dir)
             done = complete_checkpoints(self.run_dir)
             found = done[-1][0] if done else -1
-        pick = torch.tensor([found], dtype=torch.int64)
-        dist.broadcast(pick, src=0, group=self.group)
-        step = int(pick.item())
+        pick = [found]
+        dist.broadcast_object_list(pick, src=0)     # over the default group, any backend
+        step = int(pick[0])
         if step < 0:
             if self.rank == 0:
                 self.log(f"checkpoint: none in {checkpoint_root(self.run_dir)}; "
@@ -458,7 +550,7 @@ class Checkpointer:
         start = time.perf_counter()
         state = state_dict(self.ex)
         try:
-            dcp.load(state, checkpoint_id=str(path), process_group=self.group)
+            dcp.load(state, checkpoint_id=str(path))
         except Exception as err:
             raise CheckpointError(f"cannot load {path}: {err}") from err
         load_state_dict(self.ex, state)

@@ -3,11 +3,16 @@ resume under the same plan and resharded resume under other plans (in-process gl
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import shutil
+import time
+from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
+from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -117,6 +122,19 @@ def _reference() -> tuple[list[float], dict[int, dict[str, tuple[torch.Tensor, .
     return losses, params
 
 
+@contextlib.contextmanager
+def _no_new_groups() -> Iterator[None]:
+    """Fail on any process group created in the block (a background thread's too)."""
+    import torch.distributed as dist
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError(f"a process group was created: {args} {kwargs}")
+
+    with mock.patch.object(dist, "new_group", refuse), \
+            mock.patch.object(dist, "split_group", refuse):
+        yield
+
+
 def _phase(rank: int, world: int, program: ir.Program, plan: Plan, run_dir: str,
            steps: int, saves: dict[int, str], out: str,
            want: dict[str, tuple[torch.Tensor, torch.Tensor]] | None) -> None:
@@ -126,16 +144,17 @@ def _phase(rank: int, world: int, program: ir.Program, plan: Plan, run_dir: str,
     ex = StageExecutor(program, plan, lower(plan, program), rank=rank,
                        groups=build_groups(plan))
     logs: list[str] = []
-    ckpts = {mode: Checkpointer(ex, run_dir, keep=3, mode=mode, log=logs.append)
-             for mode in ("sync", "thread")}
-    first = ckpts["sync"].resume()
-    losses = []
-    for step in range(first, first + steps):
-        losses.append(ex.run_step(step)["loss"])
-        if step + 1 in saves:
-            ckpts[saves[step + 1]].save(step + 1)
-    for c in ckpts.values():
-        c.close()
+    with _no_new_groups():      # saves and loads coordinate over the groups there are
+        ckpts = {mode: Checkpointer(ex, run_dir, keep=3, mode=mode, log=logs.append)
+                 for mode in ("sync", "thread")}
+        first = ckpts["sync"].resume()
+        losses = []
+        for step in range(first, first + steps):
+            losses.append(ex.run_step(step)["loss"])
+            if step + 1 in saves:
+                ckpts[saves[step + 1]].save(step + 1)
+        for c in ckpts.values():
+            c.close()
     if want is not None:
         for name, p in ex.full_parameters().items():
             init, ref = want[name]
@@ -284,6 +303,52 @@ def test_frozen_units_are_saved_without_optimizer_state_and_resume_bitwise(tmp_p
     run(_frozen, 3, program, plan, str(tmp_path), str(tmp_path / "b.json"), timeout=120)
     b = json.loads((tmp_path / "b.json").read_text())
     assert b["first"] == 1 and b["losses"] == a["losses"][1:]
+
+
+def _late_and_failing(rank: int, world: int, program: ir.Program, plan: Plan,
+                      run_dir: str) -> None:
+    """Two background saves: in the first rank 1 writes late, in the second rank 2's
+    write fails."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    ex = StageExecutor(program, plan, lower(plan, program), rank=rank,
+                       groups=build_groups(plan))
+    ck = Checkpointer(ex, run_dir, mode="thread", log=lambda _: None)
+    write = FileSystemWriter.write_data
+    saves = []
+
+    def slow_or_broken(self: Any, *args: Any) -> Any:
+        if rank == 1 and len(saves) == 1:
+            time.sleep(1.5)
+        if rank == 2 and len(saves) == 2:
+            raise OSError(28, "No space left on device")
+        return write(self, *args)
+
+    root = checkpoint_root(run_dir)
+    with mock.patch.object(FileSystemWriter, "write_data", slow_or_broken):
+        saves.append(1)
+        ck.save(1)
+        ck.wait()
+        if rank == 0:       # committed only once rank 1 had written its part
+            assert [s for s, _ in complete_checkpoints(run_dir)] == [1]
+            assert any(p.name.startswith("__1_") for p in (root / "ckpt-1").iterdir())
+        saves.append(2)
+        ck.save(2)
+        if rank == 2:
+            with pytest.raises(OSError, match="No space"):
+                ck.wait()
+        elif rank == 0:
+            with pytest.raises(CheckpointError, match=r"rank 2: OSError.*No space"):
+                ck.wait()
+            assert [s for s, _ in complete_checkpoints(run_dir)] == [1]
+            assert (root / "ckpt-2.tmp").is_dir()
+        else:
+            ck.wait()
+    ck.close()
+
+
+def test_rank_zero_commits_once_every_rank_has_written_and_never_after_a_failure(tmp_path):
+    run(_late_and_failing, PLAN_A.gpus_used, PROGRAM, PLAN_A, str(tmp_path), timeout=120)
 
 
 def test_a_failed_background_save_stops_the_run_at_once():
