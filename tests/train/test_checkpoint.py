@@ -4,9 +4,11 @@ resume under the same plan and resharded resume under other plans (in-process gl
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import shutil
+import threading
 import time
 from collections.abc import Iterator
 from functools import cache
@@ -122,17 +124,45 @@ def _reference() -> tuple[list[float], dict[int, dict[str, tuple[torch.Tensor, .
     return losses, params
 
 
+# What the ranks' threads may issue on process groups: collectives and P2P, watched
+# (isend and irecv only through batch_isend_irecv: P2POp checks their identity).
+COMMUNICATION = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object",
+                 "barrier", "batch_isend_irecv", "broadcast", "broadcast_object_list",
+                 "gather", "gather_object", "recv", "reduce_scatter", "reduce_scatter_tensor",
+                 "scatter", "scatter_object_list", "send")
+
+
 @contextlib.contextmanager
-def _no_new_groups() -> Iterator[None]:
-    """Fail on any process group created in the block (a background thread's too)."""
+def _over_the_groups_there_are() -> Iterator[None]:
+    """Fail on any process group created in the block, and on any collective or
+    point-to-point call from another thread than the calling (training) one: a background
+    save must never communicate next to the training thread."""
     import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    training = threading.get_ident()
+    strays: list[str] = []
 
     def refuse(*args: Any, **kwargs: Any) -> None:
         raise AssertionError(f"a process group was created: {args} {kwargs}")
 
-    with mock.patch.object(dist, "new_group", refuse), \
-            mock.patch.object(dist, "split_group", refuse):
+    def watched(fn: Any) -> Any:
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() != training:
+                strays.append(f"{fn.__name__} on {threading.current_thread().name}")
+            return fn(*args, **kwargs)
+        return call
+
+    with contextlib.ExitStack() as patches:
+        for module in (dist, c10d):
+            patches.enter_context(mock.patch.object(module, "new_group", refuse))
+            patches.enter_context(mock.patch.object(module, "split_group", refuse))
+            for name in COMMUNICATION:
+                patches.enter_context(mock.patch.object(module, name,
+                                                        watched(getattr(c10d, name))))
         yield
+    assert not strays, strays
 
 
 def _phase(rank: int, world: int, program: ir.Program, plan: Plan, run_dir: str,
@@ -144,7 +174,7 @@ def _phase(rank: int, world: int, program: ir.Program, plan: Plan, run_dir: str,
     ex = StageExecutor(program, plan, lower(plan, program), rank=rank,
                        groups=build_groups(plan))
     logs: list[str] = []
-    with _no_new_groups():      # saves and loads coordinate over the groups there are
+    with _over_the_groups_there_are():
         ckpts = {mode: Checkpointer(ex, run_dir, keep=3, mode=mode, log=logs.append)
                  for mode in ("sync", "thread")}
         first = ckpts["sync"].resume()
@@ -325,7 +355,8 @@ def _late_and_failing(rank: int, world: int, program: ir.Program, plan: Plan,
         return write(self, *args)
 
     root = checkpoint_root(run_dir)
-    with mock.patch.object(FileSystemWriter, "write_data", slow_or_broken):
+    with mock.patch.object(FileSystemWriter, "write_data", slow_or_broken), \
+            _over_the_groups_there_are():
         saves.append(1)
         ck.save(1)
         ck.wait()
@@ -335,7 +366,7 @@ def _late_and_failing(rank: int, world: int, program: ir.Program, plan: Plan,
         saves.append(2)
         ck.save(2)
         if rank == 2:
-            with pytest.raises(OSError, match="No space"):
+            with pytest.raises(CheckpointError, match="rank 2 could not write.*No space"):
                 ck.wait()
         elif rank == 0:
             with pytest.raises(CheckpointError, match=r"rank 2: OSError.*No space"):
