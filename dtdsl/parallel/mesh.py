@@ -14,18 +14,42 @@ laid out as a (pp, dp, tp) grid with TP innermost::
 
 Every global rank of a unit is in exactly one group of each kind.
 
-**Meshes.** ``build_groups`` makes one ``DeviceMesh`` per unit over the unit's ranks,
-shaped ``(pp, dp_replicate, dp_shard, tp)`` (``MESH_DIMS``): the DP ranks are a shard
-dimension under ZeRO >= 1 (FSDP2 shards over it) and a replicate dimension under ZeRO 0.
-Its TP dimension is the TP group above, its DP dimensions the DP group, its PP dimension
-the PP group. DeviceMesh creates each dimension's groups with ``new_group``, which is
-collective over the whole default group, so every rank builds every unit's mesh, in plan
-order, and keeps its own. Any other code that creates groups must do so entirely before or
-entirely after ``build_groups`` on every rank.
+**Meshes and groups.** ``build_groups`` gives each rank its unit's ``DeviceMesh`` over
+the unit's ranks, shaped ``(pp, dp_replicate, dp_shard, tp)`` (``MESH_DIMS``): the DP
+ranks are a shard dimension under ZeRO >= 1 (FSDP2 shards over it) and a replicate
+dimension under ZeRO 0. Its TP dimension is the TP group above, its DP dimensions the DP
+group, its PP dimension the PP group. The mesh is assembled (``DeviceMesh.from_group``)
+from the groups this rank is a member of and nothing else (``rank_groups``, a pure
+function of the plan, so a dry run checks exactly what runs): at most three groups of
+more than one rank (one of the two DP dimensions is always of size one), created one
+dimension after the other in ``MESH_DIMS`` order by their members alone
+(``new_group(..., use_local_synchronization=True)``). No rank takes part in another
+unit's groups, so a 1170-rank job creates a few groups per rank instead of every
+group of every unit on every rank, and with gloo (a full mesh of sockets per group) a rank
+holds sockets to its TP, DP and PP peers only. The order is the same on every rank and
+every rank is in one group of each kind, so no two creations wait on each other (the
+groups of the first dimension complete, then those of the next); and torch names such a
+group after its ranks and the number of groups its process made before, so every rank
+must have made as many before ``build_groups`` (none: it runs first).
+
+A dimension on which a rank is alone (tp = 1, pp = 1, the DP dimension ZeRO does not use,
+dp = 1) gets no process group of one rank: it gets a group of torch's ``fake`` backend,
+the placeholder torch's DeviceMesh and torchtitan give disabled dimensions (no
+communicator, no socket, nothing sent), set to raise on any collective. FSDP2 and
+DTensor never communicate over a dimension of size one, so nothing reaches it.
+
+Where the default group is bound to a device (NCCL with ``device_id``, as on GPUs), torch
+creates communicators with ``ncclCommSplit``, collective over the default group, and a
+members-only creation would hang: there each real group is split from the default group
+(``split_group``), every rank calling it once per mesh dimension with the dimension's
+groups across the job (``dim_groups``). Other code creating groups does so through
+``new_subgroup``, which follows the same rule (the tied embeddings' pair,
+``train.stage``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -34,8 +58,9 @@ if TYPE_CHECKING:   # torch is imported where groups are built: planning tools n
 
     from dtdsl.ir.plan import Plan, UnitPlan
 
-__all__ = ["MESH_DIMS", "ProcessGroups", "RankRole", "UnitGrid", "build_groups", "grids",
-           "role_of", "unit_mesh_shape"]
+__all__ = ["MESH_DIMS", "ProcessGroups", "RankRole", "UnitGrid", "build_groups",
+           "data_parallel_mesh", "dim_groups", "grids", "new_subgroup", "rank_groups", "role_of",
+           "splits_groups", "unit_mesh_shape"]
 
 Role = Literal["encoder", "backbone", "generator"]
 
@@ -192,19 +217,8 @@ def _world(plan: Plan) -> int:
     return sum(u.gpus for u in plan.units)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ProcessGroups:
-    """This rank's place in its unit: the unit's DeviceMesh (``("pp", "dp_replicate",
-    "dp_shard", "tp")``) and the TP process group."""
 
-    role: RankRole
-    mesh: Any
-    tp: ProcessGroup
-
-    @property
-    def rank(self) -> int:
-        return self.role.rank
-
+# ---- the unit's mesh and the groups behind it ------------------------------------------------
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
@@ -215,12 +229,129 @@ def unit_mesh_shape(grid: UnitGrid, zero: int) -> tuple[int, int, int, int]:
     return (grid.pp, 1, grid.dp, grid.tp) if zero >= 1 else (grid.pp, grid.dp, 1, grid.tp)
 
 
+def _lines(role: RankRole, zero: int) -> dict[str, tuple[int, ...]]:
+    """The ranks along each mesh dimension through ``role.rank`` (the rank alone on a
+    dimension of size one), in mesh order: ``unit_mesh_shape``'s dimensions are the PP,
+    DP and TP groups of the grid."""
+    alone = (role.rank,)
+    shard = zero >= 1
+    return {"pp": role.pp_ranks,
+            "dp_replicate": alone if shard else role.dp_ranks,
+            "dp_shard": role.dp_ranks if shard else alone,
+            "tp": role.tp_ranks}
+
+
+def rank_groups(plan: Plan, rank: int, zero: int = 1) -> dict[str, tuple[int, ...]]:
+    """The process groups ``build_groups`` creates on ``rank``: mesh dimension -> the
+    member ranks (ascending, so group rank = mesh coordinate), in creation order; the
+    dimensions this rank is alone on are left out (they get no group, module docstring).
+    Pure: a dry run compares it with what torch built without running the job."""
+    return {dim: ranks for dim, ranks in _lines(role_of(plan, rank), zero).items()
+            if len(ranks) > 1}
+
+
+def dim_groups(plan: Plan, dim: str, zero: int = 1) -> tuple[tuple[int, ...], ...]:
+    """Every group of mesh dimension ``dim`` in the job (units in plan order, groups of
+    one rank left out): the split of the default group that ``split_group`` makes."""
+    if dim not in MESH_DIMS:
+        raise ValueError(f"{dim!r} is not a mesh dimension ({', '.join(MESH_DIMS)})")
+    out: list[tuple[int, ...]] = []
+    for g in grids(plan):
+        if unit_mesh_shape(g, zero)[MESH_DIMS.index(dim)] > 1:
+            family = {"pp": g.pp_groups, "tp": g.tp_groups}.get(dim, g.dp_groups)
+            out.extend(family())
+    return tuple(out)
+
+
+def data_parallel_mesh(mesh: Any) -> Any:
+    """The part of a unit's mesh FSDP2 runs over: ``dp_shard`` (ZeRO >= 1, or ZeRO 0
+    with one replica), or ``(dp_replicate, dp_shard)`` for ZeRO 0 over several replicas
+    (HSDP with shards of one rank). HSDP all-reduces over its replicate dimension even
+    when it holds one rank, so a replicate dimension of one is left out: the mesh never
+    sends anything over a dimension of one (module docstring)."""
+    if mesh["dp_replicate"].size() == 1:
+        return mesh["dp_shard"]
+    return mesh["dp_replicate", "dp_shard"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProcessGroups:
+    """This rank's place in its unit: the unit's DeviceMesh (``MESH_DIMS``) and its TP
+    process group (a placeholder of one rank when tp = 1: module docstring)."""
+
+    role: RankRole
+    mesh: Any
+    tp: ProcessGroup
+
+    @property
+    def rank(self) -> int:
+        return self.role.rank
+
+    def groups(self) -> dict[str, tuple[int, ...]]:
+        """The members of each mesh dimension's group as torch holds them (dimension ->
+        global ranks), dimensions of one rank left out: what ``rank_groups`` says."""
+        import torch.distributed as dist
+
+        out = {}
+        for dim in MESH_DIMS:
+            ranks = tuple(dist.get_process_group_ranks(self.mesh.get_group(dim)))
+            if len(ranks) > 1:
+                out[dim] = ranks
+        return out
+
+
+def splits_groups() -> bool:
+    """Whether subgroups must be split from the default group (``split_group``, every
+    rank of the job taking part) rather than created by their members alone: where the
+    default group is bound to a device (NCCL with ``device_id``, as
+    ``parallel.device.init_distributed`` binds it), torch builds every new communicator
+    with ``ncclCommSplit``, collective over the default group, so a members-only
+    ``new_group`` would wait for ranks that never come."""
+    from torch.distributed.distributed_c10d import _get_default_group
+
+    return _get_default_group().bound_device_id is not None
+
+
+def new_subgroup(ranks: Sequence[int] | None, family: Callable[[], Sequence[Sequence[int]]],
+                 *, desc: str) -> ProcessGroup | None:
+    """This rank's group ``ranks`` of ``family`` (disjoint groups of more than one rank,
+    the same on every rank), or None where the rank is in none (``ranks`` None or one
+    rank). Split from the default group where ``splits_groups()``: then every rank of the
+    job calls it, member or not, in the same order. Elsewhere only the members create it
+    (``use_local_synchronization``) and ``family`` is never built."""
+    import torch.distributed as dist
+
+    if splits_groups():
+        groups = [list(g) for g in family()]
+        return dist.split_group(split_ranks=groups, group_desc=desc) if groups else None
+    if ranks is None or len(ranks) < 2:
+        return None
+    return dist.new_group(list(ranks), use_local_synchronization=True, group_desc=desc)
+
+
+def _alone(rank: int, desc: str) -> ProcessGroup:
+    """The group of a mesh dimension this rank is alone on: a group of torch's ``fake``
+    backend (how torch's DeviceMesh and torchtitan disable a dimension), which has no
+    communicator, socket or peer, set to raise on any collective. FSDP2 and DTensor
+    communicate nothing over a dimension of size one (they copy locally), so it is never
+    used; if torch ever tried, the run fails instead of reading a buffer no one wrote."""
+    import torch.distributed as dist
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake")
+    from torch._C._distributed_c10d import FakeProcessGroup
+
+    options = FakeProcessGroup.Options()
+    options.error_on_collective = True
+    return dist.new_group([rank], backend="fake", pg_options=options,
+                          use_local_synchronization=True, group_desc=desc)
+
+
 def build_groups(plan: Plan, *, device_type: str = "cpu", zero: int = 1) -> ProcessGroups:
-    """Build every unit's DeviceMesh (``MESH_DIMS``: the unit's ranks laid out as in the
-    module docstring, TP innermost) on this rank, in plan order, and return this rank's.
-    Collective: every rank of the default group calls it (DeviceMesh creates its process
-    groups with ``new_group``, which every rank must call for every group, member or not).
-    The default group's size must equal the plan's ranks."""
+    """This rank's groups (``rank_groups``) and its unit's DeviceMesh over them
+    (``MESH_DIMS``, the unit's ranks laid out as in the module docstring, TP innermost).
+    Only the members of a group create it, except where the default group is bound to a
+    device (``splits_groups``): there every rank calls it (once per mesh dimension). The
+    default group's size must equal the plan's ranks, and every rank must have created
+    as many groups before (none: call it first)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
@@ -232,12 +363,21 @@ def build_groups(plan: Plan, *, device_type: str = "cpu", zero: int = 1) -> Proc
         raise ValueError(f"the plan uses {_world(plan)} ranks but the world size is {world}")
     rank = dist.get_rank()
     role = role_of(plan, rank)
-    mine = None
-    for g in grids(plan):
-        ranks = torch.arange(g.first_rank, g.first_rank + g.size).reshape(
-            unit_mesh_shape(g, zero))
-        mesh = DeviceMesh(device_type, ranks, mesh_dim_names=MESH_DIMS)
-        if g.name == role.unit:
-            mine = mesh
-    assert mine is not None
-    return ProcessGroups(role=role, mesh=mine, tp=mine.get_group("tp"))
+    mine = rank_groups(plan, rank, zero)
+    groups = []
+    for dim in MESH_DIMS:       # the same order on every rank: module docstring
+        desc = f"{role.unit}_{dim}"
+        group = new_subgroup(mine.get(dim), lambda dim=dim: dim_groups(plan, dim, zero),
+                             desc=desc)
+        if group is None:
+            group = _alone(rank, desc)
+        elif tuple(dist.get_process_group_ranks(group)) != mine.get(dim):
+            raise RuntimeError(f"rank {rank}: the {dim} group holds ranks "
+                               f"{dist.get_process_group_ranks(group)}, the plan says "
+                               f"{mine.get(dim)}")
+        groups.append(group)
+    grid = role.grid
+    table = torch.arange(grid.first_rank, grid.first_rank + grid.size,
+                         dtype=torch.int).reshape(unit_mesh_shape(grid, zero))
+    mesh = DeviceMesh.from_group(groups, device_type, mesh=table, mesh_dim_names=MESH_DIMS)
+    return ProcessGroups(role=role, mesh=mesh, tp=mesh.get_group("tp"))

@@ -52,10 +52,10 @@ from torch import nn
 from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan
 from dtdsl.models.multimodal import build_unit, init_unit
-from dtdsl.parallel.mesh import RankRole
+from dtdsl.parallel.mesh import RankRole, data_parallel_mesh
 
 __all__ = ["COMPUTE_DTYPES", "Stage", "StageModule", "StageState", "build_stage",
-           "projector_between"]
+           "projector_between", "tied_group_ranks", "tied_pairs"]
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -133,8 +133,8 @@ class Stage:
     layers: list[nn.Module] = field(default_factory=list)  # FSDP2 units, forward order
     # A backbone with tied embeddings over several pipeline stages holds the embedding on
     # its first stage and again, as the LM head, on its last: the two copies' gradients
-    # are summed over this group of the pair (same replica and TP index), as Megatron's
-    # embedding group does, so both take the same optimizer step.
+    # are summed over this group of the pair (same replica and TP index; the PP group
+    # with two stages), as Megatron's embedding group does, so both take the same step.
     tied_group: Any = None
     tied_name: str | None = None      # the copy's name, "<unit>.tok_embeddings.weight"
 
@@ -249,25 +249,55 @@ def _owned_ends(module: nn.Module, role: RankRole) -> None:
             module.tok_embeddings = None
 
 
-def _tie_across_stages(stage: Stage, spec: ir.Module) -> None:
-    """The group of a tied embedding's two copies (``Stage.tied_group``), on the first and
-    last stage of a backbone with tied embeddings over several pipeline stages. Only the
-    pair creates it (``use_local_synchronization``): no other rank takes part."""
-    role = stage.role
-    arch = spec.arch
-    if not (role.role == "backbone" and getattr(arch, "tie_embeddings", False)
-            and role.grid.pp > 1 and (role.is_first_stage or role.is_last_stage)
-            and not spec.frozen):
-        return
+def tied_pairs(program: ir.Program, plan: Plan) -> tuple[tuple[int, int], ...]:
+    """Every pair of ranks holding the two copies of a tied embedding: the backbone's
+    first and last stage, same replica and TP index, when its embeddings are tied, trained
+    and split over several pipeline stages; none otherwise. Pure (a dry run's too)."""
+    from dtdsl.parallel.mesh import grids
+
+    backbone = program.backbone
+    if not getattr(backbone.arch, "tie_embeddings", False) or backbone.frozen:
+        return ()
+    grid = next(g for g in grids(plan) if g.name == backbone.name)
+    if grid.pp < 2:
+        return ()
+    return tuple((grid.rank(0, r, t), grid.rank(grid.pp - 1, r, t))
+                 for r in range(grid.dp) for t in range(grid.tp))
+
+
+def tied_group_ranks(program: ir.Program, plan: Plan, rank: int) -> tuple[int, int] | None:
+    """The group ``build_stage`` creates on ``rank`` for a tied embedding, besides
+    ``mesh.rank_groups``: its pair (``tied_pairs``) when the backbone has more than two
+    pipeline stages; None for a rank in no pair, and with two stages, where the pair is
+    the PP group ``build_groups`` made."""
+    pairs = tied_pairs(program, plan)
+    if not pairs or plan.unit(program.backbone.name).pp == 2:
+        return None
+    return next((p for p in pairs if rank in p), None)
+
+
+def _tie_across_stages(stage: Stage, program: ir.Program, plan: Plan, mesh: Any) -> None:
+    """The group of a tied embedding's two copies (``Stage.tied_group``) on the ranks of
+    a pair (``tied_pairs``). With two pipeline stages the pair is the PP group; with more
+    it is a group of its own, created by the pair alone (``mesh.new_subgroup``: where
+    groups are split from the default group, every rank of the job takes part, so every
+    rank comes here)."""
     import torch.distributed as dist
 
-    if not dist.is_initialized():
+    from dtdsl.parallel.mesh import new_subgroup
+
+    pairs = tied_pairs(program, plan)
+    if not pairs or not dist.is_initialized():
         return
-    grid = role.grid
-    pair = [grid.rank(0, role.replica, role.tp_index),
-            grid.rank(grid.pp - 1, role.replica, role.tp_index)]
-    stage.tied_group = dist.new_group(pair, use_local_synchronization=True)
-    stage.tied_name = f"{role.unit}.tok_embeddings.weight"
+    role = stage.role
+    pair = next((p for p in pairs if role.rank in p), None)
+    if plan.unit(program.backbone.name).pp == 2:
+        group = mesh.get_group("pp") if pair is not None else None
+    else:
+        group = new_subgroup(pair, lambda: pairs, desc="tied_embedding")
+    if pair is not None:
+        stage.tied_group = group
+        stage.tied_name = f"{role.unit}.tok_embeddings.weight"
 
 
 def _fsdp_units(stage: StageModule, program: ir.Program) -> Iterator[tuple[str, str, nn.Module]]:
@@ -348,8 +378,7 @@ def build_stage(program: ir.Program, plan: Plan, role: RankRole, mesh: Any,
 
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     # ZeRO-1: shard over DP; ZeRO-0: replicate over DP (HSDP with shards of one rank).
-    dp_mesh = mesh["dp_shard"] if mesh["dp_replicate"].size() == 1 else \
-        mesh["dp_replicate", "dp_shard"]
+    dp_mesh = data_parallel_mesh(mesh)
     layers = []
     for _, _, layer in list(_fsdp_units(stage, program)):
         fully_shard(layer, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
@@ -389,7 +418,7 @@ def build_stage(program: ir.Program, plan: Plan, role: RankRole, mesh: Any,
                                    dtype=compute_dtype, vae=vae)
     built = Stage(module=stage, role=role, start=start, stop=stop,
                   compute_dtype=compute_dtype, tp_sharded=tp_sharded, layers=layers)
-    _tie_across_stages(built, spec)
+    _tie_across_stages(built, program, plan, mesh)
     if initialize:
         built.initialize(program, seed)
     return built

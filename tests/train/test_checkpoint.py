@@ -3,11 +3,18 @@ resume under the same plan and resharded resume under other plans (in-process gl
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import math
 import shutil
+import threading
+import time
+from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
+from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -117,6 +124,47 @@ def _reference() -> tuple[list[float], dict[int, dict[str, tuple[torch.Tensor, .
     return losses, params
 
 
+# What the ranks' threads may issue on process groups: collectives and P2P, watched
+# (isend and irecv only through batch_isend_irecv: P2POp checks their identity).
+COMMUNICATION = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object",
+                 "barrier", "batch_isend_irecv", "broadcast", "broadcast_object_list",
+                 "gather", "gather_object", "recv", "reduce_scatter", "reduce_scatter_tensor",
+                 "scatter", "scatter_object_list", "send")
+
+
+@contextlib.contextmanager
+def _over_the_groups_there_are() -> Iterator[None]:
+    """Fail on any process group created in the block, and on any collective or
+    point-to-point call from another thread than the calling (training) one: a background
+    save must never communicate next to the training thread."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    training = threading.get_ident()
+    strays: list[str] = []
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError(f"a process group was created: {args} {kwargs}")
+
+    def watched(fn: Any) -> Any:
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() != training:
+                strays.append(f"{fn.__name__} on {threading.current_thread().name}")
+            return fn(*args, **kwargs)
+        return call
+
+    with contextlib.ExitStack() as patches:
+        for module in (dist, c10d):
+            patches.enter_context(mock.patch.object(module, "new_group", refuse))
+            patches.enter_context(mock.patch.object(module, "split_group", refuse))
+            for name in COMMUNICATION:
+                patches.enter_context(mock.patch.object(module, name,
+                                                        watched(getattr(c10d, name))))
+        yield
+    assert not strays, strays
+
+
 def _phase(rank: int, world: int, program: ir.Program, plan: Plan, run_dir: str,
            steps: int, saves: dict[int, str], out: str,
            want: dict[str, tuple[torch.Tensor, torch.Tensor]] | None) -> None:
@@ -126,16 +174,17 @@ def _phase(rank: int, world: int, program: ir.Program, plan: Plan, run_dir: str,
     ex = StageExecutor(program, plan, lower(plan, program), rank=rank,
                        groups=build_groups(plan))
     logs: list[str] = []
-    ckpts = {mode: Checkpointer(ex, run_dir, keep=3, mode=mode, log=logs.append)
-             for mode in ("sync", "thread")}
-    first = ckpts["sync"].resume()
-    losses = []
-    for step in range(first, first + steps):
-        losses.append(ex.run_step(step)["loss"])
-        if step + 1 in saves:
-            ckpts[saves[step + 1]].save(step + 1)
-    for c in ckpts.values():
-        c.close()
+    with _over_the_groups_there_are():
+        ckpts = {mode: Checkpointer(ex, run_dir, keep=3, mode=mode, log=logs.append)
+                 for mode in ("sync", "thread")}
+        first = ckpts["sync"].resume()
+        losses = []
+        for step in range(first, first + steps):
+            losses.append(ex.run_step(step)["loss"])
+            if step + 1 in saves:
+                ckpts[saves[step + 1]].save(step + 1)
+        for c in ckpts.values():
+            c.close()
     if want is not None:
         for name, p in ex.full_parameters().items():
             init, ref = want[name]
@@ -284,6 +333,53 @@ def test_frozen_units_are_saved_without_optimizer_state_and_resume_bitwise(tmp_p
     run(_frozen, 3, program, plan, str(tmp_path), str(tmp_path / "b.json"), timeout=120)
     b = json.loads((tmp_path / "b.json").read_text())
     assert b["first"] == 1 and b["losses"] == a["losses"][1:]
+
+
+def _late_and_failing(rank: int, world: int, program: ir.Program, plan: Plan,
+                      run_dir: str) -> None:
+    """Two background saves: in the first rank 1 writes late, in the second rank 2's
+    write fails."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    ex = StageExecutor(program, plan, lower(plan, program), rank=rank,
+                       groups=build_groups(plan))
+    ck = Checkpointer(ex, run_dir, mode="thread", log=lambda _: None)
+    write = FileSystemWriter.write_data
+    saves = []
+
+    def slow_or_broken(self: Any, *args: Any) -> Any:
+        if rank == 1 and len(saves) == 1:
+            time.sleep(1.5)
+        if rank == 2 and len(saves) == 2:
+            raise OSError(28, "No space left on device")
+        return write(self, *args)
+
+    root = checkpoint_root(run_dir)
+    with mock.patch.object(FileSystemWriter, "write_data", slow_or_broken), \
+            _over_the_groups_there_are():
+        saves.append(1)
+        ck.save(1)
+        ck.wait()
+        if rank == 0:       # committed only once rank 1 had written its part
+            assert [s for s, _ in complete_checkpoints(run_dir)] == [1]
+            assert any(p.name.startswith("__1_") for p in (root / "ckpt-1").iterdir())
+        saves.append(2)
+        ck.save(2)
+        if rank == 2:
+            with pytest.raises(CheckpointError, match="rank 2 could not write.*No space"):
+                ck.wait()
+        elif rank == 0:
+            with pytest.raises(CheckpointError, match=r"rank 2: OSError.*No space"):
+                ck.wait()
+            assert [s for s, _ in complete_checkpoints(run_dir)] == [1]
+            assert (root / "ckpt-2.tmp").is_dir()
+        else:
+            ck.wait()
+    ck.close()
+
+
+def test_rank_zero_commits_once_every_rank_has_written_and_never_after_a_failure(tmp_path):
+    run(_late_and_failing, PLAN_A.gpus_used, PROGRAM, PLAN_A, str(tmp_path), timeout=120)
 
 
 def test_a_failed_background_save_stops_the_run_at_once():
