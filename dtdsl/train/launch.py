@@ -416,7 +416,7 @@ def run(program: RankProgram, bundle: str | Path, argv: Sequence[str] | None = N
         # or read from pretrained weights first (unless it finds no checkpoint).
         ex = StageExecutor(program_ir, plan, schedule, rank=rank, groups=groups, feed=feed,
                            device=device, initialize=not resume)
-        # After build_groups on every rank: the checkpoints' own gloo group.
+        # Collective (its store keys' nonce is broadcast): every rank builds it here.
         ckpt = Checkpointer(ex, run_dir, keep=job.checkpoint.keep, mode=args.checkpoint_mode,
                             spec_sha256=job.spec_sha256)
         if resume and rank == 0:
