@@ -23,7 +23,10 @@ $SLURM_NODEID``). For every rank of the bundle (or of node K):
    (each local trainer's inbox, the node's announcement, one worker): the worker hears
    the node's ranks and reaches each of its trainers;
 4. **data**: the first ``--steps`` steps are drawn and routed as the workers route them,
-   and every rank's share counted (samples per step); rank 0's telemetry bytes per step
+   and every rank's share counted (samples per step); with ``--feed-bytes`` the first
+   checked node's ranks get step 0's batch messages built and encoded as a worker does,
+   their bytes reported (what a rank receives from the feed per step; real decoding, so
+   one node's worth and asked for); rank 0's telemetry bytes per step
    (``executor.telemetry_bytes`` over ``telemetry_every``) are held to
    ``executor.TELEMETRY_BYTES``.
 
@@ -69,6 +72,9 @@ class RankCheck:
     descriptors: int
     telemetry_bytes_per_step: float
     samples_per_step: list[int]
+    # step 0's batch message from the feed, measured on the first node checked (None
+    # elsewhere, or without workers)
+    feed_bytes: int | None = None
 
 
 @dataclass
@@ -304,6 +310,19 @@ def _bring_up_node(job: Any, ranks: Sequence[int], directory: Path,
 # ------------------------------------------------------------------------------- data
 
 
+def _message_bytes(bundle: Path, ranks: Sequence[int], data: str | None) -> list[int]:
+    """The bytes of step 0's batch message to each of ``ranks``, as a worker builds and
+    encodes it (its samples decoded or drawn: real work, so one node's worth)."""
+    from dtdsl.feed import wire
+    from dtdsl.feed.protocol import BATCH
+    from dtdsl.feed.worker import FeedContext, build_messages
+
+    ctx = FeedContext(bundle, data)
+    return [sum(len(memoryview(f).cast("B")) for f in wire.encode(BATCH, meta, arrays,
+                                                                  b"d" * 32))
+            for meta, arrays in build_messages(ctx, 0, ranks)]
+
+
 def _shares(bundle: Path, job: Any, program: Any, plan: Any, steps: int,
             data: str | None) -> list[list[int]]:
     """Samples per step of every rank, for the first ``steps`` steps, routed as the
@@ -339,7 +358,7 @@ def _shares(bundle: Path, job: Any, program: Any, plan: Any, steps: int,
 
 def dry_run(bundle: str | Path, *, node: int | None = None, steps: int = 1,
             data: str | None = None, max_fds: int = MAX_FDS,
-            device_type: str | None = None) -> DryRun:
+            device_type: str | None = None, feed_bytes: bool = False) -> DryRun:
     """Check ``bundle`` (every rank, or node ``node``'s): the module docstring says what."""
     from dtdsl.ir.plan import Plan
     from dtdsl.ir.program import Program
@@ -403,6 +422,11 @@ def dry_run(bundle: str | Path, *, node: int | None = None, steps: int = 1,
                     groups={n: list(m) for n, m in groups.items()}, placeholders=alone,
                     descriptors=fds,
                     telemetry_bytes_per_step=mine, samples_per_step=shares[r]))
+    if feed_bytes and job.feed.workers_per_node > 0 and report.ranks:
+        first = [c for c in report.ranks if c.node == report.checked_nodes[0]]
+        for c, n in zip(first, _message_bytes(bundle, [c.rank for c in first], data),
+                        strict=True):
+            c.feed_bytes = n
     report.checked_ranks = len(report.ranks)
     report.max_trainer_descriptors = max((c.descriptors for c in report.ranks), default=0)
     report.max_groups_per_rank = max((len(c.groups) for c in report.ranks), default=0)
@@ -432,6 +456,11 @@ def _summary(r: DryRun) -> str:
     if r.ranks:
         counts = sorted({n for c in r.ranks for n in c.samples_per_step})
         lines.append(f"  data: {counts[0]}..{counts[-1]} samples per rank per step")
+        sent = [c for c in r.ranks if c.feed_bytes is not None]
+        if sent:
+            lines.append(f"  feed: step 0's message to node {sent[0].node}'s ranks "
+                         f"{sent[0].rank}..{sent[-1].rank}: "
+                         + ", ".join(f"{c.feed_bytes / 2**20:.1f}" for c in sent) + " MiB")
     lines += [f"  problem: {p}" for p in r.problems[:50]]
     if len(r.problems) > 50:
         lines.append(f"  ... and {len(r.problems) - 50} more")
@@ -451,11 +480,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--device", choices=("cuda", "cpu"), help="what the ranks run on, so "
                    "which backend's connections to count (default: cuda with NCCL, cpu "
                    "with gloo for a cluster of CPUs)")
+    p.add_argument("--feed-bytes", action="store_true", help="build and measure step 0's "
+                   "batch messages to the first checked node's ranks (decodes their samples)")
     p.add_argument("--json", metavar="FILE", help="also write the full report here")
     args = p.parse_args(argv)
     try:
         report = dry_run(args.bundle, node=args.node, steps=max(1, args.steps),
-                         data=args.data, max_fds=args.max_fds, device_type=args.device)
+                         data=args.data, max_fds=args.max_fds, device_type=args.device,
+                         feed_bytes=args.feed_bytes)
     except (OSError, ValueError) as err:
         print(f"dry run: {err}", file=sys.stderr)
         return 2

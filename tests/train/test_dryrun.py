@@ -75,7 +75,11 @@ def test_a_wrong_group_or_too_many_descriptors_are_reported(tmp_path, monkeypatc
     from dtdsl.parallel import mesh
 
     bundle = _compile("tiny_cpu.dt", tmp_path / "tiny")
-    assert dryrun.dry_run(bundle, steps=2).ok
+    fine = dryrun.dry_run(bundle, steps=2, feed_bytes=True)
+    assert fine.ok and fine.backend == "gloo"
+    # Every rank's share of step 0 arrives in one message, measured as a worker encodes it.
+    assert all(c.feed_bytes > 0 for c in fine.ranks)
+    assert len({c.feed_bytes for c in fine.ranks}) > 1
     real = mesh.build_groups
 
     def with_a_world_group(plan, **kwargs):
