@@ -24,7 +24,10 @@ checkpoint with it) and ``manifest.json`` into it and renames the directory to
 ``ckpt-<N>/``. Rank 0 does so only once every rank has posted its write results (what
 DCP's finish step gathers) to the default group's store, which a rank does after its
 files are on disk (``fsync``ed): that is the barrier. A rank whose planning or write
-failed posts its error instead, and rank 0 commits nothing. So a directory without the
+failed posts its error instead, and rank 0 commits nothing. Rank 0 then posts the
+outcome (committed, or why not) to every other rank, and a save ends on no rank before
+it has that word: a rank that goes on past a save, or leaves the job, knows the
+checkpoint complete, and a failed commit raises on every rank. So a directory without the
 ``.tmp`` suffix is complete; ``latest_checkpoint`` also requires a readable manifest and
 DCP's ``.metadata``. An interrupted save leaves a ``.tmp`` directory that is never loaded
 and is removed when the job resumes. After each commit only the newest ``keep`` complete
@@ -62,7 +65,14 @@ the global metadata anyway). ``resume`` (rank 0's choice of step, broadcast) and
 then a background thread saves that copy and (rank 0) commits, at a lower CPU priority
 than the training (nice +10 for the thread, Linux). This is what ``dcp.async_save``'s
 thread mode does, with the commit in the same thread. At most one save is in flight: the
-next save, and ``wait``/``close``/``resume``, first wait for it. (DCP's process-based
+next save, and ``wait``/``close``/``resume``, first wait for it: for rank 0's commit, and
+for its thread to end (joined, not only its result: a daemon thread still freeing the
+staged copy when the interpreter exits is killed inside torch's tensor deallocation,
+which aborts the process, "terminate called without an active exception"). ``close``
+then holds rank 0 until every rank has closed, since rank 0's process may host the
+store the others read the commit from. A failing job's ``close(wait=False)`` abandons
+the save in flight: it posts an error under every key its thread may wait for, so that
+the thread ends, and joins it for a bounded time. (DCP's process-based
 ``async_save``, a checkpoint daemon per rank as DistTrain saves from a dedicated process,
 is not offered: its daemon outlives a SIGKILLed trainer, and it re-imports torch and joins
 a new gloo group at the first save, which is what a restarted job cannot afford.)
@@ -71,6 +81,7 @@ a new gloo group at the first save, which is what a restarted job cannot afford.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import os
 import pickle
@@ -359,6 +370,24 @@ class _Exchange:
         """Rank 0: message ``what`` to each rank, ``outcomes[r]`` to rank ``r``."""
         self.store.multi_set(self._keys(what), [pickle.dumps(o) for o in outcomes])
 
+    def announce(self, what: str, outcome: tuple[str, Any]) -> None:
+        """Rank 0: the same message ``what`` to every other rank."""
+        if self.world > 1:
+            self.store.multi_set(self._keys(what)[1:], [pickle.dumps(outcome)] *
+                                 (self.world - 1))
+
+    def cancel(self, text: str) -> None:
+        """Release this rank's saving thread from any wait of its exchange: an error
+        outcome ``text`` under every key it may be waiting for (this rank's plan part
+        and commit; on rank 0 also every rank's plan and write results). Best effort (a
+        store that is gone already failed the wait)."""
+        keys = self._keys("part")[self.rank:self.rank + 1] + \
+            self._keys("committed")[self.rank:self.rank + 1]
+        if self.rank == 0:
+            keys += self._keys("plan") + self._keys("written")
+        with contextlib.suppress(Exception):
+            self.store.multi_set(keys, [pickle.dumps(("error", text))] * len(keys))
+
 
 def _outcome(fn: Callable[[], Any]) -> tuple[str, Any]:
     try:
@@ -398,10 +427,10 @@ def _dcp_save(state: dict[str, Any], path: Path, ex: _Exchange) -> Any:
         except Exception as err:
             parts = [("error", f"planning failed: {err}")] * ex.world
         ex.scatter("part", parts)
-    plan = planner.finish_plan(ex.receive("part"))
+    part = ex.receive("part")       # raises when planning failed (rank 0 knows)
 
     def write() -> Any:
-        done = writer.write_data(plan, planner)
+        done = writer.write_data(planner.finish_plan(part), planner)
         done.wait()
         return done.value()
 
@@ -453,8 +482,11 @@ class Checkpointer:
         nonce = [uuid.uuid4().hex if self.rank == 0 else None]
         dist.broadcast_object_list(nonce, src=0)
         self._nonce, self._count = nonce[0], 0
+        self._closed_at = 0                 # the saves counted at the last close
         self._pending: Future | None = None
-        self.saved: list[int] = []          # steps committed (rank 0) or written (others)
+        self._thread: threading.Thread | None = None     # the save in flight's (thread)
+        self._exchange: _Exchange | None = None           # and its exchange
+        self.saved: list[int] = []          # steps committed (every rank: rank 0's commit)
         self.loaded: int | None = None      # the checkpoint ``resume`` loaded, if any
 
     # -- saving ---------------------------------------------------------------------------
@@ -477,8 +509,9 @@ class Checkpointer:
     def save(self, step: int) -> float:
         """Checkpoint the state after ``step`` steps (the next step to run is ``step``).
         Every rank calls it at the same step. Returns the seconds it took on this (the
-        training) thread: all of the save in ``sync`` mode; in ``thread`` mode the wait
-        for the previous save and staging the shards' CPU copy."""
+        training) thread: all of the save in ``sync`` mode (on every rank up to rank 0's
+        commit); in ``thread`` mode the wait for the previous save and staging the
+        shards' CPU copy."""
         start = time.perf_counter()
         self.wait()
         tmp = checkpoint_root(self.run_dir) / f"ckpt-{step}.tmp"
@@ -504,18 +537,44 @@ class Checkpointer:
             except BaseException as err:   # re-raised on the training thread by wait()
                 done.set_exception(err)
 
-        threading.Thread(target=write, name="dtdsl-checkpoint", daemon=True).start()
-        self._pending = done
+        # A daemon (a hung store must not keep a failing process alive), but joined by
+        # wait/close: it must never run into the interpreter's exit.
+        thread = threading.Thread(target=write, name="dtdsl-checkpoint", daemon=True)
+        thread.start()
+        self._pending, self._thread, self._exchange = done, thread, exchange
         return time.perf_counter() - start
 
     def _write(self, step: int, tmp: Path, fields: dict[str, Any] | None,
                state: dict[str, Any], exchange: _Exchange) -> None:
-        """DCP's save of ``state`` over the exchange; then rank 0 commits."""
-        metadata = _dcp_save(state, tmp, exchange)
-        if fields is not None:
+        """DCP's save of ``state`` over the exchange; then rank 0 commits and tells every
+        other rank the outcome, which they wait for: the save is done on no rank before
+        the checkpoint is complete, and its failure reaches every rank."""
+        if fields is None:
+            try:
+                _dcp_save(state, tmp, exchange)
+            except CheckpointError:
+                # Rank 0 learns of this rank's failure and commits nothing: wait for its
+                # word all the same (its key is read and removed), then raise our own.
+                with contextlib.suppress(Exception):
+                    exchange.receive("committed")
+                raise
+            try:
+                exchange.receive("committed")
+            except CheckpointError as err:
+                raise CheckpointError(f"ckpt-{step} was not committed: {err}") from None
+            self.saved.append(step)
+            return
+        try:
+            metadata = _dcp_save(state, tmp, exchange)
             manifest = Manifest(**fields, num_tensors=len(metadata.state_dict_metadata))
             final = _commit(tmp, manifest, self.keep, self.ex.program.model_dump_json())
-            self.log(f"checkpoint: saved {final} ({self.mode})")
+        except BaseException as err:
+            with contextlib.suppress(Exception):
+                exchange.announce("committed", ("error", f"rank 0: {type(err).__name__}: "
+                                                         f"{err}"))
+            raise
+        exchange.announce("committed", ("ok", step))
+        self.log(f"checkpoint: saved {final} ({self.mode})")
         self.saved.append(step)
 
     def poll(self) -> None:
@@ -529,19 +588,43 @@ class Checkpointer:
                                   f"{pending.exception()}") from pending.exception()
 
     def wait(self) -> None:
-        """Wait for the save in flight, if any (its commit included); re-raise its error."""
+        """Wait for the save in flight, if any: on every rank up to rank 0's commit, and
+        until its thread has ended; re-raise its error."""
+        thread, self._thread, self._exchange = self._thread, None, None
+        if thread is not None:
+            thread.join()
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.result()
 
+    # How long ``close(wait=False)`` waits for an abandoned save's thread to end.
+    ABANDON_S = 10.0
+
     def close(self, *, wait: bool = True) -> None:
-        """Wait for the save in flight. With ``wait=False`` (a job already failing) the
-        save in flight is abandoned: its ``.tmp`` directory is never loaded, and its
-        error is not raised."""
+        """Wait for the save in flight (``wait``), so that every rank leaves with the last
+        checkpoint committed; then, after any save, rank 0 waits until every rank has
+        closed (its process may host the store the others read the commit from).
+
+        With ``wait=False`` (a job already failing) the save in flight is abandoned: its
+        ``.tmp`` directory is never loaded and its error is not raised. Its thread is
+        released from any wait on the store (``_Exchange.cancel``) and joined for up to
+        ``ABANDON_S`` seconds, so that it does not run on into the interpreter's exit."""
         if not wait:
-            self._pending = None
+            thread, exchange = self._thread, self._exchange
+            self._pending = self._thread = self._exchange = None
+            if thread is not None and thread.is_alive():
+                if exchange is not None:
+                    exchange.cancel("abandoned: the job is failing")
+                thread.join(self.ABANDON_S)
             return
         self.wait()
+        if self._count > self._closed_at and self.world > 1:
+            self._closed_at = self._count
+            closing = _Exchange(f"dtdsl/checkpoint/{self._nonce}/close/{self._count}",
+                                self.rank, self.world)
+            closing.post("closed", ("ok", None))
+            if self.rank == 0:
+                closing.gather("closed")
 
     # -- resuming ---------------------------------------------------------------------------
 

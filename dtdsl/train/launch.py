@@ -451,6 +451,9 @@ def run(program: RankProgram, bundle: str | Path, argv: Sequence[str] | None = N
                       f"{result['time_s'] * 1e3:.0f} ms  data wait "
                       f"{result['data_wait_s'] * 1e3:.1f} ms{note}  "
                       f"({time.perf_counter() - start:.1f} s)", flush=True)
+        # Every rank waits here for rank 0's commit of the last save and for the saving
+        # thread to end (rank 0 also for every rank to get here): no rank leaves, nor
+        # destroys the process group, with a save in flight.
         ckpt.close()
         ckpt = None
         if hasattr(feed, "close"):
@@ -458,7 +461,7 @@ def run(program: RankProgram, bundle: str | Path, argv: Sequence[str] | None = N
     finally:
         if log is not None:
             log.close()
-        if ckpt is not None:      # failing: do not wait for a save in flight
+        if ckpt is not None:      # failing: abandon a save in flight (thread released, joined)
             ckpt.close(wait=False)
         dist.destroy_process_group()
     return 0

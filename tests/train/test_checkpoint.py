@@ -373,13 +373,100 @@ def _late_and_failing(rank: int, world: int, program: ir.Program, plan: Plan,
                 ck.wait()
             assert [s for s, _ in complete_checkpoints(run_dir)] == [1]
             assert (root / "ckpt-2.tmp").is_dir()
-        else:
-            ck.wait()
+        else:               # told by rank 0: no rank goes on believing it is saved
+            with pytest.raises(CheckpointError, match=r"ckpt-2 was not committed: rank 0: "
+                               r".*rank 2: OSError.*No space"):
+                ck.wait()
+        assert ck.saved == [1]
     ck.close()
 
 
 def test_rank_zero_commits_once_every_rank_has_written_and_never_after_a_failure(tmp_path):
     run(_late_and_failing, PLAN_A.gpus_used, PROGRAM, PLAN_A, str(tmp_path), timeout=120)
+
+
+PLAN_3 = plan_for(PROGRAM, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, 1, 1),
+                  ("gen", "generator", 1, 1, 1))
+
+
+class _SlowToFree(dict):
+    """A staged state dict whose release takes a while (as a large one's does)."""
+
+    def __del__(self) -> None:
+        time.sleep(0.5)
+
+
+def _late_commit(rank: int, world: int, program: ir.Program, plan: Plan,
+                 run_dir: str) -> None:
+    """A background save whose commit comes late (rank 0's ``_commit`` sleeps), then one
+    whose commit fails; the other ranks reach ``close``/``wait`` at once."""
+    import dtdsl.train.checkpoint as checkpoint
+
+    ex = StageExecutor(program, plan, lower(plan, program), rank=rank,
+                       groups=build_groups(plan))
+    ck = Checkpointer(ex, run_dir, mode="thread", log=lambda _: None)
+    copy, commit = checkpoint._cpu_copy, checkpoint._commit
+
+    def late(tmp: Path, manifest: Manifest, *args: Any) -> Path:
+        if manifest.step == 2:
+            raise OSError(28, "No space left on device")
+        time.sleep(1.0)
+        return commit(tmp, manifest, *args)
+
+    def alive() -> list[str]:
+        return [t.name for t in threading.enumerate() if t.name == "dtdsl-checkpoint"]
+
+    with mock.patch.object(checkpoint, "_commit", late), \
+            mock.patch.object(checkpoint, "_cpu_copy", lambda s: _SlowToFree(copy(s))):
+        ck.save(1)
+        ck.wait()
+        # Every rank's wait returns once rank 0 has committed, and once the saving thread
+        # has ended (nothing of it left running into the interpreter's exit).
+        assert [s for s, _ in complete_checkpoints(run_dir)] == [1]
+        assert ck.saved == [1] and not alive()
+        ck.save(2)
+        # rank 0's own error; the others' from rank 0
+        with pytest.raises(OSError if rank == 0 else CheckpointError,
+                           match="No space left" if rank == 0 else
+                           r"ckpt-2 was not committed: rank 0: OSError.*No space left"):
+            ck.close()
+        assert ck.saved == [1] and not alive()
+        assert [s for s, _ in complete_checkpoints(run_dir)] == [1]
+
+
+def test_every_rank_waits_for_the_commit_and_the_saving_thread(tmp_path):
+    run(_late_commit, PLAN_3.gpus_used, PROGRAM, PLAN_3, str(tmp_path), timeout=120)
+
+
+def _abandoned(rank: int, world: int, program: ir.Program, plan: Plan,
+               run_dir: str) -> None:
+    """A failing job abandons a background save: rank 2 still writes, rank 0 waits for
+    it in the store, rank 1 waits there for rank 0's commit."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    ex = StageExecutor(program, plan, lower(plan, program), rank=rank,
+                       groups=build_groups(plan))
+    ck = Checkpointer(ex, run_dir, mode="thread", log=lambda _: None)
+    write = FileSystemWriter.write_data
+
+    def slow(self: Any, *args: Any) -> Any:
+        if rank == 2:
+            time.sleep(2.0)
+        return write(self, *args)
+
+    with mock.patch.object(FileSystemWriter, "write_data", slow):
+        ck.save(1)
+        time.sleep(0.5)
+        start = time.perf_counter()
+        ck.close(wait=False)        # no error; the thread released from the store
+        took = time.perf_counter() - start
+    assert not [t for t in threading.enumerate() if t.name == "dtdsl-checkpoint"]
+    assert took < (3.0 if rank == 2 else 1.0), took
+    assert complete_checkpoints(run_dir) == []
+
+
+def test_an_abandoned_save_releases_its_thread(tmp_path):
+    run(_abandoned, PLAN_3.gpus_used, PROGRAM, PLAN_3, str(tmp_path), timeout=120)
 
 
 def test_a_failed_background_save_stops_the_run_at_once():
