@@ -7,7 +7,6 @@ killed."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -253,13 +252,14 @@ def test_dry_run_runs_preflight_then_the_dry_run_module(tmp_path, one_node, thre
 
 @pytest.mark.slow
 def test_dry_run_of_a_node_with_the_real_module(tmp_path, three_nodes):
-    if importlib.util.find_spec("dtdsl.train.dryrun") is None:
-        pytest.skip("dtdsl.train.dryrun is not built yet")
     proc = subprocess.run(["bash", str(three_nodes / "launch.sh"), "--dry-run", "--node-rank",
                            "2", "--run-dir", str(tmp_path / "run")],
                           env={**os.environ, "PYTHON": sys.executable}, capture_output=True,
                           text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # The last node holds the plan's last rank (and a spare): its groups, feed and data.
+    assert "1 of 5 ranks on 1 of 3 node(s)" in proc.stdout, proc.stdout
+    assert proc.stdout.rstrip().endswith("ok")
     assert not (tmp_path / "run").exists()
 
 
