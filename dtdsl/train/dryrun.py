@@ -329,9 +329,9 @@ def _shares(bundle: Path, job: Any, program: Any, plan: Any, steps: int,
     workers (or the in-process feed) route them."""
     from dtdsl.data.batch import route_batch
     from dtdsl.parallel.mesh import role_of
-    from dtdsl.train.launch import _data_source
+    from dtdsl.train.launch import data_source
 
-    source = _data_source(job, bundle, program, data)
+    source = data_source(job, bundle, program, data)
     work_model = None
     if job.reorder:
         from dtdsl.sim.workload import WorkModel

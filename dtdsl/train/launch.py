@@ -64,7 +64,7 @@ from typing import Any
 
 from dtdsl.train.job import RankEntry, RankProgram
 
-__all__ = ["TIMELINE_RANKS", "run"]
+__all__ = ["TIMELINE_RANKS", "data_source", "run"]
 
 # Jobs of at most this many ranks write every step's timelines to timelines.jsonl.
 TIMELINE_RANKS = 64
@@ -111,7 +111,9 @@ def _check(program: RankProgram, rank: int, plan: Any, schedule: Any) -> None:
                            "differs from schedule.txt; recompile the bundle")
 
 
-def _data_source(job: Any, bundle: Path, program_ir: Any, override: str | None) -> Any:
+def data_source(job: Any, bundle: Path, program_ir: Any, override: str | None) -> Any:
+    """The samples' source of a bundle's job: its dataset (or ``override``), or the spec's
+    synthetic draw. Read by the in-process feed, rank 0's predictions and the dry run."""
     from dtdsl.data.batch import SyntheticSource
 
     if job.data.kind == "synthetic" and override is None:
@@ -148,8 +150,6 @@ class _RunLog:
 
     def __init__(self, run_dir: Path, plan: Any, program_ir: Any, schedule: Any,
                  source: Any, first_step: int, cost: Any):
-        self.run_dir = run_dir
-        self.plan = plan
         for name in ("metrics.jsonl", "samples.jsonl", "timelines.jsonl"):
             _keep_before(run_dir / name, first_step)
         self.metrics = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
@@ -398,7 +398,7 @@ def run(program: RankProgram, bundle: str | Path, argv: Sequence[str] | None = N
         groups = build_groups(plan, device_type=device.type,
                               zero=program_ir.train.optimizer.zero)
         # The samples' source: read by the in-process feed, and by rank 0's predictions.
-        source = (_data_source(job, bundle, program_ir, args.data)
+        source = (data_source(job, bundle, program_ir, args.data)
                   if job.feed.workers == 0 or rank == 0 else None)
         if job.feed.workers > 0:
             from dtdsl.feed.client import RemoteBatches
