@@ -43,10 +43,22 @@ such as "trainer progress: step k". Binding takes one exact address (``tcp://HOS
 or ``ipc://PATH``); wildcard hosts and ports are refused unless asked for explicitly.
 One socket object belongs to one thread (zmq sockets are not thread-safe).
 
+Peers are authenticated before zmq reads a byte of their messages: a receiving socket
+(``Receiver``, ``Subscriber``) is a ZMTP PLAIN server, and its context's ZAP handler
+(``WireContext``'s gate, one thread per context) admits only a client whose password is a
+token derived from the job secret (HMAC-SHA256 of a fixed label, never the secret
+itself); sending sockets present it. zmq buffers a multipart message whole before
+``recv`` sees any of it, and counts its frame limit (``zmq.MAXMSGSIZE``) per frame, so
+checking message 0's tag first could not stop a peer from making a receiver hold
+hundreds of MiB; refusing the connection does. A refused peer is counted
+(``refused``) and logged once per receiver. The token travels in clear (PLAIN does not
+encrypt), like the payload: over ``ipc://`` in a private directory, as bundles use, only
+the job's user can see it; over TCP the network must be the job's.
+
 What this does not do: it does not stop replays (a recorded valid message sent again is
-valid again), does not hide the payload (no encryption), and does not authenticate a peer
-before zmq buffers its message (``zmq.MAXMSGSIZE`` bounds each frame, not the number of
-frames); binding only to the plan's addresses on a private network is the defence there.
+valid again), and does not hide the payload (no encryption). An authenticated peer's
+message is bounded per frame by ``zmq.MAXMSGSIZE`` and in total by ``max_bytes``, which
+``decode`` checks before hashing anything.
 """
 
 from __future__ import annotations
@@ -63,6 +75,7 @@ import stat
 import struct
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -85,7 +98,6 @@ __all__ = [
     "DEFAULT_MAX_BYTES",
     "DTYPES",
     "MAGIC",
-    "bounded_context",
     "MAX_HEADER_BYTES",
     "PREFIX",
     "SECRET_BYTES",
@@ -96,13 +108,16 @@ __all__ = [
     "Receiver",
     "Sender",
     "Subscriber",
+    "WireContext",
     "WireError",
+    "bounded_context",
     "check_address",
     "decode",
     "encode",
     "ephemeral_ports",
     "free_port_base",
     "new_secret",
+    "peer_token",
     "read_secret",
     "secret_from_text",
     "secret_to_text",
@@ -580,13 +595,102 @@ def _needs_ipv6(address: str) -> bool:
 # --- sockets -----------------------------------------------------------------------------
 
 
-def bounded_context(max_sockets: int) -> zmq.Context:
-    """A new zmq context that refuses more than ``max_sockets`` sockets (zmq's default is
-    1023): a process that should open a handful fails loudly at the first one too many
-    instead of running into the descriptor limit somewhere else. Terminate it when done."""
+def peer_token(secret: bytes) -> bytes:
+    """The PLAIN password of a peer that holds ``secret`` (hex of an HMAC of a fixed label:
+    seeing it on the wire tells nothing about the secret)."""
+    return hmac.new(_check_secret(secret), b"dtdsl-wire-peer-v1", "sha256").hexdigest().encode()
+
+
+
+class _Gate:
+    """A context's ZAP handler: admits a PLAIN client whose password is the token of the
+    receiving socket's domain, refuses (and counts, and logs once per domain) any other
+    PLAIN client. A peer that offers no credentials at all never gets this far: libzmq
+    closes a connection whose mechanism is not PLAIN at the greeting. One thread; its
+    REP socket is one of the context's sockets."""
+
+    ENDPOINT = "inproc://zeromq.zap.01"     # where libzmq asks (ZMQ RFC 27)
+    POLL_MS = 200
+
+    def __init__(self, context: zmq.Context) -> None:
+        self._socket = context.socket(zmq.REP)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.bind(self.ENDPOINT)
+        self._tokens: dict[bytes, bytes] = {}
+        self.refused: Counter[bytes] = Counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="dtdsl-zap", daemon=True)
+        self._thread.start()
+
+    def allow(self, domain: bytes, token: bytes) -> None:
+        self._tokens[domain] = token
+
+    def forget(self, domain: bytes) -> None:
+        self._tokens.pop(domain, None)
+
+    def _serve(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if self._socket.poll(self.POLL_MS, zmq.POLLIN):
+                    self._socket.send_multipart(self._answer(self._socket.recv_multipart()))
+        finally:
+            self._socket.close(linger=0)
+
+    def _answer(self, request: list[bytes]) -> list[bytes]:
+        version, request_id = (request + [b"", b""])[:2]
+        ok = (len(request) == 8 and version == b"1.0" and request[5] == b"PLAIN" and
+              request[2] in self._tokens and request[6] == b"dtdsl" and
+              hmac.compare_digest(request[7], self._tokens[request[2]]))
+        if ok:
+            return [b"1.0", request_id, b"200", b"OK", b"dtdsl", b""]
+        domain = request[2] if len(request) > 2 else b""
+        self.refused[domain] += 1
+        if self.refused[domain] == 1:
+            address = request[3].decode(errors="replace") if len(request) > 3 else "?"
+            _log.warning("refused a peer (%s) that does not hold the job secret; nothing "
+                         "it sends is read (further refusals are counted, not logged)",
+                         address or "a local peer")
+        return [b"1.0", request_id, b"400", b"not a peer of this job", b"", b""]
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+class WireContext(zmq.Context):
+    """A zmq context whose receiving sockets admit only peers that hold their secret
+    (module docstring): ``gate`` starts its ZAP handler with the first one. Every socket
+    of this module lives in one (``WireContext.instance()`` by default)."""
+
+    _gate: _Gate | None = None      # a class attribute: pyzmq lets instances set it
+
+    def gate(self) -> _Gate:
+        if self._gate is None:
+            self._gate = _Gate(self)
+        return self._gate
+
+    def _stop_gate(self) -> None:
+        if self._gate is not None:
+            self._gate.stop()
+            self._gate = None
+
+    def term(self) -> None:
+        self._stop_gate()
+        super().term()
+
+    def destroy(self, linger: int | None = None) -> None:
+        self._stop_gate()
+        super().destroy(linger)
+
+
+def bounded_context(max_sockets: int) -> WireContext:
+    """A new ``WireContext`` that refuses more than ``max_sockets`` sockets (zmq's default
+    is 1023; a context with a receiving socket holds one more, its ZAP handler's): a
+    process that should open a handful fails loudly at the first one too many instead of
+    running into the descriptor limit somewhere else. Terminate it when done."""
     if max_sockets < 1:
         raise ValueError("max_sockets must be at least 1")
-    context = zmq.Context()
+    context = WireContext()
     context.set(zmq.MAX_SOCKETS, max_sockets)
     return context
 
@@ -599,7 +703,23 @@ class _Socket:
                  linger_s: float) -> None:
         self._secret = _check_secret(secret)
         self._linger_s = linger_s
-        self._socket = (context or zmq.Context.instance()).socket(socket_type)
+        context = WireContext.instance() if context is None else context
+        if not isinstance(context, WireContext):
+            raise TypeError("a wire socket needs a WireContext (wire.bounded_context(n)), "
+                            f"not a {type(context).__name__}: its receivers authenticate "
+                            "peers through the context's ZAP handler")
+        self._context = context
+        self._socket = context.socket(socket_type)
+        if socket_type in (zmq.PULL, zmq.SUB):      # receives: authenticates its peers
+            # A ZAP domain of its own: receivers of other secrets may share the context,
+            # and refusals are counted per receiver.
+            self._domain = f"dtdsl-{secrets.token_hex(8)}".encode()
+            context.gate().allow(self._domain, peer_token(self._secret))
+            self._socket.setsockopt(zmq.PLAIN_SERVER, 1)
+            self._socket.setsockopt(zmq.ZAP_DOMAIN, self._domain)
+        else:                                       # sends: shows it holds the secret
+            self._socket.setsockopt(zmq.PLAIN_USERNAME, b"dtdsl")
+            self._socket.setsockopt(zmq.PLAIN_PASSWORD, peer_token(self._secret))
         self.address = ""
 
     def _bind(self, address: str, allow_wildcard: bool) -> None:
@@ -661,6 +781,9 @@ class _Socket:
         if not self._socket.closed:
             linger = self._linger_s if linger_s is None else linger_s
             self._socket.close(linger=round(linger * 1000))
+            gate = self._context._gate
+            if gate is not None and getattr(self, "_domain", None):
+                gate.forget(self._domain)
 
     def __enter__(self):
         return self
@@ -687,6 +810,13 @@ class _Inbox(_Socket):
         self._socket.setsockopt(zmq.MAXMSGSIZE, max(max_bytes, MAX_HEADER_BYTES))
         self._socket.setsockopt(zmq.RCVHWM, hwm)
         self._socket.setsockopt(zmq.LINGER, 0)
+
+    @property
+    def refused(self) -> int:
+        """Connections of peers with credentials that are not the secret's, refused so far
+        (a peer without any is closed by libzmq before it is asked, and not counted)."""
+        gate = self._context._gate
+        return gate.refused[self._domain] if gate is not None else 0
 
     def recv(self, timeout_s: float | None = 0.0) -> Message | None:
         """The next valid message, or None if none came within ``timeout_s`` (None: wait

@@ -49,7 +49,9 @@ group (sequence numbers cross and the ranks hang), and a second world-size gloo 
 it costs every rank a socket to every other rank (1169 descriptors at 1170 ranks). So a
 save runs DCP's own planner and writer with its two steps carried by the default group's
 store instead (``_Exchange``: a key per message and rank, under a prefix unique to the
-save, deleted by its reader): no collective at all, safe from any thread, and nothing on
+save, deleted by its reader; anyone who reaches the store can write it, so messages are
+plain records authenticated with a secret the ranks share over the process group,
+``dcp_safe``): no collective at all, safe from any thread, and nothing on
 the training thread but the staging. Rank 0's store (the torchrun or rank-0 TCPStore)
 carries the local plans once; DCP's plan caching then reduces a rank whose plan did not
 change to a flag. Two rejected alternatives: planning on the training thread over the
@@ -84,12 +86,11 @@ import base64
 import contextlib
 import hashlib
 import os
-import pickle
 import re
+import secrets
 import shutil
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
@@ -329,25 +330,74 @@ class _Exchange:
     """One save's messages between the ranks, through the default group's store (a key
     per message and rank under ``key``, unique to the save), never a collective: safe
     from any thread while the training thread runs its collectives. A message is an
-    outcome, ``("ok", value)`` or ``("error", text)``; its reader deletes it."""
+    outcome, ``("ok", value)`` or ``("error", text)``; its reader deletes it.
 
-    def __init__(self, key: str, rank: int, world: int) -> None:
+    The store is open to anyone who reaches its port, so a message is a record of plain
+    data (``dcp_safe.seal``: msgpack, DCP's classes by name, an HMAC with the
+    Checkpointer's secret over key and payload) appended to its key. A reader takes the
+    first authentic record and ignores, and reports once through ``log``, whatever else
+    it finds there; a value someone else wrote first does not hide the real one."""
+
+    POLL_S = 0.05       # how often a reader looks again when a key holds no real record
+
+    def __init__(self, key: str, rank: int, world: int, secret: bytes,
+                 log: Callable[[str], None]) -> None:
         import torch.distributed.distributed_c10d as c10d
 
         self.store = c10d._get_default_store()
         self.key, self.rank, self.world = key, rank, world
+        self._secret, self._log = secret, log
+        self._reported = False
 
     def _keys(self, what: str) -> list[str]:
         return [f"{self.key}/{what}/{r}" for r in range(self.world)]
 
+    def _put(self, keys: list[str], outcomes: list[tuple[str, Any]]) -> None:
+        from dtdsl.train import dcp_safe
+
+        for key, outcome in zip(keys, outcomes, strict=True):
+            self.store.append(key, dcp_safe.seal(self._secret, key, outcome))
+
+    def _take(self, key: str) -> tuple[str, Any]:
+        """The authentic outcome under ``key`` (waiting for it up to the store's timeout);
+        its key is deleted."""
+        from dtdsl.train import dcp_safe
+
+        timeout_s = self.store.timeout.total_seconds()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            data = self.store.get(key)          # waits for the key, up to the timeout
+            try:
+                found, outcome, forged = dcp_safe.unseal(self._secret, key, data)
+            except dcp_safe.UnsafeMetadata as err:   # authentic but not ours: a bug
+                raise CheckpointError(f"{key}: {err}") from None
+            if forged:
+                self._report(key)
+            if found:
+                if not (isinstance(outcome, tuple) and len(outcome) == 2 and
+                        outcome[0] in ("ok", "error")):
+                    raise CheckpointError(f"{key}: not an outcome")
+                self.store.delete_key(key)
+                return outcome
+            if time.monotonic() >= deadline:
+                raise CheckpointError(
+                    f"no message from this job under {key} within {timeout_s:g} s: "
+                    "its key holds only values someone else wrote")
+            time.sleep(self.POLL_S)
+
+    def _report(self, key: str) -> None:
+        if not self._reported:
+            self._reported = True
+            self._log(f"checkpoint: ignored a value under {key} that this job did not "
+                      "write: something else can reach the rendezvous store (keep it on "
+                      "a network only the job's hosts reach)")
+
     def post(self, what: str, outcome: tuple[str, Any]) -> None:
-        self.store.set(self._keys(what)[self.rank], pickle.dumps(outcome))
+        self._put(self._keys(what)[self.rank:self.rank + 1], [outcome])
 
     def receive(self, what: str) -> Any:
         """This rank's message ``what`` (waiting for it, up to the store's timeout)."""
-        key = self._keys(what)[self.rank]
-        status, value = pickle.loads(self.store.get(key))
-        self.store.delete_key(key)
+        status, value = self._take(self._keys(what)[self.rank])
         if status != "ok":
             raise CheckpointError(value)
         return value
@@ -355,11 +405,7 @@ class _Exchange:
     def gather(self, what: str) -> list[Any]:
         """Rank 0: every rank's message ``what``; CheckpointError naming the ranks that
         posted an error."""
-        keys = self._keys(what)
-        self.store.wait(keys)
-        outcomes = [pickle.loads(v) for v in self.store.multi_get(keys)]
-        for key in keys:
-            self.store.delete_key(key)
+        outcomes = [self._take(key) for key in self._keys(what)]
         failed = [f"rank {r}: {value}" for r, (status, value) in enumerate(outcomes)
                   if status != "ok"]
         if failed:
@@ -368,13 +414,11 @@ class _Exchange:
 
     def scatter(self, what: str, outcomes: list[tuple[str, Any]]) -> None:
         """Rank 0: message ``what`` to each rank, ``outcomes[r]`` to rank ``r``."""
-        self.store.multi_set(self._keys(what), [pickle.dumps(o) for o in outcomes])
+        self._put(self._keys(what), outcomes)
 
     def announce(self, what: str, outcome: tuple[str, Any]) -> None:
         """Rank 0: the same message ``what`` to every other rank."""
-        if self.world > 1:
-            self.store.multi_set(self._keys(what)[1:], [pickle.dumps(outcome)] *
-                                 (self.world - 1))
+        self._put(self._keys(what)[1:], [outcome] * (self.world - 1))
 
     def cancel(self, text: str) -> None:
         """Release this rank's saving thread from any wait of its exchange: an error
@@ -386,7 +430,23 @@ class _Exchange:
         if self.rank == 0:
             keys += self._keys("plan") + self._keys("written")
         with contextlib.suppress(Exception):
-            self.store.multi_set(keys, [pickle.dumps(("error", text))] * len(keys))
+            self._put(keys, [("error", text)] * len(keys))
+
+
+def _broadcast_bytes(data: bytes | None, nbytes: int) -> bytes:
+    """Rank 0's ``data`` (``nbytes`` long) on every rank, as a tensor over the default
+    group (no pickle, and nothing through the store)."""
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device("cpu")
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    if data is not None:
+        buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    dist.broadcast(buffer, src=0)
+    return bytes(buffer.cpu().tolist())
 
 
 def _outcome(fn: Callable[[], Any]) -> tuple[str, Any]:
@@ -478,16 +538,21 @@ class Checkpointer:
         self.plan_sha256 = plan_sha256(ex.plan)
         self.log = log or (lambda text: print(text, flush=True))
         # The saves' keys in the store: unique to this Checkpointer (a restarted job may
-        # share the store with the attempt before it) and to each save.
-        nonce = [uuid.uuid4().hex if self.rank == 0 else None]
-        dist.broadcast_object_list(nonce, src=0)
-        self._nonce, self._count = nonce[0], 0
+        # share the store with the attempt before it) and to each save. The secret that
+        # authenticates their messages travels over the process group, never the store.
+        shared = _broadcast_bytes(secrets.token_bytes(16 + 32) if self.rank == 0 else None,
+                                  16 + 32)
+        self._nonce, self._secret, self._count = shared[:16].hex(), shared[16:], 0
         self._closed_at = 0                 # the saves counted at the last close
         self._pending: Future | None = None
         self._thread: threading.Thread | None = None     # the save in flight's (thread)
         self._exchange: _Exchange | None = None           # and its exchange
         self.saved: list[int] = []          # steps committed (every rank: rank 0's commit)
         self.loaded: int | None = None      # the checkpoint ``resume`` loaded, if any
+
+    def _new_exchange(self, name: str) -> _Exchange:
+        return _Exchange(f"dtdsl/checkpoint/{self._nonce}/{name}", self.rank, self.world,
+                         self._secret, self.log)
 
     # -- saving ---------------------------------------------------------------------------
 
@@ -518,8 +583,7 @@ class Checkpointer:
         tmp.mkdir(parents=True, exist_ok=True)
         manifest = self._manifest(step) if self.rank == 0 else None
         self._count += 1
-        exchange = _Exchange(f"dtdsl/checkpoint/{self._nonce}/{self._count}", self.rank,
-                             self.world)
+        exchange = self._new_exchange(str(self._count))
         state = state_dict(self.ex)
         if self.mode == "sync":
             self._write(step, tmp, manifest, state, exchange)
@@ -620,8 +684,7 @@ class Checkpointer:
         self.wait()
         if self._count > self._closed_at and self.world > 1:
             self._closed_at = self._count
-            closing = _Exchange(f"dtdsl/checkpoint/{self._nonce}/close/{self._count}",
-                                self.rank, self.world)
+            closing = self._new_exchange(f"close/{self._count}")
             closing.post("closed", ("ok", None))
             if self.rank == 0:
                 closing.gather("closed")
@@ -633,8 +696,9 @@ class Checkpointer:
         rank loads its part, resharded to this plan) and return the step to continue
         from; 0 when there is none. Collective. Removes interrupted saves first."""
         import torch
-        import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
+
+        from dtdsl.train import dcp_safe
 
         self.wait()
         found = -1
@@ -642,9 +706,8 @@ class Checkpointer:
             _remove_incomplete(self.run_dir)
             done = complete_checkpoints(self.run_dir)
             found = done[-1][0] if done else -1
-        pick = [found]
-        dist.broadcast_object_list(pick, src=0)     # over the default group, any backend
-        step = int(pick[0])
+        step = int.from_bytes(_broadcast_bytes(found.to_bytes(8, "little", signed=True),
+                                               8), "little", signed=True)
         if step < 0:
             if self.rank == 0:
                 self.log(f"checkpoint: none in {checkpoint_root(self.run_dir)}; "
@@ -660,7 +723,7 @@ class Checkpointer:
         start = time.perf_counter()
         state = state_dict(self.ex)
         try:
-            dcp.load(state, checkpoint_id=str(path))
+            dcp.load(state, checkpoint_id=str(path), storage_reader=dcp_safe.SafeReader(path))
         except Exception as err:
             raise CheckpointError(f"cannot load {path}: {err}") from err
         load_state_dict(self.ex, state)

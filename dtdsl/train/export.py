@@ -36,6 +36,7 @@ from dtdsl.train.checkpoint import (
     complete_checkpoints,
     read_manifest,
 )
+from dtdsl.train.dcp_safe import SafeReader, UnsafeMetadata, read_metadata
 
 __all__ = ["BATCH_BYTES", "ExportedUnit", "export_checkpoint", "find_checkpoint"]
 
@@ -98,7 +99,7 @@ class _Reader:
                 size += nbytes
             with warnings.catch_warnings():     # DCP's note that it loads in one process
                 warnings.filterwarnings("ignore", message=".*single process")
-                self._dcp.load(batch, checkpoint_id=str(self.path), no_dist=True)
+                self._dcp.load(batch, storage_reader=SafeReader(self.path), no_dist=True)
             self._cache.update(batch)
         return self._cache.pop(key)
 
@@ -127,13 +128,14 @@ def export_checkpoint(path: str | Path, out: str | Path, *, step: int | None = N
     checkpoint directory) into ``out`` (module docstring). ``dtype``: ``fp32``, ``bf16`` or
     ``fp16`` (default: as trained, fp32 master weights); ``units``: only these;
     ``program``: the spec's program when the checkpoint has none."""
-    from torch.distributed.checkpoint import FileSystemReader
-
     from dtdsl.models.hf import HFError, export_module
 
     ckpt = find_checkpoint(path, step)
     prog = _program(ckpt, program)
-    metadata = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    try:
+        metadata = read_metadata(ckpt).state_dict_metadata
+    except UnsafeMetadata as err:
+        raise CheckpointError(str(err)) from None
     names = [m.name for m in prog.modules] + [p.name for p in prog.projectors]
     if units is not None:
         unknown = sorted(set(units) - set(names))

@@ -67,8 +67,9 @@ class FeedConfig(_Model):
 
     def max_sockets(self, gpus_per_node: int) -> int:
         """The zmq sockets one feed process may open (the limit set on its context): a
-        worker's senders to every local trainer and its subscription, with room to spare."""
-        return gpus_per_node + 2
+        worker's senders to every local trainer, its subscription and its context's ZAP
+        handler (``wire.WireContext``), with room to spare."""
+        return gpus_per_node + 3
 
 
 # The environment variable that names a node's feed directory (launch.sh sets it).

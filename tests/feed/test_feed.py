@@ -108,6 +108,7 @@ def test_a_live_trainer_inbox_takes_only_valid_batches(bundle, tmp_path):
     import zmq
 
     raw = zmq.Context.instance().socket(zmq.PUSH)
+    raw.plain_username, raw.plain_password = b"dtdsl", wire.peer_token(secret)
     raw.connect(address)
     good = {step: build_messages(ctx, step)[1] for step in range(3)}
     try:
@@ -196,7 +197,7 @@ def test_feed_processes_open_a_bounded_number_of_sockets(bundle, tmp_path):
 
     job = load_job(bundle)
     limit = job.feed.max_sockets(job.gpus_per_node)
-    assert limit == job.gpus_per_node + 2
+    assert limit == job.gpus_per_node + 3
     context = wire.bounded_context(limit)
     try:
         sockets = [context.socket(zmq.PUSH) for _ in range(limit)]
