@@ -188,7 +188,8 @@ def test_files_it_did_not_write_are_never_touched(tmp_path: Path):
     assert _state(theirs) == {"index.json": b'{"a": 1}', "shard-000000.tar": b"their data"}
 
 
-@pytest.mark.parametrize("name", ["shard-000003.tar", "notes.txt", "sub/x", "shard-000000.tar.partial"])
+@pytest.mark.parametrize("name", ["shard-000003.tar", "notes.txt", "sub/x",
+                                  "shard-000000.tar.partial"])
 def test_a_file_the_index_does_not_list_is_refused_not_replaced(tmp_path: Path, name):
     """Ours, with someone's file beside the shards the index lists (one with the name of a
     shard the new dataset would write): refused, overwrite or not; nothing changes."""
