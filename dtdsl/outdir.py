@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["RECORD", "Listed", "OutputError", "Snapshot", "Staged", "check_name",
-           "file_sha256", "fresh_dir", "read_record", "real_dir", "stage", "verify_owned",
-           "write_record"]
+           "file_sha256", "fresh_dir", "read_record", "real_dir", "replace_folder", "stage",
+           "verify_owned", "verify_recorded", "write_record"]
 
 RECORD = "dtdsl-manifest.json"      # what a Hugging Face directory of dtdsl's holds
 _RECORD_FORMAT = "dtdsl-files"
@@ -315,3 +315,31 @@ def read_record(folder: Path) -> dict[str, Listed] | None:
         raise OutputError(f"{path} is not a record dtdsl wrote ({err}); nothing was changed: "
                           "remove the folder by hand if it is yours") from None
     return listed
+
+
+def verify_recorded(folder: Path) -> Snapshot:
+    """That ``folder`` may be replaced by a folder with a ``RECORD``: it is new or empty,
+    or holds a ``RECORD`` and exactly what it lists, unchanged. OutputError otherwise."""
+    if not real_dir(folder) or not any(folder.iterdir()):
+        return Snapshot.take(folder, (), lambda rel, st: False)
+    listed = read_record(folder)
+    if listed is None:
+        names = sorted(p.name for p in folder.iterdir())
+        raise OutputError(f"{folder} holds files dtdsl did not write ({_shown(names)}): it has "
+                          f"no {RECORD} (someone else's, or written by a dtdsl that kept "
+                          "none); nothing was changed: remove it by hand, or write into "
+                          "another folder")
+    return verify_owned(folder, listed, record=str(folder / RECORD))
+
+
+def replace_folder(folder: Path, write: Callable[[Path], None]) -> None:
+    """Fill a new folder beside ``folder`` with ``write(new)`` and a ``RECORD``, then swap
+    it in for ``folder`` (``verify_recorded`` first: OutputError, nothing changed)."""
+    staged = stage(folder, verify_recorded(folder))
+    try:
+        write(staged.path)
+        write_record(staged.path)
+        staged.commit()
+    except BaseException:
+        staged.discard()
+        raise
