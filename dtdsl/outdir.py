@@ -14,7 +14,9 @@ manifest, ``RECORD`` here), and replacing one follows the same rules:
 - the new contents go into a fresh folder beside the target (``stage``) and are swapped
   in with two renames (``Staged.commit``) once the old folder is seen unchanged since it
   was verified, so a refusal, an error or a crash part-way leaves the old folder whole;
-  then the replaced files are removed, only those verified.
+  then the replaced files are removed, only those verified. (The folder itself is
+  replaced: a shell inside it is left in the removed one. An empty folder is filled
+  instead, its record last.)
 
 Nothing here deletes a file that is not listed, or one whose checksum no longer matches.
 """
@@ -143,6 +145,11 @@ class Snapshot:
     state: Mapping[str, Any] = field(default_factory=dict)
     keep: Keep = field(default=lambda rel, st: False)
 
+    @property
+    def empty(self) -> bool:
+        """Whether the folder was there and empty (one someone made for the output)."""
+        return self.exists and not self.ours and self.state.get("/", (0, ()))[1] == ()
+
     @classmethod
     def take(cls, root: Path, ours: Iterable[str], keep: Keep,
              found: dict[str, os.stat_result] | None = None) -> Snapshot:
@@ -178,7 +185,10 @@ class Snapshot:
         then ``where`` itself; OutputError if anything else is left there."""
         for rel in self.ours:
             path = where / rel
-            st = os.lstat(path)
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                continue
             if stat.S_ISREG(st.st_mode) and _identity(st) == self.state.get(rel):
                 path.unlink()
         for rel in sorted(self.folders, key=lambda r: -r.count("/")):
@@ -247,20 +257,29 @@ def fresh_dir(parent: Path, prefix: str) -> Path:
 
 @dataclass(frozen=True)
 class Staged:
-    """A folder's new contents, written into ``path`` beside ``target``."""
+    """A folder's new contents, written into ``path`` beside ``target``; ``last``: the
+    file that says the contents are complete (the record), moved in last."""
 
     target: Path
     path: Path
     snapshot: Snapshot
+    last: str = ""
 
     def commit(self) -> None:
-        """Swap ``path`` in for ``target`` (module docstring)."""
+        """Swap ``path`` in for ``target`` (module docstring). An empty folder someone made
+        is filled instead (its owner, mode, and a shell sitting in it, stay)."""
         target = self.target
         if not self.snapshot.exists:
             os.replace(self.path, target)     # fails on a folder that appeared, non-empty
             return
-        os.chmod(self.path, stat.S_IMODE(os.lstat(target).st_mode))
         self.snapshot.recheck()
+        if self.snapshot.empty:
+            for entry in sorted(self.path.iterdir(), key=lambda p: (p.name == self.last,
+                                                                    p.name)):
+                os.replace(entry, target / entry.name)
+            self.path.rmdir()
+            return
+        os.chmod(self.path, stat.S_IMODE(os.lstat(target).st_mode))
         aside = fresh_dir(target.parent, f".{target.name}.dtdsl-old-")
         os.replace(target, aside)
         try:
@@ -274,10 +293,12 @@ class Staged:
         shutil.rmtree(self.path, ignore_errors=True)
 
 
-def stage(target: Path, snapshot: Snapshot) -> Staged:
-    """A fresh folder beside ``target`` (verified as ``snapshot``) for its new contents."""
+def stage(target: Path, snapshot: Snapshot, last: str = RECORD) -> Staged:
+    """A fresh folder beside ``target`` (verified as ``snapshot``) for its new contents,
+    ``last`` the record that completes them."""
+    target = Path(os.path.abspath(target))      # "." has no name and no folder beside it
     return Staged(target=target, path=fresh_dir(target.parent, f".{target.name}.dtdsl-new-"),
-                  snapshot=snapshot)
+                  snapshot=snapshot, last=last)
 
 
 def write_record(folder: Path, **fields: Any) -> None:

@@ -324,7 +324,7 @@ def emit_bundle(out: str | Path, *, source: bytes, program: ir.Program, plan: Pl
     files = _files(source, program, plan, schedule, job, view, profile)
     files.append(_manifest(view, files))
     snapshot, earlier = _verify(out, overwrite, [f.path for f in files] + [SECRET_FILE])
-    staged = stage(out, snapshot) if not earlier else None
+    staged = stage(out, snapshot, last=MANIFEST) if not earlier else None
     try:
         staging = staged.path if staged is not None else fresh_dir(out, _STAGING)
         try:

@@ -538,7 +538,7 @@ def _prepare_directory(directory: Path, overwrite: bool) -> Snapshot:
 
 def _staged(directory: Path, snapshot: Snapshot) -> Staged:
     try:
-        return stage(directory, snapshot)
+        return stage(directory, snapshot, last=INDEX_NAME)
     except OSError as err:
         raise DatasetError(f"cannot write beside {directory}: {err.strerror or err}") from None
 

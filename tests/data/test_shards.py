@@ -161,7 +161,10 @@ def _state(folder: Path) -> dict[str, bytes]:
 
 def test_non_empty_directory_needs_overwrite(tmp_path: Path):
     out = tmp_path / "d"
+    out.mkdir()
+    made = out.stat().st_ino
     write_dataset(out, _samples(), samples_per_shard=1)
+    assert out.stat().st_ino == made        # an empty folder someone made is filled
     with pytest.raises(DatasetExists, match=f"{out} is not empty"):
         write_dataset(out, _samples()[:1])
     write_dataset(out, _samples()[:2], samples_per_shard=1, overwrite=True)
