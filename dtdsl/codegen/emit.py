@@ -224,13 +224,17 @@ def _earlier(out: Path) -> dict[str, Listed]:
         files, replacing = body["files"], body.get("replacing", {})
         if not isinstance(files, dict) or not isinstance(replacing, dict):
             raise TypeError("files is not a map of names to sha256")
-        listed = {MANIFEST: Listed(), SECRET_FILE: Listed(check=_is_secret)}
+        listed = {MANIFEST: Listed(), SECRET_FILE: Listed(size=65, check=_is_secret)}
         for name in files.keys() | replacing.keys():
             check_name(name, str(manifest))
-            digests = [files.get(name), *replacing.get(name, [])]
-            if not all(isinstance(d, str) for d in digests if d is not None):
+            before = replacing.get(name, [])
+            digests = [files.get(name), *before] if isinstance(before, list) else [None]
+            if not all(isinstance(d, str) for d in digests if d is not None) or \
+                    not any(digests):
                 raise TypeError(f"{name}: its sha256 is not text")
             listed[name] = Listed(sha256=frozenset(d for d in digests if d is not None))
+    except OutputError:
+        raise
     except OSError as err:
         raise BundleError(f"cannot read {manifest}: {err.strerror or err}") from None
     except (ValueError, KeyError, TypeError, AttributeError) as err:
