@@ -787,7 +787,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
             return code
         program = result.program
     out = Path(args.output)
-    if out.exists() and any(out.iterdir()) and not args.overwrite:
+    if out.is_dir() and any(out.iterdir()) and not args.overwrite:
         raise UsageError(f"{out} is not empty; pass --overwrite to write into it")
     units = tuple(u for u in args.units.split(",") if u) if args.units else None
     try:

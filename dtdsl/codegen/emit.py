@@ -17,6 +17,12 @@ the spec and its sha256; every Python file is compiled and the shell scripts are
 with ``bash -n`` before anything is written. Nothing in a bundle depends on the time, the
 machine or absolute paths (the solver's wall time is recorded as 0 in ``plan.json``), so
 two compiles of one spec give byte-identical files.
+
+``--overwrite`` replaces an earlier bundle only when it can tell every file there is one it
+wrote (``dtdsl.outdir``): each file the old manifest lists, unchanged (its sha256), the key,
+and what a run leaves (run directories, ``slurm-JOBID.out``, ``__pycache__``), which stays.
+A file the manifest does not list, a changed one, a symbolic link, or a manifest naming a
+path outside the bundle is refused, naming it, before anything is written or removed.
 """
 
 from __future__ import annotations
@@ -25,10 +31,12 @@ import hashlib
 import json
 import math
 import os
+import re
 import shlex
 import shutil
+import stat
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +50,16 @@ from dtdsl.feed.worker import worker_fields
 from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan
 from dtdsl.ir.schedule import Schedule, schedule_text
+from dtdsl.outdir import (
+    Listed,
+    OutputError,
+    Snapshot,
+    check_name,
+    fresh_dir,
+    real_dir,
+    stage,
+    verify_owned,
+)
 from dtdsl.resources import templates_dir
 from dtdsl.train.job import Job
 
@@ -185,49 +203,145 @@ def _manifest(view: BundleView, files: list[_File]) -> _File:
     return _File(MANIFEST, (json.dumps(body, indent=2, sort_keys=True) + "\n").encode())
 
 
-def _clear(out: Path, overwrite: bool) -> None:
-    """Make ``out`` ready for a bundle: new or empty, or (``overwrite``) an earlier
-    bundle, whose files (those its manifest lists, and the key) are removed; anything
-    else there (a run directory) is kept."""
-    if out.exists() and not out.is_dir():
-        raise BundleError(f"{out} is a file; give a directory for the bundle")
-    if not out.exists() or not any(out.iterdir()):
-        return
+# What a run leaves in a bundle that is not the bundle's: Slurm's output file (submitted
+# from the bundle's folder); run directories and Python's caches are folders, spared whole.
+_SLURM_OUTPUT = re.compile(r"slurm-\d+(_\d+)?\.out")
+_SECRET = re.compile(rb"[0-9a-f]{64}\n")
+_STAGING = ".dtdsl-new-"
+
+
+def _is_secret(path: Path) -> bool:
+    """A job key as ``write_secret`` writes it (the one file the manifest cannot list)."""
+    return _SECRET.fullmatch(path.read_bytes()) is not None
+
+
+def _earlier(out: Path) -> dict[str, Listed]:
+    """What the earlier bundle's manifest lists (the manifest and the key as well): each
+    file's sha256, or both of its digests while a replacement was under way."""
     manifest = out / MANIFEST
-    if not manifest.is_file():
-        raise BundleError(f"{out} is not empty and holds no bundle ({MANIFEST}); give a new "
-                          "or empty directory")
-    if not overwrite:
-        raise BundleError(f"{out} already holds a bundle; pass --overwrite to replace it "
-                          "(its run directories are kept)")
     try:
-        listed: Mapping[str, str] = json.loads(manifest.read_text("utf-8"))["files"]
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise BundleError(f"cannot read {manifest}: {err}") from None
-    for rel in [*listed, MANIFEST, SECRET_FILE]:
-        target = (out / rel).resolve()
-        if out.resolve() not in target.parents:
-            raise BundleError(f"{manifest} lists {rel!r}, outside the bundle")
-        target.unlink(missing_ok=True)
+        body = json.loads(manifest.read_bytes())
+        files, replacing = body["files"], body.get("replacing", {})
+        if not isinstance(files, dict) or not isinstance(replacing, dict):
+            raise TypeError("files is not a map of names to sha256")
+        listed = {MANIFEST: Listed(), SECRET_FILE: Listed(size=65, check=_is_secret)}
+        for name in files.keys() | replacing.keys():
+            check_name(name, str(manifest))
+            before = replacing.get(name, [])
+            digests = [files.get(name), *before] if isinstance(before, list) else [None]
+            if not all(isinstance(d, str) for d in digests if d is not None) or \
+                    not any(digests):
+                raise TypeError(f"{name}: its sha256 is not text")
+            listed[name] = Listed(sha256=frozenset(d for d in digests if d is not None))
+    except OutputError:
+        raise
+    except OSError as err:
+        raise BundleError(f"cannot read {manifest}: {err.strerror or err}") from None
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise BundleError(f"{manifest} is not a bundle manifest dtdsl wrote ({err}); nothing "
+                          "was changed: remove the folder by hand if it is yours") from None
+    return listed
+
+
+def _spared(ours: set[str]) -> Callable[[str, os.stat_result], bool]:
+    """What replacing a bundle leaves alone: at its top, folders (and links) that are
+    not the bundle's (run directories) and Slurm's output; inside the bundle's folders,
+    Python's ``__pycache__``."""
+    def keep(rel: str, st: os.stat_result) -> bool:
+        top, _, rest = rel.partition("/")
+        if not rest:
+            if top in ours:
+                return False
+            return stat.S_ISDIR(st.st_mode) or stat.S_ISLNK(st.st_mode) or \
+                (stat.S_ISREG(st.st_mode) and _SLURM_OUTPUT.fullmatch(top) is not None)
+        return rel.rsplit("/", 1)[-1] == "__pycache__" and stat.S_ISDIR(st.st_mode)
+    return keep
+
+
+def _verify(out: Path, overwrite: bool, paths: list[str]
+            ) -> tuple[Snapshot, dict[str, Listed]]:
+    """That ``out`` may take a bundle of ``paths``: new or empty, or (``overwrite``) an
+    earlier bundle, every file its manifest lists unchanged and nothing else there but
+    what ``_spared`` leaves alone. Its state and what its manifest lists."""
+    try:
+        if not real_dir(out) or not any(out.iterdir()):
+            return Snapshot.take(out, (), lambda rel, st: False), {}
+        manifest = out / MANIFEST
+        if not manifest.is_file() or manifest.is_symlink():
+            raise BundleError(f"{out} is not empty and holds no bundle ({MANIFEST}); give a "
+                              "new or empty directory")
+        if not overwrite:
+            raise BundleError(f"{out} already holds a bundle; pass --overwrite to replace it "
+                              "(its run directories are kept)")
+        listed = _earlier(out)
+        ours = {name.split("/")[0] for name in [*listed, *paths]}
+        return verify_owned(out, listed, record=str(manifest), keep=_spared(ours),
+                            writes=paths), listed
+    except OutputError as err:
+        raise BundleError(str(err)) from None
+
+
+def _write_files(folder: Path, files: list[_File]) -> None:
+    """The bundle's files and a new key, into ``folder`` (where none of them is)."""
+    for f in files:
+        path = folder / f.path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "xb") as handle:
+            handle.write(f.data)
+        os.chmod(path, 0o755 if f.executable else 0o644)
+    write_secret(folder / SECRET_FILE, new_secret())
+
+
+def _replace_in_place(out: Path, staging: Path, files: list[_File],
+                      earlier: dict[str, Listed], snapshot: Snapshot) -> None:
+    """Move the staged bundle over the earlier one, beside the run directories. While
+    files move, the manifest lists both digests of each, so an interruption leaves a
+    bundle that ``--overwrite`` still recognises; the new manifest goes last."""
+    manifest = json.loads((staging / MANIFEST).read_bytes())
+    manifest["replacing"] = {name: sorted(listed.sha256) for name, listed in earlier.items()
+                             if listed.sha256}
+    snapshot.recheck()
+    interim = staging / f"{MANIFEST}.interim"
+    interim.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    os.replace(interim, out / MANIFEST)
+    written = {f.path for f in files}
+    for f in files:
+        if f.path != MANIFEST:
+            (out / f.path).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(staging / f.path, out / f.path)
+    for name in sorted(set(snapshot.ours) - written - {SECRET_FILE}):
+        (out / name).unlink()
+    os.replace(staging / SECRET_FILE, out / SECRET_FILE)
+    os.replace(staging / MANIFEST, out / MANIFEST)
 
 
 def emit_bundle(out: str | Path, *, source: bytes, program: ir.Program, plan: Plan,
                 schedule: Schedule, job: Job, view: BundleView,
                 overwrite: bool = False, profile: Any = None) -> list[str]:
     """Write the bundle into ``out``; returns the paths written, relative to it.
-    BundleError for a target that cannot take it."""
+    BundleError for a target that cannot take it: one that is not empty and holds no
+    bundle; an earlier bundle without ``overwrite``, or with a file its manifest does not
+    list, a changed one or a link (nothing is changed then). The bundle is written into a
+    new folder first: swapped in whole for a new or empty ``out``, else moved file by file
+    over the earlier bundle's files, leaving its run directories."""
     out = Path(out)
     files = _files(source, program, plan, schedule, job, view, profile)
     files.append(_manifest(view, files))
-    _clear(out, overwrite)
+    snapshot, earlier = _verify(out, overwrite, [f.path for f in files] + [SECRET_FILE])
+    staged = stage(out, snapshot, last=MANIFEST) if not earlier else None
     try:
-        for f in files:
-            path = out / f.path
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(f.data)
-            os.chmod(path, 0o755 if f.executable else 0o644)
-        write_secret(out / SECRET_FILE, new_secret())
+        staging = staged.path if staged is not None else fresh_dir(out, _STAGING)
+        try:
+            _write_files(staging, files)
+            if staged is not None:
+                staged.commit()
+            else:
+                _replace_in_place(out, staging, files, earlier, snapshot)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     except OSError as err:
         raise BundleError(f"cannot write the bundle into {out}: {err.strerror or err}") \
             from None
+    except OutputError as err:
+        raise BundleError(str(err)) from None
     return [f.path for f in files] + [SECRET_FILE]

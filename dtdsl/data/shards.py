@@ -25,7 +25,7 @@ Tars are USTAR, written deterministically: members sorted by name, mtime 0, uid/
 empty user and group names, mode 0o644. The same samples give byte-identical shards.
 
 ``index.json`` (``format`` ``"dtdsl-shards"``, ``version`` 1) lists the shards (name,
-sample count, size in bytes) and, per sample, its key, its shard, its members as
+sample count, size in bytes, sha256) and, per sample, its key, its shard, its members as
 ``[name, offset, size, crc32]`` (``offset`` is the member's ``TarInfo.offset_data``,
 ``name`` the part after ``KEY.``) and its sizes: ``text_bytes``, ``text_tokens``
 (``count_text_tokens``), ``images`` and ``gen_images`` as ``[w, h]`` pairs, ``audio`` and
@@ -36,10 +36,17 @@ sample count, size in bytes) and, per sample, its key, its shard, its members as
 ``Dataset.read`` seeks to one sample with one read, checks each member's tar header
 (name, size, header checksum) and CRC-32; iterating streams the tars in order and
 checks the same. Every problem is a ``DatasetError`` naming the file.
+
+``write_dataset`` writes into a new or empty directory, or replaces (``overwrite``) one that
+holds a dataset it wrote and nothing else, every shard unchanged (its sha256; a shard of an
+index from before the sha256 was recorded must read back as its index says), through a
+folder beside it that is swapped in when complete (``dtdsl.outdir``). Anything else in
+the directory, a link, a changed shard, is refused, naming it, and nothing is changed.
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import os
@@ -52,6 +59,17 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+
+from dtdsl.outdir import (
+    Listed,
+    OutputError,
+    Snapshot,
+    Staged,
+    file_sha256,
+    real_dir,
+    stage,
+    verify_owned,
+)
 
 __all__ = [
     "DEFAULT_SAMPLES_PER_SHARD",
@@ -429,71 +447,100 @@ def _tar_info(name: str, size: int) -> tarfile.TarInfo:
     return info
 
 
-_PARTIAL = re.compile(r"(shard-\d{6,}\.tar|index\.json)\.partial")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
-def _our_files(directory: Path, entries: list[Path]) -> list[Path] | None:
-    """The files of ``directory`` that a ``write_dataset`` wrote: its index, the shards the
-    index lists, and what an interrupted write left (``*.partial`` of those names); None
-    when the directory holds no index of ours, but for such leftovers."""
+def _listed(directory: Path) -> dict[str, Listed] | None:
+    """What the dataset in ``directory`` lists (its index and shards, with what each must
+    be), or None when it holds no index of ours. An index written before shards carried
+    their sha256 vouches for a shard only when the whole dataset reads back as it says
+    (every member's header, offset and CRC-32)."""
     index = directory / INDEX_NAME
-    leftovers = [e for e in entries if _PARTIAL.fullmatch(e.name)]
-    if not index.is_file():
-        return leftovers if len(leftovers) == len(entries) else None
-    try:
-        head = json.loads(index.read_bytes())
-        names = [s["name"] for s in head["shards"]] if head.get("format") == FORMAT else None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        names = None
-    if names is None or not all(isinstance(n, str) and _SHARD.fullmatch(n) for n in names):
+    if not index.is_file() or index.is_symlink():
         return None
-    return [index] + [directory / n for n in names if (directory / n).exists()] + leftovers
+    try:
+        text = index.read_bytes()
+        head = json.loads(text)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(head, dict) or head.get("format") != FORMAT:
+        return None
+    # A damaged index of ours: DatasetError, and nothing is removed.
+    shards, samples, _ = _parse_index(index, text)
+    good = functools.cache(lambda: _read_back(directory, shards, samples))
+    listed = {INDEX_NAME: Listed()}
+    for s in head["shards"]:
+        sha = s.get("sha256")
+        if sha is None:
+            listed[s["name"]] = Listed(size=s["size_bytes"],
+                                       check=lambda path: path.name in good())
+        elif isinstance(sha, str) and _SHA256.fullmatch(sha):
+            listed[s["name"]] = Listed(sha256=frozenset({sha}), size=s["size_bytes"])
+        else:
+            raise DatasetError(f"corrupt index {index}: shard {s['name']} has sha256 {sha!r}")
+    return listed
+
+
+def _read_back(directory: Path, shards: list[_Shard], samples: list[SampleInfo]
+               ) -> frozenset[str]:
+    """The shards that hold exactly what the index says they hold."""
+    good = set()
+    infos = iter(samples)
+    for shard in shards:
+        where = directory / shard.name
+        mine = [next(infos) for _ in range(shard.num_samples)]
+        try:
+            with tarfile.open(where, mode="r|") as tar:
+                for _ in _stream(tar, mine, where):
+                    pass
+        except (DatasetError, tarfile.TarError, OSError, EOFError):
+            continue
+        good.add(shard.name)
+    return frozenset(good)
+
+
+def _verify(directory: Path, overwrite: bool) -> Snapshot:
+    """``check_writable``'s checks; the verified state of the directory."""
+    if not real_dir(directory) or not any(directory.iterdir()):
+        return Snapshot.take(directory, (), lambda rel, st: False)
+    listed = _listed(directory)
+    if listed is None:
+        entries = sorted(e.name for e in directory.iterdir())
+        raise DatasetError(f"{directory} holds files dtdsl did not write ({_shown(entries)}); "
+                           "write the dataset into a new or empty directory")
+    snapshot = verify_owned(directory, listed, record=str(directory / INDEX_NAME),
+                            contents=overwrite)
+    if not overwrite:
+        raise DatasetExists(f"{directory} is not empty: it holds a dataset; overwrite it "
+                            "explicitly to replace it")
+    return snapshot
+
+
+def _shown(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
 
 
 def check_writable(directory: str | os.PathLike[str], overwrite: bool) -> None:
     """That ``write_dataset`` may write into ``directory``: it is new or empty, or it holds
-    a dataset that ``write_dataset`` wrote and ``overwrite`` says to replace. A directory
-    with anything else in it is never written into: DatasetError naming what is there."""
-    directory = Path(directory)
-    if directory.exists() and not directory.is_dir():
-        raise DatasetError(f"{directory} exists and is not a directory")
-    if not directory.exists():
-        return
-    entries = sorted(directory.iterdir())
-    if not entries:
-        return
-    ours = _our_files(directory, entries)
-    if ours is None:
-        shown = ", ".join(e.name for e in entries[:3]) + (", ..." if len(entries) > 3 else "")
-        raise DatasetError(f"{directory} holds files dtdsl did not write ({shown}); write the "
-                           "dataset into a new or empty directory")
-    if not overwrite:
-        raise DatasetExists(f"{directory} is not empty: it holds a dataset; overwrite it "
-                            "explicitly to replace it")
+    a dataset that ``write_dataset`` wrote, unchanged (the sha256 its index records of each
+    shard), and nothing else, and ``overwrite`` says to replace it. DatasetExists for a
+    dataset without ``overwrite``; DatasetError naming anything else there (a file the
+    index does not list, a link, a changed shard, a symbolic link for ``directory``)."""
+    _prepare_directory(Path(directory), overwrite)
 
 
-def _prepare_directory(directory: Path, overwrite: bool) -> None:
-    check_writable(directory, overwrite)
-    if not directory.exists():
-        try:
-            directory.mkdir(parents=True)
-        except OSError as err:
-            raise DatasetError(f"cannot create {directory}: {err.strerror or err}") from None
-        return
-    ours = _our_files(directory, sorted(directory.iterdir())) or []
-    # The index goes first, so that a dataset half overwritten is never readable. Only
-    # what the index says this writer wrote goes: other files in the folder stay.
-    for path in ours:
-        try:
-            path.unlink(missing_ok=True)
-        except OSError as err:
-            raise DatasetError(f"cannot remove {path}: {err.strerror or err}") from None
+def _prepare_directory(directory: Path, overwrite: bool) -> Snapshot:
+    try:
+        return _verify(directory, overwrite)
+    except OutputError as err:
+        raise DatasetError(str(err)) from None
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".partial")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+def _staged(directory: Path, snapshot: Snapshot) -> Staged:
+    try:
+        return stage(directory, snapshot, last=INDEX_NAME)
+    except OSError as err:
+        raise DatasetError(f"cannot write beside {directory}: {err.strerror or err}") from None
 
 
 def write_dataset(directory: str | os.PathLike[str], samples: Iterable[RawSample], *,
@@ -504,32 +551,50 @@ def write_dataset(directory: str | os.PathLike[str], samples: Iterable[RawSample
     of ``samples_per_shard`` and the index, into ``directory`` (created if needed).
 
     A directory that is not empty is a DatasetError unless it holds a dataset written here
-    and ``overwrite`` is given: then its index and the shards the index lists are removed
-    first (``check_writable``; other files stay, and a directory with files this function
-    did not write is never written into). ``provenance`` goes
-    into the index as is (JSON). ``progress(n)`` is called after each sample. ValueError for a
-    sample whose parts do not say what they are (wrong key, image size or format)."""
+    and nothing else, unchanged, and ``overwrite`` is given (``check_writable``). The new
+    dataset is written into a folder beside ``directory`` and swapped in with renames once
+    complete, so an error or an interruption leaves the old one whole; then the old index
+    and shards are removed. ``provenance`` goes into the index as is (JSON).
+    ``progress(n)`` is called after each sample. ValueError for a sample whose parts do not
+    say what they are (wrong key, image size or format)."""
     if samples_per_shard < 1:
         raise ValueError(f"samples_per_shard must be at least 1, not {samples_per_shard}")
     directory = Path(directory)
-    _prepare_directory(directory, overwrite)
+    staged = _staged(directory, _prepare_directory(directory, overwrite))
+    try:
+        result = _write_into(staged.path, samples, samples_per_shard, provenance, progress)
+        staged.commit()
+    except OSError as err:
+        staged.discard()
+        raise DatasetError(f"cannot write to {directory}: {err.strerror or err}") from None
+    except OutputError as err:
+        staged.discard()
+        raise DatasetError(str(err)) from None
+    except BaseException:
+        staged.discard()
+        raise
+    return WriteResult(path=directory, num_samples=result.num_samples,
+                       num_shards=result.num_shards, num_bytes=result.num_bytes)
+
+
+def _write_into(folder: Path, samples: Iterable[RawSample], samples_per_shard: int,
+                provenance: Mapping[str, Any] | None,
+                progress: Callable[[int], None] | None) -> WriteResult:
+    """The shards and the index, into the new, empty ``folder``."""
     shards: list[dict[str, Any]] = []
     entries: list[dict[str, Any]] = []
     tar: tarfile.TarFile | None = None
-    handle = None
     total = 0
 
     def close_shard() -> None:
-        nonlocal tar, handle
-        if tar is None or handle is None:
+        nonlocal tar
+        if tar is None:
             return
         tar.close()
-        handle.close()
-        name = shards[-1]["name"]
-        partial = directory / f"{name}.partial"
-        shards[-1]["size_bytes"] = partial.stat().st_size
-        os.replace(partial, directory / name)
-        tar = handle = None
+        tar = None
+        path = folder / shards[-1]["name"]
+        shards[-1]["size_bytes"] = path.stat().st_size
+        shards[-1]["sha256"] = file_sha256(path)
 
     try:
         for i, raw in enumerate(samples):
@@ -540,35 +605,44 @@ def write_dataset(directory: str | os.PathLike[str], samples: Iterable[RawSample
                 close_shard()
                 name = shard_name(len(shards))
                 shards.append({"name": name, "num_samples": 0, "size_bytes": 0})
-                handle = open(directory / f"{name}.partial", "wb")  # noqa: SIM115
-                tar = tarfile.open(fileobj=handle, mode="w", format=tarfile.USTAR_FORMAT)
+                tar = tarfile.open(folder / name, mode="x", format=tarfile.USTAR_FORMAT)
             assert tar is not None
-            members = []
-            for name, data in _members(raw):
-                tar.addfile(_tar_info(f"{raw.key}.{name}", len(data)), io.BytesIO(data))
-                padded = -(-len(data) // _BLOCK) * _BLOCK
-                members.append(Member(name=name, offset=tar.offset - padded,
-                                      size=len(data), crc32=zlib.crc32(data)))
-            sample = SampleInfo(
-                key=raw.key, shard=shards[-1]["name"], members=tuple(members),
-                text_bytes=len(raw.text.encode("utf-8")),
-                text_tokens=count_text_tokens(raw.text),
-                images=tuple((i.width, i.height) for i in raw.images),
-                gen_images=tuple((i.width, i.height) for i in raw.gen_images),
-                audio=tuple(a.frames for a in raw.audio),
-                gen_audio=tuple(a.frames for a in raw.gen_audio))
-            entries.append(sample._entry(len(shards) - 1))
+            entries.append(_add_sample(tar, raw, len(shards) - 1, shards[-1]["name"]))
             shards[-1]["num_samples"] += 1
             total = i + 1
             if progress is not None:
                 progress(total)
         close_shard()
-    except OSError as err:
-        raise DatasetError(f"cannot write to {directory}: {err.strerror or err}") from None
     finally:
-        if handle is not None:
-            handle.close()
+        if tar is not None:
+            tar.close()
+    text = _index_text(total, samples_per_shard, provenance, shards, entries)
+    (folder / INDEX_NAME).write_bytes(text)
+    return WriteResult(path=folder, num_samples=total, num_shards=len(shards),
+                       num_bytes=sum(s["size_bytes"] for s in shards) + len(text))
 
+
+def _add_sample(tar: tarfile.TarFile, raw: RawSample, shard: int, name: str
+                ) -> dict[str, Any]:
+    """Append ``raw``'s members to ``tar``; its index entry."""
+    members = []
+    for member, data in _members(raw):
+        tar.addfile(_tar_info(f"{raw.key}.{member}", len(data)), io.BytesIO(data))
+        padded = -(-len(data) // _BLOCK) * _BLOCK
+        members.append(Member(name=member, offset=tar.offset - padded, size=len(data),
+                              crc32=zlib.crc32(data)))
+    sample = SampleInfo(
+        key=raw.key, shard=name, members=tuple(members),
+        text_bytes=len(raw.text.encode("utf-8")), text_tokens=count_text_tokens(raw.text),
+        images=tuple((i.width, i.height) for i in raw.images),
+        gen_images=tuple((i.width, i.height) for i in raw.gen_images),
+        audio=tuple(a.frames for a in raw.audio),
+        gen_audio=tuple(a.frames for a in raw.gen_audio))
+    return sample._entry(shard)
+
+
+def _index_text(total: int, samples_per_shard: int, provenance: Mapping[str, Any] | None,
+                shards: list[dict[str, Any]], entries: list[dict[str, Any]]) -> bytes:
     head = {"format": FORMAT, "version": VERSION, "num_samples": total,
             "samples_per_shard": samples_per_shard, "provenance": dict(provenance or {}),
             "shards": shards}
@@ -576,14 +650,7 @@ def write_dataset(directory: str | os.PathLike[str], samples: Iterable[RawSample
     text = json.dumps(head, sort_keys=True, indent=1)[:-2] + ',\n "samples": [\n'
     text += ",\n".join(json.dumps(e, sort_keys=True, separators=(",", ":")) for e in entries)
     text += "\n ]\n}\n"
-    try:
-        _write_atomic(directory / INDEX_NAME, text.encode())
-    except OSError as err:
-        raise DatasetError(f"cannot write {directory / INDEX_NAME}: "
-                           f"{err.strerror or err}") from None
-    num_bytes = sum(s["size_bytes"] for s in shards) + len(text.encode())
-    return WriteResult(path=directory, num_samples=total, num_shards=len(shards),
-                       num_bytes=num_bytes)
+    return text.encode()
 
 
 # ---- reading ------------------------------------------------------------------------------

@@ -17,6 +17,13 @@ and writes each module as ``OUT/<module>/``:
 
 Tensors are read a batch at a time (at most ``BATCH_BYTES``) and written shard by shard:
 memory holds about one shard, not the model.
+
+Each unit's folder records its files with their sha256 (``dtdsl-manifest.json``). Every
+unit is written into a new folder beside its target and the folders are swapped in once
+all are written, so an error or a refusal leaves ``OUT`` as it was. An earlier export's
+unit folder is replaced only when it holds exactly what its record lists, unchanged; a
+symbolic link (``OUT``, a unit folder, a file), a file or folder no record lists, someone
+else's model there, is refused (ExportError) before anything is written.
 """
 
 from __future__ import annotations
@@ -30,6 +37,16 @@ from pathlib import Path
 import torch
 
 from dtdsl.ir import program as ir
+from dtdsl.outdir import (
+    OutputError,
+    Snapshot,
+    Staged,
+    read_record,
+    real_dir,
+    stage,
+    verify_recorded,
+    write_record,
+)
 from dtdsl.train.checkpoint import (
     PROGRAM,
     CheckpointError,
@@ -38,10 +55,16 @@ from dtdsl.train.checkpoint import (
 )
 from dtdsl.train.dcp_safe import SafeReader, UnsafeMetadata, read_metadata
 
-__all__ = ["BATCH_BYTES", "ExportedUnit", "export_checkpoint", "find_checkpoint"]
+__all__ = ["BATCH_BYTES", "ExportError", "ExportedUnit", "export_checkpoint",
+           "find_checkpoint"]
 
 BATCH_BYTES = 1 << 30
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class ExportError(CheckpointError):
+    """The output folder cannot take the export (the message names what is there); ``dtc
+    export`` reports it as it reports a checkpoint it cannot use."""
 
 
 @dataclass(frozen=True)
@@ -127,8 +150,8 @@ def export_checkpoint(path: str | Path, out: str | Path, *, step: int | None = N
     """Export the checkpoint at ``path`` (a run directory, newest or ``step``; or a
     checkpoint directory) into ``out`` (module docstring). ``dtype``: ``fp32``, ``bf16`` or
     ``fp16`` (default: as trained, fp32 master weights); ``units``: only these;
-    ``program``: the spec's program when the checkpoint has none."""
-    from dtdsl.models.hf import HFError, export_module
+    ``program``: the spec's program when the checkpoint has none. ExportError, before
+    anything is written, for an ``out`` that cannot take the export (``_verify_out``)."""
 
     ckpt = find_checkpoint(path, step)
     prog = _program(ckpt, program)
@@ -144,39 +167,82 @@ def export_checkpoint(path: str | Path, out: str | Path, *, step: int | None = N
                                   + ", ".join(names))
         names = [n for n in names if n in units]
     cast = _DTYPES[dtype] if dtype is not None else None
-    out = Path(out)
-    done = []
+    shapes = {}
     for name in names:
         prefix = f"model.units.{name}."
-        shapes = {k[len(prefix):]: (tuple(v.size), v.properties.dtype)
-                  for k, v in metadata.items() if k.startswith(prefix)}
-        if not shapes:
+        shapes[name] = {k[len(prefix):]: (tuple(v.size), v.properties.dtype)
+                        for k, v in metadata.items() if k.startswith(prefix)}
+        if not shapes[name]:
             raise CheckpointError(f"{ckpt} holds no parameters of {name}")
-        reader = _Reader(ckpt, [prefix + k for k in shapes],
-                         {prefix + k: v for k, v in shapes.items()})
-
-        def get(key: str, reader: _Reader = reader, prefix: str = prefix) -> torch.Tensor:
-            return reader.get(prefix + key)
-
-        target = out / name
-        spec = next((m for m in prog.modules if m.name == name), None)
-        if spec is not None and not isinstance(spec.arch, ir.DiTArch):
-            try:
-                export_module(target, arch=spec.arch, role=spec.role, source=spec.hf,
-                              shapes=shapes, get=get, pretrained=spec.pretrained, dtype=cast)
-                done.append(ExportedUnit(name, target, hf=True))
-                log(f"{name}: {target} (Hugging Face {spec.hf.family if spec.hf else 'model'})")
-                continue
-            except HFError as err:
-                note = err.message
-        else:
-            note = "a projector" if spec is None else "a DiT has no Hugging Face class here"
-        _write_own(target, name, spec, prog, shapes, get, cast)
-        done.append(ExportedUnit(name, target, hf=False, note=note))
-        log(f"{name}: {target} (dtdsl's names: {note})")
+    out = Path(out)
+    try:
+        snapshots = _verify_out(out, names)
+        staged: list[Staged] = []
+        try:
+            done = []
+            for name in names:
+                staged.append(stage(out / name, snapshots[name]))
+                done.append(_export_unit(staged[-1].path, out / name, name, prog, ckpt,
+                                         shapes[name], cast, log))
+                write_record(staged[-1].path)
+            for s in staged:          # every unit written and its old folder unchanged
+                s.snapshot.recheck()
+            for s in staged:
+                s.commit()
+        except BaseException:
+            for s in staged:
+                s.discard()
+            raise
+    except OutputError as err:
+        raise ExportError(str(err)) from None
     return done
 
 
+def _verify_out(out: Path, names: Sequence[str]) -> dict[str, Snapshot]:
+    """That ``out`` may take the units ``names``: not a symbolic link; each unit's folder
+    new, empty or one an export wrote, unchanged (``outdir.verify_recorded``); anything
+    else in ``out`` (a file, a link, someone's folder) is refused. Other units' folders of
+    an earlier export stay."""
+    if real_dir(out):
+        for entry in sorted(out.iterdir()):
+            if entry.name in names:
+                continue
+            if entry.is_symlink() or not entry.is_dir() or read_record(entry) is None:
+                raise OutputError(f"{out} holds {entry.name}, which dtdsl did not export; "
+                                  "nothing was changed: move it away, or export into "
+                                  "another folder")
+    return {name: verify_recorded(out / name) for name in names}
+
+
+def _export_unit(folder: Path, target: Path, name: str, prog: ir.Program, ckpt: Path,
+                 shapes: dict[str, tuple], cast: torch.dtype | None,
+                 log: Callable[[str], None]) -> ExportedUnit:
+    """Unit ``name`` into the new ``folder`` (to become ``target``)."""
+    from dtdsl.models.hf import HFError, export_module
+
+    prefix = f"model.units.{name}."
+    reader = _Reader(ckpt, [prefix + k for k in shapes],
+                     {prefix + k: v for k, v in shapes.items()})
+
+    def get(key: str) -> torch.Tensor:
+        return reader.get(prefix + key)
+
+    spec = next((m for m in prog.modules if m.name == name), None)
+    if spec is not None and not isinstance(spec.arch, ir.DiTArch):
+        try:
+            export_module(folder, arch=spec.arch, role=spec.role, source=spec.hf,
+                          shapes=shapes, get=get, pretrained=spec.pretrained, dtype=cast)
+            log(f"{name}: {target} (Hugging Face {spec.hf.family if spec.hf else 'model'})")
+            return ExportedUnit(name, target, hf=True)
+        except HFError as err:
+            note = err.message
+        for path in list(folder.iterdir()):    # what it wrote before it gave up
+            path.unlink()
+    else:
+        note = "a projector" if spec is None else "a DiT has no Hugging Face class here"
+    _write_own(folder, name, spec, prog, shapes, get, cast)
+    log(f"{name}: {target} (dtdsl's names: {note})")
+    return ExportedUnit(name, target, hf=False, note=note)
 def _write_own(target: Path, name: str, spec: ir.Module | None, prog: ir.Program,
                shapes: dict[str, tuple], get: Callable[[str], torch.Tensor],
                cast: torch.dtype | None) -> None:
@@ -195,7 +261,8 @@ def _write_own(target: Path, name: str, spec: ir.Module | None, prog: ir.Program
 
         tensors.append(HFTensor(key, numel * (cast or dtype).itemsize, make))
     target.mkdir(parents=True, exist_ok=True)
-    (target / "dtdsl.json").write_text(json.dumps(
-        {"unit": name, "role": spec.role if spec is not None else "projector",
-         "arch": arch.model_dump(mode="json")}, indent=2, sort_keys=True) + "\n")
+    about = {"unit": name, "role": spec.role if spec is not None else "projector",
+             "arch": arch.model_dump(mode="json")}
+    with open(target / "dtdsl.json", "x", encoding="utf-8") as f:   # a new folder's
+        f.write(json.dumps(about, indent=2, sort_keys=True) + "\n")
     write_checkpoint(target, tensors, library="transformers")

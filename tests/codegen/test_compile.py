@@ -112,6 +112,144 @@ def test_refuses_a_non_bundle_directory_and_overwrites_a_bundle(tmp_path, capsys
     assert json.loads((out2 / "job.json").read_text())["steps"] == 3
 
 
+def tree_of(folder: Path) -> dict[str, bytes]:
+    """Every file and link under ``folder``, links as the path they hold."""
+    return {p.relative_to(folder).as_posix(): (b"-> " + os.fsencode(p.readlink())
+                                                if p.is_symlink() else p.read_bytes())
+            for p in sorted(folder.rglob("*")) if p.is_symlink() or p.is_file()}
+
+
+def _unlist(out: Path, name: str) -> None:
+    manifest = json.loads((out / "manifest.json").read_text())
+    del manifest["files"][name]
+    (out / "manifest.json").write_text(json.dumps(manifest))
+
+
+FOREIGN = {
+    "an unlisted file": lambda out: (out / "notes.txt").write_text("mine"),
+    "an unlisted file in ranks/": lambda out: (out / "ranks" / "extra.py").write_text("x"),
+    # One with the name of a file the bundle writes, which the manifest does not list.
+    "a file named as the bundle's": lambda out: _unlist(out, "README.md"),
+    "a changed file": lambda out: (out / "launch.sh").write_text("echo mine\n"),
+    "a changed key": lambda out: (out / SECRET_FILE).write_text("not a key\n"),
+}
+
+
+@pytest.mark.parametrize("case", FOREIGN)
+def test_overwrite_refuses_files_it_did_not_write_and_changes_nothing(tmp_path, capsys, case):
+    out = tmp_path / "b"
+    assert compile_spec(SPECS / "tiny_cpu.dt", out) == 0
+    (out / "run").mkdir()
+    (out / "run" / "metrics.jsonl").write_text("{}\n")
+    FOREIGN[case](out)
+    before = tree_of(out)
+    capsys.readouterr()
+    assert compile_spec(SPECS / "tiny_cpu.dt", out, "--overwrite", "--steps", "3") == 2
+    err = capsys.readouterr().err
+    assert "dtdsl did not write" in err or "was changed after dtdsl wrote it" in err, err
+    assert "Traceback" not in err
+    assert tree_of(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]
+
+
+@pytest.mark.parametrize("name", ["../victim.txt", "ABSOLUTE", "ranks/../../victim.txt",
+                                  "./launch.sh", ""])
+def test_a_manifest_naming_a_path_outside_is_refused_before_anything_goes(
+        tmp_path, capsys, name):
+    out = tmp_path / "b"
+    assert compile_spec(SPECS / "tiny_cpu.dt", out) == 0
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    name = name.replace("ABSOLUTE", str(victim))
+    manifest = json.loads((out / "manifest.json").read_text())
+    # Listed after the bundle's own files, with the victim's true digest.
+    manifest["files"] = {**manifest["files"],
+                         name: hashlib.sha256(victim.read_bytes()).hexdigest()}
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    before = tree_of(out)
+    assert compile_spec(SPECS / "tiny_cpu.dt", out, "--overwrite") == 2
+    assert "not a plain file name inside its folder" in capsys.readouterr().err
+    assert victim.read_text() == "precious"
+    assert tree_of(out) == before
+
+
+def test_links_are_refused_and_what_they_point_to_untouched(tmp_path, capsys):
+    out = tmp_path / "b"
+    assert compile_spec(SPECS / "tiny_cpu.dt", out) == 0
+    elsewhere = tmp_path / "elsewhere"
+    (out / "ranks").rename(elsewhere)
+    (out / "ranks").symlink_to(elsewhere)
+    before, theirs = tree_of(out), tree_of(elsewhere)
+    assert compile_spec(SPECS / "tiny_cpu.dt", out, "--overwrite") == 2
+    assert f"{out / 'ranks'} is a symbolic link" in capsys.readouterr().err
+    assert tree_of(out) == before and tree_of(elsewhere) == theirs
+    # A link in a file's place, and the bundle's folder itself a link.
+    (out / "ranks").unlink()
+    elsewhere.rename(out / "ranks")
+    victim = tmp_path / "victim.sh"
+    victim.write_bytes((out / "launch.sh").read_bytes())
+    (out / "launch.sh").unlink()
+    (out / "launch.sh").symlink_to(victim)
+    before, theirs = tree_of(out), victim.read_bytes()
+    assert compile_spec(SPECS / "tiny_cpu.dt", out, "--overwrite") == 2
+    assert f"{out / 'launch.sh'} is a symbolic link" in capsys.readouterr().err
+    assert tree_of(out) == before and victim.read_bytes() == theirs
+    (out / "launch.sh").unlink()
+    victim.rename(out / "launch.sh")
+    link = tmp_path / "link"
+    link.symlink_to(out)
+    before = tree_of(out)
+    for extra in ((), ("--overwrite",)):
+        assert compile_spec(SPECS / "tiny_cpu.dt", link, *extra) == 2
+        assert f"{link} is a symbolic link" in capsys.readouterr().err
+    assert tree_of(out) == before
+
+
+def test_overwrite_replaces_its_bundle_and_keeps_what_runs_left(tmp_path):
+    out, fresh = tmp_path / "b", tmp_path / "fresh"
+    assert compile_spec(SPECS / "tiny_cpu.dt", out, "--steps", "5") == 0
+    mine = {"run/metrics.jsonl": b"{}\n", "slurm-17.out": b"log\n",
+            "ranks/__pycache__/x.pyc": b"cache"}
+    for name, data in mine.items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_bytes(data)
+    (out / "runs").symlink_to(tmp_path)
+    assert compile_spec(SPECS / "tiny_cpu.dt", out, "--overwrite", "--steps", "3") == 0
+    assert compile_spec(SPECS / "tiny_cpu.dt", fresh, "--steps", "3") == 0
+    got, want = tree_of(out), files_of(fresh)
+    assert {k: v for k, v in got.items() if k in mine} == mine
+    assert got.pop("runs") == b"-> " + os.fsencode(tmp_path)
+    rest = {k: v for k, v in got.items() if k not in mine}
+    assert rest.keys() == want.keys()
+    assert [k for k in rest if rest[k] != want[k]] == [SECRET_FILE]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b", "fresh"]
+
+
+def test_an_interrupted_overwrite_leaves_a_bundle_overwrite_recognises(tmp_path, monkeypatch):
+    out, fresh = tmp_path / "b", tmp_path / "fresh"
+    assert compile_spec(SPECS / "tiny_cpu.dt", out, "--steps", "5") == 0
+    (out / "run").mkdir()
+    replace, calls = os.replace, []
+
+    def dies(src, dst):
+        calls.append(dst)
+        if len(calls) == 6:
+            raise KeyboardInterrupt
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", dies)
+    assert compile_spec(SPECS / "tiny_cpu.dt", out, "--overwrite", "--steps", "3") == 130
+    monkeypatch.setattr(os, "replace", replace)
+    # Caught between the two bundles: some files moved, the manifest lists both digests.
+    assert "replacing" in json.loads((out / "manifest.json").read_text())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]
+    assert compile_spec(SPECS / "tiny_cpu.dt", out, "--overwrite", "--steps", "3") == 0
+    assert compile_spec(SPECS / "tiny_cpu.dt", fresh, "--steps", "3") == 0
+    got, want = files_of(out), files_of(fresh)
+    assert got.keys() == want.keys()
+    assert [k for k in got if got[k] != want[k]] == [SECRET_FILE]
+
+
 HOSTILE = [
     '\\"); __import__(\'os\').system(\'touch PWNED\') #',
     "line\\nbreak\\\\ and '''triple''' $(touch PWNED) `touch PWNED`",

@@ -63,12 +63,22 @@ def test_synth_refuses_a_non_empty_directory(tmp_path: Path, capsys):
         assert f"{out} holds files dtdsl did not write (x.txt)" in capsys.readouterr().err
     (out / "x.txt").unlink()
     assert dtc("data", "synth", str(spec), "-o", str(out), "--samples", "2", "-q") == 0
-    (out / "x.txt").write_text("mine")
     assert dtc("data", "synth", str(spec), "-o", str(out), "--samples", "2") == 2
     assert f"{out} holds a dataset: pass --overwrite to replace it" in capsys.readouterr().err
     assert dtc("data", "synth", str(spec), "-o", str(out), "--samples", "2", "--overwrite",
                "-q") == 0
-    assert sorted(p.name for p in out.iterdir()) == ["index.json", "shard-000000.tar", "x.txt"]
+    assert sorted(p.name for p in out.iterdir()) == ["index.json", "shard-000000.tar"]
+    # Beside our dataset, a file it does not list (one with the name of a shard the new
+    # dataset would write): refused, overwrite or not, and it stays as it was.
+    (out / "shard-000001.tar").write_bytes(b"someone's shard")
+    for extra in ((), ("--overwrite",)):
+        assert dtc("data", "synth", str(spec), "-o", str(out), "--samples", "20",
+                   "--shard-size", "4", *extra) == 2
+        assert f"{out} holds files dtdsl did not write (shard-000001.tar)" in \
+            capsys.readouterr().err
+    assert (out / "shard-000001.tar").read_bytes() == b"someone's shard"
+    with Dataset.open(out) as ds:
+        assert len(ds) == 2
     (tmp_path / "file").write_text("")
     assert dtc("data", "synth", str(spec), "-o", str(tmp_path / "file")) == 2
     assert "exists and is not a directory" in capsys.readouterr().err

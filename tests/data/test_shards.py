@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import tarfile
@@ -14,6 +15,7 @@ from dtdsl.data.shards import (
     INDEX_NAME,
     Dataset,
     DatasetError,
+    DatasetExists,
     RawSample,
     count_text_tokens,
     encode_audio,
@@ -150,16 +152,30 @@ def test_meta_may_not_override_the_standard_fields(tmp_path: Path):
         write_dataset(tmp_path, [RawSample(key=sample_key(0), text="", meta={"images": []})])
 
 
+def _state(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder`` (links as their target's text) by relative path."""
+    return {p.relative_to(folder).as_posix(): (b"-> " + str(p.readlink()).encode()
+                                                if p.is_symlink() else p.read_bytes())
+            for p in sorted(folder.rglob("*")) if p.is_symlink() or p.is_file()}
+
+
 def test_non_empty_directory_needs_overwrite(tmp_path: Path):
-    write_dataset(tmp_path, _samples(), samples_per_shard=1)
-    (tmp_path / "notes.txt").write_text("keep me")
-    with pytest.raises(DatasetError, match=f"{tmp_path} is not empty"):
-        write_dataset(tmp_path, _samples()[:1])
-    write_dataset(tmp_path, _samples()[:2], samples_per_shard=1, overwrite=True)
-    assert sorted(p.name for p in tmp_path.iterdir()) == \
-        ["index.json", "notes.txt", "shard-000000.tar", "shard-000001.tar"]
-    with Dataset.open(tmp_path) as ds:
+    out = tmp_path / "d"
+    out.mkdir()
+    made = out.stat().st_ino
+    write_dataset(out, _samples(), samples_per_shard=1)
+    assert out.stat().st_ino == made        # an empty folder someone made is filled
+    with pytest.raises(DatasetExists, match=f"{out} is not empty"):
+        write_dataset(out, _samples()[:1])
+    write_dataset(out, _samples()[:2], samples_per_shard=1, overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == \
+        ["index.json", "shard-000000.tar", "shard-000001.tar"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]     # nothing staged is left
+    with Dataset.open(out) as ds:
         assert list(ds) == _samples()[:2]
+    index = json.loads((out / INDEX_NAME).read_text())
+    for shard in index["shards"]:
+        assert shard["sha256"] == hashlib.sha256((out / shard["name"]).read_bytes()).hexdigest()
 
 
 def test_files_it_did_not_write_are_never_touched(tmp_path: Path):
@@ -172,16 +188,112 @@ def test_files_it_did_not_write_are_never_touched(tmp_path: Path):
     for overwrite in (False, True):
         with pytest.raises(DatasetError, match="holds files dtdsl did not write"):
             write_dataset(theirs, _samples(), overwrite=overwrite)
-    assert (theirs / "shard-000000.tar").read_bytes() == b"their data"
-    assert sorted(p.name for p in theirs.iterdir()) == ["index.json", "shard-000000.tar"]
-    # Ours, with a shard of someone else's next to the ones the index lists: only what the
-    # index lists is replaced.
-    ours = tmp_path / "ours"
-    write_dataset(ours, _samples(), samples_per_shard=1)
-    (ours / "shard-000099.tar").write_bytes(b"not ours")
-    write_dataset(ours, _samples()[:1], overwrite=True)
-    assert (ours / "shard-000099.tar").read_bytes() == b"not ours"
-    with Dataset.open(ours) as ds:
+    assert _state(theirs) == {"index.json": b'{"a": 1}', "shard-000000.tar": b"their data"}
+
+
+@pytest.mark.parametrize("name", ["shard-000003.tar", "notes.txt", "sub/x",
+                                  "shard-000000.tar.partial"])
+def test_a_file_the_index_does_not_list_is_refused_not_replaced(tmp_path: Path, name):
+    """Ours, with someone's file beside the shards the index lists (one with the name of a
+    shard the new dataset would write): refused, overwrite or not; nothing changes."""
+    out = tmp_path / "d"
+    write_dataset(out, _samples()[:2], samples_per_shard=1)
+    (out / name).parent.mkdir(exist_ok=True)
+    (out / name).write_bytes(b"not ours")
+    before = _state(out)
+    for overwrite in (False, True):
+        with pytest.raises(DatasetError, match=f"{out} holds files dtdsl did not write "
+                           f"\\({name.split('/')[0]}"):
+            write_dataset(out, _samples(), samples_per_shard=1, overwrite=overwrite)
+    assert _state(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]
+    with Dataset.open(out) as ds:
+        assert list(ds) == _samples()[:2]
+
+
+def test_a_changed_shard_is_refused_and_nothing_removed(tmp_path: Path):
+    out = tmp_path / "d"
+    write_dataset(out, _samples(), samples_per_shard=2)
+    _flip(out / "shard-000001.tar", 700)           # same size, other bytes
+    before = _state(out)
+    with pytest.raises(DatasetError, match=f"{out / 'shard-000001.tar'} was changed after "
+                       "dtdsl wrote it"):
+        write_dataset(out, _samples()[:1], overwrite=True)
+    assert _state(out) == before
+
+
+@pytest.mark.parametrize("name", ["../victim.txt", "/VICTIM", "sub/../../victim.txt"])
+def test_an_index_naming_a_path_outside_is_refused_before_anything_is_removed(
+        tmp_path: Path, name):
+    out = tmp_path / "d"
+    write_dataset(out, _samples(), samples_per_shard=2)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    name = name.replace("/VICTIM", str(victim))
+    index = json.loads((out / INDEX_NAME).read_text())
+    index["shards"][2]["name"] = name
+    (out / INDEX_NAME).write_text(json.dumps(index))
+    before = _state(out)
+    with pytest.raises(DatasetError, match="corrupt index"):
+        write_dataset(out, _samples()[:1], overwrite=True)
+    assert victim.read_text() == "precious" and _state(out) == before
+
+
+def test_links_are_refused_and_their_targets_untouched(tmp_path: Path):
+    real = tmp_path / "real"
+    write_dataset(real, _samples(), samples_per_shard=2)
+    before = _state(real)
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    for overwrite in (False, True):
+        with pytest.raises(DatasetError, match=f"{link} is a symbolic link"):
+            write_dataset(link, _samples()[:1], overwrite=overwrite)
+    # A listed shard that is a link to someone's file.
+    victim = tmp_path / "victim.tar"
+    victim.write_bytes((real / "shard-000002.tar").read_bytes())
+    (real / "shard-000002.tar").unlink()
+    (real / "shard-000002.tar").symlink_to(victim)
+    with pytest.raises(DatasetError, match=f"{real / 'shard-000002.tar'} is a symbolic link"):
+        write_dataset(real, _samples()[:1], overwrite=True)
+    assert victim.read_bytes() == before["shard-000002.tar"]
+    assert _state(real) == {**before, "shard-000002.tar": b"-> " + str(victim).encode()}
+
+
+def test_an_interrupted_write_leaves_the_old_dataset(tmp_path: Path):
+    out = tmp_path / "d"
+    write_dataset(out, _samples(), samples_per_shard=2)
+    before = _state(out)
+
+    def broken():
+        yield from _samples()[:3]
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        write_dataset(out, broken(), samples_per_shard=1, overwrite=True)
+    assert _state(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]
+
+
+def test_a_dataset_indexed_without_checksums_is_replaced_only_when_it_reads_back(
+        tmp_path: Path):
+    """An index of an earlier dtdsl (no sha256 per shard): its shards go only when the
+    whole dataset reads back as the index says."""
+    out = tmp_path / "d"
+    write_dataset(out, _samples(), samples_per_shard=2)
+    index = json.loads((out / INDEX_NAME).read_text())
+    for shard in index["shards"]:
+        del shard["sha256"]
+    (out / INDEX_NAME).write_text(json.dumps(index))
+    with Dataset.open(out) as ds:
+        member = ds.info(3).members[1]
+    _flip(out / "shard-000001.tar", member.offset + 1)
+    before = _state(out)
+    with pytest.raises(DatasetError, match=f"{out / 'shard-000001.tar'} was changed after"):
+        write_dataset(out, _samples()[:1], overwrite=True)
+    assert _state(out) == before
+    _flip(out / "shard-000001.tar", member.offset + 1)
+    write_dataset(out, _samples()[:1], overwrite=True)
+    with Dataset.open(out) as ds:
         assert list(ds) == _samples()[:1]
 
 

@@ -142,10 +142,17 @@ def test_a_feature_layer_reads_that_hidden_state(kind, tmp_path):
     with torch.no_grad():
         want = theirs(pixels, output_hidden_states=True).hidden_states[-2]
         assert rel(ours(pixels), want) < LOAD_RTOL
-    # Written back whole: its layers, then the original's top layer above them; into the
-    # folder it came from as well (read before it is replaced).
-    save_hf(ours, path)
-    assert rel(load_hf(path, feature_layer=-2)(pixels), ours(pixels)) < SAVE_RTOL
+    # Written back whole: its layers, then the original's top layer above them. Never into
+    # the folder it came from, which transformers wrote: that is refused, untouched.
+    before = {p.name: p.read_bytes() for p in path.iterdir()}
+    with pytest.raises(HFError, match=f"{path} holds files dtdsl did not write"):
+        save_hf(ours, path)
+    assert {p.name: p.read_bytes() for p in path.iterdir()} == before
+    # Into a folder save_hf wrote, from weights read there (read before it is replaced).
+    save_hf(ours, tmp_path / "mine")
+    again = load_hf(tmp_path / "mine", feature_layer=-2)
+    save_hf(again, tmp_path / "mine")
+    assert rel(load_hf(tmp_path / "mine", feature_layer=-2)(pixels), ours(pixels)) < SAVE_RTOL
     save_hf(ours, tmp_path / "out")
     back, info = cls.from_pretrained(tmp_path / "out", output_loading_info=True)
     assert not info["missing_keys"] and back.config.num_hidden_layers == 3
@@ -217,8 +224,8 @@ def test_writing_again_replaces_the_checkpoint_there(tmp_path):
         for p in ours.parameters():
             p.mul_(2)
     save_hf(ours, tmp_path / "out")                               # one file
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json",
-                                                                   "model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "config.json", "dtdsl-manifest.json", "model.safetensors"]
     ids = torch.randint(0, 128, (1, 20))
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     with torch.no_grad():

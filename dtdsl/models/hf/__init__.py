@@ -7,7 +7,8 @@
   Hugging Face model returns as ``last_hidden_state``) or a ``UNet`` (SD 1.x/2.x: called on
   ``(latents, timesteps, context)`` it returns the noise or velocity prediction).
 - ``save_hf(module, DIR)`` writes a dtdsl module as a Hugging Face directory (config and
-  safetensors) that ``transformers`` / ``diffusers`` ``from_pretrained`` load.
+  safetensors) that ``transformers`` / ``diffusers`` ``from_pretrained`` load, with a
+  record of its files (``dtdsl-manifest.json``); it replaces only a folder it wrote.
 - ``load_weights(module, ...)`` fills a materialised module, or one rank's shards of it
   (DTensors: TP and FSDP2 shards), from a checkpoint: each tensor's block is read from its
   file and nothing else (the runtime's loader, ``train.stage``).
@@ -34,6 +35,7 @@ from dtdsl.models.hf.weights import (
     source_of,
     write_checkpoint,
 )
+from dtdsl.outdir import OutputError, replace_folder
 
 __all__ = [
     "Checkpoint", "HFError", "HFModel", "LoadReport", "check_weights", "checkpoint_prefixes",
@@ -172,14 +174,15 @@ def load_hf(path: str | Path, *, feature_layer: int | None = None,
 def _write_configs(directory: Path, arch: Any, role: str, source: ir.HFSource | None,
                    layers: int | None = None, extra: Mapping[str, Any] | None = None) -> str:
     """Write ``config.json`` (and a U-Net's ``scheduler_config.json``); the library."""
-    directory.mkdir(parents=True, exist_ok=True)
     config = {**config_for(arch, role, source, layers=layers), **(extra or {})}
-    (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    files = {"config.json": config}
     if isinstance(arch, ir.UNetArch):
-        (directory / "scheduler_config.json").write_text(
-            json.dumps(scheduler_config_for(arch, source), indent=2, sort_keys=True) + "\n")
-        return "diffusers"
-    return "transformers"
+        files["scheduler_config.json"] = scheduler_config_for(arch, source)
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, body in files.items():
+        with open(directory / name, "x", encoding="utf-8") as f:   # a new folder's
+            f.write(json.dumps(body, indent=2, sort_keys=True) + "\n")
+    return "diffusers" if isinstance(arch, ir.UNetArch) else "transformers"
 
 
 def _family(arch: Any, role: str, source: ir.HFSource | None) -> str:
@@ -230,7 +233,8 @@ def export_module(directory: str | Path, *, arch: ir.TransformerArch | ir.UNetAr
                   dtype: torch.dtype | None = None, max_shard_bytes: int = 5 << 30
                   ) -> list[Path]:
     """Write a module as a Hugging Face directory from its parameters' ``shapes`` and a
-    getter of each full tensor (``save_hf`` and ``dtc export`` share this).
+    getter of each full tensor (``save_hf`` and ``dtc export`` share this), into
+    ``directory``: a new or empty folder (HFError otherwise; ``save_hf`` replaces one).
 
     A vision tower is written whole, so that ``from_pretrained`` initialises nothing: what
     dtdsl's module does not hold (the layers above a feature layer, CLIP's pooling norm,
@@ -239,6 +243,9 @@ def export_module(directory: str | Path, *, arch: ir.TransformerArch | ir.UNetAr
     written with its own layers, CLIP's pooling norm as the identity and SigLIP without its
     head."""
     directory = Path(directory)
+    if directory.is_symlink() or (directory.exists() and any(directory.iterdir())):
+        raise HFError(f"{directory} is not a new or empty folder; export_module never "
+                      "writes over files (save_hf replaces a folder it wrote)")
     family = _family(arch, role, source)
     tensors = hf_tensors(family, arch, shapes, get, dtype=dtype)
     layers = None
@@ -266,14 +273,30 @@ def save_hf(module: nn.Module, path: str | Path, *, dtype: torch.dtype | None = 
     """Write ``module`` (built by ``dtdsl.models``, e.g. ``load_hf``) as a Hugging Face
     directory; ``dtype``: cast the weights (default: as they are). A vision tower from
     ``load_hf`` is completed from the weights it was loaded from (``export_module``).
-    HFError when no Hugging Face model computes what the module computes."""
+    HFError when no Hugging Face model computes what the module computes.
+
+    ``path`` is new or empty, or one ``save_hf`` wrote: it records its files with their
+    sha256 (``dtdsl-manifest.json``) and replaces the folder only when everything there is
+    listed and unchanged; anything else (someone's model, a file added, a symbolic link) is
+    an HFError naming it, and nothing changes. The new folder is written beside ``path``
+    and swapped in whole."""
     arch, role = getattr(module, "arch", None), getattr(module, "role", None)
     if arch is None or role is None:
         raise HFError(f"{type(module).__name__} was not built by dtdsl.models (it has no "
                       "architecture to write)")
     params = dict(module.named_parameters())
     shapes = {n: (tuple(p.shape), p.dtype) for n, p in params.items()}
-    return export_module(path, arch=arch, role=role, source=getattr(module, "hf_source", None),
-                         shapes=shapes, get=lambda n: params[n].detach().cpu(), dtype=dtype,
-                         pretrained=getattr(module, "hf_weights", None),
-                         max_shard_bytes=max_shard_bytes)
+    path = Path(path)
+    written: list[Path] = []
+
+    def write(folder: Path) -> None:
+        written.extend(export_module(
+            folder, arch=arch, role=role, source=getattr(module, "hf_source", None),
+            shapes=shapes, get=lambda n: params[n].detach().cpu(), dtype=dtype,
+            pretrained=getattr(module, "hf_weights", None), max_shard_bytes=max_shard_bytes))
+
+    try:
+        replace_folder(path, write)
+    except OutputError as err:
+        raise HFError(str(err)) from None
+    return [path / p.name for p in written]

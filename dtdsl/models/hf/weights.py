@@ -19,7 +19,8 @@ columns its shards cover and nothing else.
 
 **Writing** (``write_checkpoint``): tensors into shards of at most ``max_shard_bytes`` with
 the index Hugging Face's ``from_pretrained`` reads (``model.safetensors`` /
-``diffusion_pytorch_model.safetensors``, ``...-00001-of-0000N.safetensors`` when sharded).
+``diffusion_pytorch_model.safetensors``, ``...-00001-of-0000N.safetensors`` when sharded),
+into a new folder that is then swapped in whole (``save_hf``, ``dtc export``).
 """
 
 from __future__ import annotations
@@ -27,8 +28,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -371,7 +370,11 @@ def write_checkpoint(directory: str | Path, tensors: Iterable[HFTensor], *, libr
     memory) into ``directory`` as ``library``
     (``transformers`` or ``diffusers``) names its safetensors, sharded at
     ``max_shard_bytes`` with an index when there is more than one shard. Returns the
-    files written."""
+    files written.
+
+    ``directory`` is a new folder being filled (``save_hf`` and ``dtc export`` write into
+    one and swap it in whole, ``dtdsl.outdir``): FileExistsError for a file that is
+    already there, which is never written over."""
     from safetensors.torch import save_file
 
     stem = WEIGHT_FILES[library]
@@ -386,38 +389,25 @@ def write_checkpoint(directory: str | Path, tensors: Iterable[HFTensor], *, libr
         size += item.nbytes
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    # Written beside, then moved in: a tensor may still be read from the checkpoint being
-    # replaced (a tower's untrained top, saved back into the folder it came from).
-    staging = Path(tempfile.mkdtemp(prefix=".dtdsl-write-", dir=directory))
-    names = []
+    names = [stem] if len(shards) == 1 else \
+        [_shard_name(stem, i, len(shards)) for i in range(1, len(shards) + 1)]
+    if len(shards) > 1:
+        names.append(f"{stem}.index.json")
+    there = [n for n in names if os.path.lexists(directory / n)]
+    if there:
+        raise FileExistsError(f"{directory / there[0]} exists; write_checkpoint fills a new "
+                              "folder and never writes over a file")
     weight_map = {}
     meta = {"format": "pt", **(metadata or {})}
-    try:
-        for i, shard in enumerate(shards, start=1):
-            name = stem if len(shards) == 1 else _shard_name(stem, i, len(shards))
-            data = {t.key: t.make().contiguous() for t in shard}
-            save_file(data, str(staging / name), metadata=meta)
-            del data
-            names.append(name)
-            weight_map.update({t.key: name for t in shard})
-        if len(shards) > 1:
-            index = f"{stem}.index.json"
-            (staging / index).write_text(json.dumps(
-                {"metadata": {"total_size": sum(i.nbytes for i in items)},
-                 "weight_map": weight_map}, indent=2, sort_keys=True))
-            names.append(index)
-        # A checkpoint written here before (sharded or not) would be read instead of this
-        # one, or beside it: it goes, then this one moves in.
-        base = stem.rsplit(".", 1)[0]
-        stale = re.compile(rf"{re.escape(base)}(-\d{{5}}-of-\d{{5}})?\.safetensors"
-                           r"(\.index\.json)?")
-        for old in directory.iterdir():
-            if old.is_file() and stale.fullmatch(old.name):
-                old.unlink()
-        for name in names:
-            os.replace(staging / name, directory / name)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    for name, shard in zip(names, shards, strict=False):
+        data = {t.key: t.make().contiguous() for t in shard}
+        save_file(data, str(directory / name), metadata=meta)
+        del data
+        weight_map.update({t.key: name for t in shard})
+    if len(shards) > 1:
+        with open(directory / names[-1], "x", encoding="utf-8") as f:
+            f.write(json.dumps({"metadata": {"total_size": sum(i.nbytes for i in items)},
+                                "weight_map": weight_map}, indent=2, sort_keys=True))
     return [directory / name for name in names]
 
 
