@@ -46,7 +46,7 @@ class HFError(ValueError):
         self.hint = hint
 
 
-def shown(value: Any, limit: int = 48) -> str:
+def shown(value: Any, limit: int = 48, *, typed: bool = True) -> str:
     """A file's value as the file writes it (JSON), cut to ``limit`` characters, with its
     type where JSON's spelling hides it (``"2"`` is a string); a short string where a
     string belongs is ``named``."""
@@ -58,7 +58,7 @@ def shown(value: Any, limit: int = 48) -> str:
         text = text[:limit - 3] + "..."
     kind = {str: "a string", list: "a list", dict: "an object", bool: "a flag"}.get(
         type(value))
-    return f"{text} ({kind})" if kind else text
+    return f"{text} ({kind})" if kind and typed else text
 
 
 def named(value: Any) -> str:
