@@ -77,15 +77,16 @@ class VAEConfig:
         except HFError as err:
             raise VAEError(err.message) from None
         if cfg.get("_class_name") not in (None, "AutoencoderKL"):
-            raise VAEError(f"{folder} holds a {named(cfg.get('_class_name'))}, not an "
-                           "AutoencoderKL")
+            raise VAEError(f"{folder} holds a {named(cfg.get('_class_name'))} (its "
+                           "_class_name), not an AutoencoderKL")
         f = Fields(cfg, defaults=_DEFAULTS, error=lambda m, hint=None: VAEError(
             f"{folder}: {m}"))
         channels = f.integers("block_out_channels", high=1 << 16, max_len=8)
         groups = f.integer("norm_num_groups", high=1 << 16)
         f.require(all(c % groups == 0 for c in channels), "norm_num_groups", groups,
                   f"a divisor of every block_out_channels {list(channels)} (GroupNorm)")
-        blocks = f.texts("down_block_types", count=len(channels)) if f.has(
+        blocks = f.texts("down_block_types", count=len(channels),
+                         per=" (one per block_out_channels)") if f.has(
             "down_block_types") else ("DownEncoderBlock2D",) * len(channels)
         if any(b != "DownEncoderBlock2D" for b in blocks):
             raise VAEError(f"{folder}: down_block_types {list(blocks)} are not "

@@ -295,6 +295,10 @@ def test_a_hub_cache_snapshot_is_read_as_it_is(llama, tmp_path, absolute):
     assert check_pretrained(result.program) == []
     with Checkpoint(snapshot) as ckpt:
         assert len({ckpt._files[k] for k in ckpt.keys()}) > 2        # sharded
+    # The repository's folder instead of its snapshot: the hint names the snapshot.
+    got = check(snapshot.parent.parent)
+    assert got.diagnostics[0].hint == ("a Hugging Face hub cache folder: point at "
+                                       f"{snapshot}"), got.diagnostics
     ours, want = load_hf(snapshot), load_hf(llama)
     for (name, a), (_, b) in zip(ours.named_parameters(), want.named_parameters(),
                                  strict=True):

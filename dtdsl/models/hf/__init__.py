@@ -141,7 +141,7 @@ def pretrained_problems(model: HFModel, role: str, arch: ir.TransformerArch | ir
         # the module is built (on meta) and each missing tensor named.
         if need > 2 * have:
             return [f"its tensors hold {have} numbers, less than half of the {need} "
-                    f"parameters of the {family} its config describes"]
+                    f"parameters of this {family} architecture"]
         with torch.device("meta"):
             module = build_arch(role, arch)
         return check_weights(module, family, arch, checkpoint)

@@ -28,12 +28,13 @@ No ``transformers`` or ``diffusers`` import: the configs are JSON, read here.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dtdsl.ir import program as ir
-from dtdsl.models.hf.fields import Fields, HFError, named, read_json, shown
+from dtdsl.models.hf.fields import Fields, HFError, named, open_regular, read_json, shown
 
 __all__ = [
     "BACKBONE_TYPES", "ENCODER_TYPES", "HFError", "HFModel", "config_for", "read_hf",
@@ -134,6 +135,7 @@ _MAX_DEPTH = 64                     # SDXL's deepest level has 10 transformer la
 _MAX_LATENT = 1024                  # latent pixels along a side (SD: 64 or 96)
 _MAX_CONTEXT = 1 << 17
 _MAX_TIMESTEPS = 1 << 20            # a schedule's table has one entry per timestep
+_PER_LEVEL = " (one per level of block_out_channels)"
 
 
 @dataclass(frozen=True)
@@ -205,7 +207,7 @@ def _rope(f: Fields) -> ir.RoPE:
                        mscale=spec.number("mscale", optional=True),
                        mscale_all_dim=spec.number("mscale_all_dim", optional=True),
                        truncate=truncate, **common)
-    raise HFError(f"rope type {kind!r} is not supported",
+    raise HFError(f"rope_type {named(kind)} is not supported",
                   hint="dtdsl computes default, linear, llama3, yarn and dynamic rotary "
                   "embeddings")
 
@@ -224,7 +226,7 @@ def _decoder(cfg: dict[str, Any], family: str) -> ir.TransformerArch:
     hidden = f.integer("hidden_size", high=_MAX_HIDDEN)
     heads = _heads(f, hidden)
     # Left out: the class default (Mistral's 8, Qwen2's 32); null, or Llama's default: MHA.
-    kv = f.integer("num_key_value_heads", high=heads, optional=True, null_default=False)
+    kv = f.integer("num_key_value_heads", high=_MAX_HEADS, optional=True, null_default=False)
     kv = kv or heads
     f.require(heads % kv == 0, "num_key_value_heads", kv,
               f"a divisor of num_attention_heads {heads} (each key-value head serves as "
@@ -232,7 +234,8 @@ def _decoder(cfg: dict[str, Any], family: str) -> ir.TransformerArch:
     layers = f.integer("num_hidden_layers", high=_MAX_LAYERS)
     act = f.text("hidden_act")
     if act != "silu":
-        raise HFError(f"hidden_act {act!r}: the {family} MLP dtdsl builds gates with silu")
+        raise HFError(f"hidden_act {named(act)}: the {family} MLP dtdsl builds gates with "
+                      "silu")
     head_dim = f.integer("head_dim", high=_MAX_HIDDEN, optional=True)
     if head_dim is None:
         if hidden % heads:
@@ -288,10 +291,10 @@ def _vision(f: Fields, family: str, feature_layer: int | None
     total = f.integer("num_hidden_layers", high=_MAX_LAYERS)
     act = f.text("hidden_act")
     if act not in _ACTIVATIONS or act == "silu":
-        raise HFError(f"hidden_act {act!r} is not supported in a vision tower",
+        raise HFError(f"hidden_act {named(act)} is not supported in a vision tower",
                       hint="dtdsl computes quick_gelu, gelu and gelu_pytorch_tanh")
     image = f.integer("image_size", high=_MAX_IMAGE)
-    patch = f.integer("patch_size", high=min(_MAX_PATCH, image))
+    patch = f.integer("patch_size", high=_MAX_PATCH)
     if image % patch:
         raise HFError(f"image_size {image} is not a multiple of patch_size {patch}")
     layers, post_norm = total, family == "siglip"
@@ -299,7 +302,8 @@ def _vision(f: Fields, family: str, feature_layer: int | None
         layers = total + 1 + feature_layer if feature_layer < 0 else feature_layer
         if not 1 <= layers <= total:
             raise HFError(f"feature_layer {feature_layer} is outside the tower's "
-                          f"hidden_states (layers 1..{total}, or -{total}..-1)")
+                          f"hidden_states (num_hidden_layers {total}: 1..{total}, or "
+                          f"-{total}..-1)")
         post_norm = False      # hidden_states[k] is a layer's output, before any final norm
     clip = family == "clip"
     arch = ir.TransformerArch(
@@ -321,16 +325,16 @@ def _unet_levels(f: Fields) -> tuple[tuple[int, ...], list[int]]:
     levels = len(boc)
     f.require(all(c % boc[0] == 0 for c in boc), "block_out_channels", list(boc),
               "multiples of the first")
-    down = f.texts("down_block_types", count=levels)
-    up = f.texts("up_block_types", count=levels)
+    down = f.texts("down_block_types", count=levels, per=_PER_LEVEL)
+    up = f.texts("up_block_types", count=levels, per=_PER_LEVEL)
     attention = []
     for i, (kind, mirror) in enumerate(zip(down, reversed(up), strict=True)):
         if kind not in ("CrossAttnDownBlock2D", "DownBlock2D"):
-            raise HFError(f"down_block_types: {kind!r} is not supported")
+            raise HFError(f"down_block_types: {named(kind)} is not supported")
         want = "CrossAttnUpBlock2D" if kind == "CrossAttnDownBlock2D" else "UpBlock2D"
         if mirror != want:
-            raise HFError(f"up_block_types: {mirror!r} at level {i} does not mirror its down "
-                          f"block {kind!r}")
+            raise HFError(f"up_block_types: {named(mirror)} at level {i} does not mirror "
+                          f"its down block {kind!r}")
         if kind == "CrossAttnDownBlock2D":
             attention.append(i)
     return boc, attention
@@ -338,7 +342,7 @@ def _unet_levels(f: Fields) -> tuple[tuple[int, ...], list[int]]:
 
 def _one(f: Fields, key: str, levels: int, high: int) -> int:
     """A per-level key that dtdsl's U-Net needs the same at every level."""
-    values = set(f.integers(key, high=high, count=levels))
+    values = set(f.integers(key, high=high, count=levels, per=_PER_LEVEL))
     if len(values) != 1:
         raise HFError(f"different {key} per level are not supported")
     return values.pop()
@@ -362,7 +366,7 @@ def _unet(cfg: dict[str, Any], scheduler: dict[str, Any] | None) -> ir.UNetArch:
     res_blocks = _one(f, "layers_per_block", levels, _MAX_RES_BLOCKS)
     depth = _one(f, "transformer_layers_per_block", levels, _MAX_DEPTH)
     head_key = "num_attention_heads" if f.has("num_attention_heads") else "attention_head_dim"
-    heads = f.integers(head_key, high=max(boc), count=levels)
+    heads = f.integers(head_key, high=_MAX_UNET_CHANNELS, count=levels, per=_PER_LEVEL)
     context = _one(f, "cross_attention_dim", levels, _MAX_CONTEXT)
     if not f.has("sample_size"):
         raise HFError("the U-Net config has no sample_size (its latent side)",
@@ -382,8 +386,8 @@ def _unet(cfg: dict[str, Any], scheduler: dict[str, Any] | None) -> ir.UNetArch:
             raise HFError(f"block_out_channels: {ch} channels at level {level} cannot form "
                           f"norm_num_groups {groups} groups")
         if (level in attention or level == levels - 1) and ch % heads[level]:
-            raise HFError(f"{head_key}: {ch} channels at level {level} are not a whole "
-                          f"number of {heads[level]} heads")
+            raise HFError(f"{head_key}: block_out_channels {ch} at level {level} are not a "
+                          f"whole number of {heads[level]} heads")
     first = attention[0] if attention else levels - 1
     return ir.UNetArch(
         channels=boc[0], mult=tuple(c // boc[0] for c in boc), res_blocks=res_blocks,
@@ -409,10 +413,10 @@ def _schedule(scheduler: dict[str, Any] | None) -> dict[str, Any]:
         raise HFError("rescale_betas_zero_snr is not supported")
     beta_schedule, prediction = s.text("beta_schedule"), s.text("prediction_type")
     if beta_schedule not in ("linear", "scaled_linear", "squaredcos_cap_v2"):
-        raise HFError(f"beta_schedule {beta_schedule!r} is not supported",
+        raise HFError(f"beta_schedule {named(beta_schedule)} is not supported",
                       hint="dtdsl trains on linear, scaled_linear and squaredcos_cap_v2")
     if prediction not in ("epsilon", "v_prediction"):
-        raise HFError(f"prediction_type {prediction!r} is not supported",
+        raise HFError(f"prediction_type {named(prediction)} is not supported",
                       hint="dtdsl trains epsilon and v_prediction U-Nets")
     # A beta is a share of variance added per step: in [0, 1).
     return dict(prediction=prediction, beta_schedule=beta_schedule,
@@ -444,9 +448,23 @@ def _model_dir(path: str | Path) -> Path:
             raise HFError(f"{root} is a diffusers pipeline without a unet/config.json")
         root = root / "unet"
     if not (root / "config.json").is_file():
-        raise HFError(f"{root} has no config.json",
-                      hint="a Hugging Face model directory, as save_pretrained writes it")
+        raise HFError(f"{root} has no config.json", hint=_hub_hint(root) or
+                      "a Hugging Face model directory, as save_pretrained writes it")
     return root
+
+
+def _hub_hint(root: Path) -> str | None:
+    """Where the model is when ``root`` is a Hub cache's repository folder
+    (``models--org--name``, whose ``refs/main`` names the snapshot to read)."""
+    if not (root / "snapshots").is_dir():
+        return None
+    try:
+        with open_regular(root / "refs" / "main") as f:
+            rev = f.read(64).decode("ascii").strip()
+    except (HFError, UnicodeDecodeError):
+        rev = ""
+    rev = rev if re.fullmatch(r"[0-9a-f]{7,40}", rev) else "<revision>"
+    return f"a Hugging Face hub cache folder: point at {root / 'snapshots' / rev}"
 
 
 def _role_of(cfg: dict[str, Any], config_path: Path) -> str:

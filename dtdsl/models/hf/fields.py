@@ -167,15 +167,16 @@ class Fields:
         return value
 
     def integers(self, key: str, *, low: int = 1, high: int, count: int | None = None,
-                 max_len: int = 64) -> tuple[int, ...]:
+                 max_len: int = 64, per: str = "") -> tuple[int, ...]:
         """A list of integers in ``[low, high]``: of ``count`` of them when given (then
-        one integer stands for all, as diffusers' per-level keys allow); at most
-        ``max_len`` otherwise."""
+        one integer stands for all, as diffusers' per-level keys allow; ``per`` says
+        what sets the count: " per level of block_out_channels"); at most ``max_len``
+        otherwise."""
         value = self.raw(key)
         if count is not None and not isinstance(value, (list, tuple)):
-            return (self._integer(key, value, low, high, f" or a list of {count}"),) * count
+            return (self._integer(key, value, low, high, f" or a list of {count}{per}"),) * count
         want = f"a list of {count if count is not None else f'1 to {max_len}'} integers " \
-            f"{_range(low, high)}"
+            f"{_range(low, high)}{per}"
         if not isinstance(value, (list, tuple)) or not value or len(value) > max_len or \
                 (count is not None and len(value) != count):
             raise self.fail(key, value, want)
@@ -184,11 +185,11 @@ class Fields:
                 raise self.fail(key, value, want)
         return tuple(value)
 
-    def texts(self, key: str, *, count: int) -> tuple[str, ...]:
+    def texts(self, key: str, *, count: int, per: str = "") -> tuple[str, ...]:
         value = self.raw(key)
         if not isinstance(value, (list, tuple)) or len(value) != count or \
                 not all(isinstance(v, str) for v in value):
-            raise self.fail(key, value, f"a list of {count} strings")
+            raise self.fail(key, value, f"a list of {count} strings{per}")
         return tuple(value)
 
     def object(self, key: str, *, defaults: Mapping[str, Any] | None = None) -> Any:
