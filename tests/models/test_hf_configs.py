@@ -120,6 +120,10 @@ def models(tmp_path_factory) -> Path:
     make_siglip(root / "siglip")
     make_unet(root / "sd", sd=2, prediction="v_prediction")
     make_vae(root / "sd" / "vae", channels=(16, 32))
+    # As made, each checks clean: every error below comes from the value replaced.
+    for name, (kind, directory, _, _) in sorted(CONFIGS.items()):
+        result = check(root, kind, directory)
+        assert result.ok, (name, [(d.code, d.message) for d in result.diagnostics])
     return root
 
 
@@ -175,12 +179,6 @@ def assert_named_or_fitting(result, path: str) -> None:
             assert "\n" not in d.message and len(d.message) < 400, d.message
 
 
-def test_the_models_check_as_they_are(models):
-    for name, (kind, directory, _, _) in sorted(CONFIGS.items()):
-        result = check(models, kind, directory)
-        assert result.ok, (name, [(d.code, d.message) for d in result.diagnostics])
-
-
 @PROPERTY_SETTINGS
 @given(data=st.data())
 def test_any_field_replaced_is_dt311_naming_it_or_a_model(models, data):
@@ -211,7 +209,6 @@ ISSUE = [
      "most hidden_size 64"),
     ("llama", "num_hidden_layers", 10**9, "config key 'num_hidden_layers' is 1000000000, not "
      "an integer from 1 to 1_024"),
-    ("llama", "num_hidden_layers", 1e9, "config key 'num_hidden_layers' is 1000000000.0"),
     ("llama", "rms_norm_eps", -1, "config key 'rms_norm_eps' is -1, not a number above 0 "
      "and below 1"),
     ("llama", "rms_norm_eps", float("nan"), "config key 'rms_norm_eps' is NaN"),
