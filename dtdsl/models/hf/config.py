@@ -18,7 +18,8 @@ exactly what the Hugging Face model computes, where its weights are, and an
   ``scheduler_config.json`` beside it.
 
 Keys a config leaves out take the ``transformers`` / ``diffusers`` class defaults (older
-files store only what differs from them). Anything these architectures do not compute
+files store only what differs from them). Every value is read through ``fields.Fields``:
+typed and bounded, an HFError naming the key otherwise, before anything is built from it. Anything these architectures do not compute
 (another ``model_type``, sliding-window attention shorter than the sequence, SDXL's extra
 embeddings, ...) is an ``HFError`` naming it, never a silently different model.
 
@@ -114,7 +115,8 @@ _ACT_NAMES = {"quick_gelu": "quick_gelu", "gelu": "gelu", "gelu_tanh": "gelu_pyt
 
 
 # Bounds of the values read from a config: the language's own for `transformer(...)` and
-# `unet(...)` (frontend.check), so that an hf() model is held to what a written one is.
+# `unet(...)` (frontend.check) where it has one, so that an hf() model is held to about
+# what a written one is.
 # Each is far above any published model (the deepest LLMs have about 128 layers, the
 # widest a hidden size of 25_600, the largest vocabularies 262_144 tokens, SD's U-Nets 4
 # levels of at most 1280 channels), and small enough that what dtdsl does per unit of

@@ -19,6 +19,10 @@ The rules, the same for every key:
   true);
 - every integer has bounds, generous for any real model and small enough that the work
   dtdsl does with a value (meta modules, layer loops) stays bounded.
+
+Files: ``open_regular`` opens a regular file (through symlinks) and refuses a FIFO, a
+device or a folder without blocking on it; ``read_json`` reads a bounded JSON object from
+one, with the sha256 of the bytes read.
 """
 
 from __future__ import annotations

@@ -15,7 +15,12 @@ flattened patches. Key prefixes (``model.``, ``vision_model.``, a LLaVA's
 **Reading** (``Checkpoint``): a directory's ``*.safetensors`` (one file, or shards with
 their ``*.safetensors.index.json``), through ``safe_open``: ``read(key, offsets, shape)``
 returns just that block of the stored tensor (``get_slice``), so a rank reads the rows and
-columns its shards cover and nothing else.
+columns its shards cover and nothing else. Nothing in a file is trusted: each header is
+checked against its file before any tensor is read (``read_header``: a file cut short, or
+whose header lies about its tensors, is a ``WeightsFileError``, DT316), a parameter is
+read only from floating-point tensors (``Checkpoint.dtype_problem``: integer, bool and FP8
+tensors are quantised weights), and an index names its shards inside its directory (the
+shards themselves may be symlinks, as in the Hub cache).
 
 **Writing** (``write_checkpoint``): tensors into shards of at most ``max_shard_bytes`` with
 the index Hugging Face's ``from_pretrained`` reads (``model.safetensors`` /
