@@ -222,6 +222,18 @@ refused too (a vision tower as the backbone). A generator's `vae = "DIR"` must b
 a diffusers `AutoencoderKL` folder (`DownEncoderBlock2D` blocks, SiLU). Paths are
 relative to the spec's folder.
 
+Every config value dtdsl reads is typed and bounded, and the message names the
+key: integers are JSON integers (`32`, not `32.0` or `"32"`; `true` is not
+one), numbers are finite (`NaN` is refused), flags are `true` or `false`.
+Counts are positive and within the bounds of the language's own
+`transformer(...)` and `unet(...)` (at most 1024 layers, a hidden size of
+131072, 4096 heads and no more heads than hidden dimensions, a vocabulary of
+16777216, 8 U-Net levels), far above any published model; `rms_norm_eps` and
+`layer_norm_eps` lie in (0, 1), `rope_theta` and rope scaling factors are
+positive, a scheduler's betas lie in [0, 1).
+
+    "num_key_value_heads": "8"     # error: config key 'num_key_value_heads' is "8" (a string)
+
     encoder vit (image) {
       arch = hf("models/clip-vit-large-patch14", feature_layer=-2)
     }
@@ -237,6 +249,33 @@ with `save_pretrained`, which writes safetensors). Pretrained weights go into an
 own); dtdsl's `transformer(...)` and `unet(...)` are not Hugging Face models.
 A generator's VAE must make latents of the width the generator denoises (its
 `latent_channels`).
+
+The files an index (`model.safetensors.index.json`) names must be inside the
+model directory by name: a relative name without `..` (an index naming
+`../x.safetensors` or `/etc/x` is refused, whatever is there). A file may be a
+symlink to a regular file anywhere: the Hugging Face hub cache links every file
+of `snapshots/<rev>/` to `../../blobs/<sha256>`, and such a directory is read
+as it is. A FIFO, a device or a folder where a file belongs is refused without
+being opened for reading.
+"""),
+    "DT316": Code("Weights file damaged or quantised", """
+Every safetensors file a module's `pretrained` weights (or a generator's VAE)
+come from is checked before anything runs, by `dtc check`, `dtc compile` and the
+launch's preflight, from its header alone: the header must be a JSON object of
+tensors, each with a known `dtype`, a `shape` and `data_offsets` whose span is
+exactly the shape's bytes, the spans tiling the data after the header (no
+overlap, no gap, nothing past the end of the file). A file cut short (a
+download that stopped), or whose header lies about what it holds, is refused
+here, naming the file and the tensor, instead of failing on every rank.
+
+A tensor a parameter reads must be floating point (F32, F16, BF16 or F64; it is
+converted to the parameter's dtype). Integer, bool and FP8 tensors, and a
+config with a `quantization_config` (GPTQ, AWQ, bitsandbytes, FP8 with scale
+tensors), hold quantised weights that mean nothing without their scales and
+packing: dequantise the model and save it in bf16 or fp16 with `transformers`
+(`from_pretrained`, then `save_pretrained`), and point `pretrained` at that.
+
+    pretrained = "llama-3-8b-gptq"   # error: its config declares a quantization_config
 """),
     "DT313": Code("Sequence longer than the model attends", """
 The backbone computes something else past a length, and `seq_len` reaches past

@@ -405,7 +405,8 @@ class _Checker:
     def _vae(self, decl: ast.Module, text: Any, arch: Any, source: Any, modality: Any) -> Any:
         """A generator's VAE: the ``vae`` field's folder, else its pipeline's ``vae``; None
         without one (targets then come as latents: synthetic data's stand-in)."""
-        from dtdsl.models.vae import VAEConfig, VAEError, find_vae
+        from dtdsl.models.hf import HFError, WeightsFileError
+        from dtdsl.models.vae import VAEConfig, VAEError, find_vae, vae_problems
 
         ctx = self.ctx
         field = _field(decl.fields, "vae")
@@ -433,6 +434,17 @@ class _Checker:
             return ctx.error("DT312", f"the VAE in {path} makes {cfg.latent_channels}-channel "
                              f"latents; generator {decl.name} denoises {want}", span,
                              hint="use the VAE the generator was trained with")
+        # Its weights are read on every generator rank: checked here, headers only.
+        try:
+            problems = vae_problems(cfg)
+        except WeightsFileError as err:
+            return ctx.error("DT316", err.message, span, hint=err.hint)
+        except HFError as err:
+            return ctx.error("DT312", f"the VAE in {path}: {err.message}", span,
+                             hint=err.hint)
+        if problems:
+            return ctx.error("DT312", f"the weights of the VAE in {path} do not fit its "
+                             f"config: {problems[0]}", span, notes=problems[1:5])
         return cfg.arch()
 
     def _arch(self, call: ast.Call, decl: ast.Module, modality: Any) -> Any:
@@ -496,8 +508,9 @@ class _Checker:
 
     def _pretrained(self, text: str, decl: ast.Module, arch: Any, source: Any) -> Any:
         """The absolute directory of a module's pretrained weights, checked against its
-        architecture (every tensor there, in its shape; nothing read but the headers)."""
-        from dtdsl.models.hf import Checkpoint, HFError, check_weights, read_hf
+        architecture (every tensor there, in its shape, floating point; every file's
+        header checked against the file; nothing read but the headers)."""
+        from dtdsl.models.hf import HFError, WeightsFileError, pretrained_problems, read_hf
 
         ctx = self.ctx
         span = _field(decl.fields, "pretrained").value.span
@@ -514,9 +527,9 @@ class _Checker:
             return ctx.error("DT312", f"{text} holds a {weights.source.family} model, but "
                              f"the architecture is a {source.family}", span)
         try:
-            with Checkpoint(weights.weights_dir) as checkpoint:
-                problems = check_weights(_meta_module(decl.role, arch), source.family, arch,
-                                         checkpoint)
+            problems = pretrained_problems(weights, decl.role, arch)
+        except WeightsFileError as err:
+            return ctx.error("DT316", err.message, span, hint=err.hint)
         except HFError as err:
             return ctx.error("DT312", err.message, span, hint=err.hint)
         if problems:
@@ -1124,16 +1137,6 @@ _EXAMPLES = {
     "patches": "choice([256, 1024], p=[0.7, 0.3])",
     "frames": "uniform(100, 1500)",
 }
-
-
-def _meta_module(role: str, arch: Any) -> Any:
-    """The runtime's module of ``arch`` on the meta device (names and shapes, no memory)."""
-    import torch
-
-    from dtdsl.models import build_arch
-
-    with torch.device("meta"):
-        return build_arch(role, arch)
 
 
 def _largest(q: ir.Quantity) -> float | None:

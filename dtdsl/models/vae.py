@@ -15,8 +15,8 @@ rank, never in an optimizer or a checkpoint.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["VAEConfig", "VAEEncoder", "VAEError", "find_vae", "load_vae"]
+__all__ = ["VAEConfig", "VAEEncoder", "VAEError", "find_vae", "load_vae", "vae_problems"]
 
 
 class VAEError(ValueError):
@@ -62,31 +62,53 @@ class VAEConfig:
 
     @classmethod
     def read(cls, folder: str | Path) -> VAEConfig:
+        """The config of the AutoencoderKL in ``folder``: every value typed and bounded
+        (``models.hf.fields``; diffusers' defaults for what it leaves out), VAEError
+        naming the key otherwise."""
+        from dtdsl.models.hf.fields import Fields, HFError, named, read_json
+
         folder = Path(folder).expanduser().resolve()
         file = folder / "config.json"
-        try:
-            cfg = json.loads(file.read_text())
-        except FileNotFoundError:
+        if not file.exists():
             raise VAEError(f"{folder} has no config.json (a diffusers AutoencoderKL folder "
-                           "has one)") from None
-        except (OSError, ValueError) as err:
-            raise VAEError(f"{file} is not readable JSON: {err}") from None
+                           "has one)")
+        try:
+            cfg, _ = read_json(file, "VAE config")
+        except HFError as err:
+            raise VAEError(err.message) from None
         if cfg.get("_class_name") not in (None, "AutoencoderKL"):
-            raise VAEError(f"{folder} holds a {cfg.get('_class_name')}, not an AutoencoderKL")
-        blocks = cfg.get("down_block_types", ["DownEncoderBlock2D"] * 4)
+            raise VAEError(f"{folder} holds a {named(cfg.get('_class_name'))} (its "
+                           "_class_name), not an AutoencoderKL")
+        f = Fields(cfg, defaults=_DEFAULTS, error=lambda m, hint=None: VAEError(
+            f"{folder}: {m}"))
+        channels = f.integers("block_out_channels", high=1 << 16, max_len=8)
+        groups = f.integer("norm_num_groups", high=1 << 16)
+        f.require(all(c % groups == 0 for c in channels), "norm_num_groups", groups,
+                  f"a divisor of every block_out_channels {list(channels)} (GroupNorm)")
+        blocks = f.texts("down_block_types", count=len(channels),
+                         per=" (one per block_out_channels)") if f.has(
+            "down_block_types") else ("DownEncoderBlock2D",) * len(channels)
         if any(b != "DownEncoderBlock2D" for b in blocks):
-            raise VAEError(f"{folder}: down blocks {blocks} are not DownEncoderBlock2D")
-        if cfg.get("act_fn", "silu") != "silu":
-            raise VAEError(f"{folder}: activation {cfg.get('act_fn')} is not silu")
-        return cls(path=str(folder), in_channels=int(cfg.get("in_channels", 3)),
-                   block_out_channels=tuple(cfg.get("block_out_channels", (64,))),
-                   layers_per_block=int(cfg.get("layers_per_block", 1)),
-                   latent_channels=int(cfg.get("latent_channels", 4)),
-                   norm_num_groups=int(cfg.get("norm_num_groups", 32)),
-                   scaling_factor=float(cfg.get("scaling_factor", 0.18215)),
-                   shift_factor=float(cfg.get("shift_factor") or 0.0),
-                   mid_attention=bool(cfg.get("mid_block_add_attention", True)),
-                   quant_conv=bool(cfg.get("use_quant_conv", True)))
+            raise VAEError(f"{folder}: down_block_types {list(blocks)} are not "
+                           "DownEncoderBlock2D")
+        if f.text("act_fn") != "silu":
+            raise VAEError(f"{folder}: act_fn {named(cfg.get('act_fn'))} is not silu")
+        return cls(path=str(folder), in_channels=f.integer("in_channels", high=64),
+                   block_out_channels=channels,
+                   layers_per_block=f.integer("layers_per_block", high=16),
+                   latent_channels=f.integer("latent_channels", high=64),
+                   norm_num_groups=groups,
+                   scaling_factor=f.number("scaling_factor", gt=0),
+                   shift_factor=f.number("shift_factor"),
+                   mid_attention=f.flag("mid_block_add_attention"),
+                   quant_conv=f.flag("use_quant_conv"))
+
+
+# diffusers' AutoencoderKL defaults for the keys read here.
+_DEFAULTS = {"in_channels": 3, "block_out_channels": [64], "layers_per_block": 1,
+             "latent_channels": 4, "norm_num_groups": 32, "scaling_factor": 0.18215,
+             "shift_factor": 0.0, "mid_block_add_attention": True, "use_quant_conv": True,
+             "act_fn": "silu"}
 
 
 def find_vae(generator_dir: str | Path) -> Path | None:
@@ -220,45 +242,88 @@ class VAEEncoder(nn.Module):
 _OLD_NAMES = {"query": "to_q", "key": "to_k", "value": "to_v", "proj_attn": "to_out.0"}
 
 
-def load_vae(cfg: VAEConfig, device: torch.device | str = "cpu",
-             dtype: torch.dtype = torch.float32, *, weights: bool = True) -> VAEEncoder:
-    """The encoder with its folder's weights (only the encoder's tensors are read), frozen,
-    on ``device`` (``weights=False``: materialised, nothing read: shapes for a memory
-    check). VAEError for missing or misshapen tensors."""
-    from safetensors import safe_open
+def _keys(checkpoint: Any, want: Mapping[str, tuple[int, ...]]) -> dict[str, str]:
+    """The encoder's names (diffusers') -> the checkpoint's keys: the same, or the old
+    attention names (``query``, ..., ``proj_attn``)."""
+    out = {}
+    for key in checkpoint.keys():
+        name = key
+        for old, new in _OLD_NAMES.items():
+            name = name.replace(f".{old}.", f".{new}.")
+        if name in want:
+            out[name] = key
+    return out
 
-    if not weights:
-        with torch.device("meta"):
-            module = VAEEncoder(cfg)
-        return module.to_empty(device=device).requires_grad_(False).to(dtype).eval()
-    folder = Path(cfg.path)
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise VAEError(f"{folder} has no .safetensors weights")
-    # diffusers' own file first; fp16 variants only when nothing else is there
-    main = [f for f in files if ".fp16." not in f.name] or files
+
+def _fits(stored: tuple[int, ...], want: tuple[int, ...]) -> bool:
+    """A stored shape that fills ``want``: equal, or an old 1x1-conv attention kernel
+    ``[o, i, 1, 1]`` for a linear ``[o, i]``."""
+    return stored == want or (len(stored) == 4 and len(want) == 2 and stored[2:] == (1, 1)
+                              and stored[:2] == want)
+
+
+def _match(cfg: VAEConfig, checkpoint: Any) -> tuple[dict[str, str], list[str]]:
+    """Which key fills each encoder tensor, and what does not fit (headers only);
+    WeightsFileError for a tensor that is not floating point."""
+    from dtdsl.models.hf.weights import QUANTISED_HINT, WeightsFileError
+
     with torch.device("meta"):
         module = VAEEncoder(cfg)
-    want = dict(module.state_dict())
+    want = {n: tuple(t.shape) for n, t in module.state_dict().items()}
+    keys = _keys(checkpoint, want)
+    missing = sorted(set(want) - set(keys))
+    problems = [f"it lacks {len(missing)} encoder tensors, e.g. {missing[0]}"] if missing \
+        else []
+    for name, key in keys.items():
+        stored = checkpoint.shape(key)
+        if not _fits(stored, want[name]):
+            problems.append(f"{name} is {stored}, the config says {want[name]}")
+        elif (problem := checkpoint.dtype_problem(key)) is not None:
+            raise WeightsFileError(problem, hint=QUANTISED_HINT)
+    return keys, problems
+
+
+def vae_problems(cfg: VAEConfig) -> list[str]:
+    """What keeps the folder's safetensors from filling the encoder, from their headers
+    alone (every file's checked against the file): one message each, empty when they
+    fit. WeightsFileError for a damaged file or a quantised tensor, HFError for a folder
+    without safetensors."""
+    from dtdsl.models.hf.weights import Checkpoint
+
+    with Checkpoint(cfg.path) as checkpoint:
+        checkpoint.verify()
+        return _match(cfg, checkpoint)[1]
+
+
+def load_vae(cfg: VAEConfig, device: torch.device | str = "cpu",
+             dtype: torch.dtype = torch.float32, *, weights: bool = True) -> VAEEncoder:
+    """The encoder with its folder's weights (only the encoder's tensors are read, through
+    ``models.hf.Checkpoint``: headers checked, one line for a damaged file), frozen, on
+    ``device`` (``weights=False``: materialised, nothing read: shapes for a memory
+    check). VAEError for missing or misshapen tensors."""
+    from dtdsl.models.hf.fields import HFError
+    from dtdsl.models.hf.weights import Checkpoint, Source, WeightsFileError
+
+    with torch.device("meta"):
+        module = VAEEncoder(cfg)
+    if not weights:
+        return module.to_empty(device=device).requires_grad_(False).to(dtype).eval()
+    folder = Path(cfg.path)
+    dims = {n: t.ndim for n, t in module.state_dict().items()}
     state: dict[str, torch.Tensor] = {}
-    for file in main:
-        with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():        # noqa: SIM118 - safe_open has no __iter__
-                name = key
-                for old, new in _OLD_NAMES.items():
-                    name = name.replace(f".{old}.", f".{new}.")
-                if name in want:
-                    t = f.get_tensor(key)
-                    if t.ndim == 4 and want[name].ndim == 2:      # old 1x1-conv attention
-                        t = t[:, :, 0, 0]
-                    state[name] = t
-    missing = sorted(set(want) - set(state))
-    if missing:
-        raise VAEError(f"{folder} lacks {len(missing)} encoder tensors, e.g. {missing[0]}")
-    bad = [n for n, t in state.items() if tuple(t.shape) != tuple(want[n].shape)]
-    if bad:
-        raise VAEError(f"{folder}: {bad[0]} is {tuple(state[bad[0]].shape)}, the config says "
-                       f"{tuple(want[bad[0]].shape)}")
+    try:
+        with Checkpoint(folder) as checkpoint:
+            keys, problems = _match(cfg, checkpoint)
+            if problems:
+                raise VAEError(f"{folder}: {problems[0]}")
+            for name, key in keys.items():
+                shape = checkpoint.shape(key)
+                t = checkpoint.read(Source(key), (0,) * len(shape), shape)
+                state[name] = t[:, :, 0, 0] if t.ndim == 4 and dims[name] == 2 else t
+    except WeightsFileError:
+        raise
+    except HFError as err:
+        raise VAEError(err.message) from None
     module = module.to_empty(device=device)
     module.load_state_dict({n: t.to(dtype) for n, t in state.items()})
     module.requires_grad_(False)

@@ -6,9 +6,11 @@ runs it on every node) checks that the bundle's data can be read (and indexes We
 shards once, before the workers and trainers open them), and that every ``pretrained``
 directory the bundle's program names is still there, still holds the model the bundle
 was compiled against (its ``config.json`` has the same sha256) and still has every tensor
-in its shape (the safetensors headers, nothing more is read). A run directory with a
+in its shape, floating point, in files whose headers agree with the files (the
+safetensors headers, nothing more is read). A run directory with a
 complete checkpoint needs no pretrained weights: a resumed run takes every parameter from
-its checkpoint. Exit status 0, or 2 with the problems on stderr.
+its checkpoint; a generator's VAE (frozen, never checkpointed) is checked the same way
+in every case. Exit status 0, or 2 with the problems on stderr.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pathlib import Path
 
 from dtdsl.ir import program as ir
 
-__all__ = ["check_data", "check_pretrained", "main"]
+__all__ = ["check_data", "check_pretrained", "check_vaes", "main"]
 
 
 def check_pretrained(program: ir.Program) -> list[str]:
@@ -29,8 +31,7 @@ def check_pretrained(program: ir.Program) -> list[str]:
         if module.pretrained is None:
             continue
         # Imported here: a bundle without pretrained weights starts without torch.
-        from dtdsl.models import build_arch
-        from dtdsl.models.hf import Checkpoint, HFError, check_weights, read_hf
+        from dtdsl.models.hf import HFError, pretrained_problems, read_hf
 
         where = f"{module.role} {module.name}: pretrained {module.pretrained}"
         try:
@@ -40,18 +41,36 @@ def check_pretrained(program: ir.Program) -> list[str]:
                 problems.append(f"{where}: its config.json changed since the bundle was "
                                 "compiled; compile again")
                 continue
-            import torch
-
-            with torch.device("meta"):
-                meta = build_arch(module.role, module.arch)
-            with Checkpoint(found.weights_dir) as ckpt:
-                assert module.hf is not None
-                wrong = check_weights(meta, module.hf.family, module.arch, ckpt)
+            # Every file's header, checked against the file (its size, its tensors'
+            # spans and types), and every tensor the module reads, in its shape.
+            wrong = pretrained_problems(found, module.role, module.arch)
             if wrong:
                 problems.append(f"{where}: {wrong[0]}" + (f" (and {len(wrong) - 1} more)"
                                                         if len(wrong) > 1 else ""))
         except HFError as err:
-            problems.append(f"{where}: {err.message}")
+            problems.append(f"{where}: {err.message}" + (f"; {err.hint}" if err.hint else ""))
+    return problems
+
+
+def check_vaes(program: ir.Program) -> list[str]:
+    """Problems with the VAE folders the generators read (their safetensors headers):
+    frozen, never in a run's checkpoint, so needed by a resumed run too."""
+    problems: list[str] = []
+    for module in program.modules:
+        if module.vae is None:
+            continue
+        from dtdsl.models.hf import HFError
+        from dtdsl.models.vae import VAEConfig, VAEError, vae_problems
+
+        where = f"{module.role} {module.name}: vae {module.vae.path}"
+        try:
+            wrong = vae_problems(VAEConfig.of(module.vae))
+            if wrong:
+                problems.append(f"{where}: {wrong[0]}")
+        except (HFError, VAEError) as err:
+            message = err.message if isinstance(err, HFError) else str(err)
+            hint = err.hint if isinstance(err, HFError) else None
+            problems.append(f"{where}: {message}" + (f"; {hint}" if hint else ""))
     return problems
 
 
@@ -96,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         problems += check_data(program, source)
     if args.run_dir is None or not complete_checkpoints(args.run_dir):
         problems += check_pretrained(program)
+    problems += check_vaes(program)
     for line in problems:
         print(f"launch.sh: {line}", file=sys.stderr)
     return 2 if problems else 0

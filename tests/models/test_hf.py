@@ -279,7 +279,7 @@ def test_unreadable_directories_say_why(tmp_path):
     llama = make_decoder(tmp_path / "llama", rope_scaling={"rope_type": "longrope",
                                                            "short_factor": [1.0] * 8,
                                                            "long_factor": [1.0] * 8})
-    with pytest.raises(HFError, match="rope type 'longrope'"):
+    with pytest.raises(HFError, match="rope_type 'longrope'"):
         read_hf(llama)
     (llama / "model.safetensors").rename(llama / "pytorch_model.bin")
     with pytest.raises(HFError, match="no safetensors"):

@@ -419,6 +419,16 @@ def test_a_bundle_checks_its_pretrained_weights_before_it_starts(hf_dir, tmp_pat
     assert cli.main(["compile", str(spec), "-o", str(bundle), "--synthetic",
                      "--workers", "0"]) == 0
     launch_ok(bundle, tmp_path / "run")
+    # A file cut short after the compile (a copy that stopped): one line before torchrun
+    # starts, not a SafetensorError on every rank and restart.
+    data = (weights / "model.safetensors").read_bytes()
+    (weights / "model.safetensors").write_bytes(data[:len(data) // 2])
+    proc = launch(bundle, tmp_path / "run2")
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"launch.sh: backbone llm: pretrained {weights}: "
+                               f"{weights / 'model.safetensors'} is truncated"), lines
     # Gone weights: one line before torchrun starts, no rank's traceback.
     shutil.rmtree(weights)
     proc = launch(bundle, tmp_path / "run2")
@@ -433,3 +443,4 @@ def test_a_bundle_checks_its_pretrained_weights_before_it_starts(hf_dir, tmp_pat
     assert cli.main(["export", str(tmp_path / "run"), "-o", str(out)]) == 2   # not empty
     assert cli.main(["export", str(tmp_path / "run"), "--step", "7", "-o",
                      str(tmp_path / "o2")]) == 2
+

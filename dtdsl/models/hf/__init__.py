@@ -27,9 +27,11 @@ from torch import nn
 from dtdsl.ir import program as ir
 from dtdsl.models.hf.config import HFError, HFModel, config_for, read_hf, scheduler_config_for
 from dtdsl.models.hf.weights import (
+    QUANTISED_HINT,
     Checkpoint,
     HFTensor,
     Source,
+    WeightsFileError,
     hf_key_prefix,
     hf_tensors,
     source_of,
@@ -38,8 +40,9 @@ from dtdsl.models.hf.weights import (
 from dtdsl.outdir import OutputError, replace_folder
 
 __all__ = [
-    "Checkpoint", "HFError", "HFModel", "LoadReport", "check_weights", "checkpoint_prefixes",
-    "export_module", "load_hf", "load_weights", "read_hf", "save_hf",
+    "Checkpoint", "HFError", "HFModel", "LoadReport", "WeightsFileError", "check_weights",
+    "checkpoint_prefixes", "export_module", "load_hf", "load_weights", "pretrained_problems",
+    "read_hf", "save_hf",
 ]
 
 _LIBRARY = {"unet": "diffusers"}
@@ -77,9 +80,12 @@ def _stored_shape(checkpoint: Checkpoint, source: Source) -> tuple[int, ...]:
 def check_weights(module: nn.Module, family: str, arch: ir.TransformerArch | ir.UNetArch,
                   checkpoint: Checkpoint) -> list[str]:
     """What keeps ``checkpoint`` from filling ``module`` (any device, meta included):
-    tensors it lacks and shapes that differ, one message each (empty: it fits)."""
+    tensors it lacks and shapes that differ, one message each (empty: it fits).
+    WeightsFileError when a tensor it would read is not floating point (a quantised
+    checkpoint: converted, its numbers would be garbage)."""
     prefixes = checkpoint_prefixes(family, checkpoint)
-    problems = []
+    problems: list[str] = []
+    quantised: list[str] = []
     for name, param in module.named_parameters():
         try:
             source = source_of(family, name, arch, prefixes)
@@ -99,7 +105,48 @@ def check_weights(module: nn.Module, family: str, arch: ir.TransformerArch | ir.
         if stored != want:
             problems.append(f"tensor {source.key!r} has shape {list(stored)}, but {name} "
                             f"needs {list(want)}")
+        elif (problem := checkpoint.dtype_problem(source.key)) is not None:
+            quantised.append(problem)
+    if quantised:
+        raise WeightsFileError(quantised[0] + (f" (and {len(quantised) - 1} more tensors)"
+                                               if len(quantised) > 1 else ""),
+                               hint=QUANTISED_HINT)
     return problems
+
+
+def pretrained_problems(model: HFModel, role: str, arch: ir.TransformerArch | ir.UNetArch
+                        ) -> list[str]:
+    """What keeps the weights of ``model`` (``read_hf``'s) from filling dtdsl's module
+    of ``arch`` (its ``source`` family), from the safetensors headers alone (what ``dtc
+    check`` and a launch's preflight run): one message per missing or misshapen tensor
+    (empty: they fit). WeightsFileError (DT316) for a quantised model or a damaged or
+    lying file; HFError for a directory that cannot be read.
+
+    The work is bounded by the checkpoint, whatever the config claims: a module that
+    needs more than twice the numbers the files hold is refused before it is built."""
+    from dtdsl.cost.flops import module_params
+    from dtdsl.models import build_arch
+    from dtdsl.source import Span
+
+    if model.quantization is not None:
+        raise WeightsFileError(f"{model.weights_dir / 'config.json'} declares a "
+                               f"quantization_config ({model.quantization}): its weights "
+                               "are quantised", hint=QUANTISED_HINT)
+    family = model.source.family
+    with Checkpoint(model.weights_dir) as checkpoint:
+        checkpoint.verify()
+        need = int(module_params(ir.Module(name="m", role=role, modality=None, arch=arch,
+                                           span=Span.point(1, 1))))
+        have = checkpoint.numel()
+        # Far too few numbers (a config that claims 1024 layers over a checkpoint of 4):
+        # said without building the module, whose size the config alone sets. Otherwise
+        # the module is built (on meta) and each missing tensor named.
+        if need > 2 * have:
+            return [f"its tensors hold {have} numbers, less than half of the {need} "
+                    f"parameters of this {family} architecture"]
+        with torch.device("meta"):
+            module = build_arch(role, arch)
+        return check_weights(module, family, arch, checkpoint)
 
 
 class LoadReport:
@@ -119,7 +166,8 @@ def load_weights(module: nn.Module, family: str, arch: ir.TransformerArch | ir.U
     local block is contiguous in the full tensor) with its block of the checkpoint, cast
     to the parameter's dtype; ``prefix``: ``module``'s name inside the unit; parameters
     whose ``id`` is in ``skip`` are left. HFError for a tensor the checkpoint lacks or
-    holds in another shape."""
+    holds in another shape; WeightsFileError (one line, never a safetensors traceback)
+    for a damaged file or a tensor that is not floating point."""
     from dtdsl.models.init import local_block
 
     prefixes = checkpoint_prefixes(family, checkpoint)
@@ -140,6 +188,9 @@ def load_weights(module: nn.Module, family: str, arch: ir.TransformerArch | ir.U
         if stored != tuple(full_shape):
             raise HFError(f"tensor {source.key!r} has shape {list(stored)}, but {name} needs "
                           f"{list(full_shape)}")
+        problem = checkpoint.dtype_problem(source.key)
+        if problem is not None:
+            raise WeightsFileError(problem, hint=QUANTISED_HINT)
         if local.numel() == 0:
             continue
         block = checkpoint.read(source, offsets, local.shape)
@@ -164,7 +215,11 @@ def load_hf(path: str | Path, *, feature_layer: int | None = None,
     module.to_empty(device=device)
     module.to(dtype)
     tie_weights(module)
+    if model.quantization is not None:
+        raise WeightsFileError(f"{path} holds a quantised model ({model.quantization})",
+                               hint=QUANTISED_HINT)
     with Checkpoint(model.weights_dir) as checkpoint:
+        checkpoint.verify()
         load_weights(module, model.source.family, model.arch, checkpoint)
     module.hf_source = model.source
     module.hf_weights = str(model.weights_dir)     # save_hf completes a tower from them

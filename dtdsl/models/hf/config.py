@@ -18,7 +18,8 @@ exactly what the Hugging Face model computes, where its weights are, and an
   ``scheduler_config.json`` beside it.
 
 Keys a config leaves out take the ``transformers`` / ``diffusers`` class defaults (older
-files store only what differs from them). Anything these architectures do not compute
+files store only what differs from them). Every value is read through ``fields.Fields``:
+typed and bounded, an HFError naming the key otherwise, before anything is built from it. Anything these architectures do not compute
 (another ``model_type``, sliding-window attention shorter than the sequence, SDXL's extra
 embeddings, ...) is an ``HFError`` naming it, never a silently different model.
 
@@ -27,13 +28,14 @@ No ``transformers`` or ``diffusers`` import: the configs are JSON, read here.
 
 from __future__ import annotations
 
-import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dtdsl.ir import program as ir
+from dtdsl.models.hf.fields import Fields, HFError, named, open_regular, read_json, shown
 
 __all__ = [
     "BACKBONE_TYPES", "ENCODER_TYPES", "HFError", "HFModel", "config_for", "read_hf",
@@ -42,7 +44,6 @@ __all__ = [
 
 BACKBONE_TYPES = ("llama", "mistral", "qwen2")
 ENCODER_TYPES = ("clip", "clip_vision_model", "siglip", "siglip_vision_model")
-_MAX_CONFIG_BYTES = 4 << 20
 
 # transformers' config-class defaults (5.x; unchanged since 4.40) for the keys read here.
 _DECODER_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -113,13 +114,30 @@ _ACT_NAMES = {"quick_gelu": "quick_gelu", "gelu": "gelu", "gelu_tanh": "gelu_pyt
               "silu": "silu"}
 
 
-class HFError(ValueError):
-    """A Hugging Face directory dtdsl cannot read, with what to do about it."""
-
-    def __init__(self, message: str, *, hint: str | None = None):
-        super().__init__(message)
-        self.message = message
-        self.hint = hint
+# Bounds of the values read from a config: the language's own for `transformer(...)` and
+# `unet(...)` (frontend.check) where it has one, so that an hf() model is held to about
+# what a written one is.
+# Each is far above any published model (the deepest LLMs have about 128 layers, the
+# widest a hidden size of 25_600, the largest vocabularies 262_144 tokens, SD's U-Nets 4
+# levels of at most 1280 channels), and small enough that what dtdsl does per unit of
+# them (a meta module's layers, the checker's loops) stays quick.
+_MAX_LAYERS = 1024
+_MAX_HIDDEN = 1 << 17
+_MAX_HEADS = 4096
+_MAX_FFN = 1 << 20
+_MAX_VOCAB = 1 << 24
+_MAX_POSITIONS = 1 << 27            # Llama 4 Scout reads 10M tokens: 2^23.3
+_MAX_IMAGE = 1 << 14                # pixels along a side
+_MAX_PATCH = 1024
+_MAX_IN_CHANNELS = 64
+_MAX_LEVELS = 8
+_MAX_UNET_CHANNELS = 1 << 16
+_MAX_RES_BLOCKS = 16
+_MAX_DEPTH = 64                     # SDXL's deepest level has 10 transformer layers
+_MAX_LATENT = 1024                  # latent pixels along a side (SD: 64 or 96)
+_MAX_CONTEXT = 1 << 17
+_MAX_TIMESTEPS = 1 << 20            # a schedule's table has one entry per timestep
+_PER_LEVEL = " (one per level of block_out_channels)"
 
 
 @dataclass(frozen=True)
@@ -131,159 +149,154 @@ class HFModel:
     source: ir.HFSource
     weights_dir: Path                          # where its safetensors files are
     notes: tuple[str, ...] = field(default=())  # worth a warning (a missing scheduler, ...)
-
-
-def _read_json(path: Path, what: str) -> dict[str, Any]:
-    try:
-        if path.stat().st_size > _MAX_CONFIG_BYTES:
-            raise HFError(f"{path} is {path.stat().st_size} bytes; a {what} is a few KB")
-        data = json.loads(path.read_bytes())
-    except OSError as err:
-        raise HFError(f"cannot read {path}: {err.strerror or err}") from None
-    except (UnicodeDecodeError, ValueError) as err:
-        raise HFError(f"{path} is not valid JSON: {err}") from None
-    if not isinstance(data, dict):
-        raise HFError(f"{path} holds a JSON {type(data).__name__}, not the object of a {what}")
-    return data
-
-
-def _get(cfg: dict[str, Any], key: str, defaults: dict[str, Any]) -> Any:
-    """``cfg[key]``, or the class default when the file leaves it out (or writes null for a
-    key whose default is not null)."""
-    value = cfg.get(key)
-    return defaults.get(key) if value is None else value
-
-
-def _int(cfg: dict[str, Any], key: str, defaults: dict[str, Any], *, low: int = 1) -> int:
-    value = _get(cfg, key, defaults)
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise HFError(f"config key {key!r} is {value!r}, not an integer of at least {low}")
-    return value
-
-
-def _float(cfg: dict[str, Any], key: str, defaults: dict[str, Any]) -> float:
-    value = _get(cfg, key, defaults)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise HFError(f"config key {key!r} is {value!r}, not a number")
-    return float(value)
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    # The config's quantization_config method (gptq, awq, fp8, bitsandbytes_4bit, ...):
+    # its weights are not floating-point tensors dtdsl can train.
+    quantization: str | None = None
 
 
 # ---- decoders ----------------------------------------------------------------------------
 
-def _rope(cfg: dict[str, Any], defaults: dict[str, Any]) -> ir.RoPE:
-    params = cfg.get("rope_parameters")
-    if isinstance(params, dict) and "rope_theta" not in params and \
-            all(isinstance(v, dict) for v in params.values()):
+def _rope(f: Fields) -> ir.RoPE:
+    params = f.object("rope_parameters")
+    if params is not None and not params.has("rope_theta") and params.data and \
+            all(isinstance(v, dict) for v in params.data.values()):
         raise HFError("per-layer-type rope_parameters are not supported")
-    spec = params if isinstance(params, dict) else cfg.get("rope_scaling") or {}
-    if not isinstance(spec, dict):
-        raise HFError(f"rope_scaling is {spec!r}, not an object")
-    theta = spec.get("rope_theta", cfg.get("rope_theta"))
-    theta = float(defaults["rope_theta"] if theta is None else theta)
-    kind = spec.get("rope_type") or spec.get("type") or "default"
-    partial = spec.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0):
+    spec = params if params is not None else f.object("rope_scaling")
+    spec = spec if spec is not None else Fields({}, prefix="rope_scaling.")
+    # rope_theta lives in rope_parameters (transformers 5) or beside it (4.x); one beside
+    # it that rope_parameters overrides must be a number all the same.
+    theta = f.number("rope_theta", gt=0)
+    if spec.has("rope_theta"):
+        theta = spec.number("rope_theta", gt=0)
+    kind = spec.text("rope_type", optional=True) or spec.text("type", optional=True) or \
+        "default"
+    where = spec if spec.has("partial_rotary_factor") else f
+    partial = where.number("partial_rotary_factor", gt=0, le=1, optional=True)
+    if partial not in (None, 1.0):
         raise HFError(f"partial_rotary_factor {partial} (rotary embeddings on part of each "
                       "head) is not supported")
-    max_positions = cfg.get("max_position_embeddings", defaults["max_position_embeddings"])
+    max_positions = f.integer("max_position_embeddings", high=_MAX_POSITIONS)
     common = {"theta": theta, "max_positions": max_positions}
     if kind == "default":
         return ir.RoPE(**common)
-    factor = spec.get("factor")
-    original = spec.get("original_max_position_embeddings")
     if kind in ("linear", "dynamic"):
-        if factor is None:
+        if not spec.has("factor"):
             raise HFError(f"{kind} rope scaling without a factor")
-        return ir.RoPE(scaling=kind, factor=float(factor), **common)
+        return ir.RoPE(scaling=kind, factor=spec.number("factor", gt=0), **common)
     if kind == "llama3":
         missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor",
-                               "original_max_position_embeddings") if spec.get(k) is None]
+                               "original_max_position_embeddings") if not spec.has(k)]
         if missing:
             raise HFError(f"llama3 rope scaling without {', '.join(missing)}")
-        return ir.RoPE(scaling="llama3", factor=float(factor),
-                       low_freq_factor=float(spec["low_freq_factor"]),
-                       high_freq_factor=float(spec["high_freq_factor"]),
-                       original_max_positions=int(original), **common)
+        low, high = spec.number("low_freq_factor", gt=0), spec.number("high_freq_factor", gt=0)
+        spec.require(high > low, "high_freq_factor", high,
+                     f"above low_freq_factor {low:g} (the band between them is smoothed)")
+        return ir.RoPE(scaling="llama3", factor=spec.number("factor", gt=0),
+                       low_freq_factor=low, high_freq_factor=high,
+                       original_max_positions=spec.integer(
+                           "original_max_position_embeddings", high=_MAX_POSITIONS),
+                       **common)
     if kind == "yarn":
-        if original is None:
-            original = max_positions
-        if factor is None:
-            factor = max_positions / original
-        return ir.RoPE(scaling="yarn", factor=float(factor), original_max_positions=int(original),
-                       attention_factor=spec.get("attention_factor"),
-                       beta_fast=float(spec.get("beta_fast") or 32),
-                       beta_slow=float(spec.get("beta_slow") or 1),
-                       mscale=spec.get("mscale"), mscale_all_dim=spec.get("mscale_all_dim"),
-                       truncate=bool(spec.get("truncate", True)), **common)
-    raise HFError(f"rope type {kind!r} is not supported",
+        original = spec.integer("original_max_position_embeddings", high=_MAX_POSITIONS,
+                                optional=True) or max_positions
+        factor = spec.number("factor", gt=0, optional=True)
+        truncate = spec.flag("truncate") if spec.has("truncate") else True
+        return ir.RoPE(scaling="yarn", factor=factor if factor is not None else
+                       max_positions / original, original_max_positions=original,
+                       attention_factor=spec.number("attention_factor", gt=0, optional=True),
+                       beta_fast=spec.number("beta_fast", gt=0, optional=True) or 32.0,
+                       beta_slow=spec.number("beta_slow", gt=0, optional=True) or 1.0,
+                       mscale=spec.number("mscale", optional=True),
+                       mscale_all_dim=spec.number("mscale_all_dim", optional=True),
+                       truncate=truncate, **common)
+    raise HFError(f"rope_type {named(kind)} is not supported",
                   hint="dtdsl computes default, linear, llama3, yarn and dynamic rotary "
                   "embeddings")
 
 
+def _heads(f: Fields, hidden: int) -> int:
+    """num_attention_heads: at most one per dimension of the hidden state."""
+    heads = f.integer("num_attention_heads", high=_MAX_HEADS)
+    f.require(heads <= hidden, "num_attention_heads", heads,
+              f"at most hidden_size {hidden} (a head has at least one dimension)")
+    return heads
+
+
 def _decoder(cfg: dict[str, Any], family: str) -> ir.TransformerArch:
     d = _DECODER_DEFAULTS[family]
-    hidden = _int(cfg, "hidden_size", d)
-    heads = _int(cfg, "num_attention_heads", d)
+    f = Fields(cfg, defaults=d)
+    hidden = f.integer("hidden_size", high=_MAX_HIDDEN)
+    heads = _heads(f, hidden)
     # Left out: the class default (Mistral's 8, Qwen2's 32); null, or Llama's default: MHA.
-    kv = cfg["num_key_value_heads"] if "num_key_value_heads" in cfg else \
-        d.get("num_key_value_heads")
+    kv = f.integer("num_key_value_heads", high=_MAX_HEADS, optional=True, null_default=False)
     kv = kv or heads
-    layers = _int(cfg, "num_hidden_layers", d)
-    act = _get(cfg, "hidden_act", d)
+    f.require(heads % kv == 0, "num_key_value_heads", kv,
+              f"a divisor of num_attention_heads {heads} (each key-value head serves as "
+              "many query heads as the others)")
+    layers = f.integer("num_hidden_layers", high=_MAX_LAYERS)
+    act = f.text("hidden_act")
     if act != "silu":
-        raise HFError(f"hidden_act {act!r}: the {family} MLP dtdsl builds gates with silu")
-    head_dim = cfg.get("head_dim") or (hidden // heads if hidden % heads == 0 else None)
+        raise HFError(f"hidden_act {named(act)}: the {family} MLP dtdsl builds gates with "
+                      "silu")
+    head_dim = f.integer("head_dim", high=_MAX_HIDDEN, optional=True)
     if head_dim is None:
-        raise HFError(f"hidden_size {hidden} is not divisible by {heads} heads and the "
-                      "config gives no head_dim")
-    if heads % kv:
-        raise HFError(f"{heads} attention heads cannot share {kv} key-value heads evenly")
-    # Sliding-window attention changes nothing while a sequence fits in the window; the
-    # checker holds seq_len to it.
-    window = None
-    if family == "mistral":
-        window = cfg.get("sliding_window", d["sliding_window"])   # null: none
-    elif family == "qwen2" and cfg.get("use_sliding_window", False):
-        if _int(cfg, "max_window_layers", d, low=0) < layers:
-            window = cfg.get("sliding_window", d["sliding_window"])
-    elif family == "llama" and cfg.get("sliding_window") is not None:
-        window = cfg["sliding_window"]
-    if family == "qwen2":
-        qkv_bias, out_bias, mlp_bias = True, False, False
-    elif family == "mistral":          # MistralAttention has no biases, whatever the config
-        qkv_bias = out_bias = mlp_bias = False
-    else:
-        qkv_bias = out_bias = bool(_get(cfg, "attention_bias", d))
-        mlp_bias = bool(_get(cfg, "mlp_bias", d))
+        if hidden % heads:
+            raise HFError(f"hidden_size {hidden} is not divisible by num_attention_heads "
+                          f"{heads} and the config gives no head_dim")
+        head_dim = hidden // heads
     return ir.TransformerArch(
         layers=layers, hidden=hidden, heads=heads, kv_heads=kv,
-        ffn=_int(cfg, "intermediate_size", d), vocab=_int(cfg, "vocab_size", d), swiglu=True,
+        ffn=f.integer("intermediate_size", high=_MAX_FFN),
+        vocab=f.integer("vocab_size", high=_MAX_VOCAB), swiglu=True,
         causal=True, kv_channels=head_dim if head_dim * heads != hidden else None,
-        norm="rms", norm_eps=_float(cfg, "rms_norm_eps", d), activation="silu",
-        qkv_bias=qkv_bias, out_bias=out_bias, mlp_bias=mlp_bias, rope=_rope(cfg, d),
-        tie_embeddings=bool(_get(cfg, "tie_word_embeddings", d)),
-        sliding_window=int(window) if window is not None else None)
+        norm="rms", norm_eps=f.number("rms_norm_eps", gt=0, lt=1), activation="silu",
+        rope=_rope(f), tie_embeddings=f.flag("tie_word_embeddings"),
+        sliding_window=_window(f, family, layers), **_biases(f, family))
+
+
+def _window(f: Fields, family: str, layers: int) -> int | None:
+    """The sliding attention window, or None. It changes nothing while a sequence fits in
+    it; the checker holds seq_len to it."""
+    def window() -> int | None:       # left out: the class default; null: none
+        return f.integer("sliding_window", high=_MAX_POSITIONS, optional=True,
+                         null_default=False)
+
+    if family == "mistral":
+        return window()
+    if family == "qwen2":
+        # max_window_layers: the layers below it attend fully (any count: one past the
+        # layers means none slides).
+        if f.flag("use_sliding_window") and \
+                f.integer("max_window_layers", low=0, high=1 << 20) < layers:
+            return window()
+        return None
+    return f.integer("sliding_window", high=_MAX_POSITIONS, optional=True)
+
+
+def _biases(f: Fields, family: str) -> dict[str, bool]:
+    if family == "qwen2":
+        return {"qkv_bias": True, "out_bias": False, "mlp_bias": False}
+    if family == "mistral":          # MistralAttention has no biases, whatever the config
+        return {"qkv_bias": False, "out_bias": False, "mlp_bias": False}
+    attention = f.flag("attention_bias")
+    return {"qkv_bias": attention, "out_bias": attention, "mlp_bias": f.flag("mlp_bias")}
 
 
 # ---- vision towers -----------------------------------------------------------------------
 
-def _vision(cfg: dict[str, Any], family: str, feature_layer: int | None
+def _vision(f: Fields, family: str, feature_layer: int | None
             ) -> tuple[ir.TransformerArch, int]:
-    d = _VISION_DEFAULTS[family]
-    hidden = _int(cfg, "hidden_size", d)
-    heads = _int(cfg, "num_attention_heads", d)
+    hidden = f.integer("hidden_size", high=_MAX_HIDDEN)
+    heads = _heads(f, hidden)
     if hidden % heads:
-        raise HFError(f"hidden_size {hidden} is not divisible by {heads} heads")
-    total = _int(cfg, "num_hidden_layers", d)
-    act = _get(cfg, "hidden_act", d)
+        raise HFError(f"hidden_size {hidden} is not divisible by num_attention_heads {heads}")
+    total = f.integer("num_hidden_layers", high=_MAX_LAYERS)
+    act = f.text("hidden_act")
     if act not in _ACTIVATIONS or act == "silu":
-        raise HFError(f"hidden_act {act!r} is not supported in a vision tower",
+        raise HFError(f"hidden_act {named(act)} is not supported in a vision tower",
                       hint="dtdsl computes quick_gelu, gelu and gelu_pytorch_tanh")
-    image, patch = _int(cfg, "image_size", d), _int(cfg, "patch_size", d)
+    image = f.integer("image_size", high=_MAX_IMAGE)
+    patch = f.integer("patch_size", high=_MAX_PATCH)
     if image % patch:
         raise HFError(f"image_size {image} is not a multiple of patch_size {patch}")
     layers, post_norm = total, family == "siglip"
@@ -291,120 +304,127 @@ def _vision(cfg: dict[str, Any], family: str, feature_layer: int | None
         layers = total + 1 + feature_layer if feature_layer < 0 else feature_layer
         if not 1 <= layers <= total:
             raise HFError(f"feature_layer {feature_layer} is outside the tower's "
-                          f"hidden_states (layers 1..{total}, or -{total}..-1)")
+                          f"hidden_states (num_hidden_layers {total}: 1..{total}, or "
+                          f"-{total}..-1)")
         post_norm = False      # hidden_states[k] is a layer's output, before any final norm
     clip = family == "clip"
     arch = ir.TransformerArch(
         layers=layers, hidden=hidden, heads=heads, kv_heads=heads,
-        ffn=_int(cfg, "intermediate_size", d), patch=patch,
-        in_channels=_int(cfg, "num_channels", d), causal=False, norm="layer",
-        norm_eps=_float(cfg, "layer_norm_eps", d), activation=_ACTIVATIONS[act],
-        qkv_bias=True, out_bias=True, mlp_bias=True, positions="learned", image_size=image,
-        cls_token=clip, patch_bias=not clip, pre_norm=clip, post_norm=post_norm)
+        ffn=f.integer("intermediate_size", high=_MAX_FFN), patch=patch,
+        in_channels=f.integer("num_channels", high=_MAX_IN_CHANNELS), causal=False,
+        norm="layer", norm_eps=f.number("layer_norm_eps", gt=0, lt=1),
+        activation=_ACTIVATIONS[act], qkv_bias=True, out_bias=True, mlp_bias=True,
+        positions="learned", image_size=image, cls_token=clip, patch_bias=not clip,
+        pre_norm=clip, post_norm=post_norm)
     return arch, total
 
 
 # ---- U-Net ----------------------------------------------------------------------------
 
-def _per_level(value: Any, levels: int, key: str) -> tuple[int, ...]:
-    values = tuple(value) if isinstance(value, (list, tuple)) else (value,) * levels
-    if len(values) != levels or not all(isinstance(v, int) and not isinstance(v, bool)
-                                        and v > 0 for v in values):
-        raise HFError(f"config key {key!r} is {value!r}, not a positive integer per level "
-                      f"({levels} levels)")
-    return values
+def _unet_levels(f: Fields) -> tuple[tuple[int, ...], list[int]]:
+    """The channels of each level, and the levels with cross-attention."""
+    boc = f.integers("block_out_channels", high=_MAX_UNET_CHANNELS, max_len=_MAX_LEVELS)
+    levels = len(boc)
+    f.require(all(c % boc[0] == 0 for c in boc), "block_out_channels", list(boc),
+              "multiples of the first")
+    down = f.texts("down_block_types", count=levels, per=_PER_LEVEL)
+    up = f.texts("up_block_types", count=levels, per=_PER_LEVEL)
+    attention = []
+    for i, (kind, mirror) in enumerate(zip(down, reversed(up), strict=True)):
+        if kind not in ("CrossAttnDownBlock2D", "DownBlock2D"):
+            raise HFError(f"down_block_types: {named(kind)} is not supported")
+        want = "CrossAttnUpBlock2D" if kind == "CrossAttnDownBlock2D" else "UpBlock2D"
+        if mirror != want:
+            raise HFError(f"up_block_types: {named(mirror)} at level {i} does not mirror "
+                          f"its down block {kind!r}")
+        if kind == "CrossAttnDownBlock2D":
+            attention.append(i)
+    return boc, attention
+
+
+def _one(f: Fields, key: str, levels: int, high: int) -> int:
+    """A per-level key that dtdsl's U-Net needs the same at every level."""
+    values = set(f.integers(key, high=high, count=levels, per=_PER_LEVEL))
+    if len(values) != 1:
+        raise HFError(f"different {key} per level are not supported")
+    return values.pop()
 
 
 def _unet(cfg: dict[str, Any], scheduler: dict[str, Any] | None) -> ir.UNetArch:
     cls = cfg.get("_class_name")
     if cls != "UNet2DConditionModel":
-        raise HFError(f"a diffusers {cls or 'model'}: dtdsl trains UNet2DConditionModel "
+        raise HFError(f"_class_name {named(cls)}: dtdsl trains UNet2DConditionModel "
                       "generators (Stable Diffusion 1.x/2.x)")
-    d = _UNET_DEFAULTS
     for key, want in _UNET_FIXED.items():
         got = cfg.get(key, want)
         if isinstance(want, float) and isinstance(got, (int, float)):
             got = float(got)
         if got != want:
-            raise HFError(f"{key} = {got!r} is not supported (dtdsl's U-Net is SD 1.x/2.x's: "
-                          f"{key} = {want!r})")
-    boc = _get(cfg, "block_out_channels", d)
+            raise HFError(f"{key} = {named(got)} is not supported (dtdsl's U-Net is SD "
+                          f"1.x/2.x's: {key} = {want!r})")
+    f = Fields(cfg, defaults=_UNET_DEFAULTS)
+    boc, attention = _unet_levels(f)
     levels = len(boc)
-    boc = _per_level(boc, levels, "block_out_channels")
-    c0 = boc[0]
-    if any(c % c0 for c in boc):
-        raise HFError(f"block_out_channels {list(boc)} are not multiples of the first")
-    down = list(_get(cfg, "down_block_types", d))
-    up = list(_get(cfg, "up_block_types", d))
-    if len(down) != levels or len(up) != levels:
-        raise HFError(f"{len(down)} down and {len(up)} up blocks for {levels} levels")
-    attention = []
-    for i, (kind, mirror) in enumerate(zip(down, reversed(up), strict=True)):
-        if kind not in ("CrossAttnDownBlock2D", "DownBlock2D"):
-            raise HFError(f"down block {kind!r} is not supported")
-        want = "CrossAttnUpBlock2D" if kind == "CrossAttnDownBlock2D" else "UpBlock2D"
-        if mirror != want:
-            raise HFError(f"up block {mirror!r} at level {i} does not mirror its down block "
-                          f"{kind!r}")
-        if kind == "CrossAttnDownBlock2D":
-            attention.append(i)
-    layers = set(_per_level(_get(cfg, "layers_per_block", d), levels, "layers_per_block"))
-    depth = set(_per_level(_get(cfg, "transformer_layers_per_block", d), levels,
-                           "transformer_layers_per_block"))
-    if len(layers) != 1 or len(depth) != 1:
-        raise HFError("different layers_per_block or transformer_layers_per_block per level "
-                      "are not supported")
-    heads = cfg.get("num_attention_heads") or _get(cfg, "attention_head_dim", d)
-    heads = _per_level(heads, levels, "attention_head_dim")
-    context = _get(cfg, "cross_attention_dim", d)
-    if isinstance(context, (list, tuple)):
-        if len(set(context)) != 1:
-            raise HFError("a cross_attention_dim per level is not supported")
-        context = context[0]
-    sample = cfg.get("sample_size")
-    if isinstance(sample, (list, tuple)):
-        if len(set(sample)) != 1:
-            raise HFError(f"sample_size {list(sample)} is not square")
-        sample = sample[0]
-    if not isinstance(sample, int) or sample < 1:
+    res_blocks = _one(f, "layers_per_block", levels, _MAX_RES_BLOCKS)
+    depth = _one(f, "transformer_layers_per_block", levels, _MAX_DEPTH)
+    head_key = "num_attention_heads" if f.has("num_attention_heads") else "attention_head_dim"
+    heads = f.integers(head_key, high=_MAX_UNET_CHANNELS, count=levels, per=_PER_LEVEL)
+    context = _one(f, "cross_attention_dim", levels, _MAX_CONTEXT)
+    if not f.has("sample_size"):
         raise HFError("the U-Net config has no sample_size (its latent side)",
                       hint="add \"sample_size\": 64 (512x512 images) to its config.json")
+    sample = _one(f, "sample_size", 1, _MAX_LATENT) if not isinstance(
+        cfg["sample_size"], list) else _square(f)
     if sample % (2 ** (levels - 1)):
         raise HFError(f"sample_size {sample} cannot be halved {levels - 1} times")
-    channels = _int(cfg, "in_channels", d)
-    if _int(cfg, "out_channels", d) != channels:
-        raise HFError(f"in_channels {channels} and out_channels {cfg.get('out_channels')} "
-                      "differ; dtdsl's U-Net predicts noise of its input's shape")
-    groups = _int(cfg, "norm_num_groups", d)
+    channels = f.integer("in_channels", high=_MAX_IN_CHANNELS)
+    out = f.integer("out_channels", high=_MAX_IN_CHANNELS)
+    if out != channels:
+        raise HFError(f"in_channels {channels} and out_channels {out} differ; dtdsl's U-Net "
+                      "predicts noise of its input's shape")
+    groups = f.integer("norm_num_groups", high=_MAX_UNET_CHANNELS)
     for level, ch in enumerate(boc):
         if ch % groups:
-            raise HFError(f"{ch} channels at level {level} cannot form {groups} groups")
+            raise HFError(f"block_out_channels: {ch} channels at level {level} cannot form "
+                          f"norm_num_groups {groups} groups")
         if (level in attention or level == levels - 1) and ch % heads[level]:
-            raise HFError(f"{ch} channels at level {level} are not a whole number of "
-                          f"{heads[level]} heads")
-    s = dict(_SCHEDULER_DEFAULTS)
-    s.update({k: v for k, v in (scheduler or {}).items() if v is not None})
-    if s.get("trained_betas") is not None:
-        raise HFError("a scheduler with trained_betas is not supported")
-    if s.get("rescale_betas_zero_snr"):
-        raise HFError("rescale_betas_zero_snr is not supported")
-    if s["beta_schedule"] not in ("linear", "scaled_linear", "squaredcos_cap_v2"):
-        raise HFError(f"beta_schedule {s['beta_schedule']!r} is not supported",
-                      hint="dtdsl trains on linear, scaled_linear and squaredcos_cap_v2")
-    if s["prediction_type"] not in ("epsilon", "v_prediction"):
-        raise HFError(f"prediction_type {s['prediction_type']!r} is not supported",
-                      hint="dtdsl trains epsilon and v_prediction U-Nets")
+            raise HFError(f"{head_key}: block_out_channels {ch} at level {level} are not a "
+                          f"whole number of {heads[level]} heads")
     first = attention[0] if attention else levels - 1
     return ir.UNetArch(
-        channels=c0, mult=tuple(c // c0 for c in boc), res_blocks=layers.pop(),
+        channels=boc[0], mult=tuple(c // boc[0] for c in boc), res_blocks=res_blocks,
         attn_res=tuple(2 ** i for i in attention), latent=sample, latent_channels=channels,
-        head_dim=boc[first] // heads[first], context_dim=int(context),
-        transformer_depth=depth.pop(), groups=groups, heads=heads,
-        linear_proj=bool(_get(cfg, "use_linear_projection", d)),
-        norm_eps=_float(cfg, "norm_eps", d), prediction=s["prediction_type"],
-        beta_schedule=s["beta_schedule"], beta_start=float(s["beta_start"]),
-        beta_end=float(s["beta_end"]), timesteps=int(s["num_train_timesteps"]))
+        head_dim=boc[first] // heads[first], context_dim=context, transformer_depth=depth,
+        groups=groups, heads=heads, linear_proj=f.flag("use_linear_projection"),
+        norm_eps=f.number("norm_eps", gt=0, lt=1), **_schedule(scheduler))
 
+
+def _square(f: Fields) -> int:
+    sides = set(f.integers("sample_size", high=_MAX_LATENT, max_len=2))
+    if len(sides) != 1:
+        raise HFError(f"sample_size {shown(f.raw('sample_size'))} is not square")
+    return sides.pop()
+
+
+def _schedule(scheduler: dict[str, Any] | None) -> dict[str, Any]:
+    """The noise schedule and prediction type of a scheduler config (DDPM's defaults)."""
+    s = Fields(scheduler or {}, defaults=_SCHEDULER_DEFAULTS, what="scheduler config key")
+    if s.has("trained_betas"):
+        raise HFError("a scheduler with trained_betas is not supported")
+    if s.flag("rescale_betas_zero_snr"):
+        raise HFError("rescale_betas_zero_snr is not supported")
+    beta_schedule, prediction = s.text("beta_schedule"), s.text("prediction_type")
+    if beta_schedule not in ("linear", "scaled_linear", "squaredcos_cap_v2"):
+        raise HFError(f"beta_schedule {named(beta_schedule)} is not supported",
+                      hint="dtdsl trains on linear, scaled_linear and squaredcos_cap_v2")
+    if prediction not in ("epsilon", "v_prediction"):
+        raise HFError(f"prediction_type {named(prediction)} is not supported",
+                      hint="dtdsl trains epsilon and v_prediction U-Nets")
+    # A beta is a share of variance added per step: in [0, 1).
+    return dict(prediction=prediction, beta_schedule=beta_schedule,
+                beta_start=s.number("beta_start", ge=0, lt=1),
+                beta_end=s.number("beta_end", ge=0, lt=1),
+                timesteps=s.integer("num_train_timesteps", high=_MAX_TIMESTEPS))
 
 # ---- directories -------------------------------------------------------------------------
 
@@ -416,11 +436,8 @@ def _scheduler_file(unet_dir: Path) -> Path | None:
     return None
 
 
-def read_hf(path: str | Path, *, role: str | None = None,
-            feature_layer: int | None = None) -> HFModel:
-    """The model in Hugging Face directory ``path`` (module docstring); ``role``: the role
-    the spec gives it (an error when the model cannot play it); ``feature_layer``: for a
-    vision tower, the ``hidden_states`` index its projector reads."""
+def _model_dir(path: str | Path) -> Path:
+    """The folder holding the model's config.json (a pipeline's ``unet``), absolute."""
     root = Path(path).expanduser()
     if not root.exists():
         raise HFError(f"{root} does not exist")
@@ -428,38 +445,79 @@ def read_hf(path: str | Path, *, role: str | None = None,
         raise HFError(f"{root} is a file, not a Hugging Face model directory",
                       hint="give the directory that holds config.json")
     root = root.resolve()
-    notes: list[str] = []
     if (root / "model_index.json").is_file() and not (root / "config.json").is_file():
         if not (root / "unet" / "config.json").is_file():
             raise HFError(f"{root} is a diffusers pipeline without a unet/config.json")
         root = root / "unet"
-    config_path = root / "config.json"
-    if not config_path.is_file():
-        raise HFError(f"{root} has no config.json",
-                      hint="a Hugging Face model directory, as save_pretrained writes it")
-    cfg = _read_json(config_path, "model config")
-    sha = _sha256(config_path)
+    if not (root / "config.json").is_file():
+        raise HFError(f"{root} has no config.json", hint=_hub_hint(root) or
+                      "a Hugging Face model directory, as save_pretrained writes it")
+    return root
+
+
+def _hub_hint(root: Path) -> str | None:
+    """Where the model is when ``root`` is a Hub cache's repository folder
+    (``models--org--name``, whose ``refs/main`` names the snapshot to read)."""
+    if not (root / "snapshots").is_dir():
+        return None
+    try:
+        with open_regular(root / "refs" / "main") as f:
+            rev = f.read(64).decode("ascii").strip()
+    except (HFError, UnicodeDecodeError):
+        rev = ""
+    rev = rev if re.fullmatch(r"[0-9a-f]{7,40}", rev) else "<revision>"
+    return f"a Hugging Face hub cache folder: point at {root / 'snapshots' / rev}"
+
+
+def _role_of(cfg: dict[str, Any], config_path: Path) -> str:
     if cfg.get("_class_name") is not None or cfg.get("_diffusers_version") is not None:
-        found_role = "generator"
-    else:
-        model_type = cfg.get("model_type")
-        if model_type in BACKBONE_TYPES:
-            found_role = "backbone"
-        elif model_type in ENCODER_TYPES:
-            found_role = "encoder"
-        else:
-            raise HFError(f"model_type {model_type!r} is not supported" if model_type else
-                          f"{config_path} has no model_type",
-                          hint="dtdsl reads llama, mistral and qwen2 (backbones), clip and "
-                          "siglip (vision towers) and diffusers' UNet2DConditionModel "
-                          "(generators)")
+        return "generator"
+    model_type = cfg.get("model_type")
+    if isinstance(model_type, str) and model_type in BACKBONE_TYPES:
+        return "backbone"
+    if isinstance(model_type, str) and model_type in ENCODER_TYPES:
+        return "encoder"
+    raise HFError(f"model_type {named(model_type)} is not supported" if model_type else
+                  f"{config_path} has no model_type",
+                  hint="dtdsl reads llama, mistral and qwen2 (backbones), clip and "
+                  "siglip (vision towers) and diffusers' UNet2DConditionModel "
+                  "(generators)")
+
+
+def _plain(value: Any) -> str | None:
+    """A short string as it is (to say what a directory holds), else None."""
+    return value if isinstance(value, str) and len(value) <= 64 else None
+
+
+def _quantization(cfg: dict[str, Any]) -> str | None:
+    """The quantisation method a config declares (None: the weights are plain)."""
+    for key in ("quantization_config", "compression_config"):
+        qc = cfg.get(key)
+        if qc is not None:
+            method = qc.get("quant_method") if isinstance(qc, dict) else None
+            return method if isinstance(method, str) and len(method) < 64 else "unknown"
+    return None
+
+
+def read_hf(path: str | Path, *, role: str | None = None,
+            feature_layer: int | None = None) -> HFModel:
+    """The model in Hugging Face directory ``path`` (module docstring); ``role``: the role
+    the spec gives it (an error when the model cannot play it); ``feature_layer``: for a
+    vision tower, the ``hidden_states`` index its projector reads. Every value read from
+    the config is typed and bounded (``fields``): an HFError names the key that is not."""
+    root = _model_dir(path)
+    config_path = root / "config.json"
+    cfg, sha = read_json(config_path, "model config")
+    found_role = _role_of(cfg, config_path)
     if role is not None and role != found_role:
         what = {"backbone": "a language model", "encoder": "a vision tower",
-                "generator": f"a diffusers {cfg.get('_class_name') or 'model'}"}[found_role]
+                "generator": f"a diffusers {_plain(cfg.get('_class_name')) or 'model'}"
+                }[found_role]
         article = {"backbone": "the", "encoder": "an", "generator": "a"}[role]
         raise HFError(f"{root} holds {what}, which cannot be {article} {role}")
     if feature_layer is not None and found_role != "encoder":
         raise HFError("feature_layer applies to vision towers only")
+    notes: list[str] = []
     source_layers = None
     scheduler_text = None
     if found_role == "backbone":
@@ -468,13 +526,12 @@ def read_hf(path: str | Path, *, role: str | None = None,
         stored = cfg
     elif found_role == "encoder":
         family = "clip" if cfg["model_type"].startswith("clip") else "siglip"
-        vision = cfg
+        f = Fields(cfg, defaults=_VISION_DEFAULTS[family])
         if cfg["model_type"] in ("clip", "siglip"):
-            vision = cfg.get("vision_config") or {}
-            if not isinstance(vision, dict):
-                raise HFError("vision_config is not an object")
-        arch, source_layers = _vision(vision, family, feature_layer)
-        stored = {**vision, "model_type": f"{family}_vision_model"}
+            f = f.object("vision_config", defaults=_VISION_DEFAULTS[family]) or Fields(
+                {}, defaults=_VISION_DEFAULTS[family])
+        arch, source_layers = _vision(f, family, feature_layer)
+        stored = {**f.data, "model_type": f"{family}_vision_model"}
     else:
         family = "unet"
         scheduler_path = _scheduler_file(root)
@@ -483,7 +540,7 @@ def read_hf(path: str | Path, *, role: str | None = None,
             notes.append(f"no scheduler_config.json beside {root}: training on DDPM's linear "
                          "beta schedule with epsilon prediction (diffusers' defaults)")
         else:
-            scheduler = _read_json(scheduler_path, "scheduler config")
+            scheduler, _ = read_json(scheduler_path, "scheduler config")
             scheduler_text = json.dumps(scheduler, sort_keys=True)
         arch = _unet(cfg, scheduler)
         stored = cfg
@@ -491,7 +548,7 @@ def read_hf(path: str | Path, *, role: str | None = None,
                          config_sha256=sha, scheduler=scheduler_text,
                          source_layers=source_layers, feature_layer=feature_layer)
     return HFModel(role=found_role, arch=arch, source=source, weights_dir=root,
-                   notes=tuple(notes))
+                   notes=tuple(notes), quantization=_quantization(cfg))
 
 
 # ---- architectures back to configs -------------------------------------------------------

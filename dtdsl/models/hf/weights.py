@@ -15,7 +15,12 @@ flattened patches. Key prefixes (``model.``, ``vision_model.``, a LLaVA's
 **Reading** (``Checkpoint``): a directory's ``*.safetensors`` (one file, or shards with
 their ``*.safetensors.index.json``), through ``safe_open``: ``read(key, offsets, shape)``
 returns just that block of the stored tensor (``get_slice``), so a rank reads the rows and
-columns its shards cover and nothing else.
+columns its shards cover and nothing else. Nothing in a file is trusted: each header is
+checked against its file before any tensor is read (``read_header``: a file cut short, or
+whose header lies about its tensors, is a ``WeightsFileError``, DT316), a parameter is
+read only from floating-point tensors (``Checkpoint.dtype_problem``: integer, bool and FP8
+tensors are quantised weights), and an index names its shards inside its directory (the
+shards themselves may be symlinks, as in the Hub cache).
 
 **Writing** (``write_checkpoint``): tensors into shards of at most ``max_shard_bytes`` with
 the index Hugging Face's ``from_pretrained`` reads (``model.safetensors`` /
@@ -26,19 +31,23 @@ into a new folder that is then swapped in whole (``save_hf``, ``dtc export``).
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
+import stat
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
 
 from dtdsl.ir import program as ir
 from dtdsl.models.hf.config import HFError
+from dtdsl.models.hf.fields import open_regular, read_json, shown
 
-__all__ = ["Checkpoint", "HFTensor", "Source", "WEIGHT_FILES", "hf_key_prefix", "hf_tensors",
+__all__ = ["Checkpoint", "FLOAT_DTYPES", "HFTensor", "QUANTISED_HINT", "Source", "TensorInfo",
+           "WEIGHT_FILES", "WeightsFileError", "hf_key_prefix", "hf_tensors", "read_header",
            "source_of", "write_checkpoint"]
 
 # The file names transformers and diffusers write.
@@ -163,19 +172,190 @@ def _unet_channels(arch: ir.UNetArch, parts: Sequence[str]) -> int:
 
 # ---- reading ---------------------------------------------------------------------------
 
+# safetensors' element types and their widths in bits (the format's own list).
+_DTYPE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8,
+               "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "I16": 16, "U16": 16, "F16": 16,
+               "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "C64": 64, "F64": 64, "I64": 64,
+               "U64": 64}
+# What a parameter may be read from: floating point, converted to the parameter's dtype.
+# Anything else holds numbers that mean something only with what the file does not say
+# (an integer's or FP8's scale, a packing): converted, they would train garbage.
+FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
            "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
            "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+_MAX_HEADER_BYTES = 100_000_000       # safetensors' own limit
+_MAX_INDEX_BYTES = 64 << 20           # an index lists each key once: ~100 bytes a tensor
+_MAX_DIMS = 64
+QUANTISED_HINT = ("dtdsl trains floating-point weights (F32, F16, BF16, F64): dequantise "
+                  "the model and save it in bf16 or fp16 with transformers "
+                  "(from_pretrained, then .to(torch.bfloat16).save_pretrained(DIR)), and "
+                  "point pretrained at that")
+
+
+class WeightsFileError(HFError):
+    """A safetensors file (or its index) that cannot be read as it claims: damaged, its
+    header lying about what it holds, or a parameter stored in a type dtdsl cannot train
+    (DT316). Never retried: the file says the same next time."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of a safetensors header, checked against its file: ``dtype`` (the
+    format's name, F32 ...), ``shape``, and its bytes ``[begin, end)`` of the data."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"the key {key[:80]!r} twice")
+        out[key] = value
+    return out
+
+
+def read_header(file: Path) -> dict[str, TensorInfo]:
+    """The tensors of safetensors ``file``, its header checked against the file (only
+    the header is read): a JSON object of tensors, each a known dtype, a shape and
+    ``data_offsets`` whose span is the shape's bytes, the spans tiling the data that
+    follows the header exactly (no overlap, no gap, nothing past the end: what
+    ``safe_open`` demands, checked here so that no rank meets it). WeightsFileError
+    naming the file and what is wrong."""
+    with open_regular(file, error=WeightsFileError) as f:
+        size = os.fstat(f.fileno()).st_size
+        length = int.from_bytes(f.read(8), "little") if size >= 8 else 0
+        if size < 8:
+            raise WeightsFileError(f"{file} is truncated: {size} bytes, not even the 8 "
+                                   "that give its header's length")
+        if length > _MAX_HEADER_BYTES:
+            raise WeightsFileError(f"{file} is not a safetensors file: it starts with a "
+                                   f"header length of {length} bytes (the format's limit "
+                                   f"is {_MAX_HEADER_BYTES})")
+        if length > size - 8:
+            raise WeightsFileError(f"{file} is truncated: its header is {length} bytes and "
+                                   f"only {size - 8} follow")
+        raw = f.read(length)
+    if len(raw) != length:
+        raise WeightsFileError(f"{file} changed while it was read")
+    try:
+        header = json.loads(raw, object_pairs_hook=_unique_keys)
+    except (UnicodeDecodeError, ValueError, RecursionError) as err:
+        raise WeightsFileError(f"{file} is not a safetensors file: its header is not a JSON "
+                               f"object ({str(err)[:100]})") from None
+    if not isinstance(header, dict):
+        raise WeightsFileError(f"{file} is not a safetensors file: its header is a JSON "
+                               f"{type(header).__name__}, not an object of tensors")
+    meta = header.pop("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise WeightsFileError(f"{file}: its header's __metadata__ is not an object of "
+                               "strings")
+    if len(header) > _MAX_HEADER_KEYS:
+        raise WeightsFileError(f"{file} lists {len(header)} tensors")
+    tensors = {key: _tensor_info(file, key, entry) for key, entry in header.items()}
+    _check_layout(file, tensors, size - 8 - length)
+    return tensors
+
+
+def _tensor_info(file: Path, key: str, entry: Any) -> TensorInfo:
+    where = f"{file}: tensor {key[:120]!r}"
+    if not isinstance(entry, dict):
+        raise WeightsFileError(f"{where} is described by {shown(entry)}, not an object")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+
+    def count(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    if not isinstance(dtype, str) or dtype not in _DTYPE_BITS:
+        raise WeightsFileError(f"{where} has dtype {shown(dtype)}, which safetensors does not "
+                               "define")
+    if not isinstance(shape, list) or len(shape) > _MAX_DIMS or not all(map(count, shape)):
+        raise WeightsFileError(f"{where} has shape {shown(shape)}, not a list of sizes")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(map(count, offsets)) \
+            or offsets[0] > offsets[1]:
+        raise WeightsFileError(f"{where} has data_offsets {shown(offsets)}, not [begin, end]")
+    info = TensorInfo(dtype=dtype, shape=tuple(shape), begin=offsets[0], end=offsets[1])
+    bits = info.numel * _DTYPE_BITS[dtype]
+    if bits != 8 * (info.end - info.begin):
+        size = f"{bits // 8} bytes" if bits % 8 == 0 else f"{bits} bits"
+        raise WeightsFileError(
+            f"{where}: its header lies: shape {shown(shape, 80, typed=False)} of {dtype} is {size}, and its "
+            f"data_offsets [{info.begin}, {info.end}] span {info.end - info.begin} bytes")
+    return info
+
+
+def _check_layout(file: Path, tensors: Mapping[str, TensorInfo], data_bytes: int) -> None:
+    """The tensors' spans tile the ``data_bytes`` after the header, as safetensors
+    requires: each begins where the one before it ends, the last at the file's end."""
+    spans = sorted(tensors.items(), key=lambda kv: (kv[1].begin, kv[1].end))
+    last = max(spans, key=lambda kv: kv[1].end, default=None)
+    if last is not None and last[1].end > data_bytes:
+        raise WeightsFileError(
+            f"{file} is truncated, or its header lies: tensor {last[0][:120]!r} ends at "
+            f"byte {last[1].end} of the data, and the file holds {data_bytes} bytes of data")
+    at, before = 0, None
+    for key, info in spans:
+        if info.begin < at:
+            raise WeightsFileError(f"{file}: its header lies: tensors {before!r} and "
+                                   f"{key[:120]!r} overlap (bytes {info.begin}..{at} of the "
+                                   "data)")
+        if info.begin > at:
+            raise WeightsFileError(f"{file}: its header lies: bytes {at}..{info.begin} of the "
+                                   f"data, before tensor {key[:120]!r}, belong to no tensor")
+        at, before = info.end, key[:120]
+    if at != data_bytes:
+        raise WeightsFileError(f"{file}: {data_bytes - at} bytes after its last tensor "
+                               "belong to none (not a safetensors file as written)")
+
+
+def _shard_path(directory: Path, index: Path, name: Any) -> Path:
+    """The file an index names, by a name that stays inside its directory: relative, no
+    ``..`` (HFError, DT312, otherwise). The file may be a symlink to anywhere (a Hub
+    cache's ``snapshots/<rev>/`` links every file into ``../../blobs``): the directory's
+    owner made it; a name in a downloaded index is not theirs."""
+    if not isinstance(name, str) or not name or len(name) > 4096 or "\0" in name:
+        raise WeightsFileError(f"{index} names a file as {shown(name)}, not a file name")
+    pure = PurePosixPath(name)
+    if pure.is_absolute() or ".." in pure.parts or "\\" in name:
+        raise HFError(f"{index} points outside its directory: {name!r}",
+                      hint="an index names its shards by their names in its folder")
+    return directory / pure
+
+
+def _regular(path: Path, index: Path) -> None:
+    """``path`` (through symlinks) is a regular file: HFError when missing, a
+    WeightsFileError when it is a FIFO, a device or a folder."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        link = f" (a symlink to {os.readlink(path)}, which is missing)" \
+            if os.path.islink(path) else ""
+        raise HFError(f"{index.name} lists {path.name}, which is missing{link}",
+                      hint="copy every shard of the checkpoint") from None
+    except OSError as err:
+        raise WeightsFileError(f"cannot read {path}: {err.strerror or err}") from None
+    if not stat.S_ISREG(mode):
+        raise WeightsFileError(f"{path} is not a regular file")
 
 
 class Checkpoint:
     """The safetensors tensors of a Hugging Face directory (module docstring): headers are
-    read once, each block with its file opened for that read. A context manager too."""
+    read once (and checked: ``read_header``), each block with its file opened for that
+    read. A context manager too."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self._files: dict[str, Path] = {}          # key -> file
-        self._headers: dict[Path, dict[str, Any]] = {}
+        self._headers: dict[Path, dict[str, TensorInfo]] = {}
+        self._index_file: Path | None = None
         self.bytes_read = 0
         self.largest_read = 0
         self._index()
@@ -221,22 +401,23 @@ class Checkpoint:
             self._add_file(chosen)
 
     def _add_index(self, index: Path) -> None:
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            if not isinstance(weight_map, dict):
-                raise TypeError("weight_map is not an object")
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            raise HFError(f"{index} is not a safetensors index: {err}") from None
-        root = self.path.resolve()
-        for key, file in weight_map.items():
-            target = (self.path / str(file)).resolve()
-            if root not in target.parents:
-                raise HFError(f"{index} points outside its directory: {file!r}")
-            self._files[key] = target
-        missing = sorted({f for f in self._files.values() if not f.is_file()})
-        if missing:
-            raise HFError(f"{index.name} lists {missing[0].name}, which is missing",
-                          hint="copy every shard of the checkpoint")
+        data, _ = read_json(index, "safetensors index", limit=_MAX_INDEX_BYTES,
+                            error=WeightsFileError)
+        weight_map = data.get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise WeightsFileError(f"{index} is not a safetensors index: its weight_map is "
+                                   f"{shown(weight_map)}, not an object")
+        if len(weight_map) > _MAX_HEADER_KEYS:
+            raise WeightsFileError(f"{index} lists {len(weight_map)} tensors")
+        self._index_file = index
+        files: dict[str, Path] = {}
+        for key, name in weight_map.items():
+            path = files.get(name) if isinstance(name, str) else None
+            if path is None:
+                path = files[name] = _shard_path(self.path, index, name)
+            self._files[key] = path
+        for file in sorted(set(files.values())):
+            _regular(file, index)
 
     def _add_file(self, file: Path) -> None:
         for key in self._header(file):
@@ -245,22 +426,22 @@ class Checkpoint:
                               f"{file.name}")
             self._files[key] = file
 
-    def _header(self, file: Path) -> dict[str, Any]:
-        """The file's header: ``{key: {"dtype", "shape", "data_offsets"}}`` (read, not mapped)."""
+    def _header(self, file: Path) -> dict[str, TensorInfo]:
+        """The file's tensors, its header checked (``read_header``), read once."""
         if file not in self._headers:
-            try:
-                with open(file, "rb") as f:
-                    size = int.from_bytes(f.read(8), "little")
-                    if size <= 0 or size > 100 << 20:
-                        raise ValueError(f"a header of {size} bytes")
-                    header = json.loads(f.read(size))
-            except (OSError, ValueError) as err:
-                raise HFError(f"{file} is not a safetensors file: {err}") from None
-            header.pop("__metadata__", None)
-            if len(header) > _MAX_HEADER_KEYS:
-                raise HFError(f"{file} lists {len(header)} tensors")
-            self._headers[file] = header
+            self._headers[file] = read_header(file)
         return self._headers[file]
+
+    def verify(self) -> None:
+        """Read and check every file's header (nothing else is read), and that each file
+        holds the tensors the index puts there: what ``dtc check`` and a launch's
+        preflight do, so that a run never meets a damaged file. WeightsFileError."""
+        for file in sorted(set(self._files.values())):
+            self._header(file)
+        for key, file in self._files.items():
+            if key not in self._headers[file]:
+                raise WeightsFileError(f"{self._index_file or file} puts tensor {key!r} in "
+                                       f"{file.name}, which does not hold it")
 
     def __enter__(self) -> Checkpoint:
         return self
@@ -277,24 +458,46 @@ class Checkpoint:
     def __contains__(self, key: str) -> bool:
         return key in self._files
 
-    def _info(self, key: str) -> dict[str, Any]:
+    def tensor(self, key: str) -> TensorInfo:
+        """What the header says of tensor ``key`` (its file's header checked)."""
         try:
             file = self._files[key]
         except KeyError:
             raise HFError(f"the checkpoint in {self.path} has no tensor {key!r}") from None
         info = self._header(file).get(key)
         if info is None:
-            raise HFError(f"{file.name} does not hold {key!r}, which its index puts there")
+            raise WeightsFileError(f"{file.name} does not hold {key!r}, which its index puts "
+                                   "there")
         return info
 
+    def numel(self) -> int:
+        """The numbers every file holds, together (after ``verify``)."""
+        return sum(t.numel for header in self._headers.values() for t in header.values())
+
     def shape(self, key: str) -> tuple[int, ...]:
-        return tuple(int(n) for n in self._info(key)["shape"])
+        return self.tensor(key).shape
 
     def dtype(self, key: str) -> torch.dtype:
-        name = self._info(key)["dtype"]
+        name = self.tensor(key).dtype
         if name not in _DTYPES:
-            raise HFError(f"tensor {key!r} is stored as {name}, which dtdsl does not read")
+            raise WeightsFileError(f"tensor {key!r} is stored as {name}, which dtdsl does "
+                                   "not read", hint=QUANTISED_HINT)
         return _DTYPES[name]
+
+    def dtype_problem(self, key: str) -> str | None:
+        """Why tensor ``key`` cannot fill a parameter (None: it can, as floating point
+        converted to the parameter's dtype)."""
+        name = self.tensor(key).dtype
+        if name in FLOAT_DTYPES:
+            return None
+        kind = ("an 8-bit float (FP8)" if name.startswith("F8") else
+                "a 4- or 6-bit float" if name.startswith(("F4", "F6")) else
+                "a bool" if name == "BOOL" else "a complex number" if name == "C64" else
+                "an integer")
+        scale = next((k for k in (f"{key}_scale_inv", f"{key}_scale") if k in self), None)
+        scaled = f", with the scale tensor {scale!r} that dtdsl does not apply" if scale \
+            else ""
+        return f"tensor {key!r} is stored as {name} ({kind}{scaled}): a quantised checkpoint"
 
     def prefix_for(self, suffix: str, default: str) -> str:
         """The prefix before ``suffix`` of the one key that ends in it (``model.`` for
@@ -309,10 +512,10 @@ class Checkpoint:
                           "is ambiguous")
         return found[0]
 
-
     def read(self, source: Source, offsets: Sequence[int], shape: Sequence[int]) -> torch.Tensor:
         """The block of dtdsl shape ``shape`` at ``offsets`` (one per dimension of the dtdsl
-        tensor) of the tensor ``source`` names, as stored (its dtype)."""
+        tensor) of the tensor ``source`` names, as stored (its dtype). A file that cannot
+        be read (changed since its header was checked) is a WeightsFileError, one line."""
         stored = self.shape(source.key)
         rows = source.rows
         view = source.shape
@@ -320,13 +523,19 @@ class Checkpoint:
             raise HFError(f"tensor {source.key!r} has shape {list(stored)}, not "
                           f"{list(view)}")
         base = rows[0] if rows else 0
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
+        file = self._files[source.key]
         # Opened for this read only: the file's pages the slice touched leave the process
         # with the mapping, so a rank never holds more of a checkpoint than one block.
-        with safe_open(str(self._files[source.key]), framework="pt", device="cpu") as handle:
-            block = self._slice(source.key, handle.get_slice(source.key), stored, view, base,
-                                offsets, shape)
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as handle:
+                block = self._slice(source.key, handle.get_slice(source.key), stored, view,
+                                    base, offsets, shape)
+        except (SafetensorError, OSError) as err:
+            raise WeightsFileError(f"{file} cannot be read: {str(err)[:200]}",
+                                   hint="it changed since it was checked; compile again, "
+                                   "or restore it") from None
         nbytes = block.numel() * block.element_size()
         self.bytes_read += nbytes
         self.largest_read = max(self.largest_read, nbytes)
