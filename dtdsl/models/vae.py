@@ -15,8 +15,8 @@ rank, never in an optimizer or a checkpoint.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 

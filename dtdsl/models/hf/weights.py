@@ -287,8 +287,8 @@ def _tensor_info(file: Path, key: str, entry: Any) -> TensorInfo:
     if bits != 8 * (info.end - info.begin):
         size = f"{bits // 8} bytes" if bits % 8 == 0 else f"{bits} bits"
         raise WeightsFileError(
-            f"{where}: its header lies: shape {shown(shape, 80, typed=False)} of {dtype} is {size}, and its "
-            f"data_offsets [{info.begin}, {info.end}] span {info.end - info.begin} bytes")
+            f"{where}: its header lies: shape {shown(shape, 80, typed=False)} of {dtype} is "
+            f"{size}, and its data_offsets [{info.begin}, {info.end}] span {info.end - info.begin} bytes")
     return info
 
 
