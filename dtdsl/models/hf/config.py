@@ -20,8 +20,9 @@ exactly what the Hugging Face model computes, where its weights are, and an
 Keys a config leaves out take the ``transformers`` / ``diffusers`` class defaults (older
 files store only what differs from them). Every value is read through ``fields.Fields``:
 typed and bounded, an HFError naming the key otherwise, before anything is built from it.
-Anything these architectures do not compute (another ``model_type``, sliding-window attention shorter than the sequence, SDXL's extra
-embeddings, ...) is an ``HFError`` naming it, never a silently different model.
+Anything these architectures do not compute (another ``model_type``, sliding-window
+attention shorter than the sequence, SDXL's extra embeddings, ...) is an ``HFError``
+naming it, never a silently different model.
 
 No ``transformers`` or ``diffusers`` import: the configs are JSON, read here.
 """

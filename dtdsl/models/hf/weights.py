@@ -288,7 +288,8 @@ def _tensor_info(file: Path, key: str, entry: Any) -> TensorInfo:
         size = f"{bits // 8} bytes" if bits % 8 == 0 else f"{bits} bits"
         raise WeightsFileError(
             f"{where}: its header lies: shape {shown(shape, 80, typed=False)} of {dtype} is "
-            f"{size}, and its data_offsets [{info.begin}, {info.end}] span {info.end - info.begin} bytes")
+            f"{size}, and its data_offsets [{info.begin}, {info.end}] span "
+            f"{info.end - info.begin} bytes")
     return info
 
 
