@@ -17,7 +17,7 @@ a full disk, bad weights or data, a stale bundle). Those end the launch:
 2. It then holds (sleeps, at most ``HOLD_S``) instead of exiting: an exit would make
    torchrun restart the job at once, and its peers would print their own errors.
 3. Every node's launch supervisor (``train.supervise``) polls for the record, stops its
-   torchrun and ranks, prints the line once (the other nodes add "on another node") and
+   torchrun and ranks, prints the line once (the other nodes say "on another node") and
    exits with ``EXIT_FATAL``.
 
 A rank that fails once a record exists holds too, quietly: its failure is a consequence

@@ -19,7 +19,8 @@ which, on every node alike,
 4. watches them every ``POLL_S``: torchrun's exit ends the launch with its status; a
    fatal record (``train.faults``: a rank or worker met an error no restart changes, or
    a node's workers gave up) stops torchrun and its ranks at once, and the launch exits
-   with ``EXIT_FATAL`` (3) after one line, ``launch.sh: stopped: <who>: <cause>``; so
+   with ``EXIT_FATAL`` (3) after one line, ``launch.sh: stopped: <who>: <cause>`` (the
+   other nodes': ``launch.sh: stopped: on another node: <who>: <cause>``); so
    does the end of the node's worker supervisor with a failure (killed, or given up):
    the trainers would otherwise wait for data in vain. The line is the record's, written
    to the run directory for the other nodes' supervisors, which stop theirs as soon as
@@ -251,13 +252,13 @@ class _Node:
                                     pass_fds=(fd,))
 
     def _record(self) -> str | None:
-        """The launch's fatal record, if any; "on another node" when this node's
-        processes did not write it."""
+        """What to say of the launch's fatal record, if there is one: its line, after
+        "on another node: " when this node's processes did not write it."""
         mine = read_fatal(self.local)
         if mine is not None:
             return mine
         line = read_fatal(self.shared)
-        return None if line is None else f"{line} (on another node)"
+        return None if line is None else f"on another node: {line}"
 
     def _watch(self) -> int:
         assert self.torchrun is not None

@@ -317,3 +317,44 @@ def test_a_dead_worker_pool_ends_the_launch_with_one_line(tmp_path, bundle):
         f"{run_dir}/logs/workers-{socket.gethostname()}-{proc.pid}.log)"], text[-3000:]
     assert _attempts(text) == 1 and "Traceback" not in text, text[-3000:]
     assert "step 200/200" not in text
+
+
+@pytest.mark.slow
+def test_a_fault_on_one_node_stops_every_node_with_one_line(tmp_path, dataset):  # noqa: F811
+    """Three nodes (launch.sh three times on this machine, one launch id, one run
+    directory): rank 4, on the last node, meets a full disk; every node stops with one
+    line, the others saying it was met on another node."""
+    from dtdsl.feed import wire
+    from tests.codegen.test_slurm import three_node_spec
+
+    bundle = tmp_path / "bundle"
+    assert cli.main(["compile", str(three_node_spec(tmp_path)), "-o", str(bundle), "--data",
+                     str(dataset), "--workers", "2"]) == 0
+    rdzv = f"127.0.0.1:{wire.free_port_base(1)}"
+    env = {**os.environ, "PYTHON": sys.executable, "DTDSL_LAUNCH_ID": "three-1",
+           "DTDSL_FAULT": "rank4@2:enospc"}
+    outs = [tmp_path / f"node{k}.out" for k in range(3)]
+    procs = []
+    try:
+        for out in outs:
+            with open(out, "w") as sink:
+                procs.append(subprocess.Popen(
+                    ["bash", str(bundle / "launch.sh"), "--nnodes", "3", "--rdzv", rdzv,
+                     "--run-dir", str(tmp_path / "run"), "--steps", "4"], stdout=sink,
+                    stderr=subprocess.STDOUT, env=env, start_new_session=True))
+        codes = [p.wait(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    texts = [out.read_text() for out in outs]
+    assert codes == [EXIT_FATAL] * 3, [t[-2000:] for t in texts]
+    cause = (f"rank 4: the disk is full: OSError: [Errno 28] No space left on device: "
+             f"'{tmp_path}/run/checkpoints/ckpt-2.tmp'; free space there, or choose another "
+             "--run-dir")
+    said = sorted(line for t in texts for line in t.splitlines()
+                  if line.startswith("launch.sh:"))
+    assert said == [f"launch.sh: stopped: on another node: {cause}"] * 2 + \
+        [f"launch.sh: stopped: {cause}"], texts
+    assert all("Traceback" not in t for t in texts), texts
+    assert sum(_attempts(t) for t in texts) == 1
