@@ -330,13 +330,21 @@ class _Failures:
         self.times: dict[int, list[float]] = {}
         self.restarts = 0
 
-    def add(self, index: int, now: float) -> int:
-        """Count a failure of worker ``index``; the failures it had within
-        ``CRASH_WINDOW_S``, this one included."""
+    def give_up(self, index: int, fatal: bool) -> str | None:
+        """Count a failure of worker ``index`` (``fatal``: of an error no restart
+        changes); why to give up on it, or None to restart it (counted in ``restarts``)."""
+        now = time.monotonic()
         recent = [t for t in self.times.get(index, []) if now - t < CRASH_WINDOW_S]
         recent.append(now)
         self.times[index] = recent
-        return len(recent)
+        if fatal:
+            return "cannot go on"
+        if len(recent) >= CRASH_LOOP:
+            return f"failed {len(recent)} times in {CRASH_WINDOW_S:.0f} s"
+        if self.restarts >= MAX_RESTARTS:
+            return f"failed after {MAX_RESTARTS} restarts"
+        self.restarts += 1
+        return None
 
 
 def supervise(bundle: Path, argv: Sequence[str], feed: Path | None = None) -> int:
@@ -381,17 +389,13 @@ def supervise(bundle: Path, argv: Sequence[str], feed: Path | None = None) -> in
                     continue
                 error, fatal = _last_error(feed, i)
                 said = error or f"it {_exit_text(code)}"
-                recent = failures.add(i, time.monotonic())
-                if not fatal and recent < CRASH_LOOP and failures.restarts < MAX_RESTARTS:
-                    failures.restarts += 1
+                why = failures.give_up(i, fatal)
+                if why is None:
                     print(f"supervisor: worker {i} exited with {code} ({said}); restarting "
                           f"it ({failures.restarts}/{MAX_RESTARTS})", file=sys.stderr,
                           flush=True)
                     procs[i] = start(i)
                     continue
-                why = ("cannot go on" if fatal else
-                       f"failed {recent} times in {CRASH_WINDOW_S:.0f} s" if
-                       recent >= CRASH_LOOP else f"failed after {MAX_RESTARTS} restarts")
                 line = f"preprocessing worker {i} on {host} {why}; its last error: {said}"
                 print(f"supervisor: {line}; giving up", file=sys.stderr, flush=True)
                 record_fatal("workers", line)

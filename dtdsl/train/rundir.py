@@ -214,7 +214,8 @@ class RunDirLock:
                 age = time.time() - path.stat().st_mtime
             except OSError:
                 continue
-            if holder is None or holder.launch == self.me.launch:
+            if holder is None or holder.launch == self.me.launch and (
+                    holder.host != self.me.host or _alive(holder.pid)):
                 continue
             # On this host the process must live too (a node of a launch that was
             # killed a moment ago is not waited for); another host's cannot be asked.
