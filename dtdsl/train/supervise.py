@@ -57,7 +57,7 @@ from dtdsl.train.faults import (
     read_fatal,
     write_fatal,
 )
-from dtdsl.train.rundir import RECORDS, HEARTBEAT_S, RunDirBusy, RunDirLock, check_launch_id
+from dtdsl.train.rundir import HEARTBEAT_S, RECORDS, RunDirBusy, RunDirLock, check_launch_id
 
 __all__ = ["GRACE_S", "POLL_S", "earlier_run", "fatal_file", "main"]
 
