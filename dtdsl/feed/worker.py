@@ -456,18 +456,19 @@ def main(bundle: Path, argv: Sequence[str] | None = None,
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(message)s")
-    from dtdsl.train.job import feed_dir
+    from dtdsl.train.job import FEED_DIR_ENV, feed_dir
 
-    try:
-        where: Path | None = feed_dir(args.feed_dir)
-    except ValueError as err:
-        if not args.all:
-            raise SystemExit(f"worker.py: {err}") from None
-        where = None
-    if args.all:
+    given = args.feed_dir or os.environ.get(FEED_DIR_ENV)
+    if args.all:      # where its workers leave their errors, be it fit for sockets or not
         rest = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--all"]
-        return supervise(bundle, rest, feed=where)
-    assert where is not None
+        return supervise(bundle, rest, feed=Path(given) if given else None)
+    try:
+        where = feed_dir(args.feed_dir)
+    except ValueError as err:
+        from dtdsl.train.faults import Fatal
+
+        _report_error(Path(given) if given else None, args.index, Fatal(str(err)))
+        raise SystemExit(f"worker.py: {err}") from None
     try:
         first = 0
         if args.resume:
@@ -480,6 +481,7 @@ def main(bundle: Path, argv: Sequence[str] | None = None,
     except Exception as err:
         _report_error(where, args.index, err)
         raise
+
 
 def worker_fields(job: Any) -> dict[str, Any]:
     """What the worker program states as data (and checks against job.json)."""

@@ -200,7 +200,7 @@ class _Node:
         self.signalled = signum
 
     def run(self) -> int:
-        from dtdsl.train.job import load_job
+        from dtdsl.train.job import feed_dir, load_job
 
         for sig in _SIGNALS:
             signal.signal(sig, self._on_signal)
@@ -228,6 +228,11 @@ class _Node:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         # The node's workers and trainers meet here (zmq ipc sockets): node-local.
         self.feed = Path(tempfile.mkdtemp(prefix="dtdsl-feed."))
+        try:
+            feed_dir(self.feed)     # its socket paths fit, or no process could bind them
+        except ValueError as err:
+            _say(str(err))
+            return 2
         self.local = self.feed / "fatal"
         env = {**os.environ, "DTDSL_FEED_DIR": str(self.feed), FATAL_ENV: str(self.shared),
                FATAL_LOCAL_ENV: str(self.local)}

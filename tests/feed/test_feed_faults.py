@@ -137,6 +137,24 @@ def test_an_error_no_restart_changes_gives_up_at_once(bundle, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_feed_directory_no_socket_fits_in_gives_up_at_once(bundle, tmp_path):
+    copy = _worker_bundle(bundle, tmp_path, "")
+    feed = tmp_path / ("f" * 50) / ("g" * 50)
+    feed.mkdir(parents=True)
+    fatal = tmp_path / "fatal.txt"
+    env = {**os.environ, "DTDSL_FEED_DIR": str(feed), FATAL_ENV: str(fatal)}
+    proc = subprocess.run([sys.executable, str(copy / "workers" / "worker.py"), "--all",
+                           "--run-dir", str(tmp_path / "run"), "--steps", "4"],
+                          env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    said = fatal.read_text().strip()
+    assert re.fullmatch(r"workers: preprocessing worker [01] on .* cannot go on; its last "
+                        rf"error: the feed directory {re.escape(str(feed))} is too long for "
+                        r"Unix socket paths \(107 bytes\): set TMPDIR to a shorter directory",
+                        said), said
+
+
+@pytest.mark.slow
 def test_a_data_source_gone_gives_up_at_once(bundle, tmp_path):
     """The data named nothing by the time a worker starts: no restart brings it back."""
     copy = _worker_bundle(bundle, tmp_path, "")

@@ -376,3 +376,19 @@ def test_a_fault_on_one_node_stops_every_node_with_one_line(tmp_path, dataset): 
         [f"launch.sh: stopped: {cause}"], texts
     assert all("Traceback" not in t for t in texts), texts
     assert sum(_attempts(t) for t in texts) == 1
+
+
+def test_a_feed_directory_too_long_for_sockets_stops_before_torchrun(tmp_path, bundle):
+    """The node's feed directory (under TMPDIR) takes Unix socket paths: too long a one
+    is one line, before any worker or trainer fails on it."""
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    proc = launch(bundle, tmp_path / "run", "--steps", "2", env={"TMPDIR": str(deep)},
+                  timeout=120)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout[-3000:] + proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"launch.sh: the feed directory {deep}/"
+                                                   "dtdsl-feed.") and \
+        lines[0].endswith("is too long for Unix socket paths (107 bytes): set TMPDIR to a "
+                          "shorter directory"), proc.stderr
+    assert not list(deep.iterdir())         # removed
