@@ -21,6 +21,7 @@ workers have sent nothing for that long. A dead worker pool ends the launch soon
 
 from __future__ import annotations
 
+import os
 import secrets
 import threading
 import time
@@ -38,8 +39,6 @@ REPORT_ENV = "DTDSL_FEED_REPORT_S"  # overrides REPORT_S (tests)
 
 
 def _report_every() -> float:
-    import os
-
     try:
         value = float(os.environ.get(REPORT_ENV, REPORT_S))
     except ValueError:
