@@ -11,10 +11,17 @@ run up to ``prefetch`` steps ahead), copies of a step already taken (a restarted
 sends its steps again) are dropped, and so is anything the wire rejects (wrong secret,
 malformed, oversized: counted in ``dropped``). The time spent waiting is the step's
 ``wait_s``. Decoding happens on a background thread as messages arrive.
+
+A wait is bounded (``timeout_s``, 600 s: then ``FeedTimeout``, and torchrun restarts the
+job), but never silent: the node's first trainer prints every ``REPORT_S`` seconds
+(``$DTDSL_FEED_REPORT_S``) which step it waits for, for how long, and which of the node's
+workers have sent nothing for that long. A dead worker pool ends the launch sooner
+(``train.supervise``).
 """
 
 from __future__ import annotations
 
+import os
 import secrets
 import threading
 import time
@@ -27,6 +34,16 @@ __all__ = ["FeedTimeout", "RemoteBatches"]
 
 MAX_ARRAYS = 1 << 16
 ANNOUNCE_S = 0.2
+REPORT_S = 30.0                     # a waiting trainer's progress line, this often
+REPORT_ENV = "DTDSL_FEED_REPORT_S"  # overrides REPORT_S (tests)
+
+
+def _report_every() -> float:
+    try:
+        value = float(os.environ.get(REPORT_ENV, REPORT_S))
+    except ValueError:
+        return REPORT_S
+    return value if value > 0 else REPORT_S
 
 
 class FeedTimeout(RuntimeError):
@@ -52,6 +69,7 @@ class RemoteBatches:
 
         self.norm = image_norm(program)
         self.timeout_s = timeout_s
+        self.workers = max(1, job.feed.workers_per_node)
         if list(node_ranks)[local_rank] != role.rank:
             raise ValueError(f"rank {role.rank} is not local rank {local_rank} of the node's "
                              f"ranks {list(node_ranks)}")
@@ -69,6 +87,10 @@ class RemoteBatches:
         # job) makes them go back and send again the steps it asks for.
         self.session = secrets.token_hex(8)
         self._ready: dict[int, Any] = {}
+        # worker index (its steps: step % workers_per_node) -> (when, step) last heard
+        self._heard: dict[int, tuple[float, int]] = {}
+        self._started = time.monotonic()
+        self.report_s = _report_every()
         self._next = 0
         self._announced = 0.0
         self._error: BaseException | None = None
@@ -93,6 +115,8 @@ class RemoteBatches:
                     continue
                 got = message.meta.get("step")
                 with self._cond:
+                    if isinstance(got, int) and got >= 0:
+                        self._heard[got % self.workers] = (time.monotonic(), got)
                     if not isinstance(got, int) or got < self._next or got in self._ready:
                         continue    # a copy of a step taken or buffered: a worker restarted
                 batch = read_batch(message, self.units, self.generators, self.norm)
@@ -123,7 +147,9 @@ class RemoteBatches:
             for s in [s for s in self._ready if s < step]:
                 del self._ready[s]
         self._announce(step)
-        deadline = time.monotonic() + self.timeout_s
+        began = time.monotonic()
+        deadline = began + self.timeout_s
+        report = began + self.report_s
         with self._cond:
             while step not in self._ready:
                 if self._error is not None:
@@ -138,10 +164,32 @@ class RemoteBatches:
                         f"{dict(self.receiver.dropped) or 'none'}")
                 if now - self._announced >= ANNOUNCE_S:
                     self._announce(step)
-                self._cond.wait(timeout=min(ANNOUNCE_S, deadline - now))
+                if now >= report and self.publisher is not None:
+                    print(self._waiting(step, now - began, now), flush=True)
+                    report = now + self.report_s
+                self._cond.wait(timeout=max(0.0, min(ANNOUNCE_S, deadline - now,
+                                                     report - now)))
             batch = self._ready.pop(step)
             self._next = step + 1
         return replace(batch, wait_s=time.perf_counter() - start)
+
+    def _waiting(self, step: int, waited_s: float, now: float) -> str:
+        """The progress line of a wait (called with the lock held)."""
+        silent = []
+        for w in range(self.workers):
+            heard = self._heard.get(w)
+            if heard is None:
+                silent.append(f"worker {w} (nothing yet in {now - self._started:.0f} s)")
+            elif now - heard[0] >= self.report_s:
+                silent.append(f"worker {w} (last step {heard[1]}, {now - heard[0]:.0f} s "
+                              "ago)")
+        owner = step % self.workers
+        dropped = dict(self.receiver.dropped)
+        return (f"rank {self.role.rank}: waiting {waited_s:.0f} s for the data of step "
+                f"{step} (worker {owner} of the node's {self.workers} makes it); silent: "
+                f"{', '.join(silent) or 'none'}"
+                + (f"; dropped messages: {dropped}" if dropped else "")
+                + f"; giving up after {self.timeout_s:g} s")
 
     def close(self) -> None:
         """Tell the workers the trainers are done (local rank 0), then close the sockets."""

@@ -30,9 +30,11 @@ Pacing: the node's first trainer announces the step it needs next; a worker buil
 trainers' queues.
 
 Restarts: a worker killed at any point is started again by ``supervise`` with the same
-index; it resumes at its first step at or after the trainers' progress and sends those
-steps again. A trainer keeps the first copy of each step it receives and drops copies of
-steps it has (or had), so no sample is lost or consumed twice. When the trainers restart
+index (unless it is in a crash loop, or died of an error no restart changes: then the
+supervisor records that error as the launch's fatal record and gives up, and
+``launch.sh`` ends the launch with its line); it resumes at its first step at or after
+the trainers' progress and sends those steps again. A trainer keeps the first copy of
+each step it receives and drops copies of steps it has (or had), so no sample is lost or consumed twice. When the trainers restart
 (torchrun restarts them all after a failure, and they resume from a checkpoint) their
 announcements carry a new session token: every worker goes back to its first step at or
 after their ``next_step`` and sends again, to the ranks the new session names (the new
@@ -48,7 +50,9 @@ SIGKILL when it reaches step ``s``, once per run directory.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -63,7 +67,9 @@ __all__ = ["FeedContext", "build_messages", "main", "run_worker", "supervise"]
 log = logging.getLogger("dtdsl.feed.worker")
 
 POLL_S = 0.05
-MAX_RESTARTS = 20
+MAX_RESTARTS = 20   # restarts of the node's workers in all
+CRASH_LOOP = 3      # failures of one worker within CRASH_WINDOW_S: it will not recover
+CRASH_WINDOW_S = 120.0
 IDLE_S = 3600.0     # a worker with nothing left to send exits after this long without word
 
 
@@ -262,24 +268,115 @@ def run_worker(bundle: Path, index: int, *, run_dir: Path, feed_dir: Path,
     return 0
 
 
-def supervise(bundle: Path, argv: Sequence[str]) -> int:
-    """Run every worker as a child process and start again any that dies abnormally
-    (at most ``MAX_RESTARTS`` restarts in all); the exit status."""
+def _error_file(feed: Path, index: int) -> Path:
+    """Where worker ``index`` leaves the line of the error it died of (for its
+    supervisor)."""
+    return feed / f"worker-{index}.error"
+
+
+def _report_error(feed: Path | None, index: int, err: BaseException) -> None:
+    """Leave the error worker ``index`` is dying of where its supervisor reads it: one
+    line, marked ``fatal`` when no restart can change it (``train.faults``)."""
+    from dtdsl.train.faults import fatal_cause, one_line
+
+    if feed is None:
+        return
+    cause = fatal_cause(err)
+    text = json.dumps({"error": one_line(cause or f"{type(err).__name__}: {err}"),
+                       "fatal": cause is not None})
+    try:
+        tmp = _error_file(feed, index).with_suffix(".tmp")
+        tmp.write_text(text, "utf-8")
+        os.replace(tmp, _error_file(feed, index))
+    except OSError:
+        pass
+
+
+def _last_error(feed: Path | None, index: int) -> tuple[str | None, bool]:
+    """The error worker ``index`` left (taken: the file is removed), and whether it is
+    fatal."""
+    if feed is None:
+        return None, False
+    path = _error_file(feed, index)
+    try:
+        said = json.loads(path.read_text("utf-8"))
+        path.unlink()
+        return str(said["error"]), bool(said.get("fatal"))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None, False
+
+
+def _die_with_parent(parent: int) -> Any:
+    """A ``preexec_fn``: the child gets SIGTERM when its parent (the supervisor) dies
+    (Linux), so that a killed supervisor leaves no worker behind; elsewhere nothing."""
+    def set_up() -> None:
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGTERM)       # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            return
+        if os.getppid() != parent:              # it died before prctl
+            os._exit(1)
+
+    return set_up if sys.platform.startswith("linux") else None
+
+
+class _Failures:
+    """A worker's recent failures: too many too fast is a crash loop, not bad luck."""
+
+    def __init__(self) -> None:
+        self.times: dict[int, list[float]] = {}
+        self.restarts = 0
+
+    def give_up(self, index: int, fatal: bool) -> str | None:
+        """Count a failure of worker ``index`` (``fatal``: of an error no restart
+        changes); why to give up on it, or None to restart it (counted in ``restarts``)."""
+        now = time.monotonic()
+        recent = [t for t in self.times.get(index, []) if now - t < CRASH_WINDOW_S]
+        recent.append(now)
+        self.times[index] = recent
+        if fatal:
+            return "cannot go on"
+        if len(recent) >= CRASH_LOOP:
+            return f"failed {len(recent)} times in {CRASH_WINDOW_S:.0f} s"
+        if self.restarts >= MAX_RESTARTS:
+            return f"failed after {MAX_RESTARTS} restarts"
+        self.restarts += 1
+        return None
+
+
+def supervise(bundle: Path, argv: Sequence[str], feed: Path | None = None) -> int:
+    """Run every worker as a child process and start again any that dies abnormally, up
+    to ``MAX_RESTARTS`` restarts in all; the exit status.
+
+    A worker that fails ``CRASH_LOOP`` times within ``CRASH_WINDOW_S`` is in a crash loop,
+    and one whose error no restart changes (``train.faults``: a job key others may read,
+    bad data) fails for good at once: then the supervisor gives up, records the worker's
+    last error as the launch's fatal record (``launch.sh`` stops the launch with that
+    line) and stops the other workers. ``feed``: the node's feed directory, where a dying
+    worker leaves its error."""
+    import socket
+
+    from dtdsl.train.faults import record_fatal
     from dtdsl.train.job import load_job
 
     workers = load_job(bundle).feed.workers_per_node
     script = bundle / "workers" / "worker.py"
+    me = os.getpid()
+    host = socket.gethostname()
 
     def start(i: int) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, str(script), "--index", str(i), *argv])
+        return subprocess.Popen([sys.executable, str(script), "--index", str(i), *argv],
+                                preexec_fn=_die_with_parent(me))  # noqa: PLW1509
 
     def stop(signum: int, frame: Any) -> None:
         raise SystemExit(128 + signum)      # so that the workers are stopped below
 
     signal.signal(signal.SIGTERM, stop)
     procs = {i: start(i) for i in range(workers)}
-    restarts = 0
-    status = 0
+    failures = _Failures()
     try:
         while procs:
             time.sleep(0.2)
@@ -289,20 +386,39 @@ def supervise(bundle: Path, argv: Sequence[str]) -> int:
                     continue
                 if code == 0:
                     del procs[i]
-                elif restarts < MAX_RESTARTS:
-                    restarts += 1
-                    print(f"supervisor: worker {i} exited with {code}; restarting it "
-                          f"({restarts}/{MAX_RESTARTS})", file=sys.stderr, flush=True)
+                    continue
+                error, fatal = _last_error(feed, i)
+                said = error or f"it {_exit_text(code)}"
+                why = failures.give_up(i, fatal)
+                if why is None:
+                    print(f"supervisor: worker {i} exited with {code} ({said}); restarting "
+                          f"it ({failures.restarts}/{MAX_RESTARTS})", file=sys.stderr,
+                          flush=True)
                     procs[i] = start(i)
-                else:
-                    print(f"supervisor: worker {i} exited with {code}; no restarts left",
-                          file=sys.stderr, flush=True)
-                    del procs[i]
-                    status = 1
+                    continue
+                line = f"preprocessing worker {i} on {host} {why}; its last error: {said}"
+                print(f"supervisor: {line}; giving up", file=sys.stderr, flush=True)
+                record_fatal("workers", line)
+                del procs[i]
+                return 1
     finally:
         for p in procs.values():
             p.terminate()
-    return status
+        for p in procs.values():
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    return 0
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"
 
 
 def _check_expected(bundle: Path, expected: dict[str, Any]) -> None:
@@ -340,23 +456,32 @@ def main(bundle: Path, argv: Sequence[str] | None = None,
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(message)s")
-    from dtdsl.train.job import feed_dir
+    from dtdsl.train.job import FEED_DIR_ENV, feed_dir
 
-    if args.all:
+    given = args.feed_dir or os.environ.get(FEED_DIR_ENV)
+    if args.all:      # where its workers leave their errors, be it fit for sockets or not
         rest = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--all"]
-        return supervise(bundle, rest)
-    first = 0
-    if args.resume:
-        from dtdsl.train.checkpoint import complete_checkpoints
-
-        done = complete_checkpoints(args.run_dir)
-        first = done[-1][0] if done else 0
+        return supervise(bundle, rest, feed=Path(given) if given else None)
     try:
         where = feed_dir(args.feed_dir)
     except ValueError as err:
+        from dtdsl.train.faults import Fatal
+
+        _report_error(Path(given) if given else None, args.index, Fatal(str(err)))
         raise SystemExit(f"worker.py: {err}") from None
-    return run_worker(bundle, args.index, run_dir=Path(args.run_dir), feed_dir=where,
-                      steps=args.steps, data=args.data, first_step=first)
+    try:
+        first = 0
+        if args.resume:
+            from dtdsl.train.checkpoint import complete_checkpoints
+
+            done = complete_checkpoints(args.run_dir)
+            first = done[-1][0] if done else 0
+        return run_worker(bundle, args.index, run_dir=Path(args.run_dir), feed_dir=where,
+                          steps=args.steps, data=args.data, first_step=first)
+    except Exception as err:
+        _report_error(where, args.index, err)
+        raise
+
 
 def worker_fields(job: Any) -> dict[str, Any]:
     """What the worker program states as data (and checks against job.json)."""

@@ -42,14 +42,24 @@ unit, stage, layer range, TP/DP/PP coordinates, process groups and schedule as d
 ``samples.jsonl`` and ``timelines.jsonl`` and drops the later ones (the steps after the
 checkpoint that a killed run had done: they run again), so a run ends with exactly one
 line per step, the last run's; TensorBoard is told to purge its events from step k on
-(``purge_step``). A fresh start (no ``--resume``, first torchrun attempt) drops every
-earlier line, and moves checkpoints of an earlier run in the same directory aside to
-``checkpoints.replaced-<time>/`` so that a restart of this run cannot load them
-(``launch.sh`` refuses such a start instead).
+(``purge_step``). A start at step 0 of a new launch (no ``--resume``, or a resume that
+finds no checkpoint) never empties an earlier run's lines: ``metrics.jsonl``,
+``samples.jsonl``, ``timelines.jsonl`` and ``tb/`` move to ``replaced-<time>/``; a fresh
+start also moves an earlier run's checkpoints aside to ``checkpoints.replaced-<time>/``
+so that a restart of this run cannot load them (``launch.sh`` refuses a fresh start into
+such a directory instead, and lets one launch at a time use it: ``train.rundir``).
+
+**Faults no restart changes** (``train.faults``): a stale bundle, a resume from a
+checkpoint of another spec, a full disk, a job key others may read, bad weights or data.
+The rank that meets one records it for the launch and waits to be stopped; the launch's
+supervisor stops torchrun and prints the one line (``train.supervise``). Any other error
+is raised, and torchrun restarts the job.
 
 **Fault injection** (tests): ``DTDSL_FAULT=rank<r>@<s>`` kills trainer rank ``r`` with
 SIGKILL when it reaches step ``s``, once per run directory (``dtdsl.train.job.fault_point``,
 marker files under ``faults/``); torchrun then restarts every rank and they resume.
+``rank<r>@<s>:enospc`` makes rank ``r``'s save of the checkpoint of step ``s`` fail as on
+a full disk (``OSError(ENOSPC)``), every time.
 """
 
 from __future__ import annotations
@@ -63,6 +73,7 @@ from pathlib import Path
 from typing import Any
 
 from dtdsl.train.job import RankEntry, RankProgram
+from dtdsl.train.rundir import RECORDS
 
 __all__ = ["TIMELINE_RANKS", "data_source", "run"]
 
@@ -310,6 +321,16 @@ class _Telemetry:
         self.writer.close()
 
 
+def _aside(run_dir: Path, name: str) -> Path:
+    """A new name in ``run_dir`` for what an earlier run left: ``name-<time>``, with a
+    count added when a start in the same second took that one."""
+    stamp = int(time.time())
+    aside, n = run_dir / f"{name}-{stamp}", 1
+    while aside.exists():
+        aside, n = run_dir / f"{name}-{stamp}.{n}", n + 1
+    return aside
+
+
 def _set_aside_checkpoints(run_dir: Path) -> None:
     """A fresh start: an earlier run's checkpoints in the same directory move aside, so a
     restart of this run cannot load them (module docstring)."""
@@ -317,65 +338,155 @@ def _set_aside_checkpoints(run_dir: Path) -> None:
 
     root = checkpoint_root(run_dir)
     if root.is_dir() and any(root.iterdir()):
-        aside = root.with_name(f"checkpoints.replaced-{int(time.time())}")
+        aside = _aside(run_dir, "checkpoints.replaced")
         root.rename(aside)
         print(f"a fresh start: the checkpoints of an earlier run moved to {aside} (use "
               "--resume to continue a run)", flush=True)
 
 
-def _resume_decision(run_dir: Path, rank: int, asked: bool, restart: int) -> bool:
-    """Whether this attempt resumes, one answer for every rank (rank 0 decides and
-    broadcasts: a collective). It resumes when asked (``--resume``), on a counted torchrun
-    restart, and whenever this launch (``DTDSL_LAUNCH_ID``, set once per ``launch.sh``) has
-    started before: on several nodes, torchrun restarts the workers of the nodes that did
-    not fail without counting a restart there, so node 0's ranks would otherwise take the
-    restart for a fresh start."""
+def _set_aside_records(run_dir: Path) -> None:
+    """A start at step 0 of a new launch: an earlier run's records (``RECORDS``, ``tb/``)
+    move to ``replaced-<time>/``, never emptied (module docstring)."""
+    found = [run_dir / name for name in RECORDS
+             if (run_dir / name).is_file() and (run_dir / name).stat().st_size > 0]
+    tb = run_dir / "tb"
+    if tb.is_dir() and any(tb.iterdir()):
+        found.append(tb)
+    if not found:
+        return
+    aside = _aside(run_dir, "replaced")
+    aside.mkdir()
+    for path in found:
+        path.rename(aside / path.name)
+    print(f"a start at step 0: the records of an earlier run moved to {aside}", flush=True)
+
+
+def _resume_decision(run_dir: Path, rank: int, asked: bool, restart: int
+                     ) -> tuple[bool, bool]:
+    """Whether this attempt resumes, and whether this launch has started before: one
+    answer for every rank (rank 0 decides and broadcasts: a collective). It resumes when
+    asked (``--resume``), on a counted torchrun restart, and whenever this launch
+    (``DTDSL_LAUNCH_ID``, set once per ``launch.sh``) has started before: on several
+    nodes, torchrun restarts the workers of the nodes that did not fail without counting a
+    restart there, so node 0's ranks would otherwise take the restart for a fresh start."""
     import torch.distributed as dist
 
-    decision = [asked or restart > 0]
+    from dtdsl.train.faults import Fatal
+    from dtdsl.train.rundir import check_launch_id
+
+    decision = [asked or restart > 0, restart > 0]
     if rank == 0:
         launch = os.environ.get("DTDSL_LAUNCH_ID", "")
+        if launch:
+            try:
+                check_launch_id(launch)
+            except ValueError as err:
+                raise Fatal(str(err)) from None
         marker = run_dir / "launches" / launch if launch else None
         if marker is not None and marker.exists():
-            decision[0] = True
+            decision = [True, True]
         if marker is not None:
             marker.parent.mkdir(parents=True, exist_ok=True)
             marker.touch()
     dist.broadcast_object_list(decision, src=0)
-    return bool(decision[0])
+    return bool(decision[0]), bool(decision[1])
+
+
+def _check_resumable(run_dir: Path, spec_sha256: str) -> None:
+    """Fatal when the checkpoint a resume loads (the newest complete one) is of another
+    spec: no restart changes that (``launch.sh``'s preflight says so before torchrun
+    starts; this is for ``train.py`` run otherwise)."""
+    from dtdsl.train.checkpoint import CheckpointError, latest_checkpoint, read_manifest
+    from dtdsl.train.faults import Fatal
+
+    path = latest_checkpoint(run_dir)
+    if path is None:
+        return
+    try:
+        manifest = read_manifest(path)
+    except CheckpointError as err:
+        raise Fatal(str(err)) from None
+    if manifest.spec_sha256 != spec_sha256:
+        raise Fatal(f"{path} was written for spec {manifest.spec} (sha256 "
+                    f"{manifest.spec_sha256[:12]}...), this bundle's spec is sha256 "
+                    f"{spec_sha256[:12]}...: resume it with the bundle it was trained "
+                    "with, or choose another --run-dir")
+
+
+def _disk_fault(rank: int, step: int, run_dir: Path) -> None:
+    """Raise the OSError of a full disk when ``DTDSL_FAULT`` names ``rank<r>@<s>:enospc``
+    for this rank and the checkpoint of step ``step`` (tests; every time: a full disk
+    stays full)."""
+    import errno
+
+    for item in filter(None, (s.strip() for s in os.environ.get("DTDSL_FAULT", "").split(","))):
+        if item == f"rank{rank}@{step}:enospc":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC),
+                          str(run_dir / "checkpoints" / f"ckpt-{step}.tmp"))
+
+
+def _load_bundle(bundle: Path, program: RankProgram, rank: int, world: int) -> Any:
+    """The bundle's job, program, plan and schedule, checked against this rank program
+    and the world torchrun started; Fatal when they do not fit (a restart reads the same
+    files)."""
+    from dtdsl.ir.plan import Plan
+    from dtdsl.ir.program import Program
+    from dtdsl.ir.schedule import parse_schedule
+    from dtdsl.train.faults import Fatal
+    from dtdsl.train.job import load_job
+
+    try:
+        job = load_job(bundle)
+        program_ir = Program.model_validate_json((bundle / job.program_file).read_bytes())
+        plan = Plan.model_validate_json((bundle / job.plan_file).read_bytes())
+        schedule = parse_schedule((bundle / job.schedule_file).read_text("utf-8"))
+    except (OSError, ValueError) as err:
+        raise Fatal(f"the bundle {bundle}: {err}") from err
+    if world not in (job.world_size, job.launched):
+        raise Fatal(f"started with {world} ranks; the bundle needs {job.world_size} "
+                    f"({job.nodes} node(s) of {job.gpus_per_node} processes)")
+    if rank < job.world_size:
+        try:
+            _check(program, rank, plan, schedule)
+        except RuntimeError as err:
+            raise Fatal(str(err)) from None
+    return job, program_ir, plan, schedule
 
 
 def run(program: RankProgram, bundle: str | Path, argv: Sequence[str] | None = None) -> int:
     """Train this rank (``RANK`` / ``WORLD_SIZE`` from torchrun's environment) per the
-    bundle at ``bundle``; the module docstring says how. Returns the exit status."""
+    bundle at ``bundle``; the module docstring says how. Returns the exit status. An
+    error no restart can change is recorded for the launch and ends it
+    (``train.faults``) instead of a torchrun restart."""
+    from dtdsl.train.faults import hold_if_fatal
+
+    who = f"rank {os.environ.get('RANK', '?')}"
+    try:
+        return _run(program, Path(bundle), argv, who)
+    except Exception as err:
+        hold_if_fatal(err, who)
+        raise
+
+
+def _run(program: RankProgram, bundle: Path, argv: Sequence[str] | None, who: str) -> int:
     import torch
     import torch.distributed as dist
 
     from dtdsl.data.batch import LocalBatches
-    from dtdsl.ir.plan import Plan
-    from dtdsl.ir.program import Program
-    from dtdsl.ir.schedule import parse_schedule
     from dtdsl.parallel.device import init_distributed, rank_device
     from dtdsl.parallel.mesh import build_groups
     from dtdsl.train.checkpoint import Checkpointer
     from dtdsl.train.executor import StageExecutor, gather_timeline, telemetry_every
-    from dtdsl.train.job import fault_point, load_job
+    from dtdsl.train.faults import hold_if_fatal
+    from dtdsl.train.job import fault_point
 
     args = _parse(argv)
-    bundle = Path(bundle)
-    job = load_job(bundle)
-    program_ir = Program.model_validate_json((bundle / job.program_file).read_bytes())
-    plan = Plan.model_validate_json((bundle / job.plan_file).read_bytes())
-    schedule = parse_schedule((bundle / job.schedule_file).read_text("utf-8"))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if world not in (job.world_size, job.launched):
-        raise RuntimeError(f"started with {world} ranks; the bundle needs {job.world_size} "
-                           f"({job.nodes} node(s) of {job.gpus_per_node} processes)")
+    job, program_ir, plan, schedule = _load_bundle(bundle, program, rank, world)
     if rank >= job.world_size:
         print(f"rank {rank}: a spare (the plan uses ranks 0..{job.world_size - 1} of the "
               f"{world} started); exiting", flush=True)
         return 0
-    _check(program, rank, plan, schedule)
     steps = args.steps if args.steps is not None else job.steps
     run_dir = Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -389,7 +500,7 @@ def run(program: RankProgram, bundle: str | Path, argv: Sequence[str] | None = N
     if rank == 0:
         print(f"rank 0 of {job.world_size} on {device} ({dist.get_backend()}), "
               f"{program_ir.train.precision}", flush=True)
-    resume = _resume_decision(run_dir, rank, args.resume, restart)
+    resume, again = _resume_decision(run_dir, rank, args.resume, restart)
     log = None
     ckpt = None
     try:
@@ -420,6 +531,7 @@ def run(program: RankProgram, bundle: str | Path, argv: Sequence[str] | None = N
         ckpt = Checkpointer(ex, run_dir, keep=job.checkpoint.keep, mode=args.checkpoint_mode,
                             spec_sha256=job.spec_sha256)
         if resume and rank == 0:
+            _check_resumable(run_dir, job.spec_sha256)
             print(f"resuming (torchrun restart {restart})" if restart else "resuming",
                   flush=True)
         first = ckpt.resume() if resume else 0
@@ -427,6 +539,8 @@ def run(program: RankProgram, bundle: str | Path, argv: Sequence[str] | None = N
             ex.stage.initialize(program_ir, program_ir.train.seed)
         every = job.checkpoint.every
         if rank == 0:
+            if first == 0 and not again:
+                _set_aside_records(run_dir)
             log = _RunLog(run_dir, plan, program_ir, schedule, source, first,
                           job.cost.cost_model(program_ir, bundle))
             if first >= steps:
@@ -442,6 +556,7 @@ def run(program: RankProgram, bundle: str | Path, argv: Sequence[str] | None = N
                 if (step - first) % telemetry == 0 else None
             saved = None
             if every > 0 and (step + 1) % every == 0:
+                _disk_fault(rank, step + 1, run_dir)
                 saved = ckpt.save(step + 1)
             if log is not None:
                 assert ex.batch is not None
@@ -458,6 +573,10 @@ def run(program: RankProgram, bundle: str | Path, argv: Sequence[str] | None = N
         ckpt = None
         if hasattr(feed, "close"):
             feed.close()
+    except Exception as err:
+        # Recorded before the cleanup below, which may wait on peers or a save.
+        hold_if_fatal(err, who)
+        raise
     finally:
         if log is not None:
             log.close()

@@ -3,7 +3,10 @@ traceback per rank per restart.
 
 ``python -m dtdsl.train.preflight BUNDLE [--run-dir DIR] [--data SOURCE]`` (``launch.sh``
 runs it on every node) checks that the bundle's data can be read (and indexes WebDataset
-shards once, before the workers and trainers open them), and that every ``pretrained``
+shards once, before the workers and trainers open them), that the job key of the
+preprocessing transport is readable and private to its owner, that the newest complete
+checkpoint in the run directory (the one a resumed run loads) was written for this
+bundle's spec, and that every ``pretrained``
 directory the bundle's program names is still there, still holds the model the bundle
 was compiled against (its ``config.json`` has the same sha256) and still has every tensor
 in its shape, floating point, in files whose headers agree with the files (the
@@ -18,10 +21,11 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from dtdsl.ir import program as ir
 
-__all__ = ["check_data", "check_pretrained", "check_vaes", "main"]
+__all__ = ["check_data", "check_key", "check_pretrained", "check_resume", "check_vaes", "main"]
 
 
 def check_pretrained(program: ir.Program) -> list[str]:
@@ -96,6 +100,47 @@ def check_data(program: ir.Program, source: str) -> list[str]:
     return []
 
 
+def check_key(bundle: Path, job: Any) -> list[str]:
+    """Problems with the job key (empty: readable, private, well-formed): every worker
+    and trainer reads it, and a restart would not change it."""
+    if job.feed.workers == 0:
+        return []
+    from dtdsl.feed.wire import read_secret
+
+    path = bundle / job.secret_file
+    try:
+        read_secret(path)
+    except PermissionError as err:
+        return [str(err)]
+    except OSError as err:
+        return [f"cannot read the job key {path}: {err.strerror or err}; compile the "
+                "bundle again"]
+    except ValueError as err:
+        return [f"the job key {path}: {err}; compile the bundle again"]
+    return []
+
+
+def check_resume(job: Any, run_dir: str | Path) -> list[str]:
+    """Problems with the checkpoint a resumed run would load (the newest complete one):
+    it must be of this bundle's spec (another plan is resharded, another spec is not)."""
+    from dtdsl.train.checkpoint import CheckpointError, complete_checkpoints, read_manifest
+
+    done = complete_checkpoints(run_dir)
+    if not done:
+        return []
+    path = done[-1][1]
+    try:
+        manifest = read_manifest(path)
+    except CheckpointError as err:
+        return [str(err)]
+    if manifest.spec_sha256 != job.spec_sha256:
+        return [f"{path} was written for spec {manifest.spec} (sha256 "
+                f"{manifest.spec_sha256[:12]}...) but this bundle is of spec {job.spec} "
+                f"(sha256 {job.spec_sha256[:12]}...): resume it with the bundle it was "
+                "trained with, or choose another --run-dir"]
+    return []
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dtdsl.train.preflight",
                                      description="check a bundle's inputs before a launch")
@@ -107,12 +152,19 @@ def main(argv: list[str] | None = None) -> int:
     from dtdsl.train.job import load_job
 
     bundle = Path(args.bundle)
-    job = load_job(bundle)
+    try:
+        job = load_job(bundle)
+    except ValueError as err:
+        print(f"launch.sh: {err}", file=sys.stderr)
+        return 2
     program = ir.Program.model_validate_json((bundle / job.program_file).read_bytes())
     problems: list[str] = []
     if args.data is not None or job.data.kind == "dataset":
         source = args.data if args.data is not None else str(bundle / str(job.data.path))
         problems += check_data(program, source)
+    problems += check_key(bundle, job)
+    if args.run_dir is not None:
+        problems += check_resume(job, args.run_dir)
     if args.run_dir is None or not complete_checkpoints(args.run_dir):
         problems += check_pretrained(program)
     problems += check_vaes(program)
