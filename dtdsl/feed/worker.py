@@ -37,8 +37,9 @@ the trainers' progress and sends those steps again. A trainer keeps the first co
 each step it receives and drops copies of steps it has (or had), so no sample is lost
 or consumed twice. When the trainers restart (torchrun restarts them all after a
 failure, and they resume from a checkpoint) their announcements carry a new session
-token: every worker goes back to its first step at or after their ``next_step`` and sends again, to the ranks the new session names (the new
-trainers drop copies of steps they have, or are past). A worker exits only when the
+token: every worker goes back to its first step at or after their ``next_step`` and
+sends again, to the ranks the new session names (the new trainers drop copies of steps
+they have, or are past). A worker exits only when the
 trainers say they are done (or after ``IDLE_S`` without word), not when they pass its
 last step: they may come back. ``--resume`` starts the workers at the newest complete
 checkpoint's step.
