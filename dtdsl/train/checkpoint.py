@@ -104,6 +104,7 @@ __all__ = [
     "PROGRAM",
     "VERSION",
     "CheckpointError",
+    "CheckpointMismatch",
     "Checkpointer",
     "Manifest",
     "checkpoint_root",
@@ -125,6 +126,11 @@ _NAME = re.compile(r"ckpt-(\d+)\Z")
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used here (another spec, missing tensors, bad files)."""
+
+
+class CheckpointMismatch(CheckpointError):
+    """A checkpoint this job can never load (another spec, metadata that is not DCP's):
+    no restart changes it (``train.faults`` ends the launch with its message)."""
 
 
 class _Model(BaseModel):
@@ -716,7 +722,7 @@ class Checkpointer:
         path = checkpoint_root(self.run_dir) / f"ckpt-{step}"
         manifest = read_manifest(path)
         if manifest.spec_sha256 != self.spec_sha256:
-            raise CheckpointError(
+            raise CheckpointMismatch(
                 f"{path} was written for spec {manifest.spec} (sha256 "
                 f"{manifest.spec_sha256[:12]}...), this job runs sha256 "
                 f"{self.spec_sha256[:12]}...; resume only with the same spec")
@@ -724,6 +730,8 @@ class Checkpointer:
         state = state_dict(self.ex)
         try:
             dcp.load(state, checkpoint_id=str(path), storage_reader=dcp_safe.SafeReader(path))
+        except dcp_safe.UnsafeMetadata as err:
+            raise CheckpointMismatch(f"cannot load {path}: {err}") from None
         except Exception as err:
             raise CheckpointError(f"cannot load {path}: {err}") from err
         load_state_dict(self.ex, state)

@@ -57,8 +57,9 @@ _DISK_TEXT = ((re.compile(r"No space left on device"), _DISK[errno.ENOSPC]),
                "a write stopped short (the disk is most likely full or over quota)"))
 _DISK_HINT = "; free space there, or choose another --run-dir"
 # Errors of the user's inputs, by module and class: a module never imported raised none.
-_INPUT_ERRORS = (("dtdsl.models.hf.config", "HFError"), ("dtdsl.data.shards", "DatasetError"),
-                 ("dtdsl.data.text", "TokenizerError"))
+_INPUT_ERRORS = (("dtdsl.models.hf.fields", "HFError"), ("dtdsl.models.vae", "VAEError"),
+                 ("dtdsl.data.shards", "DatasetError"), ("dtdsl.data.text", "TokenizerError"),
+                 ("dtdsl.train.checkpoint", "CheckpointMismatch"))
 
 
 class Fatal(RuntimeError):

@@ -80,6 +80,13 @@ def test_what_a_restart_cannot_change():
 
     assert fatal_cause(HFError("model.safetensors: tensor x has shape (2,)")) == \
         "model.safetensors: tensor x has shape (2,)"
+    from dtdsl.models.hf.weights import WeightsFileError
+    from dtdsl.models.vae import VAEError
+    from dtdsl.train.checkpoint import CheckpointMismatch
+
+    for err in (WeightsFileError("model.safetensors: cut short"), VAEError("vae: bad config"),
+                CheckpointMismatch("ckpt-2 was written for spec s")):
+        assert fatal_cause(err) == str(err)
     # what a restart may well change
     for err in (RuntimeError("Connection closed by peer [127.0.0.1]:1234"),
                 ConnectionResetError(errno.ECONNRESET, "reset"), TimeoutError("timed out"),
