@@ -14,6 +14,8 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -77,17 +79,25 @@ def dtc(*argv: str) -> int:
         return int(exit_.code or 0)
 
 
-def slurm_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+@pytest.fixture
+def node_tmp() -> Iterator[Path]:
+    """The nodes' TMPDIR: short, as on a cluster (the feed's ipc socket paths under it
+    must fit the 107 bytes of a socket address, which pytest's tmp paths under xdist do
+    not leave room for)."""
+    with tempfile.TemporaryDirectory(prefix="dts", dir="/tmp") as path:
+        yield Path(path)
+
+
+def slurm_env(tmp_path: Path, node_tmp: Path, **extra: str) -> dict[str, str]:
     """The environment sbatch runs in: the stand-ins first on PATH, the rendezvous on this
     machine (the fake node names resolve nowhere: DTDSL_RDZV_HOST), node-local TMPDIR."""
     spool = tmp_path / "spool"
     spool.mkdir(exist_ok=True)
-    (tmp_path / "tmp").mkdir(exist_ok=True)
     return {**os.environ, "PATH": f"{FAKE_SLURM}{os.pathsep}{os.environ['PATH']}",
             "FAKE_SLURM_NODELIST": NODELIST, "FAKE_SLURM_SPOOL": str(spool),
             "FAKE_SLURM_CPUS": "2(x3)", "PYTHON": sys.executable,
             "DTDSL_RDZV_HOST": "127.0.0.1", "DTDSL_RDZV_PORT": str(wire.free_port_base(1)),
-            "TMPDIR": str(tmp_path / "tmp"), **extra}
+            "TMPDIR": str(node_tmp), **extra}
 
 
 def sbatch(cwd: Path, script: str | Path, *args: str, env: dict[str, str],
@@ -263,11 +273,11 @@ def test_dry_run_of_a_node_with_the_real_module(tmp_path, three_nodes):
     assert not (tmp_path / "run").exists()
 
 
-def test_sbatch_from_anywhere_finds_its_bundle(tmp_path, three_nodes):
+def test_sbatch_from_anywhere_finds_its_bundle(tmp_path, node_tmp, three_nodes):
     """Submitted by a relative path from another directory: the job's record (Command=)
     names the bundle; each node dry-runs its own ranks (SLURM_NODEID)."""
     python, log = fake_python(tmp_path)
-    env = slurm_env(tmp_path, PYTHON=str(python))
+    env = slurm_env(tmp_path, node_tmp, PYTHON=str(python))
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     status, out, job_id = sbatch(elsewhere, os.path.relpath(three_nodes / "slurm.sbatch",
@@ -315,7 +325,7 @@ def test_sbatch_from_anywhere_finds_its_bundle(tmp_path, three_nodes):
 
 @pytest.mark.slow
 def test_three_slurm_nodes_train_like_the_reference_and_resume_after_a_killed_rank(
-        tmp_path, dataset):  # noqa: F811
+        tmp_path, node_tmp, dataset):  # noqa: F811
     bundle = tmp_path / "bundle"
     assert cli.main(["compile", str(three_node_spec(tmp_path)), "-o", str(bundle), "--data",
                      str(dataset), "--workers", "2"]) == 0
@@ -329,7 +339,7 @@ def test_three_slurm_nodes_train_like_the_reference_and_resume_after_a_killed_ra
     # 5, is the spare). It dies as step 3 begins; with synchronous saves ckpt-2 was
     # committed before any rank began step 2 (every step starts with a barrier), and
     # ckpt-4 cannot have begun: the job must resume from ckpt-2 at step 2.
-    env = slurm_env(tmp_path, DTDSL_FAULT="rank4@3")
+    env = slurm_env(tmp_path, node_tmp, DTDSL_FAULT="rank4@3")
     status, out, job_id = sbatch(
         submit, os.path.relpath(bundle / "slurm.sbatch", submit), "--run-dir", str(run_dir),
         "--steps", str(STEPS), "--checkpoint-mode", "sync", env=env)
