@@ -195,7 +195,7 @@ def test_compiled_flex_attention_runs_the_block_lists_on_the_cpu():
     inductor's CPU kernel (forward only: torch 2.13 has no compiled CPU backward), which
     skips the blocks our lists leave out; equal to the dense mask. A second batch with
     other documents (new mask_mod closure, new block lists, same shape) reuses the
-    compiled kernel."""
+    compiled kernel, and other widths stop compiling once the length is dynamic."""
     from torch._dynamo.utils import counters
 
     width = 2 * BLOCK + 44
@@ -209,6 +209,19 @@ def test_compiled_flex_attention_runs_the_block_lists_on_the_cpu():
         torch.testing.assert_close(out, dense_attention(q, k, v, dense_mask(spans, width)),
                                    **TOL)
     assert counters["stats"]["unique_graphs"] - frames == 1
+    # Packed microbatches pad to their longest row, so widths vary: the sequence length
+    # turns dynamic and the compiled kernels stop growing (no recompile per width).
+    for width in (2 * BLOCK + 84, 3 * BLOCK + 6, 3 * BLOCK + 66, 4 * BLOCK + 8):
+        q, k, v = (t.detach() for t in _qkv(1, width, 4, 2, dim=16))
+        spans = [_spans([width // 2, width - width // 2 - 3])]
+        _, mask = document_mask(spans, width, "cpu")
+        with torch.no_grad():
+            out = attn.flex_kernel()(q, k, v, block_mask=mask.block_mask, enable_gqa=True)
+        torch.testing.assert_close(out, dense_attention(q, k, v, dense_mask(spans, width)),
+                                   **TOL)
+        if width == 3 * BLOCK + 66:
+            settled = counters["stats"]["unique_graphs"]
+    assert counters["stats"]["unique_graphs"] == settled <= frames + 3
 
 
 @pytest.mark.gpu
