@@ -22,7 +22,7 @@ nothing here waits for the device.
 ``document_attention(q, k, v, mask)`` runs ``flex_attention`` with ``enable_gqa`` (K and V
 keep their own heads; nothing is repeated). On CUDA it is ``torch.compile``'d once per
 process (``flex_kernel``): the fused Triton kernel that skips the blocks the mask leaves
-out, with sequence lengths dynamic after the first new one. On the CPU torch 2.13's
+out; new widths stop compiling once the sequence length is dynamic. On the CPU torch 2.13's
 public ``flex_attention`` refuses inputs that need a gradient (it has no CPU backward,
 compiled or not), so the CPU runs the same operator that function is built on
 (``flex_attention_hop``), uncompiled: torch's reference implementation of it, which
@@ -168,8 +168,9 @@ def document_mask(spans: Sequence[Sequence[tuple[int, int]]], width: int,
 
 @functools.cache
 def flex_kernel() -> Callable[..., torch.Tensor]:
-    """``flex_attention`` compiled, once per process (torch.compile caches the kernels
-    per shape and device; sequence lengths turn dynamic after the first new one)."""
+    """``flex_attention`` compiled, once per process (torch.compile caches its kernels;
+    a new batch's mask_mod closure and block lists reuse them, and new widths stop
+    compiling once the sequence length is dynamic)."""
     return torch.compile(flex_attention)
 
 
