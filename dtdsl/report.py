@@ -16,7 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from dtdsl.cost.profile import Profile
-from dtdsl.ir.plan import Plan
+from dtdsl.ir.plan import Packing, Plan
 
 __all__ = ["format_bytes", "format_flops", "format_seconds", "plan_markdown", "plan_table",
            "profile_table", "progress_bar", "render_plan", "render_profile", "wide_console"]
@@ -121,11 +121,32 @@ def _summary(plan: Plan) -> list[str]:
             if sim.policy:
                 text += f" ({sim.no_reorder_speedup:.2f}x without reordering)"
             lines.append(f"  speedup       {text}")
+    if sim is not None and sim.packing is not None:
+        lines.append(_packing_line(sim.packing))
     lines.append(
         f"search          {plan.search} in {format_seconds(plan.solve_time_s)}: "
         f"{plan.candidates:,} TP/DP candidates, {plan.convex_solves:,} convex solves, "
         f"{plan.evaluated:,} integer layouts evaluated")
     return lines
+
+
+def _packing_line(p: Packing) -> str:
+    """The plan's drawn steps packed and not, and which trains more positions a second."""
+    def per_k(seconds: float, positions: float) -> str:
+        return format_seconds(seconds / positions * 1000) if positions > 0 else "n/a"
+
+    def count(n: float) -> str:
+        return f"{n / 1e6:.2f} M" if n >= 1e6 else f"{n / 1e3:.1f} k" if n >= 1e3 else \
+            f"{n:.0f}"
+
+    text = (f"packing         {format_seconds(p.packed_s)} per step vs "
+            f"{format_seconds(p.unpacked_s)} unpacked ({count(p.packed_positions)} vs "
+            f"{count(p.unpacked_positions)} positions a step, no reordering): "
+            f"{per_k(p.packed_s, p.packed_positions)} vs "
+            f"{per_k(p.unpacked_s, p.unpacked_positions)} per 1k positions")
+    if p.packing_faster != p.spec_packs:
+        return text + f": set train.packing = {'true' if p.packing_faster else 'false'}"
+    return text + f" (train.packing = {'true' if p.spec_packs else 'false'} is the faster)"
 
 
 def plan_markdown(plan: Plan) -> str:

@@ -193,3 +193,59 @@ def test_the_plan_stays_readable_at_every_width(width):
                             for u in the_plan.units], (name, width, buf.getvalue())
             for word in ("fwd", "sync + opt", "memory/GPU", "iteration time"):
                 assert word in buf.getvalue()
+
+
+def test_plan_compares_the_drawn_steps_packed_and_unpacked(capsys):
+    """dtc plan simulates its layout on the same drawn steps with train.packing toggled
+    and says which trains more positions a second (in --json under simulated.packing)."""
+    code, out, err = run(capsys, "plan", TINY, "--json", "--no-baseline")
+    assert code == 0, err
+    packing = json.loads(out)["simulated"]["packing"]
+    assert packing["spec_packs"] is False
+    assert packing["packed_s"] > 0 and packing["unpacked_s"] > 0
+    # tiny_cpu's samples are far shorter than seq_len: a packed step trains more of them
+    assert packing["packed_positions"] > 2 * packing["unpacked_positions"]
+    code, out, _ = run(capsys, "plan", TINY, "--no-baseline")
+    line = next(line for line in out.splitlines() if line.startswith("packing"))
+    plan = Plan.model_validate(json.loads(run(capsys, "plan", TINY, "--json",
+                                              "--no-baseline")[1]))
+    verdict = ("set train.packing = true" if plan.simulated.packing.packing_faster
+               else "(train.packing = false is the faster)")
+    assert verdict in out.replace("\n", " "), line
+
+
+def test_packing_verdict_compares_time_per_position():
+    from dtdsl.ir.plan import Packing
+
+    # twice the time for three times the positions: packing is faster
+    assert Packing(spec_packs=False, packed_s=2.0, unpacked_s=1.0, packed_positions=3e6,
+                   unpacked_positions=1e6).packing_faster
+    assert not Packing(spec_packs=True, packed_s=4.0, unpacked_s=1.0, packed_positions=3e6,
+                       unpacked_positions=1e6).packing_faster
+
+
+def test_a_plan_repriced_for_packing_keeps_its_layout():
+    """The same layout under another cost model: unit times scaled by the ratio of the
+    unit's times under the two at its TP degree; layout, memory and sync unchanged."""
+    from dtdsl.cost.model import build_cost_model
+    from dtdsl.driver import run_frontend
+    from dtdsl.planner import plan
+    from dtdsl.planner.simulated import repriced
+
+    path = Path(M72)
+    program = run_frontend(str(path), path.read_bytes()).program
+    cost = build_cost_model(program)
+    packed = build_cost_model(program.model_copy(update={"train": program.train.model_copy(
+        update={"packing": True})}))
+    the_plan = plan(cost, compare_baseline=False)
+    assert repriced(the_plan, cost, cost) == the_plan
+    other = repriced(the_plan, cost, packed)
+    for u, v in zip(the_plan.units, other.units, strict=True):
+        assert (u.gpus, u.tp, u.dp, u.pp, u.memory_bytes, u.dp_sync_time_s) == \
+            (v.gpus, v.tp, v.dp, v.pp, v.memory_bytes, v.dp_sync_time_s)
+        old = cost.fwd_bwd_time_s(cost.unit(u.name), u.tp)
+        new = packed.fwd_bwd_time_s(packed.unit(u.name), u.tp)
+        assert v.fwd_time_s == pytest.approx(u.fwd_time_s * new[0] / old[0])
+    # a packed backbone microbatch is a whole seq_len of documents: more work than a sample
+    llm = [u for u in the_plan.units if u.role == "backbone"][0]
+    assert other.units[the_plan.units.index(llm)].fwd_time_s > llm.fwd_time_s

@@ -6,8 +6,11 @@ fractions of their peak on each (see ``dtdsl.cost.model``).
 
 Attention convention: the backbone's attention is causal and counted as half of
 full attention (what FlashAttention computes); encoders and generators attend
-bidirectionally. MFU in dtdsl uses the same counts, so it is comparable to
-Megatron-LM's only after adding back the masked half of the backbone's attention
+bidirectionally. A packed sequence's documents attend only within themselves, so its
+attention is the sum over its documents (``backbone_attention``: k documents of length
+L cost k attn(L), not attn(kL)), and that is all MFU counts. MFU in dtdsl uses the same
+counts, so it is comparable to Megatron-LM's only after adding back the masked half of the
+backbone's attention
 (``backbone_flops_megatron`` gives Megatron's full-attention figure for checks).
 
 Backward passes: a trainable module costs 2x its forward (input and weight
@@ -24,7 +27,8 @@ from dataclasses import dataclass
 from dtdsl.ir import program as ir
 
 __all__ = [
-    "UNetOp", "Work", "backbone_ends_params", "backbone_flops_megatron", "backward_factor",
+    "UNetOp", "Work", "backbone_attention", "backbone_ends_params", "backbone_flops_megatron",
+    "backbone_forward", "backward_factor",
     "dit_forward", "encoder_ends_params", "encoder_item_forward", "encoder_tokens",
     "input_needs_grad", "mlp_forward_per_token", "module_params",
     "projector_params", "transformer_layer_matmul_per_token", "transformer_layer_params",
@@ -72,7 +76,11 @@ def transformer_layer_matmul_per_token(arch: ir.TransformerArch) -> float:
 
 def _attention(seq: float, hidden: int, causal: bool) -> float:
     """Scores (Q K^T) and their application to V for one sequence, all heads."""
-    full = 4.0 * seq * seq * hidden
+    return _attention_of_squares(seq * seq, hidden, causal)
+
+
+def _attention_of_squares(squares, hidden: int, causal: bool):
+    full = 4.0 * squares * hidden
     return full / 2 if causal else full
 
 
@@ -111,12 +119,22 @@ def encoder_item_forward(arch: ir.TransformerArch, tokens: float) -> Work:
     return Work(matmul=embed + layers, attention=attention)
 
 
-def backbone_forward(arch: ir.TransformerArch, seq_len: int) -> Work:
-    """The LLM on one packed sequence of ``seq_len`` tokens, with its output head."""
+def backbone_attention(arch: ir.TransformerArch, squares):
+    """The backbone's forward attention FLOPs (all layers) on one sequence whose documents'
+    lengths squared add up to ``squares`` (a sequence of one document: its length
+    squared): each document attends only within itself. Every price of the backbone's
+    attention (cost model, simulator, MFU) is this function of a sequence's documents."""
+    return arch.layers * _attention_of_squares(squares, _attention_width(arch), arch.causal)
+
+
+def backbone_forward(arch: ir.TransformerArch, seq_len, squares=None) -> Work:
+    """The LLM on one sequence of ``seq_len`` positions, with its output head; its
+    attention over documents whose lengths squared add up to ``squares``
+    (``backbone_attention``; default ``seq_len ** 2``, one document). Arrays broadcast."""
     layers = arch.layers * seq_len * transformer_layer_matmul_per_token(arch)
     head = 2 * seq_len * arch.hidden * arch.vocab
-    return Work(matmul=layers + head,
-                attention=arch.layers * _attention(seq_len, _attention_width(arch), arch.causal))
+    squares = seq_len * seq_len if squares is None else squares
+    return Work(matmul=layers + head, attention=backbone_attention(arch, squares))
 
 
 def backbone_flops_megatron(arch: ir.TransformerArch, seq_len: int, batch: int) -> float:

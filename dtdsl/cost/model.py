@@ -32,7 +32,14 @@ import numpy as np
 
 from dtdsl.cost import flops
 from dtdsl.cost.profile import COND_TOKENS, ProfileTable
-from dtdsl.cost.samples import SampleSet, draw_samples, microbatch_lengths, positions
+from dtdsl.cost.samples import (
+    SampleSet,
+    attention_squares,
+    draw_samples,
+    microbatch_lengths,
+    microbatch_squares,
+    positions,
+)
 from dtdsl.ir import program as ir
 
 __all__ = [
@@ -543,14 +550,17 @@ def _unit_cost(program: ir.Program, module: ir.Module, samples: SampleSet) -> Un
         # The runtime pads a microbatch to its longest sequence: compute and transfers are
         # priced at the padded lengths of the drawn microbatches, the model FLOPs (MFU) at
         # the sequences' own lengths, activation memory at seq_len (a microbatch may reach
-        # it).
+        # it). Attention is priced per document (packed documents attend only within
+        # themselves, ``flops.backbone_attention``), padded and useful alike.
         lengths = positions(samples).astype(float)
         padded = microbatch_lengths(lengths, mb)
         sizes, counts = np.unique(padded, return_counts=True)
         acc.queries.append(ProfileQuery(module.name, tuple(float(x) for x in sizes),
                                         tuple(float(c) * mb / len(padded) for c in counts)))
-        acc.work = _mean_work(flops.backbone_forward(arch, padded)) * mb
-        useful = _mean_work(flops.backbone_forward(arch, lengths)) * mb
+        acc.work = _mean_work(flops.backbone_forward(
+            arch, padded, microbatch_squares(samples, mb, packed=train.packing))) * mb
+        useful = _mean_work(flops.backbone_forward(arch, lengths,
+                                                   attention_squares(samples))) * mb
         acc.model_attention = useful.attention
         tokens = train.seq_len * mb
         mean_tokens = float(padded.mean()) * mb

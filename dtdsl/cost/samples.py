@@ -16,7 +16,8 @@ import numpy as np
 
 from dtdsl.ir import program as ir
 
-__all__ = ["ItemSet", "SampleSet", "draw", "draw_samples", "microbatch_lengths", "positions"]
+__all__ = ["ItemSet", "SampleSet", "attention_squares", "draw", "draw_samples",
+           "microbatch_lengths", "microbatch_squares", "positions"]
 
 
 def draw(quantity: ir.Quantity, n: int, rng: np.random.Generator) -> np.ndarray:
@@ -51,11 +52,10 @@ class ItemSet:
 
     def per_sample(self, values: np.ndarray) -> np.ndarray:
         """Sum ``values`` (one per item) over each sample's items."""
-        out = np.zeros(len(self.counts))
-        if len(values):
-            owner = np.repeat(np.arange(len(self.counts)), self.counts)
-            np.add.at(out, owner, values)
-        return out
+        if not len(values):
+            return np.zeros(len(self.counts))
+        owner = np.repeat(np.arange(len(self.counts)), self.counts)
+        return np.bincount(owner, weights=values, minlength=len(self.counts))
 
     def tokens(self) -> np.ndarray:
         """Total item tokens per sample."""
@@ -68,6 +68,10 @@ class SampleSet:
 
     text_tokens: np.ndarray
     items: dict[str, ItemSet]   # keys such as "image", "image.gen", "audio"
+    # Packed sequences (``train.packing``): per sequence, the sum over its documents of
+    # their positions squared (what its attention costs, ``flops.backbone_attention``).
+    # None: every sample is one document.
+    doc_squares: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.text_tokens)
@@ -106,7 +110,8 @@ def draw_samples(program: ir.Program, n: int, seed: int = 0) -> SampleSet:
         # the stream, so a longer stream only closes more sequences).
         docs.append(_cut(program, _draw_documents(program, max(2 * n, 64), rng)))
         stream = _concat(docs)
-        rows = pack(positions(stream), seq_len, rows=n)     # closed sequences only
+        # Python ints: pack compares each length with every open sequence's room.
+        rows = pack(positions(stream).tolist(), seq_len, rows=n)   # closed sequences only
     return _join(stream, rows)
 
 
@@ -117,6 +122,30 @@ def positions(samples: SampleSet) -> np.ndarray:
         if not key.endswith(".gen"):
             total += items.tokens().astype(np.int64)
     return total
+
+
+def attention_squares(samples: SampleSet) -> np.ndarray:
+    """Each sequence's documents' positions squared, summed (``SampleSet.doc_squares``;
+    its positions squared when it is one document): ``flops.backbone_attention``'s
+    argument."""
+    if samples.doc_squares is not None:
+        return samples.doc_squares.astype(float)
+    return positions(samples).astype(float) ** 2
+
+
+def microbatch_squares(samples: SampleSet, micro_batch: int, *, packed: bool) -> np.ndarray:
+    """Per microbatch (``microbatch_lengths``' runs), the mean over its sequences of their
+    ``attention_squares`` once padded to its longest sequence: with ``packed`` documents
+    (document masks) the padding after a sequence's documents is one more document, so
+    its square adds; without, causal attention runs over the whole padded row."""
+    lengths = positions(samples).astype(float)
+    padded = microbatch_lengths(lengths, micro_batch)
+    if not packed:
+        return padded ** 2
+    longest = np.repeat(padded, micro_batch)[:len(lengths)]
+    rows = attention_squares(samples) + (longest - lengths) ** 2
+    group = np.arange(len(lengths)) // micro_batch
+    return np.bincount(group, weights=rows) / np.bincount(group)
 
 
 def microbatch_lengths(lengths: np.ndarray, micro_batch: int) -> np.ndarray:
@@ -171,28 +200,34 @@ def _cut(program: ir.Program, samples: SampleSet) -> SampleSet:
 
 def _concat(parts: list[SampleSet]) -> SampleSet:
     keys = parts[0].items.keys()
+    packed = any(p.doc_squares is not None for p in parts)
     return SampleSet(
         text_tokens=np.concatenate([p.text_tokens for p in parts]),
         items={k: ItemSet(counts=np.concatenate([p.items[k].counts for p in parts]),
                           sizes=np.concatenate([p.items[k].sizes for p in parts]))
-               for k in keys})
+               for k in keys},
+        doc_squares=np.concatenate([attention_squares(p) for p in parts]) if packed else None)
 
 
 def _join(samples: SampleSet, rows: list[list[int]]) -> SampleSet:
-    """The sequences ``rows`` (lists of sample indices) of ``samples``."""
+    """The sequences ``rows`` (lists of sample indices) of ``samples``, each keeping its
+    documents' squared lengths (``doc_squares``)."""
     order = np.asarray([i for r in rows for i in r], dtype=np.int64)
     owner = np.repeat(np.arange(len(rows)), [len(r) for r in rows])
+    squares = np.bincount(owner, weights=attention_squares(samples)[order],
+                          minlength=len(rows))
     text = np.bincount(owner, weights=samples.text_tokens[order],
                        minlength=len(rows)).astype(np.int64)
     items = {}
     for key, item in samples.items.items():
-        starts = np.concatenate([[0], np.cumsum(item.counts)[:-1]]).astype(np.int64)
-        sizes = [item.sizes[starts[i]:starts[i] + item.counts[i]] for i in order]
-        counts = np.bincount(owner, weights=item.counts[order],
-                             minlength=len(rows)).astype(np.int64)
-        items[key] = ItemSet(counts=counts, sizes=np.concatenate(sizes) if sizes else
-                             np.zeros(0, dtype=np.int64))
-    return SampleSet(text_tokens=text, items=items)
+        starts = (np.cumsum(item.counts) - item.counts).astype(np.int64)
+        # Each document's items, the documents in ``order``: one gather.
+        taken = item.counts[order]
+        first = np.repeat(starts[order] - (np.cumsum(taken) - taken), taken)
+        sizes = item.sizes[first + np.arange(int(taken.sum()))]
+        counts = np.bincount(owner, weights=taken, minlength=len(rows)).astype(np.int64)
+        items[key] = ItemSet(counts=counts, sizes=sizes.astype(np.int64))
+    return SampleSet(text_tokens=text, items=items, doc_squares=squares)
 
 
 def _draw_documents(program: ir.Program, n: int, rng: np.random.Generator) -> SampleSet:

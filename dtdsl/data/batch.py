@@ -178,7 +178,8 @@ def normalizer_of(program: ir.Program, sizes: Sequence[SampleSizes]) -> Normaliz
 
 def sample_set(program: ir.Program, sizes: Sequence[SampleSizes]) -> SampleSet:
     """The cost model's view of real samples: text tokens, and per encoder modality and
-    generated modality the items' sizes (patches per image; one unit per generated item)."""
+    generated modality the items' sizes (patches per image; one unit per generated item);
+    of packed sequences also their documents' squared lengths."""
     patch = _patch(program)
     items: dict[str, ItemSet] = {}
     for module in program.modules:
@@ -193,8 +194,13 @@ def sample_set(program: ir.Program, sizes: Sequence[SampleSizes]) -> SampleSet:
                               dtype=np.int64)
             items[f"{module.modality}.gen"] = ItemSet(
                 counts=counts, sizes=np.ones(int(counts.sum()), dtype=np.int64))
+    squares = None
+    if any(sz.doc_text is not None for sz in sizes):
+        # Packed sequences: attention is priced per document (``flops.backbone_attention``).
+        squares = np.array([sum(n * n for _, n in layout_of(sz, patch, program.train.seq_len)
+                                .spans) for sz in sizes], dtype=float)
     return SampleSet(text_tokens=np.array([sz.text_tokens for sz in sizes], dtype=np.int64),
-                     items=items)
+                     items=items, doc_squares=squares)
 
 
 def route_batch(plan: Plan, program: ir.Program, sizes: Sequence[SampleSizes],

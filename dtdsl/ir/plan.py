@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, computed_field, model_validator
 
-__all__ = ["PLAN_VERSION", "Plan", "Simulated", "UnitPlan", "split_layers"]
+__all__ = ["PLAN_VERSION", "Packing", "Plan", "Simulated", "UnitPlan", "split_layers"]
 
 PLAN_VERSION = 1
 
@@ -49,6 +49,28 @@ class UnitPlan(BaseModel):
         return range(self.first_rank, self.first_rank + self.gpus)
 
 
+class Packing(BaseModel):
+    """The plan's layout on the same drawn steps with ``train.packing`` on and off, each
+    priced and simulated for its setting, without reordering. A packed step's
+    global batch counts sequences of several samples, an unpacked one's single samples:
+    ``*_positions`` are the positions a step trains on average (text and encoder tokens,
+    padding left out), so the time per position says which trains faster."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", kw_only=True)
+
+    spec_packs: bool                # the spec's own train.packing
+    packed_s: float                 # mean iteration time, packed (no reordering)
+    unpacked_s: float               # the same, one sample per sequence
+    packed_positions: float         # mean positions per step, packed
+    unpacked_positions: float       # mean positions per step, unpacked
+
+    @property
+    def packing_faster(self) -> bool:
+        """Whether packing trains more positions per second."""
+        return self.packed_s * self.unpacked_positions < \
+            self.unpacked_s * self.packed_positions
+
+
 class Simulated(BaseModel):
     """A plan's iteration time on drawn batches (``dtdsl.sim``): the mean over ``steps``
     global batches drawn from the spec's data, each routed under the spec's reorder
@@ -63,6 +85,7 @@ class Simulated(BaseModel):
     no_reorder_iteration_time_s: float
     baseline_iteration_time_s: float | None = None
     candidates: int = 1                   # layouts the planner scored on these batches
+    packing: Packing | None = None        # the same layout with train.packing on and off
 
     @property
     def speedup(self) -> float | None:

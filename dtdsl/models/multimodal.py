@@ -68,6 +68,7 @@ from dtdsl.data.sample import (
 )
 from dtdsl.ir import program as ir
 from dtdsl.models import build_module, build_projector, tie_weights
+from dtdsl.models.attention import DocumentMask, document_mask
 from dtdsl.models.diffusion import noisy_and_target
 from dtdsl.models.init import init_module
 from dtdsl.models.transformer import (
@@ -354,7 +355,7 @@ class BackboneBatch:
     targets: torch.Tensor           # [B, S] next-token ids, IGNORE where there is no loss
     lengths: tuple[int, ...]        # real (unpadded) length of each sequence
     positions: torch.Tensor | None = None   # packed documents (``document_masks``)
-    mask: torch.Tensor | None = None
+    mask: DocumentMask | None = None
 
 
 def backbone_input(backbone: Backbone, image_embeds: Sequence[torch.Tensor],
@@ -434,33 +435,21 @@ def _index(values: list[int], device: torch.device) -> torch.Tensor:
 
 def document_masks(layouts: Sequence[SequenceLayout], width: int,
                    device: torch.device | str) -> tuple[torch.Tensor | None,
-                                                         torch.Tensor | None]:
-    """``(positions [B, S], attention mask [B, 1, S, S])`` of sequences packed from
-    several documents (``data.layout``): positions restart at 0 in every document, and a
-    position attends to the positions of its own document up to itself (padding after
-    the documents is one more document). ``(None, None)`` when no sequence holds more
+                                                         DocumentMask | None]:
+    """``(positions [B, S], DocumentMask)`` of sequences packed from several documents
+    (``data.layout``): positions restart at 0 in every document, and a position attends
+    to the positions of its own document up to itself (padding after the documents is
+    one more document); built on the host from the layouts, copied without blocking
+    (``models.attention.document_mask``). ``(None, None)`` when no sequence holds more
     than one document: plain causal attention over positions ``0..S-1``."""
     if all(len(lay.spans) <= 1 for lay in layouts):
         return None, None
-    positions = torch.empty(len(layouts), width, dtype=torch.int64)
-    docs = torch.empty(len(layouts), width, dtype=torch.int64)
-    for b, lay in enumerate(layouts):
-        end = 0
-        for d, (start, n) in enumerate(lay.spans):
-            positions[b, start:start + n] = torch.arange(n)
-            docs[b, start:start + n] = d
-            end = start + n
-        positions[b, end:] = torch.arange(width - end)
-        docs[b, end:] = len(lay.spans)
-    positions, docs = positions.to(device), docs.to(device)
-    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-    mask = (docs[:, :, None] == docs[:, None, :]) & causal
-    return positions, mask[:, None]
+    return document_mask([lay.spans for lay in layouts], width, device)
 
 
 def backbone_layers(backbone: Backbone, x: torch.Tensor, start: int = 0,
                     stop: int | None = None, *, positions: torch.Tensor | None = None,
-                    mask: torch.Tensor | None = None) -> torch.Tensor:
+                    mask: DocumentMask | None = None) -> torch.Tensor:
     """Layers ``start:stop`` of the backbone on ``[B, S, hidden]`` (positions 0..S-1,
     causal; or ``positions`` and ``mask`` of packed documents, ``document_masks``), or
     under sequence parallelism on this TP rank's piece ``[B, S / tp, hidden]`` (attention

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dtdsl.ir import program as ir
+from dtdsl.models.attention import DocumentMask, document_attention
 from dtdsl.models.rope import apply_rotary
 
 __all__ = [
@@ -98,8 +99,9 @@ class SelfAttention(nn.Module):
 
     ``heads`` and ``kv_heads`` are this rank's heads; ``dim`` is the full model width.
     Input and output ``[B, S, dim]``; ``positions`` (``[S]`` or ``[B, S]``) only
-    matters with ``rope``; ``mask`` (``[B, 1, S, S]``, True where a query attends a key)
-    replaces the causal rule when given."""
+    matters with ``rope``; ``mask`` (packed documents, ``models.attention.document_mask``)
+    replaces the causal rule when given: each query attends its own document up to
+    itself."""
 
     def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, *,
                  causal: bool = False, rope: ir.RoPE | None = None, out_bias: bool = False,
@@ -118,7 +120,7 @@ class SelfAttention(nn.Module):
         self.wo.residual_out = True
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+                mask: DocumentMask | None = None) -> torch.Tensor:
         batch, seq, _ = x.shape
         d = self.head_dim
         # -1 heads: under tensor parallelism a rank's projections hold its heads only.
@@ -129,18 +131,15 @@ class SelfAttention(nn.Module):
             if positions is None:
                 positions = torch.arange(seq, device=x.device)
             q, k = apply_rotary(q, k, positions, self.rope)
-        # ``mask`` ([B, 1, S, S], True: attend): packed documents, each causal within
-        # itself (``models.multimodal.document_masks``); without it plain causal. With a
-        # mask the KV heads are repeated for their query heads: CUDA's memory-efficient
-        # kernel takes a mask but not grouped heads (it would fall back to the math one).
-        gqa = q.shape[2] != k.shape[2]
-        if mask is not None and gqa:
-            group = q.shape[2] // k.shape[2]
-            k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
-            gqa = False
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-            is_causal=self.causal and mask is None, enable_gqa=gqa)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        gqa = q.shape[1] != k.shape[1]
+        if mask is not None:
+            # Packed documents, each causal within itself: FlexAttention on the blocks
+            # the documents touch, K and V heads shared without copies (``models.attention``).
+            out = document_attention(q, k, v, mask)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal,
+                                                 enable_gqa=gqa)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -224,7 +223,7 @@ class TransformerLayer(nn.Module):
         self.mlp = MLP(h, ffn, swiglu=arch.swiglu, act=arch.act, bias=arch.mlp_bias)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+                mask: DocumentMask | None = None) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), positions, mask)
         return x + self.mlp(self.mlp_norm(x))
 

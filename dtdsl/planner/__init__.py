@@ -21,7 +21,7 @@ from dtdsl.planner.exhaustive import MAX_GPUS as EXHAUSTIVE_MAX_GPUS
 from dtdsl.planner.exhaustive import plan_exhaustive
 from dtdsl.planner.orchestrate import convex_alternatives, plan_convex
 from dtdsl.planner.result import Infeasible, PlannerError
-from dtdsl.planner.simulated import simulate_plan
+from dtdsl.planner.simulated import packing_figures, simulate_plan
 
 __all__ = ["EXHAUSTIVE_MAX_GPUS", "SEARCHES", "Infeasible", "PlannerError", "plan",
            "plan_baseline", "plan_convex", "plan_exhaustive", "simulate_plan"]
@@ -41,8 +41,9 @@ def plan(cost: CostModel, num_gpus: int | None = None, *, search: str = "convex"
     ``simulate_steps`` > 0: score on that many drawn batches (``planner.simulated``): the
     convex search's plan and up to ``alternatives`` runners-up in expectation
     (``orchestrate.convex_alternatives``) under the spec's reorder policy, keeping the
-    fastest there; then that plan without reordering and the baseline without. The
-    Plan's ``simulated`` holds the figures."""
+    fastest there; then that plan without reordering and the baseline without, and that
+    plan with ``train.packing`` toggled (``packing_figures``). The Plan's ``simulated``
+    holds the figures."""
     if search not in SEARCHES:
         raise ValueError(f"unknown search {search!r}; one of {', '.join(SEARCHES)}")
     if search == "baseline":
@@ -85,7 +86,8 @@ def plan(cost: CostModel, num_gpus: int | None = None, *, search: str = "convex"
     if baseline is not None:
         base = plain if baseline is result else simulate_plan(
             cost, baseline, policy=frozenset(), steps=steps)
+    packing = packing_figures(cost, result, steps=steps, iteration_time_s=plain)
     return result.model_copy(update={"simulated": Simulated(
         steps=steps, policy=tuple(sorted(policy)), iteration_time_s=timed,
         no_reorder_iteration_time_s=plain, baseline_iteration_time_s=base,
-        candidates=scored)})
+        candidates=scored, packing=packing)})

@@ -26,7 +26,14 @@ import numpy as np
 
 from dtdsl.cost import flops
 from dtdsl.cost.model import CostModel
-from dtdsl.cost.samples import SampleSet, draw_samples, microbatch_lengths, positions
+from dtdsl.cost.samples import (
+    SampleSet,
+    attention_squares,
+    draw_samples,
+    microbatch_lengths,
+    microbatch_squares,
+    positions,
+)
 from dtdsl.ir.plan import Plan
 from dtdsl.ir.schedule import Schedule
 from dtdsl.reorder.split import contiguous_split
@@ -62,7 +69,8 @@ def _raw_work(cost: CostModel, samples: SampleSet, *, timed: bool) -> dict[str, 
     out: dict[str, np.ndarray] = {}
     for module in program.modules:
         if module.role == "backbone":
-            out[module.name] = _backbone_work(cost, module, positions(samples), timed=timed)
+            out[module.name] = _backbone_work(cost, module, positions(samples),
+                                              attention_squares(samples), timed=timed)
         elif module.role == "encoder":
             items = samples.items[module.modality]
             p = flops.encoder_tokens(module.arch, items.sizes.astype(float))
@@ -76,10 +84,13 @@ def _raw_work(cost: CostModel, samples: SampleSet, *, timed: bool) -> dict[str, 
     return out
 
 
-def _backbone_work(cost: CostModel, module, lengths: np.ndarray, *, timed: bool) -> np.ndarray:
-    """The backbone's forward work on sequences of ``lengths`` (in time units when
-    ``timed``: each kind of work at its efficiency)."""
-    w = flops.backbone_forward(module.arch, np.asarray(lengths, dtype=float))
+def _backbone_work(cost: CostModel, module, lengths: np.ndarray, squares: np.ndarray, *,
+                   timed: bool) -> np.ndarray:
+    """The backbone's forward work on sequences of ``lengths`` whose documents' lengths
+    squared add up to ``squares`` (attention per document, ``flops.backbone_attention``;
+    in time units when ``timed``: each kind of work at its efficiency)."""
+    w = flops.backbone_forward(module.arch, np.asarray(lengths, dtype=float),
+                               np.asarray(squares, dtype=float))
     if not timed:
         return np.asarray(w.total, dtype=float)
     eff = cost.params.efficiency
@@ -99,9 +110,11 @@ class WorkModel:
                                _raw_work(cost, reference, timed=timed).items()}
                        for timed in (True, False)}
         program = cost.program
-        padded = microbatch_lengths(positions(reference), program.train.micro_batch)
+        mb = program.train.micro_batch
+        padded = microbatch_lengths(positions(reference), mb)
+        squares = microbatch_squares(reference, mb, packed=program.train.packing)
         self._means[True][program.backbone.name] = float(
-            _backbone_work(cost, program.backbone, padded, timed=True).mean())
+            _backbone_work(cost, program.backbone, padded, squares, timed=True).mean())
 
     def relative(self, samples: SampleSet, *, timed: bool = True) -> dict[str, np.ndarray]:
         """Per unit, each sample's forward work relative to the mean over the cost

@@ -312,3 +312,91 @@ def test_pipeline_transfers_are_split_by_tp_under_sequence_parallelism():
         assert c.hop_time_s(vit, tp) == pytest.approx(c.p2p_time_s(vit.boundary_bytes))
     assert np.allclose(c.hop_time_s(llm, np.array([1, 4]), 1.0),
                        [c.hop_time_s(llm, 1), c.hop_time_s(llm, 4)])
+
+
+# ---- attention per document (packed sequences) ----------------------------------------------
+
+def _packed(name: str) -> ir.Program:
+    return program(name, (("  seed             = 42\n",
+                           "  seed             = 42\n  packing          = true\n"),))
+
+
+def test_a_packed_row_of_k_documents_costs_k_times_their_attention():
+    """k documents of length L packed in one row attend only within themselves: k attn(L),
+    not attn(kL); one document is priced as before (its length squared)."""
+    from dtdsl.cost.samples import ItemSet, SampleSet, _join, attention_squares
+
+    arch = program("mllm_9b").backbone.arch
+    k, length = 4, 1000
+    one = flops.backbone_attention(arch, length ** 2)
+    assert one == flops.backbone_forward(arch, length).attention
+    assert flops.backbone_forward(arch, k * length, k * length ** 2).attention == \
+        pytest.approx(k * one)
+    assert flops.backbone_forward(arch, k * length).attention == pytest.approx(k * k * one)
+    # the linear work is the row's, whatever its documents
+    assert flops.backbone_forward(arch, k * length, k * length ** 2).matmul == \
+        flops.backbone_forward(arch, k * length).matmul
+    # packing keeps each row's documents' squares: rows [0, 1, 2, 3] and [4]
+    docs = SampleSet(text_tokens=np.full(5, length),
+                     items={"image": ItemSet(counts=np.array([0, 1, 0, 0, 0]),
+                                             sizes=np.array([24]))})
+    joined = _join(docs, [[0, 1, 2, 3], [4]])
+    assert attention_squares(docs).tolist() == [length ** 2, (length + 24) ** 2] + \
+        [length ** 2] * 3
+    assert attention_squares(joined).tolist() == [3 * length ** 2 + (length + 24) ** 2,
+                                                  length ** 2]
+    assert positions(joined).tolist() == [4 * length + 24, length]
+
+
+def test_packed_samples_are_priced_per_document_and_mfu_counts_only_that():
+    from dtdsl.cost.samples import attention_squares, microbatch_squares
+
+    packed = _packed("mllm_9b")
+    cost = build_cost_model(packed)
+    llm = cost.unit("llm")
+    drawn = draw_samples(packed, cost.params.samples, cost.params.seed)
+    lengths = positions(drawn).astype(float)
+    squares = attention_squares(drawn)
+    assert np.all(squares <= lengths ** 2) and np.all(squares > 0)
+    assert np.mean(squares < lengths ** 2) > 0.5            # most rows: several documents
+    arch = packed.backbone.arch
+    mb = packed.train.micro_batch
+    assert llm.model_attention_flops == pytest.approx(
+        float(np.mean(flops.backbone_attention(arch, squares))) * mb)
+    # MFU's numerator: fwd + bwd of every kind of work, attention per document
+    useful = flops.backbone_forward(arch, lengths, squares)
+    bwd = llm.backward_factor
+    assert llm.model_flops == pytest.approx(float(np.mean(useful.total)) * mb * (1 + bwd))
+    whole_rows = flops.backbone_forward(arch, lengths)
+    assert llm.model_flops < float(np.mean(whole_rows.total)) * mb * (1 + bwd)
+    # the priced work: the padding after a microbatch's shorter rows is one more document
+    padded = microbatch_lengths(lengths, mb)
+    assert llm.fwd_work.attention == pytest.approx(float(np.mean(flops.backbone_attention(
+        arch, microbatch_squares(drawn, mb, packed=True)))) * mb)
+    assert llm.fwd_work.attention < float(np.mean(flops.backbone_attention(
+        arch, padded ** 2))) * mb
+
+
+def test_unpacked_samples_are_priced_as_one_document_each():
+    from dtdsl.cost.samples import attention_squares, microbatch_squares
+
+    plain = program("mllm_9b")
+    cost = build_cost_model(plain)
+    drawn = draw_samples(plain, cost.params.samples, cost.params.seed)
+    assert drawn.doc_squares is None
+    lengths = positions(drawn).astype(float)
+    assert np.array_equal(attention_squares(drawn), lengths ** 2)
+    mb = 3
+    padded = microbatch_lengths(lengths, mb)
+    assert np.array_equal(microbatch_squares(drawn, mb, packed=False), padded ** 2)
+    arch = plain.backbone.arch
+    llm = cost.unit("llm")
+    assert llm.model_attention_flops == pytest.approx(
+        float(np.mean(flops.backbone_forward(arch, lengths).attention)))
+    # a packed microbatch's shorter row: its documents, then its padding as one more
+    rows = np.array([10.0, 4.0])
+    from dtdsl.cost.samples import SampleSet
+
+    two = SampleSet(text_tokens=rows.astype(np.int64), items={},
+                    doc_squares=np.array([50.0, 16.0]))
+    assert microbatch_squares(two, 2, packed=True).tolist() == [(50 + 16 + 36) / 2]

@@ -80,6 +80,39 @@ def test_work_is_relative_to_the_cost_models_samples():
     assert work[encoder].std() > 0.1   # images per sample vary a lot in this spec
 
 
+def test_the_simulator_prices_a_packed_row_by_its_documents():
+    """With ``train.packing`` a row's backbone work is its linear work plus the sum of its
+    documents' causal attention (``flops.backbone_attention``), in FLOPs (MFU) and in
+    time; the same rows taken as one document each would cost more."""
+    from dataclasses import replace
+
+    from dtdsl.cost import flops
+    from dtdsl.cost.samples import attention_squares
+    from dtdsl.sim.workload import WorkModel
+
+    path = ROOT / "specs" / "mllm_9b.dt"
+    text = path.read_text().replace("  seed             = 42\n",
+                                    "  seed             = 42\n  packing          = true\n")
+    program = run_frontend(str(path), text.encode()).program
+    cost = build_cost_model(program, CostParams(samples=512))
+    model = WorkModel(cost)
+    reference = draw_samples(program, cost.params.samples, cost.params.seed)
+    assert model.relative(reference, timed=False)["llm"].mean() == pytest.approx(1.0)
+    rows = batch_samples(program, 0, 64)
+    whole = replace(rows, doc_squares=None)
+    arch = program.backbone.arch
+    for timed in (False, True):
+        packed, alone = (model.relative(s, timed=timed)["llm"] for s in (rows, whole))
+        assert np.all(packed <= alone) and np.any(packed < alone)
+    lengths = positions(rows).astype(float)
+    saved = flops.backbone_attention(arch, lengths ** 2) - \
+        flops.backbone_attention(arch, attention_squares(rows))
+    packed, alone = (model.relative(s, timed=False)["llm"] for s in (rows, whole))
+    mean = float(np.mean(flops.backbone_forward(arch, positions(reference).astype(float),
+                                                attention_squares(reference)).total))
+    np.testing.assert_allclose((alone - packed) * mean, saved, rtol=1e-9)
+
+
 def test_batches_are_seeded_by_step():
     program, *_ = _setup("mllm_9b")
     a, b = batch_samples(program, 3), batch_samples(program, 3)

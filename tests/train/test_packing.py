@@ -20,7 +20,7 @@ from dtdsl.models.multimodal import (
     sample_layout,
 )
 from tests.dist import run
-from tests.specs import variant
+from tests.specs import small, variant
 from tests.train.test_executor import _train_tp, plan_for, reference
 
 
@@ -127,6 +127,21 @@ def test_synthetic_packed_batches_fill_their_sequences():
     assert all(n <= 512 for n in lengths) and sum(z.num_docs for z in sizes) > 16
     assert sum(lengths) / (8 * 512) > 0.8           # packed, not one document each
     assert source.sizes(0) == sizes                 # a function of the step
+
+
+def test_packed_sizes_are_priced_by_their_documents():
+    """The cost model's view of real packed sequences (what reordering weighs) keeps
+    their documents' squared lengths: attention is per document."""
+    from dtdsl.data.batch import sample_set
+
+    program = packed(8)
+    sizes = SyntheticSource(program).sizes(0)
+    squares = sample_set(program, sizes).doc_squares
+    layouts = [layout_of(z, 8, 512) for z in sizes]
+    assert squares.tolist() == [sum(n * n for _, n in lay.spans) for lay in layouts]
+    assert sum(squares) < sum(lay.length ** 2 for lay in layouts)
+    plain = small(8)
+    assert sample_set(plain, SyntheticSource(plain).sizes(0)).doc_squares is None
 
 
 @pytest.mark.slow
