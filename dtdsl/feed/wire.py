@@ -663,6 +663,11 @@ class WireContext(zmq.Context):
     of this module lives in one (``WireContext.instance()`` by default)."""
 
     _gate: _Gate | None = None      # a class attribute: pyzmq lets instances set it
+    # ``instance()``'s singleton of this class: pyzmq keeps it in class attributes, and
+    # without these it would find zmq.Context's own (a plain context) when that exists.
+    _instance: WireContext | None = None
+    _instance_pid: int | None = None
+    _instance_lock = threading.Lock()
 
     def gate(self) -> _Gate:
         if self._gate is None:

@@ -739,6 +739,10 @@ def test_a_peer_without_the_secret_gets_nothing_buffered(transport, password, sh
 
 
 def test_wire_sockets_need_a_wire_context():
+    zmq.Context.instance()      # a plain context's singleton first (pyzmq keeps it per class)
+    assert isinstance(wire.WireContext.instance(), wire.WireContext)
+    with Receiver.on_free_port(SECRET) as receiver:
+        assert receiver.refused == 0
     with pytest.raises(TypeError, match="WireContext"):
         Receiver.on_free_port(SECRET, context=zmq.Context.instance())
     context = wire.bounded_context(4)
