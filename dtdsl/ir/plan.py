@@ -10,6 +10,7 @@ rank r is on node r // gpus_per_node, as torchrun numbers a job's processes.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -166,7 +167,6 @@ def split_layers(layers: int, stages: int) -> tuple[int, ...]:
 class Placement:
     """Where ``place_units`` puts each unit; entries are arrays where its ``gpus`` were."""
 
-    order: tuple[int, ...]        # units in rank order
     first_rank: tuple             # per unit
     across_nodes: tuple           # per unit: one of its TP groups spans two nodes
     span: Any                     # ranks the units occupy together: 0..span-1
@@ -175,8 +175,8 @@ class Placement:
 def placement_order(tps: Sequence[int], gpus_per_node: int) -> tuple[int, ...]:
     """The order in which units take ranks: those whose TP groups fill whole nodes (tp a
     multiple of the node size) first, then those whose TP divides the node size, largest
-    TP first, then the rest (TP neither divides nor is a multiple of the node size: some
-    group straddles whenever such a unit spans more than one node), each in plan order.
+    TP first, then the rest (a TP degree that neither divides nor is a multiple of the
+    node size), each in plan order.
 
     A unit takes ``tp * dp * pp`` ranks, a multiple of its tp, so where every TP degree
     divides the next larger one (powers of two on nodes of a power of two, the usual
@@ -210,21 +210,58 @@ def tp_spans_nodes(first_rank, tp: int, gpus, gpus_per_node: int):
     return inside & (off_grid | later)
 
 
-def place_units(tps: Sequence[int], gpus: Sequence, gpus_per_node: int) -> Placement:
-    """Where each unit's ranks start: back to back in ``placement_order``, with no idle
-    rank between units (the runtime numbers a job's ranks 0..world-1 and every one of
-    them belongs to a unit), so the units occupy exactly sum(gpus) ranks. A unit of no
-    GPUs (co-located on another's) takes none and starts where the next one would.
-    ``gpus`` entries may be arrays that broadcast together (the planner's grids)."""
-    order = placement_order(tps, gpus_per_node)
+# Orders tried per layout are n!: 720 at six units; with more the first order stands.
+_SEARCHED_UNITS = 6
+
+
+def _back_to_back(order: Sequence[int], tps: Sequence[int], gpus: Sequence,
+                  gpus_per_node: int) -> tuple[list[Any], list[Any], Any]:
     first: list[Any] = [0] * len(tps)
     end: Any = 0
     for i in order:
         first[i] = end
         end = end + gpus[i]
-    across = tuple(tp_spans_nodes(first[i], int(tps[i]), gpus[i], gpus_per_node)
-                   for i in range(len(tps)))
-    return Placement(order=order, first_rank=tuple(first), across_nodes=across, span=end)
+    across = [tp_spans_nodes(first[i], int(tps[i]), gpus[i], gpus_per_node)
+              for i in range(len(tps))]
+    return first, across, end
+
+
+def _avoidable(tps: Sequence[int], across: list[Any], gpus_per_node: int) -> Any:
+    """How many units have a TP group across nodes that a node could hold (TP
+    collectives at all, no larger than a node)."""
+    return sum((a for t, a in zip(tps, across, strict=True) if 1 < int(t) <= gpus_per_node),
+               np.zeros((), dtype=int))
+
+
+def place_units(tps: Sequence[int], gpus: Sequence, gpus_per_node: int) -> Placement:
+    """Where each unit's ranks start: back to back, with no idle rank between units (the
+    runtime numbers a job's ranks 0..world-1 and every one of them belongs to a unit), so
+    the units occupy exactly sum(gpus) ranks. ``gpus`` entries may be arrays that
+    broadcast together (the planner's grids).
+
+    The order is ``placement_order``, in which no TP group that divides the node size
+    crosses a node boundary when the TP degrees divide one another. Where it leaves a
+    unit with a group across nodes that a node could hold (a TP degree that does not
+    divide the node size, or degrees that do not divide one another), every other order
+    is tried (up to ``_SEARCHED_UNITS`` units), and for each layout the first with the
+    fewest such units is kept: a tp-2 unit of 4 GPUs on nodes of 3 fits from rank 1,
+    not from rank 0 or 2."""
+    order = placement_order(tps, gpus_per_node)
+    first, across, end = _back_to_back(order, tps, gpus, gpus_per_node)
+    worst = _avoidable(tps, across, gpus_per_node)
+    if np.any(worst) and len(tps) <= _SEARCHED_UNITS:
+        for other in itertools.permutations(range(len(tps))):
+            if other == order:
+                continue
+            f, a, _ = _back_to_back(other, tps, gpus, gpus_per_node)
+            count = _avoidable(tps, a, gpus_per_node)
+            better = count < worst
+            if not np.any(better):
+                continue
+            first = [np.where(better, x, y) for x, y in zip(f, first, strict=True)]
+            across = [np.where(better, x, y) for x, y in zip(a, across, strict=True)]
+            worst = np.where(better, count, worst)
+    return Placement(first_rank=tuple(first), across_nodes=tuple(across), span=end)
 
 
 def straddling_tp_groups(unit: UnitPlan, gpus_per_node: int) -> list[range]:

@@ -32,14 +32,22 @@ def _tiny(**edits: str) -> str:
 
 # Nodes of 2 GPUs: a tp 2 unit after one of an odd GPU count would straddle.
 PAIRS = _tiny(node=("gpus_per_node = 4", "gpus_per_node = 2"))
-# Nodes of 3 GPUs, a slower network and llm pinned to tp 2 on 4 GPUs: one of its two TP
-# groups must span two nodes wherever it starts.
-FORCED = _tiny(
-    cluster=("gpus          = 4\n  gpus_per_node = 4\n  intra_node_bw = 4 GB/s\n"
-             "  inter_node_bw = 4 GB/s",
-             "gpus          = 6\n  gpus_per_node = 3\n  intra_node_bw = 4 GB/s\n"
-             "  inter_node_bw = 1 GB/s"),
-    llm=("tp(*) in {1, 2}", "tp(*) in {1, 2}\n  tp(llm) == 2\n  gpus(llm) == 4"))
+
+def _threes(llm_gpus: int) -> str:
+    """Nodes of 3 GPUs, a network 4x slower than NVLink, llm pinned to tp 2 on
+    ``llm_gpus`` GPUs and vit and gen on one each."""
+    return _tiny(
+        cluster=("gpus          = 4\n  gpus_per_node = 4\n  intra_node_bw = 4 GB/s\n"
+                 "  inter_node_bw = 4 GB/s",
+                 f"gpus          = {llm_gpus + 2}\n  gpus_per_node = 3\n"
+                 "  intra_node_bw = 4 GB/s\n  inter_node_bw = 1 GB/s"),
+        llm=("tp(*) in {1, 2}", f"tp(*) in {{1, 2}}\n  tp(llm) == 2\n  gpus(llm) == {llm_gpus}"
+             "\n  gpus(vit) == 1\n  gpus(gen) == 1"))
+
+
+# Eight ranks of tp 2 on nodes of 3 cross at least two node boundaries, and 2 does not
+# divide 3: some group of llm spans two nodes wherever it starts.
+FORCED = _threes(8)
 
 
 def _check_placed(plan: Plan, gpus_per_node: int) -> None:
@@ -114,7 +122,7 @@ def test_a_group_that_must_span_nodes_is_priced_at_the_network():
     c = build_cost_model(p)
     result = plan_convex(c)
     llm = result.unit("llm")
-    assert (llm.tp, llm.gpus) == (2, 4)
+    assert (llm.tp, llm.gpus) == (2, 8)
     assert llm.tp_across_nodes and straddling_tp_groups(llm, 3)
     _check_placed(result, 3)
     unit = c.unit("llm")
@@ -142,6 +150,25 @@ def test_a_group_that_must_span_nodes_is_priced_at_the_network():
     est_roomy = Evaluator(build_cost_model(roomy), 6).evaluate(tps, dps, pps)
     assert not any(bool(x) for x in est_roomy.tp_across_nodes)
     assert float(est_roomy.iteration_time_s) < float(est.iteration_time_s)
+
+
+def test_a_tp_that_does_not_divide_the_node_is_placed_where_it_fits():
+    """Four ranks of tp 2 on nodes of 3: from rank 0 or 2 a group crosses a boundary,
+    from rank 1 (after a one-GPU unit) none does; the placement finds that order."""
+    for tps, gpus in (((1, 2, 1), (1, 4, 1)), ((2, 1, 1), (4, 1, 1))):
+        placed = place_units(tps, gpus, 3)
+        at = tps.index(2)
+        assert placed.first_rank[at] == 1 and not any(placed.across_nodes)
+    result = plan_convex(build_cost_model(tiny_program(_threes(4))))
+    llm = result.unit("llm")
+    assert (llm.gpus, llm.first_rank, llm.tp_across_nodes) == (4, 1, False)
+    _check_placed(result, 3)
+    # Grids: the order is chosen per layout. Two ranks of tp 2 fit after one rank of
+    # tp 1 (from rank 1), not after two (from rank 2): then they go first.
+    placed = place_units((2, 1), (2, np.array([1, 2])), 3)
+    assert placed.first_rank[0].tolist() == [1, 0]
+    assert placed.first_rank[1].tolist() == [0, 2]
+    assert not np.any(placed.across_nodes[0]) and placed.span.tolist() == [3, 4]
 
 
 # ---- one account of GPUs -----------------------------------------------------------------------
