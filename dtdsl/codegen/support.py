@@ -131,9 +131,10 @@ def tp_placement(program: ir.Program, plan: Plan) -> list[Diagnostic]:
                    f"rank {u.first_rank}) span two nodes: {shown}",
                    "their collectives would cross the network, and the plan's times would "
                    "not be what the run sees"],
-            hint=f"plan again without --plan (dtc plan keeps TP groups within nodes, or "
-                 f"prices them across), or start {u.name} at a rank that is a multiple of "
-                 f"{u.tp}"))
+            hint="plan again without --plan (dtc plan keeps TP groups within nodes, or "
+                 "prices them across)" + (f", or start {u.name} at a rank that is a "
+                                          f"multiple of {u.tp}" if per_node % u.tp == 0
+                                          else "")))
     return out
 
 
