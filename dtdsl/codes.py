@@ -374,6 +374,19 @@ stage needs, or how many GPUs each module needs at the least.
 Give the cluster more GPUs, allow larger TP or PP, raise the memory share
 (`memory(*) <= 95%`), use a smaller micro batch, or turn on recomputation.
 """),
+    "DT411": Code("Tensor-parallel group across nodes priced as intra-node", """
+A plan (one passed with `--plan`, say, edited by hand) puts a unit's TP group on
+ranks of two nodes (rank r runs on node r // gpus_per_node) while its cost was
+priced at NVLink bandwidth: its TP collectives would cross the network, several
+times slower, and the plan's times would be fiction. `dtc compile` refuses it and
+names the unit and the ranks of the group.
+
+    llm: tp 8 from rank 20 on nodes of 8 GPUs: ranks 20..27 span nodes 2 and 3
+
+Plan again (`dtc plan` places units so that no TP group within a node's size
+crosses a node boundary, and prices any that must at the network's bandwidth),
+or move the unit's `first_rank` to a multiple of its tp.
+"""),
     # ---- warnings (DT5xx)
     "DT501": Code("Ignored or unused setting", """
 A setting has no effect: a data quantity no module reads, a vocabulary on a

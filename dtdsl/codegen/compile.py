@@ -97,12 +97,16 @@ def compile_bundle(out: str | Path, *, source: bytes, spec_path: str, program: i
                    overwrite: bool = False) -> list[str]:
     """Write the bundle of ``program`` under ``plan`` into ``out``; the paths written.
     Warnings go to stderr. ValueError, before anything is written, for a spec or plan the
-    runtime cannot train (``dtc compile`` reports those as diagnostics first:
-    ``support.runtime_support``)."""
-    unsupported = runtime_support(program, plan)
+    runtime cannot train or whose TP groups span nodes unpriced (``dtc compile`` reports
+    those as diagnostics first: ``support.runtime_support``)."""
+    refused = runtime_support(program, plan)
+    unsupported = [d for d in refused if d.code != "DT411"]
     if unsupported:
         raise ValueError("the runtime cannot train this spec yet: " +
                          "; ".join(d.message for d in unsupported))
+    if refused:
+        raise ValueError("the plan's TP groups span nodes it priced within one: " +
+                         "; ".join(d.message for d in refused))
     options.slurm.check()
     spec_dir = Path(spec_path).parent if spec_path not in ("-", "<stdin>") else Path.cwd()
     data = _data(program, spec_dir, Path(out), options)

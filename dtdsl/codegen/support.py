@@ -6,15 +6,18 @@ compile`` reports those here, before it writes anything, so a user meets
 ``file:line:col: error[DT601]`` at compile time rather than a traceback at launch. Each
 entry names the missing part and what to write instead; remove an entry when the
 runtime learns to run it.
+
+It also refuses a plan whose costs are not what its ranks will see (DT411): a TP group
+on ranks of two nodes priced at NVLink bandwidth, as a plan edited by hand can have.
 """
 
 from __future__ import annotations
 
 from dtdsl.diagnostics import Diagnostic
 from dtdsl.ir import program as ir
-from dtdsl.ir.plan import Plan
+from dtdsl.ir.plan import Plan, UnitPlan, straddling_tp_groups
 
-__all__ = ["runtime_support"]
+__all__ = ["runtime_support", "tp_placement"]
 
 _CODE = "DT601"
 
@@ -94,14 +97,56 @@ def _plan(program: ir.Program, plan: Plan) -> list[Diagnostic]:
     return out
 
 
+def _ranks(group: range) -> str:
+    return f"{group[0]}..{group[-1]}"
+
+
+def _priced_across(unit: UnitPlan, gpus_per_node: int) -> bool:
+    # A group larger than a node has always been priced at the network's bandwidth.
+    return unit.tp_across_nodes or unit.tp > gpus_per_node
+
+
+def tp_placement(program: ir.Program, plan: Plan) -> list[Diagnostic]:
+    """Errors (DT411) for every unit with a TP group on ranks of two nodes (rank r on node
+    r // gpus_per_node, as torchrun numbers them) whose TP collectives the plan priced at
+    NVLink bandwidth. Units without collectives of their own (co-located on another's
+    ranks, or replicated over the group) have none to misprice."""
+    per_node = program.cluster.gpus_per_node
+    out = []
+    for u in plan.units:
+        if u.tp <= 1 or u.tp_replicated or _priced_across(u, per_node):
+            continue
+        groups = straddling_tp_groups(u, per_node)
+        if not groups:
+            continue
+        first = groups[0]
+        names = {m.name for m in program.modules}
+        span = program.module(u.name).span if u.name in names else program.cluster.span
+        shown = ", ".join(_ranks(g) for g in groups[:4]) + (", ..." if len(groups) > 4 else "")
+        out.append(Diagnostic.error(
+            "DT411", f"{u.name}: its TP group of ranks {_ranks(first)} spans nodes "
+            f"{first[0] // per_node} and {first[-1] // per_node} ({per_node} GPUs a node), "
+            "but the plan priced its TP collectives at NVLink bandwidth", span,
+            notes=[f"{len(groups)} of {u.name}'s {u.dp * u.pp} TP groups (tp {u.tp}, from "
+                   f"rank {u.first_rank}) span two nodes: {shown}",
+                   "their collectives would cross the network, and the plan's times would "
+                   "not be what the run sees"],
+            hint="plan again without --plan (dtc plan keeps TP groups within nodes, or "
+                 "prices them across)" + (f", or start {u.name} at a rank that is a "
+                                          f"multiple of {u.tp}" if per_node % u.tp == 0
+                                          else "")))
+    return out
+
+
 def runtime_support(program: ir.Program, plan: Plan | None = None) -> list[Diagnostic]:
     """Errors (DT601) for what of ``program`` and ``plan`` the runtime cannot train yet: an
     encoder other than an image encoder, a second image encoder, ``precision = fp16``, and
     with a plan: the baseline's plans, interleaved units (vpp > 1) and generators on more
-    than one pipeline stage.
+    than one pipeline stage; and TP groups across nodes priced as within one
+    (``tp_placement``, DT411).
 
     Without ``plan`` only the spec's own features are checked (before planning)."""
     out = _encoders(program) + _precision(program)
     if plan is not None:
-        out += _plan(program, plan)
+        out += _plan(program, plan) + tp_placement(program, plan)
     return out

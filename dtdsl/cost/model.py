@@ -208,9 +208,13 @@ class CostModel:
     def peak_flops(self) -> float:
         return self.program.cluster.gpu.peak_flops
 
-    def _tp_bandwidth(self, tp: int) -> float:
+    def _tp_bandwidth(self, tp: int, across_nodes: bool = False) -> float:
+        """The link a TP group's collectives cross: NVLink when the group's ranks are on
+        one node, the network when they span two or more (``across_nodes``: where the
+        plan places it, ``ir.plan.place_units``; a group larger than a node always does).
+        A ring is as fast as its slowest link."""
         cluster = self.program.cluster
-        if tp <= cluster.gpus_per_node:
+        if tp <= cluster.gpus_per_node and not across_nodes:
             return cluster.intra_node_bw_bytes_per_s
         return cluster.inter_node_bw_bytes_per_s
 
@@ -245,25 +249,30 @@ class CostModel:
                 bwd += w * b
         return fwd, bwd
 
-    def fwd_bwd_time_s(self, unit: UnitCost, tp: int) -> tuple[float, float]:
+    def fwd_bwd_time_s(self, unit: UnitCost, tp: int, across_nodes: bool = False
+                       ) -> tuple[float, float]:
         """Forward and backward time of one backbone microbatch through the whole unit,
         TP communication included (Algorithm 1's C(TP), split into its two passes); a
-        generator's VAE encoding in the forward, not divided by TP."""
-        key = (id(unit), int(tp))
+        generator's VAE encoding in the forward, not divided by TP. ``across_nodes``: its
+        TP groups span nodes, their collectives priced at the inter-node bandwidth."""
+        key = (id(unit), int(tp), bool(across_nodes))
         hit = self._times.get(key)
         if hit is None or hit[0] is not unit:
-            hit = self._times[key] = (unit, self._unit_fwd_bwd_time_s(unit, tp))
+            hit = self._times[key] = (unit, self._unit_fwd_bwd_time_s(unit, tp,
+                                                                      bool(across_nodes)))
         return hit[1]
 
-    def _unit_fwd_bwd_time_s(self, unit: UnitCost, tp: int) -> tuple[float, float]:
-        fwd, bwd = self._fwd_bwd_time_s(unit, tp)
+    def _unit_fwd_bwd_time_s(self, unit: UnitCost, tp: int, across_nodes: bool
+                             ) -> tuple[float, float]:
+        fwd, bwd = self._fwd_bwd_time_s(unit, tp, across_nodes)
         eff, w = self.params.efficiency, unit.frozen_fwd_work
         vae = (w.matmul / eff.matmul + w.attention / eff.attention + w.conv / eff.conv) / \
             self.peak_flops
         return fwd + vae, bwd
 
-    def _fwd_bwd_time_s(self, unit: UnitCost, tp: int) -> tuple[float, float]:
-        comm = self.tp_comm_time_s(unit, tp)
+    def _fwd_bwd_time_s(self, unit: UnitCost, tp: int, across_nodes: bool
+                        ) -> tuple[float, float]:
+        comm = self.tp_comm_time_s(unit, tp, across_nodes)
         bwd_comm = comm if unit.backward_factor else 0.0
         if self.profile is not None:
             fwd, bwd = self.measured_time_s(unit, tp)
@@ -277,13 +286,16 @@ class CostModel:
                                              else 0.0)
         return fwd + comm, bwd + bwd_comm
 
-    def tp_comm_time_s(self, unit: UnitCost, tp: int) -> float:
+    def tp_comm_time_s(self, unit: UnitCost, tp: int, across_nodes: bool = False) -> float:
         """All-reduces (reduce-scatter + all-gather with sequence parallelism) of one
-        forward pass: one message per layer with the bytes of that layer's collectives."""
+        forward pass: one message per layer with the bytes of that layer's collectives,
+        over NVLink unless the group spans nodes (``across_nodes``, or tp larger than a
+        node)."""
         if tp <= 1:
             return 0.0
         per_layer = unit.tp_comm_bytes / max(unit.layers, 1)
-        return float(unit.layers * all_reduce_time_s(per_layer, tp, self._tp_bandwidth(tp)))
+        return float(unit.layers * all_reduce_time_s(per_layer, tp,
+                                                     self._tp_bandwidth(tp, across_nodes)))
 
     def memory_bytes(self, unit: UnitCost, tp: int, pp, dp: int, vpp, depth,
                      microbatches: int, share: float):

@@ -1,17 +1,26 @@
 """The Plan: how many GPUs each unit gets, its TP/DP/PP, and what that is predicted to cost.
 
 A versioned pydantic model; ``Plan.model_dump_json()`` is its text form and the
-``plan.json`` of a launch bundle. Ranks are laid out unit by unit in the order of
-``units``, each unit's ranks as a (pp, dp, tp) grid with TP innermost.
+``plan.json`` of a launch bundle. Each unit owns the contiguous ranks ``first_rank ..
+first_rank + gpus - 1``, laid out as a (pp, dp, tp) grid with TP innermost, and the units
+tile ranks 0..gpus_used-1. ``place_units`` decides where each unit starts (the one rule the
+planner's GPU accounting, its cost model's TP pricing and the plan's rank map share):
+rank r is on node r // gpus_per_node, as torchrun numbers a job's processes.
 """
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, computed_field, model_validator
 
-__all__ = ["PLAN_VERSION", "Packing", "Plan", "Simulated", "UnitPlan", "split_layers"]
+__all__ = ["PLAN_VERSION", "Packing", "Placement", "Plan", "Simulated", "UnitPlan",
+           "place_units", "placement_order", "split_layers", "straddling_tp_groups",
+           "tp_spans_nodes"]
 
 PLAN_VERSION = 1
 
@@ -36,6 +45,9 @@ class UnitPlan(BaseModel):
     # make a layout fit (Megatron-LM's --recompute-granularity full).
     recompute: bool = False
     first_rank: int
+    # Its TP collectives were priced at the inter-node bandwidth: a TP group of it spans
+    # two nodes (``place_units``). Plans written before the field existed read as False.
+    tp_across_nodes: bool = False
     layers_per_stage: tuple[int, ...]
     microbatch_share: float               # backbone microbatches per unit microbatch (dp_lm / dp)
     fwd_time_s: float                     # one unit microbatch on the slowest stage
@@ -47,6 +59,14 @@ class UnitPlan(BaseModel):
     @property
     def ranks(self) -> range:
         return range(self.first_rank, self.first_rank + self.gpus)
+
+    def tp_groups(self) -> list[range]:
+        """The ranks of each of its TP groups, one per (stage, replica), in rank order
+        (empty for a co-located unit: it runs on another unit's ranks)."""
+        if self.gpus == 0:
+            return []
+        return [range(start, start + self.tp)
+                for start in range(self.first_rank, self.first_rank + self.gpus, self.tp)]
 
 
 class Packing(BaseModel):
@@ -163,3 +183,113 @@ def split_layers(layers: int, stages: int) -> tuple[int, ...]:
     """Layers per pipeline stage, as even as possible, the larger stages first."""
     base, extra = divmod(layers, stages)
     return tuple(base + (1 if i < extra else 0) for i in range(stages))
+
+
+# ---- where units start -------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Placement:
+    """Where ``place_units`` puts each unit; entries are arrays where its ``gpus`` were."""
+
+    first_rank: tuple             # per unit
+    across_nodes: tuple           # per unit: one of its TP groups spans two nodes
+    span: Any                     # ranks the units occupy together: 0..span-1
+
+
+def placement_order(tps: Sequence[int], gpus_per_node: int) -> tuple[int, ...]:
+    """The order in which units take ranks: those whose TP groups fill whole nodes (tp a
+    multiple of the node size) first, then those whose TP divides the node size, largest
+    TP first, then the rest (a TP degree that neither divides nor is a multiple of the
+    node size), each in plan order.
+
+    A unit takes ``tp * dp * pp`` ranks, a multiple of its tp, so where every TP degree
+    divides the next larger one (powers of two on nodes of a power of two, the usual
+    case) every unit of the first two kinds starts at a multiple of its tp and none of
+    its TP groups crosses a node boundary, without a single idle GPU between units."""
+    def kind(i: int) -> tuple[int, int]:
+        tp = int(tps[i])
+        if tp % gpus_per_node == 0:
+            return (0, 0)
+        if gpus_per_node % tp == 0:
+            return (1, -tp)
+        return (2, 0)
+    return tuple(sorted(range(len(tps)), key=lambda i: (*kind(i), i)))
+
+
+def tp_spans_nodes(first_rank, tp: int, gpus, gpus_per_node: int):
+    """Does a TP group of a unit of ``gpus`` ranks from ``first_rank`` (TP innermost:
+    groups of ``tp`` consecutive ranks) contain ranks of two nodes? ``first_rank`` and
+    ``gpus`` may be arrays.
+
+    A group straddles when a node boundary falls strictly inside it. Boundaries inside the
+    unit's ranks are the first one, b, and those G, 2G, ... after it (G ranks a node): the
+    first falls between groups when (b - first_rank) is a multiple of tp; the later ones
+    then do exactly when tp divides G."""
+    first_rank = np.asarray(first_rank)
+    end = first_rank + np.asarray(gpus)
+    boundary = (first_rank // gpus_per_node + 1) * gpus_per_node
+    inside = boundary < end
+    off_grid = (boundary - first_rank) % tp != 0
+    later = (boundary + gpus_per_node < end) & (gpus_per_node % tp != 0)
+    return inside & (off_grid | later)
+
+
+# Orders tried per layout are n!: 720 at six units; with more the first order stands.
+_SEARCHED_UNITS = 6
+
+
+def _back_to_back(order: Sequence[int], tps: Sequence[int], gpus: Sequence,
+                  gpus_per_node: int) -> tuple[list[Any], list[Any], Any]:
+    first: list[Any] = [0] * len(tps)
+    end: Any = 0
+    for i in order:
+        first[i] = end
+        end = end + gpus[i]
+    across = [tp_spans_nodes(first[i], int(tps[i]), gpus[i], gpus_per_node)
+              for i in range(len(tps))]
+    return first, across, end
+
+
+def _avoidable(tps: Sequence[int], across: list[Any], gpus_per_node: int) -> Any:
+    """How many units have a TP group across nodes that a node could hold (TP
+    collectives at all, no larger than a node)."""
+    return sum((a for t, a in zip(tps, across, strict=True) if 1 < int(t) <= gpus_per_node),
+               np.zeros((), dtype=int))
+
+
+def place_units(tps: Sequence[int], gpus: Sequence, gpus_per_node: int) -> Placement:
+    """Where each unit's ranks start: back to back, with no idle rank between units (the
+    runtime numbers a job's ranks 0..world-1 and every one of them belongs to a unit), so
+    the units occupy exactly sum(gpus) ranks. ``gpus`` entries may be arrays that
+    broadcast together (the planner's grids).
+
+    The order is ``placement_order``, in which no TP group that divides the node size
+    crosses a node boundary when the TP degrees divide one another. Where it leaves a
+    unit with a group across nodes that a node could hold (a TP degree that does not
+    divide the node size, or degrees that do not divide one another), every other order
+    is tried (up to ``_SEARCHED_UNITS`` units), and for each layout the first with the
+    fewest such units is kept: a tp-2 unit of 4 GPUs on nodes of 3 fits from rank 1,
+    not from rank 0 or 2."""
+    order = placement_order(tps, gpus_per_node)
+    first, across, end = _back_to_back(order, tps, gpus, gpus_per_node)
+    worst = _avoidable(tps, across, gpus_per_node)
+    if np.any(worst) and len(tps) <= _SEARCHED_UNITS:
+        for other in itertools.permutations(range(len(tps))):
+            if other == order:
+                continue
+            f, a, _ = _back_to_back(other, tps, gpus, gpus_per_node)
+            count = _avoidable(tps, a, gpus_per_node)
+            better = count < worst
+            if not np.any(better):
+                continue
+            first = [np.where(better, x, y) for x, y in zip(f, first, strict=True)]
+            across = [np.where(better, x, y) for x, y in zip(a, across, strict=True)]
+            worst = np.where(better, count, worst)
+    return Placement(first_rank=tuple(first), across_nodes=tuple(across), span=end)
+
+
+def straddling_tp_groups(unit: UnitPlan, gpus_per_node: int) -> list[range]:
+    """The TP groups of ``unit`` whose ranks lie on more than one node, from its rank map
+    (rank r on node r // gpus_per_node)."""
+    return [g for g in unit.tp_groups()
+            if g[0] // gpus_per_node != g[-1] // gpus_per_node]

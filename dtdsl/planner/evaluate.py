@@ -11,8 +11,12 @@ microbatches per backbone replica (DistTrain, section 5, with integer stages):
     sync     = max_u (ZeRO-1 gradient reduce-scatter + parameter all-gather of u)
     T_iter   = warm-up + steady + sync
 
-subject to sum_u tp_u dp_u pp_u <= N and each unit's first-stage memory within its
-limit. Every argument may be a numpy array (the exhaustive search evaluates grids).
+subject to the ranks the units occupy, placed as the plan places them
+(``ir.plan.place_units``: sum_u tp_u dp_u pp_u, no idle rank between units), being at
+most N, and each unit's first-stage memory within its limit. C_u(tp_u) prices a unit's
+TP collectives at NVLink bandwidth, or at the network's where that placement puts one of
+its TP groups across two nodes. Every argument may be a numpy array (the exhaustive
+search evaluates grids).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dtdsl.cost.model import CostModel, UnitCost
+from dtdsl.ir.plan import place_units
 
 __all__ = ["Estimate", "Evaluator"]
 
@@ -36,7 +41,9 @@ class Estimate:
     warmup_s: object
     steady_s: object
     sync_s: object
-    gpus: object
+    gpus: object                 # ranks the layout occupies (``place_units``' span)
+    first_rank: tuple            # per unit: where its ranks start
+    tp_across_nodes: tuple       # per unit: a TP group spans nodes (priced so)
     stage_time_s: tuple          # per unit: T_u
     memory_bytes: tuple          # per unit: first-stage peak
     vpp: tuple                   # per unit: virtual stages used
@@ -49,6 +56,7 @@ class Evaluator:
         self.cost = cost
         self.num_gpus = num_gpus
         program = cost.program
+        self.gpus_per_node = program.cluster.gpus_per_node
         self.units: tuple[UnitCost, ...] = cost.units
         self.roles = tuple(u.role for u in self.units)
         self.backbone = self.roles.index("backbone")
@@ -76,12 +84,23 @@ class Evaluator:
             u.model_attention_flops * (1 + u.backward_factor) for u in causal) * \
             self.total_microbatches
 
-    def fwd_bwd(self, index: int, tp: int) -> tuple[float, float]:
-        """C_u(tp), split into forward and backward, per backbone microbatch."""
-        key = (index, tp)
+    def fwd_bwd(self, index: int, tp: int, across_nodes: bool = False
+                ) -> tuple[float, float]:
+        """C_u(tp), split into forward and backward, per backbone microbatch
+        (``across_nodes``: TP collectives over the network)."""
+        key = (index, tp, across_nodes)
         if key not in self._c:
-            self._c[key] = self.cost.fwd_bwd_time_s(self.units[index], tp)
+            self._c[key] = self.cost.fwd_bwd_time_s(self.units[index], tp, across_nodes)
         return self._c[key]
+
+    def placed_fwd_bwd(self, index: int, tp: int, across) -> tuple:
+        """C_u(tp) split as ``fwd_bwd``, where ``across`` (a bool or an array of them)
+        says which layouts put a TP group of the unit across nodes."""
+        fwd, bwd = self.fwd_bwd(index, tp)
+        if not np.any(across):
+            return fwd, bwd
+        fwd_x, bwd_x = self.fwd_bwd(index, tp, True)
+        return np.where(across, fwd_x, fwd), np.where(across, bwd_x, bwd)
 
     def microbatches(self, dp_lm: int) -> int:
         return self.total_microbatches // dp_lm
@@ -116,9 +135,13 @@ class Evaluator:
         dp_lm = dps[self.backbone]
         m = self.microbatches(dp_lm)
         pps = [np.asarray(p) for p in pps]
+        placed = place_units(tps, [tps[i] * dps[i] * pps[i] for i in range(n)],
+                             self.gpus_per_node)
+        # A replicated unit computes at tp 1 on every rank of its group: no collectives.
+        straddle = tuple(placed.across_nodes[i] & (work_tp[i] > 1) for i in range(n))
         stage, warm, sync, vpps = [], [], [], []
         for i, unit in enumerate(self.units):
-            fwd, bwd = self.fwd_bwd(i, work_tp[i])
+            fwd, bwd = self.placed_fwd_bwd(i, work_tp[i], straddle[i])
             share = dp_lm / dps[i]
             hop = cost.hop_time_s(unit, work_tp[i], share)
             # A stage's compute, plus sending its activations on and its input gradients
@@ -145,7 +168,7 @@ class Evaluator:
 
         # Memory: a unit's first stage holds a microbatch per stage downstream of it.
         down_gen = across([pps[i] for i in gen], zero)
-        gpus = sum(tps[i] * dps[i] * pps[i] for i in range(n))
+        gpus = placed.span
         feasible = np.asarray(gpus <= self.num_gpus)
         memory = []
         for i, unit in enumerate(self.units):
@@ -163,7 +186,9 @@ class Evaluator:
             memory.append(mem)
             feasible = feasible & (mem <= self.memory_limit[i])
         return Estimate(feasible=feasible, iteration_time_s=total, warmup_s=warmup,
-                        steady_s=steady, sync_s=sync_s, gpus=gpus, stage_time_s=tuple(stage),
+                        steady_s=steady, sync_s=sync_s, gpus=gpus,
+                        first_rank=placed.first_rank, tp_across_nodes=straddle,
+                        stage_time_s=tuple(stage),
                         memory_bytes=tuple(memory), vpp=tuple(vpps))
 
     def mfu(self, iteration_time_s: float, *, full_attention: bool = False) -> float:

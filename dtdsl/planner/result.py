@@ -55,11 +55,13 @@ def make_plan(ev, search: str, layout: Layout, *, solve_time_s: float, candidate
     est = ev.evaluate(layout.tp, layout.dp, layout.pp, replicated=replicated,
                       chained=layout.chained)
     dp_lm = layout.dp[ev.backbone]
-    units, first = [], 0
+    units = []
     for i, unit in enumerate(ev.units):
         tp, dp, pp = layout.tp[i], layout.dp[i], layout.pp[i]
         share = dp_lm / dp
-        fwd, bwd = ev.fwd_bwd(i, 1 if replicated[i] else tp)
+        # Placed and priced as the evaluator placed and priced it (``place_units``).
+        across = bool(est.tp_across_nodes[i])
+        fwd, bwd = ev.fwd_bwd(i, 1 if replicated[i] else tp, across)
         heaviest = math.ceil(unit.layers / pp) / unit.layers
         if unit.role == "encoder":
             projectors = tuple(p.name for p in program.projectors if p.source == unit.name)
@@ -72,13 +74,13 @@ def make_plan(ev, search: str, layout: Layout, *, solve_time_s: float, candidate
             name=unit.name, role=unit.role, projectors=projectors, gpus=gpus, tp=tp, dp=dp,
             pp=pp, vpp=int(np.asarray(est.vpp[i])), tp_replicated=replicated[i],
             recompute=program.module(unit.name).recompute,
-            first_rank=first, layers_per_stage=split_layers(unit.layers, pp),
+            first_rank=int(est.first_rank[i]), tp_across_nodes=across,
+            layers_per_stage=split_layers(unit.layers, pp),
             microbatch_share=share, fwd_time_s=share * fwd * heaviest,
             bwd_time_s=share * bwd * heaviest,
             dp_sync_time_s=float(ev.cost.dp_sync_time_s(unit, 1 if replicated[i] else tp, pp,
                                                          dp)),
             memory_bytes=float(est.memory_bytes[i]), memory_limit_bytes=ev.memory_limit[i]))
-        first += gpus
     iteration = float(est.iteration_time_s)
     assert bool(est.feasible), "planners return feasible layouts"
     assert math.isclose(iteration, layout.iteration_time_s, rel_tol=1e-9), \
@@ -86,7 +88,7 @@ def make_plan(ev, search: str, layout: Layout, *, solve_time_s: float, candidate
     train = program.train
     return Plan(
         spec=program.name, spec_sha256=program.source_sha256, search=search,
-        num_gpus=ev.num_gpus, gpus_used=first, global_batch=train.global_batch,
+        num_gpus=ev.num_gpus, gpus_used=int(est.gpus), global_batch=train.global_batch,
         micro_batch=train.micro_batch, num_microbatches=ev.microbatches(dp_lm),
         schedule=train.schedule, iteration_time_s=iteration,
         warmup_time_s=float(est.warmup_s), steady_time_s=float(est.steady_s),

@@ -522,3 +522,40 @@ def test_the_bundle_predicts_with_the_plans_cost_model(tmp_path):
     assert llm["fwd_time_s"] == pytest.approx(
         fwd * llm["microbatch_share"] * max(llm["layers_per_stage"]) /
         sum(llm["layers_per_stage"]), rel=1e-9)
+
+
+# Nodes of two GPUs and a TP-2 backbone: rank 1 and rank 2 are on different nodes.
+_PAIRS = _tiny(("gpus_per_node = 4", "gpus_per_node = 2"),
+               ("  tp(*) in {1, 2}", "  tp(*) in {1, 2}\n  tp(llm) == 2"))
+
+
+def test_a_plan_with_a_tp_group_across_nodes_priced_within_one_is_refused(tmp_path, capsys):
+    """A hand-edited plan.json that starts the TP-2 backbone at an odd rank on nodes of
+    two GPUs, its times still NVLink's: DT411 at the module, naming the unit and the
+    ranks, and nothing written. Priced across nodes, the same placement compiles."""
+    spec = tmp_path / "spec.dt"
+    spec.write_text(_PAIRS)
+    planned = tmp_path / "plan.json"
+    assert cli.main(["plan", str(spec), "--no-baseline", "-o", str(planned)]) == 0
+    assert compile_spec(spec, tmp_path / "ok", "--plan", str(planned)) == 0
+    plan = json.loads(planned.read_text())
+    units = {u["name"]: u for u in plan["units"]}
+    assert [units[n]["gpus"] for n in ("vit", "llm", "gen")] == [1, 2, 1]
+    assert units["llm"]["tp"] == 2 and units["llm"]["first_rank"] % 2 == 0
+    for name, first in (("vit", 0), ("llm", 1), ("gen", 3)):
+        units[name]["first_rank"] = first
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(plan))
+    capsys.readouterr()
+    out = tmp_path / "bundle"
+    assert compile_spec(spec, out, "--plan", str(edited)) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert f"{spec}:{_line_of(_PAIRS, 'backbone llm')}:" in err
+    assert "error[DT411]: llm: its TP group of ranks 1..2 spans nodes 0 and 1 (2 GPUs a " \
+        "node), but the plan priced its TP collectives at NVLink bandwidth" in err, err
+    assert "1 of llm's 1 TP groups (tp 2, from rank 1) span two nodes: 1..2" in err
+    assert not out.exists()
+    units["llm"]["tp_across_nodes"] = True
+    edited.write_text(json.dumps(plan))
+    assert compile_spec(spec, out, "--plan", str(edited)) == 0

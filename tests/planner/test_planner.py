@@ -152,11 +152,15 @@ def test_plan_is_consistent_and_round_trips_through_json():
     result = plan(cost("mllm_9b"), 64)
     assert result.search == "convex"
     assert result.gpus_used == sum(u.gpus for u in result.units) <= result.num_gpus == 64
+    # The units tile ranks 0..gpus_used-1 in placement order (largest TP first).
     first = 0
-    for u in result.units:
+    for u in sorted(result.units, key=lambda u: u.first_rank):
         assert u.gpus == u.tp * u.dp * u.pp
         assert u.first_rank == first
         first += u.gpus
+    assert [u.tp for u in sorted(result.units, key=lambda u: u.first_rank)] == \
+        sorted((u.tp for u in result.units), reverse=True)
+    for u in result.units:
         assert sum(u.layers_per_stage) == cost("mllm_9b").unit(u.name).layers
         assert u.memory_bytes <= u.memory_limit_bytes
         assert result.num_microbatches * result.micro_batch * \
