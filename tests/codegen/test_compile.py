@@ -8,7 +8,6 @@ import json
 import os
 import stat
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -337,11 +336,9 @@ def test_py_literal_round_trips():
         py_literal(object())
 
 
-def test_paper_scale_compile_time(tmp_path):
-    start = time.perf_counter()
+def test_paper_scale_compile(tmp_path):
+    # how long it takes: benchmarks/tool_times.py
     assert compile_spec(SPECS / "mllm_72b.dt", tmp_path / "b") == 0
-    elapsed = time.perf_counter() - start
-    assert elapsed <= 10.0, f"compiling mllm_72b took {elapsed:.1f} s"
     job = json.loads((tmp_path / "b" / "job.json").read_text())
     assert job["world_size"] > 1000 and job["nodes"] == -(-job["world_size"] // 8)
 

@@ -1,7 +1,8 @@
-"""The convex search's speed (issue 18, item 6): five-unit specs plan as fast as three-unit
-ones. The integer bound prunes candidates before their convex program; it is a lower
-bound of every layout of a candidate, it changes the work and never the answer, and the
-closed-form bound refined lazily is the one computed in full."""
+"""The convex search's work (issue 18, item 6): five-unit specs plan with as few convex
+programs as three-unit ones. The integer bound prunes candidates before their convex
+program; it is a lower bound of every layout of a candidate, it changes the work and
+never the answer, and the closed-form bound refined lazily is the one computed in full.
+Counts are pinned here; the times are measured by benchmarks/plan_time.py."""
 
 from __future__ import annotations
 
@@ -50,16 +51,6 @@ def test_audio_image_at_99_gpus_does_little_work():
     assert result.candidates == 119_405
     assert result.convex_solves <= 10
     assert result.evaluated <= 5_000
-
-
-def test_audio_image_at_99_gpus_plans_within_a_second():
-    """The reported solve time, the best of three (the machine is shared): about 0.28 s
-    on a 2-core machine, 0.84 s before the integer bound (1.3-1.45 s with the cost model
-    before the backbone was priced at padded lengths)."""
-    model = cost("audio_image")
-    plan_convex(model, 16)   # cvxpy's first compile
-    best = min(plan_convex(model, 99).solve_time_s for _ in range(3))
-    assert best < 0.6, best
 
 
 @pytest.mark.parametrize(("spec", "gpus", "solves"), [

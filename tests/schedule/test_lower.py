@@ -4,7 +4,6 @@ shipped spec, golden text forms and the time a large pipeline takes."""
 
 from __future__ import annotations
 
-import time
 from functools import cache
 from pathlib import Path
 
@@ -478,10 +477,7 @@ def planned(path: Path) -> tuple[Plan, Program]:
 @pytest.mark.parametrize("path", SPECS, ids=[p.stem for p in SPECS])
 def test_shipped_specs_lower_and_round_trip(path: Path):
     the_plan, program = planned(path)
-    start = time.perf_counter()
     schedule = lower(the_plan, program)          # validates
-    elapsed_s = time.perf_counter() - start
-    assert elapsed_s < 2.0, f"lowering {path.stem} took {elapsed_s:.2f} s"
     assert schedule.name == the_plan.schedule
     assert schedule.num_microbatches == the_plan.num_microbatches
     assert [u.name for u in schedule.units] == [u.name for u in the_plan.units]
@@ -531,14 +527,11 @@ def test_golden_tiny_cpu(update_golden: bool):
     check_golden("tiny_cpu", schedule_text(lower(the_plan, program)), update_golden)
 
 
-# ---- speed -----------------------------------------------------------------------------------
+# ---- size ------------------------------------------------------------------------------------
 
-def test_a_large_pipeline_lowers_quickly():
-    # 32 stages x 256 microbatches of 1F1B: about 48,000 actions. A few tenths of a
-    # second on a laptop core; the bound only catches regressions by an order of magnitude.
+def test_a_large_pipeline_lowers():
+    # 32 stages x 256 microbatches of 1F1B: about 48,000 actions (how long it takes:
+    # benchmarks/tool_times.py).
     base = Schedule.skeleton("1f1b", 256, (unit("llm", "backbone", 32),))
-    start = time.perf_counter()
     schedule = lower_units(base, GradientFlow.everywhere(base))
-    elapsed_s = time.perf_counter() - start
     assert schedule.num_actions == 32 * 256 * 6 - 2 * 256 * 2 + 32 * 2
-    assert elapsed_s < 5.0, f"lowering 32 x 256 took {elapsed_s:.2f} s"

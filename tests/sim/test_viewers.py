@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import time
 from collections import Counter
 
 import numpy as np
@@ -219,7 +218,8 @@ def test_gantt_collapses_many_replicas():
     assert collapsed.shape[0] < small.shape[0]
 
 
-def test_gantt_big_timeline_is_fast():
+def test_gantt_draws_a_big_timeline():
+    """32 stages x 256 microbatches (how long it takes: benchmarks/tool_times.py)."""
     pp, m = 32, 256
     unit = TimelineUnit(name="llm", role="backbone", pp=pp, dp=1, tp=1)
     events = []
@@ -231,12 +231,8 @@ def test_gantt_big_timeline_is_fast():
             events.append(Event(unit="llm", stage=s, replica=0, rank=s, kind="B",
                                 microbatch=j, start_s=t + 1e-3, end_s=t + 3e-3))
     tl = Timeline(source="predicted", num_microbatches=m, units=(unit,), events=tuple(events))
-    render_gantt(tl)   # warm the font cache and imports
-    t0 = time.perf_counter()
     image = render_gantt(tl)
-    elapsed = time.perf_counter() - t0
     assert image.shape[1] == 1600 and image.shape[0] >= pp * 11
-    assert elapsed < 3.0, f"{len(events)} events took {elapsed:.2f} s"
 
 
 # ---- trace ----------------------------------------------------------------------------------
