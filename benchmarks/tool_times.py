@@ -52,7 +52,8 @@ def main() -> None:
     rows = []
     for name in SHIPPED:
         the_plan = plan(cost(name), compare_baseline=False)
-        _, median, best = timed(lambda: lower(the_plan, shipped(name)), args.repeats)
+        _, median, best = timed(lambda p=the_plan, n=name: lower(p, shipped(n)),
+                                args.repeats)
         rows.append((f"lower {name}", median, best, 2.0))
     base = Schedule.skeleton("1f1b", 256, (ScheduleUnit(name="llm", role="backbone", tp=1,
                                                         dp=1, pp=32, vpp=1),))
