@@ -395,11 +395,9 @@ def _dataset_identity(dataset: Any) -> tuple[str, Path | None]:
         return (where.stem, where.parent) if where is not None else ("", None)
     from dtdsl.data.cache import user_cache_dir
 
-    path = Path(dataset.path) / "index.json"      # a dtdsl dataset: its index
-    st = path.stat()
-    ident = hashlib.sha256(f"{path}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()
-    # never beside it: a dataset's folder holds only what dtc data synth wrote
-    return ident, user_cache_dir()
+    # A dtdsl dataset: its index and which of its samples are readable. Never beside it:
+    # a dataset's folder holds only what dtc data synth wrote.
+    return dataset.fingerprint, user_cache_dir()
 
 
 def token_layouts(dataset: Any, tokenizer: HFTokenizer | HashTokenizer, *,
