@@ -268,15 +268,16 @@ class LlavaDataset:
     def _record(self, i: int) -> dict[str, Any]:
         entry = self.index.samples[i]
         where = self.index.path
-        if self._file is None:
+        file = self._file        # a local reference: threads may read at once
+        if file is None:
             try:
-                self._file = open_regular(where)
+                file = self._file = open_regular(where)
             except Refused as err:
                 raise DatasetError(str(err)) from None
             except OSError as err:
                 raise DatasetError(f"cannot read {where}: {err.strerror or err}") from None
         try:
-            buf = os.pread(self._file.fileno(), entry["size"], entry["offset"])
+            buf = os.pread(file.fileno(), entry["size"], entry["offset"])
             record = json.loads(buf)
         except (OSError, ValueError) as err:
             raise DatasetError(f"{where} changed since it was indexed: record "

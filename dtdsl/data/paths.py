@@ -102,8 +102,6 @@ def open_regular(path: str | os.PathLike[str]) -> BinaryIO:
             # A symlink as the last part: follow it only to a regular file.
             regular_file(path)
             fd = os.open(os.path.realpath(path), flags | getattr(os, "O_NOFOLLOW", 0))
-        elif isinstance(err, FileNotFoundError):
-            raise Refused(MISSING, f"no such file: {path}") from None
         else:
             raise
     try:

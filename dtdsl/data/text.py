@@ -49,6 +49,7 @@ __all__ = [
     "TokenLayout",
     "TokenizerError",
     "conversation_of",
+    "dataset_identity",
     "load_tokenizer",
     "token_layouts",
     "tokenizer_path",
@@ -386,7 +387,7 @@ _LAYOUTS_VERSION = 1
 Layout = tuple[int, tuple[int, ...], tuple[tuple[int, int], ...]]   # (T, image_at, trained)
 
 
-def _dataset_identity(dataset: Any) -> tuple[str, Path | None]:
+def dataset_identity(dataset: Any) -> tuple[str, Path | None]:
     """A fingerprint of a dataset's contents and the folder its caches go in (None: keep
     them in memory only)."""
     index = getattr(dataset, "index", None)
@@ -416,7 +417,7 @@ def token_layouts(dataset: Any, tokenizer: HFTokenizer | HashTokenizer, *,
             t = info.text_tokens
             out.append((t, (0,) * len(info.images), ((1, t),) if t > 1 else ()))
         return out
-    ident, folder = _dataset_identity(dataset)
+    ident, folder = dataset_identity(dataset)
     name = hashlib.sha256(f"{ident}\0{tokenizer.fingerprint}".encode()).hexdigest()[:32]
     target = folder / f"tokens-{name}.json" if folder is not None else None
     body = read_cache(target, _LAYOUTS_FORMAT, _LAYOUTS_VERSION) if target else None
