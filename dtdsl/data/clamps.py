@@ -116,12 +116,15 @@ class Clamps:
 
 def what_happens(o: Outside) -> str:
     """What a run does with the samples above ``o``'s clamp (the module's rules)."""
+    def first(n: int | None, word: str) -> str:
+        return f"{n} {word}" if n == 1 else f"first {n} {word}s"
+
     if o.key == "text.tokens":
-        return (f"each is cut to its first {o.high} text tokens (with the images placed "
+        return (f"each is cut to its {first(o.high, 'text token')} (with the images placed "
                 "among them; the rest is not trained)")
     if o.key == "image.count":
-        return f"each keeps its first {o.high} images; the others are dropped"
+        return f"each keeps its {first(o.high, 'image')}; the others are dropped"
     if o.key == "image.patches":
         return f"each such image is resized down to at most {o.high} patches"
-    return f"each keeps its first {o.high} targets; the others are dropped"
+    return f"each keeps its {first(o.high, 'target')}; the others are dropped"
 

@@ -87,9 +87,11 @@ def open_dataset(source: str | Sequence[str], *, base_dir: str | Path = ".",
         folder = image_folder if image_folder is not None else (
             program.data.image_folder if program is not None else None)
         return LlavaDataset.open(path, folder, cache_dir=cache_dir, progress=progress)
-    shards = resolve_shards(source, base)
+    refused: dict[str, str] = {}
+    shards = resolve_shards(source, base, refused)
     return WebDataset(build_index(shards, cache_dir=cache_dir, progress=progress,
-                                  rebuild=rebuild), image_role=image_role(program))
+                                  rebuild=rebuild), image_role=image_role(program),
+                      refused=refused)
 
 
 def is_synthetic(source: str | Sequence[str], base_dir: str | Path = ".") -> bool:
@@ -281,13 +283,14 @@ def _clamp_warnings(program: ir.Program, source: str, dataset: Any, decoder: Any
         if o.above:
             out.append(Diagnostic.warning(
                 "DT505", f"data source {source!r}: {o.above} of {len(samples)} {what} are "
-                f"above {o.key}'s {bounds}: {what_happens(o)}", where,
+                f"above the {bounds} of {o.key}: {what_happens(o)}", where,
                 hint=f"widen the clamp to the data (`dtc data stats {source} --spec SPEC`), "
                 "or keep it to train on the data cut to it"))
         if o.below:
             out.append(Diagnostic.warning(
                 "DT505", f"data source {source!r}: {o.below} of {len(samples)} samples are "
-                f"below {o.key}'s {bounds}: they are used as they are (nothing is padded)",
+                f"below the {bounds} of {o.key}: they are used as they are (nothing is "
+                "padded)",
                 where, hint="lower the clamp's low to what the data holds"))
     return out
 

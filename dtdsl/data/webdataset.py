@@ -248,15 +248,23 @@ def _end_problem(block: bytes, at: int) -> str | None:
     return f"the header at byte {at:,} is damaged; nothing after it is read"
 
 
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
 def _scan_shard(path: Path, shard: int, scan: _Scan) -> None:
     key: str | None = None
     members: list[list[Any]] = []
     blobs: dict[str, bytes] = {}
     before = len(scan.samples)
     problem = None
+    size = 0
+    last: tarfile.TarInfo | None = None
     try:
         with open_regular(path) as f, tarfile.open(fileobj=f, mode="r:") as tar:
+            size = os.fstat(f.fileno()).st_size
             for info in tar:
+                last = info
                 if not info.isfile():
                     continue
                 split = _split(info.name)
@@ -280,7 +288,13 @@ def _scan_shard(path: Path, shard: int, scan: _Scan) -> None:
         if isinstance(err, OSError) and not isinstance(err, EOFError) and \
                 not path.exists():
             raise DatasetError(f"cannot read {path}: {err}") from None
-        problem = f"a member is cut off ({err})"
+        if last is None:
+            problem = f"it ends at byte {size:,}, inside its first member ({err})"
+        elif last.offset_data + last.size > size:
+            problem = (f"it ends at byte {size:,}, inside {last.name} "
+                       f"({last.size:,} bytes from byte {last.offset_data:,})")
+        else:
+            problem = f"it ends at byte {size:,}, inside the member after {last.name} ({err})"
     if problem is None:
         if key is not None:
             _finish(scan, shard, key, members, blobs)
@@ -290,7 +304,7 @@ def _scan_shard(path: Path, shard: int, scan: _Scan) -> None:
     if key is not None or len(scan.samples) == before:
         scan.skip(CUT_OFF)
     scan.problems.append(f"{path.name} is truncated: {problem}; "
-                         f"{len(scan.samples) - before} samples before it kept")
+                         f"{_plural(len(scan.samples) - before, 'sample')} before it kept")
 
 
 def _fingerprint(shards: Sequence[Path]) -> str:
