@@ -294,8 +294,9 @@ than the data it names. A source is a dtdsl dataset (a folder with the
 `.tar`), or a LLaVA-style `.json`/`.jsonl` of conversations. The message says
 what is wrong: no such file (the first missing one of a pattern), a folder with
 neither an index nor shards, a shard that is not a tar, a damaged index, a JSON
-that is not an array of records. Only the index or the first shard's first header is read here;
-`dtc data index SOURCE` reads everything.
+that is not an array of records, every shard refused (see DT317 for a source with
+nothing left to train on). WebDataset shards and a LLaVA JSON are indexed here once
+(cached beside them, as `dtc data index SOURCE` does).
 
 To plan or compile without data on purpose, pass `--synthetic`: the bundle then
 trains on samples drawn from the spec's distributions. `dtc compile --data
@@ -313,6 +314,23 @@ tokenizer, more token ids than the backbone's vocabulary, or a `chat` format
 whose special tokens the tokenizer lacks.
 
     data { tokenizer = "qwen2-7b"  chat = "llama3" }   # error: no <|start_header_id|>
+"""),
+    "DT317": Code("Data source has no sample to train on", """
+The spec's `source` can be read, but not one of its samples can be trained on:
+it is empty, or everything in it is left out. The message says why, with the
+counts: files refused because they are not where they belong (an image path
+that is absolute or leads out of the image folder with `..` or a symlink, a
+shard that is a FIFO or a symlink to a file elsewhere: dtdsl never reads
+those), samples the index could not take (a missing or unreadable image, a
+truncated tar, no text), or samples whose text does not go with their images
+under the spec's tokenizer (more `<image>` placeholders than images).
+
+    data { source = "llava.json"  image_folder = "images" }
+    # error: every record names an image outside images/ (../coco/1.jpg)
+
+Fix the data or the paths (`image_folder` says where a LLaVA JSON's image paths
+start; a symlinked folder is fine as `image_folder` itself), then run
+`dtc data index SOURCE` to see what is read.
 """),
     # ---- parallelism (DT4xx)
     "DT401": Code("Tensor parallelism cannot split the module", """
@@ -417,6 +435,27 @@ diffusers' DDPMScheduler defaults, a linear beta schedule from 1e-4 to 0.02 over
 1000 steps with epsilon prediction. Stable Diffusion was trained on
 `scaled_linear` betas from 0.00085 to 0.012 (SD 2.x 768-v: `v_prediction`), so
 give the U-Net its pipeline's scheduler config.
+"""),
+    "DT505": Code("Data samples left out or cut to the spec", """
+The spec's `source` is read, and some of its samples will not be trained on as
+they are. The message gives the count and what happens to them:
+
+- left out: files refused (outside their folder, not regular files), samples
+  the index skipped (a missing or unreadable image, no text), samples cut off by
+  a truncated tar or shard (the shard is named, with where it stops; the samples
+  before the cut are used), samples whose text does not go with their images;
+- outside a clamp of the data block, which the planner and the cost model take
+  as the bounds of the data: above `text.tokens`' high a sample is cut to its
+  first HIGH tokens (images after the cut dropped); above `image.count`'s (or a
+  `gen_count`'s) high it keeps its first HIGH images (targets); an image above
+  `image.patches`' high is resized down to at most HIGH patches (an encoder of
+  native resolution). A sample below a clamp's low is used as it is.
+
+    image.count ~ zipf(a=1.6) clamp [0, 3]
+    # warning: 12 of 400 samples have more than 3 images: each keeps its first 3
+
+Widen the clamp to what the data holds (`dtc data stats SOURCE --spec SPEC`
+prints the distribution), or fix the data.
 """),
     "DT601": Code("The runtime cannot train this yet", """
 The spec (or its plan) is valid, and `dtc check`, `dtc plan` and `dtc simulate`

@@ -31,11 +31,13 @@ def cache_path(beside: Path, name: str, cache_dir: str | Path | None = None) -> 
 def read_cache(path: Path, fmt: str, version: int) -> dict[str, Any] | None:
     """The cached JSON object at ``path`` when it is of this format and version; None when
     there is none or it cannot be read (it is made again)."""
+    from dtdsl.data.paths import Refused, read_regular
+
     if not path.is_file():
         return None
     try:
-        data = json.loads(path.read_bytes())
-    except (OSError, ValueError):
+        data = json.loads(read_regular(path))
+    except (OSError, ValueError, Refused):
         return None
     if not isinstance(data, dict) or data.get("format") != fmt or \
             data.get("version") != version:

@@ -122,17 +122,17 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     try:
         tokenizer = _tokenizer(args, program)
         with _open(args.dataset, program, image_folder=args.image_folder) as dataset:
+            told = _left_out(args.dataset, dataset)
             values = measure(dataset, patch=patch, max_patches=max_patches,
                              tokenizer=tokenizer, images=policy)
             title = (f"{args.dataset}: {len(dataset):,} samples in "
                      f"{len(dataset.shard_names)} shards (image patches of {patch} px; "
                      + (f"text tokens of {tokenizer.path}" if tokenizer is not None else
                         "text in words and marks, no tokenizer given") + ")")
-            skipped = dict(getattr(dataset, "skipped", {}))
     except (DatasetError, TokenizerError) as err:
         raise UsageError(str(err)) from None
-    if skipped:
-        title += "; skipped " + ", ".join(f"{n} ({why})" for why, n in sorted(skipped.items()))
+    if told:
+        title += "; " + told
     text = stats_json(values)
     if args.output:
         _write_file(args.output, text)
@@ -143,6 +143,19 @@ def _cmd_stats(args: argparse.Namespace) -> int:
         console.print(title, markup=False, highlight=False)
         console.print(stats_table(summarize(values)))
     return EXIT_OK
+
+
+def _left_out(source: str, dataset, unusable: int = 0) -> str:
+    """What ``dataset`` leaves out, in words (``data.usable.left_out_text``; ``unusable``:
+    samples whose text does not go with their images); a ``UsageError`` when that is
+    everything: a source with nothing to read is an error, not an empty table."""
+    from dtdsl.data.usable import NO_LAYOUT, left_out_text
+    from dtdsl.driver import UsageError
+
+    told = left_out_text(dataset, {NO_LAYOUT: unusable} if unusable else None)
+    if len(dataset) <= unusable:
+        raise UsageError(f"{source} has no sample to read: " + (told or "it is empty"))
+    return told
 
 
 def _tokenizer(args: argparse.Namespace, program: Program | None):
@@ -183,23 +196,22 @@ def _cmd_index(args: argparse.Namespace) -> int:
             index = getattr(dataset, "index", None)
             where = getattr(index, "cached", None) if hasattr(index, "cached") else \
                 getattr(index, "path", None)
+            unusable = 0
             if tokenizer is not None:
                 from dtdsl.data.text import token_layouts
 
                 layouts = token_layouts(dataset, tokenizer)
                 unusable = sum(lay is None for lay in layouts)
-            skipped = dict(getattr(dataset, "skipped", {}))
             line = (f"{args.source}: {len(dataset):,} samples in {len(dataset.shard_names)} "
                     f"shards")
+            told = _left_out(args.source, dataset, unusable)
     except (DatasetError, TokenizerError) as err:
         raise UsageError(str(err)) from None
-    if skipped:
-        line += "; skipped " + ", ".join(f"{n} ({why})" for why, n in sorted(skipped.items()))
+    if told:
+        line += "; " + told
     line += f"; index {where}" if where else " (a dtdsl dataset: its own index)"
     if tokenizer is not None:
-        line += f"; token counts of {tokenizer.path}" + (
-            f" ({unusable} samples whose text does not go with their images)" if unusable
-            else "")
+        line += f"; token counts of {tokenizer.path}"
     print(f"{line} ({time.perf_counter() - start:.1f} s)", file=sys.stderr)
     return EXIT_OK
 

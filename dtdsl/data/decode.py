@@ -192,16 +192,74 @@ class Decoder:
         return DecodedSample(key=raw.key, tokens=layout.ids, images=images, audio=audio,
                              gen=gen, image_at=layout.image_at, trained=layout.trained)
 
+    @property
+    def reads(self) -> tuple[str, ...]:
+        """The parts of a sample this decoder decodes (what ``check`` checks)."""
+        parts = []
+        if self.images is not None:
+            parts.append("images")
+        if self.audio:
+            parts.append("audio")
+        modalities = {g.modality for g in self.generators}
+        if "image" in modalities:
+            parts.append("gen_images")
+        if "audio" in modalities:
+            parts.append("gen_audio")
+        return tuple(parts)
+
+    def check(self, raw: RawSample) -> None:
+        """That every part of ``raw`` that ``decode`` decodes does decode (the images'
+        pixels, not only their headers; the clips' arrays): DatasetError saying which
+        does not. The text is checked by its layout (``data.text.token_layouts``)."""
+        parts = self.reads
+        images = (raw.images if "images" in parts else ()) + \
+            (raw.gen_images if "gen_images" in parts else ())
+        for image in images:
+            self._open(raw, image).close()
+        clips = (raw.audio if "audio" in parts else ()) + \
+            (raw.gen_audio if "gen_audio" in parts else ())
+        for clip in clips:
+            self._clip(raw, clip)
+
+    def stand_in(self, key: str, text_tokens: int, images: tuple[tuple[int, int], ...],
+                 gen_counts: dict[str, int]) -> DecodedSample:
+        """What a run trains on in place of a sample that stopped decoding after the run's
+        samples were chosen (its file changed since): the sizes it was chosen with
+        (``text_tokens`` token ids 0, mid-grey images of the policy's shapes for these
+        ``(width, height)``, zero targets), with the noise and timesteps ``decode`` would
+        draw. The same in every process, so the batch's shapes and routing hold."""
+        grey = tuple(np.full((3, *self.images.shape(w, h)), 128, dtype=np.uint8)
+                     for w, h in images) if self.images is not None else ()
+        gen = {}
+        for g in self.generators:
+            n = gen_counts.get(g.name, 0)
+            shape = (n, g.channels, g.latent, g.latent)
+            rng = np.random.default_rng(_seed(self.seed, key, g.name))
+            timesteps = rng.integers(0, g.timesteps, size=n, dtype=np.int64)
+            noise = rng.standard_normal(shape, dtype=np.float32)
+            if g.vae_size is None:
+                gen[g.name] = LatentTargets(latents=np.zeros(shape, np.float32), noise=noise,
+                                            timesteps=timesteps)
+            else:
+                eps = rng.standard_normal(shape, dtype=np.float32)
+                pixels = np.full((n, 3, g.vae_size, g.vae_size), 128, dtype=np.uint8)
+                gen[g.name] = LatentTargets(latents=None, noise=noise, timesteps=timesteps,
+                                            pixels=pixels, eps=eps)
+        return DecodedSample(key=key, tokens=np.zeros(text_tokens, dtype=np.int64),
+                             images=grey, audio=(), gen=gen)
+
     def _open(self, raw: RawSample, image: EncodedImage):
         from PIL import Image
 
         try:
             img = Image.open(io.BytesIO(image.data))
             img.load()
-        except OSError as err:
+            return img if img.mode == "RGB" else img.convert("RGB")
+        except Exception as err:  # noqa: BLE001 - Pillow raises many kinds on broken data
+            # (OSError for a corrupt or cut-off body, SyntaxError, ValueError, EOFError,
+            # struct.error, DecompressionBombError for malformed headers and chunks)
             raise DatasetError(f"sample {raw.key}: cannot decode a {image.format} image: "
                                f"{err}") from None
-        return img if img.mode == "RGB" else img.convert("RGB")
 
     def _image(self, raw: RawSample, k: int, image: EncodedImage) -> np.ndarray:
         assert self.images is not None
@@ -210,7 +268,7 @@ class Decoder:
     def _clip(self, raw: RawSample, clip: EncodedAudio) -> np.ndarray:
         try:
             array = clip.array()
-        except (ValueError, OSError) as err:
+        except Exception as err:  # noqa: BLE001 - NumPy raises many kinds on broken data
             raise DatasetError(f"sample {raw.key}: cannot decode audio: {err}") from None
         if array.dtype != np.float32 or array.ndim != 2:
             raise DatasetError(f"sample {raw.key}: audio is {array.dtype} "

@@ -17,8 +17,11 @@ cached like a WebDataset's (``.dtdsl-index/`` beside the JSON when that folder i
 writable, else ``$XDG_CACHE_HOME/dtdsl/index/``), named by a fingerprint of the JSON
 (path, size, modification time) and the image folder: a changed JSON makes a new index. A
 record that cannot be a sample is counted and skipped: not an object, no conversation,
-a turn from nobody known, a missing or unreadable image. Reading a sample checks that
-its images still have the size they were indexed with.
+a turn from nobody known, a missing or unreadable image. An image path must stay inside
+the image folder and name a regular file (``data.paths``): an absolute path, one that
+leads out (``..``, a symlink to a file elsewhere) and a FIFO or device are refused and
+counted by reason, never opened. Reading a sample checks all that again, and that its
+images still have the size they were indexed with.
 
 ``LlavaDataset`` has ``shards.Dataset``'s reading interface (``len``, ``key``, ``info``,
 ``read``, iteration).
@@ -35,12 +38,13 @@ from pathlib import Path
 from typing import Any
 
 from dtdsl.data.cache import cache_path, read_cache, write_cache
+from dtdsl.data.paths import MISSING, Refused, inside, open_regular, read_regular
 from dtdsl.data.shards import DatasetError, EncodedImage, RawSample, SampleInfo, count_text_tokens
 
 __all__ = ["INDEX_FORMAT", "LlavaDataset", "LlavaIndex", "build_index", "is_llava_source"]
 
 INDEX_FORMAT = "dtdsl-llava-index"
-INDEX_VERSION = 1
+INDEX_VERSION = 2          # 2: image paths checked (data.paths)
 _FORMATS = {"JPEG": "jpeg", "PNG": "png", "WEBP": "webp"}
 _ROLES = frozenset({"human", "gpt", "system", "user", "assistant"})
 
@@ -110,14 +114,20 @@ class LlavaIndex:
     cached: Path | None = None
 
 
-def _image_header(file: Path) -> tuple[str, int, int]:
+def _image_header(file: Path) -> tuple[str, int, int, int]:
+    """Format, width, height and size in bytes of an image (its header only)."""
     from PIL import Image
 
-    with Image.open(file) as img:           # reads the header, not the pixels
+    with open_regular(file) as f, Image.open(f) as img:     # the header, not the pixels
         fmt = _FORMATS.get(img.format or "")
         if fmt is None:
             raise OSError(f"{img.format} images are not read")
-        return fmt, int(img.width), int(img.height)
+        return fmt, int(img.width), int(img.height), os.fstat(f.fileno()).st_size
+
+
+def _refused(reason: str) -> str:
+    """The count an image path refused for ``reason`` goes to."""
+    return "missing image" if reason == MISSING else f"image path refused ({reason})"
 
 
 def _entry(position: int, offset: int, size: int, record: Any, folder: Path,
@@ -135,10 +145,11 @@ def _entry(position: int, offset: int, size: int, record: Any, folder: Path,
         return skip("image not a path")
     images = []
     for name in names:
-        file = folder / name
         try:
-            fmt, w, h = _image_header(file)
-            images.append([name, fmt, w, h, file.stat().st_size])
+            fmt, w, h, num_bytes = _image_header(inside(folder, name))
+            images.append([name, fmt, w, h, num_bytes])
+        except Refused as err:
+            return skip(_refused(err.reason))
         except FileNotFoundError:
             return skip("missing image")
         except Exception:  # noqa: BLE001 - PIL raises many kinds for a broken header
@@ -168,7 +179,9 @@ def build_index(path: str | Path, image_folder: str | Path | None = None, *,
         except (KeyError, TypeError):
             pass        # unreadable: build it again
     try:
-        raw = path.read_bytes()
+        raw = read_regular(path)
+    except Refused as err:
+        raise DatasetError(str(err)) from None
     except OSError as err:
         raise DatasetError(f"cannot read {path}: {err.strerror or err}") from None
     skipped: dict[str, int] = {}
@@ -255,13 +268,16 @@ class LlavaDataset:
     def _record(self, i: int) -> dict[str, Any]:
         entry = self.index.samples[i]
         where = self.index.path
-        if self._file is None:
+        file = self._file        # a local reference: threads may read at once
+        if file is None:
             try:
-                self._file = open(where, "rb")  # noqa: SIM115
+                file = self._file = open_regular(where)
+            except Refused as err:
+                raise DatasetError(str(err)) from None
             except OSError as err:
                 raise DatasetError(f"cannot read {where}: {err.strerror or err}") from None
         try:
-            buf = os.pread(self._file.fileno(), entry["size"], entry["offset"])
+            buf = os.pread(file.fileno(), entry["size"], entry["offset"])
             record = json.loads(buf)
         except (OSError, ValueError) as err:
             raise DatasetError(f"{where} changed since it was indexed: record "
@@ -285,7 +301,9 @@ class LlavaDataset:
         for name, fmt, w, h, size in self.index.samples[i]["images"]:
             file = self.index.folder / name
             try:
-                data = file.read_bytes()
+                data = read_regular(inside(self.index.folder, name))
+            except Refused as err:
+                raise DatasetError(f"{file} changed since it was indexed: {err}") from None
             except OSError as err:
                 raise DatasetError(f"cannot read {file}: {err.strerror or err}") from None
             if len(data) != size:

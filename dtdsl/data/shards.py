@@ -35,7 +35,12 @@ sample count, size in bytes, sha256) and, per sample, its key, its shard, its me
 ``Dataset.open`` checks the index and that every shard has the size it records;
 ``Dataset.read`` seeks to one sample with one read, checks each member's tar header
 (name, size, header checksum) and CRC-32; iterating streams the tars in order and
-checks the same. Every problem is a ``DatasetError`` naming the file.
+checks the same. Every problem is a ``DatasetError`` naming the file, but for two kinds of
+damage that leave the other samples readable: a shard that is not a regular file inside
+the dataset's folder (a symlink out of it, a FIFO: ``data.paths``) is refused, and a shard
+shorter than the index says (a truncated copy) keeps the samples that lie whole in it.
+Both are counted in ``Dataset.skipped`` (samples, by reason) and ``Dataset.problems``
+(one line per shard).
 
 ``write_dataset`` writes into a new or empty directory, or replaces (``overwrite``) one that
 holds a dataset it wrote and nothing else, every shard unchanged (its sha256; a shard of an
@@ -82,6 +87,7 @@ __all__ = [
     "EncodedAudio",
     "EncodedImage",
     "Member",
+    "NoSamples",
     "RawSample",
     "SampleInfo",
     "WriteResult",
@@ -115,6 +121,11 @@ class DatasetError(Exception):
 
 class DatasetExists(DatasetError):
     """A dataset is where one would be written, and nobody said to replace it."""
+
+
+class NoSamples(DatasetError):
+    """A source with nothing left to read: every file it names refused, every sample
+    damaged, or none at all. The message says which."""
 
 
 def text_pieces(text: str) -> list[str]:
@@ -663,41 +674,62 @@ class Dataset:
     ``os.pread``, so one Dataset may be shared by threads and survives ``fork``."""
 
     def __init__(self, path: Path, shards: list[_Shard], samples: list[SampleInfo],
-                 provenance: dict[str, Any]) -> None:
+                 provenance: dict[str, Any], *, skipped: Mapping[str, int] | None = None,
+                 problems: tuple[str, ...] = ()) -> None:
         self.path = path
         self.provenance: Mapping[str, Any] = provenance   # what the writer said
         self._shards = shards
         self._samples = samples
-        self._files: dict[str, io.BufferedReader] = {}
+        self._files: dict[str, Any] = {}
+        self.skipped: Mapping[str, int] = dict(skipped or {})   # samples left out, by reason
+        self.problems = problems       # shards refused or truncated, one line each
 
     @classmethod
     def open(cls, directory: str | os.PathLike[str]) -> Dataset:
         """Open and check a dataset: DatasetError for a missing or corrupt index, or a
-        missing shard or one of another size than the index records."""
+        missing shard or one larger than the index records. A shard refused by
+        ``data.paths`` or shorter than recorded leaves out the samples it cannot hold
+        (``skipped``, ``problems``)."""
+        from dtdsl.data.paths import MISSING, Refused, inside, read_regular
+
         path = Path(directory)
-        index = path / INDEX_NAME
         if not path.is_dir():
             raise DatasetError(f"no dataset at {path}: not a directory")
         try:
-            text = index.read_bytes()
-        except FileNotFoundError:
-            raise DatasetError(f"no dataset index {index} (an unfinished or foreign "
-                               "directory?)") from None
+            index = inside(path, INDEX_NAME)
+            text = read_regular(index)
+        except Refused as err:
+            if err.reason == MISSING:
+                raise DatasetError(f"no dataset index {path / INDEX_NAME} (an unfinished or "
+                                   "foreign directory?)") from None
+            raise DatasetError(f"cannot read the dataset index: {err}") from None
         except OSError as err:
-            raise DatasetError(f"cannot read {index}: {err.strerror or err}") from None
-        shards, samples, provenance = _parse_index(index, text)
+            raise DatasetError(f"cannot read {path / INDEX_NAME}: "
+                               f"{err.strerror or err}") from None
+        shards, samples, provenance = _parse_index(path / INDEX_NAME, text)
+        problems: list[str] = []
+        kept: dict[str, int] = {}           # shard name -> its readable size in bytes
         for shard in shards:
             file = path / shard.name
             try:
-                size = file.stat().st_size
-            except FileNotFoundError:
-                raise DatasetError(f"missing shard {file} (listed in {index})") from None
+                size = inside(path, shard.name).stat().st_size
+            except Refused as err:
+                if err.reason == MISSING:
+                    raise DatasetError(f"missing shard {file} (listed in "
+                                       f"{path / INDEX_NAME})") from None
+                problems.append(f"refused: {err}")
+                continue
             except OSError as err:
                 raise DatasetError(f"cannot read {file}: {err.strerror or err}") from None
-            if size != shard.size_bytes:
+            if size > shard.size_bytes:
                 raise DatasetError(f"corrupt shard {file}: {size} bytes, the index says "
                                    f"{shard.size_bytes}")
-        return cls(path, shards, samples, provenance)
+            kept[shard.name] = size
+        out, skipped, cut = _readable(samples, kept)
+        problems += [f"{s.name} is truncated: {kept[s.name]:,} bytes, the index says "
+                     f"{s.size_bytes:,}; {cut.get(s.name, 0)} samples cut off"
+                     for s in shards if kept.get(s.name, s.size_bytes) < s.size_bytes]
+        return cls(path, shards, out, provenance, skipped=skipped, problems=tuple(problems))
 
     def __len__(self) -> int:
         return len(self._samples)
@@ -717,6 +749,17 @@ class Dataset:
     def shard_names(self) -> tuple[str, ...]:
         return tuple(s.name for s in self._shards)
 
+    @property
+    def fingerprint(self) -> str:
+        """What the samples are: the index (path, size, modification time) and which of
+        them this open reads (a shard refused or cut since changes it)."""
+        import hashlib
+
+        st = (self.path / INDEX_NAME).stat()
+        h = hashlib.sha256(f"{self.path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode())
+        h.update("\0".join(s.key for s in self._samples).encode())
+        return h.hexdigest()
+
     def key(self, i: int) -> str:
         return self._samples[i].key
 
@@ -724,12 +767,24 @@ class Dataset:
         """Sample ``i``'s place and sizes (no shard is read)."""
         return self._samples[i]
 
+    def _file(self, name: str) -> Any:
+        from dtdsl.data.paths import Refused, inside, open_regular
+
+        file = self._files.get(name)
+        if file is None:
+            try:
+                file = self._files[name] = open_regular(inside(self.path, name))
+            except Refused as err:
+                raise DatasetError(f"corrupt shard {self.path / name}: {err}") from None
+            except OSError as err:
+                raise DatasetError(f"cannot read {self.path / name}: "
+                                   f"{err.strerror or err}") from None
+        return file
+
     def read(self, i: int) -> RawSample:
         """Sample ``i``, read with one seek; headers and CRCs checked."""
         info = self._samples[i]
-        file = self._files.get(info.shard)
-        if file is None:
-            file = self._files[info.shard] = open(self.path / info.shard, "rb")  # noqa: SIM115
+        file = self._file(info.shard)
         start = min(m.offset for m in info.members) - _BLOCK
         end = max(m.offset + m.size for m in info.members)
         where = self.path / info.shard
@@ -757,19 +812,51 @@ class Dataset:
         return _assemble(info, blobs, where)
 
     def __iter__(self) -> Iterator[RawSample]:
-        """Every sample in order, streaming each tar from start to end (no seeks)."""
-        samples = iter(self._samples)
+        """Every sample in order, streaming each tar from start to end (no seeks); a
+        truncated shard's readable samples, then nothing more of it."""
+        from dtdsl.data.paths import Refused, inside, open_regular
+
+        by_shard: dict[str, list[SampleInfo]] = {}
+        for info in self._samples:
+            by_shard.setdefault(info.shard, []).append(info)
         for shard in self._shards:
+            infos = by_shard.get(shard.name)
+            if infos is None:
+                continue
             where = self.path / shard.name
             try:
-                with tarfile.open(where, mode="r|") as tar:
-                    yield from _stream(tar, [next(samples) for _ in range(shard.num_samples)],
-                                       where)
+                with open_regular(inside(self.path, shard.name)) as f, \
+                        tarfile.open(fileobj=f, mode="r|") as tar:
+                    yield from _stream(tar, infos, where,
+                                       whole=len(infos) == shard.num_samples)
+            except Refused as err:
+                raise DatasetError(f"corrupt shard {where}: {err}") from None
             except (tarfile.TarError, OSError, EOFError) as err:
                 raise DatasetError(f"corrupt shard {where}: {err}") from None
 
 
-def _stream(tar: tarfile.TarFile, infos: list[SampleInfo], where: Path) -> Iterator[RawSample]:
+def _readable(samples: list[SampleInfo], kept: Mapping[str, int]
+              ) -> tuple[list[SampleInfo], dict[str, int], dict[str, int]]:
+    """The samples that lie whole in the shards ``kept`` (name -> readable bytes), the
+    others counted by reason, and per shard how many were cut off."""
+    out, skipped, cut = [], {}, {}
+    for info in samples:
+        size = kept.get(info.shard)
+        end = max((m.offset + m.size for m in info.members), default=0)
+        if size is not None and end <= size:
+            out.append(info)
+            continue
+        why = "shard refused" if size is None else "cut off (truncated shard)"
+        skipped[why] = skipped.get(why, 0) + 1
+        if size is not None:
+            cut[info.shard] = cut.get(info.shard, 0) + 1
+    return out, skipped, cut
+
+
+def _stream(tar: tarfile.TarFile, infos: list[SampleInfo], where: Path, *,
+            whole: bool = True) -> Iterator[RawSample]:
+    """The samples ``infos`` from the start of ``tar``, checked against the index; with
+    ``whole``, nothing may follow them (a truncated shard's end is not read)."""
     members = iter(tar)
     for info in infos:
         blobs = {}
@@ -787,7 +874,7 @@ def _stream(tar: tarfile.TarFile, infos: list[SampleInfo], where: Path) -> Itera
             assert file is not None  # a regular file, checked by name and size above
             blobs[m.name] = file.read()
         yield _assemble(info, blobs, where)
-    extra = next(members, None)
+    extra = next(members, None) if whole else None
     if extra is not None:
         raise DatasetError(f"corrupt shard {where}: unexpected member {extra.name} after "
                            f"the {len(infos)} samples of the index")

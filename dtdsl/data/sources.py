@@ -9,7 +9,10 @@
 
 ``open_dataset`` opens one for reading (a WebDataset is indexed on first use);
 ``source_problem`` says, cheaply, why one cannot be read (nothing indexed): the check of
-``dtc check`` and ``dtc compile`` and of a launch's preflight.
+a launch's preflight and of ``--data``. ``data_diagnostics`` is ``dtc check``'s and
+``dtc compile``'s: what ``source_problem`` finds (DT314), then the source opened (indexed
+once) and its samples counted as a run counts them: nothing to train on is DT317,
+samples left out or outside the spec's clamps (``data.clamps``) the warning DT505.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from dtdsl.data.shards import FORMAT, INDEX_NAME, Dataset, DatasetError
+from dtdsl.data.paths import Refused, open_regular
+from dtdsl.data.shards import FORMAT, INDEX_NAME, Dataset, DatasetError, NoSamples
 from dtdsl.ir import program as ir
 
 __all__ = ["data_diagnostics", "image_role", "is_dtdsl_dataset", "is_synthetic",
@@ -83,9 +87,11 @@ def open_dataset(source: str | Sequence[str], *, base_dir: str | Path = ".",
         folder = image_folder if image_folder is not None else (
             program.data.image_folder if program is not None else None)
         return LlavaDataset.open(path, folder, cache_dir=cache_dir, progress=progress)
-    shards = resolve_shards(source, base)
+    refused: dict[str, str] = {}
+    shards = resolve_shards(source, base, refused)
     return WebDataset(build_index(shards, cache_dir=cache_dir, progress=progress,
-                                  rebuild=rebuild), image_role=image_role(program))
+                                  rebuild=rebuild), image_role=image_role(program),
+                      refused=refused)
 
 
 def is_synthetic(source: str | Sequence[str], base_dir: str | Path = ".") -> bool:
@@ -118,9 +124,11 @@ def source_problem(source: str | Sequence[str], base_dir: str | Path = ".") -> s
     except DatasetError as err:
         return str(err)
     try:
-        with tarfile.open(shards[0], mode="r:") as tar:
+        with open_regular(shards[0]) as f, tarfile.open(fileobj=f, mode="r:") as tar:
             if tar.next() is None:
                 return f"{shards[0]} is an empty tar"
+    except Refused as err:
+        return str(err)
     except (tarfile.TarError, OSError, EOFError) as err:
         return f"{shards[0]} is not a readable tar: {err}"
     return None
@@ -129,8 +137,10 @@ def source_problem(source: str | Sequence[str], base_dir: str | Path = ".") -> s
 def _json_problem(path: Path) -> str | None:
     """Why a LLaVA-style JSON cannot be read (its first bytes only), or None."""
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             head = f.read(4096).lstrip()
+    except Refused as err:
+        return str(err)
     except OSError as err:
         return f"cannot read {path}: {err.strerror or err}"
     if not head:
@@ -143,29 +153,151 @@ def _json_problem(path: Path) -> str | None:
 
 
 def data_diagnostics(program: ir.Program, base_dir: str | Path) -> list[Any]:
-    """DT314 at the spec's ``source`` when it names data that cannot be read (``dtc check``
-    and ``dtc compile`` report it unless asked for synthetic samples); paths are relative
-    to ``base_dir``, the spec's folder."""
+    """What ``dtc check`` and ``dtc compile`` say of the spec's ``source`` (paths relative
+    to ``base_dir``, the spec's folder): DT314 when it cannot be read, DT315 for real text
+    without a tokenizer, DT317 when no sample is left to train on, DT505 for samples left
+    out or outside the spec's clamps (module docstring)."""
     from dtdsl.diagnostics import Diagnostic
 
     source = program.data.source
     if source is None:
         return []
+    span = program.data.source_span or program.data.span
     problem = source_problem(source, base_dir)
-    if problem is None:
-        if program.data.tokenizer is None and not is_synthetic(source, base_dir):
-            return [Diagnostic.error(
-                "DT315", f"data source {source!r} is real text, which needs a tokenizer",
-                program.data.source_span or program.data.span,
-                notes=["the hashing tokenizer is only for synthetic data (`dtc data synth`)"],
-                hint='add `tokenizer = "PATH"` to the data block (a tokenizer.json or a '
-                "Hugging Face folder), or give the backbone `pretrained` weights whose "
-                "folder has one")]
-        return []
-    return [Diagnostic.error(
-        "DT314", f"data source {source!r} cannot be read: {problem}",
-        program.data.source_span or program.data.span,
-        notes=["paths are relative to the spec's folder"],
-        hint="point source at a dataset (`dtc data synth` writes one) or at WebDataset "
-        "shards; to plan or compile without data, pass --synthetic (samples drawn from the "
-        "spec's distributions)")]
+    if problem is not None:
+        return [_nothing_left(source, problem, span) if _all_refused(source, base_dir)
+                else Diagnostic.error(
+            "DT314", f"data source {source!r} cannot be read: {problem}", span,
+            notes=["paths are relative to the spec's folder"],
+            hint="point source at a dataset (`dtc data synth` writes one) or at WebDataset "
+            "shards; to plan or compile without data, pass --synthetic (samples drawn from "
+            "the spec's distributions)")]
+    if program.data.tokenizer is None and not is_synthetic(source, base_dir):
+        return [Diagnostic.error(
+            "DT315", f"data source {source!r} is real text, which needs a tokenizer", span,
+            notes=["the hashing tokenizer is only for synthetic data (`dtc data synth`)"],
+            hint='add `tokenizer = "PATH"` to the data block (a tokenizer.json or a '
+            "Hugging Face folder), or give the backbone `pretrained` weights whose "
+            "folder has one")]
+    return _survey(program, source, base_dir, span)
+
+
+def _all_refused(source: str | Sequence[str], base_dir: str | Path) -> bool:
+    from dtdsl.data.webdataset import resolve_shards
+
+    try:
+        resolve_shards(source, base_dir)
+    except NoSamples:
+        return True
+    except DatasetError:
+        return False
+    return False
+
+
+def _nothing_left(source: Any, why: str, span: Any) -> Any:
+    from dtdsl.diagnostics import Diagnostic
+
+    return Diagnostic.error(
+        "DT317", f"data source {source!r} has no sample to train on: {why}", span,
+        notes=["dtdsl reads only files inside their folder (no `..`, no absolute paths, no "
+               "symlink out of it) that are regular files (no FIFO or device)"],
+        hint="fix the data or where its paths start (`image_folder` for a LLaVA JSON); "
+        "`dtc data index SOURCE` shows what is read and what is left out")
+
+
+def _survey(program: ir.Program, source: str, base_dir: str | Path, span: Any) -> list[Any]:
+    """DT317 and DT505 from the source's samples, counted as a run counts them: its index
+    (built once) and its text's layouts under the spec's tokenizer. Whether each image
+    decodes is the run's own check (``data.usable``): it reads every pixel."""
+    from dtdsl.data.decode import Decoder
+    from dtdsl.data.text import TokenizerError, token_layouts
+    from dtdsl.data.usable import NO_LAYOUT, left_out_text
+    from dtdsl.diagnostics import Diagnostic
+
+    try:
+        decoder = Decoder.for_program(program, seed=program.train.seed)
+    except (TokenizerError, ValueError):
+        return []           # the front end reports an unusable tokenizer or modality
+    try:
+        dataset = open_dataset(source, base_dir=base_dir, program=program)
+    except NoSamples as err:
+        return [_nothing_left(source, str(err), span)]
+    except DatasetError as err:
+        return [Diagnostic.error("DT314", f"data source {source!r} cannot be read: {err}",
+                                 span, notes=["paths are relative to the spec's folder"])]
+    with dataset:
+        try:
+            layouts = token_layouts(dataset, decoder.tokenizer)
+        except DatasetError as err:
+            return [Diagnostic.error("DT314", f"data source {source!r} cannot be read: {err}",
+                                     span)]
+        laid = [i for i, lay in enumerate(layouts) if lay is not None]
+        told = left_out_text(dataset, {NO_LAYOUT: len(layouts) - len(laid)})
+        if not laid:
+            why = (f"its index holds {len(layouts)} samples; {told}" if told
+                   else "it holds no samples")
+            return [_nothing_left(source, why, span)]
+        out = []
+        if told:
+            out.append(Diagnostic.warning(
+                "DT505", f"data source {source!r}: {len(laid)} of its {len(layouts)} indexed "
+                f"samples can be trained on; {told}", span,
+                hint="`dtc data index SOURCE` lists what is left out and why"))
+        out += _clamp_warnings(program, source, dataset, decoder, layouts, laid)
+    return out
+
+
+def _clamp_warnings(program: ir.Program, source: str, dataset: Any, decoder: Any,
+                    layouts: Sequence[Any], laid: Sequence[int]) -> list[Any]:
+    """DT505 per clamp of the data block that samples lie outside of (``data.clamps``)."""
+    from dtdsl.data.clamps import Clamps, Outside, what_happens
+    from dtdsl.data.images import patch_grid
+    from dtdsl.diagnostics import Diagnostic
+
+    clamps = Clamps.for_program(program)
+    gen_of = {g.name: g.modality for g in program.generators}
+    samples = []
+    patches = 0
+    policy = decoder.images
+    high = policy.max_patches if policy is not None and policy.size is None else None
+    for i in laid:
+        info = dataset.info(i)
+        gen = {g: len(info.gen_images) if m == "image" else len(info.gen_audio)
+               for g, m in gen_of.items()}
+        samples.append((layouts[i][0], len(info.images), gen))
+        if high is not None:
+            patches += sum(1 for w, h in info.images
+                           if _area(patch_grid(w, h, policy.patch)) > high)
+    outside = clamps.count(samples)
+    if patches:
+        q = program.data.get("image", "patches")
+        low = int(q.low) if q is not None and q.low is not None else None
+        outside.append(Outside(key="image.patches", low=low, high=high, above=patches))
+    out = []
+    for o in outside:
+        modality, name = o.key.split(".")
+        quantity = program.data.get(modality, name)
+        where = quantity.span if quantity is not None else program.data.span
+        bounds = f"clamp [{_num(o.low)}, {_num(o.high)}]"
+        what = "images" if o.key == "image.patches" else "samples"
+        if o.above:
+            out.append(Diagnostic.warning(
+                "DT505", f"data source {source!r}: {o.above} of {len(samples)} {what} are "
+                f"above the {bounds} of {o.key}: {what_happens(o)}", where,
+                hint=f"widen the clamp to the data (`dtc data stats {source} --spec SPEC`), "
+                "or keep it to train on the data cut to it"))
+        if o.below:
+            out.append(Diagnostic.warning(
+                "DT505", f"data source {source!r}: {o.below} of {len(samples)} samples are "
+                f"below the {bounds} of {o.key}: they are used as they are (nothing is "
+                "padded)",
+                where, hint="lower the clamp's low to what the data holds"))
+    return out
+
+
+def _area(grid: tuple[int, int]) -> int:
+    return grid[0] * grid[1]
+
+
+def _num(x: int | None) -> str:
+    return "-" if x is None else str(x)

@@ -49,6 +49,7 @@ __all__ = [
     "TokenLayout",
     "TokenizerError",
     "conversation_of",
+    "dataset_identity",
     "load_tokenizer",
     "token_layouts",
     "tokenizer_path",
@@ -386,7 +387,7 @@ _LAYOUTS_VERSION = 1
 Layout = tuple[int, tuple[int, ...], tuple[tuple[int, int], ...]]   # (T, image_at, trained)
 
 
-def _dataset_identity(dataset: Any) -> tuple[str, Path | None]:
+def dataset_identity(dataset: Any) -> tuple[str, Path | None]:
     """A fingerprint of a dataset's contents and the folder its caches go in (None: keep
     them in memory only)."""
     index = getattr(dataset, "index", None)
@@ -395,11 +396,9 @@ def _dataset_identity(dataset: Any) -> tuple[str, Path | None]:
         return (where.stem, where.parent) if where is not None else ("", None)
     from dtdsl.data.cache import user_cache_dir
 
-    path = Path(dataset.path) / "index.json"      # a dtdsl dataset: its index
-    st = path.stat()
-    ident = hashlib.sha256(f"{path}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()
-    # never beside it: a dataset's folder holds only what dtc data synth wrote
-    return ident, user_cache_dir()
+    # A dtdsl dataset: its index and which of its samples are readable. Never beside it:
+    # a dataset's folder holds only what dtc data synth wrote.
+    return dataset.fingerprint, user_cache_dir()
 
 
 def token_layouts(dataset: Any, tokenizer: HFTokenizer | HashTokenizer, *,
@@ -418,7 +417,7 @@ def token_layouts(dataset: Any, tokenizer: HFTokenizer | HashTokenizer, *,
             t = info.text_tokens
             out.append((t, (0,) * len(info.images), ((1, t),) if t > 1 else ()))
         return out
-    ident, folder = _dataset_identity(dataset)
+    ident, folder = dataset_identity(dataset)
     name = hashlib.sha256(f"{ident}\0{tokenizer.fingerprint}".encode()).hexdigest()[:32]
     target = folder / f"tokens-{name}.json" if folder is not None else None
     body = read_cache(target, _LAYOUTS_FORMAT, _LAYOUTS_VERSION) if target else None

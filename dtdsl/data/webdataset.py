@@ -5,7 +5,10 @@
 (``shards/{000000..004095}.tar``: numeric ranges keep the width of their first bound; and
 ``{a,b,c}`` alternatives), a single ``.tar``, or a list of those (``expand_source``). A
 pattern or file that names no existing tar is a ``DatasetError`` naming the first missing
-one.
+one. Every shard must stay in its folder (the source's folder, or a pattern's folder: the
+part before its first brace) and be a regular file (``data.paths``): a symlink out of the
+folder, a FIFO or a device is refused, counted in ``WebDataset.problems`` and never
+opened; when nothing is left the source is a ``shards.NoSamples`` error.
 
 **Samples.** Tar members are grouped by key as ``webdataset`` groups them: the member's
 path up to the first dot of its file name is the key (``dir/00042.jpg`` and
@@ -29,12 +32,22 @@ and skipped, never a traceback: a member that is cut off (a truncated tar: the s
 before it stay), an image whose header does not decode, text that is not UTF-8 or is
 empty, a sample with no text. ``WebIndex.skipped`` has the counts by reason.
 
+**Truncated tars.** ``tarfile`` ends a listing quietly at the first header it cannot read,
+so a tar cut at a header boundary (no end-of-archive blocks), inside a header or at a
+damaged header reads as a shorter archive, and one cut inside a member fails only when
+that member is read. The scan therefore checks how each tar ends: the block after the
+last member must be the end-of-archive block of zeros. A shard that ends any other way
+is noted in ``WebIndex.problems`` (where it stops, how many samples before that are
+kept), and the sample being read at the cut is counted as ``cut off (truncated tar)``
+(it may be missing members); the samples before it are used.
+
 ``WebDataset`` has ``shards.Dataset``'s reading interface (``len``, ``key``, ``info``,
 ``read``, iteration), so statistics, decoding and the feed read both alike.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -48,10 +61,12 @@ from pathlib import Path
 from typing import Any
 
 from dtdsl.data.cache import cache_path, read_cache, write_cache
+from dtdsl.data.paths import MISSING, Refused, inside, open_regular
 from dtdsl.data.shards import (
     DatasetError,
     EncodedImage,
     Member,
+    NoSamples,
     RawSample,
     SampleInfo,
     count_text_tokens,
@@ -61,13 +76,14 @@ __all__ = ["INDEX_FORMAT", "WebDataset", "WebIndex", "build_index", "expand_sour
            "index_path", "resolve_shards"]
 
 INDEX_FORMAT = "dtdsl-webdataset-index"
-INDEX_VERSION = 1
+INDEX_VERSION = 2          # 2: how each tar ends is checked (problems)
 _BLOCK = tarfile.BLOCKSIZE
 _IMAGE_EXT = {"jpg": "jpeg", "jpeg": "jpeg", "png": "png", "webp": "webp"}
 _TEXT_EXT = ("txt", "text", "caption")
 _BRACE = re.compile(r"\{([^{}]*)\}")
 _RANGE = re.compile(r"(\d+)\.\.(\d+)")
 _MAX_EXPANSION = 10_000_000
+CUT_OFF = "cut off (truncated tar)"
 
 
 def expand_source(pattern: str) -> list[str]:
@@ -95,34 +111,64 @@ def expand_source(pattern: str) -> list[str]:
     return out
 
 
-def resolve_shards(source: str | Path | Sequence[str | Path], base_dir: str | Path = "."
-                   ) -> list[Path]:
-    """The tar files of a source (module docstring), absolute; DatasetError when one is
-    missing or none is found."""
+def _folder_of(pattern: str) -> str:
+    """The folder of a pattern: the directory part of what precedes its first brace."""
+    return os.path.dirname(pattern.split("{", 1)[0])
+
+
+def _take(folder: Path, name: str, out: list[Path], refused: dict[str, str]) -> None:
+    """Add ``folder/name`` to ``out`` when it is a regular file inside ``folder``; note
+    it in ``refused`` otherwise (a missing file is the caller's to report)."""
+    try:
+        out.append(inside(folder, name))
+    except Refused as err:
+        if err.reason == MISSING:
+            raise
+        refused[str(folder / name)] = str(err)
+
+
+def resolve_shards(source: str | Path | Sequence[str | Path], base_dir: str | Path = ".",
+                   refused: dict[str, str] | None = None) -> list[Path]:
+    """The tar files of a source (module docstring), absolute and resolved; DatasetError
+    when one is missing or none is found, ``shards.NoSamples`` when every one found was
+    refused. ``refused`` (when given) gets each refused file with the reason."""
     patterns = [str(source)] if isinstance(source, (str, Path)) else [str(p) for p in source]
     base = Path(base_dir)
+    refusals: dict[str, str] = {} if refused is None else refused
     out: list[Path] = []
     for pattern in patterns:
         try:
             names = expand_source(pattern)
         except ValueError as err:
             raise DatasetError(f"source {pattern!r}: {err}") from None
+        folder = Path(_folder_of(pattern)).expanduser()
+        folder = folder if folder.is_absolute() else base / folder
         for name in names:
             path = Path(name).expanduser()
             path = path if path.is_absolute() else base / path
-            if path.is_dir():
-                tars = sorted(p for p in path.glob("*.tar") if p.is_file())
+            if path.is_dir():        # a folder the source names: its tars
+                tars = sorted(p.name for p in path.glob("*.tar"))
                 if not tars:
                     raise DatasetError(f"{path} holds no dataset: no dtdsl index and no .tar "
                                        "shards")
-                out.extend(p.resolve() for p in tars)
-            elif path.is_file():
-                out.append(path.resolve())
-            else:
+                for tar in tars:
+                    try:
+                        _take(path, tar, out, refusals)
+                    except Refused as err:      # a symlink to nothing
+                        refusals[str(path / tar)] = str(err)
+                continue
+            rel = os.path.relpath(os.path.normpath(path), os.path.normpath(folder))
+            try:
+                _take(folder, rel, out, refusals)
+            except Refused:
                 shown = f"{pattern!r} ({len(names):,} files)" if len(names) > 1 else ""
                 raise DatasetError(f"no such file: {path}" + (f", named by {shown}"
-                                                              if shown else ""))
+                                                              if shown else "")) from None
     if not out:
+        if refusals:
+            first = next(iter(refusals.values()))
+            raise NoSamples(f"source {source!r}: every shard is refused "
+                            f"({len(refusals)}; {first})")
         raise DatasetError(f"source {source!r} names no files")
     return out
 
@@ -152,6 +198,7 @@ def _image_size(data: bytes) -> tuple[int, int]:
 class _Scan:
     samples: list[dict[str, Any]] = field(default_factory=list)
     skipped: dict[str, int] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
 
     def skip(self, reason: str) -> None:
         self.skipped[reason] = self.skipped.get(reason, 0) + 1
@@ -189,13 +236,35 @@ def _finish(scan: _Scan, shard: int, key: str, members: list[list[Any]],
                          "text_tokens": count_text_tokens(text), "images": images})
 
 
+def _end_problem(block: bytes, at: int) -> str | None:
+    """Why a tar whose listing stopped at byte ``at`` is not whole (``block``: the bytes
+    there), or None when an end-of-archive block is there."""
+    if len(block) == _BLOCK and not block.strip(b"\0"):
+        return None
+    if not block:
+        return f"it ends at byte {at:,}, a header boundary, without the end-of-archive blocks"
+    if len(block) < _BLOCK:
+        return f"it ends at byte {at + len(block):,}, inside a header"
+    return f"the header at byte {at:,} is damaged; nothing after it is read"
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
 def _scan_shard(path: Path, shard: int, scan: _Scan) -> None:
     key: str | None = None
     members: list[list[Any]] = []
     blobs: dict[str, bytes] = {}
+    before = len(scan.samples)
+    problem = None
+    size = 0
+    last: tarfile.TarInfo | None = None
     try:
-        with tarfile.open(path, mode="r:") as tar:
+        with open_regular(path) as f, tarfile.open(fileobj=f, mode="r:") as tar:
+            size = os.fstat(f.fileno()).st_size
             for info in tar:
+                last = info
                 if not info.isfile():
                     continue
                 split = _split(info.name)
@@ -206,22 +275,36 @@ def _scan_shard(path: Path, shard: int, scan: _Scan) -> None:
                     if key is not None:
                         _finish(scan, shard, key, members, blobs)
                     key, members, blobs = k, [], {}
-                f = tar.extractfile(info)
-                assert f is not None
-                data = f.read()
+                data = tar.extractfile(info).read()      # type: ignore[union-attr]
                 if len(data) != info.size:
                     raise EOFError(f"{info.name} is cut off")
                 members.append([ext, info.offset_data, info.size, zlib.crc32(data)])
                 blobs[ext] = data
+            # Where the listing stopped: an end-of-archive block must be there.
+            problem = _end_problem(os.pread(f.fileno(), _BLOCK, tar.offset), tar.offset)
+    except Refused as err:
+        raise DatasetError(str(err)) from None
     except (tarfile.TarError, EOFError, OSError) as err:
         if isinstance(err, OSError) and not isinstance(err, EOFError) and \
                 not path.exists():
             raise DatasetError(f"cannot read {path}: {err}") from None
-        # A truncated or damaged tar: the samples before the damage stay.
-        scan.skip("cut off (truncated tar)")
+        if last is None:
+            problem = f"it ends at byte {size:,}, inside its first member ({err})"
+        elif last.offset_data + last.size > size:
+            problem = (f"it ends at byte {size:,}, inside {last.name} "
+                       f"({last.size:,} bytes from byte {last.offset_data:,})")
+        else:
+            problem = f"it ends at byte {size:,}, inside the member after {last.name} ({err})"
+    if problem is None:
+        if key is not None:
+            _finish(scan, shard, key, members, blobs)
         return
-    if key is not None:
-        _finish(scan, shard, key, members, blobs)
+    # A truncated or damaged tar: the samples before the damage stay; the one being read
+    # at the cut may lack members, and goes.
+    if key is not None or len(scan.samples) == before:
+        scan.skip(CUT_OFF)
+    scan.problems.append(f"{path.name} is truncated: {problem}; "
+                         f"{_plural(len(scan.samples) - before, 'sample')} before it kept")
 
 
 def _fingerprint(shards: Sequence[Path]) -> str:
@@ -243,6 +326,7 @@ class WebIndex:
     samples: tuple[dict[str, Any], ...]
     skipped: Mapping[str, int]
     path: Path | None = None          # where it is cached
+    problems: tuple[str, ...] = ()    # per damaged shard, what is wrong (truncated tars)
 
 
 def build_index(shards: Sequence[Path], *, cache_dir: str | Path | None = None,
@@ -255,7 +339,8 @@ def build_index(shards: Sequence[Path], *, cache_dir: str | Path | None = None,
     data = None if rebuild else read_cache(target, INDEX_FORMAT, INDEX_VERSION)
     if data is not None and data.get("shards") == [str(p) for p in shards]:
         try:
-            return WebIndex(tuple(shards), tuple(data["samples"]), data["skipped"], target)
+            return WebIndex(tuple(shards), tuple(data["samples"]), data["skipped"], target,
+                            tuple(data["problems"]))
         except (KeyError, TypeError):
             pass          # unreadable: build it again
     scan = _Scan()
@@ -268,12 +353,13 @@ def build_index(shards: Sequence[Path], *, cache_dir: str | Path | None = None,
     if len({s["key"] for s in scan.samples}) < len(scan.samples):
         for s in scan.samples:
             s["key"] = f"{shards[s['shard']].stem}/{s['key']}"
-    index = WebIndex(tuple(shards), tuple(scan.samples), dict(scan.skipped), target)
+    index = WebIndex(tuple(shards), tuple(scan.samples), dict(scan.skipped), target,
+                     tuple(scan.problems))
     body = {"format": INDEX_FORMAT, "version": INDEX_VERSION,
             "shards": [str(p) for p in shards], "skipped": index.skipped,
-            "samples": list(index.samples)}
+            "problems": list(index.problems), "samples": list(index.samples)}
     if not write_cache(target, body):
-        return WebIndex(index.shards, index.samples, index.skipped, None)   # not cached
+        return dataclasses.replace(index, path=None)        # not cached
     return index
 
 
@@ -282,10 +368,12 @@ class WebDataset:
     interface. ``image_role``: whether a sample's plain images are encoder ``input``s or
     generation ``target``s."""
 
-    def __init__(self, index: WebIndex, *, image_role: str = "input"):
+    def __init__(self, index: WebIndex, *, image_role: str = "input",
+                 refused: Mapping[str, str] | None = None):
         if image_role not in ("input", "target"):
             raise ValueError(f"image_role is input or target, not {image_role!r}")
         self.index = index
+        self.refused = dict(refused or {})      # shard files refused (data.paths), and why
         self.path = index.shards[0].parent
         self.provenance: Mapping[str, Any] = {"webdataset": [str(p) for p in index.shards]}
         self._roles = [[name.startswith("gen") or image_role == "target"
@@ -299,9 +387,10 @@ class WebDataset:
     def open(cls, source: str | Path | Sequence[str | Path], *, base_dir: str | Path = ".",
              image_role: str = "input", cache_dir: str | Path | None = None,
              progress: Callable[[int, int], None] | None = None) -> WebDataset:
-        shards = resolve_shards(source, base_dir)
+        refused: dict[str, str] = {}
+        shards = resolve_shards(source, base_dir, refused)
         return cls(build_index(shards, cache_dir=cache_dir, progress=progress),
-                   image_role=image_role)
+                   image_role=image_role, refused=refused)
 
     def _info(self, entry: dict[str, Any], roles: list[bool]) -> SampleInfo:
         inputs, targets = [], []
@@ -334,7 +423,14 @@ class WebDataset:
 
     @property
     def skipped(self) -> Mapping[str, int]:
+        """Samples left out of the index, by reason."""
         return self.index.skipped
+
+    @property
+    def problems(self) -> tuple[str, ...]:
+        """Shards refused or damaged, one line each (``dtc data index`` prints them)."""
+        return tuple(self.index.problems) + tuple(
+            f"refused: {why}" for why in self.refused.values())
 
     def key(self, i: int) -> str:
         return self._infos[i].key
@@ -350,7 +446,9 @@ class WebDataset:
         file = self._files.get(shard)
         if file is None:
             try:
-                file = self._files[shard] = open(where, "rb")  # noqa: SIM115
+                file = self._files[shard] = open_regular(where)   # type: ignore[assignment]
+            except Refused as err:
+                raise DatasetError(f"{where} changed since it was indexed: {err}") from None
             except OSError as err:
                 raise DatasetError(f"cannot read {where}: {err.strerror or err}") from None
         start = min(m.offset for m in info.members) - _BLOCK

@@ -9,6 +9,14 @@ permutation of the ``N`` samples seeded by ``(train.seed, e)`` alone. So the bat
 a function of the seed and the step, whatever reads them (any number of workers, a
 trainer resumed at step k), and every sample of an epoch is consumed exactly once.
 
+**Which samples.** ``N`` counts the samples the run can train on (``data.usable``: the
+index's samples whose text goes with their images and whose parts decode; the same list
+in every process), each within the spec's clamps (``data.clamps``) and cut to ``seq_len``
+(``data.layout.fit``). What is left out is logged once per sample, with its file and why,
+and counted (``left_out``). A sample that stops decoding after that (its file changed
+during the run) keeps its place with a stand-in of its sizes, logged once and counted in
+``replaced``: the batch's sizes, which every process computes alone, must not change.
+
 **Tensors.** ``dtdsl.data.decode.Decoder`` gives numpy arrays; ``to_sample`` turns them
 into a ``runtime.data.Sample``: token ids as they are, images from uint8 to float32 in
 [-1, 1] (``x / 127.5 - 1``), the generators' latents, noise and timesteps as they are.
@@ -19,6 +27,7 @@ same function, so a launched run and ``dtc reference --data`` see identical tens
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
@@ -30,6 +39,9 @@ from dtdsl.ir import program as ir
 
 __all__ = ["DatasetSource", "epoch_permutation", "image_norm", "image_tensor", "stream_indices",
            "to_sample"]
+
+log = logging.getLogger("dtdsl.feed.source")
+_MAX_LOGGED = 1000      # skipped samples named one by one; then a count
 
 
 def epoch_permutation(seed: int, epoch: int, n: int) -> np.ndarray:
@@ -99,17 +111,46 @@ def to_sample(step: int, position: int, decoded, parts: frozenset[str],
                   doc_gen=decoded.doc_gen)
 
 
+def _log_left_out(path: str | Path, found: Any, total_text: str) -> None:
+    """Each sample the run leaves out because it does not decode (its file and why), and
+    the count of everything left out; once, when the source is made."""
+    for k, (key, file, why) in enumerate(found.undecodable):
+        if k == _MAX_LOGGED:
+            log.warning("data %s: %d more samples that do not decode are skipped",
+                        path, len(found.undecodable) - k)
+            break
+        log.warning("data %s: skipping sample %s (%s): %s", path, key, file, why)
+    if total_text:
+        log.warning("data %s: %d of %d samples are trained on; %s", path,
+                    len(found.indices), found.total, total_text)
+
+
+def _first(targets: Any, n: int) -> Any:
+    """A generator's targets cut to their first ``n`` (itself when it has no more)."""
+    import dataclasses
+
+    if len(targets) <= n:
+        return targets
+    return dataclasses.replace(
+        targets, **{f: getattr(targets, f)[:n] for f in ("latents", "noise", "timesteps",
+                                                         "pixels", "eps")
+                    if getattr(targets, f) is not None})
+
+
 class DatasetSource:
     """A ``runtime.batch.SampleSource`` over a dataset (module docstring). Its samples are
-    those the tokenizer can lay out (``data.text.token_layouts``; the others are counted in
-    ``skipped``), each cut to ``seq_len`` as ``data.layout.fit`` cuts it."""
+    those ``data.usable`` keeps (the others are counted in ``skipped``, by reason in
+    ``left_out``), each within the spec's clamps (``data.clamps``) and cut to ``seq_len``
+    as ``data.layout.fit`` cuts it."""
 
     def __init__(self, program: ir.Program, path: str | Path, *, seed: int | None = None,
                  progress: Any = None):
+        from dtdsl.data.clamps import Clamps
         from dtdsl.data.decode import Decoder
-        from dtdsl.data.shards import Dataset, DatasetError
+        from dtdsl.data.shards import Dataset, DatasetError, NoSamples
         from dtdsl.data.sources import open_dataset
         from dtdsl.data.text import HashTokenizer, token_layouts
+        from dtdsl.data.usable import left_out_text, usable_samples
 
         self.program = program
         self.path = path
@@ -125,13 +166,19 @@ class DatasetSource:
         image = next((m for m in program.encoders if m.modality == "image"), None)
         self.patch = (image.arch.patch or 1) if image is not None else None
         self.norm = image_norm(program)
+        self.clamps = Clamps.for_program(program)
         layouts = token_layouts(self.dataset, self.decoder.tokenizer, progress=progress)
-        self.usable = [i for i, lay in enumerate(layouts) if lay is not None]
+        found = usable_samples(self.dataset, self.decoder, layouts, progress=progress)
+        self.usable = list(found.indices)
         self.skipped = len(layouts) - len(self.usable)
+        self.left_out = dict(found.left_out)
+        self.replaced: dict[int, str] = {}      # dataset index -> why (module docstring)
         self._layouts = layouts
+        told = left_out_text(self.dataset, self.left_out)
+        _log_left_out(path, found, told)
         if not self.usable:
-            raise DatasetError(f"{path}: none of its {len(layouts)} samples can be read with "
-                               "the spec's tokenizer")
+            raise NoSamples(f"{path} has no sample to train on: its index holds "
+                            f"{len(layouts)}" + (f"; {told}" if told else ""))
         self._doc_sizes: dict[int, Any] = {}
         self._rows = lru_cache(maxsize=8)(self._step_rows)
         self._sizes = lru_cache(maxsize=8)(self._step_sizes)
@@ -205,9 +252,11 @@ class DatasetSource:
             places = ()       # no encoder reads the images: text only
         gen = {g.name: (len(info.gen_images) if g.modality == "image" else
                         len(info.gen_audio)) for g in self.program.generators}
+        # The spec's clamps first (data.clamps), then seq_len: the one place the run's
+        # samples are made to fit, for the workers and the reference alike.
         found = self._doc_sizes[i] = fit(
-            SampleSizes(text_tokens=text, image_shapes=shapes, gen_counts=gen,
-                        image_at=places, trained=trained),
+            self.clamps.apply(SampleSizes(text_tokens=text, image_shapes=shapes,
+                                          gen_counts=gen, image_at=places, trained=trained)),
             self.patch or 1, self.program.train.seq_len)
         return found
 
@@ -221,20 +270,43 @@ class DatasetSource:
         per step, however many positions a worker decodes."""
         return list(self._sizes(step))
 
+    def _read_decoded(self, i: int):
+        """Sample ``i`` decoded whole, or its stand-in when it no longer reads or decodes
+        as it did when the run's samples were chosen (module docstring)."""
+        from dtdsl.data.shards import DatasetError
+
+        try:
+            decoded = self.decoder.decode(self.dataset.read(i))
+            if len(decoded.tokens) != self._layouts[i][0]:
+                raise DatasetError(f"sample {decoded.key} changed since it was indexed: "
+                                   f"{len(decoded.tokens)} tokens, not {self._layouts[i][0]}")
+            return decoded
+        except DatasetError as err:
+            from dtdsl.data.usable import where
+
+            if i not in self.replaced:
+                self.replaced[i] = str(err)
+                log.warning("data %s: sample %s (%s) no longer decodes (%s); a stand-in of "
+                            "its sizes takes its place (%d so far)", self.path,
+                            self.dataset.key(i), where(self.dataset, i), err,
+                            len(self.replaced))
+            info = self.dataset.info(i)
+            gen = {g.name: len(info.gen_images) if g.modality == "image" else
+                   len(info.gen_audio) for g in self.program.generators}
+            return self.decoder.stand_in(info.key, self._layouts[i][0], info.images, gen)
+
     def _decode_one(self, i: int):
         import dataclasses
 
-        from dtdsl.data.shards import DatasetError
-
-        decoded = self.decoder.decode(self.dataset.read(i))
+        decoded = self._read_decoded(i)
         sizes = self.doc_sizes(i)
-        if len(decoded.tokens) != self._layouts[i][0]:
-            raise DatasetError(f"sample {decoded.key} changed since it was indexed: "
-                               f"{len(decoded.tokens)} tokens, not {self._layouts[i][0]}")
+        # Cut to the sizes the batch was formed with (clamps, seq_len): a prefix of each.
+        gen = {name: _first(t, sizes.gen_counts.get(name, len(t)))
+               for name, t in decoded.gen.items()}
         return dataclasses.replace(
             decoded, tokens=decoded.tokens[:sizes.text_tokens],
             images=decoded.images[:len(sizes.image_shapes)] if self.patch is not None else (),
-            image_at=sizes.image_at, trained=sizes.trained)
+            gen=gen, image_at=sizes.image_at, trained=sizes.trained)
 
     def decode(self, step: int, position: int):
         """The ``DecodedSample`` (numpy) at ``position`` of step ``step``, each sample cut

@@ -333,12 +333,29 @@ def test_corrupt_index(small: Path, edit, message):
     assert str(index) in str(err.value)
 
 
-def test_missing_or_truncated_shard(small: Path):
+def test_missing_grown_or_truncated_shard(small: Path):
     shard = small / "shard-000001.tar"
     data = shard.read_bytes()
-    shard.write_bytes(data[:-1024])
+    shard.write_bytes(data + b"\0" * 512)          # longer than recorded: not ours any more
     with pytest.raises(DatasetError, match=f"corrupt shard {shard}: .* bytes, the index says"):
         Dataset.open(small)
+    shard.write_bytes(data)
+    with Dataset.open(small) as whole:
+        infos = [whole.info(i) for i in range(len(whole))]
+    # Cut anywhere: the samples lying whole before the cut stay and read; the others are
+    # counted, and the shard is named.
+    for cut in sorted({0, 1, 511, 512, 1000, len(data) // 2, len(data) - 1024,
+                       len(data) - 1}):
+        shard.write_bytes(data[:cut])
+        with Dataset.open(small) as ds:
+            fits = [i for i in infos if i.shard != shard.name or
+                    max(m.offset + m.size for m in i.members) <= cut]
+            assert [ds.key(i) for i in range(len(ds))] == [i.key for i in fits]
+            lost = len(infos) - len(fits)
+            assert dict(ds.skipped) == ({"cut off (truncated shard)": lost} if lost else {})
+            assert any(p.startswith(f"{shard.name} is truncated") and f"{lost} samples" in p
+                       for p in ds.problems)
+            assert [r.key for r in ds] == [ds.read(i).key for i in range(len(ds))]
     shard.unlink()
     with pytest.raises(DatasetError, match=f"missing shard {shard}"):
         Dataset.open(small)

@@ -233,3 +233,41 @@ def test_packed_sequences_travel_with_their_documents(tmp_path):
                 assert got.samples[i].doc_text == want.samples[i].doc_text
                 assert got.samples[i].doc_gen == want.samples[i].doc_gen
     assert packed > 0
+
+
+def test_workers_skip_and_stand_in_for_bad_samples_as_the_in_process_feed_does(tmp_path):
+    """A dataset with an image that does not decode, and a sample whose shard changes
+    under the running job: the worker's messages never fail, and equal, rank by rank, the
+    batches every trainer builds in-process (the same samples skipped, the same stand-in)."""
+    from dtdsl.driver import run_frontend
+    from tests.data.test_trust import corrupt_dataset, image_samples
+
+    program = run_frontend(str(SPEC), SPEC.read_bytes()).program
+    some = image_samples(program, 40)
+    data = corrupt_dataset(tmp_path / "data", program, 40, {some[1]: ("cut", 0.5),
+                                                             some[-2]: ("scramble", 0.0)})
+    bundle = tmp_path / "bundle"
+    assert cli.main(["compile", str(SPEC), "-o", str(bundle), "--data", str(data),
+                     "--workers", "1"]) == 0
+    ctx = FeedContext(bundle)
+    assert ctx.source.left_out == {"does not decode": 2}
+    # A used sample's shard changes after the samples were chosen: its CRC fails now.
+    first = ctx.source.rows(0)[0][0]
+    info = ctx.source.dataset.info(first)
+    shard = data / info.shard
+    raw = bytearray(shard.read_bytes())
+    raw[info.members[0].offset] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    source = DatasetSource(ctx.program, ctx.source.path)
+    units = [u.name for u in ctx.plan.units]
+    generators = [g.name for g in ctx.program.generators]
+    for step in (0, 1):
+        for rank, (meta, arrays) in enumerate(build_messages(ctx, step)):
+            got = read_batch(_Message(meta, arrays), units, generators)
+            want = LocalBatches(ctx.program, ctx.plan, role_of(ctx.plan, rank), source=source,
+                                policy=ctx.policy, work_model=ctx.work_model).batch(step)
+            assert got.normalizer == want.normalizer and got.samples.keys() == \
+                want.samples.keys()
+            for i in want.samples:
+                _same_sample(got.samples[i], want.samples[i])
+    assert first in ctx.source.replaced and first in source.replaced
