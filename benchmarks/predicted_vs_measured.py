@@ -15,7 +15,14 @@ from pathlib import Path
 
 import _common  # noqa: F401  (puts the repository on the path for tests.*)
 
-from tests.train.test_predicted_vs_measured import STEPS, WARMUP, measure
+from tests.train.test_predicted_vs_measured import (
+    ENCODER_TOLERANCE,
+    ITERATION_TOLERANCE,
+    STAGE_TOLERANCE,
+    STEPS,
+    WARMUP,
+    measure,
+)
 
 
 def main() -> None:
@@ -31,7 +38,12 @@ def main() -> None:
     for name in [*result.stages, "iteration"]:
         cells = " ".join(f"{m * 1e3:7.0f}/{p * 1e3:<6.0f}ms" for m, p in
                          zip(result.measured_s[name], result.predicted_s[name], strict=True))
-        print(f"{name:<10} {cells} {result.mean_ratio(name):>10.3f}x")
+        ratio = result.mean_ratio(name)
+        target = ITERATION_TOLERANCE if name == "iteration" else STAGE_TOLERANCE
+        verdict = "meets" if abs(ratio - 1) <= target else (
+            "short, within the encoder's allowance" if name.startswith("vit") and
+            abs(ratio - 1) <= ENCODER_TOLERANCE else "misses")
+        print(f"{name:<10} {cells} {ratio:>10.3f}x  {verdict} +-{target:.0%}")
     print("\nmeasured/predicted per step (a stage's compute: its forward and backward "
           "passes, from when their inputs arrived)")
 
