@@ -25,8 +25,11 @@ from tests.train.test_executor import _train_tp, plan_for, reference
 
 
 def packed(batch: int = 8):
-    p = variant("  seed             = 1234\n",
-                "  seed             = 1234\n  packing          = true\n")
+    """The tiny spec packed, in sequences of 256 positions (several documents each; the
+    CPU's attention over packed documents is the flex operator's reference, which scores
+    every pair: shorter rows keep the multi-rank runs short)."""
+    p = variant("  seq_len          = 512\n",
+                "  seq_len          = 256\n  packing          = true\n")
     return p.model_copy(update={"train": p.train.model_copy(update={"global_batch": batch})})
 
 
@@ -123,9 +126,10 @@ def test_synthetic_packed_batches_fill_their_sequences():
     source = SyntheticSource(program)
     sizes = source.sizes(0)
     assert len(sizes) == 8 and len(source.keys(0)) == 8
-    lengths = [layout_of(z, 8, 512).length for z in sizes]
-    assert all(n <= 512 for n in lengths) and sum(z.num_docs for z in sizes) > 16
-    assert sum(lengths) / (8 * 512) > 0.8           # packed, not one document each
+    seq_len = program.train.seq_len
+    lengths = [layout_of(z, 8, seq_len).length for z in sizes]
+    assert all(n <= seq_len for n in lengths) and sum(z.num_docs for z in sizes) > 16
+    assert sum(lengths) / (8 * seq_len) > 0.8       # packed, not one document each
     assert source.sizes(0) == sizes                 # a function of the step
 
 
