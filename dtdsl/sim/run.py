@@ -50,9 +50,10 @@ def simulate_steps(program: Program, cost: CostModel, plan: Plan, schedule: Sche
                    work_model: WorkModel | None = None) -> Iterator[StepResult]:
     """Simulate ``steps`` training steps (global batches ``first_step``...), each on its
     own batch of samples drawn from the spec's data, routed under ``policy`` (a subset of
-    {"intra", "inter"}) by ``route``, the rule the workers feeding a run apply. A caller simulating the same schedule again (e.g. without
-    reordering, to compare) passes the ``simulator`` and ``work_model`` of the first run
-    rather than compiling and drawing references twice."""
+    {"intra", "inter"}) by ``route``, the rule the workers feeding a run apply. A caller
+    simulating the same schedule again (e.g. without reordering, to compare) passes the
+    ``simulator`` and ``work_model`` of the first run rather than compiling and drawing
+    references twice."""
     simulator = simulator or Simulator(schedule)
     work_model = work_model or WorkModel(cost)
     for step in range(first_step, first_step + steps):
