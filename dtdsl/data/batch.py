@@ -7,9 +7,10 @@ Three layers:
   them: ``SyntheticSource`` draws them from the spec's distributions
   (``data.make_sample``), ``dtdsl.feed.source.DatasetSource`` reads a dataset;
 - ``route_batch`` decides where every sample of a batch goes under the spec's reorder
-  policy, with the simulator's own rule (``dtdsl.sim.workload.route``: intra-microbatch
-  balancing of every unit's replicas, inter-microbatch ordering of the steps for 1F1B),
-  so predicted and measured runs route alike;
+  policy, with the simulator's own rule (``dtdsl.sim.workload.route``: inter-microbatch
+  grouping of samples of similar work into steps and their order for 1F1B over the whole
+  pipeline, intra-microbatch balancing of every unit's replicas), so predicted and
+  measured runs route alike;
 - a ``BatchSource`` hands a rank its ``StepBatch`` per training step: ``LocalBatches``
   builds it in the rank's own process (tests, the reference); the preprocessing workers
   (``dtdsl.feed``) build the same thing on CPU nodes and ship it.
@@ -210,18 +211,16 @@ def route_batch(plan: Plan, program: ir.Program, sizes: Sequence[SampleSizes],
     "inter"}``): per microbatch step in execution order, its positions (increasing) and
     every unit's replica per position. ``work_model`` (a ``sim.workload.WorkModel`` of the
     spec's cost model) is needed when ``policy`` is not empty."""
-    from dtdsl.sim.workload import encoder_step_times, route
+    from dtdsl.sim.workload import route
 
     n = len(sizes)
     if policy:
         if work_model is None:
             raise ValueError(f"reorder policy {sorted(policy)} needs a work model")
         work = work_model.relative(sample_set(program, sizes))
-        times = encoder_step_times(plan, work)
     else:   # data order: only the batch size matters
         work = {u.name: np.ones(n) for u in plan.units}
-        times = None
-    routing = route(plan, work, policy, step_times=times)
+    routing = route(plan, work, policy)
     out = []
     for j in range(plan.num_microbatches):
         members = np.flatnonzero(routing.step == j)

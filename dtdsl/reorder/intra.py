@@ -149,11 +149,17 @@ def greedy_lpt(costs: Sequence[float], groups: int) -> list[int]:
     return _greedy(_check_costs(costs), _check_groups(groups))
 
 
-def balance(costs: Sequence[float], groups: int) -> list[int]:
+def balance(costs: Sequence[float], groups: int, *, work_budget: float | None = None
+            ) -> list[int]:
     """Our policy: the group index per sample, with the same group sizes as ``greedy_lpt``,
-    a maximum group load never above greedy's, and a deterministic function of the costs and
-    ``groups`` alone (see the module docstring)."""
-    return _balance(_check_costs(costs), _check_groups(groups))
+    a maximum group load never above greedy's, and a deterministic function of the costs,
+    ``groups`` and ``work_budget`` alone (see the module docstring). ``work_budget``: the
+    search's counted work (default ``_WORK_BUDGET``, about a microsecond a unit; 0: the
+    better of the two greedy starts only)."""
+    budget = _WORK_BUDGET if work_budget is None else float(work_budget)
+    if not (math.isfinite(budget) and budget >= 0):
+        raise ValueError(f"work_budget = {work_budget!r}: must be a finite amount >= 0")
+    return _balance(_check_costs(costs), _check_groups(groups), budget)
 
 
 def group_loads(costs: Sequence[float], assignment: Sequence[int], groups: int) -> list[float]:
@@ -270,11 +276,15 @@ def _sharper_bound(x: list[float], groups: int) -> float:
 # Our policy
 
 
-def _balance(x: list[float], groups: int) -> list[int]:
+def _balance(x: list[float], groups: int, budget: float = _WORK_BUDGET) -> list[int]:
     n = len(x)
     greedy = _greedy(x, groups)
     greedy_load = max(_loads(x, greedy, groups))
-    target = max(_bound(x, groups), _sharper_bound(x, groups)) * (1 + _CLOSE_ENOUGH)
+    # The plain bound first: it often suffices (a sample per group), and costs far less.
+    target = _bound(x, groups) * (1 + _CLOSE_ENOUGH)
+    if greedy_load <= target:
+        return greedy
+    target = max(target, _sharper_bound(x, groups) * (1 + _CLOSE_ENOUGH))
     if greedy_load <= target:
         return greedy
     per_group = -(-n // groups)
@@ -288,7 +298,7 @@ def _balance(x: list[float], groups: int) -> list[int]:
     # The pairs of slots for two-for-two swaps, only where that search is affordable.
     num_pairs = per_group * (per_group - 1) // 2
     pairs = np.triu_indices(per_group if (groups - 1) * num_pairs <= _MAX_PAIR_SUMS else 0, 1)
-    work = _WORK_BUDGET
+    work = budget
     best, best_load = None, math.inf
     for start in (_filling_greedy(x, groups), greedy):
         if best_load <= target:

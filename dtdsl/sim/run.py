@@ -18,13 +18,10 @@ from dtdsl.sim.workload import (
     Routing,
     WorkModel,
     batch_samples,
-    encoder_step_times,
     imbalance,
     iteration_durations,
     model_flops,
-    reordered,
     route,
-    step_orders,
 )
 
 __all__ = ["StepResult", "simulate_routed", "simulate_steps"]
@@ -53,27 +50,17 @@ def simulate_steps(program: Program, cost: CostModel, plan: Plan, schedule: Sche
                    work_model: WorkModel | None = None) -> Iterator[StepResult]:
     """Simulate ``steps`` training steps (global batches ``first_step``...), each on its
     own batch of samples drawn from the spec's data, routed under ``policy`` (a subset of
-    {"intra", "inter"}). A caller simulating the same schedule again (e.g. without
-    reordering, to compare) passes the ``simulator`` and ``work_model`` of the first run
-    rather than compiling and drawing references twice."""
+    {"intra", "inter"}) by ``route``, the rule the workers feeding a run apply. A caller
+    simulating the same schedule again (e.g. without reordering, to compare) passes the
+    ``simulator`` and ``work_model`` of the first run rather than compiling and drawing
+    references twice."""
     simulator = simulator or Simulator(schedule)
     work_model = work_model or WorkModel(cost)
     for step in range(first_step, first_step + steps):
         samples = batch_samples(program, step)
         work = work_model.relative(samples)
-        routing = route(plan, work, policy - {"inter"})
-        if "inter" in policy:
-            # The ordering model sees the encoders' first stage only: simulate the candidate
-            # orders through the whole pipeline and keep the fastest (the first on ties).
-            best = None
-            for order in step_orders(encoder_step_times(plan, work)(routing)):
-                candidate = reordered(routing, order)
-                run = simulator.run(iteration_durations(plan, cost, schedule, candidate, work))
-                if best is None or run.iteration_time_s < best[0].iteration_time_s:
-                    best = (run, candidate)
-            result, routing = best
-        else:
-            result = simulator.run(iteration_durations(plan, cost, schedule, routing, work))
+        routing = route(plan, work, policy)
+        result = simulator.run(iteration_durations(plan, cost, schedule, routing, work))
         yield _step_result(step, result, plan, cost, work_model, samples, routing, work)
         if progress is not None:
             progress(step)

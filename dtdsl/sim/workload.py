@@ -19,7 +19,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,9 +39,9 @@ from dtdsl.ir.schedule import Schedule
 from dtdsl.reorder.split import contiguous_split
 from dtdsl.sim.simulate import Durations
 
-__all__ = ["POLICIES", "Routing", "StepTimes", "batch_samples", "encoder_step_times",
-           "imbalance", "iteration_durations", "model_flops", "parse_policy", "reordered", "route",
-           "sample_work", "step_orders", "WorkModel"]
+__all__ = ["POLICIES", "Routing", "WorkModel", "batch_samples", "imbalance",
+           "iteration_durations", "model_flops", "parse_policy", "pipeline_times", "reordered",
+           "route", "sample_work"]
 
 POLICIES = ("none", "intra", "inter", "both")
 
@@ -168,63 +168,54 @@ class Routing:
         return out
 
 
-# The first pipeline stage's forward and backward seconds per step, the later stages'
-# forward and backward seconds, and the number of stages: what inter orders by.
-StepTimes = tuple[np.ndarray, np.ndarray, float, float, int]
+def route(plan: Plan, work: dict[str, np.ndarray], policy: frozenset[str]) -> Routing:
+    """Route a global batch (``work``: per unit, relative work per sample) per ``plan``
+    under ``policy`` (a subset of {"intra", "inter"}): the one rule the simulator and the
+    workers that feed a run apply (``dtdsl.data.batch.route_batch``), a deterministic
+    function of the plan and the costs.
 
+    - none: data order. Backbone replica r takes the r-th contiguous slice of the batch,
+      in microbatches of ``micro_batch``; another unit's replicas split each step's
+      samples contiguously.
+    - ``inter``: samples of similar work share a microbatch step (the batch sorted by a
+      sample's work, each step the next ``dp * micro_batch``: by the backbone's work, by
+      its slowest stage's, or kept in data order, whichever the pipeline model finds
+      fastest), and the steps are ordered for 1F1B by the whole pipeline's stage times
+      (``dtdsl.reorder.pipeline`` on ``pipeline_times``).
+    - ``intra``: within each step, a backbone microbatch takes samples of similar length
+      (less padding), the microbatches go to the backbone's replicas by their whole
+      pipeline's work (the heaviest to the replica with the least so far), and every
+      other unit's replicas are balanced on that unit's work
+      (``dtdsl.reorder.intra.balance``).
 
-def route(plan: Plan, work: dict[str, np.ndarray], policy: frozenset[str], *,
-          step_times: Callable[[Routing], StepTimes] | None = None) -> Routing:
-    """Route a global batch (``work``: per unit, relative work per sample) per ``plan``.
-
-    ``step_times`` gives what ``inter`` orders by (see ``encoder_step_times``); without
-    it ``inter`` is skipped. ``inter`` here takes the 1F1B model's best order;
-    ``simulate_steps`` instead simulates every order of ``step_orders`` through the whole
-    pipeline."""
-    m = plan.num_microbatches
-    mb = plan.micro_batch
-    backbone = next(u for u in plan.units if u.role == "backbone")
+    Samples move only within the batch, each exactly once."""
     n = next(iter(work.values())).shape[0]
     if n != plan.global_batch:
         raise ValueError(f"{n} samples for a global batch of {plan.global_batch}")
-    index = np.arange(n)
-    step = (index % (m * mb)) // mb
-    replica: dict[str, np.ndarray] = {}
-    for u in plan.units:
-        if plan.rigid and u.name != backbone.name:
-            continue
-        r = np.empty(n, dtype=np.intp)
-        total = np.zeros(u.dp)       # each replica's work so far (intra)
-        for j in range(m):
-            members = np.flatnonzero(step == j)
-            if u.name == backbone.name and "intra" not in policy:
-                r[members] = members // (m * mb)
-            elif "intra" in policy and u.dp > 1:
-                from dtdsl.reorder.intra import balance
-                costs = work[u.name][members]
-                groups = np.asarray(balance(costs.tolist(), u.dp))
-                # The step's heaviest group goes to the replica with the least work so
-                # far: one sample can outweigh a step's others, and a replica given the
-                # heaviest group every step would fall behind the others for good.
-                load = np.bincount(groups, weights=costs, minlength=u.dp)
-                relabel = np.empty(u.dp, dtype=np.intp)
-                relabel[np.argsort(-load, kind="stable")] = np.argsort(total, kind="stable")
-                r[members] = relabel[groups]
-                total += np.bincount(r[members], weights=costs, minlength=u.dp)
-            else:
-                r[members] = contiguous_split(len(members), u.dp)
-        replica[u.name] = r
-    if plan.rigid:
-        # One pipeline per replica: a sample stays on its backbone replica's pipeline.
-        replica = {u.name: replica[backbone.name] for u in plan.units}
-    routing = Routing(num_microbatches=m, step=step, replica=replica)
-    if "inter" in policy and step_times is not None:
-        from dtdsl.reorder.inter import best_order
+    unknown = set(policy) - {"intra", "inter"}
+    if unknown:
+        raise ValueError(f"reorder policy {sorted(unknown)}: give a subset of intra, inter")
+    costs = _SampleCosts(plan, work)
+    intra = "intra" in policy
+    if "inter" not in policy:
+        return _routed(plan, costs, _data_order_steps(plan), intra, grouped=False)
+    from dtdsl.reorder.pipeline import OrderSearch
 
-        fwd, bwd, stage_f, stage_b, stages = step_times(routing)
-        routing = reordered(routing, best_order(list(fwd), list(bwd), stage_f, stage_b,
-                                                stages))
-    return routing
+    # Each grouping with its best candidate order; the local search then runs from the
+    # best of those only (it costs far more than the candidates).
+    # Each grouping (its other units balanced by greedy alone) with its best candidate
+    # order; the winner is balanced in full and its order searched locally (each costs
+    # far more than a candidate).
+    best = None
+    for grouped, steps in _groupings(plan, costs):
+        routing = _routed(plan, costs, steps, intra, grouped=grouped, balance_budget=0.0)
+        _, t = OrderSearch(*pipeline_times(plan, routing, work)).best_candidate()
+        if best is None or t < best[0]:
+            best = (t, grouped, steps)
+    _, grouped, steps = best
+    routing = _routed(plan, costs, steps, intra, grouped=grouped)
+    order, _ = OrderSearch(*pipeline_times(plan, routing, work)).best()
+    return reordered(routing, order)
 
 
 def reordered(routing: Routing, order) -> Routing:
@@ -235,25 +226,149 @@ def reordered(routing: Routing, order) -> Routing:
                    step=position[routing.step], replica=routing.replica)
 
 
-def step_orders(times: StepTimes) -> list[list[int]]:
-    """Candidate step orders for ``inter``, best first by the 1F1B model of
-    ``dtdsl.reorder.inter``: ours (``best_order``), DistTrain's, data order, and the
-    steps by size, ascending and descending (duplicates dropped). The model looks at the
-    first pipeline stage only; a caller with the whole pipeline (``simulate_steps``)
-    simulates each and keeps the fastest."""
-    from dtdsl.reorder.inter import best_order, disttrain_order
+class _SampleCosts:
+    """Per unit and sample, the seconds a step of copies of the sample takes on the unit's
+    slowest stage (forward and backward): ``work`` times the plan's time of an average
+    microbatch there."""
 
-    fwd, bwd, stage_f, stage_b, stages = times
-    f, b = list(fwd), list(bwd)
-    size = sorted(range(len(f)), key=lambda i: (f[i] + b[i], i))
-    orders = [best_order(f, b, stage_f, stage_b, stages),
-              disttrain_order(f, b, stages, stage_f, stage_b), list(range(len(f))), size,
-              size[::-1]]
-    out: list[list[int]] = []
-    for order in orders:
-        if order not in out:
-            out.append(order)
+    def __init__(self, plan: Plan, work: dict[str, np.ndarray]) -> None:
+        self.plan = plan
+        self.backbone = next(u for u in plan.units if u.role == "backbone")
+        self.stage = {u.name: np.asarray(work[u.name], dtype=float) *
+                      (u.fwd_time_s + u.bwd_time_s) for u in plan.units}
+        self._others: np.ndarray | None = None
+
+    def pipeline(self, batches: np.ndarray) -> np.ndarray:
+        """The whole pipeline's seconds of each backbone microbatch (rows of ``batches``:
+        sample indices) over every unit's stages, the backbone's padded to its longest."""
+        bb = self.backbone
+        if self._others is None:
+            self._others = sum((self.stage[u.name] * u.pp for u in self.plan.units
+                                if u.name != bb.name), np.zeros(len(self.stage[bb.name])))
+        longest = self.stage[bb.name][batches].max(axis=1)
+        return batches.shape[1] * longest * bb.pp + self._others[batches].sum(axis=1)
+
+    def keys(self) -> list[np.ndarray]:
+        """What ``inter`` sorts samples by: the backbone's work, the slowest stage's."""
+        return [self.stage[self.backbone.name],
+                np.max(list(self.stage.values()), axis=0)]
+
+
+def _data_order_steps(plan: Plan) -> np.ndarray:
+    m, mb = plan.num_microbatches, plan.micro_batch
+    return (np.arange(plan.global_batch) % (m * mb)) // mb
+
+
+def _groupings(plan: Plan, costs: _SampleCosts) -> list[tuple[bool, np.ndarray]]:
+    """(grouped, each sample's step) of every grouping ``inter`` tries: data order, and the
+    batch sorted by each key (ties by position) cut into steps of dp * micro_batch."""
+    n = plan.global_batch
+    per_step = n // plan.num_microbatches
+    out = [(False, _data_order_steps(plan))]
+    for key in costs.keys():
+        step = np.empty(n, dtype=np.intp)
+        step[np.argsort(key, kind="stable")] = np.arange(n) // per_step
+        if not any(np.array_equal(step, s) for _, s in out[1:]):
+            out.append((True, step))
     return out
+
+
+def _routed(plan: Plan, costs: _SampleCosts, step: np.ndarray, intra: bool, *,
+            grouped: bool, balance_budget: float | None = None) -> Routing:
+    """Every unit's replica per sample for the steps ``step`` (see ``route``;
+    ``balance_budget``: ``intra.balance``'s work per step and unit, default
+    ``_BALANCE_BUDGET``)."""
+    m, mb = plan.num_microbatches, plan.micro_batch
+    bb = costs.backbone
+    members_of = [np.flatnonzero(step == j) for j in range(m)]
+    r = np.empty(len(step), dtype=np.intp)
+    total = np.zeros(bb.dp)         # each backbone replica's pipeline seconds so far
+    length = costs.stage[bb.name]
+    for members in members_of:
+        if not (intra or grouped):
+            r[members] = members // (m * mb)
+            continue
+        # A microbatch of samples of similar length pads least.
+        batches = members[np.argsort(length[members], kind="stable")].reshape(bb.dp, mb)
+        if not intra:
+            r[batches] = np.arange(bb.dp)[:, None]
+            continue
+        # The heaviest microbatch to the replica with the least work so far: a replica
+        # given the heaviest every step would fall behind the others for good.
+        load = costs.pipeline(batches)
+        target = np.empty(bb.dp, dtype=np.intp)
+        target[np.argsort(-load, kind="stable")] = np.argsort(total, kind="stable")
+        r[batches] = target[:, None]
+        total[target] += load
+    replica = {bb.name: r}
+    for u in plan.units:
+        if u.name != bb.name:
+            # One pipeline per replica in a rigid plan: a sample stays on its backbone
+            # replica's.
+            replica[u.name] = r if plan.rigid else _split(
+                members_of, costs.stage[u.name], u.dp, intra,
+                _BALANCE_BUDGET if balance_budget is None else balance_budget)
+    return Routing(num_microbatches=m, step=step, replica=replica)
+
+
+# Work of ``intra.balance`` per step and unit (its units: about a microsecond each): a
+# step's few samples rarely need more, and a batch must route in a fraction of a second
+# (the planner routes several per layout it scores).
+_BALANCE_BUDGET = 500.0
+
+
+def _split(members_of: list[np.ndarray], costs: np.ndarray, dp: int, intra: bool,
+           budget: float) -> np.ndarray:
+    """A non-backbone unit's replica per sample, step by step: balanced on ``costs``
+    (``intra``: greedy for every step at once, ``intra.balance`` where greedy is above the
+    simple bound), else the step's samples cut into contiguous runs."""
+    from dtdsl.reorder.intra import balance
+
+    out = np.empty(len(costs), dtype=np.intp)
+    if not intra or dp == 1:
+        for members in members_of:
+            out[members] = contiguous_split(len(members), dp)
+        return out
+    members = np.array(members_of)                       # (steps, samples per step)
+    mine = costs[members]
+    groups, loads = _greedy_rows(mine, dp)
+    k = members.shape[1]
+    ascending = np.sort(mine, axis=1)
+    others = max(k // dp - 1, 0)
+    bound = np.maximum(mine.sum(axis=1) / dp,
+                       ascending[:, -1] + ascending[:, :others].sum(axis=1))
+    if budget > 0:
+        for j in np.flatnonzero(loads.max(axis=1) > bound * (1 + 1e-5)):
+            groups[j] = balance(mine[j], dp, work_budget=budget)
+    total = np.zeros(dp)       # each replica's work so far
+    for j in range(len(members)):
+        # The step's heaviest group to the replica with the least work so far.
+        load = np.bincount(groups[j], weights=mine[j], minlength=dp)
+        relabel = np.empty(dp, dtype=np.intp)
+        relabel[np.argsort(-load, kind="stable")] = np.argsort(total, kind="stable")
+        out[members[j]] = relabel[groups[j]]
+        total += load[np.argsort(relabel)]
+    return out
+
+
+def _greedy_rows(costs: np.ndarray, dp: int) -> tuple[np.ndarray, np.ndarray]:
+    """``intra.greedy_lpt`` on every row of ``costs`` at once: (group per sample, load per
+    group). Largest first (ties by index), each to the least-loaded group with room
+    (ties: the lower index); the first k % dp groups take one sample more."""
+    rows, k = costs.shape
+    base, extra = divmod(k, dp)
+    room = np.full((rows, dp), base) + (np.arange(dp) < extra)
+    load = np.zeros((rows, dp))
+    groups = np.empty((rows, k), dtype=np.intp)
+    order = np.argsort(-costs, axis=1, kind="stable")
+    at = np.arange(rows)
+    for c in range(k):
+        item = order[:, c]
+        g = np.argmin(np.where(room > 0, load, np.inf), axis=1)
+        groups[at, item] = g
+        load[at, g] += costs[at, item]
+        room[at, g] -= 1
+    return groups, load
 
 
 def _per_sample_seconds(plan: Plan) -> dict[str, tuple[float, float]]:
@@ -265,32 +380,44 @@ def _per_sample_seconds(plan: Plan) -> dict[str, tuple[float, float]]:
     return out
 
 
-def encoder_step_times(plan: Plan, work: dict[str, np.ndarray]
-                       ) -> Callable[[Routing], StepTimes]:
-    """A function of a Routing giving what inter-microbatch ordering needs: the encoders'
-    forward and backward seconds per step (their slowest replica, the slowest encoder),
-    the backbone's per-stage seconds, and the pipeline depth (encoder, backbone and
-    generator stages)."""
+def pipeline_times(plan: Plan, routing: Routing, work: dict[str, np.ndarray]
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """(stages, steps) forward and backward seconds of the plan's pipeline as one chain,
+    per microbatch step (its slowest replica): the encoders' stages (side-by-side
+    encoders as one, a shallower one ending with the deepest), the backbone's (a
+    co-located encoder on its first, a co-located generator on its last), the
+    generators'. What ``inter`` orders the steps by."""
     seconds = _per_sample_seconds(plan)
-    backbone = next(u for u in plan.units if u.role == "backbone")
-    encoders = [u for u in plan.units if u.role == "encoder"]
-    generators = [u for u in plan.units if u.role == "generator"]
-    depth = max((u.pp for u in encoders), default=0) + backbone.pp + \
-        max((u.pp for u in generators), default=0)
+    m = routing.num_microbatches
 
-    def times(routing: Routing) -> StepTimes:
-        m = routing.num_microbatches
-        fwd = np.zeros(m)
-        bwd = np.zeros(m)
-        for u in encoders:
-            load = routing.loads(u.name, work[u.name], u.dp).max(axis=1)
-            f, b = seconds[u.name]
-            fwd = np.maximum(fwd, load * f)
-            bwd = np.maximum(bwd, load * b)
-        f_lm, b_lm = (x * plan.micro_batch for x in seconds[backbone.name])
-        return fwd, bwd, f_lm, b_lm, max(depth, 1)
+    def stages(u) -> tuple[np.ndarray, np.ndarray]:
+        load = _loads(routing, u, work).max(axis=1)                  # (steps,)
+        layers = np.asarray(u.layers_per_stage, dtype=float)
+        scale = (layers / layers.max())[:, None]
+        f, b = seconds[u.name]
+        return f * scale * load, b * scale * load
 
-    return times
+    bb = next(u for u in plan.units if u.role == "backbone")
+    fwd, bwd = stages(bb)
+    chain_f, chain_b = [], []
+    for role in ("encoder", "generator"):
+        units = [u for u in plan.units if u.role == role]
+        depth = max((u.pp for u in units if not u.colocated), default=0)
+        f_sec, b_sec = np.zeros((depth, m)), np.zeros((depth, m))
+        for u in units:
+            f, b = stages(u)
+            if u.colocated:
+                at = 0 if role == "encoder" else -1
+                fwd[at] += f[0]
+                bwd[at] += b[0]
+                continue
+            at = depth - u.pp if role == "encoder" else 0
+            np.maximum(f_sec[at:at + u.pp], f, out=f_sec[at:at + u.pp])
+            np.maximum(b_sec[at:at + u.pp], b, out=b_sec[at:at + u.pp])
+        chain_f.append(f_sec)
+        chain_b.append(b_sec)
+    return (np.concatenate([chain_f[0], fwd, chain_f[1]]),
+            np.concatenate([chain_b[0], bwd, chain_b[1]]))
 
 
 def _loads(routing: Routing, unit, work: dict[str, np.ndarray]) -> np.ndarray:

@@ -11,7 +11,6 @@ import json
 import math
 import os
 import random
-import time
 
 import numpy as np
 import pytest
@@ -406,19 +405,17 @@ def test_patches_that_do_not_couple_are_walked_further(monkeypatch):
     assert _rel(times, whole_t) < 1e-12 and _rel(sums, whole_s) < 1e-12
 
 
-def test_1024_microbatches_in_seconds():
+def test_1024_microbatches():
     """Issue 18 item 6: 1024 microbatches x 8 stages, lognormal(0, 0.6) forwards and
-    backwards twice those, in well under the bound (about 1 s of CPU here; the whole walks
-    took about 12 s); the result no worse than the starts and exact."""
+    backwards twice those: the result no worse than the starts and exact (its time is
+    benchmarks/reorder_inter.py's to measure: about 1 s of CPU on a quiet machine, the
+    whole walks took about 12 s; the suite asserts no timings)."""
     rng = random.Random(0)
     m, p = 1024, 8
     fwd = [rng.lognormvariate(0.0, 0.6) for _ in range(m)]
     bwd = [2.0 * x for x in fwd]
     f, b = sum(fwd) / m, sum(bwd) / m
-    start = time.perf_counter()
     order = best_order(fwd, bwd, f, b, p)
-    elapsed = time.perf_counter() - start
-    assert elapsed < 5.0, f"{elapsed:.2f} s"
     assert _is_permutation(order, m)
     ours = simulate_1f1b(fwd, bwd, f, b, p, order)
     assert ours < simulate_1f1b(fwd, bwd, f, b, p, disttrain_order(fwd, bwd, p, f, b))

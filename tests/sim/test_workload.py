@@ -18,7 +18,6 @@ from dtdsl.sim.run import simulate_steps
 from dtdsl.sim.simulate import Simulator
 from dtdsl.sim.workload import (
     batch_samples,
-    encoder_step_times,
     imbalance,
     iteration_durations,
     parse_policy,
@@ -125,8 +124,7 @@ def test_batches_are_seeded_by_step():
 def test_routing_gives_every_replica_its_share(policy):
     program, cost, the_plan, _ = _setup("mllm_9b")
     work = sample_work(cost, batch_samples(program, 0))
-    routing = route(the_plan, work, parse_policy(policy),
-                    step_times=encoder_step_times(the_plan, work))
+    routing = route(the_plan, work, parse_policy(policy))
     m, mb = the_plan.num_microbatches, the_plan.micro_batch
     backbone = next(u for u in the_plan.units if u.role == "backbone")
     counts = np.bincount(routing.step, minlength=m)
@@ -180,19 +178,30 @@ def _best_split(costs: np.ndarray, groups: int) -> float:
     return best
 
 
-def test_inter_permutes_whole_steps():
-    program, cost, the_plan, _ = _setup("mllm_9b")
+def test_inter_groups_samples_of_similar_backbone_work():
+    """Inter puts samples of similar backbone work into the same microbatch step (the
+    dominant loss on unpacked batches is consecutive microbatches of different work), and
+    orders the steps by the whole pipeline: a step's samples span a far narrower range of
+    backbone work than in data order, and it simulates faster than intra alone."""
+    program, cost, the_plan, schedule = _setup("mllm_9b")
+    backbone = next(u for u in the_plan.units if u.role == "backbone")
     work = sample_work(cost, batch_samples(program, 0))
-    times = encoder_step_times(the_plan, work)
+    length = work[backbone.name]
+
+    def spread(routing) -> float:
+        return float(np.mean([np.ptp(length[routing.step == j])
+                              for j in range(the_plan.num_microbatches)]))
+
     plain = route(the_plan, work, parse_policy("intra"))
-    ordered = route(the_plan, work, parse_policy("both"), step_times=times)
-    # The same samples travel together; only the steps' order changes.
-    mapping = {}
-    for a, b in zip(plain.step.tolist(), ordered.step.tolist(), strict=True):
-        assert mapping.setdefault(a, b) == b
-    assert sorted(mapping.values()) == list(range(the_plan.num_microbatches))
-    for name in plain.replica:
-        assert np.array_equal(plain.replica[name], ordered.replica[name])
+    both = route(the_plan, work, parse_policy("both"))
+    assert spread(both) < 0.25 * spread(plain)
+    simulator = Simulator(schedule)
+
+    def seconds(routing) -> float:
+        return simulator.run(iteration_durations(the_plan, cost, schedule, routing,
+                                                 work)).iteration_time_s
+
+    assert seconds(both) < 0.7 * seconds(plain)
 
 
 def test_expected_work_simulates_close_to_the_plan():
@@ -277,7 +286,8 @@ def test_interleaved_plans_simulate_no_slower_than_planned(global_batch):
 
 
 def test_inter_never_loses_to_data_order():
-    # The step order is chosen by simulating candidates, data order among them.
+    # Inter's groupings and orders are chosen on the whole pipeline's model, data order
+    # among them; grouping samples of similar work also evens the replicas of a step.
     program, cost, the_plan, schedule = _setup("mllm_9b")
     intra = simulate_steps(program, cost, the_plan, schedule, steps=2,
                            policy=parse_policy("intra"))
@@ -285,4 +295,4 @@ def test_inter_never_loses_to_data_order():
                           policy=parse_policy("both"))
     for a, b in zip(intra, both, strict=True):
         assert b.iteration_time_s <= a.iteration_time_s
-        assert b.imbalance == pytest.approx(a.imbalance)   # the same samples per step
+        assert b.imbalance <= a.imbalance
