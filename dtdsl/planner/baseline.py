@@ -51,9 +51,9 @@ from dtdsl.planner.evaluate import Evaluator
 from dtdsl.planner.result import Layout, make_plan, no_layout_fits
 from dtdsl.planner.space import Space, efficient_pps
 
-__all__ = ["PLACEMENTS", "Candidate", "baseline_candidates", "baseline_cost",
-           "choose_on_drawn_batches", "megatron_split", "plan_baseline", "to_simulate",
-           "with_recompute"]
+__all__ = ["PLACEMENTS", "Candidate", "StageWork", "baseline_candidates", "baseline_cost",
+           "choose_on_drawn_batches", "megatron_split", "one_f_one_b_time", "plan_baseline",
+           "to_simulate", "with_recompute"]
 
 Progress = Callable[[int, int, str], None]
 
@@ -98,55 +98,99 @@ def baseline_cost(cost: CostModel, *, packing: bool | None = None,
 
 # ---- uneven first and last stages --------------------------------------------------------
 
-def megatron_split(layers: int, pp: int, per_layer: float, first_extra: float = 0.0,
-                   last_extra: float = 0.0) -> tuple[tuple[int, ...], float]:
-    """The layers per stage that Megatron-LM can give a pipeline of ``pp`` stages
-    (``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers``,
-    each at least 1, the middle stages the rest in equal parts) with the slowest stage
-    fastest, when a layer takes ``per_layer`` and the first (last) stage also runs
-    ``first_extra`` (``last_extra``): a co-located encoder (generator). Ties go to the
-    smallest largest stage, then to the most even split. Returns the split and its
-    slowest stage's time."""
-    if pp < 1 or layers < pp:
-        raise ValueError(f"cannot split {layers} layers over {pp} stages")
+@dataclass(frozen=True)
+class StageWork:
+    """Forward and backward seconds of one microbatch on a pipeline's stages: ``fwd`` and
+    ``bwd`` per layer, plus what the first (last) stage runs besides its layers (a
+    co-located encoder, generator) and what every stage of a deeper pipeline adds (its
+    transfers, once each way)."""
+
+    fwd: float
+    bwd: float
+    first: tuple[float, float] = (0.0, 0.0)
+    last: tuple[float, float] = (0.0, 0.0)
+    hop: float = 0.0
+
+
+def one_f_one_b_time(fwd, bwd, microbatches: int, vpp: int = 1):
+    """The time 1F1B takes for ``microbatches`` over stages of forward and backward seconds
+    ``fwd`` and ``bwd`` (arrays, the stages along the last axis, which may differ): the
+    latest of the stages' own bounds. Stage k's: the first microbatch reaching it, all of
+    its own work, the wait for its first backward beyond the pp - k - 1 forwards of its
+    warm-up, the wait for its last backward beyond the pp - k - 1 backwards of its
+    cool-down (each wait: the later stages' work on one microbatch), and the last
+    backward going back. With equal stages it is (m + pp - 1) T, Megatron-LM's 1F1B; the
+    latencies, not the work, shrink by ``vpp`` with interleaving ((m + (pp - 1) / vpp) T
+    for equal stages)."""
+    fwd, bwd = np.asarray(fwd, dtype=float), np.asarray(bwd, dtype=float)
+    t = fwd + bwd
+    pp = t.shape[-1]
+    done = np.cumsum(t, axis=-1)
+    before = done - t
+    after = done[..., -1:] - done
+    ahead = pp - 1 - np.arange(pp)
+    bound = before / vpp + microbatches * t + \
+        np.maximum(0.0, (after - ahead * fwd) / vpp) + \
+        np.maximum(0.0, (after - ahead * bwd) / vpp)
+    return bound.max(axis=-1)
+
+
+def _split_candidates(layers: int, pp: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every split Megatron-LM can express as (first, middle, last) layer counts: first
+    and last at least 1, the pp - 2 middle stages the rest in equal parts of at least 1."""
     if pp == 1:
-        return (layers,), per_layer * layers + first_extra + last_extra
+        return np.array([layers]), np.array([0]), np.array([0])
     if pp == 2:
         first = np.arange(1, layers)
-        middle = np.zeros_like(first)
-    else:
-        mids = np.arange(1, (layers - 2) // (pp - 2) + 1)
-        rest = layers - (pp - 2) * mids                    # first + last, at least 2
-        counts = rest - 1
-        middle = np.repeat(mids, counts)
-        start = np.cumsum(counts) - counts
-        first = np.arange(int(counts.sum())) - np.repeat(start, counts) + 1
-    last = layers - (pp - 2) * middle - first
-    slowest = np.maximum(np.maximum(per_layer * first + first_extra, per_layer * middle),
-                         per_layer * last + last_extra)
-    largest = np.maximum(np.maximum(first, middle), last)
-    spread = largest - np.minimum(np.minimum(first, np.where(pp > 2, middle, first)), last)
-    # Round the times so that float noise does not decide a tie.
-    k = np.lexsort((spread, largest, np.round(slowest, 12)))[0]
-    split = (int(first[k]),) + (int(middle[k]),) * (pp - 2) + (int(last[k]),)
-    return split, float(slowest[k])
+        return first, np.zeros_like(first), layers - first
+    mids = np.arange(1, (layers - 2) // (pp - 2) + 1)
+    rest = layers - (pp - 2) * mids                       # first + last, at least 2
+    counts = rest - 1
+    middle = np.repeat(mids, counts)
+    start = np.cumsum(counts) - counts
+    first = np.arange(int(counts.sum())) - np.repeat(start, counts) + 1
+    return first, middle, layers - (pp - 2) * middle - first
 
 
-def _chunked_split(layers: int, pp: int, vpp: int, per_layer: float, first_extra: float,
-                   last_extra: float) -> tuple[tuple[int, ...], float]:
-    """``megatron_split`` in chunks of ``vpp`` layers: with interleaving every stage's
-    layers must divide into its virtual stages (Megatron-LM checks it for the first, the
-    middle and the last stages alike)."""
-    split, slowest = megatron_split(layers // vpp, pp, per_layer * vpp, first_extra,
-                                    last_extra)
-    return tuple(n * vpp for n in split), slowest
+def megatron_split(layers: int, pp: int, work: StageWork, microbatches: int, vpp: int = 1
+                   ) -> tuple[tuple[int, ...], float]:
+    """The layers per stage Megatron-LM can give a pipeline of ``pp`` stages
+    (``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers``,
+    each at least 1; the middle stages split the rest in equal parts,
+    ``TransformerConfig``'s rule) that runs ``microbatches`` fastest in 1F1B
+    (``one_f_one_b_time``), and that time. With interleaving every stage's layers divide
+    into its ``vpp`` virtual stages (Megatron-LM checks it for the first, the middle and
+    the last alike): the split is in chunks of ``vpp`` layers. Ties go to the smallest
+    largest stage, then to the most even split."""
+    if pp < 1 or layers < pp * vpp or layers % vpp:
+        raise ValueError(f"cannot split {layers} layers over {pp} stages of {vpp} chunks")
+    first, middle, last = (n * vpp for n in _split_candidates(layers // vpp, pp))
+    counts = np.stack([first] + [middle] * max(pp - 2, 0) + ([last] if pp > 1 else []),
+                      axis=-1).astype(float)
+    hop = work.hop if pp > 1 else 0.0
+    fwd = counts * work.fwd + hop
+    bwd = counts * work.bwd + hop
+    fwd[:, 0] += work.first[0]
+    bwd[:, 0] += work.first[1]
+    fwd[:, -1] += work.last[0]
+    bwd[:, -1] += work.last[1]
+    times = one_f_one_b_time(fwd, bwd, microbatches, vpp)
+    largest = counts.max(axis=-1)
+    spread = largest - counts.min(axis=-1)
+    # Rounded so that float noise does not decide a tie.
+    k = int(np.lexsort((spread, largest, np.round(times, 12)))[0])
+    return tuple(int(n) for n in counts[k]), float(times[k])
 
 
 def _even_split(layers: int, pp: int, vpp: int) -> tuple[int, ...] | None:
-    """The balanced split Megatron-LM can express (``megatron_split`` with nothing extra on
-    the first and last stages), or None when its largest stage is not ceil(layers / pp),
-    the size the evaluator prices."""
-    split, _ = _chunked_split(layers, pp, vpp, 1.0, 0.0, 0.0)
+    """The most even split Megatron-LM can express (in chunks of ``vpp``), or None when
+    its largest stage is not ceil(layers / pp), the size the evaluator prices."""
+    first, middle, last = (n * vpp for n in _split_candidates(layers // vpp, pp))
+    counts = np.stack([first] + [middle] * max(pp - 2, 0) + ([last] if pp > 1 else []),
+                      axis=-1)
+    largest = counts.max(axis=-1)
+    k = int(np.lexsort((largest - counts.min(axis=-1), largest))[0])
+    split = tuple(int(n) for n in counts[k])
     return split if max(split) == -(-layers // pp) else None
 
 
@@ -178,30 +222,34 @@ class _Colocation:
         self.gen = [i for i in range(n) if ev.roles[i] == "generator"]
         self._splits: dict[tuple, tuple[tuple[int, ...], float]] = {}
 
-    def _times(self, tp: int, across: bool) -> tuple[float, float, float, float]:
-        """(per backbone layer, co-located encoders, generators, one backbone hop): the
-        seconds of one microbatch's forward and backward."""
+    def _work(self, tp: int, across: bool) -> StageWork:
+        """A backbone layer's forward and backward seconds of one microbatch, the
+        co-located encoders' on the first stage and generators' on the last, and one
+        transfer between stages."""
         ev = self.ev
         b = ev.backbone
         fwd, bwd = ev.fwd_bwd(b, tp, across)
-        e = sum(sum(ev.fwd_bwd(i, tp, across)) for i in self.enc)
-        g = sum(sum(ev.fwd_bwd(i, tp, across)) for i in self.gen)
-        hop = float(ev.cost.hop_time_s(ev.units[b], tp, 1.0))
-        return (fwd + bwd) / ev.units[b].layers, e, g, hop
+        layers = ev.units[b].layers
+        first = [ev.fwd_bwd(i, tp, across) for i in self.enc]
+        last = [ev.fwd_bwd(i, tp, across) for i in self.gen]
+        return StageWork(fwd=fwd / layers, bwd=bwd / layers,
+                         first=(sum(f for f, _ in first), sum(b_ for _, b_ in first)),
+                         last=(sum(f for f, _ in last), sum(b_ for _, b_ in last)),
+                         hop=float(ev.cost.hop_time_s(ev.units[b], tp, 1.0)))
 
-    def split(self, tp: int, pp: int, vpp: int, across: bool) -> tuple[tuple[int, ...], float]:
-        key = (tp, pp, vpp, across)
+    def split(self, tp: int, pp: int, vpp: int, across: bool, microbatches: int
+              ) -> tuple[tuple[int, ...], float]:
+        key = (tp, pp, vpp, across, microbatches)
         if key not in self._splits:
-            c, e, g, _ = self._times(tp, across)
-            self._splits[key] = _chunked_split(self.ev.units[self.ev.backbone].layers, pp,
-                                               vpp, c, e, g)
+            self._splits[key] = megatron_split(self.ev.units[self.ev.backbone].layers, pp,
+                                               self._work(tp, across), microbatches, vpp)
         return self._splits[key]
 
     def evaluate(self, tp: int, dp: int, pps) -> _Colocated:
-        """The layouts of backbone depths ``pps`` at ``tp`` and ``dp``. 1F1B over uneven
-        stages: the first microbatch crosses every stage (interleaved: the slowest whole,
-        the others 1/vpp each, as ``Evaluator`` prices even stages), every other one
-        takes the slowest stage's time."""
+        """The layouts of backbone depths ``pps`` at ``tp`` and ``dp``: 1F1B over the
+        uneven stages (``one_f_one_b_time``) and the transfers of the first microbatch's
+        forward and the last one's backward between them (as ``Evaluator`` prices
+        them), then the slowest stage's end of step."""
         ev = self.ev
         cost = ev.cost
         b = ev.backbone
@@ -220,19 +268,21 @@ class _Colocation:
         splits = []
         for k, (p, v, x) in enumerate(zip(pps.tolist(), vpps.tolist(), across_all.tolist(),
                                           strict=True)):
-            c, e, g, hop = self._times(tp, bool(x))
-            split, slowest = self.split(tp, p, int(v), bool(x))
-            h2 = 2 * hop if p > 1 else 0.0
-            slowest += h2
-            total = c * unit.layers + e + g + p * h2
-            warmup = slowest + (total - slowest) / v + 2 * (p - 1) * hop
+            work = self._work(tp, bool(x))
+            split, pipeline = self.split(tp, p, int(v), bool(x), m)
+            hop = work.hop if p > 1 else 0.0
+            stage = [(work.fwd + work.bwd) * n + 2 * hop for n in split]
+            stage[0] += sum(work.first)
+            stage[-1] += sum(work.last)
             stage_sync = [float(fixed_b + layer_b * n) for n in split]
             bsync = max(stage_sync)
             stage_sync[0] += sync_e
             stage_sync[-1] += sync_g
-            out["time"][k] = warmup + slowest * (m - 1) + max(stage_sync)
-            out["warmup"][k] = warmup
-            out["steady"][k] = slowest * (m - 1)
+            steady = min(max(stage) * (m - 1), pipeline)
+            total = pipeline + 2 * (p - 1) * hop
+            out["time"][k] = total + max(stage_sync)
+            out["warmup"][k] = total - steady
+            out["steady"][k] = steady
             out["sync"][k] = max(stage_sync)
             out["bsync"][k] = bsync
             splits.append(split)
