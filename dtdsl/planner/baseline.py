@@ -30,8 +30,8 @@ into sequences of ``seq_len`` attending within their documents (Megatron-Energon
 packing buffer, ``--packing-buffer-size``; ``train.packing`` on). Each is chosen on the
 drawn batches the plan is scored on: ``baseline_candidates`` ranks every placement and
 backbone depth by its best layout at mean work, ``choose_on_drawn_batches`` simulates the
-few best of each placement and the shallowest within a margin of them, and keeps the
-fastest there. ``docs/planner.md`` describes them with their sources.
+fastest of each placement and those near it that the drawn batches may favour, and
+keeps the fastest there. ``docs/planner.md`` describes them with their sources.
 """
 
 from __future__ import annotations
@@ -58,11 +58,10 @@ __all__ = ["PLACEMENTS", "Candidate", "StageWork", "baseline_candidates", "basel
 Progress = Callable[[int, int, str], None]
 
 PLACEMENTS = ("stages", "colocated")
-# Which candidates are simulated on the drawn batches: the fastest few of each placement
-# at mean work, and the shallowest pipeline within this factor of that placement's
-# fastest (padding to seq_len and variation between microbatches cost deep pipelines
-# more than mean work shows).
-PER_PLACEMENT = 2
+# Which candidates are simulated on the drawn batches (``to_simulate``): within this
+# factor of a placement's fastest at mean work. Drawn batches take up to about 1.5x the
+# mean-work time of a pp 1 layout (its replicas wait for the longest samples at the
+# gradient sync), little more than it for a pipelined one padded to seq_len.
 SHALLOW_MARGIN = 1.5
 
 
@@ -162,24 +161,74 @@ def megatron_split(layers: int, pp: int, work: StageWork, microbatches: int, vpp
     into its ``vpp`` virtual stages (Megatron-LM checks it for the first, the middle and
     the last alike): the split is in chunks of ``vpp`` layers. Ties go to the smallest
     largest stage, then to the most even split."""
-    if pp < 1 or layers < pp * vpp or layers % vpp:
-        raise ValueError(f"cannot split {layers} layers over {pp} stages of {vpp} chunks")
-    first, middle, last = (n * vpp for n in _split_candidates(layers // vpp, pp))
-    counts = np.stack([first] + [middle] * max(pp - 2, 0) + ([last] if pp > 1 else []),
-                      axis=-1).astype(float)
+    return _fastest_splits(_SplitTable.of(layers, pp, vpp), work, (microbatches,))[0]
+
+
+@dataclass(frozen=True)
+class _SplitTable:
+    """Every split Megatron-LM can express for ``layers`` over ``pp`` stages of ``vpp``
+    chunks, as (first, middle, last) layer counts, in the order ties go: the smallest
+    largest stage first, then the most even."""
+
+    pp: int
+    vpp: int
+    first: np.ndarray
+    middle: np.ndarray
+    last: np.ndarray
+
+    @staticmethod
+    def of(layers: int, pp: int, vpp: int) -> _SplitTable:
+        if pp < 1 or layers < pp * vpp or layers % vpp:
+            raise ValueError(f"cannot split {layers} layers over {pp} stages of {vpp} chunks")
+        first, middle, last = (n * vpp for n in _split_candidates(layers // vpp, pp))
+        stages = [first] + ([middle] if pp > 2 else []) + ([last] if pp > 1 else [])
+        largest = np.maximum.reduce(stages)
+        order = np.lexsort((largest - np.minimum.reduce(stages), largest))
+        return _SplitTable(pp=pp, vpp=vpp, first=first[order], middle=middle[order],
+                           last=last[order])
+
+    def split(self, k: int) -> tuple[int, ...]:
+        if self.pp == 1:
+            return (int(self.first[k]),)
+        return (int(self.first[k]),) + (int(self.middle[k]),) * (self.pp - 2) + \
+            (int(self.last[k]),)
+
+
+def _fastest_splits(table: _SplitTable, work: StageWork, microbatches
+                    ) -> list[tuple[tuple[int, ...], float]]:
+    """``megatron_split`` for each of ``microbatches`` at once. Of the middle stages,
+    which are equal, only the last can bound 1F1B's time (``one_f_one_b_time``: each
+    later equal stage's bound is at least the one before's), so three stages stand for
+    the pipeline."""
+    pp, v = table.pp, table.vpp
     hop = work.hop if pp > 1 else 0.0
-    fwd = counts * work.fwd + hop
-    bwd = counts * work.bwd + hop
-    fwd[:, 0] += work.first[0]
-    bwd[:, 0] += work.first[1]
-    fwd[:, -1] += work.last[0]
-    bwd[:, -1] += work.last[1]
-    times = one_f_one_b_time(fwd, bwd, microbatches, vpp)
-    largest = counts.max(axis=-1)
-    spread = largest - counts.min(axis=-1)
-    # Rounded so that float noise does not decide a tie.
-    k = int(np.lexsort((spread, largest, np.round(times, 12)))[0])
-    return tuple(int(n) for n in counts[k]), float(times[k])
+    ms = np.asarray(microbatches, dtype=float)[:, None]
+    if pp == 1:
+        f = table.first * work.fwd + work.first[0] + work.last[0]
+        b = table.first * work.bwd + work.first[1] + work.last[1]
+        times = ms * (f + b)
+    else:
+        f0 = table.first * work.fwd + hop + work.first[0]
+        b0 = table.first * work.bwd + hop + work.first[1]
+        fl = table.last * work.fwd + hop + work.last[0]
+        bl = table.last * work.bwd + hop + work.last[1]
+        fm = table.middle * work.fwd + hop
+        bm = table.middle * work.bwd + hop
+        t0, tm, tl = f0 + b0, fm + bm, fl + bl
+        middles = pp - 2
+        after0 = middles * tm + tl
+
+        def stage(before, t, after, f, b, ahead):
+            return before / v + ms * t + np.maximum(0.0, (after - ahead * f) / v) + \
+                np.maximum(0.0, (after - ahead * b) / v)
+
+        times = np.maximum(stage(0.0, t0, after0, f0, b0, pp - 1),
+                           stage(t0 + middles * tm, tl, 0.0, fl, bl, 0))
+        if middles:
+            times = np.maximum(times, stage(t0 + (middles - 1) * tm, tm, tl, fm, bm, 1))
+    # Rounded so that float noise does not decide a tie; the table's order breaks ties.
+    best = np.argmin(np.round(times, 12), axis=1)
+    return [(table.split(int(k)), float(times[i, k])) for i, k in enumerate(best)]
 
 
 def _even_split(layers: int, pp: int, vpp: int) -> tuple[int, ...] | None:
@@ -215,17 +264,26 @@ class _Colocation:
     generators on its last, all split by the backbone's TP, the first and last stages
     given fewer layers where that balances the stages (``megatron_split``)."""
 
-    def __init__(self, ev: Evaluator) -> None:
+    def __init__(self, ev: Evaluator, microbatches: tuple[int, ...] = ()) -> None:
         self.ev = ev
+        # The microbatch counts the search will ask for: splits for all of them at once.
+        self.microbatches = tuple(sorted(set(microbatches)))
         n = len(ev.units)
         self.enc = [i for i in range(n) if ev.roles[i] == "encoder"]
         self.gen = [i for i in range(n) if ev.roles[i] == "generator"]
         self._splits: dict[tuple, tuple[tuple[int, ...], float]] = {}
+        self._tables: dict[tuple[int, int], _SplitTable] = {}
+        self._works: dict[tuple[int, bool], StageWork] = {}
 
     def _work(self, tp: int, across: bool) -> StageWork:
         """A backbone layer's forward and backward seconds of one microbatch, the
         co-located encoders' on the first stage and generators' on the last, and one
         transfer between stages."""
+        if (tp, across) not in self._works:
+            self._works[(tp, across)] = self._stage_work(tp, across)
+        return self._works[(tp, across)]
+
+    def _stage_work(self, tp: int, across: bool) -> StageWork:
         ev = self.ev
         b = ev.backbone
         fwd, bwd = ev.fwd_bwd(b, tp, across)
@@ -241,15 +299,22 @@ class _Colocation:
               ) -> tuple[tuple[int, ...], float]:
         key = (tp, pp, vpp, across, microbatches)
         if key not in self._splits:
-            self._splits[key] = megatron_split(self.ev.units[self.ev.backbone].layers, pp,
-                                               self._work(tp, across), microbatches, vpp)
+            if (pp, vpp) not in self._tables:
+                self._tables[(pp, vpp)] = _SplitTable.of(
+                    self.ev.units[self.ev.backbone].layers, pp, vpp)
+            ms = self.microbatches if microbatches in self.microbatches else (microbatches,)
+            found = _fastest_splits(self._tables[(pp, vpp)], self._work(tp, across), ms)
+            for m, best in zip(ms, found, strict=True):
+                self._splits[(tp, pp, vpp, across, m)] = best
         return self._splits[key]
 
-    def evaluate(self, tp: int, dp: int, pps) -> _Colocated:
+    def evaluate(self, tp: int, dp: int, pps, bars=None) -> _Colocated:
         """The layouts of backbone depths ``pps`` at ``tp`` and ``dp``: 1F1B over the
         uneven stages (``one_f_one_b_time``) and the transfers of the first microbatch's
         forward and the last one's backward between them (as ``Evaluator`` prices
-        them), then the slowest stage's end of step."""
+        them), then the slowest stage's end of step. ``bars``: per depth, a time to beat;
+        a layout that cannot (its work spread evenly over the stages, every microbatch
+        through the slowest) is left at infinity, its split unchosen."""
         ev = self.ev
         cost = ev.cost
         b = ev.backbone
@@ -269,8 +334,16 @@ class _Colocation:
         for k, (p, v, x) in enumerate(zip(pps.tolist(), vpps.tolist(), across_all.tolist(),
                                           strict=True)):
             work = self._work(tp, bool(x))
-            split, pipeline = self.split(tp, p, int(v), bool(x), m)
             hop = work.hop if p > 1 else 0.0
+            if bars is not None:
+                spread = ((work.fwd + work.bwd) * unit.layers + sum(work.first) +
+                          sum(work.last)) / p + 2 * hop
+                if m * spread >= bars[k]:
+                    for name in out:
+                        out[name][k] = math.inf
+                    splits.append(None)
+                    continue
+            split, pipeline = self.split(tp, p, int(v), bool(x), m)
             stage = [(work.fwd + work.bwd) * n + 2 * hop for n in split]
             stage[0] += sum(work.first)
             stage[-1] += sum(work.last)
@@ -416,7 +489,8 @@ def baseline_candidates(cost: CostModel, num_gpus: int | None = None, *,
     b = space.backbone
     layers = space.units[b].layers
     pps_all = np.asarray(efficient_pps(layers, space.pps(b)), dtype=int)
-    colocations = {key: _Colocation(ev) for key, ev in evs.items()}
+    counts = tuple(space.total_microbatches // dp for dp in space.dp_lms())
+    colocations = {key: _Colocation(ev, counts) for key, ev in evs.items()}
     tps, dp_lms = space.tps(b), space.dp_lms()
     own_ok = "stages" in placements and all(1 in space.pps(i) for i in range(space.n)
                                             if i != b)
@@ -484,7 +558,7 @@ def _colocated(search: _Search, evs, colocations, pad: bool, tp: int, dp: int,
         if ev is None:
             continue
         co = colocations[(pad, again)]
-        figures = co.evaluate(tp, dp, pps)
+        figures = co.evaluate(tp, dp, pps, [search.bar("colocated", p) for p in pps.tolist()])
         search.evaluated += int(pps.size)
         for k, p in enumerate(pps.tolist()):
             if not figures.gpus_ok[k] or figures.time[k] >= search.bar("colocated", p):
@@ -606,24 +680,28 @@ def plan_baseline(cost: CostModel, num_gpus: int | None = None, *,
 
 # ---- on drawn batches ---------------------------------------------------------------------
 
-def to_simulate(candidates: list[Candidate], *, per_placement: int = PER_PLACEMENT,
-                margin: float = SHALLOW_MARGIN) -> list[Candidate]:
-    """The candidates worth simulating (``candidates`` fastest first at mean work): per
-    placement the ``per_placement`` fastest, and the shallowest backbone pipeline within
-    ``margin`` times that placement's fastest, in their order."""
+def to_simulate(candidates: list[Candidate], *, margin: float = SHALLOW_MARGIN
+                ) -> list[Candidate]:
+    """The candidates worth simulating (``candidates``: fastest first at mean work), per
+    placement: its fastest, and within ``margin`` times that, the fastest of the other
+    padding (pp 1 pads a microbatch to its longest, and its replicas wait at the gradient
+    sync for the one that drew the longest; deeper pipelines pad to seq_len, as priced)
+    and the shallowest pipeline deeper than 1 (a co-located encoder's varying work stalls
+    a deep pipeline more). In their order."""
     keep: list[Candidate] = []
     for placement in PLACEMENTS:
         mine = [c for c in candidates if c.placement == placement]
         if not mine:
             continue
-        picked = mine[:per_placement]
-        near = [c for c in mine if c.plan.iteration_time_s <= margin *
-                mine[0].plan.iteration_time_s]
-        shallow = min(near, key=lambda c: (c.depth, c.plan.iteration_time_s))
-        if shallow not in picked:
-            picked.append(shallow)
-        keep.extend(picked)
-    return sorted(keep, key=lambda c: candidates.index(c))
+        fastest = mine[0]
+        near = [c for c in mine
+                if c.plan.iteration_time_s <= margin * fastest.plan.iteration_time_s]
+        other = [c for c in near if (c.depth == 1) != (fastest.depth == 1)]
+        shallow = sorted((c for c in near if c.depth > 1), key=lambda c: c.depth)
+        for c in [fastest, *other[:1], *shallow[:1]]:
+            if c not in keep:
+                keep.append(c)
+    return sorted(keep, key=candidates.index)
 
 
 def choose_on_drawn_batches(candidates: list[Candidate], batches,
