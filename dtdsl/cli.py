@@ -836,7 +836,7 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--search", choices=("convex", "exhaustive", "baseline"),
                       default="convex", help="convex: DistTrain's Algorithm 1 (default); "
                       "exhaustive: every layout (<= 128 GPUs); baseline: Megatron-LM's "
-                      "rigid layout")
+                      "rigid layout, unpacked (the `megatron` baseline)")
     plan.add_argument("--profile", metavar="PROFILE",
                       help="measured module times from `dtc profile` instead of the "
                       "analytic model")
@@ -848,11 +848,12 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("-o", "--output", metavar="FILE", help="also write the Plan JSON here")
     plan.add_argument("--simulate-steps", type=_non_negative, default=2, metavar="N",
                       help="score the plan and its runners-up on N global batches drawn "
-                      "from the spec's data (the fastest there is the plan), and report "
-                      "it with and without reordering and the baseline (default 2; 0: the "
-                      "mean-work prediction only)")
+                      "from the spec's data (the fastest there is the plan), report it "
+                      "with and without reordering, and choose each Megatron-LM baseline "
+                      "as the fastest of its layouts there (default 2; 0: the mean-work "
+                      "prediction only)")
     plan.add_argument("--no-baseline", action="store_true",
-                      help="skip planning the baseline (no speedup reported)")
+                      help="skip planning the Megatron-LM baselines (no speedups reported)")
     plan.set_defaults(func=_cmd_plan)
 
     prof = sub.add_parser("profile", help="measure every module's forward and backward time "

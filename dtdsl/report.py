@@ -16,10 +16,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from dtdsl.cost.profile import Profile
-from dtdsl.ir.plan import Packing, Plan
+from dtdsl.ir.plan import BASELINES, Packing, Plan
 
-__all__ = ["format_bytes", "format_flops", "format_seconds", "plan_markdown", "plan_table",
-           "profile_table", "progress_bar", "render_plan", "render_profile", "wide_console"]
+__all__ = ["baseline_layout", "format_bytes", "format_flops", "format_seconds", "plan_markdown",
+           "plan_table", "profile_table", "progress_bar", "render_plan", "render_profile",
+           "wide_console"]
 
 
 def format_seconds(seconds: float) -> str:
@@ -99,13 +100,6 @@ def _summary(plan: Plan) -> list[str]:
     if plan.mfu_full_attention is not None:
         lines.append(f"MFU, paper-era  {plan.mfu_full_attention:.1%}  (causal attention "
                      "counted whole: Megatron-LM 2021, DistTrain)")
-    if plan.search == "baseline":
-        lines.append("speedup         1.00x  (this is the Megatron-LM baseline)")
-    elif plan.speedup is not None:
-        lines.append(f"speedup         {plan.speedup:.2f}x over the Megatron-LM baseline "
-                     f"({format_seconds(plan.baseline_iteration_time_s or 0.0)} per iteration)")
-    else:
-        lines.append("speedup         n/a  (no baseline layout fits this cluster)")
     sim = plan.simulated
     if sim is not None:
         policy = "+".join(sim.policy) if sim.policy else "none"
@@ -115,18 +109,75 @@ def _summary(plan: Plan) -> list[str]:
         if sim.policy:
             line += f", {format_seconds(sim.no_reorder_iteration_time_s)} without reordering"
         lines.append(line)
-        if sim.speedup is not None and plan.search != "baseline":
-            text = f"{sim.speedup:.2f}x over the baseline's " \
-                f"{format_seconds(sim.baseline_iteration_time_s or 0.0)}"
-            if sim.policy:
-                text += f" ({sim.no_reorder_speedup:.2f}x without reordering)"
-            lines.append(f"  speedup       {text}")
+    lines.extend(_baseline_lines(plan))
     if sim is not None and sim.packing is not None:
         lines.append(_packing_line(sim.packing))
     lines.append(
         f"search          {plan.search} in {format_seconds(plan.solve_time_s)}: "
         f"{plan.candidates:,} TP/DP candidates, {plan.convex_solves:,} convex solves, "
         f"{plan.evaluated:,} integer layouts evaluated")
+    return lines
+
+
+def baseline_layout(plan: Plan) -> str:
+    """A baseline's layout in a line: the backbone's TP, DP, PP and layers per stage, where
+    the encoders and generators run, recomputation and how a microbatch is padded."""
+    backbone = next(u for u in plan.units if u.role == "backbone")
+    parts = [f"{backbone.name} tp {backbone.tp} dp {backbone.dp} pp {backbone.pp} "
+             f"({_split(backbone.layers_per_stage)} layers)"]
+    colocated = [u.name for u in plan.units if u.colocated]
+    if colocated:
+        parts.append(f"{', '.join(colocated)} on its first/last stage")
+    parts.extend(f"{u.name} own stage tp {u.tp}" for u in plan.units
+                 if u.role != "backbone" and not u.colocated)
+    if any(u.recompute for u in plan.units):
+        parts.append("recompute")
+    parts.append("padded to seq_len" if backbone.padding == "seq_len" else
+                 "padded to the longest")
+    return ", ".join(parts)
+
+
+def _split(per_stage: tuple[int, ...]) -> str:
+    """Layers per stage, a long run of equal middle stages folded (``5+7x10+5``)."""
+    if len(per_stage) <= 4:
+        return "/".join(str(n) for n in per_stage)
+    middle = set(per_stage[1:-1])
+    if len(middle) == 1:
+        return f"{per_stage[0]}+{per_stage[1]}x{len(per_stage) - 2}+{per_stage[-1]}"
+    return f"{max(per_stage)}..{min(per_stage)} x{len(per_stage)}"
+
+
+def _baseline_lines(plan: Plan) -> list[str]:
+    """Each Megatron-LM baseline: its layout, planned and simulated times, and the plan's
+    speedup over it (per position where its data are packed otherwise)."""
+    if plan.baselines is None:
+        return [f"{'baselines':<16}not compared"]
+    lines = []
+    for name in BASELINES:
+        base = plan.baselines.get(name)
+        if base is None:
+            lines.append(f"{'baseline':<16}{name}: no layout fits this cluster")
+            continue
+        times = f"{format_seconds(base.planned_s)} planned"
+        if base.simulated_s is not None:
+            chosen = f", the fastest of {base.candidates} layouts there" \
+                if base.candidates > 1 else ""
+            times += f", {format_seconds(base.simulated_s)} on {base.steps} drawn batches" \
+                f"{chosen}"
+        lines.append(f"{'baseline':<16}{name} ({'packed' if base.packing else 'unpacked'}): "
+                     f"{times}")
+        lines.append(f"{'':<18}{baseline_layout(base.layout)}")
+        if plan.search == "baseline" and name == "megatron":
+            lines.append(f"{'':<18}(this plan)")
+            continue
+        speedup = f"{base.speedup:.2f}x planned" if base.speedup is not None else "n/a"
+        if base.simulated_speedup is not None:
+            speedup += f", {base.simulated_speedup:.2f}x simulated"
+        if base.positions_ratio != 1.0:
+            ratio = base.simulated_positions_ratio if base.simulated_speedup is not None \
+                else base.positions_ratio
+            speedup += f" (per position: its steps hold {ratio:.2f}x the positions)"
+        lines.append(f"{'  speedup':<18}{speedup} over {name}")
     return lines
 
 

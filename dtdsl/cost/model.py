@@ -79,6 +79,9 @@ class CostParams:
     efficiency: Efficiency = field(default_factory=Efficiency)
     samples: int = 4096        # synthetic samples drawn to take expectations
     seed: int = 0
+    # The backbone pads every microbatch to ``seq_len`` rather than to its longest sequence:
+    # Megatron-LM's LLaVA under pipeline parallelism (``planner.baseline``).
+    pad_to_seq_len: bool = False
 
 
 def all_reduce_time_s(num_bytes, ranks, bw_bytes_per_s: float):
@@ -548,7 +551,8 @@ class _Acc:
             self.trainable_params += params
 
 
-def _unit_cost(program: ir.Program, module: ir.Module, samples: SampleSet) -> UnitCost:
+def _unit_cost(program: ir.Program, module: ir.Module, samples: SampleSet,
+               params: CostParams) -> UnitCost:
     train = program.train
     mb = train.micro_batch
     arch = module.arch
@@ -566,11 +570,13 @@ def _unit_cost(program: ir.Program, module: ir.Module, samples: SampleSet) -> Un
         # themselves, ``flops.backbone_attention``), padded and useful alike.
         lengths = positions(samples).astype(float)
         padded = microbatch_lengths(lengths, mb)
+        squares = microbatch_squares(samples, mb, packed=train.packing)
+        if params.pad_to_seq_len:
+            padded, squares = _padded_to_seq_len(samples, mb, train.seq_len, train.packing)
         sizes, counts = np.unique(padded, return_counts=True)
         acc.queries.append(ProfileQuery(module.name, tuple(float(x) for x in sizes),
                                         tuple(float(c) * mb / len(padded) for c in counts)))
-        acc.work = _mean_work(flops.backbone_forward(
-            arch, padded, microbatch_squares(samples, mb, packed=train.packing))) * mb
+        acc.work = _mean_work(flops.backbone_forward(arch, padded, squares)) * mb
         useful = _mean_work(flops.backbone_forward(arch, lengths,
                                                    attention_squares(samples))) * mb
         acc.model_attention = useful.attention
@@ -676,6 +682,21 @@ def _unit_cost(program: ir.Program, module: ir.Module, samples: SampleSet) -> Un
         model_attention_flops=acc.model_attention)
 
 
+def _padded_to_seq_len(samples: SampleSet, micro_batch: int, seq_len: int,
+                       packed: bool) -> tuple[np.ndarray, np.ndarray]:
+    """``microbatch_lengths`` and ``microbatch_squares`` when every sequence is padded to
+    ``seq_len``: packed, the padding after a sequence's documents is one more document;
+    unpacked, causal attention runs over the whole padded row."""
+    lengths = positions(samples).astype(float)
+    groups = -(-len(lengths) // micro_batch)
+    padded = np.full(groups, float(seq_len))
+    if not packed:
+        return padded, padded ** 2
+    rows = attention_squares(samples) + (seq_len - lengths) ** 2
+    group = np.arange(len(lengths)) // micro_batch
+    return padded, np.bincount(group, weights=rows) / np.bincount(group)
+
+
 def _mean_work(work: flops.Work) -> flops.Work:
     """The mean of a Work of arrays."""
     return flops.Work(matmul=float(np.mean(work.matmul)),
@@ -684,11 +705,15 @@ def _mean_work(work: flops.Work) -> flops.Work:
 
 
 def build_cost_model(program: ir.Program, params: CostParams | None = None, *,
-                     profile: ProfileTable | None = None) -> CostModel:
+                     profile: ProfileTable | None = None,
+                     samples: SampleSet | None = None) -> CostModel:
     """Unit costs for a program, expectations taken over synthetic samples of its data;
     compute times measured in ``profile`` when given (see ``check_profile`` for whether
-    it covers the program)."""
+    it covers the program). ``samples``: that draw, ``draw_samples(program,
+    params.samples, params.seed)``, where the caller has it already (variants of one
+    program's costs: packed draws take a while)."""
     params = params or CostParams()
-    samples = draw_samples(program, params.samples, params.seed)
-    units = tuple(_unit_cost(program, m, samples) for m in program.modules)
+    if samples is None:
+        samples = draw_samples(program, params.samples, params.seed)
+    units = tuple(_unit_cost(program, m, samples, params) for m in program.modules)
     return CostModel(program=program, params=params, units=units, profile=profile)

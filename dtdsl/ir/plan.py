@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, computed_field, model_validator
+from pydantic import BaseModel, ConfigDict, model_validator
 
-__all__ = ["PLAN_VERSION", "Packing", "Placement", "Plan", "Simulated", "UnitPlan",
-           "place_units", "placement_order", "split_layers", "straddling_tp_groups",
-           "tp_spans_nodes"]
+__all__ = ["BASELINES", "PLAN_VERSION", "Baseline", "Packing", "Placement", "Plan",
+           "Simulated", "UnitPlan", "place_units", "placement_order", "split_layers",
+           "straddling_tp_groups", "tp_spans_nodes"]
 
 PLAN_VERSION = 1
 
@@ -45,6 +45,10 @@ class UnitPlan(BaseModel):
     # make a layout fit (Megatron-LM's --recompute-granularity full).
     recompute: bool = False
     first_rank: int
+    # How the backbone pads a microbatch: to its longest sequence (the runtime), or to
+    # seq_len (Megatron-LM's LLaVA when the language model is pipelined, ``_preprocess_data``:
+    # "pipeline parallel expects fixed input size"; the baselines only).
+    padding: Literal["longest", "seq_len"] = "longest"
     # Its TP collectives were priced at the inter-node bandwidth: a TP group of it spans
     # two nodes (``place_units``). Plans written before the field existed read as False.
     tp_across_nodes: bool = False
@@ -94,8 +98,7 @@ class Packing(BaseModel):
 class Simulated(BaseModel):
     """A plan's iteration time on drawn batches (``dtdsl.sim``): the mean over ``steps``
     global batches drawn from the spec's data, each routed under the spec's reorder
-    policy and without, and the baseline's on the same batches (Megatron-LM does not
-    reorder)."""
+    policy and without."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", kw_only=True)
 
@@ -103,21 +106,44 @@ class Simulated(BaseModel):
     policy: tuple[str, ...]               # the spec's train.reorder
     iteration_time_s: float
     no_reorder_iteration_time_s: float
-    baseline_iteration_time_s: float | None = None
     candidates: int = 1                   # layouts the planner scored on these batches
     packing: Packing | None = None        # the same layout with train.packing on and off
 
-    @property
-    def speedup(self) -> float | None:
-        if self.baseline_iteration_time_s is None:
-            return None
-        return self.baseline_iteration_time_s / self.iteration_time_s
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_old(cls, data: Any) -> Any:
+        # Plans written before ``Plan.baselines`` carried one baseline's time here.
+        if isinstance(data, dict) and "baseline_iteration_time_s" in data:
+            data = {k: v for k, v in data.items() if k != "baseline_iteration_time_s"}
+        return data
 
-    @property
-    def no_reorder_speedup(self) -> float | None:
-        if self.baseline_iteration_time_s is None:
-            return None
-        return self.baseline_iteration_time_s / self.no_reorder_iteration_time_s
+
+BASELINES = ("megatron", "megatron_packed")
+
+
+class Baseline(BaseModel):
+    """One Megatron-LM baseline on the same cluster (``planner.baseline``): its layout,
+    chosen as the fastest of its candidates on the drawn batches (by mean work when
+    nothing was simulated), its times, and the plan's speedup over it.
+
+    Speedups are per position (text and encoder tokens trained a second): where the
+    baseline trains the spec's data as the plan does (the same ``train.packing``) that is
+    the ratio of iteration times; a packed baseline's global batch of packed sequences
+    holds more positions than an unpacked one's, and ``*_positions_ratio`` (its positions
+    per step over the plan's) says how many more."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", kw_only=True)
+
+    packing: bool                         # sequences packed from documents
+    layout: Plan                          # the chosen layout (search "baseline")
+    planned_s: float                      # its iteration time at mean work
+    simulated_s: float | None = None      # mean over the drawn batches (no reordering)
+    steps: int = 0                        # drawn batches simulated (0: none)
+    candidates: int = 1                   # layouts simulated on them, the fastest kept
+    positions_ratio: float = 1.0          # positions per step over the plan's, expected
+    simulated_positions_ratio: float = 1.0    # the same on the drawn batches
+    speedup: float | None = None          # the plan's over it, at mean work
+    simulated_speedup: float | None = None    # the plan's over it on the drawn batches
 
 
 class Plan(BaseModel):
@@ -146,8 +172,10 @@ class Plan(BaseModel):
     candidates: int                       # TP/DP combinations considered
     convex_solves: int                    # cvxpy problems solved (convex search)
     evaluated: int                        # integer layouts evaluated exactly
-    baseline_iteration_time_s: float | None = None
     simulated: Simulated | None = None    # on drawn batches (dtc plan --simulate-steps)
+    # Megatron-LM's layouts on the same cluster, by name (``BASELINES``), each with the
+    # plan's speedup over it; None when not compared, a name missing when none fits.
+    baselines: dict[str, Baseline] | None = None
     units: tuple[UnitPlan, ...]
 
     @property
@@ -158,25 +186,31 @@ class Plan(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _drop_derived(cls, data: Any) -> Any:
-        # ``speedup`` is written for readers of the JSON and derived again on reading.
-        if isinstance(data, dict) and "speedup" in data:
-            data = {k: v for k, v in data.items() if k != "speedup"}
+    def _drop_old(cls, data: Any) -> Any:
+        # Plans written before ``baselines`` carried one baseline's time and the speedup
+        # over it: comparisons, not layout, dropped on reading.
+        if isinstance(data, dict) and {"speedup", "baseline_iteration_time_s"} & set(data):
+            data = {k: v for k, v in data.items()
+                    if k not in ("speedup", "baseline_iteration_time_s")}
         return data
 
-    @computed_field  # type: ignore[prop-decorator]
-    @property
-    def speedup(self) -> float | None:
-        """Throughput over the Megatron-style baseline on the same cluster."""
-        if self.baseline_iteration_time_s is None:
+    def speedup(self, baseline: str = "megatron", *, simulated: bool = False
+                ) -> float | None:
+        """The plan's speedup over the named baseline (``Baseline.speedup``), on the drawn
+        batches when ``simulated``; None when it was not compared."""
+        found = (self.baselines or {}).get(baseline)
+        if found is None:
             return None
-        return self.baseline_iteration_time_s / self.iteration_time_s
+        return found.simulated_speedup if simulated else found.speedup
 
     def unit(self, name: str) -> UnitPlan:
         for u in self.units:
             if u.name == name:
                 return u
         raise KeyError(name)
+
+
+Baseline.model_rebuild()     # its layout is a Plan, defined after it
 
 
 def split_layers(layers: int, stages: int) -> tuple[int, ...]:

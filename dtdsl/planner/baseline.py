@@ -1,34 +1,42 @@
-"""The baseline: Megatron-LM's rigid orchestration, what users run today.
+"""The baselines: Megatron-LM's rigid orchestration, as its LLaVA training runs it.
 
-One TP degree and one DP degree for the whole model, one pipeline. Megatron-LM's
-multimodal training (``examples/multimodal``) places an encoder in one of two ways, and
-the baseline takes the faster that fits:
+One TP degree and one DP degree for the backbone, one pipeline per DP replica, every unit
+with the backbone's DP and microbatch (``Plan.rigid``). Megatron-LM's multimodal training
+(``examples/multimodal/model.py``, ``megatron/training/arguments.py``) places an encoder
+in one of two ways:
 
-- **own stages** (``encoder_pipeline_model_parallel_size = 1``): the encoders and
-  generators are extra pipeline stages before and after the backbone's, ONE stage each
-  (its LLaVA model provider, ``examples/multimodal/model.py``, asserts
-  ``encoder_pipeline_model_parallel_size <= 1``: "LLaVA does not support pp>1 for
-  encoder on it's own pipeline rank"). A pipeline stage spans one TP group, and such a
-  stage runs whole on every GPU of it (``tp_replicated``): TP buys it nothing. The
-  encoders run one after another (``chained``).
-- **co-located** (``encoder_pipeline_model_parallel_size = 0``): the encoders run on the
-  GPUs of the backbone's first pipeline stage and the generators on its last, split by
-  the backbone's TP; no GPU of their own, but the first (last) stage carries their time
-  and memory.
+- **its own stage** (``--encoder-pipeline-model-parallel-size 1``; never more: "LLaVA does
+  not support pp>1 for encoder on it's own pipeline rank"), before the backbone's stages,
+  split by ``--encoder-tensor-model-parallel-size``, at most the decoder's TP ("We do not
+  support encoders with more TP than the decoder"). Generators, which Megatron-LM's
+  LLaVA has not, take the same rule after the backbone. Several encoders run one after
+  another (``chained``);
+- **co-located** (``--encoder-pipeline-model-parallel-size 0``): on the GPUs of the
+  backbone's first pipeline stage with the decoder's TP ("If non-MOE encoder shares first
+  decoder pipeline rank it must have the same TP as the decoder"), generators on its
+  last. ``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers``
+  give those stages fewer layers (the middle stages split the rest evenly,
+  ``TransformerConfig``'s rule), which balances the stage times.
 
-Every unit has the backbone's DP and microbatch, and a sample stays on its replica's
-pipeline (``Plan.rigid``). The spec's ``recompute`` settings apply, and where a layout
-does not fit without it the baseline may recompute every layer, as a Megatron-LM user
-would (``--recompute-granularity full``). ``docs/planner.md`` describes it with its
-sources.
+Under pipeline parallelism of the language model every microbatch is padded to
+``seq_len`` (``megatron/core/models/multimodal/llava_model.py`` ``_preprocess_data``:
+"Pipeline parallel expects fixed input size"); at pp 1 to its longest sequence
+(``UnitPlan.padding``; the cost model priced so, ``CostParams.pad_to_seq_len``). Where a
+layout fits only with every layer recomputed it is taken so
+(``--recompute-granularity full``).
 
-The baseline is the best such layout (every allowed TP, DP and backbone pipeline depth,
-both placements, with and without recomputation), so speedups over it are not against a
-straw man.
+Two baselines: ``megatron`` trains the spec's data unpacked, ``megatron_packed`` packed
+into sequences of ``seq_len`` attending within their documents (Megatron-Energon's
+packing buffer, ``--packing-buffer-size``; ``train.packing`` on). Each is chosen on the
+drawn batches the plan is scored on: ``baseline_candidates`` ranks every placement and
+backbone depth by its best layout at mean work, ``choose_on_drawn_batches`` simulates the
+fastest of each placement and those near it that the drawn batches may favour, and
+keeps the fastest there. ``docs/planner.md`` describes them with their sources.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -37,230 +45,681 @@ from dataclasses import dataclass
 import numpy as np
 
 from dtdsl.cost.model import CostModel, build_cost_model
-from dtdsl.ir.plan import Plan, UnitPlan, split_layers
+from dtdsl.cost.samples import SampleSet, draw_samples
+from dtdsl.ir.plan import Plan, UnitPlan, place_units
 from dtdsl.planner.evaluate import Evaluator
 from dtdsl.planner.result import Layout, make_plan, no_layout_fits
 from dtdsl.planner.space import Space, efficient_pps
 
-__all__ = ["PLACEMENTS", "plan_baseline", "with_recompute"]
+__all__ = ["PLACEMENTS", "Candidate", "StageWork", "baseline_candidates", "baseline_cost",
+           "choose_on_drawn_batches", "megatron_split", "one_f_one_b_time", "plan_baseline",
+           "to_simulate", "with_recompute"]
 
 Progress = Callable[[int, int, str], None]
 
+PLACEMENTS = ("stages", "colocated")
+# Which candidates are simulated on the drawn batches (``to_simulate``): within this
+# factor of a placement's fastest at mean work. Drawn batches take up to about 1.5x the
+# mean-work time of a pp 1 layout (its replicas wait for the longest samples at the
+# gradient sync), little more than it for a pipelined one padded to seq_len.
+SHALLOW_MARGIN = 1.5
 
-def with_recompute(cost: CostModel) -> CostModel | None:
+
+def with_recompute(cost: CostModel, samples: SampleSet | None = None) -> CostModel | None:
     """``cost`` with every module recomputing its layers' activations in backward; None
-    when the spec already recomputes everywhere."""
+    when the spec already recomputes everywhere. ``samples``: the draw ``cost`` was built
+    on, where the caller has it (``build_cost_model``)."""
     program = cost.program
     if all(m.recompute for m in program.modules):
         return None
     modules = tuple(m.model_copy(update={"recompute": True}) for m in program.modules)
     return build_cost_model(program.model_copy(update={"modules": modules}), cost.params,
-                            profile=cost.profile)
+                            profile=cost.profile, samples=samples)
+
+
+def baseline_cost(cost: CostModel, *, packing: bool | None = None,
+                  pad_to_seq_len: bool | None = None,
+                  samples: SampleSet | None = None) -> CostModel:
+    """``cost`` with ``train.packing`` and the backbone's padding to ``seq_len`` set as
+    given (None: as they are); ``cost`` itself when nothing changes. ``samples``: the
+    draw of the resulting program's data (``build_cost_model``), where the caller has
+    it."""
+    program, params = cost.program, cost.params
+    if packing is not None and packing != program.train.packing:
+        program = program.model_copy(update={"train": program.train.model_copy(
+            update={"packing": packing})})
+    if pad_to_seq_len is not None and pad_to_seq_len != params.pad_to_seq_len:
+        params = dataclasses.replace(params, pad_to_seq_len=pad_to_seq_len)
+    if program is cost.program and params is cost.params:
+        return cost
+    return build_cost_model(program, params, profile=cost.profile, samples=samples)
+
+
+# ---- uneven first and last stages --------------------------------------------------------
+
+@dataclass(frozen=True)
+class StageWork:
+    """Forward and backward seconds of one microbatch on a pipeline's stages: ``fwd`` and
+    ``bwd`` per layer, plus what the first (last) stage runs besides its layers (a
+    co-located encoder, generator) and what every stage of a deeper pipeline adds (its
+    transfers, once each way)."""
+
+    fwd: float
+    bwd: float
+    first: tuple[float, float] = (0.0, 0.0)
+    last: tuple[float, float] = (0.0, 0.0)
+    hop: float = 0.0
+
+
+def one_f_one_b_time(fwd, bwd, microbatches: int, vpp: int = 1):
+    """The time 1F1B takes for ``microbatches`` over stages of forward and backward seconds
+    ``fwd`` and ``bwd`` (arrays, the stages along the last axis, which may differ): the
+    latest of the stages' own bounds. Stage k's: the first microbatch reaching it, all of
+    its own work, the wait for its first backward beyond the pp - k - 1 forwards of its
+    warm-up, the wait for its last backward beyond the pp - k - 1 backwards of its
+    cool-down (each wait: the later stages' work on one microbatch), and the last
+    backward going back. With equal stages it is (m + pp - 1) T, Megatron-LM's 1F1B; the
+    latencies, not the work, shrink by ``vpp`` with interleaving ((m + (pp - 1) / vpp) T
+    for equal stages)."""
+    fwd, bwd = np.asarray(fwd, dtype=float), np.asarray(bwd, dtype=float)
+    t = fwd + bwd
+    pp = t.shape[-1]
+    done = np.cumsum(t, axis=-1)
+    before = done - t
+    after = done[..., -1:] - done
+    ahead = pp - 1 - np.arange(pp)
+    bound = before / vpp + microbatches * t + \
+        np.maximum(0.0, (after - ahead * fwd) / vpp) + \
+        np.maximum(0.0, (after - ahead * bwd) / vpp)
+    return bound.max(axis=-1)
+
+
+def _split_candidates(layers: int, pp: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every split Megatron-LM can express as (first, middle, last) layer counts: first
+    and last at least 1, the pp - 2 middle stages the rest in equal parts of at least 1."""
+    if pp == 1:
+        return np.array([layers]), np.array([0]), np.array([0])
+    if pp == 2:
+        first = np.arange(1, layers)
+        return first, np.zeros_like(first), layers - first
+    mids = np.arange(1, (layers - 2) // (pp - 2) + 1)
+    rest = layers - (pp - 2) * mids                       # first + last, at least 2
+    counts = rest - 1
+    middle = np.repeat(mids, counts)
+    start = np.cumsum(counts) - counts
+    first = np.arange(int(counts.sum())) - np.repeat(start, counts) + 1
+    return first, middle, layers - (pp - 2) * middle - first
+
+
+def megatron_split(layers: int, pp: int, work: StageWork, microbatches: int, vpp: int = 1
+                   ) -> tuple[tuple[int, ...], float]:
+    """The layers per stage Megatron-LM can give a pipeline of ``pp`` stages
+    (``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers``,
+    each at least 1; the middle stages split the rest in equal parts,
+    ``TransformerConfig``'s rule) that runs ``microbatches`` fastest in 1F1B
+    (``one_f_one_b_time``), and that time. With interleaving every stage's layers divide
+    into its ``vpp`` virtual stages (Megatron-LM checks it for the first, the middle and
+    the last alike): the split is in chunks of ``vpp`` layers. Ties go to the smallest
+    largest stage, then to the most even split."""
+    return _fastest_splits(_SplitTable.of(layers, pp, vpp), work, (microbatches,))[0]
 
 
 @dataclass(frozen=True)
+class _SplitTable:
+    """Every split Megatron-LM can express for ``layers`` over ``pp`` stages of ``vpp``
+    chunks, as (first, middle, last) layer counts, in the order ties go: the smallest
+    largest stage first, then the most even."""
+
+    pp: int
+    vpp: int
+    first: np.ndarray
+    middle: np.ndarray
+    last: np.ndarray
+
+    @staticmethod
+    def of(layers: int, pp: int, vpp: int) -> _SplitTable:
+        if pp < 1 or layers < pp * vpp or layers % vpp:
+            raise ValueError(f"cannot split {layers} layers over {pp} stages of {vpp} chunks")
+        first, middle, last = (n * vpp for n in _split_candidates(layers // vpp, pp))
+        stages = [first] + ([middle] if pp > 2 else []) + ([last] if pp > 1 else [])
+        largest = np.maximum.reduce(stages)
+        order = np.lexsort((largest - np.minimum.reduce(stages), largest))
+        return _SplitTable(pp=pp, vpp=vpp, first=first[order], middle=middle[order],
+                           last=last[order])
+
+    def split(self, k: int) -> tuple[int, ...]:
+        if self.pp == 1:
+            return (int(self.first[k]),)
+        return (int(self.first[k]),) + (int(self.middle[k]),) * (self.pp - 2) + \
+            (int(self.last[k]),)
+
+
+def _fastest_splits(table: _SplitTable, work: StageWork, microbatches
+                    ) -> list[tuple[tuple[int, ...], float]]:
+    """``megatron_split`` for each of ``microbatches`` at once. Of the middle stages,
+    which are equal, only the last can bound 1F1B's time (``one_f_one_b_time``: each
+    later equal stage's bound is at least the one before's), so three stages stand for
+    the pipeline."""
+    pp, v = table.pp, table.vpp
+    hop = work.hop if pp > 1 else 0.0
+    ms = np.asarray(microbatches, dtype=float)[:, None]
+    if pp == 1:
+        f = table.first * work.fwd + work.first[0] + work.last[0]
+        b = table.first * work.bwd + work.first[1] + work.last[1]
+        times = ms * (f + b)
+    else:
+        f0 = table.first * work.fwd + hop + work.first[0]
+        b0 = table.first * work.bwd + hop + work.first[1]
+        fl = table.last * work.fwd + hop + work.last[0]
+        bl = table.last * work.bwd + hop + work.last[1]
+        fm = table.middle * work.fwd + hop
+        bm = table.middle * work.bwd + hop
+        t0, tm, tl = f0 + b0, fm + bm, fl + bl
+        middles = pp - 2
+        after0 = middles * tm + tl
+
+        def stage(before, t, after, f, b, ahead):
+            return before / v + ms * t + np.maximum(0.0, (after - ahead * f) / v) + \
+                np.maximum(0.0, (after - ahead * b) / v)
+
+        times = np.maximum(stage(0.0, t0, after0, f0, b0, pp - 1),
+                           stage(t0 + middles * tm, tl, 0.0, fl, bl, 0))
+        if middles:
+            times = np.maximum(times, stage(t0 + (middles - 1) * tm, tm, tl, fm, bm, 1))
+    # Rounded so that float noise does not decide a tie; the table's order breaks ties.
+    best = np.argmin(np.round(times, 12), axis=1)
+    return [(table.split(int(k)), float(times[i, k])) for i, k in enumerate(best)]
+
+
+def _even_split(layers: int, pp: int, vpp: int) -> tuple[int, ...] | None:
+    """The most even split Megatron-LM can express (in chunks of ``vpp``), or None when
+    its largest stage is not ceil(layers / pp), the size the evaluator prices."""
+    first, middle, last = (n * vpp for n in _split_candidates(layers // vpp, pp))
+    counts = np.stack([first] + [middle] * max(pp - 2, 0) + ([last] if pp > 1 else []),
+                      axis=-1)
+    largest = counts.max(axis=-1)
+    k = int(np.lexsort((largest - counts.min(axis=-1), largest))[0])
+    split = tuple(int(n) for n in counts[k])
+    return split if max(split) == -(-layers // pp) else None
+
+
+# ---- co-located encoders and generators ---------------------------------------------------
+
+@dataclass(frozen=True)
 class _Colocated:
-    """A co-located layout's figures (arrays over the backbone's pipeline depths)."""
+    """A co-located layout's figures, one entry per backbone pipeline depth."""
 
     time: np.ndarray
     warmup: np.ndarray
     steady: np.ndarray
     sync: np.ndarray
-    feasible: np.ndarray
-    first_memory: np.ndarray      # the backbone's first stage, co-located encoders included
-    unit_memory: tuple            # per unit: its own part of its stage's memory
+    gpus_ok: np.ndarray           # its GPUs fit the budget
+    splits: tuple                 # the backbone's layers per stage
+    backbone_sync: np.ndarray     # the backbone's heaviest stage's end of step
+    across: np.ndarray            # its TP groups span nodes (priced so)
 
 
-def _colocated(ev: Evaluator, tp: int, dp: int, pps: np.ndarray) -> _Colocated:
-    """Encoders on the backbone's first stage, generators on its last, all split by the
-    backbone's ``tp``: a pipeline of the backbone's stages where the first (last) also
-    runs the encoders (generators) of each microbatch. 1F1B over uneven stages takes the
-    sum of the stages for the first microbatch and the slowest stage for every other."""
-    cost = ev.cost
-    n, b = len(ev.units), ev.backbone
-    m = ev.microbatches(dp)
-    pps = np.asarray(pps)
-    est = ev.evaluate((tp,) * n, (dp,) * n, [pps if i == b else np.ones_like(pps)
-                                             for i in range(n)], chained=True)
-    enc = [i for i in range(n) if ev.roles[i] == "encoder"]
-    gen = [i for i in range(n) if ev.roles[i] == "generator"]
-    # With one stage and no hops, a unit's stage time is its whole microbatch.
-    e = sum((np.asarray(est.stage_time_s[i]) for i in enc), np.zeros(()))
-    g = sum((np.asarray(est.stage_time_s[i]) for i in gen), np.zeros(()))
-    t_b = np.asarray(est.stage_time_s[b])
-    # The backbone's own warm-up: what the chained evaluation adds on top of the one-stage
-    # units and the transfers between units, which co-location removes.
-    warm_b = np.asarray(est.warmup_s) - e - g - ev.edge_s
-    single = pps == 1
-    slowest = np.where(single, t_b + e + g, t_b + np.maximum(e, g))
-    warmup = warm_b + e + g
-    steady = slowest * (m - 1)
-    unit = ev.units
-    sync_b = cost.dp_sync_time_s(unit[b], tp, pps, dp)
-    sync_e = sum((cost.dp_sync_time_s(unit[i], tp, 1, dp) for i in enc), 0.0)
-    sync_g = sum((cost.dp_sync_time_s(unit[i], tp, 1, dp) for i in gen), 0.0)
-    sync = np.where(single, sync_b + sync_e + sync_g, sync_b + np.maximum(sync_e, sync_g))
+class _Colocation:
+    """Co-located layouts of one cost model: encoders on the backbone's first stage,
+    generators on its last, all split by the backbone's TP, the first and last stages
+    given fewer layers where that balances the stages (``megatron_split``)."""
 
-    # Memory: the encoders' activations stay as long as the first stage's microbatches
-    # (pp of them in 1F1B), the generators' one microbatch on the last stage.
-    vpp = ev.vpp(b, pps, m)
-    first_b = cost.memory_bytes(unit[b], tp, pps, dp, vpp, pps, m, 1.0)
-    own = {i: cost.memory_bytes(unit[i], tp, 1, dp, 1, pps, m, 1.0) for i in enc}
-    own.update({i: cost.memory_bytes(unit[i], tp, 1, dp, 1, 1, m, 1.0) for i in gen})
-    last_b = np.asarray([
-        cost.stage_memory_bytes(unit[b], tp=tp, pp=int(p), dp=dp, vpp=int(v), stage=int(p) - 1,
-                                layers=split_layers(unit[b].layers, int(p))[-1], depth=1,
-                                microbatches=m, share=1.0)
-        for p, v in zip(pps.ravel(), np.broadcast_to(vpp, pps.shape).ravel(), strict=True)
-    ]).reshape(pps.shape)
-    on_first = first_b + sum((own[i] for i in enc), 0.0) + \
-        np.where(single, sum((own[i] for i in gen), 0.0), 0.0)
-    on_last = last_b + sum((own[i] for i in gen), 0.0)
-    # A stage's GPUs must hold every unit on them within each unit's own limit.
-    limit_first = min(ev.memory_limit[i] for i in [b, *enc])
-    limit_last = min(ev.memory_limit[i] for i in [b, *gen])
-    feasible = (tp * dp * pps <= ev.num_gpus) & (on_first <= limit_first) & \
-        np.where(single, on_first <= limit_last, on_last <= limit_last)
-    unit_memory = tuple(on_first if i == b else own.get(i) for i in range(n))
-    return _Colocated(time=warmup + steady + sync, warmup=warmup, steady=steady, sync=sync,
-                      feasible=feasible, first_memory=on_first, unit_memory=unit_memory)
+    def __init__(self, ev: Evaluator, microbatches: tuple[int, ...] = ()) -> None:
+        self.ev = ev
+        # The microbatch counts the search will ask for: splits for all of them at once.
+        self.microbatches = tuple(sorted(set(microbatches)))
+        n = len(ev.units)
+        self.enc = [i for i in range(n) if ev.roles[i] == "encoder"]
+        self.gen = [i for i in range(n) if ev.roles[i] == "generator"]
+        self._splits: dict[tuple, tuple[tuple[int, ...], float]] = {}
+        self._tables: dict[tuple[int, int], _SplitTable] = {}
+        self._works: dict[tuple[int, bool], StageWork] = {}
+
+    def _work(self, tp: int, across: bool) -> StageWork:
+        """A backbone layer's forward and backward seconds of one microbatch, the
+        co-located encoders' on the first stage and generators' on the last, and one
+        transfer between stages."""
+        if (tp, across) not in self._works:
+            self._works[(tp, across)] = self._stage_work(tp, across)
+        return self._works[(tp, across)]
+
+    def _stage_work(self, tp: int, across: bool) -> StageWork:
+        ev = self.ev
+        b = ev.backbone
+        fwd, bwd = ev.fwd_bwd(b, tp, across)
+        layers = ev.units[b].layers
+        first = [ev.fwd_bwd(i, tp, across) for i in self.enc]
+        last = [ev.fwd_bwd(i, tp, across) for i in self.gen]
+        return StageWork(fwd=fwd / layers, bwd=bwd / layers,
+                         first=(sum(f for f, _ in first), sum(b_ for _, b_ in first)),
+                         last=(sum(f for f, _ in last), sum(b_ for _, b_ in last)),
+                         hop=float(ev.cost.hop_time_s(ev.units[b], tp, 1.0)))
+
+    def split(self, tp: int, pp: int, vpp: int, across: bool, microbatches: int
+              ) -> tuple[tuple[int, ...], float]:
+        key = (tp, pp, vpp, across, microbatches)
+        if key not in self._splits:
+            if (pp, vpp) not in self._tables:
+                self._tables[(pp, vpp)] = _SplitTable.of(
+                    self.ev.units[self.ev.backbone].layers, pp, vpp)
+            ms = self.microbatches if microbatches in self.microbatches else (microbatches,)
+            found = _fastest_splits(self._tables[(pp, vpp)], self._work(tp, across), ms)
+            for m, best in zip(ms, found, strict=True):
+                self._splits[(tp, pp, vpp, across, m)] = best
+        return self._splits[key]
+
+    def evaluate(self, tp: int, dp: int, pps, bars=None) -> _Colocated:
+        """The layouts of backbone depths ``pps`` at ``tp`` and ``dp``: 1F1B over the
+        uneven stages (``one_f_one_b_time``) and the transfers of the first microbatch's
+        forward and the last one's backward between them (as ``Evaluator`` prices
+        them), then the slowest stage's end of step. ``bars``: per depth, a time to beat;
+        a layout that cannot (its work spread evenly over the stages, every microbatch
+        through the slowest) is left at infinity, its split unchosen."""
+        ev = self.ev
+        cost = ev.cost
+        b = ev.backbone
+        unit = ev.units[b]
+        m = ev.microbatches(dp)
+        pps = np.asarray(pps, dtype=int)
+        placed = place_units((tp,), (tp * dp * pps,), ev.gpus_per_node)
+        across_all = np.broadcast_to(placed.across_nodes[0] & (tp > 1), pps.shape)
+        vpps = np.broadcast_to(ev.vpp(b, pps, m), pps.shape)
+        fixed_b, layer_b = cost.dp_sync_coefficients(unit, tp, dp)
+        sync_e = sum((float(cost.dp_sync_time_s(ev.units[i], tp, 1, dp)) for i in self.enc),
+                     0.0)
+        sync_g = sum((float(cost.dp_sync_time_s(ev.units[i], tp, 1, dp)) for i in self.gen),
+                     0.0)
+        out = {k: np.empty(pps.shape) for k in ("time", "warmup", "steady", "sync", "bsync")}
+        splits = []
+        for k, (p, v, x) in enumerate(zip(pps.tolist(), vpps.tolist(), across_all.tolist(),
+                                          strict=True)):
+            work = self._work(tp, bool(x))
+            hop = work.hop if p > 1 else 0.0
+            if bars is not None:
+                spread = ((work.fwd + work.bwd) * unit.layers + sum(work.first) +
+                          sum(work.last)) / p + 2 * hop
+                if m * spread >= bars[k]:
+                    for name in out:
+                        out[name][k] = math.inf
+                    splits.append(None)
+                    continue
+            split, pipeline = self.split(tp, p, int(v), bool(x), m)
+            stage = [(work.fwd + work.bwd) * n + 2 * hop for n in split]
+            stage[0] += sum(work.first)
+            stage[-1] += sum(work.last)
+            stage_sync = [float(fixed_b + layer_b * n) for n in split]
+            bsync = max(stage_sync)
+            stage_sync[0] += sync_e
+            stage_sync[-1] += sync_g
+            steady = min(max(stage) * (m - 1), pipeline)
+            total = pipeline + 2 * (p - 1) * hop
+            out["time"][k] = total + max(stage_sync)
+            out["warmup"][k] = total - steady
+            out["steady"][k] = steady
+            out["sync"][k] = max(stage_sync)
+            out["bsync"][k] = bsync
+            splits.append(split)
+        return _Colocated(time=out["time"], warmup=out["warmup"], steady=out["steady"],
+                          sync=out["sync"], gpus_ok=placed.span <= ev.num_gpus,
+                          splits=tuple(splits), backbone_sync=out["bsync"],
+                          across=across_all)
+
+    def memory(self, tp: int, dp: int, pp: int, split: tuple[int, ...]
+               ) -> tuple[bool, float, dict[int, float]]:
+        """Whether the layout's stages fit, each within the limits of every unit on it: the
+        backbone's first stage with the encoders (their activations held for the pp
+        microbatches in flight there), its middle stages, its last with the generators.
+        Returns that, the backbone's heaviest stage's memory and each co-located unit's
+        own part."""
+        ev = self.ev
+        cost = ev.cost
+        b = ev.backbone
+        unit = ev.units[b]
+        m = ev.microbatches(dp)
+        v = int(np.asarray(ev.vpp(b, pp, m)))
+        own = {i: float(cost.memory_bytes(ev.units[i], tp, 1, dp, 1, pp, m, 1.0))
+               for i in self.enc}
+        own.update({i: float(cost.memory_bytes(ev.units[i], tp, 1, dp, 1, 1, m, 1.0))
+                    for i in self.gen})
+        stages = [0] + ([1] if pp > 2 else []) + ([pp - 1] if pp > 1 else [])
+        fits, heaviest = True, 0.0
+        for s in stages:
+            mem = cost.stage_memory_bytes(unit, tp=tp, pp=pp, dp=dp, vpp=v, stage=s,
+                                          layers=split[s], depth=pp - s, microbatches=m,
+                                          share=1.0)
+            heaviest = max(heaviest, mem)
+            on = [b]
+            if s == 0:
+                on += self.enc
+            if s == pp - 1:
+                on += self.gen
+            mem += sum(own[i] for i in on if i != b)
+            fits = fits and mem <= min(ev.memory_limit[i] for i in on)
+        return fits, heaviest, own
 
 
-PLACEMENTS = ("stages", "colocated")
+# ---- the search ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Candidate:
+    """A baseline layout and the cost model that priced it (its padding and
+    recomputation), which the simulator must use too."""
+
+    plan: Plan
+    cost: CostModel
+
+    @property
+    def placement(self) -> str:
+        return "colocated" if any(u.colocated for u in self.plan.units) else "stages"
+
+    @property
+    def depth(self) -> int:
+        return next(u.pp for u in self.plan.units if u.role == "backbone")
 
 
-def plan_baseline(cost: CostModel, num_gpus: int | None = None, *,
-                  progress: Progress | None = None,
-                  placements: tuple[str, ...] = PLACEMENTS, recompute: bool = True) -> Plan:
-    """The best rigid Megatron-LM layout on ``num_gpus`` GPUs: encoders and generators
-    on stages of their own or co-located (``placements``, both by default), recomputing
-    every layer where nothing fits without (unless ``recompute`` is off)."""
+@dataclass(frozen=True)
+class _Choice:
+    time: float
+    ev: Evaluator
+    tp: int
+    dp: int
+    pp: int
+    side_tp: int                  # own-stage encoders' and generators' TP
+
+
+class _Search:
+    """The best layout at mean work of every placement and backbone depth."""
+
+    def __init__(self, num_gpus: int) -> None:
+        self.num_gpus = num_gpus
+        self.best: dict[tuple[str, int], _Choice] = {}
+        self.evaluated = 0
+        self.candidates = 0
+
+    def offer(self, placement: str, choice: _Choice) -> None:
+        key = (placement, choice.pp)
+        if key not in self.best or choice.time < self.best[key].time:
+            self.best[key] = choice
+
+    def bar(self, placement: str, pp: int) -> float:
+        found = self.best.get((placement, pp))
+        return found.time if found is not None else math.inf
+
+
+def _side_tps(space: Space, tp: int) -> list[int]:
+    """The TP degrees the encoders and generators may take on their own stages at backbone
+    TP ``tp``: one for all of them (``--encoder-tensor-model-parallel-size``), allowed
+    for each, at most ``tp``."""
+    others = [i for i in range(space.n) if i != space.backbone]
+    if not others:
+        return [tp]
+    common = set(space.tps(others[0]))
+    for i in others[1:]:
+        common &= set(space.tps(i))
+    return sorted(t for t in common if t <= tp)
+
+
+def baseline_candidates(cost: CostModel, num_gpus: int | None = None, *,
+                        progress: Progress | None = None,
+                        placements: tuple[str, ...] = PLACEMENTS,
+                        recompute: bool = True,
+                        samples: SampleSet | None = None) -> list[Candidate]:
+    """Megatron-LM's rigid layouts on ``num_gpus`` GPUs of ``cost``'s program (its data as
+    ``train.packing`` says): for every placement (``placements``) and backbone depth, the
+    fastest at mean work over every allowed TP, DP and own-stage TP, the backbone padded
+    as Megatron-LM pads it at that depth, recomputing every layer where the layout fits
+    only so (unless ``recompute`` is off). Fastest first; empty when nothing fits.
+    ``samples``: the draw ``cost`` was built on (``build_cost_model``), to build the
+    variants on without drawing again."""
     start = time.perf_counter()
     num_gpus = num_gpus or cost.program.cluster.num_gpus
     if not placements or set(placements) - set(PLACEMENTS):
         raise ValueError(f"placements must be some of {PLACEMENTS}, not {placements!r}")
-    # With recomputation every layout is slower than without: a layout it wins with is
-    # one that does not fit without it.
-    variants = [cost]
-    recomputing = with_recompute(cost) if recompute else None
-    if recomputing is not None:
-        variants.append(recomputing)
-    best: tuple[float, Evaluator, Layout, bool] | None = None
-    evaluated = candidates = 0
-    space = None
-    steps = 0
-    for cost_v in variants:
-        ev = Evaluator(cost_v, num_gpus)
-        space = Space(ev)
-        b = space.backbone
-        n = space.n
-        replicated = tuple(i != b for i in range(n))
-        pps_b = np.asarray(efficient_pps(space.units[b].layers, space.pps(b)))
-        # Own stages: the backbone's pipeline is split as it fits best, every other unit
-        # is one stage of its own.
-        choices = [pps_b if i == b else np.asarray([p for p in space.pps(i) if p == 1])
-                   for i in range(n)]
-        own_ok = "stages" in placements and all(c.size for c in choices)
-        grids = np.meshgrid(*choices, indexing="ij", sparse=True) if own_ok else None
-        stages = sum(grids) if own_ok else None
-        tps, dp_lms = space.tps(b), space.dp_lms()
-        total_steps = len(tps) * len(variants)
-        for tp in tps:
-            if progress is not None:
-                progress(steps, total_steps, f"tp {tp}")
-            steps += 1
-            for dp in dp_lms:
-                if tp * dp > num_gpus:
+    if samples is None:
+        samples = draw_samples(cost.program, cost.params.samples, cost.params.seed)
+    search = _Search(num_gpus)
+    evs: dict[tuple[bool, bool], Evaluator] = {}
+    for pad in (False, True):
+        base = baseline_cost(cost, pad_to_seq_len=pad, samples=samples)
+        evs[(pad, False)] = Evaluator(base, num_gpus)
+        again = with_recompute(base, samples) if recompute else None
+        if again is not None:
+            evs[(pad, True)] = Evaluator(again, num_gpus)
+    space = Space(evs[(False, False)])
+    b = space.backbone
+    layers = space.units[b].layers
+    pps_all = np.asarray(efficient_pps(layers, space.pps(b)), dtype=int)
+    counts = tuple(space.total_microbatches // dp for dp in space.dp_lms())
+    colocations = {key: _Colocation(ev, counts) for key, ev in evs.items()}
+    tps, dp_lms = space.tps(b), space.dp_lms()
+    own_ok = "stages" in placements and all(1 in space.pps(i) for i in range(space.n)
+                                            if i != b)
+    for step, tp in enumerate(tps):
+        if progress is not None:
+            progress(step, len(tps), f"tp {tp}")
+        for dp in dp_lms:
+            if tp * dp > num_gpus:
+                continue
+            search.candidates += 1
+            for pad in (False, True):
+                pps = pps_all[pps_all > 1] if pad else pps_all[pps_all == 1]
+                if not pps.size:
                     continue
-                candidates += 1
                 if own_ok:
-                    est = ev.evaluate((tp,) * n, (dp,) * n, grids, replicated=replicated,
-                                      chained=True)
-                    ok = np.asarray(est.feasible) & (tp * dp * stages <= num_gpus)
-                    evaluated += int(ok.size)
-                    if ok.any():
-                        times = np.where(ok, est.iteration_time_s, np.inf)
-                        i = np.unravel_index(np.argmin(times), times.shape)
-                        if best is None or times[i] < best[0]:
-                            layout = Layout(tp=(tp,) * n, dp=(dp,) * n,
-                                            pp=tuple(int(c[j]) for c, j in
-                                                     zip(choices, i, strict=True)),
-                                            iteration_time_s=float(times[i]),
-                                            replicated=replicated, chained=True)
-                            best = (float(times[i]), ev, layout, False)
-                if "colocated" in placements and pps_b.size:
-                    co = _colocated(ev, tp, dp, pps_b)
-                    evaluated += int(pps_b.size)
-                    if co.feasible.any():
-                        times = np.where(co.feasible, co.time, np.inf)
-                        k = int(np.argmin(times))
-                        if best is None or times[k] < best[0]:
-                            layout = Layout(tp=(tp,) * n, dp=(dp,) * n,
-                                            pp=tuple(int(pps_b[k]) if i == b else 1
-                                                     for i in range(n)),
-                                            iteration_time_s=float(times[k]), chained=True)
-                            best = (float(times[k]), ev, layout, True)
+                    for side in _side_tps(space, tp):
+                        _own_stages(search, evs, pad, tp, dp, side, pps)
+                if "colocated" in placements:
+                    _colocated(search, evs, colocations, pad, tp, dp, pps)
     if progress is not None:
-        progress(steps, steps, "done")
-    if best is None:
-        assert space is not None
-        raise no_layout_fits(Space(Evaluator(cost, num_gpus)))
-    _, ev, layout, colocated = best
+        progress(len(tps), len(tps), "done")
     solve = time.perf_counter() - start
-    if colocated:
-        return _colocated_plan(ev, layout, solve_time_s=solve, candidates=candidates,
-                               evaluated=evaluated)
-    return make_plan(ev, "baseline", layout, solve_time_s=solve, candidates=candidates,
-                     convex_solves=0, evaluated=evaluated,
-                     baseline_iteration_time_s=layout.iteration_time_s)
+    out = [_candidate(search, placement, choice, colocations, solve)
+           for (placement, _), choice in search.best.items()]
+    return sorted(out, key=lambda c: (c.plan.iteration_time_s, c.depth, c.placement))
 
 
-def _colocated_plan(ev: Evaluator, layout: Layout, *, solve_time_s: float, candidates: int,
-                    evaluated: int) -> Plan:
+def _own_stages(search: _Search, evs, pad: bool, tp: int, dp: int, side: int,
+                pps: np.ndarray) -> None:
+    """Encoders (generators) on one stage of their own before (after) the backbone's
+    ``pps`` stages, at TP ``side``."""
+    feasible_plain = None
+    for again in (False, True):
+        ev = evs.get((pad, again))
+        if ev is None:
+            continue
+        b = ev.backbone
+        n = len(ev.units)
+        tps = tuple(tp if i == b else side for i in range(n))
+        est = ev.evaluate(tps, (dp,) * n, [pps if i == b else np.ones_like(pps)
+                                            for i in range(n)], chained=True)
+        feasible = np.asarray(est.feasible) & (np.asarray(est.gpus) <= search.num_gpus)
+        search.evaluated += int(pps.size)
+        ok = feasible if feasible_plain is None else feasible & ~feasible_plain
+        if feasible_plain is None:
+            feasible_plain = feasible
+        times = np.asarray(est.iteration_time_s, dtype=float)
+        vpps = np.broadcast_to(est.vpp[b], pps.shape)
+        layers = ev.units[b].layers
+        for k, p in enumerate(pps.tolist()):
+            if ok[k] and times[k] < search.bar("stages", p) and \
+                    _even_split(layers, p, int(vpps[k])) is not None:
+                search.offer("stages", _Choice(float(times[k]), ev, tp, dp, p, side))
+
+
+def _colocated(search: _Search, evs, colocations, pad: bool, tp: int, dp: int,
+               pps: np.ndarray) -> None:
+    """Encoders and generators co-located on the backbone's first and last stages."""
+    # Recomputation only where nothing fits without: a recomputing layout is slower than
+    # the same one without, so it can beat the bar only where that one did, and whether
+    # that one fits is known by then.
+    fits_plain: dict[int, bool] = {}
+    for again in (False, True):
+        ev = evs.get((pad, again))
+        if ev is None:
+            continue
+        co = colocations[(pad, again)]
+        figures = co.evaluate(tp, dp, pps, [search.bar("colocated", p) for p in pps.tolist()])
+        search.evaluated += int(pps.size)
+        for k, p in enumerate(pps.tolist()):
+            if not figures.gpus_ok[k] or figures.time[k] >= search.bar("colocated", p):
+                continue
+            if again:
+                if p not in fits_plain:
+                    plain = colocations[(pad, False)]
+                    fits_plain[p] = plain.memory(
+                        tp, dp, p, plain.evaluate(tp, dp, np.asarray([p])).splits[0])[0]
+                if fits_plain[p]:
+                    continue
+            fits = co.memory(tp, dp, p, figures.splits[k])[0]
+            if not again:
+                fits_plain[p] = fits
+            if fits:
+                search.offer("colocated", _Choice(float(figures.time[k]), ev, tp, dp, p, tp))
+
+
+def _candidate(search: _Search, placement: str, choice: _Choice, colocations,
+               solve_time_s: float) -> Candidate:
+    ev = choice.ev
+    if placement == "colocated":
+        co = next(c for c in colocations.values() if c.ev is ev)
+        plan = _colocated_plan(co, choice, solve_time_s=solve_time_s,
+                               candidates=search.candidates, evaluated=search.evaluated)
+    else:
+        n = len(ev.units)
+        b = ev.backbone
+        layout = Layout(tp=tuple(choice.tp if i == b else choice.side_tp for i in range(n)),
+                        dp=(choice.dp,) * n,
+                        pp=tuple(choice.pp if i == b else 1 for i in range(n)),
+                        iteration_time_s=choice.time, chained=True)
+        plan = make_plan(ev, "baseline", layout, solve_time_s=solve_time_s,
+                         candidates=search.candidates, convex_solves=0,
+                         evaluated=search.evaluated)
+        backbone = plan.units[b]
+        split = _even_split(ev.units[b].layers, backbone.pp, backbone.vpp)
+        assert split is not None, "the search keeps splits Megatron-LM can express"
+        plan = _with_unit(plan, b, layers_per_stage=split, padding=_padding(choice.pp))
+    return Candidate(plan=plan, cost=ev.cost)
+
+
+def _padding(pp: int) -> str:
+    return "seq_len" if pp > 1 else "longest"
+
+
+def _with_unit(plan: Plan, index: int, **update) -> Plan:
+    units = list(plan.units)
+    units[index] = units[index].model_copy(update=update)
+    return plan.model_copy(update={"units": tuple(units)})
+
+
+def _colocated_plan(co: _Colocation, choice: _Choice, *, solve_time_s: float,
+                    candidates: int, evaluated: int) -> Plan:
     """The Plan of a co-located layout: the backbone's ranks only; the encoders (first
     stage) and generators (last stage) are listed on those GPUs with ``gpus`` 0."""
+    ev = co.ev
     program = ev.cost.program
     b = ev.backbone
-    tp, dp, pp = layout.tp[b], layout.dp[b], layout.pp[b]
-    co = _colocated(ev, tp, dp, np.asarray([pp]))
-    iteration = float(co.time[0])
-    assert bool(co.feasible[0]), "planners return feasible layouts"
-    assert math.isclose(iteration, layout.iteration_time_s, rel_tol=1e-9)
+    tp, dp, pp = choice.tp, choice.dp, choice.pp
+    figures = co.evaluate(tp, dp, np.asarray([pp]))
+    iteration = float(figures.time[0])
+    split = figures.splits[0]
+    fits, heaviest, own = co.memory(tp, dp, pp, split)
+    assert fits and bool(figures.gpus_ok[0]), "planners return feasible layouts"
+    assert math.isclose(iteration, choice.time, rel_tol=1e-9)
+    across = bool(figures.across[0])
     m = ev.microbatches(dp)
-    backbone_first = 0      # the encoders before it hold no GPU
     units = []
     for i, unit in enumerate(ev.units):
-        own = i == b
-        fwd, bwd = ev.fwd_bwd(i, tp)
-        upp = pp if own else 1
-        heaviest = math.ceil(unit.layers / upp) / unit.layers
+        own_unit = i == b
+        fwd, bwd = ev.fwd_bwd(i, tp, across)
+        heaviest_share = max(split) / unit.layers if own_unit else 1.0
         if unit.role == "encoder":
             projectors = tuple(p.name for p in program.projectors if p.source == unit.name)
-            first_rank = backbone_first
         elif unit.role == "generator":
             projectors = tuple(p.name for p in program.projectors if p.target == unit.name)
-            first_rank = backbone_first + (pp - 1) * tp * dp
         else:
             projectors = ()
-            first_rank = backbone_first
+        upp = pp if own_unit else 1
+        sync = float(figures.backbone_sync[0]) if own_unit else \
+            float(ev.cost.dp_sync_time_s(unit, tp, 1, dp))
         units.append(UnitPlan(
             name=unit.name, role=unit.role, projectors=projectors,
-            gpus=tp * dp * pp if own else 0, tp=tp, dp=dp, pp=upp,
-            vpp=int(np.asarray(ev.vpp(i, upp, m))), colocated=not own,
-            recompute=program.module(unit.name).recompute, first_rank=first_rank,
-            layers_per_stage=split_layers(unit.layers, upp), microbatch_share=1.0,
-            fwd_time_s=fwd * heaviest, bwd_time_s=bwd * heaviest,
-            dp_sync_time_s=float(ev.cost.dp_sync_time_s(unit, tp, upp, dp)),
-            memory_bytes=float(np.broadcast_to(co.unit_memory[i], (1,))[0]),
+            gpus=tp * dp * pp if own_unit else 0, tp=tp, dp=dp, pp=upp,
+            vpp=int(np.asarray(ev.vpp(i, upp, m))), colocated=not own_unit,
+            recompute=program.module(unit.name).recompute, first_rank=0,
+            padding=_padding(pp) if own_unit else "longest", tp_across_nodes=across,
+            layers_per_stage=split if own_unit else (unit.layers,), microbatch_share=1.0,
+            fwd_time_s=fwd * heaviest_share, bwd_time_s=bwd * heaviest_share,
+            dp_sync_time_s=sync,
+            memory_bytes=heaviest if own_unit else own[i],
             memory_limit_bytes=ev.memory_limit[i]))
     train = program.train
     return Plan(
         spec=program.name, spec_sha256=program.source_sha256, search="baseline",
         num_gpus=ev.num_gpus, gpus_used=tp * dp * pp, global_batch=train.global_batch,
         micro_batch=train.micro_batch, num_microbatches=m, schedule=train.schedule,
-        iteration_time_s=iteration, warmup_time_s=float(co.warmup[0]),
-        steady_time_s=float(co.steady[0]), dp_sync_time_s=float(co.sync[0]),
+        iteration_time_s=iteration, warmup_time_s=float(figures.warmup[0]),
+        steady_time_s=float(figures.steady[0]), dp_sync_time_s=float(figures.sync[0]),
         model_flops_per_iteration=ev.model_flops_per_iteration, mfu=ev.mfu(iteration),
         mfu_full_attention=ev.mfu(iteration, full_attention=True),
         solve_time_s=solve_time_s, candidates=candidates, convex_solves=0,
-        evaluated=evaluated, baseline_iteration_time_s=iteration, units=tuple(units))
+        evaluated=evaluated, units=tuple(units))
+
+
+def plan_baseline(cost: CostModel, num_gpus: int | None = None, *,
+                  progress: Progress | None = None,
+                  placements: tuple[str, ...] = PLACEMENTS, recompute: bool = True) -> Plan:
+    """The fastest of ``baseline_candidates`` at mean work (``choose_on_drawn_batches``
+    picks among them on drawn batches)."""
+    found = baseline_candidates(cost, num_gpus, progress=progress, placements=placements,
+                                recompute=recompute)
+    if not found:
+        raise no_layout_fits(Space(Evaluator(cost, num_gpus or
+                                             cost.program.cluster.num_gpus)))
+    return found[0].plan
+
+
+# ---- on drawn batches ---------------------------------------------------------------------
+
+def to_simulate(candidates: list[Candidate], *, margin: float = SHALLOW_MARGIN
+                ) -> list[Candidate]:
+    """The candidates worth simulating (``candidates``: fastest first at mean work), per
+    placement: its fastest, and within ``margin`` times that, the fastest of the other
+    padding (pp 1 pads a microbatch to its longest, and its replicas wait at the gradient
+    sync for the one that drew the longest; deeper pipelines pad to seq_len, as priced)
+    and the shallowest pipeline deeper than 1 (a co-located encoder's varying work stalls
+    a deep pipeline more). In their order."""
+    keep: list[Candidate] = []
+    for placement in PLACEMENTS:
+        mine = [c for c in candidates if c.placement == placement]
+        if not mine:
+            continue
+        fastest = mine[0]
+        near = [c for c in mine
+                if c.plan.iteration_time_s <= margin * fastest.plan.iteration_time_s]
+        other = [c for c in near if (c.depth == 1) != (fastest.depth == 1)]
+        shallow = sorted((c for c in near if c.depth > 1), key=lambda c: c.depth)
+        for c in [fastest, *other[:1], *shallow[:1]]:
+            if c not in keep:
+                keep.append(c)
+    return sorted(keep, key=candidates.index)
+
+
+def choose_on_drawn_batches(candidates: list[Candidate], batches,
+                            progress: Progress | None = None,
+                            ) -> tuple[Candidate, float, int]:
+    """The fastest of ``to_simulate(candidates)`` on ``batches``
+    (``planner.simulated.DrawnBatches``, without reordering: Megatron-LM does not
+    reorder): the candidate, its mean iteration time there and how many were
+    simulated. The first (fastest at mean work) wins ties."""
+    picked = to_simulate(candidates)
+    best: tuple[Candidate, float] | None = None
+    for k, c in enumerate(picked):
+        if progress is not None:
+            progress(k, len(picked), f"simulating {c.placement} pp {c.depth}")
+        t = batches.mean_time(c.cost, c.plan)
+        if best is None or t < best[1]:
+            best = (c, t)
+    if progress is not None:
+        progress(len(picked), len(picked), "done")
+    assert best is not None, "to_simulate keeps at least one of a non-empty list"
+    return best[0], best[1], len(picked)

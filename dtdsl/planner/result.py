@@ -46,8 +46,7 @@ class Layout:
 
 
 def make_plan(ev, search: str, layout: Layout, *, solve_time_s: float, candidates: int,
-              convex_solves: int, evaluated: int,
-              baseline_iteration_time_s: float | None = None) -> Plan:
+              convex_solves: int, evaluated: int) -> Plan:
     """The Plan of ``layout``, re-evaluated in full by the evaluator ``ev``."""
     program = ev.cost.program
     n = len(ev.units)
@@ -96,7 +95,7 @@ def make_plan(ev, search: str, layout: Layout, *, solve_time_s: float, candidate
         model_flops_per_iteration=ev.model_flops_per_iteration, mfu=ev.mfu(iteration),
         mfu_full_attention=ev.mfu(iteration, full_attention=True),
         solve_time_s=solve_time_s, candidates=candidates, convex_solves=convex_solves,
-        evaluated=evaluated, baseline_iteration_time_s=baseline_iteration_time_s,
+        evaluated=evaluated,
         units=tuple(units))
 
 

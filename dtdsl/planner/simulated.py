@@ -7,7 +7,9 @@ runs the lowered schedule of a plan on ``steps`` global batches drawn from the s
 (the same batches for every plan: step k's draw is seeded by the spec's seed and k),
 routed under a policy, and returns the mean iteration time; ``plan`` in this package
 scores its best candidate layouts with it under the spec's policy and keeps the fastest,
-and reports the chosen plan without reordering and the baseline on the same batches.
+and reports the chosen plan without reordering. ``DrawnBatches`` holds the same batches
+for the baselines, which simulate several layouts on them without reordering
+(``planner.baseline.choose_on_drawn_batches``).
 
 ``packing_figures`` runs the chosen layout again with ``train.packing`` toggled (the
 spec's program copied with the other setting, its own cost model, the plan's unit times
@@ -22,7 +24,7 @@ from statistics import fmean
 from dtdsl.cost.model import CostModel, build_cost_model
 from dtdsl.ir.plan import Packing, Plan
 
-__all__ = ["packing_figures", "repriced", "simulate_plan"]
+__all__ = ["DrawnBatches", "SpecData", "packing_figures", "repriced", "simulate_plan"]
 
 
 def simulate_plan(cost: CostModel, plan: Plan, *, policy: frozenset[str], steps: int) -> float:
@@ -55,32 +57,130 @@ def repriced(plan: Plan, cost: CostModel, other: CostModel) -> Plan:
     return plan.model_copy(update={"units": tuple(units)})
 
 
-def _positions_per_step(cost: CostModel, steps: int) -> float:
-    """The mean positions (text and encoder tokens) of the first ``steps`` drawn batches."""
-    from dtdsl.cost.samples import positions
-    from dtdsl.sim.workload import batch_samples
-
-    return fmean(float(positions(batch_samples(cost.program, k)).sum()) for k in range(steps))
-
-
 def packing_figures(cost: CostModel, plan: Plan, *, steps: int,
-                    iteration_time_s: float) -> Packing | None:
+                    iteration_time_s: float, data: SpecData | None = None) -> Packing | None:
     """``plan`` on the first ``steps`` drawn batches without reordering, with
     ``train.packing`` as the spec sets it (``iteration_time_s``, already simulated) and
-    toggled. Without reordering on both sides: it is the same comparison, and intra's
-    search on a packed batch's near-equal rows would cost ``dtc plan`` seconds. None with
-    a measured profile: it times the backbone on whole sequences, not packed documents."""
+    toggled (``data``: the spec's data both ways, shared with the baselines). Without
+    reordering on both sides: it is the same comparison, and intra's search on a packed
+    batch's near-equal rows would cost ``dtc plan`` seconds. None with a measured
+    profile: it times the backbone on whole sequences, not packed documents."""
     if cost.profile is not None:
         return None
+    data = data or SpecData(cost, steps)
     program = cost.program
-    toggled = program.model_copy(update={"train": program.train.model_copy(
-        update={"packing": not program.train.packing})})
-    other = build_cost_model(toggled, cost.params)
-    other_s = simulate_plan(other, repriced(plan, cost, other), policy=frozenset(),
-                            steps=steps)
-    ours, theirs = _positions_per_step(cost, steps), _positions_per_step(other, steps)
-    if program.train.packing:
+    spec_packs = program.train.packing
+    other = data.cost(not spec_packs)
+    toggled = data.batches(not spec_packs)
+    other_s = toggled.mean_time(other, repriced(plan, cost, other))
+    ours, theirs = data.batches(spec_packs).positions, toggled.positions
+    if spec_packs:
         return Packing(spec_packs=True, packed_s=iteration_time_s, unpacked_s=other_s,
                        packed_positions=ours, unpacked_positions=theirs)
     return Packing(spec_packs=False, packed_s=other_s, unpacked_s=iteration_time_s,
                    packed_positions=theirs, unpacked_positions=ours)
+
+
+class SpecData:
+    """The spec's data with ``train.packing`` as the spec sets it and toggled: per
+    setting, the program, its cost model (``cost`` itself for the spec's own), the draw
+    that cost model takes expectations over, and the first ``steps`` global batches
+    (``DrawnBatches``), each made once, when first asked for (packed draws take a
+    while)."""
+
+    def __init__(self, cost: CostModel, steps: int) -> None:
+        self.spec_cost = cost
+        self.steps = steps
+        self._programs: dict = {}
+        self._references: dict = {}
+        self._costs: dict = {cost.program.train.packing: cost}
+        self._batches: dict = {}
+
+    def program(self, packing: bool):
+        if packing not in self._programs:
+            program = self.spec_cost.program
+            if program.train.packing != packing:
+                program = program.model_copy(update={"train": program.train.model_copy(
+                    update={"packing": packing})})
+            self._programs[packing] = program
+        return self._programs[packing]
+
+    def reference(self, packing: bool):
+        """The cost model's draw (``build_cost_model``'s)."""
+        from dtdsl.cost.samples import draw_samples
+
+        if packing not in self._references:
+            params = self.spec_cost.params
+            self._references[packing] = draw_samples(self.program(packing), params.samples,
+                                                     params.seed)
+        return self._references[packing]
+
+    def cost(self, packing: bool) -> CostModel:
+        if packing not in self._costs:
+            spec = self.spec_cost
+            self._costs[packing] = build_cost_model(self.program(packing), spec.params,
+                                                    profile=spec.profile,
+                                                    samples=self.reference(packing))
+        return self._costs[packing]
+
+    def batches(self, packing: bool) -> DrawnBatches:
+        if packing not in self._batches:
+            self._batches[packing] = DrawnBatches(self.cost(packing), self.steps)
+        return self._batches[packing]
+
+    def expected_positions(self, packing: bool) -> float:
+        """The positions (text and encoder tokens) a global batch trains on average: over
+        the cost model's draw."""
+        from dtdsl.cost.samples import positions
+
+        return float(positions(self.reference(packing)).mean()) * \
+            self.program(packing).train.global_batch
+
+
+class DrawnBatches:
+    """The first ``steps`` global batches drawn from ``cost``'s program (as
+    ``simulate_plan`` draws them) and their per-sample work, drawn once for every layout
+    simulated on them without reordering. ``cost`` prices the data; a layout priced by
+    another cost model of the same modules and data (padding, recomputation) is simulated
+    with that one."""
+
+    def __init__(self, cost: CostModel, steps: int) -> None:
+        from dtdsl.cost.samples import positions
+        from dtdsl.sim.workload import batch_samples
+
+        if steps < 1:
+            raise ValueError(f"steps must be at least 1, not {steps}")
+        self.cost = cost
+        self.steps = steps
+        self.samples = [batch_samples(cost.program, k) for k in range(steps)]
+        # The mean positions (text and encoder tokens) a step trains.
+        self.positions = fmean(float(positions(s).sum()) for s in self.samples)
+        self._work_model = None
+
+    @property
+    def work_model(self):
+        """The per-sample work's reference (``sim.workload.WorkModel``), made when first
+        simulated: it draws the cost model's samples again."""
+        from dtdsl.sim.workload import WorkModel
+
+        if self._work_model is None:
+            self._work_model = WorkModel(self.cost)
+        return self._work_model
+
+    def mean_time(self, cost: CostModel, plan: Plan) -> float:
+        """``plan``'s mean iteration time over the batches, without reordering (equal to
+        ``simulate_plan(cost, plan, policy=frozenset(), steps=self.steps)``)."""
+        from dtdsl.schedule.lower import lower
+        from dtdsl.sim.run import simulate_routed
+        from dtdsl.sim.simulate import Simulator
+        from dtdsl.sim.workload import route
+
+        simulator = Simulator(lower(plan, cost.program))
+        times = []
+        for step, samples in enumerate(self.samples):
+            work = self.work_model.relative(samples)
+            routing = route(plan, work, frozenset())
+            times.append(simulate_routed(cost, plan, simulator, self.work_model, step,
+                                         samples, routing).iteration_time_s)
+        return fmean(times)
+

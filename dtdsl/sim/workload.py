@@ -422,10 +422,21 @@ def pipeline_times(plan: Plan, routing: Routing, work: dict[str, np.ndarray]
 
 def _loads(routing: Routing, unit, work: dict[str, np.ndarray]) -> np.ndarray:
     """(steps, dp): a unit's work per replica and step; the backbone pads a microbatch to
-    its longest sequence."""
+    its longest sequence, or (``UnitPlan.padding``) every sequence to seq_len."""
     if unit.role == "backbone":
+        if unit.padding == "seq_len":
+            return _seq_len_loads(routing, unit)
         return routing.padded_loads(unit.name, work[unit.name], unit.dp)
     return routing.loads(unit.name, work[unit.name], unit.dp)
+
+
+def _seq_len_loads(routing: Routing, unit) -> np.ndarray:
+    """A backbone whose every sequence is padded to seq_len (a Megatron-LM baseline under
+    pipeline parallelism): each sample costs what the plan priced, one sample of a
+    microbatch of seq_len sequences, whatever its length; a replica's load is its count."""
+    flat = routing.step * unit.dp + routing.replica[unit.name]
+    count = np.bincount(flat, minlength=routing.num_microbatches * unit.dp)
+    return count.astype(float).reshape(-1, unit.dp)
 
 
 def imbalance(plan: Plan, routing: Routing, work: dict[str, np.ndarray]) -> float:

@@ -9,7 +9,8 @@ import pytest
 from dtdsl import cli
 from dtdsl.cost.model import build_cost_model
 from dtdsl.driver import run_frontend
-from dtdsl.planner import plan, plan_baseline, simulate_plan
+from dtdsl.planner import plan, simulate_plan
+from dtdsl.planner.baseline import baseline_candidates, to_simulate
 from dtdsl.schedule.lower import lower
 from dtdsl.sim.run import simulate_steps
 from dtdsl.sim.workload import parse_policy
@@ -36,10 +37,16 @@ def test_plans_carry_their_simulated_times(cost):
         sum(s.iteration_time_s for s in steps) / 3, rel=1e-12)
     assert sim.no_reorder_iteration_time_s == pytest.approx(
         simulate_plan(cost, result, policy=frozenset(), steps=3), rel=1e-12)
-    base = plan_baseline(cost, 4)
-    assert sim.baseline_iteration_time_s == pytest.approx(
-        simulate_plan(cost, base, policy=frozenset(), steps=3), rel=1e-12)
-    assert sim.speedup == pytest.approx(sim.baseline_iteration_time_s / sim.iteration_time_s)
+    # The baselines on the same batches, without reordering: the fastest of the candidates
+    # simulated, each with the cost model that priced it (its padding, recomputation).
+    candidates = to_simulate(baseline_candidates(cost, 4))
+    times = [simulate_plan(c.cost, c.plan, policy=frozenset(), steps=3) for c in candidates]
+    megatron = result.baselines["megatron"]
+    assert megatron.simulated_s == pytest.approx(min(times), rel=1e-12)
+    assert megatron.candidates == len(candidates)
+    assert megatron.simulated_speedup == pytest.approx(megatron.simulated_s /
+                                                       sim.iteration_time_s)
+    assert result.speedup(simulated=True) == megatron.simulated_speedup
     assert plan(cost, 4).simulated is None
 
 
@@ -48,7 +55,11 @@ def test_the_baseline_is_simulated_without_reordering(cost):
     base = plan(cost, 4, search="baseline", simulate_steps=2)
     assert base.simulated.policy == ()
     assert base.simulated.iteration_time_s == base.simulated.no_reorder_iteration_time_s == \
-        base.simulated.baseline_iteration_time_s
+        base.baselines["megatron"].simulated_s
+    assert base.speedup() == pytest.approx(1.0)
+    assert base.speedup(simulated=True) == pytest.approx(1.0)
+    assert base.baselines["megatron"].layout == base.model_copy(
+        update={"simulated": None, "baselines": None})
 
 
 def test_dtc_plan_prints_the_simulated_speedups(capsys):
