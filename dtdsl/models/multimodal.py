@@ -454,11 +454,10 @@ def backbone_layers(backbone: Backbone, x: torch.Tensor, start: int = 0,
     causal; or ``positions`` and ``mask`` of packed documents, ``document_masks``), or
     under sequence parallelism on this TP rank's piece ``[B, S / tp, hidden]`` (attention
     and MLP gather the whole sequence, ``parallel.tp``)."""
-    if positions is None:
-        seq = x.shape[1] * sequence_parallel_degree(backbone)
-        positions = torch.arange(seq, device=x.device)
+    seq = x.shape[1] * sequence_parallel_degree(backbone)
+    rotation = backbone.rotation(positions, seq, x.device)    # once for all the layers
     for layer in layer_range(backbone, start, stop):
-        x = layer(x, positions, mask)
+        x = layer(x, rotation, mask)
     return x
 
 

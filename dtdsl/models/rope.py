@@ -11,17 +11,27 @@ positions rotate exactly as the Hugging Face model rotates them.
 
 ``apply_rotary`` rotates queries and keys in the rotate-half layout that Hugging Face's
 Llama, Mistral and Qwen2 checkpoints use (no permutation of their projections needed).
+
+A stage does not recompute the frequencies, angles, cosines and sines in every layer: a
+backbone holds a ``RotaryTable`` (cos and sin of every position up to the longest row
+seen, built once per device), and each forward over a stage's layers looks its
+positions up once (``RotaryTable.rotation``: a slice for positions ``0..S-1``, one gather
+for packed documents) and hands the same ``Rotation`` to every layer. The table's entries
+are the same float32 products and cosines ``apply_rotary`` computes, so both rotate
+alike (equal up to a float32 ulp where a vectorised and a scalar cosine differ).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import torch
+from torch._guards import detect_fake_mode
 
 from dtdsl.ir import program as ir
 
-__all__ = ["apply_rotary", "inverse_frequencies"]
+__all__ = ["Rotation", "RotaryTable", "apply_rotary", "inverse_frequencies"]
 
 
 def _base(theta: float, dim: int, device: torch.device | None) -> torch.Tensor:
@@ -109,3 +119,61 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rope
     cos = cos.unsqueeze(2).to(q.dtype)                             # [B or 1, S, 1, D]
     sin = sin.unsqueeze(2).to(q.dtype)
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+@dataclass(eq=False)
+class Rotation:
+    """The cosines and sines of one forward's positions, ``[B or 1, S, 1, head_dim]``
+    float32, shared by every layer of the forward; cast once per compute dtype."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    _cast: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate ``[B, S, H, D]`` queries and keys (``apply_rotary``'s rule)."""
+        found = self._cast.get(q.dtype)
+        if found is None:
+            found = self._cast[q.dtype] = (self.cos.to(q.dtype), self.sin.to(q.dtype))
+        cos, sin = found
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+class RotaryTable:
+    """Cos and sin (scaled by the rope's attention factor) of positions ``0..n-1`` for
+    one backbone, built on first use on each device and grown (doubling) when a longer
+    row comes: ``rotation(positions, length, device)`` looks a forward's positions up."""
+
+    def __init__(self, rope: ir.RoPE, head_dim: int):
+        self.rope, self.head_dim = rope, head_dim
+        self._tables: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _table(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        # A table made under a fake mode (``dtc memcheck``) holds fake tensors: keyed apart.
+        fake = detect_fake_mode()
+        key = (str(device), 0 if fake is None else id(fake))
+        found = self._tables.get(key)
+        if found is not None and found[0].shape[0] >= length:
+            return found
+        size = max(length, 2 * found[0].shape[0] if found is not None else 0)
+        inv_freq, scale = inverse_frequencies(self.rope, self.head_dim, device=device)
+        angles = torch.arange(size, device=device).float().unsqueeze(-1) * inv_freq
+        angles = torch.cat([angles, angles], dim=-1)                  # [size, D]
+        cos, sin = angles.cos(), angles.sin()
+        if scale != 1.0:
+            cos, sin = cos * scale, sin * scale
+        self._tables[key] = (cos, sin)
+        return cos, sin
+
+    def rotation(self, positions: torch.Tensor | None, length: int,
+                 device: torch.device) -> Rotation:
+        """The rotation of positions ``0..length-1`` (``positions`` None) or of
+        ``positions`` (``[S]`` or ``[B, S]``, each below ``length``)."""
+        cos, sin = self._table(length, device)
+        if positions is None:
+            cos, sin = cos[:length].unsqueeze(0), sin[:length].unsqueeze(0)   # [1, S, D]
+        else:
+            cos, sin = cos[positions], sin[positions]
+            if cos.dim() == 2:
+                cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
+        return Rotation(cos.unsqueeze(2), sin.unsqueeze(2))

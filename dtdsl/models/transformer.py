@@ -44,7 +44,7 @@ from torch import nn
 
 from dtdsl.ir import program as ir
 from dtdsl.models.attention import DocumentMask, document_attention
-from dtdsl.models.rope import apply_rotary
+from dtdsl.models.rope import RotaryTable, Rotation, apply_rotary
 
 __all__ = [
     "MLP",
@@ -98,10 +98,10 @@ class SelfAttention(nn.Module):
     """Multi-head self-attention with grouped-query attention.
 
     ``heads`` and ``kv_heads`` are this rank's heads; ``dim`` is the full model width.
-    Input and output ``[B, S, dim]``; ``positions`` (``[S]`` or ``[B, S]``) only
-    matters with ``rope``; ``mask`` (packed documents, ``models.attention.document_mask``)
-    replaces the causal rule when given: each query attends its own document up to
-    itself."""
+    Input and output ``[B, S, dim]``; ``positions`` (``[S]`` or ``[B, S]``, or their
+    ``Rotation`` from the backbone's ``RotaryTable``) only matters with ``rope``;
+    ``mask`` (packed documents, ``models.attention.document_mask``) replaces the causal
+    rule when given: each query attends its own document up to itself."""
 
     def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, *,
                  causal: bool = False, rope: ir.RoPE | None = None, out_bias: bool = False,
@@ -119,7 +119,7 @@ class SelfAttention(nn.Module):
         self.wo = nn.Linear(heads * head_dim, dim, bias=out_bias)
         self.wo.residual_out = True
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | Rotation | None = None,
                 mask: DocumentMask | None = None) -> torch.Tensor:
         batch, seq, _ = x.shape
         d = self.head_dim
@@ -128,9 +128,12 @@ class SelfAttention(nn.Module):
         k = self.wk(x).view(batch, seq, -1, d)
         v = self.wv(x).view(batch, seq, -1, d)
         if self.rope is not None:
-            if positions is None:
-                positions = torch.arange(seq, device=x.device)
-            q, k = apply_rotary(q, k, positions, self.rope)
+            if isinstance(positions, Rotation):     # the stage's, looked up once
+                q, k = positions.apply(q, k)
+            else:
+                if positions is None:
+                    positions = torch.arange(seq, device=x.device)
+                q, k = apply_rotary(q, k, positions, self.rope)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         gqa = q.shape[1] != k.shape[1]
         if mask is not None:
@@ -222,7 +225,7 @@ class TransformerLayer(nn.Module):
         self.mlp_norm = _norm(arch, role)
         self.mlp = MLP(h, ffn, swiglu=arch.swiglu, act=arch.act, bias=arch.mlp_bias)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | Rotation | None = None,
                 mask: DocumentMask | None = None) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), positions, mask)
         return x + self.mlp(self.mlp_norm(x))
@@ -375,6 +378,8 @@ class Backbone(nn.Module):
                                      for i in range(arch.layers)})
         self.norm = _norm(arch, "backbone")
         self.output = nn.Linear(arch.hidden, self.vocab_shard, bias=False)
+        # Not a buffer: built on first use on the device that runs it (``models.rope``).
+        self.rotary = RotaryTable(arch.rope, arch.head_dim) if arch.rope is not None else None
         if self.tied:
             self.tie()
 
@@ -384,6 +389,15 @@ class Backbone(nn.Module):
         on a stage that holds only one of them."""
         if self.tied and self.tok_embeddings is not None and self.output is not None:
             self.output.weight = self.tok_embeddings.weight
+
+    def rotation(self, positions: torch.Tensor | None, length: int,
+                 device: torch.device) -> Rotation | torch.Tensor | None:
+        """What every layer of one forward over rows of ``length`` positions rotates by:
+        the ``Rotation`` of ``positions`` (None: ``0..length-1``), or the positions
+        themselves for a backbone without rotary embeddings."""
+        if self.rotary is None:
+            return positions
+        return self.rotary.rotation(positions, length, device)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token ids ``[B, S]`` to embeddings ``[B, S, hidden]`` (this rank's rows)."""
@@ -400,11 +414,10 @@ class Backbone(nn.Module):
         if (tokens is None) == (embeds is None):
             raise ValueError("give exactly one of tokens and embeds")
         x = self.embed(tokens) if embeds is None else embeds
-        if positions is None:
-            positions = torch.arange(x.shape[1], device=x.device)
+        rotation = self.rotation(positions, x.shape[1], x.device)
         x = scatter_sequence(self, x)
         for layer in self.layers.values():
-            x = layer(x, positions)
+            x = layer(x, rotation)
         return gather_sequence(self, self.norm(x))
 
     def forward(self, tokens: torch.Tensor | None = None, *,

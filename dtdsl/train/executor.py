@@ -251,10 +251,12 @@ class StageExecutor:
 
     # ---- one training step ----------------------------------------------------------------
 
-    def run_step(self, step: int) -> dict[str, Any]:
+    def run_step(self, step: int, *, timed: bool = False) -> dict[str, Any]:
         """Run training step ``step``; returns ``{"step", "loss", "lm_loss", "gen_loss",
         "grad_norm", "skipped", "time_s", "events"}`` (losses summed over the job,
-        identical on every rank; events: this rank's measured actions)."""
+        identical on every rank; events: this rank's measured actions). ``timed``: the
+        step's events go into a gathered timeline, so every rank starts the step at a
+        barrier (a common origin for their times); other steps start without one."""
         self.step = step
         # Off the timed actions: in a real job the preprocessing workers built it ahead.
         batch = self.batch = self.feed.batch(step)
@@ -281,7 +283,8 @@ class StageExecutor:
         self.processed = {"patches": 0, "positions": 0, "text_tokens": 0, "targets": 0}
         events: list[Event] = []
         self.stage.begin_step()
-        dist.barrier()     # a common origin for every rank's event times
+        if timed:
+            dist.barrier()     # a common origin for every rank's event times
         self._t0 = time.perf_counter()
         for i, a in enumerate(self.actions):
             if a.kind in (ActionKind.SYNC, ActionKind.OPT):
@@ -309,7 +312,7 @@ class StageExecutor:
         # The step's losses are summed over the job in the optimizer's one all-reduce.
         result = optimizer_step(self.optimizers, step=step,
                                 max_norm=train.grad_clip if train.grad_clip > 0 else None,
-                                totals=(float(self.lm), float(self.gen)), device=self.device)
+                                totals=(self.lm, self.gen), device=self.device)
         if self.trains_in_schedule:
             events.append(self._event("SYNC", None, start))
             events.append(self._event("OPT", None, start))
@@ -335,7 +338,7 @@ class StageExecutor:
             writer = TimelineWriter(logdir)
         try:
             for step in range(first_step, first_step + steps):
-                result = self.run_step(step)
+                result = self.run_step(step, timed=logdir is not None)
                 out.append(result)
                 if metrics_path is not None and self.role.rank == 0:
                     with open(metrics_path, "a") as f:

@@ -551,9 +551,10 @@ def _run(program: RankProgram, bundle: Path, argv: Sequence[str] | None, who: st
         for step in range(first, steps):
             fault_point(f"rank{rank}", step, run_dir)
             ckpt.poll()     # a failed background save stops the run now
-            result = ex.run_step(step)
+            timed = (step - first) % telemetry == 0
+            result = ex.run_step(step, timed=timed)
             timeline = gather_timeline(plan, step, result["events"], device=device) \
-                if (step - first) % telemetry == 0 else None
+                if timed else None
             saved = None
             if every > 0 and (step + 1) % every == 0:
                 _disk_fault(rank, step + 1, run_dir)

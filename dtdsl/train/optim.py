@@ -119,19 +119,18 @@ class StageOptimizer:
 
     def grad_sq_norm_and_nonfinite(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(this rank's share of the job's squared gradient norm, whether any of its
-        local gradients is non-finite), float64 scalars on the device."""
-        device = _local(self.params[0]).device
-        sq = torch.zeros((), dtype=torch.float64, device=device)
-        bad = torch.zeros((), dtype=torch.float64, device=device)
+        local gradients is non-finite), float64 scalars on the device: one foreach norm
+        over the gradients that count here and one over the copies, no host read."""
+        counted: list[torch.Tensor] = []
+        copies: list[torch.Tensor] = []
         for p, on_tp in zip(self.params, self._counted_tp, strict=True):
             if p.grad is None:
                 continue
             g = _reduced(p.grad)
-            local = _local(g)
-            s = local.detach().double().pow(2).sum()
-            bad = torch.maximum(bad, (~torch.isfinite(s)).double())
-            if on_tp and _counts_here(g):
-                sq = sq + s
+            (counted if on_tp and _counts_here(g) else copies).append(_local(g).detach())
+        device = _local(self.params[0]).device
+        sq = _sum_of_squares(counted, device)
+        bad = (~torch.isfinite(sq + _sum_of_squares(copies, device))).double()
         return sq, bad
 
     def step(self, step: int, coefficient: float) -> None:
@@ -148,6 +147,16 @@ class StageOptimizer:
         self.optimizer.zero_grad(set_to_none=True)
 
 
+def _sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The sum of the squares of every element of ``tensors``, float64, on ``device``
+    (inf or nan where an element is): each tensor's norm in one foreach kernel,
+    accumulated in fp32 as ``clip_grad_norm_`` does, squared and summed in float64."""
+    if not tensors:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
+    return torch.stack(norms).double().square().sum()
+
+
 def _kernel(device: torch.device) -> dict[str, bool]:
     # The fused kernels take the whole update in one launch (CUDA) or one pass (CPU).
     try:
@@ -161,18 +170,22 @@ def _kernel(device: torch.device) -> dict[str, bool]:
 
 
 def optimizer_step(optimizers: Sequence[StageOptimizer], *, step: int,
-                   max_norm: float | None, totals: Sequence[float] = (),
+                   max_norm: float | None, totals: Sequence[torch.Tensor | float] = (),
                    device: torch.device | str = "cpu") -> StepResult:
     """The job's optimizer step (module docstring). Collective over every rank of the
-    default group when torch.distributed is initialised."""
+    default group when torch.distributed is initialised. ``totals``: scalars to sum over
+    the job, best as tensors on ``device`` (the step's losses, never read on the host
+    before this): the message is built on the device and read back once, after its
+    all-reduce, the step's one host read."""
     device = torch.device(device)
     sq = torch.zeros((), dtype=torch.float64, device=device)
     bad = torch.zeros((), dtype=torch.float64, device=device)
     for opt in optimizers:
         s, b = opt.grad_sq_norm_and_nonfinite()
         sq, bad = sq + s.to(device), torch.maximum(bad, b.to(device))
-    message = torch.cat([torch.stack([sq, bad]),
-                         torch.tensor(list(totals), dtype=torch.float64, device=device)])
+    parts = [sq, bad] + [torch.as_tensor(t, dtype=torch.float64).to(device).reshape(())
+                         for t in totals]
+    message = torch.stack(parts)
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(message)
     values = message.tolist()

@@ -171,3 +171,57 @@ def test_unsplittable_tp_and_unsupported_layers_are_refused():
         build_layer(program.backbone, tp=3)
     with pytest.raises(ValueError, match="whole module"):
         build_layer(program.module("sd"))
+
+
+# ---- rotary embeddings looked up once per forward ------------------------------------------
+
+@pytest.mark.parametrize("rope", [
+    ir.RoPE(),
+    ir.RoPE(scaling="llama3", factor=8.0, original_max_positions=64),
+    ir.RoPE(scaling="yarn", factor=4.0, original_max_positions=64),
+], ids=["default", "llama3", "yarn"])
+def test_the_rotary_table_rotates_as_apply_rotary(rope):
+    from dtdsl.models.rope import RotaryTable, apply_rotary
+
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 37, 4, 16), torch.randn(2, 37, 2, 16)
+    table = RotaryTable(rope, 16)
+    # positions 0..S-1, after a shorter row built a smaller table (grown, not stale)
+    table.rotation(None, 5, q.device)
+    got = table.rotation(None, 37, q.device).apply(q, k)
+    want = apply_rotary(q, k, torch.arange(37), rope)
+    # The same float32 angles; cos/sin of one value may differ by an ulp between a
+    # vectorised and a scalar lane, hence a tolerance of a few float32 ulps.
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+    # packed documents: positions restart per document, per row
+    positions = torch.tensor([list(range(20)) + list(range(17)),
+                              list(range(37))])
+    got = table.rotation(positions, 37, q.device).apply(q.bfloat16(), k.bfloat16())
+    want = apply_rotary(q.bfloat16(), k.bfloat16(), positions, rope)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == torch.bfloat16
+        torch.testing.assert_close(g, w, rtol=1e-2, atol=1e-2)
+
+
+def test_a_backbone_forward_builds_its_rotary_table_once():
+    from dtdsl.models import rope as rope_module
+
+    arch = ir.TransformerArch(layers=3, hidden=32, heads=4, kv_heads=2, ffn=64, vocab=64,
+                              swiglu=True, causal=True, rope=ir.RoPE())
+    model = Backbone(arch)
+    calls = []
+    original = rope_module.inverse_frequencies
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    rope_module.inverse_frequencies = counted
+    try:
+        tokens = torch.randint(0, 64, (2, 9))
+        model(tokens)
+        model(tokens[:, :7])
+    finally:
+        rope_module.inverse_frequencies = original
+    assert len(calls) == 1      # one table for both forwards and every layer
