@@ -15,6 +15,7 @@ from dtdsl.codegen.views import bundle_view
 from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan
 from dtdsl.ir.schedule import Schedule
+from dtdsl.schedule.validate import ScheduleError, validate_nccl
 from dtdsl.train.job import CheckpointConfig, CostConfig, DataConfig, FeedConfig, Job
 
 __all__ = ["BundleOptions", "DEFAULT_MAX_RESTARTS", "DEFAULT_RDZV_PORT",
@@ -97,8 +98,9 @@ def compile_bundle(out: str | Path, *, source: bytes, spec_path: str, program: i
                    overwrite: bool = False) -> list[str]:
     """Write the bundle of ``program`` under ``plan`` into ``out``; the paths written.
     Warnings go to stderr. ValueError, before anything is written, for a spec or plan the
-    runtime cannot train or whose TP groups span nodes unpriced (``dtc compile`` reports
-    those as diagnostics first: ``support.runtime_support``)."""
+    runtime cannot train, whose TP groups span nodes unpriced (``dtc compile`` reports
+    those as diagnostics first: ``support.runtime_support``) or whose schedule could
+    deadlock under NCCL's rules (``schedule.validate.validate_nccl``)."""
     refused = runtime_support(program, plan)
     unsupported = [d for d in refused if d.code != "DT411"]
     if unsupported:
@@ -107,6 +109,10 @@ def compile_bundle(out: str | Path, *, source: bytes, spec_path: str, program: i
     if refused:
         raise ValueError("the plan's TP groups span nodes it priced within one: " +
                          "; ".join(d.message for d in refused))
+    try:
+        validate_nccl(schedule)     # what runs on GPUs: NCCL's send and receive rules
+    except ScheduleError as err:
+        raise ValueError(f"the plan's schedule would hang on GPUs: {err}") from None
     options.slurm.check()
     spec_dir = Path(spec_path).parent if spec_path not in ("-", "<stdin>") else Path.cwd()
     data = _data(program, spec_dir, Path(out), options)

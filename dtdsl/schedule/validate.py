@@ -6,7 +6,9 @@ slot) with the offending actions marked ``[llm.s1:B3]!`` (a row label marked
 ``[llm.s1]!`` when the problem is something missing from that stage), like torch
 pipelining's ``_validate_schedule``.
 
-Checks, in three phases (a phase runs only when the previous ones found nothing):
+Checks, in three phases (a phase runs only when the previous ones found nothing), and a
+fourth for what runs on GPUs (``validate_nccl``: ``dtc compile`` runs it on every bundle's
+schedule; the simulator and ``dtc simulate`` take any schedule phases 1-3 accept):
 
 1. Each stage alone: every unit stage present and its actions its own; microbatches,
    chunks and peers in range, peers the right neighbours (``Schedule.producers`` /
@@ -25,6 +27,19 @@ Checks, in three phases (a phase runs only when the previous ones found nothing)
    waiting receive is marked. Only receives can block, so the walk steps from receive
    to receive, and a stage waiting for another is woken when that one moves on (a
    32-stage x 256-microbatch pipeline, about 48,000 actions, validates in about 0.1 s).
+4. Deadlock under NCCL's rules, which are stricter: the runtime (``parallel.p2p``) issues
+   each maximal run of consecutive communication actions as one NCCL group, and all of a
+   rank's groups go to one communicator, whose one stream runs them in order. A group
+   starts once the passes before it have run (its sends read their outputs) and the
+   stream's previous group has completed; it completes once the other end of each of its
+   transfers has started (a send blocks until its receive is posted, and the reverse);
+   a pass runs once the groups holding the receives it reads have completed. Two stages
+   that each send to the other in a group of its own, before the group that receives,
+   wait forever on a GPU although every receive's send was reached (NCCL completes a
+   send early only while it fits the connection's buffers, a few MiB: activations do
+   not). The interleaved lowering breaks this rule (its sends and receives do not pair
+   up step by step as Megatron-LM's combined ``send_forward_recv_backward`` groups do),
+   which the runtime refuses anyway (DT601); 1F1B and GPipe lowerings keep it.
 """
 
 from __future__ import annotations
@@ -40,7 +55,7 @@ F, B, SYNC, OPT = ActionKind.F, ActionKind.B, ActionKind.SYNC, ActionKind.OPT
 SEND_F, SEND_B = ActionKind.SEND_F, ActionKind.SEND_B
 RECV_F, RECV_B = ActionKind.RECV_F, ActionKind.RECV_B
 
-__all__ = ["ScheduleError", "format_grid", "validate"]
+__all__ = ["ScheduleError", "format_grid", "validate", "validate_nccl"]
 
 _MAX_PROBLEMS = 12
 # A mark on a stage's row label rather than on one action.
@@ -351,6 +366,117 @@ def _deadlock(schedule: Schedule, match: dict[Mark, Mark]) -> tuple[list[str], s
     return problems, set(stuck)
 
 
+def _groups(actions: tuple[Action, ...]) -> tuple[list[list[int]], list[int], list[int]]:
+    """A stage's NCCL groups (each a run of consecutive communication slots), per slot
+    its group (-1 for a pass) and per group how many passes come before it."""
+    groups: list[list[int]] = []
+    group_of = [-1] * len(actions)
+    passes_before: list[int] = []
+    passes = 0
+    for k, a in enumerate(actions):
+        if a.kind in _COMM:
+            if k == 0 or actions[k - 1].kind not in _COMM:
+                groups.append([])
+                passes_before.append(passes)
+            groups[-1].append(k)
+            group_of[k] = len(groups) - 1
+        elif a.kind is not SYNC and a.kind is not OPT:
+            passes += 1
+    return groups, group_of, passes_before
+
+
+def _nccl_deadlock(schedule: Schedule, match: dict[Mark, Mark]
+                   ) -> tuple[list[str], set[Mark]]:
+    """Run the schedule under NCCL's rules (module docstring, phase 4); the stages that
+    cannot finish and where they stop."""
+    stages = schedule.stages
+    n = len(stages)
+    other: dict[Mark, Mark] = dict(match)
+    other.update({send: recv for recv, send in match.items()})
+    layout = [_groups(st.actions) for st in stages]
+    # Per pass slot, the groups whose receives it reads (F: RECV_F, B: RECV_B of its
+    # microbatch and chunk) and per stage its pass slots in order.
+    reads: list[dict[int, set[int]]] = []
+    pass_slots: list[list[int]] = []
+    for i, st in enumerate(stages):
+        _, group_of, _ = layout[i]
+        recv_groups: dict[tuple, set[int]] = defaultdict(set)
+        for k, a in enumerate(st.actions):
+            if a.kind is RECV_F or a.kind is RECV_B:
+                recv_groups[(F if a.kind is RECV_F else B, a.microbatch, a.chunk)].add(
+                    group_of[k])
+        reads.append({k: recv_groups.get((a.kind, a.microbatch, a.chunk), set())
+                      for k, a in enumerate(st.actions) if a.kind in (F, B)})
+        pass_slots.append([k for k, a in enumerate(st.actions)
+                           if a.kind not in _COMM and a.kind is not SYNC
+                           and a.kind is not OPT])
+    peers = [{m[0] for k in range(len(st.actions)) if (m := other.get((i, k)))}
+             for i, st in enumerate(stages)]
+    started = [0] * n            # groups started (in order), per stage
+    completed = [0] * n          # groups completed (in order)
+    ran = [0] * n                # passes run (in order)
+    ready = list(range(n))
+    queued = [True] * n
+    while ready:
+        i = ready.pop()
+        queued[i] = False
+        groups, group_of, passes_before = layout[i]
+        moved = False
+        while True:
+            if started[i] == completed[i] < len(groups) and \
+                    ran[i] >= passes_before[started[i]]:
+                started[i] += 1
+                moved = True
+                continue
+            if completed[i] < started[i] and all(
+                    started[j] > layout[j][1][kk]
+                    for j, kk in (other[(i, k)] for k in groups[completed[i]])):
+                completed[i] += 1
+                moved = True
+                continue
+            if ran[i] < len(pass_slots[i]) and all(
+                    g < completed[i] for g in reads[i].get(pass_slots[i][ran[i]], ())):
+                ran[i] += 1
+                moved = True
+                continue
+            break
+        if moved:
+            for j in peers[i] | {i}:
+                if not queued[j]:
+                    queued[j] = True
+                    ready.append(j)
+    stuck = [i for i in range(n)
+             if completed[i] < len(layout[i][0]) or ran[i] < len(pass_slots[i])]
+    if not stuck:
+        return [], set()
+    problems = ["deadlock under NCCL's rules (a send completes only once its receive is "
+                "posted; a rank's transfer groups run in order on one stream):"]
+    marks: set[Mark] = set()
+    for i in stuck:
+        groups, group_of, _ = layout[i]
+        g = completed[i]
+        if g < started[i]:          # started, waiting for the other ends
+            for k in groups[g]:
+                j, kk = other[(i, k)]
+                if started[j] <= layout[j][1][kk]:
+                    problems.append(
+                        f"{_describe(stages[i].actions[k])} waits for "
+                        f"{_describe(stages[j].actions[kk])}, whose group "
+                        f"{stages[j].where} has not started")
+                    marks.add((i, k))
+        elif ran[i] < len(pass_slots[i]):
+            k = pass_slots[i][ran[i]]
+            problems.append(f"{_describe(stages[i].actions[k])} waits for the transfers "
+                            f"it reads, stuck behind {stages[i].where}'s earlier group")
+            marks.add((i, k))
+        else:
+            k = groups[g][0]
+            problems.append(f"{_describe(stages[i].actions[k])} cannot start: its stream's "
+                            "earlier group has not completed")
+            marks.add((i, k))
+    return problems, marks
+
+
 def validate(schedule: Schedule) -> None:
     """Raise a ``ScheduleError`` (problems plus the marked grid) unless ``schedule`` is
     complete, consistent and free of deadlock (see the module docstring)."""
@@ -361,5 +487,15 @@ def validate(schedule: Schedule) -> None:
     if problems:
         raise ScheduleError(problems, schedule, marks)
     problems, marks = _deadlock(schedule, match)
+    if problems:
+        raise ScheduleError(problems, schedule, marks)
+
+
+def validate_nccl(schedule: Schedule) -> None:
+    """``validate``, then phase 4: raise a ``ScheduleError`` unless the runtime's NCCL
+    groups of ``schedule`` cannot deadlock (module docstring)."""
+    validate(schedule)
+    _, _, match = _pair(schedule)
+    problems, marks = _nccl_deadlock(schedule, match)
     if problems:
         raise ScheduleError(problems, schedule, marks)

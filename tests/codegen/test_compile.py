@@ -483,6 +483,31 @@ def test_compile_bundle_refuses_what_the_runtime_cannot_train(tmp_path):
     assert not (tmp_path / "b").exists()
 
 
+def test_compile_bundle_refuses_a_schedule_that_would_hang_under_nccl(tmp_path, monkeypatch):
+    """Every bundle's schedule is held to NCCL's rules (``validate_nccl``) before anything
+    is written, whatever else refuses it: the interleaved lowering (refused as DT601
+    first, so set that check aside here) pairs sends with receives that wait behind
+    each other's sends (tests/schedule/test_validate.py)."""
+    from dtdsl.codegen import compile as compile_module
+    from dtdsl.codegen.compile import BundleOptions, compile_bundle
+    from dtdsl.driver import run_frontend
+    from dtdsl.ir.plan import Plan
+    from dtdsl.schedule.lower import lower
+
+    spec = tmp_path / "spec.dt"
+    spec.write_text(_INTERLEAVED)
+    assert cli.main(["plan", str(spec), "--no-baseline", "-o", str(tmp_path / "p.json")]) == 0
+    plan = Plan.model_validate_json((tmp_path / "p.json").read_bytes())
+    assert any(u.vpp > 1 for u in plan.units)
+    program = run_frontend("spec.dt", _INTERLEAVED.encode()).program
+    monkeypatch.setattr(compile_module, "runtime_support", lambda *args: [])
+    with pytest.raises(ValueError, match="would hang on GPUs"):
+        compile_bundle(tmp_path / "b", source=_INTERLEAVED.encode(), spec_path=str(spec),
+                       program=program, plan=plan, schedule=lower(plan, program),
+                       options=BundleOptions())
+    assert not (tmp_path / "b").exists()
+
+
 def test_the_bundle_predicts_with_the_plans_cost_model(tmp_path):
     """A bundle carries the cost model its plan was made with (efficiencies, or the
     measured profile copied in), so the run's predictions price batches the same way."""

@@ -345,3 +345,39 @@ def test_many_problems_are_cut_short():
     assert "llm.s1:F11 runs without" in text and "llm.s1:F12 runs without" not in text
     assert f"... and {m - 12} more" in text
     assert len(err.marks) == m
+
+
+# ---- phase 4: NCCL's rules (what runs on GPUs) -------------------------------------------------
+
+def test_every_1f1b_and_gpipe_lowering_keeps_nccls_rules():
+    from dtdsl.schedule.validate import validate_nccl
+
+    for name in ("1f1b", "gpipe"):
+        for pp in (1, 2, 3, 4):
+            for m in (1, 2, 4, 5, 8):
+                units = (ScheduleUnit(name="vit", role="encoder", tp=1, dp=1, pp=2),
+                         ScheduleUnit(name="llm", role="backbone", tp=1, dp=1, pp=pp),
+                         ScheduleUnit(name="gen", role="generator", tp=1, dp=1, pp=1))
+                base = Schedule.skeleton(name, m, units)
+                validate_nccl(lower_units(base, GradientFlow.everywhere(base)))
+
+
+def test_sends_that_wait_for_each_others_receives_hang_under_nccl():
+    from dtdsl.schedule.validate import validate_nccl
+
+    # The interleaved lowering (pp 2, 2 virtual stages) passes phases 1-3: every receive's
+    # send is reached. On GPUs, llm.s0 sends gradient 0 of chunk 1 in a group of its own
+    # before the group that receives llm.s1's gradient 1 of chunk 1, and llm.s1 sends that
+    # gradient before the group that receives gradient 0: each send waits for a receive
+    # queued behind the other's send on one stream.
+    units = (ScheduleUnit(name="llm", role="backbone", tp=1, dp=1, pp=2, vpp=2),)
+    base = Schedule.skeleton("interleaved", 4, units)
+    schedule = lower_units(base, GradientFlow.everywhere(base))
+    with pytest.raises(ScheduleError) as info:
+        validate_nccl(schedule)
+    err = info.value
+    assert err.problems[0].startswith("deadlock under NCCL's rules")
+    assert_flags(err, "llm.s0:SEND_B0c1>llm.s1 waits for llm.s1:RECV_B0<llm.s0c1, whose "
+                 "group llm.s1 has not started", "llm.s0:SEND_B0c1>llm.s1")
+    assert_flags(err, "llm.s1:SEND_B1c1>llm.s0c1 waits for llm.s0:RECV_B1c1<llm.s1c1",
+                 "llm.s1:SEND_B1c1>llm.s0c1")
