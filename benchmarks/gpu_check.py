@@ -303,6 +303,8 @@ def section_layer_mfu(ctx: Context) -> dict[str, Any]:
 
     from dtdsl.models.transformer import TransformerLayer
 
+    if not ctx.peak_flops:      # the env section failed: dtdsl's figure for no known GPU
+        ctx.peak_flops = assumed_peak("")["peak_flops"]
     arch = _shipped(ctx.sizes.layer_spec).backbone.arch
     out: dict[str, Any] = {"spec": ctx.sizes.layer_spec, "dtype": "bfloat16",
                            "arch": {k: getattr(arch, k) for k in ("hidden", "heads",
@@ -621,6 +623,22 @@ def run_sections(ctx: Context, report: Report, budget_s: float,
     return ok
 
 
+def targets(report: Report) -> dict[str, Any]:
+    """The issue's two figures against their targets (None where not measured): one
+    backbone layer at 8K tokens at least 50% MFU (the better of eager and compiled), the
+    runtime's step within 5% of the compiled plain loop's."""
+    s = report.data["sections"]
+    big = max(FULL.layer_tokens)
+    mfus = [r["mfu"] for r in s.get("layer_mfu", {}).get("runs", [])
+            if "mfu" in r and r["tokens"] == big]
+    ratio = s.get("step_vs_torch", {}).get("summary", {}).get("runtime_over_compiled_plain")
+    return {"layer_mfu_8k": max(mfus) if mfus else None,
+            "layer_mfu_8k_target": 0.5,
+            "layer_mfu_8k_met": max(mfus) >= 0.5 if mfus else None,
+            "step_over_compiled_plain": ratio, "step_target": 1.05,
+            "step_met": ratio <= 1.05 if ratio is not None else None}
+
+
 def summary(report: Report) -> list[str]:
     """The lines the issue's figures come from."""
     s = report.data["sections"]
@@ -641,6 +659,8 @@ def summary(report: Report) -> list[str]:
     if "max_rel_diff" in bundle:
         lines.append(f"bundle ({bundle.get('device_backend')}): losses within "
                      f"{bundle['max_rel_diff']:.1e} of the reference")
+    if "targets" in report.data:
+        lines.append(f"targets: {json.dumps(report.data['targets'])}")
     mem = s.get("memory", {})
     if "measured_over_predicted" in mem:
         lines.append(f"memory: measured/predicted {mem['measured_over_predicted']:.2f}")
@@ -690,6 +710,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ok = run_sections(ctx, report, args.budget, only)
     report.data["elapsed_s"] = round(time.perf_counter() - start, 2)
     report.data["done"] = True
+    if device.type == "cuda":
+        report.data["targets"] = targets(report)
     report.write()
     print("\n".join(["", "== gpu_check summary =="] + summary(report)), flush=True)
     if out is not None:

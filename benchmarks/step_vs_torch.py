@@ -96,6 +96,16 @@ class _Prebuilt:
         return self.batches[step]
 
 
+def _free_port() -> int:
+    """A port no one listens on now: two benchmarks at once (the tests run in parallel)
+    must not share a rendezvous port."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _sync(device: torch.device) -> None:
     if device.type != "cpu":
         torch.accelerator.synchronize(device)
@@ -154,7 +164,7 @@ def build(args: argparse.Namespace, text: str) -> Bench:
         raise ValueError("\n".join(d.message for d in result.diagnostics))
     program = result.program
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29571")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     torch.set_num_threads(max(1, int(os.environ.get("DTDSL_THREADS", "1"))))
     device = rank_device()

@@ -125,3 +125,23 @@ def test_the_smoke_run_exercises_every_section_on_the_cpu(tmp_path):
 
     (stage,) = sections["memory"]["memcheck"]
     assert stage["predicted_bytes"] > 0 and stage["measured_bytes"] > 0
+
+
+def test_the_targets_read_the_8k_layer_and_the_step_against_the_compiled_loop():
+    report = gpu_check.Report(None, {})
+    runs = [{"mode": "eager", "tokens": 8192, "mfu": 0.42, "tflops": 415.0},
+            {"mode": "compiled", "tokens": 8192, "mfu": 0.55, "tflops": 544.0},
+            {"mode": "compiled", "tokens": 2048, "mfu": 0.9, "tflops": 890.0},
+            {"mode": "eager", "tokens": 2048, "error": "RuntimeError: out of memory"}]
+    report.data["sections"] = {
+        "layer_mfu": {"status": "error", "runs": runs},
+        "step_vs_torch": {"status": "ok", "summary": {"runtime_over_plain": 0.9,
+                                                      "runtime_over_compiled_plain": 1.07}}}
+    got = gpu_check.targets(report)
+    assert (got["layer_mfu_8k"], got["layer_mfu_8k_met"]) == (0.55, True)
+    assert (got["step_over_compiled_plain"], got["step_met"]) == (1.07, False)
+    assert any("MFU 55.0%" in line for line in gpu_check.summary(report))
+
+    report.data["sections"] = {"layer_mfu": {"status": "skipped", "reason": "budget"}}
+    got = gpu_check.targets(report)
+    assert got["layer_mfu_8k_met"] is None and got["step_met"] is None
