@@ -17,6 +17,12 @@ order, within bf16's rounding in bf16).
 
     python benchmarks/step_vs_torch.py [--precision bf16|fp32] [--layers 4 --hidden 128
         --heads 4 --ffn 256 --vocab 512 --seq 512] [--steps 20 --warmup 3]
+        [--compile-plain] [--json FILE] [--trace FILE.json.gz] [--save-plan DIR]
+
+``--compile-plain`` compiles the plain loop's layers (``torch.compile``), the fair
+opponent on a GPU; ``--trace`` profiles one more runtime step; ``--json`` also records the
+runtime's peak device memory on its last timed step (less what the plain side holds);
+``benchmarks/gpu_check.py`` runs it these ways.
 
 On a GPU, e.g. ``--layers 8 --hidden 2048 --heads 16 --ffn 5632 --vocab 32000 --seq 2048
 --micro-batch 2 --batch 16``.
@@ -25,11 +31,17 @@ On a GPU, e.g. ``--layers 8 --hidden 2048 --heads 16 --ffn 5632 --vocab 32000 --
 from __future__ import annotations
 
 import argparse
+import gzip
+import json
 import os
+import shutil
 import statistics
 import sys
 import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -84,42 +96,92 @@ class _Prebuilt:
         return self.batches[step]
 
 
+def _free_port() -> int:
+    """A port no one listens on now: two benchmarks at once (the tests run in parallel)
+    must not share a rendezvous port."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _sync(device: torch.device) -> None:
     if device.type != "cpu":
         torch.accelerator.synchronize(device)
 
 
-def main() -> int:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     for name, default in (("layers", 4), ("hidden", 128), ("heads", 4), ("kv-heads", 2),
                           ("ffn", 256), ("vocab", 512), ("seq", 512), ("batch", 16),
                           ("micro-batch", 2), ("steps", 20), ("warmup", 3)):
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--precision", choices=("bf16", "fp32"), default="fp32")
-    args = p.parse_args()
-    text = SPEC.format(layers=args.layers, hidden=args.hidden, heads=args.heads,
+    p.add_argument("--compile-plain", nargs="?", const="inductor", metavar="BACKEND",
+                   help="torch.compile every layer of the plain loop's model with BACKEND "
+                   "(default inductor; the runtime stays eager): the runtime against a "
+                   "compiled plain loop")
+    p.add_argument("--json", metavar="FILE", help="also write the figures as JSON here")
+    p.add_argument("--trace", metavar="FILE",
+                   help="after the timed steps, profile one runtime step (torch.profiler, "
+                   "Kineto) and write its Chrome trace here (gzip'd if FILE ends in .gz)")
+    p.add_argument("--save-plan", metavar="DIR",
+                   help="write the spec (step_vs_torch.dt) and its plan (plan.json) here, "
+                   "for `dtc memcheck --plan`")
+    return p.parse_args(argv)
+
+
+def spec_text(args: argparse.Namespace) -> str:
+    """The one-unit text-only spec the benchmark trains, at ``args``' sizes."""
+    return SPEC.format(layers=args.layers, hidden=args.hidden, heads=args.heads,
                        kv=args.kv_heads, ffn=args.ffn, vocab=args.vocab, seq=args.seq,
                        median=max(8, args.seq // 2), batch=args.batch,
                        micro_batch=args.micro_batch, precision=args.precision)
+
+
+@dataclass
+class Bench:
+    """Both sides, built and ready: ``plain(step)`` and ``runtime(step)`` each train one
+    step and return its loss."""
+
+    program: Any
+    plan: Any
+    device: torch.device
+    executor: StageExecutor
+    plain: Callable[[int], float]
+    plain_state: Callable[[], int]
+
+    def runtime(self, step: int) -> float:
+        return self.executor.run_step(step)["loss"]
+
+
+def build(args: argparse.Namespace, text: str) -> Bench:
+    """Initialise the one-rank process group and build both sides (module docstring).
+    Raises ValueError when the spec does not check."""
     result = run_frontend("step_vs_torch.dt", text.encode())
     if not result.ok:
-        print("\n".join(d.message for d in result.diagnostics), file=sys.stderr)
-        return 2
+        raise ValueError("\n".join(d.message for d in result.diagnostics))
     program = result.program
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29571")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     torch.set_num_threads(max(1, int(os.environ.get("DTDSL_THREADS", "1"))))
     device = rank_device()
     init_distributed(device)
     plan = make_plan(build_cost_model(program), compare_baseline=False)
     groups = build_groups(plan, device_type=device.type)
-    feed = _Prebuilt(LocalBatches(program, plan, groups.role), args.steps)
+    feed = _Prebuilt(LocalBatches(program, plan, groups.role), args.steps + 1)
     ex = StageExecutor(program, plan, lower(plan, program), rank=0, groups=groups,
                        feed=feed, device=device)
 
     model = build_unit(program, "llm", program.train.seed, device=device)
     model.train()
+    if args.compile_plain:
+        # Layer by layer, as torchtitan compiles: the step functions call the layers
+        # themselves, and every layer shares the one compiled graph.
+        for layer in model.layers.values():
+            layer.compile(backend=args.compile_plain)
     params = list(model.parameters())
     fused = {"fused": True} if device.type in ("cpu", "cuda") else {"foreach": True}
     opt = torch.optim.AdamW(params, lr=program.train.optimizer.lr,
@@ -128,7 +190,7 @@ def main() -> int:
                             weight_decay=program.train.optimizer.weight_decay, **fused)
     source = SyntheticSource(program)
     batches = {s: [source.sample(s, i) for i in range(program.train.global_batch)]
-               for s in range(args.steps)}
+               for s in range(args.steps + 1)}
     units = _Units(model, program)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16,
                               enabled=args.precision == "bf16")
@@ -148,32 +210,156 @@ def main() -> int:
         opt.zero_grad(set_to_none=True)
         return total
 
+    def plain_state() -> int:
+        """Bytes the plain side keeps on the device between steps (weights, gradients,
+        optimizer state): what a peak taken during a runtime step holds besides its own."""
+        tensors = [*params, *(p.grad for p in params if p.grad is not None),
+                   *(v for s in opt.state.values() for v in s.values()
+                     if isinstance(v, torch.Tensor))]
+        return sum(t.untyped_storage().nbytes() for t in tensors if t.device == device)
+
+    return Bench(program, plan, device, ex, plain, plain_state)
+
+
+def compare(bench: Bench, steps: int, warmup: int) -> dict[str, Any]:
+    """Train ``steps`` steps on both sides, alternating which goes first; the per-step
+    times and losses, and the runtime's peak device memory on its last timed step (less
+    what the plain side holds meanwhile; None on the CPU)."""
+    device = bench.device
     ratios, diffs, times = [], [], {"plain": [], "runtime": []}
-    for step in range(args.steps):
+    losses_all: dict[str, list[float]] = {"plain": [], "runtime": []}
+    peak = None
+    for step in range(steps):
         order = ("plain", "runtime") if step % 2 == 0 else ("runtime", "plain")
         took, losses = {}, {}
         for side in order:
             _sync(device)
+            measure = device.type == "cuda" and side == "runtime" and step == steps - 1
+            if measure:
+                torch.cuda.reset_peak_memory_stats(device)
             t0 = time.perf_counter()
-            losses[side] = plain(step) if side == "plain" else ex.run_step(step)["loss"]
+            losses[side] = bench.plain(step) if side == "plain" else bench.runtime(step)
             _sync(device)
             took[side] = time.perf_counter() - t0
+            if measure:
+                peak = torch.cuda.max_memory_allocated(device) - bench.plain_state()
         diffs.append(abs(losses["runtime"] - losses["plain"]) / abs(losses["plain"]))
-        if step >= args.warmup:
+        for side in losses:
+            losses_all[side].append(losses[side])
+        if step >= warmup:
             ratios.append(took["runtime"] / took["plain"])
             for side in took:
                 times[side].append(took[side])
-    if not ratios:
-        print("no timed steps: raise --steps above --warmup", file=sys.stderr)
-        return 2
+    return {"ratios": ratios, "diffs": diffs, "times": times, "losses": losses_all,
+            "runtime_peak_bytes": peak}
+
+
+def trace_step(bench: Bench, step: int, path: Path, top: int = 10) -> list[dict[str, Any]]:
+    """Profile runtime step ``step`` with Kineto (CPU and, on CUDA, device activities),
+    write its Chrome trace to ``path`` and return the ``top`` device kernels by total time
+    (CPU operators where there is no device)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if bench.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    _sync(bench.device)
+    with profile(activities=activities) as prof:
+        bench.runtime(step)
+        _sync(bench.device)
+    raw = path.with_name(path.name.removesuffix(".gz"))
+    prof.export_chrome_trace(str(raw))
+    if path.name.endswith(".gz"):
+        with open(raw, "rb") as src, gzip.open(path, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        raw.unlink()
+    return top_kernels(prof, top, cuda=bench.device.type == "cuda")
+
+
+def top_kernels(prof: Any, top: int, *, cuda: bool) -> list[dict[str, Any]]:
+    """The ``top`` device kernels of a finished profile by total device time (CPU
+    operators by self time without a device, or where the profile lists no kernel of its
+    own: then by the device time of their kernels)."""
+    events = list(prof.key_averages())
+    rows = []
+    if cuda:
+        rows = [_row(e, _device_time_us(e)) for e in events
+                if _device_time_us(e) > 0 and not _is_cpu_op(e)]
+        if not rows:
+            rows = [_row(e, _device_time_us(e)) for e in events if _device_time_us(e) > 0]
+    if not rows:
+        rows = [_row(e, e.self_cpu_time_total) for e in events]
+    rows.sort(key=lambda r: -r["total_us"])
+    return rows[:top]
+
+
+def _row(e: Any, us: float) -> dict[str, Any]:
+    return {"name": e.key, "total_us": round(float(us), 1), "calls": e.count}
+
+
+def _device_time_us(e: Any) -> float:
+    # self_device_time_total in newer torch; self_cuda_time_total before it.
+    for name in ("self_device_time_total", "self_cuda_time_total"):
+        if hasattr(e, name):
+            return float(getattr(e, name))
+    return 0.0
+
+
+def _is_cpu_op(e: Any) -> bool:
+    """An operator launched from the CPU (aten::..., a profiler label) rather than a
+    kernel: its device time is its kernels', counted under their own names already."""
+    device_type = str(getattr(e, "device_type", ""))
+    return device_type.endswith("CPU")
+
+
+def report(args: argparse.Namespace, bench: Bench, figures: dict[str, Any]) -> dict[str, Any]:
+    """Print the figures (the lines the tests read) and return them as JSON values."""
+    ratios, times, diffs = figures["ratios"], figures["times"], figures["diffs"]
+    device = bench.device
+    plain = "compiled plain" if args.compile_plain else "plain"
     print(f"device {device} ({torch.accelerator.current_accelerator() or 'cpu'}), "
-          f"precision {args.precision}, {len(ratios)} timed steps")
+          f"precision {args.precision}, {len(ratios)} timed steps, {plain} loop")
     for side in ("plain", "runtime"):
         print(f"{side:8s} step: median {statistics.median(times[side]) * 1e3:.1f} ms")
     print(f"losses: max rel diff {max(diffs):.1e}")
     print(f"runtime/plain step time (median of per-step ratios): "
           f"{statistics.median(ratios):.3f} (target <= 1.05 on a GPU; a CPU figure is "
           "information only)")
+    return {"device": str(device), "precision": args.precision,
+            "compile_plain": args.compile_plain, "timed_steps": len(ratios),
+            "plain_ms": statistics.median(times["plain"]) * 1e3,
+            "runtime_ms": statistics.median(times["runtime"]) * 1e3,
+            "runtime_over_plain": statistics.median(ratios),
+            "max_rel_loss_diff": max(diffs), "losses": figures["losses"],
+            "runtime_peak_bytes": figures["runtime_peak_bytes"],
+            "sizes": {k: getattr(args, k) for k in ("layers", "hidden", "heads", "kv_heads",
+                                                   "ffn", "vocab", "seq", "batch",
+                                                   "micro_batch")}}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.steps <= args.warmup:
+        print("no timed steps: raise --steps above --warmup", file=sys.stderr)
+        return 2
+    text = spec_text(args)
+    try:
+        bench = build(args, text)
+    except ValueError as err:
+        print(err, file=sys.stderr)
+        return 2
+    if args.save_plan:
+        out = Path(args.save_plan)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "step_vs_torch.dt").write_text(text)
+        (out / "plan.json").write_text(bench.plan.model_dump_json(indent=2) + "\n")
+    figures = compare(bench, args.steps, args.warmup)
+    result = report(args, bench, figures)
+    if args.trace:
+        result["trace_top_kernels"] = trace_step(bench, args.steps, Path(args.trace))
+        print(f"trace of runtime step {args.steps} written to {args.trace}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     import torch.distributed as dist
 
     dist.destroy_process_group()
