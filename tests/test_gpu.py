@@ -58,3 +58,24 @@ def test_runtime_step_against_a_plain_loop_on_one_gpu(precision):
     ratio = float(re.search(r"\(median of per-step ratios\): (\d+\.\d+)", proc.stdout).group(1))
     print(json.dumps({"precision": precision, "runtime_over_plain": ratio}))
     assert 0.2 < ratio < 5, proc.stdout
+
+
+@requires_cuda
+def test_attention_of_changing_lengths_runs_flash_not_cudnn():
+    """cuDNN's fused attention plans every new shape (milliseconds of host time); the
+    runtime's microbatches change length every step, so dense attention prefers flash
+    (``models.attention.DENSE_BACKENDS``; measured in benchmarks/gpu_check.py)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from dtdsl.models.attention import dense_attention
+
+    names = set()
+    for seq in (96, 160, 224):
+        q = torch.randn(2, 8, seq, 64, device="cuda", dtype=torch.bfloat16)
+        kv = torch.randn(2, 2, seq, 64, device="cuda", dtype=torch.bfloat16)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            dense_attention(q, kv, kv, causal=True)
+            torch.cuda.synchronize()
+        names |= {e.name for e in prof.events() if e.device_type.name == "CUDA"}
+    assert not any("cudnn" in n.lower() for n in names), sorted(names)
+    assert any("flash" in n.lower() for n in names), sorted(names)

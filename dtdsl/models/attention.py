@@ -40,12 +40,33 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-__all__ = ["BLOCK", "DocumentMask", "document_attention", "document_ids", "document_mask",
-           "flex_kernel"]
+__all__ = ["BLOCK", "DENSE_BACKENDS", "DocumentMask", "dense_attention", "document_attention",
+           "document_ids", "document_mask", "flex_kernel"]
 
 BLOCK = 128   # torch's default sparse block: the CUDA kernels' tiles divide it
+
+# Attention without a document mask, in this order of preference. On Hopper torch tries
+# cuDNN's fused attention first, and cuDNN builds an execution plan for every new input
+# shape: milliseconds of host time each, and a run's microbatches change length every
+# step. Measured on an H200 (torch 2.11, benchmarks/gpu_check.py's step): 1054 ms a step
+# with cuDNN first, 223 ms with FlashAttention first, where a plain PyTorch loop of the
+# same model takes 235 ms. cuDNN stays as a fallback for what flash cannot run.
+DENSE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                  SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                    causal: bool = False) -> torch.Tensor:
+    """Scaled dot-product attention of ``[B, H, S, D]`` queries over ``[B, H_kv, M, D]``
+    keys and values (grouped-query when ``H_kv < H``: K and V are not repeated), causal or
+    not, on the first of ``DENSE_BACKENDS`` that takes the inputs."""
+    with sdpa_kernel(DENSE_BACKENDS, set_priority=True):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                              enable_gqa=q.shape[1] != k.shape[1])
 
 # The BlockMask's tensors, in its constructor's keywords.
 _BLOCK_TENSORS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dtdsl.ir import program as ir
-from dtdsl.models.attention import DocumentMask, document_attention
+from dtdsl.models.attention import DocumentMask, dense_attention, document_attention
 from dtdsl.models.rope import RotaryTable, Rotation, apply_rotary
 
 __all__ = [
@@ -135,14 +135,12 @@ class SelfAttention(nn.Module):
                     positions = torch.arange(seq, device=x.device)
                 q, k = apply_rotary(q, k, positions, self.rope)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        gqa = q.shape[1] != k.shape[1]
         if mask is not None:
             # Packed documents, each causal within itself: FlexAttention on the blocks
             # the documents touch, K and V heads shared without copies (``models.attention``).
             out = document_attention(q, k, v, mask)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal,
-                                                 enable_gqa=gqa)
+            out = dense_attention(q, k, v, causal=self.causal)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -167,7 +165,7 @@ class CrossAttention(nn.Module):
         q = self.wq(x).view(batch, n, -1, d).transpose(1, 2)
         k = self.wk(context).view(batch, m, -1, d).transpose(1, 2)
         v = self.wv(context).view(batch, m, -1, d).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k, v)
+        out = dense_attention(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(batch, n, -1))
 
 

@@ -200,7 +200,7 @@ class Stage:
         self.module.set_reshard_after_backward(True, recurse=True)
         state = self.module._get_fsdp_state()
         for member in reversed(state._state_ctx.all_states):
-            for group in reversed(member._fsdp_param_groups):
+            for group in reversed(_param_groups(member)):
                 group.post_backward()
         state._root_post_backward_final_callback()
         self._sum_tied_gradients()
@@ -314,6 +314,16 @@ def _fsdp_units(stage: StageModule, program: ir.Program) -> Iterator[tuple[str, 
                 yield name, f"blocks.{i}", block
 
 
+def _param_groups(state: Any) -> list[Any]:
+    """An FSDP2 state's parameter groups (a list from torch 2.13, the pinned version; one
+    group or None before, as on some GPU hosts' torch)."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
+
+
 def _sum_gradients(module: Any) -> None:
     """Reduce gradients over DP by summing, not averaging: every microbatch loss is
     already divided by the whole global batch's denominators (``models.multimodal``).
@@ -321,7 +331,9 @@ def _sum_gradients(module: Any) -> None:
     reduce zeros, so every DP rank issues the same collectives."""
     module.set_gradient_divide_factor(1.0)
     module.set_force_sum_reduction_for_comms(True)
-    module.set_reduce_scatter_unused_params(True, recurse=False)
+    unused = getattr(module, "set_reduce_scatter_unused_params", None)
+    if unused is not None:      # torch >= 2.13 (pinned); an older one on a GPU host
+        unused(True, recurse=False)
 
 
 def build_stage(program: ir.Program, plan: Plan, role: RankRole, mesh: Any,

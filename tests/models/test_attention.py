@@ -7,6 +7,7 @@ K/V heads repeated for grouped-query attention), so they agree to rounding: with
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -239,3 +240,21 @@ def test_flex_attention_on_cuda_equals_the_dense_mask():
     for a, b in zip(torch.autograd.grad(out, (q, k, v), grad),
                     torch.autograd.grad(ref, (q, k, v), grad), strict=True):
         torch.testing.assert_close(a, b, atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.parametrize("heads,kv_heads,causal,keys", [(4, 4, True, 37), (4, 2, True, 37),
+                                                        (4, 4, False, 11), (6, 2, False, 11)])
+def test_dense_attention_is_the_softmax_of_scaled_scores(heads, kv_heads, causal, keys):
+    from dtdsl.models.attention import dense_attention
+
+    torch.manual_seed(0)
+    q = torch.randn(2, heads, 37, 16, dtype=torch.float64)
+    k = torch.randn(2, kv_heads, keys, 16, dtype=torch.float64)
+    v = torch.randn(2, kv_heads, keys, 16, dtype=torch.float64)
+    rep = heads // kv_heads
+    scores = q @ k.repeat_interleave(rep, 1).transpose(-1, -2) / 4.0
+    if causal:
+        scores = scores.masked_fill(torch.ones(37, keys, dtype=torch.bool).triu(1), -math.inf)
+    want = scores.softmax(-1) @ v.repeat_interleave(rep, 1)
+    torch.testing.assert_close(dense_attention(q, k, v, causal=causal), want,
+                               rtol=1e-10, atol=1e-10)
