@@ -59,7 +59,7 @@ from dtdsl.train.faults import (
 )
 from dtdsl.train.rundir import HEARTBEAT_S, RECORDS, RunDirBusy, RunDirLock, check_launch_id
 
-__all__ = ["GRACE_S", "POLL_S", "earlier_run", "fatal_file", "main"]
+__all__ = ["GRACE_S", "POLL_S", "earlier_run", "fatal_file", "main", "trainer_env"]
 
 POLL_S = 0.25           # how often the launch looks at its processes and records
 GRACE_S = 30.0          # how long torchrun gets to stop its ranks after a signal
@@ -70,6 +70,17 @@ _SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 def fatal_file(run_dir: str | Path, launch_id: str) -> Path:
     """Where the launch ``launch_id`` keeps its fatal record (``train.faults``)."""
     return Path(run_dir) / "logs" / f"fatal-{launch_id}.txt"
+
+
+def trainer_env(env: dict[str, str]) -> dict[str, str]:
+    """The trainers' environment: ``env`` with the CUDA caching allocator's expandable
+    segments on (a step's microbatches change length, and fixed-size blocks of every
+    size fragment the GPU's memory; torchtitan and Megatron-LM set it too), unless the
+    user configured the allocator themselves."""
+    out = dict(env)
+    if "PYTORCH_CUDA_ALLOC_CONF" not in out and "PYTORCH_ALLOC_CONF" not in out:
+        out["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    return out
 
 
 def _say(text: str) -> None:
@@ -239,7 +250,8 @@ class _Node:
         fd = self.lock.inheritable_fd()
         if job.feed.workers_per_node > 0:
             self.workers = self._start_workers(env, fd)
-        self.torchrun = subprocess.Popen(self.command, env=env, stdin=subprocess.DEVNULL,
+        self.torchrun = subprocess.Popen(self.command, env=trainer_env(env),
+                                         stdin=subprocess.DEVNULL,
                                          start_new_session=True, pass_fds=(fd,))
         return self._watch()
 

@@ -399,3 +399,13 @@ def test_a_feed_directory_too_long_for_sockets_stops_before_torchrun(tmp_path, b
         lines[0].endswith("is too long for Unix socket paths (107 bytes): set TMPDIR to a "
                           "shorter directory"), proc.stderr
     assert not list(deep.iterdir())         # removed
+
+
+def test_trainers_get_expandable_segments_unless_the_allocator_is_configured():
+    from dtdsl.train.supervise import trainer_env
+
+    assert trainer_env({"A": "1"}) == {"A": "1",
+                                       "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    mine = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}
+    assert trainer_env(mine) == mine
+    assert trainer_env({"PYTORCH_ALLOC_CONF": "x"}) == {"PYTORCH_ALLOC_CONF": "x"}
