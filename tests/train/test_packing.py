@@ -72,10 +72,10 @@ def test_attention_never_crosses_a_document():
     rows = [source.sample(0, i) for i in range(4)]
     row = next(r for r in rows if r.doc_text is not None and len(r.doc_text) >= 3)
     llm = model.unit("llm")
-    tokens, seq_len = model.image_tokens, model.seq_len
+    rule, seq_len = model.image_tokens, model.seq_len
 
     def hidden(samples):
-        layouts = [sample_layout(s, tokens, seq_len) for s in samples]
+        layouts = [sample_layout(s, rule, seq_len) for s in samples]
         batch = backbone_input(llm, encode(model, samples), [s.tokens for s in samples],
                                layouts)
         x = backbone_layers(llm, batch.embeds, positions=batch.positions, mask=batch.mask)
