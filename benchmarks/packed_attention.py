@@ -67,12 +67,12 @@ def packed_spans(rows: int) -> tuple[int, list[list[tuple[int, int]]]]:
     program = program.model_copy(update={"train": program.train.model_copy(
         update={"packing": True})})
     source = SyntheticSource(program)
-    patch = program.encoders[0].arch.patch or 1
+    tokens = program.image_tokens()
     seq_len = program.train.seq_len
     out: list[list[tuple[int, int]]] = []
     step = 0
     while len(out) < rows:
-        out.extend(list(layout_of(sz, patch, seq_len).spans) for sz in source.sizes(step))
+        out.extend(list(layout_of(sz, tokens, seq_len).spans) for sz in source.sizes(step))
         step += 1
     return seq_len, out[:rows]
 

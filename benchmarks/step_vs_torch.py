@@ -376,6 +376,7 @@ class _Units:
         self.generators = ()
         self.gen_proj = {}
         self.patch = 1
+        self.image_tokens = program.image_tokens()
         self.seq_len = program.train.seq_len
 
     def unit(self, name: str) -> torch.nn.Module:

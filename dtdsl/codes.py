@@ -332,6 +332,24 @@ Fix the data or the paths (`image_folder` says where a LLaVA JSON's image paths
 start; a symlinked folder is fine as `image_folder` itself), then run
 `dtc data index SOURCE` to see what is read.
 """),
+    "DT318": Code("Token compression does not fit", """
+A projector's `compress` reduces the tokens an image gives the backbone, and
+only fits where its input is an image's patch grid:
+
+- `compress` belongs to an image encoder's projector into the backbone, not to
+  an audio encoder's nor to a generator's;
+- `pixel_shuffle(k)` concatenates each k x k block of neighbouring patches, so
+  the patch grid must be divisible by k. A Hugging Face CLIP or SigLIP tower
+  reads images of one size (its `image_size`), so its grid is fixed and must
+  divide; images of dtdsl's own ViT are sized to whole k x k blocks instead;
+- `resampler(heads=...)` splits the encoder's width into heads: it must divide.
+
+    encoder vit (image) { arch = hf("clip-vit-large-patch14") }   # 224 px, patch 14: 16 x 16
+    projector vit -> llm { arch = mlp()  compress = pixel_shuffle(3) }   # error: 16 % 3
+
+Fix: a factor that divides the grid (`pixel_shuffle(2)` or `(4)` here), or
+`avg_pool(k)`, which pools the last blocks of a grid k does not divide.
+"""),
     # ---- parallelism (DT4xx)
     "DT401": Code("Tensor parallelism cannot split the module", """
 Tensor parallelism of degree t shards a transformer's attention heads, KV heads

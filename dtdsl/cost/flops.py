@@ -28,7 +28,7 @@ from dtdsl.ir import program as ir
 
 __all__ = [
     "UNetOp", "Work", "backbone_attention", "backbone_ends_params", "backbone_flops_megatron",
-    "backbone_forward", "backward_factor",
+    "backbone_forward", "backward_factor", "compression_forward", "compression_params",
     "dit_forward", "encoder_ends_params", "encoder_item_forward", "encoder_tokens",
     "input_needs_grad", "mlp_forward_per_token", "module_params",
     "projector_params", "transformer_layer_matmul_per_token", "transformer_layer_params",
@@ -291,7 +291,32 @@ def mlp_forward_per_token(arch: ir.MLPArch) -> float:
 
 
 def projector_params(arch: ir.MLPArch) -> float:
+    """The MLP's parameters (a projector's compression adds ``compression_params``)."""
     return mlp_forward_per_token(arch) / 2
+
+
+def compression_params(proj: ir.Projector) -> float:
+    """The parameters of a projector's token compression (``models.mlp``): a resampler's
+    queries, its four projections and two norms; pixel shuffle and pooling have none."""
+    c = proj.compress
+    if not isinstance(c, ir.Resampler):
+        return 0.0
+    w = proj.arch.in_dim
+    return c.queries * w + 4 * w * w + 4 * w
+
+
+def compression_forward(proj: ir.Projector, patches: float, images: float) -> Work:
+    """The forward work of a projector's token compression on ``images`` images of
+    ``patches`` patches in all (the MLP after it runs on the tokens it leaves): a
+    resampler's keys and values per patch, its queries and output per query and image, and
+    each query's attention over the image's patches. Pixel shuffle is a reshape and pooling
+    a mean: no matmul, memory-bound, nothing next to the MLP."""
+    c = proj.compress
+    if not isinstance(c, ir.Resampler):
+        return Work()
+    w = proj.arch.in_dim
+    return Work(matmul=4.0 * patches * w * w + 4.0 * c.queries * images * w * w,
+                attention=4.0 * c.queries * patches * w)
 
 
 def encoder_ends_params(arch: ir.TransformerArch) -> float:

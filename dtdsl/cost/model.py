@@ -539,12 +539,16 @@ class _Acc:
 
     queries: list[ProfileQuery] = field(default_factory=list)
 
-    def add_projector(self, proj: ir.Projector, tokens: float, upstream: bool) -> None:
+    def add_projector(self, proj: ir.Projector, tokens: float, upstream: bool,
+                      compression: flops.Work | None = None) -> None:
+        """``tokens``: what its MLP runs on; ``compression``: the work of its token
+        compression before the MLP (``flops.compression_forward``)."""
         self.queries.append(ProfileQuery(proj.name, (tokens,), (1.0,)))
-        w = flops.mlp_forward_per_token(proj.arch) * tokens
-        self.work = self.work + flops.Work(matmul=w)
-        self.model_flops += w * (1 + flops.backward_factor(proj, upstream))
-        params = flops.projector_params(proj.arch)
+        w = flops.Work(matmul=flops.mlp_forward_per_token(proj.arch) * tokens) + \
+            (compression or flops.Work())
+        self.work = self.work + w
+        self.model_flops += w.total * (1 + flops.backward_factor(proj, upstream))
+        params = flops.projector_params(proj.arch) + flops.compression_params(proj)
         self.params += params
         self.extra += params
         if not proj.frozen:
@@ -619,10 +623,16 @@ def _unit_cost(program: ir.Program, module: ir.Module, samples: SampleSet,
         acc.first = acc.extra                       # the embeddings; projectors last
         acc.model_flops = acc.work.total * (1 + bwd)
         mean_patches = float(patch_tokens.mean()) * mb
+        # The backbone's tokens of these items: their patches, or fewer where the projector
+        # compresses them (``ir.program.ImageTokens``); its MLP runs on those.
+        mean_out = float(items.backbone_tokens().mean()) * mb
+        images = float(items.counts.mean()) * mb
         for proj in program.projectors:
             if proj.source == module.name:
-                acc.add_projector(proj, mean_patches, upstream=not module.frozen)
-        boundary = mean_patches * program.backbone.arch.hidden * _BYTES_BF16
+                acc.add_projector(proj, mean_out, upstream=not module.frozen,
+                                  compression=flops.compression_forward(proj, mean_patches,
+                                                                        images))
+        boundary = mean_out * program.backbone.arch.hidden * _BYTES_BF16
     else:
         items = samples.items[f"{module.modality}.gen"]
         count = float(items.counts.mean()) * mb

@@ -519,8 +519,11 @@ def _projector_parts(proj: ir.Projector, needs_grad: bool, tp: int, env: _Env) -
     model = env.prepare(build_projector(proj, tp), trainable)
 
     def case(x: int):
+        # x: the tokens its MLP runs on (a compressing projector's output tokens, as the
+        # cost model queries it). A resampler's own cross-attention is not measured: the
+        # analytic model prices it, a profile does not yet.
         inputs = env.randn(1, x, proj.arch.in_dim, grad=needs_grad)
-        return lambda: [model(inputs)]
+        return lambda: [model.mlp(inputs)]
 
     return [_Part("whole", 1, (model,), case, trainable or needs_grad)]
 

@@ -16,8 +16,8 @@ import numpy as np
 
 from dtdsl.ir import program as ir
 
-__all__ = ["ItemSet", "SampleSet", "attention_squares", "draw", "draw_samples",
-           "microbatch_lengths", "microbatch_squares", "positions"]
+__all__ = ["ItemSet", "SampleSet", "attention_squares", "backbone_sizes", "draw",
+           "draw_samples", "microbatch_lengths", "microbatch_squares", "positions"]
 
 
 def draw(quantity: ir.Quantity, n: int, rng: np.random.Generator) -> np.ndarray:
@@ -49,6 +49,9 @@ class ItemSet:
 
     counts: np.ndarray   # items per sample, shape (n,)
     sizes: np.ndarray    # size of each item (tokens), shape (counts.sum(),)
+    # The positions each item takes in the backbone's sequence, where a projector
+    # compresses it (``ir.program.ImageTokens``); None: its size.
+    backbone: np.ndarray | None = None
 
     def per_sample(self, values: np.ndarray) -> np.ndarray:
         """Sum ``values`` (one per item) over each sample's items."""
@@ -58,8 +61,32 @@ class ItemSet:
         return np.bincount(owner, weights=values, minlength=len(self.counts))
 
     def tokens(self) -> np.ndarray:
-        """Total item tokens per sample."""
+        """Total item tokens per sample (what the encoder runs on)."""
         return self.per_sample(self.sizes.astype(float))
+
+    @property
+    def backbone_sizes(self) -> np.ndarray:
+        """Each item's positions in the backbone's sequence."""
+        return self.sizes if self.backbone is None else self.backbone
+
+    def backbone_tokens(self) -> np.ndarray:
+        """Total positions per sample that the items take in the backbone's sequence."""
+        return self.per_sample(self.backbone_sizes.astype(float))
+
+    def take(self, counts: np.ndarray, keep: np.ndarray) -> ItemSet:
+        """The items ``keep`` selects (a boolean mask or indices), ``counts`` per sample."""
+        return ItemSet(counts=counts, sizes=self.sizes[keep],
+                       backbone=None if self.backbone is None else self.backbone[keep])
+
+
+def backbone_sizes(tokens: ir.ImageTokens, patches: np.ndarray) -> np.ndarray | None:
+    """The backbone positions of drawn images of ``patches`` patches each
+    (``ImageTokens.of_patches``, once per distinct size); None without compression."""
+    if tokens.compress is None:
+        return None
+    values, inverse = np.unique(np.asarray(patches, dtype=np.int64), return_inverse=True)
+    return np.array([tokens.of_patches(int(v)) for v in values],
+                    dtype=np.int64)[inverse].reshape(-1)
 
 
 @dataclass(frozen=True)
@@ -116,11 +143,12 @@ def draw_samples(program: ir.Program, n: int, seed: int = 0) -> SampleSet:
 
 
 def positions(samples: SampleSet) -> np.ndarray:
-    """Each sample's positions in the backbone's sequence: its text and encoder items."""
+    """Each sample's positions in the backbone's sequence: its text and encoder items (as
+    their projectors compress them)."""
     total = samples.text_tokens.astype(np.int64).copy()
     for key, items in samples.items.items():
         if not key.endswith(".gen"):
-            total += items.tokens().astype(np.int64)
+            total += items.backbone_tokens().astype(np.int64)
     return total
 
 
@@ -178,18 +206,19 @@ def _cut(program: ir.Program, samples: SampleSet) -> SampleSet:
         if not len(item.sizes):
             continue
         owner = np.repeat(np.arange(len(item.counts)), item.counts)
-        cum = np.cumsum(item.sizes)
+        length = item.backbone_sizes          # what an item takes of the sequence
+        cum = np.cumsum(length)
         has = item.counts > 0
         first = (np.cumsum(item.counts) - item.counts)[has]
-        before = np.repeat(cum[first] - item.sizes[first], item.counts[has])
+        before = np.repeat(cum[first] - length[first], item.counts[has])
         # The items' running total within their sample only grows: what fits is a prefix.
         keep = (cum - before <= room[owner]) & ~stopped[owner]
         counts = np.bincount(owner[keep], minlength=len(item.counts)).astype(np.int64)
-        used = np.bincount(owner[keep], weights=item.sizes[keep],
+        used = np.bincount(owner[keep], weights=length[keep],
                            minlength=len(item.counts)).astype(np.int64)
         room, any_kept = room - used, any_kept | (counts > 0)
         stopped |= counts < item.counts
-        items[key] = ItemSet(counts=counts, sizes=item.sizes[keep])
+        items[key] = item.take(counts, keep)
     text = np.where(stopped, 0, np.minimum(samples.text_tokens, room))
     # Nothing would be left: the text alone, without items.
     alone = stopped & ~any_kept
@@ -204,7 +233,9 @@ def _concat(parts: list[SampleSet]) -> SampleSet:
     return SampleSet(
         text_tokens=np.concatenate([p.text_tokens for p in parts]),
         items={k: ItemSet(counts=np.concatenate([p.items[k].counts for p in parts]),
-                          sizes=np.concatenate([p.items[k].sizes for p in parts]))
+                          sizes=np.concatenate([p.items[k].sizes for p in parts]),
+                          backbone=None if parts[0].items[k].backbone is None else
+                          np.concatenate([p.items[k].backbone for p in parts]))
                for k in keys},
         doc_squares=np.concatenate([attention_squares(p) for p in parts]) if packed else None)
 
@@ -224,9 +255,8 @@ def _join(samples: SampleSet, rows: list[list[int]]) -> SampleSet:
         # Each document's items, the documents in ``order``: one gather.
         taken = item.counts[order]
         first = np.repeat(starts[order] - (np.cumsum(taken) - taken), taken)
-        sizes = item.sizes[first + np.arange(int(taken.sum()))]
         counts = np.bincount(owner, weights=taken, minlength=len(rows)).astype(np.int64)
-        items[key] = ItemSet(counts=counts, sizes=sizes.astype(np.int64))
+        items[key] = item.take(counts, first + np.arange(int(taken.sum())))
     return SampleSet(text_tokens=text, items=items, doc_squares=squares)
 
 
@@ -239,7 +269,9 @@ def _draw_documents(program: ir.Program, n: int, rng: np.random.Generator) -> Sa
         if module.role == "encoder" and module.modality not in items:
             counts = draw(data.get(module.modality, "count"), n, rng)
             sizes = _item_sizes(data, module.modality, int(counts.sum()), rng, generated=False)
-            items[module.modality] = ItemSet(counts=counts, sizes=sizes)
+            backbone = backbone_sizes(program.image_tokens(), sizes) \
+                if module.modality == "image" else None
+            items[module.modality] = ItemSet(counts=counts, sizes=sizes, backbone=backbone)
         elif module.role == "generator" and f"{module.modality}.gen" not in items:
             counts = draw(data.get(module.modality, "gen_count"), n, rng)
             sizes = _item_sizes(data, module.modality, int(counts.sum()), rng, generated=True)

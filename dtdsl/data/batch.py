@@ -24,6 +24,7 @@ denominators of the whole batch, does not depend on it.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -115,7 +116,7 @@ class SyntheticSource:
 
     def __init__(self, program: ir.Program):
         self.program = program
-        self._patch = _patch(program)
+        self._tokens = _image_tokens(program)
         self._rows = lru_cache(maxsize=8)(self._step_rows)
 
     def _step_rows(self, step: int) -> tuple[tuple[tuple[int, ...], ...],
@@ -131,7 +132,7 @@ class SyntheticSource:
         def lengths() -> Iterator[int]:
             for i in itertools.count():
                 docs[i] = sample_sizes(program, step, i)
-                yield layout_of(docs[i], self._patch, seq_len).length
+                yield layout_of(docs[i], self._tokens, seq_len).length
 
         rows = pack(lengths(), seq_len, rows=batch)
         return tuple(tuple(r) for r in rows), docs
@@ -163,33 +164,38 @@ def parts_of(role: RankRole) -> frozenset[str]:
     return frozenset({"targets"})
 
 
-def _patch(program: ir.Program) -> int:
-    encoder = image_encoder(program)
-    return (encoder.arch.patch or 1) if encoder is not None else 1
+def _image_tokens(program: ir.Program) -> ir.ImageTokens:
+    """``Program.image_tokens``; ValueError for encoders the runtime has no data for
+    (``data.sample.image_encoder``)."""
+    image_encoder(program)
+    return program.image_tokens()
 
 
 def normalizer_of(program: ir.Program, sizes: Sequence[SampleSizes]) -> Normalizer:
     """``model.loss_normalizer`` of a batch from its samples' sizes alone (``data.layout``'s
     rule: each sample's trained tokens that fit in ``seq_len``)."""
-    patch, seq_len = _patch(program), program.train.seq_len
-    text = sum(layout_of(sz, patch, seq_len).loss_tokens for sz in sizes)
+    tokens, seq_len = _image_tokens(program), program.train.seq_len
+    text = sum(layout_of(sz, tokens, seq_len).loss_tokens for sz in sizes)
     gen = sum(sz.num_gen_targets for sz in sizes)
     return Normalizer(text_tokens=text, gen_targets=gen)
 
 
 def sample_set(program: ir.Program, sizes: Sequence[SampleSizes]) -> SampleSet:
     """The cost model's view of real samples: text tokens, and per encoder modality and
-    generated modality the items' sizes (patches per image; one unit per generated item);
-    of packed sequences also their documents' squared lengths."""
-    patch = _patch(program)
+    generated modality the items' sizes (patches per image, and its tokens in the backbone
+    where the projector compresses them; one unit per generated item); of packed sequences
+    also their documents' squared lengths."""
+    tokens = _image_tokens(program)
     items: dict[str, ItemSet] = {}
     for module in program.modules:
         if module.role == "encoder" and module.modality not in items:
-            shapes = [sz.image_shapes for sz in sizes]
+            shapes = [hw for sz in sizes for hw in sz.image_shapes]
             items[module.modality] = ItemSet(
-                counts=np.array([len(s) for s in shapes], dtype=np.int64),
-                sizes=np.array([(h // patch) * (w // patch) for s in shapes for h, w in s],
-                               dtype=np.int64))
+                counts=np.array([len(sz.image_shapes) for sz in sizes], dtype=np.int64),
+                sizes=np.array([math.prod(tokens.grid(h, w)) for h, w in shapes],
+                               dtype=np.int64),
+                backbone=None if tokens.compress is None else
+                np.array([tokens(h, w) for h, w in shapes], dtype=np.int64))
         elif module.role == "generator" and f"{module.modality}.gen" not in items:
             counts = np.array([sz.gen_counts.get(module.name, 0) for sz in sizes],
                               dtype=np.int64)
@@ -198,7 +204,7 @@ def sample_set(program: ir.Program, sizes: Sequence[SampleSizes]) -> SampleSet:
     squares = None
     if any(sz.doc_text is not None for sz in sizes):
         # Packed sequences: attention is priced per document (``flops.backbone_attention``).
-        squares = np.array([sum(n * n for _, n in layout_of(sz, patch, program.train.seq_len)
+        squares = np.array([sum(n * n for _, n in layout_of(sz, tokens, program.train.seq_len)
                                 .spans) for sz in sizes], dtype=float)
     return SampleSet(text_tokens=np.array([sz.text_tokens for sz in sizes], dtype=np.int64),
                      items=items, doc_squares=squares)

@@ -117,7 +117,8 @@ def _cmd_stats(args: argparse.Namespace) -> int:
         if encoder is not None:
             from dtdsl.data.images import ImagePolicy
 
-            policy = ImagePolicy.for_encoder(encoder, max_patches)
+            policy = ImagePolicy.for_encoder(encoder, max_patches,
+                                             block=program.image_tokens().block)
     program = program if args.spec is not None else None
     try:
         tokenizer = _tokenizer(args, program)

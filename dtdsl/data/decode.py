@@ -161,7 +161,8 @@ class Decoder:
         image = next((m for m in program.encoders if m.modality == "image"), None)
         policy = None
         if image is not None:
-            policy = ImagePolicy.for_encoder(image, _high(program.data, "image", "patches"))
+            policy = ImagePolicy.for_encoder(image, _high(program.data, "image", "patches"),
+                                             block=program.image_tokens().block)
         tokenizer = load_tokenizer(program.data.tokenizer, program.backbone.arch.vocab,
                                    program.data.chat)
         return cls(tokenizer=tokenizer, seed=seed, images=policy,

@@ -9,9 +9,11 @@ configuration.
   ``image_std``), else the family's defaults: CLIP resizes the shorter side to the tower's
   ``image_size`` (bicubic) and crops the centre square, with OpenAI's mean and std; SigLIP
   resizes to the square (bicubic), mean and std 0.5;
-- **native resolution** for dtdsl's own ViT: each side rounded to whole patches, both
-  scaled down together to at most ``max_patches`` (the clamp high of ``image.patches``),
-  bilinear, mean and std 0.5 (pixels to ``[-1, 1]``).
+- **native resolution** for dtdsl's own ViT: each side rounded to whole patches (to whole
+  blocks of ``block x block`` patches under a pixel-shuffling projector, whose grid must
+  divide: ``ImageTokens.block``), both scaled down together to at most ``max_patches``
+  (the clamp high of ``image.patches``), bilinear, mean and std 0.5 (pixels to
+  ``[-1, 1]``).
 
 Resizing runs in the preprocessing workers (``decode``), which ship uint8 pixels; the
 trainers normalise them (``normalize``: a per-channel affine on the uint8 tensor, a
@@ -36,14 +38,16 @@ HALF = (0.5, 0.5, 0.5)
 _RESAMPLE = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic", 4: "box", 5: "hamming"}
 
 
-def patch_grid(width: int, height: int, patch: int,
-               max_patches: int | None = None) -> tuple[int, int]:
+def patch_grid(width: int, height: int, patch: int, max_patches: int | None = None,
+               block: int = 1) -> tuple[int, int]:
     """Patches across and down for a ``width x height`` image: each side rounded to a
-    whole number of patches (halves up, at least 1), then both scaled down together until
-    there are at most ``max_patches``."""
-    gw, gh = max(1, int(width / patch + 0.5)), max(1, int(height / patch + 0.5))
-    if max_patches is not None and gw * gh > max_patches:
-        limit = max(1, max_patches)
+    whole number of ``block``s of patches (halves up, at least one), then both scaled down
+    together, a block at a time, until there are at most ``max_patches`` (but one block
+    of ``block x block`` patches at least)."""
+    unit = patch * block
+    gw, gh = max(1, int(width / unit + 0.5)), max(1, int(height / unit + 0.5))
+    if max_patches is not None and gw * gh * block * block > max_patches:
+        limit = max(1, max_patches // (block * block))
         scale = math.sqrt(limit / (gw * gh))
         gw, gh = max(1, math.floor(gw * scale)), max(1, math.floor(gh * scale))
         while gw * gh > limit:
@@ -51,7 +55,7 @@ def patch_grid(width: int, height: int, patch: int,
                 gw -= 1
             else:
                 gh -= 1
-    return gw, gh
+    return gw * block, gh * block
 
 
 @dataclass(frozen=True)
@@ -62,17 +66,21 @@ class ImagePolicy:
     size: tuple[int, int] | None = None        # fixed (height, width); None: native
     shortest_edge: int | None = None           # fixed: resize the shorter side, then crop
     max_patches: int | None = None             # native: the patch budget
+    block: int = 1                             # native: grid sides a multiple of this
     resample: str = "bilinear"
     mean: tuple[float, float, float] = HALF
     std: tuple[float, float, float] = HALF
 
     @classmethod
-    def for_encoder(cls, module: Any, max_patches: int | None = None) -> ImagePolicy:
+    def for_encoder(cls, module: Any, max_patches: int | None = None,
+                    block: int = 1) -> ImagePolicy:
+        """``block``: the multiple of patches a native-resolution grid's sides are
+        (``ImageTokens.block`` of the encoder's projector)."""
         arch = module.arch
         patch = getattr(arch, "patch", None) or 1
         hf = getattr(module, "hf", None)
         if hf is None or hf.family not in ("clip", "siglip") or not arch.image_size:
-            return cls(patch=patch, max_patches=max_patches)
+            return cls(patch=patch, max_patches=max_patches, block=block)
         side = int(arch.image_size)
         if hf.family == "clip":
             base = cls(patch=patch, size=(side, side), shortest_edge=side, resample="bicubic",
@@ -111,7 +119,7 @@ class ImagePolicy:
         """The ``(height, width)`` in pixels an image of this size is given to the encoder."""
         if self.size is not None:
             return self.size
-        gw, gh = patch_grid(width, height, self.patch, self.max_patches)
+        gw, gh = patch_grid(width, height, self.patch, self.max_patches, self.block)
         return gh * self.patch, gw * self.patch
 
     def resize(self, img: Any) -> np.ndarray:

@@ -2,8 +2,9 @@
 carry a loss: one rule for the data layer, the model, the runtime and the loss denominators.
 
 A sample is its text tokens ``0..T-1`` with images inserted: image ``k`` (of ``N_k``
-encoder tokens) goes before text token ``image_at[k]`` (``T``: after the text). The
-backbone's sequence lays them out in that order. ``trained`` names the text tokens that are
+tokens: its patches as the projector compresses them, ``ir.program.ImageTokens``) goes
+before text token ``image_at[k]`` (``T``: after the text). The backbone's sequence lays
+them out in that order. ``trained`` names the text tokens that are
 next-token targets; each is predicted at the position just before it (an image's last
 token when it follows one), and a token at the sequence's first position is never a
 target (nothing precedes it).
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from dtdsl.data.sample import SampleSizes
+    from dtdsl.ir.program import ImageTokens
 
 __all__ = ["SequenceLayout", "concat", "fit", "layout_of", "pack", "sequence_layout"]
 
@@ -109,14 +111,14 @@ def sequence_layout(text_tokens: int, image_tokens: Sequence[int], image_at: Seq
                           loss=tuple(loss), cut=cut)
 
 
-def layout_of(sizes: SampleSizes, patch: int, seq_len: int) -> SequenceLayout:
-    """The layout of a sample from its sizes (``patch``: the image encoder's); of a packed
-    sequence, its documents' layouts one after the other."""
+def layout_of(sizes: SampleSizes, tokens: ImageTokens, seq_len: int) -> SequenceLayout:
+    """The layout of a sample from its sizes (``tokens``: an image's tokens in the
+    backbone, ``Program.image_tokens``); of a packed sequence, its documents' layouts one
+    after the other."""
     if sizes.doc_text is None:
-        return sequence_layout(sizes.text_tokens,
-                               [(h // patch) * (w // patch) for h, w in sizes.image_shapes],
+        return sequence_layout(sizes.text_tokens, [tokens(h, w) for h, w in sizes.image_shapes],
                                sizes.places, sizes.trained_ranges, seq_len)
-    return concat([layout_of(d, patch, seq_len) for d in sizes.docs()], seq_len)
+    return concat([layout_of(d, tokens, seq_len) for d in sizes.docs()], seq_len)
 
 
 def concat(layouts: Sequence[SequenceLayout], seq_len: int) -> SequenceLayout:
@@ -175,15 +177,15 @@ def pack(lengths: Iterable[int], seq_len: int, *, rows: int | None = None,
     return done if rows is not None else done + open_rows
 
 
-def fit(sizes: SampleSizes, patch: int, seq_len: int) -> SampleSizes:
+def fit(sizes: SampleSizes, tokens: ImageTokens, seq_len: int) -> SampleSizes:
     """``sizes`` of the sample cut to ``seq_len`` (itself when it fits). A sample whose
     sequence would be empty (its first image alone is longer than ``seq_len``) keeps its
     text without its images instead."""
-    lay = layout_of(sizes, patch, seq_len)
+    lay = layout_of(sizes, tokens, seq_len)
     if not lay.cut:
         return sizes
     if lay.length == 0 and sizes.text_tokens > 0 and sizes.image_shapes:
-        return replace(fit(replace(sizes, image_shapes=(), image_at=()), patch, seq_len),
+        return replace(fit(replace(sizes, image_shapes=(), image_at=()), tokens, seq_len),
                        cut=1)
     n = len(lay.image_starts)
     trained = tuple((a, min(b, lay.text)) for a, b in sizes.trained_ranges if a < lay.text)

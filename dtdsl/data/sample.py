@@ -16,7 +16,8 @@ spec's distributions and clamps exactly as the cost model and simulator see them
 - ``images``: ``image.count`` float32 images ``[3, H, W]`` for the image encoder: square,
   ``H = W = g * patch`` where ``g = round(sqrt(image.patches))`` (at least 1), so the
   encoder sees ``g^2`` patches (exactly ``image.patches`` when it is a square number, as
-  in every shipped spec);
+  in every shipped spec); under a pixel-shuffling projector ``g`` is rounded to a
+  multiple of its factor (``ImageTokens.square_side``);
 - ``targets``: per generator (by module name) ``GenTargets``: ``gen_count`` latents
   ``[G, C, L, L]`` (``C`` the generator's ``latent_channels``, ``L`` its ``latent``),
   with the noise ``[G, C, L, L]`` and the integer timesteps ``[G]`` in
@@ -141,9 +142,13 @@ def image_encoder(program: ir.Program) -> ir.Module | None:
     return found
 
 
-def image_side(patches: int, patch: int) -> int:
-    """The side of the square image with about ``patches`` patches of ``patch`` pixels."""
-    return max(1, round(math.sqrt(patches))) * patch
+def image_side(patches: int, patch: int, tokens: ir.ImageTokens | None = None) -> int:
+    """The side in pixels of the square image with about ``patches`` patches of ``patch``
+    pixels; with ``tokens``, its side in patches a multiple of their ``block`` (so that a
+    compressing projector takes its grid, ``ImageTokens.square_side``)."""
+    if tokens is None:
+        return max(1, round(math.sqrt(patches))) * patch
+    return tokens.square_side(patches) * patch
 
 
 @cache
@@ -293,11 +298,11 @@ def sample_sizes(program: ir.Program, step: int, index: int) -> SampleSizes:
     n_text = max(1, _draw_one(data.get("text", "tokens"), sizes, "text.tokens"))
     sides: list[int] = []
     encoder = image_encoder(program)
+    tokens = program.image_tokens()
     if encoder is not None:
         count = max(0, _draw_one(data.get("image", "count"), sizes, "image.count"))
         patches = draw(data.get("image", "patches"), count, sizes) if count else []
-        patch = encoder.arch.patch or 1
-        sides = [image_side(int(p), patch) for p in patches]
+        sides = [image_side(int(p), tokens.patch, tokens) for p in patches]
     gen_counts = {
         module.name: max(0, _draw_one(data.get(module.modality, "gen_count"), sizes,
                                       f"{module.modality}.gen_count"))
@@ -306,8 +311,7 @@ def sample_sizes(program: ir.Program, step: int, index: int) -> SampleSizes:
                         gen_counts=gen_counts)
     # Cut to seq_len as every source cuts its samples (data.layout): images that do not
     # fit are dropped, the text cut.
-    return fit(drawn, (encoder.arch.patch or 1) if encoder is not None else 1,
-               program.train.seq_len)
+    return fit(drawn, tokens, program.train.seq_len)
 
 
 _PARTS = frozenset({"tokens", "images", "targets"})

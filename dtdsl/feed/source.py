@@ -165,6 +165,7 @@ class DatasetSource:
         self.batch = program.train.global_batch
         image = next((m for m in program.encoders if m.modality == "image"), None)
         self.patch = (image.arch.patch or 1) if image is not None else None
+        self.image_tokens = program.image_tokens()
         self.norm = image_norm(program)
         self.clamps = Clamps.for_program(program)
         layouts = token_layouts(self.dataset, self.decoder.tokenizer, progress=progress)
@@ -192,9 +193,9 @@ class DatasetSource:
         from dtdsl.data.layout import layout_of, pack
 
         order = [self.usable[k] for k in epoch_permutation(self.seed, epoch, len(self.usable))]
-        seq_len, patch = self.program.train.seq_len, self.patch or 1
-        rows = pack((layout_of(self.doc_sizes(i), patch, seq_len).length for i in order),
-                    seq_len)
+        seq_len = self.program.train.seq_len
+        rows = pack((layout_of(self.doc_sizes(i), self.image_tokens, seq_len).length
+                     for i in order), seq_len)
         return tuple(tuple(order[j] for j in r) for r in rows)
 
     def _step_rows(self, step: int) -> tuple[tuple[int, ...], ...]:
@@ -257,7 +258,7 @@ class DatasetSource:
         found = self._doc_sizes[i] = fit(
             self.clamps.apply(SampleSizes(text_tokens=text, image_shapes=shapes,
                                           gen_counts=gen, image_at=places, trained=trained)),
-            self.patch or 1, self.program.train.seq_len)
+            self.image_tokens, self.program.train.seq_len)
         return found
 
     def _step_sizes(self, step: int) -> tuple:

@@ -65,6 +65,8 @@ MODULE_FIELDS = (
 PROJECTOR_FIELDS = (
     Param("arch", CallKind(), required=True, doc="arch = mlp(depth=2)"),
     Param("frozen", BoolKind(), default=False),
+    # An image encoder's projector: fewer tokens per image for the backbone.
+    Param("compress", CallKind(), doc="compress = pixel_shuffle(2)"),
 )
 TRANSFORMER_ARGS = (
     Param("layers", IntKind(1, 1024), required=True, doc="layers=32"),
@@ -113,6 +115,17 @@ MLP_ARGS = (
     Param("hidden", IntKind(1, 1 << 17)),
     Param("activation", EnumKind(choices=("gelu", "silu", "relu")), default="gelu"),
 )
+# Token compression (``compress = ...``), the factor by position: pixel_shuffle(2).
+FACTOR_ARGS = (
+    Param("factor", IntKind(2, 16), required=True, doc="pixel_shuffle(2)"),
+)
+RESAMPLER_ARGS = (
+    Param("queries", IntKind(1, 4096), required=True, doc="resampler(queries=64)"),
+    # Default: the encoder's heads.
+    Param("heads", IntKind(1, 1024)),
+)
+COMPRESSIONS = {"pixel_shuffle": FACTOR_ARGS, "avg_pool": FACTOR_ARGS,
+                "resampler": RESAMPLER_ARGS}
 _DEFAULT_ATTN_RES = (4, 2, 1)
 ARCHS = {"transformer": TRANSFORMER_ARGS, "unet": UNET_ARGS, "dit": DIT_ARGS, "hf": HF_ARGS}
 ROLE_ARCHS = {"encoder": ("transformer", "hf"), "backbone": ("transformer", "hf"),
@@ -724,16 +737,83 @@ class _Checker:
                              call.func_span, notes=["projectors are mlp(depth=..., hidden=...)"],
                              hint=f"did you mean '{guess}'?" if guess else None)
         args = resolve_call(call, MLP_ARGS, ctx, f"mlp() of {where}")
-        if not _ok(*args.values(), fields["frozen"]) or item.source not in modules \
-                or item.target not in modules:
+        compress = self._compression(fields["compress"], item, modules, where)
+        if not _ok(*args.values(), fields["frozen"], compress) or \
+                item.source not in modules or item.target not in modules:
             return INVALID
         src, dst = modules[item.source], modules[item.target]
+        in_dim = src.output_dim if compress is None else compress.mlp_width(src.output_dim)
         return ir.Projector(
             name=f"{item.source}_to_{item.target}", source=item.source, target=item.target,
-            arch=ir.MLPArch(depth=args["depth"], in_dim=src.output_dim,
+            arch=ir.MLPArch(depth=args["depth"], in_dim=in_dim,
                             hidden=args["hidden"] or dst.input_dim, out_dim=dst.input_dim,
                             activation=args["activation"]),
-            frozen=fields["frozen"], span=item.span)
+            frozen=fields["frozen"], span=item.span, compress=compress)
+
+    def _compression(self, call: Any, item: ast.Projector, modules: dict[str, ir.Module],
+                     where: str) -> Any:
+        """``compress = ...`` of a projector: None when it has none (``_ok`` takes None)."""
+        ctx = self.ctx
+        if call is None or call is INVALID:
+            return call if call is None else INVALID
+        table = COMPRESSIONS.get(call.func)
+        if table is None:
+            guess = did_you_mean(call.func, COMPRESSIONS)
+            return ctx.error("DT205", f"unknown token compression '{call.func}'",
+                             call.func_span, notes=["compress is one of: "
+                                                    + ", ".join(f"{n}(...)" for n in
+                                                                COMPRESSIONS)],
+                             hint=f"did you mean '{guess}'?" if guess else None)
+        args = resolve_call(call, table, ctx, f"{call.func}() of {where}", positional=1)
+        src = modules.get(item.source)
+        if not _ok(*args.values()) or src is None:
+            return INVALID
+        if src.role != "encoder" or src.modality != "image":
+            what = f"encoder {src.name} reads {src.modality}" if src.role == "encoder" \
+                else f"{src.name} is the {src.role}"
+            return ctx.error("DT318", f"{call.func}() compresses an image's patch grid, but "
+                             f"{what}", call.span,
+                             hint="remove `compress` here: only an image encoder's projector "
+                             "into the backbone compresses tokens")
+        if call.func == "resampler":
+            return self._resampler(call, args, src)
+        spec = ir.PixelShuffle(factor=args["factor"]) if call.func == "pixel_shuffle" \
+            else ir.AvgPool(factor=args["factor"])
+        return self._fixed_grid(call, spec, src)
+
+    def _resampler(self, call: ast.Call, args: dict[str, Any], src: ir.Module) -> Any:
+        width = src.output_dim
+        heads = args["heads"] or getattr(src.arch, "heads", 1)
+        if width % heads:
+            return self.ctx.error(
+                "DT318", f"a resampler of {heads} heads cannot split encoder {src.name}'s "
+                f"width of {width}", _arg_span(call, "heads") if args["heads"] else call.span,
+                hint=f"heads must divide {width}: {_listing(_divisors(width, 1024))}")
+        return ir.Resampler(queries=args["queries"], heads=heads)
+
+    def _fixed_grid(self, call: ast.Call, spec: Any, src: ir.Module) -> Any:
+        """A pixel shuffle whose factor does not divide the patch grid of an encoder that
+        reads images of one fixed size (a Hugging Face CLIP or SigLIP tower, resized to
+        its ``image_size``: ``data.images``); native-resolution images are sized to whole
+        blocks of the factor instead (``ImageTokens.block``)."""
+        arch = src.arch
+        fixed = src.hf is not None and src.hf.family in ("clip", "siglip") and \
+            isinstance(arch, ir.TransformerArch) and arch.image_size
+        if not isinstance(spec, ir.PixelShuffle) or not fixed:
+            return spec
+        patch = arch.patch or 1
+        side = arch.image_size // patch
+        if side % spec.factor == 0:
+            return spec
+        fits = [k for k in range(2, 17) if side % k == 0]
+        return self.ctx.error(
+            "DT318", f"pixel_shuffle({spec.factor}) needs a patch grid divisible by "
+            f"{spec.factor}, but encoder {src.name} reads {arch.image_size} x "
+            f"{arch.image_size} images in patches of {patch}: a {side} x {side} grid",
+            call.args[0].span if call.args else call.span,
+            hint=(f"use pixel_shuffle({' or '.join(map(str, fits))})" if fits else
+                  "use no pixel shuffle") + f", or avg_pool({spec.factor}), which pools the "
+            "edge blocks (ceil mode)")
 
     # ---- data ----------------------------------------------------------------------------
     def _data(self, block: ast.DataBlock, modules: Mapping[str, Any]) -> Any:

@@ -106,7 +106,8 @@ def build_graph(program: ir.Program, plan: Plan | None = None, *, samples: int =
         unit = proj.source if program.module(proj.source).role == "encoder" else proj.target
         g.add_node(proj_ids[proj.name], kind="projector", source=proj.source,
                    target=proj.target, depth=proj.arch.depth, in_dim=proj.arch.in_dim,
-                   out_dim=proj.arch.out_dim, params=float(flops.projector_params(proj.arch)),
+                   out_dim=proj.arch.out_dim, params=float(flops.projector_params(proj.arch)
+                                                      + flops.compression_params(proj)),
                    frozen=proj.frozen, unit=unit)
 
     _add_inputs(g, program, drawn, data_id)
@@ -187,14 +188,17 @@ def _add_activations(g: nx.DiGraph, program: ir.Program, drawn: SampleSet,
         source, target = program.module(proj.source), program.module(proj.target)
         if source.role == "encoder":
             items = drawn.items[source.modality]
+            # A compressing projector reads the patches and hands on fewer tokens.
             tokens, counts, what = items.tokens(), items.counts, "hidden"
+            out = items.backbone_tokens()
         else:
             counts = drawn.items[f"{target.modality}.gen"].counts
             tokens, what = counts * _COND_TOKENS, "cond"
+            out = tokens
         g.add_edge(source.name, node, **_tokens_flow(
             "activation", what, tokens, source.output_dim, _BF16_BYTES, items=counts))
         g.add_edge(node, target.name, **_tokens_flow(
-            "activation", what, tokens, proj.arch.out_dim, _BF16_BYTES, items=counts))
+            "activation", what, out, proj.arch.out_dim, _BF16_BYTES, items=counts))
 
 
 # ---- stages -----------------------------------------------------------------------------------
@@ -254,7 +258,7 @@ def _boundary_flow(program: ir.Program, module: ir.Module, drawn: SampleSet,
     if module.role == "backbone":
         tokens = drawn.text_tokens.astype(float)
         for encoder in program.encoders:
-            tokens = tokens + drawn.items[encoder.modality].tokens()
+            tokens = tokens + drawn.items[encoder.modality].backbone_tokens()
         return _tokens_flow("pipeline", "hidden", tokens, arch.hidden, _BF16_BYTES)
     if module.role == "encoder":
         items = drawn.items[module.modality]

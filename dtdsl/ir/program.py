@@ -8,6 +8,7 @@ program``), and ``Program.model_validate_json`` reads it back.
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -15,8 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from dtdsl.source import Span
 
 __all__ = [
-    "Arch", "Choice", "Cluster", "Constant", "DiTArch", "Dist", "Empirical", "Gpu", "HFSource",
-    "RoPE",
+    "Arch", "AvgPool", "Choice", "Cluster", "Compression", "Constant", "DiTArch", "Dist",
+    "Empirical", "Gpu", "HFSource", "ImageTokens", "PixelShuffle", "Resampler", "RoPE",
     "IntDomain", "LRSchedule", "LogNormal", "MLPArch", "Module", "ModuleConstraints",
     "Optimizer", "Program", "Projector", "Quantity", "Train", "TransformerArch", "UNetArch",
     "Uniform", "Zipf", "Data", "LR_SCHEDULES", "MODALITIES", "QUANTITIES", "ROLES",
@@ -310,6 +311,77 @@ class Module(IRModel):
         return arch.hidden if isinstance(arch, (TransformerArch, DiTArch)) else arch.channels
 
 
+# ---- token compression ------------------------------------------------------------------
+# What an image encoder's projector does to the patch grid before its MLP: fewer tokens
+# for the backbone. Each kind says how many tokens a grid of ``rows x cols`` patches
+# becomes (``tokens``), the width its MLP then reads (``mlp_width``) and the multiple of
+# patches an image's sides are rounded to so that its grid always fits (``block``).
+
+class PixelShuffle(IRModel):
+    """InternVL's pixel shuffle: each ``factor x factor`` block of neighbouring patches
+    concatenated on channels, one token per block (``models.mlp.pixel_shuffle``)."""
+
+    kind: Literal["pixel_shuffle"] = "pixel_shuffle"
+    factor: int
+
+    @property
+    def block(self) -> int:
+        return self.factor
+
+    def tokens(self, rows: int, cols: int) -> int:
+        k = self.factor
+        if rows % k or cols % k:
+            raise ValueError(f"pixel_shuffle({k}) needs a patch grid divisible by {k}, not "
+                             f"{rows} x {cols}")
+        return (rows // k) * (cols // k)
+
+    def mlp_width(self, width: int) -> int:
+        return width * self.factor ** 2
+
+
+class AvgPool(IRModel):
+    """LLaVA-OneVision's 2D average pooling of the patch grid by ``factor`` (stride =
+    kernel), in ceil mode: a grid that ``factor`` does not divide keeps its last row and
+    column of blocks, averaged over the patches they hold."""
+
+    kind: Literal["avg_pool"] = "avg_pool"
+    factor: int
+
+    @property
+    def block(self) -> int:
+        return 1
+
+    def tokens(self, rows: int, cols: int) -> int:
+        k = self.factor
+        return -(-rows // k) * -(-cols // k)
+
+    def mlp_width(self, width: int) -> int:
+        return width
+
+
+class Resampler(IRModel):
+    """A Perceiver/Q-Former-style resampler: ``queries`` learned queries cross-attend (with
+    ``heads`` heads, in the encoder's width) to an image's patches: ``queries`` tokens per
+    image, whatever its size."""
+
+    kind: Literal["resampler"] = "resampler"
+    queries: int
+    heads: int
+
+    @property
+    def block(self) -> int:
+        return 1
+
+    def tokens(self, rows: int, cols: int) -> int:
+        return self.queries
+
+    def mlp_width(self, width: int) -> int:
+        return width
+
+
+Compression = Annotated[PixelShuffle | AvgPool | Resampler, Field(discriminator="kind")]
+
+
 class Projector(IRModel):
     name: str
     source: str
@@ -317,6 +389,56 @@ class Projector(IRModel):
     arch: MLPArch
     frozen: bool = False
     span: Span
+    # An image encoder's projector may compress the patch grid before its MLP (whose
+    # ``in_dim`` is then ``compress.mlp_width`` of the encoder's width); None: one token
+    # per patch.
+    compress: Compression | None = None
+
+
+class ImageTokens(IRModel):
+    """How many positions one image takes in the backbone's sequence: its encoder's patch
+    grid, compressed by the projector into the backbone. The one rule for the data layout,
+    the cost model's samples, the simulator, the runtime and the reference
+    (``Program.image_tokens``)."""
+
+    patch: int = 1
+    compress: Compression | None = None
+
+    @property
+    def block(self) -> int:
+        """The multiple of patches an image's sides are rounded to (pixel shuffle's
+        factor: its grid then always divides), 1 without compression."""
+        return self.compress.block if self.compress is not None else 1
+
+    def grid(self, height: int, width: int) -> tuple[int, int]:
+        """The patch grid (rows, columns) of an image of ``height x width`` pixels."""
+        return height // self.patch, width // self.patch
+
+    def of_grid(self, rows: int, cols: int) -> int:
+        """The tokens of an image of ``rows x cols`` patches (ValueError for a grid that
+        its compression cannot take)."""
+        if self.compress is None:
+            return rows * cols
+        return self.compress.tokens(rows, cols)
+
+    def __call__(self, height: int, width: int) -> int:
+        """The tokens of an image of ``height x width`` pixels."""
+        return self.of_grid(*self.grid(height, width))
+
+    def square_side(self, patches: float) -> int:
+        """The side, in patches, of the square grid a synthetic image of about ``patches``
+        patches has: ``round(sqrt(patches))``, rounded to a multiple of ``block``."""
+        b = self.block
+        return max(b, round(math.sqrt(max(patches, 0)) / b) * b)
+
+    def of_patches(self, patches: int) -> int:
+        """The tokens of a drawn item of ``patches`` patches (the cost model's samples):
+        the patches themselves without compression; with it, those of the square grid a
+        synthetic image of that many patches has (``square_side``)."""
+        if self.compress is None:
+            return int(patches)
+        side = self.square_side(patches)
+        return self.of_grid(side, side)
 
 
 # ---- data -------------------------------------------------------------------------
@@ -582,6 +704,18 @@ class Program(IRModel):
     @property
     def generators(self) -> tuple[Module, ...]:
         return tuple(m for m in self.modules if m.role == "generator")
+
+    def image_tokens(self) -> ImageTokens:
+        """The rule for an image's tokens in the backbone (``ImageTokens``): the image
+        encoder's patch and its projector's compression (patch 1 without an image
+        encoder)."""
+        encoder = next((m for m in self.encoders if m.modality == "image"), None)
+        if encoder is None:
+            return ImageTokens()
+        patch = getattr(encoder.arch, "patch", None) or 1
+        proj = next((p for p in self.projectors
+                     if p.source == encoder.name and p.target == self.backbone.name), None)
+        return ImageTokens(patch=patch, compress=proj.compress if proj is not None else None)
 
     def constraints_for(self, module: str) -> ModuleConstraints:
         for c in self.constraints:

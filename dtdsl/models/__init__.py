@@ -100,7 +100,7 @@ def build_projector(proj: ir.Projector, tp: int = 1) -> Projector:
     """The torch model of a projector (one TP rank's shard for ``tp > 1``)."""
     if tp < 1:
         raise ValueError(f"tensor parallelism must be at least 1, not {tp}")
-    return Projector(proj.arch, tp=tp)
+    return Projector(proj.arch, tp=tp, compress=proj.compress)
 
 
 from dtdsl.models.hf import load_hf, save_hf  # noqa: E402 - after what models.hf builds with

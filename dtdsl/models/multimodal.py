@@ -10,7 +10,8 @@ The forward pass is three steps, one per kind of unit, each a plain function of 
 unit's torch modules and its inputs:
 
 - ``encode(model, samples)``: each sample's images (grouped by size, no padding, see
-  ``data.pack_images``) through the ViT and the encoder->backbone projector: one
+  ``data.pack_images``) through the ViT and the encoder->backbone projector (which
+  compresses each image's patch grid when the spec says so, ``models.mlp``): one
   ``[image tokens_i, hidden_llm]`` tensor per sample. Split into ``encoder_input`` and
   ``encoder_layers(encoder, xs, start, stop)`` for pipeline stages.
 - ``backbone_step(model, image_embeds, samples)``: per sample its sequence as
@@ -192,14 +193,15 @@ def layer_range(module: nn.Module, start: int = 0, stop: int | None = None) -> l
 
 # ---- shapes ------------------------------------------------------------------------------
 
-def image_tokens(sizes: SampleSizes, patch: int) -> int:
-    """The encoder tokens of a sample's images (its rows in the backbone's sequence)."""
-    return sum((h // patch) * (w // patch) for h, w in sizes.image_shapes)
+def image_tokens(sizes: SampleSizes, tokens: ir.ImageTokens) -> int:
+    """The tokens of a sample's images in the backbone's sequence (its rows there, as its
+    image encoder's projector makes them: ``Program.image_tokens``)."""
+    return sum(tokens(h, w) for h, w in sizes.image_shapes)
 
 
-def sequence_length(sizes: SampleSizes, patch: int, seq_len: int) -> int:
+def sequence_length(sizes: SampleSizes, tokens: ir.ImageTokens, seq_len: int) -> int:
     """The length of a sample's backbone sequence (``data.layout``'s rule)."""
-    return layout_of(sizes, patch, seq_len).length
+    return layout_of(sizes, tokens, seq_len).length
 
 
 def packed_shapes(sizes: Sequence[SampleSizes], patch: int, extra_tokens: int = 0
@@ -227,6 +229,7 @@ class Model(nn.Module):
         self.generators = tuple(m.name for m in program.generators)
         self.seq_len = program.train.seq_len
         self.patch = (enc.arch.patch or 1) if enc is not None else 1
+        self.image_tokens = program.image_tokens()   # an image's rows in the backbone
 
         def projector(source: str, target: str) -> str:
             for p in program.projectors:
@@ -272,16 +275,17 @@ def sample_sizes_of(sample: Sample) -> SampleSizes:
         doc_images=sample.doc_images, doc_gen=sample.doc_gen)
 
 
-def sample_layout(sample: Sample, patch: int, seq_len: int) -> SequenceLayout:
+def sample_layout(sample: Sample, tokens: ir.ImageTokens, seq_len: int) -> SequenceLayout:
     """Where a sample's text and images sit in its sequence, and which tokens are targets
-    (``data.layout``; the rule its ``SampleSizes`` give)."""
-    return layout_of(sample_sizes_of(sample), patch, seq_len)
+    (``data.layout``; the rule its ``SampleSizes`` give; ``tokens``: an image's tokens,
+    ``Program.image_tokens``)."""
+    return layout_of(sample_sizes_of(sample), tokens, seq_len)
 
 
-def loss_tokens(sample: Sample, patch: int, seq_len: int) -> int:
+def loss_tokens(sample: Sample, tokens: ir.ImageTokens, seq_len: int) -> int:
     """The sample's LM loss tokens: its trained tokens that fit in ``seq_len``, but one at
     the sequence's first position."""
-    return sample_layout(sample, patch, seq_len).loss_tokens
+    return sample_layout(sample, tokens, seq_len).loss_tokens
 
 
 @dataclass(frozen=True)
@@ -295,7 +299,7 @@ class Normalizer:
 def loss_normalizer(model: Model, samples: Sequence[Sample]) -> Normalizer:
     """The denominators of the loss of ``samples``, the WHOLE global batch."""
     return Normalizer(
-        text_tokens=sum(loss_tokens(s, model.patch, model.seq_len) for s in samples),
+        text_tokens=sum(loss_tokens(s, model.image_tokens, model.seq_len) for s in samples),
         gen_targets=sum(s.num_gen_targets for s in samples))
 
 
@@ -342,7 +346,9 @@ def encode(model: Model, samples: Sequence[Sample]) -> list[torch.Tensor]:
     hidden = encoder_output(encoder, encoder_layers(
         encoder, encoder_input(encoder, packed.groups, packed.grids)))
     projector = model.unit(model.enc_proj)
-    return unpack_images(packed, [projector(h) for h in hidden], width=width)
+    # Per group of same-sized images, on its patch grid (a compressing projector's input).
+    return unpack_images(packed, [projector(h, grid) for h, grid
+                                  in zip(hidden, packed.grids, strict=True)], width=width)
 
 
 # ---- backbone ----------------------------------------------------------------------------
@@ -537,12 +543,12 @@ def backbone_step(model: Model, image_embeds: Sequence[torch.Tensor],
     """The whole backbone: ``(LM loss sum, per-sample conditioning)``."""
     backbone: Backbone = model.unit(model.backbone)
     batch = backbone_input(backbone, image_embeds, [s.tokens for s in samples],
-                           [sample_layout(s, model.patch, model.seq_len) for s in samples],
-                           pad_to)
+                           [sample_layout(s, model.image_tokens, model.seq_len)
+                            for s in samples], pad_to)
     x = backbone_layers(backbone, scatter_sequence(backbone, batch.embeds),
                         positions=batch.positions, mask=batch.mask)
     loss, hidden = backbone_output(backbone, x, batch.targets)
-    return loss, conditioning(hidden, [sample_layout(s, model.patch, model.seq_len)
+    return loss, conditioning(hidden, [sample_layout(s, model.image_tokens, model.seq_len)
                                        for s in samples])
 
 
@@ -600,7 +606,7 @@ def microbatch_loss(model: Model, samples: Sequence[Sample], norm: Normalizer,
     embeds = encode(model, samples)
     lm_sum, cond = backbone_step(model, embeds, samples, pad_to)
     gen_sum = torch.zeros((), device=lm_sum.device)
-    layouts = [sample_layout(s, model.patch, model.seq_len) for s in samples]
+    layouts = [sample_layout(s, model.image_tokens, model.seq_len) for s in samples]
     rows = [conditioning_rows(lay) for lay in layouts]
     for name in model.generators:
         counts = [s.doc_gen[name] if s.doc_gen is not None else (len(s.targets[name]),)

@@ -122,6 +122,7 @@ class _Units:
         self.units = units
         self.vaes = vaes or {}
         self.patch = (enc.arch.patch or 1) if enc is not None else 1
+        self.image_tokens = program.image_tokens()
         self.seq_len = program.train.seq_len
         self.backbone = program.backbone.name
         self.gen_proj = {g.name: projector_between(program, program.backbone.name, g.name)
@@ -190,6 +191,7 @@ class StageExecutor:
         self.model = _Units(program, self.stage.module.units)
         self.dtype = self.stage.compute_dtype
         self._patch = self.model.patch
+        self._image_tokens = self.model.image_tokens
         self._width = program.backbone.arch.hidden
         self._build_optimizer()
         self._forward = {"encoder": self._encoder_forward, "backbone": self._backbone_forward,
@@ -381,7 +383,7 @@ class StageExecutor:
         """Sample ``i``'s place in the backbone's sequence (``data.layout``), from its sizes."""
         found = self._layouts.get(i)
         if found is None:
-            found = self._layouts[i] = layout_of(self._sizes(i), self._patch,
+            found = self._layouts[i] = layout_of(self._sizes(i), self._image_tokens,
                                                  self.program.train.seq_len)
         return found
 
@@ -483,9 +485,9 @@ class StageExecutor:
         """The shape of one sample's tensor on the edge between this unit and ``peer``."""
         role = self.role.role
         peer_role = self.plan.unit(peer).role
-        width, patch = self._width, self._patch
+        width, tokens = self._width, self._image_tokens
         if {role, peer_role} == {"encoder", "backbone"}:
-            return lambda i: TensorSpec((image_tokens(self._sizes(i), patch), width),
+            return lambda i: TensorSpec((image_tokens(self._sizes(i), tokens), width),
                                         self.dtype)
         return lambda i: TensorSpec((sum(conditioning_rows(self._layout(i))), width),
                                     self.dtype)
@@ -659,7 +661,9 @@ def _run_encoder(module: Any, xs: Sequence[torch.Tensor], *, first: bool,
     if st.role.is_last_stage:
         proj = module.units[projector_between(st.program, st.role.unit,
                                               st.program.backbone.name)]
-        return [proj(h) for h in encoder_output(enc, ys)]
+        # Per group, on its images' patch grid (what a compressing projector reads).
+        grids = [None] * len(ys) if grids is None else grids
+        return [proj(h, grid) for h, grid in zip(encoder_output(enc, ys), grids, strict=True)]
     return ys
 
 

@@ -11,7 +11,10 @@ import torch
 from dtdsl.data.layout import fit, layout_of, sequence_layout
 from dtdsl.data.sample import SampleSizes
 from dtdsl.data.text import HFTokenizer, TokenizerError, load_tokenizer
+from dtdsl.ir.program import ImageTokens
 from tests.text_models import make_tokenizer
+
+P8 = ImageTokens(patch=8)
 
 CHATML = """{%- for m in messages -%}
 {%- if m['role'] == 'assistant' -%}
@@ -179,10 +182,10 @@ def test_a_long_sample_is_cut_and_an_image_that_does_not_fit_is_dropped():
     assert lay.cut and lay.text == 2 and lay.image_tokens == () and lay.length == 2
     sizes = SampleSizes(text_tokens=6, image_shapes=((16, 16), (16, 8)), gen_counts={},
                         image_at=(2, 6), trained=((0, 6),))
-    cut = fit(sizes, 8, 8)       # images of 4 and 2 patches of 8 px
+    cut = fit(sizes, P8, 8)       # images of 4 and 2 patches of 8 px
     assert cut.text_tokens == 4 and cut.image_shapes == ((16, 16),) and cut.trained == ((0, 4),)
-    assert layout_of(cut, 8, 8).length == 8 and not layout_of(cut, 8, 8).cut
-    assert fit(cut, 8, 8) is cut
+    assert layout_of(cut, P8, 8).length == 8 and not layout_of(cut, P8, 8).cut
+    assert fit(cut, P8, 8) is cut
 
 
 def test_backbone_input_splices_images_at_their_places():

@@ -17,6 +17,8 @@ from tests.dist import run
 from tests.specs import variant
 from tests.train.test_executor import plan_for
 
+P8 = ir.ImageTokens(patch=8)      # the tiny spec's image tokens: its patches
+
 STEPS = 3
 
 
@@ -109,7 +111,7 @@ def test_the_cost_models_cut_is_the_sources():
         sides = [int(round(p ** 0.5)) * 8 for p in image.sizes[at[i]:at[i + 1]]]
         sizes = SampleSizes(text_tokens=int(drawn.text_tokens[i]),
                             image_shapes=tuple((s, s) for s in sides), gen_counts={})
-        want = fit(sizes, 8, 80)
+        want = fit(sizes, P8, 80)
         assert cut.text_tokens[i] == want.text_tokens, i
         assert [(s // 8) ** 2 for s, _ in want.image_shapes] == \
             kept.sizes[k_at[i]:k_at[i + 1]].tolist(), i
@@ -131,7 +133,7 @@ def test_samples_cut_to_nothing_keep_their_text_and_train():
     samples = [source.sample(0, i) for i in range(4)]
     for z, s in zip(sizes, samples, strict=True):
         assert len(s.tokens) == z.text_tokens
-        assert all(layout_of(d, 8, 48).length > 0 for d in z.docs())
+        assert all(layout_of(d, P8, 48).length > 0 for d in z.docs())
     assert sum(z.cut for z in sizes) > 0
     model = build_model(p)
     loss = microbatch_loss(model, samples, loss_normalizer(model, samples))

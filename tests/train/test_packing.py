@@ -11,6 +11,7 @@ import torch
 from dtdsl.data.batch import SyntheticSource
 from dtdsl.data.layout import layout_of, pack, sequence_layout
 from dtdsl.data.sample import SampleSizes, join_sizes
+from dtdsl.ir.program import ImageTokens
 from dtdsl.models.multimodal import (
     backbone_input,
     backbone_layers,
@@ -22,6 +23,8 @@ from dtdsl.models.multimodal import (
 from tests.dist import run
 from tests.specs import small, variant
 from tests.train.test_executor import _train_tp, plan_for, reference
+
+P8 = ImageTokens(patch=8)     # the tiny spec's image tokens: its patches
 
 
 def packed(batch: int = 8):
@@ -49,13 +52,13 @@ def test_documents_keep_their_layouts_in_a_packed_sequence():
     b = SampleSizes(text_tokens=3, image_shapes=(), gen_counts={"g": 0}, trained=((0, 3),))
     row = join_sizes([a, b])
     assert row.docs() == [a, b] and row.num_docs == 2
-    lay = layout_of(row, 8, 64)
+    lay = layout_of(row, P8, 64)
     # a: token 0, image (4 tokens), tokens 1..4 -> positions 0..8; b: tokens at 9..11
     assert lay.spans == ((0, 9), (9, 3)) and lay.length == 12
     # b's first token starts its document: it is no target (nothing before it in b)
     assert lay.loss_positions() == [(4, 8), (9, 11)] and lay.loss_tokens == 6
     with pytest.raises(ValueError, match="exceed seq_len"):
-        layout_of(row, 8, 10)
+        layout_of(row, P8, 10)
     assert sequence_layout(3, [], [], [(0, 3)], 8).spans == ((0, 3),)
 
 
@@ -69,10 +72,10 @@ def test_attention_never_crosses_a_document():
     rows = [source.sample(0, i) for i in range(4)]
     row = next(r for r in rows if r.doc_text is not None and len(r.doc_text) >= 3)
     llm = model.unit("llm")
-    patch, seq_len = model.patch, model.seq_len
+    rule, seq_len = model.image_tokens, model.seq_len
 
     def hidden(samples):
-        layouts = [sample_layout(s, patch, seq_len) for s in samples]
+        layouts = [sample_layout(s, rule, seq_len) for s in samples]
         batch = backbone_input(llm, encode(model, samples), [s.tokens for s in samples],
                                layouts)
         x = backbone_layers(llm, batch.embeds, positions=batch.positions, mask=batch.mask)
@@ -127,7 +130,7 @@ def test_synthetic_packed_batches_fill_their_sequences():
     sizes = source.sizes(0)
     assert len(sizes) == 8 and len(source.keys(0)) == 8
     seq_len = program.train.seq_len
-    lengths = [layout_of(z, 8, seq_len).length for z in sizes]
+    lengths = [layout_of(z, P8, seq_len).length for z in sizes]
     assert all(n <= seq_len for n in lengths) and sum(z.num_docs for z in sizes) > 16
     assert sum(lengths) / (8 * seq_len) > 0.8       # packed, not one document each
     assert source.sizes(0) == sizes                 # a function of the step
@@ -141,7 +144,7 @@ def test_packed_sizes_are_priced_by_their_documents():
     program = packed(8)
     sizes = SyntheticSource(program).sizes(0)
     squares = sample_set(program, sizes).doc_squares
-    layouts = [layout_of(z, 8, 512) for z in sizes]
+    layouts = [layout_of(z, P8, 512) for z in sizes]
     assert squares.tolist() == [sum(n * n for _, n in lay.spans) for lay in layouts]
     assert sum(squares) < sum(lay.length ** 2 for lay in layouts)
     plain = small(8)
@@ -189,7 +192,7 @@ def test_a_packed_epoch_of_a_dataset_uses_every_sample_once(tmp_path):
         for position, key in enumerate(source.keys(step)):
             if step * batch + position < rows:
                 seen.extend(key.split("+"))
-            assert layout_of(source.sizes(step)[position], 8, 128).length <= 128
+            assert layout_of(source.sizes(step)[position], P8, 128).length <= 128
     assert sorted(seen) == keys
     # the reference reads the same sequences (decoded, joined) and trains
     losses = [r["loss"] for r in train_reference(program, 2, source=source)]

@@ -59,7 +59,7 @@ def test_layer_ranges_compose():
         assert torch.allclose(w, enc(torch.stack(stack)), atol=1e-6) and torch.equal(w, s)
     llm = model.unit("llm")
     batch = backbone_input(llm, encode(model, samples), [s.tokens for s in samples],
-                           [sample_layout(s, model.patch, 512) for s in samples])
+                           [sample_layout(s, model.image_tokens, 512) for s in samples])
     full = backbone_layers(llm, batch.embeds)
     assert torch.equal(full, backbone_layers(llm, backbone_layers(llm, batch.embeds, 0, 3), 3))
 
@@ -70,7 +70,7 @@ def test_sequences_and_loss_tokens():
     samples = make_batch(p, 0)
     norm = loss_normalizer(model, samples)
     embeds = encode(model, samples)
-    layouts = [sample_layout(s, model.patch, 112) for s in samples]
+    layouts = [sample_layout(s, model.image_tokens, 112) for s in samples]
     batch = backbone_input(model.unit("llm"), embeds, [s.tokens for s in samples], layouts)
     assert batch.embeds.shape[:2] == batch.targets.shape == (16, max(batch.lengths))
     assert max(batch.lengths) == 112

@@ -1,0 +1,104 @@
+"""Token compression at run time: multi-rank runs of the tiny spec with each compression
+(the projector under the encoder's FSDP, its TP, its pipeline's last stage) train as the
+single-process reference does, and so does a compiled bundle against ``dtc reference``."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from dtdsl import cli
+from dtdsl.data.batch import SyntheticSource
+from dtdsl.ir import program as ir
+from dtdsl.ir.plan import Plan
+from dtdsl.models.multimodal import build_model, encode
+from dtdsl.parallel.mesh import build_groups
+from dtdsl.schedule.lower import lower
+from dtdsl.train.executor import StageExecutor
+from tests.codegen.test_bundle_run import launch_ok, read_jsonl
+from tests.dist import run
+from tests.specs import TINY, variant
+from tests.train.test_executor import PARAM_RMS, PARAM_RTOL, plan_for, reference
+
+STEPS = 3
+RTOL = 1e-4
+SHORT = "projector vit -> llm : mlp(depth=2)"
+
+
+def _spec_text(compress: str) -> str:
+    return TINY.read_text().replace(
+        SHORT, f"projector vit -> llm {{ arch = mlp(depth=2)  compress = {compress} }}")
+
+
+def _program(compress: str, batch: int = 8) -> ir.Program:
+    p = variant(SHORT, f"projector vit -> llm {{ arch = mlp(depth=2)  compress = {compress} }}")
+    return p.model_copy(update={"train": p.train.model_copy(update={"global_batch": batch})})
+
+
+def test_the_reference_hands_the_backbone_the_compressed_tokens():
+    program = _program("pixel_shuffle(2)")
+    torch.manual_seed(0)
+    model = build_model(program)
+    source = SyntheticSource(program)
+    samples = [source.sample(0, i) for i in range(8)]
+    embeds = encode(model, samples)
+    rule = program.image_tokens()
+    assert any(s.images for s in samples)
+    for s, e in zip(samples, embeds, strict=True):
+        patches = sum((im.shape[-2] // 8) * (im.shape[-1] // 8) for im in s.images)
+        assert e.shape == (sum(rule(im.shape[-2], im.shape[-1]) for im in s.images), 128)
+        assert 4 * e.shape[0] == patches
+
+
+def _train(rank: int, world: int, program: ir.Program, plan: Plan, losses: list[float],
+           params: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    ex = StageExecutor(program, plan, lower(plan, program), rank=rank,
+                       groups=build_groups(plan))
+    results = ex.train(STEPS)
+    for r, want in zip(results, losses, strict=True):
+        assert math.isclose(r["loss"], want, rel_tol=RTOL), (r["step"], r["loss"], want)
+    full = ex.full_parameters()       # collective over the stage's ranks
+    assert full
+    for name, p in full.items():
+        init, want = params[name]
+        err = (p.detach() - want).norm().item()
+        assert err <= PARAM_RTOL * (want - init).norm().item() + 1e-7, (name, err)
+        assert err <= PARAM_RMS * want.numel() ** 0.5, (name, err)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("compress", "vit"), [
+    ("pixel_shuffle(2)", ("vit", "encoder", 1, 2, 1)),        # FSDP over two replicas
+    ("avg_pool(3)", ("vit", "encoder", 2, 1, 1)),             # under the encoder's TP
+    ("resampler(queries=4)", ("vit", "encoder", 1, 1, 2)),    # on its pipeline's last stage
+])
+def test_multi_rank_runs_match_the_reference(compress, vit):
+    program = _program(compress)
+    plan = plan_for(program, vit, ("llm", "backbone", 1, 1, 1), ("gen", "generator", 1, 1, 1))
+    losses, params = reference(program, STEPS)
+    if compress.startswith("resampler"):      # the resampler's own weights train too
+        moved = params["vit_to_llm.compress.queries"]
+        assert not torch.equal(moved[0], moved[1])
+    run(_train, plan.gpus_used, program, plan, losses, params, timeout=240)
+
+
+@pytest.mark.slow
+def test_a_compiled_bundle_matches_dtc_reference(tmp_path):
+    spec = tmp_path / "tiny_pool.dt"
+    spec.write_text(_spec_text("avg_pool(2)"))
+    bundle = tmp_path / "bundle"
+    assert cli.main(["compile", str(spec), "-o", str(bundle), "--synthetic",
+                     "--workers", "0"]) == 0
+    plan = json.loads((bundle / "plan.json").read_text())
+    assert plan["gpus_used"] >= 2
+    run_dir = tmp_path / "run"
+    launch_ok(bundle, run_dir, "--steps", str(STEPS))
+    ref = tmp_path / "reference.jsonl"
+    assert cli.main(["reference", str(spec), "--steps", str(STEPS), "--out", str(ref)]) == 0
+    want = [r["loss"] for r in read_jsonl(ref)]
+    got = [m["loss"] for m in read_jsonl(run_dir / "metrics.jsonl")]
+    assert len(got) == len(want) == STEPS
+    assert got == pytest.approx(want, rel=RTOL)
