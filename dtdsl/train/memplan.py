@@ -133,7 +133,9 @@ def _inputs(program: ir.Program, cost: Any, unit: Any, role: Any, share: float,
                                       / (1.0 if large else unit.act_peak_ratio))))
         items = cost.program.data.get("image", "patches")
         per_image = 256 if items is None else max(1, int(round(_mean(items))))
-        side = max(1, round(math.sqrt(per_image)))
+        # A square grid the projector's compression divides (pixel shuffle: whole k x k
+        # blocks), as the data's own images are rounded.
+        side = cost.program.image_tokens().square_side(per_image)
         per_image = side * side
         rows = per_image + int(arch.cls_token)        # a class token's row too
         n = max(1, math.ceil(tokens / rows))

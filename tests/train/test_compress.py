@@ -102,3 +102,17 @@ def test_a_compiled_bundle_matches_dtc_reference(tmp_path):
     got = [m["loss"] for m in read_jsonl(run_dir / "metrics.jsonl")]
     assert len(got) == len(want) == STEPS
     assert got == pytest.approx(want, rel=RTOL)
+
+
+@pytest.mark.parametrize("compress", ["pixel_shuffle(2)", "avg_pool(2)", "resampler(queries=4)"])
+def test_memcheck_measures_a_compressing_projector(compress):
+    """``dtc memcheck``'s stand-in images are grids the compression divides (pixel
+    shuffle: whole k x k blocks), as the data's own images are."""
+    from dtdsl.train.memplan import check_memory
+
+    program = _program(compress)
+    plan = plan_for(program, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, 1, 1),
+                    ("gen", "generator", 1, 1, 1))
+    stages = check_memory(program, plan, jobs=1)
+    assert [s.unit for s in stages] == ["vit", "llm", "gen"]
+    assert all(s.measured_bytes > 0 for s in stages)
