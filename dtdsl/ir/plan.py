@@ -107,6 +107,7 @@ class Simulated(BaseModel):
     iteration_time_s: float
     no_reorder_iteration_time_s: float
     candidates: int = 1                   # layouts the planner scored on these batches
+    estimated: int = 0                    # layouts ranked by the drawn-batch estimate first
     packing: Packing | None = None        # the same layout with train.packing on and off
 
     @model_validator(mode="before")
@@ -140,6 +141,7 @@ class Baseline(BaseModel):
     simulated_s: float | None = None      # mean over the drawn batches (no reordering)
     steps: int = 0                        # drawn batches simulated (0: none)
     candidates: int = 1                   # layouts simulated on them, the fastest kept
+    estimated: int = 0                    # layouts ranked by the drawn-batch estimate first
     positions_ratio: float = 1.0          # positions per step over the plan's, expected
     simulated_positions_ratio: float = 1.0    # the same on the drawn batches
     speedup: float | None = None          # the plan's over it, at mean work
