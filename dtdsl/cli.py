@@ -851,10 +851,11 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print the Plan as JSON")
     plan.add_argument("-o", "--output", metavar="FILE", help="also write the Plan JSON here")
     plan.add_argument("--simulate-steps", type=_non_negative, default=2, metavar="N",
-                      help="score the plan and its runners-up on N global batches drawn "
-                      "from the spec's data (the fastest there is the plan), report it "
-                      "with and without reordering, and choose each Megatron-LM baseline "
-                      "as the fastest of its layouts there (default 2; 0: the mean-work "
+                      help="plan for N global batches drawn from the spec's data: the "
+                      "layouts near the optimum at mean work, ranked by their estimated "
+                      "time on those batches, the best two simulated (the fastest there "
+                      "is the plan), reported with and without reordering, and each "
+                      "Megatron-LM baseline chosen alike (default 2; 0: the mean-work "
                       "prediction only)")
     plan.add_argument("--no-baseline", action="store_true",
                       help="skip planning the Megatron-LM baselines (no speedups reported)")
