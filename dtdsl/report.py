@@ -201,7 +201,8 @@ def _packing_line(p: Packing) -> str:
 
     text = (f"packing         {format_seconds(p.packed_s)} per step vs "
             f"{format_seconds(p.unpacked_s)} unpacked ({count(p.packed_positions)} vs "
-            f"{count(p.unpacked_positions)} positions a step, no reordering): "
+            f"{count(p.unpacked_positions)} positions a step, "
+            f"{'reorder ' + '+'.join(p.policy) if p.policy else 'no reordering'}): "
             f"{per_k(p.packed_s, p.packed_positions)} vs "
             f"{per_k(p.unpacked_s, p.unpacked_positions)} per 1k positions")
     if p.packing_faster != p.spec_packs:

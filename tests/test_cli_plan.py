@@ -261,3 +261,16 @@ def test_a_plan_repriced_for_packing_keeps_its_layout():
     # a packed backbone microbatch is a whole seq_len of documents: more work than a sample
     llm = [u for u in the_plan.units if u.role == "backbone"][0]
     assert other.units[the_plan.units.index(llm)].fwd_time_s > llm.fwd_time_s
+
+
+def test_the_packing_comparison_routes_both_sides_as_a_run_does(capsys):
+    """Both settings under the spec's reorder policy: the spec's own side is the plan's
+    simulated time under that policy, not the time without reordering."""
+    code, out, err = run(capsys, "plan", TINY, "--json", "--no-baseline")
+    assert code == 0, err
+    sim = json.loads(out)["simulated"]
+    assert sim["packing"]["policy"] == sim["policy"] == ["inter", "intra"]
+    assert sim["packing"]["unpacked_s"] == sim["iteration_time_s"]
+    code, out, _ = run(capsys, "plan", TINY, "--no-baseline")
+    line = next(line for line in out.splitlines() if line.startswith("packing"))
+    assert "reorder inter+intra" in line and "no reordering" not in line

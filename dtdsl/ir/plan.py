@@ -75,7 +75,8 @@ class UnitPlan(BaseModel):
 
 class Packing(BaseModel):
     """The plan's layout on the same drawn steps with ``train.packing`` on and off, each
-    priced and simulated for its setting, without reordering. A packed step's
+    priced and simulated for its setting, routed under ``policy`` (the spec's reorder
+    policy; plans written before it compared both without reordering). A packed step's
     global batch counts sequences of several samples, an unpacked one's single samples:
     ``*_positions`` are the positions a step trains on average (text and encoder tokens,
     padding left out), so the time per position says which trains faster."""
@@ -87,6 +88,7 @@ class Packing(BaseModel):
     unpacked_s: float               # the same, one sample per sequence
     packed_positions: float         # mean positions per step, packed
     unpacked_positions: float       # mean positions per step, unpacked
+    policy: tuple[str, ...] = ()    # the reordering both were simulated under
 
     @property
     def packing_faster(self) -> bool:

@@ -96,7 +96,8 @@ def plan(cost: CostModel, num_gpus: int | None = None, *, search: str = "convex"
         cost, result, batches, policy, estimate=estimate, simulate=simulate,
         progress=_named(progress, "drawn batches"))
     plain = timed if not policy else batches.mean_time(cost, result, frozenset())
-    packing = packing_figures(cost, result, steps=steps, iteration_time_s=plain, data=data)
+    packing = packing_figures(cost, result, steps=steps, iteration_time_s=timed, data=data,
+                              policy=policy)
     result = result.model_copy(update={"simulated": Simulated(
         steps=steps, policy=tuple(sorted(policy)), iteration_time_s=timed,
         no_reorder_iteration_time_s=plain, candidates=scored, estimated=estimated,

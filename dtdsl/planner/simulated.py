@@ -128,14 +128,14 @@ def repriced(plan: Plan, cost: CostModel, other: CostModel) -> Plan:
     return plan.model_copy(update={"units": tuple(units)})
 
 
-def packing_figures(cost: CostModel, plan: Plan, *, steps: int,
-                    iteration_time_s: float, data: SpecData | None = None) -> Packing | None:
-    """``plan`` on the first ``steps`` drawn batches without reordering, with
-    ``train.packing`` as the spec sets it (``iteration_time_s``, already simulated) and
-    toggled (``data``: the spec's data both ways, shared with the baselines). Without
-    reordering on both sides: it is the same comparison, and intra's search on a packed
-    batch's near-equal rows would cost ``dtc plan`` seconds. None with a measured
-    profile: it times the backbone on whole sequences, not packed documents."""
+def packing_figures(cost: CostModel, plan: Plan, *, steps: int, iteration_time_s: float,
+                    data: SpecData | None = None,
+                    policy: frozenset[str] = frozenset()) -> Packing | None:
+    """``plan`` on the first ``steps`` drawn batches routed under ``policy`` (the spec's
+    reorder policy: what a run does either way), with ``train.packing`` as the spec sets
+    it (``iteration_time_s``, already simulated so) and toggled (``data``: the spec's data
+    both ways, shared with the baselines). None with a measured profile: it times the
+    backbone on whole sequences, not packed documents."""
     if cost.profile is not None:
         return None
     data = data or SpecData(cost, steps)
@@ -143,13 +143,14 @@ def packing_figures(cost: CostModel, plan: Plan, *, steps: int,
     spec_packs = program.train.packing
     other = data.cost(not spec_packs)
     toggled = data.batches(not spec_packs)
-    other_s = toggled.mean_time(other, repriced(plan, cost, other))
+    other_s = toggled.mean_time(other, repriced(plan, cost, other), policy)
     ours, theirs = data.batches(spec_packs).positions, toggled.positions
+    order = tuple(sorted(policy))
     if spec_packs:
         return Packing(spec_packs=True, packed_s=iteration_time_s, unpacked_s=other_s,
-                       packed_positions=ours, unpacked_positions=theirs)
+                       packed_positions=ours, unpacked_positions=theirs, policy=order)
     return Packing(spec_packs=False, packed_s=other_s, unpacked_s=iteration_time_s,
-                   packed_positions=theirs, unpacked_positions=ours)
+                   packed_positions=theirs, unpacked_positions=ours, policy=order)
 
 
 class SpecData:
