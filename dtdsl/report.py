@@ -202,7 +202,9 @@ def _packing_line(p: Packing) -> str:
     text = (f"packing         {format_seconds(p.packed_s)} per step vs "
             f"{format_seconds(p.unpacked_s)} unpacked ({count(p.packed_positions)} vs "
             f"{count(p.unpacked_positions)} positions a step, "
-            f"{'reorder ' + '+'.join(p.policy) if p.policy else 'no reordering'}): "
+            f"{'reorder ' + '+'.join(p.policy) if p.policy else 'no reordering'}"
+            f"{'; this layout does not fit the other way: its own layout' if p.replanned else ''}"
+            "): "
             f"{per_k(p.packed_s, p.packed_positions)} vs "
             f"{per_k(p.unpacked_s, p.unpacked_positions)} per 1k positions")
     if p.packing_faster != p.spec_packs:

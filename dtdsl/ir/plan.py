@@ -89,6 +89,8 @@ class Packing(BaseModel):
     packed_positions: float         # mean positions per step, packed
     unpacked_positions: float       # mean positions per step, unpacked
     policy: tuple[str, ...] = ()    # the reordering both were simulated under
+    replanned: bool = False         # the layout does not fit the other way: that
+                                    # setting's own (convex) layout was simulated
 
     @property
     def packing_faster(self) -> bool:

@@ -134,8 +134,10 @@ def packing_figures(cost: CostModel, plan: Plan, *, steps: int, iteration_time_s
     """``plan`` on the first ``steps`` drawn batches routed under ``policy`` (the spec's
     reorder policy: what a run does either way), with ``train.packing`` as the spec sets
     it (``iteration_time_s``, already simulated so) and toggled (``data``: the spec's data
-    both ways, shared with the baselines). None with a measured profile: it times the
-    backbone on whole sequences, not packed documents."""
+    both ways, shared with the baselines): the same layout repriced, or where it does not
+    fit in memory the other way, the convex search's layout for that setting
+    (``Packing.replanned``). None with a measured profile (it times the backbone on whole
+    sequences, not packed documents), or where nothing fits the other way."""
     if cost.profile is not None:
         return None
     data = data or SpecData(cost, steps)
@@ -143,14 +145,40 @@ def packing_figures(cost: CostModel, plan: Plan, *, steps: int, iteration_time_s
     spec_packs = program.train.packing
     other = data.cost(not spec_packs)
     toggled = data.batches(not spec_packs)
-    other_s = toggled.mean_time(other, repriced(plan, cost, other), policy)
+    layout = repriced(plan, cost, other)
+    replanned = not _fits(other, plan)
+    if replanned:
+        # Packed rows hold more positions than a sample (or the reverse): where the layout
+        # does not fit in memory the other way, compare with what the planner gives that
+        # setting, not with a layout no run could use.
+        from dtdsl.planner.orchestrate import plan_convex
+        from dtdsl.planner.result import Infeasible
+
+        try:
+            layout = plan_convex(other, plan.num_gpus)
+        except Infeasible:
+            return None
+    other_s = toggled.mean_time(other, layout, policy)
     ours, theirs = data.batches(spec_packs).positions, toggled.positions
     order = tuple(sorted(policy))
     if spec_packs:
         return Packing(spec_packs=True, packed_s=iteration_time_s, unpacked_s=other_s,
-                       packed_positions=ours, unpacked_positions=theirs, policy=order)
+                       packed_positions=ours, unpacked_positions=theirs, policy=order,
+                       replanned=replanned)
     return Packing(spec_packs=False, packed_s=other_s, unpacked_s=iteration_time_s,
-                   packed_positions=theirs, unpacked_positions=ours, policy=order)
+                   packed_positions=theirs, unpacked_positions=ours, policy=order,
+                   replanned=replanned)
+
+
+def _fits(other: CostModel, plan: Plan) -> bool:
+    """Whether ``plan``'s layout fits in memory priced by ``other`` (the same modules under
+    other training settings)."""
+    from dtdsl.planner.evaluate import Evaluator
+
+    est = Evaluator(other, plan.num_gpus).evaluate(
+        tuple(u.tp for u in plan.units), tuple(u.dp for u in plan.units),
+        tuple(u.pp for u in plan.units), replicated=tuple(u.tp_replicated for u in plan.units))
+    return bool(est.feasible)
 
 
 class SpecData:
