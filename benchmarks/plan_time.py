@@ -53,9 +53,6 @@ def main() -> None:
             print(f"  -> {verdict} the 1 s target ({median / 1.0:.2f} of it)")
 
 
-if __name__ == "__main__":
-    main()
-
 
 def _children_cpu() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -82,3 +79,7 @@ def dtc_plan(repeats: int) -> None:
             verdict = "meets" if wall <= 10.0 else "MISSES"
             print(f"  -> {verdict} the 10 s target ({wall / 10.0:.2f} of it; CPU {cpu:.2f} s)")
     print()
+
+
+if __name__ == "__main__":
+    main()
