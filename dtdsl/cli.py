@@ -238,6 +238,10 @@ def _cost_model(args: argparse.Namespace, program: Program) -> CostModel:
     return build_cost_model(program, params, profile=ProfileTable(profile))
 
 
+# Work shorter than this shows no progress bar.
+_PROGRESS_AFTER_S = 2.0
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     from dtdsl.planner import EXHAUSTIVE_MAX_GPUS, Infeasible, PlannerError, plan
     from dtdsl.report import progress_bar, render_plan, wide_console
@@ -254,11 +258,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                          "(use --gpus or the convex search)")
     cost = _cost_model(args, program)
     try:
-        with progress_bar(f"{args.search} search") as progress, \
-                progress_bar("baseline") as baseline_progress:
+        # One bar for every phase (the baselines, the search, the drawn batches), each
+        # named in its note; shown where planning takes more than two seconds.
+        with progress_bar("planning", delay_s=_PROGRESS_AFTER_S) as progress:
             the_plan = plan(cost, num_gpus, search=args.search,
                             compare_baseline=not args.no_baseline, progress=progress,
-                            baseline_progress=baseline_progress,
                             simulate_steps=args.simulate_steps)
     except Infeasible as err:
         span = err.span or program.cluster.span
@@ -847,10 +851,11 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print the Plan as JSON")
     plan.add_argument("-o", "--output", metavar="FILE", help="also write the Plan JSON here")
     plan.add_argument("--simulate-steps", type=_non_negative, default=2, metavar="N",
-                      help="score the plan and its runners-up on N global batches drawn "
-                      "from the spec's data (the fastest there is the plan), report it "
-                      "with and without reordering, and choose each Megatron-LM baseline "
-                      "as the fastest of its layouts there (default 2; 0: the mean-work "
+                      help="plan for N global batches drawn from the spec's data: the "
+                      "layouts near the optimum at mean work, ranked by their estimated "
+                      "time on those batches, the best two simulated (the fastest there "
+                      "is the plan), reported with and without reordering, and each "
+                      "Megatron-LM baseline chosen alike (default 2; 0: the mean-work "
                       "prediction only)")
     plan.add_argument("--no-baseline", action="store_true",
                       help="skip planning the Megatron-LM baselines (no speedups reported)")

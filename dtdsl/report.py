@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import io
 import sys
+import time
 from collections.abc import Callable, Iterator
 
 from rich.console import Console
@@ -103,7 +104,7 @@ def _summary(plan: Plan) -> list[str]:
     sim = plan.simulated
     if sim is not None:
         policy = "+".join(sim.policy) if sim.policy else "none"
-        scored = f", the fastest of {sim.candidates} layouts" if sim.candidates > 1 else ""
+        scored = _scored(sim.candidates, sim.estimated)
         line = (f"simulated       {format_seconds(sim.iteration_time_s)} per iteration on "
                 f"{sim.steps} drawn batches (reorder {policy}{scored})")
         if sim.policy:
@@ -147,6 +148,16 @@ def _split(per_stage: tuple[int, ...]) -> str:
     return f"{max(per_stage)}..{min(per_stage)} x{len(per_stage)}"
 
 
+def _scored(simulated: int, estimated: int) -> str:
+    """How a layout was chosen on the drawn batches: the best few of those estimated
+    (``sim.estimate``) simulated, the fastest kept."""
+    if estimated > simulated:
+        return f", the fastest of the {simulated} best by estimate of {estimated} layouts"
+    if simulated > 1:
+        return f", the fastest of {simulated} layouts"
+    return ""
+
+
 def _baseline_lines(plan: Plan) -> list[str]:
     """Each Megatron-LM baseline: its layout, planned and simulated times, and the plan's
     speedup over it (per position where its data are packed otherwise)."""
@@ -160,10 +171,8 @@ def _baseline_lines(plan: Plan) -> list[str]:
             continue
         times = f"{format_seconds(base.planned_s)} planned"
         if base.simulated_s is not None:
-            chosen = f", the fastest of {base.candidates} layouts there" \
-                if base.candidates > 1 else ""
             times += f", {format_seconds(base.simulated_s)} on {base.steps} drawn batches" \
-                f"{chosen}"
+                f"{_scored(base.candidates, base.estimated)}"
         lines.append(f"{'baseline':<16}{name} ({'packed' if base.packing else 'unpacked'}): "
                      f"{times}")
         lines.append(f"{'':<18}{baseline_layout(base.layout)}")
@@ -192,7 +201,10 @@ def _packing_line(p: Packing) -> str:
 
     text = (f"packing         {format_seconds(p.packed_s)} per step vs "
             f"{format_seconds(p.unpacked_s)} unpacked ({count(p.packed_positions)} vs "
-            f"{count(p.unpacked_positions)} positions a step, no reordering): "
+            f"{count(p.unpacked_positions)} positions a step, "
+            f"{'reorder ' + '+'.join(p.policy) if p.policy else 'no reordering'}"
+            f"{'; this layout does not fit the other way: its own layout' if p.replanned else ''}"
+            "): "
             f"{per_k(p.packed_s, p.packed_positions)} vs "
             f"{per_k(p.unpacked_s, p.unpacked_positions)} per 1k positions")
     if p.packing_faster != p.spec_packs:
@@ -304,10 +316,12 @@ def render_profile(profile: Profile, console: Console) -> None:
 
 
 @contextlib.contextmanager
-def progress_bar(label: str, *, enabled: bool | None = None
+def progress_bar(label: str, *, enabled: bool | None = None, delay_s: float = 0.0
                  ) -> Iterator[Callable[[int, int, str], None]]:
     """A ``progress(done, total, note)`` callback drawing a bar on stderr while the block
-    runs (only on a terminal unless ``enabled``), erased when it ends."""
+    runs (only on a terminal unless ``enabled``), erased when it ends. ``delay_s``: the
+    bar appears only once the block has run that long (work that ends sooner leaves the
+    terminal as it was)."""
     console = Console(stderr=True)
     if enabled is None:
         enabled = sys.stderr.isatty()
@@ -318,9 +332,18 @@ def progress_bar(label: str, *, enabled: bool | None = None
                    TextColumn("{task.fields[note]}"), TimeElapsedColumn(),
                    console=console, transient=True)
     task = bar.add_task(label, total=None, note="")
+    start = time.monotonic()
+    shown = False
 
     def update(done: int, total: int, note: str) -> None:
+        nonlocal shown
         bar.update(task, completed=done, total=max(total, 1), note=note)
+        if not shown and time.monotonic() - start >= delay_s:
+            bar.start()
+            shown = True
 
-    with bar:
+    try:
         yield update
+    finally:
+        if shown:
+            bar.stop()

@@ -261,3 +261,65 @@ def test_a_plan_repriced_for_packing_keeps_its_layout():
     # a packed backbone microbatch is a whole seq_len of documents: more work than a sample
     llm = [u for u in the_plan.units if u.role == "backbone"][0]
     assert other.units[the_plan.units.index(llm)].fwd_time_s > llm.fwd_time_s
+
+
+def test_the_packing_comparison_routes_both_sides_as_a_run_does(capsys):
+    """Both settings under the spec's reorder policy: the spec's own side is the plan's
+    simulated time under that policy, not the time without reordering."""
+    code, out, err = run(capsys, "plan", TINY, "--json", "--no-baseline")
+    assert code == 0, err
+    sim = json.loads(out)["simulated"]
+    assert sim["packing"]["policy"] == sim["policy"] == ["inter", "intra"]
+    assert sim["packing"]["unpacked_s"] == sim["iteration_time_s"]
+    code, out, _ = run(capsys, "plan", TINY, "--no-baseline")
+    line = next(line for line in out.splitlines() if line.startswith("packing"))
+    assert "reorder inter+intra" in line and "no reordering" not in line
+
+
+def test_one_progress_callback_hears_every_phase_of_planning():
+    """dtc plan draws one bar: the baselines, the search and the drawn batches each report
+    through it, named in the note."""
+    from dtdsl.cost.model import build_cost_model
+    from dtdsl.driver import run_frontend
+    from dtdsl.planner import plan
+
+    program = run_frontend(TINY, Path(TINY).read_bytes()).program
+    notes = []
+    plan(build_cost_model(program), 4, simulate_steps=1,
+         progress=lambda done, total, note: notes.append(note))
+    for phase in ("megatron:", "megatron_packed:", "convex search:", "drawn batches:"):
+        assert any(n.startswith(phase) for n in notes), (phase, sorted(set(notes)))
+    assert any("simulating" in n for n in notes if n.startswith("drawn batches:"))
+
+
+def test_the_progress_bar_appears_only_after_its_delay(monkeypatch):
+    import dtdsl.report as report
+
+    started = []
+
+    class FakeProgress:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def add_task(self, *args, **kwargs):
+            return 0
+
+        def update(self, *args, **kwargs):
+            pass
+
+        def start(self):
+            started.append(True)
+
+        def stop(self):
+            started.append(False)
+
+    clock = iter([0.0, 1.0, 2.5, 3.0])
+    monkeypatch.setattr(report, "Progress", FakeProgress)
+    monkeypatch.setattr(report.time, "monotonic", lambda: next(clock))
+    with report.progress_bar("planning", enabled=True, delay_s=2.0) as progress:
+        progress(1, 3, "early")            # at 1.0 s: nothing drawn yet
+        assert started == []
+        progress(2, 3, "late")             # at 2.5 s: the bar appears
+        assert started == [True]
+        progress(3, 3, "later")
+    assert started == [True, False]        # and is erased at the end

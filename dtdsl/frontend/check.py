@@ -418,9 +418,6 @@ class _Checker:
     def _vae(self, decl: ast.Module, text: Any, arch: Any, source: Any, modality: Any) -> Any:
         """A generator's VAE: the ``vae`` field's folder, else its pipeline's ``vae``; None
         without one (targets then come as latents: synthetic data's stand-in)."""
-        from dtdsl.models.hf import HFError, WeightsFileError
-        from dtdsl.models.vae import VAEConfig, VAEError, find_vae, vae_problems
-
         ctx = self.ctx
         field = _field(decl.fields, "vae")
         if text is INVALID or arch is INVALID:
@@ -429,10 +426,16 @@ class _Checker:
             return ctx.error("DT306", f"only an image generator has a VAE; {decl.role} "
                              f"{decl.name} does not", field.value.span,
                              hint="remove the vae field")
+        hf_unet = decl.role == "generator" and source not in (None, INVALID) and \
+            source.family == "unet"
+        if text is None and not hf_unet:
+            return None     # no file to read: no torch import (dtc check stays light)
+        from dtdsl.models.hf import HFError, WeightsFileError
+        from dtdsl.models.vae import VAEConfig, VAEError, find_vae, vae_problems
+
         if text is not None:
             path, span = self._path(text), field.value.span
-        elif decl.role == "generator" and source not in (None, INVALID) and \
-                source.family == "unet" and (found := find_vae(source.path)) is not None:
+        elif (found := find_vae(source.path)) is not None:
             path, span = found, decl.name_span
         else:
             return None

@@ -75,7 +75,8 @@ class UnitPlan(BaseModel):
 
 class Packing(BaseModel):
     """The plan's layout on the same drawn steps with ``train.packing`` on and off, each
-    priced and simulated for its setting, without reordering. A packed step's
+    priced and simulated for its setting, routed under ``policy`` (the spec's reorder
+    policy; plans written before it compared both without reordering). A packed step's
     global batch counts sequences of several samples, an unpacked one's single samples:
     ``*_positions`` are the positions a step trains on average (text and encoder tokens,
     padding left out), so the time per position says which trains faster."""
@@ -87,6 +88,9 @@ class Packing(BaseModel):
     unpacked_s: float               # the same, one sample per sequence
     packed_positions: float         # mean positions per step, packed
     unpacked_positions: float       # mean positions per step, unpacked
+    policy: tuple[str, ...] = ()    # the reordering both were simulated under
+    replanned: bool = False         # the layout does not fit the other way: that
+                                    # setting's own (convex) layout was simulated
 
     @property
     def packing_faster(self) -> bool:
@@ -107,6 +111,7 @@ class Simulated(BaseModel):
     iteration_time_s: float
     no_reorder_iteration_time_s: float
     candidates: int = 1                   # layouts the planner scored on these batches
+    estimated: int = 0                    # layouts ranked by the drawn-batch estimate first
     packing: Packing | None = None        # the same layout with train.packing on and off
 
     @model_validator(mode="before")
@@ -140,6 +145,7 @@ class Baseline(BaseModel):
     simulated_s: float | None = None      # mean over the drawn batches (no reordering)
     steps: int = 0                        # drawn batches simulated (0: none)
     candidates: int = 1                   # layouts simulated on them, the fastest kept
+    estimated: int = 0                    # layouts ranked by the drawn-batch estimate first
     positions_ratio: float = 1.0          # positions per step over the plan's, expected
     simulated_positions_ratio: float = 1.0    # the same on the drawn batches
     speedup: float | None = None          # the plan's over it, at mean work

@@ -24,9 +24,16 @@ from dtdsl.planner.baseline import (
 )
 from dtdsl.planner.exhaustive import MAX_GPUS as EXHAUSTIVE_MAX_GPUS
 from dtdsl.planner.exhaustive import plan_exhaustive
-from dtdsl.planner.orchestrate import convex_alternatives, plan_convex
+from dtdsl.planner.orchestrate import plan_convex
 from dtdsl.planner.result import Infeasible, PlannerError
-from dtdsl.planner.simulated import SpecData, packing_figures, simulate_plan
+from dtdsl.planner.simulated import (
+    ESTIMATED,
+    SIMULATED,
+    SpecData,
+    choose_plan,
+    packing_figures,
+    simulate_plan,
+)
 
 __all__ = ["EXHAUSTIVE_MAX_GPUS", "SEARCHES", "Infeasible", "PlannerError", "plan",
            "plan_baseline", "plan_baselines", "plan_convex", "plan_exhaustive",
@@ -39,21 +46,25 @@ Progress = Callable[[int, int, str], None]
 def plan(cost: CostModel, num_gpus: int | None = None, *, search: str = "convex",
          compare_baseline: bool = True, progress: Progress | None = None,
          baseline_progress: Progress | None = None, simulate_steps: int = 0,
-         alternatives: int = 3) -> Plan:
+         estimate: int = ESTIMATED, simulate: int = SIMULATED) -> Plan:
     """Plan with ``search`` and, unless ``compare_baseline`` is off, the Megatron-LM
     baselines on the same cluster (``plan_baselines``: ``Plan.baselines``, each with the
     plan's speedup over it; a baseline no layout of which fits is left out).
 
-    ``simulate_steps`` > 0: score on that many drawn batches (``planner.simulated``): the
-    convex search's plan and up to ``alternatives`` runners-up in expectation
-    (``orchestrate.convex_alternatives``) under the spec's reorder policy, keeping the
-    fastest there; then that plan without reordering, and that plan with
+    ``simulate_steps`` > 0: the objective is the time on that many drawn batches
+    (``planner.simulated.choose_plan``): of the layouts near the search's optimum in
+    expectation (up to ``estimate``, one per backbone layout), the ``simulate`` best by
+    the drawn-batch estimate (``sim.estimate``) are simulated under the spec's reorder
+    policy and the fastest is the plan; then that plan without reordering, and with
     ``train.packing`` toggled (``packing_figures``). The Plan's ``simulated`` holds the
     figures; the baselines are chosen on the same batches. ``search = "baseline"``: the
-    plan is the ``megatron`` baseline itself."""
+    plan is the ``megatron`` baseline itself. ``progress`` (``baseline_progress`` for the
+    baselines, default ``progress``) is called as the work goes, each phase named in
+    its note."""
     if search not in SEARCHES:
         raise ValueError(f"unknown search {search!r}; one of {', '.join(SEARCHES)}")
     steps = simulate_steps
+    baseline_progress = baseline_progress or progress
     # The spec's data packed and unpacked, drawn once for the baselines and the packing
     # figures alike.
     data = SpecData(cost, max(steps, 1))
@@ -73,33 +84,32 @@ def plan(cost: CostModel, num_gpus: int | None = None, *, search: str = "convex"
             result = result.model_copy(update={"simulated": Simulated(
                 steps=steps, policy=(), iteration_time_s=chosen.simulated_s,
                 no_reorder_iteration_time_s=chosen.simulated_s,
-                candidates=chosen.candidates)})
+                candidates=chosen.candidates, estimated=chosen.estimated)})
         return _compared(result, baselines)
     planner = plan_convex if search == "convex" else plan_exhaustive
-    result = planner(cost, num_gpus, progress=progress)
+    result = planner(cost, num_gpus, progress=_named(progress, f"{search} search"))
     if steps <= 0:
         return _compared(result, baselines)
     policy = frozenset(cost.program.train.reorder)
-    timed = simulate_plan(cost, result, policy=policy, steps=steps)
-    scored = 1
-    if search == "convex" and alternatives > 0:
-        # Stragglers in the objective: the runners-up in expectation, scored on the same
-        # drawn batches; the fastest there is the plan.
-        for other in convex_alternatives(cost, num_gpus, result, count=alternatives):
-            scored += 1
-            t = simulate_plan(cost, other, policy=policy, steps=steps)
-            if t < timed:
-                timed = t
-                result = other.model_copy(update={
-                    k: getattr(result, k) for k in ("solve_time_s", "candidates",
-                                                    "convex_solves", "evaluated")})
-    plain = timed if not policy else simulate_plan(cost, result, policy=frozenset(),
-                                                   steps=steps)
-    packing = packing_figures(cost, result, steps=steps, iteration_time_s=plain, data=data)
+    batches = data.batches(cost.program.train.packing)
+    result, timed, scored, estimated = choose_plan(
+        cost, result, batches, policy, estimate=estimate, simulate=simulate,
+        progress=_named(progress, "drawn batches"))
+    plain = timed if not policy else batches.mean_time(cost, result, frozenset())
+    packing = packing_figures(cost, result, steps=steps, iteration_time_s=timed, data=data,
+                              policy=policy)
     result = result.model_copy(update={"simulated": Simulated(
         steps=steps, policy=tuple(sorted(policy)), iteration_time_s=timed,
-        no_reorder_iteration_time_s=plain, candidates=scored, packing=packing)})
+        no_reorder_iteration_time_s=plain, candidates=scored, estimated=estimated,
+        packing=packing)})
     return _compared(result, baselines)
+
+
+def _named(progress: Progress | None, phase: str) -> Progress | None:
+    """``progress`` with each note prefixed by the phase it reports."""
+    if progress is None:
+        return None
+    return lambda done, total, note: progress(done, total, f"{phase}: {note}")
 
 
 def plan_baselines(cost: CostModel, num_gpus: int | None = None, *, steps: int = 0,
@@ -131,9 +141,9 @@ def plan_baselines(cost: CostModel, num_gpus: int | None = None, *, steps: int =
         if not found:
             continue
         chosen: Candidate = found[0]
-        simulated, count = None, 1
+        simulated, count, estimated = None, 1, 0
         if steps > 0:
-            chosen, simulated, count = choose_on_drawn_batches(
+            chosen, simulated, count, estimated = choose_on_drawn_batches(
                 found, data.batches(packing),
                 lambda done, of, note, at=2 * k + 1, name=name: part(done, of, note, at, name))
         # Positions a step, the baseline's over the plan's: 1 on the same data.
@@ -145,7 +155,8 @@ def plan_baselines(cost: CostModel, num_gpus: int | None = None, *, steps: int =
                     data.batches(spec_packs).positions
         out[name] = Baseline(packing=packing, layout=chosen.plan,
                              planned_s=chosen.plan.iteration_time_s, simulated_s=simulated,
-                             steps=max(steps, 0), candidates=count, positions_ratio=ratio,
+                             steps=max(steps, 0), candidates=count, estimated=estimated,
+                             positions_ratio=ratio,
                              simulated_positions_ratio=simulated_ratio)
     return out
 

@@ -29,9 +29,10 @@ Two baselines: ``megatron`` trains the spec's data unpacked, ``megatron_packed``
 into sequences of ``seq_len`` attending within their documents (Megatron-Energon's
 packing buffer, ``--packing-buffer-size``; ``train.packing`` on). Each is chosen on the
 drawn batches the plan is scored on: ``baseline_candidates`` ranks every placement and
-backbone depth by its best layout at mean work, ``choose_on_drawn_batches`` simulates the
-fastest of each placement and those near it that the drawn batches may favour, and
-keeps the fastest there. ``docs/planner.md`` describes them with their sources.
+backbone depth by its best layout at mean work, ``choose_on_drawn_batches`` ranks those
+near the fastest by their drawn-batch estimate (``sim.estimate``, as the plan's layouts
+are ranked), simulates the best two on the drawn batches and keeps the fastest there.
+``docs/planner.md`` describes them with their sources.
 """
 
 from __future__ import annotations
@@ -51,18 +52,20 @@ from dtdsl.planner.evaluate import Evaluator
 from dtdsl.planner.result import Layout, make_plan, no_layout_fits
 from dtdsl.planner.space import Space, efficient_pps
 
-__all__ = ["PLACEMENTS", "Candidate", "StageWork", "baseline_candidates", "baseline_cost",
-           "choose_on_drawn_batches", "megatron_split", "one_f_one_b_time", "plan_baseline",
-           "to_simulate", "with_recompute"]
+__all__ = ["ESTIMATE_WITHIN", "PLACEMENTS", "SIMULATED", "Candidate", "StageWork",
+           "baseline_candidates", "baseline_cost", "choose_on_drawn_batches",
+           "megatron_split", "one_f_one_b_time", "plan_baseline", "with_recompute"]
 
 Progress = Callable[[int, int, str], None]
 
 PLACEMENTS = ("stages", "colocated")
-# Which candidates are simulated on the drawn batches (``to_simulate``): within this
-# factor of a placement's fastest at mean work. Drawn batches take up to about 1.5x the
-# mean-work time of a pp 1 layout (its replicas wait for the longest samples at the
-# gradient sync), little more than it for a pipelined one padded to seq_len.
-SHALLOW_MARGIN = 1.5
+# Which candidates the drawn-batch estimate ranks: within this factor of the fastest at
+# mean work. Drawn batches take up to about 1.5x the mean-work time of a pp 1 layout
+# (its replicas wait for the longest samples at the gradient sync), little more than it
+# for a pipelined one padded to seq_len.
+ESTIMATE_WITHIN = 1.5
+# How many of the best by the estimate are simulated on every drawn batch.
+SIMULATED = 2
 
 
 def with_recompute(cost: CostModel, samples: SampleSet | None = None) -> CostModel | None:
@@ -680,46 +683,38 @@ def plan_baseline(cost: CostModel, num_gpus: int | None = None, *,
 
 # ---- on drawn batches ---------------------------------------------------------------------
 
-def to_simulate(candidates: list[Candidate], *, margin: float = SHALLOW_MARGIN
-                ) -> list[Candidate]:
-    """The candidates worth simulating (``candidates``: fastest first at mean work), per
-    placement: its fastest, and within ``margin`` times that, the fastest of the other
-    padding (pp 1 pads a microbatch to its longest, and its replicas wait at the gradient
-    sync for the one that drew the longest; deeper pipelines pad to seq_len, as priced)
-    and the shallowest pipeline deeper than 1 (a co-located encoder's varying work stalls
-    a deep pipeline more). In their order."""
-    keep: list[Candidate] = []
-    for placement in PLACEMENTS:
-        mine = [c for c in candidates if c.placement == placement]
-        if not mine:
-            continue
-        fastest = mine[0]
-        near = [c for c in mine
-                if c.plan.iteration_time_s <= margin * fastest.plan.iteration_time_s]
-        other = [c for c in near if (c.depth == 1) != (fastest.depth == 1)]
-        shallow = sorted((c for c in near if c.depth > 1), key=lambda c: c.depth)
-        for c in [fastest, *other[:1], *shallow[:1]]:
-            if c not in keep:
-                keep.append(c)
-    return sorted(keep, key=candidates.index)
-
-
 def choose_on_drawn_batches(candidates: list[Candidate], batches,
-                            progress: Progress | None = None,
-                            ) -> tuple[Candidate, float, int]:
-    """The fastest of ``to_simulate(candidates)`` on ``batches``
-    (``planner.simulated.DrawnBatches``, without reordering: Megatron-LM does not
-    reorder): the candidate, its mean iteration time there and how many were
-    simulated. The first (fastest at mean work) wins ties."""
-    picked = to_simulate(candidates)
-    best: tuple[Candidate, float] | None = None
-    for k, c in enumerate(picked):
+                            progress: Progress | None = None, *,
+                            simulate: int = SIMULATED, within: float = ESTIMATE_WITHIN,
+                            ) -> tuple[Candidate, float, int, int]:
+    """The fastest on ``batches`` (``planner.simulated.DrawnBatches``, without
+    reordering: Megatron-LM does not reorder) of ``candidates`` (fastest first at mean
+    work): those within ``within`` times the fastest at mean work are ranked by their
+    drawn-batch estimate (``sim.estimate``: each replica's 1F1B chain on the first
+    batch), and the ``simulate`` best of them are simulated on every batch. Returns the
+    candidate, its mean iteration time there, how many were simulated and how many
+    estimated. Ties go to the better estimate."""
+    if simulate < 1:
+        raise ValueError(f"simulate must be at least 1, not {simulate}")
+    if not candidates:
+        raise ValueError("no candidates to choose from")
+    fastest = candidates[0].plan.iteration_time_s
+    near = [c for c in candidates if c.plan.iteration_time_s <= within * fastest]
+    total = len(near) + simulate
+    estimates = []
+    for k, c in enumerate(near):
         if progress is not None:
-            progress(k, len(picked), f"simulating {c.placement} pp {c.depth}")
+            progress(k, total, f"estimating {c.placement} pp {c.depth}")
+        estimates.append(batches.estimate(c.plan, frozenset()))
+    ranked = [near[k] for k in sorted(range(len(near)), key=lambda k: (estimates[k], k))]
+    best: tuple[Candidate, float] | None = None
+    for k, c in enumerate(ranked[:simulate]):
+        if progress is not None:
+            progress(len(near) + k, total, f"simulating {c.placement} pp {c.depth}")
         t = batches.mean_time(c.cost, c.plan)
         if best is None or t < best[1]:
             best = (c, t)
     if progress is not None:
-        progress(len(picked), len(picked), "done")
-    assert best is not None, "to_simulate keeps at least one of a non-empty list"
-    return best[0], best[1], len(picked)
+        progress(total, total, "done")
+    assert best is not None
+    return best[0], best[1], min(simulate, len(ranked)), len(near)

@@ -27,7 +27,7 @@ from dtdsl.cost.model import CostModel
 from dtdsl.ir.plan import Plan
 from dtdsl.planner.evaluate import Evaluator
 from dtdsl.planner.result import Layout, make_plan, no_layout_fits
-from dtdsl.planner.space import Space, efficient_pps
+from dtdsl.planner.space import Space
 
 __all__ = ["MAX_GPUS", "plan_exhaustive"]
 
@@ -48,12 +48,7 @@ def plan_exhaustive(cost: CostModel, num_gpus: int | None = None, *, dominated: 
     ev = Evaluator(cost, num_gpus)
     space = Space(ev)
     cands = space.candidates()
-    depths = []
-    for i, unit in enumerate(space.units):
-        gpus = space.constraints[i].gpus
-        constrained = gpus.values is not None or gpus.high is not None or gpus.low > 1
-        keep_all = dominated or constrained
-        depths.append(space.pps(i) if keep_all else efficient_pps(unit.layers, space.pps(i)))
+    depths = [space.depths(i, dominated=dominated) for i in range(space.n)]
     best: Layout | None = None
     evaluated = 0
     for c in range(len(cands)):

@@ -19,12 +19,16 @@ would train faster.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from statistics import fmean
 
 from dtdsl.cost.model import CostModel, build_cost_model
 from dtdsl.ir.plan import Packing, Plan
 
-__all__ = ["DrawnBatches", "SpecData", "packing_figures", "repriced", "simulate_plan"]
+__all__ = ["ESTIMATED", "SIMULATED", "DrawnBatches", "SpecData", "choose_plan",
+           "packing_figures", "repriced", "simulate_plan"]
+
+Progress = Callable[[int, int, str], None]
 
 
 def simulate_plan(cost: CostModel, plan: Plan, *, policy: frozenset[str], steps: int) -> float:
@@ -38,6 +42,73 @@ def simulate_plan(cost: CostModel, plan: Plan, *, policy: frozenset[str], steps:
     schedule = lower(plan, cost.program)
     return fmean(s.iteration_time_s for s in simulate_steps(
         cost.program, cost, plan, schedule, steps=steps, policy=policy))
+
+
+# The drawn-batch objective: how many layouts near the optimum in expectation
+# (``planner.shortlist``) the estimate ranks (``sim.estimate``: a few chain passes each),
+# and how many of its best the simulator then runs on every drawn batch (about a second
+# each on the 72B spec). The estimate ranks the simulator's fastest first on the shipped
+# specs; the second is the margin for its error.
+ESTIMATED = 8
+SIMULATED = 2
+
+
+def choose_plan(cost: CostModel, searched: Plan, batches: DrawnBatches,
+                policy: frozenset[str], *, estimate: int = ESTIMATED,
+                simulate: int = SIMULATED, progress: Progress | None = None
+                ) -> tuple[Plan, float, int, int]:
+    """The plan a run will find fastest: of the layouts near ``searched`` (a search's
+    optimum at mean work; ``near_layouts``: one per backbone layout, up to ``estimate``),
+    the ``simulate`` best by their estimated time on the first drawn batch under
+    ``policy`` are simulated on every batch of ``batches`` (the spec's data) and the
+    fastest there is kept. Returns it (with ``searched``'s search figures), its mean time
+    on the batches, how many layouts were simulated and how many estimated. The same
+    answer whichever search found the optimum: the list depends on the cost model and
+    the budget only."""
+    from dtdsl.planner.evaluate import Evaluator
+    from dtdsl.planner.result import make_plan
+    from dtdsl.planner.shortlist import near_layouts
+
+    if simulate < 1:
+        raise ValueError(f"simulate must be at least 1, not {simulate}")
+    num_gpus = searched.num_gpus
+    ev = Evaluator(cost, num_gpus)
+    layouts = near_layouts(cost, num_gpus, ceiling=searched.iteration_time_s,
+                           count=estimate)
+    plans = [make_plan(ev, searched.search, layout, solve_time_s=searched.solve_time_s,
+                       candidates=searched.candidates, convex_solves=searched.convex_solves,
+                       evaluated=searched.evaluated) for layout in layouts] or [searched]
+    estimates = []
+    for k, candidate in enumerate(plans):
+        _report(progress, k, len(plans) + simulate * batches.steps,
+                f"estimating {_backbone(candidate)}")
+        estimates.append(batches.estimate(candidate, policy))
+    ranked = sorted(range(len(plans)), key=lambda k: (estimates[k], k))[:simulate]
+    best: tuple[Plan, float] | None = None
+    done = len(plans)
+    for k in ranked:
+        note = f"simulating {_backbone(plans[k])}"
+        _report(progress, done, len(plans) + simulate * batches.steps, note)
+
+        def step(s: int, at: int = done, note: str = note) -> None:
+            _report(progress, at + s + 1, len(plans) + simulate * batches.steps, note)
+
+        t = batches.mean_time(cost, plans[k], policy, progress=step)
+        done += batches.steps
+        if best is None or t < best[1]:
+            best = (plans[k], t)
+    assert best is not None
+    return best[0], best[1], len(ranked), len(plans)
+
+
+def _report(progress: Progress | None, done: int, total: int, note: str) -> None:
+    if progress is not None:
+        progress(done, total, note)
+
+
+def _backbone(plan: Plan) -> str:
+    u = next(u for u in plan.units if u.role == "backbone")
+    return f"{u.name} tp {u.tp} dp {u.dp} pp {u.pp}"
 
 
 def repriced(plan: Plan, cost: CostModel, other: CostModel) -> Plan:
@@ -57,14 +128,16 @@ def repriced(plan: Plan, cost: CostModel, other: CostModel) -> Plan:
     return plan.model_copy(update={"units": tuple(units)})
 
 
-def packing_figures(cost: CostModel, plan: Plan, *, steps: int,
-                    iteration_time_s: float, data: SpecData | None = None) -> Packing | None:
-    """``plan`` on the first ``steps`` drawn batches without reordering, with
-    ``train.packing`` as the spec sets it (``iteration_time_s``, already simulated) and
-    toggled (``data``: the spec's data both ways, shared with the baselines). Without
-    reordering on both sides: it is the same comparison, and intra's search on a packed
-    batch's near-equal rows would cost ``dtc plan`` seconds. None with a measured
-    profile: it times the backbone on whole sequences, not packed documents."""
+def packing_figures(cost: CostModel, plan: Plan, *, steps: int, iteration_time_s: float,
+                    data: SpecData | None = None,
+                    policy: frozenset[str] = frozenset()) -> Packing | None:
+    """``plan`` on the first ``steps`` drawn batches routed under ``policy`` (the spec's
+    reorder policy: what a run does either way), with ``train.packing`` as the spec sets
+    it (``iteration_time_s``, already simulated so) and toggled (``data``: the spec's data
+    both ways, shared with the baselines): the same layout repriced, or where it does not
+    fit in memory the other way, the convex search's layout for that setting
+    (``Packing.replanned``). None with a measured profile (it times the backbone on whole
+    sequences, not packed documents), or where nothing fits the other way."""
     if cost.profile is not None:
         return None
     data = data or SpecData(cost, steps)
@@ -72,13 +145,40 @@ def packing_figures(cost: CostModel, plan: Plan, *, steps: int,
     spec_packs = program.train.packing
     other = data.cost(not spec_packs)
     toggled = data.batches(not spec_packs)
-    other_s = toggled.mean_time(other, repriced(plan, cost, other))
+    layout = repriced(plan, cost, other)
+    replanned = not _fits(other, plan)
+    if replanned:
+        # Packed rows hold more positions than a sample (or the reverse): where the layout
+        # does not fit in memory the other way, compare with what the planner gives that
+        # setting, not with a layout no run could use.
+        from dtdsl.planner.orchestrate import plan_convex
+        from dtdsl.planner.result import Infeasible
+
+        try:
+            layout = plan_convex(other, plan.num_gpus)
+        except Infeasible:
+            return None
+    other_s = toggled.mean_time(other, layout, policy)
     ours, theirs = data.batches(spec_packs).positions, toggled.positions
+    order = tuple(sorted(policy))
     if spec_packs:
         return Packing(spec_packs=True, packed_s=iteration_time_s, unpacked_s=other_s,
-                       packed_positions=ours, unpacked_positions=theirs)
+                       packed_positions=ours, unpacked_positions=theirs, policy=order,
+                       replanned=replanned)
     return Packing(spec_packs=False, packed_s=other_s, unpacked_s=iteration_time_s,
-                   packed_positions=theirs, unpacked_positions=ours)
+                   packed_positions=theirs, unpacked_positions=ours, policy=order,
+                   replanned=replanned)
+
+
+def _fits(other: CostModel, plan: Plan) -> bool:
+    """Whether ``plan``'s layout fits in memory priced by ``other`` (the same modules under
+    other training settings)."""
+    from dtdsl.planner.evaluate import Evaluator
+
+    est = Evaluator(other, plan.num_gpus).evaluate(
+        tuple(u.tp for u in plan.units), tuple(u.dp for u in plan.units),
+        tuple(u.pp for u in plan.units), replicated=tuple(u.tp_replicated for u in plan.units))
+    return bool(est.feasible)
 
 
 class SpecData:
@@ -156,6 +256,7 @@ class DrawnBatches:
         # The mean positions (text and encoder tokens) a step trains.
         self.positions = fmean(float(positions(s).sum()) for s in self.samples)
         self._work_model = None
+        self._first_work = None
 
     @property
     def work_model(self):
@@ -167,9 +268,11 @@ class DrawnBatches:
             self._work_model = WorkModel(self.cost)
         return self._work_model
 
-    def mean_time(self, cost: CostModel, plan: Plan) -> float:
-        """``plan``'s mean iteration time over the batches, without reordering (equal to
-        ``simulate_plan(cost, plan, policy=frozenset(), steps=self.steps)``)."""
+    def mean_time(self, cost: CostModel, plan: Plan, policy: frozenset[str] = frozenset(),
+                  progress: Callable[[int], None] | None = None) -> float:
+        """``plan``'s mean iteration time over the batches, routed under ``policy`` (equal
+        to ``simulate_plan(cost, plan, policy=policy, steps=self.steps)``); ``progress``
+        is called with each step simulated."""
         from dtdsl.schedule.lower import lower
         from dtdsl.sim.run import simulate_routed
         from dtdsl.sim.simulate import Simulator
@@ -179,8 +282,19 @@ class DrawnBatches:
         times = []
         for step, samples in enumerate(self.samples):
             work = self.work_model.relative(samples)
-            routing = route(plan, work, frozenset())
+            routing = route(plan, work, policy)
             times.append(simulate_routed(cost, plan, simulator, self.work_model, step,
                                          samples, routing).iteration_time_s)
+            if progress is not None:
+                progress(step)
         return fmean(times)
+
+    def estimate(self, plan: Plan, policy: frozenset[str]) -> float:
+        """``plan``'s estimated iteration time on the first batch (``sim.estimate``): what
+        the planner ranks layouts by before it simulates the best few."""
+        from dtdsl.sim.estimate import drawn_estimate
+
+        if self._first_work is None:
+            self._first_work = self.work_model.relative(self.samples[0])
+        return drawn_estimate(plan, self._first_work, policy)
 

@@ -85,6 +85,16 @@ class Space:
         """Allowed pipeline depths: at most one stage per layer."""
         return self.constraints[i].pp.candidates(min(self.units[i].layers, self.num_gpus))
 
+    def depths(self, i: int, *, dominated: bool = False) -> tuple[int, ...]:
+        """The pipeline depths a search tries for unit i: the efficient ones
+        (``efficient_pps``), or every allowed one where a ``gpus`` constraint may need a
+        dominated depth (or ``dominated``)."""
+        gpus = self.constraints[i].gpus
+        constrained = gpus.values is not None or gpus.high is not None or gpus.low > 1
+        if dominated or constrained:
+            return self.pps(i)
+        return efficient_pps(self.units[i].layers, self.pps(i))
+
     def dp_lms(self) -> tuple[int, ...]:
         domain = self.constraints[self.backbone].dp
         return tuple(d for d in divisors(self.total_microbatches)

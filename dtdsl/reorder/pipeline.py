@@ -43,7 +43,7 @@ import math
 import numpy as np
 
 __all__ = ["MAX_BRUTE_FORCE", "OrderSearch", "best_order", "brute_force_order",
-           "candidate_orders", "chain_1f1b"]
+           "candidate_orders", "chain_1f1b", "chain_columns"]
 
 MAX_BRUTE_FORCE = 8          # 8! = 40,320 orders
 _COLUMNS = 256               # orders per numpy batch: P m 256 floats stay in cache
@@ -177,6 +177,24 @@ def chain_1f1b(forward, backward, orders=None) -> np.ndarray:
     order 0..m-1). Returns one time per order."""
     search = OrderSearch(forward, backward)
     return search.times([list(range(search.num_microbatches))] if orders is None else orders)
+
+
+def chain_columns(forward, backward) -> np.ndarray:
+    """The 1F1B iteration time of each column of ``forward``/``backward`` (stages,
+    microbatches, columns) seconds, every column run in the given order: many pipelines
+    of the same shape at once (a rigid plan's replicas, say)."""
+    fwd = np.asarray(forward, dtype=np.float64)
+    bwd = np.asarray(backward, dtype=np.float64)
+    if fwd.ndim != 3 or fwd.shape != bwd.shape:
+        raise ValueError(f"forward {fwd.shape} and backward {bwd.shape} must both be "
+                         "(stages, microbatches, columns) arrays of seconds")
+    if min(fwd.shape) < 1:
+        raise ValueError("give at least one stage, one microbatch and one column")
+    if not (np.isfinite(fwd).all() and np.isfinite(bwd).all()) or \
+            fwd.min() < 0 or bwd.min() < 0:
+        raise ValueError("stage times must be finite and >= 0")
+    stages, m, _ = fwd.shape
+    return _run(_program(stages, m), fwd, bwd)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -168,7 +168,8 @@ class Routing:
         return out
 
 
-def route(plan: Plan, work: dict[str, np.ndarray], policy: frozenset[str]) -> Routing:
+def route(plan: Plan, work: dict[str, np.ndarray], policy: frozenset[str], *,
+          search: bool = True) -> Routing:
     """Route a global batch (``work``: per unit, relative work per sample) per ``plan``
     under ``policy`` (a subset of {"intra", "inter"}): the one rule the simulator and the
     workers that feed a run apply (``dtdsl.data.batch.route_batch``), a deterministic
@@ -188,7 +189,11 @@ def route(plan: Plan, work: dict[str, np.ndarray], policy: frozenset[str]) -> Ro
       other unit's replicas are balanced on that unit's work
       (``dtdsl.reorder.intra.balance``).
 
-    Samples move only within the batch, each exactly once."""
+    Samples move only within the batch, each exactly once.
+
+    ``search`` off: the planner's quick estimate of the same rule (``sim.estimate``): the
+    best grouping with its best candidate order, balanced by greedy alone, without the
+    local searches that cost the workers' routing most of its time."""
     n = next(iter(work.values())).shape[0]
     if n != plan.global_batch:
         raise ValueError(f"{n} samples for a global batch of {plan.global_batch}")
@@ -197,24 +202,25 @@ def route(plan: Plan, work: dict[str, np.ndarray], policy: frozenset[str]) -> Ro
         raise ValueError(f"reorder policy {sorted(unknown)}: give a subset of intra, inter")
     costs = _SampleCosts(plan, work)
     intra = "intra" in policy
+    budget = None if search else 0.0
     if "inter" not in policy:
-        return _routed(plan, costs, _data_order_steps(plan), intra, grouped=False)
+        return _routed(plan, costs, _data_order_steps(plan), intra, grouped=False,
+                       balance_budget=budget)
     from dtdsl.reorder.pipeline import OrderSearch
 
-    # Each grouping with its best candidate order; the local search then runs from the
-    # best of those only (it costs far more than the candidates).
     # Each grouping (its other units balanced by greedy alone) with its best candidate
     # order; the winner is balanced in full and its order searched locally (each costs
     # far more than a candidate).
     best = None
     for grouped, steps in _groupings(plan, costs):
         routing = _routed(plan, costs, steps, intra, grouped=grouped, balance_budget=0.0)
-        _, t = OrderSearch(*pipeline_times(plan, routing, work)).best_candidate()
+        order, t = OrderSearch(*pipeline_times(plan, routing, work)).best_candidate()
         if best is None or t < best[0]:
-            best = (t, grouped, steps)
-    _, grouped, steps = best
-    routing = _routed(plan, costs, steps, intra, grouped=grouped)
-    order, _ = OrderSearch(*pipeline_times(plan, routing, work)).best()
+            best = (t, grouped, steps, routing, order)
+    _, grouped, steps, routing, order = best
+    if search:
+        routing = _routed(plan, costs, steps, intra, grouped=grouped)
+        order, _ = OrderSearch(*pipeline_times(plan, routing, work)).best()
     return reordered(routing, order)
 
 

@@ -310,3 +310,21 @@ def test_train_field_spans_for_later_stages():
     assert p.train.precision_span.line == p.train.schedule_span.line
     assert p.train.precision_span.column < p.train.schedule_span.column
     assert program(BASE).train.precision_span is None
+
+
+def test_checking_a_generator_without_files_does_not_import_torch():
+    # dtc check (and every dtc plan) of a spec that names no files stays free of torch's
+    # seconds of import: a generator with no VAE and no Hugging Face folder reads nothing.
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    code = ("import sys\n"
+            "from dtdsl.driver import read_spec, run_frontend\n"
+            "for name in ('mllm_72b', 'tiny_cpu', 'audio_image'):\n"
+            "    path, data = read_spec(f'specs/{name}.dt')\n"
+            "    assert run_frontend(path, data).ok, name\n"
+            "print('torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
+                         text=True, check=True)
+    assert out.stdout.strip() == "False", out.stdout + out.stderr

@@ -9,8 +9,13 @@ import pytest
 from dtdsl import cli
 from dtdsl.cost.model import build_cost_model
 from dtdsl.driver import run_frontend
-from dtdsl.planner import plan, simulate_plan
-from dtdsl.planner.baseline import baseline_candidates, to_simulate
+from dtdsl.planner import plan, plan_convex, simulate_plan
+from dtdsl.planner.baseline import ESTIMATE_WITHIN, baseline_candidates
+from dtdsl.planner.baseline import SIMULATED as BASELINE_SIMULATED
+from dtdsl.planner.evaluate import Evaluator
+from dtdsl.planner.result import make_plan
+from dtdsl.planner.shortlist import near_layouts
+from dtdsl.planner.simulated import SIMULATED, DrawnBatches
 from dtdsl.schedule.lower import lower
 from dtdsl.sim.run import simulate_steps
 from dtdsl.sim.workload import parse_policy
@@ -37,13 +42,19 @@ def test_plans_carry_their_simulated_times(cost):
         sum(s.iteration_time_s for s in steps) / 3, rel=1e-12)
     assert sim.no_reorder_iteration_time_s == pytest.approx(
         simulate_plan(cost, result, policy=frozenset(), steps=3), rel=1e-12)
-    # The baselines on the same batches, without reordering: the fastest of the candidates
-    # simulated, each with the cost model that priced it (its padding, recomputation).
-    candidates = to_simulate(baseline_candidates(cost, 4))
-    times = [simulate_plan(c.cost, c.plan, policy=frozenset(), steps=3) for c in candidates]
+    # The baselines on the same batches, without reordering: those near the fastest at
+    # mean work ranked by the drawn-batch estimate, the best few simulated, each with the
+    # cost model that priced it (its padding, recomputation), the fastest kept.
+    found = baseline_candidates(cost, 4)
+    near = [c for c in found
+            if c.plan.iteration_time_s <= ESTIMATE_WITHIN * found[0].plan.iteration_time_s]
+    batches = DrawnBatches(cost, 3)
+    ranked = sorted(near, key=lambda c: batches.estimate(c.plan, frozenset()))
+    simulated = ranked[:BASELINE_SIMULATED]
+    times = [simulate_plan(c.cost, c.plan, policy=frozenset(), steps=3) for c in simulated]
     megatron = result.baselines["megatron"]
     assert megatron.simulated_s == pytest.approx(min(times), rel=1e-12)
-    assert megatron.candidates == len(candidates)
+    assert megatron.candidates == len(simulated) and megatron.estimated == len(near)
     assert megatron.simulated_speedup == pytest.approx(megatron.simulated_s /
                                                        sim.iteration_time_s)
     assert result.speedup(simulated=True) == megatron.simulated_speedup
@@ -72,26 +83,64 @@ def test_dtc_plan_prints_the_simulated_speedups(capsys):
         cli.main(["plan", str(TINY), "--simulate-steps", "-1"])
 
 
-def test_the_plan_is_the_fastest_of_its_runners_up_on_drawn_batches(cost):
-    """Stragglers in the objective: the convex plan and its runners-up in expectation are
-    scored on the same drawn batches under the spec's policy; the fastest is kept."""
-    from dtdsl.planner import plan_convex
-    from dtdsl.planner.orchestrate import convex_alternatives
+def _near_plans(cost, gpus):
+    best = plan_convex(cost, gpus)
+    ev = Evaluator(cost, gpus)
+    layouts = near_layouts(cost, gpus, ceiling=best.iteration_time_s)
+    return best, layouts, [make_plan(ev, "convex", layout, solve_time_s=0.0, candidates=0,
+                                     convex_solves=0, evaluated=0) for layout in layouts]
 
-    best = plan_convex(cost, 8)
-    others = convex_alternatives(cost, 8, best, count=3)
-    assert others, "tiny_cpu on 8 GPUs has runners-up"
-    layouts = {(tuple(u.tp for u in p.units), tuple(u.dp for u in p.units))
-               for p in [best, *others]}
-    assert len(layouts) == 1 + len(others)            # each another TP/DP candidate
-    times = [p.iteration_time_s for p in others]
+
+def test_the_layouts_near_the_optimum_are_one_per_backbone_layout(cost):
+    best, layouts, _ = _near_plans(cost, 8)
+    assert len(layouts) > 1, "tiny_cpu on 8 GPUs has layouts near its optimum"
+    backbone = [u.name for u in best.units].index("llm")
+    keys = [(x.tp[backbone], x.dp[backbone], x.pp[backbone]) for x in layouts]
+    assert len(set(keys)) == len(keys)
+    times = [x.iteration_time_s for x in layouts]
     assert times == sorted(times)
-    assert all(best.iteration_time_s <= t <= 1.25 * best.iteration_time_s for t in times)
+    # The first is the optimum (the convex search's, to its tolerance), the rest near it.
+    assert times[0] == pytest.approx(best.iteration_time_s, rel=1e-3)
+    assert all(t <= 1.25 * times[0] for t in times)
+    # Whatever search supplied the ceiling, the same list.
+    assert near_layouts(cost, 8, ceiling=2 * best.iteration_time_s) == layouts
+
+
+def test_the_plan_is_the_fastest_on_drawn_batches_of_the_best_estimated(cost):
+    """The objective is the time on drawn batches: the layouts near the optimum are ranked
+    by the drawn-batch estimate, the best few simulated under the spec's policy, and the
+    fastest there is the plan; it is the fastest of them all on those batches."""
+    _, _, plans = _near_plans(cost, 8)
     policy = parse_policy(cost.program.train.reorder)
-    scored = [simulate_plan(cost, p, policy=policy, steps=2) for p in [best, *others]]
-    chosen = plan(cost, 8, simulate_steps=2, alternatives=3)
-    assert chosen.simulated.candidates == 1 + len(others)
+    batches = DrawnBatches(cost, 2)
+    estimates = [batches.estimate(p, policy) for p in plans]
+    top = sorted(range(len(plans)), key=lambda k: (estimates[k], k))[:SIMULATED]
+    every = [simulate_plan(cost, p, policy=policy, steps=2) for p in plans]
+    chosen = plan(cost, 8, simulate_steps=2)
+    assert chosen.simulated.candidates == len(top)
+    assert chosen.simulated.estimated == len(plans)
+    scored = [every[k] for k in top]
     assert chosen.simulated.iteration_time_s == pytest.approx(min(scored), rel=1e-12)
-    k = scored.index(min(scored))
+    k = top[scored.index(min(scored))]
     assert [(u.tp, u.dp, u.pp) for u in chosen.units] == \
-        [(u.tp, u.dp, u.pp) for u in [best, *others][k].units]
+        [(u.tp, u.dp, u.pp) for u in plans[k].units]
+    assert chosen.simulated.iteration_time_s == pytest.approx(min(every), rel=1e-12)
+
+
+def test_a_layout_that_does_not_fit_packed_is_compared_with_the_packed_plan():
+    """mllm_9b's optimum at mean work (eleven backbone stages of four replicas) holds one
+    sample per microbatch; packed rows of 8192 positions do not fit its memory, so the
+    packing figure simulates the convex search's layout for packed data instead of a
+    layout no run could use."""
+    from dtdsl.planner.simulated import SpecData, packing_figures
+
+    path = Path(__file__).resolve().parents[2] / "specs" / "mllm_9b.dt"
+    cost_9b = build_cost_model(run_frontend(str(path), path.read_bytes()).program)
+    unpacked = plan_convex(cost_9b)
+    data = SpecData(cost_9b, 1)
+    packed_cost = data.cost(True)
+    figures = packing_figures(cost_9b, unpacked, steps=1, iteration_time_s=1.0, data=data)
+    assert figures.replanned and not figures.spec_packs
+    packed_plan = plan_convex(packed_cost, unpacked.num_gpus)
+    assert figures.packed_s == pytest.approx(
+        simulate_plan(packed_cost, packed_plan, policy=frozenset(), steps=1), rel=1e-12)
