@@ -239,6 +239,8 @@ def _cost_model(args: argparse.Namespace, program: Program) -> CostModel:
 
 
 # Work shorter than this shows no progress bar.
+# Drawn batches dtc plan optimises for by default (and compile and memcheck plan with).
+SIMULATE_STEPS = 2
 _PROGRESS_AFTER_S = 2.0
 
 
@@ -283,17 +285,19 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 def _solve(result: FrontendResult, program: Program, cost: CostModel | None,
            num_gpus: int | None = None) -> Plan | None:
-    """The convex plan of ``program`` (analytic costs unless ``cost``), or None after
-    printing why there is none."""
+    """The plan ``dtc plan`` gives ``program`` by default (the convex search, the
+    objective its time on ``SIMULATE_STEPS`` drawn batches; analytic costs unless
+    ``cost``), or None after printing why there is none: what ``dtc compile`` and
+    ``dtc memcheck`` build without ``--plan`` is the layout ``dtc plan`` shows."""
     from dtdsl.cost.model import build_cost_model
     from dtdsl.planner import Infeasible, PlannerError, plan
     from dtdsl.report import progress_bar
 
     cost = cost or build_cost_model(program)
     try:
-        with progress_bar("convex search") as progress:
+        with progress_bar("planning", delay_s=_PROGRESS_AFTER_S) as progress:
             return plan(cost, num_gpus or program.cluster.num_gpus, compare_baseline=False,
-                        progress=progress)
+                        progress=progress, simulate_steps=SIMULATE_STEPS)
     except Infeasible as err:
         span = err.span or program.cluster.span
         diag = Diagnostic.error(err.code, err.message, span, notes=err.notes, hint=err.hint)
@@ -850,7 +854,8 @@ def _parser() -> argparse.ArgumentParser:
                       "fraction sets all)")
     plan.add_argument("--json", action="store_true", help="print the Plan as JSON")
     plan.add_argument("-o", "--output", metavar="FILE", help="also write the Plan JSON here")
-    plan.add_argument("--simulate-steps", type=_non_negative, default=2, metavar="N",
+    plan.add_argument("--simulate-steps", type=_non_negative, default=SIMULATE_STEPS,
+                      metavar="N",
                       help="plan for N global batches drawn from the spec's data: the "
                       "layouts near the optimum at mean work, ranked by their estimated "
                       "time on those batches, the best two simulated (the fastest there "

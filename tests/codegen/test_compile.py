@@ -581,3 +581,20 @@ def test_a_plan_with_a_tp_group_across_nodes_priced_within_one_is_refused(tmp_pa
     units["llm"]["tp_across_nodes"] = True
     edited.write_text(json.dumps(plan))
     assert compile_spec(spec, out, "--plan", str(edited)) == 0
+
+
+def test_compile_builds_the_layout_dtc_plan_shows(tmp_path):
+    """Without --plan, compile plans as dtc plan does by default (drawn batches): the
+    bundle's plan is the one the user was shown."""
+    assert cli.main(["plan", str(SPECS / "tiny_cpu.dt"), "--no-baseline",
+                     "-o", str(tmp_path / "shown.json")]) == 0
+    assert cli.main(["compile", str(SPECS / "tiny_cpu.dt"), "-o", str(tmp_path / "b"),
+                     "--synthetic", "--workers", "0"]) == 0
+    shown = json.loads((tmp_path / "shown.json").read_text())
+    built = json.loads((tmp_path / "b" / "plan.json").read_text())
+
+    def layout(plan):
+        return [(u["name"], u["tp"], u["dp"], u["pp"], u["layers_per_stage"], u["first_rank"])
+                for u in plan["units"]]
+
+    assert layout(built) == layout(shown)
