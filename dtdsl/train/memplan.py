@@ -24,6 +24,7 @@ and the GPU's capacity.
 
 from __future__ import annotations
 
+import gc
 import math
 import time
 from collections.abc import Callable
@@ -277,14 +278,43 @@ def check_memory(program: ir.Program, plan: Plan, *, cost: Any = None, jobs: int
         progress(0, len(todo), "")
     context = multiprocessing.get_context("fork")
     results: dict[int, StageMemory] = {}
-    with context.Pool(max(1, jobs), maxtasksperchild=1) as pool:
-        pending = [pool.apply_async(_measure_in_child, (program, plan, schedule, cost, u, s))
-                   for u, s in todo]
-        for i, task in enumerate(pending):
-            results[i] = task.get()
-            if progress is not None:
-                progress(i + 1, len(todo), f"{todo[i][0]}.s{todo[i][1]}")
+    _import_runtime()
+    # The children's garbage collections (a measurement runs three) then pass over their
+    # own objects only, not over the millions this process holds, which they share.
+    gc.freeze()
+    try:
+        with context.Pool(max(1, jobs), maxtasksperchild=1) as pool:
+            pending = [pool.apply_async(_measure_in_child,
+                                        (program, plan, schedule, cost, u, s))
+                       for u, s in todo]
+            for i, task in enumerate(pending):
+                results[i] = task.get()
+                if progress is not None:
+                    progress(i + 1, len(todo), f"{todo[i][0]}.s{todo[i][1]}")
+    finally:
+        gc.unfreeze()
     return [results[i] for i in range(len(todo))]
+
+
+def _import_runtime() -> None:
+    """Import, once and before forking, what every stage's measurement imports: each runs
+    in a process forked from this one, which would otherwise import it anew (torch's
+    FSDP2, DTensor, fake process group and MemTracker, which bring in dynamo and sympy;
+    some 800 modules, over a second of CPU per stage)."""
+    import torch._dynamo  # noqa: F401
+    import torch.distributed.algorithms._checkpoint.checkpoint_wrapper  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401
+    import torch.distributed.tensor.parallel  # noqa: F401
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401
+
+    import dtdsl.data.layout  # noqa: F401
+    import dtdsl.data.sample  # noqa: F401
+    import dtdsl.parallel.mesh  # noqa: F401
+    import dtdsl.parallel.tp  # noqa: F401
+    import dtdsl.train.executor  # noqa: F401
+    import dtdsl.train.memcheck  # noqa: F401
+    import dtdsl.train.optim  # noqa: F401
+    import dtdsl.train.stage  # noqa: F401
 
 
 def _measure_in_child(program: ir.Program, plan: Plan, schedule: Schedule, cost: Any,

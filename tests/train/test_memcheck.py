@@ -243,3 +243,35 @@ def test_tp_fsdp_rank_holds_its_shard(optimizer):
     global_logits_fp32 = batch * seq * vocab * F32
     assert report.peak_phase == "backward"
     assert report.by_category["temporaries"] < global_logits_fp32
+
+
+@pytest.mark.parametrize("optimizer", ["fused", "foreach"])
+def test_optimizer_state_is_made_a_chunk_at_a_time_as_one_step_makes_it(optimizer):
+    """init_optimizer_state steps a few parameters at a time (DTensor's multi-tensor ops
+    are quadratic in their tensor count): every parameter ends with the state one step
+    over all of them gives it, and no gradient."""
+    def state_of(chunk: int | None) -> list[dict[str, torch.Tensor]]:
+        torch.manual_seed(0)
+        model = nn.Sequential(*(nn.Linear(4, 4) for _ in range(5)))   # 10 parameters
+        model[2].requires_grad_(False)
+        opt = torch.optim.AdamW(model.parameters(), **{optimizer: True})
+        if chunk is None:   # one plain step on zero gradients
+            for p in model.parameters():
+                p.grad = torch.zeros_like(p) if p.requires_grad else None
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        else:
+            init_optimizer_state(opt, chunk=chunk)
+        assert all(p.grad is None for p in model.parameters())
+        return [opt.state.get(p, {}) for p in model.parameters()]
+
+    want = state_of(None)
+    assert sum(bool(s) for s in want) == 8      # the frozen Linear has none
+    for chunk in (1, 3, 100):
+        got = state_of(chunk)
+        assert [sorted(s) for s in got] == [sorted(s) for s in want]
+        for a, b in zip(got, want, strict=True):
+            for key in a:
+                assert torch.equal(a[key], b[key]), key
+    with pytest.raises(ValueError, match="chunk"):
+        init_optimizer_state(torch.optim.AdamW([nn.Parameter(torch.zeros(1))]), chunk=0)
