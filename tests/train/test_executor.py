@@ -387,7 +387,7 @@ def test_bf16_trains_within_three_percent_of_the_fp32_reference(tmp_path):
 def test_recompute_and_a_cosine_schedule_match_the_reference():
     # Activation checkpointing changes no number; the learning rate follows the schedule
     # (warmup, then cosine to min_lr) in the runtime as in the reference. The schedule
-    # spans the run: 3 steps of warmup, then 5 of decay (a TP backbone: TP_STEPS).
+    # spans the run: 3 steps of warmup, then 5 of decay (a TP backbone: see TP_STEPS).
     from dtdsl.ir.program import LRSchedule
 
     steps = 8
