@@ -280,7 +280,8 @@ def check_memory(program: ir.Program, plan: Plan, *, cost: Any = None, jobs: int
     results: dict[int, StageMemory] = {}
     _import_runtime()
     # The children's garbage collections (a measurement runs three) then pass over their
-    # own objects only, not over the millions this process holds, which they share.
+    # own objects only, not over the hundreds of thousands this process holds and shares
+    # with them (a pass that also copies every page it touches).
     gc.freeze()
     try:
         with context.Pool(max(1, jobs), maxtasksperchild=1) as pool:

@@ -28,11 +28,11 @@ from tests.dist import make_plan, run
 from tests.train.test_reference import program as tiny
 
 STEPS = 20            # the acceptance: 20 steps
-# A backbone under tensor parallelism runs every op through DTensor, whose sharding
-# propagation is cached by shape: as every microbatch here has a sequence length of its
-# own, each op pays it anew, and a step costs several times a plain one. Their layouts
-# match the reference from the first step on; these steps take Adam's moments through
-# several updates.
+# A unit under tensor parallelism runs every op through DTensor, whose sharding
+# propagation is cached by shape: as the microbatches here differ in sequence length
+# (and image count), each op pays it anew, and a step of a TP backbone costs several
+# times a plain one. The TP layouts match the reference from the first step on; these
+# steps take Adam's moments through several updates.
 TP_STEPS = 6
 LOSS_RTOL = 1e-4
 PARAM_RTOL = 5e-3     # of the norm of a parameter's update over the steps
@@ -260,7 +260,7 @@ def _train_tp(rank: int, world: int, program: ir.Program, plan: Plan, losses: li
         assert err <= PARAM_RMS * want.numel() ** 0.5, (name, err)
 
 
-def check_tp(program: ir.Program, plan: Plan, steps: int = STEPS) -> None:
+def check_tp(program: ir.Program, plan: Plan, steps: int = TP_STEPS) -> None:
     losses, params = reference(program, steps)
     run(_train_tp, plan.gpus_used, program, plan, losses, params, steps, timeout=180)
 
@@ -295,8 +295,7 @@ def test_backbone_tensor_parallel(pp):
     # Only the last stage's TP leader adds the LM loss to the reported total.
     program = spec(8)
     check_tp(program, plan_for(program, ("vit", "encoder", 1, 1, 1),
-                               ("llm", "backbone", 2, 1, pp), ("gen", "generator", 1, 1, 1)),
-             TP_STEPS)
+                               ("llm", "backbone", 2, 1, pp), ("gen", "generator", 1, 1, 1)))
 
 
 def _train_logged(rank: int, world: int, program: ir.Program, plan: Plan, logdir: str) -> None:
@@ -388,7 +387,7 @@ def test_bf16_trains_within_three_percent_of_the_fp32_reference(tmp_path):
 def test_recompute_and_a_cosine_schedule_match_the_reference():
     # Activation checkpointing changes no number; the learning rate follows the schedule
     # (warmup, then cosine to min_lr) in the runtime as in the reference. The schedule
-    # spans the run: 3 steps of warmup, then 5 of decay (a TP backbone: TP_STEPS).
+    # spans the run: 3 steps of warmup, then 5 of decay (a TP backbone: see TP_STEPS).
     from dtdsl.ir.program import LRSchedule
 
     steps = 8
