@@ -22,7 +22,7 @@ from dtdsl.models.multimodal import (
 )
 from tests.dist import run
 from tests.specs import small, variant
-from tests.train.test_executor import _train_tp, plan_for, reference
+from tests.train.test_executor import TP_STEPS, _train_tp, plan_for, reference
 
 P8 = ImageTokens(patch=8)     # the tiny spec's image tokens: its patches
 
@@ -157,10 +157,12 @@ def test_packed_sizes_are_priced_by_their_documents():
     (("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, 2, 1), ("gen", "generator", 1, 1, 1)),
 ], ids=["tp2-sp-pp2", "dp2"])
 def test_a_packed_run_equals_the_reference(layout):
+    # As many steps as the TP tests train (test_executor.TP_STEPS): each step's loss and
+    # the final parameters are held to the reference.
     program = packed(8)
-    losses, params = reference(program)
+    losses, params = reference(program, TP_STEPS)
     plan = plan_for(program, *layout)
-    run(_train_tp, plan.gpus_used, program, plan, losses, params, timeout=300)
+    run(_train_tp, plan.gpus_used, program, plan, losses, params, TP_STEPS, timeout=300)
 
 
 def test_a_packed_epoch_of_a_dataset_uses_every_sample_once(tmp_path):
