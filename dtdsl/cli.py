@@ -358,8 +358,9 @@ def _plan_problems(the_plan: Plan, program: Program) -> list[str]:
         if min(u.tp, u.dp, u.pp, u.vpp) < 1:
             out.append(f"{u.name}: tp, dp, pp and vpp must be at least 1")
             continue
-        if u.colocated and (u.gpus != 0 or not the_plan.rigid or u.role == "backbone"):
-            out.append(f"{u.name}: a co-located unit (the baseline's) holds no GPU of its own")
+        if u.colocated and (u.gpus != 0 or u.role == "backbone"):
+            out.append(f"{u.name}: a co-located unit holds no GPU of its own (it runs on "
+                       "the backbone's first or last stage)")
         elif not u.colocated and u.gpus != u.tp * u.dp * u.pp:
             out.append(f"{u.name}: gpus {u.gpus} is not tp x dp x pp = {u.tp * u.dp * u.pp}")
         layers = module.arch.pipeline_layers

@@ -309,9 +309,9 @@ def _routed(plan: Plan, costs: _SampleCosts, step: np.ndarray, intra: bool, *,
     replica = {bb.name: r}
     for u in plan.units:
         if u.name != bb.name:
-            # One pipeline per replica in a rigid plan: a sample stays on its backbone
-            # replica's.
-            replica[u.name] = r if plan.rigid else _split(
+            # One pipeline per replica in a rigid plan, and a co-located unit runs on its
+            # host stage's replicas: a sample stays on its backbone replica's.
+            replica[u.name] = r if plan.rigid or u.colocated else _split(
                 members_of, costs.stage[u.name], u.dp, intra,
                 _BALANCE_BUDGET if balance_budget is None else balance_budget)
     return Routing(num_microbatches=m, step=step, replica=replica)
