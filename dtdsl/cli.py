@@ -244,6 +244,17 @@ SIMULATE_STEPS = 2
 _PROGRESS_AFTER_S = 2.0
 
 
+def _add_placement(parser: argparse.ArgumentParser, *, given_plan: bool) -> None:
+    """``--placement``: where the planner puts the encoders and generators."""
+    from dtdsl.planner.placement import PLACEMENTS
+
+    parser.add_argument(
+        "--placement", choices=PLACEMENTS, default="auto" if not given_plan else None,
+        help="disaggregated: every module on GPUs of its own; colocated: encoders on the "
+        "backbone's first pipeline stage, generators on its last; auto: both weighed, the "
+        "faster kept (default)" + ("; not with --plan" if given_plan else ""))
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     from dtdsl.planner import EXHAUSTIVE_MAX_GPUS, Infeasible, PlannerError, plan
     from dtdsl.report import progress_bar, render_plan, wide_console
@@ -263,7 +274,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         # One bar for every phase (the baselines, the search, the drawn batches), each
         # named in its note; shown where planning takes more than two seconds.
         with progress_bar("planning", delay_s=_PROGRESS_AFTER_S) as progress:
-            the_plan = plan(cost, num_gpus, search=args.search,
+            the_plan = plan(cost, num_gpus, search=args.search, placement=args.placement,
                             compare_baseline=not args.no_baseline, progress=progress,
                             simulate_steps=args.simulate_steps)
     except Infeasible as err:
@@ -284,7 +295,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _solve(result: FrontendResult, program: Program, cost: CostModel | None,
-           num_gpus: int | None = None) -> Plan | None:
+           num_gpus: int | None = None, placement: str = "auto") -> Plan | None:
     """The plan ``dtc plan`` gives ``program`` by default (the convex search, the
     objective its time on ``SIMULATE_STEPS`` drawn batches; analytic costs unless
     ``cost``), or None after printing why there is none: what ``dtc compile`` and
@@ -296,8 +307,9 @@ def _solve(result: FrontendResult, program: Program, cost: CostModel | None,
     cost = cost or build_cost_model(program)
     try:
         with progress_bar("planning", delay_s=_PROGRESS_AFTER_S) as progress:
-            return plan(cost, num_gpus or program.cluster.num_gpus, compare_baseline=False,
-                        progress=progress, simulate_steps=SIMULATE_STEPS)
+            return plan(cost, num_gpus or program.cluster.num_gpus, placement=placement,
+                        compare_baseline=False, progress=progress,
+                        simulate_steps=SIMULATE_STEPS)
     except Infeasible as err:
         span = err.span or program.cluster.span
         diag = Diagnostic.error(err.code, err.message, span, notes=err.notes, hint=err.hint)
@@ -379,16 +391,20 @@ def _plan_problems(the_plan: Plan, program: Program) -> list[str]:
 
 
 def _plan_and_schedule(plan_path: str | None, result: FrontendResult, program: Program,
-                       cost: CostModel, num_gpus: int | None = None
-                       ) -> tuple[Plan, Schedule] | None:
+                       cost: CostModel, num_gpus: int | None = None,
+                       placement: str | None = None) -> tuple[Plan, Schedule] | None:
     """The plan (read from ``plan_path``, else solved) and its lowered schedule, or None
     after printing why there is no plan."""
     from dtdsl.schedule.lower import LoweringError, lower
 
     if plan_path:
+        if placement is not None:
+            raise UsageError("--placement chooses where the planner puts the encoders and "
+                             "generators; with --plan the plan is given: use one or the "
+                             "other")
         the_plan = _read_plan(plan_path, program)
     else:
-        the_plan = _solve(result, program, cost, num_gpus)
+        the_plan = _solve(result, program, cost, num_gpus, placement or "auto")
         if the_plan is None:
             return None
     try:
@@ -398,7 +414,8 @@ def _plan_and_schedule(plan_path: str | None, result: FrontendResult, program: P
 
 
 def _runtime_plan(plan_path: str | None, result: FrontendResult, program: Program,
-                  cost: CostModel) -> tuple[Plan, Schedule] | None:
+                  cost: CostModel, placement: str | None = None
+                  ) -> tuple[Plan, Schedule] | None:
     """``_plan_and_schedule`` for a command that builds the runtime (compile, memcheck):
     None after printing DT601 errors for what the runtime cannot train yet, the spec's own
     features before planning (no need to wait for the planner), the plan's after."""
@@ -408,7 +425,7 @@ def _runtime_plan(plan_path: str | None, result: FrontendResult, program: Progra
     unsupported = runtime_support(program)
     planned = None
     if not unsupported:
-        planned = _plan_and_schedule(plan_path, result, program, cost)
+        planned = _plan_and_schedule(plan_path, result, program, cost, placement=placement)
         if planned is None:
             return None
         unsupported = runtime_support(program, planned[0])
@@ -429,7 +446,7 @@ def _cmd_memcheck(args: argparse.Namespace) -> int:
     assert program is not None
     cost = _cost_model(args, program)
     # Only what the runtime can build can be measured: dtc compile's diagnostics.
-    planned = _runtime_plan(args.plan, result, program, cost)
+    planned = _runtime_plan(args.plan, result, program, cost, args.placement)
     if planned is None:
         return EXIT_ERRORS
     the_plan, _ = planned
@@ -469,7 +486,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         if args.gpus:
             raise UsageError("--gpus plans for another cluster size; with --plan the plan "
                              "is given: use one or the other")
-    planned = _plan_and_schedule(args.plan, result, program, cost, args.gpus)
+    planned = _plan_and_schedule(args.plan, result, program, cost, args.gpus,
+                                 args.placement)
     if planned is None:
         return EXIT_ERRORS
     the_plan, schedule = planned
@@ -761,7 +779,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
         return EXIT_ERRORS
     # What the runtime cannot train is an error before anything is written.
     cost = _cost_model(args, program)
-    planned = _runtime_plan(args.plan, result, program, cost)
+    planned = _runtime_plan(args.plan, result, program, cost, args.placement)
     if planned is None:
         return EXIT_ERRORS
     the_plan, schedule = planned
@@ -865,6 +883,7 @@ def _parser() -> argparse.ArgumentParser:
                       "prediction only)")
     plan.add_argument("--no-baseline", action="store_true",
                       help="skip planning the Megatron-LM baselines (no speedups reported)")
+    _add_placement(plan, given_plan=False)
     plan.set_defaults(func=_cmd_plan)
 
     prof = sub.add_parser("profile", help="measure every module's forward and backward time "
@@ -926,6 +945,7 @@ def _parser() -> argparse.ArgumentParser:
                       "newest checkpoint (default 3)")
     comp.add_argument("--overwrite", action="store_true",
                       help="replace an earlier bundle in DIR (its run directories are kept)")
+    _add_placement(comp, given_plan=True)
     comp.set_defaults(func=_cmd_compile)
 
     from dtdsl.data.cli import register as register_data
@@ -952,6 +972,7 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--overwrite", action="store_true",
                      help="delete the event files of an earlier run in --logdir")
     sim.add_argument("--json", action="store_true", help="print the results as JSON")
+    _add_placement(sim, given_plan=True)
     sim.set_defaults(func=_cmd_simulate)
 
     reo = sub.add_parser("reorder", help="run a reordering policy on given sample costs")
@@ -987,6 +1008,7 @@ def _parser() -> argparse.ArgumentParser:
     mem.add_argument("--jobs", type=_positive_int, default=os.cpu_count() or 1, metavar="N",
                      help="stages measured at once, each in a process of its own (default: "
                      "the CPU count)")
+    _add_placement(mem, given_plan=True)
     mem.set_defaults(func=_cmd_memcheck)
 
     ref = sub.add_parser("reference", help="train the spec single-process in fp32 on the CPU: "

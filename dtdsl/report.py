@@ -110,6 +110,7 @@ def _summary(plan: Plan) -> list[str]:
         if sim.policy:
             line += f", {format_seconds(sim.no_reorder_iteration_time_s)} without reordering"
         lines.append(line)
+    lines.extend(_placement_lines(plan))
     lines.extend(_baseline_lines(plan))
     if sim is not None and sim.packing is not None:
         lines.append(_packing_line(sim.packing))
@@ -118,6 +119,24 @@ def _summary(plan: Plan) -> list[str]:
         f"{plan.candidates:,} TP/DP candidates, {plan.convex_solves:,} convex solves, "
         f"{plan.evaluated:,} integer layouts evaluated")
     return lines
+
+
+def _placement_lines(plan: Plan) -> list[str]:
+    """Where the encoders and generators run, and each other placement weighed with its
+    best time (on the drawn batches where the plan was simulated): why this one."""
+    if plan.rigid:
+        return []
+    where = {"colocated": "encoders and generators on the backbone's first and last "
+                          "stages", "disaggregated": "every module on GPUs of its own"}
+    line = f"{'placement':<16}{plan.placement}: {where[plan.placement]}"
+    others = {k: t for k, t in (plan.placements or {}).items() if k != plan.placement}
+    if others:
+        mine = (plan.placements or {}).get(plan.placement)
+        basis = "on the drawn batches" if plan.simulated is not None else "at mean work"
+        parts = [f"{k} {format_seconds(t)}" + (f" ({t / mine:.2f}x the time)" if mine else "")
+                 for k, t in sorted(others.items(), key=lambda x: x[1])]
+        line += f"; next best {basis}: {', '.join(parts)}"
+    return [line]
 
 
 def baseline_layout(plan: Plan) -> str:

@@ -182,6 +182,10 @@ class Plan(BaseModel):
     # Megatron-LM's layouts on the same cluster, by name (``BASELINES``), each with the
     # plan's speedup over it; None when not compared, a name missing when none fits.
     baselines: dict[str, Baseline] | None = None
+    # The best iteration time of each placement the planner weighed ("disaggregated",
+    # "colocated": ``planner.placement``), on the drawn batches where it simulated them,
+    # else at mean work: why this placement. None where it weighed one.
+    placements: dict[str, float] | None = None
     units: tuple[UnitPlan, ...]
 
     @property
@@ -199,6 +203,12 @@ class Plan(BaseModel):
             data = {k: v for k, v in data.items()
                     if k not in ("speedup", "baseline_iteration_time_s")}
         return data
+
+    @property
+    def placement(self) -> str:
+        """"colocated" where its encoders and generators run on the backbone's stages,
+        else "disaggregated" (each on GPUs of its own)."""
+        return "colocated" if any(u.colocated for u in self.units) else "disaggregated"
 
     def speedup(self, baseline: str = "megatron", *, simulated: bool = False
                 ) -> float | None:

@@ -13,6 +13,7 @@ The modules import cvxpy (a second to load), so import this package only to plan
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from dtdsl.cost.model import CostModel
 from dtdsl.ir.plan import BASELINES, Baseline, Plan, Simulated
@@ -21,21 +22,24 @@ from dtdsl.planner.baseline import (
     baseline_candidates,
     choose_on_drawn_batches,
     plan_baseline,
+    with_recompute,
 )
 from dtdsl.planner.exhaustive import MAX_GPUS as EXHAUSTIVE_MAX_GPUS
 from dtdsl.planner.exhaustive import plan_exhaustive
 from dtdsl.planner.orchestrate import plan_convex
+from dtdsl.planner.placement import PLACEMENTS, colocated_layouts, colocation_refusal
 from dtdsl.planner.result import Infeasible, PlannerError
 from dtdsl.planner.simulated import (
     ESTIMATED,
     SIMULATED,
     SpecData,
+    choose_among,
     choose_plan,
     packing_figures,
     simulate_plan,
 )
 
-__all__ = ["EXHAUSTIVE_MAX_GPUS", "SEARCHES", "Infeasible", "PlannerError", "plan",
+__all__ = ["EXHAUSTIVE_MAX_GPUS", "PLACEMENTS", "SEARCHES", "Infeasible", "PlannerError", "plan",
            "plan_baseline", "plan_baselines", "plan_convex", "plan_exhaustive",
            "simulate_plan"]
 
@@ -44,25 +48,33 @@ Progress = Callable[[int, int, str], None]
 
 
 def plan(cost: CostModel, num_gpus: int | None = None, *, search: str = "convex",
-         compare_baseline: bool = True, progress: Progress | None = None,
-         baseline_progress: Progress | None = None, simulate_steps: int = 0,
-         estimate: int = ESTIMATED, simulate: int = SIMULATED) -> Plan:
+         placement: str = "auto", compare_baseline: bool = True,
+         progress: Progress | None = None, baseline_progress: Progress | None = None,
+         simulate_steps: int = 0, estimate: int = ESTIMATED, simulate: int = SIMULATED
+         ) -> Plan:
     """Plan with ``search`` and, unless ``compare_baseline`` is off, the Megatron-LM
     baselines on the same cluster (``plan_baselines``: ``Plan.baselines``, each with the
     plan's speedup over it; a baseline no layout of which fits is left out).
 
+    ``placement`` (``planner.placement.PLACEMENTS``): ``disaggregated`` gives every module
+    GPUs of its own (the search's layouts), ``colocated`` runs the encoders and generators
+    on the backbone's first and last stages (``colocated_layouts``), ``auto`` weighs both
+    and keeps the faster, each placement's best time in ``Plan.placements``.
+
     ``simulate_steps`` > 0: the objective is the time on that many drawn batches
     (``planner.simulated.choose_plan``): of the layouts near the search's optimum in
-    expectation (up to ``estimate``, one per backbone layout), the ``simulate`` best by
-    the drawn-batch estimate (``sim.estimate``) are simulated under the spec's reorder
-    policy and the fastest is the plan; then that plan without reordering, and with
-    ``train.packing`` toggled (``packing_figures``). The Plan's ``simulated`` holds the
-    figures; the baselines are chosen on the same batches. ``search = "baseline"``: the
-    plan is the ``megatron`` baseline itself. ``progress`` (``baseline_progress`` for the
-    baselines, default ``progress``) is called as the work goes, each phase named in
-    its note."""
+    expectation (up to ``estimate``, one per backbone layout) and the co-located ones (one
+    per backbone depth), the ``simulate`` best of each placement by the drawn-batch
+    estimate (``sim.estimate``) are simulated under the spec's reorder policy and the
+    fastest is the plan; then that plan without reordering, and with ``train.packing``
+    toggled (``packing_figures``). The Plan's ``simulated`` holds the figures; the
+    baselines are chosen on the same batches. ``search = "baseline"``: the plan is the
+    ``megatron`` baseline itself. ``progress`` (``baseline_progress`` for the baselines,
+    default ``progress``) is called as the work goes, each phase named in its note."""
     if search not in SEARCHES:
         raise ValueError(f"unknown search {search!r}; one of {', '.join(SEARCHES)}")
+    if placement not in PLACEMENTS:
+        raise ValueError(f"unknown placement {placement!r}; one of {', '.join(PLACEMENTS)}")
     steps = simulate_steps
     baseline_progress = baseline_progress or progress
     # The spec's data packed and unpacked, drawn once for the baselines and the packing
@@ -86,23 +98,107 @@ def plan(cost: CostModel, num_gpus: int | None = None, *, search: str = "convex"
                 no_reorder_iteration_time_s=chosen.simulated_s,
                 candidates=chosen.candidates, estimated=chosen.estimated)})
         return _compared(result, baselines)
-    planner = plan_convex if search == "convex" else plan_exhaustive
-    result = planner(cost, num_gpus, progress=_named(progress, f"{search} search"))
-    if steps <= 0:
-        return _compared(result, baselines)
     policy = frozenset(cost.program.train.reorder)
-    batches = data.batches(cost.program.train.packing)
-    result, timed, scored, estimated = choose_plan(
-        cost, result, batches, policy, estimate=estimate, simulate=simulate,
-        progress=_named(progress, "drawn batches"))
-    plain = timed if not policy else batches.mean_time(cost, result, frozenset())
-    packing = packing_figures(cost, result, steps=steps, iteration_time_s=timed, data=data,
+    batches = data.batches(cost.program.train.packing) if steps > 0 else None
+    found = _placements(cost, num_gpus, search, placement, batches, policy,
+                        estimate=estimate, simulate=simulate, progress=progress)
+    name = min(found, key=lambda k: (found[k].time, k != "disaggregated"))
+    chosen_placement = found[name]
+    result = chosen_placement.plan
+    if len(found) > 1 or placement == "auto":
+        result = result.model_copy(update={"placements": {k: v.time
+                                                          for k, v in found.items()}})
+    if batches is None:
+        return _compared(result, baselines)
+    timed, priced = chosen_placement.time, chosen_placement.cost
+    plain = timed if not policy else batches.mean_time(priced, result, frozenset())
+    packing = packing_figures(priced, result, steps=steps, iteration_time_s=timed, data=data,
                               policy=policy)
     result = result.model_copy(update={"simulated": Simulated(
         steps=steps, policy=tuple(sorted(policy)), iteration_time_s=timed,
-        no_reorder_iteration_time_s=plain, candidates=scored, estimated=estimated,
-        packing=packing)})
+        no_reorder_iteration_time_s=plain,
+        candidates=sum(x.scored for x in found.values()),
+        estimated=sum(x.estimated for x in found.values()), packing=packing)})
     return _compared(result, baselines)
+
+
+@dataclass(frozen=True)
+class _Found:
+    """A placement's best plan, its time (on the drawn batches, or at mean work) and how
+    many layouts were simulated and estimated to find it."""
+
+    plan: Plan
+    time: float
+    cost: CostModel               # what priced it (the spec's, or with recomputation)
+    scored: int = 1
+    estimated: int = 0
+
+
+def _placements(cost: CostModel, num_gpus: int | None, search: str, placement: str,
+                batches, policy: frozenset[str], *, estimate: int, simulate: int,
+                progress: Progress | None) -> dict[str, _Found]:
+    """Each placement ``placement`` asks for, with its best plan (those with no layout
+    that fits left out), each searched with the spec's recomputation and, where the spec
+    does not recompute everywhere, with every layer recomputed (``with_recompute``: a
+    layout that fits only so, as the baselines may take it; ``UnitPlan.recompute`` says
+    which the plan runs). Raises ``Infeasible`` where nothing fits: the disaggregated
+    search's reason, or why nothing co-locates."""
+    out: dict[str, _Found] = {}
+    failure: Infeasible | None = None
+    refusal = None
+    variants = [("", cost)]
+    again = with_recompute(cost)
+    if again is not None:
+        variants.append((", recomputing", again))
+    for label, priced in variants:
+        if placement in ("auto", "disaggregated"):
+            planner = plan_convex if search == "convex" else plan_exhaustive
+            try:
+                searched = planner(priced, num_gpus,
+                                   progress=_named(progress, f"{search} search{label}"))
+            except Infeasible as err:
+                failure = failure or err
+            else:
+                if batches is None:
+                    found = _Found(searched, searched.iteration_time_s, priced)
+                else:
+                    chosen, t, scored, estimated = choose_plan(
+                        priced, searched, batches, policy, estimate=estimate,
+                        simulate=simulate, progress=_named(progress, f"drawn batches{label}"))
+                    found = _Found(chosen, t, priced, scored, estimated)
+                _keep(out, "disaggregated", found)
+        if placement in ("auto", "colocated"):
+            refusal = colocation_refusal(priced)
+            layouts = colocated_layouts(priced, num_gpus, search=search) \
+                if refusal is None else []
+            if layouts and batches is None:
+                _keep(out, "colocated", _Found(layouts[0], layouts[0].iteration_time_s, priced))
+            elif layouts:
+                chosen, t, scored, estimated = choose_among(
+                    priced, layouts[:estimate], batches, policy, simulate=simulate,
+                    progress=_named(progress, f"co-located, drawn batches{label}"))
+                _keep(out, "colocated", _Found(chosen, t, priced, scored, estimated))
+    if placement == "colocated" and not out:
+        raise Infeasible(
+            "no co-located layout: " + (refusal or "no layout with the encoders and "
+                                        "generators on the backbone's stages fits"),
+            cost.program.cluster.span, hint="plan with --placement disaggregated or auto")
+    if not out:
+        assert failure is not None
+        raise failure
+    return out
+
+
+def _keep(out: dict[str, _Found], placement: str, found: _Found) -> None:
+    """Keep ``found`` as ``placement``'s best unless a faster one is there (the counts of
+    layouts simulated and estimated add up)."""
+    old = out.get(placement)
+    if old is None:
+        out[placement] = found
+        return
+    best = found if found.time < old.time else old
+    out[placement] = _Found(best.plan, best.time, best.cost, old.scored + found.scored,
+                            old.estimated + found.estimated)
 
 
 def _named(progress: Progress | None, phase: str) -> Progress | None:

@@ -52,8 +52,9 @@ from dtdsl.planner.evaluate import Evaluator
 from dtdsl.planner.result import Layout, make_plan, no_layout_fits
 from dtdsl.planner.space import Space, efficient_pps
 
-__all__ = ["ESTIMATE_WITHIN", "PLACEMENTS", "SIMULATED", "Candidate", "StageWork",
-           "baseline_candidates", "baseline_cost", "choose_on_drawn_batches",
+__all__ = ["ESTIMATE_WITHIN", "PLACEMENTS", "SIMULATED", "Candidate", "Colocation",
+           "StageWork", "baseline_candidates", "baseline_cost", "choose_on_drawn_batches",
+           "colocated_plan",
            "megatron_split", "one_f_one_b_time", "plan_baseline", "with_recompute"]
 
 Progress = Callable[[int, int, str], None]
@@ -262,10 +263,12 @@ class _Colocated:
     across: np.ndarray            # its TP groups span nodes (priced so)
 
 
-class _Colocation:
+class Colocation:
     """Co-located layouts of one cost model: encoders on the backbone's first stage,
     generators on its last, all split by the backbone's TP, the first and last stages
-    given fewer layers where that balances the stages (``megatron_split``)."""
+    given fewer layers where that balances the stages (``megatron_split``). A module the
+    backbone's TP degree cannot split (its heads or channels, ``Space.tps``) runs whole on
+    every rank of the TP group (``replicated``): priced at tp 1, as it computes."""
 
     def __init__(self, ev: Evaluator, microbatches: tuple[int, ...] = ()) -> None:
         self.ev = ev
@@ -277,6 +280,16 @@ class _Colocation:
         self._splits: dict[tuple, tuple[tuple[int, ...], float]] = {}
         self._tables: dict[tuple[int, int], _SplitTable] = {}
         self._works: dict[tuple[int, bool], StageWork] = {}
+        space = Space(ev)
+        self._tps = {i: frozenset(space.tps(i)) for i in self.enc + self.gen}
+
+    def replicated(self, i: int, tp: int) -> bool:
+        """Does co-located unit ``i`` run whole on every rank of a TP group of ``tp``?"""
+        return tp > 1 and tp not in self._tps[i]
+
+    def work_tp(self, i: int, tp: int) -> int:
+        """The TP degree co-located unit ``i`` computes at on the backbone's TP groups."""
+        return 1 if self.replicated(i, tp) else tp
 
     def _work(self, tp: int, across: bool) -> StageWork:
         """A backbone layer's forward and backward seconds of one microbatch, the
@@ -286,13 +299,19 @@ class _Colocation:
             self._works[(tp, across)] = self._stage_work(tp, across)
         return self._works[(tp, across)]
 
+    def fwd_bwd(self, i: int, tp: int, across: bool) -> tuple[float, float]:
+        """Co-located unit ``i``'s forward and backward seconds per microbatch on TP
+        groups of ``tp`` (a replicated one has no collectives to cross nodes)."""
+        t = self.work_tp(i, tp)
+        return self.ev.fwd_bwd(i, t, across and t > 1)
+
     def _stage_work(self, tp: int, across: bool) -> StageWork:
         ev = self.ev
         b = ev.backbone
         fwd, bwd = ev.fwd_bwd(b, tp, across)
         layers = ev.units[b].layers
-        first = [ev.fwd_bwd(i, tp, across) for i in self.enc]
-        last = [ev.fwd_bwd(i, tp, across) for i in self.gen]
+        first = [self.fwd_bwd(i, tp, across) for i in self.enc]
+        last = [self.fwd_bwd(i, tp, across) for i in self.gen]
         return StageWork(fwd=fwd / layers, bwd=bwd / layers,
                          first=(sum(f for f, _ in first), sum(b_ for _, b_ in first)),
                          last=(sum(f for f, _ in last), sum(b_ for _, b_ in last)),
@@ -328,9 +347,11 @@ class _Colocation:
         across_all = np.broadcast_to(placed.across_nodes[0] & (tp > 1), pps.shape)
         vpps = np.broadcast_to(ev.vpp(b, pps, m), pps.shape)
         fixed_b, layer_b = cost.dp_sync_coefficients(unit, tp, dp)
-        sync_e = sum((float(cost.dp_sync_time_s(ev.units[i], tp, 1, dp)) for i in self.enc),
+        sync_e = sum((float(cost.dp_sync_time_s(ev.units[i], self.work_tp(i, tp), 1, dp))
+                      for i in self.enc),
                      0.0)
-        sync_g = sum((float(cost.dp_sync_time_s(ev.units[i], tp, 1, dp)) for i in self.gen),
+        sync_g = sum((float(cost.dp_sync_time_s(ev.units[i], self.work_tp(i, tp), 1, dp))
+                      for i in self.gen),
                      0.0)
         out = {k: np.empty(pps.shape) for k in ("time", "warmup", "steady", "sync", "bsync")}
         splits = []
@@ -380,9 +401,11 @@ class _Colocation:
         unit = ev.units[b]
         m = ev.microbatches(dp)
         v = int(np.asarray(ev.vpp(b, pp, m)))
-        own = {i: float(cost.memory_bytes(ev.units[i], tp, 1, dp, 1, pp, m, 1.0))
+        own = {i: float(cost.memory_bytes(ev.units[i], self.work_tp(i, tp), 1, dp, 1, pp, m,
+                                          1.0))
                for i in self.enc}
-        own.update({i: float(cost.memory_bytes(ev.units[i], tp, 1, dp, 1, 1, m, 1.0))
+        own.update({i: float(cost.memory_bytes(ev.units[i], self.work_tp(i, tp), 1, dp, 1, 1,
+                                               m, 1.0))
                     for i in self.gen})
         stages = [0] + ([1] if pp > 2 else []) + ([pp - 1] if pp > 1 else [])
         fits, heaviest = True, 0.0
@@ -493,7 +516,7 @@ def baseline_candidates(cost: CostModel, num_gpus: int | None = None, *,
     layers = space.units[b].layers
     pps_all = np.asarray(efficient_pps(layers, space.pps(b)), dtype=int)
     counts = tuple(space.total_microbatches // dp for dp in space.dp_lms())
-    colocations = {key: _Colocation(ev, counts) for key, ev in evs.items()}
+    colocations = {key: Colocation(ev, counts) for key, ev in evs.items()}
     tps, dp_lms = space.tps(b), space.dp_lms()
     own_ok = "stages" in placements and all(1 in space.pps(i) for i in range(space.n)
                                             if i != b)
@@ -614,26 +637,37 @@ def _with_unit(plan: Plan, index: int, **update) -> Plan:
     return plan.model_copy(update={"units": tuple(units)})
 
 
-def _colocated_plan(co: _Colocation, choice: _Choice, *, solve_time_s: float,
+def _colocated_plan(co: Colocation, choice: _Choice, *, solve_time_s: float,
                     candidates: int, evaluated: int) -> Plan:
+    """The Plan of a co-located baseline layout (``colocated_plan``, padded as
+    Megatron-LM pads at its depth)."""
+    return colocated_plan(co, choice.tp, choice.dp, choice.pp, search="baseline",
+                          padding=_padding(choice.pp), solve_time_s=solve_time_s,
+                          candidates=candidates, evaluated=evaluated, time=choice.time)
+
+
+def colocated_plan(co: Colocation, tp: int, dp: int, pp: int, *, search: str, padding: str,
+                   solve_time_s: float, candidates: int, evaluated: int,
+                   time: float | None = None) -> Plan:
     """The Plan of a co-located layout: the backbone's ranks only; the encoders (first
-    stage) and generators (last stage) are listed on those GPUs with ``gpus`` 0."""
+    stage) and generators (last stage) are listed on those GPUs with ``gpus`` 0, the
+    backbone's ``tp`` and ``dp``, starting at its first rank. ``time``: the search's
+    figure for it, checked against the plan's."""
     ev = co.ev
     program = ev.cost.program
     b = ev.backbone
-    tp, dp, pp = choice.tp, choice.dp, choice.pp
     figures = co.evaluate(tp, dp, np.asarray([pp]))
     iteration = float(figures.time[0])
     split = figures.splits[0]
     fits, heaviest, own = co.memory(tp, dp, pp, split)
     assert fits and bool(figures.gpus_ok[0]), "planners return feasible layouts"
-    assert math.isclose(iteration, choice.time, rel_tol=1e-9)
+    assert time is None or math.isclose(iteration, time, rel_tol=1e-9)
     across = bool(figures.across[0])
     m = ev.microbatches(dp)
     units = []
     for i, unit in enumerate(ev.units):
         own_unit = i == b
-        fwd, bwd = ev.fwd_bwd(i, tp, across)
+        fwd, bwd = ev.fwd_bwd(i, tp, across) if own_unit else co.fwd_bwd(i, tp, across)
         heaviest_share = max(split) / unit.layers if own_unit else 1.0
         if unit.role == "encoder":
             projectors = tuple(p.name for p in program.projectors if p.source == unit.name)
@@ -643,13 +677,15 @@ def _colocated_plan(co: _Colocation, choice: _Choice, *, solve_time_s: float,
             projectors = ()
         upp = pp if own_unit else 1
         sync = float(figures.backbone_sync[0]) if own_unit else \
-            float(ev.cost.dp_sync_time_s(unit, tp, 1, dp))
+            float(ev.cost.dp_sync_time_s(unit, co.work_tp(i, tp), 1, dp))
         units.append(UnitPlan(
             name=unit.name, role=unit.role, projectors=projectors,
             gpus=tp * dp * pp if own_unit else 0, tp=tp, dp=dp, pp=upp,
             vpp=int(np.asarray(ev.vpp(i, upp, m))), colocated=not own_unit,
+            tp_replicated=not own_unit and co.replicated(i, tp),
             recompute=program.module(unit.name).recompute, first_rank=0,
-            padding=_padding(pp) if own_unit else "longest", tp_across_nodes=across,
+            padding=padding if own_unit else "longest",
+            tp_across_nodes=across and (own_unit or not co.replicated(i, tp)),
             layers_per_stage=split if own_unit else (unit.layers,), microbatch_share=1.0,
             fwd_time_s=fwd * heaviest_share, bwd_time_s=bwd * heaviest_share,
             dp_sync_time_s=sync,
@@ -657,7 +693,7 @@ def _colocated_plan(co: _Colocation, choice: _Choice, *, solve_time_s: float,
             memory_limit_bytes=ev.memory_limit[i]))
     train = program.train
     return Plan(
-        spec=program.name, spec_sha256=program.source_sha256, search="baseline",
+        spec=program.name, spec_sha256=program.source_sha256, search=search,
         num_gpus=ev.num_gpus, gpus_used=tp * dp * pp, global_batch=train.global_batch,
         micro_batch=train.micro_batch, num_microbatches=m, schedule=train.schedule,
         iteration_time_s=iteration, warmup_time_s=float(figures.warmup[0]),

@@ -25,7 +25,7 @@ from statistics import fmean
 from dtdsl.cost.model import CostModel, build_cost_model
 from dtdsl.ir.plan import Packing, Plan
 
-__all__ = ["ESTIMATED", "SIMULATED", "DrawnBatches", "SpecData", "choose_plan",
+__all__ = ["ESTIMATED", "SIMULATED", "DrawnBatches", "SpecData", "choose_among", "choose_plan",
            "packing_figures", "repriced", "simulate_plan"]
 
 Progress = Callable[[int, int, str], None]
@@ -78,20 +78,33 @@ def choose_plan(cost: CostModel, searched: Plan, batches: DrawnBatches,
     plans = [make_plan(ev, searched.search, layout, solve_time_s=searched.solve_time_s,
                        candidates=searched.candidates, convex_solves=searched.convex_solves,
                        evaluated=searched.evaluated) for layout in layouts] or [searched]
+    return choose_among(cost, plans, batches, policy, simulate=simulate, progress=progress)
+
+
+def choose_among(cost: CostModel, plans: list[Plan], batches: DrawnBatches,
+                 policy: frozenset[str], *, simulate: int = SIMULATED,
+                 progress: Progress | None = None) -> tuple[Plan, float, int, int]:
+    """The fastest of ``plans`` on ``batches`` routed under ``policy``: each ranked by its
+    estimated time on the first batch, the ``simulate`` best simulated on every batch.
+    Returns it, its mean time, how many were simulated and how many estimated."""
+    if simulate < 1:
+        raise ValueError(f"simulate must be at least 1, not {simulate}")
+    if not plans:
+        raise ValueError("no plans to choose from")
+    total = len(plans) + min(simulate, len(plans)) * batches.steps
     estimates = []
     for k, candidate in enumerate(plans):
-        _report(progress, k, len(plans) + simulate * batches.steps,
-                f"estimating {_backbone(candidate)}")
+        _report(progress, k, total, f"estimating {_backbone(candidate)}")
         estimates.append(batches.estimate(candidate, policy))
     ranked = sorted(range(len(plans)), key=lambda k: (estimates[k], k))[:simulate]
     best: tuple[Plan, float] | None = None
     done = len(plans)
     for k in ranked:
         note = f"simulating {_backbone(plans[k])}"
-        _report(progress, done, len(plans) + simulate * batches.steps, note)
+        _report(progress, done, total, note)
 
         def step(s: int, at: int = done, note: str = note) -> None:
-            _report(progress, at + s + 1, len(plans) + simulate * batches.steps, note)
+            _report(progress, at + s + 1, total, note)
 
         t = batches.mean_time(cost, plans[k], policy, progress=step)
         done += batches.steps
@@ -108,7 +121,8 @@ def _report(progress: Progress | None, done: int, total: int, note: str) -> None
 
 def _backbone(plan: Plan) -> str:
     u = next(u for u in plan.units if u.role == "backbone")
-    return f"{u.name} tp {u.tp} dp {u.dp} pp {u.pp}"
+    where = ", co-located" if any(x.colocated for x in plan.units) else ""
+    return f"{u.name} tp {u.tp} dp {u.dp} pp {u.pp}{where}"
 
 
 def repriced(plan: Plan, cost: CostModel, other: CostModel) -> Plan:
@@ -144,6 +158,11 @@ def packing_figures(cost: CostModel, plan: Plan, *, steps: int, iteration_time_s
     program = cost.program
     spec_packs = program.train.packing
     other = data.cost(not spec_packs)
+    if any(u.recompute and not other.program.module(u.name).recompute for u in plan.units):
+        # A plan that recomputes where the spec does not: the other setting likewise.
+        from dtdsl.planner.baseline import with_recompute
+
+        other = with_recompute(other) or other
     toggled = data.batches(not spec_packs)
     layout = repriced(plan, cost, other)
     replanned = not _fits(other, plan)
@@ -152,12 +171,19 @@ def packing_figures(cost: CostModel, plan: Plan, *, steps: int, iteration_time_s
         # does not fit in memory the other way, compare with what the planner gives that
         # setting, not with a layout no run could use.
         from dtdsl.planner.orchestrate import plan_convex
+        from dtdsl.planner.placement import colocated_layouts
         from dtdsl.planner.result import Infeasible
 
-        try:
-            layout = plan_convex(other, plan.num_gpus)
-        except Infeasible:
-            return None
+        if any(u.colocated for u in plan.units):
+            found = colocated_layouts(other, plan.num_gpus, search=plan.search)
+            if not found:
+                return None
+            layout = found[0]
+        else:
+            try:
+                layout = plan_convex(other, plan.num_gpus)
+            except Infeasible:
+                return None
     other_s = toggled.mean_time(other, layout, policy)
     ours, theirs = data.batches(spec_packs).positions, toggled.positions
     order = tuple(sorted(policy))
@@ -173,12 +199,9 @@ def packing_figures(cost: CostModel, plan: Plan, *, steps: int, iteration_time_s
 def _fits(other: CostModel, plan: Plan) -> bool:
     """Whether ``plan``'s layout fits in memory priced by ``other`` (the same modules under
     other training settings)."""
-    from dtdsl.planner.evaluate import Evaluator
+    from dtdsl.planner.placement import plan_fits
 
-    est = Evaluator(other, plan.num_gpus).evaluate(
-        tuple(u.tp for u in plan.units), tuple(u.dp for u in plan.units),
-        tuple(u.pp for u in plan.units), replicated=tuple(u.tp_replicated for u in plan.units))
-    return bool(est.feasible)
+    return plan_fits(other, plan)
 
 
 class SpecData:

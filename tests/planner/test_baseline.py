@@ -21,7 +21,7 @@ from dtdsl.ir.plan import split_layers
 from dtdsl.planner import plan_baselines, simulate_plan
 from dtdsl.planner.baseline import (
     StageWork,
-    _Colocation,
+    Colocation,
     baseline_candidates,
     baseline_cost,
     megatron_split,
@@ -333,7 +333,7 @@ def test_each_recomputing_layout_does_not_fit_without():
         ev = Evaluator(plain, 4)
         b = backbone_of(c.plan)
         if c.placement == "colocated":
-            co = _Colocation(ev)
+            co = Colocation(ev)
             split = co.evaluate(b.tp, b.dp, np.asarray([b.pp])).splits[0]
             fits, _, _ = co.memory(b.tp, b.dp, b.pp, split)
         else:
