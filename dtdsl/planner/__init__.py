@@ -157,7 +157,8 @@ def _placements(cost: CostModel, num_gpus: int | None, search: str, placement: s
                 searched = planner(priced, num_gpus,
                                    progress=_named(progress, f"{search} search{label}"))
             except Infeasible as err:
-                failure = failure or err
+                # The recomputing search's reason where both fail: its layouts need less.
+                failure = err
             else:
                 if batches is None:
                     found = _Found(searched, searched.iteration_time_s, priced)

@@ -20,8 +20,8 @@ from dtdsl.driver import run_frontend
 from dtdsl.ir.plan import split_layers
 from dtdsl.planner import plan_baselines, simulate_plan
 from dtdsl.planner.baseline import (
-    StageWork,
     Colocation,
+    StageWork,
     baseline_candidates,
     baseline_cost,
     megatron_split,

@@ -1,0 +1,117 @@
+"""The co-located placement: encoders on the backbone's first pipeline stage, generators on
+its last (``planner.placement``), weighed against disaggregation, and searched with and
+without recomputation."""
+
+from __future__ import annotations
+
+import math
+from functools import cache
+
+import pytest
+
+from dtdsl import cli
+from dtdsl.cost.model import build_cost_model
+from dtdsl.ir.plan import Plan
+from dtdsl.planner import Infeasible, plan
+from dtdsl.planner.placement import colocated_layouts, plan_fits
+from tests.planner.test_planner import cost, from_text, program
+from tests.specs import TINY
+
+VIT_H = "arch = transformer(layers=32, hidden=1280, heads=16, ffn=5120, patch=14)"
+
+
+@cache
+def _nine_b(vit: str):
+    """mllm_9b with another image encoder."""
+    text = (TINY.parent / "mllm_9b.dt").read_text()
+    assert VIT_H in text
+    return build_cost_model(from_text(text.replace(VIT_H, vit)))
+
+
+def test_a_small_encoder_is_co_located_and_a_heavy_one_is_not():
+    """Where the encoder is a small share of the work, sharing the backbone's first stage
+    beats GPUs of its own; a heavy one (5.4B, InternViT-6B-class) needs its own."""
+    small = plan(_nine_b("arch = transformer(layers=8, hidden=768, heads=12, ffn=3072, "
+                         "patch=14)"), compare_baseline=False)
+    heavy = plan(_nine_b("arch = transformer(layers=48, hidden=3072, heads=24, ffn=12288, "
+                         "patch=14)"), compare_baseline=False)
+    for result in (small, heavy):
+        # auto weighs both and keeps the faster, by the planner's own figures.
+        assert set(result.placements) == {"disaggregated", "colocated"}
+        assert result.placements[result.placement] == min(result.placements.values())
+        assert result.placements[result.placement] == result.iteration_time_s
+    assert small.placement == "colocated"
+    assert heavy.placement == "disaggregated"
+    assert heavy.placements["colocated"] > 1.05 * heavy.placements["disaggregated"]
+
+
+@pytest.mark.parametrize("name", ["tiny_cpu", "mllm_9b", "audio_image"])
+def test_co_located_plans_hold_their_modules_on_the_backbone_stages(name):
+    found = colocated_layouts(cost(name))
+    assert found, name
+    depths = [next(u.pp for u in p.units if u.role == "backbone") for p in found]
+    assert len(set(depths)) == len(depths)      # one per backbone depth
+    assert [p.iteration_time_s for p in found] == sorted(p.iteration_time_s for p in found)
+    for result in found:
+        backbone = next(u for u in result.units if u.role == "backbone")
+        assert not result.rigid and result.placement == "colocated"
+        assert result.gpus_used == backbone.gpus == backbone.tp * backbone.dp * backbone.pp
+        assert sum(backbone.layers_per_stage) == cost(name).unit(backbone.name).layers
+        assert min(backbone.layers_per_stage) >= 1
+        for u in result.units:
+            if u is backbone:
+                continue
+            assert u.colocated and u.gpus == 0 and u.pp == 1
+            assert (u.tp, u.dp, u.first_rank, u.microbatch_share) == \
+                (backbone.tp, backbone.dp, backbone.first_rank, 1.0)
+        assert plan_fits(cost(name), result)
+        assert cli._plan_problems(result, program(name)) == []
+        assert Plan.model_validate_json(result.model_dump_json()) == result
+
+
+def test_a_module_the_backbone_tp_cannot_split_is_replicated_over_it():
+    """SD 2.1's first level has 5 heads: on a backbone of tp 2 it runs whole on both
+    ranks of each TP group, priced at tp 1."""
+    found = [p for p in colocated_layouts(cost("mllm_9b")) if p.unit("llm").tp > 1]
+    assert found
+    for result in found:
+        assert result.unit("sd").tp_replicated and not result.unit("vit").tp_replicated
+        sd = cost("mllm_9b").unit("sd")
+        fwd, bwd = cost("mllm_9b").fwd_bwd_time_s(sd, 1)
+        assert math.isclose(result.unit("sd").fwd_time_s, fwd, rel_tol=1e-9)
+        assert math.isclose(result.unit("sd").bwd_time_s, bwd, rel_tol=1e-9)
+
+
+def test_placement_colocated_says_why_nothing_co_locates():
+    pinned = TINY.read_text().replace("tp(*) in {1, 2}", "tp(*) in {1, 2}\n  gpus(vit) == 1")
+    with pytest.raises(Infeasible, match="vit is constrained to GPUs of its own"):
+        plan(build_cost_model(from_text(pinned)), placement="colocated",
+             compare_baseline=False)
+    # auto falls back to the placement that exists.
+    result = plan(build_cost_model(from_text(pinned)), compare_baseline=False)
+    assert result.placement == "disaggregated" and set(result.placements) == {"disaggregated"}
+
+
+def test_a_layout_that_fits_only_recomputing_is_planned_so():
+    """On 20 MiB GPUs the tiny spec fits only with every layer recomputed: the planner
+    searches that too (as the baselines may), and the plan says so per unit."""
+    text = TINY.read_text().replace("memory=4 GiB", "memory=20 MiB")
+    tight = build_cost_model(from_text(text))
+    assert not any(m.recompute for m in tight.program.modules)
+    result = plan(tight, compare_baseline=False)
+    assert all(u.recompute for u in result.units)
+    assert not plan_fits(tight, result)              # the spec's own settings do not fit
+    roomy = plan(cost("tiny_cpu"), compare_baseline=False)
+    assert not any(u.recompute for u in roomy.units)
+
+
+def test_dtc_plan_explains_the_placement(capsys):
+    assert cli.main(["plan", str(TINY), "--simulate-steps", "0", "--no-baseline"]) == 0
+    out = capsys.readouterr().out
+    assert "placement" in out and "next best at mean work" in out
+    assert cli.main(["plan", str(TINY), "--simulate-steps", "0", "--no-baseline",
+                     "--placement", "disaggregated", "--json"]) == 0
+    result = Plan.model_validate_json(capsys.readouterr().out)
+    assert result.placement == "disaggregated" and result.placements is None   # one weighed
+    with pytest.raises(SystemExit):
+        cli.main(["plan", str(TINY), "--placement", "everywhere"])
