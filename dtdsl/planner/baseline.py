@@ -270,13 +270,18 @@ class Colocation:
     backbone's TP degree cannot split (its heads or channels, ``Space.tps``) runs whole on
     every rank of the TP group (``replicated``): priced at tp 1, as it computes."""
 
-    def __init__(self, ev: Evaluator, microbatches: tuple[int, ...] = ()) -> None:
+    def __init__(self, ev: Evaluator, microbatches: tuple[int, ...] = (),
+                 colocated: frozenset[int] | None = None) -> None:
+        """``colocated``: the units on the backbone's stages (default: every encoder and
+        generator; the others have GPUs of their own and are not priced here)."""
         self.ev = ev
         # The microbatch counts the search will ask for: splits for all of them at once.
         self.microbatches = tuple(sorted(set(microbatches)))
         n = len(ev.units)
-        self.enc = [i for i in range(n) if ev.roles[i] == "encoder"]
-        self.gen = [i for i in range(n) if ev.roles[i] == "generator"]
+        here = frozenset(i for i in range(n) if i != ev.backbone) if colocated is None \
+            else colocated
+        self.enc = [i for i in range(n) if ev.roles[i] == "encoder" and i in here]
+        self.gen = [i for i in range(n) if ev.roles[i] == "generator" and i in here]
         self._splits: dict[tuple, tuple[tuple[int, ...], float]] = {}
         self._tables: dict[tuple[int, int], _SplitTable] = {}
         self._works: dict[tuple[int, bool], StageWork] = {}
@@ -388,21 +393,22 @@ class Colocation:
                           splits=tuple(splits), backbone_sync=out["bsync"],
                           across=across_all)
 
-    def memory(self, tp: int, dp: int, pp: int, split: tuple[int, ...]
+    def memory(self, tp: int, dp: int, pp: int, split: tuple[int, ...], downstream: int = 0
                ) -> tuple[bool, float, dict[int, float]]:
         """Whether the layout's stages fit, each within the limits of every unit on it: the
         backbone's first stage with the encoders (their activations held for the pp
         microbatches in flight there), its middle stages, its last with the generators.
-        Returns that, the backbone's heaviest stage's memory and each co-located unit's
-        own part."""
+        ``downstream``: stages after the backbone's last (generators of their own), which
+        hold microbatches in flight on every stage. Returns that, the backbone's heaviest
+        stage's memory and each co-located unit's own part."""
         ev = self.ev
         cost = ev.cost
         b = ev.backbone
         unit = ev.units[b]
         m = ev.microbatches(dp)
         v = int(np.asarray(ev.vpp(b, pp, m)))
-        own = {i: float(cost.memory_bytes(ev.units[i], self.work_tp(i, tp), 1, dp, 1, pp, m,
-                                          1.0))
+        own = {i: float(cost.memory_bytes(ev.units[i], self.work_tp(i, tp), 1, dp, 1,
+                                          pp + downstream, m, 1.0))
                for i in self.enc}
         own.update({i: float(cost.memory_bytes(ev.units[i], self.work_tp(i, tp), 1, dp, 1, 1,
                                                m, 1.0))
@@ -411,7 +417,8 @@ class Colocation:
         fits, heaviest = True, 0.0
         for s in stages:
             mem = cost.stage_memory_bytes(unit, tp=tp, pp=pp, dp=dp, vpp=v, stage=s,
-                                          layers=split[s], depth=pp - s, microbatches=m,
+                                          layers=split[s], depth=pp - s + downstream,
+                                          microbatches=m,
                                           share=1.0)
             heaviest = max(heaviest, mem)
             on = [b]
@@ -665,16 +672,16 @@ def colocated_plan(co: Colocation, tp: int, dp: int, pp: int, *, search: str, pa
     across = bool(figures.across[0])
     m = ev.microbatches(dp)
     units = []
+    hosted = set(co.enc) | set(co.gen)
     for i, unit in enumerate(ev.units):
         own_unit = i == b
+        if not own_unit and i not in hosted:
+            # A module with GPUs of its own beside the backbone: the caller lays it out.
+            units.append(_unplaced(unit, program, ev.memory_limit[i]))
+            continue
         fwd, bwd = ev.fwd_bwd(i, tp, across) if own_unit else co.fwd_bwd(i, tp, across)
         heaviest_share = max(split) / unit.layers if own_unit else 1.0
-        if unit.role == "encoder":
-            projectors = tuple(p.name for p in program.projectors if p.source == unit.name)
-        elif unit.role == "generator":
-            projectors = tuple(p.name for p in program.projectors if p.target == unit.name)
-        else:
-            projectors = ()
+        projectors = _projectors(program, unit)
         upp = pp if own_unit else 1
         sync = float(figures.backbone_sync[0]) if own_unit else \
             float(ev.cost.dp_sync_time_s(unit, co.work_tp(i, tp), 1, dp))
@@ -702,6 +709,26 @@ def colocated_plan(co: Colocation, tp: int, dp: int, pp: int, *, search: str, pa
         mfu_full_attention=ev.mfu(iteration, full_attention=True),
         solve_time_s=solve_time_s, candidates=candidates, convex_solves=0,
         evaluated=evaluated, units=tuple(units))
+
+
+def _unplaced(unit, program, limit: float) -> UnitPlan:
+    """A placeholder for a module not on the backbone's stages, which the caller of
+    ``colocated_plan`` lays out on GPUs of its own."""
+    return UnitPlan(name=unit.name, role=unit.role, projectors=_projectors(program, unit),
+                    gpus=0, tp=1, dp=1, pp=1, recompute=program.module(unit.name).recompute,
+                    first_rank=0, layers_per_stage=(unit.layers,), microbatch_share=1.0,
+                    fwd_time_s=0.0, bwd_time_s=0.0, dp_sync_time_s=0.0, memory_bytes=0.0,
+                    memory_limit_bytes=limit)
+
+
+def _projectors(program, unit) -> tuple[str, ...]:
+    """The projectors that run with ``unit``: an encoder's into the backbone, the
+    backbone's into a generator."""
+    if unit.role == "encoder":
+        return tuple(p.name for p in program.projectors if p.source == unit.name)
+    if unit.role == "generator":
+        return tuple(p.name for p in program.projectors if p.target == unit.name)
+    return ()
 
 
 def plan_baseline(cost: CostModel, num_gpus: int | None = None, *,

@@ -18,13 +18,14 @@ disaggregated ones and, under ``auto``, keeps the faster placement
 
 from __future__ import annotations
 
-import math
+import itertools
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
 from dtdsl.cost.model import CostModel
-from dtdsl.ir.plan import Plan
+from dtdsl.ir.plan import Plan, place_units
 from dtdsl.planner.baseline import Colocation, colocated_plan
 from dtdsl.planner.evaluate import Evaluator
 from dtdsl.planner.space import Space, efficient_pps
@@ -54,12 +55,15 @@ def colocation_refusal(cost: CostModel) -> str | None:
 
 def colocated_layouts(cost: CostModel, num_gpus: int | None = None, *,
                       search: str = "convex") -> list[Plan]:
-    """Per backbone depth, the fastest co-located layout of ``cost``'s program at mean
-    work that fits: every backbone TP (a co-located module is split by the backbone's TP
-    groups, or replicated over them where it cannot be: ``Colocation.replicated``), every
-    backbone DP that each of them allows, the depths that are not dominated
-    (``efficient_pps``). Fastest first; empty where none
-    fits or ``colocation_refusal`` names a reason. ``search``: the Plans' search field."""
+    """Per set of co-located modules and backbone depth, the fastest layout of ``cost``'s
+    program at mean work that fits, fastest first; empty where none fits or
+    ``colocation_refusal`` names a reason. Every non-empty set of encoders and generators
+    is tried (up to ``_SUBSETS`` of them): the modules in it share the backbone's stages,
+    the others take GPUs of their own beside it (``_Mixed``). A co-located module is
+    split by the backbone's TP groups, or replicated over them where it cannot be
+    (``Colocation.replicated``); every backbone TP, every backbone DP that each of them
+    allows, the depths that are not dominated (``efficient_pps``). ``search``: the
+    Plans' search field."""
     start = time.perf_counter()
     num_gpus = num_gpus or cost.program.cluster.num_gpus
     if colocation_refusal(cost) is not None:
@@ -70,29 +74,189 @@ def colocated_layouts(cost: CostModel, num_gpus: int | None = None, *,
     others = [i for i in range(space.n) if i != b]
     pps = np.asarray(efficient_pps(ev.units[b].layers, space.pps(b)), dtype=int)
     dp_lms = space.dp_lms()
-    co = Colocation(ev, tuple(space.total_microbatches // dp for dp in dp_lms))
-    best: dict[int, tuple[float, int, int]] = {}
+    counts = tuple(space.total_microbatches // dp for dp in dp_lms)
+    subsets = [frozenset(c) for k in range(len(others), 0, -1)
+               for c in itertools.combinations(others, k)][:_SUBSETS]
+    best: dict[tuple[frozenset[int], int], _Choice] = {}
     candidates = evaluated = 0
-    for tp in space.tps(b):
-        for dp in dp_lms:
-            if tp * dp > num_gpus or any(dp not in space.dps(i, dp) for i in others):
-                continue
-            candidates += 1
-            allowed = space.gpus_allowed(b, tp * dp * pps)
-            bars = [best[p][0] if p in best else math.inf for p in pps.tolist()]
-            figures = co.evaluate(tp, dp, pps, bars)
-            evaluated += int(pps.size)
-            for k, p in enumerate(pps.tolist()):
-                if not (allowed[k] and figures.gpus_ok[k]) or figures.time[k] >= bars[k]:
+    for here in subsets:
+        mixed = _Mixed(space, Colocation(ev, counts, colocated=here))
+        for tp in space.tps(b):
+            for dp in dp_lms:
+                if tp * dp > num_gpus or any(dp not in space.dps(i, dp) for i in here):
                     continue
-                if co.memory(tp, dp, p, figures.splits[k])[0]:
-                    best[p] = (float(figures.time[k]), tp, dp)
+                candidates += 1
+                evaluated += int(pps.size)
+                for choice in mixed.best(tp, dp, pps):
+                    key = (here, choice.pp)
+                    if key not in best or choice.time < best[key].time:
+                        best[key] = choice
     solve = time.perf_counter() - start
-    plans = [colocated_plan(co, tp, dp, p, search=search, padding="longest",
-                            solve_time_s=solve, candidates=candidates, evaluated=evaluated,
-                            time=t)
-             for p, (t, tp, dp) in best.items()]
-    return sorted(plans, key=lambda x: (x.iteration_time_s, x.units[b].pp))
+    plans = [c.mixed.plan(c, search=search, solve_time_s=solve, candidates=candidates,
+                          evaluated=evaluated) for c in best.values()]
+    return sorted(plans, key=lambda x: (x.iteration_time_s, x.units[b].pp,
+                                        -sum(u.colocated for u in x.units)))
+
+
+# Sets of co-located modules tried: all of them, then every smaller set (a spec has at most
+# a few encoders and generators; this bounds a spec with many).
+_SUBSETS = 16
+
+
+@dataclass(frozen=True)
+class _Own:
+    """A module on GPUs of its own beside a co-located backbone: one stage, ``tp`` x
+    ``dp``, its time per backbone microbatch step and end of step."""
+
+    index: int
+    tp: int
+    dp: int
+    stage_s: float
+    sync_s: float
+    memory: float
+
+
+@dataclass(frozen=True)
+class _Choice:
+    mixed: _Mixed
+    tp: int
+    dp: int
+    pp: int
+    split: tuple[int, ...]
+    own: tuple[_Own, ...]
+    time: float
+    warmup: float
+    steady: float
+    sync: float
+
+
+class _Mixed:
+    """Layouts with some modules on the backbone's stages (``Colocation``) and the others
+    on one stage of their own each. Its time: the backbone's 1F1B over its uneven stages,
+    or where a module of its own is slower, that module's steady work after the first
+    microbatch crossed the backbone; plus the own modules' warm-up (the slowest encoder
+    before, the slowest generator after) and their transfers, plus the slowest end of
+    step."""
+
+    def __init__(self, space: Space, co: Colocation) -> None:
+        self.space = space
+        self.co = co
+        ev = co.ev
+        here = set(co.enc) | set(co.gen)
+        self.own = [i for i in range(space.n) if i != ev.backbone and i not in here]
+        enc = [i for i in self.own if ev.roles[i] == "encoder"]
+        gens = [i for i in self.own if ev.roles[i] == "generator"]
+        self.own_enc, self.own_gen = enc, gens
+        cost = ev.cost
+        self.edge_s = (2 * cost.p2p_time_s(max(ev.units[i].boundary_bytes for i in enc))
+                       if enc else 0.0) + \
+            (2 * cost.p2p_time_s(ev.units[ev.backbone].boundary_bytes) if gens else 0.0)
+
+    def _options(self, i: int, dp_lm: int, pp_b: int) -> list[_Own]:
+        """Unit ``i``'s one-stage layouts that fit, fastest first."""
+        space, ev = self.space, self.co.ev
+        cost, unit = ev.cost, ev.units[i]
+        m = ev.microbatches(dp_lm)
+        # A microbatch per stage downstream in flight: the backbone's and the generators'.
+        depth = 1 + (pp_b + (1 if self.own_gen else 0) if ev.roles[i] == "encoder" else 0)
+        out = []
+        for tp in space.tps(i):
+            for dp in space.dps(i, dp_lm):
+                if not bool(space.gpus_allowed(i, tp * dp)):
+                    continue
+                share = dp_lm / dp
+                mem = float(cost.memory_bytes(unit, tp, 1, dp, 1, depth, m, share))
+                if mem > ev.memory_limit[i]:
+                    continue
+                fwd, bwd = ev.fwd_bwd(i, tp)
+                out.append(_Own(index=i, tp=tp, dp=dp, stage_s=share * (fwd + bwd),
+                                sync_s=float(cost.dp_sync_time_s(unit, tp, 1, dp)),
+                                memory=mem))
+        return sorted(out, key=lambda o: (o.stage_s, o.tp * o.dp))
+
+    def best(self, tp: int, dp: int, pps: np.ndarray) -> list[_Choice]:
+        """The fastest layout at each backbone depth that fits (none where none does)."""
+        co, ev = self.co, self.co.ev
+        m = ev.microbatches(dp)
+        figures = co.evaluate(tp, dp, pps)
+        out = []
+        for k, p in enumerate(pps.tolist()):
+            if not np.isfinite(figures.time[k]) or \
+                    not bool(self.space.gpus_allowed(ev.backbone, tp * dp * p)):
+                continue
+            split = figures.splits[k]
+            if not co.memory(tp, dp, p, split, 1 if self.own_gen else 0)[0]:
+                continue
+            options = [self._options(i, dp, p) for i in self.own]
+            if any(not o for o in options):
+                continue
+            pipeline = float(figures.time[k] - figures.sync[k])
+            work = co._work(tp, bool(figures.across[k]))
+            hop = work.hop if p > 1 else 0.0
+            crossing = sum((work.fwd + work.bwd) * n + 2 * hop for n in split) + \
+                sum(work.first) + sum(work.last)
+            found = None
+            for own in itertools.product(*options):
+                gpus = tp * dp * p + sum(o.tp * o.dp for o in own)
+                if gpus > ev.num_gpus:
+                    continue
+                slowest = max((o.stage_s for o in own), default=0.0)
+                warm = max((o.stage_s for o in own if o.index in self.own_enc), default=0.0) \
+                    + max((o.stage_s for o in own if o.index in self.own_gen), default=0.0) \
+                    + self.edge_s
+                body = max(pipeline, slowest * (m - 1) + crossing)
+                sync = max([float(figures.sync[k])] + [o.sync_s for o in own])
+                t = body + warm + sync
+                if found is None or t < found.time:
+                    found = _Choice(mixed=self, tp=tp, dp=dp, pp=p, split=split, own=own,
+                                    time=t, warmup=t - sync - min(body, slowest * (m - 1)),
+                                    steady=min(body, slowest * (m - 1)) if own else
+                                    float(figures.steady[k]), sync=sync)
+            if found is not None:
+                out.append(found)
+        return out
+
+    def plan(self, c: _Choice, *, search: str, solve_time_s: float, candidates: int,
+             evaluated: int) -> Plan:
+        """The Plan of choice ``c``: the backbone and the own modules on ranks placed by
+        ``place_units``, the co-located modules listed on the backbone's (``gpus`` 0)."""
+        co, ev = self.co, self.co.ev
+        b = ev.backbone
+        base = colocated_plan(co, c.tp, c.dp, c.pp, search=search, padding="longest",
+                              solve_time_s=solve_time_s, candidates=candidates,
+                              evaluated=evaluated)
+        if not c.own:
+            return base
+        own = {o.index: o for o in c.own}
+        placed_units = [b] + sorted(own)
+        placed = place_units([c.tp if i == b else own[i].tp for i in placed_units],
+                             [c.tp * c.dp * c.pp if i == b else own[i].tp * own[i].dp
+                              for i in placed_units], ev.gpus_per_node)
+        first = dict(zip(placed_units, (int(x) for x in placed.first_rank), strict=True))
+        across = dict(zip(placed_units, (bool(x) for x in placed.across_nodes),
+                          strict=True))
+        units = []
+        for i, u in enumerate(base.units):
+            if i == b:
+                units.append(u.model_copy(update={"first_rank": first[b]}))
+            elif i in own:
+                o = own[i]
+                x = across[i] and o.tp > 1
+                fwd, bwd = ev.fwd_bwd(i, o.tp, x)
+                share = c.dp / o.dp
+                units.append(u.model_copy(update={
+                    "gpus": o.tp * o.dp, "tp": o.tp, "dp": o.dp, "pp": 1, "colocated": False,
+                    "tp_replicated": False, "first_rank": first[i], "tp_across_nodes": x,
+                    "microbatch_share": share, "fwd_time_s": share * fwd,
+                    "bwd_time_s": share * bwd, "dp_sync_time_s": o.sync_s,
+                    "memory_bytes": o.memory}))
+            else:
+                units.append(u.model_copy(update={"first_rank": first[b]}))
+        return base.model_copy(update={
+            "units": tuple(units), "gpus_used": int(placed.span),
+            "iteration_time_s": c.time, "warmup_time_s": c.warmup,
+            "steady_time_s": c.steady, "dp_sync_time_s": c.sync, "mfu": ev.mfu(c.time),
+            "mfu_full_attention": ev.mfu(c.time, full_attention=True)})
 
 
 def plan_fits(cost: CostModel, plan: Plan) -> bool:
@@ -101,14 +265,22 @@ def plan_fits(cost: CostModel, plan: Plan) -> bool:
     and for a co-located plan every backbone stage with the modules it hosts."""
     ev = Evaluator(cost, plan.num_gpus)
     units = {u.name: u for u in plan.units}
-    backbone = next(u for u in plan.units if u.role == "backbone")
-    if any(u.colocated for u in plan.units):
-        if not all(u.colocated for u in plan.units if u.role != "backbone"):
-            raise ValueError("a plan co-locates all of its encoders and generators or none")
-        co = Colocation(ev, (plan.num_microbatches,))
-        return co.memory(backbone.tp, backbone.dp, backbone.pp,
-                         backbone.layers_per_stage)[0]
     order = [units[u.name] for u in ev.units]
+    backbone = next(u for u in plan.units if u.role == "backbone")
+    if plan.placement == "colocated":
+        here = frozenset(i for i, u in enumerate(order) if u.colocated)
+        co = Colocation(ev, (plan.num_microbatches,), colocated=here)
+        own_gen = any(u.role == "generator" and not u.colocated for u in order)
+        if not co.memory(backbone.tp, backbone.dp, backbone.pp, backbone.layers_per_stage,
+                         1 if own_gen else 0)[0]:
+            return False
+        mixed = _Mixed(Space(ev), co)
+        for i in mixed.own:
+            u = order[i]
+            if not any((o.tp, o.dp) == (u.tp, u.dp)
+                       for o in mixed._options(i, backbone.dp, backbone.pp)):
+                return False
+        return True
     est = ev.evaluate(tuple(u.tp for u in order), tuple(u.dp for u in order),
                       tuple(u.pp for u in order),
                       replicated=tuple(u.tp_replicated for u in order))

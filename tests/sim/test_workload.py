@@ -229,7 +229,7 @@ def test_colocated_plans_simulate_close_to_the_plan():
         _, cost, the_plan, schedule = _setup(name, placement="colocated")
         assert the_plan.placement == "colocated"
         assert {u.name for u in schedule.units} == {
-            u.name for u in the_plan.units if u.role == "backbone"}
+            u.name for u in the_plan.units if not u.colocated}
         work = {u.name: np.ones(the_plan.global_batch) for u in the_plan.units}
         routing = route(the_plan, work, frozenset())
         durations = iteration_durations(the_plan, cost, schedule, routing, work)
