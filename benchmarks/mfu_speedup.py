@@ -29,10 +29,22 @@ from dtdsl.planner.simulated import SpecData
 from dtdsl.report import baseline_layout
 
 TARGET_OVER_MEGATRON = 1.5
+# Over megatron_packed (issue 27): 1.1x on the 9B spec, 1.3x on heavy-encoder specs (an
+# encoder of about a third or more of the work: internvl_9b 60%, heavy_vit_9b 32%;
+# heavy_vit_34b's 5.4B ViT is 12% of its work beside a 34B backbone), never slower on any.
+TARGET_OVER_PACKED = {"mllm_9b": 1.1, "internvl_9b": 1.3, "heavy_vit_9b": 1.3}
 
 
 def ours_layout(p) -> str:
-    return "  ".join(f"{u.name}:{u.gpus}g tp{u.tp} dp{u.dp} pp{u.pp}" for u in p.units)
+    def one(u) -> str:
+        if u.colocated:
+            where = "first" if u.role == "encoder" else "last"
+            return f"{u.name}:on {where} stage tp{u.tp}{' (replicated)' if u.tp_replicated else ''}"
+        split = "/".join(str(n) for n in u.layers_per_stage) if u.role == "backbone" and \
+            len(set(u.layers_per_stage)) > 1 else ""
+        return f"{u.name}:{u.gpus}g tp{u.tp} dp{u.dp} pp{u.pp}" + (f" ({split})" if split else "")
+    recompute = " recompute" if any(u.recompute for u in p.units) else ""
+    return f"[{p.placement}{recompute}] " + "  ".join(one(u) for u in p.units)
 
 
 def plan_as_a_user(name: str, steps: int):
@@ -76,7 +88,8 @@ def main() -> None:
                 continue
             cells.append(f"{base.planned_s:>19.3f}s {base.simulated_s:>7.3f}s "
                          f"{base.speedup:>5.2f}x {base.simulated_speedup:>5.2f}x")
-            need = TARGET_OVER_MEGATRON if base_name == "megatron" else 1.0
+            need = TARGET_OVER_MEGATRON if base_name == "megatron" else \
+                TARGET_OVER_PACKED.get(name, 1.0)
             if base.simulated_speedup < need:
                 short.append(f"{name}: {base.simulated_speedup:.2f}x over {base_name} "
                              f"(target {need:.1f}x)")

@@ -149,7 +149,7 @@ def packing_figures(cost: CostModel, plan: Plan, *, steps: int, iteration_time_s
     reorder policy: what a run does either way), with ``train.packing`` as the spec sets
     it (``iteration_time_s``, already simulated so) and toggled (``data``: the spec's data
     both ways, shared with the baselines): the same layout repriced, or where it does not
-    fit in memory the other way, the convex search's layout for that setting
+    fit in memory the other way, the planner's layout for that setting at mean work
     (``Packing.replanned``). None with a measured profile (it times the backbone on whole
     sequences, not packed documents), or where nothing fits the other way."""
     if cost.profile is not None:
@@ -157,33 +157,26 @@ def packing_figures(cost: CostModel, plan: Plan, *, steps: int, iteration_time_s
     data = data or SpecData(cost, steps)
     program = cost.program
     spec_packs = program.train.packing
-    other = data.cost(not spec_packs)
-    if any(u.recompute and not other.program.module(u.name).recompute for u in plan.units):
-        # A plan that recomputes where the spec does not: the other setting likewise.
-        from dtdsl.planner.baseline import with_recompute
-
-        other = with_recompute(other) or other
+    # A plan that recomputes where the spec does not: the other setting likewise.
+    other = _pricing(data.cost(not spec_packs), plan)
     toggled = data.batches(not spec_packs)
     layout = repriced(plan, cost, other)
     replanned = not _fits(other, plan)
     if replanned:
         # Packed rows hold more positions than a sample (or the reverse): where the layout
         # does not fit in memory the other way, compare with what the planner gives that
-        # setting, not with a layout no run could use.
-        from dtdsl.planner.orchestrate import plan_convex
-        from dtdsl.planner.placement import colocated_layouts
-        from dtdsl.planner.result import Infeasible
+        # setting (every placement, with and without recomputation, at mean work), not
+        # with a layout no run could use.
+        from dtdsl.planner import Infeasible
+        from dtdsl.planner import plan as plan_again
 
-        if any(u.colocated for u in plan.units):
-            found = colocated_layouts(other, plan.num_gpus, search=plan.search)
-            if not found:
-                return None
-            layout = found[0]
-        else:
-            try:
-                layout = plan_convex(other, plan.num_gpus)
-            except Infeasible:
-                return None
+        try:
+            layout = plan_again(other, plan.num_gpus, search=plan.search
+                                if plan.search != "baseline" else "convex",
+                                compare_baseline=False)
+        except Infeasible:
+            return None
+        other = _pricing(other, layout)
     other_s = toggled.mean_time(other, layout, policy)
     ours, theirs = data.batches(spec_packs).positions, toggled.positions
     order = tuple(sorted(policy))
@@ -194,6 +187,16 @@ def packing_figures(cost: CostModel, plan: Plan, *, steps: int, iteration_time_s
     return Packing(spec_packs=False, packed_s=other_s, unpacked_s=iteration_time_s,
                    packed_positions=theirs, unpacked_positions=ours, policy=order,
                    replanned=replanned)
+
+
+def _pricing(cost: CostModel, plan: Plan) -> CostModel:
+    """``cost``, or where ``plan`` recomputes every layer and ``cost``'s program does not,
+    ``cost`` with recomputation: the model that priced ``plan``."""
+    if any(u.recompute and not cost.program.module(u.name).recompute for u in plan.units):
+        from dtdsl.planner.baseline import with_recompute
+
+        return with_recompute(cost) or cost
+    return cost
 
 
 def _fits(other: CostModel, plan: Plan) -> bool:
