@@ -246,7 +246,7 @@ _PROGRESS_AFTER_S = 2.0
 
 def _add_placement(parser: argparse.ArgumentParser, *, given_plan: bool) -> None:
     """``--placement``: where the planner puts the encoders and generators."""
-    from dtdsl.planner.placement import PLACEMENTS
+    from dtdsl.ir.plan import PLACEMENTS
 
     parser.add_argument(
         "--placement", choices=PLACEMENTS, default="auto" if not given_plan else None,

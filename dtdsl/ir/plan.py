@@ -18,7 +18,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, model_validator
 
-__all__ = ["BASELINES", "PLAN_VERSION", "Baseline", "Packing", "Placement", "Plan",
+__all__ = ["BASELINES", "PLACEMENTS", "PLAN_VERSION", "Baseline", "Packing", "Placement", "Plan",
            "Simulated", "UnitPlan", "place_units", "placement_order", "split_layers",
            "straddling_tp_groups", "tp_spans_nodes"]
 
@@ -124,6 +124,9 @@ class Simulated(BaseModel):
 
 
 BASELINES = ("megatron", "megatron_packed")
+# Where a plan puts the encoders and generators (``planner.placement``): each on GPUs of its
+# own, some on the backbone's first and last stages, or the faster of the two.
+PLACEMENTS = ("auto", "disaggregated", "colocated")
 
 
 class Baseline(BaseModel):

@@ -33,8 +33,7 @@ from dtdsl.planner.simulated import (
     ESTIMATED,
     SIMULATED,
     SpecData,
-    choose_among,
-    choose_plan,
+    near_plans,
     packing_figures,
     simulate_plan,
 )
@@ -141,15 +140,17 @@ def _placements(cost: CostModel, num_gpus: int | None, search: str, placement: s
     that fits left out), each searched with the spec's recomputation and, where the spec
     does not recompute everywhere, with every layer recomputed (``with_recompute``: a
     layout that fits only so, as the baselines may take it; ``UnitPlan.recompute`` says
-    which the plan runs). Raises ``Infeasible`` where nothing fits: the disaggregated
-    search's reason, or why nothing co-locates."""
-    out: dict[str, _Found] = {}
+    which the plan runs). On drawn batches every candidate (the ``estimate`` fastest at
+    mean work per placement) is estimated, the ``simulate`` best simulated, and each
+    placement's best by estimate too where none of its own was. Raises ``Infeasible``
+    where nothing fits: the disaggregated search's reason, or why nothing co-locates."""
     failure: Infeasible | None = None
     refusal = None
     variants = [("", cost)]
     again = with_recompute(cost)
     if again is not None:
         variants.append((", recomputing", again))
+    candidates: list[tuple[str, Plan, CostModel]] = []
     for label, priced in variants:
         if placement in ("auto", "disaggregated"):
             planner = plan_convex if search == "convex" else plan_exhaustive
@@ -160,46 +161,70 @@ def _placements(cost: CostModel, num_gpus: int | None, search: str, placement: s
                 # The recomputing search's reason where both fail: its layouts need less.
                 failure = err
             else:
-                if batches is None:
-                    found = _Found(searched, searched.iteration_time_s, priced)
-                else:
-                    chosen, t, scored, estimated = choose_plan(
-                        priced, searched, batches, policy, estimate=estimate,
-                        simulate=simulate, progress=_named(progress, f"drawn batches{label}"))
-                    found = _Found(chosen, t, priced, scored, estimated)
-                _keep(out, "disaggregated", found)
+                plans = [searched] if batches is None else near_plans(priced, searched,
+                                                                      estimate)
+                candidates += [("disaggregated", p, priced) for p in plans]
         if placement in ("auto", "colocated"):
             refusal = colocation_refusal(priced)
             layouts = colocated_layouts(priced, num_gpus, search=search) \
                 if refusal is None else []
-            if layouts and batches is None:
-                _keep(out, "colocated", _Found(layouts[0], layouts[0].iteration_time_s, priced))
-            elif layouts:
-                chosen, t, scored, estimated = choose_among(
-                    priced, layouts[:estimate], batches, policy, simulate=simulate,
-                    progress=_named(progress, f"co-located, drawn batches{label}"))
-                _keep(out, "colocated", _Found(chosen, t, priced, scored, estimated))
-    if placement == "colocated" and not out:
-        raise Infeasible(
-            "no co-located layout: " + (refusal or "no layout with the encoders and "
-                                        "generators on the backbone's stages fits"),
-            cost.program.cluster.span, hint="plan with --placement disaggregated or auto")
-    if not out:
+            candidates += [("colocated", p, priced) for p in layouts[:estimate]]
+    if not candidates:
+        if placement == "colocated":
+            raise Infeasible(
+                "no co-located layout: " + (refusal or "no layout with the encoders and "
+                                            "generators on the backbone's stages fits"),
+                cost.program.cluster.span, hint="plan with --placement disaggregated or auto")
         assert failure is not None
         raise failure
-    return out
+    # Per placement the ``estimate`` fastest at mean work, of both variants together.
+    kept = []
+    for name in dict.fromkeys(n for n, _, _ in candidates):
+        mine = [c for c in candidates if c[0] == name]
+        kept += sorted(mine, key=lambda c: c[1].iteration_time_s)[:estimate]
+    candidates = kept
+    if batches is None:
+        out: dict[str, _Found] = {}
+        for name, p, priced in candidates:
+            if name not in out or p.iteration_time_s < out[name].time:
+                out[name] = _Found(p, p.iteration_time_s, priced)
+        return out
+    return _on_drawn_batches(candidates, batches, policy, simulate=simulate,
+                             progress=_named(progress, "drawn batches"))
 
 
-def _keep(out: dict[str, _Found], placement: str, found: _Found) -> None:
-    """Keep ``found`` as ``placement``'s best unless a faster one is there (the counts of
-    layouts simulated and estimated add up)."""
-    old = out.get(placement)
-    if old is None:
-        out[placement] = found
-        return
-    best = found if found.time < old.time else old
-    out[placement] = _Found(best.plan, best.time, best.cost, old.scored + found.scored,
-                            old.estimated + found.estimated)
+def _on_drawn_batches(candidates: list[tuple[str, Plan, CostModel]], batches,
+                      policy: frozenset[str], *, simulate: int,
+                      progress: Progress | None) -> dict[str, _Found]:
+    """Every placement's fastest of ``candidates`` on ``batches``: all estimated
+    (``DrawnBatches.estimate``), the ``simulate`` best simulated, and each placement's
+    best by estimate where none of its own was among them."""
+    if simulate < 1:
+        raise ValueError(f"simulate must be at least 1, not {simulate}")
+    estimates = []
+    total = len(candidates) + (simulate + 1) * batches.steps
+    for k, (name, p, _) in enumerate(candidates):
+        if progress is not None:
+            progress(k, total, f"estimating a {name} layout")
+        estimates.append(batches.estimate(p, policy))
+    ranked = sorted(range(len(candidates)), key=lambda k: (estimates[k], k))
+    chosen = ranked[:simulate]
+    for name in dict.fromkeys(n for n, _, _ in candidates):
+        if not any(candidates[k][0] == name for k in chosen):
+            chosen.append(next(k for k in ranked if candidates[k][0] == name))
+    out: dict[str, _Found] = {}
+    for done, k in enumerate(chosen):
+        name, p, priced = candidates[k]
+        if progress is not None:
+            progress(len(candidates) + done * batches.steps, total, f"simulating a {name} "
+                     "layout")
+        t = batches.mean_time(priced, p, policy)
+        if name not in out or t < out[name].time:
+            out[name] = _Found(p, t, priced)
+    counts = {name: sum(candidates[k][0] == name for k in chosen) for name in out}
+    sizes = {name: sum(n == name for n, _, _ in candidates) for name in out}
+    return {name: _Found(f.plan, f.time, f.cost, counts[name], sizes[name])
+            for name, f in out.items()}
 
 
 def _named(progress: Progress | None, phase: str) -> Progress | None:

@@ -25,14 +25,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from dtdsl.cost.model import CostModel
-from dtdsl.ir.plan import Plan, place_units
+from dtdsl.ir.plan import PLACEMENTS, Plan, place_units
 from dtdsl.planner.baseline import Colocation, colocated_plan
 from dtdsl.planner.evaluate import Evaluator
 from dtdsl.planner.space import Space, efficient_pps
 
 __all__ = ["PLACEMENTS", "colocated_layouts", "colocation_refusal", "plan_fits"]
-
-PLACEMENTS = ("auto", "disaggregated", "colocated")
 
 
 def colocation_refusal(cost: CostModel) -> str | None:
@@ -148,6 +146,7 @@ class _Mixed:
         gens = [i for i in self.own if ev.roles[i] == "generator"]
         self.own_enc, self.own_gen = enc, gens
         cost = ev.cost
+        self._memo: dict[tuple[int, int, int], list[_Own]] = {}
         self.edge_s = (2 * cost.p2p_time_s(max(ev.units[i].boundary_bytes for i in enc))
                        if enc else 0.0) + \
             (2 * cost.p2p_time_s(ev.units[ev.backbone].boundary_bytes) if gens else 0.0)
@@ -159,7 +158,10 @@ class _Mixed:
         m = ev.microbatches(dp_lm)
         # A microbatch per stage downstream in flight: the backbone's and the generators'.
         depth = 1 + (pp_b + (1 if self.own_gen else 0) if ev.roles[i] == "encoder" else 0)
-        out = []
+        key = (i, dp_lm, depth)
+        if key in self._memo:
+            return self._memo[key]
+        out = self._memo[key] = []
         for tp in space.tps(i):
             for dp in space.dps(i, dp_lm):
                 if not bool(space.gpus_allowed(i, tp * dp)):
@@ -172,7 +174,8 @@ class _Mixed:
                 out.append(_Own(index=i, tp=tp, dp=dp, stage_s=share * (fwd + bwd),
                                 sync_s=float(cost.dp_sync_time_s(unit, tp, 1, dp)),
                                 memory=mem))
-        return sorted(out, key=lambda o: (o.stage_s, o.tp * o.dp))
+        out.sort(key=lambda o: (o.stage_s, o.tp * o.dp))
+        return out
 
     def best(self, tp: int, dp: int, pps: np.ndarray) -> list[_Choice]:
         """The fastest layout at each backbone depth that fits (none where none does)."""

@@ -26,6 +26,7 @@ from dtdsl.cost.model import CostModel, build_cost_model
 from dtdsl.ir.plan import Packing, Plan
 
 __all__ = ["ESTIMATED", "SIMULATED", "DrawnBatches", "SpecData", "choose_among", "choose_plan",
+           "near_plans",
            "packing_figures", "repriced", "simulate_plan"]
 
 Progress = Callable[[int, int, str], None]
@@ -65,20 +66,26 @@ def choose_plan(cost: CostModel, searched: Plan, batches: DrawnBatches,
     on the batches, how many layouts were simulated and how many estimated. The same
     answer whichever search found the optimum: the list depends on the cost model and
     the budget only."""
+    if simulate < 1:
+        raise ValueError(f"simulate must be at least 1, not {simulate}")
+    return choose_among(cost, near_plans(cost, searched, estimate), batches, policy,
+                        simulate=simulate, progress=progress)
+
+
+def near_plans(cost: CostModel, searched: Plan, count: int = ESTIMATED) -> list[Plan]:
+    """The Plans of the layouts near ``searched`` (``near_layouts``: one per backbone
+    layout, up to ``count``, fastest at mean work first), with ``searched``'s search
+    figures; ``[searched]`` where there are none."""
     from dtdsl.planner.evaluate import Evaluator
     from dtdsl.planner.result import make_plan
     from dtdsl.planner.shortlist import near_layouts
 
-    if simulate < 1:
-        raise ValueError(f"simulate must be at least 1, not {simulate}")
     num_gpus = searched.num_gpus
     ev = Evaluator(cost, num_gpus)
-    layouts = near_layouts(cost, num_gpus, ceiling=searched.iteration_time_s,
-                           count=estimate)
-    plans = [make_plan(ev, searched.search, layout, solve_time_s=searched.solve_time_s,
-                       candidates=searched.candidates, convex_solves=searched.convex_solves,
-                       evaluated=searched.evaluated) for layout in layouts] or [searched]
-    return choose_among(cost, plans, batches, policy, simulate=simulate, progress=progress)
+    layouts = near_layouts(cost, num_gpus, ceiling=searched.iteration_time_s, count=count)
+    return [make_plan(ev, searched.search, layout, solve_time_s=searched.solve_time_s,
+                      candidates=searched.candidates, convex_solves=searched.convex_solves,
+                      evaluated=searched.evaluated) for layout in layouts] or [searched]
 
 
 def choose_among(cost: CostModel, plans: list[Plan], batches: DrawnBatches,
@@ -173,7 +180,7 @@ def packing_figures(cost: CostModel, plan: Plan, *, steps: int, iteration_time_s
         try:
             layout = plan_again(other, plan.num_gpus, search=plan.search
                                 if plan.search != "baseline" else "convex",
-                                compare_baseline=False)
+                                placement=plan.placement, compare_baseline=False)
         except Infeasible:
             return None
         other = _pricing(other, layout)
