@@ -72,7 +72,8 @@ def train_reference(program: ir.Program, steps: int, *, micro_batch: int | None 
         total = lm = gen = 0.0
         for start in range(0, len(samples), mb):
             parts = microbatch_loss(model, samples[start:start + mb], norm, pad_to)
-            parts.total.backward()
+            if parts.total.requires_grad:   # else it reaches nothing that trains (a
+                parts.total.backward()      # frozen backbone, and no image or target)
             total += parts.total.item()
             lm += parts.lm_sum.item() / max(1, norm.text_tokens)
             gen += parts.gen_sum.item() / max(1, norm.gen_targets)
