@@ -76,13 +76,19 @@ def test_co_located_generator():
                             "gen", split=(3, 1)))
 
 
-def test_both_co_located_with_tensor_parallelism():
-    # The encoder's and the U-Net's blocks split over the backbone's TP group of 2.
+@pytest.mark.parametrize("replicated", [(), ("vit",)], ids=["sharded", "vit-replicated"])
+def test_both_co_located_with_tensor_parallelism(replicated):
+    # The encoder's and the U-Net's blocks split over the backbone's TP group of 2, or
+    # the encoder whole on both TP ranks (``tp_replicated``: the planner's choice for a
+    # module the backbone's TP degree cannot split), counted once in the norm.
     program = spec(8)
-    check_tp(program, colocate(program, plan_for(program, ("vit", "encoder", 1, 1, 1),
-                                                 ("llm", "backbone", 2, 1, 2),
-                                                 ("gen", "generator", 1, 1, 1)),
-                               "vit", "gen", split=(1, 3)))
+    plan = colocate(program, plan_for(program, ("vit", "encoder", 1, 1, 1),
+                                      ("llm", "backbone", 2, 1, 2),
+                                      ("gen", "generator", 1, 1, 1)),
+                    "vit", "gen", split=(1, 3))
+    plan = plan.model_copy(update={"units": tuple(
+        u.model_copy(update={"tp_replicated": u.name in replicated}) for u in plan.units)})
+    check_tp(program, plan, grad_norms=True)
 
 
 def test_frozen_backbone_with_a_trainable_co_located_encoder():
