@@ -101,3 +101,30 @@ def test_frozen_backbone_with_a_trainable_co_located_encoder():
     first = {a.kind.value for a in lower(plan, program).stage("llm", 0).actions}
     assert {"B", "SYNC", "OPT"} <= first
     check(program, plan)
+
+
+def test_checkpoints_reshard_between_co_located_and_disaggregated_plans(tmp_path):
+    # The checkpoint's keys are the units' own ("units.vit...") wherever they ran: a
+    # co-located run resumes under a disaggregated plan of the same spec and back.
+    from tests.train.test_checkpoint import PLAN_A, PROGRAM, _close, _go, _reference
+
+    ref, _ = _reference()
+    run_dir = tmp_path / "run"
+    hosted = colocate(PROGRAM, plan_for(PROGRAM, ("vit", "encoder", 1, 1, 1),
+                                        ("llm", "backbone", 1, 2, 2),
+                                        ("gen", "generator", 1, 1, 1)),
+                      "vit", "gen", split=(1, 3))
+    a = _go(hosted, run_dir, 4, {4: "sync"}, tmp_path / "a.json", want_at=4)
+    assert a["first"] == 0
+    _close(a["losses"], ref[:4])
+    b = _go(PLAN_A, run_dir, 2, {6: "thread"}, tmp_path / "b.json", want_at=6)
+    assert b["first"] == 4
+    assert "resharded from vit:colocated llm:tp1dp2pp2 gen:colocated" in b["logs"][0]
+    _close(b["losses"], ref[4:6])
+    tp = colocate(PROGRAM, plan_for(PROGRAM, ("vit", "encoder", 1, 1, 1),
+                                    ("llm", "backbone", 2, 1, 2),
+                                    ("gen", "generator", 1, 1, 1)), "vit", "gen",
+                  split=(3, 1))
+    c = _go(tp, run_dir, 2, {}, tmp_path / "c.json", want_at=8)
+    assert c["first"] == 6 and "resharded from" in c["logs"][0]
+    _close(c["losses"], ref[6:8])
