@@ -13,7 +13,8 @@ training step it
 2. this happens before the step's barrier, off the timed actions;
 3. runs its stage's action list in program order:
 
-   - ``F``: the stage's slice of the unit on this replica's samples of the step. Input:
+   - ``F``: the stage's slice of the unit (and the co-located units it hosts, below) on
+     this replica's samples of the step. Input:
      the encoder's first stage reads the images; an inner stage the activations its
      ``RECV_F`` got from the previous stage of the same replica and TP index (PP
      point-to-point, the broker's wire format); the backbone's and a generator's first
@@ -57,10 +58,24 @@ neighbours pair by TP index. The optimizer updates the DTensor parameters throug
 local shards and counts replicated parameters once in the norm.
 
 Only the last backbone stage's TP leader adds the LM loss to the reported total (every TP
-rank computes it); a generator's TP leader likewise adds its loss. Limits: interleaved
-schedules (vpp > 1) raise NotImplementedError; a U-Net or DiT generator runs on one
-pipeline stage; the backbone's embedding and output head are replicated, not
-vocabulary-parallel.
+rank computes it); a generator's TP leader likewise adds its loss.
+
+Co-located units (issue 27; ``UnitPlan.colocated``, ``parallel.mesh.hosted_units``): an
+encoder the plan co-locates runs on the backbone's first stage, a generator on its last,
+built into that stage's module (``train.stage``) and run inside its ``F``: the first stage
+packs its microbatch's images (``pack_images``), and its forward runs them through the
+encoder and its projector (``_encoder_pass``, as an encoder unit of one stage does) and
+splices the per-sample embeddings into ``backbone_input``, with no broker and one autograd
+graph; the last stage's forward runs each co-located generator on the conditioning of its
+final hidden states (``conditioning``, ``document_targets``, ``generator_step``) and
+returns its loss sum, which joins the LM loss in the microbatch's loss (the leader counts
+it in the generation total). ``B`` differentiates that sum through all of them. The
+schedule has no stage of theirs (``Schedule.empty``): their passes are part of the host
+stage's ``F`` and ``B`` and of its measured events, as the simulator folds them into the
+host stage's times; the host trains when they do (``schedule.lower.gradient_flow``).
+
+Limits: interleaved schedules (vpp > 1) raise NotImplementedError; a U-Net or DiT
+generator runs on one pipeline stage.
 """
 
 from __future__ import annotations
