@@ -18,8 +18,9 @@ projector), built so that memory matches the plan:
    (``units.<unit>.layers.<i>...``), so checkpoint keys do not depend on the plan.
 2. **Tensor parallelism** (``parallel.tp.parallelize_unit``) over the unit's TP mesh: still
    on meta, DTensor shards.
-3. **Activation checkpointing** of every layer when the spec says ``recompute = true``
-   (``checkpoint_wrapper``: the layer's activations are recomputed in backward).
+3. **Activation checkpointing** of every layer of each module whose spec says ``recompute
+   = true`` or whose plan recomputes it (``UnitPlan.recompute``; ``checkpoint_wrapper``:
+   the layer's activations are recomputed in backward).
 4. **Shard, then materialise.** Every layer becomes an FSDP2 unit (``fully_shard`` over
    the unit's DP mesh), the stage its root, all still on meta; then ``to_empty`` allocates
    this rank's DP shards of its TP shards and nothing else, and each element is
@@ -312,6 +313,15 @@ def _tie_across_stages(stage: Stage, program: ir.Program, plan: Plan, mesh: Any)
         stage.tied_name = f"{role.unit}.tok_embeddings.weight"
 
 
+def _recomputes(program: ir.Program, plan: Plan, name: str) -> bool:
+    """Whether unit ``name``'s layers recompute their activations in backward: where its
+    spec says ``recompute = true``, or its plan does (a planner may recompute to make a
+    layout fit, ``UnitPlan.recompute``). Projectors have no layers of their own."""
+    if not getattr(unit_spec(program, name), "recompute", False):
+        return any(u.name == name and u.recompute for u in plan.units)
+    return True
+
+
 def _projector_of(program: ir.Program, name: str, role: str) -> str:
     """The projector that runs with a co-located module: an encoder's into the backbone,
     the backbone's into a generator."""
@@ -443,7 +453,7 @@ def build_stage(program: ir.Program, plan: Plan, role: RankRole, mesh: Any,
     order += [n for n in units if n not in order]
     stage = StageModule({n: units[n] for n in order}, run)
     for unit_name, prefix, layer in list(_fsdp_units(stage, program)):
-        if getattr(unit_spec(program, unit_name), "recompute", False):   # as its spec says
+        if _recomputes(program, plan, unit_name):
             parent = stage.units[unit_name].get_submodule(prefix.rpartition(".")[0])
             parent.register_module(prefix.rpartition(".")[2], checkpoint_wrapper(layer))
 

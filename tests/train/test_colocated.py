@@ -11,7 +11,7 @@ from dtdsl.ir.plan import Plan
 from dtdsl.parallel.mesh import colocation_problems, hosted_units, role_of
 from dtdsl.schedule.lower import lower
 from tests.dist import run
-from tests.train.test_executor import STEPS, TP_STEPS, check, check_tp, plan_for, spec
+from tests.train.test_executor import check, check_tp, plan_for, spec
 
 
 def colocate(program: ir.Program, plan: Plan, *names: str,
@@ -128,3 +128,32 @@ def test_checkpoints_reshard_between_co_located_and_disaggregated_plans(tmp_path
     c = _go(tp, run_dir, 2, {}, tmp_path / "c.json", want_at=8)
     assert c["first"] == 6 and "resharded from" in c["logs"][0]
     _close(c["losses"], ref[6:8])
+
+
+def _wrapped(rank: int, world: int, program: ir.Program, plan: Plan) -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    from dtdsl.parallel.mesh import build_groups
+    from dtdsl.train.executor import StageExecutor
+
+    ex = StageExecutor(program, plan, lower(plan, program), rank=rank,
+                       groups=build_groups(plan))
+    wrapped = {name for name, m in ex.stage.module.named_modules()
+               if isinstance(m, CheckpointWrapper)}
+    if (ex.role.unit, ex.role.stage) == ("llm", 0):     # vit's two layers, none of llm's
+        assert wrapped == {"units.vit.layers.0", "units.vit.layers.1"}, wrapped
+        assert ex.stage.hosted == ("vit",)
+    else:
+        assert not wrapped
+
+
+def test_co_located_modules_recompute_as_their_spec_or_plan_says():
+    # The spec recomputes nothing; the plan recomputes vit (as a planner may, to fit a
+    # layout): its layers on the backbone's first stage are wrapped, the backbone's not.
+    program = spec(8)
+    plan = colocate(program, plan_for(program, ("vit", "encoder", 1, 1, 1),
+                                      ("llm", "backbone", 1, 1, 2),
+                                      ("gen", "generator", 1, 1, 1)), "vit")
+    plan = plan.model_copy(update={"units": tuple(
+        u.model_copy(update={"recompute": u.name == "vit"}) for u in plan.units)})
+    run(_wrapped, plan.gpus_used, program, plan, timeout=120)
