@@ -488,7 +488,12 @@ instead. Today the runtime cannot train:
 - interleaved pipeline schedules (a plan with vpp > 1, from
   `schedule = interleaved(...)`): use `schedule = 1f1b` or `gpipe`;
 - a generator on more than one pipeline stage: constrain it with
-  `pp(gen) == 1`.
+  `pp(gen) == 1`;
+- the Megatron-LM baseline's rigid plans (`dtc plan --search baseline`): they
+  are layouts to compare with;
+- a co-located unit a hand-edited plan places off the backbone's first (last)
+  stage, its TP, DP or ranks, or splits over a TP degree that does not divide
+  its heads (the planner replicates such a module, `tp_replicated`, which runs).
 
     encoder beats (audio) { ... }      # error: the runtime has no audio encoder yet
 """),

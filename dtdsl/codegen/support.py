@@ -78,13 +78,15 @@ def _plan(program: ir.Program, plan: Plan) -> list[Diagnostic]:
     if plan.rigid:
         out.append(Diagnostic.error(
             _CODE, "the plan is the Megatron-LM baseline, a layout to compare with: the "
-            "runtime does not replicate an encoder over its TP group, co-locate it with the "
-            "backbone's stages or recompute where the spec does not ask", program.train.span,
+            "runtime does not pad every sequence to seq_len, route by fixed replicas or "
+            "recompute where the spec does not ask", program.train.span,
             notes=["`dtc plan --search baseline` prices Megatron-LM's rigid layout; the "
-                   "runtime trains disaggregated plans"],
+                   "runtime trains the plans of the convex and exhaustive searches, "
+                   "co-located ones included"],
             hint="compile without --plan, or with a plan from the convex or exhaustive "
                  "search"))
         return out
+    out += _colocated(program, plan)
     for u in plan.units:
         if u.role == "generator" and u.pp > 1:
             out.append(Diagnostic.error(
@@ -94,6 +96,40 @@ def _plan(program: ir.Program, plan: Plan) -> list[Diagnostic]:
                        "skip connections cross every level)"],
                 hint=f"constrain it to one stage, `pp({u.name}) == 1` in constraints, and "
                 "plan again"))
+    return out
+
+
+def _colocated(program: ir.Program, plan: Plan) -> list[Diagnostic]:
+    """A co-located unit runs inside the backbone's first (last) stage, on its TP groups
+    and DP replicas (``parallel.mesh.hosted_units``): a hand-edited plan that says
+    otherwise, or splits a module over a TP degree that does not divide its heads or
+    columns, cannot run. (The planner replicates such a module over the TP group,
+    ``tp_replicated``, which runs.)"""
+    from dtdsl.parallel.mesh import colocation_problems
+
+    out = []
+    for problem in colocation_problems(plan):
+        name = problem.partition(":")[0]
+        span = program.module(name).span if name in {m.name for m in program.modules} \
+            else program.train.span
+        out.append(Diagnostic.error(
+            _CODE, f"co-located unit {problem}", span,
+            notes=["a co-located encoder (generator) runs on the backbone's first (last) "
+                   "pipeline stage, with its TP and DP, all its layers in one chunk"],
+            hint="compile without --plan, or plan with `dtc plan --placement colocated`"))
+    for u in plan.units:
+        if not u.colocated or u.tp_replicated or u.role == "backbone":
+            continue
+        conflicts = program.module(u.name).arch.tp_conflicts(u.tp)
+        if conflicts:
+            out.append(Diagnostic.error(
+                _CODE, f"co-located unit {u.name} is split over the backbone's TP groups of "
+                f"{u.tp}, which cannot split its {' and '.join(conflicts)}",
+                program.module(u.name).span,
+                notes=["tensor parallelism cuts every attention and MLP block into equal "
+                       "parts"],
+                hint=f"mark it `tp_replicated` in the plan (every TP rank then runs all of "
+                     f"{u.name}), or plan again"))
     return out
 
 
@@ -141,9 +177,10 @@ def tp_placement(program: ir.Program, plan: Plan) -> list[Diagnostic]:
 def runtime_support(program: ir.Program, plan: Plan | None = None) -> list[Diagnostic]:
     """Errors (DT601) for what of ``program`` and ``plan`` the runtime cannot train yet: an
     encoder other than an image encoder, a second image encoder, ``precision = fp16``, and
-    with a plan: the baseline's plans, interleaved units (vpp > 1) and generators on more
-    than one pipeline stage; and TP groups across nodes priced as within one
-    (``tp_placement``, DT411).
+    with a plan: the baseline's plans, interleaved units (vpp > 1), generators on more
+    than one pipeline stage and co-located units placed other than on the backbone's
+    first or last stage or split by a TP degree that does not divide them; and TP groups
+    across nodes priced as within one (``tp_placement``, DT411).
 
     Without ``plan`` only the spec's own features are checked (before planning)."""
     out = _encoders(program) + _precision(program)

@@ -16,7 +16,7 @@ from dtdsl.codegen.slurm import SlurmOptions
 from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan
 from dtdsl.ir.schedule import Schedule
-from dtdsl.parallel.mesh import UnitGrid, grids
+from dtdsl.parallel.mesh import RankRole, UnitGrid, grids, hosted_units
 from dtdsl.train.job import Job, RankEntry
 
 __all__ = ["BundleView", "RankFileView", "RankView", "bundle_view", "rank_file_name"]
@@ -53,10 +53,20 @@ class RankFileView:
     pp: int
     ranks: tuple[RankView, ...]
     schedule: tuple[str, ...]
+    # The co-located modules the stage runs besides its unit, each with its projector
+    # (``parallel.mesh.hosted_units``): ("vit", "vit_to_llm"), ...
+    hosts: tuple[tuple[str, str], ...] = ()
 
     @property
     def rank_list(self) -> str:
         return ", ".join(str(r.rank) for r in self.ranks)
+
+    @property
+    def hosts_text(self) -> str:
+        """``"; runs the co-located vit (with vit_to_llm)"``, or ``""``."""
+        if not self.hosts:
+            return ""
+        return "; runs the co-located " + ", ".join(f"{m} (with {p})" for m, p in self.hosts)
 
 
 @dataclass(frozen=True)
@@ -82,6 +92,8 @@ class BundleView:
     last_node: str
     launch_command: str                  # the README's first command: one node or several
     rank_files: tuple[RankFileView, ...]
+    # Sentences on where the co-located modules run (none without them).
+    colocated: tuple[str, ...] = ()
 
     @property
     def rank_table(self) -> tuple[tuple[int, str], ...]:
@@ -102,7 +114,36 @@ def _layers(grid: UnitGrid, plan: Plan, stage: int) -> tuple[int, int]:
     return start, start + split[stage]
 
 
-def _rank_files(plan: Plan, schedule: Schedule) -> tuple[RankFileView, ...]:
+def _hosts(program: ir.Program, plan: Plan, grid: UnitGrid, stage: int
+           ) -> tuple[tuple[str, str], ...]:
+    """The co-located modules stage ``stage`` of ``grid`` runs, with their projectors."""
+    role = RankRole(rank=grid.rank(stage, 0, 0), grid=grid, stage=stage, replica=0,
+                    tp_index=0)
+    backbone = program.backbone.name
+    return tuple((u.name, next(p.name for p in program.projectors if (
+        (p.source, p.target) == (u.name, backbone) if u.role == "encoder"
+        else (p.source, p.target) == (backbone, u.name))))
+        for u in hosted_units(plan, role))
+
+
+def _colocated(plan: Plan, files: tuple[RankFileView, ...]) -> tuple[str, ...]:
+    """Where each co-located module runs, for the README."""
+    out = []
+    for f in files:
+        for module, projector in f.hosts:
+            u = plan.unit(module)
+            how = "whole on every TP rank" if u.tp_replicated and u.tp > 1 else \
+                f"TP {u.tp}" if u.tp > 1 else "unsplit"
+            out.append(f"{u.role.capitalize()} {module} and its projector {projector} run "
+                       f"on the GPUs of {f.unit}'s stage {f.stage} (`{f.path}`, ranks "
+                       f"{f.rank_list}), co-located: {how}, data parallel over its {u.dp} "
+                       f"replica{'s' if u.dp != 1 else ''}, in the same forward and backward "
+                       "passes; it has no ranks of its own.")
+    return tuple(out)
+
+
+def _rank_files(program: ir.Program, plan: Plan, schedule: Schedule
+                ) -> tuple[RankFileView, ...]:
     out = []
     for g in grids(plan):
         unit = plan.unit(g.name)
@@ -118,7 +159,8 @@ def _rank_files(plan: Plan, schedule: Schedule) -> tuple[RankFileView, ...]:
                 path=rank_file_name(g.name, stage), unit=g.name, role=unit.role, stage=stage,
                 layers=_layers(g, plan, stage), tp=g.tp, dp=g.dp, pp=g.pp,
                 ranks=tuple(sorted(ranks, key=lambda r: r.rank)),
-                schedule=tuple(str(a) for a in schedule.stage(g.name, stage).actions)))
+                schedule=tuple(str(a) for a in schedule.stage(g.name, stage).actions),
+                hosts=_hosts(program, plan, g, stage)))
     return tuple(out)
 
 
@@ -140,6 +182,7 @@ def _last_node(world: int, nodes: int, per_node: int) -> str:
 def bundle_view(program: ir.Program, plan: Plan, schedule: Schedule, job: Job, *,
                 rdzv_port: int, max_restarts: int, slurm: SlurmOptions) -> BundleView:
     """The view of a bundle for ``program`` under ``plan``."""
+    files = _rank_files(program, plan, schedule)
     return BundleView(
         spec=program.name, spec_sha256=program.source_sha256, world_size=job.world_size,
         nodes=job.nodes, gpus_per_node=job.gpus_per_node, steps=job.steps,
@@ -148,4 +191,4 @@ def bundle_view(program: ir.Program, plan: Plan, schedule: Schedule, job: Job, *
         rdzv_port=rdzv_port, max_restarts=max_restarts, slurm=slurm,
         last_node=_last_node(job.world_size, job.nodes, job.gpus_per_node),
         launch_command="./launch.sh" if job.nodes == 1 else "sbatch slurm.sbatch",
-        rank_files=_rank_files(plan, schedule))
+        rank_files=files, colocated=_colocated(plan, files))

@@ -153,15 +153,23 @@ class SyntheticSource:
         return join_samples(made, sizes or join_sizes([docs[i] for i in row]), position)
 
 
-def parts_of(role: RankRole) -> frozenset[str]:
+def parts_of(role: RankRole, plan: Plan | None = None) -> frozenset[str]:
     """What of its samples a rank reads: images on every encoder stage (their shapes
     group the packed activations), tokens on the backbone's first stage, generation
-    targets on a generator; nothing elsewhere."""
+    targets on a generator; and on a backbone stage that hosts co-located units of
+    ``plan`` (``mesh.hosted_units``) what they read too: the encoder's images on its
+    first stage, the generators' targets on its last. Nothing elsewhere."""
     if role.role == "encoder":
         return frozenset({"images"})
-    if role.role == "backbone":
-        return frozenset({"tokens"}) if role.is_first_stage else frozenset()
-    return frozenset({"targets"})
+    if role.role == "generator":
+        return frozenset({"targets"})
+    parts = {"tokens"} if role.is_first_stage else set()
+    if plan is not None:
+        from dtdsl.parallel.mesh import hosted_units
+
+        for u in hosted_units(plan, role):
+            parts.add("images" if u.role == "encoder" else "targets")
+    return frozenset(parts)
 
 
 def _image_tokens(program: ir.Program) -> ir.ImageTokens:
@@ -272,7 +280,7 @@ class LocalBatches:
 
             work_model = WorkModel(build_cost_model(program))
         self.work_model = work_model
-        self.parts = parts_of(role)
+        self.parts = parts_of(role, plan)
         self._static: tuple[StepSamples, ...] | None = None
 
     def batch(self, step: int) -> StepBatch:

@@ -148,7 +148,7 @@ def build_messages(ctx: FeedContext, step: int, ranks: Sequence[int] | None = No
     out = []
     for rank in (range(ctx.job.world_size) if ranks is None else ranks):
         role = ctx.roles[rank]
-        parts = parts_of(role)
+        parts = parts_of(role, ctx.plan)
         positions = [i for s in routing for i in s.samples_of(role.unit, role.replica)]
         samples = {i: _payload(ctx, step, i, parts, cache) for i in positions} if parts else {}
         out.append(batch_message(step, routing, norm, samples, ctx.units,

@@ -27,6 +27,11 @@ replica) order and every receiver its sources in increasing replica order, both 
 schedule's action order, so both sides of a pair agree on the order of their messages.
 The label of a message (``vit->llm F 17 0->1``: edge, direction, microbatch index, replicas)
 is what the ordering check compares.
+
+**Co-located units** (``UnitPlan.colocated``) run inside the backbone's first or last
+stage, in its forward and backward: the broker has no grid, route or message for them.
+Their samples' replica is the backbone's (``sim.workload.route``), so the routing every
+rank computes still names them, and nothing else does.
 """
 
 from __future__ import annotations
@@ -239,7 +244,12 @@ class Broker:
         try:
             pg, cg = self.grids[producer], self.grids[consumer]
         except KeyError as exc:
-            raise KeyError(f"no unit {exc.args[0]!r} in the plan") from None
+            name = exc.args[0]
+            if any(u.name == name and u.colocated for u in self.plan.units):
+                # Its tensors never leave the host stage's autograd graph.
+                raise KeyError(f"unit {name!r} is co-located on the backbone's stages: "
+                               "the broker carries nothing to or from it") from None
+            raise KeyError(f"no unit {name!r} in the plan") from None
         if (pg.role, cg.role) not in _EDGES:
             raise ValueError(f"{producer} ({pg.role}) does not feed {consumer} ({cg.role}); "
                              "the broker links encoder -> backbone and backbone -> generator")

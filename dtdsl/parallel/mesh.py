@@ -14,6 +14,11 @@ laid out as a (pp, dp, tp) grid with TP innermost::
 
 Every global rank of a unit is in exactly one group of each kind.
 
+**Co-located units** (``UnitPlan.colocated``: an encoder on the backbone's first pipeline
+stage, a generator on its last, ``gpus`` 0) have no grid, ranks or groups of their own:
+they run inside their host stage, on its TP group and DP mesh (``hosted_units``), so
+``grids`` leaves them out and every rank of the job belongs to a unit with GPUs.
+
 **Meshes and groups.** ``build_groups`` gives each rank its unit's ``DeviceMesh`` over
 the unit's ranks, shaped ``(pp, dp_replicate, dp_shard, tp)`` (``MESH_DIMS``): the DP
 ranks are a shard dimension under ZeRO >= 1 (FSDP2 shards over it) and a replicate
@@ -59,8 +64,8 @@ if TYPE_CHECKING:   # torch is imported where groups are built: planning tools n
     from dtdsl.ir.plan import Plan, UnitPlan
 
 __all__ = ["MESH_DIMS", "ProcessGroups", "RankRole", "UnitGrid", "build_groups",
-           "data_parallel_mesh", "dim_groups", "grids", "new_subgroup", "rank_groups", "role_of",
-           "splits_groups", "unit_mesh_shape"]
+           "colocation_problems", "data_parallel_mesh", "dim_groups", "grids", "hosted_units",
+           "new_subgroup", "rank_groups", "role_of", "splits_groups", "unit_mesh_shape"]
 
 Role = Literal["encoder", "backbone", "generator"]
 
@@ -193,8 +198,9 @@ class RankRole:
 
 
 def grids(plan: Plan) -> tuple[UnitGrid, ...]:
-    """The grid of every unit, in plan order; checks that the units tile ranks 0..n-1."""
-    out = tuple(UnitGrid.of(u) for u in plan.units)
+    """The grid of every unit with GPUs of its own, in plan order (co-located units run
+    on their host's ranks: ``hosted_units``); checks that the units tile ranks 0..n-1."""
+    out = tuple(UnitGrid.of(u) for u in plan.units if not u.colocated)
     expected = 0
     for g in sorted(out, key=lambda g: g.first_rank):
         if g.first_rank != expected:
@@ -215,6 +221,49 @@ def role_of(plan: Plan, rank: int) -> RankRole:
 
 def _world(plan: Plan) -> int:
     return sum(u.gpus for u in plan.units)
+
+
+def colocation_problems(plan: Plan) -> list[str]:
+    """What is wrong with the plan's co-located units for the runtime, in plain words
+    (empty when nothing is): a co-located unit is an encoder or a generator that runs
+    on the backbone's first or last stage with the backbone's TP and DP, one stage of
+    all its layers and one model chunk, and no GPU of its own."""
+    backbone = next((u for u in plan.units if u.role == "backbone"), None)
+    out = []
+    for u in plan.units:
+        if not u.colocated:
+            continue
+        if backbone is None or u.role == "backbone":
+            out.append(f"{u.name}: only an encoder or a generator can be co-located on the "
+                       "backbone's stages")
+            continue
+        if u.gpus != 0:
+            out.append(f"{u.name}: a co-located unit holds no GPU of its own, not {u.gpus}")
+        for what, got, want in (("tp", u.tp, backbone.tp), ("dp", u.dp, backbone.dp),
+                                ("first_rank", u.first_rank, backbone.first_rank)):
+            if got != want:
+                out.append(f"{u.name}: {what} {got}, but a co-located unit runs on the "
+                           f"backbone's ranks with its {what} ({backbone.name}: {want})")
+        if u.pp != 1 or u.vpp != 1 or len(u.layers_per_stage) != 1:
+            out.append(f"{u.name}: pp {u.pp}, vpp {u.vpp} and layers_per_stage "
+                       f"{list(u.layers_per_stage)}; a co-located unit runs all its layers "
+                       "in one model chunk of its host stage (pp 1, vpp 1)")
+    return out
+
+
+def hosted_units(plan: Plan, role: RankRole) -> tuple[UnitPlan, ...]:
+    """The co-located units ``role``'s stage runs besides its own (plan order): the
+    encoders on the backbone's first stage, the generators on its last (both on a
+    backbone of one stage); none elsewhere. ValueError for a plan whose co-located units
+    the runtime cannot place (``colocation_problems``)."""
+    if role.role != "backbone" or not any(u.colocated for u in plan.units):
+        return ()
+    problems = colocation_problems(plan)
+    if problems:
+        raise ValueError("the plan's co-located units cannot run: " + "; ".join(problems))
+    return tuple(u for u in plan.units if u.colocated and (
+        (u.role == "encoder" and role.is_first_stage) or
+        (u.role == "generator" and role.is_last_stage)))
 
 
 

@@ -34,6 +34,12 @@ producers that run ``B``. So a frozen encoder does no ``B`` and gets no ``RECV_B
 frozen backbone or generator whose input needs gradients runs ``B`` to pass them on,
 without ``SYNC``/``OPT``.
 
+Co-located modules (an encoder or generator of the program with no unit of its own in the
+schedule: ``Schedule.empty`` leaves them out) run inside the backbone's first (last)
+virtual stage, which therefore trains when they or their projectors do: a frozen
+backbone with a trainable co-located encoder still runs ``B`` on its first stage and
+steps its optimizer there.
+
 Interleaved 1F1B
 ----------------
 Within a unit with vpp v > 1: the interleaved schedule of Megatron-LM and of
@@ -134,6 +140,7 @@ def gradient_flow(schedule: Schedule, program: Program) -> GradientFlow:
                 if (p.source if u.role == "encoder" else p.target) == u.name)
             if not module.frozen or projector_trains:
                 trains.add(vs)
+    trains |= _hosts_that_train(schedule, program)
 
     def unit_input_needs_grad(u: ScheduleUnit) -> bool:
         if u.role == "encoder":
@@ -163,6 +170,31 @@ def gradient_flow(schedule: Schedule, program: Program) -> GradientFlow:
             if vs in useful and (has_loss or fed_back):
                 backward.add(vs)
     return GradientFlow(frozenset(trains), frozenset(backward))
+
+
+def _trains_with_projector(program: Program, module: str, role: str) -> bool:
+    """Does ``module`` or the projector that runs with it (an encoder's into the backbone,
+    the backbone's into a generator) hold trainable parameters?"""
+    if not program.module(module).frozen:
+        return True
+    return any(not p.frozen for p in program.projectors
+               if (p.source if role == "encoder" else p.target) == module)
+
+
+def _hosts_that_train(schedule: Schedule, program: Program) -> set[VirtualStage]:
+    """The backbone's virtual stages that host a trainable co-located module: its first
+    for an encoder, its last for a generator (module docstring)."""
+    scheduled = {u.name for u in schedule.units}
+    backbone = next(u for u in schedule.units if u.role == "backbone")
+    last = backbone.num_virtual_stages - 1
+    out: set[VirtualStage] = set()
+    for m in program.modules:
+        if m.role == "backbone" or m.name in scheduled:
+            continue
+        if _trains_with_projector(program, m.name, m.role):
+            k = 0 if m.role == "encoder" else last
+            out.add((backbone.name, k % backbone.pp, k // backbone.pp))
+    return out
 
 
 def _reverse_topological(units: Iterable[ScheduleUnit]) -> list[ScheduleUnit]:

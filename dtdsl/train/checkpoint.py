@@ -142,6 +142,13 @@ class UnitLayout(_Model):
     tp: int
     dp: int
     pp: int
+    colocated: bool = False     # ran on the backbone's stages (written since issue 27)
+
+    @property
+    def text(self) -> str:
+        """``vit:tp1dp2pp1``, or ``vit:colocated`` for a unit that ran on its host's."""
+        return f"{self.name}:colocated" if self.colocated else \
+            f"{self.name}:tp{self.tp}dp{self.dp}pp{self.pp}"
 
 
 class Manifest(_Model):
@@ -573,8 +580,8 @@ class Checkpointer:
         return dict(step=step, next_step=step, spec=program.name,
                     spec_sha256=self.spec_sha256, plan_sha256=self.plan_sha256,
                     world_size=plan.gpus_used,
-                    units=tuple(UnitLayout(name=u.name, tp=u.tp, dp=u.dp, pp=u.pp)
-                                for u in plan.units),
+                    units=tuple(UnitLayout(name=u.name, tp=u.tp, dp=u.dp, pp=u.pp,
+                                           colocated=u.colocated) for u in plan.units),
                     mode=self.mode, rng_torch=_rng_b64(torch.get_rng_state()), rng_cuda=cuda)
 
     def save(self, step: int) -> float:
@@ -740,7 +747,7 @@ class Checkpointer:
         if manifest.rng_cuda is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state(_rng_tensor(manifest.rng_cuda))
         if self.rank == 0:
-            layout = " ".join(f"{u.name}:tp{u.tp}dp{u.dp}pp{u.pp}" for u in manifest.units)
+            layout = " ".join(u.text for u in manifest.units)
             how = ("same plan" if manifest.plan_sha256 == self.plan_sha256 else
                    f"resharded from {layout}")
             self.log(f"checkpoint: resumed from {path} at step {manifest.next_step} ({how}, "

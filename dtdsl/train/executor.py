@@ -13,7 +13,8 @@ training step it
 2. this happens before the step's barrier, off the timed actions;
 3. runs its stage's action list in program order:
 
-   - ``F``: the stage's slice of the unit on this replica's samples of the step. Input:
+   - ``F``: the stage's slice of the unit (and the co-located units it hosts, below) on
+     this replica's samples of the step. Input:
      the encoder's first stage reads the images; an inner stage the activations its
      ``RECV_F`` got from the previous stage of the same replica and TP index (PP
      point-to-point, the broker's wire format); the backbone's and a generator's first
@@ -57,10 +58,24 @@ neighbours pair by TP index. The optimizer updates the DTensor parameters throug
 local shards and counts replicated parameters once in the norm.
 
 Only the last backbone stage's TP leader adds the LM loss to the reported total (every TP
-rank computes it); a generator's TP leader likewise adds its loss. Limits: interleaved
-schedules (vpp > 1) raise NotImplementedError; a U-Net or DiT generator runs on one
-pipeline stage; the backbone's embedding and output head are replicated, not
-vocabulary-parallel.
+rank computes it); a generator's TP leader likewise adds its loss.
+
+Co-located units (issue 27; ``UnitPlan.colocated``, ``parallel.mesh.hosted_units``): an
+encoder the plan co-locates runs on the backbone's first stage, a generator on its last,
+built into that stage's module (``train.stage``) and run inside its ``F``: the first stage
+packs its microbatch's images (``pack_images``), and its forward runs them through the
+encoder and its projector (``_encoder_pass``, as an encoder unit of one stage does) and
+splices the per-sample embeddings into ``backbone_input``, with no broker and one autograd
+graph; the last stage's forward runs each co-located generator on the conditioning of its
+final hidden states (``conditioning``, ``document_targets``, ``generator_step``) and
+returns its loss sum, which joins the LM loss in the microbatch's loss (the leader counts
+it in the generation total). ``B`` differentiates that sum through all of them. The
+schedule has no stage of theirs (``Schedule.empty``): their passes are part of the host
+stage's ``F`` and ``B`` and of its measured events, as the simulator folds them into the
+host stage's times; the host trains when they do (``schedule.lower.gradient_flow``).
+
+Limits: interleaved schedules (vpp > 1) raise NotImplementedError; a U-Net or DiT
+generator runs on one pipeline stage.
 """
 
 from __future__ import annotations
@@ -77,7 +92,14 @@ import torch.distributed as dist
 
 from dtdsl.data.batch import BatchSource, LocalBatches, StepBatch
 from dtdsl.data.layout import SequenceLayout, layout_of
-from dtdsl.data.sample import Sample, SampleSizes, image_encoder, pack_images, unpack_images
+from dtdsl.data.sample import (
+    PackedImages,
+    Sample,
+    SampleSizes,
+    image_encoder,
+    pack_images,
+    unpack_images,
+)
 from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan
 from dtdsl.ir.schedule import Action, ActionKind, Schedule
@@ -189,6 +211,11 @@ class StageExecutor:
                                         seed=self.seed, run=stage_run(self.role.role),
                                         initialize=initialize)
         self.model = _Units(program, self.stage.module.units)
+        # Co-located modules this stage runs (a backbone's first stage: the encoder, its
+        # last: the generators), on its own ranks and samples.
+        hosted = {n: program.module(n).role for n in self.stage.hosted}
+        self._hosted_encoder = next((n for n, r in hosted.items() if r == "encoder"), None)
+        self._hosted_generators = [n for n, r in hosted.items() if r == "generator"]
         self.dtype = self.stage.compute_dtype
         self._patch = self.model.patch
         self._image_tokens = self.model.image_tokens
@@ -544,9 +571,20 @@ class StageExecutor:
     def _backbone_forward(self, j: int, mb: _Micro) -> None:
         role = self.role
         ids = list(self._ids[j])
+        extra: dict[str, Any] = {}
+        if role.is_last_stage and self._hosted_generators:
+            extra["generation"] = self._generation(ids)
         if role.is_first_stage:
             samples = [self._sample(i) for i in ids]
-            if mb.pending:
+            images = self._hosted_images(samples) if self._hosted_encoder else None
+            if images is not None:
+                # The co-located encoder embeds them inside the stage's forward; the
+                # zero-row placeholders below are replaced there.
+                extra["images"] = images
+                rows = [image_tokens(self._sizes(i), self._image_tokens) for i in ids]
+                embeds = {i: torch.zeros(0, self._width, dtype=self.dtype, device=self.device)
+                          for i in ids}
+            elif mb.pending:
                 if len(mb.pending) != 1:
                     raise NotImplementedError("the runtime models one image encoder")
                 (pending,) = mb.pending.values()
@@ -555,15 +593,16 @@ class StageExecutor:
             else:
                 embeds = {i: torch.zeros(0, self._width, dtype=self.dtype, device=self.device)
                           for i in ids}
-            mb.inputs = embeds
+            if images is None:
+                rows = [embeds[i].shape[0] for i in ids]
+            mb.inputs = None if images is not None else embeds
             tokens = [to_device(s.tokens, self.device) for s in samples]
             self.processed["text_tokens"] += sum(len(t) for t in tokens)
-            self.processed["positions"] += sum(len(t) for t in tokens) + sum(
-                embeds[i].shape[0] for i in ids)
+            self.processed["positions"] += sum(len(t) for t in tokens) + sum(rows)
             out = self.stage.module(image_embeds=[embeds[i] for i in ids], tokens=tokens,
                                     layouts=[self._layout(i) for i in ids],
                                     loss_tokens=self._loss_tokens(ids),
-                                    loss_rows=self._loss_rows(ids))
+                                    loss_rows=self._loss_rows(ids), **extra)
         else:
             (pending,) = mb.pending.values()
             x_in, targets = pending.wait()
@@ -571,14 +610,20 @@ class StageExecutor:
             mb.inputs = [x]
             out = self.stage.module(x=x, targets=targets, loss_tokens=self._loss_tokens(ids),
                                     layouts=[self._layout(i) for i in ids],
-                                    loss_rows=self._loss_rows(ids))
+                                    loss_rows=self._loss_rows(ids), **extra)
         mb.pending = {}
         if role.is_last_stage:
-            loss_sum, hidden = out
+            loss_sum, hidden, gens = out
             assert self.norm is not None
-            mb.loss = loss_sum / max(1, self.norm.text_tokens)
+            lm = loss_sum / max(1, self.norm.text_tokens)
+            mb.loss = lm
+            if gens:    # the co-located generators' losses join the backward
+                gen = sum(gens.values()) / max(1, self.norm.gen_targets)
+                mb.loss = lm + gen
             if role.is_leader:      # TP ranks hold the same loss: count it once
-                self.lm += mb.loss.detach().double()
+                self.lm += lm.detach().double()
+                if gens:
+                    self.gen += gen.detach().double()
             if self.sends_forward:  # the generators' conditioning
                 conds = conditioning(hidden, [self._layout(i) for i in ids])
                 mb.outputs = dict(zip(ids, conds, strict=True))
@@ -587,6 +632,32 @@ class StageExecutor:
             y, targets = out
             mb.outputs = [y]
             mb.outbox = [y.detach(), targets]
+
+    def _hosted_images(self, samples: Sequence[Sample]) -> PackedImages | None:
+        """The images of ``samples`` packed for the co-located encoder (None when they
+        have none), their patches counted."""
+        images = [to_device(list(s.images), self.device) for s in samples]
+        packed = pack_images(images, self._patch)
+        if not packed.groups:
+            return None
+        self.processed["patches"] += sum(g.shape[0] * g.shape[1] for g in packed.groups)
+        return packed
+
+    def _generation(self, ids: Sequence[int]) -> dict[str, tuple[list[Any], list[Any]]]:
+        """Per co-located generator, the targets of samples ``ids`` and their documents'
+        target counts (``_hosted_losses``), the targets counted."""
+        out = {}
+        for name in self._hosted_generators:
+            targets = [to_device(self._sample(i).targets[name], self.device) for i in ids]
+            out[name] = (targets, [self._doc_targets(i, name) for i in ids])
+            self.processed["targets"] += sum(len(t) for t in targets)
+        return out
+
+    def _doc_targets(self, i: int, name: str) -> tuple[int, ...]:
+        """Sample ``i``'s generation targets of generator ``name``, per document."""
+        sizes = self._sizes(i)
+        return sizes.doc_gen[name] if sizes.doc_gen is not None else \
+            (sizes.gen_counts.get(name, 0),)
 
     def _generator_forward(self, j: int, mb: _Micro) -> None:
         name = self.role.unit
@@ -603,8 +674,7 @@ class StageExecutor:
         docs_c, docs_t = document_targets(
             [conds[i] for i in ids], targets,
             [conditioning_rows(self._layout(i)) for i in ids],
-            [self._sizes(i).doc_gen[name] if self._sizes(i).doc_gen is not None
-             else (self._sizes(i).gen_counts.get(name, 0),) for i in ids])
+            [self._doc_targets(i, name) for i in ids])
         self.processed["targets"] += sum(len(t) for t in docs_t)
         gen_sum = self.stage.module(docs_c, docs_t)
         assert self.norm is not None
@@ -651,33 +721,84 @@ class StageExecutor:
             mb.input_grads = [grad(x) for x in mb.inputs]
 
 
-def _run_encoder(module: Any, xs: Sequence[torch.Tensor], *, first: bool,
-                 grids: Sequence[tuple[int, int]] | None = None) -> list[torch.Tensor]:
+def _encoder_pass(module: Any, name: str, xs: Sequence[torch.Tensor], *, first: bool,
+                  last: bool, start: int, stop: int | None,
+                  grids: Sequence[tuple[int, int]] | None) -> list[torch.Tensor]:
+    """Layers ``start:stop`` of encoder ``name`` on packed image groups ``xs``: from the
+    pixels (``first``), and through its projector into the backbone (``last``)."""
     st = module.stage_state
-    enc = module.units[st.role.unit]
+    enc = module.units[name]
     if first:       # pixels to the compute dtype (the stage's root casts no input)
         xs = encoder_input(enc, [x.to(st.dtype) for x in xs], grids)
-    ys = encoder_layers(enc, xs, st.start, st.stop)
-    if st.role.is_last_stage:
-        proj = module.units[projector_between(st.program, st.role.unit,
-                                              st.program.backbone.name)]
+    ys = encoder_layers(enc, xs, start, stop)
+    if last:
+        proj = module.units[projector_between(st.program, name, st.program.backbone.name)]
         # Per group, on its images' patch grid (what a compressing projector reads).
         grids = [None] * len(ys) if grids is None else grids
         return [proj(h, grid) for h, grid in zip(encoder_output(enc, ys), grids, strict=True)]
     return ys
 
 
+def _run_encoder(module: Any, xs: Sequence[torch.Tensor], *, first: bool,
+                 grids: Sequence[tuple[int, int]] | None = None) -> list[torch.Tensor]:
+    st = module.stage_state
+    return _encoder_pass(module, st.role.unit, xs, first=first, last=st.role.is_last_stage,
+                         start=st.start, stop=st.stop, grids=grids)
+
+
+def _hosted(module: Any, role: str) -> list[str]:
+    """The co-located modules of ``role`` the stage runs (``StageState.hosted``)."""
+    st = module.stage_state
+    return [n for n in st.hosted if st.program.module(n).role == role]
+
+
+def _hosted_embeds(module: Any, packed: PackedImages) -> list[torch.Tensor]:
+    """Each sample's image tokens in backbone width from the stage's co-located encoder
+    and its projector: the whole encoder, as an encoder unit of one stage runs it."""
+    (name,) = _hosted(module, "encoder")
+    outs = _encoder_pass(module, name, packed.groups, first=True, last=True, start=0,
+                         stop=None, grids=packed.grids)
+    return unpack_images(packed, outs)
+
+
+def _hosted_losses(module: Any, hidden: torch.Tensor, layouts: Sequence[SequenceLayout],
+                   generation: dict[str, tuple[Sequence[Any], Sequence[Sequence[int]]]]
+                   ) -> dict[str, torch.Tensor]:
+    """Each co-located generator's summed loss (``generator_step``) on the conditioning
+    of the backbone's final hidden states: ``generation`` holds, per generator, every
+    sequence's targets and its documents' target counts."""
+    st = module.stage_state
+    conds = conditioning(hidden, layouts)
+    rows = [conditioning_rows(lay) for lay in layouts]
+    model = _Units(st.program, module.units, st.vaes)
+    out = {}
+    for name in _hosted(module, "generator"):
+        targets, counts = generation[name]
+        docs_c, docs_t = document_targets(conds, targets, rows, counts)
+        out[name] = generator_step(model, name, docs_c, docs_t)
+    return out
+
+
 def _run_backbone(module: Any, *, x: torch.Tensor | None = None,
                   image_embeds: Sequence[torch.Tensor] | None = None,
+                  images: PackedImages | None = None,
                   tokens: Sequence[torch.Tensor] | None = None,
                   layouts: Sequence[SequenceLayout] | None = None,
                   targets: torch.Tensor | None = None,
                   loss_tokens: int | None = None,
-                  loss_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  loss_rows: torch.Tensor | None = None,
+                  generation: dict[str, Any] | None = None) -> tuple[Any, ...]:
+    """A backbone stage's forward: ``(activations, targets)`` on an inner stage,
+    ``(LM loss sum, final hidden states, {co-located generator: its loss sum})`` on the
+    last. The first stage embeds ``tokens`` with ``image_embeds`` (received) or with
+    what its co-located encoder makes of ``images``; the last runs its co-located
+    generators on ``generation`` (``_hosted_losses``)."""
     st = module.stage_state
     bb = module.units[st.role.unit]
     assert layouts is not None
     if x is None:
+        if images is not None:      # the co-located encoder, in the same autograd graph
+            image_embeds = _hosted_embeds(module, images)
         assert image_embeds is not None and tokens is not None
         batch = backbone_input(bb, image_embeds, tokens, layouts)
         x, targets = scatter_sequence(bb, batch.embeds), batch.targets
@@ -688,15 +809,18 @@ def _run_backbone(module: Any, *, x: torch.Tensor | None = None,
     assert targets is not None
     y = backbone_layers(bb, x, st.start, st.stop, positions=positions, mask=mask)
     if st.role.is_last_stage:
-        return backbone_output(bb, y, targets, loss_tokens=loss_tokens, loss_rows=loss_rows)
+        loss, hidden = backbone_output(bb, y, targets, loss_tokens=loss_tokens,
+                                       loss_rows=loss_rows)
+        gens = _hosted_losses(module, hidden, layouts, generation or {}) \
+            if _hosted(module, "generator") else {}
+        return loss, hidden, gens
     return y, targets
 
 
 def _run_generator(module: Any, conds: Sequence[torch.Tensor], targets: Sequence[Any]
                    ) -> torch.Tensor:
     st = module.stage_state
-    vaes = {st.role.unit: st.vae} if st.vae is not None else None
-    return generator_step(_Units(st.program, module.units, vaes), st.role.unit, conds,
+    return generator_step(_Units(st.program, module.units, st.vaes), st.role.unit, conds,
                           targets)
 
 
@@ -709,8 +833,10 @@ def stage_run(role: str) -> Any:
 def measured_timeline(plan: Plan, step: int, events: Sequence[Event]) -> Timeline:
     """A measured ``Timeline`` of one step from the events of any set of ranks (e.g. all
     of them, gathered)."""
+    # Co-located units have no rows of their own: their passes are in their host
+    # stage's F and B events, as in the simulator's timeline.
     units = tuple(TimelineUnit(name=u.name, role=u.role, pp=u.pp, dp=u.dp, tp=u.tp,
-                               first_rank=u.first_rank) for u in plan.units)
+                               first_rank=u.first_rank) for u in plan.units if not u.colocated)
     return Timeline(source="measured", num_microbatches=plan.num_microbatches, units=units,
                     events=tuple(events), step=step)
 
@@ -745,7 +871,7 @@ def gather_timeline(plan: Plan, step: int, events: Sequence[Event], *,
     only (a replica's TP ranks run in lockstep, one event stands for them all). Each
     rank's times are relative to its own start of the step, taken right after a barrier,
     so they compare across ranks up to the barrier's skew."""
-    names = [u.name for u in plan.units]
+    names = [u.name for u in plan.units if not u.colocated]
     rank = dist.get_rank()
     mine = [e for e in events if e.rank == rank]
     rows = torch.tensor([[names.index(e.unit), e.stage, e.replica, e.rank, _KINDS.index(e.kind),

@@ -18,6 +18,15 @@ encoder's the 99th percentile of a microbatch's image tokens, then the mean; a
 generator's likewise of generation targets), each times the unit's share of backbone
 microbatches.
 
+A backbone stage that hosts co-located units (``parallel.mesh.hosted_units``) is
+measured with them, as it runs: its first stage's microbatches carry the co-located
+encoder's images (its large and average microbatch, spread over the sequences, which
+keep ``seq_len`` positions: their text makes up the rest), its last stage's the
+co-located generators' targets; the prediction adds each co-located unit's own memory
+(``CostModel.memory_bytes`` at the host's TP and DP, one stage, the host stage's
+microbatches in flight), as the planner prices it. Co-located units have no stage of
+their own to measure.
+
 The measured peak is reported next to ``CostModel.stage_memory_bytes`` for the same stage
 and the GPU's capacity.
 """
@@ -88,7 +97,9 @@ def _depth(plan: Plan, unit: str, stage: int) -> int:
     """Pipeline stages from ``stage`` of ``unit`` to the end of the chain (the planner's
     rule in ``planner.evaluate``, unchained)."""
     u = plan.unit(unit)
-    gen = max((g.pp for g in plan.units if g.role == "generator"), default=0)
+    # Co-located generators run inside the backbone's last stage: no stage of their own.
+    gen = max((g.pp for g in plan.units if g.role == "generator" and not g.colocated),
+              default=0)
     backbone = next(g.pp for g in plan.units if g.role == "backbone")
     own = u.pp - stage
     if u.role == "encoder":
@@ -98,71 +109,144 @@ def _depth(plan: Plan, unit: str, stage: int) -> int:
     return own
 
 
-def _inputs(program: ir.Program, cost: Any, unit: Any, role: Any, share: float,
+@dataclass(frozen=True)
+class _Images:
+    """An encoder microbatch's images for memcheck: ``n`` square images of ``side`` x
+    ``side`` patches (``rows`` rows each in the encoder, a class token's included)."""
+
+    n: int
+    side: int
+    rows: int
+    width: int      # a patch's values
+
+
+def _encoder_images(program: ir.Program, cost: Any, name: str, unit: Any, share: float,
+                    large: bool) -> _Images:
+    """The images of encoder ``name``'s large (the cost model's 99th percentile) or
+    average microbatch, as the cost model budgets them."""
+    arch = program.module(name).arch
+    patch = arch.patch or 1
+    tokens = max(1, int(math.ceil(unit.peak_items * share
+                                  / (1.0 if large else unit.act_peak_ratio))))
+    items = cost.program.data.get("image", "patches")
+    per_image = 256 if items is None else max(1, int(round(_mean(items))))
+    # A square grid the projector's compression divides (pixel shuffle: whole k x k
+    # blocks), as the data's own images are rounded.
+    side = cost.program.image_tokens().square_side(per_image)
+    rows = side * side + int(arch.cls_token)        # a class token's row too
+    return _Images(n=max(1, math.ceil(tokens / rows)), side=side, rows=rows,
+                   width=(arch.in_channels or 3) * patch * patch)
+
+
+def _generation_targets(program: ir.Program, name: str, unit: Any, share: float,
+                        large: bool) -> int:
+    """How many targets generator ``name``'s large or average microbatch holds."""
+    return max(1, int(math.ceil(unit.peak_items * share
+                                / (1.0 if large else unit.act_peak_ratio))))
+
+
+def _targets(program: ir.Program, name: str, count: int, device: torch.device) -> Any:
+    """``count`` generation targets of generator ``name`` (zero latents, the last
+    timestep), one ``GenTargets``."""
+    from dtdsl.data.sample import GenTargets
+
+    arch = program.module(name).arch
+    shape = (count, arch.latent_channels, arch.latent, arch.latent)
+    return GenTargets(latents=torch.zeros(shape, device=device),
+                      noise=torch.zeros(shape, device=device),
+                      timesteps=torch.full((count,), arch.timesteps - 1, dtype=torch.int64,
+                                           device=device))
+
+
+def _spread(n: int, b: int) -> list[int]:
+    """``n`` items over ``b`` sequences, as evenly as they go."""
+    return [n // b + (k < n % b) for k in range(b)]
+
+
+def _hosted_inputs(program: ir.Program, cost: Any, plan: Plan, role: Any, seq: int,
+                   dtype: torch.dtype, device: torch.device, large: bool
+                   ) -> tuple[list[Any], dict[str, Any]]:
+    """The layouts of a backbone microbatch of ``micro_batch`` sequences of ``seq``
+    positions, and the extra forward arguments of the co-located units its stage hosts:
+    the encoder's images (``images``, spread over the sequences, whose text fills the
+    rest) and each generator's targets (``generation``)."""
+    from dtdsl.data.layout import sequence_layout
+    from dtdsl.data.sample import PackedImages
+    from dtdsl.parallel.mesh import hosted_units
+
+    b = program.train.micro_batch
+    extra: dict[str, Any] = {}
+    per_sample = [0] * b
+    image_rows = 0
+    for u in hosted_units(plan, role):
+        if u.role == "encoder":
+            im = _encoder_images(program, cost, u.name, cost.unit(u.name), 1.0, large)
+            image_rows = program.image_tokens().of_grid(im.side, im.side)
+            # No sequence holds more images than fit in it.
+            fit = max(1, seq // max(1, image_rows))
+            per_sample = [min(c, fit) for c in _spread(im.n, b)]
+            owners = tuple((k, j) for k, c in enumerate(per_sample) for j in range(c))
+            group = torch.zeros(len(owners), im.side * im.side, im.width, dtype=dtype,
+                                device=device)
+            extra["images"] = PackedImages(groups=(group,), owners=(owners,),
+                                           counts=tuple(per_sample),
+                                           grids=((im.side, im.side),))
+        else:
+            count = _generation_targets(program, u.name, cost.unit(u.name), 1.0, large)
+            counts = _spread(count, b)
+            extra.setdefault("generation", {})[u.name] = (
+                [_targets(program, u.name, c, device) for c in counts],
+                [(c,) for c in counts])
+    layouts = [sequence_layout(seq - c * image_rows, [image_rows] * c, [0] * c,
+                               [(0, seq - c * image_rows)], seq) for c in per_sample]
+    return layouts, extra
+
+
+def _inputs(program: ir.Program, cost: Any, plan: Plan, unit: Any, role: Any, share: float,
             dtype: torch.dtype, device: torch.device,
             large: bool) -> Callable[[], tuple[tuple, dict]]:
     """A function making the inputs of one microbatch for the stage's forward: a large
     one (the cost model's 99th percentile) or an average one."""
-    from dtdsl.data.layout import sequence_layout
-    from dtdsl.data.sample import GenTargets
-
     module = program.module(role.unit)
     arch = module.arch
     train = program.train
     if role.role == "backbone":
         b, h = train.micro_batch, arch.hidden
         s = -(-train.seq_len // role.grid.tp) * role.grid.tp
-
-        layouts = [sequence_layout(s, [], [], [(0, s)], s)] * b
+        layouts, extra = _hosted_inputs(program, cost, plan, role, s, dtype, device, large)
 
         def backbone() -> tuple[tuple, dict]:
             if role.is_first_stage:
-                tokens = [torch.zeros(s, dtype=torch.int64, device=device) for _ in range(b)]
+                tokens = [torch.zeros(lay.text, dtype=torch.int64, device=device)
+                          for lay in layouts]
                 embeds = [torch.zeros(0, h, dtype=dtype, device=device) for _ in range(b)]
                 return (), {"image_embeds": embeds, "tokens": tokens, "layouts": layouts,
-                            "loss_tokens": b * s}
+                            "loss_tokens": b * s, **extra}
             # Under sequence parallelism, this TP rank's piece of the sequence.
             x = torch.zeros(b, s // role.grid.tp, h, dtype=dtype, device=device,
                             requires_grad=True)
             return (), {"x": x, "targets": torch.zeros(b, s, dtype=torch.int64,
                                                        device=device),
-                        "layouts": layouts, "loss_tokens": b * s}
+                        "layouts": layouts, "loss_tokens": b * s, **extra}
         return backbone
     if role.role == "encoder":
-        patch = arch.patch or 1
-        tokens = max(1, int(math.ceil(unit.peak_items * share
-                                      / (1.0 if large else unit.act_peak_ratio))))
-        items = cost.program.data.get("image", "patches")
-        per_image = 256 if items is None else max(1, int(round(_mean(items))))
-        # A square grid the projector's compression divides (pixel shuffle: whole k x k
-        # blocks), as the data's own images are rounded.
-        side = cost.program.image_tokens().square_side(per_image)
-        per_image = side * side
-        rows = per_image + int(arch.cls_token)        # a class token's row too
-        n = max(1, math.ceil(tokens / rows))
-        width = (arch.in_channels or 3) * patch * patch
+        im = _encoder_images(program, cost, role.unit, unit, share, large)
 
         def encoder() -> tuple[tuple, dict]:
             if role.is_first_stage:
-                return ([torch.zeros(n, per_image, width, dtype=dtype, device=device)],), \
-                    {"first": True}
-            x = torch.zeros(n, rows, arch.hidden, dtype=dtype, device=device,
+                return ([torch.zeros(im.n, im.side * im.side, im.width, dtype=dtype,
+                                     device=device)],), {"first": True}
+            x = torch.zeros(im.n, im.rows, arch.hidden, dtype=dtype, device=device,
                             requires_grad=True)
             return ([x],), {"first": False}
         return encoder
-    count = max(1, int(math.ceil(unit.peak_items * share
-                                 / (1.0 if large else unit.act_peak_ratio))))
+    count = _generation_targets(program, role.unit, unit, share, large)
     hidden = program.backbone.arch.hidden
-    shape = (1, arch.latent_channels, arch.latent, arch.latent)
 
     def generator() -> tuple[tuple, dict]:
         conds = [torch.zeros(16, hidden, dtype=dtype, device=device, requires_grad=True)
                  for _ in range(count)]
-        targets = [GenTargets(latents=torch.zeros(shape, device=device),
-                              noise=torch.zeros(shape, device=device),
-                              timesteps=torch.full((1,), arch.timesteps - 1,
-                                                   dtype=torch.int64, device=device))
-                   for _ in range(count)]
+        targets = [_targets(program, role.unit, 1, device) for _ in range(count)]
         return (conds, targets), {}
     return generator
 
@@ -180,15 +264,15 @@ def _loss_of(role: Any, out: Any) -> torch.Tensor:
     if role.role == "generator":
         return out
     if role.role == "backbone":
-        if role.is_last_stage:
-            return out[0]
+        if role.is_last_stage:      # the LM loss and the co-located generators'
+            return out[0] + sum(out[2].values())
         return out[0].float().sum()
     return sum(o.float().sum() for o in out)
 
 
 def _measure_stage(program: ir.Program, plan: Plan, schedule: Schedule, cost: Any,
                    unit: str, stage: int) -> StageMemory:
-    from dtdsl.parallel.mesh import MESH_DIMS, grids, unit_mesh_shape
+    from dtdsl.parallel.mesh import MESH_DIMS, grids, hosted_units, unit_mesh_shape
     from dtdsl.train.executor import stage_run
     from dtdsl.train.memcheck import fake_world, init_optimizer_state, measure_peak
     from dtdsl.train.optim import StageOptimizer
@@ -217,9 +301,11 @@ def _measure_stage(program: ir.Program, plan: Plan, schedule: Schedule, cost: An
             opt = StageOptimizer(trainable, name=o.name, lr=o.lr, betas=tuple(o.betas),
                                  eps=o.eps, weight_decay=o.weight_decay)
             init_optimizer_state(opt.optimizer)
-        makers = [_inputs(program, cost, unit_cost, role, share, built.compute_dtype,
+        makers = [_inputs(program, cost, plan, unit_cost, role, share, built.compute_dtype,
                           world.device, large) for large in (True, False)]
-        trains = unit_cost.backward_factor > 0
+        hosted = hosted_units(plan, role)
+        trains = unit_cost.backward_factor > 0 or any(
+            cost.unit(h.name).backward_factor > 0 for h in hosted)
 
         def forward(i: int) -> Any:
             args, kwargs = makers[0 if i == 0 else 1]()
@@ -253,6 +339,12 @@ def _measure_stage(program: ir.Program, plan: Plan, schedule: Schedule, cost: An
     predicted = cost.stage_memory_bytes(
         unit_cost, tp=u.tp, pp=u.pp, dp=u.dp, vpp=u.vpp, stage=stage, layers=layers,
         depth=depth, microbatches=plan.num_microbatches, share=share)
+    # Each co-located unit's own memory, as the planner prices it: one stage of all its
+    # layers at the host's TP (whole where replicated over it) and DP, with the host
+    # stage's microbatches in flight.
+    predicted += sum(float(cost.memory_bytes(
+        cost.unit(h.name), 1 if h.tp_replicated else h.tp, 1, h.dp, 1, depth,
+        plan.num_microbatches, 1.0)) for h in hosted)
     return StageMemory(unit=unit, stage=stage, rank=rank, in_flight=k,
                        predicted_bytes=predicted, measured_bytes=report.peak_bytes,
                        capacity_bytes=program.cluster.gpu.memory_bytes,
@@ -273,7 +365,8 @@ def check_memory(program: ir.Program, plan: Plan, *, cost: Any = None, jobs: int
 
     cost = cost if cost is not None else build_cost_model(program)
     schedule = lower(plan, program)
-    todo = [(u.name, s) for u in plan.units for s in range(u.pp)]
+    # Co-located units are measured with the stage that hosts them.
+    todo = [(u.name, s) for u in plan.units if not u.colocated for s in range(u.pp)]
     if progress is not None:
         progress(0, len(todo), "")
     context = multiprocessing.get_context("fork")

@@ -46,8 +46,9 @@ def train_reference(program: ir.Program, steps: int, *, micro_batch: int | None 
                     pad_to: int | None = None, device: str | torch.device = "cpu",
                     model: Model | None = None, source: SampleSource | None = None
                     ) -> Iterator[dict[str, float | int]]:
-    """Train ``steps`` steps, yielding ``{"step", "loss", "lm_loss", "gen_loss"}`` after
-    each (``loss = lm_loss + gen_loss``, each already normalised).
+    """Train ``steps`` steps, yielding ``{"step", "loss", "lm_loss", "gen_loss",
+    "grad_norm"}`` after each (``loss = lm_loss + gen_loss``, each already normalised;
+    ``grad_norm``: the global gradient norm before clipping).
 
     ``micro_batch`` overrides ``train.micro_batch`` (``global_batch`` runs the batch
     whole); ``seed`` the initialisation seed (default ``train.seed``); ``pad_to``
@@ -72,13 +73,16 @@ def train_reference(program: ir.Program, steps: int, *, micro_batch: int | None 
         total = lm = gen = 0.0
         for start in range(0, len(samples), mb):
             parts = microbatch_loss(model, samples[start:start + mb], norm, pad_to)
-            parts.total.backward()
+            if parts.total.requires_grad:   # else it reaches nothing that trains (a
+                parts.total.backward()      # frozen backbone, and no image or target)
             total += parts.total.item()
             lm += parts.lm_sum.item() / max(1, norm.text_tokens)
             gen += parts.gen_sum.item() / max(1, norm.gen_targets)
-        if train.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(params, train.grad_clip, foreach=False)
+        # The norm before clipping (an infinite limit clips nothing).
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            params, train.grad_clip if train.grad_clip > 0 else float("inf"), foreach=False)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(train.lr_schedule, train.optimizer.lr, train.steps, step)
         optimizer.step()
-        yield {"step": step, "loss": total, "lm_loss": lm, "gen_loss": gen}
+        yield {"step": step, "loss": total, "lm_loss": lm, "gen_loss": gen,
+               "grad_norm": float(grad_norm)}

@@ -5,13 +5,22 @@ module of this rank's stage (``StageModule``: the unit's layers this stage runs,
 stage's embedding, its last stage's head or the projector that follows it, a generator's
 projector), built so that memory matches the plan:
 
+0. **Co-located units.** A backbone stage also holds the units the plan co-locates on it
+   (``parallel.mesh.hosted_units``: encoders on its first stage, generators on its
+   last), each whole with its projector (an encoder's into the backbone, the backbone's
+   into the generator) and a generator's VAE, under their own names: they go through
+   every step below with the stage's own unit, on its TP group and DP mesh, so their
+   parameters, checkpoint keys and initial values are those of a unit of their own. A
+   unit the plan marks ``tp_replicated`` runs whole on every TP rank instead.
+
 1. **Meta first.** The whole unit is built on the meta device (no memory), and the layers
    other stages run are deleted; the stage keeps the global names of what it holds
    (``units.<unit>.layers.<i>...``), so checkpoint keys do not depend on the plan.
 2. **Tensor parallelism** (``parallel.tp.parallelize_unit``) over the unit's TP mesh: still
    on meta, DTensor shards.
-3. **Activation checkpointing** of every layer when the spec says ``recompute = true``
-   (``checkpoint_wrapper``: the layer's activations are recomputed in backward).
+3. **Activation checkpointing** of every layer of each module whose spec says ``recompute
+   = true`` or whose plan recomputes it (``UnitPlan.recompute``; ``checkpoint_wrapper``:
+   the layer's activations are recomputed in backward).
 4. **Shard, then materialise.** Every layer becomes an FSDP2 unit (``fully_shard`` over
    the unit's DP mesh), the stage its root, all still on meta; then ``to_empty`` allocates
    this rank's DP shards of its TP shards and nothing else, and each element is
@@ -51,8 +60,8 @@ from torch import nn
 
 from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan
-from dtdsl.models.multimodal import build_unit, init_unit
-from dtdsl.parallel.mesh import RankRole, data_parallel_mesh
+from dtdsl.models.multimodal import build_unit, init_unit, unit_spec
+from dtdsl.parallel.mesh import RankRole, data_parallel_mesh, hosted_units
 
 __all__ = ["COMPUTE_DTYPES", "Stage", "StageModule", "StageState", "build_stage",
            "projector_between", "tied_group_ranks", "tied_pairs"]
@@ -98,7 +107,10 @@ class StageState:
     start: int          # [start, stop) of the unit's layers on this stage
     stop: int
     dtype: torch.dtype  # the compute dtype
-    vae: Any = None     # a generator's frozen VAE encoder (models.vae), outside FSDP
+    # The frozen VAE encoders (models.vae) of the generators the stage runs, its own or
+    # co-located ones, by generator name; outside FSDP.
+    vaes: dict[str, Any] = field(default_factory=dict)
+    hosted: tuple[str, ...] = ()    # co-located modules the stage runs (hosted_units)
 
     @property
     def seq_len(self) -> int:
@@ -130,6 +142,7 @@ class Stage:
     stop: int
     compute_dtype: torch.dtype
     tp_sharded: set[str] = field(default_factory=set)   # names sharded over TP
+    hosted: tuple[str, ...] = ()    # co-located modules it runs besides its unit
     layers: list[nn.Module] = field(default_factory=list)  # FSDP2 units, forward order
     # A backbone with tied embeddings over several pipeline stages holds the embedding on
     # its first stage and again, as the LM head, on its last: the two copies' gradients
@@ -300,6 +313,51 @@ def _tie_across_stages(stage: Stage, program: ir.Program, plan: Plan, mesh: Any)
         stage.tied_name = f"{role.unit}.tok_embeddings.weight"
 
 
+def _recomputes(program: ir.Program, plan: Plan, name: str) -> bool:
+    """Whether unit ``name``'s layers recompute their activations in backward: where its
+    spec says ``recompute = true``, or its plan does (a planner may recompute to make a
+    layout fit, ``UnitPlan.recompute``). Projectors have no layers of their own."""
+    if not getattr(unit_spec(program, name), "recompute", False):
+        return any(u.name == name and u.recompute for u in plan.units)
+    return True
+
+
+def _projector_of(program: ir.Program, name: str, role: str) -> str:
+    """The projector that runs with a co-located module: an encoder's into the backbone,
+    the backbone's into a generator."""
+    backbone = program.backbone.name
+    return projector_between(program, name, backbone) if role == "encoder" else \
+        projector_between(program, backbone, name)
+
+
+def _parallelize(module: nn.Module, name: str, tp_mesh: Any) -> set[str]:
+    """``parallelize_unit`` of unit ``name``, its errors naming the unit."""
+    from dtdsl.parallel.tp import parallelize_unit
+
+    try:
+        return parallelize_unit(module, tp_mesh)
+    except ValueError as err:
+        raise ValueError(f"{name}: {err}") from None
+
+
+def _vaes(program: ir.Program, generators: list[str], device: torch.device) -> dict[str, Any]:
+    """The VAE encoder of each of ``generators`` that has one. Frozen and small (SD's
+    encoder: 34M parameters): one whole copy per rank that runs the generator, in fp32
+    (as diffusers' SD VAE runs), never sharded, trained or saved."""
+    out: dict[str, Any] = {}
+    for name in generators:
+        spec = program.module(name)
+        if spec.vae is None:
+            continue
+        from torch._guards import detect_fake_mode
+
+        from dtdsl.models.vae import VAEConfig, load_vae
+
+        out[name] = load_vae(VAEConfig.of(spec.vae), device=device,
+                             weights=detect_fake_mode() is None)   # memcheck: shapes only
+    return out
+
+
 def _fsdp_units(stage: StageModule, program: ir.Program) -> Iterator[tuple[str, str, nn.Module]]:
     """(unit, prefix in the unit, module) of each module that becomes its own FSDP2 unit:
     every layer (encoder and backbone layers, a DiT's blocks), in forward order."""
@@ -347,8 +405,6 @@ def build_stage(program: ir.Program, plan: Plan, role: RankRole, mesh: Any,
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from dtdsl.parallel.tp import parallelize_unit
-
     # FSDP2 warns of any view a root module returns (an in-place op on it would skip its
     # pre-backward hook); the stage's views (a DTensor's local tensor) are never written.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPStageModule\) "
@@ -359,6 +415,7 @@ def build_stage(program: ir.Program, plan: Plan, role: RankRole, mesh: Any,
     unit_plan = plan.unit(name)
     compute_dtype = COMPUTE_DTYPES[program.train.precision]
     units: dict[str, nn.Module] = {name: build_unit(program, name, seed, device="meta")}
+    hosted = hosted_units(plan, role)
     start, stop = 0, 0
     if role.role == "generator":
         units[projector_between(program, program.backbone.name, name)] = build_unit(
@@ -378,13 +435,25 @@ def build_stage(program: ir.Program, plan: Plan, role: RankRole, mesh: Any,
         if role.is_last_stage and role.role == "encoder":
             proj = projector_between(program, name, program.backbone.name)
             units[proj] = build_unit(program, proj, seed, device="meta")
+    for h in hosted:
+        units[h.name] = build_unit(program, h.name, seed, device="meta")
+        proj = _projector_of(program, h.name, h.role)
+        units[proj] = build_unit(program, proj, seed, device="meta")
 
     tp_sharded: set[str] = set()
     if role.grid.tp > 1:
-        tp_sharded = {f"{name}.{n}" for n in parallelize_unit(units[name], mesh["tp"])}
-    stage = StageModule(units, run)
-    if spec.recompute:
-        for unit_name, prefix, layer in list(_fsdp_units(stage, program)):
+        sharded = [name] + [h.name for h in hosted if not h.tp_replicated]
+        for unit_name in sharded:
+            tp_sharded |= {f"{unit_name}.{n}"
+                           for n in _parallelize(units[unit_name], unit_name, mesh["tp"])}
+    # In forward order (FSDP2 gathers and hooks follow it): co-located encoders, the
+    # stage's own unit, co-located generators.
+    order = [h.name for h in hosted if h.role == "encoder"]
+    order = order + [_projector_of(program, n, "encoder") for n in order]
+    order += [n for n in units if n not in order]
+    stage = StageModule({n: units[n] for n in order}, run)
+    for unit_name, prefix, layer in list(_fsdp_units(stage, program)):
+        if _recomputes(program, plan, unit_name):
             parent = stage.units[unit_name].get_submodule(prefix.rpartition(".")[0])
             parent.register_module(prefix.rpartition(".")[2], checkpoint_wrapper(layer))
 
@@ -416,20 +485,15 @@ def build_stage(program: ir.Program, plan: Plan, role: RankRole, mesh: Any,
         if frozen:
             stage.units[unit_name].requires_grad_(False)
     stage.train()
-    vae = None
-    if role.role == "generator" and spec.vae is not None:
-        # Frozen and small (SD's encoder: 34M parameters): one whole copy per generator
-        # rank, in fp32 (as diffusers' SD VAE runs), never sharded, trained or saved.
-        from torch._guards import detect_fake_mode
-
-        from dtdsl.models.vae import VAEConfig, load_vae
-
-        vae = load_vae(VAEConfig.of(spec.vae), device=device,
-                       weights=detect_fake_mode() is None)   # memcheck: shapes only
+    generators = ([name] if role.role == "generator" else []) + \
+        [h.name for h in hosted if h.role == "generator"]
+    names = tuple(h.name for h in hosted)
     stage.stage_state = StageState(program=program, role=role, start=start, stop=stop,
-                                   dtype=compute_dtype, vae=vae)
+                                   dtype=compute_dtype, vaes=_vaes(program, generators, device),
+                                   hosted=names)
     built = Stage(module=stage, role=role, start=start, stop=stop,
-                  compute_dtype=compute_dtype, tp_sharded=tp_sharded, layers=layers)
+                  compute_dtype=compute_dtype, tp_sharded=tp_sharded, layers=layers,
+                  hosted=names)
     _tie_across_stages(built, program, plan, mesh)
     if initialize:
         built.initialize(program, seed)

@@ -598,3 +598,33 @@ def test_compile_builds_the_layout_dtc_plan_shows(tmp_path):
                 for u in plan["units"]]
 
     assert layout(built) == layout(shown)
+
+
+def test_co_located_plans_compile_unless_misplaced_or_split_where_tp_cannot():
+    """A co-located plan is admitted; one a hand edit moved off the backbone's ranks, or
+    whose co-located module the backbone's TP degree cannot split (the planner replicates
+    such a module instead, ``tp_replicated``), is DT601 at that module."""
+    from dtdsl.codegen.support import runtime_support
+    from tests.train.test_colocated import colocate
+    from tests.train.test_executor import plan_for, spec
+
+    program = spec(8)
+    plan = colocate(program, plan_for(program, ("vit", "encoder", 1, 1, 1),
+                                      ("llm", "backbone", 2, 1, 2),
+                                      ("gen", "generator", 1, 1, 1)), "vit", "gen")
+    assert runtime_support(program, plan) == []
+    moved = plan.model_copy(update={"units": tuple(
+        u.model_copy(update={"first_rank": 2}) if u.name == "vit" else u for u in plan.units)})
+    (diag,) = runtime_support(program, moved)
+    assert diag.code == "DT601" and diag.span == program.module("vit").span
+    assert "vit: first_rank 2" in diag.message and "(llm: 0)" in diag.message
+    wide = colocate(program, plan_for(program, ("vit", "encoder", 1, 1, 1),
+                                      ("llm", "backbone", 8, 1, 1),
+                                      ("gen", "generator", 1, 1, 1)), "vit")
+    (diag,) = [d for d in runtime_support(program, wide) if d.code == "DT601"]
+    assert diag.span == program.module("vit").span
+    assert "TP groups of 8, which cannot split its 4 attention heads" in diag.message
+    replicated = wide.model_copy(update={"units": tuple(
+        u.model_copy(update={"tp_replicated": True}) if u.name == "vit" else u
+        for u in wide.units)})
+    assert not [d for d in runtime_support(program, replicated) if d.code == "DT601"]

@@ -197,3 +197,22 @@ def test_a_misordered_broker_transfer_fails_the_ordering_check():
     with pytest.raises(ChildFailed, match=r"OrderingError: message #0 from rank \d: "
                                           r"expected 'vit->llm F 0"):
         run(_broker_ranks, 5, units, "vit", "llm", True)
+
+
+def test_the_broker_has_no_routes_for_co_located_units():
+    from dtdsl.parallel.mesh import grids
+    from tests.train.test_colocated import colocate
+    from tests.train.test_executor import plan_for, spec
+
+    program = spec(8)
+    plan = colocate(program, plan_for(program, ("vit", "encoder", 1, 1, 1),
+                                      ("llm", "backbone", 1, 2, 1),
+                                      ("gen", "generator", 1, 1, 1)), "vit")
+    assert [g.name for g in grids(plan)] == ["llm", "gen"]
+    broker = Broker(plan, 0, P2P(torch.device("cpu")))
+    assert broker.grids.keys() == {"llm", "gen"}
+    samples = StepSamples(sample_ids=(0, 1), assignment={"vit": (0, 1), "llm": (0, 1),
+                                                         "gen": (0, 0)})
+    with pytest.raises(KeyError, match="co-located on the backbone's stages"):
+        broker.routes("vit", "llm", samples)
+    assert broker.routes("llm", "gen", samples) == {(0, 0): (0,), (1, 0): (1,)}

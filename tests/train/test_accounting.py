@@ -39,7 +39,7 @@ def _expected(program: ir.Program, sizes) -> dict[str, int]:
 
 
 def _count(rank: int, world: int, program: ir.Program, plan: Plan) -> None:
-    from dtdsl.parallel.mesh import build_groups
+    from dtdsl.parallel.mesh import build_groups, hosted_units
     from dtdsl.schedule.lower import lower
     from dtdsl.train.executor import StageExecutor
 
@@ -47,6 +47,9 @@ def _count(rank: int, world: int, program: ir.Program, plan: Plan) -> None:
     ex = StageExecutor(program, plan, lower(plan, program), rank=rank, groups=groups)
     which = {"encoder": ("patches",), "backbone": ("positions", "text_tokens"),
              "generator": ("targets",)}[ex.role.role]
+    # A stage hosting co-located units takes in what they do too.
+    which += tuple({"encoder": "patches", "generator": "targets"}[u.role]
+                   for u in hosted_units(plan, ex.role))
     for step in range(STEPS):
         got = ex.run_step(step)["processed"]
         want = _expected(program, ex.batch.sizes)
@@ -60,6 +63,17 @@ def test_each_unit_processes_what_the_simulator_assumed(packing):
     program = tiny(packing)
     plan = plan_for(program, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, 1, 1),
                     ("gen", "generator", 1, 1, 1))
+    run(_count, plan.gpus_used, program, plan, timeout=180)
+
+
+def test_a_stage_with_co_located_units_processes_what_the_simulator_assumed():
+    from tests.train.test_colocated import colocate
+
+    program = tiny(True)
+    plan = colocate(program, plan_for(program, ("vit", "encoder", 1, 1, 1),
+                                      ("llm", "backbone", 1, 1, 1),
+                                      ("gen", "generator", 1, 1, 1)), "vit", "gen")
+    assert plan.gpus_used == 1
     run(_count, plan.gpus_used, program, plan, timeout=180)
 
 

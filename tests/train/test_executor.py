@@ -231,13 +231,17 @@ def test_unsupported_layouts(layout, match):
 # ---- tensor parallelism -------------------------------------------------------------------
 
 def _train_tp(rank: int, world: int, program: ir.Program, plan: Plan, losses: list[float],
-              params: dict[str, torch.Tensor], steps: int) -> None:
+              params: dict[str, torch.Tensor], steps: int,
+              norms: list[float] | None = None) -> None:
     groups = build_groups(plan)
     schedule = lower(plan, program)
     ex = StageExecutor(program, plan, schedule, rank=rank, groups=groups)
     results = ex.train(steps)
     for r, want in zip(results, losses, strict=True):
         assert math.isclose(r["loss"], want, rel_tol=LOSS_RTOL), (r["step"], r["loss"], want)
+    for r, want in zip(results, norms or (), strict=False):
+        # Every gradient element counted once in the job's norm (TP shards, replicas).
+        assert math.isclose(r["grad_norm"], want, rel_tol=LOSS_RTOL), (r["step"], want)
     timeline = gather_timeline(plan, steps - 1, results[-1]["events"])
     assert (timeline is None) == (rank != 0)
     if timeline is not None:
@@ -260,9 +264,20 @@ def _train_tp(rank: int, world: int, program: ir.Program, plan: Plan, losses: li
         assert err <= PARAM_RMS * want.numel() ** 0.5, (name, err)
 
 
-def check_tp(program: ir.Program, plan: Plan, steps: int = TP_STEPS) -> None:
+@cache
+def reference_grad_norms(program: ir.Program, steps: int) -> list[float]:
+    """The reference's global gradient norm (before clipping) at each of ``steps``."""
+    torch.set_num_threads(1)
+    return [r["grad_norm"] for r in train_reference(program, steps)]
+
+
+def check_tp(program: ir.Program, plan: Plan, steps: int = TP_STEPS, *,
+             grad_norms: bool = False) -> None:
+    """``_train_tp`` of ``plan`` against the reference's losses and parameters (and
+    gradient norms, with ``grad_norms``)."""
     losses, params = reference(program, steps)
-    run(_train_tp, plan.gpus_used, program, plan, losses, params, steps, timeout=180)
+    norms = reference_grad_norms(program, steps) if grad_norms else None
+    run(_train_tp, plan.gpus_used, program, plan, losses, params, steps, norms, timeout=180)
 
 
 def test_encoder_tensor_parallel_backbone_pipeline():

@@ -48,6 +48,36 @@ def test_every_stage_of_a_small_plan_is_measured():
     assert frozen.by_category["optimizer_state"] < llm.by_category["optimizer_state"]
 
 
+def test_a_host_stage_is_measured_with_its_co_located_units():
+    from tests.train.test_colocated import colocate
+
+    program = spec(8)
+    own = plan_for(program, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 2, 1, 2),
+                   ("gen", "generator", 1, 1, 1))
+    both = {(s.unit, s.stage): s
+            for s in check_memory(program, colocate(program, own, "vit", "gen"), jobs=2)}
+    assert list(both) == [("llm", 0), ("llm", 1)]     # nothing of their own to measure
+    # Each host stage against the same stage hosting the other unit only: the same
+    # microbatches in flight on the first stage, and on the last the generator's
+    # weights and AdamW state besides the backbone's.
+    gen_only = {(s.unit, s.stage): s
+                for s in check_memory(program, colocate(program, own, "gen"), jobs=2)}
+    vit_only = {(s.unit, s.stage): s
+                for s in check_memory(program, colocate(program, own, "vit"), jobs=2)}
+    first, without = both[("llm", 0)], gen_only[("llm", 0)]
+    assert first.measured_bytes > without.measured_bytes
+    assert first.predicted_bytes > without.predicted_bytes
+    for what in ("params", "optimizer_state", "activations"):
+        assert first.by_category[what] > without.by_category[what], what
+    last, without = both[("llm", 1)], vit_only[("llm", 1)]
+    assert last.predicted_bytes > without.predicted_bytes
+    # The U-Net (1.0M parameters here, its convolutions whole on every TP rank, its
+    # attention and GEGLU blocks halved) and its projector: fp32 weights and Adam's two
+    # moments, over 1 MB each.
+    for what in ("params", "optimizer_state"):
+        assert last.by_category[what] - without.by_category[what] > 1e6, what
+
+
 def test_cli_json(capsys):
     code = cli.main(["memcheck", str(ROOT / "specs" / "tiny_cpu.dt"), "--json", "--jobs", "2"])
     out, err = capsys.readouterr()
