@@ -78,6 +78,12 @@ def train_reference(program: ir.Program, steps: int, *, micro_batch: int | None 
             total += parts.total.item()
             lm += parts.lm_sum.item() / max(1, norm.text_tokens)
             gen += parts.gen_sum.item() / max(1, norm.gen_targets)
+        # A parameter the step did not reach (a generator when no sample of the batch has
+        # a target) steps with a zero gradient, as in any data-parallel runtime (FSDP2
+        # reduces zeros for it): Adam's moments decay and weight decay applies.
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
         # The norm before clipping (an infinite limit clips nothing).
         grad_norm = torch.nn.utils.clip_grad_norm_(
             params, train.grad_clip if train.grad_clip > 0 else float("inf"), foreach=False)

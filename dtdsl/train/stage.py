@@ -208,6 +208,12 @@ class Stage:
 
         if not isinstance(self.module, FSDPModule):
             return
+        # A module this rank never ran this step (a co-located encoder whose replica drew
+        # no images, a generator with no targets) still has begin_step's all-gather
+        # pending: finish it (no new collective), or FSDP2 would leave its parameters out
+        # of the reduce-scatter that every other DP rank sends them in.
+        for m in [self.module, *self.layers]:
+            m.unshard()
         self.module.set_requires_gradient_sync(True, recurse=True)
         self.module.set_is_last_backward(True)
         self.module.set_reshard_after_backward(True, recurse=True)

@@ -45,8 +45,10 @@ def test_reordered_bundle_trains_each_sample_once_and_matches_the_reference(tmp_
     assert cli.main(["data", "synth", str(spec), "-o", str(data), "--samples",
                      str(SAMPLES), "-q"]) == 0
     bundle = tmp_path / "bundle"
+    # Disaggregated: the vit and gen replicas route their own samples (a co-located plan
+    # would route them with the backbone's).
     assert cli.main(["compile", str(spec), "-o", str(bundle), "--data", str(data),
-                     "--workers", "1"]) == 0
+                     "--workers", "1", "--placement", "disaggregated"]) == 0
     plan = json.loads((bundle / "plan.json").read_text())
     assert {u["name"]: u["pp"] for u in plan["units"]}["llm"] == 2
     run_dir = tmp_path / "run"

@@ -558,7 +558,8 @@ def test_a_plan_with_a_tp_group_across_nodes_priced_within_one_is_refused(tmp_pa
     spec = tmp_path / "spec.dt"
     spec.write_text(_PAIRS)
     planned = tmp_path / "plan.json"
-    assert cli.main(["plan", str(spec), "--no-baseline", "-o", str(planned)]) == 0
+    assert cli.main(["plan", str(spec), "--no-baseline", "-o", str(planned),
+                     "--placement", "disaggregated"]) == 0
     assert compile_spec(spec, tmp_path / "ok", "--plan", str(planned)) == 0
     plan = json.loads(planned.read_text())
     units = {u["name"]: u for u in plan["units"]}

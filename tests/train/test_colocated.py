@@ -157,3 +157,48 @@ def test_co_located_modules_recompute_as_their_spec_or_plan_says():
     plan = plan.model_copy(update={"units": tuple(
         u.model_copy(update={"recompute": u.name == "vit"}) for u in plan.units)})
     run(_wrapped, plan.gpus_used, program, plan, timeout=120)
+
+
+def _rare_images(batch: int) -> ir.Program:
+    """tiny_cpu where most samples have no image and few a generation target: some data
+    replica of a step holds neither."""
+    from dtdsl.driver import run_frontend
+    from tests.specs import TINY
+
+    text = TINY.read_text()
+    for old, new in (("image.count     ~ zipf(a=2.0) clamp [0, 3]",
+                      "image.count     ~ choice([0, 1], p=[0.85, 0.15])"),
+                     ("image.gen_count ~ choice([0, 1], p=[0.6, 0.4])",
+                      "image.gen_count ~ choice([0, 1], p=[0.9, 0.1])"),
+                     ("global_batch     = 16", f"global_batch     = {batch}")):
+        assert old in text, old
+        text = text.replace(old, new)
+    result = run_frontend("rare.dt", text.encode())
+    assert result.ok, [d.message for d in result.diagnostics]
+    return result.program
+
+
+def test_a_replica_without_images_or_targets_reduces_with_the_others():
+    """A co-located encoder and generator that a data replica never runs in a step (no
+    image, no generation target among its samples) still join its DP ranks' gradient
+    reduce-scatter with every parameter (zeros): the launched tiny bundle on a dataset
+    once crashed in gloo on exactly that."""
+    from dtdsl.cost.model import build_cost_model
+    from dtdsl.data.batch import SyntheticSource, route_batch
+    from dtdsl.sim.workload import WorkModel
+
+    program = _rare_images(8)
+    plan = colocate(program, plan_for(program, ("vit", "encoder", 1, 1, 1),
+                                      ("llm", "backbone", 1, 4, 1),
+                                      ("gen", "generator", 1, 1, 1)), "vit", "gen")
+    # The draw has a step where some replica of the backbone holds no image.
+    source, work = SyntheticSource(program), WorkModel(build_cost_model(program))
+    empty = 0
+    for step in range(4):
+        sizes = source.sizes(step)
+        routing = route_batch(plan, program, sizes, frozenset(program.train.reorder), work)
+        for r in range(4):
+            ids = [i for s in routing for i in s.samples_of("llm", r)]
+            empty += all(not sizes[i].image_shapes for i in ids)
+    assert empty, "the draw must leave a replica without images"
+    check(program, plan, steps=4)

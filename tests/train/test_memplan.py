@@ -83,8 +83,14 @@ def test_cli_json(capsys):
     out, err = capsys.readouterr()
     assert code == 0, err
     doc = json.loads(out)
-    assert [(s["unit"], s["stage"]) for s in doc["stages"]] == [("vit", 0), ("llm", 0),
-                                                                ("gen", 0)]
+    # Every stage of dtc plan's plan (which co-locates the tiny spec's ViT and U-Net on
+    # the backbone's stage: they are measured there).
+    assert cli.main(["plan", str(ROOT / "specs" / "tiny_cpu.dt"), "--json",
+                     "--no-baseline"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    own = sorted((u for u in plan["units"] if u["gpus"]), key=lambda u: u["first_rank"])
+    assert [(s["unit"], s["stage"]) for s in doc["stages"]] == [
+        (u["name"], k) for u in own for k in range(u["pp"])]
     for s in doc["stages"]:
         assert {"unit", "stage", "rank", "predicted_bytes", "measured_bytes",
                 "capacity_bytes"} <= set(s)
