@@ -18,8 +18,8 @@ not their identity), so a 40-layer backbone compiles one layer's graph, not fort
 
 **Varying shapes.** Microbatches differ in sequence length (padded to their longest), the
 ViT's groups in image count and patches, a generator's in targets. Before each call every
-dimension of a block's inputs but the last (batch, length, rows, columns: not the feature
-width, which the weights fix) is marked dynamic (``torch._dynamo.maybe_mark_dynamic``), so
+dimension of a transformer block's inputs but the last (batch and length: not the feature
+width, which the weights fix), and the batch of a U-Net block's, is marked dynamic (``torch._dynamo.maybe_mark_dynamic``), so
 the first compile is already symbolic in them and a new length reuses the graph; the
 weights' dimensions stay static (kernels specialised for the model's widths, not
 ``dynamic=True``'s symbolic ones). Dynamo still specialises sizes of 0 and 1 (a group of
@@ -76,26 +76,30 @@ class CompiledBlocks:
         return compiled_graphs() - self.first_graphs
 
 
-def compile_blocks(stage: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """``(name, block)`` of every block ``apply_compile`` compiles in a ``StageModule``
-    (module docstring), in forward order; activation checkpointing's wrapper, when
-    present, is the block."""
+def compile_blocks(stage: nn.Module) -> Iterator[tuple[str, nn.Module, int | None]]:
+    """``(name, block, dims)`` of every block ``apply_compile`` compiles in a
+    ``StageModule`` (module docstring), in forward order; activation checkpointing's
+    wrapper, when present, is the block. ``dims``: how many leading dimensions of the
+    block's inputs vary (``_mark_dynamic``; None: all but the last)."""
     for unit_name, unit in stage.units.items():
         layers = getattr(unit, "layers", None)
         if isinstance(layers, nn.ModuleDict):
             for key, layer in layers.items():
-                yield f"{unit_name}.layers.{key}", layer
+                yield f"{unit_name}.layers.{key}", layer, None
         blocks = getattr(unit, "blocks", None)
         if isinstance(blocks, nn.ModuleList) and not isinstance(layers, nn.ModuleDict):
             for i, block in enumerate(blocks):
-                yield f"{unit_name}.blocks.{i}", block
+                yield f"{unit_name}.blocks.{i}", block, None
+        # A U-Net's feature maps have the spec's latent size (one per generator): only
+        # their batch (the microbatch's targets) varies. Symbolic rows and columns would
+        # also make inductor trip over the convolutions' size checks.
         for part in ("down_blocks", "mid_block", "up_blocks"):
             found = getattr(unit, part, None)
             if isinstance(found, nn.ModuleList):
                 for i, block in enumerate(found):
-                    yield f"{unit_name}.{part}.{i}", block
+                    yield f"{unit_name}.{part}.{i}", block, 1
             elif isinstance(found, nn.Module):
-                yield f"{unit_name}.{part}", found
+                yield f"{unit_name}.{part}", found, 1
 
 
 def _kind(block: nn.Module) -> tuple[Any, ...]:
@@ -121,31 +125,37 @@ def _shapes(args: tuple[Any, ...]) -> list[tuple[int, ...]]:
     return [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]
 
 
-def _mark_dynamic(value: Any) -> None:
-    """Mark every dimension but the last of each tensor in a block's argument dynamic
-    (batch, length, image rows and columns; the last is a feature width, fixed by the
-    weights): ``maybe_mark_dynamic``, so a dimension the graph needs fixed (a channel
-    count a convolution's weight fixes, a size of 1) is specialised without an error.
-    Looks into lists and tuples (a U-Net's skips) and a backbone's ``Rotation``."""
+def _mark_dynamic(value: Any, dims: int | None) -> None:
+    """Mark the first ``dims`` dimensions (None: all but the last) of each tensor in a
+    block's argument dynamic, and the others static (no automatic dynamic shape later:
+    blocks of one class at different sizes, a U-Net's levels, compile apart rather than
+    symbolic in their widths). ``maybe_mark_dynamic``, so a dimension the graph needs
+    fixed (a size of 1) is specialised without an error. Looks into lists and tuples (a
+    U-Net's skips) and a backbone's ``Rotation``."""
     if isinstance(value, torch.Tensor):
-        for dim in range(value.dim() - 1):
-            torch._dynamo.maybe_mark_dynamic(value, dim)
+        varying = value.dim() - 1 if dims is None else min(dims, value.dim())
+        for dim in range(value.dim()):
+            if dim < varying:
+                torch._dynamo.maybe_mark_dynamic(value, dim)
+            else:
+                torch._dynamo.mark_static(value, dim)
     elif isinstance(value, (list, tuple)):
         for item in value:
-            _mark_dynamic(item)
+            _mark_dynamic(item, dims)
     elif isinstance(value, Rotation):
-        _mark_dynamic((value.cos, value.sin))
+        _mark_dynamic((value.cos, value.sin), dims)
 
 
-def _logged(name: str, compiled: Callable[..., Any], rank: int) -> Callable[..., Any]:
+def _logged(name: str, compiled: Callable[..., Any], dims: int | None, rank: int
+            ) -> Callable[..., Any]:
     """``compiled``, its arguments' varying dimensions marked dynamic (``_mark_dynamic``),
     with one line on stderr for each graph dynamo compiles during one of its calls (rare
     and bounded; a counter read per call costs nothing)."""
 
     @functools.wraps(compiled)
     def call(*args: Any, **kwargs: Any) -> Any:
-        _mark_dynamic(args)
-        _mark_dynamic(tuple(kwargs.values()))
+        _mark_dynamic(args, dims)
+        _mark_dynamic(tuple(kwargs.values()), dims)
         before = compiled_graphs()
         out = compiled(*args, **kwargs)
         after = compiled_graphs()
@@ -162,12 +172,12 @@ def apply_compile(stage: nn.Module, *, rank: int = 0) -> CompiledBlocks:
     after tensor parallelism and activation checkpointing, before ``fully_shard``."""
     out = CompiledBlocks(first_graphs=compiled_graphs())
     kinds: dict[Any, set[tuple[Any, ...]]] = {}
-    for name, block in list(compile_blocks(stage)):
+    for name, block, dims in list(compile_blocks(stage)):
         code = type(block).forward.__code__
         kinds.setdefault(code, set()).add(_kind(block))
         # The bound forward compiled: hooks (FSDP2's, added later) run around it, and the
         # parameters keep their names.
-        block.forward = _logged(name, torch.compile(block.forward), rank)
+        block.forward = _logged(name, torch.compile(block.forward), dims, rank)
         out.blocks.append(name)
     out.kinds = sum(len(k) for k in kinds.values())
     _raise_limits({c: len(k) for c, k in kinds.items()}, out.kinds)
