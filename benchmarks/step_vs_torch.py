@@ -19,8 +19,10 @@ order, within bf16's rounding in bf16).
         --heads 4 --ffn 256 --vocab 512 --seq 512] [--steps 20 --warmup 3]
         [--compile-plain] [--json FILE] [--trace FILE.json.gz] [--save-plan DIR]
 
-``--compile-plain`` compiles the plain loop's layers (``torch.compile``), the fair
-opponent on a GPU; ``--trace`` profiles one more runtime step; ``--json`` also records the
+The runtime runs as a bundle's rank would: its layers compiled on a GPU (``train {
+compile }`` unset), eager on a CPU; ``--runtime-compile true|false`` sets it.
+``--compile-plain`` compiles the plain loop's layers (``torch.compile``, layer by layer as
+the runtime does), the fair opponent of the compiled runtime; ``--trace`` profiles one more runtime step; ``--json`` also records the
 runtime's peak device memory on its last timed step (less what the plain side holds);
 ``benchmarks/gpu_check.py`` runs it these ways.
 
@@ -81,7 +83,7 @@ train {{
   optimizer = adamw(lr=1e-4, zero=1)
   precision = {precision}
   reorder = []
-  grad_clip = 1.0
+  grad_clip = 1.0{compile}
 }}
 """
 
@@ -120,8 +122,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--precision", choices=("bf16", "fp32"), default="fp32")
     p.add_argument("--compile-plain", nargs="?", const="inductor", metavar="BACKEND",
                    help="torch.compile every layer of the plain loop's model with BACKEND "
-                   "(default inductor; the runtime stays eager): the runtime against a "
-                   "compiled plain loop")
+                   "(default inductor): the runtime (compiled on a GPU, see "
+                   "--runtime-compile) against a compiled plain loop")
+    p.add_argument("--runtime-compile", choices=("auto", "true", "false"), default="auto",
+                   help="the spec's train.compile: auto leaves it unset (the runtime "
+                   "compiles its layers on a GPU, not on a CPU)")
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON here")
     p.add_argument("--trace", metavar="FILE",
                    help="after the timed steps, profile one runtime step (torch.profiler, "
@@ -137,7 +142,9 @@ def spec_text(args: argparse.Namespace) -> str:
     return SPEC.format(layers=args.layers, hidden=args.hidden, heads=args.heads,
                        kv=args.kv_heads, ffn=args.ffn, vocab=args.vocab, seq=args.seq,
                        median=max(8, args.seq // 2), batch=args.batch,
-                       micro_batch=args.micro_batch, precision=args.precision)
+                       micro_batch=args.micro_batch, precision=args.precision,
+                       compile="" if args.runtime_compile == "auto"
+                       else f"\n  compile = {args.runtime_compile}")
 
 
 @dataclass
@@ -317,8 +324,14 @@ def report(args: argparse.Namespace, bench: Bench, figures: dict[str, Any]) -> d
     ratios, times, diffs = figures["ratios"], figures["times"], figures["diffs"]
     device = bench.device
     plain = "compiled plain" if args.compile_plain else "plain"
+    compiled = bench.executor.stage.compiled
+    runtime = "compiled runtime" if compiled is not None else "eager runtime"
     print(f"device {device} ({torch.accelerator.current_accelerator() or 'cpu'}), "
-          f"precision {args.precision}, {len(ratios)} timed steps, {plain} loop")
+          f"precision {args.precision}, {len(ratios)} timed steps, {runtime} against the "
+          f"{plain} loop")
+    if compiled is not None:
+        print(f"runtime: {len(compiled.blocks)} blocks compiled, {compiled.graphs} graph(s) "
+              "over the run")
     for side in ("plain", "runtime"):
         print(f"{side:8s} step: median {statistics.median(times[side]) * 1e3:.1f} ms")
     print(f"losses: max rel diff {max(diffs):.1e}")
@@ -327,6 +340,8 @@ def report(args: argparse.Namespace, bench: Bench, figures: dict[str, Any]) -> d
           "information only)")
     return {"device": str(device), "precision": args.precision,
             "compile_plain": args.compile_plain, "timed_steps": len(ratios),
+            "runtime_compiled": compiled is not None,
+            "runtime_graphs": compiled.graphs if compiled is not None else None,
             "plain_ms": statistics.median(times["plain"]) * 1e3,
             "runtime_ms": statistics.median(times["runtime"]) * 1e3,
             "runtime_over_plain": statistics.median(ratios),
