@@ -189,6 +189,12 @@ def build(args: argparse.Namespace, text: str) -> Bench:
         # themselves, and every layer shares the one compiled graph.
         for layer in model.layers.values():
             layer.compile(backend=args.compile_plain)
+        # Both models' layers run TransformerLayer.forward, whose compiled graphs dynamo
+        # keeps per code object: the plain loop's (automatic dynamic shapes, a graph per
+        # new specialisation) must not use up the runtime's recompile limit, which would
+        # leave the runtime's layers eager (one process holds both, a rank holds one).
+        torch._dynamo.config.recompile_limit += 64
+        torch._dynamo.config.accumulated_recompile_limit += 64
     params = list(model.parameters())
     fused = {"fused": True} if device.type in ("cpu", "cuda") else {"foreach": True}
     opt = torch.optim.AdamW(params, lr=program.train.optimizer.lr,

@@ -26,8 +26,9 @@ weights' dimensions stay static (kernels specialised for the model's widths, not
 one image, a microbatch of one target), so each kind of block compiles a small, fixed number of graphs
 (bounded by ``GRAPHS_PER_KIND``, to which ``torch._dynamo.config.recompile_limit`` is
 raised), whatever lengths a run draws. ``CompiledBlocks.graphs`` counts the graphs dynamo
-compiled in this process since the stage was built, and each compile prints one line on
-stderr with the block and the input shapes that caused it.
+compiled during calls of the stage's blocks, and each compile prints one line on stderr
+with the block and the input shapes that caused it. On CUDA inductor also specialises on
+whether a length is a multiple of 8 (aligned memory), a second graph per kind.
 
 Whether a rank compiles is ``program.train.compiles(device.type)`` (``ir.Train``): the spec's
 ``train { compile = ... }``, else on CUDA only.
@@ -67,13 +68,9 @@ class CompiledBlocks:
 
     blocks: list[str] = field(default_factory=list)   # "<unit>.<path>", forward order
     kinds: int = 0                                    # distinct structures among them
-    first_graphs: int = 0                             # compiled_graphs() when built
-
-    @property
-    def graphs(self) -> int:
-        """Graphs compiled in this process since the stage was built: the compiles of its
-        blocks (the first of each kind, then one per new specialisation)."""
-        return compiled_graphs() - self.first_graphs
+    # Graphs dynamo compiled during calls of these blocks (the first of each kind, then
+    # one per new specialisation), whatever else the process compiles.
+    graphs: int = 0
 
 
 def compile_blocks(stage: nn.Module) -> Iterator[tuple[str, nn.Module, int | None]]:
@@ -146,8 +143,8 @@ def _mark_dynamic(value: Any, dims: int | None) -> None:
         _mark_dynamic((value.cos, value.sin), dims)
 
 
-def _logged(name: str, compiled: Callable[..., Any], dims: int | None, rank: int
-            ) -> Callable[..., Any]:
+def _logged(name: str, compiled: Callable[..., Any], dims: int | None, rank: int,
+            stats: CompiledBlocks) -> Callable[..., Any]:
     """``compiled``, its arguments' varying dimensions marked dynamic (``_mark_dynamic``),
     with one line on stderr for each graph dynamo compiles during one of its calls (rare
     and bounded; a counter read per call costs nothing)."""
@@ -160,6 +157,7 @@ def _logged(name: str, compiled: Callable[..., Any], dims: int | None, rank: int
         out = compiled(*args, **kwargs)
         after = compiled_graphs()
         if after != before:
+            stats.graphs += after - before
             print(f"rank {rank}: {name} compiled {after - before} graph(s) for inputs "
                   f"{_shapes(args)} ({after} in this process)", file=sys.stderr, flush=True)
         return out
@@ -170,14 +168,15 @@ def _logged(name: str, compiled: Callable[..., Any], dims: int | None, rank: int
 def apply_compile(stage: nn.Module, *, rank: int = 0) -> CompiledBlocks:
     """Compile every block of ``stage`` (a ``StageModule``) in place (module docstring):
     after tensor parallelism and activation checkpointing, before ``fully_shard``."""
-    out = CompiledBlocks(first_graphs=compiled_graphs())
+    out = CompiledBlocks()
     kinds: dict[Any, set[tuple[Any, ...]]] = {}
     for name, block, dims in list(compile_blocks(stage)):
         code = type(block).forward.__code__
         kinds.setdefault(code, set()).add(_kind(block))
         # The bound forward compiled: hooks (FSDP2's, added later) run around it, and the
         # parameters keep their names.
-        block.forward = _logged(name, torch.compile(block.forward), dims, rank)
+        block.forward = _logged(name, torch.compile(block.forward), dims, rank,
+                                out)
         out.blocks.append(name)
     out.kinds = sum(len(k) for k in kinds.values())
     _raise_limits({c: len(k) for c, k in kinds.items()}, out.kinds)
