@@ -8,8 +8,10 @@ from __future__ import annotations
 import ast
 import json
 import math
+import re
 
 import pytest
+
 from dtdsl.driver import run_frontend
 from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan
@@ -53,8 +55,11 @@ train {
 """
 
 
-def text_program(compile: str = "") -> ir.Program:
-    result = run_frontend("compiled_text.dt", TEXT_SPEC.replace("COMPILE", compile).encode())
+def text_program(compile: str = "", *, recompute: bool = False) -> ir.Program:
+    text = TEXT_SPEC.replace("COMPILE", compile)
+    if recompute:
+        text = text.replace("swiglu)\n", "swiglu)\n    recompute = true\n")
+    result = run_frontend("compiled_text.dt", text.encode())
     assert result.ok, [d.message for d in result.diagnostics]
     return result.program
 
@@ -83,9 +88,9 @@ def _run(program: ir.Program, plan: Plan, steps: int, tmp_path, tag: str) -> dic
     return ast.literal_eval(path.read_text())
 
 
-def _compare(tmp_path, tp: int) -> None:
-    eager = text_program()
-    compiled = text_program("compile = true")
+def _compare(tmp_path, tp: int, recompute: bool = False) -> None:
+    eager = text_program(recompute=recompute)
+    compiled = text_program("compile = true", recompute=recompute)
     assert eager.train.compile is None and compiled.train.compile is True
     plan = plan_for(eager, ("llm", "backbone", tp, 1, 1))
     want = _run(eager, plan, STEPS, tmp_path, "eager")
@@ -102,6 +107,13 @@ def _compare(tmp_path, tp: int) -> None:
 
 def test_compiled_stage_trains_as_eager(tmp_path):
     _compare(tmp_path, 1)
+
+
+@pytest.mark.slow
+def test_compiled_checkpointed_layers_train_as_eager(tmp_path):
+    # Activation checkpointing first, then compile (torchtitan's order): the wrapper's
+    # forward compiles, the checkpoint traced as torch's operator.
+    _compare(tmp_path, 1, recompute=True)
 
 
 @pytest.mark.slow
@@ -155,3 +167,15 @@ def test_a_bundle_trains_compiled(tmp_path):
     for m, w in zip(metrics, want, strict=True):
         assert math.isclose(m["loss"], w, rel_tol=LOSS_RTOL), ([m["loss"] for m in metrics],
                                                                want)
+
+
+def test_fmt_keeps_the_setting_and_the_checker_names_a_bad_value():
+    from dtdsl.frontend.fmt import format_spec
+
+    text = TEXT_SPEC.replace("COMPILE", "compile = false")
+    formatted = format_spec(run_frontend("f.dt", text.encode()).spec)
+    assert re.search(r"^  compile += false$", formatted, re.MULTILINE), formatted
+    assert run_frontend("f.dt", formatted.encode()).program.train.compile is False
+    bad = run_frontend("b.dt", TEXT_SPEC.replace("COMPILE", "compile = 3").encode())
+    assert [d.code for d in bad.diagnostics] == ["DT206"]
+    assert "train.compile must be true or false, not 3" in bad.diagnostics[0].message
