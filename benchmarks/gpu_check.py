@@ -17,11 +17,13 @@ a section that would start past the budget is recorded as skipped:
    (``cost.flops``: the layer's projections and MLP, its causal attention, backward twice
    the forward), time by CUDA events after warm-up; the graphs compiled; which attention
    kernels one forward ran.
-3. ``step_vs_torch``: ``benchmarks/step_vs_torch.py`` in bf16 at a GPU size, against a
-   plain loop and a compiled plain loop (a process each).
+3. ``step_vs_torch``: ``benchmarks/step_vs_torch.py`` in bf16 at a GPU size: the eager
+   runtime against a plain loop, and the runtime as a GPU rank runs it (its layers
+   compiled, ``train.compile`` unset) against a compiled plain loop (a process each).
 4. ``bundle``: a one-unit text-only spec on one GPU, compiled by ``dtc compile``, launched
    by its ``launch.sh`` (one rank: NCCL refuses two ranks on one GPU, and a multimodal
-   spec needs a GPU per unit), in bf16, its losses against ``dtc reference`` (fp32, CPU).
+   spec needs a GPU per unit), in bf16, its losses against ``dtc reference`` (fp32, CPU);
+   on a GPU its layers are compiled, the graphs it compiled counted from its output.
 5. ``trace``: a Kineto trace of one runtime step of section 3 (``trace.json.gz``) and its
    ten most expensive kernels.
 6. ``memory``: the runtime step's peak allocated device memory in section 3 against what
@@ -396,9 +398,12 @@ def section_step(ctx: Context) -> dict[str, Any]:
         result = ctx.work / f"step_{name}.json"
         args = [*ctx.sizes.step_args, "--precision", "bf16", "--json", str(result), *extra]
         if name == "plain":
-            # The eager run also traces one more step and keeps its spec and plan for
-            # memcheck (sections 5 and 6).
-            args += ["--trace", str(ctx.trace_path()), "--save-plan", str(ctx.work)]
+            # Eager against eager: the runtime's host overhead. This run also traces one
+            # more step and keeps its spec and plan for memcheck (sections 5 and 6; memcheck
+            # measures eager modules). Against the compiled loop the runtime runs as a
+            # bundle's rank does: compiled on a GPU (train.compile unset).
+            args += ["--runtime-compile", "false", "--trace", str(ctx.trace_path()),
+                     "--save-plan", str(ctx.work)]
         ctx.say(f"step_vs_torch: against the {name.replace('_', ' ')} loop")
         rc, tail = ctx.child([str(ROOT / "benchmarks" / "step_vs_torch.py"), *args], left,
                              f"step {name}")
@@ -410,6 +415,7 @@ def section_step(ctx: Context) -> dict[str, Any]:
     ratios = {k: v.get("runtime_over_plain") for k, v in out.items()}
     out["summary"] = {"runtime_over_plain": ratios.get("plain"),
                       "runtime_over_compiled_plain": ratios.get("compiled_plain"),
+                      "runtime_compiled": out["compiled_plain"].get("runtime_compiled"),
                       "target": "<= 1.05 against the compiled plain loop on a GPU"}
     failed = [k for k in ("plain", "compiled_plain") if "error" in out[k]]
     if failed:
@@ -478,6 +484,9 @@ def section_bundle(ctx: Context) -> dict[str, Any]:
         raise RuntimeError(f"launch.sh exited {rc}: {launch_tail[-3000:]}")
     backend = re.search(r"on (\S+) \((\w+)\)", launch_tail)
     out["device_backend"] = backend.group(0) if backend else None
+    # The rank compiles its layers on a GPU (train.compile unset): one line per graph.
+    out["compiled_graphs"] = sum(int(n) for n in re.findall(r"compiled (\d+) graph",
+                                                            launch_tail))
     rc, tail = ctx.child(["-m", "dtdsl.cli", "reference", str(spec), "--steps", str(steps),
                           "--out", str(ref), "-q"], left(), "reference", cpu=True)
     if rc != 0:

@@ -211,6 +211,8 @@ TRAIN_FIELDS = (
     Param("keep_checkpoints", IntKind(1, 1000), default=3),
     Param("grad_clip", FloatKind(low=0, high=1e6), default=1.0),
     Param("packing", BoolKind(), default=False),
+    # None (unset): compiled where the rank runs on a CUDA device (ir.Train.compiles).
+    Param("compile", BoolKind(), default=None),
 )
 _SCHEDULE_ARGS = {
     "gpipe": (),

@@ -587,6 +587,10 @@ class Train(IRModel):
     # seq_len (data.layout.pack), as Megatron-LM counts batches of packed data; False: one
     # sample per sequence. Defaulted so that earlier Programs still read.
     packing: bool = False
+    # torch.compile of every transformer layer and U-Net block (train.compiled): True on
+    # every device, False never, None (unset) where the rank runs on a CUDA device. Read
+    # through ``compiles``, the one rule the runtime and dtc memcheck share.
+    compile: bool | None = None
     # The `schedule = ...` and `precision = ...` fields when the spec writes them, for
     # diagnostics of later stages (dtc compile's runtime support).
     schedule_span: Span | None = None
@@ -595,6 +599,14 @@ class Train(IRModel):
     @property
     def num_microbatches(self) -> int:
         return self.global_batch // self.micro_batch
+
+    def compiles(self, device_type: str) -> bool:
+        """Whether a rank whose device is of ``device_type`` ("cuda", "cpu", ...) runs its
+        blocks compiled: ``compile`` when the spec sets it; unset, on CUDA only (on a CPU
+        inductor's C++ builds cost more than they save for the tests' tiny models)."""
+        if self.compile is not None:
+            return self.compile
+        return device_type == "cuda"
 
 
 # ---- constraints --------------------------------------------------------------------

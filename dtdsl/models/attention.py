@@ -202,9 +202,19 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ``[B, H, S, D]``."""
     gqa = q.shape[1] != k.shape[1]
     if q.device.type != "cpu":
+        # Inside a compiled block (train.compiled) dynamo traces into the compiled
+        # kernel: one graph with the block's other kernels.
         return flex_kernel()(q, k, v, block_mask=mask.block_mask, enable_gqa=gqa)
-    # torch 2.13 has no CPU backward behind the public function (module docstring): the
-    # operator itself, with the options and scale the public function would give it.
+    return _reference_flex(q, k, v, mask)
+
+
+@torch.compiler.disable
+def _reference_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    mask: DocumentMask) -> torch.Tensor:
+    """The CPU's document attention: torch 2.13 has no CPU backward behind the public
+    function (module docstring), so the operator itself, with the options and scale the
+    public function would give it. Never compiled (inductor's CPU lowering has no backward
+    either): in a compiled block it runs eager between the block's graphs."""
     from torch.nn.attention.flex_attention import (
         _apply_kernel_options,
         _identity,

@@ -132,10 +132,15 @@ class Rotation:
 
     def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate ``[B, S, H, D]`` queries and keys (``apply_rotary``'s rule)."""
-        found = self._cast.get(q.dtype)
-        if found is None:
-            found = self._cast[q.dtype] = (self.cos.to(q.dtype), self.sin.to(q.dtype))
-        cos, sin = found
+        if torch.compiler.is_compiling():
+            # A compiled block fuses the casts; a cache written here would be a side
+            # effect dynamo guards on (one more graph per dtype seen).
+            cos, sin = self.cos.to(q.dtype), self.sin.to(q.dtype)
+        else:
+            found = self._cast.get(q.dtype)
+            if found is None:
+                found = self._cast[q.dtype] = (self.cos.to(q.dtype), self.sin.to(q.dtype))
+            cos, sin = found
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
@@ -155,7 +160,10 @@ class RotaryTable:
         found = self._tables.get(key)
         if found is not None and found[0].shape[0] >= length:
             return found
-        size = max(length, 2 * found[0].shape[0] if found is not None else 0)
+        # Always longer than the rows it serves: a compiled block's input is a view of
+        # this table, and dynamo would give the table and a row of equal length one
+        # symbol, then compile again for the next length.
+        size = max(length + 1, 2 * found[0].shape[0] if found is not None else 0)
         inv_freq, scale = inverse_frequencies(self.rope, self.head_dim, device=device)
         angles = torch.arange(size, device=device).float().unsqueeze(-1) * inv_freq
         angles = torch.cat([angles, angles], dim=-1)                  # [size, D]

@@ -28,7 +28,11 @@ microbatches in flight), as the planner prices it. Co-located units have no stag
 their own to measure.
 
 The measured peak is reported next to ``CostModel.stage_memory_bytes`` for the same stage
-and the GPU's capacity.
+and the GPU's capacity, with whether the rank compiles its blocks (``ir.Train.compiles``
+for a GPU rank, the rule the runtime applies): the modules are measured eager either way
+(dynamo does not trace under the fake world's dispatch modes): for compiled blocks an
+estimate, as inductor's partitioner chooses which activations to keep for backward
+(usually fewer than eager autograd keeps, as it recomputes cheap pointwise ops).
 """
 
 from __future__ import annotations
@@ -49,6 +53,10 @@ from dtdsl.ir.schedule import ActionKind, Schedule
 
 __all__ = ["StageMemory", "check_memory", "in_flight_of"]
 
+# The device type of the ranks a plan places: its cluster's GPUs (memcheck itself runs
+# them in a fake world on the CPU).
+_RANK_DEVICE = "cuda"
+
 
 @dataclass(frozen=True)
 class StageMemory:
@@ -64,6 +72,10 @@ class StageMemory:
     by_category: dict[str, int]
     peak_phase: str
     time_s: float
+    # Whether the plan's rank runs its blocks compiled (``ir.Train.compiles`` for a GPU
+    # rank). The fake world measures the eager modules either way: dynamo does not trace
+    # under MemTracker's dispatch mode.
+    compiled: bool = False
 
     @property
     def error(self) -> float:
@@ -75,7 +87,8 @@ class StageMemory:
                 "predicted_bytes": int(self.predicted_bytes),
                 "measured_bytes": int(self.measured_bytes),
                 "capacity_bytes": int(self.capacity_bytes), "in_flight": self.in_flight,
-                "peak_phase": self.peak_phase, "by_category": dict(self.by_category)}
+                "peak_phase": self.peak_phase, "by_category": dict(self.by_category),
+                "compiled": self.compiled}
 
 
 def in_flight_of(schedule: Schedule, unit: str, stage: int) -> int:
@@ -293,7 +306,7 @@ def _measure_stage(program: ir.Program, plan: Plan, schedule: Schedule, cost: An
     with fake_world(plan.gpus_used, rank, "cpu") as world:
         mesh = world.device_mesh(grid.ranks, unit_mesh_shape(grid, zero), MESH_DIMS)
         built = build_stage(program, plan, role, mesh, world.device,
-                            run=stage_run(role.role), initialize=False)
+                            run=stage_run(role.role), initialize=False, compile=False)
         trainable = built.trainable()
         opt = None
         if trainable:
@@ -349,7 +362,8 @@ def _measure_stage(program: ir.Program, plan: Plan, schedule: Schedule, cost: An
                        predicted_bytes=predicted, measured_bytes=report.peak_bytes,
                        capacity_bytes=program.cluster.gpu.memory_bytes,
                        by_category=dict(report.by_category), peak_phase=report.peak_phase,
-                       time_s=time.perf_counter() - start_s)
+                       time_s=time.perf_counter() - start_s,
+                       compiled=program.train.compiles(_RANK_DEVICE))
 
 
 def check_memory(program: ir.Program, plan: Plan, *, cost: Any = None, jobs: int = 1,

@@ -150,6 +150,7 @@ class Stage:
     # with two stages), as Megatron's embedding group does, so both take the same step.
     tied_group: Any = None
     tied_name: str | None = None      # the copy's name, "<unit>.tok_embeddings.weight"
+    compiled: Any = None    # train.compiled.CompiledBlocks when the blocks are compiled
 
     def named_parameters(self) -> dict[str, torch.Tensor]:
         """``{"<unit>.<param>": parameter}`` for every parameter the stage holds."""
@@ -400,14 +401,27 @@ def _sum_gradients(module: Any) -> None:
         unused(True, recurse=False)
 
 
+def _compile(stage: StageModule, program: ir.Program, role: RankRole, device: torch.device,
+             compile: bool | None) -> Any:
+    """The stage's blocks compiled (``train.compiled``) when ``compile`` says so, or when
+    unset, the spec's rule for this device; None when not."""
+    if not (program.train.compiles(torch.device(device).type) if compile is None else compile):
+        return None
+    from dtdsl.train.compiled import apply_compile
+
+    return apply_compile(stage, rank=role.rank)
+
+
 def build_stage(program: ir.Program, plan: Plan, role: RankRole, mesh: Any,
                 device: torch.device, *, seed: int | None = None, run: Any = None,
-                initialize: bool = True) -> Stage:
+                initialize: bool = True, compile: bool | None = None) -> Stage:
     """This rank's stage (module docstring). ``mesh``: the unit's DeviceMesh with
     dimensions ``("pp", "dp_replicate", "dp_shard", "tp")`` (``parallel.mesh``); ``run``:
     the stage's forward, ``run(stage_module, ...)``; ``initialize=False`` leaves the
     materialised values as they are (``dtc memcheck``'s fake tensors have none; a resumed
-    run loads them from its checkpoint, or calls ``Stage.initialize`` when it has none)."""
+    run loads them from its checkpoint, or calls ``Stage.initialize`` when it has none);
+    ``compile``: whether to compile the blocks (``train.compiled``; None: the spec's rule
+    for ``device``, ``program.train.compiles``)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -462,6 +476,7 @@ def build_stage(program: ir.Program, plan: Plan, role: RankRole, mesh: Any,
         if _recomputes(program, plan, unit_name):
             parent = stage.units[unit_name].get_submodule(prefix.rpartition(".")[0])
             parent.register_module(prefix.rpartition(".")[2], checkpoint_wrapper(layer))
+    compiled = _compile(stage, program, role, device, compile)
 
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     # ZeRO-1: shard over DP; ZeRO-0: replicate over DP (HSDP with shards of one rank).
@@ -499,7 +514,7 @@ def build_stage(program: ir.Program, plan: Plan, role: RankRole, mesh: Any,
                                    hosted=names)
     built = Stage(module=stage, role=role, start=start, stop=stop,
                   compute_dtype=compute_dtype, tp_sharded=tp_sharded, layers=layers,
-                  hosted=names)
+                  hosted=names, compiled=compiled)
     _tie_across_stages(built, program, plan, mesh)
     if initialize:
         built.initialize(program, seed)

@@ -1,0 +1,188 @@
+"""Compiled blocks: ``torch.compile`` of every transformer layer and U-Net block of a stage.
+
+Eager PyTorch spends host time on every operator: a 9b backbone layer under DTensor TP
+costs ~13 ms of Python per microbatch where the GPU needs a few (issue 28). Compiling each
+block on its own, as torchtitan's ``apply_compile`` does, turns a block's hundreds of
+operators into a few fused kernels and one guarded call. ``build_stage`` applies it after
+tensor parallelism (DTensor: dynamo traces the sharded ops and their collectives) and
+activation checkpointing (a checkpointed block compiles as torch's checkpoint operator),
+and before ``fully_shard``: FSDP2's hooks stay outside the compiled code (its all-gather
+and reduce-scatter run between blocks, as eager).
+
+What is compiled is each block's ``forward`` (set on the instance; the module tree, its
+parameter names and FSDP2's hooks are unchanged): an encoder's and a backbone's layers, a
+DiT's blocks, a U-Net's down, middle and up blocks (each level's resnets, attention and
+resampling: its skip connections stay outside, between the blocks). Blocks of one class
+share their compiled graphs (dynamo inlines ``nn.Module``s and guards on their structure,
+not their identity), so a 40-layer backbone compiles one layer's graph, not forty.
+
+**Varying shapes.** Microbatches differ in sequence length (padded to their longest), the
+ViT's groups in image count and patches, a generator's in targets. Before each call the
+batch and length dimensions of a transformer block's inputs (all but the last, the
+feature width the weights fix) and the batch of a U-Net block's are marked dynamic
+(``torch._dynamo.maybe_mark_dynamic``; the rest static), so the first compile is already
+symbolic in them and a new length reuses the graph, while the weights' widths stay
+static (kernels specialised for the model, not ``dynamic=True``'s symbolic widths).
+Dynamo still specialises sizes of 0 and 1 (a group of one image, one target), and on
+CUDA inductor guards on a length's alignment (a multiple of 8 or not) and on size
+thresholds of its fusion heuristics, so each kind of block compiles a small number of
+graphs whatever lengths a run draws: one on the CPU over the tests' 6 steps, 4 over 12
+steps of 833..2048 tokens on an H200 (``benchmarks/step_vs_torch.py``).
+``torch._dynamo.config.recompile_limit`` is raised to ``GRAPHS_PER_KIND`` (16) per kind
+of block sharing a ``forward``. ``CompiledBlocks.graphs`` counts the graphs dynamo compiled
+during calls of the stage's blocks, and each compile prints one line on stderr with the
+block and the input shapes that caused it.
+
+Whether a rank compiles is ``program.train.compiles(device.type)`` (``ir.Train``): the spec's
+``train { compile = ... }``, else on CUDA only.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from dtdsl.models.rope import Rotation
+
+__all__ = ["GRAPHS_PER_KIND", "CompiledBlocks", "apply_compile", "compiled_graphs",
+           "compile_blocks"]
+
+# The graphs one kind of block may compile before dynamo gives up on it and runs it eager:
+# dynamic shapes leave size 0/1 specialisations (a batch of one), a graph with and without
+# gradients (frozen units), and on CUDA inductor's guards on alignment and fusion sizes
+# (4 graphs over 12 steps on an H200); 16 leaves room for those combined.
+GRAPHS_PER_KIND = 16
+
+
+def compiled_graphs() -> int:
+    """Graphs dynamo has compiled in this process so far (its own counter)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+@dataclass(eq=False)
+class CompiledBlocks:
+    """What ``apply_compile`` compiled on one stage."""
+
+    blocks: list[str] = field(default_factory=list)   # "<unit>.<path>", forward order
+    kinds: int = 0                                    # distinct structures among them
+    # Graphs dynamo compiled during calls of these blocks (the first of each kind, then
+    # one per new specialisation), whatever else the process compiles.
+    graphs: int = 0
+
+
+def compile_blocks(stage: nn.Module) -> Iterator[tuple[str, nn.Module, int | None]]:
+    """``(name, block, dims)`` of every block ``apply_compile`` compiles in a
+    ``StageModule`` (module docstring), in forward order; activation checkpointing's
+    wrapper, when present, is the block. ``dims``: how many leading dimensions of the
+    block's inputs vary (``_mark_dynamic``; None: all but the last)."""
+    for unit_name, unit in stage.units.items():
+        layers = getattr(unit, "layers", None)
+        if isinstance(layers, nn.ModuleDict):
+            for key, layer in layers.items():
+                yield f"{unit_name}.layers.{key}", layer, None
+        blocks = getattr(unit, "blocks", None)
+        if isinstance(blocks, nn.ModuleList) and not isinstance(layers, nn.ModuleDict):
+            for i, block in enumerate(blocks):
+                yield f"{unit_name}.blocks.{i}", block, None
+        # A U-Net's feature maps have the spec's latent size (one per generator): only
+        # their batch (the microbatch's targets) varies. Symbolic rows and columns would
+        # also make inductor trip over the convolutions' size checks.
+        for part in ("down_blocks", "mid_block", "up_blocks"):
+            found = getattr(unit, part, None)
+            if isinstance(found, nn.ModuleList):
+                for i, block in enumerate(found):
+                    yield f"{unit_name}.{part}.{i}", block, 1
+            elif isinstance(found, nn.Module):
+                yield f"{unit_name}.{part}", found, 1
+
+
+def _kind(block: nn.Module) -> tuple[Any, ...]:
+    """What makes two blocks share compiled graphs: their modules' classes and their
+    parameters' shapes (local shapes: a TP shard compiles for its own)."""
+    return (tuple(type(m).__qualname__ for m in block.modules()),
+            tuple((n, tuple(getattr(p, "_local_tensor", p).shape))
+                  for n, p in block.named_parameters()))
+
+
+def _raise_limits(kinds_per_code: dict[Any, int], total_kinds: int) -> None:
+    """Let each compiled function keep ``GRAPHS_PER_KIND`` graphs per kind of block that
+    runs it (dynamo's limit is per code object, and an encoder's and a backbone's layers
+    share ``TransformerLayer.forward``), never lowering a limit set before."""
+    config = torch._dynamo.config
+    per_code = GRAPHS_PER_KIND * max(kinds_per_code.values(), default=1)
+    config.recompile_limit = max(config.recompile_limit, per_code)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit,
+                                             GRAPHS_PER_KIND * total_kinds)
+
+
+def _shapes(args: tuple[Any, ...]) -> list[tuple[int, ...]]:
+    return [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]
+
+
+def _mark_dynamic(value: Any, dims: int | None) -> None:
+    """Mark the first ``dims`` dimensions (None: all but the last) of each tensor in a
+    block's argument dynamic, and the others static (no automatic dynamic shape later:
+    blocks of one class at different sizes, a U-Net's levels, compile apart rather than
+    symbolic in their widths). ``maybe_mark_dynamic``, so a dimension the graph needs
+    fixed (a size of 1) is specialised without an error. Looks into lists and tuples (a
+    U-Net's skips) and a backbone's ``Rotation``."""
+    if isinstance(value, torch.Tensor):
+        varying = value.dim() - 1 if dims is None else min(dims, value.dim())
+        for dim in range(value.dim()):
+            if dim < varying:
+                torch._dynamo.maybe_mark_dynamic(value, dim)
+            else:
+                torch._dynamo.mark_static(value, dim)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _mark_dynamic(item, dims)
+    elif isinstance(value, Rotation):
+        _mark_dynamic((value.cos, value.sin), dims)
+
+
+def _logged(name: str, compiled: Callable[..., Any], dims: int | None, rank: int,
+            stats: CompiledBlocks) -> Callable[..., Any]:
+    """``compiled``, its arguments' varying dimensions marked dynamic (``_mark_dynamic``),
+    with one line on stderr for each graph dynamo compiles during one of its calls (rare
+    and bounded; a counter read per call costs nothing)."""
+
+    @functools.wraps(compiled)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        _mark_dynamic(args, dims)
+        _mark_dynamic(tuple(kwargs.values()), dims)
+        before = compiled_graphs()
+        out = compiled(*args, **kwargs)
+        after = compiled_graphs()
+        if after != before:
+            stats.graphs += after - before
+            print(f"rank {rank}: {name} compiled {after - before} graph(s) for inputs "
+                  f"{_shapes(args)} ({after} in this process)", file=sys.stderr, flush=True)
+        return out
+
+    return call
+
+
+def apply_compile(stage: nn.Module, *, rank: int = 0) -> CompiledBlocks:
+    """Compile every block of ``stage`` (a ``StageModule``) in place (module docstring):
+    after tensor parallelism and activation checkpointing, before ``fully_shard``."""
+    out = CompiledBlocks()
+    kinds: dict[Any, set[tuple[Any, ...]]] = {}
+    for name, block, dims in list(compile_blocks(stage)):
+        code = type(block).forward.__code__
+        kinds.setdefault(code, set()).add(_kind(block))
+        # The bound forward compiled: hooks (FSDP2's, added later) run around it, and the
+        # parameters keep their names.
+        block.forward = _logged(name, torch.compile(block.forward), dims, rank,
+                                out)
+        out.blocks.append(name)
+    out.kinds = sum(len(k) for k in kinds.values())
+    _raise_limits({c: len(k) for c, k in kinds.items()}, out.kinds)
+    return out

@@ -1,0 +1,181 @@
+"""Compiled blocks (train.compiled): a compiled stage trains as the eager one does, with a
+bounded number of graphs over microbatches of drawn lengths. On the CPU with inductor (gcc):
+the first compile of a kind of block takes seconds; inductor's cache makes later runs
+faster."""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import re
+
+import pytest
+
+from dtdsl.driver import run_frontend
+from dtdsl.ir import program as ir
+from dtdsl.ir.plan import Plan
+from dtdsl.parallel.mesh import build_groups
+from dtdsl.schedule.lower import lower
+from dtdsl.train.executor import StageExecutor
+from dtdsl.train.memplan import check_memory
+from tests.dist import run
+from tests.train.test_executor import plan_for
+
+# Compiled and eager differ by float summation order only (inductor fuses and reorders
+# reductions), which Adam's first steps amplify: a relative tolerance on the losses.
+LOSS_RTOL = 1e-4
+STEPS = 6
+
+TEXT_SPEC = """spec compiled_text
+model {
+  backbone llm {
+    arch = transformer(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=256, swiglu)
+  }
+}
+data text {
+  text.tokens ~ lognormal(median=40, sigma=0.6) clamp [8, 120]
+}
+cluster c {
+  gpu = custom(name="cpu", memory=4 GiB, peak=0.1 TFLOPS)
+  gpus = 2
+  intra_node_bw = 4 GB/s
+  inter_node_bw = 4 GB/s
+}
+train {
+  global_batch = 8
+  micro_batch = 2
+  seq_len = 128
+  optimizer = adamw(lr=1e-3)
+  precision = fp32
+  reorder = []
+  seed = 7
+  COMPILE
+}
+"""
+
+
+def text_program(compile: str = "", *, recompute: bool = False) -> ir.Program:
+    text = TEXT_SPEC.replace("COMPILE", compile)
+    if recompute:
+        text = text.replace("swiglu)\n", "swiglu)\n    recompute = true\n")
+    result = run_frontend("compiled_text.dt", text.encode())
+    assert result.ok, [d.message for d in result.diagnostics]
+    return result.program
+
+
+def _losses(rank: int, world: int, program: ir.Program, plan: Plan, steps: int,
+            out: dict) -> None:
+    groups = build_groups(plan)
+    ex = StageExecutor(program, plan, lower(plan, program), rank=rank, groups=groups)
+    lengths: set[int] = set()
+    first = next(iter(ex.stage.module.units["llm"].layers.values()))
+    # Outside the compiled forward (a module hook): the lengths the layers saw.
+    first.register_forward_pre_hook(lambda _, args: lengths.add(args[0].shape[1]))
+    results = [ex.run_step(s) for s in range(steps)]
+    compiled = ex.stage.compiled
+    if rank == 0:
+        with open(out["file"], "w") as f:
+            f.write(repr({"losses": [r["loss"] for r in results],
+                          "blocks": compiled.blocks if compiled else None,
+                          "graphs": compiled.graphs if compiled else None,
+                          "lengths": sorted(lengths)}))
+
+
+def _run(program: ir.Program, plan: Plan, steps: int, tmp_path, tag: str) -> dict:
+    path = tmp_path / f"{tag}.txt"
+    run(_losses, plan.gpus_used, program, plan, steps, {"file": str(path)}, timeout=600)
+    return ast.literal_eval(path.read_text())
+
+
+def _compare(tmp_path, tp: int, recompute: bool = False) -> None:
+    eager = text_program(recompute=recompute)
+    compiled = text_program("compile = true", recompute=recompute)
+    assert eager.train.compile is None and compiled.train.compile is True
+    plan = plan_for(eager, ("llm", "backbone", tp, 1, 1))
+    want = _run(eager, plan, STEPS, tmp_path, "eager")
+    got = _run(compiled, plan, STEPS, tmp_path, "compiled")
+    assert want["blocks"] is None     # unset: eager on the CPU
+    assert got["blocks"] == ["llm.layers.0", "llm.layers.1"]
+    for g, w in zip(got["losses"], want["losses"], strict=True):
+        assert math.isclose(g, w, rel_tol=LOSS_RTOL), (got["losses"], want["losses"])
+    # Each microbatch padded to its longest drawn sample (over 20 lengths in 6 steps), one
+    # kind of layer: the first compile is already dynamic in the length, so one graph.
+    assert len(got["lengths"]) >= 10, got["lengths"]
+    assert got["graphs"] == 1, got["graphs"]
+
+
+def test_compiled_stage_trains_as_eager(tmp_path):
+    _compare(tmp_path, 1)
+
+
+@pytest.mark.slow
+def test_compiled_checkpointed_layers_train_as_eager(tmp_path):
+    # Activation checkpointing first, then compile (torchtitan's order): the wrapper's
+    # forward compiles, the checkpoint traced as torch's operator.
+    _compare(tmp_path, 1, recompute=True)
+
+
+@pytest.mark.slow
+def test_compiled_tensor_parallel_stage_trains_as_eager(tmp_path):
+    # DTensor with sequence parallelism traced by dynamo: ~45 s on this CPU, where
+    # inductor's cache never hits (the graph names its process groups).
+    _compare(tmp_path, 2)
+
+
+def test_the_rule_is_one_function():
+    assert text_program().train.compiles("cuda")
+    assert not text_program().train.compiles("cpu")
+    assert text_program("compile = true").train.compiles("cpu")
+    assert not text_program("compile = false").train.compiles("cuda")
+
+
+@pytest.mark.parametrize(("setting", "compiled"), [("", True), ("compile = false", False)])
+def test_memcheck_says_whether_the_gpu_rank_compiles(setting, compiled):
+    # The plan's ranks are GPUs: memcheck applies the runtime's rule for CUDA, and
+    # measures the eager modules (no compile in the fake world).
+    program = text_program(setting)
+    plan = plan_for(program, ("llm", "backbone", 1, 1, 1))
+    (stage,) = check_memory(program, plan)
+    assert stage.compiled is compiled and stage.as_json()["compiled"] is compiled
+    assert stage.measured_bytes > 0
+
+
+@pytest.mark.slow
+def test_a_bundle_trains_compiled(tmp_path):
+    # dtc compile carries the setting in the bundle's program; every rank compiles its
+    # layers on the CPU (one line on stderr per graph) and trains as the reference does.
+    from dtdsl import cli
+    from dtdsl.train.reference import train_reference
+    from tests.codegen.test_bundle_run import launch_ok
+
+    spec = tmp_path / "compiled_text.dt"
+    spec.write_text(TEXT_SPEC.replace("COMPILE", "compile = true"))
+    bundle = tmp_path / "bundle"
+    assert cli.main(["compile", str(spec), "-o", str(bundle), "--synthetic",
+                     "--workers", "0"]) == 0
+    steps = 6
+    proc = launch_ok(bundle, tmp_path / "run", "--steps", str(steps))
+    compiles = [line for line in proc.stderr.splitlines() if "compiled 1 graph(s)" in line]
+    ranks = {line.split(":")[0] for line in compiles}
+    assert ranks and all(r.startswith("rank ") for r in ranks), proc.stderr[-2000:]
+    assert len(compiles) == len(ranks), compiles     # one graph per rank over 6 steps
+    metrics = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text()
+               .splitlines()]
+    want = [r["loss"] for r in train_reference(text_program(), steps)]
+    assert [m["step"] for m in metrics] == list(range(steps))
+    for m, w in zip(metrics, want, strict=True):
+        assert math.isclose(m["loss"], w, rel_tol=LOSS_RTOL), ([m["loss"] for m in metrics],
+                                                               want)
+
+
+def test_fmt_keeps_the_setting_and_the_checker_names_a_bad_value():
+    from dtdsl.frontend.fmt import format_spec
+
+    text = TEXT_SPEC.replace("COMPILE", "compile = false")
+    formatted = format_spec(run_frontend("f.dt", text.encode()).spec)
+    assert re.search(r"^  compile += false$", formatted, re.MULTILINE), formatted
+    assert run_frontend("f.dt", formatted.encode()).program.train.compile is False
+    bad = run_frontend("b.dt", TEXT_SPEC.replace("COMPILE", "compile = 3").encode())
+    assert [d.code for d in bad.diagnostics] == ["DT206"]
+    assert "train.compile must be true or false, not 3" in bad.diagnostics[0].message
