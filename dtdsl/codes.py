@@ -367,8 +367,10 @@ allowed degree is left.
 """),
     "DT402": Code("Layout does not fit the cluster", """
 A pinned GPU count must be tp x pp x dp for some allowed tp, pp and dp, the
-modules' smallest allowed layouts must fit in the cluster together, and a TP
-group cannot be larger than the cluster. The message names the counts that
+modules' smallest allowed layouts must fit in the cluster together (an encoder or
+generator without a `gpus` bound or more than one stage needs none of its own: it
+can share the backbone's, co-located), and a TP group cannot be larger than the
+cluster. The message names the counts that
 work, or how many GPUs the constraints need.
 
     gpus(vit) == 12, tp(vit) == 8     # error: 12 is not a multiple of 8

@@ -116,6 +116,9 @@ def test_the_smoke_run_exercises_every_section_on_the_cpu(tmp_path):
     bundle = sections["bundle"]
     assert bundle["passed"] is True and "(gloo)" in bundle["device_backend"]
     assert len(bundle["losses"]) == gpu_check.SMOKE.bundle_steps
+    multimodal = sections["multimodal"]
+    assert multimodal["passed"] is True
+    assert multimodal["units"] == {"vit": "co-located", "llm": "1 GPU", "gen": "co-located"}
 
     trace = sections["trace"]
     assert trace["top_kernels"] and trace["file"] == "trace.json.gz"

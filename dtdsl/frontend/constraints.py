@@ -362,16 +362,27 @@ class _Resolver:
         return False
 
     def _fits_cluster(self, result: Sequence[ModuleConstraints]) -> None:
-        """Together, the modules' smallest layouts must fit in the cluster."""
+        """Together, the modules' smallest layouts must fit in the cluster. An encoder or
+        generator may need no GPU of its own: the planner can co-locate it on the
+        backbone's first or last stage (``planner.placement``), unless a constraint gives
+        it GPUs (a ``gpus`` bound) or more than one stage."""
         need = []
         for c in result:
             smallest = c.tp.smallest * c.pp.smallest * c.dp.smallest
+            module = self.modules.get(c.module)
+            if module is not None and module.role != "backbone" and c.pp.smallest <= 1 \
+                    and c.gpus.values is None and c.gpus.high is None and c.gpus.low <= 1:
+                need.append((c.module, 0, c))
+                continue
             need.append((c.module, max(smallest, c.gpus.smallest), c))
         total = sum(n for _, n, _ in need)
         if total <= self.cluster.num_gpus:
             return
         notes = []
         for name, n, c in need:
+            if n == 0:
+                notes.append(f"{name}: none of its own (it can share the backbone's)")
+                continue
             why = f"gpus >= {c.gpus.smallest}" if c.gpus.smallest >= n else \
                 f"tp {c.tp.smallest} x pp {c.pp.smallest} x dp {c.dp.smallest}"
             notes.append(f"{name}: at least {n} ({why})")

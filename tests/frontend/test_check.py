@@ -328,3 +328,17 @@ def test_checking_a_generator_without_files_does_not_import_torch():
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
                          text=True, check=True)
     assert out.stdout.strip() == "False", out.stdout + out.stderr
+
+
+def test_an_encoder_or_generator_may_need_no_gpu_of_its_own():
+    """tiny_cpu on one GPU checks: its ViT and U-Net can share the backbone's GPU
+    (co-located); pinned to GPUs of their own they need three."""
+    text = (ROOT / "specs" / "tiny_cpu.dt").read_text().replace(
+        "gpus          = 4", "gpus          = 1").replace('  source = "data/tiny"\n', "")
+    assert "DT402" not in errors(text)
+    pinned = text.replace("tp(*) in {1, 2}", "tp(*) in {1, 2}\n  gpus(vit) == 1  gpus(gen) == 1")
+    (d,) = [d for d in diagnostics(pinned) if d.code == "DT402"]
+    assert "at least 3 GPUs" in d.message
+    assert "llm: at least 1" in "\n".join(d.notes)
+    deep = text.replace("tp(*) in {1, 2}", "tp(*) in {1, 2}\n  pp(vit) == 2")
+    assert "DT402" in errors(deep)

@@ -471,7 +471,8 @@ def planned(path: Path) -> tuple[Plan, Program]:
     result = run_frontend(name, data)
     assert result.ok, [d.message for d in result.diagnostics]
     cost = build_cost_model(result.program, CostParams())
-    return plan(cost, compare_baseline=False), result.program
+    # Disaggregated: every unit has stages of its own to lower (a co-located unit has none).
+    return plan(cost, compare_baseline=False, placement="disaggregated"), result.program
 
 
 @pytest.mark.parametrize("path", SPECS, ids=[p.stem for p in SPECS])

@@ -110,8 +110,10 @@ def measure(work: Path, *, steps: int = STEPS) -> Comparison:
     assert cli.main(["profile", str(spec), "-o", str(profile), "--device", "cpu",
                      "--threads", "1", "-q"]) == 0
     bundle = work / "bundle"
+    # Disaggregated: each unit's stage timed on its own ranks (co-located, the ViT's
+    # passes would be part of the backbone stage's).
     assert cli.main(["compile", str(spec), "--profile", str(profile), "--synthetic",
-                     "--workers", "0", "-o", str(bundle)]) == 0
+                     "--workers", "0", "-o", str(bundle), "--placement", "disaggregated"]) == 0
     run_dir = work / "run"
     launch_ok(bundle, run_dir, "--steps", str(steps),
               env={"DTDSL_THREADS": "1", "OMP_NUM_THREADS": "1"})
