@@ -61,7 +61,7 @@ def plan(cost: CostModel, num_gpus: int | None = None, *, search: str = "convex"
     and keeps the faster, each placement's best time in ``Plan.placements``.
 
     ``simulate_steps`` > 0: the objective is the time on that many drawn batches
-    (``planner.simulated.choose_plan``): of the layouts near the search's optimum in
+    (``_placements``): of the layouts near the search's optimum in
     expectation (up to ``estimate``, one per backbone layout) and the co-located ones (one
     per backbone depth), the ``simulate`` best of each placement by the drawn-batch
     estimate (``sim.estimate``) are simulated under the spec's reorder policy and the

@@ -25,8 +25,7 @@ from statistics import fmean
 from dtdsl.cost.model import CostModel, build_cost_model
 from dtdsl.ir.plan import Packing, Plan
 
-__all__ = ["ESTIMATED", "SIMULATED", "DrawnBatches", "SpecData", "choose_among", "choose_plan",
-           "near_plans",
+__all__ = ["ESTIMATED", "SIMULATED", "DrawnBatches", "SpecData", "near_plans",
            "packing_figures", "repriced", "simulate_plan"]
 
 Progress = Callable[[int, int, str], None]
@@ -54,24 +53,6 @@ ESTIMATED = 8
 SIMULATED = 2
 
 
-def choose_plan(cost: CostModel, searched: Plan, batches: DrawnBatches,
-                policy: frozenset[str], *, estimate: int = ESTIMATED,
-                simulate: int = SIMULATED, progress: Progress | None = None
-                ) -> tuple[Plan, float, int, int]:
-    """The plan a run will find fastest: of the layouts near ``searched`` (a search's
-    optimum at mean work; ``near_layouts``: one per backbone layout, up to ``estimate``),
-    the ``simulate`` best by their estimated time on the first drawn batch under
-    ``policy`` are simulated on every batch of ``batches`` (the spec's data) and the
-    fastest there is kept. Returns it (with ``searched``'s search figures), its mean time
-    on the batches, how many layouts were simulated and how many estimated. The same
-    answer whichever search found the optimum: the list depends on the cost model and
-    the budget only."""
-    if simulate < 1:
-        raise ValueError(f"simulate must be at least 1, not {simulate}")
-    return choose_among(cost, near_plans(cost, searched, estimate), batches, policy,
-                        simulate=simulate, progress=progress)
-
-
 def near_plans(cost: CostModel, searched: Plan, count: int = ESTIMATED) -> list[Plan]:
     """The Plans of the layouts near ``searched`` (``near_layouts``: one per backbone
     layout, up to ``count``, fastest at mean work first), with ``searched``'s search
@@ -86,50 +67,6 @@ def near_plans(cost: CostModel, searched: Plan, count: int = ESTIMATED) -> list[
     return [make_plan(ev, searched.search, layout, solve_time_s=searched.solve_time_s,
                       candidates=searched.candidates, convex_solves=searched.convex_solves,
                       evaluated=searched.evaluated) for layout in layouts] or [searched]
-
-
-def choose_among(cost: CostModel, plans: list[Plan], batches: DrawnBatches,
-                 policy: frozenset[str], *, simulate: int = SIMULATED,
-                 progress: Progress | None = None) -> tuple[Plan, float, int, int]:
-    """The fastest of ``plans`` on ``batches`` routed under ``policy``: each ranked by its
-    estimated time on the first batch, the ``simulate`` best simulated on every batch.
-    Returns it, its mean time, how many were simulated and how many estimated."""
-    if simulate < 1:
-        raise ValueError(f"simulate must be at least 1, not {simulate}")
-    if not plans:
-        raise ValueError("no plans to choose from")
-    total = len(plans) + min(simulate, len(plans)) * batches.steps
-    estimates = []
-    for k, candidate in enumerate(plans):
-        _report(progress, k, total, f"estimating {_backbone(candidate)}")
-        estimates.append(batches.estimate(candidate, policy))
-    ranked = sorted(range(len(plans)), key=lambda k: (estimates[k], k))[:simulate]
-    best: tuple[Plan, float] | None = None
-    done = len(plans)
-    for k in ranked:
-        note = f"simulating {_backbone(plans[k])}"
-        _report(progress, done, total, note)
-
-        def step(s: int, at: int = done, note: str = note) -> None:
-            _report(progress, at + s + 1, total, note)
-
-        t = batches.mean_time(cost, plans[k], policy, progress=step)
-        done += batches.steps
-        if best is None or t < best[1]:
-            best = (plans[k], t)
-    assert best is not None
-    return best[0], best[1], len(ranked), len(plans)
-
-
-def _report(progress: Progress | None, done: int, total: int, note: str) -> None:
-    if progress is not None:
-        progress(done, total, note)
-
-
-def _backbone(plan: Plan) -> str:
-    u = next(u for u in plan.units if u.role == "backbone")
-    where = ", co-located" if any(x.colocated for x in plan.units) else ""
-    return f"{u.name} tp {u.tp} dp {u.dp} pp {u.pp}{where}"
 
 
 def repriced(plan: Plan, cost: CostModel, other: CostModel) -> Plan:
