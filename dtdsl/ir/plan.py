@@ -41,6 +41,13 @@ class UnitPlan(BaseModel):
     # = 0): an encoder (generator) runs on the GPUs of the backbone's first (last) stage,
     # with the backbone's TP, and holds no GPU of its own (gpus 0).
     colocated: bool = False
+    # Phased (an encoder only): its forward for the step's every microbatch, data-parallel
+    # over all the backbone's GPUs (dp = the backbone's dp x pp, tp = the backbone's, gpus 0,
+    # first_rank the backbone's: its replica q is the backbone's ranks at (stage, replica) =
+    # divmod(q, backbone dp)), before the pipeline's first action; its outputs handed to the
+    # backbone's first stage; its backward (forward recomputed, one microbatch step at a
+    # time) after the pipeline drains (Optimus; Megatron-LM's non-pipelined encoders).
+    phased: bool = False
     # Activation recomputation of every layer: the spec's setting, or the baseline's to
     # make a layout fit (Megatron-LM's --recompute-granularity full).
     recompute: bool = False
@@ -209,8 +216,11 @@ class Plan(BaseModel):
 
     @property
     def placement(self) -> str:
-        """"colocated" where its encoders and generators run on the backbone's stages,
-        else "disaggregated" (each on GPUs of its own)."""
+        """"phased" where an encoder runs phased on the backbone's GPUs, "colocated" where
+        encoders or generators run on the backbone's stages, else "disaggregated" (each on
+        GPUs of its own)."""
+        if any(u.phased for u in self.units):
+            return "phased"
         return "colocated" if any(u.colocated for u in self.units) else "disaggregated"
 
     def speedup(self, baseline: str = "megatron", *, simulated: bool = False

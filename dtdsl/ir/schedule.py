@@ -350,12 +350,13 @@ class Schedule:
 
     @staticmethod
     def empty(plan: Plan) -> Schedule:
-        """The skeleton of ``plan``'s units with GPUs of their own (a co-located unit of
-        the baseline runs inside the backbone's first or last stage: its passes are part
-        of that stage's, see ``sim.workload.iteration_durations``)."""
+        """The skeleton of ``plan``'s units with GPUs of their own (a co-located unit runs
+        inside the backbone's first or last stage: its passes are part of that stage's; a
+        phased one before and after the pipeline on the backbone's ranks, outside the
+        schedule: see ``sim.workload.iteration_durations``)."""
         return Schedule.skeleton(plan.schedule, plan.num_microbatches,
                                  tuple(ScheduleUnit.of(u) for u in plan.units
-                                       if not u.colocated))
+                                       if not (u.colocated or u.phased)))
 
     def unit(self, name: str) -> ScheduleUnit:
         return self._units[name]

@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from dtdsl.ir.plan import Plan
-from dtdsl.sim.workload import _loads, _per_sample_seconds, pipeline_times, route
+from dtdsl.sim.workload import _loads, _per_sample_seconds, phase_times, pipeline_times, route
 
 __all__ = ["drawn_estimate", "variation_s"]
 
@@ -58,7 +58,19 @@ def variation_s(plan: Plan, work: dict[str, np.ndarray], policy: frozenset[str])
     mean_b = np.repeat(bwd.mean(axis=(1, 2))[:, None, None], steps, axis=1)
     times = chain_columns(np.concatenate([fwd, mean_f], axis=2),
                           np.concatenate([bwd, mean_b], axis=2))
-    return float(times[:-1].max() - times[-1])
+    return float(times[:-1].max() - times[-1]) + _phase_variation_s(plan, routing, work)
+
+
+def _phase_variation_s(plan: Plan, routing, work: dict[str, np.ndarray]) -> float:
+    """Seconds the batch adds to the phased encoders' phases (``phase_times``) over their
+    mean-work time (each pipeline rank a 1/(dp x pp) share of the batch at mean work)."""
+    phased = [u for u in plan.units if u.phased]
+    if not phased:
+        return 0.0
+    seconds = _per_sample_seconds(plan)
+    f, b = phase_times(plan, routing, work)
+    mean = sum(sum(seconds[u.name]) * plan.global_batch / u.dp for u in phased)
+    return float((f + b).max() - mean)
 
 
 def _replica_times(plan: Plan, routing, work: dict[str, np.ndarray]
@@ -79,7 +91,7 @@ def _replica_times(plan: Plan, routing, work: dict[str, np.ndarray]
     fwd, bwd = stages(backbone)
     before_f, before_b, after_f, after_b = [], [], [], []
     for u in plan.units:
-        if u is backbone:
+        if u is backbone or u.phased:
             continue
         f, b = stages(u)
         if u.colocated:

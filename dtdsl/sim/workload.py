@@ -36,11 +36,12 @@ from dtdsl.cost.samples import (
 )
 from dtdsl.ir.plan import Plan
 from dtdsl.ir.schedule import Schedule
-from dtdsl.reorder.split import contiguous_split
+from dtdsl.reorder.split import balanced_groups, contiguous_split
 from dtdsl.sim.simulate import Durations
 
 __all__ = ["POLICIES", "Routing", "WorkModel", "batch_samples", "imbalance",
-           "iteration_durations", "model_flops", "parse_policy", "pipeline_times", "reordered",
+           "iteration_durations", "model_flops", "parse_policy", "phase_times", "pipeline_times",
+           "reordered",
            "route", "sample_work"]
 
 POLICIES = ("none", "intra", "inter", "both")
@@ -250,7 +251,8 @@ class _SampleCosts:
         bb = self.backbone
         if self._others is None:
             self._others = sum((self.stage[u.name] * u.pp for u in self.plan.units
-                                if u.name != bb.name), np.zeros(len(self.stage[bb.name])))
+                                if u.name != bb.name and not u.phased),
+                               np.zeros(len(self.stage[bb.name])))
         longest = self.stage[bb.name][batches].max(axis=1)
         return batches.shape[1] * longest * bb.pp + self._others[batches].sum(axis=1)
 
@@ -308,13 +310,28 @@ def _routed(plan: Plan, costs: _SampleCosts, step: np.ndarray, intra: bool, *,
         total[target] += load
     replica = {bb.name: r}
     for u in plan.units:
-        if u.name != bb.name:
+        if u.phased:
+            replica[u.name] = _phase_shares(r, costs.stage[u.name], bb.dp, bb.pp)
+        elif u.name != bb.name:
             # One pipeline per replica in a rigid plan, and a co-located unit runs on its
             # host stage's replicas: a sample stays on its backbone replica's.
             replica[u.name] = r if plan.rigid or u.colocated else _split(
                 members_of, costs.stage[u.name], u.dp, intra,
                 _BALANCE_BUDGET if balance_budget is None else balance_budget)
     return Routing(num_microbatches=m, step=step, replica=replica)
+
+
+def _phase_shares(backbone: np.ndarray, costs: np.ndarray, dp: int, pp: int) -> np.ndarray:
+    """A phased encoder's replica per sample: the samples of backbone replica r (every
+    step's) split among the ranks of its pipeline, balanced on the encoder's ``costs``
+    (``balanced_groups``); stage s's ranks of replica r are the encoder's replica
+    s * dp + r (``UnitPlan.phased``)."""
+    out = np.empty(len(backbone), dtype=np.intp)
+    for r in range(dp):
+        members = np.flatnonzero(backbone == r)
+        share = np.asarray(balanced_groups(costs[members].tolist(), pp), dtype=np.intp)
+        out[members] = share * dp + r
+    return out
 
 
 # Work of ``intra.balance`` per step and unit (its units: about a microsecond each): a
@@ -386,6 +403,28 @@ def _per_sample_seconds(plan: Plan) -> dict[str, tuple[float, float]]:
     return out
 
 
+def phase_times(plan: Plan, routing: Routing, work: dict[str, np.ndarray]
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """(backbone dp,) seconds of the phased encoders' forward phase (before the
+    pipeline's first action) and backward phase (after its last) of each backbone
+    replica: per phased encoder the slowest of the replica's pipeline ranks on its share
+    (``_phase_shares``), encoders one after another; zeros without one. The transfer of
+    the share's outputs to the first stage (and of their gradients back) is part of it:
+    ``UnitPlan.fwd_time_s`` prices a phased unit's microbatch with its hand-off."""
+    bb = next(u for u in plan.units if u.role == "backbone")
+    fwd, bwd = np.zeros(bb.dp), np.zeros(bb.dp)
+    seconds = _per_sample_seconds(plan)
+    for u in plan.units:
+        if not u.phased:
+            continue
+        f, b = seconds[u.name]
+        per_rank = routing.loads(u.name, work[u.name], u.dp).sum(axis=0)   # (dp x pp,)
+        slowest = per_rank.reshape(bb.pp, bb.dp).max(axis=0)               # (dp,)
+        fwd += f * slowest
+        bwd += b * slowest
+    return fwd, bwd
+
+
 def pipeline_times(plan: Plan, routing: Routing, work: dict[str, np.ndarray]
                    ) -> tuple[np.ndarray, np.ndarray]:
     """(stages, steps) forward and backward seconds of the plan's pipeline as one chain,
@@ -407,7 +446,7 @@ def pipeline_times(plan: Plan, routing: Routing, work: dict[str, np.ndarray]
     fwd, bwd = stages(bb)
     chain_f, chain_b = [], []
     for role in ("encoder", "generator"):
-        units = [u for u in plan.units if u.role == role]
+        units = [u for u in plan.units if u.role == role and not u.phased]
         depth = max((u.pp for u in units if not u.colocated), default=0)
         f_sec, b_sec = np.zeros((depth, m)), np.zeros((depth, m))
         for u in units:
@@ -498,8 +537,18 @@ def iteration_durations(plan: Plan, cost: CostModel, schedule: Schedule, routing
     # whose samples cross (the broker's routes).
     backbone = next(u for u in plan.units if u.role == "backbone")
     routes = {}
+    # Phased encoders: their forward phase delays the first stage's first forward, their
+    # backward phase follows its last backward (the other stages wait for the first
+    # stage's activations anyway, and it is the last to finish), their gradient sync
+    # over the backbone's GPUs ends the step.
+    phase_f, phase_b = phase_times(plan, routing, work)
+    first = compute[backbone.name]
+    first[0, 0, 0, 0] += phase_f
+    first[1, 0, 0, -1] += phase_b
     for u in plan.units:
-        if u.colocated:
+        if u.phased:
+            sync[backbone.name][0] += u.dp_sync_time_s
+        elif u.colocated:
             # The baseline's co-located encoder (generator): its passes run on the
             # backbone's first (last) stage, on the same replica as the sample's backbone.
             loads = _loads(routing, u, work)
