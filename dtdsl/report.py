@@ -61,6 +61,8 @@ def _role(plan: Plan, u) -> str:
     if u.colocated:
         notes.append("on the backbone's " + ("first" if u.role == "encoder" else "last") +
                      " stage")
+    if u.phased:
+        notes.append("phased on the backbone's GPUs")
     if u.recompute:
         notes.append("recompute")
     return u.role + (f" ({', '.join(notes)})" if notes else "")
@@ -127,7 +129,8 @@ def _placement_lines(plan: Plan) -> list[str]:
     if plan.rigid:
         return []
     where = {"colocated": "encoders and generators on the backbone's first and last "
-                          "stages", "disaggregated": "every module on GPUs of its own"}
+                          "stages", "disaggregated": "every module on GPUs of its own",
+             "phased": "encoders on every backbone GPU before and after its pipeline"}
     line = f"{'placement':<16}{plan.placement}: {where[plan.placement]}"
     others = {k: t for k, t in (plan.placements or {}).items() if k != plan.placement}
     if others:

@@ -132,8 +132,9 @@ class Simulated(BaseModel):
 
 BASELINES = ("megatron", "megatron_packed")
 # Where a plan puts the encoders and generators (``planner.placement``): each on GPUs of its
-# own, some on the backbone's first and last stages, or the faster of the two.
-PLACEMENTS = ("auto", "disaggregated", "colocated")
+# own, some on the backbone's first and last stages, encoders phased on the backbone's GPUs
+# before and after its pipeline, or the fastest of them.
+PLACEMENTS = ("auto", "disaggregated", "colocated", "phased")
 
 
 class Baseline(BaseModel):

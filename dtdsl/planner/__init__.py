@@ -57,8 +57,10 @@ def plan(cost: CostModel, num_gpus: int | None = None, *, search: str = "convex"
 
     ``placement`` (``planner.placement.PLACEMENTS``): ``disaggregated`` gives every module
     GPUs of its own (the search's layouts), ``colocated`` runs the encoders and generators
-    on the backbone's first and last stages (``colocated_layouts``), ``auto`` weighs both
-    and keeps the faster, each placement's best time in ``Plan.placements``.
+    on the backbone's first and last stages (``colocated_layouts``), ``phased`` runs
+    encoders on every backbone GPU before and after its pipeline (``UnitPlan.phased``),
+    ``auto`` weighs them all and keeps the fastest, each placement's best time in
+    ``Plan.placements``.
 
     ``simulate_steps`` > 0: the objective is the time on that many drawn batches
     (``_placements``): of the layouts near the search's optimum in
@@ -164,17 +166,23 @@ def _placements(cost: CostModel, num_gpus: int | None, search: str, placement: s
                 plans = [searched] if batches is None else near_plans(priced, searched,
                                                                       estimate)
                 candidates += [("disaggregated", p, priced) for p in plans]
-        if placement in ("auto", "colocated"):
-            refusal = colocation_refusal(priced)
-            layouts = colocated_layouts(priced, num_gpus, search=search) \
+        for name in ("colocated", "phased"):
+            if placement not in ("auto", name):
+                continue
+            refusal = colocation_refusal(priced, name)
+            layouts = colocated_layouts(priced, num_gpus, search=search, placement=name) \
                 if refusal is None else []
-            candidates += [("colocated", p, priced) for p in layouts[:estimate]]
+            candidates += [(name, p, priced) for p in layouts[:estimate]]
     if not candidates:
-        if placement == "colocated":
-            raise Infeasible(
-                "no co-located layout: " + (refusal or "no layout with the encoders and "
-                                            "generators on the backbone's stages fits"),
-                cost.program.cluster.span, hint="plan with --placement disaggregated or auto")
+        if placement in ("colocated", "phased"):
+            what = {"colocated": "co-located layout: ", "phased": "phased layout: "}
+            fits = {"colocated": "no layout with the encoders and generators on the "
+                                 "backbone's stages fits",
+                    "phased": "no layout with an encoder phased on the backbone's GPUs "
+                              "fits"}
+            raise Infeasible("no " + what[placement] + (refusal or fits[placement]),
+                             cost.program.cluster.span,
+                             hint="plan with --placement disaggregated or auto")
         assert failure is not None
         raise failure
     # Per placement the ``estimate`` fastest at mean work, of both variants together.

@@ -271,9 +271,13 @@ class Colocation:
     every rank of the TP group (``replicated``): priced at tp 1, as it computes."""
 
     def __init__(self, ev: Evaluator, microbatches: tuple[int, ...] = (),
-                 colocated: frozenset[int] | None = None) -> None:
+                 colocated: frozenset[int] | None = None,
+                 phased: frozenset[int] = frozenset()) -> None:
         """``colocated``: the units on the backbone's stages (default: every encoder and
-        generator; the others have GPUs of their own and are not priced here)."""
+        generator; the others have GPUs of their own and are not priced here).
+        ``phased``: encoders that run phased on the backbone's GPUs (``UnitPlan.phased``:
+        their forward for the whole step data-parallel over every backbone rank before
+        the pipeline, their backward, forward recomputed, after it)."""
         self.ev = ev
         # The microbatch counts the search will ask for: splits for all of them at once.
         self.microbatches = tuple(sorted(set(microbatches)))
@@ -282,11 +286,14 @@ class Colocation:
             else colocated
         self.enc = [i for i in range(n) if ev.roles[i] == "encoder" and i in here]
         self.gen = [i for i in range(n) if ev.roles[i] == "generator" and i in here]
+        self.phase = [i for i in range(n) if ev.roles[i] == "encoder" and i in phased]
+        if set(phased) - set(self.phase) or set(self.phase) & here:
+            raise ValueError("only encoders run phased, and not also co-located")
         self._splits: dict[tuple, tuple[tuple[int, ...], float]] = {}
         self._tables: dict[tuple[int, int], _SplitTable] = {}
         self._works: dict[tuple[int, bool], StageWork] = {}
         space = Space(ev)
-        self._tps = {i: frozenset(space.tps(i)) for i in self.enc + self.gen}
+        self._tps = {i: frozenset(space.tps(i)) for i in self.enc + self.gen + self.phase}
 
     def replicated(self, i: int, tp: int) -> bool:
         """Does co-located unit ``i`` run whole on every rank of a TP group of ``tp``?"""
@@ -309,6 +316,23 @@ class Colocation:
         groups of ``tp`` (a replicated one has no collectives to cross nodes)."""
         t = self.work_tp(i, tp)
         return self.ev.fwd_bwd(i, t, across and t > 1)
+
+    def phase_s(self, i: int, tp: int, dp: int, pp: int, across: bool
+                ) -> tuple[float, float]:
+        """Phased encoder ``i``'s forward and backward phase seconds at mean work: each of
+        a replica's ``pp`` pipeline ranks a 1/pp share of its step's microbatches, the
+        backward recomputing the forward, the shares' outputs handed to the first stage
+        (their gradients back) over the pipeline's links."""
+        f, b = self.fwd_bwd(i, tp, across)
+        share = self.ev.microbatches(dp) / pp
+        hop = float(self.ev.cost.p2p_time_s(self.ev.units[i].boundary_bytes)) if pp > 1 \
+            else 0.0
+        return share * (f + hop), share * (b + f + hop)
+
+    def phase_sync_s(self, i: int, tp: int, dp: int, pp: int) -> float:
+        """Phased encoder ``i``'s end of step: its gradients over every backbone rank."""
+        return float(self.ev.cost.dp_sync_time_s(self.ev.units[i], self.work_tp(i, tp), 1,
+                                                 dp * pp))
 
     def _stage_work(self, tp: int, across: bool) -> StageWork:
         ev = self.ev
@@ -380,8 +404,13 @@ class Colocation:
             bsync = max(stage_sync)
             stage_sync[0] += sync_e
             stage_sync[-1] += sync_g
+            # Phased encoders: their phases before and after the pipeline on every rank,
+            # their gradients synchronised over all of them after the backbone's.
+            phases = sum(sum(self.phase_s(i, tp, dp, p, bool(x))) for i in self.phase)
+            phase_sync = sum(self.phase_sync_s(i, tp, dp, p) for i in self.phase)
+            stage_sync = [t + phase_sync for t in stage_sync]
             steady = min(max(stage) * (m - 1), pipeline)
-            total = pipeline + 2 * (p - 1) * hop
+            total = pipeline + 2 * (p - 1) * hop + phases
             out["time"][k] = total + max(stage_sync)
             out["warmup"][k] = total - steady
             out["steady"][k] = steady
@@ -413,6 +442,13 @@ class Colocation:
         own.update({i: float(cost.memory_bytes(ev.units[i], self.work_tp(i, tp), 1, dp, 1, 1,
                                                m, 1.0))
                     for i in self.gen})
+        # A phased encoder on every stage: its state sharded over all the backbone's ranks,
+        # one microbatch step's activations (at most a whole microbatch's images on one
+        # rank) while it recomputes; the first stage holds the step's outputs of it.
+        own.update({i: float(cost.memory_bytes(ev.units[i], self.work_tp(i, tp), 1, dp * pp,
+                                               1, 1, m, 1.0))
+                    for i in self.phase})
+        held = sum(m * ev.units[i].boundary_bytes for i in self.phase)
         stages = [0] + ([1] if pp > 2 else []) + ([pp - 1] if pp > 1 else [])
         fits, heaviest = True, 0.0
         for s in stages:
@@ -421,9 +457,10 @@ class Colocation:
                                           microbatches=m,
                                           share=1.0)
             heaviest = max(heaviest, mem)
-            on = [b]
+            on = [b] + self.phase
             if s == 0:
                 on += self.enc
+                mem += held
             if s == pp - 1:
                 on += self.gen
             mem += sum(own[i] for i in on if i != b)
@@ -675,6 +712,9 @@ def colocated_plan(co: Colocation, tp: int, dp: int, pp: int, *, search: str, pa
     hosted = set(co.enc) | set(co.gen)
     for i, unit in enumerate(ev.units):
         own_unit = i == b
+        if i in co.phase:
+            units.append(_phased_unit(co, i, tp, dp, pp, across, own[i]))
+            continue
         if not own_unit and i not in hosted:
             # A module with GPUs of its own beside the backbone: the caller lays it out.
             units.append(_unplaced(unit, program, ev.memory_limit[i]))
@@ -709,6 +749,27 @@ def colocated_plan(co: Colocation, tp: int, dp: int, pp: int, *, search: str, pa
         mfu_full_attention=ev.mfu(iteration, full_attention=True),
         solve_time_s=solve_time_s, candidates=candidates, convex_solves=0,
         evaluated=evaluated, units=tuple(units))
+
+
+def _phased_unit(co: Colocation, i: int, tp: int, dp: int, pp: int, across: bool,
+                 memory: float) -> UnitPlan:
+    """Phased encoder ``i``'s UnitPlan on a backbone of ``tp`` x ``dp`` x ``pp``: a replica
+    per backbone rank group (dp x pp), a unit microbatch a 1/pp share of a backbone
+    microbatch, its backward recomputing the forward (``Colocation.phase_s``)."""
+    ev = co.ev
+    unit = ev.units[i]
+    program = ev.cost.program
+    m = ev.microbatches(dp)
+    fwd, bwd = co.phase_s(i, tp, dp, pp, across)
+    return UnitPlan(
+        name=unit.name, role=unit.role, projectors=_projectors(program, unit), gpus=0,
+        tp=tp, dp=dp * pp, pp=1, phased=True, tp_replicated=co.replicated(i, tp),
+        recompute=True, first_rank=0,
+        tp_across_nodes=across and not co.replicated(i, tp),
+        layers_per_stage=(unit.layers,), microbatch_share=1.0 / pp,
+        fwd_time_s=fwd / m, bwd_time_s=bwd / m,
+        dp_sync_time_s=co.phase_sync_s(i, tp, dp, pp), memory_bytes=memory,
+        memory_limit_bytes=ev.memory_limit[i])
 
 
 def _unplaced(unit, program, limit: float) -> UnitPlan:

@@ -33,13 +33,17 @@ from dtdsl.planner.space import Space, efficient_pps
 __all__ = ["PLACEMENTS", "colocated_layouts", "colocation_refusal", "plan_fits"]
 
 
-def colocation_refusal(cost: CostModel) -> str | None:
-    """Why no co-located layout of ``cost``'s program can exist (None when one may): no
-    encoder or generator to co-locate, or a constraint that gives one GPUs of its own or
-    more than one stage."""
+def colocation_refusal(cost: CostModel, placement: str = "colocated") -> str | None:
+    """Why no ``placement`` ("colocated" or "phased") layout of ``cost``'s program can
+    exist (None when one may): no encoder or generator to co-locate (no encoder to run
+    phased), or a constraint that gives one GPUs of its own or more than one stage."""
     space = Space(Evaluator(cost, cost.program.cluster.num_gpus))
     others = [i for i in range(space.n) if i != space.backbone]
-    if not others:
+    if placement == "phased":
+        others = [i for i in others if space.units[i].role == "encoder"]
+        if not others:
+            return "the spec has no encoder to run phased"
+    elif not others:
         return "the spec has no encoder or generator to co-locate"
     for i in others:
         name = space.units[i].name
@@ -52,7 +56,7 @@ def colocation_refusal(cost: CostModel) -> str | None:
 
 
 def colocated_layouts(cost: CostModel, num_gpus: int | None = None, *,
-                      search: str = "convex") -> list[Plan]:
+                      search: str = "convex", placement: str = "colocated") -> list[Plan]:
     """Per set of co-located modules and backbone depth, the fastest layout of ``cost``'s
     program at mean work that fits, fastest first; empty where none fits or
     ``colocation_refusal`` names a reason. Every non-empty set of encoders and generators
@@ -61,10 +65,12 @@ def colocated_layouts(cost: CostModel, num_gpus: int | None = None, *,
     split by the backbone's TP groups, or replicated over them where it cannot be
     (``Colocation.replicated``); every backbone TP, every backbone DP that each of them
     allows, the depths that are not dominated (``efficient_pps``). ``search``: the
-    Plans' search field."""
+    Plans' search field. ``placement`` "phased": every non-empty set of encoders runs
+    phased on the backbone's GPUs (``Colocation``'s ``phased``), with every set of the
+    other modules co-located as above."""
     start = time.perf_counter()
     num_gpus = num_gpus or cost.program.cluster.num_gpus
-    if colocation_refusal(cost) is not None:
+    if colocation_refusal(cost, placement) is not None:
         return []
     ev = Evaluator(cost, num_gpus)
     space = Space(ev)
@@ -73,12 +79,10 @@ def colocated_layouts(cost: CostModel, num_gpus: int | None = None, *,
     pps = np.asarray(efficient_pps(ev.units[b].layers, space.pps(b)), dtype=int)
     dp_lms = space.dp_lms()
     counts = tuple(space.total_microbatches // dp for dp in dp_lms)
-    subsets = [frozenset(c) for k in range(len(others), 0, -1)
-               for c in itertools.combinations(others, k)][:_SUBSETS]
-    best: dict[tuple[frozenset[int], int], _Choice] = {}
+    best: dict[tuple[frozenset[int], frozenset[int], int], _Choice] = {}
     candidates = evaluated = 0
-    for here in subsets:
-        mixed = _Mixed(space, Colocation(ev, counts, colocated=here))
+    for here, phased in _arrangements(space, others, placement):
+        mixed = _Mixed(space, Colocation(ev, counts, colocated=here, phased=phased))
         for tp in space.tps(b):
             for dp in dp_lms:
                 if tp * dp > num_gpus or any(dp not in space.dps(i, dp) for i in here):
@@ -86,7 +90,7 @@ def colocated_layouts(cost: CostModel, num_gpus: int | None = None, *,
                 candidates += 1
                 evaluated += int(pps.size)
                 for choice in mixed.best(tp, dp, pps):
-                    key = (here, choice.pp)
+                    key = (here, phased, choice.pp)
                     if key not in best or choice.time < best[key].time:
                         best[key] = choice
     solve = time.perf_counter() - start
@@ -94,6 +98,25 @@ def colocated_layouts(cost: CostModel, num_gpus: int | None = None, *,
                           evaluated=evaluated) for c in best.values()]
     return sorted(plans, key=lambda x: (x.iteration_time_s, x.units[b].pp,
                                         -sum(u.colocated for u in x.units)))
+
+
+def _subsets(items: list[int], *, empty: bool = False) -> list[frozenset[int]]:
+    """Every subset of ``items``, the largest first (the empty one last where asked)."""
+    return [frozenset(c) for k in range(len(items), -1 if empty else 0, -1)
+            for c in itertools.combinations(items, k)]
+
+
+def _arrangements(space: Space, others: list[int], placement: str
+                  ) -> list[tuple[frozenset[int], frozenset[int]]]:
+    """(co-located, phased) sets of modules tried, at most ``_SUBSETS``: "colocated" every
+    non-empty set co-located; "phased" every non-empty set of encoders phased, with every
+    set of the others co-located (none included)."""
+    if placement == "colocated":
+        return [(here, frozenset()) for here in _subsets(others)][:_SUBSETS]
+    encoders = [i for i in others if space.units[i].role == "encoder"]
+    return [(here, phased) for phased in _subsets(encoders)
+            for here in _subsets([i for i in others if i not in phased], empty=True)
+            ][:_SUBSETS]
 
 
 # Sets of co-located modules tried: all of them, then every smaller set (a spec has at most
@@ -140,7 +163,7 @@ class _Mixed:
         self.space = space
         self.co = co
         ev = co.ev
-        here = set(co.enc) | set(co.gen)
+        here = set(co.enc) | set(co.gen) | set(co.phase)
         self.own = [i for i in range(space.n) if i != ev.backbone and i not in here]
         enc = [i for i in self.own if ev.roles[i] == "encoder"]
         gens = [i for i in self.own if ev.roles[i] == "generator"]
@@ -270,9 +293,10 @@ def plan_fits(cost: CostModel, plan: Plan) -> bool:
     units = {u.name: u for u in plan.units}
     order = [units[u.name] for u in ev.units]
     backbone = next(u for u in plan.units if u.role == "backbone")
-    if plan.placement == "colocated":
+    if plan.placement in ("colocated", "phased"):
         here = frozenset(i for i, u in enumerate(order) if u.colocated)
-        co = Colocation(ev, (plan.num_microbatches,), colocated=here)
+        phased = frozenset(i for i, u in enumerate(order) if u.phased)
+        co = Colocation(ev, (plan.num_microbatches,), colocated=here, phased=phased)
         own_gen = any(u.role == "generator" and not u.colocated for u in order)
         if not co.memory(backbone.tp, backbone.dp, backbone.pp, backbone.layers_per_stage,
                          1 if own_gen else 0)[0]:

@@ -29,18 +29,22 @@ def _nine_b(vit: str):
 
 
 def test_a_small_encoder_is_co_located_and_a_heavy_one_is_not():
-    """Where the encoder is a small share of the work, sharing the backbone's first stage
-    beats GPUs of its own; a heavy one (5.4B, InternViT-6B-class) needs its own."""
+    """Where the encoder is a small share of the work, sharing the backbone's GPUs beats
+    GPUs of its own; a heavy one (5.4B, InternViT-6B-class) needs its own."""
     small = plan(_nine_b("arch = transformer(layers=8, hidden=768, heads=12, ffn=3072, "
                          "patch=14)"), compare_baseline=False)
     heavy = plan(_nine_b("arch = transformer(layers=48, hidden=3072, heads=24, ffn=12288, "
                          "patch=14)"), compare_baseline=False)
     for result in (small, heavy):
-        # auto weighs both and keeps the faster, by the planner's own figures.
-        assert set(result.placements) == {"disaggregated", "colocated"}
+        # auto weighs them all and keeps the fastest, by the planner's own figures.
+        assert set(result.placements) == {"disaggregated", "colocated", "phased"}
         assert result.placements[result.placement] == min(result.placements.values())
         assert result.placements[result.placement] == result.iteration_time_s
-    assert small.placement == "colocated"
+    # The small encoder shares the backbone's GPUs: on its first stage, or phased (its
+    # forward and backward over all of them, before and after the pipeline).
+    assert small.placement in ("colocated", "phased")
+    assert small.placements["disaggregated"] > max(small.placements["colocated"],
+                                                   small.placements["phased"])
     assert heavy.placement == "disaggregated"
     assert heavy.placements["colocated"] > 1.05 * heavy.placements["disaggregated"]
 
@@ -129,3 +133,43 @@ def test_dtc_plan_explains_the_placement(capsys):
     assert result.placement == "disaggregated" and result.placements is None   # one weighed
     with pytest.raises(SystemExit):
         cli.main(["plan", str(TINY), "--placement", "everywhere"])
+
+
+@pytest.mark.parametrize("name", ["tiny_cpu", "mllm_9b"])
+def test_phased_plans_run_their_encoders_on_every_backbone_gpu(name):
+    """``--placement phased``: an encoder's replicas are the backbone's ranks (its dp the
+    backbone's dp x pp, its TP the backbone's, no GPU of its own), its backward
+    recomputes, and the plan's time holds both phases on top of the pipeline."""
+    priced = cost(name)
+    found = colocated_layouts(priced, placement="phased")
+    assert found, name
+    assert [p.iteration_time_s for p in found] == sorted(p.iteration_time_s for p in found)
+    for result in found:
+        assert result.placement == "phased" and plan_fits(priced, result)
+        backbone = next(u for u in result.units if u.role == "backbone")
+        phased = [u for u in result.units if u.phased]
+        assert phased and all(u.role == "encoder" for u in phased)
+        for u in phased:
+            assert (u.gpus, u.tp, u.dp, u.pp, u.first_rank) == (
+                0, backbone.tp, backbone.dp * backbone.pp, 1, backbone.first_rank)
+            assert u.recompute and not u.colocated
+            assert math.isclose(u.microbatch_share, 1 / backbone.pp)
+            # Both phases are in the iteration: on each pipeline rank a 1/pp share of
+            # every microbatch of the step (a unit microbatch each).
+            phases = result.num_microbatches * (u.fwd_time_s + u.bwd_time_s)
+            assert result.warmup_time_s > phases
+        assert sum(u.gpus for u in result.units) == result.gpus_used
+
+
+def test_phased_needs_an_encoder():
+    """A spec whose only modules beside the backbone are generators has nothing to run
+    phased: ``--placement phased`` says so, ``auto`` weighs the others."""
+    text = TINY.read_text()
+    start = text.index("  encoder vit")
+    no_encoder = text[:start] + text[text.index("  backbone llm"):]
+    no_encoder = no_encoder.replace("  projector vit -> llm : mlp(depth=2)\n", "")
+    priced = build_cost_model(from_text(no_encoder))
+    with pytest.raises(Infeasible, match="no encoder to run phased"):
+        plan(priced, placement="phased", compare_baseline=False)
+    result = plan(priced, compare_baseline=False)
+    assert "phased" not in result.placements
