@@ -36,22 +36,40 @@ __all__ = ["PLACEMENTS", "colocated_layouts", "colocation_refusal", "plan_fits"]
 def colocation_refusal(cost: CostModel, placement: str = "colocated") -> str | None:
     """Why no ``placement`` ("colocated" or "phased") layout of ``cost``'s program can
     exist (None when one may): no encoder or generator to co-locate (no encoder to run
-    phased), or a constraint that gives one GPUs of its own or more than one stage."""
+    phased), a constraint that gives one GPUs of its own or more than one stage, or
+    (phased) one that gives another module more than one stage (beside a phased encoder a
+    module is co-located or takes one stage of its own)."""
     space = Space(Evaluator(cost, cost.program.cluster.num_gpus))
     others = [i for i in range(space.n) if i != space.backbone]
     if placement == "phased":
-        others = [i for i in others if space.units[i].role == "encoder"]
-        if not others:
+        encoders = [i for i in others if space.units[i].role == "encoder"]
+        if not encoders:
             return "the spec has no encoder to run phased"
-    elif not others:
+        reasons = [_shared_refusal(space, i) for i in encoders]
+        if all(reasons):
+            return reasons[0]
+        for i in others:
+            if 1 not in space.pps(i):
+                return f"{space.units[i].name} is constrained to more than one pipeline stage"
+        return None
+    if not others:
         return "the spec has no encoder or generator to co-locate"
     for i in others:
-        name = space.units[i].name
-        if 1 not in space.pps(i):
-            return f"{name} is constrained to more than one pipeline stage"
-        gpus = space.constraints[i].gpus
-        if gpus.values is not None or gpus.high is not None or gpus.low > 1:
-            return f"{name} is constrained to GPUs of its own (a gpus constraint)"
+        reason = _shared_refusal(space, i)
+        if reason:
+            return reason
+    return None
+
+
+def _shared_refusal(space: Space, i: int) -> str | None:
+    """Why module ``i`` cannot run on the backbone's GPUs (None when it can): a constraint
+    that gives it more than one stage or GPUs of its own."""
+    name = space.units[i].name
+    if 1 not in space.pps(i):
+        return f"{name} is constrained to more than one pipeline stage"
+    gpus = space.constraints[i].gpus
+    if gpus.values is not None or gpus.high is not None or gpus.low > 1:
+        return f"{name} is constrained to GPUs of its own (a gpus constraint)"
     return None
 
 
@@ -113,9 +131,10 @@ def _arrangements(space: Space, others: list[int], placement: str
     set of the others co-located (none included)."""
     if placement == "colocated":
         return [(here, frozenset()) for here in _subsets(others)][:_SUBSETS]
-    encoders = [i for i in others if space.units[i].role == "encoder"]
+    shared = [i for i in others if _shared_refusal(space, i) is None]
+    encoders = [i for i in shared if space.units[i].role == "encoder"]
     return [(here, phased) for phased in _subsets(encoders)
-            for here in _subsets([i for i in others if i not in phased], empty=True)
+            for here in _subsets([i for i in shared if i not in phased], empty=True)
             ][:_SUBSETS]
 
 
