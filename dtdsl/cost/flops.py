@@ -30,7 +30,8 @@ __all__ = [
     "UNetOp", "Work", "backbone_attention", "backbone_ends_params", "backbone_flops_megatron",
     "backbone_forward", "backward_factor", "compression_forward", "compression_params",
     "dit_forward", "encoder_ends_params", "encoder_item_forward", "encoder_tokens",
-    "input_needs_grad", "mlp_forward_per_token", "module_params",
+    "LM_LOSS_CHUNK_BYTES", "input_needs_grad", "lm_loss_chunk_rows", "mlp_forward_per_token",
+    "module_params",
     "projector_params", "tp_synced_params", "transformer_layer_matmul_per_token",
     "transformer_layer_params", "unet_forward", "unet_ops",
 ]
@@ -385,6 +386,21 @@ def tp_synced_params(module: ir.Module) -> float:
     # DiT: each block's adaLN projection, the patch embedding and the final projection.
     return arch.layers * 6 * arch.hidden ** 2 + 2 * arch.latent_channels * arch.patch ** 2 * \
         arch.hidden
+
+
+# The LM head's cross-entropy runs over chunks of rows (``models.multimodal.lm_loss``), each
+# chunk's logits made, upcast to fp32 and reduced under activation checkpointing, so a
+# rank never holds more than one chunk's fp32 logits (this many bytes of its vocabulary
+# columns) and keeps none between a microbatch's forward and its backward. 256 MiB is 512
+# rows of a 128K vocabulary on one rank (a 0.5 TFLOP head matmul at hidden 4096: still
+# large enough for the GPU), 4K rows at TP 8. The memory model prices the same chunk.
+LM_LOSS_CHUNK_BYTES = 256 * 2**20
+
+
+def lm_loss_chunk_rows(vocab_columns: int) -> int:
+    """Rows per chunk of the LM loss on a rank holding ``vocab_columns`` columns of the
+    logits (the vocabulary, or its TP shard): ``LM_LOSS_CHUNK_BYTES`` of fp32 logits."""
+    return max(1, LM_LOSS_CHUNK_BYTES // (4 * max(int(vocab_columns), 1)))
 
 
 def input_needs_grad(program: ir.Program, module: ir.Module) -> bool:

@@ -326,7 +326,7 @@ class CostModel:
                                  microbatches)
         static = static + self._recompute_bytes(unit, tp, share)
         if unit.role == "backbone":     # the LM head's logits, where it is the first stage
-            static = static + np.where(np.asarray(pp) == 1, self.logits_bytes(tp, count), 0.0)
+            static = static + np.where(np.asarray(pp) == 1, self.logits_bytes(tp), 0.0)
         # One microbatch in flight may be a large one; the others are average (the sum of
         # several is far less skewed than one).
         return static + chunk * per_layer * (1 + (count - 1) / unit.act_peak_ratio)
@@ -363,7 +363,7 @@ class CostModel:
         static = static + self._recompute_bytes(unit, tp, share)
         head = 0.0
         if unit.role == "backbone" and stage == pp - 1:
-            head = float(self.logits_bytes(tp, count))
+            head = float(self.logits_bytes(tp))
         return float(static + head +
                      layers * per_layer * (1 + (count - 1) / unit.act_peak_ratio))
 
@@ -373,15 +373,19 @@ class CostModel:
         whole = unit.recompute_layer_bytes - unit.recompute_layer_bytes_tp_split
         return (whole + unit.recompute_layer_bytes_tp_split / np.asarray(tp)) * share
 
-    def logits_bytes(self, tp, in_flight) -> float:
-        """What the backbone's LM head holds at its peak, per token and entry of this
-        rank's slice of the vocabulary (measured, ``dtc memcheck``): the cross-entropy's
-        fp32 log-probabilities of every microbatch in flight (4 bytes), and in one
-        microbatch's backward their gradient, the softmax and the bf16 logits' gradient
-        (12 bytes). ``tp`` and ``in_flight`` may be arrays."""
+    def logits_bytes(self, tp) -> float:
+        """What the backbone's LM head holds at its peak: one chunk of its loss
+        (``models.multimodal.lm_loss``: ``flops.lm_loss_chunk_rows`` rows of this rank's
+        slice of the vocabulary, a microbatch's tokens at most), nothing between a
+        microbatch's forward and its backward (the chunks are recomputed). Per entry of
+        the chunk, in its backward (measured, ``dtc memcheck``): the recomputed fp32
+        log-probabilities (4 bytes), their gradient, the softmax and the bf16 logits'
+        gradient (12 bytes). ``tp`` may be an array."""
         train, arch = self.program.train, self.program.backbone.arch
-        entries = train.micro_batch * train.seq_len * np.ceil(arch.vocab / np.asarray(tp))
-        return entries * (4.0 * np.asarray(in_flight) + 12.0)
+        columns = np.ceil(arch.vocab / np.asarray(tp))
+        rows = np.minimum(train.micro_batch * train.seq_len,
+                          np.vectorize(flops.lm_loss_chunk_rows, otypes=[float])(columns))
+        return rows * columns * 16.0
 
     def dp_sync_coefficients(self, unit: UnitCost, tp, dp, *, replicated_over=1) -> tuple:
         """(fixed_s, per_layer_s) with the end of a step on one stage, its exposed
