@@ -31,16 +31,6 @@ STEPS = 3
 NOISE = 1e-3
 
 
-@pytest.fixture
-def deterministic():
-    """Deterministic kernels where torch has them (the children fork with the setting):
-    these tests compare bitwise."""
-    before = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    yield
-    torch.use_deterministic_algorithms(before)
-
-
 def _noisy(reduce_gradients):
     """``Stage.reduce_gradients`` after adding noise that depends on the TP rank to the
     unsharded gradient of every parameter TP left replicated (what nondeterministic
