@@ -62,6 +62,7 @@ from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan
 from dtdsl.models.multimodal import build_unit, init_unit, unit_spec
 from dtdsl.parallel.mesh import RankRole, data_parallel_mesh, hosted_units
+from dtdsl.parallel.tp import local_tensor
 
 __all__ = ["COMPUTE_DTYPES", "Stage", "StageModule", "StageState", "build_stage",
            "projector_between", "tied_group_ranks", "tied_pairs"]
@@ -242,7 +243,7 @@ class Stage:
         convolution and norm backward, split-K matmuls) make them differ in the last
         bits, and the copies would drift apart step after step."""
         names = {id(p): n for n, p in self.named_parameters().items()}
-        grads = [(names[id(p)], _local(p.grad)) for p in params if p.grad is not None]
+        grads = [(names[id(p)], local_tensor(p.grad)) for p in params if p.grad is not None]
         self.tp_synced = tuple(n for n, _ in grads)
         if grads:
             _all_reduce_mean([g for _, g in grads], self.tp_group)
@@ -264,11 +265,6 @@ class Stage:
 # replicates most of its parameters: one buffer of all of them would double its gradient
 # shard's memory at the end of the step).
 TP_SYNC_BUCKET_BYTES = 256 * 2**20
-
-
-def _local(t: Any) -> torch.Tensor:
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
 
 
 def _tp_placement(t: Any) -> Any:
