@@ -436,8 +436,8 @@ def _runtime_plan(plan_path: str | None, result: FrontendResult, program: Progra
 
 
 def _cmd_memcheck(args: argparse.Namespace) -> int:
-    from dtdsl.report import format_bytes, progress_bar
-    from dtdsl.train.memplan import check_memory
+    from dtdsl.report import progress_bar
+    from dtdsl.train.memplan import check_memory, format_stages
 
     result, code = _load_program(args.spec)
     if result is None:
@@ -455,15 +455,8 @@ def _cmd_memcheck(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"stages": [s.as_json() for s in stages]}, indent=2))
     else:
-        print(f"{'stage':<16}{'rank':>6}{'in flight':>10}{'predicted':>12}{'measured':>12}"
-              f"{'error':>8}{'capacity':>12}  peak in")
-        for s in stages:
-            over = " OVER" if s.measured_bytes > s.capacity_bytes else ""
-            print(f"{s.unit + '.s' + str(s.stage):<16}{s.rank:>6}{s.in_flight:>10}"
-                  f"{format_bytes(s.predicted_bytes):>12}{format_bytes(s.measured_bytes):>12}"
-                  f"{s.error:>+8.1%}{format_bytes(s.capacity_bytes):>12}  {s.peak_phase}"
-                  f"{over}")
-    over = [s for s in stages if s.measured_bytes > s.capacity_bytes]
+        print("\n".join(format_stages(stages)))
+    over = [s for s in stages if s.total_bytes > s.capacity_bytes]
     return EXIT_ERRORS if over else EXIT_OK
 
 

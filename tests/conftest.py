@@ -26,6 +26,20 @@ def update_golden(request) -> bool:
 
 
 @pytest.fixture
+def deterministic():
+    """Deterministic kernels where torch has them (``warn_only``: an op without one warns
+    instead of failing), for the tests that compare bitwise; the gloo children of
+    ``tests.dist.run`` fork with the setting. On a GPU this is what makes such a
+    comparison meaningful; the CPU kernels the tests run are deterministic already."""
+    import torch
+
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    yield
+    torch.use_deterministic_algorithms(before)
+
+
+@pytest.fixture
 def one_thread():
     """Tiny tensors: one torch thread is faster, and immune to other processes on the
     cores. The model, parallel and train tests use it for every test (their conftest)."""

@@ -30,9 +30,10 @@ __all__ = [
     "UNetOp", "Work", "backbone_attention", "backbone_ends_params", "backbone_flops_megatron",
     "backbone_forward", "backward_factor", "compression_forward", "compression_params",
     "dit_forward", "encoder_ends_params", "encoder_item_forward", "encoder_tokens",
-    "input_needs_grad", "mlp_forward_per_token", "module_params",
-    "projector_params", "transformer_layer_matmul_per_token", "transformer_layer_params",
-    "unet_forward", "unet_ops",
+    "LM_LOSS_CHUNK_BYTES", "input_needs_grad", "lm_loss_chunk_rows", "mlp_forward_per_token",
+    "module_params",
+    "projector_params", "tp_synced_params", "transformer_layer_matmul_per_token",
+    "transformer_layer_params", "unet_forward", "unet_ops",
 ]
 
 
@@ -158,6 +159,7 @@ class UNetOp:
     flops: float
     out_elements: float  # size of its output (activation memory)
     level: int
+    tp_sharded: float = 0.0  # of ``params``, those tensor parallelism shards (``parallel.tp``)
 
 
 def _conv(cin: int, cout: int, k: int, res: int, level: int) -> UNetOp:
@@ -165,9 +167,13 @@ def _conv(cin: int, cout: int, k: int, res: int, level: int) -> UNetOp:
                   cout * res * res, level)
 
 
-def _linear(din: int, dout: int, tokens: float, level: int, bias: bool = True) -> UNetOp:
-    return UNetOp("linear", din * dout + (dout if bias else 0), 2.0 * din * dout * tokens,
-                  dout * tokens, level)
+def _linear(din: int, dout: int, tokens: float, level: int, bias: bool = True,
+            tp: str = "") -> UNetOp:
+    """``tp``: "col" for a column-parallel projection (weight and bias sharded), "row" for
+    a row-parallel one (its weight sharded, its bias replicated), "" for a replicated one."""
+    params = din * dout + (dout if bias else 0)
+    sharded = {"": 0, "col": params, "row": din * dout}[tp]
+    return UNetOp("linear", params, 2.0 * din * dout * tokens, dout * tokens, level, sharded)
 
 
 def _pointwise_conv(cin: int, cout: int, tokens: float, level: int) -> UNetOp:
@@ -199,16 +205,16 @@ def _spatial_transformer(ch: int, res: int, arch: ir.UNetArch, cond_tokens: int,
     for _ in range(arch.transformer_depth):
         yield UNetOp("linear", 6 * ch, 0.0, 3 * ch * n, level)     # three LayerNorms
         for _ in range(3):
-            yield _linear(ch, ch, n, level, bias=False)             # self-attention q, k, v
+            yield _linear(ch, ch, n, level, bias=False, tp="col")   # self-attention q, k, v
         yield UNetOp("attention", 0, 4.0 * n * n * ch, ch * n, level)
-        yield _linear(ch, ch, n, level)                             # out
-        yield _linear(ch, ch, n, level, bias=False)                 # cross-attention q
-        yield _linear(ctx, ch, m, level, bias=False)                # k, v from the conditioning
-        yield _linear(ctx, ch, m, level, bias=False)
+        yield _linear(ch, ch, n, level, tp="row")                   # out
+        yield _linear(ch, ch, n, level, bias=False, tp="col")       # cross-attention q
+        yield _linear(ctx, ch, m, level, bias=False, tp="col")      # k, v from the conditioning
+        yield _linear(ctx, ch, m, level, bias=False, tp="col")
         yield UNetOp("attention", 0, 4.0 * n * m * ch, ch * n, level)
-        yield _linear(ch, ch, n, level)
-        yield _linear(ch, 8 * ch, n, level)                         # GEGLU
-        yield _linear(4 * ch, ch, n, level)
+        yield _linear(ch, ch, n, level, tp="row")
+        yield _linear(ch, 8 * ch, n, level, tp="col")               # GEGLU
+        yield _linear(4 * ch, ch, n, level, tp="row")
     yield proj(ch, ch, n, level)                                    # proj_out
 
 
@@ -354,6 +360,47 @@ def module_params(module: ir.Module) -> float:
     h = arch.hidden
     per_layer = h * h * 4 + h * h * 2 + 2 * arch.context_dim * h + 2 * h * arch.ffn + 6 * h * h
     return arch.layers * per_layer + 2 * arch.latent_channels * arch.patch ** 2 * h
+
+
+def tp_synced_params(module: ir.Module) -> float:
+    """Parameters of ``module`` that tensor parallelism (``parallel.tp``) leaves whole on
+    every TP rank and whose gradients the end of a step averages over the TP group
+    (``train.stage``: nondeterministic GPU kernels would let the copies drift): everything
+    but the attention and MLP blocks' column-parallel projections (weights and biases) and
+    row-parallel weights, and but a backbone's norms, whose sequence-parallel gradients
+    FSDP2 sums over TP itself. A unit's projectors are replicated too (count them with
+    ``projector_params`` and ``compression_params``); a ``tp_replicated`` module is all
+    replicated (``module_params``). ``tests/train/test_tp_sync.py`` holds this equal to
+    what the runtime averages."""
+    arch = module.arch
+    if isinstance(arch, ir.TransformerArch):
+        h = arch.hidden
+        # Row-parallel biases: the attention output's and the MLP's second projection's.
+        per_layer = (h if arch.out_bias else 0) + (h if arch.mlp_bias else 0)
+        if module.role == "backbone":
+            return arch.layers * per_layer
+        return arch.layers * (per_layer + 2 * _norm_params(arch, module.role)) + \
+            encoder_ends_params(arch)
+    if isinstance(arch, ir.UNetArch):
+        return sum(op.params - op.tp_sharded for op in unet_ops(arch))
+    # DiT: each block's adaLN projection, the patch embedding and the final projection.
+    return arch.layers * 6 * arch.hidden ** 2 + 2 * arch.latent_channels * arch.patch ** 2 * \
+        arch.hidden
+
+
+# The LM head's cross-entropy runs over chunks of rows (``models.multimodal.lm_loss``), each
+# chunk's logits made, upcast to fp32 and reduced under activation checkpointing, so a
+# rank never holds more than one chunk's fp32 logits (this many bytes of its vocabulary
+# columns) and keeps none between a microbatch's forward and its backward. 256 MiB is 512
+# rows of a 128K vocabulary on one rank (a 0.5 TFLOP head matmul at hidden 4096: still
+# large enough for the GPU), 4K rows at TP 8. The memory model prices the same chunk.
+LM_LOSS_CHUNK_BYTES = 256 * 2**20
+
+
+def lm_loss_chunk_rows(vocab_columns: int) -> int:
+    """Rows per chunk of the LM loss on a rank holding ``vocab_columns`` columns of the
+    logits (the vocabulary, or its TP shard): ``LM_LOSS_CHUNK_BYTES`` of fp32 logits."""
+    return max(1, LM_LOSS_CHUNK_BYTES // (4 * max(int(vocab_columns), 1)))
 
 
 def input_needs_grad(program: ir.Program, module: ir.Module) -> bool:

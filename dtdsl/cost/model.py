@@ -51,6 +51,9 @@ _BYTES_BF16 = 2
 # Bytes per parameter: (weights, gradient buffer, optimizer state) by precision.
 _PARAM_BYTES = {"bf16": (2, 4, 12), "fp16": (2, 4, 12), "fp32": (4, 4, 8)}
 _COLLECTIVE_LATENCY_S = 20e-6   # per ring step
+# Bytes per gradient element the end of a step averages over TP (``train.stage``): FSDP2's
+# reduce dtype, fp32, in which the sharded gradients are kept.
+_TP_SYNC_GRAD_BYTES = 4
 
 
 def _frozen_master_bytes(precision: str, dp, zero: int):
@@ -177,6 +180,9 @@ class UnitCost:
                                      # a generator's VAE encoder on its targets
     model_attention_flops: float = 0.0   # a backbone's forward attention FLOPs per
                                      # microbatch as model_flops counts them (causal: half)
+    tp_synced_params: float = 0.0    # trained parameters TP leaves replicated whose
+                                     # gradients a step averages over TP (flops.tp_synced_params)
+    tp_synced_extra_params: float = 0.0  # of those, the ones outside the layers (one stage)
 
     @property
     def trainable(self) -> bool:
@@ -320,7 +326,7 @@ class CostModel:
                                  microbatches)
         static = static + self._recompute_bytes(unit, tp, share)
         if unit.role == "backbone":     # the LM head's logits, where it is the first stage
-            static = static + np.where(np.asarray(pp) == 1, self.logits_bytes(tp, count), 0.0)
+            static = static + np.where(np.asarray(pp) == 1, self.logits_bytes(tp), 0.0)
         # One microbatch in flight may be a large one; the others are average (the sum of
         # several is far less skewed than one).
         return static + chunk * per_layer * (1 + (count - 1) / unit.act_peak_ratio)
@@ -357,7 +363,7 @@ class CostModel:
         static = static + self._recompute_bytes(unit, tp, share)
         head = 0.0
         if unit.role == "backbone" and stage == pp - 1:
-            head = float(self.logits_bytes(tp, count))
+            head = float(self.logits_bytes(tp))
         return float(static + head +
                      layers * per_layer * (1 + (count - 1) / unit.act_peak_ratio))
 
@@ -367,20 +373,27 @@ class CostModel:
         whole = unit.recompute_layer_bytes - unit.recompute_layer_bytes_tp_split
         return (whole + unit.recompute_layer_bytes_tp_split / np.asarray(tp)) * share
 
-    def logits_bytes(self, tp, in_flight) -> float:
-        """What the backbone's LM head holds at its peak, per token and entry of this
-        rank's slice of the vocabulary (measured, ``dtc memcheck``): the cross-entropy's
-        fp32 log-probabilities of every microbatch in flight (4 bytes), and in one
-        microbatch's backward their gradient, the softmax and the bf16 logits' gradient
-        (12 bytes). ``tp`` and ``in_flight`` may be arrays."""
+    def logits_bytes(self, tp) -> float:
+        """What the backbone's LM head holds at its peak: one chunk of its loss
+        (``models.multimodal.lm_loss``: ``flops.lm_loss_chunk_rows`` rows of this rank's
+        slice of the vocabulary, a microbatch's tokens at most), nothing between a
+        microbatch's forward and its backward (the chunks are recomputed). Per entry of
+        the chunk, in its backward (measured, ``dtc memcheck``): the recomputed fp32
+        log-probabilities (4 bytes), their gradient, the softmax and the bf16 logits'
+        gradient (12 bytes). ``tp`` may be an array."""
         train, arch = self.program.train, self.program.backbone.arch
-        entries = train.micro_batch * train.seq_len * np.ceil(arch.vocab / np.asarray(tp))
-        return entries * (4.0 * np.asarray(in_flight) + 12.0)
+        columns = np.ceil(arch.vocab / np.asarray(tp))
+        rows = np.minimum(train.micro_batch * train.seq_len,
+                          np.vectorize(flops.lm_loss_chunk_rows, otypes=[float])(columns))
+        return rows * columns * 16.0
 
-    def dp_sync_coefficients(self, unit: UnitCost, tp, dp) -> tuple:
+    def dp_sync_coefficients(self, unit: UnitCost, tp, dp, *, replicated_over=1) -> tuple:
         """(fixed_s, per_layer_s) with the end of a step on one stage, its exposed
-        data-parallel communication and its optimizer step (measured in a profile),
-        = fixed_s + per_layer_s * ceil(L / pp). ``tp`` and ``dp`` may be arrays.
+        data-parallel communication, the TP average of its replicated parameters'
+        gradients (``tp_sync_coefficients``) and its optimizer step (measured in a
+        profile), = fixed_s + per_layer_s * ceil(L / pp). ``tp`` and ``dp`` may be arrays;
+        ``replicated_over``: the TP group a ``tp_replicated`` unit (costed at tp 1) runs
+        whole on.
 
         As the runtime does it (``train.stage``): without ZeRO an all-reduce of the
         gradients after the last backward. With ZeRO-1 the same bytes as a
@@ -394,6 +407,39 @@ class CostModel:
         if not unit.trainable:
             zero = np.zeros(np.broadcast(np.asarray(tp), np.asarray(dp)).shape)
             return zero, zero
+        fixed, per_layer = self._dp_sync_coefficients(unit, tp, dp)
+        tp_fixed, tp_layer = self.tp_sync_coefficients(unit, tp, dp,
+                                                       replicated_over=replicated_over)
+        return fixed + tp_fixed, per_layer + tp_layer
+
+    def tp_sync_coefficients(self, unit: UnitCost, tp, dp, *, replicated_over=1) -> tuple:
+        """(fixed_s, per_layer_s) of averaging the gradients of the unit's TP-replicated
+        parameters over its TP group at the end of a step (``train.stage``: one all-reduce
+        of their fp32 DP shards, after the DP reduce-scatter, on the TP link): its
+        ``tp_synced_params`` at tp > 1, every trained parameter of a unit replicated whole
+        over a TP group of ``replicated_over``. ``tp``, ``dp`` may be arrays."""
+        over = np.asarray(replicated_over)
+        ranks = np.maximum(np.asarray(tp), over).astype(float)
+        whole = over > 1
+        extra = np.where(whole, unit.extra_stage_params * unit.trainable_params /
+                         max(unit.params, 1.0), unit.tp_synced_extra_params)
+        layers = np.where(whole, unit.trainable_params, unit.tp_synced_params) - extra
+        # FSDP2 shards every gradient over DP (ZeRO-1); ZeRO-0 keeps it whole.
+        shard = np.asarray(dp, dtype=float) if self.program.train.optimizer.zero >= 1 else 1.0
+        per_param = _TP_SYNC_GRAD_BYTES / shard
+        cluster = self.program.cluster
+        bw = np.where(ranks <= cluster.gpus_per_node, cluster.intra_node_bw_bytes_per_s,
+                      cluster.inter_node_bw_bytes_per_s)
+        # One collective per step (a bucket per 256 MiB, ignored): its latency once, and
+        # none where nothing is replicated (a Llama backbone: its norms are FSDP2's).
+        fixed = np.where(extra + layers > 0, all_reduce_time_s(extra * per_param, ranks, bw),
+                         0.0)
+        per_layer = all_reduce_time_s(layers / max(unit.layers, 1) * per_param, ranks, bw) - \
+            all_reduce_time_s(0.0, ranks, bw)
+        return fixed, per_layer
+
+    def _dp_sync_coefficients(self, unit: UnitCost, tp, dp) -> tuple:
+        """``dp_sync_coefficients`` without the TP average."""
         bw = self.program.cluster.inter_node_bw_bytes_per_s
         dp = np.asarray(dp, dtype=float)
         # Bytes of trained gradient per parameter on a stage, sharded by TP.
@@ -436,10 +482,11 @@ class CostModel:
             out[tps == t] = self.fwd_bwd_time_s(unit, int(t))[0] / max(unit.layers, 1)
         return out if out.ndim else out[()]
 
-    def dp_sync_time_s(self, unit: UnitCost, tp, pp, dp):
+    def dp_sync_time_s(self, unit: UnitCost, tp, pp, dp, *, replicated_over=1):
         """The end of a step on the unit's heaviest stage: its exposed gradient
         synchronisation and its optimizer step (``dp_sync_coefficients``)."""
-        fixed, per_layer = self.dp_sync_coefficients(unit, tp, dp)
+        fixed, per_layer = self.dp_sync_coefficients(unit, tp, dp,
+                                                     replicated_over=replicated_over)
         return fixed + per_layer * np.ceil(unit.layers / np.asarray(pp))
 
     def hop_time_s(self, unit: UnitCost, tp, share=1.0):
@@ -529,6 +576,8 @@ class _Acc:
     extra: float = 0.0            # parameters that sit on a single stage
     first: float = 0.0            # of those, the ones on the first stage
     tied: float = 0.0             # a tied head's copy on the last stage
+    synced: float = 0.0           # trained parameters averaged over TP at a step's end
+    synced_extra: float = 0.0     # of those, the ones outside the layers
     peak_items: float = 0.0       # a large microbatch's tokens or generation targets
     act: float = 0.0
     act_split: float = 0.0
@@ -553,6 +602,9 @@ class _Acc:
         self.extra += params
         if not proj.frozen:
             self.trainable_params += params
+            # Replicated under the unit's TP (``models.mlp``): averaged over it.
+            self.synced += params
+            self.synced_extra += params
 
 
 def _unit_cost(program: ir.Program, module: ir.Module, samples: SampleSet,
@@ -564,6 +616,12 @@ def _unit_cost(program: ir.Program, module: ir.Module, samples: SampleSet,
     bwd = flops.backward_factor(module, upstream)
     acc = _Acc(params=flops.module_params(module))
     acc.trainable_params = 0.0 if module.frozen else acc.params
+    if not module.frozen:
+        acc.synced = flops.tp_synced_params(module)
+        # An encoder's parameters outside its layers (embeddings, pre- and post-norm) are
+        # all replicated; a backbone's (embedding, head, sequence-parallel norm) none.
+        acc.synced_extra = flops.encoder_ends_params(arch) if module.role == "encoder" \
+            else 0.0
     boundary = 0.0
 
     if module.role == "backbone":
@@ -689,7 +747,8 @@ def _unit_cost(program: ir.Program, module: ir.Module, samples: SampleSet,
         first_stage_params=min(acc.first, acc.params), peak_items=acc.peak_items,
         recompute_layer_bytes=recompute_layer[0],
         recompute_layer_bytes_tp_split=recompute_layer[1], tied_head_params=acc.tied,
-        model_attention_flops=acc.model_attention)
+        model_attention_flops=acc.model_attention, tp_synced_params=acc.synced,
+        tp_synced_extra_params=acc.synced_extra)
 
 
 def _padded_to_seq_len(samples: SampleSet, micro_batch: int, seq_len: int,

@@ -58,6 +58,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dtdsl.cost.flops import lm_loss_chunk_rows
 from dtdsl.data.layout import SequenceLayout, layout_of
 from dtdsl.data.sample import (
     GenTargets,
@@ -106,6 +107,7 @@ __all__ = [
     "image_tokens",
     "init_unit",
     "layer_range",
+    "lm_loss",
     "loss_normalizer",
     "loss_tokens",
     "microbatch_loss",
@@ -468,25 +470,66 @@ def backbone_layers(backbone: Backbone, x: torch.Tensor, start: int = 0,
 
 
 def backbone_output(backbone: Backbone, x: torch.Tensor, targets: torch.Tensor,
-                    *, loss_tokens: int | None = None, loss_rows: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    *, loss_tokens: int | None = None, loss_rows: torch.Tensor | None = None,
+                    chunk_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The last stage: final norm, then the summed next-token cross-entropy at the
-    positions with a target. Returns ``(loss sum, normed hidden states [B, S, hidden])``.
-    ``loss_tokens`` / ``loss_rows``: how many positions have a target and which (flat
-    indices into ``[B, S]``), when the caller knows them from the samples' sizes
-    (otherwise found here, which waits for the device)."""
+    positions with a target (``lm_loss``, over chunks of ``chunk_rows`` rows). Returns
+    ``(loss sum, normed hidden states [B, S, hidden])``. ``loss_tokens`` / ``loss_rows``:
+    how many positions have a target and which (flat indices into ``[B, S]``), when the
+    caller knows them from the samples' sizes (otherwise found here, which waits for the
+    device)."""
     hidden = gather_sequence(backbone, backbone.norm(x))
     if loss_tokens is None:
         loss_tokens = int((targets != IGNORE).sum())
     if loss_tokens >= _DENSE_LOSS * targets.numel():
         # Nearly every position has a target: the head on all of them is cheaper than
         # gathering the rows (and scattering their gradient back).
-        logits, labels = backbone.output(hidden).flatten(0, 1), targets.flatten()
+        rows, labels = hidden.flatten(0, 1), targets.flatten()
     else:   # image tokens, padding: the head (vocabulary-wide) only where it counts
         if loss_rows is None:
             loss_rows = (targets.flatten() != IGNORE).nonzero().squeeze(1)
-        logits = backbone.output(hidden.flatten(0, 1).index_select(0, loss_rows))
+        rows = hidden.flatten(0, 1).index_select(0, loss_rows)
         labels = targets.flatten().index_select(0, loss_rows)
+    return lm_loss(backbone.output, rows, labels, chunk_rows=chunk_rows), hidden
+
+
+def lm_loss(head: nn.Module, rows: torch.Tensor, labels: torch.Tensor, *,
+            chunk_rows: int | None = None) -> torch.Tensor:
+    """The summed cross-entropy of ``head(rows)`` ([N, hidden] -> [N, vocab]) against
+    ``labels`` ([N], ``IGNORE`` counts nothing), computed over chunks of ``chunk_rows``
+    rows (default ``cost.flops.lm_loss_chunk_rows``: a byte budget of fp32 logits) so the
+    full fp32 logits are never held: each chunk's logits, their fp32 upcast and the
+    cross-entropy run under activation checkpointing, which keeps only the chunk's rows
+    (a slice of the hidden states, kept anyway) and recomputes its logits in backward,
+    one chunk at a time. Equal to the unchunked loss up to fp32 summation order.
+
+    A vocabulary-parallel head (``parallel.tp``: ``Shard(-1)`` DTensor logits) chunks the
+    rows of this rank's shard of the vocabulary, its cross-entropy under ``loss_parallel``
+    (which reduces the log-sum-exp over the TP group without gathering the vocabulary;
+    its backward too runs under ``loss_parallel``, ``train.stage.Stage.backward_context``)."""
+    from torch.utils.checkpoint import checkpoint
+
+    if chunk_rows is None:
+        weight = head.weight
+        chunk_rows = lm_loss_chunk_rows(getattr(weight, "to_local", lambda: weight)().shape[0])
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows {chunk_rows}: a chunk needs at least one row")
+    total = None
+    for start in range(0, max(rows.shape[0], 1), chunk_rows):
+        part = (rows[start:start + chunk_rows], labels[start:start + chunk_rows])
+        if torch.is_grad_enabled():
+            loss = checkpoint(_chunk_loss, head, *part, use_reentrant=False,
+                              preserve_rng_state=False)
+        else:
+            loss = _chunk_loss(head, *part)
+        total = loss if total is None else total + loss
+    assert total is not None
+    return total
+
+
+def _chunk_loss(head: nn.Module, rows: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """One chunk of ``lm_loss``: its logits, in fp32, through the cross-entropy (summed)."""
+    logits = head(rows)
     if hasattr(logits, "placements"):
         # A vocabulary-parallel head (parallel.tp): each TP rank holds its columns of the
         # logits and the cross-entropy reduces across them (loss_parallel).
@@ -495,10 +538,8 @@ def backbone_output(backbone: Backbone, x: torch.Tensor, targets: torch.Tensor,
         with loss_parallel():
             loss = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE,
                                    reduction="sum")
-        loss = loss.full_tensor()
-    else:
-        loss = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE, reduction="sum")
-    return loss, hidden
+        return loss.full_tensor()
+    return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE, reduction="sum")
 
 
 def conditioning(hidden: torch.Tensor, layouts: Sequence[SequenceLayout],

@@ -303,6 +303,13 @@ class Colocation:
         """The TP degree co-located unit ``i`` computes at on the backbone's TP groups."""
         return 1 if self.replicated(i, tp) else tp
 
+    def sync_s(self, i: int, tp: int, dp: int) -> float:
+        """Co-located unit ``i``'s end of a step on the backbone's TP groups of ``tp``: a
+        replicated one averages all its gradients over the group."""
+        return float(self.ev.cost.dp_sync_time_s(
+            self.ev.units[i], self.work_tp(i, tp), 1, dp,
+            replicated_over=tp if self.replicated(i, tp) else 1))
+
     def _work(self, tp: int, across: bool) -> StageWork:
         """A backbone layer's forward and backward seconds of one microbatch, the
         co-located encoders' on the first stage and generators' on the last, and one
@@ -376,12 +383,8 @@ class Colocation:
         across_all = np.broadcast_to(placed.across_nodes[0] & (tp > 1), pps.shape)
         vpps = np.broadcast_to(ev.vpp(b, pps, m), pps.shape)
         fixed_b, layer_b = cost.dp_sync_coefficients(unit, tp, dp)
-        sync_e = sum((float(cost.dp_sync_time_s(ev.units[i], self.work_tp(i, tp), 1, dp))
-                      for i in self.enc),
-                     0.0)
-        sync_g = sum((float(cost.dp_sync_time_s(ev.units[i], self.work_tp(i, tp), 1, dp))
-                      for i in self.gen),
-                     0.0)
+        sync_e = sum((self.sync_s(i, tp, dp) for i in self.enc), 0.0)
+        sync_g = sum((self.sync_s(i, tp, dp) for i in self.gen), 0.0)
         out = {k: np.empty(pps.shape) for k in ("time", "warmup", "steady", "sync", "bsync")}
         splits = []
         for k, (p, v, x) in enumerate(zip(pps.tolist(), vpps.tolist(), across_all.tolist(),
@@ -724,7 +727,7 @@ def colocated_plan(co: Colocation, tp: int, dp: int, pp: int, *, search: str, pa
         projectors = _projectors(program, unit)
         upp = pp if own_unit else 1
         sync = float(figures.backbone_sync[0]) if own_unit else \
-            float(ev.cost.dp_sync_time_s(unit, co.work_tp(i, tp), 1, dp))
+            co.sync_s(i, tp, dp)
         units.append(UnitPlan(
             name=unit.name, role=unit.role, projectors=projectors,
             gpus=tp * dp * pp if own_unit else 0, tp=tp, dp=dp, pp=upp,

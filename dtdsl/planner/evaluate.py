@@ -155,7 +155,8 @@ class Evaluator:
             # Megatron-LM's interleaved 1F1B: m T + (pp - 1) T / v in all, so the warm-up
             # is T (1 + (pp - 1) / v); DistTrain's T pp / v drops T (1 - 1/v). Equal at v 1.
             warm.append(t * (1 + (pps[i] - 1) / v) + hops)
-            sync.append(cost.dp_sync_time_s(unit, work_tp[i], pps[i], dps[i]))
+            sync.append(cost.dp_sync_time_s(unit, work_tp[i], pps[i], dps[i],
+                                            replicated_over=tps[i] if replicated[i] else 1))
         enc = [i for i in range(n) if self.roles[i] == "encoder"]
         gen = [i for i in range(n) if self.roles[i] == "generator"]
         zero = np.zeros(())

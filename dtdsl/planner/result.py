@@ -77,8 +77,9 @@ def make_plan(ev, search: str, layout: Layout, *, solve_time_s: float, candidate
             layers_per_stage=split_layers(unit.layers, pp),
             microbatch_share=share, fwd_time_s=share * fwd * heaviest,
             bwd_time_s=share * bwd * heaviest,
-            dp_sync_time_s=float(ev.cost.dp_sync_time_s(unit, 1 if replicated[i] else tp, pp,
-                                                         dp)),
+            dp_sync_time_s=float(ev.cost.dp_sync_time_s(
+                unit, 1 if replicated[i] else tp, pp, dp,
+                replicated_over=tp if replicated[i] else 1)),
             memory_bytes=float(est.memory_bytes[i]), memory_limit_bytes=ev.memory_limit[i]))
     iteration = float(est.iteration_time_s)
     assert bool(est.feasible), "planners return feasible layouts"

@@ -41,7 +41,7 @@ import gc
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -51,11 +51,32 @@ from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan
 from dtdsl.ir.schedule import ActionKind, Schedule
 
-__all__ = ["StageMemory", "check_memory", "in_flight_of"]
+__all__ = ["NCCL_BUFFSIZE_BYTES", "NCCL_P2P_CHANNELS", "NCCL_RING_CHANNELS", "StageMemory",
+           "broker_peers", "check_memory", "format_stages", "in_flight_of",
+           "nccl_buffer_bytes"]
 
 # The device type of the ranks a plan places: its cluster's GPUs (memcheck itself runs
-# them in a fake world on the CPU).
+# them in a fake world on the CPU), and so their backend (``parallel.device``).
 _RANK_DEVICE = "cuda"
+_RANK_BACKEND = {"cuda": "nccl"}.get(_RANK_DEVICE, "gloo")
+
+# NCCL's communicator buffers: device memory NCCL allocates itself (cudaMalloc, outside
+# PyTorch's caching allocator, so the fake world's tracker cannot see it). The model:
+# NCCL_BUFFSIZE bytes per channel and peer connection of the Simple protocol. Sources:
+# NCCL's environment-variable documentation (docs.nvidia.com/deeplearning/nccl/user-guide/
+# docs/env.html, NCCL_BUFFSIZE: "the size of the buffer used by NCCL when communicating
+# data between pairs of GPUs", default 4 MiB) and its source (``DEFAULT_BUFFER_SIZE_BYTES
+# (1LL << 22)`` in channel setup: one such buffer per channel and connection). A ring
+# collective (TP, DP, the job's default group: the optimizer's all-reduce) connects a rank
+# to its previous and next rank (one peer in a group of two) on every channel;
+# point-to-point (pipeline neighbours, broker links) to each peer on a few channels.
+# Assumed, as NCCL chooses them by topology: 16 ring channels (NCCL_MIN/MAX_NCHANNELS
+# allow 1..32; an NVLink node's rings typically use 16 or more) and 2 channels per
+# point-to-point peer (NCCL_NCHANNELS_PER_NET_PEER's default). Not modelled: the LL and
+# LL128 protocols' smaller buffers, tree and NVLS connections, NCCL's own work queues.
+NCCL_BUFFSIZE_BYTES = 4 * 2**20
+NCCL_RING_CHANNELS = 16
+NCCL_P2P_CHANNELS = 2
 
 
 @dataclass(frozen=True)
@@ -76,19 +97,112 @@ class StageMemory:
     # rank). The fake world measures the eager modules either way: dynamo does not trace
     # under MemTracker's dispatch mode.
     compiled: bool = False
+    # NCCL's buffers on the rank, by communicator (``nccl_buffer_bytes``): besides the
+    # measured peak, which holds PyTorch's tensors only.
+    nccl: dict[str, int] = field(default_factory=dict)
 
     @property
     def error(self) -> float:
         """(measured - predicted) / predicted."""
         return (self.measured_bytes - self.predicted_bytes) / max(self.predicted_bytes, 1.0)
 
+    @property
+    def nccl_bytes(self) -> int:
+        return sum(self.nccl.values())
+
+    @property
+    def total_bytes(self) -> int:
+        """What the rank's GPU holds at the peak: the measured tensors and NCCL's buffers."""
+        return self.measured_bytes + self.nccl_bytes
+
     def as_json(self) -> dict[str, Any]:
         return {"unit": self.unit, "stage": self.stage, "rank": self.rank,
                 "predicted_bytes": int(self.predicted_bytes),
                 "measured_bytes": int(self.measured_bytes),
+                "nccl_bytes": self.nccl_bytes, "nccl_by_group": dict(self.nccl),
                 "capacity_bytes": int(self.capacity_bytes), "in_flight": self.in_flight,
                 "peak_phase": self.peak_phase, "by_category": dict(self.by_category),
                 "compiled": self.compiled}
+
+
+def broker_peers(plan: Plan, rank: int) -> tuple[int, ...]:
+    """The ranks of other units ``rank`` exchanges activations or gradients with
+    (``parallel.broker``): a producer's last-stage TP leader with every replica's
+    first-stage leader of the unit it feeds (any may be routed a sample), and back;
+    co-located units have no links. Pure."""
+    from dtdsl.parallel.mesh import grids, role_of
+
+    role = role_of(plan, rank)
+    if not role.is_leader:
+        return ()
+    by_role: dict[str, list[Any]] = {}
+    for g in grids(plan):
+        by_role.setdefault(g.role, []).append(g)
+    feeds = {"encoder": ["backbone"], "backbone": ["generator"]}
+    fed_by = {"backbone": ["encoder"], "generator": ["backbone"]}
+    peers: set[int] = set()
+    if role.is_last_stage:
+        for g in (g for r in feeds.get(role.role, ()) for g in by_role.get(r, ())):
+            peers.update(g.leader(0, d) for d in range(g.dp))
+    if role.is_first_stage:
+        for g in (g for r in fed_by.get(role.role, ()) for g in by_role.get(r, ())):
+            peers.update(g.leader(g.last_stage, d) for d in range(g.dp))
+    return tuple(sorted(peers))
+
+
+def nccl_buffer_bytes(plan: Plan, rank: int, *, zero: int = 1,
+                      backend: str = "nccl") -> dict[str, int]:
+    """NCCL's buffers on ``rank`` by communicator (the model above ``NCCL_BUFFSIZE_BYTES``):
+    its unit's TP, DP and PP groups (``parallel.mesh.rank_groups``: those of more than one
+    rank), the job's default group (its ring, for the optimizer's all-reduce) and its
+    broker links (point-to-point to ``broker_peers`` over the default group); none on
+    any other backend (gloo's buffers are host memory). Pure."""
+    from dtdsl.parallel.mesh import rank_groups
+
+    if backend != "nccl":
+        return {}
+    out: dict[str, int] = {}
+    for dim, ranks in rank_groups(plan, rank, zero).items():
+        name = "dp" if dim.startswith("dp_") else dim
+        if dim == "pp":     # point-to-point to the neighbouring stages
+            at = ranks.index(rank)
+            peers = int(at > 0) + int(at < len(ranks) - 1)
+            out[name] = peers * NCCL_P2P_CHANNELS * NCCL_BUFFSIZE_BYTES
+        else:
+            out[name] = _ring_bytes(len(ranks))
+    if plan.gpus_used > 1:
+        out["world"] = _ring_bytes(plan.gpus_used)
+    links = broker_peers(plan, rank)
+    if links:
+        out["broker"] = len(links) * NCCL_P2P_CHANNELS * NCCL_BUFFSIZE_BYTES
+    return out
+
+
+def _ring_bytes(ranks: int) -> int:
+    """A ring collective's buffers on one of its ``ranks``: its previous and next rank on
+    every channel (one peer in a group of two)."""
+    return min(ranks - 1, 2) * NCCL_RING_CHANNELS * NCCL_BUFFSIZE_BYTES
+
+
+def format_stages(stages: list[StageMemory]) -> list[str]:
+    """``dtc memcheck``'s table: a row per stage (predicted, measured, their error, the
+    GPU's capacity, where the peak is; OVER when the measured tensors and NCCL's buffers
+    exceed the capacity), and under it a line of NCCL's buffers by communicator."""
+    from dtdsl.report import format_bytes
+
+    lines = [f"{'stage':<16}{'rank':>6}{'in flight':>10}{'predicted':>12}{'measured':>12}"
+             f"{'error':>8}{'capacity':>12}  peak in"]
+    for s in stages:
+        over = " OVER" if s.total_bytes > s.capacity_bytes else ""
+        lines.append(f"{s.unit + '.s' + str(s.stage):<16}{s.rank:>6}{s.in_flight:>10}"
+                     f"{format_bytes(s.predicted_bytes):>12}"
+                     f"{format_bytes(s.measured_bytes):>12}{s.error:>+8.1%}"
+                     f"{format_bytes(s.capacity_bytes):>12}  {s.peak_phase}{over}")
+        if s.nccl:
+            groups = ", ".join(f"{k} {format_bytes(v)}" for k, v in s.nccl.items())
+            lines.append(f"{'  + NCCL buffers':<32}{format_bytes(s.nccl_bytes):>12}"
+                         f"{'':>8}{'':>12}  {groups}")
+    return lines
 
 
 def in_flight_of(schedule: Schedule, unit: str, stage: int) -> int:
@@ -363,7 +477,8 @@ def _measure_stage(program: ir.Program, plan: Plan, schedule: Schedule, cost: An
                        capacity_bytes=program.cluster.gpu.memory_bytes,
                        by_category=dict(report.by_category), peak_phase=report.peak_phase,
                        time_s=time.perf_counter() - start_s,
-                       compiled=program.train.compiles(_RANK_DEVICE))
+                       compiled=program.train.compiles(_RANK_DEVICE),
+                       nccl=nccl_buffer_bytes(plan, rank, zero=zero, backend=_RANK_BACKEND))
 
 
 def check_memory(program: ir.Program, plan: Plan, *, cost: Any = None, jobs: int = 1,

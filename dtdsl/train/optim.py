@@ -19,9 +19,11 @@ DP ranks, with a TP placement for TP-sharded parameters) or, off a mesh, a plain
 Its local block is distinct data along every mesh dimension where its placement is a
 ``Shard`` and a copy along every ``Replicate`` one: it counts on the ranks whose
 coordinate is 0 along its replicate dimensions. A parameter that is not TP-sharded lives on
-the DP mesh only and is the same on every TP rank of the stage: it counts on TP index 0
-(``counted_on_tp``). A ``Partial`` gradient (a sequence-parallel norm's) is summed over
-its TP group by FSDP2 before its reduce-scatter; one reaching the optimizer is an error.
+the DP mesh only and is the same on every TP rank of the stage (its gradient averaged over
+TP at the end of the step, ``train.stage.Stage.reduce_gradients``, so every TP rank takes
+the same step): it counts on TP index 0 (``counted_on_tp``). A ``Partial`` gradient (a
+sequence-parallel norm's) is summed over its TP group by FSDP2 before its reduce-scatter;
+one reaching the optimizer is an error.
 
 The optimizer is ``torch.optim.AdamW`` (``Adam`` for ``adam``), fused where the device has a
 fused kernel, over the DTensor parameters: FSDP2's fp32 shards, so master weights and both

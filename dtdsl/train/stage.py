@@ -62,6 +62,7 @@ from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan
 from dtdsl.models.multimodal import build_unit, init_unit, unit_spec
 from dtdsl.parallel.mesh import RankRole, data_parallel_mesh, hosted_units
+from dtdsl.parallel.tp import local_tensor
 
 __all__ = ["COMPUTE_DTYPES", "Stage", "StageModule", "StageState", "build_stage",
            "projector_between", "tied_group_ranks", "tied_pairs"]
@@ -151,6 +152,12 @@ class Stage:
     tied_group: Any = None
     tied_name: str | None = None      # the copy's name, "<unit>.tok_embeddings.weight"
     compiled: Any = None    # train.compiled.CompiledBlocks when the blocks are compiled
+    # The unit's TP process group (tp > 1): the gradients of parameters replicated over
+    # it are averaged over it at the end of every step (``reduce_gradients``).
+    tp_group: Any = None
+    # The parameters whose gradients the last ``reduce_gradients`` averaged over TP
+    # (``"<unit>.<param>"``, in the order they travelled).
+    tp_synced: tuple[str, ...] = ()
 
     def named_parameters(self) -> dict[str, torch.Tensor]:
         """``{"<unit>.<param>": parameter}`` for every parameter the stage holds."""
@@ -219,11 +226,27 @@ class Stage:
         self.module.set_is_last_backward(True)
         self.module.set_reshard_after_backward(True, recurse=True)
         state = self.module._get_fsdp_state()
+        # Which gradients FSDP2 leaves unequal over TP, read before it frees them.
+        replicated = _tp_unreduced(state) if self.tp_group is not None else []
         for member in reversed(state._state_ctx.all_states):
             for group in reversed(_param_groups(member)):
                 group.post_backward()
         state._root_post_backward_final_callback()
         self._sum_tied_gradients()
+        self._average_over_tp(replicated)
+
+    def _average_over_tp(self, params: list[nn.Parameter]) -> None:
+        """Average the gradients of ``params`` (replicated over the TP group, each rank's
+        the same DP shard) over the TP group: one all-reduce per dtype and bucket of at
+        most ``TP_SYNC_BUCKET_BYTES``, not one per parameter. Mathematically the TP ranks'
+        gradients are equal already; on a GPU nondeterministic kernels (atomics in
+        convolution and norm backward, split-K matmuls) make them differ in the last
+        bits, and the copies would drift apart step after step."""
+        names = {id(p): n for n, p in self.named_parameters().items()}
+        grads = [(names[id(p)], local_tensor(p.grad)) for p in params if p.grad is not None]
+        self.tp_synced = tuple(n for n, _ in grads)
+        if grads:
+            _all_reduce_mean([g for _, g in grads], self.tp_group)
 
     def _sum_tied_gradients(self) -> None:
         if self.tied_group is None:
@@ -236,6 +259,100 @@ class Stage:
         grad = param.grad
         dist.all_reduce(grad.to_local() if hasattr(grad, "to_local") else grad,
                         group=self.tied_group)
+
+
+# The largest flat buffer the TP gradient average allocates at once (a U-Net at tp > 1
+# replicates most of its parameters: one buffer of all of them would double its gradient
+# shard's memory at the end of the step).
+TP_SYNC_BUCKET_BYTES = 256 * 2**20
+
+
+def _tp_placement(t: Any) -> Any:
+    """The placement of DTensor ``t`` on its mesh's ``tp`` dimension; None for a plain
+    tensor or a DTensor on a mesh without one (a parameter TP did not touch: FSDP2 made it
+    a DTensor over DP only)."""
+    mesh = getattr(t, "device_mesh", None)
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    return t.placements[names.index("tp")] if "tp" in names else None
+
+
+def _tp_unreduced(state: Any) -> list[nn.Parameter]:
+    """The trainable parameters of a stage's FSDP2 state (every group, forward order)
+    that are replicated over TP and whose gradients nothing reduces over TP, in the same
+    order on every TP rank of the stage:
+
+    * TP-sharded parameters (``Shard`` on TP) hold each rank's own slice: none of this;
+    * a parameter TP left replicated, with a ``Partial`` gradient over TP (a
+      sequence-parallel norm's: each rank saw its piece of the sequence) is summed over
+      TP by FSDP2 itself before its reduce-scatter (``FSDPParam._get_grad_inner_tensor``):
+      its copies are equal already, do not reduce it twice;
+    * every other replicated parameter is a candidate: one TP did not touch (norms, patch
+      and position embeddings, projectors, a U-Net's convolutions, a ``tp_replicated``
+      module), and a ``Replicate`` DTensor whose gradient is ``Replicate`` too (a row-
+      parallel projection's bias: each rank computes it whole from the same output
+      gradient). So is one with no gradient this step (placement unknown, and its DP
+      peers' gradients may still differ): averaging equal values changes nothing.
+
+    Read from the unsharded gradients before FSDP2's reduction frees them."""
+    out = []
+    for member in state._state_ctx.all_states:
+        for group in _param_groups(member):
+            for fp in group.fsdp_params:
+                if fp.sharded_param.requires_grad and _tp_replicated(fp):
+                    out.append(fp.sharded_param)
+    return out
+
+
+def _tp_replicated(fp: Any) -> bool:
+    """Whether FSDP2 parameter ``fp`` is replicated over TP and its gradient left unequal
+    there (``_tp_unreduced``)."""
+    spec = getattr(fp, "_unsharded_dtensor_spec", None)
+    if spec is None:            # a plain parameter: TP did not touch it
+        return True
+    names = spec.mesh.mesh_dim_names or ()
+    if "tp" not in names:
+        return True
+    if spec.placements[names.index("tp")].is_shard():
+        return False
+    grad = fp.unsharded_accumulated_grad
+    if grad is None and hasattr(fp, "_unsharded_param"):
+        grad = fp.unsharded_param.grad
+    placement = None if grad is None else _tp_placement(grad)
+    return placement is None or not placement.is_partial()
+
+
+def _all_reduce_mean(grads: list[torch.Tensor], group: Any) -> None:
+    """Replace every tensor of ``grads`` with its mean over ``group``: the tensors of one
+    dtype flattened into buckets of at most ``TP_SYNC_BUCKET_BYTES``, one all-reduce
+    (SUM, then a division: gloo has no AVG) per bucket. The same order on every rank."""
+    import torch.distributed as dist
+
+    size = dist.get_world_size(group)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for same in by_dtype.values():
+        bucket: list[torch.Tensor] = []
+        used = 0
+        for g in same:
+            if bucket and used + g.numel() * g.element_size() > TP_SYNC_BUCKET_BYTES:
+                _reduce_bucket(bucket, size, group)
+                bucket, used = [], 0
+            bucket.append(g)
+            used += g.numel() * g.element_size()
+        _reduce_bucket(bucket, size, group)
+
+
+def _reduce_bucket(bucket: list[torch.Tensor], size: int, group: Any) -> None:
+    import torch.distributed as dist
+
+    flat = torch.cat([g.reshape(-1) for g in bucket])
+    dist.all_reduce(flat, group=group)
+    flat.div_(size)
+    offset = 0
+    for g in bucket:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 def _strip(name: str) -> str:
@@ -514,7 +631,8 @@ def build_stage(program: ir.Program, plan: Plan, role: RankRole, mesh: Any,
                                    hosted=names)
     built = Stage(module=stage, role=role, start=start, stop=stop,
                   compute_dtype=compute_dtype, tp_sharded=tp_sharded, layers=layers,
-                  hosted=names, compiled=compiled)
+                  hosted=names, compiled=compiled,
+                  tp_group=mesh["tp"].get_group() if role.grid.tp > 1 else None)
     _tie_across_stages(built, program, plan, mesh)
     if initialize:
         built.initialize(program, seed)

@@ -400,3 +400,38 @@ def test_unpacked_samples_are_priced_as_one_document_each():
     two = SampleSet(text_tokens=rows.astype(np.int64), items={},
                     doc_squares=np.array([50.0, 16.0]))
     assert microbatch_squares(two, 2, packed=True).tolist() == [(50 + 16 + 36) / 2]
+
+
+def test_the_end_of_a_step_averages_tp_replicated_gradients_over_tp():
+    """A unit at tp > 1 pays one all-reduce of its TP-replicated parameters' fp32
+    gradients (their DP shards under ZeRO-1) over its TP group on the TP link, as
+    ``train.stage`` does; none at tp 1 nor for a Llama backbone (its norms are FSDP2's);
+    a unit replicated whole over a TP group averages all of its trained parameters."""
+    from dtdsl.cost.model import all_reduce_time_s
+
+    model = build_cost_model(program("mllm_9b"))
+    bw = model.program.cluster.intra_node_bw_bytes_per_s
+    for name in ("vit", "sd"):
+        unit = model.unit(name)
+        module = model.program.module(name)
+        projectors = sum(flops.projector_params(p.arch) + flops.compression_params(p)
+                         for p in model.program.projectors
+                         if name in (p.source, p.target) and not p.frozen)
+        trained = 0.0 if module.frozen else flops.tp_synced_params(module)
+        assert unit.tp_synced_params == trained + projectors
+        assert 0 < unit.tp_synced_params < unit.params
+        tp, dp, pp = 4, 2, 1
+        base = model._dp_sync_coefficients(unit, tp, dp)
+        fixed, layer = model.tp_sync_coefficients(unit, tp, dp)
+        total = fixed + layer * unit.layers
+        assert total == pytest.approx(all_reduce_time_s(unit.tp_synced_params * 4 / dp, tp, bw))
+        assert model.dp_sync_time_s(unit, tp, pp, dp) == pytest.approx(
+            base[0] + base[1] * unit.layers + total)
+        assert model.tp_sync_coefficients(unit, 1, dp) == (0.0, 0.0)
+        # Replicated whole over a TP group of 4, costed at tp 1: every trained parameter.
+        fixed, layer = model.tp_sync_coefficients(unit, 1, dp, replicated_over=4)
+        assert fixed + layer * unit.layers == pytest.approx(
+            all_reduce_time_s(unit.trainable_params * 4 / dp, 4, bw))
+    llm = model.unit("llm")
+    assert llm.tp_synced_params == 0
+    assert model.tp_sync_coefficients(llm, 8, 2) == (0.0, 0.0)

@@ -209,6 +209,7 @@ def _close(got: list[float], want: list[float]) -> None:
         assert g == pytest.approx(w, rel=LOSS_RTOL)
 
 
+@pytest.mark.usefixtures("deterministic")   # compares losses bitwise
 def test_save_resume_and_reshard(tmp_path):
     ref, _ = _reference()
     a_dir = tmp_path / "a"
@@ -315,6 +316,7 @@ def _frozen(rank: int, world: int, program: ir.Program, plan: Plan, run_dir: str
         Path(out).write_text(json.dumps({"first": first, "losses": losses}))
 
 
+@pytest.mark.usefixtures("deterministic")
 def test_frozen_units_are_saved_without_optimizer_state_and_resume_bitwise(tmp_path):
     # Nothing on the generator's rank trains: it saves its weights (no optimizer state)
     # and takes part in every save and load.
