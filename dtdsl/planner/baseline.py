@@ -338,8 +338,7 @@ class Colocation:
 
     def phase_sync_s(self, i: int, tp: int, dp: int, pp: int) -> float:
         """Phased encoder ``i``'s end of step: its gradients over every backbone rank."""
-        return float(self.ev.cost.dp_sync_time_s(self.ev.units[i], self.work_tp(i, tp), 1,
-                                                 dp * pp))
+        return self.sync_s(i, tp, dp * pp)
 
     def _stage_work(self, tp: int, across: bool) -> StageWork:
         ev = self.ev
