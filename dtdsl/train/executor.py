@@ -209,7 +209,15 @@ class StageExecutor:
         self._leader = self.role.grid.leader(self.role.stage, self.role.replica)
         self.stage: Stage = build_stage(program, plan, self.role, groups.mesh, self.device,
                                         seed=self.seed, run=stage_run(self.role.role),
-                                        initialize=initialize)
+                                        initialize=initialize, phased=groups.phased,
+                                        phased_run=_run_encoder)
+        if len(self.stage.phased) > 1 or (self.stage.phased and any(
+                u.role == "encoder" and not u.phased for u in plan.units)):
+            raise NotImplementedError("the runtime models one image encoder: plan one "
+                                      "phased encoder and no other")
+        # Embeddings of the phased encoder's outputs for this replica's samples (on the
+        # backbone's first stage, between the phases), as autograd leaves.
+        self._phased_in: dict[int, torch.Tensor] = {}
         self.model = _Units(program, self.stage.module.units)
         # Co-located modules this stage runs (a backbone's first stage: the encoder, its
         # last: the generators), on its own ranks and samples.
@@ -246,18 +254,35 @@ class StageExecutor:
                                "the schedule from the same program")
         opt = program.train.optimizer
         self.optimizers: list[StageOptimizer] = []
-        if trainable:
-            from dtdsl.train.lr import lr_at
+        # One optimizer per FSDP2 root (the stage, each phased encoder): a checkpoint
+        # saves each with its module (``checkpoint_parts``).
+        self._parts: list[tuple[torch.nn.Module, StageOptimizer | None]] = []
+        from dtdsl.train.lr import lr_at
 
-            train = program.train
+        train = program.train
+        phased = {n for part in self.stage.phased.values() for n in part.named_parameters()}
+        roots = [(self.stage.module, [(k, p) for k, p in trainable if k not in phased])]
+        roots += [(part.module, [(k, p) for k, p in part.named_parameters().items()
+                                 if p.requires_grad]) for part in self.stage.phased.values()]
+        for module, params in roots:
+            if not params:
+                self._parts.append((module, None))
+                continue
             self.optimizers.append(StageOptimizer(
-                [p for _, p in trainable], name=opt.name, lr=opt.lr, betas=tuple(opt.betas),
+                [p for _, p in params], name=opt.name, lr=opt.lr, betas=tuple(opt.betas),
                 eps=opt.eps, weight_decay=opt.weight_decay, tp_index=role.tp_index,
-                counted_on_tp=[k in self.stage.tp_sharded for k, _ in trainable],
+                counted_on_tp=[k in self.stage.tp_sharded for k, _ in params],
                 # A tied LM head on the last stage is the first stage's embedding again.
                 uncounted=[k == self.stage.tied_name and role.is_last_stage
-                           for k, _ in trainable],
+                           for k, _ in params],
                 lr_at=lambda step: lr_at(train.lr_schedule, opt.lr, train.steps, step)))
+            self._parts.append((module, self.optimizers[-1]))
+
+    def checkpoint_parts(self) -> list[tuple[torch.nn.Module, StageOptimizer | None]]:
+        """Each FSDP2 root this rank holds (its stage's module, then each phased
+        encoder's) with its optimizer (None where it trains nothing): what a checkpoint
+        saves, one ``get_state_dict`` each."""
+        return list(self._parts)
 
     def named_parameters(self) -> dict[str, torch.Tensor]:
         """This stage's parameters as ``{"unit.param": tensor}`` (DTensors: FSDP2's
@@ -315,6 +340,10 @@ class StageExecutor:
         if timed:
             dist.barrier()     # a common origin for every rank's event times
         self._t0 = time.perf_counter()
+        for name in self.stage.phased:
+            start = time.perf_counter() - self._t0
+            self._phase_forward(name)
+            events.append(self._phase_event(name, _FWD, start))
         for i, a in enumerate(self.actions):
             if a.kind in (ActionKind.SYNC, ActionKind.OPT):
                 continue
@@ -332,6 +361,15 @@ class StageExecutor:
             # FSDP2's gradient reduction, once, after the stage's last backward (waiting
             # for it before the last gradient is sent would hold the previous stage up).
             self.stage.reduce_gradients()
+        for name, part in self.stage.phased.items():
+            if part.trainable():
+                start = time.perf_counter() - self._t0
+                self._phase_backward(name)
+                events.append(self._phase_event(name, _BWD, start))
+            # Every rank of the encoder's DP group reduces (or, frozen, reshards), its
+            # share empty or not: ``Stage.reduce_gradients``.
+            part.reduce_gradients()
+        self._phased_in = {}
         self.p2p.wait_sends()
         if self.micro and any(m.pending or m.grads_in for m in self.micro.values()):
             raise RuntimeError(f"{r.unit}.s{r.stage}: step {step} ended with receives "
@@ -542,6 +580,119 @@ class StageExecutor:
         t = t.clone()
         return t.requires_grad_(True) if self.sends_grad and t.is_floating_point() else t
 
+    # ---- phased encoders ----------------------------------------------------------------
+
+    def _no_rows(self) -> torch.Tensor:
+        """The image embeddings of a sample without images."""
+        return torch.zeros(0, self._width, dtype=self.dtype, device=self.device)
+
+    def _phase_event(self, name: str, direction: str, start: float) -> Event:
+        """Phased encoder ``name``'s forward (``F``) or backward (``B``) phase on this
+        rank: an event of the encoder's row (its replica on this rank, no microbatch)."""
+        part = self.stage.phased[name]
+        return Event(unit=name, stage=0, replica=part.role.replica, rank=self._leader,
+                     kind=direction, microbatch=None, start_s=start,
+                     end_s=time.perf_counter() - self._t0)
+
+    def _phase_share(self, name: str, stage: int) -> list[list[int]]:
+        """Per microbatch step, the samples that the ranks of backbone stage ``stage`` of
+        this replica encode with phased encoder ``name`` (its replica stage * dp +
+        replica: ``parallel.mesh.phased_grid``), as the routing says."""
+        replica = stage * self.role.grid.dp + self.role.replica
+        return [list(s.samples_of(name, replica)) for s in self.steps]
+
+    def _phase_order(self, name: str, stage: int) -> list[int]:
+        """The samples with image embeddings in stage ``stage``'s share, in step order:
+        the tensors of a phase's message between that stage and the first, in order."""
+        return [i for ids in self._phase_share(name, stage) for i in ids
+                if image_tokens(self._sizes(i), self._image_tokens) > 0]
+
+    def _phase_specs(self, order: Sequence[int]) -> list[TensorSpec]:
+        """The embeddings (or their gradients) of ``order``, from the samples' sizes."""
+        return [TensorSpec((image_tokens(self._sizes(i), self._image_tokens), self._width),
+                           self.dtype) for i in order]
+
+    def _phase_label(self, name: str, direction: str, src: int, dst: int) -> str:
+        r = self.role
+        return f"{name} phase {r.unit}.s{src}->s{dst} {direction} {self.step} " \
+            f"r{r.replica}t{r.tp_index}"
+
+    def _phase_encode(self, name: str, ids: Sequence[int], *, count: bool = False
+                      ) -> dict[int, torch.Tensor]:
+        """Phased encoder ``name`` and its projector on the images of samples ``ids``:
+        each one's embeddings in backbone width (samples without images left out);
+        ``count``: the patches counted as taken in."""
+        part = self.stage.phased[name]
+        images = [to_device(list(self._sample(i).images), self.device) for i in ids]
+        packed = pack_images(images, self._patch)
+        if not packed.groups:
+            return {}
+        if count:
+            self.processed["patches"] += sum(g.shape[0] * g.shape[1] for g in packed.groups)
+        ys = part.module(packed.groups, first=True, grids=packed.grids)
+        outs = unpack_images(packed, ys, width=self._width)
+        return {i: o for i, o in zip(ids, outs, strict=True) if o.shape[0] > 0}
+
+    def _phase_forward(self, name: str) -> None:
+        """Phased encoder ``name``'s forward phase: this rank encodes its share of every
+        microbatch step (no graph kept: the backward phase recomputes it) and sends the
+        embeddings to the backbone's first stage of its replica and TP index, which
+        receives every other stage's share and keeps them as autograd leaves for
+        ``backbone_input`` (``_phased_in``). One message per stage, in the order every
+        rank derives from the routing and the sizes."""
+        part = self.stage.phased[name]
+        role = self.role
+        mine: dict[int, torch.Tensor] = {}
+        with torch.no_grad():
+            for ids in self._phase_share(name, role.stage):
+                mine.update(self._phase_encode(name, ids, count=True))
+        if role.stage > 0:
+            order = self._phase_order(name, role.stage)
+            self.p2p.send(self._pp_peer(0), [mine[i] for i in order],
+                          self._phase_label(name, _FWD, role.stage, 0))
+            self.p2p.flush()
+            return
+        pending = []
+        for s in range(1, role.grid.pp):
+            order = self._phase_order(name, s)
+            pending.append((order, self.p2p.recv(self._pp_peer(s), self._phase_specs(order),
+                                                 self._phase_label(name, _FWD, s, 0))))
+        self.p2p.flush()
+        got = dict(mine)
+        for order, received in pending:
+            got.update((i, t.clone()) for i, t in zip(order, received.wait(), strict=True))
+        trains = bool(part.trainable())
+        self._phased_in = {i: t.detach().requires_grad_(trains) for i, t in got.items()}
+
+    def _phase_backward(self, name: str) -> None:
+        """Phased encoder ``name``'s backward phase, after the pipeline: the first stage
+        sends each stage its share's embedding gradients (keeping its own); every rank
+        then recomputes its share's forward, one microbatch step at a time (one step's
+        activations held at once), and runs backward with those gradients."""
+        role = self.role
+        if role.stage == 0:
+            def grad(i: int) -> torch.Tensor:
+                x = self._phased_in[i]
+                return x.grad if x.grad is not None else torch.zeros_like(x)
+
+            for s in range(1, role.grid.pp):
+                self.p2p.send(self._pp_peer(s), [grad(i) for i in self._phase_order(name, s)],
+                              self._phase_label(name, _BWD, 0, s))
+            self.p2p.flush()
+            grads = {i: grad(i) for i in self._phase_order(name, 0)}
+        else:
+            order = self._phase_order(name, role.stage)
+            received = self.p2p.recv(self._pp_peer(0), self._phase_specs(order),
+                                     self._phase_label(name, _BWD, 0, role.stage))
+            self.p2p.flush()
+            grads = dict(zip(order, received.wait(), strict=True))
+        for ids in self._phase_share(name, role.stage):
+            outs = self._phase_encode(name, ids)
+            tensors = [o for o in outs.values() if o.requires_grad]
+            if tensors:
+                torch.autograd.backward(tensors, [grads[i] for i, o in outs.items()
+                                                  if o.requires_grad])
+
     # ---- forwards ---------------------------------------------------------------------------
 
     def _encoder_forward(self, j: int, mb: _Micro) -> None:
@@ -584,6 +735,8 @@ class StageExecutor:
                 rows = [image_tokens(self._sizes(i), self._image_tokens) for i in ids]
                 embeds = {i: torch.zeros(0, self._width, dtype=self.dtype, device=self.device)
                           for i in ids}
+            elif self.stage.phased:     # the phased encoder's, received before the pipeline
+                embeds = {i: self._phased_in.get(i, self._no_rows()) for i in ids}
             elif mb.pending:
                 if len(mb.pending) != 1:
                     raise NotImplementedError("the runtime models one image encoder")
