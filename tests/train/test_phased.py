@@ -167,3 +167,28 @@ def test_phased_encoder_with_a_co_located_generator():
                                    "gen", split=(3, 1)))
     assert plan.gpus_used == 2
     check(program, plan)
+
+
+def test_checkpoints_reshard_between_phased_and_disaggregated_plans(tmp_path):
+    # A phased run's checkpoint holds the encoder under its own names ("units.vit...",
+    # its optimizer state too): it resumes under a disaggregated plan and back.
+    from tests.train.test_checkpoint import PLAN_A, PROGRAM, _close, _go, _reference
+
+    ref, _ = _reference()
+    run_dir = tmp_path / "run"
+    phased = phase(PROGRAM, plan_for(PROGRAM, ("vit", "encoder", 1, 1, 1),
+                                     ("llm", "backbone", 1, 2, 2),
+                                     ("gen", "generator", 1, 1, 1)))
+    a = _go(phased, run_dir, 4, {4: "sync"}, tmp_path / "a.json", want_at=4)
+    assert a["first"] == 0
+    _close(a["losses"], ref[:4])
+    b = _go(PLAN_A, run_dir, 2, {6: "thread"}, tmp_path / "b.json", want_at=6)
+    assert b["first"] == 4
+    assert "resharded from vit:phased llm:tp1dp2pp2 gen:tp1dp1pp1" in b["logs"][0]
+    _close(b["losses"], ref[4:6])
+    tp = phase(PROGRAM, plan_for(PROGRAM, ("vit", "encoder", 1, 1, 1),
+                                 ("llm", "backbone", 2, 1, 2),
+                                 ("gen", "generator", 1, 1, 1)))
+    c = _go(tp, run_dir, 2, {}, tmp_path / "c.json", want_at=8)
+    assert c["first"] == 6 and "resharded from" in c["logs"][0]
+    _close(c["losses"], ref[6:8])
