@@ -192,3 +192,23 @@ def test_checkpoints_reshard_between_phased_and_disaggregated_plans(tmp_path):
     c = _go(tp, run_dir, 2, {}, tmp_path / "c.json", want_at=8)
     assert c["first"] == 6 and "resharded from" in c["logs"][0]
     _close(c["losses"], ref[6:8])
+
+
+def test_memcheck_counts_the_phased_encoder_on_every_backbone_rank():
+    from dtdsl.train.memplan import check_memory
+
+    program = spec(8)
+    own = plan_for(program, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, 1, 2),
+                   ("gen", "generator", 1, 1, 1))
+    phased = {(s.unit, s.stage): s for s in check_memory(program, phase(program, own),
+                                                          jobs=2)}
+    alone = {(s.unit, s.stage): s for s in check_memory(program, own, jobs=2)}
+    # Nothing of its own to measure: each backbone stage holds its shards of it (half
+    # of each tensor: its DP group spans both stages) and runs its phases.
+    assert list(phased) == [("llm", 0), ("llm", 1), ("gen", 0)]
+    for stage in (0, 1):
+        got, without = phased[("llm", stage)], alone[("llm", stage)]
+        assert got.measured_bytes > without.measured_bytes, stage
+        assert got.predicted_bytes > without.predicted_bytes, stage
+        for what in ("params", "optimizer_state"):
+            assert got.by_category[what] > without.by_category[what], (stage, what)
