@@ -127,7 +127,8 @@ def _placement_lines(plan: Plan) -> list[str]:
     if plan.rigid:
         return []
     where = {"colocated": "encoders and generators on the backbone's first and last "
-                          "stages", "disaggregated": "every module on GPUs of its own"}
+                          "stages", "disaggregated": "every module on GPUs of its own",
+             "phased": "an encoder before and after the pipeline on all the backbone's GPUs"}
     line = f"{'placement':<16}{plan.placement}: {where[plan.placement]}"
     others = {k: t for k, t in (plan.placements or {}).items() if k != plan.placement}
     if others:
