@@ -74,8 +74,27 @@ schedule has no stage of theirs (``Schedule.empty``): their passes are part of t
 stage's ``F`` and ``B`` and of its measured events, as the simulator folds them into the
 host stage's times; the host trains when they do (``schedule.lower.gradient_flow``).
 
+Phased encoders (issue 27; ``UnitPlan.phased``, ``parallel.mesh.phased_units``): an
+encoder the plan phases runs on every backbone rank, outside the schedule, as a stage of
+its own (``Stage.phased``: its shards over its DP group of every backbone rank with the
+same TP index, ``parallel.mesh.phased_grid``). Before the schedule's first action, the
+*forward phase*: each rank encodes its share of the step (the samples whose
+``assignment`` of the encoder is its replica stage * dp + replica, every microbatch step;
+``data.batch.reads_of`` gives it their images) under ``no_grad``, and sends the
+embeddings to the backbone's first stage of its replica and TP index (one message per
+stage, the samples in step order, shapes from ``StepBatch.sizes``; the first stage keeps
+its own), which holds them as autograd leaves and feeds them to ``backbone_input`` as it
+would a broker's. After the schedule's last action (and the stage's own reduction), the
+*backward phase*, where the encoder or its projector trains: the first stage sends each
+stage its share's embedding gradients, every rank recomputes its share's forward one
+microbatch step at a time and runs backward with them; then every rank reduces the
+encoder's gradients over its DP group, share or no share. Each phase is an event of the
+encoder's row ``(encoder, 0, replica)`` with no microbatch (``F``, ``B``) in the measured
+timeline; the simulator's predicted timeline folds the phases into the backbone's first
+stage's first ``F`` and last ``B`` instead (``sim.workload.iteration_durations``).
+
 Limits: interleaved schedules (vpp > 1) raise NotImplementedError; a U-Net or DiT
-generator runs on one pipeline stage.
+generator runs on one pipeline stage; one image encoder (phased or not).
 """
 
 from __future__ import annotations
@@ -1004,9 +1023,11 @@ _ROW_BYTES = 9 * 8      # one event: nine float64 fields
 
 def telemetry_bytes(plan: Plan, schedule: Schedule) -> int:
     """What rank 0 receives in one ``gather_timeline``: every rank's events, padded to
-    the longest list (a stage's passes and two more), and its count."""
-    width = max((sum(a.kind in (ActionKind.F, ActionKind.B) for a in st.actions) + 2
-                 for st in schedule.stages), default=1)
+    the longest list (a stage's passes and two more, and two per phased encoder: its
+    phases), and its count."""
+    phases = 2 * sum(u.phased for u in plan.units)
+    width = max((sum(a.kind in (ActionKind.F, ActionKind.B) for a in st.actions) + 2 +
+                 phases for st in schedule.stages), default=1)
     return plan.gpus_used * (width * _ROW_BYTES + 8)
 
 

@@ -13,6 +13,14 @@ projector), built so that memory matches the plan:
    parameters, checkpoint keys and initial values are those of a unit of their own. A
    unit the plan marks ``tp_replicated`` runs whole on every TP rank instead.
 
+0b. **Phased encoders.** Every backbone stage also holds the plan's phased encoders
+   (``parallel.mesh.phased_units``), each with its projector into the backbone, as a
+   ``Stage`` of its own (``build_phased``, ``Stage.phased``): the same steps below, but
+   TP over the backbone's TP group and FSDP2 over the encoder's own DP mesh (every
+   backbone rank with this TP index: ``parallel.mesh.phased_grid``), so it is an FSDP2
+   root of its own, gathered at ``begin_step`` with the stage and reduced by the
+   executor after its backward phase.
+
 1. **Meta first.** The whole unit is built on the meta device (no memory), and the layers
    other stages run are deleted; the stage keeps the global names of what it holds
    (``units.<unit>.layers.<i>...``), so checkpoint keys do not depend on the plan.

@@ -212,3 +212,13 @@ def test_memcheck_counts_the_phased_encoder_on_every_backbone_rank():
         assert got.predicted_bytes > without.predicted_bytes, stage
         for what in ("params", "optimizer_state"):
             assert got.by_category[what] > without.by_category[what], (stage, what)
+
+
+def test_frozen_phased_encoder_has_no_backward_phase():
+    # A frozen ViT and projector: only the forward phase (no B event, nothing stepped
+    # on its account); the backbone trains as before.
+    program = spec(8, frozen=("vit", "vit_to_llm"))
+    assert [p.frozen for p in program.projectors if p.source == "vit"] == [True]
+    check(program, phase(program, plan_for(program, ("vit", "encoder", 1, 1, 1),
+                                           ("llm", "backbone", 1, 1, 2),
+                                           ("gen", "generator", 1, 1, 1))))
