@@ -169,6 +169,7 @@ def test_phased_encoder_with_a_co_located_generator():
     check(program, plan)
 
 
+@pytest.mark.slow
 def test_checkpoints_reshard_between_phased_and_disaggregated_plans(tmp_path):
     # A phased run's checkpoint holds the encoder under its own names ("units.vit...",
     # its optimizer state too): it resumes under a disaggregated plan and back.
