@@ -237,6 +237,9 @@ class StageExecutor:
         # Embeddings of the phased encoder's outputs for this replica's samples (on the
         # backbone's first stage, between the phases), as autograd leaves.
         self._phased_in: dict[int, torch.Tensor] = {}
+        # Per phased encoder, this rank's share of the step: (samples, their packed
+        # images) per microbatch step, from the forward phase to the backward phase.
+        self._phase_packs: dict[str, list[tuple[list[int], PackedImages | None]]] = {}
         self.model = _Units(program, self.stage.module.units)
         # Co-located modules this stage runs (a backbone's first stage: the encoder, its
         # last: the generators), on its own ranks and samples.
@@ -388,7 +391,7 @@ class StageExecutor:
             # Every rank of the encoder's DP group reduces (or, frozen, reshards), its
             # share empty or not: ``Stage.reduce_gradients``.
             part.reduce_gradients()
-        self._phased_in = {}
+        self._phased_in, self._phase_packs = {}, {}
         self.p2p.wait_sends()
         if self.micro and any(m.pending or m.grads_in for m in self.micro.values()):
             raise RuntimeError(f"{r.unit}.s{r.stage}: step {step} ended with receives "
@@ -636,18 +639,14 @@ class StageExecutor:
         return f"{name} phase {r.unit}.s{src}->s{dst} {direction} {self.step} " \
             f"r{r.replica}t{r.tp_index}"
 
-    def _phase_encode(self, name: str, ids: Sequence[int], *, count: bool = False
+    def _phase_encode(self, name: str, ids: Sequence[int], packed: PackedImages | None
                       ) -> dict[int, torch.Tensor]:
-        """Phased encoder ``name`` and its projector on the images of samples ``ids``:
-        each one's embeddings in backbone width (samples without images left out);
-        ``count``: the patches counted as taken in."""
-        part = self.stage.phased[name]
-        images = [to_device(list(self._sample(i).images), self.device) for i in ids]
-        packed = pack_images(images, self._patch)
-        if not packed.groups:
+        """Phased encoder ``name`` and its projector on ``packed``, the images of samples
+        ``ids``: each one's embeddings in backbone width (samples without images left
+        out)."""
+        if packed is None:
             return {}
-        if count:
-            self.processed["patches"] += sum(g.shape[0] * g.shape[1] for g in packed.groups)
+        part = self.stage.phased[name]
         ys = part.module(packed.groups, first=True, grids=packed.grids)
         outs = unpack_images(packed, ys, width=self._width)
         return {i: o for i, o in zip(ids, outs, strict=True) if o.shape[0] > 0}
@@ -662,9 +661,14 @@ class StageExecutor:
         part = self.stage.phased[name]
         role = self.role
         mine: dict[int, torch.Tensor] = {}
+        # The share's images, packed once (their patches counted) and kept on the device
+        # for the backward phase's recomputation.
+        packs = self._phase_packs[name] = [
+            (ids, self._hosted_images([self._sample(i) for i in ids]))
+            for ids in self._phase_share(name, role.stage)]
         with torch.no_grad():
-            for ids in self._phase_share(name, role.stage):
-                mine.update(self._phase_encode(name, ids, count=True))
+            for ids, packed in packs:
+                mine.update(self._phase_encode(name, ids, packed))
         if role.stage > 0:
             order = self._phase_order(name, role.stage)
             self.p2p.send(self._pp_peer(0), [mine[i] for i in order],
@@ -705,8 +709,8 @@ class StageExecutor:
                                      self._phase_label(name, _BWD, 0, role.stage))
             self.p2p.flush()
             grads = dict(zip(order, received.wait(), strict=True))
-        for ids in self._phase_share(name, role.stage):
-            outs = self._phase_encode(name, ids)
+        for ids, packed in self._phase_packs.pop(name):
+            outs = self._phase_encode(name, ids, packed)
             tensors = [o for o in outs.values() if o.requires_grad]
             if tensors:
                 torch.autograd.backward(tensors, [grads[i] for i, o in outs.items()
@@ -806,8 +810,8 @@ class StageExecutor:
             mb.outbox = [y.detach(), targets]
 
     def _hosted_images(self, samples: Sequence[Sample]) -> PackedImages | None:
-        """The images of ``samples`` packed for the co-located encoder (None when they
-        have none), their patches counted."""
+        """The images of ``samples`` packed for the co-located (or phased) encoder (None
+        when they have none), their patches counted."""
         images = [to_device(list(s.images), self.device) for s in samples]
         packed = pack_images(images, self._patch)
         if not packed.groups:
