@@ -604,9 +604,17 @@ class StageExecutor:
 
     # ---- phased encoders ----------------------------------------------------------------
 
-    def _no_rows(self) -> torch.Tensor:
-        """The image embeddings of a sample without images."""
-        return torch.zeros(0, self._width, dtype=self.dtype, device=self.device)
+    def _phased_embeds(self, i: int) -> torch.Tensor:
+        """Sample ``i``'s embeddings from the forward phase (none for a sample without
+        images), on the backbone's first stage."""
+        if image_tokens(self._sizes(i), self._image_tokens) == 0:
+            return torch.zeros(0, self._width, dtype=self.dtype, device=self.device)
+        try:
+            return self._phased_in[i]
+        except KeyError:
+            raise RuntimeError(f"{self.role.unit}.s0: step {self.step}'s forward phase "
+                               f"left sample {i} without embeddings; the routing and the "
+                               "executor disagree") from None
 
     def _phase_event(self, name: str, direction: str, start: float) -> Event:
         """Phased encoder ``name``'s forward (``F``) or backward (``B``) phase on this
@@ -759,7 +767,7 @@ class StageExecutor:
                 embeds = {i: torch.zeros(0, self._width, dtype=self.dtype, device=self.device)
                           for i in ids}
             elif self.stage.phased:     # the phased encoder's, received before the pipeline
-                embeds = {i: self._phased_in.get(i, self._no_rows()) for i in ids}
+                embeds = {i: self._phased_embeds(i) for i in ids}
             elif mb.pending:
                 if len(mb.pending) != 1:
                     raise NotImplementedError("the runtime models one image encoder")
