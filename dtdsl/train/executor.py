@@ -88,10 +88,10 @@ would a broker's. After the schedule's last action (and the stage's own reductio
 *backward phase*, where the encoder or its projector trains: the first stage sends each
 stage its share's embedding gradients, every rank recomputes its share's forward one
 microbatch step at a time and runs backward with them; then every rank reduces the
-encoder's gradients over its DP group, share or no share. Each phase is an event of the
-encoder's row ``(encoder, 0, replica)`` with no microbatch (``F``, ``B``) in the measured
-timeline; the simulator's predicted timeline folds the phases into the backbone's first
-stage's first ``F`` and last ``B`` instead (``sim.workload.iteration_durations``).
+encoder's gradients over its DP group, share or no share. Each phase is an ``F`` or
+``B`` event with no microbatch on the rank's own (backbone) row of the measured timeline:
+one row per GPU, as in the simulator's predicted timeline, which folds the phases into
+the first stage's first ``F`` and last ``B`` (``sim.workload.iteration_durations``).
 
 Limits: interleaved schedules (vpp > 1) raise NotImplementedError; a U-Net or DiT
 generator runs on one pipeline stage; one image encoder (phased or not).
@@ -365,7 +365,7 @@ class StageExecutor:
         for name in self.stage.phased:
             start = time.perf_counter() - self._t0
             self._phase_forward(name)
-            events.append(self._phase_event(name, _FWD, start))
+            events.append(self._phase_event(_FWD, start))
         for i, a in enumerate(self.actions):
             if a.kind in (ActionKind.SYNC, ActionKind.OPT):
                 continue
@@ -387,7 +387,7 @@ class StageExecutor:
             if part.trainable():
                 start = time.perf_counter() - self._t0
                 self._phase_backward(name)
-                events.append(self._phase_event(name, _BWD, start))
+                events.append(self._phase_event(_BWD, start))
             # Every rank of the encoder's DP group reduces (or, frozen, reshards), its
             # share empty or not: ``Stage.reduce_gradients``.
             part.reduce_gradients()
@@ -616,13 +616,11 @@ class StageExecutor:
                                f"left sample {i} without embeddings; the routing and the "
                                "executor disagree") from None
 
-    def _phase_event(self, name: str, direction: str, start: float) -> Event:
-        """Phased encoder ``name``'s forward (``F``) or backward (``B``) phase on this
-        rank: an event of the encoder's row (its replica on this rank, no microbatch)."""
-        part = self.stage.phased[name]
-        return Event(unit=name, stage=0, replica=part.role.replica, rank=self._leader,
-                     kind=direction, microbatch=None, start_s=start,
-                     end_s=time.perf_counter() - self._t0)
+    def _phase_event(self, direction: str, start: float) -> Event:
+        """A phased encoder's forward (``F``) or backward (``B``) phase on this rank: an
+        event of the rank's own row with no microbatch (the schedule's passes all have
+        one), so a timeline keeps one row per GPU, as the simulator's does."""
+        return self._event(direction, None, start)
 
     def _phase_share(self, name: str, stage: int) -> list[list[int]]:
         """Per microbatch step, the samples that the ranks of backbone stage ``stage`` of

@@ -76,15 +76,20 @@ def _train(rank: int, world: int, program: ir.Program, plan: Plan, losses: list[
     kinds = [(e.unit, e.kind, e.microbatch) for e in events]
     actions = [(ex.role.unit, a.kind.value, a.microbatch)
                for a in schedule.stage(ex.role.unit, ex.role.stage).actions]
-    front = [(u.name, "F", None) for u in phased]
-    back = [(u.name, "B", None) for u in phased if ex.stage.phased[u.name].trainable()]
+    front = [(ex.role.unit, "F", None) for u in phased]
+    back = [(ex.role.unit, "B", None) for u in phased
+            if ex.stage.phased[u.name].trainable()]
     tail = [a for a in actions if a[1] in ("SYNC", "OPT")]
     body = [a for a in actions if a[1] not in ("SYNC", "OPT")]
     assert kinds == front + body + back + tail, kinds
+    # One row per GPU: the phases are events of the backbone's rows.
     timeline = gather_timeline(plan, steps - 1, events)
     if timeline is not None:
-        rows = {e.row for e in timeline.events}
-        assert {("vit", 0, q) for q in range(plan.unit("vit").dp)} <= rows
+        assert {e.row for e in timeline.events} == \
+            {(u.name, s, r) for u in plan.units if u.gpus for s in range(u.pp)
+             for r in range(u.dp)}
+        assert len([e for e in timeline.events if e.kind == "F" and e.microbatch is None]) \
+            == plan.unit("llm").dp * plan.unit("llm").pp
     # Every rank's parameters, the phased encoder's shards included, are the reference's.
     full = ex.full_parameters()
     if phased:
