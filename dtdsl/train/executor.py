@@ -1015,10 +1015,11 @@ def stage_run(role: str) -> Any:
 def measured_timeline(plan: Plan, step: int, events: Sequence[Event]) -> Timeline:
     """A measured ``Timeline`` of one step from the events of any set of ranks (e.g. all
     of them, gathered)."""
-    # Co-located units have no rows of their own: their passes are in their host
-    # stage's F and B events, as in the simulator's timeline.
+    # Co-located and phased units have no rows of their own: their passes are in the
+    # backbone's rows' events, as in the simulator's timeline.
     units = tuple(TimelineUnit(name=u.name, role=u.role, pp=u.pp, dp=u.dp, tp=u.tp,
-                               first_rank=u.first_rank) for u in plan.units if not u.colocated)
+                               first_rank=u.first_rank) for u in plan.units
+                  if not (u.colocated or u.phased))
     return Timeline(source="measured", num_microbatches=plan.num_microbatches, units=units,
                     events=tuple(events), step=step)
 
@@ -1055,7 +1056,7 @@ def gather_timeline(plan: Plan, step: int, events: Sequence[Event], *,
     only (a replica's TP ranks run in lockstep, one event stands for them all). Each
     rank's times are relative to its own start of the step, taken right after a barrier,
     so they compare across ranks up to the barrier's skew."""
-    names = [u.name for u in plan.units if not u.colocated]
+    names = [u.name for u in plan.units if not (u.colocated or u.phased)]
     rank = dist.get_rank()
     mine = [e for e in events if e.rank == rank]
     rows = torch.tensor([[names.index(e.unit), e.stage, e.replica, e.rank, _KINDS.index(e.kind),
