@@ -373,7 +373,10 @@ def _plan_problems(the_plan: Plan, program: Program) -> list[str]:
         if u.colocated and (u.gpus != 0 or u.role == "backbone"):
             out.append(f"{u.name}: a co-located unit holds no GPU of its own (it runs on "
                        "the backbone's first or last stage)")
-        elif not u.colocated and u.gpus != u.tp * u.dp * u.pp:
+        elif u.phased and (u.gpus != 0 or u.role == "backbone"):
+            out.append(f"{u.name}: a phased unit holds no GPU of its own (it runs on all "
+                       "the backbone's GPUs, before and after its pipeline)")
+        elif not (u.colocated or u.phased) and u.gpus != u.tp * u.dp * u.pp:
             out.append(f"{u.name}: gpus {u.gpus} is not tp x dp x pp = {u.tp * u.dp * u.pp}")
         layers = module.arch.pipeline_layers
         if len(u.layers_per_stage) != u.pp or sum(u.layers_per_stage) != layers or \

@@ -495,7 +495,10 @@ instead. Today the runtime cannot train:
   are layouts to compare with;
 - a co-located unit a hand-edited plan places off the backbone's first (last)
   stage, its TP, DP or ranks, or splits over a TP degree that does not divide
-  its heads (the planner replicates such a module, `tp_replicated`, which runs).
+  its heads (the planner replicates such a module, `tp_replicated`, which runs);
+- a phased generator (only encoders run phased: a generator's loss needs the
+  backbone's outputs, inside the pipeline), or a phased encoder a hand-edited
+  plan gives other than the backbone's ranks, its TP and dp x pp replicas.
 
     encoder beats (audio) { ... }      # error: the runtime has no audio encoder yet
 """),

@@ -193,7 +193,7 @@ def _files(source: bytes, program: ir.Program, plan: Plan, schedule: Schedule, j
 def _rank_fields(f: Any) -> dict[str, Any]:
     return {"unit": f.unit, "role": f.role, "stage": f.stage, "layers": f.layers, "tp": f.tp,
             "dp": f.dp, "pp": f.pp, "ranks": f.ranks, "schedule": f.schedule,
-            "rank_list": f.rank_list, "hosts": f.hosts}
+            "rank_list": f.rank_list, "hosts": f.hosts, "phased": f.phased}
 
 
 def _manifest(view: BundleView, files: list[_File]) -> _File:

@@ -86,7 +86,7 @@ def _plan(program: ir.Program, plan: Plan) -> list[Diagnostic]:
             hint="compile without --plan, or with a plan from the convex or exhaustive "
                  "search"))
         return out
-    out += _colocated(program, plan)
+    out += _colocated(program, plan) + _phased(program, plan)
     for u in plan.units:
         if u.phased:
             out.append(Diagnostic.error(
@@ -131,6 +131,50 @@ def _colocated(program: ir.Program, plan: Plan) -> list[Diagnostic]:
         if conflicts:
             out.append(Diagnostic.error(
                 _CODE, f"co-located unit {u.name} is split over the backbone's TP groups of "
+                f"{u.tp}, which cannot split its {' and '.join(conflicts)}",
+                program.module(u.name).span,
+                notes=["tensor parallelism cuts every attention and MLP block into equal "
+                       "parts"],
+                hint=f"mark it `tp_replicated` in the plan (every TP rank then runs all of "
+                     f"{u.name}), or plan again"))
+    return out
+
+
+def _phased(program: ir.Program, plan: Plan) -> list[Diagnostic]:
+    """A phased unit is an encoder that runs before and after the backbone's pipeline on
+    all its ranks (``parallel.mesh.phased_units``): a phased generator (its loss needs
+    the backbone's last hidden states, inside the pipeline), a phased unit beside
+    another encoder, or a hand-edited plan that places it otherwise, cannot run; nor can
+    a TP split that does not divide it (the planner replicates such a module over the TP
+    group, ``tp_replicated``, which runs)."""
+    from dtdsl.parallel.mesh import phased_problems
+
+    out = []
+    names = {m.name for m in program.modules}
+    for problem in phased_problems(plan):
+        name = problem.partition(":")[0]
+        span = program.module(name).span if name in names else program.train.span
+        out.append(Diagnostic.error(
+            _CODE, f"phased unit {problem}", span,
+            notes=["a phased encoder runs its forward for the whole step before the "
+                   "backbone's pipeline and its backward after it, data-parallel over all "
+                   "the backbone's GPUs (dp = the backbone's dp x pp, its tp); a generator "
+                   "needs the backbone's outputs and cannot run outside the pipeline"],
+            hint="compile without --plan, or plan with `dtc plan --placement phased` "
+                 "(encoders only)"))
+    phased = [u for u in plan.units if u.phased and u.role == "encoder"]
+    others = [u for u in plan.units if u.role == "encoder" and not u.phased]
+    if phased and others:
+        out.append(Diagnostic.error(
+            _CODE, f"encoder {phased[0].name} is phased and encoder {others[0].name} is "
+                   "not; the runtime feeds the backbone one encoder's embeddings",
+            program.module(phased[0].name).span,
+            hint=f"plan {others[0].name} phased too, or keep one image encoder"))
+    for u in phased:
+        conflicts = program.module(u.name).arch.tp_conflicts(u.tp)
+        if conflicts and not u.tp_replicated:
+            out.append(Diagnostic.error(
+                _CODE, f"phased unit {u.name} is split over the backbone's TP groups of "
                 f"{u.tp}, which cannot split its {' and '.join(conflicts)}",
                 program.module(u.name).span,
                 notes=["tensor parallelism cuts every attention and MLP block into equal "
@@ -185,8 +229,10 @@ def runtime_support(program: ir.Program, plan: Plan | None = None) -> list[Diagn
     """Errors (DT601) for what of ``program`` and ``plan`` the runtime cannot train yet: an
     encoder other than an image encoder, a second image encoder, ``precision = fp16``, and
     with a plan: the baseline's plans, interleaved units (vpp > 1), generators on more
-    than one pipeline stage and co-located units placed other than on the backbone's
-    first or last stage or split by a TP degree that does not divide them; and TP groups
+    than one pipeline stage, co-located units placed other than on the backbone's
+    first or last stage and phased units other than encoders on all the backbone's ranks
+    (a phased generator), or any of these split by a TP degree that does not divide
+    them; and TP groups
     across nodes priced as within one (``tp_placement``, DT411).
 
     Without ``plan`` only the spec's own features are checked (before planning)."""

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from dtdsl.codegen.slurm import SlurmOptions
 from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan
 from dtdsl.ir.schedule import Schedule
-from dtdsl.parallel.mesh import RankRole, UnitGrid, grids, hosted_units
+from dtdsl.parallel.mesh import RankRole, UnitGrid, grids, hosted_units, phased_units
 from dtdsl.train.job import Job, RankEntry
 
 __all__ = ["BundleView", "RankFileView", "RankView", "bundle_view", "rank_file_name"]
@@ -56,6 +57,9 @@ class RankFileView:
     # The co-located modules the stage runs besides its unit, each with its projector
     # (``parallel.mesh.hosted_units``): ("vit", "vit_to_llm"), ...
     hosts: tuple[tuple[str, str], ...] = ()
+    # The phased encoders every backbone stage runs before and after the pipeline, each
+    # with its projector (``parallel.mesh.phased_units``).
+    phased: tuple[tuple[str, str], ...] = ()
 
     @property
     def rank_list(self) -> str:
@@ -63,10 +67,16 @@ class RankFileView:
 
     @property
     def hosts_text(self) -> str:
-        """``"; runs the co-located vit (with vit_to_llm)"``, or ``""``."""
-        if not self.hosts:
-            return ""
-        return "; runs the co-located " + ", ".join(f"{m} (with {p})" for m, p in self.hosts)
+        """``"; runs the co-located vit (with vit_to_llm)"``, ``"; runs its share of the
+        phased vit (with vit_to_llm)"``, or ``""``."""
+        text = ""
+        if self.hosts:
+            text += "; runs the co-located " + ", ".join(f"{m} (with {p})"
+                                                          for m, p in self.hosts)
+        if self.phased:
+            text += "; runs its share of the phased " + ", ".join(
+                f"{m} (with {p})" for m, p in self.phased)
+        return text
 
 
 @dataclass(frozen=True)
@@ -92,7 +102,7 @@ class BundleView:
     last_node: str
     launch_command: str                  # the README's first command: one node or several
     rank_files: tuple[RankFileView, ...]
-    # Sentences on where the co-located modules run (none without them).
+    # Sentences on where the co-located and phased modules run (none without them).
     colocated: tuple[str, ...] = ()
 
     @property
@@ -114,16 +124,17 @@ def _layers(grid: UnitGrid, plan: Plan, stage: int) -> tuple[int, int]:
     return start, start + split[stage]
 
 
-def _hosts(program: ir.Program, plan: Plan, grid: UnitGrid, stage: int
+def _hosts(program: ir.Program, plan: Plan, grid: UnitGrid, stage: int, which: Any
            ) -> tuple[tuple[str, str], ...]:
-    """The co-located modules stage ``stage`` of ``grid`` runs, with their projectors."""
+    """The modules stage ``stage`` of ``grid`` runs besides its own, with their
+    projectors: ``which`` is ``hosted_units`` (co-located) or ``phased_units``."""
     role = RankRole(rank=grid.rank(stage, 0, 0), grid=grid, stage=stage, replica=0,
                     tp_index=0)
     backbone = program.backbone.name
     return tuple((u.name, next(p.name for p in program.projectors if (
         (p.source, p.target) == (u.name, backbone) if u.role == "encoder"
         else (p.source, p.target) == (backbone, u.name))))
-        for u in hosted_units(plan, role))
+        for u in which(plan, role))
 
 
 def _colocated(plan: Plan, files: tuple[RankFileView, ...]) -> tuple[str, ...]:
@@ -139,6 +150,19 @@ def _colocated(plan: Plan, files: tuple[RankFileView, ...]) -> tuple[str, ...]:
                        f"{f.rank_list}), co-located: {how}, data parallel over its {u.dp} "
                        f"replica{'s' if u.dp != 1 else ''}, in the same forward and backward "
                        "passes; it has no ranks of its own.")
+    for module, projector in next((f.phased for f in files if f.phased), ()):
+        u = plan.unit(module)
+        stages = [f for f in files if f.phased]
+        how = "whole on every TP rank" if u.tp_replicated and u.tp > 1 else \
+            f"TP {u.tp}" if u.tp > 1 else "unsplit"
+        out.append(f"{u.role.capitalize()} {module} and its projector {projector} run "
+                   f"phased on the GPUs of all {len(stages)} of {stages[0].unit}'s stages "
+                   f"({', '.join(f'`{f.path}`' for f in stages)}): {how}, data parallel "
+                   f"over {u.dp} replicas, each rank encoding its share of its backbone "
+                   "replica's samples for the whole step before the pipeline's first "
+                   "action (the embeddings go to the first stage) and, with the gradients "
+                   "the first stage sends back, recomputing and running their backward "
+                   "after its last; it has no ranks of its own.")
     return tuple(out)
 
 
@@ -160,7 +184,8 @@ def _rank_files(program: ir.Program, plan: Plan, schedule: Schedule
                 layers=_layers(g, plan, stage), tp=g.tp, dp=g.dp, pp=g.pp,
                 ranks=tuple(sorted(ranks, key=lambda r: r.rank)),
                 schedule=tuple(str(a) for a in schedule.stage(g.name, stage).actions),
-                hosts=_hosts(program, plan, g, stage)))
+                hosts=_hosts(program, plan, g, stage, hosted_units),
+                phased=_hosts(program, plan, g, stage, phased_units)))
     return tuple(out)
 
 

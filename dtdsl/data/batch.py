@@ -61,6 +61,7 @@ __all__ = [
     "SyntheticSource",
     "normalizer_of",
     "parts_of",
+    "reads_of",
     "route_batch",
     "routing_of",
     "sample_set",
@@ -172,6 +173,29 @@ def parts_of(role: RankRole, plan: Plan | None = None) -> frozenset[str]:
     return frozenset(parts)
 
 
+def reads_of(role: RankRole, plan: Plan, routing: Sequence[StepSamples]
+             ) -> dict[int, frozenset[str]]:
+    """The positions of a step whose parts a rank reads, and the parts of each: its
+    stage's samples with ``parts_of(role, plan)``, and on a backbone rank that runs a
+    phased encoder (``mesh.phased_units``) the images of its share of the encoder's
+    samples (its replica there, ``mesh.phased_role``), which are also its replica's.
+    Empty where the rank reads nothing."""
+    from dtdsl.parallel.mesh import phased_role, phased_units
+
+    out: dict[int, frozenset[str]] = {}
+    parts = parts_of(role, plan)
+    if parts:
+        for s in routing:
+            for i in s.samples_of(role.unit, role.replica):
+                out[i] = parts
+    for u in phased_units(plan, role):
+        replica = phased_role(plan, u, role.rank).replica
+        for s in routing:
+            for i in s.samples_of(u.name, replica):
+                out[i] = out.get(i, frozenset()) | {"images"}
+    return out
+
+
 def _image_tokens(program: ir.Program) -> ir.ImageTokens:
     """``Program.image_tokens``; ValueError for encoders the runtime has no data for
     (``data.sample.image_encoder``)."""
@@ -266,7 +290,7 @@ def routing_of(plan: Plan, steps: Sequence[StepSamples]) -> Routing:
 class LocalBatches:
     """A ``BatchSource`` that builds every step's batch in this process from ``source``:
     routing under ``policy`` (default the spec's ``train.reorder``), this rank's samples
-    with the parts its stage reads (``parts_of(role)``) and the denominators."""
+    with the parts it reads (``reads_of``) and the denominators."""
 
     def __init__(self, program: ir.Program, plan: Plan, role: RankRole, *,
                  source: SampleSource | None = None, policy: frozenset[str] | None = None,
@@ -291,12 +315,8 @@ class LocalBatches:
             if self._static is None:
                 self._static = route_batch(self.plan, self.program, sizes, frozenset())
             routing = self._static
-        samples: dict[int, Sample] = {}
-        if self.parts:
-            r = self.role
-            for s in routing:
-                for i in s.samples_of(r.unit, r.replica):
-                    samples[i] = self.source.sample(step, i, self.parts, sizes=sizes[i])
+        samples = {i: self.source.sample(step, i, parts, sizes=sizes[i])
+                   for i, parts in reads_of(self.role, self.plan, routing).items()}
         return StepBatch(step=step, keys=self.source.keys(step), routing=routing,
                          samples=samples, normalizer=normalizer_of(self.program, sizes),
                          sizes=tuple(sizes))

@@ -18,7 +18,8 @@ steps ``s`` with ``s mod W == w``. For each it
 3. decodes the samples its node's ranks read (images resized to whole patches, text
    tokenized, generation targets encoded; each once) and sends each of those ranks one
    ``protocol`` batch message with the routing and the parts of its samples that its
-   stage reads (``runtime.batch.parts_of``).
+   rank reads (``data.batch.reads_of``: its stage's parts, and the images of its share of
+   a phased encoder's samples).
 
 **Which ranks.** torchrun's rendezvous decides which global ranks a node holds (and may
 decide differently after a restart), so a worker does not know them in advance: the
@@ -137,7 +138,7 @@ def build_messages(ctx: FeedContext, step: int, ranks: Sequence[int] | None = No
                    ) -> list[tuple[dict, dict]]:
     """Step ``step``'s batch message (meta, arrays) for each of ``ranks`` (default: every
     trainer rank), in that order."""
-    from dtdsl.data.batch import normalizer_of, parts_of, route_batch
+    from dtdsl.data.batch import normalizer_of, reads_of, route_batch
     from dtdsl.feed.protocol import batch_message
 
     sizes = ctx.source.sizes(step)
@@ -148,9 +149,8 @@ def build_messages(ctx: FeedContext, step: int, ranks: Sequence[int] | None = No
     out = []
     for rank in (range(ctx.job.world_size) if ranks is None else ranks):
         role = ctx.roles[rank]
-        parts = parts_of(role, ctx.plan)
-        positions = [i for s in routing for i in s.samples_of(role.unit, role.replica)]
-        samples = {i: _payload(ctx, step, i, parts, cache) for i in positions} if parts else {}
+        samples = {i: _payload(ctx, step, i, parts, cache)
+                   for i, parts in reads_of(role, ctx.plan, routing).items()}
         out.append(batch_message(step, routing, norm, samples, ctx.units,
                                  keys if role.rank == 0 else None, sizes))
     return out

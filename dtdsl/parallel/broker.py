@@ -31,7 +31,10 @@ is what the ordering check compares.
 **Co-located units** (``UnitPlan.colocated``) run inside the backbone's first or last
 stage, in its forward and backward: the broker has no grid, route or message for them.
 Their samples' replica is the backbone's (``sim.workload.route``), so the routing every
-rank computes still names them, and nothing else does.
+rank computes still names them, and nothing else does. Nor does it carry a **phased**
+encoder's (``UnitPlan.phased``) embeddings: they go from each backbone rank to its
+replica's first stage over the pair of their PP group, before and after the pipeline
+(``train.executor``).
 """
 
 from __future__ import annotations
@@ -249,6 +252,9 @@ class Broker:
                 # Its tensors never leave the host stage's autograd graph.
                 raise KeyError(f"unit {name!r} is co-located on the backbone's stages: "
                                "the broker carries nothing to or from it") from None
+            if any(u.name == name and u.phased for u in self.plan.units):
+                raise KeyError(f"unit {name!r} runs phased on the backbone's ranks: the "
+                               "broker carries nothing to or from it") from None
             raise KeyError(f"no unit {name!r} in the plan") from None
         if (pg.role, cg.role) not in _EDGES:
             raise ValueError(f"{producer} ({pg.role}) does not feed {consumer} ({cg.role}); "

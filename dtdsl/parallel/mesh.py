@@ -19,6 +19,16 @@ stage, a generator on its last, ``gpus`` 0) have no grid, ranks or groups of the
 they run inside their host stage, on its TP group and DP mesh (``hosted_units``), so
 ``grids`` leaves them out and every rank of the job belongs to a unit with GPUs.
 
+**Phased encoders** (``UnitPlan.phased``: an encoder whose forward runs before the
+pipeline and backward after it, data-parallel over all the backbone's ranks, ``gpus`` 0)
+have no ranks of their own either, but a grid over the backbone's ranks
+(``phased_grid``): pp 1, dp = the backbone's dp x pp, the backbone's tp, so its replica
+q = stage * dp + replica is every backbone rank's ``(rank - first_rank) // tp``. Its TP
+group through a rank is the backbone's TP group (the same process group); its DP group is
+every backbone rank with the same tp_index, over all stages and replicas, a group of its
+own (``phased_meshes``) unless it has the ranks of one of the backbone's (its DP group
+when pp is 1, its PP group when dp is 1), which is then used again.
+
 **Meshes and groups.** ``build_groups`` gives each rank its unit's ``DeviceMesh`` over
 the unit's ranks, shaped ``(pp, dp_replicate, dp_shard, tp)`` (``MESH_DIMS``): the DP
 ranks are a shard dimension under ZeRO >= 1 (FSDP2 shards over it) and a replicate
@@ -29,8 +39,10 @@ function of the plan, so a dry run checks exactly what runs): at most three grou
 more than one rank (one of the two DP dimensions is always of size one), created one
 dimension after the other in ``MESH_DIMS`` order by their members alone
 (``new_group(..., use_local_synchronization=True)``). No rank takes part in another
-unit's groups, so a 1170-rank job creates a few groups per rank instead of every
-group of every unit on every rank, and with gloo (a full mesh of sockets per group) a rank
+unit's groups (except a phased encoder's, which runs on its backbone's ranks: one DP
+group more per phased encoder, created after the unit's, last), so a 1170-rank job
+creates a few groups per rank instead of every group of every unit on every rank, and
+with gloo (a full mesh of sockets per group) a rank
 holds sockets to its TP, DP and PP peers only. The order is the same on every rank and
 every rank is in one group of each kind, so no two creations wait on each other (the
 groups of the first dimension complete, then those of the next); and torch names such a
@@ -55,7 +67,7 @@ groups across the job (``dim_groups``). Other code creating groups does so throu
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:   # torch is imported where groups are built: planning tools never pay for it
@@ -65,7 +77,9 @@ if TYPE_CHECKING:   # torch is imported where groups are built: planning tools n
 
 __all__ = ["MESH_DIMS", "ProcessGroups", "RankRole", "UnitGrid", "build_groups",
            "colocation_problems", "data_parallel_mesh", "dim_groups", "grids", "hosted_units",
-           "new_subgroup", "rank_groups", "role_of", "splits_groups", "unit_mesh_shape"]
+           "new_subgroup", "phased_grid", "phased_groups", "phased_problems",
+           "phased_role", "phased_units", "rank_groups", "role_of", "splits_groups",
+           "unit_mesh_shape"]
 
 Role = Literal["encoder", "backbone", "generator"]
 
@@ -198,9 +212,10 @@ class RankRole:
 
 
 def grids(plan: Plan) -> tuple[UnitGrid, ...]:
-    """The grid of every unit with GPUs of its own, in plan order (co-located units run
-    on their host's ranks: ``hosted_units``); checks that the units tile ranks 0..n-1."""
-    out = tuple(UnitGrid.of(u) for u in plan.units if not u.colocated)
+    """The grid of every unit with GPUs of its own, in plan order (co-located and phased
+    units run on the backbone's ranks: ``hosted_units``, ``phased_units``); checks that
+    the units tile ranks 0..n-1."""
+    out = tuple(UnitGrid.of(u) for u in plan.units if not (u.colocated or u.phased))
     expected = 0
     for g in sorted(out, key=lambda g: g.first_rank):
         if g.first_rank != expected:
@@ -267,6 +282,68 @@ def hosted_units(plan: Plan, role: RankRole) -> tuple[UnitPlan, ...]:
 
 
 
+def phased_problems(plan: Plan) -> list[str]:
+    """What is wrong with the plan's phased units for the runtime, in plain words (empty
+    when nothing is): a phased unit is an encoder on all the backbone's ranks, with the
+    backbone's tp and first rank, dp = the backbone's dp x pp, one stage of all its
+    layers and one model chunk, and no GPU of its own (``UnitPlan.phased``)."""
+    backbone = next((u for u in plan.units if u.role == "backbone"), None)
+    out = []
+    for u in plan.units:
+        if not u.phased:
+            continue
+        if backbone is None or u.role != "encoder":
+            out.append(f"{u.name}: only an encoder can run phased (before and after the "
+                       f"backbone's pipeline), not a {u.role}; plan it disaggregated or "
+                       "co-located")
+            continue
+        if u.colocated:
+            out.append(f"{u.name}: a unit is phased or co-located, not both")
+        if u.gpus != 0:
+            out.append(f"{u.name}: a phased unit holds no GPU of its own, not {u.gpus}")
+        for what, got, want in (("tp", u.tp, backbone.tp),
+                                ("dp", u.dp, backbone.dp * backbone.pp),
+                                ("first_rank", u.first_rank, backbone.first_rank)):
+            if got != want:
+                out.append(f"{u.name}: {what} {got}, but a phased unit runs on all the "
+                           f"backbone's ranks with {what} {want} ({backbone.name}: tp "
+                           f"{backbone.tp}, dp {backbone.dp} x pp {backbone.pp})")
+        if u.pp != 1 or u.vpp != 1 or len(u.layers_per_stage) != 1:
+            out.append(f"{u.name}: pp {u.pp}, vpp {u.vpp} and layers_per_stage "
+                       f"{list(u.layers_per_stage)}; a phased unit runs all its layers in "
+                       "one model chunk (pp 1, vpp 1)")
+    return out
+
+
+def phased_units(plan: Plan, role: RankRole) -> tuple[UnitPlan, ...]:
+    """The phased encoders ``role``'s rank runs before and after the pipeline (plan
+    order): every one of the plan's on every backbone rank, none elsewhere. ValueError
+    for a plan whose phased units the runtime cannot place (``phased_problems``)."""
+    if role.role != "backbone" or not any(u.phased for u in plan.units):
+        return ()
+    problems = phased_problems(plan)
+    if problems:
+        raise ValueError("the plan's phased units cannot run: " + "; ".join(problems))
+    return tuple(u for u in plan.units if u.phased)
+
+
+def phased_grid(plan: Plan, unit: UnitPlan) -> UnitGrid:
+    """A phased unit's grid over its backbone's ranks (module docstring): pp 1, dp = the
+    backbone's dp x pp, the backbone's tp; replica q is the backbone's (stage, replica) =
+    divmod(q, backbone dp)."""
+    backbone = next(u for u in plan.units if u.role == "backbone")
+    return UnitGrid(name=unit.name, role=unit.role, tp=backbone.tp,
+                    dp=backbone.dp * backbone.pp, pp=1, first_rank=backbone.first_rank)
+
+
+def phased_role(plan: Plan, unit: UnitPlan, rank: int) -> RankRole:
+    """``rank``'s place in phased unit ``unit``'s grid (``phased_grid``)."""
+    grid = phased_grid(plan, unit)
+    stage, replica, tp_index = grid.coords(rank)
+    return RankRole(rank=rank, grid=grid, stage=stage, replica=replica, tp_index=tp_index)
+
+
+
 # ---- the unit's mesh and the groups behind it ------------------------------------------------
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
@@ -295,8 +372,43 @@ def rank_groups(plan: Plan, rank: int, zero: int = 1) -> dict[str, tuple[int, ..
     member ranks (ascending, so group rank = mesh coordinate), in creation order; the
     dimensions this rank is alone on are left out (they get no group, module docstring).
     Pure: a dry run compares it with what torch built without running the job."""
-    return {dim: ranks for dim, ranks in _lines(role_of(plan, rank), zero).items()
-            if len(ranks) > 1}
+    role = role_of(plan, rank)
+    out = {dim: ranks for dim, ranks in _lines(role, zero).items() if len(ranks) > 1}
+    for u in phased_units(plan, role):
+        if _phased_reuses(plan, zero) is None:
+            dim = _phased_dp_dim(zero)
+            ranks = _lines(phased_role(plan, u, rank), zero)[dim]
+            if len(ranks) > 1:
+                out[f"{u.name}.{dim}"] = ranks
+    return out
+
+
+def _phased_dp_dim(zero: int) -> str:
+    """The mesh dimension a phased unit's DP ranks are on (``unit_mesh_shape``)."""
+    return "dp_shard" if zero >= 1 else "dp_replicate"
+
+
+def _phased_reuses(plan: Plan, zero: int) -> str | None:
+    """The backbone's mesh dimension whose groups have the ranks of its phased units' DP
+    groups (then those are used again, not created twice): its DP dimension on one
+    pipeline stage, its PP dimension on one replica; None otherwise (and on a single
+    rank, where no group is made at all)."""
+    backbone = next(u for u in plan.units if u.role == "backbone")
+    if backbone.pp == 1:
+        return _phased_dp_dim(zero)
+    if backbone.dp == 1:
+        return "pp"
+    return None
+
+
+def phased_groups(plan: Plan, unit: str, zero: int = 1) -> tuple[tuple[int, ...], ...]:
+    """Every DP group of phased unit ``unit`` that is a group of its own
+    (``_phased_reuses``: not one of the backbone's), in tp_index order: the split of the
+    default group ``split_group`` makes for it (empty where none is made)."""
+    if _phased_reuses(plan, zero) is not None:
+        return ()
+    grid = phased_grid(plan, plan.unit(unit))
+    return tuple(g for g in grid.dp_groups() if len(g) > 1)
 
 
 def dim_groups(plan: Plan, dim: str, zero: int = 1) -> tuple[tuple[int, ...], ...]:
@@ -326,11 +438,14 @@ def data_parallel_mesh(mesh: Any) -> Any:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ProcessGroups:
     """This rank's place in its unit: the unit's DeviceMesh (``MESH_DIMS``) and its TP
-    process group (a placeholder of one rank when tp = 1: module docstring)."""
+    process group (a placeholder of one rank when tp = 1: module docstring); on a
+    backbone rank, each phased encoder's DeviceMesh too (same dimensions, over
+    ``phased_grid``), by unit name."""
 
     role: RankRole
     mesh: Any
     tp: ProcessGroup
+    phased: dict[str, Any] = field(default_factory=dict)
 
     @property
     def rank(self) -> int:
@@ -346,6 +461,12 @@ class ProcessGroups:
             ranks = tuple(dist.get_process_group_ranks(self.mesh.get_group(dim)))
             if len(ranks) > 1:
                 out[dim] = ranks
+        own = set(out.values())
+        for unit, mesh in self.phased.items():
+            for dim in MESH_DIMS:
+                ranks = tuple(dist.get_process_group_ranks(mesh.get_group(dim)))
+                if len(ranks) > 1 and ranks not in own:
+                    out[f"{unit}.{dim}"] = ranks
         return out
 
 
@@ -401,9 +522,7 @@ def build_groups(plan: Plan, *, device_type: str = "cpu", zero: int = 1) -> Proc
     device (``splits_groups``): there every rank calls it (once per mesh dimension). The
     default group's size must equal the plan's ranks, and every rank must have created
     as many groups before (none: call it first)."""
-    import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
 
     if not dist.is_initialized():
         raise RuntimeError("build_groups needs torch.distributed to be initialised")
@@ -425,8 +544,55 @@ def build_groups(plan: Plan, *, device_type: str = "cpu", zero: int = 1) -> Proc
                                f"{dist.get_process_group_ranks(group)}, the plan says "
                                f"{mine.get(dim)}")
         groups.append(group)
-    grid = role.grid
+    mesh = _mesh(role.grid, groups, device_type, zero)
+    return ProcessGroups(role=role, mesh=mesh, tp=mesh.get_group("tp"),
+                         phased=_phased_meshes(plan, role, mesh, device_type, zero))
+
+
+def _mesh(grid: UnitGrid, groups: list[Any], device_type: str, zero: int) -> Any:
+    """The DeviceMesh of ``grid`` over ``groups`` (one per mesh dimension)."""
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+
     table = torch.arange(grid.first_rank, grid.first_rank + grid.size,
                          dtype=torch.int).reshape(unit_mesh_shape(grid, zero))
-    mesh = DeviceMesh.from_group(groups, device_type, mesh=table, mesh_dim_names=MESH_DIMS)
-    return ProcessGroups(role=role, mesh=mesh, tp=mesh.get_group("tp"))
+    return DeviceMesh.from_group(groups, device_type, mesh=table, mesh_dim_names=MESH_DIMS)
+
+
+def _phased_meshes(plan: Plan, role: RankRole, mesh: Any, device_type: str,
+                   zero: int) -> dict[str, Any]:
+    """Each phased encoder's DeviceMesh on this rank (``phased_grid``): the backbone's TP
+    group, a placeholder for its PP dimension and the DP dimension ZeRO does not use, and
+    its DP group: one of the backbone's where it has the same ranks (``_phased_reuses``),
+    else a new one, made after the unit's groups by its members (or split from the
+    default group by every rank of the job, ``new_subgroup``: so every rank comes here,
+    in plan order)."""
+    import torch.distributed as dist
+
+    out: dict[str, Any] = {}
+    reused = _phased_reuses(plan, zero) if any(u.phased for u in plan.units) else None
+    mine = rank_groups(plan, role.rank, zero)
+    dp_dim = _phased_dp_dim(zero)
+    for u in (u for u in plan.units if u.phased):
+        desc = f"{u.name}_{dp_dim}"
+        group = None
+        if reused is None:
+            group = new_subgroup(mine.get(f"{u.name}.{dp_dim}"),
+                                 lambda u=u: phased_groups(plan, u.name, zero), desc=desc)
+        if role.role != "backbone":
+            continue
+        own = phased_role(plan, u, role.rank)
+        if reused is not None:
+            group = mesh.get_group(reused)
+        elif group is None:
+            group = _alone(role.rank, desc)
+        elif tuple(dist.get_process_group_ranks(group)) != own.dp_ranks:
+            raise RuntimeError(f"rank {role.rank}: {u.name}'s DP group holds ranks "
+                               f"{dist.get_process_group_ranks(group)}, the plan says "
+                               f"{own.dp_ranks}")
+        groups = {"pp": _alone(role.rank, f"{u.name}_pp"), "tp": mesh.get_group("tp"),
+                  dp_dim: group}
+        other = "dp_replicate" if dp_dim == "dp_shard" else "dp_shard"
+        groups[other] = _alone(role.rank, f"{u.name}_{other}")
+        out[u.name] = _mesh(own.grid, [groups[d] for d in MESH_DIMS], device_type, zero)
+    return out

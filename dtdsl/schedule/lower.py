@@ -38,7 +38,11 @@ Co-located modules (an encoder or generator of the program with no unit of its o
 schedule: ``Schedule.empty`` leaves them out) run inside the backbone's first (last)
 virtual stage, which therefore trains when they or their projectors do: a frozen
 backbone with a trainable co-located encoder still runs ``B`` on its first stage and
-steps its optimizer there.
+steps its optimizer there. A phased encoder (``UnitPlan.phased``) runs before and after
+the pipeline on every backbone rank, each holding a shard of it: every backbone stage
+trains when it or its projector does, so a frozen backbone still runs ``B`` down to its
+first stage (whose inputs' gradients the backward phase reads) and steps the encoder's
+shards everywhere.
 
 Interleaved 1F1B
 ----------------
@@ -123,8 +127,10 @@ class GradientFlow:
         return any((unit, stage, c) in self.trains for c in range(vpp))
 
 
-def gradient_flow(schedule: Schedule, program: Program) -> GradientFlow:
-    """Trainable and backward-running virtual stages of ``schedule``'s units."""
+def gradient_flow(schedule: Schedule, program: Program,
+                  phased: frozenset[str] = frozenset()) -> GradientFlow:
+    """Trainable and backward-running virtual stages of ``schedule``'s units; ``phased``:
+    the plan's phased encoders (``UnitPlan.phased``), held by every backbone stage."""
     units = schedule.units
     trains: set[VirtualStage] = set()
     useful: set[VirtualStage] = set()
@@ -140,7 +146,7 @@ def gradient_flow(schedule: Schedule, program: Program) -> GradientFlow:
                 if (p.source if u.role == "encoder" else p.target) == u.name)
             if not module.frozen or projector_trains:
                 trains.add(vs)
-    trains |= _hosts_that_train(schedule, program)
+    trains |= _hosts_that_train(schedule, program, phased)
 
     def unit_input_needs_grad(u: ScheduleUnit) -> bool:
         if u.role == "encoder":
@@ -181,9 +187,12 @@ def _trains_with_projector(program: Program, module: str, role: str) -> bool:
                if (p.source if role == "encoder" else p.target) == module)
 
 
-def _hosts_that_train(schedule: Schedule, program: Program) -> set[VirtualStage]:
+def _hosts_that_train(schedule: Schedule, program: Program,
+                      phased: frozenset[str] = frozenset()) -> set[VirtualStage]:
     """The backbone's virtual stages that host a trainable co-located module: its first
-    for an encoder, its last for a generator (module docstring)."""
+    for an encoder, its last for a generator (module docstring); every one of them for a
+    trainable phased encoder (``phased``: each backbone rank holds a shard of it and
+    steps it)."""
     scheduled = {u.name for u in schedule.units}
     backbone = next(u for u in schedule.units if u.role == "backbone")
     last = backbone.num_virtual_stages - 1
@@ -191,7 +200,12 @@ def _hosts_that_train(schedule: Schedule, program: Program) -> set[VirtualStage]
     for m in program.modules:
         if m.role == "backbone" or m.name in scheduled:
             continue
-        if _trains_with_projector(program, m.name, m.role):
+        if not _trains_with_projector(program, m.name, m.role):
+            continue
+        if m.name in phased:
+            out |= {(backbone.name, k % backbone.pp, k // backbone.pp)
+                    for k in range(last + 1)}
+        else:
             k = 0 if m.role == "encoder" else last
             out.add((backbone.name, k % backbone.pp, k // backbone.pp))
     return out
@@ -501,4 +515,5 @@ def lower(plan: Plan, program: Program) -> Schedule:
     """The validated schedule of ``plan`` (its ``schedule``, ``num_microbatches`` and
     per-unit pp and vpp) for ``program`` (which modules and projectors are frozen)."""
     base = Schedule.empty(plan)
-    return lower_units(base, gradient_flow(base, program))
+    phased = frozenset(u.name for u in plan.units if u.phased)
+    return lower_units(base, gradient_flow(base, program, phased))

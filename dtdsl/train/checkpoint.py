@@ -143,12 +143,15 @@ class UnitLayout(_Model):
     dp: int
     pp: int
     colocated: bool = False     # ran on the backbone's stages (written since issue 27)
+    phased: bool = False        # ran phased on the backbone's ranks (likewise)
 
     @property
     def text(self) -> str:
-        """``vit:tp1dp2pp1``, or ``vit:colocated`` for a unit that ran on its host's."""
-        return f"{self.name}:colocated" if self.colocated else \
-            f"{self.name}:tp{self.tp}dp{self.dp}pp{self.pp}"
+        """``vit:tp1dp2pp1``, or ``vit:colocated`` (``vit:phased``) for a unit that ran
+        on its host's stages (phased on the backbone's ranks)."""
+        if self.colocated or self.phased:
+            return f"{self.name}:{'colocated' if self.colocated else 'phased'}"
+        return f"{self.name}:tp{self.tp}dp{self.dp}pp{self.pp}"
 
 
 class Manifest(_Model):
@@ -271,40 +274,52 @@ def _remove_incomplete(run_dir: Path) -> None:
 
 # ---- the state dict ------------------------------------------------------------------------
 
-def _optimizers(ex: Any) -> list[Any]:
-    return [o.optimizer for o in ex.optimizers]
+def _parts(ex: Any) -> list[tuple[Any, Any]]:
+    """Each FSDP2 root of the rank (its stage, each phased encoder) with its torch
+    optimizer, or None where it trains nothing (``StageExecutor.checkpoint_parts``)."""
+    return [(module, None if opt is None else opt.optimizer)
+            for module, opt in ex.checkpoint_parts()]
 
 
 def state_dict(ex: Any) -> dict[str, Any]:
     """This rank's part of the checkpoint (module docstring): DTensor shards keyed by the
-    plan-independent names of the stage's parameters and their optimizer state. The
-    tensors are the live ones: stage a copy before training goes on."""
+    plan-independent names of the stage's parameters and their optimizer state (a
+    phased encoder's under its own names, as a unit of its own saves them). The tensors
+    are the live ones: stage a copy before training goes on."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
-    module = ex.stage.module
-    if not ex.optimizers:
-        return {"model": get_model_state_dict(module)}
-    model, optim = get_state_dict(module, _optimizers(ex))
-    return {"model": model, "optim": optim["state"]}
+    out: dict[str, Any] = {"model": {}}
+    for module, opt in _parts(ex):
+        if opt is None:
+            out["model"].update(get_model_state_dict(module))
+            continue
+        model, optim = get_state_dict(module, [opt])
+        out["model"].update(model)
+        out.setdefault("optim", {}).update(optim["state"])
+    return out
 
 
 def load_state_dict(ex: Any, state: dict[str, Any]) -> None:
     """Set the stage's parameters and optimizer state from ``state`` (``state_dict``'s
     keys, loaded in place by DCP: each rank's shards, resharded from any plan)."""
     from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
         get_state_dict,
         set_model_state_dict,
         set_state_dict,
     )
 
-    module = ex.stage.module
-    if not ex.optimizers:
-        set_model_state_dict(module, state["model"])
-        return
-    _, current = get_state_dict(module, _optimizers(ex))
-    set_state_dict(module, _optimizers(ex), model_state_dict=state["model"],
-                   optim_state_dict={"state": state["optim"],
-                                     "param_groups": current["param_groups"]})
+    for module, opt in _parts(ex):
+        keys = get_model_state_dict(module).keys()
+        model = {k: v for k, v in state["model"].items() if k in keys}
+        if opt is None:
+            set_model_state_dict(module, model)
+            continue
+        _, current = get_state_dict(module, [opt])
+        optim = {k: v for k, v in state["optim"].items() if k in keys}
+        set_state_dict(module, [opt], model_state_dict=model,
+                       optim_state_dict={"state": optim,
+                                         "param_groups": current["param_groups"]})
 
 
 # ---- saving and resuming ----------------------------------------------------------------------
@@ -581,7 +596,8 @@ class Checkpointer:
                     spec_sha256=self.spec_sha256, plan_sha256=self.plan_sha256,
                     world_size=plan.gpus_used,
                     units=tuple(UnitLayout(name=u.name, tp=u.tp, dp=u.dp, pp=u.pp,
-                                           colocated=u.colocated) for u in plan.units),
+                                           colocated=u.colocated, phased=u.phased)
+                                for u in plan.units),
                     mode=self.mode, rng_torch=_rng_b64(torch.get_rng_state()), rng_cuda=cuda)
 
     def save(self, step: int) -> float:

@@ -122,8 +122,14 @@ def _open_fds() -> int:
 # ------------------------------------------------------------------------------ groups
 
 
-def _expected_groups(role: Any) -> dict[str, tuple[int, ...]]:
+def _expected_groups(plan: Any, role: Any, zero: int) -> dict[str, tuple[int, ...]]:
+    """The groups ``role``'s rank must be in: its unit's TP, DP and PP groups of more
+    than one rank, and a phased encoder's DP group where it is one of its own
+    (``mesh.rank_groups``: ``"<unit>.<dimension>"``)."""
+    from dtdsl.parallel.mesh import rank_groups
+
     named = {"tp": role.tp_ranks, "dp": role.dp_ranks, "pp": role.pp_ranks}
+    named.update({k: v for k, v in rank_groups(plan, role.rank, zero).items() if "." in k})
     return {k: tuple(sorted(v)) for k, v in named.items() if len(v) > 1}
 
 
@@ -181,7 +187,7 @@ def _check_groups(plan: Any, rank: int, zero: int, device_type: str
         dist.destroy_process_group()
     placeholders = [m for m, backend in recorded.made if backend == "fake" and len(m) == 1]
     real = [m for m, backend in recorded.made if not (backend == "fake" and len(m) == 1)]
-    want = _expected_groups(role_of(plan, rank))
+    want = _expected_groups(plan, role_of(plan, rank), zero)
     problems = []
     for name, members in want.items():
         if members not in real:
@@ -203,10 +209,14 @@ def _check_groups(plan: Any, rank: int, zero: int, device_type: str
 def _p2p_peers(plan: Any, role: Any) -> int:
     """The ranks this rank may exchange activations with over the default group: its
     pipeline neighbours, and for the TP leader of a unit's first or last stage, every
-    other unit's edge-stage replica leaders (the broker's pairs; an upper bound)."""
-    from dtdsl.parallel.mesh import grids
+    other unit's edge-stage replica leaders (the broker's pairs; an upper bound); with a
+    phased encoder, every backbone stage of its replica and TP index talks to the first
+    (the phases' hand-offs), neighbour or not."""
+    from dtdsl.parallel.mesh import grids, phased_units
 
     peers = int(role.stage > 0) + int(role.stage < role.grid.pp - 1)
+    if phased_units(plan, role):
+        peers += max(0, role.grid.pp - 2) if role.is_first_stage else int(role.stage > 1)
     if role.is_leader and (role.is_first_stage or role.is_last_stage):
         peers += sum(g.dp * (1 if g.pp == 1 else 2) for g in grids(plan)
                      if g.name != role.unit)

@@ -74,8 +74,27 @@ schedule has no stage of theirs (``Schedule.empty``): their passes are part of t
 stage's ``F`` and ``B`` and of its measured events, as the simulator folds them into the
 host stage's times; the host trains when they do (``schedule.lower.gradient_flow``).
 
+Phased encoders (issue 27; ``UnitPlan.phased``, ``parallel.mesh.phased_units``): an
+encoder the plan phases runs on every backbone rank, outside the schedule, as a stage of
+its own (``Stage.phased``: its shards over its DP group of every backbone rank with the
+same TP index, ``parallel.mesh.phased_grid``). Before the schedule's first action, the
+*forward phase*: each rank encodes its share of the step (the samples whose
+``assignment`` of the encoder is its replica stage * dp + replica, every microbatch step;
+``data.batch.reads_of`` gives it their images) under ``no_grad``, and sends the
+embeddings to the backbone's first stage of its replica and TP index (one message per
+stage, the samples in step order, shapes from ``StepBatch.sizes``; the first stage keeps
+its own), which holds them as autograd leaves and feeds them to ``backbone_input`` as it
+would a broker's. After the schedule's last action (and the stage's own reduction), the
+*backward phase*, where the encoder or its projector trains: the first stage sends each
+stage its share's embedding gradients, every rank recomputes its share's forward one
+microbatch step at a time and runs backward with them; then every rank reduces the
+encoder's gradients over its DP group, share or no share. Each phase is an ``F`` or
+``B`` event with no microbatch on the rank's own (backbone) row of the measured timeline:
+one row per GPU, as in the simulator's predicted timeline, which folds the phases into
+the first stage's first ``F`` and last ``B`` (``sim.workload.iteration_durations``).
+
 Limits: interleaved schedules (vpp > 1) raise NotImplementedError; a U-Net or DiT
-generator runs on one pipeline stage.
+generator runs on one pipeline stage; one image encoder (phased or not).
 """
 
 from __future__ import annotations
@@ -209,7 +228,18 @@ class StageExecutor:
         self._leader = self.role.grid.leader(self.role.stage, self.role.replica)
         self.stage: Stage = build_stage(program, plan, self.role, groups.mesh, self.device,
                                         seed=self.seed, run=stage_run(self.role.role),
-                                        initialize=initialize)
+                                        initialize=initialize, phased=groups.phased,
+                                        phased_run=_run_encoder)
+        if len(self.stage.phased) > 1 or (self.stage.phased and any(
+                u.role == "encoder" and not u.phased for u in plan.units)):
+            raise NotImplementedError("the runtime models one image encoder: plan one "
+                                      "phased encoder and no other")
+        # Embeddings of the phased encoder's outputs for this replica's samples (on the
+        # backbone's first stage, between the phases), as autograd leaves.
+        self._phased_in: dict[int, torch.Tensor] = {}
+        # Per phased encoder, this rank's share of the step: (samples, their packed
+        # images) per microbatch step, from the forward phase to the backward phase.
+        self._phase_packs: dict[str, list[tuple[list[int], PackedImages | None]]] = {}
         self.model = _Units(program, self.stage.module.units)
         # Co-located modules this stage runs (a backbone's first stage: the encoder, its
         # last: the generators), on its own ranks and samples.
@@ -246,18 +276,35 @@ class StageExecutor:
                                "the schedule from the same program")
         opt = program.train.optimizer
         self.optimizers: list[StageOptimizer] = []
-        if trainable:
-            from dtdsl.train.lr import lr_at
+        # One optimizer per FSDP2 root (the stage, each phased encoder): a checkpoint
+        # saves each with its module (``checkpoint_parts``).
+        self._parts: list[tuple[torch.nn.Module, StageOptimizer | None]] = []
+        from dtdsl.train.lr import lr_at
 
-            train = program.train
+        train = program.train
+        phased = {n for part in self.stage.phased.values() for n in part.named_parameters()}
+        roots = [(self.stage.module, [(k, p) for k, p in trainable if k not in phased])]
+        roots += [(part.module, [(k, p) for k, p in part.named_parameters().items()
+                                 if p.requires_grad]) for part in self.stage.phased.values()]
+        for module, params in roots:
+            if not params:
+                self._parts.append((module, None))
+                continue
             self.optimizers.append(StageOptimizer(
-                [p for _, p in trainable], name=opt.name, lr=opt.lr, betas=tuple(opt.betas),
+                [p for _, p in params], name=opt.name, lr=opt.lr, betas=tuple(opt.betas),
                 eps=opt.eps, weight_decay=opt.weight_decay, tp_index=role.tp_index,
-                counted_on_tp=[k in self.stage.tp_sharded for k, _ in trainable],
+                counted_on_tp=[k in self.stage.tp_sharded for k, _ in params],
                 # A tied LM head on the last stage is the first stage's embedding again.
                 uncounted=[k == self.stage.tied_name and role.is_last_stage
-                           for k, _ in trainable],
+                           for k, _ in params],
                 lr_at=lambda step: lr_at(train.lr_schedule, opt.lr, train.steps, step)))
+            self._parts.append((module, self.optimizers[-1]))
+
+    def checkpoint_parts(self) -> list[tuple[torch.nn.Module, StageOptimizer | None]]:
+        """Each FSDP2 root this rank holds (its stage's module, then each phased
+        encoder's) with its optimizer (None where it trains nothing): what a checkpoint
+        saves, one ``get_state_dict`` each."""
+        return list(self._parts)
 
     def named_parameters(self) -> dict[str, torch.Tensor]:
         """This stage's parameters as ``{"unit.param": tensor}`` (DTensors: FSDP2's
@@ -315,6 +362,10 @@ class StageExecutor:
         if timed:
             dist.barrier()     # a common origin for every rank's event times
         self._t0 = time.perf_counter()
+        for name in self.stage.phased:
+            start = time.perf_counter() - self._t0
+            self._phase_forward(name)
+            events.append(self._phase_event(_FWD, start))
         for i, a in enumerate(self.actions):
             if a.kind in (ActionKind.SYNC, ActionKind.OPT):
                 continue
@@ -332,6 +383,15 @@ class StageExecutor:
             # FSDP2's gradient reduction, once, after the stage's last backward (waiting
             # for it before the last gradient is sent would hold the previous stage up).
             self.stage.reduce_gradients()
+        for name, part in self.stage.phased.items():
+            if part.trainable():
+                start = time.perf_counter() - self._t0
+                self._phase_backward(name)
+                events.append(self._phase_event(_BWD, start))
+            # Every rank of the encoder's DP group reduces (or, frozen, reshards), its
+            # share empty or not: ``Stage.reduce_gradients``.
+            part.reduce_gradients()
+        self._phased_in, self._phase_packs = {}, {}
         self.p2p.wait_sends()
         if self.micro and any(m.pending or m.grads_in for m in self.micro.values()):
             raise RuntimeError(f"{r.unit}.s{r.stage}: step {step} ended with receives "
@@ -542,6 +602,126 @@ class StageExecutor:
         t = t.clone()
         return t.requires_grad_(True) if self.sends_grad and t.is_floating_point() else t
 
+    # ---- phased encoders ----------------------------------------------------------------
+
+    def _phased_embeds(self, i: int) -> torch.Tensor:
+        """Sample ``i``'s embeddings from the forward phase (none for a sample without
+        images), on the backbone's first stage."""
+        if image_tokens(self._sizes(i), self._image_tokens) == 0:
+            return torch.zeros(0, self._width, dtype=self.dtype, device=self.device)
+        try:
+            return self._phased_in[i]
+        except KeyError:
+            raise RuntimeError(f"{self.role.unit}.s0: step {self.step}'s forward phase "
+                               f"left sample {i} without embeddings; the routing and the "
+                               "executor disagree") from None
+
+    def _phase_event(self, direction: str, start: float) -> Event:
+        """A phased encoder's forward (``F``) or backward (``B``) phase on this rank: an
+        event of the rank's own row with no microbatch (the schedule's passes all have
+        one), so a timeline keeps one row per GPU, as the simulator's does."""
+        return self._event(direction, None, start)
+
+    def _phase_share(self, name: str, stage: int) -> list[list[int]]:
+        """Per microbatch step, the samples that the ranks of backbone stage ``stage`` of
+        this replica encode with phased encoder ``name`` (its replica stage * dp +
+        replica: ``parallel.mesh.phased_grid``), as the routing says."""
+        replica = stage * self.role.grid.dp + self.role.replica
+        return [list(s.samples_of(name, replica)) for s in self.steps]
+
+    def _phase_order(self, name: str, stage: int) -> list[int]:
+        """The samples with image embeddings in stage ``stage``'s share, in step order:
+        the tensors of a phase's message between that stage and the first, in order."""
+        return [i for ids in self._phase_share(name, stage) for i in ids
+                if image_tokens(self._sizes(i), self._image_tokens) > 0]
+
+    def _phase_specs(self, order: Sequence[int]) -> list[TensorSpec]:
+        """The embeddings (or their gradients) of ``order``, from the samples' sizes."""
+        return [TensorSpec((image_tokens(self._sizes(i), self._image_tokens), self._width),
+                           self.dtype) for i in order]
+
+    def _phase_label(self, name: str, direction: str, src: int, dst: int) -> str:
+        r = self.role
+        return f"{name} phase {r.unit}.s{src}->s{dst} {direction} {self.step} " \
+            f"r{r.replica}t{r.tp_index}"
+
+    def _phase_encode(self, name: str, ids: Sequence[int], packed: PackedImages | None
+                      ) -> dict[int, torch.Tensor]:
+        """Phased encoder ``name`` and its projector on ``packed``, the images of samples
+        ``ids``: each one's embeddings in backbone width (samples without images left
+        out)."""
+        if packed is None:
+            return {}
+        part = self.stage.phased[name]
+        ys = part.module(packed.groups, first=True, grids=packed.grids)
+        outs = unpack_images(packed, ys, width=self._width)
+        return {i: o for i, o in zip(ids, outs, strict=True) if o.shape[0] > 0}
+
+    def _phase_forward(self, name: str) -> None:
+        """Phased encoder ``name``'s forward phase: this rank encodes its share of every
+        microbatch step (no graph kept: the backward phase recomputes it) and sends the
+        embeddings to the backbone's first stage of its replica and TP index, which
+        receives every other stage's share and keeps them as autograd leaves for
+        ``backbone_input`` (``_phased_in``). One message per stage, in the order every
+        rank derives from the routing and the sizes."""
+        part = self.stage.phased[name]
+        role = self.role
+        mine: dict[int, torch.Tensor] = {}
+        # The share's images, packed once (their patches counted) and kept on the device
+        # for the backward phase's recomputation.
+        packs = self._phase_packs[name] = [
+            (ids, self._hosted_images([self._sample(i) for i in ids]))
+            for ids in self._phase_share(name, role.stage)]
+        with torch.no_grad():
+            for ids, packed in packs:
+                mine.update(self._phase_encode(name, ids, packed))
+        if role.stage > 0:
+            order = self._phase_order(name, role.stage)
+            self.p2p.send(self._pp_peer(0), [mine[i] for i in order],
+                          self._phase_label(name, _FWD, role.stage, 0))
+            self.p2p.flush()
+            return
+        pending = []
+        for s in range(1, role.grid.pp):
+            order = self._phase_order(name, s)
+            pending.append((order, self.p2p.recv(self._pp_peer(s), self._phase_specs(order),
+                                                 self._phase_label(name, _FWD, s, 0))))
+        self.p2p.flush()
+        got = dict(mine)
+        for order, received in pending:
+            got.update((i, t.clone()) for i, t in zip(order, received.wait(), strict=True))
+        trains = bool(part.trainable())
+        self._phased_in = {i: t.detach().requires_grad_(trains) for i, t in got.items()}
+
+    def _phase_backward(self, name: str) -> None:
+        """Phased encoder ``name``'s backward phase, after the pipeline: the first stage
+        sends each stage its share's embedding gradients (keeping its own); every rank
+        then recomputes its share's forward, one microbatch step at a time (one step's
+        activations held at once), and runs backward with those gradients."""
+        role = self.role
+        if role.stage == 0:
+            def grad(i: int) -> torch.Tensor:
+                x = self._phased_in[i]
+                return x.grad if x.grad is not None else torch.zeros_like(x)
+
+            for s in range(1, role.grid.pp):
+                self.p2p.send(self._pp_peer(s), [grad(i) for i in self._phase_order(name, s)],
+                              self._phase_label(name, _BWD, 0, s))
+            self.p2p.flush()
+            grads = {i: grad(i) for i in self._phase_order(name, 0)}
+        else:
+            order = self._phase_order(name, role.stage)
+            received = self.p2p.recv(self._pp_peer(0), self._phase_specs(order),
+                                     self._phase_label(name, _BWD, 0, role.stage))
+            self.p2p.flush()
+            grads = dict(zip(order, received.wait(), strict=True))
+        for ids, packed in self._phase_packs.pop(name):
+            outs = self._phase_encode(name, ids, packed)
+            tensors = [o for o in outs.values() if o.requires_grad]
+            if tensors:
+                torch.autograd.backward(tensors, [grads[i] for i, o in outs.items()
+                                                  if o.requires_grad])
+
     # ---- forwards ---------------------------------------------------------------------------
 
     def _encoder_forward(self, j: int, mb: _Micro) -> None:
@@ -584,6 +764,8 @@ class StageExecutor:
                 rows = [image_tokens(self._sizes(i), self._image_tokens) for i in ids]
                 embeds = {i: torch.zeros(0, self._width, dtype=self.dtype, device=self.device)
                           for i in ids}
+            elif self.stage.phased:     # the phased encoder's, received before the pipeline
+                embeds = {i: self._phased_embeds(i) for i in ids}
             elif mb.pending:
                 if len(mb.pending) != 1:
                     raise NotImplementedError("the runtime models one image encoder")
@@ -634,8 +816,8 @@ class StageExecutor:
             mb.outbox = [y.detach(), targets]
 
     def _hosted_images(self, samples: Sequence[Sample]) -> PackedImages | None:
-        """The images of ``samples`` packed for the co-located encoder (None when they
-        have none), their patches counted."""
+        """The images of ``samples`` packed for the co-located (or phased) encoder (None
+        when they have none), their patches counted."""
         images = [to_device(list(s.images), self.device) for s in samples]
         packed = pack_images(images, self._patch)
         if not packed.groups:
@@ -833,10 +1015,11 @@ def stage_run(role: str) -> Any:
 def measured_timeline(plan: Plan, step: int, events: Sequence[Event]) -> Timeline:
     """A measured ``Timeline`` of one step from the events of any set of ranks (e.g. all
     of them, gathered)."""
-    # Co-located units have no rows of their own: their passes are in their host
-    # stage's F and B events, as in the simulator's timeline.
+    # Co-located and phased units have no rows of their own: their passes are in the
+    # backbone's rows' events, as in the simulator's timeline.
     units = tuple(TimelineUnit(name=u.name, role=u.role, pp=u.pp, dp=u.dp, tp=u.tp,
-                               first_rank=u.first_rank) for u in plan.units if not u.colocated)
+                               first_rank=u.first_rank) for u in plan.units
+                  if not (u.colocated or u.phased))
     return Timeline(source="measured", num_microbatches=plan.num_microbatches, units=units,
                     events=tuple(events), step=step)
 
@@ -851,9 +1034,11 @@ _ROW_BYTES = 9 * 8      # one event: nine float64 fields
 
 def telemetry_bytes(plan: Plan, schedule: Schedule) -> int:
     """What rank 0 receives in one ``gather_timeline``: every rank's events, padded to
-    the longest list (a stage's passes and two more), and its count."""
-    width = max((sum(a.kind in (ActionKind.F, ActionKind.B) for a in st.actions) + 2
-                 for st in schedule.stages), default=1)
+    the longest list (a stage's passes and two more, and two per phased encoder: its
+    phases), and its count."""
+    phases = 2 * sum(u.phased for u in plan.units)
+    width = max((sum(a.kind in (ActionKind.F, ActionKind.B) for a in st.actions) + 2 +
+                 phases for st in schedule.stages), default=1)
     return plan.gpus_used * (width * _ROW_BYTES + 8)
 
 
@@ -871,7 +1056,7 @@ def gather_timeline(plan: Plan, step: int, events: Sequence[Event], *,
     only (a replica's TP ranks run in lockstep, one event stands for them all). Each
     rank's times are relative to its own start of the step, taken right after a barrier,
     so they compare across ranks up to the barrier's skew."""
-    names = [u.name for u in plan.units if not u.colocated]
+    names = [u.name for u in plan.units if not (u.colocated or u.phased)]
     rank = dist.get_rank()
     mine = [e for e in events if e.rank == rank]
     rows = torch.tensor([[names.index(e.unit), e.stage, e.replica, e.rank, _KINDS.index(e.kind),

@@ -27,6 +27,16 @@ co-located generators' targets; the prediction adds each co-located unit's own m
 microbatches in flight), as the planner prices it. Co-located units have no stage of
 their own to measure.
 
+A backbone stage of a plan with a phased encoder (``parallel.mesh.phased_units``) is
+measured with it, as every backbone rank runs it: its shards of the encoder and
+projector (parameters, gradients, optimizer state: ``train.stage.build_phased`` over the
+encoder's DP group of every backbone rank with the same TP index), the forward phase
+before the pipeline (no graph kept), the backward phase after it (one large microbatch
+step of the encoder's share, recomputed with its activations, and its backward), and on
+the first stage the step's embeddings of the whole replica and their gradients, held
+from the forward phase to the backward phase. The prediction adds the phased unit's own
+memory (``CostModel.memory_bytes`` at its TP and DP, one microbatch step in flight).
+
 The measured peak is reported next to ``CostModel.stage_memory_bytes`` for the same stage
 and the GPU's capacity, with whether the rank compiles its blocks (``ir.Train.compiles``
 for a GPU rank, the rule the runtime applies): the modules are measured eager either way
@@ -378,6 +388,64 @@ def _inputs(program: ir.Program, cost: Any, plan: Plan, unit: Any, role: Any, sh
     return generator
 
 
+@dataclass
+class _Phase:
+    """One phased encoder's phases on a measured backbone stage (module docstring)."""
+
+    part: Any                   # the encoder's Stage (``Stage.phased``)
+    images: Callable[[], tuple[tuple, dict]]    # (args, kwargs): a large microbatch
+                                                # step of the rank's share
+    embeds: tuple[int, int]     # (rows, width) of the step's embeddings it holds, or (0, w)
+    dtype: torch.dtype
+    device: torch.device
+
+    def forward(self) -> torch.Tensor:
+        """The forward phase: a microbatch step encoded without a graph; the step's
+        embeddings (on the first stage) kept as a leaf that wants a gradient."""
+        args, kwargs = self.images()
+        with torch.no_grad():
+            self.part.module(*args, **kwargs)
+        return torch.zeros(self.embeds, dtype=self.dtype, device=self.device,
+                           requires_grad=True)
+
+    def backward(self, embeds: torch.Tensor) -> None:
+        """The backward phase: the embeddings' gradients, one microbatch step
+        recomputed with its activations and its backward, then the reduction."""
+        embeds.grad = torch.zeros_like(embeds)
+        if self.part.trainable():
+            args, kwargs = self.images()
+            outs = self.part.module(*args, **kwargs)
+            sum(o.float().sum() for o in outs).backward()
+        self.part.reduce_gradients()
+
+
+def _phase(program: ir.Program, cost: Any, plan: Plan, unit: Any, role: Any, built: Any,
+           device: torch.device) -> _Phase:
+    """The phases of phased encoder ``unit`` on the backbone stage ``role``: its share
+    of a microbatch step (the cost model's large microbatch times the unit's share, as
+    an encoder unit of that DP is measured), and on the first stage the embeddings of
+    every microbatch of the step (one large, the others average)."""
+    dp_lm = next(x.dp for x in plan.units if x.role == "backbone")
+    part = built.phased[unit.name]
+    im = _encoder_images(program, cost, unit.name, cost.unit(unit.name), dp_lm / unit.dp,
+                         True)
+    width = program.backbone.arch.hidden
+    rows = 0
+    if role.is_first_stage:
+        for large in [True] + [False] * (plan.num_microbatches - 1):
+            whole = _encoder_images(program, cost, unit.name, cost.unit(unit.name), 1.0,
+                                    large)
+            rows += whole.n * program.image_tokens().of_grid(whole.side, whole.side)
+
+    def images() -> tuple[tuple, dict]:
+        group = torch.zeros(im.n, im.side * im.side, im.width, dtype=built.compute_dtype,
+                            device=device)
+        return ([group],), {"first": True, "grids": [(im.side, im.side)]}
+
+    return _Phase(part=part, images=images, embeds=(rows, width),
+                  dtype=built.compute_dtype, device=device)
+
+
 def _mean(q: ir.Quantity) -> float:
     from dtdsl.cost.samples import draw
 
@@ -399,7 +467,14 @@ def _loss_of(role: Any, out: Any) -> torch.Tensor:
 
 def _measure_stage(program: ir.Program, plan: Plan, schedule: Schedule, cost: Any,
                    unit: str, stage: int) -> StageMemory:
-    from dtdsl.parallel.mesh import MESH_DIMS, grids, hosted_units, unit_mesh_shape
+    from dtdsl.parallel.mesh import (
+        MESH_DIMS,
+        grids,
+        hosted_units,
+        phased_grid,
+        phased_units,
+        unit_mesh_shape,
+    )
     from dtdsl.train.executor import stage_run
     from dtdsl.train.memcheck import fake_world, init_optimizer_state, measure_peak
     from dtdsl.train.optim import StageOptimizer
@@ -417,10 +492,16 @@ def _measure_stage(program: ir.Program, plan: Plan, schedule: Schedule, cost: An
     from dtdsl.parallel.mesh import RankRole
 
     role = RankRole(rank=rank, grid=grid, stage=stage, replica=0, tp_index=0)
+    phased = phased_units(plan, role)
     with fake_world(plan.gpus_used, rank, "cpu") as world:
         mesh = world.device_mesh(grid.ranks, unit_mesh_shape(grid, zero), MESH_DIMS)
+        meshes = {}
+        for p in phased:
+            g = phased_grid(plan, p)
+            meshes[p.name] = world.device_mesh(g.ranks, unit_mesh_shape(g, zero), MESH_DIMS)
         built = build_stage(program, plan, role, mesh, world.device,
-                            run=stage_run(role.role), initialize=False, compile=False)
+                            run=stage_run(role.role), initialize=False, compile=False,
+                            phased=meshes, phased_run=stage_run("encoder"))
         trainable = built.trainable()
         opt = None
         if trainable:
@@ -432,7 +513,8 @@ def _measure_stage(program: ir.Program, plan: Plan, schedule: Schedule, cost: An
                           world.device, large) for large in (True, False)]
         hosted = hosted_units(plan, role)
         trains = unit_cost.backward_factor > 0 or any(
-            cost.unit(h.name).backward_factor > 0 for h in hosted)
+            cost.unit(h.name).backward_factor > 0 for h in hosted + phased)
+        phases = [_phase(program, cost, plan, p, role, built, world.device) for p in phased]
 
         def forward(i: int) -> Any:
             args, kwargs = makers[0 if i == 0 else 1]()
@@ -448,6 +530,7 @@ def _measure_stage(program: ir.Program, plan: Plan, schedule: Schedule, cost: An
             # large), one backward (from now on the gradients exist), one more forward
             # (k in flight again, next to the gradients), then the rest backward.
             built.begin_step()
+            held = [ph.forward() for ph in phases]      # the phased encoders' forward phase
             outs = [forward(i) for i in range(k)]
             if trains:
                 backward(outs.pop(0))
@@ -456,11 +539,15 @@ def _measure_stage(program: ir.Program, plan: Plan, schedule: Schedule, cost: An
                     backward(outs.pop(0))
                 built.reduce_gradients()
             outs.clear()
+            for ph, embeds in zip(phases, held, strict=True):
+                ph.backward(embeds)
+            held.clear()
             if opt is not None:
                 opt.optimizer.step()
                 opt.zero_grad()
 
-        report = measure_peak(step, track=(built.module,) + ((opt.optimizer,) if opt else ()))
+        modules = (built.module, *(part.module for part in built.phased.values()))
+        report = measure_peak(step, track=modules + ((opt.optimizer,) if opt else ()))
     depth = _depth(plan, unit, stage)
     layers = built.stop - built.start if u.role != "generator" else unit_cost.layers
     predicted = cost.stage_memory_bytes(
@@ -472,6 +559,11 @@ def _measure_stage(program: ir.Program, plan: Plan, schedule: Schedule, cost: An
     predicted += sum(float(cost.memory_bytes(
         cost.unit(h.name), 1 if h.tp_replicated else h.tp, 1, h.dp, 1, depth,
         plan.num_microbatches, 1.0)) for h in hosted)
+    # Each phased encoder's: its shards over all the backbone's ranks, one microbatch
+    # step of its share in flight at a time.
+    predicted += sum(float(cost.memory_bytes(
+        cost.unit(p.name), 1 if p.tp_replicated else p.tp, 1, p.dp, 1, 1,
+        plan.num_microbatches, dp_lm / p.dp)) for p in phased)
     return StageMemory(unit=unit, stage=stage, rank=rank, in_flight=k,
                        predicted_bytes=predicted, measured_bytes=report.peak_bytes,
                        capacity_bytes=program.cluster.gpu.memory_bytes,
@@ -494,8 +586,9 @@ def check_memory(program: ir.Program, plan: Plan, *, cost: Any = None, jobs: int
 
     cost = cost if cost is not None else build_cost_model(program)
     schedule = lower(plan, program)
-    # Co-located units are measured with the stage that hosts them.
-    todo = [(u.name, s) for u in plan.units if not u.colocated for s in range(u.pp)]
+    # Co-located and phased units are measured with the backbone stages that run them.
+    todo = [(u.name, s) for u in plan.units if not (u.colocated or u.phased)
+            for s in range(u.pp)]
     if progress is not None:
         progress(0, len(todo), "")
     context = multiprocessing.get_context("fork")

@@ -13,6 +13,14 @@ projector), built so that memory matches the plan:
    parameters, checkpoint keys and initial values are those of a unit of their own. A
    unit the plan marks ``tp_replicated`` runs whole on every TP rank instead.
 
+0b. **Phased encoders.** Every backbone stage also holds the plan's phased encoders
+   (``parallel.mesh.phased_units``), each with its projector into the backbone, as a
+   ``Stage`` of its own (``build_phased``, ``Stage.phased``): the same steps below, but
+   TP over the backbone's TP group and FSDP2 over the encoder's own DP mesh (every
+   backbone rank with this TP index: ``parallel.mesh.phased_grid``), so it is an FSDP2
+   root of its own, gathered at ``begin_step`` with the stage and reduced by the
+   executor after its backward phase.
+
 1. **Meta first.** The whole unit is built on the meta device (no memory), and the layers
    other stages run are deleted; the stage keeps the global names of what it holds
    (``units.<unit>.layers.<i>...``), so checkpoint keys do not depend on the plan.
@@ -61,11 +69,17 @@ from torch import nn
 from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan
 from dtdsl.models.multimodal import build_unit, init_unit, unit_spec
-from dtdsl.parallel.mesh import RankRole, data_parallel_mesh, hosted_units
+from dtdsl.parallel.mesh import (
+    RankRole,
+    data_parallel_mesh,
+    hosted_units,
+    phased_role,
+    phased_units,
+)
 from dtdsl.parallel.tp import local_tensor
 
-__all__ = ["COMPUTE_DTYPES", "Stage", "StageModule", "StageState", "build_stage",
-           "projector_between", "tied_group_ranks", "tied_pairs"]
+__all__ = ["COMPUTE_DTYPES", "Stage", "StageModule", "StageState", "build_phased",
+           "build_stage", "projector_between", "tied_group_ranks", "tied_pairs"]
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -158,10 +172,18 @@ class Stage:
     # The parameters whose gradients the last ``reduce_gradients`` averaged over TP
     # (``"<unit>.<param>"``, in the order they travelled).
     tp_synced: tuple[str, ...] = ()
+    # The phased encoders this (backbone) rank runs before and after the pipeline, each
+    # with its projector: a Stage of its own (``build_phased``), its own FSDP2 root over
+    # its DP mesh (``parallel.mesh.phased_grid``), by unit name.
+    phased: dict[str, Stage] = field(default_factory=dict)
 
     def named_parameters(self) -> dict[str, torch.Tensor]:
-        """``{"<unit>.<param>": parameter}`` for every parameter the stage holds."""
-        return {_strip(n): p for n, p in self.module.named_parameters()}
+        """``{"<unit>.<param>": parameter}`` for every parameter the stage holds, its
+        phased encoders' too."""
+        out = {_strip(n): p for n, p in self.module.named_parameters()}
+        for part in self.phased.values():
+            out.update(part.named_parameters())
+        return out
 
     def backward_context(self) -> Any:
         """What a backward of this stage runs in: ``loss_parallel`` on a backbone's last
@@ -185,9 +207,12 @@ class Stage:
         with torch.no_grad():
             for unit_name, unit in self.module.units.items():
                 init_unit(program, unit_name, _unwrapped(unit), seed)
+        for part in self.phased.values():
+            part.initialize(program, seed)
 
     def trainable(self) -> list[nn.Parameter]:
-        return [p for p in self.module.parameters() if p.requires_grad]
+        return [p for p in self.module.parameters() if p.requires_grad] + \
+            [p for part in self.phased.values() for p in part.trainable()]
 
     def begin_step(self) -> None:
         """Before the step's first action: all-gather every FSDP2 group's parameters, in
@@ -205,6 +230,8 @@ class Stage:
         self.module.set_reshard_after_backward(False, recurse=True)
         for m in [self.module, *self.layers]:
             m.unshard(async_op=True)    # FSDP2's pre-forward waits for each
+        for part in self.phased.values():
+            part.begin_step()
 
     def reduce_gradients(self) -> None:
         """After the step's last backward: reduce-scatter every FSDP2 group's accumulated
@@ -529,18 +556,96 @@ def _compile(stage: StageModule, program: ir.Program, role: RankRole, device: to
     return apply_compile(stage, rank=role.rank)
 
 
+def build_phased(program: ir.Program, plan: Plan, name: str, role: RankRole, mesh: Any,
+                 device: torch.device, *, seed: int, run: Any = None) -> Stage:
+    """Phased encoder ``name`` and its projector into the backbone on this backbone
+    rank, as a stage of their own: ``role`` is the rank's place in the encoder's grid
+    (``parallel.mesh.phased_role``), ``mesh`` its DeviceMesh (``ProcessGroups.phased``),
+    ``run`` its forward (an encoder stage's, ``run(stage_module, ...)``).
+    The same steps as ``build_stage`` (meta, TP over the backbone's TP group unless the
+    plan marks it ``tp_replicated``, FSDP2 over its DP group of every backbone rank with
+    this TP index, then materialised), not initialised. Its layers recompute in
+    backward only where the spec says so: the backward phase's forward is already the
+    recomputation the plan's ``recompute`` of a phased unit stands for. Never compiled."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    unit_plan = plan.unit(name)
+    compute_dtype = COMPUTE_DTYPES[program.train.precision]
+    proj = projector_between(program, name, program.backbone.name)
+    units = {name: build_unit(program, name, seed, device="meta"),
+             proj: build_unit(program, proj, seed, device="meta")}
+    tp_sharded: set[str] = set()
+    if role.grid.tp > 1 and not unit_plan.tp_replicated:
+        tp_sharded = {f"{name}.{n}" for n in _parallelize(units[name], name, mesh["tp"])}
+    stage = StageModule(units, run)
+    if getattr(unit_spec(program, name), "recompute", False):
+        for unit_name, prefix, layer in list(_fsdp_units(stage, program)):
+            parent = stage.units[unit_name].get_submodule(prefix.rpartition(".")[0])
+            parent.register_module(prefix.rpartition(".")[2], checkpoint_wrapper(layer))
+    layers = _shard(stage, mesh, compute_dtype, program)
+    _materialise(stage, program, device)
+    # FSDP2 sets a root up at its first forward; a rank whose share of a step has no
+    # images runs none, yet reduces with the others (``Stage.reduce_gradients``).
+    stage._get_fsdp_state()._lazy_init()
+    total = program.module(name).arch.layers
+    stage.stage_state = StageState(program=program, role=role, start=0, stop=total,
+                                   dtype=compute_dtype)
+    return Stage(module=stage, role=role, start=0, stop=total, compute_dtype=compute_dtype,
+                 tp_sharded=tp_sharded, layers=layers,
+                 tp_group=mesh["tp"].get_group() if role.grid.tp > 1 else None)
+
+
+def _shard(stage: StageModule, mesh: Any, compute_dtype: torch.dtype,
+           program: ir.Program) -> list[nn.Module]:
+    """FSDP2 over ``mesh``'s DP dimensions: every layer a unit of its own, the stage the
+    root (module docstring); the layers, in forward order."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    dp_mesh = data_parallel_mesh(mesh)
+    layers = []
+    for _, _, layer in list(_fsdp_units(stage, program)):
+        fully_shard(layer, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
+        _sum_gradients(layer)
+        layers.append(layer)
+    root_mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32,
+                                   cast_forward_inputs=False)
+    fully_shard(stage, mesh=dp_mesh, mp_policy=root_mp, reshard_after_forward=False)
+    _sum_gradients(stage)
+    return layers
+
+
+def _materialise(stage: StageModule, program: ir.Program, device: torch.device) -> None:
+    """Allocate this rank's shards (``to_empty``), check every buffer has an initialiser,
+    freeze what the spec freezes, and put the modules in training mode."""
+    stage.to_empty(device=device)
+    for unit_name, unit in stage.units.items():
+        for bname, b in unit.named_buffers():
+            if b.is_meta:
+                raise RuntimeError(f"{unit_name}: buffer {bname} has no initialiser")
+    for unit_name in stage.units:
+        frozen = (program.module(unit_name).frozen
+                  if unit_name in {m.name for m in program.modules}
+                  else next(p for p in program.projectors if p.name == unit_name).frozen)
+        if frozen:
+            stage.units[unit_name].requires_grad_(False)
+    stage.train()
+
+
 def build_stage(program: ir.Program, plan: Plan, role: RankRole, mesh: Any,
                 device: torch.device, *, seed: int | None = None, run: Any = None,
-                initialize: bool = True, compile: bool | None = None) -> Stage:
+                initialize: bool = True, compile: bool | None = None,
+                phased: dict[str, Any] | None = None, phased_run: Any = None) -> Stage:
     """This rank's stage (module docstring). ``mesh``: the unit's DeviceMesh with
     dimensions ``("pp", "dp_replicate", "dp_shard", "tp")`` (``parallel.mesh``); ``run``:
     the stage's forward, ``run(stage_module, ...)``; ``initialize=False`` leaves the
     materialised values as they are (``dtc memcheck``'s fake tensors have none; a resumed
     run loads them from its checkpoint, or calls ``Stage.initialize`` when it has none);
     ``compile``: whether to compile the blocks (``train.compiled``; None: the spec's rule
-    for ``device``, ``program.train.compiles``)."""
+    for ``device``, ``program.train.compiles``); ``phased``: on a backbone rank of a plan
+    with phased encoders, their DeviceMeshes (``ProcessGroups.phased``): the stage holds
+    each (``build_phased``, ``Stage.phased``), run by ``phased_run``."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     # FSDP2 warns of any view a root module returns (an in-place op on it would skip its
     # pre-backward hook); the stage's views (a DTensor's local tensor) are never written.
@@ -595,34 +700,13 @@ def build_stage(program: ir.Program, plan: Plan, role: RankRole, mesh: Any,
             parent.register_module(prefix.rpartition(".")[2], checkpoint_wrapper(layer))
     compiled = _compile(stage, program, role, device, compile)
 
-    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     # ZeRO-1: shard over DP; ZeRO-0: replicate over DP (HSDP with shards of one rank).
-    dp_mesh = data_parallel_mesh(mesh)
-    layers = []
-    for _, _, layer in list(_fsdp_units(stage, program)):
-        fully_shard(layer, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
-        _sum_gradients(layer)
-        layers.append(layer)
     # The root casts no input: a generator's targets (its noise and clean latents) stay
     # fp32 for the loss; the stage's forward casts what its modules read.
-    root_mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32,
-                                   cast_forward_inputs=False)
-    fully_shard(stage, mesh=dp_mesh, mp_policy=root_mp, reshard_after_forward=False)
-    _sum_gradients(stage)
+    layers = _shard(stage, mesh, compute_dtype, program)
     # Only now is anything allocated: this rank's DP shards of its TP shards, each
     # element initialised from its position in the full tensor.
-    stage.to_empty(device=device)
-    for unit_name, unit in stage.units.items():
-        for bname, b in unit.named_buffers():
-            if b.is_meta:
-                raise RuntimeError(f"{unit_name}: buffer {bname} has no initialiser")
-    for unit_name in stage.units:
-        frozen = (program.module(unit_name).frozen
-                  if unit_name in {m.name for m in program.modules}
-                  else next(p for p in program.projectors if p.name == unit_name).frozen)
-        if frozen:
-            stage.units[unit_name].requires_grad_(False)
-    stage.train()
+    _materialise(stage, program, device)
     generators = ([name] if role.role == "generator" else []) + \
         [h.name for h in hosted if h.role == "generator"]
     names = tuple(h.name for h in hosted)
@@ -634,6 +718,14 @@ def build_stage(program: ir.Program, plan: Plan, role: RankRole, mesh: Any,
                   hosted=names, compiled=compiled,
                   tp_group=mesh["tp"].get_group() if role.grid.tp > 1 else None)
     _tie_across_stages(built, program, plan, mesh)
+    for u in phased_units(plan, role):
+        if phased is None or u.name not in phased:
+            raise ValueError(f"rank {role.rank} runs phased encoder {u.name} but was given "
+                             "no mesh for it (build_groups makes it: ProcessGroups.phased)")
+        part = build_phased(program, plan, u.name, phased_role(plan, u, role.rank),
+                            phased[u.name], device, seed=seed, run=phased_run)
+        built.phased[u.name] = part
+        built.tp_sharded |= part.tp_sharded
     if initialize:
         built.initialize(program, seed)
     return built

@@ -259,3 +259,61 @@ def test_a_co_located_bundle_trains_resumes_and_exports(tmp_path):
     assert cli.main(["export", str(latest_checkpoint(run_dir)), "-o", str(out)]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["gen", "llm", "llm_to_gen", "vit",
                                                      "vit_to_llm"]
+
+
+@pytest.mark.slow
+def test_a_phased_plan_bundle_dry_runs_trains_resumes_and_exports(tmp_path):
+    """A compiled bundle of a hand-made phased plan (the ViT before and after a two-stage
+    backbone's pipeline, over both its replicas; the generator co-located on its last
+    stage: 4 ranks, one node): it dry-runs (the encoder's DP group over the backbone's
+    stages is one its ranks make), trains, resumes from its checkpoint, matches the
+    reference, and exports every module."""
+    from dtdsl.train.checkpoint import latest_checkpoint
+    from tests.train.test_colocated import colocate
+    from tests.train.test_executor import plan_for
+    from tests.train.test_phased import phase
+
+    spec = tmp_path / "tiny_ckpt.dt"
+    spec.write_text(SPEC.read_text().replace("checkpoint_every = 10", "checkpoint_every = 2"))
+    program = run_frontend(str(spec), spec.read_bytes()).program
+    plan = phase(program, colocate(program, plan_for(program, ("vit", "encoder", 1, 1, 1),
+                                                     ("llm", "backbone", 1, 2, 2),
+                                                     ("gen", "generator", 1, 1, 1)),
+                                   "gen", split=(3, 1)))
+    plan = plan.model_copy(update={"spec": program.name,
+                                   "spec_sha256": program.source_sha256})
+    (tmp_path / "plan.json").write_text(plan.model_dump_json())
+    bundle = tmp_path / "bundle"
+    assert cli.main(["compile", str(spec), "--plan", str(tmp_path / "plan.json"), "-o",
+                     str(bundle), "--synthetic", "--workers", "1"]) == 0
+    readme = " ".join((bundle / "README.md").read_text().split())
+    assert "Encoder vit and its projector vit_to_llm run phased on the GPUs of all 2 of " \
+        "llm's stages" in readme
+    assert sorted(p.name for p in (bundle / "ranks").iterdir()) == ["llm_s0.py", "llm_s1.py"]
+    assert "phased vit" in (bundle / "ranks" / "llm_s1.py").read_text()
+    from dtdsl.train import dryrun
+
+    report = dryrun.dry_run(bundle, feed_bytes=True)
+    assert report.ok, report.problems
+    assert [c.unit for c in report.ranks] == ["llm"] * 4
+    assert all(c.feed_bytes for c in report.ranks)     # every rank reads its share
+    run_dir = tmp_path / "run"
+    launch_ok(bundle, run_dir, "--steps", "2")
+    proc = launch_ok(bundle, run_dir, "--steps", "3", "--resume")
+    assert "resumed from" in proc.stdout + proc.stderr
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [0, 1, 2]
+    for m, ref in zip(metrics, reference_losses(3, spec=spec), strict=True):
+        assert m["loss"] == pytest.approx(ref, rel=RTOL)
+    # The measured timelines have the backbone's rows only, as the predicted ones: the
+    # phases are events there (F and B without a microbatch).
+    from dtdsl.sim.timeline import Timeline
+
+    line = read_jsonl(run_dir / "timelines.jsonl")[-1]
+    measured = Timeline.from_json(line["measured"])
+    assert set(measured.compute_s()) == {"llm.s0", "llm.s1"}
+    assert {e.kind for e in measured.events if e.microbatch is None} >= {"F", "B"}
+    out = tmp_path / "export"
+    assert cli.main(["export", str(latest_checkpoint(run_dir)), "-o", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["gen", "llm", "llm_to_gen", "vit",
+                                                     "vit_to_llm"]

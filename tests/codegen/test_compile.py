@@ -629,3 +629,29 @@ def test_co_located_plans_compile_unless_misplaced_or_split_where_tp_cannot():
         u.model_copy(update={"tp_replicated": True}) if u.name == "vit" else u
         for u in wide.units)})
     assert not [d for d in runtime_support(program, replicated) if d.code == "DT601"]
+
+
+def test_phased_plans_compile_unless_a_generator_or_misplaced():
+    """A phased encoder is admitted; a phased generator (it needs the backbone's outputs,
+    inside the pipeline) or a phased unit a hand edit gave another DP degree is DT601 at
+    that module, saying what a phased unit is."""
+    from dtdsl.codegen.support import runtime_support
+    from tests.train.test_executor import plan_for, spec
+    from tests.train.test_phased import phase
+
+    program = spec(8)
+    own = plan_for(program, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 2, 1, 2),
+                   ("gen", "generator", 1, 1, 1))
+    plan = phase(program, own)
+    assert runtime_support(program, plan) == []
+    narrow = plan.model_copy(update={"units": tuple(
+        u.model_copy(update={"dp": 1}) if u.name == "vit" else u for u in plan.units)})
+    (diag,) = runtime_support(program, narrow)
+    assert diag.code == "DT601" and diag.span == program.module("vit").span
+    assert "vit: dp 1, but a phased unit runs on all the backbone's ranks with dp 2" \
+        in diag.message
+    gen = phase(program, own, "gen")
+    (diag,) = [d for d in runtime_support(program, gen) if d.code == "DT601"]
+    assert diag.span == program.module("gen").span
+    assert "only an encoder can run phased" in diag.message and "not a generator" \
+        in diag.message

@@ -440,3 +440,72 @@ def test_run_gives_up_on_a_hang():
     with pytest.raises(TimeoutError, match="_hangs on 2 ranks did not finish in 1 s"):
         run(_hangs, 2, timeout=1.0)
     assert time.monotonic() - start < 10
+
+
+# ---- phased encoders --------------------------------------------------------------------------
+
+def _phased_plan(tp: int, dp: int, pp: int) -> Plan:
+    from tests.train.test_phased import phase
+
+    program = spec(8 if dp != 3 else 12)
+    return phase(program, plan_for(program, ("vit", "encoder", 1, 1, 1),
+                                   ("llm", "backbone", tp, dp, pp),
+                                   ("gen", "generator", 1, 1, 1)))
+
+
+@pytest.mark.parametrize("zero", [1, 0])
+def test_a_phased_encoders_groups_span_the_backbones_stages(zero):
+    """Over a (pp 2, dp 2, tp 2) backbone the phased ViT's DP group through a rank is
+    every backbone rank with its TP index, a group of its own made after the unit's;
+    its TP group is the backbone's. Where it has the ranks of a backbone group (dp 1:
+    the PP group; pp 1: the DP group) that group serves and none is added."""
+    from dtdsl.parallel.mesh import phased_grid, phased_groups, phased_role
+
+    plan = _phased_plan(2, 2, 2)
+    vit = plan.unit("vit")
+    grid = phased_grid(plan, vit)
+    assert (grid.pp, grid.dp, grid.tp, grid.ranks) == (1, 4, 2, range(0, 8))
+    dim = "dp_shard" if zero else "dp_replicate"
+    for rank in range(8):
+        got = rank_groups(plan, rank, zero)
+        assert list(got)[-1] == f"vit.{dim}"        # created last
+        assert got[f"vit.{dim}"] == tuple(r for r in range(8) if r % 2 == rank % 2)
+        role = phased_role(plan, vit, rank)
+        assert (role.replica, role.tp_index) == divmod(rank, 2)
+        assert role.tp_ranks == role_of(plan, rank).tp_ranks
+    assert "vit.dp_shard" not in rank_groups(plan, 8)       # the generator's rank
+    assert phased_groups(plan, "vit", zero) == ((0, 2, 4, 6), (1, 3, 5, 7))
+    for tp, dp, pp in ((2, 1, 2), (1, 2, 1), (1, 1, 2)):
+        plan = _phased_plan(tp, dp, pp)
+        assert phased_groups(plan, "vit", zero) == ()
+        for rank in range(tp * dp * pp):
+            assert not [k for k in rank_groups(plan, rank, zero) if k.startswith("vit.")]
+
+
+def test_where_groups_are_split_a_phased_encoders_are_split_by_every_rank(monkeypatch):
+    """With the default group bound to a device every rank of the job, the generator's
+    too, splits the phased encoder's DP groups after the mesh dimensions' (the same
+    calls everywhere), and a backbone rank's mesh for it has its groups."""
+    from dtdsl.parallel import mesh as mesh_module
+
+    plan = _phased_plan(2, 2, 2)
+    seen = None
+    for rank in range(plan.gpus_used):
+        calls = _Recorder(monkeypatch)
+        monkeypatch.setattr(mesh_module, "splits_groups", lambda: True)
+
+        def split(split_ranks, group_desc, rank=rank, calls=calls):
+            calls.split.append(split_ranks)
+            mine = next((g for g in split_ranks if rank in g), None)
+            return None if mine is None else dist.new_group(mine, group_desc=group_desc,
+                                                            use_local_synchronization=True)
+
+        monkeypatch.setattr(dist, "split_group", split)
+        with _fake_rank(plan, rank):
+            groups = build_groups(plan)
+            assert groups.groups() == rank_groups(plan, rank)
+            assert bool(groups.phased) == (rank < 8)
+        assert calls.split[-1] == [[0, 2, 4, 6], [1, 3, 5, 7]], rank
+        seen = calls.split if seen is None else seen
+        assert calls.split == seen
+        monkeypatch.undo()

@@ -152,3 +152,33 @@ def test_samples_cut_to_nothing_keep_their_text_and_train():
     model = build_model(p)
     loss = microbatch_loss(model, samples, loss_normalizer(model, samples))
     assert torch.isfinite(loss.total)
+
+
+def _count_phased(rank: int, world: int, program: ir.Program, plan: Plan) -> None:
+    from dtdsl.parallel.mesh import build_groups
+    from dtdsl.schedule.lower import lower
+    from dtdsl.train.executor import StageExecutor
+
+    groups = build_groups(plan)
+    ex = StageExecutor(program, plan, lower(plan, program), rank=rank, groups=groups)
+    for step in range(STEPS):
+        got = ex.run_step(step)["processed"]
+        want = _expected(program, ex.batch.sizes)
+        if ex.role.role == "backbone" and ex.role.is_first_stage:
+            for key in ("positions", "text_tokens"):
+                assert got[key] == want[key] > 0, (step, key, got, want)
+        # Each backbone rank encodes its share of the images: the shares add up to
+        # the batch's patches.
+        patches = torch.tensor([got["patches"]], dtype=torch.int64)
+        torch.distributed.all_reduce(patches)
+        assert int(patches) == want["patches"] > 0, (step, int(patches), want)
+
+
+def test_phased_encoder_ranks_process_what_the_simulator_assumed():
+    from tests.train.test_phased import phase
+
+    program = tiny(True)
+    plan = phase(program, plan_for(program, ("vit", "encoder", 1, 1, 1),
+                                   ("llm", "backbone", 1, 1, 2),
+                                   ("gen", "generator", 1, 1, 1)))
+    run(_count_phased, plan.gpus_used, program, plan, timeout=180)
