@@ -88,13 +88,6 @@ def _plan(program: ir.Program, plan: Plan) -> list[Diagnostic]:
         return out
     out += _colocated(program, plan) + _phased(program, plan)
     for u in plan.units:
-        if u.phased:
-            out.append(Diagnostic.error(
-                _CODE, f"encoder {u.name} is planned phased on the backbone's GPUs; the "
-                "runtime does not run phased encoders yet", program.module(u.name).span,
-                notes=["a phased encoder runs before and after the backbone's pipeline on "
-                       "every one of its ranks"],
-                hint="plan with `--placement colocated` or `--placement disaggregated`"))
         if u.role == "generator" and u.pp > 1:
             out.append(Diagnostic.error(
                 _CODE, f"generator {u.name} is planned on {u.pp} pipeline stages; the runtime "

@@ -156,7 +156,7 @@ def _colocated(plan: Plan, files: tuple[RankFileView, ...]) -> tuple[str, ...]:
         how = "whole on every TP rank" if u.tp_replicated and u.tp > 1 else \
             f"TP {u.tp}" if u.tp > 1 else "unsplit"
         out.append(f"{u.role.capitalize()} {module} and its projector {projector} run "
-                   f"phased on the GPUs of all {len(stages)} of {stages[0].unit}'s stages "
+                   f"phased on the GPUs of {_stages_of(stages)} "
                    f"({', '.join(f'`{f.path}`' for f in stages)}): {how}, data parallel "
                    f"over {u.dp} replicas, each rank encoding its share of its backbone "
                    "replica's samples for the whole step before the pipeline's first "
@@ -164,6 +164,12 @@ def _colocated(plan: Plan, files: tuple[RankFileView, ...]) -> tuple[str, ...]:
                    "the first stage sends back, recomputing and running their backward "
                    "after its last; it has no ranks of its own.")
     return tuple(out)
+
+
+def _stages_of(files) -> str:
+    """"llm's stage" or "all 3 of llm's stages"."""
+    unit = files[0].unit
+    return f"{unit}'s stage" if len(files) == 1 else f"all {len(files)} of {unit}'s stages"
 
 
 def _rank_files(program: ir.Program, plan: Plan, schedule: Schedule
