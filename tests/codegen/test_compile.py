@@ -14,6 +14,7 @@ import pytest
 
 from dtdsl import cli
 from dtdsl.codegen.emit import SECRET_FILE, py_literal
+from dtdsl.ir.plan import Plan
 
 ROOT = Path(__file__).resolve().parents[2]
 SPECS = ROOT / "specs"
@@ -655,3 +656,13 @@ def test_phased_plans_compile_unless_a_generator_or_misplaced():
     assert diag.span == program.module("gen").span
     assert "only an encoder can run phased" in diag.message and "not a generator" \
         in diag.message
+
+
+@pytest.mark.parametrize("placement", ["colocated", "phased"])
+def test_the_planners_placements_compile(tmp_path, placement):
+    """Whatever placement ``dtc plan`` chooses, ``dtc compile`` writes its bundle: the
+    runtime runs every placement the planner can produce (issue 27)."""
+    out = tmp_path / "bundle"
+    assert compile_spec(SPECS / "tiny_cpu.dt", out, "--placement", placement) == 0
+    written = Plan.model_validate_json((out / "plan.json").read_text())
+    assert written.placement == placement
