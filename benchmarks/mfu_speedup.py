@@ -40,6 +40,8 @@ def ours_layout(p) -> str:
         if u.colocated:
             where = "first" if u.role == "encoder" else "last"
             return f"{u.name}:on {where} stage tp{u.tp}{' (replicated)' if u.tp_replicated else ''}"
+        if u.phased:
+            return f"{u.name}:phased tp{u.tp} dp{u.dp}{' (replicated)' if u.tp_replicated else ''}"
         split = "/".join(str(n) for n in u.layers_per_stage) if u.role == "backbone" and \
             len(set(u.layers_per_stage)) > 1 else ""
         return f"{u.name}:{u.gpus}g tp{u.tp} dp{u.dp} pp{u.pp}" + (f" ({split})" if split else "")
