@@ -91,6 +91,7 @@ import torch
 import torch.distributed as dist
 
 from dtdsl.data.batch import BatchSource, LocalBatches, StepBatch
+from dtdsl.data.images import Pixels, pixel_norm
 from dtdsl.data.layout import SequenceLayout, layout_of
 from dtdsl.data.sample import (
     PackedImages,
@@ -218,6 +219,10 @@ class StageExecutor:
         self._hosted_generators = [n for n, r in hosted.items() if r == "generator"]
         self.dtype = self.stage.compute_dtype
         self._patch = self.model.patch
+        # Images arrive as uint8 pixels (a dataset's) and are normalised on this device,
+        # per packed group (``data.images.Pixels``); its constants are copied here once.
+        self._pixels = Pixels(*pixel_norm(program), device=self.device) \
+            if self._hosted_encoder or self.role.role == "encoder" else None
         self._image_tokens = self.model.image_tokens
         self._width = program.backbone.arch.hidden
         self._build_optimizer()
@@ -225,7 +230,7 @@ class StageExecutor:
                          "generator": self._generator_forward}[self.role.role]
         self._t0 = 0.0
         self.feed: BatchSource = feed if feed is not None else LocalBatches(
-            program, plan, self.role)
+            program, plan, self.role, pin=self.device.type != "cpu")
         self.batch: StepBatch | None = None
         self._layouts: dict[int, SequenceLayout] = {}    # this step's, by position
         self.steps: tuple[StepSamples, ...] = ()
@@ -548,7 +553,7 @@ class StageExecutor:
         role = self.role
         ids, samples = list(self._ids[j]), [self._sample(i) for i in self._ids[j]]
         images = [to_device(list(s.images), self.device) for s in samples]
-        packed = pack_images(images, self._patch)
+        packed = pack_images(images, self._patch, self._pixels)
         if role.is_first_stage:
             xs = None
             mb.inputs = None
@@ -637,7 +642,7 @@ class StageExecutor:
         """The images of ``samples`` packed for the co-located encoder (None when they
         have none), their patches counted."""
         images = [to_device(list(s.images), self.device) for s in samples]
-        packed = pack_images(images, self._patch)
+        packed = pack_images(images, self._patch, self._pixels)
         if not packed.groups:
             return None
         self.processed["patches"] += sum(g.shape[0] * g.shape[1] for g in packed.groups)
