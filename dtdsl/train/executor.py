@@ -287,8 +287,10 @@ class StageExecutor:
 
     def run_step(self, step: int, *, timed: bool = False) -> dict[str, Any]:
         """Run training step ``step``; returns ``{"step", "loss", "lm_loss", "gen_loss",
-        "grad_norm", "skipped", "time_s", "events"}`` (losses summed over the job,
-        identical on every rank; events: this rank's measured actions). ``timed``: the
+        "grad_norm", "skipped", "time_s", "data_wait_s", "events", "processed",
+        "compiled_graphs"}`` (losses summed over the job, identical on every rank;
+        events: this rank's measured actions; compiled_graphs: what its compiled blocks
+        compiled so far). ``timed``: the
         step's events go into a gathered timeline, so every rank starts the step at a
         barrier (a common origin for their times); other steps start without one."""
         self.step = step
@@ -351,10 +353,14 @@ class StageExecutor:
             events.append(self._event("SYNC", None, start))
             events.append(self._event("OPT", None, start))
         lm, gen = result.totals
+        compiled = self.stage.compiled
         return {"step": step, "loss": lm + gen, "lm_loss": lm, "gen_loss": gen,
                 "grad_norm": result.grad_norm, "skipped": result.skipped,
                 "time_s": time.perf_counter() - self._t0, "data_wait_s": batch.wait_s,
-                "events": events, "processed": dict(self.processed)}
+                "events": events, "processed": dict(self.processed),
+                # Graphs this rank's compiled blocks have compiled so far: a step where
+                # it grows recompiled (``train.compiled``); 0 when eager.
+                "compiled_graphs": compiled.graphs if compiled is not None else 0}
 
     def train(self, steps: int, *, first_step: int = 0,
               metrics_path: str | Path | None = None,
@@ -384,7 +390,8 @@ class StageExecutor:
                     if writer is not None and timeline is not None:
                         scalars = {"loss/total": result["loss"], "loss/lm": result["lm_loss"],
                                    "loss/gen": result["gen_loss"],
-                                   "grad_norm": result["grad_norm"]}
+                                   "grad_norm": result["grad_norm"],
+                                   "compiled_graphs": result["compiled_graphs"]}
                         writer.add_step(step, timeline, {k: float(v) for k, v in
                                                          scalars.items() if v is not None})
         finally:
