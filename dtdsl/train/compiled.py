@@ -17,21 +17,30 @@ share their compiled graphs (dynamo inlines ``nn.Module``s and guards on their s
 not their identity), so a 40-layer backbone compiles one layer's graph, not forty.
 
 **Varying shapes.** Microbatches differ in sequence length (padded to their longest), the
-ViT's groups in image count and patches, a generator's in targets. Before each call the
-batch and length dimensions of a transformer block's inputs (all but the last, the
-feature width the weights fix) and the batch of a U-Net block's are marked dynamic
-(``torch._dynamo.maybe_mark_dynamic``; the rest static), so the first compile is already
-symbolic in them and a new length reuses the graph, while the weights' widths stay
-static (kernels specialised for the model, not ``dynamic=True``'s symbolic widths).
-Dynamo still specialises sizes of 0 and 1 (a group of one image, one target), and on
-CUDA inductor guards on a length's alignment (a multiple of 8 or not) and on size
-thresholds of its fusion heuristics, so each kind of block compiles a small number of
-graphs whatever lengths a run draws: one on the CPU over the tests' 6 steps, 4 over 12
-steps of 833..2048 tokens on an H200 (``benchmarks/step_vs_torch.py``).
-``torch._dynamo.config.recompile_limit`` is raised to ``GRAPHS_PER_KIND`` (16) per kind
-of block sharing a ``forward``. ``CompiledBlocks.graphs`` counts the graphs dynamo compiled
-during calls of the stage's blocks, and each compile prints one line on stderr with the
-block and the input shapes that caused it.
+ViT's groups in image count and patches, a generator's in targets and in the rows of each
+target's conditioning. Before each call the varying dimensions of a block's inputs are
+marked dynamic (``Marks``; the rest static), so the first compile is already symbolic in
+them and a new length reuses the graph, while the weights' widths stay static (kernels
+specialised for the model, not ``dynamic=True``'s symbolic widths): a transformer block's
+batch and length (all but the last dimension), a U-Net block's batch (its feature maps'
+channels and pixels are the spec's) and its context's rows. Dynamo specialises a backed
+size of 0 or 1 (``maybe_mark_dynamic``): a group of one image, one generation target, a
+microbatch of one sequence. An encoder layer's batch is therefore ``mark_unbacked`` (its
+one input, a group of same-sized images: no broadcasting over it), so one graph serves
+groups of one image and of many; a backbone's rotation tables broadcast over a batch of
+1 (``[B or 1, ...]``), and inductor's convolutions assert wrong strides for an unbacked
+batch (torch 2.13), so a backbone layer and a U-Net block keep a graph for a batch of
+one and one for the rest. On the CPU (``tests/train/test_compiled.py``, drawn groups of
+one to several images, generator batches of 1 to 4): an encoder layer compiles 1 graph, a
+backbone layer at most 2, a U-Net block at most 2; on CUDA inductor may also guard on a
+length's alignment (a multiple of 8 or not) and on size thresholds of its fusion
+heuristics (4 graphs over 12 steps of 833..2048 tokens on an H200,
+``benchmarks/step_vs_torch.py``). ``torch._dynamo.config.recompile_limit`` is raised to
+``GRAPHS_PER_KIND`` (16) per kind of block sharing a ``forward``.
+``CompiledBlocks.graphs`` (and ``by_block``) counts the graphs dynamo compiled during
+calls of the stage's blocks, each compile prints one line on stderr with the block and
+the input shapes that caused it, and the executor's step result carries the count as
+``compiled_graphs`` (a TensorBoard scalar where the run logs one).
 
 Whether a rank compiles is ``program.train.compiles(device.type)`` (``ir.Train``): the spec's
 ``train { compile = ... }``, else on CUDA only.
@@ -187,13 +196,20 @@ def _logged(name: str, compiled: Callable[..., Any], marks: Marks, rank: int,
     with one line on stderr for each graph dynamo compiles during one of its calls (rare
     and bounded; a counter read per call costs nothing)."""
 
+    from torch._dynamo.utils import counters
+
+    # Dynamo's counter read in place (``compiled_graphs``'s import and call cost a few
+    # microseconds a block, on the host's critical path every microbatch).
+    stats_of = counters.__getitem__
+
     @functools.wraps(compiled)
     def call(*args: Any, **kwargs: Any) -> Any:
         _mark_dynamic(args, marks)
-        _mark_dynamic(tuple(kwargs.values()), marks)
-        before = compiled_graphs()
+        if kwargs:
+            _mark_dynamic(tuple(kwargs.values()), marks)
+        before = stats_of("stats")["unique_graphs"]
         out = compiled(*args, **kwargs)
-        after = compiled_graphs()
+        after = stats_of("stats")["unique_graphs"]
         if after != before:
             stats.graphs += after - before
             stats.by_block[name] = stats.by_block.get(name, 0) + after - before
