@@ -23,14 +23,17 @@ denominators of the whole batch, does not depend on it.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
+import torch
 
 from dtdsl.cost.samples import ItemSet, SampleSet
 from dtdsl.data.layout import layout_of, pack
@@ -61,6 +64,8 @@ __all__ = [
     "SyntheticSource",
     "normalizer_of",
     "parts_of",
+    "pin_batch",
+    "pins_memory",
     "reads_of",
     "route_batch",
     "routing_of",
@@ -82,6 +87,37 @@ class StepBatch:
     sizes: tuple[SampleSizes, ...] = ()  # per position: every sample's sizes (the shapes
                                          # of what ranks exchange follow from them)
     wait_s: float = 0.0                 # how long the rank waited for it
+
+
+def pins_memory() -> bool:
+    """Whether this process's batches are pinned (``pin_batch``): when its rank computes
+    on an accelerator (``parallel.device.rank_device``'s rule: one is present and
+    ``DTDSL_DEVICE`` does not say ``cpu``)."""
+    if os.environ.get("DTDSL_DEVICE", "").strip().lower() == "cpu":
+        return False
+    return torch.accelerator.is_available()
+
+
+def _pinned(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.pin_memory() if x.device.type == "cpu" else x
+    if isinstance(x, tuple):
+        return tuple(_pinned(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _pinned(v) for k, v in x.items()}
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return dataclasses.replace(x, **{f.name: _pinned(getattr(x, f.name))
+                                         for f in dataclasses.fields(x) if f.init})
+    return x
+
+
+def pin_batch(batch: StepBatch) -> StepBatch:
+    """``batch`` with its samples' tensors (tokens, images, generation targets) in pinned
+    host memory, where the feed builds it (the feed's thread; in process, before the
+    step's actions): the training thread's copies to the device
+    (``parallel.device.to_device``) then start without blocking and overlap its work."""
+    return dataclasses.replace(batch, samples={i: _pinned(s)
+                                               for i, s in batch.samples.items()})
 
 
 class SampleSource(Protocol):
@@ -290,12 +326,14 @@ def routing_of(plan: Plan, steps: Sequence[StepSamples]) -> Routing:
 class LocalBatches:
     """A ``BatchSource`` that builds every step's batch in this process from ``source``:
     routing under ``policy`` (default the spec's ``train.reorder``), this rank's samples
-    with the parts it reads (``reads_of``) and the denominators."""
+    with the parts it reads (``reads_of``) and the denominators; ``pin``: their tensors
+    pinned (``pin_batch``; default ``pins_memory()``)."""
 
     def __init__(self, program: ir.Program, plan: Plan, role: RankRole, *,
                  source: SampleSource | None = None, policy: frozenset[str] | None = None,
-                 work_model: WorkModel | None = None):
+                 work_model: WorkModel | None = None, pin: bool | None = None):
         self.program, self.plan, self.role = program, plan, role
+        self.pin = pins_memory() if pin is None else pin
         self.source = source if source is not None else SyntheticSource(program)
         self.policy = frozenset(program.train.reorder) if policy is None else policy
         if self.policy and work_model is None:
@@ -317,6 +355,7 @@ class LocalBatches:
             routing = self._static
         samples = {i: self.source.sample(step, i, parts, sizes=sizes[i])
                    for i, parts in reads_of(self.role, self.plan, routing).items()}
-        return StepBatch(step=step, keys=self.source.keys(step), routing=routing,
-                         samples=samples, normalizer=normalizer_of(self.program, sizes),
-                         sizes=tuple(sizes))
+        batch = StepBatch(step=step, keys=self.source.keys(step), routing=routing,
+                          samples=samples, normalizer=normalizer_of(self.program, sizes),
+                          sizes=tuple(sizes))
+        return pin_batch(batch) if self.pin else batch

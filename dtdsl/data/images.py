@@ -15,9 +15,12 @@ configuration.
   (the clamp high of ``image.patches``), bilinear, mean and std 0.5 (pixels to
   ``[-1, 1]``).
 
-Resizing runs in the preprocessing workers (``decode``), which ship uint8 pixels; the
-trainers normalise them (``normalize``: a per-channel affine on the uint8 tensor, a
-quarter of the bytes on the wire of float32 pixels).
+Resizing runs in the preprocessing workers (``decode``), which ship uint8 pixels: a
+quarter of the bytes of float32 ones on the wire, on the host-to-device copy and in pinned
+memory. Samples keep them uint8 up to the encoder's device, where ``Pixels`` normalises
+each packed group of same-sized images in one pass (``normalize``'s arithmetic: a
+per-channel affine, the same float32 operations in the same order, so equal to the bit):
+no float32 conversion on the feed's thread, no per-image work on the training thread.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CLIP_MEAN", "CLIP_STD", "ImagePolicy", "normalize", "patch_grid"]
+__all__ = ["CLIP_MEAN", "CLIP_STD", "ImagePolicy", "Pixels", "normalize", "patch_grid",
+           "pixel_norm"]
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -154,3 +158,39 @@ def normalize(pixels: Any, mean: tuple[float, ...] = HALF, std: tuple[float, ...
     m = torch.tensor(mean, dtype=torch.float32).view(3, 1, 1)
     s = torch.tensor(std, dtype=torch.float32).view(3, 1, 1)
     return x.div_(255.0).sub_(m).div_(s)
+
+
+def pixel_norm(program: Any) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The mean and std the spec's image encoder normalises its pixels with (0.5 and 0.5
+    without one)."""
+    image = next((m for m in program.encoders if m.modality == "image"), None)
+    if image is None:
+        return HALF, HALF
+    policy = ImagePolicy.for_encoder(image)
+    return policy.mean, policy.std
+
+
+class Pixels:
+    """Images as the encoder reads them, made on their device (module docstring): uint8
+    ``[..., 3, H, W]`` normalised with ``mean`` and ``std`` (``normalize``'s arithmetic);
+    floating-point images (the synthetic data's, already normalised) as they are.
+
+    The per-channel constants are copied to ``device`` once, when it is made (per stage,
+    not per step): normalising then reads nothing from the host."""
+
+    def __init__(self, mean: tuple[float, ...], std: tuple[float, ...],
+                 device: Any = "cpu"):
+        import torch
+
+        self.mean = torch.tensor(mean, dtype=torch.float32).view(3, 1, 1).to(device)
+        self.std = torch.tensor(std, dtype=torch.float32).view(3, 1, 1).to(device)
+
+    def __call__(self, images: Any) -> Any:
+        import torch
+
+        if images.dtype != torch.uint8:
+            return images
+        if images.shape[-3] != 3:
+            raise ValueError(f"uint8 images of shape {tuple(images.shape)}: expected 3 "
+                             "colour channels before height and width")
+        return images.to(torch.float32).div_(255.0).sub_(self.mean).div_(self.std)

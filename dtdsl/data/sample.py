@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import cache
 
@@ -114,7 +114,9 @@ class Sample:
     step: int
     index: int                              # position in the step's global batch
     tokens: torch.Tensor                    # [T] int64
-    images: tuple[torch.Tensor, ...]        # each [3, H, W] float32
+    images: tuple[torch.Tensor, ...]        # each [3, H, W]: uint8 pixels (a dataset's,
+                                            # ``data.images.Pixels`` normalises them) or
+                                            # float32 (synthetic, already normalised)
     targets: dict[str, GenTargets]          # generator name -> its targets
     image_at: tuple[int, ...] | None = None             # as in ``SampleSizes``
     trained: tuple[tuple[int, int], ...] | None = None
@@ -387,9 +389,12 @@ class PackedImages:
     grids: tuple[tuple[int, int], ...] = ()
 
 
-def pack_images(images: Sequence[Sequence[torch.Tensor]], patch: int) -> PackedImages:
+def pack_images(images: Sequence[Sequence[torch.Tensor]], patch: int,
+                pixels: Callable[[torch.Tensor], torch.Tensor] | None = None) -> PackedImages:
     """Group every image of ``images`` (one sequence per sample) by its patch count, in
-    order of first appearance, and patchify each group (``Encoder.patchify``)."""
+    order of first appearance, and patchify each group (``Encoder.patchify``). ``pixels``:
+    applied to each group's stacked ``[B, 3, H, W]`` images first (``data.images.Pixels``:
+    uint8 pixels normalised, one pass per group)."""
     by_shape: dict[tuple[int, ...], list[tuple[int, int]]] = {}
     for i, sample_images in enumerate(images):
         for j, image in enumerate(sample_images):
@@ -397,6 +402,8 @@ def pack_images(images: Sequence[Sequence[torch.Tensor]], patch: int) -> PackedI
     groups, owners, grids = [], [], []
     for shape, members in by_shape.items():
         stacked = torch.stack([images[i][j] for i, j in members])
+        if pixels is not None:
+            stacked = pixels(stacked)
         groups.append(Encoder.patchify(stacked, patch))
         owners.append(tuple(members))
         grids.append((shape[-2] // patch, shape[-1] // patch))

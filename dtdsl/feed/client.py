@@ -10,7 +10,9 @@ first valid message for that step: messages of later steps wait in a buffer (the
 run up to ``prefetch`` steps ahead), copies of a step already taken (a restarted worker
 sends its steps again) are dropped, and so is anything the wire rejects (wrong secret,
 malformed, oversized: counted in ``dropped``). The time spent waiting is the step's
-``wait_s``. Decoding happens on a background thread as messages arrive.
+``wait_s``. Decoding happens on a background thread as messages arrive, and so does
+pinning the tensors (``batch.pin_batch``) on a rank with an accelerator: the training
+thread's host-to-device copies then start without blocking.
 
 A wait is bounded (``timeout_s``, 600 s: then ``FeedTimeout``, and torchrun restarts the
 job), but never silent: the node's first trainer prints every ``REPORT_S`` seconds
@@ -59,15 +61,15 @@ class RemoteBatches:
 
     def __init__(self, job: Any, bundle: Path, program: Any, plan: Any, role: Any, *,
                  feed_dir: Path, local_rank: int, node_ranks: Sequence[int],
-                 timeout_s: float = 600.0):
+                 timeout_s: float = 600.0, pin: bool | None = None):
+        from dtdsl.data.batch import pins_memory
         from dtdsl.feed import wire
 
         self.job, self.role = job, role
         self.units = [u.name for u in plan.units]
         self.generators = [g.name for g in program.generators]
-        from dtdsl.feed.source import image_norm
-
-        self.norm = image_norm(program)
+        # Page-locked copies made here, on the inbox thread (None: on an accelerator).
+        self.pin = pins_memory() if pin is None else pin
         self.timeout_s = timeout_s
         self.workers = max(1, job.feed.workers_per_node)
         if list(node_ranks)[local_rank] != role.rank:
@@ -106,6 +108,7 @@ class RemoteBatches:
         return self.receiver.dropped
 
     def _pump(self) -> None:
+        from dtdsl.data.batch import pin_batch
         from dtdsl.feed.protocol import BATCH, read_batch
 
         try:
@@ -119,7 +122,9 @@ class RemoteBatches:
                         self._heard[got % self.workers] = (time.monotonic(), got)
                     if not isinstance(got, int) or got < self._next or got in self._ready:
                         continue    # a copy of a step taken or buffered: a worker restarted
-                batch = read_batch(message, self.units, self.generators, self.norm)
+                batch = read_batch(message, self.units, self.generators)
+                if self.pin:
+                    batch = pin_batch(batch)
                 with self._cond:
                     if got >= self._next and got not in self._ready:
                         self._ready[got] = batch

@@ -105,16 +105,15 @@ def batch_message(step: int, routing: Sequence[Any], normalizer: Any, samples: M
     return meta, arrays
 
 
-def read_batch(message: Any, units: Sequence[str], generators: Sequence[str],
-               norm: Any = None) -> Any:
-    """The ``runtime.batch.StepBatch`` of a valid ``batch`` message (uint8 images
-    normalised with ``norm``: the encoder's mean and std, ``source.image_norm``).
-    ValueError when it is inconsistent (a worker bug or a mismatched bundle)."""
+def read_batch(message: Any, units: Sequence[str], generators: Sequence[str]) -> Any:
+    """The ``runtime.batch.StepBatch`` of a valid ``batch`` message (images as sent: uint8
+    pixels the encoder's device normalises, ``data.images.Pixels``, or the synthetic
+    data's float32). ValueError when it is inconsistent (a worker bug or a mismatched
+    bundle)."""
     import torch
 
     from dtdsl.data.batch import StepBatch
     from dtdsl.data.sample import GenTargets, Sample, SampleSizes
-    from dtdsl.feed.source import image_tensor
     from dtdsl.models.multimodal import Normalizer
     from dtdsl.parallel.broker import StepSamples
 
@@ -181,8 +180,12 @@ def read_batch(message: Any, units: Sequence[str], generators: Sequence[str],
         k = 0
         while f"p{pos}.img{k}" in arrays:
             image = arrays[f"p{pos}.img{k}"]
-            images.append(image_tensor(image, norm) if image.dtype == np.uint8
-                          else message.tensor(f"p{pos}.img{k}"))
+            if image.ndim != 3 or image.shape[0] != 3 or \
+                    image.dtype not in (np.uint8, np.float32):
+                raise ValueError(f"step {step}: image p{pos}.img{k} of dtype {image.dtype} "
+                                 f"and shape {image.shape}: expected uint8 or float32 "
+                                 "[3, H, W]")
+            images.append(message.tensor(f"p{pos}.img{k}"))
             k += 1
         targets = {}
         if "targets" in parts:

@@ -18,10 +18,11 @@ during the run) keeps its place with a stand-in of its sizes, logged once and co
 ``replaced``: the batch's sizes, which every process computes alone, must not change.
 
 **Tensors.** ``dtdsl.data.decode.Decoder`` gives numpy arrays; ``to_sample`` turns them
-into a ``runtime.data.Sample``: token ids as they are, images from uint8 to float32 in
-[-1, 1] (``x / 127.5 - 1``), the generators' latents, noise and timesteps as they are.
-The preprocessing workers ship the uint8 images and the trainers convert them with the
-same function, so a launched run and ``dtc reference --data`` see identical tensors.
+into a ``runtime.data.Sample``: token ids as they are, images as their uint8 pixels
+(normalised on the encoder's device, ``data.images.Pixels``, with the encoder's mean and
+std, ``image_norm``), the generators' latents, noise and timesteps as they are. The
+preprocessing workers ship the same uint8 images, so a launched run and ``dtc reference
+--data`` see identical tensors.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import numpy as np
 
 from dtdsl.ir import program as ir
 
-__all__ = ["DatasetSource", "epoch_permutation", "image_norm", "image_tensor", "stream_indices",
+__all__ = ["DatasetSource", "epoch_permutation", "image_norm", "image_pixels", "stream_indices",
            "to_sample"]
 
 log = logging.getLogger("dtdsl.feed.source")
@@ -65,36 +66,36 @@ def stream_indices(seed: int, n: int, step: int, batch: int) -> list[int]:
 
 
 def image_norm(program: ir.Program) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """The mean and std the spec's image encoder normalises its pixels with."""
-    from dtdsl.data.images import HALF, ImagePolicy
+    """The mean and std the spec's image encoder normalises its pixels with
+    (``data.images.pixel_norm``)."""
+    from dtdsl.data.images import pixel_norm
 
-    image = next((m for m in program.encoders if m.modality == "image"), None)
-    if image is None:
-        return HALF, HALF
-    policy = ImagePolicy.for_encoder(image)
-    return policy.mean, policy.std
+    return pixel_norm(program)
 
 
-def image_tensor(pixels: np.ndarray, norm: tuple[tuple[float, ...], tuple[float, ...]]
-                 | None = None):
-    """A uint8 ``[3, H, W]`` image as the float32 tensor the encoder reads (``norm``: its
-    mean and std, ``image_norm``; default 0.5 and 0.5)."""
-    from dtdsl.data.images import normalize
+def image_pixels(pixels: np.ndarray):
+    """A decoded uint8 ``[3, H, W]`` image as the tensor a ``Sample`` holds: its pixels,
+    uint8, in memory of its own (normalised on the encoder's device,
+    ``data.images.Pixels``). ValueError for anything else."""
+    import torch
 
-    return normalize(pixels, *norm) if norm is not None else normalize(pixels)
+    array = np.asarray(pixels)
+    if array.dtype != np.uint8 or array.ndim != 3 or array.shape[0] != 3:
+        raise ValueError(f"an image of dtype {array.dtype} and shape {array.shape}: "
+                         "expected uint8 pixels [3, H, W]")
+    return torch.from_numpy(np.array(array, dtype=np.uint8, order="C"))
 
 
-def to_sample(step: int, position: int, decoded, parts: frozenset[str],
-              norm: tuple[tuple[float, ...], tuple[float, ...]] | None = None):
+def to_sample(step: int, position: int, decoded, parts: frozenset[str]):
     """A ``runtime.data.Sample`` from a ``DecodedSample`` (only ``parts`` filled; images
-    normalised with ``norm``, ``image_norm``)."""
+    as uint8 pixels, ``image_pixels``)."""
     import torch
 
     from dtdsl.data.sample import GenTargets, Sample
 
     tokens = (torch.from_numpy(np.array(decoded.tokens, dtype=np.int64)) if "tokens" in parts
               else torch.empty(0, dtype=torch.int64))
-    images = (tuple(image_tensor(im, norm) for im in decoded.images) if "images" in parts
+    images = (tuple(image_pixels(im) for im in decoded.images) if "images" in parts
               else ())
     targets = {}
     if "targets" in parts:
@@ -166,7 +167,6 @@ class DatasetSource:
         image = next((m for m in program.encoders if m.modality == "image"), None)
         self.patch = (image.arch.patch or 1) if image is not None else None
         self.image_tokens = program.image_tokens()
-        self.norm = image_norm(program)
         self.clamps = Clamps.for_program(program)
         layouts = token_layouts(self.dataset, self.decoder.tokenizer, progress=progress)
         found = usable_samples(self.dataset, self.decoder, layouts, progress=progress)
@@ -321,4 +321,4 @@ class DatasetSource:
     def sample(self, step: int, position: int,
                parts: frozenset[str] = frozenset({"tokens", "images", "targets"}),
                sizes: Sequence | None = None):
-        return to_sample(step, position, self.decode(step, position), parts, self.norm)
+        return to_sample(step, position, self.decode(step, position), parts)

@@ -59,6 +59,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dtdsl.cost.flops import lm_loss_chunk_rows
+from dtdsl.data.images import Pixels, pixel_norm
 from dtdsl.data.layout import SequenceLayout, layout_of
 from dtdsl.data.sample import (
     GenTargets,
@@ -232,6 +233,7 @@ class Model(nn.Module):
         self.seq_len = program.train.seq_len
         self.patch = (enc.arch.patch or 1) if enc is not None else 1
         self.image_tokens = program.image_tokens()   # an image's rows in the backbone
+        self.pixel_norm = pixel_norm(program)        # its images' mean and std
 
         def projector(source: str, target: str) -> str:
             for p in program.projectors:
@@ -344,7 +346,9 @@ def encode(model: Model, samples: Sequence[Sample]) -> list[torch.Tensor]:
     if model.encoder is None:
         return [torch.zeros(0, width, device=device) for _ in samples]
     encoder: Encoder = model.unit(model.encoder)
-    packed = pack_images([[im.to(device) for im in s.images] for s in samples], model.patch)
+    # uint8 pixels (a dataset's) normalised on the device, as the executor does.
+    packed = pack_images([[im.to(device) for im in s.images] for s in samples], model.patch,
+                         Pixels(*model.pixel_norm, device=device))
     hidden = encoder_output(encoder, encoder_layers(
         encoder, encoder_input(encoder, packed.groups, packed.grids)))
     projector = model.unit(model.enc_proj)

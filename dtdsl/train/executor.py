@@ -110,6 +110,7 @@ import torch
 import torch.distributed as dist
 
 from dtdsl.data.batch import BatchSource, LocalBatches, StepBatch
+from dtdsl.data.images import Pixels, pixel_norm
 from dtdsl.data.layout import SequenceLayout, layout_of
 from dtdsl.data.sample import (
     PackedImages,
@@ -248,6 +249,11 @@ class StageExecutor:
         self._hosted_generators = [n for n, r in hosted.items() if r == "generator"]
         self.dtype = self.stage.compute_dtype
         self._patch = self.model.patch
+        # Images arrive as uint8 pixels (a dataset's) and are normalised on this device,
+        # per packed group (``data.images.Pixels``); its constants are copied here once.
+        self._pixels = Pixels(*pixel_norm(program), device=self.device) \
+            if self._hosted_encoder or self.stage.phased or self.role.role == "encoder" \
+            else None
         self._image_tokens = self.model.image_tokens
         self._width = program.backbone.arch.hidden
         self._build_optimizer()
@@ -255,7 +261,7 @@ class StageExecutor:
                          "generator": self._generator_forward}[self.role.role]
         self._t0 = 0.0
         self.feed: BatchSource = feed if feed is not None else LocalBatches(
-            program, plan, self.role)
+            program, plan, self.role, pin=self.device.type != "cpu")
         self.batch: StepBatch | None = None
         self._layouts: dict[int, SequenceLayout] = {}    # this step's, by position
         self.steps: tuple[StepSamples, ...] = ()
@@ -329,8 +335,10 @@ class StageExecutor:
 
     def run_step(self, step: int, *, timed: bool = False) -> dict[str, Any]:
         """Run training step ``step``; returns ``{"step", "loss", "lm_loss", "gen_loss",
-        "grad_norm", "skipped", "time_s", "events"}`` (losses summed over the job,
-        identical on every rank; events: this rank's measured actions). ``timed``: the
+        "grad_norm", "skipped", "time_s", "data_wait_s", "events", "processed",
+        "compiled_graphs"}`` (losses summed over the job, identical on every rank;
+        events: this rank's measured actions; compiled_graphs: what its compiled blocks
+        compiled so far). ``timed``: the
         step's events go into a gathered timeline, so every rank starts the step at a
         barrier (a common origin for their times); other steps start without one."""
         self.step = step
@@ -406,10 +414,14 @@ class StageExecutor:
             events.append(self._event("SYNC", None, start))
             events.append(self._event("OPT", None, start))
         lm, gen = result.totals
+        compiled = self.stage.compiled
         return {"step": step, "loss": lm + gen, "lm_loss": lm, "gen_loss": gen,
                 "grad_norm": result.grad_norm, "skipped": result.skipped,
                 "time_s": time.perf_counter() - self._t0, "data_wait_s": batch.wait_s,
-                "events": events, "processed": dict(self.processed)}
+                "events": events, "processed": dict(self.processed),
+                # Graphs this rank's compiled blocks have compiled so far: a step where
+                # it grows recompiled (``train.compiled``); 0 when eager.
+                "compiled_graphs": compiled.graphs if compiled is not None else 0}
 
     def train(self, steps: int, *, first_step: int = 0,
               metrics_path: str | Path | None = None,
@@ -439,7 +451,8 @@ class StageExecutor:
                     if writer is not None and timeline is not None:
                         scalars = {"loss/total": result["loss"], "loss/lm": result["lm_loss"],
                                    "loss/gen": result["gen_loss"],
-                                   "grad_norm": result["grad_norm"]}
+                                   "grad_norm": result["grad_norm"],
+                                   "compiled_graphs": result["compiled_graphs"]}
                         writer.add_step(step, timeline, {k: float(v) for k, v in
                                                          scalars.items() if v is not None})
         finally:
@@ -728,7 +741,7 @@ class StageExecutor:
         role = self.role
         ids, samples = list(self._ids[j]), [self._sample(i) for i in self._ids[j]]
         images = [to_device(list(s.images), self.device) for s in samples]
-        packed = pack_images(images, self._patch)
+        packed = pack_images(images, self._patch, self._pixels)
         if role.is_first_stage:
             xs = None
             mb.inputs = None
@@ -819,7 +832,7 @@ class StageExecutor:
         """The images of ``samples`` packed for the co-located (or phased) encoder (None
         when they have none), their patches counted."""
         images = [to_device(list(s.images), self.device) for s in samples]
-        packed = pack_images(images, self._patch)
+        packed = pack_images(images, self._patch, self._pixels)
         if not packed.groups:
             return None
         self.processed["patches"] += sum(g.shape[0] * g.shape[1] for g in packed.groups)

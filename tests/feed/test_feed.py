@@ -271,3 +271,50 @@ def test_workers_skip_and_stand_in_for_bad_samples_as_the_in_process_feed_does(t
             for i in want.samples:
                 _same_sample(got.samples[i], want.samples[i])
     assert first in ctx.source.replaced and first in source.replaced
+
+
+def test_images_travel_as_uint8_pixels_and_are_normalised_where_they_are_packed(bundle):
+    """The feed (worker messages and the in-process feed alike) hands trainers uint8
+    pixels, a quarter of float32's bytes to pin and copy; ``Pixels`` normalises each packed
+    group on the encoder's device to the bit of the float32 images the trainers used to
+    make on the feed's thread (``normalize``)."""
+    from dtdsl.data.images import Pixels, normalize
+    from dtdsl.data.sample import pack_images
+    from dtdsl.feed.source import image_norm
+
+    ctx = FeedContext(bundle)
+    units = [u.name for u in ctx.plan.units]
+    generators = [g.name for g in ctx.program.generators]
+    source = DatasetSource(ctx.program, ctx.source.path)
+    mean, std = image_norm(ctx.program)
+    patch = next(m for m in ctx.program.encoders).arch.patch
+    checked = 0
+    for rank, (meta, arrays) in enumerate(build_messages(ctx, 0)):
+        got = read_batch(_Message(meta, arrays), units, generators)
+        want = LocalBatches(ctx.program, ctx.plan, role_of(ctx.plan, rank), source=source,
+                            policy=ctx.policy, work_model=ctx.work_model).batch(0)
+        for batch in (got, want):
+            images = [list(s.images) for s in batch.samples.values()]
+            if not any(images):
+                continue
+            assert {im.dtype for ims in images for im in ims} == {torch.uint8}
+            packed = pack_images(images, patch, Pixels(mean, std))
+            before = pack_images([[normalize(im, mean, std) for im in ims] for ims in images],
+                                 patch)
+            assert len(packed.groups) == len(before.groups)
+            for a, b in zip(packed.groups, before.groups, strict=True):
+                assert a.dtype == torch.float32 and torch.equal(a, b)
+            checked += 1
+    assert checked >= 2
+
+
+def test_pixels_refuse_what_is_not_an_rgb_image():
+    from dtdsl.data.images import Pixels
+
+    pixels = Pixels((0.5,) * 3, (0.5,) * 3)
+    floats = torch.rand(2, 3, 4, 4)
+    assert pixels(floats) is floats     # synthetic images: already normalised
+    assert torch.equal(pixels(torch.full((3, 2, 2), 255, dtype=torch.uint8)),
+                       torch.ones(3, 2, 2))
+    with pytest.raises(ValueError, match="3 colour channels"):
+        pixels(torch.zeros(4, 2, 2, dtype=torch.uint8))

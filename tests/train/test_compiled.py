@@ -179,3 +179,109 @@ def test_fmt_keeps_the_setting_and_the_checker_names_a_bad_value():
     bad = run_frontend("b.dt", TEXT_SPEC.replace("COMPILE", "compile = 3").encode())
     assert [d.code for d in bad.diagnostics] == ["DT206"]
     assert "train.compile must be true or false, not 3" in bad.diagnostics[0].message
+
+
+MULTIMODAL_SPEC = """spec compiled_mm
+model {
+  encoder vit (image) {
+    arch = transformer(layers=2, hidden=32, heads=2, ffn=64, patch=8)
+  }
+  backbone llm {
+    arch = transformer(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=256, swiglu)
+  }
+  generator gen (image) {
+    arch = unet(channels=16, mult=[1], res_blocks=1, attn_res=[1], latent=8, head_dim=8,
+                context_dim=32, groups=8)
+  }
+  projector vit -> llm : mlp(depth=2)
+  projector llm -> gen : mlp(depth=2)
+}
+data mm {
+  text.tokens     ~ lognormal(median=24, sigma=0.5) clamp [8, 64]
+  image.count     ~ zipf(a=1.6) clamp [0, 4]
+  image.patches   ~ choice([16, 64], p=[0.6, 0.4])
+  image.gen_count ~ choice([0, 1, 2], p=[0.3, 0.4, 0.3])
+}
+cluster c {
+  gpu = custom(name="cpu", memory=4 GiB, peak=0.1 TFLOPS)
+  gpus = 3
+  intra_node_bw = 4 GB/s
+  inter_node_bw = 4 GB/s
+}
+train {
+  global_batch = 8
+  micro_batch = 2
+  seq_len = 512
+  optimizer = adamw(lr=1e-3)
+  precision = fp32
+  reorder = []
+  seed = 11
+  COMPILE
+}
+"""
+
+# Graphs a block may compile over any drawn batches (``train.compiled``): an encoder layer
+# one (its batch, a group's image count, unbacked: a group of one image shares it); a
+# backbone layer two (a microbatch of one sample specialises); a U-Net block two (its
+# batch, the targets, is one or more: a batch of one specialises; its context's rows, a
+# document's conditioning, vary in the same graph).
+GRAPH_BOUND = {"vit": 1, "llm": 2, "gen": 2}
+
+
+def multimodal_program(compile: str = "") -> ir.Program:
+    result = run_frontend("compiled_mm.dt", MULTIMODAL_SPEC.replace("COMPILE", compile).encode())
+    assert result.ok, [d.message for d in result.diagnostics]
+    return result.program
+
+
+def _multimodal(rank: int, world: int, program: ir.Program, plan: Plan, steps: int,
+                out: dict) -> None:
+    groups = build_groups(plan)
+    ex = StageExecutor(program, plan, lower(plan, program), rank=rank, groups=groups)
+    module = ex.stage.module
+    seen: list[int] = []        # the batches the first compiled block of the unit saw
+    unit = module.units[ex.role.unit]
+    first = (next(iter(unit.layers.values())) if hasattr(unit, "layers")
+             else unit.down_blocks[0])
+    first.register_forward_pre_hook(lambda _, args: seen.append(args[0].shape[0]))
+    results = [ex.run_step(s) for s in range(steps)]
+    compiled = ex.stage.compiled
+    with open(f"{out['file']}.{rank}", "w") as f:
+        f.write(repr({"losses": [r["loss"] for r in results],
+                      "graphs": [r["compiled_graphs"] for r in results],
+                      "by_block": dict(compiled.by_block) if compiled else None,
+                      "batches": seen}))
+
+
+@pytest.mark.parametrize("vit_tp", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_recompiles_stay_bounded_over_image_groups_and_generator_batches(tmp_path, vit_tp):
+    # Drawn microbatches hold groups of one image and of several, and 0..4 generation
+    # targets; each kind of block compiles at most GRAPH_BOUND graphs, exposed in the
+    # step results, and the compiled run trains as the eager one. At TP 2 the encoder's
+    # unbacked batch goes through DTensor's sharded attention and MLP.
+    steps = 5
+    eager, compiled = multimodal_program(), multimodal_program("compile = true")
+    plan = plan_for(eager, ("vit", "encoder", vit_tp, 1, 1), ("llm", "backbone", 1, 1, 1),
+                    ("gen", "generator", 1, 1, 1))
+    runs = {}
+    for tag, program in (("eager", eager), ("compiled", compiled)):
+        path = tmp_path / tag
+        run(_multimodal, plan.gpus_used, program, plan, steps, {"file": str(path)},
+            timeout=900)
+        runs[tag] = [ast.literal_eval((tmp_path / f"{tag}.{r}").read_text())
+                     for r in range(plan.gpus_used)]
+    vit, llm, gen = runs["compiled"][vit_tp - 1:]     # a TP group's ranks run alike
+    assert 1 in vit["batches"] and max(vit["batches"]) > 1, vit["batches"]
+    assert 1 in gen["batches"] and max(gen["batches"]) > 2, gen["batches"]
+    for name, rank in zip(("vit", "llm", "gen"), (vit, llm, gen), strict=True):
+        by_block = rank["by_block"]
+        assert by_block and all(b.startswith(f"{name}.") for b in by_block), by_block
+        # Blocks of one class share their graphs: an encoder's layers compile once.
+        per_kind = sum(by_block.values()) if name != "gen" else max(by_block.values())
+        assert per_kind <= GRAPH_BOUND[name], (name, by_block)
+        assert rank["graphs"][-1] == sum(by_block.values()) and \
+            rank["graphs"] == sorted(rank["graphs"]), rank["graphs"]
+        assert all(g == 0 for g in runs["eager"][0]["graphs"])
+    want, got = runs["eager"][0]["losses"], vit["losses"]
+    for g, w in zip(got, want, strict=True):
+        assert math.isclose(g, w, rel_tol=LOSS_RTOL), (got, want)

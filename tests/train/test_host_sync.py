@@ -8,10 +8,17 @@ the action or phase it happened in. On a GPU each such read waits for every kern
 before it; the step's one read is the job's optimizer message (losses, gradient norm,
 non-finite flag) after the last action. The logger sees the same calls on the CPU: the
 path the test runs is the path a GPU runs.
+
+The image path runs on a dataset's uint8 pixels (normalised inside the encoder's ``F``,
+``data.images.Pixels``), through an encoder unit and a co-located encoder. Copies from
+the host to another device that block (``non_blocking=False``) and pinning inside an
+action are recorded too (the feed pins, the training thread copies without blocking);
+on this CPU-only machine no copy crosses devices, so those two checks bite on a GPU.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import traceback
 from collections import Counter
@@ -26,9 +33,12 @@ from dtdsl.parallel.mesh import build_groups
 from dtdsl.schedule.lower import lower
 from dtdsl.train.executor import StageExecutor
 from tests.dist import run
+from tests.train.test_colocated import colocate
 from tests.train.test_executor import plan_for, spec
 
 _READ = torch.ops.aten._local_scalar_dense.default
+_COPIES = (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default)
+_PIN = (torch.ops.aten._pin_memory.default,)
 
 
 class _HostReads(TorchDispatchMode):
@@ -39,9 +49,34 @@ class _HostReads(TorchDispatchMode):
         self.phase, self.reads = phase, reads
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         if func is _READ:
             self.reads[(self.phase[0], "item " + _site())] += 1
-        return func(*args, **(kwargs or {}))
+        elif func in _PIN:
+            self.reads[(self.phase[0], "pin " + _site())] += 1
+        elif func in _COPIES and _blocking_upload(func, args, kwargs):
+            self.reads[(self.phase[0], "blocking copy " + _site())] += 1
+        return func(*args, **kwargs)
+
+
+def _blocking_upload(func, args, kwargs) -> bool:
+    """A copy from host memory to another device that waits for the device
+    (``non_blocking`` false)."""
+    if func is torch.ops.aten._to_copy.default:
+        source, target = args[0], kwargs.get("device") or args[0].device
+    else:
+        target, source = args[0].device, args[1]
+    return (source.device.type == "cpu" and torch.device(target).type != "cpu"
+            and not kwargs.get("non_blocking", False))
+
+
+def _as_pixels(batch):
+    """``batch`` with its float images in [-1, 1] (the synthetic data's) as the uint8
+    pixels a dataset's feed delivers."""
+    samples = {i: dataclasses.replace(s, images=tuple(
+        ((im + 1) * 127.5).round().clamp(0, 255).to(torch.uint8) for im in s.images))
+        for i, s in batch.samples.items()}
+    return dataclasses.replace(batch, samples=samples)
 
 
 def _site() -> str:
@@ -61,6 +96,16 @@ def _steps(rank: int, world: int, program: ir.Program, plan: Plan) -> None:
     assert not ex.p2p.check
     ex.run_step(0)      # first-step work (lazy builds, caches) is not the steady state
     phase = ["step"]
+    normalised: Counter = Counter()     # (phase, dtype) of the images Pixels was given
+    if ex._pixels is not None:
+        normalise = ex._pixels
+
+        def pixels(x):
+            normalised[(phase[0], x.dtype)] += 1
+            return normalise(x)
+
+        ex._pixels = pixels
+    phase = ["step"]
     reads: Counter = Counter()
     run_action, batch = ex._run, ex.feed.batch
 
@@ -68,7 +113,7 @@ def _steps(rank: int, world: int, program: ir.Program, plan: Plan) -> None:
         # The feed builds batches on the host (workers, or here in process): host data.
         phase[0] = "feed"
         try:
-            return batch(step)
+            return _as_pixels(batch(step))
         finally:
             phase[0] = "step"
 
@@ -98,13 +143,23 @@ def _steps(rank: int, world: int, program: ir.Program, plan: Plan) -> None:
     # After the actions: the optimizer's one message, read once per step.
     step = {k: n for k, n in reads.items() if k[0] == "step"}
     assert sum(step.values()) == 2, f"rank {rank}: host reads in two steps: {step}"
+    if ex._pixels is not None and ex.role.is_first_stage:
+        # The feed's uint8 pixels reached the device and were normalised inside F.
+        assert set(normalised) == {("action F", torch.uint8)}, normalised
 
 
-@pytest.mark.parametrize("layout", [
-    (("vit", "encoder", 1, 1, 2), ("llm", "backbone", 1, 1, 2), ("gen", "generator", 1, 1, 1)),
-    (("vit", "encoder", 2, 1, 1), ("llm", "backbone", 2, 1, 1), ("gen", "generator", 1, 1, 1)),
-], ids=["pp", "tp2"])
-def test_a_step_reads_the_device_once_after_its_last_action(layout):
+@pytest.mark.parametrize(("layout", "hosted"), [
+    ((("vit", "encoder", 1, 1, 2), ("llm", "backbone", 1, 1, 2), ("gen", "generator", 1, 1, 1)),
+     ()),
+    ((("vit", "encoder", 2, 1, 1), ("llm", "backbone", 2, 1, 1), ("gen", "generator", 1, 1, 1)),
+     ()),
+    # The encoder on the backbone's first stage, packing its images inside F.
+    ((("vit", "encoder", 1, 1, 1), ("llm", "backbone", 2, 1, 1), ("gen", "generator", 1, 1, 1)),
+     ("vit",)),
+], ids=["pp", "tp2", "colocated"])
+def test_a_step_reads_the_device_once_after_its_last_action(layout, hosted):
     program = spec(8)
     plan = plan_for(program, *layout)
+    if hosted:
+        plan = colocate(program, plan, *hosted)
     run(_steps, plan.gpus_used, program, plan, timeout=180)
