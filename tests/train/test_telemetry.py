@@ -134,3 +134,20 @@ def test_a_telemetry_failure_is_reported_once_and_the_run_goes_on(run_log, tmp_p
     assert len(metrics) == 4
     timelines = (tmp_path / "run" / "timelines.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in timelines] == [0]
+
+
+def test_the_telemetry_process_leaves_when_its_trainer_is_gone(tmp_path):
+    import multiprocessing
+    import threading
+
+    ctx = multiprocessing.get_context("spawn")
+    inbox, outbox, charts = ctx.Queue(), ctx.Queue(), ctx.Value("i", 0)
+    # A parent pid that is not this process's parent: the trainer died without closing.
+    gone = threading.Thread(target=launch._telemetry_main, daemon=True, args=(
+        inbox, outbox, charts, -1, tmp_path, None, None, None, 0, None, None))
+    gone.start()
+    gone.join(timeout=60)
+    assert not gone.is_alive(), "the telemetry process waits for a trainer that is gone"
+    # It could not start (no plan): reported, not raised.
+    kind, text = outbox.get(timeout=10)
+    assert kind == "failed" and text.startswith("telemetry could not start")
