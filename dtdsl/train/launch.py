@@ -243,6 +243,7 @@ class _Telemetry:
         self.source = source
         self.skipped = 0
         self._failed: str | None = None
+        self._closed = False
         self._charts = ctx.Value("i", 0)    # measured timelines queued, not yet drawn
         self._inbox: Any = ctx.Queue()
         self._outbox: Any = ctx.Queue()
@@ -255,7 +256,8 @@ class _Telemetry:
     @property
     def failed(self) -> str | None:
         """Why the telemetry stopped (None while it works)."""
-        self._poll()
+        if not self._closed:
+            self._poll()
         return self._failed
 
     def _poll(self, *, closing: bool = False) -> None:
@@ -293,6 +295,7 @@ class _Telemetry:
             self._inbox.put(None)
         self._process.join()
         self._poll(closing=True)
+        self._closed = True
         self._inbox.close()
         self._outbox.close()
         if self.skipped:
