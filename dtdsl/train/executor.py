@@ -41,6 +41,10 @@ training step it
      over the job in the same all-reduce. On a stage that trains, the time of that call
      is recorded as its ``SYNC`` (the DP reduce is inside it) and ``OPT`` events.
 
+Timing (``train.clock``): each action's start and end are marks of the step's clock, read
+once after the optimizer step: CUDA events on the device's stream on a GPU (a pass's time
+is its kernels', not their launch), host time on the CPU, where ops are synchronous.
+
 Message tags: ``broker.message_tag(step * M + j, direction)`` for microbatch step ``j``
 of training step ``step``; PP pairs and broker pairs are different rank pairs, and gloo
 matches by (source, tag), so no two messages in flight can be confused.
@@ -145,6 +149,7 @@ from dtdsl.parallel.device import to_device
 from dtdsl.parallel.mesh import ProcessGroups, RankRole
 from dtdsl.parallel.p2p import P2P, Received, TensorSpec
 from dtdsl.sim.timeline import Event, Timeline, TimelineUnit
+from dtdsl.train.clock import StepClock, step_clock
 from dtdsl.train.optim import StageOptimizer, optimizer_step
 from dtdsl.train.stage import Stage, build_stage, projector_between
 
@@ -194,12 +199,13 @@ class StageExecutor:
     ``groups``: this rank's ``mesh.build_groups(plan)``; ``device``: the rank's device
     (``parallel.device.rank_device``); ``seed``: the initialisation seed (``train.seed``
     to match the reference); ``initialize=False``: leave the parameters for a checkpoint
-    to fill (``Stage.initialize`` when there is none)."""
+    to fill (``Stage.initialize`` when there is none); ``clock``: what times the actions
+    (default ``clock.step_clock(device)``: CUDA events on a GPU, host time on the CPU)."""
 
     def __init__(self, program: ir.Program, plan: Plan, schedule: Schedule, *,
                  rank: int, groups: ProcessGroups, device: torch.device | str = "cpu",
                  seed: int | None = None, feed: BatchSource | None = None,
-                 initialize: bool = True):
+                 initialize: bool = True, clock: StepClock | None = None):
         self.program, self.plan, self.schedule = program, plan, schedule
         self.role: RankRole = groups.role
         if self.role.rank != rank:
@@ -260,6 +266,7 @@ class StageExecutor:
         self._forward = {"encoder": self._encoder_forward, "backbone": self._backbone_forward,
                          "generator": self._generator_forward}[self.role.role]
         self._t0 = 0.0
+        self.clock: StepClock = clock if clock is not None else step_clock(self.device)
         self.feed: BatchSource = feed if feed is not None else LocalBatches(
             program, plan, self.role, pin=self.device.type != "cpu")
         self.batch: StepBatch | None = None
@@ -365,15 +372,21 @@ class StageExecutor:
         # (on a unit's first stage): image patches, backbone positions and the text tokens
         # among them, generation targets.
         self.processed = {"patches": 0, "positions": 0, "text_tokens": 0, "targets": 0}
-        events: list[Event] = []
+        # (kind, microbatch, clock mark) per event: the clock is read once the step's
+        # actions are done (``train.clock``: on CUDA, events read with one sync).
+        marks: list[tuple[str, int | None, int]] = []
         self.stage.begin_step()
         if timed:
             dist.barrier()     # a common origin for every rank's event times
         self._t0 = time.perf_counter()
+        self.clock.start()
+        # A phased encoder's phases are events of the rank's own row with no microbatch
+        # (the schedule's passes all have one): one row per GPU, as the simulator's.
         for name in self.stage.phased:
-            start = time.perf_counter() - self._t0
+            mark = self.clock.begin()
             self._phase_forward(name)
-            events.append(self._phase_event(_FWD, start))
+            self.clock.end(mark)
+            marks.append((_FWD, None, mark))
         for i, a in enumerate(self.actions):
             if a.kind in (ActionKind.SYNC, ActionKind.OPT):
                 continue
@@ -383,9 +396,10 @@ class StageExecutor:
                 # peer is the pipeline's bubble, not its compute).
                 self.p2p.flush()
                 self._await_inputs(a)
-            start = time.perf_counter() - self._t0
+            mark = self.clock.begin()
             self._run(i, a)
-            events.append(self._event(a.kind.value, a.microbatch, start))
+            self.clock.end(mark)
+            marks.append((a.kind.value, a.microbatch, mark))
         self.p2p.flush()    # the last sends (a last SEND_B) go out before the reduction
         if self._last_backward >= 0:
             # FSDP2's gradient reduction, once, after the stage's last backward (waiting
@@ -393,9 +407,10 @@ class StageExecutor:
             self.stage.reduce_gradients()
         for name, part in self.stage.phased.items():
             if part.trainable():
-                start = time.perf_counter() - self._t0
+                mark = self.clock.begin()
                 self._phase_backward(name)
-                events.append(self._phase_event(_BWD, start))
+                self.clock.end(mark)
+                marks.append((_BWD, None, mark))
             # Every rank of the encoder's DP group reduces (or, frozen, reshards), its
             # share empty or not: ``Stage.reduce_gradients``.
             part.reduce_gradients()
@@ -404,15 +419,17 @@ class StageExecutor:
         if self.micro and any(m.pending or m.grads_in for m in self.micro.values()):
             raise RuntimeError(f"{r.unit}.s{r.stage}: step {step} ended with receives "
                                "nobody used; the schedule and the executor disagree")
-        start = time.perf_counter() - self._t0
+        mark = self.clock.begin()
         train = self.program.train
         # The step's losses are summed over the job in the optimizer's one all-reduce.
         result = optimizer_step(self.optimizers, step=step,
                                 max_norm=train.grad_clip if train.grad_clip > 0 else None,
                                 totals=(self.lm, self.gen), device=self.device)
+        self.clock.end(mark)
         if self.trains_in_schedule:
-            events.append(self._event("SYNC", None, start))
-            events.append(self._event("OPT", None, start))
+            marks += [("SYNC", None, mark), ("OPT", None, mark)]
+        spans = self.clock.read()
+        events = [self._event(kind, mb, spans[m]) for kind, mb, m in marks]
         lm, gen = result.totals
         compiled = self.stage.compiled
         return {"step": step, "loss": lm + gen, "lm_loss": lm, "gen_loss": gen,
@@ -460,11 +477,12 @@ class StageExecutor:
                 writer.close()
         return out
 
-    def _event(self, kind: str, microbatch: int | None, start: float) -> Event:
+    def _event(self, kind: str, microbatch: int | None, span: tuple[float, float]) -> Event:
+        """An event of this rank's row; ``span``: its (start_s, end_s) from the step's
+        start, as the step's clock read them."""
         r = self.role
         return Event(unit=r.unit, stage=r.stage, replica=r.replica, rank=self._leader,
-                     kind=kind, microbatch=microbatch, start_s=start,
-                     end_s=time.perf_counter() - self._t0)
+                     kind=kind, microbatch=microbatch, start_s=span[0], end_s=span[1])
 
     def _sample(self, i: int) -> Sample:
         assert self.batch is not None
@@ -628,12 +646,6 @@ class StageExecutor:
             raise RuntimeError(f"{self.role.unit}.s0: step {self.step}'s forward phase "
                                f"left sample {i} without embeddings; the routing and the "
                                "executor disagree") from None
-
-    def _phase_event(self, direction: str, start: float) -> Event:
-        """A phased encoder's forward (``F``) or backward (``B``) phase on this rank: an
-        event of the rank's own row with no microbatch (the schedule's passes all have
-        one), so a timeline keeps one row per GPU, as the simulator's does."""
-        return self._event(direction, None, start)
 
     def _phase_share(self, name: str, stage: int) -> list[list[int]]:
         """Per microbatch step, the samples that the ranks of backbone stage ``stage`` of

@@ -34,9 +34,10 @@ unit, stage, layer range, TP/DP/PP coordinates, process groups and schedule as d
    ``measured/...`` and ``predicted/...``). The measured timeline is gathered to rank 0
    only, every ``executor.telemetry_every`` steps: every step for small jobs, so that
    rank 0 receives at most ``TELEMETRY_BYTES`` (64 KiB) per step on average. TensorBoard,
-   the predictions and ``timelines.jsonl`` are written on a background thread
-   (``_Telemetry``): the training step never waits for them, and when the charts fall
-   behind, steps go without charts rather than the run slowing down.
+   the predictions and ``timelines.jsonl`` are written by a child process of rank 0
+   (``_Telemetry``): the training step never waits for them nor shares its GIL with
+   them, and when the charts fall behind, steps go without charts rather than the run
+   slowing down.
 
 **Resuming at step k** keeps the lines of steps before k in ``metrics.jsonl``,
 ``samples.jsonl`` and ``timelines.jsonl`` and drops the later ones (the steps after the
@@ -158,17 +159,17 @@ def _keep_before(path: Path, first: int) -> None:
 class _RunLog:
     """Rank 0's writers: metrics.jsonl and samples.jsonl on the training thread (small,
     and what a resumed run must find complete), TensorBoard, the predicted timelines and
-    timelines.jsonl on a background thread (``_Telemetry``): the training step never
-    waits for a Gantt chart, a simulation or TensorBoard's disk."""
+    timelines.jsonl in a child process (``_Telemetry``): the training step never waits
+    for a Gantt chart, a simulation or TensorBoard's disk."""
 
     def __init__(self, run_dir: Path, plan: Any, program_ir: Any, schedule: Any,
-                 source: Any, first_step: int, cost: Any):
+                 source: Any, first_step: int, cost: Any, *, writer_type: Any = None):
         for name in ("metrics.jsonl", "samples.jsonl", "timelines.jsonl"):
             _keep_before(run_dir / name, first_step)
         self.metrics = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
         self.samples = open(run_dir / "samples.jsonl", "a", encoding="utf-8")  # noqa: SIM115
         self.telemetry = _Telemetry(run_dir, plan, program_ir, schedule, source, first_step,
-                                    cost)
+                                    cost, writer_type=writer_type)
 
     def step(self, result: dict[str, Any], timeline: Any, batch: Any, plan: Any,
              checkpoint_s: float | None = None) -> None:
@@ -214,21 +215,144 @@ class _RunLog:
 
 class _Telemetry:
     """Rank 0's TensorBoard writer, the simulator's prediction of each step and
-    timelines.jsonl, on a thread of their own.
+    timelines.jsonl, in a process of their own (``_telemetry_main``): drawing Gantt
+    charts and simulating would compete with the training thread for the GIL.
+
+    The child is started with multiprocessing's "spawn" context and fed over its anonymous
+    pipe (``multiprocessing.Queue``): what crosses is pickled, which is safe here because
+    both ends are this job's own processes and nothing else can write to the pipe. Per
+    step only data crosses: the scalars, the measured timeline, the step's sample sizes
+    (``source.sizes``: no pixel) and routing; never the batch's tensors nor the data
+    source itself (the child needs neither).
 
     ``put`` only queues. Scalars are never dropped; the measured timeline of a step (and so
-    its Gantt charts and prediction) is, when ``MAX_CHARTS_BEHIND`` of them already wait:
-    a run whose charts cannot keep up gets fewer charts, never a slower step (``skipped``
-    counts them, reported at close). A failure here is reported once and ends the
-    telemetry, not the run. ``close`` waits for what is queued."""
+    its Gantt charts and prediction) is, when ``MAX_CHARTS_BEHIND`` of them already wait
+    (a counter shared with the child, which counts down as it draws): a run whose charts
+    cannot keep up gets fewer charts, never a slower step (``skipped`` counts them,
+    reported at close). A failure there is reported once and ends the telemetry, not the
+    run (``failed``: its message). ``close`` waits for what is queued. The child leaves
+    by itself when this process dies without closing it."""
 
     MAX_CHARTS_BEHIND = 4
 
     def __init__(self, run_dir: Path, plan: Any, program_ir: Any, schedule: Any,
-                 source: Any, first_step: int, cost: Any):
-        import queue
-        import threading
+                 source: Any, first_step: int, cost: Any, *, writer_type: Any = None):
+        import multiprocessing
 
+        ctx = multiprocessing.get_context("spawn")
+        self.source = source
+        self.skipped = 0
+        self._failed: str | None = None
+        self._closed = False
+        self._charts = ctx.Value("i", 0)    # measured timelines queued, not yet drawn
+        self._inbox: Any = ctx.Queue()
+        self._outbox: Any = ctx.Queue()
+        self._process = ctx.Process(
+            target=_telemetry_main, name="dtdsl-telemetry", daemon=True,
+            args=(self._inbox, self._outbox, self._charts, os.getpid(), run_dir, plan,
+                  program_ir, schedule, first_step, cost, writer_type))
+        self._process.start()
+
+    @property
+    def failed(self) -> str | None:
+        """Why the telemetry stopped (None while it works)."""
+        if not self._closed:
+            self._poll()
+        return self._failed
+
+    def _poll(self, *, closing: bool = False) -> None:
+        """Takes in what the child reported; a child gone before ``close`` failed."""
+        import queue
+
+        while self._failed is None:
+            try:
+                kind, text = self._outbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "failed":
+                self._failed = text
+        if self._failed is None and not closing and not self._process.is_alive():
+            self._failed = f"the telemetry process exited (code {self._process.exitcode})"
+            print(f"telemetry stopped: {self._failed}", flush=True)
+
+    def put(self, step: int, scalars: dict[str, float], timeline: Any, batch: Any) -> None:
+        """Queue one step's telemetry (``timeline``: None when not gathered this step)."""
+        if self.failed is not None:
+            return
+        sizes = routing = None
+        with self._charts.get_lock():
+            if timeline is not None and self._charts.value >= self.MAX_CHARTS_BEHIND:
+                timeline = None
+                self.skipped += 1
+            if timeline is not None:
+                self._charts.value += 1
+        if timeline is not None:    # what the prediction of this very batch needs
+            sizes, routing = self.source.sizes(step), batch.routing
+        self._inbox.put((step, scalars, timeline, sizes, routing))
+
+    def close(self) -> None:
+        if self._process.is_alive():
+            self._inbox.put(None)
+        self._process.join()
+        self._poll(closing=True)
+        self._closed = True
+        self._inbox.close()
+        self._outbox.close()
+        if self.skipped:
+            print(f"telemetry: {self.skipped} step(s) without charts (the charts fell "
+                  f"behind by {self.MAX_CHARTS_BEHIND})", flush=True)
+
+
+def _telemetry_main(inbox: Any, outbox: Any, charts: Any, parent: int, run_dir: Path,
+                    plan: Any, program_ir: Any, schedule: Any, first_step: int, cost: Any,
+                    writer_type: Any) -> None:
+    """The telemetry process (``_Telemetry``): writes what ``inbox`` brings until None,
+    or until its parent (pid ``parent``) is gone."""
+    import queue
+
+    work = None
+    failed = False
+    try:
+        work = _TelemetryWork(run_dir, plan, program_ir, schedule, first_step, cost,
+                              writer_type)
+    except Exception as err:       # telemetry must not take the run down
+        failed = True
+        _report(outbox, f"telemetry could not start: {err!r}")
+    while True:
+        try:
+            item = inbox.get(timeout=1.0)
+        except queue.Empty:
+            if os.getppid() != parent:      # the trainer died without closing us
+                break
+            continue
+        if item is None:
+            break
+        step, scalars, timeline, sizes, routing = item
+        try:
+            if not failed and work is not None:
+                work.write(step, scalars, timeline, sizes, routing)
+        except Exception as err:
+            failed = True
+            _report(outbox, f"telemetry stopped at step {step}: {err!r}")
+        finally:
+            if timeline is not None:
+                with charts.get_lock():
+                    charts.value -= 1
+    if work is not None:
+        work.close()
+
+
+def _report(outbox: Any, text: str) -> None:
+    print(text, flush=True)
+    outbox.put(("failed", text))
+
+
+class _TelemetryWork:
+    """What the telemetry process writes: TensorBoard (``tb/``), timelines.jsonl, and the
+    simulator's prediction of each charted step."""
+
+    def __init__(self, run_dir: Path, plan: Any, program_ir: Any, schedule: Any,
+                 first_step: int, cost: Any, writer_type: Any = None):
         from dtdsl.sim.simulate import Simulator
         from dtdsl.sim.tensorboard import TimelineWriter
         from dtdsl.sim.workload import WorkModel
@@ -239,8 +363,8 @@ class _Telemetry:
             from torch.utils.tensorboard import SummaryWriter
 
             SummaryWriter(log_dir=str(run_dir / "tb"), purge_step=first_step).close()
-        self.plan, self.program, self.source, self.cost = plan, program_ir, source, cost
-        self.writer = TimelineWriter(run_dir / "tb", prefix=True)
+        self.plan, self.program, self.cost = plan, program_ir, cost
+        self.writer = (writer_type or TimelineWriter)(run_dir / "tb", prefix=True)
         from dtdsl.report import plan_markdown
 
         self.writer.add_text("plan", plan_markdown(plan))
@@ -250,77 +374,40 @@ class _Telemetry:
             if plan.gpus_used <= TIMELINE_RANKS else None  # noqa: SIM115
         self.simulator = Simulator(schedule)
         self.work_model = WorkModel(cost)
-        self.skipped = 0
-        self.failed: BaseException | None = None
-        self._charts = 0            # measured timelines queued, not yet drawn
-        self._lock = threading.Lock()
-        self._queue: queue.Queue[Any] = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="telemetry", daemon=True)
-        self._thread.start()
 
-    def put(self, step: int, scalars: dict[str, float], timeline: Any, batch: Any) -> None:
-        """Queue one step's telemetry (``timeline``: None when not gathered this step)."""
-        with self._lock:
-            if timeline is not None and self._charts >= self.MAX_CHARTS_BEHIND:
-                timeline = None
-                self.skipped += 1
-            if timeline is not None:
-                self._charts += 1
-        self._queue.put((step, scalars, timeline, batch))
-
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            step, scalars, timeline, batch = item
-            try:
-                if self.failed is None:
-                    self._write(step, scalars, timeline, batch)
-            except Exception as err:       # telemetry must not take the run down
-                self.failed = err
-                print(f"telemetry stopped at step {step}: {err!r}", flush=True)
-            finally:
-                if timeline is not None:
-                    with self._lock:
-                        self._charts -= 1
-
-    def _write(self, step: int, scalars: dict[str, float], timeline: Any,
-               batch: Any) -> None:
+    def write(self, step: int, scalars: dict[str, float], timeline: Any, sizes: Any,
+              routing: Any) -> None:
         if timeline is None:        # not gathered this step (executor.telemetry_every)
             self.writer.add_scalars(step, scalars)
             return
         self.writer.add_step(step, timeline, scalars)
-        predicted = self._predict(step, batch)
+        predicted, predicted_scalars = _prediction(self.cost, self.plan, self.program,
+                                                  self.simulator, self.work_model, step,
+                                                  sizes, routing)
+        self.writer.add_step(step, predicted, predicted_scalars)
         if self.timelines is not None:
             self.timelines.write(json.dumps({"step": step, "measured": timeline.to_json(),
                                              "predicted": predicted.to_json()},
                                             separators=(",", ":")) + "\n")
             self.timelines.flush()
 
-    def _predict(self, step: int, batch: Any) -> Any:
-        """The simulator's timeline of the very batch this step trained on (the sizes of
-        its samples from the data source, the routing the run used), under
-        ``predicted/``."""
-        from dtdsl.data.batch import routing_of, sample_set
-        from dtdsl.sim.run import simulate_routed
-
-        samples = sample_set(self.program, self.source.sizes(step))
-        r = simulate_routed(self.cost, self.plan, self.simulator, self.work_model, step,
-                            samples, routing_of(self.plan, batch.routing))
-        predicted = r.result.timeline(step=step)
-        self.writer.add_step(step, predicted, r.scalars())
-        return predicted
-
     def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join()
-        if self.skipped:
-            print(f"telemetry: {self.skipped} step(s) without charts (the charts fell "
-                  f"behind by {self.MAX_CHARTS_BEHIND})", flush=True)
         if self.timelines is not None:
             self.timelines.close()
         self.writer.close()
+
+
+def _prediction(cost: Any, plan: Any, program_ir: Any, simulator: Any, work_model: Any,
+               step: int, sizes: Any, routing: Any) -> tuple[Any, dict[str, float]]:
+    """The simulator's timeline of the very batch a step trained on (``sizes``: its
+    samples' sizes from the data source, ``routing``: the ``StepSamples`` the run used)
+    and its scalars, which the telemetry writes under ``predicted/``."""
+    from dtdsl.data.batch import routing_of, sample_set
+    from dtdsl.sim.run import simulate_routed
+
+    r = simulate_routed(cost, plan, simulator, work_model, step,
+                        sample_set(program_ir, sizes), routing_of(plan, routing))
+    return r.result.timeline(step=step), r.scalars()
 
 
 def _aside(run_dir: Path, name: str) -> Path:

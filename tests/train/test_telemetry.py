@@ -1,9 +1,10 @@
 """Rank 0's run log: metrics and samples written on the training thread, TensorBoard and
-the predicted timelines on a background thread that the step never waits for."""
+the predicted timelines in a child process that the step never waits for."""
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -23,8 +24,27 @@ ROOT = Path(__file__).resolve().parents[2]
 SLOW_S = 0.4        # one TensorBoard chart, made slow
 
 
+class _SlowWriter(TimelineWriter):
+    """TensorBoard's writer with slow charts, in the telemetry process (importable by name:
+    the spawned child unpickles it)."""
+
+    def add_step(self, *args, **kwargs):
+        time.sleep(SLOW_S)
+        return super().add_step(*args, **kwargs)
+
+
+class _FailingWriter(TimelineWriter):
+    """Fails at its second chart, once; records the process it ran in."""
+
+    def add_step(self, step, *args, **kwargs):
+        (Path(self.logdir).parent / f"writer.{os.getpid()}").touch()
+        if step >= 1:
+            raise OSError(28, "No space left on device")
+        return super().add_step(step, *args, **kwargs)
+
+
 @pytest.fixture
-def run_log(tmp_path, monkeypatch):
+def run_log(tmp_path):
     bundle = tmp_path / "bundle"
     assert cli.main(["compile", str(ROOT / "specs" / "tiny_cpu.dt"), "-o", str(bundle),
                      "--synthetic", "--workers", "0"]) == 0
@@ -33,19 +53,35 @@ def run_log(tmp_path, monkeypatch):
     plan = Plan.model_validate_json((bundle / job.plan_file).read_bytes())
     schedule = parse_schedule((bundle / job.schedule_file).read_text("utf-8"))
     source = SyntheticSource(program)
-    slow = TimelineWriter.add_step
-
-    def add_step(self, *args, **kwargs):
-        time.sleep(SLOW_S)
-        return slow(self, *args, **kwargs)
-
-    monkeypatch.setattr(TimelineWriter, "add_step", add_step)
     (tmp_path / "run").mkdir()
-    log = launch._RunLog(tmp_path / "run", plan, program, schedule, source, 0,
-                         job.cost.cost_model(program, bundle))
+    cost = job.cost.cost_model(program, bundle)
+
+    def make(writer_type):
+        return launch._RunLog(tmp_path / "run", plan, program, schedule, source, 0, cost,
+                              writer_type=writer_type)
+
     feed = LocalBatches(program, plan, role_of(plan, 0), source=source,
                         policy=frozenset(job.reorder))
-    return log, feed, plan
+    return make, feed, plan, (cost, program, schedule, source)
+
+
+def _started(tb: Path, timeout_s: float = 120.0) -> None:
+    """Waits until the telemetry process has opened its TensorBoard file: its start
+    (a Python importing torch) competes for the CPU, which is not what is measured."""
+    deadline = time.monotonic() + timeout_s
+    while not list(tb.glob("events.out.tfevents.*")):
+        assert time.monotonic() < deadline, "the telemetry process never started"
+        time.sleep(0.05)
+
+
+def _a_timeline(parts, plan, feed):
+    """Any Timeline stands in for the measured ones: the prediction of step 0's."""
+    from dtdsl.sim.simulate import Simulator
+    from dtdsl.sim.workload import WorkModel
+
+    cost, program, schedule, source = parts
+    return launch._prediction(cost, plan, program, Simulator(schedule), WorkModel(cost), 0,
+                              source.sizes(0), feed.batch(0).routing)[0]
 
 
 def _result(step: int) -> dict:
@@ -54,11 +90,12 @@ def _result(step: int) -> dict:
 
 
 def test_a_step_never_waits_for_tensorboard_and_nothing_is_lost(run_log, tmp_path):
-    log, feed, plan = run_log
+    make, feed, plan, parts = run_log
+    log = make(_SlowWriter)
     steps = 8
     spent = []
-    # A prediction stands in for the measured timelines: any Timeline does.
-    timeline = log.telemetry._predict(0, feed.batch(0))
+    timeline = _a_timeline(parts, plan, feed)
+    _started(tmp_path / "run" / "tb")
     for step in range(steps):
         batch = feed.batch(step)
         start = time.perf_counter()
@@ -78,3 +115,39 @@ def test_a_step_never_waits_for_tensorboard_and_nothing_is_lost(run_log, tmp_pat
     assert len(drawn) + log.telemetry.skipped == steps
     assert log.telemetry.skipped > 0
     assert log.telemetry.failed is None
+
+
+def test_a_telemetry_failure_is_reported_once_and_the_run_goes_on(run_log, tmp_path, capfd):
+    make, feed, plan, parts = run_log
+    log = make(_FailingWriter)
+    timeline = _a_timeline(parts, plan, feed)
+    for step in range(4):
+        log.step(_result(step), timeline, feed.batch(step), plan)
+    log.close()
+    assert log.telemetry.failed == ("telemetry stopped at step 1: OSError(28, 'No space "
+                                    "left on device')")
+    assert capfd.readouterr().out.count("telemetry stopped") == 1
+    # The charts were drawn in a process of their own; the metrics are all there.
+    drawn_in = [p.name for p in (tmp_path / "run").glob("writer.*")]
+    assert drawn_in and f"writer.{os.getpid()}" not in drawn_in
+    metrics = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert len(metrics) == 4
+    timelines = (tmp_path / "run" / "timelines.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in timelines] == [0]
+
+
+def test_the_telemetry_process_leaves_when_its_trainer_is_gone(tmp_path):
+    import multiprocessing
+    import threading
+
+    ctx = multiprocessing.get_context("spawn")
+    inbox, outbox, charts = ctx.Queue(), ctx.Queue(), ctx.Value("i", 0)
+    # A parent pid that is not this process's parent: the trainer died without closing.
+    gone = threading.Thread(target=launch._telemetry_main, daemon=True, args=(
+        inbox, outbox, charts, -1, tmp_path, None, None, None, 0, None, None))
+    gone.start()
+    gone.join(timeout=60)
+    assert not gone.is_alive(), "the telemetry process waits for a trainer that is gone"
+    # It could not start (no plan): reported, not raised.
+    kind, text = outbox.get(timeout=10)
+    assert kind == "failed" and text.startswith("telemetry could not start")
