@@ -486,7 +486,6 @@ instead. Today the runtime cannot train:
 - an encoder of another modality than images (audio, video): only image (ViT)
   encoders are modelled;
 - more than one image encoder;
-- `precision = fp16`: there is no loss scaling yet (use bf16 or fp32);
 - interleaved pipeline schedules (a plan with vpp > 1, from
   `schedule = interleaved(...)`): use `schedule = 1f1b` or `gpipe`;
 - a generator on more than one pipeline stage: constrain it with

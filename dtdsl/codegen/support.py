@@ -48,18 +48,6 @@ def _encoders(program: ir.Program) -> list[Diagnostic]:
     return out
 
 
-def _precision(program: ir.Program) -> list[Diagnostic]:
-    train = program.train
-    if train.precision != "fp16":
-        return []
-    return [Diagnostic.error(
-        _CODE, "precision fp16 needs loss scaling, which the runtime does not have yet",
-        train.precision_span or train.span,
-        notes=["without a loss scale, fp16 gradients underflow and the run would diverge "
-               "or skip every step"],
-        hint="write `precision = bf16` (same memory, fp32's range) or `precision = fp32`")]
-
-
 def _plan(program: ir.Program, plan: Plan) -> list[Diagnostic]:
     out = []
     interleaved = [u for u in plan.units if u.vpp > 1]
@@ -220,16 +208,16 @@ def tp_placement(program: ir.Program, plan: Plan) -> list[Diagnostic]:
 
 def runtime_support(program: ir.Program, plan: Plan | None = None) -> list[Diagnostic]:
     """Errors (DT601) for what of ``program`` and ``plan`` the runtime cannot train yet: an
-    encoder other than an image encoder, a second image encoder, ``precision = fp16``, and
-    with a plan: the baseline's plans, interleaved units (vpp > 1), generators on more
-    than one pipeline stage, co-located units placed other than on the backbone's
+    encoder other than an image encoder, a second image encoder, and with a plan: the
+    baseline's plans, interleaved units (vpp > 1), generators on more than one pipeline
+    stage, co-located units placed other than on the backbone's
     first or last stage and phased units other than encoders on all the backbone's ranks
     (a phased generator), or any of these split by a TP degree that does not divide
     them; and TP groups
     across nodes priced as within one (``tp_placement``, DT411).
 
     Without ``plan`` only the spec's own features are checked (before planning)."""
-    out = _encoders(program) + _precision(program)
+    out = _encoders(program)
     if plan is not None:
         out += _plan(program, plan) + tp_placement(program, plan)
     return out

@@ -5,17 +5,22 @@ checkpoint complete.
 DTensors, from torch's ``get_state_dict`` over each rank's stage module and optimizer::
 
     {"model": {"units.<unit>.<param>": DTensor, ...},     # every parameter, frozen too
-     "optim": {"units.<unit>.<param>": {"exp_avg", "exp_avg_sq", "step"}, ...}}
+     "optim": {"units.<unit>.<param>": {"exp_avg", "exp_avg_sq", "step"}, ...},
+     "loss_scale": {"scale", "growth_tracker", "skipped_steps"}}      # fp16 only
 
 (the optimizer's param groups are not saved: the learning rate comes from the spec's
-schedule each step). The names are the single-process model's (a stage module keeps the
-global names of the layers it holds, and FSDP2 and activation checkpointing do not rename
-parameters), and the values are DTensors: each rank writes only its own shards (FSDP2's
-DP shard of its TP shard), with their offsets in the full tensor. So nothing in the
-layout depends on the plan, and DCP reshards on load: a checkpoint written under one plan
-loads under any other plan of the same spec, each rank reading exactly the pieces of the
-full tensors its shards cover. No rank ever gathers a full tensor. Frozen modules'
-weights are saved too and loaded with the rest.
+schedule each step, behind by the steps fp16 skipped). The names are the single-process
+model's (a stage module keeps the global names of the layers it holds, and FSDP2 and
+activation checkpointing do not rename parameters), and the values are DTensors: each
+rank writes only its own shards (FSDP2's DP shard of its TP shard), with their offsets in
+the full tensor. So nothing in the layout depends on the plan, and DCP reshards on load:
+a checkpoint written under one plan loads under any other plan of the same spec, each
+rank reading exactly the pieces of the full tensors its shards cover. No rank ever
+gathers a full tensor. Frozen modules' weights are saved too and loaded with the rest.
+The loss scale of an fp16 run (``optim.LossScale``) is the same on every rank: plain
+scalar tensors, written once (DCP keeps one copy of a replicated tensor) and read by
+every rank, so a resumed run goes on with the scale, its growth counter and its count of
+skipped steps.
 
 **Files.** Under ``RUN_DIR/checkpoints/``, a checkpoint is written into ``ckpt-<N>.tmp/``
 (``N``: the steps done, i.e. the next step to run, the data cursor), then rank 0 writes
@@ -296,7 +301,31 @@ def state_dict(ex: Any) -> dict[str, Any]:
         model, optim = get_state_dict(module, [opt])
         out["model"].update(model)
         out.setdefault("optim", {}).update(optim["state"])
+    if ex.loss_scale is not None:
+        out["loss_scale"] = _scale_tensors(ex.loss_scale.state())
     return out
+
+
+def _scale_tensors(state: dict[str, float | int]) -> dict[str, Any]:
+    """The loss scale's state as scalar tensors (DCP saves and loads tensors in place)."""
+    import torch
+
+    return {k: torch.tensor(v, dtype=torch.float64 if k == "scale" else torch.int64)
+            for k, v in state.items()}
+
+
+def _load_scale(ex: Any, state: dict[str, Any]) -> None:
+    """Restore the loss scale from a checkpoint's scalars, checked as a new one is."""
+    from dtdsl.train.optim import LossScale
+
+    values = {k: t.item() for k, t in state["loss_scale"].items()}
+    try:
+        ex.loss_scale = LossScale(scale=float(values["scale"]),
+                                  growth_tracker=int(values["growth_tracker"]),
+                                  skipped_steps=int(values["skipped_steps"]))
+    except (KeyError, ValueError) as err:
+        raise CheckpointError(f"the checkpoint's loss scale {values} cannot be used: "
+                              f"{err}") from None
 
 
 def load_state_dict(ex: Any, state: dict[str, Any]) -> None:
@@ -320,6 +349,8 @@ def load_state_dict(ex: Any, state: dict[str, Any]) -> None:
         set_state_dict(module, [opt], model_state_dict=model,
                        optim_state_dict={"state": optim,
                                          "param_groups": current["param_groups"]})
+    if ex.loss_scale is not None:
+        _load_scale(ex, state)
 
 
 # ---- saving and resuming ----------------------------------------------------------------------

@@ -150,7 +150,7 @@ from dtdsl.parallel.mesh import ProcessGroups, RankRole
 from dtdsl.parallel.p2p import P2P, Received, TensorSpec
 from dtdsl.sim.timeline import Event, Timeline, TimelineUnit
 from dtdsl.train.clock import StepClock, step_clock
-from dtdsl.train.optim import StageOptimizer, optimizer_step
+from dtdsl.train.optim import LossScale, StageOptimizer, optimizer_step
 from dtdsl.train.stage import Stage, build_stage, projector_between
 
 __all__ = ["TELEMETRY_BYTES", "StageExecutor", "gather_timeline", "measured_timeline",
@@ -263,6 +263,9 @@ class StageExecutor:
         self._image_tokens = self.model.image_tokens
         self._width = program.backbone.arch.hidden
         self._build_optimizer()
+        # fp16's dynamic loss scale (``optim.LossScale``): every loss's backward starts
+        # from the scale; the optimizer step unscales, skips on overflow and updates it.
+        self.loss_scale = LossScale() if program.train.precision == "fp16" else None
         self._forward = {"encoder": self._encoder_forward, "backbone": self._backbone_forward,
                          "generator": self._generator_forward}[self.role.role]
         self._t0 = 0.0
@@ -342,10 +345,11 @@ class StageExecutor:
 
     def run_step(self, step: int, *, timed: bool = False) -> dict[str, Any]:
         """Run training step ``step``; returns ``{"step", "loss", "lm_loss", "gen_loss",
-        "grad_norm", "skipped", "time_s", "data_wait_s", "events", "processed",
-        "compiled_graphs"}`` (losses summed over the job, identical on every rank;
-        events: this rank's measured actions; compiled_graphs: what its compiled blocks
-        compiled so far). ``timed``: the
+        "grad_norm", "skipped", "loss_scale", "skipped_steps", "time_s", "data_wait_s",
+        "events", "processed", "compiled_graphs"}`` (losses summed over the job, identical
+        on every rank; fp16: the scale the step ran with and the steps skipped so far, else
+        None; events: this rank's measured actions; compiled_graphs: what its compiled
+        blocks compiled so far). ``timed``: the
         step's events go into a gathered timeline, so every rank starts the step at a
         barrier (a common origin for their times); other steps start without one."""
         self.step = step
@@ -421,10 +425,12 @@ class StageExecutor:
                                "nobody used; the schedule and the executor disagree")
         mark = self.clock.begin()
         train = self.program.train
+        scale = self.loss_scale.scale if self.loss_scale is not None else None
         # The step's losses are summed over the job in the optimizer's one all-reduce.
         result = optimizer_step(self.optimizers, step=step,
                                 max_norm=train.grad_clip if train.grad_clip > 0 else None,
-                                totals=(self.lm, self.gen), device=self.device)
+                                totals=(self.lm, self.gen), device=self.device,
+                                loss_scale=self.loss_scale)
         self.clock.end(mark)
         if self.trains_in_schedule:
             marks += [("SYNC", None, mark), ("OPT", None, mark)]
@@ -434,6 +440,8 @@ class StageExecutor:
         compiled = self.stage.compiled
         return {"step": step, "loss": lm + gen, "lm_loss": lm, "gen_loss": gen,
                 "grad_norm": result.grad_norm, "skipped": result.skipped,
+                "loss_scale": scale, "skipped_steps": (self.loss_scale.skipped_steps
+                                                       if self.loss_scale else None),
                 "time_s": time.perf_counter() - self._t0, "data_wait_s": batch.wait_s,
                 "events": events, "processed": dict(self.processed),
                 # Graphs this rank's compiled blocks have compiled so far: a step where
@@ -895,8 +903,9 @@ class StageExecutor:
         tensors: list[torch.Tensor] = []
         grads: list[torch.Tensor] = []
         if mb.loss is not None and mb.loss.requires_grad:
-            tensors.append(mb.loss)
-            grads.append(torch.ones_like(mb.loss))
+            tensors.append(mb.loss)     # times fp16's loss scale, as its seed
+            grads.append(torch.full_like(mb.loss, 1.0 if self.loss_scale is None
+                                         else self.loss_scale.scale))
         received = {peer: p.wait() for peer, p in mb.grads_in.items()}
         mb.grads_in = {}
         if isinstance(mb.outputs, dict):

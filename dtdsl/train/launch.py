@@ -156,6 +156,14 @@ def _keep_before(path: Path, first: int) -> None:
     os.replace(tmp, path)
 
 
+def _skip_note(loss_scale: Any) -> str:
+    """The step line's word on a skipped step (a non-finite gradient somewhere)."""
+    if loss_scale is None:
+        return "  skipped: a gradient was inf/nan"
+    return (f"  skipped: a gradient overflowed, loss scale now {loss_scale.scale:g} "
+            f"({loss_scale.skipped_steps} skipped so far)")
+
+
 class _RunLog:
     """Rank 0's writers: metrics.jsonl and samples.jsonl on the training thread (small,
     and what a resumed run must find complete), TensorBoard, the predicted timelines and
@@ -186,6 +194,10 @@ class _RunLog:
                   "documents": sum(z.num_docs for z in batch.sizes)}
         if checkpoint_s is not None:
             record["checkpoint_s"] = checkpoint_s
+        if result.get("loss_scale") is not None:
+            # fp16: the scale the step ran with, and the steps skipped so far
+            record["loss_scale"] = result["loss_scale"]
+            record["skipped_steps"] = result["skipped_steps"]
         self.metrics.write(json.dumps(record) + "\n")
         self.metrics.flush()
         for u in plan.units:
@@ -205,6 +217,9 @@ class _RunLog:
             scalars["grad_norm"] = result["grad_norm"]
         if checkpoint_s is not None:
             scalars["checkpoint/save_s"] = checkpoint_s
+        if "loss_scale" in record:
+            scalars["loss_scale"] = record["loss_scale"]
+            scalars["skipped_steps"] = record["skipped_steps"]
         self.telemetry.put(step, scalars, timeline, batch)
 
     def close(self) -> None:
@@ -668,6 +683,8 @@ def _run(program: RankProgram, bundle: Path, argv: Sequence[str] | None, who: st
                 assert ex.batch is not None
                 log.step(result, timeline, ex.batch, plan, checkpoint_s=saved)
                 note = "" if saved is None else f"  checkpoint {saved * 1e3:.0f} ms"
+                if result["skipped"]:
+                    note += _skip_note(ex.loss_scale)
                 print(f"step {step + 1}/{steps}  loss {result['loss']:.5f}  "
                       f"{result['time_s'] * 1e3:.0f} ms  data wait "
                       f"{result['data_wait_s'] * 1e3:.1f} ms{note}  "

@@ -25,6 +25,21 @@ the same step): it counts on TP index 0 (``counted_on_tp``). A ``Partial`` gradi
 sequence-parallel norm's) is summed over its TP group by FSDP2 before its reduce-scatter;
 one reaching the optimizer is an error.
 
+**Dynamic loss scaling** (``precision = fp16``; ``LossScale``): every backward of the job
+runs on the loss times the scale (the executor seeds each loss's backward with the
+scale, so every gradient of the pipeline and across the broker is scaled alike), and
+this step unscales: the norm is the scaled norm over the scale, and the clipping factor
+over the scale multiplies the gradients in the one pass that clipping already makes
+(the scale a power of two, this is bitwise ``unscale_`` then clipping). The non-finite
+flag of the one all-reduce above is the scaler's ``found_inf``, agreed over every rank
+of the job, so every unit and stage skips together; the scale then halves, and after
+``growth_interval`` good steps in a row it doubles: ``torch.amp.GradScaler``'s rule and
+defaults. torch's ``ShardedGradScaler`` is not used: its ``unscale_`` all-reduces a flag
+per optimizer over one group, which a rank with no optimizer (a frozen generator) or two
+(a stage and a phased encoder) cannot match, and it would add a collective per step to the
+one this step already makes. As in Megatron-LM, a skipped step does not advance the
+learning-rate schedule: the optimizer step ``step - skipped_steps`` takes its rate.
+
 The optimizer is ``torch.optim.AdamW`` (``Adam`` for ``adam``), fused where the device has a
 fused kernel, over the DTensor parameters: FSDP2's fp32 shards, so master weights and both
 moments are fp32 and sharded over DP (ZeRO-1's optimizer memory). The learning rate is set
@@ -42,7 +57,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["StageOptimizer", "StepResult", "clip_coefficient", "optimizer_step"]
+__all__ = ["LossScale", "StageOptimizer", "StepResult", "clip_coefficient", "optimizer_step"]
+
+# The largest scale: GradScaler keeps its scale in fp32 and grows it only to a finite one.
+_MAX_SCALE = torch.finfo(torch.float32).max
 
 
 @dataclass(frozen=True)
@@ -50,6 +68,57 @@ class StepResult:
     grad_norm: float            # before clipping; inf/nan when a gradient was
     skipped: bool               # a non-finite gradient somewhere: nobody stepped
     totals: tuple[float, ...]   # the caller's totals, summed over the job
+
+
+@dataclass
+class LossScale:
+    """The dynamic loss scale of an fp16 job (module docstring), the same on every rank:
+    ``torch.amp.GradScaler``'s update rule and defaults (``init_scale`` 2**16, growth
+    2.0, backoff 0.5, interval 2000). ``growth_tracker``: good steps since the scale last
+    changed; ``skipped_steps``: steps skipped so far (the learning-rate schedule's lag)."""
+
+    scale: float = 2.0 ** 16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    growth_tracker: int = 0
+    skipped_steps: int = 0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.scale) and self.scale > 0):
+            raise ValueError(f"loss scale {self.scale}: it must be positive and finite")
+        if not self.growth_factor > 1.0 or not 0.0 < self.backoff_factor < 1.0:
+            raise ValueError(f"growth factor {self.growth_factor} and backoff factor "
+                             f"{self.backoff_factor}: the growth must exceed 1, the "
+                             "backoff lie between 0 and 1")
+        if self.growth_interval < 1:
+            raise ValueError(f"growth interval {self.growth_interval}: at least 1")
+        if not 0 <= self.growth_tracker < self.growth_interval or self.skipped_steps < 0:
+            raise ValueError(f"growth tracker {self.growth_tracker} (of an interval of "
+                             f"{self.growth_interval}) and {self.skipped_steps} skipped "
+                             "steps: neither can be negative, the tracker is below the "
+                             "interval")
+
+    def update(self, found_inf: bool) -> None:
+        """After a step: ``torch._amp_update_scale_``'s rule (a skipped step backs off
+        and restarts the count; the interval's good step grows the scale if it stays
+        finite in fp32)."""
+        if found_inf:
+            self.scale *= self.backoff_factor
+            self.growth_tracker = 0
+            self.skipped_steps += 1
+            return
+        self.growth_tracker += 1
+        if self.growth_tracker == self.growth_interval:
+            grown = self.scale * self.growth_factor
+            if grown <= _MAX_SCALE:
+                self.scale = grown
+            self.growth_tracker = 0
+
+    def state(self) -> dict[str, float | int]:
+        """What a checkpoint keeps (the factors and the interval are the defaults')."""
+        return {"scale": self.scale, "growth_tracker": self.growth_tracker,
+                "skipped_steps": self.skipped_steps}
 
 
 def clip_coefficient(norm: float, max_norm: float | None) -> float:
@@ -136,7 +205,8 @@ class StageOptimizer:
         return sq, bad
 
     def step(self, step: int, coefficient: float) -> None:
-        """Scale the gradients by ``coefficient`` and take optimizer step ``step``."""
+        """Scale the gradients by ``coefficient`` and take optimizer step ``step`` (at the
+        schedule's rate for ``step``)."""
         grads = [_local(p.grad) for p in self.params if p.grad is not None]
         if coefficient != 1.0 and grads:
             torch._foreach_mul_(grads, coefficient)
@@ -173,12 +243,14 @@ def _kernel(device: torch.device) -> dict[str, bool]:
 
 def optimizer_step(optimizers: Sequence[StageOptimizer], *, step: int,
                    max_norm: float | None, totals: Sequence[torch.Tensor | float] = (),
-                   device: torch.device | str = "cpu") -> StepResult:
+                   device: torch.device | str = "cpu",
+                   loss_scale: LossScale | None = None) -> StepResult:
     """The job's optimizer step (module docstring). Collective over every rank of the
     default group when torch.distributed is initialised. ``totals``: scalars to sum over
     the job, best as tensors on ``device`` (the step's losses, never read on the host
     before this): the message is built on the device and read back once, after its
-    all-reduce, the step's one host read."""
+    all-reduce, the step's one host read. ``loss_scale``: the scale the step's backwards
+    ran with (fp16), unscaled here and updated after the step, the same on every rank."""
     device = torch.device(device)
     sq = torch.zeros((), dtype=torch.float64, device=device)
     bad = torch.zeros((), dtype=torch.float64, device=device)
@@ -191,15 +263,20 @@ def optimizer_step(optimizers: Sequence[StageOptimizer], *, step: int,
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(message)
     values = message.tolist()
-    norm = math.sqrt(values[0]) if values[0] >= 0 else float("nan")
+    inv_scale = 1.0 if loss_scale is None else 1.0 / loss_scale.scale
+    norm = math.sqrt(values[0]) * inv_scale if values[0] >= 0 else float("nan")
     skipped = values[1] > 0 or not math.isfinite(norm)
     if skipped:
         norm = float("nan") if not math.isinf(values[0]) else float("inf")
         for opt in optimizers:
             opt.zero_grad()
     else:
-        coefficient = clip_coefficient(norm, max_norm)
+        # Unscaling and clipping in one multiplication of the scaled gradients.
+        coefficient = clip_coefficient(norm, max_norm) * inv_scale
+        lr_step = step if loss_scale is None else step - loss_scale.skipped_steps
         for opt in optimizers:
-            opt.step(step, coefficient)
+            opt.step(lr_step, coefficient)
             opt.zero_grad()
+    if loss_scale is not None:
+        loss_scale.update(skipped)
     return StepResult(grad_norm=norm, skipped=skipped, totals=tuple(values[2:]))

@@ -15,7 +15,9 @@ schedule for that step (``train.lr.lr_at``: ``lr`` is the peak).
 The step's loss is the sum of its microbatch losses, i.e. the loss of the whole global
 batch; microbatching changes it only by floating-point rounding. Everything runs in
 fp32 on one device (CPU by default), whatever ``train.precision`` says: the reference a
-bf16 run is held against.
+bf16 or fp16 run is held against. fp16's loss scale has no counterpart here: scaling by a
+power of two and unscaling change no number, and an fp32 step does not overflow, so the
+reference never skips a step.
 """
 
 from __future__ import annotations

@@ -176,6 +176,8 @@ class Stage:
     # with its projector: a Stage of its own (``build_phased``), its own FSDP2 root over
     # its DP mesh (``parallel.mesh.phased_grid``), by unit name.
     phased: dict[str, Stage] = field(default_factory=dict)
+    # Whether ``begin_step`` has waited once for every group's all-gather (below).
+    gathered: bool = False
 
     def named_parameters(self) -> dict[str, torch.Tensor]:
         """``{"<unit>.<param>": parameter}`` for every parameter the stage holds, its
@@ -228,8 +230,18 @@ class Stage:
         self.module.set_requires_gradient_sync(False, recurse=True)
         self.module.set_is_last_backward(False)
         self.module.set_reshard_after_backward(False, recurse=True)
-        for m in [self.module, *self.layers]:
-            m.unshard(async_op=True)    # FSDP2's pre-forward waits for each
+        handles = [m.unshard(async_op=True)     # FSDP2's pre-forward waits for each
+                   for m in [self.module, *self.layers]]
+        if not self.gathered:
+            # FSDP2 makes a group's unsharded parameters at its first wait. A backward's
+            # final callback visits every group, under mixed precision reading those
+            # parameters (``to_accumulated_grad_if_needed``): one whose module no forward
+            # has run yet (a co-located encoder idle in the first microbatch) would fail.
+            # Waiting at the first step makes them all; later steps keep them.
+            for handle in handles:
+                if handle is not None:
+                    handle.wait()
+            self.gathered = True
         for part in self.phased.values():
             part.begin_step()
 
@@ -257,6 +269,7 @@ class Stage:
         replicated = _tp_unreduced(state) if self.tp_group is not None else []
         for member in reversed(state._state_ctx.all_states):
             for group in reversed(_param_groups(member)):
+                _zero_unused_in_reduce_dtype(group)
                 group.post_backward()
         state._root_post_backward_final_callback()
         self._sum_tied_gradients()
@@ -531,6 +544,25 @@ def _param_groups(state: Any) -> list[Any]:
         return list(groups)
     group = getattr(state, "_fsdp_param_group", None)
     return [] if group is None else [group]
+
+
+def _zero_unused_in_reduce_dtype(group: Any) -> None:
+    """Give the trainable parameters of FSDP2 parameter group ``group`` that had no
+    gradient this step a zero one in the reduce dtype. FSDP2 reduces unused parameters'
+    zeros (``_sum_gradients``) in the compute dtype, while the others' gradients,
+    accumulated over the microbatches, are in the reduce dtype: under mixed precision
+    (bf16, fp16) a group with both (a co-located encoder's projector beside the
+    backbone's embedding, on a replica that drew no images) fails its reduce-scatter's
+    uniform-dtype check."""
+    reduce_dtype = getattr(group, "_reduce_dtype", None)
+    if reduce_dtype is None:
+        return
+    for fp in group.fsdp_params:
+        if not hasattr(fp, "_unsharded_param") or not fp.unsharded_param.requires_grad:
+            continue
+        if fp.unsharded_accumulated_grad is None and fp.unsharded_param.grad is None:
+            fp.unsharded_accumulated_grad = torch.zeros_like(fp.unsharded_param.detach(),
+                                                             dtype=reduce_dtype)
 
 
 def _sum_gradients(module: Any) -> None:
