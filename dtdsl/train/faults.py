@@ -147,14 +147,17 @@ def write_fatal(line: str, path: str | Path | None = None,
     written). Returns where the record is, None when it could be written nowhere."""
     line = one_line(line)
     written = None
-    for where in (path or os.environ.get(FATAL_ENV), local or os.environ.get(FATAL_LOCAL_ENV)):
+    shared = path or os.environ.get(FATAL_ENV)
+    # This node's record first: a supervisor that finds the shared one must find it too,
+    # or it would say "on another node" of its own node's fault.
+    for where in (local or os.environ.get(FATAL_LOCAL_ENV), shared):
         if not where:
             continue
         try:
             _link_record(Path(where), line)
         except OSError:
             continue
-        written = written or Path(where)
+        written = Path(where) if str(where) == str(shared) or written is None else written
     return written
 
 

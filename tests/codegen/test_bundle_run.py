@@ -75,6 +75,11 @@ def dataset(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("data") / "tiny"
     assert cli.main(["data", "synth", str(SPEC), "-o", str(out), "--samples",
                      str(DATASET_SAMPLES), "-q"]) == 0
+    # Indexed once here, as a launch's preflight indexes it (its tokens counted): so no
+    # test's launch depends on being the first to read it (its stderr says "indexing").
+    from dtdsl.train.preflight import check_data
+
+    assert check_data(run_frontend(str(SPEC), SPEC.read_bytes()).program, str(out)) == []
     return out
 
 
