@@ -106,19 +106,23 @@ def _colocated(program: ir.Program, plan: Plan) -> list[Diagnostic]:
                    "pipeline stage, with its TP and DP, all its layers in one chunk"],
             hint="compile without --plan, or plan with `dtc plan --placement colocated`"))
     for u in plan.units:
-        if not u.colocated or u.tp_replicated or u.role == "backbone":
-            continue
-        conflicts = program.module(u.name).arch.tp_conflicts(u.tp)
-        if conflicts:
-            out.append(Diagnostic.error(
-                _CODE, f"co-located unit {u.name} is split over the backbone's TP groups of "
-                f"{u.tp}, which cannot split its {' and '.join(conflicts)}",
-                program.module(u.name).span,
-                notes=["tensor parallelism cuts every attention and MLP block into equal "
-                       "parts"],
-                hint=f"mark it `tp_replicated` in the plan (every TP rank then runs all of "
-                     f"{u.name}), or plan again"))
+        if u.colocated and u.role != "backbone":
+            out += _tp_conflicts(program, u, "co-located")
     return out
+
+
+def _tp_conflicts(program: ir.Program, u: UnitPlan, kind: str) -> list[Diagnostic]:
+    """DT601 where unit ``u``, run on the backbone's ranks (``kind``: "co-located",
+    "phased"), is split by a TP degree that cannot split its heads or columns."""
+    conflicts = [] if u.tp_replicated else program.module(u.name).arch.tp_conflicts(u.tp)
+    if not conflicts:
+        return []
+    return [Diagnostic.error(
+        _CODE, f"{kind} unit {u.name} is split over the backbone's TP groups of {u.tp}, "
+        f"which cannot split its {' and '.join(conflicts)}", program.module(u.name).span,
+        notes=["tensor parallelism cuts every attention and MLP block into equal parts"],
+        hint=f"mark it `tp_replicated` in the plan (every TP rank then runs all of "
+             f"{u.name}), or plan again")]
 
 
 def _phased(program: ir.Program, plan: Plan) -> list[Diagnostic]:
@@ -152,16 +156,7 @@ def _phased(program: ir.Program, plan: Plan) -> list[Diagnostic]:
             program.module(phased[0].name).span,
             hint=f"plan {others[0].name} phased too, or keep one image encoder"))
     for u in phased:
-        conflicts = program.module(u.name).arch.tp_conflicts(u.tp)
-        if conflicts and not u.tp_replicated:
-            out.append(Diagnostic.error(
-                _CODE, f"phased unit {u.name} is split over the backbone's TP groups of "
-                f"{u.tp}, which cannot split its {' and '.join(conflicts)}",
-                program.module(u.name).span,
-                notes=["tensor parallelism cuts every attention and MLP block into equal "
-                       "parts"],
-                hint=f"mark it `tp_replicated` in the plan (every TP rank then runs all of "
-                     f"{u.name}), or plan again"))
+        out += _tp_conflicts(program, u, "phased")
     return out
 
 
