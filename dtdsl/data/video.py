@@ -165,6 +165,11 @@ def _fail(name: str, why: str) -> VideoError:
     return VideoError(f"video {name}: {why}")
 
 
+def _why(err: Exception) -> str:
+    """FFmpeg's words for an error, without PyAV's errno and call."""
+    return str(getattr(err, "strerror", None) or err)
+
+
 def _open(data: bytes, name: str) -> tuple[Any, Any]:
     """The container and its first video stream."""
     import av
@@ -172,11 +177,15 @@ def _open(data: bytes, name: str) -> tuple[Any, Any]:
     try:
         container = av.open(io.BytesIO(data), mode="r")
     except (av.FFmpegError, ValueError, OSError, EOFError, UnicodeDecodeError) as err:
-        raise _fail(name, f"not a video container PyAV reads ({err})") from None
+        raise _fail(name, f"not a video container PyAV reads ({_why(err)})") from None
     if not container.streams.video:
         container.close()
         raise _fail(name, "has no video stream")
-    return container, container.streams.video[0]
+    stream = container.streams.video[0]
+    if stream.codec_context is None:     # a codec FFmpeg does not know (or a damaged id)
+        container.close()
+        raise _fail(name, "its video stream's codec is not one FFmpeg decodes")
+    return container, stream
 
 
 def _check_size(name: str, width: int, height: int, limits: VideoLimits) -> None:
@@ -191,7 +200,7 @@ def _duration(stream: Any, pts: np.ndarray, shown: np.ndarray, ordinal: bool,
     frames, with one frame's length more), or from its frame rate without timestamps."""
     total = int(shown.sum())
     if ordinal or stream.time_base is None or not stream.time_base:
-        rate = stream.average_rate or stream.guessed_rate
+        rate = stream.guessed_rate or stream.average_rate
         return total / float(rate) if rate and float(rate) > 0 else None
     seen = pts[shown]
     span = float(seen.max() - seen.min()) * float(stream.time_base)
@@ -222,7 +231,7 @@ def _read_index(name: str, container: Any, stream: Any, limits: VideoLimits) -> 
             shown.append(not packet.is_discard)
             last_duration = packet.duration or 0
     except av.FFmpegError as err:
-        raise _fail(name, f"damaged after {len(pts)} frames ({err})") from None
+        raise _fail(name, f"damaged after {len(pts)} frames ({_why(err)})") from None
     pts_arr = np.frombuffer(pts, dtype=np.int64) if pts else np.zeros(0, np.int64)
     shown_arr = np.frombuffer(bytes(shown), dtype=np.bool_)
     if ordinal:      # some packets without timestamps: trust none, count frames shown
@@ -306,7 +315,7 @@ def _decode_groups(name: str, container: Any, stream: Any, index: ClipIndex,
         except av.error.InvalidDataError:
             pass                        # a damaged packet: FFmpeg conceals the rest
         except av.FFmpegError as err:
-            raise _fail(name, f"cannot decode it ({err})") from None
+            raise _fail(name, f"cannot decode it ({_why(err)})") from None
 
     try:
         for packet in container.demux(stream):
@@ -328,7 +337,7 @@ def _decode_groups(name: str, container: Any, stream: Any, index: ClipIndex,
         if live:
             feed(None)
     except av.FFmpegError as err:
-        raise _fail(name, f"damaged after {position} frames ({err})") from None
+        raise _fail(name, f"damaged after {position} frames ({_why(err)})") from None
 
 
 def decode_clip(data: bytes, name: str, *, policy: ImagePolicy,
