@@ -14,9 +14,10 @@ Qwen2-VL-style temporal patches.
 - **decoding only what it needs**: a first pass reads the packets' headers only (no
   decoding): their timestamps, which are keyframes. The frame count, the duration and
   the sampled frames come from them, not from the container's header, which a damaged
-  or hostile file can make say anything. The second pass decodes only the groups of
-  pictures (a keyframe up to the next) that hold a sampled frame, skipping the others'
-  packets unread by the decoder (drained and flushed at each gap), with frame threads
+  or hostile file can make say anything. The second pass decodes only the packets a
+  sampled frame needs: in each group of pictures (a keyframe up to the next) that holds
+  one, from the keyframe up to its last sampled frame in decode order; the decoder is
+  drained and flushed at each gap and never sees the packets between. Frame threads
   (``thread_type`` AUTO). Only the sampled frames are kept, each resized as soon as it
   is decoded: memory is the output's, whatever the clip's length;
 - **sized as images are**: every frame of a clip to the one ``(height, width)`` the
@@ -28,11 +29,11 @@ Qwen2-VL-style temporal patches.
 Hostile input costs bounded memory and time (``VideoLimits``): frames above
 ``max_pixels`` are refused from the header and by the decoder itself (FFmpeg's
 ``max_pixels``), clips of more than ``max_frames`` packets when indexed, and clips whose
-sampled groups of pictures would decode more than ``max_decoded_pixels`` pixels before
-any is decoded. Every problem is one ``VideoError`` (a ``DatasetError``) naming the clip.
-A packet the decoder refuses is skipped (FFmpeg conceals what it can); a sampled frame
-that does not come out takes the nearest sampled frame that did; a clip none of whose
-sampled frames decodes is refused.
+sampled frames need more than ``max_decoded_pixels`` pixels decoded, before any is (and
+while decoding, should a stream grow its frames). Every problem is one ``VideoError``
+(a ``DatasetError``) naming the clip. A packet the decoder refuses is skipped (FFmpeg
+conceals what it can); a sampled frame that does not come out takes the nearest sampled
+frame that did; a clip none of whose sampled frames decodes is refused.
 
 ``patchify(frames, patch, temporal_patch)`` cuts ``[F, C, H, W]`` frames into the
 ``[ceil(F / tp) * gh * gw, C * tp * p * p]`` patches Qwen2-VL's vision tower reads
@@ -175,7 +176,8 @@ def _open(data: bytes, name: str) -> tuple[Any, Any]:
     import av
 
     try:
-        container = av.open(io.BytesIO(data), mode="r")
+        # metadata that is not UTF-8 is no reason to refuse the pictures
+        container = av.open(io.BytesIO(data), mode="r", metadata_errors="ignore")
     except (av.FFmpegError, ValueError, OSError, EOFError, UnicodeDecodeError) as err:
         raise _fail(name, f"not a video container PyAV reads ({_why(err)})") from None
     if not container.streams.video:
@@ -203,7 +205,7 @@ def _duration(stream: Any, pts: np.ndarray, shown: np.ndarray, ordinal: bool,
         rate = stream.guessed_rate or stream.average_rate
         return total / float(rate) if rate and float(rate) > 0 else None
     seen = pts[shown]
-    span = float(seen.max() - seen.min()) * float(stream.time_base)
+    span = (float(seen.max()) - float(seen.min())) * float(stream.time_base)
     if total > 1:
         return span * total / (total - 1)
     return max(last_duration, 0) * float(stream.time_base)
@@ -282,10 +284,21 @@ def _frame_policy(policy: ImagePolicy, width: int, height: int) -> ImagePolicy:
     return replace(policy, size=policy.shape(width, height))
 
 
-def _decode_groups(name: str, container: Any, stream: Any, index: ClipIndex,
-                   picks: _Picks, groups: set[int], threads: int,
-                   limits: VideoLimits) -> None:
-    """Decode the packets of ``groups`` (skipping the others), handing each frame that
+def _needed(index: ClipIndex, targets: np.ndarray) -> np.ndarray:
+    """Which packets (decode order) to decode for the ``targets`` packets: in each group
+    of pictures holding one, from its keyframe up to its last target (a frame's
+    references come before it in decode order); every packet of a clip without
+    timestamps (its frames are known by their count)."""
+    if index.ordinal:
+        return np.ones(len(index.gop), dtype=bool)
+    last = np.full(int(index.gop.max()) + 1, -1, dtype=np.int64)
+    np.maximum.at(last, index.gop[targets], targets)
+    return np.arange(len(index.gop)) <= last[index.gop]
+
+
+def _decode(name: str, container: Any, stream: Any, index: ClipIndex, picks: _Picks,
+            needed: np.ndarray, threads: int, limits: VideoLimits) -> None:
+    """Decode the ``needed`` packets (skipping the others), handing each frame that
     comes out to ``picks``."""
     import av
 
@@ -321,11 +334,10 @@ def _decode_groups(name: str, container: Any, stream: Any, index: ClipIndex,
         for packet in container.demux(stream):
             if packet.size == 0:
                 continue
-            if position >= len(index.gop):
+            if position >= len(needed):
                 break                   # cannot happen: the same bytes demux the same
-            group = int(index.gop[position])
             position += 1
-            if group in groups:
+            if needed[position - 1]:
                 feed(packet)
                 live = True
             elif live:                  # a gap: drain this run, then start afresh
@@ -358,19 +370,17 @@ def decode_clip(data: bytes, name: str, *, policy: ImagePolicy,
     wanted: dict[int, list[int]] = {}
     for slot, packet in enumerate(targets):
         wanted.setdefault(int(index.pts[packet]), []).append(slot)
-    groups = set(np.unique(index.gop[targets]).tolist())
-    if index.ordinal:                   # positions count frames out of the decoder
-        groups = set(np.unique(index.gop).tolist())
-    cost = int(np.isin(index.gop, list(groups)).sum()) * max(index.width * index.height, 1)
+    needed = _needed(index, targets)
+    cost = int(needed.sum()) * max(index.width * index.height, 1)
     if cost > limits.max_decoded_pixels:
-        raise _fail(name, f"sampling {count} frames needs decoding {cost} pixels (whole "
-                    f"groups of pictures of {index.width}x{index.height} frames), above "
-                    f"the limit of {limits.max_decoded_pixels}; sample fewer frames or "
+        raise _fail(name, f"sampling {count} frames needs decoding {cost} pixels (from "
+                    f"keyframes on, frames of {index.width}x{index.height}), above the "
+                    f"limit of {limits.max_decoded_pixels}; sample fewer frames or "
                     "re-encode the clip with keyframes closer together")
     picks = _Picks(wanted=wanted, frames=[None] * count, policy=None, base=policy)
     container, stream = _open(data, name)
     with container:
-        _decode_groups(name, container, stream, index, picks, groups, threads, limits)
+        _decode(name, container, stream, index, picks, needed, threads, limits)
     return _stack(name, picks.frames)
 
 

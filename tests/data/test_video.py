@@ -75,7 +75,7 @@ def evenly(count: int, total: int) -> list[int]:
 
 
 POLICY = ImagePolicy(patch=8)
-FORMATS = [("libx264", "mp4", {"bframes": "3", "g": "5"}), ("mpeg4", "mp4", {"qscale": "2"}),
+FORMATS = [("libx264", "mp4", {"bf": "3", "g": "5"}), ("mpeg4", "mp4", {"qscale": "2"}),
            ("libvpx", "webm", None), ("libx264", "matroska", {"g": "4"})]
 
 
@@ -91,7 +91,7 @@ def test_samples_a_fixed_count_evenly(codec, fmt, options):
 
 
 def test_b_frames_are_sampled_in_presentation_order():
-    clip = write_clip(30, options={"bframes": "3", "g": "10", "b-pyramid": "none"},
+    clip = write_clip(30, options={"bf": "3", "g": "10", "b-pyramid": "none"},
                       width=64, height=64, texture=True)
     index = index_clip(clip, "c")
     assert (np.diff(index.pts) < 0).any(), "the clip should have reordered B-frames"
@@ -161,27 +161,37 @@ def test_frames_are_sized_as_images_are(policy):
         assert frames.shape[2:] == (gh * policy.patch, gw * policy.patch)
 
 
-def test_decodes_only_the_groups_of_pictures_it_samples():
-    clip = write_clip(60, options={"g": "5", "keyint_min": "5", "sc_threshold": "0"},
-                      width=16, height=16)
+def test_decodes_only_the_packets_its_frames_need():
+    clip = write_clip(60, options={"g": "5", "keyint_min": "5", "sc_threshold": "0",
+                                   "bf": "0"}, width=16, height=16)
     index = index_clip(clip, "c")
     assert np.bincount(index.gop).tolist() == [5] * 12
     frame = 16 * 16
-    two = FrameSampling(frames=2)                   # frames 0 and 59: the first, last groups
+    # frames 0 and 59: the first keyframe alone, the last group whole (55..59)
+    two = FrameSampling(frames=2)
     frames = decode_clip(clip, "c", policy=POLICY, sampling=two,
-                         limits=VideoLimits(max_decoded_pixels=10 * frame))
+                         limits=VideoLimits(max_decoded_pixels=6 * frame))
     assert shown(frames) == [0, 59 % CYCLE]
     with pytest.raises(VideoError, match="keyframes closer together"):
         decode_clip(clip, "c", policy=POLICY, sampling=two,
-                    limits=VideoLimits(max_decoded_pixels=10 * frame - 1))
-    # three groups apart (first, middle, last): gaps drained and skipped
+                    limits=VideoLimits(max_decoded_pixels=6 * frame - 1))
+    # frames 0, 30 and 59: two gaps, each drained and skipped
     frames = decode_clip(clip, "c", policy=POLICY, sampling=FrameSampling(frames=3),
-                         limits=VideoLimits(max_decoded_pixels=15 * frame))
+                         limits=VideoLimits(max_decoded_pixels=7 * frame))
     assert shown(frames) == [0, 30 % CYCLE, 59 % CYCLE]
+    # frames 0, 12, 24, ...: within groups too, up to the sampled frame and no further
+    six = FrameSampling(frames=6)
+    decoded = (1 + 3 + 5 + 1 + 3 + 5) * frame           # up to 0, 12, 24, 35, 47, 59
+    frames = decode_clip(clip, "c", policy=POLICY, sampling=six,
+                         limits=VideoLimits(max_decoded_pixels=decoded))
+    assert shown(frames) == evenly(6, 60)
+    with pytest.raises(VideoError, match="keyframes closer together"):
+        decode_clip(clip, "c", policy=POLICY, sampling=six,
+                    limits=VideoLimits(max_decoded_pixels=decoded - 1))
 
 
 def test_a_stream_without_timestamps_is_read_in_decode_order():
-    clip = write_clip(12, fmt="h264", fps=5, options={"bframes": "2"}, texture=True)
+    clip = write_clip(12, fmt="h264", fps=5, options={"bf": "2"}, texture=True)
     index = index_clip(clip, "c")                   # raw H.264: no timestamps at all
     assert index.ordinal and index.duration == pytest.approx(2.4)     # the SPS's 5 fps
     frames = decode_clip(clip, "c", policy=POLICY, sampling=FrameSampling(frames=5))
