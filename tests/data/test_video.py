@@ -247,6 +247,20 @@ def test_hostile_files_give_one_plain_error_naming_them():
     assert "no video stream" in _hostile("audio.mkv", audio.getvalue())
 
 
+def test_a_video_stream_without_frames_is_refused():
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="matroska") as container:
+        video = container.add_stream("mpeg4", rate=5)
+        video.width = video.height = 16
+        audio = container.add_stream("aac", rate=8000)       # only audio is written
+        frame = av.AudioFrame.from_ndarray(np.zeros((1, 4096), np.float32), format="fltp",
+                                           layout="mono")
+        frame.sample_rate = 8000
+        for packet in [*audio.encode(frame), *audio.encode()]:
+            container.mux(packet)
+    assert "has no frames" in _hostile("empty.mkv", buf.getvalue())
+
+
 def test_limits_refuse_big_frames_and_long_clips():
     clip = write_clip(12, width=32, height=32)
     assert "32x32 pixels, above the limit" in _hostile(
