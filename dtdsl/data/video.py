@@ -155,6 +155,22 @@ class ClipIndex:
         """The frames the clip shows."""
         return int(self.shown.sum())
 
+    def sampled(self, sampling: FrameSampling) -> int:
+        """The frames ``decode_clip`` gives for this clip under ``sampling``
+        (ValueError: sampling by fps a clip with no timing)."""
+        return sampling.count(self.frames, self.duration)
+
+    def shape(self, policy: ImagePolicy) -> tuple[int, int] | None:
+        """The ``(height, width)`` ``decode_clip`` gives this clip's frames under
+        ``policy`` (None: the header gives no frame size; the first frame decoded
+        decides). With ``sampled``, a clip's tokens before decoding it
+        (``ir.clips.clip_tokens``)."""
+        if policy.size is not None:
+            return policy.size
+        if self.width < 1 or self.height < 1:
+            return None
+        return policy.shape(self.width, self.height)
+
     def order(self) -> np.ndarray:
         """The shown packets' positions in presentation order (by timestamp, ties in
         decode order)."""
@@ -261,8 +277,8 @@ class _Picks:
 
     wanted: dict[int, list[int]]          # timestamp -> the slots that show it
     frames: list[np.ndarray | None]
-    policy: ImagePolicy | None            # frames' size, fixed at the first one decoded
     base: ImagePolicy
+    policy: ImagePolicy | None            # frames' size: the header's, else the first frame's
 
     def take(self, frame: Any, stamp: int) -> None:
         slots = self.wanted.pop(stamp, None)
@@ -363,7 +379,7 @@ def decode_clip(data: bytes, name: str, *, policy: ImagePolicy,
     with container:
         index = _read_index(name, container, stream, limits)
     try:
-        count = sampling.count(index.frames, index.duration)
+        count = index.sampled(sampling)
     except ValueError as err:
         raise _fail(name, str(err)) from None
     targets = index.order()[sample_indices(count, index.frames)]
@@ -377,7 +393,9 @@ def decode_clip(data: bytes, name: str, *, policy: ImagePolicy,
                     f"keyframes on, frames of {index.width}x{index.height}), above the "
                     f"limit of {limits.max_decoded_pixels}; sample fewer frames or "
                     "re-encode the clip with keyframes closer together")
-    picks = _Picks(wanted=wanted, frames=[None] * count, policy=None, base=policy)
+    fixed = index.shape(policy)         # the header's size decides, as ``shape`` says
+    picks = _Picks(wanted=wanted, frames=[None] * count, base=policy,
+                   policy=None if fixed is None else replace(policy, size=fixed))
     container, stream = _open(data, name)
     with container:
         _decode(name, container, stream, index, picks, needed, threads, limits)

@@ -418,11 +418,21 @@ def test_patchify_pads_with_the_last_frame_and_checks_sides():
         patchify(np.zeros((0, 3, 4, 4)), 2, 1)
 
 
-def test_clip_tokens_match_a_decoded_clip():
+def test_clip_tokens_predicted_from_the_index_match_the_decoded_clip():
     assert clip_tokens(5, 12, 2) == 36 and clip_tokens(4, 12, 2) == 24
     assert clip_tokens(np.array([1, 2, 3]), 4, 2).tolist() == [4, 4, 8]
-    clip = write_clip(10, width=48, height=32)
-    for count, tp in ((5, 2), (4, 2), (3, 1)):
-        frames = decode_clip(clip, "c", policy=POLICY, sampling=FrameSampling(frames=count))
-        grid = (frames.shape[2] // 8) * (frames.shape[3] // 8)
-        assert patchify(frames, 8, tp).shape[0] == clip_tokens(count, grid, tp)
+    clip = write_clip(25, width=56, height=40, fps=10)
+    index = index_clip(clip, "c")
+    policies = (ImagePolicy(patch=8), ImagePolicy(patch=4, max_patches=30, block=2),
+                ImagePolicy(patch=8, size=(16, 16), shortest_edge=16))
+    samplings = (FrameSampling(frames=5), FrameSampling(frames=4),
+                 FrameSampling(multiple=2), FrameSampling(fps=3.0))
+    for policy in policies:
+        for sampling in samplings:
+            for tp in (1, 2):
+                frames = decode_clip(clip, "c", policy=policy, sampling=sampling)
+                height, width = index.shape(policy)
+                assert frames.shape == (index.sampled(sampling), 3, height, width)
+                grid = (height // policy.patch) * (width // policy.patch)
+                tokens = clip_tokens(index.sampled(sampling), grid, tp)
+                assert patchify(frames, policy.patch, tp).shape[0] == tokens
