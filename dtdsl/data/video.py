@@ -209,7 +209,7 @@ def _open(data: bytes, name: str) -> tuple[Any, Any]:
 def _check_size(name: str, width: int, height: int, limits: VideoLimits) -> None:
     if width < 0 or height < 0 or width * height > limits.max_pixels:
         raise _fail(name, f"frames of {width}x{height} pixels, above the limit of "
-                    f"{limits.max_pixels} pixels a frame")
+                    f"{limits.max_pixels} pixels a frame; scale the clip down")
 
 
 def _duration(stream: Any, pts: np.ndarray, shown: np.ndarray, ordinal: bool,
@@ -239,7 +239,8 @@ def _read_index(name: str, container: Any, stream: Any, limits: VideoLimits) -> 
             if packet.size == 0:             # the demuxer's end-of-stream packet
                 continue
             if len(pts) >= limits.max_frames:
-                raise _fail(name, f"more than {limits.max_frames} frames, above the limit")
+                raise _fail(name, f"more than {limits.max_frames} frames, above the limit; "
+                            "cut it into shorter clips")
             if packet.is_keyframe or group < 0:
                 group += 1
             stamp = packet.pts if packet.pts is not None else packet.dts
@@ -333,7 +334,7 @@ def _decode(name: str, container: Any, stream: Any, index: ClipIndex, picks: _Pi
             decoded += frame.width * frame.height
             if decoded > limits.max_decoded_pixels:
                 raise _fail(name, f"decoding it would take more than "
-                            f"{limits.max_decoded_pixels} pixels")
+                            f"{limits.max_decoded_pixels} pixels (its frames grow midway)")
             stamp = shown if index.ordinal or frame.pts is None else frame.pts
             shown += 1
             picks.take(frame, stamp)
