@@ -334,7 +334,8 @@ def _decode(name: str, container: Any, stream: Any, index: ClipIndex, picks: _Pi
             decoded += frame.width * frame.height
             if decoded > limits.max_decoded_pixels:
                 raise _fail(name, f"decoding it would take more than "
-                            f"{limits.max_decoded_pixels} pixels (its frames grow midway)")
+                            f"{limits.max_decoded_pixels} pixels (frames larger than "
+                            "its header says)")
             stamp = shown if index.ordinal or frame.pts is None else frame.pts
             shown += 1
             picks.take(frame, stamp)
