@@ -366,8 +366,7 @@ def test_patch_layout_is_transformers_qwen2_vl(count, tp, merge):
 
 
 def test_patches_equal_transformers_image_processor_on_a_frame():
-    pytest.importorskip("transformers")
-    from transformers.models.qwen2_vl import image_processing_pil_qwen2_vl as hf
+    hf = pytest.importorskip("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl")
 
     rng = np.random.default_rng(3)
     frame = rng.integers(0, 256, (3, 16, 24), dtype=np.uint8)    # already 16x24: no resize
