@@ -4,7 +4,8 @@
 - ``load_hf(DIR)`` returns dtdsl's module for a Hugging Face directory, its weights loaded:
   a ``Backbone`` (Llama, Mistral, Qwen2: called on token ids it returns the logits), an
   ``Encoder`` (CLIP or SigLIP vision: called on pixel values it returns what the
-  Hugging Face model returns as ``last_hidden_state``) or a ``UNet`` (SD 1.x/2.x: called on
+  Hugging Face model returns as ``last_hidden_state``; Whisper's encoder: called on
+  ``input_features [B, mel_bins, 3000]``, ``WhisperEncoder``'s) or a ``UNet`` (SD 1.x/2.x: called on
   ``(latents, timesteps, context)`` it returns the noise or velocity prediction).
 - ``save_hf(module, DIR)`` writes a dtdsl module as a Hugging Face directory (config and
   safetensors) that ``transformers`` / ``diffusers`` ``from_pretrained`` load, with a
