@@ -19,10 +19,11 @@ normalisation, windows) are ``transformers.audio_utils``'s (``mel_filter_bank``,
 - ``FbankFeatures``: Kaldi's fbank as ``torchaudio.compliance.kaldi.fbank`` computes it
   (25 ms frames every 10 ms, ``snip_edges``, DC offset removed, pre-emphasis 0.97, a Povey
   window, a 512-point FFT, Kaldi's mel banks from 20 Hz to Nyquist, natural log floored at
-  float32's epsilon, no dither), ``[frames, bins]``; ``BEATS`` scales the waveform to 16-bit
-  range first and normalises as BEATs does, ``(x - 15.41663) / (2 * 6.55582)``. With a Hann
-  window and no scaling it is ``transformers``' ``ASTFeatureExtractor`` (tests: within
-  2e-4, float32 against its float64);
+  float32's epsilon, no dither), ``[frames, bins]``; ``FbankFeatures.beats()`` scales the
+  waveform to 16-bit range first and normalises as BEATs does, ``(x - 15.41663) / (2 *
+  6.55582)``. With a Hann window and no scaling it is ``transformers``'
+  ``ASTFeatureExtractor`` (tests: within 5e-4 on log values, float32 against its float64;
+  the Povey window within 5e-5 of a float64 Kaldi reference);
 - ``WhisperFeatures``: Whisper's log-mel (the clip cut or zero-padded to ``chunk_s`` = 30
   s, a centred 400-point Hann STFT every 160 samples, Slaney mel filters to 8 kHz, log10
   floored at 1e-10 and at 8 below the clip's maximum, ``(x + 4) / 4``), ``[3000, bins]``
@@ -47,7 +48,7 @@ import numpy as np
 from dtdsl.data.shards import DatasetError
 
 __all__ = [
-    "AUDIO_EXTENSIONS", "BEATS", "MAX_SECONDS", "SAMPLE_RATE", "AudioError", "FbankFeatures",
+    "AUDIO_EXTENSIONS", "MAX_SECONDS", "SAMPLE_RATE", "AudioError", "FbankFeatures",
     "WhisperFeatures", "decode_audio",
 ]
 
@@ -255,6 +256,12 @@ class FbankFeatures:
     def n_fft(self) -> int:
         return 1 << (self.frame_length - 1).bit_length()     # Kaldi's round_to_power_of_two
 
+    @classmethod
+    def beats(cls) -> FbankFeatures:
+        """BEATs' fbank (its ``preprocess``): the waveform at 16-bit scale, 128 bins,
+        normalised by BEATs' statistics, ``(x - 15.41663) / (2 * 6.55582)``."""
+        return cls(bins=128, scale=float(1 << 15), mean=15.41663, std=2 * 6.55582)
+
     def num_frames(self, samples: int) -> int:
         """The frames of a clip of ``samples`` samples (0 when shorter than one frame)."""
         return 0 if samples < self.frame_length else 1 + (samples - self.frame_length) // self.hop
@@ -273,10 +280,6 @@ class FbankFeatures:
         if self.mean != 0.0 or self.std != 1.0:
             out = (out - np.float32(self.mean)) / np.float32(self.std)
         return out.astype(np.float32, copy=False)
-
-
-# BEATs' fbank (its ``preprocess``): 16-bit scale, 128 bins, normalised by its statistics.
-BEATS = FbankFeatures(bins=128, scale=float(1 << 15), mean=15.41663, std=2 * 6.55582)
 
 
 @dataclass(frozen=True, eq=False)
