@@ -22,16 +22,18 @@ from torch import nn
 __all__ = ["WhisperStem", "whisper_positions"]
 
 
-def whisper_positions(length: int, dim: int, device: torch.device | None = None
-                      ) -> torch.Tensor:
-    """Whisper's sinusoids (``transformers``' ``sinusoids``; OpenAI's): float32
-    ``[length, dim]``, sines then cosines, timescales from 1 to 10000 over ``dim / 2 - 1``
-    steps. ValueError for an odd ``dim``."""
+def whisper_positions(length: int, dim: int, device: torch.device | None = None, *,
+                      start: int = 0) -> torch.Tensor:
+    """Whisper's sinusoids (``transformers``' ``sinusoids``; OpenAI's) of positions
+    ``start .. start + length - 1``: float32 ``[length, dim]``, sines then cosines,
+    timescales from 1 to 10000 over ``dim / 2 - 1`` steps. ValueError for an odd
+    ``dim``."""
     if dim % 2 or dim < 4:
         raise ValueError(f"Whisper's positions need an even width of at least 4, not {dim}")
     step = math.log(10_000) / (dim // 2 - 1)
     inv = torch.exp(-step * torch.arange(dim // 2, dtype=torch.float32, device=device))
-    angles = torch.arange(length, dtype=torch.float32, device=device)[:, None] * inv[None]
+    at = torch.arange(start, start + length, dtype=torch.float32, device=device)
+    angles = at[:, None] * inv[None]
     return torch.cat([angles.sin(), angles.cos()], dim=1)
 
 

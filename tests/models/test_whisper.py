@@ -242,3 +242,39 @@ def test_a_whisper_tower_is_an_audio_encoder_in_a_spec(tmp_path):
     wrong = check("image")
     assert [d.message for d in wrong.diagnostics if d.code == "DT306"] == [
         "whisper is an audio tower; encoder ear reads image"]
+
+
+def test_a_stage_built_on_meta_loads_only_its_layers(tmp_path):
+    from dtdsl.models import build_arch
+    from dtdsl.models.hf import Checkpoint, load_weights
+    from dtdsl.models.init import init_module
+
+    path = make_whisper(tmp_path / "w", layers=4)
+    whole = load_hf(path)
+    arch = whole.arch
+    with torch.device("meta"):
+        stage = build_arch("encoder", arch)
+    for key in ("0", "1"):                       # the second of two pipeline stages
+        del stage.layers[key]
+    stage.patch_embed = None
+    stage.to_empty(device="cpu")
+    with Checkpoint(path) as checkpoint:
+        report = load_weights(stage, "whisper", arch, checkpoint)
+    assert report.tensors == sum(1 for _ in stage.parameters())
+    x = features(2, 16, 40, seed=7)
+    with torch.no_grad():
+        h = whole.embed(x.transpose(1, 2))
+        for key in ("0", "1"):
+            h = whole.layers[key](h)
+        mid = h
+        for layer in stage.layers.values():
+            h = layer(h)
+        assert torch.equal(stage.finish(h), whole(x))
+    # Without pretrained weights the runtime initialises the stem like any convolution.
+    with torch.device("meta"):
+        fresh = build_arch("encoder", arch)
+    fresh.to_empty(device="cpu")
+    init_module(fresh, seed=0, unit="ear", num_layers=arch.layers)
+    with torch.no_grad():
+        out = fresh(x)
+    assert torch.isfinite(out).all() and out.shape == mid.shape

@@ -70,7 +70,7 @@ def _positions_problem(checkpoint: Checkpoint, arch: ir.TransformerArch,
     """Why a Whisper checkpoint's ``embed_positions`` is not the fixed sinusoids dtdsl's
     stem computes (``models.audio``; None: it is, to its dtype's rounding, or it is not
     stored, and transformers makes the same). One tensor of ``max_source_positions x
-    d_model`` is read."""
+    d_model`` is read, a block of rows at a time."""
     from dtdsl.models.audio import whisper_positions
 
     key = f"{prefixes['body']}embed_positions.weight"
@@ -81,8 +81,11 @@ def _positions_problem(checkpoint: Checkpoint, arch: ir.TransformerArch,
         return f"tensor {key!r} has shape {list(checkpoint.shape(key))}, not {list(want)}"
     if (problem := checkpoint.dtype_problem(key)) is not None:
         return problem
-    stored = checkpoint.read(Source(key), (0, 0), want).float()
-    off = (stored - whisper_positions(*want)).abs().max().item()
+    off, rows = 0.0, max(1, (1 << 22) // max(1, want[1]))     # 16 MiB of float32 a block
+    for start in range(0, want[0], rows):
+        n = min(rows, want[0] - start)
+        stored = checkpoint.read(Source(key), (start, 0), (n, want[1])).float()
+        off = max(off, (stored - whisper_positions(n, want[1], start=start)).abs().max().item())
     if off > max(1e-4, 4 * torch.finfo(checkpoint.dtype(key)).eps):
         return (f"tensor {key!r} is not Whisper's fixed sinusoidal positions (off by "
                 f"{off:.3g}); dtdsl computes those and reads no others")
