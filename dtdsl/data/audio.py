@@ -24,10 +24,16 @@ normalisation, windows) are ``transformers.audio_utils``'s (``mel_filter_bank``,
   6.55582)``. With a Hann window and no scaling it is ``transformers``'
   ``ASTFeatureExtractor`` (tests: within 5e-4 on log values, float32 against its float64;
   the Povey window within 5e-5 of a float64 Kaldi reference);
-- ``WhisperFeatures``: Whisper's log-mel (the clip cut or zero-padded to ``chunk_s`` = 30
-  s, a centred 400-point Hann STFT every 160 samples, Slaney mel filters to 8 kHz, log10
+- ``WhisperFeatures``: Whisper's log-mel (the clip cut or zero-padded to ``frames`` = 3000
+  hops, 30 s, a centred 400-point Hann STFT every 160 samples, Slaney mel filters to 8 kHz, log10
   floored at 1e-10 and at 8 below the clip's maximum, ``(x + 4) / 4``), ``[3000, bins]``
   for 80 or 128 bins: ``WhisperFeatureExtractor``'s (tests: within 1e-4).
+
+``AudioPolicy.for_encoder(module, max_frames)`` says which an encoder reads (as
+``images.ImagePolicy`` does for images): Whisper's log-mel for a tower with Whisper's stem
+(``in_channels`` bins, ``2 x max_source_positions`` frames), BEATs' fbank otherwise (cut to
+``max_frames``, the clamp high of ``audio.frames``); ``policy.features(data, name)`` decodes
+only the seconds it uses.
 
 Frames are cut and transformed in one vectorised pass (``_frames``; float32 FFTs), where
 ``audio_utils.spectrogram`` runs a Python loop per frame in float64: the same arithmetic,
@@ -42,13 +48,15 @@ import math
 import warnings
 from dataclasses import dataclass, field
 from fractions import Fraction
+from typing import Any
 
 import numpy as np
 
 from dtdsl.data.shards import DatasetError
 
 __all__ = [
-    "AUDIO_EXTENSIONS", "MAX_SECONDS", "SAMPLE_RATE", "AudioError", "FbankFeatures",
+    "AUDIO_EXTENSIONS", "MAX_SECONDS", "SAMPLE_RATE", "AudioError", "AudioPolicy",
+    "FbankFeatures",
     "WhisperFeatures", "decode_audio",
 ]
 
@@ -257,10 +265,10 @@ class FbankFeatures:
         return 1 << (self.frame_length - 1).bit_length()     # Kaldi's round_to_power_of_two
 
     @classmethod
-    def beats(cls) -> FbankFeatures:
-        """BEATs' fbank (its ``preprocess``): the waveform at 16-bit scale, 128 bins,
-        normalised by BEATs' statistics, ``(x - 15.41663) / (2 * 6.55582)``."""
-        return cls(bins=128, scale=float(1 << 15), mean=15.41663, std=2 * 6.55582)
+    def beats(cls, bins: int = 128) -> FbankFeatures:
+        """BEATs' fbank (its ``preprocess``): the waveform at 16-bit scale, ``bins`` (its
+        128), normalised by BEATs' statistics, ``(x - 15.41663) / (2 * 6.55582)``."""
+        return cls(bins=bins, scale=float(1 << 15), mean=15.41663, std=2 * 6.55582)
 
     def num_frames(self, samples: int) -> int:
         """The frames of a clip of ``samples`` samples (0 when shorter than one frame)."""
@@ -285,14 +293,15 @@ class FbankFeatures:
 @dataclass(frozen=True, eq=False)
 class WhisperFeatures:
     """Whisper's log-mel (module docstring): ``features(wave)`` of a mono float32
-    waveform at ``rate`` is float32 ``[chunk_s * rate / hop, bins]`` (``[3000, 80]`` or
-    ``[3000, 128]``), the clip cut or zero-padded to ``chunk_s`` seconds."""
+    waveform at ``rate`` is float32 ``[frames, bins]`` (``[3000, 80]`` or ``[3000, 128]``),
+    the clip cut or zero-padded to ``frames`` hops (30 s: twice the encoder's
+    ``max_source_positions``)."""
 
     bins: int = 80
     rate: int = SAMPLE_RATE
     n_fft: int = 400
     hop: int = 160
-    chunk_s: int = 30
+    frames: int = 3000
     _filters: np.ndarray = field(init=False, repr=False)
     _window: np.ndarray = field(init=False, repr=False)
 
@@ -312,12 +321,12 @@ class WhisperFeatures:
                            .astype(np.float32))
 
     @property
-    def num_frames(self) -> int:
-        """Frames of every clip: ``chunk_s`` seconds of hops (3000)."""
-        return self.chunk_s * self.rate // self.hop
+    def seconds(self) -> float:
+        """What a clip is cut or padded to (30 s)."""
+        return self.frames * self.hop / self.rate
 
     def features(self, wave: np.ndarray, name: str = "clip") -> np.ndarray:
-        samples = self.chunk_s * self.rate
+        samples = self.frames * self.hop
         wave = np.asarray(wave, np.float32)[:samples]
         padded = np.zeros(samples + self.n_fft, np.float32)           # centred, reflected
         padded[self.n_fft // 2:self.n_fft // 2 + wave.size] = wave
@@ -325,8 +334,46 @@ class WhisperFeatures:
         half = self.n_fft // 2
         padded[:half] = body[1:half + 1][::-1]
         padded[half + samples:] = body[-half - 1:-1][::-1]
-        frames = _frames(padded, self.n_fft, self.hop)[:self.num_frames]   # Whisper drops the last
+        frames = _frames(padded, self.n_fft, self.hop)[:self.frames]   # Whisper drops the last
         mel = _power(frames, self._window, self.n_fft) @ self._filters
         log = np.log10(np.maximum(mel, np.float32(1e-10)))
         log = np.maximum(log, log.max() - np.float32(8.0))
         return ((log + np.float32(4.0)) / np.float32(4.0)).astype(np.float32, copy=False)
+
+
+@dataclass(frozen=True, eq=False)
+class AudioPolicy:
+    """How one audio encoder's clips become its input (module docstring)."""
+
+    extractor: FbankFeatures | WhisperFeatures
+    max_frames: int | None = None       # fbank: at most this many frames (None: all)
+
+    @classmethod
+    def for_encoder(cls, module: Any, max_frames: int | None = None) -> AudioPolicy:
+        """The policy of ``module`` (an ``ir.Module`` of an audio encoder). A patch-stem
+        encoder reads ``mel_bins`` bins where its architecture says (BEATs' 128
+        otherwise)."""
+        arch = module.arch
+        if getattr(arch, "stem", "patch") == "whisper_conv":
+            return cls(WhisperFeatures(bins=arch.in_channels,
+                                       frames=2 * arch.max_source_positions))
+        bins = getattr(arch, "mel_bins", None) or 128
+        return cls(FbankFeatures.beats(bins), max_frames)
+
+    @property
+    def max_seconds(self) -> float:
+        """What is decoded of a clip: Whisper's window, or the frames kept (MAX_SECONDS
+        when every frame is)."""
+        e = self.extractor
+        if isinstance(e, WhisperFeatures):
+            return e.seconds
+        if self.max_frames is None:
+            return MAX_SECONDS
+        return min(MAX_SECONDS, ((self.max_frames - 1) * e.hop + e.frame_length) / e.rate)
+
+    def features(self, data: bytes, name: str) -> np.ndarray:
+        """The clip in ``data`` as this encoder's float32 ``[frames, bins]``; AudioError
+        for a clip that cannot be read (or, for fbank, is shorter than one frame)."""
+        wave = decode_audio(data, name, rate=self.extractor.rate, max_seconds=self.max_seconds)
+        out = self.extractor.features(wave, name)
+        return out[:self.max_frames] if self.max_frames is not None else out

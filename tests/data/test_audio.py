@@ -249,3 +249,23 @@ def test_features_are_deterministic_and_do_not_touch_their_input():
         a, b = extractor.features(wave), extractor.features(wave)
         assert np.array_equal(a, b)
     assert np.array_equal(wave, before)
+
+
+def test_a_patch_stem_encoder_reads_beats_fbank_cut_to_its_frames():
+    from dtdsl.data.audio import AudioPolicy
+    from dtdsl.ir import program as ir
+    from dtdsl.source import Span
+
+    arch = ir.TransformerArch(layers=1, hidden=32, heads=2, kv_heads=2, ffn=64, patch=16,
+                              in_channels=1)
+    ear = ir.Module(name="ear", role="encoder", modality="audio", arch=arch,
+                    span=Span.point(1, 1))
+    policy = AudioPolicy.for_encoder(ear, max_frames=50)
+    assert policy.max_seconds == (49 * 160 + 400) / SAMPLE_RATE
+    clip = _encode(_tone(3.0, rate=SAMPLE_RATE), "FLAC", rate=SAMPLE_RATE)
+    got = policy.features(clip, "a.flac")
+    assert got.shape == (50, 128) and got.dtype == np.float32
+    wave = decode_audio(clip, "a.flac")
+    np.testing.assert_array_equal(got, BEATS().features(wave)[:50])
+    whole = AudioPolicy.for_encoder(ear).features(clip, "a.flac")
+    assert whole.shape == (BEATS().num_frames(3 * SAMPLE_RATE), 128)

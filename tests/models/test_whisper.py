@@ -278,3 +278,42 @@ def test_a_stage_built_on_meta_loads_only_its_layers(tmp_path):
     with torch.no_grad():
         out = fresh(x)
     assert torch.isfinite(out).all() and out.shape == mid.shape
+
+
+def test_a_clip_file_through_the_policy_and_ours_equals_transformers_pipeline(tmp_path):
+    """Bytes of a FLAC clip to hidden states: dtdsl's decode, log-mel and encoder against
+    soundfile, WhisperFeatureExtractor and WhisperEncoder (30 s windows: 1500 positions)."""
+    import io
+
+    import numpy as np
+    import soundfile as sf
+    from transformers import WhisperFeatureExtractor
+
+    from dtdsl.data.audio import AudioPolicy, WhisperFeatures
+
+    path = make_whisper(tmp_path / "w", mel_bins=80, positions=1500, layers=2)
+    model = read_hf(path)
+    ear = ir.Module(name="ear", role="encoder", modality="audio", arch=model.arch,
+                    hf=model.source, span=_span())
+    policy = AudioPolicy.for_encoder(ear)
+    assert isinstance(policy.extractor, WhisperFeatures) and policy.max_seconds == 30.0
+    t = np.arange(int(4.5 * 16_000)) / 16_000
+    wave = (0.3 * np.sin(2 * np.pi * 330 * t) * np.sin(2 * np.pi * 2 * t)).astype(np.float32)
+    buf = io.BytesIO()
+    sf.write(buf, wave, 16_000, format="FLAC", subtype="PCM_24")
+    mel = policy.features(buf.getvalue(), "clip.flac")
+    assert mel.shape == (3000, 80)
+    raw, rate = sf.read(io.BytesIO(buf.getvalue()), dtype="float32")
+    want_mel = WhisperFeatureExtractor(feature_size=80)(
+        raw, sampling_rate=rate, return_tensors="pt").input_features
+    with torch.no_grad():
+        got = load_hf(path)(torch.from_numpy(mel).T[None])
+        want = theirs_encoder(path)(want_mel).last_hidden_state
+    assert got.shape == (1, 1500, 32)
+    assert rel(got, want) < LOAD_RTOL
+
+
+def _span():
+    from dtdsl.source import Span
+
+    return Span.point(1, 1)
