@@ -7,10 +7,10 @@ audio encoders read (NumPy, float32; no torch here: this runs in the preprocessi
 librosa's ``to_mono`` and Hugging Face ``datasets``), then resampled to ``rate`` (16 kHz,
 what BEATs and Whisper read) with ``scipy.signal.resample_poly`` (a polyphase FIR with a
 Kaiser window). Nothing in a file is trusted: the clip is read a block at a time and at
-most ``max_seconds`` of it (the rest is cut, as the encoders cut long clips anyway), so
-memory is bounded by that, not by what a header claims; a sample rate or a channel count
-no audio has, NaN or infinite samples, an empty or undecodable file are an ``AudioError``
-(a ``DatasetError``): one line naming the file.
+most ``max_seconds`` of it, and never more than 2^26 samples (the rest is cut, as the
+encoders cut long clips anyway), so memory is bounded by that, not by what a header
+claims; a sample rate or a channel count no audio has, NaN or infinite samples, an empty
+or undecodable file are an ``AudioError`` (a ``DatasetError``): one line naming the file.
 
 **Features** (``FbankFeatures``, ``WhisperFeatures``): the conventions (mel scales, filter
 normalisation, windows) are ``transformers.audio_utils``'s (``mel_filter_bank``,
@@ -62,8 +62,11 @@ __all__ = [
 
 SAMPLE_RATE = 16_000
 # What is read of one clip by default: BEATs trains on AudioSet's 10 s clips, Whisper reads
-# 30 s windows; ten minutes of 192 kHz audio is 440 MiB of float32 at most.
+# 30 s windows (AudioPolicy decodes only what its encoder uses).
 MAX_SECONDS = 600.0
+# And never more samples than this (256 MiB of float32: ten minutes at 96 kHz), whatever
+# the rate: a worker's memory is bounded by it, not by what a file claims.
+_MAX_SAMPLES = 1 << 26
 AUDIO_EXTENSIONS = ("flac", "wav", "mp3", "ogg")
 # Bounds no real recording reaches (DXD is 352.8 kHz; Ambisonics of order 7 has 64
 # channels): a header beyond them is hostile or damaged.
@@ -127,7 +130,7 @@ def _read_soundfile(data: bytes, name: str, max_seconds: float
         raise AudioError(f"{name}: cannot be read as audio ({_short(err)})") from None
     with f:
         _check_format(name, f.samplerate, f.channels)
-        limit = math.ceil(max_seconds * f.samplerate)
+        limit = min(math.ceil(max_seconds * f.samplerate), _MAX_SAMPLES)
         parts, have = [], 0
         try:
             # Block by block up to the limit, whatever the header claims: a header may
@@ -173,14 +176,14 @@ def _read_pyav(data: bytes, name: str, max_seconds: float) -> tuple[np.ndarray, 
                 for out in converter.resample(frame):
                     parts.append(_mono_block(out.to_ndarray().T, name))
                     have += parts[-1].size
-                if have >= max_seconds * rate:
+                if have >= min(max_seconds * rate, _MAX_SAMPLES):
                     break
         except (av.FFmpegError, ValueError, OSError) as err:
             raise AudioError(f"{name}: a damaged audio file ({_short(err)})") from None
     if rate is None:
         raise AudioError(f"{name}: holds no samples")
     mono = np.concatenate(parts) if parts else np.zeros(0, np.float32)
-    return mono[:math.ceil(max_seconds * rate)], rate
+    return mono[:min(math.ceil(max_seconds * rate), _MAX_SAMPLES)], rate
 
 
 def _resample(mono: np.ndarray, native: int, rate: int, name: str) -> np.ndarray:
