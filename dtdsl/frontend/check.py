@@ -516,9 +516,12 @@ class _Checker:
             ctx.error("DT311", err.message, span, hint=err.hint or (
                 "paths are relative to the spec's folder" if missing else None))
             return INVALID, INVALID
-        if decl.role == "encoder" and modality not in (INVALID, "image"):
-            ctx.error("DT306", f"{model.source.family} is a vision tower; encoder {decl.name} "
-                      f"reads {modality}", span, hint=f"write `encoder {decl.name} (image) {{`")
+        # A tower reads what it was trained on: Whisper audio, CLIP and SigLIP images.
+        reads = "audio" if model.source.family == "whisper" else "image"
+        if decl.role == "encoder" and modality not in (INVALID, reads):
+            tower = "an audio" if reads == "audio" else "a vision"
+            ctx.error("DT306", f"{model.source.family} is {tower} tower; encoder {decl.name} "
+                      f"reads {modality}", span, hint=f"write `encoder {decl.name} ({reads}) {{`")
             return INVALID, INVALID
         for note in model.notes:
             ctx.warning("DT504", note, span)

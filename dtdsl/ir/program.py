@@ -69,7 +69,7 @@ class HFSource(IRModel):
     hf("DIR")``). Kept so that ``dtc export`` writes the same kind of model back."""
 
     path: str                  # the directory, absolute
-    family: Literal["llama", "mistral", "qwen2", "clip", "siglip", "unet"]
+    family: Literal["llama", "mistral", "qwen2", "clip", "siglip", "unet", "whisper"]
     config: str                # the model's config.json (a CLIP/SigLIP's vision part), JSON
     config_sha256: str         # of the config file as read
     scheduler: str | None = None   # a U-Net's scheduler_config.json, JSON, when there is one
@@ -120,6 +120,25 @@ class TransformerArch(IRModel):
     patch_bias: bool = False
     pre_norm: bool = False
     post_norm: bool = False
+    # Audio towers: Whisper's key projection has no bias where Q, V and O have one (None:
+    # as qkv_bias). Its stem is two convolutions over [frames, in_channels = mel bins]
+    # (GELU, the second of stride 2) and Whisper's fixed sinusoids of max_source_positions
+    # (the positions field does not apply), on clips of exactly 2 x max_source_positions
+    # frames; "patch": a linear map of flattened patches (every other encoder).
+    k_bias: bool | None = None
+    stem: Literal["patch", "whisper_conv"] = "patch"
+    max_source_positions: int | None = None
+
+    def clip_tokens(self, frames: int) -> int:
+        """The rows an audio encoder with Whisper's stem runs its layers on for a clip of
+        ``frames`` feature frames: always ``max_source_positions`` (1500), as every clip
+        is cut or padded to 30 s (``data.audio.WhisperFeatures``). ValueError for a patch
+        stem, whose count is its patch grid's."""
+        if self.stem != "whisper_conv" or self.max_source_positions is None:
+            raise ValueError("clip_tokens applies to an encoder with Whisper's stem")
+        if frames < 0:
+            raise ValueError(f"a clip of {frames} frames")
+        return self.max_source_positions
 
     @property
     def head_dim(self) -> int:

@@ -44,6 +44,7 @@ from torch import nn
 
 from dtdsl.ir import program as ir
 from dtdsl.models.attention import DocumentMask, dense_attention, document_attention
+from dtdsl.models.audio import WhisperStem
 from dtdsl.models.rope import RotaryTable, Rotation, apply_rotary
 
 __all__ = [
@@ -105,7 +106,7 @@ class SelfAttention(nn.Module):
 
     def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, *,
                  causal: bool = False, rope: ir.RoPE | None = None, out_bias: bool = False,
-                 qkv_bias: bool = False):
+                 qkv_bias: bool = False, k_bias: bool | None = None):
         super().__init__()
         if heads % kv_heads:
             raise ValueError(f"{heads} query heads cannot share {kv_heads} KV heads evenly")
@@ -114,7 +115,8 @@ class SelfAttention(nn.Module):
         # Separate Q, K and V projections (as Hugging Face and torchtitan keep them): each
         # is cut by heads under tensor parallelism and maps one to one to a checkpoint.
         self.wq = nn.Linear(dim, heads * head_dim, bias=qkv_bias)
-        self.wk = nn.Linear(dim, kv_heads * head_dim, bias=qkv_bias)
+        self.wk = nn.Linear(dim, kv_heads * head_dim,     # Whisper's K has no bias
+                            bias=qkv_bias if k_bias is None else k_bias)
         self.wv = nn.Linear(dim, kv_heads * head_dim, bias=qkv_bias)
         self.wo = nn.Linear(heads * head_dim, dim, bias=out_bias)
         self.wo.residual_out = True
@@ -219,7 +221,8 @@ class TransformerLayer(nn.Module):
         self.attn_norm = _norm(arch, role)
         self.attn = SelfAttention(h, heads, kv_heads, arch.head_dim, causal=arch.causal,
                                   rope=arch.rope if role == "backbone" else None,
-                                  qkv_bias=arch.qkv_bias, out_bias=arch.out_bias)
+                                  qkv_bias=arch.qkv_bias, out_bias=arch.out_bias,
+                                  k_bias=arch.k_bias)
         self.mlp_norm = _norm(arch, role)
         self.mlp = MLP(h, ffn, swiglu=arch.swiglu, act=arch.act, bias=arch.mlp_bias)
 
@@ -230,7 +233,8 @@ class TransformerLayer(nn.Module):
 
 
 class Encoder(nn.Module):
-    """A vision transformer over flattened patches (CLIP's, SigLIP's or dtdsl's ViT).
+    """A vision transformer over flattened patches (CLIP's, SigLIP's or dtdsl's ViT), or
+    an audio tower over log-mel frames (Whisper's encoder: ``stem = "whisper_conv"``).
 
     The work is split for pipeline stages: ``embed(patches, grid)`` (first stage: patch
     embedding, class token, positions, pre-norm), ``layers`` (keyed by global index),
@@ -253,7 +257,12 @@ class Encoder(nn.Module):
         if self.learned and self.grid < 1:
             raise ValueError("learned positions need the image size the tower was trained at")
         # Replicated on every TP rank: a few thousand parameters, not worth a collective.
-        self.patch_embed = nn.Linear(self.patch_dim, arch.hidden, bias=arch.patch_bias)
+        # An audio tower's input is frames of in_channels mel bins: Whisper's conv stem
+        # takes the patch embedding's place (``models.audio``).
+        self.whisper = arch.stem == "whisper_conv"
+        self.patch_embed = WhisperStem(self.in_channels, arch.hidden,
+                                       arch.max_source_positions or 0) if self.whisper \
+            else nn.Linear(self.patch_dim, arch.hidden, bias=arch.patch_bias)
         self.cls_embedding = nn.Parameter(torch.empty(arch.hidden)) if arch.cls_token else None
         self.pos_embed = (nn.Embedding(self.grid ** 2 + int(arch.cls_token), arch.hidden)
                           if self.learned else None)
@@ -291,8 +300,11 @@ class Encoder(nn.Module):
 
     def embed(self, patches: torch.Tensor, grid: tuple[int, int] | None = None) -> torch.Tensor:
         """``[B, N, patch_dim]`` flattened patches of images whose patch grid is ``grid``
-        (rows, columns; default: square) to the first layer's input ``[B, N (+1), hidden]``."""
+        (rows, columns; default: square) to the first layer's input ``[B, N (+1), hidden]``.
+        With Whisper's stem: ``[B, frames, mel_bins]`` features to ``[B, frames / 2, hidden]``."""
         x = self.patch_embed(patches)
+        if self.whisper:
+            return x
         n = x.shape[1]
         if grid is None:
             side = math.isqrt(n)
@@ -314,8 +326,11 @@ class Encoder(nn.Module):
         return x if keep_cls or not self.has_cls else x[:, 1:]
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        grid = (pixel_values.shape[-2] // self.patch, pixel_values.shape[-1] // self.patch)
-        x = self.embed(self.patchify(pixel_values, self.patch), grid)
+        if self.whisper:        # Hugging Face's input_features [B, mel_bins, frames]
+            x = self.embed(pixel_values.transpose(1, 2))
+        else:
+            grid = (pixel_values.shape[-2] // self.patch, pixel_values.shape[-1] // self.patch)
+            x = self.embed(self.patchify(pixel_values, self.patch), grid)
         for layer in self.layers.values():
             x = layer(x)
         return self.finish(x, keep_cls=True)

@@ -4,7 +4,8 @@
 - ``load_hf(DIR)`` returns dtdsl's module for a Hugging Face directory, its weights loaded:
   a ``Backbone`` (Llama, Mistral, Qwen2: called on token ids it returns the logits), an
   ``Encoder`` (CLIP or SigLIP vision: called on pixel values it returns what the
-  Hugging Face model returns as ``last_hidden_state``) or a ``UNet`` (SD 1.x/2.x: called on
+  Hugging Face model returns as ``last_hidden_state``; Whisper's encoder: called on
+  ``input_features [B, mel_bins, 3000]``, ``WhisperEncoder``'s) or a ``UNet`` (SD 1.x/2.x: called on
   ``(latents, timesteps, context)`` it returns the noise or velocity prediction).
 - ``save_hf(module, DIR)`` writes a dtdsl module as a Hugging Face directory (config and
   safetensors) that ``transformers`` / ``diffusers`` ``from_pretrained`` load, with a
@@ -58,7 +59,37 @@ def checkpoint_prefixes(family: str, checkpoint: Checkpoint) -> dict[str, str]:
     if family in ("clip", "siglip"):
         return {"body": checkpoint.prefix_for("embeddings.patch_embedding.weight",
                                               default["body"])}
+    if family == "whisper":
+        # Whisper's own (model.encoder.), WhisperModel's (encoder.), WhisperEncoder's ().
+        return {"body": checkpoint.prefix_for("conv1.weight", default["body"])}
     return default
+
+
+def _positions_problem(checkpoint: Checkpoint, arch: ir.TransformerArch,
+                       prefixes: Mapping[str, str]) -> str | None:
+    """Why a Whisper checkpoint's ``embed_positions`` is not the fixed sinusoids dtdsl's
+    stem computes (``models.audio``; None: it is, to its dtype's rounding, or it is not
+    stored, and transformers makes the same). One tensor of ``max_source_positions x
+    d_model`` is read, a block of rows at a time."""
+    from dtdsl.models.audio import whisper_positions
+
+    key = f"{prefixes['body']}embed_positions.weight"
+    if key not in checkpoint:
+        return None
+    want = (arch.max_source_positions or 0, arch.hidden)
+    if checkpoint.shape(key) != want:
+        return f"tensor {key!r} has shape {list(checkpoint.shape(key))}, not {list(want)}"
+    if (problem := checkpoint.dtype_problem(key)) is not None:
+        return problem
+    off, rows = 0.0, max(1, (1 << 22) // max(1, want[1]))     # 16 MiB of float32 a block
+    for start in range(0, want[0], rows):
+        n = min(rows, want[0] - start)
+        stored = checkpoint.read(Source(key), (start, 0), (n, want[1])).float()
+        off = max(off, (stored - whisper_positions(n, want[1], start=start)).abs().max().item())
+    if off > max(1e-4, 4 * torch.finfo(checkpoint.dtype(key)).eps):
+        return (f"tensor {key!r} is not Whisper's fixed sinusoidal positions (off by "
+                f"{off:.3g}); dtdsl computes those and reads no others")
+    return None
 
 
 def _stored_shape(checkpoint: Checkpoint, source: Source) -> tuple[int, ...]:
@@ -111,6 +142,8 @@ def check_weights(module: nn.Module, family: str, arch: ir.TransformerArch | ir.
         raise WeightsFileError(quantised[0] + (f" (and {len(quantised) - 1} more tensors)"
                                                if len(quantised) > 1 else ""),
                                hint=QUANTISED_HINT)
+    if family == "whisper" and (problem := _positions_problem(checkpoint, arch, prefixes)):
+        problems.append(problem)
     return problems
 
 
@@ -171,6 +204,9 @@ def load_weights(module: nn.Module, family: str, arch: ir.TransformerArch | ir.U
     from dtdsl.models.init import local_block
 
     prefixes = checkpoint_prefixes(family, checkpoint)
+    if family == "whisper" and any("patch_embed." in n for n, _ in module.named_parameters()) \
+            and (problem := _positions_problem(checkpoint, arch, prefixes)):
+        raise HFError(problem)
     report = LoadReport()
     seen: set[int] = set()
     before = checkpoint.bytes_read
@@ -245,6 +281,8 @@ def _family(arch: Any, role: str, source: ir.HFSource | None) -> str:
         return source.family
     if isinstance(arch, ir.UNetArch):
         return "unet"
+    if getattr(arch, "stem", None) == "whisper_conv":
+        return "whisper"
     if role == "backbone":
         return "llama"
     return "clip" if getattr(arch, "cls_token", False) else "siglip"
@@ -274,6 +312,40 @@ def _tower_rest(family: str, pretrained: str, have: set[str],
     return out
 
 
+def _whisper_rest(arch: ir.TransformerArch, pretrained: str | None, have: set[str],
+                  dtype: torch.dtype | None) -> list[HFTensor]:
+    """What a Whisper directory holds besides dtdsl's encoder: the encoder's fixed
+    positions, and (from the ``pretrained`` Whisper it started from, untrained) its
+    decoder and head, under the Hub's keys (``model.decoder.``, ``proj_out.``)."""
+    from dtdsl.models.audio import whisper_positions
+
+    shape = (arch.max_source_positions or 0, arch.hidden)
+    item = (dtype or torch.float32).itemsize
+    out = [HFTensor("model.encoder.embed_positions.weight", shape[0] * shape[1] * item,
+                    lambda: whisper_positions(*shape).to(dtype or torch.float32))]
+    if pretrained is None:
+        return out
+    with Checkpoint(pretrained) as ckpt:
+        body = checkpoint_prefixes("whisper", ckpt)["body"]
+        if not body.endswith("encoder."):
+            return out          # a WhisperEncoder's own checkpoint: nothing else there
+        root = body[:-len("encoder.")]
+        for key in ckpt.keys():
+            out_key = "model." + key[len(root):] if key.startswith(root) else key
+            if key.startswith(body) or out_key in have:
+                continue
+            stored_shape, stored = ckpt.shape(key), ckpt.dtype(key)
+
+            def make(key: str = key, shape: tuple[int, ...] = stored_shape) -> torch.Tensor:
+                with Checkpoint(pretrained) as c:
+                    t = c.read(Source(key), (0,) * len(shape), shape)
+                return t.to(dtype) if dtype is not None and t.is_floating_point() else t
+
+            out.append(HFTensor(out_key, int(torch.Size(stored_shape).numel()) *
+                                (dtype or stored).itemsize, make))
+    return out
+
+
 def _identity_norm(key: str, width: int, dtype: torch.dtype) -> list[HFTensor]:
     return [HFTensor(f"{key}.weight", width * dtype.itemsize,
                      lambda: torch.ones(width, dtype=dtype)),
@@ -291,6 +363,9 @@ def export_module(directory: str | Path, *, arch: ir.TransformerArch | ir.UNetAr
     getter of each full tensor (``save_hf`` and ``dtc export`` share this), into
     ``directory``: a new or empty folder (HFError otherwise; ``save_hf`` replaces one).
 
+    A Whisper encoder is written as a Whisper model, with the decoder of the ``pretrained``
+    Whisper it started from (untrained; without one, ``from_pretrained`` of a whole Whisper
+    initialises its decoder, and ``WhisperModel``'s encoder reads ours).
     A vision tower is written whole, so that ``from_pretrained`` initialises nothing: what
     dtdsl's module does not hold (the layers above a feature layer, CLIP's pooling norm,
     SigLIP's pooling head) comes from the ``pretrained`` weights it started from, untrained,
@@ -318,6 +393,8 @@ def export_module(directory: str | Path, *, arch: ir.TransformerArch | ir.UNetAr
             tensors += _identity_norm(f"{body}post_layernorm", width, dtype or torch.float32)
         if family == "siglip" and not any(k.startswith(f"{body}head.") for k in keys):
             config_extra["vision_use_head"] = False
+    if role == "encoder" and family == "whisper":
+        tensors += _whisper_rest(arch, pretrained, {t.key for t in tensors}, dtype)
     library = _write_configs(directory, arch, role, source, layers=layers, extra=config_extra)
     return write_checkpoint(directory, tensors, library=library,
                             max_shard_bytes=max_shard_bytes)

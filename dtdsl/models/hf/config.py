@@ -13,6 +13,8 @@ exactly what the Hugging Face model computes, where its weights are, and an
   to ``feature_layer`` (the ``hidden_states`` index a projector reads, as LLaVA's
   ``vision_feature_layer``: -2 is the penultimate layer's output; default: the model's
   ``last_hidden_state``);
+- audio towers (encoders): ``whisper``'s encoder (a whole Whisper directory gives its
+  encoder; ``WhisperEncoder``'s ``last_hidden_state``, over 30 s log-mel clips);
 - generators: diffusers' ``UNet2DConditionModel`` (a ``unet`` folder, or a pipeline folder
   with ``model_index.json``) with the noise schedule and prediction type of the
   ``scheduler_config.json`` beside it.
@@ -44,7 +46,7 @@ __all__ = [
 ]
 
 BACKBONE_TYPES = ("llama", "mistral", "qwen2")
-ENCODER_TYPES = ("clip", "clip_vision_model", "siglip", "siglip_vision_model")
+ENCODER_TYPES = ("clip", "clip_vision_model", "siglip", "siglip_vision_model", "whisper")
 
 # transformers' config-class defaults (5.x; unchanged since 4.40) for the keys read here.
 _DECODER_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -72,6 +74,12 @@ _VISION_DEFAULTS: dict[str, dict[str, Any]] = {
     "siglip": {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
                "num_attention_heads": 12, "num_channels": 3, "image_size": 224,
                "patch_size": 16, "hidden_act": "gelu_pytorch_tanh", "layer_norm_eps": 1e-6},
+}
+# WhisperConfig's defaults (transformers 4.27 to 5.x) for the encoder's keys.
+_WHISPER_DEFAULTS: dict[str, Any] = {
+    "d_model": 384, "encoder_layers": 4, "encoder_attention_heads": 6,
+    "encoder_ffn_dim": 1536, "num_mel_bins": 80, "max_source_positions": 1500,
+    "activation_function": "gelu",
 }
 _UNET_DEFAULTS: dict[str, Any] = {
     "sample_size": None, "in_channels": 4, "out_channels": 4, "center_input_sample": False,
@@ -131,6 +139,8 @@ _MAX_POSITIONS = 1 << 27            # Llama 4 Scout reads 10M tokens: 2^23.3
 _MAX_IMAGE = 1 << 14                # pixels along a side
 _MAX_PATCH = 1024
 _MAX_IN_CHANNELS = 64
+_MAX_MEL_BINS = 1024                # Whisper reads 80 or 128
+_MAX_SOURCE_POSITIONS = 1 << 16     # Whisper: 1500 (30 s)
 _MAX_LEVELS = 8
 _MAX_UNET_CHANNELS = 1 << 16
 _MAX_RES_BLOCKS = 16
@@ -320,6 +330,31 @@ def _vision(f: Fields, family: str, feature_layer: int | None
     return arch, total
 
 
+# ---- audio towers ------------------------------------------------------------------------
+
+def _whisper(f: Fields) -> ir.TransformerArch:
+    """Whisper's encoder: a conv stem over log-mel frames, fixed sinusoids, pre-LN layers
+    with biases on Q, V, O and the MLP but not on K, exact-GELU stem, a final LayerNorm
+    (PyTorch's default epsilon: Whisper's config has none)."""
+    hidden = f.integer("d_model", high=_MAX_HIDDEN)
+    heads = f.integer("encoder_attention_heads", high=_MAX_HEADS)
+    f.require(hidden % heads == 0, "encoder_attention_heads", heads,
+              f"a divisor of d_model {hidden}")
+    f.require(hidden % 2 == 0 and hidden >= 4, "d_model", hidden,
+              "even and at least 4 (Whisper's sinusoidal positions pair sines and cosines)")
+    act = f.text("activation_function")
+    if act not in _ACTIVATIONS or act == "silu":
+        raise HFError(f"activation_function {named(act)} is not supported in Whisper's "
+                      "encoder", hint="dtdsl computes gelu, gelu_new and quick_gelu")
+    return ir.TransformerArch(
+        layers=f.integer("encoder_layers", high=_MAX_LAYERS), hidden=hidden, heads=heads,
+        kv_heads=heads, ffn=f.integer("encoder_ffn_dim", high=_MAX_FFN),
+        in_channels=f.integer("num_mel_bins", high=_MAX_MEL_BINS), causal=False,
+        norm="layer", norm_eps=1e-5, activation=_ACTIVATIONS[act], qkv_bias=True,
+        k_bias=False, out_bias=True, mlp_bias=True, post_norm=True, stem="whisper_conv",
+        max_source_positions=f.integer("max_source_positions", high=_MAX_SOURCE_POSITIONS))
+
+
 # ---- U-Net ----------------------------------------------------------------------------
 
 def _unet_levels(f: Fields) -> tuple[tuple[int, ...], list[int]]:
@@ -481,8 +516,8 @@ def _role_of(cfg: dict[str, Any], config_path: Path) -> str:
     raise HFError(f"model_type {named(model_type)} is not supported" if model_type else
                   f"{config_path} has no model_type",
                   hint="dtdsl reads llama, mistral and qwen2 (backbones), clip and "
-                  "siglip (vision towers) and diffusers' UNet2DConditionModel "
-                  "(generators)")
+                  "siglip (vision towers), whisper (audio towers) and diffusers' "
+                  "UNet2DConditionModel (generators)")
 
 
 def _plain(value: Any) -> str | None:
@@ -511,12 +546,14 @@ def read_hf(path: str | Path, *, role: str | None = None,
     cfg, sha = read_json(config_path, "model config")
     found_role = _role_of(cfg, config_path)
     if role is not None and role != found_role:
-        what = {"backbone": "a language model", "encoder": "a vision tower",
+        tower = "an audio tower" if cfg.get("model_type") == "whisper" else "a vision tower"
+        what = {"backbone": "a language model", "encoder": tower,
                 "generator": f"a diffusers {_plain(cfg.get('_class_name')) or 'model'}"
                 }[found_role]
         article = {"backbone": "the", "encoder": "an", "generator": "a"}[role]
         raise HFError(f"{root} holds {what}, which cannot be {article} {role}")
-    if feature_layer is not None and found_role != "encoder":
+    if feature_layer is not None and (found_role != "encoder" or
+                                      cfg.get("model_type") == "whisper"):
         raise HFError("feature_layer applies to vision towers only")
     notes: list[str] = []
     source_layers = None
@@ -525,6 +562,10 @@ def read_hf(path: str | Path, *, role: str | None = None,
         family = cfg["model_type"]
         arch = _decoder(cfg, family)
         stored = cfg
+    elif cfg.get("model_type") == "whisper":
+        family = "whisper"
+        arch = _whisper(Fields(cfg, defaults=_WHISPER_DEFAULTS))
+        stored = cfg            # the whole model's: dtc export writes its decoder back too
     elif found_role == "encoder":
         family = "clip" if cfg["model_type"].startswith("clip") else "siglip"
         f = Fields(cfg, defaults=_VISION_DEFAULTS[family])
@@ -630,6 +671,8 @@ def config_for(arch: ir.TransformerArch | ir.UNetArch, role: str,
         if arch.sliding_window is not None:
             out["sliding_window"] = arch.sliding_window
         return out
+    if arch.stem == "whisper_conv":
+        return _whisper_config(arch, base)
     if arch.positions != "learned" or not arch.qkv_bias:
         raise HFError("no Hugging Face vision tower computes this encoder (dtdsl's ViT has "
                       "sinusoidal positions and no biases); only towers read with hf() export")
@@ -642,6 +685,21 @@ def config_for(arch: ir.TransformerArch | ir.UNetArch, role: str,
            "patch_size": arch.patch, "layer_norm_eps": arch.eps("encoder"),
            "hidden_act": _ACT_NAMES[arch.act]}
     return out
+
+
+def _whisper_config(arch: ir.TransformerArch, base: dict[str, Any]) -> dict[str, Any]:
+    """A Whisper model's config with this encoder (its decoder as ``base`` has it, else
+    WhisperConfig's defaults)."""
+    if arch.k_bias is not False or not (arch.qkv_bias and arch.out_bias and arch.mlp_bias) \
+            or not arch.post_norm or arch.norm_kind("encoder") != "layer":
+        raise HFError("no Hugging Face Whisper encoder computes this audio tower (Whisper's "
+                      "has biases on Q, V, O and the MLP, none on K, and a final LayerNorm)")
+    return {**base, "model_type": "whisper",
+            "architectures": base.get("architectures") or ["WhisperForConditionalGeneration"],
+            "d_model": arch.hidden, "encoder_layers": arch.layers,
+            "encoder_attention_heads": arch.heads, "encoder_ffn_dim": arch.ffn,
+            "num_mel_bins": arch.in_channels, "max_source_positions": arch.max_source_positions,
+            "activation_function": _ACT_NAMES[arch.act]}
 
 
 def scheduler_config_for(arch: ir.UNetArch, source: ir.HFSource | None = None) -> dict[str, Any]:

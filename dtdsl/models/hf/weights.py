@@ -10,7 +10,10 @@ of the same numbers: a diffusers GEGLU's fused ``ff.net.0.proj`` holds dtdsl's `
 ``proj_in``/``proj_out`` convolutions ``[o, i, 1, 1]`` are dtdsl's linear ``[o, i]``; a
 vision tower's patch convolution ``[h, c, p, p]`` is dtdsl's linear map ``[h, c p^2]`` of
 flattened patches. Key prefixes (``model.``, ``vision_model.``, a LLaVA's
-``language_model.``) are found in the checkpoint (``Checkpoint.prefix_for``).
+``language_model.``, a Whisper's ``model.encoder.``) are found in the checkpoint
+(``Checkpoint.prefix_for``). Whisper's stem (``patch_embed.conv1``/``conv2``) is its
+``conv1``/``conv2``, one to one; its ``embed_positions`` is no dtdsl parameter (the fixed
+sinusoids, ``models.audio``).
 
 **Reading** (``Checkpoint``): a directory's ``*.safetensors`` (one file, or shards with
 their ``*.safetensors.index.json``), through ``safe_open``: ``read(key, offsets, shape)``
@@ -85,6 +88,14 @@ _VISION_ENDS = {
     "pos_embed": "embeddings.position_embedding", "pre_norm": "pre_layrnorm",
     "post_norm": "post_layernorm",
 }
+_WHISPER_LAYER = {
+    "attn_norm": "self_attn_layer_norm", "attn.wq": "self_attn.q_proj",
+    "attn.wk": "self_attn.k_proj", "attn.wv": "self_attn.v_proj",
+    "attn.wo": "self_attn.out_proj", "mlp_norm": "final_layer_norm", "mlp.w1": "fc1",
+    "mlp.w2": "fc2",
+}
+_WHISPER_ENDS = {"patch_embed.conv1": "conv1", "patch_embed.conv2": "conv2",
+                 "post_norm": "layer_norm"}
 _UNET_ATTN = {"wq": "to_q", "wk": "to_k", "wv": "to_v", "wo": "to_out.0"}
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)\.(weight|bias)$")
 
@@ -96,6 +107,8 @@ def hf_key_prefix(family: str) -> dict[str, str]:
         return {"body": "model.", "head": ""}
     if family in ("clip", "siglip"):
         return {"body": "vision_model."}
+    if family == "whisper":
+        return {"body": "model.encoder."}       # WhisperForConditionalGeneration's
     return {"body": ""}
 
 
@@ -133,7 +146,19 @@ def source_of(family: str, name: str, arch: ir.TransformerArch | ir.UNetArch,
                 return Source(key, shape=(arch.hidden, c, p, p))
             return Source(key)
         raise KeyError(name)
+    if family == "whisper":
+        return _whisper_source(name, body)
     return _unet_source(name, arch, body)
+
+
+def _whisper_source(name: str, body: str) -> Source:
+    m = _LAYER.fullmatch(name)
+    if m and m.group(2) in _WHISPER_LAYER:
+        return Source(f"{body}layers.{m.group(1)}.{_WHISPER_LAYER[m.group(2)]}.{m.group(3)}")
+    owner, _, attr = name.rpartition(".")
+    if owner in _WHISPER_ENDS and attr in ("weight", "bias"):
+        return Source(f"{body}{_WHISPER_ENDS[owner]}.{attr}")
+    raise KeyError(name)
 
 
 def _unet_source(name: str, arch: ir.UNetArch, body: str) -> Source:
