@@ -397,7 +397,9 @@ class CostModel:
 
         As the runtime does it (``train.stage``): without ZeRO an all-reduce of the
         gradients after the last backward. With ZeRO-1 the same bytes as a
-        reduce-scatter after the last backward (exposed) and a parameter all-gather that
+        reduce-scatter after the last backward (exposed; a backbone's layers' run during
+        it, each behind the next layer's backward: of r seconds per layer against b of
+        backward, min(r, b) hidden but for one layer) and a parameter all-gather that
         every stage starts, asynchronously, at the start of the next step (FSDP2's
         ``unshard(async_op=True)``), each layer's first forward waiting for its own: a
         layer's gather (a seconds) runs behind the previous layer's forward (f seconds, one
@@ -449,10 +451,18 @@ class CostModel:
         per_layer = all_reduce_time_s(
             (unit.params - unit.extra_stage_params) / unit.layers * per_param, dp, bw) - latency
         opt_fixed, opt_layer = self._optimizer_coefficients(unit, tp, dp)
-        if self.program.train.optimizer.zero < 1:
-            return fixed + opt_fixed, per_layer + opt_layer
+        zero = self.program.train.optimizer.zero >= 1
         # Reduce-scatter and all-gather move half an all-reduce each.
-        gather = per_layer / 2
+        reduce = per_layer / 2 if zero else per_layer
+        if unit.role == "backbone":
+            # A backbone's layers reduce during the last backward, each behind the
+            # backward of the layer before it (``train.stage.Stage.reduce_early``): of
+            # each layer's reduction min(r, b) is hidden, but for the last one's.
+            hidden = np.minimum(reduce, self._layer_backward_s(unit, tp))
+            fixed, per_layer = fixed + hidden, per_layer - hidden
+        if not zero:
+            return fixed + opt_fixed, per_layer + opt_layer
+        gather = reduce
         forward = self._layer_forward_s(unit, tp)
         hidden = np.minimum(gather, forward)
         return fixed + hidden + opt_fixed, per_layer - hidden + opt_layer
@@ -476,10 +486,17 @@ class CostModel:
 
     def _layer_forward_s(self, unit: UnitCost, tp) -> np.ndarray:
         """One layer's forward of one microbatch at each ``tp`` (may be an array)."""
+        return self._per_layer_s(unit, tp, 0)
+
+    def _layer_backward_s(self, unit: UnitCost, tp) -> np.ndarray:
+        """One layer's backward of one microbatch at each ``tp`` (may be an array)."""
+        return self._per_layer_s(unit, tp, 1)
+
+    def _per_layer_s(self, unit: UnitCost, tp, which: int) -> np.ndarray:
         tps = np.asarray(tp)
         out = np.empty(tps.shape)
         for t in np.unique(tps):
-            out[tps == t] = self.fwd_bwd_time_s(unit, int(t))[0] / max(unit.layers, 1)
+            out[tps == t] = self.fwd_bwd_time_s(unit, int(t))[which] / max(unit.layers, 1)
         return out if out.ndim else out[()]
 
     def dp_sync_time_s(self, unit: UnitCost, tp, pp, dp, *, replicated_over=1):

@@ -400,14 +400,19 @@ class StageExecutor:
                 # peer is the pipeline's bubble, not its compute).
                 self.p2p.flush()
                 self._await_inputs(a)
+            if i == self._last_backward:
+                # A backbone's layers reduce-scatter their gradients as each one's last
+                # backward ends, behind the backward of the layers before it.
+                self.stage.reduce_early()
             mark = self.clock.begin()
             self._run(i, a)
             self.clock.end(mark)
             marks.append((a.kind.value, a.microbatch, mark))
         self.p2p.flush()    # the last sends (a last SEND_B) go out before the reduction
         if self._last_backward >= 0:
-            # FSDP2's gradient reduction, once, after the stage's last backward (waiting
-            # for it before the last gradient is sent would hold the previous stage up).
+            # FSDP2's gradient reduction of the rest, once, after the stage's last
+            # backward (waiting for it before the last gradient is sent would hold the
+            # previous stage up).
             self.stage.reduce_gradients()
         for name, part in self.stage.phased.items():
             if part.trainable():

@@ -178,6 +178,13 @@ class Stage:
     phased: dict[str, Stage] = field(default_factory=dict)
     # Whether ``begin_step`` has waited once for every group's all-gather (below).
     gathered: bool = False
+    # The layers whose gradients reduce-scatter during the step's last backward, each
+    # from its own post-backward hook (``reduce_early``), and those of their parameters
+    # whose gradients are averaged over TP: learnt at the first step's reduction (None
+    # until then), which runs every group after the last backward.
+    early: list[nn.Module] | None = None
+    early_tp: dict[int, list[nn.Parameter]] = field(default_factory=dict)  # by id(state)
+    reducing_early: bool = False
 
     def named_parameters(self) -> dict[str, torch.Tensor]:
         """``{"<unit>.<param>": parameter}`` for every parameter the stage holds, its
@@ -230,6 +237,7 @@ class Stage:
         self.module.set_requires_gradient_sync(False, recurse=True)
         self.module.set_is_last_backward(False)
         self.module.set_reshard_after_backward(False, recurse=True)
+        self.reducing_early = False
         handles = [m.unshard(async_op=True)     # FSDP2's pre-forward waits for each
                    for m in [self.module, *self.layers]]
         if not self.gathered:
@@ -245,35 +253,88 @@ class Stage:
         for part in self.phased.values():
             part.begin_step()
 
+    def reduce_early(self) -> None:
+        """Before the step's last backward on this stage: let each of its ``early``
+        layers reduce-scatter its gradients over DP as soon as its own backward ends
+        (FSDP2's post-backward hook, on its reduce-scatter stream), so that the reduction
+        runs behind the backward of the layers before it rather than after the last one,
+        as torchtitan's pipeline stages do. Only a backbone's transformer layers are
+        early (``_learn_early``): every microbatch of every DP replica runs all of them,
+        so the DP ranks issue these reduce-scatters in one order, layer by layer from the
+        last; the rest (embeddings, head, co-located modules a replica may leave idle)
+        waits for ``reduce_gradients``."""
+        if self.early:
+            for layer in self.early:
+                layer.set_requires_gradient_sync(True, recurse=False)
+                layer.set_reshard_after_backward(True, recurse=False)
+            self.reducing_early = True
+
     def reduce_gradients(self) -> None:
         """After the step's last backward: reduce-scatter every FSDP2 group's accumulated
         gradients over DP, in the same order on every DP rank (the reverse of forward, as
         autograd would), then reshard, whatever each rank's last microbatch held (one
         without generation targets runs no backward at all). torch's pipelining stages
-        reduce this way too."""
+        reduce this way too. The groups ``reduce_early`` let reduce during the last
+        backward are done already."""
         from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
         if not isinstance(self.module, FSDPModule):
             return
+        done = self.early if self.reducing_early else []
+        done_states = {id(m._get_fsdp_state()) for m in done}
         # A module this rank never ran this step (a co-located encoder whose replica drew
         # no images, a generator with no targets) still has begin_step's all-gather
         # pending: finish it (no new collective), or FSDP2 would leave its parameters out
         # of the reduce-scatter that every other DP rank sends them in.
         for m in [self.module, *self.layers]:
-            m.unshard()
+            if id(m._get_fsdp_state()) not in done_states:
+                m.unshard()
         self.module.set_requires_gradient_sync(True, recurse=True)
         self.module.set_is_last_backward(True)
         self.module.set_reshard_after_backward(True, recurse=True)
         state = self.module._get_fsdp_state()
-        # Which gradients FSDP2 leaves unequal over TP, read before it frees them.
-        replicated = _tp_unreduced(state) if self.tp_group is not None else []
-        for member in reversed(state._state_ctx.all_states):
+        members = [m for m in state._state_ctx.all_states if id(m) not in done_states]
+        # Which gradients FSDP2 leaves unequal over TP, read before it frees them (the
+        # early layers' were read at the first step: the same every step).
+        replicated = [] if self.tp_group is None else [
+            p for m in state._state_ctx.all_states
+            for p in (self.early_tp[id(m)] if id(m) in done_states else _tp_unreduced([m]))]
+        if self.early is None:
+            self._learn_early()
+        for member in reversed(members):
             for group in reversed(_param_groups(member)):
                 _zero_unused_in_reduce_dtype(group)
                 group.post_backward()
+        for member in state._state_ctx.all_states:
+            if id(member) in done_states:
+                # Reduced in the backward; the final callback must not reduce them again.
+                for group in _param_groups(member):
+                    group._training_state = TrainingState.POST_BACKWARD
         state._root_post_backward_final_callback()
         self._sum_tied_gradients()
         self._average_over_tp(replicated)
+
+    def _learn_early(self) -> None:
+        """At the first step's reduction, before it: which layers reduce early from the
+        next step on (``reduce_early``): the backbone's own transformer layers (not a
+        co-located module's, which a replica may leave idle), each its own FSDP2 module
+        whose trainable parameters all have a gradient (a layer some microbatch can
+        leave unused must wait for the end of the step with the rest), and which of
+        their parameters are averaged over TP (``_tp_unreduced``, read now from this
+        step's gradients: their placements are structural)."""
+        self.early = []
+        if self.role.role != "backbone":
+            return
+        own = {id(m) for m in self.module.units[self.role.unit].modules()}
+        for layer in self.layers:
+            member = layer._get_fsdp_state()
+            params = [fp for g in _param_groups(member) for fp in g.fsdp_params
+                      if fp.sharded_param.requires_grad]
+            if id(layer) not in own or not params or not all(_has_grad(fp) for fp in params):
+                continue
+            self.early.append(layer)
+            self.early_tp[id(member)] = _tp_unreduced([member])
 
     def _average_over_tp(self, params: list[nn.Parameter]) -> None:
         """Average the gradients of ``params`` (replicated over the TP group, each rank's
@@ -316,8 +377,14 @@ def _tp_placement(t: Any) -> Any:
     return t.placements[names.index("tp")] if "tp" in names else None
 
 
-def _tp_unreduced(state: Any) -> list[nn.Parameter]:
-    """The trainable parameters of a stage's FSDP2 state (every group, forward order)
+def _has_grad(fp: Any) -> bool:
+    """Whether FSDP2 parameter ``fp`` has an unsharded gradient waiting for reduction."""
+    return fp.unsharded_accumulated_grad is not None or (
+        hasattr(fp, "_unsharded_param") and fp.unsharded_param.grad is not None)
+
+
+def _tp_unreduced(members: Any) -> list[nn.Parameter]:
+    """The trainable parameters of FSDP2 states ``members`` (every group, forward order)
     that are replicated over TP and whose gradients nothing reduces over TP, in the same
     order on every TP rank of the stage:
 
@@ -335,7 +402,7 @@ def _tp_unreduced(state: Any) -> list[nn.Parameter]:
 
     Read from the unsharded gradients before FSDP2's reduction frees them."""
     out = []
-    for member in state._state_ctx.all_states:
+    for member in members:
         for group in _param_groups(member):
             for fp in group.fsdp_params:
                 if fp.sharded_param.requires_grad and _tp_replicated(fp):

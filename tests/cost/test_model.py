@@ -253,10 +253,12 @@ def test_profile_limits_the_tp_degrees():
 
 
 def test_the_parameter_all_gather_overlaps_the_first_forward():
-    """ZeRO-1: the gradient reduce-scatter is exposed; each layer's parameter all-gather
-    (started at the step's start) hides behind the previous layer's forward, so of L
-    layers' gathers min(a, f) + max(0, a - f) L is exposed. Without ZeRO the all-reduce
-    is exposed whole."""
+    """ZeRO-1: each layer's parameter all-gather (started at the step's start) hides
+    behind the previous layer's forward, so of L layers' gathers min(a, f) + max(0, a - f)
+    L is exposed. The gradient reduce-scatter is exposed on an encoder; a backbone's
+    layers reduce during the last backward, each behind the next one's backward (b): of
+    L layers' reductions (r) min(r, b) + max(0, r - b) L is exposed. Without ZeRO the
+    all-reduce takes the reduce-scatter's place."""
     from dtdsl.cost.model import all_reduce_time_s
 
     zero0 = build_cost_model(program("mllm_9b", (("zero=1", "zero=0"),)))
@@ -268,13 +270,16 @@ def test_the_parameter_all_gather_overlaps_the_first_forward():
         layer = all_reduce_time_s((unit.params - unit.extra_stage_params) / unit.layers
                                   * per_param, dp, bw) - all_reduce_time_s(0.0, dp, bw)
         ends = all_reduce_time_s(unit.extra_stage_params * per_param, dp, bw)
+        f, b = (t / unit.layers for t in zero1.fwd_bwd_time_s(unit, tp))
+        early = name == "llm"
+        hidden = min(layer, b) if early else 0.0
         assert zero0.dp_sync_coefficients(zero0.unit(name), tp, dp) == \
-            pytest.approx((ends, layer), rel=1e-12)
-        a = layer / 2
-        f = zero1.fwd_bwd_time_s(unit, tp)[0] / unit.layers
+            pytest.approx((ends + hidden, layer - hidden), rel=1e-12)
+        a = r = layer / 2
+        hidden = min(r, b) if early else 0.0
         fixed, per_layer = zero1.dp_sync_coefficients(unit, tp, dp)
-        assert fixed == pytest.approx(ends + min(a, f), rel=1e-12)
-        assert per_layer == pytest.approx(a + max(0.0, a - f), rel=1e-12)
+        assert fixed == pytest.approx(ends + min(a, f) + hidden, rel=1e-12)
+        assert per_layer == pytest.approx(r - hidden + max(0.0, a - f), rel=1e-12)
         # Arrays of TP degrees give the same coefficients.
         arr_fixed, arr_layer = zero1.dp_sync_coefficients(unit, np.array([tp, tp]), dp)
         assert arr_fixed == pytest.approx([fixed] * 2) and arr_layer == pytest.approx(

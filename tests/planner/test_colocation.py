@@ -46,7 +46,9 @@ def test_a_small_encoder_is_co_located_and_a_heavy_one_is_not():
     assert small.placements["disaggregated"] > max(small.placements["colocated"],
                                                    small.placements["phased"])
     assert heavy.placement == "disaggregated"
-    assert heavy.placements["colocated"] > 1.05 * heavy.placements["disaggregated"]
+    # By 3.4% as priced now (5.4% while a backbone's gradient reduction was all exposed
+    # after its last backward: hiding it helps the co-located plan's deeper stages more).
+    assert heavy.placements["colocated"] > 1.03 * heavy.placements["disaggregated"]
 
 
 @pytest.mark.parametrize("name", ["tiny_cpu", "mllm_9b", "audio_image"])
