@@ -1,0 +1,292 @@
+"""Context-parallel attention (dtdsl.parallel.cp) equal to full attention in one process.
+
+Every rank makes the same random q, k, v and upstream gradient of the whole sequence, the
+reference is a dense masked SDPA over the unsharded tensors (float64), and each rank
+compares its shard of the output (real positions) and of the q, k, v gradients (padding
+included: it must get none) within 1e-5 (float32 inputs). Tiny: S <= 64, heads <= 4,
+head_dim 8.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from dtdsl.models.attention import document_ids
+from dtdsl.parallel import cp
+from dtdsl.parallel.cp import (
+    CAUSAL,
+    FULL,
+    MASKED,
+    CPDocuments,
+    cp_attention,
+    padded_length,
+    shard,
+    shard_documents,
+    shard_index,
+    unshard,
+)
+from dtdsl.parallel.p2p import P2P
+from tests.dist import run
+
+TOL = 1e-5
+D = 8
+
+
+def _docs(spans: list[list[int]], length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Document ids and positions ``[B, length]`` of sequences of documents of the given
+    lengths (what is left after them: one more document, as document_ids does)."""
+    rows = []
+    for lengths in spans:
+        starts = [sum(lengths[:i]) for i in range(len(lengths))]
+        rows.append(list(zip(starts, lengths, strict=True)))
+    docs, positions = document_ids(rows, length)
+    return docs[:, :length].long(), positions
+
+
+def _reference(q, k, v, docs, dout):
+    """Full attention in one process: dense SDPA with the document-causal mask, float64."""
+    q, k, v = (x.double().requires_grad_() for x in (q, k, v))
+    s = q.shape[2]
+    allowed = (docs[:, :, None] == docs[:, None, :]) & torch.ones(s, s, dtype=torch.bool).tril()
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None],
+                                         enable_gqa=q.shape[1] != k.shape[1])
+    out.backward(dout.double())
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _case(b, h, hkv, length, spans, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, length, D, generator=g)
+    k = torch.randn(b, hkv, length, D, generator=g)
+    v = torch.randn(b, hkv, length, D, generator=g)
+    dout = torch.randn(b, h, length, D, generator=g)
+    docs, positions = _docs(spans, length)
+    return q, k, v, dout, docs, positions
+
+
+def _compare(case, size, rank, method, group=None, mesh=None, full_docs=False):
+    q, k, v, dout, docs, positions = _case(*case)
+    length = q.shape[2]
+    ref_out, dq, dk, dv = _reference(q, k, v, docs, dout)
+    local = [shard(x, size, rank, dim=2).requires_grad_() for x in (q, k, v)]
+    my_docs, _ = shard_documents(docs, positions, size, rank)
+    given = CPDocuments.from_full(docs, size) if full_docs else my_docs
+    out = cp_attention(*local, docs=given, method=method, group=group, mesh=mesh)
+    out.backward(shard(dout, size, rank, dim=2))
+    real = shard_index(length, size, rank) < length
+    want = shard(ref_out, size, rank, dim=2).float()
+    assert out.shape == want.shape and out.dtype == torch.float32
+    err = (out - want)[:, :, real].abs().max().item()
+    assert err < TOL, f"rank {rank}: output off by {err}"
+    for name, got, ref in zip("qkv", (x.grad for x in local), (dq, dk, dv), strict=True):
+        err = (got - shard(ref, size, rank, dim=2).float()).abs().max().item()
+        assert err < TOL, f"rank {rank}: d{name} off by {err}"
+
+
+# Document layouts over S positions: boundaries inside chunks and on their edges, a
+# document across every chunk, odd lengths (padded to 2c chunks), padding after them.
+SINGLE = (1, 2, 2, 32, [[32]])
+PACKED = (2, 2, 2, 32, [[5, 11, 16], [1, 31]])
+PACKED64 = (2, 4, 2, 64, [[16, 3, 29, 16], [2, 62]])
+ODD = (2, 2, 1, 37, [[10, 20], [37]])          # 7 positions of padding in row 0
+GQA = (1, 4, 1, 48, [[7, 9, 30, 2]])
+
+
+def _ring(rank, world, cases, pairs):
+    """Ring attention; ``pairs``: the ring is a group of two strided ranks (0, 2), (1, 3)."""
+    group = None
+    if pairs:
+        groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        group, size, me = groups[rank % 2], 2, rank // 2
+    else:
+        size, me = world, rank
+    for i, case in enumerate(cases):
+        _compare(case, size, me, "ring", group=group, full_docs=i % 2 == 1)
+
+
+@pytest.mark.parametrize("world,pairs", [(2, False), (4, True), (4, False)])
+def test_ring_equals_full_attention(world, pairs):
+    run(_ring, world, [SINGLE, PACKED, PACKED64, ODD, GQA], pairs)
+
+
+def _ulysses(rank, world, cases):
+    for i, case in enumerate(cases):
+        _compare(case, world, rank, "ulysses", full_docs=i % 2 == 0)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ulysses_equals_full_attention(world):
+    # world 4 over 1 and 2 KV heads: each repeated to 4 (gradients summed back); over 4:
+    # one each.
+    run(_ulysses, world, [PACKED64, ODD if world == 2 else (2, 4, 1, 37, [[10, 20], [37]]),
+                          GQA, (1, 4, 4, 24, [[3, 21]])])
+
+
+def _hybrid(rank, world, cases):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=cp.MESH_DIMS)
+    assert cp.cp_rank(mesh) == rank
+    for i, case in enumerate(cases):
+        _compare(case, world, rank, "hybrid", mesh=mesh, full_docs=i % 2 == 1)
+
+
+def test_hybrid_2x2_equals_full_attention():
+    run(_hybrid, 4, [PACKED64, (2, 2, 2, 37, [[10, 20], [37]]), GQA, SINGLE])
+
+
+def _heads_refused(rank, world):
+    q = torch.zeros(1, 3, 4, D)
+    docs = CPDocuments.from_full(torch.zeros(1, 8, dtype=torch.long), world)
+    with pytest.raises(ValueError, match=r"heads \(3\).*multiple of 2"):
+        cp_attention(q, q, q, docs=docs, method="ulysses")
+    q = torch.zeros(1, 6, 4, D)
+    with pytest.raises(ValueError, match=r"KV heads \(3\).*of 2"):
+        cp_attention(q, q[:, :3], q[:, :3], docs=docs, method="ulysses")
+
+
+def test_ulysses_refuses_heads_that_do_not_divide():
+    run(_heads_refused, 2)
+
+
+# ------------------------------------------------------------------ blocks skipped
+
+def _brute_kind(docs, qc, kc, m):
+    s = docs.shape[1]
+    allowed = (docs[:, :, None] == docs[:, None, :]) & torch.ones(s, s, dtype=torch.bool).tril()
+    block = allowed[:, qc * m:(qc + 1) * m, kc * m:(kc + 1) * m]
+    if not block.any():
+        return None, block
+    if block.all():
+        return FULL, block
+    if qc == kc and torch.equal(block, torch.ones(m, m, dtype=torch.bool).tril().expand_as(block)):
+        return CAUSAL, block
+    return MASKED, block
+
+
+@pytest.mark.parametrize("case,size", [(SINGLE, 2), (SINGLE, 4), (PACKED, 2), (PACKED64, 4),
+                                       (ODD, 4), (GQA, 2)])
+def test_ring_blocks_are_exactly_the_nonempty_ones(case, size):
+    _, _, _, _, docs, _ = _case(*case)
+    full = CPDocuments.from_full(docs, size)
+    m = full.length // (2 * size)
+    for rank in range(size):
+        steps = full.ring_blocks(size, rank, torch.device("cpu"), torch.float32)
+        mine = (rank, 2 * size - 1 - rank)
+        for s, blocks in enumerate(steps):
+            src = (rank - s) % size
+            theirs = (src, 2 * size - 1 - src)
+            got = {(b.q, b.kv): b for b in blocks}
+            for a, qc in enumerate(mine):
+                for b, kc in enumerate(theirs):
+                    kind, block = _brute_kind(full.docs, qc, kc, m)
+                    if kind is None:
+                        assert (a, b) not in got, f"empty block {qc}x{kc} computed"
+                        continue
+                    blk = got[(a, b)]
+                    # A causal diagonal inside one document may also run as a masked one
+                    # (never the reverse); everything else must match exactly.
+                    assert blk.kind == kind or (kind == CAUSAL and blk.kind == MASKED), \
+                        f"block {qc}x{kc}: {blk.kind}, not {kind}"
+                    if blk.kind == MASKED:
+                        assert torch.equal(blk.bias[:, 0] == 0, block)
+                        assert torch.equal(blk.empty_rows[:, 0], ~block.any(-1))
+                    else:
+                        assert blk.bias is None and blk.empty_rows is None
+    if case is SINGLE:
+        # One causal document: rank r computes 2c + 1 of its 4c blocks, two of them the
+        # causal diagonals and none masked (the load balance of the layout).
+        for rank in range(size):
+            kinds = [b.kind for blocks in full.ring_blocks(size, rank, torch.device("cpu"),
+                                                            torch.float32) for b in blocks]
+            assert len(kinds) == 2 * size + 1 and kinds.count(CAUSAL) == 2 \
+                and MASKED not in kinds
+
+
+def _count_calls(rank, world, case, out_dir):
+    calls = {"forward": 0, "backward": 0}
+    fwd, bwd = cp._block_forward, cp._block_backward
+
+    def counting_forward(*args):
+        calls["forward"] += 1
+        return fwd(*args)
+
+    def counting_backward(*args):
+        calls["backward"] += 1
+        return bwd(*args)
+
+    cp._block_forward, cp._block_backward = counting_forward, counting_backward
+    sent, received = [], []
+    send, recv = P2P.send, P2P.recv
+
+    def recording_send(self, peer, tensors, label):
+        sent.append([peer, label])
+        return send(self, peer, tensors, label)
+
+    def recording_recv(self, peer, specs, label):
+        received.append([peer, label])
+        return recv(self, peer, specs, label)
+
+    P2P.send, P2P.recv = recording_send, recording_recv
+    try:
+        _compare(case, world, rank, "ring")
+    finally:
+        cp._block_forward, cp._block_backward = fwd, bwd
+        P2P.send, P2P.recv = send, recv
+    _, _, _, _, docs, _ = _case(*case)
+    planned = sum(len(blocks) for blocks in CPDocuments.from_full(docs, world).ring_blocks(
+        world, rank, torch.device("cpu"), torch.float32))
+    assert calls == {"forward": planned, "backward": planned}, (calls, planned)
+    with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
+        json.dump({"sent": sent, "received": received, "calls": calls}, f)
+
+
+@pytest.mark.parametrize("world,case", [(2, SINGLE), (4, SINGLE), (4, PACKED64)])
+def test_ring_skips_empty_blocks_and_matches_messages_in_order(world, case, tmp_path):
+    run(_count_calls, world, case, str(tmp_path))
+    logs = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(world)]
+    if case is SINGLE:
+        # Half the blocks are causally empty and never run.
+        assert all(log["calls"]["forward"] == 2 * world + 1 for log in logs)
+    for a in range(world):
+        for b in range(world):
+            sent = [label for peer, label in logs[a]["sent"] if peer == b]
+            got = [label for peer, label in logs[b]["received"] if peer == a]
+            # Everything rank a sends rank b is received there, in the same order.
+            assert sent == got, (a, b, sent, got)
+            # Ring: only to the next rank; K/V c-1 times each way, dK/dV c times.
+            if b == (a + 1) % world:
+                assert len(sent) == 2 * (world - 1) + world
+            elif world > 2 or a == b:
+                assert not sent
+
+
+# ------------------------------------------------------------------ layout
+
+def test_shard_and_unshard_round_trip_with_padding():
+    x = torch.arange(2 * 37).reshape(2, 37)
+    for size in (1, 2, 4):
+        parts = [shard(x, size, r) for r in range(size)]
+        assert all(p.shape == (2, padded_length(37, size) // size) for p in parts)
+        assert torch.equal(unshard(parts, 37), x)
+    # Rank 1 of 2 on 8 positions: chunks 1 and 2 of 4.
+    assert shard_index(8, 2, 1).tolist() == [2, 3, 4, 5]
+    assert shard_index(8, 4, 0).tolist() == [0, 7]
+    docs, positions = _docs([[3, 2]], 5)
+    d, p = shard_documents(docs, positions, 2, 1)   # padded to 8: chunks 1, 2
+    assert d.tolist() == [[0, 1, 1, 2]] and p.tolist() == [[2, 0, 1, 0]]
+
+
+def test_documents_must_not_decrease():
+    with pytest.raises(ValueError, match="decrease"):
+        CPDocuments.from_full(torch.tensor([[0, 0, 1, 0]]), 2)
+    with pytest.raises(ValueError, match="not one of"):
+        cp_attention(torch.zeros(1, 1, 2, D), torch.zeros(1, 1, 2, D), torch.zeros(1, 1, 2, D),
+                     docs=CPDocuments.from_full(torch.zeros(1, 4, dtype=torch.long), 2),
+                     method="rings")
