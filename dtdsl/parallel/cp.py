@@ -63,8 +63,9 @@ import torch.nn.functional as F
 from dtdsl.models.attention import DocumentMask, document_attention, document_mask
 from dtdsl.parallel.p2p import P2P, spec_of
 
-__all__ = ["CAUSAL", "EMPTY", "FULL", "MASKED", "METHODS", "MESH_DIMS", "Block", "CPDocuments", "cp_attention", "cp_rank",
-           "padded_length", "shard", "shard_documents", "shard_index", "unshard"]
+__all__ = ["CAUSAL", "EMPTY", "FULL", "MASKED", "MESH_DIMS", "METHODS", "Block", "CPDocuments",
+           "cp_attention", "cp_rank", "padded_length", "shard", "shard_documents", "shard_index",
+           "unshard"]
 
 METHODS = ("ring", "ulysses", "hybrid")
 MESH_DIMS = ("cp_ring", "cp_ulysses")
@@ -542,7 +543,8 @@ def _ulysses_order(ring_size: int, ring_rank: int, uly: int, n: int) -> torch.Te
     """After the all-to-all over the ``uly`` ranks of ring index ``ring_rank``, the local
     positions of each chunk of ring rank ``ring_rank``'s shard, in natural order."""
     c = ring_size * uly
-    gathered = [x for j in range(uly) for x in (ring_rank * uly + j, 2 * c - 1 - ring_rank * uly - j)]
+    first = ring_rank * uly
+    gathered = [x for j in range(uly) for x in (first + j, 2 * c - 1 - first - j)]
     where = {chunk: i for i, chunk in enumerate(gathered)}
     return _chunk_index([where[chunk] for chunk in sorted(gathered)], n)
 
