@@ -580,6 +580,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: CPDocuments
     return out
 
 
+@torch.compiler.disable
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                  docs: torch.Tensor | CPDocuments, method: str = "ring",
                  group: dist.ProcessGroup | None = None, mesh: Any = None) -> torch.Tensor:
@@ -592,7 +593,8 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     ``CPDocuments`` of the whole sequences built once per microbatch. ``method``: "ring" or
     "ulysses" over ``group`` (None: every rank), or "hybrid" over ``mesh``, a DeviceMesh
     with dims ``("cp_ring", "cp_ulysses")``. ``group`` should be a group of its own: the
-    ring's transfers number their messages from 0 on every call."""
+    ring's transfers number their messages from 0 on every call. Never compiled: its
+    transfers and host-side block lists run eager between a compiled model's graphs."""
     if method not in METHODS:
         raise ValueError(f"context parallelism {method!r} is not one of {', '.join(METHODS)}")
     if q.dim() != 4 or k.shape != v.shape or k.shape[::2] != q.shape[::2]:
