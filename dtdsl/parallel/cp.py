@@ -184,24 +184,27 @@ class Block:
     empty_rows: torch.Tensor | None = None
 
 
-def _classify(docs: torch.Tensor, qc: int, kc: int, m: int) -> tuple[str, torch.Tensor | None]:
+def _classify(docs: torch.Tensor, qc: int, kc: int, m: int, causal: bool
+              ) -> tuple[str, torch.Tensor | None]:
     """The kind of the block of query chunk ``qc`` over key chunk ``kc`` (chunks of ``m``
     positions of ``docs [B, L']``, host) and, when MASKED, its boolean mask ``[B, m, m]``."""
-    if kc > qc:
+    if causal and kc > qc:
         return EMPTY, None
     q0, q1, k0, k1 = qc * m, qc * m + m - 1, kc * m, kc * m + m - 1
-    if kc < qc:
-        # Ids never decrease: the last key is in an earlier document than the first query
-        # (empty), or the first key and the last query share one document (full).
-        if bool((docs[:, k1] < docs[:, q0]).all()):
+    if kc != qc:
+        # Ids never decrease: the earlier chunk's last position is in an earlier document
+        # than the later chunk's first (empty), or the earlier chunk's first and the later
+        # chunk's last share one document (full).
+        (a0, a1), (b0, b1) = sorted([(q0, q1), (k0, k1)])
+        if bool((docs[:, a1] < docs[:, b0]).all()):
             return EMPTY, None
-        if bool((docs[:, k0] == docs[:, q1]).all()):
+        if bool((docs[:, a0] == docs[:, b1]).all()):
             return FULL, None
     elif bool((docs[:, q0] == docs[:, q1]).all()):
-        return CAUSAL, None
+        return (CAUSAL if causal else FULL), None
     qd, kd = docs[:, q0:q1 + 1], docs[:, k0:k1 + 1]
     allowed = qd[:, :, None] == kd[:, None, :]
-    if kc == qc:
+    if causal and kc == qc:
         allowed &= torch.ones(m, m, dtype=torch.bool).tril()
     if not bool(allowed.any()):
         return EMPTY, None
@@ -210,8 +213,8 @@ def _classify(docs: torch.Tensor, qc: int, kc: int, m: int) -> tuple[str, torch.
     return MASKED, allowed
 
 
-def _ring_blocks(docs: torch.Tensor, size: int, rank: int, device: torch.device,
-                 dtype: torch.dtype) -> tuple[tuple[Block, ...], ...]:
+def _ring_blocks(docs: torch.Tensor, size: int, rank: int, causal: bool,
+                 device: torch.device, dtype: torch.dtype) -> tuple[tuple[Block, ...], ...]:
     """For each ring step ``s`` (K/V of ring rank ``rank - s``), the blocks to compute."""
     m = docs.shape[1] // (2 * size)
     mine = (rank, 2 * size - 1 - rank)
@@ -222,7 +225,7 @@ def _ring_blocks(docs: torch.Tensor, size: int, rank: int, device: torch.device,
         blocks = []
         for a, qc in enumerate(mine):
             for b, kc in enumerate(theirs):
-                kind, allowed = _classify(docs, qc, kc, m)
+                kind, allowed = _classify(docs, qc, kc, m, causal)
                 if kind == EMPTY:
                     continue
                 bias = rows = None
@@ -278,15 +281,17 @@ class CPDocuments:
     def length(self) -> int:
         return self.docs.shape[1]
 
-    def ring_blocks(self, size: int, rank: int, device: torch.device, dtype: torch.dtype
-                    ) -> tuple[tuple[Block, ...], ...]:
-        """The blocks of every ring step of ring rank ``rank`` of ``size`` (cached)."""
+    def ring_blocks(self, size: int, rank: int, device: torch.device, dtype: torch.dtype,
+                    causal: bool = True) -> tuple[tuple[Block, ...], ...]:
+        """The blocks of every ring step of ring rank ``rank`` of ``size`` (cached);
+        ``causal``: a query sees its document's keys at or before it, else all of them."""
         if self.length % (2 * size):
             raise ValueError(f"a sequence of {self.length} positions is not whole chunks "
                              f"for {size} ring ranks: pad it (CPDocuments.from_full)")
-        key = (size, rank, torch.device(device), dtype)
+        key = (size, rank, causal, torch.device(device), dtype)
         if key not in self._blocks:
-            self._blocks[key] = _ring_blocks(self.docs, size, rank, torch.device(device), dtype)
+            self._blocks[key] = _ring_blocks(self.docs, size, rank, causal,
+                                             torch.device(device), dtype)
         return self._blocks[key]
 
     def document_mask(self, device: torch.device) -> DocumentMask:
@@ -552,8 +557,8 @@ def _ulysses_order(ring_size: int, ring_rank: int, uly: int, n: int) -> torch.Te
 # ---------------------------------------------------------------------------- API
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: CPDocuments,
-            ring: _RingGroup | None, uly_group: dist.ProcessGroup | None, uly: int
-            ) -> torch.Tensor:
+            ring: _RingGroup | None, uly_group: dist.ProcessGroup | None, uly: int,
+            causal: bool) -> torch.Tensor:
     heads, kv_heads = q.shape[1], k.shape[1]
     if uly > 1:
         _check_heads(heads, kv_heads, uly)
@@ -570,10 +575,13 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: CPDocuments
         order = _ulysses_order(ring_size, ring_rank, uly, n).to(q.device)
         q, k, v = (_to_heads(x, uly_group, uly).index_select(2, order) for x in (q, k, v))
     scale = 1.0 / math.sqrt(q.shape[-1])
-    if ring is None:
+    if ring is None and causal:
         out = document_attention(q, k, v, docs.document_mask(q.device))
     else:
-        steps = docs.ring_blocks(ring.size, ring.rank, q.device, q.dtype)
+        # Bidirectional attention on the whole sequence (models.attention's masks are
+        # causal): the ring's blocks on a ring of one rank, which sends nothing.
+        ring = ring or _RingGroup(None, 1, 0, -1, -1)
+        steps = docs.ring_blocks(ring.size, ring.rank, q.device, q.dtype, causal)
         out = _Ring.apply(q, k, v, steps, ring, scale)
     if uly > 1:
         out = _to_sequence(out.index_select(2, torch.argsort(order)), uly_group, uly)
@@ -583,7 +591,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: CPDocuments
 @torch.compiler.disable
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                  docs: torch.Tensor | CPDocuments, method: str = "ring",
-                 group: dist.ProcessGroup | None = None, mesh: Any = None) -> torch.Tensor:
+                 group: dist.ProcessGroup | None = None, mesh: Any = None,
+                 causal: bool = True) -> torch.Tensor:
     """Document-causal attention of this rank's shard (``shard``'s layout) of queries
     ``[B, H, n2, D]`` over keys and values ``[B, H_kv, n2, D]`` of the whole sequence, held
     in shards by the CP ranks: this rank's shard of the output ``[B, H, n2, D]``.
@@ -593,7 +602,8 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     ``CPDocuments`` of the whole sequences built once per microbatch. ``method``: "ring" or
     "ulysses" over ``group`` (None: every rank), or "hybrid" over ``mesh``, a DeviceMesh
     with dims ``("cp_ring", "cp_ulysses")``. ``group`` should be a group of its own: the
-    ring's transfers number their messages from 0 on every call. Never compiled: its
+    ring's transfers number their messages from 0 on every call. ``causal=False``: each
+    query sees every key of its document (an encoder's attention). Never compiled: its
     transfers and host-side block lists run eager between a compiled model's graphs."""
     if method not in METHODS:
         raise ValueError(f"context parallelism {method!r} is not one of {', '.join(METHODS)}")
@@ -617,4 +627,4 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         ring, uly_group, uly, groups = None, group, dist.get_world_size(group), [group]
     if not isinstance(docs, CPDocuments):
         docs = CPDocuments.gather(docs, groups, q.device)
-    return _attend(q, k, v, docs, ring, uly_group, uly)
+    return _attend(q, k, v, docs, ring, uly_group, uly, causal)

@@ -49,11 +49,17 @@ def _docs(spans: list[list[int]], length: int) -> tuple[torch.Tensor, torch.Tens
     return docs[:, :length].long(), positions
 
 
-def _reference(q, k, v, docs, dout):
-    """Full attention in one process: dense SDPA with the document-causal mask, float64."""
+def _allowed(docs, causal=True):
+    """The document mask ``[B, S, S]``: same document (and the key not after the query)."""
+    s = docs.shape[1]
+    allowed = docs[:, :, None] == docs[:, None, :]
+    return allowed & torch.ones(s, s, dtype=torch.bool).tril() if causal else allowed
+
+
+def _reference(q, k, v, docs, dout, causal=True):
+    """Full attention in one process: dense SDPA with the document mask, float64."""
     q, k, v = (x.double().requires_grad_() for x in (q, k, v))
-    s = q.shape[2]
-    allowed = (docs[:, :, None] == docs[:, None, :]) & torch.ones(s, s, dtype=torch.bool).tril()
+    allowed = _allowed(docs, causal)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None],
                                          enable_gqa=q.shape[1] != k.shape[1])
     out.backward(dout.double())
@@ -71,15 +77,16 @@ def _case(b, h, hkv, length, spans, seed=0):
 
 
 def _compare(case, size, rank, method, group=None, mesh=None, full_docs=False,
-             dtype=torch.float32, tol=TOL):
+             dtype=torch.float32, tol=TOL, causal=True):
     q, k, v, dout, docs, positions = _case(*case)
     q, k, v, dout = (x.to(dtype) for x in (q, k, v, dout))
     length = q.shape[2]
-    ref_out, dq, dk, dv = _reference(q, k, v, docs, dout)
+    ref_out, dq, dk, dv = _reference(q, k, v, docs, dout, causal)
     local = [shard(x, size, rank, dim=2).requires_grad_() for x in (q, k, v)]
     my_docs, _ = shard_documents(docs, positions, size, rank)
     given = CPDocuments.from_full(docs, size) if full_docs else my_docs
-    out = cp_attention(*local, docs=given, method=method, group=group, mesh=mesh)
+    out = cp_attention(*local, docs=given, method=method, group=group, mesh=mesh,
+                       causal=causal)
     out.backward(shard(dout, size, rank, dim=2))
     real = shard_index(length, size, rank) < length
     want = shard(ref_out, size, rank, dim=2)
@@ -111,6 +118,9 @@ def _ring(rank, world, cases, pairs):
         size, me = world, rank
     for i, case in enumerate(cases):
         _compare(case, size, me, "ring", group=group, full_docs=i % 2 == 1)
+    # Bidirectional within each document (an encoder's attention).
+    for case in (PACKED, ODD):
+        _compare(case, size, me, "ring", group=group, causal=False)
 
 
 @pytest.mark.parametrize("world,pairs", [(1, False), (2, False), (4, True), (4, False)])
@@ -131,6 +141,7 @@ def test_ring_in_bf16():
 def _ulysses(rank, world, cases):
     for i, case in enumerate(cases):
         _compare(case, world, rank, "ulysses", full_docs=i % 2 == 0)
+    _compare(PACKED64, world, rank, "ulysses", causal=False)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -148,6 +159,7 @@ def _hybrid(rank, world, cases):
     assert cp.cp_rank(mesh) == rank
     for i, case in enumerate(cases):
         _compare(case, world, rank, "hybrid", mesh=mesh, full_docs=i % 2 == 1)
+    _compare(PACKED64, world, rank, "hybrid", mesh=mesh, causal=False)
 
 
 def test_hybrid_2x2_equals_full_attention():
@@ -170,9 +182,8 @@ def test_ulysses_refuses_heads_that_do_not_divide():
 
 # ------------------------------------------------------------------ blocks skipped
 
-def _brute_kind(docs, qc, kc, m):
-    s = docs.shape[1]
-    allowed = (docs[:, :, None] == docs[:, None, :]) & torch.ones(s, s, dtype=torch.bool).tril()
+def _brute_kind(docs, qc, kc, m, causal):
+    allowed = _allowed(docs, causal)
     block = allowed[:, qc * m:(qc + 1) * m, kc * m:(kc + 1) * m]
     if not block.any():
         return None, block
@@ -183,14 +194,15 @@ def _brute_kind(docs, qc, kc, m):
     return MASKED, block
 
 
+@pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("case,size", [(SINGLE, 2), (SINGLE, 4), (PACKED, 2), (PACKED64, 4),
                                        (ODD, 4), (GQA, 2)])
-def test_ring_blocks_are_exactly_the_nonempty_ones(case, size):
+def test_ring_blocks_are_exactly_the_nonempty_ones(case, size, causal):
     _, _, _, _, docs, _ = _case(*case)
     full = CPDocuments.from_full(docs, size)
     m = full.length // (2 * size)
     for rank in range(size):
-        steps = full.ring_blocks(size, rank, torch.device("cpu"), torch.float32)
+        steps = full.ring_blocks(size, rank, torch.device("cpu"), torch.float32, causal)
         mine = (rank, 2 * size - 1 - rank)
         for s, blocks in enumerate(steps):
             src = (rank - s) % size
@@ -198,7 +210,7 @@ def test_ring_blocks_are_exactly_the_nonempty_ones(case, size):
             got = {(b.q, b.kv): b for b in blocks}
             for a, qc in enumerate(mine):
                 for b, kc in enumerate(theirs):
-                    kind, block = _brute_kind(full.docs, qc, kc, m)
+                    kind, block = _brute_kind(full.docs, qc, kc, m, causal)
                     if kind is None:
                         assert (a, b) not in got, f"empty block {qc}x{kc} computed"
                         continue
@@ -212,7 +224,7 @@ def test_ring_blocks_are_exactly_the_nonempty_ones(case, size):
                         assert torch.equal(blk.empty_rows[:, 0], ~block.any(-1))
                     else:
                         assert blk.bias is None and blk.empty_rows is None
-    if case is SINGLE:
+    if case is SINGLE and causal:
         # One causal document: rank r computes 2c + 1 of its 4c blocks, two of them the
         # causal diagonals and none masked (the load balance of the layout).
         for rank in range(size):
