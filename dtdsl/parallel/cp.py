@@ -213,6 +213,18 @@ def _classify(docs: torch.Tensor, qc: int, kc: int, m: int, causal: bool
     return MASKED, allowed
 
 
+def _bias(allowed: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A block's boolean mask ``[B, m, m]`` as the additive mask ``[B, 1, m, m]`` the
+    kernels take (0 or -inf, in the queries' dtype). For the memory-efficient CUDA kernel
+    its rows start 16-element aligned (padded, then viewed back, as SDPA's own path
+    does)."""
+    bias = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+    m = bias.shape[-1]
+    if device.type != "cpu":
+        bias = F.pad(bias, (0, -(-m // 16) * 16 - m))
+    return bias[:, None].to(device)[..., :m]
+
+
 def _ring_blocks(docs: torch.Tensor, size: int, rank: int, causal: bool,
                  device: torch.device, dtype: torch.dtype) -> tuple[tuple[Block, ...], ...]:
     """For each ring step ``s`` (K/V of ring rank ``rank - s``), the blocks to compute."""
@@ -230,8 +242,7 @@ def _ring_blocks(docs: torch.Tensor, size: int, rank: int, causal: bool,
                     continue
                 bias = rows = None
                 if kind == MASKED:
-                    bias = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(
-                        ~allowed, float("-inf"))[:, None].to(device)
+                    bias = _bias(allowed, device, dtype)
                     rows = (~allowed.any(-1))[:, None].to(device)
                 blocks.append(Block(q=a, kv=b, kind=kind, bias=bias, empty_rows=rows))
         steps.append(tuple(blocks))
@@ -325,7 +336,7 @@ def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: Blo
     else:
         groups = q.shape[1] // k.shape[1]
         out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
-            q, _repeat(k, groups), _repeat(v, groups), _aligned(block.bias, q.shape[1]),
+            q, _repeat(k, groups), _repeat(v, groups), _per_head(block.bias, q.shape[1]),
             True, 0.0, causal, scale=scale)
         lse = lse[..., :q.shape[2]]
     lse = lse.float()
@@ -349,7 +360,7 @@ def _block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     lse = F.pad(lse, (0, -(-m // 32) * 32 - m))
     empty = torch.empty((), dtype=torch.int64, device=q.device)
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        dout, q, _repeat(k, groups), _repeat(v, groups), _aligned(block.bias, q.shape[1]),
+        dout, q, _repeat(k, groups), _repeat(v, groups), _per_head(block.bias, q.shape[1]),
         out, lse, empty, empty, 0.0, [True, True, True, False], causal, scale=scale)
     return dq, _reduce(dk, groups), _reduce(dv, groups)
 
@@ -366,14 +377,9 @@ def _reduce(dx: torch.Tensor, groups: int) -> torch.Tensor:
     return dx.reshape(b, h // groups, groups, s, d).sum(2)
 
 
-def _aligned(bias: torch.Tensor | None, heads: int) -> torch.Tensor | None:
-    """The mask as the memory-efficient kernel reads it: one per head (a broadcast view)
-    and rows 16-element aligned (padded, then viewed back), as SDPA's own path does."""
-    if bias is None:
-        return None
-    m = bias.shape[-1]
-    padded = F.pad(bias, (0, -(-m // 16) * 16 - m))[..., :m]
-    return padded.expand(bias.shape[0], heads, *bias.shape[2:])
+def _per_head(bias: torch.Tensor | None, heads: int) -> torch.Tensor | None:
+    """The mask as the memory-efficient kernel reads it: one per head (a broadcast view)."""
+    return None if bias is None else bias.expand(bias.shape[0], heads, *bias.shape[2:])
 
 
 def _merge(acc: tuple[torch.Tensor, torch.Tensor] | None, out: torch.Tensor,

@@ -315,3 +315,23 @@ def test_documents_must_not_decrease():
         cp_attention(torch.zeros(1, 1, 2, D), torch.zeros(1, 1, 2, D), torch.zeros(1, 1, 2, D),
                      docs=CPDocuments.from_full(torch.zeros(1, 4, dtype=torch.long), 2),
                      method="rings")
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_accelerator_kernels_take_the_blocks_on_meta_tensors(causal):
+    # Off the CPU each block runs torch's memory-efficient kernel (K/V heads repeated, the
+    # mask per head and 16-aligned); its meta functions check the calls' arguments and
+    # give the shapes, with no GPU. Masked, causal and full blocks of a one-rank ring.
+    docs = CPDocuments.from_full(torch.tensor([[0] * 5 + [1] * 11]), 1)
+    meta = {"device": "meta", "dtype": torch.bfloat16, "requires_grad": True}
+    q, k, v = torch.randn(1, 4, 16, D, **meta), torch.randn(1, 2, 16, D, **meta), \
+        torch.randn(1, 2, 16, D, **meta)
+    steps = docs.ring_blocks(1, 0, q.device, q.dtype, causal)
+    assert {b.kind for b in steps[0]} == ({MASKED, CAUSAL} if causal else {MASKED, FULL})
+    masked = next(b for b in steps[0] if b.kind == MASKED)
+    assert masked.bias.stride(-2) % 16 == 0 and masked.bias.shape[-2:] == (8, 8)
+    out = cp._Ring.apply(q, k, v, steps, cp._RingGroup(None, 1, 0, -1, -1), D ** -0.5)
+    out.sum().backward()
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert (q.grad.shape, k.grad.shape, v.grad.shape) == (q.shape, k.shape, v.shape)
+    assert k.grad.dtype == torch.bfloat16
