@@ -519,14 +519,13 @@ class _Ring(torch.autograd.Function):
 # ---------------------------------------------------------------------------- Ulysses
 
 def _check_heads(heads: int, kv_heads: int, size: int) -> None:
-    if heads % size:
-        raise ValueError(f"Ulysses over {size} ranks needs the attention heads ({heads}) to "
-                         f"be a multiple of {size}: choose a CP size that divides {heads}")
     if heads % kv_heads:
         raise ValueError(f"{heads} attention heads are not a multiple of {kv_heads} KV heads")
-    if kv_heads % size and size % kv_heads:
-        raise ValueError(f"Ulysses over {size} ranks needs the KV heads ({kv_heads}) to be a "
-                         f"multiple or a divisor of {size}")
+    if heads % size or (kv_heads % size and size % kv_heads):
+        raise ValueError(
+            f"Ulysses over {size} ranks shards {heads} attention heads and {kv_heads} KV "
+            f"heads: the heads must be a multiple of {size}, the KV heads a multiple or a "
+            f"divisor of it; choose a Ulysses size that fits, or ring attention")
 
 
 def _to_heads(x: torch.Tensor, group: dist.ProcessGroup | None, size: int) -> torch.Tensor:
