@@ -58,6 +58,9 @@ MODULE_FIELDS = (
     Param("pretrained", StrKind(), doc='pretrained = "models/llama-3-8b"'),
     Param("frozen", BoolKind(), default=False),
     Param("recompute", BoolKind(), default=False),
+    # How cp(...) > 1 splits its attention (dtdsl.parallel.cp).
+    Param("context_parallel", EnumKind(choices=("ring", "ulysses", "hybrid")),
+          default="ring"),
     # Generators: the VAE that turns target images into latents (default: the `vae`
     # folder of the diffusers pipeline the U-Net comes from).
     Param("vae", StrKind(), doc='vae = "sd-2-1/vae"'),
@@ -410,12 +413,13 @@ class _Checker:
             weights = self._pretrained(pretrained, decl, arch, source)
         vae = self._vae(decl, fields["vae"], arch, source, modality)
         if not _ok(modality, arch, fields["frozen"], fields["recompute"], weights, pretrained,
-                   vae):
+                   vae, fields["context_parallel"]):
             return INVALID
         return ir.Module(name=decl.name, role=decl.role, modality=modality, arch=arch,
                          frozen=fields["frozen"], recompute=fields["recompute"],
                          span=decl.span, hf=source if source is not INVALID else None,
-                         pretrained=weights, vae=vae)
+                         pretrained=weights, vae=vae,
+                         context_parallel=fields["context_parallel"])
 
     def _vae(self, decl: ast.Module, text: Any, arch: Any, source: Any, modality: Any) -> Any:
         """A generator's VAE: the ``vae`` field's folder, else its pipeline's ``vae``; None

@@ -2,7 +2,8 @@
 
 A versioned pydantic model; ``Plan.model_dump_json()`` is its text form and the
 ``plan.json`` of a launch bundle. Each unit owns the contiguous ranks ``first_rank ..
-first_rank + gpus - 1``, laid out as a (pp, dp, tp) grid with TP innermost, and the units
+first_rank + gpus - 1``, laid out as a (pp, dp, cp, tp) grid with TP innermost (cp 1
+unless the plan uses context parallelism), and the units
 tile ranks 0..gpus_used-1. ``place_units`` decides where each unit starts (the one rule the
 planner's GPU accounting, its cost model's TP pricing and the plan's rank map share):
 rank r is on node r // gpus_per_node, as torchrun numbers a job's processes.
@@ -19,7 +20,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, model_validator
 
 __all__ = ["BASELINES", "PLACEMENTS", "PLAN_VERSION", "Baseline", "Packing", "Placement", "Plan",
-           "Simulated", "UnitPlan", "place_units", "placement_order", "split_layers",
+           "Simulated", "UnitPlan", "cp_split", "place_units", "placement_order", "split_layers",
            "straddling_tp_groups", "tp_spans_nodes"]
 
 PLAN_VERSION = 1
@@ -66,6 +67,9 @@ class UnitPlan(BaseModel):
     dp_sync_time_s: float                 # end of step: exposed DP sync and optimizer step
     memory_bytes: float                   # peak per GPU, first stage
     memory_limit_bytes: float
+    # Context parallelism: each microbatch's sequence split over cp ranks (its module's
+    # ``context_parallel`` says how); gpus = tp x cp x pp x dp.
+    cp: int = 1
 
     @property
     def ranks(self) -> range:
@@ -241,6 +245,21 @@ class Plan(BaseModel):
 
 
 Baseline.model_rebuild()     # its layout is a Plan, defined after it
+
+
+def cp_split(method: str, cp: int, tp: int, gpus_per_node: int) -> tuple[int, int]:
+    """(ring, ulysses) degrees of a CP group of ``cp`` ranks whose TP groups hold ``tp``
+    (ranks (cp, tp) with TP innermost, so a CP group spans tp x cp consecutive ranks):
+    ``ring`` is all ring, ``ulysses`` all all-to-all, ``hybrid`` (USP) Ulysses over the
+    largest divisor of cp whose ranks one node holds (tp x ulysses <= gpus_per_node), the
+    ring across the rest."""
+    if method == "ring":
+        return cp, 1
+    if method == "ulysses":
+        return 1, cp
+    inside = max((u for u in range(1, cp + 1) if cp % u == 0 and tp * u <= gpus_per_node),
+                 default=1)
+    return cp // inside, inside
 
 
 def split_layers(layers: int, stages: int) -> tuple[int, ...]:

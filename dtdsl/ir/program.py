@@ -316,6 +316,9 @@ class Module(IRModel):
     hf: HFSource | None = None       # arch = hf("DIR"): where the architecture came from
     pretrained: str | None = None    # pretrained = "DIR": the weights, absolute
     vae: VAEArch | None = None       # a generator's: its targets' images to latents
+    # How its attention is split when cp(...) > 1 (``dtdsl.parallel.cp``): a ring of K/V
+    # blocks, Ulysses' all-to-all over heads, or both (Ulysses inside a node, ring across).
+    context_parallel: Literal["ring", "ulysses", "hybrid"] = "ring"
 
     @property
     def input_dim(self) -> int:
@@ -697,6 +700,8 @@ class ModuleConstraints(IRModel):
     gpus: IntDomain
     memory_fraction: float
     memory_bytes: int | None = None
+    # Context parallelism (``cp(MODULE)``): 1 unless a constraint allows more.
+    cp: IntDomain = IntDomain(values=(1,))
 
     def memory_limit_bytes(self, gpu_memory_bytes: int) -> int:
         """The per-GPU memory this module's ranks may use."""
