@@ -497,9 +497,34 @@ instead. Today the runtime cannot train:
   its heads (the planner replicates such a module, `tp_replicated`, which runs);
 - a phased generator (only encoders run phased: a generator's loss needs the
   backbone's outputs, inside the pipeline), or a phased encoder a hand-edited
-  plan gives other than the backbone's ranks, its TP and dp x pp replicas.
+  plan gives other than the backbone's ranks, its TP and dp x pp replicas;
+- context parallelism (a plan with cp > 1, from a `cp(...)` constraint): the
+  attention kernels exist (`dtdsl.parallel.cp`), the models and executor do not
+  call them yet; constrain it with `cp(MODULE) == 1`.
 
     encoder beats (audio) { ... }      # error: the runtime has no audio encoder yet
+"""),
+    "DT620": Code("Context parallelism on a module without a sequence", """
+Context parallelism (`cp(MODULE)`) splits each sample's token sequence over cp
+ranks. A U-Net generator works on latent images with convolutions and has no
+sequence to split: a constraint that names cp > 1 for it is an error (a `cp(*)`
+constraint simply leaves it at cp 1).
+
+    generator sd (image) { arch = unet(...) }
+    constraints { cp(sd) == 2 }     # error: remove the constraint
+"""),
+    "DT621": Code("Ulysses cannot split the heads", """
+Ulysses (`context_parallel = ulysses`, and the in-node part of `hybrid`) turns
+sequence shards into head shards with an all-to-all: a TP rank's attention
+heads must be a multiple of the Ulysses degree, its KV heads a multiple or a
+divisor of it (`dtdsl.parallel.cp`). A cp degree the module's own constraint
+names that no allowed TP degree can split is an error; one a `cp(*)` constraint
+allows is dropped for that module.
+
+    backbone llm { arch = transformer(heads=28, kv_heads=4, ...)
+                   context_parallel = ulysses }
+    constraints { cp(llm) == 8 }    # error: 28 heads are not a multiple of 8;
+                                    # use context_parallel = ring
 """),
 })
 

@@ -1,9 +1,10 @@
 """Constraints: what the planner may choose for each module, checked up front.
 
-``tp(vit) in {1, 2, 4}``, ``pp(llm) == 8``, ``gpus(vit) >= 16``, ``memory(*) <= 90%``.
+``tp(vit) in {1, 2, 4}``, ``pp(llm) == 8``, ``cp(llm) in {1, 2, 4}``, ``gpus(vit) >= 16``,
+``memory(*) <= 90%``.
 Each module gets one ``ModuleConstraints``: the intersection of the wildcard
 and the module's own constraints, with defaults where nothing is said (TP from
-{1, 2, 4, 8}, 90% of GPU memory). Here too are the checks Megatron-LM users
+{1, 2, 4, 8}, context parallelism 1, 90% of GPU memory). Here too are the checks Megatron-LM users
 otherwise meet at launch time: a TP degree that cannot split a module's heads,
 pinned layouts whose GPU counts cannot be tiled, or constraints that need more
 GPUs than the cluster has.
@@ -26,13 +27,17 @@ from dtdsl.frontend.schema import (
     QuantityKind,
     describe_expr,
 )
+from dtdsl.ir.plan import cp_conflict
 from dtdsl.ir.program import Cluster, IntDomain, Module, ModuleConstraints, Train
 from dtdsl.source import Span
 
-__all__ = ["AXES", "DEFAULT_MEMORY_FRACTION", "DEFAULT_TP", "resolve_constraints"]
+__all__ = ["AXES", "DEFAULT_CP", "DEFAULT_MEMORY_FRACTION", "DEFAULT_TP", "resolve_constraints"]
 
-AXES = ("tp", "dp", "pp", "gpus", "memory")
+AXES = ("tp", "dp", "pp", "cp", "gpus", "memory")
 DEFAULT_TP = (1, 2, 4, 8)
+# Context parallelism only where a constraint asks for it: the runtime's attention is
+# whole-sequence by default, and every shipped spec plans without it.
+DEFAULT_CP = (1,)
 DEFAULT_MEMORY_FRACTION = 0.9
 _MAX_DEGREE = 1_000_000
 _DEGREE = IntKind(1, _MAX_DEGREE)
@@ -42,7 +47,7 @@ _DEGREE = IntKind(1, _MAX_DEGREE)
 class _Rule:
     axis: str
     target: str
-    domain: IntDomain | None   # tp/dp/pp/gpus
+    domain: IntDomain | None   # tp/dp/pp/cp/gpus
     fraction: float | None     # memory as a share of the GPU
     mem_bytes: int | None      # memory as a size
     explicit_values: bool      # a set or a pin: every value was named by the user
@@ -96,7 +101,7 @@ def _rule(c: ast.Constraint, modules: Mapping[str, Module], declared: set[str],
     if c.axis not in AXES:
         guess = did_you_mean(c.axis, AXES)
         ctx.error("DT205", f"unknown constraint '{c.axis}'", c.axis_span,
-                  notes=["constraints: tp, dp, pp, gpus (per module or *) and memory"],
+                  notes=["constraints: tp, dp, pp, cp, gpus (per module or *) and memory"],
                   hint=f"did you mean '{guess}'?" if guess else None)
         return None
     if c.target != "*" and c.target in declared and c.target not in modules:
@@ -212,10 +217,14 @@ class _Resolver:
         dp = self._axis(module, "dp", rules, IntDomain())
         pp = self._axis(module, "pp", rules, IntDomain())
         gpus = self._axis(module, "gpus", rules, IntDomain())
-        if any(d is INVALID for d in (tp, dp, pp, gpus)):
+        cp = self._axis(module, "cp", rules, IntDomain(values=DEFAULT_CP))
+        if any(d is INVALID for d in (tp, dp, pp, cp, gpus)):
             return INVALID
         tp = self._tp(module, tp, [r for r in rules if r.axis == "tp"])
         if tp is INVALID:
+            return INVALID
+        cp = self._cp(module, tp, cp, [r for r in rules if r.axis == "cp"])
+        if cp is INVALID:
             return INVALID
 
         ok = True
@@ -250,7 +259,7 @@ class _Resolver:
                     "the same number", dp_rules[-1].node.span,
                     hint=f"use a dp that divides {micro}: e.g. {', '.join(map(str, good))}")
 
-        if not self._tiles(module, tp, pp, dp, gpus, rules) or ok is INVALID:
+        if not self._tiles(module, tp, pp, dp, gpus, rules, cp) or ok is INVALID:
             return INVALID
 
         fractions = [r.fraction for r in rules if r.fraction is not None]
@@ -259,7 +268,54 @@ class _Resolver:
         fraction = min(fractions) if fractions else 1.0 if sizes else DEFAULT_MEMORY_FRACTION
         return ModuleConstraints(
             module=module.name, tp=tp, dp=dp, pp=pp, gpus=gpus,
-            memory_fraction=fraction, memory_bytes=min(sizes) if sizes else None)
+            memory_fraction=fraction, memory_bytes=min(sizes) if sizes else None, cp=cp)
+
+    def _cp(self, module: Module, tp: IntDomain, domain: IntDomain,
+            rules: Sequence[_Rule]) -> IntDomain | Any:
+        """Keep the CP degrees that can split the module at some allowed TP
+        (``ir.plan.cp_conflict``); a degree the module's own constraint names that none
+        can is an error, one a ``*`` constraint allows is dropped quietly."""
+        upper = min(self.cluster.num_gpus, 1024)
+        candidates = domain.candidates(upper)
+        if not candidates:
+            rule = rules[-1]
+            return self.ctx.error(
+                "DT402", f"{_rule_text(rule)} asks for CP groups of at least "
+                f"{domain.smallest} GPUs, but the cluster has only {self.cluster.num_gpus}",
+                rule.node.span, hint=f"allow cp({module.name}) <= {self.cluster.num_gpus}")
+        tps = tp.candidates(upper)
+        node = self.cluster.gpus_per_node
+        method = module.context_parallel
+
+        def why(c: int) -> str | None:
+            reasons = [cp_conflict(module.arch, method, c, t, node) for t in tps]
+            return None if any(r is None for r in reasons) else reasons[0]
+
+        bad = {c: why(c) for c in candidates if why(c) is not None}
+        good = tuple(c for c in candidates if c not in bad)
+        code = "DT620" if module.arch.kind == "unet" else "DT621"
+        for rule in rules:
+            if rule.target != module.name:
+                continue
+            named = [c for c in (rule.domain.values or ()) if c in bad] if \
+                rule.explicit_values else [c for c in bad if not good]
+            for c in named[:1]:
+                self.ctx.error(
+                    code, f"cp {c} cannot split {module.name} "
+                    f"(context_parallel = {method}): {bad[c]}", rule.node.value.span,
+                    notes=["context parallelism splits each sequence over cp ranks "
+                           "(dtdsl.parallel.cp)"],
+                    hint="allow cp 1 only (remove the constraint)" if code == "DT620" else
+                    f"use context_parallel = ring for {module.name}, or a cp that divides "
+                    "its heads" + (f": e.g. {', '.join(map(str, good))}" if good else ""))
+                return INVALID
+        if not good:
+            rule = rules[-1]
+            return self.ctx.error(
+                code, f"no CP degree allowed for {module.name} can split it: "
+                f"{bad[candidates[0]]}", rule.node.span,
+                hint=f"allow cp 1: `cp({module.name}) in {{1, ...}}`")
+        return IntDomain(values=good)
 
     def _tp(self, module: Module, domain: IntDomain, rules: Sequence[_Rule]) -> IntDomain | Any:
         """Keep the TP degrees that split the module evenly; explain the ones that do not."""
@@ -335,13 +391,13 @@ class _Resolver:
         return INVALID
 
     def _tiles(self, module: Module, tp: IntDomain, pp: IntDomain, dp: IntDomain,
-               gpus: IntDomain, rules: Sequence[_Rule]) -> bool:
-        """A pinned GPU count must be tp x pp x dp for some allowed tp, pp and dp."""
+               gpus: IntDomain, rules: Sequence[_Rule], cp: IntDomain) -> bool:
+        """A pinned GPU count must be tp x cp x pp x dp for some allowed tp, cp, pp, dp."""
         g = gpus.pinned()
         if g is None:
             return True
         layers = module.arch.pipeline_layers
-        tps = tp.candidates(g)
+        tps = [t * c for t in tp.candidates(g) for c in cp.candidates(g)]
         pps = pp.candidates(min(g, layers))
         for t in tps:
             for p in pps:
@@ -368,7 +424,7 @@ class _Resolver:
         it GPUs (a ``gpus`` bound) or more than one stage."""
         need = []
         for c in result:
-            smallest = c.tp.smallest * c.pp.smallest * c.dp.smallest
+            smallest = c.tp.smallest * c.cp.smallest * c.pp.smallest * c.dp.smallest
             module = self.modules.get(c.module)
             if module is not None and module.role != "backbone" and c.pp.smallest <= 1 \
                     and c.gpus.values is None and c.gpus.high is None and c.gpus.low <= 1:

@@ -20,7 +20,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, model_validator
 
 __all__ = ["BASELINES", "PLACEMENTS", "PLAN_VERSION", "Baseline", "Packing", "Placement", "Plan",
-           "Simulated", "UnitPlan", "cp_split", "place_units", "placement_order", "split_layers",
+           "Simulated", "UnitPlan", "cp_conflict", "cp_split", "place_units", "placement_order", "split_layers",
            "straddling_tp_groups", "tp_spans_nodes"]
 
 PLAN_VERSION = 1
@@ -260,6 +260,29 @@ def cp_split(method: str, cp: int, tp: int, gpus_per_node: int) -> tuple[int, in
     inside = max((u for u in range(1, cp + 1) if cp % u == 0 and tp * u <= gpus_per_node),
                  default=1)
     return cp // inside, inside
+
+
+def cp_conflict(arch: Any, method: str, cp: int, tp: int, gpus_per_node: int) -> str | None:
+    """Why ``cp`` ranks of ``method`` cannot split a module of architecture ``arch`` at TP
+    ``tp``, or None. Ulysses shards a TP rank's heads over its degree
+    (``parallel.cp._check_heads``): the heads a multiple of it, the KV heads a multiple or
+    a divisor of it. A module without a token sequence (a U-Net) has nothing to split."""
+    if cp <= 1:
+        return None
+    if getattr(arch, "kind", None) == "unet":
+        return "a U-Net works on latent images, not a token sequence"
+    _, ulysses = cp_split(method, cp, tp, gpus_per_node)
+    if ulysses <= 1:
+        return None
+    heads = arch.heads // tp if arch.heads % tp == 0 else arch.heads
+    kv = getattr(arch, "kv_heads", None) or arch.heads
+    kv = kv // tp if kv % tp == 0 else kv
+    if heads % ulysses or (kv % ulysses and ulysses % kv):
+        per = f" per TP rank (tp {tp})" if tp > 1 else ""
+        return (f"Ulysses over {ulysses} ranks needs {heads} attention heads{per} to be a "
+                f"multiple of {ulysses}" + (f" and {kv} KV heads a multiple or a divisor of it"
+                                            if kv != heads else ""))
+    return None
 
 
 def split_layers(layers: int, stages: int) -> tuple[int, ...]:
