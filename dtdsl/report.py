@@ -17,7 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from dtdsl.cost.profile import Profile
-from dtdsl.ir.plan import BASELINES, Packing, Plan
+from dtdsl.ir.plan import BASELINES, Packing, Plan, UnitPlan
 
 __all__ = ["baseline_layout", "format_bytes", "format_flops", "format_seconds", "plan_markdown",
            "plan_table", "profile_table", "progress_bar", "render_plan", "render_profile",
@@ -68,14 +68,26 @@ def _role(plan: Plan, u) -> str:
     return u.role + (f" ({', '.join(notes)})" if notes else "")
 
 
+def _uses_cp(plan: Plan) -> bool:
+    """Whether the tables show a CP column: only where a unit uses context parallelism."""
+    return any(u.cp > 1 for u in plan.units)
+
+
+def _tp_cp(plan: Plan, u: UnitPlan) -> list[str]:
+    """A unit's TP cell, and its CP cell where the plan shows one."""
+    return [str(u.tp), str(u.cp)] if _uses_cp(plan) else [str(u.tp)]
+
+
 def plan_table(plan: Plan) -> Table:
     """One row per unit: its share of the cluster, layout and predicted costs (times per
-    unit microbatch on the slowest stage; memory of the first stage's GPUs)."""
+    unit microbatch on the slowest stage; memory of the first stage's GPUs). A CP column
+    where a unit uses context parallelism."""
     title = (f"{plan.spec}: {plan.search} plan, {plan.gpus_used} of {plan.num_gpus} GPUs, "
              f"{plan.schedule}, {plan.num_microbatches} microbatches per replica")
     table = Table(title=title, title_justify="left")
     for name, justify in (("unit", "left"), ("role", "left"), ("GPUs", "right"),
-                          ("TP", "right"), ("DP", "right"), ("PP", "right"), ("vpp", "right"),
+                          ("TP", "right"), *((("CP", "right"),) if _uses_cp(plan) else ()),
+                          ("DP", "right"), ("PP", "right"), ("vpp", "right"),
                           ("layers/stage", "right"), ("fwd", "right"), ("bwd", "right"),
                           ("sync + opt", "right"), ("memory/GPU", "right")):
         table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
@@ -84,7 +96,7 @@ def plan_table(plan: Plan) -> Table:
         role = _role(plan, u)
         share = u.memory_bytes / u.memory_limit_bytes if u.memory_limit_bytes else 0.0
         table.add_row(
-            name, role, str(u.gpus), str(u.tp), str(u.dp), str(u.pp), str(u.vpp),
+            name, role, str(u.gpus), *_tp_cp(plan, u), str(u.dp), str(u.pp), str(u.vpp),
             _layers(u.layers_per_stage), format_seconds(u.fwd_time_s),
             format_seconds(u.bwd_time_s), format_seconds(u.dp_sync_time_s),
             f"{format_bytes(u.memory_bytes)} of {format_bytes(u.memory_limit_bytes)} "
@@ -146,7 +158,9 @@ def baseline_layout(plan: Plan) -> str:
     """A baseline's layout in a line: the backbone's TP, DP, PP and layers per stage, where
     the encoders and generators run, recomputation and how a microbatch is padded."""
     backbone = next(u for u in plan.units if u.role == "backbone")
-    parts = [f"{backbone.name} tp {backbone.tp} dp {backbone.dp} pp {backbone.pp} "
+    parts = [f"{backbone.name} tp {backbone.tp} "
+             + (f"cp {backbone.cp} " if backbone.cp > 1 else "")
+             + f"dp {backbone.dp} pp {backbone.pp} "
              f"({_split(backbone.layers_per_stage)} layers)"]
     colocated = [u.name for u in plan.units if u.colocated]
     if colocated:
@@ -237,13 +251,13 @@ def _packing_line(p: Packing) -> str:
 def plan_markdown(plan: Plan) -> str:
     """The plan as Markdown (TensorBoard's text tab renders it): the unit table and the
     summary lines."""
-    head = ["unit", "role", "GPUs", "TP", "DP", "PP", "vpp", "layers/stage", "fwd", "bwd",
-            "sync + opt", "memory/GPU"]
+    head = ["unit", "role", "GPUs", "TP", *(["CP"] if _uses_cp(plan) else []), "DP", "PP",
+            "vpp", "layers/stage", "fwd", "bwd", "sync + opt", "memory/GPU"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for u in plan.units:
         rows.append("| " + " | ".join([
             u.name + "".join(f" + {p}" for p in u.projectors), _role(plan, u), str(u.gpus),
-            str(u.tp),
+            *_tp_cp(plan, u),
             str(u.dp), str(u.pp), str(u.vpp), _layers(u.layers_per_stage),
             format_seconds(u.fwd_time_s), format_seconds(u.bwd_time_s),
             format_seconds(u.dp_sync_time_s), format_bytes(u.memory_bytes)]) + " |")
@@ -269,7 +283,8 @@ def plan_tables_stacked(plan: Plan) -> tuple[Table, Table]:
     layout = Table(title=title, title_justify="left")
     layout.add_column("unit", overflow="fold", ratio=1)
     layout.add_column("role", overflow="fold", ratio=1)
-    for name in ("GPUs", "TP", "DP", "PP", "vpp", "layers/stage"):
+    for name in ("GPUs", "TP", *(["CP"] if _uses_cp(plan) else []), "DP", "PP", "vpp",
+                 "layers/stage"):
         layout.add_column(name, justify="right", no_wrap=True)
     limits = {u.memory_limit_bytes for u in plan.units}
     memory = "memory/GPU" + (f" of {format_bytes(limits.pop())}" if len(limits) == 1 else "")
@@ -279,8 +294,8 @@ def plan_tables_stacked(plan: Plan) -> tuple[Table, Table]:
         costs.add_column(name, justify="right", no_wrap=True)
     for u in plan.units:
         name = u.name + "".join(f" + {p}" for p in u.projectors)
-        layout.add_row(name, _role(plan, u), str(u.gpus), str(u.tp), str(u.dp), str(u.pp),
-                       str(u.vpp), _layers(u.layers_per_stage))
+        layout.add_row(name, _role(plan, u), str(u.gpus), *_tp_cp(plan, u), str(u.dp),
+                       str(u.pp), str(u.vpp), _layers(u.layers_per_stage))
         share = u.memory_bytes / u.memory_limit_bytes if u.memory_limit_bytes else 0.0
         used = f"{format_bytes(u.memory_bytes)} ({share:.0%})"
         if len({v.memory_limit_bytes for v in plan.units}) > 1:

@@ -22,11 +22,18 @@ weights, Adam m and v; sharded over dp under ZeRO-1; none for frozen units),
 plus activations times the microbatches in flight at the unit's first stage.
 In a chain encoder -> backbone -> generator under 1F1B, the encoder's first
 stage holds one microbatch per stage downstream of it, not only its own.
+
+Context parallelism (``UnitCost.cp``, ``with_cp``): each of cp ranks holds S / cp of a
+microbatch's tokens, so its compute (attention too: the load-balanced causal sharding
+gives every rank the same share), TP collectives, pipeline transfers and activations are
+/ cp; the parameters are not split, their gradients are reduced and their optimizer
+state sharded over dp x cp (Megatron-LM). On top, ``cp_comm_time_s``: the ring's K/V
+blocks behind the attention of the block before, Ulysses' all-to-alls in full.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -41,6 +48,7 @@ from dtdsl.cost.samples import (
     positions,
 )
 from dtdsl.ir import program as ir
+from dtdsl.ir.plan import cp_split
 
 __all__ = [
     "CostModel", "CostParams", "Efficiency", "ProfileQuery", "UnitCost", "all_reduce_time_s",
@@ -183,6 +191,14 @@ class UnitCost:
     tp_synced_params: float = 0.0    # trained parameters TP leaves replicated whose
                                      # gradients a step averages over TP (flops.tp_synced_params)
     tp_synced_extra_params: float = 0.0  # of those, the ones outside the layers (one stage)
+    # Context parallelism: the degree, the module's method (``ir.plan.cp_split``) and what
+    # its collectives move per layer: mean tokens a backbone microbatch runs through the
+    # layers, and the elements per token of Q (and of the attention output) and of K (V).
+    cp: int = 1
+    cp_method: str = "ring"
+    cp_tokens: float = 0.0
+    cp_q_width: float = 0.0
+    cp_kv_width: float = 0.0
 
     @property
     def trainable(self) -> bool:
@@ -227,13 +243,63 @@ class CostModel:
             return cluster.intra_node_bw_bytes_per_s
         return cluster.inter_node_bw_bytes_per_s
 
+    def with_cp(self, cps: dict[str, int]) -> CostModel:
+        """This cost model with unit ``name`` at context parallelism ``cps[name]`` (the
+        others as they are)."""
+        units = tuple(replace(u, cp=int(cps.get(u.name, u.cp))) for u in self.units)
+        return replace(self, units=units)
+
     def compute_time_s(self, unit: UnitCost, tp: int) -> float:
         """Forward compute of one backbone microbatch through the whole unit at TP ``tp``
-        (analytic, whether or not there is a profile)."""
+        on one rank of its CP group (analytic, whether or not there is a profile)."""
         eff = self.params.efficiency
         w = unit.fwd_work
         return (w.matmul / eff.matmul + w.attention / eff.attention + w.conv / eff.conv) / \
-            (self.peak_flops * tp)
+            (self.peak_flops * tp * unit.cp)
+
+    def _attention_layer_s(self, unit: UnitCost, tp: int) -> float:
+        """One layer's forward attention of one microbatch on one rank of the CP group."""
+        return unit.fwd_work.attention / self.params.efficiency.attention / \
+            (self.peak_flops * tp * unit.cp * max(unit.layers, 1))
+
+    def cp_comm_time_s(self, unit: UnitCost, tp: int) -> tuple[float, float]:
+        """Exposed context-parallel communication of one microbatch through the whole
+        unit, (forward, backward), on one rank (``ir.plan.cp_split`` says how its cp
+        ranks split into a ring of ``r`` and Ulysses of ``u``; a CP group spans tp x cp
+        consecutive ranks, on one node's links where tp x cp fits a node).
+
+        Ulysses: four all-to-alls a layer forward (Q, K and V to head shards, the output
+        back), four backward, each moving (u - 1) / u of the rank's tokens' elements, on
+        NVLink where tp x u fits a node. Ring: r - 1 steps a layer, each sending a block of
+        K and V, 2 x (S / r) x kv_width / (tp u) elements in bf16, to the next rank while
+        the rank attends over the block it has (its attention / r): max(0, comm -
+        compute) exposed per step. Backward sends K, V and their gradients: twice the
+        bytes, against the attention's backward."""
+        c = unit.cp
+        if c <= 1 or unit.cp_tokens <= 0:
+            return 0.0, 0.0
+        cluster = self.program.cluster
+        node = cluster.gpus_per_node
+        ring, uly = cp_split(unit.cp_method, c, tp, node)
+        layers = max(unit.layers, 1)
+        fwd = bwd = 0.0
+        if uly > 1:
+            bw = cluster.intra_node_bw_bytes_per_s if tp * uly <= node else \
+                cluster.inter_node_bw_bytes_per_s
+            elements = unit.cp_tokens / c * (2 * unit.cp_q_width + 2 * unit.cp_kv_width) / tp
+            one = elements * _BYTES_BF16 * (uly - 1) / uly / bw + \
+                4 * (uly - 1) * _COLLECTIVE_LATENCY_S
+            fwd += layers * one
+            bwd += layers * one
+        if ring > 1:
+            bw = cluster.intra_node_bw_bytes_per_s if tp * c <= node else \
+                cluster.inter_node_bw_bytes_per_s
+            block = 2 * unit.cp_tokens / ring * unit.cp_kv_width / (tp * uly) * _BYTES_BF16
+            send = block / bw + _COLLECTIVE_LATENCY_S
+            attend = self._attention_layer_s(unit, tp) / ring
+            fwd += layers * (ring - 1) * max(0.0, send - attend)
+            bwd += layers * (ring - 1) * max(0.0, 2 * send - unit.backward_factor * attend)
+        return fwd, (bwd if unit.backward_factor else 0.0)
 
     def tps(self, unit: UnitCost) -> tuple[int, ...] | None:
         """The TP degrees the unit can be costed at: those its profile measured (module
@@ -285,15 +351,18 @@ class CostModel:
         bwd_comm = comm if unit.backward_factor else 0.0
         if self.profile is not None:
             fwd, bwd = self.measured_time_s(unit, tp)
+            # Measured on whole sequences: a CP rank runs 1 / cp of the work.
+            fwd, bwd = fwd / unit.cp, bwd / unit.cp
             if not unit.backward_factor:
                 bwd = 0.0
             elif unit.recompute:   # the profile measures without recomputation
                 bwd += fwd
-            return fwd + comm, bwd + bwd_comm
-        fwd = self.compute_time_s(unit, tp)
-        bwd = unit.backward_factor * fwd + (fwd if unit.recompute and unit.backward_factor
-                                             else 0.0)
-        return fwd + comm, bwd + bwd_comm
+        else:
+            fwd = self.compute_time_s(unit, tp)
+            bwd = unit.backward_factor * fwd + (fwd if unit.recompute and unit.backward_factor
+                                                 else 0.0)
+        cp_fwd, cp_bwd = self.cp_comm_time_s(unit, tp)
+        return fwd + comm + cp_fwd, bwd + bwd_comm + cp_bwd
 
     def tp_comm_time_s(self, unit: UnitCost, tp: int, across_nodes: bool = False) -> float:
         """All-reduces (reduce-scatter + all-gather with sequence parallelism) of one
@@ -302,7 +371,7 @@ class CostModel:
         node)."""
         if tp <= 1:
             return 0.0
-        per_layer = unit.tp_comm_bytes / max(unit.layers, 1)
+        per_layer = unit.tp_comm_bytes / max(unit.layers, 1) / unit.cp
         return float(unit.layers * all_reduce_time_s(per_layer, tp,
                                                      self._tp_bandwidth(tp, across_nodes)))
 
@@ -312,13 +381,14 @@ class CostModel:
         may be arrays). ``share``: backbone microbatches per unit microbatch (dp_lm / dp)."""
         program = self.program
         weight_b, grad_b, optim_b = _PARAM_BYTES[program.train.precision]
+        dp = np.asarray(dp) * unit.cp        # optimizer state sharded over dp x cp
         stage = unit.stage_params(pp) / tp
         trained = stage * unit.trainable_params / unit.params if unit.params else 0.0
         zero = program.train.optimizer.zero
         static = stage * weight_b + trained * (grad_b + optim_b / (dp if zero >= 1 else 1)) \
             + (stage - trained) * _frozen_master_bytes(program.train.precision, dp, zero)
         per_layer = (unit.act_bytes_per_layer - unit.act_bytes_per_layer_tp_split
-                     + unit.act_bytes_per_layer_tp_split / tp) * share
+                     + unit.act_bytes_per_layer_tp_split / tp) * share / unit.cp
         if unit.backward_factor == 0:
             # Forward only: nothing is kept for backward, one layer's activations at a time.
             return static + per_layer
@@ -326,7 +396,8 @@ class CostModel:
                                  microbatches)
         static = static + self._recompute_bytes(unit, tp, share)
         if unit.role == "backbone":     # the LM head's logits, where it is the first stage
-            static = static + np.where(np.asarray(pp) == 1, self.logits_bytes(tp), 0.0)
+            static = static + np.where(np.asarray(pp) == 1, self.logits_bytes(tp, unit.cp),
+                                       0.0)
         # One microbatch in flight may be a large one; the others are average (the sum of
         # several is far less skewed than one).
         return static + chunk * per_layer * (1 + (count - 1) / unit.act_peak_ratio)
@@ -340,6 +411,7 @@ class CostModel:
         ``memory_bytes`` is this for the heaviest stage; ``dtc memcheck`` compares it with
         what the runtime's stage holds."""
         weight_b, grad_b, optim_b = _PARAM_BYTES[self.program.train.precision]
+        dp = dp * unit.cp                    # optimizer state sharded over dp x cp
         layer_params = (unit.params - unit.extra_stage_params) / max(unit.layers, 1)
         params = layer_params * layers
         if stage == 0:
@@ -354,7 +426,7 @@ class CostModel:
         static = params * weight_b + trained * (grad_b + optim_b / (dp if zero >= 1 else 1)) \
             + (params - trained) * _frozen_master_bytes(self.program.train.precision, dp, zero)
         per_layer = (unit.act_bytes_per_layer - unit.act_bytes_per_layer_tp_split
-                     + unit.act_bytes_per_layer_tp_split / tp) * share
+                     + unit.act_bytes_per_layer_tp_split / tp) * share / unit.cp
         if unit.backward_factor == 0:
             return float(static + per_layer)
         count, _ = in_flight(self.program.train.schedule, unit.layers, pp, vpp, depth,
@@ -363,7 +435,7 @@ class CostModel:
         static = static + self._recompute_bytes(unit, tp, share)
         head = 0.0
         if unit.role == "backbone" and stage == pp - 1:
-            head = float(self.logits_bytes(tp))
+            head = float(self.logits_bytes(tp, unit.cp))
         return float(static + head +
                      layers * per_layer * (1 + (count - 1) / unit.act_peak_ratio))
 
@@ -371,19 +443,20 @@ class CostModel:
     def _recompute_bytes(unit: UnitCost, tp, share: float):
         """With recomputation, the one layer whose activations backward makes again."""
         whole = unit.recompute_layer_bytes - unit.recompute_layer_bytes_tp_split
-        return (whole + unit.recompute_layer_bytes_tp_split / np.asarray(tp)) * share
+        return (whole + unit.recompute_layer_bytes_tp_split / np.asarray(tp)) * share / unit.cp
 
-    def logits_bytes(self, tp) -> float:
+    def logits_bytes(self, tp, cp: int = 1) -> float:
         """What the backbone's LM head holds at its peak: one chunk of its loss
         (``models.multimodal.lm_loss``: ``flops.lm_loss_chunk_rows`` rows of this rank's
         slice of the vocabulary, a microbatch's tokens at most), nothing between a
         microbatch's forward and its backward (the chunks are recomputed). Per entry of
         the chunk, in its backward (measured, ``dtc memcheck``): the recomputed fp32
         log-probabilities (4 bytes), their gradient, the softmax and the bf16 logits'
-        gradient (12 bytes). ``tp`` may be an array."""
+        gradient (12 bytes). ``tp`` may be an array; ``cp``: each CP rank's loss runs on
+        its 1 / cp of the tokens."""
         train, arch = self.program.train, self.program.backbone.arch
         columns = np.ceil(arch.vocab / np.asarray(tp))
-        rows = np.minimum(train.micro_batch * train.seq_len,
+        rows = np.minimum(train.micro_batch * train.seq_len / cp,
                           np.vectorize(flops.lm_loss_chunk_rows, otypes=[float])(columns))
         return rows * columns * 16.0
 
@@ -409,6 +482,8 @@ class CostModel:
         if not unit.trainable:
             zero = np.zeros(np.broadcast(np.asarray(tp), np.asarray(dp)).shape)
             return zero, zero
+        # CP ranks hold the same parameters: gradients reduced over dp x cp (Megatron-LM).
+        dp = np.asarray(dp) * unit.cp
         fixed, per_layer = self._dp_sync_coefficients(unit, tp, dp)
         tp_fixed, tp_layer = self.tp_sync_coefficients(unit, tp, dp,
                                                        replicated_over=replicated_over)
@@ -512,7 +587,8 @@ class CostModel:
         the backbone sends its 1/tp of the sequence to its peer, all at once
         (``train.executor``'s PP messages); an encoder's or generator's stages send the
         whole activations. ``tp`` and ``share`` may be arrays."""
-        bytes_ = unit.boundary_bytes * np.asarray(share, dtype=float)
+        # Each CP rank sends its 1 / cp of the tokens to its peer, all at once.
+        bytes_ = unit.boundary_bytes * np.asarray(share, dtype=float) / unit.cp
         if unit.role == "backbone":
             bytes_ = bytes_ / np.asarray(tp, dtype=float)
         return self.p2p_time_s(bytes_)
@@ -602,6 +678,7 @@ class _Acc:
     peak_ratio: float = 1.0       # the large microbatch over the mean one
     width: int = 0
     comm: float = 0.0
+    cp: tuple[float, float, float] = (0.0, 0.0, 0.0)   # UnitCost.cp_tokens, _q_, _kv_width
 
     queries: list[ProfileQuery] = field(default_factory=list)
 
@@ -666,6 +743,7 @@ def _unit_cost(program: ir.Program, module: ir.Module, samples: SampleSet,
             rms_norm=True, sequence_parallel=True)
         acc.act_tokens, acc.width, acc.peak_items = tokens, arch.hidden, tokens
         acc.comm = arch.layers * 2 * mean_tokens * arch.hidden * _BYTES_BF16
+        acc.cp = (mean_tokens, arch.hidden, arch.hidden * arch.kv_heads / arch.heads)
         # The embedding on the first stage; the head (none of its own when tied to the
         # embedding) and the final norm on the last.
         acc.extra = flops.backbone_ends_params(arch)
@@ -694,6 +772,7 @@ def _unit_cost(program: ir.Program, module: ir.Module, samples: SampleSet,
         acc.act_tokens, acc.width, acc.peak_items = peak, arch.hidden, peak
         mean_tokens = float(tokens.mean()) * mb
         acc.comm = arch.layers * 2 * mean_tokens * arch.hidden * _BYTES_BF16
+        acc.cp = (mean_tokens, arch.hidden, arch.hidden * arch.kv_heads / arch.heads)
         acc.extra = flops.encoder_ends_params(arch)
         acc.first = acc.extra                       # the embeddings; projectors last
         acc.model_flops = acc.work.total * (1 + bwd)
@@ -737,6 +816,7 @@ def _unit_cost(program: ir.Program, module: ir.Module, samples: SampleSet,
                 rms_norm=False, sequence_parallel=False)
             acc.act_tokens, acc.width = n * peak_items, arch.hidden
             acc.comm = arch.layers * 3 * n * arch.hidden * _BYTES_BF16 * count
+            acc.cp = (n * count, arch.hidden, arch.hidden)
         acc.work = per_item * count
         acc.model_flops = acc.work.total * (1 + bwd)
         if module.vae is not None:
@@ -765,7 +845,8 @@ def _unit_cost(program: ir.Program, module: ir.Module, samples: SampleSet,
         recompute_layer_bytes=recompute_layer[0],
         recompute_layer_bytes_tp_split=recompute_layer[1], tied_head_params=acc.tied,
         model_attention_flops=acc.model_attention, tp_synced_params=acc.synced,
-        tp_synced_extra_params=acc.synced_extra)
+        tp_synced_extra_params=acc.synced_extra, cp_method=module.context_parallel,
+        cp_tokens=acc.cp[0], cp_q_width=acc.cp[1], cp_kv_width=acc.cp[2])
 
 
 def _padded_to_seq_len(samples: SampleSet, micro_batch: int, seq_len: int,

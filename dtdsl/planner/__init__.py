@@ -12,6 +12,7 @@ The modules import cvxpy (a second to load), so import this package only to plan
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -152,8 +153,13 @@ def _placements(cost: CostModel, num_gpus: int | None, search: str, placement: s
     again = with_recompute(cost)
     if again is not None:
         variants.append((", recomputing", again))
+    variants += [(label + cp_label, priced.with_cp(cps)) for label, priced in list(variants)
+                 for cp_label, cps in cp_choices(cost, num_gpus)]
     candidates: list[tuple[str, Plan, CostModel]] = []
     for label, priced in variants:
+        if any(u.cp > 1 for u in priced.units) and placement not in ("auto",
+                                                                      "disaggregated"):
+            continue
         if placement in ("auto", "disaggregated"):
             planner = plan_convex if search == "convex" else plan_exhaustive
             try:
@@ -167,7 +173,8 @@ def _placements(cost: CostModel, num_gpus: int | None, search: str, placement: s
                                                                       estimate)
                 candidates += [("disaggregated", p, priced) for p in plans]
         for name in ("colocated", "phased"):
-            if placement not in ("auto", name):
+            # Co-located and phased units run on the backbone's ranks, laid out without CP.
+            if placement not in ("auto", name) or any(u.cp > 1 for u in priced.units):
                 continue
             refusal = colocation_refusal(priced, name)
             layouts = colocated_layouts(priced, num_gpus, search=search, placement=name) \
@@ -199,6 +206,26 @@ def _placements(cost: CostModel, num_gpus: int | None, search: str, placement: s
         return out
     return _on_drawn_batches(candidates, batches, policy, simulate=simulate,
                              progress=_named(progress, "drawn batches"))
+
+
+def cp_choices(cost: CostModel, num_gpus: int | None = None
+               ) -> list[tuple[str, dict[str, int]]]:
+    """Every assignment of context parallelism to the units that their ``cp(...)``
+    constraints allow, but cp 1 everywhere (the cost model's own): a label for progress
+    notes and the degrees. Each is searched as a cost model of its own
+    (``CostModel.with_cp``), so cp multiplies the searches, not their candidates; with no
+    cp constraint (the default: cp 1 only) there is none."""
+    program = cost.program
+    limit = num_gpus or program.cluster.num_gpus
+    names = [u.name for u in cost.units]
+    options = [program.constraints_for(n).cp.candidates(limit) or (1,) for n in names]
+    out = []
+    for combo in itertools.product(*options):
+        if all(c == 1 for c in combo):
+            continue
+        cps = dict(zip(names, combo, strict=True))
+        out.append((", cp " + " ".join(f"{n}={c}" for n, c in cps.items() if c > 1), cps))
+    return out
 
 
 def _on_drawn_batches(candidates: list[tuple[str, Plan, CostModel]], batches,

@@ -4,6 +4,7 @@ For units u with (tp_u, dp_u, pp_u), backbone data parallelism dp_lm and M
 microbatches per backbone replica (DistTrain, section 5, with integer stages):
 
     T_u      = (dp_lm / dp_u) * C_u(tp_u) * ceil(L_u / pp_u) / L_u     one microbatch, one stage
+               (C_u on one rank of a CP group of cp_u: ``CostModel.with_cp``)
                + 2 p2p_u if pp_u > 1                                 (activations out, gradients in)
     warm-up  = longest path of T_u (1 + (pp_u - 1) / vpp_u)  (encoders in parallel, then
                the backbone, then generators in parallel), plus the point-to-point transfers
@@ -12,7 +13,7 @@ microbatches per backbone replica (DistTrain, section 5, with integer stages):
     T_iter   = warm-up + steady + sync
 
 subject to the ranks the units occupy, placed as the plan places them
-(``ir.plan.place_units``: sum_u tp_u dp_u pp_u, no idle rank between units), being at
+(``ir.plan.place_units``: sum_u tp_u cp_u dp_u pp_u, no idle rank between units), being at
 most N, and each unit's first-stage memory within its limit. C_u(tp_u) prices a unit's
 TP collectives at NVLink bandwidth, or at the network's where that placement puts one of
 its TP groups across two nodes. Every argument may be a numpy array (the exhaustive
@@ -59,6 +60,8 @@ class Evaluator:
         self.gpus_per_node = program.cluster.gpus_per_node
         self.units: tuple[UnitCost, ...] = cost.units
         self.roles = tuple(u.role for u in self.units)
+        # Context parallelism is the cost model's (``CostModel.with_cp``): fixed per search.
+        self.cps = tuple(u.cp for u in self.units)
         self.backbone = self.roles.index("backbone")
         self.total_microbatches = program.train.num_microbatches
         self.schedule = program.train.schedule
@@ -135,7 +138,7 @@ class Evaluator:
         dp_lm = dps[self.backbone]
         m = self.microbatches(dp_lm)
         pps = [np.asarray(p) for p in pps]
-        placed = place_units(tps, [tps[i] * dps[i] * pps[i] for i in range(n)],
+        placed = place_units(tps, [tps[i] * self.cps[i] * dps[i] * pps[i] for i in range(n)],
                              self.gpus_per_node)
         # A replicated unit computes at tp 1 on every rank of its group: no collectives.
         straddle = tuple(placed.across_nodes[i] & (work_tp[i] > 1) for i in range(n))

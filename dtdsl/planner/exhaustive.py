@@ -56,7 +56,7 @@ def plan_exhaustive(cost: CostModel, num_gpus: int | None = None, *, dominated: 
             progress(c, len(cands), f"{evaluated} layouts")
         tps = tuple(int(x) for x in cands.tp[c])
         dps = tuple(int(x) for x in cands.dp[c])
-        stage = [t * d for t, d in zip(tps, dps, strict=True)]
+        stage = [t * d * c for t, d, c in zip(tps, dps, space.cps, strict=True)]
         spare = num_gpus - sum(stage)       # beyond one stage per unit
         pps = [np.asarray([p for p in depths[i] if (p - 1) * stage[i] <= spare])
                for i in range(space.n)]

@@ -110,7 +110,7 @@ def relaxation_bounds(space: Space, cands: Candidates, *, coarse: bool = False) 
     tp, dp = cands.tp, cands.dp
     dp_lm = dp[:, b]
     share = dp_lm[:, None] / dp
-    stage_gpus = tp * dp
+    stage_gpus = tp * dp * space.cps           # one stage of each unit: tp x cp x dp
     c_fwd_bwd = np.zeros(tp.shape)
     for i in range(n):
         for t in np.unique(tp[:, i]):
@@ -286,7 +286,7 @@ class _IntegerBound:
         dp_lm = dp[:, b]
         m = ev.total_microbatches // dp_lm
         share = dp_lm[:, None] / dp
-        stage = tp * dp
+        stage = tp * dp * space.cps
         pp = self.pp[None, :, :]                                  # (1, n, P)
         # T, W and S of every unit at every efficient depth: (c, n, P), as Evaluator has them.
         shape = (len(cands), n, self.pp.shape[1])
@@ -459,7 +459,7 @@ def _best_of(space: Space, tps, dps, pp_lists) -> tuple[Layout | None, int]:
     est = space.evaluator.evaluate(tps, dps, grids)
     ok = np.asarray(est.feasible)
     for i in range(space.n):
-        ok = ok & space.gpus_allowed(i, tps[i] * dps[i] * grids[i])
+        ok = ok & space.gpus_allowed(i, tps[i] * dps[i] * space.cps[i] * grids[i])
     size = int(ok.size)
     if not ok.any():
         return None, size
@@ -552,7 +552,7 @@ def plan_convex(cost: CostModel, num_gpus: int | None = None, *, tolerance: floa
                     continue
                 tps, dps = tuple(int(x) for x in cands.tp[c]), tuple(int(x) for x in cands.dp[c])
                 layout, n_eval = repair(space, tps, dps, rel.pp_lo[c], rel.pp_hi[c],
-                                        g / (cands.tp[c] * cands.dp[c]))
+                                        g / (cands.tp[c] * cands.dp[c] * space.cps))
                 evaluated += n_eval
                 if layout is None:
                     continue

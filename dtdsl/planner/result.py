@@ -68,7 +68,8 @@ def make_plan(ev, search: str, layout: Layout, *, solve_time_s: float, candidate
             projectors = tuple(p.name for p in program.projectors if p.target == unit.name)
         else:
             projectors = ()
-        gpus = tp * dp * pp
+        cp = ev.cps[i]
+        gpus = tp * cp * dp * pp
         units.append(UnitPlan(
             name=unit.name, role=unit.role, projectors=projectors, gpus=gpus, tp=tp, dp=dp,
             pp=pp, vpp=int(np.asarray(est.vpp[i])), tp_replicated=replicated[i],
@@ -80,7 +81,8 @@ def make_plan(ev, search: str, layout: Layout, *, solve_time_s: float, candidate
             dp_sync_time_s=float(ev.cost.dp_sync_time_s(
                 unit, 1 if replicated[i] else tp, pp, dp,
                 replicated_over=tp if replicated[i] else 1)),
-            memory_bytes=float(est.memory_bytes[i]), memory_limit_bytes=ev.memory_limit[i]))
+            memory_bytes=float(est.memory_bytes[i]), memory_limit_bytes=ev.memory_limit[i],
+            cp=cp))
     iteration = float(est.iteration_time_s)
     assert bool(est.feasible), "planners return feasible layouts"
     assert math.isclose(iteration, layout.iteration_time_s, rel_tol=1e-9), \
@@ -119,7 +121,7 @@ def no_layout_fits(space) -> Infeasible:
         tps = space.tps(i) or (1,)
         fits = space.smallest_fitting_pp(i, np.array(tps), np.full(len(tps), dp),
                                          np.full(len(tps), lm))
-        options = [(t * dp * int(p), t, int(p)) for t, p in zip(tps, fits, strict=True) if p]
+        options = [(t * ev.cps[i] * dp * int(p), t, int(p)) for t, p in zip(tps, fits, strict=True) if p]
         if not options:
             top_pp = max(space.pps(i) or (1,))
             mem = float(ev.cost.memory_bytes(

@@ -103,7 +103,7 @@ def _per_backbone_depth(space: Space, rel, c: int, depths: list[np.ndarray]) -> 
     est = ev.evaluate(tps, dps, grids)
     ok = np.broadcast_to(np.asarray(est.feasible), tuple(len(x) for x in lists))
     for i in range(space.n):
-        ok = ok & space.gpus_allowed(i, tps[i] * dps[i] * grids[i])
+        ok = ok & space.gpus_allowed(i, tps[i] * dps[i] * space.cps[i] * grids[i])
     times = np.where(ok, np.broadcast_to(est.iteration_time_s, ok.shape), np.inf)
     b = space.backbone
     by_depth = np.moveaxis(times, b, 0).reshape(len(lists[b]), -1)

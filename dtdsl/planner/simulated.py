@@ -135,7 +135,10 @@ def packing_figures(cost: CostModel, plan: Plan, *, steps: int, iteration_time_s
 
 def _pricing(cost: CostModel, plan: Plan) -> CostModel:
     """``cost``, or where ``plan`` recomputes every layer and ``cost``'s program does not,
-    ``cost`` with recomputation: the model that priced ``plan``."""
+    ``cost`` with recomputation: the model that priced ``plan`` (at its units' context
+    parallelism)."""
+    if any(u.cp != cost.unit(u.name).cp for u in plan.units):
+        cost = cost.with_cp({u.name: u.cp for u in plan.units})
     if any(u.recompute and not cost.program.module(u.name).recompute for u in plan.units):
         from dtdsl.planner.baseline import with_recompute
 

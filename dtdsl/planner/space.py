@@ -1,8 +1,8 @@
 """The search space every planner shares: which TP, DP and PP each unit may take.
 
 A *candidate* fixes TP and DP for every unit (DistTrain's outer enumeration); what
-is left is the GPU count of each unit, ``g_u = tp_u * dp_u * pp_u``, that is its
-pipeline depth. Candidates are held as integer arrays (one row per candidate, one
+is left is the GPU count of each unit, ``g_u = tp_u * cp_u * dp_u * pp_u``, that is its
+pipeline depth (cp_u is the cost model's, ``CostModel.with_cp``: fixed per search). Candidates are held as integer arrays (one row per candidate, one
 column per unit) so that bounds over tens of thousands of them are vectorised.
 
 DP of the backbone divides the number of microbatches (every replica runs the
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dtdsl.ir.plan import cp_conflict
 from dtdsl.planner.evaluate import Evaluator
 
 __all__ = ["Candidates", "Space", "divisors", "efficient_pps"]
@@ -68,6 +69,7 @@ class Space:
         self.n = len(self.units)
         self.backbone = evaluator.backbone
         self.constraints = tuple(program.constraints_for(u.name) for u in self.units)
+        self.cps = np.asarray(evaluator.cps, dtype=int)
         self.micro_batch = program.train.micro_batch
         self.total_microbatches = program.train.num_microbatches
 
@@ -79,6 +81,12 @@ class Space:
         measured = self.evaluator.cost.tps(self.units[i])
         if measured is not None:
             allowed = tuple(tp for tp in allowed if tp in measured)
+        unit = self.units[i]
+        if unit.cp > 1:     # the TP degrees at which its CP method splits the heads
+            arch = self.program.module(unit.name).arch
+            node = self.program.cluster.gpus_per_node
+            allowed = tuple(t for t in allowed
+                            if cp_conflict(arch, unit.cp_method, unit.cp, t, node) is None)
         return allowed
 
     def pps(self, i: int) -> tuple[int, ...]:
@@ -131,7 +139,7 @@ class Space:
             dp_rows = np.array(np.meshgrid(*choices, indexing="ij")).reshape(self.n, -1).T
             tp_rep = np.repeat(tp_rows, len(dp_rows), axis=0)
             dp_rep = np.tile(dp_rows, (len(tp_rows), 1))
-            keep = (tp_rep * dp_rep).sum(axis=1) <= self.num_gpus
+            keep = (tp_rep * dp_rep * self.cps).sum(axis=1) <= self.num_gpus
             tp_out.append(tp_rep[keep])
             dp_out.append(dp_rep[keep])
         if not tp_out:

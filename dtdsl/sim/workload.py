@@ -20,7 +20,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -527,7 +527,8 @@ def iteration_durations(plan: Plan, cost: CostModel, schedule: Schedule, routing
         arr[0] = (f * stage_scale)[:, None, None, None] * loads[None, None]
         arr[1] = (b * stage_scale)[:, None, None, None] * loads[None, None]
         compute[u.name] = arr
-        unit_cost = cost.unit(u.name)
+        # Priced at the plan's context parallelism: each CP rank sends its share.
+        unit_cost = replace(cost.unit(u.name), cp=u.cp)
         hop = float(cost.hop_time_s(unit_cost, 1 if u.tp_replicated else u.tp,
                                     u.microbatch_share))
         links[(u.name, u.name)] = hop
