@@ -160,6 +160,23 @@ def _phased(program: ir.Program, plan: Plan) -> list[Diagnostic]:
     return out
 
 
+def _context_parallel(program: ir.Program, plan: Plan) -> list[Diagnostic]:
+    """A plan with cp > 1: ``parallel.cp`` has the attention, the models and executor do
+    not call it yet."""
+    out = []
+    for u in plan.units:
+        if u.cp > 1:
+            method = program.module(u.name).context_parallel
+            out.append(Diagnostic.error(
+                _CODE, f"the runtime does not run context parallelism yet; the plan splits "
+                f"{u.name}'s sequences over cp {u.cp} ranks ({method})",
+                program.module(u.name).span,
+                notes=["dtdsl.parallel.cp has the ring, Ulysses and hybrid attention; the "
+                       "models and the executor do not call it yet"],
+                hint=f"constrain it, `cp({u.name}) == 1` in constraints, and plan again"))
+    return out
+
+
 def _ranks(group: range) -> str:
     return f"{group[0]}..{group[-1]}"
 
@@ -208,11 +225,12 @@ def runtime_support(program: ir.Program, plan: Plan | None = None) -> list[Diagn
     stage, co-located units placed other than on the backbone's
     first or last stage and phased units other than encoders on all the backbone's ranks
     (a phased generator), or any of these split by a TP degree that does not divide
-    them; and TP groups
+    them, units with context parallelism (cp > 1); and TP groups
     across nodes priced as within one (``tp_placement``, DT411).
 
     Without ``plan`` only the spec's own features are checked (before planning)."""
     out = _encoders(program)
     if plan is not None:
-        out += _plan(program, plan) + tp_placement(program, plan)
+        out += _plan(program, plan) + tp_placement(program, plan) + \
+            _context_parallel(program, plan)
     return out
