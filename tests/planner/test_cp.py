@@ -1,0 +1,126 @@
+"""Context parallelism in the planner: cp enters the search only where a constraint allows
+it, the 128K spec needs it and gets it, GPUs are tp x cp x pp x dp, and compile refuses it."""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+from dtdsl.codegen.support import runtime_support
+from dtdsl.cost.model import build_cost_model
+from dtdsl.driver import read_spec, run_frontend
+from dtdsl.ir import program as ir
+from dtdsl.planner import Infeasible, plan, plan_convex, plan_exhaustive
+from dtdsl.planner import cp_choices
+from dtdsl.planner.baseline import with_recompute
+
+ROOT = Path(__file__).resolve().parents[2]
+SHIPPED = sorted(p.stem for p in (ROOT / "specs").glob("*.dt") if p.stem != "mllm_72b_128k")
+
+
+def _program(text: str, name: str = "t.dt") -> ir.Program:
+    result = run_frontend(name, text.encode())
+    assert result.ok, [d.message for d in result.diagnostics]
+    return result.program
+
+
+@cache
+def spec_text(name: str) -> str:
+    return read_spec(str(ROOT / "specs" / f"{name}.dt"))[1].decode()
+
+
+@cache
+def long_plan():
+    return plan(build_cost_model(_program(spec_text("mllm_72b_128k"))), compare_baseline=False)
+
+
+def _tiles(p) -> None:
+    """Every unit's GPUs are tp x cp x pp x dp, and the units tile ranks 0..gpus_used-1."""
+    owned = []
+    for u in p.units:
+        if u.gpus:
+            assert u.gpus == u.tp * u.cp * u.pp * u.dp
+            owned += list(u.ranks)
+    assert sorted(owned) == list(range(p.gpus_used))
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_specs_search_no_cp(name):
+    spec_name, data = read_spec(str(ROOT / "specs" / f"{name}.dt"))
+    result = run_frontend(spec_name, data)
+    assert result.ok, result.diagnostics
+    assert all(c.cp.candidates(10**6) == (1,) for c in result.program.constraints)
+
+
+def test_the_128k_spec_needs_cp_and_plans_with_it():
+    p = long_plan()
+    llm = p.unit("llm")
+    assert llm.cp > 1
+    _tiles(p)
+    # Pinned to cp 1, nothing fits: one 128K-token sample's activations are too large.
+    text = spec_text("mllm_72b_128k").replace("cp(llm)   in {1, 2, 4, 8}", "cp(llm) == 1")
+    with pytest.raises(Infeasible):
+        plan(build_cost_model(_program(text)), compare_baseline=False)
+
+
+def test_the_128k_plan_is_priced_at_its_cp():
+    p = long_plan()
+    llm = p.unit("llm")
+    cost = build_cost_model(_program(spec_text("mllm_72b_128k")))
+    if llm.recompute:
+        cost = with_recompute(cost)
+    priced = cost.with_cp({"llm": llm.cp})
+    fwd, _ = priced.fwd_bwd_time_s(priced.unit("llm"), llm.tp, llm.tp_across_nodes)
+    per_stage = max(llm.layers_per_stage) / sum(llm.layers_per_stage)
+    share = llm.microbatch_share
+    assert llm.fwd_time_s == pytest.approx(share * fwd * per_stage, rel=1e-9)
+    unpriced = cost.fwd_bwd_time_s(cost.unit("llm"), llm.tp, llm.tp_across_nodes)[0]
+    assert fwd < unpriced / 2
+
+
+TINY_CP = ("  tp(*) in {1, 2}\n", "  tp(*) in {1, 2}\n  cp(llm) in {1, 2}\n")
+
+
+def _tiny_cp() -> ir.Program:
+    return _program(spec_text("tiny_cpu").replace(*TINY_CP))
+
+
+def test_exhaustive_and_convex_agree_on_a_cp_layout():
+    cost = build_cost_model(_tiny_cp()).with_cp({"llm": 2})
+    for gpus in (4, 6):
+        convex = plan_convex(cost, gpus)
+        exhaustive = plan_exhaustive(cost, gpus)
+        assert convex.iteration_time_s == pytest.approx(exhaustive.iteration_time_s, rel=1e-3)
+        assert convex.unit("llm").cp == exhaustive.unit("llm").cp == 2
+        _tiles(convex)
+        _tiles(exhaustive)
+
+
+def test_cp_multiplies_the_gpus_a_unit_takes():
+    cost = build_cost_model(_tiny_cp())
+    # Each unit on GPUs of its own: three GPUs hold tiny at cp 1, not with llm at cp 2.
+    assert plan_exhaustive(cost, 3).gpus_used == 3
+    with pytest.raises(Infeasible):
+        plan_exhaustive(cost.with_cp({"llm": 2}), 3)
+
+
+def test_the_planner_weighs_cp_against_none():
+    cost = build_cost_model(_tiny_cp())
+    assert [c for _, c in cp_choices(cost)] == [{"vit": 1, "llm": 2, "gen": 1}]
+    p = plan(cost, 4, compare_baseline=False, placement="disaggregated")
+    without = plan(build_cost_model(_program(spec_text("tiny_cpu"))), 4,
+                   compare_baseline=False, placement="disaggregated")
+    assert p.iteration_time_s <= without.iteration_time_s + 1e-12
+
+
+def test_compile_refuses_a_cp_plan():
+    program = _tiny_cp()
+    p = plan_exhaustive(build_cost_model(program).with_cp({"llm": 2}), 4)
+    found = [d for d in runtime_support(program, p) if "context parallelism" in d.message]
+    assert [d.code for d in found] == ["DT601"]
+    assert "cp 2" in found[0].message and "cp(llm) == 1" in found[0].hint
+    assert found[0].span == program.module("llm").span
+    plain = plan_exhaustive(build_cost_model(program), 4)
+    assert not [d for d in runtime_support(program, plain) if "context" in d.message]
