@@ -106,6 +106,15 @@ def _gb(num_bytes: float) -> str:
     return f"{num_bytes / 1e9:.1f} GB"
 
 
+def _cp_hint(program, unit) -> str:
+    """Where the unit runs without context parallelism and has a sequence to split: the
+    constraint that lets the planner split it (activations / cp)."""
+    if unit.cp > 1 or program.constraints_for(unit.name).cp.candidates(2) != (1,) or \
+            program.module(unit.name).arch.kind == "unet":
+        return ""
+    return f", or allow context parallelism: `cp({unit.name}) in {{1, 2, 4, 8}}`"
+
+
 def no_layout_fits(space) -> Infeasible:
     """Why nothing fits: a module that fits in memory at no allowed TP and PP, or the
     modules' smallest fitting layouts need more GPUs together than the budget."""
@@ -135,9 +144,10 @@ def no_layout_fits(space) -> Infeasible:
                 notes=(f"{unit.name}: {unit.params / 1e9:.2f}B parameters, {unit.layers} "
                        "pipeline layers",),
                 hint="allow larger tp or pp, raise the memory share, use a smaller micro_batch "
-                     "or set `recompute = true`")
+                     "or set `recompute = true`" + _cp_hint(program, unit))
         gpus, tp, pp = min(options)
-        needs.append((unit.name, gpus, f"tp {tp} x pp {pp} x dp {dp}"))
+        cp = f" x cp {unit.cp}" if unit.cp > 1 else ""
+        needs.append((unit.name, gpus, f"tp {tp}{cp} x pp {pp} x dp {dp}"))
     total = sum(g for _, g, _ in needs)
     notes = tuple(f"{n}: at least {g} GPU{'s' if g != 1 else ''} ({how})"
                   for n, g, how in needs)

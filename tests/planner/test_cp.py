@@ -61,8 +61,9 @@ def test_the_128k_spec_needs_cp_and_plans_with_it():
     _tiles(p)
     # Pinned to cp 1, nothing fits: one 128K-token sample's activations are too large.
     text = spec_text("mllm_72b_128k").replace("cp(llm)   in {1, 2, 4, 8}", "cp(llm) == 1")
-    with pytest.raises(Infeasible):
+    with pytest.raises(Infeasible) as err:
         plan(build_cost_model(_program(text)), compare_baseline=False)
+    assert "`cp(llm) in {1, 2, 4, 8}`" in err.value.hint
 
 
 def test_the_128k_plan_is_priced_at_its_cp():
