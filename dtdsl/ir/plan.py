@@ -20,8 +20,8 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, model_validator
 
 __all__ = ["BASELINES", "PLACEMENTS", "PLAN_VERSION", "Baseline", "Packing", "Placement", "Plan",
-           "Simulated", "UnitPlan", "cp_conflict", "cp_split", "place_units", "placement_order", "split_layers",
-           "straddling_tp_groups", "tp_spans_nodes"]
+           "Simulated", "UnitPlan", "cp_conflict", "cp_split", "place_units", "placement_order",
+           "split_layers", "straddling_tp_groups", "tp_spans_nodes"]
 
 PLAN_VERSION = 1
 

@@ -130,7 +130,8 @@ def no_layout_fits(space) -> Infeasible:
         tps = space.tps(i) or (1,)
         fits = space.smallest_fitting_pp(i, np.array(tps), np.full(len(tps), dp),
                                          np.full(len(tps), lm))
-        options = [(t * ev.cps[i] * dp * int(p), t, int(p)) for t, p in zip(tps, fits, strict=True) if p]
+        options = [(t * ev.cps[i] * dp * int(p), t, int(p))
+                   for t, p in zip(tps, fits, strict=True) if p]
         if not options:
             top_pp = max(space.pps(i) or (1,))
             mem = float(ev.cost.memory_bytes(

@@ -2,8 +2,9 @@
 
 A *candidate* fixes TP and DP for every unit (DistTrain's outer enumeration); what
 is left is the GPU count of each unit, ``g_u = tp_u * cp_u * dp_u * pp_u``, that is its
-pipeline depth (cp_u is the cost model's, ``CostModel.with_cp``: fixed per search). Candidates are held as integer arrays (one row per candidate, one
-column per unit) so that bounds over tens of thousands of them are vectorised.
+pipeline depth (cp_u is the cost model's, ``CostModel.with_cp``: fixed per search).
+Candidates are held as integer arrays (one row per candidate, one column per unit) so
+that bounds over tens of thousands of them are vectorised.
 
 DP of the backbone divides the number of microbatches (every replica runs the
 same number per step); DP of another unit divides the samples the backbone

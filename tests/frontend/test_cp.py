@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.frontend.test_check import BASE, GENERATOR, diagnostics, errors, program
-
 from dtdsl.ir.plan import cp_conflict, cp_split
 from dtdsl.ir.program import IntDomain
+from tests.frontend.test_check import BASE, GENERATOR, diagnostics, errors, program
 
 
 def _with(text: str, constraints: str, field: str = "") -> str:

@@ -12,8 +12,7 @@ from dtdsl.codegen.support import runtime_support
 from dtdsl.cost.model import build_cost_model
 from dtdsl.driver import read_spec, run_frontend
 from dtdsl.ir import program as ir
-from dtdsl.planner import Infeasible, plan, plan_convex, plan_exhaustive
-from dtdsl.planner import cp_choices
+from dtdsl.planner import Infeasible, cp_choices, plan, plan_convex, plan_exhaustive
 from dtdsl.planner.baseline import with_recompute
 
 ROOT = Path(__file__).resolve().parents[2]
