@@ -124,3 +124,18 @@ def test_compile_refuses_a_cp_plan():
     assert found[0].span == program.module("llm").span
     plain = plan_exhaustive(build_cost_model(program), 4)
     assert not [d for d in runtime_support(program, plain) if "context" in d.message]
+
+
+def test_reports_show_cp_only_where_a_unit_uses_it():
+    from dtdsl.report import baseline_layout, plan_markdown, plan_table, plan_tables_stacked
+
+    program = _tiny_cp()
+    with_cp = plan_exhaustive(build_cost_model(program).with_cp({"llm": 2}), 4)
+    plain = plan_exhaustive(build_cost_model(program), 4)
+    headers = [c.header for c in plan_table(with_cp).columns]
+    assert headers[3:6] == ["TP", "CP", "DP"]
+    assert "CP" not in [c.header for c in plan_table(plain).columns]
+    assert "| TP | CP | DP |" in plan_markdown(with_cp)
+    assert "CP" not in plan_markdown(plain).split("\n")[2]
+    assert "CP" in [c.header for c in plan_tables_stacked(with_cp)[0].columns]
+    assert "llm tp 1 cp 2 dp" in baseline_layout(with_cp)
