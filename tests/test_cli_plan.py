@@ -175,36 +175,47 @@ def test_check_emit_keeps_warnings_off_stdout(capsys, tmp_path):
     json.loads(out)   # stdout is the program and nothing else
 
 
+@pytest.fixture(scope="module")
+def wide_plans() -> list[tuple[str, Plan]]:
+    """The plans the width test renders, each planned once for every width (the
+    planner's answer does not depend on the terminal; planning 72b takes most of the
+    test's time)."""
+    from dtdsl.cost.model import build_cost_model
+    from dtdsl.driver import run_frontend
+    from dtdsl.planner import plan, plan_baseline
+
+    out = []
+    for name in ("mllm_72b", "audio_image"):
+        path = Path(TINY).parent / f"{name}.dt"
+        cost = build_cost_model(run_frontend(str(path), path.read_bytes()).program)
+        out += [(name, plan(cost, compare_baseline=False)), (name, plan_baseline(cost))]
+    return out
+
+
 @pytest.mark.parametrize("width", [80, 100, 120, 200])
-def test_the_plan_stays_readable_at_every_width(width):
+def test_the_plan_stays_readable_at_every_width(width, wide_plans):
     """Narrow terminals get the layout and the costs stacked: every unit's GPUs, TP, DP
     and PP are printed, no line is wider than the terminal (issue 19)."""
     import io
 
     from rich.console import Console
 
-    from dtdsl.cost.model import build_cost_model
-    from dtdsl.driver import run_frontend
-    from dtdsl.planner import plan, plan_baseline
     from dtdsl.report import render_plan
 
-    for name in ("mllm_72b", "audio_image"):
-        path = Path(TINY).parent / f"{name}.dt"
-        cost = build_cost_model(run_frontend(str(path), path.read_bytes()).program)
-        for the_plan in (plan(cost, compare_baseline=False), plan_baseline(cost)):
-            buf = io.StringIO()
-            render_plan(the_plan, Console(file=buf, width=width, color_system=None))
-            lines = buf.getvalue().splitlines()
-            assert max(len(line) for line in lines) <= width
-            rows = []
-            for line in lines:
-                cells = [c.strip() for c in line.split("│")[1:-1]]
-                if len(cells) >= 8 and cells[2]:
-                    rows.append(tuple(cells[2:6]))
-            assert rows == [(str(u.gpus), str(u.tp), str(u.dp), str(u.pp))
-                            for u in the_plan.units], (name, width, buf.getvalue())
-            for word in ("fwd", "sync + opt", "memory/GPU", "iteration time"):
-                assert word in buf.getvalue()
+    for name, the_plan in wide_plans:
+        buf = io.StringIO()
+        render_plan(the_plan, Console(file=buf, width=width, color_system=None))
+        lines = buf.getvalue().splitlines()
+        assert max(len(line) for line in lines) <= width
+        rows = []
+        for line in lines:
+            cells = [c.strip() for c in line.split("│")[1:-1]]
+            if len(cells) >= 8 and cells[2]:
+                rows.append(tuple(cells[2:6]))
+        assert rows == [(str(u.gpus), str(u.tp), str(u.dp), str(u.pp))
+                        for u in the_plan.units], (name, width, buf.getvalue())
+        for word in ("fwd", "sync + opt", "memory/GPU", "iteration time"):
+            assert word in buf.getvalue()
 
 
 def test_plan_compares_the_drawn_steps_packed_and_unpacked(capsys):

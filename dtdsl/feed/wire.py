@@ -78,7 +78,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -633,6 +633,8 @@ class _Gate:
             while not self._stop.is_set():
                 if self._socket.poll(self.POLL_MS, zmq.POLLIN):
                     self._socket.send_multipart(self._answer(self._socket.recv_multipart()))
+        except zmq.ContextTerminated:
+            pass        # the context's term(): it waits for this socket to close
         finally:
             self._socket.close(linger=0)
 
@@ -653,7 +655,17 @@ class _Gate:
         return [b"1.0", request_id, b"400", b"not a peer of this job", b"", b""]
 
     def stop(self) -> None:
+        """Stop the thread and wait for it: up to ``POLL_MS`` (the context's ``term``
+        does not wait; ``destroy`` does)."""
         self._stop.set()
+        self._thread.join()
+
+    def stop_in_term(self, term: Callable[[], None]) -> None:
+        """Stop the thread as ``term`` (its context's) terminates the context: the thread's
+        poll then returns at once (ETERM), where ``stop`` would wait out ``POLL_MS``
+        (a dry run of a thousand-rank job stops a gate per node twice)."""
+        self._stop.set()
+        term()
         self._thread.join()
 
 
@@ -680,8 +692,11 @@ class WireContext(zmq.Context):
             self._gate = None
 
     def term(self) -> None:
-        self._stop_gate()
-        super().term()
+        gate, self._gate = self._gate, None
+        if gate is None:
+            super().term()
+        else:
+            gate.stop_in_term(super().term)
 
     def destroy(self, linger: int | None = None) -> None:
         self._stop_gate()

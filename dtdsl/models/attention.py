@@ -208,7 +208,9 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return _reference_flex(q, k, v, mask)
 
 
-@torch.compiler.disable
+# torch's lazy form of torch.compiler.disable: dynamo (over a second of CPU to import) is
+# imported at the first call, not by every process that imports the models (ranks, workers).
+@torch._disable_dynamo
 def _reference_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     mask: DocumentMask) -> torch.Tensor:
     """The CPU's document attention: torch 2.13 has no CPU backward behind the public

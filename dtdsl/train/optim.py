@@ -44,7 +44,11 @@ The optimizer is ``torch.optim.AdamW`` (``Adam`` for ``adam``), fused where the 
 fused kernel, over the DTensor parameters: FSDP2's fp32 shards, so master weights and both
 moments are fp32 and sharded over DP (ZeRO-1's optimizer memory). The learning rate is set
 every step from the spec's schedule (``train.lr``): nothing about it lives in optimizer
-state, so a resumed run continues on the same curve.
+state, so a resumed run continues on the same curve. The parameters are in param groups of
+``GROUP_PARAMS``, all with the same settings: DTensor works out the shardings of a
+multi-tensor op in time quadratic in its number of tensors, which made the first step of a
+stage of hundreds of parameters (a U-Net's) take seconds of CPU; each parameter's update is
+the same in any grouping, and checkpoints keep the state per parameter, not the groups.
 """
 
 from __future__ import annotations
@@ -57,10 +61,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["LossScale", "StageOptimizer", "StepResult", "clip_coefficient", "optimizer_step"]
+__all__ = ["GROUP_PARAMS", "LossScale", "StageOptimizer", "StepResult", "clip_coefficient",
+           "optimizer_step"]
 
 # The largest scale: GradScaler keeps its scale in fp32 and grows it only to a finite one.
 _MAX_SCALE = torch.finfo(torch.float32).max
+
+GROUP_PARAMS = 32
+"""Parameters per optimizer param group (module docstring)."""
 
 
 @dataclass(frozen=True)
@@ -176,7 +184,9 @@ class StageOptimizer:
             raise ValueError(f"optimizer {name!r}: the runtime has adamw and adam")
         device = _local(self.params[0]).device
         cls = torch.optim.AdamW if name == "adamw" else torch.optim.Adam
-        self.optimizer = cls(self.params, lr=lr, betas=betas, eps=eps,
+        groups = [{"params": self.params[i:i + GROUP_PARAMS]}
+                  for i in range(0, len(self.params), GROUP_PARAMS)]
+        self.optimizer = cls(groups, lr=lr, betas=betas, eps=eps,
                              weight_decay=weight_decay, **_kernel(device))
         self.lr_at = lr_at if lr_at is not None else (lambda _step: lr)
         flags = [True] * len(self.params) if counted_on_tp is None else list(counted_on_tp)

@@ -757,3 +757,18 @@ def test_wire_sockets_need_a_wire_context():
             assert receiver.refused == 0
     finally:
         context.term()      # stops the gate's thread first; does not hang
+
+
+def test_term_stops_the_gate_without_waiting_out_its_poll(monkeypatch):
+    # The gate's thread polls in intervals; term() interrupts its poll rather than waiting
+    # for the interval to end (a dry run stops two gates per node). An interval of ten
+    # minutes: a term() that waited for it would still be waiting.
+    monkeypatch.setattr(wire._Gate, "POLL_MS", 600_000)
+    context = wire.bounded_context(4)
+    with Receiver.on_free_port(SECRET, context=context) as receiver:
+        assert receiver.refused == 0
+    gate = context.gate()._thread
+    done = threading.Thread(target=context.term, daemon=True)
+    done.start()
+    done.join(60)
+    assert not done.is_alive() and not gate.is_alive()

@@ -3,13 +3,14 @@ job-wide gradient norm counting every element once, clipping and the inf/NaN ski
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
 import torch
 from torch import nn
 
-from dtdsl.train.optim import StageOptimizer, clip_coefficient, optimizer_step
+from dtdsl.train.optim import GROUP_PARAMS, StageOptimizer, clip_coefficient, optimizer_step
 from tests.dist import run
 
 HYPER = dict(name="adamw", lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -108,6 +109,25 @@ def test_learning_rate_follows_the_schedule_without_distributed():
     assert not result.skipped
     assert opt.optimizer.param_groups[0]["lr"] == pytest.approx(0.3)
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_many_parameters_step_in_groups_as_one_adamw_would():
+    # Param groups of GROUP_PARAMS (DTensor's multi-tensor ops cost the square of their
+    # tensor count): every parameter ends where one AdamW over all of them puts it.
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(GROUP_PARAMS)])   # 2x the group
+    twin = copy.deepcopy(model)
+    x = torch.randn(3, 4)
+    model(x).square().sum().backward()
+    twin(x).square().sum().backward()
+    opt = StageOptimizer(list(model.parameters()), **HYPER)
+    assert [len(g["params"]) for g in opt.optimizer.param_groups] == [GROUP_PARAMS] * 2
+    optimizer_step([opt], step=0, max_norm=None)
+    hyper = {k: v for k, v in HYPER.items() if k != "name"}
+    want = torch.optim.AdamW(twin.parameters(), **hyper, fused=True)
+    want.step()
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(p, q)
 
 
 def test_rejects_bad_arguments():
