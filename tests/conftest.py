@@ -15,6 +15,19 @@ ROOT = Path(__file__).resolve().parent.parent
 SPECS = sorted((ROOT / "specs").glob("*.dt"))
 
 
+def pytest_collection_modifyitems(config, items):
+    """The files of the slowest tests first (``tests/slowest.txt``: a file ranks as its
+    slowest test), each file's tests together and in their order (a module-scoped fixture
+    is built once), the rest in collection order: under pytest-xdist a long test that
+    starts last holds the run up while the other workers wait. The order is the same on
+    every worker (xdist requires it)."""
+    rank: dict[str, int] = {}
+    for line in (ROOT / "tests" / "slowest.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            rank.setdefault(line.strip().partition("::")[0], len(rank))
+    items.sort(key=lambda item: rank.get(item.nodeid.partition("::")[0], len(rank)))
+
+
 def pytest_addoption(parser):
     parser.addoption("--update-golden", action="store_true", default=False,
                      help="rewrite golden files from the current output instead of comparing")
