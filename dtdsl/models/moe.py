@@ -46,7 +46,7 @@ from torch import nn
 from dtdsl.models.transformer import MLP, activation
 
 __all__ = ["HF_MOE_FAMILIES", "MoE", "MoEConfig", "MoEOutput", "Routing", "capacity",
-           "expert_ffn", "hf_moe_keys", "load_balancing_loss", "load_hf_moe", "to_hf_moe"]
+           "expert_ffn", "hf_moe_keys", "keep_counts", "load_balancing_loss", "load_hf_moe", "to_hf_moe"]
 
 
 @dataclass(frozen=True)
@@ -153,18 +153,20 @@ def expert_ffn(x: torch.Tensor, sizes: torch.Tensor, w1: torch.Tensor, w3: torch
 
 
 def _keep_within_capacity(sorted_experts: torch.Tensor, counts: torch.Tensor,
-                          limit: torch.Tensor) -> torch.Tensor:
+                          keep: torch.Tensor) -> torch.Tensor:
     """For slots sorted by expert (``counts`` per expert), which ones are among the first
-    ``limit[e]`` of their expert."""
+    ``keep[e]`` of their expert."""
     starts = torch.cumsum(counts, 0) - counts
     position = torch.arange(sorted_experts.numel(), device=counts.device) - starts[sorted_experts]
-    return position < limit[sorted_experts]
+    return position < keep[sorted_experts]
 
 
 class MoE(nn.Module):
     """The MoE block (module docstring). ``forward(x) -> MoEOutput``. ``first_expert`` and
     ``local_experts`` say which experts this module holds (all, unless expert parallelism
     built it, ``parallel.ep``)."""
+
+    rank = 0        # this process's row of ``exchange_counts`` (an EP rank sets its own)
 
     def __init__(self, config: MoEConfig, *, first_expert: int = 0,
                  local_experts: int | None = None):
@@ -204,31 +206,48 @@ class MoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return Routing(logits, probs, weights.to(x.dtype), experts)
 
-    def group_stats(self, counts: torch.Tensor, prob_sum: torch.Tensor,
-                    tokens: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """The routing statistics the aux loss and the capacity use: this process's alone
-        (expert parallelism sums them over its group)."""
-        return counts, prob_sum, tokens
+    def exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """Every process's slots per expert ``[processes, E]``, this one's row at
+        ``self.rank``: here, this process alone (expert parallelism gathers its group's)."""
+        return counts[None]
 
-    def run_experts(self, x: torch.Tensor, routing: Routing, counts: torch.Tensor,
-                    limit: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def reduce_prob_sum(self, prob_sum: torch.Tensor) -> torch.Tensor:
+        """The summed router probabilities over the processes that share the aux loss
+        (here, this one)."""
+        return prob_sum
+
+    def experts_forward(self, x: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+        """The local experts on rows sorted by expert, ``sizes[e]`` rows each."""
+        return expert_ffn(x, sizes, self.w1, self.w3, self.w2, self.act)
+
+    def run_experts(self, x: torch.Tensor, routing: Routing, kept_counts: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each slot's expert output ``[T * k, hidden]`` (zero where dropped) and the kept
-        mask ``[T * k]``, all experts local; ``limit``: slots each expert takes (None:
-        all)."""
-        k = self.config.top_k
+        mask ``[T * k]``; ``kept_counts [processes, E]``: the slots each process keeps for
+        each expert (its first ones in token order), all experts local here."""
+        rows, _ = self.kept_slots(routing, kept_counts[self.rank])
+        y = self.experts_forward(x[rows // self.config.top_k], kept_counts[self.rank])
+        return self.scatter_slots(x, routing, rows, y)
+
+    def kept_slots(self, routing: Routing, keep: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This process's kept slots sorted by expert, then token (``keep[e]``: the first
+        slots of expert ``e`` it keeps), and its slots per expert."""
         flat = routing.experts.reshape(-1)
         order = torch.argsort(flat, stable=True)
         sorted_experts = flat[order]
-        if limit is None:
-            keep_sorted = torch.ones_like(sorted_experts, dtype=torch.bool)
-            kept_counts = counts
-        else:
-            keep_sorted = _keep_within_capacity(sorted_experts, counts, limit)
-            kept_counts = torch.minimum(counts, limit)
-        rows = order[keep_sorted]
-        y = expert_ffn(x[rows // k], kept_counts, self.w1, self.w3, self.w2, self.act)
-        slots = x.new_zeros(flat.numel(), x.shape[-1]).index_copy(0, rows, y)
-        kept = torch.zeros_like(flat, dtype=torch.bool).index_fill(0, rows, True)
+        counts = torch.bincount(flat, minlength=self.config.experts)
+        rows = order[_keep_within_capacity(sorted_experts, counts, keep)]
+        return rows, counts
+
+    @staticmethod
+    def scatter_slots(x: torch.Tensor, routing: Routing, rows: torch.Tensor,
+                      y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert outputs ``y`` of slots ``rows`` placed at their slots (zero elsewhere),
+        and the kept mask."""
+        n = routing.experts.numel()
+        slots = x.new_zeros(n, x.shape[-1]).index_copy(0, rows, y)
+        kept = torch.zeros(n, dtype=torch.bool, device=x.device).index_fill(0, rows, True)
         return slots, kept
 
     def forward(self, x: torch.Tensor) -> MoEOutput:
@@ -238,13 +257,19 @@ class MoE(nn.Module):
         tokens = x2.shape[0]
         routing = self.route(x2)
         counts = torch.bincount(routing.experts.reshape(-1), minlength=cfg.experts)
-        g_counts, g_prob_sum, g_tokens = self.group_stats(counts, routing.probs.sum(0), tokens)
-        aux = load_balancing_loss(g_counts, g_prob_sum, g_tokens)
-        limit = None
-        if cfg.capacity_factor is not None:
+        all_counts = self.exchange_counts(counts)
+        g_counts = all_counts.sum(0)
+        g_tokens = int(g_counts.sum()) // cfg.top_k      # every token has k slots
+        aux = load_balancing_loss(g_counts, self.reduce_prob_sum(routing.probs.sum(0)),
+                                  g_tokens)
+        if cfg.capacity_factor is None:
+            kept_counts = all_counts
+            dropped = torch.zeros((), dtype=torch.int64, device=x.device)
+        else:
             cap = capacity(cfg.capacity_factor, g_tokens, cfg.top_k, cfg.experts)
-            limit = torch.full_like(counts, cap)
-        slots, kept = self.run_experts(x2, routing, counts, limit)
+            kept_counts = keep_counts(all_counts, cap)
+            dropped = (g_counts - cap).clamp(min=0).sum()
+        slots, kept = self.run_experts(x2, routing, kept_counts)
         weighted = slots * routing.weights.reshape(-1, 1)
         token = torch.arange(tokens, device=x.device).repeat_interleave(cfg.top_k)
         out = x2.new_zeros(x2.shape).index_add(0, token, weighted)
@@ -253,12 +278,16 @@ class MoE(nn.Module):
             if self.shared_gate is not None:
                 shared = torch.sigmoid(self.shared_gate(x2)) * shared
             out = out + shared
-        if limit is None:
-            dropped = torch.zeros((), dtype=torch.int64, device=x.device)
-        else:
-            dropped = (g_counts - limit).clamp(min=0).sum()
         return MoEOutput(out.reshape(shape), routing.logits, aux, dropped,
                          kept.reshape(tokens, cfg.top_k), g_counts)
+
+
+def keep_counts(all_counts: torch.Tensor, cap: int) -> torch.Tensor:
+    """The slots each process keeps for each expert ``[processes, E]`` when an expert
+    takes ``cap``, the first ones in (process, token) order: what the processes before it
+    leave, at most its own."""
+    before = torch.cumsum(all_counts, 0) - all_counts
+    return (cap - before).clamp(min=0).minimum(all_counts)
 
 
 # ---- Hugging Face names -----------------------------------------------------------------

@@ -135,38 +135,45 @@ def test_mapping_errors_name_what_is_wrong():
 def integer_experts(calls: list) -> callable:
     """An ``expert_ffn`` whose expert ``e`` maps a row whose first entry is the token id
     ``t`` to a row of ``1000 (e + 1) + t``: exact in fp32, and it says who computed what.
-    Each call's (expert, token) pairs are appended to ``calls``."""
+    ``e`` is read from ``w1[:, 0, 0]`` (``label_experts``); each (expert, token) pair
+    computed is appended to ``calls``."""
     def ffn(x, sizes, w1, w3, w2, act):
-        assert int(sizes.sum()) == x.shape[0]
-        assert sizes.numel() == w1.shape[0]
-        expert = torch.repeat_interleave(torch.arange(sizes.numel()), sizes)
-        calls.append(list(zip(expert.tolist(), x[:, 0].long().tolist())))
-        value = 1000.0 * (expert + 1).to(x.dtype) + x[:, 0]
+        assert int(sizes.sum()) == x.shape[0] and sizes.numel() == w1.shape[0]
+        expert = torch.repeat_interleave(w1[:, 0, 0].detach(), sizes)
+        calls.extend(zip(expert.long().tolist(), x[:, 0].long().tolist()))
+        value = 1000.0 * (expert + 1) + x[:, 0]
         return value[:, None].expand(-1, w2.shape[1]) + 0.0 * w2.sum()
     return ffn
 
 
-def check_conservation(block: MoE, x: torch.Tensor, got, calls: list) -> None:
-    """Every kept slot reached its expert once and came back in its token's row with
-    its weight: ``out[t] = sum_j w[t, j] (1000 (e_tj + 1) + t)`` over kept slots, exactly
-    (up to the fp32 rounding of the weighted sum)."""
+def label_experts(block: MoE) -> None:
+    """``w1[e, 0, 0]`` = the global index of the block's expert ``e``."""
+    with torch.no_grad():
+        block.w1[:, 0, 0] = torch.arange(block.first_expert,
+                                         block.first_expert + block.local_experts)
+
+
+def check_conservation(block: MoE, x: torch.Tensor, got) -> list[tuple[int, int]]:
+    """The output of each token is its kept slots' expert values, each once, weighted:
+    ``out[t] = sum_j kept w[t, j] (1000 (e_tj + 1) + id_t)``. Returns the (expert, id)
+    pairs of the kept slots."""
     cfg = block.config
     x2 = x.reshape(-1, cfg.hidden)
     routing = block.route(x2)
-    seen = sorted((e + block.first_expert, t) for call in calls for e, t in call)
-    want_pairs = sorted((int(routing.experts[t, j]), t) for t in range(x2.shape[0])
-                        for j in range(cfg.top_k) if got.kept[t, j])
-    assert seen == want_pairs
-    value = 1000.0 * (routing.experts + 1) + torch.arange(x2.shape[0])[:, None]
+    value = 1000.0 * (routing.experts + 1) + x2[:, :1]
     want = (routing.weights * value * got.kept).sum(-1)
     out = got.out.reshape(-1, cfg.hidden)
     assert torch.allclose(out, want[:, None].expand_as(out), rtol=1e-6, atol=0)
+    ids = x2[:, 0].long()
+    return [(int(routing.experts[t, j]), int(ids[t])) for t in range(x2.shape[0])
+            for j in range(cfg.top_k) if got.kept[t, j]]
 
 
-def token_ids(tokens: int, hidden: int, seed: int = 0) -> torch.Tensor:
+def token_ids(tokens: int, hidden: int, first: int = 0, seed: int = 0) -> torch.Tensor:
+    """Random rows whose first entries are the ids ``first, first + 1, ...``."""
     torch.manual_seed(seed)
     x = torch.randn(tokens, hidden)
-    x[:, 0] = torch.arange(tokens, dtype=x.dtype)
+    x[:, 0] = torch.arange(first, first + tokens, dtype=x.dtype)
     return x
 
 
@@ -178,10 +185,11 @@ def test_dispatch_conserves_tokens(monkeypatch, capacity_factor):
                     capacity_factor=capacity_factor)
     torch.manual_seed(1)
     block = MoE(cfg)
+    label_experts(block)
     x = token_ids(37, cfg.hidden)
     with torch.no_grad():
         got = block(x)
-    check_conservation(block, x, got, calls)
+    assert sorted(calls) == sorted(check_conservation(block, x, got))
     if capacity_factor is None:
         assert bool(got.kept.all())
 
