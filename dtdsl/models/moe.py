@@ -12,9 +12,9 @@
    token order; the others are dropped (they add nothing: the caller's residual carries
    the token) and counted (``MoEOutput.dropped``, ``MoEOutput.kept``).
 4. **Experts**: SwiGLU, ``w2(silu(w1 x) * w3 x)`` per expert, on the sorted tokens: one
-   grouped GEMM per projection (``torch._grouped_mm``) on CUDA in bf16, else a loop over
-   the experts' contiguous runs of rows (what runs on CPU: ``_grouped_mm`` there wants
-   16-byte aligned strides and gains nothing).
+   grouped GEMM per projection (``F.grouped_mm``, torch 2.13) where torch's takes the
+   operands (16-byte aligned rows; on CUDA bf16 on sm90+; on CPU fp32 too), else a loop
+   over the experts' contiguous runs of rows.
 5. **Combine**: each slot's output times its routing weight, summed back into its token's
    row (``index_add``), in the input's order; plus the shared expert, a SwiGLU MLP of
    ``shared_ffn`` columns (several experts' worth merged into one, as DeepSeek's), times
@@ -45,8 +45,9 @@ from torch import nn
 
 from dtdsl.models.transformer import MLP, activation
 
-__all__ = ["HF_MOE_FAMILIES", "MoE", "MoEConfig", "MoEOutput", "Routing", "capacity",
-           "expert_ffn", "hf_moe_keys", "keep_counts", "load_balancing_loss", "load_hf_moe", "to_hf_moe"]
+__all__ = ["HF_MOE_FAMILIES", "MoE", "MoEConfig", "MoEOutput", "Routing", "can_group",
+           "capacity", "expert_ffn", "hf_moe_keys", "keep_counts", "load_balancing_loss",
+           "load_hf_moe", "to_hf_moe"]
 
 
 @dataclass(frozen=True)
@@ -128,24 +129,39 @@ def load_balancing_loss(counts: torch.Tensor, prob_sum: torch.Tensor,
     return experts * torch.sum(f * p)
 
 
-def _use_grouped_mm(x: torch.Tensor, *weights: torch.Tensor) -> bool:
-    # torch._grouped_mm runs on CUDA (sm90+) in bf16 and wants 16-byte aligned strides.
-    if not (x.is_cuda and hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16):
+def _grouped_mm() -> Callable[..., torch.Tensor] | None:
+    """torch's grouped GEMM: ``F.grouped_mm`` (torch 2.13), ``torch._grouped_mm`` before."""
+    return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def can_group(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether torch's grouped GEMM takes these operands: every row 16-byte aligned, and
+    on CUDA bf16 on sm90+ (its kernels' constraint); on CPU it runs fp32 too."""
+    if _grouped_mm() is None:
+        return False
+    if x.is_cuda and (x.dtype != torch.bfloat16
+                      or torch.cuda.get_device_capability(x.device) < (9, 0)):
         return False
     dims = [x.shape[-1]] + [d for w in weights for d in w.shape[1:]]
-    return all(d % 8 == 0 for d in dims)
+    return all(d * x.element_size() % 16 == 0 for d in dims)
 
 
 def expert_ffn(x: torch.Tensor, sizes: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
-               w2: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+               w2: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor], *,
+               grouped: bool | None = None) -> torch.Tensor:
     """SwiGLU experts on rows sorted by expert: rows ``[offset_e, offset_e + sizes[e])``
     of ``x [N, hidden]`` go through expert ``e`` of the stacked ``w1``, ``w3``
-    ``[E, ffn, hidden]`` and ``w2 [E, hidden, ffn]``; returns ``[N, hidden]``."""
-    if _use_grouped_mm(x, w1, w3, w2):
+    ``[E, ffn, hidden]`` and ``w2 [E, hidden, ffn]``; returns ``[N, hidden]``. One grouped
+    GEMM per projection where torch has one for these operands (``can_group``; ``grouped``
+    forces the choice), else a loop over the experts."""
+    if grouped is None:
+        grouped = can_group(x, w1, w3, w2)
+    if grouped:
+        mm = _grouped_mm()
         offs = torch.cumsum(sizes, 0).to(torch.int32)
-        h = (act(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs))
-             * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs))
-        return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
+        h = (act(mm(x, w1.transpose(-2, -1), offs=offs))
+             * mm(x, w3.transpose(-2, -1), offs=offs))
+        return mm(h, w2.transpose(-2, -1), offs=offs)
     # Every expert, even one with no rows: its weights then get zero gradients, not None.
     outs = [F.linear(act(F.linear(rows, w1[e])) * F.linear(rows, w3[e]), w2[e])
             for e, rows in enumerate(torch.split(x, sizes.tolist()))]

@@ -11,7 +11,15 @@ import pytest
 import torch
 
 from dtdsl.models import moe
-from dtdsl.models.moe import MoE, MoEConfig, hf_moe_keys, load_hf_moe, to_hf_moe
+from dtdsl.models.moe import (
+    MoE,
+    MoEConfig,
+    can_group,
+    expert_ffn,
+    hf_moe_keys,
+    load_hf_moe,
+    to_hf_moe,
+)
 
 TOL = 1e-5
 
@@ -140,7 +148,7 @@ def integer_experts(calls: list) -> callable:
     def ffn(x, sizes, w1, w3, w2, act):
         assert int(sizes.sum()) == x.shape[0] and sizes.numel() == w1.shape[0]
         expert = torch.repeat_interleave(w1[:, 0, 0].detach(), sizes)
-        calls.extend(zip(expert.long().tolist(), x[:, 0].long().tolist()))
+        calls.extend(zip(expert.long().tolist(), x[:, 0].long().tolist(), strict=True))
         value = 1000.0 * (expert + 1) + x[:, 0]
         return value[:, None].expand(-1, w2.shape[1]) + 0.0 * w2.sum()
     return ffn
@@ -246,3 +254,22 @@ def test_dropless_equals_reference_and_has_gradients():
     for name, p in block.named_parameters():
         assert p.grad is not None, name
     assert x.grad is not None
+
+
+@pytest.mark.parametrize("sizes", [[3, 0, 5, 1], [0, 0, 0, 0], [9, 0, 0, 0]])
+def test_grouped_gemm_equals_the_loop(sizes):
+    torch.manual_seed(4)
+    w1, w3 = torch.randn(4, 12, 8), torch.randn(4, 12, 8)
+    w2 = torch.randn(4, 8, 12)
+    x = torch.randn(sum(sizes), 8)
+    assert can_group(x, w1, w3, w2) and not can_group(x[:, :6], w1[..., :6], w3[..., :6], w2)
+    results = []
+    for grouped in (True, False):
+        leaves = [t.clone().requires_grad_() for t in (x, w1, w3, w2)]
+        y = expert_ffn(leaves[0], torch.tensor(sizes), *leaves[1:],
+                       torch.nn.functional.silu, grouped=grouped)
+        (y * torch.arange(y.numel()).reshape(y.shape)).sum().backward()
+        results.append([y] + [t.grad for t in leaves])
+    for got, want in zip(*results, strict=True):
+        assert got.shape == want.shape
+        assert torch.allclose(got, want, rtol=TOL, atol=TOL)
