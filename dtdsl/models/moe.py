@@ -241,20 +241,18 @@ class MoE(nn.Module):
         """Each slot's expert output ``[T * k, hidden]`` (zero where dropped) and the kept
         mask ``[T * k]``; ``kept_counts [processes, E]``: the slots each process keeps for
         each expert (its first ones in token order), all experts local here."""
-        rows, _ = self.kept_slots(routing, kept_counts[self.rank])
+        rows = self.kept_slots(routing, kept_counts[self.rank])
         y = self.experts_forward(x[rows // self.config.top_k], kept_counts[self.rank])
         return self.scatter_slots(x, routing, rows, y)
 
-    def kept_slots(self, routing: Routing, keep: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    def kept_slots(self, routing: Routing, keep: torch.Tensor) -> torch.Tensor:
         """This process's kept slots sorted by expert, then token (``keep[e]``: the first
-        slots of expert ``e`` it keeps), and its slots per expert."""
+        slots of expert ``e`` it keeps)."""
         flat = routing.experts.reshape(-1)
         order = torch.argsort(flat, stable=True)
         sorted_experts = flat[order]
         counts = torch.bincount(flat, minlength=self.config.experts)
-        rows = order[_keep_within_capacity(sorted_experts, counts, keep)]
-        return rows, counts
+        return order[_keep_within_capacity(sorted_experts, counts, keep)]
 
     @staticmethod
     def scatter_slots(x: torch.Tensor, routing: Routing, rows: torch.Tensor,
@@ -347,7 +345,7 @@ def hf_moe_keys(family: str, config: MoEConfig, experts: range | None = None
     return out
 
 
-def _fused_source(state: Mapping[str, torch.Tensor], family: str, mine: str,
+def _fused_source(state: Mapping[str, torch.Tensor], mine: str,
                   config: MoEConfig, experts: range) -> torch.Tensor | None:
     """``w1``/``w3``/``w2`` from transformers 5's in-memory stacked layout
     (``mlp.experts.gate_up_proj [E, 2 ffn, hidden]``, ``mlp.experts.down_proj``), or None
@@ -373,7 +371,7 @@ def load_hf_moe(state: Mapping[str, torch.Tensor], family: str, config: MoEConfi
     out: dict[str, torch.Tensor] = {}
     for mine, theirs in keys.items():
         if mine in ("w1", "w3", "w2"):
-            t = _fused_source(state, family, mine, config, experts)
+            t = _fused_source(state, mine, config, experts)
             if t is None:
                 t = torch.stack([_get(state, k) for k in theirs])
         else:

@@ -123,7 +123,7 @@ class ExpertParallelMoE(MoE):
     def run_experts(self, x: torch.Tensor, routing: Routing, kept_counts: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         n = self.local_experts
-        rows, _ = self.kept_slots(routing, kept_counts[self.rank])
+        rows = self.kept_slots(routing, kept_counts[self.rank])
         # Per destination rank, what this rank sends; per source rank, what it receives.
         by_rank = kept_counts.reshape(self.ep, self.ep, n)   # [source, destination, expert]
         send = by_rank[self.rank].sum(1).tolist()

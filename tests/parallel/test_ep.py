@@ -30,8 +30,9 @@ CONFIGS = {
 
 
 def _tokens(world: int) -> list[int]:
-    # Uneven on purpose: the ranks' batches need not match, and one may be tiny.
-    return [7 + 3 * r for r in range(world)][::-1][:world - 1] + [2]
+    """Each rank's token count: uneven on purpose (the ranks' batches need not match),
+    the last one tiny."""
+    return [7 + 3 * (world - r) for r in range(world - 1)] + [2]
 
 
 def _groups(world: int, ep: int) -> Any:
