@@ -241,6 +241,10 @@ class MoE(nn.Module):
         """Each slot's expert output ``[T * k, hidden]`` (zero where dropped) and the kept
         mask ``[T * k]``; ``kept_counts [processes, E]``: the slots each process keeps for
         each expert (its first ones in token order), all experts local here."""
+        if self.local_experts != self.config.experts:
+            raise RuntimeError(f"this block holds {self.local_experts} of the "
+                               f"{self.config.experts} experts: run it as "
+                               f"parallel.ep.ExpertParallelMoE over its EP group")
         rows = self.kept_slots(routing, kept_counts[self.rank])
         y = self.experts_forward(x[rows // self.config.top_k], kept_counts[self.rank])
         return self.scatter_slots(x, routing, rows, y)
@@ -338,10 +342,12 @@ def hf_moe_keys(family: str, config: MoEConfig, experts: range | None = None
         if shared is None:
             raise ValueError(f"a {family} block has no shared expert: give shared_ffn=0")
         mlp, gate_name = shared
+        if not config.shared_gate:
+            raise ValueError(f"a {family} block's shared expert has a gate "
+                             f"({prefix}{gate_name}): give shared_gate=True")
         for mine, theirs in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
             out[f"shared.{mine}.weight"] = (f"{prefix}{mlp}.{theirs}.weight",)
-        if config.shared_gate:
-            out["shared_gate.weight"] = (f"{prefix}{gate_name}.weight",)
+        out["shared_gate.weight"] = (f"{prefix}{gate_name}.weight",)
     return out
 
 

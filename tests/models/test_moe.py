@@ -134,6 +134,12 @@ def test_mapping_errors_name_what_is_wrong():
         load_hf_moe(state, family, cfg)
     with pytest.raises(ValueError, match="top_k=5 is more than the 4 experts"):
         MoEConfig(hidden=8, ffn=4, experts=4, top_k=5)
+    with pytest.raises(ValueError, match="shared expert has a gate"):
+        hf_moe_keys("qwen2_moe", MoEConfig(hidden=8, ffn=4, experts=4, top_k=1, shared_ffn=4))
+    with pytest.raises(ValueError, match="qwen3_moe block has no shared expert"):
+        hf_moe_keys("qwen3_moe", MoEConfig(hidden=8, ffn=4, experts=4, top_k=1, shared_ffn=4))
+    with pytest.raises(RuntimeError, match="holds 2 of the 4 experts"):
+        MoE(cfg, first_expert=2, local_experts=2)(torch.randn(3, cfg.hidden))
     with pytest.raises(ValueError, match="capacity_factor=0"):
         MoEConfig(hidden=8, ffn=4, experts=4, top_k=1, capacity_factor=0)
 
