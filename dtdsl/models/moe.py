@@ -134,10 +134,13 @@ def _grouped_mm() -> Callable[..., torch.Tensor] | None:
     return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
+_GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # what it takes on the CPU
+
+
 def can_group(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether torch's grouped GEMM takes these operands: every row 16-byte aligned, and
-    on CUDA bf16 on sm90+ (its kernels' constraint); on CPU it runs fp32 too."""
-    if _grouped_mm() is None:
+    on CUDA bf16 on sm90+ (its kernels' constraint); on CPU fp32, bf16 or fp16."""
+    if _grouped_mm() is None or x.dtype not in _GROUPED_DTYPES:
         return False
     if x.is_cuda and (x.dtype != torch.bfloat16
                       or torch.cuda.get_device_capability(x.device) < (9, 0)):

@@ -269,6 +269,7 @@ def test_grouped_gemm_equals_the_loop(sizes):
     w2 = torch.randn(4, 8, 12)
     x = torch.randn(sum(sizes), 8)
     assert can_group(x, w1, w3, w2) and not can_group(x[:, :6], w1[..., :6], w3[..., :6], w2)
+    assert not can_group(x.double(), w1.double(), w3.double(), w2.double())
     results = []
     for grouped in (True, False):
         leaves = [t.clone().requires_grad_() for t in (x, w1, w3, w2)]
@@ -279,3 +280,20 @@ def test_grouped_gemm_equals_the_loop(sizes):
     for got, want in zip(*results, strict=True):
         assert got.shape == want.shape
         assert torch.allclose(got, want, rtol=TOL, atol=TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_other_dtypes_run(dtype):
+    cfg = MoEConfig(hidden=16, ffn=8, experts=4, top_k=2, shared_ffn=8, capacity_factor=1.0)
+    torch.manual_seed(5)
+    block = MoE(cfg)
+    x = torch.randn(2, 5, 16)
+    want = block(x).out
+    block = block.to(dtype)
+    xd = x.to(dtype).requires_grad_()
+    got = block(xd)
+    got.out.float().sum().backward()
+    assert got.out.dtype == dtype and got.aux_loss.dtype == torch.float32
+    assert xd.grad is not None and block.w2.grad is not None
+    if dtype == torch.float64:
+        assert torch.allclose(got.out.float(), want, atol=TOL)
