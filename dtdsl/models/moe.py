@@ -1,0 +1,426 @@
+"""The mixture-of-experts feed-forward block (Qwen2-MoE, Qwen3-MoE, Mixtral).
+
+``MoE(config)`` on ``x [..., hidden]``:
+
+1. **Router**: a bias-free linear map to ``experts`` logits, a softmax (in fp32) and the
+   top ``top_k`` experts of each token; with ``norm_topk`` (Mixtral, Qwen3-MoE) the ``k``
+   weights are renormalised to sum to one, without it (Qwen2-MoE) they stay the softmax's.
+2. **Dispatch**: a token's ``k`` choices (its *slots*, slot ``t * k + j``) are sorted by
+   expert, stably, so each expert sees its tokens in token order.
+3. **Capacity** (``capacity_factor``; None is dropless, the default): an expert takes at
+   most ``ceil(capacity_factor * tokens * top_k / experts)`` slots, the first ones in
+   token order; the others are dropped (they add nothing: the caller's residual carries
+   the token) and counted (``MoEOutput.dropped``, ``MoEOutput.kept``).
+4. **Experts**: SwiGLU, ``w2(silu(w1 x) * w3 x)`` per expert, on the sorted tokens: one
+   grouped GEMM per projection (``F.grouped_mm``, torch 2.13) where torch's takes the
+   operands (16-byte aligned rows; on CUDA bf16 on sm90+; on CPU fp32 too), else a loop
+   over the experts' contiguous runs of rows.
+5. **Combine**: each slot's output times its routing weight, summed back into its token's
+   row (``index_add``), in the input's order; plus the shared expert, a SwiGLU MLP of
+   ``shared_ffn`` columns (several experts' worth merged into one, as DeepSeek's), times
+   Qwen2-MoE's ``sigmoid(shared_gate x)`` when ``shared_gate``.
+
+The load-balancing loss is Switch/Mixtral's, as transformers' ``load_balancing_loss_func``
+computes it for one layer: ``experts * sum_e f_e P_e``, ``f_e`` the fraction of tokens
+that chose expert ``e`` among their top ``k`` (the ``f_e`` sum to ``k``) and ``P_e`` the
+mean router probability of ``e``. It is computed before any capacity drop.
+
+Expert weights are stacked ``[experts, out, in]`` parameters (``w1``, ``w3``: gate and up,
+``[E, ffn, hidden]``; ``w2``: down, ``[E, hidden, ffn]``), each expert's slice laid out as
+an ``nn.Linear`` weight, so a Hugging Face checkpoint's per-expert tensor is one slice
+(``hf_moe_keys``, ``load_hf_moe``) and expert parallelism shards dimension 0
+(``parallel.ep``: a rank holds ``experts / ep`` of them, ``MoE.first_expert`` on).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dtdsl.models.transformer import MLP, activation
+
+__all__ = ["HF_MOE_FAMILIES", "MoE", "MoEConfig", "MoEOutput", "Routing", "can_group",
+           "capacity", "expert_ffn", "hf_moe_keys", "keep_counts", "load_balancing_loss",
+           "load_hf_moe", "to_hf_moe"]
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """One MoE block's shape: ``hidden`` model width, ``ffn`` columns per expert,
+    ``experts`` routed experts of which each token takes ``top_k``; ``shared_ffn``
+    columns of always-on shared expert (0: none) gated by a sigmoid when ``shared_gate``;
+    ``capacity_factor`` None for dropless."""
+
+    hidden: int
+    ffn: int
+    experts: int
+    top_k: int
+    norm_topk: bool = True
+    shared_ffn: int = 0
+    shared_gate: bool = False
+    capacity_factor: float | None = None
+    act: str = "silu"
+
+    def __post_init__(self) -> None:
+        for name in ("hidden", "ffn", "experts", "top_k"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"an MoE block's {name} of {value!r}: give a positive integer")
+        if self.top_k > self.experts:
+            raise ValueError(f"top_k={self.top_k} is more than the {self.experts} experts: "
+                             f"give top_k <= experts")
+        if self.shared_ffn < 0:
+            raise ValueError(f"shared_ffn={self.shared_ffn}: give 0 (no shared expert) or "
+                             f"its positive width")
+        if self.shared_gate and not self.shared_ffn:
+            raise ValueError("shared_gate without a shared expert: give shared_ffn > 0")
+        cf = self.capacity_factor
+        if cf is not None and not (isinstance(cf, (int, float)) and math.isfinite(cf)
+                                   and cf > 0):
+            raise ValueError(f"capacity_factor={cf!r}: give a positive number, or None for "
+                             f"dropless routing")
+
+
+class Routing(NamedTuple):
+    """The router's decision for ``T`` tokens: ``logits [T, E]``, ``probs [T, E]`` (fp32
+    softmax), ``weights [T, k]`` (in the input's dtype) and ``experts [T, k]`` (int64)."""
+
+    logits: torch.Tensor
+    probs: torch.Tensor
+    weights: torch.Tensor
+    experts: torch.Tensor
+
+
+class MoEOutput(NamedTuple):
+    """``out`` (the input's shape), ``router_logits [T, E]``, ``aux_loss`` (a 0-d fp32
+    tensor), ``dropped`` (slots over capacity, 0-d int64; in an EP group: the group's),
+    ``kept [T, k]`` (bool: the slots that reached their expert) and ``tokens_per_expert
+    [E]`` (slots routed to each expert before any drop; in an EP group: the group's)."""
+
+    out: torch.Tensor
+    router_logits: torch.Tensor
+    aux_loss: torch.Tensor
+    dropped: torch.Tensor
+    kept: torch.Tensor
+    tokens_per_expert: torch.Tensor
+
+
+def capacity(factor: float, tokens: int, top_k: int, experts: int) -> int:
+    """The slots one expert takes: ``ceil(factor * tokens * top_k / experts)``."""
+    return math.ceil(factor * tokens * top_k / experts)
+
+
+def load_balancing_loss(counts: torch.Tensor, prob_sum: torch.Tensor,
+                        tokens: int | torch.Tensor) -> torch.Tensor:
+    """``E * sum_e (counts_e / tokens) * (prob_sum_e / tokens)`` (module docstring):
+    ``counts`` the slots routed to each expert, ``prob_sum`` each expert's summed router
+    probability, over ``tokens`` tokens."""
+    experts = counts.numel()
+    if isinstance(tokens, int) and tokens == 0:
+        return prob_sum.sum() * 0.0
+    f = counts.to(torch.float32) / tokens
+    p = prob_sum.to(torch.float32) / tokens
+    return experts * torch.sum(f * p)
+
+
+def _grouped_mm() -> Callable[..., torch.Tensor] | None:
+    """torch's grouped GEMM: ``F.grouped_mm`` (torch 2.13), ``torch._grouped_mm`` before."""
+    return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+_GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # what it takes on the CPU
+
+
+def can_group(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether torch's grouped GEMM takes these operands: every row 16-byte aligned, and
+    on CUDA bf16 on sm90+ (its kernels' constraint); on CPU fp32, bf16 or fp16."""
+    if _grouped_mm() is None or x.dtype not in _GROUPED_DTYPES:
+        return False
+    if x.is_cuda and (x.dtype != torch.bfloat16
+                      or torch.cuda.get_device_capability(x.device) < (9, 0)):
+        return False
+    dims = [x.shape[-1]] + [d for w in weights for d in w.shape[1:]]
+    return all(d * x.element_size() % 16 == 0 for d in dims)
+
+
+def expert_ffn(x: torch.Tensor, sizes: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
+               w2: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor], *,
+               grouped: bool | None = None) -> torch.Tensor:
+    """SwiGLU experts on rows sorted by expert: rows ``[offset_e, offset_e + sizes[e])``
+    of ``x [N, hidden]`` go through expert ``e`` of the stacked ``w1``, ``w3``
+    ``[E, ffn, hidden]`` and ``w2 [E, hidden, ffn]``; returns ``[N, hidden]``. One grouped
+    GEMM per projection where torch has one for these operands (``can_group``; ``grouped``
+    forces the choice), else a loop over the experts."""
+    if grouped is None:
+        grouped = can_group(x, w1, w3, w2)
+    if grouped:
+        mm = _grouped_mm()
+        offs = torch.cumsum(sizes, 0).to(torch.int32)
+        h = (act(mm(x, w1.transpose(-2, -1), offs=offs))
+             * mm(x, w3.transpose(-2, -1), offs=offs))
+        return mm(h, w2.transpose(-2, -1), offs=offs)
+    # Every expert, even one with no rows: its weights then get zero gradients, not None.
+    outs = [F.linear(act(F.linear(rows, w1[e])) * F.linear(rows, w3[e]), w2[e])
+            for e, rows in enumerate(torch.split(x, sizes.tolist()))]
+    return torch.cat(outs)
+
+
+def _keep_within_capacity(sorted_experts: torch.Tensor, counts: torch.Tensor,
+                          keep: torch.Tensor) -> torch.Tensor:
+    """For slots sorted by expert (``counts`` per expert), which ones are among the first
+    ``keep[e]`` of their expert."""
+    starts = torch.cumsum(counts, 0) - counts
+    position = torch.arange(sorted_experts.numel(), device=counts.device) - starts[sorted_experts]
+    return position < keep[sorted_experts]
+
+
+class MoE(nn.Module):
+    """The MoE block (module docstring). ``forward(x) -> MoEOutput``. ``first_expert`` and
+    ``local_experts`` say which experts this module holds (all, unless expert parallelism
+    built it, ``parallel.ep``)."""
+
+    rank = 0        # this process's row of ``exchange_counts`` (an EP rank sets its own)
+
+    def __init__(self, config: MoEConfig, *, first_expert: int = 0,
+                 local_experts: int | None = None):
+        super().__init__()
+        self.config = config
+        self.first_expert = first_expert
+        self.local_experts = config.experts if local_experts is None else local_experts
+        if not (0 <= first_expert and self.local_experts >= 1
+                and first_expert + self.local_experts <= config.experts):
+            raise ValueError(f"experts {first_expert}..{first_expert + self.local_experts - 1}"
+                             f" are not among the block's {config.experts}")
+        n, h, f = self.local_experts, config.hidden, config.ffn
+        self.act = activation(config.act)
+        self.router = nn.Linear(h, config.experts, bias=False)
+        self.w1 = nn.Parameter(torch.empty(n, f, h))
+        self.w3 = nn.Parameter(torch.empty(n, f, h))
+        self.w2 = nn.Parameter(torch.empty(n, h, f))
+        self.shared = MLP(h, config.shared_ffn, swiglu=True, act=config.act) \
+            if config.shared_ffn else None
+        self.shared_gate = nn.Linear(h, 1, bias=False) if config.shared_gate else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Experts as ``nn.Linear`` initialises its weights (uniform, bound 1/sqrt(in))."""
+        for w in (self.w1, self.w3, self.w2):
+            bound = 1.0 / math.sqrt(w.shape[-1])
+            nn.init.uniform_(w, -bound, bound)
+
+    # -- the steps ------------------------------------------------------------------------
+
+    def route(self, x: torch.Tensor) -> Routing:
+        """The router on ``x [T, hidden]``."""
+        logits = F.linear(x, self.router.weight)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, self.config.top_k, dim=-1)
+        if self.config.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return Routing(logits, probs, weights.to(x.dtype), experts)
+
+    def exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """Every process's slots per expert ``[processes, E]``, this one's row at
+        ``self.rank``: here, this process alone (expert parallelism gathers its group's)."""
+        return counts[None]
+
+    def reduce_prob_sum(self, prob_sum: torch.Tensor) -> torch.Tensor:
+        """The summed router probabilities over the processes that share the aux loss
+        (here, this one)."""
+        return prob_sum
+
+    def experts_forward(self, x: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+        """The local experts on rows sorted by expert, ``sizes[e]`` rows each."""
+        return expert_ffn(x, sizes, self.w1, self.w3, self.w2, self.act)
+
+    def run_experts(self, x: torch.Tensor, routing: Routing, kept_counts: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each slot's expert output ``[T * k, hidden]`` (zero where dropped) and the kept
+        mask ``[T * k]``; ``kept_counts [processes, E]``: the slots each process keeps for
+        each expert (its first ones in token order), all experts local here."""
+        if self.local_experts != self.config.experts:
+            raise RuntimeError(f"this block holds {self.local_experts} of the "
+                               f"{self.config.experts} experts: run it as "
+                               f"parallel.ep.ExpertParallelMoE over its EP group")
+        rows = self.kept_slots(routing, kept_counts[self.rank])
+        y = self.experts_forward(x[rows // self.config.top_k], kept_counts[self.rank])
+        return self.scatter_slots(x, routing, rows, y)
+
+    def kept_slots(self, routing: Routing, keep: torch.Tensor) -> torch.Tensor:
+        """This process's kept slots sorted by expert, then token (``keep[e]``: the first
+        slots of expert ``e`` it keeps)."""
+        flat = routing.experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        sorted_experts = flat[order]
+        counts = torch.bincount(flat, minlength=self.config.experts)
+        return order[_keep_within_capacity(sorted_experts, counts, keep)]
+
+    @staticmethod
+    def scatter_slots(x: torch.Tensor, routing: Routing, rows: torch.Tensor,
+                      y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert outputs ``y`` of slots ``rows`` placed at their slots (zero elsewhere),
+        and the kept mask."""
+        n = routing.experts.numel()
+        slots = x.new_zeros(n, x.shape[-1]).index_copy(0, rows, y)
+        kept = torch.zeros(n, dtype=torch.bool, device=x.device).index_fill(0, rows, True)
+        return slots, kept
+
+    def forward(self, x: torch.Tensor) -> MoEOutput:
+        cfg = self.config
+        shape = x.shape
+        x2 = x.reshape(-1, cfg.hidden)
+        tokens = x2.shape[0]
+        routing = self.route(x2)
+        counts = torch.bincount(routing.experts.reshape(-1), minlength=cfg.experts)
+        all_counts = self.exchange_counts(counts)
+        g_counts = all_counts.sum(0)
+        g_tokens = int(g_counts.sum()) // cfg.top_k      # every token has k slots
+        aux = load_balancing_loss(g_counts, self.reduce_prob_sum(routing.probs.sum(0)),
+                                  g_tokens)
+        if cfg.capacity_factor is None:
+            kept_counts = all_counts
+            dropped = torch.zeros((), dtype=torch.int64, device=x.device)
+        else:
+            cap = capacity(cfg.capacity_factor, g_tokens, cfg.top_k, cfg.experts)
+            kept_counts = keep_counts(all_counts, cap)
+            dropped = (g_counts - cap).clamp(min=0).sum()
+        slots, kept = self.run_experts(x2, routing, kept_counts)
+        weighted = slots * routing.weights.reshape(-1, 1)
+        token = torch.arange(tokens, device=x.device).repeat_interleave(cfg.top_k)
+        out = x2.new_zeros(x2.shape).index_add(0, token, weighted)
+        if self.shared is not None:
+            shared = self.shared(x2)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(self.shared_gate(x2)) * shared
+            out = out + shared
+        return MoEOutput(out.reshape(shape), routing.logits, aux, dropped,
+                         kept.reshape(tokens, cfg.top_k), g_counts)
+
+
+def keep_counts(all_counts: torch.Tensor, cap: int) -> torch.Tensor:
+    """The slots each process keeps for each expert ``[processes, E]`` when an expert
+    takes ``cap``, the first ones in (process, token) order: what the processes before it
+    leave, at most its own."""
+    before = torch.cumsum(all_counts, 0) - all_counts
+    return (cap - before).clamp(min=0).minimum(all_counts)
+
+
+# ---- Hugging Face names -----------------------------------------------------------------
+
+# The Hub's per-expert layout: (block prefix, router, expert's gate/up/down, shared expert).
+HF_MOE_FAMILIES = {
+    "qwen2_moe": ("mlp.", "gate", ("gate_proj", "up_proj", "down_proj"),
+                  ("shared_expert", "shared_expert_gate")),
+    "qwen3_moe": ("mlp.", "gate", ("gate_proj", "up_proj", "down_proj"), None),
+    "mixtral": ("block_sparse_moe.", "gate", ("w1", "w3", "w2"), None),
+}
+_FUSED_PREFIX = "mlp."      # transformers 5 keeps every family's block as ``mlp``
+
+
+def _family(family: str) -> tuple:
+    if family not in HF_MOE_FAMILIES:
+        raise ValueError(f"no MoE layout for the model family {family!r}: give one of "
+                         f"{', '.join(sorted(HF_MOE_FAMILIES))}")
+    return HF_MOE_FAMILIES[family]
+
+
+def hf_moe_keys(family: str, config: MoEConfig, experts: range | None = None
+                ) -> dict[str, tuple[str, ...]]:
+    """dtdsl's block parameter names mapped to the Hub checkpoint keys of one decoder
+    layer (relative to ``model.layers.N.``): one key each, but ``w1``, ``w3`` and ``w2``,
+    whose slice ``i`` is expert ``experts[i]``'s key (``experts``: the experts this rank
+    holds, all by default)."""
+    prefix, router, (gate, up, down), shared = _family(family)
+    experts = range(config.experts) if experts is None else experts
+    out: dict[str, tuple[str, ...]] = {"router.weight": (f"{prefix}{router}.weight",)}
+    for mine, theirs in (("w1", gate), ("w3", up), ("w2", down)):
+        out[mine] = tuple(f"{prefix}experts.{e}.{theirs}.weight" for e in experts)
+    if config.shared_ffn:
+        if shared is None:
+            raise ValueError(f"a {family} block has no shared expert: give shared_ffn=0")
+        mlp, gate_name = shared
+        if not config.shared_gate:
+            raise ValueError(f"a {family} block's shared expert has a gate "
+                             f"({prefix}{gate_name}): give shared_gate=True")
+        for mine, theirs in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
+            out[f"shared.{mine}.weight"] = (f"{prefix}{mlp}.{theirs}.weight",)
+        out["shared_gate.weight"] = (f"{prefix}{gate_name}.weight",)
+    return out
+
+
+def _fused_source(state: Mapping[str, torch.Tensor], mine: str,
+                  config: MoEConfig, experts: range) -> torch.Tensor | None:
+    """``w1``/``w3``/``w2`` from transformers 5's in-memory stacked layout
+    (``mlp.experts.gate_up_proj [E, 2 ffn, hidden]``, ``mlp.experts.down_proj``), or None
+    when ``state`` does not have it."""
+    key = _FUSED_PREFIX + ("experts.down_proj" if mine == "w2" else "experts.gate_up_proj")
+    if key not in state:
+        return None
+    t = state[key][experts.start:experts.stop]
+    if mine == "w2":
+        return t
+    f = config.ffn
+    return t[:, :f] if mine == "w1" else t[:, f:2 * f]
+
+
+def load_hf_moe(state: Mapping[str, torch.Tensor], family: str, config: MoEConfig,
+                experts: range | None = None) -> dict[str, torch.Tensor]:
+    """The block's parameters (``experts``' slices of the stacked ones) from one decoder
+    layer's tensors ``state`` (keys relative to ``model.layers.N.``), in the Hub's
+    per-expert layout (``hf_moe_keys``) or transformers 5's stacked one. KeyError naming
+    the key that is missing, ValueError for a tensor of the wrong shape."""
+    experts = range(config.experts) if experts is None else experts
+    keys = hf_moe_keys(family, config, experts)
+    out: dict[str, torch.Tensor] = {}
+    for mine, theirs in keys.items():
+        if mine in ("w1", "w3", "w2"):
+            t = _fused_source(state, mine, config, experts)
+            if t is None:
+                t = torch.stack([_get(state, k) for k in theirs])
+        else:
+            # transformers 5 calls every family's block ``mlp`` (Mixtral's Hub name differs).
+            t = _get(state, theirs[0], _FUSED_PREFIX + theirs[0].partition(".")[2])
+        out[mine] = t
+    _check_shapes(out, config, len(experts))
+    return out
+
+
+def _get(state: Mapping[str, torch.Tensor], key: str, *other: str) -> torch.Tensor:
+    for k in (key, *other):
+        if k in state:
+            return state[k]
+    raise KeyError(f"the checkpoint has no tensor {key!r}")
+
+
+def _check_shapes(params: Mapping[str, torch.Tensor], config: MoEConfig, n: int) -> None:
+    h, f, s = config.hidden, config.ffn, config.shared_ffn
+    want = {"router.weight": (config.experts, h), "w1": (n, f, h), "w3": (n, f, h),
+            "w2": (n, h, f), "shared.w1.weight": (s, h), "shared.w3.weight": (s, h),
+            "shared.w2.weight": (h, s), "shared_gate.weight": (1, h)}
+    for name, t in params.items():
+        if tuple(t.shape) != want[name]:
+            raise ValueError(f"the checkpoint's tensor for {name} has shape "
+                             f"{tuple(t.shape)}, the block expects {want[name]}: check the "
+                             f"config's expert count and widths")
+
+
+def to_hf_moe(params: Mapping[str, torch.Tensor], family: str, config: MoEConfig,
+              experts: range | None = None) -> dict[str, torch.Tensor]:
+    """The inverse of ``load_hf_moe``: the Hub's per-expert tensors of one decoder layer
+    from the block's parameters (``experts``: those the stacked ones hold)."""
+    experts = range(config.experts) if experts is None else experts
+    out: dict[str, torch.Tensor] = {}
+    for mine, theirs in hf_moe_keys(family, config, experts).items():
+        t = params[mine]
+        if mine in ("w1", "w3", "w2"):
+            for i, key in enumerate(theirs):
+                out[key] = t[i]
+        else:
+            out[theirs[0]] = t
+    return out
