@@ -501,6 +501,25 @@ instead. Today the runtime cannot train:
 
     encoder beats (audio) { ... }      # error: the runtime has no audio encoder yet
 """),
+    "DT612": Code("An audio encoder's fbank does not split into whole patches", """
+An audio encoder (BEATs-style) reads a log-mel / fbank spectrogram of `mel_bins`
+frequency bins (default 128) and cuts it into `patch x patch` patches along time
+and frequency: a clip of T frames gives (T / patch) x (mel_bins / patch) tokens.
+`patch` must divide `mel_bins`.
+
+    arch = transformer(layers=12, hidden=768, heads=12, patch=16, in_channels=1,
+                       mel_bins=100)    # error: 16 does not divide 100; use 128
+"""),
+    "DT613": Code("temporal_patch on a module without frames", """
+`temporal_patch = k` makes a video encoder (Qwen2-VL style) cut its clip into
+patches of k frames x patch x patch pixels. Only an encoder that reads video has
+frames; on any other module the argument means nothing.
+
+    encoder vit (image) {
+      arch = transformer(layers=24, hidden=1024, heads=16, patch=14,
+                         temporal_patch=2)    # error: images have no frames
+    }
+"""),
 })
 
 
