@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dtdsl.data.modal import InputRule, drawn_tokens
 from dtdsl.ir import program as ir
 
 __all__ = ["ItemSet", "SampleSet", "attention_squares", "backbone_sizes", "draw",
@@ -105,16 +106,21 @@ class SampleSet:
 
 
 def _item_sizes(data: ir.Data, modality: str, total: int, rng: np.random.Generator,
-                generated: bool) -> np.ndarray:
-    """Tokens per item: image patches, audio frames, video frames x patches."""
+                generated: bool, rule: InputRule | None = None) -> np.ndarray:
+    """Tokens per item: image patches, audio and video tokens as the runtime's items have
+    them (``data.modal.drawn_tokens`` of the encoder's ``rule``: an audio clip's tokens
+    rounded to whole rows of patches, a video's frames rounded up to whole temporal
+    patches times its square frames' patches)."""
     if generated:
         return np.ones(total, dtype=np.int64)  # a generator's work is per item (fixed latent)
     if modality == "image":
         return draw(data.get("image", "patches"), total, rng)
+    if rule is None:
+        rule = InputRule(name="", modality=modality, patch=1, mel_bins=1)
     if modality == "audio":
-        return draw(data.get("audio", "frames"), total, rng)
+        return drawn_tokens(rule, draw(data.get("audio", "frames"), total, rng))
     frames = draw(data.get("video", "frames"), total, rng)
-    return frames * draw(data.get("video", "patches"), total, rng)
+    return drawn_tokens(rule, frames, draw(data.get("video", "patches"), total, rng))
 
 
 def draw_samples(program: ir.Program, n: int, seed: int = 0) -> SampleSet:
@@ -268,7 +274,8 @@ def _draw_documents(program: ir.Program, n: int, rng: np.random.Generator) -> Sa
     for module in program.modules:
         if module.role == "encoder" and module.modality not in items:
             counts = draw(data.get(module.modality, "count"), n, rng)
-            sizes = _item_sizes(data, module.modality, int(counts.sum()), rng, generated=False)
+            sizes = _item_sizes(data, module.modality, int(counts.sum()), rng, generated=False,
+                                rule=InputRule.of(program, module))
             backbone = backbone_sizes(program.image_tokens(), sizes) \
                 if module.modality == "image" else None
             items[module.modality] = ItemSet(counts=counts, sizes=sizes, backbone=backbone)

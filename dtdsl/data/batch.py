@@ -37,6 +37,7 @@ import torch
 
 from dtdsl.cost.samples import ItemSet, SampleSet
 from dtdsl.data.layout import layout_of, pack
+from dtdsl.data.modal import EncoderInputs, encoder_inputs
 from dtdsl.data.sample import (
     Sample,
     SampleSizes,
@@ -232,11 +233,12 @@ def reads_of(role: RankRole, plan: Plan, routing: Sequence[StepSamples]
     return out
 
 
-def _image_tokens(program: ir.Program) -> ir.ImageTokens:
-    """``Program.image_tokens``; ValueError for encoders the runtime has no data for
-    (``data.sample.image_encoder``)."""
+def _image_tokens(program: ir.Program) -> EncoderInputs:
+    """Every encoder's rule for its items' tokens (``data.modal.encoder_inputs``: an
+    image's as ``Program.image_tokens``); ValueError for encoders the runtime has no data
+    for (``data.sample.image_encoder``)."""
     image_encoder(program)
-    return program.image_tokens()
+    return encoder_inputs(program)
 
 
 def normalizer_of(program: ir.Program, sizes: Sequence[SampleSizes]) -> Normalizer:
@@ -251,19 +253,29 @@ def normalizer_of(program: ir.Program, sizes: Sequence[SampleSizes]) -> Normaliz
 def sample_set(program: ir.Program, sizes: Sequence[SampleSizes]) -> SampleSet:
     """The cost model's view of real samples: text tokens, and per encoder modality and
     generated modality the items' sizes (patches per image, and its tokens in the backbone
-    where the projector compresses them; one unit per generated item); of packed sequences
-    also their documents' squared lengths."""
-    tokens = _image_tokens(program)
+    where the projector compresses them; an audio or video clip's patches,
+    ``data.modal``; one unit per generated item); of packed sequences also their
+    documents' squared lengths. The cost model keys items by modality: the first encoder
+    of a modality gives its items."""
+    rules = _image_tokens(program)
+    tokens = program.image_tokens()
     items: dict[str, ItemSet] = {}
     for module in program.modules:
         if module.role == "encoder" and module.modality not in items:
-            shapes = [hw for sz in sizes for hw in sz.image_shapes]
-            items[module.modality] = ItemSet(
-                counts=np.array([len(sz.image_shapes) for sz in sizes], dtype=np.int64),
-                sizes=np.array([math.prod(tokens.grid(h, w)) for h, w in shapes],
-                               dtype=np.int64),
-                backbone=None if tokens.compress is None else
-                np.array([tokens(h, w) for h, w in shapes], dtype=np.int64))
+            if module.name == rules.image:
+                shapes = [hw for sz in sizes for hw in sz.image_shapes]
+                items[module.modality] = ItemSet(
+                    counts=np.array([len(sz.image_shapes) for sz in sizes], dtype=np.int64),
+                    sizes=np.array([math.prod(tokens.grid(h, w)) for h, w in shapes],
+                                   dtype=np.int64),
+                    backbone=None if tokens.compress is None else
+                    np.array([tokens(h, w) for h, w in shapes], dtype=np.int64))
+            else:
+                rule = rules.rule(module.name)
+                per = [sz.inputs.get(module.name, ()) for sz in sizes]
+                items[module.modality] = ItemSet(
+                    counts=np.array([len(p) for p in per], dtype=np.int64),
+                    sizes=np.array([rule.patches(x) for p in per for x in p], dtype=np.int64))
         elif module.role == "generator" and f"{module.modality}.gen" not in items:
             counts = np.array([sz.gen_counts.get(module.name, 0) for sz in sizes],
                               dtype=np.int64)
@@ -272,7 +284,7 @@ def sample_set(program: ir.Program, sizes: Sequence[SampleSizes]) -> SampleSet:
     squares = None
     if any(sz.doc_text is not None for sz in sizes):
         # Packed sequences: attention is priced per document (``flops.backbone_attention``).
-        squares = np.array([sum(n * n for _, n in layout_of(sz, tokens, program.train.seq_len)
+        squares = np.array([sum(n * n for _, n in layout_of(sz, rules, program.train.seq_len)
                                 .spans) for sz in sizes], dtype=float)
     return SampleSet(text_tokens=np.array([sz.text_tokens for sz in sizes], dtype=np.int64),
                      items=items, doc_squares=squares)

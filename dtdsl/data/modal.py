@@ -31,10 +31,14 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
 
 from dtdsl.ir import program as ir
+
+if TYPE_CHECKING:       # the cost model reads these rules without importing torch
+    import torch
 
 __all__ = ["EncoderInputs", "InputRule", "audio_rows", "drawn_tokens", "encoder_inputs",
            "video_frames"]
@@ -78,10 +82,15 @@ class InputRule:
             proj = next((p for p in program.projectors if p.source == module.name
                          and p.target == program.backbone.name), None)
             image = ir.ImageTokens(patch=patch, compress=proj.compress if proj else None)
+        mel_bins = getattr(arch, "mel_bins", 128)
+        if module.modality == "audio" and not getattr(arch, "patch", None):
+            # No patch (a spec for planning only; the runtime refuses it, DT601): a clip
+            # is its drawn tokens, unrounded.
+            mel_bins = patch = 1
         return InputRule(name=module.name, modality=module.modality or "image", patch=patch,
                          channels=getattr(arch, "in_channels", None) or
                          (1 if module.modality == "audio" else 3),
-                         mel_bins=getattr(arch, "mel_bins", 128),
+                         mel_bins=mel_bins,
                          temporal_patch=getattr(arch, "temporal_patch", 1), image=image)
 
     @property

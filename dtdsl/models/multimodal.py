@@ -116,6 +116,7 @@ __all__ = [
     "loss_normalizer",
     "loss_tokens",
     "microbatch_loss",
+    "packed_item_shapes",
     "packed_shapes",
     "scatter_sequence",
     "sequence_length",
@@ -261,6 +262,20 @@ def packed_shapes(sizes: Sequence[SampleSizes], patch: int, extra_tokens: int = 
         for h, w in sz.image_shapes:
             groups[(h, w)] = groups.get((h, w), 0) + 1
     return [(n, (h // patch) * (w // patch) + extra_tokens) for (h, w), n in groups.items()]
+
+
+def packed_item_shapes(sizes: Sequence[SampleSizes], rules: EncoderInputs, name: str,
+                       extra_tokens: int = 0) -> list[tuple[int, int]]:
+    """``packed_shapes`` for encoder ``name``'s items (``pack_items``' groups): the image
+    encoder's images, any other encoder's ``inputs[name]``, rows from its rule."""
+    if name == rules.image:
+        return packed_shapes(sizes, rules.image_tokens.patch, extra_tokens)
+    rule = rules.rule(name)
+    groups: dict[tuple[int, ...], int] = {}
+    for sz in sizes:
+        for shape in sz.inputs.get(name, ()):
+            groups[tuple(shape)] = groups.get(tuple(shape), 0) + 1
+    return [(n, rule.patches(shape) + extra_tokens) for shape, n in groups.items()]
 
 
 class Model(nn.Module):

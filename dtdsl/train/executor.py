@@ -116,12 +116,13 @@ import torch.distributed as dist
 from dtdsl.data.batch import BatchSource, LocalBatches, StepBatch
 from dtdsl.data.images import Pixels, pixel_norm
 from dtdsl.data.layout import SequenceLayout, layout_of
+from dtdsl.data.modal import EncoderInputs, encoder_inputs
 from dtdsl.data.sample import (
     PackedImages,
     Sample,
     SampleSizes,
     image_encoder,
-    pack_images,
+    pack_items,
     unpack_images,
 )
 from dtdsl.ir import program as ir
@@ -139,10 +140,12 @@ from dtdsl.models.multimodal import (
     encoder_input,
     encoder_layers,
     encoder_output,
+    encoder_items,
+    encoder_rows,
     generator_step,
-    image_tokens,
-    packed_shapes,
+    packed_item_shapes,
     scatter_sequence,
+    splice_items,
 )
 from dtdsl.parallel.broker import Broker, PendingSamples, StepSamples
 from dtdsl.parallel.device import to_device
@@ -169,7 +172,8 @@ class _Units:
         self.units = units
         self.vaes = vaes or {}
         self.patch = (enc.arch.patch or 1) if enc is not None else 1
-        self.image_tokens = program.image_tokens()
+        self.inputs: EncoderInputs = encoder_inputs(program)
+        self.image_tokens = self.inputs       # every encoder's items' rows (data.modal)
         self.seq_len = program.train.seq_len
         self.backbone = program.backbone.name
         self.gen_proj = {g.name: projector_between(program, program.backbone.name, g.name)
@@ -178,6 +182,11 @@ class _Units:
 
     def unit(self, name: str) -> torch.nn.Module:
         return self.units[name]
+
+
+class _PerPeer(dict):
+    """Per producing unit (an encoder), its per-sample tensors: a backbone first stage's
+    inputs and their gradients when several encoders feed it."""
 
 
 @dataclass
@@ -239,7 +248,7 @@ class StageExecutor:
                                         phased_run=_run_encoder)
         if len(self.stage.phased) > 1 or (self.stage.phased and any(
                 u.role == "encoder" and not u.phased for u in plan.units)):
-            raise NotImplementedError("the runtime models one image encoder: plan one "
+            raise NotImplementedError("a phased encoder runs as the only encoder: plan one "
                                       "phased encoder and no other")
         # Embeddings of the phased encoder's outputs for this replica's samples (on the
         # backbone's first stage, between the phases), as autograd leaves.
@@ -252,6 +261,9 @@ class StageExecutor:
         # last: the generators), on its own ranks and samples.
         hosted = {n: program.module(n).role for n in self.stage.hosted}
         self._hosted_encoder = next((n for n, r in hosted.items() if r == "encoder"), None)
+        if self._hosted_encoder and len(program.encoders) > 1:
+            raise NotImplementedError("a co-located encoder runs as the only encoder: plan "
+                                      "the encoders as their own units")
         self._hosted_generators = [n for n, r in hosted.items() if r == "generator"]
         self.dtype = self.stage.compute_dtype
         self._patch = self.model.patch
@@ -261,6 +273,11 @@ class StageExecutor:
             if self._hosted_encoder or self.stage.phased or self.role.role == "encoder" \
             else None
         self._image_tokens = self.model.image_tokens
+        self._inputs = self.model.inputs
+        # The encoder whose items this rank encodes: its own unit, or the one it hosts or
+        # runs phased (one at most, checked above).
+        self._encoder = self.role.unit if self.role.role == "encoder" else \
+            self._hosted_encoder or next(iter(self.stage.phased), None)
         self._width = program.backbone.arch.hidden
         self._build_optimizer()
         # fp16's dynamic loss scale (``optim.LossScale``): every loss's backward starts
@@ -563,6 +580,10 @@ class StageExecutor:
             self._send(a, j, mb.outbox, _FWD)
         elif kind is ActionKind.SEND_B:
             self._send(a, j, mb.input_grads, _BWD)
+            if isinstance(mb.input_grads, _PerPeer):     # one SEND_B per encoder
+                mb.input_grads.pop(a.peer_unit)
+                if mb.input_grads:
+                    return
             self.micro.pop(j, None)
         elif kind is ActionKind.RECV_F:
             assert a.peer_unit is not None
@@ -585,6 +606,8 @@ class StageExecutor:
         elif direction == _FWD:
             self.broker.send_forward(index, self.role.unit, a.peer_unit, payload, self.steps[j])
         else:
+            if isinstance(payload, _PerPeer):   # several encoders: this one's gradients
+                payload = payload[a.peer_unit]
             self.broker.send_backward(index, a.peer_unit, self.role.unit, payload,
                                       self.steps[j])
 
@@ -611,9 +634,10 @@ class StageExecutor:
         """The shape of one sample's tensor on the edge between this unit and ``peer``."""
         role = self.role.role
         peer_role = self.plan.unit(peer).role
-        width, tokens = self._width, self._image_tokens
+        width, rules = self._width, self._inputs
         if {role, peer_role} == {"encoder", "backbone"}:
-            return lambda i: TensorSpec((image_tokens(self._sizes(i), tokens), width),
+            name = self.role.unit if role == "encoder" else peer
+            return lambda i: TensorSpec((encoder_rows(self._sizes(i), rules, name), width),
                                         self.dtype)
         return lambda i: TensorSpec((sum(conditioning_rows(self._layout(i))), width),
                                     self.dtype)
@@ -625,7 +649,8 @@ class StageExecutor:
         if self.role.role == "encoder":
             arch = self.program.module(self.role.unit).arch
             return [TensorSpec((n, rows, arch.hidden), self.dtype)
-                    for n, rows in packed_shapes(sizes, self._patch, int(arch.cls_token))]
+                    for n, rows in packed_item_shapes(sizes, self._inputs, self.role.unit,
+                                                      int(arch.cls_token))]
         seq = max((self._layout(i).length for i in self._ids[j]), default=0)
         # Sequence parallelism: each TP rank sends its PP peer its piece of the sequence.
         tp = self.role.grid.tp
@@ -646,7 +671,7 @@ class StageExecutor:
     def _phased_embeds(self, i: int) -> torch.Tensor:
         """Sample ``i``'s embeddings from the forward phase (none for a sample without
         images), on the backbone's first stage."""
-        if image_tokens(self._sizes(i), self._image_tokens) == 0:
+        if self._rows(i) == 0:
             return torch.zeros(0, self._width, dtype=self.dtype, device=self.device)
         try:
             return self._phased_in[i]
@@ -654,6 +679,11 @@ class StageExecutor:
             raise RuntimeError(f"{self.role.unit}.s0: step {self.step}'s forward phase "
                                f"left sample {i} without embeddings; the routing and the "
                                "executor disagree") from None
+
+    def _rows(self, i: int) -> int:
+        """Sample ``i``'s rows from the encoder this rank encodes (hosts, runs phased)."""
+        assert self._encoder is not None
+        return encoder_rows(self._sizes(i), self._inputs, self._encoder)
 
     def _phase_share(self, name: str, stage: int) -> list[list[int]]:
         """Per microbatch step, the samples that the ranks of backbone stage ``stage`` of
@@ -666,11 +696,11 @@ class StageExecutor:
         """The samples with image embeddings in stage ``stage``'s share, in step order:
         the tensors of a phase's message between that stage and the first, in order."""
         return [i for ids in self._phase_share(name, stage) for i in ids
-                if image_tokens(self._sizes(i), self._image_tokens) > 0]
+                if self._rows(i) > 0]
 
     def _phase_specs(self, order: Sequence[int]) -> list[TensorSpec]:
         """The embeddings (or their gradients) of ``order``, from the samples' sizes."""
-        return [TensorSpec((image_tokens(self._sizes(i), self._image_tokens), self._width),
+        return [TensorSpec((self._rows(i), self._width),
                            self.dtype) for i in order]
 
     def _phase_label(self, name: str, direction: str, src: int, dst: int) -> str:
@@ -760,8 +790,7 @@ class StageExecutor:
     def _encoder_forward(self, j: int, mb: _Micro) -> None:
         role = self.role
         ids, samples = list(self._ids[j]), [self._sample(i) for i in self._ids[j]]
-        images = [to_device(list(s.images), self.device) for s in samples]
-        packed = pack_images(images, self._patch, self._pixels)
+        packed = self._pack(samples)
         if role.is_first_stage:
             xs = None
             mb.inputs = None
@@ -794,14 +823,19 @@ class StageExecutor:
                 # The co-located encoder embeds them inside the stage's forward; the
                 # zero-row placeholders below are replaced there.
                 extra["images"] = images
-                rows = [image_tokens(self._sizes(i), self._image_tokens) for i in ids]
+                rows = [self._rows(i) for i in ids]
                 embeds = {i: torch.zeros(0, self._width, dtype=self.dtype, device=self.device)
                           for i in ids}
             elif self.stage.phased:     # the phased encoder's, received before the pipeline
                 embeds = {i: self._phased_embeds(i) for i in ids}
+            elif len(mb.pending) > 1:
+                # Several encoders: each sample's rows of every one, as leaves per encoder
+                # (each gets its own gradients back), spliced in the layout's order.
+                leaves = {peer: {i: self._leaf(t[i]) for i in ids}
+                          for peer, t in ((p, q.wait()) for p, q in mb.pending.items())}
+                embeds = {i: splice_items({p: leaves[p][i] for p in leaves}, self._sizes(i),
+                                          self._inputs, self._layout(i)) for i in ids}
             elif mb.pending:
-                if len(mb.pending) != 1:
-                    raise NotImplementedError("the runtime models one image encoder")
                 (pending,) = mb.pending.values()
                 per_sample = pending.wait()
                 embeds = {i: self._leaf(per_sample[i]) for i in ids}
@@ -811,6 +845,8 @@ class StageExecutor:
             if images is None:
                 rows = [embeds[i].shape[0] for i in ids]
             mb.inputs = None if images is not None else embeds
+            if len(mb.pending) > 1:
+                mb.inputs = _PerPeer(leaves)
             tokens = [to_device(s.tokens, self.device) for s in samples]
             self.processed["text_tokens"] += sum(len(t) for t in tokens)
             self.processed["positions"] += sum(len(t) for t in tokens) + sum(rows)
@@ -848,11 +884,18 @@ class StageExecutor:
             mb.outputs = [y]
             mb.outbox = [y.detach(), targets]
 
+    def _pack(self, samples: Sequence[Sample]) -> PackedImages:
+        """The items of ``samples`` of the encoder this rank encodes, packed
+        (``data.sample.pack_items``: uint8 pixels normalised on the device)."""
+        assert self._encoder is not None
+        items = [to_device(list(encoder_items(s, self._inputs, self._encoder)), self.device)
+                 for s in samples]
+        return pack_items(items, self._inputs.rule(self._encoder), self._pixels)
+
     def _hosted_images(self, samples: Sequence[Sample]) -> PackedImages | None:
-        """The images of ``samples`` packed for the co-located (or phased) encoder (None
+        """The items of ``samples`` packed for the co-located (or phased) encoder (None
         when they have none), their patches counted."""
-        images = [to_device(list(s.images), self.device) for s in samples]
-        packed = pack_images(images, self._patch, self._pixels)
+        packed = self._pack(samples)
         if not packed.groups:
             return None
         self.processed["patches"] += sum(g.shape[0] * g.shape[1] for g in packed.groups)
@@ -931,7 +974,10 @@ class StageExecutor:
         def grad(x: torch.Tensor) -> torch.Tensor:
             return x.grad if x.grad is not None else torch.zeros_like(x)
 
-        if isinstance(mb.inputs, dict):
+        if isinstance(mb.inputs, _PerPeer):
+            mb.input_grads = _PerPeer({peer: {i: grad(x) for i, x in xs.items()}
+                                       for peer, xs in mb.inputs.items()})
+        elif isinstance(mb.inputs, dict):
             mb.input_grads = {i: grad(x) for i, x in mb.inputs.items()}
         else:
             mb.input_grads = [grad(x) for x in mb.inputs]

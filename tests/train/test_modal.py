@@ -1,0 +1,163 @@
+"""Several encoders of any modality in the runtime (issue 29): the tiny spec with an audio
+encoder, and with a video encoder too, trains with the schedule executor (gloo ranks) as
+the single-process reference does; every sample reaches every unit once a step; the cost
+model counts the runtime's tokens; a tiny counterpart of specs/audio_image.dt (two
+encoders, two generators) compiles and trains."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dtdsl.codegen.support import runtime_support
+from dtdsl.cost.samples import _draw_documents, draw
+from dtdsl.data.batch import SyntheticSource, normalizer_of, route_batch, sample_set
+from dtdsl.data.layout import layout_of
+from dtdsl.data.modal import drawn_tokens, encoder_inputs
+from dtdsl.data.sample import make_sample, sample_seed, sample_sizes
+from dtdsl.models.multimodal import build_model, encode, loss_normalizer, sample_sizes_of
+from tests.train.modal_specs import tiny_audio_image, tiny_modal
+from tests.train.test_executor import check, plan_for
+
+STEPS = 8
+
+
+def test_audio_items_are_fbank_patches_and_their_tokens_follow_the_rule():
+    program = tiny_modal(audio=True)
+    rule = encoder_inputs(program).rule("beats")
+    assert (rule.patch_dim, rule.columns) == (16, 4)
+    seen = 0
+    for i in range(64):
+        sample = make_sample(program, 0, i)
+        sizes = sample_sizes(program, 0, i)
+        for clip, shape in zip(sample.inputs["beats"], sizes.inputs["beats"], strict=True):
+            assert tuple(clip.shape) == shape and shape[1] == 16 and shape[0] % 4 == 0
+            assert rule.tokens(shape) == shape[0] // 4 * 4
+            seen += 1
+        # The layout places every clip's tokens: the sequence is text plus every item.
+        lay = layout_of(sizes, encoder_inputs(program), program.train.seq_len)
+        items = sum(rule.tokens(s) for s in sizes.inputs["beats"]) + \
+            sum(encoder_inputs(program)(h, w) for h, w in sizes.image_shapes)
+        assert lay.length == sizes.text_tokens + items
+    assert seen > 20
+
+
+def test_video_frames_round_up_to_whole_temporal_patches():
+    program = tiny_modal(audio=False, video=True)
+    rule = encoder_inputs(program).rule("clip")
+    assert rule.patch_dim == 3 * 2 * 4 * 4
+    assert rule.synthetic_shape(5, 9) == (6, 3, 12, 12)
+    assert rule.tokens((6, 3, 12, 12)) == 3 * 9
+    clip = torch.arange(2 * 3 * 8 * 8, dtype=torch.float32).view(1, 2, 3, 8, 8)
+    patches = rule.patchify(clip)
+    assert patches.shape == (1, 4, 96)
+    # The first patch: channel-major, then the two frames, then the 4x4 pixels.
+    want = clip[0, :, :, :4, :4].permute(1, 0, 2, 3).reshape(-1)
+    assert torch.equal(patches[0, 0], want)
+
+
+@pytest.mark.parametrize("video", [False, True])
+def test_cost_model_counts_the_runtime_tokens(video):
+    # The cost model draws an item's size and prices drawn_tokens of it; the runtime's
+    # synthetic item of that drawn size has exactly those tokens, per sample.
+    program = tiny_modal(audio=True, video=video)
+    rules = encoder_inputs(program)
+    for i in range(200):
+        sizes = sample_sizes(program, 3, i)
+        # Redraw the sample's stream as sample_sizes draws it: the drawn sizes.
+        rng = np.random.default_rng(sample_seed(program.train.seed, 3, i, "sizes"))
+        data = program.data
+        draw(data.get("text", "tokens"), 1, rng)
+        count = int(draw(data.get("image", "count"), 1, rng)[0])
+        if count:
+            draw(data.get("image", "patches"), count, rng)
+        for rule in rules.others:
+            m = rule.modality
+            n = int(draw(data.get(m, "count"), 1, rng)[0])
+            if not n:
+                continue
+            frames = draw(data.get(m, "frames"), n, rng)
+            patches = draw(data.get(m, "patches"), n, rng) if m == "video" else None
+            priced = drawn_tokens(rule, frames, patches)
+            kept = sizes.inputs[rule.name]
+            got = [rule.tokens(s) for s in kept]
+            assert got == priced[:len(kept)].tolist(), (i, rule.name)
+    # And the cost model's own draws follow the same rule: every audio item a whole
+    # number of patch rows, every video item whole temporal patches of square frames.
+    drawn = _draw_documents(program, 500, np.random.default_rng(0))
+    assert (drawn.items["audio"].sizes % rules.rule("beats").columns == 0).all()
+    if video:
+        assert set(np.unique(drawn.items["video"].sizes)) <= {
+            f * g for f in (1, 2, 3) for g in (4, 9)}
+
+
+def test_the_runtime_sample_set_prices_what_the_model_encodes():
+    program = tiny_modal(audio=True, video=True, batch=8)
+    sizes = SyntheticSource(program).sizes(0)
+    drawn = sample_set(program, sizes)
+    rules = encoder_inputs(program)
+    for key, name in (("audio", "beats"), ("video", "clip")):
+        assert drawn.items[key].tokens().tolist() == [
+            sum(rules.rule(name).patches(s) for s in sz.inputs[name]) for sz in sizes]
+
+
+def test_the_model_splices_every_encoder_at_its_items_places():
+    program = tiny_modal(audio=True, video=True, batch=8)
+    torch.manual_seed(0)
+    model = build_model(program)
+    samples = [make_sample(program, 0, i) for i in range(8)]
+    with torch.no_grad():
+        rows = encode(model, samples)
+    for s, r in zip(samples, rows, strict=True):
+        lay = layout_of(sample_sizes_of(s), model.image_tokens, program.train.seq_len)
+        assert r.shape[0] == sum(lay.image_tokens)
+    # The normaliser from sizes alone equals the model's from the tensors.
+    assert normalizer_of(program, SyntheticSource(program).sizes(0)) == \
+        loss_normalizer(model, samples)
+
+
+@pytest.mark.parametrize("policy", [frozenset(), frozenset({"intra", "inter"})])
+def test_every_sample_reaches_every_unit_once_a_step(policy):
+    from dtdsl.cost.model import build_cost_model
+    from dtdsl.sim.workload import WorkModel
+
+    program = tiny_modal(audio=True, video=True, batch=8)
+    plan = plan_for(program, ("vit", "encoder", 1, 2, 1), ("beats", "encoder", 1, 1, 1),
+                    ("clip", "encoder", 1, 2, 1), ("llm", "backbone", 1, 2, 1),
+                    ("gen", "generator", 1, 1, 1))
+    work = WorkModel(build_cost_model(program)) if policy else None
+    for step in range(3):
+        steps = route_batch(plan, program, SyntheticSource(program).sizes(step), policy,
+                            work)
+        ids = [i for s in steps for i in s.sample_ids]
+        assert sorted(ids) == list(range(8))
+        for u in plan.units:
+            replicas = [r for s in steps for r in s.assignment[u.name]]
+            assert len(replicas) == 8 and all(0 <= r < u.dp for r in replicas)
+
+
+def test_audio_encoder_trains_as_the_reference():
+    program = tiny_modal(audio=True, batch=8)
+    assert runtime_support(program) == []
+    check(program, plan_for(program, ("vit", "encoder", 1, 1, 1), ("beats", "encoder", 1, 1, 1),
+                            ("llm", "backbone", 1, 1, 1), ("gen", "generator", 1, 1, 1)),
+          steps=STEPS)
+
+
+def test_audio_and_video_encoders_train_as_the_reference():
+    program = tiny_modal(audio=True, video=True, batch=8)
+    assert runtime_support(program) == []
+    check(program, plan_for(program, ("vit", "encoder", 1, 1, 1), ("beats", "encoder", 1, 1, 1),
+                            ("clip", "encoder", 1, 1, 1), ("llm", "backbone", 1, 2, 1),
+                            ("gen", "generator", 1, 1, 1)), steps=STEPS)
+
+
+def test_tiny_audio_image_trains_as_the_reference():
+    # Two encoders and two generators (a frozen U-Net, an audio DiT), 1F1B over a
+    # two-stage backbone.
+    program = tiny_audio_image()
+    assert runtime_support(program) == []
+    check(program, plan_for(program, ("vit", "encoder", 1, 1, 1), ("beats", "encoder", 1, 1, 1),
+                            ("llm", "backbone", 1, 1, 2), ("sd", "generator", 1, 1, 1),
+                            ("audiogen", "generator", 1, 1, 1)), steps=STEPS)
