@@ -105,18 +105,27 @@ def _colocated(program: ir.Program, plan: Plan) -> list[Diagnostic]:
     for u in plan.units:
         if u.colocated and u.role != "backbone":
             out += _tp_conflicts(program, u, "co-located")
-    hosted = [u for u in plan.units if u.colocated and u.role == "encoder"]
-    if hosted and len(program.encoders) > 1:
-        others = [m.name for m in program.encoders if m.name != hosted[0].name]
-        out.append(Diagnostic.error(
-            _CODE, f"encoder {hosted[0].name} is co-located with the backbone beside "
-                   f"encoder {others[0]}; the runtime co-locates an encoder only when it is "
-                   "the spec's one encoder", program.module(hosted[0].name).span,
-            notes=["a co-located encoder runs inside the backbone's first stage, which "
-                   "splices one encoder's embeddings it makes itself"],
-            hint="plan the encoders as their own units (`dtc plan --placement "
-                 "disaggregated`), or keep one encoder"))
+    out += _shared_backbone(program, plan)
     return out
+
+
+def _shared_backbone(program: ir.Program, plan: Plan) -> list[Diagnostic]:
+    """DT601 for a second encoder on the backbone's ranks: the backbone's first stage runs
+    one co-located or phased encoder (the others, units of their own, send it their
+    embeddings)."""
+    placed = [u for u in plan.units if u.role == "encoder" and (u.colocated or u.phased)]
+    if len(placed) < 2:
+        return []
+    kind = {True: "co-located", False: "phased"}
+    return [Diagnostic.error(
+        _CODE, f"encoders {placed[0].name} ({kind[placed[0].colocated]}) and "
+               f"{placed[1].name} ({kind[placed[1].colocated]}) both run on the backbone's "
+               "ranks; the runtime runs one encoder there", program.module(placed[1].name).span,
+        notes=["the backbone's first stage runs one co-located or phased encoder and "
+               "splices its embeddings with those the other encoders' units send"],
+        hint="plan the other encoders as units of their own (`dtc plan --placement "
+             "disaggregated`), or compile with a plan that places one encoder on the "
+             "backbone")]
 
 
 def _tp_conflicts(program: ir.Program, u: UnitPlan, kind: str) -> list[Diagnostic]:
@@ -156,17 +165,6 @@ def _phased(program: ir.Program, plan: Plan) -> list[Diagnostic]:
             hint="compile without --plan, or plan with `dtc plan --placement phased` "
                  "(encoders only)"))
     phased = [u for u in plan.units if u.phased and u.role == "encoder"]
-    others = [u.name for u in plan.units if u.role == "encoder" and not u.phased] + \
-        [u.name for u in phased[1:]]
-    if phased and others:
-        out.append(Diagnostic.error(
-            _CODE, f"encoder {phased[0].name} is phased beside encoder {others[0]}; the "
-                   "runtime phases an encoder only when it is the spec's one encoder",
-            program.module(phased[0].name).span,
-            notes=["the backbone's first stage splices the phased encoder's embeddings "
-                   "alone"],
-            hint="plan the encoders as their own units (`dtc plan --placement "
-                 "disaggregated`), or keep one encoder"))
     for u in phased:
         out += _tp_conflicts(program, u, "phased")
     return out
@@ -216,7 +214,7 @@ def tp_placement(program: ir.Program, plan: Plan) -> list[Diagnostic]:
 def runtime_support(program: ir.Program, plan: Plan | None = None) -> list[Diagnostic]:
     """Errors (DT601) for what of ``program`` and ``plan`` the runtime cannot train yet: an
     encoder that is not a transformer over patches, an audio encoder without a patch
-    size, and with a plan: a co-located or phased encoder beside another encoder, the
+    size, and with a plan: two encoders co-located or phased on the backbone, the
     baseline's plans, interleaved units (vpp > 1), generators on more than one pipeline
     stage, co-located units placed other than on the backbone's
     first or last stage and phased units other than encoders on all the backbone's ranks

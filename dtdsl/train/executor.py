@@ -246,10 +246,9 @@ class StageExecutor:
                                         seed=self.seed, run=stage_run(self.role.role),
                                         initialize=initialize, phased=groups.phased,
                                         phased_run=_run_encoder)
-        if len(self.stage.phased) > 1 or (self.stage.phased and any(
-                u.role == "encoder" and not u.phased for u in plan.units)):
-            raise NotImplementedError("a phased encoder runs as the only encoder: plan one "
-                                      "phased encoder and no other")
+        if len(self.stage.phased) > 1:
+            raise NotImplementedError("one phased encoder: plan the other encoders as their "
+                                      "own units")
         # Embeddings of the phased encoder's outputs for this replica's samples (on the
         # backbone's first stage, between the phases), as autograd leaves.
         self._phased_in: dict[int, torch.Tensor] = {}
@@ -261,9 +260,10 @@ class StageExecutor:
         # last: the generators), on its own ranks and samples.
         hosted = {n: program.module(n).role for n in self.stage.hosted}
         self._hosted_encoder = next((n for n, r in hosted.items() if r == "encoder"), None)
-        if self._hosted_encoder and len(program.encoders) > 1:
-            raise NotImplementedError("a co-located encoder runs as the only encoder: plan "
-                                      "the encoders as their own units")
+        if len([n for n, r in hosted.items() if r == "encoder"]) > 1 or (
+                self._hosted_encoder and self.stage.phased):
+            raise NotImplementedError("one encoder runs on the backbone's ranks (co-located "
+                                      "or phased); plan the others as their own units")
         self._hosted_generators = [n for n, r in hosted.items() if r == "generator"]
         self.dtype = self.stage.compute_dtype
         self._patch = self.model.patch
@@ -819,34 +819,44 @@ class StageExecutor:
         if role.is_first_stage:
             samples = [self._sample(i) for i in ids]
             images = self._hosted_images(samples) if self._hosted_encoder else None
+            # The encoders of their own units: each sample's rows of every one, as
+            # autograd leaves per encoder (each gets its own gradients back).
+            leaves = {peer: {i: self._leaf(t[i]) for i in ids}
+                      for peer, t in ((p, q.wait()) for p, q in mb.pending.items())}
+            zero = torch.zeros(0, self._width, dtype=self.dtype, device=self.device)
             if images is not None:
-                # The co-located encoder embeds them inside the stage's forward; the
-                # zero-row placeholders below are replaced there.
+                # The co-located encoder embeds them inside the stage's forward, spliced
+                # there with the received ones (``_run_backbone``); the zero-row
+                # placeholders below are replaced there.
                 extra["images"] = images
-                rows = [self._rows(i) for i in ids]
-                embeds = {i: torch.zeros(0, self._width, dtype=self.dtype, device=self.device)
-                          for i in ids}
-            elif self.stage.phased:     # the phased encoder's, received before the pipeline
-                embeds = {i: self._phased_embeds(i) for i in ids}
-            elif len(mb.pending) > 1:
-                # Several encoders: each sample's rows of every one, as leaves per encoder
-                # (each gets its own gradients back), spliced in the layout's order.
-                leaves = {peer: {i: self._leaf(t[i]) for i in ids}
-                          for peer, t in ((p, q.wait()) for p, q in mb.pending.items())}
-                embeds = {i: splice_items({p: leaves[p][i] for p in leaves}, self._sizes(i),
-                                          self._inputs, self._layout(i)) for i in ids}
-            elif mb.pending:
-                (pending,) = mb.pending.values()
-                per_sample = pending.wait()
-                embeds = {i: self._leaf(per_sample[i]) for i in ids}
+                if leaves:
+                    extra["received"] = {p: [got[i] for i in ids] for p, got in leaves.items()}
+                    extra["sizes"] = [self._sizes(i) for i in ids]
+                embeds = {i: zero for i in ids}
             else:
-                embeds = {i: torch.zeros(0, self._width, dtype=self.dtype, device=self.device)
-                          for i in ids}
-            if images is None:
-                rows = [embeds[i].shape[0] for i in ids]
-            mb.inputs = None if images is not None else embeds
-            if len(mb.pending) > 1:
+                own: dict[str, Any] = {}
+                if self.stage.phased:   # the phased encoder's, received before the pipeline
+                    own = {next(iter(self.stage.phased)): {i: self._phased_embeds(i)
+                                                           for i in ids}}
+                parts = {**own, **leaves}
+                if len(parts) > 1:      # spliced in the order the layout places the items
+                    embeds = {i: splice_items({p: got[i] for p, got in parts.items()},
+                                              self._sizes(i), self._inputs, self._layout(i))
+                              for i in ids}
+                elif parts:
+                    (got,) = parts.values()
+                    embeds = dict(got)
+                else:
+                    embeds = {i: zero for i in ids}
+            rows = [sum(self._layout(i).image_tokens) for i in ids]
+            # What SEND_B sends each encoder: its leaves' gradients (none for the phased
+            # or co-located encoder, whose backward runs here).
+            if len(leaves) > 1 or (leaves and (images is not None or self.stage.phased)):
                 mb.inputs = _PerPeer(leaves)
+            elif leaves:
+                (mb.inputs,) = leaves.values()
+            else:
+                mb.inputs = None if images is not None else embeds
             tokens = [to_device(s.tokens, self.device) for s in samples]
             self.processed["text_tokens"] += sum(len(t) for t in tokens)
             self.processed["positions"] += sum(len(t) for t in tokens) + sum(rows)
@@ -1049,11 +1059,15 @@ def _run_backbone(module: Any, *, x: torch.Tensor | None = None,
                   targets: torch.Tensor | None = None,
                   loss_tokens: int | None = None,
                   loss_rows: torch.Tensor | None = None,
-                  generation: dict[str, Any] | None = None) -> tuple[Any, ...]:
+                  generation: dict[str, Any] | None = None,
+                  received: dict[str, Sequence[torch.Tensor]] | None = None,
+                  sizes: Sequence[SampleSizes] | None = None) -> tuple[Any, ...]:
     """A backbone stage's forward: ``(activations, targets)`` on an inner stage,
     ``(LM loss sum, final hidden states, {co-located generator: its loss sum})`` on the
     last. The first stage embeds ``tokens`` with ``image_embeds`` (received) or with
-    what its co-located encoder makes of ``images``; the last runs its co-located
+    what its co-located encoder makes of ``images``, spliced with the other encoders'
+    ``received`` rows (per encoder, per sample; ``sizes``: the samples'); the last runs
+    its co-located
     generators on ``generation`` (``_hosted_losses``)."""
     st = module.stage_state
     bb = module.units[st.role.unit]
@@ -1061,6 +1075,14 @@ def _run_backbone(module: Any, *, x: torch.Tensor | None = None,
     if x is None:
         if images is not None:      # the co-located encoder, in the same autograd graph
             image_embeds = _hosted_embeds(module, images)
+            if received:            # and the other encoders' (``received``): spliced
+                (name,) = _hosted(module, "encoder")
+                rules = encoder_inputs(st.program)
+                assert sizes is not None
+                image_embeds = [
+                    splice_items({name: made, **{p: r[b] for p, r in received.items()}},
+                                 sizes[b], rules, layouts[b])
+                    for b, made in enumerate(image_embeds)]
         assert image_embeds is not None and tokens is not None
         batch = backbone_input(bb, image_embeds, tokens, layouts)
         x, targets = scatter_sequence(bb, batch.embeds), batch.targets
