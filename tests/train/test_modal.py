@@ -161,3 +161,133 @@ def test_tiny_audio_image_trains_as_the_reference():
     check(program, plan_for(program, ("vit", "encoder", 1, 1, 1), ("beats", "encoder", 1, 1, 1),
                             ("llm", "backbone", 1, 1, 2), ("sd", "generator", 1, 1, 1),
                             ("audiogen", "generator", 1, 1, 1)), steps=STEPS)
+
+
+def test_co_located_audio_encoder_beside_an_image_encoder_unit():
+    # The backbone's first stage runs beats itself and splices its embeddings with
+    # those vit's unit sends, as `dtc plan` places tiny_audio_image.
+    from tests.train.test_colocated import colocate
+
+    program = tiny_modal(audio=True, batch=8)
+    plan = colocate(program, plan_for(program, ("vit", "encoder", 1, 1, 1),
+                                      ("beats", "encoder", 1, 1, 1),
+                                      ("llm", "backbone", 1, 1, 2),
+                                      ("gen", "generator", 1, 1, 1)), "beats")
+    assert runtime_support(program, plan) == []
+    check(program, plan, steps=STEPS)
+
+
+def _train_phased(rank: int, world: int, program, plan, losses, params) -> None:
+    """``plan``'s losses and parameters against the reference's."""
+    import math
+
+    from dtdsl.parallel.mesh import build_groups
+    from dtdsl.schedule.lower import lower
+    from dtdsl.train.executor import StageExecutor
+    from tests.train.test_executor import LOSS_RTOL, PARAM_RMS, PARAM_RTOL
+
+    groups = build_groups(plan)
+    ex = StageExecutor(program, plan, lower(plan, program), rank=rank, groups=groups)
+    results = ex.train(len(losses))
+    for r, want in zip(results, losses, strict=True):
+        assert math.isclose(r["loss"], want, rel_tol=LOSS_RTOL), (r["step"], r["loss"], want)
+    for name, p in ex.full_parameters().items():
+        init, want = params[name]
+        err = (p - want).norm().item()
+        assert err <= PARAM_RTOL * (want - init).norm().item() + 1e-7, (name, err)
+        assert err <= PARAM_RMS * want.numel() ** 0.5, (name, err)
+
+
+def test_phased_image_encoder_beside_an_audio_encoder_unit():
+    # vit runs phased on the backbone's ranks; beats, a unit of its own, sends the
+    # backbone's first stage its embeddings, spliced with the phased ones.
+    from tests.dist import run
+    from tests.train.test_executor import reference
+    from tests.train.test_phased import phase
+
+    program = tiny_modal(audio=True, batch=8)
+    plan = phase(program, plan_for(program, ("vit", "encoder", 1, 1, 1),
+                                   ("beats", "encoder", 1, 1, 1),
+                                   ("llm", "backbone", 1, 2, 1),
+                                   ("gen", "generator", 1, 1, 1)), "vit")
+    assert runtime_support(program, plan) == []
+    losses, params = reference(program, STEPS)
+    run(_train_phased, plan.gpus_used, program, plan, losses, params, timeout=300)
+
+
+def test_two_encoders_on_the_backbone_are_refused():
+    from tests.train.test_colocated import colocate
+
+    program = tiny_modal(audio=True, batch=8)
+    plan = colocate(program, plan_for(program, ("vit", "encoder", 1, 1, 1),
+                                      ("beats", "encoder", 1, 1, 1),
+                                      ("llm", "backbone", 1, 1, 1),
+                                      ("gen", "generator", 1, 1, 1)), "vit", "beats")
+    (d,) = runtime_support(program, plan)
+    assert d.code == "DT601" and "vit (co-located) and beats (co-located)" in d.message
+
+
+def test_the_wire_carries_audio_and_video_items(tmp_path):
+    # A worker's batch messages, read back, equal the batches a rank builds itself.
+    from dtdsl import cli
+    from dtdsl.data.batch import LocalBatches
+    from dtdsl.feed.worker import FeedContext, build_messages
+    from dtdsl.parallel.mesh import role_of
+    from tests.feed.test_feed import _Message
+    from dtdsl.feed.protocol import read_batch
+
+    spec = tmp_path / "modal.dt"
+    text = (tests_root() / "specs" / "tiny_cpu.dt").read_text()
+    spec.write_text(_modal_text(text))
+    bundle = tmp_path / "bundle"
+    assert cli.main(["compile", str(spec), "-o", str(bundle), "--synthetic",
+                     "--placement", "disaggregated", "--workers", "1"]) == 0
+    ctx = FeedContext(bundle)
+    units = [u.name for u in ctx.plan.units]
+    generators = [g.name for g in ctx.program.generators]
+    seen = 0
+    for step in (0, 1):
+        for rank, (meta, arrays) in enumerate(build_messages(ctx, step)):
+            got = read_batch(_Message(meta, arrays), units, generators)
+            want = LocalBatches(ctx.program, ctx.plan, role_of(ctx.plan, rank),
+                                policy=ctx.policy, work_model=ctx.work_model).batch(step)
+            assert got.sizes == want.sizes and got.normalizer == want.normalizer
+            assert got.samples.keys() == want.samples.keys()
+            for i, s in want.samples.items():
+                g = got.samples[i]
+                for k, items in s.inputs.items():
+                    assert len(g.inputs.get(k, ())) == len(items)
+                    for a, b in zip(g.inputs.get(k, ()), items, strict=True):
+                        assert torch.equal(a, b)
+                        seen += 1
+    assert seen > 0
+    # A message whose item does not have its sizes' shape is refused.
+    meta, arrays = build_messages(ctx, 0)[_rank_of(ctx, "beats")]
+    key = next(k for k in arrays if ".in.beats." in k and k.startswith("p"))
+    arrays = dict(arrays)
+    arrays[key] = arrays[key][:-4]
+    with pytest.raises(ValueError, match="expected uint8 or float32"):
+        read_batch(_Message(meta, arrays), units, generators)
+
+
+def tests_root():
+    from pathlib import Path
+
+    return Path(__file__).resolve().parents[2]
+
+
+def _modal_text(text: str) -> str:
+    from tests.train import modal_specs as m
+
+    text = text.replace("  backbone llm {", m._AUDIO + m._VIDEO + "  backbone llm {")
+    text = text.replace("projector vit -> llm : mlp(depth=2)",
+                        "projector vit -> llm : mlp(depth=2)\n  projector beats -> llm : "
+                        "mlp(depth=2)\n  projector clip -> llm : mlp(depth=2)")
+    text = text.replace("  image.gen_count", m._AUDIO_DATA + m._VIDEO_DATA + "  image.gen_count")
+    return text.replace("gpus          = 4", "gpus          = 6") \
+        .replace("gpus_per_node = 4", "gpus_per_node = 6")
+
+
+def _rank_of(ctx, unit: str) -> int:
+    u = ctx.plan.unit(unit)
+    return u.first_rank
