@@ -483,9 +483,11 @@ accept it, but `dtc compile` stops before writing a bundle because the runtime
 lacks a part it needs. The message names the part; the hint says what to write
 instead. Today the runtime cannot train:
 
-- an encoder of another modality than images (audio, video): only image (ViT)
-  encoders are modelled;
-- more than one image encoder;
+- an audio encoder without `patch` (the runtime cuts its fbank into
+  `patch x patch` patches; the planner prices `audio.frames` tokens without one),
+  or an encoder that is not a `transformer(...)` over patches;
+- two encoders on the backbone's ranks (co-located or phased): one runs there,
+  the others as units of their own (`dtc plan --placement disaggregated`);
 - interleaved pipeline schedules (a plan with vpp > 1, from
   `schedule = interleaved(...)`): use `schedule = 1f1b` or `gpipe`;
 - a generator on more than one pipeline stage: constrain it with
@@ -499,7 +501,9 @@ instead. Today the runtime cannot train:
   backbone's outputs, inside the pipeline), or a phased encoder a hand-edited
   plan gives other than the backbone's ranks, its TP and dp x pp replicas.
 
-    encoder beats (audio) { ... }      # error: the runtime has no audio encoder yet
+    encoder beats (audio) {
+      arch = transformer(layers=12, hidden=768, heads=12, in_channels=1)
+    }                                  # error: no patch to cut its fbank with
 """),
     "DT612": Code("An audio encoder's fbank does not split into whole patches", """
 An audio encoder (BEATs-style) reads a log-mel / fbank spectrogram of `mel_bins`
