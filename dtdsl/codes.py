@@ -486,8 +486,9 @@ instead. Today the runtime cannot train:
 - an audio encoder without `patch` (the runtime cuts its fbank into
   `patch x patch` patches; the planner prices `audio.frames` tokens without one),
   or an encoder that is not a `transformer(...)` over patches;
-- two encoders on the backbone's ranks (co-located or phased): one runs there,
-  the others as units of their own (`dtc plan --placement disaggregated`);
+- a phased encoder beside another encoder on the backbone's ranks (phased or
+  co-located): a phased encoder runs there alone; any number of co-located
+  encoders can;
 - interleaved pipeline schedules (a plan with vpp > 1, from
   `schedule = interleaved(...)`): use `schedule = 1f1b` or `gpipe`;
 - a generator on more than one pipeline stage: constrain it with

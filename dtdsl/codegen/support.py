@@ -110,22 +110,23 @@ def _colocated(program: ir.Program, plan: Plan) -> list[Diagnostic]:
 
 
 def _shared_backbone(program: ir.Program, plan: Plan) -> list[Diagnostic]:
-    """DT601 for a second encoder on the backbone's ranks: the backbone's first stage runs
-    one co-located or phased encoder (the others, units of their own, send it their
-    embeddings)."""
+    """DT601 for a phased encoder beside another on the backbone's ranks: the backbone's
+    first stage runs one phased encoder, or any number of co-located ones (the others,
+    units of their own, send it their embeddings)."""
     placed = [u for u in plan.units if u.role == "encoder" and (u.colocated or u.phased)]
-    if len(placed) < 2:
+    phased = [u for u in placed if u.phased]
+    if not phased or len(placed) < 2:
         return []
-    kind = {True: "co-located", False: "phased"}
+    other = next(u for u in placed if u is not phased[0])
+    kind = "phased" if other.phased else "co-located"
     return [Diagnostic.error(
-        _CODE, f"encoders {placed[0].name} ({kind[placed[0].colocated]}) and "
-               f"{placed[1].name} ({kind[placed[1].colocated]}) both run on the backbone's "
-               "ranks; the runtime runs one encoder there", program.module(placed[1].name).span,
-        notes=["the backbone's first stage runs one co-located or phased encoder and "
-               "splices its embeddings with those the other encoders' units send"],
-        hint="plan the other encoders as units of their own (`dtc plan --placement "
-             "disaggregated`), or compile with a plan that places one encoder on the "
-             "backbone")]
+        _CODE, f"encoder {phased[0].name} is phased and encoder {other.name} is {kind}, "
+               "both on the backbone's ranks; the runtime phases an encoder only as the "
+               "one encoder there", program.module(phased[0].name).span,
+        notes=["the backbone's first stage runs one phased encoder's forward and backward "
+               "phases around the pipeline; co-located encoders run inside its passes"],
+        hint="plan the other encoders as units of their own or co-located (`dtc plan "
+             "--placement colocated`), or compile with a plan that phases one encoder")]
 
 
 def _tp_conflicts(program: ir.Program, u: UnitPlan, kind: str) -> list[Diagnostic]:
@@ -214,7 +215,7 @@ def tp_placement(program: ir.Program, plan: Plan) -> list[Diagnostic]:
 def runtime_support(program: ir.Program, plan: Plan | None = None) -> list[Diagnostic]:
     """Errors (DT601) for what of ``program`` and ``plan`` the runtime cannot train yet: an
     encoder that is not a transformer over patches, an audio encoder without a patch
-    size, and with a plan: two encoders co-located or phased on the backbone, the
+    size, and with a plan: a phased encoder beside another on the backbone, the
     baseline's plans, interleaved units (vpp > 1), generators on more than one pipeline
     stage, co-located units placed other than on the backbone's
     first or last stage and phased units other than encoders on all the backbone's ranks

@@ -223,45 +223,29 @@ def encoder_items(sample: Sample, rules: EncoderInputs, name: str) -> tuple[torc
     return sample.images if name == rules.image else sample.inputs.get(name, ())
 
 
-def splice_items(parts: dict[str, torch.Tensor], sizes: SampleSizes, rules: EncoderInputs,
-                 layout: SequenceLayout) -> torch.Tensor:
-    """One sample's rows from every encoder (``parts[name]``: its items' rows, in the
-    encoder's item order) in the order ``layout`` places the items: what
-    ``backbone_input`` splices. A sample of the image encoder's items alone: its rows."""
+def splice_items(parts: dict[str, torch.Tensor], layout: SequenceLayout) -> torch.Tensor:
+    """One sample's rows from every encoder (``parts[key]``: its items' rows, in the
+    encoder's item order; keys as ``data.layout.placements`` names them) in the order
+    ``layout`` places the items: what ``backbone_input`` splices. Without item keys (one
+    encoder's items): the rows of the encoder that has any."""
     if not layout.items:
-        return parts[rules.image] if rules.image in parts else \
-            next(iter(parts.values()))
-    offsets: dict[str, list[int]] = {}
-    for name in parts:
-        if name == rules.image:
-            counts = [rules(h, w) for h, w in sizes.image_shapes]
-        else:
-            rule = rules.rule(name)
-            counts = [rule.tokens(shape) for shape in sizes.inputs.get(name, ())]
-        offsets[name] = [0]
-        for n in counts:
-            offsets[name].append(offsets[name][-1] + n)
-    pieces = [parts[key][offsets[key][k]:offsets[key][k + 1]] for key, k in layout.items]
-    if not pieces:
-        return next(iter(parts.values()))[:0]
-    return torch.cat(pieces)
-
-
-def sequence_length(sizes: SampleSizes, tokens: ir.ImageTokens, seq_len: int) -> int:
-    """The length of a sample's backbone sequence (``data.layout``'s rule)."""
-    return layout_of(sizes, tokens, seq_len).length
-
-
-def packed_shapes(sizes: Sequence[SampleSizes], patch: int, extra_tokens: int = 0
-                  ) -> list[tuple[int, int]]:
-    """``(images, rows)`` of every group ``pack_images`` makes of these samples' images, in
-    its order: what an encoder stage's activations look like, from sizes alone (``rows``:
-    an image's patches plus ``extra_tokens``, its class token)."""
-    groups: dict[tuple[int, int], int] = {}
-    for sz in sizes:
-        for h, w in sz.image_shapes:
-            groups[(h, w)] = groups.get((h, w), 0) + 1
-    return [(n, (h // patch) * (w // patch) + extra_tokens) for (h, w), n in groups.items()]
+        rows = [p for p in parts.values() if p.shape[0]]
+        if len(rows) > 1:
+            raise ValueError("rows of several encoders, but the layout names no items")
+        return rows[0] if rows else next(iter(parts.values()))
+    # Each encoder's items by index: their first row among its rows.
+    sizes: dict[str, dict[int, int]] = {}
+    for (key, k), n in zip(layout.items, layout.image_tokens, strict=True):
+        sizes.setdefault(key, {})[k] = n
+    start: dict[tuple[str, int], int] = {}
+    for key, by_index in sizes.items():
+        at = 0
+        for k in sorted(by_index):
+            start[(key, k)] = at
+            at += by_index[k]
+    pieces = [parts[key][start[(key, k)]:start[(key, k)] + n]
+              for (key, k), n in zip(layout.items, layout.image_tokens, strict=True)]
+    return torch.cat(pieces) if pieces else next(iter(parts.values()))[:0]
 
 
 def packed_item_shapes(sizes: Sequence[SampleSizes], rules: EncoderInputs, name: str,
@@ -424,7 +408,7 @@ def encode(model: Model, samples: Sequence[Sample]) -> list[torch.Tensor]:
     out = []
     for b, s in enumerate(samples):
         sizes = sample_sizes_of(s)
-        out.append(splice_items({n: p[b] for n, p in parts.items()}, sizes, rules,
+        out.append(splice_items({n: p[b] for n, p in parts.items()},
                                 layout_of(sizes, rules, model.seq_len)))
     return out
 

@@ -259,11 +259,13 @@ class StageExecutor:
         # Co-located modules this stage runs (a backbone's first stage: the encoder, its
         # last: the generators), on its own ranks and samples.
         hosted = {n: program.module(n).role for n in self.stage.hosted}
-        self._hosted_encoder = next((n for n, r in hosted.items() if r == "encoder"), None)
-        if len([n for n, r in hosted.items() if r == "encoder"]) > 1 or (
-                self._hosted_encoder and self.stage.phased):
-            raise NotImplementedError("one encoder runs on the backbone's ranks (co-located "
-                                      "or phased); plan the others as their own units")
+        # Co-located encoders, in forward order (their embeddings are spliced with the
+        # other encoders' received ones).
+        self._hosted_encoders = [n for n, r in hosted.items() if r == "encoder"]
+        self._hosted_encoder = self._hosted_encoders[0] if self._hosted_encoders else None
+        if self._hosted_encoder and self.stage.phased:
+            raise NotImplementedError("a phased encoder beside a co-located one: plan the "
+                                      "other encoders as their own units")
         self._hosted_generators = [n for n, r in hosted.items() if r == "generator"]
         self.dtype = self.stage.compute_dtype
         self._patch = self.model.patch
@@ -818,20 +820,25 @@ class StageExecutor:
             extra["generation"] = self._generation(ids)
         if role.is_first_stage:
             samples = [self._sample(i) for i in ids]
-            images = self._hosted_images(samples) if self._hosted_encoder else None
+            packs = {n: p for n in self._hosted_encoders
+                     if (p := self._hosted_images(samples, n)) is not None}
             # The encoders of their own units: each sample's rows of every one, as
             # autograd leaves per encoder (each gets its own gradients back).
             leaves = {peer: {i: self._leaf(t[i]) for i in ids}
                       for peer, t in ((p, q.wait()) for p, q in mb.pending.items())}
             zero = torch.zeros(0, self._width, dtype=self.dtype, device=self.device)
+            # One co-located encoder alone: its packed items; several, or beside received
+            # embeddings: per encoder (spliced in ``_run_backbone``).
+            images = None if not packs else next(iter(packs.values())) \
+                if len(packs) == 1 and not leaves and len(self._hosted_encoders) == 1 \
+                else packs
             if images is not None:
-                # The co-located encoder embeds them inside the stage's forward, spliced
+                # The co-located encoders embed them inside the stage's forward, spliced
                 # there with the received ones (``_run_backbone``); the zero-row
                 # placeholders below are replaced there.
                 extra["images"] = images
                 if leaves:
                     extra["received"] = {p: [got[i] for i in ids] for p, got in leaves.items()}
-                    extra["sizes"] = [self._sizes(i) for i in ids]
                 embeds = {i: zero for i in ids}
             else:
                 own: dict[str, Any] = {}
@@ -841,8 +848,7 @@ class StageExecutor:
                 parts = {**own, **leaves}
                 if len(parts) > 1:      # spliced in the order the layout places the items
                     embeds = {i: splice_items({p: got[i] for p, got in parts.items()},
-                                              self._sizes(i), self._inputs, self._layout(i))
-                              for i in ids}
+                                              self._layout(i)) for i in ids}
                 elif parts:
                     (got,) = parts.values()
                     embeds = dict(got)
@@ -894,18 +900,22 @@ class StageExecutor:
             mb.outputs = [y]
             mb.outbox = [y.detach(), targets]
 
-    def _pack(self, samples: Sequence[Sample]) -> PackedImages:
-        """The items of ``samples`` of the encoder this rank encodes, packed
-        (``data.sample.pack_items``: uint8 pixels normalised on the device)."""
-        assert self._encoder is not None
-        items = [to_device(list(encoder_items(s, self._inputs, self._encoder)), self.device)
+    def _pack(self, samples: Sequence[Sample], name: str | None = None) -> PackedImages:
+        """The items of ``samples`` of encoder ``name`` (default: the one this rank
+        encodes), packed (``data.sample.pack_items``: uint8 pixels normalised on the
+        device)."""
+        name = name or self._encoder
+        assert name is not None
+        items = [to_device(list(encoder_items(s, self._inputs, name)), self.device)
                  for s in samples]
-        return pack_items(items, self._inputs.rule(self._encoder), self._pixels)
+        return pack_items(items, self._inputs.rule(name), self._pixels)
 
-    def _hosted_images(self, samples: Sequence[Sample]) -> PackedImages | None:
-        """The items of ``samples`` packed for the co-located (or phased) encoder (None
-        when they have none), their patches counted."""
-        packed = self._pack(samples)
+    def _hosted_images(self, samples: Sequence[Sample], name: str | None = None
+                       ) -> PackedImages | None:
+        """The items of ``samples`` packed for co-located (or phased) encoder ``name``
+        (default: the one this rank runs; None when they have none), their patches
+        counted."""
+        packed = self._pack(samples, name)
         if not packed.groups:
             return None
         self.processed["patches"] += sum(g.shape[0] * g.shape[1] for g in packed.groups)
@@ -1024,10 +1034,13 @@ def _hosted(module: Any, role: str) -> list[str]:
     return [n for n in st.hosted if st.program.module(n).role == role]
 
 
-def _hosted_embeds(module: Any, packed: PackedImages) -> list[torch.Tensor]:
-    """Each sample's image tokens in backbone width from the stage's co-located encoder
-    and its projector: the whole encoder, as an encoder unit of one stage runs it."""
-    (name,) = _hosted(module, "encoder")
+def _hosted_embeds(module: Any, packed: PackedImages, name: str | None = None
+                   ) -> list[torch.Tensor]:
+    """Each sample's tokens in backbone width from the stage's co-located encoder
+    ``name`` (default: its one) and its projector: the whole encoder, as an encoder unit
+    of one stage runs it."""
+    if name is None:
+        (name,) = _hosted(module, "encoder")
     outs = _encoder_pass(module, name, packed.groups, first=True, last=True, start=0,
                          stop=None, grids=packed.grids)
     return unpack_images(packed, outs)
@@ -1053,36 +1066,33 @@ def _hosted_losses(module: Any, hidden: torch.Tensor, layouts: Sequence[Sequence
 
 def _run_backbone(module: Any, *, x: torch.Tensor | None = None,
                   image_embeds: Sequence[torch.Tensor] | None = None,
-                  images: PackedImages | None = None,
+                  images: PackedImages | dict[str, PackedImages] | None = None,
                   tokens: Sequence[torch.Tensor] | None = None,
                   layouts: Sequence[SequenceLayout] | None = None,
                   targets: torch.Tensor | None = None,
                   loss_tokens: int | None = None,
                   loss_rows: torch.Tensor | None = None,
                   generation: dict[str, Any] | None = None,
-                  received: dict[str, Sequence[torch.Tensor]] | None = None,
-                  sizes: Sequence[SampleSizes] | None = None) -> tuple[Any, ...]:
+                  received: dict[str, Sequence[torch.Tensor]] | None = None
+                  ) -> tuple[Any, ...]:
     """A backbone stage's forward: ``(activations, targets)`` on an inner stage,
     ``(LM loss sum, final hidden states, {co-located generator: its loss sum})`` on the
     last. The first stage embeds ``tokens`` with ``image_embeds`` (received) or with
-    what its co-located encoder makes of ``images``, spliced with the other encoders'
-    ``received`` rows (per encoder, per sample; ``sizes``: the samples'); the last runs
-    its co-located
+    what its co-located encoders make of ``images`` (per encoder where there are
+    several), spliced with the other encoders' ``received`` rows (per encoder, per
+    sample) in the layouts' order; the last runs its co-located
     generators on ``generation`` (``_hosted_losses``)."""
     st = module.stage_state
     bb = module.units[st.role.unit]
     assert layouts is not None
     if x is None:
-        if images is not None:      # the co-located encoder, in the same autograd graph
+        if isinstance(images, dict):    # several encoders: spliced in the layout's order
+            made = {n: _hosted_embeds(module, packed, n) for n, packed in images.items()}
+            rows = {**made, **(received or {})}
+            image_embeds = [splice_items({n: r[b] for n, r in rows.items()}, layouts[b])
+                            for b in range(len(layouts))]
+        elif images is not None:    # the co-located encoder, in the same autograd graph
             image_embeds = _hosted_embeds(module, images)
-            if received:            # and the other encoders' (``received``): spliced
-                (name,) = _hosted(module, "encoder")
-                rules = encoder_inputs(st.program)
-                assert sizes is not None
-                image_embeds = [
-                    splice_items({name: made, **{p: r[b] for p, r in received.items()}},
-                                 sizes[b], rules, layouts[b])
-                    for b, made in enumerate(image_embeds)]
         assert image_embeds is not None and tokens is not None
         batch = backbone_input(bb, image_embeds, tokens, layouts)
         x, targets = scatter_sequence(bb, batch.embeds), batch.targets

@@ -51,7 +51,7 @@ import gc
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -327,37 +327,49 @@ def _hosted_inputs(program: ir.Program, cost: Any, plan: Plan, role: Any, seq: i
                    ) -> tuple[list[Any], dict[str, Any]]:
     """The layouts of a backbone microbatch of ``micro_batch`` sequences of ``seq``
     positions, and the extra forward arguments of the co-located units its stage hosts:
-    the encoder's images (``images``, spread over the sequences, whose text fills the
-    rest) and each generator's targets (``generation``)."""
+    the encoders' items (``images``, spread over the sequences, whose text fills the
+    rest; per encoder where there are several) and each generator's targets
+    (``generation``)."""
     from dtdsl.data.layout import sequence_layout
     from dtdsl.data.sample import PackedImages
     from dtdsl.parallel.mesh import hosted_units
 
     b = program.train.micro_batch
     extra: dict[str, Any] = {}
-    per_sample = [0] * b
-    image_rows = 0
+    room = [seq] * b
+    items: list[list[tuple[str, int, int]]] = [[] for _ in range(b)]   # (encoder, k, rows)
+    packs: dict[str, Any] = {}
     for u in hosted_units(plan, role):
         if u.role == "encoder":
             im = _encoder_images(program, cost, u.name, cost.unit(u.name), 1.0, large)
-            image_rows = _item_rows(program, u.name, im.side)
-            # No sequence holds more images than fit in it.
-            fit = max(1, seq // max(1, image_rows))
-            per_sample = [min(c, fit) for c in _spread(im.n, b)]
+            rows = _item_rows(program, u.name, im.side)
+            # No sequence holds more items than fit in what the others left of it.
+            # (The first encoder puts one in each at least.)
+            per_sample = [min(c, max(int(r == seq), r // max(1, rows)))
+                          for c, r in zip(_spread(im.n, b), room, strict=True)]
+            for k, c in enumerate(per_sample):
+                items[k] += [(u.name, j, rows) for j in range(c)]
+                room[k] -= c * rows
             owners = tuple((k, j) for k, c in enumerate(per_sample) for j in range(c))
             group = torch.zeros(len(owners), im.side * im.side, im.width, dtype=dtype,
                                 device=device)
-            extra["images"] = PackedImages(groups=(group,), owners=(owners,),
-                                           counts=tuple(per_sample),
-                                           grids=((im.side, im.side),))
+            packs[u.name] = PackedImages(groups=(group,), owners=(owners,),
+                                         counts=tuple(per_sample),
+                                         grids=((im.side, im.side),))
         else:
             count = _generation_targets(program, u.name, cost.unit(u.name), 1.0, large)
             counts = _spread(count, b)
             extra.setdefault("generation", {})[u.name] = (
                 [_targets(program, u.name, c, device) for c in counts],
                 [(c,) for c in counts])
-    layouts = [sequence_layout(seq - c * image_rows, [image_rows] * c, [0] * c,
-                               [(0, seq - c * image_rows)], seq) for c in per_sample]
+    if packs:
+        # One encoder: its packed items; several: per encoder, spliced by the layouts.
+        extra["images"] = next(iter(packs.values())) if len(packs) == 1 else packs
+    layouts = []
+    for own, left in zip(items, room, strict=True):
+        lay = sequence_layout(left, [n for *_, n in own], [0] * len(own), [(0, left)], seq)
+        layouts.append(replace(lay, items=tuple((name, k) for name, k, _ in own))
+                       if len(packs) > 1 else lay)
     return layouts, extra
 
 

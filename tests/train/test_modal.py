@@ -215,16 +215,25 @@ def test_phased_image_encoder_beside_an_audio_encoder_unit():
     run(_train_phased, plan.gpus_used, program, plan, losses, params, timeout=300)
 
 
-def test_two_encoders_on_the_backbone_are_refused():
+def test_two_co_located_encoders_train_and_a_phased_one_beside_another_is_refused():
+    # Both encoders inside the backbone's first stage, spliced in the layout's order, as
+    # `dtc plan` places specs/audio_image.dt.
     from tests.train.test_colocated import colocate
+    from tests.train.test_phased import phase
 
     program = tiny_modal(audio=True, batch=8)
     plan = colocate(program, plan_for(program, ("vit", "encoder", 1, 1, 1),
                                       ("beats", "encoder", 1, 1, 1),
-                                      ("llm", "backbone", 1, 1, 1),
+                                      ("llm", "backbone", 1, 2, 1),
                                       ("gen", "generator", 1, 1, 1)), "vit", "beats")
-    (d,) = runtime_support(program, plan)
-    assert d.code == "DT601" and "vit (co-located) and beats (co-located)" in d.message
+    assert runtime_support(program, plan) == []
+    check(program, plan, steps=STEPS)
+    one = colocate(program, plan_for(program, ("vit", "encoder", 1, 1, 1),
+                                     ("beats", "encoder", 1, 1, 1),
+                                     ("llm", "backbone", 1, 2, 1),
+                                     ("gen", "generator", 1, 1, 1)), "beats")
+    (d,) = runtime_support(program, phase(program, one, "vit"))
+    assert d.code == "DT601" and "vit is phased and encoder beats is co-located" in d.message
 
 
 def test_the_wire_carries_audio_and_video_items(tmp_path):
@@ -291,3 +300,20 @@ def _modal_text(text: str) -> str:
 def _rank_of(ctx, unit: str) -> int:
     u = ctx.plan.unit(unit)
     return u.first_rank
+
+
+@pytest.mark.parametrize("spec", ["tiny", "specs/audio_image.dt"])
+def test_audio_image_specs_compile(tmp_path, spec):
+    # The planner co-locates encoders and generators on the backbone's ranks (the tiny
+    # one, one encoder of two): dtc compile writes a bundle for the plan it makes.
+    from dtdsl import cli
+    from tests.train.modal_specs import AUDIO_IMAGE
+
+    if spec == "tiny":
+        path = tmp_path / "tiny_audio_image.dt"
+        path.write_text(AUDIO_IMAGE)
+    else:
+        path = tests_root() / spec
+    assert cli.main(["compile", str(path), "-o", str(tmp_path / "bundle"),
+                     "--synthetic"]) == 0
+    assert (tmp_path / "bundle" / "launch.sh").exists()
