@@ -317,3 +317,21 @@ def test_audio_image_specs_compile(tmp_path, spec):
     assert cli.main(["compile", str(path), "-o", str(tmp_path / "bundle"),
                      "--synthetic"]) == 0
     assert (tmp_path / "bundle" / "launch.sh").exists()
+
+
+def test_a_dataset_cannot_feed_audio_or_video_encoders_yet(tmp_path, capsys):
+    # The readers fill images only: compiling against a dataset says so, at the
+    # spec's source line or for --data, instead of training the encoders on nothing.
+    from dtdsl import cli
+
+    data = tmp_path / "data"
+    assert cli.main(["data", "synth", str(tests_root() / "specs" / "tiny_cpu.dt"), "-o",
+                     str(data), "--samples", "8", "-q"]) == 0
+    spec = tmp_path / "modal.dt"
+    spec.write_text(_modal_text((tests_root() / "specs" / "tiny_cpu.dt").read_text())
+                    .replace('source = "data/tiny"', 'source = "data"'))
+    assert cli.main(["compile", str(spec), "-o", str(tmp_path / "b1")]) != 0
+    assert "DT601" in capsys.readouterr().err
+    assert cli.main(["compile", str(spec), "-o", str(tmp_path / "b2"), "--data",
+                     str(data)]) != 0
+    assert "not encoder beats (audio), clip (video)" in capsys.readouterr().err
