@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 
-from dtdsl.cost.samples import ItemSet, SampleSet
+from dtdsl.cost.samples import ItemSet, SampleSet, item_key
 from dtdsl.data.layout import layout_of, pack
 from dtdsl.data.modal import EncoderInputs, encoder_inputs
 from dtdsl.data.sample import (
@@ -255,16 +255,16 @@ def sample_set(program: ir.Program, sizes: Sequence[SampleSizes]) -> SampleSet:
     generated modality the items' sizes (patches per image, and its tokens in the backbone
     where the projector compresses them; an audio or video clip's patches,
     ``data.modal``; one unit per generated item); of packed sequences also their
-    documents' squared lengths. The cost model keys items by modality: the first encoder
-    of a modality gives its items."""
+    documents' squared lengths. Keys as the cost model's (``cost.samples.item_key``)."""
     rules = _image_tokens(program)
     tokens = program.image_tokens()
     items: dict[str, ItemSet] = {}
     for module in program.modules:
-        if module.role == "encoder" and module.modality not in items:
+        if module.role == "encoder":
+            key = item_key(program, module)
             if module.name == rules.image:
                 shapes = [hw for sz in sizes for hw in sz.image_shapes]
-                items[module.modality] = ItemSet(
+                items[key] = ItemSet(
                     counts=np.array([len(sz.image_shapes) for sz in sizes], dtype=np.int64),
                     sizes=np.array([math.prod(tokens.grid(h, w)) for h, w in shapes],
                                    dtype=np.int64),
@@ -273,9 +273,12 @@ def sample_set(program: ir.Program, sizes: Sequence[SampleSizes]) -> SampleSet:
             else:
                 rule = rules.rule(module.name)
                 per = [sz.inputs.get(module.name, ()) for sz in sizes]
-                items[module.modality] = ItemSet(
+                compress = rule.image is not None and rule.image.compress is not None
+                items[key] = ItemSet(
                     counts=np.array([len(p) for p in per], dtype=np.int64),
-                    sizes=np.array([rule.patches(x) for p in per for x in p], dtype=np.int64))
+                    sizes=np.array([rule.patches(x) for p in per for x in p], dtype=np.int64),
+                    backbone=np.array([rule.tokens(x) for p in per for x in p],
+                                      dtype=np.int64) if compress else None)
         elif module.role == "generator" and f"{module.modality}.gen" not in items:
             counts = np.array([sz.gen_counts.get(module.name, 0) for sz in sizes],
                               dtype=np.int64)

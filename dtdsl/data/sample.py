@@ -372,9 +372,10 @@ def sample_sizes(program: ir.Program, step: int, index: int) -> SampleSizes:
 
 def _draw_items(rule: InputRule, data: ir.Data, rng: np.random.Generator
                 ) -> tuple[tuple[int, ...], ...]:
-    """The shapes of one sample's items of a non-image-reader encoder (``rule``), drawn as
-    the cost model draws them (``cost.samples``): its modality's count, then each item's
-    size (audio frames, video frames then patches; a second image encoder's patches)."""
+    """The shapes of one sample's items of an encoder whose items are ``inputs``
+    (``rule``), drawn as the cost model draws them (``cost.samples``): its modality's
+    count, then each item's size (audio frames, video frames then patches; a second image
+    encoder's patches)."""
     m = rule.modality
     count = max(0, _draw_one(data.get(m, "count"), rng, f"{m}.count"))
     if not count:

@@ -335,3 +335,27 @@ def test_a_dataset_cannot_feed_audio_or_video_encoders_yet(tmp_path, capsys):
     assert cli.main(["compile", str(spec), "-o", str(tmp_path / "b2"), "--data",
                      str(data)]) != 0
     assert "not encoder beats (audio), clip (video)" in capsys.readouterr().err
+
+
+def test_two_image_encoders_train_as_the_reference():
+    # A second image encoder draws images of its own (its items are the sample's
+    # inputs), and the cost model places them in the sequence too.
+    from tests.specs import program as checked
+
+    text = (tests_root() / "specs" / "tiny_cpu.dt").read_text()
+    text = text.replace("  backbone llm {", "  encoder vit2 (image) {\n    arch = transformer("
+                        "layers=2, hidden=32, heads=2, ffn=64, patch=8)\n  }\n  backbone llm {")
+    text = text.replace("  projector vit -> llm : mlp(depth=2)",
+                        "  projector vit -> llm : mlp(depth=2)\n"
+                        "  projector vit2 -> llm : mlp(depth=2)")
+    program = checked(text)
+    program = program.model_copy(update={"train": program.train.model_copy(
+        update={"global_batch": 8})})
+    sizes = SyntheticSource(program).sizes(0)
+    assert sum(len(s.inputs["vit2"]) for s in sizes) > 0
+    drawn = sample_set(program, sizes)
+    assert drawn.items["image@vit2"].counts.tolist() == [len(s.inputs["vit2"]) for s in sizes]
+    assert runtime_support(program) == []
+    check(program, plan_for(program, ("vit", "encoder", 1, 1, 1), ("vit2", "encoder", 1, 1, 1),
+                            ("llm", "backbone", 1, 1, 1), ("gen", "generator", 1, 1, 1)),
+          steps=STEPS)
