@@ -359,3 +359,26 @@ def test_two_image_encoders_train_as_the_reference():
     check(program, plan_for(program, ("vit", "encoder", 1, 1, 1), ("vit2", "encoder", 1, 1, 1),
                             ("llm", "backbone", 1, 1, 1), ("gen", "generator", 1, 1, 1)),
           steps=STEPS)
+
+
+def test_packed_sequences_carry_every_encoders_items():
+    # Packed documents keep their audio and video clips, each at its document's place:
+    # the normaliser from sizes equals the model's, every row is encoded and spliced.
+    program = tiny_modal(audio=True, video=True, batch=4)
+    program = program.model_copy(update={"train": program.train.model_copy(
+        update={"packing": True})})
+    source = SyntheticSource(program)
+    sizes = source.sizes(0)
+    assert any(s.doc_text is not None and len(s.doc_text) > 1 for s in sizes)
+    samples = [source.sample(0, i) for i in range(4)]
+    for s, sz in zip(samples, sizes, strict=True):
+        assert sample_sizes_of(s).inputs == sz.inputs
+        assert [len(d.inputs["beats"]) for d in sz.docs()] == list(sz.doc_inputs["beats"])
+    torch.manual_seed(0)
+    model = build_model(program)
+    assert normalizer_of(program, sizes) == loss_normalizer(model, samples)
+    with torch.no_grad():
+        rows = encode(model, samples)
+    for r, sz in zip(rows, sizes, strict=True):
+        lay = layout_of(sz, model.image_tokens, program.train.seq_len)
+        assert r.shape[0] == sum(lay.image_tokens) and len(lay.items) == len(lay.image_tokens)
