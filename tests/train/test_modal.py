@@ -148,8 +148,10 @@ def test_audio_encoder_trains_as_the_reference():
 def test_audio_and_video_encoders_train_as_the_reference():
     program = tiny_modal(audio=True, video=True, batch=8)
     assert runtime_support(program) == []
+    # The video encoder on two pipeline stages: its packed clips' activations pass
+    # between them (``packed_item_shapes``).
     check(program, plan_for(program, ("vit", "encoder", 1, 1, 1), ("beats", "encoder", 1, 1, 1),
-                            ("clip", "encoder", 1, 1, 1), ("llm", "backbone", 1, 2, 1),
+                            ("clip", "encoder", 1, 1, 2), ("llm", "backbone", 1, 1, 1),
                             ("gen", "generator", 1, 1, 1)), steps=STEPS)
 
 
