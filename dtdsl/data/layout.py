@@ -8,10 +8,10 @@ before text token ``image_at[k]`` (``T``: after the text), and so does every oth
 encoder's item ``k`` (audio, video, a second image encoder: ``inputs_at[name][k]``, its
 tokens ``data.modal.InputRule.tokens``). The backbone's sequence lays them out in that
 order; items before the same text token go in the encoders' spec order, each encoder's
-in its own order (``placements``). Below, "image" means any encoder's item. ``trained`` names the text tokens that are
-next-token targets; each is predicted at the position just before it (an image's last
-token when it follows one), and a token at the sequence's first position is never a
-target (nothing precedes it).
+in its own order (``placements``). Below, "image" means any encoder's item. ``trained``
+names the text tokens that are next-token targets; each is predicted at the position
+just before it (an image's last token when it follows one), and a token at the sequence's
+first position is never a target (nothing precedes it).
 
 A sample longer than ``seq_len`` is cut at ``seq_len``: text tokens up to the cut stay, an
 image that does not fit whole is dropped with everything after it (``fit``; a sample whose

@@ -30,7 +30,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-
 from typing import TYPE_CHECKING
 
 import numpy as np

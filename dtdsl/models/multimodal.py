@@ -248,6 +248,23 @@ def splice_items(parts: dict[str, torch.Tensor], layout: SequenceLayout) -> torc
     return torch.cat(pieces) if pieces else next(iter(parts.values()))[:0]
 
 
+def sequence_length(sizes: SampleSizes, tokens: ir.ImageTokens, seq_len: int) -> int:
+    """The length of a sample's backbone sequence (``data.layout``'s rule)."""
+    return layout_of(sizes, tokens, seq_len).length
+
+
+def packed_shapes(sizes: Sequence[SampleSizes], patch: int, extra_tokens: int = 0
+                  ) -> list[tuple[int, int]]:
+    """``(images, rows)`` of every group ``pack_images`` makes of these samples' images, in
+    its order: what an encoder stage's activations look like, from sizes alone (``rows``:
+    an image's patches plus ``extra_tokens``, its class token)."""
+    groups: dict[tuple[int, int], int] = {}
+    for sz in sizes:
+        for h, w in sz.image_shapes:
+            groups[(h, w)] = groups.get((h, w), 0) + 1
+    return [(n, (h // patch) * (w // patch) + extra_tokens) for (h, w), n in groups.items()]
+
+
 def packed_item_shapes(sizes: Sequence[SampleSizes], rules: EncoderInputs, name: str,
                        extra_tokens: int = 0) -> list[tuple[int, int]]:
     """``packed_shapes`` for encoder ``name``'s items (``pack_items``' groups): the image

@@ -242,10 +242,10 @@ def test_the_wire_carries_audio_and_video_items(tmp_path):
     # A worker's batch messages, read back, equal the batches a rank builds itself.
     from dtdsl import cli
     from dtdsl.data.batch import LocalBatches
+    from dtdsl.feed.protocol import read_batch
     from dtdsl.feed.worker import FeedContext, build_messages
     from dtdsl.parallel.mesh import role_of
     from tests.feed.test_feed import _Message
-    from dtdsl.feed.protocol import read_batch
 
     spec = tmp_path / "modal.dt"
     text = (tests_root() / "specs" / "tiny_cpu.dt").read_text()
