@@ -33,7 +33,8 @@ def _encoders(program: ir.Program) -> list[Diagnostic]:
                 _CODE, f"the runtime has no {module.arch.kind} encoder: '{module.name}' must "
                 "be a transformer over patches", module.span,
                 hint=f"give {module.name} `arch = transformer(...)`"))
-        elif module.modality == "audio" and not module.arch.patch:
+        elif module.modality == "audio" and not module.arch.patch and \
+                getattr(module.arch, "stem", "patch") == "patch":
             out.append(Diagnostic.error(
                 _CODE, f"audio encoder '{module.name}' has no patch size: the runtime cuts "
                 "its fbank into patch x patch patches along time and mel bins",

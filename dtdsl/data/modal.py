@@ -13,7 +13,9 @@ An *item* is one input of one encoder: an image, an audio clip, a video clip.
   and frequency, ``(T/p)(M/p)`` tokens. The data block's ``audio.frames`` is tokens per
   clip (``ir.program.QUANTITIES``): a drawn clip of ``n`` tokens has
   ``rows = max(1, round(n / (M/p)))`` rows of patches, ``T = rows * p`` frames and
-  ``rows * (M/p)`` tokens (``audio_rows``, which the cost model applies too).
+  ``rows * (M/p)`` tokens (``audio_rows``, which the cost model applies too). An audio
+  tower with Whisper's convolutional stem reads a clip whole, ``[2 * P, M]`` (30 s,
+  ``P = max_source_positions``), and gives ``P`` tokens whatever ``audio.frames`` says.
 - video ``[F, 3, H, W]`` (Qwen2-VL style): patches of ``temporal_patch`` frames x
   ``patch x patch`` pixels, each flattened in (channel, frame, row, column) order,
   ``patch_dim = 3 * temporal_patch * p^2``; ``F`` is ``video.frames`` rounded up to a
@@ -70,6 +72,10 @@ class InputRule:
     mel_bins: int = 128             # audio
     temporal_patch: int = 1         # video
     image: ir.ImageTokens | None = None   # image: the projector's compression
+    # Audio towers with Whisper's convolutional stem (``TransformerArch.stem``): a clip is
+    # ``2 * positions`` frames of ``channels`` mel bins, read whole (no patches), and
+    # gives ``positions`` tokens. 0: a patch stem.
+    whisper_positions: int = 0
 
     @staticmethod
     def of(program: ir.Program, module: ir.Module) -> InputRule:
@@ -82,7 +88,8 @@ class InputRule:
                          and p.target == program.backbone.name), None)
             image = ir.ImageTokens(patch=patch, compress=proj.compress if proj else None)
         mel_bins = getattr(arch, "mel_bins", 128)
-        if module.modality == "audio" and not getattr(arch, "patch", None):
+        whisper = getattr(arch, "stem", "patch") == "whisper_conv"
+        if module.modality == "audio" and not getattr(arch, "patch", None) and not whisper:
             # No patch (a spec for planning only; the runtime refuses it, DT601): a clip
             # is its drawn tokens, unrounded.
             mel_bins = patch = 1
@@ -90,11 +97,15 @@ class InputRule:
                          channels=getattr(arch, "in_channels", None) or
                          (1 if module.modality == "audio" else 3),
                          mel_bins=mel_bins,
-                         temporal_patch=getattr(arch, "temporal_patch", 1), image=image)
+                         temporal_patch=getattr(arch, "temporal_patch", 1), image=image,
+                         whisper_positions=(getattr(arch, "max_source_positions", 0) or 0)
+                         if whisper else 0)
 
     @property
     def patch_dim(self) -> int:
         """The width of one flattened patch."""
+        if self.whisper_positions:
+            return self.channels            # a frame of mel bins
         t = self.temporal_patch if self.modality == "video" else 1
         return self.channels * t * self.patch ** 2
 
@@ -108,6 +119,8 @@ class InputRule:
         image's; an audio clip's (time, frequency); a video's (frames / temporal_patch
         x rows, columns)."""
         p = self.patch
+        if self.whisper_positions:
+            return shape[0] // 2, 1         # the stem's stride 2 over the frames
         if self.modality == "audio":
             return shape[-2] // p, shape[-1] // p
         if self.modality == "video":
@@ -129,6 +142,8 @@ class InputRule:
         """The tensor shape of a drawn item: image ``size`` patches; audio ``size`` tokens;
         video ``size`` frames of ``patches`` patches."""
         p = self.patch
+        if self.whisper_positions:      # every clip padded or cut to 30 s
+            return (2 * self.whisper_positions, self.channels)
         if self.modality == "audio":
             return (audio_rows(size, self.columns) * p, self.mel_bins)
         if self.modality == "video":
@@ -142,6 +157,8 @@ class InputRule:
         """Stacked items ``[B, *shape]`` to flattened patches ``[B, N, patch_dim]``, in the
         order of ``grid`` (a linear map of them is the patch embedding)."""
         p = self.patch
+        if self.whisper_positions:
+            return items                            # [B, T, M]: the stem reads frames
         if self.modality == "audio":
             items = items[:, None]                  # [B, 1, T, M]: a one-channel image
         if self.modality != "video":
@@ -210,6 +227,8 @@ def drawn_tokens(rule: InputRule, sizes: np.ndarray, patches: np.ndarray | None 
     tokens rounded to whole rows of patches; video ``sizes`` frames (rounded up to whole
     temporal patches) of ``patches`` patches (square grids); image patches as drawn."""
     sizes = np.asarray(sizes, dtype=np.int64)
+    if rule.whisper_positions:
+        return np.full(sizes.shape, rule.whisper_positions, dtype=np.int64)
     if rule.modality == "audio":
         return audio_rows(sizes, rule.columns) * rule.columns
     if rule.modality == "video":
