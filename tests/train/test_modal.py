@@ -384,3 +384,24 @@ def test_packed_sequences_carry_every_encoders_items():
     for r, sz in zip(rows, sizes, strict=True):
         lay = layout_of(sz, model.image_tokens, program.train.seq_len)
         assert r.shape[0] == sum(lay.image_tokens) and len(lay.items) == len(lay.image_tokens)
+
+
+@pytest.mark.skipif("stem" not in __import__("dtdsl.ir.program", fromlist=["x"])
+                    .TransformerArch.model_fields,
+                    reason="Whisper's stem arrives with the audio-io branch")
+def test_an_audio_tower_with_whispers_stem_trains_beside_the_vit():
+    # Whisper's stem reads whole clips of 2 x max_source_positions frames (no patches);
+    # the cost model prices max_source_positions tokens per clip, as the runtime runs.
+    program = tiny_modal(audio=True, batch=8)
+    whisper = {"stem": "whisper_conv", "max_source_positions": 6, "in_channels": 16,
+               "patch": None, "qkv_bias": True, "k_bias": False}
+    program = program.model_copy(update={"modules": tuple(
+        m.model_copy(update={"arch": m.arch.model_copy(update=whisper)})
+        if m.name == "beats" else m for m in program.modules)})
+    sizes = SyntheticSource(program).sizes(0)
+    assert {s for sz in sizes for s in sz.inputs["beats"]} == {(12, 16)}
+    assert set(sample_set(program, sizes).items["audio"].sizes.tolist()) == {6}
+    assert runtime_support(program) == []
+    check(program, plan_for(program, ("vit", "encoder", 1, 1, 1), ("beats", "encoder", 1, 1, 2),
+                            ("llm", "backbone", 1, 1, 1), ("gen", "generator", 1, 1, 1)),
+          steps=STEPS)
