@@ -248,7 +248,7 @@ def test_the_wire_carries_audio_and_video_items(tmp_path):
     from tests.feed.test_feed import _Message
 
     spec = tmp_path / "modal.dt"
-    text = (tests_root() / "specs" / "tiny_cpu.dt").read_text()
+    text = (_root() / "specs" / "tiny_cpu.dt").read_text()
     spec.write_text(_modal_text(text))
     bundle = tmp_path / "bundle"
     assert cli.main(["compile", str(spec), "-o", str(bundle), "--synthetic",
@@ -281,7 +281,7 @@ def test_the_wire_carries_audio_and_video_items(tmp_path):
         read_batch(_Message(meta, arrays), units, generators)
 
 
-def tests_root():
+def _root():
     from pathlib import Path
 
     return Path(__file__).resolve().parents[2]
@@ -315,7 +315,7 @@ def test_audio_image_specs_compile(tmp_path, spec):
         path = tmp_path / "tiny_audio_image.dt"
         path.write_text(AUDIO_IMAGE)
     else:
-        path = tests_root() / spec
+        path = _root() / spec
     assert cli.main(["compile", str(path), "-o", str(tmp_path / "bundle"),
                      "--synthetic"]) == 0
     assert (tmp_path / "bundle" / "launch.sh").exists()
@@ -327,10 +327,10 @@ def test_a_dataset_cannot_feed_audio_or_video_encoders_yet(tmp_path, capsys):
     from dtdsl import cli
 
     data = tmp_path / "data"
-    assert cli.main(["data", "synth", str(tests_root() / "specs" / "tiny_cpu.dt"), "-o",
+    assert cli.main(["data", "synth", str(_root() / "specs" / "tiny_cpu.dt"), "-o",
                      str(data), "--samples", "8", "-q"]) == 0
     spec = tmp_path / "modal.dt"
-    spec.write_text(_modal_text((tests_root() / "specs" / "tiny_cpu.dt").read_text())
+    spec.write_text(_modal_text((_root() / "specs" / "tiny_cpu.dt").read_text())
                     .replace('source = "data/tiny"', 'source = "data"'))
     assert cli.main(["compile", str(spec), "-o", str(tmp_path / "b1")]) != 0
     assert "DT601" in capsys.readouterr().err
@@ -344,7 +344,7 @@ def test_two_image_encoders_train_as_the_reference():
     # inputs), and the cost model places them in the sequence too.
     from tests.specs import program as checked
 
-    text = (tests_root() / "specs" / "tiny_cpu.dt").read_text()
+    text = (_root() / "specs" / "tiny_cpu.dt").read_text()
     text = text.replace("  backbone llm {", "  encoder vit2 (image) {\n    arch = transformer("
                         "layers=2, hidden=32, heads=2, ffn=64, patch=8)\n  }\n  backbone llm {")
     text = text.replace("  projector vit -> llm : mlp(depth=2)",
