@@ -405,3 +405,30 @@ def test_an_audio_tower_with_whispers_stem_trains_beside_the_vit():
     check(program, plan_for(program, ("vit", "encoder", 1, 1, 1), ("beats", "encoder", 1, 1, 2),
                             ("llm", "backbone", 1, 1, 1), ("gen", "generator", 1, 1, 1)),
           steps=STEPS)
+
+
+def test_a_checkpoint_resumes_with_the_audio_encoder_moved_onto_the_backbone(tmp_path):
+    # Saved with beats a unit of its own, resumed with it co-located (resharded by DCP):
+    # the losses and the final parameters are the reference's.
+    import json
+
+    from tests.dist import run
+    from tests.train.test_checkpoint import _phase
+    from tests.train.test_colocated import colocate
+    from tests.train.test_executor import reference
+
+    program = tiny_modal(audio=True, batch=8)
+    losses, params = reference(program, 4)
+    units = (("vit", "encoder", 1, 1, 1), ("beats", "encoder", 1, 1, 1),
+             ("llm", "backbone", 1, 1, 1), ("gen", "generator", 1, 1, 1))
+    own, hosted = plan_for(program, *units), colocate(program, plan_for(program, *units),
+                                                      "beats")
+    run_dir = tmp_path / "run"
+    for plan, saves, out in ((own, {2: "sync"}, tmp_path / "a.json"),
+                             (hosted, {}, tmp_path / "b.json")):
+        run(_phase, plan.gpus_used, program, plan, str(run_dir), 2, saves, str(out),
+            params if plan is hosted else None, timeout=240)
+    a, b = (json.loads((tmp_path / f"{x}.json").read_text()) for x in "ab")
+    assert (a["first"], b["first"]) == (0, 2)
+    for got, want in zip(a["losses"] + b["losses"], losses, strict=True):
+        assert got == pytest.approx(want, rel=1e-4)
