@@ -192,8 +192,9 @@ class SyntheticSource:
 
 
 def parts_of(role: RankRole, plan: Plan | None = None) -> frozenset[str]:
-    """What of its samples a rank reads: images on every encoder stage (their shapes
-    group the packed activations), tokens on the backbone's first stage, generation
+    """What of its samples a rank reads: images on every encoder stage (the ``images``
+    part is every encoder's items: the images and the other encoders' ``inputs``; their
+    shapes group the packed activations), tokens on the backbone's first stage, generation
     targets on a generator; and on a backbone stage that hosts co-located units of
     ``plan`` (``mesh.hosted_units``) what they read too: the encoder's images on its
     first stage, the generators' targets on its last. Nothing elsewhere."""
