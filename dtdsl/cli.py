@@ -735,10 +735,15 @@ def _data_ready(args: argparse.Namespace, result: FrontendResult, program: Progr
     """Whether the data a bundle will train on can be read: ``--data``, else the spec's
     source (DT314 at its line otherwise). A spec without a source needs ``--data`` or
     ``--synthetic``: a bundle never falls back to drawn samples by itself."""
-    from dtdsl.data.sources import data_diagnostics, is_synthetic, source_problem
+    from dtdsl.data.sources import (
+        data_diagnostics,
+        is_synthetic,
+        source_problem,
+        unread_encoders,
+    )
 
     if args.data is not None:
-        problem = source_problem(args.data, Path.cwd())
+        problem = source_problem(args.data, Path.cwd()) or unread_encoders(program)
         if problem is not None:
             raise UsageError(f"--data {args.data}: {problem}")
         if program.data.tokenizer is None and not is_synthetic(args.data, Path.cwd()):

@@ -483,9 +483,12 @@ accept it, but `dtc compile` stops before writing a bundle because the runtime
 lacks a part it needs. The message names the part; the hint says what to write
 instead. Today the runtime cannot train:
 
-- an encoder of another modality than images (audio, video): only image (ViT)
-  encoders are modelled;
-- more than one image encoder;
+- an audio encoder without `patch` (the runtime cuts its fbank into
+  `patch x patch` patches; the planner prices `audio.frames` tokens without one),
+  or an encoder that is not a `transformer(...)` over patches;
+- a phased encoder beside another encoder on the backbone's ranks (phased or
+  co-located): a phased encoder runs there alone; any number of co-located
+  encoders can;
 - interleaved pipeline schedules (a plan with vpp > 1, from
   `schedule = interleaved(...)`): use `schedule = 1f1b` or `gpipe`;
 - a generator on more than one pipeline stage: constrain it with
@@ -502,7 +505,28 @@ instead. Today the runtime cannot train:
   attention kernels exist (`dtdsl.parallel.cp`), the models and executor do not
   call them yet; constrain it with `cp(MODULE) == 1`.
 
-    encoder beats (audio) { ... }      # error: the runtime has no audio encoder yet
+    encoder beats (audio) {
+      arch = transformer(layers=12, hidden=768, heads=12, in_channels=1)
+    }                                  # error: no patch to cut its fbank with
+"""),
+    "DT612": Code("An audio encoder's fbank does not split into whole patches", """
+An audio encoder (BEATs-style) reads a log-mel / fbank spectrogram of `mel_bins`
+frequency bins (default 128) and cuts it into `patch x patch` patches along time
+and frequency: a clip of T frames gives (T / patch) x (mel_bins / patch) tokens.
+`patch` must divide `mel_bins`.
+
+    arch = transformer(layers=12, hidden=768, heads=12, patch=16, in_channels=1,
+                       mel_bins=100)    # error: 16 does not divide 100; use 128
+"""),
+    "DT613": Code("temporal_patch on a module without frames", """
+`temporal_patch = k` makes a video encoder (Qwen2-VL style) cut its clip into
+patches of k frames x patch x patch pixels. Only an encoder that reads video has
+frames; on any other module the argument means nothing.
+
+    encoder vit (image) {
+      arch = transformer(layers=24, hidden=1024, heads=16, patch=14,
+                         temporal_patch=2)    # error: images have no frames
+    }
 """),
     "DT620": Code("Context parallelism on a module without a sequence", """
 Context parallelism (`cp(MODULE)`) splits each sample's token sequence over cp

@@ -23,28 +23,26 @@ _CODE = "DT601"
 
 
 def _encoders(program: ir.Program) -> list[Diagnostic]:
+    """Encoders the runtime cannot feed: one that is not a transformer over patches, an
+    audio encoder without a patch size (its fbank is cut into ``patch x patch``
+    patches, ``data.modal``)."""
     out = []
-    image: list[ir.Module] = []
     for module in program.encoders:
-        if module.modality != "image":
+        if not isinstance(module.arch, ir.TransformerArch):
             out.append(Diagnostic.error(
-                _CODE, f"the runtime has no {module.modality} encoder yet: '{module.name}' "
-                f"reads {module.modality}, and only image encoders (ViT) are modelled",
+                _CODE, f"the runtime has no {module.arch.kind} encoder: '{module.name}' must "
+                "be a transformer over patches", module.span,
+                hint=f"give {module.name} `arch = transformer(...)`"))
+        elif module.modality == "audio" and not module.arch.patch and \
+                getattr(module.arch, "stem", "patch") == "patch":
+            out.append(Diagnostic.error(
+                _CODE, f"audio encoder '{module.name}' has no patch size: the runtime cuts "
+                "its fbank into patch x patch patches along time and mel bins",
                 module.span,
-                notes=["dtc plan and dtc simulate accept this spec; a bundle cannot train "
-                       "it yet"],
-                hint=f"to compile a bundle, remove encoder {module.name}, its projector and "
-                "the data quantities only it reads"))
-        else:
-            image.append(module)
-    for extra in image[1:]:
-        out.append(Diagnostic.error(
-            _CODE, f"the runtime models one image encoder, but the spec has "
-            f"{len(image)}: {', '.join(m.name for m in image)}", extra.span,
-            notes=["the runtime's samples carry one encoder's images, and the backbone "
-                   "reads one encoder's tokens"],
-            hint=f"to compile a bundle, keep one image encoder: remove '{extra.name}' and "
-            "its projector"))
+                notes=["dtc plan and dtc simulate price an audio clip by its drawn "
+                       "`audio.frames` tokens; a bundle needs the patch that makes them"],
+                hint=f"add patch=16 (BEATs, with mel_bins=128) to {module.name}'s "
+                     "transformer(...)"))
     return out
 
 
@@ -108,7 +106,28 @@ def _colocated(program: ir.Program, plan: Plan) -> list[Diagnostic]:
     for u in plan.units:
         if u.colocated and u.role != "backbone":
             out += _tp_conflicts(program, u, "co-located")
+    out += _shared_backbone(program, plan)
     return out
+
+
+def _shared_backbone(program: ir.Program, plan: Plan) -> list[Diagnostic]:
+    """DT601 for a phased encoder beside another on the backbone's ranks: the backbone's
+    first stage runs one phased encoder, or any number of co-located ones (the others,
+    units of their own, send it their embeddings)."""
+    placed = [u for u in plan.units if u.role == "encoder" and (u.colocated or u.phased)]
+    phased = [u for u in placed if u.phased]
+    if not phased or len(placed) < 2:
+        return []
+    other = next(u for u in placed if u is not phased[0])
+    kind = "phased" if other.phased else "co-located"
+    return [Diagnostic.error(
+        _CODE, f"encoder {phased[0].name} is phased and encoder {other.name} is {kind}, "
+               "both on the backbone's ranks; the runtime phases an encoder only as the "
+               "one encoder there", program.module(phased[0].name).span,
+        notes=["the backbone's first stage runs one phased encoder's forward and backward "
+               "phases around the pipeline; co-located encoders run inside its passes"],
+        hint="plan the other encoders as units of their own or co-located (`dtc plan "
+             "--placement colocated`), or compile with a plan that phases one encoder")]
 
 
 def _tp_conflicts(program: ir.Program, u: UnitPlan, kind: str) -> list[Diagnostic]:
@@ -148,13 +167,6 @@ def _phased(program: ir.Program, plan: Plan) -> list[Diagnostic]:
             hint="compile without --plan, or plan with `dtc plan --placement phased` "
                  "(encoders only)"))
     phased = [u for u in plan.units if u.phased and u.role == "encoder"]
-    others = [u for u in plan.units if u.role == "encoder" and not u.phased]
-    if phased and others:
-        out.append(Diagnostic.error(
-            _CODE, f"encoder {phased[0].name} is phased and encoder {others[0].name} is "
-                   "not; the runtime feeds the backbone one encoder's embeddings",
-            program.module(phased[0].name).span,
-            hint=f"plan {others[0].name} phased too, or keep one image encoder"))
     for u in phased:
         out += _tp_conflicts(program, u, "phased")
     return out
@@ -220,7 +232,8 @@ def tp_placement(program: ir.Program, plan: Plan) -> list[Diagnostic]:
 
 def runtime_support(program: ir.Program, plan: Plan | None = None) -> list[Diagnostic]:
     """Errors (DT601) for what of ``program`` and ``plan`` the runtime cannot train yet: an
-    encoder other than an image encoder, a second image encoder, and with a plan: the
+    encoder that is not a transformer over patches, an audio encoder without a patch
+    size, and with a plan: a phased encoder beside another on the backbone, the
     baseline's plans, interleaved units (vpp > 1), generators on more than one pipeline
     stage, co-located units placed other than on the backbone's
     first or last stage and phased units other than encoders on all the backbone's ranks

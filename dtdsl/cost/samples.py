@@ -14,10 +14,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dtdsl.data.modal import InputRule, drawn_tokens
 from dtdsl.ir import program as ir
 
 __all__ = ["ItemSet", "SampleSet", "attention_squares", "backbone_sizes", "draw",
-           "draw_samples", "microbatch_lengths", "microbatch_squares", "positions"]
+           "draw_samples", "item_key", "microbatch_lengths", "microbatch_squares", "positions"]
 
 
 def draw(quantity: ir.Quantity, n: int, rng: np.random.Generator) -> np.ndarray:
@@ -105,16 +106,31 @@ class SampleSet:
 
 
 def _item_sizes(data: ir.Data, modality: str, total: int, rng: np.random.Generator,
-                generated: bool) -> np.ndarray:
-    """Tokens per item: image patches, audio frames, video frames x patches."""
+                generated: bool, rule: InputRule | None = None) -> np.ndarray:
+    """Tokens per item: image patches, audio and video tokens as the runtime's items have
+    them (``data.modal.drawn_tokens`` of the encoder's ``rule``: an audio clip's tokens
+    rounded to whole rows of patches, a video's frames rounded up to whole temporal
+    patches times its square frames' patches)."""
     if generated:
         return np.ones(total, dtype=np.int64)  # a generator's work is per item (fixed latent)
     if modality == "image":
         return draw(data.get("image", "patches"), total, rng)
+    if rule is None:
+        rule = InputRule(name="", modality=modality, patch=1, mel_bins=1)
     if modality == "audio":
-        return draw(data.get("audio", "frames"), total, rng)
+        return drawn_tokens(rule, draw(data.get("audio", "frames"), total, rng))
     frames = draw(data.get("video", "frames"), total, rng)
-    return frames * draw(data.get("video", "patches"), total, rng)
+    return drawn_tokens(rule, frames, draw(data.get("video", "patches"), total, rng))
+
+
+def item_key(program: ir.Program, module: ir.Module) -> str:
+    """The ``SampleSet.items`` key of encoder ``module``'s items: its modality for the
+    first encoder of that modality (what the simulator and the stage graph read), else
+    ``"<modality>@<name>"`` (a second image encoder draws images of its own, and they take
+    positions in the backbone's sequence too)."""
+    first = next(m for m in program.encoders if m.modality == module.modality)
+    return module.modality if first.name == module.name else \
+        f"{module.modality}@{module.name}"
 
 
 def draw_samples(program: ir.Program, n: int, seed: int = 0) -> SampleSet:
@@ -266,12 +282,14 @@ def _draw_documents(program: ir.Program, n: int, rng: np.random.Generator) -> Sa
     text = draw(data.get("text", "tokens"), n, rng)
     items: dict[str, ItemSet] = {}
     for module in program.modules:
-        if module.role == "encoder" and module.modality not in items:
+        if module.role == "encoder":
+            rule = InputRule.of(program, module)
             counts = draw(data.get(module.modality, "count"), n, rng)
-            sizes = _item_sizes(data, module.modality, int(counts.sum()), rng, generated=False)
-            backbone = backbone_sizes(program.image_tokens(), sizes) \
-                if module.modality == "image" else None
-            items[module.modality] = ItemSet(counts=counts, sizes=sizes, backbone=backbone)
+            sizes = _item_sizes(data, module.modality, int(counts.sum()), rng, generated=False,
+                                rule=rule)
+            backbone = backbone_sizes(rule.image, sizes) if rule.image is not None else None
+            items[item_key(program, module)] = ItemSet(counts=counts, sizes=sizes,
+                                                       backbone=backbone)
         elif module.role == "generator" and f"{module.modality}.gen" not in items:
             counts = draw(data.get(module.modality, "gen_count"), n, rng)
             sizes = _item_sizes(data, module.modality, int(counts.sum()), rng, generated=True)

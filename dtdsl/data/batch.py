@@ -35,8 +35,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 
-from dtdsl.cost.samples import ItemSet, SampleSet
+from dtdsl.cost.samples import ItemSet, SampleSet, item_key
 from dtdsl.data.layout import layout_of, pack
+from dtdsl.data.modal import EncoderInputs, encoder_inputs
 from dtdsl.data.sample import (
     Sample,
     SampleSizes,
@@ -191,8 +192,9 @@ class SyntheticSource:
 
 
 def parts_of(role: RankRole, plan: Plan | None = None) -> frozenset[str]:
-    """What of its samples a rank reads: images on every encoder stage (their shapes
-    group the packed activations), tokens on the backbone's first stage, generation
+    """What of its samples a rank reads: images on every encoder stage (the ``images``
+    part is every encoder's items: the images and the other encoders' ``inputs``; their
+    shapes group the packed activations), tokens on the backbone's first stage, generation
     targets on a generator; and on a backbone stage that hosts co-located units of
     ``plan`` (``mesh.hosted_units``) what they read too: the encoder's images on its
     first stage, the generators' targets on its last. Nothing elsewhere."""
@@ -232,11 +234,12 @@ def reads_of(role: RankRole, plan: Plan, routing: Sequence[StepSamples]
     return out
 
 
-def _image_tokens(program: ir.Program) -> ir.ImageTokens:
-    """``Program.image_tokens``; ValueError for encoders the runtime has no data for
-    (``data.sample.image_encoder``)."""
+def _image_tokens(program: ir.Program) -> EncoderInputs:
+    """Every encoder's rule for its items' tokens (``data.modal.encoder_inputs``: an
+    image's as ``Program.image_tokens``); ValueError for encoders the runtime has no data
+    for (``data.sample.image_encoder``)."""
     image_encoder(program)
-    return program.image_tokens()
+    return encoder_inputs(program)
 
 
 def normalizer_of(program: ir.Program, sizes: Sequence[SampleSizes]) -> Normalizer:
@@ -251,19 +254,32 @@ def normalizer_of(program: ir.Program, sizes: Sequence[SampleSizes]) -> Normaliz
 def sample_set(program: ir.Program, sizes: Sequence[SampleSizes]) -> SampleSet:
     """The cost model's view of real samples: text tokens, and per encoder modality and
     generated modality the items' sizes (patches per image, and its tokens in the backbone
-    where the projector compresses them; one unit per generated item); of packed sequences
-    also their documents' squared lengths."""
-    tokens = _image_tokens(program)
+    where the projector compresses them; an audio or video clip's patches,
+    ``data.modal``; one unit per generated item); of packed sequences also their
+    documents' squared lengths. Keys as the cost model's (``cost.samples.item_key``)."""
+    rules = _image_tokens(program)
+    tokens = program.image_tokens()
     items: dict[str, ItemSet] = {}
     for module in program.modules:
-        if module.role == "encoder" and module.modality not in items:
-            shapes = [hw for sz in sizes for hw in sz.image_shapes]
-            items[module.modality] = ItemSet(
-                counts=np.array([len(sz.image_shapes) for sz in sizes], dtype=np.int64),
-                sizes=np.array([math.prod(tokens.grid(h, w)) for h, w in shapes],
-                               dtype=np.int64),
-                backbone=None if tokens.compress is None else
-                np.array([tokens(h, w) for h, w in shapes], dtype=np.int64))
+        if module.role == "encoder":
+            key = item_key(program, module)
+            if module.name == rules.image:
+                shapes = [hw for sz in sizes for hw in sz.image_shapes]
+                items[key] = ItemSet(
+                    counts=np.array([len(sz.image_shapes) for sz in sizes], dtype=np.int64),
+                    sizes=np.array([math.prod(tokens.grid(h, w)) for h, w in shapes],
+                                   dtype=np.int64),
+                    backbone=None if tokens.compress is None else
+                    np.array([tokens(h, w) for h, w in shapes], dtype=np.int64))
+            else:
+                rule = rules.rule(module.name)
+                per = [sz.inputs.get(module.name, ()) for sz in sizes]
+                compress = rule.image is not None and rule.image.compress is not None
+                items[key] = ItemSet(
+                    counts=np.array([len(p) for p in per], dtype=np.int64),
+                    sizes=np.array([rule.patches(x) for p in per for x in p], dtype=np.int64),
+                    backbone=np.array([rule.tokens(x) for p in per for x in p],
+                                      dtype=np.int64) if compress else None)
         elif module.role == "generator" and f"{module.modality}.gen" not in items:
             counts = np.array([sz.gen_counts.get(module.name, 0) for sz in sizes],
                               dtype=np.int64)
@@ -272,7 +288,7 @@ def sample_set(program: ir.Program, sizes: Sequence[SampleSizes]) -> SampleSet:
     squares = None
     if any(sz.doc_text is not None for sz in sizes):
         # Packed sequences: attention is priced per document (``flops.backbone_attention``).
-        squares = np.array([sum(n * n for _, n in layout_of(sz, tokens, program.train.seq_len)
+        squares = np.array([sum(n * n for _, n in layout_of(sz, rules, program.train.seq_len)
                                 .spans) for sz in sizes], dtype=float)
     return SampleSet(text_tokens=np.array([sz.text_tokens for sz in sizes], dtype=np.int64),
                      items=items, doc_squares=squares)

@@ -1,13 +1,17 @@
-"""Where a sample's tokens and images sit in the backbone's sequence, and which positions
-carry a loss: one rule for the data layer, the model, the runtime and the loss denominators.
+"""Where a sample's tokens and its encoders' items sit in the backbone's sequence, and which
+positions carry a loss: one rule for the data layer, the model, the runtime and the loss
+denominators.
 
-A sample is its text tokens ``0..T-1`` with images inserted: image ``k`` (of ``N_k``
+A sample is its text tokens ``0..T-1`` with items inserted: image ``k`` (of ``N_k``
 tokens: its patches as the projector compresses them, ``ir.program.ImageTokens``) goes
-before text token ``image_at[k]`` (``T``: after the text). The backbone's sequence lays
-them out in that order. ``trained`` names the text tokens that are
-next-token targets; each is predicted at the position just before it (an image's last
-token when it follows one), and a token at the sequence's first position is never a
-target (nothing precedes it).
+before text token ``image_at[k]`` (``T``: after the text), and so does every other
+encoder's item ``k`` (audio, video, a second image encoder: ``inputs_at[name][k]``, its
+tokens ``data.modal.InputRule.tokens``). The backbone's sequence lays them out in that
+order; items before the same text token go in the encoders' spec order, each encoder's
+in its own order (``placements``). Below, "image" means any encoder's item. ``trained``
+names the text tokens that are next-token targets; each is predicted at the position
+just before it (an image's last token when it follows one), and a token at the sequence's
+first position is never a target (nothing precedes it).
 
 A sample longer than ``seq_len`` is cut at ``seq_len``: text tokens up to the cut stay, an
 image that does not fit whole is dropped with everything after it (``fit``; a sample whose
@@ -22,11 +26,18 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from dtdsl.data.modal import EncoderInputs
+from dtdsl.ir.program import ImageTokens
+
 if TYPE_CHECKING:
     from dtdsl.data.sample import SampleSizes
-    from dtdsl.ir.program import ImageTokens
 
-__all__ = ["SequenceLayout", "concat", "fit", "layout_of", "pack", "sequence_layout"]
+__all__ = ["SequenceLayout", "Tokens", "concat", "fit", "layout_of", "pack", "placements",
+           "sequence_layout"]
+
+# What gives an item its tokens: every encoder's rule, or (a program with one image
+# encoder) the image rule alone.
+Tokens = EncoderInputs | ImageTokens
 
 
 @dataclass(frozen=True)
@@ -43,6 +54,9 @@ class SequenceLayout:
     # A packed sequence's documents: (first position, length) each; they attend only
     # within themselves and their positions restart at 0. Empty: one document.
     docs: tuple[tuple[int, int], ...] = ()
+    # Per kept item (the ``image_tokens`` order): its encoder's key (``placements``) and
+    # its index among that encoder's items. Empty: images only, in their order.
+    items: tuple[tuple[str, int], ...] = ()
 
     @property
     def spans(self) -> tuple[tuple[int, int], ...]:
@@ -111,13 +125,41 @@ def sequence_layout(text_tokens: int, image_tokens: Sequence[int], image_at: Seq
                           loss=tuple(loss), cut=cut)
 
 
-def layout_of(sizes: SampleSizes, tokens: ImageTokens, seq_len: int) -> SequenceLayout:
-    """The layout of a sample from its sizes (``tokens``: an image's tokens in the
-    backbone, ``Program.image_tokens``); of a packed sequence, its documents' layouts one
-    after the other."""
+def placements(sizes: SampleSizes, tokens: Tokens) -> list[tuple[str, int, int, int]]:
+    """Every item of a sample (not of a packed sequence) in the order the sequence holds
+    them: ``(encoder key, index among its items, text tokens before it, tokens)``. The
+    key of the ``images`` is ``tokens.image`` (``""`` with a bare ``ImageTokens``), of the
+    ``inputs`` their encoder's name. Items before the same text token go in the encoders'
+    spec order; one encoder's keep their order."""
+    rules = tokens if isinstance(tokens, EncoderInputs) else EncoderInputs.of_image(tokens)
+    image = rules.image if rules.image is not None else ""
+    out = [(image, k, at, rules(h, w)) for k, ((h, w), at)
+           in enumerate(zip(sizes.image_shapes, sizes.places, strict=True))]
+    if not sizes.inputs:
+        return out
+    order = {r.name: i for i, r in enumerate(rules.rules)}
+    for name, shapes in sizes.inputs.items():
+        if name not in order or name == image:
+            raise ValueError(f"the sample has items of '{name}', which is not an encoder "
+                             f"whose items are inputs (encoders: {sorted(order)})")
+        rule = rules.rule(name)
+        out += [(name, k, at, rule.tokens(shape)) for k, (shape, at)
+                in enumerate(zip(shapes, sizes.input_places(name), strict=True))]
+    return sorted(out, key=lambda x: (x[2], order.get(x[0], -1), x[1]))
+
+
+def layout_of(sizes: SampleSizes, tokens: Tokens, seq_len: int) -> SequenceLayout:
+    """The layout of a sample from its sizes (``tokens``: every encoder's rule,
+    ``data.modal.encoder_inputs``, or an image's tokens alone, ``Program.image_tokens``);
+    of a packed sequence, its documents' layouts one after the other."""
     if sizes.doc_text is None:
-        return sequence_layout(sizes.text_tokens, [tokens(h, w) for h, w in sizes.image_shapes],
-                               sizes.places, sizes.trained_ranges, seq_len)
+        items = placements(sizes, tokens)
+        lay = sequence_layout(sizes.text_tokens, [n for *_, n in items],
+                              [at for _, _, at, _ in items], sizes.trained_ranges, seq_len)
+        if not sizes.inputs:
+            return lay
+        return replace(lay, items=tuple((key, k) for key, k, _, _ in
+                                        items[:len(lay.image_starts)]))
     return concat([layout_of(d, tokens, seq_len) for d in sizes.docs()], seq_len)
 
 
@@ -130,9 +172,15 @@ def concat(layouts: Sequence[SequenceLayout], seq_len: int) -> SequenceLayout:
     runs: list[tuple[int, int, int]] = []
     loss: list[tuple[int, int]] = []
     docs: list[tuple[int, int]] = []
+    items: list[tuple[str, int]] = []
+    seen: dict[str, int] = {}      # per encoder key: its items in the documents before
     for lay in layouts:
         if lay.cut or lay.docs:
             raise ValueError("only whole documents that fit in seq_len are packed")
+        own = lay.items or tuple(("", k) for k in range(len(lay.image_tokens)))
+        items.extend((key, k + seen.get(key, 0)) for key, k in own)
+        for key, _ in own:
+            seen[key] = seen.get(key, 0) + 1
         image_tokens.extend(lay.image_tokens)
         starts.extend(s + pos for s in lay.image_starts)
         runs.extend((a + text, b + text, at + pos) for a, b, at in lay.text_runs)
@@ -143,7 +191,8 @@ def concat(layouts: Sequence[SequenceLayout], seq_len: int) -> SequenceLayout:
         raise ValueError(f"packed documents of {pos} positions exceed seq_len {seq_len}")
     return SequenceLayout(length=pos, text=text, image_tokens=tuple(image_tokens),
                           image_starts=tuple(starts), text_runs=tuple(runs), loss=tuple(loss),
-                          cut=False, docs=tuple(docs))
+                          cut=False, docs=tuple(docs),
+                          items=tuple(items) if any(lay.items for lay in layouts) else ())
 
 
 def pack(lengths: Iterable[int], seq_len: int, *, rows: int | None = None,
@@ -177,17 +226,27 @@ def pack(lengths: Iterable[int], seq_len: int, *, rows: int | None = None,
     return done if rows is not None else done + open_rows
 
 
-def fit(sizes: SampleSizes, tokens: ImageTokens, seq_len: int) -> SampleSizes:
+def fit(sizes: SampleSizes, tokens: Tokens, seq_len: int) -> SampleSizes:
     """``sizes`` of the sample cut to ``seq_len`` (itself when it fits). A sample whose
-    sequence would be empty (its first image alone is longer than ``seq_len``) keeps its
-    text without its images instead."""
+    sequence would be empty (its first item alone is longer than ``seq_len``) keeps its
+    text without its items instead."""
     lay = layout_of(sizes, tokens, seq_len)
     if not lay.cut:
         return sizes
-    if lay.length == 0 and sizes.text_tokens > 0 and sizes.image_shapes:
-        return replace(fit(replace(sizes, image_shapes=(), image_at=()), tokens, seq_len),
-                       cut=1)
-    n = len(lay.image_starts)
+    if lay.length == 0 and sizes.text_tokens > 0 and (sizes.image_shapes or sizes.inputs):
+        bare = replace(sizes, image_shapes=(), image_at=(),
+                       inputs={k: () for k in sizes.inputs},
+                       inputs_at={k: () for k in sizes.inputs})
+        return replace(fit(bare, tokens, seq_len), cut=1)
+    kept: dict[str, int] = {}
+    for key, _ in lay.items:
+        kept[key] = kept.get(key, 0) + 1
+    # Images only: the layout names no keys, its items are the images.
+    n = len(lay.image_starts) if not lay.items else \
+        sum(c for key, c in kept.items() if key not in sizes.inputs)
     trained = tuple((a, min(b, lay.text)) for a, b in sizes.trained_ranges if a < lay.text)
     return replace(sizes, text_tokens=lay.text, image_shapes=sizes.image_shapes[:n],
-                   image_at=sizes.places[:n], trained=trained, cut=1)
+                   image_at=sizes.places[:n], trained=trained, cut=1,
+                   inputs={k: v[:kept.get(k, 0)] for k, v in sizes.inputs.items()},
+                   inputs_at={k: sizes.input_places(k)[:kept.get(k, 0)]
+                              for k in sizes.inputs})

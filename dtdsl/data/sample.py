@@ -36,7 +36,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import cache
 
 import numpy as np
@@ -44,6 +44,7 @@ import torch
 
 from dtdsl.cost.samples import draw
 from dtdsl.data.layout import fit
+from dtdsl.data.modal import InputRule, encoder_inputs
 from dtdsl.ir import program as ir
 from dtdsl.models.diffusion import DEFAULT_TIMESTEPS
 from dtdsl.models.transformer import Encoder
@@ -61,6 +62,7 @@ __all__ = [
     "make_batch",
     "make_sample",
     "pack_images",
+    "pack_items",
     "sample_seed",
     "sample_sizes",
     "unpack_images",
@@ -123,6 +125,11 @@ class Sample:
     doc_text: tuple[int, ...] | None = None             # a packed sequence's documents
     doc_images: tuple[int, ...] | None = None
     doc_gen: dict[str, tuple[int, ...]] | None = None
+    # Every other encoder's items, by encoder name (``SampleSizes.inputs``): float32
+    # tensors, audio ``[T, M]`` fbanks, video ``[F, 3, H, W]`` frames (``data.modal``).
+    inputs: dict[str, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    inputs_at: dict[str, tuple[int, ...]] | None = None
+    doc_inputs: dict[str, tuple[int, ...]] | None = None
 
     @property
     def num_gen_targets(self) -> int:
@@ -130,18 +137,14 @@ class Sample:
 
 
 def image_encoder(program: ir.Program) -> ir.Module | None:
-    """The image encoder, or None. ValueError for encoders the reference runtime does
-    not model (audio, video, or more than one image encoder)."""
-    found = None
+    """The image encoder whose items are a sample's ``images`` (the first of the spec), or
+    None; every other encoder's items are the sample's ``inputs`` (``data.modal``).
+    ValueError for an encoder that is not a transformer over patches."""
     for module in program.encoders:
-        if module.modality != "image" or not isinstance(module.arch, ir.TransformerArch):
+        if not isinstance(module.arch, ir.TransformerArch):
             raise ValueError(f"the runtime has no data for the {module.modality} encoder "
-                             f"'{module.name}'; only image (ViT) encoders are modelled")
-        if found is not None:
-            raise ValueError(f"two image encoders ('{found.name}', '{module.name}'); the "
-                             "runtime models one")
-        found = module
-    return found
+                             f"'{module.name}': it models transformer encoders over patches")
+    return next((m for m in program.encoders if m.modality == "image"), None)
 
 
 def image_side(patches: int, patch: int, tokens: ir.ImageTokens | None = None) -> int:
@@ -192,8 +195,27 @@ class SampleSizes:
     doc_images: tuple[int, ...] | None = None
     doc_gen: dict[str, tuple[int, ...]] | None = None
     cut: int = 0        # how many of its samples were cut to seq_len (``data.layout.fit``)
+    # Every encoder's items but the image encoder's (``data.modal.EncoderInputs``): per
+    # encoder name, each item's tensor shape (audio ``(T, M)``, video ``(F, 3, H, W)``),
+    # where each goes (text tokens before it; left out: before the text) and, in a packed
+    # sequence, how many each document has.
+    inputs: dict[str, tuple[tuple[int, ...], ...]] = field(default_factory=dict)
+    inputs_at: dict[str, tuple[int, ...]] | None = None
+    doc_inputs: dict[str, tuple[int, ...]] | None = None
 
     def __post_init__(self) -> None:
+        if self.inputs_at is None:
+            object.__setattr__(self, "inputs_at", {k: (0,) * len(v)
+                                                   for k, v in self.inputs.items()})
+        if self.doc_text is not None and self.doc_inputs is None:
+            if any(self.inputs.values()):
+                raise ValueError("a packed sequence with encoder inputs needs doc_inputs")
+            object.__setattr__(self, "doc_inputs", {k: (0,) * len(self.doc_text)
+                                                    for k in self.inputs})
+        for k, v in self.inputs.items():
+            if len(self.input_places(k)) != len(v):
+                raise ValueError(f"{len(v)} items of {k} but {len(self.input_places(k))} "
+                                 "places")
         if self.image_at is None:
             object.__setattr__(self, "image_at", (0,) * len(self.image_shapes))
         if self.trained is None:
@@ -208,7 +230,10 @@ class SampleSizes:
                     sum(self.doc_images) != len(self.image_shapes) or \
                     len(self.doc_images) != len(self.doc_text) or any(
                         sum(c) != self.gen_counts.get(g, 0) or len(c) != len(self.doc_text)
-                        for g, c in self.doc_gen.items()):
+                        for g, c in self.doc_gen.items()) or any(
+                        sum(self.doc_inputs.get(k, ())) != len(v) or
+                        len(self.doc_inputs.get(k, ())) != len(self.doc_text)
+                        for k, v in self.inputs.items() if v):
                 raise ValueError("the documents of a packed sequence do not add up to it")
 
     @property
@@ -222,14 +247,21 @@ class SampleSizes:
             return [self]
         assert self.doc_images is not None and self.doc_gen is not None
         out, t0, i0 = [], 0, 0
+        doc_inputs = self.doc_inputs or {}
+        k0 = dict.fromkeys(self.inputs, 0)
         for d, (nt, ni) in enumerate(zip(self.doc_text, self.doc_images, strict=True)):
             trained = tuple((max(a, t0) - t0, min(b, t0 + nt) - t0) for a, b in self.trained_ranges
                             if a < t0 + nt and b > t0)
+            nk = {k: doc_inputs[k][d] if k in doc_inputs else 0 for k in self.inputs}
             out.append(SampleSizes(
                 text_tokens=nt, image_shapes=self.image_shapes[i0:i0 + ni],
                 gen_counts={g: c[d] for g, c in self.doc_gen.items()},
-                image_at=tuple(p - t0 for p in self.places[i0:i0 + ni]), trained=trained))
+                image_at=tuple(p - t0 for p in self.places[i0:i0 + ni]), trained=trained,
+                inputs={k: v[k0[k]:k0[k] + nk[k]] for k, v in self.inputs.items()},
+                inputs_at={k: tuple(p - t0 for p in self.input_places(k)[k0[k]:k0[k] + nk[k]])
+                           for k in self.inputs}))
             t0, i0 = t0 + nt, i0 + ni
+            k0 = {k: k0[k] + nk[k] for k in self.inputs}
         return out
 
     @property
@@ -241,6 +273,16 @@ class SampleSizes:
         """Per image: how many text tokens come before it."""
         assert self.image_at is not None
         return self.image_at
+
+    def input_places(self, name: str) -> tuple[int, ...]:
+        """Per item of encoder ``name`` (an ``inputs`` key): the text tokens before it."""
+        assert self.inputs_at is not None
+        return self.inputs_at.get(name, ())
+
+    @property
+    def num_items(self) -> int:
+        """Every encoder's items: the images and the ``inputs``."""
+        return len(self.image_shapes) + sum(len(v) for v in self.inputs.values())
 
     @property
     def trained_ranges(self) -> tuple[tuple[int, int], ...]:
@@ -263,7 +305,10 @@ def join_samples(docs: Sequence[Sample], sizes: SampleSizes, index: int) -> Samp
     return Sample(step=docs[0].step, index=index, tokens=torch.cat([d.tokens for d in docs]),
                   images=tuple(im for d in docs for im in d.images), targets=targets,
                   image_at=sizes.image_at, trained=sizes.trained, doc_text=sizes.doc_text,
-                  doc_images=sizes.doc_images, doc_gen=sizes.doc_gen)
+                  doc_images=sizes.doc_images, doc_gen=sizes.doc_gen,
+                  inputs={k: tuple(x for d in docs for x in d.inputs.get(k, ()))
+                          for k in sizes.inputs},
+                  inputs_at=sizes.inputs_at, doc_inputs=sizes.doc_inputs)
 
 
 def join_sizes(docs: Sequence[SampleSizes]) -> SampleSizes:
@@ -275,10 +320,14 @@ def join_sizes(docs: Sequence[SampleSizes]) -> SampleSizes:
     image_at: list[int] = []
     trained: list[tuple[int, int]] = []
     names = sorted({g for d in docs for g in d.gen_counts})
+    keys = sorted({k for d in docs for k in d.inputs})
+    inputs_at: dict[str, list[int]] = {k: [] for k in keys}
     for d in docs:
         if d.doc_text is not None:
             raise ValueError("a packed sequence is packed again")
         image_at.extend(p + text for p in d.places)
+        for k in keys:
+            inputs_at[k].extend(p + text for p in d.input_places(k))
         trained.extend((a + text, b + text) for a, b in d.trained_ranges)
         text, images = text + d.text_tokens, images + len(d.image_shapes)
     return SampleSizes(
@@ -288,7 +337,10 @@ def join_sizes(docs: Sequence[SampleSizes]) -> SampleSizes:
         doc_text=tuple(d.text_tokens for d in docs),
         doc_images=tuple(len(d.image_shapes) for d in docs),
         doc_gen={g: tuple(d.gen_counts.get(g, 0) for d in docs) for g in names},
-        cut=sum(d.cut for d in docs))
+        cut=sum(d.cut for d in docs),
+        inputs={k: tuple(s for d in docs for s in d.inputs.get(k, ())) for k in keys},
+        inputs_at={k: tuple(v) for k, v in inputs_at.items()},
+        doc_inputs={k: tuple(len(d.inputs.get(k, ())) for d in docs) for k in keys})
 
 
 def sample_sizes(program: ir.Program, step: int, index: int) -> SampleSizes:
@@ -305,15 +357,45 @@ def sample_sizes(program: ir.Program, step: int, index: int) -> SampleSizes:
         count = max(0, _draw_one(data.get("image", "count"), sizes, "image.count"))
         patches = draw(data.get("image", "patches"), count, sizes) if count else []
         sides = [image_side(int(p), tokens.patch, tokens) for p in patches]
+    rules = encoder_inputs(program)
+    inputs = {rule.name: _draw_items(rule, data, sizes) for rule in rules.others}
     gen_counts = {
         module.name: max(0, _draw_one(data.get(module.modality, "gen_count"), sizes,
                                       f"{module.modality}.gen_count"))
         for module in program.generators}
     drawn = SampleSizes(text_tokens=n_text, image_shapes=tuple((s, s) for s in sides),
-                        gen_counts=gen_counts)
-    # Cut to seq_len as every source cuts its samples (data.layout): images that do not
+                        gen_counts=gen_counts, inputs=inputs)
+    # Cut to seq_len as every source cuts its samples (data.layout): items that do not
     # fit are dropped, the text cut.
-    return fit(drawn, tokens, program.train.seq_len)
+    return fit(drawn, rules, program.train.seq_len)
+
+
+def _draw_items(rule: InputRule, data: ir.Data, rng: np.random.Generator
+                ) -> tuple[tuple[int, ...], ...]:
+    """The shapes of one sample's items of an encoder whose items are ``inputs``
+    (``rule``), drawn as the cost model draws them (``cost.samples``): its modality's
+    count, then each item's size (audio frames, video frames then patches; a second image
+    encoder's patches)."""
+    m = rule.modality
+    count = max(0, _draw_one(data.get(m, "count"), rng, f"{m}.count"))
+    if not count:
+        return ()
+    if m == "image":
+        return tuple(rule.synthetic_shape(int(p))
+                     for p in draw(data.get("image", "patches"), count, rng))
+    frames = _draw_many(data.get(m, "frames"), count, rng, f"{m}.frames")
+    if m == "audio":
+        return tuple(rule.synthetic_shape(int(f)) for f in frames)
+    patches = _draw_many(data.get(m, "patches"), count, rng, f"{m}.patches")
+    return tuple(rule.synthetic_shape(int(f), int(p)) for f, p in zip(frames, patches,
+                                                                        strict=True))
+
+
+def _draw_many(quantity: ir.Quantity | None, n: int, rng: np.random.Generator,
+               what: str) -> np.ndarray:
+    if quantity is None:
+        raise ValueError(f"the spec's data block has no {what}, which the model needs")
+    return draw(quantity, n, rng)
 
 
 _PARTS = frozenset({"tokens", "images", "targets"})
@@ -352,9 +434,14 @@ def make_sample(program: ir.Program, step: int, index: int, *,
         tokens = torch.empty(0, dtype=torch.int64)
 
     images: list[torch.Tensor] = []
+    inputs: dict[str, tuple[torch.Tensor, ...]] = {}
     if "images" in parts or "targets" in parts:
         for h, w in sizes.image_shapes:
             images.append(torch.randn(3, h, w, generator=gen))
+        # Every other encoder's items (the encoders' spec order), after the images: an
+        # image-only sample draws exactly what it drew before encoders had inputs.
+        for name, shapes in sizes.inputs.items():
+            inputs[name] = tuple(torch.randn(shape, generator=gen) for shape in shapes)
 
     targets: dict[str, GenTargets] = {}
     if "targets" in parts:
@@ -366,8 +453,11 @@ def make_sample(program: ir.Program, step: int, index: int, *,
                 latents=torch.randn(shape, generator=gen),
                 noise=torch.randn(shape, generator=gen),
                 timesteps=torch.randint(arch.timesteps, (count,), generator=gen))
+    keep = "images" in parts
     return Sample(step=step, index=index, tokens=tokens,
-                  images=tuple(images) if "images" in parts else (), targets=targets)
+                  images=tuple(images) if keep else (), targets=targets,
+                  inputs={k: v if keep else () for k, v in inputs.items()},
+                  inputs_at=sizes.inputs_at if keep else None)
 
 
 def make_batch(program: ir.Program, step: int) -> list[Sample]:
@@ -409,6 +499,27 @@ def pack_images(images: Sequence[Sequence[torch.Tensor]], patch: int,
         grids.append((shape[-2] // patch, shape[-1] // patch))
     return PackedImages(groups=tuple(groups), owners=tuple(owners),
                         counts=tuple(len(s) for s in images), grids=tuple(grids))
+
+
+def pack_items(items: Sequence[Sequence[torch.Tensor]], rule: InputRule,
+               pixels: Callable[[torch.Tensor], torch.Tensor] | None = None) -> PackedImages:
+    """``pack_images`` for any encoder's items (``rule``: its ``data.modal.InputRule``):
+    grouped by shape in order of first appearance, each group patchified by the rule
+    (``pixels`` applied to image groups only), ``grids`` the rule's patch grids."""
+    if rule.modality == "image":
+        return pack_images(items, rule.patch, pixels)
+    by_shape: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+    for i, sample_items in enumerate(items):
+        for j, item in enumerate(sample_items):
+            by_shape.setdefault(tuple(item.shape), []).append((i, j))
+    groups, owners, grids = [], [], []
+    for shape, members in by_shape.items():
+        stacked = torch.stack([items[i][j] for i, j in members]).float()
+        groups.append(rule.patchify(stacked))
+        owners.append(tuple(members))
+        grids.append(rule.grid(shape))
+    return PackedImages(groups=tuple(groups), owners=tuple(owners),
+                        counts=tuple(len(s) for s in items), grids=tuple(grids))
 
 
 def unpack_images(packed: PackedImages, outputs: Sequence[torch.Tensor],

@@ -152,6 +152,20 @@ def _json_problem(path: Path) -> str | None:
     return None
 
 
+def unread_encoders(program: ir.Program) -> str | None:
+    """Why a dataset cannot feed ``program``'s encoders, or None: the readers fill the
+    first image encoder's images; any other encoder's items (audio fbanks, video frames,
+    a second image encoder's images, ``data.modal``) come from synthetic samples only."""
+    image = next((m for m in program.encoders if m.modality == "image"), None)
+    unread = [m for m in program.encoders if m is not image]
+    if not unread:
+        return None
+    names = ", ".join(f"{m.name} ({m.modality})" for m in unread)
+    them = "them" if len(unread) > 1 else "it"
+    return (f"the dataset readers feed one image encoder, not encoder {names}: a run would "
+            f"train {them} on nothing")
+
+
 def data_diagnostics(program: ir.Program, base_dir: str | Path) -> list[Any]:
     """What ``dtc check`` and ``dtc compile`` say of the spec's ``source`` (paths relative
     to ``base_dir``, the spec's folder): DT314 when it cannot be read, DT315 for real text
@@ -163,6 +177,12 @@ def data_diagnostics(program: ir.Program, base_dir: str | Path) -> list[Any]:
     if source is None:
         return []
     span = program.data.source_span or program.data.span
+    unread = unread_encoders(program)
+    if unread is not None:
+        return [Diagnostic.error(
+            "DT601", f"data source {source!r} cannot be trained on: {unread}", span,
+            notes=["audio and video are read from datasets by a later part of the runtime"],
+            hint="compile with --synthetic (samples drawn from the spec's distributions)")]
     problem = source_problem(source, base_dir)
     if problem is not None:
         return [_nothing_left(source, problem, span) if _all_refused(source, base_dir)

@@ -14,7 +14,14 @@ A ``batch`` message (``wire`` kind ``"batch"``) carries, for step ``meta["step"]
   ``p<pos>.img<k>`` uint8 ``[3, H, W]`` (decoded images; float32 where the job draws
   synthetic samples), ``p<pos>.<generator>.latents`` / ``.noise`` float32 and
   ``.timesteps`` int64 (a generator with a VAE: ``.pixels`` uint8 ``[G, 3, S, S]`` and
-  ``.eps`` float32 instead of ``.latents``).
+  ``.eps`` float32 instead of ``.latents``), and every other encoder's items (audio,
+  video, a second image encoder; ``data.modal``): ``p<pos>.in.<encoder>.<k>`` float32 or
+  uint8 of the shape its sizes give.
+
+Each position's sizes travel too (``sizes.*``): the text, images, places, trained
+ranges, packed documents, generation counts and, per encoder with items of its own,
+``sizes.in.<encoder>.count`` (items per position), ``.shape`` (each item's shape),
+``.at`` (its place) and ``.doc`` (per document of a packed sequence).
 
 A ``progress`` message (kind ``"progress"``, published by trainer rank 0) says
 ``meta["next_step"]``: the step the trainers need next; ``meta["done"]`` is true once they
@@ -80,6 +87,8 @@ def batch_message(step: int, routing: Sequence[Any], normalizer: Any, samples: M
         for name in sorted({g for z in sizes for g in z.gen_counts}):
             arrays[f"sizes.gen.{name}"] = np.asarray([z.gen_counts.get(name, 0)
                                                       for z in sizes], dtype=np.int64)
+        for name in sorted({k for z in sizes for k in z.inputs}):
+            arrays.update(_input_sizes(name, sizes))
     for unit in units:
         arrays[f"assign.{unit}"] = np.asarray(
             [r for s in routing for r in s.assignment[unit]], dtype=np.int64)
@@ -90,6 +99,9 @@ def batch_message(step: int, routing: Sequence[Any], normalizer: Any, samples: M
             arrays[f"p{pos}.tokens"] = _array(s.tokens).astype(np.int64, copy=False)
         for k, image in enumerate(s.images or ()):
             arrays[f"p{pos}.img{k}"] = _array(image)
+        for name, items in (getattr(s, "inputs", None) or {}).items():
+            for k, item in enumerate(items):
+                arrays[f"p{pos}.in.{name}.{k}"] = _array(item)
         for name, t in (s.gen or {}).items():
             if t.latents is not None:
                 arrays[f"p{pos}.{name}.latents"] = _array(t.latents)
@@ -103,6 +115,78 @@ def batch_message(step: int, routing: Sequence[Any], normalizer: Any, samples: M
             "positions": sorted(int(p) for p in samples),
             "parts": sorted({p for s in samples.values() for p in s.parts})}
     return meta, arrays
+
+
+def _input_sizes(name: str, sizes: Sequence[Any]) -> dict[str, np.ndarray]:
+    """The ``sizes.in.<name>.*`` arrays of encoder ``name``'s items."""
+    shapes = [tuple(x) for z in sizes for x in z.inputs.get(name, ())]
+    ndim = len(shapes[0]) if shapes else 0
+    if any(len(x) != ndim for x in shapes):
+        raise ValueError(f"encoder {name}'s items have shapes of different ranks")
+    return {
+        f"sizes.in.{name}.count": np.asarray([len(z.inputs.get(name, ())) for z in sizes],
+                                             dtype=np.int64),
+        f"sizes.in.{name}.shape": np.asarray(shapes, dtype=np.int64).reshape(len(shapes),
+                                                                             ndim),
+        f"sizes.in.{name}.at": np.asarray([p for z in sizes for p in z.input_places(name)],
+                                          dtype=np.int64),
+        f"sizes.in.{name}.doc": np.asarray(
+            [n for z in sizes if z.doc_inputs is not None
+             for n in z.doc_inputs.get(name, (0,) * len(z.doc_text))], dtype=np.int64)}
+
+
+def _read_input_sizes(arrays: Mapping[str, np.ndarray], units: Sequence[str], n: int,
+                      ndocs: Sequence[int], step: int) -> list[dict[str, Any]]:
+    """Per position, its ``SampleSizes`` fields of the encoders with items of their own
+    (``inputs``, ``inputs_at``, ``doc_inputs``): only the plan's units are read."""
+    out: list[dict[str, Any]] = [{"inputs": {}, "inputs_at": {}, "doc_inputs": {}}
+                                 for _ in range(n)]
+    for name in units:
+        if f"sizes.in.{name}.count" not in arrays:
+            continue
+        counts = arrays[f"sizes.in.{name}.count"].tolist()
+        shapes = [tuple(x) for x in arrays[f"sizes.in.{name}.shape"].tolist()]
+        places = arrays[f"sizes.in.{name}.at"].tolist()
+        docs = arrays[f"sizes.in.{name}.doc"].tolist()
+        if len(counts) != n or sum(counts) != len(shapes) or len(places) != len(shapes) \
+                or len(docs) != sum(ndocs) or any(d < 0 for s in shapes for d in s) \
+                or any(c < 0 for c in counts):
+            raise ValueError(f"step {step}: inconsistent sizes of encoder {name}'s items")
+        at = d = 0
+        for i, c in enumerate(counts):
+            out[i]["inputs"][name] = tuple(shapes[at:at + c])
+            out[i]["inputs_at"][name] = tuple(places[at:at + c])
+            if ndocs[i]:
+                out[i]["doc_inputs"][name] = tuple(docs[d:d + ndocs[i]])
+            at, d = at + c, d + ndocs[i]
+    for fields in out:
+        if not fields["doc_inputs"]:
+            fields["doc_inputs"] = None
+    return out
+
+
+def _read_items(message: Any, pos: int, sizes: Any, step: int) -> dict[str, tuple]:
+    """Position ``pos``'s items of every encoder with items of its own, each checked
+    against the shape its sizes give (float32 or uint8)."""
+    arrays = message.arrays
+    out = {}
+    for name, shapes in (sizes.inputs if sizes is not None else {}).items():
+        if f"p{pos}.in.{name}.0" not in arrays and shapes:
+            continue            # a part this rank does not read
+        items = []
+        for k, shape in enumerate(shapes):
+            key = f"p{pos}.in.{name}.{k}"
+            item = arrays.get(key)
+            if item is None or tuple(item.shape) != tuple(shape) or \
+                    item.dtype not in (np.uint8, np.float32):
+                raise ValueError(f"step {step}: item {key} is "
+                                 f"{'missing' if item is None else (item.dtype, item.shape)}"
+                                 f": expected uint8 or float32 {tuple(shape)}")
+            items.append(message.tensor(key))
+        if f"p{pos}.in.{name}.{len(shapes)}" in arrays:
+            raise ValueError(f"step {step}: more items of {name} at p{pos} than its sizes")
+        out[name] = tuple(items)
+    return out
 
 
 def read_batch(message: Any, units: Sequence[str], generators: Sequence[str]) -> Any:
@@ -157,6 +241,7 @@ def read_batch(message: Any, units: Sequence[str], generators: Sequence[str]) ->
         if len(ndocs) != len(text) or len(doc_text) != sum(ndocs) or \
                 len(doc_images) != sum(ndocs):
             raise ValueError(f"step {step}: inconsistent packed sequences")
+        per_input = _read_input_sizes(arrays, units, len(text), ndocs, step)
         at = r = d = 0
         for i, (t, c) in enumerate(zip(text, counts_img, strict=True)):
             n = ndocs[i]
@@ -169,7 +254,7 @@ def read_batch(message: Any, units: Sequence[str], generators: Sequence[str]) ->
                                      gen_counts={g: int(v[i]) for g, v in gens.items()},
                                      image_at=tuple(places[at:at + c]),
                                      trained=tuple(ranges[r:r + ntrained[i]]), cut=cut[i],
-                                     **docs))
+                                     **docs, **per_input[i]))
             at, r, d = at + c, r + ntrained[i], d + n
     parts = set(meta["parts"])
     samples = {}
@@ -199,13 +284,18 @@ def read_batch(message: Any, units: Sequence[str], generators: Sequence[str]) ->
                                            timesteps=message.tensor(f"p{pos}.{name}.timesteps"),
                                            pixels=opt("pixels"), eps=opt("eps"))
         layout = sizes[int(pos)] if sizes else None
+        inputs = _read_items(message, int(pos), layout, step)
         samples[int(pos)] = Sample(step=step, index=int(pos), tokens=tokens,
                                    images=tuple(images), targets=targets,
                                    image_at=layout.image_at if layout else None,
                                    trained=layout.trained if layout else None,
                                    doc_text=layout.doc_text if layout else None,
                                    doc_images=layout.doc_images if layout else None,
-                                   doc_gen=layout.doc_gen if layout else None)
+                                   doc_gen=layout.doc_gen if layout else None,
+                                   inputs=inputs,
+                                   inputs_at=layout.inputs_at if layout and inputs else None,
+                                   doc_inputs=layout.doc_inputs if layout and inputs
+                                   else None)
     norm = meta["norm"]
     return StepBatch(step=step, keys=keys, routing=tuple(routing), samples=samples,
                      normalizer=Normalizer(text_tokens=int(norm[0]), gen_targets=int(norm[1])),

@@ -149,12 +149,16 @@ class DatasetSource:
         from dtdsl.data.clamps import Clamps
         from dtdsl.data.decode import Decoder
         from dtdsl.data.shards import Dataset, DatasetError, NoSamples
-        from dtdsl.data.sources import open_dataset
+        from dtdsl.data.sources import open_dataset, unread_encoders
         from dtdsl.data.text import HashTokenizer, token_layouts
         from dtdsl.data.usable import left_out_text, usable_samples
 
         self.program = program
         self.path = path
+        unread = unread_encoders(program)
+        if unread is not None:
+            raise DatasetError(f"{path}: {unread}; train this spec on synthetic data "
+                               "(dtc compile --synthetic) until the readers read its items")
         # A dtdsl dataset, WebDataset shards or a LLaVA JSON (indexed once).
         self.dataset = open_dataset(str(path), program=program, progress=progress)
         self.seed = program.train.seed if seed is None else seed

@@ -81,6 +81,7 @@ class _Payload:
     images: tuple = ()
     gen: dict = field(default_factory=dict)
     parts: frozenset[str] = frozenset()
+    inputs: dict = field(default_factory=dict)   # other encoders' items, by encoder
 
 
 
@@ -131,7 +132,8 @@ def _payload(ctx: FeedContext, step: int, position: int, parts: frozenset[str],
                         gen=decoded.gen if "targets" in parts else {}, parts=parts)
     s = ctx.source.sample(step, position, parts)
     return _Payload(tokens=s.tokens if "tokens" in parts else None, images=s.images,
-                    gen=dict(s.targets), parts=parts)
+                    gen=dict(s.targets), parts=parts,
+                    inputs={k: v for k, v in s.inputs.items() if v})
 
 
 def build_messages(ctx: FeedContext, step: int, ranks: Sequence[int] | None = None

@@ -82,6 +82,8 @@ TRANSFORMER_ARGS = (
     Param("patch", IntKind(1, 1024)),
     Param("in_channels", IntKind(1, 64)),
     Param("causal", BoolKind()),
+    Param("mel_bins", IntKind(1, 4096), default=128),
+    Param("temporal_patch", IntKind(1, 64), default=1),
 )
 UNET_ARGS = (
     Param("channels", IntKind(8, 8192), required=True, doc="channels=320"),
@@ -596,6 +598,7 @@ class _Checker:
             ok = False
             ctx.error("DT204", f"encoder {decl.name} reads {modality}s and needs a patch size",
                       call.span, hint="add patch=14 (ViT-H/14) or patch=16")
+        ok = self._modal_args(decl, call, args, modality) and ok
         if not ok:
             return INVALID
         return ir.TransformerArch(
@@ -604,7 +607,36 @@ class _Checker:
             patch=args["patch"],
             in_channels=None if decl.role == "backbone" else
             args["in_channels"] or (1 if modality == "audio" else 3),
-            causal=decl.role == "backbone" if args["causal"] is None else args["causal"])
+            causal=decl.role == "backbone" if args["causal"] is None else args["causal"],
+            mel_bins=args["mel_bins"], temporal_patch=args["temporal_patch"])
+
+    def _modal_args(self, decl, call, args, modality) -> bool:
+        """``mel_bins`` (audio encoders) and ``temporal_patch`` (video encoders): an
+        audio encoder's fbank must split into whole patches along its mel bins (DT612);
+        temporal patching belongs to a video encoder (DT613). False on an error."""
+        ctx = self.ctx
+        ok = True
+        given = {a.name for a in call.args}
+        patch, bins = args["patch"], args["mel_bins"]
+        if modality == "audio" and decl.role == "encoder" and patch and bins % patch:
+            ok = False
+            fits = [m for m in (64, 80, 128, 256) if m % patch == 0] or [patch * 8]
+            ctx.error("DT612", f"encoder {decl.name} cuts its {bins}-bin fbank into {patch} x "
+                      f"{patch} patches, but {patch} does not divide {bins}",
+                      _arg_span(call, "mel_bins"),
+                      hint=f"use mel_bins={' or '.join(map(str, fits[:3]))}, or a patch that "
+                           f"divides {bins}")
+        if args["temporal_patch"] > 1 and not (decl.role == "encoder" and modality == "video"):
+            ok = False
+            what = f"{decl.role} {decl.name}" + (f" reads {modality}" if modality else "")
+            ctx.error("DT613", f"temporal_patch={args['temporal_patch']} patches frames in "
+                      f"time, but {what}; only a video encoder has frames",
+                      _arg_span(call, "temporal_patch"),
+                      hint="remove temporal_patch, or read video with this encoder")
+        if "mel_bins" in given and not (decl.role == "encoder" and modality == "audio"):
+            ctx.warning("DT501", f"{decl.role} {decl.name} has mel_bins, which only an audio "
+                        "encoder uses; it is ignored", _arg_span(call, "mel_bins"))
+        return ok
 
     def _unet(self, call, args) -> Any:
         ctx = self.ctx

@@ -95,6 +95,11 @@ class TransformerArch(IRModel):
     swiglu: bool = False
     patch: int | None = None
     in_channels: int | None = None  # encoders only: image/video 3, audio 1
+    # Audio encoders: the mel bins of the fbank / log-mel spectrogram they read (BEATs:
+    # 128), cut into patch x patch patches along time and frequency.
+    mel_bins: int = 128
+    # Video encoders: frames per patch in time (Qwen2-VL: 2); 1 patches each frame alone.
+    temporal_patch: int = 1
     causal: bool = False
     kv_channels: int | None = None  # the width of a head when it is not hidden / heads
     # None: RMSNorm (eps 1e-5) on a backbone, LayerNorm (eps 1e-6) on an encoder.

@@ -60,13 +60,15 @@ from torch import nn
 
 from dtdsl.cost.flops import lm_loss_chunk_rows
 from dtdsl.data.images import Pixels, pixel_norm
-from dtdsl.data.layout import SequenceLayout, layout_of
+from dtdsl.data.layout import SequenceLayout, Tokens, layout_of
+from dtdsl.data.modal import EncoderInputs, encoder_inputs
 from dtdsl.data.sample import (
     GenTargets,
     Sample,
     SampleSizes,
     image_encoder,
     pack_images,
+    pack_items,
     unpack_images,
 )
 from dtdsl.ir import program as ir
@@ -100,6 +102,8 @@ __all__ = [
     "document_masks",
     "document_targets",
     "encode",
+    "encoder_items",
+    "encoder_rows",
     "encoder_input",
     "encoder_layers",
     "encoder_output",
@@ -112,12 +116,14 @@ __all__ = [
     "loss_normalizer",
     "loss_tokens",
     "microbatch_loss",
+    "packed_item_shapes",
     "packed_shapes",
     "scatter_sequence",
     "sequence_length",
     "sequence_parallel_degree",
     "sample_layout",
     "sample_sizes_of",
+    "splice_items",
     "unit_spec",
 ]
 
@@ -196,10 +202,50 @@ def layer_range(module: nn.Module, start: int = 0, stop: int | None = None) -> l
 
 # ---- shapes ------------------------------------------------------------------------------
 
-def image_tokens(sizes: SampleSizes, tokens: ir.ImageTokens) -> int:
+def image_tokens(sizes: SampleSizes, tokens: Tokens) -> int:
     """The tokens of a sample's images in the backbone's sequence (its rows there, as its
     image encoder's projector makes them: ``Program.image_tokens``)."""
     return sum(tokens(h, w) for h, w in sizes.image_shapes)
+
+
+def encoder_rows(sizes: SampleSizes, rules: EncoderInputs, name: str) -> int:
+    """The rows encoder ``name`` gives a sample in the backbone's sequence: its items'
+    tokens (``data.modal``), the images' for the image encoder."""
+    if name == rules.image:
+        return image_tokens(sizes, rules)
+    rule = rules.rule(name)
+    return sum(rule.tokens(shape) for shape in sizes.inputs.get(name, ()))
+
+
+def encoder_items(sample: Sample, rules: EncoderInputs, name: str) -> tuple[torch.Tensor, ...]:
+    """Encoder ``name``'s items of ``sample``: its images for the image encoder, else its
+    ``inputs[name]``."""
+    return sample.images if name == rules.image else sample.inputs.get(name, ())
+
+
+def splice_items(parts: dict[str, torch.Tensor], layout: SequenceLayout) -> torch.Tensor:
+    """One sample's rows from every encoder (``parts[key]``: its items' rows, in the
+    encoder's item order; keys as ``data.layout.placements`` names them) in the order
+    ``layout`` places the items: what ``backbone_input`` splices. Without item keys (one
+    encoder's items): the rows of the encoder that has any."""
+    if not layout.items:
+        rows = [p for p in parts.values() if p.shape[0]]
+        if len(rows) > 1:
+            raise ValueError("rows of several encoders, but the layout names no items")
+        return rows[0] if rows else next(iter(parts.values()))
+    # Each encoder's items by index: their first row among its rows.
+    sizes: dict[str, dict[int, int]] = {}
+    for (key, k), n in zip(layout.items, layout.image_tokens, strict=True):
+        sizes.setdefault(key, {})[k] = n
+    start: dict[tuple[str, int], int] = {}
+    for key, by_index in sizes.items():
+        at = 0
+        for k in sorted(by_index):
+            start[(key, k)] = at
+            at += by_index[k]
+    pieces = [parts[key][start[(key, k)]:start[(key, k)] + n]
+              for (key, k), n in zip(layout.items, layout.image_tokens, strict=True)]
+    return torch.cat(pieces) if pieces else next(iter(parts.values()))[:0]
 
 
 def sequence_length(sizes: SampleSizes, tokens: ir.ImageTokens, seq_len: int) -> int:
@@ -219,6 +265,20 @@ def packed_shapes(sizes: Sequence[SampleSizes], patch: int, extra_tokens: int = 
     return [(n, (h // patch) * (w // patch) + extra_tokens) for (h, w), n in groups.items()]
 
 
+def packed_item_shapes(sizes: Sequence[SampleSizes], rules: EncoderInputs, name: str,
+                       extra_tokens: int = 0) -> list[tuple[int, int]]:
+    """``packed_shapes`` for encoder ``name``'s items (``pack_items``' groups): the image
+    encoder's images, any other encoder's ``inputs[name]``, rows from its rule."""
+    if name == rules.image:
+        return packed_shapes(sizes, rules.image_tokens.patch, extra_tokens)
+    rule = rules.rule(name)
+    groups: dict[tuple[int, ...], int] = {}
+    for sz in sizes:
+        for shape in sz.inputs.get(name, ()):
+            groups[tuple(shape)] = groups.get(tuple(shape), 0) + 1
+    return [(n, rule.patches(shape) + extra_tokens) for shape, n in groups.items()]
+
+
 class Model(nn.Module):
     """Every unit of a program: ``units[name]`` for modules and projectors alike, plus
     the names that wire them (``encoder``, ``backbone``, ``generators``,
@@ -228,11 +288,16 @@ class Model(nn.Module):
         super().__init__()
         enc = image_encoder(program)
         self.encoder = enc.name if enc is not None else None
+        self.encoders = tuple(m.name for m in program.encoders)
         self.backbone = program.backbone.name
         self.generators = tuple(m.name for m in program.generators)
         self.seq_len = program.train.seq_len
         self.patch = (enc.arch.patch or 1) if enc is not None else 1
-        self.image_tokens = program.image_tokens()   # an image's rows in the backbone
+        # Every encoder's items and their rows in the backbone (``data.modal``), an
+        # image's as ``Program.image_tokens``.
+        self.inputs = encoder_inputs(program)
+        self.image_tokens: Tokens = self.inputs if self.inputs.others else \
+            program.image_tokens()
         self.pixel_norm = pixel_norm(program)        # its images' mean and std
 
         def projector(source: str, target: str) -> str:
@@ -243,6 +308,7 @@ class Model(nn.Module):
                              "runtime needs")
 
         self.enc_proj = projector(self.encoder, self.backbone) if self.encoder else None
+        self.enc_projs = {e: projector(e, self.backbone) for e in self.encoders}
         self.archs = {m.name: m.arch for m in program.modules}
         self.gen_proj = {g: projector(self.backbone, g) for g in self.generators}
         names = [m.name for m in program.modules] + [p.name for p in program.projectors]
@@ -276,7 +342,10 @@ def sample_sizes_of(sample: Sample) -> SampleSizes:
         image_shapes=tuple((int(im.shape[-2]), int(im.shape[-1])) for im in sample.images),
         gen_counts={g: len(t) for g, t in sample.targets.items()},
         image_at=sample.image_at, trained=sample.trained, doc_text=sample.doc_text,
-        doc_images=sample.doc_images, doc_gen=sample.doc_gen)
+        doc_images=sample.doc_images, doc_gen=sample.doc_gen,
+        inputs={k: tuple(tuple(int(d) for d in x.shape) for x in v)
+                for k, v in sample.inputs.items()},
+        inputs_at=sample.inputs_at, doc_inputs=sample.doc_inputs)
 
 
 def sample_layout(sample: Sample, tokens: ir.ImageTokens, seq_len: int) -> SequenceLayout:
@@ -338,13 +407,32 @@ def encoder_layers(encoder: Encoder, xs: Sequence[torch.Tensor], start: int = 0,
 
 
 def encode(model: Model, samples: Sequence[Sample]) -> list[torch.Tensor]:
-    """Each sample's image tokens in backbone width ``[tokens_i, hidden_llm]``
-    (``[0, hidden_llm]`` without images, or without an encoder)."""
+    """Each sample's encoder tokens in backbone width ``[tokens_i, hidden_llm]``, every
+    encoder's items in the order ``data.layout`` places them (``[0, hidden_llm]``
+    without items, or without an encoder)."""
     backbone: Backbone = model.unit(model.backbone)
     width = backbone.tok_embeddings.embedding_dim
     device = backbone.tok_embeddings.weight.device
-    if model.encoder is None:
+    encoders = getattr(model, "encoders", (model.encoder,) if model.encoder else ())
+    if not encoders:
         return [torch.zeros(0, width, device=device) for _ in samples]
+    if model.encoder is not None and tuple(encoders) == (model.encoder,):
+        return _encode_images(model, samples, width, device)
+    rules: EncoderInputs = model.inputs
+    parts = {name: (_encode_images(model, samples, width, device) if name == model.encoder
+                    else _encode_items(model, name, samples, width, device))
+             for name in encoders}
+    out = []
+    for b, s in enumerate(samples):
+        sizes = sample_sizes_of(s)
+        out.append(splice_items({n: p[b] for n, p in parts.items()},
+                                layout_of(sizes, rules, model.seq_len)))
+    return out
+
+
+def _encode_images(model: Model, samples: Sequence[Sample], width: int,
+                   device: torch.device) -> list[torch.Tensor]:
+    """The image encoder's tokens of each sample, through its projector."""
     encoder: Encoder = model.unit(model.encoder)
     # uint8 pixels (a dataset's) normalised on the device, as the executor does.
     packed = pack_images([[im.to(device) for im in s.images] for s in samples], model.patch,
@@ -353,6 +441,19 @@ def encode(model: Model, samples: Sequence[Sample]) -> list[torch.Tensor]:
         encoder, encoder_input(encoder, packed.groups, packed.grids)))
     projector = model.unit(model.enc_proj)
     # Per group of same-sized images, on its patch grid (a compressing projector's input).
+    return unpack_images(packed, [projector(h, grid) for h, grid
+                                  in zip(hidden, packed.grids, strict=True)], width=width)
+
+
+def _encode_items(model: Model, name: str, samples: Sequence[Sample], width: int,
+                  device: torch.device) -> list[torch.Tensor]:
+    """Encoder ``name``'s tokens of each sample's ``inputs[name]``, through its projector."""
+    encoder: Encoder = model.unit(name)
+    packed = pack_items([[x.to(device) for x in s.inputs.get(name, ())] for s in samples],
+                        model.inputs.rule(name))
+    hidden = encoder_output(encoder, encoder_layers(
+        encoder, encoder_input(encoder, packed.groups, packed.grids)))
+    projector = model.unit(model.enc_projs[name])
     return unpack_images(packed, [projector(h, grid) for h, grid
                                   in zip(hidden, packed.grids, strict=True)], width=width)
 

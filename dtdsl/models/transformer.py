@@ -248,7 +248,8 @@ class Encoder(nn.Module):
         self.hidden = arch.hidden
         self.patch = arch.patch or 1
         self.in_channels = arch.in_channels or 3
-        self.patch_dim = self.in_channels * self.patch ** 2
+        # A video encoder's patch spans ``temporal_patch`` frames (``data.modal``).
+        self.patch_dim = self.in_channels * arch.temporal_patch * self.patch ** 2
         self.learned = arch.positions == "learned"
         # Whether each image's rows start with a class token (a plain attribute: a later
         # pipeline stage holds no class embedding but its rows still carry one).

@@ -116,12 +116,13 @@ import torch.distributed as dist
 from dtdsl.data.batch import BatchSource, LocalBatches, StepBatch
 from dtdsl.data.images import Pixels, pixel_norm
 from dtdsl.data.layout import SequenceLayout, layout_of
+from dtdsl.data.modal import EncoderInputs, encoder_inputs
 from dtdsl.data.sample import (
     PackedImages,
     Sample,
     SampleSizes,
     image_encoder,
-    pack_images,
+    pack_items,
     unpack_images,
 )
 from dtdsl.ir import program as ir
@@ -137,12 +138,14 @@ from dtdsl.models.multimodal import (
     document_masks,
     document_targets,
     encoder_input,
+    encoder_items,
     encoder_layers,
     encoder_output,
+    encoder_rows,
     generator_step,
-    image_tokens,
-    packed_shapes,
+    packed_item_shapes,
     scatter_sequence,
+    splice_items,
 )
 from dtdsl.parallel.broker import Broker, PendingSamples, StepSamples
 from dtdsl.parallel.device import to_device
@@ -169,7 +172,8 @@ class _Units:
         self.units = units
         self.vaes = vaes or {}
         self.patch = (enc.arch.patch or 1) if enc is not None else 1
-        self.image_tokens = program.image_tokens()
+        self.inputs: EncoderInputs = encoder_inputs(program)
+        self.image_tokens = self.inputs       # every encoder's items' rows (data.modal)
         self.seq_len = program.train.seq_len
         self.backbone = program.backbone.name
         self.gen_proj = {g.name: projector_between(program, program.backbone.name, g.name)
@@ -178,6 +182,11 @@ class _Units:
 
     def unit(self, name: str) -> torch.nn.Module:
         return self.units[name]
+
+
+class _PerPeer(dict):
+    """Per producing unit (an encoder), its per-sample tensors: a backbone first stage's
+    inputs and their gradients when several encoders feed it."""
 
 
 @dataclass
@@ -237,10 +246,9 @@ class StageExecutor:
                                         seed=self.seed, run=stage_run(self.role.role),
                                         initialize=initialize, phased=groups.phased,
                                         phased_run=_run_encoder)
-        if len(self.stage.phased) > 1 or (self.stage.phased and any(
-                u.role == "encoder" and not u.phased for u in plan.units)):
-            raise NotImplementedError("the runtime models one image encoder: plan one "
-                                      "phased encoder and no other")
+        if len(self.stage.phased) > 1:
+            raise NotImplementedError("one phased encoder: plan the other encoders as their "
+                                      "own units")
         # Embeddings of the phased encoder's outputs for this replica's samples (on the
         # backbone's first stage, between the phases), as autograd leaves.
         self._phased_in: dict[int, torch.Tensor] = {}
@@ -251,7 +259,13 @@ class StageExecutor:
         # Co-located modules this stage runs (a backbone's first stage: the encoder, its
         # last: the generators), on its own ranks and samples.
         hosted = {n: program.module(n).role for n in self.stage.hosted}
-        self._hosted_encoder = next((n for n, r in hosted.items() if r == "encoder"), None)
+        # Co-located encoders, in forward order (their embeddings are spliced with the
+        # other encoders' received ones).
+        self._hosted_encoders = [n for n, r in hosted.items() if r == "encoder"]
+        self._hosted_encoder = self._hosted_encoders[0] if self._hosted_encoders else None
+        if self._hosted_encoder and self.stage.phased:
+            raise NotImplementedError("a phased encoder beside a co-located one: plan the "
+                                      "other encoders as their own units")
         self._hosted_generators = [n for n, r in hosted.items() if r == "generator"]
         self.dtype = self.stage.compute_dtype
         self._patch = self.model.patch
@@ -261,6 +275,11 @@ class StageExecutor:
             if self._hosted_encoder or self.stage.phased or self.role.role == "encoder" \
             else None
         self._image_tokens = self.model.image_tokens
+        self._inputs = self.model.inputs
+        # The encoder whose items this rank encodes: its own unit, or the one it hosts or
+        # runs phased (one at most, checked above).
+        self._encoder = self.role.unit if self.role.role == "encoder" else \
+            self._hosted_encoder or next(iter(self.stage.phased), None)
         self._width = program.backbone.arch.hidden
         self._build_optimizer()
         # fp16's dynamic loss scale (``optim.LossScale``): every loss's backward starts
@@ -568,6 +587,10 @@ class StageExecutor:
             self._send(a, j, mb.outbox, _FWD)
         elif kind is ActionKind.SEND_B:
             self._send(a, j, mb.input_grads, _BWD)
+            if isinstance(mb.input_grads, _PerPeer):     # one SEND_B per encoder
+                mb.input_grads.pop(a.peer_unit)
+                if mb.input_grads:
+                    return
             self.micro.pop(j, None)
         elif kind is ActionKind.RECV_F:
             assert a.peer_unit is not None
@@ -590,6 +613,8 @@ class StageExecutor:
         elif direction == _FWD:
             self.broker.send_forward(index, self.role.unit, a.peer_unit, payload, self.steps[j])
         else:
+            if isinstance(payload, _PerPeer):   # several encoders: this one's gradients
+                payload = payload[a.peer_unit]
             self.broker.send_backward(index, a.peer_unit, self.role.unit, payload,
                                       self.steps[j])
 
@@ -616,9 +641,10 @@ class StageExecutor:
         """The shape of one sample's tensor on the edge between this unit and ``peer``."""
         role = self.role.role
         peer_role = self.plan.unit(peer).role
-        width, tokens = self._width, self._image_tokens
+        width, rules = self._width, self._inputs
         if {role, peer_role} == {"encoder", "backbone"}:
-            return lambda i: TensorSpec((image_tokens(self._sizes(i), tokens), width),
+            name = self.role.unit if role == "encoder" else peer
+            return lambda i: TensorSpec((encoder_rows(self._sizes(i), rules, name), width),
                                         self.dtype)
         return lambda i: TensorSpec((sum(conditioning_rows(self._layout(i))), width),
                                     self.dtype)
@@ -630,7 +656,8 @@ class StageExecutor:
         if self.role.role == "encoder":
             arch = self.program.module(self.role.unit).arch
             return [TensorSpec((n, rows, arch.hidden), self.dtype)
-                    for n, rows in packed_shapes(sizes, self._patch, int(arch.cls_token))]
+                    for n, rows in packed_item_shapes(sizes, self._inputs, self.role.unit,
+                                                      int(arch.cls_token))]
         seq = max((self._layout(i).length for i in self._ids[j]), default=0)
         # Sequence parallelism: each TP rank sends its PP peer its piece of the sequence.
         tp = self.role.grid.tp
@@ -651,7 +678,7 @@ class StageExecutor:
     def _phased_embeds(self, i: int) -> torch.Tensor:
         """Sample ``i``'s embeddings from the forward phase (none for a sample without
         images), on the backbone's first stage."""
-        if image_tokens(self._sizes(i), self._image_tokens) == 0:
+        if self._rows(i) == 0:
             return torch.zeros(0, self._width, dtype=self.dtype, device=self.device)
         try:
             return self._phased_in[i]
@@ -659,6 +686,11 @@ class StageExecutor:
             raise RuntimeError(f"{self.role.unit}.s0: step {self.step}'s forward phase "
                                f"left sample {i} without embeddings; the routing and the "
                                "executor disagree") from None
+
+    def _rows(self, i: int) -> int:
+        """Sample ``i``'s rows from the encoder this rank encodes (hosts, runs phased)."""
+        assert self._encoder is not None
+        return encoder_rows(self._sizes(i), self._inputs, self._encoder)
 
     def _phase_share(self, name: str, stage: int) -> list[list[int]]:
         """Per microbatch step, the samples that the ranks of backbone stage ``stage`` of
@@ -671,11 +703,11 @@ class StageExecutor:
         """The samples with image embeddings in stage ``stage``'s share, in step order:
         the tensors of a phase's message between that stage and the first, in order."""
         return [i for ids in self._phase_share(name, stage) for i in ids
-                if image_tokens(self._sizes(i), self._image_tokens) > 0]
+                if self._rows(i) > 0]
 
     def _phase_specs(self, order: Sequence[int]) -> list[TensorSpec]:
         """The embeddings (or their gradients) of ``order``, from the samples' sizes."""
-        return [TensorSpec((image_tokens(self._sizes(i), self._image_tokens), self._width),
+        return [TensorSpec((self._rows(i), self._width),
                            self.dtype) for i in order]
 
     def _phase_label(self, name: str, direction: str, src: int, dst: int) -> str:
@@ -765,8 +797,7 @@ class StageExecutor:
     def _encoder_forward(self, j: int, mb: _Micro) -> None:
         role = self.role
         ids, samples = list(self._ids[j]), [self._sample(i) for i in self._ids[j]]
-        images = [to_device(list(s.images), self.device) for s in samples]
-        packed = pack_images(images, self._patch, self._pixels)
+        packed = self._pack(samples)
         if role.is_first_stage:
             xs = None
             mb.inputs = None
@@ -794,28 +825,49 @@ class StageExecutor:
             extra["generation"] = self._generation(ids)
         if role.is_first_stage:
             samples = [self._sample(i) for i in ids]
-            images = self._hosted_images(samples) if self._hosted_encoder else None
+            packs = {n: p for n in self._hosted_encoders
+                     if (p := self._hosted_images(samples, n)) is not None}
+            # The encoders of their own units: each sample's rows of every one, as
+            # autograd leaves per encoder (each gets its own gradients back).
+            leaves = {peer: {i: self._leaf(t[i]) for i in ids}
+                      for peer, t in ((p, q.wait()) for p, q in mb.pending.items())}
+            zero = torch.zeros(0, self._width, dtype=self.dtype, device=self.device)
+            # One co-located encoder alone: its packed items; several, or beside received
+            # embeddings: per encoder (spliced in ``_run_backbone``).
+            images = None if not packs else next(iter(packs.values())) \
+                if len(packs) == 1 and not leaves and len(self._hosted_encoders) == 1 \
+                else packs
             if images is not None:
-                # The co-located encoder embeds them inside the stage's forward; the
-                # zero-row placeholders below are replaced there.
+                # The co-located encoders embed them inside the stage's forward, spliced
+                # there with the received ones (``_run_backbone``); the zero-row
+                # placeholders below are replaced there.
                 extra["images"] = images
-                rows = [image_tokens(self._sizes(i), self._image_tokens) for i in ids]
-                embeds = {i: torch.zeros(0, self._width, dtype=self.dtype, device=self.device)
-                          for i in ids}
-            elif self.stage.phased:     # the phased encoder's, received before the pipeline
-                embeds = {i: self._phased_embeds(i) for i in ids}
-            elif mb.pending:
-                if len(mb.pending) != 1:
-                    raise NotImplementedError("the runtime models one image encoder")
-                (pending,) = mb.pending.values()
-                per_sample = pending.wait()
-                embeds = {i: self._leaf(per_sample[i]) for i in ids}
+                if leaves:
+                    extra["received"] = {p: [got[i] for i in ids] for p, got in leaves.items()}
+                embeds = {i: zero for i in ids}
             else:
-                embeds = {i: torch.zeros(0, self._width, dtype=self.dtype, device=self.device)
-                          for i in ids}
-            if images is None:
-                rows = [embeds[i].shape[0] for i in ids]
-            mb.inputs = None if images is not None else embeds
+                own: dict[str, Any] = {}
+                if self.stage.phased:   # the phased encoder's, received before the pipeline
+                    own = {next(iter(self.stage.phased)): {i: self._phased_embeds(i)
+                                                           for i in ids}}
+                parts = {**own, **leaves}
+                if len(parts) > 1:      # spliced in the order the layout places the items
+                    embeds = {i: splice_items({p: got[i] for p, got in parts.items()},
+                                              self._layout(i)) for i in ids}
+                elif parts:
+                    (got,) = parts.values()
+                    embeds = dict(got)
+                else:
+                    embeds = {i: zero for i in ids}
+            rows = [sum(self._layout(i).image_tokens) for i in ids]
+            # What SEND_B sends each encoder: its leaves' gradients (none for the phased
+            # or co-located encoder, whose backward runs here).
+            if len(leaves) > 1 or (leaves and (images is not None or self.stage.phased)):
+                mb.inputs = _PerPeer(leaves)
+            elif leaves:
+                (mb.inputs,) = leaves.values()
+            else:
+                mb.inputs = None if images is not None else embeds
             tokens = [to_device(s.tokens, self.device) for s in samples]
             self.processed["text_tokens"] += sum(len(t) for t in tokens)
             self.processed["positions"] += sum(len(t) for t in tokens) + sum(rows)
@@ -853,11 +905,22 @@ class StageExecutor:
             mb.outputs = [y]
             mb.outbox = [y.detach(), targets]
 
-    def _hosted_images(self, samples: Sequence[Sample]) -> PackedImages | None:
-        """The images of ``samples`` packed for the co-located (or phased) encoder (None
-        when they have none), their patches counted."""
-        images = [to_device(list(s.images), self.device) for s in samples]
-        packed = pack_images(images, self._patch, self._pixels)
+    def _pack(self, samples: Sequence[Sample], name: str | None = None) -> PackedImages:
+        """The items of ``samples`` of encoder ``name`` (default: the one this rank
+        encodes), packed (``data.sample.pack_items``: uint8 pixels normalised on the
+        device)."""
+        name = name or self._encoder
+        assert name is not None
+        items = [to_device(list(encoder_items(s, self._inputs, name)), self.device)
+                 for s in samples]
+        return pack_items(items, self._inputs.rule(name), self._pixels)
+
+    def _hosted_images(self, samples: Sequence[Sample], name: str | None = None
+                       ) -> PackedImages | None:
+        """The items of ``samples`` packed for co-located (or phased) encoder ``name``
+        (default: the one this rank runs; None when they have none), their patches
+        counted."""
+        packed = self._pack(samples, name)
         if not packed.groups:
             return None
         self.processed["patches"] += sum(g.shape[0] * g.shape[1] for g in packed.groups)
@@ -936,7 +999,10 @@ class StageExecutor:
         def grad(x: torch.Tensor) -> torch.Tensor:
             return x.grad if x.grad is not None else torch.zeros_like(x)
 
-        if isinstance(mb.inputs, dict):
+        if isinstance(mb.inputs, _PerPeer):
+            mb.input_grads = _PerPeer({peer: {i: grad(x) for i, x in xs.items()}
+                                       for peer, xs in mb.inputs.items()})
+        elif isinstance(mb.inputs, dict):
             mb.input_grads = {i: grad(x) for i, x in mb.inputs.items()}
         else:
             mb.input_grads = [grad(x) for x in mb.inputs]
@@ -973,10 +1039,13 @@ def _hosted(module: Any, role: str) -> list[str]:
     return [n for n in st.hosted if st.program.module(n).role == role]
 
 
-def _hosted_embeds(module: Any, packed: PackedImages) -> list[torch.Tensor]:
-    """Each sample's image tokens in backbone width from the stage's co-located encoder
-    and its projector: the whole encoder, as an encoder unit of one stage runs it."""
-    (name,) = _hosted(module, "encoder")
+def _hosted_embeds(module: Any, packed: PackedImages, name: str | None = None
+                   ) -> list[torch.Tensor]:
+    """Each sample's tokens in backbone width from the stage's co-located encoder
+    ``name`` (default: its one) and its projector: the whole encoder, as an encoder unit
+    of one stage runs it."""
+    if name is None:
+        (name,) = _hosted(module, "encoder")
     outs = _encoder_pass(module, name, packed.groups, first=True, last=True, start=0,
                          stop=None, grids=packed.grids)
     return unpack_images(packed, outs)
@@ -1002,23 +1071,32 @@ def _hosted_losses(module: Any, hidden: torch.Tensor, layouts: Sequence[Sequence
 
 def _run_backbone(module: Any, *, x: torch.Tensor | None = None,
                   image_embeds: Sequence[torch.Tensor] | None = None,
-                  images: PackedImages | None = None,
+                  images: PackedImages | dict[str, PackedImages] | None = None,
                   tokens: Sequence[torch.Tensor] | None = None,
                   layouts: Sequence[SequenceLayout] | None = None,
                   targets: torch.Tensor | None = None,
                   loss_tokens: int | None = None,
                   loss_rows: torch.Tensor | None = None,
-                  generation: dict[str, Any] | None = None) -> tuple[Any, ...]:
+                  generation: dict[str, Any] | None = None,
+                  received: dict[str, Sequence[torch.Tensor]] | None = None
+                  ) -> tuple[Any, ...]:
     """A backbone stage's forward: ``(activations, targets)`` on an inner stage,
     ``(LM loss sum, final hidden states, {co-located generator: its loss sum})`` on the
     last. The first stage embeds ``tokens`` with ``image_embeds`` (received) or with
-    what its co-located encoder makes of ``images``; the last runs its co-located
+    what its co-located encoders make of ``images`` (per encoder where there are
+    several), spliced with the other encoders' ``received`` rows (per encoder, per
+    sample) in the layouts' order; the last runs its co-located
     generators on ``generation`` (``_hosted_losses``)."""
     st = module.stage_state
     bb = module.units[st.role.unit]
     assert layouts is not None
     if x is None:
-        if images is not None:      # the co-located encoder, in the same autograd graph
+        if isinstance(images, dict):    # several encoders: spliced in the layout's order
+            made = {n: _hosted_embeds(module, packed, n) for n, packed in images.items()}
+            rows = {**made, **(received or {})}
+            image_embeds = [splice_items({n: r[b] for n, r in rows.items()}, layouts[b])
+                            for b in range(len(layouts))]
+        elif images is not None:    # the co-located encoder, in the same autograd graph
             image_embeds = _hosted_embeds(module, images)
         assert image_embeds is not None and tokens is not None
         batch = backbone_input(bb, image_embeds, tokens, layouts)

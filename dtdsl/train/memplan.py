@@ -51,7 +51,7 @@ import gc
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -259,20 +259,42 @@ class _Images:
 
 def _encoder_images(program: ir.Program, cost: Any, name: str, unit: Any, share: float,
                     large: bool) -> _Images:
-    """The images of encoder ``name``'s large (the cost model's 99th percentile) or
-    average microbatch, as the cost model budgets them."""
-    arch = program.module(name).arch
-    patch = arch.patch or 1
+    """The items of encoder ``name``'s large (the cost model's 99th percentile) or
+    average microbatch, as the cost model budgets them: square grids of about an average
+    item's patches (an image's, an audio clip's or a video clip's, ``data.modal``)."""
+    from dtdsl.data.modal import InputRule, drawn_tokens
+
+    module = program.module(name)
+    arch = module.arch
+    rule = InputRule.of(cost.program, module)
     tokens = max(1, int(math.ceil(unit.peak_items * share
                                   / (1.0 if large else unit.act_peak_ratio))))
-    items = cost.program.data.get("image", "patches")
-    per_image = 256 if items is None else max(1, int(round(_mean(items))))
-    # A square grid the projector's compression divides (pixel shuffle: whole k x k
-    # blocks), as the data's own images are rounded.
-    side = cost.program.image_tokens().square_side(per_image)
+    data = cost.program.data
+    if rule.image is not None:
+        items = data.get("image", "patches")
+        per_image = 256 if items is None else max(1, int(round(_mean(items))))
+        # A square grid the projector's compression divides (pixel shuffle: whole k x k
+        # blocks), as the data's own images are rounded.
+        side = rule.image.square_side(per_image)
+    else:
+        m = rule.modality
+        frames, patches = data.get(m, "frames"), data.get(m, "patches")
+        size = 256 if frames is None else max(1, int(round(_mean(frames))))
+        per = None if patches is None else np.array([max(1, int(round(_mean(patches))))])
+        per_item = int(drawn_tokens(rule, np.array([size]), per)[0])
+        side = max(1, round(math.sqrt(per_item)))
     rows = side * side + int(arch.cls_token)        # a class token's row too
     return _Images(n=max(1, math.ceil(tokens / rows)), side=side, rows=rows,
-                   width=(arch.in_channels or 3) * patch * patch)
+                   width=rule.patch_dim)
+
+
+def _item_rows(program: ir.Program, name: str, side: int) -> int:
+    """The backbone rows of one of ``_encoder_images``' square items of encoder ``name``:
+    an image's as its projector compresses it, any other's one per patch."""
+    from dtdsl.data.modal import InputRule
+
+    rule = InputRule.of(program, program.module(name))
+    return rule.image.of_grid(side, side) if rule.image is not None else side * side
 
 
 def _generation_targets(program: ir.Program, name: str, unit: Any, share: float,
@@ -305,37 +327,49 @@ def _hosted_inputs(program: ir.Program, cost: Any, plan: Plan, role: Any, seq: i
                    ) -> tuple[list[Any], dict[str, Any]]:
     """The layouts of a backbone microbatch of ``micro_batch`` sequences of ``seq``
     positions, and the extra forward arguments of the co-located units its stage hosts:
-    the encoder's images (``images``, spread over the sequences, whose text fills the
-    rest) and each generator's targets (``generation``)."""
+    the encoders' items (``images``, spread over the sequences, whose text fills the
+    rest; per encoder where there are several) and each generator's targets
+    (``generation``)."""
     from dtdsl.data.layout import sequence_layout
     from dtdsl.data.sample import PackedImages
     from dtdsl.parallel.mesh import hosted_units
 
     b = program.train.micro_batch
     extra: dict[str, Any] = {}
-    per_sample = [0] * b
-    image_rows = 0
+    room = [seq] * b
+    items: list[list[tuple[str, int, int]]] = [[] for _ in range(b)]   # (encoder, k, rows)
+    packs: dict[str, Any] = {}
     for u in hosted_units(plan, role):
         if u.role == "encoder":
             im = _encoder_images(program, cost, u.name, cost.unit(u.name), 1.0, large)
-            image_rows = program.image_tokens().of_grid(im.side, im.side)
-            # No sequence holds more images than fit in it.
-            fit = max(1, seq // max(1, image_rows))
-            per_sample = [min(c, fit) for c in _spread(im.n, b)]
+            rows = _item_rows(program, u.name, im.side)
+            # No sequence holds more items than fit in what the others left of it.
+            # (The first encoder puts one in each at least.)
+            per_sample = [min(c, max(int(r == seq), r // max(1, rows)))
+                          for c, r in zip(_spread(im.n, b), room, strict=True)]
+            for k, c in enumerate(per_sample):
+                items[k] += [(u.name, j, rows) for j in range(c)]
+                room[k] -= c * rows
             owners = tuple((k, j) for k, c in enumerate(per_sample) for j in range(c))
             group = torch.zeros(len(owners), im.side * im.side, im.width, dtype=dtype,
                                 device=device)
-            extra["images"] = PackedImages(groups=(group,), owners=(owners,),
-                                           counts=tuple(per_sample),
-                                           grids=((im.side, im.side),))
+            packs[u.name] = PackedImages(groups=(group,), owners=(owners,),
+                                         counts=tuple(per_sample),
+                                         grids=((im.side, im.side),))
         else:
             count = _generation_targets(program, u.name, cost.unit(u.name), 1.0, large)
             counts = _spread(count, b)
             extra.setdefault("generation", {})[u.name] = (
                 [_targets(program, u.name, c, device) for c in counts],
                 [(c,) for c in counts])
-    layouts = [sequence_layout(seq - c * image_rows, [image_rows] * c, [0] * c,
-                               [(0, seq - c * image_rows)], seq) for c in per_sample]
+    if packs:
+        # One encoder: its packed items; several: per encoder, spliced by the layouts.
+        extra["images"] = next(iter(packs.values())) if len(packs) == 1 else packs
+    layouts = []
+    for own, left in zip(items, room, strict=True):
+        lay = sequence_layout(left, [n for *_, n in own], [0] * len(own), [(0, left)], seq)
+        layouts.append(replace(lay, items=tuple((name, k) for name, k, _ in own))
+                       if len(packs) > 1 else lay)
     return layouts, extra
 
 
@@ -435,7 +469,7 @@ def _phase(program: ir.Program, cost: Any, plan: Plan, unit: Any, role: Any, bui
         for large in [True] + [False] * (plan.num_microbatches - 1):
             whole = _encoder_images(program, cost, unit.name, cost.unit(unit.name), 1.0,
                                     large)
-            rows += whole.n * program.image_tokens().of_grid(whole.side, whole.side)
+            rows += whole.n * _item_rows(program, unit.name, whole.side)
 
     def images() -> tuple[tuple, dict]:
         group = torch.zeros(im.n, im.side * im.side, im.width, dtype=built.compute_dtype,
