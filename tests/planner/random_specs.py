@@ -32,8 +32,11 @@ def random_spec(rng: random.Random, name: str = "random", max_units: int = 6) ->
     lines = [f"spec {name}", "", "model {"]
     for mod in encoders:
         frozen = "\n    frozen = true" if rng.random() < 0.25 else ""
+        # An audio encoder's patches tile its 128 mel bins (BEATs: 16); a ViT's 14 px.
+        patch = 16 if mod == "audio" else 14
         lines.append(f"  encoder enc_{mod} ({mod}) {{\n    arch = "
-                     f"{_transformer(rng, (2, 12), rng.choice((4, 8)))}, patch=14){frozen}\n  }}")
+                     f"{_transformer(rng, (2, 12), rng.choice((4, 8)))}, patch={patch})"
+                     f"{frozen}\n  }}")
         lines.append(f"  projector enc_{mod} -> llm : mlp(depth=2)")
     frozen = "\n    frozen = true" if rng.random() < 0.15 else ""
     lines.append(f"  backbone llm {{\n    arch = {_transformer(rng, (4, 48), rng.choice((8, 16)))}"
