@@ -205,6 +205,9 @@ class LocalSGD:
         self.stats = NormStats()
         self.replicas = dist.get_world_size(group)
         self._weights: list[float] | None = None
+        # The replicas' weights at the last synchronisation (0: dropped; empty: rolled
+        # back), for metrics and tests.
+        self.last_weights: list[float] = []
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._done: set[int] = set()
 
@@ -262,6 +265,7 @@ class LocalSGD:
             norm_list = [0.0] * self.replicas
         weights = penalty_weights(norm_list, self.stats, self.cfg)
         self._weights = weights if weights is not None else []   # []: roll back
+        self.last_weights = list(self._weights)
 
     @torch.no_grad()
     def sync_layer(self, params: Sequence[torch.Tensor]) -> None:
@@ -319,6 +323,7 @@ class ReferenceLocalSGD:
         self.anchor = [p.detach().clone() for p in params]
         self.mom = [torch.zeros_like(a) for a in self.anchor]
         self.stats = NormStats()
+        self.last_weights: list[float] = []
 
     @torch.no_grad()
     def sync(self, replicas: Sequence[Sequence[torch.Tensor]]) -> None:
@@ -326,6 +331,7 @@ class ReferenceLocalSGD:
         norms = [math.sqrt(sum(float(d.double().pow(2).sum()) for d in ds)) for ds in deltas]
         weights = penalty_weights(norms if self.cfg.penalty else [0.0] * len(replicas),
                                   self.stats, self.cfg)
+        self.last_weights = list(weights or [])
         if weights is None:
             new = self.anchor
         else:
