@@ -151,8 +151,17 @@ def test_penalty_weights_clipping_and_rollback_by_hand():
         reference_local_sgd(reps, state)
         return start, reps
 
+    norms = []
     for s in range(3):
-        sync(_deltas(s, 3, {}))
+        deltas = _deltas(s, 3, {})
+        norms += [_norm(ds) for ds in deltas]
+        sync(deltas)
+    mean, var = norms[0], 0.0      # the exponentially weighted mean and variance
+    for g in norms[1:]:
+        delta = g - mean
+        mean += 0.2 * delta
+        var = 0.8 * (var + 0.2 * delta * delta)
+    assert (state.stats.mean, state.stats.var) == pytest.approx((mean, var), rel=1e-12)
     # the warm-up: the same history and the same outlier, a longer warm-up keeps it in
     late = ReferenceLocalSGD(anchor, LocalSGDConfig(**{**cfg.__dict__, "warmup_syncs": 4}))
     for s in range(3):
@@ -190,6 +199,23 @@ def test_penalty_weights_clipping_and_rollback_by_hand():
             assert torch.equal(got, want)
     assert (state.stats.mean, state.stats.var, state.stats.seen) == stats
     assert state.stats.syncs == syncs + 1
+
+
+def test_outer_step_is_nesterov_by_hand():
+    lr, mu = 0.7, 0.9
+    start = [torch.ones(3, 4, dtype=torch.float64), torch.zeros(5, dtype=torch.float64)]
+    state = ReferenceLocalSGD(start, LocalSGDConfig(outer_lr=lr, outer_momentum=mu))
+    theta, mom = [t.clone() for t in start], [torch.zeros_like(t) for t in start]
+    for sync in range(3):
+        deltas = _deltas(10 + sync, 2, {})
+        reps = _moved(state.anchor, deltas)
+        reference_local_sgd(reps, state)
+        for k in range(2):
+            d = (deltas[0][k] + deltas[1][k]) / 2
+            mom[k] = mu * mom[k] + d
+            theta[k] = theta[k] - lr * (d + mu * mom[k])
+            for rep in reps:
+                assert torch.allclose(rep[k], theta[k], rtol=0, atol=1e-12)
 
 
 # -- distributed synthetic syncs: whole, sharded, many replicas --------------------------
