@@ -271,6 +271,38 @@ def test_sharded_and_whole_replicas_match_reference(world, shards, layered):
     run(_synthetic, world, shards, cfg, layered)
 
 
+def _dtensor(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replica", "shard"))
+    replica = mesh.get_local_rank("replica")
+    cfg = LocalSGDConfig(period=1, outer_lr=0.7, outer_momentum=0.9, penalty=True,
+                         warmup_syncs=3, ema_alpha=0.5, z_threshold=2.0, clip_norm=0.2)
+    g = torch.Generator().manual_seed(5)
+    start = [torch.randn(*s, generator=g, dtype=torch.float64) for s in SHAPES]
+    params = [torch.nn.Parameter(distribute_tensor(t, mesh["shard"], [Shard(0)]))
+              for t in start]
+    ls = LocalSGD(params, cfg, group=mesh.get_group("replica"),
+                  shard_group=mesh.get_group("shard"))
+    ref = ReferenceLocalSGD(start, cfg)
+    for sync in range(SYNCS):
+        deltas = _whole_deltas(sync, 2)
+        reps = _moved(ref.anchor, deltas)
+        with torch.no_grad():
+            for p, d in zip(params, deltas[replica]):
+                p.sub_(distribute_tensor(d, mesh["shard"], [Shard(0)]))
+        assert ls.maybe_sync(sync)
+        reference_local_sgd(reps, ref)
+        assert ls.last_weights == pytest.approx(ref.last_weights, abs=1e-12)
+        for got, want in zip(params, reps[replica]):
+            assert torch.allclose(got.full_tensor(), want, rtol=0, atol=1e-10)
+
+
+def test_fsdp_style_dtensor_shards_match_reference():
+    run(_dtensor, 4)
+
+
 # -- A-EDiT --------------------------------------------------------------------------------
 
 def _interval(rank, world):
