@@ -152,9 +152,9 @@ def penalty_weights(norms: Sequence[float], stats: NormStats,
     kept = [not (testing and (g - stats.mean) / sigma > cfg.z_threshold) for g in norms]
     if not any(kept):
         return None
-    inv = [1.0 / max(g, _TINY) if k else 0.0 for g, k in zip(norms, kept)]
+    inv = [1.0 / max(g, _TINY) if k else 0.0 for g, k in zip(norms, kept, strict=True)]
     total = sum(inv)
-    for g, k in zip(norms, kept):
+    for g, k in zip(norms, kept, strict=True):
         if k:
             stats.feed(g, cfg.ema_alpha)
     return [v / total for v in inv]
@@ -327,7 +327,8 @@ class ReferenceLocalSGD:
 
     @torch.no_grad()
     def sync(self, replicas: Sequence[Sequence[torch.Tensor]]) -> None:
-        deltas = [[a - p.detach() for a, p in zip(self.anchor, rep)] for rep in replicas]
+        deltas = [[a - p.detach() for a, p in zip(self.anchor, rep, strict=True)]
+                  for rep in replicas]
         norms = [math.sqrt(sum(float(d.double().pow(2).sum()) for d in ds)) for ds in deltas]
         weights = penalty_weights(norms if self.cfg.penalty else [0.0] * len(replicas),
                                   self.stats, self.cfg)
@@ -335,15 +336,16 @@ class ReferenceLocalSGD:
         if weights is None:
             new = self.anchor
         else:
-            avg = [sum(w * ds[k] for w, ds in zip(weights, deltas))
+            avg = [sum(w * ds[k] for w, ds in zip(weights, deltas, strict=True))
                    for k in range(len(self.anchor))]
             if self.cfg.clips:
                 norm = math.sqrt(sum(float(d.double().pow(2).sum()) for d in avg))
                 scale = min(1.0, self.cfg.clip_norm / norm) if norm > 0 else 1.0
                 avg = [d * scale for d in avg]
-            new = [_outer(a, m, d, self.cfg) for a, m, d in zip(self.anchor, self.mom, avg)]
+            new = [_outer(a, m, d, self.cfg)
+                   for a, m, d in zip(self.anchor, self.mom, avg, strict=True)]
         for rep in replicas:
-            for p, n in zip(rep, new):
+            for p, n in zip(rep, new, strict=True):
                 (p.data if isinstance(p, torch.nn.Parameter) else p).copy_(n)
 
 

@@ -10,8 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dtdsl.train.local_sgd import (LocalSGD, LocalSGDConfig, ReferenceLocalSGD,
-                                   reference_local_sgd)
+from dtdsl.train.local_sgd import LocalSGD, LocalSGDConfig, ReferenceLocalSGD, reference_local_sgd
 from tests.dist import run
 
 STEPS = 9
@@ -52,7 +51,7 @@ def _reference(cfg: LocalSGDConfig, replicas: int, inner: str, corrupt: bool):
     state = ReferenceLocalSGD(list(models[0].parameters()), cfg)
     weights = []
     for step in range(STEPS):
-        for r, (m, o) in enumerate(zip(models, opts)):
+        for r, (m, o) in enumerate(zip(models, opts, strict=True)):
             _local_step(m, o, r, step, corrupt)
         if (step + 1) % cfg.period == 0:
             reference_local_sgd([list(m.parameters()) for m in models], state)
@@ -70,17 +69,18 @@ def _train_vs_reference(rank, world, cfg, inner, corrupt):
         if ls.maybe_sync(step):
             weights.append(ls.last_weights)
     ref, ref_weights = _reference(cfg, world, inner, corrupt)
-    for mine, theirs in zip(model.parameters(), ref[rank].parameters()):
+    for mine, theirs in zip(model.parameters(), ref[rank].parameters(), strict=True):
         assert torch.allclose(mine, theirs, rtol=0, atol=1e-6), (mine - theirs).abs().max()
     assert len(weights) == len(ref_weights) == STEPS // cfg.period
-    for w, rw in zip(weights, ref_weights):
+    for w, rw in zip(weights, ref_weights, strict=True):
         assert w == pytest.approx(rw, abs=1e-12)
     if corrupt:
         # syncs 0 and 1 are the warm-up; at sync 2 the z-test drops replica 1
         assert all(x > 0 for w in weights[:2] for x in w), weights
         assert weights[2][1] == 0 and weights[2][0] == pytest.approx(1.0), weights
     # the model moved away from the start (the comparison is not of two idle copies)
-    assert any(not torch.equal(a, b) for a, b in zip(model.parameters(), _model().parameters()))
+    assert any(not torch.equal(a, b)
+               for a, b in zip(model.parameters(), _model().parameters(), strict=True))
 
 
 @pytest.mark.parametrize("inner", ["adamw", "sgd"])
@@ -111,7 +111,7 @@ def _period_one_is_data_parallel(rank, world):
             dist.all_reduce(p.grad)
             p.grad /= world
         dp_opt.step()
-    for mine, theirs in zip(model.parameters(), dp.parameters()):
+    for mine, theirs in zip(model.parameters(), dp.parameters(), strict=True):
         assert torch.allclose(mine, theirs, rtol=0, atol=1e-6), (mine - theirs).abs().max()
 
 
@@ -126,7 +126,7 @@ def _norm(ts) -> float:
 
 
 def _moved(anchor, deltas):
-    return [[a - d for a, d in zip(anchor, ds)] for ds in deltas]
+    return [[a - d for a, d in zip(anchor, ds, strict=True)] for ds in deltas]
 
 
 def _deltas(sync: int, replicas: int, scale: dict[int, float]):
@@ -174,20 +174,20 @@ def test_penalty_weights_clipping_and_rollback_by_hand():
     inv = [1 / _norm(deltas[0]), 1 / _norm(deltas[1])]
     w = [inv[0] / sum(inv), inv[1] / sum(inv)]
     expect = [a - 0.7 * (w[0] * d0 + w[1] * d1)
-              for a, d0, d1 in zip(start, deltas[0], deltas[1])]
+              for a, d0, d1 in zip(start, deltas[0], deltas[1], strict=True)]
     assert state.last_weights[2] == 0
     for rep in reps:
-        for got, want in zip(rep, expect):
+        for got, want in zip(rep, expect, strict=True):
             assert torch.allclose(got, want, rtol=0, atol=1e-12)
     # clipping: the averaged pseudo-gradient's global norm is cut to the threshold
     deltas = _deltas(4, 3, {})
     start, reps = sync(deltas, clip=0.01)
     assert all(w > 0 for w in state.last_weights), state.last_weights
     inv = [1 / _norm(ds) for ds in deltas]
-    avg = [sum(i / sum(inv) * ds[k] for i, ds in zip(inv, deltas)) for k in range(2)]
+    avg = [sum(i / sum(inv) * ds[k] for i, ds in zip(inv, deltas, strict=True)) for k in range(2)]
     assert _norm(avg) > 0.01
-    expect = [a - 0.7 * d * (0.01 / _norm(avg)) for a, d in zip(start, avg)]
-    for got, want in zip(reps[0], expect):
+    expect = [a - 0.7 * d * (0.01 / _norm(avg)) for a, d in zip(start, avg, strict=True)]
+    for got, want in zip(reps[0], expect, strict=True):
         assert torch.allclose(got, want, rtol=0, atol=1e-12)
     # every replica anomalous: all roll back to the anchor, statistics untouched
     stats = (state.stats.mean, state.stats.var, state.stats.seen)
@@ -195,7 +195,7 @@ def test_penalty_weights_clipping_and_rollback_by_hand():
     start, reps = sync(_deltas(5, 3, {0: 50.0, 1: 50.0, 2: 50.0}))
     assert state.last_weights == []
     for rep in reps:
-        for got, want in zip(rep, start):
+        for got, want in zip(rep, start, strict=True):
             assert torch.equal(got, want)
     assert (state.stats.mean, state.stats.var, state.stats.seen) == stats
     assert state.stats.syncs == syncs + 1
@@ -252,12 +252,12 @@ def _synthetic(rank, world, shards, cfg, layered):
     for sync in range(SYNCS):
         deltas = _whole_deltas(sync, replicas)
         reps = _moved(ref.anchor, deltas)
-        for p, d in zip(mine, deltas[replica]):
+        for p, d in zip(mine, deltas[replica], strict=True):
             p.sub_(_chunk(d, shard, shards))
         assert ls.maybe_sync(sync)
         reference_local_sgd(reps, ref)
         assert ls.last_weights == pytest.approx(ref.last_weights, abs=1e-12)
-        for got, want in zip(mine, reps[replica]):
+        for got, want in zip(mine, reps[replica], strict=True):
             assert torch.allclose(got, _chunk(want, shard, shards), rtol=0, atol=1e-10)
     # the run exercised a drop and a rollback
     assert ls.stats.syncs == SYNCS and ls.stats.seen < SYNCS * replicas
@@ -290,12 +290,12 @@ def _dtensor(rank, world):
         deltas = _whole_deltas(sync, 2)
         reps = _moved(ref.anchor, deltas)
         with torch.no_grad():
-            for p, d in zip(params, deltas[replica]):
+            for p, d in zip(params, deltas[replica], strict=True):
                 p.sub_(distribute_tensor(d, mesh["shard"], [Shard(0)]))
         assert ls.maybe_sync(sync)
         reference_local_sgd(reps, ref)
         assert ls.last_weights == pytest.approx(ref.last_weights, abs=1e-12)
-        for got, want in zip(params, reps[replica]):
+        for got, want in zip(params, reps[replica], strict=True):
             assert torch.allclose(got.full_tensor(), want, rtol=0, atol=1e-10)
 
 
@@ -328,7 +328,7 @@ def _interval(rank, world):
     snapshots = [None] * world
     dist.all_gather_object(snapshots, snapshot)
     for other in snapshots:
-        for a, b in zip(other, snapshot):
+        for a, b in zip(other, snapshot, strict=True):
             assert torch.equal(a, b)
 
 
