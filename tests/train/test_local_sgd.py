@@ -236,7 +236,7 @@ def _chunk(t: torch.Tensor, shard: int, shards: int) -> torch.Tensor:
     return t.reshape(-1).tensor_split(shards)[shard].clone()
 
 
-def _synthetic(rank, world, shards, cfg, layered):
+def _synthetic(rank, world, shards, cfg, layered, offload):
     replicas = world // shards
     replica, shard = divmod(rank, shards)
     groups = [dist.new_group([r * shards + s for r in range(replicas)]) for s in range(shards)]
@@ -247,7 +247,8 @@ def _synthetic(rank, world, shards, cfg, layered):
     start = [torch.randn(*s, generator=g, dtype=torch.float64) for s in SHAPES]
     mine = [_chunk(t, shard, shards) for t in start]
     layers = [mine[:2], mine[2:]] if layered else None
-    ls = LocalSGD(mine, cfg, group=group, shard_group=shard_group, layers=layers)
+    ls = LocalSGD(mine, cfg, group=group, shard_group=shard_group, layers=layers,
+                  offload=offload)
     ref = ReferenceLocalSGD(start, cfg)
     for sync in range(SYNCS):
         deltas = _whole_deltas(sync, replicas)
@@ -263,12 +264,12 @@ def _synthetic(rank, world, shards, cfg, layered):
     assert ls.stats.syncs == SYNCS and ls.stats.seen < SYNCS * replicas
 
 
-@pytest.mark.parametrize("world,shards,layered", [(4, 2, False), (4, 2, True), (4, 1, False),
-                                                  (2, 1, True)])
-def test_sharded_and_whole_replicas_match_reference(world, shards, layered):
+@pytest.mark.parametrize("world,shards,layered,offload", [
+    (4, 2, False, False), (4, 2, True, True), (4, 1, False, False), (2, 1, True, True)])
+def test_sharded_and_whole_replicas_match_reference(world, shards, layered, offload):
     cfg = LocalSGDConfig(period=1, outer_lr=0.7, outer_momentum=0.9, penalty=True,
                          warmup_syncs=3, ema_alpha=0.5, z_threshold=2.0, clip_norm=0.2)
-    run(_synthetic, world, shards, cfg, layered)
+    run(_synthetic, world, shards, cfg, layered, offload)
 
 
 def _dtensor(rank, world):
