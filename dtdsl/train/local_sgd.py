@@ -10,7 +10,10 @@ EDiT's sharded extra parameters). ``group`` joins the ranks that hold the same s
 different replicas (the replica group, EDiT's "model synchronisation group");
 ``shard_group`` joins the ranks that split one replica (EDiT's "model sharding group";
 ``None``: parameters are whole). Norms are global: squared shard norms are all-reduced
-over ``shard_group``, then the per-replica norms are all-gathered over ``group``.
+over ``shard_group``, then the per-replica norms are all-gathered over ``group``: every
+rank of ``shard_group`` must hold distinct elements (a block replicated inside it, such as
+a TP-replicated norm weight, would count once per copy; the executor wiring is to pass
+those through a shard group of their own, as ``train.optim`` counts them).
 
 **The outer step** (DiLoCo, Nesterov). With the anchor ``a`` (the parameters at the last
 synchronisation), replica ``i``'s parameters ``theta_i`` and the outer momentum ``m``::

@@ -343,3 +343,7 @@ def test_bad_settings_are_refused():
         LocalSGDConfig(period=0)
     with pytest.raises(ValueError, match="outer_momentum 1"):
         LocalSGDConfig(outer_momentum=1)
+    with pytest.raises(ValueError, match="interval -1"):
+        LocalSGDConfig(interval=-1)
+    with pytest.raises(ValueError, match="clip_norm 0"):
+        LocalSGDConfig(clip_norm=0)
