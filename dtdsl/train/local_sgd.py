@@ -1,0 +1,360 @@
+"""Local SGD across data-parallel replicas, as EDiT (Cheng et al., ICLR 2025,
+arXiv 2412.07210) does it: local inner steps, then a synchronisation every ``period`` steps
+(or, A-EDiT, every ``interval`` seconds) with a DiLoCo outer step and EDiT's
+pseudo-gradient penalty.
+
+**The replicas.** Every rank holds its replica's copy of a list of parameters: plain
+tensors, or FSDP2/DTensor shards (only ``to_local()`` is touched, so with FSDP2 every rank
+synchronises its shard only and the anchor and outer momentum are sharded like the model:
+EDiT's sharded extra parameters). ``group`` joins the ranks that hold the same shard of
+different replicas (the replica group, EDiT's "model synchronisation group");
+``shard_group`` joins the ranks that split one replica (EDiT's "model sharding group";
+``None``: parameters are whole). Norms are global: squared shard norms are all-reduced
+over ``shard_group``, then the per-replica norms are all-gathered over ``group``: every
+rank of ``shard_group`` must hold distinct elements (a block replicated inside it, such as
+a TP-replicated norm weight, would count once per copy; the executor wiring is to pass
+those through a shard group of their own, as ``train.optim`` counts them).
+
+**The outer step** (DiLoCo, Nesterov). With the anchor ``a`` (the parameters at the last
+synchronisation), replica ``i``'s parameters ``theta_i`` and the outer momentum ``m``::
+
+    d_i = a - theta_i                      (pseudo-gradient)
+    d   = sum_i w_i d_i                    (w_i = 1/R, or the penalty's weights)
+    m   = mu * m + d
+    u   = d + mu * m                       (Nesterov; u = d when mu = 0)
+    theta = a - outer_lr * u ;  a = theta  (every replica)
+
+**The pseudo-gradient penalty** (``penalty=True``). The EDiT paper's three steps, as the
+authors' summary (seed 002 of this project) states them: "anomaly elimination: the
+pseudo-gradient norm is the measure, a z-test removes the workers above the threshold;
+the mean and standard deviation of the norm are updated by an exponential moving
+average, with a warm-up at the start of training; if every worker is anomalous, all
+parameters are rolled back to those of the last synchronisation"; "weighted averaging:
+the pseudo-gradients of the non-anomalous workers are averaged with weights based on
+their norms, so that every worker contributes equally to the update direction";
+"gradient clipping: finally the update's step is limited by clipping". Here, with
+``G_i = ||d_i||`` (global over all parameters and shards)::
+
+    z_i = (G_i - mu_G) / sigma_G ;  anomalous iff the warm-up is over, sigma_G > 0
+                                      and z_i > z_threshold (one-sided: large norms)
+    all anomalous -> theta_i = a for every replica; m, mu_G, sigma_G unchanged
+    w_i = (1/G_i) / sum_{j kept} (1/G_j) for kept i, 0 for dropped i
+          (w_i d_i is d_i's direction times one common length: equal contributions)
+    d   = d * min(1, clip_norm / ||d||)
+    mu_G, sigma_G: for each kept G_i in replica order (exponentially weighted mean and
+          variance, alpha = ema_alpha):  delta = G - mu;  mu += alpha * delta;
+          var = (1 - alpha) * (var + alpha * delta^2);  the first value sets mu = G, var = 0
+
+The warm-up: the z-test applies from the ``warmup_syncs``-th synchronisation on (counted
+from 0, rolled-back ones included). The paper's own formula text was not available to
+this project (only the summary above); the 1/G weighting and the exponentially weighted
+variance are this module's reading of it and are written down here so that
+:func:`reference_local_sgd` and the distributed code share one definition.
+
+**Layer-wise synchronisation.** EDiT synchronises layer by layer in the forward, overlapping
+the replica all-reduce of layer ``l`` with the compute of layer ``l-1``. ``begin_sync``
+computes the global norms first (one scalar all-reduce and all-gather), so the anomaly
+test and weights are known before any layer moves; ``sync_layer(params)`` then averages
+one layer's pseudo-gradients and, without clipping, applies its outer step at once. The
+clip needs the norm of the *averaged* pseudo-gradient over every layer, which exists only
+after the last layer's all-reduce: with ``clip_norm`` set, ``sync_layer`` keeps the layer's
+average and ``finish_sync`` applies every layer's outer step (the communication still
+overlaps; the element-wise update waits). ``maybe_sync`` is ``begin_sync``, ``sync_layer``
+for each layer in order, ``finish_sync``.
+
+**A-EDiT.** With ``interval`` set, a replica wants to synchronise once ``elapsed_s`` (its
+own clock's seconds since the last synchronisation) reaches ``interval``; the wish is
+all-reduced with MAX over both groups every step, so every rank synchronises at the same
+step whatever its clock says.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["LocalSGD", "LocalSGDConfig", "NormStats", "ReferenceLocalSGD",
+           "penalty_weights", "reference_local_sgd"]
+
+_TINY = 1e-30   # a zero pseudo-gradient norm: weight it as a very short vector
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalSGDConfig:
+    """Local SGD's settings; see the module docstring for what each does."""
+
+    period: int = 1
+    interval: float | None = None
+    outer_lr: float = 1.0
+    outer_momentum: float = 0.0
+    penalty: bool = False
+    z_threshold: float = 3.0
+    ema_alpha: float = 0.02
+    warmup_syncs: int = 10
+    clip_norm: float | None = 1.0
+
+    def __post_init__(self) -> None:
+        if self.interval is None and (not isinstance(self.period, int) or self.period < 1):
+            raise ValueError(f"local_sgd period {self.period!r} must be a whole number of "
+                             "steps >= 1")
+        if self.interval is not None and not self.interval > 0:
+            raise ValueError(f"local_sgd interval {self.interval!r} must be > 0 seconds")
+        if not self.outer_lr > 0:
+            raise ValueError(f"local_sgd outer_lr {self.outer_lr!r} must be > 0")
+        if not 0 <= self.outer_momentum < 1:
+            raise ValueError(f"local_sgd outer_momentum {self.outer_momentum!r} must be in "
+                             "[0, 1)")
+        if not 0 < self.ema_alpha <= 1:
+            raise ValueError(f"local_sgd ema_alpha {self.ema_alpha!r} must be in (0, 1]")
+        if self.clip_norm is not None and not self.clip_norm > 0:
+            raise ValueError(f"local_sgd clip_norm {self.clip_norm!r} must be > 0 (or None "
+                             "for no clipping)")
+        if self.warmup_syncs < 0 or self.z_threshold <= 0:
+            raise ValueError("local_sgd warmup_syncs must be >= 0 and z_threshold > 0, got "
+                             f"{self.warmup_syncs!r} and {self.z_threshold!r}")
+
+    @property
+    def clips(self) -> bool:
+        return self.penalty and self.clip_norm is not None
+
+
+@dataclasses.dataclass
+class NormStats:
+    """The penalty's state: EMA mean and variance of the norms, synchronisations so far."""
+
+    mean: float = 0.0
+    var: float = 0.0
+    seen: int = 0       # norms fed to the EMA
+    syncs: int = 0      # synchronisations, rolled-back ones included
+
+    def feed(self, norm: float, alpha: float) -> None:
+        if self.seen == 0:
+            self.mean, self.var = norm, 0.0
+        else:
+            delta = norm - self.mean
+            self.mean += alpha * delta
+            self.var = (1 - alpha) * (self.var + alpha * delta * delta)
+        self.seen += 1
+
+
+def penalty_weights(norms: Sequence[float], stats: NormStats,
+                    cfg: LocalSGDConfig) -> list[float] | None:
+    """The replicas' weights for one synchronisation, updating ``stats``; ``None``: every
+    replica is anomalous (roll back). Pure arithmetic on the gathered norms, so every rank
+    (and the reference) computes the same."""
+    stats_syncs = stats.syncs
+    stats.syncs += 1
+    if not cfg.penalty:
+        return [1.0 / len(norms)] * len(norms)
+    sigma = math.sqrt(stats.var)
+    testing = stats_syncs >= cfg.warmup_syncs and sigma > 0
+    kept = [not (testing and (g - stats.mean) / sigma > cfg.z_threshold) for g in norms]
+    if not any(kept):
+        return None
+    inv = [1.0 / max(g, _TINY) if k else 0.0 for g, k in zip(norms, kept, strict=True)]
+    total = sum(inv)
+    for g, k in zip(norms, kept, strict=True):
+        if k:
+            stats.feed(g, cfg.ema_alpha)
+    return [v / total for v in inv]
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """The rank's own block of a parameter (a DTensor's local shard, or the tensor)."""
+    data = p.data if isinstance(p, torch.nn.Parameter) else p
+    return data.to_local() if hasattr(data, "to_local") else data
+
+
+def _outer(anchor: torch.Tensor, mom: torch.Tensor, d: torch.Tensor,
+           cfg: LocalSGDConfig) -> torch.Tensor:
+    """Nesterov outer step in place on ``mom`` and ``anchor``; returns the new anchor."""
+    if cfg.outer_momentum:
+        mom.mul_(cfg.outer_momentum).add_(d)
+        d = d + cfg.outer_momentum * mom
+    anchor.add_(d, alpha=-cfg.outer_lr)
+    return anchor
+
+
+class LocalSGD:
+    """Local SGD over the replica group ``group`` for this rank's ``params`` (see the
+    module docstring). ``layers``: the parameters grouped as the executor syncs them, in
+    order (default: one layer per parameter). ``offload``: keep the anchor and outer
+    momentum on the CPU (pinned where CUDA is available), fetched layer by layer."""
+
+    def __init__(self, params: Sequence[torch.Tensor], cfg: LocalSGDConfig, *,
+                 group: dist.ProcessGroup | None = None,
+                 shard_group: dist.ProcessGroup | None = None,
+                 layers: Sequence[Sequence[torch.Tensor]] | None = None,
+                 offload: bool = False) -> None:
+        self.cfg, self.group, self.shard_group = cfg, group, shard_group
+        self.params = list(params)
+        self.layers = [list(layer) for layer in layers] if layers is not None else [
+            [p] for p in self.params]
+        known = {id(p) for p in self.params}
+        listed = [id(p) for layer in self.layers for p in layer]
+        if sorted(listed) != sorted(known) or len(set(listed)) != len(listed):
+            raise ValueError("local_sgd layers must list every parameter exactly once")
+        pin = offload and torch.cuda.is_available()
+        self._anchor, self._mom = {}, {}
+        for p in self.params:
+            loc = _local(p)
+            keep = loc.detach().to("cpu" if offload else loc.device, copy=True)
+            self._anchor[id(p)] = keep.pin_memory() if pin else keep
+            self._mom[id(p)] = torch.zeros_like(self._anchor[id(p)])
+        self.stats = NormStats()
+        self.replicas = dist.get_world_size(group)
+        self._weights: list[float] | None = None
+        # The replicas' weights at the last synchronisation (0: dropped; empty: rolled
+        # back), for metrics and tests.
+        self.last_weights: list[float] = []
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._done: set[int] = set()
+
+    # -- when ------------------------------------------------------------------------
+    def due(self, step: int, elapsed_s: float | None = None) -> bool:
+        """Whether the step just finished (0-based ``step``) ends with a synchronisation;
+        with ``interval`` every rank must call it every step (a collective)."""
+        if self.cfg.interval is None:
+            return (step + 1) % self.cfg.period == 0
+        if elapsed_s is None:
+            raise ValueError("local_sgd with an interval needs elapsed_s, the seconds since "
+                             "the last synchronisation, at every step")
+        flag = torch.tensor([1.0 if elapsed_s >= self.cfg.interval else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        if self.shard_group is not None:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.shard_group)
+        return bool(flag.item() > 0)
+
+    @torch.no_grad()
+    def maybe_sync(self, step: int, elapsed_s: float | None = None) -> bool:
+        """Synchronise if due (see ``due``); returns whether it did."""
+        if not self.due(step, elapsed_s):
+            return False
+        self.begin_sync()
+        for layer in self.layers:
+            self.sync_layer(layer)
+        self.finish_sync()
+        return True
+
+    # -- how -------------------------------------------------------------------------
+    def _sq_norm(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Global squared norm over the shard group of per-rank blocks, in float64."""
+        sq = torch.zeros(1, dtype=torch.float64)
+        for t in tensors:
+            sq += t.detach().double().pow(2).sum().cpu()
+        if self.shard_group is not None:
+            dist.all_reduce(sq, group=self.shard_group)
+        return sq
+
+    def _delta(self, p: torch.Tensor) -> torch.Tensor:
+        loc = _local(p)
+        return self._anchor[id(p)].to(loc.device, non_blocking=True) - loc
+
+    @torch.no_grad()
+    def begin_sync(self) -> None:
+        """Start a synchronisation: global norms, anomaly test and weights."""
+        if self._weights is not None or self._done:
+            raise RuntimeError("local_sgd begin_sync called twice without finish_sync")
+        if self.cfg.penalty:
+            sq = self._sq_norm([self._delta(p) for p in self.params])
+            norms = [torch.zeros(1, dtype=torch.float64) for _ in range(self.replicas)]
+            dist.all_gather(norms, sq, group=self.group)
+            norm_list = [math.sqrt(float(n.item())) for n in norms]
+        else:
+            norm_list = [0.0] * self.replicas
+        weights = penalty_weights(norm_list, self.stats, self.cfg)
+        self._weights = weights if weights is not None else []   # []: roll back
+        self.last_weights = list(self._weights)
+
+    @torch.no_grad()
+    def sync_layer(self, params: Sequence[torch.Tensor]) -> None:
+        """Average one layer's pseudo-gradients over the replicas (and, without clipping,
+        apply its outer step); between ``begin_sync`` and ``finish_sync``."""
+        if self._weights is None:
+            raise RuntimeError("local_sgd sync_layer called outside begin_sync/finish_sync")
+        me = dist.get_rank(self.group)
+        for p in params:
+            if id(p) not in self._anchor or id(p) in self._done:
+                raise ValueError("local_sgd sync_layer got a parameter it does not manage "
+                                 "or has synced already in this synchronisation")
+            self._done.add(id(p))
+            loc = _local(p)
+            if not self._weights:     # every replica anomalous: back to the anchor
+                loc.copy_(self._anchor[id(p)])
+                continue
+            d = self._delta(p).mul_(self._weights[me])
+            dist.all_reduce(d, group=self.group)
+            if self.cfg.clips:
+                self._pending.append((p, d))
+            else:
+                self._apply(p, d)
+
+    def _apply(self, p: torch.Tensor, d: torch.Tensor) -> None:
+        anchor, mom = self._anchor[id(p)], self._mom[id(p)]
+        a, m = anchor.to(d.device), mom.to(d.device)   # the same tensors unless offloaded
+        _outer(a, m, d, self.cfg)
+        if a is not anchor:         # offloaded: write the new state back to the CPU
+            anchor.copy_(a)
+            mom.copy_(m)
+        _local(p).copy_(a)
+
+    @torch.no_grad()
+    def finish_sync(self) -> None:
+        """End a synchronisation: clip and apply the deferred layers."""
+        if len(self._done) != len(self.params):
+            raise RuntimeError(f"local_sgd finish_sync after {len(self._done)} of "
+                               f"{len(self.params)} parameters were synced")
+        if self._pending:
+            norm = math.sqrt(float(self._sq_norm([d for _, d in self._pending]).item()))
+            scale = min(1.0, self.cfg.clip_norm / norm) if norm > 0 else 1.0
+            for p, d in self._pending:
+                self._apply(p, d.mul_(scale))
+        self._pending, self._weights, self._done = [], None, set()
+
+
+class ReferenceLocalSGD:
+    """The same synchronisation in one process over R replica copies (``dtc reference``):
+    ``sync(replicas)`` with ``replicas[i]`` replica i's parameters (whole tensors) writes
+    the synchronised parameters into every copy."""
+
+    def __init__(self, params: Sequence[torch.Tensor], cfg: LocalSGDConfig) -> None:
+        self.cfg = cfg
+        self.anchor = [p.detach().clone() for p in params]
+        self.mom = [torch.zeros_like(a) for a in self.anchor]
+        self.stats = NormStats()
+        self.last_weights: list[float] = []
+
+    @torch.no_grad()
+    def sync(self, replicas: Sequence[Sequence[torch.Tensor]]) -> None:
+        deltas = [[a - p.detach() for a, p in zip(self.anchor, rep, strict=True)]
+                  for rep in replicas]
+        norms = [math.sqrt(sum(float(d.double().pow(2).sum()) for d in ds)) for ds in deltas]
+        weights = penalty_weights(norms if self.cfg.penalty else [0.0] * len(replicas),
+                                  self.stats, self.cfg)
+        self.last_weights = list(weights or [])
+        if weights is None:
+            new = self.anchor
+        else:
+            avg = [sum(w * ds[k] for w, ds in zip(weights, deltas, strict=True))
+                   for k in range(len(self.anchor))]
+            if self.cfg.clips:
+                norm = math.sqrt(sum(float(d.double().pow(2).sum()) for d in avg))
+                scale = min(1.0, self.cfg.clip_norm / norm) if norm > 0 else 1.0
+                avg = [d * scale for d in avg]
+            new = [_outer(a, m, d, self.cfg)
+                   for a, m, d in zip(self.anchor, self.mom, avg, strict=True)]
+        for rep in replicas:
+            for p, n in zip(rep, new, strict=True):
+                (p.data if isinstance(p, torch.nn.Parameter) else p).copy_(n)
+
+
+def reference_local_sgd(replicas: Sequence[Sequence[torch.Tensor]],
+                        state: ReferenceLocalSGD) -> None:
+    """One synchronisation of ``replicas`` (a list of R replicas' parameter lists) in one
+    process; ``state = ReferenceLocalSGD(initial_params, cfg)`` carries the anchor, outer
+    momentum and norm statistics from one call to the next."""
+    state.sync(replicas)
