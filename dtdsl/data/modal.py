@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from dtdsl.ir import program as ir
+from dtdsl.ir.clips import clip_tokens, padded_frames
 
 if TYPE_CHECKING:       # the cost model reads these rules without importing torch
     import torch
@@ -55,10 +56,10 @@ def audio_rows(tokens: int | np.ndarray, columns: int) -> int | np.ndarray:
 
 def video_frames(frames: int | np.ndarray, temporal_patch: int) -> int | np.ndarray:
     """Frames a clip of ``frames`` frames is encoded with: rounded up to a multiple of
-    ``temporal_patch`` (at least one patch)."""
-    if isinstance(frames, np.ndarray):
-        return np.maximum(1, -(-frames // temporal_patch)) * temporal_patch
-    return max(1, -(-frames // temporal_patch)) * temporal_patch
+    ``temporal_patch`` (``ir.clips.padded_frames``, the rule of real clips too), at least
+    one patch."""
+    return padded_frames(np.maximum(frames, 1) if isinstance(frames, np.ndarray)
+                         else max(frames, 1), temporal_patch)
 
 
 @dataclass(frozen=True)
@@ -234,5 +235,5 @@ def drawn_tokens(rule: InputRule, sizes: np.ndarray, patches: np.ndarray | None 
     if rule.modality == "video":
         assert patches is not None
         side = np.maximum(1, np.rint(np.sqrt(np.maximum(patches, 0)))).astype(np.int64)
-        return video_frames(sizes, rule.temporal_patch) // rule.temporal_patch * side * side
+        return clip_tokens(np.maximum(sizes, 1), side * side, rule.temporal_patch)
     return sizes
