@@ -327,7 +327,6 @@ def test_damaged_clips_decode_or_fail_plainly():
 def _transformers_video_patchify():
     """transformers' ``Qwen2VLVideoProcessor.patchify``: imported, or, where its module
     cannot be (it imports torchvision), compiled from the installed module's source."""
-    pytest.importorskip("transformers")
     try:
         from transformers.models.qwen2_vl.video_processing_qwen2_vl import (
             Qwen2VLVideoProcessor,
@@ -381,7 +380,6 @@ def test_patches_equal_transformers_image_processor_on_a_frame():
 
 
 def _patch_embed():
-    pytest.importorskip("transformers")
     from transformers.models.qwen2_vl import modeling_qwen2_vl as hf
 
     return getattr(hf, "Qwen2VisionPatchEmbed", None) or hf.PatchEmbed

@@ -386,9 +386,6 @@ def test_packed_sequences_carry_every_encoders_items():
         assert r.shape[0] == sum(lay.image_tokens) and len(lay.items) == len(lay.image_tokens)
 
 
-@pytest.mark.skipif("stem" not in __import__("dtdsl.ir.program", fromlist=["x"])
-                    .TransformerArch.model_fields,
-                    reason="Whisper's stem arrives with the audio-io branch")
 def test_an_audio_tower_with_whispers_stem_trains_beside_the_vit():
     # Whisper's stem reads whole clips of 2 x max_source_positions frames (no patches);
     # the cost model prices max_source_positions tokens per clip, as the runtime runs.
