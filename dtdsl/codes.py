@@ -550,6 +550,17 @@ allows is dropped for that module.
     constraints { cp(llm) == 8 }    # error: 28 heads are not a multiple of 8;
                                     # use context_parallel = ring
 """),
+    "DT635": Code("Optimizer offload is not a fraction", """
+`optimizer = adamw(..., offload=F)` keeps the fraction F of each rank's
+optimizer state (fp32 master copy and Adam moments, by bytes, whole
+parameters) on the CPU and runs that part of the update there. F must be a
+number from 0 (everything on the GPU, the default) to 1 (everything on the
+CPU); a negative number, one above 1, an infinity or NaN is an error.
+
+    optimizer = adamw(lr=1e-4, offload=1.5)    # error: at most 1
+    optimizer = adamw(lr=1e-4, offload=0.5)    # half of it on the CPU
+    optimizer = adamw(lr=1e-4, offload=auto)   # the planner chooses
+"""),
 })
 
 

@@ -35,12 +35,13 @@ from dtdsl.frontend.schema import (
     Param,
     QuantityKind,
     StrKind,
+    describe_expr,
     head_span,
     resolve_call,
     resolve_fields,
 )
 from dtdsl.ir import program as ir
-from dtdsl.ir.hardware import GPU_PRESETS
+from dtdsl.ir.hardware import GPU_PRESETS, HOST_BW_BYTES_PER_S
 from dtdsl.source import Source, Span
 
 __all__ = ["CheckResult", "check"]
@@ -169,6 +170,8 @@ CLUSTER_FIELDS = (
     Param("intra_node_bw", QuantityKind(dim="bandwidth", low=0, high=1e14)),
     Param("inter_node_bw", QuantityKind(dim="bandwidth", low=0, high=1e14)),
     Param("cpu_workers", IntKind(0, 100_000), default=1),
+    # The host link (PCIe) per GPU, which optimizer offload crosses (ir.hardware).
+    Param("host_bw", QuantityKind(dim="bandwidth", low=0, high=1e14)),
 )
 _GPU_OVERRIDES = (
     Param("memory", QuantityKind(dim="size", low=2**20, high=2**50)),
@@ -201,6 +204,31 @@ class _ReorderKind(Kind):
         return tuple(dict.fromkeys(values))
 
 
+@dataclass(frozen=True)
+class _OffloadKind(Kind):
+    """``offload = 0.5``: the fraction of each rank's optimizer state and update that lives
+    on the CPU, a number in [0, 1]; or ``auto``, for the planner to choose."""
+
+    expects: str = field(default="a fraction between 0 and 1, or auto", kw_only=True)
+
+    def convert(self, expr, ctx, what):
+        if isinstance(expr, ast.Name) and expr.name == "auto":
+            return "auto"
+        if isinstance(expr, ast.Name) and expr.name.lower() == "nan":
+            return ctx.error("DT635", f"{what} is NaN: it must be a fraction between 0 and "
+                             "1", expr.span, hint="write offload=0.5, or offload=auto")
+        value = FloatKind(expects=self.expects).convert(expr, ctx, what)
+        if value is INVALID:
+            return value
+        if not 0.0 <= value <= 1.0:      # false for NaN and infinities too
+            return ctx.error("DT635", f"{what} of {describe_expr(expr)} is not a fraction: "
+                             "it must lie between 0 (all optimizer state on the GPU) and 1 "
+                             "(all of it on the CPU)", expr.span,
+                             hint="write offload=0.5, or offload=auto to let the planner "
+                             "choose")
+        return value
+
+
 TRAIN_FIELDS = (
     Param("global_batch", IntKind(1, 10**7), required=True, doc="global_batch = 1920"),
     Param("micro_batch", IntKind(1, 10**6), default=1),
@@ -231,6 +259,8 @@ _OPTIMIZER_ARGS = (
     Param("eps", FloatKind(low=0, high=1, low_exclusive=True), default=1e-8),
     Param("weight_decay", FloatKind(low=0, high=10), default=0.01),
     Param("zero", IntKind(0, 3), default=1),
+    # 0: everything on the device; "auto": the planner picks (ir.Optimizer.offload).
+    Param("offload", _OffloadKind(), default=0.0),
 )
 _WARMUP = Param("warmup", IntKind(0, 10**9), default=0)
 _MIN_LR = Param("min_lr", FloatKind(low=0, high=10), default=0.0)
@@ -1105,7 +1135,8 @@ class _Checker:
             preset.intra_node_bw_bytes_per_s,
             inter_node_bw_bytes_per_s=values["inter_node_bw"] or
             preset.inter_node_bw_bytes_per_s,
-            cpu_workers=values["cpu_workers"], span=block.span, gpus_span=self._gpus_span(block))
+            cpu_workers=values["cpu_workers"], span=block.span, gpus_span=self._gpus_span(block),
+            host_bw_bytes_per_s=values["host_bw"] or HOST_BW_BYTES_PER_S)
 
     # ---- train -----------------------------------------------------------------------------
     def _train(self, block: ast.TrainBlock) -> Any:

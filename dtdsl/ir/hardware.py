@@ -11,7 +11,17 @@ from types import MappingProxyType
 
 from pydantic import BaseModel, ConfigDict
 
-__all__ = ["GPU_PRESETS", "GpuPreset"]
+__all__ = ["CPU_ADAM_PARAMS_PER_S", "GPU_PRESETS", "GpuPreset", "HOST_BW_BYTES_PER_S"]
+
+HOST_BW_BYTES_PER_S = 55e9
+"""The host link per GPU and direction when a cluster does not say (``host_bw``): PCIe
+Gen5 x16's effective bandwidth (64 GB/s raw, about 55 GB/s of pinned-memory copies). The
+optimizer's CPU offload moves its gradients down and parameters up over it."""
+
+CPU_ADAM_PARAMS_PER_S = 1e9
+"""Parameters per second one GPU's share of the host's cores updates with torch's fused CPU
+AdamW (fp32 master, two moments): about 1e9, the order DeepSpeed reports for its CPU Adam on a
+server socket's cores shared by 8 GPUs. The cost model charges an offloaded update with it."""
 
 
 class GpuPreset(BaseModel):

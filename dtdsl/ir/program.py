@@ -11,9 +11,10 @@ from __future__ import annotations
 import math
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from dtdsl.source import Span
+from dtdsl.ir.hardware import HOST_BW_BYTES_PER_S
 
 __all__ = [
     "Arch", "AvgPool", "Choice", "Cluster", "Compression", "Constant", "DiTArch", "Dist",
@@ -570,6 +571,9 @@ class Cluster(IRModel):
     cpu_workers: int
     span: Span
     gpus_span: Span | None = None   # the `gpus = ...` field, for planner diagnostics
+    # The host link (PCIe) per GPU and direction, which optimizer offload crosses; the
+    # default (ir.hardware.HOST_BW_BYTES_PER_S) also lets earlier Programs read.
+    host_bw_bytes_per_s: float = HOST_BW_BYTES_PER_S
 
 
 class Optimizer(IRModel):
@@ -579,6 +583,17 @@ class Optimizer(IRModel):
     eps: float = 1e-8
     weight_decay: float = 0.01   # AdamW's usual default, as the checker fills in
     zero: int = 1
+    # The fraction of each rank's optimizer state and update kept on the CPU (train.offload),
+    # or "auto": the planner chooses one (Plan.offload). Defaulted so that Programs written
+    # before the field existed (a bundle's program.json) still read.
+    offload: float | Literal["auto"] = 0.0
+
+    @field_validator("offload")
+    @classmethod
+    def _fraction(cls, value: float | str) -> float | str:
+        if value != "auto" and not 0.0 <= value <= 1.0:
+            raise ValueError(f"offload {value}: a fraction between 0 and 1, or auto")
+        return value
 
 
 class LRSchedule(IRModel):
