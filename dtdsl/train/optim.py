@@ -61,6 +61,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dtdsl.train.offload import OffloadAdam, OffloadAdamW
+
 __all__ = ["GROUP_PARAMS", "LossScale", "StageOptimizer", "StepResult", "clip_coefficient",
            "optimizer_step"]
 
@@ -169,13 +171,14 @@ class StageOptimizer:
     rather than replicated over TP (counts on TP index 0 only); ``tp_index``: this rank's;
     ``uncounted``: per parameter, whether it is a copy counted elsewhere (a tied LM head on
     a backbone's last stage: its first stage counts the embedding). ``lr_at``: the
-    learning rate of an optimizer step (0-based)."""
+    learning rate of an optimizer step (0-based). ``offload``: the fraction of the
+    parameters' state and update on the CPU (``train.offload``)."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], *, name: str, lr: float,
                  betas: tuple[float, float], eps: float, weight_decay: float,
                  tp_index: int = 0, counted_on_tp: Sequence[bool] | None = None,
                  uncounted: Sequence[bool] | None = None,
-                 lr_at: Callable[[int], float] | None = None):
+                 lr_at: Callable[[int], float] | None = None, offload: float = 0.0):
         self.params = list(params)
         if not self.params:
             raise ValueError("an optimizer needs parameters (pass none to optimizer_step "
@@ -183,11 +186,18 @@ class StageOptimizer:
         if name not in ("adamw", "adam"):
             raise ValueError(f"optimizer {name!r}: the runtime has adamw and adam")
         device = _local(self.params[0]).device
-        cls = torch.optim.AdamW if name == "adamw" else torch.optim.Adam
         groups = [{"params": self.params[i:i + GROUP_PARAMS]}
                   for i in range(0, len(self.params), GROUP_PARAMS)]
-        self.optimizer = cls(groups, lr=lr, betas=betas, eps=eps,
-                             weight_decay=weight_decay, **_kernel(device))
+        settings = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay,
+                    **_kernel(device)}
+        if offload > 0:
+            # The fraction ``offload`` of the state and update on the CPU (train.offload).
+            cls = OffloadAdamW if name == "adamw" else OffloadAdam
+            self.optimizer = cls(groups, offload=offload,
+                                 host_kernel=_kernel(torch.device("cpu")), **settings)
+        else:
+            cls = torch.optim.AdamW if name == "adamw" else torch.optim.Adam
+            self.optimizer = cls(groups, **settings)
         self.lr_at = lr_at if lr_at is not None else (lambda _step: lr)
         flags = [True] * len(self.params) if counted_on_tp is None else list(counted_on_tp)
         if len(flags) != len(self.params):
