@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = ["BASELINES", "PLACEMENTS", "PLAN_VERSION", "Baseline", "Packing", "Placement", "Plan",
            "Simulated", "UnitPlan", "cp_conflict", "cp_split", "place_units", "placement_order",
@@ -202,6 +202,16 @@ class Plan(BaseModel):
     # else at mean work: why this placement. None where it weighed one.
     placements: dict[str, float] | None = None
     units: tuple[UnitPlan, ...]
+    # The fraction of each rank's optimizer state and update on the CPU (train.offload):
+    # the spec's ``offload=F``, or the planner's choice for ``offload=auto``. Defaulted so
+    # that plans written before it read.
+    offload: float = Field(default=0.0, ge=0.0, le=1.0)
+
+    def offload_fraction(self, program: Any) -> float:
+        """The optimizer offload the runtime and the cost model use: the spec's explicit
+        fraction, else (``offload=auto``) this plan's."""
+        offload = program.train.optimizer.offload
+        return self.offload if offload == "auto" else float(offload)
 
     @property
     def rigid(self) -> bool:

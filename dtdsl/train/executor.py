@@ -332,7 +332,8 @@ class StageExecutor:
                 # A tied LM head on the last stage is the first stage's embedding again.
                 uncounted=[k == self.stage.tied_name and role.is_last_stage
                            for k, _ in params],
-                lr_at=lambda step: lr_at(train.lr_schedule, opt.lr, train.steps, step)))
+                lr_at=lambda step: lr_at(train.lr_schedule, opt.lr, train.steps, step),
+                offload=self.plan.offload_fraction(program)))
             self._parts.append((module, self.optimizers[-1]))
 
     def checkpoint_parts(self) -> list[tuple[torch.nn.Module, StageOptimizer | None]]:
