@@ -10,16 +10,17 @@ along dim 0 are uneven, local sizes are not), so every TP rank makes the same ch
 parameter they all update (their updates stay bitwise equal on a GPU too), and a resume
 makes the same choice again.
 
-**Where things live.** An offloaded parameter keeps, in pinned host memory, an fp32 master
-copy of its local shard, its gradient buffer and its Adam moments; FSDP2's fp32 shard stays
-on the device (it is what FSDP2 all-gathers), so the device saves the moments (8 bytes per
-parameter, ``F`` of the optimizer's state bytes). The master is refreshed from the device
-whenever something other than this optimizer wrote the parameter (a checkpoint load, an
-outer Local SGD step): the local tensor's version counter (and storage) tells.
+**Where things live.** An offloaded parameter keeps, in pinned host memory, an fp32 copy
+of its local shard (the value the CPU updates), its gradient buffer and its Adam moments;
+FSDP2's fp32 shard stays on the device (it is what FSDP2 all-gathers), so the device saves
+the moments (8 bytes per parameter: ``cost.model.OFFLOADED_BYTES_PER_PARAM``, ``F`` of the optimizer's moment
+bytes). The host copy is refreshed from the device every step, with the gradient: others
+write parameters too (a checkpoint load through DCP, Local SGD's outer step through
+``.data``), and neither a version counter nor a storage pointer sees every such write.
 
 **The step** (:class:`OffloadAdamW`'s ``step``, after ``optim.optimizer_step`` has taken
 the job-wide norm, clipped, unscaled and decided not to skip): on a side stream, each
-offloaded gradient is copied device->host (``non_blocking`` into pinned memory); their
+offloaded parameter and gradient is copied device->host (``non_blocking`` into pinned memory); their
 gradients hidden, torch's own step updates the rest on the device (launched asynchronously
 on a GPU); meanwhile the CPU waits for its copies and runs torch's fused CPU AdamW on the
 masters; the new values go host->device on the side stream, which the main stream then
@@ -125,7 +126,6 @@ class _Slot:
     """The host side of one offloaded parameter."""
 
     master: torch.Tensor                       # fp32 copy of the local shard, pinned
-    written: tuple[int, int] | None = None     # (version, data_ptr) of our last write
     grad_buffer: torch.Tensor | None = None    # pinned, reused every step
 
 
@@ -235,10 +235,9 @@ class _OffloadMixin:
             self._slots[p].master.grad = None
 
     def _to_host(self, p: torch.Tensor) -> None:
-        """Queue ``p``'s gradient (and its value, when someone else wrote it) to the host."""
-        slot, local = self._slots[p], _local(p)
-        if slot.written != (local._version, local.data_ptr()):
-            slot.master.copy_(local.detach(), non_blocking=True)
+        """Queue ``p``'s value and gradient to the host (module docstring)."""
+        slot = self._slots[p]
+        slot.master.copy_(_local(p).detach(), non_blocking=True)
         if slot.grad_buffer is None:
             slot.grad_buffer = torch.empty(slot.master.shape, pin_memory=self._lane.pinned)
         slot.grad_buffer.copy_(_local(p.grad), non_blocking=True)
@@ -255,9 +254,7 @@ class _OffloadMixin:
         self._host.step()
 
     def _from_host(self, p: torch.Tensor) -> None:
-        slot, local = self._slots[p], _local(p)
-        local.copy_(slot.master, non_blocking=True)
-        slot.written = (local._version, local.data_ptr())
+        _local(p).copy_(self._slots[p].master, non_blocking=True)
 
 
 def _like(p: torch.Tensor, host: torch.Tensor) -> torch.Tensor:

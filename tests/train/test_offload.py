@@ -82,7 +82,7 @@ def test_someone_elses_write_reaches_the_host_master():
     ref, ref_opt = _train_alone(0.0, steps=2)
     for m in (model, ref):
         with torch.no_grad():
-            m[0].weight.mul_(0.5)
+            m[0].weight.data.mul_(0.5)      # as Local SGD writes: no version bump
     for m, o in ((model, opt), (ref, ref_opt)):
         torch.manual_seed(7)
         m(torch.randn(3, 8)).square().mean().backward()
