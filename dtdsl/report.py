@@ -124,6 +124,11 @@ def _summary(plan: Plan) -> list[str]:
         if sim.policy:
             line += f", {format_seconds(sim.no_reorder_iteration_time_s)} without reordering"
         lines.append(line)
+    if plan.offload > 0 or plan.offload_chosen:
+        why = ("offload=auto: the least of 0, 25%, 50% and 100% with which a layout fits"
+               if plan.offload_chosen else "the spec's offload")
+        lines.append(f"optimizer       {plan.offload:.0%} of each rank's optimizer state and "
+                     f"update on the CPU ({why}); memory/GPU counts what stays")
     lines.extend(_placement_lines(plan))
     lines.extend(_baseline_lines(plan))
     if sim is not None and sim.packing is not None:

@@ -23,6 +23,12 @@ plus activations times the microbatches in flight at the unit's first stage.
 In a chain encoder -> backbone -> generator under 1F1B, the encoder's first
 stage holds one microbatch per stage downstream of it, not only its own.
 
+Optimizer offload (``adamw(..., offload=F)``, ``train.offload``): the device keeps
+``1 - F`` of the Adam moments (``optimizer_bytes_per_param``); the optimizer step is the
+slower of the device's part and the host's (``_optimizer_coefficients``: the offloaded
+parameters' 12 bytes over the host link, ``host_bw``, and the CPU's AdamW at
+``ir.hardware.CPU_ADAM_PARAMS_PER_S``), which run at the same time.
+
 Context parallelism (``UnitCost.cp``, ``with_cp``): each of cp ranks holds S / cp of a
 microbatch's tokens, so its compute (attention too: the load-balanced causal sharding
 gives every rank the same share), TP collectives, pipeline transfers and activations are
@@ -48,10 +54,12 @@ from dtdsl.cost.samples import (
     positions,
 )
 from dtdsl.ir import program as ir
+from dtdsl.ir.hardware import CPU_ADAM_PARAMS_PER_S
 from dtdsl.ir.plan import cp_split
 
 __all__ = [
-    "CostModel", "CostParams", "Efficiency", "ProfileQuery", "UnitCost", "all_reduce_time_s",
+    "OFFLOADED_BYTES_PER_PARAM", "CostModel", "CostParams", "Efficiency", "ProfileQuery",
+    "UnitCost", "all_reduce_time_s",
     "build_cost_model", "in_flight",
 ]
 
@@ -59,6 +67,12 @@ _BYTES_BF16 = 2
 # Bytes per parameter: (weights, gradient buffer, optimizer state) by precision.
 _PARAM_BYTES = {"bf16": (2, 4, 12), "fp16": (2, 4, 12), "fp32": (4, 4, 8)}
 _COLLECTIVE_LATENCY_S = 20e-6   # per ring step
+OFFLOADED_BYTES_PER_PARAM = 8
+"""Device bytes the optimizer offload frees per offloaded parameter: Adam's two fp32
+moments (FSDP2's fp32 shard stays on the device; ``train.offload``)."""
+# Host-link bytes per offloaded parameter and step: its fp32 value and gradient down, its
+# new value up (``train.offload`` refreshes the host copy every step).
+_OFFLOAD_LINK_BYTES = 12
 # Bytes per gradient element the end of a step averages over TP (``train.stage``): FSDP2's
 # reduce dtype, fp32, in which the sharded gradients are kept.
 _TP_SYNC_GRAD_BYTES = 4
@@ -243,6 +257,39 @@ class CostModel:
             return cluster.intra_node_bw_bytes_per_s
         return cluster.inter_node_bw_bytes_per_s
 
+    @property
+    def offload_fraction(self) -> float:
+        """The fraction of each rank's optimizer state and update on the CPU: the
+        program's (none for ``offload=auto`` until ``with_offload`` gives one)."""
+        offload = self.program.train.optimizer.offload
+        return 0.0 if offload == "auto" else float(offload)
+
+    def with_offload(self, fraction: float) -> CostModel:
+        """This cost model of the program with ``offload=fraction`` (the planner's
+        choice for ``offload=auto``, a plan's ``offload``): in the program, so that what
+        rebuilds costs from ``self.program`` (the baselines, packing) prices it too."""
+        train = self.program.train
+        optimizer = train.optimizer.model_copy(update={"offload": float(fraction)})
+        if not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"offload {fraction}: a fraction between 0 and 1")
+        program = self.program.model_copy(update={"train": train.model_copy(
+            update={"optimizer": optimizer})})
+        return replace(self, program=program)
+
+    def optimizer_bytes_per_param(self) -> float:
+        """Device bytes of optimizer state per trained parameter before its DP sharding:
+        ``_PARAM_BYTES``'s, less the moments of the offloaded fraction (the runtime's
+        ``train.offload`` keeps FSDP2's fp32 shard on the device)."""
+        optim_b = _PARAM_BYTES[self.program.train.precision][2]
+        return optim_b - self.offload_fraction * OFFLOADED_BYTES_PER_PARAM
+
+    def offload_rate_s_per_param(self) -> float:
+        """Seconds per offloaded parameter of the host's part of the step: its value and
+        gradient down and its new value up over the host link (fp32 each), and torch's
+        CPU AdamW at ``CPU_ADAM_PARAMS_PER_S``."""
+        bw = self.program.cluster.host_bw_bytes_per_s
+        return _OFFLOAD_LINK_BYTES / bw + 1.0 / CPU_ADAM_PARAMS_PER_S
+
     def with_cp(self, cps: dict[str, int]) -> CostModel:
         """This cost model with unit ``name`` at context parallelism ``cps[name]`` (the
         others as they are)."""
@@ -380,7 +427,8 @@ class CostModel:
         """Peak memory of one GPU of the unit's first stage (``pp``, ``vpp`` and ``depth``
         may be arrays). ``share``: backbone microbatches per unit microbatch (dp_lm / dp)."""
         program = self.program
-        weight_b, grad_b, optim_b = _PARAM_BYTES[program.train.precision]
+        weight_b, grad_b, _ = _PARAM_BYTES[program.train.precision]
+        optim_b = self.optimizer_bytes_per_param()
         dp = np.asarray(dp) * unit.cp        # optimizer state sharded over dp x cp
         stage = unit.stage_params(pp) / tp
         trained = stage * unit.trainable_params / unit.params if unit.params else 0.0
@@ -410,7 +458,8 @@ class CostModel:
         projector; ``depth``: pipeline stages from this stage to the end of the chain.
         ``memory_bytes`` is this for the heaviest stage; ``dtc memcheck`` compares it with
         what the runtime's stage holds."""
-        weight_b, grad_b, optim_b = _PARAM_BYTES[self.program.train.precision]
+        weight_b, grad_b, _ = _PARAM_BYTES[self.program.train.precision]
+        optim_b = self.optimizer_bytes_per_param()
         dp = dp * unit.cp                    # optimizer state sharded over dp x cp
         layer_params = (unit.params - unit.extra_stage_params) / max(unit.layers, 1)
         params = layer_params * layers
@@ -545,9 +594,15 @@ class CostModel:
     def _optimizer_coefficients(self, unit: UnitCost, tp, dp) -> tuple:
         """(fixed_s, per_layer_s) of the optimizer step on a stage's trained parameters
         (its TP shard, and its DP shard under ZeRO-1), at the profile's measured
-        seconds per parameter; zero without a profile that measured it."""
-        rate = self.profile.profile.optimizer_s_per_param if self.profile is not None \
+        seconds per parameter (none without a profile that measured it). With offload
+        ``F`` the device steps ``1 - F`` of them while the host link and CPU take the
+        rest (``offload_rate_s_per_param``), overlapped: the slower of the two. Both
+        are proportional to the same parameters, so the maximum is one rate."""
+        device = self.profile.profile.optimizer_s_per_param if self.profile is not None \
             else None
+        fraction = self.offload_fraction
+        rate = max((1.0 - fraction) * (device or 0.0),
+                   fraction * self.offload_rate_s_per_param())
         shape = np.broadcast(np.asarray(tp), np.asarray(dp)).shape
         if not rate:
             return np.zeros(shape), np.zeros(shape)

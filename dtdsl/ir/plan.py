@@ -206,6 +206,7 @@ class Plan(BaseModel):
     # the spec's ``offload=F``, or the planner's choice for ``offload=auto``. Defaulted so
     # that plans written before it read.
     offload: float = Field(default=0.0, ge=0.0, le=1.0)
+    offload_chosen: bool = False     # by the planner, for ``offload=auto``
 
     def offload_fraction(self, program: Any) -> float:
         """The optimizer offload the runtime and the cost model use: the spec's explicit

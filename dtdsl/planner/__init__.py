@@ -39,12 +39,14 @@ from dtdsl.planner.simulated import (
     simulate_plan,
 )
 
-__all__ = ["EXHAUSTIVE_MAX_GPUS", "PLACEMENTS", "SEARCHES", "Infeasible", "PlannerError",
+__all__ = ["EXHAUSTIVE_MAX_GPUS", "OFFLOAD_CHOICES", "PLACEMENTS", "SEARCHES", "Infeasible", "PlannerError",
            "cp_choices", "plan",
            "plan_baseline", "plan_baselines", "plan_convex", "plan_exhaustive",
            "simulate_plan"]
 
 SEARCHES = ("convex", "exhaustive", "baseline")
+OFFLOAD_CHOICES = (0.0, 0.25, 0.5, 1.0)
+"""The optimizer offload fractions ``offload=auto`` tries, in order (``plan``)."""
 Progress = Callable[[int, int, str], None]
 
 
@@ -53,6 +55,37 @@ def plan(cost: CostModel, num_gpus: int | None = None, *, search: str = "convex"
          progress: Progress | None = None, baseline_progress: Progress | None = None,
          simulate_steps: int = 0, estimate: int = ESTIMATED, simulate: int = SIMULATED
          ) -> Plan:
+    """``_plan`` (below) at the spec's optimizer offload, recorded in ``Plan.offload``.
+    With ``offload=auto`` the planner chooses: the first fraction of ``OFFLOAD_CHOICES``
+    with which a layout fits (offload costs step time, never saves it, so the smallest
+    that fits is the one to take), ``Plan.offload_chosen`` set; if none fits, the
+    ``Infeasible`` of the whole optimizer on the CPU, which says so."""
+    kwargs = {"search": search, "placement": placement, "compare_baseline": compare_baseline,
+              "progress": progress, "baseline_progress": baseline_progress,
+              "simulate_steps": simulate_steps, "estimate": estimate, "simulate": simulate}
+    if cost.program.train.optimizer.offload != "auto":
+        result = _plan(cost, num_gpus, **kwargs)
+        return result.model_copy(update={"offload": cost.offload_fraction})
+    for fraction in OFFLOAD_CHOICES:
+        try:
+            result = _plan(cost.with_offload(fraction), num_gpus, **kwargs)
+        except Infeasible as err:
+            if fraction < OFFLOAD_CHOICES[-1]:
+                continue
+            raise Infeasible(err.message, span=err.span, code=err.code,
+                             notes=(*err.notes, "even with the whole optimizer state on the "
+                                    "CPU (offload=auto tried " + ", ".join(
+                                        f"{f:g}" for f in OFFLOAD_CHOICES) + ")"),
+                             hint=err.hint) from None
+        return result.model_copy(update={"offload": fraction, "offload_chosen": True})
+    raise AssertionError("OFFLOAD_CHOICES is empty")
+
+
+def _plan(cost: CostModel, num_gpus: int | None = None, *, search: str = "convex",
+          placement: str = "auto", compare_baseline: bool = True,
+          progress: Progress | None = None, baseline_progress: Progress | None = None,
+          simulate_steps: int = 0, estimate: int = ESTIMATED, simulate: int = SIMULATED
+          ) -> Plan:
     """Plan with ``search`` and, unless ``compare_baseline`` is off, the Megatron-LM
     baselines on the same cluster (``plan_baselines``: ``Plan.baselines``, each with the
     plan's speedup over it; a baseline no layout of which fits is left out).

@@ -110,6 +110,9 @@ class StageMemory:
     # NCCL's buffers on the rank, by communicator (``nccl_buffer_bytes``): besides the
     # measured peak, which holds PyTorch's tensors only.
     nccl: dict[str, int] = field(default_factory=dict)
+    # The optimizer state the rank keeps in host memory (``adamw(..., offload=F)``,
+    # ``train.offload``): not in ``measured_bytes``, which is the device's.
+    host_bytes: int = 0
 
     @property
     def error(self) -> float:
@@ -132,7 +135,7 @@ class StageMemory:
                 "nccl_bytes": self.nccl_bytes, "nccl_by_group": dict(self.nccl),
                 "capacity_bytes": int(self.capacity_bytes), "in_flight": self.in_flight,
                 "peak_phase": self.peak_phase, "by_category": dict(self.by_category),
-                "compiled": self.compiled}
+                "compiled": self.compiled, "host_bytes": self.host_bytes}
 
 
 def broker_peers(plan: Plan, rank: int) -> tuple[int, ...]:
@@ -212,6 +215,9 @@ def format_stages(stages: list[StageMemory]) -> list[str]:
             groups = ", ".join(f"{k} {format_bytes(v)}" for k, v in s.nccl.items())
             lines.append(f"{'  + NCCL buffers':<32}{format_bytes(s.nccl_bytes):>12}"
                          f"{'':>8}{'':>12}  {groups}")
+        if s.host_bytes:
+            lines.append(f"{'  optimizer on the CPU':<32}{format_bytes(s.host_bytes):>12}"
+                         f"{'':>8}{'':>12}  Adam moments offloaded (not in measured)")
     return lines
 
 
@@ -541,7 +547,8 @@ def _measure_stage(program: ir.Program, plan: Plan, schedule: Schedule, cost: An
         if trainable:
             o = program.train.optimizer
             opt = StageOptimizer(trainable, name=o.name, lr=o.lr, betas=tuple(o.betas),
-                                 eps=o.eps, weight_decay=o.weight_decay)
+                                 eps=o.eps, weight_decay=o.weight_decay,
+                                 offload=plan.offload_fraction(program))
             init_optimizer_state(opt.optimizer)
         makers = [_inputs(program, cost, plan, unit_cost, role, share, built.compute_dtype,
                           world.device, large) for large in (True, False)]
@@ -582,6 +589,7 @@ def _measure_stage(program: ir.Program, plan: Plan, schedule: Schedule, cost: An
 
         modules = (built.module, *(part.module for part in built.phased.values()))
         report = measure_peak(step, track=modules + ((opt.optimizer,) if opt else ()))
+        host = _host_bytes(opt)
     depth = _depth(plan, unit, stage)
     layers = built.stop - built.start if u.role != "generator" else unit_cost.layers
     predicted = cost.stage_memory_bytes(
@@ -599,12 +607,27 @@ def _measure_stage(program: ir.Program, plan: Plan, schedule: Schedule, cost: An
         cost.unit(p.name), 1 if p.tp_replicated else p.tp, 1, p.dp, 1, 1,
         plan.num_microbatches, dp_lm / p.dp)) for p in phased)
     return StageMemory(unit=unit, stage=stage, rank=rank, in_flight=k,
-                       predicted_bytes=predicted, measured_bytes=report.peak_bytes,
+                       predicted_bytes=predicted, measured_bytes=report.peak_bytes - host,
                        capacity_bytes=program.cluster.gpu.memory_bytes,
-                       by_category=dict(report.by_category), peak_phase=report.peak_phase,
+                       by_category={**report.by_category, "optimizer_state":
+                                    report.by_category["optimizer_state"] - host},
+                       peak_phase=report.peak_phase, host_bytes=host,
                        time_s=time.perf_counter() - start_s,
                        compiled=program.train.compiles(_RANK_DEVICE),
                        nccl=nccl_buffer_bytes(plan, rank, zero=zero, backend=_RANK_BACKEND))
+
+
+def _host_bytes(opt: Any) -> int:
+    """The offloaded Adam moments that ``measure_peak`` counted through the optimizer's
+    state (they are fake tensors on the fake world's CPU device, like the rest) but that
+    a GPU rank keeps in pinned host memory (``train.offload``), rounded as the tracker
+    rounds each storage. Nothing else of the host's part is tracked: the host copies and
+    gradient buffers are made before the measurement and are no optimizer state."""
+    from dtdsl.train.memcheck import CUDA_ALLOCATION_GRANULARITY_BYTES as grain
+
+    tensors = opt.optimizer.host_state_tensors() if opt is not None and hasattr(
+        opt.optimizer, "host_state_tensors") else []
+    return sum(-(-t.numel() * t.element_size() // grain) * grain for t in tensors)
 
 
 def check_memory(program: ir.Program, plan: Plan, *, cost: Any = None, jobs: int = 1,
@@ -619,6 +642,8 @@ def check_memory(program: ir.Program, plan: Plan, *, cost: Any = None, jobs: int
     from dtdsl.schedule.lower import lower
 
     cost = cost if cost is not None else build_cost_model(program)
+    # The plan's optimizer offload (the spec's, or the planner's for offload=auto).
+    cost = cost.with_offload(plan.offload_fraction(program))
     schedule = lower(plan, program)
     # Co-located and phased units are measured with the backbone stages that run them.
     todo = [(u.name, s) for u in plan.units if not (u.colocated or u.phased)

@@ -178,6 +178,14 @@ class _OffloadMixin:
         self.state[p] = {"step": host["step"], "exp_avg": _like(p, host["exp_avg"]),
                          "exp_avg_sq": _like(p, host["exp_avg_sq"])}
 
+    def host_state_tensors(self) -> list[torch.Tensor]:
+        """The host tensors of the state this optimizer names (each offloaded parameter's
+        moments, once created): what ``dtc memcheck`` takes off the device's count."""
+        if self._host is None:
+            return []
+        return [t for slot in self._slots.values()
+                for name, t in self._host.state[slot.master].items() if name != "step"]
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's, except that an offloaded parameter's state is copied into its host
         tensors (never through the device) and stays there."""
