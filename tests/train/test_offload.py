@@ -5,6 +5,7 @@ resume under another ``F``."""
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 from pathlib import Path
@@ -73,6 +74,38 @@ def test_one_process_offload_is_bitwise_and_keeps_torchs_state_layout():
     for k in a:
         for name in ("step", "exp_avg", "exp_avg_sq"):
             assert torch.equal(a[k][name], b[k][name]), (k, name)
+
+
+def _more_steps(model: torch.nn.Module, opt: StageOptimizer, first: int, steps: int) -> None:
+    torch.manual_seed(100 + first)
+    for step in range(first, first + steps):
+        model(torch.randn(3, 8)).square().mean().backward()
+        opt.step(step, 1.0)
+        opt.zero_grad()
+
+
+def test_loaded_state_goes_to_the_host_and_stays_linked():
+    """A state dict of torch's own optimizer (no tensor shared with ours, as a GPU's
+    ``load_state_dict`` gets after moving it) loads into the host tensors: training goes
+    on bitwise, and the optimizer's state keeps naming the host tensors the CPU updates."""
+    want, plain = _train_alone(0.0)
+    saved = copy.deepcopy(plain.optimizer.state_dict())
+    got, opt = _train_alone(0.5, steps=1)
+    assert opt.optimizer._slots
+    with torch.no_grad():
+        for p, q in zip(got.parameters(), want.parameters(), strict=True):
+            p.copy_(q)
+    opt.optimizer.load_state_dict(saved)
+    _more_steps(want, plain, 5, 3)
+    _more_steps(got, opt, 5, 3)
+    for p, q in zip(want.parameters(), got.parameters(), strict=True):
+        assert torch.equal(p, q)
+    inner = opt.optimizer
+    for p, slot in inner._slots.items():
+        host = inner._host.state[slot.master]
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert inner.state[p][name].data_ptr() == host[name].data_ptr(), name
+        assert inner.state[p]["step"] is host["step"] and host["step"].item() == 8
 
 
 def test_someone_elses_write_reaches_the_host_master():
