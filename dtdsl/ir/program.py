@@ -13,8 +13,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from dtdsl.source import Span
 from dtdsl.ir.hardware import HOST_BW_BYTES_PER_S
+from dtdsl.source import Span
 
 __all__ = [
     "Arch", "AvgPool", "Choice", "Cluster", "Compression", "Constant", "DiTArch", "Dist",

@@ -39,7 +39,8 @@ from dtdsl.planner.simulated import (
     simulate_plan,
 )
 
-__all__ = ["EXHAUSTIVE_MAX_GPUS", "OFFLOAD_CHOICES", "PLACEMENTS", "SEARCHES", "Infeasible", "PlannerError",
+__all__ = ["EXHAUSTIVE_MAX_GPUS", "OFFLOAD_CHOICES", "PLACEMENTS", "SEARCHES", "Infeasible",
+           "PlannerError",
            "cp_choices", "plan",
            "plan_baseline", "plan_baselines", "plan_convex", "plan_exhaustive",
            "simulate_plan"]

@@ -13,10 +13,11 @@ makes the same choice again.
 **Where things live.** An offloaded parameter keeps, in pinned host memory, an fp32 copy
 of its local shard (the value the CPU updates), its gradient buffer and its Adam moments;
 FSDP2's fp32 shard stays on the device (it is what FSDP2 all-gathers), so the device saves
-the moments (8 bytes per parameter: ``cost.model.OFFLOADED_BYTES_PER_PARAM``, ``F`` of the optimizer's moment
-bytes). The host copy is refreshed from the device every step, with the gradient: others
-write parameters too (a checkpoint load through DCP, Local SGD's outer step through
-``.data``), and neither a version counter nor a storage pointer sees every such write.
+the moments (8 bytes per parameter, ``cost.model.OFFLOADED_BYTES_PER_PARAM``: ``F`` of the
+optimizer's moment bytes). The host copy is refreshed from the device every step, with
+the gradient: others write parameters too (a checkpoint load through DCP, Local SGD's
+outer step through ``.data``), and neither a version counter nor a storage pointer sees
+every such write.
 
 **The step** (:class:`OffloadAdamW`'s ``step``, after ``optim.optimizer_step`` has taken
 the job-wide norm, clipped, unscaled and decided not to skip): on a side stream, each
