@@ -238,6 +238,7 @@ def _memcheck(tmp_path: Path, fraction: float, capsys: pytest.CaptureFixture) ->
     return {(s["unit"], s["stage"]): s for s in json.loads(out)["stages"]}
 
 
+@pytest.mark.slow
 def test_memcheck_shows_the_saving(tmp_path, capsys):
     """``dtc memcheck`` of the tiny spec with half the optimizer offloaded: every trained
     stage's measured device peak drops by the moments it keeps on the host, and the
