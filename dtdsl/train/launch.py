@@ -627,7 +627,7 @@ def _run(program: RankProgram, bundle: Path, argv: Sequence[str] | None, who: st
         if not resume and rank == 0:
             _set_aside_checkpoints(run_dir)
         groups = build_groups(plan, device_type=device.type,
-                              zero=program_ir.train.optimizer.zero)
+                              zero=program_ir.train.mesh_zero)
         # The samples' source: read by the in-process feed, and by rank 0's predictions.
         source = (data_source(job, bundle, program_ir, args.data)
                   if job.feed.workers == 0 or rank == 0 else None)
