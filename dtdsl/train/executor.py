@@ -358,7 +358,10 @@ class StageExecutor:
             counted = [(names[id(p)] in self.stage.tp_sharded or self.role.tp_index == 0)
                        and not (names[id(p)] == self.stage.tied_name
                                 and self.role.is_last_stage) for p in params]
-            parts.append((mesh, params, counted))
+            tag = f"{self.role.unit}.s{self.role.stage}" if module is self.stage.module \
+                else f"{self.role.unit}.s{self.role.stage}.phased"
+            parts.append((mesh, params, counted, [names[id(p)] for p in params], tag,
+                          None if opt is None else opt.optimizer))
         return StageSync(parts, config_of(sync),
                          tp_group=self.stage.tp_group if self.role.grid.tp > 1 else None)
 

@@ -469,19 +469,25 @@ class StageSync:
     the penalty's norm on this rank; ``tp_group``: the roots' TP group (None at tp 1), over
     which norms are summed. A root whose unit has one replica has nothing to sync."""
 
-    def __init__(self, parts: Sequence[tuple[object, Sequence[torch.Tensor], Sequence[bool]]],
+    def __init__(self, parts: Sequence[tuple[object, Sequence[torch.Tensor], Sequence[bool],
+                                             Sequence[str], str, object]],
                  cfg: LocalSGDConfig, *, tp_group: dist.ProcessGroup | None = None) -> None:
+        import time
+
         self.cfg = cfg
         self.syncs: list[tuple[LocalSGD, int, int]] = []     # (sync, replicas, replica)
-        for mesh, params, counted in parts:
+        # Per sync: its parameters' names, its tag and its (torch) inner optimizer.
+        self._names: list[tuple[list[str], str, object]] = []
+        for mesh, params, counted, names, tag, optimizer in parts:
             replicas = mesh["dp_replicate"].size()
             if replicas < 2 or not params:
                 continue
             sync = LocalSGD(params, cfg, group=mesh.get_group("dp_replicate"),
                             shard_group=tp_group, counted=counted)
             self.syncs.append((sync, replicas, mesh.get_local_rank("dp_replicate")))
+            self._names.append((list(names), tag, optimizer))
         self.hook = corruption()
-        self._since = 0.0
+        self._since = time.perf_counter()
         self._due = [False] * len(self.syncs)
 
     def replicas_of(self, params: Sequence[torch.Tensor]) -> int:
@@ -537,3 +543,65 @@ class StageSync:
 
     def last_weights(self) -> list[list[float]]:
         return [list(s.last_weights) for s, _, _ in self.syncs]
+
+    # -- checkpoints (train.checkpoint) ---------------------------------------------------
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint keeps of Local SGD: per parameter its anchor and outer
+        momentum (``anchor.<name>``, ``momentum.<name>``: the same on every replica, shaped
+        like the parameter, DTensors with its placements: each rank writes its block,
+        once); every replica's own parameters and inner optimizer state
+        (``replica<r>.<name>``, ``replica<r>.optim.<name>.<state>``: between two
+        synchronisations they differ, and the model's and optimizer's entries hold one
+        replica's); per synchronised root its norm statistics (``stats.<tag>``: mean,
+        variance, norms seen, synchronisations). Anchors and momenta are the live tensors,
+        the replicas' values copies (a load must not write them into the parameters
+        before the model's entries are set). Empty when nothing is synchronised."""
+        out: dict[str, torch.Tensor] = {}
+        for (sync, _, replica), (names, tag, opt) in zip(self.syncs, self._names,
+                                                          strict=True):
+            for p, name in zip(sync.params, names, strict=True):
+                out[f"anchor.{name}"] = _like(sync.anchor_of(p), p)
+                out[f"momentum.{name}"] = _like(sync.momentum_of(p), p)
+                out[f"replica{replica}.{name}"] = _like(_local(p).detach().clone(), p)
+                for key, value in opt.state.get(p, {}).items():
+                    if isinstance(value, torch.Tensor):
+                        copy = _local(value).detach().clone()
+                        out[f"replica{replica}.optim.{name}.{key}"] = \
+                            _like(copy, p) if copy.dim() else copy
+            st = sync.stats
+            out[f"stats.{tag}"] = torch.tensor([st.mean, st.var, st.seen, st.syncs],
+                                               dtype=torch.float64)
+        return out
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore ``state_dict``'s values (loaded in place by DCP) into the live state,
+        after the model's and optimizer's entries: anchors, momenta, this replica's
+        parameters and optimizer state, the statistics."""
+        for (sync, _, replica), (names, tag, opt) in zip(self.syncs, self._names,
+                                                          strict=True):
+            for p, name in zip(sync.params, names, strict=True):
+                pairs = [(f"anchor.{name}", sync.anchor_of(p)),
+                         (f"momentum.{name}", sync.momentum_of(p)),
+                         (f"replica{replica}.{name}", _local(p))]
+                pairs += [(f"replica{replica}.optim.{name}.{key}", _local(value))
+                          for key, value in opt.state.get(p, {}).items()
+                          if isinstance(value, torch.Tensor)]
+                for key, live in pairs:
+                    loaded = _local(state[key])
+                    if loaded.data_ptr() != live.data_ptr():
+                        live.copy_(loaded)
+            mean, var, seen, syncs = state[f"stats.{tag}"].tolist()
+            sync.stats = NormStats(mean=mean, var=var, seen=int(seen), syncs=int(syncs))
+
+
+def _like(block: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``block`` (a rank's block of ``param``'s shape) as a DTensor placed as ``param`` is
+    (a view: DCP reads and writes the block itself), or itself for a plain tensor."""
+    data = param.data if isinstance(param, torch.nn.Parameter) else param
+    if not hasattr(data, "to_local"):
+        return block
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(block, data.device_mesh, data.placements, run_check=False,
+                              shape=data.shape, stride=data.stride())

@@ -131,3 +131,54 @@ def test_the_corruption_hook_is_checked():
     for bad in ("replica=1", "replica=x,scale=1,from_step=0", "replica=-1,scale=1,from_step=0"):
         with pytest.raises(ValueError, match=CORRUPT_ENV):
             corruption({CORRUPT_ENV: bad})
+
+
+def _phase(rank: int, world: int, program: ir.Program, plan: Plan, run_dir: str,
+           steps: int, save_at: int | None, out: str) -> None:
+    """Resume from ``run_dir`` (or start), train ``steps`` steps, save after ``save_at``;
+    every rank writes its losses, parameters and Local SGD statistics to ``out``."""
+    from dtdsl.train.checkpoint import Checkpointer
+
+    ex = StageExecutor(program, plan, lower(plan, program), rank=rank,
+                       groups=build_groups(plan, zero=program.train.mesh_zero))
+    ckpt = Checkpointer(ex, run_dir, keep=3, mode="sync", log=lambda _line: None)
+    first = ckpt.resume()
+    losses = []
+    for step in range(first, first + steps):
+        losses.append(ex.run_step(step)["loss"])
+        if step + 1 == save_at:
+            ckpt.save(step + 1)
+    ckpt.close()
+    stats = [(s.stats.mean, s.stats.var, s.stats.seen, s.stats.syncs)
+             for s, _, _ in ex.local_sgd.syncs]
+    # Every replica's own parameters (not gathered over replicas: they differ).
+    local = {k: (v.to_local() if hasattr(v, "to_local") else v).clone()
+             for k, v in ex.named_parameters().items()}
+    torch.save({"first": first, "losses": losses, "stats": stats, "params": local},
+               f"{out}.{rank}")
+
+
+@pytest.mark.usefixtures("deterministic")
+def test_resume_mid_period_equals_an_uninterrupted_run(tmp_path):
+    # A save after step 3 of period 2: the replicas differ there, and the anchor, the
+    # outer momentum and the penalty's statistics are all in play.
+    program = local(spec(4), period=2, outer_lr=0.7, outer_momentum=0.9, penalty=True)
+    plan = dp2(program)
+
+    def go(run_dir, steps, save_at, name):
+        out = str(tmp_path / name)
+        run(_phase, plan.gpus_used, program, plan, str(run_dir), steps, save_at, out,
+            timeout=240)
+        return [torch.load(f"{out}.{r}") for r in range(plan.gpus_used)]
+
+    whole = go(tmp_path / "whole", 6, None, "whole")
+    go(tmp_path / "split", 3, 3, "first")
+    second = go(tmp_path / "split", 3, None, "second")
+    assert second[0]["first"] == 3
+    assert second[0]["losses"] == whole[0]["losses"][3:]
+    for a, b in zip(whole, second, strict=True):
+        assert a["stats"] == b["stats"]
+        for name, p in a["params"].items():
+            assert torch.equal(p, b["params"][name]), name
+    llm = [r for r in whole if r["stats"]]
+    assert llm and llm[0]["stats"][0][3] == 3      # three synchronisations
