@@ -103,7 +103,7 @@ def _tiny_plan(program: ir.Program) -> Plan:
                 units=tuple(units))
 
 
-def tiny(steps: int, period: int) -> None:
+def tiny(steps: int, period: int, batch: int | None) -> None:
     from dtdsl.train.reference import train_reference
 
     rows = []
@@ -111,13 +111,15 @@ def tiny(steps: int, period: int) -> None:
                  "outer_momentum=0.9)"):
         program = with_sync("tiny_cpu", sync)
         program = program.model_copy(update={"train": program.train.model_copy(
-            update={"steps": steps})})
+            update={"steps": steps,
+                    "global_batch": batch or program.train.global_batch})})
         start = time.perf_counter()
         losses = [r["loss"] for r in train_reference(program, steps,
                                                       plan=_tiny_plan(program))]
         tail = losses[-10:]
         rows.append((sync, losses[0], sum(tail) / len(tail), time.perf_counter() - start))
-    print(f"tiny_cpu, backbone DP 2, {steps} steps (reference semantics)")
+    print(f"tiny_cpu, backbone DP 2, global batch {batch or 'as specified'}, {steps} steps "
+          "(reference semantics)")
     print(f"{'sync':<52} {'first loss':>10} {'last 10 mean':>12} {'ratio':>7} {'wall s':>7}")
     for sync, first, last, wall in rows:
         print(f"{sync:<52} {first:>10.4f} {last:>12.4f} {last / rows[0][2]:>7.3f} "
@@ -129,10 +131,14 @@ def main() -> None:
     parser.add_argument("--spec", default="mllm_72b")
     parser.add_argument("--period", type=int, default=4)
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--batch", type=int, default=None,
+                        help="the tiny spec's global batch (a multiple of 4; default its own)")
+    parser.add_argument("--skip-paper", action="store_true")
     args = parser.parse_args()
-    paper_scale(args.spec, args.period)
-    print()
-    tiny(args.steps, args.period)
+    if not args.skip_paper:
+        paper_scale(args.spec, args.period)
+        print()
+    tiny(args.steps, args.period, args.batch)
 
 
 if __name__ == "__main__":

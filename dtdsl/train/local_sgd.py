@@ -534,8 +534,26 @@ class StageSync:
             for layer in sync.layers:
                 sync.sync_layer(layer)
             sync.finish_sync()
+            self._report(sync, replica, step)
         self._since = now_s
         self._due = [False] * len(self.syncs)
+
+    def _report(self, sync: LocalSGD, replica: int, step: int) -> None:
+        """One line when the penalty dropped replicas or rolled back, from the group's
+        first replica on TP index 0 (what an operator needs to see: a replica's data or
+        hardware went bad)."""
+        weights = sync.last_weights
+        if not self.cfg.penalty or replica != 0 or (
+                sync.shard_group is not None and dist.get_rank(sync.shard_group) != 0):
+            return
+        tag = self._names[[s for s, _, _ in self.syncs].index(sync)][1]
+        if not weights:
+            print(f"local_sgd: {tag} step {step}: every replica anomalous, rolled back to "
+                  "the last synchronisation", flush=True)
+        elif any(w == 0 for w in weights):
+            dropped = [i for i, w in enumerate(weights) if w == 0]
+            print(f"local_sgd: {tag} step {step}: dropped replica(s) {dropped} (pseudo-"
+                  "gradient norm anomalous)", flush=True)
 
     def start_clock(self, now_s: float) -> None:
         """A-EDiT's clock starts (training starts or resumes)."""

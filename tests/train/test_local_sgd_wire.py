@@ -182,3 +182,33 @@ def test_resume_mid_period_equals_an_uninterrupted_run(tmp_path):
             assert torch.equal(p, b["params"][name]), name
     llm = [r for r in whole if r["stats"]]
     assert llm and llm[0]["stats"][0][3] == 3      # three synchronisations
+
+
+@pytest.mark.slow
+def test_a_bundle_run_drops_the_corrupted_replica(tmp_path):
+    """A compiled bundle launched with launch.sh: the tiny spec with its backbone (and the
+    units the plan co-locates with it) at DP 2, the penalty on; the test hook corrupts
+    replica 1 from step 11, after the z-test's warm-up of 10 synchronisations."""
+    from dtdsl import cli
+    from tests.codegen.test_bundle_run import SPEC, launch_ok, read_jsonl
+
+    text = SPEC.read_text()
+    for old, new in (("global_batch     = 16", "global_batch     = 4"),
+                     ("  seed ", "  sync             = local_sgd(period=1, penalty=true)\n"
+                      "  seed "),
+                     ("  tp(*) in {1, 2}", "  tp(*) in {1, 2}\n  dp(llm) == 2")):
+        assert old in text
+        text = text.replace(old, new, 1)
+    spec = tmp_path / "tiny_lsgd.dt"
+    spec.write_text(text)
+    bundle = tmp_path / "bundle"
+    assert cli.main(["compile", str(spec), "-o", str(bundle), "--synthetic"]) == 0
+    run_dir = tmp_path / "run"
+    proc = launch_ok(bundle, run_dir, "--steps", "12",
+                     env={CORRUPT_ENV: "replica=1,scale=30,from_step=11"})
+    said = [line for line in (proc.stdout + proc.stderr).splitlines()
+            if line.startswith("local_sgd:")]
+    assert said == ["local_sgd: llm.s0 step 11: dropped replica(s) [1] (pseudo-gradient "
+                    "norm anomalous)"], proc.stdout[-3000:]
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert len(metrics) == 12 and all(m["dp_sync_bytes"] > 0 for m in metrics)
