@@ -12,6 +12,7 @@ import tempfile
 import pytest
 import torch
 
+from dtdsl.driver import run_frontend
 from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan
 from dtdsl.models.multimodal import build_model
@@ -212,3 +213,27 @@ def test_a_bundle_run_drops_the_corrupted_replica(tmp_path):
                     "norm anomalous)"], proc.stdout[-3000:]
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert len(metrics) == 12 and all(m["dp_sync_bytes"] > 0 for m in metrics)
+
+
+def test_dtc_reference_follows_the_plan(tmp_path):
+    from dtdsl import cli
+    from tests.specs import TINY
+
+    text = TINY.read_text().replace("global_batch     = 16", "global_batch     = 4")
+    text = text.replace("  seed ", "  sync             = local_sgd(period=1)\n  seed ", 1)
+    text = text.replace("  tp(*) in {1, 2}", "  tp(*) in {1, 2}\n  dp(llm) == 2", 1)
+    spec = tmp_path / "tiny_lsgd.dt"
+    spec.write_text(text)
+    program = run_frontend(str(spec), text.encode()).program
+    assert cli.main(["plan", str(spec), "-o", str(tmp_path / "plan.json")]) == 0
+    plan = Plan.model_validate_json((tmp_path / "plan.json").read_text())
+    assert plan.unit("llm").dp == 2
+    out = tmp_path / "ref.jsonl"
+    assert cli.main(["reference", str(spec), "--steps", "2", "--plan",
+                     str(tmp_path / "plan.json"), "--out", str(out), "-q"]) == 0
+    got = [json.loads(line)["loss"] for line in out.read_text().splitlines()]
+    assert got == [r["loss"] for r in train_reference(program, 2, plan=plan)]
+    # Not the synchronous reference's second step: the replicas' Adam steps differ.
+    sync = program.model_copy(update={"train": program.train.model_copy(
+        update={"sync": ir.Sync()})})
+    assert abs(got[1] - [r["loss"] for r in train_reference(sync, 2)][1]) > 1e-4
