@@ -114,8 +114,12 @@ def tiny(steps: int, period: int, batch: int | None) -> None:
             update={"steps": steps,
                     "global_batch": batch or program.train.global_batch})})
         start = time.perf_counter()
-        losses = [r["loss"] for r in train_reference(program, steps,
-                                                      plan=_tiny_plan(program))]
+        losses = []
+        for r in train_reference(program, steps, plan=_tiny_plan(program)):
+            losses.append(r["loss"])
+            if (r["step"] + 1) % 25 == 0:
+                print(f"  {sync.split('(')[0]}: step {r['step'] + 1} loss {r['loss']:.4f} "
+                      f"({time.perf_counter() - start:.0f} s)", flush=True)
         tail = losses[-10:]
         rows.append((sync, losses[0], sum(tail) / len(tail), time.perf_counter() - start))
     print(f"tiny_cpu, backbone DP 2, global batch {batch or 'as specified'}, {steps} steps "

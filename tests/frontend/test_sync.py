@@ -85,3 +85,35 @@ def test_old_programs_read_without_sync():
     data = _program(None).train.model_dump(mode="json")
     del data["sync"]
     assert Train.model_validate(data).sync == Sync()
+
+
+def test_the_cost_model_prices_a_sync_every_period():
+    from dtdsl.cost.model import build_cost_model
+
+    plain = _program(None)
+    costs = {H: build_cost_model(_program(f"local_sgd(period={H})")) for H in (1, 4)}
+    sync = build_cost_model(plain)
+    unit = "llm"
+    tp, pp, dp = 2, 2, 8
+
+    def time_s(cost):
+        return float(cost.dp_sync_time_s(cost.unit(unit), tp, pp, dp))
+
+    def bytes_(cost):
+        return cost.dp_sync_bytes(cost.unit(unit), tp, pp, dp)
+
+    # fp32 all-reduce every period steps against bf16 reduce-scatter + all-gather each step
+    assert bytes_(costs[1]) == pytest.approx(2 * bytes_(sync))
+    assert bytes_(costs[4]) == pytest.approx(bytes_(sync) / 2)
+    assert bytes_(costs[4]) == pytest.approx(bytes_(costs[1]) / 4)
+    assert time_s(costs[4]) == pytest.approx(time_s(costs[1]) / 4)
+    assert time_s(costs[4]) < time_s(sync)
+    # One replica: nothing crosses.
+    assert costs[4].dp_sync_bytes(costs[4].unit(unit), tp, pp, 1) == 0.0
+    # Memory: whole optimizer state per replica (ZeRO 0) plus the fp32 anchor and momentum.
+    args = dict(tp=tp, pp=pp, dp=dp, vpp=1, depth=1, microbatches=8, share=1.0)
+    local_mem = float(costs[4].memory_bytes(costs[4].unit(unit), **args))
+    sync_mem = float(sync.memory_bytes(sync.unit(unit), **args))
+    u = sync.unit(unit)
+    trained = u.stage_params(pp) / tp * u.trainable_params / u.params
+    assert local_mem - sync_mem == pytest.approx(trained * (12 - 12 / dp + 8), rel=1e-6)
