@@ -487,7 +487,8 @@ class StageSync:
             self.syncs.append((sync, replicas, mesh.get_local_rank("dp_replicate")))
             self._names.append((list(names), tag, optimizer))
         self.hook = corruption()
-        self._since = time.perf_counter()
+        # Per root, when its last synchronisation ended (A-EDiT's clock).
+        self._since = [time.perf_counter()] * len(self.syncs)
         self._due = [False] * len(self.syncs)
 
     def replicas_of(self, params: Sequence[torch.Tensor]) -> int:
@@ -503,8 +504,9 @@ class StageSync:
         group calls it every step: with an interval it is a collective)."""
         # Each root decides with its own replica group (they may differ: a phased
         # encoder's DP group is not its stage's).
-        self._due = [s.due(step, now_s - self._since) if self.cfg.interval is not None
-                     else (step + 1) % self.cfg.period == 0 for s, _, _ in self.syncs]
+        self._due = [s.due(step, now_s - since) if self.cfg.interval is not None
+                     else (step + 1) % self.cfg.period == 0
+                     for (s, _, _), since in zip(self.syncs, self._since, strict=True)]
         return any(self._due)
 
     def payload_bytes(self) -> int:
@@ -535,7 +537,8 @@ class StageSync:
                 sync.sync_layer(layer)
             sync.finish_sync()
             self._report(sync, replica, step)
-        self._since = now_s
+        self._since = [now_s if due else since
+                       for due, since in zip(self._due, self._since, strict=True)]
         self._due = [False] * len(self.syncs)
 
     def _report(self, sync: LocalSGD, replica: int, step: int) -> None:
@@ -557,7 +560,7 @@ class StageSync:
 
     def start_clock(self, now_s: float) -> None:
         """A-EDiT's clock starts (training starts or resumes)."""
-        self._since = now_s
+        self._since = [now_s] * len(self.syncs)
 
     def last_weights(self) -> list[list[float]]:
         return [list(s.last_weights) for s, _, _ in self.syncs]

@@ -237,3 +237,14 @@ def test_dtc_reference_follows_the_plan(tmp_path):
     sync = program.model_copy(update={"train": program.train.model_copy(
         update={"sync": ir.Sync()})})
     assert abs(got[1] - [r["loss"] for r in train_reference(sync, 2)][1]) > 1e-4
+
+
+def test_an_interval_shorter_than_a_step_syncs_every_step():
+    # A-EDiT: every rank of the replica group agrees (a MAX all-reduce) and syncs when
+    # the interval has passed: here at every step, as period=1 does.
+    base = spec(4)
+    plan = dp2(base)
+    every, _ = distributed(local(base, period=1, outer_lr=0.7), plan, 3)
+    timed, _ = distributed(local(base, interval_s=1e-9, outer_lr=0.7), plan, 3)
+    assert timed[0]["losses"] == every[0]["losses"]
+    assert timed[0]["bytes"] == every[0]["bytes"] and timed[0]["bytes"][0] > 0
