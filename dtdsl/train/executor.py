@@ -283,6 +283,7 @@ class StageExecutor:
         self._width = program.backbone.arch.hidden
         self._build_optimizer()
         self.local_sgd = self._build_local_sgd()
+        self._allreduce_bytes: int | None = None     # _dp_payload_bytes, once
         # fp16's dynamic loss scale (``optim.LossScale``): every loss's backward starts
         # from the scale; the optimizer step unscales, skips on overflow and updates it.
         self.loss_scale = LossScale() if program.train.precision == "fp16" else None
@@ -382,7 +383,7 @@ class StageExecutor:
         its parameter all-gather (compute dtype) of every root with several replicas."""
         if self.local_sgd is not None:
             return self.local_sgd.payload_bytes()
-        if getattr(self, "_allreduce_bytes", None) is None:
+        if self._allreduce_bytes is None:
             self._allreduce_bytes = self._reduce_bytes()
         return self._allreduce_bytes
 
