@@ -392,7 +392,7 @@ class StageExecutor:
         out = 0
         gather = self.program.train.optimizer.zero >= 1
         names = {id(p): k for k, p in self.stage.named_parameters().items()}
-        for (module, opt), mesh in zip(self._parts, meshes, strict=True):
+        for (_, opt), mesh in zip(self._parts, meshes, strict=True):
             replicas = mesh["dp_replicate"].size() * mesh["dp_shard"].size()
             if opt is None or replicas < 2:
                 continue
