@@ -709,10 +709,20 @@ def _cmd_reference(args: argparse.Namespace) -> int:
             raise UsageError(f"cannot write {args.out}: {err.strerror or err}") from None
     if args.threads:
         torch.set_num_threads(args.threads)
+    the_plan = None
+    if program.train.sync.local:
+        # Local SGD's replicas train on the samples the plan routes to them.
+        the_plan = _read_plan(args.plan, program) if args.plan else \
+            _solve(result, program, None)
+        if the_plan is None:
+            return EXIT_ERRORS
+    elif args.plan:
+        print("dtc: note: --plan is read only with sync = local_sgd; synchronous data "
+              "parallelism has the same losses under every plan", file=sys.stderr)
     start = time.perf_counter()
     try:
         for record in train_reference(program, steps, micro_batch=args.micro_batch,
-                                      seed=args.seed, source=source):
+                                      seed=args.seed, source=source, plan=the_plan):
             out.write(json.dumps(record) + "\n")
             out.flush()
             if not args.quiet:
@@ -1024,6 +1034,9 @@ def _parser() -> argparse.ArgumentParser:
     ref.add_argument("--seed", type=int, help="initialisation seed (default: train.seed)")
     ref.add_argument("--data", metavar="DIR", help="train on this dataset's batches (as a "
                      "launched bundle reads them) instead of the spec's synthetic samples")
+    ref.add_argument("--plan", metavar="FILE", help="with sync = local_sgd: the plan (`dtc "
+                     "plan -o`) whose replicas and routing to follow (default: the plan dtc "
+                     "plan gives)")
     ref.add_argument("--threads", type=_positive_int, help="torch CPU threads")
     ref.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
     ref.set_defaults(func=_cmd_reference)

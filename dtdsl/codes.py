@@ -550,6 +550,38 @@ allows is dropped for that module.
     constraints { cp(llm) == 8 }    # error: 28 heads are not a multiple of 8;
                                     # use context_parallel = ring
 """),
+    "DT630": Code("Local SGD period below one step", """
+`sync = local_sgd(period=H)` synchronises the data-parallel replicas every H
+training steps: H must be a whole number of at least 1 (1: every step).
+
+    train { sync = local_sgd(period=0) }     # error: write period=1 or more
+"""),
+    "DT631": Code("Local SGD outer learning rate not positive", """
+The outer step moves the parameters from the last synchronised ones by
+`outer_lr` times the replicas' averaged pseudo-gradient (DiLoCo): it must be
+above 0 (1.0 is the plain average of the replicas).
+
+    train { sync = local_sgd(period=4, outer_lr=0) }   # error: e.g. outer_lr=0.7
+"""),
+    "DT632": Code("Local SGD outer momentum outside [0, 1)", """
+The outer step's Nesterov momentum keeps `outer_momentum` of the last update:
+0 is none, and 1 or more would never decay.
+
+    train { sync = local_sgd(period=4, outer_momentum=1) }   # error: e.g. 0.9
+"""),
+    "DT633": Code("Local SGD with both a period and an interval", """
+`local_sgd` synchronises every `period` steps, or (A-EDiT) every `interval`
+seconds of the replicas' own clocks; one rule at a time.
+
+    train { sync = local_sgd(period=4, interval=30 s) }   # error: remove one
+"""),
+    "DT634": Code("Local SGD interval not positive", """
+`local_sgd(interval=T)` synchronises once T seconds have passed since the last
+synchronisation on any replica: T must be a positive duration (`30 s`,
+`500 ms`, or a plain number of seconds).
+
+    train { sync = local_sgd(interval=0 s) }   # error: e.g. interval=30 s
+"""),
     "DT635": Code("Optimizer offload is not a fraction", """
 `optimizer = adamw(..., offload=F)` keeps the fraction F of each rank's
 optimizer state (fp32 master copy and Adam moments, by bytes, whole

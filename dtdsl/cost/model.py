@@ -64,6 +64,7 @@ __all__ = [
 ]
 
 _BYTES_BF16 = 2
+_BYTES_FP32 = 4
 # Bytes per parameter: (weights, gradient buffer, optimizer state) by precision.
 _PARAM_BYTES = {"bf16": (2, 4, 12), "fp16": (2, 4, 12), "fp32": (4, 4, 8)}
 _COLLECTIVE_LATENCY_S = 20e-6   # per ring step
@@ -76,6 +77,14 @@ _OFFLOAD_LINK_BYTES = 12
 # Bytes per gradient element the end of a step averages over TP (``train.stage``): FSDP2's
 # reduce dtype, fp32, in which the sharded gradients are kept.
 _TP_SYNC_GRAD_BYTES = 4
+
+
+def _local_sgd_bytes(program: ir.Program, dp):
+    """Bytes per trained parameter Local SGD keeps (``train.local_sgd``): the fp32 anchor
+    and outer momentum, on units with more than one replica."""
+    if not program.train.sync.local:
+        return 0.0
+    return np.where(np.asarray(dp) > 1, 2 * _BYTES_FP32, 0)
 
 
 def _frozen_master_bytes(precision: str, dp, zero: int):
@@ -432,9 +441,10 @@ class CostModel:
         dp = np.asarray(dp) * unit.cp        # optimizer state sharded over dp x cp
         stage = unit.stage_params(pp) / tp
         trained = stage * unit.trainable_params / unit.params if unit.params else 0.0
-        zero = program.train.optimizer.zero
+        zero = program.train.mesh_zero
         static = stage * weight_b + trained * (grad_b + optim_b / (dp if zero >= 1 else 1)) \
-            + (stage - trained) * _frozen_master_bytes(program.train.precision, dp, zero)
+            + (stage - trained) * _frozen_master_bytes(program.train.precision, dp, zero) \
+            + trained * _local_sgd_bytes(program, dp)
         per_layer = (unit.act_bytes_per_layer - unit.act_bytes_per_layer_tp_split
                      + unit.act_bytes_per_layer_tp_split / tp) * share / unit.cp
         if unit.backward_factor == 0:
@@ -471,9 +481,10 @@ class CostModel:
                 params += unit.tied_head_params
         params /= tp
         trained = params * unit.trainable_params / unit.params if unit.params else 0.0
-        zero = self.program.train.optimizer.zero
+        zero = self.program.train.mesh_zero
         static = params * weight_b + trained * (grad_b + optim_b / (dp if zero >= 1 else 1)) \
-            + (params - trained) * _frozen_master_bytes(self.program.train.precision, dp, zero)
+            + (params - trained) * _frozen_master_bytes(self.program.train.precision, dp, zero) \
+            + trained * _local_sgd_bytes(self.program, dp)
         per_layer = (unit.act_bytes_per_layer - unit.act_bytes_per_layer_tp_split
                      + unit.act_bytes_per_layer_tp_split / tp) * share / unit.cp
         if unit.backward_factor == 0:
@@ -551,7 +562,7 @@ class CostModel:
                          max(unit.params, 1.0), unit.tp_synced_extra_params)
         layers = np.where(whole, unit.trainable_params, unit.tp_synced_params) - extra
         # FSDP2 shards every gradient over DP (ZeRO-1); ZeRO-0 keeps it whole.
-        shard = np.asarray(dp, dtype=float) if self.program.train.optimizer.zero >= 1 else 1.0
+        shard = np.asarray(dp, dtype=float) if self.program.train.mesh_zero >= 1 else 1.0
         per_param = _TP_SYNC_GRAD_BYTES / shard
         cluster = self.program.cluster
         bw = np.where(ranks <= cluster.gpus_per_node, cluster.intra_node_bw_bytes_per_s,
@@ -566,6 +577,8 @@ class CostModel:
 
     def _dp_sync_coefficients(self, unit: UnitCost, tp, dp) -> tuple:
         """``dp_sync_coefficients`` without the TP average."""
+        if self.program.train.sync.local:
+            return self._local_sgd_coefficients(unit, tp, dp)
         bw = self.program.cluster.inter_node_bw_bytes_per_s
         dp = np.asarray(dp, dtype=float)
         # Bytes of trained gradient per parameter on a stage, sharded by TP.
@@ -591,6 +604,42 @@ class CostModel:
         hidden = np.minimum(gather, forward)
         return fixed + hidden + opt_fixed, per_layer - hidden + opt_layer
 
+    def _local_sgd_coefficients(self, unit: UnitCost, tp, dp) -> tuple:
+        """``_dp_sync_coefficients`` under ``sync = local_sgd`` (``train.local_sgd``): no
+        gradient crosses replicas; every ``period`` steps the replicas all-reduce their
+        fp32 pseudo-gradients (the master weights' dtype), after the optimizer step and
+        not overlapped, priced per step as 1 / period of it. An ``interval`` depends on
+        the step time this model is computing: priced as a sync every step (an upper
+        bound). Each replica's optimizer steps its whole TP shard (ZeRO 0)."""
+        sync = self.program.train.sync
+        every = 1.0 if sync.interval_s is not None else float(sync.period)
+        bw = self.program.cluster.inter_node_bw_bytes_per_s
+        dp = np.asarray(dp, dtype=float)
+        per_param = unit.trainable_params / unit.params * _BYTES_FP32 / np.asarray(tp)
+        latency = all_reduce_time_s(0.0, dp, bw)
+        fixed = all_reduce_time_s(unit.extra_stage_params * per_param, dp, bw) / every
+        per_layer = (all_reduce_time_s((unit.params - unit.extra_stage_params) / unit.layers
+                                       * per_param, dp, bw) - latency) / every
+        opt_fixed, opt_layer = self._optimizer_coefficients(unit, tp, dp)
+        return fixed + opt_fixed, per_layer + opt_layer
+
+    def dp_sync_bytes(self, unit: UnitCost, tp: int, pp: int, dp: int) -> float:
+        """Bytes one GPU of the unit's heaviest stage sends over its DP links per step, as
+        ``dp_sync_coefficients`` prices them (a ring collective sends (n - 1) / n of its
+        data per step of reduce-scatter or all-gather): synchronous DP's gradient
+        reduce-scatter (bf16 in this model) and ZeRO-1's parameter all-gather, or
+        Local SGD's fp32 all-reduce every ``period`` steps, amortised."""
+        if not unit.trainable or dp * unit.cp <= 1:
+            return 0.0
+        n = float(dp * unit.cp)
+        params = unit.stage_params(pp) / tp * unit.trainable_params / unit.params
+        sync = self.program.train.sync
+        if sync.local:
+            every = 1.0 if sync.interval_s is not None else float(sync.period)
+            return float(params * _BYTES_FP32 * 2 * (n - 1) / n / every)
+        # An all-reduce (ZeRO 0), or a reduce-scatter and an all-gather (ZeRO-1): the same.
+        return float(params * _BYTES_BF16 * 2 * (n - 1) / n)
+
     def _optimizer_coefficients(self, unit: UnitCost, tp, dp) -> tuple:
         """(fixed_s, per_layer_s) of the optimizer step on a stage's trained parameters
         (its TP shard, and its DP shard under ZeRO-1), at the profile's measured
@@ -607,7 +656,7 @@ class CostModel:
         if not rate:
             return np.zeros(shape), np.zeros(shape)
         shard = np.asarray(tp, dtype=float) * (
-            np.asarray(dp, dtype=float) if self.program.train.optimizer.zero >= 1 else 1.0)
+            np.asarray(dp, dtype=float) if self.program.train.mesh_zero >= 1 else 1.0)
         trained = unit.trainable_params / unit.params
         fixed = unit.extra_stage_params * trained / shard * rate
         per_layer = (unit.params - unit.extra_stage_params) / unit.layers * trained / shard \

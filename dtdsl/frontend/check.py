@@ -229,6 +229,18 @@ class _OffloadKind(Kind):
         return value
 
 
+@dataclass(frozen=True)
+class _SecondsKind(Kind):
+    """A duration: ``30 s``, ``500 ms``, or a plain number of seconds."""
+
+    expects: str = field(default="a duration such as 30 s", kw_only=True)
+
+    def convert(self, expr, ctx, what):
+        if isinstance(expr, ast.Number) and expr.unit is None:
+            return float(expr.value)
+        return QuantityKind(dim="time", expects=self.expects).convert(expr, ctx, what)
+
+
 TRAIN_FIELDS = (
     Param("global_batch", IntKind(1, 10**7), required=True, doc="global_batch = 1920"),
     Param("micro_batch", IntKind(1, 10**6), default=1),
@@ -246,6 +258,7 @@ TRAIN_FIELDS = (
     Param("packing", BoolKind(), default=False),
     # None (unset): compiled where the rank runs on a CUDA device (ir.Train.compiles).
     Param("compile", BoolKind(), default=None),
+    Param("sync", CallKind(allow_bare=True)),
 )
 _SCHEDULE_ARGS = {
     "gpipe": (),
@@ -261,6 +274,25 @@ _OPTIMIZER_ARGS = (
     Param("zero", IntKind(0, 3), default=1),
     # 0: everything on the device; "auto": the planner picks (ir.Optimizer.offload).
     Param("offload", _OffloadKind(), default=0.0),
+)
+# Local SGD's arguments: bounds are checked by ``_sync`` with codes of their own.
+_SYNC_ARGS = (
+    Param("period", IntKind(), default=None),
+    Param("interval", _SecondsKind(), default=None),
+    Param("outer_lr", FloatKind(), default=1.0),
+    Param("outer_momentum", FloatKind(), default=0.0),
+    Param("penalty", BoolKind(), default=False),
+)
+# (argument, code, test, what it must be, what to write instead) of local_sgd's bounds.
+_SYNC_RULES = (
+    ("period", "DT630", lambda v: v >= 1, "must be at least 1 step",
+     "write period=1 or more (4 to 100 in EDiT's experiments)"),
+    ("outer_lr", "DT631", lambda v: math.isfinite(v) and v > 0, "must be above 0",
+     "write a positive outer_lr (1.0: the plain average of the replicas; DiLoCo uses 0.7)"),
+    ("outer_momentum", "DT632", lambda v: 0 <= v < 1, "must be in [0, 1)",
+     "write outer_momentum=0 for none, or e.g. 0.9 (DiLoCo's Nesterov momentum)"),
+    ("interval", "DT634", lambda v: math.isfinite(v) and v > 0, "s must be above 0",
+     "write a positive duration such as interval=30 s"),
 )
 _WARMUP = Param("warmup", IntKind(0, 10**9), default=0)
 _MIN_LR = Param("min_lr", FloatKind(low=0, high=10), default=0.0)
@@ -1155,12 +1187,13 @@ class _Checker:
                       f.span if f else block.span,
                       hint=f"micro_batch must divide {gb}: e.g. {_listing(good)}")
             values["micro_batch"] = INVALID
-        if not _ok(*values.values(), schedule, virtual, optimizer, lr_schedule):
+        sync = self._sync(values["sync"])
+        if not _ok(*values.values(), schedule, virtual, optimizer, lr_schedule, sync):
             return INVALID
         spans = {f"{key}_span": f.span for key in ("schedule", "precision")
                  if (f := _field(block.fields, key)) is not None}
         values.update(schedule=schedule, virtual_stages=virtual, optimizer=optimizer,
-                      lr_schedule=lr_schedule, span=block.span, **spans)
+                      lr_schedule=lr_schedule, sync=sync, span=block.span, **spans)
         return ir.Train(**values)
 
     def _schedule(self, call: ast.Call | None | Any) -> tuple[Any, Any]:
@@ -1203,6 +1236,49 @@ class _Checker:
             args["weight_decay"] = 0.0 if "weight_decay" not in \
                 {a.name for a in call.args} else args["weight_decay"]
         return ir.Optimizer(name=call.func, **args)
+
+    def _sync(self, call: ast.Call | None | Any) -> Any:
+        """``sync = allreduce`` (the default) or ``sync = local_sgd(period=H | interval=T,
+        outer_lr=..., outer_momentum=..., penalty=...)``."""
+        ctx = self.ctx
+        if call is None:
+            return ir.Sync()
+        if call is INVALID:
+            return INVALID
+        if call.func not in ("allreduce", "local_sgd"):
+            guess = did_you_mean(call.func, ("allreduce", "local_sgd"))
+            return ctx.error("DT205", f"unknown sync '{call.func}'", call.func_span,
+                             notes=["sync: allreduce (every step), local_sgd(period=4, "
+                                    "outer_lr=0.7, outer_momentum=0.9, penalty=false) or "
+                                    "local_sgd(interval=30 s, ...)"],
+                             hint=f"did you mean '{guess}'?" if guess else None)
+        args = resolve_call(call, _SYNC_ARGS if call.func == "local_sgd" else (),
+                            ctx, f"{call.func}()")
+        if call.func == "allreduce":
+            return ir.Sync() if _ok(*args.values()) else INVALID
+        checked = [self._sync_bound(call, args, *rule) for rule in _SYNC_RULES]
+        if _ok(*args.values()) and args["period"] is not None and \
+                args["interval"] is not None:
+            checked.append(ctx.error(
+                "DT633", "local_sgd takes a period in steps or an interval in seconds, not "
+                "both", _arg_span(call, "interval"),
+                notes=[f"period={args['period']} syncs every {args['period']} steps; "
+                       f"interval={args['interval']:g} s syncs when that much time has "
+                       "passed (A-EDiT)"],
+                hint="remove one of them"))
+        if not _ok(*args.values(), *checked):
+            return INVALID
+        return ir.Sync(kind="local_sgd", period=args["period"] or 1,
+                       interval_s=args["interval"], outer_lr=args["outer_lr"],
+                       outer_momentum=args["outer_momentum"], penalty=args["penalty"])
+
+    def _sync_bound(self, call: ast.Call, args: dict[str, Any], name: str, code: str,
+                    ok: Any, need: str, hint: str) -> Any:
+        value = args[name]
+        if value is INVALID or value is None or ok(value):
+            return value
+        return self.ctx.error(code, f"local_sgd {name} {value:g} {need}",
+                              _arg_span(call, name), hint=hint)
 
     def _lr_schedule(self, call: ast.Call | None | Any, optimizer: Any, steps: Any,
                      steps_given: bool) -> Any:

@@ -20,7 +20,7 @@ __all__ = [
     "Arch", "AvgPool", "Choice", "Cluster", "Compression", "Constant", "DiTArch", "Dist",
     "Empirical", "Gpu", "HFSource", "ImageTokens", "PixelShuffle", "Resampler", "RoPE",
     "IntDomain", "LRSchedule", "LogNormal", "MLPArch", "Module", "ModuleConstraints",
-    "Optimizer", "Program", "Projector", "Quantity", "Train", "TransformerArch", "UNetArch",
+    "Optimizer", "Program", "Projector", "Quantity", "Sync", "Train", "TransformerArch", "UNetArch",
     "Uniform", "Zipf", "Data", "LR_SCHEDULES", "MODALITIES", "QUANTITIES", "ROLES",
     "SCHEDULES",
 ]
@@ -607,6 +607,27 @@ class LRSchedule(IRModel):
     min_lr: float = 0.0      # where a decay ends (constant has none: 0)
 
 
+class Sync(IRModel):
+    """How data-parallel replicas agree (``train { sync = ... }``). ``allreduce``: the
+    gradients are reduced over DP every step (synchronous data parallelism).
+    ``local_sgd``: EDiT's Local SGD (``train.local_sgd``): every DP rank is a replica that
+    steps on its own samples, and every ``period`` steps (or, A-EDiT, every ``interval_s``
+    seconds) the replicas average their pseudo-gradients and take a DiLoCo outer step
+    (``outer_lr``, Nesterov ``outer_momentum``), with EDiT's pseudo-gradient penalty when
+    ``penalty``."""
+
+    kind: Literal["allreduce", "local_sgd"] = "allreduce"
+    period: int = 1
+    interval_s: float | None = None
+    outer_lr: float = 1.0
+    outer_momentum: float = 0.0
+    penalty: bool = False
+
+    @property
+    def local(self) -> bool:
+        return self.kind == "local_sgd"
+
+
 class Train(IRModel):
     global_batch: int
     micro_batch: int
@@ -637,6 +658,15 @@ class Train(IRModel):
     # diagnostics of later stages (dtc compile's runtime support).
     schedule_span: Span | None = None
     precision_span: Span | None = None
+    # Defaulted (synchronous DP, as before the field existed) so earlier Programs read.
+    sync: Sync = Sync()
+
+    @property
+    def mesh_zero(self) -> int:
+        """The ZeRO stage a unit's DP mesh is laid out for (``parallel.mesh``): the
+        optimizer's, except under Local SGD, where every DP rank is a whole replica (the
+        (replicate, shard) mesh of ZeRO 0: one replica per ``dp_replicate`` index)."""
+        return 0 if self.sync.local else self.optimizer.zero
 
     @property
     def num_microbatches(self) -> int:

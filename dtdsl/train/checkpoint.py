@@ -303,6 +303,11 @@ def state_dict(ex: Any) -> dict[str, Any]:
         out.setdefault("optim", {}).update(optim["state"])
     if ex.loss_scale is not None:
         out["loss_scale"] = _scale_tensors(ex.loss_scale.state())
+    local = getattr(ex, "local_sgd", None)
+    if local is not None and local.syncs:
+        # Local SGD's anchor, outer momentum, statistics and each replica's parameters
+        # (``local_sgd.StageSync.state_dict``).
+        out["local_sgd"] = local.state_dict()
     return out
 
 
@@ -351,6 +356,9 @@ def load_state_dict(ex: Any, state: dict[str, Any]) -> None:
                                          "param_groups": current["param_groups"]})
     if ex.loss_scale is not None:
         _load_scale(ex, state)
+    if "local_sgd" in state:
+        # After the model's: each replica's own parameters replace the one saved there.
+        ex.local_sgd.load_state_dict(state["local_sgd"])
 
 
 # ---- saving and resuming ----------------------------------------------------------------------

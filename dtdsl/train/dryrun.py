@@ -397,7 +397,7 @@ def dry_run(bundle: str | Path, *, node: int | None = None, steps: int = 1,
     every = telemetry_every(plan, schedule)
     report.telemetry_every = every
     received = telemetry_bytes(plan, schedule) / every
-    zero = program.train.optimizer.zero
+    zero = program.train.mesh_zero
     shares = _shares(bundle, job, program, plan, steps, data)
 
     with tempfile.TemporaryDirectory(prefix="dtdsl-dry-") as tmp:

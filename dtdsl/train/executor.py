@@ -282,6 +282,8 @@ class StageExecutor:
             self._hosted_encoder or next(iter(self.stage.phased), None)
         self._width = program.backbone.arch.hidden
         self._build_optimizer()
+        self.local_sgd = self._build_local_sgd()
+        self._allreduce_bytes: int | None = None     # _dp_payload_bytes, once
         # fp16's dynamic loss scale (``optim.LossScale``): every loss's backward starts
         # from the scale; the optimizer step unscales, skips on overflow and updates it.
         self.loss_scale = LossScale() if program.train.precision == "fp16" else None
@@ -335,6 +337,71 @@ class StageExecutor:
                 lr_at=lambda step: lr_at(train.lr_schedule, opt.lr, train.steps, step),
                 offload=self.plan.offload_fraction(program)))
             self._parts.append((module, self.optimizers[-1]))
+
+    def _build_local_sgd(self) -> Any:
+        """``train.local_sgd.StageSync`` over this rank's FSDP2 roots when the spec says
+        ``sync = local_sgd(...)`` (the roots' DP meshes are then laid out as whole
+        replicas, ``ir.Train.mesh_zero``); None for synchronous DP."""
+        sync = self.program.train.sync
+        if not sync.local:
+            return None
+        from dtdsl.train.local_sgd import StageSync, config_of
+
+        meshes = [self.groups.mesh] + [self.groups.phased[n] for n in self.stage.phased]
+        if any(m["dp_shard"].size() != 1 for m in meshes):
+            raise ValueError("sync = local_sgd needs whole replicas: build the groups with "
+                             "zero=program.train.mesh_zero (mesh.build_groups)")
+        names = {id(p): k for k, p in self.stage.named_parameters().items()}
+        parts = []
+        for (module, opt), mesh in zip(self._parts, meshes, strict=True):
+            params = [] if opt is None else list(opt.params)
+            # Counted once per TP group (a TP-replicated block on TP index 0) and a tied
+            # LM head not at all, as the gradient norm counts them (``_build_optimizer``).
+            counted = [(names[id(p)] in self.stage.tp_sharded or self.role.tp_index == 0)
+                       and not (names[id(p)] == self.stage.tied_name
+                                and self.role.is_last_stage) for p in params]
+            tag = f"{self.role.unit}.s{self.role.stage}" if module is self.stage.module \
+                else f"{self.role.unit}.s{self.role.stage}.phased"
+            parts.append((mesh, params, counted, [names[id(p)] for p in params], tag,
+                          None if opt is None else opt.optimizer))
+        return StageSync(parts, config_of(sync),
+                         tp_group=self.stage.tp_group if self.role.grid.tp > 1 else None)
+
+    def _stepping(self) -> list[Any]:
+        """The optimizers as the job's step sees them: under Local SGD each scaled to its
+        unit's replicas (``local_sgd.ReplicaScaled``)."""
+        if self.local_sgd is None:
+            return list(self.optimizers)
+        from dtdsl.train.local_sgd import ReplicaScaled
+
+        return [ReplicaScaled(o, self.local_sgd.replicas_of(o.params))
+                for o in self.optimizers]
+
+    def _dp_payload_bytes(self) -> int:
+        """What this rank puts into data-parallel collectives this step (the metric
+        ``dp_sync_bytes``, summed over the job): the Local SGD synchronisation when one
+        is due, else FSDP2's gradient reduce-scatter (fp32, unsharded) and, with ZeRO-1,
+        its parameter all-gather (compute dtype) of every root with several replicas."""
+        if self.local_sgd is not None:
+            return self.local_sgd.payload_bytes()
+        if self._allreduce_bytes is None:
+            self._allreduce_bytes = self._reduce_bytes()
+        return self._allreduce_bytes
+
+    def _reduce_bytes(self) -> int:
+        meshes = [self.groups.mesh] + [self.groups.phased[n] for n in self.stage.phased]
+        out = 0
+        gather = self.program.train.optimizer.zero >= 1
+        names = {id(p): k for k, p in self.stage.named_parameters().items()}
+        for (_, opt), mesh in zip(self._parts, meshes, strict=True):
+            replicas = mesh["dp_replicate"].size() * mesh["dp_shard"].size()
+            if opt is None or replicas < 2:
+                continue
+            for p in opt.params:
+                numel = p.numel() // (self.role.grid.tp if names[id(p)] in
+                                      self.stage.tp_sharded else 1)
+                out += numel * (4 + (self.dtype.itemsize if gather else 0))
+        return out
 
     def checkpoint_parts(self) -> list[tuple[torch.nn.Module, StageOptimizer | None]]:
         """Each FSDP2 root this rank holds (its stage's module, then each phased
@@ -451,17 +518,22 @@ class StageExecutor:
         mark = self.clock.begin()
         train = self.program.train
         scale = self.loss_scale.scale if self.loss_scale is not None else None
+        if self.local_sgd is not None:
+            self.local_sgd.decide(step, time.perf_counter())
+        payload = float(self._dp_payload_bytes())
         # The step's losses are summed over the job in the optimizer's one all-reduce.
-        result = optimizer_step(self.optimizers, step=step,
+        result = optimizer_step(self._stepping(), step=step,
                                 max_norm=train.grad_clip if train.grad_clip > 0 else None,
-                                totals=(self.lm, self.gen), device=self.device,
+                                totals=(self.lm, self.gen, payload), device=self.device,
                                 loss_scale=self.loss_scale)
+        if self.local_sgd is not None:
+            self.local_sgd.after_step(step, time.perf_counter())
         self.clock.end(mark)
         if self.trains_in_schedule:
             marks += [("SYNC", None, mark), ("OPT", None, mark)]
         spans = self.clock.read()
         events = [self._event(kind, mb, spans[m]) for kind, mb, m in marks]
-        lm, gen = result.totals
+        lm, gen, dp_bytes = result.totals
         compiled = self.stage.compiled
         return {"step": step, "loss": lm + gen, "lm_loss": lm, "gen_loss": gen,
                 "grad_norm": result.grad_norm, "skipped": result.skipped,
@@ -469,6 +541,8 @@ class StageExecutor:
                                                        if self.loss_scale else None),
                 "time_s": time.perf_counter() - self._t0, "data_wait_s": batch.wait_s,
                 "events": events, "processed": dict(self.processed),
+                # Bytes the job put into data-parallel collectives this step.
+                "dp_sync_bytes": int(dp_bytes),
                 # Graphs this rank's compiled blocks have compiled so far: a step where
                 # it grows recompiled (``train.compiled``); 0 when eager.
                 "compiled_graphs": compiled.graphs if compiled is not None else 0}
@@ -502,7 +576,8 @@ class StageExecutor:
                         scalars = {"loss/total": result["loss"], "loss/lm": result["lm_loss"],
                                    "loss/gen": result["gen_loss"],
                                    "grad_norm": result["grad_norm"],
-                                   "compiled_graphs": result["compiled_graphs"]}
+                                   "compiled_graphs": result["compiled_graphs"],
+                                   "comm/dp_sync_bytes": result["dp_sync_bytes"]}
                         writer.add_step(step, timeline, {k: float(v) for k, v in
                                                          scalars.items() if v is not None})
         finally:

@@ -194,6 +194,9 @@ class _RunLog:
                   "documents": sum(z.num_docs for z in batch.sizes)}
         if checkpoint_s is not None:
             record["checkpoint_s"] = checkpoint_s
+        if "dp_sync_bytes" in result:
+            # bytes the job put into data-parallel collectives (train.executor)
+            record["dp_sync_bytes"] = result["dp_sync_bytes"]
         if result.get("loss_scale") is not None:
             # fp16: the scale the step ran with, and the steps skipped so far
             record["loss_scale"] = result["loss_scale"]
@@ -217,6 +220,8 @@ class _RunLog:
             scalars["grad_norm"] = result["grad_norm"]
         if checkpoint_s is not None:
             scalars["checkpoint/save_s"] = checkpoint_s
+        if "dp_sync_bytes" in record:
+            scalars["comm/dp_sync_bytes"] = record["dp_sync_bytes"]
         if "loss_scale" in record:
             scalars["loss_scale"] = record["loss_scale"]
             scalars["skipped_steps"] = record["skipped_steps"]
@@ -627,7 +632,7 @@ def _run(program: RankProgram, bundle: Path, argv: Sequence[str] | None, who: st
         if not resume and rank == 0:
             _set_aside_checkpoints(run_dir)
         groups = build_groups(plan, device_type=device.type,
-                              zero=program_ir.train.optimizer.zero)
+                              zero=program_ir.train.mesh_zero)
         # The samples' source: read by the in-process feed, and by rank 0's predictions.
         source = (data_source(job, bundle, program_ir, args.data)
                   if job.feed.workers == 0 or rank == 0 else None)

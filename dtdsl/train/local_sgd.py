@@ -77,7 +77,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["LocalSGD", "LocalSGDConfig", "NormStats", "ReferenceLocalSGD",
+__all__ = ["CORRUPT_ENV", "Corruption", "LocalSGD", "LocalSGDConfig", "NormStats",
+           "ReferenceLocalSGD", "ReplicaScaled", "StageSync", "config_of", "corruption",
            "penalty_weights", "reference_local_sgd"]
 
 _TINY = 1e-30   # a zero pseudo-gradient norm: weight it as a very short vector
@@ -189,9 +190,16 @@ class LocalSGD:
                  group: dist.ProcessGroup | None = None,
                  shard_group: dist.ProcessGroup | None = None,
                  layers: Sequence[Sequence[torch.Tensor]] | None = None,
-                 offload: bool = False) -> None:
+                 offload: bool = False, counted: Sequence[bool] | None = None) -> None:
         self.cfg, self.group, self.shard_group = cfg, group, shard_group
         self.params = list(params)
+        # Whether each parameter's block counts in the penalty's norm on this rank: a
+        # block the shard group holds several copies of (a TP-replicated norm weight)
+        # counts on one of them only, as ``train.optim`` counts gradient norms.
+        flags = [True] * len(self.params) if counted is None else list(counted)
+        if len(flags) != len(self.params):
+            raise ValueError("local_sgd counted needs one flag per parameter")
+        self._uncounted = {id(p) for p, c in zip(self.params, flags, strict=True) if not c}
         self.layers = [list(layer) for layer in layers] if layers is not None else [
             [p] for p in self.params]
         known = {id(p) for p in self.params}
@@ -260,7 +268,8 @@ class LocalSGD:
         if self._weights is not None or self._done:
             raise RuntimeError("local_sgd begin_sync called twice without finish_sync")
         if self.cfg.penalty:
-            sq = self._sq_norm([self._delta(p) for p in self.params])
+            sq = self._sq_norm([self._delta(p) for p in self.params
+                                if id(p) not in self._uncounted])
             norms = [torch.zeros(1, dtype=torch.float64) for _ in range(self.replicas)]
             dist.all_gather(norms, sq, group=self.group)
             norm_list = [math.sqrt(float(n.item())) for n in norms]
@@ -309,11 +318,22 @@ class LocalSGD:
             raise RuntimeError(f"local_sgd finish_sync after {len(self._done)} of "
                                f"{len(self.params)} parameters were synced")
         if self._pending:
-            norm = math.sqrt(float(self._sq_norm([d for _, d in self._pending]).item()))
+            norm = math.sqrt(float(self._sq_norm([d for p, d in self._pending
+                                                  if id(p) not in self._uncounted]).item()))
             scale = min(1.0, self.cfg.clip_norm / norm) if norm > 0 else 1.0
             for p, d in self._pending:
                 self._apply(p, d.mul_(scale))
         self._pending, self._weights, self._done = [], None, set()
+
+
+    # -- checkpoints ------------------------------------------------------------------
+    def anchor_of(self, p: torch.Tensor) -> torch.Tensor:
+        """The anchor block of parameter ``p`` (live: a checkpoint saves and loads it)."""
+        return self._anchor[id(p)]
+
+    def momentum_of(self, p: torch.Tensor) -> torch.Tensor:
+        """The outer momentum block of parameter ``p`` (live, as ``anchor_of``)."""
+        return self._mom[id(p)]
 
 
 class ReferenceLocalSGD:
@@ -358,3 +378,251 @@ def reference_local_sgd(replicas: Sequence[Sequence[torch.Tensor]],
     process; ``state = ReferenceLocalSGD(initial_params, cfg)`` carries the anchor, outer
     momentum and norm statistics from one call to the next."""
     state.sync(replicas)
+
+
+# ---- wiring into training (train.executor, train.reference) ---------------------------------
+
+CORRUPT_ENV = "DTDSL_LOCAL_SGD_CORRUPT"
+"""The penalty's test hook: ``replica=R,scale=X,from_step=S`` makes replica ``R`` of
+every unit a bad one from step ``S`` (0-based) on: before each synchronisation its drift
+from the anchor is multiplied by ``X`` (as if its data had made every update ``X`` times
+too large), in the distributed runtime and in ``dtc reference`` alike."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Corruption:
+    replica: int
+    scale: float
+    from_step: int
+
+    def applies(self, replica: int, step: int) -> bool:
+        return replica == self.replica and step >= self.from_step
+
+
+def corruption(environ: dict[str, str] | None = None) -> Corruption | None:
+    """``CORRUPT_ENV``'s hook, or None when unset; ValueError naming it when malformed."""
+    import os
+
+    text = (os.environ if environ is None else environ).get(CORRUPT_ENV, "").strip()
+    if not text:
+        return None
+    fields: dict[str, str] = {}
+    for item in text.split(","):
+        key, eq, value = item.partition("=")
+        fields[key.strip()] = value.strip() if eq else ""
+    try:
+        if set(fields) != {"replica", "scale", "from_step"}:
+            raise ValueError("needs exactly replica=, scale= and from_step=")
+        out = Corruption(replica=int(fields["replica"]), scale=float(fields["scale"]),
+                         from_step=int(fields["from_step"]))
+        if out.replica < 0 or out.from_step < 0 or not math.isfinite(out.scale):
+            raise ValueError("replica and from_step must be >= 0, scale finite")
+    except ValueError as err:
+        raise ValueError(f"{CORRUPT_ENV}={text!r}: {err}; write e.g. "
+                         "replica=1,scale=30,from_step=12") from None
+    return out
+
+
+def config_of(sync: object) -> LocalSGDConfig:
+    """The ``LocalSGDConfig`` of a program's ``train.sync`` (``ir.Sync``, local_sgd)."""
+    return LocalSGDConfig(period=sync.period, interval=sync.interval_s,
+                          outer_lr=sync.outer_lr, outer_momentum=sync.outer_momentum,
+                          penalty=sync.penalty)
+
+
+@torch.no_grad()
+def corrupt(params: Sequence[torch.Tensor], anchors: Sequence[torch.Tensor],
+            scale: float) -> None:
+    """The test hook's damage: ``p = a - scale * (a - p)`` for each block."""
+    for p, a in zip(params, anchors, strict=True):
+        loc = _local(p)
+        loc.copy_(a.to(loc.device) - scale * (a.to(loc.device) - loc))
+
+
+class ReplicaScaled:
+    """A ``train.optim.StageOptimizer`` of a unit with ``replicas`` Local SGD replicas, as
+    ``optim.optimizer_step`` sees it. Each replica's gradient is its own samples' share
+    of the batch's loss; times ``replicas`` it estimates the whole batch's gradient (so
+    ``period=1``, ``outer_lr=1`` and SGD are synchronous DP): the step's coefficient is
+    multiplied by ``replicas``, and the job-wide squared norm it contributes is the mean
+    over the replicas of their estimates' squared norms (``replicas**2 / replicas``)."""
+
+    def __init__(self, inner: object, replicas: int) -> None:
+        self.inner, self.replicas = inner, replicas
+
+    def grad_sq_norm_and_nonfinite(self) -> tuple[torch.Tensor, torch.Tensor]:
+        sq, bad = self.inner.grad_sq_norm_and_nonfinite()
+        return sq * self.replicas, bad
+
+    def step(self, step: int, coefficient: float) -> None:
+        self.inner.step(step, coefficient * self.replicas)
+
+    def zero_grad(self) -> None:
+        self.inner.zero_grad()
+
+
+class StageSync:
+    """Local SGD of one rank's FSDP2 roots (its stage, each phased encoder), built by the
+    executor. ``parts``: per root with trainable parameters, ``(mesh, params, counted)``:
+    its DeviceMesh laid out for ZeRO 0 (``ir.Train.mesh_zero``: ``dp_replicate`` joins
+    the replicas, one rank each), its trainable parameters and whether each counts in
+    the penalty's norm on this rank; ``tp_group``: the roots' TP group (None at tp 1), over
+    which norms are summed. A root whose unit has one replica has nothing to sync."""
+
+    def __init__(self, parts: Sequence[tuple[object, Sequence[torch.Tensor], Sequence[bool],
+                                             Sequence[str], str, object]],
+                 cfg: LocalSGDConfig, *, tp_group: dist.ProcessGroup | None = None) -> None:
+        import time
+
+        self.cfg = cfg
+        self.syncs: list[tuple[LocalSGD, int, int]] = []     # (sync, replicas, replica)
+        # Per sync: its parameters' names, its tag and its (torch) inner optimizer.
+        self._names: list[tuple[list[str], str, object]] = []
+        for mesh, params, counted, names, tag, optimizer in parts:
+            replicas = mesh["dp_replicate"].size()
+            if replicas < 2 or not params:
+                continue
+            sync = LocalSGD(params, cfg, group=mesh.get_group("dp_replicate"),
+                            shard_group=tp_group, counted=counted)
+            self.syncs.append((sync, replicas, mesh.get_local_rank("dp_replicate")))
+            self._names.append((list(names), tag, optimizer))
+        self.hook = corruption()
+        # Per root, when its last synchronisation ended (A-EDiT's clock).
+        self._since = [time.perf_counter()] * len(self.syncs)
+        self._due = [False] * len(self.syncs)
+
+    def replicas_of(self, params: Sequence[torch.Tensor]) -> int:
+        """The replica count of the root that holds ``params`` (1: not synchronised)."""
+        mine = {id(p) for p in params}
+        for sync, replicas, _ in self.syncs:
+            if any(id(p) in mine for p in sync.params):
+                return replicas
+        return 1
+
+    def decide(self, step: int, now_s: float) -> bool:
+        """Whether step ``step`` ends with a synchronisation (every rank of each replica
+        group calls it every step: with an interval it is a collective)."""
+        # Each root decides with its own replica group (they may differ: a phased
+        # encoder's DP group is not its stage's).
+        self._due = [s.due(step, now_s - since) if self.cfg.interval is not None
+                     else (step + 1) % self.cfg.period == 0
+                     for (s, _, _), since in zip(self.syncs, self._since, strict=True)]
+        return any(self._due)
+
+    def payload_bytes(self) -> int:
+        """What this rank puts into the synchronisation's collectives (the pseudo-gradient
+        all-reduce, fp32 as the master weights; the penalty's norms), 0 if not due."""
+        out = 0
+        for (sync, replicas, _), due in zip(self.syncs, self._due, strict=True):
+            if not due:
+                continue
+            out += sum(_local(p).numel() * _local(p).element_size() for p in sync.params)
+            out += 8 * replicas if self.cfg.penalty else 0
+        return out
+
+    @torch.no_grad()
+    def after_step(self, step: int, now_s: float) -> None:
+        """After the inner optimizer step ``step``: the test hook's damage, then the
+        synchronisation ``decide`` chose (not overlapped with the next forward yet)."""
+        if not any(self._due):
+            return
+        for (sync, _, replica), due in zip(self.syncs, self._due, strict=True):
+            if not due:
+                continue
+            if self.hook is not None and self.hook.applies(replica, step):
+                corrupt(sync.params, [sync.anchor_of(p) for p in sync.params],
+                        self.hook.scale)
+            sync.begin_sync()
+            for layer in sync.layers:
+                sync.sync_layer(layer)
+            sync.finish_sync()
+            self._report(sync, replica, step)
+        self._since = [now_s if due else since
+                       for due, since in zip(self._due, self._since, strict=True)]
+        self._due = [False] * len(self.syncs)
+
+    def _report(self, sync: LocalSGD, replica: int, step: int) -> None:
+        """One line when the penalty dropped replicas or rolled back, from the group's
+        first replica on TP index 0 (what an operator needs to see: a replica's data or
+        hardware went bad)."""
+        weights = sync.last_weights
+        if not self.cfg.penalty or replica != 0 or (
+                sync.shard_group is not None and dist.get_rank(sync.shard_group) != 0):
+            return
+        tag = self._names[[s for s, _, _ in self.syncs].index(sync)][1]
+        if not weights:
+            print(f"local_sgd: {tag} step {step}: every replica anomalous, rolled back to "
+                  "the last synchronisation", flush=True)
+        elif any(w == 0 for w in weights):
+            dropped = [i for i, w in enumerate(weights) if w == 0]
+            print(f"local_sgd: {tag} step {step}: dropped replica(s) {dropped} (pseudo-"
+                  "gradient norm anomalous)", flush=True)
+
+    def start_clock(self, now_s: float) -> None:
+        """A-EDiT's clock starts (training starts or resumes)."""
+        self._since = [now_s] * len(self.syncs)
+
+    def last_weights(self) -> list[list[float]]:
+        return [list(s.last_weights) for s, _, _ in self.syncs]
+
+    # -- checkpoints (train.checkpoint) ---------------------------------------------------
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint keeps of Local SGD: per parameter its anchor and outer
+        momentum (``anchor.<name>``, ``momentum.<name>``: the same on every replica, shaped
+        like the parameter, DTensors with its placements: each rank writes its block,
+        once); every replica's own parameters and inner optimizer state
+        (``replica<r>.<name>``, ``replica<r>.optim.<name>.<state>``: between two
+        synchronisations they differ, and the model's and optimizer's entries hold one
+        replica's); per synchronised root its norm statistics (``stats.<tag>``: mean,
+        variance, norms seen, synchronisations). Anchors and momenta are the live tensors,
+        the replicas' values copies (a load must not write them into the parameters
+        before the model's entries are set). Empty when nothing is synchronised."""
+        out: dict[str, torch.Tensor] = {}
+        for (sync, _, replica), (names, tag, opt) in zip(self.syncs, self._names,
+                                                          strict=True):
+            for p, name in zip(sync.params, names, strict=True):
+                out[f"anchor.{name}"] = _like(sync.anchor_of(p), p)
+                out[f"momentum.{name}"] = _like(sync.momentum_of(p), p)
+                out[f"replica{replica}.{name}"] = _like(_local(p).detach().clone(), p)
+                for key, value in opt.state.get(p, {}).items():
+                    if isinstance(value, torch.Tensor):
+                        copy = _local(value).detach().clone()
+                        out[f"replica{replica}.optim.{name}.{key}"] = \
+                            _like(copy, p) if copy.dim() else copy
+            st = sync.stats
+            out[f"stats.{tag}"] = torch.tensor([st.mean, st.var, st.seen, st.syncs],
+                                               dtype=torch.float64)
+        return out
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore ``state_dict``'s values (loaded in place by DCP) into the live state,
+        after the model's and optimizer's entries: anchors, momenta, this replica's
+        parameters and optimizer state, the statistics."""
+        for (sync, _, replica), (names, tag, opt) in zip(self.syncs, self._names,
+                                                          strict=True):
+            for p, name in zip(sync.params, names, strict=True):
+                pairs = [(f"anchor.{name}", sync.anchor_of(p)),
+                         (f"momentum.{name}", sync.momentum_of(p)),
+                         (f"replica{replica}.{name}", _local(p))]
+                pairs += [(f"replica{replica}.optim.{name}.{key}", _local(value))
+                          for key, value in opt.state.get(p, {}).items()
+                          if isinstance(value, torch.Tensor)]
+                for key, live in pairs:
+                    loaded = _local(state[key])
+                    if loaded.data_ptr() != live.data_ptr():
+                        live.copy_(loaded)
+            mean, var, seen, syncs = state[f"stats.{tag}"].tolist()
+            sync.stats = NormStats(mean=mean, var=var, seen=int(seen), syncs=int(syncs))
+
+
+def _like(block: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``block`` (a rank's block of ``param``'s shape) as a DTensor placed as ``param`` is
+    (a view: DCP reads and writes the block itself), or itself for a plain tensor."""
+    data = param.data if isinstance(param, torch.nn.Parameter) else param
+    if not hasattr(data, "to_local"):
+        return block
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(block, data.device_mesh, data.placements, run_check=False,
+                              shape=data.shape, stride=data.stride())

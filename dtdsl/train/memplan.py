@@ -525,7 +525,7 @@ def _measure_stage(program: ir.Program, plan: Plan, schedule: Schedule, cost: An
     rank = grid.rank(stage, 0, 0)
     u = plan.unit(unit)
     k = in_flight_of(schedule, unit, stage)
-    zero = program.train.optimizer.zero
+    zero = program.train.mesh_zero
     dp_lm = next(x.dp for x in plan.units if x.role == "backbone")
     share = dp_lm / u.dp
     unit_cost = cost.unit(unit)

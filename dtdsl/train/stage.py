@@ -701,7 +701,7 @@ def _shard(stage: StageModule, mesh: Any, compute_dtype: torch.dtype,
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-    dp_mesh = data_parallel_mesh(mesh)
+    dp_mesh = _replica_mesh(mesh, program)
     layers = []
     for _, _, layer in list(_fsdp_units(stage, program)):
         fully_shard(layer, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
@@ -712,6 +712,16 @@ def _shard(stage: StageModule, mesh: Any, compute_dtype: torch.dtype,
     fully_shard(stage, mesh=dp_mesh, mp_policy=root_mp, reshard_after_forward=False)
     _sum_gradients(stage)
     return layers
+
+
+def _replica_mesh(mesh: Any, program: ir.Program) -> Any:
+    """What FSDP2 shards and reduces over: the DP mesh (``data_parallel_mesh``), or under
+    Local SGD (``train.sync``) one replica's ranks only, ``dp_shard`` of the ZeRO-0 layout
+    (``ir.Train.mesh_zero``: one rank), so no gradient crosses replicas; the replicas meet
+    in ``train.local_sgd`` every ``period`` steps instead."""
+    if program.train.sync.local:
+        return mesh["dp_shard"]
+    return data_parallel_mesh(mesh)
 
 
 def _materialise(stage: StageModule, program: ir.Program, device: torch.device) -> None:

@@ -1,0 +1,118 @@
+"""``train { sync = ... }``: synchronous DP by default, EDiT's Local SGD when asked, and
+the diagnostics of its bad values (DT630-DT634)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dtdsl.driver import run_frontend
+from dtdsl.ir.program import Program, Sync, Train
+from tests.frontend.test_check import BASE
+
+TRAIN = "train { global_batch = 32  micro_batch = 2  seq_len = 512 }"
+
+
+def _spec(sync: str | None) -> str:
+    extra = f"  sync = {sync}" if sync is not None else ""
+    return BASE.replace(TRAIN, TRAIN[:-1] + extra + " }")
+
+
+def _result(sync: str | None):
+    return run_frontend("t.dt", _spec(sync).encode())
+
+
+def _program(sync: str | None) -> Program:
+    result = _result(sync)
+    assert result.ok, [d.message for d in result.diagnostics]
+    return result.program
+
+
+def _errors(sync: str) -> list[str]:
+    return [d.code for d in _result(sync).diagnostics if d.severity.value == "error"]
+
+
+def test_default_and_allreduce_are_synchronous():
+    for sync in (None, "allreduce", "allreduce()"):
+        s = _program(sync).train.sync
+        assert s == Sync() and not s.local
+
+
+def test_local_sgd_values():
+    s = _program("local_sgd(period=3, outer_lr=0.7, outer_momentum=0.9, penalty=true)")\
+        .train.sync
+    assert (s.kind, s.period, s.interval_s, s.outer_lr, s.outer_momentum, s.penalty) == \
+        ("local_sgd", 3, None, 0.7, 0.9, True)
+    bare = _program("local_sgd").train.sync
+    assert (bare.period, bare.outer_lr, bare.outer_momentum, bare.penalty) == (1, 1.0, 0.0,
+                                                                                False)
+    assert _program("local_sgd(interval=500 ms)").train.sync.interval_s == 0.5
+    assert _program("local_sgd(interval=30)").train.sync.interval_s == 30.0
+
+
+def test_local_sgd_lays_the_mesh_out_as_whole_replicas():
+    p = _program("local_sgd(period=2)")
+    assert p.train.optimizer.zero == 1 and p.train.mesh_zero == 0
+    assert _program(None).train.mesh_zero == 1
+
+
+@pytest.mark.parametrize("sync, code", [
+    ("local_sgd(period=0)", "DT630"),
+    ("local_sgd(period=-2)", "DT630"),
+    ("local_sgd(outer_lr=0)", "DT631"),
+    ("local_sgd(outer_lr=-0.5)", "DT631"),
+    ("local_sgd(outer_momentum=1)", "DT632"),
+    ("local_sgd(outer_momentum=-0.1)", "DT632"),
+    ("local_sgd(period=4, interval=30 s)", "DT633"),
+    ("local_sgd(interval=0 s)", "DT634"),
+    ("local_sgd(period=2.5)", "DT206"),
+    ("local_sgd(interval=3 GiB)", "DT207"),
+    ("local_sgd(periods=2)", "DT201"),
+    ("locl_sgd(period=2)", "DT205"),
+    ("allreduce(period=2)", "DT201"),
+])
+def test_bad_values(sync, code):
+    assert code in _errors(sync)
+
+
+def test_bad_value_message_names_it():
+    d = next(d for d in _result("local_sgd(outer_momentum=1.5)").diagnostics
+             if d.code == "DT632")
+    assert "1.5" in d.message and d.hint
+
+
+def test_old_programs_read_without_sync():
+    data = _program(None).train.model_dump(mode="json")
+    del data["sync"]
+    assert Train.model_validate(data).sync == Sync()
+
+
+def test_the_cost_model_prices_a_sync_every_period():
+    from dtdsl.cost.model import build_cost_model
+
+    plain = _program(None)
+    costs = {H: build_cost_model(_program(f"local_sgd(period={H})")) for H in (1, 4)}
+    sync = build_cost_model(plain)
+    unit = "llm"
+    tp, pp, dp = 2, 2, 8
+
+    def time_s(cost):
+        return float(cost.dp_sync_time_s(cost.unit(unit), tp, pp, dp))
+
+    def bytes_(cost):
+        return cost.dp_sync_bytes(cost.unit(unit), tp, pp, dp)
+
+    # fp32 all-reduce every period steps against bf16 reduce-scatter + all-gather each step
+    assert bytes_(costs[1]) == pytest.approx(2 * bytes_(sync))
+    assert bytes_(costs[4]) == pytest.approx(bytes_(sync) / 2)
+    assert bytes_(costs[4]) == pytest.approx(bytes_(costs[1]) / 4)
+    assert time_s(costs[4]) == pytest.approx(time_s(costs[1]) / 4)
+    assert time_s(costs[4]) < time_s(sync)
+    # One replica: nothing crosses.
+    assert costs[4].dp_sync_bytes(costs[4].unit(unit), tp, pp, 1) == 0.0
+    # Memory: whole optimizer state per replica (ZeRO 0) plus the fp32 anchor and momentum.
+    args = dict(tp=tp, pp=pp, dp=dp, vpp=1, depth=1, microbatches=8, share=1.0)
+    local_mem = float(costs[4].memory_bytes(costs[4].unit(unit), **args))
+    sync_mem = float(sync.memory_bytes(sync.unit(unit), **args))
+    u = sync.unit(unit)
+    trained = u.stage_params(pp) / tp * u.trainable_params / u.params
+    assert local_mem - sync_mem == pytest.approx(trained * (12 - 12 / dp + 8), rel=1e-6)
