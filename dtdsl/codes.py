@@ -503,7 +503,11 @@ instead. Today the runtime cannot train:
   plan gives other than the backbone's ranks, its TP and dp x pp replicas;
 - context parallelism (a plan with cp > 1, from a `cp(...)` constraint): the
   attention kernels exist (`dtdsl.parallel.cp`), the models and executor do not
-  call them yet; constrain it with `cp(MODULE) == 1`.
+  call them yet; constrain it with `cp(MODULE) == 1`;
+- an MoE backbone under expert parallelism (a plan with ep > 1, from an
+  `ep(...)` constraint) or tensor parallelism: `dtdsl.parallel.ep` has the
+  expert-parallel block, the stage does not build it yet; constrain it with
+  `ep(MODULE) == 1` and `tp(MODULE) == 1`.
 
     encoder beats (audio) {
       arch = transformer(layers=12, hidden=768, heads=12, in_channels=1)

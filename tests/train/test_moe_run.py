@@ -76,3 +76,26 @@ def test_moe_backbone_pipeline_matches_the_reference():
     p = moe_spec(args="experts=4, top_k=2, expert_ffn=64, aux_loss=0.1")
     check(p, plan_for(p, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, 1, 2),
                       ("gen", "generator", 1, 1, 1)), steps=STEPS)
+
+
+def test_compile_refuses_what_the_runtime_does_not_run_yet():
+    from dtdsl.codegen.support import runtime_support
+
+    p = moe_spec()
+    plan = plan_for(p, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, 2, 1),
+                    ("gen", "generator", 1, 1, 1))
+    assert not runtime_support(p, plan)
+    llm = plan.unit("llm")
+    for update in ({"ep": 2}, {"tp": 2, "gpus": 4}):
+        units = tuple(u.model_copy(update=update) if u.name == "llm" else u
+                      for u in plan.units)
+        found = [d for d in runtime_support(p, plan.model_copy(update={"units": units}))
+                 if d.code == "DT601"]
+        assert len(found) == 1 and "MoE module llm" in found[0].message, update
+    assert llm.ep == 1
+    # A dense backbone at tp 2 is no concern of this check.
+    dense = program()
+    units = tuple(u.model_copy(update={"tp": 2, "gpus": 4}) if u.name == "llm" else u
+                  for u in plan.units)
+    assert not [d for d in runtime_support(dense, plan.model_copy(update={"units": units}))
+                if "MoE" in d.message]
