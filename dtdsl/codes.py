@@ -507,7 +507,8 @@ instead. Today the runtime cannot train:
 - an MoE backbone under expert parallelism (a plan with ep > 1, from an
   `ep(...)` constraint) or tensor parallelism: `dtdsl.parallel.ep` has the
   expert-parallel block, the stage does not build it yet; constrain it with
-  `ep(MODULE) == 1` and `tp(MODULE) == 1`.
+  `ep(MODULE) == 1` and `tp(MODULE) == 1`; nor in fp16 (its load-balancing
+  loss's gradient would miss the loss scale): use bf16.
 
     encoder beats (audio) {
       arch = transformer(layers=12, hidden=768, heads=12, in_channels=1)

@@ -99,3 +99,8 @@ def test_compile_refuses_what_the_runtime_does_not_run_yet():
                   for u in plan.units)
     assert not [d for d in runtime_support(dense, plan.model_copy(update={"units": units}))
                 if "MoE" in d.message]
+    # fp16: the aux gradient would miss the loss scale.
+    fp16 = p.model_copy(update={"train": p.train.model_copy(update={"precision": "fp16"})})
+    found = [d for d in runtime_support(fp16) if d.code == "DT601"]
+    assert len(found) == 1 and "fp16" in found[0].message
+    assert not runtime_support(p)
