@@ -575,13 +575,15 @@ def backbone_layers(backbone: Backbone, x: torch.Tensor, start: int = 0,
     before its padding, which an MoE layer routes alone (all rows when None)."""
     seq = x.shape[1] * sequence_parallel_degree(backbone)
     rotation = backbone.rotation(positions, seq, x.device)    # once for all the layers
-    valid = None
-    if lengths is not None:
-        ends = torch.tensor(lengths, device=x.device)[:, None]
-        valid = torch.arange(x.shape[1], device=x.device) < ends
+    valid = None        # [B, S]: the tokens, made for the first MoE layer only
     for layer in layer_range(backbone, start, stop):
-        x = layer(x, rotation, mask, valid) if getattr(layer, "moe", False) else \
-            layer(x, rotation, mask)
+        if not getattr(layer, "moe", False):
+            x = layer(x, rotation, mask)
+            continue
+        if valid is None and lengths is not None:
+            ends = torch.tensor(lengths, device=x.device)[:, None]
+            valid = torch.arange(x.shape[1], device=x.device) < ends
+        x = layer(x, rotation, mask, valid)
     return x
 
 

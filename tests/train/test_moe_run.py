@@ -104,3 +104,14 @@ def test_compile_refuses_what_the_runtime_does_not_run_yet():
     found = [d for d in runtime_support(fp16) if d.code == "DT601"]
     assert len(found) == 1 and "fp16" in found[0].message
     assert not runtime_support(p)
+
+
+def test_moe_backbone_recomputed_matches_the_reference():
+    # Recomputation runs each MoE layer's forward again in backward: its aux loss must
+    # not be counted twice, nor its gradient given twice.
+    p = moe_spec(args="experts=4, top_k=2, expert_ffn=64, aux_loss=0.1")
+    modules = tuple(m.model_copy(update={"recompute": True}) if m.name == "llm" else m
+                    for m in p.modules)
+    p = p.model_copy(update={"modules": modules})
+    check(p, plan_for(p, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, 2, 1),
+                      ("gen", "generator", 1, 1, 1)), steps=4)
