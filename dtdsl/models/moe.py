@@ -187,9 +187,6 @@ class MoE(nn.Module):
     built it, ``parallel.ep``)."""
 
     rank = 0        # this process's row of ``exchange_counts`` (an EP rank sets its own)
-    # Whether the aux loss and the capacity are the group's (every process's tokens
-    # together) or each process's own (``balance_locally``): the same here, alone.
-    local_balance = False
 
     def __init__(self, config: MoEConfig, *, first_expert: int = 0,
                  local_experts: int | None = None):
@@ -292,24 +289,11 @@ class MoE(nn.Module):
         probs = routing.probs.new_zeros(n, cfg.experts).index_add(0, sequences, routing.probs)
         return cfg.experts * torch.sum(counts / tokens[:, None] * probs / tokens[:, None])
 
-    def _balance(self, routing: Routing, all_counts: torch.Tensor, tokens: int
+    def _balance(self, routing: Routing, all_counts: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(aux loss, kept slots ``[processes, E]``, dropped slots, slots per expert) over
-        the group's tokens, or with ``local_balance`` over this process's own: its aux
-        loss, and each process keeping what its own capacity allows (Megatron-LM's
-        default, so a process's result depends on its tokens alone)."""
+        the group's tokens (this process's alone without expert parallelism)."""
         cfg = self.config
-        if self.local_balance:
-            mine = all_counts[self.rank]
-            aux = load_balancing_loss(mine, routing.probs.sum(0), tokens)
-            if cfg.capacity_factor is None:
-                return aux, all_counts, torch.zeros_like(mine.sum()), mine
-            each = all_counts.sum(1) // cfg.top_k       # every process's tokens
-            caps = torch.tensor([capacity(cfg.capacity_factor, int(t), cfg.top_k,
-                                          cfg.experts) for t in each.tolist()],
-                                device=all_counts.device)
-            kept = all_counts.minimum(caps[:, None])
-            return aux, kept, (mine - kept[self.rank]).sum(), mine
         g_counts = all_counts.sum(0)
         g_tokens = int(g_counts.sum()) // cfg.top_k      # every token has k slots
         aux = load_balancing_loss(g_counts, self.reduce_prob_sum(routing.probs.sum(0)),
@@ -329,7 +313,7 @@ class MoE(nn.Module):
         routing = self.route(x2)
         counts = torch.bincount(routing.experts.reshape(-1), minlength=cfg.experts)
         all_counts = self.exchange_counts(counts)
-        aux, kept_counts, dropped, g_counts = self._balance(routing, all_counts, tokens)
+        aux, kept_counts, dropped, g_counts = self._balance(routing, all_counts)
         if sequences is not None:
             aux = self.sequence_loss(routing, sequences)
         slots, kept = self.run_experts(x2, routing, kept_counts)
