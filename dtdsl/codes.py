@@ -503,7 +503,12 @@ instead. Today the runtime cannot train:
   plan gives other than the backbone's ranks, its TP and dp x pp replicas;
 - context parallelism (a plan with cp > 1, from a `cp(...)` constraint): the
   attention kernels exist (`dtdsl.parallel.cp`), the models and executor do not
-  call them yet; constrain it with `cp(MODULE) == 1`.
+  call them yet; constrain it with `cp(MODULE) == 1`;
+- an MoE backbone under expert parallelism (a plan with ep > 1, from an
+  `ep(...)` constraint) or tensor parallelism: `dtdsl.parallel.ep` has the
+  expert-parallel block, the stage does not build it yet; constrain it with
+  `ep(MODULE) == 1` and `tp(MODULE) == 1`; nor in fp16 (its load-balancing
+  loss's gradient would miss the loss scale): use bf16.
 
     encoder beats (audio) {
       arch = transformer(layers=12, hidden=768, heads=12, in_channels=1)
@@ -592,6 +597,56 @@ CPU); a negative number, one above 1, an infinity or NaN is an error.
     optimizer = adamw(lr=1e-4, offload=1.5)    # error: at most 1
     optimizer = adamw(lr=1e-4, offload=0.5)    # half of it on the CPU
     optimizer = adamw(lr=1e-4, offload=auto)   # the planner chooses
+"""),
+    "DT640": Code("Mixture-of-experts arguments without experts, or off the backbone", """
+`experts=E` makes a backbone's MLPs mixtures of E experts; `top_k`,
+`expert_ffn`, `shared_experts`, `capacity`, `moe_every`, `aux_loss` and
+`norm_topk` describe that mixture and mean nothing without it. Only the
+backbone can be a mixture of experts (the runtime's MoE block replaces its MLP).
+
+    backbone llm {
+      arch = transformer(layers=24, hidden=2048, heads=16, vocab=151936,
+                         top_k=8)          # error: add experts=128
+    }
+"""),
+    "DT641": Code("top_k is more than the experts", """
+Each token goes to its `top_k` highest-scoring experts; there must be at least
+that many.
+
+    arch = transformer(..., experts=4, top_k=8)    # error: use top_k <= 4
+"""),
+    "DT642": Code("moe_every leaves no MoE layer", """
+With `moe_every=N` layer i (from 0) holds experts when (i + 1) is a multiple
+of N (transformers' `decoder_sparse_step`), the others keep the dense MLP. An N
+above the layer count would leave no MoE layer at all.
+
+    arch = transformer(layers=4, ..., experts=8, moe_every=6)  # error: use <= 4
+"""),
+    "DT643": Code("Expert parallelism on a dense module", """
+`ep(MODULE)` spreads an MoE backbone's experts over that many of its
+data-parallel ranks. A module without experts has nothing to spread: a
+constraint that names ep > 1 for it is an error (an `ep(*)` constraint simply
+leaves it at ep 1).
+
+    encoder vit (image) { arch = transformer(...) }
+    constraints { ep(vit) == 2 }     # error: remove the constraint
+"""),
+    "DT644": Code("The EP degree does not divide the experts", """
+Each of the ep ranks of an EP group holds experts / ep of each MoE layer's
+experts, so ep must divide the expert count. A degree the module's own
+constraint names is an error; one an `ep(*)` constraint allows is dropped for
+that module.
+
+    arch = transformer(..., experts=6, top_k=2)
+    constraints { ep(llm) == 4 }     # error: use 1, 2, 3 or 6
+"""),
+    "DT645": Code("The EP degree fits in no allowed data-parallel degree", """
+EP groups are carved from a module's data-parallel ranks (as Megatron-LM
+carves them from DP x CP): ep must divide dp. An ep the module's own
+constraint names that divides none of the dp degrees its constraints allow is
+an error.
+
+    constraints { ep(llm) == 4  dp(llm) == 2 }   # error: allow dp 4 or more
 """),
 })
 

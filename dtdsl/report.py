@@ -65,6 +65,8 @@ def _role(plan: Plan, u) -> str:
         notes.append("phased on the backbone's GPUs")
     if u.recompute:
         notes.append("recompute")
+    if u.ep > 1:
+        notes.append(f"experts over ep {u.ep}")
     return u.role + (f" ({', '.join(notes)})" if notes else "")
 
 

@@ -189,6 +189,41 @@ def _context_parallel(program: ir.Program, plan: Plan) -> list[Diagnostic]:
     return out
 
 
+def _experts(program: ir.Program, plan: Plan) -> list[Diagnostic]:
+    """An MoE backbone under expert parallelism (ep > 1: ``parallel.ep`` has the block,
+    the stage does not build it yet) or tensor parallelism (TP inside the experts is not
+    built)."""
+    out = []
+    for u in plan.units:
+        arch = program.module(u.name).arch
+        if getattr(arch, "moe", None) is None or (u.ep == 1 and u.tp == 1):
+            continue
+        what = f"expert parallelism (ep {u.ep})" if u.ep > 1 else \
+            f"tensor parallelism inside the experts (tp {u.tp})"
+        out.append(Diagnostic.error(
+            _CODE, f"the runtime does not run {what} for MoE module {u.name} yet",
+            program.module(u.name).span,
+            notes=["dtdsl.parallel.ep has the expert-parallel block; the stage does not "
+                   "build it, nor split the experts by TP, yet"],
+            hint=f"constrain it, `ep({u.name}) == 1` and `tp({u.name}) == 1` in "
+                 "constraints, and plan again"))
+    return out
+
+
+def _moe_precision(program: ir.Program) -> list[Diagnostic]:
+    """fp16 with an MoE backbone: the aux loss's gradient joins the backward inside the
+    layers (``models.moe.MoE.layer_output``), where fp16's dynamic loss scale does not
+    reach it yet."""
+    if program.train.precision != "fp16":
+        return []
+    return [Diagnostic.error(
+        _CODE, f"the runtime does not train MoE module {m.name} in fp16 yet: its "
+        "load-balancing loss's gradient would miss the loss scale",
+        program.train.precision_span or m.span,
+        hint="use precision = bf16 (or fp32)")
+        for m in program.modules if getattr(m.arch, "moe", None) is not None]
+
+
 def _ranks(group: range) -> str:
     return f"{group[0]}..{group[-1]}"
 
@@ -238,12 +273,13 @@ def runtime_support(program: ir.Program, plan: Plan | None = None) -> list[Diagn
     stage, co-located units placed other than on the backbone's
     first or last stage and phased units other than encoders on all the backbone's ranks
     (a phased generator), or any of these split by a TP degree that does not divide
-    them, units with context parallelism (cp > 1); and TP groups
+    them, units with context parallelism (cp > 1), an MoE backbone with ep or tp above 1;
+    and TP groups
     across nodes priced as within one (``tp_placement``, DT411).
 
     Without ``plan`` only the spec's own features are checked (before planning)."""
-    out = _encoders(program)
+    out = _encoders(program) + _moe_precision(program)
     if plan is not None:
         out += _plan(program, plan) + tp_placement(program, plan) + \
-            _context_parallel(program, plan)
+            _context_parallel(program, plan) + _experts(program, plan)
     return out

@@ -30,6 +30,8 @@ __all__ = [
     "UNetOp", "Work", "backbone_attention", "backbone_ends_params", "backbone_flops_megatron",
     "backbone_forward", "backward_factor", "compression_forward", "compression_params",
     "dit_forward", "encoder_ends_params", "encoder_item_forward", "encoder_tokens",
+    "expert_params", "moe_dispatch_elements_per_token", "moe_layer_params",
+    "moe_mlp_per_token",
     "LM_LOSS_CHUNK_BYTES", "input_needs_grad", "lm_loss_chunk_rows", "mlp_forward_per_token",
     "module_params",
     "projector_params", "tp_synced_params", "transformer_layer_matmul_per_token",
@@ -68,11 +70,65 @@ def _attention_width(arch: ir.TransformerArch) -> int:
 
 def transformer_layer_matmul_per_token(arch: ir.TransformerArch) -> float:
     """Projection and MLP FLOPs of one layer for one token: Q and O (h x heads d), K and
-    V (h x kv_heads d, grouped-query attention), the MLP (2 or, with SwiGLU, 3 matrices)."""
+    V (h x kv_heads d, grouped-query attention), the MLP (2 or, with SwiGLU, 3 matrices).
+    An MoE backbone's layers on average (``moe_mlp_per_token``: its MoE layers' router,
+    ``top_k`` experts and shared expert in place of the MLP)."""
     h, f, d = arch.hidden, arch.ffn, arch.head_dim
     qkvo = 2 * h * d * (2 * arch.heads + 2 * arch.kv_heads)
     mlp = 2 * h * f * (3 if arch.swiglu else 2)
-    return qkvo + mlp
+    return qkvo + _layers_mean(arch, mlp, moe_mlp_per_token(arch))
+
+
+def _layers_mean(arch: ir.TransformerArch, dense: float, moe: float) -> float:
+    """The mean over the layers of a per-layer figure: ``moe`` on the MoE layers, ``dense``
+    on the others (all of them without experts)."""
+    if arch.moe is None:
+        return dense
+    n = arch.moe.num_moe_layers(arch.layers)
+    return (n * moe + (arch.layers - n) * dense) / arch.layers
+
+
+def moe_mlp_per_token(arch: ir.TransformerArch) -> float:
+    """An MoE layer's feed-forward FLOPs for one token (0 without experts): the router
+    (h x E), its ``top_k`` SwiGLU experts and the shared expert (3 matrices each; the
+    shared expert's sigmoid gate h x 1). What a token costs, not what the layer holds:
+    FLOPs count the active parameters."""
+    moe = arch.moe
+    if moe is None:
+        return 0.0
+    h = arch.hidden
+    return 2 * h * moe.experts + 2 * h * 3 * (moe.top_k * moe.ffn + moe.shared_ffn) + \
+        (2 * h if moe.shared_gate else 0)
+
+
+def moe_layer_params(arch: ir.TransformerArch) -> tuple[float, float]:
+    """(routed experts', the rest's) parameters of an MoE layer's feed-forward block: all
+    ``experts`` (memory counts every parameter), and the router, shared expert and gate."""
+    moe = arch.moe
+    if moe is None:
+        return 0.0, 0.0
+    h = arch.hidden
+    return 3.0 * h * moe.ffn * moe.experts, \
+        float(h * moe.experts + 3 * h * moe.shared_ffn + (h if moe.shared_gate else 0))
+
+
+def expert_params(module: ir.Module) -> float:
+    """The routed experts' parameters of a module over all its layers (0 without experts):
+    what expert parallelism divides."""
+    arch = module.arch
+    if not isinstance(arch, ir.TransformerArch) or arch.moe is None:
+        return 0.0
+    return arch.moe.num_moe_layers(arch.layers) * moe_layer_params(arch)[0]
+
+
+def moe_dispatch_elements_per_token(arch: ir.TransformerArch) -> float:
+    """Elements one token sends to its experts in one all-to-all of expert parallelism,
+    over all MoE layers: ``top_k`` rows of ``hidden`` per MoE layer (the combine brings
+    as many back; 0 without experts)."""
+    moe = arch.moe
+    if moe is None:
+        return 0.0
+    return moe.num_moe_layers(arch.layers) * moe.top_k * arch.hidden
 
 
 def _attention(seq: float, hidden: int, causal: bool) -> float:
@@ -101,7 +157,8 @@ def transformer_layer_params(arch: ir.TransformerArch, role: str = "encoder") ->
         attn += h
     mats = 3 if arch.swiglu else 2
     mlp = mats * h * f + ((mats - 1) * f + h if arch.mlp_bias else 0)
-    return attn + mlp + 2 * _norm_params(arch, role)
+    experts, rest = moe_layer_params(arch)
+    return attn + _layers_mean(arch, mlp, experts + rest) + 2 * _norm_params(arch, role)
 
 
 def encoder_tokens(arch: ir.TransformerArch, patches: float) -> float:

@@ -35,6 +35,16 @@ gives every rank the same share), TP collectives, pipeline transfers and activat
 / cp; the parameters are not split, their gradients are reduced and their optimizer
 state sharded over dp x cp (Megatron-LM). On top, ``cp_comm_time_s``: the ring's K/V
 blocks behind the attention of the block before, Ulysses' all-to-alls in full.
+
+Mixture of experts (``flops.moe_mlp_per_token``): FLOPs count a token's ``top_k`` experts
+(and the router and shared expert), memory every expert. Expert parallelism
+(``UnitCost.ep``, ``with_ep``): each rank holds ``experts / ep`` of every MoE layer's
+experts (their weights and gradients / ep, their optimizer state sharded over the dp / ep
+replicas that hold the same experts: the same bytes as without EP), and
+``ep_comm_time_s`` prices the dispatch and combine all-to-alls of every MoE layer, each
+way, at the EP group's bandwidth (NVLink while ep x tp x cp ranks fit in a node). The
+experts' gradients are priced as reduced over dp like the rest (their group is dp / ep:
+the ring's (n - 1) / n differs a little).
 """
 
 from __future__ import annotations
@@ -222,6 +232,20 @@ class UnitCost:
     cp_tokens: float = 0.0
     cp_q_width: float = 0.0
     cp_kv_width: float = 0.0
+    # Expert parallelism (an MoE backbone): the degree, the routed experts' parameters over
+    # all layers (``flops.expert_params``: what ep divides), the elements a backbone
+    # microbatch's tokens send in one all-to-all over all MoE layers (mean, at ep 1), and
+    # the MoE layers.
+    ep: int = 1
+    expert_params: float = 0.0
+    ep_elements: float = 0.0
+    ep_layers: int = 0
+
+    @property
+    def held_params(self) -> float:
+        """The parameters a unit's ranks hold together on one pipeline replica: its
+        experts / ep."""
+        return self.params - self.expert_params * (1 - 1 / self.ep)
 
     @property
     def trainable(self) -> bool:
@@ -230,7 +254,7 @@ class UnitCost:
     def stage_params(self, pp):
         """Parameters on the heaviest pipeline stage (``pp`` may be an array): its share
         of the layers, plus the embeddings, heads or projectors that sit on one stage."""
-        layer_params = self.params - self.extra_stage_params
+        layer_params = self.held_params - self.extra_stage_params
         return layer_params / self.layers * np.ceil(self.layers / np.asarray(pp)) + \
             self.extra_stage_params + np.where(np.asarray(pp) > 1, self.tied_head_params, 0.0)
 
@@ -304,6 +328,34 @@ class CostModel:
         others as they are)."""
         units = tuple(replace(u, cp=int(cps.get(u.name, u.cp))) for u in self.units)
         return replace(self, units=units)
+
+    def with_ep(self, eps: dict[str, int]) -> CostModel:
+        """This cost model with unit ``name`` at expert parallelism ``eps[name]`` (the
+        others as they are)."""
+        units = tuple(replace(u, ep=int(eps.get(u.name, u.ep))) for u in self.units)
+        return replace(self, units=units)
+
+    def ep_bandwidth(self, unit: UnitCost, tp: int) -> float:
+        """The link an EP group's all-to-alls cross: its ep replicas are tp x cp ranks
+        apart (TP innermost), so ep x tp x cp consecutive ranks hold it, within a node
+        (NVLink) while they fit in one."""
+        cluster = self.program.cluster
+        if unit.ep * tp * unit.cp <= cluster.gpus_per_node:
+            return cluster.intra_node_bw_bytes_per_s
+        return cluster.inter_node_bw_bytes_per_s
+
+    def ep_comm_time_s(self, unit: UnitCost, tp: int) -> tuple[float, float]:
+        """(forward, backward) seconds of one backbone microbatch's all-to-alls under
+        expert parallelism: per MoE layer a dispatch and a combine, each sending the
+        (ep - 1) / ep of a rank's routed rows (bf16) that go to other ranks, in ep - 1
+        steps; the backward exchanges the gradients the same way. A rank runs its 1 / (tp
+        cp) of the tokens (sequence and context parallelism). Zero at ep 1."""
+        if unit.ep <= 1 or not unit.ep_elements:
+            return 0.0, 0.0
+        sent = 2 * unit.ep_elements * _BYTES_BF16 / (tp * unit.cp) * (unit.ep - 1) / unit.ep
+        fwd = sent / self.ep_bandwidth(unit, tp) + \
+            2 * unit.ep_layers * (unit.ep - 1) * _COLLECTIVE_LATENCY_S
+        return fwd, (fwd if unit.backward_factor else 0.0)
 
     def compute_time_s(self, unit: UnitCost, tp: int) -> float:
         """Forward compute of one backbone microbatch through the whole unit at TP ``tp``
@@ -418,7 +470,8 @@ class CostModel:
             bwd = unit.backward_factor * fwd + (fwd if unit.recompute and unit.backward_factor
                                                  else 0.0)
         cp_fwd, cp_bwd = self.cp_comm_time_s(unit, tp)
-        return fwd + comm + cp_fwd, bwd + bwd_comm + cp_bwd
+        ep_fwd, ep_bwd = self.ep_comm_time_s(unit, tp)
+        return fwd + comm + cp_fwd + ep_fwd, bwd + bwd_comm + cp_bwd + ep_bwd
 
     def tp_comm_time_s(self, unit: UnitCost, tp: int, across_nodes: bool = False) -> float:
         """All-reduces (reduce-scatter + all-gather with sequence parallelism) of one
@@ -444,7 +497,8 @@ class CostModel:
         zero = program.train.mesh_zero
         static = stage * weight_b + trained * (grad_b + optim_b / (dp if zero >= 1 else 1)) \
             + (stage - trained) * _frozen_master_bytes(program.train.precision, dp, zero) \
-            + trained * _local_sgd_bytes(program, dp)
+            + trained * _local_sgd_bytes(program, dp) \
+            + self._expert_optimizer_bytes(unit, np.ceil(unit.layers / np.asarray(pp)), tp, dp)
         per_layer = (unit.act_bytes_per_layer - unit.act_bytes_per_layer_tp_split
                      + unit.act_bytes_per_layer_tp_split / tp) * share / unit.cp
         if unit.backward_factor == 0:
@@ -471,7 +525,7 @@ class CostModel:
         weight_b, grad_b, _ = _PARAM_BYTES[self.program.train.precision]
         optim_b = self.optimizer_bytes_per_param()
         dp = dp * unit.cp                    # optimizer state sharded over dp x cp
-        layer_params = (unit.params - unit.extra_stage_params) / max(unit.layers, 1)
+        layer_params = (unit.held_params - unit.extra_stage_params) / max(unit.layers, 1)
         params = layer_params * layers
         if stage == 0:
             params += unit.first_stage_params
@@ -484,7 +538,8 @@ class CostModel:
         zero = self.program.train.mesh_zero
         static = params * weight_b + trained * (grad_b + optim_b / (dp if zero >= 1 else 1)) \
             + (params - trained) * _frozen_master_bytes(self.program.train.precision, dp, zero) \
-            + trained * _local_sgd_bytes(self.program, dp)
+            + trained * _local_sgd_bytes(self.program, dp) \
+            + self._expert_optimizer_bytes(unit, layers, tp, dp)
         per_layer = (unit.act_bytes_per_layer - unit.act_bytes_per_layer_tp_split
                      + unit.act_bytes_per_layer_tp_split / tp) * share / unit.cp
         if unit.backward_factor == 0:
@@ -498,6 +553,20 @@ class CostModel:
             head = float(self.logits_bytes(tp, unit.cp))
         return float(static + head +
                      layers * per_layer * (1 + (count - 1) / unit.act_peak_ratio))
+
+    def _expert_optimizer_bytes(self, unit: UnitCost, layers, tp, dp):
+        """What the optimizer state of ``layers`` layers' experts adds on a rank under
+        expert parallelism beyond the dense rule (dp x cp shards of what the rank holds):
+        a rank's experts / ep are sharded over the dp / ep replicas holding them, so
+        their state is the experts' over dp, ep times the dense rule's. Zero at ep 1,
+        frozen or without ZeRO (the state is whole either way)."""
+        zero = self.program.train.mesh_zero
+        if unit.ep <= 1 or not unit.trainable or zero < 1:
+            return 0.0
+        optim_b = self.optimizer_bytes_per_param()
+        held = unit.expert_params / max(unit.layers, 1) * np.asarray(layers) / unit.ep / \
+            np.asarray(tp)
+        return held * optim_b * (unit.ep - 1) / np.asarray(dp)
 
     @staticmethod
     def _recompute_bytes(unit: UnitCost, tp, share: float):
@@ -586,7 +655,8 @@ class CostModel:
         latency = all_reduce_time_s(0.0, dp, bw)
         fixed = all_reduce_time_s(unit.extra_stage_params * per_param, dp, bw)
         per_layer = all_reduce_time_s(
-            (unit.params - unit.extra_stage_params) / unit.layers * per_param, dp, bw) - latency
+            (unit.held_params - unit.extra_stage_params) / unit.layers * per_param, dp, bw) - \
+            latency
         opt_fixed, opt_layer = self._optimizer_coefficients(unit, tp, dp)
         zero = self.program.train.optimizer.zero >= 1
         # Reduce-scatter and all-gather move half an all-reduce each.
@@ -713,6 +783,19 @@ def _mlp_factor(arch: ir.TransformerArch) -> int:
     return 6 if arch.act == "quick_gelu" else 4
 
 
+def _active_ffn(arch: ir.TransformerArch) -> float:
+    """The FFN columns a token's activations run through, on average over the layers: an
+    MoE layer's ``top_k`` experts and shared expert (with the ``top_k`` rows of ``hidden``
+    its dispatch and combine keep, as columns), the MLP's elsewhere."""
+    moe = arch.moe
+    if moe is None:
+        return arch.ffn
+    n = moe.num_moe_layers(arch.layers)
+    per_moe = moe.top_k * moe.ffn + moe.shared_ffn + \
+        moe.top_k * arch.hidden * 2 / _mlp_factor(arch)
+    return (n * per_moe + (arch.layers - n) * arch.ffn) / arch.layers
+
+
 def _transformer_activation_bytes(hidden: int, ffn: int, kv_ratio: float, mlp_factor: int,
                                   tokens: float, cross_attention: bool = False, *,
                                   rms_norm: bool = True,
@@ -782,6 +865,8 @@ class _Acc:
     peak_ratio: float = 1.0       # the large microbatch over the mean one
     width: int = 0
     comm: float = 0.0
+    ep: tuple[float, float, int] = (0.0, 0.0, 0)   # experts' parameters, elements per
+                                                  # all-to-all, MoE layers
     cp: tuple[float, float, float] = (0.0, 0.0, 0.0)   # UnitCost.cp_tokens, _q_, _kv_width
 
     queries: list[ProfileQuery] = field(default_factory=list)
@@ -843,9 +928,13 @@ def _unit_cost(program: ir.Program, module: ir.Module, samples: SampleSet,
         tokens = train.seq_len * mb
         mean_tokens = float(padded.mean()) * mb
         acc.act, acc.act_split = _transformer_activation_bytes(
-            arch.hidden, arch.ffn, arch.kv_heads / arch.heads, _mlp_factor(arch), tokens,
-            rms_norm=True, sequence_parallel=True)
+            arch.hidden, _active_ffn(arch), arch.kv_heads / arch.heads, _mlp_factor(arch),
+            tokens, rms_norm=True, sequence_parallel=True)
         acc.act_tokens, acc.width, acc.peak_items = tokens, arch.hidden, tokens
+        if arch.moe is not None:
+            acc.ep = (flops.expert_params(module),
+                      mean_tokens * flops.moe_dispatch_elements_per_token(arch),
+                      arch.moe.num_moe_layers(arch.layers))
         acc.comm = arch.layers * 2 * mean_tokens * arch.hidden * _BYTES_BF16
         acc.cp = (mean_tokens, arch.hidden, arch.hidden * arch.kv_heads / arch.heads)
         # The embedding on the first stage; the head (none of its own when tied to the
@@ -950,7 +1039,8 @@ def _unit_cost(program: ir.Program, module: ir.Module, samples: SampleSet,
         recompute_layer_bytes_tp_split=recompute_layer[1], tied_head_params=acc.tied,
         model_attention_flops=acc.model_attention, tp_synced_params=acc.synced,
         tp_synced_extra_params=acc.synced_extra, cp_method=module.context_parallel,
-        cp_tokens=acc.cp[0], cp_q_width=acc.cp[1], cp_kv_width=acc.cp[2])
+        cp_tokens=acc.cp[0], cp_q_width=acc.cp[1], cp_kv_width=acc.cp[2],
+        expert_params=acc.ep[0], ep_elements=acc.ep[1], ep_layers=int(acc.ep[2]))
 
 
 def _padded_to_seq_len(samples: SampleSet, micro_batch: int, seq_len: int,

@@ -21,6 +21,7 @@ from typing import Any
 
 from dtdsl.diagnostics import Diagnostic, did_you_mean, has_errors
 from dtdsl.frontend import ast
+from dtdsl.frontend import moe as _moe
 from dtdsl.frontend.constraints import resolve_constraints
 from dtdsl.frontend.schema import (
     INVALID,
@@ -85,6 +86,7 @@ TRANSFORMER_ARGS = (
     Param("causal", BoolKind()),
     Param("mel_bins", IntKind(1, 4096), default=128),
     Param("temporal_patch", IntKind(1, 64), default=1),
+    *_moe.MOE_ARGS,     # a mixture of experts (frontend.moe)
 )
 UNET_ARGS = (
     Param("channels", IntKind(8, 8192), required=True, doc="channels=320"),
@@ -661,9 +663,11 @@ class _Checker:
             ctx.error("DT204", f"encoder {decl.name} reads {modality}s and needs a patch size",
                       call.span, hint="add patch=14 (ViT-H/14) or patch=16")
         ok = self._modal_args(decl, call, args, modality) and ok
-        if not ok:
+        moe = _moe.resolve_moe(call, decl.role, decl.name, args["layers"],
+                               args["ffn"] or 4 * hidden, args, ctx)
+        if not ok or moe is INVALID:
             return INVALID
-        return ir.TransformerArch(
+        return ir.TransformerArch(moe=moe,
             layers=args["layers"], hidden=hidden, heads=heads, kv_heads=kv_heads,
             ffn=args["ffn"] or 4 * hidden, vocab=args["vocab"], swiglu=args["swiglu"],
             patch=args["patch"],

@@ -1,7 +1,7 @@
 """Constraints: what the planner may choose for each module, checked up front.
 
-``tp(vit) in {1, 2, 4}``, ``pp(llm) == 8``, ``cp(llm) in {1, 2, 4}``, ``gpus(vit) >= 16``,
-``memory(*) <= 90%``.
+``tp(vit) in {1, 2, 4}``, ``pp(llm) == 8``, ``cp(llm) in {1, 2, 4}``, ``ep(llm) in {1, 2}``,
+``gpus(vit) >= 16``, ``memory(*) <= 90%``.
 Each module gets one ``ModuleConstraints``: the intersection of the wildcard
 and the module's own constraints, with defaults where nothing is said (TP from
 {1, 2, 4, 8}, context parallelism 1, 90% of GPU memory). Here too are the checks Megatron-LM users
@@ -31,13 +31,16 @@ from dtdsl.ir.plan import cp_conflict
 from dtdsl.ir.program import Cluster, IntDomain, Module, ModuleConstraints, Train
 from dtdsl.source import Span
 
-__all__ = ["AXES", "DEFAULT_CP", "DEFAULT_MEMORY_FRACTION", "DEFAULT_TP", "resolve_constraints"]
+__all__ = ["AXES", "DEFAULT_CP", "DEFAULT_EP", "DEFAULT_MEMORY_FRACTION", "DEFAULT_TP",
+           "resolve_constraints"]
 
-AXES = ("tp", "dp", "pp", "cp", "gpus", "memory")
+AXES = ("tp", "dp", "pp", "cp", "ep", "gpus", "memory")
 DEFAULT_TP = (1, 2, 4, 8)
 # Context parallelism only where a constraint asks for it: the runtime's attention is
 # whole-sequence by default, and every shipped spec plans without it.
 DEFAULT_CP = (1,)
+# Expert parallelism likewise: the shipped specs' plans stay as they were.
+DEFAULT_EP = (1,)
 DEFAULT_MEMORY_FRACTION = 0.9
 _MAX_DEGREE = 1_000_000
 _DEGREE = IntKind(1, _MAX_DEGREE)
@@ -47,7 +50,7 @@ _DEGREE = IntKind(1, _MAX_DEGREE)
 class _Rule:
     axis: str
     target: str
-    domain: IntDomain | None   # tp/dp/pp/cp/gpus
+    domain: IntDomain | None   # tp/dp/pp/cp/ep/gpus
     fraction: float | None     # memory as a share of the GPU
     mem_bytes: int | None      # memory as a size
     explicit_values: bool      # a set or a pin: every value was named by the user
@@ -101,7 +104,7 @@ def _rule(c: ast.Constraint, modules: Mapping[str, Module], declared: set[str],
     if c.axis not in AXES:
         guess = did_you_mean(c.axis, AXES)
         ctx.error("DT205", f"unknown constraint '{c.axis}'", c.axis_span,
-                  notes=["constraints: tp, dp, pp, cp, gpus (per module or *) and memory"],
+                  notes=["constraints: tp, dp, pp, cp, ep, gpus (per module or *) and memory"],
                   hint=f"did you mean '{guess}'?" if guess else None)
         return None
     if c.target != "*" and c.target in declared and c.target not in modules:
@@ -218,13 +221,18 @@ class _Resolver:
         pp = self._axis(module, "pp", rules, IntDomain())
         gpus = self._axis(module, "gpus", rules, IntDomain())
         cp = self._axis(module, "cp", rules, IntDomain(values=DEFAULT_CP))
-        if any(d is INVALID for d in (tp, dp, pp, cp, gpus)):
+        ep = self._axis(module, "ep", rules, IntDomain(values=DEFAULT_EP))
+        if any(d is INVALID for d in (tp, dp, pp, cp, ep, gpus)):
             return INVALID
         tp = self._tp(module, tp, [r for r in rules if r.axis == "tp"])
         if tp is INVALID:
             return INVALID
         cp = self._cp(module, tp, cp, [r for r in rules if r.axis == "cp"])
         if cp is INVALID:
+            return INVALID
+        ep = _ep_domain(module, ep, dp, [r for r in rules if r.axis == "ep"],
+                        min(self.cluster.num_gpus, 1024), self.ctx)
+        if ep is INVALID:
             return INVALID
 
         ok = True
@@ -268,7 +276,7 @@ class _Resolver:
         fraction = min(fractions) if fractions else 1.0 if sizes else DEFAULT_MEMORY_FRACTION
         return ModuleConstraints(
             module=module.name, tp=tp, dp=dp, pp=pp, gpus=gpus,
-            memory_fraction=fraction, memory_bytes=min(sizes) if sizes else None, cp=cp)
+            memory_fraction=fraction, memory_bytes=min(sizes) if sizes else None, cp=cp, ep=ep)
 
     def _cp(self, module: Module, tp: IntDomain, domain: IntDomain,
             rules: Sequence[_Rule]) -> IntDomain | Any:
@@ -446,6 +454,63 @@ class _Resolver:
             "DT402", f"the constraints need at least {total} GPUs, but the cluster has "
             f"{self.cluster.num_gpus}", self.gpus_span or Span.point(1, 1), notes=notes,
             hint=f"raise gpus to {total} or loosen the constraints")
+
+
+def _ep_domain(module: Module, domain: IntDomain, dp: IntDomain, rules: Sequence[_Rule],
+               upper: int, ctx: Ctx) -> IntDomain | Any:
+    """Keep the EP degrees that split the module's experts and fit in its data-parallel
+    ranks (EP groups are carved from them: ep divides dp). A degree the module's own
+    constraint names that cannot is an error: on a dense module (DT643), not dividing the
+    experts (DT644), dividing no allowed dp (DT645); one a ``*`` constraint allows is
+    dropped quietly."""
+    moe = getattr(module.arch, "moe", None)
+    candidates = domain.candidates(upper)
+    dps = dp.candidates(upper)
+
+    def why(e: int) -> tuple[str, str] | None:
+        if e == 1:
+            return None
+        if moe is None:
+            return "DT643", f"{module.name} is dense: it has no experts to split"
+        if moe.ep_conflicts(e):
+            return "DT644", f"{moe.experts} experts do not split {e} ways"
+        if not any(d % e == 0 for d in dps):
+            return "DT645", (f"EP groups are carved from the data-parallel ranks, and no "
+                             f"allowed dp ({dp.describe()}) is a multiple of {e}")
+        return None
+
+    bad = {e: why(e) for e in candidates if why(e) is not None}
+    good = tuple(e for e in candidates if e not in bad)
+    for rule in rules:
+        if rule.target != module.name:
+            continue
+        if rule.explicit_values:
+            named = [e for e in (rule.domain.values or ()) if e in bad]
+        else:
+            named = list(bad) if not good else []
+        for e in named[:1]:
+            code, reason = bad[e]
+            return ctx.error(code, f"ep {e} cannot split {module.name}: {reason}",
+                             rule.node.value.span, notes=[
+                                 "expert parallelism spreads each MoE layer's experts over ep "
+                                 "of the module's data-parallel ranks (dtdsl.parallel.ep)"],
+                             hint=_ep_hint(module, moe, code))
+    if not good:
+        return IntDomain(values=(1,)) if moe is None else ctx.error(
+            "DT644", f"no EP degree allowed for {module.name} can split it: "
+            f"{bad[candidates[0]][1]}" if candidates else
+            f"the constraints on ep({module.name}) allow no EP degree of at most {upper}",
+            rules[-1].node.span, hint=f"allow ep 1: `ep({module.name}) in {{1, ...}}`")
+    return IntDomain(values=good)
+
+
+def _ep_hint(module: Module, moe: Any, code: str) -> str:
+    if code == "DT643":
+        return f"remove the ep({module.name}) constraint (only an MoE backbone has experts)"
+    if code == "DT644":
+        good = [e for e in range(1, min(moe.experts, 1024) + 1) if moe.experts % e == 0]
+        return f"use an ep that divides {moe.experts}: {', '.join(map(str, good[:8]))}"
+    return f"allow a dp that ep divides, e.g. `dp({module.name}) in {{...}}` with multiples of it"
 
 
 def _header(module: Module) -> Span:

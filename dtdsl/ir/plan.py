@@ -70,6 +70,10 @@ class UnitPlan(BaseModel):
     # Context parallelism: each microbatch's sequence split over cp ranks (its module's
     # ``context_parallel`` says how); gpus = tp x cp x pp x dp.
     cp: int = 1
+    # Expert parallelism (an MoE backbone): each MoE layer's experts spread over ep of its
+    # dp replicas (ep divides dp), each expert FSDP-sharded over the other dp / ep. Plans
+    # written before the field existed read as 1.
+    ep: int = 1
 
     @property
     def ranks(self) -> range:

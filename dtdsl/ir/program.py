@@ -17,7 +17,7 @@ from dtdsl.ir.hardware import HOST_BW_BYTES_PER_S
 from dtdsl.source import Span
 
 __all__ = [
-    "Arch", "AvgPool", "Choice", "Cluster", "Compression", "Constant", "DiTArch", "Dist",
+    "Arch", "AvgPool", "MoEArch", "Choice", "Cluster", "Compression", "Constant", "DiTArch", "Dist",
     "Empirical", "Gpu", "HFSource", "ImageTokens", "PixelShuffle", "Resampler", "RoPE",
     "IntDomain", "LRSchedule", "LogNormal", "MLPArch", "Module", "ModuleConstraints",
     "Optimizer", "Program", "Projector", "Quantity", "Sync", "Train", "TransformerArch", "UNetArch",
@@ -78,6 +78,40 @@ class HFSource(IRModel):
     feature_layer: int | None = None  # hidden_states[feature_layer] a projector reads
 
 
+class MoEArch(IRModel):
+    """A backbone's mixture-of-experts feed-forward (``models.moe``; transformers'
+    Qwen2-MoE, Qwen3-MoE and Mixtral configs): ``experts`` routed SwiGLU experts of
+    ``ffn`` columns (``moe_intermediate_size``), ``top_k`` of them per token
+    (``num_experts_per_tok``), renormalised when ``norm_topk`` (``norm_topk_prob``); an
+    always-on shared expert of ``shared_ffn`` columns (0: none), behind Qwen2-MoE's sigmoid
+    gate when ``shared_gate``; ``capacity_factor`` None for dropless routing. Layer ``i``
+    (from 0) is an MoE layer when ``(i + 1) % every == 0`` (``decoder_sparse_step``), the
+    others keep the dense MLP. ``aux_loss_coef`` (``router_aux_loss_coef``) weighs the
+    load-balancing loss, summed over the MoE layers, added to the LM loss."""
+
+    experts: int
+    top_k: int
+    ffn: int
+    shared_ffn: int = 0
+    shared_gate: bool = False
+    norm_topk: bool = True
+    capacity_factor: float | None = None
+    every: int = 1
+    aux_loss_coef: float = 0.001
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer ``layer`` (from 0) holds experts."""
+        return (layer + 1) % self.every == 0
+
+    def num_moe_layers(self, layers: int) -> int:
+        """How many of ``layers`` layers hold experts."""
+        return layers // self.every
+
+    def ep_conflicts(self, ep: int) -> tuple[str, ...]:
+        """What expert parallelism of degree ``ep`` cannot split evenly."""
+        return (f"{self.experts} experts",) if self.experts % ep else ()
+
+
 class TransformerArch(IRModel):
     """A pre-norm transformer: ViT-style encoders (CLIP and SigLIP vision towers among them)
     and Llama-style backbones (Llama, Mistral, Qwen2).
@@ -134,6 +168,8 @@ class TransformerArch(IRModel):
     k_bias: bool | None = None
     stem: Literal["patch", "whisper_conv"] = "patch"
     max_source_positions: int | None = None
+    # Backbones: a mixture of experts in place of the MLP (of its MoE layers); None: dense.
+    moe: MoEArch | None = None
 
     def clip_tokens(self, frames: int) -> int:
         """The rows an audio encoder with Whisper's stem runs its layers on for a clip of
@@ -180,6 +216,10 @@ class TransformerArch(IRModel):
             out.append(f"{self.kv_heads} KV heads")
         if self.ffn % tp:
             out.append(f"an FFN width of {self.ffn}")
+        if self.moe is not None and self.moe.ffn % tp:
+            out.append(f"an expert FFN width of {self.moe.ffn}")
+        if self.moe is not None and self.moe.shared_ffn % tp:
+            out.append(f"a shared expert width of {self.moe.shared_ffn}")
         return tuple(out)
 
 
@@ -752,6 +792,8 @@ class ModuleConstraints(IRModel):
     memory_bytes: int | None = None
     # Context parallelism (``cp(MODULE)``): 1 unless a constraint allows more.
     cp: IntDomain = IntDomain(values=(1,))
+    # Expert parallelism (``ep(MODULE)``, MoE backbones): 1 unless a constraint allows more.
+    ep: IntDomain = IntDomain(values=(1,))
 
     def memory_limit_bytes(self, gpu_memory_bytes: int) -> int:
         """The per-GPU memory this module's ranks may use."""

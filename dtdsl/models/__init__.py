@@ -89,7 +89,10 @@ def build_layer(module: ir.Module, tp: int = 1) -> nn.Module:
     _check_tp(module, tp)
     arch = module.arch
     if isinstance(arch, ir.TransformerArch):
-        return TransformerLayer(arch, tp=tp, role=module.role)
+        # An MoE backbone's representative layer is one of its MoE layers (the most work).
+        moe = arch.moe if module.role == "backbone" else None
+        layer = None if moe is None else moe.every - 1
+        return TransformerLayer(arch, tp=tp, role=module.role, layer=layer)
     if isinstance(arch, ir.DiTArch):
         return DiTBlock(arch, tp=tp)
     raise ValueError(f"module '{module.name}' is a {arch.kind}, whose blocks differ in width; "

@@ -45,9 +45,10 @@ from torch import nn
 
 from dtdsl.models.transformer import MLP, activation
 
-__all__ = ["HF_MOE_FAMILIES", "MoE", "MoEConfig", "MoEOutput", "Routing", "can_group",
-           "capacity", "expert_ffn", "hf_moe_keys", "keep_counts", "load_balancing_loss",
-           "load_hf_moe", "to_hf_moe"]
+__all__ = ["HF_MOE_FAMILIES", "MoE", "MoEConfig", "MoEOutput", "Routing", "build_moe",
+           "can_group", "capacity", "expert_ffn", "hf_moe_keys", "keep_counts",
+           "load_balancing_loss", "load_hf_moe", "moe_config", "set_aux_weight",
+           "take_aux_losses", "to_hf_moe"]
 
 
 @dataclass(frozen=True)
@@ -271,7 +272,40 @@ class MoE(nn.Module):
         kept = torch.zeros(n, dtype=torch.bool, device=x.device).index_fill(0, rows, True)
         return slots, kept
 
-    def forward(self, x: torch.Tensor) -> MoEOutput:
+    def sequence_loss(self, routing: Routing, sequences: torch.Tensor) -> torch.Tensor:
+        """The load-balancing loss of each sequence over its own tokens, summed over the
+        sequences (DeepSeek-V3's sequence-wise balance loss; Megatron-LM's
+        ``seq_aux_loss``): ``sequences [T]`` the sequence of each token. What a step adds
+        up is then the same however its sequences are grouped into microbatches and
+        spread over ranks."""
+        cfg = self.config
+        n = int(sequences.max()) + 1 if sequences.numel() else 0
+        if n == 0:
+            return routing.probs.sum() * 0.0
+        tokens = torch.bincount(sequences, minlength=n).to(torch.float32).clamp(min=1)
+        counts = torch.zeros(n, cfg.experts, device=sequences.device).index_put_(
+            (sequences.repeat_interleave(cfg.top_k), routing.experts.reshape(-1)),
+            torch.ones((), device=sequences.device), accumulate=True)
+        probs = routing.probs.new_zeros(n, cfg.experts).index_add(0, sequences, routing.probs)
+        return cfg.experts * torch.sum(counts / tokens[:, None] * probs / tokens[:, None])
+
+    def _balance(self, routing: Routing, all_counts: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(aux loss, kept slots ``[processes, E]``, dropped slots, slots per expert) over
+        the group's tokens (this process's alone without expert parallelism)."""
+        cfg = self.config
+        g_counts = all_counts.sum(0)
+        g_tokens = int(g_counts.sum()) // cfg.top_k      # every token has k slots
+        aux = load_balancing_loss(g_counts, self.reduce_prob_sum(routing.probs.sum(0)),
+                                  g_tokens)
+        if cfg.capacity_factor is None:
+            return aux, all_counts, torch.zeros_like(g_counts.sum()), g_counts
+        cap = capacity(cfg.capacity_factor, g_tokens, cfg.top_k, cfg.experts)
+        return aux, keep_counts(all_counts, cap), (g_counts - cap).clamp(min=0).sum(), g_counts
+
+    def forward(self, x: torch.Tensor, sequences: torch.Tensor | None = None) -> MoEOutput:
+        """The block on ``x [..., hidden]``; with ``sequences`` (the sequence of each of
+        its tokens) the aux loss is ``sequence_loss``'s, else the whole batch's."""
         cfg = self.config
         shape = x.shape
         x2 = x.reshape(-1, cfg.hidden)
@@ -279,17 +313,9 @@ class MoE(nn.Module):
         routing = self.route(x2)
         counts = torch.bincount(routing.experts.reshape(-1), minlength=cfg.experts)
         all_counts = self.exchange_counts(counts)
-        g_counts = all_counts.sum(0)
-        g_tokens = int(g_counts.sum()) // cfg.top_k      # every token has k slots
-        aux = load_balancing_loss(g_counts, self.reduce_prob_sum(routing.probs.sum(0)),
-                                  g_tokens)
-        if cfg.capacity_factor is None:
-            kept_counts = all_counts
-            dropped = torch.zeros((), dtype=torch.int64, device=x.device)
-        else:
-            cap = capacity(cfg.capacity_factor, g_tokens, cfg.top_k, cfg.experts)
-            kept_counts = keep_counts(all_counts, cap)
-            dropped = (g_counts - cap).clamp(min=0).sum()
+        aux, kept_counts, dropped, g_counts = self._balance(routing, all_counts)
+        if sequences is not None:
+            aux = self.sequence_loss(routing, sequences)
         slots, kept = self.run_experts(x2, routing, kept_counts)
         weighted = slots * routing.weights.reshape(-1, 1)
         token = torch.arange(tokens, device=x.device).repeat_interleave(cfg.top_k)
@@ -301,6 +327,97 @@ class MoE(nn.Module):
             out = out + shared
         return MoEOutput(out.reshape(shape), routing.logits, aux, dropped,
                          kept.reshape(tokens, cfg.top_k), g_counts)
+
+
+    # -- in a transformer layer -------------------------------------------------------------
+
+    aux_weight = 1.0    # what the aux loss counts for in the training loss (set_aux_weight)
+
+    def layer_forward(self, x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+        """The block in a transformer layer on ``x [B, S, hidden]``: only the rows that
+        ``valid [B, S]`` marks (a microbatch's tokens, not its padding) are routed, each
+        sequence's balance loss over its own tokens (``sequence_loss``); padding rows
+        get zeros. ``valid`` None: every row is a token."""
+        batch, seq, hidden = x.shape
+        if valid is None:
+            valid = torch.ones(batch, seq, dtype=torch.bool, device=x.device)
+        rows = valid.reshape(-1).nonzero().squeeze(1)
+        flat = x.reshape(-1, hidden)
+        y = self.layer_output(self(flat[rows], sequences=torch.div(rows, seq,
+                                                                   rounding_mode="floor")))
+        return flat.new_zeros(flat.shape).index_copy(0, rows, y).view_as(x)
+
+    def layer_output(self, out: MoEOutput) -> torch.Tensor:
+        """The block's output as a transformer layer adds it to the residual: ``out.out``,
+        through which the backward also gives the aux loss its gradient (``aux_weight``
+        times it joins the loss, Megatron-LM's ``MoEAuxLossAutoScaler``: on every pipeline
+        stage, without sending it to the last). Its weighted value is kept for the loss
+        report (``take_aux_losses``), but not when the backward recomputes the forward."""
+        aux = out.aux_loss * self.aux_weight
+        if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+            self.__dict__.setdefault("_aux_values", []).append(aux.detach())
+        if not (torch.is_grad_enabled() and aux.requires_grad):
+            return out.out
+        return _AuxGrad.apply(out.out, aux)
+
+
+class _AuxGrad(torch.autograd.Function):
+    """The identity on ``x``; backward: gradient one for ``aux`` (a loss term)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return grad, torch.ones((), dtype=torch.float32, device=grad.device)
+
+
+def moe_config(arch) -> MoEConfig:
+    """The block of an MoE backbone's architecture (``ir.TransformerArch`` with ``moe``)."""
+    moe = arch.moe
+    return MoEConfig(hidden=arch.hidden, ffn=moe.ffn, experts=moe.experts, top_k=moe.top_k,
+                     norm_topk=moe.norm_topk, shared_ffn=moe.shared_ffn,
+                     shared_gate=moe.shared_gate, capacity_factor=moe.capacity_factor,
+                     act=arch.act if arch.swiglu else "silu")
+
+
+def build_moe(arch, *, tp: int = 1) -> MoE:
+    """The block of one MoE layer of ``arch``, all experts local (expert parallelism
+    replaces it, ``parallel.ep``). Its aux loss counts ``aux_loss_coef`` times until
+    ``set_aux_weight`` says how many sequences a step has. ValueError for ``tp > 1``:
+    tensor parallelism inside the experts is not built."""
+    if tp != 1:
+        raise ValueError(f"tensor parallelism {tp} inside an MoE block is not built: run "
+                         "an MoE backbone at tp 1")
+    block = MoE(moe_config(arch))
+    block.aux_weight = arch.moe.aux_loss_coef
+    # The experts' down projections write into the residual stream (models.init).
+    block.param_init_std = {"w2": 0.02 / math.sqrt(2 * max(1, arch.layers))}
+    return block
+
+
+def set_aux_weight(module: nn.Module, coef: float, sequences: int) -> None:
+    """Make every MoE block in ``module`` count ``coef / sequences`` of its summed
+    per-sequence aux losses (``MoE.layer_forward``): the step's aux loss is ``coef`` times
+    the mean over the step's ``sequences`` sequences (its global batch), summed over the
+    MoE layers."""
+    for m in module.modules():
+        if isinstance(m, MoE):
+            m.aux_weight = coef / max(1, sequences)
+
+
+def take_aux_losses(module: nn.Module) -> torch.Tensor | None:
+    """The weighted aux losses the MoE blocks in ``module`` kept since the last call,
+    summed (and forgotten); None when ``module`` has no MoE block."""
+    values, found = [], False
+    for m in module.modules():
+        if isinstance(m, MoE):
+            found = True
+            values += m.__dict__.pop("_aux_values", [])
+    if not found:
+        return None
+    return torch.stack(values).sum() if values else torch.zeros(())
 
 
 def keep_counts(all_counts: torch.Tensor, cap: int) -> torch.Tensor:

@@ -178,6 +178,10 @@ def build_unit(program: ir.Program, name: str, seed: int, tp: int = 1, *,
             unit = build_projector(spec, tp=tp)
         else:
             unit = build_module(spec, tp=tp)
+            if getattr(spec.arch, "moe", None) is not None:     # the step's aux loss
+                from dtdsl.models.moe import set_aux_weight
+
+                set_aux_weight(unit, spec.arch.moe.aux_loss_coef, program.train.global_batch)
     target = torch.device(device) if device is not None else torch.get_default_device()
     if target.type != "meta":
         unit.to_empty(device=target)
@@ -562,15 +566,24 @@ def document_masks(layouts: Sequence[SequenceLayout], width: int,
 
 def backbone_layers(backbone: Backbone, x: torch.Tensor, start: int = 0,
                     stop: int | None = None, *, positions: torch.Tensor | None = None,
-                    mask: DocumentMask | None = None) -> torch.Tensor:
+                    mask: DocumentMask | None = None,
+                    lengths: Sequence[int] | None = None) -> torch.Tensor:
     """Layers ``start:stop`` of the backbone on ``[B, S, hidden]`` (positions 0..S-1,
     causal; or ``positions`` and ``mask`` of packed documents, ``document_masks``), or
     under sequence parallelism on this TP rank's piece ``[B, S / tp, hidden]`` (attention
-    and MLP gather the whole sequence, ``parallel.tp``)."""
+    and MLP gather the whole sequence, ``parallel.tp``). ``lengths``: each row's tokens
+    before its padding, which an MoE layer routes alone (all rows when None)."""
     seq = x.shape[1] * sequence_parallel_degree(backbone)
     rotation = backbone.rotation(positions, seq, x.device)    # once for all the layers
+    valid = None        # [B, S]: the tokens, made for the first MoE layer only
     for layer in layer_range(backbone, start, stop):
-        x = layer(x, rotation, mask)
+        if not getattr(layer, "moe", False):
+            x = layer(x, rotation, mask)
+            continue
+        if valid is None and lengths is not None:
+            ends = torch.tensor(lengths, device=x.device)[:, None]
+            valid = torch.arange(x.shape[1], device=x.device) < ends
+        x = layer(x, rotation, mask, valid)
     return x
 
 
@@ -692,7 +705,7 @@ def backbone_step(model: Model, image_embeds: Sequence[torch.Tensor],
                            [sample_layout(s, model.image_tokens, model.seq_len)
                             for s in samples], pad_to)
     x = backbone_layers(backbone, scatter_sequence(backbone, batch.embeds),
-                        positions=batch.positions, mask=batch.mask)
+                        positions=batch.positions, mask=batch.mask, lengths=batch.lengths)
     loss, hidden = backbone_output(backbone, x, batch.targets)
     return loss, conditioning(hidden, [sample_layout(s, model.image_tokens, model.seq_len)
                                        for s in samples])

@@ -12,7 +12,8 @@ defaults are ``transformer(...)``'s plain model):
   on Q, K, V (Qwen2, CLIP) and on the output projection (CLIP), rotary embeddings with
   the config's theta and scaling on a backbone (``models.rope``);
 - MLP: SwiGLU (``w2(silu(w1 x) * w3 x)``) or a plain one with GELU, tanh-GELU (SigLIP) or
-  quick-GELU (CLIP), with or without biases;
+  quick-GELU (CLIP), with or without biases; on an MoE backbone's MoE layers a mixture of
+  experts (``models.moe.build_moe``) in its place;
 - a vision tower's patch embedding (a linear map of flattened patches: the same numbers
   as a ``kernel = stride = patch`` convolution), its class token and learned position
   embedding (interpolated bicubically for another image size, as Hugging Face's
@@ -212,7 +213,8 @@ class TransformerLayer(nn.Module):
     biases and the activation as the architecture gives them. Input and output
     ``[B, S, hidden]``."""
 
-    def __init__(self, arch: ir.TransformerArch, *, tp: int = 1, role: str = "encoder"):
+    def __init__(self, arch: ir.TransformerArch, *, tp: int = 1, role: str = "encoder",
+                 layer: int | None = None):
         super().__init__()
         h = arch.hidden
         heads = shard_size(arch.heads, tp, "attention heads")
@@ -224,11 +226,24 @@ class TransformerLayer(nn.Module):
                                   qkv_bias=arch.qkv_bias, out_bias=arch.out_bias,
                                   k_bias=arch.k_bias)
         self.mlp_norm = _norm(arch, role)
-        self.mlp = MLP(h, ffn, swiglu=arch.swiglu, act=arch.act, bias=arch.mlp_bias)
+        # An MoE backbone's MoE layers hold the mixture of experts in the MLP's place
+        # (``models.moe``; ``layer``: this layer's index, which says whether it is one).
+        self.moe = role == "backbone" and arch.moe is not None and layer is not None \
+            and arch.moe.is_moe_layer(layer)
+        if self.moe:
+            from dtdsl.models.moe import build_moe
+
+            self.mlp = build_moe(arch, tp=tp)
+        else:
+            self.mlp = MLP(h, ffn, swiglu=arch.swiglu, act=arch.act, bias=arch.mlp_bias)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | Rotation | None = None,
-                mask: DocumentMask | None = None) -> torch.Tensor:
+                mask: DocumentMask | None = None,
+                valid: torch.Tensor | None = None) -> torch.Tensor:
+        """``valid [B, S]``: an MoE layer's tokens (not padding), all rows when None."""
         x = x + self.attn(self.attn_norm(x), positions, mask)
+        if self.moe:
+            return x + self.mlp.layer_forward(self.mlp_norm(x), valid)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -388,7 +403,8 @@ class Backbone(nn.Module):
         self.tied = arch.tie_embeddings
         self.vocab_shard = -(-arch.vocab // tp)
         self.tok_embeddings = nn.Embedding(self.vocab_shard, arch.hidden)
-        self.layers = nn.ModuleDict({str(i): TransformerLayer(arch, tp=tp, role="backbone")
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(arch, tp=tp, role="backbone",
+                                                              layer=i)
                                      for i in range(arch.layers)})
         self.norm = _norm(arch, "backbone")
         self.output = nn.Linear(arch.hidden, self.vocab_shard, bias=False)

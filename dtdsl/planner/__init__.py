@@ -40,8 +40,7 @@ from dtdsl.planner.simulated import (
 )
 
 __all__ = ["EXHAUSTIVE_MAX_GPUS", "OFFLOAD_CHOICES", "PLACEMENTS", "SEARCHES", "Infeasible",
-           "PlannerError",
-           "cp_choices", "plan",
+           "PlannerError", "cp_choices", "ep_choices", "plan",
            "plan_baseline", "plan_baselines", "plan_convex", "plan_exhaustive",
            "simulate_plan"]
 
@@ -190,6 +189,12 @@ def _placements(cost: CostModel, num_gpus: int | None, search: str, placement: s
         variants.append((", recomputing", again))
     variants += [(label + cp_label, priced.with_cp(cps)) for label, priced in list(variants)
                  for cp_label, cps in cp_choices(cost, num_gpus)]
+    variants += [(label + ep_label, priced.with_ep(eps)) for label, priced in list(variants)
+                 for ep_label, eps in ep_choices(cost, num_gpus)]
+    # ep 1 (the cost model's own) only where the ep(...) constraints allow it.
+    program = cost.program
+    variants = [(label, priced) for label, priced in variants
+                if all(u.ep in program.constraints_for(u.name).ep for u in priced.units)]
     candidates: list[tuple[str, Plan, CostModel]] = []
     for label, priced in variants:
         if any(u.cp > 1 for u in priced.units) and placement not in ("auto",
@@ -260,6 +265,25 @@ def cp_choices(cost: CostModel, num_gpus: int | None = None
             continue
         cps = dict(zip(names, combo, strict=True))
         out.append((", cp " + " ".join(f"{n}={c}" for n, c in cps.items() if c > 1), cps))
+    return out
+
+
+def ep_choices(cost: CostModel, num_gpus: int | None = None
+               ) -> list[tuple[str, dict[str, int]]]:
+    """Every assignment of expert parallelism to the units that their ``ep(...)``
+    constraints allow, but ep 1 everywhere (the cost model's own), as ``cp_choices``: each
+    searched as a cost model of its own (``CostModel.with_ep``); with no ep constraint
+    (the default: ep 1 only) there is none."""
+    program = cost.program
+    limit = num_gpus or program.cluster.num_gpus
+    names = [u.name for u in cost.units]
+    options = [program.constraints_for(n).ep.candidates(limit) or (1,) for n in names]
+    out = []
+    for combo in itertools.product(*options):
+        if all(e == 1 for e in combo):
+            continue
+        eps = dict(zip(names, combo, strict=True))
+        out.append((", ep " + " ".join(f"{n}={e}" for n, e in eps.items() if e > 1), eps))
     return out
 
 

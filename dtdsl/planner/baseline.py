@@ -739,7 +739,7 @@ def colocated_plan(co: Colocation, tp: int, dp: int, pp: int, *, search: str, pa
             fwd_time_s=fwd * heaviest_share, bwd_time_s=bwd * heaviest_share,
             dp_sync_time_s=sync,
             memory_bytes=heaviest if own_unit else own[i],
-            memory_limit_bytes=ev.memory_limit[i]))
+            memory_limit_bytes=ev.memory_limit[i], ep=unit.ep))
     train = program.train
     return Plan(
         spec=program.name, spec_sha256=program.source_sha256, search=search,

@@ -82,7 +82,7 @@ def make_plan(ev, search: str, layout: Layout, *, solve_time_s: float, candidate
                 unit, 1 if replicated[i] else tp, pp, dp,
                 replicated_over=tp if replicated[i] else 1)),
             memory_bytes=float(est.memory_bytes[i]), memory_limit_bytes=ev.memory_limit[i],
-            cp=cp))
+            cp=cp, ep=unit.ep))
     iteration = float(est.iteration_time_s)
     assert bool(est.feasible), "planners return feasible layouts"
     assert math.isclose(iteration, layout.iteration_time_s, rel_tol=1e-9), \

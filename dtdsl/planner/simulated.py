@@ -139,6 +139,8 @@ def _pricing(cost: CostModel, plan: Plan) -> CostModel:
     parallelism)."""
     if any(u.cp != cost.unit(u.name).cp for u in plan.units):
         cost = cost.with_cp({u.name: u.cp for u in plan.units})
+    if any(u.ep != cost.unit(u.name).ep for u in plan.units):
+        cost = cost.with_ep({u.name: u.ep for u in plan.units})
     if any(u.recompute and not cost.program.module(u.name).recompute for u in plan.units):
         from dtdsl.planner.baseline import with_recompute
 

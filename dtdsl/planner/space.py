@@ -2,7 +2,8 @@
 
 A *candidate* fixes TP and DP for every unit (DistTrain's outer enumeration); what
 is left is the GPU count of each unit, ``g_u = tp_u * cp_u * dp_u * pp_u``, that is its
-pipeline depth (cp_u is the cost model's, ``CostModel.with_cp``: fixed per search).
+pipeline depth (cp_u is the cost model's, ``CostModel.with_cp``: fixed per search; so is
+an MoE backbone's ep, ``CostModel.with_ep``, which its dp must be a multiple of).
 Candidates are held as integer arrays (one row per candidate, one column per unit) so
 that bounds over tens of thousands of them are vectorised.
 
@@ -106,15 +107,17 @@ class Space:
 
     def dp_lms(self) -> tuple[int, ...]:
         domain = self.constraints[self.backbone].dp
+        ep = self.units[self.backbone].ep     # EP groups are carved from its DP ranks
         return tuple(d for d in divisors(self.total_microbatches)
-                     if d <= self.num_gpus and d in domain)
+                     if d <= self.num_gpus and d in domain and d % ep == 0)
 
     def dps(self, i: int, dp_lm: int) -> tuple[int, ...]:
         if i == self.backbone:
             return (dp_lm,)
         domain = self.constraints[i].dp
+        ep = self.units[i].ep
         return tuple(d for d in divisors(dp_lm * self.micro_batch)
-                     if d <= self.num_gpus and d in domain)
+                     if d <= self.num_gpus and d in domain and d % ep == 0)
 
     def gpus_allowed(self, i: int, gpus) -> np.ndarray:
         """Does unit i's gpus constraint allow these counts (an array)?"""

@@ -128,6 +128,7 @@ from dtdsl.data.sample import (
 from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan
 from dtdsl.ir.schedule import Action, ActionKind, Schedule
+from dtdsl.models.moe import take_aux_losses
 from dtdsl.models.multimodal import (
     Normalizer,
     backbone_input,
@@ -960,6 +961,11 @@ class StageExecutor:
                                     layouts=[self._layout(i) for i in ids],
                                     loss_rows=self._loss_rows(ids), **extra)
         mb.pending = {}
+        # An MoE backbone's aux losses on this stage's layers (their gradients join the
+        # backward through the layers' outputs): reported with the LM loss, once per TP group.
+        aux = take_aux_losses(self.stage.module)
+        if aux is not None and role.is_leader:
+            self.lm += aux.to(self.lm.device).double()
         if role.is_last_stage:
             loss_sum, hidden, gens = out
             assert self.norm is not None
@@ -1182,7 +1188,8 @@ def _run_backbone(module: Any, *, x: torch.Tensor | None = None,
         assert targets is not None
         positions, mask = document_masks(layouts, targets.shape[1], x.device)
     assert targets is not None
-    y = backbone_layers(bb, x, st.start, st.stop, positions=positions, mask=mask)
+    y = backbone_layers(bb, x, st.start, st.stop, positions=positions, mask=mask,
+                        lengths=[lay.length for lay in layouts])
     if st.role.is_last_stage:
         loss, hidden = backbone_output(bb, y, targets, loss_tokens=loss_tokens,
                                        loss_rows=loss_rows)

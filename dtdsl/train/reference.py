@@ -13,7 +13,10 @@ trainable parameter (norms and biases decay too), at the learning rate of the sp
 schedule for that step (``train.lr.lr_at``: ``lr`` is the peak).
 
 The step's loss is the sum of its microbatch losses, i.e. the loss of the whole global
-batch; microbatching changes it only by floating-point rounding. Everything runs in
+batch; microbatching changes it only by floating-point rounding. An MoE backbone adds its
+load-balancing loss to the LM loss: each MoE layer's over each microbatch's tokens, times
+``aux_loss_coef / num_microbatches`` (``models.moe.set_aux_weight``), so a different
+``micro_batch`` changes that term. Everything runs in
 fp32 on one device (CPU by default), whatever ``train.precision`` says: the reference a
 bf16 or fp16 run is held against. fp16's loss scale has no counterpart here: scaling by a
 power of two and unscaling change no number, and an fp32 step does not overflow, so the
@@ -30,6 +33,7 @@ import torch
 
 from dtdsl.data.batch import SampleSource, SyntheticSource
 from dtdsl.ir import program as ir
+from dtdsl.models.moe import take_aux_losses
 from dtdsl.models.multimodal import Model, build_model, loss_normalizer, microbatch_loss
 from dtdsl.train.lr import lr_at
 
@@ -89,8 +93,12 @@ def train_reference(program: ir.Program, steps: int, *, micro_batch: int | None 
             parts = microbatch_loss(model, samples[start:start + mb], norm, pad_to)
             if parts.total.requires_grad:   # else it reaches nothing that trains (a
                 parts.total.backward()      # frozen backbone, and no image or target)
-            total += parts.total.item()
-            lm += parts.lm_sum.item() / max(1, norm.text_tokens)
+            # An MoE backbone's aux losses: their gradients joined the backward through
+            # the layers' outputs (models.moe.MoE.layer_output); the LM loss reports them.
+            aux = take_aux_losses(model)
+            aux = 0.0 if aux is None else aux.item()
+            total += parts.total.item() + aux
+            lm += parts.lm_sum.item() / max(1, norm.text_tokens) + aux
             gen += parts.gen_sum.item() / max(1, norm.gen_targets)
         # A parameter the step did not reach (a generator when no sample of the batch has
         # a target) steps with a zero gradient, as in any data-parallel runtime (FSDP2

@@ -1,0 +1,131 @@
+"""Mixture of experts in the cost model and the planner: active FLOPs, every expert's
+memory, expert parallelism's memory and all-to-alls, ep in the search."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from dtdsl.cost import flops
+from dtdsl.cost.model import _BYTES_BF16, _PARAM_BYTES, build_cost_model
+from dtdsl.driver import run_frontend
+from dtdsl.models.multimodal import build_model
+from dtdsl.planner import ep_choices, plan, plan_convex
+from tests.specs import ROOT
+from tests.train.test_moe_run import moe_spec
+
+ARGS = {"tp": 1, "pp": 1, "vpp": 1, "depth": 1, "microbatches": 4, "share": 1.0}
+MOE_30B = ROOT / "specs" / "moe_vl_30b.dt"
+
+
+def _spec(text: str = ""):
+    source = MOE_30B.read_text()
+    if text:
+        source = source.replace("  memory(*) <= 90%", "  memory(*) <= 90%\n  " + text)
+    result = run_frontend(str(MOE_30B), source.encode())
+    assert result.ok, [d.message for d in result.diagnostics]
+    return result.program
+
+
+@pytest.mark.parametrize("args", ["experts=4, top_k=2, expert_ffn=64",
+                                  "experts=4, top_k=3, expert_ffn=64, moe_every=2, "
+                                  "shared_experts=2"])
+def test_parameters_are_the_models(args):
+    p = moe_spec(args=args)
+    llm = build_model(p).unit("llm")
+    assert flops.module_params(p.backbone) == sum(x.numel() for x in llm.parameters())
+    experts = sum(layer.mlp.w1.numel() * 3 for layer in llm.layers.values()
+                  if hasattr(layer.mlp, "router"))
+    assert flops.expert_params(p.backbone) == experts > 0
+
+
+def test_flops_count_the_active_experts():
+    # An MoE layer costs a token what a dense MLP of top_k x expert_ffn (+ the shared
+    # expert) columns does, plus its router: the active parameters, not the held ones.
+    p = moe_spec(args="experts=8, top_k=2, expert_ffn=64, shared_experts=1")
+    arch = p.backbone.arch
+    dense = arch.model_copy(update={"moe": None, "ffn": 2 * 64 + 64})
+    router = 2 * arch.hidden * 8
+    assert flops.transformer_layer_matmul_per_token(arch) == \
+        flops.transformer_layer_matmul_per_token(dense) + router
+    every = arch.model_copy(update={"moe": arch.moe.model_copy(update={"every": 2})})
+    plain = arch.model_copy(update={"moe": None})
+    assert flops.transformer_layer_matmul_per_token(every) == pytest.approx(
+        (flops.transformer_layer_matmul_per_token(arch)
+         + flops.transformer_layer_matmul_per_token(plain)) / 2)
+
+
+def test_expert_parallelism_divides_the_experts_memory():
+    cost = build_cost_model(moe_spec())
+    llm = cost.unit("llm")
+    two = cost.with_ep({"llm": 2}).unit("llm")
+    assert (llm.ep, two.ep) == (1, 2) and cost.unit("vit").ep == 1
+    assert two.held_params == llm.params - llm.expert_params / 2
+    weight, grad, optim = _PARAM_BYTES[cost.program.train.precision]
+    for dp in (2, 4):
+        one_b = cost.memory_bytes(llm, dp=dp, **ARGS)
+        two_b = cost.with_ep({"llm": 2}).memory_bytes(two, dp=dp, **ARGS)
+        # Weights and gradients of half the experts; their optimizer state is the
+        # experts' over dp either way (a rank's half, sharded over dp / 2).
+        assert one_b - two_b == pytest.approx(llm.expert_params / 2 * (weight + grad))
+        stage = cost.with_ep({"llm": 2}).stage_memory_bytes(
+            two, tp=1, pp=1, dp=dp, vpp=1, stage=0, layers=llm.layers, depth=1,
+            microbatches=4, share=1.0)
+        assert stage == pytest.approx(two_b)
+        # Without ZeRO the optimizer state is whole: the experts' halves too.
+        assert optim > 0
+
+
+def test_all_to_alls_are_priced_at_the_ep_groups_bandwidth():
+    cost = build_cost_model(moe_spec())
+    llm = cost.unit("llm")
+    assert cost.ep_comm_time_s(llm, 1) == (0.0, 0.0)
+    arch = cost.program.backbone.arch
+    assert llm.ep_layers == 4
+    assert llm.ep_elements > 0 and math.isclose(
+        llm.ep_elements / flops.moe_dispatch_elements_per_token(arch),
+        llm.cp_tokens)      # the microbatch's mean tokens
+    two = cost.with_ep({"llm": 2})
+    fwd, bwd = two.ep_comm_time_s(two.unit("llm"), 1)
+    sent = 2 * llm.ep_elements * _BYTES_BF16 / 2
+    cluster = cost.program.cluster
+    assert fwd == bwd and fwd > sent / cluster.intra_node_bw_bytes_per_s
+    # A group wider than a node crosses the network.
+    wide = cost.with_ep({"llm": 4})
+    assert wide.ep_bandwidth(wide.unit("llm"), 1) == cluster.intra_node_bw_bytes_per_s
+    assert wide.ep_bandwidth(wide.unit("llm"), 2) == cluster.inter_node_bw_bytes_per_s
+    base = cost.fwd_bwd_time_s(llm, 1)
+    assert two.fwd_bwd_time_s(two.unit("llm"), 1) == pytest.approx(
+        (base[0] + fwd, base[1] + bwd))
+    frozen = replace(two.unit("llm"), backward_factor=0.0)
+    assert two.ep_comm_time_s(frozen, 1)[1] == 0.0
+
+
+def test_ep_choices_follow_the_constraints():
+    assert ep_choices(build_cost_model(_spec())) == [
+        (", ep llm=2", {"vit": 1, "llm": 2}), (", ep llm=4", {"vit": 1, "llm": 4}),
+        (", ep llm=8", {"vit": 1, "llm": 8})]
+    # Without an ep constraint: ep 1 only, nothing more to search.
+    assert ep_choices(build_cost_model(moe_spec())) == []
+
+
+def test_the_shipped_moe_spec_is_30b_with_3b_active():
+    program = _spec()
+    arch = program.backbone.arch
+    assert (arch.moe.experts, arch.moe.top_k, arch.moe.ffn) == (128, 8, 768)
+    assert program.constraints_for("llm").ep.candidates(8) == (1, 2, 4, 8)
+    assert 29e9 < flops.module_params(program.backbone) < 32e9
+    # Active per token: attention and the router, 8 experts of 768 columns (2 FLOPs a
+    # multiply-accumulate), embedding and head aside.
+    active = flops.transformer_layer_matmul_per_token(arch) / 2 * arch.layers
+    assert 1.5e9 < active < 2.5e9
+
+
+def test_a_pinned_ep_is_planned():
+    cost = build_cost_model(_spec("ep(llm) == 2"))
+    unit = plan(cost, compare_baseline=False).unit("llm")
+    assert unit.ep == 2 and unit.dp % 2 == 0
+    convex = plan_convex(cost.with_ep({"llm": 4}))
+    assert convex.unit("llm").ep == 4 and convex.unit("llm").dp % 4 == 0

@@ -1,0 +1,117 @@
+"""An MoE backbone trained by the runtime against the single-process reference."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dtdsl.ir import program as ir
+from dtdsl.models.moe import MoE, take_aux_losses
+from dtdsl.models.multimodal import build_model
+from dtdsl.train.reference import train_reference
+from tests.specs import TINY, program
+from tests.train.test_executor import check, plan_for
+
+STEPS = 8
+_DENSE = "ffn=256, vocab=512, swiglu)"
+
+
+def moe_spec(batch: int = 8, args: str = "experts=4, top_k=2, expert_ffn=64") -> ir.Program:
+    """tiny_cpu.dt with an MoE backbone and a global batch of ``batch``."""
+    text = TINY.read_text()
+    assert _DENSE in text
+    p = program(text.replace(_DENSE, _DENSE[:-1] + ", " + args + ")"))
+    return p.model_copy(update={"train": p.train.model_copy(update={"global_batch": batch})})
+
+
+def test_moe_layers_replace_the_mlp():
+    p = moe_spec(args="experts=4, top_k=2, expert_ffn=64, moe_every=2")
+    llm = build_model(p).unit("llm")
+    kinds = [isinstance(layer.mlp, MoE) for layer in llm.layers.values()]
+    assert kinds == [False, True, False, True]
+    block = llm.layers["1"].mlp
+    assert tuple(block.w1.shape) == (4, 64, 128)
+    # coef / sequences: the step's aux loss is the mean over its 8 sequences.
+    assert math.isclose(block.aux_weight, 0.001 / 8)
+
+
+def test_reference_loss_includes_the_aux_loss():
+    p = moe_spec(args="experts=4, top_k=2, expert_ffn=64, aux_loss=0.5")
+    without = moe_spec(args="experts=4, top_k=2, expert_ffn=64, aux_loss=0")
+    a = next(train_reference(p, 1))
+    b = next(train_reference(without, 1))
+    # Same initial weights and batch: the first step's losses differ by the aux loss
+    # alone: 0.5 x the mean over sequences, summed over 4 layers, of E * sum_e f_e P_e,
+    # about top_k = 2 with a nearly uniform router at the start.
+    assert a["gen_loss"] == b["gen_loss"]
+    assert 0.5 * 4 * 2 * 0.9 < a["lm_loss"] - b["lm_loss"] < 0.5 * 4 * 2 * 1.5
+
+
+def test_aux_gradient_reaches_the_router():
+    p = moe_spec(args="experts=4, top_k=2, expert_ffn=64, aux_loss=1")
+    llm = build_model(p).unit("llm")
+    x = torch.randn(2, 5, 128)
+    out = llm.hidden_states(embeds=x)
+    out.sum().backward()
+    with_aux = llm.layers["0"].mlp.router.weight.grad.clone()
+    assert float(take_aux_losses(llm)) > 0
+    llm.zero_grad()
+    for layer in llm.layers.values():
+        layer.mlp.aux_weight = 0.0
+    llm.hidden_states(embeds=x).sum().backward()
+    assert not torch.allclose(with_aux, llm.layers["0"].mlp.router.weight.grad)
+    assert float(take_aux_losses(llm)) == 0.0
+    assert take_aux_losses(llm) is not None and take_aux_losses(build_model(
+        program()).unit("llm")) is None
+
+
+def test_moe_backbone_data_parallel_matches_the_reference():
+    p = moe_spec()
+    check(p, plan_for(p, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, 2, 1),
+                      ("gen", "generator", 1, 1, 1)), steps=STEPS)
+
+
+def test_moe_backbone_pipeline_matches_the_reference():
+    p = moe_spec(args="experts=4, top_k=2, expert_ffn=64, aux_loss=0.1")
+    check(p, plan_for(p, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, 1, 2),
+                      ("gen", "generator", 1, 1, 1)), steps=STEPS)
+
+
+def test_compile_refuses_what_the_runtime_does_not_run_yet():
+    from dtdsl.codegen.support import runtime_support
+
+    p = moe_spec()
+    plan = plan_for(p, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, 2, 1),
+                    ("gen", "generator", 1, 1, 1))
+    assert not runtime_support(p, plan)
+    llm = plan.unit("llm")
+    for update in ({"ep": 2}, {"tp": 2, "gpus": 4}):
+        units = tuple(u.model_copy(update=update) if u.name == "llm" else u
+                      for u in plan.units)
+        found = [d for d in runtime_support(p, plan.model_copy(update={"units": units}))
+                 if d.code == "DT601"]
+        assert len(found) == 1 and "MoE module llm" in found[0].message, update
+    assert llm.ep == 1
+    # A dense backbone at tp 2 is no concern of this check.
+    dense = program()
+    units = tuple(u.model_copy(update={"tp": 2, "gpus": 4}) if u.name == "llm" else u
+                  for u in plan.units)
+    assert not [d for d in runtime_support(dense, plan.model_copy(update={"units": units}))
+                if "MoE" in d.message]
+    # fp16: the aux gradient would miss the loss scale.
+    fp16 = p.model_copy(update={"train": p.train.model_copy(update={"precision": "fp16"})})
+    found = [d for d in runtime_support(fp16) if d.code == "DT601"]
+    assert len(found) == 1 and "fp16" in found[0].message
+    assert not runtime_support(p)
+
+
+def test_moe_backbone_recomputed_matches_the_reference():
+    # Recomputation runs each MoE layer's forward again in backward: its aux loss must
+    # not be counted twice, nor its gradient given twice.
+    p = moe_spec(args="experts=4, top_k=2, expert_ffn=64, aux_loss=0.1")
+    modules = tuple(m.model_copy(update={"recompute": True}) if m.name == "llm" else m
+                    for m in p.modules)
+    p = p.model_copy(update={"modules": modules})
+    check(p, plan_for(p, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, 2, 1),
+                      ("gen", "generator", 1, 1, 1)), steps=4)
