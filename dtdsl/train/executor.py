@@ -844,11 +844,15 @@ class StageExecutor:
             grads = {i: self._phase_grad(i) for _, ids in self._phase_steps(name, 0)
                      for i in ids}
         else:
+            # No message where the share has no embeddings (nor any sent: both sides
+            # derive the same empty share).
             order = [i for _, ids in self._phase_steps(name, role.stage) for i in ids]
-            received = self.p2p.recv(self._pp_peer(0), self._phase_specs(order),
-                                     self._phase_label(name, _BWD, 0, role.stage))
-            self.p2p.flush()
-            grads = dict(zip(order, received.wait(), strict=True))
+            grads = {}
+            if order:
+                received = self.p2p.recv(self._pp_peer(0), self._phase_specs(order),
+                                         self._phase_label(name, _BWD, 0, role.stage))
+                self.p2p.flush()
+                grads = dict(zip(order, received.wait(), strict=True))
         for ids, packed in self._phase_packs.pop(name):
             outs = self._phase_encode(name, ids, packed)
             tensors = [o for o in outs.values() if o.requires_grad]
