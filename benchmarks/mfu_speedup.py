@@ -102,6 +102,11 @@ def main() -> None:
                          f"{'true' if packs else 'false'}; as written: "
                          f"{own.simulated.iteration_time_s:.3f}s on the drawn batches, "
                          f"{ours_layout(own)})")
+        if best.placements:
+            # auto's choice explained: each placement's best time on the drawn batches.
+            lines.append("    placements:      " + ", ".join(
+                f"{k} {v:.3f}s" for k, v in sorted(best.placements.items(),
+                                                  key=lambda kv: kv[1])))
         for base_name in BASELINES:
             base = (best.baselines or {}).get(base_name)
             if base is not None:
