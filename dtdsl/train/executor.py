@@ -81,21 +81,29 @@ host stage's times; the host trains when they do (``schedule.lower.gradient_flow
 Phased encoders (issue 27; ``UnitPlan.phased``, ``parallel.mesh.phased_units``): an
 encoder the plan phases runs on every backbone rank, outside the schedule, as a stage of
 its own (``Stage.phased``: its shards over its DP group of every backbone rank with the
-same TP index, ``parallel.mesh.phased_grid``). Before the schedule's first action, the
-*forward phase*: each rank encodes its share of the step (the samples whose
-``assignment`` of the encoder is its replica stage * dp + replica, every microbatch step;
-``data.batch.reads_of`` gives it their images) under ``no_grad``, and sends the
-embeddings to the backbone's first stage of its replica and TP index (one message per
-stage, the samples in step order, shapes from ``StepBatch.sizes``; the first stage keeps
-its own), which holds them as autograd leaves and feeds them to ``backbone_input`` as it
-would a broker's. After the schedule's last action (and the stage's own reduction), the
-*backward phase*, where the encoder or its projector trains: the first stage sends each
-stage its share's embedding gradients, every rank recomputes its share's forward one
-microbatch step at a time and runs backward with them; then every rank reduces the
-encoder's gradients over its DP group, share or no share. Each phase is an ``F`` or
-``B`` event with no microbatch on the rank's own (backbone) row of the measured timeline:
-one row per GPU, as in the simulator's predicted timeline, which folds the phases into
-the first stage's first ``F`` and last ``B`` (``sim.workload.iteration_durations``).
+same TP index, ``parallel.mesh.phased_grid``), in the pipeline's bubbles: each microbatch
+step's images are encoded by one stage of their replica's pipeline
+(``sim.workload.phase_fit``, from the plan alone; the routing's ``assignment`` of the
+encoder is that stage * dp + replica and ``data.batch.reads_of`` gives the rank their
+images). Before the schedule's first action, the *forward phase* (a later stage idles
+there anyway): each rank encodes its steps under ``no_grad``; a later stage sends each
+step's embeddings to the backbone's first stage of its replica and TP index as soon as
+they are encoded (one message per step, shapes from ``StepBatch.sizes``), without waiting
+for them to arrive; the first stage keeps its own, posts the receives of every other
+stage's at once and waits for a step's only before its ``F`` of it (``_phase_arrivals``),
+holding them as autograd leaves it feeds to ``backbone_input`` as it would a broker's.
+Both sides post these messages before any of the schedule's, so in-order matching pairs
+them whatever else the two ranks exchange. Where the encoder or its projector trains,
+the first stage sends a later stage its share's embedding gradients (one message) once
+its ``B`` of the last of that stage's steps has run and, for stage 1, after its last
+``SEND_F`` (that rank receives the activations first; ``_phase_grads_due``). After the
+schedule's last action (and the stage's own reduction), the *backward phase*: every rank
+recomputes its share's forward one microbatch step at a time and runs backward with those
+gradients; then every rank reduces the encoder's gradients over its DP group, share or no
+share. Each phase is an ``F`` or ``B`` event with no microbatch on the rank's own
+(backbone) row of the measured timeline: one row per GPU, as in the simulator's
+predicted timeline, which places every step's encoder passes on its stage's row
+(``sim.simulate``'s ``Durations.bubbles``).
 
 Limits: interleaved schedules (vpp > 1) raise NotImplementedError; a U-Net or DiT
 generator runs on one pipeline stage; one image encoder (phased or not).
