@@ -69,7 +69,7 @@ def main() -> None:
     parser.add_argument("specs", nargs="*", default=list(SHIPPED + UNSHIPPED))
     args = parser.parse_args()
     head = (f"{'spec':<14} {'GPUs':>5} {'packed':>6} {'ours plan':>9} {'sim':>8} "
-            f"{'sim none':>8} {'MFU':>6} | " + " | ".join(
+            f"{'sim none':>8} {'MFU':>6} {'placement':>13} | " + " | ".join(
                 f"{name + ' plan':>20} {'sim':>8} {'x plan':>6} {'x sim':>6}"
                 for name in BASELINES))
     print(head)
@@ -81,7 +81,8 @@ def main() -> None:
         sim = best.simulated
         row = (f"{name:<14} {best.num_gpus:>5} {'yes' if packs else 'no':>6} "
                f"{best.iteration_time_s:>8.3f}s {sim.iteration_time_s:>7.3f}s "
-               f"{sim.no_reorder_iteration_time_s:>7.3f}s {best.mfu:>6.1%} | ")
+               f"{sim.no_reorder_iteration_time_s:>7.3f}s {best.mfu:>6.1%} "
+               f"{best.placement:>13} | ")
         cells = []
         for base_name in BASELINES:
             base = (best.baselines or {}).get(base_name)
@@ -102,6 +103,11 @@ def main() -> None:
                          f"{'true' if packs else 'false'}; as written: "
                          f"{own.simulated.iteration_time_s:.3f}s on the drawn batches, "
                          f"{ours_layout(own)})")
+        if best.placements:
+            # auto's choice explained: each placement's best time on the drawn batches.
+            lines.append("    placements:      " + ", ".join(
+                f"{k} {v:.3f}s" for k, v in sorted(best.placements.items(),
+                                                  key=lambda kv: kv[1])))
         for base_name in BASELINES:
             base = (best.baselines or {}).get(base_name)
             if base is not None:

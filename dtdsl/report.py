@@ -62,7 +62,7 @@ def _role(plan: Plan, u) -> str:
         notes.append("on the backbone's " + ("first" if u.role == "encoder" else "last") +
                      " stage")
     if u.phased:
-        notes.append("phased on the backbone's GPUs")
+        notes.append("phased on the backbone's GPUs, in its bubbles")
     if u.recompute:
         notes.append("recompute")
     if u.ep > 1:
@@ -149,8 +149,16 @@ def _placement_lines(plan: Plan) -> list[str]:
         return []
     where = {"colocated": "encoders and generators on the backbone's first and last "
                           "stages", "disaggregated": "every module on GPUs of its own",
-             "phased": "encoders on every backbone GPU before and after its pipeline"}
+             "phased": "encoders on every backbone GPU, in its pipeline's bubbles where "
+                       "they fit"}
     line = f"{'placement':<16}{plan.placement}: {where[plan.placement]}"
+    if plan.placement == "phased":
+        from dtdsl.sim.workload import phase_fit
+
+        fit = phase_fit(plan)
+        later = sum(1 for s in fit.owners if s > 0)
+        line += (f" ({later} of {len(fit.owners)} microbatches on the later stages, "
+                 f"{1e3 * (fit.exposed_f + fit.exposed_b):.1f} ms exposed at mean work)")
     others = {k: t for k, t in (plan.placements or {}).items() if k != plan.placement}
     if others:
         mine = (plan.placements or {}).get(plan.placement)

@@ -336,6 +336,37 @@ class Colocation:
             else 0.0
         return share * (f + hop), share * (b + f + hop)
 
+    def phase_microbatch_s(self, i: int, tp: int, pp: int, across: bool
+                           ) -> tuple[float, float]:
+        """Phased encoder ``i``'s forward and backward seconds of one backbone
+        microbatch's images, hand-off included, the backward with its recomputed forward
+        (``phase_s`` per microbatch)."""
+        f, b = self.fwd_bwd(i, tp, across)
+        hop = float(self.ev.cost.p2p_time_s(self.ev.units[i].boundary_bytes)) if pp > 1 \
+            else 0.0
+        return f + hop, b + f + hop
+
+    def bubbles_s(self, tp: int, pp: int, across: bool, split: tuple[int, ...],
+                  microbatches: int) -> float:
+        """Seconds the phased encoders add to a step: their work placed in 1F1B's bubbles
+        by ``reorder.split.bubble_owners`` (what the simulator and the runtime run, from
+        the plan's same figures: ``sim.workload.phase_fit``), what does not fit exposed."""
+        if not self.phase:
+            return 0.0
+        from dtdsl.reorder.split import bubble_owners
+
+        work = self._work(tp, across)
+        fwd = [work.fwd * n for n in split]
+        bwd = [work.bwd * n for n in split]
+        fwd[0] += work.first[0]
+        bwd[0] += work.first[1]
+        fwd[-1] += work.last[0]
+        bwd[-1] += work.last[1]
+        enc = [self.phase_microbatch_s(i, tp, pp, across) for i in self.phase]
+        fit = bubble_owners(fwd, bwd, microbatches, sum(f for f, _ in enc),
+                            sum(b for _, b in enc))
+        return fit.exposed_f + fit.exposed_b
+
     def phase_sync_s(self, i: int, tp: int, dp: int, pp: int) -> float:
         """Phased encoder ``i``'s end of step: its gradients over every backbone rank."""
         return self.sync_s(i, tp, dp * pp)
@@ -406,9 +437,9 @@ class Colocation:
             bsync = max(stage_sync)
             stage_sync[0] += sync_e
             stage_sync[-1] += sync_g
-            # Phased encoders: their phases before and after the pipeline on every rank,
-            # their gradients synchronised over all of them after the backbone's.
-            phases = sum(sum(self.phase_s(i, tp, dp, p, bool(x))) for i in self.phase)
+            # Phased encoders: their work in the pipeline's bubbles, what does not fit
+            # exposed; their gradients synchronised over every rank after the backbone's.
+            phases = self.bubbles_s(tp, p, bool(x), split, m)
             phase_sync = sum(self.phase_sync_s(i, tp, dp, p) for i in self.phase)
             stage_sync = [t + phase_sync for t in stage_sync]
             steady = min(max(stage) * (m - 1), pipeline)

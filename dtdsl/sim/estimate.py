@@ -28,7 +28,14 @@ from __future__ import annotations
 import numpy as np
 
 from dtdsl.ir.plan import Plan
-from dtdsl.sim.workload import _loads, _per_sample_seconds, phase_times, pipeline_times, route
+from dtdsl.sim.workload import (
+    _loads,
+    _per_sample_seconds,
+    phase_fit,
+    phase_times,
+    pipeline_times,
+    route,
+)
 
 __all__ = ["drawn_estimate", "variation_s"]
 
@@ -62,15 +69,14 @@ def variation_s(plan: Plan, work: dict[str, np.ndarray], policy: frozenset[str])
 
 
 def _phase_variation_s(plan: Plan, routing, work: dict[str, np.ndarray]) -> float:
-    """Seconds the batch adds to the phased encoders' phases (``phase_times``) over their
-    mean-work time (each pipeline rank a 1/(dp x pp) share of the batch at mean work)."""
-    phased = [u for u in plan.units if u.phased]
-    if not phased:
+    """Seconds the batch adds to what the phased encoders expose (``phase_times``: the
+    part of their work outside the pipeline's bubbles) over the plan's mean-work figure
+    (``phase_fit``)."""
+    if not any(u.phased for u in plan.units):
         return 0.0
-    seconds = _per_sample_seconds(plan)
+    fit = phase_fit(plan)
     f, b = phase_times(plan, routing, work)
-    mean = sum(sum(seconds[u.name]) * plan.global_batch / u.dp for u in phased)
-    return float((f + b).max() - mean)
+    return float((f + b).max() - (fit.exposed_f + fit.exposed_b))
 
 
 def _replica_times(plan: Plan, routing, work: dict[str, np.ndarray]

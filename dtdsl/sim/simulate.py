@@ -28,6 +28,19 @@ then one plain loop over the nodes, so many iterations with different sample cos
 the compilation. 32 stages x 256 microbatches (16k passes) run in a few milliseconds.
 Schedules with data parallelism run the same nodes per replica (a list of replica times
 per node, the routes read per step), a few times slower per node.
+
+Phased encoders in the pipeline's bubbles (``Durations.bubbles``: per encoder, the
+backbone stage that encodes each microbatch step, ``sim.workload.phase_fit``): stage s's
+ranks run their encoder forwards as nodes of their own row before the stage's first
+action, and their encoder backwards after its last pass (before its SYNC); the first
+stage's forward of step j waits for the forward of j's images (the hand-off is priced in
+its duration), a stage's first encoder backward for the first stage's backward of the
+last of its steps (and, on stage 1, for the first stage's last forward: the gradients'
+one message follows the activations to that rank), and the first stage's SYNC (the
+encoder's gradient sync over every backbone rank) for every stage's encoder backwards.
+So what does not fit in a bubble shows as the time it adds. Their durations are
+``compute_s[encoder]`` of shape (2, 1, 1, M, backbone dp); the nodes are compiled once per
+assignment (``Simulator.run`` keeps a variant per assignment it meets).
 """
 
 from __future__ import annotations
@@ -63,13 +76,17 @@ class Durations:
     optimizer step of each stage (zero when missing).
     ``routes[(producer, consumer)]``: bool, shape (M, producer dp, consumer dp): whether
     replica q of the producer sends samples of microbatch step j to replica r of the
-    consumer (and gets their gradients back); a missing edge couples every pair."""
+    consumer (and gets their gradients back); a missing edge couples every pair.
+    ``bubbles``: per phased encoder (not a unit of the schedule), the backbone stage that
+    encodes each microbatch step (module docstring); its ``compute_s`` entry has shape
+    (2, 1, 1, M, backbone dp)."""
 
     compute_s: Mapping[str, np.ndarray]
     link_s: Mapping[tuple[str, str], float] = field(default_factory=dict)
     sync_s: Mapping[str, np.ndarray] = field(default_factory=dict)
     opt_s: Mapping[str, np.ndarray] = field(default_factory=dict)
     routes: Mapping[tuple[str, str], np.ndarray] = field(default_factory=dict)
+    bubbles: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
     @staticmethod
     def uniform(schedule: Schedule, forward_s: float, backward_s: float, *,
@@ -121,11 +138,11 @@ class SimResult:
         ``mean_bubble_fraction``, TensorBoard's ``pipeline/bubble_fraction``)."""
         t = self.iteration_time_s
         sim = self.simulator
-        busy, rows = 0.0, 0
-        for u in sim.schedule.units:
-            arr = np.asarray(self.durations.compute_s[u.name], dtype=float)
-            busy += float(arr[sim.compute_used[u.name]].sum())
-            rows += u.pp * u.dp
+        busy = 0.0
+        for name, _, _, _ in sim._dims:
+            arr = np.asarray(self.durations.compute_s[name], dtype=float)
+            busy += float(arr[sim.compute_used[name]].sum())
+        rows = sum(u.pp * u.dp for u in sim.schedule.units)
         return 1.0 - busy / (rows * t) if t > 0 and rows else 0.0
 
     def timeline(self, *, step: int = 0) -> Timeline:
@@ -137,16 +154,31 @@ class SimResult:
 class Simulator:
     """A schedule compiled for repeated simulation (see the module docstring)."""
 
-    def __init__(self, schedule: Schedule) -> None:
+    def __init__(self, schedule: Schedule,
+                 bubbles: tuple[tuple[str, tuple[int, ...]], ...] = ()) -> None:
         self.schedule = schedule
+        self.bubbles = tuple(bubbles)
+        self._variants: dict[tuple, Simulator] = {}
         m = schedule.num_microbatches
         units = {u.name: u for u in schedule.units}
+        backbone = next((u for u in schedule.units if u.role == "backbone"), None)
+        if self.bubbles and backbone is None:
+            raise ValueError("phased encoders need a backbone in the schedule")
+        for name, owners in self.bubbles:
+            if name in units or len(owners) != m or \
+                    any(not 0 <= s < backbone.pp for s in owners):
+                raise ValueError(f"phased encoder {name!r}: {len(owners)} owners for {m} "
+                                 f"steps, or an owner outside stages 0..{backbone.pp - 1}")
+        # Every unit with durations: the schedule's, then each phased encoder (one stage,
+        # one chunk, the backbone's replicas).
+        self._dims = [(u.name, u.pp, u.vpp, u.dp) for u in schedule.units] + [
+            (name, 1, 1, backbone.dp) for name, _ in self.bubbles]
         # Flat index of a pass's duration: per unit a block of 2 * pp * vpp * m entries.
         base: dict[str, int] = {}
         offset = 0
-        for u in schedule.units:
-            base[u.name] = offset
-            offset += 2 * u.pp * u.vpp * m
+        for name, pp, vpp, _ in self._dims:
+            base[name] = offset
+            offset += 2 * pp * vpp * m
         self._compute_base = base
         self._num_compute = offset
         links = sorted({(a.unit, a.peer_unit) for st in schedule.stages for a in st.actions
@@ -164,8 +196,24 @@ class Simulator:
             nodes: list[int] = []
             pending: list[tuple] = []        # receives waiting for the next node
             last = -1
+            hosts = bool(self.bubbles) and st.unit == backbone.name
+            if hosts:   # the encoder forwards of this stage's steps, before its first action
+                for name, owners in self.bubbles:
+                    for j in (j for j, s in enumerate(owners) if s == st.stage):
+                        last = len(raw)
+                        raw.append([si, F, base[name] + j, name, j, 0, []])
+                        nodes.append(last)
+                        producer[("enc_f", name, j)] = last
+            tail_done = not hosts
             for a in st.actions:
                 kind = a.kind
+                if not tail_done and kind in (ActionKind.SYNC, ActionKind.OPT):
+                    last = self._encoder_backwards(raw, nodes, producer, si, st.stage, base, m)
+                    tail_done = True
+                    if st.stage == 0:
+                        pending += [(("enc_b_last", name, s), -1, None)
+                                    for name, owners in self.bubbles
+                                    for s in set(owners) - {0}]
                 if kind.is_send:
                     if pending:
                         # A send after a receive is posted once that receive has
@@ -195,10 +243,18 @@ class Simulator:
                                            + a.microbatch)
                 else:
                     slot = -1
+                if hosts and st.stage == 0 and a.chunk == 0 and kind in (F, B):
+                    if kind is F:   # the embeddings of the step's images are here
+                        pending = pending + [(("enc_f", name, a.microbatch), -1, None)
+                                             for name, owners in self.bubbles
+                                             if owners[a.microbatch] != 0]
+                    producer[("bb_" + kind.value, a.microbatch)] = len(raw)
                 last = len(raw)
                 raw.append([si, kind, slot, st.unit, a.microbatch, a.chunk, pending])
                 nodes.append(last)
                 pending = []
+            if not tail_done:
+                last = self._encoder_backwards(raw, nodes, producer, si, st.stage, base, m)
             if pending:   # receives at the end of a stage: a node of no duration
                 last = len(raw)
                 raw.append([si, ActionKind.SYNC, _WAIT, st.unit, None, 0, pending])
@@ -303,8 +359,8 @@ class Simulator:
         used = np.zeros(self._num_compute, dtype=bool)
         used[[raw[v][2] for v in range(n) if raw[v][2] >= 0]] = True
         self.compute_used = {
-            u.name: used[base[u.name]:base[u.name] + 2 * u.pp * u.vpp * m].reshape(
-                2, u.pp, u.vpp, m) for u in schedule.units}
+            name: used[base[name]:base[name] + 2 * pp * vpp * m].reshape(2, pp, vpp, m)
+            for name, pp, vpp, _ in self._dims}
         self.stage_compute = stage_compute
         self._stage_nodes = stage_nodes
 
@@ -313,16 +369,39 @@ class Simulator:
         # they are a collective over the replicas (SYNC).
         self.replicated = any(u.dp > 1 for u in schedule.units)
         position = {v: k for k, v in enumerate(order)}
-        unit_index = {u.name: k for k, u in enumerate(schedule.units)}
+        unit_index = {name: k for k, (name, _, _, _) in enumerate(self._dims)}
         lanes: list[tuple] = []
         for v in order:
             si, kind, slot, unit, _, _, _ = raw[v]
-            u = units[unit]
+            dp = self._dims[unit_index[unit]][3]
             ins = tuple((position[src], link, edge) for src, link, edge in routed[v])
             local = slot - base[unit] if slot >= 0 else slot
-            lanes.append((ins, u.dp, unit_index[unit], local, new_id[v],
+            lanes.append((ins, dp, unit_index[unit], local, new_id[v],
                           slot == -1 and kind is ActionKind.SYNC))
         self._lane_nodes = lanes
+
+    def _encoder_backwards(self, raw: list, nodes: list[int], producer: dict, si: int,
+                           stage: int, base: dict[str, int], m: int) -> int:
+        """Append stage ``stage``'s encoder backwards (module docstring) to its nodes;
+        returns the last node (-1 without one)."""
+        last = nodes[-1] if nodes else -1
+        for name, owners in self.bubbles:
+            mine = [j for j, s in enumerate(owners) if s == stage]
+            for k, j in enumerate(mine):
+                deps = []
+                if k == 0 and stage > 0:
+                    # The gradients of all its steps come in one message after the first
+                    # stage's backward of the last of them (on stage 1 also after the
+                    # first stage's last forward, which goes to the same rank first).
+                    deps.append((("bb_B", mine[-1]), -1, None))
+                    if stage == 1:
+                        deps.append((("bb_F", m - 1), -1, None))
+                last = len(raw)
+                raw.append([si, B, base[name] + m + j, name, j, 0, deps])
+                nodes.append(last)
+            if mine:
+                producer[("enc_b_last", name, stage)] = last
+        return last
 
     # ---- running ----------------------------------------------------------------------------
 
@@ -330,13 +409,13 @@ class Simulator:
         """Per flat compute slot: the slowest replica's seconds; per link: seconds."""
         m = self.schedule.num_microbatches
         flat = np.zeros(self._num_compute + 1)   # last entry: slot -1 reads 0
-        for u in self.schedule.units:
-            arr = np.asarray(durations.compute_s[u.name], dtype=float)
-            want = (2, u.pp, u.vpp, m, u.dp)
+        for name, pp, vpp, dp in self._dims:
+            arr = np.asarray(durations.compute_s[name], dtype=float)
+            want = (2, pp, vpp, m, dp)
             if arr.shape != want:
-                raise ValueError(f"compute_s[{u.name!r}] has shape {arr.shape}, expected "
+                raise ValueError(f"compute_s[{name!r}] has shape {arr.shape}, expected "
                                  f"{want} (pass, stage, chunk, microbatch, replica)")
-            lo = self._compute_base[u.name]
+            lo = self._compute_base[name]
             flat[lo:lo + arr[..., 0].size] = arr.max(axis=-1).ravel()
         if not np.all(np.isfinite(flat)) or flat.min() < 0:
             raise ValueError("durations must be finite and non-negative")
@@ -345,8 +424,19 @@ class Simulator:
             links[i] = float(durations.link_s.get(key, 0.0))
         return flat, links
 
+    def variant(self, bubbles: tuple[tuple[str, tuple[int, ...]], ...]) -> Simulator:
+        """This schedule compiled with phased encoders at ``bubbles`` (cached)."""
+        bubbles = tuple((name, tuple(owners)) for name, owners in bubbles)
+        if bubbles == self.bubbles:
+            return self
+        if bubbles not in self._variants:
+            self._variants[bubbles] = Simulator(self.schedule, bubbles)
+        return self._variants[bubbles]
+
     def run(self, durations: Durations) -> SimResult:
         """Simulate one iteration with ``durations``."""
+        if tuple(durations.bubbles) != self.bubbles:
+            return self.variant(durations.bubbles).run(durations)
         flat, links = self._flat_durations(durations)
         dur = flat[self._slots]
         for node, unit, stage in self._sync_nodes:
@@ -406,8 +496,8 @@ class Simulator:
     def _run_replicas(self, durations: Durations, dur: np.ndarray,
                       links: np.ndarray) -> SimResult:
         """The iteration replica by replica (see the module docstring)."""
-        per_unit = [np.asarray(durations.compute_s[u.name], dtype=float)
-                    .reshape(-1, u.dp).tolist() for u in self.schedule.units]
+        per_unit = [np.asarray(durations.compute_s[name], dtype=float)
+                    .reshape(-1, dp).tolist() for name, _, _, dp in self._dims]
         link = links.tolist()
         feeders = self._feeders(durations)
         tail = dur.tolist()
@@ -437,7 +527,7 @@ class Simulator:
             starts.append(cur)
             ends.append(end)
         n = self.num_nodes
-        width = max(u.dp for u in self.schedule.units)
+        width = max(dp for _, _, _, dp in self._dims)
         replica_start = np.full((n, width), np.nan)
         start_arr = np.zeros(n)
         end_arr = np.zeros(n)
@@ -461,12 +551,25 @@ class Simulator:
                    for name, arr in result.durations.compute_s.items()}
         start = result.start_s.tolist()
         events: list[Event] = []
+        encoders = {name for name, _ in self.bubbles}
         for v, (si, kind, slot, unit, j, c, _) in enumerate(self._raw):
             if slot == _WAIT:
                 continue
             node = self._new_id[v]
-            tu = by_name[unit]
             stage = schedule.stages[si].stage
+            if unit in encoders:
+                # A phased encoder's pass: an event of its backbone stage's own row with
+                # no microbatch (as the executor measures it).
+                tu = by_name[schedule.stages[si].unit]
+                ranks = [tu.rank(stage, r) for r in range(tu.dp)]
+                t0 = [start[node]] * tu.dp if result.replica_start_s is None else \
+                    result.replica_start_s[node, :tu.dp].tolist()
+                d = compute[unit][0 if kind is F else 1, 0, 0, j].tolist()
+                events += [Event(unit=tu.name, stage=stage, replica=r, rank=ranks[r],
+                                 kind=str(kind), microbatch=None, start_s=t0[r],
+                                 end_s=t0[r] + d[r]) for r in range(tu.dp)]
+                continue
+            tu = by_name[unit]
             ranks = [tu.rank(stage, r) for r in range(tu.dp)]
             t0 = [start[node]] * tu.dp if result.replica_start_s is None else \
                 result.replica_start_s[node, :tu.dp].tolist()

@@ -36,11 +36,12 @@ from dtdsl.cost.samples import (
 )
 from dtdsl.ir.plan import Plan
 from dtdsl.ir.schedule import Schedule
-from dtdsl.reorder.split import balanced_groups, contiguous_split
+from dtdsl.reorder.split import BubbleFit, bubble_exposure, bubble_owners, contiguous_split
 from dtdsl.sim.simulate import Durations
 
 __all__ = ["POLICIES", "Routing", "WorkModel", "batch_samples", "imbalance",
-           "iteration_durations", "model_flops", "parse_policy", "phase_times", "pipeline_times",
+           "iteration_durations", "model_flops", "parse_policy", "phase_fit", "phase_times",
+           "pipeline_times",
            "reordered",
            "route", "sample_work"]
 
@@ -143,6 +144,9 @@ class Routing:
     num_microbatches: int
     step: np.ndarray                  # (B,)
     replica: dict[str, np.ndarray]    # unit -> (B,)
+    # Phased encoders, whose replica follows the step (``_phase_shares``): (encoder,
+    # backbone, backbone dp, the stage that encodes each step), kept by ``reordered``.
+    phased: tuple[tuple[str, str, int, tuple[int, ...]], ...] = ()
 
     def loads(self, unit: str, costs: np.ndarray, dp: int) -> np.ndarray:
         """(steps, dp): the summed ``costs`` of each replica's samples per step."""
@@ -229,8 +233,13 @@ def reordered(routing: Routing, order) -> Routing:
     """``routing`` with its steps run in ``order`` (``order[k]``: the step that runs k-th)."""
     position = np.empty(len(order), dtype=np.intp)
     position[np.asarray(order)] = np.arange(len(order))
-    return Routing(num_microbatches=routing.num_microbatches,
-                   step=position[routing.step], replica=routing.replica)
+    step = position[routing.step]
+    replica = dict(routing.replica)
+    for name, backbone, dp, owners in routing.phased:
+        # The stage that encodes a step is the step's place's (``phase_fit``).
+        replica[name] = _phase_shares(replica[backbone], step, owners, dp)
+    return Routing(num_microbatches=routing.num_microbatches, step=step, replica=replica,
+                   phased=routing.phased)
 
 
 class _SampleCosts:
@@ -309,29 +318,56 @@ def _routed(plan: Plan, costs: _SampleCosts, step: np.ndarray, intra: bool, *,
         r[batches] = target[:, None]
         total[target] += load
     replica = {bb.name: r}
+    owners = phase_fit(plan).owners if any(u.phased for u in plan.units) else ()
     for u in plan.units:
         if u.phased:
-            replica[u.name] = _phase_shares(r, costs.stage[u.name], bb.dp, bb.pp)
+            replica[u.name] = _phase_shares(r, step, owners, bb.dp)
         elif u.name != bb.name:
             # One pipeline per replica in a rigid plan, and a co-located unit runs on its
             # host stage's replicas: a sample stays on its backbone replica's.
             replica[u.name] = r if plan.rigid or u.colocated else _split(
                 members_of, costs.stage[u.name], u.dp, intra,
                 _BALANCE_BUDGET if balance_budget is None else balance_budget)
-    return Routing(num_microbatches=m, step=step, replica=replica)
+    phased = tuple((u.name, bb.name, bb.dp, owners) for u in plan.units if u.phased)
+    return Routing(num_microbatches=m, step=step, replica=replica, phased=phased)
 
 
-def _phase_shares(backbone: np.ndarray, costs: np.ndarray, dp: int, pp: int) -> np.ndarray:
-    """A phased encoder's replica per sample: the samples of backbone replica r (every
-    step's) split among the ranks of its pipeline, balanced on the encoder's ``costs``
-    (``balanced_groups``); stage s's ranks of replica r are the encoder's replica
-    s * dp + r (``UnitPlan.phased``)."""
-    out = np.empty(len(backbone), dtype=np.intp)
-    for r in range(dp):
-        members = np.flatnonzero(backbone == r)
-        share = np.asarray(balanced_groups(costs[members].tolist(), pp), dtype=np.intp)
-        out[members] = share * dp + r
-    return out
+def _phase_shares(backbone: np.ndarray, step: np.ndarray, owners: tuple[int, ...],
+                  dp: int) -> np.ndarray:
+    """A phased encoder's replica per sample: a sample of backbone replica r in
+    microbatch step j is encoded by the ranks of pipeline stage ``owners[j]`` of replica r
+    (``phase_fit``), the encoder's replica owners[j] * dp + r (``UnitPlan.phased``)."""
+    return np.asarray(owners, dtype=np.intp)[step] * dp + backbone
+
+
+def _stage_seconds(plan: Plan) -> tuple[list[float], list[float]]:
+    """The backbone's stages' forward and backward seconds of a mean microbatch, the
+    co-located encoders' on its first stage and generators' on its last."""
+    bb = next(u for u in plan.units if u.role == "backbone")
+    layers = np.asarray(bb.layers_per_stage, dtype=float)
+    scale = layers / layers.max()
+    fwd, bwd = (bb.fwd_time_s * scale).tolist(), (bb.bwd_time_s * scale).tolist()
+    for u in plan.units:
+        if u.colocated:
+            at = 0 if u.role == "encoder" else -1
+            fwd[at] += u.fwd_time_s / u.microbatch_share
+            bwd[at] += u.bwd_time_s / u.microbatch_share
+    return fwd, bwd
+
+
+def phase_fit(plan: Plan) -> BubbleFit:
+    """Where the plan's phased encoders run (``reorder.split.bubble_owners``): per
+    microbatch step, the backbone stage whose ranks encode its images, in 1F1B's bubbles
+    where they fit, at mean work (the planner's ``Colocation`` prices the same). Every
+    phased encoder of a step on the same stage, one after another. A function of the
+    plan alone: the simulator, the routing and so every rank agree."""
+    phased = [u for u in plan.units if u.phased]
+    if not phased:
+        raise ValueError("the plan runs no encoder phased")
+    fwd, bwd = _stage_seconds(plan)
+    ef = sum(u.fwd_time_s / u.microbatch_share for u in phased)
+    eb = sum(u.bwd_time_s / u.microbatch_share for u in phased)
+    return bubble_owners(fwd, bwd, plan.num_microbatches, ef, eb)
 
 
 # Work of ``intra.balance`` per step and unit (its units: about a microsecond each): a
@@ -403,25 +439,43 @@ def _per_sample_seconds(plan: Plan) -> dict[str, tuple[float, float]]:
     return out
 
 
-def phase_times(plan: Plan, routing: Routing, work: dict[str, np.ndarray]
-                ) -> tuple[np.ndarray, np.ndarray]:
-    """(backbone dp,) seconds of the phased encoders' forward phase (before the
-    pipeline's first action) and backward phase (after its last) of each backbone
-    replica: per phased encoder the slowest of the replica's pipeline ranks on its share
-    (``_phase_shares``), encoders one after another; zeros without one. The transfer of
-    the share's outputs to the first stage (and of their gradients back) is part of it:
-    ``UnitPlan.fwd_time_s`` prices a phased unit's microbatch with its hand-off."""
+def _phase_steps(plan: Plan, routing: Routing, work: dict[str, np.ndarray]
+                 ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Per phased encoder: (steps, backbone dp) forward and backward seconds of each
+    microbatch step's images of each backbone replica, on the stage that encodes them
+    (``phase_fit``; hand-off included, the backward with its recomputed forward)."""
     bb = next(u for u in plan.units if u.role == "backbone")
-    fwd, bwd = np.zeros(bb.dp), np.zeros(bb.dp)
     seconds = _per_sample_seconds(plan)
+    out = {}
     for u in plan.units:
         if not u.phased:
             continue
         f, b = seconds[u.name]
-        per_rank = routing.loads(u.name, work[u.name], u.dp).sum(axis=0)   # (dp x pp,)
-        slowest = per_rank.reshape(bb.pp, bb.dp).max(axis=0)               # (dp,)
-        fwd += f * slowest
-        bwd += b * slowest
+        loads = routing.loads(u.name, work[u.name], u.dp)                # (steps, dp x pp)
+        per_step = loads.reshape(len(loads), bb.pp, bb.dp).sum(axis=1)    # (steps, dp)
+        out[u.name] = (f * per_step, b * per_step)
+    return out
+
+
+def phase_times(plan: Plan, routing: Routing, work: dict[str, np.ndarray]
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """(backbone dp,) seconds the phased encoders add to each backbone replica's step
+    before the pipeline's work and after it, as ``reorder.split.bubble_exposure``
+    estimates it for the batch's own encoder work at ``phase_fit``'s owners (what does
+    not fit in the bubbles); zeros without a phased encoder. The simulator places the
+    same work as events (``iteration_durations``); this is the drawn-batch estimate's."""
+    bb = next(u for u in plan.units if u.role == "backbone")
+    fwd, bwd = np.zeros(bb.dp), np.zeros(bb.dp)
+    steps = _phase_steps(plan, routing, work)
+    if not steps:
+        return fwd, bwd
+    owners = phase_fit(plan).owners
+    stage_f, stage_b = _stage_seconds(plan)
+    ef = sum(f for f, _ in steps.values())
+    eb = sum(b for _, b in steps.values())
+    for r in range(bb.dp):
+        fwd[r], bwd[r] = bubble_exposure(stage_f, stage_b, owners, ef[:, r].tolist(),
+                                         eb[:, r].tolist())
     return fwd, bwd
 
 
@@ -538,14 +592,16 @@ def iteration_durations(plan: Plan, cost: CostModel, schedule: Schedule, routing
     # whose samples cross (the broker's routes).
     backbone = next(u for u in plan.units if u.role == "backbone")
     routes = {}
-    # Phased encoders: their forward phase delays the first stage's first forward, their
-    # backward phase follows its last backward (the other stages wait for the first
-    # stage's activations anyway, and it is the last to finish), their gradient sync
-    # over the backbone's GPUs ends the step.
-    phase_f, phase_b = phase_times(plan, routing, work)
-    first = compute[backbone.name]
-    first[0, 0, 0, 0] += phase_f
-    first[1, 0, 0, -1] += phase_b
+    # Phased encoders: events of each backbone stage's row, in the pipeline's bubbles
+    # where they fit (``phase_fit``; the simulator's ``Durations.bubbles``); their
+    # gradient sync over the backbone's GPUs ends the first stage's step.
+    bubbles = []
+    steps = _phase_steps(plan, routing, work)
+    if steps:
+        owners = phase_fit(plan).owners
+        for name, (f, b) in steps.items():
+            compute[name] = np.stack([f, b])[:, None, None]       # (2, 1, 1, steps, dp)
+            bubbles.append((name, owners))
     for u in plan.units:
         if u.phased:
             sync[backbone.name][0] += u.dp_sync_time_s
@@ -570,4 +626,5 @@ def iteration_durations(plan: Plan, cost: CostModel, schedule: Schedule, routing
                 (backbone.name, backbone.name)]
             routes[(backbone.name, u.name)] = routing.pairs(backbone.name, backbone.dp,
                                                             u.name, u.dp)
-    return Durations(compute_s=compute, link_s=links, sync_s=sync, routes=routes)
+    return Durations(compute_s=compute, link_s=links, sync_s=sync, routes=routes,
+                     bubbles=tuple(bubbles))

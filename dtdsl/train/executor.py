@@ -81,21 +81,29 @@ host stage's times; the host trains when they do (``schedule.lower.gradient_flow
 Phased encoders (issue 27; ``UnitPlan.phased``, ``parallel.mesh.phased_units``): an
 encoder the plan phases runs on every backbone rank, outside the schedule, as a stage of
 its own (``Stage.phased``: its shards over its DP group of every backbone rank with the
-same TP index, ``parallel.mesh.phased_grid``). Before the schedule's first action, the
-*forward phase*: each rank encodes its share of the step (the samples whose
-``assignment`` of the encoder is its replica stage * dp + replica, every microbatch step;
-``data.batch.reads_of`` gives it their images) under ``no_grad``, and sends the
-embeddings to the backbone's first stage of its replica and TP index (one message per
-stage, the samples in step order, shapes from ``StepBatch.sizes``; the first stage keeps
-its own), which holds them as autograd leaves and feeds them to ``backbone_input`` as it
-would a broker's. After the schedule's last action (and the stage's own reduction), the
-*backward phase*, where the encoder or its projector trains: the first stage sends each
-stage its share's embedding gradients, every rank recomputes its share's forward one
-microbatch step at a time and runs backward with them; then every rank reduces the
-encoder's gradients over its DP group, share or no share. Each phase is an ``F`` or
-``B`` event with no microbatch on the rank's own (backbone) row of the measured timeline:
-one row per GPU, as in the simulator's predicted timeline, which folds the phases into
-the first stage's first ``F`` and last ``B`` (``sim.workload.iteration_durations``).
+same TP index, ``parallel.mesh.phased_grid``), in the pipeline's bubbles: each microbatch
+step's images are encoded by one stage of their replica's pipeline
+(``sim.workload.phase_fit``, from the plan alone; the routing's ``assignment`` of the
+encoder is that stage * dp + replica and ``data.batch.reads_of`` gives the rank their
+images). Before the schedule's first action, the *forward phase* (a later stage idles
+there anyway): each rank encodes its steps under ``no_grad``; a later stage sends each
+step's embeddings to the backbone's first stage of its replica and TP index as soon as
+they are encoded (one message per step, shapes from ``StepBatch.sizes``), without waiting
+for them to arrive; the first stage keeps its own, posts the receives of every other
+stage's at once and waits for a step's only before its ``F`` of it (``_phase_arrivals``),
+holding them as autograd leaves it feeds to ``backbone_input`` as it would a broker's.
+Both sides post these messages before any of the schedule's, so in-order matching pairs
+them whatever else the two ranks exchange. Where the encoder or its projector trains,
+the first stage sends a later stage its share's embedding gradients (one message) once
+its ``B`` of the last of that stage's steps has run and, for stage 1, after its last
+``SEND_F`` (that rank receives the activations first; ``_phase_grads_due``). After the
+schedule's last action (and the stage's own reduction), the *backward phase*: every rank
+recomputes its share's forward one microbatch step at a time and runs backward with those
+gradients; then every rank reduces the encoder's gradients over its DP group, share or no
+share. Each phase is an ``F`` or ``B`` event with no microbatch on the rank's own
+(backbone) row of the measured timeline: one row per GPU, as in the simulator's
+predicted timeline, which places every step's encoder passes on its stage's row
+(``sim.simulate``'s ``Durations.bubbles``).
 
 Limits: interleaved schedules (vpp > 1) raise NotImplementedError; a U-Net or DiT
 generator runs on one pipeline stage; one image encoder (phased or not).
@@ -256,6 +264,12 @@ class StageExecutor:
         # Per phased encoder, this rank's share of the step: (samples, their packed
         # images) per microbatch step, from the forward phase to the backward phase.
         self._phase_packs: dict[str, list[tuple[list[int], PackedImages | None]]] = {}
+        # On the first stage, between the phases: per sample whose embeddings are on
+        # their way, its step's message (``_phase_forward``); per stage whose embedding
+        # gradients it has not sent yet, the steps it still waits for (``_phase_grads_due``).
+        self._phase_waiting: dict[int, tuple[list[int], Any]] = {}
+        self._phase_due: dict[int, set[int]] = {}
+        self._phase_sent_last_forward = False
         self.model = _Units(program, self.stage.module.units)
         # Co-located modules this stage runs (a backbone's first stage: the encoder, its
         # last: the generators), on its own ranks and samples.
@@ -488,6 +502,8 @@ class StageExecutor:
                 # peer is the pipeline's bubble, not its compute).
                 self.p2p.flush()
                 self._await_inputs(a)
+                if self._phase_waiting:
+                    self._phase_arrivals(a)
             if i == self._last_backward:
                 # A backbone's layers reduce-scatter their gradients as each one's last
                 # backward ends, behind the backward of the layers before it.
@@ -496,6 +512,8 @@ class StageExecutor:
             self._run(i, a)
             self.clock.end(mark)
             marks.append((a.kind.value, a.microbatch, mark))
+            if self._phase_due:
+                self._phase_grads_due(a)
         self.p2p.flush()    # the last sends (a last SEND_B) go out before the reduction
         if self._last_backward >= 0:
             # FSDP2's gradient reduction of the rest, once, after the stage's last
@@ -512,6 +530,8 @@ class StageExecutor:
             # share empty or not: ``Stage.reduce_gradients``.
             part.reduce_gradients()
         self._phased_in, self._phase_packs = {}, {}
+        self._phase_waiting, self._phase_due = {}, {}
+        self._phase_sent_last_forward = False
         self.p2p.wait_sends()
         if self.micro and any(m.pending or m.grads_in for m in self.micro.values()):
             raise RuntimeError(f"{r.unit}.s{r.stage}: step {step} ended with receives "
@@ -776,20 +796,16 @@ class StageExecutor:
         replica = stage * self.role.grid.dp + self.role.replica
         return [list(s.samples_of(name, replica)) for s in self.steps]
 
-    def _phase_order(self, name: str, stage: int) -> list[int]:
-        """The samples with image embeddings in stage ``stage``'s share, in step order:
-        the tensors of a phase's message between that stage and the first, in order."""
-        return [i for ids in self._phase_share(name, stage) for i in ids
-                if self._rows(i) > 0]
-
     def _phase_specs(self, order: Sequence[int]) -> list[TensorSpec]:
         """The embeddings (or their gradients) of ``order``, from the samples' sizes."""
         return [TensorSpec((self._rows(i), self._width),
                            self.dtype) for i in order]
 
-    def _phase_label(self, name: str, direction: str, src: int, dst: int) -> str:
+    def _phase_label(self, name: str, direction: str, src: int, dst: int,
+                     j: int | None = None) -> str:
         r = self.role
-        return f"{name} phase {r.unit}.s{src}->s{dst} {direction} {self.step} " \
+        part = "" if j is None else f" m{j}"
+        return f"{name} phase {r.unit}.s{src}->s{dst} {direction}{part} {self.step} " \
             f"r{r.replica}t{r.tp_index}"
 
     def _phase_encode(self, name: str, ids: Sequence[int], packed: PackedImages | None
@@ -804,64 +820,124 @@ class StageExecutor:
         outs = unpack_images(packed, ys, width=self._width)
         return {i: o for i, o in zip(ids, outs, strict=True) if o.shape[0] > 0}
 
+    def _phase_steps(self, name: str, stage: int) -> list[tuple[int, list[int]]]:
+        """Per microbatch step that stage ``stage`` encodes (``sim.workload.phase_fit``:
+        all of a step's images on one stage), the samples with image embeddings in it:
+        the tensors of one message between that stage and the first, in order."""
+        out = []
+        for j, ids in enumerate(self._phase_share(name, stage)):
+            order = [i for i in ids if self._rows(i) > 0]
+            if order:
+                out.append((j, order))
+        return out
+
     def _phase_forward(self, name: str) -> None:
-        """Phased encoder ``name``'s forward phase: this rank encodes its share of every
-        microbatch step (no graph kept: the backward phase recomputes it) and sends the
-        embeddings to the backbone's first stage of its replica and TP index, which
-        receives every other stage's share and keeps them as autograd leaves for
-        ``backbone_input`` (``_phased_in``). One message per stage, in the order every
-        rank derives from the routing and the sizes."""
+        """Phased encoder ``name``'s forward phase, before the stage's first action: this
+        rank encodes its share, the microbatch steps the plan gives its stage (in the
+        pipeline's bubble before its first forward, ``sim.workload.phase_fit``), under
+        ``no_grad`` (the backward phase recomputes it). A later stage sends each step's
+        embeddings to the first stage as soon as they are encoded, one message per step
+        (it does not wait for them to arrive); the first stage keeps its own and posts the
+        receives of every other stage's, each waited for only before its forward of that
+        step (``_phase_arrivals``), as autograd leaves for ``backbone_input``
+        (``_phased_in``). Both sides post these messages before any of the schedule's, so
+        in-order matching pairs them whatever the schedule sends the same ranks."""
         part = self.stage.phased[name]
         role = self.role
-        mine: dict[int, torch.Tensor] = {}
+        trains = bool(part.trainable())
         # The share's images, packed once (their patches counted) and kept on the device
         # for the backward phase's recomputation.
         packs = self._phase_packs[name] = [
             (ids, self._hosted_images([self._sample(i) for i in ids]))
             for ids in self._phase_share(name, role.stage)]
+        if role.stage > 0:
+            for j, order in self._phase_steps(name, role.stage):
+                with torch.no_grad():
+                    mine = self._phase_encode(name, *packs[j])
+                self.p2p.send(self._pp_peer(0), [mine[i] for i in order],
+                              self._phase_label(name, _FWD, role.stage, 0, j))
+                self.p2p.flush()
+            return
+        mine: dict[int, torch.Tensor] = {}
         with torch.no_grad():
             for ids, packed in packs:
                 mine.update(self._phase_encode(name, ids, packed))
-        if role.stage > 0:
-            order = self._phase_order(name, role.stage)
-            self.p2p.send(self._pp_peer(0), [mine[i] for i in order],
-                          self._phase_label(name, _FWD, role.stage, 0))
-            self.p2p.flush()
-            return
-        pending = []
+        self._phased_in = {i: t.detach().requires_grad_(trains) for i, t in mine.items()}
         for s in range(1, role.grid.pp):
-            order = self._phase_order(name, s)
-            pending.append((order, self.p2p.recv(self._pp_peer(s), self._phase_specs(order),
-                                                 self._phase_label(name, _FWD, s, 0))))
+            steps = self._phase_steps(name, s)
+            for j, order in steps:
+                received = self.p2p.recv(self._pp_peer(s), self._phase_specs(order),
+                                         self._phase_label(name, _FWD, s, 0, j))
+                self._phase_waiting.update((i, (order, received)) for i in order)
+            if trains and steps:
+                self._phase_due[s] = {j for j, _ in steps}
         self.p2p.flush()
-        got = dict(mine)
-        for order, received in pending:
-            got.update((i, t.clone()) for i, t in zip(order, received.wait(), strict=True))
-        trains = bool(part.trainable())
-        self._phased_in = {i: t.detach().requires_grad_(trains) for i, t in got.items()}
+
+    def _phase_arrivals(self, a: Action) -> None:
+        """Before the first stage's forward of a step: wait for the phased encoder's
+        embeddings of the step's samples that other stages encode."""
+        if a.kind is not ActionKind.F or a.microbatch is None:
+            return
+        trains = bool(next(iter(self.stage.phased.values())).trainable())
+        for i in self.steps[a.microbatch].sample_ids:
+            if i not in self._phase_waiting:
+                continue
+            order, received = self._phase_waiting[i]
+            for k, t in zip(order, received.wait(), strict=True):
+                self._phased_in[k] = t.clone().detach().requires_grad_(trains)
+                self._phase_waiting.pop(k)
+
+    def _phase_grads_due(self, a: Action) -> None:
+        """After a first-stage action: send a later stage its share's embedding gradients
+        (one message) once the backward of every step it encoded has run here and, for
+        stage 1, the last forward's activations have been queued to it (in-order
+        matching: that rank receives them first). It runs its backward phase after its
+        last action, in the bubble the first stage's last backwards leave it."""
+        if a.kind is ActionKind.B:
+            for waiting in self._phase_due.values():
+                waiting.discard(a.microbatch)
+        last_send = a.kind is ActionKind.SEND_F and a.microbatch == len(self.steps) - 1
+        for s in [s for s, waiting in self._phase_due.items() if not waiting]:
+            if s == 1 and not (last_send or self._phase_sent_last_forward):
+                continue
+            self._phase_send_grads(s)
+        self._phase_sent_last_forward = self._phase_sent_last_forward or last_send
+
+    def _phase_send_grads(self, stage: int) -> None:
+        """Queue stage ``stage``'s share's embedding gradients to it (first stage)."""
+        (name,) = self.stage.phased
+        order = [i for _, ids in self._phase_steps(name, stage) for i in ids]
+        self.p2p.send(self._pp_peer(stage), [self._phase_grad(i) for i in order],
+                      self._phase_label(name, _BWD, 0, stage))
+        self._phase_due.pop(stage)
+
+    def _phase_grad(self, i: int) -> torch.Tensor:
+        x = self._phased_in[i]
+        return x.grad if x.grad is not None else torch.zeros_like(x)
 
     def _phase_backward(self, name: str) -> None:
-        """Phased encoder ``name``'s backward phase, after the pipeline: the first stage
-        sends each stage its share's embedding gradients (keeping its own); every rank
-        then recomputes its share's forward, one microbatch step at a time (one step's
+        """Phased encoder ``name``'s backward phase, after the stage's last action: the
+        first stage has sent each later stage its share's embedding gradients
+        (``_phase_grads_due``; any left are sent now) and keeps its own; every rank
+        recomputes its share's forward, one microbatch step at a time (one step's
         activations held at once), and runs backward with those gradients."""
         role = self.role
         if role.stage == 0:
-            def grad(i: int) -> torch.Tensor:
-                x = self._phased_in[i]
-                return x.grad if x.grad is not None else torch.zeros_like(x)
-
-            for s in range(1, role.grid.pp):
-                self.p2p.send(self._pp_peer(s), [grad(i) for i in self._phase_order(name, s)],
-                              self._phase_label(name, _BWD, 0, s))
+            for s in list(self._phase_due):
+                self._phase_send_grads(s)
             self.p2p.flush()
-            grads = {i: grad(i) for i in self._phase_order(name, 0)}
+            grads = {i: self._phase_grad(i) for _, ids in self._phase_steps(name, 0)
+                     for i in ids}
         else:
-            order = self._phase_order(name, role.stage)
-            received = self.p2p.recv(self._pp_peer(0), self._phase_specs(order),
-                                     self._phase_label(name, _BWD, 0, role.stage))
-            self.p2p.flush()
-            grads = dict(zip(order, received.wait(), strict=True))
+            # No message where the share has no embeddings (nor any sent: both sides
+            # derive the same empty share).
+            order = [i for _, ids in self._phase_steps(name, role.stage) for i in ids]
+            grads = {}
+            if order:
+                received = self.p2p.recv(self._pp_peer(0), self._phase_specs(order),
+                                         self._phase_label(name, _BWD, 0, role.stage))
+                self.p2p.flush()
+                grads = dict(zip(order, received.wait(), strict=True))
         for ids, packed in self._phase_packs.pop(name):
             outs = self._phase_encode(name, ids, packed)
             tensors = [o for o in outs.values() if o.requires_grad]

@@ -127,7 +127,10 @@ def _tiny(pp: int, m: int):
     assert result.ok, [d.message for d in result.diagnostics]
     program = result.program
     cost = build_cost_model(program, CostParams(samples=256))
-    the_plan = make_plan(cost, program.cluster.num_gpus, compare_baseline=False)
+    # Disaggregated: a phased encoder's stage per step follows the step's place in the
+    # order (``sim.workload.phase_fit``), which inter's chain model does not price.
+    the_plan = make_plan(cost, program.cluster.num_gpus, compare_baseline=False,
+                         placement="disaggregated")
     assert the_plan.unit("llm").pp == pp
     return program, cost, the_plan, lower(the_plan, program)
 

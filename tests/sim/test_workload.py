@@ -241,32 +241,39 @@ def test_colocated_plans_simulate_close_to_the_plan():
 
 
 def test_phased_plans_simulate_close_to_the_plan():
-    """A phased encoder runs outside the schedule: each sample on a rank of its backbone
-    replica's pipeline, the replica's samples balanced over them; at mean work its phases
-    and the pipeline simulate to the plan's time."""
+    """A phased encoder runs outside the schedule: a sample on the rank of its backbone
+    replica's pipeline whose stage ``phase_fit`` gives its step, in whatever order the
+    steps run; at mean work its passes in the bubbles and the pipeline simulate to the
+    plan's time."""
+    from dtdsl.sim.workload import phase_fit, reordered
+
     for name in ("tiny_cpu", "mllm_9b"):
         _, cost, the_plan, schedule = _setup(name, placement="phased")
         assert the_plan.placement == "phased"
         backbone = next(u for u in the_plan.units if u.role == "backbone")
         (phased,) = [u for u in the_plan.units if u.phased]
         assert phased.name not in {u.name for u in schedule.units}
+        owners = np.asarray(phase_fit(the_plan).owners)
         work = {u.name: np.ones(the_plan.global_batch) for u in the_plan.units}
-        routing = route(the_plan, work, frozenset())
-        q = routing.replica[phased.name]
-        assert np.array_equal(q % backbone.dp, routing.replica[backbone.name])
-        counts = np.bincount(q, minlength=phased.dp)
-        assert counts.max() - counts.min() <= 1
+        for policy in (frozenset(), frozenset({"intra", "inter"})):
+            routing = route(the_plan, work, policy)
+            q = routing.replica[phased.name]
+            assert np.array_equal(q % backbone.dp, routing.replica[backbone.name])
+            assert np.array_equal(q // backbone.dp, owners[routing.step])
+        # Reordering the steps keeps each place's stage.
+        again = reordered(routing, list(range(the_plan.num_microbatches))[::-1])
+        assert np.array_equal(again.replica[phased.name] // backbone.dp, owners[again.step])
         durations = iteration_durations(the_plan, cost, schedule, routing, work)
+        assert dict(durations.bubbles) == {phased.name: tuple(owners)}
         t = Simulator(schedule).run(durations).iteration_time_s
-        # A replica's samples need not split evenly over its pipeline's ranks (the
-        # slowest share is up to a sample over the plan's mean), and the plan's formula
-        # ends the step with the slowest stage's sync where the simulator overlaps the
-        # later stages' with the first stage's cool-down, as for co-located plans.
-        assert 0.9 * the_plan.iteration_time_s <= t <= 1.02 * the_plan.iteration_time_s, \
+        # The plan prices the bubbles' estimate (``bubble_owners``), the simulator places
+        # the passes; and the plan's formula ends the step with the slowest stage's sync
+        # where the simulator overlaps the later stages' with the first stage's cool-down.
+        assert 0.9 * the_plan.iteration_time_s <= t <= 1.03 * the_plan.iteration_time_s, \
             (name, t, the_plan.iteration_time_s)
-        # Heavier images on one rank's share lengthen the phase by that share.
+        # Heavier images on one stage's steps lengthen the step.
         heavy = dict(work)
-        heavy[phased.name] = np.where(q == 0, 3.0, 1.0)
+        heavy[phased.name] = np.where(q // backbone.dp == owners[0], 8.0, 1.0)
         slower = Simulator(schedule).run(iteration_durations(
             the_plan, cost, schedule, routing, heavy)).iteration_time_s
         assert slower > t
