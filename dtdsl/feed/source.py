@@ -176,7 +176,12 @@ class DatasetSource:
         self.batch = program.train.global_batch
         image = next((m for m in program.encoders if m.modality == "image"), None)
         self.patch = (image.arch.patch or 1) if image is not None else None
-        self.image_tokens = program.image_tokens()
+        if self.decoder.readers:        # every encoder's rule places its items
+            from dtdsl.data.modal import encoder_inputs
+
+            self.image_tokens: Any = encoder_inputs(program)
+        else:
+            self.image_tokens = program.image_tokens()
         self.clamps = Clamps.for_program(program)
         layouts = token_layouts(self.dataset, self.decoder.tokenizer, progress=progress,
                                 kinds=self.decoder.kinds)
