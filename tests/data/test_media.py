@@ -8,6 +8,7 @@ reference`` does, every sample once per epoch per unit."""
 from __future__ import annotations
 
 import io
+import json
 from pathlib import Path
 
 import numpy as np
@@ -177,3 +178,90 @@ def test_a_bundle_with_audio_and_video_encoders_trains_on_webdataset_media(tmp_p
     for unit in units:
         per_step = consumed(run_dir, unit)
         assert sorted(k for step in range(3) for k in per_step.get(step, [])) == keys, unit
+
+
+def _llava(tmp_path: Path) -> Path:
+    """A LLaVA JSON with audio and video fields beside an image folder: a clip list, a
+    single path, a hostile path, a missing clip, a damaged clip."""
+    rng = np.random.default_rng(0)
+    folder = tmp_path / "media"
+    folder.mkdir()
+    (folder / "a.flac").write_bytes(_flac(rng, 0.3, 16_000))
+    (folder / "b.wav").write_bytes(_flac(rng, 0.25, 22_050))     # a FLAC named .wav reads
+    (folder / "v.mp4").write_bytes(write_clip(6, width=16, height=16))
+    (folder / "bad.mp4").write_bytes(b"\0" * 100)
+    (tmp_path / "secret.flac").write_bytes(_flac(rng, 0.3, 16_000))
+    (folder / "c.jpg").write_bytes(_jpeg(rng, 32, 32))
+
+    def turn(text: str) -> list[dict]:
+        return [{"from": "human", "value": text}, {"from": "gpt", "value": "a cat sitting"}]
+
+    records = [
+        {"id": "both", "image": "c.jpg", "audio": ["a.flac", "b.wav"], "video": "v.mp4",
+         "conversations": turn("<image> What is in the image? <audio> then <video>")},
+        {"id": "one", "audio": "a.flac", "conversations": turn("Describe the picture.")},
+        {"id": "out", "audio": "../secret.flac", "conversations": turn("a dog")},
+        {"id": "gone", "video": "nope.mp4", "conversations": turn("a dog")},
+        {"id": "junk", "video": "bad.mp4", "conversations": turn("a dog")},
+    ]
+    path = tmp_path / "llava.json"
+    path.write_text(json.dumps(records))
+    return path
+
+
+def test_llava_audio_and_video_fields(tmp_path):
+    path = _llava(tmp_path)
+    make_tokenizer(tmp_path / "tok")
+    program = tiny_modal(audio=True, video=True)
+    program = program.model_copy(update={"data": program.data.model_copy(
+        update={"tokenizer": str(tmp_path / "tok"), "image_folder": str(tmp_path / "media")})})
+    decoder = Decoder.for_program(program, seed=0)
+    with open_dataset(str(path), program=program) as ds:
+        assert [ds.key(i) for i in range(len(ds))] == ["both", "one"]
+        skipped = dict(ds.skipped)
+        assert [k for k in skipped if k.startswith("audio path refused")] and \
+            skipped.pop("missing video") == 1 and skipped.pop("unreadable video") == 1 and \
+            list(skipped.values()) == [1]
+        info = ds.info(0)
+        assert [c.samples for c in info.audio_clips] == [4800, 5512] and \
+            info.videos[0].frames == 6
+        both = decoder.decode(ds.read(0))
+        assert [x.shape for x in both.inputs["beats"]] == list(
+            decoder.input_shapes(info)["beats"])
+        assert both.inputs["clip"][0].shape == (4, 3, 16, 16)
+        # Two clips, one <audio>: the other goes first in the user turn (as images
+        # without a placeholder do), then <image>, the placed clip, the video last.
+        (image,), audio, (video,) = both.image_at, both.inputs_at["beats"], \
+            both.inputs_at["clip"]
+        assert audio[0] < image < audio[1] < video
+        one = decoder.decode(ds.read(1))
+        assert len(one.inputs["beats"]) == 1 and one.inputs["clip"] == ()
+
+
+def test_data_stats_count_audio_and_video_tokens(tmp_path, capsys):
+    write_media_shards(tmp_path / "s", n=9, per_shard=9)
+    make_tokenizer(tmp_path / "tok")
+    spec = tmp_path / "modal.dt"
+    spec.write_text(_spec(tmp_path, "s").read_text())
+    assert cli.main(["data", "stats", str(tmp_path / "s"), "--spec", str(spec),
+                     "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    program = tiny_modal(audio=True, video=True)
+    decoder = Decoder.for_program(program, seed=0)
+    rules = encoder_inputs(program)
+    with open_dataset("s", base_dir=tmp_path) as ds:
+        decoded = [decoder.decode(ds.read(i)) for i in range(len(ds))]
+    assert stats["audio.count"] == [len(d.inputs["beats"]) for d in decoded]
+    assert stats["audio.frames"] == [rules.rule("beats").tokens(x.shape)
+                                     for d in decoded for x in d.inputs["beats"]]
+    assert stats["video.count"] == [len(d.inputs["clip"]) for d in decoded]
+    assert stats["video.frames"] == [x.shape[0] for d in decoded for x in d.inputs["clip"]]
+    assert stats["video.patches"] == [(x.shape[2] // 4) * (x.shape[3] // 4)
+                                      for d in decoded for x in d.inputs["clip"]]
+    # Without a spec: BEATs' and Qwen2-VL's rules.
+    assert cli.main(["data", "stats", str(tmp_path / "s"), "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    # 16x16 and 24x16 frames at 14 pixels: 1x1 and 2x1 patches; 4 to 6 frames of 2 fps
+    # clips of 10 fps floored to whole temporal patches of 2: 2 (at most the clip's).
+    assert sorted(set(plain["video.patches"])) == [1, 2]
+    assert plain["audio.count"] == stats["audio.count"]
