@@ -265,3 +265,25 @@ def test_data_stats_count_audio_and_video_tokens(tmp_path, capsys):
     # clips of 10 fps floored to whole temporal patches of 2: 2 (at most the clip's).
     assert sorted(set(plain["video.patches"])) == [1, 2]
     assert plain["audio.count"] == stats["audio.count"]
+
+
+def test_clamps_cut_clips_as_they_cut_images():
+    """audio.count / video.count clamp a sample's clips to their first HIGH; a text.tokens
+    cut drops the clips placed after it, as it drops images."""
+    from dtdsl.data.clamps import Clamps
+    from dtdsl.data.sample import SampleSizes
+
+    program = tiny_modal(audio=True, video=True)
+    data = program.data.model_copy(update={"quantities": tuple(
+        q.model_copy(update={"high": 1.0}) if (q.modality, q.name) == ("audio", "count")
+        else q.model_copy(update={"high": 20.0}) if (q.modality, q.name) == ("text", "tokens")
+        else q for q in program.data.quantities)})
+    clamps = Clamps.for_program(program.model_copy(update={"data": data}))
+    sizes = SampleSizes(text_tokens=30, image_shapes=(), gen_counts={"gen": 0},
+                        inputs={"beats": ((8, 16), (12, 16)), "clip": ((2, 3, 8, 8),
+                                                                   (2, 3, 8, 8))},
+                        inputs_at={"beats": (3, 5), "clip": (10, 25)})
+    cut = clamps.apply(sizes)
+    assert cut.text_tokens == 20
+    assert cut.inputs == {"beats": ((8, 16),), "clip": ((2, 3, 8, 8),)}
+    assert cut.inputs_at == {"beats": (3,), "clip": (10,)}
