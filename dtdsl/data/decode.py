@@ -307,7 +307,7 @@ class Decoder:
             (raw.gen_images if "gen_images" in parts else ())
         for image in images:
             self._open(raw, image).close()
-        for name, reader in self.readers.items():
+        for reader in self.readers.values():
             items = raw.audio if reader.modality == "audio" else raw.video
             for item in items:
                 self._item(raw, reader, item)

@@ -23,9 +23,9 @@ writable, else ``$XDG_CACHE_HOME/dtdsl/index/``), named by a fingerprint of the 
 (path, size, modification time) and the image folder: a changed JSON makes a new index. A
 record that cannot be a sample is counted and skipped: not an object, no conversation,
 a turn from nobody known, a missing or unreadable image, clip (``unreadable audio``,
-``unreadable video``: not the kind its extension says, or damaged). An image or clip path must stay inside
-the image folder and name a regular file (``data.paths``): an absolute path, one that
-leads out (``..``, a symlink to a file elsewhere) and a FIFO or device are refused and
+``unreadable video``: not the kind its extension says, or damaged). An image or clip
+path must stay inside the image folder and name a regular file (``data.paths``): an
+absolute path, one that leads out (``..``, a symlink to a file elsewhere) and a FIFO or device are refused and
 counted by reason, never opened. Reading a sample checks all that again, and that its
 images still have the size they were indexed with.
 

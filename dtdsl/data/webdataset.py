@@ -31,8 +31,8 @@ name (``000003/000042``).
 and token count (``shards.count_text_tokens``), each image's width and height (from its
 header), each audio clip's samples and rate and each video clip's frames, duration and
 frame size (``data.media.index_media``: headers and packets, nothing decoded), so a
-clip's tokens are known before it is decoded. It is built by reading every shard once, written as JSON under
-``.dtdsl-index/`` beside the shards when that folder is writable (else
+clip's tokens are known before it is decoded. It is built by reading every shard once,
+written as JSON under ``.dtdsl-index/`` beside the shards when that folder is writable (else
 ``$XDG_CACHE_HOME/dtdsl/index/``), and named by a fingerprint of the shards (path, size,
 modification time): a changed shard makes a new index. What cannot be a sample is counted
 and skipped, never a traceback: a member that is cut off (a truncated tar: the samples
