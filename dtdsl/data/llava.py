@@ -25,8 +25,8 @@ record that cannot be a sample is counted and skipped: not an object, no convers
 a turn from nobody known, a missing or unreadable image, clip (``unreadable audio``,
 ``unreadable video``: not the kind its extension says, or damaged). An image or clip
 path must stay inside the image folder and name a regular file (``data.paths``): an
-absolute path, one that leads out (``..``, a symlink to a file elsewhere) and a FIFO or device are refused and
-counted by reason, never opened. Reading a sample checks all that again, and that its
+absolute path, one that leads out (``..``, a symlink to a file elsewhere) and a FIFO or
+device are refused and counted by reason, never opened. Reading a sample checks all that again, and that its
 images still have the size they were indexed with.
 
 ``LlavaDataset`` has ``shards.Dataset``'s reading interface (``len``, ``key``, ``info``,
