@@ -26,8 +26,8 @@ a turn from nobody known, a missing or unreadable image, clip (``unreadable audi
 ``unreadable video``: not the kind its extension says, or damaged). An image or clip
 path must stay inside the image folder and name a regular file (``data.paths``): an
 absolute path, one that leads out (``..``, a symlink to a file elsewhere) and a FIFO or
-device are refused and counted by reason, never opened. Reading a sample checks all that again, and that its
-images still have the size they were indexed with.
+device are refused and counted by reason, never opened. Reading a sample checks all that
+again, and that its images and clips still have the size they were indexed with.
 
 ``LlavaDataset`` has ``shards.Dataset``'s reading interface (``len``, ``key``, ``info``,
 ``read``, iteration).
