@@ -287,3 +287,25 @@ def test_clamps_cut_clips_as_they_cut_images():
     assert cut.text_tokens == 20
     assert cut.inputs == {"beats": ((8, 16),), "clip": ((2, 3, 8, 8),)}
     assert cut.inputs_at == {"beats": (3,), "clip": (10,)}
+
+
+def test_gen_audio_members_are_an_audio_generators_targets(tmp_path):
+    from tests.train.modal_specs import tiny_audio_image
+
+    rng = np.random.default_rng(0)
+    root = tmp_path / "s"
+    root.mkdir()
+    with wds.TarWriter(str(root / "000000.tar")) as sink:
+        sink.write({"__key__": "a", "txt": "a cat", "flac": _flac(rng, 0.3, 16_000),
+                    "gen.flac": _flac(rng, 0.5, 22_050), "gen1.wav": _flac(rng, 0.2, 16_000)})
+    program = tiny_audio_image()
+    decoder = Decoder.for_program(program, seed=0)
+    with open_dataset("s", base_dir=tmp_path) as ds:
+        info = ds.info(0)
+        assert (info.audio_count, info.gen_audio_count) == (1, 2)
+        decoded = decoder.decode(ds.read(0))
+    arch = program.module("audiogen").arch
+    assert decoded.gen["audiogen"].latents.shape == (2, arch.latent_channels, arch.latent,
+                                                     arch.latent)
+    assert np.isfinite(decoded.gen["audiogen"].latents).all()
+    assert [x.shape for x in decoded.inputs["beats"]] == [(28, 16)]
