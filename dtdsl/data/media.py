@@ -44,23 +44,17 @@ with are the sizes trained on.
 from __future__ import annotations
 
 import io
-import math
 from dataclasses import dataclass
-from fractions import Fraction
 from typing import Any
 
 import numpy as np
 
 from dtdsl.data.audio import (
-    _MAX_RATIO,
-    _MAX_SAMPLES,
     AUDIO_EXTENSIONS,
-    SAMPLE_RATE,
     AudioError,
     AudioPolicy,
-    FbankFeatures,
     WhisperFeatures,
-    _check_format,
+    check_format,
 )
 from dtdsl.data.images import ImagePolicy
 from dtdsl.data.modal import InputRule
@@ -69,7 +63,7 @@ from dtdsl.ir import program as ir
 from dtdsl.ir.clips import padded_frames
 
 __all__ = ["AUDIO_EXTENSIONS", "DEFAULT_FPS", "VIDEO_EXTENSIONS", "ClipReader",
-           "index_media", "media_kind", "resampled_length"]
+           "index_media", "media_kind"]
 
 VIDEO_EXTENSIONS = ("mp4", "webm", "mkv")
 DEFAULT_FPS = 2.0           # frames sampled per second of a clip (Qwen2-VL's default)
@@ -108,21 +102,10 @@ def index_media(data: bytes, name: str) -> ClipInfo:
         info = sf.info(io.BytesIO(data))
     except Exception as err:  # noqa: BLE001 - libsndfile raises several kinds on junk
         raise AudioError(f"{name}: cannot be read as audio ({str(err)[:160]})") from None
-    _check_format(name, int(info.samplerate), int(info.channels))
+    check_format(name, int(info.samplerate), int(info.channels))
     if info.frames <= 0:
         raise AudioError(f"{name}: holds no samples")
     return ClipInfo(name=name, samples=int(info.frames), rate=int(info.samplerate))
-
-
-def resampled_length(samples: int, rate: int, target: int = SAMPLE_RATE) -> int:
-    """The samples ``data.audio`` gives a clip of ``samples`` samples at ``rate`` Hz once
-    resampled to ``target`` (``scipy.signal.resample_poly``: ``ceil(n * up / down)``)."""
-    if rate == target:
-        return samples
-    ratio = Fraction(target, rate)
-    if ratio.numerator > _MAX_RATIO or ratio.denominator > _MAX_RATIO:
-        ratio = ratio.limit_denominator(_MAX_RATIO)
-    return -(-samples * ratio.numerator // ratio.denominator)
 
 
 def _high(data: ir.Data, modality: str, name: str) -> int | None:
@@ -165,17 +148,6 @@ class ClipReader:
     def modality(self) -> str:
         return self.rule.modality
 
-    def _audio_frames(self, info: ClipInfo) -> int:
-        assert self.audio is not None
-        e = self.audio.extractor
-        read = min(info.samples, math.ceil(self.audio.max_seconds * info.rate), _MAX_SAMPLES)
-        n = resampled_length(read, info.rate, e.rate)
-        assert isinstance(e, FbankFeatures)
-        frames = e.num_frames(n)
-        if self.audio.max_frames is not None:
-            frames = min(frames, self.audio.max_frames)
-        return frames
-
     def shape(self, info: ClipInfo) -> tuple[int, ...]:
         """The float32 shape ``read`` gives this clip (module docstring); DatasetError
         for a clip that gives no token or whose frames cannot be sampled."""
@@ -186,7 +158,7 @@ class ClipReader:
             e = self.audio.extractor
             if isinstance(e, WhisperFeatures):
                 return (e.frames, e.bins)
-            rows = self._audio_frames(info) // rule.patch
+            rows = self.audio.num_frames(info.samples, info.rate) // rule.patch
             if rows < 1:
                 raise AudioError(f"{info.name}: {info.samples / info.rate:.3f} s, shorter "
                                  f"than one row of {rule.patch} frames of patches "

@@ -309,3 +309,17 @@ def test_gen_audio_members_are_an_audio_generators_targets(tmp_path):
                                                      arch.latent)
     assert np.isfinite(decoded.gen["audiogen"].latents).all()
     assert [x.shape for x in decoded.inputs["beats"]] == [(28, 16)]
+
+
+@pytest.mark.parametrize("rate", [8_000, 11_025, 16_000, 22_050, 44_100, 48_000, 44_101])
+def test_an_audio_headers_length_predicts_the_decoded_waveforms(rate):
+    from dtdsl.data.audio import AudioPolicy, FbankFeatures, decode_audio, resampled_length
+
+    data = _flac(np.random.default_rng(rate), 0.37, rate)
+    info = index_media(data, "a.flac")
+    assert (info.rate, info.samples) == (rate, int(0.37 * rate))
+    assert resampled_length(info.samples, rate) == decode_audio(data, "a.flac").size
+    policy = AudioPolicy(FbankFeatures.beats(16), max_frames=30)
+    assert policy.num_frames(info.samples, rate) == policy.features(data, "a.flac").shape[0]
+    short = AudioPolicy(FbankFeatures.beats(16), max_frames=7)       # only 95 ms decoded
+    assert short.num_frames(info.samples, rate) == short.features(data, "a.flac").shape[0] == 7
