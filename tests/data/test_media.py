@@ -323,3 +323,28 @@ def test_an_audio_headers_length_predicts_the_decoded_waveforms(rate):
     assert policy.num_frames(info.samples, rate) == policy.features(data, "a.flac").shape[0]
     short = AudioPolicy(FbankFeatures.beats(16), max_frames=7)       # only 95 ms decoded
     assert short.num_frames(info.samples, rate) == short.features(data, "a.flac").shape[0] == 7
+
+
+def test_a_clip_whose_header_promises_more_than_it_holds_is_left_out(tmp_path):
+    """A cut-off FLAC indexes (its header says 1 s) but does not decode: the run's decode
+    check leaves its sample out before any batch is formed, saying why."""
+    from dtdsl.data.usable import DOES_NOT_DECODE
+    from dtdsl.feed.source import DatasetSource
+
+    rng = np.random.default_rng(0)
+    whole = _flac(rng, 1.0, 16_000)
+    root = tmp_path / "s"
+    root.mkdir()
+    with wds.TarWriter(str(root / "000000.tar")) as sink:
+        for i in range(3):
+            sink.write({"__key__": f"ok{i}", "txt": "a cat", "flac": whole})
+        sink.write({"__key__": "cut", "txt": "a dog", "flac": whole[:len(whole) // 2]})
+    make_tokenizer(tmp_path / "tok")
+    program = tiny_modal(audio=True, batch=2)
+    program = program.model_copy(update={"data": program.data.model_copy(
+        update={"tokenizer": str(tmp_path / "tok")})})
+    source = DatasetSource(program, root)
+    assert len(source.dataset) == 4 and source.left_out == {DOES_NOT_DECODE: 1}
+    assert sorted(source.dataset.key(i) for i in source.usable) == ["ok0", "ok1", "ok2"]
+    sizes = source.sizes(0)
+    assert [s.inputs["beats"] for s in sizes] == [((96, 16),)] * 2     # 98 frames, rows of 4
