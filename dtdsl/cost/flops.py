@@ -152,7 +152,9 @@ def transformer_layer_params(arch: ir.TransformerArch, role: str = "encoder") ->
     q, kv = arch.heads * d, arch.kv_heads * d
     attn = 2 * h * q + 2 * h * kv
     if arch.qkv_bias:
-        attn += q + 2 * kv
+        attn += q + kv
+    if arch.qkv_bias if arch.k_bias is None else arch.k_bias:
+        attn += kv              # Whisper's key projection has no bias (``k_bias``)
     if arch.out_bias:
         attn += h
     mats = 3 if arch.swiglu else 2
@@ -169,9 +171,15 @@ def encoder_tokens(arch: ir.TransformerArch, patches: float) -> float:
 
 def encoder_item_forward(arch: ir.TransformerArch, tokens: float) -> Work:
     """A ViT-style encoder on one item of ``tokens`` rows (``encoder_tokens``): patch
-    embedding, then every layer with bidirectional attention over the item."""
-    patch_dim = (arch.in_channels or 3) * (arch.patch or 1) ** 2
-    embed = 2 * tokens * patch_dim * arch.hidden
+    embedding (a video's patches span ``temporal_patch`` frames; Whisper's stem is two
+    kernel-3 convolutions, over ``2 * tokens`` frames of ``in_channels`` mel bins and, at
+    stride 2, over ``tokens``), then every layer with bidirectional attention over the
+    item."""
+    if arch.stem == "whisper_conv":
+        mel = arch.in_channels or 80
+        embed = 2 * (2 * tokens) * 3 * mel * arch.hidden + 2 * tokens * 3 * arch.hidden ** 2
+    else:
+        embed = 2 * tokens * _patch_dim(arch) * arch.hidden
     layers = arch.layers * (tokens * transformer_layer_matmul_per_token(arch))
     attention = arch.layers * _attention(tokens, _attention_width(arch), causal=False)
     return Work(matmul=embed + layers, attention=attention)
@@ -382,11 +390,20 @@ def compression_forward(proj: ir.Projector, patches: float, images: float) -> Wo
                 attention=4.0 * c.queries * patches * w)
 
 
+def _patch_dim(arch: ir.TransformerArch) -> int:
+    """The width of one flattened patch (``models.Encoder.patch_dim``)."""
+    return (arch.in_channels or 3) * arch.temporal_patch * (arch.patch or 1) ** 2
+
+
 def encoder_ends_params(arch: ir.TransformerArch) -> float:
-    """An encoder's parameters outside its layers: the patch embedding (and its bias), the
-    class token, learned positions, the pre- and post-norm."""
+    """An encoder's parameters outside its layers: the patch embedding (and its bias), or
+    Whisper's two convolutions with their biases (``models.audio.WhisperStem``), the class
+    token, learned positions, the pre- and post-norm."""
     h = arch.hidden
-    params = (arch.in_channels or 3) * (arch.patch or 1) ** 2 * h + (h if arch.patch_bias else 0)
+    if arch.stem == "whisper_conv":
+        params = ((arch.in_channels or 80) * 3 * h + h) + (h * 3 * h + h)
+    else:
+        params = _patch_dim(arch) * h + (h if arch.patch_bias else 0)
     if arch.cls_token:
         params += h
     if arch.positions == "learned":

@@ -487,6 +487,15 @@ def _transformer_parts(module: ir.Module, needs_grad: bool, tp: int, env: _Env) 
         ends = env.prepare(Encoder(ends_arch, tp=tp), trainable)
 
         def patch_case(x: int):
+            if ends.whisper:
+                # Whisper's stem on x tokens' 2x frames (the module takes 30 s clips
+                # only; its convolutions take any length, at the same cost per frame).
+                import torch.nn.functional as F
+
+                stem = ends.patch_embed
+                frames = env.randn(1, ends.in_channels, 2 * x)
+                return lambda: [ends.finish(F.gelu(stem.conv2(F.gelu(stem.conv1(frames))))
+                                            .transpose(1, 2))]
             patches = env.randn(1, x, ends.patch_dim)   # raw data: no gradient
             return lambda: [ends.finish(ends.embed(patches))]
 

@@ -57,7 +57,7 @@ from dtdsl.data.shards import DatasetError
 __all__ = [
     "AUDIO_EXTENSIONS", "MAX_SECONDS", "SAMPLE_RATE", "AudioError", "AudioPolicy",
     "FbankFeatures",
-    "WhisperFeatures", "decode_audio",
+    "WhisperFeatures", "check_format", "decode_audio", "resampled_length",
 ]
 
 SAMPLE_RATE = 16_000
@@ -100,7 +100,8 @@ def decode_audio(data: bytes, name: str, *, rate: int = SAMPLE_RATE,
     return _resample(mono, native, rate, name)
 
 
-def _check_format(name: str, samplerate: int, channels: int) -> None:
+def check_format(name: str, samplerate: int, channels: int) -> None:
+    """AudioError for a rate or channel count no audio has (a damaged or hostile header)."""
     if not _MIN_RATE <= samplerate <= _MAX_RATE:
         raise AudioError(f"{name}: a sample rate of {samplerate} Hz (audio has "
                          f"{_MIN_RATE}..{_MAX_RATE}); the file is damaged")
@@ -129,7 +130,7 @@ def _read_soundfile(data: bytes, name: str, max_seconds: float
     except (RuntimeError, ValueError, TypeError) as err:
         raise AudioError(f"{name}: cannot be read as audio ({_short(err)})") from None
     with f:
-        _check_format(name, f.samplerate, f.channels)
+        check_format(name, f.samplerate, f.channels)
         limit = min(math.ceil(max_seconds * f.samplerate), _MAX_SAMPLES)
         parts, have = [], 0
         try:
@@ -169,7 +170,7 @@ def _read_pyav(data: bytes, name: str, max_seconds: float) -> tuple[np.ndarray, 
         try:
             for frame in container.decode(stream):
                 rate = rate or frame.sample_rate
-                _check_format(name, frame.sample_rate, len(frame.layout.channels))
+                check_format(name, frame.sample_rate, len(frame.layout.channels))
                 if frame.sample_rate != rate:
                     raise AudioError(f"{name}: its sample rate changes from {rate} to "
                                      f"{frame.sample_rate} Hz")
@@ -186,16 +187,33 @@ def _read_pyav(data: bytes, name: str, max_seconds: float) -> tuple[np.ndarray, 
     return mono[:min(math.ceil(max_seconds * rate), _MAX_SAMPLES)], rate
 
 
-def _resample(mono: np.ndarray, native: int, rate: int, name: str) -> np.ndarray:
-    if native == rate:
-        return mono
-    from scipy.signal import resample_poly
-
+def _ratio(native: int, rate: int) -> Fraction:
     ratio = Fraction(rate, native)
     if ratio.numerator > _MAX_RATIO or ratio.denominator > _MAX_RATIO:
         # Coprime rates (an odd rate such as 44_101 Hz): the exact polyphase filter would
         # be enormous; a ratio within 1e-6 of it is inaudible.
         ratio = ratio.limit_denominator(_MAX_RATIO)
+    return ratio
+
+
+def resampled_length(samples: int, native: int, rate: int = SAMPLE_RATE,
+                     max_seconds: float = MAX_SECONDS) -> int:
+    """The samples ``decode_audio`` gives a clip of ``samples`` samples at ``native`` Hz:
+    at most ``max_seconds`` of it read, resampled to ``rate`` (``resample_poly``'s
+    ``ceil(n * up / down)``). What an index predicts from a header, nothing decoded."""
+    read = min(samples, math.ceil(max_seconds * native), _MAX_SAMPLES)
+    if native == rate:
+        return read
+    ratio = _ratio(native, rate)
+    return -(-read * ratio.numerator // ratio.denominator)
+
+
+def _resample(mono: np.ndarray, native: int, rate: int, name: str) -> np.ndarray:
+    if native == rate:
+        return mono
+    from scipy.signal import resample_poly
+
+    ratio = _ratio(native, rate)
     out = resample_poly(mono, ratio.numerator, ratio.denominator)
     return out.astype(np.float32, copy=False)
 
@@ -373,6 +391,16 @@ class AudioPolicy:
         if self.max_frames is None:
             return MAX_SECONDS
         return min(MAX_SECONDS, ((self.max_frames - 1) * e.hop + e.frame_length) / e.rate)
+
+    def num_frames(self, samples: int, native: int) -> int:
+        """The frames ``features`` gives a clip of ``samples`` samples at ``native`` Hz
+        (from its header, nothing decoded): Whisper's fixed count, or the fbank frames of
+        what is decoded of it, at most ``max_frames``."""
+        e = self.extractor
+        if isinstance(e, WhisperFeatures):
+            return e.frames
+        n = e.num_frames(resampled_length(samples, native, e.rate, self.max_seconds))
+        return n if self.max_frames is None else min(n, self.max_frames)
 
     def features(self, data: bytes, name: str) -> np.ndarray:
         """The clip in ``data`` as this encoder's float32 ``[frames, bins]``; AudioError

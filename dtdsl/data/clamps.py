@@ -10,6 +10,8 @@ sample above a clamp's high is made to fit it, the way the spec says:
   placed among them; the images after the cut and the text after it are dropped (the
   rule ``data.layout.fit`` has for ``seq_len``);
 - ``image.count`` above ``HIGH``: its first ``HIGH`` images are kept, the others dropped;
+  ``audio.count`` and ``video.count`` likewise for the clips of the encoder of that
+  modality (a clip placed after a ``text.tokens`` cut goes with the text after it);
 - ``image.gen_count`` / ``audio.gen_count`` above ``HIGH``: its first ``HIGH`` targets are
   kept;
 - ``image.patches`` above ``HIGH`` (an encoder of native resolution): the image is
@@ -63,6 +65,8 @@ class Clamps:
     images: tuple[int | None, int | None] = (None, None)      # input images per sample
     gen: Mapping[str, tuple[str, int | None, int | None]] = field(default_factory=dict)
     # generator name -> (its quantity, low, high)
+    inputs: Mapping[str, tuple[int | None, int | None]] = field(default_factory=dict)
+    # audio or video encoder name -> its modality's count clamp
 
     @classmethod
     def for_program(cls, program: ir.Program) -> Clamps:
@@ -71,9 +75,11 @@ class Clamps:
         for g in program.generators:
             key = f"{g.modality}.gen_count"
             gen[g.name] = (key, *_bounds(program.data, key))
+        inputs = {m.name: _bounds(program.data, f"{m.modality}.count")
+                  for m in program.encoders if m.modality in ("audio", "video")}
         return cls(text=_bounds(program.data, "text.tokens"),
                    images=_bounds(program.data, "image.count") if reads_images
-                   else (None, None), gen=gen)
+                   else (None, None), gen=gen, inputs=inputs)
 
     def apply(self, sizes: SampleSizes) -> SampleSizes:
         """One sample's sizes (not a packed sequence) within the clamps' highs."""
@@ -88,10 +94,19 @@ class Clamps:
             trained = tuple((a, min(b, text)) for a, b in trained if a < text)
         gen = {g: min(c, self.gen[g][2]) if g in self.gen and self.gen[g][2] is not None
                else c for g, c in sizes.gen_counts.items()}
-        if (text, images, gen) == (sizes.text_tokens, sizes.image_shapes, sizes.gen_counts):
+        inputs, inputs_at = dict(sizes.inputs), {k: sizes.input_places(k) for k in sizes.inputs}
+        for name, shapes in sizes.inputs.items():
+            n = len(shapes)
+            high = self.inputs.get(name, (None, None))[1]
+            if high is not None:
+                n = min(n, high)
+            n = min(n, sum(1 for p in inputs_at[name] if p <= text))
+            inputs[name], inputs_at[name] = shapes[:n], inputs_at[name][:n]
+        if (text, images, gen, inputs) == (sizes.text_tokens, sizes.image_shapes,
+                                           sizes.gen_counts, sizes.inputs):
             return sizes
         return replace(sizes, text_tokens=text, image_shapes=images, image_at=places,
-                       trained=trained, gen_counts=gen)
+                       trained=trained, gen_counts=gen, inputs=inputs, inputs_at=inputs_at)
 
     def count(self, samples: list[tuple[int, int, Mapping[str, int]]]) -> list[Outside]:
         """Per clamped quantity, how many of ``samples`` (each: text tokens, input images,

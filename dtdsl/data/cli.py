@@ -119,13 +119,21 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 
             policy = ImagePolicy.for_encoder(encoder, max_patches,
                                              block=program.image_tokens().block)
+    readers = None
+    if program is not None:
+        from dtdsl.data.media import ClipReader
+
+        readers = {}
+        for m in program.encoders:
+            if m.modality in ("audio", "video") and m.modality not in readers:
+                readers[m.modality] = ClipReader.for_encoder(program, m)
     program = program if args.spec is not None else None
     try:
         tokenizer = _tokenizer(args, program)
         with _open(args.dataset, program, image_folder=args.image_folder) as dataset:
             told = _left_out(args.dataset, dataset)
             values = measure(dataset, patch=patch, max_patches=max_patches,
-                             tokenizer=tokenizer, images=policy)
+                             tokenizer=tokenizer, images=policy, readers=readers)
             title = (f"{args.dataset}: {len(dataset):,} samples in "
                      f"{len(dataset.shard_names)} shards (image patches of {patch} px; "
                      + (f"text tokens of {tokenizer.path}" if tokenizer is not None else
@@ -263,7 +271,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     how = stats.add_mutually_exclusive_group()
     how.add_argument("--spec", metavar="SPEC",
                      help="count image patches with this spec's image encoder (its patch, "
-                     "and the clamp of image.patches)")
+                     "and the clamp of image.patches), audio and video tokens with its audio "
+                     "and video encoders")
     how.add_argument("--patch", type=_positive_int, metavar="PX",
                      help="patch size in pixels for image.patches (default 14)")
     _text_options(stats)

@@ -12,8 +12,13 @@ turns a ``RawSample`` into a ``DecodedSample``:
   crop, or native resolution in whole patches under the clamp high of
   ``image.patches``). Without an image encoder nothing reads them and ``images`` is
   empty;
-- ``audio``: for an audio encoder, float32 ``[frames, bins]`` per clip, cut to the clamp
-  high of ``audio.frames`` when there is one;
+- ``inputs``: per audio or video encoder (the spec's first of each modality; by module
+  name), its items as float32 arrays of the shapes ``data.media.ClipReader`` gives: audio
+  files decoded to the features the encoder reads, video files to sampled, sized,
+  normalised frames; ``.npy`` audio (a dtdsl dataset's) is taken as precomputed features
+  of the encoder's bins, cut to whole rows of patches under the clamp high of
+  ``audio.frames``. ``inputs_at``: where each goes (its placeholder, ``data.text``);
+- ``audio``: the ``.npy`` clips as stored (float32 ``[frames, bins]``);
 - ``gen``: per generator (by module name) ``LatentTargets``: ``latents`` float32 ``[G, C,
   L, L]`` (``C`` the generator's ``latent_channels``, ``L`` its ``latent``), ``noise``
   float32 ``[G, C, L, L]`` and ``timesteps`` int64 ``[G]`` below the generator's timesteps.
@@ -34,13 +39,21 @@ from __future__ import annotations
 
 import hashlib
 import io
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from dtdsl.data.images import ImagePolicy, patch_grid
-from dtdsl.data.shards import DatasetError, EncodedAudio, EncodedImage, RawSample
+from dtdsl.data.media import ClipReader
+from dtdsl.data.shards import (
+    DatasetError,
+    EncodedAudio,
+    EncodedClip,
+    EncodedImage,
+    RawSample,
+    SampleInfo,
+)
 from dtdsl.data.text import (
     HashTokenizer,
     HFTokenizer,
@@ -65,6 +78,7 @@ __all__ = [
 
 DIFFUSION_STEPS = 1000      # DDPM's discrete timesteps, the default of a generator's
 IMAGE_LATENT_SCALE = 2.0
+_GEN_AUDIO_FRAMES = 998     # 10 s of fbank frames: an audio generation target's
 AUDIO_LATENT_SCALE = 1.0
 
 
@@ -102,6 +116,10 @@ class DecodedSample:
     doc_text: tuple[int, ...] | None = None     # a packed sequence's documents
     doc_images: tuple[int, ...] | None = None   # (``data.sample.SampleSizes``)
     doc_gen: dict[str, tuple[int, ...]] | None = None
+    # per audio or video encoder (by name): its items, where they go, per document
+    inputs: dict[str, tuple[np.ndarray, ...]] = field(default_factory=dict)
+    inputs_at: dict[str, tuple[int, ...]] | None = None
+    doc_inputs: dict[str, tuple[int, ...]] | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -149,15 +167,22 @@ class Decoder:
     audio: bool                       # the spec has an audio encoder
     max_frames: int | None
     generators: tuple[_Generator, ...]
+    # the first audio and the first video encoder's readers, by encoder name
+    readers: dict[str, ClipReader] = field(default_factory=dict)
 
     @classmethod
     def for_program(cls, program: ir.Program, *, seed: int) -> Decoder:
-        """ValueError for video modules (no video data yet); ``text.TokenizerError`` for a
-        tokenizer that does not load."""
-        for module in program.modules:
+        """``text.TokenizerError`` for a tokenizer that does not load; ValueError for a
+        video generator (nothing makes its targets)."""
+        for module in program.generators:
             if module.modality == "video":
-                raise ValueError(f"'{module.name}' reads video; samples carry text, images "
-                                 "and audio only")
+                raise ValueError(f"'{module.name}' generates video; samples carry image and "
+                                 "audio generation targets only")
+        readers = {}
+        for modality in ("audio", "video"):
+            first = next((m for m in program.encoders if m.modality == modality), None)
+            if first is not None:
+                readers[first.name] = ClipReader.for_encoder(program, first)
         image = next((m for m in program.encoders if m.modality == "image"), None)
         policy = None
         if image is not None:
@@ -168,30 +193,93 @@ class Decoder:
         return cls(tokenizer=tokenizer, seed=seed, images=policy,
                    audio=any(m.modality == "audio" for m in program.encoders),
                    max_frames=_high(program.data, "audio", "frames"),
-                   generators=tuple(_generator(m) for m in program.generators))
+                   generators=tuple(_generator(m) for m in program.generators),
+                   readers=readers)
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The modalities besides images whose items (and placeholders) are read."""
+        return tuple(r.modality for r in self.readers.values())
+
+    def _items(self, raw: RawSample) -> dict[str, int]:
+        return {r.modality: len(raw.audio if r.modality == "audio" else raw.video)
+                for r in self.readers.values()}
 
     def layout(self, raw: RawSample, images: int) -> TokenLayout:
         """The sample's token layout (``data.text``). DatasetError when its text and
-        images do not go together (more ``<image>`` placeholders than images, a turn from
+        items do not go together (more ``<image>`` placeholders than images, a turn from
         nobody known, a conversation with synthetic data's tokenizer)."""
         try:
-            return self.tokenizer.layout(raw.text, images, conversation_of(raw.meta))
+            return self.tokenizer.layout(raw.text, images, conversation_of(raw.meta),
+                                         self._items(raw))
         except (TokenizerError, DatasetError) as err:
             raise DatasetError(f"sample {raw.key}: {err}") from None
 
+    def input_shapes(self, info: SampleInfo) -> dict[str, tuple[tuple[int, ...], ...]]:
+        """Per audio or video encoder, the shapes of a sample's items from its index
+        alone (``ClipReader.shape``; ``.npy`` audio by its frames). DatasetError for an
+        item that gives no token."""
+        out = {}
+        for name, reader in self.readers.items():
+            if reader.modality == "audio":
+                out[name] = tuple(self._npy_shape(reader, f, info.key) for f in info.audio) + \
+                    tuple(reader.shape(c) for c in info.audio_clips)
+            else:
+                out[name] = tuple(reader.shape(c) for c in info.videos)
+        return out
+
+    def _npy_shape(self, reader: ClipReader, frames: int, key: str) -> tuple[int, int]:
+        rule = reader.rule
+        assert reader.audio is not None
+        if rule.whisper_positions:
+            return (2 * rule.whisper_positions, rule.channels)
+        most = reader.audio.max_frames
+        rows = min(frames, most if most is not None else frames) // rule.patch
+        if rows < 1:
+            raise DatasetError(f"sample {key}: a clip of {frames} frames, fewer than one row "
+                               f"of {rule.patch} frames of patches")
+        return (rows * rule.patch, rule.mel_bins)
+
+    def _inputs(self, raw: RawSample) -> dict[str, tuple[np.ndarray, ...]]:
+        out = {}
+        for name, reader in self.readers.items():
+            items = raw.audio if reader.modality == "audio" else raw.video
+            out[name] = tuple(self._item(raw, reader, item) for item in items)
+        return out
+
+    def _item(self, raw: RawSample, reader: ClipReader, item: EncodedAudio | EncodedClip
+              ) -> np.ndarray:
+        if isinstance(item, EncodedClip):
+            try:
+                return reader.read(item)
+            except DatasetError as err:
+                raise DatasetError(f"sample {raw.key}: {err}") from None
+        array = self._clip(raw, item)           # .npy: precomputed features
+        shape = self._npy_shape(reader, array.shape[0], raw.key)
+        if array.shape[1] != shape[1]:
+            raise DatasetError(f"sample {raw.key}: audio features of {array.shape[1]} bins; "
+                               f"encoder '{reader.rule.name}' reads {shape[1]}")
+        if array.shape[0] < shape[0]:
+            raise DatasetError(f"sample {raw.key}: audio features of {array.shape[0]} frames; "
+                               f"encoder '{reader.rule.name}' reads {shape[0]}")
+        return np.ascontiguousarray(array[:shape[0]])
+
     def decode(self, raw: RawSample) -> DecodedSample:
         """The arrays of one sample. DatasetError for an image or clip that does not
-        decode, or text that does not go with its images."""
+        decode, or text that does not go with its items."""
         layout = self.layout(raw, len(raw.images))
         images: tuple[np.ndarray, ...] = ()
         if self.images is not None:
             images = tuple(self._image(raw, k, image) for k, image in enumerate(raw.images))
         audio: tuple[np.ndarray, ...] = ()
         if self.audio:
-            audio = tuple(self._clip(raw, clip)[:self.max_frames] for clip in raw.audio)
+            audio = tuple(self._clip(raw, clip)[:self.max_frames] for clip in raw.audio
+                          if isinstance(clip, EncodedAudio))
         gen = {g.name: self._targets(raw, g) for g in self.generators}
+        at = {name: layout.items_at.get(r.modality, ()) for name, r in self.readers.items()}
         return DecodedSample(key=raw.key, tokens=layout.ids, images=images, audio=audio,
-                             gen=gen, image_at=layout.image_at, trained=layout.trained)
+                             gen=gen, image_at=layout.image_at, trained=layout.trained,
+                             inputs=self._inputs(raw), inputs_at=at)
 
     @property
     def reads(self) -> tuple[str, ...]:
@@ -201,6 +289,8 @@ class Decoder:
             parts.append("images")
         if self.audio:
             parts.append("audio")
+        if any(r.modality == "video" for r in self.readers.values()):
+            parts.append("video")
         modalities = {g.modality for g in self.generators}
         if "image" in modalities:
             parts.append("gen_images")
@@ -217,13 +307,17 @@ class Decoder:
             (raw.gen_images if "gen_images" in parts else ())
         for image in images:
             self._open(raw, image).close()
-        clips = (raw.audio if "audio" in parts else ()) + \
-            (raw.gen_audio if "gen_audio" in parts else ())
-        for clip in clips:
-            self._clip(raw, clip)
+        for reader in self.readers.values():
+            items = raw.audio if reader.modality == "audio" else raw.video
+            for item in items:
+                self._item(raw, reader, item)
+        for clip in raw.gen_audio if "gen_audio" in parts else ():
+            self._gen_frames(raw, clip)
 
     def stand_in(self, key: str, text_tokens: int, images: tuple[tuple[int, int], ...],
-                 gen_counts: dict[str, int]) -> DecodedSample:
+                 gen_counts: dict[str, int],
+                 inputs: dict[str, tuple[tuple[int, ...], ...]] | None = None
+                 ) -> DecodedSample:
         """What a run trains on in place of a sample that stopped decoding after the run's
         samples were chosen (its file changed since): the sizes it was chosen with
         (``text_tokens`` token ids 0, mid-grey images of the policy's shapes for these
@@ -247,7 +341,9 @@ class Decoder:
                 gen[g.name] = LatentTargets(latents=None, noise=noise, timesteps=timesteps,
                                             pixels=pixels, eps=eps)
         return DecodedSample(key=key, tokens=np.zeros(text_tokens, dtype=np.int64),
-                             images=grey, audio=(), gen=gen)
+                             images=grey, audio=(), gen=gen,
+                             inputs={k: tuple(np.zeros(s, np.float32) for s in v)
+                                     for k, v in (inputs or {}).items()})
 
     def _open(self, raw: RawSample, image: EncodedImage):
         from PIL import Image
@@ -265,6 +361,20 @@ class Decoder:
     def _image(self, raw: RawSample, k: int, image: EncodedImage) -> np.ndarray:
         assert self.images is not None
         return self.images.resize(self._open(raw, image))
+
+    def _gen_frames(self, raw: RawSample, clip: EncodedAudio | EncodedClip) -> np.ndarray:
+        """An audio generation target's frames: ``.npy`` as stored; an audio file as BEATs'
+        fbank (128 bins) of its first 10 s (an audio generator's latent stand-in reads
+        frames, not a waveform)."""
+        if isinstance(clip, EncodedAudio):
+            return self._clip(raw, clip)
+        from dtdsl.data.audio import AudioPolicy, FbankFeatures
+
+        try:
+            return AudioPolicy(FbankFeatures.beats(), max_frames=_GEN_AUDIO_FRAMES).features(
+                clip.data, clip.info.name)
+        except DatasetError as err:
+            raise DatasetError(f"sample {raw.key}: {err}") from None
 
     def _clip(self, raw: RawSample, clip: EncodedAudio) -> np.ndarray:
         try:
@@ -291,7 +401,7 @@ class Decoder:
         else:
             latents = []
             for clip in raw.gen_audio:
-                frames = Image.fromarray(self._clip(raw, clip))  # mode "F"
+                frames = Image.fromarray(self._gen_frames(raw, clip))  # mode "F"
                 small = np.asarray(frames.resize(size, Image.Resampling.BILINEAR))
                 latents.append(g.weights[:, None, None] * small[None])
         shape = (len(latents), g.channels, g.latent, g.latent)
@@ -343,7 +453,9 @@ def join_decoded(docs: list[DecodedSample], sizes: Any = None) -> DecodedSample:
         images=tuple(im for d in docs for im in d.images),
         audio=tuple(a for d in docs for a in d.audio), gen=gen, image_at=sizes.image_at,
         trained=sizes.trained, doc_text=sizes.doc_text, doc_images=sizes.doc_images,
-        doc_gen=sizes.doc_gen)
+        doc_gen=sizes.doc_gen,
+        inputs={k: tuple(x for d in docs for x in d.inputs.get(k, ())) for k in sizes.inputs},
+        inputs_at=sizes.inputs_at, doc_inputs=sizes.doc_inputs)
 
 
 def decode_sample(program: ir.Program, raw: RawSample, *, seed: int) -> DecodedSample:

@@ -8,20 +8,26 @@ spec's ``image_folder``, by default the JSON's own folder), or a list of them, o
 for a text-only conversation; turns are from ``human``, ``gpt`` or ``system`` (``user`` and
 ``assistant`` are read too). ``data.text`` renders the conversation with the tokenizer's
 chat format, the images at their ``<image>`` placeholders, and trains on the assistant
-turns only.
+turns only. ``audio`` and ``video`` fields (a path or a list of paths under the same
+folder, as ``image``) give a record's audio clips (``.flac``, ``.wav``, ``.mp3``,
+``.ogg``) and video clips (``.mp4``, ``.webm``, ``.mkv``), placed at their ``<audio>`` and
+``<video>`` placeholders when the spec has an encoder that reads them (``data.media``).
 
 **The index** is built once by reading the JSON and every image's header: per record its
 byte range in the file, its key (``id``, or its position; qualified by position when ids
-repeat), its text size and its images' paths, sizes in bytes and width and height. It is
+repeat), its text size, its images' paths, sizes in bytes and width and height, and its clips'
+paths, sizes in bytes and what their headers say (``data.media.index_media``: an audio
+clip's samples and rate, a video's frames, duration and frame size; nothing decoded). It is
 cached like a WebDataset's (``.dtdsl-index/`` beside the JSON when that folder is
 writable, else ``$XDG_CACHE_HOME/dtdsl/index/``), named by a fingerprint of the JSON
 (path, size, modification time) and the image folder: a changed JSON makes a new index. A
 record that cannot be a sample is counted and skipped: not an object, no conversation,
-a turn from nobody known, a missing or unreadable image. An image path must stay inside
-the image folder and name a regular file (``data.paths``): an absolute path, one that
-leads out (``..``, a symlink to a file elsewhere) and a FIFO or device are refused and
-counted by reason, never opened. Reading a sample checks all that again, and that its
-images still have the size they were indexed with.
+a turn from nobody known, a missing or unreadable image, clip (``unreadable audio``,
+``unreadable video``: not the kind its extension says, or damaged). An image or clip
+path must stay inside the image folder and name a regular file (``data.paths``): an
+absolute path, one that leads out (``..``, a symlink to a file elsewhere) and a FIFO or
+device are refused and counted by reason, never opened. Reading a sample checks all that
+again, and that its images and clips still have the size they were indexed with.
 
 ``LlavaDataset`` has ``shards.Dataset``'s reading interface (``len``, ``key``, ``info``,
 ``read``, iteration).
@@ -39,12 +45,20 @@ from typing import Any
 
 from dtdsl.data.cache import cache_path, read_cache, write_cache
 from dtdsl.data.paths import MISSING, Refused, inside, open_regular, read_regular
-from dtdsl.data.shards import DatasetError, EncodedImage, RawSample, SampleInfo, count_text_tokens
+from dtdsl.data.shards import (
+    ClipInfo,
+    DatasetError,
+    EncodedClip,
+    EncodedImage,
+    RawSample,
+    SampleInfo,
+    count_text_tokens,
+)
 
 __all__ = ["INDEX_FORMAT", "LlavaDataset", "LlavaIndex", "build_index", "is_llava_source"]
 
 INDEX_FORMAT = "dtdsl-llava-index"
-INDEX_VERSION = 2          # 2: image paths checked (data.paths)
+INDEX_VERSION = 3          # 2: image paths checked (data.paths); 3: audio and video
 _FORMATS = {"JPEG": "jpeg", "PNG": "png", "WEBP": "webp"}
 _ROLES = frozenset({"human", "gpt", "system", "user", "assistant"})
 
@@ -154,10 +168,41 @@ def _entry(position: int, offset: int, size: int, record: Any, folder: Path,
             return skip("missing image")
         except Exception:  # noqa: BLE001 - PIL raises many kinds for a broken header
             return skip("unreadable image")
+    clips: dict[str, list[Any]] = {}
+    for kind in ("audio", "video"):
+        found = _clips(kind, record.get(kind), folder)
+        if isinstance(found, str):
+            return skip(found)
+        clips[kind] = found
     text = "\n".join(str(t.get("value", "")) for t in turns)
     key = record.get("id", position)
     return {"key": str(key), "offset": offset, "size": size, "text_bytes": len(text.encode()),
-            "text_tokens": count_text_tokens(text), "images": images}
+            "text_tokens": count_text_tokens(text), "images": images, **clips}
+
+
+def _clips(kind: str, names: Any, folder: Path) -> list[list[Any]] | str:
+    """A record's ``audio`` or ``video`` paths as ``[path, bytes, ClipInfo json]`` each,
+    or why one cannot be a sample's (the skip reason)."""
+    from dtdsl.data.media import index_media, media_kind
+
+    names = [] if names is None else [names] if isinstance(names, str) else names
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        return f"{kind} not a path"
+    out = []
+    for name in names:
+        if media_kind(name) != kind:
+            return f"unreadable {kind}"
+        try:
+            data = read_regular(inside(folder, name))
+            out.append([name, len(data), index_media(data, name).to_json()])
+        except Refused as err:
+            return f"{kind} path refused ({err.reason})" if err.reason != MISSING \
+                else f"missing {kind}"
+        except FileNotFoundError:
+            return f"missing {kind}"
+        except (DatasetError, OSError):
+            return f"unreadable {kind}"
+    return out
 
 
 def build_index(path: str | Path, image_folder: str | Path | None = None, *,
@@ -223,7 +268,10 @@ class LlavaDataset:
         self._infos = [SampleInfo(key=s["key"], shard=str(index.path), members=(),
                                   text_bytes=s["text_bytes"], text_tokens=s["text_tokens"],
                                   images=tuple((int(w), int(h)) for _, _, w, h, _ in s["images"]),
-                                  gen_images=(), audio=(), gen_audio=())
+                                  gen_images=(), audio=(), gen_audio=(),
+                                  audio_clips=tuple(ClipInfo.from_json(c)
+                                                    for _, _, c in s["audio"]),
+                                  videos=tuple(ClipInfo.from_json(c) for _, _, c in s["video"]))
                        for s in index.samples]
         self._file: Any = None
 
@@ -310,8 +358,29 @@ class LlavaDataset:
                 raise DatasetError(f"{file} changed since it was indexed ({len(data)} bytes, "
                                    f"not {size})")
             images.append(EncodedImage(format=fmt, data=data, width=int(w), height=int(h)))
+        info = self._infos[i]
+        clips = {kind: tuple(EncodedClip(info=c, data=self._file_bytes(name, size))
+                             for (name, size, _), c in zip(
+                                 self.index.samples[i][kind],
+                                 info.audio_clips if kind == "audio" else info.videos,
+                                 strict=True))
+                 for kind in ("audio", "video")}
         return RawSample(key=sample.key, text=sample.text, meta=sample.meta,
-                         images=tuple(images))
+                         images=tuple(images), audio=clips["audio"], video=clips["video"])
+
+    def _file_bytes(self, name: str, size: int) -> bytes:
+        """The bytes of ``name`` under the folder, checked to be the size indexed."""
+        file = self.index.folder / name
+        try:
+            data = read_regular(inside(self.index.folder, name))
+        except Refused as err:
+            raise DatasetError(f"{file} changed since it was indexed: {err}") from None
+        except OSError as err:
+            raise DatasetError(f"cannot read {file}: {err.strerror or err}") from None
+        if len(data) != size:
+            raise DatasetError(f"{file} changed since it was indexed ({len(data)} bytes, "
+                               f"not {size})")
+        return data
 
     def __iter__(self) -> Iterator[RawSample]:
         for i in range(len(self)):

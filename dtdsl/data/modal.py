@@ -13,13 +13,15 @@ An *item* is one input of one encoder: an image, an audio clip, a video clip.
   and frequency, ``(T/p)(M/p)`` tokens. The data block's ``audio.frames`` is tokens per
   clip (``ir.program.QUANTITIES``): a drawn clip of ``n`` tokens has
   ``rows = max(1, round(n / (M/p)))`` rows of patches, ``T = rows * p`` frames and
-  ``rows * (M/p)`` tokens (``audio_rows``, which the cost model applies too). An audio
+  ``rows * (M/p)`` tokens (``ir.clips.audio_rows``, which the cost model applies too; a
+  clip read from a file has the whole rows of its fbank frames, ``data.media``). An audio
   tower with Whisper's convolutional stem reads a clip whole, ``[2 * P, M]`` (30 s,
   ``P = max_source_positions``), and gives ``P`` tokens whatever ``audio.frames`` says.
 - video ``[F, 3, H, W]`` (Qwen2-VL style): patches of ``temporal_patch`` frames x
   ``patch x patch`` pixels, each flattened in (channel, frame, row, column) order,
   ``patch_dim = 3 * temporal_patch * p^2``; ``F`` is ``video.frames`` rounded up to a
-  multiple of ``temporal_patch`` (the last frame repeated, as Qwen2-VL does), so a clip
+  multiple of ``temporal_patch`` (``ir.clips.padded_frames``: the last frame repeated, as
+  Qwen2-VL does; a clip read from a file: its sampled frames, ``data.media``), so a clip
   has ``F / temporal_patch * (H/p)(W/p)`` tokens. A drawn clip's frames are square,
   ``g = round(sqrt(video.patches))`` patches a side.
 
@@ -37,29 +39,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from dtdsl.ir import program as ir
-from dtdsl.ir.clips import clip_tokens, padded_frames
+from dtdsl.ir.clips import audio_rows, clip_tokens, padded_frames
 
 if TYPE_CHECKING:       # the cost model reads these rules without importing torch
     import torch
 
-__all__ = ["EncoderInputs", "InputRule", "audio_rows", "drawn_tokens", "encoder_inputs",
-           "video_frames"]
-
-
-def audio_rows(tokens: int | np.ndarray, columns: int) -> int | np.ndarray:
-    """Rows of patches (in time) of a drawn audio clip of about ``tokens`` tokens, with
-    ``columns`` patches across its mel bins: ``max(1, round(tokens / columns))``."""
-    if isinstance(tokens, np.ndarray):
-        return np.maximum(1, np.rint(tokens / columns)).astype(np.int64)
-    return max(1, round(tokens / columns))
-
-
-def video_frames(frames: int | np.ndarray, temporal_patch: int) -> int | np.ndarray:
-    """Frames a clip of ``frames`` frames is encoded with: rounded up to a multiple of
-    ``temporal_patch`` (``ir.clips.padded_frames``, the rule of real clips too), at least
-    one patch."""
-    return padded_frames(np.maximum(frames, 1) if isinstance(frames, np.ndarray)
-                         else max(frames, 1), temporal_patch)
+__all__ = ["EncoderInputs", "InputRule", "drawn_tokens", "encoder_inputs"]
 
 
 @dataclass(frozen=True)
@@ -99,8 +84,8 @@ class InputRule:
                          (1 if module.modality == "audio" else 3),
                          mel_bins=mel_bins,
                          temporal_patch=getattr(arch, "temporal_patch", 1), image=image,
-                         whisper_positions=(getattr(arch, "max_source_positions", 0) or 0)
-                         if whisper else 0)
+                         whisper_positions=arch.clip_tokens(0)
+                         if whisper and arch.max_source_positions else 0)
 
     @property
     def patch_dim(self) -> int:
@@ -149,7 +134,7 @@ class InputRule:
             return (audio_rows(size, self.columns) * p, self.mel_bins)
         if self.modality == "video":
             side = max(1, round(math.sqrt(max(patches, 0)))) * p
-            return (video_frames(size, self.temporal_patch), self.channels, side, side)
+            return (padded_frames(size, self.temporal_patch), self.channels, side, side)
         assert self.image is not None
         side = self.image.square_side(size) * p
         return (self.channels, side, side)
@@ -228,12 +213,13 @@ def drawn_tokens(rule: InputRule, sizes: np.ndarray, patches: np.ndarray | None 
     tokens rounded to whole rows of patches; video ``sizes`` frames (rounded up to whole
     temporal patches) of ``patches`` patches (square grids); image patches as drawn."""
     sizes = np.asarray(sizes, dtype=np.int64)
-    if rule.whisper_positions:
+    if rule.whisper_positions:          # TransformerArch.clip_tokens: every clip is 30 s
         return np.full(sizes.shape, rule.whisper_positions, dtype=np.int64)
     if rule.modality == "audio":
         return audio_rows(sizes, rule.columns) * rule.columns
     if rule.modality == "video":
         assert patches is not None
         side = np.maximum(1, np.rint(np.sqrt(np.maximum(patches, 0)))).astype(np.int64)
-        return clip_tokens(np.maximum(sizes, 1), side * side, rule.temporal_patch)
+        return clip_tokens(padded_frames(sizes, rule.temporal_patch), side * side,
+                           rule.temporal_patch)
     return sizes

@@ -84,7 +84,9 @@ __all__ = [
     "Dataset",
     "DatasetError",
     "DatasetExists",
+    "ClipInfo",
     "EncodedAudio",
+    "EncodedClip",
     "EncodedImage",
     "Member",
     "NoSamples",
@@ -177,6 +179,46 @@ class EncodedAudio:
 
 
 @dataclass(frozen=True)
+class ClipInfo:
+    """What an index knows of an audio or video file without decoding it (``data.media``):
+    its name (its extension says the format), an audio clip's ``samples`` per channel at
+    ``rate`` Hz, a video clip's ``frames`` shown, ``duration`` in seconds (None: no
+    timing) and frame size from its header (0: not given)."""
+
+    name: str
+    samples: int = 0
+    rate: int = 0
+    frames: int = 0
+    duration: float | None = None
+    width: int = 0
+    height: int = 0
+
+    def to_json(self) -> list[Any]:
+        return [self.name, self.samples, self.rate, self.frames, self.duration, self.width,
+                self.height]
+
+    @staticmethod
+    def from_json(entry: Any) -> ClipInfo:
+        """ValueError for an entry that is not ``to_json``'s."""
+        if not (isinstance(entry, list) and len(entry) == 7 and isinstance(entry[0], str)
+                and all(_is_count(x) for x in (*entry[1:4], *entry[5:]))
+                and (entry[4] is None or isinstance(entry[4], (int, float)))):
+            raise ValueError(f"clip {entry!r} is not [name, samples, rate, frames, "
+                             "duration, width, height]")
+        return ClipInfo(entry[0], entry[1], entry[2], entry[3],
+                        None if entry[4] is None else float(entry[4]), entry[5], entry[6])
+
+
+@dataclass(frozen=True)
+class EncodedClip:
+    """An audio or video file's bytes, as stored (``.flac``, ``.mp4``, ...), with what its
+    index says of it."""
+
+    info: ClipInfo
+    data: bytes = field(repr=False)
+
+
+@dataclass(frozen=True)
 class RawSample:
     """One sample as stored: text, encoded images and audio.
 
@@ -188,8 +230,10 @@ class RawSample:
     meta: Mapping[str, Any] = field(default_factory=dict)
     images: tuple[EncodedImage, ...] = ()
     gen_images: tuple[EncodedImage, ...] = ()
-    audio: tuple[EncodedAudio, ...] = ()
-    gen_audio: tuple[EncodedAudio, ...] = ()
+    # ``.npy`` frames (a dtdsl dataset: precomputed features) or audio files
+    audio: tuple[EncodedAudio | EncodedClip, ...] = ()
+    gen_audio: tuple[EncodedAudio | EncodedClip, ...] = ()
+    video: tuple[EncodedClip, ...] = ()
 
 
 def encode_image(pixels: np.ndarray, format: Literal["png", "jpeg"], *,
@@ -304,8 +348,22 @@ class SampleInfo:
     text_tokens: int
     images: tuple[tuple[int, int], ...]        # (width, height) of each input image
     gen_images: tuple[tuple[int, int], ...]
-    audio: tuple[int, ...]                     # frames of each input clip
+    audio: tuple[int, ...]                     # frames of each input clip (.npy)
     gen_audio: tuple[int, ...]
+    # Audio and video files (WebDataset members, LLaVA paths), from their headers
+    audio_clips: tuple[ClipInfo, ...] = ()
+    gen_audio_clips: tuple[ClipInfo, ...] = ()
+    videos: tuple[ClipInfo, ...] = ()
+
+    @property
+    def audio_count(self) -> int:
+        """Input audio clips, whatever their form."""
+        return len(self.audio) + len(self.audio_clips)
+
+    @property
+    def gen_audio_count(self) -> int:
+        """Audio generation targets, whatever their form."""
+        return len(self.gen_audio) + len(self.gen_audio_clips)
 
     def _entry(self, shard: int) -> dict[str, Any]:
         return {"key": self.key, "shard": shard,

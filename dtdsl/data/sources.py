@@ -154,16 +154,19 @@ def _json_problem(path: Path) -> str | None:
 
 def unread_encoders(program: ir.Program) -> str | None:
     """Why a dataset cannot feed ``program``'s encoders, or None: the readers fill the
-    first image encoder's images; any other encoder's items (audio fbanks, video frames,
-    a second image encoder's images, ``data.modal``) come from synthetic samples only."""
-    image = next((m for m in program.encoders if m.modality == "image"), None)
-    unread = [m for m in program.encoders if m is not image]
+    first encoder of each modality (images; audio and video clips, ``data.media``); a
+    second encoder of a modality has nothing of its own in a sample (its items come from
+    synthetic samples only)."""
+    firsts = {}
+    for m in program.encoders:
+        firsts.setdefault(m.modality, m)
+    unread = [m for m in program.encoders if firsts[m.modality] is not m]
     if not unread:
         return None
     names = ", ".join(f"{m.name} ({m.modality})" for m in unread)
     them = "them" if len(unread) > 1 else "it"
-    return (f"the dataset readers feed one image encoder, not encoder {names}: a run would "
-            f"train {them} on nothing")
+    return (f"the dataset readers feed the first encoder of each modality, not encoder "
+            f"{names}: a run would train {them} on nothing")
 
 
 def data_diagnostics(program: ir.Program, base_dir: str | Path) -> list[Any]:
@@ -181,7 +184,8 @@ def data_diagnostics(program: ir.Program, base_dir: str | Path) -> list[Any]:
     if unread is not None:
         return [Diagnostic.error(
             "DT601", f"data source {source!r} cannot be trained on: {unread}", span,
-            notes=["audio and video are read from datasets by a later part of the runtime"],
+            notes=["a sample's images, audio and video feed the first encoder of each "
+                   "modality"],
             hint="compile with --synthetic (samples drawn from the spec's distributions)")]
     problem = source_problem(source, base_dir)
     if problem is not None:
@@ -247,7 +251,7 @@ def _survey(program: ir.Program, source: str, base_dir: str | Path, span: Any) -
                                  span, notes=["paths are relative to the spec's folder"])]
     with dataset:
         try:
-            layouts = token_layouts(dataset, decoder.tokenizer)
+            layouts = token_layouts(dataset, decoder.tokenizer, kinds=decoder.kinds)
         except DatasetError as err:
             return [Diagnostic.error("DT314", f"data source {source!r} cannot be read: {err}",
                                      span)]
@@ -282,7 +286,7 @@ def _clamp_warnings(program: ir.Program, source: str, dataset: Any, decoder: Any
     high = policy.max_patches if policy is not None and policy.size is None else None
     for i in laid:
         info = dataset.info(i)
-        gen = {g: len(info.gen_images) if m == "image" else len(info.gen_audio)
+        gen = {g: len(info.gen_images) if m == "image" else info.gen_audio_count
                for g, m in gen_of.items()}
         samples.append((layouts[i][0], len(info.images), gen))
         if high is not None:

@@ -21,7 +21,10 @@ Two tokenizers:
   Llama 3's headers, or LLaVA-1.5's ``USER:``/``ASSISTANT:``; by default the one whose
   special tokens the tokenizer has) and trained on the assistant turns only: their text and
   their end token. Images without an ``<image>`` go at the start of the first user turn, as
-  LLaVA puts them.
+  LLaVA puts them. Audio and video clips, for a spec with an encoder that reads them, are
+  placed the same way by ``<audio>`` and ``<video>`` (``items``: their counts; per
+  modality ``TokenLayout.items_at``); those without a placeholder go at the start too,
+  after the images. Without such an encoder ``<audio>`` and ``<video>`` are plain text.
 - ``HashTokenizer``: for synthetic data only (``dtc data synth`` and samples drawn from the
   spec): one id per word or punctuation mark, a hash modulo the vocabulary; images first,
   every token but the first trained.
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +47,7 @@ from dtdsl.data.shards import DatasetError, text_pieces
 __all__ = [
     "CHAT_FORMATS",
     "IMAGE_PLACEHOLDER",
+    "PLACEHOLDERS",
     "ChatFormat",
     "HFTokenizer",
     "HashTokenizer",
@@ -51,11 +56,13 @@ __all__ = [
     "conversation_of",
     "dataset_identity",
     "load_tokenizer",
+    "item_counts",
     "token_layouts",
     "tokenizer_path",
 ]
 
 IMAGE_PLACEHOLDER = "<image>"
+PLACEHOLDERS = {"image": IMAGE_PLACEHOLDER, "audio": "<audio>", "video": "<video>"}
 _ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
           "system": "system"}
 
@@ -71,12 +78,14 @@ class TokenLayout:
     ids: np.ndarray                             # [T] int64
     image_at: tuple[int, ...]                   # per image: text tokens before it
     trained: tuple[tuple[int, int], ...]        # text-token ranges [a, b) with a loss
+    # per other modality read (audio, video): per clip, text tokens before it
+    items_at: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         n = len(self.ids)
-        if any(not 0 <= p <= n for p in self.image_at) or list(self.image_at) != sorted(
-                self.image_at):
-            raise ValueError(f"image places {self.image_at} are not in order within {n} tokens")
+        for what, at in (("image", self.image_at), *self.items_at.items()):
+            if any(not 0 <= p <= n for p in at) or list(at) != sorted(at):
+                raise ValueError(f"{what} places {at} are not in order within {n} tokens")
         last = 0
         for a, b in self.trained:
             if not last <= a < b <= n:
@@ -120,14 +129,16 @@ class HashTokenizer:
         return np.fromiter(map(self.token_id, text_pieces(text)), dtype=np.int64)
 
     def layout(self, text: str, images: int, conversation: Sequence[Mapping[str, Any]] | None
-               = None) -> TokenLayout:
-        """Images first, then the text, every text token but the first trained."""
+               = None, items: Mapping[str, int] | None = None) -> TokenLayout:
+        """Images (and clips) first, then the text, every text token but the first
+        trained."""
         if conversation is not None:
             raise TokenizerError("conversations need a real tokenizer (the data block's "
                                  "`tokenizer`), not the hashing one of synthetic data")
         ids = self.encode(text)
         return TokenLayout(ids=ids, image_at=(0,) * images,
-                           trained=((1, len(ids)),) if len(ids) > 1 else ())
+                           trained=((1, len(ids)),) if len(ids) > 1 else (),
+                           items_at={k: (0,) * n for k, n in (items or {}).items()})
 
 
 # ---- chat formats ------------------------------------------------------------------------
@@ -273,29 +284,30 @@ class HFTokenizer:
         return list(self.tokenizer.encode(text, add_special_tokens=False).ids) if text else []
 
     def layout(self, text: str, images: int,
-               conversation: Sequence[Mapping[str, Any]] | None = None) -> TokenLayout:
+               conversation: Sequence[Mapping[str, Any]] | None = None,
+               items: Mapping[str, int] | None = None) -> TokenLayout:
         """A caption's or a conversation's layout (module docstring). The sample is written
         out as one string with its images' places, each stretch between two images
         tokenized whole (as a chat template's output is), and a token is trained when its
         characters overlap a trained part of the string (how ``transformers`` finds the
-        assistant's tokens). TokenizerError for a text with more ``<image>`` placeholders
-        than the sample has images."""
+        assistant's tokens). ``items``: the sample's clips per other modality its spec
+        reads (``audio``, ``video``), placed by their placeholders as images are.
+        TokenizerError for a text with more placeholders of a modality than the sample
+        has items of it."""
         eos = self.eos_text or ""
-        parts: list[tuple[str, bool]] = []     # (text, trained), images as IMAGE_PLACEHOLDER
+        counts = {"image": images, **(items or {})}
+        parts: list[tuple[str, bool]] = []     # (text, trained), items as placeholders
         if conversation is None:
-            placed = text.count(IMAGE_PLACEHOLDER)
-            self._check_placeholders(placed, images)
-            parts.append((IMAGE_PLACEHOLDER * (images - placed), False))
+            missing = self._missing(text, counts)
+            parts.append((missing, False))
             parts.append((text + eos, True))
         else:
             turns = [(self._role(t), str(t.get("value", ""))) for t in conversation]
-            placed = sum(v.count(IMAGE_PLACEHOLDER) for _, v in turns)
-            self._check_placeholders(placed, images)
-            missing = images - placed
+            missing = self._missing("".join(v for _, v in turns), counts)
             chat = self.chat
             for role, value in turns:
                 if missing and role == "user":
-                    value, missing = IMAGE_PLACEHOLDER * missing + "\n" + value, 0
+                    value, missing = missing + "\n" + value, ""
                 footer = chat.footers[role].replace("{eos}", eos)
                 parts.append((chat.headers[role], False))
                 if role == "assistant":
@@ -306,11 +318,27 @@ class HFTokenizer:
                     parts.append((value + footer, False))
             if missing:
                 raise TokenizerError(f"{images} images but no user turn to place them in")
-        return self._tokenize(parts)
+        return self._tokenize(parts, tuple(counts))
 
-    def _tokenize(self, parts: list[tuple[str, bool]]) -> TokenLayout:
+    def _missing(self, text: str, counts: Mapping[str, int]) -> str:
+        """The placeholders of the items ``text`` does not place, in modality order;
+        TokenizerError when it places more of a modality than the sample has."""
+        out = ""
+        for kind, n in counts.items():
+            mark = PLACEHOLDERS[kind]
+            placed = text.count(mark)
+            if placed > n:
+                raise TokenizerError(f"the text has {placed} {mark} placeholders but the "
+                                     f"sample has {n} {kind}{'s' if kind == 'image' else ''}")
+            out += mark * (n - placed)
+        return out
+
+    def _tokenize(self, parts: list[tuple[str, bool]], kinds: Sequence[str] = ("image",)
+                  ) -> TokenLayout:
         ids: list[int] = list(self.prefix)
-        image_at: list[int] = []
+        places: dict[str, list[int]] = {k: [] for k in kinds}
+        marks = {PLACEHOLDERS[k]: k for k in kinds}
+        split = re.compile("(" + "|".join(map(re.escape, marks)) + ")")
         flags: list[bool] = [False] * len(ids)
         stretch, spans = "", []          # the text since the last image, its trained spans
 
@@ -323,10 +351,11 @@ class HFTokenizer:
             stretch, spans = "", []
 
         for piece, trained in parts:
-            for k, chunk in enumerate(piece.split(IMAGE_PLACEHOLDER)):
-                if k:
+            for k, chunk in enumerate(split.split(piece)):
+                if k % 2:                  # a placeholder
                     flush()
-                    image_at.append(len(ids))
+                    places[marks[chunk]].append(len(ids))
+                    continue
                 if trained and chunk:
                     spans.append((len(stretch), len(stretch) + len(chunk)))
                 stretch += chunk
@@ -337,14 +366,10 @@ class HFTokenizer:
                 trained_ranges[-1] = (trained_ranges[-1][0], i + 1)
             elif flag:
                 trained_ranges.append((i, i + 1))
-        return TokenLayout(ids=np.asarray(ids, dtype=np.int64), image_at=tuple(image_at),
-                           trained=tuple(trained_ranges))
-
-    @staticmethod
-    def _check_placeholders(placed: int, images: int) -> None:
-        if placed > images:
-            raise TokenizerError(f"the text has {placed} {IMAGE_PLACEHOLDER} placeholders "
-                                 f"but the sample has {images} images")
+        return TokenLayout(ids=np.asarray(ids, dtype=np.int64),
+                           image_at=tuple(places.pop("image")),
+                           trained=tuple(trained_ranges),
+                           items_at={k: tuple(v) for k, v in places.items()})
 
     @staticmethod
     def _role(turn: Mapping[str, Any]) -> str:
@@ -383,8 +408,14 @@ def conversation_of(meta: Mapping[str, Any]) -> Sequence[Mapping[str, Any]] | No
 # ---- layouts of a whole dataset, cached ------------------------------------------------------
 
 _LAYOUTS_FORMAT = "dtdsl-token-layouts"
-_LAYOUTS_VERSION = 1
-Layout = tuple[int, tuple[int, ...], tuple[tuple[int, int], ...]]   # (T, image_at, trained)
+_LAYOUTS_VERSION = 2        # 2: clips' places (items_at)
+# (T, image_at, trained, per other modality read its clips' places)
+Layout = tuple[int, tuple[int, ...], tuple[tuple[int, int], ...], dict[str, tuple[int, ...]]]
+
+
+def item_counts(info: Any, kinds: Sequence[str]) -> dict[str, int]:
+    """A sample's clips (``shards.SampleInfo``) of each modality in ``kinds``."""
+    return {k: info.audio_count if k == "audio" else len(info.videos) for k in kinds}
 
 
 def dataset_identity(dataset: Any) -> tuple[str, Path | None]:
@@ -402,11 +433,14 @@ def dataset_identity(dataset: Any) -> tuple[str, Path | None]:
 
 
 def token_layouts(dataset: Any, tokenizer: HFTokenizer | HashTokenizer, *,
-                  progress: Any = None) -> list[Layout | None]:
-    """Every sample's ``(text tokens, image places, trained ranges)`` under ``tokenizer``
-    (None for a sample whose text does not go with its images: it is left out of the
-    run), cached beside the dataset's index, named by the dataset's and the tokenizer's
-    fingerprints. The hashing tokenizer's come from the index's counts, nothing read."""
+                  progress: Any = None, kinds: Sequence[str] = ()) -> list[Layout | None]:
+    """Every sample's ``(text tokens, image places, trained ranges, clip places)`` under
+    ``tokenizer`` (None for a sample whose text does not go with its images: it is left
+    out of the run), cached beside the dataset's index, named by the dataset's and the
+    tokenizer's fingerprints and ``kinds`` (the modalities besides images whose
+    placeholders are read: ``audio``, ``video``). The hashing tokenizer's come from the
+    index's counts, nothing read."""
+    kinds = tuple(kinds)
     from dtdsl.data.cache import read_cache, write_cache
 
     n = len(dataset)
@@ -415,19 +449,22 @@ def token_layouts(dataset: Any, tokenizer: HFTokenizer | HashTokenizer, *,
         for i in range(n):
             info = dataset.info(i)
             t = info.text_tokens
-            out.append((t, (0,) * len(info.images), ((1, t),) if t > 1 else ()))
+            out.append((t, (0,) * len(info.images), ((1, t),) if t > 1 else (),
+                        {k: (0,) * n for k, n in item_counts(info, kinds).items()}))
         return out
     ident, folder = dataset_identity(dataset)
-    name = hashlib.sha256(f"{ident}\0{tokenizer.fingerprint}".encode()).hexdigest()[:32]
+    name = hashlib.sha256(f"{ident}\0{tokenizer.fingerprint}\0{','.join(kinds)}".encode()
+                          ).hexdigest()[:32]
     target = folder / f"tokens-{name}.json" if folder is not None else None
     body = read_cache(target, _LAYOUTS_FORMAT, _LAYOUTS_VERSION) if target else None
     if body is not None:
         try:
             if len(body["layouts"]) == n:
                 return [None if e is None else (int(e[0]), tuple(e[1]),
-                                                tuple(tuple(r) for r in e[2]))
+                                                tuple(tuple(r) for r in e[2]),
+                                                {str(k): tuple(v) for k, v in e[3].items()})
                         for e in body["layouts"]]
-        except (KeyError, TypeError, IndexError):
+        except (KeyError, TypeError, IndexError, AttributeError):
             pass          # unreadable: count again
     read = getattr(dataset, "read_text", None) or dataset.read
     layouts: list[Layout | None] = []
@@ -435,9 +472,10 @@ def token_layouts(dataset: Any, tokenizer: HFTokenizer | HashTokenizer, *,
     for i in range(n):
         raw = read(i)
         try:
-            lay = tokenizer.layout(raw.text, len(dataset.info(i).images),
-                                   conversation_of(raw.meta))
-            layouts.append((len(lay.ids), lay.image_at, lay.trained))
+            info = dataset.info(i)
+            lay = tokenizer.layout(raw.text, len(info.images), conversation_of(raw.meta),
+                                   item_counts(info, kinds))
+            layouts.append((len(lay.ids), lay.image_at, lay.trained, dict(lay.items_at)))
         except (TokenizerError, DatasetError) as err:
             reason = str(err).split(":")[0][:80]
             failed[reason] = failed.get(reason, 0) + 1
@@ -448,6 +486,7 @@ def token_layouts(dataset: Any, tokenizer: HFTokenizer | HashTokenizer, *,
         write_cache(target, {
             "format": _LAYOUTS_FORMAT, "version": _LAYOUTS_VERSION,
             "tokenizer": str(tokenizer.path), "skipped": failed,
-            "layouts": [None if e is None else [e[0], list(e[1]), [list(r) for r in e[2]]]
+            "layouts": [None if e is None else [e[0], list(e[1]), [list(r) for r in e[2]],
+                                                {k: list(v) for k, v in e[3].items()}]
                         for e in layouts]})
     return layouts

@@ -17,20 +17,29 @@ text from ``txt`` (or ``text``, ``caption``), its record from ``json``, and its 
 every member whose extension ends in ``jpg``, ``jpeg``, ``png`` or ``webp`` (``jpg``, or
 ``0.jpg``, ``1.png``, ... in name order). Images whose extension starts with ``gen`` are
 generation targets (``gen.jpg``, ``gen0.png``); the others are inputs, or targets when the
-model reads no images (``image_role="target"``: a text-to-image set for a generator). Keys
+model reads no images (``image_role="target"``: a text-to-image set for a generator).
+Audio clips are the members whose extension ends in ``flac``, ``wav``, ``mp3`` or ``ogg``,
+video clips those ending in ``mp4``, ``webm`` or ``mkv`` (``data.media``), each kind in
+name order (``0.flac``, ``1.flac``, ..., ``10.flac``: numbers as numbers); audio whose
+extension starts with ``gen`` is an audio generator's target, the rest an audio
+encoder's input (a ``gen`` video is not read: nothing generates video). Keys
 starting with ``__`` and members of no extension are ignored. When two shards hold the
 same key (two runs of a writer, both from 000000), every key is qualified by its shard's
 name (``000003/000042``).
 
 **The index** (``WebIndex``): every sample's members (offset, size, CRC-32), its text size
-and token count (``shards.count_text_tokens``) and each image's width and height (from its
-header). It is built by reading every shard once, written as JSON under
-``.dtdsl-index/`` beside the shards when that folder is writable (else
+and token count (``shards.count_text_tokens``), each image's width and height (from its
+header), each audio clip's samples and rate and each video clip's frames, duration and
+frame size (``data.media.index_media``: headers and packets, nothing decoded), so a
+clip's tokens are known before it is decoded. It is built by reading every shard once,
+written as JSON under ``.dtdsl-index/`` beside the shards when that folder is writable (else
 ``$XDG_CACHE_HOME/dtdsl/index/``), and named by a fingerprint of the shards (path, size,
 modification time): a changed shard makes a new index. What cannot be a sample is counted
 and skipped, never a traceback: a member that is cut off (a truncated tar: the samples
 before it stay), an image whose header does not decode, text that is not UTF-8 or is
-empty, a sample with no text. ``WebIndex.skipped`` has the counts by reason.
+empty, a sample with no text, an audio or video member that does not read as one
+(``unreadable audio``, ``unreadable video``). ``WebIndex.skipped`` has the counts by
+reason.
 
 **Truncated tars.** ``tarfile`` ends a listing quietly at the first header it cannot read,
 so a tar cut at a header boundary (no end-of-archive blocks), inside a header or at a
@@ -63,7 +72,9 @@ from typing import Any
 from dtdsl.data.cache import cache_path, read_cache, write_cache
 from dtdsl.data.paths import MISSING, Refused, inside, open_regular
 from dtdsl.data.shards import (
+    ClipInfo,
     DatasetError,
+    EncodedClip,
     EncodedImage,
     Member,
     NoSamples,
@@ -76,7 +87,7 @@ __all__ = ["INDEX_FORMAT", "WebDataset", "WebIndex", "build_index", "expand_sour
            "index_path", "resolve_shards"]
 
 INDEX_FORMAT = "dtdsl-webdataset-index"
-INDEX_VERSION = 2          # 2: how each tar ends is checked (problems)
+INDEX_VERSION = 3          # 2: how each tar ends is checked (problems); 3: audio, video
 _BLOCK = tarfile.BLOCKSIZE
 _IMAGE_EXT = {"jpg": "jpeg", "jpeg": "jpeg", "png": "png", "webp": "webp"}
 _TEXT_EXT = ("txt", "text", "caption")
@@ -187,6 +198,31 @@ def _image_ext(ext: str) -> str | None:
     return _IMAGE_EXT.get(last)
 
 
+def _natural(ext: str) -> list[Any]:
+    """A sort key that orders ``2.flac`` before ``10.flac``."""
+    return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in re.split(r"(\d+)", ext)]
+
+
+def _clips(key: str, members: list[list[Any]], blobs: dict[str, bytes]
+           ) -> list[list[Any]] | str:
+    """The sample's audio and video members as ``[ext, ClipInfo json]`` (audio first,
+    each kind in name order), or why one does not read (the skip reason)."""
+    from dtdsl.data.media import index_media, media_kind
+
+    found = [(media_kind(m[0]), m[0]) for m in members]
+    out = []
+    for kind in ("audio", "video"):
+        for _, ext in sorted(((k, e) for k, e in found if k == kind),
+                             key=lambda ke: _natural(ke[1])):
+            if kind == "video" and ext.startswith("gen"):
+                continue            # nothing generates video
+            try:
+                out.append([ext, index_media(blobs[ext], f"{key}.{ext}").to_json()])
+            except DatasetError:
+                return f"unreadable {kind}"
+    return out
+
+
 def _image_size(data: bytes) -> tuple[int, int]:
     from PIL import Image
 
@@ -223,6 +259,9 @@ def _finish(scan: _Scan, shard: int, key: str, members: list[list[Any]],
                 images.append([name, *_image_size(blobs[name])])
             except Exception:  # noqa: BLE001 - PIL raises many kinds for a broken header
                 return scan.skip("unreadable image")
+    clips = _clips(key, members, blobs)
+    if isinstance(clips, str):
+        return scan.skip(clips)
     meta_member = next((m for m in members if m[0] == "json"), None)
     if meta_member is not None:
         try:
@@ -233,7 +272,8 @@ def _finish(scan: _Scan, shard: int, key: str, members: list[list[Any]],
             return scan.skip("unreadable json")
     scan.samples.append({"key": key, "shard": shard, "members": members,
                          "text": text_member[0], "text_bytes": len(blobs[text_member[0]]),
-                         "text_tokens": count_text_tokens(text), "images": images})
+                         "text_tokens": count_text_tokens(text), "images": images,
+                         "clips": clips})
 
 
 def _end_problem(block: bytes, at: int) -> str | None:
@@ -363,6 +403,17 @@ def build_index(shards: Sequence[Path], *, cache_dir: str | Path | None = None,
     return index
 
 
+_CLIP_FIELDS = {"audio": "audio_clips", "gen_audio": "gen_audio_clips", "video": "videos"}
+
+
+def _clip_role(ext: str) -> str:
+    """``audio``, ``gen_audio`` or ``video``: what a clip member is to the model."""
+    from dtdsl.data.media import media_kind
+
+    kind = media_kind(ext)
+    return "gen_audio" if kind == "audio" and ext.startswith("gen") else str(kind)
+
+
 class WebDataset:
     """WebDataset shards opened for reading (module docstring): ``shards.Dataset``'s
     interface. ``image_role``: whether a sample's plain images are encoder ``input``s or
@@ -380,6 +431,8 @@ class WebDataset:
                         for name, _, _ in s["images"]] for s in index.samples]
         self._infos = [self._info(s, roles) for s, roles in zip(index.samples, self._roles,
                                                                 strict=True)]
+        self._clip_exts = [[(ext, _clip_role(ext)) for ext, _ in s["clips"]]
+                           for s in index.samples]
         self._entries = index.samples
         self._files: dict[int, io.BufferedReader] = {}
 
@@ -393,6 +446,7 @@ class WebDataset:
                    image_role=image_role, refused=refused)
 
     def _info(self, entry: dict[str, Any], roles: list[bool]) -> SampleInfo:
+        clips = [(ClipInfo.from_json(c), _clip_role(ext)) for ext, c in entry["clips"]]
         inputs, targets = [], []
         for (_, w, h), to_generate in zip(entry["images"], roles, strict=True):
             (targets if to_generate else inputs).append((int(w), int(h)))
@@ -401,7 +455,10 @@ class WebDataset:
             members=tuple(Member(name=m[0], offset=m[1], size=m[2], crc32=m[3])
                           for m in entry["members"]),
             text_bytes=entry["text_bytes"], text_tokens=entry["text_tokens"],
-            images=tuple(inputs), gen_images=tuple(targets), audio=(), gen_audio=())
+            images=tuple(inputs), gen_images=tuple(targets), audio=(), gen_audio=(),
+            audio_clips=tuple(c for c, kind in clips if kind == "audio"),
+            gen_audio_clips=tuple(c for c, kind in clips if kind == "gen_audio"),
+            videos=tuple(c for c, kind in clips if kind == "video"))
 
     def __len__(self) -> int:
         return len(self._infos)
@@ -476,9 +533,13 @@ class WebDataset:
             (targets if to_generate else images).append(
                 EncodedImage(format=fmt, data=blobs[name], width=int(w), height=int(h)))
         meta = {k: v for k, v in meta.items()
-                if k not in ("key", "images", "gen_images", "audio", "gen_audio")}
+                if k not in ("key", "images", "gen_images", "audio", "gen_audio", "video")}
+        clips = {kind: tuple(EncodedClip(info=c, data=blobs[ext]) for c, (ext, _) in zip(
+            getattr(info, field), [(e, k) for e, k in self._clip_exts[i] if k == kind],
+            strict=True)) for kind, field in _CLIP_FIELDS.items()}
         return RawSample(key=info.key, text=text, meta=meta, images=tuple(images),
-                         gen_images=tuple(targets))
+                         gen_images=tuple(targets), audio=clips["audio"],
+                         gen_audio=clips["gen_audio"], video=clips["video"])
 
     def __iter__(self) -> Iterator[RawSample]:
         for i in range(len(self)):

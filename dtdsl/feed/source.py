@@ -88,7 +88,8 @@ def image_pixels(pixels: np.ndarray):
 
 def to_sample(step: int, position: int, decoded, parts: frozenset[str]):
     """A ``runtime.data.Sample`` from a ``DecodedSample`` (only ``parts`` filled; images
-    as uint8 pixels, ``image_pixels``)."""
+    as uint8 pixels, ``image_pixels``; audio and video items, with the images, as the
+    float32 arrays ``data.media`` makes)."""
     import torch
 
     from dtdsl.data.sample import GenTargets, Sample
@@ -106,10 +107,15 @@ def to_sample(step: int, position: int, decoded, parts: frozenset[str]):
             targets[name] = GenTargets(latents=tensor(t.latents), noise=tensor(t.noise),
                                        timesteps=tensor(t.timesteps), pixels=tensor(t.pixels),
                                        eps=tensor(t.eps))
+    keep = "images" in parts
+    inputs = {k: tuple(torch.from_numpy(np.array(x, dtype=np.float32)) for x in v)
+              for k, v in decoded.inputs.items()} if keep else {}
     return Sample(step=step, index=position, tokens=tokens, images=images, targets=targets,
                   image_at=decoded.image_at, trained=decoded.trained,
                   doc_text=decoded.doc_text, doc_images=decoded.doc_images,
-                  doc_gen=decoded.doc_gen)
+                  doc_gen=decoded.doc_gen, inputs=inputs,
+                  inputs_at=decoded.inputs_at if inputs else None,
+                  doc_inputs=decoded.doc_inputs if inputs else None)
 
 
 def _log_left_out(path: str | Path, found: Any, total_text: str) -> None:
@@ -170,9 +176,15 @@ class DatasetSource:
         self.batch = program.train.global_batch
         image = next((m for m in program.encoders if m.modality == "image"), None)
         self.patch = (image.arch.patch or 1) if image is not None else None
-        self.image_tokens = program.image_tokens()
+        if self.decoder.readers:        # every encoder's rule places its items
+            from dtdsl.data.modal import encoder_inputs
+
+            self.image_tokens: Any = encoder_inputs(program)
+        else:
+            self.image_tokens = program.image_tokens()
         self.clamps = Clamps.for_program(program)
-        layouts = token_layouts(self.dataset, self.decoder.tokenizer, progress=progress)
+        layouts = token_layouts(self.dataset, self.decoder.tokenizer, progress=progress,
+                                kinds=self.decoder.kinds)
         found = usable_samples(self.dataset, self.decoder, layouts, progress=progress)
         self.usable = list(found.indices)
         self.skipped = len(layouts) - len(self.usable)
@@ -249,19 +261,23 @@ class DatasetSource:
         info = self.dataset.info(i)
         layout = self._layouts[i]
         assert layout is not None
-        text, places, trained = layout
+        text, places, trained, items_at = layout
         shapes: tuple[tuple[int, int], ...] = ()
         if self.decoder.images is not None:
             shapes = tuple(self.decoder.images.shape(w, h) for w, h in info.images)
         else:
             places = ()       # no encoder reads the images: text only
         gen = {g.name: (len(info.gen_images) if g.modality == "image" else
-                        len(info.gen_audio)) for g in self.program.generators}
+                        info.gen_audio_count) for g in self.program.generators}
         # The spec's clamps first (data.clamps), then seq_len: the one place the run's
         # samples are made to fit, for the workers and the reference alike.
+        inputs = self.decoder.input_shapes(info)
+        inputs_at = {name: items_at[r.modality]
+                     for name, r in self.decoder.readers.items()}
         found = self._doc_sizes[i] = fit(
             self.clamps.apply(SampleSizes(text_tokens=text, image_shapes=shapes,
-                                          gen_counts=gen, image_at=places, trained=trained)),
+                                          gen_counts=gen, image_at=places, trained=trained,
+                                          inputs=inputs, inputs_at=inputs_at)),
             self.image_tokens, self.program.train.seq_len)
         return found
 
@@ -297,8 +313,9 @@ class DatasetSource:
                             len(self.replaced))
             info = self.dataset.info(i)
             gen = {g.name: len(info.gen_images) if g.modality == "image" else
-                   len(info.gen_audio) for g in self.program.generators}
-            return self.decoder.stand_in(info.key, self._layouts[i][0], info.images, gen)
+                   info.gen_audio_count for g in self.program.generators}
+            return self.decoder.stand_in(info.key, self._layouts[i][0], info.images, gen,
+                                         self.decoder.input_shapes(info))
 
     def _decode_one(self, i: int):
         import dataclasses
@@ -311,7 +328,9 @@ class DatasetSource:
         return dataclasses.replace(
             decoded, tokens=decoded.tokens[:sizes.text_tokens],
             images=decoded.images[:len(sizes.image_shapes)] if self.patch is not None else (),
-            gen=gen, image_at=sizes.image_at, trained=sizes.trained)
+            gen=gen, image_at=sizes.image_at, trained=sizes.trained,
+            inputs={k: v[:len(sizes.inputs.get(k, ()))] for k, v in decoded.inputs.items()},
+            inputs_at=sizes.inputs_at if sizes.inputs else None)
 
     def decode(self, step: int, position: int):
         """The ``DecodedSample`` (numpy) at ``position`` of step ``step``, each sample cut

@@ -129,7 +129,9 @@ def _payload(ctx: FeedContext, step: int, position: int, parts: frozenset[str],
             decoded = cache[position] = ctx.source.decode(step, position)
         return _Payload(tokens=decoded.tokens if "tokens" in parts else None,
                         images=decoded.images if "images" in parts else (),
-                        gen=decoded.gen if "targets" in parts else {}, parts=parts)
+                        gen=decoded.gen if "targets" in parts else {}, parts=parts,
+                        inputs={k: v for k, v in decoded.inputs.items() if v}
+                        if "images" in parts else {})
     s = ctx.source.sample(step, position, parts)
     return _Payload(tokens=s.tokens if "tokens" in parts else None, images=s.images,
                     gen=dict(s.targets), parts=parts,

@@ -321,22 +321,29 @@ def test_audio_image_specs_compile(tmp_path, spec):
     assert (tmp_path / "bundle" / "launch.sh").exists()
 
 
-def test_a_dataset_cannot_feed_audio_or_video_encoders_yet(tmp_path, capsys):
-    # The readers fill images only: compiling against a dataset says so, at the
-    # spec's source line or for --data, instead of training the encoders on nothing.
+def test_a_dataset_feeds_the_first_encoder_of_each_modality_only(tmp_path, capsys):
+    # A dataset's images, audio and video feed the first encoder of each modality
+    # (tests/data/test_media.py trains on them); a second image encoder would train on
+    # nothing, and compiling against a dataset says so at the spec's source line.
     from dtdsl import cli
 
     data = tmp_path / "data"
     assert cli.main(["data", "synth", str(_root() / "specs" / "tiny_cpu.dt"), "-o",
                      str(data), "--samples", "8", "-q"]) == 0
+    text = _modal_text((_root() / "specs" / "tiny_cpu.dt").read_text()).replace(
+        'source = "data/tiny"', 'source = "data"')
     spec = tmp_path / "modal.dt"
-    spec.write_text(_modal_text((_root() / "specs" / "tiny_cpu.dt").read_text())
-                    .replace('source = "data/tiny"', 'source = "data"'))
+    spec.write_text(text)
+    assert cli.main(["check", str(spec)]) == 0
+    capsys.readouterr()
+    spec.write_text(text.replace(
+        "  backbone llm {", "  encoder vit2 (image) {\n    arch = transformer(layers=2, "
+        "hidden=32, heads=2, ffn=64, patch=8)\n  }\n  backbone llm {").replace(
+        "  projector vit -> llm : mlp(depth=2)",
+        "  projector vit -> llm : mlp(depth=2)\n  projector vit2 -> llm : mlp(depth=2)"))
     assert cli.main(["compile", str(spec), "-o", str(tmp_path / "b1")]) != 0
-    assert "DT601" in capsys.readouterr().err
-    assert cli.main(["compile", str(spec), "-o", str(tmp_path / "b2"), "--data",
-                     str(data)]) != 0
-    assert "not encoder beats (audio), clip (video)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "DT601" in err and "not encoder vit2 (image)" in err
 
 
 def test_two_image_encoders_train_as_the_reference():
