@@ -63,8 +63,8 @@ import torch.nn.functional as F
 from dtdsl.models.attention import DocumentMask, document_attention, document_mask
 from dtdsl.parallel.p2p import P2P, spec_of
 
-__all__ = ["CAUSAL", "EMPTY", "FULL", "MASKED", "MESH_DIMS", "METHODS", "Block", "CPDocuments",
-           "cp_attention", "cp_rank", "padded_length", "shard", "shard_documents", "shard_index",
+__all__ = ["CAUSAL", "EMPTY", "FULL", "MASKED", "MESH_DIMS", "METHODS", "Block", "CPContext",
+           "CPDocuments", "CPGroup", "cp_attention", "gather_sequence", "cp_rank", "padded_length", "shard", "shard_documents", "shard_index",
            "unshard"]
 
 METHODS = ("ring", "ulysses", "hybrid")
@@ -633,3 +633,91 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     if not isinstance(docs, CPDocuments):
         docs = CPDocuments.gather(docs, groups, q.device)
     return _attend(q, k, v, docs, ring, uly_group, uly, causal)
+
+
+# ---------------------------------------------------------------------------- runtime
+
+@dataclass(frozen=True, eq=False)
+class CPGroup:
+    """A stage's context parallelism (``parallel.mesh.ProcessGroups.cp``): ``size`` CP
+    ranks, this rank's ``rank`` among them (which shard of the layout it holds), its
+    module's ``method`` and the process group (ring, Ulysses) or ``(cp_ring,
+    cp_ulysses)`` DeviceMesh (hybrid) its attention runs over."""
+
+    method: str
+    size: int
+    rank: int
+    group: Any
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"context parallelism {self.method!r} is not one of "
+                             f"{', '.join(METHODS)}")
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"CP rank {self.rank} is outside 0..{self.size - 1}")
+
+    def context(self, docs: torch.Tensor) -> CPContext:
+        """The attention context of one microbatch from the document ids of its whole
+        sequences ``[B, L']`` (L' a multiple of ``2 * size``; every CP rank has them)."""
+        return CPContext(self, CPDocuments.from_full(docs, self.size))
+
+    def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's shard of ``x`` along its sequence dimension (``shard``)."""
+        return shard(x, self.size, self.rank, dim)
+
+    def groups(self) -> list[Any]:
+        """The process groups over which to gather along the CP ranks, innermost first
+        (``CPDocuments.gather``'s order: CP rank ``i * U + j``)."""
+        if self.method == "hybrid" and not isinstance(self.group, dist.ProcessGroup):
+            return [self.group.get_group(MESH_DIMS[1]), self.group.get_group(MESH_DIMS[0])]
+        return [self.group]
+
+
+@dataclass(frozen=True, eq=False)
+class CPContext:
+    """What every attention layer of one microbatch's forward needs under context
+    parallelism (``models.transformer.SelfAttention`` takes it in place of a document
+    mask): the group and the documents' blocks, built once per microbatch."""
+
+    cp: CPGroup
+    docs: CPDocuments
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+               causal: bool = True) -> torch.Tensor:
+        """``cp_attention`` of this rank's shards ``[B, H, n2, D]`` with the module's
+        method."""
+        hybrid = self.cp.method == "hybrid"
+        return cp_attention(q, k, v, docs=self.docs, method=self.cp.method,
+                            group=None if hybrid else self.cp.group,
+                            mesh=self.cp.group if hybrid else None, causal=causal)
+
+
+class _Gather(torch.autograd.Function):
+    """This CP rank's shard ``[B, n2, ...]`` to the whole sequence ``[B, length, ...]``
+    on every CP rank; backward: the whole's gradients summed over the CP ranks (each
+    rank's loss reads the whole), this rank's shard of them."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, cp: CPGroup, length: int) -> torch.Tensor:
+        parts = x.contiguous()[None]
+        for group in cp.groups():
+            size = dist.get_world_size(group)
+            out = torch.empty((size * parts.shape[0], *parts.shape[1:]), dtype=parts.dtype,
+                              device=parts.device)
+            dist.all_gather_into_tensor(out, parts.contiguous(), group=group)
+            parts = out
+        ctx.cp, ctx.length = cp, length
+        return unshard(list(parts.unbind(0)), length, dim=1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        grad = grad.contiguous()
+        for group in ctx.cp.groups():
+            dist.all_reduce(grad, group=group)
+        return ctx.cp.shard(grad), None, None
+
+
+def gather_sequence(x: torch.Tensor, cp: CPGroup, length: int) -> torch.Tensor:
+    """The whole sequences ``[B, length, ...]`` from every CP rank's shard ``x`` (on every
+    CP rank, differentiable: ``_Gather``). ``length``: the whole width, padding dropped."""
+    return _Gather.apply(x, cp, length)
