@@ -173,19 +173,35 @@ def _phased(program: ir.Program, plan: Plan) -> list[Diagnostic]:
 
 
 def _context_parallel(program: ir.Program, plan: Plan) -> list[Diagnostic]:
-    """A plan with cp > 1: ``parallel.cp`` has the attention, the models and executor do
-    not call it yet."""
+    """Context parallelism runs on the backbone (``parallel.cp`` in its attention,
+    ``train.executor``): DT601 for a plan that splits an encoder's or a generator's
+    sequences (cp > 1), DT622 for a backbone's cp that its heads cannot take (a plan read
+    with ``--plan`` need not be the planner's, which refuses those: DT621)."""
+    from dtdsl.ir.plan import cp_conflict
+
     out = []
     for u in plan.units:
-        if u.cp > 1:
-            method = program.module(u.name).context_parallel
+        if u.cp <= 1:
+            continue
+        module = program.module(u.name)
+        if u.role != "backbone":
             out.append(Diagnostic.error(
-                _CODE, f"the runtime does not run context parallelism yet; the plan splits "
-                f"{u.name}'s sequences over cp {u.cp} ranks ({method})",
-                program.module(u.name).span,
-                notes=["dtdsl.parallel.cp has the ring, Ulysses and hybrid attention; the "
-                       "models and the executor do not call it yet"],
+                _CODE, f"the runtime runs context parallelism on the backbone only; the "
+                f"plan splits {u.role} {u.name}'s sequences over cp {u.cp} ranks "
+                f"({module.context_parallel})", module.span,
+                notes=["the executor shards the backbone's packed microbatches over its CP "
+                       "ranks; an encoder's patches and a generator's tokens stay whole"],
                 hint=f"constrain it, `cp({u.name}) == 1` in constraints, and plan again"))
+            continue
+        why = cp_conflict(module.arch, module.context_parallel, u.cp, u.tp,
+                          program.cluster.gpus_per_node)
+        if why is not None:
+            out.append(Diagnostic.error(
+                "DT622", f"{u.name}'s plan splits its sequences over cp {u.cp} ranks "
+                f"({module.context_parallel}) at tp {u.tp}, which its attention cannot "
+                f"run: {why}", module.span,
+                hint=f"plan again (dtc plan never picks it), or use `context_parallel = "
+                     f"ring` for {u.name}"))
     return out
 
 
@@ -238,8 +254,9 @@ def runtime_support(program: ir.Program, plan: Plan | None = None) -> list[Diagn
     stage, co-located units placed other than on the backbone's
     first or last stage and phased units other than encoders on all the backbone's ranks
     (a phased generator), or any of these split by a TP degree that does not divide
-    them, units with context parallelism (cp > 1); and TP groups
-    across nodes priced as within one (``tp_placement``, DT411).
+    them, encoders and generators with context parallelism (cp > 1), and (DT622) a
+    backbone's cp its heads cannot take; and TP groups across nodes priced as within
+    one (``tp_placement``, DT411).
 
     Without ``plan`` only the spec's own features are checked (before planning)."""
     out = _encoders(program)

@@ -60,7 +60,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from dtdsl.models.attention import DocumentMask, document_attention, document_mask
+from dtdsl.models.attention import (
+    DocumentMask,
+    dense_attention,
+    document_attention,
+    document_mask,
+)
 from dtdsl.parallel.p2p import P2P, spec_of
 
 __all__ = ["CAUSAL", "EMPTY", "FULL", "MASKED", "MESH_DIMS", "METHODS", "Block", "CPContext",
@@ -261,9 +266,12 @@ class CPDocuments:
         default_factory=dict, repr=False)
     _masks: dict[torch.device, DocumentMask] = field(default_factory=dict, repr=False)
 
+    _single: bool = field(default=False, init=False, repr=False)
+
     def __post_init__(self) -> None:
         self.docs = self.docs.detach().to("cpu", torch.int64)
         _check_documents(self.docs)
+        self._single = bool((self.docs == 0).all())
 
     @classmethod
     def from_full(cls, docs: torch.Tensor, size: int) -> CPDocuments:
@@ -292,6 +300,12 @@ class CPDocuments:
     def length(self) -> int:
         return self.docs.shape[1]
 
+    @property
+    def single(self) -> bool:
+        """Whether every sequence is one document, without padding: plain causal
+        attention."""
+        return self._single
+
     def ring_blocks(self, size: int, rank: int, device: torch.device, dtype: torch.dtype,
                     causal: bool = True) -> tuple[tuple[Block, ...], ...]:
         """The blocks of every ring step of ring rank ``rank`` of ``size`` (cached);
@@ -301,8 +315,12 @@ class CPDocuments:
                              f"for {size} ring ranks: pad it (CPDocuments.from_full)")
         key = (size, rank, causal, torch.device(device), dtype)
         if key not in self._blocks:
-            self._blocks[key] = _ring_blocks(self.docs, size, rank, causal,
-                                             torch.device(device), dtype)
+            from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+            # Host work on the real ids, also inside ``dtc memcheck``'s fake world.
+            with unset_fake_temporarily():
+                self._blocks[key] = _ring_blocks(self.docs, size, rank, causal,
+                                                 torch.device(device), dtype)
         return self._blocks[key]
 
     def document_mask(self, device: torch.device) -> DocumentMask:
@@ -580,7 +598,11 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: CPDocuments
         order = _ulysses_order(ring_size, ring_rank, uly, n).to(q.device)
         q, k, v = (_to_heads(x, uly_group, uly).index_select(2, order) for x in (q, k, v))
     scale = 1.0 / math.sqrt(q.shape[-1])
-    if ring is None and causal:
+    if ring is None and causal and docs.single:
+        # One document per sequence, no padding: plain causal attention (no mask to
+        # build; ``dtc memcheck``'s fake world builds none).
+        out = dense_attention(q, k, v, causal=True)
+    elif ring is None and causal:
         out = document_attention(q, k, v, docs.document_mask(q.device))
     else:
         # Bidirectional attention on the whole sequence (models.attention's masks are
@@ -673,14 +695,17 @@ class CPGroup:
         return [self.group]
 
 
-@dataclass(frozen=True, eq=False)
 class CPContext:
     """What every attention layer of one microbatch's forward needs under context
     parallelism (``models.transformer.SelfAttention`` takes it in place of a document
-    mask): the group and the documents' blocks, built once per microbatch."""
+    mask): the group and the documents' blocks, built once per microbatch. Not a
+    dataclass: FSDP2 rebuilds every dataclass among a module's inputs (to cast its
+    tensors), which would copy the documents' block cache for every layer."""
 
-    cp: CPGroup
-    docs: CPDocuments
+    __slots__ = ("cp", "docs")
+
+    def __init__(self, cp: CPGroup, docs: CPDocuments):
+        self.cp, self.docs = cp, docs
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                causal: bool = True) -> torch.Tensor:

@@ -668,7 +668,7 @@ def build_groups(plan: Plan, *, device_type: str = "cpu", zero: int = 1,
         raise ValueError(f"the plan uses {_world(plan)} ranks but the world size is {world}")
     rank = dist.get_rank()
     role = role_of(plan, rank)
-    mine = rank_groups(plan, rank, zero)
+    mine = rank_groups(plan, rank, zero, ulysses)
     groups = []
     for dim in MESH_DIMS:       # the same order on every rank: module docstring
         desc = f"{role.unit}_{dim}"

@@ -1173,8 +1173,17 @@ def _cp_inputs(cp: CPGroup, layouts: Sequence[SequenceLayout], width: int,
     """Under context parallelism: this CP rank's real positions ``[B, width / cp]`` (its
     rotary embeddings rotate by them) and the microbatch's ``CPContext``, from the
     layouts every CP rank has (no exchange)."""
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
     docs, positions = cp_document_ids(layouts, width)
-    return to_device(cp.shard(positions), device), cp.context(docs)
+    if detect_fake_mode() is None:
+        return to_device(cp.shard(positions), device), cp.context(docs)
+    # ``dtc memcheck``'s fake world: the ids are host metadata the blocks are classified
+    # by, so they are made real (the positions stay fake, as the model's inputs).
+    with unset_fake_temporarily():
+        context = cp.context(cp_document_ids(layouts, width)[0])
+    return cp.shard(positions), context
 
 
 def _attach_cp(program: ir.Program, plan: Plan, stage: Stage, groups: ProcessGroups
@@ -1187,13 +1196,19 @@ def _attach_cp(program: ir.Program, plan: Plan, stage: Stage, groups: ProcessGro
     if role.role != "backbone":
         raise NotImplementedError(f"{role.unit}: context parallelism runs on the backbone "
                                   f"only, not on a {role.role}; plan it with cp 1")
-    method = program.module(role.unit).context_parallel
-    if method == "hybrid" and isinstance(groups.cp, dist.ProcessGroup):
-        # A hybrid split of one dimension (all in one node, or one rank per node).
-        method = "ulysses" if cp_ulysses(program, plan).get(role.unit, 1) > 1 else "ring"
-    cp = CPGroup(method=method, size=role.grid.cp, rank=role.cp_index, group=groups.cp)
+    cp = cp_group(program, plan, role, groups.cp)
     stage.module.stage_state = replace(stage.module.stage_state, cp=cp)
     return cp
+
+
+def cp_group(program: ir.Program, plan: Plan, role: RankRole, group: Any) -> CPGroup:
+    """``role``'s ``CPGroup`` over ``group`` (``ProcessGroups.cp``: a process group, or
+    the hybrid ``(cp_ring, cp_ulysses)`` DeviceMesh)."""
+    method = program.module(role.unit).context_parallel
+    if method == "hybrid" and isinstance(group, dist.ProcessGroup):
+        # A hybrid split of one dimension (all in one node, or one rank per node).
+        method = "ulysses" if cp_ulysses(program, plan).get(role.unit, 1) > 1 else "ring"
+    return CPGroup(method=method, size=role.grid.cp, rank=role.cp_index, group=group)
 
 
 def _sum_over_cp(grads: Any, cp: CPGroup) -> None:

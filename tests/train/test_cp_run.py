@@ -72,3 +72,22 @@ def tiny_cp(cp: int, method: str, *, tp: int = 1, pp: int = 1) -> tuple[ir.Progr
 @pytest.mark.parametrize("method", ["ring", "ulysses"])
 def test_backbone_context_parallel_matches_the_reference(method):
     check(*tiny_cp(2, method))
+
+
+def test_context_parallel_with_a_pipeline():
+    # Stage s's CP rank r sends its shard to stage s+1's CP rank r.
+    check(*tiny_cp(2, "ring", pp=2))
+
+
+def test_context_parallel_with_tensor_parallelism():
+    # TP innermost, CP next: sequence parallelism cuts each CP shard over the TP ranks.
+    check(*tiny_cp(2, "ulysses", tp=2), steps=4)
+
+
+def test_hybrid_context_parallelism():
+    # Two nodes of two: Ulysses over the pair inside a node, the ring across the nodes.
+    program, plan = tiny_cp(4, "hybrid")
+    cluster = program.cluster.model_copy(update={"gpus_per_node": 2})
+    program = program.model_copy(update={"cluster": cluster})
+    assert cp_ulysses(program, plan) == {"llm": 2}
+    check(program, plan, steps=4)
