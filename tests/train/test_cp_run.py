@@ -91,3 +91,68 @@ def test_hybrid_context_parallelism():
     program = program.model_copy(update={"cluster": cluster})
     assert cp_ulysses(program, plan) == {"llm": 2}
     check(program, plan, steps=4)
+
+
+def test_a_checkpoint_saved_at_cp_2_resumes_at_cp_1_and_back(tmp_path):
+    # The CP ranks hold FSDP2 shards over dp x cp: DCP reshards them to any layout.
+    from tests.train.test_checkpoint import PLAN_A, PROGRAM, _close, _go, _reference
+
+    ref, _ = _reference()
+    _, cp2 = with_cp(PROGRAM, PLAN_A, 2, "ring")
+    run_dir = tmp_path / "run"
+    a = _go(cp2, run_dir, 4, {4: "sync"}, tmp_path / "a.json", want_at=4)
+    assert a["first"] == 0
+    _close(a["losses"], ref[:4])
+    b = _go(PLAN_A, run_dir, 2, {6: "thread"}, tmp_path / "b.json", want_at=6)
+    assert b["first"] == 4
+    assert "resharded from vit:tp1dp1pp1 llm:tp1cp2dp2pp1" in b["logs"][0], b["logs"]
+    _close(b["losses"], ref[4:6])
+    c = _go(cp2, run_dir, 2, {}, tmp_path / "c.json", want_at=8)
+    assert c["first"] == 6 and "resharded from" in c["logs"][0]
+    _close(c["losses"], ref[6:8])
+
+
+def test_memcheck_replays_a_cp_stage_at_its_shard():
+    # A CP rank holds 1 / cp of the sequence's activations; the memory model divides
+    # them by cp too, so its error at cp 2 is its error at cp 1.
+    from dtdsl.train.memplan import check_memory
+
+    def llm(cp: int) -> dict[int, tuple[float, float]]:
+        program, plan = tiny_cp(cp, "ring", pp=2)
+        return {s.stage: (s.measured_bytes, s.error) for s in check_memory(program, plan)
+                if s.unit == "llm"}
+
+    one, two = llm(1), llm(2)
+    for stage in (0, 1):
+        assert two[stage][0] < 0.65 * one[stage][0], (stage, one, two)
+        assert abs(two[stage][1] - one[stage][1]) < 0.1, (stage, one, two)
+
+
+@pytest.mark.slow
+def test_a_compiled_cp_bundle_dry_runs_and_trains_as_the_reference(tmp_path):
+    import json
+    from pathlib import Path
+
+    from dtdsl import cli
+    from dtdsl.train import dryrun
+    from tests.codegen.test_bundle_run import launch_ok, read_jsonl
+
+    root = Path(__file__).resolve().parents[2]
+    text = (root / "specs" / "tiny_cpu.dt").read_text()
+    spec = tmp_path / "tiny_cp.dt"
+    spec.write_text(text.replace("  tp(*) in {1, 2}\n", "  tp(*) in {1, 2}\n  cp(llm) == 2\n"))
+    bundle = tmp_path / "bundle"
+    assert cli.main(["compile", str(spec), "-o", str(bundle), "--synthetic",
+                     "--workers", "0"]) == 0
+    plan = json.loads((bundle / "plan.json").read_text())
+    assert {u["name"]: u["cp"] for u in plan["units"]}["llm"] == 2
+    report = dryrun.dry_run(bundle)
+    assert report.ok, report.problems
+    assert any("llm.cp" in c.groups for c in report.ranks)
+    run_dir = tmp_path / "run"
+    launch_ok(bundle, run_dir, "--steps", "2")
+    ref = tmp_path / "reference.jsonl"
+    assert cli.main(["reference", str(spec), "--steps", "2", "--out", str(ref)]) == 0
+    want = [r["loss"] for r in read_jsonl(ref)]
+    got = [m["loss"] for m in read_jsonl(run_dir / "metrics.jsonl")]
+    assert got == pytest.approx(want, rel=LOSS_RTOL)
