@@ -10,7 +10,6 @@ spliced into code.
 from __future__ import annotations
 
 import itertools
-
 import re
 from dataclasses import dataclass
 from typing import Any

@@ -69,8 +69,8 @@ from dtdsl.models.attention import (
 from dtdsl.parallel.p2p import P2P, spec_of
 
 __all__ = ["CAUSAL", "EMPTY", "FULL", "MASKED", "MESH_DIMS", "METHODS", "Block", "CPContext",
-           "CPDocuments", "CPGroup", "cp_attention", "gather_sequence", "cp_rank", "padded_length", "shard", "shard_documents", "shard_index",
-           "unshard"]
+           "CPDocuments", "CPGroup", "cp_attention", "cp_rank", "gather_sequence",
+           "padded_length", "shard", "shard_documents", "shard_index", "unshard"]
 
 METHODS = ("ring", "ulysses", "hybrid")
 MESH_DIMS = ("cp_ring", "cp_ulysses")

@@ -86,7 +86,8 @@ if TYPE_CHECKING:   # torch is imported where groups are built: planning tools n
     from dtdsl.ir.plan import Plan, UnitPlan
 
 __all__ = ["MESH_DIMS", "ProcessGroups", "RankRole", "UnitGrid", "build_groups",
-           "colocation_problems", "cp_ulysses", "data_parallel_mesh", "dim_groups", "grids", "hosted_units",
+           "colocation_problems", "cp_ulysses", "data_parallel_mesh", "dim_groups", "grids",
+           "hosted_units",
            "new_subgroup", "phased_grid", "phased_groups", "phased_problems",
            "phased_role", "phased_units", "rank_groups", "role_of", "splits_groups",
            "unit_mesh_shape"]

@@ -150,9 +150,9 @@ from dtdsl.models.multimodal import (
     splice_items,
 )
 from dtdsl.parallel.broker import Broker, PendingSamples, StepSamples
-from dtdsl.parallel.device import to_device
 from dtdsl.parallel.cp import CPContext, CPGroup
 from dtdsl.parallel.cp import gather_sequence as cp_gather
+from dtdsl.parallel.device import to_device
 from dtdsl.parallel.mesh import ProcessGroups, RankRole, cp_ulysses
 from dtdsl.parallel.p2p import P2P, Received, TensorSpec
 from dtdsl.sim.timeline import Event, Timeline, TimelineUnit

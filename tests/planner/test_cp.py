@@ -1,5 +1,6 @@
 """Context parallelism in the planner: cp enters the search only where a constraint allows
-it, the 128K spec needs it and gets it, GPUs are tp x cp x pp x dp, and compile takes it on the backbone only."""
+it, the 128K spec needs it and gets it, GPUs are tp x cp x pp x dp, and compile takes it on
+the backbone only."""
 
 from __future__ import annotations
 

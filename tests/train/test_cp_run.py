@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 
 from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan
