@@ -367,8 +367,8 @@ def _plan_problems(the_plan: Plan, program: Program) -> list[str]:
         module = program.module(u.name)
         if u.role != module.role:
             out.append(f"{u.name}: role {u.role} in the plan, {module.role} in the spec")
-        if min(u.tp, u.dp, u.pp, u.vpp) < 1:
-            out.append(f"{u.name}: tp, dp, pp and vpp must be at least 1")
+        if min(u.tp, u.dp, u.pp, u.vpp, u.cp) < 1:
+            out.append(f"{u.name}: tp, dp, pp, vpp and cp must be at least 1")
             continue
         if u.colocated and (u.gpus != 0 or u.role == "backbone"):
             out.append(f"{u.name}: a co-located unit holds no GPU of its own (it runs on "
@@ -376,8 +376,9 @@ def _plan_problems(the_plan: Plan, program: Program) -> list[str]:
         elif u.phased and (u.gpus != 0 or u.role == "backbone"):
             out.append(f"{u.name}: a phased unit holds no GPU of its own (it runs on all "
                        "the backbone's GPUs, before and after its pipeline)")
-        elif not (u.colocated or u.phased) and u.gpus != u.tp * u.dp * u.pp:
-            out.append(f"{u.name}: gpus {u.gpus} is not tp x dp x pp = {u.tp * u.dp * u.pp}")
+        elif not (u.colocated or u.phased) and u.gpus != u.tp * u.cp * u.dp * u.pp:
+            out.append(f"{u.name}: gpus {u.gpus} is not tp x cp x dp x pp = "
+                       f"{u.tp * u.cp * u.dp * u.pp}")
         layers = module.arch.pipeline_layers
         if len(u.layers_per_stage) != u.pp or sum(u.layers_per_stage) != layers or \
                 min(u.layers_per_stage, default=0) < 1:

@@ -501,14 +501,15 @@ instead. Today the runtime cannot train:
 - a phased generator (only encoders run phased: a generator's loss needs the
   backbone's outputs, inside the pipeline), or a phased encoder a hand-edited
   plan gives other than the backbone's ranks, its TP and dp x pp replicas;
-- context parallelism (a plan with cp > 1, from a `cp(...)` constraint): the
-  attention kernels exist (`dtdsl.parallel.cp`), the models and executor do not
-  call them yet; constrain it with `cp(MODULE) == 1`;
+- context parallelism (a plan with cp > 1, from a `cp(...)` constraint) on an
+  encoder or a generator: the runtime splits the backbone's sequences only;
+  constrain the others with `cp(MODULE) == 1`. Nor does a phased encoder run
+  beside a backbone with cp > 1 (plan it disaggregated or co-located).
 - an MoE backbone under expert parallelism (a plan with ep > 1, from an
-  `ep(...)` constraint) or tensor parallelism: `dtdsl.parallel.ep` has the
-  expert-parallel block, the stage does not build it yet; constrain it with
-  `ep(MODULE) == 1` and `tp(MODULE) == 1`; nor in fp16 (its load-balancing
-  loss's gradient would miss the loss scale): use bf16.
+  `ep(...)` constraint), tensor or context parallelism: `dtdsl.parallel.ep` has
+  the expert-parallel block, the stage does not build it yet; constrain it with
+  `ep(MODULE) == 1`, `tp(MODULE) == 1` and `cp(MODULE) == 1`; nor in fp16 (its
+  load-balancing loss's gradient would miss the loss scale): use bf16.
 
     encoder beats (audio) {
       arch = transformer(layers=12, hidden=768, heads=12, in_channels=1)
@@ -554,6 +555,17 @@ allows is dropped for that module.
                    context_parallel = ulysses }
     constraints { cp(llm) == 8 }    # error: 28 heads are not a multiple of 8;
                                     # use context_parallel = ring
+"""),
+    "DT622": Code("The plan's context parallelism cannot split the heads", """
+`dtc compile` with a plan read by `--plan` (which need not be the planner's)
+checks the backbone's cp as the planner does (DT621): Ulysses (`ulysses`, and the
+in-node part of `hybrid`, whose degree follows from `gpus_per_node`) needs a TP
+rank's attention heads to be a multiple of its degree and its KV heads a multiple
+or a divisor of it. A plan that breaks this would fail at the first step.
+
+    backbone llm { arch = transformer(heads=28, kv_heads=4, ...)
+                   context_parallel = ulysses }
+    # plan.json: "llm": tp 1, cp 8    -> error: use ring, or plan again
 """),
     "DT630": Code("Local SGD period below one step", """
 `sync = local_sgd(period=H)` synchronises the data-parallel replicas every H

@@ -173,40 +173,58 @@ def _phased(program: ir.Program, plan: Plan) -> list[Diagnostic]:
 
 
 def _context_parallel(program: ir.Program, plan: Plan) -> list[Diagnostic]:
-    """A plan with cp > 1: ``parallel.cp`` has the attention, the models and executor do
-    not call it yet."""
+    """Context parallelism runs on the backbone (``parallel.cp`` in its attention,
+    ``train.executor``): DT601 for a plan that splits an encoder's or a generator's
+    sequences (cp > 1), DT622 for a backbone's cp that its heads cannot take (a plan read
+    with ``--plan`` need not be the planner's, which refuses those: DT621)."""
+    from dtdsl.ir.plan import cp_conflict
+
     out = []
     for u in plan.units:
-        if u.cp > 1:
-            method = program.module(u.name).context_parallel
+        if u.cp <= 1:
+            continue
+        module = program.module(u.name)
+        if u.role != "backbone":
             out.append(Diagnostic.error(
-                _CODE, f"the runtime does not run context parallelism yet; the plan splits "
-                f"{u.name}'s sequences over cp {u.cp} ranks ({method})",
-                program.module(u.name).span,
-                notes=["dtdsl.parallel.cp has the ring, Ulysses and hybrid attention; the "
-                       "models and the executor do not call it yet"],
+                _CODE, f"the runtime runs context parallelism on the backbone only; the "
+                f"plan splits {u.role} {u.name}'s sequences over cp {u.cp} ranks "
+                f"({module.context_parallel})", module.span,
+                notes=["the executor shards the backbone's packed microbatches over its CP "
+                       "ranks; an encoder's patches and a generator's tokens stay whole"],
                 hint=f"constrain it, `cp({u.name}) == 1` in constraints, and plan again"))
+            continue
+        why = cp_conflict(module.arch, module.context_parallel, u.cp, u.tp,
+                          program.cluster.gpus_per_node)
+        if why is not None:
+            out.append(Diagnostic.error(
+                "DT622", f"{u.name}'s plan splits its sequences over cp {u.cp} ranks "
+                f"({module.context_parallel}) at tp {u.tp}, which its attention cannot "
+                f"run: {why}", module.span,
+                hint=f"plan again (dtc plan never picks it), or use `context_parallel = "
+                     f"ring` for {u.name}"))
     return out
 
 
 def _experts(program: ir.Program, plan: Plan) -> list[Diagnostic]:
     """An MoE backbone under expert parallelism (ep > 1: ``parallel.ep`` has the block,
-    the stage does not build it yet) or tensor parallelism (TP inside the experts is not
-    built)."""
+    the stage does not build it yet), tensor parallelism (TP inside the experts is not
+    built) or context parallelism (its layers route a row's tokens before its padding,
+    which a cp shard does not know)."""
     out = []
     for u in plan.units:
         arch = program.module(u.name).arch
-        if getattr(arch, "moe", None) is None or (u.ep == 1 and u.tp == 1):
+        if getattr(arch, "moe", None) is None or (u.ep == 1 and u.tp == 1 and u.cp == 1):
             continue
         what = f"expert parallelism (ep {u.ep})" if u.ep > 1 else \
-            f"tensor parallelism inside the experts (tp {u.tp})"
+            f"tensor parallelism inside the experts (tp {u.tp})" if u.tp > 1 else \
+            f"context parallelism (cp {u.cp})"
         out.append(Diagnostic.error(
             _CODE, f"the runtime does not run {what} for MoE module {u.name} yet",
             program.module(u.name).span,
             notes=["dtdsl.parallel.ep has the expert-parallel block; the stage does not "
                    "build it, nor split the experts by TP, yet"],
-            hint=f"constrain it, `ep({u.name}) == 1` and `tp({u.name}) == 1` in "
-                 "constraints, and plan again"))
+            hint=f"constrain it, `ep({u.name}) == 1`, `tp({u.name}) == 1` and "
+                 f"`cp({u.name}) == 1` in constraints, and plan again"))
     return out
 
 
@@ -273,9 +291,9 @@ def runtime_support(program: ir.Program, plan: Plan | None = None) -> list[Diagn
     stage, co-located units placed other than on the backbone's
     first or last stage and phased units other than encoders on all the backbone's ranks
     (a phased generator), or any of these split by a TP degree that does not divide
-    them, units with context parallelism (cp > 1), an MoE backbone with ep or tp above 1;
-    and TP groups
-    across nodes priced as within one (``tp_placement``, DT411).
+    them, encoders and generators with context parallelism (cp > 1), and (DT622) a
+    backbone's cp its heads cannot take, an MoE backbone with ep, tp or cp above 1; and
+    TP groups across nodes priced as within one (``tp_placement``, DT411).
 
     Without ``plan`` only the spec's own features are checked (before planning)."""
     out = _encoders(program) + _moe_precision(program)

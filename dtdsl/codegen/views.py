@@ -9,6 +9,7 @@ spliced into code.
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -179,12 +180,12 @@ def _rank_files(program: ir.Program, plan: Plan, schedule: Schedule
         unit = plan.unit(g.name)
         for stage in range(g.pp):
             ranks = []
-            for replica in range(g.dp):
-                for t in range(g.tp):
-                    ranks.append(RankView(rank=g.rank(stage, replica, t), entry=RankEntry(
-                        replica=replica, tp_index=t, tp_group=g.tp_group_ranks(stage, replica),
-                        dp_group=g.dp_group_ranks(stage, t),
-                        pp_group=g.pp_group_ranks(replica, t))))
+            # Every CP rank of every replica (context parallelism: ``parallel.mesh``).
+            for replica, c, t in itertools.product(range(g.dp), range(g.cp), range(g.tp)):
+                ranks.append(RankView(rank=g.rank(stage, replica, t, c), entry=RankEntry(
+                    replica=replica, tp_index=t, tp_group=g.tp_group_ranks(stage, replica, c),
+                    dp_group=g.dp_group_ranks(stage, t),
+                    pp_group=g.pp_group_ranks(replica, t, c))))
             out.append(RankFileView(
                 path=rank_file_name(g.name, stage), unit=g.name, role=unit.role, stage=stage,
                 layers=_layers(g, plan, stage), tp=g.tp, dp=g.dp, pp=g.pp,

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -93,6 +94,8 @@ __all__ = [
     "Normalizer",
     "backbone_input",
     "backbone_layers",
+    "cp_document_ids",
+    "padded_width",
     "backbone_output",
     "backbone_step",
     "build_model",
@@ -475,22 +478,31 @@ class BackboneBatch:
     mask: DocumentMask | None = None
 
 
+def padded_width(length: int, tp: int = 1, cp: int = 1) -> int:
+    """The width a microbatch whose longest sequence has ``length`` positions is padded
+    to: a multiple of the sequence-parallel degree ``tp`` (equal pieces), and under
+    context parallelism of ``2 * cp * tp`` (``parallel.cp``: each of ``cp`` ranks holds
+    two equal chunks, each cut into ``tp`` pieces)."""
+    unit = tp if cp == 1 else 2 * cp * tp
+    return -(-length // unit) * unit
+
+
 def backbone_input(backbone: Backbone, image_embeds: Sequence[torch.Tensor],
                    tokens: Sequence[torch.Tensor], layouts: Sequence[SequenceLayout],
-                   pad_to: int | None = None) -> BackboneBatch:
+                   pad_to: int | None = None, cp: int = 1) -> BackboneBatch:
     """Each sample's sequence as its ``layouts`` entry places it (``data.layout``: text
     tokens with the sample's images, ``image_embeds[i]`` the rows of its images in order,
     spliced in; cut to the kept text), right-padded with zero embeddings to the longest
     (or ``pad_to``), and the next-token targets of its trained tokens. ValueError for an
-    image the layout drops (sources fit their samples before they are encoded)."""
+    image the layout drops (sources fit their samples before they are encoded). ``cp``:
+    the context-parallel degree the width is padded for (``padded_width``)."""
     device = backbone.tok_embeddings.weight.device
     lengths = [lay.length for lay in layouts]
     width = max(lengths, default=0) if pad_to is None else pad_to
     if width < max(lengths, default=0):
         raise ValueError(f"pad_to {pad_to} is shorter than a sequence of {max(lengths)}")
     # Sequence parallelism cuts the sequence into equal pieces: pad to a multiple.
-    sp = sequence_parallel_degree(backbone)
-    width = -(-width // sp) * sp
+    width = padded_width(width, sequence_parallel_degree(backbone), cp)
     # Where every kept text token and image row goes in the flat [B * S] batch, and which
     # positions predict which token: made on the host from the layouts, then two copies
     # and one embedding lookup per microbatch, whatever the samples hold.
@@ -564,16 +576,32 @@ def document_masks(layouts: Sequence[SequenceLayout], width: int,
     return document_mask([lay.spans for lay in layouts], width, device)
 
 
+def cp_document_ids(layouts: Sequence[SequenceLayout], width: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(document ids [B, width], positions [B, width])`` on the host of the whole
+    sequences under context parallelism (``parallel.cp``): each document's positions
+    count from 0 (rotary embeddings rotate by them), the padding after the documents is a
+    document of its own (a sequence of one sample is one document, so its attention is
+    the causal attention of ``document_masks``' ``(None, None)``)."""
+    from dtdsl.models.attention import document_ids
+
+    docs, positions = document_ids([lay.spans for lay in layouts], width)
+    return docs[:, :width].long(), positions
+
+
 def backbone_layers(backbone: Backbone, x: torch.Tensor, start: int = 0,
                     stop: int | None = None, *, positions: torch.Tensor | None = None,
-                    mask: DocumentMask | None = None,
+                    mask: Any = None, cp: int = 1,
                     lengths: Sequence[int] | None = None) -> torch.Tensor:
     """Layers ``start:stop`` of the backbone on ``[B, S, hidden]`` (positions 0..S-1,
     causal; or ``positions`` and ``mask`` of packed documents, ``document_masks``), or
     under sequence parallelism on this TP rank's piece ``[B, S / tp, hidden]`` (attention
-    and MLP gather the whole sequence, ``parallel.tp``). ``lengths``: each row's tokens
-    before its padding, which an MoE layer routes alone (all rows when None)."""
-    seq = x.shape[1] * sequence_parallel_degree(backbone)
+    and MLP gather the whole sequence, ``parallel.tp``). Under context parallelism over
+    ``cp`` ranks ``x`` is this rank's shard, ``positions`` its real positions and
+    ``mask`` the microbatch's ``parallel.cp.CPContext``. ``lengths``: each row's tokens
+    before its padding, which an MoE layer routes alone (all rows when None; an MoE
+    backbone runs at cp 1, ``codegen.support``)."""
+    seq = x.shape[1] * sequence_parallel_degree(backbone) * cp
     rotation = backbone.rotation(positions, seq, x.device)    # once for all the layers
     valid = None        # [B, S]: the tokens, made for the first MoE layer only
     for layer in layer_range(backbone, start, stop):

@@ -103,7 +103,9 @@ class SelfAttention(nn.Module):
     Input and output ``[B, S, dim]``; ``positions`` (``[S]`` or ``[B, S]``, or their
     ``Rotation`` from the backbone's ``RotaryTable``) only matters with ``rope``;
     ``mask`` (packed documents, ``models.attention.document_mask``) replaces the causal
-    rule when given: each query attends its own document up to itself."""
+    rule when given: each query attends its own document up to itself; under context
+    parallelism it is the microbatch's ``parallel.cp.CPContext`` and ``x`` this rank's
+    shard of the sequence (``positions`` its real positions)."""
 
     def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, *,
                  causal: bool = False, rope: ir.RoPE | None = None, out_bias: bool = False,
@@ -138,7 +140,11 @@ class SelfAttention(nn.Module):
                     positions = torch.arange(seq, device=x.device)
                 q, k = apply_rotary(q, k, positions, self.rope)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if mask is not None:
+        if hasattr(mask, "attend"):
+            # Context parallelism (``parallel.cp.CPContext``): this rank holds a shard of
+            # the sequence; the ring or Ulysses exchange finds the keys it needs.
+            out = mask.attend(q, k, v, causal=self.causal)
+        elif mask is not None:
             # Packed documents, each causal within itself: FlexAttention on the blocks
             # the documents touch, K and V heads shared without copies (``models.attention``).
             out = document_attention(q, k, v, mask)

@@ -134,24 +134,36 @@ class PendingSamples:
     device: torch.device
     is_leader: bool
     _got: dict[SampleId, torch.Tensor] | None = None
+    # Context parallelism on the receiving stage: after the TP broadcast among CP rank 0's
+    # TP ranks, each CP group broadcasts from its CP rank 0, so every CP rank holds every
+    # sample's rows (each picks the positions it holds): the broadcasts (group, root) this
+    # rank takes part in, in order (two on a hybrid mesh: ``_cp_broadcasts``).
+    cp_steps: tuple[tuple[dist.ProcessGroup, int], ...] = ()
+    in_tp_broadcast: bool = True            # False on CP ranks other than 0
 
     def wait(self) -> dict[SampleId, torch.Tensor]:
         if self._got is not None:
             return self._got
+        buf = None
         if self.is_leader:
             got: dict[SampleId, torch.Tensor] = {}
             for ids, received in self.incoming:
                 got.update(zip(ids, received.wait(), strict=True))
             ordered = [got[s] for s in self.order]
-            if self.tp_group is not None:
+            if self.tp_group is not None or self.cp_steps:
                 buf = pack(ordered, self.device)
-                if buf.numel():
+                if self.tp_group is not None and buf.numel():
                     dist.broadcast(buf, self.leader, group=self.tp_group)
         else:
             buf = torch.empty(sum(s.nbytes for s in self.specs), dtype=torch.uint8,
                               device=self.device)
-            if buf.numel():
+            if buf.numel() and self.in_tp_broadcast and self.tp_group is not None:
                 dist.broadcast(buf, self.leader, group=self.tp_group)
+        if buf is not None and buf.numel():
+            for group, root in self.cp_steps:
+                dist.broadcast(buf, root, group=group)
+        if not self.is_leader:
+            assert buf is not None
             ordered = unpack(buf, self.specs)
         self._got = dict(zip(self.order, ordered, strict=True))
         return self._got
@@ -302,15 +314,36 @@ class Broker:
                     incoming.append((ids, self.p2p.recv(
                         src.leader(src_stage, s), [spec_of(i) for i in ids],
                         f"{label} {s}->{d}")))
-        tp_group = None
+        tp_group, cp_steps = None, ()
+        if (dst.tp > 1 or dst.cp > 1) and self.groups is None:
+            raise RuntimeError(f"unit {dst.name} has tp={dst.tp}, cp={dst.cp}: the broker "
+                               "needs this rank's ProcessGroups to broadcast within them")
         if dst.tp > 1:
-            if self.groups is None:
-                raise RuntimeError(f"unit {dst.name} has tp={dst.tp}: the broker needs this "
-                                   "rank's ProcessGroups to broadcast within TP")
             tp_group = self.groups.tp
+        if dst.cp > 1:
+            cp_steps = _cp_broadcasts(self.groups, me)
         return PendingSamples(order=order, specs=specs, incoming=tuple(incoming),
                               leader=dst.leader(dst_stage, me.replica), tp_group=tp_group,
-                              device=self.p2p.device, is_leader=me.is_leader)
+                              device=self.p2p.device, is_leader=me.is_leader,
+                              cp_steps=cp_steps, in_tp_broadcast=me.cp_index == 0)
+
+
+def _cp_broadcasts(groups: ProcessGroups, me: RankRole
+                   ) -> tuple[tuple[dist.ProcessGroup, int], ...]:
+    """The broadcasts that take CP rank 0's samples to ``me`` (``PendingSamples.cp_steps``):
+    over the CP group; on a hybrid ``(cp_ring, cp_ulysses)`` mesh (CP rank ``i * U + j``)
+    first along the ring of ``j = 0``, then along each ring index's Ulysses group."""
+    cp = groups.cp
+    if isinstance(cp, dist.ProcessGroup):
+        return ((cp, me.cp_ranks[0]),)
+    u = cp.size(1)
+    i, j = divmod(me.cp_index, u)
+    steps = []
+    if j == 0 and cp.size(0) > 1:
+        steps.append((cp.get_group("cp_ring"), me.cp_ranks[0]))
+    if u > 1:
+        steps.append((cp.get_group("cp_ulysses"), me.cp_ranks[i * u]))
+    return tuple(steps)
 
 
 def _label(producer: str, consumer: str, direction: str, index: int) -> str:

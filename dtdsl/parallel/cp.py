@@ -60,12 +60,17 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from dtdsl.models.attention import DocumentMask, document_attention, document_mask
+from dtdsl.models.attention import (
+    DocumentMask,
+    dense_attention,
+    document_attention,
+    document_mask,
+)
 from dtdsl.parallel.p2p import P2P, spec_of
 
-__all__ = ["CAUSAL", "EMPTY", "FULL", "MASKED", "MESH_DIMS", "METHODS", "Block", "CPDocuments",
-           "cp_attention", "cp_rank", "padded_length", "shard", "shard_documents", "shard_index",
-           "unshard"]
+__all__ = ["CAUSAL", "EMPTY", "FULL", "MASKED", "MESH_DIMS", "METHODS", "Block", "CPContext",
+           "CPDocuments", "CPGroup", "cp_attention", "cp_rank", "gather_sequence",
+           "padded_length", "shard", "shard_documents", "shard_index", "unshard"]
 
 METHODS = ("ring", "ulysses", "hybrid")
 MESH_DIMS = ("cp_ring", "cp_ulysses")
@@ -261,9 +266,12 @@ class CPDocuments:
         default_factory=dict, repr=False)
     _masks: dict[torch.device, DocumentMask] = field(default_factory=dict, repr=False)
 
+    _single: bool = field(default=False, init=False, repr=False)
+
     def __post_init__(self) -> None:
         self.docs = self.docs.detach().to("cpu", torch.int64)
         _check_documents(self.docs)
+        self._single = bool((self.docs == 0).all())
 
     @classmethod
     def from_full(cls, docs: torch.Tensor, size: int) -> CPDocuments:
@@ -292,6 +300,12 @@ class CPDocuments:
     def length(self) -> int:
         return self.docs.shape[1]
 
+    @property
+    def single(self) -> bool:
+        """Whether every sequence is one document, without padding: plain causal
+        attention."""
+        return self._single
+
     def ring_blocks(self, size: int, rank: int, device: torch.device, dtype: torch.dtype,
                     causal: bool = True) -> tuple[tuple[Block, ...], ...]:
         """The blocks of every ring step of ring rank ``rank`` of ``size`` (cached);
@@ -301,8 +315,12 @@ class CPDocuments:
                              f"for {size} ring ranks: pad it (CPDocuments.from_full)")
         key = (size, rank, causal, torch.device(device), dtype)
         if key not in self._blocks:
-            self._blocks[key] = _ring_blocks(self.docs, size, rank, causal,
-                                             torch.device(device), dtype)
+            from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+            # Host work on the real ids, also inside ``dtc memcheck``'s fake world.
+            with unset_fake_temporarily():
+                self._blocks[key] = _ring_blocks(self.docs, size, rank, causal,
+                                                 torch.device(device), dtype)
         return self._blocks[key]
 
     def document_mask(self, device: torch.device) -> DocumentMask:
@@ -420,11 +438,19 @@ def _chunk(x: torch.Tensor, i: int, m: int) -> torch.Tensor:
     return x[:, :, i * m:(i + 1) * m]
 
 
+def _p2p(q: torch.Tensor, ring: _RingGroup) -> P2P:
+    """The ring's channel; in ``dtc memcheck``'s fake world (fake tensors, a fake group
+    that moves nothing) without the ordering check, whose descriptors are real data."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return P2P(q.device, group=ring.group, check=False if isinstance(q, FakeTensor) else None)
+
+
 def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   steps: tuple[tuple[Block, ...], ...], ring: _RingGroup, scale: float
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     m = q.shape[2] // 2
-    p2p = P2P(q.device, group=ring.group)
+    p2p = _p2p(q, ring)
     acc: list[tuple[torch.Tensor, torch.Tensor] | None] = [None, None]
     kv = (k, v)
     specs = [spec_of(k), spec_of(v)]
@@ -454,7 +480,7 @@ def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                    steps: tuple[tuple[Block, ...], ...], ring: _RingGroup, scale: float
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     m = q.shape[2] // 2
-    p2p = P2P(q.device, group=ring.group)
+    p2p = _p2p(q, ring)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kv = (k, v)
     specs = [spec_of(k), spec_of(v)]
@@ -580,7 +606,11 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: CPDocuments
         order = _ulysses_order(ring_size, ring_rank, uly, n).to(q.device)
         q, k, v = (_to_heads(x, uly_group, uly).index_select(2, order) for x in (q, k, v))
     scale = 1.0 / math.sqrt(q.shape[-1])
-    if ring is None and causal:
+    if ring is None and causal and docs.single:
+        # One document per sequence, no padding: plain causal attention (no mask to
+        # build; ``dtc memcheck``'s fake world builds none).
+        out = dense_attention(q, k, v, causal=True)
+    elif ring is None and causal:
         out = document_attention(q, k, v, docs.document_mask(q.device))
     else:
         # Bidirectional attention on the whole sequence (models.attention's masks are
@@ -633,3 +663,94 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     if not isinstance(docs, CPDocuments):
         docs = CPDocuments.gather(docs, groups, q.device)
     return _attend(q, k, v, docs, ring, uly_group, uly, causal)
+
+
+# ---------------------------------------------------------------------------- runtime
+
+@dataclass(frozen=True, eq=False)
+class CPGroup:
+    """A stage's context parallelism (``parallel.mesh.ProcessGroups.cp``): ``size`` CP
+    ranks, this rank's ``rank`` among them (which shard of the layout it holds), its
+    module's ``method`` and the process group (ring, Ulysses) or ``(cp_ring,
+    cp_ulysses)`` DeviceMesh (hybrid) its attention runs over."""
+
+    method: str
+    size: int
+    rank: int
+    group: Any
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"context parallelism {self.method!r} is not one of "
+                             f"{', '.join(METHODS)}")
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"CP rank {self.rank} is outside 0..{self.size - 1}")
+
+    def context(self, docs: torch.Tensor) -> CPContext:
+        """The attention context of one microbatch from the document ids of its whole
+        sequences ``[B, L']`` (L' a multiple of ``2 * size``; every CP rank has them)."""
+        return CPContext(self, CPDocuments.from_full(docs, self.size))
+
+    def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's shard of ``x`` along its sequence dimension (``shard``)."""
+        return shard(x, self.size, self.rank, dim)
+
+    def groups(self) -> list[Any]:
+        """The process groups over which to gather along the CP ranks, innermost first
+        (``CPDocuments.gather``'s order: CP rank ``i * U + j``)."""
+        if self.method == "hybrid" and not isinstance(self.group, dist.ProcessGroup):
+            return [self.group.get_group(MESH_DIMS[1]), self.group.get_group(MESH_DIMS[0])]
+        return [self.group]
+
+
+class CPContext:
+    """What every attention layer of one microbatch's forward needs under context
+    parallelism (``models.transformer.SelfAttention`` takes it in place of a document
+    mask): the group and the documents' blocks, built once per microbatch. Not a
+    dataclass: FSDP2 rebuilds every dataclass among a module's inputs (to cast its
+    tensors), which would copy the documents' block cache for every layer."""
+
+    __slots__ = ("cp", "docs")
+
+    def __init__(self, cp: CPGroup, docs: CPDocuments):
+        self.cp, self.docs = cp, docs
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+               causal: bool = True) -> torch.Tensor:
+        """``cp_attention`` of this rank's shards ``[B, H, n2, D]`` with the module's
+        method."""
+        hybrid = self.cp.method == "hybrid"
+        return cp_attention(q, k, v, docs=self.docs, method=self.cp.method,
+                            group=None if hybrid else self.cp.group,
+                            mesh=self.cp.group if hybrid else None, causal=causal)
+
+
+class _Gather(torch.autograd.Function):
+    """This CP rank's shard ``[B, n2, ...]`` to the whole sequence ``[B, length, ...]``
+    on every CP rank; backward: the whole's gradients summed over the CP ranks (each
+    rank's loss reads the whole), this rank's shard of them."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, cp: CPGroup, length: int) -> torch.Tensor:
+        parts = x.contiguous()[None]
+        for group in cp.groups():
+            size = dist.get_world_size(group)
+            out = torch.empty((size * parts.shape[0], *parts.shape[1:]), dtype=parts.dtype,
+                              device=parts.device)
+            dist.all_gather_into_tensor(out, parts.contiguous(), group=group)
+            parts = out
+        ctx.cp, ctx.length = cp, length
+        return unshard(list(parts.unbind(0)), length, dim=1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        grad = grad.contiguous()
+        for group in ctx.cp.groups():
+            dist.all_reduce(grad, group=group)
+        return ctx.cp.shard(grad), None, None
+
+
+def gather_sequence(x: torch.Tensor, cp: CPGroup, length: int) -> torch.Tensor:
+    """The whole sequences ``[B, length, ...]`` from every CP rank's shard ``x`` (on every
+    CP rank, differentiable: ``_Gather``). ``length``: the whole width, padding dropped."""
+    return _Gather.apply(x, cp, length)

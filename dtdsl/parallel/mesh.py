@@ -1,18 +1,28 @@
 """Rank grids and process groups of a Plan's parallelism units.
 
-Each unit owns the contiguous global ranks ``first_rank .. first_rank + pp*dp*tp - 1``,
-laid out as a (pp, dp, tp) grid with TP innermost::
+Each unit owns the contiguous global ranks ``first_rank .. first_rank + pp*dp*cp*tp - 1``,
+laid out as a (pp, dp, cp, tp) grid with TP innermost, then CP (Megatron-LM's order)::
 
-    rank = first_rank + (stage * dp + replica) * tp + tp_index
+    rank = first_rank + ((stage * dp + replica) * cp + cp_index) * tp + tp_index
 
-(the rule of ``ScheduleUnit.ranks`` and ``TimelineUnit.rank``). A unit has
+(the rule of ``ir.plan``, ``ScheduleUnit.ranks`` and ``TimelineUnit.rank``; cp is 1 unless
+the plan uses context parallelism). A unit has
 
-* one **TP group** per (stage, replica): the ``tp`` ranks that shard one stage's layers;
-* one **DP group** per (stage, tp_index): the ``dp`` ranks holding the same shard of the
-  same stage, which all-reduce (or reduce-scatter) its gradients;
-* one **PP group** per (replica, tp_index): the ``pp`` ranks along the pipeline.
+* one **TP group** per (stage, replica, cp_index): the ``tp`` ranks that shard one stage's
+  layers;
+* one **CP group** per (stage, replica, tp_index): the ``cp`` ranks that hold the shards
+  of one replica's sequences (``parallel.cp``), a group of its own (``<unit>.cp`` in
+  ``rank_groups``), only where cp > 1;
+* one **DP group** per (stage, tp_index): the ``dp x cp`` ranks holding the same shard of
+  the same stage, which all-reduce (or reduce-scatter) its gradients (the CP ranks of a
+  replica hold the same parameters and see different tokens, so they reduce together);
+* one **PP group** per (replica, cp_index, tp_index): the ``pp`` ranks along the
+  pipeline (stage s's CP rank r talks to stage s+1's CP rank r).
 
-Every global rank of a unit is in exactly one group of each kind.
+Every global rank of a unit is in exactly one group of each kind. Since CP sits between
+TP and DP, a stage's ``dp x cp`` ranks of one tp_index are ``dp' = dp * cp`` "replicas"
+of the (pp, dp', tp) grid: the mesh below is that grid, and its DP dimension is the
+DP group above.
 
 **Co-located units** (``UnitPlan.colocated``: an encoder on the backbone's first pipeline
 stage, a generator on its last, ``gpus`` 0) have no grid, ranks or groups of their own:
@@ -76,7 +86,8 @@ if TYPE_CHECKING:   # torch is imported where groups are built: planning tools n
     from dtdsl.ir.plan import Plan, UnitPlan
 
 __all__ = ["MESH_DIMS", "ProcessGroups", "RankRole", "UnitGrid", "build_groups",
-           "colocation_problems", "data_parallel_mesh", "dim_groups", "grids", "hosted_units",
+           "colocation_problems", "cp_ulysses", "data_parallel_mesh", "dim_groups", "grids",
+           "hosted_units",
            "new_subgroup", "phased_grid", "phased_groups", "phased_problems",
            "phased_role", "phased_units", "rank_groups", "role_of", "splits_groups",
            "unit_mesh_shape"]
@@ -86,7 +97,7 @@ Role = Literal["encoder", "backbone", "generator"]
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class UnitGrid:
-    """The (pp, dp, tp) rank grid of one unit."""
+    """The (pp, dp, cp, tp) rank grid of one unit."""
 
     name: str
     role: Role
@@ -94,24 +105,25 @@ class UnitGrid:
     dp: int
     pp: int
     first_rank: int = 0
+    cp: int = 1
 
     def __post_init__(self) -> None:
-        if min(self.tp, self.dp, self.pp) < 1:
-            raise ValueError(f"{self.name}: tp, dp and pp must be at least 1")
+        if min(self.tp, self.dp, self.pp, self.cp) < 1:
+            raise ValueError(f"{self.name}: tp, dp, pp and cp must be at least 1")
         if self.first_rank < 0:
             raise ValueError(f"{self.name}: first_rank must be non-negative")
 
     @staticmethod
     def of(unit: UnitPlan) -> UnitGrid:
         grid = UnitGrid(name=unit.name, role=unit.role, tp=unit.tp, dp=unit.dp, pp=unit.pp,
-                        first_rank=unit.first_rank)
+                        first_rank=unit.first_rank, cp=unit.cp)
         if grid.size != unit.gpus:
-            raise ValueError(f"{unit.name}: gpus={unit.gpus} but pp*dp*tp={grid.size}")
+            raise ValueError(f"{unit.name}: gpus={unit.gpus} but pp*dp*cp*tp={grid.size}")
         return grid
 
     @property
     def size(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.pp * self.dp * self.cp * self.tp
 
     @property
     def ranks(self) -> range:
@@ -121,50 +133,83 @@ class UnitGrid:
     def last_stage(self) -> int:
         return self.pp - 1
 
-    def rank(self, stage: int, replica: int, tp_index: int = 0) -> int:
-        """The global rank at (stage, replica, tp_index)."""
-        if not (0 <= stage < self.pp and 0 <= replica < self.dp and 0 <= tp_index < self.tp):
-            raise IndexError(f"{self.name}: ({stage}, {replica}, {tp_index}) is outside the "
-                             f"grid pp={self.pp} dp={self.dp} tp={self.tp}")
-        return self.first_rank + (stage * self.dp + replica) * self.tp + tp_index
+    def rank(self, stage: int, replica: int, tp_index: int = 0, cp_index: int = 0) -> int:
+        """The global rank at (stage, replica, cp_index, tp_index)."""
+        if not (0 <= stage < self.pp and 0 <= replica < self.dp and 0 <= tp_index < self.tp
+                and 0 <= cp_index < self.cp):
+            raise IndexError(f"{self.name}: stage {stage}, replica {replica}, cp {cp_index}, "
+                             f"tp {tp_index} is outside the grid pp={self.pp} dp={self.dp} "
+                             f"cp={self.cp} tp={self.tp}")
+        return self.first_rank + ((stage * self.dp + replica) * self.cp + cp_index) * self.tp \
+            + tp_index
 
     def coords(self, rank: int) -> tuple[int, int, int]:
-        """(stage, replica, tp_index) of a global rank of this unit."""
+        """(stage, replica, tp_index) of a global rank of this unit (``cp_index``: its
+        place in its CP group)."""
         if rank not in self.ranks:
             raise IndexError(f"rank {rank} is not in unit {self.name} ({self.ranks})")
         rest, tp_index = divmod(rank - self.first_rank, self.tp)
-        stage, replica = divmod(rest, self.dp)
+        stage, replica = divmod(rest // self.cp, self.dp)
         return stage, replica, tp_index
 
+    def cp_index(self, rank: int) -> int:
+        """A global rank's index in its CP group (0 without context parallelism)."""
+        if rank not in self.ranks:
+            raise IndexError(f"rank {rank} is not in unit {self.name} ({self.ranks})")
+        return (rank - self.first_rank) // self.tp % self.cp
+
     def stage_ranks(self, stage: int) -> range:
-        """All ranks of ``stage`` (every replica and TP rank); equals ``ScheduleUnit.ranks``."""
+        """All ranks of ``stage`` (every replica, CP and TP rank); equals
+        ``ScheduleUnit.ranks``."""
         start = self.rank(stage, 0, 0)
-        return range(start, start + self.dp * self.tp)
+        return range(start, start + self.dp * self.cp * self.tp)
 
     def leader(self, stage: int, replica: int) -> int:
-        """The first TP rank of ``replica`` at ``stage``: the one that talks to other units."""
+        """The first TP rank of the first CP rank of ``replica`` at ``stage``: the one that
+        talks to other units."""
         return self.rank(stage, replica, 0)
 
-    def tp_group_ranks(self, stage: int, replica: int) -> tuple[int, ...]:
-        return tuple(self.rank(stage, replica, t) for t in range(self.tp))
+    def tp_group_ranks(self, stage: int, replica: int, cp_index: int = 0) -> tuple[int, ...]:
+        return tuple(self.rank(stage, replica, t, cp_index) for t in range(self.tp))
+
+    def cp_group_ranks(self, stage: int, replica: int, tp_index: int = 0) -> tuple[int, ...]:
+        return tuple(self.rank(stage, replica, tp_index, c) for c in range(self.cp))
+
+    def replica_ranks(self, stage: int, replica: int) -> tuple[int, ...]:
+        """Every rank of ``replica`` at ``stage``: its CP x TP ranks, which read the same
+        samples (consecutive ranks)."""
+        start = self.rank(stage, replica, 0)
+        return tuple(range(start, start + self.cp * self.tp))
 
     def dp_group_ranks(self, stage: int, tp_index: int) -> tuple[int, ...]:
-        return tuple(self.rank(stage, r, tp_index) for r in range(self.dp))
+        """The ranks that reduce a stage's gradients together: every replica's every CP
+        rank with this tp_index (module docstring)."""
+        return tuple(self.rank(stage, r, tp_index, c) for r in range(self.dp)
+                     for c in range(self.cp))
 
-    def pp_group_ranks(self, replica: int, tp_index: int) -> tuple[int, ...]:
-        return tuple(self.rank(s, replica, tp_index) for s in range(self.pp))
+    def pp_group_ranks(self, replica: int, tp_index: int, cp_index: int = 0
+                       ) -> tuple[int, ...]:
+        return tuple(self.rank(s, replica, tp_index, cp_index) for s in range(self.pp))
 
     def tp_groups(self) -> tuple[tuple[int, ...], ...]:
-        """Every TP group, stage-major then replica (the creation order)."""
-        return tuple(self.tp_group_ranks(s, r) for s in range(self.pp) for r in range(self.dp))
+        """Every TP group, stage-major, then replica, then cp_index (the creation order)."""
+        return tuple(self.tp_group_ranks(s, r, c) for s in range(self.pp)
+                     for r in range(self.dp) for c in range(self.cp))
+
+    def cp_groups(self) -> tuple[tuple[int, ...], ...]:
+        """Every CP group, stage-major, then replica, then tp_index (the creation order)."""
+        return tuple(self.cp_group_ranks(s, r, t) for s in range(self.pp)
+                     for r in range(self.dp) for t in range(self.tp))
 
     def dp_groups(self) -> tuple[tuple[int, ...], ...]:
         """Every DP group, stage-major then tp_index (the creation order)."""
         return tuple(self.dp_group_ranks(s, t) for s in range(self.pp) for t in range(self.tp))
 
     def pp_groups(self) -> tuple[tuple[int, ...], ...]:
-        """Every PP group, replica-major then tp_index (the creation order)."""
-        return tuple(self.pp_group_ranks(r, t) for r in range(self.dp) for t in range(self.tp))
+        """Every PP group, replica-major, then cp_index, then tp_index (the creation
+        order)."""
+        return tuple(self.pp_group_ranks(r, t, c) for r in range(self.dp)
+                     for c in range(self.cp) for t in range(self.tp))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -176,6 +221,7 @@ class RankRole:
     stage: int
     replica: int
     tp_index: int
+    cp_index: int = 0
 
     @property
     def unit(self) -> str:
@@ -195,12 +241,22 @@ class RankRole:
 
     @property
     def is_leader(self) -> bool:
-        """First TP rank of its (stage, replica)."""
+        """First TP rank of the first CP rank of its (stage, replica)."""
+        return self.tp_index == 0 and self.cp_index == 0
+
+    @property
+    def counts_loss(self) -> bool:
+        """First TP rank of its CP rank: the TP ranks hold the same loss, the CP ranks
+        each the loss of their own tokens (so the loss is counted once per CP rank)."""
         return self.tp_index == 0
 
     @property
     def tp_ranks(self) -> tuple[int, ...]:
-        return self.grid.tp_group_ranks(self.stage, self.replica)
+        return self.grid.tp_group_ranks(self.stage, self.replica, self.cp_index)
+
+    @property
+    def cp_ranks(self) -> tuple[int, ...]:
+        return self.grid.cp_group_ranks(self.stage, self.replica, self.tp_index)
 
     @property
     def dp_ranks(self) -> tuple[int, ...]:
@@ -208,7 +264,7 @@ class RankRole:
 
     @property
     def pp_ranks(self) -> tuple[int, ...]:
-        return self.grid.pp_group_ranks(self.replica, self.tp_index)
+        return self.grid.pp_group_ranks(self.replica, self.tp_index, self.cp_index)
 
 
 def grids(plan: Plan) -> tuple[UnitGrid, ...]:
@@ -230,7 +286,8 @@ def role_of(plan: Plan, rank: int) -> RankRole:
     for g in grids(plan):
         if rank in g.ranks:
             stage, replica, tp_index = g.coords(rank)
-            return RankRole(rank=rank, grid=g, stage=stage, replica=replica, tp_index=tp_index)
+            return RankRole(rank=rank, grid=g, stage=stage, replica=replica, tp_index=tp_index,
+                            cp_index=g.cp_index(rank))
     raise IndexError(f"rank {rank} belongs to no unit of the plan (0..{_world(plan) - 1})")
 
 
@@ -299,6 +356,11 @@ def phased_problems(plan: Plan) -> list[str]:
             continue
         if u.colocated:
             out.append(f"{u.name}: a unit is phased or co-located, not both")
+        if backbone.cp > 1:
+            out.append(f"{u.name}: a phased encoder runs on the backbone's ranks as dp x pp "
+                       f"replicas, which a backbone with context parallelism (cp "
+                       f"{backbone.cp}) does not lay out; plan it disaggregated or "
+                       "co-located")
         if u.gpus != 0:
             out.append(f"{u.name}: a phased unit holds no GPU of its own, not {u.gpus}")
         for what, got, want in (("tp", u.tp, backbone.tp),
@@ -351,8 +413,10 @@ MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
 def unit_mesh_shape(grid: UnitGrid, zero: int) -> tuple[int, int, int, int]:
     """The unit's mesh shape ``(pp, dp_replicate, dp_shard, tp)``: data parallelism
-    shards (ZeRO >= 1) or replicates (ZeRO 0) over the DP ranks."""
-    return (grid.pp, 1, grid.dp, grid.tp) if zero >= 1 else (grid.pp, grid.dp, 1, grid.tp)
+    shards (ZeRO >= 1) or replicates (ZeRO 0) over the DP ranks (``dp x cp`` of them:
+    module docstring)."""
+    dp = grid.dp * grid.cp
+    return (grid.pp, 1, dp, grid.tp) if zero >= 1 else (grid.pp, dp, 1, grid.tp)
 
 
 def _lines(role: RankRole, zero: int) -> dict[str, tuple[int, ...]]:
@@ -367,13 +431,64 @@ def _lines(role: RankRole, zero: int) -> dict[str, tuple[int, ...]]:
             "tp": role.tp_ranks}
 
 
-def rank_groups(plan: Plan, rank: int, zero: int = 1) -> dict[str, tuple[int, ...]]:
+def cp_ulysses(program: Any, plan: Plan) -> dict[str, int]:
+    """The Ulysses degree of each unit of ``plan`` with hybrid context parallelism (its
+    module's ``context_parallel``), as the cost model splits it (``ir.plan.cp_split``
+    on the program's nodes): the shape of its ``(cp_ring, cp_ulysses)`` mesh."""
+    from dtdsl.ir.plan import cp_split
+
+    out = {}
+    for u in plan.units:
+        if u.cp > 1 and program.module(u.name).context_parallel == "hybrid":
+            out[u.name] = cp_split("hybrid", u.cp, u.tp, program.cluster.gpus_per_node)[1]
+    return out
+
+
+def _cp_lines(role: RankRole, ulysses: int) -> dict[str, tuple[int, ...]]:
+    """The CP groups through ``role.rank`` (none at cp 1): one ``cp`` group, or for hybrid
+    context parallelism with ``ulysses`` ranks per ring index the ``cp_ring`` and
+    ``cp_ulysses`` lines of its ``(ring, ulysses)`` mesh (``parallel.cp``: CP rank
+    ``i * ulysses + j``)."""
+    ranks = role.cp_ranks
+    cp = len(ranks)
+    if cp == 1:
+        return {}
+    if ulysses in (1, cp):
+        return {"cp": ranks}
+    if cp % ulysses:
+        raise ValueError(f"{role.unit}: a Ulysses degree of {ulysses} does not divide cp {cp}")
+    i, j = divmod(role.cp_index, ulysses)
+    return {"cp_ring": ranks[j::ulysses], "cp_ulysses": ranks[i * ulysses:(i + 1) * ulysses]}
+
+
+def _cp_family(plan: Plan, unit: str, dim: str, ulysses: int) -> tuple[tuple[int, ...], ...]:
+    """Every group of CP dimension ``dim`` (``_cp_lines``) of ``unit`` (groups of one rank
+    left out): the split of the default group that ``split_group`` makes for it."""
+    grid = next(g for g in grids(plan) if g.name == unit)
+    out: list[tuple[int, ...]] = []
+    for group in grid.cp_groups():
+        if dim == "cp_ring":
+            out.extend(group[j::ulysses] for j in range(ulysses))
+        elif dim == "cp_ulysses":
+            out.extend(group[i:i + ulysses] for i in range(0, len(group), ulysses))
+        else:
+            out.append(group)
+    return tuple(x for x in out if len(x) > 1)
+
+
+def rank_groups(plan: Plan, rank: int, zero: int = 1,
+                ulysses: dict[str, int] | None = None) -> dict[str, tuple[int, ...]]:
     """The process groups ``build_groups`` creates on ``rank``: mesh dimension -> the
     member ranks (ascending, so group rank = mesh coordinate), in creation order; the
-    dimensions this rank is alone on are left out (they get no group, module docstring).
-    Pure: a dry run compares it with what torch built without running the job."""
+    dimensions this rank is alone on are left out (they get no group, module docstring);
+    a unit's CP groups (cp > 1) as ``<unit>.cp``, or for hybrid context parallelism
+    (``ulysses``: ``cp_ulysses``) ``<unit>.cp_ring`` and ``<unit>.cp_ulysses``, after the
+    mesh's. Pure: a dry run compares it with what torch built without running the job."""
     role = role_of(plan, rank)
     out = {dim: ranks for dim, ranks in _lines(role, zero).items() if len(ranks) > 1}
+    for dim, ranks in _cp_lines(role, (ulysses or {}).get(role.unit, 1)).items():
+        if len(ranks) > 1:
+            out[f"{role.unit}.{dim}"] = ranks
     for u in phased_units(plan, role):
         if _phased_reuses(plan, zero) is None:
             dim = _phased_dp_dim(zero)
@@ -446,6 +561,9 @@ class ProcessGroups:
     mesh: Any
     tp: ProcessGroup
     phased: dict[str, Any] = field(default_factory=dict)
+    # Context parallelism (cp > 1): the CP group (ring, Ulysses), or for hybrid the
+    # ``(cp_ring, cp_ulysses)`` DeviceMesh (``parallel.cp``); None at cp 1.
+    cp: Any = None
 
     @property
     def rank(self) -> int:
@@ -462,11 +580,28 @@ class ProcessGroups:
             if len(ranks) > 1:
                 out[dim] = ranks
         own = set(out.values())
+        out.update(self._cp_groups())
         for unit, mesh in self.phased.items():
             for dim in MESH_DIMS:
                 ranks = tuple(dist.get_process_group_ranks(mesh.get_group(dim)))
                 if len(ranks) > 1 and ranks not in own:
                     out[f"{unit}.{dim}"] = ranks
+        return out
+
+
+    def _cp_groups(self) -> dict[str, tuple[int, ...]]:
+        import torch.distributed as dist
+
+        if self.cp is None:
+            return {}
+        unit = self.role.unit
+        if isinstance(self.cp, dist.ProcessGroup):
+            return {f"{unit}.cp": tuple(dist.get_process_group_ranks(self.cp))}
+        out = {}
+        for dim in self.cp.mesh_dim_names:
+            ranks = tuple(dist.get_process_group_ranks(self.cp.get_group(dim)))
+            if len(ranks) > 1:
+                out[f"{unit}.{dim}"] = ranks
         return out
 
 
@@ -515,13 +650,16 @@ def _alone(rank: int, desc: str) -> ProcessGroup:
                           use_local_synchronization=True, group_desc=desc)
 
 
-def build_groups(plan: Plan, *, device_type: str = "cpu", zero: int = 1) -> ProcessGroups:
+def build_groups(plan: Plan, *, device_type: str = "cpu", zero: int = 1,
+                 ulysses: dict[str, int] | None = None) -> ProcessGroups:
     """This rank's groups (``rank_groups``) and its unit's DeviceMesh over them
-    (``MESH_DIMS``, the unit's ranks laid out as in the module docstring, TP innermost).
-    Only the members of a group create it, except where the default group is bound to a
-    device (``splits_groups``): there every rank calls it (once per mesh dimension). The
-    default group's size must equal the plan's ranks, and every rank must have created
-    as many groups before (none: call it first)."""
+    (``MESH_DIMS``, the unit's ranks laid out as in the module docstring, TP innermost),
+    then its unit's CP group(s) (``ulysses``: the hybrid units' Ulysses degrees,
+    ``cp_ulysses``). Only the members of a group create it, except where the default
+    group is bound to a device (``splits_groups``): there every rank calls it (once per
+    mesh dimension and per CP dimension of each unit with cp > 1). The default group's
+    size must equal the plan's ranks, and every rank must have created as many groups
+    before (none: call it first)."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -531,7 +669,7 @@ def build_groups(plan: Plan, *, device_type: str = "cpu", zero: int = 1) -> Proc
         raise ValueError(f"the plan uses {_world(plan)} ranks but the world size is {world}")
     rank = dist.get_rank()
     role = role_of(plan, rank)
-    mine = rank_groups(plan, rank, zero)
+    mine = rank_groups(plan, rank, zero, ulysses)
     groups = []
     for dim in MESH_DIMS:       # the same order on every rank: module docstring
         desc = f"{role.unit}_{dim}"
@@ -545,8 +683,51 @@ def build_groups(plan: Plan, *, device_type: str = "cpu", zero: int = 1) -> Proc
                                f"{mine.get(dim)}")
         groups.append(group)
     mesh = _mesh(role.grid, groups, device_type, zero)
+    cp = _cp_groups(plan, role, mine, device_type, ulysses or {})
     return ProcessGroups(role=role, mesh=mesh, tp=mesh.get_group("tp"),
-                         phased=_phased_meshes(plan, role, mesh, device_type, zero))
+                         phased=_phased_meshes(plan, role, mesh, device_type, zero), cp=cp)
+
+
+def _cp_groups(plan: Plan, role: RankRole, mine: dict[str, tuple[int, ...]],
+               device_type: str, ulysses: dict[str, int]) -> Any:
+    """This rank's CP group (or hybrid mesh, ``ProcessGroups.cp``), made after the mesh's
+    groups: every unit with cp > 1 in plan order, so that where groups are split from the
+    default group every rank of the job takes part in the same order."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from dtdsl.parallel.cp import MESH_DIMS as CP_DIMS
+
+    out = None
+    for g in grids(plan):
+        if g.cp == 1:
+            continue
+        u = ulysses.get(g.name, 1)
+        dims = ("cp",) if u in (1, g.cp) else CP_DIMS
+        made = []
+        for dim in dims:
+            key = f"{g.name}.{dim}"
+            desc = f"{g.name}_{dim}"
+            group = new_subgroup(mine.get(key), lambda dim=dim, g=g, u=u: _cp_family(
+                plan, g.name, dim, u), desc=desc)
+            if g.name != role.unit:
+                continue
+            if group is None:
+                group = _alone(role.rank, desc)
+            elif tuple(dist.get_process_group_ranks(group)) != mine.get(key):
+                raise RuntimeError(f"rank {role.rank}: the {key} group holds ranks "
+                                   f"{dist.get_process_group_ranks(group)}, the plan says "
+                                   f"{mine.get(key)}")
+            made.append(group)
+        if g.name != role.unit:
+            continue
+        if dims == ("cp",):
+            out = made[0]
+        else:
+            table = torch.tensor(role.cp_ranks, dtype=torch.int).reshape(g.cp // u, u)
+            out = DeviceMesh.from_group(made, device_type, mesh=table, mesh_dim_names=CP_DIMS)
+    return out
 
 
 def _mesh(grid: UnitGrid, groups: list[Any], device_type: str, zero: int) -> Any:

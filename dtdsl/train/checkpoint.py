@@ -149,6 +149,7 @@ class UnitLayout(_Model):
     pp: int
     colocated: bool = False     # ran on the backbone's stages (written since issue 27)
     phased: bool = False        # ran phased on the backbone's ranks (likewise)
+    cp: int = 1                 # context parallelism (written since issue 30)
 
     @property
     def text(self) -> str:
@@ -156,7 +157,8 @@ class UnitLayout(_Model):
         on its host's stages (phased on the backbone's ranks)."""
         if self.colocated or self.phased:
             return f"{self.name}:{'colocated' if self.colocated else 'phased'}"
-        return f"{self.name}:tp{self.tp}dp{self.dp}pp{self.pp}"
+        cp = f"cp{self.cp}" if self.cp > 1 else ""
+        return f"{self.name}:tp{self.tp}{cp}dp{self.dp}pp{self.pp}"
 
 
 class Manifest(_Model):
@@ -634,7 +636,7 @@ class Checkpointer:
         return dict(step=step, next_step=step, spec=program.name,
                     spec_sha256=self.spec_sha256, plan_sha256=self.plan_sha256,
                     world_size=plan.gpus_used,
-                    units=tuple(UnitLayout(name=u.name, tp=u.tp, dp=u.dp, pp=u.pp,
+                    units=tuple(UnitLayout(name=u.name, tp=u.tp, dp=u.dp, pp=u.pp, cp=u.cp,
                                            colocated=u.colocated, phased=u.phased)
                                 for u in plan.units),
                     mode=self.mode, rng_torch=_rng_b64(torch.get_rng_state()), rng_cuda=cuda)

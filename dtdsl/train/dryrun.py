@@ -122,14 +122,16 @@ def _open_fds() -> int:
 # ------------------------------------------------------------------------------ groups
 
 
-def _expected_groups(plan: Any, role: Any, zero: int) -> dict[str, tuple[int, ...]]:
+def _expected_groups(plan: Any, role: Any, zero: int, ulysses: dict[str, int] | None = None
+                     ) -> dict[str, tuple[int, ...]]:
     """The groups ``role``'s rank must be in: its unit's TP, DP and PP groups of more
     than one rank, and a phased encoder's DP group where it is one of its own
     (``mesh.rank_groups``: ``"<unit>.<dimension>"``)."""
     from dtdsl.parallel.mesh import rank_groups
 
     named = {"tp": role.tp_ranks, "dp": role.dp_ranks, "pp": role.pp_ranks}
-    named.update({k: v for k, v in rank_groups(plan, role.rank, zero).items() if "." in k})
+    named.update({k: v for k, v in rank_groups(plan, role.rank, zero, ulysses).items()
+                  if "." in k})
     return {k: tuple(sorted(v)) for k, v in named.items() if len(v) > 1}
 
 
@@ -168,7 +170,8 @@ class _Recorded:
         dist.new_group, dist.split_group = self._saved
 
 
-def _check_groups(plan: Any, rank: int, zero: int, device_type: str
+def _check_groups(plan: Any, rank: int, zero: int, device_type: str,
+                  ulysses: dict[str, int] | None = None
                   ) -> tuple[dict[str, tuple[int, ...]], int, list[str]]:
     """Bring up ``rank``'s groups over the fake backend: its groups, the placeholders it
     holds for dimensions it is alone on (groups of one rank of torch's ``fake`` backend:
@@ -182,18 +185,21 @@ def _check_groups(plan: Any, rank: int, zero: int, device_type: str
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         with _Recorded(rank) as recorded:
-            build_groups(plan, device_type=device_type, zero=zero)
+            build_groups(plan, device_type=device_type, zero=zero, ulysses=ulysses)
     finally:
         dist.destroy_process_group()
     placeholders = [m for m, backend in recorded.made if backend == "fake" and len(m) == 1]
     real = [m for m, backend in recorded.made if not (backend == "fake" and len(m) == 1)]
-    want = _expected_groups(plan, role_of(plan, rank), zero)
+    want = _expected_groups(plan, role_of(plan, rank), zero, ulysses)
     problems = []
     for name, members in want.items():
         if members not in real:
             problems.append(f"rank {rank}: no {name} group {list(members)}")
     for members in real:
-        if members in want.values() and real.count(members) == 1:
+        # A CP group may have the ranks of its unit's DP group (dp 1): a communicator of
+        # its own, apart from FSDP's reduction (``parallel.mesh``).
+        if members in want.values() and \
+                real.count(members) == list(want.values()).count(members):
             continue
         what = "a one-rank group" if len(members) == 1 else \
             "a world-size group" if len(members) == world else \
@@ -373,7 +379,7 @@ def dry_run(bundle: str | Path, *, node: int | None = None, steps: int = 1,
     from dtdsl.ir.plan import Plan
     from dtdsl.ir.program import Program
     from dtdsl.ir.schedule import parse_schedule
-    from dtdsl.parallel.mesh import role_of
+    from dtdsl.parallel.mesh import cp_ulysses, role_of
     from dtdsl.train.executor import TELEMETRY_BYTES, telemetry_bytes, telemetry_every
     from dtdsl.train.job import load_job
 
@@ -416,7 +422,8 @@ def dry_run(bundle: str | Path, *, node: int | None = None, steps: int = 1,
                 report.problems += _bring_up_node(job, list(ranks), where)
             for local, r in enumerate(ranks):
                 role = role_of(plan, r)
-                groups, alone, problems = _check_groups(plan, r, zero, device_type)
+                groups, alone, problems = _check_groups(plan, r, zero, device_type,
+                                                        cp_ulysses(program, plan))
                 report.problems += problems
                 fds = _trainer_descriptors(report, role, groups, plan, local)
                 if fds > max_fds:

@@ -114,7 +114,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -144,6 +144,7 @@ from dtdsl.models.multimodal import (
     backbone_output,
     conditioning,
     conditioning_rows,
+    cp_document_ids,
     document_masks,
     document_targets,
     encoder_input,
@@ -153,12 +154,15 @@ from dtdsl.models.multimodal import (
     encoder_rows,
     generator_step,
     packed_item_shapes,
+    padded_width,
     scatter_sequence,
     splice_items,
 )
 from dtdsl.parallel.broker import Broker, PendingSamples, StepSamples
+from dtdsl.parallel.cp import CPContext, CPGroup
+from dtdsl.parallel.cp import gather_sequence as cp_gather
 from dtdsl.parallel.device import to_device
-from dtdsl.parallel.mesh import ProcessGroups, RankRole
+from dtdsl.parallel.mesh import ProcessGroups, RankRole, cp_ulysses
 from dtdsl.parallel.p2p import P2P, Received, TensorSpec
 from dtdsl.sim.timeline import Event, Timeline, TimelineUnit
 from dtdsl.train.clock import StepClock, step_clock
@@ -258,6 +262,7 @@ class StageExecutor:
         if len(self.stage.phased) > 1:
             raise NotImplementedError("one phased encoder: plan the other encoders as their "
                                       "own units")
+        self._cp = _attach_cp(program, plan, self.stage, groups)
         # Embeddings of the phased encoder's outputs for this replica's samples (on the
         # backbone's first stage, between the phases), as autograd leaves.
         self._phased_in: dict[int, torch.Tensor] = {}
@@ -441,7 +446,9 @@ class StageExecutor:
     # ---- peers ----------------------------------------------------------------------------
 
     def _pp_peer(self, stage: int) -> int:
-        return self.role.grid.rank(stage, self.role.replica, self.role.tp_index)
+        # Under context parallelism stage s's CP rank r talks to stage s+1's CP rank r.
+        return self.role.grid.rank(stage, self.role.replica, self.role.tp_index,
+                                   self.role.cp_index)
 
     # ---- one training step ----------------------------------------------------------------
 
@@ -636,7 +643,12 @@ class StageExecutor:
 
     def _loss_tokens(self, ids: Sequence[int]) -> int:
         """The next-token targets of these samples (``models.multimodal.loss_tokens``'s
-        rule), from their sizes: no device round trip to count them."""
+        rule), from their sizes: no device round trip to count them (under context
+        parallelism those of this CP rank's shard)."""
+        if self._cp is not None:
+            width = padded_width(max((self._layout(i).length for i in ids), default=0),
+                                 self.role.grid.tp, self._cp.size)
+            return self._cp_loss_rows(ids, width)[0]
         return sum(self._layout(i).loss_tokens for i in ids)
 
     def _loss_rows(self, ids: Sequence[int]) -> torch.Tensor | None:
@@ -647,12 +659,26 @@ class StageExecutor:
         if not self.role.is_last_stage or self.role.role != "backbone":
             return None
         tp = self.role.grid.tp
-        width = -(-max((self._layout(i).length for i in ids), default=0) // tp) * tp
+        width = padded_width(max((self._layout(i).length for i in ids), default=0), tp,
+                             self.role.grid.cp)
+        if self._cp is not None:
+            return to_device(self._cp_loss_rows(ids, width)[1], self.device)
         rows: list[int] = []
         for b, i in enumerate(ids):
             for lo, hi in self._layout(i).loss_positions():
                 rows.extend(range(b * width + lo, b * width + hi))
         return to_device(torch.tensor(rows, dtype=torch.int64), self.device)
+
+    def _cp_loss_rows(self, ids: Sequence[int], width: int) -> tuple[int, torch.Tensor]:
+        """Under context parallelism: ``(targets, flat rows)`` of this CP rank's shard
+        ``[B, width / cp]`` of the microbatch that have a next-token target, on the host."""
+        assert self._cp is not None
+        wanted = torch.zeros(len(ids), width, dtype=torch.bool)
+        for b, i in enumerate(ids):
+            for lo, hi in self._layout(i).loss_positions():
+                wanted[b, lo:hi] = True
+        rows = self._cp.shard(wanted).flatten().nonzero().squeeze(1)
+        return rows.numel(), rows
 
     def _index(self, j: int) -> int:
         """Microbatch ``j``'s index in the run (labels of its messages)."""
@@ -756,9 +782,10 @@ class StageExecutor:
                     for n, rows in packed_item_shapes(sizes, self._inputs, self.role.unit,
                                                       int(arch.cls_token))]
         seq = max((self._layout(i).length for i in self._ids[j]), default=0)
-        # Sequence parallelism: each TP rank sends its PP peer its piece of the sequence.
-        tp = self.role.grid.tp
-        seq = -(-seq // tp) * tp
+        # Sequence parallelism: each TP rank sends its PP peer its piece of the sequence;
+        # context parallelism: each CP rank its shard (``parallel.cp``).
+        tp, cp = self.role.grid.tp, self.role.grid.cp
+        seq = padded_width(seq, tp, cp) // cp
         specs = [TensorSpec((len(sizes), seq // tp, self._width), self.dtype)]
         if direction == _FWD:
             specs.append(TensorSpec((len(sizes), seq), torch.int64))
@@ -1050,7 +1077,7 @@ class StageExecutor:
             if gens:    # the co-located generators' losses join the backward
                 gen = sum(gens.values()) / max(1, self.norm.gen_targets)
                 mb.loss = lm + gen
-            if role.is_leader:      # TP ranks hold the same loss: count it once
+            if role.counts_loss:    # TP ranks hold the same loss: count it once
                 self.lm += lm.detach().double()
                 if gens:
                     self.gen += gen.detach().double()
@@ -1134,6 +1161,11 @@ class StageExecutor:
                                          else self.loss_scale.scale))
         received = {peer: p.wait() for peer, p in mb.grads_in.items()}
         mb.grads_in = {}
+        if self._cp is not None and isinstance(mb.outputs, dict):
+            # The conditioning's gradient reached every CP rank whole (the broker's CP
+            # broadcast), and the gather's backward sums the CP ranks': 1 / cp each.
+            received = {peer: {i: g / self._cp.size for i, g in got.items()}
+                        for peer, got in received.items()}
         if isinstance(mb.outputs, dict):
             # Per-sample outputs read by other units: sum what every consumer sent.
             for per_sample in received.values():
@@ -1164,6 +1196,8 @@ class StageExecutor:
             mb.input_grads = {i: grad(x) for i, x in mb.inputs.items()}
         else:
             mb.input_grads = [grad(x) for x in mb.inputs]
+        if self._cp is not None and self.role.is_first_stage:
+            _sum_over_cp(mb.input_grads, self._cp)
 
 
 def _encoder_pass(module: Any, name: str, xs: Sequence[torch.Tensor], *, first: bool,
@@ -1257,22 +1291,99 @@ def _run_backbone(module: Any, *, x: torch.Tensor | None = None,
         elif images is not None:    # the co-located encoder, in the same autograd graph
             image_embeds = _hosted_embeds(module, images)
         assert image_embeds is not None and tokens is not None
-        batch = backbone_input(bb, image_embeds, tokens, layouts)
-        x, targets = scatter_sequence(bb, batch.embeds), batch.targets
+        batch = backbone_input(bb, image_embeds, tokens, layouts,
+                               cp=1 if st.cp is None else st.cp.size)
+        if st.cp is None:
+            x, targets = scatter_sequence(bb, batch.embeds), batch.targets
+        else:   # every CP rank built the whole microbatch: it keeps its shard
+            x = scatter_sequence(bb, st.cp.shard(batch.embeds))
+            targets = st.cp.shard(batch.targets)
         positions, mask = batch.positions, batch.mask
     else:
         assert targets is not None
-        positions, mask = document_masks(layouts, targets.shape[1], x.device)
+        if st.cp is None:
+            positions, mask = document_masks(layouts, targets.shape[1], x.device)
     assert targets is not None
-    y = backbone_layers(bb, x, st.start, st.stop, positions=positions, mask=mask,
-                        lengths=[lay.length for lay in layouts])
+    cp = 1
+    if st.cp is not None:
+        cp = st.cp.size
+        positions, mask = _cp_inputs(st.cp, layouts, targets.shape[1] * cp, x.device)
+    y = backbone_layers(bb, x, st.start, st.stop, positions=positions, mask=mask, cp=cp,
+                        lengths=[lay.length for lay in layouts] if cp == 1 else None)
     if st.role.is_last_stage:
         loss, hidden = backbone_output(bb, y, targets, loss_tokens=loss_tokens,
                                        loss_rows=loss_rows)
+        if st.cp is not None and st.program.generators:
+            # The generators read the whole sequences' hidden states: gathered over CP.
+            hidden = cp_gather(hidden, st.cp, targets.shape[1] * cp)
         gens = _hosted_losses(module, hidden, layouts, generation or {}) \
             if _hosted(module, "generator") else {}
+        if st.cp is not None:
+            # Every CP rank runs the co-located generators on the same whole sequences:
+            # each takes 1 / cp of their loss (its gradients sum over dp x cp, and its
+            # total over the job), so the step's are the generators' own.
+            gens = {n: g / cp for n, g in gens.items()}
         return loss, hidden, gens
     return y, targets
+
+
+def _cp_inputs(cp: CPGroup, layouts: Sequence[SequenceLayout], width: int,
+               device: torch.device) -> tuple[torch.Tensor, CPContext]:
+    """Under context parallelism: this CP rank's real positions ``[B, width / cp]`` (its
+    rotary embeddings rotate by them) and the microbatch's ``CPContext``, from the
+    layouts every CP rank has (no exchange)."""
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    docs, positions = cp_document_ids(layouts, width)
+    if detect_fake_mode() is None:
+        return to_device(cp.shard(positions), device), cp.context(docs)
+    # ``dtc memcheck``'s fake world: the ids are host metadata the blocks are classified
+    # by, so they are made real (the positions stay fake, as the model's inputs).
+    with unset_fake_temporarily():
+        context = cp.context(cp_document_ids(layouts, width)[0])
+    return cp.shard(positions), context
+
+
+def _attach_cp(program: ir.Program, plan: Plan, stage: Stage, groups: ProcessGroups
+               ) -> CPGroup | None:
+    """The stage's ``CPGroup`` (None at cp 1), also put where its forward reads it
+    (``StageState.cp``); a backbone's only (DT623 at compile time says so)."""
+    role = groups.role
+    if role.grid.cp == 1:
+        return None
+    if role.role != "backbone":
+        raise NotImplementedError(f"{role.unit}: context parallelism runs on the backbone "
+                                  f"only, not on a {role.role}; plan it with cp 1")
+    cp = cp_group(program, plan, role, groups.cp)
+    stage.module.stage_state = replace(stage.module.stage_state, cp=cp)
+    return cp
+
+
+def cp_group(program: ir.Program, plan: Plan, role: RankRole, group: Any) -> CPGroup:
+    """``role``'s ``CPGroup`` over ``group`` (``ProcessGroups.cp``: a process group, or
+    the hybrid ``(cp_ring, cp_ulysses)`` DeviceMesh)."""
+    method = program.module(role.unit).context_parallel
+    if method == "hybrid" and isinstance(group, dist.ProcessGroup):
+        # A hybrid split of one dimension (all in one node, or one rank per node).
+        method = "ulysses" if cp_ulysses(program, plan).get(role.unit, 1) > 1 else "ring"
+    return CPGroup(method=method, size=role.grid.cp, rank=role.cp_index, group=group)
+
+
+def _sum_over_cp(grads: Any, cp: CPGroup) -> None:
+    """Sum the gradients of the encoders' embeddings over the CP ranks, in place: each
+    CP rank's backward reaches the embeddings of the positions it holds only (zeros
+    elsewhere), and the leader sends the whole."""
+    flat: list[torch.Tensor] = []
+    if isinstance(grads, dict):
+        for v in grads.values():
+            flat.extend(v.values() if isinstance(v, dict) else [v])
+    else:
+        flat.extend(grads)
+    for t in flat:
+        if t.numel():
+            for group in cp.groups():
+                dist.all_reduce(t, group=group)
 
 
 def _run_generator(module: Any, conds: Sequence[torch.Tensor], targets: Sequence[Any]

@@ -599,7 +599,7 @@ def _run(program: RankProgram, bundle: Path, argv: Sequence[str] | None, who: st
 
     from dtdsl.data.batch import LocalBatches
     from dtdsl.parallel.device import init_distributed, rank_device
-    from dtdsl.parallel.mesh import build_groups
+    from dtdsl.parallel.mesh import build_groups, cp_ulysses
     from dtdsl.train.checkpoint import Checkpointer
     from dtdsl.train.executor import StageExecutor, gather_timeline, telemetry_every
     from dtdsl.train.faults import hold_if_fatal
@@ -632,6 +632,7 @@ def _run(program: RankProgram, bundle: Path, argv: Sequence[str] | None, who: st
         if not resume and rank == 0:
             _set_aside_checkpoints(run_dir)
         groups = build_groups(plan, device_type=device.type,
+                              ulysses=cp_ulysses(program_ir, plan),
                               zero=program_ir.train.mesh_zero)
         # The samples' source: read by the in-process feed, and by rank 0's predictions.
         source = (data_source(job, bundle, program_ir, args.data)

@@ -388,9 +388,14 @@ def _inputs(program: ir.Program, cost: Any, plan: Plan, unit: Any, role: Any, sh
     arch = module.arch
     train = program.train
     if role.role == "backbone":
+        from dtdsl.models.multimodal import padded_width
+
         b, h = train.micro_batch, arch.hidden
-        s = -(-train.seq_len // role.grid.tp) * role.grid.tp
+        # Under context parallelism a stage holds its CP rank's shard of the sequences.
+        cp = role.grid.cp
+        s = padded_width(train.seq_len, role.grid.tp, cp)
         layouts, extra = _hosted_inputs(program, cost, plan, role, s, dtype, device, large)
+        local = s // cp
 
         def backbone() -> tuple[tuple, dict]:
             if role.is_first_stage:
@@ -398,13 +403,13 @@ def _inputs(program: ir.Program, cost: Any, plan: Plan, unit: Any, role: Any, sh
                           for lay in layouts]
                 embeds = [torch.zeros(0, h, dtype=dtype, device=device) for _ in range(b)]
                 return (), {"image_embeds": embeds, "tokens": tokens, "layouts": layouts,
-                            "loss_tokens": b * s, **extra}
+                            "loss_tokens": b * local, **extra}
             # Under sequence parallelism, this TP rank's piece of the sequence.
-            x = torch.zeros(b, s // role.grid.tp, h, dtype=dtype, device=device,
+            x = torch.zeros(b, local // role.grid.tp, h, dtype=dtype, device=device,
                             requires_grad=True)
-            return (), {"x": x, "targets": torch.zeros(b, s, dtype=torch.int64,
+            return (), {"x": x, "targets": torch.zeros(b, local, dtype=torch.int64,
                                                        device=device),
-                        "layouts": layouts, "loss_tokens": b * s, **extra}
+                        "layouts": layouts, "loss_tokens": b * local, **extra}
         return backbone
     if role.role == "encoder":
         im = _encoder_images(program, cost, role.unit, unit, share, large)
@@ -505,6 +510,24 @@ def _loss_of(role: Any, out: Any) -> torch.Tensor:
     return sum(o.float().sum() for o in out)
 
 
+def _attach_cp(program: ir.Program, plan: Plan, built: Any, role: Any, world: Any) -> None:
+    """The measured stage's context parallelism over its CP ranks in the fake world (the
+    ring's transfers and Ulysses' all-to-alls move nothing there; the buffers they fill
+    are allocated as in the run)."""
+    from dtdsl.parallel.cp import MESH_DIMS as CP_DIMS
+    from dtdsl.parallel.mesh import cp_ulysses
+    from dtdsl.train.executor import cp_group
+
+    u = cp_ulysses(program, plan).get(role.unit, 1)
+    cp = role.grid.cp
+    if u in (1, cp):
+        group = world.device_mesh(role.cp_ranks, (cp,), ("cp",)).get_group()
+    else:
+        group = world.device_mesh(role.cp_ranks, (cp // u, u), CP_DIMS)
+    built.module.stage_state = replace(built.module.stage_state,
+                                       cp=cp_group(program, plan, role, group))
+
+
 def _measure_stage(program: ir.Program, plan: Plan, schedule: Schedule, cost: Any,
                    unit: str, stage: int) -> StageMemory:
     from dtdsl.parallel.mesh import (
@@ -528,7 +551,8 @@ def _measure_stage(program: ir.Program, plan: Plan, schedule: Schedule, cost: An
     zero = program.train.mesh_zero
     dp_lm = next(x.dp for x in plan.units if x.role == "backbone")
     share = dp_lm / u.dp
-    unit_cost = cost.unit(unit)
+    # Priced at the plan's cp, as the simulator prices it (``sim.workload``).
+    unit_cost = replace(cost.unit(unit), cp=u.cp)
     from dtdsl.parallel.mesh import RankRole
 
     role = RankRole(rank=rank, grid=grid, stage=stage, replica=0, tp_index=0)
@@ -542,6 +566,8 @@ def _measure_stage(program: ir.Program, plan: Plan, schedule: Schedule, cost: An
         built = build_stage(program, plan, role, mesh, world.device,
                             run=stage_run(role.role), initialize=False, compile=False,
                             phased=meshes, phased_run=stage_run("encoder"))
+        if grid.cp > 1:
+            _attach_cp(program, plan, built, role, world)
         trainable = built.trainable()
         opt = None
         if trainable:

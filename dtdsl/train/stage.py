@@ -126,6 +126,9 @@ class StageState:
     # co-located ones, by generator name; outside FSDP.
     vaes: dict[str, Any] = field(default_factory=dict)
     hosted: tuple[str, ...] = ()    # co-located modules the stage runs (hosted_units)
+    # Context parallelism (``parallel.cp.CPGroup``): the executor sets it on a backbone
+    # stage with cp > 1; None otherwise.
+    cp: Any = None
 
     @property
     def seq_len(self) -> int:

@@ -335,3 +335,40 @@ def test_accelerator_kernels_take_the_blocks_on_meta_tensors(causal):
     assert out.shape == q.shape and out.dtype == q.dtype
     assert (q.grad.shape, k.grad.shape, v.grad.shape) == (q.shape, k.shape, v.shape)
     assert k.grad.dtype == torch.bfloat16
+
+
+def _gather(rank, world):
+    from dtdsl.parallel.cp import CPGroup, gather_sequence
+
+    group = dist.new_group(list(range(world)))
+    g = CPGroup(method="ring", size=world, rank=rank, group=group)
+    torch.manual_seed(0)
+    length = 11                                 # padded to 2 * world chunks
+    whole = torch.randn(2, length, 3, dtype=torch.float64)
+    ups = [torch.randn(2, length, 3, dtype=torch.float64) for _ in range(world)]
+    x = g.shard(whole).requires_grad_(True)
+    got = gather_sequence(x, g, length)
+    assert torch.equal(got, whole)
+    # Each rank's loss reads the whole; a shard's gradient sums every rank's.
+    (got * ups[rank]).sum().backward()
+    want = g.shard(sum(ups))
+    assert torch.allclose(x.grad, want), (x.grad - want).abs().max()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gather_sequence_is_unshard_and_its_gradient_sums_the_ranks(world):
+    run(_gather, world)
+
+
+def _single(rank, world):
+    # One document without padding: plain causal attention, the same values as the ring.
+    case = (1, 4, 2, 16, [[16]], 3)
+    docs = _case(*case)[4]
+    assert CPDocuments.from_full(docs, world).single
+    assert not CPDocuments.from_full(docs[:, :15], world).single     # padded: a 2nd doc
+    _compare(case, world, rank, "ulysses")
+    _compare(case, world, rank, "ulysses", full_docs=True)
+
+
+def test_ulysses_on_one_document_without_padding():
+    run(_single, 2)

@@ -1,5 +1,6 @@
 """Context parallelism in the planner: cp enters the search only where a constraint allows
-it, the 128K spec needs it and gets it, GPUs are tp x cp x pp x dp, and compile refuses it."""
+it, the 128K spec needs it and gets it, GPUs are tp x cp x pp x dp, and compile takes it on
+the backbone only."""
 
 from __future__ import annotations
 
@@ -115,15 +116,26 @@ def test_the_planner_weighs_cp_against_none():
     assert p.iteration_time_s <= without.iteration_time_s + 1e-12
 
 
-def test_compile_refuses_a_cp_plan():
+def test_compile_takes_a_backbone_cp_plan_and_refuses_the_rest():
     program = _tiny_cp()
     p = plan_exhaustive(build_cost_model(program).with_cp({"llm": 2}), 4)
-    found = [d for d in runtime_support(program, p) if "context parallelism" in d.message]
+    assert not [d for d in runtime_support(program, p) if "context" in d.message]
+    # cp on an encoder: the runtime splits the backbone's sequences only (DT601).
+    units = tuple(u.model_copy(update={"cp": 2, "gpus": 2 * u.gpus})
+                  if u.name == "vit" else u for u in p.units)
+    found = [d for d in runtime_support(program, p.model_copy(update={"units": units}))
+             if "context parallelism" in d.message]
     assert [d.code for d in found] == ["DT601"]
-    assert "cp 2" in found[0].message and "cp(llm) == 1" in found[0].hint
-    assert found[0].span == program.module("llm").span
-    plain = plan_exhaustive(build_cost_model(program), 4)
-    assert not [d for d in runtime_support(program, plain) if "context" in d.message]
+    assert "vit" in found[0].message and "cp(vit) == 1" in found[0].hint
+    assert found[0].span == program.module("vit").span
+    # A hand-edited Ulysses degree the heads cannot take (4 heads over 8): DT622.
+    modules = tuple(m.model_copy(update={"context_parallel": "ulysses"})
+                    if m.name == "llm" else m for m in program.modules)
+    uly = program.model_copy(update={"modules": modules})
+    units = tuple(u.model_copy(update={"cp": 8, "gpus": 8 * u.gpus // u.cp})
+                  if u.name == "llm" else u for u in p.units)
+    found = runtime_support(uly, p.model_copy(update={"units": units}))
+    assert [d.code for d in found if d.code == "DT622"] == ["DT622"]
 
 
 def test_reports_show_cp_only_where_a_unit_uses_it():
