@@ -20,14 +20,19 @@ __all__ = [
     "Empirical", "Gpu", "HFSource", "ImageTokens", "PixelShuffle", "Resampler", "RoPE",
     "IntDomain", "LRSchedule", "LogNormal", "MLPArch", "Module", "ModuleConstraints",
     "Optimizer", "Program", "Projector", "Quantity", "Train", "TransformerArch", "UNetArch",
-    "Uniform", "Zipf", "Data", "LR_SCHEDULES", "MODALITIES", "QUANTITIES", "ROLES",
-    "SCHEDULES",
+    "Uniform", "Zipf", "Data", "COND_TOKENS", "LR_SCHEDULES", "MODALITIES", "QUANTITIES",
+    "ROLES", "SCHEDULES",
 ]
 
 ROLES = ("encoder", "backbone", "generator")
 MODALITIES = ("image", "audio", "video")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 LR_SCHEDULES = ("constant", "linear", "cosine")
+# The backbone states a generator is conditioned on, per document: its last 77 hidden
+# states (all of them when it has fewer), the length of the CLIP text context a Stable
+# Diffusion U-Net cross-attends to. The runtime (models.multimodal) takes them and the
+# cost model (cost.profile, cost.model, ir.graph) prices them: one value for both.
+COND_TOKENS = 77
 # What a sample carries, per modality. `count`: items encoded by the modality's
 # encoder; `gen_count`: items its generator learns to produce; `patches`: tokens
 # per image (per frame for video); `frames`: tokens per audio clip, frames per video.
