@@ -54,7 +54,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from dtdsl.cost import flops
-from dtdsl.cost.profile import COND_TOKENS, ProfileTable
+from dtdsl.cost.profile import ProfileTable
 from dtdsl.cost.samples import (
     SampleSet,
     attention_squares,
@@ -986,7 +986,7 @@ def _unit_cost(program: ir.Program, module: ir.Module, samples: SampleSet,
         peak_items = _quantile_per_microbatch(items.counts.astype(float), mb)
         acc.peak_ratio = _ratio(peak_items, count)
         acc.peak_items = peak_items
-        cond_tokens = COND_TOKENS
+        cond_tokens = ir.COND_TOKENS
         acc.queries.append(ProfileQuery.of(
             module.name, _per_microbatch(items.counts.astype(float), mb), 1.0))
         if isinstance(arch, ir.UNetArch):

@@ -45,6 +45,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from dtdsl.cost.flops import input_needs_grad
 from dtdsl.cost.samples import draw
 from dtdsl.ir import program as ir
+from dtdsl.ir.program import COND_TOKENS
 
 if TYPE_CHECKING:
     import torch
@@ -54,14 +55,12 @@ if TYPE_CHECKING:
 # a profile and interpolating it, all the cost model does, must not pay for it.
 
 __all__ = [
-    "COND_TOKENS", "PROFILE_VERSION", "DeviceInfo", "ModuleProfile", "PartPoint", "Point",
+    "PROFILE_VERSION", "DeviceInfo", "ModuleProfile", "PartPoint", "Point",
     "Profile", "ProfileError", "ProfileTable", "check_profile", "default_points",
     "default_tps", "load_profile", "profile_program", "save_profile",
 ]
 
 PROFILE_VERSION = 1
-# Conditioning tokens a generator attends to (CLIP's 77), as dtdsl.cost.model assumes.
-COND_TOKENS = 77
 _TIMESTEPS = 1000
 
 

@@ -70,7 +70,6 @@ EDGE_KINDS = ("input", "activation", "pipeline", "contains")
 
 _BF16_BYTES = 2
 _TOKEN_ID_BYTES = 8   # int64 ids, what the backbone's embedding takes
-_COND_TOKENS = 77     # conditioning tokens per generated item (as in dtdsl.cost.model)
 _QUANTILE = 0.99
 
 
@@ -193,7 +192,7 @@ def _add_activations(g: nx.DiGraph, program: ir.Program, drawn: SampleSet,
             out = items.backbone_tokens()
         else:
             counts = drawn.items[f"{target.modality}.gen"].counts
-            tokens, what = counts * _COND_TOKENS, "cond"
+            tokens, what = counts * ir.COND_TOKENS, "cond"
             out = tokens
         g.add_edge(source.name, node, **_tokens_flow(
             "activation", what, tokens, source.output_dim, _BF16_BYTES, items=counts))
@@ -265,7 +264,7 @@ def _boundary_flow(program: ir.Program, module: ir.Module, drawn: SampleSet,
         return _tokens_flow("pipeline", "hidden", items.tokens(), arch.hidden, _BF16_BYTES,
                             items=items.counts)
     counts = drawn.items[f"{module.modality}.gen"].counts.astype(float)
-    cond = _COND_TOKENS * arch.context_dim
+    cond = ir.COND_TOKENS * arch.context_dim
     if isinstance(arch, ir.DiTArch):
         n = flops.dit_tokens(arch)
         per_item = n * arch.hidden + arch.hidden + cond   # hidden, adaLN condition, context

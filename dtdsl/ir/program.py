@@ -17,18 +17,23 @@ from dtdsl.ir.hardware import HOST_BW_BYTES_PER_S
 from dtdsl.source import Span
 
 __all__ = [
-    "Arch", "AvgPool", "MoEArch", "Choice", "Cluster", "Compression", "Constant", "DiTArch", "Dist",
-    "Empirical", "Gpu", "HFSource", "ImageTokens", "PixelShuffle", "Resampler", "RoPE",
-    "IntDomain", "LRSchedule", "LogNormal", "MLPArch", "Module", "ModuleConstraints",
-    "Optimizer", "Program", "Projector", "Quantity", "Sync", "Train", "TransformerArch", "UNetArch",
-    "Uniform", "Zipf", "Data", "LR_SCHEDULES", "MODALITIES", "QUANTITIES", "ROLES",
-    "SCHEDULES",
+    "Arch", "AvgPool", "Choice", "Cluster", "Compression", "Constant", "DiTArch", "Dist",
+    "Empirical", "Gpu", "HFSource", "ImageTokens", "IntDomain", "LRSchedule", "LogNormal",
+    "MLPArch", "MoEArch", "Module", "ModuleConstraints", "Optimizer", "PixelShuffle",
+    "Program", "Projector", "Quantity", "Resampler", "RoPE", "Sync", "Train",
+    "TransformerArch", "UNetArch", "Uniform", "Zipf", "Data", "COND_TOKENS", "LR_SCHEDULES",
+    "MODALITIES", "QUANTITIES", "ROLES", "SCHEDULES",
 ]
 
 ROLES = ("encoder", "backbone", "generator")
 MODALITIES = ("image", "audio", "video")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 LR_SCHEDULES = ("constant", "linear", "cosine")
+# The backbone states a generator is conditioned on, per document: its last 77 hidden
+# states (all of them when it has fewer), the length of the CLIP text context a Stable
+# Diffusion U-Net cross-attends to. The runtime (models.multimodal) takes them and the
+# cost model (cost.profile, cost.model, ir.graph) prices them: one value for both.
+COND_TOKENS = 77
 # What a sample carries, per modality. `count`: items encoded by the modality's
 # encoder; `gen_count`: items its generator learns to produce; `patches`: tokens
 # per image (per frame for video); `frames`: tokens per audio clip, frames per video.

@@ -45,7 +45,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 __all__ = ["BLOCK", "DENSE_BACKENDS", "DocumentMask", "dense_attention", "document_attention",
-           "document_ids", "document_mask", "flex_kernel"]
+           "document_ids", "document_mask", "flex_kernel", "key_bias"]
 
 BLOCK = 128   # torch's default sparse block: the CUDA kernels' tiles divide it
 
@@ -60,13 +60,23 @@ DENSE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                    causal: bool = False) -> torch.Tensor:
+                    causal: bool = False, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Scaled dot-product attention of ``[B, H, S, D]`` queries over ``[B, H_kv, M, D]``
     keys and values (grouped-query when ``H_kv < H``: K and V are not repeated), causal or
-    not, on the first of ``DENSE_BACKENDS`` that takes the inputs."""
+    not, on the first of ``DENSE_BACKENDS`` that takes the inputs; ``bias``: an additive
+    mask broadcast to ``[B, H, S, M]`` (``key_bias``: padded keys), which FlashAttention
+    does not take (the efficient kernel does)."""
     with sdpa_kernel(DENSE_BACKENDS, set_priority=True):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal,
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=causal,
                                               enable_gqa=q.shape[1] != k.shape[1])
+
+
+def key_bias(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The additive ``[B, 1, 1, M]`` bias of ``dense_attention`` from a ``[B, M]`` boolean
+    of the keys to attend to (every row keeps at least one): 0 where kept, -inf where
+    not."""
+    bias = torch.zeros(keep.shape, dtype=dtype, device=keep.device)
+    return bias.masked_fill_(~keep, float("-inf"))[:, None, None, :]
 
 # The BlockMask's tensors, in its constructor's keywords.
 _BLOCK_TENSORS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",

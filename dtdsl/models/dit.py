@@ -57,19 +57,21 @@ class DiTBlock(nn.Module):
         self.ada.zero_init = True
         nn.init.zeros_(self.ada.weight)
 
-    def forward(self, x: torch.Tensor, cond: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cond: torch.Tensor, context: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
         c = F.silu(cond)
         if self.tp > 1:
             c = c.narrow(-1, 0, c.shape[-1] // self.tp)
         shift1, scale1, gate1, shift2, scale2, gate2 = self.ada(c).unsqueeze(1).chunk(6, dim=-1)
         x = x + gate1 * self.attn(_modulate(self.norm1(x), shift1, scale1))
-        x = x + self.cross(self.norm2(x), context)
+        x = x + self.cross(self.norm2(x), context, bias)
         return x + gate2 * self.mlp(_modulate(self.norm3(x), shift2, scale2))
 
 
 class DiT(nn.Module):
     """``forward(latent [B, latent_channels, H, W], timesteps [B], context [B, M,
-    context_dim]) -> [B, latent_channels, H, W]``; H and W divisible by ``patch``."""
+    context_dim], context_bias [B, 1, 1, M] or None) -> [B, latent_channels, H, W]``; H and
+    W divisible by ``patch``; ``context_bias`` masks padded context rows."""
 
     def __init__(self, arch: ir.DiTArch, *, tp: int = 1):
         super().__init__()
@@ -84,7 +86,8 @@ class DiT(nn.Module):
         nn.init.zeros_(self.proj_out.weight)
 
     def forward(self, latent: torch.Tensor, timesteps: torch.Tensor,
-                context: torch.Tensor) -> torch.Tensor:
+                context: torch.Tensor, context_bias: torch.Tensor | None = None
+                ) -> torch.Tensor:
         b, c, hgt, wid = latent.shape
         p = self.patch
         gh, gw = hgt // p, wid // p
@@ -100,6 +103,6 @@ class DiT(nn.Module):
         x = x + pos.to(x.dtype)
         cond = sinusoidal_embedding(timesteps, self.hidden).to(x.dtype)
         for block in self.blocks:
-            x = block(x, cond, context)
+            x = block(x, cond, context, context_bias)
         x = self.proj_out(self.norm_out(x))
         return x.reshape(b, gh, gw, c, p, p).permute(0, 3, 1, 4, 2, 5).reshape(b, c, hgt, wid)

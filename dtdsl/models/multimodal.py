@@ -73,8 +73,9 @@ from dtdsl.data.sample import (
     unpack_images,
 )
 from dtdsl.ir import program as ir
+from dtdsl.ir.program import COND_TOKENS
 from dtdsl.models import build_module, build_projector, tie_weights
-from dtdsl.models.attention import DocumentMask, document_mask
+from dtdsl.models.attention import DocumentMask, document_mask, key_bias
 from dtdsl.models.diffusion import noisy_and_target
 from dtdsl.models.init import init_module
 from dtdsl.models.transformer import (
@@ -86,7 +87,6 @@ from dtdsl.models.transformer import (
 )
 
 __all__ = [
-    "COND_TOKENS",
     "IGNORE",
     "BackboneBatch",
     "LossParts",
@@ -130,7 +130,6 @@ __all__ = [
     "unit_spec",
 ]
 
-COND_TOKENS = 16   # the backbone states a generator is conditioned on: the last 16 tokens
 IGNORE = -100      # target id of positions without a loss
 _DENSE_LOSS = 0.9  # targets at this share of positions or more: the LM head on all of them
 
@@ -744,21 +743,21 @@ def backbone_step(model: Model, image_embeds: Sequence[torch.Tensor],
 def generator_step(model: Model, name: str, cond: Sequence[torch.Tensor],
                    targets: Sequence[GenTargets]) -> torch.Tensor:
     """Generator ``name`` on the samples' conditioning and targets (one of each per
-    sample): the sum over targets of the mean squared noise-prediction error. Targets
-    whose contexts have the same length are batched together."""
+    sample, the conditioning at most ``COND_TOKENS`` rows): the sum over targets of the
+    mean squared noise-prediction error. Every target is in one batch, its context padded
+    to ``COND_TOKENS`` rows and the padding masked out of the cross-attention: the
+    generator's shapes are the same at every call (one compiled graph, as the cost model
+    prices ``COND_TOKENS`` rows), its results those of the unpadded context."""
     generator = model.unit(name)
     projector = model.unit(model.gen_proj[name])
     device = next(generator.parameters()).device
     arch = model.archs[name]
-    groups: dict[int, list[tuple[torch.Tensor, GenTargets]]] = {}
-    for c, t in zip(cond, targets, strict=True):
-        if len(t):
-            groups.setdefault(c.shape[0], []).append((c, t))
+    members = [(c, t) for c, t in zip(cond, targets, strict=True) if len(t)]
     total = torch.zeros((), device=device)
     vaes = getattr(model, "vaes", {})
     vae = vaes[name] if name in vaes else None
-    for members in groups.values():
-        context = torch.cat([projector(c)[None].expand(len(t), -1, -1) for c, t in members])
+    if members:
+        context, keep = _padded_context(projector, members)
         batch = GenTargets.cat([t for _, t in members])
         if batch.latents is not None:
             x0 = batch.latents.to(device)
@@ -772,9 +771,29 @@ def generator_step(model: Model, name: str, cond: Sequence[torch.Tensor],
         noisy, target = noisy_and_target(arch, x0, noise, steps)
         # In the compute dtype of the generator's parameters (bf16 under mixed precision:
         # the context comes out of its projector in it); the error in fp32.
-        pred = generator(noisy.to(context.dtype), steps, context)
+        pred = generator(noisy.to(context.dtype), steps, context,
+                         key_bias(keep, context.dtype))
         total = total + ((pred.float() - target) ** 2).flatten(1).mean(dim=1).sum()
     return total
+
+
+def _padded_context(projector: nn.Module, members: Sequence[tuple[torch.Tensor, GenTargets]]
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The projected conditioning of every target ``[targets, COND_TOKENS, dim]``, each
+    sample's rows repeated for its targets and zero-padded, with the ``[targets,
+    COND_TOKENS]`` boolean of its real rows."""
+    contexts, keeps = [], []
+    for c, t in members:
+        rows = c.shape[0]
+        if not 0 < rows <= COND_TOKENS:
+            raise ValueError(f"a generator's conditioning has {rows} rows; it takes 1 to "
+                             f"{COND_TOKENS} (each document's last states, conditioning)")
+        projected = projector(c)
+        padded = F.pad(projected, (0, 0, 0, COND_TOKENS - rows))
+        keep = torch.arange(COND_TOKENS, device=c.device) < rows
+        contexts.append(padded[None].expand(len(t), -1, -1))
+        keeps.append(keep[None].expand(len(t), -1))
+    return torch.cat(contexts), torch.cat(keeps)
 
 
 # ---- the loss of a microbatch --------------------------------------------------------------

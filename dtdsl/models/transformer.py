@@ -155,7 +155,8 @@ class SelfAttention(nn.Module):
 
 class CrossAttention(nn.Module):
     """Queries from ``x`` ``[B, N, dim]``, keys and values from ``context``
-    ``[B, M, context_dim]``; ``heads`` are this rank's heads."""
+    ``[B, M, context_dim]``; ``heads`` are this rank's heads; ``bias``: an additive
+    ``[B, 1, 1, M]`` mask of padded context rows (``models.attention.key_bias``)."""
 
     def __init__(self, dim: int, context_dim: int, heads: int, head_dim: int, *,
                  out_bias: bool = False):
@@ -167,14 +168,15 @@ class CrossAttention(nn.Module):
         self.wo = nn.Linear(heads * head_dim, dim, bias=out_bias)
         self.wo.residual_out = True
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, context: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
         batch, n, _ = x.shape
         m = context.shape[1]
         d = self.head_dim
         q = self.wq(x).view(batch, n, -1, d).transpose(1, 2)
         k = self.wk(context).view(batch, m, -1, d).transpose(1, 2)
         v = self.wv(context).view(batch, m, -1, d).transpose(1, 2)
-        out = dense_attention(q, k, v)
+        out = dense_attention(q, k, v, bias=bias)
         return self.wo(out.transpose(1, 2).reshape(batch, n, -1))
 
 

@@ -91,9 +91,10 @@ class TransformerBlock(nn.Module):
         self.norm3 = nn.LayerNorm(ch)
         self.ff = GEGLU(ch, shard_size(4 * ch, tp, "GEGLU columns"))
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, context: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
         x = x + self.attn1(self.norm1(x))
-        x = x + self.attn2(self.norm2(x), context)
+        x = x + self.attn2(self.norm2(x), context, bias)
         return x + self.ff(self.norm3(x))
 
 
@@ -109,11 +110,12 @@ class SpatialTransformer(nn.Module):
             for _ in range(arch.transformer_depth))
         self.proj_out = nn.Linear(ch, ch)
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, context: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
         b, c, hgt, wid = x.shape
         h = self.proj_in(self.norm(x).permute(0, 2, 3, 1).reshape(b, hgt * wid, c))
         for block in self.transformer_blocks:
-            h = block(h, context)
+            h = block(h, context, bias)
         h = self.proj_out(h)
         return x + h.reshape(b, hgt, wid, c).permute(0, 3, 1, 2)
 
@@ -155,13 +157,13 @@ class DownBlock(_Block):
         super().__init__()
         self.downsamplers = nn.ModuleList()
 
-    def forward(self, x: torch.Tensor, emb: torch.Tensor, context: torch.Tensor
-                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def forward(self, x: torch.Tensor, emb: torch.Tensor, context: torch.Tensor,
+                bias: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
         skips = []
         for resnet, attention in self.pairs():
             x = resnet(x, emb)
             if attention is not None:
-                x = attention(x, context)
+                x = attention(x, context, bias)
             skips.append(x)
         for down in self.downsamplers:
             x = down(x)
@@ -175,22 +177,22 @@ class UpBlock(_Block):
         self.upsamplers = nn.ModuleList()
 
     def forward(self, x: torch.Tensor, skips: list[torch.Tensor], emb: torch.Tensor,
-                context: torch.Tensor) -> torch.Tensor:
+                context: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         for resnet, attention in self.pairs():
             x = resnet(torch.cat([x, skips.pop()], dim=1), emb)
             if attention is not None:
-                x = attention(x, context)
+                x = attention(x, context, bias)
         for up in self.upsamplers:
             x = up(x)
         return x
 
 
 class MidBlock(_Block):
-    def forward(self, x: torch.Tensor, emb: torch.Tensor, context: torch.Tensor
-                ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, emb: torch.Tensor, context: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
         x = self.resnets[0](x, emb)
         for attention, resnet in zip(self.attentions, self.resnets[1:], strict=True):
-            x = resnet(attention(x, context), emb)
+            x = resnet(attention(x, context, bias), emb)
         return x
 
 
@@ -206,7 +208,8 @@ class TimestepEmbedding(nn.Module):
 
 class UNet(nn.Module):
     """``forward(latent [B, latent_channels, H, W], timesteps [B], context [B, M,
-    context_dim]) -> [B, latent_channels, H, W]`` (the predicted noise or velocity).
+    context_dim], context_bias [B, 1, 1, M] or None) -> [B, latent_channels, H, W]`` (the
+    predicted noise or velocity; ``context_bias`` masks padded context rows).
     H and W must be divisible by 2^(levels - 1); ``arch.latent`` is the size the cost
     model assumes."""
 
@@ -268,15 +271,16 @@ class UNet(nn.Module):
         self.conv_out = nn.Conv2d(ch, arch.latent_channels, 3, padding=1)
 
     def forward(self, latent: torch.Tensor, timesteps: torch.Tensor,
-                context: torch.Tensor) -> torch.Tensor:
+                context: torch.Tensor, context_bias: torch.Tensor | None = None
+                ) -> torch.Tensor:
         t = sinusoidal_embedding(timesteps, self.model_channels).to(latent.dtype)
         emb = self.time_embedding(t)
         h = self.conv_in(latent)
         skips = [h]
         for block in self.down_blocks:
-            h, more = block(h, emb, context)
+            h, more = block(h, emb, context, context_bias)
             skips.extend(more)
-        h = self.mid_block(h, emb, context)
+        h = self.mid_block(h, emb, context, context_bias)
         for block in self.up_blocks:
-            h = block(h, skips, emb, context)
+            h = block(h, skips, emb, context, context_bias)
         return self.conv_out(F.silu(self.conv_norm_out(h)))

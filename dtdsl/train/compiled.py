@@ -17,30 +17,31 @@ share their compiled graphs (dynamo inlines ``nn.Module``s and guards on their s
 not their identity), so a 40-layer backbone compiles one layer's graph, not forty.
 
 **Varying shapes.** Microbatches differ in sequence length (padded to their longest), the
-ViT's groups in image count and patches, a generator's in targets and in the rows of each
-target's conditioning. Before each call the varying dimensions of a block's inputs are
-marked dynamic (``Marks``; the rest static), so the first compile is already symbolic in
-them and a new length reuses the graph, while the weights' widths stay static (kernels
-specialised for the model, not ``dynamic=True``'s symbolic widths): a transformer block's
-batch and length (all but the last dimension), a U-Net block's batch (its feature maps'
-channels and pixels are the spec's) and its context's rows. Dynamo specialises a backed
-size of 0 or 1 (``maybe_mark_dynamic``): a group of one image, one generation target, a
-microbatch of one sequence. An encoder layer's batch is therefore ``mark_unbacked`` (its
-one input, a group of same-sized images: no broadcasting over it), so one graph serves
-groups of one image and of many; a backbone's rotation tables broadcast over a batch of
-1 (``[B or 1, ...]``), and inductor's convolutions assert wrong strides for an unbacked
-batch (torch 2.13), so a backbone layer and a U-Net block keep a graph for a batch of
-one and one for the rest. On the CPU (``tests/train/test_compiled.py``, drawn groups of
-one to several images, generator batches of 1 to 4): an encoder layer compiles 1 graph, a
-backbone layer at most 2, a U-Net block at most 2; on CUDA inductor may also guard on a
-length's alignment (a multiple of 8 or not) and on size thresholds of its fusion
-heuristics (4 graphs over 12 steps of 833..2048 tokens on an H200,
-``benchmarks/step_vs_torch.py``). ``torch._dynamo.config.recompile_limit`` is raised to
-``GRAPHS_PER_KIND`` (16) per kind of block sharing a ``forward``.
-``CompiledBlocks.graphs`` (and ``by_block``) counts the graphs dynamo compiled during
-calls of the stage's blocks, each compile prints one line on stderr with the block and
-the input shapes that caused it, and the executor's step result carries the count as
-``compiled_graphs`` (a TensorBoard scalar where the run logs one).
+ViT's groups in image count and patches, a generator's in targets (each target's
+conditioning is padded to ``COND_TOKENS`` rows). Before each call the varying dimensions
+of a block's inputs are marked dynamic (``Marks``; the rest static), so the first compile
+is already symbolic in them and a new length reuses the graph, while the weights' widths
+stay static (kernels specialised for the model, not ``dynamic=True``'s symbolic widths):
+a transformer block's batch and length (all but the last dimension), a U-Net block's
+batch (its feature maps' channels and pixels and its context's rows are fixed). Dynamo
+specialises a backed size of 0 or 1 (``maybe_mark_dynamic``): a group of one image, one
+generation target, a microbatch of one sequence. An encoder layer's batch is therefore
+``mark_unbacked`` (its one input, a group of same-sized images: no broadcasting over it),
+so one graph serves groups of one image and of many; a backbone's rotation tables
+broadcast over a batch of 1 (``[B or 1, ...]``), and inductor's convolutions assert wrong
+strides for an unbacked batch (torch 2.13), so a backbone layer and a U-Net block keep a
+graph for a batch of one and one for the rest. On the CPU
+(``tests/train/test_compiled.py``, drawn groups of one to several images, generator
+batches of 1 to 4): an encoder layer compiles 1 graph, a backbone layer at most 2, a
+U-Net block at most 2; on CUDA inductor may also guard on a length's alignment (a
+multiple of 8 or not) and on size thresholds of its fusion heuristics (4 graphs over 12
+steps of 833..2048 tokens on an H200, ``benchmarks/step_vs_torch.py``).
+``torch._dynamo.config.recompile_limit`` is raised to ``GRAPHS_PER_KIND`` (16) per kind
+of block sharing a ``forward``. ``CompiledBlocks.graphs`` (and ``by_block``) counts the
+graphs dynamo compiled during calls of the stage's blocks, each compile prints one line
+on stderr with the block and the input shapes that caused it, and the executor's step
+result carries the count as ``compiled_graphs`` (a TensorBoard scalar where the run logs
+one).
 
 Whether a rank compiles is ``program.train.compiles(device.type)`` (``ir.Train``): the spec's
 ``train { compile = ... }``, else on CUDA only.
@@ -93,19 +94,20 @@ class CompiledBlocks:
 class Marks:
     """Which dimensions of a block's tensor inputs vary between calls (``_mark_dynamic``).
 
-    All but the last (the feature width the weights fix) vary, but for a feature map
-    (``maps``: a U-Net's ``[B, C, H, W]``, whose channels and pixels the spec fixes) only
-    the batch; ``unbacked_batch``: the first (the batch, the same in every input) is an
-    unbacked size sharing one symbol across the inputs, so a batch of one compiles no
-    graph of its own (dynamo specialises a backed size of 1). Only where no input
-    broadcasts over the batch: a backbone's rotation tables are ``[B or 1, ...]``."""
+    All but the last (the feature width the weights fix) vary, but in a U-Net's blocks
+    (``maps``: feature maps ``[B, C, H, W]`` whose channels and pixels the spec fixes, a
+    context of ``COND_TOKENS`` rows and its mask) only the batch; ``unbacked_batch``: the
+    first (the batch, the same in every input) is an unbacked size sharing one symbol
+    across the inputs, so a batch of one compiles no graph of its own (dynamo specialises
+    a backed size of 1). Only where no input broadcasts over the batch: a backbone's
+    rotation tables are ``[B or 1, ...]``."""
 
     maps: bool = False
     unbacked_batch: bool = False
 
     def varying(self, tensor: torch.Tensor) -> int:
         """How many leading dimensions of ``tensor`` vary."""
-        return 1 if self.maps and tensor.dim() == 4 else tensor.dim() - 1
+        return 1 if self.maps else tensor.dim() - 1
 
 
 def compile_blocks(stage: nn.Module) -> Iterator[tuple[str, nn.Module, Marks]]:
@@ -125,9 +127,9 @@ def compile_blocks(stage: nn.Module) -> Iterator[tuple[str, nn.Module, Marks]]:
         if isinstance(blocks, nn.ModuleList) and not isinstance(layers, nn.ModuleDict):
             for i, block in enumerate(blocks):
                 yield f"{unit_name}.blocks.{i}", block, Marks()
-        # A U-Net's feature maps have the spec's latent size (one per generator): only
-        # their batch (the microbatch's targets) varies, and the rows of the context it
-        # attends to (a short document's conditioning has fewer). Symbolic rows and
+        # A U-Net's feature maps have the spec's latent size (one per generator) and its
+        # context COND_TOKENS rows (a short document's padded, models.multimodal): only
+        # their batch (the microbatch's targets) varies. Symbolic rows and
         # columns would also make inductor trip over the convolutions' size checks, and
         # so does an unbacked batch (inductor's convolution layout asserts the wrong
         # strides, torch 2.13): a batch of one keeps a graph of its own, two per block.

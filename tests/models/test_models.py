@@ -225,3 +225,42 @@ def test_a_backbone_forward_builds_its_rotary_table_once():
     finally:
         rope_module.inverse_frequencies = original
     assert len(calls) == 1      # one table for both forwards and every layer
+
+
+@pytest.mark.parametrize("kind", ["unet", "dit"])
+def test_a_padded_masked_context_conditions_as_the_unpadded_one(kind):
+    # models.multimodal pads every target's conditioning to COND_TOKENS rows and masks the
+    # padding out of the cross-attention: each target's prediction (and its gradients)
+    # equals the prediction on its own unpadded context (fp32; the mask removes the padded
+    # keys exactly, the softmax's sums differ only in rounding order).
+    from dtdsl.models.attention import key_bias
+
+    program = load("tiny_cpu.dt")
+    module = next(m for m in program.modules if m.role == "generator")
+    if kind == "dit":
+        arch = ir.DiTArch(layers=2, hidden=64, heads=4, ffn=128, patch=2, latent=8,
+                          latent_channels=4, context_dim=module.arch.context_dim)
+        module = module.model_copy(update={"arch": arch})
+    torch.manual_seed(0)
+    model = build_module(module).double()
+    with torch.no_grad():   # no zero-initialised gate or output (DiT's adaLN-Zero)
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    size = module.arch.latent
+    rows, width = (3, ir.COND_TOKENS), module.arch.context_dim
+    latent = torch.randn(2, module.arch.latent_channels, size, size, dtype=torch.float64)
+    steps = torch.tensor([5, 600])
+    context = torch.randn(2, rows[1], width, dtype=torch.float64, requires_grad=True)
+    keep = torch.arange(rows[1])[None] < torch.tensor(rows)[:, None]
+    # the padded rows hold garbage: the mask alone must keep them out
+    padded = torch.where(keep[..., None], context, torch.full_like(context, 1e3))
+    both = model(latent, steps, padded, key_bias(keep, torch.float64))
+    both.square().sum().backward()
+    grad = context.grad.clone()
+    for i, n in enumerate(rows):
+        context.grad = None
+        alone = model(latent[i:i + 1], steps[i:i + 1], context[i:i + 1, :n])
+        torch.testing.assert_close(both[i:i + 1], alone, rtol=1e-10, atol=1e-10)
+        alone.square().sum().backward()
+        torch.testing.assert_close(grad[i, :n], context.grad[i, :n], rtol=1e-9, atol=1e-9)
+        assert not grad[i, n:].any()

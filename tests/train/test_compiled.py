@@ -223,8 +223,8 @@ train {
 # Graphs a block may compile over any drawn batches (``train.compiled``): an encoder layer
 # one (its batch, a group's image count, unbacked: a group of one image shares it); a
 # backbone layer two (a microbatch of one sample specialises); a U-Net block two (its
-# batch, the targets, is one or more: a batch of one specialises; its context's rows, a
-# document's conditioning, vary in the same graph).
+# batch, the targets, is one or more: a batch of one specialises; its context, a
+# document's conditioning, is padded to COND_TOKENS rows).
 GRAPH_BOUND = {"vit": 1, "llm": 2, "gen": 2}
 
 

@@ -11,6 +11,7 @@ import torch
 from dtdsl.data.batch import SyntheticSource
 from dtdsl.data.layout import layout_of, pack, sequence_layout
 from dtdsl.data.sample import SampleSizes, join_sizes
+from dtdsl.ir import program as ir
 from dtdsl.ir.program import ImageTokens
 from dtdsl.models.multimodal import (
     backbone_input,
@@ -101,7 +102,8 @@ def test_attention_never_crosses_a_document():
         assert torch.equal(other[0, rest:lay.length], x[rest:lay.length])
         # the conditioning of a packed sequence is each document's last tokens
         cond = conditioning(x[None], [lay])[0]
-        assert cond.shape[0] == sum(min(16, n) for _, n in spans)
+        assert cond.shape[0] == sum(min(ir.COND_TOKENS, n) for _, n in spans)
+        assert any(n > ir.COND_TOKENS for _, n in spans), "a document longer than the window"
 
 
 def _documents(row):
