@@ -150,13 +150,6 @@ def _generator(module: ir.Module) -> _Generator:
                       timesteps=arch.timesteps, vae_size=vae_size)
 
 
-def _high(data: ir.Data, modality: str, name: str) -> int | None:
-    quantity = data.get(modality, name)
-    if quantity is None or quantity.high is None:
-        return None
-    return int(quantity.high)
-
-
 @dataclass(frozen=True, eq=False)
 class Decoder:
     """Decodes samples for one spec; build it once (``for_program``), decode many."""
@@ -186,13 +179,13 @@ class Decoder:
         image = next((m for m in program.encoders if m.modality == "image"), None)
         policy = None
         if image is not None:
-            policy = ImagePolicy.for_encoder(image, _high(program.data, "image", "patches"),
+            policy = ImagePolicy.for_encoder(image, program.data.high("image", "patches"),
                                              block=program.image_tokens().block)
         tokenizer = load_tokenizer(program.data.tokenizer, program.backbone.arch.vocab,
                                    program.data.chat)
         return cls(tokenizer=tokenizer, seed=seed, images=policy,
                    audio=any(m.modality == "audio" for m in program.encoders),
-                   max_frames=_high(program.data, "audio", "frames"),
+                   max_frames=program.data.high("audio", "frames"),
                    generators=tuple(_generator(m) for m in program.generators),
                    readers=readers)
 

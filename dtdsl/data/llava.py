@@ -345,19 +345,9 @@ class LlavaDataset:
     def read(self, i: int) -> RawSample:
         """Sample ``i`` with its images (each checked to have its indexed size)."""
         sample = self.read_text(i)
-        images = []
-        for name, fmt, w, h, size in self.index.samples[i]["images"]:
-            file = self.index.folder / name
-            try:
-                data = read_regular(inside(self.index.folder, name))
-            except Refused as err:
-                raise DatasetError(f"{file} changed since it was indexed: {err}") from None
-            except OSError as err:
-                raise DatasetError(f"cannot read {file}: {err.strerror or err}") from None
-            if len(data) != size:
-                raise DatasetError(f"{file} changed since it was indexed ({len(data)} bytes, "
-                                   f"not {size})")
-            images.append(EncodedImage(format=fmt, data=data, width=int(w), height=int(h)))
+        images = tuple(EncodedImage(format=fmt, data=self._file_bytes(name, size),
+                                    width=int(w), height=int(h))
+                       for name, fmt, w, h, size in self.index.samples[i]["images"])
         info = self._infos[i]
         clips = {kind: tuple(EncodedClip(info=c, data=self._file_bytes(name, size))
                              for (name, size, _), c in zip(
@@ -366,7 +356,7 @@ class LlavaDataset:
                                  strict=True))
                  for kind in ("audio", "video")}
         return RawSample(key=sample.key, text=sample.text, meta=sample.meta,
-                         images=tuple(images), audio=clips["audio"], video=clips["video"])
+                         images=images, audio=clips["audio"], video=clips["video"])
 
     def _file_bytes(self, name: str, size: int) -> bytes:
         """The bytes of ``name`` under the folder, checked to be the size indexed."""

@@ -108,13 +108,6 @@ def index_media(data: bytes, name: str) -> ClipInfo:
     return ClipInfo(name=name, samples=int(info.frames), rate=int(info.samplerate))
 
 
-def _high(data: ir.Data, modality: str, name: str) -> int | None:
-    quantity = data.get(modality, name)
-    if quantity is None or quantity.high is None:
-        return None
-    return int(quantity.high)
-
-
 @dataclass(frozen=True, eq=False)
 class ClipReader:
     """How one audio or video encoder's items are read from files (module docstring)."""
@@ -130,7 +123,7 @@ class ClipReader:
         rule = InputRule.of(program, module)
         if module.modality == "audio":
             max_frames = None
-            high = _high(program.data, "audio", "frames")
+            high = program.data.high("audio", "frames")
             if high is not None and not rule.whisper_positions:
                 max_frames = max(1, high // rule.columns) * rule.patch
             return cls(rule=rule, audio=AudioPolicy.for_encoder(module, max_frames))
@@ -138,10 +131,10 @@ class ClipReader:
             raise ValueError(f"'{module.name}' reads {module.modality}, not audio or video")
         from dtdsl.data.video import FrameSampling
 
-        most = _high(program.data, "video", "frames") or _MAX_FRAMES
+        most = program.data.high("video", "frames") or _MAX_FRAMES
         sampling = FrameSampling(fps=DEFAULT_FPS, min_frames=min(_MIN_FRAMES, most),
                                  max_frames=most, multiple=rule.temporal_patch)
-        policy = ImagePolicy.for_encoder(module, _high(program.data, "video", "patches"))
+        policy = ImagePolicy.for_encoder(module, program.data.high("video", "patches"))
         return cls(rule=rule, video=policy, sampling=sampling)
 
     @property

@@ -597,6 +597,13 @@ class Data(IRModel):
                 return q
         return None
 
+    def high(self, modality: str, name: str) -> int | None:
+        """The clamp's upper end of quantity ``modality.name``, or None without one."""
+        quantity = self.get(modality, name)
+        if quantity is None or quantity.high is None:
+            return None
+        return int(quantity.high)
+
 
 # ---- cluster and training -------------------------------------------------------------
 

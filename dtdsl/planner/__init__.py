@@ -248,43 +248,41 @@ def _placements(cost: CostModel, num_gpus: int | None, search: str, placement: s
                              progress=_named(progress, "drawn batches"))
 
 
-def cp_choices(cost: CostModel, num_gpus: int | None = None
-               ) -> list[tuple[str, dict[str, int]]]:
-    """Every assignment of context parallelism to the units that their ``cp(...)``
-    constraints allow, but cp 1 everywhere (the cost model's own): a label for progress
-    notes and the degrees. Each is searched as a cost model of its own
-    (``CostModel.with_cp``), so cp multiplies the searches, not their candidates; with no
-    cp constraint (the default: cp 1 only) there is none."""
+def _axis_choices(cost: CostModel, axis: str, num_gpus: int | None
+                  ) -> list[tuple[str, dict[str, int]]]:
+    """Every assignment of degrees along ``axis`` ("cp" or "ep") to the units that their
+    constraints allow, but 1 everywhere (the cost model's own): a label for progress
+    notes and the degrees."""
     program = cost.program
     limit = num_gpus or program.cluster.num_gpus
     names = [u.name for u in cost.units]
-    options = [program.constraints_for(n).cp.candidates(limit) or (1,) for n in names]
+    options = [getattr(program.constraints_for(n), axis).candidates(limit) or (1,)
+               for n in names]
     out = []
     for combo in itertools.product(*options):
         if all(c == 1 for c in combo):
             continue
-        cps = dict(zip(names, combo, strict=True))
-        out.append((", cp " + " ".join(f"{n}={c}" for n, c in cps.items() if c > 1), cps))
+        degrees = dict(zip(names, combo, strict=True))
+        out.append((f", {axis} " + " ".join(f"{n}={c}" for n, c in degrees.items() if c > 1),
+                    degrees))
     return out
+
+
+def cp_choices(cost: CostModel, num_gpus: int | None = None
+               ) -> list[tuple[str, dict[str, int]]]:
+    """Every assignment of context parallelism to the units that their ``cp(...)``
+    constraints allow, but cp 1 everywhere (``_axis_choices``). Each is searched as a
+    cost model of its own (``CostModel.with_cp``), so cp multiplies the searches, not
+    their candidates; with no cp constraint (the default: cp 1 only) there is none."""
+    return _axis_choices(cost, "cp", num_gpus)
 
 
 def ep_choices(cost: CostModel, num_gpus: int | None = None
                ) -> list[tuple[str, dict[str, int]]]:
     """Every assignment of expert parallelism to the units that their ``ep(...)``
-    constraints allow, but ep 1 everywhere (the cost model's own), as ``cp_choices``: each
-    searched as a cost model of its own (``CostModel.with_ep``); with no ep constraint
-    (the default: ep 1 only) there is none."""
-    program = cost.program
-    limit = num_gpus or program.cluster.num_gpus
-    names = [u.name for u in cost.units]
-    options = [program.constraints_for(n).ep.candidates(limit) or (1,) for n in names]
-    out = []
-    for combo in itertools.product(*options):
-        if all(e == 1 for e in combo):
-            continue
-        eps = dict(zip(names, combo, strict=True))
-        out.append((", ep " + " ".join(f"{n}={e}" for n, e in eps.items() if e > 1), eps))
-    return out
+    constraints allow, but ep 1 everywhere, as ``cp_choices``: each searched as a cost
+    model of its own (``CostModel.with_ep``)."""
+    return _axis_choices(cost, "ep", num_gpus)
 
 
 def _on_drawn_batches(candidates: list[tuple[str, Plan, CostModel]], batches,
