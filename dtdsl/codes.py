@@ -510,6 +510,9 @@ instead. Today the runtime cannot train:
   the expert-parallel block, the stage does not build it yet; constrain it with
   `ep(MODULE) == 1`, `tp(MODULE) == 1` and `cp(MODULE) == 1`; nor in fp16 (its
   load-balancing loss's gradient would miss the loss scale): use bf16.
+- `sync = local_sgd(...)` beside context parallelism (every DP rank is a whole
+  replica, and a replica's CP ranks would not sum their gradients): constrain
+  `cp(MODULE) == 1` or use `sync = allreduce`.
 
     encoder beats (audio) {
       arch = transformer(layers=12, hidden=768, heads=12, in_channels=1)

@@ -72,7 +72,7 @@ def _plan(program: ir.Program, plan: Plan) -> list[Diagnostic]:
             hint="compile without --plan, or with a plan from the convex or exhaustive "
                  "search"))
         return out
-    out += _colocated(program, plan) + _phased(program, plan)
+    out += _colocated(program, plan) + _phased(program, plan) + _local_sgd_cp(program, plan)
     for u in plan.units:
         if u.role == "generator" and u.pp > 1:
             out.append(Diagnostic.error(
@@ -226,6 +226,21 @@ def _experts(program: ir.Program, plan: Plan) -> list[Diagnostic]:
             hint=f"constrain it, `ep({u.name}) == 1`, `tp({u.name}) == 1` and "
                  f"`cp({u.name}) == 1` in constraints, and plan again"))
     return out
+
+
+def _local_sgd_cp(program: ir.Program, plan: Plan) -> list[Diagnostic]:
+    """Local SGD beside context parallelism: its replicas are a unit's DP ranks, each
+    whole (ZeRO-0's mesh); a replica's CP ranks would need FSDP2's reduction among
+    themselves, which that mesh does not lay out."""
+    if not program.train.sync.local:
+        return []
+    return [Diagnostic.error(
+        _CODE, f"the runtime does not run sync = local_sgd beside context parallelism yet: "
+        f"{u.name} has cp {u.cp}", program.train.span,
+        notes=["under local_sgd every data-parallel rank is a replica of its own; the CP "
+               "ranks of one replica must still sum their gradients every step"],
+        hint=f"constrain it, `cp({u.name}) == 1` in constraints, or use sync = allreduce")
+        for u in plan.units if u.cp > 1]
 
 
 def _moe_precision(program: ir.Program) -> list[Diagnostic]:

@@ -116,6 +116,9 @@ class ClipReader:
     audio: AudioPolicy | None = None
     video: ImagePolicy | None = None
     sampling: Any = None            # data.video.FrameSampling (video)
+    # The most tokens one clip may give: the backbone's seq_len (a longer clip fits no
+    # sequence). It also bounds what decoding a clip allocates, before anything decodes.
+    max_tokens: int | None = None
 
     @classmethod
     def for_encoder(cls, program: ir.Program, module: ir.Module) -> ClipReader:
@@ -126,7 +129,8 @@ class ClipReader:
             high = program.data.high("audio", "frames")
             if high is not None and not rule.whisper_positions:
                 max_frames = max(1, high // rule.columns) * rule.patch
-            return cls(rule=rule, audio=AudioPolicy.for_encoder(module, max_frames))
+            return cls(rule=rule, audio=AudioPolicy.for_encoder(module, max_frames),
+                       max_tokens=program.train.seq_len)
         if module.modality != "video":
             raise ValueError(f"'{module.name}' reads {module.modality}, not audio or video")
         from dtdsl.data.video import FrameSampling
@@ -135,7 +139,8 @@ class ClipReader:
         sampling = FrameSampling(fps=DEFAULT_FPS, min_frames=min(_MIN_FRAMES, most),
                                  max_frames=most, multiple=rule.temporal_patch)
         policy = ImagePolicy.for_encoder(module, program.data.high("video", "patches"))
-        return cls(rule=rule, video=policy, sampling=sampling)
+        return cls(rule=rule, video=policy, sampling=sampling,
+                   max_tokens=program.train.seq_len)
 
     @property
     def modality(self) -> str:
@@ -143,7 +148,16 @@ class ClipReader:
 
     def shape(self, info: ClipInfo) -> tuple[int, ...]:
         """The float32 shape ``read`` gives this clip (module docstring); DatasetError
-        for a clip that gives no token or whose frames cannot be sampled."""
+        for a clip that gives no token, whose frames cannot be sampled, or that gives more
+        tokens than ``max_tokens`` (read from its header: nothing is decoded)."""
+        shape = self._shape(info)
+        tokens = self.rule.tokens(shape)
+        if self.max_tokens is not None and tokens > self.max_tokens:
+            raise DatasetError(f"{info.name}: {tokens} tokens, more than the backbone's "
+                               f"seq_len of {self.max_tokens}")
+        return shape
+
+    def _shape(self, info: ClipInfo) -> tuple[int, ...]:
         rule = self.rule
         if self.audio is not None:
             if info.rate < 1:

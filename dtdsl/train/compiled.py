@@ -122,6 +122,10 @@ def compile_blocks(stage: nn.Module) -> Iterator[tuple[str, nn.Module, Marks]]:
             # count is often one. A backbone's take rotation tables that broadcast.
             marks = Marks(unbacked_batch=isinstance(unit, Encoder))
             for key, layer in layers.items():
+                # An MoE layer's routing has data-dependent sizes (tokens per expert) and
+                # a recompute guard dynamo cannot trace: it runs eager (not yet compiled).
+                if getattr(layer, "moe", False):
+                    continue
                 yield f"{unit_name}.layers.{key}", layer, marks
         blocks = getattr(unit, "blocks", None)
         if isinstance(blocks, nn.ModuleList) and not isinstance(layers, nn.ModuleDict):

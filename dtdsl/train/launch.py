@@ -674,6 +674,8 @@ def _run(program: RankProgram, bundle: Path, argv: Sequence[str] | None, who: st
         # Measured timelines, bounded in bytes: every step for small jobs (executor).
         telemetry = telemetry_every(plan, schedule)
         start = time.perf_counter()
+        if ex.local_sgd is not None:     # A-EDiT's interval counts from here, not from setup
+            ex.local_sgd.start_clock(start)
         for step in range(first, steps):
             fault_point(f"rank{rank}", step, run_dir)
             ckpt.poll()     # a failed background save stops the run now

@@ -193,6 +193,9 @@ class LocalSGD:
                  offload: bool = False, counted: Sequence[bool] | None = None) -> None:
         self.cfg, self.group, self.shard_group = cfg, group, shard_group
         self.params = list(params)
+        # Where this sync's small collectives (the interval flag, the norms) live: on the
+        # parameters' device, as NCCL (a CUDA group's only backend) takes no CPU tensor.
+        self.device = _local(self.params[0]).device if self.params else torch.device("cpu")
         # Whether each parameter's block counts in the penalty's norm on this rank: a
         # block the shard group holds several copies of (a TP-replicated norm weight)
         # counts on one of them only, as ``train.optim`` counts gradient norms.
@@ -231,7 +234,8 @@ class LocalSGD:
         if elapsed_s is None:
             raise ValueError("local_sgd with an interval needs elapsed_s, the seconds since "
                              "the last synchronisation, at every step")
-        flag = torch.tensor([1.0 if elapsed_s >= self.cfg.interval else 0.0])
+        flag = torch.tensor([1.0 if elapsed_s >= self.cfg.interval else 0.0],
+                            device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         if self.shard_group is not None:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.shard_group)
@@ -251,9 +255,9 @@ class LocalSGD:
     # -- how -------------------------------------------------------------------------
     def _sq_norm(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """Global squared norm over the shard group of per-rank blocks, in float64."""
-        sq = torch.zeros(1, dtype=torch.float64)
+        sq = torch.zeros(1, dtype=torch.float64, device=self.device)
         for t in tensors:
-            sq += t.detach().double().pow(2).sum().cpu()
+            sq += t.detach().double().pow(2).sum().to(self.device)
         if self.shard_group is not None:
             dist.all_reduce(sq, group=self.shard_group)
         return sq
@@ -270,7 +274,8 @@ class LocalSGD:
         if self.cfg.penalty:
             sq = self._sq_norm([self._delta(p) for p in self.params
                                 if id(p) not in self._uncounted])
-            norms = [torch.zeros(1, dtype=torch.float64) for _ in range(self.replicas)]
+            norms = [torch.zeros(1, dtype=torch.float64, device=self.device)
+                     for _ in range(self.replicas)]
             dist.all_gather(norms, sq, group=self.group)
             norm_list = [math.sqrt(float(n.item())) for n in norms]
         else:
@@ -487,6 +492,11 @@ class StageSync:
             self.syncs.append((sync, replicas, mesh.get_local_rank("dp_replicate")))
             self._names.append((list(names), tag, optimizer))
         self.hook = corruption()
+        if self.hook is not None and self.syncs:
+            # A test hook that damages a replica: never silently, in a real run.
+            print(f"local_sgd: WARNING: {CORRUPT_ENV} is set: replica {self.hook.replica}'s "
+                  f"drift is scaled by {self.hook.scale} from step {self.hook.from_step} "
+                  "(a test hook; unset it to train)", flush=True)
         # Per root, when its last synchronisation ended (A-EDiT's clock).
         self._since = [time.perf_counter()] * len(self.syncs)
         self._due = [False] * len(self.syncs)

@@ -14,9 +14,9 @@ schedule for that step (``train.lr.lr_at``: ``lr`` is the peak).
 
 The step's loss is the sum of its microbatch losses, i.e. the loss of the whole global
 batch; microbatching changes it only by floating-point rounding. An MoE backbone adds its
-load-balancing loss to the LM loss: each MoE layer's over each microbatch's tokens, times
-``aux_loss_coef / num_microbatches`` (``models.moe.set_aux_weight``), so a different
-``micro_batch`` changes that term. Everything runs in
+load-balancing loss to the LM loss: each MoE layer's over each sequence's tokens, times
+``aux_loss_coef / global_batch`` (``models.moe.set_aux_weight``), so microbatching does
+not change that term either. Everything runs in
 fp32 on one device (CPU by default), whatever ``train.precision`` says: the reference a
 bf16 or fp16 run is held against. fp16's loss scale has no counterpart here: scaling by a
 power of two and unscaling change no number, and an fp32 step does not overflow, so the

@@ -145,6 +145,16 @@ def test_hostile_clips_are_skipped_with_a_reason(tmp_path):
     short = index_media(_flac(rng, 0.02, 16_000), "short.flac")
     with pytest.raises(Exception, match="shorter than one row of 4 frames"):
         reader.shape(short)
+    # A clip that gives more tokens than the backbone's seq_len fits no sequence: refused
+    # from its header, before anything decodes (what it would allocate is bounded).
+    program = tiny_modal(video=True)
+    video = ClipReader.for_encoder(program, program.module("clip"))
+    info = index_media(write_clip(9, width=24, height=16), "v.mp4")
+    fits = video.tokens(info)
+    tight = ClipReader.for_encoder(program.model_copy(update={"train": program.train.model_copy(
+        update={"seq_len": fits - 1})}), program.module("clip"))
+    with pytest.raises(Exception, match=f"{fits} tokens, more than the backbone's seq_len"):
+        tight.shape(info)
 
 
 def _spec(tmp_path: Path, source: str) -> Path:

@@ -155,3 +155,17 @@ def test_a_compiled_cp_bundle_dry_runs_and_trains_as_the_reference(tmp_path):
     want = [r["loss"] for r in read_jsonl(ref)]
     got = [m["loss"] for m in read_jsonl(run_dir / "metrics.jsonl")]
     assert got == pytest.approx(want, rel=LOSS_RTOL)
+
+
+def test_local_sgd_beside_context_parallelism_is_refused():
+    # Local SGD makes every DP rank a whole replica (ZeRO-0's mesh): a replica's CP ranks
+    # would not sum their gradients, so dtc compile refuses the pair (DT601), and only it.
+    from dtdsl.codegen.support import runtime_support
+    from dtdsl.ir.program import Sync
+
+    program, plan = tiny_cp(2, "ring")
+    local = program.model_copy(update={"train": program.train.model_copy(
+        update={"sync": Sync(kind="local_sgd", period=2)})})
+    assert not [d for d in runtime_support(program, plan) if d.code == "DT601"]
+    found = [d for d in runtime_support(local, plan) if d.code == "DT601"]
+    assert len(found) == 1 and "local_sgd beside context parallelism" in found[0].message

@@ -115,3 +115,20 @@ def test_moe_backbone_recomputed_matches_the_reference():
     p = p.model_copy(update={"modules": modules})
     check(p, plan_for(p, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, 2, 1),
                       ("gen", "generator", 1, 1, 1)), steps=4)
+
+
+def test_moe_layers_are_left_out_of_compiled_blocks():
+    # An MoE layer's routing has data-dependent sizes: it runs eager; its dense
+    # neighbours are compiled as before.
+    from torch import nn
+
+    from dtdsl.train.compiled import compile_blocks
+
+    p = moe_spec(args="experts=4, top_k=2, expert_ffn=64, moe_every=2")
+    model = build_model(p)
+    stage = nn.Module()
+    stage.units = nn.ModuleDict({"llm": model.unit("llm")})
+    layers = model.unit("llm").layers
+    names = [name for name, _, _ in compile_blocks(stage)]
+    dense = [f"llm.layers.{k}" for k, layer in layers.items() if not getattr(layer, "moe", False)]
+    assert names == dense and len(dense) < len(layers)
