@@ -396,13 +396,16 @@ class Colocation:
                 self._splits[(tp, pp, vpp, across, m)] = best
         return self._splits[key]
 
-    def evaluate(self, tp: int, dp: int, pps, bars=None) -> _Colocated:
+    def evaluate(self, tp: int, dp: int, pps, bars=None, *, with_phases: bool = True
+                 ) -> _Colocated:
         """The layouts of backbone depths ``pps`` at ``tp`` and ``dp``: 1F1B over the
         uneven stages (``one_f_one_b_time``) and the transfers of the first microbatch's
         forward and the last one's backward between them (as ``Evaluator`` prices
         them), then the slowest stage's end of step. ``bars``: per depth, a time to beat;
         a layout that cannot (its work spread evenly over the stages, every microbatch
-        through the slowest) is left at infinity, its split unchosen."""
+        through the slowest) is left at infinity, its split unchosen. ``with_phases``
+        False: without the phased encoders' exposed work (``bubbles_s``), for a caller
+        that adds it to the layouts it keeps (it costs more than the rest together)."""
         ev = self.ev
         cost = ev.cost
         b = ev.backbone
@@ -439,7 +442,7 @@ class Colocation:
             stage_sync[-1] += sync_g
             # Phased encoders: their work in the pipeline's bubbles, what does not fit
             # exposed; their gradients synchronised over every rank after the backbone's.
-            phases = self.bubbles_s(tp, p, bool(x), split, m)
+            phases = self.bubbles_s(tp, p, bool(x), split, m) if with_phases else 0.0
             phase_sync = sum(self.phase_sync_s(i, tp, dp, p) for i in self.phase)
             stage_sync = [t + phase_sync for t in stage_sync]
             steady = min(max(stage) * (m - 1), pipeline)

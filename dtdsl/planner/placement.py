@@ -223,7 +223,9 @@ class _Mixed:
         """The fastest layout at each backbone depth that fits (none where none does)."""
         co, ev = self.co, self.co.ev
         m = ev.microbatches(dp)
-        figures = co.evaluate(tp, dp, pps)
+        # The phased encoders' exposure (a greedy over the microbatches) only for the
+        # layouts that fit: the same figures, far fewer placements priced.
+        figures = co.evaluate(tp, dp, pps, with_phases=False)
         out = []
         for k, p in enumerate(pps.tolist()):
             if not np.isfinite(figures.time[k]) or \
@@ -235,7 +237,8 @@ class _Mixed:
             options = [self._options(i, dp, p) for i in self.own]
             if any(not o for o in options):
                 continue
-            pipeline = float(figures.time[k] - figures.sync[k])
+            pipeline = float(figures.time[k] - figures.sync[k]) + \
+                co.bubbles_s(tp, p, bool(figures.across[k]), split, m)
             work = co._work(tp, bool(figures.across[k]))
             hop = work.hop if p > 1 else 0.0
             crossing = sum((work.fwd + work.bwd) * n + 2 * hop for n in split) + \

@@ -8,6 +8,7 @@ Shared by the simulator's routing (``dtdsl.sim.workload``) and the runtime's
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -95,6 +96,24 @@ def one_f_one_b_times(fwd_s: Sequence[float], bwd_s: Sequence[float], m: int,
     return f_start, b_end
 
 
+@functools.lru_cache(maxsize=1024)
+def _times(fwd_s: tuple[float, ...], bwd_s: tuple[float, ...], m: int, hop_s: float
+           ) -> tuple[tuple[tuple[float, ...], ...], tuple[tuple[float, ...], ...]]:
+    """``one_f_one_b_times``, read-only and kept: the planner prices the same backbone
+    layout for many placements of its encoders."""
+    f_start, b_end = one_f_one_b_times(fwd_s, bwd_s, m, hop_s)
+    return tuple(map(tuple, f_start)), tuple(map(tuple, b_end))
+
+
+def _others(values: Sequence[float]) -> list[float]:
+    """For each index, the largest of the other values (0.0 when there is none)."""
+    if len(values) < 2:
+        return [0.0] * len(values)
+    order = sorted(range(len(values)), key=values.__getitem__, reverse=True)
+    top, second = values[order[0]], values[order[1]]
+    return [second if i == order[0] else top for i in range(len(values))]
+
+
 class _Bubbles:
     """The estimate ``bubble_owners`` fills: per stage, where its encoder forwards end,
     the worst delay they cause the first stage's forwards (or, on the first stage, its
@@ -103,7 +122,7 @@ class _Bubbles:
     def __init__(self, fwd_s: Sequence[float], bwd_s: Sequence[float], m: int,
                  hop_s: float) -> None:
         pp = len(fwd_s)
-        self.f_start, self.b_end = one_f_one_b_times(fwd_s, bwd_s, m, hop_s)
+        self.f_start, self.b_end = _times(tuple(fwd_s), tuple(bwd_s), m, hop_s)
         self.end = max(self.b_end[s][-1] for s in range(pp))
         self.first = [self.f_start[s][0] for s in range(pp)]   # bubble before
         self.last = [self.b_end[s][-1] for s in range(pp)]     # bubble after
@@ -113,6 +132,10 @@ class _Bubbles:
         self.back = [0.0] * pp
         self.delays = [0.0] * pp
         self.overruns = [0.0] * pp
+        # The largest delay and overrun of every stage but s, for each s (``_others``):
+        # a trial reads them in O(1), an ``add`` makes them again.
+        self._delay_others = [0.0] * pp
+        self._overrun_others = [0.0] * pp
 
     def trial(self, s: int, j: int, ef: float, eb: float) -> tuple[float, float, float, float]:
         """(estimated exposed seconds, encoder end, delay, overrun) with step j's encoder
@@ -125,13 +148,15 @@ class _Bubbles:
             d = max(self.delays[s], t - self.f_start[0][j], t - self.first[s])
             ready = max(self.b_end[0][j], self.last_fwd0 if s == 1 else 0.0)
             o = max(0.0, max(self.last[s], ready) + self.back[s] + eb - self.end)
-        dl = max(max(self.delays[:s] + self.delays[s + 1:], default=0.0), d)
-        ov = max(max(self.overruns[:s] + self.overruns[s + 1:], default=0.0), o)
+        dl = max(self._delay_others[s], d)
+        ov = max(self._overrun_others[s], o)
         return dl + ov, t, d, o
 
     def add(self, s: int, eb: float, t: float, d: float, o: float) -> None:
         self.enc_end[s], self.delays[s], self.overruns[s] = t, d, o
         self.back[s] += eb
+        self._delay_others = _others(self.delays)
+        self._overrun_others = _others(self.overruns)
 
     def exposed(self) -> tuple[float, float]:
         return max(self.delays), max(self.overruns)
