@@ -492,11 +492,11 @@ class StageSync:
             self.syncs.append((sync, replicas, mesh.get_local_rank("dp_replicate")))
             self._names.append((list(names), tag, optimizer))
         self.hook = corruption()
-        if self.hook is not None and self.syncs:
+        if self.hook is not None and self.syncs and dist.get_rank() == 0:
             # A test hook that damages a replica: never silently, in a real run.
-            print(f"local_sgd: WARNING: {CORRUPT_ENV} is set: replica {self.hook.replica}'s "
-                  f"drift is scaled by {self.hook.scale} from step {self.hook.from_step} "
-                  "(a test hook; unset it to train)", flush=True)
+            print(f"warning: {CORRUPT_ENV} is set: local_sgd scales replica "
+                  f"{self.hook.replica}'s drift by {self.hook.scale} from step "
+                  f"{self.hook.from_step} (a test hook; unset it to train)", flush=True)
         # Per root, when its last synchronisation ended (A-EDiT's clock).
         self._since = [time.perf_counter()] * len(self.syncs)
         self._due = [False] * len(self.syncs)
