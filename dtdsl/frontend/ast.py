@@ -91,6 +91,15 @@ class Call(Node):
     func_span: Span
     args: tuple[Arg, ...]
 
+    def arg_span(self, name: str) -> Span:
+        """Where argument ``name`` is written (``name=...`` or a bare ``name``), else the
+        call's own span: what a diagnostic about that argument points at."""
+        for arg in self.args:
+            if arg.name == name or (arg.name is None and isinstance(arg.value, Name)
+                                    and arg.value.name == name):
+                return arg.span
+        return self.span
+
 
 Expr = Annotated[
     Number | String | Bool | Name | Ref | ListExpr | SetExpr | Range | Call,

@@ -319,14 +319,6 @@ def _field(fields: Sequence[ast.Field], key: str) -> ast.Field | None:
     return next((f for f in fields if f.key == key), None)
 
 
-def _arg_span(call: ast.Call, name: str) -> Span:
-    for arg in call.args:
-        if arg.name == name or (arg.name is None and isinstance(arg.value, ast.Name)
-                                and arg.value.name == name):
-            return arg.span
-    return call.span
-
-
 def _divisors(n: int, limit: int = 1 << 20) -> list[int]:
     return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
 
@@ -557,7 +549,7 @@ class _Checker:
             return INVALID
         if call.func == "hf":
             span = call.args[0].span if call.args and call.args[0].name is None else \
-                _arg_span(call, "path")
+                call.arg_span("path")
             arch, source = self._hf_model(args["path"], args["feature_layer"], decl, modality,
                                           span)
             return INVALID if arch is INVALID else (arch, source)
@@ -642,14 +634,14 @@ class _Checker:
             sizes = [h for h in (below, below + heads) if h > 0]
             near = sorted(_divisors(hidden, 4096), key=lambda d: (abs(d - heads), d))[:3]
             ctx.error("DT305", f"hidden {hidden} is not divisible by heads {heads}: each head "
-                      f"would get {hidden / heads:g} dimensions", _arg_span(call, "hidden"),
+                      f"would get {hidden / heads:g} dimensions", call.arg_span("hidden"),
                       hint=f"use hidden={' or '.join(map(str, sizes))}, or heads="
                       f"{' or '.join(map(str, sorted(near)))}")
         if heads % kv_heads:
             ok = False
             ctx.error("DT305", f"heads {heads} is not a multiple of kv_heads {kv_heads}: "
                       "grouped-query attention shares each KV head among an equal number of "
-                      "query heads", _arg_span(call, "kv_heads"),
+                      "query heads", call.arg_span("kv_heads"),
                       hint=f"kv_heads must divide {heads}: {_listing(_divisors(heads))}")
         if decl.role == "backbone" and not args["vocab"]:
             ok = False
@@ -657,7 +649,7 @@ class _Checker:
                       call.span, hint="add vocab=128256 (Llama 3) or your tokenizer's size")
         if decl.role != "backbone" and args["vocab"]:
             ctx.warning("DT501", f"{decl.role} {decl.name} has a vocabulary, which only the "
-                        "backbone uses; it is ignored", _arg_span(call, "vocab"))
+                        "backbone uses; it is ignored", call.arg_span("vocab"))
         if modality in ("image", "video") and args["patch"] is None:
             ok = False
             ctx.error("DT204", f"encoder {decl.name} reads {modality}s and needs a patch size",
@@ -689,7 +681,7 @@ class _Checker:
             fits = [m for m in (64, 80, 128, 256) if m % patch == 0] or [patch * 8]
             ctx.error("DT612", f"encoder {decl.name} cuts its {bins}-bin fbank into {patch} x "
                       f"{patch} patches, but {patch} does not divide {bins}",
-                      _arg_span(call, "mel_bins"),
+                      call.arg_span("mel_bins"),
                       hint=f"use mel_bins={' or '.join(map(str, fits[:3]))}, or a patch that "
                            f"divides {bins}")
         if args["temporal_patch"] > 1 and not (decl.role == "encoder" and modality == "video"):
@@ -697,11 +689,11 @@ class _Checker:
             what = f"{decl.role} {decl.name}" + (f" reads {modality}" if modality else "")
             ctx.error("DT613", f"temporal_patch={args['temporal_patch']} patches frames in "
                       f"time, but {what}; only a video encoder has frames",
-                      _arg_span(call, "temporal_patch"),
+                      call.arg_span("temporal_patch"),
                       hint="remove temporal_patch, or read video with this encoder")
         if "mel_bins" in given and not (decl.role == "encoder" and modality == "audio"):
             ctx.warning("DT501", f"{decl.role} {decl.name} has mel_bins, which only an audio "
-                        "encoder uses; it is ignored", _arg_span(call, "mel_bins"))
+                        "encoder uses; it is ignored", call.arg_span("mel_bins"))
         return ok
 
     def _unet(self, call, args) -> Any:
@@ -716,25 +708,25 @@ class _Checker:
                 ok = False
                 ctx.error("DT305", f"attn_res {res} is never reached: a U-Net with {levels} "
                           f"levels downsamples by {_listing(reachable)}",
-                          _arg_span(call, "attn_res"),
+                          call.arg_span("attn_res"),
                           hint="list downsampling factors where attention runs, e.g. "
                           f"[{', '.join(map(str, reversed(reachable[:3])))}]")
         if args["latent"] % (2 ** (levels - 1)):
             ok = False
             ctx.error("DT305", f"latent {args['latent']} cannot be halved {levels - 1} times "
-                      f"for a U-Net with {levels} levels", _arg_span(call, "latent"),
+                      f"for a U-Net with {levels} levels", call.arg_span("latent"),
                       hint=f"use a multiple of {2 ** (levels - 1)}, e.g. 64")
         for i, m in enumerate(args["mult"]):
             ch = args["channels"] * m
             if ch % args["groups"]:
                 ok = False
                 ctx.error("DT305", f"level {i} has {ch} channels, which GroupNorm cannot split "
-                          f"into {args['groups']} groups", _arg_span(call, "channels"),
+                          f"into {args['groups']} groups", call.arg_span("channels"),
                           hint="use channels divisible by groups (e.g. channels=320, groups=32)")
             if 2 ** i in args["attn_res"] and ch % args["head_dim"]:
                 ok = False
                 ctx.error("DT305", f"level {i} has {ch} channels, not a multiple of "
-                          f"head_dim {args['head_dim']}", _arg_span(call, "head_dim"))
+                          f"head_dim {args['head_dim']}", call.arg_span("head_dim"))
         if not ok:
             return INVALID
         return ir.UNetArch(**args)
@@ -745,11 +737,11 @@ class _Checker:
         if args["hidden"] % args["heads"]:
             ok = False
             ctx.error("DT305", f"hidden {args['hidden']} is not divisible by heads "
-                      f"{args['heads']}", _arg_span(call, "hidden"))
+                      f"{args['heads']}", call.arg_span("hidden"))
         if args["latent"] % args["patch"]:
             ok = False
             ctx.error("DT305", f"latent {args['latent']} is not divisible by patch "
-                      f"{args['patch']}", _arg_span(call, "patch"))
+                      f"{args['patch']}", call.arg_span("patch"))
         if not ok:
             return INVALID
         return ir.DiTArch(layers=args["layers"], hidden=args["hidden"], heads=args["heads"],
@@ -897,7 +889,7 @@ class _Checker:
         if width % heads:
             return self.ctx.error(
                 "DT318", f"a resampler of {heads} heads cannot split encoder {src.name}'s "
-                f"width of {width}", _arg_span(call, "heads") if args["heads"] else call.span,
+                f"width of {width}", call.arg_span("heads") if args["heads"] else call.span,
                 hint=f"heads must divide {width}: {_listing(_divisors(width, 1024))}")
         return ir.Resampler(queries=args["queries"], heads=heads)
 
@@ -1084,18 +1076,18 @@ class _Checker:
             probs = args["p"] or tuple(1 / len(values) for _ in values)
             if len(probs) != len(values):
                 return ctx.error("DT208", f"choice() has {len(values)} values but "
-                                 f"{len(probs)} probabilities", _arg_span(call, "p"))
+                                 f"{len(probs)} probabilities", call.arg_span("p"))
             total = math.fsum(probs)
             if abs(total - 1) > 1e-6:
                 return ctx.error("DT208", f"the probabilities of choice() sum to {total:g}, "
-                                 "not 1", _arg_span(call, "p"),
+                                 "not 1", call.arg_span("p"),
                                  hint="scale them so they add up to 1")
             return ir.Choice(values=values, probs=probs)
         return self._empirical(call, args, key)
 
     def _empirical(self, call: ast.Call, args: dict[str, Any], key: str) -> Any:
         ctx = self.ctx
-        span = _arg_span(call, "path")
+        span = call.arg_span("path")
         if call.args and call.args[0].name is None:
             span = call.args[0].span
         path = Path(args["path"])
@@ -1232,7 +1224,7 @@ class _Checker:
         if args["zero"] is not INVALID and args["zero"] > 1:
             return ctx.error("DT208", f"ZeRO stage {args['zero']} is not supported; dtdsl "
                              "shards optimizer state across data parallelism (stage 1), as "
-                             "DistTrain does", _arg_span(call, "zero"),
+                             "DistTrain does", call.arg_span("zero"),
                              hint="use zero=1 (or zero=0 to replicate optimizer state)")
         if not _ok(*args.values()):
             return INVALID
@@ -1265,7 +1257,7 @@ class _Checker:
                 args["interval"] is not None:
             checked.append(ctx.error(
                 "DT633", "local_sgd takes a period in steps or an interval in seconds, not "
-                "both", _arg_span(call, "interval"),
+                "both", call.arg_span("interval"),
                 notes=[f"period={args['period']} syncs every {args['period']} steps; "
                        f"interval={args['interval']:g} s syncs when that much time has "
                        "passed (A-EDiT)"],
@@ -1282,7 +1274,7 @@ class _Checker:
         if value is INVALID or value is None or ok(value):
             return value
         return self.ctx.error(code, f"local_sgd {name} {value:g} {need}",
-                              _arg_span(call, name), hint=hint)
+                              call.arg_span(name), hint=hint)
 
     def _lr_schedule(self, call: ast.Call | None | Any, optimizer: Any, steps: Any,
                      steps_given: bool) -> Any:
@@ -1306,13 +1298,13 @@ class _Checker:
             default = "" if steps_given else " by default"
             warmup = ctx.error("DT208", f"a warmup of {warmup:,} steps is longer than the "
                                f"training: train.steps is {steps:,}{default}",
-                               _arg_span(call, "warmup"),
+                               call.arg_span("warmup"),
                                notes=["the learning rate would never reach its peak"],
                                hint=f"warm up for at most {steps:,} steps, or raise steps")
         if _ok(min_lr, optimizer) and min_lr > optimizer.lr:
             min_lr = ctx.error("DT208", f"min_lr {min_lr:g} is above the peak learning rate: "
                                f"lr={optimizer.lr:g} of {optimizer.name}()",
-                               _arg_span(call, "min_lr"),
+                               call.arg_span("min_lr"),
                                notes=[f"{call.func}() decays from lr down to min_lr"],
                                hint=f"write a min_lr of at most {optimizer.lr:g} (0 by "
                                "default), or raise lr in the optimizer")

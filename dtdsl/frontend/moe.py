@@ -18,7 +18,6 @@ from typing import Any
 from dtdsl.frontend import ast
 from dtdsl.frontend.schema import BoolKind, Ctx, FloatKind, IntKind, Param
 from dtdsl.ir.program import MoEArch
-from dtdsl.source import Span
 
 __all__ = ["DEFAULT_AUX_LOSS", "DEFAULT_TOP_K", "MOE_ARGS", "resolve_moe"]
 
@@ -40,14 +39,6 @@ MOE_ARGS = (
 _NAMES = tuple(p.name for p in MOE_ARGS)
 
 
-def _span(call: ast.Call, name: str) -> Span:
-    for arg in call.args:
-        if arg.name == name or (arg.name is None and isinstance(arg.value, ast.Name)
-                                and arg.value.name == name):
-            return arg.span
-    return call.span
-
-
 def resolve_moe(call: ast.Call, role: str, name: str, layers: int, ffn: int,
                 args: Mapping[str, Any], ctx: Ctx) -> MoEArch | None | Any:
     """The ``MoEArch`` a transformer's arguments ask for, None for a dense one, or INVALID
@@ -58,12 +49,12 @@ def resolve_moe(call: ast.Call, role: str, name: str, layers: int, ffn: int,
         return None
     if args.get("experts") is None:
         return ctx.error("DT640", f"{', '.join(given)} of {role} {name} describe a mixture of "
-                         "experts, but it has no experts=", _span(call, given[0]),
+                         "experts, but it has no experts=", call.arg_span(given[0]),
                          hint="add experts=E (e.g. experts=8, top_k=2), or remove "
                               f"{', '.join(given)}")
     if role != "backbone":
         return ctx.error("DT640", f"{role} {name} has experts, and only the backbone can be a "
-                         "mixture of experts", _span(call, "experts"),
+                         "mixture of experts", call.arg_span("experts"),
                          notes=["the runtime's MoE block replaces the backbone's MLP "
                                 "(dtdsl.models.moe)"],
                          hint="remove the MoE arguments from this module")
@@ -71,13 +62,13 @@ def resolve_moe(call: ast.Call, role: str, name: str, layers: int, ffn: int,
     top_k = args.get("top_k") or min(DEFAULT_TOP_K, experts)
     if top_k > experts:
         return ctx.error("DT641", f"top_k={top_k} routes each token to {top_k} experts, but "
-                         f"there are only {experts} experts", _span(call, "top_k"),
+                         f"there are only {experts} experts", call.arg_span("top_k"),
                          hint=f"use top_k <= {experts}, or more experts")
     every = args.get("moe_every") or 1
     if every > layers:
         return ctx.error("DT642", f"moe_every={every} makes every {every}th layer an MoE "
                          f"layer, but {name} has only {layers} layers: none would hold "
-                         "experts", _span(call, "moe_every"),
+                         "experts", call.arg_span("moe_every"),
                          hint=f"use moe_every <= {layers} (1: every layer)")
     expert_ffn = args.get("expert_ffn") or ffn
     shared = args.get("shared_experts") or 0
