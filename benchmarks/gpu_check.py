@@ -404,6 +404,11 @@ def section_step(ctx: Context) -> dict[str, Any]:
             # bundle's rank does: compiled on a GPU (train.compile unset).
             args += ["--runtime-compile", "false", "--trace", str(ctx.trace_path()),
                      "--save-plan", str(ctx.work)]
+        else:
+            # Both compiled sides traced too: where the runtime's excess goes (the
+            # device idle between kernels, or more kernel time).
+            args += ["--trace", str(ctx.trace_path("compiled")),
+                     "--trace-plain", str(ctx.trace_path("compiled_plain"))]
         ctx.say(f"step_vs_torch: against the {name.replace('_', ' ')} loop")
         rc, tail = ctx.child([str(ROOT / "benchmarks" / "step_vs_torch.py"), *args], left,
                              f"step {name}")
@@ -430,7 +435,15 @@ def section_trace(ctx: Context) -> dict[str, Any]:
         raise RuntimeError("section step_vs_torch's eager run left no trace: see its error")
     out = {"file": path.name if ctx.out is not None else str(path),
            "bytes": path.stat().st_size, "step": "one runtime step (step_vs_torch sizes)",
-           "top_kernels": plain["trace_top_kernels"]}
+           "top_kernels": plain["trace_top_kernels"],
+           "device_time": plain.get("trace_device_time")}
+    # The compiled runtime against the compiled plain loop, a step of each.
+    compiled = ctx.step_results.get("compiled_plain", {})
+    for key in ("trace", "trace_plain"):
+        if f"{key}_device_time" in compiled:
+            side = "runtime" if key == "trace" else "plain"
+            out[f"compiled_{side}"] = {"top_kernels": compiled[f"{key}_top_kernels"],
+                                       "device_time": compiled[f"{key}_device_time"]}
     if out["bytes"] > 16 * 2**20:
         out["note"] = "over 16 MiB: a device machine's $OUT may not bring it back"
     return out
@@ -582,8 +595,10 @@ class Context:
     def say(self, text: str) -> None:
         _say(self.start, text)
 
-    def trace_path(self) -> Path:
-        return (self.out or self.work) / TRACE
+    def trace_path(self, run: str = "") -> Path:
+        """The eager runtime step's trace; ``run`` names another run's."""
+        name = TRACE if not run else TRACE.replace("trace", f"trace_{run}")
+        return (self.out or self.work) / name
 
     def child(self, args: Sequence[str], timeout: float, tag: str, *, python: bool = True,
               cpu: bool = False, keep: int = 60, stdout: Path | None = None

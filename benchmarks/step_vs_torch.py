@@ -18,7 +18,7 @@ order, within bf16's rounding in bf16).
     python benchmarks/step_vs_torch.py [--precision bf16|fp32] [--layers 4 --hidden 128
         --heads 4 --ffn 256 --vocab 512 --seq 512] [--steps 20 --warmup 3]
         [--compile-plain] [--runtime-compile auto|true|false] [--json FILE]
-        [--trace FILE.json.gz] [--save-plan DIR]
+        [--trace FILE.json.gz] [--trace-plain FILE.json.gz] [--save-plan DIR]
 
 The runtime runs as a bundle's rank would: its layers compiled on a GPU (``train {
 compile }`` unset), eager on a CPU; ``--runtime-compile true|false`` sets it.
@@ -137,6 +137,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trace", metavar="FILE",
                    help="after the timed steps, profile one runtime step (torch.profiler, "
                    "Kineto) and write its Chrome trace here (gzip'd if FILE ends in .gz)")
+    p.add_argument("--trace-plain", metavar="FILE",
+                   help="likewise one step of the plain loop, after the runtime's")
     p.add_argument("--save-plan", metavar="DIR",
                    help="write the spec (step_vs_torch.dt) and its plan (plan.json) here, "
                    "for `dtc memcheck --plan`")
@@ -217,17 +219,17 @@ def build(args: argparse.Namespace, text: str) -> Bench:
     def plain(step: int) -> float:
         samples = [_to(s, device) for s in batches[step]]
         norm = loss_normalizer(units, samples)
-        total = 0.0
+        total = torch.zeros((), device=device)
         mb = program.train.micro_batch
         for start in range(0, len(samples), mb):
             with autocast:
                 loss = microbatch_loss(units, samples[start:start + mb], norm).total
             loss.backward()
-            total += float(loss.detach())
+            total += loss.detach()      # on the device: no host sync per microbatch
         torch.nn.utils.clip_grad_norm_(params, program.train.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return total
+        return float(total)
 
     def plain_state() -> int:
         """Bytes the plain side keeps on the device between steps (weights, gradients,
@@ -273,26 +275,53 @@ def compare(bench: Bench, steps: int, warmup: int) -> dict[str, Any]:
             "runtime_peak_bytes": peak}
 
 
-def trace_step(bench: Bench, step: int, path: Path, top: int = 10) -> list[dict[str, Any]]:
-    """Profile runtime step ``step`` with Kineto (CPU and, on CUDA, device activities),
-    write its Chrome trace to ``path`` and return the ``top`` device kernels by total time
-    (CPU operators where there is no device)."""
+def trace_step(bench: Bench, step: int, path: Path, top: int = 10, *,
+               side: str = "runtime") -> dict[str, Any]:
+    """Profile ``side``'s step ``step`` (the runtime's or the plain loop's) with Kineto
+    (CPU and, on CUDA, device activities), write its Chrome trace to ``path`` (gzip'd if it
+    ends in .gz) and return the ``top`` device kernels by total time (CPU operators where
+    there is no device) and where the step's time went (``device_time``)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU]
     if bench.device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
+    run = bench.runtime if side == "runtime" else bench.plain
     _sync(bench.device)
     with profile(activities=activities) as prof:
-        bench.runtime(step)
+        run(step)
         _sync(bench.device)
     raw = path.with_name(path.name.removesuffix(".gz"))
     prof.export_chrome_trace(str(raw))
+    busy = device_time(json.loads(raw.read_text()))
     if path.name.endswith(".gz"):
         with open(raw, "rb") as src, gzip.open(path, "wb") as dst:
             shutil.copyfileobj(src, dst)
         raw.unlink()
-    return top_kernels(prof, top, cuda=bench.device.type == "cuda")
+    return {"top_kernels": top_kernels(prof, top, cuda=bench.device.type == "cuda"),
+            "device_time": busy}
+
+
+def device_time(trace: dict[str, Any]) -> dict[str, Any]:
+    """Where a traced step's time went on the device, from its Chrome trace: the span from
+    the first to the last kernel, the kernels' summed time, the time some kernel ran
+    (their union: on one stream, the sum less nothing), and the idle rest of the span
+    (the device waiting on the host, or on a copy), in milliseconds; ``kernels`` counts
+    launches. Empty where the trace holds no kernel (a CPU run)."""
+    spans = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)))
+                   for e in trace.get("traceEvents", [])
+                   if e.get("ph") == "X" and e.get("cat") == "kernel")
+    if not spans:
+        return {}
+    busy, end = 0.0, spans[0][0]
+    for lo, hi in spans:
+        if hi > end:
+            busy += hi - max(lo, end)
+            end = hi
+    span = spans[-1][1] - spans[0][0]
+    return {"kernels": len(spans), "span_ms": span / 1e3,
+            "kernel_sum_ms": sum(hi - lo for lo, hi in spans) / 1e3,
+            "busy_ms": busy / 1e3, "idle_ms": (span - busy) / 1e3}
 
 
 def top_kernels(prof: Any, top: int, *, cuda: bool) -> list[dict[str, Any]]:
@@ -382,9 +411,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         (out / "plan.json").write_text(bench.plan.model_dump_json(indent=2) + "\n")
     figures = compare(bench, args.steps, args.warmup)
     result = report(args, bench, figures)
-    if args.trace:
-        result["trace_top_kernels"] = trace_step(bench, args.steps, Path(args.trace))
-        print(f"trace of runtime step {args.steps} written to {args.trace}")
+    for side, path in (("runtime", args.trace), ("plain", args.trace_plain)):
+        if path:
+            traced = trace_step(bench, args.steps, Path(path), side=side)
+            key = "trace" if side == "runtime" else "trace_plain"
+            result[f"{key}_top_kernels"] = traced["top_kernels"]
+            result[f"{key}_device_time"] = traced["device_time"]
+            print(f"trace of {side} step {args.steps} written to {path}: "
+                  + (", ".join(f"{k} {v:.1f}" for k, v in traced["device_time"].items())
+                     or "no device kernels"))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     import torch.distributed as dist

@@ -148,3 +148,18 @@ def test_the_targets_read_the_8k_layer_and_the_step_against_the_compiled_loop():
     report.data["sections"] = {"layer_mfu": {"status": "skipped", "reason": "budget"}}
     got = gpu_check.targets(report)
     assert got["layer_mfu_8k_met"] is None and got["step_met"] is None
+
+
+def test_device_time_splits_a_traced_span_into_kernels_and_idle():
+    """Two streams' kernels overlap (counted once in busy, twice in the sum), a gap of
+    idle device between them, and CPU events left out."""
+    from step_vs_torch import device_time
+
+    events = [{"ph": "X", "cat": "kernel", "ts": 0, "dur": 100},
+              {"ph": "X", "cat": "kernel", "ts": 50, "dur": 100},    # overlaps: busy to 150
+              {"ph": "X", "cat": "kernel", "ts": 400, "dur": 100},   # 250 us idle before
+              {"ph": "X", "cat": "cpu_op", "ts": 0, "dur": 10_000}]
+    got = device_time({"traceEvents": events})
+    assert got == {"kernels": 3, "span_ms": 0.5, "kernel_sum_ms": 0.3, "busy_ms": 0.25,
+                   "idle_ms": 0.25}
+    assert device_time({"traceEvents": events[3:]}) == {}

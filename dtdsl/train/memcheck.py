@@ -243,23 +243,22 @@ def _clear_sharding_caches() -> None:
     propagator._propagate_tensor_meta_cached.cache_clear()
 
 
-class _ShardingPropagation:
-    """Stands in for ``ShardingPropagator._fake_mode_lock`` (a context manager around
-    DTensor's output-shape propagation) to tell the tracker to ignore what it allocates:
-    inside an outer ``FakeTensorMode`` the propagation reuses that mode and makes fake
-    tensors of the *global* shapes, which ``MemTracker`` cannot tell from real ones."""
+def _ignoring_propagation(tracker: _StepTracker, inner: Any) -> Any:
+    """Wraps ``ShardingPropagator._propagate_tensor_meta_non_cached`` (DTensor's
+    output-shape propagation, a method of the same name in every torch this project runs
+    on) to tell the tracker to ignore what it allocates: inside an outer
+    ``FakeTensorMode`` the propagation reuses that mode and makes fake tensors of the
+    *global* shapes, which ``MemTracker`` cannot tell from real ones."""
 
-    def __init__(self, tracker: _StepTracker, inner: Any) -> None:
-        self._tracker = tracker
-        self._inner = inner
+    @functools.wraps(inner)
+    def propagate(self: Any, op_schema: Any) -> Any:
+        tracker.propagating += 1
+        try:
+            return inner(self, op_schema)
+        finally:
+            tracker.propagating -= 1
 
-    def __enter__(self) -> Any:
-        self._tracker.propagating += 1
-        return self._inner.__enter__()
-
-    def __exit__(self, *exc: Any) -> Any:
-        self._tracker.propagating -= 1
-        return self._inner.__exit__(*exc)
+    return propagate
 
 
 class _StepTracker(_mem_tracker.MemTracker):
@@ -279,17 +278,22 @@ class _StepTracker(_mem_tracker.MemTracker):
         super().__init__()
         self.propagating = 0
         self.peak_phase = "forward"
-        self._saved_lock: Any = None
+        self._saved_propagate: Any = None
 
     def __enter__(self) -> _StepTracker:
         if self._depth == 0:
-            self._saved_lock = ShardingPropagator._fake_mode_lock
-            ShardingPropagator._fake_mode_lock = _ShardingPropagation(self, self._saved_lock)
+            # None in eager, the replay's FakeTensorMode under it: ops that run under
+            # another mode are DTensor's propagation (torch 2.13's MemTracker keeps this
+            # too; set here for the torch of GPU hosts, whose tracker does not).
+            self._fake_mode_on_entry = active_fake_mode()
+            self._saved_propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+            ShardingPropagator._propagate_tensor_meta_non_cached = _ignoring_propagation(
+                self, self._saved_propagate)
         try:
             super().__enter__()
         except BaseException:
             if self._depth == 0:
-                ShardingPropagator._fake_mode_lock = self._saved_lock
+                ShardingPropagator._propagate_tensor_meta_non_cached = self._saved_propagate
             raise
         return self
 
@@ -298,7 +302,7 @@ class _StepTracker(_mem_tracker.MemTracker):
             super().__exit__(*exc)
         finally:
             if self._depth == 0:
-                ShardingPropagator._fake_mode_lock = self._saved_lock
+                ShardingPropagator._propagate_tensor_meta_non_cached = self._saved_propagate
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         # MemTracker.__torch_dispatch__, step for step (see its comments).
