@@ -64,11 +64,18 @@ def test_runtime_step_against_a_plain_loop_on_one_gpu(precision):
 def test_attention_of_changing_lengths_runs_flash_not_cudnn():
     """cuDNN's fused attention plans every new shape (milliseconds of host time); the
     runtime's microbatches change length every step, so dense attention prefers flash
-    (``models.attention.DENSE_BACKENDS``; measured in benchmarks/gpu_check.py)."""
+    (``models.attention.DENSE_BACKENDS``; measured in benchmarks/gpu_check.py).
+
+    The process's first call is left out: on an H200 (torch 2.11) it ran cuDNN's kernel
+    under the same priority order and every later call flash, whatever its shape
+    (benchmarks/results/gpu_check-h200-2026-11-27-run7.json's session); one plan per
+    process is not the per-shape cost this guards against."""
     from torch.profiler import ProfilerActivity, profile
 
     from dtdsl.models.attention import dense_attention
 
+    q = torch.randn(2, 8, 32, 64, device="cuda", dtype=torch.bfloat16)
+    dense_attention(q, q[:, :2], q[:, :2], causal=True)
     names = set()
     for seq in (96, 160, 224):
         q = torch.randn(2, 8, seq, 64, device="cuda", dtype=torch.bfloat16)
