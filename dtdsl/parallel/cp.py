@@ -180,7 +180,8 @@ class Block:
     """One (query chunk, key chunk) block of a ring step: ``q`` and ``kv`` are which of the
     two local chunks (0 or 1), ``kind`` FULL, CAUSAL or MASKED; a MASKED block has its
     additive mask ``[B, 1, m, m]`` (on the device, in the queries' dtype) and the rows it
-    leaves without any key ``[B, 1, m]`` (their partial result is dropped)."""
+    leaves without any key ``[B, 1, m]`` (their partial result is dropped; the mask lets
+    them see every key, so that the kernels never meet a row of -inf)."""
 
     q: int
     kv: int
@@ -247,8 +248,12 @@ def _ring_blocks(docs: torch.Tensor, size: int, rank: int, causal: bool,
                     continue
                 bias = rows = None
                 if kind == MASKED:
-                    bias = _bias(allowed, device, dtype)
-                    rows = (~allowed.any(-1))[:, None].to(device)
+                    # A row with no key here attends to every key in the kernels (no row
+                    # of -inf reaches them: CUDA's memory-efficient backward returned NaN
+                    # for one); its result is dropped (``empty_rows``).
+                    empty = ~allowed.any(-1)
+                    bias = _bias(allowed | empty[..., None], device, dtype)
+                    rows = empty[:, None].to(device)
                 blocks.append(Block(q=a, kv=b, kind=kind, bias=bias, empty_rows=rows))
         steps.append(tuple(blocks))
     return tuple(steps)
@@ -367,8 +372,13 @@ def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: Blo
 def _block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     out: torch.Tensor, lse: torch.Tensor, block: Block, scale: float
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One block's share of ``(dq, dk, dv)``, from the GLOBAL ``out`` and ``lse``."""
+    """One block's share of ``(dq, dk, dv)``, from the GLOBAL ``out`` and ``lse``. Its
+    empty rows contribute nothing: their ``dout`` is zeroed and their lse made +inf, so
+    the kernels' probabilities there are exactly 0 whatever the scores."""
     causal = block.kind == CAUSAL
+    if block.empty_rows is not None:
+        dout = dout.masked_fill(block.empty_rows[..., None], 0)
+        lse = lse.masked_fill(block.empty_rows, float("inf"))
     if q.device.type == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal, attn_mask=block.bias, scale=scale)
@@ -376,6 +386,11 @@ def _block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     m = q.shape[2]
     # The kernel's log-sum-exp rows come in whole tiles of 32.
     lse = F.pad(lse, (0, -(-m // 32) * 32 - m))
+    # It reads ``out`` in the layout its forward writes, [B, M, H, D] in memory: it takes
+    # the batch and head strides from the tensor but computes the row stride as H * D
+    # (``o_strideM`` in torch's mem_eff_attention/kernel_backward.h). The ring's merged
+    # ``out`` is a [B, H, S, D] chunk, which it would read at the wrong rows.
+    out = out.transpose(1, 2).contiguous().transpose(1, 2)
     empty = torch.empty((), dtype=torch.int64, device=q.device)
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
         dout, q, _repeat(k, groups), _repeat(v, groups), _per_head(block.bias, q.shape[1]),

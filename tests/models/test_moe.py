@@ -295,3 +295,35 @@ def test_other_dtypes_run(dtype):
     assert xd.grad is not None and block.w2.grad is not None
     if dtype == torch.float64:
         assert torch.allclose(got.out.float(), want, atol=TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available()
+                    or torch.cuda.get_device_capability() < (9, 0),
+                    reason="needs a CUDA GPU of sm90+ (torch's grouped GEMM kernels)")
+@pytest.mark.parametrize("sizes", [[37, 0, 64, 5], [0, 0, 0, 0], [130, 0, 0, 0]])
+def test_grouped_gemm_on_cuda_in_bf16_equals_the_fp32_loop(sizes):
+    """CUDA's grouped GEMM (bf16, sm90+), forward and backward, against the loop over the
+    experts in fp32 on the same device: the tolerance is bf16's rounding of two
+    implementations (8 bits of mantissa over sums of 64-128 products), relative to each
+    tensor's largest entry."""
+    torch.manual_seed(4)
+    dev = torch.device("cuda")
+    w1, w3 = torch.randn(4, 128, 64, device=dev), torch.randn(4, 128, 64, device=dev)
+    w2 = torch.randn(4, 64, 128, device=dev)
+    x = torch.randn(sum(sizes), 64, device=dev)
+    counts = torch.tensor(sizes, device=dev)
+    results = []
+    for dtype, grouped in ((torch.bfloat16, True), (torch.float32, False)):
+        leaves = [t.to(dtype).clone().requires_grad_() for t in (x, w1, w3, w2)]
+        assert can_group(*leaves) == (dtype == torch.bfloat16)
+        y = expert_ffn(leaves[0], counts, *leaves[1:], torch.nn.functional.silu,
+                       grouped=grouped)
+        (y.float() * torch.linspace(-1, 1, y.numel(), device=dev).reshape(y.shape)
+         ).sum().backward()
+        results.append([y] + [t.grad for t in leaves])
+    for got, want in zip(*results, strict=True):
+        assert got.shape == want.shape
+        if want.numel():
+            scale = want.abs().max().clamp_min(1.0)
+            assert (got.float() - want).abs().max() <= 3e-2 * scale

@@ -220,8 +220,11 @@ def test_ring_blocks_are_exactly_the_nonempty_ones(case, size, causal):
                     assert blk.kind == kind or (kind == CAUSAL and blk.kind == MASKED), \
                         f"block {qc}x{kc}: {blk.kind}, not {kind}"
                     if blk.kind == MASKED:
-                        assert torch.equal(blk.bias[:, 0] == 0, block)
-                        assert torch.equal(blk.empty_rows[:, 0], ~block.any(-1))
+                        # A row without keys sees every key in the kernel (dropped
+                        # after): no row of -inf reaches it.
+                        empty = ~block.any(-1)
+                        assert torch.equal(blk.bias[:, 0] == 0, block | empty[..., None])
+                        assert torch.equal(blk.empty_rows[:, 0], empty)
                     else:
                         assert blk.bias is None and blk.empty_rows is None
     if case is SINGLE and causal:
@@ -372,3 +375,62 @@ def _single(rank, world):
 
 def test_ulysses_on_one_document_without_padding():
     run(_single, 2)
+
+
+@pytest.mark.parametrize("device, dtype, tol", [
+    ("cpu", torch.float32, 1e-4),
+    pytest.param("cuda", torch.bfloat16, 3e-2, marks=[
+        pytest.mark.gpu,
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]),
+])
+def test_ring_blocks_merge_to_document_causal_attention(device, dtype, tol):
+    """One rank's ring blocks (``_ring_blocks`` at ring size 1: chunks of 40 positions,
+    two documents, the second from position 60, so chunk 1's queries over chunk 0's keys
+    are a MASKED block whose rows 60..79 have no key) through the per-block kernels,
+    forward and backward (on CUDA the memory-efficient kernel with its log-sum-exp, GQA
+    repeated, masks padded to 16, lse tiles of 32), merged by ``_merge`` and summed, equal
+    dense document-causal attention in fp32. Tolerances: fp32 kernels against the dense
+    one on the CPU; bf16 against fp32 on CUDA, relative to each tensor's largest entry.
+    On an H200 a row of -inf in the block's mask made the backward NaN."""
+    torch.manual_seed(7)
+    dev, m, d = torch.device(device), 40, 64
+    q = torch.randn(2, 4, 2 * m, d, device=dev)
+    k, v = torch.randn(2, 2, 2 * m, d, device=dev), torch.randn(2, 2, 2 * m, d, device=dev)
+    dout = torch.randn(2, 4, 2 * m, d, device=dev)
+    docs = (torch.arange(2 * m) >= 60).long()
+    pos = torch.arange(2 * m)
+    allowed = (docs[:, None] == docs[None, :]) & (pos[None, :] <= pos[:, None])   # [L, L]
+    scale = d ** -0.5
+
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = F.scaled_dot_product_attention(
+        ref[0], ref[1].repeat_interleave(2, 1), ref[2].repeat_interleave(2, 1),
+        attn_mask=allowed.to(dev), scale=scale)
+    want.backward(dout)
+
+    (blocks,) = cp._ring_blocks(docs[None].expand(2, -1), 1, 0, True, dev, dtype)
+    assert [(b.q, b.kv, b.kind) for b in blocks] == [(0, 0, cp.CAUSAL), (1, 0, cp.MASKED),
+                                                    (1, 1, cp.MASKED)]
+    assert blocks[1].empty_rows is not None and int(blocks[1].empty_rows.sum()) == 2 * 20
+    qs, ks, vs = ([x[:, :, i * m:(i + 1) * m].to(dtype) for i in (0, 1)] for x in (q, k, v))
+    merged: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for b in blocks:
+        merged[b.q] = cp._merge(merged.get(b.q), *cp._block_forward(qs[b.q], ks[b.kv],
+                                                                    vs[b.kv], b, scale))
+    out = torch.cat([merged[i][0] for i in (0, 1)], dim=2)
+    dq = [torch.zeros_like(x, dtype=torch.float32) for x in qs]
+    dk = [torch.zeros_like(x, dtype=torch.float32) for x in ks]
+    dv = [torch.zeros_like(x, dtype=torch.float32) for x in vs]
+    douts = [dout[:, :, i * m:(i + 1) * m].to(dtype) for i in (0, 1)]
+    for b in blocks:
+        o, lse = merged[b.q]
+        gq, gk, gv = cp._block_backward(douts[b.q], qs[b.q], ks[b.kv], vs[b.kv],
+                                        o.to(dtype), lse, b, scale)
+        dq[b.q] += gq.float()
+        dk[b.kv] += gk.float()
+        dv[b.kv] += gv.float()
+    for name, got, expect in (("out", out, want), ("dq", torch.cat(dq, 2), ref[0].grad),
+                              ("dk", torch.cat(dk, 2), ref[1].grad),
+                              ("dv", torch.cat(dv, 2), ref[2].grad)):
+        err = (got.float() - expect).abs().max()
+        assert err <= tol * expect.abs().max(), (name, float(err))
