@@ -47,53 +47,64 @@ def one_f_one_b_times(fwd_s: Sequence[float], bwd_s: Sequence[float], m: int,
     microbatches over ``len(fwd_s)`` stages, stage s's passes taking ``fwd_s[s]`` and
     ``bwd_s[s]`` and every hop between stages ``hop_s``: (f_start[s][j], b_end[s][j]).
     Stage s runs min(pp - 1 - s, m) forwards, then alternates backward and forward
-    (``schedule.lower``'s order)."""
+    (``schedule.lower``'s order). Each pass starts when its stage is free and its input
+    has arrived; the passes are taken in ``_one_f_one_b_order``, which depends on the
+    shape alone (the planner times many layouts of one shape)."""
     pp = len(fwd_s)
     f_start = [[0.0] * m for _ in range(pp)]
     f_end = [[0.0] * m for _ in range(pp)]
     b_end = [[0.0] * m for _ in range(pp)]
+    free = [0.0] * pp
+    for s, forward, j in _one_f_one_b_order(pp, m):
+        if forward:
+            ready = f_end[s - 1][j] + hop_s if s > 0 else 0.0
+            start = max(free[s], ready)
+            f_start[s][j], f_end[s][j] = start, start + fwd_s[s]
+            free[s] = f_end[s][j]
+        else:
+            ready = b_end[s + 1][j] + hop_s if s < pp - 1 else f_end[s][j]
+            b_end[s][j] = max(free[s], ready) + bwd_s[s]
+            free[s] = b_end[s][j]
+    return f_start, b_end
+
+
+@functools.lru_cache(maxsize=256)
+def _one_f_one_b_order(pp: int, m: int) -> tuple[tuple[int, bool, int], ...]:
+    """Every pass of 1F1B over ``pp`` stages and ``m`` microbatches as (stage, forward?,
+    microbatch), each stage's in its own order and each after the pass it waits for on
+    the neighbouring stage (the forward of the stage before, the backward of the stage
+    after): an order in which ``one_f_one_b_times`` can time them one by one."""
     orders = []
     for s in range(pp):
         warm = min(pp - 1 - s, m)
-        order = [("F", j) for j in range(warm)]
+        order = [(True, j) for j in range(warm)]
         nf = warm
         for j in range(m):
             if nf < m:
-                order.append(("F", nf))
+                order.append((True, nf))
                 nf += 1
-            order.append(("B", j))
+            order.append((False, j))
         orders.append(order)
     pos = [0] * pp
-    free = [0.0] * pp
     done_f = [[False] * m for _ in range(pp)]
     done_b = [[False] * m for _ in range(pp)]
-    left = sum(len(o) for o in orders)
-    while left:
+    seq: list[tuple[int, bool, int]] = []
+    while len(seq) < 2 * pp * m:
         moved = False
         for s in range(pp):
             while pos[s] < len(orders[s]):
-                kind, j = orders[s][pos[s]]
-                if kind == "F":
-                    if s > 0 and not done_f[s - 1][j]:
-                        break
-                    ready = f_end[s - 1][j] + hop_s if s > 0 else 0.0
-                    start = max(free[s], ready)
-                    f_start[s][j], f_end[s][j] = start, start + fwd_s[s]
-                    free[s] = f_end[s][j]
-                    done_f[s][j] = True
-                else:
-                    if s < pp - 1 and not done_b[s + 1][j]:
-                        break
-                    ready = b_end[s + 1][j] + hop_s if s < pp - 1 else f_end[s][j]
-                    b_end[s][j] = max(free[s], ready) + bwd_s[s]
-                    free[s] = b_end[s][j]
-                    done_b[s][j] = True
+                forward, j = orders[s][pos[s]]
+                if forward and s > 0 and not done_f[s - 1][j]:
+                    break
+                if not forward and s < pp - 1 and not done_b[s + 1][j]:
+                    break
+                (done_f if forward else done_b)[s][j] = True
+                seq.append((s, forward, j))
                 pos[s] += 1
-                left -= 1
                 moved = True
         if not moved:
             raise AssertionError("1F1B's order cannot deadlock")
-    return f_start, b_end
+    return tuple(seq)
 
 
 @functools.lru_cache(maxsize=1024)
