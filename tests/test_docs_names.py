@@ -158,7 +158,8 @@ _PATH = re.compile(r"`((?:dtdsl|tests|benchmarks|specs|grammar|codegen_templates
 
 def test_every_cited_repository_path_exists():
     root = _DOCS.parent
-    missing = [f"{page.name}: `{path}`" for page in sorted(_DOCS.glob("*.md"))
+    pages = sorted(_DOCS.glob("*.md")) + [root / "README.md"]
+    missing = [f"{page.name}: `{path}`" for page in pages
                for path in sorted(set(_PATH.findall(page.read_text())))
                if not (root / path).exists()]
     assert not missing, "docs cite paths that do not exist: " + ", ".join(missing)
