@@ -20,8 +20,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dtdsl import __version__
-from dtdsl.clihelp import (EXIT_ERRORS, EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, int_at_least,
-                           load_program, non_negative, positive_int, write_file)
+from dtdsl.clihelp import (
+    EXIT_ERRORS,
+    EXIT_INTERNAL,
+    EXIT_OK,
+    EXIT_USAGE,
+    load_program,
+    non_negative,
+    positive_int,
+    write_file,
+)
 from dtdsl.codegen.slurm import slurm_name, slurm_time
 from dtdsl.codes import CODES, explain
 from dtdsl.diagnostics import Diagnostic, render_json, render_text
@@ -51,7 +59,6 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"dtc: error: {message}\n")
 
 
-_int_at_least = int_at_least
 _positive_int = positive_int
 _non_negative = non_negative
 
