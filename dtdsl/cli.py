@@ -20,6 +20,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dtdsl import __version__
+from dtdsl.clihelp import (
+    EXIT_ERRORS,
+    EXIT_INTERNAL,
+    EXIT_OK,
+    EXIT_USAGE,
+    load_program,
+    non_negative,
+    positive_int,
+    write_file,
+)
 from dtdsl.codegen.slurm import slurm_name, slurm_time
 from dtdsl.codes import CODES, explain
 from dtdsl.diagnostics import Diagnostic, render_json, render_text
@@ -39,7 +49,6 @@ if TYPE_CHECKING:
 
 __all__ = ["main"]
 
-EXIT_OK, EXIT_ERRORS, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
 TRACE_STEPS = 8   # dtc simulate: steps in the Perfetto trace (TensorBoard gets them all)
 BUG_REPORT = "https://github.com/dtdsl/dtdsl/issues"
 
@@ -50,22 +59,8 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"dtc: error: {message}\n")
 
 
-def _int_at_least(low: int) -> Callable[[str], int]:
-    """An argparse type: a whole number of at least ``low``."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}") \
-                from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"expected at least {low}, not {value}")
-        return value
-    return parse
-
-
-_positive_int = _int_at_least(1)
-_non_negative = _int_at_least(0)
+_positive_int = positive_int
+_non_negative = non_negative
 
 
 def _slurm_option(check: Callable[..., str], *args: str) -> Callable[[str], str]:
@@ -180,20 +175,7 @@ def _cmd_fmt(args: argparse.Namespace) -> int:
     return exit_code
 
 
-def _load_program(path: str) -> tuple[FrontendResult | None, int]:
-    """Check one spec for a command that needs its Program: the result, or None and the
-    exit code after reporting why (diagnostics, warnings too, on stderr)."""
-    try:
-        name, data = read_spec(path)
-    except UsageError as err:
-        print(f"dtc: error: {err}", file=sys.stderr)
-        return None, EXIT_USAGE
-    result = run_frontend(name, data)
-    if result.diagnostics:
-        sys.stderr.write(render_text(result.diagnostics, result.source, result.name))
-    if not result.ok or result.program is None:
-        return None, EXIT_ERRORS
-    return result, EXIT_OK
+_load_program = load_program
 
 
 def _efficiency(values: Sequence[str] | None) -> Efficiency:
@@ -588,19 +570,7 @@ def _cmd_reorder(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _write_file(path: str, text: str) -> None:
-    """Write a whole file or nothing: a temporary file beside it, renamed into place."""
-    target = Path(path)
-    if target.is_dir():
-        raise UsageError(f"{path} is a directory; give a file name")
-    try:
-        fd, tmp = tempfile.mkstemp(dir=target.parent if str(target.parent) else ".",
-                                   prefix=f".{target.name}.", suffix=".tmp")
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
-            f.write(text)
-        os.replace(tmp, target)
-    except OSError as err:
-        raise UsageError(f"cannot write {path}: {err.strerror or err}") from None
+_write_file = write_file
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:

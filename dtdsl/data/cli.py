@@ -1,7 +1,7 @@
 """``dtc data synth`` and ``dtc data stats``; ``register`` adds them to dtc's parser.
 
-The commands follow ``dtdsl.cli``'s conventions (and reuse its helpers, imported when
-they run, since ``dtdsl.cli`` imports this module): a bad command line or an unreadable
+The commands follow ``dtdsl.cli``'s conventions (and share its helpers through
+``dtdsl.clihelp``, since ``dtdsl.cli`` imports this module): a bad command line or an unreadable
 dataset is a ``UsageError`` (exit 2), a spec with errors exit 1.
 """
 
@@ -12,6 +12,11 @@ import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from dtdsl.clihelp import EXIT_OK
+from dtdsl.clihelp import load_program as _load_program
+from dtdsl.clihelp import positive_int as _positive_int
+from dtdsl.clihelp import write_file as _write_file
 
 if TYPE_CHECKING:
     from dtdsl.driver import FrontendResult
@@ -51,7 +56,6 @@ def _output_dir(args: argparse.Namespace, result: FrontendResult, program: Progr
 
 
 def _cmd_synth(args: argparse.Namespace) -> int:
-    from dtdsl.cli import EXIT_OK, _load_program
     from dtdsl.data.shards import DatasetError, DatasetExists, check_writable, write_dataset
     from dtdsl.data.synth import provenance, synthesize
     from dtdsl.driver import UsageError
@@ -93,7 +97,6 @@ def _cmd_synth(args: argparse.Namespace) -> int:
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
-    from dtdsl.cli import EXIT_OK, _load_program, _write_file
     from dtdsl.data.shards import DatasetError
     from dtdsl.data.stats import DEFAULT_PATCH, measure, stats_json, stats_table, summarize
     from dtdsl.data.text import TokenizerError
@@ -192,7 +195,6 @@ def _open(source: str, program: Program | None, *, rebuild: bool = False,
 
 
 def _cmd_index(args: argparse.Namespace) -> int:
-    from dtdsl.cli import EXIT_OK
     from dtdsl.data.shards import DatasetError
     from dtdsl.data.text import TokenizerError
     from dtdsl.driver import UsageError
@@ -237,7 +239,6 @@ def _text_options(parser: argparse.ArgumentParser) -> None:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``data`` (with ``synth``, ``stats`` and ``index``) to dtc's subcommands."""
-    from dtdsl.cli import _positive_int
     from dtdsl.data.shards import DEFAULT_SAMPLES_PER_SHARD
 
     data = subparsers.add_parser("data", help="synthesise a dataset that follows a spec, "

@@ -16,7 +16,7 @@ of those places are open to someone the job does not trust:
   resolves only DCP's metadata classes and the torch types in them (``_Allowed``), and
   checks that every storage entry names a plain file inside the checkpoint directory.
 
-What stays trusted, and is documented as such (``docs/architecture.md``, "Trust
+What stays trusted, and is documented as such (``docs/codegen.md``, "Trust
 boundaries"): the process group's own connections (``dcp.load`` runs its planning over
 them with torch's object collectives, as NCCL and gloo carry the tensors), which is why a
 job's rendezvous must be on a network only the job's hosts reach.

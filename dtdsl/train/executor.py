@@ -1,112 +1,43 @@
 """The schedule executor: one rank runs its stage's actions of the Schedule IR.
 
-Each global rank is one (stage, replica, tp_index) of one unit (``mesh.role_of``). Per
-training step it
+Each global rank is one (stage, replica, cp_index, tp_index) of one unit
+(``parallel.mesh``). Per training step (``StageExecutor.run_step``) it
 
-1. takes the step's ``batch.StepBatch`` from its feed (``batch.BatchSource``; by default
-   ``batch.LocalBatches``, which builds it in this process from the spec's synthetic
-   data; in a launched job the preprocessing workers of ``dtdsl.feed`` build it on CPU
-   nodes ahead of time): the routing of every unit replica at every microbatch step under
-   the spec's reorder policy, the samples this rank reads with only the parts it reads
-   (images on an encoder, tokens on the backbone's first stage, generation targets on a
-   generator), and the loss denominators of the whole batch;
-2. this happens before the step's barrier, off the timed actions;
-3. runs its stage's action list in program order:
+1. takes the step's ``data.batch.StepBatch`` from its feed (``data.batch.BatchSource``:
+   ``data.batch.LocalBatches`` in this process, or the preprocessing workers of
+   ``dtdsl.feed`` in a launched job), off the timed actions: the routing of every unit
+   replica per microbatch step, the sizes of every sample, the samples this rank reads
+   (``data.batch.reads_of``) and the loss denominators of the whole batch;
+2. runs its stage's action list in program order:
 
-   - ``F``: the stage's slice of the unit (and the co-located units it hosts, below) on
-     this replica's samples of the step. Input:
-     the encoder's first stage reads the images; an inner stage the activations its
-     ``RECV_F`` got from the previous stage of the same replica and TP index (PP
-     point-to-point, the broker's wire format); the backbone's and a generator's first
-     stage the per-sample tensors its ``RECV_F`` got from the ``Broker``. The encoder's
-     projector runs on the encoder's last stage, a generator's projector on the
-     generator's (only) stage. Losses (the backbone's last stage, the generators) are
-     already divided by the global denominators, so they are summed, never averaged.
-   - ``B``: autograd backward from the outputs of ``F`` with the gradients ``RECV_B``
-     received (plus the loss itself where the stage has one); the gradients of the
-     stage's inputs are kept for ``SEND_B``.
-   - ``SEND_F`` / ``SEND_B``: within a unit ``send_tensors`` to the neighbour stage of
-     the same replica and TP index, across units ``Broker.send_forward`` /
-     ``send_backward``. Non-blocking: the handles are waited on at the end of the step
-     (``send_tensors`` copies into its own buffers, so nothing is reused too early).
-   - ``RECV_F`` / ``RECV_B``: the matching blocking receives. Both directions use the
-     broker's eager wire messages (one transfer for a message of at most
-     ``broker.EAGER_BYTES``: no dependent header round trip), and the receives of the
-     rank's next ``_PREPOST`` RECV actions are posted ahead (the first at the start of
-     the step), so a message travels as soon as it is sent (``broker.post_recv``).
-   - ``SYNC`` / ``OPT``: markers. Gradient reduction and the update happen in one
-     ``optim.optimizer_step`` that EVERY rank calls after its action list (with no
-     optimizer where its stage trains nothing), because the global gradient norm and the
-     inf/NaN agreement are collectives over the whole job; the step's losses are summed
-     over the job in the same all-reduce. On a stage that trains, the time of that call
-     is recorded as its ``SYNC`` (the DP reduce is inside it) and ``OPT`` events.
+   - ``F`` / ``B``: the stage's slice of the unit (with the units co-located on it) on
+     this replica's samples; losses are already divided by the global denominators, so
+     they are summed. ``B`` keeps the gradients of the stage's inputs for ``SEND_B``.
+   - ``SEND_*`` / ``RECV_*``: within a unit, ``parallel.p2p.P2P`` to the neighbour stage
+     of the same replica and TP index (receives name their shapes from the plan and the
+     sample sizes, so a message is one transfer; consecutive communication actions go out
+     as one batch); across units, ``parallel.broker.Broker``, routed per sample.
+   - ``SYNC`` / ``OPT``: markers. FSDP2 reduces the gradients (``Stage.reduce_early``,
+     ``Stage.reduce_gradients``), then EVERY rank calls ``train.optim.optimizer_step``
+     once, since the global gradient norm, the inf/NaN skip and the step's loss totals
+     are one all-reduce over the whole job; on a stage that trains, that call is its
+     ``SYNC`` and ``OPT`` events.
 
-Timing (``train.clock``): each action's start and end are marks of the step's clock, read
-once after the optimizer step: CUDA events on the device's stream on a GPU (a pass's time
-is its kernels', not their launch), host time on the CPU, where ops are synchronous.
+Tensor parallelism is ``parallel.tp.parallelize_unit`` (attention and MLP blocks sharded,
+a backbone with sequence parallelism and a vocabulary-parallel embedding and LM head);
+context parallelism is ``parallel.cp``. Co-located units (``parallel.mesh.hosted_units``)
+run inside their host stage's ``F`` and ``B``. A phased encoder
+(``parallel.mesh.phased_units``) runs on every backbone rank outside the schedule: a
+forward phase before the first action (embeddings sent to the backbone's first stage) and
+a backward phase after the last (``_phase_forward``, ``_phase_backward``); each phase is
+one event with no microbatch on the rank's own row.
 
-Message tags: ``broker.message_tag(step * M + j, direction)`` for microbatch step ``j``
-of training step ``step``; PP pairs and broker pairs are different rank pairs, and gloo
-matches by (source, tag), so no two messages in flight can be confused.
+Timing (``train.clock``): each action's start and end are marks read once after the
+optimizer step (CUDA events on a GPU, host time on the CPU). ``gather_timeline`` collects
+the measured ``sim.timeline.Timeline`` of timed steps.
 
-Gradients are summed over DP replicas and microbatches (``Zero1AdamW(average=False)``),
-AdamW with the spec's settings on every trainable parameter, global-norm clipping at
-``train.grad_clip``: exactly ``reference.train_reference``'s update.
-
-Tensor parallelism (every unit): each TP rank builds the full unit and keeps its shard
-(``tp.shard_unit``: DTensor ``ColwiseParallel``/``RowwiseParallel`` on the attention and
-MLP blocks, all-reduces inside them); activations between blocks, the projector and the
-inputs are replicated, so every TP rank runs the same actions on the same samples, the
-broker's TP leader talks to other units and broadcasts what it receives, and PP
-neighbours pair by TP index. The optimizer updates the DTensor parameters through their
-local shards and counts replicated parameters once in the norm.
-
-Only the last backbone stage's TP leader adds the LM loss to the reported total (every TP
-rank computes it); a generator's TP leader likewise adds its loss.
-
-Co-located units (issue 27; ``UnitPlan.colocated``, ``parallel.mesh.hosted_units``): an
-encoder the plan co-locates runs on the backbone's first stage, a generator on its last,
-built into that stage's module (``train.stage``) and run inside its ``F``: the first stage
-packs its microbatch's images (``pack_images``), and its forward runs them through the
-encoder and its projector (``_encoder_pass``, as an encoder unit of one stage does) and
-splices the per-sample embeddings into ``backbone_input``, with no broker and one autograd
-graph; the last stage's forward runs each co-located generator on the conditioning of its
-final hidden states (``conditioning``, ``document_targets``, ``generator_step``) and
-returns its loss sum, which joins the LM loss in the microbatch's loss (the leader counts
-it in the generation total). ``B`` differentiates that sum through all of them. The
-schedule has no stage of theirs (``Schedule.empty``): their passes are part of the host
-stage's ``F`` and ``B`` and of its measured events, as the simulator folds them into the
-host stage's times; the host trains when they do (``schedule.lower.gradient_flow``).
-
-Phased encoders (issue 27; ``UnitPlan.phased``, ``parallel.mesh.phased_units``): an
-encoder the plan phases runs on every backbone rank, outside the schedule, as a stage of
-its own (``Stage.phased``: its shards over its DP group of every backbone rank with the
-same TP index, ``parallel.mesh.phased_grid``), in the pipeline's bubbles: each microbatch
-step's images are encoded by one stage of their replica's pipeline
-(``sim.workload.phase_fit``, from the plan alone; the routing's ``assignment`` of the
-encoder is that stage * dp + replica and ``data.batch.reads_of`` gives the rank their
-images). Before the schedule's first action, the *forward phase* (a later stage idles
-there anyway): each rank encodes its steps under ``no_grad``; a later stage sends each
-step's embeddings to the backbone's first stage of its replica and TP index as soon as
-they are encoded (one message per step, shapes from ``StepBatch.sizes``), without waiting
-for them to arrive; the first stage keeps its own, posts the receives of every other
-stage's at once and waits for a step's only before its ``F`` of it (``_phase_arrivals``),
-holding them as autograd leaves it feeds to ``backbone_input`` as it would a broker's.
-Both sides post these messages before any of the schedule's, so in-order matching pairs
-them whatever else the two ranks exchange. Where the encoder or its projector trains,
-the first stage sends a later stage its share's embedding gradients (one message) once
-its ``B`` of the last of that stage's steps has run and, for stage 1, after its last
-``SEND_F`` (that rank receives the activations first; ``_phase_grads_due``). After the
-schedule's last action (and the stage's own reduction), the *backward phase*: every rank
-recomputes its share's forward one microbatch step at a time and runs backward with those
-gradients; then every rank reduces the encoder's gradients over its DP group, share or no
-share. Each phase is an ``F`` or ``B`` event with no microbatch on the rank's own
-(backbone) row of the measured timeline: one row per GPU, as in the simulator's
-predicted timeline, which places every step's encoder passes on its stage's row
-(``sim.simulate``'s ``Durations.bubbles``).
-
-Limits: interleaved schedules (vpp > 1) raise NotImplementedError; a U-Net or DiT
-generator runs on one pipeline stage; one image encoder (phased or not).
+Limits: interleaved schedules (vpp > 1), a generator over more than one pipeline stage
+and more than one phased encoder raise NotImplementedError.
 """
 
 from __future__ import annotations

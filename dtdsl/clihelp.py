@@ -1,0 +1,74 @@
+"""What ``dtc`` and ``dtc data`` share: exit codes, argparse types, loading a spec, writing
+a file whole.
+
+It lives apart from ``dtdsl.cli`` so that ``dtdsl.data.cli`` can use it without importing
+``dtdsl.cli`` (which imports ``dtdsl.data.cli``): no import cycle between the two commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from dtdsl.diagnostics import render_text
+from dtdsl.driver import FrontendResult, UsageError, read_spec, run_frontend
+
+__all__ = [
+    "EXIT_ERRORS", "EXIT_INTERNAL", "EXIT_OK", "EXIT_USAGE", "int_at_least", "load_program",
+    "non_negative", "positive_int", "write_file",
+]
+
+EXIT_OK, EXIT_ERRORS, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
+
+
+def int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: a whole number of at least ``low``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}") \
+                from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected at least {low}, not {value}")
+        return value
+    return parse
+
+
+positive_int = int_at_least(1)
+non_negative = int_at_least(0)
+
+
+def load_program(path: str) -> tuple[FrontendResult | None, int]:
+    """Check one spec for a command that needs its Program: the result, or None and the
+    exit code after reporting why (diagnostics, warnings too, on stderr)."""
+    try:
+        name, data = read_spec(path)
+    except UsageError as err:
+        print(f"dtc: error: {err}", file=sys.stderr)
+        return None, EXIT_USAGE
+    result = run_frontend(name, data)
+    if result.diagnostics:
+        sys.stderr.write(render_text(result.diagnostics, result.source, result.name))
+    if not result.ok or result.program is None:
+        return None, EXIT_ERRORS
+    return result, EXIT_OK
+
+
+def write_file(path: str, text: str) -> None:
+    """Write a whole file or nothing: a temporary file beside it, renamed into place."""
+    target = Path(path)
+    if target.is_dir():
+        raise UsageError(f"{path} is a directory; give a file name")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=target.parent if str(target.parent) else ".",
+                                   prefix=f".{target.name}.", suffix=".tmp")
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
+            f.write(text)
+        os.replace(tmp, target)
+    except OSError as err:
+        raise UsageError(f"cannot write {path}: {err.strerror or err}") from None
