@@ -17,10 +17,10 @@ SPECS = sorted((ROOT / "specs").glob("*.dt"))
 
 def pytest_collection_modifyitems(config, items):
     """The slowest files first (``tests/slowest.txt``, by their tests' summed time; a line
-    naming a test ranks its file), each file's tests together and in their order (a module-scoped fixture
-    is built once), the rest in collection order: under pytest-xdist a long test that
-    starts last holds the run up while the other workers wait. The order is the same on
-    every worker (xdist requires it)."""
+    naming a test ranks its file), each file's tests together and in their order (a
+    module-scoped fixture is built once), the rest in collection order: under pytest-xdist
+    a long test that starts last holds the run up while the other workers wait. The order
+    is the same on every worker (xdist requires it)."""
     rank: dict[str, int] = {}
     for line in (ROOT / "tests" / "slowest.txt").read_text().splitlines():
         if line.strip() and not line.startswith("#"):
