@@ -5,7 +5,7 @@ Three layers:
 
 - a ``SampleSource`` says which samples make up a step's global batch and builds any of
   them: ``SyntheticSource`` draws them from the spec's distributions
-  (``data.make_sample``), ``dtdsl.feed.source.DatasetSource`` reads a dataset;
+  (``data.sample.make_sample``), ``dtdsl.feed.source.DatasetSource`` reads a dataset;
 - ``route_batch`` decides where every sample of a batch goes under the spec's reorder
   policy, with the simulator's own rule (``dtdsl.sim.workload.route``: inter-microbatch
   grouping of samples of similar work into steps and their order for 1F1B over the whole
@@ -146,7 +146,7 @@ class BatchSource(Protocol):
 
 
 class SyntheticSource:
-    """Samples drawn from the spec's data distributions (``data.make_sample``): document
+    """Samples drawn from the spec's data distributions (``data.sample.make_sample``): document
     ``i`` of step ``s`` is seeded from ``(train.seed, s, i)`` alone. Position ``i`` is
     document ``i``; with ``train.packing``, the documents ``0, 1, 2, ...`` of the step
     packed into ``global_batch`` sequences (``data.layout.pack``; those left in sequences
@@ -243,8 +243,8 @@ def _image_tokens(program: ir.Program) -> EncoderInputs:
 
 
 def normalizer_of(program: ir.Program, sizes: Sequence[SampleSizes]) -> Normalizer:
-    """``model.loss_normalizer`` of a batch from its samples' sizes alone (``data.layout``'s
-    rule: each sample's trained tokens that fit in ``seq_len``)."""
+    """``models.multimodal.loss_normalizer`` of a batch from its samples' sizes alone
+    (``data.layout``'s rule: each sample's trained tokens that fit in ``seq_len``)."""
     tokens, seq_len = _image_tokens(program), program.train.seq_len
     text = sum(layout_of(sz, tokens, seq_len).loss_tokens for sz in sizes)
     gen = sum(sz.num_gen_targets for sz in sizes)

@@ -10,7 +10,7 @@ The forward pass is three steps, one per kind of unit, each a plain function of 
 unit's torch modules and its inputs:
 
 - ``encode(model, samples)``: each sample's images (grouped by size, no padding, see
-  ``data.pack_images``) through the ViT and the encoder->backbone projector (which
+  ``data.sample.pack_images``) through the ViT and the encoder->backbone projector (which
   compresses each image's patch grid when the spec says so, ``models.mlp``): one
   ``[image tokens_i, hidden_llm]`` tensor per sample. Split into ``encoder_input`` and
   ``encoder_layers(encoder, xs, start, stop)`` for pipeline stages.

@@ -3,7 +3,7 @@
 Each step ``s`` (0, 1, ...) takes the global batch of a ``batch.SampleSource`` (by default
 the spec's synthetic data, ``data.make_batch(program, s)``; a dataset's batches with
 ``dtdsl.feed.source.DatasetSource``), in position order,
-computes the loss denominators over the whole batch (``model.loss_normalizer``), runs
+computes the loss denominators over the whole batch (``models.multimodal.loss_normalizer``), runs
 the batch in microbatches of ``train.micro_batch`` consecutive samples, accumulating
 gradients (the microbatch losses are already divided by the global denominators, so
 they are summed, not averaged), clips the global gradient norm to
