@@ -59,10 +59,6 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"dtc: error: {message}\n")
 
 
-_positive_int = positive_int
-_non_negative = non_negative
-
-
 def _slurm_option(check: Callable[..., str], *args: str) -> Callable[[str], str]:
     """An argparse type: a value ``check`` (``codegen.slurm``) accepts for slurm.sbatch."""
     def parse(text: str) -> str:
@@ -175,9 +171,6 @@ def _cmd_fmt(args: argparse.Namespace) -> int:
     return exit_code
 
 
-_load_program = load_program
-
-
 def _efficiency(values: Sequence[str] | None) -> Efficiency:
     """``--efficiency matmul=0.6`` (repeatable; a bare number sets every kind)."""
     from dtdsl.cost.model import Efficiency
@@ -241,7 +234,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from dtdsl.planner import EXHAUSTIVE_MAX_GPUS, Infeasible, PlannerError, plan
     from dtdsl.report import progress_bar, render_plan, wide_console
 
-    result, code = _load_program(args.spec)
+    result, code = load_program(args.spec)
     if result is None:
         return code
     program = result.program
@@ -268,7 +261,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         raise RuntimeError(f"the planner failed: {err}") from err
     text = the_plan.model_dump_json(indent=2) + "\n"
     if args.output:
-        _write_file(args.output, text)
+        write_file(args.output, text)
     if args.json:
         sys.stdout.write(text)
     else:
@@ -425,7 +418,7 @@ def _cmd_memcheck(args: argparse.Namespace) -> int:
     from dtdsl.report import progress_bar
     from dtdsl.train.memplan import check_memory, format_stages
 
-    result, code = _load_program(args.spec)
+    result, code = load_program(args.spec)
     if result is None:
         return code
     program = result.program
@@ -455,7 +448,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from dtdsl.sim.trace import write_trace
     from dtdsl.sim.workload import WorkModel, parse_policy
 
-    result, code = _load_program(args.spec)
+    result, code = load_program(args.spec)
     if result is None:
         return code
     program = result.program
@@ -570,14 +563,11 @@ def _cmd_reorder(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-_write_file = write_file
-
-
 def _cmd_profile(args: argparse.Namespace) -> int:
     from dtdsl.cost.profile import profile_program, save_profile
     from dtdsl.report import progress_bar, render_profile, wide_console
 
-    result, code = _load_program(args.spec)
+    result, code = load_program(args.spec)
     if result is None:
         return code
     program = result.program
@@ -608,7 +598,7 @@ def _cmd_graph(args: argparse.Namespace) -> int:
     from dtdsl.ir.graph import build_graph, graph_dot, graph_text
     from dtdsl.ir.plan import Plan
 
-    result, code = _load_program(args.spec)
+    result, code = load_program(args.spec)
     if result is None:
         return code
     plan = None
@@ -624,7 +614,7 @@ def _cmd_graph(args: argparse.Namespace) -> int:
     graph = build_graph(result.program, plan)
     text = graph_dot(graph) if args.dot else graph_text(graph)
     if args.output:
-        _write_file(args.output, text)
+        write_file(args.output, text)
     else:
         sys.stdout.write(text)
     return EXIT_OK
@@ -651,7 +641,7 @@ def _cmd_reference(args: argparse.Namespace) -> int:
 
     from dtdsl.train.reference import train_reference
 
-    result, code = _load_program(args.spec)
+    result, code = load_program(args.spec)
     if result is None:
         return code
     program = result.program
@@ -749,7 +739,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     from dtdsl.codegen.emit import BundleError
     from dtdsl.codegen.slurm import SlurmOptions
 
-    result, code = _load_program(args.spec)
+    result, code = load_program(args.spec)
     if result is None:
         return code
     program = result.program
@@ -791,7 +781,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
     program = None
     if args.spec is not None:
-        result, code = _load_program(args.spec)
+        result, code = load_program(args.spec)
         if result is None:
             return code
         program = result.program
@@ -840,7 +830,7 @@ def _parser() -> argparse.ArgumentParser:
 
     plan = sub.add_parser("plan", help="choose GPUs and TP/DP/PP for every module")
     plan.add_argument("spec", metavar="SPEC", help="spec file ('-' for stdin)")
-    plan.add_argument("--gpus", type=_positive_int, metavar="N",
+    plan.add_argument("--gpus", type=positive_int, metavar="N",
                       help="plan for N GPUs instead of the spec's cluster.gpus")
     plan.add_argument("--search", choices=("convex", "exhaustive", "baseline"),
                       default="convex", help="convex: DistTrain's Algorithm 1 (default); "
@@ -855,7 +845,7 @@ def _parser() -> argparse.ArgumentParser:
                       "fraction sets all)")
     plan.add_argument("--json", action="store_true", help="print the Plan as JSON")
     plan.add_argument("-o", "--output", metavar="FILE", help="also write the Plan JSON here")
-    plan.add_argument("--simulate-steps", type=_non_negative, default=SIMULATE_STEPS,
+    plan.add_argument("--simulate-steps", type=non_negative, default=SIMULATE_STEPS,
                       metavar="N",
                       help="plan for N global batches drawn from the spec's data: the "
                       "layouts near the optimum at mean work, ranked by their estimated "
@@ -876,11 +866,11 @@ def _parser() -> argparse.ArgumentParser:
     prof.add_argument("--tp", metavar="DEGREES",
                       help="TP degrees to measure, e.g. 1,2,4 (default: those each module "
                       "allows up to 8)")
-    prof.add_argument("--repeats", type=_positive_int, default=3,
+    prof.add_argument("--repeats", type=positive_int, default=3,
                       help="timed passes per point (the median is kept)")
     prof.add_argument("--warmup", type=int, default=1, help="untimed passes per point")
     prof.add_argument("--device", help="cpu or cuda (default: cuda when there is one)")
-    prof.add_argument("--threads", type=_positive_int, default=1,
+    prof.add_argument("--threads", type=positive_int, default=1,
                       help="torch CPU threads while measuring (default 1)")
     prof.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
     prof.set_defaults(func=_cmd_profile)
@@ -904,7 +894,7 @@ def _parser() -> argparse.ArgumentParser:
                       help="a profile from `dtc profile`: measured module times")
     comp.add_argument("--efficiency", action="append", metavar="KIND=FRACTION",
                       help="analytic model efficiency (see `dtc plan --help`)")
-    comp.add_argument("--steps", type=_positive_int, metavar="N",
+    comp.add_argument("--steps", type=positive_int, metavar="N",
                       help="training steps (default: the spec's train.steps)")
     comp.add_argument("--workers", type=int, metavar="N",
                       help="preprocessing worker processes, spread over the nodes: each "
@@ -939,9 +929,9 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("spec", metavar="SPEC", help="spec file ('-' for stdin)")
     sim.add_argument("--plan", metavar="PLAN", help="a Plan JSON (`dtc plan -o`); default: "
                      "plan the spec now (convex search)")
-    sim.add_argument("--gpus", type=_positive_int, metavar="N",
+    sim.add_argument("--gpus", type=positive_int, metavar="N",
                      help="plan for N GPUs instead of the spec's cluster")
-    sim.add_argument("--steps", type=_positive_int, default=4,
+    sim.add_argument("--steps", type=positive_int, default=4,
                      help="training steps (global batches) to simulate (default 4)")
     sim.add_argument("--reorder", choices=("none", "intra", "inter", "both"),
                      help="sample reordering (default: the spec's train.reorder)")
@@ -962,7 +952,7 @@ def _parser() -> argparse.ArgumentParser:
     intra = reo_sub.add_parser("intra", help="balance samples over DP groups of equal count")
     intra.add_argument("--costs", required=True, metavar="FILE",
                        help="a JSON list of per-sample costs ('-' for stdin)")
-    intra.add_argument("--groups", required=True, type=_positive_int, metavar="G",
+    intra.add_argument("--groups", required=True, type=positive_int, metavar="G",
                        help="number of data-parallel groups")
     intra.add_argument("--json", action="store_true", help="print the result as JSON")
     intra.set_defaults(func=_cmd_reorder)
@@ -970,7 +960,7 @@ def _parser() -> argparse.ArgumentParser:
     inter.add_argument("--costs", required=True, metavar="FILE",
                        help='a JSON object {"forward": [...], "backward": [...], '
                        '"stage_forward": f, "stage_backward": b} (\'-\' for stdin)')
-    inter.add_argument("--stages", required=True, type=_positive_int, metavar="P",
+    inter.add_argument("--stages", required=True, type=positive_int, metavar="P",
                        help="pipeline stages: the first takes the per-microbatch times, "
                        "P-1 more take stage_forward and stage_backward")
     inter.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -987,7 +977,7 @@ def _parser() -> argparse.ArgumentParser:
     mem.add_argument("--efficiency", action="append", metavar="KIND=FRACTION",
                      help="analytic model efficiency (see `dtc plan --help`)")
     mem.add_argument("--json", action="store_true", help="print JSON: {\"stages\": [...]}")
-    mem.add_argument("--jobs", type=_positive_int, default=os.cpu_count() or 1, metavar="N",
+    mem.add_argument("--jobs", type=positive_int, default=os.cpu_count() or 1, metavar="N",
                      help="stages measured at once, each in a process of its own (default: "
                      "the CPU count)")
     _add_placement(mem, given_plan=True)
@@ -996,11 +986,11 @@ def _parser() -> argparse.ArgumentParser:
     ref = sub.add_parser("reference", help="train the spec single-process in fp32 on the CPU: "
                          "the per-step losses a distributed run must match")
     ref.add_argument("spec", metavar="SPEC", help="spec file ('-' for stdin)")
-    ref.add_argument("--steps", type=_positive_int, metavar="N",
+    ref.add_argument("--steps", type=positive_int, metavar="N",
                      help="training steps (default: the spec's train.steps)")
     ref.add_argument("--out", metavar="FILE",
                      help="write one JSON line per step here (default: stdout)")
-    ref.add_argument("--micro-batch", type=_positive_int, metavar="M",
+    ref.add_argument("--micro-batch", type=positive_int, metavar="M",
                      help="samples per microbatch (default: the spec's train.micro_batch)")
     ref.add_argument("--seed", type=int, help="initialisation seed (default: train.seed)")
     ref.add_argument("--data", metavar="DIR", help="train on this dataset's batches (as a "
@@ -1008,7 +998,7 @@ def _parser() -> argparse.ArgumentParser:
     ref.add_argument("--plan", metavar="FILE", help="with sync = local_sgd: the plan (`dtc "
                      "plan -o`) whose replicas and routing to follow (default: the plan dtc "
                      "plan gives)")
-    ref.add_argument("--threads", type=_positive_int, help="torch CPU threads")
+    ref.add_argument("--threads", type=positive_int, help="torch CPU threads")
     ref.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
     ref.set_defaults(func=_cmd_reference)
 
@@ -1016,7 +1006,7 @@ def _parser() -> argparse.ArgumentParser:
                          "directories, one per unit (transformers / diffusers load them)")
     exp.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (its newest "
                      "checkpoint) or a checkpoint directory")
-    exp.add_argument("--step", type=_positive_int, metavar="N",
+    exp.add_argument("--step", type=positive_int, metavar="N",
                      help="the checkpoint after N steps (default: the newest)")
     exp.add_argument("-o", "--output", required=True, metavar="DIR",
                      help="where to write: DIR/<unit>/ for each unit")

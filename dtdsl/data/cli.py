@@ -13,10 +13,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dtdsl.clihelp import EXIT_OK
-from dtdsl.clihelp import load_program as _load_program
-from dtdsl.clihelp import positive_int as _positive_int
-from dtdsl.clihelp import write_file as _write_file
+from dtdsl.clihelp import EXIT_OK, load_program, positive_int, write_file
 
 if TYPE_CHECKING:
     from dtdsl.driver import FrontendResult
@@ -61,7 +58,7 @@ def _cmd_synth(args: argparse.Namespace) -> int:
     from dtdsl.driver import UsageError
     from dtdsl.report import format_bytes, progress_bar
 
-    result, code = _load_program(args.spec)
+    result, code = load_program(args.spec)
     if result is None:
         return code
     program = result.program
@@ -106,7 +103,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     patch, max_patches = args.patch or DEFAULT_PATCH, None
     program = policy = None
     if args.spec is not None:
-        result, code = _load_program(args.spec)
+        result, code = load_program(args.spec)
         if result is None:
             return code
         program = result.program
@@ -147,7 +144,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
         title += "; " + told
     text = stats_json(values)
     if args.output:
-        _write_file(args.output, text)
+        write_file(args.output, text)
     if args.json:
         sys.stdout.write(text)
     else:
@@ -251,12 +248,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     synth.add_argument("-o", "--output", metavar="DIR",
                        help="output directory (default: the spec's data.source, relative to "
                        "the spec's folder)")
-    synth.add_argument("--samples", type=_positive_int, metavar="N",
+    synth.add_argument("--samples", type=positive_int, metavar="N",
                        help="how many samples (default: data.samples, else 4 x global_batch "
                        f"x steps, at most {DEFAULT_MAX_SAMPLES})")
     synth.add_argument("--seed", type=int, metavar="S",
                        help="random seed (default: the spec's train.seed)")
-    synth.add_argument("--shard-size", type=_positive_int, metavar="N",
+    synth.add_argument("--shard-size", type=positive_int, metavar="N",
                        default=DEFAULT_SAMPLES_PER_SHARD,
                        help=f"samples per shard (default {DEFAULT_SAMPLES_PER_SHARD})")
     synth.add_argument("--overwrite", action="store_true",
@@ -274,7 +271,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="count image patches with this spec's image encoder (its patch, "
                      "and the clamp of image.patches), audio and video tokens with its audio "
                      "and video encoders")
-    how.add_argument("--patch", type=_positive_int, metavar="PX",
+    how.add_argument("--patch", type=positive_int, metavar="PX",
                      help="patch size in pixels for image.patches (default 14)")
     _text_options(stats)
     stats.add_argument("--json", action="store_true",
