@@ -32,6 +32,7 @@ from dtdsl.planner.evaluate import Evaluator
 from dtdsl.schedule.lower import lower
 from dtdsl.sim.simulate import Simulator
 from dtdsl.sim.workload import WorkModel, batch_samples, iteration_durations, route
+from tests.pipeline_ref import one_f_one_b_events
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = (ROOT / "specs" / "tiny_cpu.dt").read_text()
@@ -149,35 +150,9 @@ def test_the_layout_is_chosen_on_the_drawn_batches_not_by_mean_work():
 # ---- uneven first and last stages ---------------------------------------------------------
 
 def one_f_one_b_by_events(fwd, bwd, microbatches):
-    """1F1B played out: stage s runs min(pp - s - 1, m) forwards, then alternates a
-    forward and a backward, then the remaining backwards; a forward waits for the stage
-    before, a backward for the stage after (the last stage's for its own forward)."""
-    pp = len(fwd)
-    orders = []
-    for s in range(pp):
-        warm = min(pp - s - 1, microbatches)
-        ops, forwards = [("F", j) for j in range(warm)], warm
-        for j in range(microbatches):
-            if forwards < microbatches:
-                ops.append(("F", forwards))
-                forwards += 1
-            ops.append(("B", j))
-        orders.append(ops)
-    done, at, clock = {}, [0] * pp, [0.0] * pp
-    while any(at[s] < len(orders[s]) for s in range(pp)):
-        for s in range(pp):
-            while at[s] < len(orders[s]):
-                kind, j = orders[s][at[s]]
-                if kind == "F":
-                    ready = done.get(("F", s - 1, j)) if s > 0 else 0.0
-                else:
-                    ready = done.get(("B", s + 1, j)) if s < pp - 1 else done.get(("F", s, j))
-                if ready is None:
-                    break
-                clock[s] = max(clock[s], ready) + (fwd[s] if kind == "F" else bwd[s])
-                done[(kind, s, j)] = clock[s]
-                at[s] += 1
-    return max(clock)
+    """1F1B played out (``tests.pipeline_ref``): when every stage's last backward ends."""
+    _, b_end = one_f_one_b_events(fwd, bwd, microbatches, 0.0)
+    return max(stage[-1] for stage in b_end)
 
 
 def test_the_1f1b_time_of_uneven_stages():

@@ -26,6 +26,7 @@ from dtdsl.sim.workload import (
     phase_fit,
     route,
 )
+from tests.pipeline_ref import one_f_one_b_events
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -57,51 +58,13 @@ def test_one_f_one_b_times_are_the_simulators():
             assert e.end_s == pytest.approx(b_end[e.stage][e.microbatch])
 
 
-def _event_loop_times(fwd_s, bwd_s, m, hop_s):
-    """1F1B's pass times by an event loop that retries each stage until its next pass's
-    input is ready: the reference ``one_f_one_b_times`` (which takes the passes in one
-    precomputed order) must equal bit for bit."""
-    pp = len(fwd_s)
-    f_start, f_end, b_end = ([[0.0] * m for _ in range(pp)] for _ in range(3))
-    done_f, done_b = ([[False] * m for _ in range(pp)] for _ in range(2))
-    orders = []
-    for s in range(pp):
-        warm = min(pp - 1 - s, m)
-        order, nf = [("F", j) for j in range(warm)], warm
-        for j in range(m):
-            if nf < m:
-                order.append(("F", nf))
-                nf += 1
-            order.append(("B", j))
-        orders.append(order)
-    pos, free = [0] * pp, [0.0] * pp
-    while any(pos[s] < len(orders[s]) for s in range(pp)):
-        for s in range(pp):
-            while pos[s] < len(orders[s]):
-                kind, j = orders[s][pos[s]]
-                if kind == "F":
-                    if s > 0 and not done_f[s - 1][j]:
-                        break
-                    start = max(free[s], f_end[s - 1][j] + hop_s if s > 0 else 0.0)
-                    f_start[s][j], f_end[s][j] = start, start + fwd_s[s]
-                    free[s], done_f[s][j] = f_end[s][j], True
-                else:
-                    if s < pp - 1 and not done_b[s + 1][j]:
-                        break
-                    ready = b_end[s + 1][j] + hop_s if s < pp - 1 else f_end[s][j]
-                    b_end[s][j] = max(free[s], ready) + bwd_s[s]
-                    free[s], done_b[s][j] = b_end[s][j], True
-                pos[s] += 1
-    return f_start, b_end
-
-
 @settings(max_examples=60, deadline=None)
 @given(st.integers(1, 9), st.integers(1, 24), st.integers(0, 2**31 - 1),
        st.sampled_from([0.0, 1e-3, 0.37]))
 def test_one_f_one_b_times_equal_an_event_loop_bit_for_bit(pp, m, seed, hop):
     rng = np.random.default_rng(seed)
     fwd, bwd = rng.uniform(0.01, 2.0, pp).tolist(), rng.uniform(0.01, 4.0, pp).tolist()
-    assert one_f_one_b_times(fwd, bwd, m, hop) == _event_loop_times(fwd, bwd, m, hop)
+    assert one_f_one_b_times(fwd, bwd, m, hop) == one_f_one_b_events(fwd, bwd, m, hop)
 
 
 def test_a_hand_made_case():
