@@ -29,8 +29,8 @@ step (less what the plain side holds); ``benchmarks/gpu_check.py`` runs it these
 Measured on an H200 (torch 2.11, bf16, the GPU sizes below, 20 steps, 17 timed; the plain
 loop's loss kept on the device; benchmarks/results/gpu_check-h200-2026-11-27-run7.json):
 compiled runtime against the compiled plain loop 1.165 (median of per-step ratios; 278 vs
-237 ms median steps), eager against eager 1.199. A 7-step run on the same machine kind an
-hour before read 0.995 and 1.009 (run6): steps differ by up to 1.5x between batches and
+237 ms median steps), eager against eager 1.199. A 7-step run on the same machine kind
+earlier read 0.995 and 1.009 (run6): steps differ by up to 1.5x between batches and
 processes, so few steps do not decide it. Where the excess goes (``--trace``,
 ``--trace-plain``): at this size both sides leave the GPU idle for over a third of a
 traced step (host-bound), and the runtime's host does ~100 ms more per traced step, most
