@@ -386,16 +386,24 @@ def _block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     m = q.shape[2]
     # The kernel's log-sum-exp rows come in whole tiles of 32.
     lse = F.pad(lse, (0, -(-m // 32) * 32 - m))
-    # It reads ``out`` in the layout its forward writes, [B, M, H, D] in memory: it takes
-    # the batch and head strides from the tensor but computes the row stride as H * D
-    # (``o_strideM`` in torch's mem_eff_attention/kernel_backward.h). The ring's merged
-    # ``out`` is a [B, H, S, D] chunk, which it would read at the wrong rows.
-    out = out.transpose(1, 2).contiguous().transpose(1, 2)
+    out = _in_kernel_layout(out)
     empty = torch.empty((), dtype=torch.int64, device=q.device)
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
         dout, q, _repeat(k, groups), _repeat(v, groups), _per_head(block.bias, q.shape[1]),
         out, lse, empty, empty, 0.0, [True, True, True, False], causal, scale=scale)
     return dq, _reduce(dk, groups), _reduce(dv, groups)
+
+
+def _in_kernel_layout(out: torch.Tensor) -> torch.Tensor:
+    """``out [B, H, M, D]`` as CUDA's memory-efficient backward reads it: in the layout its
+    forward writes, [B, M, H, D] in memory. It takes the batch and head strides from the
+    tensor but computes the row stride as H * D (``o_strideM`` in torch's
+    mem_eff_attention/kernel_backward.h), so a [B, H, S, D] chunk would be read at the
+    wrong rows. A copy only where the layout differs (the CPU kernel takes any)."""
+    if out.device.type == "cpu" or (out.stride(2) == out.shape[1] * out.shape[3]
+                                    and out.stride(3) == 1):
+        return out
+    return out.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def _repeat(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -501,6 +509,7 @@ def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     specs = [spec_of(k), spec_of(v)]
     grad_specs = [spec_of(k.float()), spec_of(v.float())]
     dout = dout.contiguous()
+    out = _in_kernel_layout(out)    # once: every block's chunk of it is then a view
     pending = None          # the dK/dV accumulator on its way from the previous rank
     for s, blocks in enumerate(steps):
         src = (ring.rank - s) % ring.size

@@ -434,3 +434,17 @@ def test_ring_blocks_merge_to_document_causal_attention(device, dtype, tol):
                               ("dv", torch.cat(dv, 2), ref[2].grad)):
         err = (got.float() - expect).abs().max()
         assert err <= tol * expect.abs().max(), (name, float(err))
+
+
+def test_out_reaches_the_cuda_backward_in_its_forward_layout():
+    """``_in_kernel_layout`` (meta tensors stand in for CUDA ones): a [B, H, S, D] chunk is
+    copied so its rows are H * D apart, a chunk of an already laid-out ``out`` is the
+    same view, not a copy."""
+    b, h, s, d = 2, 4, 80, 64
+    plain = torch.empty(b, h, s, d, device="meta")
+    got = cp._in_kernel_layout(cp._chunk(plain, 1, s // 2))
+    assert got.shape == (b, h, s // 2, d)
+    assert (got.stride(2), got.stride(3)) == (h * d, 1)
+    laid = cp._in_kernel_layout(plain)
+    chunk = cp._chunk(laid, 1, s // 2)
+    assert cp._in_kernel_layout(chunk) is chunk
