@@ -26,17 +26,23 @@ compile }`` unset), eager on a CPU; ``--runtime-compile true|false`` sets it.
 the runtime does), the fair opponent of the compiled runtime; ``--trace`` profiles one more
 runtime step; ``--json`` also records the runtime's peak device memory on its last timed
 step (less what the plain side holds); ``benchmarks/gpu_check.py`` runs it these ways.
-Measured on an H200 (torch 2.11, bf16, the GPU sizes below, 20 steps, 17 timed; the plain
-loop's loss kept on the device; benchmarks/results/gpu_check-h200-2026-11-27-run7.json):
-compiled runtime against the compiled plain loop 1.165 (median of per-step ratios; 278 vs
-237 ms median steps), eager against eager 1.199. A 7-step run on the same machine kind
-earlier read 0.995 and 1.009 (run6): steps differ by up to 1.5x between batches and
-processes, so few steps do not decide it. Where the excess goes (``--trace``,
-``--trace-plain``): at this size both sides leave the GPU idle for over a third of a
-traced step (host-bound), and the runtime's host does ~100 ms more per traced step, most
-of it FSDP2's per-layer hooks at world size 1 (post-backward accumulation 40 ms, pre-forward
-and input casts 30 ms), which a plain loop does not run; its kernels take less time than
-the plain loop's (160 vs 169 ms).
+Measured on an H200 (torch 2.11, bf16, the GPU sizes below): compiled runtime against the
+compiled plain loop **1.09** over 40 timed steps (1.098 median of per-step ratios, 1.091
+ratio of median steps, 217 vs 199 ms; benchmarks/results/
+step_vs_torch-h200-2026-11-27-44steps.json), down from 1.165 (run7) once a DP mesh of one
+rank makes the stage one FSDP2 unit instead of one per layer (``train.stage._shard``). A
+20-step run of the same code read 0.972 and eager 0.982 (run8): whichever side runs first
+in a step is 10-25% slower than when it runs second, so short runs swing with the order;
+``first_over_first`` compares only the steps each side ran first (1.13 in the 40-step
+run). Not the allocator meeting new lengths, as first thought: with the launcher's
+expandable segments (which this benchmark now sets, as ``launch.sh`` does) the effect
+stays (1.10 ratio of medians, 1.10 first over first, 1.047 median of per-step ratios;
+``...-44steps-expandable.json``).
+What remains (a traced step, ``--trace``): FSDP2's root hooks at world size 1, about 45 ms
+of host per traced step (the once-per-step copy into and out of the reduce buffer 14 ms,
+the per-microbatch post-backward callbacks and fp32 accumulation 19 ms, pre-forward 8 ms),
+which a plain loop does not run; the runtime's kernels take less time than the plain
+loop's (159 vs 169 ms). Earlier, with a unit per layer: ~100 ms more host per traced step.
 
 On a GPU, e.g. ``--layers 8 --hidden 2048 --heads 16 --ffn 5632 --vocab 32000 --seq 2048
 --micro-batch 2 --batch 16``.
@@ -70,6 +76,7 @@ from dtdsl.parallel.mesh import build_groups  # noqa: E402
 from dtdsl.planner import plan as make_plan  # noqa: E402
 from dtdsl.schedule.lower import lower  # noqa: E402
 from dtdsl.train.executor import StageExecutor  # noqa: E402
+from dtdsl.train.supervise import trainer_env  # noqa: E402
 
 SPEC = """spec step_vs_torch
 model {{
@@ -187,6 +194,9 @@ def build(args: argparse.Namespace, text: str) -> Bench:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    # The allocator a bundle's ranks run with (``launch.sh``), for both sides alike:
+    # read when CUDA first allocates, so before ``rank_device``.
+    os.environ.update(trainer_env(os.environ))
     torch.set_num_threads(max(1, int(os.environ.get("DTDSL_THREADS", "1"))))
     device = rank_device()
     init_distributed(device)
@@ -254,6 +264,7 @@ def compare(bench: Bench, steps: int, warmup: int) -> dict[str, Any]:
     what the plain side holds meanwhile; None on the CPU)."""
     device = bench.device
     ratios, diffs, times = [], [], {"plain": [], "runtime": []}
+    first: dict[str, list[float]] = {"plain": [], "runtime": []}
     losses_all: dict[str, list[float]] = {"plain": [], "runtime": []}
     peak = None
     for step in range(steps):
@@ -277,7 +288,9 @@ def compare(bench: Bench, steps: int, warmup: int) -> dict[str, Any]:
             ratios.append(took["runtime"] / took["plain"])
             for side in took:
                 times[side].append(took[side])
-    return {"ratios": ratios, "diffs": diffs, "times": times, "losses": losses_all,
+            first[order[0]].append(took[order[0]])
+    return {"ratios": ratios, "diffs": diffs, "times": times, "first": first,
+            "losses": losses_all,
             "runtime_peak_bytes": peak}
 
 
@@ -384,6 +397,12 @@ def report(args: argparse.Namespace, bench: Bench, figures: dict[str, Any]) -> d
     print(f"losses: max rel diff {max(diffs):.1e}")
     print("runtime/plain median step time over median step time: "
           f"{statistics.median(times['runtime']) / statistics.median(times['plain']):.3f}")
+    first = figures["first"]
+    first_ratio = (statistics.median(first["runtime"]) / statistics.median(first["plain"])
+                   if first["runtime"] and first["plain"] else None)
+    if first_ratio is not None:
+        print(f"runtime/plain median step time, each side first in its step: "
+              f"{first_ratio:.3f}")
     print(f"runtime/plain step time (median of per-step ratios): "
           f"{statistics.median(ratios):.3f} (target <= 1.05 on a GPU; a CPU figure is "
           "information only)")
@@ -397,6 +416,11 @@ def report(args: argparse.Namespace, bench: Bench, figures: dict[str, Any]) -> d
             # The other reading of the same steps: the two sides' median step times.
             "median_over_median": (statistics.median(times["runtime"])
                                    / statistics.median(times["plain"])),
+            # Only the steps each side ran first, right after its own previous step: the
+            # step's new lengths meet that side's allocator and compiled graphs first
+            # (the second side finds blocks of those sizes cached), as every step of a
+            # real run does. On an H200 the first side ran 10-25% slower than the second.
+            "first_over_first": first_ratio,
             "step_ms": {side: [t * 1e3 for t in times[side]] for side in times},
             "max_rel_loss_diff": max(diffs), "losses": figures["losses"],
             "runtime_peak_bytes": figures["runtime_peak_bytes"],

@@ -30,7 +30,8 @@ projector), built so that memory matches the plan:
    = true`` or whose plan recomputes it (``UnitPlan.recompute``; ``checkpoint_wrapper``:
    the layer's activations are recomputed in backward).
 4. **Shard, then materialise.** Every layer becomes an FSDP2 unit (``fully_shard`` over
-   the unit's DP mesh), the stage its root, all still on meta; then ``to_empty`` allocates
+   the unit's DP mesh; on a mesh of one rank only the stage, ``_shard``), the stage its
+   root, all still on meta; then ``to_empty`` allocates
    this rank's DP shards of its TP shards and nothing else, and each element is
    initialised: read from the unit's ``pretrained`` checkpoint (the block of each tensor
    the rank's shard covers, ``models.hf``), or by ``models.init``'s layout-independent
@@ -700,13 +701,24 @@ def build_phased(program: ir.Program, plan: Plan, name: str, role: RankRole, mes
 def _shard(stage: StageModule, mesh: Any, compute_dtype: torch.dtype,
            program: ir.Program) -> list[nn.Module]:
     """FSDP2 over ``mesh``'s DP dimensions: every layer a unit of its own, the stage the
-    root (module docstring); the layers, in forward order."""
+    root (module docstring); the layers, in forward order (none on a DP mesh of one rank).
+
+    On a DP mesh of one rank (no data parallelism, or Local SGD's replica of one) there is
+    nothing to shard, gather early or reduce behind the backward, and a unit per layer
+    would only cost host time: FSDP2's hooks run around every layer of every microbatch,
+    which on a GPU left a host-bound step 17% behind a plain loop (``benchmarks/
+    step_vs_torch.py``). The stage is then one FSDP2 unit, its root, with the same mixed
+    precision, master weights and fp32 gradient accumulation; each layer still casts its
+    floating-point inputs to the compute dtype, as its own unit's pre-forward would."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     dp_mesh = _replica_mesh(mesh, program)
     layers = []
     for _, _, layer in list(_fsdp_units(stage, program)):
+        if dp_mesh.size() == 1:
+            _cast_inputs(layer, compute_dtype)
+            continue
         fully_shard(layer, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
         _sum_gradients(layer)
         layers.append(layer)
@@ -715,6 +727,20 @@ def _shard(stage: StageModule, mesh: Any, compute_dtype: torch.dtype,
     fully_shard(stage, mesh=dp_mesh, mp_policy=root_mp, reshard_after_forward=False)
     _sum_gradients(stage)
     return layers
+
+
+def _cast_inputs(layer: nn.Module, dtype: torch.dtype) -> None:
+    """Cast ``layer``'s floating-point inputs to ``dtype`` before its forward (FSDP2's
+    ``cast_forward_inputs`` of a unit of its own): no-op in fp32."""
+    from torch.distributed.utils import _cast_forward_inputs
+
+    if dtype == torch.float32:
+        return
+
+    def cast(_module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        return _cast_forward_inputs(dtype, *args, **kwargs)
+
+    layer.register_forward_pre_hook(cast, with_kwargs=True)
 
 
 def _replica_mesh(mesh: Any, program: ir.Program) -> Any:

@@ -12,7 +12,7 @@ from dtdsl.ir.plan import Plan
 from dtdsl.parallel.mesh import build_groups
 from dtdsl.schedule.lower import lower
 from dtdsl.train.executor import StageExecutor
-from dtdsl.train.stage import _param_groups
+from dtdsl.train.stage import _fsdp_units, _param_groups
 from tests.dist import run
 from tests.train.test_executor import LOSS_RTOL, plan_for, reference, spec
 
@@ -21,9 +21,18 @@ STEPS = 3
 
 def _train(rank: int, world: int, program: ir.Program, plan: Plan,
            losses: list[float]) -> None:
+    from torch.distributed.fsdp import FSDPModule
+
     ex = StageExecutor(program, plan, lower(plan, program), rank=rank,
                        groups=build_groups(plan))
     stage = ex.stage
+    # Each layer is an FSDP2 unit of its own where there is a DP group to reduce over;
+    # on a unit of one DP rank only the stage is (no per-layer hooks to pay for). (A
+    # U-Net has no per-layer units.)
+    layers = [m for _, _, m in _fsdp_units(stage.module, program)]
+    assert isinstance(stage.module, FSDPModule)
+    assert layers or ex.role.role == "generator"
+    assert [isinstance(m, FSDPModule) for m in layers] == [ex.role.grid.dp > 1] * len(layers)
     seen: list[bool] = []
     reduce = stage.reduce_gradients
 
