@@ -30,7 +30,7 @@ Measured on an H200 (torch 2.11, bf16, the GPU sizes below): compiled runtime ag
 compiled plain loop **1.09** over 40 timed steps (1.098 median of per-step ratios, 1.091
 ratio of median steps, 217 vs 199 ms; benchmarks/results/
 step_vs_torch-h200-2026-11-27-44steps.json), down from 1.165 (run7) once a DP mesh of one
-rank makes the stage one FSDP2 unit instead of one per layer (``train.stage._shard``). A
+rank makes the stage one FSDP2 unit instead of one per layer (``parallel.fsdp.apply_fsdp``). A
 20-step run of the same code read 0.972 and eager 0.982 (run8): whichever side runs first
 in a step is 10-25% slower than when it runs second, so short runs swing with the order;
 ``first_over_first`` compares only the steps each side ran first (1.13 in the 40-step

@@ -30,7 +30,7 @@ projector), built so that memory matches the plan:
    = true`` or whose plan recomputes it (``UnitPlan.recompute``; ``checkpoint_wrapper``:
    the layer's activations are recomputed in backward).
 4. **Shard, then materialise.** Every layer becomes an FSDP2 unit (``fully_shard`` over
-   the unit's DP mesh; on a mesh of one rank only the stage, ``_shard``), the stage its
+   the unit's DP mesh; on a mesh of one rank only the stage: ``parallel.fsdp``), the stage its
    root, all still on meta; then ``to_empty`` allocates
    this rank's DP shards of its TP shards and nothing else, and each element is
    initialised: read from the unit's ``pretrained`` checkpoint (the block of each tensor
@@ -60,7 +60,6 @@ here the gradient memory after the step is one shard, less than ZeRO-1's.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,13 +69,16 @@ from torch import nn
 from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan
 from dtdsl.models.multimodal import build_unit, init_unit, unit_spec
-from dtdsl.parallel.mesh import (
-    RankRole,
-    data_parallel_mesh,
-    hosted_units,
-    phased_role,
-    phased_units,
+from dtdsl.parallel.fsdp import (
+    apply_fsdp,
+    has_grad,
+    param_groups,
+    replica_mesh,
+    tp_unreduced,
+    zero_unused_in_reduce_dtype,
 )
+from dtdsl.parallel.mesh import RankRole, hosted_units, phased_role, phased_units
+from dtdsl.parallel.recompute import apply_ac
 from dtdsl.parallel.tp import local_tensor
 
 __all__ = ["COMPUTE_DTYPES", "Stage", "StageModule", "StageState", "build_phased",
@@ -303,17 +305,17 @@ class Stage:
         # early layers' were read at the first step: the same every step).
         replicated = [] if self.tp_group is None else [
             p for m in state._state_ctx.all_states
-            for p in (self.early_tp[id(m)] if id(m) in done_states else _tp_unreduced([m]))]
+            for p in (self.early_tp[id(m)] if id(m) in done_states else tp_unreduced([m]))]
         if self.early is None:
             self._learn_early()
         for member in reversed(members):
-            for group in reversed(_param_groups(member)):
-                _zero_unused_in_reduce_dtype(group)
+            for group in reversed(param_groups(member)):
+                zero_unused_in_reduce_dtype(group)
                 group.post_backward()
         for member in state._state_ctx.all_states:
             if id(member) in done_states:
                 # Reduced in the backward; the final callback must not reduce them again.
-                for group in _param_groups(member):
+                for group in param_groups(member):
                     group._training_state = TrainingState.POST_BACKWARD
         state._root_post_backward_final_callback()
         self._sum_tied_gradients()
@@ -325,7 +327,7 @@ class Stage:
         co-located module's, which a replica may leave idle), each its own FSDP2 module
         whose trainable parameters all have a gradient (a layer some microbatch can
         leave unused must wait for the end of the step with the rest), and which of
-        their parameters are averaged over TP (``_tp_unreduced``, read now from this
+        their parameters are averaged over TP (``tp_unreduced``, read now from this
         step's gradients: their placements are structural)."""
         self.early = []
         if self.role.role != "backbone":
@@ -333,12 +335,12 @@ class Stage:
         own = {id(m) for m in self.module.units[self.role.unit].modules()}
         for layer in self.layers:
             member = layer._get_fsdp_state()
-            params = [fp for g in _param_groups(member) for fp in g.fsdp_params
+            params = [fp for g in param_groups(member) for fp in g.fsdp_params
                       if fp.sharded_param.requires_grad]
-            if id(layer) not in own or not params or not all(_has_grad(fp) for fp in params):
+            if id(layer) not in own or not params or not all(has_grad(fp) for fp in params):
                 continue
             self.early.append(layer)
-            self.early_tp[id(member)] = _tp_unreduced([member])
+            self.early_tp[id(member)] = tp_unreduced([member])
 
     def _average_over_tp(self, params: list[nn.Parameter]) -> None:
         """Average the gradients of ``params`` (replicated over the TP group, each rank's
@@ -370,66 +372,6 @@ class Stage:
 # replicates most of its parameters: one buffer of all of them would double its gradient
 # shard's memory at the end of the step).
 TP_SYNC_BUCKET_BYTES = 256 * 2**20
-
-
-def _tp_placement(t: Any) -> Any:
-    """The placement of DTensor ``t`` on its mesh's ``tp`` dimension; None for a plain
-    tensor or a DTensor on a mesh without one (a parameter TP did not touch: FSDP2 made it
-    a DTensor over DP only)."""
-    mesh = getattr(t, "device_mesh", None)
-    names = getattr(mesh, "mesh_dim_names", None) or ()
-    return t.placements[names.index("tp")] if "tp" in names else None
-
-
-def _has_grad(fp: Any) -> bool:
-    """Whether FSDP2 parameter ``fp`` has an unsharded gradient waiting for reduction."""
-    return fp.unsharded_accumulated_grad is not None or (
-        hasattr(fp, "_unsharded_param") and fp.unsharded_param.grad is not None)
-
-
-def _tp_unreduced(members: Any) -> list[nn.Parameter]:
-    """The trainable parameters of FSDP2 states ``members`` (every group, forward order)
-    that are replicated over TP and whose gradients nothing reduces over TP, in the same
-    order on every TP rank of the stage:
-
-    * TP-sharded parameters (``Shard`` on TP) hold each rank's own slice: none of this;
-    * a parameter TP left replicated, with a ``Partial`` gradient over TP (a
-      sequence-parallel norm's: each rank saw its piece of the sequence) is summed over
-      TP by FSDP2 itself before its reduce-scatter (``FSDPParam._get_grad_inner_tensor``):
-      its copies are equal already, do not reduce it twice;
-    * every other replicated parameter is a candidate: one TP did not touch (norms, patch
-      and position embeddings, projectors, a U-Net's convolutions, a ``tp_replicated``
-      module), and a ``Replicate`` DTensor whose gradient is ``Replicate`` too (a row-
-      parallel projection's bias: each rank computes it whole from the same output
-      gradient). So is one with no gradient this step (placement unknown, and its DP
-      peers' gradients may still differ): averaging equal values changes nothing.
-
-    Read from the unsharded gradients before FSDP2's reduction frees them."""
-    out = []
-    for member in members:
-        for group in _param_groups(member):
-            for fp in group.fsdp_params:
-                if fp.sharded_param.requires_grad and _tp_replicated(fp):
-                    out.append(fp.sharded_param)
-    return out
-
-
-def _tp_replicated(fp: Any) -> bool:
-    """Whether FSDP2 parameter ``fp`` is replicated over TP and its gradient left unequal
-    there (``_tp_unreduced``)."""
-    spec = getattr(fp, "_unsharded_dtensor_spec", None)
-    if spec is None:            # a plain parameter: TP did not touch it
-        return True
-    names = spec.mesh.mesh_dim_names or ()
-    if "tp" not in names:
-        return True
-    if spec.placements[names.index("tp")].is_shard():
-        return False
-    grad = fp.unsharded_accumulated_grad
-    if grad is None and hasattr(fp, "_unsharded_param"):
-        grad = fp.unsharded_param.grad
-    placement = None if grad is None else _tp_placement(grad)
-    return placement is None or not placement.is_partial()
 
 
 def _all_reduce_mean(grads: list[torch.Tensor], group: Any) -> None:
@@ -593,61 +535,6 @@ def _vaes(program: ir.Program, generators: list[str], device: torch.device) -> d
     return out
 
 
-def _fsdp_units(stage: StageModule, program: ir.Program) -> Iterator[tuple[str, str, nn.Module]]:
-    """(unit, prefix in the unit, module) of each module that becomes its own FSDP2 unit:
-    every layer (encoder and backbone layers, a DiT's blocks), in forward order."""
-    for name, unit in stage.units.items():
-        layers = getattr(unit, "layers", None)
-        if isinstance(layers, nn.ModuleDict):
-            for key, layer in layers.items():
-                yield name, f"layers.{key}", layer
-        blocks = getattr(unit, "blocks", None)
-        if isinstance(blocks, nn.ModuleList) and not isinstance(layers, nn.ModuleDict):
-            for i, block in enumerate(blocks):
-                yield name, f"blocks.{i}", block
-
-
-def _param_groups(state: Any) -> list[Any]:
-    """An FSDP2 state's parameter groups (a list from torch 2.13, the pinned version; one
-    group or None before, as on some GPU hosts' torch)."""
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is not None:
-        return list(groups)
-    group = getattr(state, "_fsdp_param_group", None)
-    return [] if group is None else [group]
-
-
-def _zero_unused_in_reduce_dtype(group: Any) -> None:
-    """Give the trainable parameters of FSDP2 parameter group ``group`` that had no
-    gradient this step a zero one in the reduce dtype. FSDP2 reduces unused parameters'
-    zeros (``_sum_gradients``) in the compute dtype, while the others' gradients,
-    accumulated over the microbatches, are in the reduce dtype: under mixed precision
-    (bf16, fp16) a group with both (a co-located encoder's projector beside the
-    backbone's embedding, on a replica that drew no images) fails its reduce-scatter's
-    uniform-dtype check."""
-    reduce_dtype = getattr(group, "_reduce_dtype", None)
-    if reduce_dtype is None:
-        return
-    for fp in group.fsdp_params:
-        if not hasattr(fp, "_unsharded_param") or not fp.unsharded_param.requires_grad:
-            continue
-        if fp.unsharded_accumulated_grad is None and fp.unsharded_param.grad is None:
-            fp.unsharded_accumulated_grad = torch.zeros_like(fp.unsharded_param.detach(),
-                                                             dtype=reduce_dtype)
-
-
-def _sum_gradients(module: Any) -> None:
-    """Reduce gradients over DP by summing, not averaging: every microbatch loss is
-    already divided by the whole global batch's denominators (``models.multimodal``).
-    Parameters a replica did not use this step (an encoder replica without images)
-    reduce zeros, so every DP rank issues the same collectives."""
-    module.set_gradient_divide_factor(1.0)
-    module.set_force_sum_reduction_for_comms(True)
-    unused = getattr(module, "set_reduce_scatter_unused_params", None)
-    if unused is not None:      # torch >= 2.13 (pinned); an older one on a GPU host
-        unused(True, recurse=False)
-
-
 def _compile(stage: StageModule, program: ir.Program, role: RankRole, device: torch.device,
              compile: bool | None) -> Any:
     """The stage's blocks compiled (``train.compiled``) when ``compile`` says so, or when
@@ -670,22 +557,16 @@ def build_phased(program: ir.Program, plan: Plan, name: str, role: RankRole, mes
     this TP index, then materialised), not initialised. Its layers recompute in
     backward only where the spec says so: the backward phase's forward is already the
     recomputation the plan's ``recompute`` of a phased unit stands for. Never compiled."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-    unit_plan = plan.unit(name)
     compute_dtype = COMPUTE_DTYPES[program.train.precision]
     proj = projector_between(program, name, program.backbone.name)
     units = {name: build_unit(program, name, seed, device="meta"),
              proj: build_unit(program, proj, seed, device="meta")}
-    tp_sharded: set[str] = set()
-    if role.grid.tp > 1 and not unit_plan.tp_replicated:
-        tp_sharded = {f"{name}.{n}" for n in _parallelize(units[name], name, mesh["tp"])}
+    tp_sharded = _apply_tp(units, [name] if not plan.unit(name).tp_replicated else [],
+                           role, mesh)
     stage = StageModule(units, run)
-    if getattr(unit_spec(program, name), "recompute", False):
-        for unit_name, prefix, layer in list(_fsdp_units(stage, program)):
-            parent = stage.units[unit_name].get_submodule(prefix.rpartition(".")[0])
-            parent.register_module(prefix.rpartition(".")[2], checkpoint_wrapper(layer))
-    layers = _shard(stage, mesh, compute_dtype, program)
+    apply_ac(stage.units, lambda unit: bool(getattr(unit_spec(program, unit), "recompute",
+                                                    False)))
+    layers = apply_fsdp(stage, stage.units, _replica_mesh(mesh, program), compute_dtype)
     _materialise(stage, program, device)
     # FSDP2 sets a root up at its first forward; a rank whose share of a step has no
     # images runs none, yet reduces with the others (``Stage.reduce_gradients``).
@@ -698,59 +579,20 @@ def build_phased(program: ir.Program, plan: Plan, name: str, role: RankRole, mes
                  tp_group=mesh["tp"].get_group() if role.grid.tp > 1 else None)
 
 
-def _shard(stage: StageModule, mesh: Any, compute_dtype: torch.dtype,
-           program: ir.Program) -> list[nn.Module]:
-    """FSDP2 over ``mesh``'s DP dimensions: every layer a unit of its own, the stage the
-    root (module docstring); the layers, in forward order (none on a DP mesh of one rank).
-
-    On a DP mesh of one rank (no data parallelism, or Local SGD's replica of one) there is
-    nothing to shard, gather early or reduce behind the backward, and a unit per layer
-    would only cost host time: FSDP2's hooks run around every layer of every microbatch,
-    which on a GPU left a host-bound step 17% behind a plain loop (``benchmarks/
-    step_vs_torch.py``). The stage is then one FSDP2 unit, its root, with the same mixed
-    precision, master weights and fp32 gradient accumulation; each layer still casts its
-    floating-point inputs to the compute dtype, as its own unit's pre-forward would."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-    dp_mesh = _replica_mesh(mesh, program)
-    layers = []
-    for _, _, layer in list(_fsdp_units(stage, program)):
-        if dp_mesh.size() == 1:
-            _cast_inputs(layer, compute_dtype)
-            continue
-        fully_shard(layer, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
-        _sum_gradients(layer)
-        layers.append(layer)
-    root_mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32,
-                                   cast_forward_inputs=False)
-    fully_shard(stage, mesh=dp_mesh, mp_policy=root_mp, reshard_after_forward=False)
-    _sum_gradients(stage)
-    return layers
-
-
-def _cast_inputs(layer: nn.Module, dtype: torch.dtype) -> None:
-    """Cast ``layer``'s floating-point inputs to ``dtype`` before its forward (FSDP2's
-    ``cast_forward_inputs`` of a unit of its own): no-op in fp32."""
-    from torch.distributed.utils import _cast_forward_inputs
-
-    if dtype == torch.float32:
-        return
-
-    def cast(_module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
-        return _cast_forward_inputs(dtype, *args, **kwargs)
-
-    layer.register_forward_pre_hook(cast, with_kwargs=True)
+def _apply_tp(units: dict[str, nn.Module], names: list[str], role: RankRole,
+              mesh: Any) -> set[str]:
+    """Tensor parallelism of units ``names`` over ``mesh``'s TP dimension (none at tp 1):
+    the names of the parameters it sharded, ``<unit>.<param>``."""
+    if role.grid.tp == 1:
+        return set()
+    return {f"{unit_name}.{n}" for unit_name in names
+            for n in _parallelize(units[unit_name], unit_name, mesh["tp"])}
 
 
 def _replica_mesh(mesh: Any, program: ir.Program) -> Any:
-    """What FSDP2 shards and reduces over: the DP mesh (``data_parallel_mesh``), or under
-    Local SGD (``train.sync``) one replica's ranks only, ``dp_shard`` of the ZeRO-0 layout
-    (``ir.Train.mesh_zero``: one rank), so no gradient crosses replicas; the replicas meet
-    in ``train.local_sgd`` every ``period`` steps instead."""
-    if program.train.sync.local:
-        return mesh["dp_shard"]
-    return data_parallel_mesh(mesh)
+    """What FSDP2 shards and reduces over (``parallel.fsdp.replica_mesh``): one replica's
+    ranks under Local SGD (``train.sync``), else the DP mesh."""
+    return replica_mesh(mesh, local_sgd=program.train.sync.local)
 
 
 def _materialise(stage: StageModule, program: ir.Program, device: torch.device) -> None:
@@ -783,69 +625,25 @@ def build_stage(program: ir.Program, plan: Plan, role: RankRole, mesh: Any,
     for ``device``, ``program.train.compiles``); ``phased``: on a backbone rank of a plan
     with phased encoders, their DeviceMeshes (``ProcessGroups.phased``): the stage holds
     each (``build_phased``, ``Stage.phased``), run by ``phased_run``."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
     # FSDP2 warns of any view a root module returns (an in-place op on it would skip its
     # pre-backward hook); the stage's views (a DTensor's local tensor) are never written.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPStageModule\) "
                             r"returned a view tensor")
     seed = program.train.seed if seed is None else seed
-    name = role.unit
-    spec = program.module(name)
-    unit_plan = plan.unit(name)
     compute_dtype = COMPUTE_DTYPES[program.train.precision]
-    units: dict[str, nn.Module] = {name: build_unit(program, name, seed, device="meta")}
     hosted = hosted_units(plan, role)
-    start, stop = 0, 0
-    if role.role == "generator":
-        units[projector_between(program, program.backbone.name, name)] = build_unit(
-            program, projector_between(program, program.backbone.name, name), seed,
-            device="meta")
-    else:
-        split = tuple(unit_plan.layers_per_stage)
-        total = spec.arch.layers
-        if len(split) != role.grid.pp or sum(split) != total:
-            raise ValueError(f"unit {name}: layers_per_stage {split} does not split its "
-                             f"{total} layers over pp={role.grid.pp} stages")
-        start = sum(split[:role.stage])
-        stop = start + split[role.stage]
-        module = units[name]
-        _owned_layers(module, start, stop)
-        _owned_ends(module, role)
-        if role.is_last_stage and role.role == "encoder":
-            proj = projector_between(program, name, program.backbone.name)
-            units[proj] = build_unit(program, proj, seed, device="meta")
-    for h in hosted:
-        units[h.name] = build_unit(program, h.name, seed, device="meta")
-        proj = _projector_of(program, h.name, h.role)
-        units[proj] = build_unit(program, proj, seed, device="meta")
-
-    tp_sharded: set[str] = set()
-    if role.grid.tp > 1:
-        sharded = [name] + [h.name for h in hosted if not h.tp_replicated]
-        for unit_name in sharded:
-            tp_sharded |= {f"{unit_name}.{n}"
-                           for n in _parallelize(units[unit_name], unit_name, mesh["tp"])}
-    # In forward order (FSDP2 gathers and hooks follow it): co-located encoders, the
-    # stage's own unit, co-located generators.
-    order = [h.name for h in hosted if h.role == "encoder"]
-    order = order + [_projector_of(program, n, "encoder") for n in order]
-    order += [n for n in units if n not in order]
-    stage = StageModule({n: units[n] for n in order}, run)
-    for unit_name, prefix, layer in list(_fsdp_units(stage, program)):
-        if _recomputes(program, plan, unit_name):
-            parent = stage.units[unit_name].get_submodule(prefix.rpartition(".")[0])
-            parent.register_module(prefix.rpartition(".")[2], checkpoint_wrapper(layer))
+    units, start, stop = _stage_units(program, plan, role, hosted, seed)
+    tp_sharded = _apply_tp(units, [role.unit] + [h.name for h in hosted if not h.tp_replicated],
+                           role, mesh)
+    stage = StageModule(units, run)
+    apply_ac(stage.units, lambda unit: _recomputes(program, plan, unit))
     compiled = _compile(stage, program, role, device, compile)
-
     # ZeRO-1: shard over DP; ZeRO-0: replicate over DP (HSDP with shards of one rank).
-    # The root casts no input: a generator's targets (its noise and clean latents) stay
-    # fp32 for the loss; the stage's forward casts what its modules read.
-    layers = _shard(stage, mesh, compute_dtype, program)
+    layers = apply_fsdp(stage, stage.units, _replica_mesh(mesh, program), compute_dtype)
     # Only now is anything allocated: this rank's DP shards of its TP shards, each
     # element initialised from its position in the full tensor.
     _materialise(stage, program, device)
-    generators = ([name] if role.role == "generator" else []) + \
+    generators = ([role.unit] if role.role == "generator" else []) + \
         [h.name for h in hosted if h.role == "generator"]
     names = tuple(h.name for h in hosted)
     stage.stage_state = StageState(program=program, role=role, start=start, stop=stop,
@@ -856,14 +654,57 @@ def build_stage(program: ir.Program, plan: Plan, role: RankRole, mesh: Any,
                   hosted=names, compiled=compiled,
                   tp_group=mesh["tp"].get_group() if role.grid.tp > 1 else None)
     _tie_across_stages(built, program, plan, mesh)
-    for u in phased_units(plan, role):
-        if phased is None or u.name not in phased:
-            raise ValueError(f"rank {role.rank} runs phased encoder {u.name} but was given "
-                             "no mesh for it (build_groups makes it: ProcessGroups.phased)")
-        part = build_phased(program, plan, u.name, phased_role(plan, u, role.rank),
-                            phased[u.name], device, seed=seed, run=phased_run)
-        built.phased[u.name] = part
-        built.tp_sharded |= part.tp_sharded
+    _attach_phased(built, program, plan, device, seed=seed, meshes=phased, run=phased_run)
     if initialize:
         built.initialize(program, seed)
     return built
+
+
+def _stage_units(program: ir.Program, plan: Plan, role: RankRole, hosted: list[Any],
+                 seed: int) -> tuple[dict[str, nn.Module], int, int]:
+    """The units of ``role``'s stage on the meta device, in forward order (FSDP2 gathers
+    and hooks follow it: co-located encoders and their projectors, the stage's own unit
+    with only its layers and ends, its projector, co-located generators and theirs), and
+    the stage's first and last-plus-one layer (0, 0 for a generator)."""
+    name = role.unit
+    units: dict[str, nn.Module] = {name: build_unit(program, name, seed, device="meta")}
+    start, stop = 0, 0
+    if role.role == "generator":
+        proj = projector_between(program, program.backbone.name, name)
+        units[proj] = build_unit(program, proj, seed, device="meta")
+    else:
+        split = tuple(plan.unit(name).layers_per_stage)
+        total = program.module(name).arch.layers
+        if len(split) != role.grid.pp or sum(split) != total:
+            raise ValueError(f"unit {name}: layers_per_stage {split} does not split its "
+                             f"{total} layers over pp={role.grid.pp} stages")
+        start = sum(split[:role.stage])
+        stop = start + split[role.stage]
+        _owned_layers(units[name], start, stop)
+        _owned_ends(units[name], role)
+        if role.is_last_stage and role.role == "encoder":
+            proj = projector_between(program, name, program.backbone.name)
+            units[proj] = build_unit(program, proj, seed, device="meta")
+    for h in hosted:
+        units[h.name] = build_unit(program, h.name, seed, device="meta")
+        proj = _projector_of(program, h.name, h.role)
+        units[proj] = build_unit(program, proj, seed, device="meta")
+    order = [h.name for h in hosted if h.role == "encoder"]
+    order = order + [_projector_of(program, n, "encoder") for n in order]
+    order += [n for n in units if n not in order]
+    return {n: units[n] for n in order}, start, stop
+
+
+def _attach_phased(built: Stage, program: ir.Program, plan: Plan, device: torch.device, *,
+                   seed: int, meshes: dict[str, Any] | None, run: Any) -> None:
+    """Build each phased encoder this backbone rank runs (``build_phased``) into
+    ``built.phased``, on its DeviceMesh from ``meshes`` (``ProcessGroups.phased``)."""
+    role = built.role
+    for u in phased_units(plan, role):
+        if meshes is None or u.name not in meshes:
+            raise ValueError(f"rank {role.rank} runs phased encoder {u.name} but was given "
+                             "no mesh for it (build_groups makes it: ProcessGroups.phased)")
+        part = build_phased(program, plan, u.name, phased_role(plan, u, role.rank),
+                            meshes[u.name], device, seed=seed, run=run)
+        built.phased[u.name] = part
+        built.tp_sharded |= part.tp_sharded

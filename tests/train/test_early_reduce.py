@@ -9,10 +9,10 @@ import torch
 
 from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan
+from dtdsl.parallel.fsdp import param_groups, stage_layers
 from dtdsl.parallel.mesh import build_groups
 from dtdsl.schedule.lower import lower
 from dtdsl.train.executor import StageExecutor
-from dtdsl.train.stage import _fsdp_units, _param_groups
 from tests.dist import run
 from tests.train.test_executor import LOSS_RTOL, plan_for, reference, spec
 
@@ -29,7 +29,7 @@ def _train(rank: int, world: int, program: ir.Program, plan: Plan,
     # Each layer is an FSDP2 unit of its own where there is a DP group to reduce over;
     # on a unit of one DP rank only the stage is (no per-layer hooks to pay for). (A
     # U-Net has no per-layer units.)
-    layers = [m for _, _, m in _fsdp_units(stage.module, program)]
+    layers = [m for _, _, m in stage_layers(stage.module.units)]
     assert isinstance(stage.module, FSDPModule)
     assert layers or ex.role.role == "generator"
     assert [isinstance(m, FSDPModule) for m in layers] == [ex.role.grid.dp > 1] * len(layers)
@@ -41,7 +41,7 @@ def _train(rank: int, world: int, program: ir.Program, plan: Plan,
         # (FSDP2 registers the unsharded parameters on a module while it is gathered: read
         # the shards through its state.)
         shards = [fp.sharded_param for layer in stage.layers
-                  for group in _param_groups(layer._get_fsdp_state())
+                  for group in param_groups(layer._get_fsdp_state())
                   for fp in group.fsdp_params if fp.sharded_param.requires_grad]
         seen.append(bool(shards) and all(p.grad is not None for p in shards))
         reduce()

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from dtdsl.cost import flops
 from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan
+from dtdsl.parallel.fsdp import param_groups
 from dtdsl.parallel.mesh import build_groups
 from dtdsl.parallel.tp import local_tensor
 from dtdsl.schedule.lower import lower
@@ -42,7 +43,7 @@ def _noisy(reduce_gradients):
         state = self.module._get_fsdp_state()
         position = 0
         for member in state._state_ctx.all_states:
-            for group in stage_module._param_groups(member):
+            for group in param_groups(member):
                 for fp in group.fsdp_params:
                     position += 1
                     spec = getattr(fp, "_unsharded_dtensor_spec", None)
