@@ -136,7 +136,7 @@ def test_internal_errors_exit_3_without_traceback(monkeypatch, capsys):
     def boom(*args, **kwargs):
         raise RuntimeError("simulated bug")
 
-    monkeypatch.setattr(cli, "run_frontend", boom)
+    monkeypatch.setattr(cli.check, "run_frontend", boom)
     assert cli.main(["check", str(SPECS[0])]) == 3
     err = capsys.readouterr().err
     assert "internal compiler error" in err and "simulated bug" in err

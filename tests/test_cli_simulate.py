@@ -120,7 +120,7 @@ def test_simulate_logdir_errors(capsys, tmp_path, monkeypatch):
         raise PermissionError(13, "Permission denied")
 
     with monkeypatch.context() as patch:   # an unwritable log dir (root writes anywhere)
-        patch.setattr(cli.tempfile, "TemporaryFile", refuse)
+        patch.setattr(cli.simulate.tempfile, "TemporaryFile", refuse)
         code, _, err = run(capsys, "simulate", TINY, "--logdir", str(tmp_path / "ro"),
                            "--steps", "1")
     assert code == 2 and "cannot write to" in err and "Permission denied" in err
@@ -141,7 +141,7 @@ def test_simulate_refuses_to_mix_runs_in_one_logdir(capsys, tmp_path, monkeypatc
     assert run(capsys, *args, "--steps", "1")[0] == 0
     code, _, err = run(capsys, *args, "--steps", "2")
     assert code == 2 and "earlier run" in err and "--overwrite" in err
-    monkeypatch.setattr(cli, "TRACE_STEPS", 1)
+    monkeypatch.setattr(cli.simulate, "TRACE_STEPS", 1)
     code, out, err = run(capsys, *args, "--steps", "2", "--overwrite")
     assert code == 0, err
     assert json.loads(out)["trace_steps"] == 1

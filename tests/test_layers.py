@@ -15,7 +15,8 @@ The order (DESIGN.md "Layer order"):
               base, ir, cost and reorder (the torch-free parts both sides share)
     driver    the compiler's linear driver: base, ir, frontend
     codegen   emits the bundle for the runtime: everything above but the CLI
-    cli       dtdsl/cli.py, dtdsl/data/cli.py (``dtc data``), dtdsl/clihelp.py:
+    cli       dtdsl/cli/ (a module per command), dtdsl/data/cli.py (``dtc data``),
+              dtdsl/clihelp.py:
               anything
 
 DEBT (and CYCLE_DEBT) list the violations that exist today and that issue 33's
@@ -132,7 +133,7 @@ def module_name(path: Path) -> str:
 
 def layer_of(module: str) -> str:
     """The layer of a dtdsl module name; an unknown top-level name fails loudly."""
-    if module in CLI_MODULES:
+    if module in CLI_MODULES or module.startswith("dtdsl.cli."):
         return "cli"
     parts = module.split(".")
     if len(parts) == 1:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dtdsl.cli import _Parser
+from dtdsl.cli.common import Parser
 from dtdsl.data.cli import DEFAULT_MAX_SAMPLES, _default_samples, register
 from dtdsl.data.shards import Dataset
 from dtdsl.driver import UsageError
@@ -18,8 +18,8 @@ from .conftest import TINY
 
 def dtc(*argv: str) -> int:
     """Parse and run like dtc's main: usage errors are exit 2."""
-    parser = _Parser(prog="dtc")
-    register(parser.add_subparsers(dest="command", parser_class=_Parser))
+    parser = Parser(prog="dtc")
+    register(parser.add_subparsers(dest="command", parser_class=Parser))
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -10,6 +10,7 @@ from functools import cache
 import pytest
 
 from dtdsl import cli
+from dtdsl.cli.common import plan_problems
 from dtdsl.cost.model import build_cost_model
 from dtdsl.ir.plan import Plan
 from dtdsl.planner import Infeasible, plan
@@ -83,7 +84,7 @@ def test_co_located_plans_hold_their_modules_on_the_backbone_stages(name):
         ranks = sorted((u.first_rank, u.gpus) for u in result.units if u.gpus)
         assert [r for r, _ in ranks] == [sum(g for _, g in ranks[:k]) for k in range(len(ranks))]
         assert plan_fits(cost(name), result)
-        assert cli._plan_problems(result, program(name)) == []
+        assert plan_problems(result, program(name)) == []
         assert Plan.model_validate_json(result.model_dump_json()) == result
 
 

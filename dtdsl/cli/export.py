@@ -1,0 +1,60 @@
+"""``dtc export``: write a run's checkpoint as Hugging Face model directories, one per unit
+(transformers / diffusers load them)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from dtdsl.clihelp import EXIT_OK, load_program, positive_int
+from dtdsl.driver import UsageError
+
+__all__ = ["HELP", "NAME", "add_arguments", "run"]
+
+NAME = "export"
+HELP = ("write a run's checkpoint as Hugging Face model "
+                         "directories, one per unit (transformers / diffusers load them)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (its newest "
+                        "checkpoint) or a checkpoint directory")
+    parser.add_argument("--step", type=positive_int, metavar="N",
+                        help="the checkpoint after N steps (default: the newest)")
+    parser.add_argument("-o", "--output", required=True, metavar="DIR",
+                        help="where to write: DIR/<unit>/ for each unit")
+    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"),
+                        help="cast the weights (default: as trained, fp32)")
+    parser.add_argument("--units", metavar="A,B", help="only these units (default: all)")
+    parser.add_argument("--spec", metavar="SPEC", help="the spec it was trained from, for a "
+                        "checkpoint that does not carry its program.json")
+    parser.add_argument("--overwrite", action="store_true", help="write into a non-empty DIR")
+
+
+def run(args: argparse.Namespace) -> int:
+    from dtdsl.models.hf import HFError
+    from dtdsl.train.checkpoint import CheckpointError
+    from dtdsl.train.export import export_checkpoint
+
+    program = None
+    if args.spec is not None:
+        result, code = load_program(args.spec)
+        if result is None:
+            return code
+        program = result.program
+    out = Path(args.output)
+    if out.is_dir() and any(out.iterdir()) and not args.overwrite:
+        raise UsageError(f"{out} is not empty; pass --overwrite to write into it")
+    units = tuple(u for u in args.units.split(",") if u) if args.units else None
+    try:
+        done = export_checkpoint(args.run_dir, out, step=args.step, dtype=args.dtype,
+                                 units=units, program=program,
+                                 log=lambda line: print(f"dtc export: {line}", file=sys.stderr))
+    except (CheckpointError, HFError) as err:
+        raise UsageError(str(err)) from None
+    hf = sum(u.hf for u in done)
+    print(f"dtc: exported {len(done)} units to {out} ({hf} as Hugging Face models)",
+          file=sys.stderr)
+    return EXIT_OK
+

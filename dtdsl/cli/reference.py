@@ -1,0 +1,97 @@
+"""``dtc reference``: train the spec single-process in fp32 on the CPU: the per-step losses
+a distributed run must match."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from dtdsl.cli.common import open_program, read_plan, solve
+from dtdsl.clihelp import EXIT_ERRORS, EXIT_OK, positive_int
+from dtdsl.driver import UsageError
+
+__all__ = ["HELP", "NAME", "add_arguments", "run"]
+
+NAME = "reference"
+HELP = ("train the spec single-process in fp32 on the CPU: "
+                         "the per-step losses a distributed run must match")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("spec", metavar="SPEC", help="spec file ('-' for stdin)")
+    parser.add_argument("--steps", type=positive_int, metavar="N",
+                        help="training steps (default: the spec's train.steps)")
+    parser.add_argument("--out", metavar="FILE",
+                        help="write one JSON line per step here (default: stdout)")
+    parser.add_argument("--micro-batch", type=positive_int, metavar="M",
+                        help="samples per microbatch (default: the spec's train.micro_batch)")
+    parser.add_argument("--seed", type=int, help="initialisation seed (default: train.seed)")
+    parser.add_argument("--data", metavar="DIR", help="train on this dataset's batches (as a "
+                        "launched bundle reads them) instead of the spec's synthetic samples")
+    parser.add_argument("--plan", metavar="FILE", help="with sync = local_sgd: the plan (`dtc "
+                        "plan -o`) whose replicas and routing to follow (default: the plan dtc "
+                        "plan gives)")
+    parser.add_argument("--threads", type=positive_int, help="torch CPU threads")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+
+
+def run(args: argparse.Namespace) -> int:
+    import time
+
+    import torch
+
+    from dtdsl.train.reference import train_reference
+
+    result, program = open_program(args.spec)
+    if args.micro_batch is not None and args.micro_batch > program.train.global_batch:
+        raise UsageError(f"--micro-batch {args.micro_batch} is larger than the global batch "
+                         f"of {program.train.global_batch}")
+    steps = args.steps or program.train.steps
+    source = None
+    if args.data is not None:
+        from dtdsl.data.shards import DatasetError
+        from dtdsl.feed.source import DatasetSource
+
+        try:
+            source = DatasetSource(program, args.data)
+        except (DatasetError, ValueError) as err:
+            raise UsageError(f"cannot read dataset {args.data}: {err}") from None
+    out = sys.stdout if args.out in (None, "-") else None
+    if out is None:
+        target = Path(args.out)
+        if target.is_dir():
+            raise UsageError(f"{args.out} is a directory; give a file name")
+        try:
+            out = open(target, "w", encoding="utf-8", newline="\n")  # noqa: SIM115
+        except OSError as err:
+            raise UsageError(f"cannot write {args.out}: {err.strerror or err}") from None
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    the_plan = None
+    if program.train.sync.local:
+        # Local SGD's replicas train on the samples the plan routes to them.
+        the_plan = read_plan(args.plan, program) if args.plan else \
+            solve(result, program, None)
+        if the_plan is None:
+            return EXIT_ERRORS
+    elif args.plan:
+        print("dtc: note: --plan is read only with sync = local_sgd; synchronous data "
+              "parallelism has the same losses under every plan", file=sys.stderr)
+    start = time.perf_counter()
+    try:
+        for record in train_reference(program, steps, micro_batch=args.micro_batch,
+                                      seed=args.seed, source=source, plan=the_plan):
+            out.write(json.dumps(record) + "\n")
+            out.flush()
+            if not args.quiet:
+                print(f"step {record['step'] + 1}/{steps}  loss {record['loss']:.6f}  "
+                      f"({time.perf_counter() - start:.1f} s)", file=sys.stderr)
+    except ValueError as err:
+        raise UsageError(f"cannot train {result.name}: {err}") from None
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    return EXIT_OK
+
