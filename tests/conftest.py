@@ -10,6 +10,13 @@ import pytest
 # Every process the tests start (launched bundles, torchrun, gloo children) checks that its
 # point-to-point transfers are matched as NCCL would match them (dtdsl.parallel.p2p).
 os.environ.setdefault("DTDSL_P2P_CHECK", "1")
+# One OpenMP / BLAS thread in the pytest process and every process it starts (the
+# preprocessing workers, dtc, benchmarks; torchrun gives its ranks one already): the
+# tensors here are tiny, and on CI's 2 cores beside the suite's other processes a thread
+# per core spins for its share (a 3-step tiny_cpu reference took 31 s of CPU at 2
+# threads, 1.5 s at one). Set before torch or numpy is imported; a test that wants more
+# threads sets them itself.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = sorted((ROOT / "specs").glob("*.dt"))

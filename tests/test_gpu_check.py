@@ -88,8 +88,10 @@ def test_layer_flops_are_one_layer_of_the_cost_models_count():
 
 @pytest.mark.slow
 def test_the_smoke_run_exercises_every_section_on_the_cpu(tmp_path):
+    # One torch thread: the smoke sizes are tiny, and beside the suite's other processes
+    # torch's default of one thread per core spins for its share of the cores.
     proc = run("--device", "cpu", "--smoke", "--budget", "1200", "--out", str(tmp_path),
-               timeout=1200)
+               env={"OMP_NUM_THREADS": "1"}, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     sections = report["sections"]

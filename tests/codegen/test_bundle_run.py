@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -44,13 +45,32 @@ def launch_ok(bundle: Path, run_dir: Path, *extra: str,
 
 
 def reference_losses(steps: int, data: Path | None = None, spec: Path = SPEC) -> list[float]:
-    program = run_frontend(str(spec), spec.read_bytes()).program
-    source = None
-    if data is not None:
+    """The single-process reference's losses of ``spec`` over ``steps``, on ``data``, at
+    one torch thread whoever calls it (tests/data's too: the default of one per core
+    spins beside a launched bundle's ranks; a 3-step tiny_cpu reference took 31 s of CPU
+    at 2 threads, 1.5 s at one). On synthetic data (None) trained once per spec text and
+    steps (the co-located and the phased bundle's tests share theirs); a dataset is read
+    anew each time (a test may change its files)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        if data is None:
+            return list(_synthetic_reference(steps, spec.name, spec.read_bytes()))
         from dtdsl.feed.source import DatasetSource
 
-        source = DatasetSource(program, data)
-    return [r["loss"] for r in train_reference(program, steps, source=source)]
+        program = run_frontend(str(spec), spec.read_bytes()).program
+        return [r["loss"] for r in train_reference(program, steps,
+                                                   source=DatasetSource(program, data))]
+    finally:
+        torch.set_num_threads(threads)
+
+
+@cache
+def _synthetic_reference(steps: int, name: str, text: bytes) -> tuple[float, ...]:
+    program = run_frontend(name, text).program
+    return tuple(r["loss"] for r in train_reference(program, steps))
 
 
 def read_jsonl(path: Path) -> list[dict]:
