@@ -1,5 +1,5 @@
-"""What ``dtc`` and ``dtc data`` share: exit codes, argparse types, loading a spec, writing
-a file whole.
+"""What ``dtc`` and ``dtc data`` share: exit codes (from ``errors``), argparse types,
+loading a spec, writing a file whole.
 
 It lives apart from ``dtdsl.cli`` so that ``dtdsl.data.cli`` can use it without importing
 ``dtdsl.cli`` (which imports ``dtdsl.data.cli``): no import cycle between the two commands.
@@ -16,13 +16,13 @@ from pathlib import Path
 
 from dtdsl.diagnostics import render_text
 from dtdsl.driver import FrontendResult, UsageError, read_spec, run_frontend
+from dtdsl.errors import EXIT_ERRORS, EXIT_INTERNAL, EXIT_OK, EXIT_USAGE
 
 __all__ = [
     "EXIT_ERRORS", "EXIT_INTERNAL", "EXIT_OK", "EXIT_USAGE", "int_at_least", "load_program",
     "non_negative", "positive_int", "write_file",
 ]
 
-EXIT_OK, EXIT_ERRORS, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
 
 
 def int_at_least(low: int) -> Callable[[str], int]:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dtdsl.diagnostics import Diagnostic, has_errors, sort_diagnostics
+from dtdsl.errors import DtdslError
 from dtdsl.frontend import ast
 from dtdsl.frontend.check import check
 from dtdsl.frontend.parser import parse
@@ -40,7 +41,7 @@ def _limit(diagnostics: tuple[Diagnostic, ...]) -> tuple[Diagnostic, ...]:
         hint="fix the first ones and check again"),)
 
 
-class UsageError(Exception):
+class UsageError(DtdslError):
     """A problem with the command line rather than with a spec (exit code 2)."""
 
 

@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dtdsl.errors import DtdslError
+
 __all__ = ["RECORD", "Listed", "OutputError", "Snapshot", "Staged", "check_name",
            "file_sha256", "fresh_dir", "read_record", "real_dir", "replace_folder", "stage",
            "verify_owned", "verify_recorded", "write_record"]
@@ -45,7 +47,7 @@ _SHOWN = 3                          # names shown in a message, then "..."
 Keep = Callable[[str, os.stat_result], bool]
 
 
-class OutputError(ValueError):
+class OutputError(DtdslError, ValueError):
     """An output folder dtdsl will not write into or replace; the message names why."""
 
 

@@ -7,7 +7,7 @@ remove it. Import cycles between modules fail too.
 
 The order (DESIGN.md "Layer order"):
 
-    base      source, diagnostics, codes, outdir, resources, dtdsl/__init__
+    base      source, diagnostics, codes, errors, outdir, resources, dtdsl/__init__
     compiler  ir < frontend < cost < report < planner < schedule < reorder < sim
               (ir sits below frontend: the checker builds ir.Program, ir imports
               no frontend; report renders Plans and Profiles, and sim uses it)
@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent / "dtdsl"
 
 COMPILER = ["ir", "frontend", "cost", "report", "planner", "schedule", "reorder", "sim", "codegen"]
 RUNTIME = ["models", "parallel", "data", "feed", "train"]
-BASE = {"source", "diagnostics", "codes", "outdir", "resources", "__init__"}
+BASE = {"source", "diagnostics", "codes", "errors", "outdir", "resources", "__init__"}
 CLI_MODULES = {"dtdsl.cli", "dtdsl.data.cli", "dtdsl.clihelp"}
 
 # The (importer, imported) pairs that break the order today, grouped by the issue-33

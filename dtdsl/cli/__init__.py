@@ -35,7 +35,7 @@ from dtdsl.cli import (
 from dtdsl.cli import compile as compile_cmd
 from dtdsl.cli.common import Parser, Stop
 from dtdsl.clihelp import EXIT_INTERNAL, EXIT_OK, EXIT_USAGE
-from dtdsl.driver import UsageError
+from dtdsl.errors import DtdslError
 
 __all__ = ["COMMANDS", "main"]
 
@@ -75,9 +75,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args)
     except Stop as stop:
         return stop.code
-    except UsageError as err:
+    except DtdslError as err:     # bad input (a UsageError, a dataset, a checkpoint, ...)
         print(f"dtc: error: {err}", file=sys.stderr)
-        return EXIT_USAGE
+        return err.exit_code
     except KeyboardInterrupt:
         print("dtc: interrupted", file=sys.stderr)
         return 130

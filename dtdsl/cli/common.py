@@ -9,7 +9,7 @@ import dataclasses
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dtdsl.clihelp import EXIT_USAGE, load_program
 from dtdsl.diagnostics import Diagnostic, render_text
@@ -23,9 +23,9 @@ if TYPE_CHECKING:
     from dtdsl.ir.schedule import Schedule
 
 __all__ = ["PROGRESS_AFTER_S", "SIMULATE_STEPS", "Parser", "Stop", "add_placement",
-           "cost_model", "efficiency", "open_program", "plan_and_schedule", "plan_problems",
-           "read_plan", "runtime_plan", "slurm_option", "solve", "spec_dir",
-           "usage_diagnostic"]
+           "add_plan_options", "cost_model", "efficiency", "open_program",
+           "plan_and_schedule", "plan_problems", "read_plan", "report_infeasible",
+           "runtime_plan", "slurm_option", "solve", "spec_dir", "usage_diagnostic"]
 
 # Drawn batches dtc plan optimises for by default (and compile and memcheck plan with).
 SIMULATE_STEPS = 2
@@ -119,6 +119,25 @@ def cost_model(args: argparse.Namespace, program: Program) -> CostModel:
     return build_cost_model(program, params, profile=ProfileTable(profile))
 
 
+def add_plan_options(parser: argparse.ArgumentParser) -> None:
+    """``--plan`` and the cost model's options, for a command that plans the spec unless
+    given a plan (compile, memcheck, simulate; ``plan_and_schedule``)."""
+    parser.add_argument("--plan", metavar="PLAN", help="a Plan JSON (`dtc plan -o`); default: "
+                        "plan the spec now (convex search)")
+    parser.add_argument("--profile", metavar="PROFILE",
+                        help="a profile from `dtc profile`: measured module times")
+    parser.add_argument("--efficiency", action="append", metavar="KIND=FRACTION",
+                        help="analytic model efficiency (see `dtc plan --help`)")
+
+
+def report_infeasible(err: Any, result: FrontendResult, program: Program) -> None:
+    """Print the planner's ``Infeasible`` ``err`` as a diagnostic at its span in the spec
+    (the cluster block when it names none)."""
+    span = err.span or program.cluster.span
+    diag = Diagnostic.error(err.code, err.message, span, notes=err.notes, hint=err.hint)
+    sys.stderr.write(render_text([diag], result.source, result.name))
+
+
 def add_placement(parser: argparse.ArgumentParser, *, given_plan: bool) -> None:
     """``--placement``: where the planner puts the encoders and generators."""
     from dtdsl.ir.plan import PLACEMENTS
@@ -147,9 +166,7 @@ def solve(result: FrontendResult, program: Program, cost: CostModel | None,
                         compare_baseline=False, progress=progress,
                         simulate_steps=SIMULATE_STEPS)
     except Infeasible as err:
-        span = err.span or program.cluster.span
-        diag = Diagnostic.error(err.code, err.message, span, notes=err.notes, hint=err.hint)
-        sys.stderr.write(render_text([diag], result.source, result.name))
+        report_infeasible(err, result, program)
         return None
     except PlannerError as err:
         raise RuntimeError(f"the planner failed: {err}") from err

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from dtdsl.cli.common import (
     add_placement,
+    add_plan_options,
     cost_model,
     open_program,
     runtime_plan,
@@ -32,12 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("spec", metavar="SPEC", help="spec file ('-' for stdin)")
     parser.add_argument("-o", "--output", required=True, metavar="DIR",
                         help="the bundle directory (created; must be new or empty)")
-    parser.add_argument("--plan", metavar="PLAN", help="a Plan JSON (`dtc plan -o`); default: "
-                        "plan the spec now (convex search)")
-    parser.add_argument("--profile", metavar="PROFILE",
-                        help="a profile from `dtc profile`: measured module times")
-    parser.add_argument("--efficiency", action="append", metavar="KIND=FRACTION",
-                        help="analytic model efficiency (see `dtc plan --help`)")
+    add_plan_options(parser)
     parser.add_argument("--steps", type=positive_int, metavar="N",
                         help="training steps (default: the spec's train.steps)")
     parser.add_argument("--workers", type=int, metavar="N",

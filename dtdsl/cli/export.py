@@ -7,7 +7,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from dtdsl.clihelp import EXIT_OK, load_program, positive_int
+from dtdsl.cli.common import open_program
+from dtdsl.clihelp import EXIT_OK, positive_int
 from dtdsl.driver import UsageError
 
 __all__ = ["HELP", "NAME", "add_arguments", "run"]
@@ -33,26 +34,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dtdsl.models.hf import HFError
-    from dtdsl.train.checkpoint import CheckpointError
     from dtdsl.train.export import export_checkpoint
 
     program = None
     if args.spec is not None:
-        result, code = load_program(args.spec)
-        if result is None:
-            return code
-        program = result.program
+        _, program = open_program(args.spec)
     out = Path(args.output)
     if out.is_dir() and any(out.iterdir()) and not args.overwrite:
         raise UsageError(f"{out} is not empty; pass --overwrite to write into it")
     units = tuple(u for u in args.units.split(",") if u) if args.units else None
-    try:
-        done = export_checkpoint(args.run_dir, out, step=args.step, dtype=args.dtype,
-                                 units=units, program=program,
-                                 log=lambda line: print(f"dtc export: {line}", file=sys.stderr))
-    except (CheckpointError, HFError) as err:
-        raise UsageError(str(err)) from None
+    # A CheckpointError or HFError is the user's to act on: dtc prints it (DtdslError).
+    done = export_checkpoint(args.run_dir, out, step=args.step, dtype=args.dtype,
+                             units=units, program=program,
+                             log=lambda line: print(f"dtc export: {line}", file=sys.stderr))
     hf = sum(u.hf for u in done)
     print(f"dtc: exported {len(done)} units to {out} ({hf} as Hugging Face models)",
           file=sys.stderr)

@@ -8,7 +8,7 @@ import json
 import os
 import sys
 
-from dtdsl.cli.common import add_placement, cost_model, open_program, runtime_plan
+from dtdsl.cli.common import add_placement, add_plan_options, cost_model, open_program, runtime_plan
 from dtdsl.clihelp import EXIT_ERRORS, EXIT_OK, positive_int
 
 __all__ = ["HELP", "NAME", "add_arguments", "run"]
@@ -21,12 +21,7 @@ HELP = ("measure every stage's peak memory on fake "
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("spec", metavar="SPEC", help="spec file ('-' for stdin)")
-    parser.add_argument("--plan", metavar="PLAN", help="a Plan JSON (`dtc plan -o`); default: "
-                        "plan the spec now (convex search)")
-    parser.add_argument("--profile", metavar="PROFILE",
-                        help="a profile from `dtc profile`: measured module times")
-    parser.add_argument("--efficiency", action="append", metavar="KIND=FRACTION",
-                        help="analytic model efficiency (see `dtc plan --help`)")
+    add_plan_options(parser)
     parser.add_argument("--json", action="store_true", help="print JSON: {\"stages\": [...]}")
     parser.add_argument("--jobs", type=positive_int, default=os.cpu_count() or 1, metavar="N",
                         help="stages measured at once, each in a process of its own (default: "

@@ -11,9 +11,9 @@ from dtdsl.cli.common import (
     add_placement,
     cost_model,
     open_program,
+    report_infeasible,
 )
 from dtdsl.clihelp import EXIT_ERRORS, EXIT_OK, non_negative, positive_int, write_file
-from dtdsl.diagnostics import Diagnostic, render_text
 from dtdsl.driver import UsageError
 
 __all__ = ["HELP", "NAME", "add_arguments", "run"]
@@ -71,9 +71,7 @@ def run(args: argparse.Namespace) -> int:
                             compare_baseline=not args.no_baseline, progress=progress,
                             simulate_steps=args.simulate_steps)
     except Infeasible as err:
-        span = err.span or program.cluster.span
-        diag = Diagnostic.error(err.code, err.message, span, notes=err.notes, hint=err.hint)
-        sys.stderr.write(render_text([diag], result.source, result.name))
+        report_infeasible(err, result, program)
         return EXIT_ERRORS
     except PlannerError as err:
         raise RuntimeError(f"the planner failed: {err}") from err

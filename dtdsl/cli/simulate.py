@@ -9,7 +9,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-from dtdsl.cli.common import add_placement, cost_model, open_program, plan_and_schedule
+from dtdsl.cli.common import (
+    add_placement,
+    add_plan_options,
+    cost_model,
+    open_program,
+    plan_and_schedule,
+)
 from dtdsl.clihelp import EXIT_ERRORS, EXIT_OK, positive_int
 from dtdsl.driver import UsageError
 
@@ -24,8 +30,7 @@ HELP = ("simulate training steps of a plan: TensorBoard "
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("spec", metavar="SPEC", help="spec file ('-' for stdin)")
-    parser.add_argument("--plan", metavar="PLAN", help="a Plan JSON (`dtc plan -o`); default: "
-                        "plan the spec now (convex search)")
+    add_plan_options(parser)
     parser.add_argument("--gpus", type=positive_int, metavar="N",
                         help="plan for N GPUs instead of the spec's cluster")
     parser.add_argument("--steps", type=positive_int, default=4,
@@ -34,10 +39,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sample reordering (default: the spec's train.reorder)")
     parser.add_argument("--logdir", required=True, metavar="DIR",
                         help="TensorBoard log directory (also gets trace.json)")
-    parser.add_argument("--profile", metavar="PROFILE",
-                        help="a profile from `dtc profile`: measured module times")
-    parser.add_argument("--efficiency", action="append", metavar="KIND=FRACTION",
-                        help="analytic model efficiency (see `dtc plan --help`)")
     parser.add_argument("--overwrite", action="store_true",
                         help="delete the event files of an earlier run in --logdir")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")

@@ -45,6 +45,7 @@ import jinja2
 
 from dtdsl import __version__
 from dtdsl.codegen.views import BundleView
+from dtdsl.errors import DtdslError
 from dtdsl.feed.wire import new_secret, write_secret
 from dtdsl.feed.worker import worker_fields
 from dtdsl.ir import program as ir
@@ -69,7 +70,7 @@ MANIFEST = "manifest.json"
 SECRET_FILE = "job.key"
 
 
-class BundleError(ValueError):
+class BundleError(DtdslError, ValueError):
     """The bundle cannot be written (a user-facing reason)."""
 
 

@@ -44,6 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from dtdsl.cost.flops import input_needs_grad
 from dtdsl.cost.samples import draw
+from dtdsl.errors import DtdslError
 from dtdsl.ir import program as ir
 from dtdsl.ir.program import COND_TOKENS
 
@@ -64,7 +65,7 @@ PROFILE_VERSION = 1
 _TIMESTEPS = 1000
 
 
-class ProfileError(ValueError):
+class ProfileError(DtdslError, ValueError):
     """A profile that cannot be read or does not cover what was asked of it."""
 
 

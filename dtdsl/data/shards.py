@@ -65,6 +65,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from dtdsl.errors import DtdslError
 from dtdsl.outdir import (
     Listed,
     OutputError,
@@ -117,7 +118,7 @@ _SHARD = re.compile(r"shard-\d{6,}\.tar")
 _PIECE = re.compile(r"\w+|[^\w\s]")
 
 
-class DatasetError(Exception):
+class DatasetError(DtdslError):
     """A dataset that cannot be read or written: the message names the file."""
 
 

@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from dtdsl.data.shards import DatasetError, text_pieces
+from dtdsl.errors import DtdslError
 
 __all__ = [
     "CHAT_FORMATS",
@@ -67,7 +68,7 @@ _ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "ass
           "system": "system"}
 
 
-class TokenizerError(ValueError):
+class TokenizerError(DtdslError, ValueError):
     """A tokenizer that cannot be loaded or used: the message says why."""
 
 

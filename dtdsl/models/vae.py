@@ -24,10 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dtdsl.errors import DtdslError
+
 __all__ = ["VAEConfig", "VAEEncoder", "VAEError", "find_vae", "load_vae", "vae_problems"]
 
 
-class VAEError(ValueError):
+class VAEError(DtdslError, ValueError):
     """A VAE folder that cannot be used: the message says why."""
 
 

@@ -84,6 +84,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 
 from dtdsl.cost.flops import input_needs_grad
+from dtdsl.errors import DtdslError
 from dtdsl.ir.plan import Plan
 from dtdsl.ir.program import Program
 from dtdsl.ir.schedule import (
@@ -105,7 +106,7 @@ SEND_F, RECV_F = ActionKind.SEND_F, ActionKind.RECV_F
 SEND_B, RECV_B = ActionKind.SEND_B, ActionKind.RECV_B
 
 
-class LoweringError(ValueError):
+class LoweringError(DtdslError, ValueError):
     """The plan asks for a schedule this lowering does not build (named in the message)."""
 
 

@@ -103,6 +103,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from dtdsl.errors import DtdslError
+
 __all__ = [
     "FORMAT",
     "MODES",
@@ -129,7 +131,7 @@ PROGRAM = "program.json"    # the checked spec it was trained from (``dtc export
 _NAME = re.compile(r"ckpt-(\d+)\Z")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(DtdslError, RuntimeError):
     """A checkpoint that cannot be used here (another spec, missing tensors, bad files)."""
 
 

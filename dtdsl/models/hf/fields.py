@@ -36,12 +36,14 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from dtdsl.errors import DtdslError
+
 __all__ = ["Fields", "HFError", "named", "open_regular", "read_json", "shown"]
 
 _MISSING = object()
 
 
-class HFError(ValueError):
+class HFError(DtdslError, ValueError):
     """A Hugging Face directory dtdsl cannot read, with what to do about it."""
 
     def __init__(self, message: str, *, hint: str | None = None):
