@@ -31,7 +31,6 @@ DEBT: dict[str, int] = {
     "sim/simulate.py::Simulator.__init__": 225,
     "train/executor.py": 1413,
     "train/executor.py::StageExecutor.run_step": 122,
-    "train/launch.py::_run": 122,
     "train/memplan.py::_measure_stage": 113,
 }
 

@@ -594,16 +594,7 @@ def run(program: RankProgram, bundle: str | Path, argv: Sequence[str] | None = N
 
 
 def _run(program: RankProgram, bundle: Path, argv: Sequence[str] | None, who: str) -> int:
-    import torch
-    import torch.distributed as dist
-
-    from dtdsl.data.batch import LocalBatches
-    from dtdsl.parallel.device import init_distributed, rank_device
-    from dtdsl.parallel.mesh import build_groups, cp_ulysses
-    from dtdsl.train.checkpoint import Checkpointer
-    from dtdsl.train.executor import StageExecutor, gather_timeline, telemetry_every
     from dtdsl.train.faults import hold_if_fatal
-    from dtdsl.train.job import fault_point
 
     args = _parse(argv)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -612,106 +603,160 @@ def _run(program: RankProgram, bundle: Path, argv: Sequence[str] | None, who: st
         print(f"rank {rank}: a spare (the plan uses ranks 0..{job.world_size - 1} of the "
               f"{world} started); exiting", flush=True)
         return 0
-    steps = args.steps if args.steps is not None else job.steps
-    run_dir = Path(args.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-
-    torch.set_num_threads(max(1, int(os.environ.get("DTDSL_THREADS", "1"))))
-    # cuda:LOCAL_RANK with NCCL where there is a GPU, the CPU with gloo otherwise.
-    device = rank_device()
-    # The plan's ranks only: spares (rendezvous ranks past the plan's) never join.
-    init_distributed(device, timeout_s=600, rank=rank, world_size=job.world_size)
-    if rank == 0:
-        print(f"rank 0 of {job.world_size} on {device} ({dist.get_backend()}), "
-              f"{program_ir.train.precision}", flush=True)
-    resume, again = _resume_decision(run_dir, rank, args.resume, restart)
-    log = None
-    ckpt = None
+    trainer = _Trainer(args, job, program_ir, plan, schedule, bundle, rank)
+    trainer.start()
     try:
-        if not resume and rank == 0:
-            _set_aside_checkpoints(run_dir)
-        groups = build_groups(plan, device_type=device.type,
-                              ulysses=cp_ulysses(program_ir, plan),
-                              zero=program_ir.train.mesh_zero)
-        # The samples' source: read by the in-process feed, and by rank 0's predictions.
-        source = (data_source(job, bundle, program_ir, args.data)
-                  if job.feed.workers == 0 or rank == 0 else None)
-        if job.feed.workers > 0:
-            from dtdsl.feed.client import RemoteBatches
-            from dtdsl.train.job import feed_dir
-
-            local = int(os.environ.get("LOCAL_RANK", "0"))
-            node = job.node_ranks(rank, local, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-            feed: Any = RemoteBatches(job, bundle, program_ir, plan, groups.role,
-                                      feed_dir=feed_dir(args.feed_dir), local_rank=local,
-                                      node_ranks=node)
-        else:
-            feed = LocalBatches(program_ir, plan, groups.role, source=source,
-                                policy=frozenset(job.reorder))
-        # A resumed run takes every parameter from its checkpoint: nothing is initialised
-        # or read from pretrained weights first (unless it finds no checkpoint).
-        ex = StageExecutor(program_ir, plan, schedule, rank=rank, groups=groups, feed=feed,
-                           device=device, initialize=not resume)
-        # Collective (its store keys' nonce is broadcast): every rank builds it here.
-        ckpt = Checkpointer(ex, run_dir, keep=job.checkpoint.keep, mode=args.checkpoint_mode,
-                            spec_sha256=job.spec_sha256)
-        if resume and rank == 0:
-            _check_resumable(run_dir, job.spec_sha256)
-            print(f"resuming (torchrun restart {restart})" if restart else "resuming",
-                  flush=True)
-        first = ckpt.resume() if resume else 0
-        if resume and ckpt.loaded is None:
-            ex.stage.initialize(program_ir, program_ir.train.seed)
-        every = job.checkpoint.every
-        if rank == 0:
-            if first == 0 and not again:
-                _set_aside_records(run_dir)
-            log = _RunLog(run_dir, plan, program_ir, schedule, source, first,
-                          job.cost.cost_model(program_ir, bundle))
-            if first >= steps:
-                print(f"nothing to do: the run is at step {first} of {steps}", flush=True)
-        # Measured timelines, bounded in bytes: every step for small jobs (executor).
-        telemetry = telemetry_every(plan, schedule)
-        start = time.perf_counter()
-        if ex.local_sgd is not None:     # A-EDiT's interval counts from here, not from setup
-            ex.local_sgd.start_clock(start)
-        for step in range(first, steps):
-            fault_point(f"rank{rank}", step, run_dir)
-            ckpt.poll()     # a failed background save stops the run now
-            timed = (step - first) % telemetry == 0
-            result = ex.run_step(step, timed=timed)
-            timeline = gather_timeline(plan, step, result["events"], device=device) \
-                if timed else None
-            saved = None
-            if every > 0 and (step + 1) % every == 0:
-                _disk_fault(rank, step + 1, run_dir)
-                saved = ckpt.save(step + 1)
-            if log is not None:
-                assert ex.batch is not None
-                log.step(result, timeline, ex.batch, plan, checkpoint_s=saved)
-                note = "" if saved is None else f"  checkpoint {saved * 1e3:.0f} ms"
-                if result["skipped"]:
-                    note += _skip_note(ex.loss_scale)
-                print(f"step {step + 1}/{steps}  loss {result['loss']:.5f}  "
-                      f"{result['time_s'] * 1e3:.0f} ms  data wait "
-                      f"{result['data_wait_s'] * 1e3:.1f} ms{note}  "
-                      f"({time.perf_counter() - start:.1f} s)", flush=True)
-        # Every rank waits here for rank 0's commit of the last save and for the saving
-        # thread to end (rank 0 also for every rank to get here): no rank leaves, nor
-        # destroys the process group, with a save in flight.
-        ckpt.close()
-        ckpt = None
-        if hasattr(feed, "close"):
-            feed.close()
+        trainer.setup()
+        trainer.train()
+        trainer.finish()
     except Exception as err:
         # Recorded before the cleanup below, which may wait on peers or a save.
         hold_if_fatal(err, who)
         raise
     finally:
-        if log is not None:
-            log.close()
-        if ckpt is not None:      # failing: abandon a save in flight (thread released, joined)
-            ckpt.close(wait=False)
-        dist.destroy_process_group()
+        trainer.close()
     return 0
+
+
+class _Trainer:
+    """One rank's run of a bundle, in the order ``_run`` calls its steps: ``start`` (the
+    device, the process group of the plan's ranks, whether to resume), ``setup`` (groups,
+    feed, executor, checkpointer, rank 0's records), ``train`` (the steps, saving as the
+    job says), ``finish`` (every rank waits for the last save; the feed closes), and
+    ``close``, always, even on a failure (rank 0's records, a save in flight abandoned,
+    the process group)."""
+
+    def __init__(self, args: argparse.Namespace, job: Any, program_ir: Any, plan: Any,
+                 schedule: Any, bundle: Path, rank: int):
+        self.args, self.job, self.program_ir = args, job, program_ir
+        self.plan, self.schedule, self.bundle, self.rank = plan, schedule, bundle, rank
+        self.steps = args.steps if args.steps is not None else job.steps
+        self.run_dir = Path(args.run_dir)
+        self.restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        self.log: Any = None
+        self.ckpt: Any = None
+        self.first = 0
+
+    def start(self) -> None:
+        import torch
+        import torch.distributed as dist
+
+        from dtdsl.parallel.device import init_distributed, rank_device
+
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        torch.set_num_threads(max(1, int(os.environ.get("DTDSL_THREADS", "1"))))
+        # cuda:LOCAL_RANK with NCCL where there is a GPU, the CPU with gloo otherwise.
+        self.device = rank_device()
+        # The plan's ranks only: spares (rendezvous ranks past the plan's) never join.
+        init_distributed(self.device, timeout_s=600, rank=self.rank,
+                         world_size=self.job.world_size)
+        if self.rank == 0:
+            print(f"rank 0 of {self.job.world_size} on {self.device} ({dist.get_backend()}), "
+                  f"{self.program_ir.train.precision}", flush=True)
+        self.resume, self.again = _resume_decision(self.run_dir, self.rank, self.args.resume,
+                                                   self.restart)
+
+    def setup(self) -> None:
+        from dtdsl.parallel.mesh import build_groups, cp_ulysses
+        from dtdsl.train.checkpoint import Checkpointer
+        from dtdsl.train.executor import StageExecutor
+
+        job, program_ir, plan, rank = self.job, self.program_ir, self.plan, self.rank
+        if not self.resume and rank == 0:
+            _set_aside_checkpoints(self.run_dir)
+        groups = build_groups(plan, device_type=self.device.type,
+                              ulysses=cp_ulysses(program_ir, plan),
+                              zero=program_ir.train.mesh_zero)
+        # The samples' source: read by the in-process feed, and by rank 0's predictions.
+        source = (data_source(job, self.bundle, program_ir, self.args.data)
+                  if job.feed.workers == 0 or rank == 0 else None)
+        self.feed = self._feed(groups, source)
+        # A resumed run takes every parameter from its checkpoint: nothing is initialised
+        # or read from pretrained weights first (unless it finds no checkpoint).
+        self.ex = StageExecutor(program_ir, plan, self.schedule, rank=rank, groups=groups,
+                                feed=self.feed, device=self.device, initialize=not self.resume)
+        # Collective (its store keys' nonce is broadcast): every rank builds it here.
+        self.ckpt = Checkpointer(self.ex, self.run_dir, keep=job.checkpoint.keep,
+                                 mode=self.args.checkpoint_mode, spec_sha256=job.spec_sha256)
+        if self.resume and rank == 0:
+            _check_resumable(self.run_dir, job.spec_sha256)
+            print(f"resuming (torchrun restart {self.restart})" if self.restart else
+                  "resuming", flush=True)
+        self.first = self.ckpt.resume() if self.resume else 0
+        if self.resume and self.ckpt.loaded is None:
+            self.ex.stage.initialize(program_ir, program_ir.train.seed)
+        if rank == 0:
+            if self.first == 0 and not self.again:
+                _set_aside_records(self.run_dir)
+            self.log = _RunLog(self.run_dir, plan, program_ir, self.schedule, source,
+                               self.first, job.cost.cost_model(program_ir, self.bundle))
+            if self.first >= self.steps:
+                print(f"nothing to do: the run is at step {self.first} of {self.steps}",
+                      flush=True)
+
+    def _feed(self, groups: Any, source: Any) -> Any:
+        """The rank's batches: from the job's preprocessing workers, or built here."""
+        from dtdsl.data.batch import LocalBatches
+
+        job = self.job
+        if job.feed.workers == 0:
+            return LocalBatches(self.program_ir, self.plan, groups.role, source=source,
+                                policy=frozenset(job.reorder))
+        from dtdsl.feed.client import RemoteBatches
+        from dtdsl.train.job import feed_dir
+
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        node = job.node_ranks(self.rank, local, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        return RemoteBatches(job, self.bundle, self.program_ir, self.plan, groups.role,
+                             feed_dir=feed_dir(self.args.feed_dir), local_rank=local,
+                             node_ranks=node)
+
+    def train(self) -> None:
+        from dtdsl.train.executor import gather_timeline, telemetry_every
+        from dtdsl.train.job import fault_point
+
+        ex, ckpt, rank, every = self.ex, self.ckpt, self.rank, self.job.checkpoint.every
+        # Measured timelines, bounded in bytes: every step for small jobs (executor).
+        telemetry = telemetry_every(self.plan, self.schedule)
+        start = time.perf_counter()
+        if ex.local_sgd is not None:     # A-EDiT's interval counts from here, not from setup
+            ex.local_sgd.start_clock(start)
+        for step in range(self.first, self.steps):
+            fault_point(f"rank{rank}", step, self.run_dir)
+            ckpt.poll()     # a failed background save stops the run now
+            timed = (step - self.first) % telemetry == 0
+            result = ex.run_step(step, timed=timed)
+            timeline = gather_timeline(self.plan, step, result["events"],
+                                       device=self.device) if timed else None
+            saved = None
+            if every > 0 and (step + 1) % every == 0:
+                _disk_fault(rank, step + 1, self.run_dir)
+                saved = ckpt.save(step + 1)
+            if self.log is not None:
+                assert ex.batch is not None
+                self.log.step(result, timeline, ex.batch, self.plan, checkpoint_s=saved)
+                note = "" if saved is None else f"  checkpoint {saved * 1e3:.0f} ms"
+                if result["skipped"]:
+                    note += _skip_note(ex.loss_scale)
+                print(f"step {step + 1}/{self.steps}  loss {result['loss']:.5f}  "
+                      f"{result['time_s'] * 1e3:.0f} ms  data wait "
+                      f"{result['data_wait_s'] * 1e3:.1f} ms{note}  "
+                      f"({time.perf_counter() - start:.1f} s)", flush=True)
+
+    def finish(self) -> None:
+        # Every rank waits here for rank 0's commit of the last save and for the saving
+        # thread to end (rank 0 also for every rank to get here): no rank leaves, nor
+        # destroys the process group, with a save in flight.
+        self.ckpt.close()
+        self.ckpt = None
+        if hasattr(self.feed, "close"):
+            self.feed.close()
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if self.log is not None:
+            self.log.close()
+        if self.ckpt is not None:  # failing: abandon a save in flight (thread released, joined)
+            self.ckpt.close(wait=False)
+        dist.destroy_process_group()
