@@ -27,8 +27,8 @@ $SLURM_NODEID``). For every rank of the bundle (or of node K):
    checked node's ranks get step 0's batch messages built and encoded as a worker does,
    their bytes reported (what a rank receives from the feed per step; real decoding, so
    one node's worth and asked for); rank 0's telemetry bytes per step
-   (``executor.telemetry_bytes`` over ``telemetry_every``) are held to
-   ``executor.TELEMETRY_BYTES``.
+   (``timelines.telemetry_bytes`` over ``telemetry_every``) are held to
+   ``timelines.TELEMETRY_BYTES``.
 
 The rendezvous store is one process's business at any size: it holds one connection per
 rank (under ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, which ``launch.sh`` sets, trainer
@@ -380,8 +380,8 @@ def dry_run(bundle: str | Path, *, node: int | None = None, steps: int = 1,
     from dtdsl.ir.program import Program
     from dtdsl.ir.schedule import parse_schedule
     from dtdsl.parallel.mesh import cp_ulysses, role_of
-    from dtdsl.train.executor import TELEMETRY_BYTES, telemetry_bytes, telemetry_every
     from dtdsl.train.job import load_job
+    from dtdsl.train.timelines import TELEMETRY_BYTES, telemetry_bytes, telemetry_every
 
     start = time.perf_counter()
     bundle = Path(bundle)

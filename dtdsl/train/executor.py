@@ -33,8 +33,9 @@ a backward phase after the last (``_phase_forward``, ``_phase_backward``); each 
 one event with no microbatch on the rank's own row.
 
 Timing (``train.clock``): each action's start and end are marks read once after the
-optimizer step (CUDA events on a GPU, host time on the CPU). ``gather_timeline`` collects
-the measured ``sim.timeline.Timeline`` of timed steps.
+optimizer step (CUDA events on a GPU, host time on the CPU).
+``train.timelines.gather_timeline`` collects the measured ``sim.timeline.Timeline`` of
+timed steps.
 
 Limits: interleaved schedules (vpp > 1), a generator over more than one pipeline stage
 and more than one phased encoder raise NotImplementedError.
@@ -47,7 +48,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 import torch.distributed as dist
@@ -95,16 +96,36 @@ from dtdsl.parallel.cp import gather_sequence as cp_gather
 from dtdsl.parallel.device import to_device
 from dtdsl.parallel.mesh import ProcessGroups, RankRole, cp_ulysses
 from dtdsl.parallel.p2p import P2P, Received, TensorSpec
-from dtdsl.sim.timeline import Event, Timeline, TimelineUnit
+from dtdsl.sim.timeline import Event
+from dtdsl.train import timelines
 from dtdsl.train.clock import StepClock, step_clock
 from dtdsl.train.optim import LossScale, StageOptimizer, optimizer_step
 from dtdsl.train.stage import Stage, build_stage, projector_between
 
-__all__ = ["TELEMETRY_BYTES", "StageExecutor", "gather_timeline", "measured_timeline",
-           "run_rank", "stage_run", "telemetry_bytes", "telemetry_every"]
+__all__ = ["StageExecutor", "StepRecord", "run_rank", "stage_run"]
 
 _FWD, _BWD = "F", "B"
 _COMM = (ActionKind.SEND_F, ActionKind.SEND_B, ActionKind.RECV_F, ActionKind.RECV_B)
+
+
+class StepRecord(TypedDict):
+    """What ``StageExecutor.run_step`` returns for one training step. Losses are summed
+    over the job (identical on every rank)."""
+
+    step: int
+    loss: float                 # lm_loss + gen_loss
+    lm_loss: float
+    gen_loss: float
+    grad_norm: float            # the job's, before clipping (``train.optim``)
+    skipped: bool               # fp16: the step was skipped (an inf/nan gradient)
+    loss_scale: float | None    # fp16: the scale the step ran with; else None
+    skipped_steps: int | None   # fp16: steps skipped so far; else None
+    time_s: float
+    data_wait_s: float          # waiting for this step's batch
+    events: list[Event]         # this rank's measured actions
+    processed: dict[str, int]   # patches, positions, text tokens and targets it ran
+    dp_sync_bytes: int          # bytes the job put into data-parallel collectives
+    compiled_graphs: int        # graphs its compiled blocks compiled so far; 0 eager
 
 
 class _Units:
@@ -383,15 +404,10 @@ class StageExecutor:
 
     # ---- one training step ----------------------------------------------------------------
 
-    def run_step(self, step: int, *, timed: bool = False) -> dict[str, Any]:
-        """Run training step ``step``; returns ``{"step", "loss", "lm_loss", "gen_loss",
-        "grad_norm", "skipped", "loss_scale", "skipped_steps", "time_s", "data_wait_s",
-        "events", "processed", "compiled_graphs"}`` (losses summed over the job, identical
-        on every rank; fp16: the scale the step ran with and the steps skipped so far, else
-        None; events: this rank's measured actions; compiled_graphs: what its compiled
-        blocks compiled so far). ``timed``: the
-        step's events go into a gathered timeline, so every rank starts the step at a
-        barrier (a common origin for their times); other steps start without one."""
+    def run_step(self, step: int, *, timed: bool = False) -> StepRecord:
+        """Run training step ``step`` (``StepRecord``). ``timed``: the step's events go
+        into a gathered timeline, so every rank starts the step at a barrier (a common
+        origin for their times); other steps start without one."""
         self.step = step
         # Off the timed actions: in a real job the preprocessing workers built it ahead.
         batch = self.batch = self.feed.batch(step)
@@ -494,21 +510,18 @@ class StageExecutor:
         events = [self._event(kind, mb, spans[m]) for kind, mb, m in marks]
         lm, gen, dp_bytes = result.totals
         compiled = self.stage.compiled
-        return {"step": step, "loss": lm + gen, "lm_loss": lm, "gen_loss": gen,
-                "grad_norm": result.grad_norm, "skipped": result.skipped,
-                "loss_scale": scale, "skipped_steps": (self.loss_scale.skipped_steps
-                                                       if self.loss_scale else None),
-                "time_s": time.perf_counter() - self._t0, "data_wait_s": batch.wait_s,
-                "events": events, "processed": dict(self.processed),
-                # Bytes the job put into data-parallel collectives this step.
-                "dp_sync_bytes": int(dp_bytes),
-                # Graphs this rank's compiled blocks have compiled so far: a step where
-                # it grows recompiled (``train.compiled``); 0 when eager.
-                "compiled_graphs": compiled.graphs if compiled is not None else 0}
+        return StepRecord(
+            step=step, loss=lm + gen, lm_loss=lm, gen_loss=gen, grad_norm=result.grad_norm,
+            skipped=result.skipped, loss_scale=scale,
+            skipped_steps=self.loss_scale.skipped_steps if self.loss_scale else None,
+            time_s=time.perf_counter() - self._t0, data_wait_s=batch.wait_s, events=events,
+            processed=dict(self.processed), dp_sync_bytes=int(dp_bytes),
+            # A step where it grows recompiled (``train.compiled``).
+            compiled_graphs=compiled.graphs if compiled is not None else 0)
 
     def train(self, steps: int, *, first_step: int = 0,
               metrics_path: str | Path | None = None,
-              logdir: str | Path | None = None) -> list[dict[str, Any]]:
+              logdir: str | Path | None = None) -> list[StepRecord]:
         """Run ``steps`` training steps from ``first_step``; ``run_step``'s result per step.
         Rank 0 appends ``{"step", "loss", "lm_loss", "gen_loss"}`` JSON lines to
         ``metrics_path``. With ``logdir`` every rank joins gathering each step's measured
@@ -529,7 +542,7 @@ class StageExecutor:
                         f.write(json.dumps({k: result[k] for k in (
                             "step", "loss", "lm_loss", "gen_loss")}) + "\n")
                 if logdir is not None:
-                    timeline = gather_timeline(self.plan, step, result["events"],
+                    timeline = timelines.gather_timeline(self.plan, step, result["events"],
                                                device=self.device)
                     if writer is not None and timeline is not None:
                         scalars = {"loss/total": result["loss"], "loss/lm": result["lm_loss"],
@@ -1330,82 +1343,10 @@ def stage_run(role: str) -> Any:
             "generator": _run_generator}[role]
 
 
-def measured_timeline(plan: Plan, step: int, events: Sequence[Event]) -> Timeline:
-    """A measured ``Timeline`` of one step from the events of any set of ranks (e.g. all
-    of them, gathered)."""
-    # Co-located and phased units have no rows of their own: their passes are in the
-    # backbone's rows' events, as in the simulator's timeline.
-    units = tuple(TimelineUnit(name=u.name, role=u.role, pp=u.pp, dp=u.dp, tp=u.tp,
-                               first_rank=u.first_rank) for u in plan.units
-                  if not (u.colocated or u.phased))
-    return Timeline(source="measured", num_microbatches=plan.num_microbatches, units=units,
-                    events=tuple(events), step=step)
-
-
-_KINDS = tuple(k.value for k in ActionKind)
-
-
-# What rank 0 may receive of measured timelines per training step, on average.
-TELEMETRY_BYTES = 64 * 1024
-_ROW_BYTES = 9 * 8      # one event: nine float64 fields
-
-
-def telemetry_bytes(plan: Plan, schedule: Schedule) -> int:
-    """What rank 0 receives in one ``gather_timeline``: every rank's events, padded to
-    the longest list (a stage's passes and two more, and two per phased encoder: its
-    phases), and its count."""
-    phases = 2 * sum(u.phased for u in plan.units)
-    width = max((sum(a.kind in (ActionKind.F, ActionKind.B) for a in st.actions) + 2 +
-                 phases for st in schedule.stages), default=1)
-    return plan.gpus_used * (width * _ROW_BYTES + 8)
-
-
-def telemetry_every(plan: Plan, schedule: Schedule) -> int:
-    """Gather the measured timeline every this many steps: rank 0 receives at most
-    ``TELEMETRY_BYTES`` per step on average (``telemetry_bytes``). Every step for small
-    jobs; for a 1170-rank job a few hundred steps apart."""
-    return max(1, -(-telemetry_bytes(plan, schedule) // TELEMETRY_BYTES))
-
-
-def gather_timeline(plan: Plan, step: int, events: Sequence[Event], *,
-                    device: torch.device | str = "cpu", dst: int = 0) -> Timeline | None:
-    """The measured ``Timeline`` of one step from every rank's ``events``, on rank ``dst``
-    (None on the others; collective over the default group). Events come from TP leaders
-    only (a replica's TP ranks run in lockstep, one event stands for them all). Each
-    rank's times are relative to its own start of the step, taken right after a barrier,
-    so they compare across ranks up to the barrier's skew."""
-    names = [u.name for u in plan.units if not (u.colocated or u.phased)]
-    rank = dist.get_rank()
-    mine = [e for e in events if e.rank == rank]
-    rows = torch.tensor([[names.index(e.unit), e.stage, e.replica, e.rank, _KINDS.index(e.kind),
-                          -1 if e.microbatch is None else e.microbatch, e.chunk, e.start_s,
-                          e.end_s] for e in mine], dtype=torch.float64).reshape(-1, 9)
-    counts = [torch.zeros(1, dtype=torch.int64, device=device)
-              for _ in range(dist.get_world_size())]
-    dist.all_gather(counts, torch.tensor([len(mine)], dtype=torch.int64, device=device))
-    width = max(int(c) for c in counts)
-    padded = torch.zeros(width, 9, dtype=torch.float64, device=device)
-    padded[:len(mine)] = rows.to(device)
-    parts = [torch.empty(width, 9, dtype=torch.float64, device=device)
-             for _ in counts] if rank == dst else None
-    dist.gather(padded, parts, dst=dst)
-    if parts is None:
-        return None
-    out = []
-    for part, count in zip(parts, counts, strict=True):
-        for row in part[:int(count)].tolist():
-            unit, stage, replica, r, kind, mb, chunk, start, end = row
-            out.append(Event(unit=names[int(unit)], stage=int(stage), replica=int(replica),
-                             rank=int(r), kind=_KINDS[int(kind)],
-                             microbatch=None if mb < 0 else int(mb), chunk=int(chunk),
-                             start_s=start, end_s=end))
-    return measured_timeline(plan, step, out)
-
-
 def run_rank(program: ir.Program, plan: Plan, schedule: Schedule, *, steps: int, rank: int,
              groups: ProcessGroups, seed: int | None = None, first_step: int = 0,
              metrics_path: str | Path | None = None, logdir: str | Path | None = None,
-             device: torch.device | str = "cpu") -> list[dict[str, Any]]:
+             device: torch.device | str = "cpu") -> list[StepRecord]:
     """Train ``steps`` steps (``first_step`` on) on this rank: ``StageExecutor(...).train``.
     Collective over every rank of ``plan``."""
     ex = StageExecutor(program, plan, schedule, rank=rank, groups=groups, seed=seed,

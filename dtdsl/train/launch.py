@@ -32,7 +32,7 @@ unit, stage, layer range, TP/DP/PP coordinates, process groups and schedule as d
    next to the simulator's prediction for the very batch the step trained on (its
    samples' sizes from the data source, routed as the run routed them): tags
    ``measured/...`` and ``predicted/...``). The measured timeline is gathered to rank 0
-   only, every ``executor.telemetry_every`` steps: every step for small jobs, so that
+   only, every ``timelines.telemetry_every`` steps: every step for small jobs, so that
    rank 0 receives at most ``TELEMETRY_BYTES`` (64 KiB) per step on average. TensorBoard,
    the predictions and ``timelines.jsonl`` are written by a child process of rank 0
    (``_Telemetry``): the training step never waits for them nor shares its GIL with
@@ -397,7 +397,7 @@ class _TelemetryWork:
 
     def write(self, step: int, scalars: dict[str, float], timeline: Any, sizes: Any,
               routing: Any) -> None:
-        if timeline is None:        # not gathered this step (executor.telemetry_every)
+        if timeline is None:        # not gathered this step (timelines.telemetry_every)
             self.writer.add_scalars(step, scalars)
             return
         self.writer.add_step(step, timeline, scalars)
@@ -712,8 +712,8 @@ class _Trainer:
                              node_ranks=node)
 
     def train(self) -> None:
-        from dtdsl.train.executor import gather_timeline, telemetry_every
         from dtdsl.train.job import fault_point
+        from dtdsl.train.timelines import gather_timeline, telemetry_every
 
         ex, ckpt, rank, every = self.ex, self.ckpt, self.rank, self.job.checkpoint.every
         # Measured timelines, bounded in bytes: every step for small jobs (executor).

@@ -12,7 +12,7 @@ from dtdsl import cli
 from dtdsl.ir.plan import Plan
 from dtdsl.parallel.mesh import grids, role_of
 from dtdsl.train import dryrun
-from dtdsl.train.executor import TELEMETRY_BYTES
+from dtdsl.train.timelines import TELEMETRY_BYTES
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -22,8 +22,9 @@ from dtdsl.parallel.mesh import ProcessGroups, build_groups, role_of
 from dtdsl.parallel.tp import local_tensor
 from dtdsl.reorder.split import contiguous_split
 from dtdsl.schedule.lower import lower
-from dtdsl.train.executor import StageExecutor, gather_timeline, run_rank
+from dtdsl.train.executor import StageExecutor, run_rank
 from dtdsl.train.reference import train_reference
+from dtdsl.train.timelines import gather_timeline
 from tests.dist import make_plan, run
 from tests.train.test_reference import program as tiny
 
@@ -447,7 +448,7 @@ def test_telemetry_is_bounded_in_bytes_at_paper_scale():
     from dtdsl.driver import run_frontend
     from dtdsl.planner import plan as make_plan
     from dtdsl.schedule.lower import lower
-    from dtdsl.train.executor import TELEMETRY_BYTES, telemetry_every
+    from dtdsl.train.timelines import TELEMETRY_BYTES, telemetry_every
 
     root = Path(__file__).resolve().parents[2] / "specs"
     for name, small in (("tiny_cpu", True), ("mllm_72b", False)):

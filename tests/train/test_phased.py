@@ -57,7 +57,8 @@ def phase(program: ir.Program, plan: Plan, name: str = "vit") -> Plan:
 def _train(rank: int, world: int, program: ir.Program, plan: Plan, losses: list[float],
            params: dict, steps: int, norms: list[float] | None) -> None:
     from dtdsl.parallel.mesh import build_groups
-    from dtdsl.train.executor import StageExecutor, gather_timeline
+    from dtdsl.train.executor import StageExecutor
+    from dtdsl.train.timelines import gather_timeline
 
     groups = build_groups(plan)
     assert groups.groups() == rank_groups(plan, rank)
