@@ -61,9 +61,9 @@ def one_f_one_b_times(fwd_s: Sequence[float], bwd_s: Sequence[float], m: int,
     b_end = [0.0] * (pp * m)
     free = [0.0] * pp
     stages, cells, kinds = _flat_order(pp, m)
-    for s, k, kind in zip(stages, cells, kinds):
+    for s, k, kind in zip(stages, cells, kinds, strict=True):
         if kind == _F_FIRST:
-            start = free[s]                 # max(free, 0.0): times are not negative
+            start = free[s]                 # max(free[s], 0.0), as max() picks
             if start < 0.0:
                 start = 0.0
             f_start[k] = start
@@ -307,7 +307,9 @@ def _greedy_wide(state: _Bubbles, pp: int, m: int, ef: float, eb: float) -> Bubb
     end, last_fwd0 = state.end, state.last_fwd0
     first, last = np.array(state.first), np.array(state.last)
     enc_end, back, delays, overruns = (np.zeros(pp) for _ in range(4))
-    delay_others, overrun_others = np.zeros(pp), np.zeros(pp)
+    # ``_others`` of the delays and of the overruns: every stage's is the largest value,
+    # but the largest's own, which is the second largest.
+    top_d, top_o = _TopTwo(pp), _TopTwo(pp)
     owners: list[int] = []
     for j in range(m):
         t = enc_end + ef
@@ -317,14 +319,42 @@ def _greedy_wide(state: _Bubbles, pp: int, m: int, ef: float, eb: float) -> Bubb
         ready[1] = max(last[1], max(b0[j], last_fwd0))
         o = np.maximum(0.0, ready + back + eb - end)
         o[0] = back[0] + eb                         # after its last
-        c = np.maximum(delay_others, d) + np.maximum(overrun_others, o)
+        dl = np.maximum(d, top_d.top)
+        dl[top_d.at] = max(top_d.second, d[top_d.at])
+        ov = np.maximum(o, top_o.top)
+        ov[top_o.at] = max(top_o.second, o[top_o.at])
+        c = dl + ov
         s = pp - 1 - _first_within(c[::-1])
         owners.append(s)
         enc_end[s], delays[s], overruns[s] = t[s], d[s], o[s]
         back[s] += eb
-        _others_into(delays, delay_others)
-        _others_into(overruns, overrun_others)
+        top_d.set(s, float(d[s]))
+        top_o.set(s, float(o[s]))
     return BubbleFit(tuple(owners), float(delays.max()), float(overruns.max()))
+
+
+class _TopTwo:
+    """The largest of ``n`` values (``top``, at index ``at``) and the largest of the
+    others (``second``), kept as the values change one at a time: in O(1) when one grows
+    (as a greedy's delays do), a new look at them all when one shrinks."""
+
+    def __init__(self, n: int) -> None:
+        self.values = [0.0] * n
+        self.at, self.top, self.second = 0, 0.0, 0.0
+
+    def set(self, i: int, value: float) -> None:
+        old, self.values[i] = self.values[i], value
+        if not value >= old:
+            values = self.values
+            self.at = max(range(len(values)), key=values.__getitem__)
+            self.top, self.second = values[self.at], max(values[:self.at] +
+                                                         values[self.at + 1:])
+        elif i == self.at:
+            self.top = value
+        elif value > self.top:
+            self.at, self.top, self.second = i, value, self.top
+        elif value > self.second:
+            self.second = value
 
 
 def _first_within(costs) -> int:
@@ -340,13 +370,3 @@ def _first_within(costs) -> int:
         if best is None or c < best - _TIE_S:
             best, at = c, i
     return at
-
-
-def _others_into(values, out) -> None:
-    """``_others`` of a numpy vector of two or more values, written into ``out``."""
-    top = int(values.argmax())
-    out.fill(values[top])
-    kept = values[top]
-    values[top] = -np.inf
-    out[top] = values.max()
-    values[top] = kept

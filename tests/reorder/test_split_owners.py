@@ -156,3 +156,18 @@ def test_times_are_the_event_loops_on_tied_seconds(pp, m, data):
 
 def test_no_nan_is_taken_for_a_time():
     assert not math.isnan(bubble_owners([1.0] * 14, [2.0] * 14, 30, 0.5, 1.0).exposed_f)
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(2, 9), data=st.data())
+def test_the_kept_top_two_are_the_others_of_every_value(n, data):
+    """``_TopTwo``, kept as values grow and shrink (a greedy's delays only grow), gives
+    every index the reference's largest other value."""
+    kept = split._TopTwo(n)
+    values = [0.0] * n
+    for _ in range(data.draw(st.integers(1, 30))):
+        i = data.draw(st.integers(0, n - 1))
+        values[i] = data.draw(st.one_of(_TIED, st.floats(-5.0, 5.0, allow_nan=False)))
+        kept.set(i, values[i])
+        got = [kept.second if k == kept.at else kept.top for k in range(n)]
+        assert got == _ref_others(values)
