@@ -267,35 +267,39 @@ _TIE_S = 1e-12
 
 
 def _greedy_narrow(state: _Bubbles, pp: int, m: int, ef: float, eb: float) -> BubbleFit:
-    """``bubble_owners``' greedy, ``_Bubbles.trial`` inlined over plain lists."""
+    """``bubble_owners``' greedy, ``_Bubbles.trial`` inlined over plain lists, the
+    largest other delay and overrun of each stage read from ``_TopTwo``."""
     f0, b0 = state.f_start[0], state.b_end[0]
     first, last, end, last_fwd0 = state.first, state.last, state.end, state.last_fwd0
     enc_end, back = state.enc_end, state.back
     delays, overruns = state.delays, state.overruns
-    delay_others, overrun_others = [0.0] * pp, [0.0] * pp
+    top_d, top_o = _TopTwo(pp), _TopTwo(pp)         # ``_others`` of each, kept
     owners: list[int] = []
     for j in range(m):
         f0j = f0[j]
         ready1, ready2 = max(b0[j], last_fwd0), max(b0[j], 0.0)
+        d_at, d_top, d_second = top_d.at, top_d.top, top_d.second
+        o_at, o_top, o_second = top_o.at, top_o.top, top_o.second
         best = None
         for s in range(pp - 1, 0, -1):
             t = enc_end[s] + ef
             d = max(delays[s], t - f0j, t - first[s])
             o = max(0.0, max(last[s], ready1 if s == 1 else ready2) + back[s] + eb - end)
-            c = max(delay_others[s], d) + max(overrun_others[s], o)
+            c = max(d_second if s == d_at else d_top, d) + \
+                max(o_second if s == o_at else o_top, o)
             if best is None or c < best[0] - _TIE_S:
                 best = (c, s, t, d, o)
         t = enc_end[0] + ef
         o = back[0] + eb
-        c = max(delay_others[0], t) + max(overrun_others[0], o)
+        c = max(d_second if d_at == 0 else d_top, t) + max(o_second if o_at == 0 else o_top, o)
         if c < best[0] - _TIE_S:
             best = (c, 0, t, t, o)
         _, s, t, d, o = best
         owners.append(s)
         enc_end[s], delays[s], overruns[s] = t, d, o
         back[s] += eb
-        delay_others = _others(delays)
-        overrun_others = _others(overruns)
+        top_d.set(s, d)
+        top_o.set(s, o)
     return BubbleFit(tuple(owners), *state.exposed())
 
 
