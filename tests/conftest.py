@@ -69,3 +69,60 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def shipped_plan(tmp_path_factory):
+    """``shipped_plan(name)``: the Plan JSON of ``specs/<name>.dt`` that ``dtc compile`` and
+    ``dtc memcheck`` plan by default (``dtc plan --no-baseline -o``, the same call),
+    planned once per test process and spec text: the paper-scale specs take the most
+    of a minute each, and many tests need one of their plans without testing the
+    planner. A test of planning plans itself."""
+    import contextlib
+    import hashlib
+    import io
+
+    from dtdsl import cli
+
+    made: dict[tuple[str, str], Path] = {}
+
+    def get(name: str) -> Path:
+        spec = ROOT / "specs" / f"{name}.dt"
+        key = (name, hashlib.sha256(spec.read_bytes()).hexdigest())
+        if key not in made:
+            out = tmp_path_factory.mktemp(f"plan_{name}") / "plan.json"
+            said = io.StringIO()        # not into the capsys of the test that asked
+            with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
+                code = cli.main(["plan", str(spec), "--no-baseline", "-o", str(out)])
+            assert code == 0, said.getvalue()
+            made[key] = out
+        return made[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def shipped_bundle(shipped_plan, tmp_path_factory):
+    """``shipped_bundle(name)``: ``dtc compile specs/<name>.dt --synthetic`` of
+    ``shipped_plan(name)``, compiled once per test process: the same files as a compile
+    that plans (but for ``job.key``). Shared: read it, never write into it."""
+    import contextlib
+    import io
+
+    from dtdsl import cli
+
+    made: dict[Path, Path] = {}
+
+    def get(name: str) -> Path:
+        plan = shipped_plan(name)
+        if plan not in made:
+            out = tmp_path_factory.mktemp(f"bundle_{name}") / "bundle"
+            said = io.StringIO()
+            with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
+                code = cli.main(["compile", str(ROOT / "specs" / f"{name}.dt"), "-o",
+                                 str(out), "--synthetic", "--plan", str(plan)])
+            assert code == 0, said.getvalue()
+            made[plan] = out
+        return made[plan]
+
+    return get

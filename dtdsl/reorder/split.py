@@ -9,8 +9,11 @@ Shared by the simulator's routing (``dtdsl.sim.workload``) and the runtime's
 from __future__ import annotations
 
 import functools
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 __all__ = ["BubbleFit", "bubble_exposure", "bubble_owners", "contiguous_split",
            "one_f_one_b_times"]
@@ -51,24 +54,37 @@ def one_f_one_b_times(fwd_s: Sequence[float], bwd_s: Sequence[float], m: int,
     has arrived; the passes are taken in ``_one_f_one_b_order``, which depends on the
     shape alone (the planner times many layouts of one shape)."""
     pp = len(fwd_s)
-    f_start = [[0.0] * m for _ in range(pp)]
-    f_end = [[0.0] * m for _ in range(pp)]
-    b_end = [[0.0] * m for _ in range(pp)]
+    # Flat per-pass tables (cell s * m + j), the order's kinds telling where a pass's
+    # input comes from: the planner times thousands of layouts, this loop is its core.
+    f_start = [0.0] * (pp * m)
+    f_end = [0.0] * (pp * m)
+    b_end = [0.0] * (pp * m)
     free = [0.0] * pp
-    for s, forward, j in _one_f_one_b_order(pp, m):
-        if forward:
-            ready = f_end[s - 1][j] + hop_s if s > 0 else 0.0
-            start = max(free[s], ready)
-            f_start[s][j], f_end[s][j] = start, start + fwd_s[s]
-            free[s] = f_end[s][j]
+    stages, cells, kinds = _flat_order(pp, m)
+    for s, k, kind in zip(stages, cells, kinds, strict=True):
+        if kind == _F_FIRST:
+            start = free[s]                 # max(free[s], 0.0), as max() picks
+            if start < 0.0:
+                start = 0.0
+            f_start[k] = start
+            free[s] = f_end[k] = start + fwd_s[s]
+        elif kind == _F_NEXT:
+            ready = f_end[k - m] + hop_s
+            start = free[s]
+            if ready > start:
+                start = ready
+            f_start[k] = start
+            free[s] = f_end[k] = start + fwd_s[s]
         else:
-            ready = b_end[s + 1][j] + hop_s if s < pp - 1 else f_end[s][j]
-            b_end[s][j] = max(free[s], ready) + bwd_s[s]
-            free[s] = b_end[s][j]
-    return f_start, b_end
+            ready = b_end[k + m] + hop_s if kind == _B_NEXT else f_end[k]
+            start = free[s]
+            if ready > start:
+                start = ready
+            free[s] = b_end[k] = start + bwd_s[s]
+    return ([f_start[s * m:(s + 1) * m] for s in range(pp)],
+            [b_end[s * m:(s + 1) * m] for s in range(pp)])
 
 
-@functools.lru_cache(maxsize=256)
 def _one_f_one_b_order(pp: int, m: int) -> tuple[tuple[int, bool, int], ...]:
     """Every pass of 1F1B over ``pp`` stages and ``m`` microbatches as (stage, forward?,
     microbatch), each stage's in its own order and each after the pass it waits for on
@@ -105,6 +121,28 @@ def _one_f_one_b_order(pp: int, m: int) -> tuple[tuple[int, bool, int], ...]:
         if not moved:
             raise AssertionError("1F1B's order cannot deadlock")
     return tuple(seq)
+
+
+# Where a pass's input comes from (``_flat_order``): the first stage's forwards from the
+# data, a later stage's from the stage before, the last stage's backwards from its own
+# forward, an earlier stage's from the stage after.
+_F_FIRST, _F_NEXT, _B_LAST, _B_NEXT = range(4)
+
+
+@functools.lru_cache(maxsize=1024)
+def _flat_order(pp: int, m: int) -> tuple[array, array, array]:
+    """``_one_f_one_b_order`` as three compact arrays: each pass's stage, cell
+    (s * m + j) and kind (``_F_FIRST``...). Kept for many shapes (the planner times
+    hundreds of (pp, m) in one search, over and over), so small: 12 bytes a pass."""
+    stages, cells, kinds = array("i"), array("i"), array("b")
+    for s, forward, j in _one_f_one_b_order(pp, m):
+        stages.append(s)
+        cells.append(s * m + j)
+        if forward:
+            kinds.append(_F_NEXT if s > 0 else _F_FIRST)
+        else:
+            kinds.append(_B_NEXT if s < pp - 1 else _B_LAST)
+    return stages, cells, kinds
 
 
 @functools.lru_cache(maxsize=1024)
@@ -206,21 +244,133 @@ def bubble_owners(fwd_s: Sequence[float], bwd_s: Sequence[float], m: int,
     (hand-off included; the backward with its recomputed forward); ``hop_s``: a hop
     between stages. A function of the plan alone, so the simulator, the planner and every
     rank derive the same owners. One stage (or one microbatch) gives everything to stage 0,
-    the phases before and after the pipeline."""
+    the phases before and after the pipeline.
+
+    The planner calls this thousands of times a search: deep pipelines price every
+    stage of a step at once (``_greedy_wide``), shallow ones one by one
+    (``_greedy_narrow``); both take the same steps as ``_Bubbles.trial`` and ``add``, so
+    the owners and the seconds are the same to the bit."""
     pp = len(fwd_s)
     if pp < 1 or m < 1:
         raise ValueError(f"a pipeline of {pp} stages and {m} microbatches has no bubbles")
     if pp == 1:
         return BubbleFit((0,) * m, m * enc_fwd_s, m * enc_bwd_s)
     state = _Bubbles(fwd_s, bwd_s, m, hop_s)
+    greedy = _greedy_wide if pp >= _WIDE_STAGES else _greedy_narrow
+    return greedy(state, pp, m, enc_fwd_s, enc_bwd_s)
+
+
+# From this many stages on, a step's trials as numpy vectors beat a Python loop over them.
+_WIDE_STAGES = 12
+# ``bubble_owners``' tolerance: a shallower stage must be this much better to win a tie.
+_TIE_S = 1e-12
+
+
+def _greedy_narrow(state: _Bubbles, pp: int, m: int, ef: float, eb: float) -> BubbleFit:
+    """``bubble_owners``' greedy, ``_Bubbles.trial`` inlined over plain lists, the
+    largest other delay and overrun of each stage read from ``_TopTwo``."""
+    f0, b0 = state.f_start[0], state.b_end[0]
+    first, last, end, last_fwd0 = state.first, state.last, state.end, state.last_fwd0
+    enc_end, back = state.enc_end, state.back
+    delays, overruns = state.delays, state.overruns
+    top_d, top_o = _TopTwo(pp), _TopTwo(pp)         # ``_others`` of each, kept
     owners: list[int] = []
     for j in range(m):
+        f0j = f0[j]
+        ready1, ready2 = max(b0[j], last_fwd0), max(b0[j], 0.0)
+        d_at, d_top, d_second = top_d.at, top_d.top, top_d.second
+        o_at, o_top, o_second = top_o.at, top_o.top, top_o.second
         best = None
-        for s in range(pp - 1, -1, -1):
-            c, t, d, o = state.trial(s, j, enc_fwd_s, enc_bwd_s)
-            if best is None or c < best[0] - 1e-12:
+        for s in range(pp - 1, 0, -1):
+            t = enc_end[s] + ef
+            d = max(delays[s], t - f0j, t - first[s])
+            o = max(0.0, max(last[s], ready1 if s == 1 else ready2) + back[s] + eb - end)
+            c = max(d_second if s == d_at else d_top, d) + \
+                max(o_second if s == o_at else o_top, o)
+            if best is None or c < best[0] - _TIE_S:
                 best = (c, s, t, d, o)
+        t = enc_end[0] + ef
+        o = back[0] + eb
+        c = max(d_second if d_at == 0 else d_top, t) + max(o_second if o_at == 0 else o_top, o)
+        if c < best[0] - _TIE_S:
+            best = (c, 0, t, t, o)
         _, s, t, d, o = best
         owners.append(s)
-        state.add(s, enc_bwd_s, t, d, o)
+        enc_end[s], delays[s], overruns[s] = t, d, o
+        back[s] += eb
+        top_d.set(s, d)
+        top_o.set(s, o)
     return BubbleFit(tuple(owners), *state.exposed())
+
+
+def _greedy_wide(state: _Bubbles, pp: int, m: int, ef: float, eb: float) -> BubbleFit:
+    """``bubble_owners``' greedy, each step's trials on every stage as numpy vectors
+    (float64 sums and maxima, the same roundings as Python's floats), the choice then
+    made as the loop over the stages would make it (``_first_within``)."""
+    f0, b0 = state.f_start[0], state.b_end[0]
+    end, last_fwd0 = state.end, state.last_fwd0
+    first, last = np.array(state.first), np.array(state.last)
+    enc_end, back, delays, overruns = (np.zeros(pp) for _ in range(4))
+    # ``_others`` of the delays and of the overruns: every stage's is the largest value,
+    # but the largest's own, which is the second largest.
+    top_d, top_o = _TopTwo(pp), _TopTwo(pp)
+    owners: list[int] = []
+    for j in range(m):
+        t = enc_end + ef
+        d = np.maximum(np.maximum(delays, t - f0[j]), t - first)
+        d[0] = t[0]                                 # before its schedule's first action
+        ready = np.maximum(last, max(b0[j], 0.0))
+        ready[1] = max(last[1], max(b0[j], last_fwd0))
+        o = np.maximum(0.0, ready + back + eb - end)
+        o[0] = back[0] + eb                         # after its last
+        dl = np.maximum(d, top_d.top)
+        dl[top_d.at] = max(top_d.second, d[top_d.at])
+        ov = np.maximum(o, top_o.top)
+        ov[top_o.at] = max(top_o.second, o[top_o.at])
+        c = dl + ov
+        s = pp - 1 - _first_within(c[::-1])
+        owners.append(s)
+        enc_end[s], delays[s], overruns[s] = t[s], d[s], o[s]
+        back[s] += eb
+        top_d.set(s, float(d[s]))
+        top_o.set(s, float(o[s]))
+    return BubbleFit(tuple(owners), float(delays.max()), float(overruns.max()))
+
+
+class _TopTwo:
+    """The largest of ``n`` values (``top``, at index ``at``) and the largest of the
+    others (``second``), kept as the values change one at a time: in O(1) when one grows
+    (as a greedy's delays do), a new look at them all when one shrinks."""
+
+    def __init__(self, n: int) -> None:
+        self.values = [0.0] * n
+        self.at, self.top, self.second = 0, 0.0, 0.0
+
+    def set(self, i: int, value: float) -> None:
+        old, self.values[i] = self.values[i], value
+        if not value >= old:
+            values = self.values
+            self.at = max(range(len(values)), key=values.__getitem__)
+            self.top, self.second = values[self.at], max(values[:self.at] +
+                                                         values[self.at + 1:])
+        elif i == self.at:
+            self.top = value
+        elif value > self.top:
+            self.at, self.top, self.second = i, value, self.top
+        elif value > self.second:
+            self.second = value
+
+
+def _first_within(costs) -> int:
+    """The index the loop ``if best is None or c < best - _TIE_S: best = c`` ends on over
+    ``costs`` (a numpy vector): the first minimum when every cost before it exceeds it
+    by more than the tolerance (then nothing before it can be kept, nothing after it can
+    replace it), else the loop itself."""
+    k = int(costs.argmin())
+    if k == 0 or costs[k] < (costs[:k] - _TIE_S).min():
+        return k
+    best, at = None, 0
+    for i, c in enumerate(costs.tolist()):
+        if best is None or c < best - _TIE_S:
+            best, at = c, i
+    return at

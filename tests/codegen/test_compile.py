@@ -49,10 +49,12 @@ def files_of(bundle: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.parametrize("name", ["tiny_cpu", "mllm_72b"])
-def test_two_compiles_are_byte_identical_but_for_the_key(tmp_path, name):
-    a, b = tmp_path / "a", tmp_path / "b"
+def test_two_compiles_are_byte_identical_but_for_the_key(tmp_path, name, shipped_bundle):
+    # A compile that plans, and one of the plan `dtc plan -o` wrote, planned apart (once
+    # a test process: tests/conftest.py): the same files, the key aside.
+    a = tmp_path / "a"
     assert compile_spec(SPECS / f"{name}.dt", a) == 0
-    assert compile_spec(SPECS / f"{name}.dt", b) == 0
+    b = shipped_bundle(name)
     fa, fb = files_of(a), files_of(b)
     assert fa.keys() == fb.keys()
     differ = [p for p in fa if fa[p] != fb[p]]
@@ -337,10 +339,10 @@ def test_py_literal_round_trips():
         py_literal(object())
 
 
-def test_paper_scale_compile(tmp_path):
-    # how long it takes: benchmarks/tool_times.py
-    assert compile_spec(SPECS / "mllm_72b.dt", tmp_path / "b") == 0
-    job = json.loads((tmp_path / "b" / "job.json").read_text())
+def test_paper_scale_compile(shipped_bundle):
+    # how long it takes: benchmarks/tool_times.py; a compile of 72b that plans:
+    # test_two_compiles_are_byte_identical_but_for_the_key, the same files as this one
+    job = json.loads((shipped_bundle("mllm_72b") / "job.json").read_text())
     assert job["world_size"] > 1000 and job["nodes"] == -(-job["world_size"] // 8)
 
 

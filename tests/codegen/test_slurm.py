@@ -206,7 +206,8 @@ def _first_command(readme: str) -> str:
     return block.splitlines()[0].split("#")[0].strip()
 
 
-def test_the_readme_starts_with_the_command_for_its_bundle(tmp_path, one_node, three_nodes):
+def test_the_readme_starts_with_the_command_for_its_bundle(one_node, three_nodes,
+                                                          shipped_bundle):
     single = (one_node / "README.md").read_text()
     assert _first_command(single) == "./launch.sh"
     assert "sbatch slurm.sbatch" in single and "spare" not in single
@@ -219,9 +220,7 @@ def test_the_readme_starts_with_the_command_for_its_bundle(tmp_path, one_node, t
         assert name in several, name
     assert "DTDSL_FAULT=rank1@5 sbatch slurm.sbatch" in several
     # the paper-scale bundle: its last node and spares, spelled out
-    big = tmp_path / "72b"
-    assert cli.main(["compile", str(SPEC.parent / "mllm_72b.dt"), "-o", str(big),
-                     "--synthetic"]) == 0
+    big = shipped_bundle("mllm_72b")      # dtc compile specs/mllm_72b.dt --synthetic
     job = json.loads((big / "job.json").read_text())
     nodes, per_node, world = job["nodes"], job["gpus_per_node"], job["world_size"]
     last = world - (nodes - 1) * per_node

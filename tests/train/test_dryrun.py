@@ -24,8 +24,9 @@ def _compile(spec: str, out: Path, *extra: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def bundle_72b(tmp_path_factory) -> Path:
-    return _compile("mllm_72b.dt", tmp_path_factory.mktemp("b72") / "bundle")
+def bundle_72b(shipped_bundle) -> Path:
+    """``dtc compile specs/mllm_72b.dt --synthetic`` (the dry run writes nothing into it)."""
+    return shipped_bundle("mllm_72b")
 
 
 def test_the_72b_bundle_comes_up_on_every_rank_and_node(bundle_72b):
