@@ -405,10 +405,12 @@ def section_step(ctx: Context) -> dict[str, Any]:
             args += ["--runtime-compile", "false", "--trace", str(ctx.trace_path()),
                      "--save-plan", str(ctx.work)]
         else:
-            # Both compiled sides traced too: where the runtime's excess goes (the
-            # device idle between kernels, or more kernel time).
+            # Both compiled sides traced too, with Python stacks: where the runtime's
+            # excess goes (the device idle between kernels, and what the host was doing
+            # then: ``idle_causes``, or more kernel time).
             args += ["--trace", str(ctx.trace_path("compiled")),
-                     "--trace-plain", str(ctx.trace_path("compiled_plain"))]
+                     "--trace-plain", str(ctx.trace_path("compiled_plain")),
+                     "--trace-stack"]
         ctx.say(f"step_vs_torch: against the {name.replace('_', ' ')} loop")
         rc, tail = ctx.child([str(ROOT / "benchmarks" / "step_vs_torch.py"), *args], left,
                              f"step {name}")
@@ -445,7 +447,8 @@ def section_trace(ctx: Context) -> dict[str, Any]:
         if f"{key}_device_time" in compiled:
             side = "runtime" if key == "trace" else "plain"
             out[f"compiled_{side}"] = {"top_kernels": compiled[f"{key}_top_kernels"],
-                                       "device_time": compiled[f"{key}_device_time"]}
+                                       "device_time": compiled[f"{key}_device_time"],
+                                       "idle_causes": compiled.get(f"{key}_idle_causes")}
     if out["bytes"] > 16 * 2**20:
         out["note"] = "over 16 MiB: a device machine's $OUT may not bring it back"
     return out

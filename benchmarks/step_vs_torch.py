@@ -152,6 +152,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    "Kineto) and write its Chrome trace here (gzip'd if FILE ends in .gz)")
     p.add_argument("--trace-plain", metavar="FILE",
                    help="likewise one step of the plain loop, after the runtime's")
+    p.add_argument("--trace-stack", action="store_true",
+                   help="record Python stacks in the traces (torch.profiler with_stack), "
+                   "so that the device's idle gaps are put down to the Python function "
+                   "the host was in (``idle_causes``); the host runs slower while traced")
     p.add_argument("--save-plan", metavar="DIR",
                    help="write the spec (step_vs_torch.dt) and its plan (plan.json) here, "
                    "for `dtc memcheck --plan`")
@@ -295,11 +299,12 @@ def compare(bench: Bench, steps: int, warmup: int) -> dict[str, Any]:
 
 
 def trace_step(bench: Bench, step: int, path: Path, top: int = 10, *,
-               side: str = "runtime") -> dict[str, Any]:
+               side: str = "runtime", stack: bool = False) -> dict[str, Any]:
     """Profile ``side``'s step ``step`` (the runtime's or the plain loop's) with Kineto
     (CPU and, on CUDA, device activities), write its Chrome trace to ``path`` (gzip'd if it
     ends in .gz) and return the ``top`` device kernels by total time (CPU operators where
-    there is no device) and where the step's time went (``device_time``)."""
+    there is no device), where the step's time went (``device_time``) and why the device
+    sat idle (``idle_causes``; ``stack``: with Python stacks)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU]
@@ -307,18 +312,19 @@ def trace_step(bench: Bench, step: int, path: Path, top: int = 10, *,
         activities.append(ProfilerActivity.CUDA)
     run = bench.runtime if side == "runtime" else bench.plain
     _sync(bench.device)
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, with_stack=stack) as prof:
         run(step)
         _sync(bench.device)
     raw = path.with_name(path.name.removesuffix(".gz"))
     prof.export_chrome_trace(str(raw))
-    busy = device_time(json.loads(raw.read_text()))
+    trace = json.loads(raw.read_text())
+    busy, idle = device_time(trace), idle_causes(trace)
     if path.name.endswith(".gz"):
         with open(raw, "rb") as src, gzip.open(path, "wb") as dst:
             shutil.copyfileobj(src, dst)
         raw.unlink()
     return {"top_kernels": top_kernels(prof, top, cuda=bench.device.type == "cuda"),
-            "device_time": busy}
+            "device_time": busy, "idle_causes": idle}
 
 
 def device_time(trace: dict[str, Any]) -> dict[str, Any]:
@@ -341,6 +347,67 @@ def device_time(trace: dict[str, Any]) -> dict[str, Any]:
     return {"kernels": len(spans), "span_ms": span / 1e3,
             "kernel_sum_ms": sum(hi - lo for lo, hi in spans) / 1e3,
             "busy_ms": busy / 1e3, "idle_ms": (span - busy) / 1e3}
+
+
+# What keeps a device busy in a Kineto trace: kernels, copies and fills.
+_DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+_HOST_CATS = ("cpu_op", "user_annotation", "python_function")
+
+
+def idle_causes(trace: dict[str, Any], *, min_gap_us: float = 20.0,
+                top: int = 12) -> dict[str, Any]:
+    """Why the device sat idle in a traced step, from its Chrome trace: every gap of at
+    least ``min_gap_us`` between device activities, put down to what the host was doing.
+    A gap whose next kernel was launched after the gap began is the host's (the device
+    waited for the launch): it is charged to the innermost host frames (Python functions
+    with ``with_stack``, else operators) running on the launching thread halfway between
+    the gap's start and that launch. A gap whose next kernel was launched before it began
+    waited on something else (another stream, a copy, an event). Milliseconds by cause,
+    the largest ``top``; empty where the trace holds no device activity (a CPU run)."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    device = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), e)
+                    for e in events if e.get("cat") in _DEVICE_CATS)
+    if not device:
+        return {}
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver")
+                and "correlation" in e.get("args", {})}
+    host: dict[Any, list[tuple[float, float, str]]] = {}
+    for e in events:
+        if e.get("cat") in _HOST_CATS:
+            host.setdefault(e.get("tid"), []).append(
+                (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), e["name"]))
+    causes: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    end = device[0][1]
+    total = 0.0
+    for lo, hi, e in device[1:]:
+        gap = lo - end
+        if gap >= min_gap_us:
+            launch = launches.get(e.get("args", {}).get("correlation"))
+            if launch is None or float(launch["ts"]) <= end:
+                key = "waited on another stream, a copy or an event"
+            else:
+                at = (end + float(launch["ts"])) / 2
+                frames = sorted((f for f in host.get(launch.get("tid"), ())
+                                 if f[0] <= at <= f[1]), key=lambda f: (f[0], -f[1]))
+                key = " > ".join(_short(f[2]) for f in frames[-3:]) or "host, untraced"
+            causes[key] = causes.get(key, 0.0) + gap
+            counts[key] = counts.get(key, 0) + 1
+            total += gap
+        end = max(end, hi)
+    ranked = sorted(causes, key=lambda k: -causes[k])[:top]
+    return {"gaps_ms": total / 1e3, "min_gap_us": min_gap_us,
+            "causes": [{"host": k, "ms": round(causes[k] / 1e3, 3), "gaps": counts[k]}
+                       for k in ranked]}
+
+
+def _short(name: str) -> str:
+    """A traced frame's name without its site-packages prefix."""
+    for marker in ("site-packages/", "dtdsl/"):
+        if marker in name:
+            return ("dtdsl/" if marker == "dtdsl/" else "") + name.split(marker, 1)[1]
+    return name
 
 
 def top_kernels(prof: Any, top: int, *, cuda: bool) -> list[dict[str, Any]]:
@@ -449,13 +516,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = report(args, bench, figures)
     for side, path in (("runtime", args.trace), ("plain", args.trace_plain)):
         if path:
-            traced = trace_step(bench, args.steps, Path(path), side=side)
+            traced = trace_step(bench, args.steps, Path(path), side=side,
+                                stack=args.trace_stack)
             key = "trace" if side == "runtime" else "trace_plain"
             result[f"{key}_top_kernels"] = traced["top_kernels"]
             result[f"{key}_device_time"] = traced["device_time"]
+            result[f"{key}_idle_causes"] = traced["idle_causes"]
             print(f"trace of {side} step {args.steps} written to {path}: "
                   + (", ".join(f"{k} {v:.1f}" for k, v in traced["device_time"].items())
                      or "no device kernels"))
+            for cause in traced["idle_causes"].get("causes", [])[:6]:
+                print(f"  idle {cause['ms']:7.2f} ms in {cause['gaps']:4d} gaps: "
+                      f"{cause['host']}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     import torch.distributed as dist

@@ -165,3 +165,32 @@ def test_device_time_splits_a_traced_span_into_kernels_and_idle():
     assert got == {"kernels": 3, "span_ms": 0.5, "kernel_sum_ms": 0.3, "busy_ms": 0.25,
                    "idle_ms": 0.25}
     assert device_time({"traceEvents": events[3:]}) == {}
+
+
+def test_idle_causes_charges_a_late_launch_to_the_host_frame_and_an_early_one_elsewhere():
+    """Kernel b's launch came 300 us after a ended: the 400 us gap is the host's, charged
+    to the innermost frames the launching thread was in halfway there; kernel c was
+    launched before b ended, so the gap before it waited on something else; a gap
+    under the threshold is not counted."""
+    from step_vs_torch import idle_causes
+
+    def x(cat, ts, dur, name="k", **args):
+        return {"ph": "X", "cat": cat, "ts": ts, "dur": dur, "name": name, "tid": 1,
+                "args": args}
+
+    events = [x("kernel", 0, 100, correlation=1), x("kernel", 500, 100, correlation=2),
+              x("kernel", 700, 100, correlation=3), x("kernel", 805, 10, correlation=4),
+              x("cuda_runtime", 0, 5, "cudaLaunchKernel", correlation=1),
+              x("cuda_runtime", 400, 5, "cudaLaunchKernel", correlation=2),
+              x("cuda_runtime", 450, 5, "cudaLaunchKernel", correlation=3),
+              x("cuda_runtime", 460, 5, "cudaLaunchKernel", correlation=4),
+              x("python_function", 50, 1000, "dtdsl/train/executor.py(10): run_step"),
+              x("python_function", 200, 150, "torch/distributed/fsdp/x.py(5): pre_forward"),
+              x("cpu_op", 380, 30, "aten::copy_")]
+    got = idle_causes({"traceEvents": events})
+    assert got["gaps_ms"] == 0.5
+    assert got["causes"] == [
+        {"host": "dtdsl/train/executor.py(10): run_step > "
+                 "torch/distributed/fsdp/x.py(5): pre_forward", "ms": 0.4, "gaps": 1},
+        {"host": "waited on another stream, a copy or an event", "ms": 0.1, "gaps": 1}]
+    assert idle_causes({"traceEvents": events[4:]}) == {}
