@@ -243,20 +243,6 @@ def _local_sgd_cp(program: ir.Program, plan: Plan) -> list[Diagnostic]:
         for u in plan.units if u.cp > 1]
 
 
-def _moe_precision(program: ir.Program) -> list[Diagnostic]:
-    """fp16 with an MoE backbone: the aux loss's gradient joins the backward inside the
-    layers (``models.moe.MoE.layer_output``), where fp16's dynamic loss scale does not
-    reach it yet."""
-    if program.train.precision != "fp16":
-        return []
-    return [Diagnostic.error(
-        _CODE, f"the runtime does not train MoE module {m.name} in fp16 yet: its "
-        "load-balancing loss's gradient would miss the loss scale",
-        program.train.precision_span or m.span,
-        hint="use precision = bf16 (or fp32)")
-        for m in program.modules if getattr(m.arch, "moe", None) is not None]
-
-
 def _ranks(group: range) -> str:
     return f"{group[0]}..{group[-1]}"
 
@@ -311,7 +297,7 @@ def runtime_support(program: ir.Program, plan: Plan | None = None) -> list[Diagn
     TP groups across nodes priced as within one (``tp_placement``, DT411).
 
     Without ``plan`` only the spec's own features are checked (before planning)."""
-    out = _encoders(program) + _moe_precision(program)
+    out = _encoders(program)
     if plan is not None:
         out += _plan(program, plan) + tp_placement(program, plan) + \
             _context_parallel(program, plan) + _experts(program, plan)

@@ -35,7 +35,7 @@ an ``nn.Linear`` weight, so a Hugging Face checkpoint's per-expert tensor is one
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -47,8 +47,8 @@ from dtdsl.models.transformer import MLP, activation
 
 __all__ = ["HF_MOE_FAMILIES", "MoE", "MoEConfig", "MoEOutput", "Routing", "build_moe",
            "can_group", "capacity", "expert_ffn", "hf_moe_keys", "keep_counts",
-           "load_balancing_loss", "load_hf_moe", "moe_config", "set_aux_weight",
-           "take_aux_losses", "to_hf_moe"]
+           "load_balancing_loss", "load_hf_moe", "moe_blocks", "moe_config", "set_aux_weight",
+           "set_loss_scale", "take_aux_losses", "to_hf_moe"]
 
 
 @dataclass(frozen=True)
@@ -332,6 +332,7 @@ class MoE(nn.Module):
     # -- in a transformer layer -------------------------------------------------------------
 
     aux_weight = 1.0    # what the aux loss counts for in the training loss (set_aux_weight)
+    loss_scale = 1.0    # fp16's loss scale this step (set_loss_scale)
 
     def layer_forward(self, x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
         """The block in a transformer layer on ``x [B, S, hidden]``: only the rows that
@@ -358,19 +359,21 @@ class MoE(nn.Module):
             self.__dict__.setdefault("_aux_values", []).append(aux.detach())
         if not (torch.is_grad_enabled() and aux.requires_grad):
             return out.out
-        return _AuxGrad.apply(out.out, aux)
+        return _AuxGrad.apply(out.out, aux, self.loss_scale)
 
 
 class _AuxGrad(torch.autograd.Function):
-    """The identity on ``x``; backward: gradient one for ``aux`` (a loss term)."""
+    """The identity on ``x``; backward: gradient ``scale`` for ``aux`` (a loss term; fp16's
+    loss scale, one otherwise), as the loss's own backward starts from the scale."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return grad, torch.ones((), dtype=torch.float32, device=grad.device)
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        return grad, torch.full((), ctx.scale, dtype=torch.float32, device=grad.device), None
 
 
 def moe_config(arch) -> MoEConfig:
@@ -407,17 +410,27 @@ def set_aux_weight(module: nn.Module, coef: float, sequences: int) -> None:
             m.aux_weight = coef / max(1, sequences)
 
 
-def take_aux_losses(module: nn.Module) -> torch.Tensor | None:
-    """The weighted aux losses the MoE blocks in ``module`` kept since the last call,
-    summed (and forgotten); None when ``module`` has no MoE block."""
-    values, found = [], False
-    for m in module.modules():
-        if isinstance(m, MoE):
-            found = True
-            values += m.__dict__.pop("_aux_values", [])
-    if not found:
+def moe_blocks(module: nn.Module) -> list[MoE]:
+    """The MoE blocks in ``module``, in module order: found once where a model is built,
+    not walked again every microbatch (``take_aux_losses``, ``set_loss_scale``)."""
+    return [m for m in module.modules() if isinstance(m, MoE)]
+
+
+def take_aux_losses(blocks: Sequence[MoE]) -> torch.Tensor | None:
+    """The weighted aux losses MoE blocks ``blocks`` (``moe_blocks``) kept since the last
+    call, summed (and forgotten); None when there is no block."""
+    if not blocks:
         return None
+    values = [v for m in blocks for v in m.__dict__.pop("_aux_values", [])]
     return torch.stack(values).sum() if values else torch.zeros(())
+
+
+def set_loss_scale(blocks: Sequence[MoE], scale: float) -> None:
+    """fp16's dynamic loss scale (``train.optim.LossScale``) for the aux losses of MoE
+    blocks ``blocks``: their gradient joins the backward inside the layers
+    (``MoE.layer_output``), not through the scaled loss, so it carries the scale itself."""
+    for m in blocks:
+        m.loss_scale = scale
 
 
 def keep_counts(all_counts: torch.Tensor, cap: int) -> torch.Tensor:

@@ -29,8 +29,9 @@ from torch import nn
 
 from dtdsl.parallel.mesh import data_parallel_mesh
 
-__all__ = ["apply_fsdp", "cast_inputs", "has_grad", "param_groups", "replica_mesh",
-           "stage_layers", "sum_gradients", "tp_unreduced", "zero_unused_in_reduce_dtype"]
+__all__ = ["accumulate_unsharded", "apply_fsdp", "cast_inputs", "has_grad", "param_groups",
+           "replica_mesh", "stage_layers", "sum_gradients", "tp_unreduced",
+           "zero_unused_in_reduce_dtype"]
 
 
 def stage_layers(units: Mapping[str, nn.Module]) -> Iterator[tuple[str, str, nn.Module]]:
@@ -78,6 +79,18 @@ def apply_fsdp(stage: nn.Module, units: Mapping[str, nn.Module], mesh: Any,
     fully_shard(stage, mesh=mesh, mp_policy=root_mp, reshard_after_forward=False)
     sum_gradients(stage)
     return layers
+
+
+def accumulate_unsharded(modules: list[Any], *, last: bool) -> None:
+    """Set the FSDP2 modules ``modules`` (a stage's root and its layer units: all of them,
+    so no walk of the module tree is needed, as ``recurse=True`` would do twice a step)
+    to keep their gradients unsharded, accumulated over the microbatches (``last``
+    False: before the step's first action), or to reduce them and reshard after the next
+    backward (``last``: the step's reduction)."""
+    for m in modules:
+        m.set_requires_gradient_sync(last, recurse=False)
+        m.set_reshard_after_backward(last, recurse=False)
+    modules[0].set_is_last_backward(last)
 
 
 def cast_inputs(layer: nn.Module, dtype: torch.dtype) -> None:

@@ -68,7 +68,7 @@ from dtdsl.data.sample import (
 from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan
 from dtdsl.ir.schedule import Action, ActionKind, Schedule
-from dtdsl.models.moe import take_aux_losses
+from dtdsl.models.moe import moe_blocks, set_loss_scale, take_aux_losses
 from dtdsl.models.multimodal import (
     Normalizer,
     backbone_input,
@@ -259,6 +259,7 @@ class StageExecutor:
         # fp16's dynamic loss scale (``optim.LossScale``): every loss's backward starts
         # from the scale; the optimizer step unscales, skips on overflow and updates it.
         self.loss_scale = LossScale() if program.train.precision == "fp16" else None
+        self._moe = moe_blocks(self.stage.module)   # an MoE backbone's blocks here, once
         self._forward = {"encoder": self._encoder_forward, "backbone": self._backbone_forward,
                          "generator": self._generator_forward}[self.role.role]
         self._t0 = 0.0
@@ -435,6 +436,8 @@ class StageExecutor:
         # (kind, microbatch, clock mark) per event: the clock is read once the step's
         # actions are done (``train.clock``: on CUDA, events read with one sync).
         marks: list[tuple[str, int | None, int]] = []
+        if self.loss_scale is not None:     # the aux losses' gradients carry it too
+            set_loss_scale(self._moe, self.loss_scale.scale)
         self.stage.begin_step()
         if timed:
             dist.barrier()     # a common origin for every rank's event times
@@ -1010,7 +1013,7 @@ class StageExecutor:
         mb.pending = {}
         # An MoE backbone's aux losses on this stage's layers (their gradients join the
         # backward through the layers' outputs): reported with the LM loss, once per TP group.
-        aux = take_aux_losses(self.stage.module)
+        aux = take_aux_losses(self._moe)
         if aux is not None and role.is_leader:
             self.lm += aux.to(self.lm.device).double()
         if role.is_last_stage:

@@ -33,7 +33,7 @@ import torch
 
 from dtdsl.data.batch import SampleSource, SyntheticSource
 from dtdsl.ir import program as ir
-from dtdsl.models.moe import take_aux_losses
+from dtdsl.models.moe import moe_blocks, take_aux_losses
 from dtdsl.models.multimodal import Model, build_model, loss_normalizer, microbatch_loss
 from dtdsl.train.lr import lr_at
 
@@ -83,6 +83,7 @@ def train_reference(program: ir.Program, steps: int, *, micro_batch: int | None 
         return
     optimizer = make_optimizer(program, model)
     params = [p for p in model.parameters() if p.requires_grad]
+    blocks = moe_blocks(model)
     for step in range(first_step, first_step + steps):
         sizes = source.sizes(step)
         samples = [source.sample(step, i, sizes=sz) for i, sz in enumerate(sizes)]
@@ -95,7 +96,7 @@ def train_reference(program: ir.Program, steps: int, *, micro_batch: int | None 
                 parts.total.backward()      # frozen backbone, and no image or target)
             # An MoE backbone's aux losses: their gradients joined the backward through
             # the layers' outputs (models.moe.MoE.layer_output); the LM loss reports them.
-            aux = take_aux_losses(model)
+            aux = take_aux_losses(blocks)
             aux = 0.0 if aux is None else aux.item()
             total += parts.total.item() + aux
             lm += parts.lm_sum.item() / max(1, norm.text_tokens) + aux

@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -70,6 +71,7 @@ from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan
 from dtdsl.models.multimodal import build_unit, init_unit, unit_spec
 from dtdsl.parallel.fsdp import (
+    accumulate_unsharded,
     apply_fsdp,
     has_grad,
     param_groups,
@@ -192,6 +194,14 @@ class Stage:
     early_tp: dict[int, list[nn.Parameter]] = field(default_factory=dict)  # by id(state)
     reducing_early: bool = False
 
+    @cached_property
+    def fsdp_modules(self) -> list[nn.Module]:
+        """The FSDP2 modules of the stage's module, the root first: found once, not by a
+        walk of the module tree in every step (``accumulate_unsharded``)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        return [m for m in self.module.modules() if isinstance(m, FSDPModule)]
+
     def named_parameters(self) -> dict[str, torch.Tensor]:
         """``{"<unit>.<param>": parameter}`` for every parameter the stage holds, its
         phased encoders' too."""
@@ -240,9 +250,7 @@ class Stage:
 
         if not isinstance(self.module, FSDPModule):
             return
-        self.module.set_requires_gradient_sync(False, recurse=True)
-        self.module.set_is_last_backward(False)
-        self.module.set_reshard_after_backward(False, recurse=True)
+        accumulate_unsharded(self.fsdp_modules, last=False)
         self.reducing_early = False
         handles = [m.unshard(async_op=True)     # FSDP2's pre-forward waits for each
                    for m in [self.module, *self.layers]]
@@ -296,9 +304,7 @@ class Stage:
         for m in [self.module, *self.layers]:
             if id(m._get_fsdp_state()) not in done_states:
                 m.unshard()
-        self.module.set_requires_gradient_sync(True, recurse=True)
-        self.module.set_is_last_backward(True)
-        self.module.set_reshard_after_backward(True, recurse=True)
+        accumulate_unsharded(self.fsdp_modules, last=True)
         state = self.module._get_fsdp_state()
         members = [m for m in state._state_ctx.all_states if id(m) not in done_states]
         # Which gradients FSDP2 leaves unequal over TP, read before it frees them (the
@@ -349,6 +355,9 @@ class Stage:
         gradients are equal already; on a GPU nondeterministic kernels (atomics in
         convolution and norm backward, split-K matmuls) make them differ in the last
         bits, and the copies would drift apart step after step."""
+        if not params:
+            self.tp_synced = ()
+            return
         names = {id(p): n for n, p in self.named_parameters().items()}
         grads = [(names[id(p)], local_tensor(p.grad)) for p in params if p.grad is not None]
         self.tp_synced = tuple(n for n, _ in grads)

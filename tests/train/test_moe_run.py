@@ -7,7 +7,7 @@ import math
 import torch
 
 from dtdsl.ir import program as ir
-from dtdsl.models.moe import MoE, take_aux_losses
+from dtdsl.models.moe import MoE, moe_blocks, set_loss_scale, take_aux_losses
 from dtdsl.models.multimodal import build_model
 from dtdsl.train.reference import train_reference
 from tests.specs import TINY, program
@@ -55,15 +55,39 @@ def test_aux_gradient_reaches_the_router():
     out = llm.hidden_states(embeds=x)
     out.sum().backward()
     with_aux = llm.layers["0"].mlp.router.weight.grad.clone()
-    assert float(take_aux_losses(llm)) > 0
+    assert float(take_aux_losses(moe_blocks(llm))) > 0
     llm.zero_grad()
     for layer in llm.layers.values():
         layer.mlp.aux_weight = 0.0
     llm.hidden_states(embeds=x).sum().backward()
     assert not torch.allclose(with_aux, llm.layers["0"].mlp.router.weight.grad)
-    assert float(take_aux_losses(llm)) == 0.0
-    assert take_aux_losses(llm) is not None and take_aux_losses(build_model(
-        program()).unit("llm")) is None
+    assert float(take_aux_losses(moe_blocks(llm))) == 0.0
+    assert take_aux_losses(moe_blocks(llm)) is not None and take_aux_losses(moe_blocks(
+        build_model(program()).unit("llm"))) is None
+
+
+def test_aux_gradient_carries_fp16s_loss_scale():
+    """Under fp16 every backward starts from the loss scale; the aux losses' gradient,
+    which joins inside the layers, must carry it too: every gradient (the router's, fed
+    by the aux loss as well as by the LM loss) is the scale times the unscaled one."""
+    p = moe_spec(args="experts=4, top_k=2, expert_ffn=64, aux_loss=1")
+    llm = build_model(p).unit("llm")
+    x = torch.randn(2, 5, 128, dtype=torch.float64)
+    llm.double()
+    blocks = moe_blocks(llm)
+    grads = []
+    for scale in (1.0, 1024.0):
+        llm.zero_grad()
+        set_loss_scale(blocks, scale)
+        (llm.hidden_states(embeds=x).sum() * scale).backward()
+        take_aux_losses(blocks)
+        grads.append({n: q.grad.clone() for n, q in llm.named_parameters()
+                      if q.grad is not None})
+    router = "layers.0.mlp.router.weight"
+    assert router in grads[0]
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], 1024.0 * g, rtol=1e-12, atol=0,
+                                   msg=name)
 
 
 def test_moe_backbone_data_parallel_matches_the_reference():
@@ -99,10 +123,9 @@ def test_compile_refuses_what_the_runtime_does_not_run_yet():
                   for u in plan.units)
     assert not [d for d in runtime_support(dense, plan.model_copy(update={"units": units}))
                 if "MoE" in d.message]
-    # fp16: the aux gradient would miss the loss scale.
+    # fp16 runs: the aux gradient carries the loss scale (the test above).
     fp16 = p.model_copy(update={"train": p.train.model_copy(update={"precision": "fp16"})})
-    found = [d for d in runtime_support(fp16) if d.code == "DT601"]
-    assert len(found) == 1 and "fp16" in found[0].message
+    assert not runtime_support(fp16)
     assert not runtime_support(p)
 
 
@@ -132,3 +155,24 @@ def test_moe_layers_are_left_out_of_compiled_blocks():
     names = [name for name, _, _ in compile_blocks(stage)]
     dense = [f"llm.layers.{k}" for k, layer in layers.items() if not getattr(layer, "moe", False)]
     assert names == dense and len(dense) < len(layers)
+
+
+def test_moe_backbone_trains_in_fp16_within_the_bf16_tolerance(tmp_path):
+    """fp16 with an MoE backbone whose aux loss counts (the gradient that joins inside its
+    layers carries the loss scale): every rank's losses and unscaled gradient norms within
+    test_fp16's bf16 tolerance of the fp32 reference, no step skipped."""
+    import json
+
+    from tests.dist import run
+    from tests.train import test_fp16 as f16
+
+    p = moe_spec(args="experts=4, top_k=2, expert_ffn=64, aux_loss=0.1")
+    plan = plan_for(f16.fp16(p), *f16.UNITS)
+    want = f16._reference(p, f16.STEPS)
+    run(f16._train, plan.gpus_used, f16.fp16(p), plan, str(tmp_path), timeout=300)
+    for rank in range(plan.gpus_used):
+        got = json.loads((tmp_path / f"{rank}.json").read_text())["steps"]
+        assert [g["skipped"] for g in got] == [False] * f16.STEPS, rank
+        for step, (g, (loss, norm)) in enumerate(zip(got, want, strict=True)):
+            assert abs(g["loss"] - loss) <= f16.BF16_RTOL * abs(loss), (rank, step, g, loss)
+            assert abs(g["grad_norm"] - norm) <= f16.BF16_RTOL * norm, (rank, step, g, norm)
