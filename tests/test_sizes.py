@@ -29,7 +29,7 @@ DEBT: dict[str, int] = {
     "reorder/inter.py": 1224,
     "schedule/validate.py::_check_stages": 136,
     "sim/simulate.py::Simulator.__init__": 225,
-    "train/executor.py": 1354,
+    "train/executor.py": 1337,
     "train/executor.py::StageExecutor.run_step": 114,
     "train/memplan.py::_measure_stage": 113,
 }

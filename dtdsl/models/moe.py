@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -179,6 +179,12 @@ def _keep_within_capacity(sorted_experts: torch.Tensor, counts: torch.Tensor,
     starts = torch.cumsum(counts, 0) - counts
     position = torch.arange(sorted_experts.numel(), device=counts.device) - starts[sorted_experts]
     return position < keep[sorted_experts]
+
+
+class _Unscaled:
+    """No loss scale (``set_loss_scale``): training outside fp16."""
+
+    scale = 1.0
 
 
 class MoE(nn.Module):
@@ -332,7 +338,7 @@ class MoE(nn.Module):
     # -- in a transformer layer -------------------------------------------------------------
 
     aux_weight = 1.0    # what the aux loss counts for in the training loss (set_aux_weight)
-    loss_scale = 1.0    # fp16's loss scale this step (set_loss_scale)
+    loss_scale: Any = _Unscaled     # fp16's loss scale, its .scale (set_loss_scale)
 
     def layer_forward(self, x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
         """The block in a transformer layer on ``x [B, S, hidden]``: only the rows that
@@ -359,7 +365,7 @@ class MoE(nn.Module):
             self.__dict__.setdefault("_aux_values", []).append(aux.detach())
         if not (torch.is_grad_enabled() and aux.requires_grad):
             return out.out
-        return _AuxGrad.apply(out.out, aux, self.loss_scale)
+        return _AuxGrad.apply(out.out, aux, self.loss_scale.scale)
 
 
 class _AuxGrad(torch.autograd.Function):
@@ -425,12 +431,13 @@ def take_aux_losses(blocks: Sequence[MoE]) -> torch.Tensor | None:
     return torch.stack(values).sum() if values else torch.zeros(())
 
 
-def set_loss_scale(blocks: Sequence[MoE], scale: float) -> None:
-    """fp16's dynamic loss scale (``train.optim.LossScale``) for the aux losses of MoE
-    blocks ``blocks``: their gradient joins the backward inside the layers
+def set_loss_scale(blocks: Sequence[MoE], scale: Any) -> None:
+    """Give MoE blocks ``blocks`` fp16's dynamic loss scale ``scale`` (a
+    ``train.optim.LossScale``, read at each forward: its ``scale`` changes between steps;
+    None: no scaling). Their aux losses' gradient joins the backward inside the layers
     (``MoE.layer_output``), not through the scaled loss, so it carries the scale itself."""
     for m in blocks:
-        m.loss_scale = scale
+        m.loss_scale = _Unscaled if scale is None else scale
 
 
 def keep_counts(all_counts: torch.Tensor, cap: int) -> torch.Tensor:

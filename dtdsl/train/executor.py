@@ -48,7 +48,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -100,32 +100,13 @@ from dtdsl.sim.timeline import Event
 from dtdsl.train import timelines
 from dtdsl.train.clock import StepClock, step_clock
 from dtdsl.train.optim import LossScale, StageOptimizer, optimizer_step
+from dtdsl.train.record import StepRecord
 from dtdsl.train.stage import Stage, build_stage, projector_between
 
 __all__ = ["StageExecutor", "StepRecord", "run_rank", "stage_run"]
 
 _FWD, _BWD = "F", "B"
 _COMM = (ActionKind.SEND_F, ActionKind.SEND_B, ActionKind.RECV_F, ActionKind.RECV_B)
-
-
-class StepRecord(TypedDict):
-    """What ``StageExecutor.run_step`` returns for one training step. Losses are summed
-    over the job (identical on every rank)."""
-
-    step: int
-    loss: float                 # lm_loss + gen_loss
-    lm_loss: float
-    gen_loss: float
-    grad_norm: float            # the job's, before clipping (``train.optim``)
-    skipped: bool               # fp16: the step was skipped (an inf/nan gradient)
-    loss_scale: float | None    # fp16: the scale the step ran with; else None
-    skipped_steps: int | None   # fp16: steps skipped so far; else None
-    time_s: float
-    data_wait_s: float          # waiting for this step's batch
-    events: list[Event]         # this rank's measured actions
-    processed: dict[str, int]   # patches, positions, text tokens and targets it ran
-    dp_sync_bytes: int          # bytes the job put into data-parallel collectives
-    compiled_graphs: int        # graphs its compiled blocks compiled so far; 0 eager
 
 
 class _Units:
@@ -228,6 +209,7 @@ class StageExecutor:
         self._phase_due: dict[int, set[int]] = {}
         self._phase_sent_last_forward = False
         self.model = _Units(program, self.stage.module.units)
+        self._moe = moe_blocks(self.stage.module)   # an MoE backbone's blocks, found once
         # Co-located modules this stage runs (a backbone's first stage: the encoder, its
         # last: the generators), on its own ranks and samples.
         hosted = {n: program.module(n).role for n in self.stage.hosted}
@@ -256,10 +238,10 @@ class StageExecutor:
         self._build_optimizer()
         self.local_sgd = self._build_local_sgd()
         self._allreduce_bytes: int | None = None     # _dp_payload_bytes, once
-        # fp16's dynamic loss scale (``optim.LossScale``): every loss's backward starts
-        # from the scale; the optimizer step unscales, skips on overflow and updates it.
+        # fp16's dynamic loss scale (``optim.LossScale``): every loss's backward starts from
+        # it (an MoE backbone's aux losses' too); the optimizer unscales, skips, updates it.
         self.loss_scale = LossScale() if program.train.precision == "fp16" else None
-        self._moe = moe_blocks(self.stage.module)   # an MoE backbone's blocks here, once
+        set_loss_scale(self._moe, self.loss_scale)
         self._forward = {"encoder": self._encoder_forward, "backbone": self._backbone_forward,
                          "generator": self._generator_forward}[self.role.role]
         self._t0 = 0.0
@@ -436,8 +418,6 @@ class StageExecutor:
         # (kind, microbatch, clock mark) per event: the clock is read once the step's
         # actions are done (``train.clock``: on CUDA, events read with one sync).
         marks: list[tuple[str, int | None, int]] = []
-        if self.loss_scale is not None:     # the aux losses' gradients carry it too
-            set_loss_scale(self._moe, self.loss_scale.scale)
         self.stage.begin_step()
         if timed:
             dist.barrier()     # a common origin for every rank's event times

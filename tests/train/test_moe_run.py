@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import torch
 
@@ -78,7 +79,7 @@ def test_aux_gradient_carries_fp16s_loss_scale():
     grads = []
     for scale in (1.0, 1024.0):
         llm.zero_grad()
-        set_loss_scale(blocks, scale)
+        set_loss_scale(blocks, SimpleNamespace(scale=scale))
         (llm.hidden_states(embeds=x).sum() * scale).backward()
         take_aux_losses(blocks)
         grads.append({n: q.grad.clone() for n, q in llm.named_parameters()
