@@ -508,8 +508,7 @@ instead. Today the runtime cannot train:
 - an MoE backbone under expert parallelism (a plan with ep > 1, from an
   `ep(...)` constraint), tensor or context parallelism: `dtdsl.parallel.ep` has
   the expert-parallel block, the stage does not build it yet; constrain it with
-  `ep(MODULE) == 1`, `tp(MODULE) == 1` and `cp(MODULE) == 1`; nor in fp16 (its
-  load-balancing loss's gradient would miss the loss scale): use bf16.
+  `ep(MODULE) == 1`, `tp(MODULE) == 1` and `cp(MODULE) == 1`.
 - `sync = local_sgd(...)` beside context parallelism (every DP rank is a whole
   replica, and a replica's CP ranks would not sum their gradients): constrain
   `cp(MODULE) == 1` or use `sync = allreduce`.
