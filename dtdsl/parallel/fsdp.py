@@ -30,7 +30,7 @@ from torch import nn
 from dtdsl.parallel.mesh import data_parallel_mesh
 
 __all__ = ["accumulate_unsharded", "apply_fsdp", "cast_inputs", "has_grad", "param_groups",
-           "replica_mesh", "stage_layers", "sum_gradients", "tp_unreduced",
+           "reduce_alone", "replica_mesh", "stage_layers", "sum_gradients", "tp_unreduced",
            "zero_unused_in_reduce_dtype"]
 
 
@@ -133,6 +133,61 @@ def has_grad(fp: Any) -> bool:
     """Whether FSDP2 parameter ``fp`` has an unsharded gradient waiting for reduction."""
     return fp.unsharded_accumulated_grad is not None or (
         hasattr(fp, "_unsharded_param") and fp.unsharded_param.grad is not None)
+
+
+def reduce_alone(group: Any) -> bool:
+    """FSDP2's post-backward reduction of parameter group ``group`` where its DP mesh is
+    one rank: each accumulated gradient becomes its parameter's gradient as it is (cast
+    to the reduce dtype, then the parameter's, as FSDP2 casts; the sum over one rank is
+    the gradient itself). FSDP2 (torch 2.13) still packs every gradient into one flat
+    buffer there (``chunk_cat``, whose host side builds an int64 per 2 KiB of gradient
+    and copies it to the device) and copies it out again: on an H200 that was a 19 ms
+    host stall at the end of each step's backward, the device idle behind it
+    (``benchmarks/step_vs_torch.py --trace-stack``). The same values, bitwise; the group's
+    states end as FSDP2's ``post_backward`` leaves them. False, with nothing done, where
+    the group is not alone on its mesh, keeps its gradients (``reduce_grads`` off) or
+    offloads them (then FSDP2's own ``post_backward`` runs)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import (
+        FSDPMeshInfo,
+        HSDPMeshInfo,
+        TrainingState,
+    )
+
+    info = group.mesh_info
+    if not isinstance(info, FSDPMeshInfo) or isinstance(info, HSDPMeshInfo) or \
+            info.shard_mesh_size != 1 or not group.reduce_grads or \
+            any(getattr(fp, "offload_to_cpu", False) for fp in group.fsdp_params):
+        return False
+    group._training_state = TrainingState.POST_BACKWARD
+    for fp in group.fsdp_params:
+        fp.accumulate_unsharded_grad_if_needed()
+    grads = []
+    for fp in group.fsdp_params:      # as FSDP2's post_backward picks them
+        if not hasattr(fp, "_unsharded_param"):
+            continue
+        if fp.unsharded_accumulated_grad is not None:
+            grads.append((fp, fp.unsharded_accumulated_grad_data))
+            fp.unsharded_accumulated_grad = None
+        elif fp.unsharded_param.grad is not None:
+            grads.append((fp, fp.unsharded_grad_data))
+            fp.unsharded_param.grad = None
+        elif getattr(group, "reduce_scatter_unused_params", False) and \
+                fp.unsharded_param.requires_grad:       # torch >= 2.13 (sum_gradients)
+            grads.append((fp, fp.unsharded_zero_grad_data))
+    if group.reshard_after_backward:
+        group.reshard()
+    reduce_dtype = group._reduce_dtype
+    for fp, grad in grads:
+        grad = grad.to(reduce_dtype or grad.dtype).to(group._orig_dtype or grad.dtype)
+        grad = grad.contiguous().view(fp.sharded_size)
+        if fp.sharded_param.grad is not None:
+            fp.sharded_param.grad._local_tensor += grad
+        else:
+            fp.sharded_param.grad = fp.to_sharded_dtensor(grad)
+        for hook in (getattr(fp.sharded_param, "_post_accumulate_grad_hooks", {})
+                     or {}).values():
+            hook(fp.sharded_param)
+    return True
 
 
 def zero_unused_in_reduce_dtype(group: Any) -> None:

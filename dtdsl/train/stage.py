@@ -75,6 +75,7 @@ from dtdsl.parallel.fsdp import (
     apply_fsdp,
     has_grad,
     param_groups,
+    reduce_alone,
     replica_mesh,
     tp_unreduced,
     zero_unused_in_reduce_dtype,
@@ -317,7 +318,8 @@ class Stage:
         for member in reversed(members):
             for group in reversed(param_groups(member)):
                 zero_unused_in_reduce_dtype(group)
-                group.post_backward()
+                if not reduce_alone(group):
+                    group.post_backward()
         for member in state._state_ctx.all_states:
             if id(member) in done_states:
                 # Reduced in the backward; the final callback must not reduce them again.

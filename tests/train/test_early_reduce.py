@@ -9,7 +9,7 @@ import torch
 
 from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan
-from dtdsl.parallel.fsdp import param_groups, stage_layers
+from dtdsl.parallel.fsdp import param_groups, reduce_alone, stage_layers
 from dtdsl.parallel.mesh import build_groups
 from dtdsl.schedule.lower import lower
 from dtdsl.train.executor import StageExecutor
@@ -67,3 +67,47 @@ def test_a_backbones_layers_reduce_during_the_last_backward():
     losses, _ = reference(program, STEPS)
     torch.set_num_threads(1)
     run(_train, plan.gpus_used, program, plan, losses, timeout=240)
+
+
+def _alone(rank: int, world: int, program: ir.Program, plan: Plan) -> None:
+    """Train the plan twice from the same initial weights: with ``reduce_alone`` handing
+    a lone DP rank's gradients over, and with FSDP2's own reduction; the losses, gradient
+    norms and trained weights are bitwise the same."""
+    from unittest import mock
+
+    from dtdsl.parallel.tp import local_tensor
+
+    def trained(alone: bool) -> tuple[list, dict[str, torch.Tensor]]:
+        took: list[bool] = []
+
+        def spy(group: object) -> bool:
+            took.append(reduce_alone(group) if alone else False)
+            return took[-1]
+
+        with mock.patch("dtdsl.train.stage.reduce_alone", side_effect=spy):
+            ex = StageExecutor(program, plan, lower(plan, program), rank=rank,
+                               groups=build_groups(plan))
+            records = [(r["loss"], r["grad_norm"]) for r in ex.train(STEPS)]
+        # Every group of these dp-1 stages took the short way (or, patched, FSDP2's).
+        assert took and all(took) == alone, took
+        return records, {k: local_tensor(p.detach()).clone()
+                         for k, p in ex.named_parameters().items()}
+
+    (got, weights), (want, want_weights) = trained(True), trained(False)
+    assert got == want, (got, want)
+    assert weights.keys() == want_weights.keys()
+    for k, w in weights.items():
+        assert torch.equal(w, want_weights[k]), k
+
+
+def test_a_lone_dp_rank_takes_its_gradients_as_fsdp2_would_reduce_them():
+    """bf16 (gradients accumulated in fp32 by FSDP2, a cast on the way) with the backbone
+    at tp 2 (DTensor gradients, a sequence-parallel norm's Partial over TP) and every
+    unit at dp 1."""
+    program = spec(8)
+    program = program.model_copy(update={"train": program.train.model_copy(
+        update={"precision": "bf16"})})
+    plan = plan_for(program, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 2, 1, 1),
+                    ("gen", "generator", 1, 1, 1))
+    torch.set_num_threads(1)
+    run(_alone, plan.gpus_used, program, plan, timeout=240)
