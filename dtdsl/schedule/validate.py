@@ -113,139 +113,165 @@ def _vs_name(vs: tuple[str, int, int]) -> str:
 def _check_stages(schedule: Schedule) -> tuple[list[str], set[Mark]]:
     problems: list[str] = []
     marks: set[Mark] = set()
-    m = schedule.num_microbatches
-
-    def bad(msg: str, mark: Mark) -> None:
-        problems.append(msg)
-        marks.add(mark)
-
     for u in schedule.units:
         for s in range(u.pp):
             if not schedule.has_stage(u.name, s):
                 problems.append(f"{u.name}.s{s} has no row: every stage of {u.name} "
                                 f"(pp {u.pp}) needs one")
-    for i, st in enumerate(schedule.stages):
-        unit, stage, actions = st.unit, st.stage, st.actions
-        vpp = schedule.unit(unit).vpp
-        producers = [schedule.producers(unit, stage, c) for c in range(vpp)]
-        consumers = [schedule.consumers(unit, stage, c) for c in range(vpp)]
-        upstream_peers = [set(p) for p in producers]
-        downstream_peers = [set(q) for q in consumers]
-        fwd: dict[tuple[int, int], int] = {}
-        bwd: dict[tuple[int, int], int] = {}
-        sync = opt = None
-        skip: set[int] = set()       # slots already reported: no follow-up problems
-        for k, a in enumerate(actions):
-            if a.unit != unit or a.stage != stage:
-                bad(f"{_describe(a)} is in the row of {st.where}", (i, k))
-                skip.add(k)
-                continue
-            mb = a.microbatch
-            if mb is not None and mb >= m:
-                bad(f"{_describe(a)}: microbatch out of range (the schedule has {m})", (i, k))
-                skip.add(k)
-                continue
-            c = a.chunk
-            if c >= vpp:
-                bad(f"{_describe(a)}: chunk out of range ({unit} has vpp {vpp})", (i, k))
-                skip.add(k)
-                continue
-            kind = a.kind
-            if kind in _COMM:
-                peer = (a.peer_unit, a.peer_stage, a.peer_chunk)
-                if not schedule.has_stage(a.peer_unit, a.peer_stage) or \
-                        a.peer_chunk >= schedule.unit(a.peer_unit).vpp:
-                    bad(f"{_describe(a)}: no such peer stage", (i, k))
-                    skip.add(k)
-                    continue
-                upstream = kind is RECV_F or kind is SEND_B
-                if peer not in (upstream_peers[c] if upstream else downstream_peers[c]):
-                    side = "producers" if upstream else "consumers"
-                    legal = producers[c] if upstream else consumers[c]
-                    names = ", ".join(f"{p[0]}.s{p[1]}c{p[2]}" for p in legal) or "none"
-                    bad(f"{_describe(a)}: the peer is not one of chunk {c}'s {side} "
-                        f"({names})", (i, k))
-                    skip.add(k)
-                continue
-            key = (c, mb)
-            if kind is F:
-                if key in fwd:
-                    bad(f"{_describe(a)} appears twice", (i, k))
-                else:
-                    fwd[key] = k
-                    if sync is not None:
-                        bad(f"{_describe(a)} runs after the stage's SYNC", (i, k))
-            elif kind is B:
-                if key in bwd:
-                    bad(f"{_describe(a)} appears twice", (i, k))
-                elif key not in fwd:
-                    bad(f"{_describe(a)} comes before its forward F{mb}{_chunk_name(c)}",
-                        (i, k))
-                bwd.setdefault(key, k)
-            elif kind is SYNC:
-                if sync is not None:
-                    bad(f"{_describe(a)} appears twice", (i, k))
-                sync = k if sync is None else sync
-            elif kind is OPT:
-                if opt is not None:
-                    bad(f"{_describe(a)} appears twice", (i, k))
-                elif sync is None:
-                    bad(f"{_describe(a)} before the stage's SYNC", (i, k))
-                opt = k if opt is None else opt
-        # Orders that need the whole row.
-        for c in range(vpp):
-            missing_f = [j for j in range(m) if (c, j) not in fwd]
+    for i in range(len(schedule.stages)):
+        _Row(schedule, i, problems, marks).check()
+    return problems, marks
+
+
+class _Row:
+    """The checks of one stage's row (``_check_stages``): each action where it stands
+    (``scan``), every microbatch's passes present (``complete``), sends, receives and
+    forwards in their order (``ordered``), the SYNC and OPT last (``synced``). Problems
+    and their marks go to the lists they are given, in row order."""
+
+    def __init__(self, schedule: Schedule, i: int, problems: list[str],
+                 marks: set[Mark]) -> None:
+        st = schedule.stages[i]
+        self.schedule, self.i, self.st = schedule, i, st
+        self.problems, self.marks = problems, marks
+        self.vpp = schedule.unit(st.unit).vpp
+        self.producers = [schedule.producers(st.unit, st.stage, c) for c in range(self.vpp)]
+        self.consumers = [schedule.consumers(st.unit, st.stage, c) for c in range(self.vpp)]
+        self.peers = {True: [set(p) for p in self.producers],     # upstream
+                      False: [set(q) for q in self.consumers]}
+        self.fwd: dict[tuple[int, int], int] = {}
+        self.bwd: dict[tuple[int, int], int] = {}
+        self.sync: int | None = None
+        self.opt: int | None = None
+        self.skip: set[int] = set()     # slots already reported: no follow-up problems
+
+    def bad(self, msg: str, k: int) -> None:
+        self.problems.append(msg)
+        self.marks.add((self.i, k))
+
+    def check(self) -> None:
+        for k, a in enumerate(self.st.actions):
+            self.scan(k, a)
+        self.complete()
+        self.ordered()
+        self.synced()
+
+    def scan(self, k: int, a: Action) -> None:
+        """Action ``a`` at slot ``k``: in its row, in range, a legal peer; each pass once."""
+        schedule, st, m = self.schedule, self.st, self.schedule.num_microbatches
+        problem = None
+        if a.unit != st.unit or a.stage != st.stage:
+            problem = f"{_describe(a)} is in the row of {st.where}"
+        elif a.microbatch is not None and a.microbatch >= m:
+            problem = f"{_describe(a)}: microbatch out of range (the schedule has {m})"
+        elif a.chunk >= self.vpp:
+            problem = f"{_describe(a)}: chunk out of range ({st.unit} has vpp {self.vpp})"
+        elif a.kind in _COMM and (not schedule.has_stage(a.peer_unit, a.peer_stage) or
+                                  a.peer_chunk >= schedule.unit(a.peer_unit).vpp):
+            problem = f"{_describe(a)}: no such peer stage"
+        if problem is not None:
+            self.bad(problem, k)
+            self.skip.add(k)
+            return
+        c, mb, kind = a.chunk, a.microbatch, a.kind
+        if kind in _COMM:
+            upstream = kind is RECV_F or kind is SEND_B
+            legal = self.producers[c] if upstream else self.consumers[c]
+            if (a.peer_unit, a.peer_stage, a.peer_chunk) not in self.peers[upstream][c]:
+                side = "producers" if upstream else "consumers"
+                names = ", ".join(f"{p[0]}.s{p[1]}c{p[2]}" for p in legal) or "none"
+                self.bad(f"{_describe(a)}: the peer is not one of chunk {c}'s {side} "
+                         f"({names})", k)
+                self.skip.add(k)
+            return
+        key = (c, mb)
+        if kind is F:
+            if key in self.fwd:
+                self.bad(f"{_describe(a)} appears twice", k)
+            else:
+                self.fwd[key] = k
+                if self.sync is not None:
+                    self.bad(f"{_describe(a)} runs after the stage's SYNC", k)
+        elif kind is B:
+            if key in self.bwd:
+                self.bad(f"{_describe(a)} appears twice", k)
+            elif key not in self.fwd:
+                self.bad(f"{_describe(a)} comes before its forward F{mb}{_chunk_name(c)}", k)
+            self.bwd.setdefault(key, k)
+        elif kind is SYNC:
+            if self.sync is not None:
+                self.bad(f"{_describe(a)} appears twice", k)
+            self.sync = k if self.sync is None else self.sync
+        elif kind is OPT:
+            if self.opt is not None:
+                self.bad(f"{_describe(a)} appears twice", k)
+            elif self.sync is None:
+                self.bad(f"{_describe(a)} before the stage's SYNC", k)
+            self.opt = k if self.opt is None else self.opt
+
+    def complete(self) -> None:
+        """Orders that need the whole row: every forward, and all or no backwards."""
+        st, m = self.st, self.schedule.num_microbatches
+        for c in range(self.vpp):
+            missing_f = [j for j in range(m) if (c, j) not in self.fwd]
             if missing_f:
-                problems.append(f"{st.where} never runs the forward of microbatch"
-                                f"{'es' if len(missing_f) > 1 else ''} "
-                                f"{_ranges(missing_f)}" + (f" (chunk {c})" if c else ""))
-                marks.add((i, ROW))
-            done_b = [j for j in range(m) if (c, j) in bwd]
+                self.problems.append(f"{st.where} never runs the forward of microbatch"
+                                     f"{'es' if len(missing_f) > 1 else ''} "
+                                     f"{_ranges(missing_f)}" + (f" (chunk {c})" if c else ""))
+                self.marks.add((self.i, ROW))
+            done_b = [j for j in range(m) if (c, j) in self.bwd]
             if done_b and len(done_b) < m:
-                missing = [j for j in range(m) if (c, j) not in bwd]
-                problems.append(f"{st.where} runs backwards of chunk {c} for some microbatches "
-                                f"but not for {_ranges(missing)}")
-                marks.add((i, ROW))
-        # A forward reads its input: a receive from every producer must precede it.
+                missing = [j for j in range(m) if (c, j) not in self.bwd]
+                self.problems.append(f"{st.where} runs backwards of chunk {c} for some "
+                                     f"microbatches but not for {_ranges(missing)}")
+                self.marks.add((self.i, ROW))
+
+    def ordered(self) -> None:
+        """A forward reads its input: a receive from every producer must precede it; a
+        send follows the pass that produces it, a receive precedes the pass that reads it."""
         received: dict[tuple[int, int], set] = defaultdict(set)
-        end = len(actions)
-        for k, a in enumerate(actions):
+        fwd, bwd, end = self.fwd, self.bwd, len(self.st.actions)
+        for k, a in enumerate(self.st.actions):
             kind = a.kind
             if kind is F or kind is B or kind is SYNC or kind is OPT:
-                if kind is F and k not in skip:
+                if kind is F and k not in self.skip:
                     got = received.get((a.chunk, a.microbatch), ())
-                    for p in producers[a.chunk]:
+                    for p in self.producers[a.chunk]:
                         if p not in got:
-                            bad(f"{_describe(a)} runs without receiving its input from "
-                                f"{_vs_name(p)}", (i, k))
+                            self.bad(f"{_describe(a)} runs without receiving its input "
+                                     f"from {_vs_name(p)}", k)
                             break
                 continue
-            if k in skip:
+            if k in self.skip:
                 continue
             key = (a.chunk, a.microbatch)
             if kind is SEND_F:
                 if not k > fwd.get(key, end):
-                    bad(f"{_describe(a)} sends before the forward that produces it", (i, k))
+                    self.bad(f"{_describe(a)} sends before the forward that produces it", k)
             elif kind is SEND_B:
                 if not k > bwd.get(key, end):
-                    bad(f"{_describe(a)} sends before the backward that produces it", (i, k))
+                    self.bad(f"{_describe(a)} sends before the backward that produces it", k)
             elif kind is RECV_F:
                 if not k < fwd.get(key, -1):
-                    bad(f"{_describe(a)} arrives after the forward that reads it", (i, k))
+                    self.bad(f"{_describe(a)} arrives after the forward that reads it", k)
                 received[key].add((a.peer_unit, a.peer_stage, a.peer_chunk))
             elif key not in bwd:
-                bad(f"{_describe(a)}: gradients received but the stage runs no backward of "
-                    "that microbatch", (i, k))
+                self.bad(f"{_describe(a)}: gradients received but the stage runs no backward "
+                         "of that microbatch", k)
             elif not k < bwd[key]:
-                bad(f"{_describe(a)} arrives after the backward that reads it", (i, k))
-        if sync is not None:
-            if not bwd:
-                bad(f"{st.where}:SYNC on a stage that runs no backward", (i, sync))
-            elif max(bwd.values()) > sync:
-                bad(f"{st.where}:SYNC before the stage's last backward", (i, sync))
-            elif opt is None:
-                bad(f"{st.where}:SYNC without an OPT after it", (i, sync))
-    return problems, marks
+                self.bad(f"{_describe(a)} arrives after the backward that reads it", k)
+
+    def synced(self) -> None:
+        """The SYNC after the last backward, an OPT after it."""
+        sync, where = self.sync, self.st.where
+        if sync is None:
+            return
+        if not self.bwd:
+            self.bad(f"{where}:SYNC on a stage that runs no backward", sync)
+        elif max(self.bwd.values()) > sync:
+            self.bad(f"{where}:SYNC before the stage's last backward", sync)
+        elif self.opt is None:
+            self.bad(f"{where}:SYNC without an OPT after it", sync)
 
 
 def _ranges(values: list[int]) -> str:
