@@ -27,7 +27,6 @@ DEBT: dict[str, int] = {
     "frontend/check.py": 1444,
     "planner/orchestrate.py::plan_convex": 105,
     "reorder/inter.py": 1224,
-    "sim/simulate.py::Simulator.__init__": 225,
     "train/executor.py": 1337,
     "train/executor.py::StageExecutor.run_step": 114,
     "train/memplan.py::_measure_stage": 113,

@@ -48,6 +48,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -181,13 +182,22 @@ class Simulator:
             offset += 2 * pp * vpp * m
         self._compute_base = base
         self._num_compute = offset
-        links = sorted({(a.unit, a.peer_unit) for st in schedule.stages for a in st.actions
-                        if a.kind.is_send})
-        self._links = links
-        link_index = {k: i for i, k in enumerate(links)}
+        self._links = sorted({(a.unit, a.peer_unit) for st in schedule.stages
+                              for a in st.actions if a.kind.is_send})
+        raw, producer, stage_nodes = self._program_nodes(units, backbone, base, m)
+        inputs, routed = self._node_inputs(raw, producer, stage_nodes)
+        order = self._topological(inputs)
+        new_id = self._renumber(order, inputs, raw)
+        self._index(raw, new_id, stage_nodes, base, m)
+        self._lanes(order, raw, routed, new_id, base)
 
-        # Pass 1: nodes per stage in program order, and where sends' data is ready.
-        # A node: (stage index, kind, duration slot, inputs [(node or send key, link)]).
+    def _program_nodes(self, units: dict, backbone: Any, base: dict[str, int], m: int
+                       ) -> tuple[list[list], dict[tuple, int], list[list[int]]]:
+        """Pass 1: nodes per stage in program order, and where sends' data is ready (the
+        node whose end posts each send key). A node: [stage index, kind, duration slot,
+        unit, microbatch, chunk, inputs [(node or send key, link, broker edge)]]."""
+        schedule = self.schedule
+        link_index = {k: i for i, k in enumerate(self._links)}
         producer: dict[tuple, int] = {}      # send key -> node whose end posts it
         raw: list[list] = []                 # per node: [stage, kind, slot, unit, j, c, deps]
         stage_nodes: list[list[int]] = []
@@ -260,11 +270,15 @@ class Simulator:
                 raw.append([si, ActionKind.SYNC, _WAIT, st.unit, None, 0, pending])
                 nodes.append(last)
             stage_nodes.append(nodes)
+        return raw, producer, stage_nodes
 
-        # Pass 2: inputs as node ids; the previous node on the stage is an input too.
+    def _node_inputs(self, raw: list[list], producer: dict[tuple, int],
+                     stage_nodes: list[list[int]]) -> tuple[list, list]:
+        """Pass 2: each node's inputs as (node id, link); the previous node on its stage is
+        an input too. The same inputs with the broker's edge of each (None: replica to
+        replica)."""
         n = len(raw)
         inputs: list[list[tuple[int, int]]] = [[] for _ in range(n)]
-        # The same inputs with the broker's edge of each (None: replica to replica).
         routed: list[list[tuple[int, int, tuple | None]]] = [[] for _ in range(n)]
         for nodes in stage_nodes:
             prev = -1
@@ -275,14 +289,17 @@ class Simulator:
                 for key, link, edge in raw[v][6]:
                     if key not in producer:
                         raise ScheduleError([f"a receive at node {v} has no send "
-                                             "(validate the schedule first)"], schedule, ())
+                                             "(validate the schedule first)"], self.schedule, ())
                     src = producer[key]
                     if src >= 0:
                         inputs[v].append((src, link))
                         routed[v].append((src, link, edge))
                 prev = v
+        return inputs, routed
 
-        # Topological order (Kahn); a cycle is a deadlock.
+    def _topological(self, inputs: list[list[tuple[int, int]]]) -> list[int]:
+        """The nodes in a topological order (Kahn's); a cycle is a deadlock."""
+        n = len(inputs)
         indegree = [len(x) for x in inputs]
         users: list[list[int]] = [[] for _ in range(n)]
         for v, ins in enumerate(inputs):
@@ -299,10 +316,13 @@ class Simulator:
                     queue.append(w)
         if len(order) != n:
             raise ScheduleError(["deadlock: the schedule's dependencies form a cycle "
-                                 "(validate it for where)"], schedule, ())
+                                 "(validate it for where)"], self.schedule, ())
+        return order
 
-        # Renumber in topological order, splitting nodes with more than two inputs into
-        # a chain of joins (zero duration) so every node has exactly two.
+    def _renumber(self, order: list[int], inputs: list, raw: list[list]) -> dict[int, int]:
+        """Renumber in topological order, splitting nodes with more than two inputs into a
+        chain of joins (zero duration) so every node has exactly two; the new id of each
+        node."""
         sentinel_slot = -1
         a_in: list[int] = []
         a_link: list[int] = []
@@ -338,6 +358,13 @@ class Simulator:
         self.num_nodes = total
         self._raw = raw
         self._new_id = new_id
+        return new_id
+
+    def _index(self, raw: list[list], new_id: dict[int, int], stage_nodes: list[list[int]],
+               base: dict[str, int], m: int) -> None:
+        """Where the SYNC and OPT durations go, the compute nodes per stage (for busy
+        time) and which passes each unit runs at all."""
+        schedule, n = self.schedule, len(raw)
         # SYNC/OPT durations: per (unit, stage); real ones only (slot -1, not _WAIT).
         sync_nodes, opt_nodes = [], []
         for v, (si, kind, slot, unit, _, _, _) in enumerate(raw):
@@ -364,9 +391,12 @@ class Simulator:
         self.stage_compute = stage_compute
         self._stage_nodes = stage_nodes
 
-        # Per replica: the nodes in topological order with their inputs (by position in
-        # that order), their unit's replica count, where their durations are and whether
-        # they are a collective over the replicas (SYNC).
+    def _lanes(self, order: list[int], raw: list[list], routed: list,
+               new_id: dict[int, int], base: dict[str, int]) -> None:
+        """Per replica: the nodes in topological order with their inputs (by position in
+        that order), their unit's replica count, where their durations are and whether
+        they are a collective over the replicas (SYNC)."""
+        schedule = self.schedule
         self.replicated = any(u.dp > 1 for u in schedule.units)
         position = {v: k for k, v in enumerate(order)}
         unit_index = {name: k for k, (name, _, _, _) in enumerate(self._dims)}
