@@ -23,9 +23,9 @@ _CODE = "DT601"
 
 
 def _encoders(program: ir.Program) -> list[Diagnostic]:
-    """Encoders the runtime cannot feed: one that is not a transformer over patches, an
-    audio encoder without a patch size (its fbank is cut into ``patch x patch``
-    patches, ``data.modal``)."""
+    """Encoders the runtime cannot feed: one that is not a transformer (over patches, or
+    over fbank frames: an audio encoder without a patch size reads a frame a token,
+    ``data.modal``)."""
     out = []
     for module in program.encoders:
         if not isinstance(module.arch, ir.TransformerArch):
@@ -33,16 +33,6 @@ def _encoders(program: ir.Program) -> list[Diagnostic]:
                 _CODE, f"the runtime has no {module.arch.kind} encoder: '{module.name}' must "
                 "be a transformer over patches", module.span,
                 hint=f"give {module.name} `arch = transformer(...)`"))
-        elif module.modality == "audio" and not module.arch.patch and \
-                getattr(module.arch, "stem", "patch") == "patch":
-            out.append(Diagnostic.error(
-                _CODE, f"audio encoder '{module.name}' has no patch size: the runtime cuts "
-                "its fbank into patch x patch patches along time and mel bins",
-                module.span,
-                notes=["dtc plan and dtc simulate price an audio clip by its drawn "
-                       "`audio.frames` tokens; a bundle needs the patch that makes them"],
-                hint=f"add patch=16 (BEATs, with mel_bins=128) to {module.name}'s "
-                     "transformer(...)"))
     return out
 
 
