@@ -662,14 +662,11 @@ class _Checker:
         return ir.TransformerArch(moe=moe,
             layers=args["layers"], hidden=hidden, heads=heads, kv_heads=kv_heads,
             ffn=args["ffn"] or 4 * hidden, vocab=args["vocab"], swiglu=args["swiglu"],
-            patch=args["patch"],
+            patch=args["patch"], stem="patch" if args["patch"] or modality != "audio" else "frames",
             in_channels=None if decl.role == "backbone" else
             args["in_channels"] or (1 if modality == "audio" else 3),
             causal=decl.role == "backbone" if args["causal"] is None else args["causal"],
-            mel_bins=args["mel_bins"], temporal_patch=args["temporal_patch"],
-            # An audio encoder without a patch size reads its fbank a frame a token.
-            stem="frames" if modality == "audio" and decl.role == "encoder" and
-            args["patch"] is None else "patch")
+            mel_bins=args["mel_bins"], temporal_patch=args["temporal_patch"])
 
     def _modal_args(self, decl, call, args, modality) -> bool:
         """``mel_bins`` (audio encoders) and ``temporal_patch`` (video encoders): an

@@ -320,10 +320,11 @@ def _root():
     return Path(__file__).resolve().parents[2]
 
 
-def _modal_text(text: str) -> str:
+def _modal_text(text: str, frames: bool = False) -> str:
     from tests.train import modal_specs as m
 
-    text = text.replace("  backbone llm {", m._AUDIO + m._VIDEO + "  backbone llm {")
+    audio = m._AUDIO_FRAMES if frames else m._AUDIO
+    text = text.replace("  backbone llm {", audio + m._VIDEO + "  backbone llm {")
     text = text.replace("projector vit -> llm : mlp(depth=2)",
                         "projector vit -> llm : mlp(depth=2)\n  projector beats -> llm : "
                         "mlp(depth=2)\n  projector clip -> llm : mlp(depth=2)")
