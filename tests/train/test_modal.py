@@ -84,6 +84,14 @@ def test_an_audio_encoder_without_a_patch_reads_a_frame_a_token():
             for layer in encoder.layers.values():
                 x = layer(x)
             assert torch.allclose(encoder.finish(x), encoder(clip), atol=1e-6)
+    # Two input channels, either stem: the workers decode one mono fbank, narrower than
+    # the stem's input, so compile refuses it.
+    for stem in ("frames", "patch"):
+        wide = {"in_channels": 2, "stem": stem, "patch": 4 if stem == "patch" else None}
+        [d] = runtime_support(program.model_copy(update={"modules": tuple(
+            m.model_copy(update={"arch": m.arch.model_copy(update=wide)})
+            if m.name == "beats" else m for m in program.modules)}))
+        assert d.code == "DT601" and "reads 2 channels" in d.message
 
 
 @pytest.mark.parametrize("video, frames", [(False, False), (True, False), (False, True)])
