@@ -20,6 +20,7 @@ from dtdsl import cli
 from dtdsl.data.decode import Decoder
 from dtdsl.data.media import ClipReader, index_media
 from dtdsl.data.modal import encoder_inputs
+from dtdsl.data.shards import EncodedClip
 from dtdsl.data.sources import open_dataset
 from tests.data.test_video import write_clip
 from tests.text_models import make_tokenizer
@@ -116,6 +117,14 @@ def test_clip_tokens_from_the_index_equal_the_decoded_clips(tmp_path, frames):
     info = index_media(_flac(np.random.default_rng(1), 0.2, 16_000), "a.flac")
     want = 18 if frames else 16
     assert reader.shape(info) == (want, 16) and reader.tokens(info) == want
+    # Under a clamp high of audio.frames (12 tokens): at most 12 frames, or 3 rows of 4.
+    data = program.data
+    clamped = program.model_copy(update={"data": data.model_copy(update={"quantities": tuple(
+        q.model_copy(update={"high": 12}) if q is data.get("audio", "frames") else q
+        for q in data.quantities)})})
+    reader = ClipReader.for_encoder(clamped, clamped.module("beats"))
+    decoded = reader.read(EncodedClip(info, _flac(np.random.default_rng(1), 0.2, 16_000)))
+    assert reader.shape(info) == decoded.shape == (12, 16) and reader.tokens(info) == 12
     # A video of 9 frames of 24x16 at 10 fps: 0.9 s -> 4 frames (2 fps, at least 4),
     # 2 temporal patches of 4 x 6 patches of 4 pixels.
     info = index_media(write_clip(9, width=24, height=16), "v.mp4")
@@ -381,3 +390,39 @@ def test_a_clip_whose_header_promises_more_than_it_holds_is_left_out(tmp_path):
     assert sorted(source.dataset.key(i) for i in source.usable) == ["ok0", "ok1", "ok2"]
     sizes = source.sizes(0)
     assert [s.inputs["beats"] for s in sizes] == [((96, 16),)] * 2     # 98 frames, rows of 4
+
+
+def test_precomputed_features_feed_a_frame_stem_a_frame_a_token(tmp_path):
+    # .npy clips are fbank features already: an encoder without a patch reads them a
+    # frame a token, every frame (audio.frames has no clamp here), and their bins must be
+    # the encoder's mel_bins. The index's shapes are the decoded ones and the model's
+    # tokens.
+    import torch
+
+    from dtdsl.data.shards import RawSample, encode_audio, sample_key, write_dataset
+    from dtdsl.models.multimodal import build_model
+
+    rng = np.random.default_rng(0)
+    features = [rng.standard_normal((n, 16)).astype(np.float32) for n in (1, 29, 57)]
+    samples = [RawSample(key=sample_key(i), text="a clip", audio=(encode_audio(f),))
+               for i, f in enumerate(features)]
+    samples.append(RawSample(key=sample_key(3), text="wrong bins",
+                             audio=(encode_audio(rng.standard_normal((9, 8))),)))
+    write_dataset(tmp_path / "d", samples, samples_per_shard=4)
+    program = tiny_modal(audio=True, frames=True)
+    decoder = Decoder.for_program(program, seed=0)
+    rule = encoder_inputs(program).rule("beats")
+    torch.manual_seed(0)
+    encoder = build_model(program).unit("beats")
+    with open_dataset(str(tmp_path / "d")) as ds:
+        for i, n in enumerate((1, 29, 57)):
+            info = ds.info(i)
+            [clip] = decoder.decode(ds.read(i)).inputs["beats"]
+            assert decoder.input_shapes(info)["beats"] == ((n, 16),) and clip.shape == (n, 16)
+            assert np.array_equal(clip, features[i])
+            with torch.no_grad():
+                x = encoder.embed(rule.patchify(torch.from_numpy(clip)[None]),
+                                  rule.grid(clip.shape))
+            assert x.shape[1] == rule.tokens(clip.shape) == n
+        with pytest.raises(Exception, match="8 bins; encoder 'beats' reads 16"):
+            decoder.decode(ds.read(3))
