@@ -74,14 +74,14 @@ class InputRule:
     def of(program: ir.Program, module: ir.Module) -> InputRule:
         """The rule of encoder ``module``."""
         arch = module.arch
-        patch = getattr(arch, "patch", None) or 1
+        stem = getattr(arch, "stem", "patch")
+        whisper, frames = stem == "whisper_conv", module.modality == "audio" and stem == "frames"
+        patch = 1 if frames else getattr(arch, "patch", None) or 1
         image = None
         if module.modality == "image":
             proj = next((p for p in program.projectors if p.source == module.name
                          and p.target == program.backbone.name), None)
             image = ir.ImageTokens(patch=patch, compress=proj.compress if proj else None)
-        stem = getattr(arch, "stem", "patch")
-        whisper = stem == "whisper_conv"
         return InputRule(name=module.name, modality=module.modality or "image", patch=patch,
                          channels=getattr(arch, "in_channels", None) or
                          (1 if module.modality == "audio" else 3),
@@ -89,7 +89,7 @@ class InputRule:
                          temporal_patch=getattr(arch, "temporal_patch", 1), image=image,
                          whisper_positions=arch.clip_tokens(0)
                          if whisper and arch.max_source_positions else 0,
-                         frames=module.modality == "audio" and stem == "frames")
+                         frames=frames)
 
     @property
     def patch_dim(self) -> int:
