@@ -483,9 +483,10 @@ accept it, but `dtc compile` stops before writing a bundle because the runtime
 lacks a part it needs. The message names the part; the hint says what to write
 instead. Today the runtime cannot train:
 
-- an audio encoder without `patch` (the runtime cuts its fbank into
-  `patch x patch` patches; the planner prices `audio.frames` tokens without one),
-  or an encoder that is not a `transformer(...)` over patches;
+- an encoder that is not a `transformer(...)` (over patches; an audio encoder
+  without `patch` reads its fbank a frame a token, and trains), or an audio
+  encoder with `in_channels` above 1 (the workers decode every clip to one mono
+  fbank; Whisper's stem, whose `in_channels` are its mel bins, aside);
 - a phased encoder beside another encoder on the backbone's ranks (phased or
   co-located): a phased encoder runs there alone; any number of co-located
   encoders can;
@@ -513,15 +514,16 @@ instead. Today the runtime cannot train:
   replica, and a replica's CP ranks would not sum their gradients): constrain
   `cp(MODULE) == 1` or use `sync = allreduce`.
 
-    encoder beats (audio) {
-      arch = transformer(layers=12, hidden=768, heads=12, in_channels=1)
-    }                                  # error: no patch to cut its fbank with
+    train {
+      schedule = interleaved(virtual_stages=2)   # error: one model chunk per stage
+    }
 """),
     "DT612": Code("An audio encoder's fbank does not split into whole patches", """
 An audio encoder (BEATs-style) reads a log-mel / fbank spectrogram of `mel_bins`
 frequency bins (default 128) and cuts it into `patch x patch` patches along time
 and frequency: a clip of T frames gives (T / patch) x (mel_bins / patch) tokens.
-`patch` must divide `mel_bins`.
+`patch` must divide `mel_bins`. (Without `patch` it reads a frame a token: a linear
+map of each frame's `mel_bins` x `in_channels` values, T tokens.)
 
     arch = transformer(layers=12, hidden=768, heads=12, patch=16, in_channels=1,
                        mel_bins=100)    # error: 16 does not divide 100; use 128

@@ -23,26 +23,25 @@ _CODE = "DT601"
 
 
 def _encoders(program: ir.Program) -> list[Diagnostic]:
-    """Encoders the runtime cannot feed: one that is not a transformer over patches, an
-    audio encoder without a patch size (its fbank is cut into ``patch x patch``
-    patches, ``data.modal``)."""
+    """Encoders the runtime cannot feed: one that is not a transformer (over patches, or
+    over fbank frames: an audio encoder without a patch size reads a frame a token,
+    ``data.modal``); an fbank audio encoder of more than one input channel (the workers
+    decode every clip to one mono fbank, ``data.audio``)."""
     out = []
     for module in program.encoders:
-        if not isinstance(module.arch, ir.TransformerArch):
+        arch = module.arch
+        if not isinstance(arch, ir.TransformerArch):
             out.append(Diagnostic.error(
-                _CODE, f"the runtime has no {module.arch.kind} encoder: '{module.name}' must "
+                _CODE, f"the runtime has no {arch.kind} encoder: '{module.name}' must "
                 "be a transformer over patches", module.span,
                 hint=f"give {module.name} `arch = transformer(...)`"))
-        elif module.modality == "audio" and not module.arch.patch and \
-                getattr(module.arch, "stem", "patch") == "patch":
+        elif module.modality == "audio" and arch.stem != "whisper_conv" and \
+                (arch.in_channels or 1) > 1:
             out.append(Diagnostic.error(
-                _CODE, f"audio encoder '{module.name}' has no patch size: the runtime cuts "
-                "its fbank into patch x patch patches along time and mel bins",
-                module.span,
-                notes=["dtc plan and dtc simulate price an audio clip by its drawn "
-                       "`audio.frames` tokens; a bundle needs the patch that makes them"],
-                hint=f"add patch=16 (BEATs, with mel_bins=128) to {module.name}'s "
-                     "transformer(...)"))
+                _CODE, f"audio encoder '{module.name}' reads {arch.in_channels} channels of "
+                "fbank, but the workers decode every clip to one (mono) fbank", module.span,
+                notes=["its patches (or frames) would be narrower than its stem's input"],
+                hint=f"write in_channels=1 in {module.name}'s transformer(...)"))
     return out
 
 

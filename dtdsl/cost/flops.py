@@ -171,7 +171,8 @@ def encoder_tokens(arch: ir.TransformerArch, patches: float) -> float:
 
 def encoder_item_forward(arch: ir.TransformerArch, tokens: float) -> Work:
     """A ViT-style encoder on one item of ``tokens`` rows (``encoder_tokens``): patch
-    embedding (a video's patches span ``temporal_patch`` frames; Whisper's stem is two
+    embedding (a video's patches span ``temporal_patch`` frames, an audio frame stem's
+    inputs are whole fbank frames, ``TransformerArch.patch_dim``; Whisper's stem is two
     kernel-3 convolutions, over ``2 * tokens`` frames of ``in_channels`` mel bins and, at
     stride 2, over ``tokens``), then every layer with bidirectional attention over the
     item."""
@@ -179,7 +180,7 @@ def encoder_item_forward(arch: ir.TransformerArch, tokens: float) -> Work:
         mel = arch.in_channels or 80
         embed = 2 * (2 * tokens) * 3 * mel * arch.hidden + 2 * tokens * 3 * arch.hidden ** 2
     else:
-        embed = 2 * tokens * _patch_dim(arch) * arch.hidden
+        embed = 2 * tokens * arch.patch_dim * arch.hidden
     layers = arch.layers * (tokens * transformer_layer_matmul_per_token(arch))
     attention = arch.layers * _attention(tokens, _attention_width(arch), causal=False)
     return Work(matmul=embed + layers, attention=attention)
@@ -390,11 +391,6 @@ def compression_forward(proj: ir.Projector, patches: float, images: float) -> Wo
                 attention=4.0 * c.queries * patches * w)
 
 
-def _patch_dim(arch: ir.TransformerArch) -> int:
-    """The width of one flattened patch (``models.Encoder.patch_dim``)."""
-    return (arch.in_channels or 3) * arch.temporal_patch * (arch.patch or 1) ** 2
-
-
 def encoder_ends_params(arch: ir.TransformerArch) -> float:
     """An encoder's parameters outside its layers: the patch embedding (and its bias), or
     Whisper's two convolutions with their biases (``models.audio.WhisperStem``), the class
@@ -403,7 +399,7 @@ def encoder_ends_params(arch: ir.TransformerArch) -> float:
     if arch.stem == "whisper_conv":
         params = ((arch.in_channels or 80) * 3 * h + h) + (h * 3 * h + h)
     else:
-        params = _patch_dim(arch) * h + (h if arch.patch_bias else 0)
+        params = arch.patch_dim * h + (h if arch.patch_bias else 0)
     if arch.cls_token:
         params += h
     if arch.positions == "learned":

@@ -229,8 +229,9 @@ class Decoder:
         most = reader.audio.max_frames
         rows = min(frames, most if most is not None else frames) // rule.patch
         if rows < 1:
-            raise DatasetError(f"sample {key}: a clip of {frames} frames, fewer than one row "
-                               f"of {rule.patch} frames of patches")
+            raise DatasetError(f"sample {key}: a clip of {frames} frames, fewer than " +
+                               ("one" if rule.frames else
+                                f"one row of {rule.patch} frames of patches"))
         return (rows * rule.patch, rule.mel_bins)
 
     def _inputs(self, raw: RawSample) -> dict[str, tuple[np.ndarray, ...]]:

@@ -21,6 +21,9 @@ reason (``unreadable audio``, ``unreadable video``).
   ``mel_bins / patch`` patches) and floored to whole rows of ``patch`` frames: ``[T,
   mel_bins]``, ``T / patch * mel_bins / patch`` tokens. A clip shorter than one row of
   patches is refused (it would give no token);
+- audio, an encoder without a patch size (a frame stem, a token per frame): the same
+  fbank frames, cut to the clamp high of ``audio.frames``: ``[T, mel_bins]``, ``T``
+  tokens;
 - audio, an encoder with Whisper's convolutional stem: ``[2 * max_source_positions,
   in_channels]`` log-mel whatever the clip's length (30 s, cut or zero-padded), and
   ``max_source_positions`` tokens (``ir.program.TransformerArch.clip_tokens``);
@@ -166,6 +169,9 @@ class ClipReader:
             if isinstance(e, WhisperFeatures):
                 return (e.frames, e.bins)
             rows = self.audio.num_frames(info.samples, info.rate) // rule.patch
+            if rows < 1 and rule.frames:
+                raise AudioError(f"{info.name}: {info.samples / info.rate:.3f} s, shorter "
+                                 f"than one fbank frame ({e.frame_ms:g} ms)")
             if rows < 1:
                 raise AudioError(f"{info.name}: {info.samples / info.rate:.3f} s, shorter "
                                  f"than one row of {rule.patch} frames of patches "

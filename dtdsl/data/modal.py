@@ -17,6 +17,10 @@ An *item* is one input of one encoder: an image, an audio clip, a video clip.
   clip read from a file has the whole rows of its fbank frames, ``data.media``). An audio
   tower with Whisper's convolutional stem reads a clip whole, ``[2 * P, M]`` (30 s,
   ``P = max_source_positions``), and gives ``P`` tokens whatever ``audio.frames`` says.
+  An audio encoder without a patch size (``TransformerArch.stem == "frames"``) reads its
+  fbank a frame a token: ``[T, M]``, grid ``(T, 1)``, each frame's ``M x in_channels``
+  values one patch, ``T`` tokens; a drawn clip of ``n`` tokens has ``max(1, n)`` frames
+  (rows of one frame, one column: the cost model prices the drawn tokens as they are).
 - video ``[F, 3, H, W]`` (Qwen2-VL style): patches of ``temporal_patch`` frames x
   ``patch x patch`` pixels, each flattened in (channel, frame, row, column) order,
   ``patch_dim = 3 * temporal_patch * p^2``; ``F`` is ``video.frames`` rounded up to a
@@ -62,43 +66,45 @@ class InputRule:
     # ``2 * positions`` frames of ``channels`` mel bins, read whole (no patches), and
     # gives ``positions`` tokens. 0: a patch stem.
     whisper_positions: int = 0
+    # Audio encoders without a patch size (``TransformerArch.stem == "frames"``): a token
+    # per fbank frame of ``mel_bins`` bins (``patch`` is 1).
+    frames: bool = False
 
     @staticmethod
     def of(program: ir.Program, module: ir.Module) -> InputRule:
         """The rule of encoder ``module``."""
         arch = module.arch
-        patch = getattr(arch, "patch", None) or 1
+        stem = getattr(arch, "stem", "patch")
+        whisper, frames = stem == "whisper_conv", module.modality == "audio" and stem == "frames"
+        patch = 1 if frames else getattr(arch, "patch", None) or 1
         image = None
         if module.modality == "image":
             proj = next((p for p in program.projectors if p.source == module.name
                          and p.target == program.backbone.name), None)
             image = ir.ImageTokens(patch=patch, compress=proj.compress if proj else None)
-        mel_bins = getattr(arch, "mel_bins", 128)
-        whisper = getattr(arch, "stem", "patch") == "whisper_conv"
-        if module.modality == "audio" and not getattr(arch, "patch", None) and not whisper:
-            # No patch (a spec for planning only; the runtime refuses it, DT601): a clip
-            # is its drawn tokens, unrounded.
-            mel_bins = patch = 1
         return InputRule(name=module.name, modality=module.modality or "image", patch=patch,
                          channels=getattr(arch, "in_channels", None) or
                          (1 if module.modality == "audio" else 3),
-                         mel_bins=mel_bins,
+                         mel_bins=getattr(arch, "mel_bins", 128),
                          temporal_patch=getattr(arch, "temporal_patch", 1), image=image,
                          whisper_positions=arch.clip_tokens(0)
-                         if whisper and arch.max_source_positions else 0)
+                         if whisper and arch.max_source_positions else 0,
+                         frames=frames)
 
     @property
     def patch_dim(self) -> int:
         """The width of one flattened patch."""
         if self.whisper_positions:
             return self.channels            # a frame of mel bins
+        if self.frames:
+            return self.channels * self.mel_bins
         t = self.temporal_patch if self.modality == "video" else 1
         return self.channels * t * self.patch ** 2
 
     @property
     def columns(self) -> int:
-        """Audio: patches across the mel bins."""
-        return max(1, self.mel_bins // self.patch)
+        """Audio: patches across the mel bins (one: a frame stem's frame is one)."""
+        return 1 if self.frames else max(1, self.mel_bins // self.patch)
 
     def grid(self, shape: Sequence[int]) -> tuple[int, int]:
         """An item's patch grid (rows, columns) as the encoder's positions see it: an
@@ -107,6 +113,8 @@ class InputRule:
         p = self.patch
         if self.whisper_positions:
             return shape[0] // 2, 1         # the stem's stride 2 over the frames
+        if self.frames:
+            return shape[0], 1              # a token per frame
         if self.modality == "audio":
             return shape[-2] // p, shape[-1] // p
         if self.modality == "video":
@@ -145,6 +153,8 @@ class InputRule:
         p = self.patch
         if self.whisper_positions:
             return items                            # [B, T, M]: the stem reads frames
+        if self.frames:                             # [B, T, M]: a frame is a patch
+            return items.reshape(items.shape[0], items.shape[1], -1)
         if self.modality == "audio":
             items = items[:, None]                  # [B, 1, T, M]: a one-channel image
         if self.modality != "video":

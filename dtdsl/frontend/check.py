@@ -662,7 +662,7 @@ class _Checker:
         return ir.TransformerArch(moe=moe,
             layers=args["layers"], hidden=hidden, heads=heads, kv_heads=kv_heads,
             ffn=args["ffn"] or 4 * hidden, vocab=args["vocab"], swiglu=args["swiglu"],
-            patch=args["patch"],
+            patch=args["patch"], stem="patch" if args["patch"] or modality != "audio" else "frames",
             in_channels=None if decl.role == "backbone" else
             args["in_channels"] or (1 if modality == "audio" else 3),
             causal=decl.role == "backbone" if args["causal"] is None else args["causal"],

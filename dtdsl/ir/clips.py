@@ -5,7 +5,8 @@ torch, NumPy-optional and of PyAV.
 Audio (an encoder with a patch stem): a clip of about ``tokens`` tokens with ``columns``
 patches across its mel bins has ``audio_rows(tokens, columns)`` rows of patches in time
 (``max(1, round(tokens / columns))``); a clip decoded from a file has ``frames // patch``
-rows of its fbank frames. An encoder with Whisper's stem reads every clip as 30 s and gives
+rows of its fbank frames. An encoder without a patch (a frame stem) has one column: a clip
+is its tokens in frames. An encoder with Whisper's stem reads every clip as 30 s and gives
 ``TransformerArch.clip_tokens`` (``max_source_positions``) tokens, whatever its length.
 
 Video: a clip of ``frames`` sampled frames is cut into temporal patches of ``temporal_patch``

@@ -168,7 +168,7 @@ def _add_inputs(g: nx.DiGraph, program: ir.Program, drawn: SampleSet, data_id: s
         arch = module.arch
         if module.role == "encoder":
             items = drawn.items[module.modality]
-            width = (arch.in_channels or 3) * (arch.patch or 1) ** 2
+            width = arch.patch_dim
             g.add_edge(data_id, module.name, **_tokens_flow(
                 "input", module.modality, items.tokens(), width, _BF16_BYTES,
                 items=items.counts))

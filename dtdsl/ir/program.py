@@ -136,7 +136,8 @@ class TransformerArch(IRModel):
     patch: int | None = None
     in_channels: int | None = None  # encoders only: image/video 3, audio 1
     # Audio encoders: the mel bins of the fbank / log-mel spectrogram they read (BEATs:
-    # 128), cut into patch x patch patches along time and frequency.
+    # 128), cut into patch x patch patches along time and frequency, or (no patch: the
+    # "frames" stem) each frame's bins one token.
     mel_bins: int = 128
     # Video encoders: frames per patch in time (Qwen2-VL: 2); 1 patches each frame alone.
     temporal_patch: int = 1
@@ -169,9 +170,11 @@ class TransformerArch(IRModel):
     # as qkv_bias). Its stem is two convolutions over [frames, in_channels = mel bins]
     # (GELU, the second of stride 2) and Whisper's fixed sinusoids of max_source_positions
     # (the positions field does not apply), on clips of exactly 2 x max_source_positions
-    # frames; "patch": a linear map of flattened patches (every other encoder).
+    # frames; "patch": a linear map of flattened patches (every other encoder); "frames":
+    # an audio encoder without a patch size, a linear map of each fbank frame's mel_bins x
+    # in_channels values to one token (frame-level audio encoders; the checker sets it).
     k_bias: bool | None = None
-    stem: Literal["patch", "whisper_conv"] = "patch"
+    stem: Literal["patch", "whisper_conv", "frames"] = "patch"
     max_source_positions: int | None = None
     # Backbones: a mixture of experts in place of the MLP (of its MoE layers); None: dense.
     moe: MoEArch | None = None
@@ -186,6 +189,20 @@ class TransformerArch(IRModel):
         if frames < 0:
             raise ValueError(f"a clip of {frames} frames")
         return self.max_source_positions
+
+    @property
+    def patch_dim(self) -> int:
+        """The width of what the stem maps to one token's input (its linear map's input,
+        Whisper's first convolution's channels): a flattened patch of ``in_channels`` x
+        ``temporal_patch`` x ``patch^2`` values, a frame of ``in_channels`` x ``mel_bins``,
+        Whisper's ``in_channels`` mel bins. The model, the data layer's patches
+        (``data.modal.InputRule``) and the cost model all read this one number."""
+        channels = self.in_channels or 3
+        if self.stem == "whisper_conv":
+            return self.in_channels or 80
+        if self.stem == "frames":
+            return channels * self.mel_bins
+        return channels * self.temporal_patch * (self.patch or 1) ** 2
 
     @property
     def head_dim(self) -> int:

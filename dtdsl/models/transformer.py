@@ -257,7 +257,9 @@ class TransformerLayer(nn.Module):
 
 class Encoder(nn.Module):
     """A vision transformer over flattened patches (CLIP's, SigLIP's or dtdsl's ViT), or
-    an audio tower over log-mel frames (Whisper's encoder: ``stem = "whisper_conv"``).
+    an audio tower over log-mel frames (Whisper's encoder: ``stem = "whisper_conv"``; a
+    frame-level tower, ``stem = "frames"``: a linear map of each fbank frame, a token per
+    frame).
 
     The work is split for pipeline stages: ``embed(patches, grid)`` (first stage: patch
     embedding, class token, positions, pre-norm), ``layers`` (keyed by global index),
@@ -271,8 +273,10 @@ class Encoder(nn.Module):
         self.hidden = arch.hidden
         self.patch = arch.patch or 1
         self.in_channels = arch.in_channels or 3
-        # A video encoder's patch spans ``temporal_patch`` frames (``data.modal``).
-        self.patch_dim = self.in_channels * arch.temporal_patch * self.patch ** 2
+        # A video encoder's patch spans ``temporal_patch`` frames, a frame stem's is a
+        # whole fbank frame (``ir.TransformerArch.patch_dim``, ``data.modal``).
+        self.patch_dim = arch.patch_dim
+        self.frames = arch.stem == "frames"
         self.learned = arch.positions == "learned"
         # Whether each image's rows start with a class token (a plain attribute: a later
         # pipeline stage holds no class embedding but its rows still carry one).
@@ -325,7 +329,8 @@ class Encoder(nn.Module):
     def embed(self, patches: torch.Tensor, grid: tuple[int, int] | None = None) -> torch.Tensor:
         """``[B, N, patch_dim]`` flattened patches of images whose patch grid is ``grid``
         (rows, columns; default: square) to the first layer's input ``[B, N (+1), hidden]``.
-        With Whisper's stem: ``[B, frames, mel_bins]`` features to ``[B, frames / 2, hidden]``."""
+        With Whisper's stem: ``[B, frames, mel_bins]`` features to ``[B, frames / 2, hidden]``;
+        with the frame stem, ``[B, frames, mel_bins]`` to ``[B, frames, hidden]``."""
         x = self.patch_embed(patches)
         if self.whisper:
             return x
@@ -352,6 +357,8 @@ class Encoder(nn.Module):
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         if self.whisper:        # Hugging Face's input_features [B, mel_bins, frames]
             x = self.embed(pixel_values.transpose(1, 2))
+        elif self.frames:       # fbank features [B, frames, mel_bins]: a frame a token
+            x = self.embed(pixel_values.flatten(2), (pixel_values.shape[1], 1))
         else:
             grid = (pixel_values.shape[-2] // self.patch, pixel_values.shape[-1] // self.patch)
             x = self.embed(self.patchify(pixel_values, self.patch), grid)

@@ -395,14 +395,23 @@ def _line_of(text: str, needle: str) -> int:
     return next(i for i, line in enumerate(text.splitlines(), 1) if needle in line)
 
 
-def test_an_audio_encoder_without_a_patch_is_refused_at_compile_time(tmp_path, capsys):
-    text = (SPECS / "audio_image.dt").read_text()
-    beats = "layers=12, hidden=768, heads=12, ffn=3072, patch=16, in_channels=1"
-    assert beats in text
-    text = text.replace(beats, "layers=12, hidden=768, heads=12, ffn=3072, in_channels=1")
-    err, lines = _unsupported(tmp_path, capsys, text)
-    assert lines == [_line_of(text, "encoder beats (audio)")]
-    assert "no patch size" in err and "add patch=16" in err
+def test_an_audio_encoder_without_a_patch_compiles_to_a_frame_stem(tmp_path, capsys):
+    # No patch, no Whisper stem: the encoder reads its fbank a frame a token (once DT601,
+    # "no patch size"); the bundle's program says so, and its model's stem takes a frame.
+    # (The tiny counterpart of specs/audio_image.dt, its beats without a patch.)
+    from dtdsl.ir.program import Program
+    from tests.train.modal_specs import AUDIO_IMAGE
+
+    beats = "ffn=64, patch=4, in_channels=1"
+    assert beats in AUDIO_IMAGE
+    spec = tmp_path / "spec.dt"
+    spec.write_text(AUDIO_IMAGE.replace(beats, "ffn=64, in_channels=1"))
+    capsys.readouterr()
+    assert compile_spec(spec, tmp_path / "bundle", "--synthetic") == 0
+    assert "DT601" not in capsys.readouterr().err
+    program = Program.model_validate_json((tmp_path / "bundle" / "program.json").read_text())
+    arch = program.module("beats").arch
+    assert (arch.stem, arch.patch, arch.patch_dim) == ("frames", None, 16)
 
 
 def test_audio_image_and_a_second_image_encoder_compile(tmp_path, capsys):

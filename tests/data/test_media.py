@@ -20,6 +20,7 @@ from dtdsl import cli
 from dtdsl.data.decode import Decoder
 from dtdsl.data.media import ClipReader, index_media
 from dtdsl.data.modal import encoder_inputs
+from dtdsl.data.shards import EncodedClip
 from dtdsl.data.sources import open_dataset
 from tests.data.test_video import write_clip
 from tests.text_models import make_tokenizer
@@ -30,10 +31,10 @@ TEXTS = ["a photo of a cat <audio> sitting on a red chair",
          "<video> Describe the picture in detail. A man rides a bicycle <audio> along it."]
 
 
-def _flac(rng: np.random.Generator, seconds: float, rate: int) -> bytes:
+def _flac(rng: np.random.Generator, seconds: float, rate: int, fmt: str = "FLAC") -> bytes:
     buf = io.BytesIO()
     wave = (0.1 * rng.standard_normal(int(seconds * rate))).astype(np.float32)
-    sf.write(buf, wave, rate, format="FLAC")
+    sf.write(buf, wave, rate, format=fmt)
     return buf.getvalue()
 
 
@@ -45,11 +46,12 @@ def _jpeg(rng: np.random.Generator, w: int, h: int) -> bytes:
     return buf.getvalue()
 
 
-def write_media_shards(root: Path, n: int = 24, per_shard: int = 8, seed: int = 0
-                       ) -> list[str]:
+def write_media_shards(root: Path, n: int = 24, per_shard: int = 8, seed: int = 0,
+                       wav: bool = False) -> list[str]:
     """``n`` samples, written by webdataset's ShardWriter: a caption (some with
     placeholders), most with an image, one or two flac clips (22.05 or 16 kHz, 0.2 to
-    0.55 s), every third an mp4 (4 to 9 frames of 16x16 or 24x16). Returns the keys."""
+    0.55 s; ``wav``: the second clip, and the first of every other sample, 16-bit WAV),
+    every third an mp4 (4 to 9 frames of 16x16 or 24x16). Returns the keys."""
     rng = np.random.default_rng(seed)
     root.mkdir(parents=True, exist_ok=True)
     keys = []
@@ -58,9 +60,12 @@ def write_media_shards(root: Path, n: int = 24, per_shard: int = 8, seed: int = 
             sample = {"__key__": f"m{i:04d}", "txt": TEXTS[i % len(TEXTS)]}
             if i % 4:
                 sample["jpg"] = _jpeg(rng, 32, 32)
-            sample["0.flac"] = _flac(rng, 0.2 + 0.05 * (i % 8), 22_050 if i % 2 else 16_000)
+            first = "wav" if wav and i % 2 else "flac"
+            sample[f"0.{first}"] = _flac(rng, 0.2 + 0.05 * (i % 8),
+                                         22_050 if i % 2 else 16_000, first.upper())
             if i % 3 == 1:
-                sample["1.flac"] = _flac(rng, 0.3, 16_000)
+                second = "wav" if wav else "flac"
+                sample[f"1.{second}"] = _flac(rng, 0.3, 16_000, second.upper())
             if i % 3 == 2:                  # the samples whose text has <video>
                 sample["mp4"] = write_clip(4 + i % 6, width=16 + 8 * (i % 2), height=16)
             sink.write(sample)
@@ -68,13 +73,22 @@ def write_media_shards(root: Path, n: int = 24, per_shard: int = 8, seed: int = 
     return keys
 
 
-def test_clip_tokens_from_the_index_equal_the_decoded_clips(tmp_path):
+@pytest.mark.parametrize("frames", [False, True])
+def test_clip_tokens_from_the_index_equal_the_decoded_clips(tmp_path, frames):
     """Every audio and video clip's shape, and so its tokens, from its header alone
-    equals what the workers decode, under both encoders' rules."""
-    write_media_shards(tmp_path / "s", n=12)
-    program = tiny_modal(audio=True, video=True)
+    equals what the workers decode and what the model's encoders make of it, under both
+    encoders' rules (``frames``: an audio encoder without a patch, a token per fbank
+    frame, on flac and wav members)."""
+    import torch
+
+    from dtdsl.models.multimodal import build_model
+
+    write_media_shards(tmp_path / "s", n=12, wav=frames)
+    program = tiny_modal(audio=True, video=True, frames=frames)
     decoder = Decoder.for_program(program, seed=0)
     rules = encoder_inputs(program)
+    torch.manual_seed(0)
+    model = build_model(program)
     seen = {"beats": 0, "clip": 0}
     with open_dataset("s", base_dir=tmp_path) as ds:
         assert len(ds) == 12 and not ds.skipped
@@ -88,14 +102,29 @@ def test_clip_tokens_from_the_index_equal_the_decoded_clips(tmp_path):
                 rule = rules.rule(name)
                 reader = decoder.readers[name]
                 clips = info.audio_clips if rule.modality == "audio" else info.videos
-                assert [reader.tokens(c) for c in clips] == \
-                    [rule.tokens(x.shape) for x in items]
+                tokens = [reader.tokens(c) for c in clips]
+                assert tokens == [rule.tokens(x.shape) for x in items]
+                encoder = model.unit(name)
+                with torch.no_grad():
+                    made = [encoder.embed(rule.patchify(torch.from_numpy(x)[None]),
+                                          rule.grid(x.shape)).shape[1] for x in items]
+                assert made == tokens
                 seen[name] += len(items)
     assert seen["beats"] == 16 and seen["clip"] == 4
-    # The 16 kHz 0.2 s clip: 18 fbank frames, 4 whole rows of 4 -> 16 frames, 16 tokens.
+    # The 16 kHz 0.2 s clip: 18 fbank frames; 4 whole rows of 4 -> 16 frames, 16 tokens
+    # of 4x4 patches, or 18 frames, 18 tokens a frame a token.
     reader = decoder.readers["beats"]
     info = index_media(_flac(np.random.default_rng(1), 0.2, 16_000), "a.flac")
-    assert reader.shape(info) == (16, 16) and reader.tokens(info) == 16
+    want = 18 if frames else 16
+    assert reader.shape(info) == (want, 16) and reader.tokens(info) == want
+    # Under a clamp high of audio.frames (12 tokens): at most 12 frames, or 3 rows of 4.
+    data = program.data
+    clamped = program.model_copy(update={"data": data.model_copy(update={"quantities": tuple(
+        q.model_copy(update={"high": 12}) if q is data.get("audio", "frames") else q
+        for q in data.quantities)})})
+    reader = ClipReader.for_encoder(clamped, clamped.module("beats"))
+    decoded = reader.read(EncodedClip(info, _flac(np.random.default_rng(1), 0.2, 16_000)))
+    assert reader.shape(info) == decoded.shape == (12, 16) and reader.tokens(info) == 12
     # A video of 9 frames of 24x16 at 10 fps: 0.9 s -> 4 frames (2 fps, at least 4),
     # 2 temporal patches of 4 x 6 patches of 4 pixels.
     info = index_media(write_clip(9, width=24, height=16), "v.mp4")
@@ -157,10 +186,10 @@ def test_hostile_clips_are_skipped_with_a_reason(tmp_path):
         tight.shape(info)
 
 
-def _spec(tmp_path: Path, source: str) -> Path:
+def _spec(tmp_path: Path, source: str, frames: bool = False) -> Path:
     from tests.train.test_modal import _modal_text, _root
 
-    text = _modal_text((_root() / "specs" / "tiny_cpu.dt").read_text())
+    text = _modal_text((_root() / "specs" / "tiny_cpu.dt").read_text(), frames)
     text = text.replace('source = "data/tiny"', f'source = "{source}"\n  tokenizer = "tok"')
     text = text.replace("global_batch     = 16", "global_batch     = 8")
     spec = tmp_path / "modal.dt"
@@ -169,12 +198,15 @@ def _spec(tmp_path: Path, source: str) -> Path:
 
 
 @pytest.mark.slow
-def test_a_bundle_with_audio_and_video_encoders_trains_on_webdataset_media(tmp_path):
+@pytest.mark.parametrize("frames", [False, True])
+def test_a_bundle_with_audio_and_video_encoders_trains_on_webdataset_media(tmp_path, frames):
+    # frames: the audio encoder without a patch (a token per fbank frame), on flac and
+    # wav members.
     from tests.codegen.test_bundle_run import consumed, launch_ok, read_jsonl, reference_losses
 
-    keys = write_media_shards(tmp_path / "shards", n=24, per_shard=8)
+    keys = write_media_shards(tmp_path / "shards", n=24, per_shard=8, wav=frames)
     make_tokenizer(tmp_path / "tok")
-    spec = _spec(tmp_path, "shards/{000000..000002}.tar")
+    spec = _spec(tmp_path, "shards/{000000..000002}.tar", frames)
     bundle = tmp_path / "bundle"
     assert cli.main(["compile", str(spec), "-o", str(bundle), "--workers", "2"]) == 0
     run_dir = tmp_path / "run"
@@ -358,3 +390,39 @@ def test_a_clip_whose_header_promises_more_than_it_holds_is_left_out(tmp_path):
     assert sorted(source.dataset.key(i) for i in source.usable) == ["ok0", "ok1", "ok2"]
     sizes = source.sizes(0)
     assert [s.inputs["beats"] for s in sizes] == [((96, 16),)] * 2     # 98 frames, rows of 4
+
+
+def test_precomputed_features_feed_a_frame_stem_a_frame_a_token(tmp_path):
+    # .npy clips are fbank features already: an encoder without a patch reads them a
+    # frame a token, every frame (audio.frames has no clamp here), and their bins must be
+    # the encoder's mel_bins. The index's shapes are the decoded ones and the model's
+    # tokens.
+    import torch
+
+    from dtdsl.data.shards import RawSample, encode_audio, sample_key, write_dataset
+    from dtdsl.models.multimodal import build_model
+
+    rng = np.random.default_rng(0)
+    features = [rng.standard_normal((n, 16)).astype(np.float32) for n in (1, 29, 57)]
+    samples = [RawSample(key=sample_key(i), text="a clip", audio=(encode_audio(f),))
+               for i, f in enumerate(features)]
+    samples.append(RawSample(key=sample_key(3), text="wrong bins",
+                             audio=(encode_audio(rng.standard_normal((9, 8))),)))
+    write_dataset(tmp_path / "d", samples, samples_per_shard=4)
+    program = tiny_modal(audio=True, frames=True)
+    decoder = Decoder.for_program(program, seed=0)
+    rule = encoder_inputs(program).rule("beats")
+    torch.manual_seed(0)
+    encoder = build_model(program).unit("beats")
+    with open_dataset(str(tmp_path / "d")) as ds:
+        for i, n in enumerate((1, 29, 57)):
+            info = ds.info(i)
+            [clip] = decoder.decode(ds.read(i)).inputs["beats"]
+            assert decoder.input_shapes(info)["beats"] == ((n, 16),) and clip.shape == (n, 16)
+            assert np.array_equal(clip, features[i])
+            with torch.no_grad():
+                x = encoder.embed(rule.patchify(torch.from_numpy(clip)[None]),
+                                  rule.grid(clip.shape))
+            assert x.shape[1] == rule.tokens(clip.shape) == n
+        with pytest.raises(Exception, match="8 bins; encoder 'beats' reads 16"):
+            decoder.decode(ds.read(3))

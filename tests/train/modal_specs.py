@@ -11,6 +11,8 @@ _AUDIO = """  encoder beats (audio) {
                        mel_bins=16)
   }
 """
+# The same encoder without a patch size: a frame stem, a token per fbank frame.
+_AUDIO_FRAMES = _AUDIO.replace(" patch=4,", "")
 _VIDEO = """  encoder clip (video) {
     arch = transformer(layers=2, hidden=32, heads=2, ffn=64, patch=4, temporal_patch=2)
   }
@@ -24,13 +26,15 @@ _VIDEO_DATA = """  video.count     ~ choice([0, 1], p=[0.5, 0.5])
 """
 
 
-def tiny_modal(audio: bool = True, video: bool = False, batch: int | None = None
-               ) -> ir.Program:
-    """tiny_cpu.dt with an audio encoder (BEATs-style, 4x4 patches of a 16-bin fbank)
-    and/or a video encoder (Qwen2-VL-style, 2-frame patches) added, each with its
-    projector into the backbone and its data quantities."""
+def tiny_modal(audio: bool = True, video: bool = False, batch: int | None = None,
+               frames: bool = False) -> ir.Program:
+    """tiny_cpu.dt with an audio encoder (BEATs-style, 4x4 patches of a 16-bin fbank;
+    ``frames``: no patch, a token per frame) and/or a video encoder (Qwen2-VL-style,
+    2-frame patches) added, each with its projector into the backbone and its data
+    quantities."""
     text = TINY.read_text()
-    encoders = (_AUDIO if audio else "") + (_VIDEO if video else "")
+    encoders = ((_AUDIO_FRAMES if frames else _AUDIO) if audio else "") + \
+        (_VIDEO if video else "")
     projectors = "".join(f"\n  projector {e} -> llm : mlp(depth=2)"
                          for e, on in (("beats", audio), ("clip", video)) if on)
     data = (_AUDIO_DATA if audio else "") + (_VIDEO_DATA if video else "")

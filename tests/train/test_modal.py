@@ -57,11 +57,49 @@ def test_video_frames_round_up_to_whole_temporal_patches():
     assert torch.equal(patches[0, 0], want)
 
 
-@pytest.mark.parametrize("video", [False, True])
-def test_cost_model_counts_the_runtime_tokens(video):
+def test_an_audio_encoder_without_a_patch_reads_a_frame_a_token():
+    # Neither a patch nor Whisper's stem: a frame stem, a linear map of each fbank frame's
+    # mel_bins x in_channels values. A clip of T frames is T tokens in the model, what
+    # the cost model prices for a drawn `audio.frames` of T (unrounded).
+    program = tiny_modal(audio=True, frames=True, batch=8)
+    arch = program.module("beats").arch
+    rule = encoder_inputs(program).rule("beats")
+    assert arch.stem == "frames" and rule.frames
+    assert (rule.patch_dim, arch.patch_dim, rule.columns) == (16, 16, 1)
+    assert runtime_support(program) == []
+    torch.manual_seed(0)
+    encoder = build_model(program).unit("beats")
+    assert encoder.patch_embed.in_features == 16
+    drawn = np.arange(0, 41)
+    assert drawn_tokens(rule, drawn).tolist() == [1] + list(range(1, 41))
+    with torch.no_grad():
+        for n in (1, 7, 40):
+            shape = rule.synthetic_shape(n)
+            assert shape == (n, 16) and rule.grid(shape) == (n, 1)
+            clip = torch.randn(1, *shape)
+            assert torch.equal(rule.patchify(clip), clip)       # a frame is a patch
+            assert encoder(clip).shape[1] == n == rule.tokens(shape)
+            # The packed path (what a step runs) embeds the same frames alike.
+            x = encoder.embed(rule.patchify(clip), rule.grid(shape))
+            for layer in encoder.layers.values():
+                x = layer(x)
+            assert torch.allclose(encoder.finish(x), encoder(clip), atol=1e-6)
+    # Two input channels, either stem: the workers decode one mono fbank, narrower than
+    # the stem's input, so compile refuses it.
+    for stem in ("frames", "patch"):
+        wide = {"in_channels": 2, "stem": stem, "patch": 4 if stem == "patch" else None}
+        [d] = runtime_support(program.model_copy(update={"modules": tuple(
+            m.model_copy(update={"arch": m.arch.model_copy(update=wide)})
+            if m.name == "beats" else m for m in program.modules)}))
+        assert d.code == "DT601" and "reads 2 channels" in d.message
+
+
+@pytest.mark.parametrize("video, frames", [(False, False), (True, False), (False, True)])
+def test_cost_model_counts_the_runtime_tokens(video, frames):
     # The cost model draws an item's size and prices drawn_tokens of it; the runtime's
-    # synthetic item of that drawn size has exactly those tokens, per sample.
-    program = tiny_modal(audio=True, video=video)
+    # synthetic item of that drawn size has exactly those tokens, per sample (an audio
+    # frame stem's: the drawn frames themselves).
+    program = tiny_modal(audio=True, video=video, frames=frames)
     rules = encoder_inputs(program)
     for i in range(200):
         sizes = sample_sizes(program, 3, i)
@@ -102,8 +140,9 @@ def test_the_runtime_sample_set_prices_what_the_model_encodes():
             sum(rules.rule(name).patches(s) for s in sz.inputs[name]) for sz in sizes]
 
 
-def test_the_model_splices_every_encoder_at_its_items_places():
-    program = tiny_modal(audio=True, video=True, batch=8)
+@pytest.mark.parametrize("frames", [False, True])
+def test_the_model_splices_every_encoder_at_its_items_places(frames):
+    program = tiny_modal(audio=True, video=True, batch=8, frames=frames)
     torch.manual_seed(0)
     model = build_model(program)
     samples = [make_sample(program, 0, i) for i in range(8)]
@@ -146,7 +185,9 @@ def test_audio_encoder_trains_as_the_reference():
 
 
 def test_audio_and_video_encoders_train_as_the_reference():
-    program = tiny_modal(audio=True, video=True, batch=8)
+    # The audio encoder here has no patch (a token per fbank frame; the one above cuts
+    # 4x4 patches): both stems train in the suite with no launch of its own.
+    program = tiny_modal(audio=True, video=True, batch=8, frames=True)
     assert runtime_support(program) == []
     # The video encoder on two pipeline stages: its packed clips' activations pass
     # between them (``packed_item_shapes``).
@@ -287,10 +328,11 @@ def _root():
     return Path(__file__).resolve().parents[2]
 
 
-def _modal_text(text: str) -> str:
+def _modal_text(text: str, frames: bool = False) -> str:
     from tests.train import modal_specs as m
 
-    text = text.replace("  backbone llm {", m._AUDIO + m._VIDEO + "  backbone llm {")
+    audio = m._AUDIO_FRAMES if frames else m._AUDIO
+    text = text.replace("  backbone llm {", audio + m._VIDEO + "  backbone llm {")
     text = text.replace("projector vit -> llm : mlp(depth=2)",
                         "projector vit -> llm : mlp(depth=2)\n  projector beats -> llm : "
                         "mlp(depth=2)\n  projector clip -> llm : mlp(depth=2)")
