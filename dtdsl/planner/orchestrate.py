@@ -35,6 +35,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import cvxpy as cp
 import numpy as np
@@ -507,9 +508,10 @@ def plan_convex(cost: CostModel, num_gpus: int | None = None, *, tolerance: floa
         raise no_layout_fits(space)
     total = len(pending)
     integer_bound = _IntegerBound(space, rel)
-    program = _ConvexProgram(roles, space.backbone)
+    search = _Candidates(space, ev, rel, _ConvexProgram(roles, space.backbone), cands,
+                         num_gpus, tolerance)
     best: Layout | None = None
-    solves = evaluated = visited = 0
+    visited = 0
     threshold = float(rel.bound[pending].min()) * (1 + _FIRST_WAVE)
     waiting = pending[:0]                                   # refined, not yet visited
     while len(pending) or len(waiting):
@@ -530,38 +532,14 @@ def plan_convex(cost: CostModel, num_gpus: int | None = None, *, tolerance: floa
                     (1 - tolerance):
                 stop = True
                 break
-            tight = integer_bound(chunk)
-            for c, floor in zip(chunk, tight, strict=True):
+            for c, floor in zip(chunk, integer_bound(chunk), strict=True):
                 if best is not None and rel.bound[c] >= best.iteration_time_s * (1 - tolerance):
                     stop = True
                     break
                 if progress is not None:
-                    progress(visited, total, f"{solves} convex solves")
+                    progress(visited, total, f"{search.solves} convex solves")
                 visited += 1
-                if best is not None and floor * (1 - _SLACK) >= best.iteration_time_s:
-                    continue        # no layout of this candidate beats the best one
-                g, value = program.solve(rel, c, num_gpus)
-                solves += 1
-                if not _recheck(rel, c, g, value, num_gpus, roles, space.backbone):
-                    g, value = program.solve(rel, c, num_gpus, precise=True)
-                    if not _recheck(rel, c, g, value, num_gpus, roles, space.backbone):
-                        # Its value is no bound: repair around its answer, prune nothing.
-                        value = -math.inf
-                if best is not None and value + ev.edge_s >= best.iteration_time_s * \
-                        (1 - tolerance):
-                    continue
-                tps, dps = tuple(int(x) for x in cands.tp[c]), tuple(int(x) for x in cands.dp[c])
-                layout, n_eval = repair(space, tps, dps, rel.pp_lo[c], rel.pp_hi[c],
-                                        g / (cands.tp[c] * cands.dp[c] * space.cps))
-                evaluated += n_eval
-                if layout is None:
-                    continue
-                if layout.iteration_time_s < floor * (1 - _SLACK):
-                    raise PlannerError(
-                        f"the integer bound ({floor:.6g} s) exceeds a layout's exact cost "
-                        f"({layout.iteration_time_s:.6g} s): it no longer matches Evaluator")
-                if best is None or layout.iteration_time_s < best.iteration_time_s:
-                    best = layout
+                best = search.visit(c, float(floor), best)
             if stop:
                 break
         if stop:
@@ -578,8 +556,57 @@ def plan_convex(cost: CostModel, num_gpus: int | None = None, *, tolerance: floa
             threshold = np.nextafter(max(threshold * (1 + 4 * _FIRST_WAVE), rest.min()),
                                      np.inf)
     if progress is not None:
-        progress(total, total, f"{solves} convex solves")
+        progress(total, total, f"{search.solves} convex solves")
     if best is None:
         raise no_layout_fits(space)
     return make_plan(ev, "convex", best, solve_time_s=time.perf_counter() - start,
-                     candidates=len(cands), convex_solves=solves, evaluated=evaluated)
+                     candidates=len(cands), convex_solves=search.solves,
+                     evaluated=search.evaluated)
+
+
+@dataclass
+class _Candidates:
+    """``plan_convex``'s work on one candidate (``visit``), with what it counts: convex
+    programs solved and layouts evaluated by the repair."""
+
+    space: Any
+    ev: Evaluator
+    rel: Any
+    program: Any
+    cands: Any
+    num_gpus: int
+    tolerance: float
+    solves: int = 0
+    evaluated: int = 0
+
+    def visit(self, c: int, floor: float, best: Layout | None) -> Layout | None:
+        """Candidate ``c`` of integer bound ``floor`` against ``best`` so far: skipped
+        when no layout of it can beat ``best``, else its convex program and the repair
+        around its answer; the better of ``best`` and what it found."""
+        rel, space, num_gpus = self.rel, self.space, self.num_gpus
+        roles = [u.role for u in space.units]
+        if best is not None and floor * (1 - _SLACK) >= best.iteration_time_s:
+            return best         # no layout of this candidate beats the best one
+        g, value = self.program.solve(rel, c, num_gpus)
+        self.solves += 1
+        if not _recheck(rel, c, g, value, num_gpus, roles, space.backbone):
+            g, value = self.program.solve(rel, c, num_gpus, precise=True)
+            if not _recheck(rel, c, g, value, num_gpus, roles, space.backbone):
+                # Its value is no bound: repair around its answer, prune nothing.
+                value = -math.inf
+        if best is not None and value + self.ev.edge_s >= best.iteration_time_s * \
+                (1 - self.tolerance):
+            return best
+        cands = self.cands
+        tps, dps = tuple(int(x) for x in cands.tp[c]), tuple(int(x) for x in cands.dp[c])
+        layout, n_eval = repair(space, tps, dps, rel.pp_lo[c], rel.pp_hi[c],
+                                g / (cands.tp[c] * cands.dp[c] * space.cps))
+        self.evaluated += n_eval
+        if layout is None:
+            return best
+        if layout.iteration_time_s < floor * (1 - _SLACK):
+            raise PlannerError(
+                f"the integer bound ({floor:.6g} s) exceeds a layout's exact cost "
+                f"({layout.iteration_time_s:.6g} s): it no longer matches Evaluator")
+        return layout if best is None or layout.iteration_time_s < best.iteration_time_s \
+            else best
