@@ -46,7 +46,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +76,6 @@ from dtdsl.models.multimodal import (
     backbone_output,
     conditioning,
     conditioning_rows,
-    cp_document_ids,
     document_masks,
     document_targets,
     encoder_input,
@@ -91,14 +90,14 @@ from dtdsl.models.multimodal import (
     splice_items,
 )
 from dtdsl.parallel.broker import Broker, PendingSamples, StepSamples
-from dtdsl.parallel.cp import CPContext, CPGroup
 from dtdsl.parallel.cp import gather_sequence as cp_gather
 from dtdsl.parallel.device import to_device
-from dtdsl.parallel.mesh import ProcessGroups, RankRole, cp_ulysses
+from dtdsl.parallel.mesh import ProcessGroups, RankRole
 from dtdsl.parallel.p2p import P2P, Received, TensorSpec
 from dtdsl.sim.timeline import Event
 from dtdsl.train import timelines
 from dtdsl.train.clock import StepClock, step_clock
+from dtdsl.train.cp_run import attach_cp, cp_inputs, sum_over_cp
 from dtdsl.train.optim import LossScale, StageOptimizer, optimizer_step
 from dtdsl.train.record import StepRecord
 from dtdsl.train.stage import Stage, build_stage, projector_between
@@ -195,7 +194,7 @@ class StageExecutor:
         if len(self.stage.phased) > 1:
             raise NotImplementedError("one phased encoder: plan the other encoders as their "
                                       "own units")
-        self._cp = _attach_cp(program, plan, self.stage, groups)
+        self._cp = attach_cp(program, plan, self.stage, groups)
         # Embeddings of the phased encoder's outputs for this replica's samples (on the
         # backbone's first stage, between the phases), as autograd leaves.
         self._phased_in: dict[int, torch.Tensor] = {}
@@ -387,10 +386,10 @@ class StageExecutor:
 
     # ---- one training step ----------------------------------------------------------------
 
-    def run_step(self, step: int, *, timed: bool = False) -> StepRecord:
-        """Run training step ``step`` (``StepRecord``). ``timed``: the step's events go
-        into a gathered timeline, so every rank starts the step at a barrier (a common
-        origin for their times); other steps start without one."""
+    def _begin(self, step: int) -> StepBatch:
+        """Step ``step``'s batch from the feed, checked against the plan, and the step's
+        state: its routing, this rank's samples per microbatch, the loss normaliser, the
+        loss sums and the counts of what it processes."""
         self.step = step
         # Off the timed actions: in a real job the preprocessing workers built it ahead.
         batch = self.batch = self.feed.batch(step)
@@ -415,6 +414,13 @@ class StageExecutor:
         # (on a unit's first stage): image patches, backbone positions and the text tokens
         # among them, generation targets.
         self.processed = {"patches": 0, "positions": 0, "text_tokens": 0, "targets": 0}
+        return batch
+
+    def run_step(self, step: int, *, timed: bool = False) -> StepRecord:
+        """Run training step ``step`` (``StepRecord``). ``timed``: the step's events go
+        into a gathered timeline, so every rank starts the step at a barrier (a common
+        origin for their times); other steps start without one."""
+        batch = self._begin(step)
         # (kind, microbatch, clock mark) per event: the clock is read once the step's
         # actions are done (``train.clock``: on CUDA, events read with one sync).
         marks: list[tuple[str, int | None, int]] = []
@@ -471,8 +477,9 @@ class StageExecutor:
         self._phase_sent_last_forward = False
         self.p2p.wait_sends()
         if self.micro and any(m.pending or m.grads_in for m in self.micro.values()):
-            raise RuntimeError(f"{r.unit}.s{r.stage}: step {step} ended with receives "
-                               "nobody used; the schedule and the executor disagree")
+            raise RuntimeError(f"{self.role.unit}.s{self.role.stage}: step {step} ended "
+                               "with receives nobody used; the schedule and the executor "
+                               "disagree")
         mark = self.clock.begin()
         train = self.program.train
         scale = self.loss_scale.scale if self.loss_scale is not None else None
@@ -1124,7 +1131,7 @@ class StageExecutor:
         else:
             mb.input_grads = [grad(x) for x in mb.inputs]
         if self._cp is not None and self.role.is_first_stage:
-            _sum_over_cp(mb.input_grads, self._cp)
+            sum_over_cp(mb.input_grads, self._cp)
 
 
 def _encoder_pass(module: Any, name: str, xs: Sequence[torch.Tensor], *, first: bool,
@@ -1234,7 +1241,7 @@ def _run_backbone(module: Any, *, x: torch.Tensor | None = None,
     cp = 1
     if st.cp is not None:
         cp = st.cp.size
-        positions, mask = _cp_inputs(st.cp, layouts, targets.shape[1] * cp, x.device)
+        positions, mask = cp_inputs(st.cp, layouts, targets.shape[1] * cp, x.device)
     y = backbone_layers(bb, x, st.start, st.stop, positions=positions, mask=mask, cp=cp,
                         lengths=[lay.length for lay in layouts] if cp == 1 else None)
     if st.role.is_last_stage:
@@ -1252,65 +1259,6 @@ def _run_backbone(module: Any, *, x: torch.Tensor | None = None,
             gens = {n: g / cp for n, g in gens.items()}
         return loss, hidden, gens
     return y, targets
-
-
-def _cp_inputs(cp: CPGroup, layouts: Sequence[SequenceLayout], width: int,
-               device: torch.device) -> tuple[torch.Tensor, CPContext]:
-    """Under context parallelism: this CP rank's real positions ``[B, width / cp]`` (its
-    rotary embeddings rotate by them) and the microbatch's ``CPContext``, from the
-    layouts every CP rank has (no exchange)."""
-    from torch._guards import detect_fake_mode
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    docs, positions = cp_document_ids(layouts, width)
-    if detect_fake_mode() is None:
-        return to_device(cp.shard(positions), device), cp.context(docs)
-    # ``dtc memcheck``'s fake world: the ids are host metadata the blocks are classified
-    # by, so they are made real (the positions stay fake, as the model's inputs).
-    with unset_fake_temporarily():
-        context = cp.context(cp_document_ids(layouts, width)[0])
-    return cp.shard(positions), context
-
-
-def _attach_cp(program: ir.Program, plan: Plan, stage: Stage, groups: ProcessGroups
-               ) -> CPGroup | None:
-    """The stage's ``CPGroup`` (None at cp 1), also put where its forward reads it
-    (``StageState.cp``); a backbone's only (DT623 at compile time says so)."""
-    role = groups.role
-    if role.grid.cp == 1:
-        return None
-    if role.role != "backbone":
-        raise NotImplementedError(f"{role.unit}: context parallelism runs on the backbone "
-                                  f"only, not on a {role.role}; plan it with cp 1")
-    cp = cp_group(program, plan, role, groups.cp)
-    stage.module.stage_state = replace(stage.module.stage_state, cp=cp)
-    return cp
-
-
-def cp_group(program: ir.Program, plan: Plan, role: RankRole, group: Any) -> CPGroup:
-    """``role``'s ``CPGroup`` over ``group`` (``ProcessGroups.cp``: a process group, or
-    the hybrid ``(cp_ring, cp_ulysses)`` DeviceMesh)."""
-    method = program.module(role.unit).context_parallel
-    if method == "hybrid" and isinstance(group, dist.ProcessGroup):
-        # A hybrid split of one dimension (all in one node, or one rank per node).
-        method = "ulysses" if cp_ulysses(program, plan).get(role.unit, 1) > 1 else "ring"
-    return CPGroup(method=method, size=role.grid.cp, rank=role.cp_index, group=group)
-
-
-def _sum_over_cp(grads: Any, cp: CPGroup) -> None:
-    """Sum the gradients of the encoders' embeddings over the CP ranks, in place: each
-    CP rank's backward reaches the embeddings of the positions it holds only (zeros
-    elsewhere), and the leader sends the whole."""
-    flat: list[torch.Tensor] = []
-    if isinstance(grads, dict):
-        for v in grads.values():
-            flat.extend(v.values() if isinstance(v, dict) else [v])
-    else:
-        flat.extend(grads)
-    for t in flat:
-        if t.numel():
-            for group in cp.groups():
-                dist.all_reduce(t, group=group)
 
 
 def _run_generator(module: Any, conds: Sequence[torch.Tensor], targets: Sequence[Any]

@@ -516,7 +516,7 @@ def _attach_cp(program: ir.Program, plan: Plan, built: Any, role: Any, world: An
     are allocated as in the run)."""
     from dtdsl.parallel.cp import MESH_DIMS as CP_DIMS
     from dtdsl.parallel.mesh import cp_ulysses
-    from dtdsl.train.executor import cp_group
+    from dtdsl.train.cp_run import cp_group
 
     u = cp_ulysses(program, plan).get(role.unit, 1)
     cp = role.grid.cp
