@@ -616,8 +616,28 @@ def _measure_stage(program: ir.Program, plan: Plan, schedule: Schedule, cost: An
         modules = (built.module, *(part.module for part in built.phased.values()))
         report = measure_peak(step, track=modules + ((opt.optimizer,) if opt else ()))
         host = _host_bytes(opt)
-    depth = _depth(plan, unit, stage)
     layers = built.stop - built.start if u.role != "generator" else unit_cost.layers
+    predicted = _predicted_bytes(plan, cost, unit_cost, unit, stage, layers, share,
+                                 hosted, phased)
+    return StageMemory(unit=unit, stage=stage, rank=rank, in_flight=k,
+                       predicted_bytes=predicted, measured_bytes=report.peak_bytes - host,
+                       capacity_bytes=program.cluster.gpu.memory_bytes,
+                       by_category={**report.by_category, "optimizer_state":
+                                    report.by_category["optimizer_state"] - host},
+                       peak_phase=report.peak_phase, host_bytes=host,
+                       time_s=time.perf_counter() - start_s,
+                       compiled=program.train.compiles(_RANK_DEVICE),
+                       nccl=nccl_buffer_bytes(plan, rank, zero=zero, backend=_RANK_BACKEND))
+
+
+def _predicted_bytes(plan: Plan, cost: Any, unit_cost: Any, unit: str, stage: int,
+                     layers: int, share: float, hosted: Any, phased: Any) -> float:
+    """What the planner prices stage ``stage`` of ``unit`` at (``layers`` of its layers,
+    ``share`` of the backbone's microbatch): the unit's own stage memory, each co-located
+    unit's and each phased encoder's."""
+    u = plan.unit(unit)
+    depth = _depth(plan, unit, stage)
+    dp_lm = next(x.dp for x in plan.units if x.role == "backbone")
     predicted = cost.stage_memory_bytes(
         unit_cost, tp=u.tp, pp=u.pp, dp=u.dp, vpp=u.vpp, stage=stage, layers=layers,
         depth=depth, microbatches=plan.num_microbatches, share=share)
@@ -632,15 +652,7 @@ def _measure_stage(program: ir.Program, plan: Plan, schedule: Schedule, cost: An
     predicted += sum(float(cost.memory_bytes(
         cost.unit(p.name), 1 if p.tp_replicated else p.tp, 1, p.dp, 1, 1,
         plan.num_microbatches, dp_lm / p.dp)) for p in phased)
-    return StageMemory(unit=unit, stage=stage, rank=rank, in_flight=k,
-                       predicted_bytes=predicted, measured_bytes=report.peak_bytes - host,
-                       capacity_bytes=program.cluster.gpu.memory_bytes,
-                       by_category={**report.by_category, "optimizer_state":
-                                    report.by_category["optimizer_state"] - host},
-                       peak_phase=report.peak_phase, host_bytes=host,
-                       time_s=time.perf_counter() - start_s,
-                       compiled=program.train.compiles(_RANK_DEVICE),
-                       nccl=nccl_buffer_bytes(plan, rank, zero=zero, backend=_RANK_BACKEND))
+    return predicted
 
 
 def _host_bytes(opt: Any) -> int:
