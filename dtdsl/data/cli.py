@@ -53,7 +53,7 @@ def _output_dir(args: argparse.Namespace, result: FrontendResult, program: Progr
 
 
 def _cmd_synth(args: argparse.Namespace) -> int:
-    from dtdsl.data.shards import DatasetError, DatasetExists, check_writable, write_dataset
+    from dtdsl.data.shards import DatasetExists, check_writable, write_dataset
     from dtdsl.data.synth import provenance, synthesize
     from dtdsl.driver import UsageError
     from dtdsl.report import format_bytes, progress_bar
@@ -66,11 +66,9 @@ def _cmd_synth(args: argparse.Namespace) -> int:
     out = _output_dir(args, result, program)
     try:        # before any sample is made: a folder of someone else's files is refused
         check_writable(out, args.overwrite)
-    except DatasetExists:
+    except DatasetExists:   # (any other DatasetError is printed as it is: dtdsl.cli.main)
         raise UsageError(f"{out} holds a dataset: pass --overwrite to replace it (only its "
                          "index and the shards the index lists are removed)") from None
-    except DatasetError as err:
-        raise UsageError(str(err)) from None
     num_samples = args.samples or _default_samples(program)
     seed = program.train.seed if args.seed is None else args.seed
     start = time.perf_counter()
@@ -83,8 +81,6 @@ def _cmd_synth(args: argparse.Namespace) -> int:
                 progress=lambda done: progress(done, num_samples, ""))
     except ValueError as err:
         raise UsageError(f"cannot synthesise data for {result.name}: {err}") from None
-    except DatasetError as err:
-        raise UsageError(str(err)) from None
     if not args.quiet:
         shards = f"{written.num_shards} shard{'s' if written.num_shards != 1 else ''}"
         print(f"wrote {written.num_samples:,} samples of {program.name} (seed {seed}) to "
@@ -94,10 +90,7 @@ def _cmd_synth(args: argparse.Namespace) -> int:
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
-    from dtdsl.data.shards import DatasetError
     from dtdsl.data.stats import DEFAULT_PATCH, measure, stats_json, stats_table, summarize
-    from dtdsl.data.text import TokenizerError
-    from dtdsl.driver import UsageError
     from dtdsl.report import wide_console
 
     patch, max_patches = args.patch or DEFAULT_PATCH, None
@@ -128,18 +121,15 @@ def _cmd_stats(args: argparse.Namespace) -> int:
             if m.modality in ("audio", "video") and m.modality not in readers:
                 readers[m.modality] = ClipReader.for_encoder(program, m)
     program = program if args.spec is not None else None
-    try:
-        tokenizer = _tokenizer(args, program)
-        with _open(args.dataset, program, image_folder=args.image_folder) as dataset:
-            told = _left_out(args.dataset, dataset)
-            values = measure(dataset, patch=patch, max_patches=max_patches,
-                             tokenizer=tokenizer, images=policy, readers=readers)
-            title = (f"{args.dataset}: {len(dataset):,} samples in "
-                     f"{len(dataset.shard_names)} shards (image patches of {patch} px; "
-                     + (f"text tokens of {tokenizer.path}" if tokenizer is not None else
-                        "text in words and marks, no tokenizer given") + ")")
-    except (DatasetError, TokenizerError) as err:
-        raise UsageError(str(err)) from None
+    tokenizer = _tokenizer(args, program)
+    with _open(args.dataset, program, image_folder=args.image_folder) as dataset:
+        told = _left_out(args.dataset, dataset)
+        values = measure(dataset, patch=patch, max_patches=max_patches,
+                         tokenizer=tokenizer, images=policy, readers=readers)
+        title = (f"{args.dataset}: {len(dataset):,} samples in "
+                 f"{len(dataset.shard_names)} shards (image patches of {patch} px; "
+                 + (f"text tokens of {tokenizer.path}" if tokenizer is not None else
+                    "text in words and marks, no tokenizer given") + ")")
     if told:
         title += "; " + told
     text = stats_json(values)
@@ -192,29 +182,23 @@ def _open(source: str, program: Program | None, *, rebuild: bool = False,
 
 
 def _cmd_index(args: argparse.Namespace) -> int:
-    from dtdsl.data.shards import DatasetError
-    from dtdsl.data.text import TokenizerError
-    from dtdsl.driver import UsageError
 
     start = time.perf_counter()
-    try:
-        tokenizer = _tokenizer(args, None)
-        with _open(args.source, None, rebuild=args.rebuild,
-                   image_folder=args.image_folder) as dataset:
-            index = getattr(dataset, "index", None)
-            where = getattr(index, "cached", None) if hasattr(index, "cached") else \
-                getattr(index, "path", None)
-            unusable = 0
-            if tokenizer is not None:
-                from dtdsl.data.text import token_layouts
+    tokenizer = _tokenizer(args, None)
+    with _open(args.source, None, rebuild=args.rebuild,
+               image_folder=args.image_folder) as dataset:
+        index = getattr(dataset, "index", None)
+        where = getattr(index, "cached", None) if hasattr(index, "cached") else \
+            getattr(index, "path", None)
+        unusable = 0
+        if tokenizer is not None:
+            from dtdsl.data.text import token_layouts
 
-                layouts = token_layouts(dataset, tokenizer)
-                unusable = sum(lay is None for lay in layouts)
-            line = (f"{args.source}: {len(dataset):,} samples in {len(dataset.shard_names)} "
-                    f"shards")
-            told = _left_out(args.source, dataset, unusable)
-    except (DatasetError, TokenizerError) as err:
-        raise UsageError(str(err)) from None
+            layouts = token_layouts(dataset, tokenizer)
+            unusable = sum(lay is None for lay in layouts)
+        line = (f"{args.source}: {len(dataset):,} samples in {len(dataset.shard_names)} "
+                f"shards")
+        told = _left_out(args.source, dataset, unusable)
     if told:
         line += "; " + told
     line += f"; index {where}" if where else " (a dtdsl dataset: its own index)"

@@ -11,21 +11,22 @@ import pytest
 from dtdsl.cli.common import Parser
 from dtdsl.data.cli import DEFAULT_MAX_SAMPLES, _default_samples, register
 from dtdsl.data.shards import Dataset
-from dtdsl.driver import UsageError
+from dtdsl.errors import DtdslError
 
 from .conftest import TINY
 
 
 def dtc(*argv: str) -> int:
-    """Parse and run like dtc's main: usage errors are exit 2."""
+    """Parse and run like dtc's main (``dtdsl.cli.main``): errors in the input (a
+    ``DtdslError``: usage, a dataset, a tokenizer) print once and exit with their code."""
     parser = Parser(prog="dtc")
     register(parser.add_subparsers(dest="command", parser_class=Parser))
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except UsageError as err:
+    except DtdslError as err:
         print(f"dtc: error: {err}", file=sys.stderr)
-        return 2
+        return err.exit_code
 
 
 def _spec(tmp_path: Path, source: str | None = 'source = "data/tiny"',
