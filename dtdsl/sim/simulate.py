@@ -48,7 +48,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -152,6 +152,19 @@ class SimResult:
         return self.simulator.timeline(self, step=step)
 
 
+class _Node(NamedTuple):
+    """One node of the simulator's graph before renumbering (``Simulator._program_nodes``):
+    a pass, a SYNC or OPT, or a wait of no duration for receives."""
+
+    stage: int              # index into the schedule's stages
+    kind: ActionKind
+    slot: int               # its duration's flat index; -1: SYNC/OPT; _WAIT: a wait
+    unit: str
+    microbatch: int | None
+    chunk: int
+    deps: list              # [(node or send key, link, broker edge)]: its receives
+
+
 class Simulator:
     """A schedule compiled for repeated simulation (see the module docstring)."""
 
@@ -192,14 +205,14 @@ class Simulator:
         self._lanes(order, raw, routed, new_id, base)
 
     def _program_nodes(self, units: dict, backbone: Any, base: dict[str, int], m: int
-                       ) -> tuple[list[list], dict[tuple, int], list[list[int]]]:
+                       ) -> tuple[list[_Node], dict[tuple, int], list[list[int]]]:
         """Pass 1: nodes per stage in program order, and where sends' data is ready (the
         node whose end posts each send key). A node: [stage index, kind, duration slot,
         unit, microbatch, chunk, inputs [(node or send key, link, broker edge)]]."""
         schedule = self.schedule
         link_index = {k: i for i, k in enumerate(self._links)}
         producer: dict[tuple, int] = {}      # send key -> node whose end posts it
-        raw: list[list] = []                 # per node: [stage, kind, slot, unit, j, c, deps]
+        raw: list[_Node] = []
         stage_nodes: list[list[int]] = []
         for si, st in enumerate(schedule.stages):
             u = units[st.unit]
@@ -211,7 +224,7 @@ class Simulator:
                 for name, owners in self.bubbles:
                     for j in (j for j, s in enumerate(owners) if s == st.stage):
                         last = len(raw)
-                        raw.append([si, F, base[name] + j, name, j, 0, []])
+                        raw.append(_Node(si, F, base[name] + j, name, j, 0, []))
                         nodes.append(last)
                         producer[("enc_f", name, j)] = last
             tail_done = not hosts
@@ -229,7 +242,8 @@ class Simulator:
                         # A send after a receive is posted once that receive has
                         # arrived: the receives become a node of no duration first.
                         last = len(raw)
-                        raw.append([si, ActionKind.SYNC, _WAIT, st.unit, None, 0, pending])
+                        raw.append(_Node(si, ActionKind.SYNC, _WAIT, st.unit, None, 0,
+                                         pending))
                         nodes.append(last)
                         pending = []
                     key = (kind.direction, a.unit, a.stage, a.chunk, a.peer_unit,
@@ -260,19 +274,19 @@ class Simulator:
                                              if owners[a.microbatch] != 0]
                     producer[("bb_" + kind.value, a.microbatch)] = len(raw)
                 last = len(raw)
-                raw.append([si, kind, slot, st.unit, a.microbatch, a.chunk, pending])
+                raw.append(_Node(si, kind, slot, st.unit, a.microbatch, a.chunk, pending))
                 nodes.append(last)
                 pending = []
             if not tail_done:
                 last = self._encoder_backwards(raw, nodes, producer, si, st.stage, base, m)
             if pending:   # receives at the end of a stage: a node of no duration
                 last = len(raw)
-                raw.append([si, ActionKind.SYNC, _WAIT, st.unit, None, 0, pending])
+                raw.append(_Node(si, ActionKind.SYNC, _WAIT, st.unit, None, 0, pending))
                 nodes.append(last)
             stage_nodes.append(nodes)
         return raw, producer, stage_nodes
 
-    def _node_inputs(self, raw: list[list], producer: dict[tuple, int],
+    def _node_inputs(self, raw: list[_Node], producer: dict[tuple, int],
                      stage_nodes: list[list[int]]) -> tuple[list, list]:
         """Pass 2: each node's inputs as (node id, link); the previous node on its stage is
         an input too. The same inputs with the broker's edge of each (None: replica to
@@ -286,7 +300,7 @@ class Simulator:
                 if prev >= 0:
                     inputs[v].append((prev, -1))
                     routed[v].append((prev, -1, None))
-                for key, link, edge in raw[v][6]:
+                for key, link, edge in raw[v].deps:
                     if key not in producer:
                         raise ScheduleError([f"a receive at node {v} has no send "
                                              "(validate the schedule first)"], self.schedule, ())
@@ -319,7 +333,7 @@ class Simulator:
                                  "(validate it for where)"], self.schedule, ())
         return order
 
-    def _renumber(self, order: list[int], inputs: list, raw: list[list]) -> dict[int, int]:
+    def _renumber(self, order: list[int], inputs: list, raw: list[_Node]) -> dict[int, int]:
         """Renumber in topological order, splitting nodes with more than two inputs into a
         chain of joins (zero duration) so every node has exactly two; the new id of each
         node."""
@@ -346,7 +360,7 @@ class Simulator:
             b_in.append(ins[1][0])
             b_link.append(ins[1][1])
             # Waits (_WAIT) read the zero entry, like joins.
-            slots.append(max(raw[v][2], sentinel_slot))
+            slots.append(max(raw[v].slot, sentinel_slot))
             new_id[v] = len(slots) - 1
         total = len(slots)
         # Index total is the sentinel: end time 0, and link -1 (no link) reads weight 0.
@@ -360,11 +374,11 @@ class Simulator:
         self._new_id = new_id
         return new_id
 
-    def _index(self, raw: list[list], new_id: dict[int, int], stage_nodes: list[list[int]],
+    def _index(self, raw: list[_Node], new_id: dict[int, int], stage_nodes: list[list[int]],
                base: dict[str, int], m: int) -> None:
         """Where the SYNC and OPT durations go, the compute nodes per stage (for busy
         time) and which passes each unit runs at all."""
-        schedule, n = self.schedule, len(raw)
+        schedule = self.schedule
         # SYNC/OPT durations: per (unit, stage); real ones only (slot -1, not _WAIT).
         sync_nodes, opt_nodes = [], []
         for v, (si, kind, slot, unit, _, _, _) in enumerate(raw):
@@ -379,19 +393,19 @@ class Simulator:
         stage_compute: dict[str, tuple[int, int]] = {}
         for si, nodes in enumerate(stage_nodes):
             lo = len(compute_nodes)
-            compute_nodes += [new_id[v] for v in nodes if raw[v][2] >= 0]
+            compute_nodes += [new_id[v] for v in nodes if raw[v].slot >= 0]
             stage_compute[str(schedule.stages[si].where)] = (lo, len(compute_nodes))
         self.compute_nodes = np.asarray(compute_nodes, dtype=np.intp)
         # Per unit, which (pass, stage, chunk, microbatch) the schedule runs at all.
         used = np.zeros(self._num_compute, dtype=bool)
-        used[[raw[v][2] for v in range(n) if raw[v][2] >= 0]] = True
+        used[[node.slot for node in raw if node.slot >= 0]] = True
         self.compute_used = {
             name: used[base[name]:base[name] + 2 * pp * vpp * m].reshape(2, pp, vpp, m)
             for name, pp, vpp, _ in self._dims}
         self.stage_compute = stage_compute
         self._stage_nodes = stage_nodes
 
-    def _lanes(self, order: list[int], raw: list[list], routed: list,
+    def _lanes(self, order: list[int], raw: list[_Node], routed: list,
                new_id: dict[int, int], base: dict[str, int]) -> None:
         """Per replica: the nodes in topological order with their inputs (by position in
         that order), their unit's replica count, where their durations are and whether
@@ -427,7 +441,7 @@ class Simulator:
                     if stage == 1:
                         deps.append((("bb_F", m - 1), -1, None))
                 last = len(raw)
-                raw.append([si, B, base[name] + m + j, name, j, 0, deps])
+                raw.append(_Node(si, B, base[name] + m + j, name, j, 0, deps))
                 nodes.append(last)
             if mine:
                 producer[("enc_b_last", name, stage)] = last
