@@ -31,6 +31,13 @@ An *item* is one input of one encoder: an image, an audio clip, a video clip.
 
 Audio and video tokens reach the backbone one per patch (their projectors do not
 compress). ``EncoderInputs`` holds the rule of every encoder of a program, in spec order.
+
+Several encoders of one modality encode the same items (hybrid towers, ``data.decode``):
+a sample's items of a modality are drawn once, and each encoder's rule reads a drawn
+item's size (``image.patches``, ``audio.frames``, ``video.frames`` and ``video.patches``)
+as its own, so each has its own shape and tokens of it (``cost.samples``,
+``data.sample.sample_sizes``); an item read from a file is sized by each encoder's own
+policy.
 """
 
 from __future__ import annotations
