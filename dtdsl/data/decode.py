@@ -269,10 +269,11 @@ class Decoder:
                                 f"one row of {rule.patch} frames of patches"))
         return (rows * rule.patch, rule.mel_bins)
 
-    def _inputs(self, raw: RawSample) -> dict[str, tuple[np.ndarray, ...]]:
+    def _inputs(self, raw: RawSample, opened: list[Any]) -> dict[str, tuple[np.ndarray, ...]]:
+        """Every ``inputs`` encoder's items; ``opened``: the sample's images, decoded once
+        for every image encoder."""
         out = {}
         if self.image_inputs:
-            opened = [self._open(raw, image) for image in raw.images]
             for name, policy in self.image_inputs.items():
                 mean = np.asarray(policy.mean, dtype=np.float32).reshape(3, 1, 1)
                 std = np.asarray(policy.std, dtype=np.float32).reshape(3, 1, 1)
@@ -306,9 +307,11 @@ class Decoder:
         """The arrays of one sample. DatasetError for an image or clip that does not
         decode, or text that does not go with its items."""
         layout = self.layout(raw, len(raw.images))
+        reads_images = self.images is not None or bool(self.image_inputs)
+        opened = [self._open(raw, image) for image in raw.images] if reads_images else []
         images: tuple[np.ndarray, ...] = ()
         if self.images is not None:
-            images = tuple(self._image(raw, k, image) for k, image in enumerate(raw.images))
+            images = tuple(self.images.resize(img) for img in opened)
         audio: tuple[np.ndarray, ...] = ()
         if self.audio:
             audio = tuple(self._clip(raw, clip)[:self.max_frames] for clip in raw.audio
@@ -317,7 +320,7 @@ class Decoder:
         at = self.input_places(layout.image_at, layout.items_at)
         return DecodedSample(key=raw.key, tokens=layout.ids, images=images, audio=audio,
                              gen=gen, image_at=layout.image_at, trained=layout.trained,
-                             inputs=self._inputs(raw), inputs_at=at)
+                             inputs=self._inputs(raw, opened), inputs_at=at)
 
     @property
     def reads(self) -> tuple[str, ...]:
@@ -395,10 +398,6 @@ class Decoder:
             # struct.error, DecompressionBombError for malformed headers and chunks)
             raise DatasetError(f"sample {raw.key}: cannot decode a {image.format} image: "
                                f"{err}") from None
-
-    def _image(self, raw: RawSample, k: int, image: EncodedImage) -> np.ndarray:
-        assert self.images is not None
-        return self.images.resize(self._open(raw, image))
 
     def _gen_frames(self, raw: RawSample, clip: EncodedAudio | EncodedClip) -> np.ndarray:
         """An audio generation target's frames: ``.npy`` as stored; an audio file as BEATs'

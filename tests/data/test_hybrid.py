@@ -153,9 +153,10 @@ def test_the_second_tower_reads_each_image_at_its_own_size(tmp_path):
 @pytest.mark.slow
 def test_a_bundle_with_two_towers_per_modality_trains_on_webdataset_media(tmp_path):
     # jpg, flac and mp4 members written by webdataset's ShardWriter; each audio tower
-    # makes its own fbank of each clip. One launch: 8 steps as dtc reference trains
-    # them, every sample once per epoch per unit (24 samples, 3 steps an epoch), and
-    # the samples' sizes the workers logged priced as the layout places them.
+    # makes its own fbank of each clip. The run's sizes (an epoch) priced as the layout
+    # places them and decoded to those shapes; one launch (7 ranks: beats2 a unit of its
+    # own with DP 2, the others on the backbone's stages): 8 steps as dtc reference
+    # trains them, every sample once per epoch per unit (24 samples, 3 steps an epoch).
     from tests.codegen.test_bundle_run import (
         consumed,
         launch_ok,
@@ -170,6 +171,10 @@ def test_a_bundle_with_two_towers_per_modality_trains_on_webdataset_media(tmp_pa
     spec.write_text(hybrid_text("shards/{000000..000002}.tar", video=True, tokenizer=True))
     bundle = tmp_path / "bundle"
     assert cli.main(["compile", str(spec), "-o", str(bundle), "--workers", "2"]) == 0
+    import json
+
+    units = {u["name"]: u for u in json.loads((bundle / "plan.json").read_text())["units"]}
+    assert units["beats2"]["gpus"] == 2 and units["vit2"]["colocated"]
     from dtdsl.feed.source import DatasetSource
 
     program = _program(spec)
@@ -191,11 +196,41 @@ def test_a_bundle_with_two_towers_per_modality_trains_on_webdataset_media(tmp_pa
     assert len(metrics) == 8 and all(x["cut_samples"] == 0 for x in metrics)
     want = reference_losses(8, tmp_path / "shards" / "{000000..000002}.tar", spec)
     assert [x["loss"] for x in metrics] == pytest.approx(want, rel=1e-4)
-    units = sorted({r["unit"] for r in read_jsonl(run_dir / "samples.jsonl")})
-    assert units == ["beats", "beats2", "clip", "gen", "llm", "vit", "vit2"]
-    for unit in units:
+    ran = sorted({r["unit"] for r in read_jsonl(run_dir / "samples.jsonl")})
+    assert ran == sorted(units)
+    for unit in ran:
         per_step = consumed(run_dir, unit)
         for epoch in range(2):
             got = [k for step in range(3 * epoch, 3 * epoch + 3)
                    for k in per_step.get(step, [])]
             assert sorted(got) == keys, (unit, epoch)
+
+
+def test_llava_records_feed_both_towers_at_each_placeholder(tmp_path):
+    # A LLaVA record's image, two audio clips and video: each audio tower reads both
+    # clips from the files (its own fbank), vit2 the image; every tower's items sit at
+    # their modality's placeholders.
+    from dtdsl.data.decode import Decoder
+    from dtdsl.data.sources import open_dataset
+    from tests.data.test_media import _llava
+    from tests.specs import program as checked
+
+    path = _llava(tmp_path)
+    make_tokenizer(tmp_path / "tok")
+    program = checked(hybrid_text("data", video=True))
+    program = program.model_copy(update={"data": program.data.model_copy(
+        update={"tokenizer": str(tmp_path / "tok"), "image_folder": str(tmp_path / "media")})})
+    decoder = Decoder.for_program(program, seed=0)
+    assert decoder.kinds == ("audio", "video")
+    with open_dataset(str(path), program=program) as ds:
+        info, both = ds.info(0), decoder.decode(ds.read(0))
+    shapes = decoder.input_shapes(info)
+    assert {k: tuple(x.shape for x in v) for k, v in both.inputs.items()} == shapes
+    assert len(shapes["beats"]) == len(shapes["beats2"]) == 2 and len(shapes["vit2"]) == 1
+    # One fbank per clip, cut to whole rows of each tower's patches (4 and 8 frames).
+    for (t4, bins4), (t8, bins8) in zip(shapes["beats"], shapes["beats2"], strict=True):
+        assert bins4 == bins8 == 16 and t4 % 4 == 0 and t8 % 8 == 0 and 0 <= t4 - t8 < 8
+    assert both.inputs_at["vit2"] == both.image_at
+    assert both.inputs_at["beats2"] == both.inputs_at["beats"]
+    (image,), audio = both.image_at, both.inputs_at["beats"]
+    assert audio[0] < image < audio[1] < both.inputs_at["clip"][0]
