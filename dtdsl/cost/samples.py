@@ -133,10 +133,11 @@ def _item_sizes(modality: str, drawn: tuple[np.ndarray, np.ndarray | None],
 
 def item_key(program: ir.Program, module: ir.Module) -> str:
     """The ``SampleSet.items`` key of encoder ``module``'s items: its modality for the
-    first encoder of that modality (what the simulator and the stage graph read), else
-    ``"<modality>@<name>"``. Every encoder of a modality encodes the same items (the
-    sample's images or clips, ``data.modal``), each with its own tokens, which take
-    positions in the backbone's sequence too: a second key, not a second draw."""
+    first encoder of that modality, else ``"<modality>@<name>"``. Every encoder of a
+    modality encodes the same items (the sample's images or clips, ``data.modal``), each
+    with its own tokens, which take positions in the backbone's sequence too: a second
+    key, not a second draw. The stage graph, the cost model and the simulator read each
+    encoder's own."""
     first = next(m for m in program.encoders if m.modality == module.modality)
     return module.modality if first.name == module.name else \
         f"{module.modality}@{module.name}"

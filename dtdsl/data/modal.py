@@ -179,8 +179,9 @@ class InputRule:
 @dataclass(frozen=True)
 class EncoderInputs:
     """Every encoder's ``InputRule``, in spec order. ``image``: the encoder whose items
-    are a sample's ``images`` (the first image encoder, what the dataset readers fill);
-    every other encoder's are in the sample's ``inputs``, by name."""
+    are a sample's ``images`` (the first image encoder: uint8 pixels, normalised on its
+    device); every other encoder's are in the sample's ``inputs``, by name (a second
+    image encoder's are the same images at its size, float32, ``data.decode``)."""
 
     rules: tuple[InputRule, ...] = ()
     image: str | None = None

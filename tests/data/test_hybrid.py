@@ -77,6 +77,14 @@ def test_drawn_items_are_shared_by_the_encoders_of_a_modality():
     assert drawn.items["image"].sizes.tolist() == drawn.items["image@vit2"].sizes.tolist()
     gap = np.abs(drawn.items["audio"].sizes - drawn.items["audio@beats2"].sizes)
     assert gap.max() <= 3 and gap.any()
+    # The stage graph (and the cost model and simulator, by the same key) reads each
+    # encoder's own items.
+    from dtdsl.ir.graph import build_graph
+
+    graph = build_graph(program, samples=64, seed=3)
+    for name, key in (("beats", "audio"), ("beats2", "audio@beats2")):
+        assert graph.edges["data", name]["tokens_mean"] == pytest.approx(
+            drawn.items[key].tokens().mean())
     sizes = SyntheticSource(program).sizes(0)
     assert [len(s.inputs["vit2"]) for s in sizes] == [len(s.image_shapes) for s in sizes]
     assert [len(s.inputs["beats2"]) for s in sizes] == [len(s.inputs["beats"]) for s in sizes]
