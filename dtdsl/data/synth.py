@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from dtdsl.cost.samples import draw
+from dtdsl.data.modal import InputRule
 from dtdsl.data.shards import RawSample, encode_audio, encode_image, sample_key
 from dtdsl.ir import program as ir
 
@@ -156,11 +157,9 @@ def _plan(program: ir.Program) -> _Plan:
     if image_enc is not None:
         patch = getattr(image_enc.arch, "patch", None) or 1
     bins = MEL_BINS
-    if audio_enc is not None:       # the features the encoder reads (data.decode)
-        arch = audio_enc.arch
-        bins = (getattr(arch, "in_channels", None) or MEL_BINS) \
-            if getattr(arch, "stem", "patch") == "whisper_conv" \
-            else getattr(arch, "mel_bins", MEL_BINS)
+    if audio_enc is not None:       # the bins of the features it reads (Decoder._npy_shape)
+        rule = InputRule.of(program, audio_enc)
+        bins = rule.channels if rule.whisper_positions else rule.mel_bins
     return _Plan(
         text=_require(data, "text", "tokens"),
         image_count=_require(data, "image", "count") if image_enc else None,
