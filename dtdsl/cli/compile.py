@@ -104,11 +104,10 @@ def _data_ready(args: argparse.Namespace, result: FrontendResult, program: Progr
         data_diagnostics,
         is_synthetic,
         source_problem,
-        unread_encoders,
     )
 
     if args.data is not None:
-        problem = source_problem(args.data, Path.cwd()) or unread_encoders(program)
+        problem = source_problem(args.data, Path.cwd())
         if problem is not None:
             raise UsageError(f"--data {args.data}: {problem}")
         if program.data.tokenizer is None and not is_synthetic(args.data, Path.cwd()):

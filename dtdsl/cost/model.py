@@ -59,6 +59,7 @@ from dtdsl.cost.samples import (
     SampleSet,
     attention_squares,
     draw_samples,
+    item_key,
     microbatch_lengths,
     microbatch_squares,
     positions,
@@ -69,8 +70,7 @@ from dtdsl.ir.plan import cp_split
 
 __all__ = [
     "OFFLOADED_BYTES_PER_PARAM", "CostModel", "CostParams", "Efficiency", "ProfileQuery",
-    "UnitCost", "all_reduce_time_s",
-    "build_cost_model", "in_flight",
+    "UnitCost", "all_reduce_time_s", "build_cost_model", "in_flight",
 ]
 
 _BYTES_BF16 = 2
@@ -945,7 +945,7 @@ def _unit_cost(program: ir.Program, module: ir.Module, samples: SampleSet,
         boundary = mean_tokens * arch.hidden * _BYTES_BF16
         acc.model_flops = useful.total * (1 + bwd)
     elif module.role == "encoder":
-        items = samples.items[module.modality]
+        items = samples.items[item_key(program, module)]   # its own (cost.samples)
         # The layers run on each item's patches and its class token, if it has one; the
         # projector and the backbone see the patches.
         p = flops.encoder_tokens(arch, items.sizes.astype(float))

@@ -105,29 +105,39 @@ class SampleSet:
         return len(self.text_tokens)
 
 
-def _item_sizes(data: ir.Data, modality: str, total: int, rng: np.random.Generator,
-                generated: bool, rule: InputRule | None = None) -> np.ndarray:
-    """Tokens per item: image patches, audio and video tokens as the runtime's items have
-    them (``data.modal.drawn_tokens`` of the encoder's ``rule``: an audio clip's tokens
-    rounded to whole rows of patches, a video's frames rounded up to whole temporal
-    patches times its square frames' patches)."""
-    if generated:
-        return np.ones(total, dtype=np.int64)  # a generator's work is per item (fixed latent)
+def _item_draws(data: ir.Data, modality: str, total: int, rng: np.random.Generator
+                ) -> tuple[np.ndarray, np.ndarray | None]:
+    """What is drawn of ``total`` items of an encoder modality, before any encoder's rule
+    reads it: image patches; audio ``audio.frames``; video ``video.frames`` and
+    ``video.patches`` (the second array; None for the others)."""
     if modality == "image":
-        return draw(data.get("image", "patches"), total, rng)
+        return draw(data.get("image", "patches"), total, rng), None
+    if modality == "audio":
+        return draw(data.get("audio", "frames"), total, rng), None
+    frames = draw(data.get("video", "frames"), total, rng)
+    return frames, draw(data.get("video", "patches"), total, rng)
+
+
+def _item_sizes(modality: str, drawn: tuple[np.ndarray, np.ndarray | None],
+                rule: InputRule | None = None) -> np.ndarray:
+    """Tokens per item of the draws ``drawn`` (``_item_draws``) as an encoder's items have
+    them at runtime (``data.modal.drawn_tokens`` of its ``rule``: an audio clip's tokens
+    rounded to whole rows of patches, a video's frames rounded up to whole temporal
+    patches times its square frames' patches; image patches as drawn)."""
+    if modality == "image":
+        return drawn[0]
     if rule is None:
         rule = InputRule(name="", modality=modality, patch=1, mel_bins=1)
-    if modality == "audio":
-        return drawn_tokens(rule, draw(data.get("audio", "frames"), total, rng))
-    frames = draw(data.get("video", "frames"), total, rng)
-    return drawn_tokens(rule, frames, draw(data.get("video", "patches"), total, rng))
+    return drawn_tokens(rule, drawn[0], drawn[1])
 
 
 def item_key(program: ir.Program, module: ir.Module) -> str:
     """The ``SampleSet.items`` key of encoder ``module``'s items: its modality for the
-    first encoder of that modality (what the simulator and the stage graph read), else
-    ``"<modality>@<name>"`` (a second image encoder draws images of its own, and they take
-    positions in the backbone's sequence too)."""
+    first encoder of that modality, else ``"<modality>@<name>"``. Every encoder of a
+    modality encodes the same items (the sample's images or clips, ``data.modal``), each
+    with its own tokens, which take positions in the backbone's sequence too: a second
+    key, not a second draw. The stage graph, the cost model and the simulator read each
+    encoder's own."""
     first = next(m for m in program.encoders if m.modality == module.modality)
     return module.modality if first.name == module.name else \
         f"{module.modality}@{module.name}"
@@ -281,17 +291,24 @@ def _draw_documents(program: ir.Program, n: int, rng: np.random.Generator) -> Sa
     data = program.data
     text = draw(data.get("text", "tokens"), n, rng)
     items: dict[str, ItemSet] = {}
+    # Per encoder modality its items' counts and draws, made once for the first encoder
+    # of that modality and read by every other (``data.modal``: hybrid towers).
+    shared: dict[str, tuple[np.ndarray, tuple[np.ndarray, np.ndarray | None]]] = {}
     for module in program.modules:
         if module.role == "encoder":
             rule = InputRule.of(program, module)
-            counts = draw(data.get(module.modality, "count"), n, rng)
-            sizes = _item_sizes(data, module.modality, int(counts.sum()), rng, generated=False,
-                                rule=rule)
+            if module.modality not in shared:
+                counts = draw(data.get(module.modality, "count"), n, rng)
+                shared[module.modality] = (counts, _item_draws(
+                    data, module.modality, int(counts.sum()), rng))
+            counts, drawn = shared[module.modality]
+            sizes = _item_sizes(module.modality, drawn, rule)
             backbone = backbone_sizes(rule.image, sizes) if rule.image is not None else None
             items[item_key(program, module)] = ItemSet(counts=counts, sizes=sizes,
                                                        backbone=backbone)
         elif module.role == "generator" and f"{module.modality}.gen" not in items:
             counts = draw(data.get(module.modality, "gen_count"), n, rng)
-            sizes = _item_sizes(data, module.modality, int(counts.sum()), rng, generated=True)
-            items[f"{module.modality}.gen"] = ItemSet(counts=counts, sizes=sizes)
+            # A generator's work is per item (a fixed latent): one unit each.
+            items[f"{module.modality}.gen"] = ItemSet(
+                counts=counts, sizes=np.ones(int(counts.sum()), dtype=np.int64))
     return SampleSet(text_tokens=text, items=items)

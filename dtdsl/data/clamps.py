@@ -10,8 +10,10 @@ sample above a clamp's high is made to fit it, the way the spec says:
   placed among them; the images after the cut and the text after it are dropped (the
   rule ``data.layout.fit`` has for ``seq_len``);
 - ``image.count`` above ``HIGH``: its first ``HIGH`` images are kept, the others dropped;
-  ``audio.count`` and ``video.count`` likewise for the clips of the encoder of that
-  modality (a clip placed after a ``text.tokens`` cut goes with the text after it);
+  ``audio.count`` and ``video.count`` likewise for the clips of the encoders of that
+  modality (a clip placed after a ``text.tokens`` cut goes with the text after it); a
+  second encoder of a modality (``data.decode``: it reads the same items) keeps the same
+  ones;
 - ``image.gen_count`` / ``audio.gen_count`` above ``HIGH``: its first ``HIGH`` targets are
   kept;
 - ``image.patches`` above ``HIGH`` (an encoder of native resolution): the image is
@@ -66,7 +68,7 @@ class Clamps:
     gen: Mapping[str, tuple[str, int | None, int | None]] = field(default_factory=dict)
     # generator name -> (its quantity, low, high)
     inputs: Mapping[str, tuple[int | None, int | None]] = field(default_factory=dict)
-    # audio or video encoder name -> its modality's count clamp
+    # name of an encoder whose items are ``inputs`` -> its modality's count clamp
 
     @classmethod
     def for_program(cls, program: ir.Program) -> Clamps:
@@ -75,8 +77,10 @@ class Clamps:
         for g in program.generators:
             key = f"{g.modality}.gen_count"
             gen[g.name] = (key, *_bounds(program.data, key))
+        # the first image encoder's items are the images (``images`` above)
+        first_image = next((m for m in program.encoders if m.modality == "image"), None)
         inputs = {m.name: _bounds(program.data, f"{m.modality}.count")
-                  for m in program.encoders if m.modality in ("audio", "video")}
+                  for m in program.encoders if m is not first_image}
         return cls(text=_bounds(program.data, "text.tokens"),
                    images=_bounds(program.data, "image.count") if reads_images
                    else (None, None), gen=gen, inputs=inputs)

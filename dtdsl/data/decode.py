@@ -12,18 +12,30 @@ turns a ``RawSample`` into a ``DecodedSample``:
   crop, or native resolution in whole patches under the clamp high of
   ``image.patches``). Without an image encoder nothing reads them and ``images`` is
   empty;
-- ``inputs``: per audio or video encoder (the spec's first of each modality; by module
-  name), its items as float32 arrays of the shapes ``data.media.ClipReader`` gives: audio
-  files decoded to the features the encoder reads, video files to sampled, sized,
-  normalised frames; ``.npy`` audio (a dtdsl dataset's) is taken as precomputed features
-  of the encoder's bins, cut to whole rows of patches under the clamp high of
-  ``audio.frames``. ``inputs_at``: where each goes (its placeholder, ``data.text``);
+- ``inputs``: per audio or video encoder and per image encoder after the first (by module
+  name), its items as float32 arrays: audio files decoded to the features the encoder
+  reads, video files to sampled, sized, normalised frames (``data.media.ClipReader``);
+  ``.npy`` audio (a dtdsl dataset's) is taken as precomputed features of the encoder's
+  bins, cut to whole rows of patches under the clamp high of ``audio.frames``; images
+  sized by that encoder's own ``ImagePolicy`` and normalised with its mean and std.
+  ``inputs_at``: where each goes (its placeholder, ``data.text``);
 - ``audio``: the ``.npy`` clips as stored (float32 ``[frames, bins]``);
 - ``gen``: per generator (by module name) ``LatentTargets``: ``latents`` float32 ``[G, C,
   L, L]`` (``C`` the generator's ``latent_channels``, ``L`` its ``latent``), ``noise``
   float32 ``[G, C, L, L]`` and ``timesteps`` int64 ``[G]`` below the generator's timesteps.
   An image generator's targets are the sample's ``gen_images``, an audio generator's its
   ``gen_audio`` (two generators of one modality share them).
+
+**Several encoders of one modality** (hybrid towers: DeepSeek-VL's SigLIP and SAM,
+Cambrian, Eagle) share the sample's items of that modality, as two generators share
+their targets: every encoder encodes each of the sample's images (audio clips, video
+clips), each at its own size, and each item's placeholder (``<image>``, ``<audio>``,
+``<video>``) holds the tokens of every such encoder, in spec order (``data.layout``:
+items before the same text token go in the encoders' spec order, so items that share a
+place, those without a placeholder, take the first encoder's run, then the second's).
+This is the reading the cost model prices (``cost.samples``: one draw of a modality's
+items, one ``SampleSet.items`` key per encoder) and synthetic samples draw
+(``data.sample.sample_sizes``); the clamps cut each encoder's items alike.
 
 The latents are a fixed, deterministic stand-in for a VAE encoder, not a learnt one. An
 image is box-filtered to ``L x L``, its pixels mapped to ``[-1, 1]`` and its three colour
@@ -39,6 +51,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +59,7 @@ import numpy as np
 
 from dtdsl.data.images import ImagePolicy, patch_grid
 from dtdsl.data.media import ClipReader
+from dtdsl.data.modal import encoder_inputs
 from dtdsl.data.shards import (
     DatasetError,
     EncodedAudio,
@@ -116,7 +130,8 @@ class DecodedSample:
     doc_text: tuple[int, ...] | None = None     # a packed sequence's documents
     doc_images: tuple[int, ...] | None = None   # (``data.sample.SampleSizes``)
     doc_gen: dict[str, tuple[int, ...]] | None = None
-    # per audio or video encoder (by name): its items, where they go, per document
+    # per audio or video encoder and image encoder after the first (by name): its items,
+    # where they go, per document
     inputs: dict[str, tuple[np.ndarray, ...]] = field(default_factory=dict)
     inputs_at: dict[str, tuple[int, ...]] | None = None
     doc_inputs: dict[str, tuple[int, ...]] | None = None
@@ -160,8 +175,10 @@ class Decoder:
     audio: bool                       # the spec has an audio encoder
     max_frames: int | None
     generators: tuple[_Generator, ...]
-    # the first audio and the first video encoder's readers, by encoder name
+    # every audio and video encoder's reader, by encoder name
     readers: dict[str, ClipReader] = field(default_factory=dict)
+    # every image encoder's but the first's (whose items are ``images``): its policy
+    image_inputs: dict[str, ImagePolicy] = field(default_factory=dict)
 
     @classmethod
     def for_program(cls, program: ir.Program, *, seed: int) -> Decoder:
@@ -171,28 +188,45 @@ class Decoder:
             if module.modality == "video":
                 raise ValueError(f"'{module.name}' generates video; samples carry image and "
                                  "audio generation targets only")
-        readers = {}
-        for modality in ("audio", "video"):
-            first = next((m for m in program.encoders if m.modality == modality), None)
-            if first is not None:
-                readers[first.name] = ClipReader.for_encoder(program, first)
+        readers = {m.name: ClipReader.for_encoder(program, m) for m in program.encoders
+                   if m.modality in ("audio", "video")}
         image = next((m for m in program.encoders if m.modality == "image"), None)
         policy = None
         if image is not None:
             policy = ImagePolicy.for_encoder(image, program.data.high("image", "patches"),
                                              block=program.image_tokens().block)
+        rules = encoder_inputs(program)
+        image_inputs = {r.name: ImagePolicy.for_encoder(
+            program.module(r.name), program.data.high("image", "patches"),
+            block=r.image.block if r.image is not None else 1)
+            for r in rules.others if r.modality == "image"}
         tokenizer = load_tokenizer(program.data.tokenizer, program.backbone.arch.vocab,
                                    program.data.chat)
         return cls(tokenizer=tokenizer, seed=seed, images=policy,
                    audio=any(m.modality == "audio" for m in program.encoders),
                    max_frames=program.data.high("audio", "frames"),
                    generators=tuple(_generator(m) for m in program.generators),
-                   readers=readers)
+                   readers=readers, image_inputs=image_inputs)
 
     @property
     def kinds(self) -> tuple[str, ...]:
-        """The modalities besides images whose items (and placeholders) are read."""
-        return tuple(r.modality for r in self.readers.values())
+        """The modalities besides images whose items (and placeholders) are read, once
+        each however many encoders read them."""
+        return tuple(dict.fromkeys(r.modality for r in self.readers.values()))
+
+    @property
+    def input_encoders(self) -> tuple[str, ...]:
+        """The encoders whose items are a sample's ``inputs``."""
+        return (*self.image_inputs, *self.readers)
+
+    def input_places(self, image_at: tuple[int, ...],
+                     items_at: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+        """Per ``inputs`` encoder, where its items go: the places of its modality's items
+        (``image_at`` for images, ``items_at`` per other modality; module docstring)."""
+        out = {name: tuple(image_at) for name in self.image_inputs}
+        out.update({name: tuple(items_at.get(r.modality, ()))
+                    for name, r in self.readers.items()})
+        return out
 
     def _items(self, raw: RawSample) -> dict[str, int]:
         return {r.modality: len(raw.audio if r.modality == "audio" else raw.video)
@@ -212,7 +246,8 @@ class Decoder:
         """Per audio or video encoder, the shapes of a sample's items from its index
         alone (``ClipReader.shape``; ``.npy`` audio by its frames). DatasetError for an
         item that gives no token."""
-        out = {}
+        out = {name: tuple((3, *policy.shape(w, h)) for w, h in info.images)
+               for name, policy in self.image_inputs.items()}
         for name, reader in self.readers.items():
             if reader.modality == "audio":
                 out[name] = tuple(self._npy_shape(reader, f, info.key) for f in info.audio) + \
@@ -234,8 +269,18 @@ class Decoder:
                                 f"one row of {rule.patch} frames of patches"))
         return (rows * rule.patch, rule.mel_bins)
 
-    def _inputs(self, raw: RawSample) -> dict[str, tuple[np.ndarray, ...]]:
+    def _inputs(self, raw: RawSample, opened: list[Any]) -> dict[str, tuple[np.ndarray, ...]]:
+        """Every ``inputs`` encoder's items; ``opened``: the sample's images, decoded once
+        for every image encoder."""
         out = {}
+        if self.image_inputs:
+            for name, policy in self.image_inputs.items():
+                mean = np.asarray(policy.mean, dtype=np.float32).reshape(3, 1, 1)
+                std = np.asarray(policy.std, dtype=np.float32).reshape(3, 1, 1)
+                # normalised here (``images.normalize``'s arithmetic): an encoder's inputs
+                # travel as float32 and the device reads them as they are
+                out[name] = tuple((policy.resize(img).astype(np.float32) / np.float32(255)
+                                   - mean) / std for img in opened)
         for name, reader in self.readers.items():
             items = raw.audio if reader.modality == "audio" else raw.video
             out[name] = tuple(self._item(raw, reader, item) for item in items)
@@ -262,18 +307,20 @@ class Decoder:
         """The arrays of one sample. DatasetError for an image or clip that does not
         decode, or text that does not go with its items."""
         layout = self.layout(raw, len(raw.images))
+        reads_images = self.images is not None or bool(self.image_inputs)
+        opened = [self._open(raw, image) for image in raw.images] if reads_images else []
         images: tuple[np.ndarray, ...] = ()
         if self.images is not None:
-            images = tuple(self._image(raw, k, image) for k, image in enumerate(raw.images))
+            images = tuple(self.images.resize(img) for img in opened)
         audio: tuple[np.ndarray, ...] = ()
         if self.audio:
             audio = tuple(self._clip(raw, clip)[:self.max_frames] for clip in raw.audio
                           if isinstance(clip, EncodedAudio))
         gen = {g.name: self._targets(raw, g) for g in self.generators}
-        at = {name: layout.items_at.get(r.modality, ()) for name, r in self.readers.items()}
+        at = self.input_places(layout.image_at, layout.items_at)
         return DecodedSample(key=raw.key, tokens=layout.ids, images=images, audio=audio,
                              gen=gen, image_at=layout.image_at, trained=layout.trained,
-                             inputs=self._inputs(raw), inputs_at=at)
+                             inputs=self._inputs(raw, opened), inputs_at=at)
 
     @property
     def reads(self) -> tuple[str, ...]:
@@ -351,10 +398,6 @@ class Decoder:
             # struct.error, DecompressionBombError for malformed headers and chunks)
             raise DatasetError(f"sample {raw.key}: cannot decode a {image.format} image: "
                                f"{err}") from None
-
-    def _image(self, raw: RawSample, k: int, image: EncodedImage) -> np.ndarray:
-        assert self.images is not None
-        return self.images.resize(self._open(raw, image))
 
     def _gen_frames(self, raw: RawSample, clip: EncodedAudio | EncodedClip) -> np.ndarray:
         """An audio generation target's frames: ``.npy`` as stored; an audio file as BEATs'

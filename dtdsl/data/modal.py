@@ -31,6 +31,13 @@ An *item* is one input of one encoder: an image, an audio clip, a video clip.
 
 Audio and video tokens reach the backbone one per patch (their projectors do not
 compress). ``EncoderInputs`` holds the rule of every encoder of a program, in spec order.
+
+Several encoders of one modality encode the same items (hybrid towers, ``data.decode``):
+a sample's items of a modality are drawn once, and each encoder's rule reads a drawn
+item's size (``image.patches``, ``audio.frames``, ``video.frames`` and ``video.patches``)
+as its own, so each has its own shape and tokens of it (``cost.samples``,
+``data.sample.sample_sizes``); an item read from a file is sized by each encoder's own
+policy.
 """
 
 from __future__ import annotations
@@ -172,8 +179,9 @@ class InputRule:
 @dataclass(frozen=True)
 class EncoderInputs:
     """Every encoder's ``InputRule``, in spec order. ``image``: the encoder whose items
-    are a sample's ``images`` (the first image encoder, what the dataset readers fill);
-    every other encoder's are in the sample's ``inputs``, by name."""
+    are a sample's ``images`` (the first image encoder: uint8 pixels, normalised on its
+    device); every other encoder's are in the sample's ``inputs``, by name (a second
+    image encoder's are the same images at its size, float32, ``data.decode``)."""
 
     rules: tuple[InputRule, ...] = ()
     image: str | None = None

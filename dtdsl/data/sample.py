@@ -353,12 +353,20 @@ def sample_sizes(program: ir.Program, step: int, index: int) -> SampleSizes:
     sides: list[int] = []
     encoder = image_encoder(program)
     tokens = program.image_tokens()
+    # Per modality the items' draws, made once: every encoder of a modality encodes the
+    # same items, each at its own shape (``data.modal``).
+    drawn: dict[str, list[tuple[int, ...]]] = {}
     if encoder is not None:
         count = max(0, _draw_one(data.get("image", "count"), sizes, "image.count"))
         patches = draw(data.get("image", "patches"), count, sizes) if count else []
+        drawn["image"] = [(int(p),) for p in patches]
         sides = [image_side(int(p), tokens.patch, tokens) for p in patches]
     rules = encoder_inputs(program)
-    inputs = {rule.name: _draw_items(rule, data, sizes) for rule in rules.others}
+    inputs = {}
+    for rule in rules.others:
+        if rule.modality not in drawn:
+            drawn[rule.modality] = _draw_items(rule.modality, data, sizes)
+        inputs[rule.name] = tuple(rule.synthetic_shape(*d) for d in drawn[rule.modality])
     gen_counts = {
         module.name: max(0, _draw_one(data.get(module.modality, "gen_count"), sizes,
                                       f"{module.modality}.gen_count"))
@@ -370,25 +378,22 @@ def sample_sizes(program: ir.Program, step: int, index: int) -> SampleSizes:
     return fit(drawn, rules, program.train.seq_len)
 
 
-def _draw_items(rule: InputRule, data: ir.Data, rng: np.random.Generator
-                ) -> tuple[tuple[int, ...], ...]:
-    """The shapes of one sample's items of an encoder whose items are ``inputs``
-    (``rule``), drawn as the cost model draws them (``cost.samples``): its modality's
-    count, then each item's size (audio frames, video frames then patches; a second image
-    encoder's patches)."""
-    m = rule.modality
+def _draw_items(modality: str, data: ir.Data, rng: np.random.Generator
+                ) -> list[tuple[int, ...]]:
+    """One sample's items of ``modality`` as the cost model draws them
+    (``cost.samples``): its count, then each item's size (image patches, audio frames,
+    video frames then patches), the arguments of ``InputRule.synthetic_shape``."""
+    m = modality
     count = max(0, _draw_one(data.get(m, "count"), rng, f"{m}.count"))
     if not count:
-        return ()
+        return []
     if m == "image":
-        return tuple(rule.synthetic_shape(int(p))
-                     for p in draw(data.get("image", "patches"), count, rng))
+        return [(int(p),) for p in draw(data.get("image", "patches"), count, rng)]
     frames = _draw_many(data.get(m, "frames"), count, rng, f"{m}.frames")
     if m == "audio":
-        return tuple(rule.synthetic_shape(int(f)) for f in frames)
+        return [(int(f),) for f in frames]
     patches = _draw_many(data.get(m, "patches"), count, rng, f"{m}.patches")
-    return tuple(rule.synthetic_shape(int(f), int(p)) for f, p in zip(frames, patches,
-                                                                        strict=True))
+    return [(int(f), int(p)) for f, p in zip(frames, patches, strict=True)]
 
 
 def _draw_many(quantity: ir.Quantity | None, n: int, rng: np.random.Generator,

@@ -152,23 +152,6 @@ def _json_problem(path: Path) -> str | None:
     return None
 
 
-def unread_encoders(program: ir.Program) -> str | None:
-    """Why a dataset cannot feed ``program``'s encoders, or None: the readers fill the
-    first encoder of each modality (images; audio and video clips, ``data.media``); a
-    second encoder of a modality has nothing of its own in a sample (its items come from
-    synthetic samples only)."""
-    firsts = {}
-    for m in program.encoders:
-        firsts.setdefault(m.modality, m)
-    unread = [m for m in program.encoders if firsts[m.modality] is not m]
-    if not unread:
-        return None
-    names = ", ".join(f"{m.name} ({m.modality})" for m in unread)
-    them = "them" if len(unread) > 1 else "it"
-    return (f"the dataset readers feed the first encoder of each modality, not encoder "
-            f"{names}: a run would train {them} on nothing")
-
-
 def data_diagnostics(program: ir.Program, base_dir: str | Path) -> list[Any]:
     """What ``dtc check`` and ``dtc compile`` say of the spec's ``source`` (paths relative
     to ``base_dir``, the spec's folder): DT314 when it cannot be read, DT315 for real text
@@ -180,13 +163,6 @@ def data_diagnostics(program: ir.Program, base_dir: str | Path) -> list[Any]:
     if source is None:
         return []
     span = program.data.source_span or program.data.span
-    unread = unread_encoders(program)
-    if unread is not None:
-        return [Diagnostic.error(
-            "DT601", f"data source {source!r} cannot be trained on: {unread}", span,
-            notes=["a sample's images, audio and video feed the first encoder of each "
-                   "modality"],
-            hint="compile with --synthetic (samples drawn from the spec's distributions)")]
     problem = source_problem(source, base_dir)
     if problem is not None:
         return [_nothing_left(source, problem, span) if _all_refused(source, base_dir)

@@ -11,15 +11,19 @@ for what the spec's modules read:
   ``_SUCCESSORS`` Zipf-skewed successors), so a language model has something to learn;
   ``shards.count_text_tokens`` of the text is exactly the drawn count;
 - input images (an image encoder): ``image.count`` images, each with about
-  ``image.patches`` patches: a grid of ``gw x gh`` patches of the encoder's ``patch``
-  pixels, ``gw = round(g sqrt(a))``, ``gh = round(g / sqrt(a))`` with ``g =
+  ``image.patches`` patches: a grid of ``gw x gh`` patches of the first image encoder's
+  ``patch`` pixels, ``gw = round(g sqrt(a))``, ``gh = round(g / sqrt(a))`` with ``g =
   sqrt(patches)`` and the aspect ratio ``a`` one of 1, 4/3, 3/4 (so packing by shape
   sees several shapes); PNG or JPEG with even odds. Pixels are a two-colour gradient
-  with one to three rectangles (JPEGs get mild noise as well);
+  with one to three rectangles (JPEGs get mild noise as well). Every image encoder of
+  the spec reads them, each at its own size (``data.decode``);
 - images to generate (an image generator): ``image.gen_count`` square PNGs of side 8 x
   the generator's ``latent`` (the first image generator's, when there are several);
 - audio (an audio encoder): ``audio.count`` clips of ``audio.frames`` standardised
-  log-mel frames of ``MEL_BINS`` bins (harmonic stripes under an envelope, plus noise);
+  log-mel frames (harmonic stripes under an envelope, plus noise) of the bins the spec's
+  first audio encoder reads (its ``mel_bins``, default ``MEL_BINS``; a Whisper stem's
+  ``in_channels``), so the dataset trains the spec: they are precomputed features
+  (``data.decode``), which a second audio encoder reads too when it has as many bins;
 - audio to generate (an audio generator): ``audio.gen_count`` clips, ``audio.frames``
   frames each when the spec has that quantity, else 8 x the generator's ``latent``.
 
@@ -37,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from dtdsl.cost.samples import draw
+from dtdsl.data.modal import InputRule
 from dtdsl.data.shards import RawSample, encode_audio, encode_image, sample_key
 from dtdsl.ir import program as ir
 
@@ -127,6 +132,7 @@ class _Plan:
     audio_frames: ir.Quantity | None
     audio_gen_count: ir.Quantity | None
     audio_gen_frames: int
+    mel_bins: int = MEL_BINS            # bins of the input clips' frames
 
 
 def _require(data: ir.Data, modality: str, name: str) -> ir.Quantity:
@@ -150,6 +156,10 @@ def _plan(program: ir.Program) -> _Plan:
     patch = 1
     if image_enc is not None:
         patch = getattr(image_enc.arch, "patch", None) or 1
+    bins = MEL_BINS
+    if audio_enc is not None:       # the bins of the features it reads (Decoder._npy_shape)
+        rule = InputRule.of(program, audio_enc)
+        bins = rule.channels if rule.whisper_positions else rule.mel_bins
     return _Plan(
         text=_require(data, "text", "tokens"),
         image_count=_require(data, "image", "count") if image_enc else None,
@@ -161,7 +171,8 @@ def _plan(program: ir.Program) -> _Plan:
         audio_frames=(_require(data, "audio", "frames") if audio_enc
                       else data.get("audio", "frames")),
         audio_gen_count=_require(data, "audio", "gen_count") if audio_gen else None,
-        audio_gen_frames=8 * audio_gen.arch.latent if audio_gen else 0)
+        audio_gen_frames=8 * audio_gen.arch.latent if audio_gen else 0,
+        mel_bins=bins)
 
 
 def _counts(quantity: ir.Quantity | None, n: int, rng: np.random.Generator,
@@ -228,11 +239,11 @@ def _picture(width: int, height: int, rng: np.random.Generator, noisy: bool) -> 
     return np.asarray(small.resize((width, height), Image.Resampling.BILINEAR))
 
 
-def _mel(frames: int, rng: np.random.Generator) -> np.ndarray:
-    """float32 [frames, MEL_BINS]: standardised log-mel-like frames."""
+def _mel(frames: int, rng: np.random.Generator, num_bins: int = MEL_BINS) -> np.ndarray:
+    """float32 [frames, num_bins]: standardised log-mel-like frames."""
     f0 = rng.uniform(4, 16)
-    bins = np.arange(MEL_BINS, dtype=np.float32)
-    harmonics = np.cos(2 * math.pi * bins / f0) * np.exp(-bins / MEL_BINS)
+    bins = np.arange(num_bins, dtype=np.float32)
+    harmonics = np.cos(2 * math.pi * bins / f0) * np.exp(-bins / num_bins)
     t = np.arange(frames, dtype=np.float32)
     envelope = 0.5 + 0.5 * np.sin(2 * math.pi * t / rng.uniform(20, 200) + rng.uniform(0, 6))
     out = envelope[:, None] * harmonics[None, :] * 2
@@ -264,7 +275,7 @@ def synthesize(program: ir.Program, num_samples: int, seed: int = 0) -> Iterator
         gen_images = tuple(
             encode_image(_picture(plan.gen_side, plan.gen_side, rng, noisy=False), "png")
             for _ in range(sizes.gen[j]))
-        audio = tuple(encode_audio(_mel(n, rng)) for n in sizes.audio[j])
+        audio = tuple(encode_audio(_mel(n, rng, plan.mel_bins)) for n in sizes.audio[j])
         gen_audio = tuple(encode_audio(_mel(n, rng)) for n in sizes.gen_audio[j])
         yield RawSample(key=sample_key(i), text=text, images=images, gen_images=gen_images,
                         audio=audio, gen_audio=gen_audio)

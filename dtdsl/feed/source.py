@@ -155,16 +155,12 @@ class DatasetSource:
         from dtdsl.data.clamps import Clamps
         from dtdsl.data.decode import Decoder
         from dtdsl.data.shards import Dataset, DatasetError, NoSamples
-        from dtdsl.data.sources import open_dataset, unread_encoders
+        from dtdsl.data.sources import open_dataset
         from dtdsl.data.text import HashTokenizer, token_layouts
         from dtdsl.data.usable import left_out_text, usable_samples
 
         self.program = program
         self.path = path
-        unread = unread_encoders(program)
-        if unread is not None:
-            raise DatasetError(f"{path}: {unread}; train this spec on synthetic data "
-                               "(dtc compile --synthetic) until the readers read its items")
         # A dtdsl dataset, WebDataset shards or a LLaVA JSON (indexed once).
         self.dataset = open_dataset(str(path), program=program, progress=progress)
         self.seed = program.train.seed if seed is None else seed
@@ -176,7 +172,7 @@ class DatasetSource:
         self.batch = program.train.global_batch
         image = next((m for m in program.encoders if m.modality == "image"), None)
         self.patch = (image.arch.patch or 1) if image is not None else None
-        if self.decoder.readers:        # every encoder's rule places its items
+        if self.decoder.input_encoders:     # every encoder's rule places its items
             from dtdsl.data.modal import encoder_inputs
 
             self.image_tokens: Any = encoder_inputs(program)
@@ -272,8 +268,7 @@ class DatasetSource:
         # The spec's clamps first (data.clamps), then seq_len: the one place the run's
         # samples are made to fit, for the workers and the reference alike.
         inputs = self.decoder.input_shapes(info)
-        inputs_at = {name: items_at[r.modality]
-                     for name, r in self.decoder.readers.items()}
+        inputs_at = self.decoder.input_places(places, items_at)
         found = self._doc_sizes[i] = fit(
             self.clamps.apply(SampleSizes(text_tokens=text, image_shapes=shapes,
                                           gen_counts=gen, image_at=places, trained=trained,

@@ -59,7 +59,7 @@ import networkx as nx
 import numpy as np
 
 from dtdsl.cost import flops
-from dtdsl.cost.samples import SampleSet, draw_samples
+from dtdsl.cost.samples import SampleSet, draw_samples, item_key
 from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan
 
@@ -167,7 +167,7 @@ def _add_inputs(g: nx.DiGraph, program: ir.Program, drawn: SampleSet, data_id: s
     for module in program.modules:
         arch = module.arch
         if module.role == "encoder":
-            items = drawn.items[module.modality]
+            items = drawn.items[item_key(program, module)]
             width = arch.patch_dim
             g.add_edge(data_id, module.name, **_tokens_flow(
                 "input", module.modality, items.tokens(), width, _BF16_BYTES,
@@ -186,7 +186,7 @@ def _add_activations(g: nx.DiGraph, program: ir.Program, drawn: SampleSet,
         node = proj_ids[proj.name]
         source, target = program.module(proj.source), program.module(proj.target)
         if source.role == "encoder":
-            items = drawn.items[source.modality]
+            items = drawn.items[item_key(program, source)]
             # A compressing projector reads the patches and hands on fewer tokens.
             tokens, counts, what = items.tokens(), items.counts, "hidden"
             out = items.backbone_tokens()
@@ -257,10 +257,10 @@ def _boundary_flow(program: ir.Program, module: ir.Module, drawn: SampleSet,
     if module.role == "backbone":
         tokens = drawn.text_tokens.astype(float)
         for encoder in program.encoders:
-            tokens = tokens + drawn.items[encoder.modality].backbone_tokens()
+            tokens = tokens + drawn.items[item_key(program, encoder)].backbone_tokens()
         return _tokens_flow("pipeline", "hidden", tokens, arch.hidden, _BF16_BYTES)
     if module.role == "encoder":
-        items = drawn.items[module.modality]
+        items = drawn.items[item_key(program, module)]
         return _tokens_flow("pipeline", "hidden", items.tokens(), arch.hidden, _BF16_BYTES,
                             items=items.counts)
     counts = drawn.items[f"{module.modality}.gen"].counts.astype(float)

@@ -30,6 +30,7 @@ from dtdsl.cost.samples import (
     SampleSet,
     attention_squares,
     draw_samples,
+    item_key,
     microbatch_lengths,
     microbatch_squares,
     positions,
@@ -74,7 +75,7 @@ def _raw_work(cost: CostModel, samples: SampleSet, *, timed: bool) -> dict[str, 
             out[module.name] = _backbone_work(cost, module, positions(samples),
                                               attention_squares(samples), timed=timed)
         elif module.role == "encoder":
-            items = samples.items[module.modality]
+            items = samples.items[item_key(program, module)]
             p = flops.encoder_tokens(module.arch, items.sizes.astype(float))
             per_token = flops.encoder_item_forward(module.arch, 1.0)
             linear, quadratic = per_token.matmul, per_token.attention

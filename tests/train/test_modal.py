@@ -363,34 +363,10 @@ def test_audio_image_specs_compile(tmp_path, spec):
     assert (tmp_path / "bundle" / "launch.sh").exists()
 
 
-def test_a_dataset_feeds_the_first_encoder_of_each_modality_only(tmp_path, capsys):
-    # A dataset's images, audio and video feed the first encoder of each modality
-    # (tests/data/test_media.py trains on them); a second image encoder would train on
-    # nothing, and compiling against a dataset says so at the spec's source line.
-    from dtdsl import cli
-
-    data = tmp_path / "data"
-    assert cli.main(["data", "synth", str(_root() / "specs" / "tiny_cpu.dt"), "-o",
-                     str(data), "--samples", "8", "-q"]) == 0
-    text = _modal_text((_root() / "specs" / "tiny_cpu.dt").read_text()).replace(
-        'source = "data/tiny"', 'source = "data"')
-    spec = tmp_path / "modal.dt"
-    spec.write_text(text)
-    assert cli.main(["check", str(spec)]) == 0
-    capsys.readouterr()
-    spec.write_text(text.replace(
-        "  backbone llm {", "  encoder vit2 (image) {\n    arch = transformer(layers=2, "
-        "hidden=32, heads=2, ffn=64, patch=8)\n  }\n  backbone llm {").replace(
-        "  projector vit -> llm : mlp(depth=2)",
-        "  projector vit -> llm : mlp(depth=2)\n  projector vit2 -> llm : mlp(depth=2)"))
-    assert cli.main(["compile", str(spec), "-o", str(tmp_path / "b1")]) != 0
-    err = capsys.readouterr().err
-    assert "DT601" in err and "not encoder vit2 (image)" in err
-
-
 def test_two_image_encoders_train_as_the_reference():
-    # A second image encoder draws images of its own (its items are the sample's
-    # inputs), and the cost model places them in the sequence too.
+    # A second image encoder encodes the sample's images too, at its own size (its items
+    # are the sample's inputs), and the cost model places them in the sequence too
+    # (tests/data/test_hybrid.py trains such towers on datasets).
     from tests.specs import program as checked
 
     text = (_root() / "specs" / "tiny_cpu.dt").read_text()
