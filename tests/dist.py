@@ -17,6 +17,7 @@ run takes well under a second instead of several). Set ``DTDSL_TEST_START=spawn`
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import tempfile
 import time
@@ -83,6 +84,11 @@ def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 30
     method = start_method or os.environ.get("DTDSL_TEST_START") or (
         "fork" if "fork" in mp.get_all_start_methods() else "spawn")
     with tempfile.TemporaryDirectory(prefix="dtdsl-dist-") as tmp:
+        # Forked children: their garbage collections then pass over their own objects
+        # only, not over the pytest process's (hundreds of thousands, the whole suite's
+        # modules and fixtures), each pass copying every page it touches.
+        if method == "fork":
+            gc.freeze()
         ctx = mp.start_processes(_child, args=(fn, world_size, tmp, timeout, args),
                                  nprocs=world_size, join=False, start_method=method)
         deadline = time.monotonic() + timeout
@@ -101,6 +107,8 @@ def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 30
                     p.kill()
             for p in ctx.processes:
                 p.join(timeout=5)
+            if method == "fork":
+                gc.unfreeze()
 
 
 def make_plan(*units: tuple[str, str, int, int, int]) -> Plan:
