@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,6 +36,14 @@ def pytest_collection_modifyitems(config, items):
         if line.strip() and not line.startswith("#"):
             rank.setdefault(line.strip().partition("::")[0], len(rank))
     items.sort(key=lambda item: rank.get(item.nodeid.partition("::")[0], len(rank)))
+
+
+def pytest_collection_finish(session):
+    """The collected suite (its modules, test items and their parameters: hundreds of
+    thousands of objects, alive to the end) out of the garbage collector's view: its
+    full collections would pass over them all again and again (some 5% of a pytest
+    process's CPU), and so would those of every process a test forks."""
+    gc.freeze()
 
 
 def pytest_addoption(parser):

@@ -40,6 +40,10 @@ class ChildFailed(AssertionError):
 
 def _child(rank: int, fn: Callable[..., Any], world: int, tmp: str, pg_timeout: float,
            args: tuple[Any, ...]) -> None:
+    # A forked child's garbage collections then pass over its own objects only, not over
+    # the pytest process's it inherited (hundreds of thousands: the suite's modules and
+    # fixtures), each pass copying every page it touches. (A spawned child has none.)
+    gc.freeze()
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     # Every multi-rank test runs under the ordering check (parallel.p2p): a transfer that
@@ -84,11 +88,6 @@ def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 30
     method = start_method or os.environ.get("DTDSL_TEST_START") or (
         "fork" if "fork" in mp.get_all_start_methods() else "spawn")
     with tempfile.TemporaryDirectory(prefix="dtdsl-dist-") as tmp:
-        # Forked children: their garbage collections then pass over their own objects
-        # only, not over the pytest process's (hundreds of thousands, the whole suite's
-        # modules and fixtures), each pass copying every page it touches.
-        if method == "fork":
-            gc.freeze()
         ctx = mp.start_processes(_child, args=(fn, world_size, tmp, timeout, args),
                                  nprocs=world_size, join=False, start_method=method)
         deadline = time.monotonic() + timeout
@@ -107,8 +106,6 @@ def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 30
                     p.kill()
             for p in ctx.processes:
                 p.join(timeout=5)
-            if method == "fork":
-                gc.unfreeze()
 
 
 def make_plan(*units: tuple[str, str, int, int, int]) -> Plan:
