@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -33,6 +36,14 @@ def pytest_collection_modifyitems(config, items):
         if line.strip() and not line.startswith("#"):
             rank.setdefault(line.strip().partition("::")[0], len(rank))
     items.sort(key=lambda item: rank.get(item.nodeid.partition("::")[0], len(rank)))
+
+
+def pytest_collection_finish(session):
+    """The collected suite (its modules, test items and their parameters: hundreds of
+    thousands of objects, alive to the end) out of the garbage collector's view: its
+    full collections would pass over them all again and again (some 5% of a pytest
+    process's CPU), and so would those of every process a test forks."""
+    gc.freeze()
 
 
 def pytest_addoption(parser):
@@ -71,32 +82,48 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@contextlib.contextmanager
+def _shared(tmp_path_factory, name: str) -> Iterator[Path]:
+    """``name``'s folder in this run's temporary directory, shared by every pytest-xdist
+    worker of the run (this process's own without xdist), held locked against the other
+    workers in the ``with``: the one that finds it unmade makes it while the others wait,
+    so a paper-scale plan or bundle is made once a run, not once a worker."""
+    import fcntl
+
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared"
+    root.mkdir(exist_ok=True)
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)        # released when the file closes
+        yield root / name
+
+
 @pytest.fixture(scope="session")
 def shipped_plan(tmp_path_factory):
     """``shipped_plan(name)``: the Plan JSON of ``specs/<name>.dt`` that ``dtc compile`` and
     ``dtc memcheck`` plan by default (``dtc plan --no-baseline -o``, the same call),
-    planned once per test process and spec text: the paper-scale specs take the most
-    of a minute each, and many tests need one of their plans without testing the
-    planner. A test of planning plans itself."""
-    import contextlib
+    planned once per test run and spec text (shared by the xdist workers): the
+    paper-scale specs take seconds of CPU each, and many tests need one of their plans
+    without testing the planner. A test of planning plans itself."""
     import hashlib
     import io
 
     from dtdsl import cli
 
-    made: dict[tuple[str, str], Path] = {}
-
     def get(name: str) -> Path:
         spec = ROOT / "specs" / f"{name}.dt"
-        key = (name, hashlib.sha256(spec.read_bytes()).hexdigest())
-        if key not in made:
-            out = tmp_path_factory.mktemp(f"plan_{name}") / "plan.json"
-            said = io.StringIO()        # not into the capsys of the test that asked
-            with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
-                code = cli.main(["plan", str(spec), "--no-baseline", "-o", str(out)])
-            assert code == 0, said.getvalue()
-            made[key] = out
-        return made[key]
+        digest = hashlib.sha256(spec.read_bytes()).hexdigest()[:16]
+        with _shared(tmp_path_factory, f"plan_{name}_{digest}") as folder:
+            out = folder / "plan.json"
+            if not out.exists():
+                folder.mkdir(parents=True, exist_ok=True)
+                said = io.StringIO()        # not into the capsys of the test that asked
+                with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
+                    code = cli.main(["plan", str(spec), "--no-baseline", "-o",
+                                     str(folder / "plan.tmp")])
+                assert code == 0, said.getvalue()
+                (folder / "plan.tmp").replace(out)
+        return out
 
     return get
 
@@ -104,25 +131,26 @@ def shipped_plan(tmp_path_factory):
 @pytest.fixture(scope="session")
 def shipped_bundle(shipped_plan, tmp_path_factory):
     """``shipped_bundle(name)``: ``dtc compile specs/<name>.dt --synthetic`` of
-    ``shipped_plan(name)``, compiled once per test process: the same files as a compile
-    that plans (but for ``job.key``). Shared: read it, never write into it."""
-    import contextlib
+    ``shipped_plan(name)``, compiled once per test run (shared by the xdist workers): the
+    same files as a compile that plans (but for ``job.key``). Shared: read it, never
+    write into it."""
     import io
+    import shutil
 
     from dtdsl import cli
 
-    made: dict[Path, Path] = {}
-
     def get(name: str) -> Path:
         plan = shipped_plan(name)
-        if plan not in made:
-            out = tmp_path_factory.mktemp(f"bundle_{name}") / "bundle"
-            said = io.StringIO()
-            with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
-                code = cli.main(["compile", str(ROOT / "specs" / f"{name}.dt"), "-o",
-                                 str(out), "--synthetic", "--plan", str(plan)])
-            assert code == 0, said.getvalue()
-            made[plan] = out
-        return made[plan]
+        with _shared(tmp_path_factory, f"bundle_{plan.parent.name}") as folder:
+            out = folder / "bundle"
+            if not (folder / "done").exists():
+                shutil.rmtree(folder, ignore_errors=True)   # a compile cut short
+                said = io.StringIO()
+                with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
+                    code = cli.main(["compile", str(ROOT / "specs" / f"{name}.dt"), "-o",
+                                     str(out), "--synthetic", "--plan", str(plan)])
+                assert code == 0, said.getvalue()
+                (folder / "done").touch()
+        return out
 
     return get

@@ -17,6 +17,7 @@ run takes well under a second instead of several). Set ``DTDSL_TEST_START=spawn`
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import tempfile
 import time
@@ -39,6 +40,10 @@ class ChildFailed(AssertionError):
 
 def _child(rank: int, fn: Callable[..., Any], world: int, tmp: str, pg_timeout: float,
            args: tuple[Any, ...]) -> None:
+    # A forked child's garbage collections then pass over its own objects only, not over
+    # the pytest process's it inherited (hundreds of thousands: the suite's modules and
+    # fixtures), each pass copying every page it touches. (A spawned child has none.)
+    gc.freeze()
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     # Every multi-rank test runs under the ordering check (parallel.p2p): a transfer that
