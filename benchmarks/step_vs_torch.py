@@ -44,6 +44,14 @@ the per-microbatch post-backward callbacks and fp32 accumulation 19 ms, pre-forw
 which a plain loop does not run; the runtime's kernels take less time than the plain
 loop's (159 vs 169 ms). Earlier, with a unit per layer: ~100 ms more host per traced step.
 
+A 20-step run on 2026-11-28 read 1.091 (1.180 median over median;
+``...-2026-11-28-traced.json``); its traced steps, with Python stacks (``--trace-stack``:
+the host runs some 3x slower traced, so only the ranking counts), put the device's longest
+idle gap (23.5 ms) in FSDP2's ``chunk_cat`` at world size 1, a host stall of 19 ms (now
+``parallel.fsdp.reduce_alone``), and about 40 ms of host in walks of the module tree per
+microbatch and step (MoE blocks and FSDP2 modules, now found once). Not yet measured again
+on a GPU after those changes.
+
 On a GPU, e.g. ``--layers 8 --hidden 2048 --heads 16 --ffn 5632 --vocab 32000 --seq 2048
 --micro-batch 2 --batch 16``.
 """
