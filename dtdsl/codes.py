@@ -484,9 +484,8 @@ lacks a part it needs. The message names the part; the hint says what to write
 instead. Today the runtime cannot train:
 
 - an encoder that is not a `transformer(...)` (over patches; an audio encoder
-  without `patch` reads its fbank a frame a token, and trains), or an audio
-  encoder with `in_channels` above 1 (the workers decode every clip to one mono
-  fbank; Whisper's stem, whose `in_channels` are its mel bins, aside);
+  without `patch` reads its fbank a frame a token, and one with `in_channels`
+  above 1 an fbank per channel: both train);
 - a phased encoder beside another encoder on the backbone's ranks (phased or
   co-located): a phased encoder runs there alone; any number of co-located
   encoders can;

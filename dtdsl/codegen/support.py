@@ -24,9 +24,8 @@ _CODE = "DT601"
 
 def _encoders(program: ir.Program) -> list[Diagnostic]:
     """Encoders the runtime cannot feed: one that is not a transformer (over patches, or
-    over fbank frames: an audio encoder without a patch size reads a frame a token,
-    ``data.modal``); an fbank audio encoder of more than one input channel (the workers
-    decode every clip to one mono fbank, ``data.audio``)."""
+    over fbank frames: an audio encoder without a patch size reads a frame a token, and
+    one of several input channels an fbank per channel, ``data.modal``)."""
     out = []
     for module in program.encoders:
         arch = module.arch
@@ -35,13 +34,6 @@ def _encoders(program: ir.Program) -> list[Diagnostic]:
                 _CODE, f"the runtime has no {arch.kind} encoder: '{module.name}' must "
                 "be a transformer over patches", module.span,
                 hint=f"give {module.name} `arch = transformer(...)`"))
-        elif module.modality == "audio" and arch.stem != "whisper_conv" and \
-                (arch.in_channels or 1) > 1:
-            out.append(Diagnostic.error(
-                _CODE, f"audio encoder '{module.name}' reads {arch.in_channels} channels of "
-                "fbank, but the workers decode every clip to one (mono) fbank", module.span,
-                notes=["its patches (or frames) would be narrower than its stem's input"],
-                hint=f"write in_channels=1 in {module.name}'s transformer(...)"))
     return out
 
 

@@ -3,13 +3,20 @@ audio encoders read (NumPy, float32; no torch here: this runs in the preprocessi
 
 **Decoding** (``decode_audio(data, name)``): ``.wav``, ``.flac``, ``.mp3`` and ``.ogg``
 (Vorbis, Opus) with ``soundfile`` (libsndfile 1.2); what libsndfile does not recognise
-(``.m4a``/AAC, ...) with PyAV (FFmpeg). Channels are mixed down to mono by their mean (as
-librosa's ``to_mono`` and Hugging Face ``datasets``), then resampled to ``rate`` (16 kHz,
+(``.m4a``/AAC, ...) with PyAV (FFmpeg). For a one-channel encoder the channels are mixed
+down to mono by their mean (as librosa's ``to_mono`` and Hugging Face ``datasets``); an
+encoder of ``C > 1`` input channels (``decode_audio(..., channels=C)``, stereo, binaural
+or a microphone array) gets the file's first ``C`` channels as they are, ``[samples, C]``
+(a file of more keeps its first ``C``, as a microphone array's extra channels say nothing
+the encoder was built to read; a mono file feeds every channel the same signal, so a
+stereo encoder still reads mono recordings; a file of ``1 < channels < C`` is refused:
+which of its channels would fill the others is a guess). Then resampled to ``rate`` (16 kHz,
 what BEATs and Whisper read) with ``scipy.signal.resample_poly`` (a polyphase FIR with a
 Kaiser window). Nothing in a file is trusted: the clip is read a block at a time and at
 most ``max_seconds`` of it, and never more than 2^26 samples (the rest is cut, as the
 encoders cut long clips anyway), so memory is bounded by that, not by what a header
-claims; a sample rate or a channel count no audio has, NaN or infinite samples, an empty
+claims (of ``C`` channels, ``2^26 / C`` samples each); a sample rate or a channel count no
+audio has, NaN or infinite samples, an empty
 or undecodable file are an ``AudioError`` (a ``DatasetError``): one line naming the file.
 
 **Features** (``FbankFeatures``, ``WhisperFeatures``): the conventions (mel scales, filter
@@ -32,8 +39,9 @@ normalisation, windows) are ``transformers.audio_utils``'s (``mel_filter_bank``,
 ``AudioPolicy.for_encoder(module, max_frames)`` says which an encoder reads (as
 ``images.ImagePolicy`` does for images): Whisper's log-mel for a tower with Whisper's stem
 (``in_channels`` bins, ``2 x max_source_positions`` frames), BEATs' fbank otherwise (cut to
-``max_frames``, the clamp high of ``audio.frames``); ``policy.features(data, name)`` decodes
-only the seconds it uses.
+``max_frames``, the clamp high of ``audio.frames``), an fbank per channel ``[frames, C,
+bins]`` for ``C = in_channels > 1`` (``data.modal``'s layout); ``policy.features(data,
+name)`` decodes only the seconds it uses.
 
 Frames are cut and transformed in one vectorised pass (``_frames``; float32 FFTs), where
 ``audio_utils.spectrogram`` runs a Python loop per frame in float64: the same arithmetic,
@@ -84,20 +92,23 @@ class AudioError(DatasetError):
 # ---- decoding --------------------------------------------------------------------------
 
 def decode_audio(data: bytes, name: str, *, rate: int = SAMPLE_RATE,
-                 max_seconds: float = MAX_SECONDS) -> np.ndarray:
+                 max_seconds: float = MAX_SECONDS, channels: int = 1) -> np.ndarray:
     """The clip in ``data`` (the bytes of an audio file; ``name`` says which, in errors)
-    as a mono float32 waveform at ``rate`` Hz, of at most ``max_seconds`` (module
-    docstring). AudioError for anything that is not such a clip."""
+    as a float32 waveform at ``rate`` Hz, of at most ``max_seconds``: mono ``[samples]``,
+    or ``[samples, channels]`` for ``channels > 1`` (module docstring). AudioError for
+    anything that is not such a clip."""
     if not 0 < max_seconds <= 86_400:
         raise ValueError(f"max_seconds {max_seconds} is not in (0, 86400]")
+    if not 1 <= channels <= _MAX_CHANNELS:
+        raise ValueError(f"channels {channels} is not in 1..{_MAX_CHANNELS}")
     if len(data) == 0:
         raise AudioError(f"{name}: an empty file (0 bytes), not audio")
-    mono, native = _read_soundfile(data, name, max_seconds)
-    if mono is None:
-        mono, native = _read_pyav(data, name, max_seconds)
-    if mono.size == 0:
+    wave, native = _read_soundfile(data, name, max_seconds, channels)
+    if wave is None:
+        wave, native = _read_pyav(data, name, max_seconds, channels)
+    if wave.size == 0:
         raise AudioError(f"{name}: holds no samples")
-    return _resample(mono, native, rate, name)
+    return _resample(wave, native, rate, name)
 
 
 def check_format(name: str, samplerate: int, channels: int) -> None:
@@ -110,17 +121,34 @@ def check_format(name: str, samplerate: int, channels: int) -> None:
                          "file is damaged")
 
 
-def _mono_block(block: np.ndarray, name: str) -> np.ndarray:
-    """``[frames, channels]`` float32 to the mono mean; AudioError for NaN or infinity."""
+def _mix_block(block: np.ndarray, name: str, channels: int) -> np.ndarray:
+    """``[frames, file channels]`` float32 to what an encoder of ``channels`` reads: the
+    mono mean ``[frames]`` (one), else ``[frames, channels]``: the first ``channels``, a
+    mono file's one repeated (module docstring). AudioError for NaN or infinity, or for a
+    file of more than one channel and fewer than ``channels``."""
     if not np.isfinite(block).all():
         raise AudioError(f"{name}: holds NaN or infinite samples")
-    return block[:, 0].copy() if block.shape[1] == 1 else block.mean(axis=1, dtype=np.float32)
+    have = block.shape[1]
+    if channels == 1:
+        return block[:, 0].copy() if have == 1 else block.mean(axis=1, dtype=np.float32)
+    if have == 1:
+        return np.repeat(block, channels, axis=1)
+    if have < channels:
+        raise AudioError(f"{name}: {have} channels, fewer than the encoder's {channels} "
+                         "(a mono file feeds every channel; write the clip with "
+                         f"{channels} channels or mono)")
+    return np.ascontiguousarray(block[:, :channels])
 
 
-def _read_soundfile(data: bytes, name: str, max_seconds: float
+def _sample_limit(channels: int) -> int:
+    """The most samples read per channel: ``_MAX_SAMPLES`` floats in all."""
+    return _MAX_SAMPLES // max(1, channels)
+
+
+def _read_soundfile(data: bytes, name: str, max_seconds: float, channels: int = 1
                     ) -> tuple[np.ndarray | None, int]:
-    """The mono waveform and its rate, read with libsndfile; ``(None, 0)`` when libsndfile
-    does not recognise the format (PyAV may)."""
+    """The waveform (``_mix_block``'s) and its rate, read with libsndfile; ``(None, 0)``
+    when libsndfile does not recognise the format (PyAV may)."""
     import soundfile as sf
 
     try:
@@ -131,7 +159,7 @@ def _read_soundfile(data: bytes, name: str, max_seconds: float
         raise AudioError(f"{name}: cannot be read as audio ({_short(err)})") from None
     with f:
         check_format(name, f.samplerate, f.channels)
-        limit = min(math.ceil(max_seconds * f.samplerate), _MAX_SAMPLES)
+        limit = min(math.ceil(max_seconds * f.samplerate), _sample_limit(channels))
         parts, have = [], 0
         try:
             # Block by block up to the limit, whatever the header claims: a header may
@@ -141,19 +169,24 @@ def _read_soundfile(data: bytes, name: str, max_seconds: float
                                always_2d=True)
                 if block.shape[0] == 0:
                     break
-                parts.append(_mono_block(block, name))
+                parts.append(_mix_block(block, name, channels))
                 have += block.shape[0]
         except AudioError:
             raise
         except (RuntimeError, ValueError, MemoryError) as err:
             raise AudioError(f"{name}: a damaged {f.format} file ({_short(err)})") from None
         rate = f.samplerate
-    return (np.concatenate(parts) if parts else np.zeros(0, np.float32)), rate
+    return (np.concatenate(parts) if parts else _empty(channels)), rate
 
 
-def _read_pyav(data: bytes, name: str, max_seconds: float) -> tuple[np.ndarray, int]:
-    """The mono waveform and its rate, decoded with PyAV (FFmpeg): the first audio
-    stream, converted to planar float32 at its own rate and layout."""
+def _empty(channels: int) -> np.ndarray:
+    return np.zeros(0 if channels == 1 else (0, channels), np.float32)
+
+
+def _read_pyav(data: bytes, name: str, max_seconds: float, channels: int = 1
+               ) -> tuple[np.ndarray, int]:
+    """The waveform (``_mix_block``'s) and its rate, decoded with PyAV (FFmpeg): the
+    first audio stream, converted to planar float32 at its own rate and layout."""
     import av
 
     try:
@@ -175,16 +208,16 @@ def _read_pyav(data: bytes, name: str, max_seconds: float) -> tuple[np.ndarray, 
                     raise AudioError(f"{name}: its sample rate changes from {rate} to "
                                      f"{frame.sample_rate} Hz")
                 for out in converter.resample(frame):
-                    parts.append(_mono_block(out.to_ndarray().T, name))
-                    have += parts[-1].size
-                if have >= min(max_seconds * rate, _MAX_SAMPLES):
+                    parts.append(_mix_block(out.to_ndarray().T, name, channels))
+                    have += parts[-1].shape[0]
+                if have >= min(max_seconds * rate, _sample_limit(channels)):
                     break
         except (av.FFmpegError, ValueError, OSError) as err:
             raise AudioError(f"{name}: a damaged audio file ({_short(err)})") from None
     if rate is None:
         raise AudioError(f"{name}: holds no samples")
-    mono = np.concatenate(parts) if parts else np.zeros(0, np.float32)
-    return mono[:min(math.ceil(max_seconds * rate), _MAX_SAMPLES)], rate
+    wave = np.concatenate(parts) if parts else _empty(channels)
+    return wave[:min(math.ceil(max_seconds * rate), _sample_limit(channels))], rate
 
 
 def _ratio(native: int, rate: int) -> Fraction:
@@ -197,24 +230,27 @@ def _ratio(native: int, rate: int) -> Fraction:
 
 
 def resampled_length(samples: int, native: int, rate: int = SAMPLE_RATE,
-                     max_seconds: float = MAX_SECONDS) -> int:
-    """The samples ``decode_audio`` gives a clip of ``samples`` samples at ``native`` Hz:
-    at most ``max_seconds`` of it read, resampled to ``rate`` (``resample_poly``'s
-    ``ceil(n * up / down)``). What an index predicts from a header, nothing decoded."""
-    read = min(samples, math.ceil(max_seconds * native), _MAX_SAMPLES)
+                     max_seconds: float = MAX_SECONDS, channels: int = 1) -> int:
+    """The samples (per channel) ``decode_audio`` gives a clip of ``samples`` samples at
+    ``native`` Hz for ``channels``: at most ``max_seconds`` of it read, resampled to
+    ``rate`` (``resample_poly``'s ``ceil(n * up / down)``). What an index predicts from a
+    header, nothing decoded."""
+    read = min(samples, math.ceil(max_seconds * native), _sample_limit(channels))
     if native == rate:
         return read
     ratio = _ratio(native, rate)
     return -(-read * ratio.numerator // ratio.denominator)
 
 
-def _resample(mono: np.ndarray, native: int, rate: int, name: str) -> np.ndarray:
+def _resample(wave: np.ndarray, native: int, rate: int, name: str) -> np.ndarray:
+    """``wave`` (``[samples]`` or ``[samples, channels]``) from ``native`` to ``rate`` Hz,
+    each channel alike."""
     if native == rate:
-        return mono
+        return wave
     from scipy.signal import resample_poly
 
     ratio = _ratio(native, rate)
-    out = resample_poly(mono, ratio.numerator, ratio.denominator)
+    out = resample_poly(wave, ratio.numerator, ratio.denominator, axis=0)
     return out.astype(np.float32, copy=False)
 
 
@@ -368,18 +404,20 @@ class AudioPolicy:
 
     extractor: FbankFeatures | WhisperFeatures
     max_frames: int | None = None       # fbank: at most this many frames (None: all)
+    channels: int = 1                   # fbank: the encoder's in_channels
 
     @classmethod
     def for_encoder(cls, module: Any, max_frames: int | None = None) -> AudioPolicy:
         """The policy of ``module`` (an ``ir.Module`` of an audio encoder). A patch-stem
         encoder reads ``mel_bins`` bins where its architecture says (BEATs' 128
-        otherwise)."""
+        otherwise), an fbank of each of its ``in_channels``."""
         arch = module.arch
         if getattr(arch, "stem", "patch") == "whisper_conv":
             return cls(WhisperFeatures(bins=arch.in_channels,
                                        frames=2 * arch.max_source_positions))
         bins = getattr(arch, "mel_bins", None) or 128
-        return cls(FbankFeatures.beats(bins), max_frames)
+        return cls(FbankFeatures.beats(bins), max_frames,
+                   channels=getattr(arch, "in_channels", None) or 1)
 
     @property
     def max_seconds(self) -> float:
@@ -399,12 +437,16 @@ class AudioPolicy:
         e = self.extractor
         if isinstance(e, WhisperFeatures):
             return e.frames
-        n = e.num_frames(resampled_length(samples, native, e.rate, self.max_seconds))
+        n = e.num_frames(resampled_length(samples, native, e.rate, self.max_seconds,
+                                          self.channels))
         return n if self.max_frames is None else min(n, self.max_frames)
 
     def features(self, data: bytes, name: str) -> np.ndarray:
-        """The clip in ``data`` as this encoder's float32 ``[frames, bins]``; AudioError
-        for a clip that cannot be read (or, for fbank, is shorter than one frame)."""
-        wave = decode_audio(data, name, rate=self.extractor.rate, max_seconds=self.max_seconds)
-        out = self.extractor.features(wave, name)
+        """The clip in ``data`` as this encoder's float32 ``[frames, bins]`` (``[frames,
+        channels, bins]``: an fbank per channel); AudioError for a clip that cannot be read
+        (or, for fbank, is shorter than one frame)."""
+        wave = decode_audio(data, name, rate=self.extractor.rate, max_seconds=self.max_seconds,
+                            channels=self.channels)
+        out = self.extractor.features(wave, name) if wave.ndim == 1 else np.stack(
+            [self.extractor.features(wave[:, c], name) for c in range(wave.shape[1])], axis=1)
         return out[:self.max_frames] if self.max_frames is not None else out

@@ -16,10 +16,13 @@ turns a ``RawSample`` into a ``DecodedSample``:
   name), its items as float32 arrays: audio files decoded to the features the encoder
   reads, video files to sampled, sized, normalised frames (``data.media.ClipReader``);
   ``.npy`` audio (a dtdsl dataset's) is taken as precomputed features of the encoder's
-  bins, cut to whole rows of patches under the clamp high of ``audio.frames``; images
-  sized by that encoder's own ``ImagePolicy`` and normalised with its mean and std.
-  ``inputs_at``: where each goes (its placeholder, ``data.text``);
-- ``audio``: the ``.npy`` clips as stored (float32 ``[frames, bins]``);
+  bins (``[frames, C, bins]`` for one of ``C > 1`` input channels: a clip without that
+  channel axis, or with another count, is a ``DatasetError``), cut to whole rows of
+  patches under the clamp high of ``audio.frames``; images sized by that encoder's own
+  ``ImagePolicy`` and normalised with its mean and std. ``inputs_at``: where each goes
+  (its placeholder, ``data.text``);
+- ``audio``: the ``.npy`` clips as stored (float32 ``[frames, bins]``, or ``[frames,
+  channels, bins]``);
 - ``gen``: per generator (by module name) ``LatentTargets``: ``latents`` float32 ``[G, C,
   L, L]`` (``C`` the generator's ``latent_channels``, ``L`` its ``latent``), ``noise``
   float32 ``[G, C, L, L]`` and ``timesteps`` int64 ``[G]`` below the generator's timesteps.
@@ -256,7 +259,7 @@ class Decoder:
                 out[name] = tuple(reader.shape(c) for c in info.videos)
         return out
 
-    def _npy_shape(self, reader: ClipReader, frames: int, key: str) -> tuple[int, int]:
+    def _npy_shape(self, reader: ClipReader, frames: int, key: str) -> tuple[int, ...]:
         rule = reader.rule
         assert reader.audio is not None
         if rule.whisper_positions:
@@ -267,7 +270,7 @@ class Decoder:
             raise DatasetError(f"sample {key}: a clip of {frames} frames, fewer than " +
                                ("one" if rule.frames else
                                 f"one row of {rule.patch} frames of patches"))
-        return (rows * rule.patch, rule.mel_bins)
+        return (rows * rule.patch, *rule.item_shape)
 
     def _inputs(self, raw: RawSample, opened: list[Any]) -> dict[str, tuple[np.ndarray, ...]]:
         """Every ``inputs`` encoder's items; ``opened``: the sample's images, decoded once
@@ -293,11 +296,11 @@ class Decoder:
                 return reader.read(item)
             except DatasetError as err:
                 raise DatasetError(f"sample {raw.key}: {err}") from None
-        array = self._clip(raw, item)           # .npy: precomputed features
+        array = self._clip(raw, item, reader.rule.channels)     # .npy: precomputed
         shape = self._npy_shape(reader, array.shape[0], raw.key)
-        if array.shape[1] != shape[1]:
-            raise DatasetError(f"sample {raw.key}: audio features of {array.shape[1]} bins; "
-                               f"encoder '{reader.rule.name}' reads {shape[1]}")
+        if array.shape[1:] != shape[1:]:     # [frames, bins] or [frames, channels, bins]
+            raise DatasetError(f"sample {raw.key}: audio features of {_per_frame(array.shape)}"
+                               f"; encoder '{reader.rule.name}' reads {_per_frame(shape)}")
         if array.shape[0] < shape[0]:
             raise DatasetError(f"sample {raw.key}: audio features of {array.shape[0]} frames; "
                                f"encoder '{reader.rule.name}' reads {shape[0]}")
@@ -314,7 +317,8 @@ class Decoder:
             images = tuple(self.images.resize(img) for img in opened)
         audio: tuple[np.ndarray, ...] = ()
         if self.audio:
-            audio = tuple(self._clip(raw, clip)[:self.max_frames] for clip in raw.audio
+            audio = tuple(self._clip(raw, clip, clip.channels)[:self.max_frames]
+                          for clip in raw.audio
                           if isinstance(clip, EncodedAudio))
         gen = {g.name: self._targets(raw, g) for g in self.generators}
         at = self.input_places(layout.image_at, layout.items_at)
@@ -413,14 +417,17 @@ class Decoder:
         except DatasetError as err:
             raise DatasetError(f"sample {raw.key}: {err}") from None
 
-    def _clip(self, raw: RawSample, clip: EncodedAudio) -> np.ndarray:
+    def _clip(self, raw: RawSample, clip: EncodedAudio, channels: int = 1) -> np.ndarray:
+        """A ``.npy`` clip's float32 ``[frames, bins]``, ``[frames, channels, bins]`` for
+        an encoder of ``channels > 1`` (an audio generator's targets: one channel)."""
         try:
             array = clip.array()
         except Exception as err:  # noqa: BLE001 - NumPy raises many kinds on broken data
             raise DatasetError(f"sample {raw.key}: cannot decode audio: {err}") from None
-        if array.dtype != np.float32 or array.ndim != 2:
+        want = "[frames, bins]" if channels == 1 else f"[frames, {channels}, bins]"
+        if array.dtype != np.float32 or array.ndim != (2 if channels == 1 else 3):
             raise DatasetError(f"sample {raw.key}: audio is {array.dtype} "
-                               f"{list(array.shape)}, not float32 [frames, bins]")
+                               f"{list(array.shape)}, not float32 {want}")
         return array
 
     def _targets(self, raw: RawSample, g: _Generator) -> LatentTargets:
@@ -498,3 +505,10 @@ def join_decoded(docs: list[DecodedSample], sizes: Any = None) -> DecodedSample:
 def decode_sample(program: ir.Program, raw: RawSample, *, seed: int) -> DecodedSample:
     """Decode one sample (builds a ``Decoder``; keep one to decode many)."""
     return Decoder.for_program(program, seed=seed).decode(raw)
+
+
+def _per_frame(shape: tuple[int, ...]) -> str:
+    """A clip's features per frame in words: ``128 bins``, ``2 channels of 128 bins``."""
+    if len(shape) == 2:
+        return f"{shape[1]} bins"
+    return " x ".join(map(str, shape[1:-1])) + f" channels of {shape[-1]} bins"

@@ -20,10 +20,13 @@ reason (``unreadable audio``, ``unreadable video``).
   10 ms) cut to the clamp high of ``audio.frames`` (tokens per clip: whole rows of
   ``mel_bins / patch`` patches) and floored to whole rows of ``patch`` frames: ``[T,
   mel_bins]``, ``T / patch * mel_bins / patch`` tokens. A clip shorter than one row of
-  patches is refused (it would give no token);
+  patches is refused (it would give no token). An encoder of ``C = in_channels > 1``
+  reads ``[T, C, mel_bins]``, an fbank of each of the clip's first ``C`` channels (a
+  mono clip's one signal in every channel; a clip of ``1 < channels < C`` is refused
+  when it decodes, as its header's channels are not indexed), the same tokens;
 - audio, an encoder without a patch size (a frame stem, a token per frame): the same
-  fbank frames, cut to the clamp high of ``audio.frames``: ``[T, mel_bins]``, ``T``
-  tokens;
+  fbank frames, cut to the clamp high of ``audio.frames``: ``[T, mel_bins]`` (``[T, C,
+  mel_bins]``), ``T`` tokens;
 - audio, an encoder with Whisper's convolutional stem: ``[2 * max_source_positions,
   in_channels]`` log-mel whatever the clip's length (30 s, cut or zero-padded), and
   ``max_source_positions`` tokens (``ir.program.TransformerArch.clip_tokens``);
@@ -176,7 +179,7 @@ class ClipReader:
                 raise AudioError(f"{info.name}: {info.samples / info.rate:.3f} s, shorter "
                                  f"than one row of {rule.patch} frames of patches "
                                  f"({((rule.patch - 1) * e.hop_ms + e.frame_ms):g} ms)")
-            return (rows * rule.patch, e.bins)
+            return (rows * rule.patch, *rule.item_shape)
         assert self.video is not None
         if info.frames < 1:
             raise DatasetError(f"{info.name}: not a video file")
@@ -203,7 +206,7 @@ class ClipReader:
         name = clip.info.name
         if self.audio is not None:
             out = self.audio.features(clip.data, name)
-            if out.shape[0] < shape[0] or out.shape[1] != shape[1]:
+            if out.shape[0] < shape[0] or out.shape[1:] != shape[1:]:
                 raise DatasetError(f"{name}: decodes to {list(out.shape)} features, not the "
                                    f"{list(shape)} its header promises")
             return np.ascontiguousarray(out[:shape[0]], dtype=np.float32)

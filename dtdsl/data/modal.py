@@ -14,12 +14,17 @@ An *item* is one input of one encoder: an image, an audio clip, a video clip.
   clip (``ir.program.QUANTITIES``): a drawn clip of ``n`` tokens has
   ``rows = max(1, round(n / (M/p)))`` rows of patches, ``T = rows * p`` frames and
   ``rows * (M/p)`` tokens (``ir.clips.audio_rows``, which the cost model applies too; a
-  clip read from a file has the whole rows of its fbank frames, ``data.media``). An audio
+  clip read from a file has the whole rows of its fbank frames, ``data.media``). An
+  encoder of ``C = in_channels > 1`` (stereo, binaural, a microphone array) reads
+  ``[T, C, M]``, an fbank per channel, time first as every audio item (a clip's frames
+  are its first axis wherever it is cut or counted): its patches are ``C x patch x
+  patch`` values in (channel, time, frequency) order, its tokens and grid those of one
+  channel, so ``C`` changes the patch width alone, never the token count. An audio
   tower with Whisper's convolutional stem reads a clip whole, ``[2 * P, M]`` (30 s,
   ``P = max_source_positions``), and gives ``P`` tokens whatever ``audio.frames`` says.
   An audio encoder without a patch size (``TransformerArch.stem == "frames"``) reads its
-  fbank a frame a token: ``[T, M]``, grid ``(T, 1)``, each frame's ``M x in_channels``
-  values one patch, ``T`` tokens; a drawn clip of ``n`` tokens has ``max(1, n)`` frames
+  fbank a frame a token: ``[T, M]`` (``[T, C, M]``), grid ``(T, 1)``, each frame's
+  ``in_channels x M`` values (channel-major) one patch, ``T`` tokens; a drawn clip of ``n`` tokens has ``max(1, n)`` frames
   (rows of one frame, one column: the cost model prices the drawn tokens as they are).
 - video ``[F, 3, H, W]`` (Qwen2-VL style): patches of ``temporal_patch`` frames x
   ``patch x patch`` pixels, each flattened in (channel, frame, row, column) order,
@@ -77,6 +82,12 @@ class InputRule:
     # per fbank frame of ``mel_bins`` bins (``patch`` is 1).
     frames: bool = False
 
+    @property
+    def item_shape(self) -> tuple[int, ...]:
+        """An fbank clip's shape after its frames (patch and frame stems): ``(M,)`` for
+        one channel, ``(C, M)`` for ``C`` (module docstring)."""
+        return (self.mel_bins,) if self.channels == 1 else (self.channels, self.mel_bins)
+
     @staticmethod
     def of(program: ir.Program, module: ir.Module) -> InputRule:
         """The rule of encoder ``module``."""
@@ -122,8 +133,8 @@ class InputRule:
             return shape[0] // 2, 1         # the stem's stride 2 over the frames
         if self.frames:
             return shape[0], 1              # a token per frame
-        if self.modality == "audio":
-            return shape[-2] // p, shape[-1] // p
+        if self.modality == "audio":       # [T, M] or [T, C, M]: frames first
+            return shape[0] // p, shape[-1] // p
         if self.modality == "video":
             return (shape[0] // self.temporal_patch) * (shape[-2] // p), shape[-1] // p
         return shape[-2] // p, shape[-1] // p
@@ -146,7 +157,7 @@ class InputRule:
         if self.whisper_positions:      # every clip padded or cut to 30 s
             return (2 * self.whisper_positions, self.channels)
         if self.modality == "audio":
-            return (audio_rows(size, self.columns) * p, self.mel_bins)
+            return (audio_rows(size, self.columns) * p, *self.item_shape)
         if self.modality == "video":
             side = max(1, round(math.sqrt(max(patches, 0)))) * p
             return (padded_frames(size, self.temporal_patch), self.channels, side, side)
@@ -160,10 +171,10 @@ class InputRule:
         p = self.patch
         if self.whisper_positions:
             return items                            # [B, T, M]: the stem reads frames
-        if self.frames:                             # [B, T, M]: a frame is a patch
+        if self.frames:                             # [B, T, (C,) M]: a frame a patch
             return items.reshape(items.shape[0], items.shape[1], -1)
-        if self.modality == "audio":
-            items = items[:, None]                  # [B, 1, T, M]: a one-channel image
+        if self.modality == "audio":                # a C-channel image [B, C, T, M]
+            items = items[:, None] if items.dim() == 3 else items.transpose(1, 2)
         if self.modality != "video":
             b, c, hgt, wid = items.shape
             x = items.reshape(b, c, hgt // p, p, wid // p, p)

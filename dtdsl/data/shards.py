@@ -12,13 +12,15 @@ these tar members (plain WebDataset convention: ``KEY.SUFFIX``; readers such as
 
 - ``KEY.txt``: the text, UTF-8;
 - ``KEY.json``: the sample's record, ``{"key", "images": [{"w", "h", "format"}, ...],
-  "gen_images": [...], "audio": [{"frames", "bins"}, ...], "gen_audio": [...]}`` plus
-  any extra fields of ``RawSample.meta``;
+  "gen_images": [...], "audio": [{"frames", "bins"(, "channels")}, ...], "gen_audio":
+  [...]}`` plus any extra fields of ``RawSample.meta``;
 - ``KEY.img0.png``, ``KEY.img1.jpg``, ...: the input images (PNG or JPEG, any size);
 - ``KEY.gen0.png``, ...: the images an image generator learns to produce;
 - ``KEY.aud0.npy``, ...: input audio as log-mel frames, a float32 ``[frames, bins]``
   array in NumPy's ``.npy`` format (one row per frame, ``bins`` mel bins; ``synth``
-  writes standardised values, roughly zero mean and unit variance);
+  writes standardised values, roughly zero mean and unit variance), or ``[frames,
+  channels, bins]`` for an encoder of several input channels (the record says
+  ``channels``);
 - ``KEY.genaud0.npy``, ...: audio an audio generator learns to produce, the same way.
 
 Tars are USTAR, written deterministically: members sorted by name, mtime 0, uid/gid 0,
@@ -168,14 +170,22 @@ class EncodedImage:
 
 @dataclass(frozen=True)
 class EncodedAudio:
-    """Log-mel frames as ``.npy`` bytes of a float32 ``[frames, bins]`` array."""
+    """Log-mel frames as ``.npy`` bytes of a float32 ``[frames, bins]`` array, or
+    ``[frames, channels, bins]`` for an encoder of several input channels (an fbank per
+    channel, ``data.modal``)."""
 
     data: bytes = field(repr=False)
     frames: int
     bins: int
+    channels: int = 1               # 1: [frames, bins], no channel axis
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.frames, self.bins) if self.channels == 1 else \
+            (self.frames, self.channels, self.bins)
 
     def array(self) -> np.ndarray:
-        """The float32 ``[frames, bins]`` array."""
+        """The float32 array (``shape``)."""
         return np.load(io.BytesIO(self.data), allow_pickle=False)
 
 
@@ -258,13 +268,22 @@ def encode_image(pixels: np.ndarray, format: Literal["png", "jpeg"], *,
 
 
 def encode_audio(frames: np.ndarray) -> EncodedAudio:
-    """Store a ``[frames, bins]`` array (converted to little-endian float32)."""
-    if frames.ndim != 2:
-        raise ValueError(f"expected [frames, bins] audio, not shape {list(frames.shape)}")
+    """Store a ``[frames, bins]`` or ``[frames, channels, bins]`` array (converted to
+    little-endian float32)."""
+    if frames.ndim not in (2, 3) or (frames.ndim == 3 and frames.shape[1] < 2):
+        raise ValueError("expected [frames, bins] or [frames, channels > 1, bins] audio, "
+                         f"not shape {list(frames.shape)}")
     array = np.ascontiguousarray(frames, dtype="<f4")
     buf = io.BytesIO()
     np.save(buf, array, allow_pickle=False)
-    return EncodedAudio(data=buf.getvalue(), frames=array.shape[0], bins=array.shape[1])
+    return EncodedAudio(data=buf.getvalue(), frames=array.shape[0], bins=array.shape[-1],
+                        channels=array.shape[1] if array.ndim == 3 else 1)
+
+
+def _audio_entry(a: EncodedAudio) -> dict[str, int]:
+    # "channels" only where there are several: a one-channel clip's entry is as it was.
+    entry = {"frames": a.frames, "bins": a.bins}
+    return entry if a.channels == 1 else {**entry, "channels": a.channels}
 
 
 def _record(raw: RawSample) -> dict[str, Any]:
@@ -278,8 +297,8 @@ def _record(raw: RawSample) -> dict[str, Any]:
         images=[{"w": i.width, "h": i.height, "format": i.format} for i in raw.images],
         gen_images=[{"w": i.width, "h": i.height, "format": i.format}
                     for i in raw.gen_images],
-        audio=[{"frames": a.frames, "bins": a.bins} for a in raw.audio],
-        gen_audio=[{"frames": a.frames, "bins": a.bins} for a in raw.gen_audio])
+        audio=[_audio_entry(a) for a in raw.audio],
+        gen_audio=[_audio_entry(a) for a in raw.gen_audio])
     return record
 
 
@@ -306,9 +325,9 @@ def _check_audio(raw: RawSample, audio: EncodedAudio) -> None:
         shape, fortran, dtype = read_header(buf)
     except (ValueError, OSError) as err:
         raise ValueError(f"sample {raw.key}: audio is not a .npy array: {err}") from None
-    if dtype != np.dtype("<f4") or fortran or shape != (audio.frames, audio.bins):
-        raise ValueError(f"sample {raw.key}: audio says float32 [{audio.frames}, "
-                         f"{audio.bins}] but holds {dtype} {list(shape)}")
+    if dtype != np.dtype("<f4") or fortran or shape != audio.shape:
+        raise ValueError(f"sample {raw.key}: audio says float32 {list(audio.shape)} "
+                         f"but holds {dtype} {list(shape)}")
 
 
 def _members(raw: RawSample) -> list[tuple[str, bytes]]:
@@ -975,7 +994,8 @@ def _assemble(info: SampleInfo, blobs: dict[str, bytes], where: Path) -> RawSamp
                 if entries[k]["frames"] != n:
                     raise ValueError(f"record {entries[k]} disagrees with {n} frames")
                 clips.append(EncodedAudio(data=blobs[f"{kind}{k}.npy"], frames=n,
-                                          bins=int(entries[k]["bins"])))
+                                          bins=int(entries[k]["bins"]),
+                                          channels=int(entries[k].get("channels", 1))))
             parts[kind] = tuple(clips)
     except (KeyError, IndexError, TypeError, ValueError) as err:
         raise bad(f"record and index disagree ({err})") from None

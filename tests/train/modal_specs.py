@@ -27,14 +27,15 @@ _VIDEO_DATA = """  video.count     ~ choice([0, 1], p=[0.5, 0.5])
 
 
 def tiny_modal(audio: bool = True, video: bool = False, batch: int | None = None,
-               frames: bool = False) -> ir.Program:
+               frames: bool = False, channels: int = 1) -> ir.Program:
     """tiny_cpu.dt with an audio encoder (BEATs-style, 4x4 patches of a 16-bin fbank;
-    ``frames``: no patch, a token per frame) and/or a video encoder (Qwen2-VL-style,
-    2-frame patches) added, each with its projector into the backbone and its data
-    quantities."""
+    ``frames``: no patch, a token per frame; ``channels``: its in_channels, an fbank per
+    channel) and/or a video encoder (Qwen2-VL-style, 2-frame patches) added, each with its
+    projector into the backbone and its data quantities."""
     text = TINY.read_text()
-    encoders = ((_AUDIO_FRAMES if frames else _AUDIO) if audio else "") + \
-        (_VIDEO if video else "")
+    ear = (_AUDIO_FRAMES if frames else _AUDIO).replace(
+        "in_channels=1", f"in_channels={channels}")
+    encoders = (ear if audio else "") + (_VIDEO if video else "")
     projectors = "".join(f"\n  projector {e} -> llm : mlp(depth=2)"
                          for e, on in (("beats", audio), ("clip", video)) if on)
     data = (_AUDIO_DATA if audio else "") + (_VIDEO_DATA if video else "")

@@ -84,22 +84,51 @@ def test_an_audio_encoder_without_a_patch_reads_a_frame_a_token():
             for layer in encoder.layers.values():
                 x = layer(x)
             assert torch.allclose(encoder.finish(x), encoder(clip), atol=1e-6)
-    # Two input channels, either stem: the workers decode one mono fbank, narrower than
-    # the stem's input, so compile refuses it.
-    for stem in ("frames", "patch"):
-        wide = {"in_channels": 2, "stem": stem, "patch": 4 if stem == "patch" else None}
-        [d] = runtime_support(program.model_copy(update={"modules": tuple(
-            m.model_copy(update={"arch": m.arch.model_copy(update=wide)})
-            if m.name == "beats" else m for m in program.modules)}))
-        assert d.code == "DT601" and "reads 2 channels" in d.message
 
 
-@pytest.mark.parametrize("video, frames", [(False, False), (True, False), (False, True)])
-def test_cost_model_counts_the_runtime_tokens(video, frames):
+@pytest.mark.parametrize("frames", [False, True])
+def test_a_two_channel_audio_encoder_reads_an_fbank_per_channel(frames):
+    # [T, C, M], time first: the patch (or frame) widens by C, the grid and the tokens
+    # are one channel's, so the cost model's tokens (drawn_tokens, no C in it) stay the
+    # model's. A patch holds its C channels' p x p values channel-major, as a C-channel
+    # image's; a frame its C x M values.
+    one = encoder_inputs(tiny_modal(audio=True, frames=frames)).rule("beats")
+    program = tiny_modal(audio=True, frames=frames, channels=2)
+    arch = program.module("beats").arch
+    rule = encoder_inputs(program).rule("beats")
+    assert runtime_support(program) == []
+    assert rule.patch_dim == arch.patch_dim == 2 * one.patch_dim
+    torch.manual_seed(0)
+    encoder = build_model(program).unit("beats")
+    assert encoder.patch_embed.in_features == rule.patch_dim
+    drawn = np.arange(0, 41)
+    assert drawn_tokens(rule, drawn).tolist() == drawn_tokens(one, drawn).tolist()
+    for n in (1, 7, 40):
+        shape = rule.synthetic_shape(n)
+        assert shape == (*one.synthetic_shape(n)[:1], 2, 16)
+        assert rule.grid(shape) == one.grid(one.synthetic_shape(n))
+        clip = torch.randn(1, *shape)
+        patches = rule.patchify(clip)
+        p = rule.patch
+        assert patches.shape == (1, rule.tokens(shape), rule.patch_dim)
+        # Frame 0: channel 0's M bins, then channel 1's; patch (row 0, column 1):
+        # channel 0's p x p values, then channel 1's.
+        col = 0 if frames else 1
+        want = clip[0, 0].reshape(-1) if frames else \
+            clip[0, :p, :, p:2 * p].transpose(0, 1).reshape(-1)
+        assert torch.equal(patches[0, col], want)
+        with torch.no_grad():
+            x = encoder.embed(patches, rule.grid(shape))
+        assert x.shape[1] == rule.tokens(shape) == int(drawn_tokens(rule, [n])[0])
+
+
+@pytest.mark.parametrize("video, frames, channels", [(False, False, 1), (True, False, 1),
+                                                     (False, True, 1), (False, False, 2)])
+def test_cost_model_counts_the_runtime_tokens(video, frames, channels):
     # The cost model draws an item's size and prices drawn_tokens of it; the runtime's
     # synthetic item of that drawn size has exactly those tokens, per sample (an audio
-    # frame stem's: the drawn frames themselves).
-    program = tiny_modal(audio=True, video=video, frames=frames)
+    # frame stem's: the drawn frames themselves; a two-channel encoder's: one channel's).
+    program = tiny_modal(audio=True, video=video, frames=frames, channels=channels)
     rules = encoder_inputs(program)
     for i in range(200):
         sizes = sample_sizes(program, 3, i)
@@ -177,7 +206,10 @@ def test_every_sample_reaches_every_unit_once_a_step(policy):
 
 
 def test_audio_encoder_trains_as_the_reference():
-    program = tiny_modal(audio=True, batch=8)
+    # Two input channels (an fbank per channel, [T, 2, M]); the one-channel patch stem
+    # trains in test_tiny_audio_image_trains_as_the_reference.
+    program = tiny_modal(audio=True, batch=8, channels=2)
+    assert program.module("beats").arch.in_channels == 2
     assert runtime_support(program) == []
     check(program, plan_for(program, ("vit", "encoder", 1, 1, 1), ("beats", "encoder", 1, 1, 1),
                             ("llm", "backbone", 1, 1, 1), ("gen", "generator", 1, 1, 1)),
