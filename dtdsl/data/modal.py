@@ -24,8 +24,9 @@ An *item* is one input of one encoder: an image, an audio clip, a video clip.
   ``P = max_source_positions``), and gives ``P`` tokens whatever ``audio.frames`` says.
   An audio encoder without a patch size (``TransformerArch.stem == "frames"``) reads its
   fbank a frame a token: ``[T, M]`` (``[T, C, M]``), grid ``(T, 1)``, each frame's
-  ``in_channels x M`` values (channel-major) one patch, ``T`` tokens; a drawn clip of ``n`` tokens has ``max(1, n)`` frames
-  (rows of one frame, one column: the cost model prices the drawn tokens as they are).
+  ``in_channels x M`` values (channel-major) one patch, ``T`` tokens; a drawn clip of
+  ``n`` tokens has ``max(1, n)`` frames (rows of one frame, one column: the cost model
+  prices the drawn tokens as they are).
 - video ``[F, 3, H, W]`` (Qwen2-VL style): patches of ``temporal_patch`` frames x
   ``patch x patch`` pixels, each flattened in (channel, frame, row, column) order,
   ``patch_dim = 3 * temporal_patch * p^2``; ``F`` is ``video.frames`` rounded up to a

@@ -41,8 +41,9 @@ from typing import Any
 import numpy as np
 
 from dtdsl.cost.samples import draw
+from dtdsl.data.encode import encode_audio, encode_image
 from dtdsl.data.modal import InputRule
-from dtdsl.data.shards import RawSample, encode_audio, encode_image, sample_key
+from dtdsl.data.shards import RawSample, sample_key
 from dtdsl.ir import program as ir
 
 __all__ = ["MEL_BINS", "NUM_WORDS", "image_grid", "provenance", "synthesize"]

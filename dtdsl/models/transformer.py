@@ -330,7 +330,8 @@ class Encoder(nn.Module):
         """``[B, N, patch_dim]`` flattened patches of images whose patch grid is ``grid``
         (rows, columns; default: square) to the first layer's input ``[B, N (+1), hidden]``.
         With Whisper's stem: ``[B, frames, mel_bins]`` features to ``[B, frames / 2, hidden]``;
-        with the frame stem, ``[B, frames, mel_bins]`` to ``[B, frames, hidden]``."""
+        with the frame stem, ``[B, frames, in_channels x mel_bins]`` to ``[B, frames,
+        hidden]``."""
         x = self.patch_embed(patches)
         if self.whisper:
             return x
@@ -357,7 +358,7 @@ class Encoder(nn.Module):
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         if self.whisper:        # Hugging Face's input_features [B, mel_bins, frames]
             x = self.embed(pixel_values.transpose(1, 2))
-        elif self.frames:       # fbank features [B, frames, mel_bins]: a frame a token
+        elif self.frames:       # fbank [B, frames, (channels,) mel_bins]: a frame a token
             x = self.embed(pixel_values.flatten(2), (pixel_values.shape[1], 1))
         else:
             grid = (pixel_values.shape[-2] // self.patch, pixel_values.shape[-1] // self.patch)

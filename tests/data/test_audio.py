@@ -271,3 +271,49 @@ def test_a_patch_stem_encoder_reads_beats_fbank_cut_to_its_frames():
     np.testing.assert_array_equal(got, BEATS().features(wave)[:50])
     whole = AudioPolicy.for_encoder(ear).features(clip, "a.flac")
     assert whole.shape == (BEATS().num_frames(3 * SAMPLE_RATE), 128)
+
+
+# ---- several input channels -----------------------------------------------------------
+
+def _channels(seconds: float, freqs: tuple[float, ...], rate: int = RATE) -> np.ndarray:
+    """A clip of one tone per channel, ``[samples, len(freqs)]``."""
+    t = np.arange(int(seconds * rate)) / rate
+    return np.stack([0.3 * np.sin(2 * np.pi * f * t) for f in freqs], axis=1).astype(np.float32)
+
+
+@pytest.mark.parametrize("fmt", ["WAV", "FLAC"])
+def test_a_two_channel_encoder_reads_an_fbank_of_each_channel(fmt):
+    # [frames, 2, bins]: each channel's own fbank, as the one-channel policy computes it
+    # from that channel alone (left 440 Hz, right 3 kHz: the channels differ).
+    from dtdsl.data.audio import AudioPolicy
+
+    policy = AudioPolicy(BEATS(16), max_frames=40, channels=2)
+    clip = _channels(1.0, (440.0, 3000.0))
+    got = policy.features(_encode(clip, fmt), f"a.{fmt.lower()}")
+    assert got.shape == (40, 2, 16) and got.dtype == np.float32
+    assert np.abs(got[:, 0] - got[:, 1]).max() > 1.0
+    one = AudioPolicy(BEATS(16), max_frames=40)
+    for c in range(2):
+        alone = one.features(_encode(clip[:, c], fmt), "c.wav")
+        np.testing.assert_allclose(got[:, c], alone, atol=1e-5)
+    # The frames follow from the header as for one channel (what an index predicts).
+    assert policy.num_frames(clip.shape[0], RATE) == got.shape[0]
+
+
+def test_mono_feeds_every_channel_and_extra_channels_are_cut():
+    from dtdsl.data.audio import AudioPolicy
+
+    policy = AudioPolicy(BEATS(16), channels=2)
+    mono = _encode(_channels(0.5, (440.0,)), "WAV")
+    got = policy.features(mono, "m.wav")
+    assert np.array_equal(got[:, 0], got[:, 1])
+    np.testing.assert_array_equal(got[:, 0], AudioPolicy(BEATS(16)).features(mono, "m.wav"))
+    # Three channels for two: the first two, as a two-channel file of them decodes.
+    three = _channels(0.5, (440.0, 3000.0, 1000.0))
+    np.testing.assert_array_equal(policy.features(_encode(three, "FLAC"), "t.flac"),
+                                  policy.features(_encode(three[:, :2], "FLAC"), "s.flac"))
+    wave = decode_audio(_encode(three, "FLAC"), "t.flac", channels=2)
+    assert wave.shape == (8000, 2)
+    # Two channels for four: which would fill the other two is a guess; refused.
+    with pytest.raises(AudioError, match=r"s\.flac: 2 channels, fewer than the encoder's 4"):
+        decode_audio(_encode(three[:, :2], "FLAC"), "s.flac", channels=4)

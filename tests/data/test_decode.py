@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from dtdsl.data.decode import DIFFUSION_STEPS, Decoder, decode_sample, patch_grid
-from dtdsl.data.shards import Dataset, DatasetError, RawSample, encode_image, text_pieces
+from dtdsl.data.encode import encode_image
+from dtdsl.data.shards import Dataset, DatasetError, RawSample, text_pieces
 from dtdsl.data.synth import synthesize
 from dtdsl.data.text import HashTokenizer as Tokenizer
 

@@ -73,18 +73,19 @@ def write_media_shards(root: Path, n: int = 24, per_shard: int = 8, seed: int = 
     return keys
 
 
-@pytest.mark.parametrize("frames", [False, True])
-def test_clip_tokens_from_the_index_equal_the_decoded_clips(tmp_path, frames):
+@pytest.mark.parametrize("frames, channels", [(False, 1), (True, 1), (False, 2)])
+def test_clip_tokens_from_the_index_equal_the_decoded_clips(tmp_path, frames, channels):
     """Every audio and video clip's shape, and so its tokens, from its header alone
     equals what the workers decode and what the model's encoders make of it, under both
     encoders' rules (``frames``: an audio encoder without a patch, a token per fbank
-    frame, on flac and wav members)."""
+    frame, on flac and wav members; ``channels``: the audio encoder's in_channels, the
+    mono clips' one signal in each, ``[T, 2, 16]``)."""
     import torch
 
     from dtdsl.models.multimodal import build_model
 
     write_media_shards(tmp_path / "s", n=12, wav=frames)
-    program = tiny_modal(audio=True, video=True, frames=frames)
+    program = tiny_modal(audio=True, video=True, frames=frames, channels=channels)
     decoder = Decoder.for_program(program, seed=0)
     rules = encoder_inputs(program)
     torch.manual_seed(0)
@@ -116,7 +117,8 @@ def test_clip_tokens_from_the_index_equal_the_decoded_clips(tmp_path, frames):
     reader = decoder.readers["beats"]
     info = index_media(_flac(np.random.default_rng(1), 0.2, 16_000), "a.flac")
     want = 18 if frames else 16
-    assert reader.shape(info) == (want, 16) and reader.tokens(info) == want
+    bins = (16,) if channels == 1 else (channels, 16)
+    assert reader.shape(info) == (want, *bins) and reader.tokens(info) == want
     # Under a clamp high of audio.frames (12 tokens): at most 12 frames, or 3 rows of 4.
     data = program.data
     clamped = program.model_copy(update={"data": data.model_copy(update={"quantities": tuple(
@@ -124,7 +126,7 @@ def test_clip_tokens_from_the_index_equal_the_decoded_clips(tmp_path, frames):
         for q in data.quantities)})})
     reader = ClipReader.for_encoder(clamped, clamped.module("beats"))
     decoded = reader.read(EncodedClip(info, _flac(np.random.default_rng(1), 0.2, 16_000)))
-    assert reader.shape(info) == decoded.shape == (12, 16) and reader.tokens(info) == 12
+    assert reader.shape(info) == decoded.shape == (12, *bins) and reader.tokens(info) == 12
     # A video of 9 frames of 24x16 at 10 fps: 0.9 s -> 4 frames (2 fps, at least 4),
     # 2 temporal patches of 4 x 6 patches of 4 pixels.
     info = index_media(write_clip(9, width=24, height=16), "v.mp4")
@@ -399,7 +401,8 @@ def test_precomputed_features_feed_a_frame_stem_a_frame_a_token(tmp_path):
     # tokens.
     import torch
 
-    from dtdsl.data.shards import RawSample, encode_audio, sample_key, write_dataset
+    from dtdsl.data.encode import encode_audio
+    from dtdsl.data.shards import RawSample, sample_key, write_dataset
     from dtdsl.models.multimodal import build_model
 
     rng = np.random.default_rng(0)
@@ -425,4 +428,40 @@ def test_precomputed_features_feed_a_frame_stem_a_frame_a_token(tmp_path):
                                   rule.grid(clip.shape))
             assert x.shape[1] == rule.tokens(clip.shape) == n
         with pytest.raises(Exception, match="8 bins; encoder 'beats' reads 16"):
+            decoder.decode(ds.read(3))
+
+
+def test_precomputed_features_with_a_channel_axis_feed_a_two_channel_encoder(tmp_path):
+    # .npy features of a two-channel encoder are [frames, 2, bins] (the record says
+    # channels=2); one without the channel axis, or with another count, is refused by name.
+    import torch
+
+    from dtdsl.data.encode import encode_audio
+    from dtdsl.data.shards import RawSample, sample_key, write_dataset
+    from dtdsl.models.multimodal import build_model
+
+    rng = np.random.default_rng(0)
+    features = [rng.standard_normal((n, 2, 16)).astype(np.float32) for n in (8, 21)]
+    wrong = [rng.standard_normal((8, 16)), rng.standard_normal((8, 3, 16))]
+    samples = [RawSample(key=sample_key(i), text="a clip", audio=(encode_audio(f),))
+               for i, f in enumerate(features + wrong)]
+    write_dataset(tmp_path / "d", samples, samples_per_shard=4)
+    program = tiny_modal(audio=True, channels=2)
+    decoder = Decoder.for_program(program, seed=0)
+    rule = encoder_inputs(program).rule("beats")
+    torch.manual_seed(0)
+    encoder = build_model(program).unit("beats")
+    with open_dataset(str(tmp_path / "d")) as ds:
+        for i, n in enumerate((8, 20)):         # 21 frames: 5 whole rows of 4
+            [clip] = decoder.decode(ds.read(i)).inputs["beats"]
+            assert decoder.input_shapes(ds.info(i))["beats"] == ((n, 2, 16),)
+            assert np.array_equal(clip, features[i][:n])
+            with torch.no_grad():
+                x = encoder.embed(rule.patchify(torch.from_numpy(clip)[None]),
+                                  rule.grid(clip.shape))
+            assert x.shape[1] == rule.tokens(clip.shape) == n
+        with pytest.raises(Exception, match=r"float32 \[8, 16\], not float32 \[frames, 2, "):
+            decoder.decode(ds.read(2))
+        with pytest.raises(Exception, match="3 channels of 16 bins; encoder 'beats' reads "
+                                            "2 channels of 16 bins"):
             decoder.decode(ds.read(3))

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dtdsl.data.encode import encode_audio, encode_image
 from dtdsl.data.shards import (
     INDEX_NAME,
     Dataset,
@@ -18,8 +19,6 @@ from dtdsl.data.shards import (
     DatasetExists,
     RawSample,
     count_text_tokens,
-    encode_audio,
-    encode_image,
     sample_key,
     write_dataset,
 )

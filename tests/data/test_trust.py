@@ -509,7 +509,7 @@ def corrupt_dataset(root: Path, program, n: int, bad: dict[int, tuple[str, float
         if how == "scramble" and image.format != "png":
             from PIL import Image
 
-            from dtdsl.data.shards import encode_image
+            from dtdsl.data.encode import encode_image
 
             pixels = np.asarray(Image.open(io.BytesIO(image.data)).convert("RGB"))
             image = encode_image(pixels, "png")
