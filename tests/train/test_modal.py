@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from dtdsl.codegen.support import runtime_support
+from dtdsl.cost.flops import encoder_ends_params
 from dtdsl.cost.samples import _draw_documents, draw
 from dtdsl.data.batch import SyntheticSource, normalizer_of, route_batch, sample_set
 from dtdsl.data.layout import layout_of
@@ -101,6 +102,8 @@ def test_a_two_channel_audio_encoder_reads_an_fbank_per_channel(frames):
     torch.manual_seed(0)
     encoder = build_model(program).unit("beats")
     assert encoder.patch_embed.in_features == rule.patch_dim
+    # The cost model prices the wider stem as the model builds it.
+    assert encoder_ends_params(arch) == sum(p.numel() for p in encoder.patch_embed.parameters())
     drawn = np.arange(0, 41)
     assert drawn_tokens(rule, drawn).tolist() == drawn_tokens(one, drawn).tolist()
     for n in (1, 7, 40):
