@@ -23,7 +23,8 @@ for what the spec's modules read:
   log-mel frames (harmonic stripes under an envelope, plus noise) of the bins the spec's
   first audio encoder reads (its ``mel_bins``, default ``MEL_BINS``; a Whisper stem's
   ``in_channels``), so the dataset trains the spec: they are precomputed features
-  (``data.decode``), which a second audio encoder reads too when it has as many bins;
+  (``data.decode``), which a second audio encoder reads too when it has as many bins; an
+  encoder of ``C = in_channels > 1`` gets ``[frames, C, bins]``, a clip drawn per channel;
 - audio to generate (an audio generator): ``audio.gen_count`` clips, ``audio.frames``
   frames each when the spec has that quantity, else 8 x the generator's ``latent``.
 
@@ -134,6 +135,7 @@ class _Plan:
     audio_gen_count: ir.Quantity | None
     audio_gen_frames: int
     mel_bins: int = MEL_BINS            # bins of the input clips' frames
+    channels: int = 1                   # and their channels (an fbank per channel)
 
 
 def _require(data: ir.Data, modality: str, name: str) -> ir.Quantity:
@@ -157,10 +159,11 @@ def _plan(program: ir.Program) -> _Plan:
     patch = 1
     if image_enc is not None:
         patch = getattr(image_enc.arch, "patch", None) or 1
-    bins = MEL_BINS
+    bins, channels = MEL_BINS, 1
     if audio_enc is not None:       # the bins of the features it reads (Decoder._npy_shape)
         rule = InputRule.of(program, audio_enc)
         bins = rule.channels if rule.whisper_positions else rule.mel_bins
+        channels = 1 if rule.whisper_positions else rule.channels
     return _Plan(
         text=_require(data, "text", "tokens"),
         image_count=_require(data, "image", "count") if image_enc else None,
@@ -173,7 +176,7 @@ def _plan(program: ir.Program) -> _Plan:
                       else data.get("audio", "frames")),
         audio_gen_count=_require(data, "audio", "gen_count") if audio_gen else None,
         audio_gen_frames=8 * audio_gen.arch.latent if audio_gen else 0,
-        mel_bins=bins)
+        mel_bins=bins, channels=channels)
 
 
 def _counts(quantity: ir.Quantity | None, n: int, rng: np.random.Generator,
@@ -252,6 +255,13 @@ def _mel(frames: int, rng: np.random.Generator, num_bins: int = MEL_BINS) -> np.
     return out.astype(np.float32)
 
 
+def _input_mel(frames: int, rng: np.random.Generator, plan: _Plan) -> np.ndarray:
+    """An input clip: ``_mel``'s, or one per channel ``[frames, channels, bins]``."""
+    if plan.channels == 1:
+        return _mel(frames, rng, plan.mel_bins)
+    return np.stack([_mel(frames, rng, plan.mel_bins) for _ in range(plan.channels)], axis=1)
+
+
 def synthesize(program: ir.Program, num_samples: int, seed: int = 0) -> Iterator[RawSample]:
     """``num_samples`` samples following the spec's data block, keys ``sample_key(i)``.
     ValueError for a spec whose modules need data this cannot make (video)."""
@@ -276,7 +286,7 @@ def synthesize(program: ir.Program, num_samples: int, seed: int = 0) -> Iterator
         gen_images = tuple(
             encode_image(_picture(plan.gen_side, plan.gen_side, rng, noisy=False), "png")
             for _ in range(sizes.gen[j]))
-        audio = tuple(encode_audio(_mel(n, rng, plan.mel_bins)) for n in sizes.audio[j])
+        audio = tuple(encode_audio(_input_mel(n, rng, plan)) for n in sizes.audio[j])
         gen_audio = tuple(encode_audio(_mel(n, rng)) for n in sizes.gen_audio[j])
         yield RawSample(key=sample_key(i), text=text, images=images, gen_images=gen_images,
                         audio=audio, gen_audio=gen_audio)

@@ -465,3 +465,10 @@ def test_precomputed_features_with_a_channel_axis_feed_a_two_channel_encoder(tmp
         with pytest.raises(Exception, match="3 channels of 16 bins; encoder 'beats' reads "
                                             "2 channels of 16 bins"):
             decoder.decode(ds.read(3))
+    # dtc data synth writes what such an encoder reads: a clip drawn per channel.
+    from dtdsl.data.synth import synthesize
+
+    clips = [decoder.decode(raw).inputs["beats"] for raw in synthesize(program, 12, seed=1)]
+    clips = [c for items in clips for c in items]
+    assert clips and all(c.shape[1:] == (2, 16) for c in clips)
+    assert all(not np.array_equal(c[:, 0], c[:, 1]) for c in clips)
