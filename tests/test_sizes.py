@@ -25,7 +25,6 @@ DEBT: dict[str, int] = {
     "feed/protocol.py::read_batch": 111,
     "feed/wire.py": 1025,
     "frontend/check.py": 1444,
-    "reorder/inter.py": 1224,
     "train/executor.py": 1285,
 }
 
