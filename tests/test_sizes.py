@@ -24,7 +24,6 @@ DEBT: dict[str, int] = {
     "data/shards.py": 967,
     "feed/protocol.py::read_batch": 111,
     "feed/wire.py": 1025,
-    "frontend/check.py": 1444,
     "train/executor.py": 1285,
 }
 
