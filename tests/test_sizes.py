@@ -23,7 +23,6 @@ DEBT: dict[str, int] = {
     "cost/model.py::_unit_cost": 151,
     "data/shards.py": 967,
     "feed/protocol.py::read_batch": 111,
-    "feed/wire.py": 1025,
     "train/executor.py": 1285,
 }
 
