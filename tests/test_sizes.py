@@ -22,7 +22,6 @@ DEBT: dict[str, int] = {
     "cost/model.py": 1080,
     "cost/model.py::_unit_cost": 151,
     "data/shards.py": 967,
-    "feed/protocol.py::read_batch": 111,
     "train/executor.py": 1285,
 }
 
