@@ -156,3 +156,12 @@ def shipped_bundle(shipped_plan, tmp_path_factory):
         return out
 
     return get
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    """The tiny spec's synthetic dataset, indexed (``tests.helpers.bundle.tiny_dataset``):
+    made once per test module that asks for it."""
+    from tests.helpers.bundle import tiny_dataset
+
+    return tiny_dataset(tmp_path_factory)

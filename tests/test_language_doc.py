@@ -61,7 +61,7 @@ DOC_SPANS = _spans(DOC)
 # ---- what the code knows --------------------------------------------------------------
 
 def _param_tables() -> dict[str, tuple[Param, ...]]:
-    """Every module-level tuple of Params in the checker's tables: MODULE_FIELDS, TRAIN_FIELDS, ..."""
+    """Every module-level tuple of Params in the checker's tables (MODULE_FIELDS, ...)."""
     return {name: value for name, value in vars(tables).items()
             if isinstance(value, tuple) and value and all(isinstance(p, Param) for p in value)}
 

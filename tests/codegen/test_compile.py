@@ -620,8 +620,8 @@ def test_co_located_plans_compile_unless_misplaced_or_split_where_tp_cannot():
     whose co-located module the backbone's TP degree cannot split (the planner replicates
     such a module instead, ``tp_replicated``), is DT601 at that module."""
     from dtdsl.codegen.support import runtime_support
+    from tests.helpers.runs import plan_for, spec
     from tests.train.test_colocated import colocate
-    from tests.train.test_executor import plan_for, spec
 
     program = spec(8)
     plan = colocate(program, plan_for(program, ("vit", "encoder", 1, 1, 1),
@@ -650,7 +650,7 @@ def test_phased_plans_compile_unless_a_generator_or_misplaced():
     inside the pipeline) or a phased unit a hand edit gave another DP degree is DT601 at
     that module, saying what a phased unit is."""
     from dtdsl.codegen.support import runtime_support
-    from tests.train.test_executor import plan_for, spec
+    from tests.helpers.runs import plan_for, spec
     from tests.train.test_phased import phase
 
     program = spec(8)

@@ -23,10 +23,9 @@ import pytest
 from dtdsl import cli
 from dtdsl.codegen.slurm import slurm_time
 from dtdsl.feed import wire
-from tests.codegen.test_bundle_run import (  # noqa: F401  (dataset is a fixture)
+from tests.helpers.bundle import (
     RTOL,
     SPEC,
-    dataset,
     read_jsonl,
     reference_losses,
 )

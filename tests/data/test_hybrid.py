@@ -165,13 +165,13 @@ def test_a_bundle_with_two_towers_per_modality_trains_on_webdataset_media(tmp_pa
     # places them and decoded to those shapes; one launch (7 ranks: beats2 a unit of its
     # own with DP 2, the others on the backbone's stages): 8 steps as dtc reference
     # trains them, every sample once per epoch per unit (24 samples, 3 steps an epoch).
-    from tests.codegen.test_bundle_run import (
+    from tests.data.test_media import write_media_shards
+    from tests.helpers.bundle import (
         consumed,
         launch_ok,
         read_jsonl,
         reference_losses,
     )
-    from tests.data.test_media import write_media_shards
 
     keys = write_media_shards(tmp_path / "shards", n=24, per_shard=8)
     make_tokenizer(tmp_path / "tok")

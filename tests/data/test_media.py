@@ -204,7 +204,7 @@ def _spec(tmp_path: Path, source: str, frames: bool = False) -> Path:
 def test_a_bundle_with_audio_and_video_encoders_trains_on_webdataset_media(tmp_path, frames):
     # frames: the audio encoder without a patch (a token per fbank frame), on flac and
     # wav members.
-    from tests.codegen.test_bundle_run import consumed, launch_ok, read_jsonl, reference_losses
+    from tests.helpers.bundle import consumed, launch_ok, read_jsonl, reference_losses
 
     keys = write_media_shards(tmp_path / "shards", n=24, per_shard=8, wav=frames)
     make_tokenizer(tmp_path / "tok")

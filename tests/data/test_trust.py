@@ -577,7 +577,7 @@ def test_a_bundle_run_skips_an_image_that_does_not_decode_as_the_reference_does(
     """Launched with its workers, a tiny bundle over data with a corrupt image finishes
     (no crash loop), its workers say which sample they skip and why, the sample is never
     trained on, and the losses are the reference's."""
-    from tests.codegen.test_bundle_run import launch_ok, read_jsonl, reference_losses, worker_log
+    from tests.helpers.bundle import launch_ok, read_jsonl, reference_losses, worker_log
 
     with_images = image_samples(tiny, 48)
     bad = with_images[len(with_images) // 2]

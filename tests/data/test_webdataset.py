@@ -140,7 +140,7 @@ def test_data_stats_and_index_read_webdataset_shards(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_a_bundle_trains_on_webdataset_shards_and_consumes_each_key_once(tmp_path):
-    from tests.codegen.test_bundle_run import (
+    from tests.helpers.bundle import (
         SPEC,
         consumed,
         launch_ok,
@@ -184,7 +184,7 @@ def test_real_text_needs_a_tokenizer_and_stats_count_with_it(tmp_path, capsys):
     """Shards hold real text: without a tokenizer dtc check says so at the source line
     (the hashing tokenizer is for synthetic data only); dtc data stats counts text.tokens
     with the tokenizer given, BOS and EOS included."""
-    from tests.codegen.test_bundle_run import SPEC
+    from tests.helpers.bundle import SPEC
 
     write_shards(tmp_path / "shards", n=6, per_shard=3)
     spec = tmp_path / "tiny.dt"

@@ -31,7 +31,7 @@ from dtdsl.parallel.mesh import (
 from dtdsl.sim.timeline import TimelineUnit
 from dtdsl.train.stage import tied_group_ranks, tied_pairs
 from tests.dist import ChildFailed, make_plan, run
-from tests.train.test_executor import LOSS_RTOL, PARAM_RTOL, plan_for, reference, spec
+from tests.helpers.runs import LOSS_RTOL, PARAM_RTOL, plan_for, reference, spec
 
 # vit: 2 stages x 1 replica x tp 1 (ranks 0-1); llm: 1 stage x 2 replicas x tp 2 (ranks 2-5)
 PLAN6 = make_plan(("vit", "encoder", 1, 1, 2), ("llm", "backbone", 2, 2, 1))

@@ -14,8 +14,8 @@ from dtdsl.data.batch import SyntheticSource, sample_set
 from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan
 from tests.dist import run
+from tests.helpers.runs import plan_for
 from tests.specs import variant
-from tests.train.test_executor import plan_for
 
 P8 = ir.ImageTokens(patch=8)      # the tiny spec's image tokens: its patches
 

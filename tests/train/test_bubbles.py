@@ -15,7 +15,7 @@ from dtdsl.ir.plan import Plan
 from dtdsl.parallel.mesh import phased_problems
 from dtdsl.sim.workload import phase_fit
 from tests.dist import run
-from tests.train.test_executor import plan_for, reference, spec
+from tests.helpers.runs import plan_for, reference, spec
 from tests.train.test_phased import STEPS, _train, phase
 
 

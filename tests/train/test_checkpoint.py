@@ -39,7 +39,7 @@ from dtdsl.train.checkpoint import (
 from dtdsl.train.executor import StageExecutor
 from dtdsl.train.reference import train_reference
 from tests.dist import run
-from tests.train.test_executor import LOSS_RTOL, PARAM_RMS, PARAM_RTOL, plan_for, spec
+from tests.helpers.runs import LOSS_RTOL, PARAM_RMS, PARAM_RTOL, plan_for, spec
 
 # ---- files: what counts as a checkpoint --------------------------------------------------
 

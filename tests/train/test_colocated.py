@@ -11,7 +11,7 @@ from dtdsl.ir.plan import Plan
 from dtdsl.parallel.mesh import colocation_problems, hosted_units, role_of
 from dtdsl.schedule.lower import lower
 from tests.dist import run
-from tests.train.test_executor import check, check_tp, plan_for, spec
+from tests.helpers.runs import check, check_tp, plan_for, spec
 
 
 def colocate(program: ir.Program, plan: Plan, *names: str,

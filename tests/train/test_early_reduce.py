@@ -14,7 +14,7 @@ from dtdsl.parallel.mesh import build_groups
 from dtdsl.schedule.lower import lower
 from dtdsl.train.executor import StageExecutor
 from tests.dist import run
-from tests.train.test_executor import LOSS_RTOL, plan_for, reference, spec
+from tests.helpers.runs import LOSS_RTOL, plan_for, reference, spec
 
 STEPS = 3
 

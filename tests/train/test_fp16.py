@@ -24,7 +24,7 @@ from dtdsl.train.lr import lr_at
 from dtdsl.train.optim import LossScale, StageOptimizer, optimizer_step
 from dtdsl.train.reference import train_reference
 from tests.dist import run
-from tests.train.test_executor import plan_for, spec
+from tests.helpers.runs import plan_for, spec
 
 STEPS = 8
 BF16_RTOL = 0.03        # test_executor's bf16 test: within 3% of the fp32 reference

@@ -30,9 +30,8 @@ from dtdsl.train.faults import (
     write_fatal,
 )
 from dtdsl.train.job import load_job
-from tests.codegen.test_bundle_run import (  # noqa: F401  (dataset is a fixture)
+from tests.helpers.bundle import (
     SPEC,
-    dataset,
     launch,
     launch_ok,
 )

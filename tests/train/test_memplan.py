@@ -12,7 +12,7 @@ import pytest
 from dtdsl import cli
 from dtdsl.schedule.lower import lower
 from dtdsl.train.memplan import check_memory, in_flight_of
-from tests.train.test_executor import plan_for, spec
+from tests.helpers.runs import plan_for, spec
 
 ROOT = Path(__file__).resolve().parents[2]
 TOLERANCE = 0.15        # the issue's: every stage's measured peak within 15% of the plan's

@@ -18,8 +18,8 @@ from dtdsl.data.layout import layout_of
 from dtdsl.data.modal import drawn_tokens, encoder_inputs
 from dtdsl.data.sample import make_sample, sample_seed, sample_sizes
 from dtdsl.models.multimodal import build_model, encode, loss_normalizer, sample_sizes_of
+from tests.helpers.runs import check, plan_for
 from tests.train.modal_specs import tiny_audio_image, tiny_modal
-from tests.train.test_executor import check, plan_for
 
 STEPS = 8
 
@@ -262,7 +262,7 @@ def _train_phased(rank: int, world: int, program, plan, losses, params) -> None:
     from dtdsl.parallel.mesh import build_groups
     from dtdsl.schedule.lower import lower
     from dtdsl.train.executor import StageExecutor
-    from tests.train.test_executor import LOSS_RTOL, PARAM_RMS, PARAM_RTOL
+    from tests.helpers.runs import LOSS_RTOL, PARAM_RMS, PARAM_RTOL
 
     groups = build_groups(plan)
     ex = StageExecutor(program, plan, lower(plan, program), rank=rank, groups=groups)
@@ -280,7 +280,7 @@ def test_phased_image_encoder_beside_an_audio_encoder_unit():
     # vit runs phased on the backbone's ranks; beats, a unit of its own, sends the
     # backbone's first stage its embeddings, spliced with the phased ones.
     from tests.dist import run
-    from tests.train.test_executor import reference
+    from tests.helpers.runs import reference
     from tests.train.test_phased import phase
 
     program = tiny_modal(audio=True, batch=8)
@@ -470,9 +470,9 @@ def test_a_checkpoint_resumes_with_the_audio_encoder_moved_onto_the_backbone(tmp
     import json
 
     from tests.dist import run
+    from tests.helpers.runs import reference
     from tests.train.test_checkpoint import _phase
     from tests.train.test_colocated import colocate
-    from tests.train.test_executor import reference
 
     program = tiny_modal(audio=True, batch=8)
     losses, params = reference(program, 4)

@@ -11,8 +11,8 @@ from dtdsl.ir import program as ir
 from dtdsl.models.moe import MoE, moe_blocks, set_loss_scale, take_aux_losses
 from dtdsl.models.multimodal import build_model
 from dtdsl.train.reference import train_reference
+from tests.helpers.runs import check, plan_for
 from tests.specs import TINY, program
-from tests.train.test_executor import check, plan_for
 
 STEPS = 8
 _DENSE = "ffn=256, vocab=512, swiglu)"

@@ -22,8 +22,8 @@ from dtdsl.models.multimodal import (
     sample_layout,
 )
 from tests.dist import run
+from tests.helpers.runs import TP_STEPS, _train_tp, plan_for, reference
 from tests.specs import small, variant
-from tests.train.test_executor import TP_STEPS, _train_tp, plan_for, reference
 
 P8 = ImageTokens(patch=8)     # the tiny spec's image tokens: its patches
 

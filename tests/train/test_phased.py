@@ -16,7 +16,7 @@ from dtdsl.ir.plan import Plan
 from dtdsl.parallel.mesh import phased_problems, phased_units, rank_groups
 from dtdsl.schedule.lower import lower
 from tests.dist import run
-from tests.train.test_executor import (
+from tests.helpers.runs import (
     LOSS_RTOL,
     PARAM_RMS,
     PARAM_RTOL,
