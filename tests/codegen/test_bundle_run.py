@@ -161,8 +161,8 @@ def test_a_co_located_bundle_trains_resumes_and_exports(tmp_path):
     trains as the reference through its workers, resumes from its checkpoint, and its
     checkpoint exports every module."""
     from dtdsl.train.checkpoint import latest_checkpoint
+    from tests.helpers.plans import colocate
     from tests.helpers.runs import plan_for
-    from tests.train.test_colocated import colocate
 
     spec = tmp_path / "tiny_ckpt.dt"
     spec.write_text(SPEC.read_text().replace("checkpoint_every = 10", "checkpoint_every = 2"))
@@ -215,9 +215,8 @@ def test_a_phased_plan_bundle_dry_runs_trains_resumes_and_exports(tmp_path):
     stages is one its ranks make), trains, resumes from its checkpoint, matches the
     reference, and exports every module."""
     from dtdsl.train.checkpoint import latest_checkpoint
+    from tests.helpers.plans import colocate, phase
     from tests.helpers.runs import plan_for
-    from tests.train.test_colocated import colocate
-    from tests.train.test_phased import phase
 
     spec = tmp_path / "tiny_ckpt.dt"
     spec.write_text(SPEC.read_text().replace("checkpoint_every = 10", "checkpoint_every = 2"))

@@ -28,6 +28,7 @@ from tests.helpers.bundle import (
     SPEC,
     read_jsonl,
     reference_losses,
+    three_node_spec,
 )
 
 FAKE_SLURM = Path(__file__).resolve().parent / "fake_slurm"
@@ -38,17 +39,6 @@ NODELIST = "gpu2,gpu9,gpu10"
 STEPS = 5
 
 
-def three_node_spec(where: Path) -> Path:
-    """tiny_cpu on 5 GPUs, 2 a node: 3 nodes, the last with one rank and one spare;
-    a checkpoint every 2 steps."""
-    text = SPEC.read_text()
-    for old in ("gpus          = 4", "gpus_per_node = 4", "checkpoint_every = 10"):
-        assert old in text, old
-    spec = where / "three_nodes.dt"
-    spec.write_text(text.replace("gpus          = 4", "gpus          = 5")
-                    .replace("gpus_per_node = 4", "gpus_per_node = 2")
-                    .replace("checkpoint_every = 10", "checkpoint_every = 2"))
-    return spec
 
 
 @pytest.fixture(scope="module")

@@ -162,7 +162,7 @@ def _assistant_tokens(tok_dir: Path, record: dict) -> int:
     """The assistant tokens of a record, counted by transformers' chat template (ChatML)."""
     from transformers import PreTrainedTokenizerFast
 
-    from tests.data.test_text import CHATML
+    from tests.helpers.text import CHATML
 
     tok = PreTrainedTokenizerFast.from_pretrained(str(tok_dir))
     roles = {"human": "user", "gpt": "assistant"}

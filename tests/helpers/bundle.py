@@ -100,3 +100,16 @@ def tiny_dataset(tmp_path_factory) -> Path:
 
     assert check_data(run_frontend(str(SPEC), SPEC.read_bytes()).program, str(out)) == []
     return out
+
+
+def three_node_spec(where: Path) -> Path:
+    """tiny_cpu on 5 GPUs, 2 a node: 3 nodes, the last with one rank and one spare;
+    a checkpoint every 2 steps."""
+    text = SPEC.read_text()
+    for old in ("gpus          = 4", "gpus_per_node = 4", "checkpoint_every = 10"):
+        assert old in text, old
+    spec = where / "three_nodes.dt"
+    spec.write_text(text.replace("gpus          = 4", "gpus          = 5")
+                    .replace("gpus_per_node = 4", "gpus_per_node = 2")
+                    .replace("checkpoint_every = 10", "checkpoint_every = 2"))
+    return spec

@@ -448,7 +448,7 @@ def test_run_gives_up_on_a_hang():
 # ---- phased encoders --------------------------------------------------------------------------
 
 def _phased_plan(tp: int, dp: int, pp: int) -> Plan:
-    from tests.train.test_phased import phase
+    from tests.helpers.plans import phase
 
     program = spec(8 if dp != 3 else 12)
     return phase(program, plan_for(program, ("vit", "encoder", 1, 1, 1),

@@ -94,7 +94,7 @@ def test_hybrid_context_parallelism():
 
 def test_a_checkpoint_saved_at_cp_2_resumes_at_cp_1_and_back(tmp_path):
     # The CP ranks hold FSDP2 shards over dp x cp: DCP reshards them to any layout.
-    from tests.train.test_checkpoint import PLAN_A, PROGRAM, _close, _go, _reference
+    from tests.helpers.checkpoints import PLAN_A, PROGRAM, _close, _go, _reference
 
     ref, _ = _reference()
     _, cp2 = with_cp(PROGRAM, PLAN_A, 2, "ring")

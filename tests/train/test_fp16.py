@@ -391,7 +391,7 @@ def test_fp16_trains_a_plan_with_co_located_units(tmp_path):
     encoder idle while the backbone's backward runs, and one that draws none all step
     has gradients for some of its stage's parameters (in fp32, accumulated) and none for
     others: both once broke FSDP2's mixed precision (bf16 as well) at the first step."""
-    from tests.train.test_colocated import colocate
+    from tests.helpers.plans import colocate
 
     steps = 4
     program = spec(8)

@@ -49,7 +49,7 @@ def test_every_stage_of_a_small_plan_is_measured():
 
 
 def test_a_host_stage_is_measured_with_its_co_located_units():
-    from tests.train.test_colocated import colocate
+    from tests.helpers.plans import colocate
 
     program = spec(8)
     own = plan_for(program, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 2, 1, 2),

@@ -7,23 +7,18 @@ from types import SimpleNamespace
 
 import torch
 
-from dtdsl.ir import program as ir
 from dtdsl.models.moe import MoE, moe_blocks, set_loss_scale, take_aux_losses
 from dtdsl.models.multimodal import build_model
 from dtdsl.train.reference import train_reference
+from tests.helpers.moe import (
+    moe_spec,
+)
 from tests.helpers.runs import check, plan_for
-from tests.specs import TINY, program
+from tests.specs import program
 
 STEPS = 8
-_DENSE = "ffn=256, vocab=512, swiglu)"
 
 
-def moe_spec(batch: int = 8, args: str = "experts=4, top_k=2, expert_ffn=64") -> ir.Program:
-    """tiny_cpu.dt with an MoE backbone and a global batch of ``batch``."""
-    text = TINY.read_text()
-    assert _DENSE in text
-    p = program(text.replace(_DENSE, _DENSE[:-1] + ", " + args + ")"))
-    return p.model_copy(update={"train": p.train.model_copy(update={"global_batch": batch})})
 
 
 def test_moe_layers_replace_the_mlp():

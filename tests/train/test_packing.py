@@ -174,7 +174,7 @@ def test_a_packed_epoch_of_a_dataset_uses_every_sample_once(tmp_path):
     from dtdsl.driver import run_frontend
     from dtdsl.feed.source import DatasetSource
     from dtdsl.train.reference import train_reference
-    from tests.data.test_webdataset import write_shards
+    from tests.helpers.media import write_shards
     from tests.specs import TINY
     from tests.text_models import make_tokenizer
 

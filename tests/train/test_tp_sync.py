@@ -25,8 +25,8 @@ from dtdsl.schedule.lower import lower
 from dtdsl.train import stage as stage_module
 from dtdsl.train.executor import StageExecutor
 from tests.dist import run
+from tests.helpers.plans import colocate
 from tests.helpers.runs import plan_for, spec
-from tests.train.test_colocated import colocate
 
 STEPS = 3
 NOISE = 1e-3

@@ -63,7 +63,7 @@ train {
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> Path:
-    from tests.data.test_webdataset import write_shards
+    from tests.helpers.media import write_shards
 
     root = tmp_path_factory.mktemp("vae")
     make_unet(root / "sd", sd=2, prediction="epsilon", context=24, latent=8)
