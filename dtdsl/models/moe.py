@@ -221,6 +221,16 @@ class MoE(nn.Module):
             bound = 1.0 / math.sqrt(w.shape[-1])
             nn.init.uniform_(w, -bound, bound)
 
+    def global_block(self, attr: str, shape: tuple[int, ...], offsets: tuple[int, ...]
+                     ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Where parameter ``attr``'s block (``shape`` at ``offsets`` in what this module
+        holds) lies in the one-process block's (``models.init.local_block``): the stacked
+        experts' rows start at ``first_expert`` of ``config.experts``."""
+        if attr not in ("w1", "w3", "w2") or self.local_experts == self.config.experts:
+            return shape, offsets
+        return ((self.config.experts, *shape[1:]),
+                (offsets[0] + self.first_expert, *offsets[1:]))
+
     # -- the steps ------------------------------------------------------------------------
 
     def route(self, x: torch.Tensor) -> Routing:

@@ -37,9 +37,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from torch import nn
+
 from dtdsl.models.moe import MoE, MoEConfig, Routing
 
-__all__ = ["ExpertParallelMoE", "all_to_all", "ep_conflicts"]
+__all__ = ["EXPERT_PARAMS", "ExpertParallelMoE", "all_to_all", "apply_ep", "ep_conflicts",
+           "expert_blocks", "full_parameters"]
+
+# The stacked expert weights: what an EP rank holds a slice of and FSDP2 shards over the
+# expert DP group (``parallel.fsdp.apply_fsdp``); every other parameter is replicated.
+EXPERT_PARAMS = ("w1", "w3", "w2")
 
 
 class _AllToAll(torch.autograd.Function):
@@ -140,3 +147,52 @@ class ExpertParallelMoE(MoE):
         y = self.experts_forward(received[order], mine.sum(0))[inverse]
         back = all_to_all(y, send, recv, self.group)
         return self.scatter_slots(x, routing, rows, back)
+
+
+def apply_ep(module: nn.Module, group: Any) -> list[ExpertParallelMoE]:
+    """Replace every MoE block in ``module`` (a backbone stage's unit, on the meta device
+    before anything is sharded or allocated) by an ``ExpertParallelMoE`` over ``group``,
+    on the block's device, with the block's own settings (its aux loss weight, its
+    initialisation scales); the new blocks, in module order. Their parameters keep the
+    one-process names, their experts' rows placed by ``MoE.global_block``, so
+    initialisation and checkpoint loading give each rank its experts' slice of the full
+    tensors."""
+    out = []
+    for owner in list(module.modules()):
+        for attr, child in list(owner.named_children()):
+            if not isinstance(child, MoE) or isinstance(child, ExpertParallelMoE):
+                continue
+            with torch.device(child.w1.device):
+                block = ExpertParallelMoE(child.config, group)
+            for key in ("aux_weight", "param_init_std"):
+                if key in child.__dict__:
+                    setattr(block, key, child.__dict__[key])
+            setattr(owner, attr, block)
+            out.append(block)
+    return out
+
+
+def expert_blocks(module: nn.Module) -> list[ExpertParallelMoE]:
+    """The expert-parallel MoE blocks in ``module``, in module order."""
+    return [m for m in module.modules() if isinstance(m, ExpertParallelMoE)]
+
+
+def full_parameters(module: nn.Module, named: dict[str, torch.Tensor]
+                    ) -> dict[str, torch.Tensor]:
+    """Parameters ``named`` (of ``module``, by any names) as full single-process tensors,
+    detached: a DTensor's ``full_tensor`` (collective over its mesh), and the stacked
+    experts of an expert-parallel block in ``module`` (whose full tensor holds the EP
+    rank's experts only) all-gathered over its EP group, in expert order. Collective over
+    the stage's ranks."""
+    groups = {id(getattr(b, n)): b.group for b in expert_blocks(module) for n in EXPERT_PARAMS}
+    out = {}
+    for key, p in named.items():
+        full = getattr(p, "full_tensor", None)
+        t = (full() if callable(full) else p).detach()
+        group = groups.get(id(p))
+        if group is not None:
+            parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(parts, t.contiguous(), group=group)
+            t = torch.cat(parts)
+        out[key] = t
+    return out
