@@ -111,12 +111,21 @@ def test_compile_refuses_what_the_runtime_does_not_run_yet():
                     ("gen", "generator", 1, 1, 1))
     assert not runtime_support(p, plan)
     llm = plan.unit("llm")
-    for update in ({"ep": 2}, {"tp": 2, "gpus": 4}):
+
+    def refused(program: ir.Program, update: dict) -> list[str]:
         units = tuple(u.model_copy(update=update) if u.name == "llm" else u
                       for u in plan.units)
-        found = [d for d in runtime_support(p, plan.model_copy(update={"units": units}))
-                 if d.code == "DT601"]
-        assert len(found) == 1 and "MoE module llm" in found[0].message, update
+        return [d.message for d in runtime_support(program, plan.model_copy(
+            update={"units": units})) if d.code == "DT601"]
+
+    found = refused(p, {"tp": 2, "gpus": 4})
+    assert len(found) == 1 and "MoE module llm" in found[0] and "tp 2" in found[0]
+    # Expert parallelism runs (tests/train/test_ep_run.py), but not under Local SGD,
+    # whose replicas would average different experts.
+    assert refused(p, {"ep": 2}) == []
+    local = p.model_copy(update={"train": p.train.model_copy(update={
+        "sync": p.train.sync.model_copy(update={"kind": "local_sgd"})})})
+    assert any("ep 2" in m and "Local SGD" in m for m in refused(local, {"ep": 2}))
     assert llm.ep == 1
     # A dense backbone at tp 2 is no concern of this check.
     dense = program()
