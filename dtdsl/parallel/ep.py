@@ -32,6 +32,7 @@ one-process block's); under gradient averaging, add ``aux`` itself.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -42,7 +43,8 @@ from torch import nn
 from dtdsl.models.moe import MoE, MoEConfig, Routing
 
 __all__ = ["EXPERT_PARAMS", "ExpertParallelMoE", "all_to_all", "apply_ep", "ep_conflicts",
-           "expert_blocks", "full_parameters"]
+           "expert_blocks", "expert_layout", "full_parameters", "global_experts",
+           "local_experts"]
 
 # The stacked expert weights: what an EP rank holds a slice of and FSDP2 shards over the
 # expert DP group (``parallel.fsdp.apply_fsdp``); every other parameter is replicated.
@@ -196,3 +198,82 @@ def full_parameters(module: nn.Module, named: dict[str, torch.Tensor]
             t = torch.cat(parts)
         out[key] = t
     return out
+
+
+# ---- checkpoints: the experts under their single-process names and shapes ----------------
+
+
+def expert_layout(ep: Any, dp_ranks: Sequence[int]) -> Any:
+    """The DeviceMesh ``(ep, ep_dp)`` over a stage's DP ranks ``dp_ranks`` (replica order)
+    under expert parallelism (``ep``: its ``parallel.mesh.ExpertGroups``): column ``j``
+    the EP group of replicas ``j ep .. j ep + ep - 1``, row ``i`` the expert DP group of
+    EP rank ``i``. A stacked expert weight is ``Shard(0)`` over ``ep`` (EP rank ``i``:
+    experts ``[i E/ep, (i + 1) E/ep)``) and then as FSDP2 holds it over ``ep_dp``: so a
+    rank's block has its offset in the full ``[E, ...]`` tensor. Made from the groups
+    there are (no collective, no new group)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    e = ep.degree
+    table = torch.tensor(list(dp_ranks), dtype=torch.int).reshape(-1, e).T.contiguous()
+    mesh = ep.mesh
+    dim = "dp_replicate" if mesh["dp_replicate"].size() > 1 else "dp_shard"
+    return DeviceMesh.from_group([ep.group, mesh[dim].get_group()], mesh.device_type,
+                                 mesh=table, mesh_dim_names=("ep", "ep_dp"))
+
+
+def _expert_keys(module: nn.Module) -> dict[str, tuple[ExpertParallelMoE, str]]:
+    """The state-dict key (``get_state_dict``'s: wrappers' prefixes left out) of every
+    stacked expert weight of ``module``'s expert-parallel blocks -> (block, attribute)."""
+    out = {}
+    for name, m in module.named_modules():
+        if isinstance(m, ExpertParallelMoE):
+            clean = name.replace("_checkpoint_wrapped_module.", "").replace(
+                "_fsdp_wrapped_module.", "")
+            out.update({f"{clean}.{attr}": (m, attr) for attr in EXPERT_PARAMS})
+    return out
+
+
+def _entries(state: dict[str, Any], key: str) -> list[tuple[dict[str, Any], str]]:
+    """Where ``state`` (``train.checkpoint.state_dict``'s) holds tensors shaped as
+    parameter ``key``: the model's entry and its Adam moments."""
+    out = [(state["model"], key)] if key in state.get("model", {}) else []
+    moments = state.get("optim", {}).get(key, {})
+    return out + [(moments, k) for k in ("exp_avg", "exp_avg_sq") if k in moments]
+
+
+def global_experts(state: dict[str, Any], module: nn.Module, layout: Any) -> None:
+    """Make ``state``'s stacked expert weights of ``module`` (and their Adam moments),
+    which FSDP2 holds as DTensors of this EP rank's experts only (the same name and
+    shape on every EP rank, different values), DTensors of the full ``[E, ...]``
+    tensor on ``layout`` (``expert_layout``) sharing their storage: a checkpoint then
+    holds each expert once under the single-process name, and DCP reshards it to any
+    EP degree (ep 1 included) on load. In place."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    for key, (block, _) in _expert_keys(module).items():
+        for holder, k in _entries(state, key):
+            t = holder[k]
+            local = t.to_local() if isinstance(t, DTensor) else t
+            shape = (block.config.experts, *t.shape[1:])
+            sharded = local.shape[0] != t.shape[0]      # FSDP2 shards over ep_dp
+            holder[k] = DTensor.from_local(
+                local, layout, [Shard(0), Shard(0) if sharded else Replicate()],
+                run_check=False, shape=torch.Size(shape),
+                stride=torch.empty(shape, device="meta").stride())
+
+
+def local_experts(state: dict[str, Any], module: nn.Module) -> None:
+    """Undo ``global_experts`` (after DCP loaded into the shared storage): each entry
+    back on its parameter's own mesh and placements, as ``set_state_dict`` expects. In
+    place."""
+    from torch.distributed.tensor import DTensor
+
+    for key, (block, attr) in _expert_keys(module).items():
+        param = getattr(block, attr)
+        for holder, k in _entries(state, key):
+            t = holder[k]
+            if isinstance(t, DTensor) and isinstance(param, DTensor) and \
+                    t.device_mesh is not param.device_mesh:
+                holder[k] = DTensor.from_local(t.to_local(), param.device_mesh,
+                                               param.placements, run_check=False,
+                                               shape=param.shape, stride=param.stride())
