@@ -215,9 +215,7 @@ def expert_layout(ep: Any, dp_ranks: Sequence[int]) -> Any:
 
     e = ep.degree
     table = torch.tensor(list(dp_ranks), dtype=torch.int).reshape(-1, e).T.contiguous()
-    mesh = ep.mesh
-    dim = "dp_replicate" if mesh["dp_replicate"].size() > 1 else "dp_shard"
-    return DeviceMesh.from_group([ep.group, mesh[dim].get_group()], mesh.device_type,
+    return DeviceMesh.from_group([ep.group, ep.dp_group], ep.mesh.device_type,
                                  mesh=table, mesh_dim_names=("ep", "ep_dp"))
 
 

@@ -610,6 +610,12 @@ class ExpertGroups:
 
         return dist.get_world_size(self.group)
 
+    @property
+    def dp_group(self) -> ProcessGroup:
+        """The expert DP group: ``mesh``'s DP dimension (ZeRO decides which) of its ranks."""
+        return self.mesh["dp_replicate" if self.mesh["dp_replicate"].size() > 1
+                         else "dp_shard"].get_group()
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ProcessGroups:
@@ -647,7 +653,7 @@ class ProcessGroups:
         if self.ep is not None:
             unit = self.role.unit
             for key, group in ((f"{unit}.ep", self.ep.group),
-                               (f"{unit}.ep_dp", data_parallel_mesh(self.ep.mesh).get_group())):
+                               (f"{unit}.ep_dp", self.ep.dp_group)):
                 ranks = tuple(dist.get_process_group_ranks(group))
                 if len(ranks) > 1:
                     out[key] = ranks

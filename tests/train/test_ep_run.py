@@ -103,8 +103,8 @@ def reference(p: ir.Program, plan: Plan, steps: int, grouped: bool
 
 def _train(rank: int, world: int, p: ir.Program, plan: Plan, want: list[dict],
            params: dict, steps: int, capacity: bool) -> None:
-    groups = build_groups(plan)
-    assert groups.groups() == rank_groups(plan, rank)
+    groups = build_groups(plan, zero=p.train.mesh_zero)
+    assert groups.groups() == rank_groups(plan, rank, p.train.mesh_zero)
     ex = StageExecutor(p, plan, lower(plan, p), rank=rank, groups=groups)
     results = ex.train(steps)
     for r, w in zip(results, want, strict=True):
@@ -116,8 +116,14 @@ def _train(rank: int, world: int, p: ir.Program, plan: Plan, want: list[dict],
         ep = plan.unit("llm").ep
         assert blocks and all(isinstance(b, ExpertParallelMoE) for b in blocks)
         mine = ep_lines(role, ep)["ep"].index(rank)
+        edp = plan.unit("llm").dp // ep
         for b in blocks:
             assert (b.first_expert, b.local_experts) == (mine * 4 // ep, 4 // ep)
+            # The experts' FSDP2 shard over the expert DP group only (ZeRO-1), or their
+            # copy on each of its ranks (ZeRO 0).
+            shards = edp if p.train.mesh_zero else 1
+            assert b.w1.to_local().shape[0] * shards == 4 // ep
+            assert b.w1.device_mesh.size() == edp
             dropped = int(b.dropped_slots)
             assert (dropped > 0) == capacity, dropped
             # The group's drops, the same on every rank of the EP group.
@@ -230,3 +236,15 @@ def test_resume_across_a_change_of_ep_degree(tmp_path):
     assert len(got) == 7
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
         assert abs(g - w["loss"]) <= LOSS_TOL, (step, g, w["loss"])
+
+
+@pytest.mark.parametrize("zero", [1, 0])
+def test_experts_sharded_over_their_expert_dp_group(zero):
+    # dp 4, ep 2 on 4 ranks: each expert FSDP-sharded over the 2 replicas holding it
+    # (ZeRO-1), or replicated on both, its gradients all-reduced (ZeRO 0: HSDP).
+    p = moe_spec(args=ARGS)
+    p = p.model_copy(update={"train": p.train.model_copy(update={
+        "optimizer": p.train.optimizer.model_copy(update={"zero": zero})})})
+    plan = colocate(p, ep_plan(p, 4, 1, 2), "vit", "gen")
+    assert plan.gpus_used == 4
+    check_ep(p, plan, steps=4)
