@@ -37,7 +37,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
 from torch import nn
 
 from dtdsl.models.moe import MoE, MoEConfig, Routing
