@@ -24,6 +24,10 @@ projector), built so that memory matches the plan:
 1. **Meta first.** The whole unit is built on the meta device (no memory), and the layers
    other stages run are deleted; the stage keeps the global names of what it holds
    (``units.<unit>.layers.<i>...``), so checkpoint keys do not depend on the plan.
+1b. **Expert parallelism** (a backbone with ep > 1): each MoE block becomes
+   ``parallel.ep.ExpertParallelMoE`` over the rank's EP group (``parallel.mesh``:
+   ``ProcessGroups.ep``), still on meta; in step 4 its stacked experts make an FSDP2 unit
+   of their own over the expert DP group (``parallel.fsdp.apply_fsdp``).
 2. **Tensor parallelism** (``parallel.tp.parallelize_unit``) over the unit's TP mesh: still
    on meta, DTensor shards.
 3. **Activation checkpointing** of every layer of each module whose spec says ``recompute

@@ -248,3 +248,34 @@ def test_experts_sharded_over_their_expert_dp_group(zero):
     plan = colocate(p, ep_plan(p, 4, 1, 2), "vit", "gen")
     assert plan.gpus_used == 4
     check_ep(p, plan, steps=4)
+
+
+def test_expert_parallel_recomputed_matches_the_reference():
+    # Recomputation runs each MoE layer's forward again in backward, its all-to-alls
+    # too: every rank of the EP group recomputes the same layers in the same order.
+    p = moe_spec(args=ARGS)
+    modules = tuple(m.model_copy(update={"recompute": True}) if m.name == "llm" else m
+                    for m in p.modules)
+    p = p.model_copy(update={"modules": modules})
+    check_ep(p, ep_plan(p, 2, 1, 2), steps=4)
+
+
+def test_expert_parallel_in_fp16_within_the_bf16_tolerance(tmp_path):
+    """fp16 under EP (the experts' FSDP2 unit casts them like the rest; the aux gradient
+    carries the loss scale): every rank's losses and unscaled gradient norms within
+    test_fp16's bf16 tolerance of the fp32 reference, no step skipped."""
+    import json
+
+    from tests.train import test_fp16 as f16
+
+    p = moe_spec(args=ARGS)
+    plan = with_ep(plan_for(f16.fp16(p), *f16.UNITS), 2)
+    assert plan.unit("llm").dp == 2
+    want = f16._reference(p, f16.STEPS)
+    run(f16._train, plan.gpus_used, f16.fp16(p), plan, str(tmp_path), timeout=300)
+    for rank in range(plan.gpus_used):
+        got = json.loads((tmp_path / f"{rank}.json").read_text())["steps"]
+        assert [g["skipped"] for g in got] == [False] * f16.STEPS, rank
+        for step, (g, (loss, norm)) in enumerate(zip(got, want, strict=True)):
+            assert abs(g["loss"] - loss) <= f16.BF16_RTOL * abs(loss), (rank, step, g, loss)
+            assert abs(g["grad_norm"] - norm) <= f16.BF16_RTOL * norm, (rank, step, g, norm)
