@@ -528,18 +528,14 @@ def ep_lines(role: RankRole, ep: int) -> dict[str, tuple[int, ...]]:
     return {"ep": ranks[first:first + ep], "ep_dp": ranks[role.replica % ep::ep]}
 
 
-def _ep_family(plan: Plan, dim: str) -> tuple[tuple[int, ...], ...]:
-    """Every group of expert-parallel dimension ``dim`` (``ep_lines``) in the job, groups
+def _ep_family(plan: Plan, unit: str, dim: str) -> tuple[tuple[int, ...], ...]:
+    """Every group of ``unit``'s expert-parallel dimension ``dim`` (``ep_lines``), groups
     of one rank left out: the split of the default group ``split_group`` makes for it."""
     out: list[tuple[int, ...]] = []
-    for g in grids(plan):
-        ep = plan.unit(g.name).ep
-        if ep == 1:
-            continue
-        for rank in g.ranks:
-            ranks = ep_lines(role_of(plan, rank), ep)[dim]
-            if len(ranks) > 1 and ranks not in out:
-                out.append(ranks)
+    for rank in plan.unit(unit).ranks:
+        ranks = ep_lines(role_of(plan, rank), plan.unit(unit).ep)[dim]
+        if len(ranks) > 1 and ranks not in out:
+            out.append(ranks)
     return tuple(out)
 
 
@@ -781,7 +777,7 @@ def _ep_groups(plan: Plan, role: RankRole, mine: dict[str, tuple[int, ...]],
             continue
         for dim in ("ep", "ep_dp"):
             key = f"{g.name}.{dim}"
-            group = new_subgroup(mine.get(key), lambda dim=dim: _ep_family(plan, dim),
+            group = new_subgroup(mine.get(key), lambda dim=dim, g=g: _ep_family(plan, g.name, dim),
                                  desc=f"{g.name}_{dim}")
             if g.name != role.unit:
                 continue

@@ -152,6 +152,11 @@ def test_ep_groups_are_consecutive_replicas():
     assert ep_lines(role_of(plan, 2), 2) == {"ep": (1, 2), "ep_dp": (2, 4)}
     assert ep_lines(role_of(plan, 3), 2) == {"ep": (3, 4), "ep_dp": (1, 3)}
     assert rank_groups(plan, 2)["llm.ep"] == (1, 2)
+    # Where groups are split from the default group (NCCL), every rank splits these.
+    from dtdsl.parallel.mesh import _ep_family
+
+    assert _ep_family(plan, "llm", "ep") == ((1, 2), (3, 4))
+    assert _ep_family(plan, "llm", "ep_dp") == ((1, 3), (2, 4))
     assert ep_lines(role_of(plan, 2), 1) == {}
     with pytest.raises(ValueError, match="ep must divide dp"):
         ep_lines(role_of(plan, 2), 3)
