@@ -284,3 +284,25 @@ def test_expert_parallel_in_fp16_within_the_bf16_tolerance(tmp_path):
         for step, (g, (loss, norm)) in enumerate(zip(got, want, strict=True)):
             assert abs(g["loss"] - loss) <= f16.BF16_RTOL * abs(loss), (rank, step, g, loss)
             assert abs(g["grad_norm"] - norm) <= f16.BF16_RTOL * norm, (rank, step, g, norm)
+
+
+def test_resume_from_experts_sharded_over_their_expert_dp_group(tmp_path):
+    """dp 4 ep 2 (each expert FSDP-sharded over 2 ranks: nested Shard(0) on the (ep,
+    ep_dp) mesh in the checkpoint) for 2 steps, resumed at dp 2 ep 1 for 2: the
+    reference's losses and parameters."""
+    import json
+
+    p = moe_spec(args=ARGS)
+    first = colocate(p, ep_plan(p, 4, 1, 2), "vit", "gen")
+    then = ep_plan(p, 2, 1, 1)
+    want, params = reference(p, then, 4, grouped=False)
+    got = []
+    for i, plan in enumerate((first, then)):
+        out = tmp_path / f"{i}.json"
+        run(_phase, plan.gpus_used, p, plan, str(tmp_path), 2, str(out),
+            params if i else None, timeout=240)
+        r = json.loads(out.read_text())
+        assert r["first"] == 2 * i
+        got += r["losses"]
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert abs(g - w["loss"]) <= LOSS_TOL, (step, g, w["loss"])
