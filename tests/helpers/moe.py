@@ -67,3 +67,6 @@ def moe_spec(batch: int = 8, args: str = "experts=4, top_k=2, expert_ffn=64") ->
 
 
 _DENSE = "ffn=256, vocab=512, swiglu)"
+
+
+STEPS = 8
