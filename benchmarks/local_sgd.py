@@ -18,9 +18,9 @@ from dtdsl.cost.model import build_cost_model
 from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan
 from dtdsl.planner import plan as make_plan
+from dtdsl.reorder.workload import parse_policy
 from dtdsl.schedule.lower import lower
 from dtdsl.sim.run import simulate_steps
-from dtdsl.sim.workload import parse_policy
 
 SIM_STEPS = 3
 

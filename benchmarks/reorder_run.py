@@ -3,7 +3,7 @@
 widely in length, compiled and launched with launch.sh once per policy, and the predicted
 (simulated) step times of the same batches next to the measured ones.
 
-The routing is ``dtdsl.sim.workload.route`` in both the run (the ranks' batch source calls
+The routing is ``dtdsl.reorder.workload.route`` in both the run (the ranks' batch source calls
 ``data.batch.route_batch``) and the prediction, so the figures come from the tree on
 PYTHONPATH: run it with another tree's dtdsl first on the path to measure that tree's
 policy (e.g. main's, to compare the old policy with the new one).

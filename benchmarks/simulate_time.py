@@ -14,10 +14,10 @@ from _common import SHIPPED, cost, shipped, timed
 
 from dtdsl.ir.schedule import Schedule, ScheduleUnit
 from dtdsl.planner import plan
+from dtdsl.reorder.workload import parse_policy
 from dtdsl.schedule.lower import GradientFlow, lower, lower_units
 from dtdsl.sim.run import simulate_steps
 from dtdsl.sim.simulate import Durations, Simulator
-from dtdsl.sim.workload import parse_policy
 
 TARGET_S = 0.010
 STEPS = 3

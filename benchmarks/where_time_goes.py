@@ -30,9 +30,10 @@ from mfu_speedup import plan_as_a_user
 
 from dtdsl.ir.plan import BASELINES
 from dtdsl.planner.simulated import SpecData
+from dtdsl.reorder.workload import route
 from dtdsl.schedule.lower import lower
 from dtdsl.sim.simulate import Simulator
-from dtdsl.sim.workload import iteration_durations, route
+from dtdsl.sim.workload import iteration_durations
 
 PARTS = ("compute", "bubbles", "variation", "imbalance")
 

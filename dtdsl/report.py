@@ -153,7 +153,7 @@ def _placement_lines(plan: Plan) -> list[str]:
                        "they fit"}
     line = f"{'placement':<16}{plan.placement}: {where[plan.placement]}"
     if plan.placement == "phased":
-        from dtdsl.sim.workload import phase_fit
+        from dtdsl.reorder.workload import phase_fit
 
         fit = phase_fit(plan)
         later = sum(1 for s in fit.owners if s > 0)

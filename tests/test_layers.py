@@ -45,7 +45,8 @@ _PROFILE = ("cost.profile measures the torch models: move the measuring into tra
             "keep Profile in cost")
 _SHARED_SIZES = ("data.layout/data.modal (torch-free) and SampleSizes are what cost and the "
                  "models share: move them into ir/ (DESIGN: shared sizes live in ir/)")
-_WORKLOAD = "sim.workload (per-phase sample work) is used by the runtime: move it into cost/"
+_WORKLOAD = ("reorder.workload (routing and per-sample work, shared by the simulator and the "
+             "runtime) is used by the report's bubble line: move that line's fit into the plan")
 _JOB = ("the bundle's Job schema and the fault/checkpoint pieces the worker needs: "
         "move them into ir/ or feed/")
 _FILES = ("frontend.check reads HF configs, VAE configs and tokenizers: move those torch-free "
@@ -64,11 +65,7 @@ DEBT: dict[tuple[str, str], str] = {
     ("dtdsl.models.multimodal", "dtdsl.data.layout"): _SHARED_SIZES,
     ("dtdsl.models.multimodal", "dtdsl.data.modal"): _SHARED_SIZES,
     ("dtdsl.models.multimodal", "dtdsl.data.sample"): _SHARED_SIZES,
-    ("dtdsl.data.batch", "dtdsl.sim.workload"): _WORKLOAD,
-    ("dtdsl.feed.worker", "dtdsl.sim.workload"): _WORKLOAD,
-    ("dtdsl.report", "dtdsl.sim.workload"): _WORKLOAD,
-    ("dtdsl.train.dryrun", "dtdsl.sim.workload"): _WORKLOAD,
-    ("dtdsl.train.reference", "dtdsl.sim.workload"): _WORKLOAD,
+    ("dtdsl.report", "dtdsl.reorder.workload"): _WORKLOAD,
     ("dtdsl.feed.worker", "dtdsl.train.checkpoint"): _JOB,
     ("dtdsl.feed.worker", "dtdsl.train.faults"): _JOB,
     ("dtdsl.feed.worker", "dtdsl.train.job"): _JOB,
@@ -83,14 +80,13 @@ DEBT: dict[tuple[str, str], str] = {
     ("dtdsl.planner.simulated", "dtdsl.sim.estimate"): _PLANNER,
     ("dtdsl.planner.simulated", "dtdsl.sim.run"): _PLANNER,
     ("dtdsl.planner.simulated", "dtdsl.sim.simulate"): _PLANNER,
-    ("dtdsl.planner.simulated", "dtdsl.sim.workload"): _PLANNER,
+    ("dtdsl.planner.simulated", "dtdsl.reorder.workload"): _PLANNER,
     ("dtdsl.train.executor", "dtdsl.sim.tensorboard"): _LAUNCH,
     ("dtdsl.train.executor", "dtdsl.sim.timeline"): _LAUNCH,
     ("dtdsl.train.launch", "dtdsl.report"): _LAUNCH,
     ("dtdsl.train.launch", "dtdsl.sim.run"): _LAUNCH,
     ("dtdsl.train.launch", "dtdsl.sim.simulate"): _LAUNCH,
     ("dtdsl.train.launch", "dtdsl.sim.tensorboard"): _LAUNCH,
-    ("dtdsl.train.launch", "dtdsl.sim.workload"): _LAUNCH,
     ("dtdsl.train.memplan", "dtdsl.report"): _LAUNCH,
     ("dtdsl.train.memplan", "dtdsl.schedule.lower"): _LAUNCH,
     # Moved out of train.executor with the measured timelines (the same dependency).

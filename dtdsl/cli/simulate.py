@@ -46,13 +46,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from dtdsl.reorder.workload import WorkModel, parse_policy
     from dtdsl.report import plan_markdown, progress_bar, wide_console
     from dtdsl.sim.report import simulation_report
     from dtdsl.sim.run import simulate_steps
     from dtdsl.sim.simulate import Simulator
     from dtdsl.sim.tensorboard import TimelineWriter
     from dtdsl.sim.trace import write_trace
-    from dtdsl.sim.workload import WorkModel, parse_policy
 
     result, program = open_program(args.spec)
     cost = cost_model(args, program)

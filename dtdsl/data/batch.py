@@ -7,7 +7,7 @@ Three layers:
   them: ``SyntheticSource`` draws them from the spec's distributions
   (``data.sample.make_sample``), ``dtdsl.feed.source.DatasetSource`` reads a dataset;
 - ``route_batch`` decides where every sample of a batch goes under the spec's reorder
-  policy, with the simulator's own rule (``dtdsl.sim.workload.route``: inter-microbatch
+  policy, with the simulator's own rule (``dtdsl.reorder.workload.route``: inter-microbatch
   grouping of samples of similar work into steps and their order for 1F1B over the whole
   pipeline, intra-microbatch balancing of every unit's replicas), so predicted and
   measured runs route alike;
@@ -54,7 +54,7 @@ from dtdsl.parallel.broker import StepSamples
 
 if TYPE_CHECKING:
     from dtdsl.parallel.mesh import RankRole
-    from dtdsl.sim.workload import Routing, WorkModel
+    from dtdsl.reorder.workload import Routing, WorkModel
 
 __all__ = [
     "ALL_PARTS",
@@ -299,9 +299,9 @@ def route_batch(plan: Plan, program: ir.Program, sizes: Sequence[SampleSizes],
                 ) -> tuple[StepSamples, ...]:
     """Where every sample of a batch goes under ``policy`` (a subset of ``{"intra",
     "inter"}``): per microbatch step in execution order, its positions (increasing) and
-    every unit's replica per position. ``work_model`` (a ``sim.workload.WorkModel`` of the
+    every unit's replica per position. ``work_model`` (a ``reorder.workload.WorkModel`` of the
     spec's cost model) is needed when ``policy`` is not empty."""
-    from dtdsl.sim.workload import route
+    from dtdsl.reorder.workload import route
 
     n = len(sizes)
     if policy:
@@ -324,7 +324,7 @@ def route_batch(plan: Plan, program: ir.Program, sizes: Sequence[SampleSizes],
 def routing_of(plan: Plan, steps: Sequence[StepSamples]) -> Routing:
     """``route_batch``'s result as the simulator's ``Routing`` (per position: its
     microbatch step and every unit's replica): to simulate the batch a run trains on."""
-    from dtdsl.sim.workload import Routing
+    from dtdsl.reorder.workload import Routing
 
     n = sum(len(s.sample_ids) for s in steps)
     step = np.full(n, -1, dtype=np.int64)
@@ -354,7 +354,7 @@ class LocalBatches:
         self.policy = frozenset(program.train.reorder) if policy is None else policy
         if self.policy and work_model is None:
             from dtdsl.cost.model import build_cost_model
-            from dtdsl.sim.workload import WorkModel
+            from dtdsl.reorder.workload import WorkModel
 
             work_model = WorkModel(build_cost_model(program))
         self.work_model = work_model

@@ -110,7 +110,7 @@ class FeedContext:
         self.work_model = None
         if self.policy:
             from dtdsl.cost.model import build_cost_model
-            from dtdsl.sim.workload import WorkModel
+            from dtdsl.reorder.workload import WorkModel
 
             self.work_model = WorkModel(build_cost_model(self.program))
         self.roles = [role_of(self.plan, r) for r in range(job.world_size)]

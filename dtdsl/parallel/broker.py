@@ -30,7 +30,7 @@ is what the ordering check compares.
 
 **Co-located units** (``UnitPlan.colocated``) run inside the backbone's first or last
 stage, in its forward and backward: the broker has no grid, route or message for them.
-Their samples' replica is the backbone's (``sim.workload.route``), so the routing every
+Their samples' replica is the backbone's (``reorder.workload.route``), so the routing every
 rank computes still names them, and nothing else does. Nor does it carry a **phased**
 encoder's (``UnitPlan.phased``) embeddings: they go from each backbone rank to its
 replica's first stage over the pair of their PP group, before and after the pipeline

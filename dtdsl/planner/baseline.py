@@ -350,7 +350,7 @@ class Colocation:
                   microbatches: int) -> float:
         """Seconds the phased encoders add to a step: their work placed in 1F1B's bubbles
         by ``reorder.split.bubble_owners`` (what the simulator and the runtime run, from
-        the plan's same figures: ``sim.workload.phase_fit``), what does not fit exposed."""
+        the plan's same figures: ``reorder.workload.phase_fit``), what does not fit exposed."""
         if not self.phase:
             return 0.0
         from dtdsl.reorder.split import bubble_owners

@@ -221,7 +221,7 @@ class DrawnBatches:
 
     def __init__(self, cost: CostModel, steps: int) -> None:
         from dtdsl.cost.samples import positions
-        from dtdsl.sim.workload import batch_samples
+        from dtdsl.reorder.workload import batch_samples
 
         if steps < 1:
             raise ValueError(f"steps must be at least 1, not {steps}")
@@ -235,9 +235,9 @@ class DrawnBatches:
 
     @property
     def work_model(self):
-        """The per-sample work's reference (``sim.workload.WorkModel``), made when first
+        """The per-sample work's reference (``reorder.workload.WorkModel``), made when first
         simulated: it draws the cost model's samples again."""
-        from dtdsl.sim.workload import WorkModel
+        from dtdsl.reorder.workload import WorkModel
 
         if self._work_model is None:
             self._work_model = WorkModel(self.cost)
@@ -248,10 +248,10 @@ class DrawnBatches:
         """``plan``'s mean iteration time over the batches, routed under ``policy`` (equal
         to ``simulate_plan(cost, plan, policy=policy, steps=self.steps)``); ``progress``
         is called with each step simulated."""
+        from dtdsl.reorder.workload import route
         from dtdsl.schedule.lower import lower
         from dtdsl.sim.run import simulate_routed
         from dtdsl.sim.simulate import Simulator
-        from dtdsl.sim.workload import route
 
         simulator = Simulator(lower(plan, cost.program))
         times = []

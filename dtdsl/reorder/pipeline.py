@@ -9,7 +9,7 @@ consecutive microbatches of different work leave stages idle, more so the deeper
 pipeline. Here every stage has its own time per microbatch.
 
 The model: a chain of ``stages`` stages (the encoders' stages, then the backbone's, then
-the generators', as ``dtdsl.sim.workload`` lays them out) under plain 1F1B. Stage ``s``
+the generators', as ``dtdsl.reorder.workload`` lays them out) under plain 1F1B. Stage ``s``
 runs min(P - 1 - s, m) warm-up forwards, then alternates one forward and one backward,
 then runs the remaining backwards; forward i at stage s waits for forward i at stage
 s - 1, backward i at stage s for backward i at stage s + 1. No communication time. Every

@@ -2,7 +2,7 @@
 (``contiguous_split``); a phased encoder's microbatch steps among the stages of its
 backbone replica's pipeline, in 1F1B's bubbles (``bubble_owners``).
 
-Shared by the simulator's routing (``dtdsl.sim.workload``) and the runtime's
+Shared by the simulator's routing (``dtdsl.reorder.workload``) and the runtime's
 (through ``dtdsl.data.batch.route_batch``), so predicted and measured runs route alike.
 """
 

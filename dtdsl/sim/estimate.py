@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from dtdsl.ir.plan import Plan
-from dtdsl.sim.workload import (
+from dtdsl.reorder.workload import (
     _loads,
     _per_sample_seconds,
     phase_fit,
@@ -42,7 +42,7 @@ __all__ = ["drawn_estimate", "variation_s"]
 
 def drawn_estimate(plan: Plan, work: dict[str, np.ndarray], policy: frozenset[str]) -> float:
     """The estimated iteration time of ``plan`` on the batch whose per-sample relative
-    work is ``work`` (``sim.workload.WorkModel.relative``), routed under ``policy``: the
+    work is ``work`` (``reorder.workload.WorkModel.relative``), routed under ``policy``: the
     formula's time plus ``variation_s``."""
     return plan.iteration_time_s + variation_s(plan, work, policy)
 

@@ -13,16 +13,9 @@ from dtdsl.cost.samples import SampleSet
 from dtdsl.ir.plan import Plan
 from dtdsl.ir.program import Program
 from dtdsl.ir.schedule import Schedule
+from dtdsl.reorder.workload import Routing, WorkModel, batch_samples, imbalance, model_flops, route
 from dtdsl.sim.simulate import SimResult, Simulator
-from dtdsl.sim.workload import (
-    Routing,
-    WorkModel,
-    batch_samples,
-    imbalance,
-    iteration_durations,
-    model_flops,
-    route,
-)
+from dtdsl.sim.workload import iteration_durations
 
 __all__ = ["StepResult", "simulate_routed", "simulate_steps"]
 

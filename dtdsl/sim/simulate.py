@@ -30,7 +30,7 @@ Schedules with data parallelism run the same nodes per replica (a list of replic
 per node, the routes read per step), a few times slower per node.
 
 Phased encoders in the pipeline's bubbles (``Durations.bubbles``: per encoder, the
-backbone stage that encodes each microbatch step, ``sim.workload.phase_fit``): stage s's
+backbone stage that encodes each microbatch step, ``reorder.workload.phase_fit``): stage s's
 ranks run their encoder forwards as nodes of their own row before the stage's first
 action, and their encoder backwards after its last pass (before its SYNC); the first
 stage's forward of step j waits for the forward of j's images (the hand-off is priced in

@@ -350,7 +350,7 @@ def _shares(bundle: Path, job: Any, program: Any, plan: Any, steps: int,
     source = data_source(job, bundle, program, data)
     work_model = None
     if job.reorder:
-        from dtdsl.sim.workload import WorkModel
+        from dtdsl.reorder.workload import WorkModel
 
         work_model = WorkModel(job.cost.cost_model(program, bundle))
     roles = [role_of(plan, r) for r in range(job.world_size)]

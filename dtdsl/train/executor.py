@@ -779,7 +779,7 @@ class StageExecutor:
         return {i: o for i, o in zip(ids, outs, strict=True) if o.shape[0] > 0}
 
     def _phase_steps(self, name: str, stage: int) -> list[tuple[int, list[int]]]:
-        """Per microbatch step that stage ``stage`` encodes (``sim.workload.phase_fit``:
+        """Per microbatch step that stage ``stage`` encodes (``reorder.workload.phase_fit``:
         all of a step's images on one stage), the samples with image embeddings in it:
         the tensors of one message between that stage and the first, in order."""
         out = []
@@ -792,7 +792,7 @@ class StageExecutor:
     def _phase_forward(self, name: str) -> None:
         """Phased encoder ``name``'s forward phase, before the stage's first action: this
         rank encodes its share, the microbatch steps the plan gives its stage (in the
-        pipeline's bubble before its first forward, ``sim.workload.phase_fit``), under
+        pipeline's bubble before its first forward, ``reorder.workload.phase_fit``), under
         ``no_grad`` (the backward phase recomputes it). A later stage sends each step's
         embeddings to the first stage as soon as they are encoded, one message per step
         (it does not wait for them to arrive); the first stage keeps its own and posts the

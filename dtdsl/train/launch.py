@@ -373,9 +373,9 @@ class _TelemetryWork:
 
     def __init__(self, run_dir: Path, plan: Any, program_ir: Any, schedule: Any,
                  first_step: int, cost: Any, writer_type: Any = None):
+        from dtdsl.reorder.workload import WorkModel
         from dtdsl.sim.simulate import Simulator
         from dtdsl.sim.tensorboard import TimelineWriter
-        from dtdsl.sim.workload import WorkModel
 
         if first_step > 0 and (run_dir / "tb").is_dir():
             # Events of the steps that run again are purged from view (TensorBoard reads

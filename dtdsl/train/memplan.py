@@ -551,7 +551,7 @@ def _measure_stage(program: ir.Program, plan: Plan, schedule: Schedule, cost: An
     zero = program.train.mesh_zero
     dp_lm = next(x.dp for x in plan.units if x.role == "backbone")
     share = dp_lm / u.dp
-    # Priced at the plan's cp, as the simulator prices it (``sim.workload``).
+    # Priced at the plan's cp, as the simulator prices it (``reorder.workload``).
     unit_cost = replace(cost.unit(unit), cp=u.cp)
     from dtdsl.parallel.mesh import RankRole
 

@@ -177,7 +177,7 @@ def _local_sgd_reference(program: ir.Program, plan: Any, model: Model, source: S
     work = None
     if policy:
         from dtdsl.cost.model import build_cost_model
-        from dtdsl.sim.workload import WorkModel
+        from dtdsl.reorder.workload import WorkModel
 
         work = WorkModel(build_cost_model(program))
     for step in range(first_step, first_step + steps):

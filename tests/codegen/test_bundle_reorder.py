@@ -88,7 +88,7 @@ def _routed_keys(spec: Path, data: Path, plan_json: dict) -> list[list[str]]:
     from dtdsl.data.batch import route_batch
     from dtdsl.feed.source import DatasetSource
     from dtdsl.ir.plan import Plan
-    from dtdsl.sim.workload import WorkModel
+    from dtdsl.reorder.workload import WorkModel
 
     program = run_frontend(str(spec), spec.read_bytes()).program
     plan = Plan.model_validate(plan_json)

@@ -133,10 +133,10 @@ def predicted_times(bundle: Path, steps: int) -> list[float]:
     from dtdsl.cost.model import build_cost_model
     from dtdsl.data.batch import SyntheticSource, route_batch, routing_of, sample_set
     from dtdsl.ir.plan import Plan
+    from dtdsl.reorder.workload import WorkModel
     from dtdsl.schedule.lower import lower
     from dtdsl.sim.run import simulate_routed
     from dtdsl.sim.simulate import Simulator
-    from dtdsl.sim.workload import WorkModel
 
     program = run_frontend(str(SPEC), SPEC.read_bytes()).program
     plan = Plan.model_validate_json((bundle / "plan.json").read_bytes())

@@ -12,7 +12,7 @@ from dtdsl.cost.model import build_cost_model
 from dtdsl.cost.samples import draw_samples, positions
 from dtdsl.ir import program as ir
 from dtdsl.ir.graph import build_graph
-from dtdsl.sim.workload import WorkModel
+from dtdsl.reorder.workload import WorkModel
 from tests.specs import program, variant
 
 SHORT = "projector vit -> llm : mlp(depth=2)"

@@ -29,9 +29,10 @@ from dtdsl.planner.baseline import (
     with_recompute,
 )
 from dtdsl.planner.evaluate import Evaluator
+from dtdsl.reorder.workload import WorkModel, batch_samples, route
 from dtdsl.schedule.lower import lower
 from dtdsl.sim.simulate import Simulator
-from dtdsl.sim.workload import WorkModel, batch_samples, iteration_durations, route
+from dtdsl.sim.workload import iteration_durations
 from tests.pipeline_ref import one_f_one_b_events
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -183,7 +183,7 @@ def test_a_small_encoder_runs_in_the_pipelines_bubbles():
     in the pipeline's bubbles (``Colocation.bubbles_s``), beats co-location by the
     planner's own figures, by more than the phases before and after the pipeline did
     (0.6%), and auto picks it; the plan's later stages encode steps."""
-    from dtdsl.sim.workload import phase_fit
+    from dtdsl.reorder.workload import phase_fit
 
     small = plan(_nine_b("arch = transformer(layers=8, hidden=768, heads=12, ffn=3072, "
                          "patch=14)"), compare_baseline=False)

@@ -16,9 +16,9 @@ from dtdsl.planner.evaluate import Evaluator
 from dtdsl.planner.result import make_plan
 from dtdsl.planner.shortlist import near_layouts
 from dtdsl.planner.simulated import ESTIMATED, SIMULATED, DrawnBatches
+from dtdsl.reorder.workload import parse_policy
 from dtdsl.schedule.lower import lower
 from dtdsl.sim.run import simulate_steps
-from dtdsl.sim.workload import parse_policy
 
 TINY = Path(__file__).resolve().parents[2] / "specs" / "tiny_cpu.dt"
 

@@ -17,15 +17,10 @@ from dtdsl.driver import run_frontend
 from dtdsl.ir.schedule import Schedule, ScheduleUnit
 from dtdsl.planner import plan
 from dtdsl.reorder.split import bubble_exposure, bubble_owners, one_f_one_b_times
+from dtdsl.reorder.workload import WorkModel, batch_samples, phase_fit, route
 from dtdsl.schedule.lower import GradientFlow, lower, lower_units
 from dtdsl.sim.simulate import Durations, Simulator, simulate
-from dtdsl.sim.workload import (
-    WorkModel,
-    batch_samples,
-    iteration_durations,
-    phase_fit,
-    route,
-)
+from dtdsl.sim.workload import iteration_durations
 from tests.pipeline_ref import one_f_one_b_events
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,9 +10,10 @@ import pytest
 from dtdsl.cost.model import CostParams, build_cost_model
 from dtdsl.driver import read_spec, run_frontend
 from dtdsl.planner import plan
+from dtdsl.reorder.workload import route
 from dtdsl.schedule.lower import lower
 from dtdsl.sim.simulate import Simulator
-from dtdsl.sim.workload import iteration_durations, route
+from dtdsl.sim.workload import iteration_durations
 
 ROOT = Path(__file__).resolve().parents[2]
 

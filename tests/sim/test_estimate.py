@@ -14,8 +14,8 @@ from dtdsl.driver import run_frontend
 from dtdsl.planner import plan_baseline, plan_convex
 from dtdsl.planner.simulated import DrawnBatches
 from dtdsl.reorder.pipeline import chain_1f1b, chain_columns
+from dtdsl.reorder.workload import WorkModel, batch_samples
 from dtdsl.sim.estimate import drawn_estimate, variation_s
-from dtdsl.sim.workload import WorkModel, batch_samples
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,4 @@
-"""``sim.workload.route``, the one routing rule of the simulator and of the workers that feed
+"""``reorder.workload.route``, the one routing rule of the simulator and of the workers that feed
 a run: every sample routed exactly once under every policy, a deterministic function of the
 costs, the workers' ``route_batch`` the same function, and the chosen step order against
 every permutation simulated on a lowered schedule."""
@@ -18,17 +18,17 @@ from dtdsl.data.batch import SyntheticSource, route_batch, routing_of, sample_se
 from dtdsl.driver import run_frontend
 from dtdsl.ir.plan import Plan, UnitPlan, split_layers
 from dtdsl.planner import plan as make_plan
-from dtdsl.schedule.lower import lower
-from dtdsl.sim.simulate import Simulator
-from dtdsl.sim.workload import (
+from dtdsl.reorder.workload import (
     POLICIES,
     WorkModel,
     batch_samples,
-    iteration_durations,
     parse_policy,
     reordered,
     route,
 )
+from dtdsl.schedule.lower import lower
+from dtdsl.sim.simulate import Simulator
+from dtdsl.sim.workload import iteration_durations
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -128,7 +128,7 @@ def _tiny(pp: int, m: int):
     program = result.program
     cost = build_cost_model(program, CostParams(samples=256))
     # Disaggregated: a phased encoder's stage per step follows the step's place in the
-    # order (``sim.workload.phase_fit``), which inter's chain model does not price.
+    # order (``reorder.workload.phase_fit``), which inter's chain model does not price.
     the_plan = make_plan(cost, program.cluster.num_gpus, compare_baseline=False,
                          placement="disaggregated")
     assert the_plan.unit("llm").pp == pp

@@ -13,17 +13,11 @@ from dtdsl.cost.model import CostParams, build_cost_model
 from dtdsl.cost.samples import draw_samples, microbatch_lengths, positions
 from dtdsl.driver import run_frontend
 from dtdsl.planner import plan
+from dtdsl.reorder.workload import batch_samples, imbalance, parse_policy, route, sample_work
 from dtdsl.schedule.lower import lower
 from dtdsl.sim.run import simulate_steps
 from dtdsl.sim.simulate import Simulator
-from dtdsl.sim.workload import (
-    batch_samples,
-    imbalance,
-    iteration_durations,
-    parse_policy,
-    route,
-    sample_work,
-)
+from dtdsl.sim.workload import iteration_durations
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -88,7 +82,7 @@ def test_the_simulator_prices_a_packed_row_by_its_documents():
 
     from dtdsl.cost import flops
     from dtdsl.cost.samples import attention_squares
-    from dtdsl.sim.workload import WorkModel
+    from dtdsl.reorder.workload import WorkModel
 
     path = ROOT / "specs" / "mllm_9b.dt"
     text = path.read_text().replace("  seed             = 42\n",
@@ -245,7 +239,7 @@ def test_phased_plans_simulate_close_to_the_plan():
     replica's pipeline whose stage ``phase_fit`` gives its step, in whatever order the
     steps run; at mean work its passes in the bubbles and the pipeline simulate to the
     plan's time."""
-    from dtdsl.sim.workload import phase_fit, reordered
+    from dtdsl.reorder.workload import phase_fit, reordered
 
     for name in ("tiny_cpu", "mllm_9b"):
         _, cost, the_plan, schedule = _setup(name, placement="phased")

@@ -1,5 +1,5 @@
 """Phased encoders in the pipeline's bubbles (issue 27's stretch): each microbatch step's
-images encoded by the backbone stage the plan gives it (``sim.workload.phase_fit``), the
+images encoded by the backbone stage the plan gives it (``reorder.workload.phase_fit``), the
 embeddings handed to the first stage step by step, the gradients back after the first
 stage's backward of the stage's last step; trained against the single-process
 reference over 8 steps on pipelines of 2 and 3 stages."""
@@ -13,7 +13,7 @@ from dtdsl.data.batch import sample_set
 from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan
 from dtdsl.parallel.mesh import phased_problems
-from dtdsl.sim.workload import phase_fit
+from dtdsl.reorder.workload import phase_fit
 from tests.dist import run
 from tests.helpers.phased import STEPS, _train
 from tests.helpers.plans import phase

@@ -160,7 +160,7 @@ def test_a_replica_without_images_or_targets_reduces_with_the_others():
     once crashed in gloo on exactly that."""
     from dtdsl.cost.model import build_cost_model
     from dtdsl.data.batch import SyntheticSource, route_batch
-    from dtdsl.sim.workload import WorkModel
+    from dtdsl.reorder.workload import WorkModel
 
     program = _rare_images(8)
     plan = colocate(program, plan_for(program, ("vit", "encoder", 1, 1, 1),

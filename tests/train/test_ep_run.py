@@ -57,7 +57,7 @@ class GroupedSource(SyntheticSource):
     def order(self, step: int) -> list[int]:
         if step not in self._orders:
             from dtdsl.cost.model import build_cost_model
-            from dtdsl.sim.workload import WorkModel
+            from dtdsl.reorder.workload import WorkModel
 
             policy = frozenset(self.program.train.reorder)
             work = WorkModel(build_cost_model(self.program)) if policy else None

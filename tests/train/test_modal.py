@@ -196,7 +196,7 @@ def test_the_model_splices_every_encoder_at_its_items_places(frames):
 @pytest.mark.parametrize("policy", [frozenset(), frozenset({"intra", "inter"})])
 def test_every_sample_reaches_every_unit_once_a_step(policy):
     from dtdsl.cost.model import build_cost_model
-    from dtdsl.sim.workload import WorkModel
+    from dtdsl.reorder.workload import WorkModel
 
     program = tiny_modal(audio=True, video=True, batch=8)
     plan = plan_for(program, ("vit", "encoder", 1, 2, 1), ("beats", "encoder", 1, 1, 1),

@@ -76,8 +76,8 @@ def _started(tb: Path, timeout_s: float = 120.0) -> None:
 
 def _a_timeline(parts, plan, feed):
     """Any Timeline stands in for the measured ones: the prediction of step 0's."""
+    from dtdsl.reorder.workload import WorkModel
     from dtdsl.sim.simulate import Simulator
-    from dtdsl.sim.workload import WorkModel
 
     cost, program, schedule, source = parts
     return launch._prediction(cost, plan, program, Simulator(schedule), WorkModel(cost), 0,
