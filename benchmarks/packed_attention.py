@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from _common import shipped
 
 from dtdsl.data.batch import SyntheticSource
-from dtdsl.data.layout import layout_of
+from dtdsl.ir.layout import layout_of
 from dtdsl.models.attention import document_mask, flex_kernel
 
 _STATUS = Path("/proc/self/status")

@@ -25,7 +25,7 @@ _CODE = "DT601"
 def _encoders(program: ir.Program) -> list[Diagnostic]:
     """Encoders the runtime cannot feed: one that is not a transformer (over patches, or
     over fbank frames: an audio encoder without a patch size reads a frame a token, and
-    one of several input channels an fbank per channel, ``data.modal``)."""
+    one of several input channels an fbank per channel, ``ir.modal``)."""
     out = []
     for module in program.encoders:
         arch = module.arch

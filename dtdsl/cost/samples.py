@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dtdsl.data.modal import InputRule, drawn_tokens
 from dtdsl.ir import program as ir
+from dtdsl.ir.modal import InputRule, drawn_tokens
 
 __all__ = ["ItemSet", "SampleSet", "attention_squares", "backbone_sizes", "draw",
            "draw_samples", "item_key", "microbatch_lengths", "microbatch_squares", "positions"]
@@ -121,7 +121,7 @@ def _item_draws(data: ir.Data, modality: str, total: int, rng: np.random.Generat
 def _item_sizes(modality: str, drawn: tuple[np.ndarray, np.ndarray | None],
                 rule: InputRule | None = None) -> np.ndarray:
     """Tokens per item of the draws ``drawn`` (``_item_draws``) as an encoder's items have
-    them at runtime (``data.modal.drawn_tokens`` of its ``rule``: an audio clip's tokens
+    them at runtime (``ir.modal.drawn_tokens`` of its ``rule``: an audio clip's tokens
     rounded to whole rows of patches, a video's frames rounded up to whole temporal
     patches times its square frames' patches; image patches as drawn)."""
     if modality == "image":
@@ -134,7 +134,7 @@ def _item_sizes(modality: str, drawn: tuple[np.ndarray, np.ndarray | None],
 def item_key(program: ir.Program, module: ir.Module) -> str:
     """The ``SampleSet.items`` key of encoder ``module``'s items: its modality for the
     first encoder of that modality, else ``"<modality>@<name>"``. Every encoder of a
-    modality encodes the same items (the sample's images or clips, ``data.modal``), each
+    modality encodes the same items (the sample's images or clips, ``ir.modal``), each
     with its own tokens, which take positions in the backbone's sequence too: a second
     key, not a second draw. The stage graph, the cost model and the simulator read each
     encoder's own."""
@@ -146,13 +146,13 @@ def item_key(program: ir.Program, module: ir.Module) -> str:
 def draw_samples(program: ir.Program, n: int, seed: int = 0) -> SampleSet:
     """n sequences as the runtime trains on them, drawn from the spec's data block (only
     what its modules read): each drawn sample cut to ``seq_len`` as the sources cut it
-    (``data.layout``: its encoders' items first, an item that does not fit dropped with
+    (``ir.layout``: its encoders' items first, an item that does not fit dropped with
     those after it, then the text that fits), and with ``train.packing`` the samples packed
-    into sequences as ``data.layout.pack`` packs them (a sequence's text and items are its
+    into sequences as ``ir.layout.pack`` packs them (a sequence's text and items are its
     samples')."""
     if not program.train.packing:
         return _cut(program, _draw_documents(program, n, np.random.default_rng(seed)))
-    from dtdsl.data.layout import pack
+    from dtdsl.ir.layout import pack
 
     rng = np.random.default_rng(seed)
     seq_len = program.train.seq_len
@@ -217,7 +217,7 @@ def microbatch_lengths(lengths: np.ndarray, micro_batch: int) -> np.ndarray:
 
 
 def _cut(program: ir.Program, samples: SampleSet) -> SampleSet:
-    """Each sample cut to ``seq_len`` as ``data.layout.fit`` cuts a synthetic sample (its
+    """Each sample cut to ``seq_len`` as ``ir.layout.fit`` cuts a synthetic sample (its
     items first, then its text): an item that does not fit is dropped with all that
     follows it, text included; a sample whose first item alone does not fit keeps its
     text, without items."""
@@ -292,7 +292,7 @@ def _draw_documents(program: ir.Program, n: int, rng: np.random.Generator) -> Sa
     text = draw(data.get("text", "tokens"), n, rng)
     items: dict[str, ItemSet] = {}
     # Per encoder modality its items' counts and draws, made once for the first encoder
-    # of that modality and read by every other (``data.modal``: hybrid towers).
+    # of that modality and read by every other (``ir.modal``: hybrid towers).
     shared: dict[str, tuple[np.ndarray, tuple[np.ndarray, np.ndarray | None]]] = {}
     for module in program.modules:
         if module.role == "encoder":

@@ -40,7 +40,7 @@ normalisation, windows) are ``transformers.audio_utils``'s (``mel_filter_bank``,
 ``images.ImagePolicy`` does for images): Whisper's log-mel for a tower with Whisper's stem
 (``in_channels`` bins, ``2 x max_source_positions`` frames), BEATs' fbank otherwise (cut to
 ``max_frames``, the clamp high of ``audio.frames``), an fbank per channel ``[frames, C,
-bins]`` for ``C = in_channels > 1`` (``data.modal``'s layout); ``policy.features(data,
+bins]`` for ``C = in_channels > 1`` (``ir.modal``'s layout); ``policy.features(data,
 name)`` decodes only the seconds it uses.
 
 Frames are cut and transformed in one vectorised pass (``_frames``; float32 FFTs), where

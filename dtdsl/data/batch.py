@@ -36,11 +36,8 @@ import numpy as np
 import torch
 
 from dtdsl.cost.samples import ItemSet, SampleSet, item_key
-from dtdsl.data.layout import layout_of, pack
-from dtdsl.data.modal import EncoderInputs, encoder_inputs
 from dtdsl.data.sample import (
     Sample,
-    SampleSizes,
     image_encoder,
     join_samples,
     join_sizes,
@@ -48,7 +45,10 @@ from dtdsl.data.sample import (
     sample_sizes,
 )
 from dtdsl.ir import program as ir
+from dtdsl.ir.layout import layout_of, pack
+from dtdsl.ir.modal import EncoderInputs, encoder_inputs
 from dtdsl.ir.plan import Plan
+from dtdsl.ir.sizes import SampleSizes
 from dtdsl.models.multimodal import Normalizer
 from dtdsl.parallel.broker import StepSamples
 
@@ -149,7 +149,7 @@ class SyntheticSource:
     """Samples drawn from the spec's data distributions (``data.sample.make_sample``): document
     ``i`` of step ``s`` is seeded from ``(train.seed, s, i)`` alone. Position ``i`` is
     document ``i``; with ``train.packing``, the documents ``0, 1, 2, ...`` of the step
-    packed into ``global_batch`` sequences (``data.layout.pack``; those left in sequences
+    packed into ``global_batch`` sequences (``ir.layout.pack``; those left in sequences
     still open when the batch is full are not used)."""
 
     def __init__(self, program: ir.Program):
@@ -235,7 +235,7 @@ def reads_of(role: RankRole, plan: Plan, routing: Sequence[StepSamples]
 
 
 def _image_tokens(program: ir.Program) -> EncoderInputs:
-    """Every encoder's rule for its items' tokens (``data.modal.encoder_inputs``: an
+    """Every encoder's rule for its items' tokens (``ir.modal.encoder_inputs``: an
     image's as ``Program.image_tokens``); ValueError for encoders the runtime has no data
     for (``data.sample.image_encoder``)."""
     image_encoder(program)
@@ -244,7 +244,7 @@ def _image_tokens(program: ir.Program) -> EncoderInputs:
 
 def normalizer_of(program: ir.Program, sizes: Sequence[SampleSizes]) -> Normalizer:
     """``models.multimodal.loss_normalizer`` of a batch from its samples' sizes alone
-    (``data.layout``'s rule: each sample's trained tokens that fit in ``seq_len``)."""
+    (``ir.layout``'s rule: each sample's trained tokens that fit in ``seq_len``)."""
     tokens, seq_len = _image_tokens(program), program.train.seq_len
     text = sum(layout_of(sz, tokens, seq_len).loss_tokens for sz in sizes)
     gen = sum(sz.num_gen_targets for sz in sizes)
@@ -255,7 +255,7 @@ def sample_set(program: ir.Program, sizes: Sequence[SampleSizes]) -> SampleSet:
     """The cost model's view of real samples: text tokens, and per encoder modality and
     generated modality the items' sizes (patches per image, and its tokens in the backbone
     where the projector compresses them; an audio or video clip's patches,
-    ``data.modal``; one unit per generated item); of packed sequences also their
+    ``ir.modal``; one unit per generated item); of packed sequences also their
     documents' squared lengths. Keys as the cost model's (``cost.samples.item_key``)."""
     rules = _image_tokens(program)
     tokens = program.image_tokens()

@@ -8,7 +8,7 @@ sample above a clamp's high is made to fit it, the way the spec says:
 
 - ``text.tokens`` above ``HIGH``: its first ``HIGH`` text tokens are kept, with the images
   placed among them; the images after the cut and the text after it are dropped (the
-  rule ``data.layout.fit`` has for ``seq_len``);
+  rule ``ir.layout.fit`` has for ``seq_len``);
 - ``image.count`` above ``HIGH``: its first ``HIGH`` images are kept, the others dropped;
   ``audio.count`` and ``video.count`` likewise for the clips of the encoders of that
   modality (a clip placed after a ``text.tokens`` cut goes with the text after it); a
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from dtdsl.ir import program as ir
 
 if TYPE_CHECKING:
-    from dtdsl.data.sample import SampleSizes
+    from dtdsl.ir.sizes import SampleSizes
 
 __all__ = ["Clamps", "Outside", "what_happens"]
 

@@ -33,7 +33,7 @@ turns a ``RawSample`` into a ``DecodedSample``:
 Cambrian, Eagle) share the sample's items of that modality, as two generators share
 their targets: every encoder encodes each of the sample's images (audio clips, video
 clips), each at its own size, and each item's placeholder (``<image>``, ``<audio>``,
-``<video>``) holds the tokens of every such encoder, in spec order (``data.layout``:
+``<video>``) holds the tokens of every such encoder, in spec order (``ir.layout``:
 items before the same text token go in the encoders' spec order, so items that share a
 place, those without a placeholder, take the first encoder's run, then the second's).
 This is the reading the cost model prices (``cost.samples``: one draw of a modality's
@@ -62,7 +62,6 @@ import numpy as np
 
 from dtdsl.data.images import ImagePolicy, patch_grid
 from dtdsl.data.media import ClipReader
-from dtdsl.data.modal import encoder_inputs
 from dtdsl.data.shards import (
     DatasetError,
     EncodedAudio,
@@ -80,6 +79,7 @@ from dtdsl.data.text import (
     load_tokenizer,
 )
 from dtdsl.ir import program as ir
+from dtdsl.ir.modal import encoder_inputs
 
 __all__ = [
     "AUDIO_LATENT_SCALE",

@@ -12,7 +12,7 @@ does not read is a ``DatasetError`` naming it: the indexes skip its sample with 
 reason (``unreadable audio``, ``unreadable video``).
 
 **Shapes before decoding** (``ClipReader.shape``), by the one rule of the runtime
-(``data.modal.InputRule``) and the cost model:
+(``ir.modal.InputRule``) and the cost model:
 
 - audio, an encoder with a patch stem (BEATs-class): the clip decoded to mono at 16 kHz
   (``data.audio``: at most ``AudioPolicy.max_seconds``; a rate other than 16 kHz is
@@ -63,10 +63,10 @@ from dtdsl.data.audio import (
     check_format,
 )
 from dtdsl.data.images import ImagePolicy
-from dtdsl.data.modal import InputRule
 from dtdsl.data.shards import ClipInfo, DatasetError, EncodedClip
 from dtdsl.ir import program as ir
 from dtdsl.ir.clips import padded_frames
+from dtdsl.ir.modal import InputRule
 
 __all__ = ["AUDIO_EXTENSIONS", "DEFAULT_FPS", "VIDEO_EXTENSIONS", "ClipReader",
            "index_media", "media_kind"]

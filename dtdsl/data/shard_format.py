@@ -88,7 +88,7 @@ class EncodedImage:
 @dataclass(frozen=True)
 class EncodedAudio:
     """Log-mel frames as ``.npy`` bytes of a float32 ``[frames, bins]`` array, or
-    ``[frames, channels, bins]`` for an encoder of several input channels (``data.modal``)."""
+    ``[frames, channels, bins]`` for an encoder of several input channels (``ir.modal``)."""
 
     data: bytes = field(repr=False)
     frames: int

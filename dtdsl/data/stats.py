@@ -53,8 +53,8 @@ def default_readers() -> dict[str, Any]:
     second)."""
     from dtdsl.data.audio import AudioPolicy, FbankFeatures
     from dtdsl.data.media import DEFAULT_FPS, ClipReader
-    from dtdsl.data.modal import InputRule
     from dtdsl.data.video import FrameSampling
+    from dtdsl.ir.modal import InputRule
 
     return {"audio": ClipReader(rule=InputRule(name="", modality="audio", patch=16,
                                                channels=1, mel_bins=128),

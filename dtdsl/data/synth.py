@@ -43,9 +43,9 @@ import numpy as np
 
 from dtdsl.cost.samples import draw
 from dtdsl.data.encode import encode_audio, encode_image
-from dtdsl.data.modal import InputRule
 from dtdsl.data.shards import RawSample, sample_key
 from dtdsl.ir import program as ir
+from dtdsl.ir.modal import InputRule
 
 __all__ = ["MEL_BINS", "NUM_WORDS", "image_grid", "provenance", "synthesize"]
 

@@ -7,7 +7,7 @@ embeddings are spliced in there) and ``trained`` (ranges ``[a, b)`` of text-toke
 whose tokens are next-token targets). The backbone's sequence is the text with each image's
 embeddings inserted at its place; a trained token is predicted from the position before it
 (an image's last patch, when the token follows an image), and a token at the sequence's
-first position has nothing to be predicted from (``data.layout.sequence_layout``).
+first position has nothing to be predicted from (``ir.layout.sequence_layout``).
 
 Two tokenizers:
 

@@ -15,7 +15,7 @@ A ``batch`` message (``wire`` kind ``"batch"``) carries, for step ``meta["step"]
   synthetic samples), ``p<pos>.<generator>.latents`` / ``.noise`` float32 and
   ``.timesteps`` int64 (a generator with a VAE: ``.pixels`` uint8 ``[G, 3, S, S]`` and
   ``.eps`` float32 instead of ``.latents``), and every other encoder's items (audio,
-  video, a second image encoder; ``data.modal``): ``p<pos>.in.<encoder>.<k>`` float32 or
+  video, a second image encoder; ``ir.modal``): ``p<pos>.in.<encoder>.<k>`` float32 or
   uint8 of the shape its sizes give.
 
 Each position's sizes travel too (``sizes.*``): the text, images, places, trained
@@ -238,7 +238,7 @@ def _read_sizes(arrays: Mapping[str, Any], units: Sequence[str], generators: Seq
                 step: int) -> list[Any]:
     """Every sample's ``SampleSizes`` (its text, images and their places, trained ranges,
     packed documents and every encoder's inputs), checked for consistency."""
-    from dtdsl.data.sample import SampleSizes
+    from dtdsl.ir.sizes import SampleSizes
 
     text, counts_img = arrays["sizes.text"].tolist(), arrays["sizes.images"].tolist()
     hw = [tuple(x) for x in arrays["sizes.hw"].reshape(-1, 2).tolist()]

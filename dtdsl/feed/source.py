@@ -12,7 +12,7 @@ trainer resumed at step k), and every sample of an epoch is consumed exactly onc
 **Which samples.** ``N`` counts the samples the run can train on (``data.usable``: the
 index's samples whose text goes with their images and whose parts decode; the same list
 in every process), each within the spec's clamps (``data.clamps``) and cut to ``seq_len``
-(``data.layout.fit``). What is left out is logged once per sample, with its file and why,
+(``ir.layout.fit``). What is left out is logged once per sample, with its file and why,
 and counted (``left_out``). A sample that stops decoding after that (its file changed
 during the run) keeps its place with a stand-in of its sizes, logged once and counted in
 ``replaced``: the batch's sizes, which every process computes alone, must not change.
@@ -148,7 +148,7 @@ class DatasetSource:
     """A ``runtime.batch.SampleSource`` over a dataset (module docstring). Its samples are
     those ``data.usable`` keeps (the others are counted in ``skipped``, by reason in
     ``left_out``), each within the spec's clamps (``data.clamps``) and cut to ``seq_len``
-    as ``data.layout.fit`` cuts it."""
+    as ``ir.layout.fit`` cuts it."""
 
     def __init__(self, program: ir.Program, path: str | Path, *, seed: int | None = None,
                  progress: Any = None):
@@ -173,7 +173,7 @@ class DatasetSource:
         image = next((m for m in program.encoders if m.modality == "image"), None)
         self.patch = (image.arch.patch or 1) if image is not None else None
         if self.decoder.input_encoders:     # every encoder's rule places its items
-            from dtdsl.data.modal import encoder_inputs
+            from dtdsl.ir.modal import encoder_inputs
 
             self.image_tokens: Any = encoder_inputs(program)
         else:
@@ -202,7 +202,7 @@ class DatasetSource:
 
     def _pack_epoch(self, epoch: int) -> tuple[tuple[int, ...], ...]:
         """Epoch ``epoch``'s samples in its order, packed into sequences (dataset indices)."""
-        from dtdsl.data.layout import layout_of, pack
+        from dtdsl.ir.layout import layout_of, pack
 
         order = [self.usable[k] for k in epoch_permutation(self.seed, epoch, len(self.usable))]
         seq_len = self.program.train.seq_len
@@ -251,8 +251,8 @@ class DatasetSource:
         found = self._doc_sizes.get(i)
         if found is not None:
             return found
-        from dtdsl.data.layout import fit
-        from dtdsl.data.sample import SampleSizes
+        from dtdsl.ir.layout import fit
+        from dtdsl.ir.sizes import SampleSizes
 
         info = self.dataset.info(i)
         layout = self._layouts[i]

@@ -1,5 +1,5 @@
 """What an audio or video clip costs in the backbone's sequence: the one rule for the cost
-model's samples, the data layer (``data.modal``, ``data.media``) and the runtime, free of
+model's samples, the data layer (``ir.modal``, ``data.media``) and the runtime, free of
 torch, NumPy-optional and of PyAV.
 
 Audio (an encoder with a patch stem): a clip of about ``tokens`` tokens with ``columns``

@@ -196,7 +196,7 @@ class TransformerArch(IRModel):
         Whisper's first convolution's channels): a flattened patch of ``in_channels`` x
         ``temporal_patch`` x ``patch^2`` values, a frame of ``in_channels`` x ``mel_bins``,
         Whisper's ``in_channels`` mel bins. The model, the data layer's patches
-        (``data.modal.InputRule``) and the cost model all read this one number."""
+        (``ir.modal.InputRule``) and the cost model all read this one number."""
         channels = self.in_channels or 3
         if self.stem == "whisper_conv":
             return self.in_channels or 80
@@ -716,7 +716,7 @@ class Train(IRModel):
     grad_clip: float
     span: Span
     # Sequence packing: each of the global_batch sequences is documents packed up to
-    # seq_len (data.layout.pack), as Megatron-LM counts batches of packed data; False: one
+    # seq_len (ir.layout.pack), as Megatron-LM counts batches of packed data; False: one
     # sample per sequence. Defaulted so that earlier Programs still read.
     packing: bool = False
     # torch.compile of every transformer layer and U-Net block (train.compiled): True on

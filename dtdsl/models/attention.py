@@ -1,6 +1,6 @@
 """Attention over packed documents: FlexAttention with a document-causal block mask.
 
-A packed sequence (``train.packing``, ``data.layout``) holds several documents; a position
+A packed sequence (``train.packing``, ``ir.layout``) holds several documents; a position
 attends to the positions of its own document up to itself, and the padding after the
 documents is one more document (so no row of scores is empty). ``document_mask`` builds
 what the kernel needs from the layouts alone, on the host:

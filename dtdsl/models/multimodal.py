@@ -15,7 +15,7 @@ unit's torch modules and its inputs:
   ``[image tokens_i, hidden_llm]`` tensor per sample. Split into ``encoder_input`` and
   ``encoder_layers(encoder, xs, start, stop)`` for pipeline stages.
 - ``backbone_step(model, image_embeds, samples)``: per sample its sequence as
-  ``data.layout`` places it: the text tokens with each image's embeddings spliced in
+  ``ir.layout`` places it: the text tokens with each image's embeddings spliced in
   where the sample puts it (``<image>`` in the text; before the text for synthetic and
   caption data), cut at ``seq_len``, right-padded to the longest sequence of the call
   (or to ``pad_to``, e.g. ``seq_len`` for fixed shapes: the model is causal, so padding
@@ -61,19 +61,19 @@ from torch import nn
 
 from dtdsl.cost.flops import lm_loss_chunk_rows
 from dtdsl.data.images import Pixels, pixel_norm
-from dtdsl.data.layout import SequenceLayout, Tokens, layout_of
-from dtdsl.data.modal import EncoderInputs, encoder_inputs
 from dtdsl.data.sample import (
     GenTargets,
     Sample,
-    SampleSizes,
     image_encoder,
     pack_images,
     pack_items,
     unpack_images,
 )
 from dtdsl.ir import program as ir
+from dtdsl.ir.layout import SequenceLayout, Tokens, layout_of
+from dtdsl.ir.modal import EncoderInputs, encoder_inputs
 from dtdsl.ir.program import COND_TOKENS
+from dtdsl.ir.sizes import SampleSizes
 from dtdsl.models import build_module, build_projector, tie_weights
 from dtdsl.models.attention import DocumentMask, document_mask, key_bias
 from dtdsl.models.diffusion import noisy_and_target
@@ -216,7 +216,7 @@ def image_tokens(sizes: SampleSizes, tokens: Tokens) -> int:
 
 def encoder_rows(sizes: SampleSizes, rules: EncoderInputs, name: str) -> int:
     """The rows encoder ``name`` gives a sample in the backbone's sequence: its items'
-    tokens (``data.modal``), the images' for the image encoder."""
+    tokens (``ir.modal``), the images' for the image encoder."""
     if name == rules.image:
         return image_tokens(sizes, rules)
     rule = rules.rule(name)
@@ -231,7 +231,7 @@ def encoder_items(sample: Sample, rules: EncoderInputs, name: str) -> tuple[torc
 
 def splice_items(parts: dict[str, torch.Tensor], layout: SequenceLayout) -> torch.Tensor:
     """One sample's rows from every encoder (``parts[key]``: its items' rows, in the
-    encoder's item order; keys as ``data.layout.placements`` names them) in the order
+    encoder's item order; keys as ``ir.layout.placements`` names them) in the order
     ``layout`` places the items: what ``backbone_input`` splices. Without item keys (one
     encoder's items): the rows of the encoder that has any."""
     if not layout.items:
@@ -255,7 +255,7 @@ def splice_items(parts: dict[str, torch.Tensor], layout: SequenceLayout) -> torc
 
 
 def sequence_length(sizes: SampleSizes, tokens: ir.ImageTokens, seq_len: int) -> int:
-    """The length of a sample's backbone sequence (``data.layout``'s rule)."""
+    """The length of a sample's backbone sequence (``ir.layout``'s rule)."""
     return layout_of(sizes, tokens, seq_len).length
 
 
@@ -299,7 +299,7 @@ class Model(nn.Module):
         self.generators = tuple(m.name for m in program.generators)
         self.seq_len = program.train.seq_len
         self.patch = (enc.arch.patch or 1) if enc is not None else 1
-        # Every encoder's items and their rows in the backbone (``data.modal``), an
+        # Every encoder's items and their rows in the backbone (``ir.modal``), an
         # image's as ``Program.image_tokens``.
         self.inputs = encoder_inputs(program)
         self.image_tokens: Tokens = self.inputs if self.inputs.others else \
@@ -356,7 +356,7 @@ def sample_sizes_of(sample: Sample) -> SampleSizes:
 
 def sample_layout(sample: Sample, tokens: ir.ImageTokens, seq_len: int) -> SequenceLayout:
     """Where a sample's text and images sit in its sequence, and which tokens are targets
-    (``data.layout``; the rule its ``SampleSizes`` give; ``tokens``: an image's tokens,
+    (``ir.layout``; the rule its ``SampleSizes`` give; ``tokens``: an image's tokens,
     ``Program.image_tokens``)."""
     return layout_of(sample_sizes_of(sample), tokens, seq_len)
 
@@ -414,7 +414,7 @@ def encoder_layers(encoder: Encoder, xs: Sequence[torch.Tensor], start: int = 0,
 
 def encode(model: Model, samples: Sequence[Sample]) -> list[torch.Tensor]:
     """Each sample's encoder tokens in backbone width ``[tokens_i, hidden_llm]``, every
-    encoder's items in the order ``data.layout`` places them (``[0, hidden_llm]``
+    encoder's items in the order ``ir.layout`` places them (``[0, hidden_llm]``
     without items, or without an encoder)."""
     backbone: Backbone = model.unit(model.backbone)
     width = backbone.tok_embeddings.embedding_dim
@@ -489,7 +489,7 @@ def padded_width(length: int, tp: int = 1, cp: int = 1) -> int:
 def backbone_input(backbone: Backbone, image_embeds: Sequence[torch.Tensor],
                    tokens: Sequence[torch.Tensor], layouts: Sequence[SequenceLayout],
                    pad_to: int | None = None, cp: int = 1) -> BackboneBatch:
-    """Each sample's sequence as its ``layouts`` entry places it (``data.layout``: text
+    """Each sample's sequence as its ``layouts`` entry places it (``ir.layout``: text
     tokens with the sample's images, ``image_embeds[i]`` the rows of its images in order,
     spliced in; cut to the kept text), right-padded with zero embeddings to the longest
     (or ``pad_to``), and the next-token targets of its trained tokens. ValueError for an
@@ -565,7 +565,7 @@ def document_masks(layouts: Sequence[SequenceLayout], width: int,
                    device: torch.device | str) -> tuple[torch.Tensor | None,
                                                          DocumentMask | None]:
     """``(positions [B, S], DocumentMask)`` of sequences packed from several documents
-    (``data.layout``): positions restart at 0 in every document, and a position attends
+    (``ir.layout``): positions restart at 0 in every document, and a position attends
     to the positions of its own document up to itself (padding after the documents is
     one more document); built on the host from the layouts, copied without blocking
     (``models.attention.document_mask``). ``(None, None)`` when no sequence holds more

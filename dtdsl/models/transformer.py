@@ -274,7 +274,7 @@ class Encoder(nn.Module):
         self.patch = arch.patch or 1
         self.in_channels = arch.in_channels or 3
         # A video encoder's patch spans ``temporal_patch`` frames, a frame stem's is a
-        # whole fbank frame (``ir.TransformerArch.patch_dim``, ``data.modal``).
+        # whole fbank frame (``ir.TransformerArch.patch_dim``, ``ir.modal``).
         self.patch_dim = arch.patch_dim
         self.frames = arch.stem == "frames"
         self.learned = arch.positions == "learned"

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dtdsl.data.layout import SequenceLayout
 from dtdsl.ir import program as ir
+from dtdsl.ir.layout import SequenceLayout
 from dtdsl.ir.plan import Plan
 from dtdsl.models.multimodal import cp_document_ids
 from dtdsl.parallel.cp import CPContext, CPGroup

@@ -55,19 +55,13 @@ import torch.distributed as dist
 
 from dtdsl.data.batch import BatchSource, LocalBatches, StepBatch
 from dtdsl.data.images import Pixels, pixel_norm
-from dtdsl.data.layout import SequenceLayout, layout_of
-from dtdsl.data.modal import EncoderInputs, encoder_inputs
-from dtdsl.data.sample import (
-    PackedImages,
-    Sample,
-    SampleSizes,
-    image_encoder,
-    pack_items,
-    unpack_images,
-)
+from dtdsl.data.sample import PackedImages, Sample, image_encoder, pack_items, unpack_images
 from dtdsl.ir import program as ir
+from dtdsl.ir.layout import SequenceLayout, layout_of
+from dtdsl.ir.modal import EncoderInputs, encoder_inputs
 from dtdsl.ir.plan import Plan
 from dtdsl.ir.schedule import Action, ActionKind, Schedule
+from dtdsl.ir.sizes import SampleSizes
 from dtdsl.models.moe import moe_blocks, set_loss_scale, take_aux_losses
 from dtdsl.models.multimodal import (
     Normalizer,
@@ -119,7 +113,7 @@ class _Units:
         self.vaes = vaes or {}
         self.patch = (enc.arch.patch or 1) if enc is not None else 1
         self.inputs: EncoderInputs = encoder_inputs(program)
-        self.image_tokens = self.inputs       # every encoder's items' rows (data.modal)
+        self.image_tokens = self.inputs       # every encoder's items' rows (ir.modal)
         self.seq_len = program.train.seq_len
         self.backbone = program.backbone.name
         self.gen_proj = {g.name: projector_between(program, program.backbone.name, g.name)
@@ -565,7 +559,7 @@ class StageExecutor:
         return self.batch.sizes[i]
 
     def _layout(self, i: int) -> SequenceLayout:
-        """Sample ``i``'s place in the backbone's sequence (``data.layout``), from its sizes."""
+        """Sample ``i``'s place in the backbone's sequence (``ir.layout``), from its sizes."""
         found = self._layouts.get(i)
         if found is None:
             found = self._layouts[i] = layout_of(self._sizes(i), self._image_tokens,

@@ -188,7 +188,7 @@ class _RunLog:
                   "skipped": result["skipped"], "iteration_time_s": wall,
                   "data_wait_s": result["data_wait_s"],
                   "samples_per_s": n / wall if wall > 0 else 0.0,
-                  # samples longer than seq_len, cut there (data.layout), and with packing
+                  # samples longer than seq_len, cut there (ir.layout), and with packing
                   # the samples the step's sequences hold
                   "cut_samples": sum(z.cut for z in batch.sizes),
                   "documents": sum(z.num_docs for z in batch.sizes)}

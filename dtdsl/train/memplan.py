@@ -267,8 +267,8 @@ def _encoder_images(program: ir.Program, cost: Any, name: str, unit: Any, share:
                     large: bool) -> _Images:
     """The items of encoder ``name``'s large (the cost model's 99th percentile) or
     average microbatch, as the cost model budgets them: square grids of about an average
-    item's patches (an image's, an audio clip's or a video clip's, ``data.modal``)."""
-    from dtdsl.data.modal import InputRule, drawn_tokens
+    item's patches (an image's, an audio clip's or a video clip's, ``ir.modal``)."""
+    from dtdsl.ir.modal import InputRule, drawn_tokens
 
     module = program.module(name)
     arch = module.arch
@@ -297,7 +297,7 @@ def _encoder_images(program: ir.Program, cost: Any, name: str, unit: Any, share:
 def _item_rows(program: ir.Program, name: str, side: int) -> int:
     """The backbone rows of one of ``_encoder_images``' square items of encoder ``name``:
     an image's as its projector compresses it, any other's one per patch."""
-    from dtdsl.data.modal import InputRule
+    from dtdsl.ir.modal import InputRule
 
     rule = InputRule.of(program, program.module(name))
     return rule.image.of_grid(side, side) if rule.image is not None else side * side
@@ -336,8 +336,8 @@ def _hosted_inputs(program: ir.Program, cost: Any, plan: Plan, role: Any, seq: i
     the encoders' items (``images``, spread over the sequences, whose text fills the
     rest; per encoder where there are several) and each generator's targets
     (``generation``)."""
-    from dtdsl.data.layout import sequence_layout
     from dtdsl.data.sample import PackedImages
+    from dtdsl.ir.layout import sequence_layout
     from dtdsl.parallel.mesh import hosted_units
 
     b = program.train.micro_batch
@@ -720,8 +720,8 @@ def _import_runtime() -> None:
     import torch.distributed.tensor.parallel  # noqa: F401
     import torch.testing._internal.distributed.fake_pg  # noqa: F401
 
-    import dtdsl.data.layout  # noqa: F401
     import dtdsl.data.sample  # noqa: F401
+    import dtdsl.ir.layout  # noqa: F401
     import dtdsl.parallel.mesh  # noqa: F401
     import dtdsl.parallel.tp  # noqa: F401
     import dtdsl.train.executor  # noqa: F401

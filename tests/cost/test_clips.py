@@ -11,7 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from dtdsl.cost import flops
 from dtdsl.data.batch import sample_set
-from dtdsl.data.modal import encoder_inputs
+from dtdsl.ir.modal import encoder_inputs
 from dtdsl.models import build_module
 from tests.train.modal_specs import tiny_modal
 

@@ -10,9 +10,9 @@ import numpy as np
 from dtdsl.data.batch import SyntheticSource, normalizer_of, sample_set
 from dtdsl.data.decode import Decoder
 from dtdsl.data.images import ImagePolicy, patch_grid
-from dtdsl.data.layout import fit, layout_of
-from dtdsl.data.sample import SampleSizes
 from dtdsl.ir import program as ir
+from dtdsl.ir.layout import fit, layout_of
+from dtdsl.ir.sizes import SampleSizes
 from tests.specs import variant
 
 SHUFFLE = ir.ImageTokens(patch=8, compress=ir.PixelShuffle(factor=2))

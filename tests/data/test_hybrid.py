@@ -18,9 +18,9 @@ import torch
 from dtdsl import cli
 from dtdsl.cost.samples import draw_samples, positions
 from dtdsl.data.batch import SyntheticSource, normalizer_of, sample_set
-from dtdsl.data.layout import layout_of
-from dtdsl.data.modal import encoder_inputs
 from dtdsl.driver import run_frontend
+from dtdsl.ir.layout import layout_of
+from dtdsl.ir.modal import encoder_inputs
 from dtdsl.models.multimodal import build_model, encode, loss_normalizer
 from tests.specs import TINY
 from tests.text_models import make_tokenizer

@@ -17,9 +17,9 @@ import webdataset as wds
 from dtdsl import cli
 from dtdsl.data.decode import Decoder
 from dtdsl.data.media import ClipReader, index_media
-from dtdsl.data.modal import encoder_inputs
 from dtdsl.data.shards import EncodedClip
 from dtdsl.data.sources import open_dataset
+from dtdsl.ir.modal import encoder_inputs
 from tests.helpers.media import (
     _flac,
     _llava,
@@ -245,7 +245,7 @@ def test_clamps_cut_clips_as_they_cut_images():
     """audio.count / video.count clamp a sample's clips to their first HIGH; a text.tokens
     cut drops the clips placed after it, as it drops images."""
     from dtdsl.data.clamps import Clamps
-    from dtdsl.data.sample import SampleSizes
+    from dtdsl.ir.sizes import SampleSizes
 
     program = tiny_modal(audio=True, video=True)
     data = program.data.model_copy(update={"quantities": tuple(

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from dtdsl.data.layout import fit, layout_of, sequence_layout
-from dtdsl.data.sample import SampleSizes
 from dtdsl.data.text import HFTokenizer, TokenizerError, load_tokenizer
+from dtdsl.ir.layout import fit, layout_of, sequence_layout
 from dtdsl.ir.program import ImageTokens
+from dtdsl.ir.sizes import SampleSizes
 from tests.helpers.text import (
     CHATML,
 )

@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import create_block_mask
 
-from dtdsl.data.layout import concat, sequence_layout
 from dtdsl.ir import program as ir
+from dtdsl.ir.layout import concat, sequence_layout
 from dtdsl.models import attention as attn
 from dtdsl.models import transformer
 from dtdsl.models.attention import BLOCK, document_attention, document_ids, document_mask

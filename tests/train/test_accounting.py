@@ -108,11 +108,11 @@ def test_the_cost_model_draws_as_many_sequences_as_asked(packing, n):
 
 
 def test_the_cost_models_cut_is_the_sources():
-    """Sample by sample, the cost model's cut (``cost.samples``) keeps what ``data.layout.fit``
+    """Sample by sample, the cost model's cut (``cost.samples``) keeps what ``ir.layout.fit``
     keeps of the same sizes, at a seq_len that cuts many of them."""
     from dtdsl.cost.samples import _cut, _draw_documents
-    from dtdsl.data.layout import fit
-    from dtdsl.data.sample import SampleSizes
+    from dtdsl.ir.layout import fit
+    from dtdsl.ir.sizes import SampleSizes
 
     program = variant("seq_len          = 512", "seq_len          = 80")
     drawn = _draw_documents(program, 400, np.random.default_rng(3))
@@ -136,7 +136,7 @@ def test_the_cost_models_cut_is_the_sources():
 def test_samples_cut_to_nothing_keep_their_text_and_train():
     """A sample whose first image alone exceeds seq_len keeps its text (no images); its
     tensors have exactly its sizes' tokens, and a packed batch's loss is computed."""
-    from dtdsl.data.layout import layout_of
+    from dtdsl.ir.layout import layout_of
     from dtdsl.models.multimodal import build_model, loss_normalizer, microbatch_loss
 
     p = variant("seq_len          = 512", "seq_len          = 48")

@@ -14,9 +14,9 @@ from dtdsl.codegen.support import runtime_support
 from dtdsl.cost.flops import encoder_ends_params
 from dtdsl.cost.samples import _draw_documents, draw
 from dtdsl.data.batch import SyntheticSource, normalizer_of, route_batch, sample_set
-from dtdsl.data.layout import layout_of
-from dtdsl.data.modal import drawn_tokens, encoder_inputs
 from dtdsl.data.sample import make_sample, sample_seed, sample_sizes
+from dtdsl.ir.layout import layout_of
+from dtdsl.ir.modal import drawn_tokens, encoder_inputs
 from dtdsl.models.multimodal import build_model, encode, loss_normalizer, sample_sizes_of
 from tests.helpers.runs import check, plan_for
 from tests.train.modal_specs import (

@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from dtdsl.data.batch import SyntheticSource
-from dtdsl.data.layout import layout_of, pack, sequence_layout
-from dtdsl.data.sample import SampleSizes, join_sizes
+from dtdsl.data.sample import join_sizes
 from dtdsl.ir import program as ir
+from dtdsl.ir.layout import layout_of, pack, sequence_layout
 from dtdsl.ir.program import ImageTokens
+from dtdsl.ir.sizes import SampleSizes
 from dtdsl.models.multimodal import (
     backbone_input,
     backbone_layers,

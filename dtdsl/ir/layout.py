@@ -6,7 +6,7 @@ A sample is its text tokens ``0..T-1`` with items inserted: image ``k`` (of ``N_
 tokens: its patches as the projector compresses them, ``ir.program.ImageTokens``) goes
 before text token ``image_at[k]`` (``T``: after the text), and so does every other
 encoder's item ``k`` (audio, video, a second image encoder: ``inputs_at[name][k]``, its
-tokens ``data.modal.InputRule.tokens``). The backbone's sequence lays them out in that
+tokens ``ir.modal.InputRule.tokens``). The backbone's sequence lays them out in that
 order; items before the same text token go in the encoders' spec order, each encoder's
 in its own order (``placements``). Below, "image" means any encoder's item. ``trained``
 names the text tokens that are next-token targets; each is predicted at the position
@@ -26,11 +26,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from dtdsl.data.modal import EncoderInputs
+from dtdsl.ir.modal import EncoderInputs
 from dtdsl.ir.program import ImageTokens
 
 if TYPE_CHECKING:
-    from dtdsl.data.sample import SampleSizes
+    from dtdsl.ir.sizes import SampleSizes
 
 __all__ = ["SequenceLayout", "Tokens", "concat", "fit", "layout_of", "pack", "placements",
            "sequence_layout"]
@@ -150,7 +150,7 @@ def placements(sizes: SampleSizes, tokens: Tokens) -> list[tuple[str, int, int, 
 
 def layout_of(sizes: SampleSizes, tokens: Tokens, seq_len: int) -> SequenceLayout:
     """The layout of a sample from its sizes (``tokens``: every encoder's rule,
-    ``data.modal.encoder_inputs``, or an image's tokens alone, ``Program.image_tokens``);
+    ``ir.modal.encoder_inputs``, or an image's tokens alone, ``Program.image_tokens``);
     of a packed sequence, its documents' layouts one after the other."""
     if sizes.doc_text is None:
         items = placements(sizes, tokens)
