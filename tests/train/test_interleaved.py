@@ -1,0 +1,87 @@
+"""Interleaved 1F1B in the executor (a backbone of several model chunks per pipeline
+stage, ``Stage.chunks``) against the single-process reference, and its checkpoints
+resumed under interleaved and plain 1F1B plans (multi-rank gloo runs)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from dtdsl.ir import program as ir
+from dtdsl.ir.plan import Plan, chunk_ranges
+from dtdsl.schedule.lower import lower
+from dtdsl.train.checkpoint import checkpoint_root, read_manifest
+from tests.train.test_executor import check, plan_for, spec
+
+STEPS = 8
+
+
+def interleaved(program: ir.Program, vpp: int = 2) -> ir.Program:
+    """``program`` with ``schedule = interleaved(virtual_stages=vpp)``."""
+    return program.model_copy(update={"train": program.train.model_copy(
+        update={"schedule": "interleaved", "virtual_stages": vpp})})
+
+
+def chunked(plan: Plan, unit: str, vpp: int = 2) -> Plan:
+    """``plan`` with ``unit`` interleaved over ``vpp`` model chunks per stage."""
+    units = tuple(u.model_copy(update={"vpp": vpp}) if u.name == unit else u
+                  for u in plan.units)
+    return plan.model_copy(update={"schedule": "interleaved", "units": units})
+
+
+def test_chunk_ranges():
+    # Virtual stage c * pp + s runs after virtual stage c * pp + s - 1: stage 0's chunks
+    # are layers 0 and 2 of four, stage 1's 1 and 3.
+    assert chunk_ranges((2, 2), 2) == (((0, 1), (2, 3)), ((1, 2), (3, 4)))
+    assert chunk_ranges((3, 2), 1) == (((0, 3),), ((3, 5),))
+    # Uneven: each stage's own layers split over its chunks, the larger first.
+    assert chunk_ranges((3, 3, 2), 2) == (((0, 2), (5, 6)), ((2, 4), (6, 7)),
+                                          ((4, 5), (7, 8)))
+
+
+def test_interleaved_backbone_matches_the_reference():
+    # The encoder and generator are units of their own: the broker's boundaries sit on
+    # the backbone's first virtual stage (stage 0, chunk 0) and its last (stage 1, chunk 1).
+    program = interleaved(spec(8))
+    plan = chunked(plan_for(program, ("vit", "encoder", 1, 1, 1),
+                            ("llm", "backbone", 1, 1, 2), ("gen", "generator", 1, 1, 1)),
+                   "llm")
+    schedule = lower(plan, program)
+    assert {a.chunk for a in schedule.stage("llm", 0).actions} == {0, 1}
+    check(program, plan, STEPS)
+
+
+@pytest.mark.usefixtures("deterministic")   # compares losses bitwise
+def test_checkpoints_resume_interleaved_and_plain(tmp_path):
+    # Checkpoint keys are the full model's names whatever the chunks: an interleaved
+    # run's checkpoint resumes bitwise under its own plan, and resharded under plain
+    # 1F1B and back.
+    from tests.train.test_checkpoint import PROGRAM, _close, _go, _reference
+
+    plain = plan_for(PROGRAM, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, 1, 2),
+                     ("gen", "generator", 1, 1, 1))
+    chunks = chunked(plain, "llm")
+    ref, _ = _reference()
+    a_dir = tmp_path / "a"
+    a = _go(chunks, a_dir, 4, {2: "sync", 4: "thread"}, tmp_path / "a.json", want_at=4)
+    assert a["first"] == 0
+    _close(a["losses"], ref[:4])
+    m = read_manifest(checkpoint_root(a_dir) / "ckpt-4")
+    assert [u.text for u in m.units] == ["vit:tp1dp1pp1", "llm:tp1dp1pp2vpp2",
+                                         "gen:tp1dp1pp1"]
+
+    # From ckpt-2 under the same plan: the uninterrupted run's losses, bitwise.
+    same = tmp_path / "same"
+    shutil.copytree(checkpoint_root(a_dir) / "ckpt-2", checkpoint_root(same) / "ckpt-2")
+    s = _go(chunks, same, 2, {}, tmp_path / "same.json")
+    assert s["first"] == 2 and s["losses"] == a["losses"][2:4]
+    assert "same plan" in s["logs"][0]
+
+    # Plain 1F1B from the interleaved save, then interleaved again from its save.
+    b = _go(plain, a_dir, 2, {6: "sync"}, tmp_path / "b.json", want_at=6)
+    assert b["first"] == 4 and "llm:tp1dp1pp2vpp2" in b["logs"][0], b["logs"]
+    _close(b["losses"], ref[4:6])
+    c = _go(chunks, a_dir, 2, {}, tmp_path / "c.json", want_at=8)
+    assert c["first"] == 6 and "llm:tp1dp1pp2 " in c["logs"][0], c["logs"]
+    _close(c["losses"], ref[6:8])
