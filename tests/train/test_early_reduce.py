@@ -37,10 +37,11 @@ def _train(rank: int, world: int, program: ir.Program, plan: Plan,
     reduce = stage.reduce_gradients
 
     def reduce_and_look() -> None:
-        # On entry: have the backbone's layers' gradients reached their shards already?
-        # (FSDP2 registers the unsharded parameters on a module while it is gathered: read
-        # the shards through its state.)
-        shards = [fp.sharded_param for layer in stage.layers
+        # On entry: have the early layers' gradients (all the backbone's layers once
+        # learnt) reached their shards already? (FSDP2 registers the unsharded parameters
+        # on a module while it is gathered: read the shards through its state.)
+        early = stage.layers if stage.early is None else stage.early
+        shards = [fp.sharded_param for layer in early
                   for group in param_groups(layer._get_fsdp_state())
                   for fp in group.fsdp_params if fp.sharded_param.requires_grad]
         seen.append(bool(shards) and all(p.grad is not None for p in shards))
@@ -53,8 +54,11 @@ def _train(rank: int, world: int, program: ir.Program, plan: Plan,
     if ex.role.role != "backbone":
         assert stage.early == []
         return
-    n_layers = stage.stop - stage.start
+    # Interleaved, the layers of chunk 0 (whose backward is the step's last) only.
+    start, stop = stage.chunks[0] if stage.chunks else (stage.start, stage.stop)
+    n_layers = stop - start
     assert len(stage.early) == n_layers, (len(stage.early), n_layers)
+    assert len(stage.layers) == stage.held_layers
     # The first step learns which layers are early and reduces everything at its end;
     # from the second on, the layers' reduce-scatters ran inside the last backward.
     assert seen == [False] + [True] * (STEPS - 1), seen

@@ -85,3 +85,36 @@ def test_checkpoints_resume_interleaved_and_plain(tmp_path):
     c = _go(chunks, a_dir, 2, {}, tmp_path / "c.json", want_at=8)
     assert c["first"] == 6 and "llm:tp1dp1pp2 " in c["logs"][0], c["logs"]
     _close(c["losses"], ref[6:8])
+
+
+@pytest.mark.parametrize("split", [(2, 2), (3, 1)], ids=["even", "empty-last-chunk"])
+def test_co_located_units_on_an_interleaved_data_parallel_backbone(split):
+    # The encoder runs inside stage 0's chunk 0, the generator inside stage 1's last
+    # chunk; DP 2 reduces chunk 0's layers early (the step's last backward is chunk 0's)
+    # and the rest after it. (3, 1) leaves stage 1's chunk 1 without layers: the head.
+    from tests.train.test_colocated import colocate
+
+    program = interleaved(spec(8))
+    plan = chunked(colocate(program, plan_for(program, ("vit", "encoder", 1, 1, 1),
+                                              ("llm", "backbone", 1, 2, 2),
+                                              ("gen", "generator", 1, 1, 1)),
+                            "vit", "gen", split=split), "llm")
+    assert [u.name for u in lower(plan, program).units] == ["llm"]
+    check(program, plan, STEPS)
+
+
+def test_chunk_zeros_layers_reduce_during_the_last_backward():
+    import torch
+
+    from tests.dist import run
+    from tests.train.test_early_reduce import STEPS as EARLY_STEPS
+    from tests.train.test_early_reduce import _train
+    from tests.train.test_executor import reference
+
+    program = interleaved(spec(8))
+    plan = chunked(plan_for(program, ("vit", "encoder", 1, 1, 1),
+                            ("llm", "backbone", 1, 2, 2), ("gen", "generator", 1, 1, 1)),
+                   "llm")
+    losses, _ = reference(program, EARLY_STEPS)
+    torch.set_num_threads(1)
+    run(_train, plan.gpus_used, program, plan, losses, timeout=240)
