@@ -118,3 +118,25 @@ def test_chunk_zeros_layers_reduce_during_the_last_backward():
     losses, _ = reference(program, EARLY_STEPS)
     torch.set_num_threads(1)
     run(_train, plan.gpus_used, program, plan, losses, timeout=240)
+
+
+def test_memcheck_measures_every_chunk_of_an_interleaved_stage():
+    from dtdsl.train.memplan import check_memory, in_flight_of
+
+    program = interleaved(spec(8))
+    plain = plan_for(program, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, 1, 2),
+                     ("gen", "generator", 1, 1, 1))
+    plan = chunked(plain, "llm")
+    # Passes of either chunk in flight: more than plain 1F1B holds (each of half the
+    # layers).
+    assert [in_flight_of(lower(plan, program), "llm", s) for s in (0, 1)] == [6, 4]
+    assert [in_flight_of(lower(plain, program), "llm", s) for s in (0, 1)] == [3, 2]
+    got = {(s.unit, s.stage): s for s in check_memory(program, plan, jobs=2)}
+    want = {(s.unit, s.stage): s for s in check_memory(program, plain, jobs=2)}
+    assert list(got) == list(want)
+    for key in [("llm", 0), ("llm", 1)]:
+        # Two layers each, as at vpp 1 (layers 0 and 2 on stage 0, 1 and 3 on stage 1).
+        for what in ("params", "optimizer_state"):
+            assert got[key].by_category[what] == want[key].by_category[what], (key, what)
+        assert got[key].in_flight > want[key].in_flight
+        assert got[key].measured_bytes > 0 and got[key].predicted_bytes > 0
