@@ -140,3 +140,18 @@ def test_memcheck_measures_every_chunk_of_an_interleaved_stage():
             assert got[key].by_category[what] == want[key].by_category[what], (key, what)
         assert got[key].in_flight > want[key].in_flight
         assert got[key].measured_bytes > 0 and got[key].predicted_bytes > 0
+
+
+def test_the_dry_run_counts_the_wrap_around_peer():
+    # Interleaved over 3 stages, stage 2's chunk 0 feeds stage 0's chunk 1: one more
+    # peer each for the first and last stage, none for the middle one.
+    from dtdsl.parallel.mesh import role_of
+    from dtdsl.train.dryrun import _p2p_peers
+
+    program = interleaved(spec(8))
+    plain = plan_for(program, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, 1, 3),
+                     ("gen", "generator", 1, 1, 1))
+    plan = chunked(plain, "llm")
+    extra = [_p2p_peers(plan, role_of(plan, r)) - _p2p_peers(plain, role_of(plain, r))
+             for r in range(plan.gpus_used)]
+    assert extra == [0, 1, 0, 1, 0]
