@@ -530,6 +530,21 @@ def _attach_cp(program: ir.Program, plan: Plan, built: Any, role: Any, world: An
                                        cp=cp_group(program, plan, role, group))
 
 
+def _optimizer(program: ir.Program, plan: Plan, trainable: list[Any]) -> Any:
+    """The stage's optimizer (``StageOptimizer``) over ``trainable``, its state made as
+    the first step makes it; None when nothing trains."""
+    from dtdsl.train.memcheck import init_optimizer_state
+    from dtdsl.train.optim import StageOptimizer
+
+    if not trainable:
+        return None
+    o = program.train.optimizer
+    opt = StageOptimizer(trainable, name=o.name, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                         weight_decay=o.weight_decay, offload=plan.offload_fraction(program))
+    init_optimizer_state(opt.optimizer)
+    return opt
+
+
 def _measure_stage(program: ir.Program, plan: Plan, schedule: Schedule, cost: Any,
                    unit: str, stage: int) -> StageMemory:
     from dtdsl.parallel.mesh import (
@@ -541,8 +556,7 @@ def _measure_stage(program: ir.Program, plan: Plan, schedule: Schedule, cost: An
         unit_mesh_shape,
     )
     from dtdsl.train.executor import stage_run
-    from dtdsl.train.memcheck import fake_world, init_optimizer_state, measure_peak
-    from dtdsl.train.optim import StageOptimizer
+    from dtdsl.train.memcheck import fake_world, measure_peak
     from dtdsl.train.stage import build_stage
 
     start_s = time.perf_counter()
@@ -570,14 +584,7 @@ def _measure_stage(program: ir.Program, plan: Plan, schedule: Schedule, cost: An
                             phased=meshes, phased_run=stage_run("encoder"))
         if grid.cp > 1:
             _attach_cp(program, plan, built, role, world)
-        trainable = built.trainable()
-        opt = None
-        if trainable:
-            o = program.train.optimizer
-            opt = StageOptimizer(trainable, name=o.name, lr=o.lr, betas=tuple(o.betas),
-                                 eps=o.eps, weight_decay=o.weight_decay,
-                                 offload=plan.offload_fraction(program))
-            init_optimizer_state(opt.optimizer)
+        opt = _optimizer(program, plan, built.trainable())
         # Per model chunk (interleaved: the passes in flight cycle over them), a large and
         # an average microbatch.
         makers = [[_inputs(program, cost, plan, unit_cost, role, share, built.compute_dtype,
