@@ -155,3 +155,25 @@ def test_the_dry_run_counts_the_wrap_around_peer():
     extra = [_p2p_peers(plan, role_of(plan, r)) - _p2p_peers(plain, role_of(plain, r))
              for r in range(plan.gpus_used)]
     assert extra == [0, 1, 0, 1, 0]
+
+
+def test_an_interleaved_encoder_into_an_interleaved_backbone():
+    # The encoder's chunks pass its packed image groups over PP (its stage 1's chunk 1
+    # holds no layer: the post-norm and the projector into the backbone).
+    program = interleaved(spec(8))
+    plan = chunked(chunked(plan_for(program, ("vit", "encoder", 1, 1, 2),
+                                    ("llm", "backbone", 1, 1, 2),
+                                    ("gen", "generator", 1, 1, 1)), "llm"), "vit")
+    assert {a.chunk for a in lower(plan, program).stage("vit", 1).actions} == {0, 1}
+    check(program, plan, 4)
+
+
+def test_interleaved_tensor_parallel_backbone():
+    # Sequence parallelism's pieces travel between the chunks; the vocabulary-parallel
+    # head and its loss are on the last chunk only.
+    from tests.train.test_executor import TP_STEPS, check_tp
+
+    program = interleaved(spec(8))
+    check_tp(program, chunked(plan_for(program, ("vit", "encoder", 1, 1, 1),
+                                       ("llm", "backbone", 2, 1, 2),
+                                       ("gen", "generator", 1, 1, 1)), "llm"), TP_STEPS)
