@@ -507,10 +507,11 @@ instead. Today the runtime cannot train:
   encoder or a generator: the runtime splits the backbone's sequences only;
   constrain the others with `cp(MODULE) == 1`. Nor does a phased encoder run
   beside a backbone with cp > 1 (plan it disaggregated or co-located).
-- an MoE backbone under expert parallelism (a plan with ep > 1, from an
-  `ep(...)` constraint), tensor or context parallelism: `dtdsl.parallel.ep` has
-  the expert-parallel block, the stage does not build it yet; constrain it with
-  `ep(MODULE) == 1`, `tp(MODULE) == 1` and `cp(MODULE) == 1`.
+- an MoE backbone under tensor or context parallelism, or under expert
+  parallelism (a plan with ep > 1) with `sync = local_sgd`: the stage splits
+  the experts over EP groups of DP replicas, not by TP or CP, and Local SGD would
+  average replicas holding different experts; constrain it with
+  `tp(MODULE) == 1` and `cp(MODULE) == 1` (`ep(MODULE) == 1` under Local SGD).
 - `sync = local_sgd(...)` beside context parallelism (every DP rank is a whole
   replica, and a replica's CP ranks would not sum their gradients): constrain
   `cp(MODULE) == 1` or use `sync = allreduce`.

@@ -30,7 +30,9 @@ def pytest_collection_modifyitems(config, items):
     naming a test ranks its file), each file's tests together and in their order (a
     module-scoped fixture is built once), the rest in collection order: under pytest-xdist
     a long test that starts last holds the run up while the other workers wait. The order
-    is the same on every worker (xdist requires it)."""
+    is the same on every worker (xdist requires it). It pairs with ``--dist worksteal``
+    (``.ci/run``): the default ``load`` scheduler hands the first worker the slow head of
+    this order as one chunk, and the others finish long before it does."""
     rank: dict[str, int] = {}
     for line in (ROOT / "tests" / "slowest.txt").read_text().splitlines():
         if line.strip() and not line.startswith("#"):
@@ -154,3 +156,12 @@ def shipped_bundle(shipped_plan, tmp_path_factory):
         return out
 
     return get
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    """The tiny spec's synthetic dataset, indexed (``tests.helpers.bundle.tiny_dataset``):
+    made once per test module that asks for it."""
+    from tests.helpers.bundle import tiny_dataset
+
+    return tiny_dataset(tmp_path_factory)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dtdsl import cli
-from tests.codegen.test_bundle_run import SPEC, launch_ok, read_jsonl, reference_losses
+from tests.helpers.bundle import SPEC, launch_ok, read_jsonl, reference_losses
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 5

@@ -18,7 +18,7 @@ import pytest
 
 from dtdsl.codes import CODES
 from dtdsl.driver import run_frontend
-from dtdsl.frontend import check
+from dtdsl.frontend import tables
 from dtdsl.frontend.constraints import AXES, DEFAULT_MEMORY_FRACTION, DEFAULT_TP
 from dtdsl.frontend.fmt import format_spec
 from dtdsl.frontend.parser import UNITS
@@ -61,8 +61,8 @@ DOC_SPANS = _spans(DOC)
 # ---- what the code knows --------------------------------------------------------------
 
 def _param_tables() -> dict[str, tuple[Param, ...]]:
-    """Every module-level tuple of Params in the checker: MODULE_FIELDS, TRAIN_FIELDS, ..."""
-    return {name: value for name, value in vars(check).items()
+    """Every module-level tuple of Params in the checker's tables (MODULE_FIELDS, ...)."""
+    return {name: value for name, value in vars(tables).items()
             if isinstance(value, tuple) and value and all(isinstance(p, Param) for p in value)}
 
 
@@ -70,7 +70,7 @@ def _dict_tables() -> dict[str, tuple[tuple[str, ...], tuple[Param, ...]]]:
     """Every module-level dict of the checker whose values are Param tables (ARCHS,
     DISTRIBUTIONS, the schedules), as (its keys, all its Params)."""
     out = {}
-    for name, value in vars(check).items():
+    for name, value in vars(tables).items():
         if not isinstance(value, dict) or not value:
             continue
         params: list[Param] = []
@@ -104,7 +104,7 @@ def _names() -> dict[str, list[str]]:
         "choices": sorted({c for p in params for c in _kind_names(p.kind)}),
         "architectures, distributions and schedules": sorted(
             {k for keys, _ in dicts.values() for k in keys}),
-        "distributions": list(check.DISTRIBUTIONS),
+        "distributions": list(tables.DISTRIBUTIONS),
         "GPU presets": list(GPU_PRESETS),
         "roles": list(ROLES),
         "modalities": list(MODALITIES),

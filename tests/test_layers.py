@@ -72,7 +72,7 @@ DEBT: dict[tuple[str, str], str] = {
     ("dtdsl.feed.worker", "dtdsl.train.checkpoint"): _JOB,
     ("dtdsl.feed.worker", "dtdsl.train.faults"): _JOB,
     ("dtdsl.feed.worker", "dtdsl.train.job"): _JOB,
-    ("dtdsl.frontend.check", "dtdsl.data.text"): _FILES,
+    ("dtdsl.frontend.check_data", "dtdsl.data.text"): _FILES,
     ("dtdsl.frontend.check", "dtdsl.models.hf"): _FILES,
     ("dtdsl.frontend.check", "dtdsl.models.hf.config"): _FILES,
     ("dtdsl.frontend.check", "dtdsl.models.vae"): _FILES,

@@ -194,15 +194,31 @@ def read_batch(message: Any, units: Sequence[str], generators: Sequence[str]) ->
     pixels the encoder's device normalises, ``data.images.Pixels``, or the synthetic
     data's float32). ValueError when it is inconsistent (a worker bug or a mismatched
     bundle)."""
-    import torch
-
     from dtdsl.data.batch import StepBatch
-    from dtdsl.data.sample import GenTargets, Sample, SampleSizes
     from dtdsl.models.multimodal import Normalizer
-    from dtdsl.parallel.broker import StepSamples
 
     meta, arrays = message.meta, message.arrays
     step = int(meta["step"])
+    routing = _read_routing(arrays, units, step)
+    keys: tuple[str, ...] = ()
+    if "keys" in arrays:
+        keys = tuple(arrays["keys"].tobytes().decode().split("\n"))
+    sizes = _read_sizes(arrays, units, generators, step) if "sizes.text" in arrays else []
+    parts = set(meta["parts"])
+    samples = {int(pos): _read_sample(message, int(pos), parts, generators,
+                                      sizes[int(pos)] if sizes else None, step)
+               for pos in meta["positions"]}
+    norm = meta["norm"]
+    return StepBatch(step=step, keys=keys, routing=routing, samples=samples,
+                     normalizer=Normalizer(text_tokens=int(norm[0]), gen_targets=int(norm[1])),
+                     sizes=tuple(sizes))
+
+
+def _read_routing(arrays: Mapping[str, Any], units: Sequence[str], step: int
+                  ) -> tuple[Any, ...]:
+    """The step's routing: per microbatch step, its samples and every unit's replica of each."""
+    from dtdsl.parallel.broker import StepSamples
+
     order = arrays["order"].tolist()
     counts = arrays["counts"].tolist()
     if sum(counts) != len(order):
@@ -215,88 +231,97 @@ def read_batch(message: Any, units: Sequence[str], generators: Sequence[str]) ->
                                    assignment={u: tuple(a[at:at + c])
                                                for u, a in assign.items()}))
         at += c
-    keys: tuple[str, ...] = ()
-    if "keys" in arrays:
-        keys = tuple(arrays["keys"].tobytes().decode().split("\n"))
-    sizes: list[SampleSizes] = []
-    if "sizes.text" in arrays:
-        text, counts_img = arrays["sizes.text"].tolist(), arrays["sizes.images"].tolist()
-        hw = [tuple(x) for x in arrays["sizes.hw"].reshape(-1, 2).tolist()]
-        if len(counts_img) != len(text) or sum(counts_img) != len(hw):
-            raise ValueError(f"step {step}: inconsistent sample sizes")
-        places = arrays["sizes.at"].tolist()
-        ntrained = arrays["sizes.ntrained"].tolist()
-        ranges = [tuple(r) for r in arrays["sizes.trained"].reshape(-1, 2).tolist()]
-        if len(places) != len(hw) or len(ntrained) != len(text) or \
-                sum(ntrained) != len(ranges):
-            raise ValueError(f"step {step}: inconsistent sample layouts")
-        gens = {name: arrays[f"sizes.gen.{name}"].tolist() for name in generators
-                if f"sizes.gen.{name}" in arrays}
-        ndocs = arrays["sizes.ndocs"].tolist()
-        cut = arrays["sizes.cut"].tolist()
-        doc_text = arrays["sizes.doc_text"].tolist()
-        doc_images = arrays["sizes.doc_images"].tolist()
-        doc_gen = {name: arrays[f"sizes.doc_gen.{name}"].tolist() for name in generators
-                   if f"sizes.doc_gen.{name}" in arrays}
-        if len(ndocs) != len(text) or len(doc_text) != sum(ndocs) or \
-                len(doc_images) != sum(ndocs):
-            raise ValueError(f"step {step}: inconsistent packed sequences")
-        per_input = _read_input_sizes(arrays, units, len(text), ndocs, step)
-        at = r = d = 0
-        for i, (t, c) in enumerate(zip(text, counts_img, strict=True)):
-            n = ndocs[i]
-            docs = {}
-            if n:
-                docs = dict(doc_text=tuple(doc_text[d:d + n]),
-                            doc_images=tuple(doc_images[d:d + n]),
-                            doc_gen={g: tuple(v[d:d + n]) for g, v in doc_gen.items()})
-            sizes.append(SampleSizes(text_tokens=int(t), image_shapes=tuple(hw[at:at + c]),
-                                     gen_counts={g: int(v[i]) for g, v in gens.items()},
-                                     image_at=tuple(places[at:at + c]),
-                                     trained=tuple(ranges[r:r + ntrained[i]]), cut=cut[i],
-                                     **docs, **per_input[i]))
-            at, r, d = at + c, r + ntrained[i], d + n
-    parts = set(meta["parts"])
-    samples = {}
-    for pos in meta["positions"]:
-        tokens = (message.tensor(f"p{pos}.tokens") if "tokens" in parts
-                  else torch.empty(0, dtype=torch.int64))
-        images = []
-        k = 0
-        while f"p{pos}.img{k}" in arrays:
-            image = arrays[f"p{pos}.img{k}"]
-            if image.ndim != 3 or image.shape[0] != 3 or \
-                    image.dtype not in (np.uint8, np.float32):
-                raise ValueError(f"step {step}: image p{pos}.img{k} of dtype {image.dtype} "
-                                 f"and shape {image.shape}: expected uint8 or float32 "
-                                 "[3, H, W]")
-            images.append(message.tensor(f"p{pos}.img{k}"))
-            k += 1
-        targets = {}
-        if "targets" in parts:
-            for name in generators:
-                def opt(field: str, prefix: str = f"p{pos}.{name}") -> Any:
-                    key = f"{prefix}.{field}"
-                    return message.tensor(key) if key in arrays else None
+    return tuple(routing)
 
-                targets[name] = GenTargets(latents=opt("latents"),
-                                           noise=message.tensor(f"p{pos}.{name}.noise"),
-                                           timesteps=message.tensor(f"p{pos}.{name}.timesteps"),
-                                           pixels=opt("pixels"), eps=opt("eps"))
-        layout = sizes[int(pos)] if sizes else None
-        inputs = _read_items(message, int(pos), layout, step)
-        samples[int(pos)] = Sample(step=step, index=int(pos), tokens=tokens,
-                                   images=tuple(images), targets=targets,
-                                   image_at=layout.image_at if layout else None,
-                                   trained=layout.trained if layout else None,
-                                   doc_text=layout.doc_text if layout else None,
-                                   doc_images=layout.doc_images if layout else None,
-                                   doc_gen=layout.doc_gen if layout else None,
-                                   inputs=inputs,
-                                   inputs_at=layout.inputs_at if layout and inputs else None,
-                                   doc_inputs=layout.doc_inputs if layout and inputs
-                                   else None)
-    norm = meta["norm"]
-    return StepBatch(step=step, keys=keys, routing=tuple(routing), samples=samples,
-                     normalizer=Normalizer(text_tokens=int(norm[0]), gen_targets=int(norm[1])),
-                     sizes=tuple(sizes))
+
+def _read_sizes(arrays: Mapping[str, Any], units: Sequence[str], generators: Sequence[str],
+                step: int) -> list[Any]:
+    """Every sample's ``SampleSizes`` (its text, images and their places, trained ranges,
+    packed documents and every encoder's inputs), checked for consistency."""
+    from dtdsl.data.sample import SampleSizes
+
+    text, counts_img = arrays["sizes.text"].tolist(), arrays["sizes.images"].tolist()
+    hw = [tuple(x) for x in arrays["sizes.hw"].reshape(-1, 2).tolist()]
+    if len(counts_img) != len(text) or sum(counts_img) != len(hw):
+        raise ValueError(f"step {step}: inconsistent sample sizes")
+    places = arrays["sizes.at"].tolist()
+    ntrained = arrays["sizes.ntrained"].tolist()
+    ranges = [tuple(r) for r in arrays["sizes.trained"].reshape(-1, 2).tolist()]
+    if len(places) != len(hw) or len(ntrained) != len(text) or \
+            sum(ntrained) != len(ranges):
+        raise ValueError(f"step {step}: inconsistent sample layouts")
+    gens = {name: arrays[f"sizes.gen.{name}"].tolist() for name in generators
+            if f"sizes.gen.{name}" in arrays}
+    ndocs = arrays["sizes.ndocs"].tolist()
+    cut = arrays["sizes.cut"].tolist()
+    doc_text = arrays["sizes.doc_text"].tolist()
+    doc_images = arrays["sizes.doc_images"].tolist()
+    doc_gen = {name: arrays[f"sizes.doc_gen.{name}"].tolist() for name in generators
+               if f"sizes.doc_gen.{name}" in arrays}
+    if len(ndocs) != len(text) or len(doc_text) != sum(ndocs) or \
+            len(doc_images) != sum(ndocs):
+        raise ValueError(f"step {step}: inconsistent packed sequences")
+    per_input = _read_input_sizes(arrays, units, len(text), ndocs, step)
+    sizes = []
+    at = r = d = 0
+    for i, (t, c) in enumerate(zip(text, counts_img, strict=True)):
+        n = ndocs[i]
+        docs = {}
+        if n:
+            docs = dict(doc_text=tuple(doc_text[d:d + n]),
+                        doc_images=tuple(doc_images[d:d + n]),
+                        doc_gen={g: tuple(v[d:d + n]) for g, v in doc_gen.items()})
+        sizes.append(SampleSizes(text_tokens=int(t), image_shapes=tuple(hw[at:at + c]),
+                                 gen_counts={g: int(v[i]) for g, v in gens.items()},
+                                 image_at=tuple(places[at:at + c]),
+                                 trained=tuple(ranges[r:r + ntrained[i]]), cut=cut[i],
+                                 **docs, **per_input[i]))
+        at, r, d = at + c, r + ntrained[i], d + n
+    return sizes
+
+
+def _read_sample(message: Any, pos: int, parts: set[str], generators: Sequence[str],
+                 layout: Any, step: int) -> Any:
+    """The ``Sample`` at position ``pos`` of the message: its tokens, images (uint8 or
+    float32 [3, H, W]), generator targets and other encoders' items, laid out by
+    ``layout`` (its ``SampleSizes``, None when the message carries none)."""
+    import torch
+
+    from dtdsl.data.sample import GenTargets, Sample
+
+    arrays = message.arrays
+    tokens = (message.tensor(f"p{pos}.tokens") if "tokens" in parts
+              else torch.empty(0, dtype=torch.int64))
+    images = []
+    k = 0
+    while f"p{pos}.img{k}" in arrays:
+        image = arrays[f"p{pos}.img{k}"]
+        if image.ndim != 3 or image.shape[0] != 3 or \
+                image.dtype not in (np.uint8, np.float32):
+            raise ValueError(f"step {step}: image p{pos}.img{k} of dtype {image.dtype} "
+                             f"and shape {image.shape}: expected uint8 or float32 "
+                             "[3, H, W]")
+        images.append(message.tensor(f"p{pos}.img{k}"))
+        k += 1
+    targets = {}
+    if "targets" in parts:
+        for name in generators:
+            def opt(field: str, prefix: str = f"p{pos}.{name}") -> Any:
+                key = f"{prefix}.{field}"
+                return message.tensor(key) if key in arrays else None
+
+            targets[name] = GenTargets(latents=opt("latents"),
+                                       noise=message.tensor(f"p{pos}.{name}.noise"),
+                                       timesteps=message.tensor(f"p{pos}.{name}.timesteps"),
+                                       pixels=opt("pixels"), eps=opt("eps"))
+    inputs = _read_items(message, pos, layout, step)
+    return Sample(step=step, index=pos, tokens=tokens,
+                  images=tuple(images), targets=targets,
+                  image_at=layout.image_at if layout else None,
+                  trained=layout.trained if layout else None,
+                  doc_text=layout.doc_text if layout else None,
+                  doc_images=layout.doc_images if layout else None,
+                  doc_gen=layout.doc_gen if layout else None,
+                  inputs=inputs,
+                  inputs_at=layout.inputs_at if layout and inputs else None,
+                  doc_inputs=layout.doc_inputs if layout and inputs else None)

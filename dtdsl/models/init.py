@@ -142,9 +142,20 @@ def init_rule(owner: nn.Module, attr: str, param: torch.Tensor, num_layers: int,
     return InitRule("normal", _STD)
 
 
-def local_block(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+def local_block(param: torch.Tensor, owner: nn.Module | None = None, attr: str = ""
+                ) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
     """(local tensor, full shape, offsets of the local block) of a plain tensor or a
-    DTensor (any placements whose local block is contiguous in the full tensor)."""
+    DTensor (any placements whose local block is contiguous in the full tensor). A module
+    that holds only part of its parameter's full tensor outside any DTensor (an
+    expert-parallel MoE block's experts, ``parallel.ep``) says where with its
+    ``global_block(attr, shape, offsets)``: ``owner`` is the module, ``attr`` the name."""
+    local, shape, offsets = _dtensor_block(param)
+    place = getattr(owner, "global_block", None)
+    return (local, *place(attr, shape, offsets)) if place is not None else (local, shape,
+                                                                            offsets)
+
+
+def _dtensor_block(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
     to_local = getattr(param, "to_local", None)
     if not callable(to_local):
         return param, tuple(param.shape), (0,) * param.dim()
@@ -179,7 +190,7 @@ def init_module(module: nn.Module, *, seed: int, unit: str, prefix: str = "",
             name = f"{mod_name}.{attr}" if mod_name else attr
             rule = init_rule(owner, attr, param, num_layers, head=head is not None
                              and mod_name == head)
-            local, full_shape, offsets = local_block(param)
+            local, full_shape, offsets = local_block(param, owner, attr)
             if rule.kind == "zeros":
                 local.zero_()
             elif rule.kind == "ones":

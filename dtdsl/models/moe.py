@@ -221,6 +221,16 @@ class MoE(nn.Module):
             bound = 1.0 / math.sqrt(w.shape[-1])
             nn.init.uniform_(w, -bound, bound)
 
+    def global_block(self, attr: str, shape: tuple[int, ...], offsets: tuple[int, ...]
+                     ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Where parameter ``attr``'s block (``shape`` at ``offsets`` in what this module
+        holds) lies in the one-process block's (``models.init.local_block``): the stacked
+        experts' rows start at ``first_expert`` of ``config.experts``."""
+        if attr not in ("w1", "w3", "w2") or self.local_experts == self.config.experts:
+            return shape, offsets
+        return ((self.config.experts, *shape[1:]),
+                (offsets[0] + self.first_expert, *offsets[1:]))
+
     # -- the steps ------------------------------------------------------------------------
 
     def route(self, x: torch.Tensor) -> Routing:
@@ -338,6 +348,7 @@ class MoE(nn.Module):
     # -- in a transformer layer -------------------------------------------------------------
 
     aux_weight = 1.0    # what the aux loss counts for in the training loss (set_aux_weight)
+    dropped_slots: Any = 0      # slots over capacity since the block was built (layer_output)
     loss_scale: Any = _Unscaled     # fp16's loss scale, its .scale (set_loss_scale)
 
     def layer_forward(self, x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
@@ -359,10 +370,13 @@ class MoE(nn.Module):
         through which the backward also gives the aux loss its gradient (``aux_weight``
         times it joins the loss, Megatron-LM's ``MoEAuxLossAutoScaler``: on every pipeline
         stage, without sending it to the last). Its weighted value is kept for the loss
-        report (``take_aux_losses``), but not when the backward recomputes the forward."""
+        report (``take_aux_losses``), but not when the backward recomputes the forward;
+        so are the slots capacity dropped, summed into ``dropped_slots`` (a tensor on the
+        device, never read here: in an EP group, the group's drops)."""
         aux = out.aux_loss * self.aux_weight
         if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
             self.__dict__.setdefault("_aux_values", []).append(aux.detach())
+            self.dropped_slots = self.dropped_slots + out.dropped.detach()
         if not (torch.is_grad_enabled() and aux.requires_grad):
             return out.out
         return _AuxGrad.apply(out.out, aux, self.loss_scale.scale)

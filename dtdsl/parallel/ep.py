@@ -32,14 +32,22 @@ one-process block's); under gradient averaging, add ``aux`` itself.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from dtdsl.models.moe import MoE, MoEConfig, Routing
 
-__all__ = ["ExpertParallelMoE", "all_to_all", "ep_conflicts"]
+__all__ = ["EXPERT_PARAMS", "ExpertParallelMoE", "all_to_all", "apply_ep", "ep_conflicts",
+           "expert_blocks", "expert_layout", "full_parameters", "global_experts",
+           "local_experts"]
+
+# The stacked expert weights: what an EP rank holds a slice of and FSDP2 shards over the
+# expert DP group (``parallel.fsdp.apply_fsdp``); every other parameter is replicated.
+EXPERT_PARAMS = ("w1", "w3", "w2")
 
 
 class _AllToAll(torch.autograd.Function):
@@ -140,3 +148,129 @@ class ExpertParallelMoE(MoE):
         y = self.experts_forward(received[order], mine.sum(0))[inverse]
         back = all_to_all(y, send, recv, self.group)
         return self.scatter_slots(x, routing, rows, back)
+
+
+def apply_ep(module: nn.Module, group: Any) -> list[ExpertParallelMoE]:
+    """Replace every MoE block in ``module`` (a backbone stage's unit, on the meta device
+    before anything is sharded or allocated) by an ``ExpertParallelMoE`` over ``group``,
+    on the block's device, with the block's own settings (its aux loss weight, its
+    initialisation scales); the new blocks, in module order. Their parameters keep the
+    one-process names, their experts' rows placed by ``MoE.global_block``, so
+    initialisation and checkpoint loading give each rank its experts' slice of the full
+    tensors."""
+    out = []
+    for owner in list(module.modules()):
+        for attr, child in list(owner.named_children()):
+            if not isinstance(child, MoE) or isinstance(child, ExpertParallelMoE):
+                continue
+            with torch.device(child.w1.device):
+                block = ExpertParallelMoE(child.config, group)
+            for key in ("aux_weight", "param_init_std"):
+                if key in child.__dict__:
+                    setattr(block, key, child.__dict__[key])
+            setattr(owner, attr, block)
+            out.append(block)
+    return out
+
+
+def expert_blocks(module: nn.Module) -> list[ExpertParallelMoE]:
+    """The expert-parallel MoE blocks in ``module``, in module order."""
+    return [m for m in module.modules() if isinstance(m, ExpertParallelMoE)]
+
+
+def full_parameters(module: nn.Module, named: dict[str, torch.Tensor]
+                    ) -> dict[str, torch.Tensor]:
+    """Parameters ``named`` (of ``module``, by any names) as full single-process tensors,
+    detached: a DTensor's ``full_tensor`` (collective over its mesh), and the stacked
+    experts of an expert-parallel block in ``module`` (whose full tensor holds the EP
+    rank's experts only) all-gathered over its EP group, in expert order. Collective over
+    the stage's ranks."""
+    groups = {id(getattr(b, n)): b.group for b in expert_blocks(module) for n in EXPERT_PARAMS}
+    out = {}
+    for key, p in named.items():
+        full = getattr(p, "full_tensor", None)
+        t = (full() if callable(full) else p).detach()
+        group = groups.get(id(p))
+        if group is not None:
+            parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(parts, t.contiguous(), group=group)
+            t = torch.cat(parts)
+        out[key] = t
+    return out
+
+
+# ---- checkpoints: the experts under their single-process names and shapes ----------------
+
+
+def expert_layout(ep: Any, dp_ranks: Sequence[int]) -> Any:
+    """The DeviceMesh ``(ep, ep_dp)`` over a stage's DP ranks ``dp_ranks`` (replica order)
+    under expert parallelism (``ep``: its ``parallel.mesh.ExpertGroups``): column ``j``
+    the EP group of replicas ``j ep .. j ep + ep - 1``, row ``i`` the expert DP group of
+    EP rank ``i``. A stacked expert weight is ``Shard(0)`` over ``ep`` (EP rank ``i``:
+    experts ``[i E/ep, (i + 1) E/ep)``) and then as FSDP2 holds it over ``ep_dp``: so a
+    rank's block has its offset in the full ``[E, ...]`` tensor. Made from the groups
+    there are (no collective, no new group)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    e = ep.degree
+    table = torch.tensor(list(dp_ranks), dtype=torch.int).reshape(-1, e).T.contiguous()
+    return DeviceMesh.from_group([ep.group, ep.dp_group], ep.mesh.device_type,
+                                 mesh=table, mesh_dim_names=("ep", "ep_dp"))
+
+
+def _expert_keys(module: nn.Module) -> dict[str, tuple[ExpertParallelMoE, str]]:
+    """The state-dict key (``get_state_dict``'s: wrappers' prefixes left out) of every
+    stacked expert weight of ``module``'s expert-parallel blocks -> (block, attribute)."""
+    out = {}
+    for name, m in module.named_modules():
+        if isinstance(m, ExpertParallelMoE):
+            clean = name.replace("_checkpoint_wrapped_module.", "").replace(
+                "_fsdp_wrapped_module.", "")
+            out.update({f"{clean}.{attr}": (m, attr) for attr in EXPERT_PARAMS})
+    return out
+
+
+def _entries(state: dict[str, Any], key: str) -> list[tuple[dict[str, Any], str]]:
+    """Where ``state`` (``train.checkpoint.state_dict``'s) holds tensors shaped as
+    parameter ``key``: the model's entry and its Adam moments."""
+    out = [(state["model"], key)] if key in state.get("model", {}) else []
+    moments = state.get("optim", {}).get(key, {})
+    return out + [(moments, k) for k in ("exp_avg", "exp_avg_sq") if k in moments]
+
+
+def global_experts(state: dict[str, Any], module: nn.Module, layout: Any) -> None:
+    """Make ``state``'s stacked expert weights of ``module`` (and their Adam moments),
+    which FSDP2 holds as DTensors of this EP rank's experts only (the same name and
+    shape on every EP rank, different values), DTensors of the full ``[E, ...]``
+    tensor on ``layout`` (``expert_layout``) sharing their storage: a checkpoint then
+    holds each expert once under the single-process name, and DCP reshards it to any
+    EP degree (ep 1 included) on load. In place."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    for key, (block, _) in _expert_keys(module).items():
+        for holder, k in _entries(state, key):
+            t = holder[k]
+            local = t.to_local() if isinstance(t, DTensor) else t
+            shape = (block.config.experts, *t.shape[1:])
+            sharded = local.shape[0] != t.shape[0]      # FSDP2 shards over ep_dp
+            holder[k] = DTensor.from_local(
+                local, layout, [Shard(0), Shard(0) if sharded else Replicate()],
+                run_check=False, shape=torch.Size(shape),
+                stride=torch.empty(shape, device="meta").stride())
+
+
+def local_experts(state: dict[str, Any], module: nn.Module) -> None:
+    """Undo ``global_experts`` (after DCP loaded into the shared storage): each entry
+    back on its parameter's own mesh and placements, as ``set_state_dict`` expects. In
+    place."""
+    from torch.distributed.tensor import DTensor
+
+    for key, (block, attr) in _expert_keys(module).items():
+        param = getattr(block, attr)
+        for holder, k in _entries(state, key):
+            t = holder[k]
+            if isinstance(t, DTensor) and isinstance(param, DTensor) and \
+                    t.device_mesh is not param.device_mesh:
+                holder[k] = DTensor.from_local(t.to_local(), param.device_mesh,
+                                               param.placements, run_check=False,
+                                               shape=param.shape, stride=param.stride())

@@ -58,12 +58,22 @@ def replica_mesh(mesh: Any, *, local_sgd: bool) -> Any:
 
 
 def apply_fsdp(stage: nn.Module, units: Mapping[str, nn.Module], mesh: Any,
-               compute_dtype: torch.dtype) -> list[nn.Module]:
+               compute_dtype: torch.dtype, *, experts: Any = None) -> list[nn.Module]:
     """FSDP2 over ``mesh`` (module docstring): every layer of ``units`` a unit of its own
     (none on a mesh of one rank), ``stage`` the root; the layer units, in forward order.
     The root casts no input: a generator's targets (its noise and clean latents) stay
-    fp32 for the loss; the stage's forward casts what its modules read."""
+    fp32 for the loss; the stage's forward casts what its modules read.
+
+    ``experts``: under expert parallelism, the expert DP mesh (``parallel.mesh``,
+    ``ExpertGroups.mesh``). Each expert-parallel block's stacked experts
+    (``parallel.ep.EXPERT_PARAMS``), which differ between the ranks of its EP group, are
+    then left out of their layer's unit and make a unit of their own over that mesh (the
+    block, its replicated router and shared expert ignored there, left to the layer),
+    listed after its layer: FSDP2 shards and reduces them over the ranks holding the same
+    experts only."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from dtdsl.parallel.ep import EXPERT_PARAMS, expert_blocks
 
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     layers = []
@@ -71,9 +81,18 @@ def apply_fsdp(stage: nn.Module, units: Mapping[str, nn.Module], mesh: Any,
         if mesh.size() == 1:
             cast_inputs(layer, compute_dtype)
             continue
-        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+        blocks = expert_blocks(layer) if experts is not None else []
+        ignored = {getattr(b, n) for b in blocks for n in EXPERT_PARAMS}
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=False,
+                    ignored_params=ignored or None)
         sum_gradients(layer)
         layers.append(layer)
+        for block in blocks:
+            shared = {p for n, p in block.named_parameters() if n not in EXPERT_PARAMS}
+            fully_shard(block, mesh=data_parallel_mesh(experts), mp_policy=mp,
+                        reshard_after_forward=False, ignored_params=shared or None)
+            sum_gradients(block)
+            layers.append(block)
     root_mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32,
                                    cast_forward_inputs=False)
     fully_shard(stage, mesh=mesh, mp_policy=root_mp, reshard_after_forward=False)

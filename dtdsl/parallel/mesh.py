@@ -39,6 +39,19 @@ every backbone rank with the same tp_index, over all stages and replicas, a grou
 own (``phased_meshes``) unless it has the ranks of one of the backbone's (its DP group
 when pp is 1, its PP group when dp is 1), which is then used again.
 
+**Expert parallelism** (``UnitPlan.ep`` > 1, an MoE backbone): the ``dp`` replicas of a
+stage (at one tp_index) form ``dp / ep`` **EP groups** of ``ep`` consecutive replicas
+(replica ``r`` is in EP group ``r // ep``, at EP rank ``r % ep``), over which each MoE
+block's experts are split (``parallel.ep``: EP rank ``i`` holds experts ``[i E/ep,
+(i + 1) E/ep)``) and its tokens exchanged; the replicas at the same EP rank of every EP
+group hold the same experts and form an **expert DP group** of ``dp / ep`` ranks, over
+which FSDP2 shards and reduces those experts (the rest of the stage shards over the
+whole DP group as before). Consecutive replicas keep an EP group's all-to-alls inside a
+node where the DP ranks are laid out node by node. Both are groups of their own
+(``<unit>.ep``, ``<unit>.ep_dp`` in ``rank_groups``; ``ProcessGroups.ep``), made after
+every other group (``build_groups``), the expert DP group the one dimension of a
+DeviceMesh (``ep_mesh``).
+
 **Meshes and groups.** ``build_groups`` gives each rank its unit's ``DeviceMesh`` over
 the unit's ranks, shaped ``(pp, dp_replicate, dp_shard, tp)`` (``MESH_DIMS``): the DP
 ranks are a shard dimension under ZeRO >= 1 (FSDP2 shards over it) and a replicate
@@ -85,12 +98,11 @@ if TYPE_CHECKING:   # torch is imported where groups are built: planning tools n
 
     from dtdsl.ir.plan import Plan, UnitPlan
 
-__all__ = ["MESH_DIMS", "ProcessGroups", "RankRole", "UnitGrid", "build_groups",
-           "colocation_problems", "cp_ulysses", "data_parallel_mesh", "dim_groups", "grids",
-           "hosted_units",
-           "new_subgroup", "phased_grid", "phased_groups", "phased_problems",
-           "phased_role", "phased_units", "rank_groups", "role_of", "splits_groups",
-           "unit_mesh_shape"]
+__all__ = ["MESH_DIMS", "ExpertGroups", "ProcessGroups", "RankRole", "UnitGrid",
+           "build_groups", "colocation_problems", "cp_ulysses", "data_parallel_mesh",
+           "dim_groups", "ep_lines", "grids", "hosted_units", "new_subgroup", "phased_grid",
+           "phased_groups", "phased_problems", "phased_role", "phased_units", "rank_groups",
+           "role_of", "splits_groups", "unit_mesh_shape"]
 
 Role = Literal["encoder", "backbone", "generator"]
 
@@ -495,7 +507,36 @@ def rank_groups(plan: Plan, rank: int, zero: int = 1,
             ranks = _lines(phased_role(plan, u, rank), zero)[dim]
             if len(ranks) > 1:
                 out[f"{u.name}.{dim}"] = ranks
+    for dim, ranks in ep_lines(role, plan.unit(role.unit).ep).items():
+        if len(ranks) > 1:
+            out[f"{role.unit}.{dim}"] = ranks
     return out
+
+
+def ep_lines(role: RankRole, ep: int) -> dict[str, tuple[int, ...]]:
+    """The EP group (``ep``) and the expert DP group (``ep_dp``) through ``role.rank``
+    (module docstring: EP groups of consecutive replicas); none at ep 1. ValueError where
+    ``ep`` does not divide the unit's dp, or the unit has context parallelism."""
+    if ep == 1:
+        return {}
+    grid = role.grid
+    if ep < 1 or grid.dp % ep or grid.cp != 1:
+        raise ValueError(f"{role.unit}: expert parallelism {ep} over dp {grid.dp} (cp "
+                         f"{grid.cp}); ep must divide dp, without context parallelism")
+    ranks = role.dp_ranks
+    first = role.replica - role.replica % ep
+    return {"ep": ranks[first:first + ep], "ep_dp": ranks[role.replica % ep::ep]}
+
+
+def _ep_family(plan: Plan, unit: str, dim: str) -> tuple[tuple[int, ...], ...]:
+    """Every group of ``unit``'s expert-parallel dimension ``dim`` (``ep_lines``), groups
+    of one rank left out: the split of the default group ``split_group`` makes for it."""
+    out: list[tuple[int, ...]] = []
+    for rank in plan.unit(unit).ranks:
+        ranks = ep_lines(role_of(plan, rank), plan.unit(unit).ep)[dim]
+        if len(ranks) > 1 and ranks not in out:
+            out.append(ranks)
+    return tuple(out)
 
 
 def _phased_dp_dim(zero: int) -> str:
@@ -551,6 +592,28 @@ def data_parallel_mesh(mesh: Any) -> Any:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ExpertGroups:
+    """An MoE backbone rank's expert parallelism (module docstring): ``group``, its EP
+    group (the all-to-alls of ``parallel.ep``); ``mesh``, the DeviceMesh (``MESH_DIMS``)
+    of its expert DP group, over which FSDP2 shards and reduces its experts."""
+
+    group: ProcessGroup
+    mesh: Any
+
+    @property
+    def degree(self) -> int:
+        import torch.distributed as dist
+
+        return dist.get_world_size(self.group)
+
+    @property
+    def dp_group(self) -> ProcessGroup:
+        """The expert DP group: ``mesh``'s DP dimension (ZeRO decides which) of its ranks."""
+        return self.mesh["dp_replicate" if self.mesh["dp_replicate"].size() > 1
+                         else "dp_shard"].get_group()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ProcessGroups:
     """This rank's place in its unit: the unit's DeviceMesh (``MESH_DIMS``) and its TP
     process group (a placeholder of one rank when tp = 1: module docstring); on a
@@ -564,6 +627,8 @@ class ProcessGroups:
     # Context parallelism (cp > 1): the CP group (ring, Ulysses), or for hybrid the
     # ``(cp_ring, cp_ulysses)`` DeviceMesh (``parallel.cp``); None at cp 1.
     cp: Any = None
+    # Expert parallelism (ep > 1, ``ExpertGroups``); None at ep 1.
+    ep: ExpertGroups | None = None
 
     @property
     def rank(self) -> int:
@@ -581,6 +646,13 @@ class ProcessGroups:
                 out[dim] = ranks
         own = set(out.values())
         out.update(self._cp_groups())
+        if self.ep is not None:
+            unit = self.role.unit
+            for key, group in ((f"{unit}.ep", self.ep.group),
+                               (f"{unit}.ep_dp", self.ep.dp_group)):
+                ranks = tuple(dist.get_process_group_ranks(group))
+                if len(ranks) > 1:
+                    out[key] = ranks
         for unit, mesh in self.phased.items():
             for dim in MESH_DIMS:
                 ranks = tuple(dist.get_process_group_ranks(mesh.get_group(dim)))
@@ -684,8 +756,52 @@ def build_groups(plan: Plan, *, device_type: str = "cpu", zero: int = 1,
         groups.append(group)
     mesh = _mesh(role.grid, groups, device_type, zero)
     cp = _cp_groups(plan, role, mine, device_type, ulysses or {})
-    return ProcessGroups(role=role, mesh=mesh, tp=mesh.get_group("tp"),
-                         phased=_phased_meshes(plan, role, mesh, device_type, zero), cp=cp)
+    phased = _phased_meshes(plan, role, mesh, device_type, zero)
+    return ProcessGroups(role=role, mesh=mesh, tp=mesh.get_group("tp"), phased=phased, cp=cp,
+                         ep=_ep_groups(plan, role, mine, device_type, zero))
+
+
+def _ep_groups(plan: Plan, role: RankRole, mine: dict[str, tuple[int, ...]],
+               device_type: str, zero: int) -> ExpertGroups | None:
+    """This rank's ``ExpertGroups`` (None at ep 1), made after every other group: each
+    unit with ep > 1 in plan order, its EP groups, then its expert DP groups, so that
+    where groups are split from the default group every rank of the job takes part in the
+    same order."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    made: dict[str, Any] = {}
+    for g in grids(plan):
+        if plan.unit(g.name).ep == 1:
+            continue
+        for dim in ("ep", "ep_dp"):
+            key = f"{g.name}.{dim}"
+            group = new_subgroup(mine.get(key), lambda dim=dim, g=g: _ep_family(plan, g.name, dim),
+                                 desc=f"{g.name}_{dim}")
+            if g.name != role.unit:
+                continue
+            if group is None:
+                group = _alone(role.rank, f"{g.name}_{dim}")
+            elif tuple(dist.get_process_group_ranks(group)) != mine.get(key):
+                raise RuntimeError(f"rank {role.rank}: the {key} group holds ranks "
+                                   f"{dist.get_process_group_ranks(group)}, the plan says "
+                                   f"{mine.get(key)}")
+            made[dim] = group
+    if not made:
+        return None
+    lines = ep_lines(role, plan.unit(role.unit).ep)
+    shard = zero >= 1
+    dims = {"pp": _alone(role.rank, f"{role.unit}_ep_pp"),
+            "dp_replicate": _alone(role.rank, f"{role.unit}_ep_dpr") if shard else made["ep_dp"],
+            "dp_shard": made["ep_dp"] if shard else _alone(role.rank, f"{role.unit}_ep_dps"),
+            "tp": _alone(role.rank, f"{role.unit}_ep_tp")}
+    n = len(lines["ep_dp"])
+    table = torch.tensor(lines["ep_dp"], dtype=torch.int).reshape(
+        (1, 1, n, 1) if shard else (1, n, 1, 1))
+    mesh = DeviceMesh.from_group([dims[d] for d in MESH_DIMS], device_type, mesh=table,
+                                 mesh_dim_names=MESH_DIMS)
+    return ExpertGroups(group=made["ep"], mesh=mesh)
 
 
 def _cp_groups(plan: Plan, role: RankRole, mine: dict[str, tuple[int, ...]],

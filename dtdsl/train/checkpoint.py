@@ -17,6 +17,10 @@ the full tensor. So nothing in the layout depends on the plan, and DCP reshards 
 a checkpoint written under one plan loads under any other plan of the same spec, each
 rank reading exactly the pieces of the full tensors its shards cover. No rank ever
 gathers a full tensor. Frozen modules' weights are saved too and loaded with the rest.
+Under expert parallelism an EP rank's stacked expert weights (and their Adam moments)
+are saved as DTensors of the full ``[experts, ...]`` tensor on the ``(ep, ep_dp)`` mesh
+(``parallel.ep.global_experts``), so each expert is written once under its
+single-process name and a run resumes at any EP degree, ep 1 included.
 The loss scale of an fp16 run (``optim.LossScale``) is the same on every rank: plain
 scalar tensors, written once (DCP keeps one copy of a replicated tensor) and read by
 every rank, so a resumed run goes on with the scale, its growth counter and its count of
@@ -308,6 +312,12 @@ def state_dict(ex: Any) -> dict[str, Any]:
         model, optim = get_state_dict(module, [opt])
         out["model"].update(model)
         out.setdefault("optim", {}).update(optim["state"])
+    ep = getattr(getattr(ex, "groups", None), "ep", None)
+    if ep is not None:
+        # Expert parallelism: each expert once, under its single-process name and shape.
+        from dtdsl.parallel.ep import expert_layout, global_experts
+
+        global_experts(out, ex.stage.module, expert_layout(ep, ex.role.dp_ranks))
     if ex.loss_scale is not None:
         out["loss_scale"] = _scale_tensors(ex.loss_scale.state())
     local = getattr(ex, "local_sgd", None)
@@ -350,6 +360,10 @@ def load_state_dict(ex: Any, state: dict[str, Any]) -> None:
         set_state_dict,
     )
 
+    if getattr(getattr(ex, "groups", None), "ep", None) is not None:
+        from dtdsl.parallel.ep import local_experts
+
+        local_experts(state, ex.stage.module)
     for module, opt in _parts(ex):
         keys = get_model_state_dict(module).keys()
         model = {k: v for k, v in state["model"].items() if k in keys}

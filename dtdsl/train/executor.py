@@ -87,6 +87,7 @@ from dtdsl.models.multimodal import (
 )
 from dtdsl.parallel.broker import Broker, PendingSamples, StepSamples
 from dtdsl.parallel.device import to_device
+from dtdsl.parallel.ep import full_parameters
 from dtdsl.parallel.mesh import ProcessGroups, RankRole
 from dtdsl.parallel.p2p import P2P, Received, TensorSpec
 from dtdsl.sim.timeline import Event
@@ -163,7 +164,7 @@ class StageExecutor:
         self.stage: Stage = build_stage(program, plan, self.role, groups.mesh, self.device,
                                         seed=self.seed, run=stage_run(self.role.role),
                                         initialize=initialize, phased=groups.phased,
-                                        phased_run=stage_run("encoder"))
+                                        phased_run=stage_run("encoder"), ep=groups.ep)
         if len(self.stage.phased) > 1 or (self.stage.phased and self.vpp > 1):
             raise NotImplementedError("one phased encoder, beside a backbone of one model "
                                       "chunk: plan the other encoders as their own units")
@@ -343,12 +344,8 @@ class StageExecutor:
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """``named_parameters`` as full (single-process) tensors. Collective over the
-        stage's ranks (DTensor ``full_tensor``)."""
-        out = {}
-        for key, p in self.named_parameters().items():
-            full = getattr(p, "full_tensor", None)
-            out[key] = (full() if callable(full) else p).detach()
-        return out
+        stage's ranks (DTensor ``full_tensor``, an EP group's experts gathered too)."""
+        return full_parameters(self.stage.module, self.named_parameters())
 
     # ---- peers ----------------------------------------------------------------------------
 

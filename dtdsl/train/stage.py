@@ -24,6 +24,10 @@ projector), built so that memory matches the plan:
 1. **Meta first.** The whole unit is built on the meta device (no memory), and the layers
    other stages run are deleted; the stage keeps the global names of what it holds
    (``units.<unit>.layers.<i>...``), so checkpoint keys do not depend on the plan.
+1b. **Expert parallelism** (a backbone with ep > 1): each MoE block becomes
+   ``parallel.ep.ExpertParallelMoE`` over the rank's EP group (``parallel.mesh``:
+   ``ProcessGroups.ep``), still on meta; in step 4 its stacked experts make an FSDP2 unit
+   of their own over the expert DP group (``parallel.fsdp.apply_fsdp``).
 2. **Tensor parallelism** (``parallel.tp.parallelize_unit``) over the unit's TP mesh: still
    on meta, DTensor shards.
 3. **Activation checkpointing** of every layer of each module whose spec says ``recompute
@@ -657,7 +661,8 @@ def _materialise(stage: StageModule, program: ir.Program, device: torch.device) 
 def build_stage(program: ir.Program, plan: Plan, role: RankRole, mesh: Any,
                 device: torch.device, *, seed: int | None = None, run: Any = None,
                 initialize: bool = True, compile: bool | None = None,
-                phased: dict[str, Any] | None = None, phased_run: Any = None) -> Stage:
+                phased: dict[str, Any] | None = None, phased_run: Any = None,
+                ep: Any = None) -> Stage:
     """This rank's stage (module docstring). ``mesh``: the unit's DeviceMesh with
     dimensions ``("pp", "dp_replicate", "dp_shard", "tp")`` (``parallel.mesh``); ``run``:
     the stage's forward, ``run(stage_module, ...)``; ``initialize=False`` leaves the
@@ -666,7 +671,9 @@ def build_stage(program: ir.Program, plan: Plan, role: RankRole, mesh: Any,
     ``compile``: whether to compile the blocks (``train.compiled``; None: the spec's rule
     for ``device``, ``program.train.compiles``); ``phased``: on a backbone rank of a plan
     with phased encoders, their DeviceMeshes (``ProcessGroups.phased``): the stage holds
-    each (``build_phased``, ``Stage.phased``), run by ``phased_run``."""
+    each (``build_phased``, ``Stage.phased``), run by ``phased_run``; ``ep``: on a
+    backbone rank of a unit with ep > 1, its ``parallel.mesh.ExpertGroups``
+    (``ProcessGroups.ep``; ``_expert_parallel``)."""
     # FSDP2 warns of any view a root module returns (an in-place op on it would skip its
     # pre-backward hook); the stage's views (a DTensor's local tensor) are never written.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPStageModule\) "
@@ -677,13 +684,15 @@ def build_stage(program: ir.Program, plan: Plan, role: RankRole, mesh: Any,
     units, chunks = _stage_units(program, plan, role, hosted, seed)
     start, stop = chunks[0][0], chunks[-1][1]
     chunks = chunks if len(chunks) > 1 else ()
+    experts = _expert_parallel(units, plan, role, ep)
     tp_sharded = _apply_tp(units, [role.unit] + [h.name for h in hosted if not h.tp_replicated],
                            role, mesh)
     stage = StageModule(units, run)
     apply_ac(stage.units, lambda unit: _recomputes(program, plan, unit))
     compiled = _compile(stage, program, role, device, compile)
     # ZeRO-1: shard over DP; ZeRO-0: replicate over DP (HSDP with shards of one rank).
-    layers = apply_fsdp(stage, stage.units, _replica_mesh(mesh, program), compute_dtype)
+    layers = apply_fsdp(stage, stage.units, _replica_mesh(mesh, program), compute_dtype,
+                        experts=experts)
     # Only now is anything allocated: this rank's DP shards of its TP shards, each
     # element initialised from its position in the full tensor.
     _materialise(stage, program, device)
@@ -702,6 +711,25 @@ def build_stage(program: ir.Program, plan: Plan, role: RankRole, mesh: Any,
     if initialize:
         built.initialize(program, seed)
     return built
+
+
+def _expert_parallel(units: dict[str, nn.Module], plan: Plan, role: RankRole,
+                     ep: Any) -> Any:
+    """Expert parallelism on a backbone stage of a unit with ep > 1: each MoE block of
+    the unit becomes ``parallel.ep.ExpertParallelMoE`` over ``ep.group`` (its EP group of
+    ep consecutive DP replicas, ``parallel.mesh``), still on meta; its experts' FSDP2 mesh
+    (``ep.mesh``, the expert DP group) is returned for ``apply_fsdp``. None at ep 1.
+    ValueError when the unit has ep > 1 but ``ep`` was not given."""
+    if role.role != "backbone" or plan.unit(role.unit).ep == 1:
+        return None
+    if ep is None:
+        raise ValueError(f"{role.unit} has expert parallelism {plan.unit(role.unit).ep} but "
+                         "the stage was given no EP groups (build_groups makes them: "
+                         "ProcessGroups.ep)")
+    from dtdsl.parallel.ep import apply_ep
+
+    apply_ep(units[role.unit], ep.group)
+    return ep.mesh
 
 
 def _stage_units(program: ir.Program, plan: Plan, role: RankRole, hosted: list[Any],

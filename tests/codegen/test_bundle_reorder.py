@@ -15,7 +15,7 @@ import pytest
 
 from dtdsl import cli
 from dtdsl.driver import run_frontend
-from tests.codegen.test_bundle_run import RTOL, launch_ok, read_jsonl, reference_losses
+from tests.helpers.bundle import RTOL, launch_ok, read_jsonl, reference_losses
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLES = 16        # two global batches of 8: one epoch in two steps

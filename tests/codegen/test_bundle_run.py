@@ -4,103 +4,24 @@ single-process reference and writes its run directory."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from functools import cache
 from pathlib import Path
 
 import pytest
 
 from dtdsl import cli
 from dtdsl.driver import run_frontend
-from dtdsl.train.reference import train_reference
-
-ROOT = Path(__file__).resolve().parents[2]
-SPEC = ROOT / "specs" / "tiny_cpu.dt"
-STEPS = 3
-RTOL = 1e-4
-
-
-def launch(bundle: Path, run_dir: Path, *extra: str, timeout: float = 300,
-           env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    full = {**os.environ, "PYTHON": sys.executable, **(env or {})}
-    return subprocess.run(["bash", str(bundle / "launch.sh"), "--run-dir", str(run_dir),
-                           *extra],
-                          capture_output=True, text=True, timeout=timeout, env=full,
-                          check=False)
-
-
-def worker_log(run_dir: Path) -> str:
-    """What the preprocessing workers of every node logged (``logs/workers-*.log``)."""
-    return "".join(p.read_text() for p in sorted((run_dir / "logs").glob("workers*.log")))
-
-
-def launch_ok(bundle: Path, run_dir: Path, *extra: str,
-              env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """``launch``, asserting it exited 0 (the tail of its output otherwise)."""
-    proc = launch(bundle, run_dir, *extra, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
-
-
-def reference_losses(steps: int, data: Path | None = None, spec: Path = SPEC) -> list[float]:
-    """The single-process reference's losses of ``spec`` over ``steps``, on ``data``, at
-    one torch thread whoever calls it (tests/data's too: the default of one per core
-    spins beside a launched bundle's ranks; a 3-step tiny_cpu reference took 31 s of CPU
-    at 2 threads, 1.5 s at one). On synthetic data (None) trained once per spec text and
-    steps (the co-located and the phased bundle's tests share theirs); a dataset is read
-    anew each time (a test may change its files)."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        if data is None:
-            return list(_synthetic_reference(steps, spec.name, spec.read_bytes()))
-        from dtdsl.feed.source import DatasetSource
-
-        program = run_frontend(str(spec), spec.read_bytes()).program
-        return [r["loss"] for r in train_reference(program, steps,
-                                                   source=DatasetSource(program, data))]
-    finally:
-        torch.set_num_threads(threads)
-
-
-@cache
-def _synthetic_reference(steps: int, name: str, text: bytes) -> tuple[float, ...]:
-    program = run_frontend(name, text).program
-    return tuple(r["loss"] for r in train_reference(program, steps))
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def consumed(run_dir: Path, unit: str) -> dict[int, list[str]]:
-    """Per step, the keys ``unit``'s replicas consumed (all replicas together)."""
-    out: dict[int, list[str]] = {}
-    for r in read_jsonl(run_dir / "samples.jsonl"):
-        if r["unit"] == unit:
-            out.setdefault(r["step"], []).extend(r["keys"])
-    return out
-
-
-DATASET_SAMPLES = 48        # 3 global batches of 16: one epoch in 3 steps
-FEED_STEPS = 4
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("data") / "tiny"
-    assert cli.main(["data", "synth", str(SPEC), "-o", str(out), "--samples",
-                     str(DATASET_SAMPLES), "-q"]) == 0
-    # Indexed once here, as a launch's preflight indexes it (its tokens counted): so no
-    # test's launch depends on being the first to read it (its stderr says "indexing").
-    from dtdsl.train.preflight import check_data
-
-    assert check_data(run_frontend(str(SPEC), SPEC.read_bytes()).program, str(out)) == []
-    return out
+from tests.helpers.bundle import (
+    DATASET_SAMPLES,
+    FEED_STEPS,
+    RTOL,
+    SPEC,
+    STEPS,
+    consumed,
+    launch_ok,
+    read_jsonl,
+    reference_losses,
+    worker_log,
+)
 
 
 @pytest.fixture(scope="module")
@@ -240,8 +161,8 @@ def test_a_co_located_bundle_trains_resumes_and_exports(tmp_path):
     trains as the reference through its workers, resumes from its checkpoint, and its
     checkpoint exports every module."""
     from dtdsl.train.checkpoint import latest_checkpoint
-    from tests.train.test_colocated import colocate
-    from tests.train.test_executor import plan_for
+    from tests.helpers.plans import colocate
+    from tests.helpers.runs import plan_for
 
     spec = tmp_path / "tiny_ckpt.dt"
     spec.write_text(SPEC.read_text().replace("checkpoint_every = 10", "checkpoint_every = 2"))
@@ -294,9 +215,8 @@ def test_a_phased_plan_bundle_dry_runs_trains_resumes_and_exports(tmp_path):
     stages is one its ranks make), trains, resumes from its checkpoint, matches the
     reference, and exports every module."""
     from dtdsl.train.checkpoint import latest_checkpoint
-    from tests.train.test_colocated import colocate
-    from tests.train.test_executor import plan_for
-    from tests.train.test_phased import phase
+    from tests.helpers.plans import colocate, phase
+    from tests.helpers.runs import plan_for
 
     spec = tmp_path / "tiny_ckpt.dt"
     spec.write_text(SPEC.read_text().replace("checkpoint_every = 10", "checkpoint_every = 2"))

@@ -539,7 +539,7 @@ def test_the_bundle_predicts_with_the_plans_cost_model(tmp_path):
     from dtdsl.cost.profile import save_profile
     from dtdsl.driver import run_frontend
     from dtdsl.train.job import load_job
-    from tests.cost.test_model import _linear_profile
+    from tests.helpers.costs import _linear_profile
 
     spec = str(SPECS / "tiny_cpu.dt")
     program = run_frontend(spec, TINY.encode()).program
@@ -631,8 +631,8 @@ def test_co_located_plans_compile_unless_misplaced_or_split_where_tp_cannot():
     whose co-located module the backbone's TP degree cannot split (the planner replicates
     such a module instead, ``tp_replicated``), is DT601 at that module."""
     from dtdsl.codegen.support import runtime_support
-    from tests.train.test_colocated import colocate
-    from tests.train.test_executor import plan_for, spec
+    from tests.helpers.plans import colocate
+    from tests.helpers.runs import plan_for, spec
 
     program = spec(8)
     plan = colocate(program, plan_for(program, ("vit", "encoder", 1, 1, 1),
@@ -661,8 +661,8 @@ def test_phased_plans_compile_unless_a_generator_or_misplaced():
     inside the pipeline) or a phased unit a hand edit gave another DP degree is DT601 at
     that module, saying what a phased unit is."""
     from dtdsl.codegen.support import runtime_support
-    from tests.train.test_executor import plan_for, spec
-    from tests.train.test_phased import phase
+    from tests.helpers.plans import phase
+    from tests.helpers.runs import plan_for, spec
 
     program = spec(8)
     own = plan_for(program, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 2, 1, 2),

@@ -12,11 +12,10 @@ import pytest
 
 from dtdsl import cli
 from dtdsl.train.checkpoint import checkpoint_root, complete_checkpoints, read_manifest
-from tests.codegen.test_bundle_run import (  # noqa: F401  (dataset is a fixture)
+from tests.helpers.bundle import (
     DATASET_SAMPLES,
     SPEC,
     consumed,
-    dataset,
     launch,
     launch_ok,
     read_jsonl,

@@ -23,12 +23,12 @@ import pytest
 from dtdsl import cli
 from dtdsl.codegen.slurm import slurm_time
 from dtdsl.feed import wire
-from tests.codegen.test_bundle_run import (  # noqa: F401  (dataset is a fixture)
+from tests.helpers.bundle import (
     RTOL,
     SPEC,
-    dataset,
     read_jsonl,
     reference_losses,
+    three_node_spec,
 )
 
 FAKE_SLURM = Path(__file__).resolve().parent / "fake_slurm"
@@ -39,17 +39,6 @@ NODELIST = "gpu2,gpu9,gpu10"
 STEPS = 5
 
 
-def three_node_spec(where: Path) -> Path:
-    """tiny_cpu on 5 GPUs, 2 a node: 3 nodes, the last with one rank and one spare;
-    a checkpoint every 2 steps."""
-    text = SPEC.read_text()
-    for old in ("gpus          = 4", "gpus_per_node = 4", "checkpoint_every = 10"):
-        assert old in text, old
-    spec = where / "three_nodes.dt"
-    spec.write_text(text.replace("gpus          = 4", "gpus          = 5")
-                    .replace("gpus_per_node = 4", "gpus_per_node = 2")
-                    .replace("checkpoint_every = 10", "checkpoint_every = 2"))
-    return spec
 
 
 @pytest.fixture(scope="module")

@@ -60,7 +60,7 @@ def test_the_cost_models_tokens_of_real_clips_are_the_runtimes(tmp_path):
     (``sample_set`` of the sizes the index predicts, nothing decoded) has, per sample,
     the tokens of the items the runtime decodes and encodes."""
     from dtdsl.feed.source import DatasetSource
-    from tests.data.test_media import write_media_shards
+    from tests.helpers.media import write_media_shards
     from tests.text_models import make_tokenizer
 
     write_media_shards(tmp_path / "s", n=16, per_shard=8)

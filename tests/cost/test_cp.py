@@ -8,7 +8,7 @@ import pytest
 
 from dtdsl.cost import flops
 from dtdsl.cost.model import _BYTES_BF16, _COLLECTIVE_LATENCY_S, build_cost_model
-from tests.cost.test_model import program
+from tests.helpers.costs import program
 
 ARGS = {"tp": 4, "pp": 4, "vpp": 1, "depth": 4, "microbatches": 32, "share": 1.0}
 

@@ -13,8 +13,8 @@ from dtdsl.cost.model import _BYTES_BF16, _PARAM_BYTES, build_cost_model
 from dtdsl.driver import run_frontend
 from dtdsl.models.multimodal import build_model
 from dtdsl.planner import ep_choices, plan, plan_convex
+from tests.helpers.moe import moe_spec
 from tests.specs import ROOT
-from tests.train.test_moe_run import moe_spec
 
 ARGS = {"tp": 1, "pp": 1, "vpp": 1, "depth": 1, "microbatches": 4, "share": 1.0}
 MOE_30B = ROOT / "specs" / "moe_vl_30b.dt"

@@ -12,7 +12,7 @@ import pytest
 
 from dtdsl.cost.model import OFFLOADED_BYTES_PER_PARAM, build_cost_model
 from dtdsl.ir.hardware import CPU_ADAM_PARAMS_PER_S, HOST_BW_BYTES_PER_S
-from tests.cost.test_model import program
+from tests.helpers.costs import program
 
 ARGS = {"tp": 4, "pp": 4, "vpp": 1, "depth": 4, "microbatches": 32, "share": 1.0}
 

@@ -165,13 +165,13 @@ def test_a_bundle_with_two_towers_per_modality_trains_on_webdataset_media(tmp_pa
     # places them and decoded to those shapes; one launch (7 ranks: beats2 a unit of its
     # own with DP 2, the others on the backbone's stages): 8 steps as dtc reference
     # trains them, every sample once per epoch per unit (24 samples, 3 steps an epoch).
-    from tests.codegen.test_bundle_run import (
+    from tests.helpers.bundle import (
         consumed,
         launch_ok,
         read_jsonl,
         reference_losses,
     )
-    from tests.data.test_media import write_media_shards
+    from tests.helpers.media import write_media_shards
 
     keys = write_media_shards(tmp_path / "shards", n=24, per_shard=8)
     make_tokenizer(tmp_path / "tok")
@@ -220,7 +220,7 @@ def test_llava_records_feed_both_towers_at_each_placeholder(tmp_path):
     # their modality's placeholders.
     from dtdsl.data.decode import Decoder
     from dtdsl.data.sources import open_dataset
-    from tests.data.test_media import _llava
+    from tests.helpers.media import _llava
     from tests.specs import program as checked
 
     path = _llava(tmp_path)

@@ -162,7 +162,7 @@ def _assistant_tokens(tok_dir: Path, record: dict) -> int:
     """The assistant tokens of a record, counted by transformers' chat template (ChatML)."""
     from transformers import PreTrainedTokenizerFast
 
-    from tests.data.test_text import CHATML
+    from tests.helpers.text import CHATML
 
     tok = PreTrainedTokenizerFast.from_pretrained(str(tok_dir))
     roles = {"human": "user", "gpt": "assistant"}
@@ -224,7 +224,7 @@ def _train_llava(rank: int, world: int, program, plan, losses, data: str) -> Non
     from dtdsl.parallel.mesh import build_groups
     from dtdsl.schedule.lower import lower
     from dtdsl.train.executor import StageExecutor
-    from tests.train.test_executor import LOSS_RTOL
+    from tests.helpers.runs import LOSS_RTOL
 
     groups = build_groups(plan)
     feed = LocalBatches(program, plan, groups.role, source=DatasetSource(program, data))
@@ -242,7 +242,7 @@ def test_a_pipeline_trains_on_conversations_as_the_reference(tmp_path):
     from dtdsl.feed.source import DatasetSource
     from dtdsl.train.reference import train_reference
     from tests.dist import run
-    from tests.train.test_executor import plan_for
+    from tests.helpers.runs import plan_for
 
     write_llava(tmp_path, n=24)
     program = _program(tmp_path, seq_len=64)

@@ -7,13 +7,11 @@ reference`` does, every sample once per epoch per unit."""
 
 from __future__ import annotations
 
-import io
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
-import soundfile as sf
 import webdataset as wds
 
 from dtdsl import cli
@@ -22,55 +20,14 @@ from dtdsl.data.media import ClipReader, index_media
 from dtdsl.data.modal import encoder_inputs
 from dtdsl.data.shards import EncodedClip
 from dtdsl.data.sources import open_dataset
-from tests.data.test_video import write_clip
+from tests.helpers.media import (
+    _flac,
+    _llava,
+    write_clip,
+    write_media_shards,
+)
 from tests.text_models import make_tokenizer
 from tests.train.modal_specs import tiny_modal
-
-TEXTS = ["a photo of a cat <audio> sitting on a red chair",
-         "What is in the image? There is a dog running in the park.",
-         "<video> Describe the picture in detail. A man rides a bicycle <audio> along it."]
-
-
-def _flac(rng: np.random.Generator, seconds: float, rate: int, fmt: str = "FLAC") -> bytes:
-    buf = io.BytesIO()
-    wave = (0.1 * rng.standard_normal(int(seconds * rate))).astype(np.float32)
-    sf.write(buf, wave, rate, format=fmt)
-    return buf.getvalue()
-
-
-def _jpeg(rng: np.random.Generator, w: int, h: int) -> bytes:
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(buf, "JPEG")
-    return buf.getvalue()
-
-
-def write_media_shards(root: Path, n: int = 24, per_shard: int = 8, seed: int = 0,
-                       wav: bool = False) -> list[str]:
-    """``n`` samples, written by webdataset's ShardWriter: a caption (some with
-    placeholders), most with an image, one or two flac clips (22.05 or 16 kHz, 0.2 to
-    0.55 s; ``wav``: the second clip, and the first of every other sample, 16-bit WAV),
-    every third an mp4 (4 to 9 frames of 16x16 or 24x16). Returns the keys."""
-    rng = np.random.default_rng(seed)
-    root.mkdir(parents=True, exist_ok=True)
-    keys = []
-    with wds.ShardWriter(str(root / "%06d.tar"), maxcount=per_shard, verbose=0) as sink:
-        for i in range(n):
-            sample = {"__key__": f"m{i:04d}", "txt": TEXTS[i % len(TEXTS)]}
-            if i % 4:
-                sample["jpg"] = _jpeg(rng, 32, 32)
-            first = "wav" if wav and i % 2 else "flac"
-            sample[f"0.{first}"] = _flac(rng, 0.2 + 0.05 * (i % 8),
-                                         22_050 if i % 2 else 16_000, first.upper())
-            if i % 3 == 1:
-                second = "wav" if wav else "flac"
-                sample[f"1.{second}"] = _flac(rng, 0.3, 16_000, second.upper())
-            if i % 3 == 2:                  # the samples whose text has <video>
-                sample["mp4"] = write_clip(4 + i % 6, width=16 + 8 * (i % 2), height=16)
-            sink.write(sample)
-            keys.append(f"m{i:04d}")
-    return keys
 
 
 @pytest.mark.parametrize("frames, channels", [(False, 1), (True, 1), (False, 2)])
@@ -189,7 +146,7 @@ def test_hostile_clips_are_skipped_with_a_reason(tmp_path):
 
 
 def _spec(tmp_path: Path, source: str, frames: bool = False) -> Path:
-    from tests.train.test_modal import _modal_text, _root
+    from tests.train.modal_specs import _modal_text, _root
 
     text = _modal_text((_root() / "specs" / "tiny_cpu.dt").read_text(), frames)
     text = text.replace('source = "data/tiny"', f'source = "{source}"\n  tokenizer = "tok"')
@@ -204,7 +161,7 @@ def _spec(tmp_path: Path, source: str, frames: bool = False) -> Path:
 def test_a_bundle_with_audio_and_video_encoders_trains_on_webdataset_media(tmp_path, frames):
     # frames: the audio encoder without a patch (a token per fbank frame), on flac and
     # wav members.
-    from tests.codegen.test_bundle_run import consumed, launch_ok, read_jsonl, reference_losses
+    from tests.helpers.bundle import consumed, launch_ok, read_jsonl, reference_losses
 
     keys = write_media_shards(tmp_path / "shards", n=24, per_shard=8, wav=frames)
     make_tokenizer(tmp_path / "tok")
@@ -224,33 +181,6 @@ def test_a_bundle_with_audio_and_video_encoders_trains_on_webdataset_media(tmp_p
         assert sorted(k for step in range(3) for k in per_step.get(step, [])) == keys, unit
 
 
-def _llava(tmp_path: Path) -> Path:
-    """A LLaVA JSON with audio and video fields beside an image folder: a clip list, a
-    single path, a hostile path, a missing clip, a damaged clip."""
-    rng = np.random.default_rng(0)
-    folder = tmp_path / "media"
-    folder.mkdir()
-    (folder / "a.flac").write_bytes(_flac(rng, 0.3, 16_000))
-    (folder / "b.wav").write_bytes(_flac(rng, 0.25, 22_050))     # a FLAC named .wav reads
-    (folder / "v.mp4").write_bytes(write_clip(6, width=16, height=16))
-    (folder / "bad.mp4").write_bytes(b"\0" * 100)
-    (tmp_path / "secret.flac").write_bytes(_flac(rng, 0.3, 16_000))
-    (folder / "c.jpg").write_bytes(_jpeg(rng, 32, 32))
-
-    def turn(text: str) -> list[dict]:
-        return [{"from": "human", "value": text}, {"from": "gpt", "value": "a cat sitting"}]
-
-    records = [
-        {"id": "both", "image": "c.jpg", "audio": ["a.flac", "b.wav"], "video": "v.mp4",
-         "conversations": turn("<image> What is in the image? <audio> then <video>")},
-        {"id": "one", "audio": "a.flac", "conversations": turn("Describe the picture.")},
-        {"id": "out", "audio": "../secret.flac", "conversations": turn("a dog")},
-        {"id": "gone", "video": "nope.mp4", "conversations": turn("a dog")},
-        {"id": "junk", "video": "bad.mp4", "conversations": turn("a dog")},
-    ]
-    path = tmp_path / "llava.json"
-    path.write_text(json.dumps(records))
-    return path
 
 
 def test_llava_audio_and_video_fields(tmp_path):

@@ -12,18 +12,13 @@ from dtdsl.data.layout import fit, layout_of, sequence_layout
 from dtdsl.data.sample import SampleSizes
 from dtdsl.data.text import HFTokenizer, TokenizerError, load_tokenizer
 from dtdsl.ir.program import ImageTokens
+from tests.helpers.text import (
+    CHATML,
+)
 from tests.text_models import make_tokenizer
 
 P8 = ImageTokens(patch=8)
 
-CHATML = """{%- for m in messages -%}
-{%- if m['role'] == 'assistant' -%}
-{{ '<|im_start|>assistant\\n' }}{% generation %}{{ m['content'] + '<|im_end|>' }}\
-{% endgeneration %}{{ '\\n' }}
-{%- else -%}
-{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}
-{%- endif -%}
-{%- endfor -%}"""
 
 # LLaVA-1.5's (Vicuna v1) conversation, as its conv_templates write it.
 LLAVA = """{{ bos_token }}{%- for m in messages -%}

@@ -5,7 +5,6 @@ trained on silently."""
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import json
 import os
@@ -29,7 +28,11 @@ from dtdsl.data.shards import Dataset, DatasetError, NoSamples, write_dataset
 from dtdsl.data.sources import open_dataset, source_problem
 from dtdsl.data.webdataset import CUT_OFF, WebDataset
 from dtdsl.driver import run_frontend
-from tests.data.test_webdataset import write_shards
+from tests.helpers.media import (
+    corrupt_dataset,
+    image_samples,
+    write_shards,
+)
 from tests.text_models import make_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -463,60 +466,12 @@ def test_samples_outside_the_clamps_are_warned_and_cut_as_the_spec_says(tmp_path
 
 # ---- images that do not decode ------------------------------------------------------------
 
-def _body(data: bytes) -> int:
-    """Where an image's pixel data starts (after the header Pillow reads to size it)."""
-    if data.startswith(b"\x89PNG"):
-        return data.index(b"IDAT") + 4
-    at = data.index(b"\xff\xda")                      # JPEG: the start of scan
-    return at + 2 + int.from_bytes(data[at + 2:at + 4], "big")
 
 
-def _broken(data: bytes, how: str, at: float) -> bytes:
-    """The image with its body cut off (``at``: the fraction kept) or scrambled; its
-    header still reads (the index takes it), its pixels do not decode."""
-    from PIL import Image
-
-    start = _body(data)
-    if how == "cut":
-        out = data[:start + int((len(data) - start) * at)]
-    else:           # a PNG's IDAT: its CRC and its zlib stream broken
-        out = bytearray(data)
-        for j in range(start, min(len(out) - 12, start + 16)):
-            out[j] ^= 0x5A
-        out = bytes(out)
-    with Image.open(io.BytesIO(out)) as img:
-        assert img.size                                 # the header reads
-    with pytest.raises(Exception), Image.open(io.BytesIO(out)) as img:  # noqa: B017
-        img.load()
-    return out
 
 
-def image_samples(program, n: int) -> list[int]:
-    """The synthesised samples (``corrupt_dataset``'s) that carry an input image."""
-    from dtdsl.data.synth import synthesize
-
-    return [k for k, s in enumerate(synthesize(program, n, seed=5)) if s.images]
 
 
-def corrupt_dataset(root: Path, program, n: int, bad: dict[int, tuple[str, float]]) -> Path:
-    """``n`` synthesised samples of ``program`` in a dataset, the first image of each sample
-    ``k`` in ``bad`` broken as ``bad[k]`` says (a PNG when scrambled)."""
-    from dtdsl.data.synth import synthesize
-
-    samples = list(synthesize(program, n, seed=5))
-    for k, (how, at) in bad.items():
-        image = samples[k].images[0]
-        if how == "scramble" and image.format != "png":
-            from PIL import Image
-
-            from dtdsl.data.encode import encode_image
-
-            pixels = np.asarray(Image.open(io.BytesIO(image.data)).convert("RGB"))
-            image = encode_image(pixels, "png")
-        broken = dataclasses.replace(image, data=_broken(image.data, how, at))
-        samples[k] = dataclasses.replace(samples[k], images=(broken, *samples[k].images[1:]))
-    write_dataset(root, samples, samples_per_shard=16)
-    return root
 
 
 @pytest.mark.parametrize("how, at", [("cut", 0.5), ("cut", 0.05), ("scramble", 0.0)])
@@ -577,7 +532,7 @@ def test_a_bundle_run_skips_an_image_that_does_not_decode_as_the_reference_does(
     """Launched with its workers, a tiny bundle over data with a corrupt image finishes
     (no crash loop), its workers say which sample they skip and why, the sample is never
     trained on, and the losses are the reference's."""
-    from tests.codegen.test_bundle_run import launch_ok, read_jsonl, reference_losses, worker_log
+    from tests.helpers.bundle import launch_ok, read_jsonl, reference_losses, worker_log
 
     with_images = image_samples(tiny, 48)
     bad = with_images[len(with_images) // 2]

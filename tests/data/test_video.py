@@ -28,37 +28,13 @@ from dtdsl.data.video import (
     patchify,
     sample_indices,
 )
-
-STEP, BASE, CYCLE = 8, 8, 30     # frame i shows grey level BASE + STEP * (i % CYCLE)
-
-
-def level(i: int) -> int:
-    return BASE + STEP * (i % CYCLE)
-
-
-def write_clip(frames: int = 12, *, codec: str = "libx264", fmt: str = "mp4",
-               width: int = 32, height: int = 32, fps: int = 10,
-               options: dict[str, str] | None = None, texture: bool = False) -> bytes:
-    """A clip whose frame i is grey level ``level(i)``; with ``texture`` only its 16x16
-    top-left block is, over moving noise (which makes x264 use B-frames)."""
-    rng = np.random.default_rng(0)
-    noise = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    with av.open(buf, "w", format=fmt) as container:
-        stream = container.add_stream(codec, rate=fps)
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        stream.options = options or {}
-        for i in range(frames):
-            if texture:
-                pixels = np.roll(noise, 2 * i, axis=1)
-                pixels[:16, :16] = level(i)
-            else:
-                pixels = np.full((height, width, 3), level(i), dtype=np.uint8)
-            for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    return buf.getvalue()
+from tests.helpers.media import (
+    BASE,
+    CYCLE,
+    STEP,
+    level,
+    write_clip,
+)
 
 
 def shown(frames: np.ndarray, texture: bool = False) -> list[int]:

@@ -7,48 +7,17 @@ from __future__ import annotations
 import io
 import os
 import tarfile
-from pathlib import Path
 
-import numpy as np
 import pytest
-import webdataset as wds
 
 from dtdsl import cli
 from dtdsl.data.shards import DatasetError
 from dtdsl.data.sources import open_dataset, source_problem
 from dtdsl.data.webdataset import WebDataset, build_index, expand_source, resolve_shards
+from tests.helpers.media import (
+    write_shards,
+)
 from tests.text_models import make_tokenizer
-
-SIZES = [(32, 32), (64, 64), (48, 40)]     # (width, height)
-
-
-def _jpeg(rng: np.random.Generator, w: int, h: int) -> bytes:
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(buf, "JPEG")
-    return buf.getvalue()
-
-
-def write_shards(root: Path, n: int = 48, per_shard: int = 10, *, gen_every: int = 3,
-                 seed: int = 0) -> list[str]:
-    """``n`` samples of a JPEG and a caption (every ``gen_every``-th also an image to
-    generate, ``gen.jpg``), ``per_shard`` to a tar, written by webdataset's ShardWriter.
-    Returns the keys."""
-    rng = np.random.default_rng(seed)
-    root.mkdir(parents=True, exist_ok=True)
-    keys = []
-    with wds.ShardWriter(str(root / "%06d.tar"), maxcount=per_shard, verbose=0) as sink:
-        for i in range(n):
-            w, h = SIZES[i % len(SIZES)]
-            sample = {"__key__": f"s{i:05d}", "jpg": _jpeg(rng, w, h),
-                      "txt": " ".join(f"word{rng.integers(100)}" for _ in range(5 + i % 7)),
-                      "json": {"source": "test", "i": i}}
-            if gen_every and i % gen_every == 0:
-                sample["gen.jpg"] = _jpeg(rng, 32, 32)
-            sink.write(sample)
-            keys.append(f"s{i:05d}")
-    return keys
 
 
 def test_brace_patterns_expand_like_webdatasets():
@@ -140,7 +109,7 @@ def test_data_stats_and_index_read_webdataset_shards(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_a_bundle_trains_on_webdataset_shards_and_consumes_each_key_once(tmp_path):
-    from tests.codegen.test_bundle_run import (
+    from tests.helpers.bundle import (
         SPEC,
         consumed,
         launch_ok,
@@ -184,7 +153,7 @@ def test_real_text_needs_a_tokenizer_and_stats_count_with_it(tmp_path, capsys):
     """Shards hold real text: without a tokenizer dtc check says so at the source line
     (the hashing tokenizer is for synthetic data only); dtc data stats counts text.tokens
     with the tokenizer given, BOS and EOS included."""
-    from tests.codegen.test_bundle_run import SPEC
+    from tests.helpers.bundle import SPEC
 
     write_shards(tmp_path / "shards", n=6, per_shard=3)
     spec = tmp_path / "tiny.dt"

@@ -19,6 +19,9 @@ from dtdsl.feed.source import DatasetSource, epoch_permutation, stream_indices
 from dtdsl.feed.worker import FeedContext, build_messages
 from dtdsl.parallel.mesh import role_of
 from dtdsl.train.job import load_job
+from tests.helpers.feed import (
+    _Message,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = ROOT / "specs" / "tiny_cpu.dt"
@@ -52,11 +55,6 @@ def bundle(tmp_path_factory) -> Path:
     return make_bundle(tmp_path_factory.mktemp("feed"), SPEC, 40)
 
 
-class _Message:
-    """What Receiver.recv gives, from encode/decode without sockets."""
-
-    def __new__(cls, meta, arrays, secret=b"k" * 32):
-        return wire.decode(wire.encode(BATCH, meta, arrays, secret), secret)
 
 
 def _same_sample(a, b) -> None:
@@ -240,7 +238,7 @@ def test_workers_skip_and_stand_in_for_bad_samples_as_the_in_process_feed_does(t
     under the running job: the worker's messages never fail, and equal, rank by rank, the
     batches every trainer builds in-process (the same samples skipped, the same stand-in)."""
     from dtdsl.driver import run_frontend
-    from tests.data.test_trust import corrupt_dataset, image_samples
+    from tests.helpers.media import corrupt_dataset, image_samples
 
     program = run_frontend(str(SPEC), SPEC.read_bytes()).program
     some = image_samples(program, 40)

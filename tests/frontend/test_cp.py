@@ -6,7 +6,7 @@ import pytest
 
 from dtdsl.ir.plan import cp_conflict, cp_split
 from dtdsl.ir.program import IntDomain
-from tests.frontend.test_check import BASE, GENERATOR, diagnostics, errors, program
+from tests.helpers.checks import BASE, GENERATOR, diagnostics, errors, program
 
 
 def _with(text: str, constraints: str, field: str = "") -> str:

@@ -7,7 +7,7 @@ import pytest
 
 from dtdsl.ir.plan import UnitPlan
 from dtdsl.ir.program import IntDomain, MoEArch, Program
-from tests.frontend.test_check import BASE, diagnostics, program
+from tests.helpers.checks import BASE, diagnostics, program
 
 MOE = BASE.replace("vocab=100, swiglu)",
                    "vocab=100, swiglu, experts=8, top_k=2, expert_ffn=64)")

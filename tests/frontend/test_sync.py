@@ -7,7 +7,7 @@ import pytest
 
 from dtdsl.driver import run_frontend
 from dtdsl.ir.program import Program, Sync, Train
-from tests.frontend.test_check import BASE
+from tests.helpers.checks import BASE
 
 TRAIN = "train { global_batch = 32  micro_batch = 2  seq_len = 512 }"
 

@@ -201,8 +201,8 @@ def test_a_misordered_broker_transfer_fails_the_ordering_check():
 
 def test_the_broker_has_no_routes_for_co_located_units():
     from dtdsl.parallel.mesh import grids
-    from tests.train.test_colocated import colocate
-    from tests.train.test_executor import plan_for, spec
+    from tests.helpers.plans import colocate
+    from tests.helpers.runs import plan_for, spec
 
     program = spec(8)
     plan = colocate(program, plan_for(program, ("vit", "encoder", 1, 1, 1),

@@ -15,7 +15,7 @@ from dtdsl.models import moe
 from dtdsl.models.moe import MoE, MoEConfig, can_group
 from dtdsl.parallel.ep import ExpertParallelMoE, ep_conflicts
 from tests.dist import run
-from tests.models.test_moe import check_conservation, integer_experts, label_experts, token_ids
+from tests.helpers.moe import check_conservation, integer_experts, label_experts, token_ids
 
 TOL = 1e-5
 

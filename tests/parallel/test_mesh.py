@@ -31,7 +31,7 @@ from dtdsl.parallel.mesh import (
 from dtdsl.sim.timeline import TimelineUnit
 from dtdsl.train.stage import tied_group_ranks, tied_pairs
 from tests.dist import ChildFailed, make_plan, run
-from tests.train.test_executor import LOSS_RTOL, PARAM_RTOL, plan_for, reference, spec
+from tests.helpers.runs import LOSS_RTOL, PARAM_RTOL, plan_for, reference, spec
 
 # vit: 2 stages x 1 replica x tp 1 (ranks 0-1); llm: 1 stage x 2 replicas x tp 2 (ranks 2-5)
 PLAN6 = make_plan(("vit", "encoder", 1, 1, 2), ("llm", "backbone", 2, 2, 1))
@@ -448,7 +448,7 @@ def test_run_gives_up_on_a_hang():
 # ---- phased encoders --------------------------------------------------------------------------
 
 def _phased_plan(tp: int, dp: int, pp: int) -> Plan:
-    from tests.train.test_phased import phase
+    from tests.helpers.plans import phase
 
     program = spec(8 if dp != 3 else 12)
     return phase(program, plan_for(program, ("vit", "encoder", 1, 1, 1),

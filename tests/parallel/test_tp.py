@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor
 from dtdsl.models.multimodal import build_unit, init_unit
 from dtdsl.parallel.tp import local_tensor, parallelize_unit, tp_conflicts
 from tests.dist import run
-from tests.train.test_reference import program as tiny
+from tests.specs import program as tiny
 
 TOL = 1e-5
 SEED = 7

@@ -15,7 +15,7 @@ from dtdsl.cost.model import build_cost_model
 from dtdsl.ir.plan import Plan
 from dtdsl.planner import Infeasible, plan
 from dtdsl.planner.placement import colocated_layouts, plan_fits
-from tests.planner.test_planner import cost, from_text, program
+from tests.helpers.planning import cost, from_text, program
 from tests.specs import TINY
 
 VIT_H = "arch = transformer(layers=32, hidden=1280, heads=16, ffn=5120, patch=14)"

@@ -16,7 +16,7 @@ from dtdsl.planner import plan_convex
 from dtdsl.planner.evaluate import Evaluator
 from dtdsl.planner.result import make_plan
 from dtdsl.planner.shortlist import near_layouts
-from tests.planner.test_planner import cost, program
+from tests.helpers.planning import cost, program
 from tests.specs import TINY
 from tests.specs import program as tiny_program
 

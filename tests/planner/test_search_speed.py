@@ -19,8 +19,8 @@ from dtdsl.planner import Infeasible, orchestrate, plan_convex
 from dtdsl.planner.evaluate import Evaluator
 from dtdsl.planner.orchestrate import relaxation_bounds
 from dtdsl.planner.space import Space
+from tests.helpers.planning import exact_candidate_optimum
 from tests.planner.random_specs import random_spec
-from tests.planner.test_planner import exact_candidate_optimum
 
 ROOT = Path(__file__).resolve().parents[2]
 

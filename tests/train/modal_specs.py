@@ -113,3 +113,22 @@ train {
 def tiny_audio_image() -> ir.Program:
     """``AUDIO_IMAGE`` checked."""
     return program(AUDIO_IMAGE)
+
+
+def _root():
+    from pathlib import Path
+
+    return Path(__file__).resolve().parents[2]
+
+
+def _modal_text(text: str, frames: bool = False) -> str:
+    from tests.train import modal_specs as m
+
+    audio = m._AUDIO_FRAMES if frames else m._AUDIO
+    text = text.replace("  backbone llm {", audio + m._VIDEO + "  backbone llm {")
+    text = text.replace("projector vit -> llm : mlp(depth=2)",
+                        "projector vit -> llm : mlp(depth=2)\n  projector beats -> llm : "
+                        "mlp(depth=2)\n  projector clip -> llm : mlp(depth=2)")
+    text = text.replace("  image.gen_count", m._AUDIO_DATA + m._VIDEO_DATA + "  image.gen_count")
+    return text.replace("gpus          = 4", "gpus          = 6") \
+        .replace("gpus_per_node = 4", "gpus_per_node = 6")

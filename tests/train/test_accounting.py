@@ -14,8 +14,8 @@ from dtdsl.data.batch import SyntheticSource, sample_set
 from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan
 from tests.dist import run
+from tests.helpers.runs import plan_for
 from tests.specs import variant
-from tests.train.test_executor import plan_for
 
 P8 = ir.ImageTokens(patch=8)      # the tiny spec's image tokens: its patches
 
@@ -67,7 +67,7 @@ def test_each_unit_processes_what_the_simulator_assumed(packing):
 
 
 def test_a_stage_with_co_located_units_processes_what_the_simulator_assumed():
-    from tests.train.test_colocated import colocate
+    from tests.helpers.plans import colocate
 
     program = tiny(True)
     plan = colocate(program, plan_for(program, ("vit", "encoder", 1, 1, 1),
@@ -175,7 +175,7 @@ def _count_phased(rank: int, world: int, program: ir.Program, plan: Plan) -> Non
 
 
 def test_phased_encoder_ranks_process_what_the_simulator_assumed():
-    from tests.train.test_phased import phase
+    from tests.helpers.plans import phase
 
     program = tiny(True)
     plan = phase(program, plan_for(program, ("vit", "encoder", 1, 1, 1),

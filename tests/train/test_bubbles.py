@@ -15,8 +15,9 @@ from dtdsl.ir.plan import Plan
 from dtdsl.parallel.mesh import phased_problems
 from dtdsl.sim.workload import phase_fit
 from tests.dist import run
-from tests.train.test_executor import plan_for, reference, spec
-from tests.train.test_phased import STEPS, _train, phase
+from tests.helpers.phased import STEPS, _train
+from tests.helpers.plans import phase
+from tests.helpers.runs import plan_for, reference, spec
 
 
 def _train_owned(rank: int, world: int, program: ir.Program, plan: Plan, losses, params,

@@ -22,8 +22,8 @@ from dtdsl.schedule.lower import lower
 from dtdsl.train.clock import DeviceClock, HostClock, step_clock
 from dtdsl.train.executor import StageExecutor
 from tests.dist import run
-from tests.train.test_colocated import colocate
-from tests.train.test_executor import plan_for, spec
+from tests.helpers.plans import colocate
+from tests.helpers.runs import plan_for, spec
 
 TICK_MS = 7.0       # the fake device's time between two recorded events
 STREAM = "the stream"

@@ -11,35 +11,10 @@ from dtdsl.ir.plan import Plan
 from dtdsl.parallel.mesh import colocation_problems, hosted_units, role_of
 from dtdsl.schedule.lower import lower
 from tests.dist import run
-from tests.train.test_executor import check, check_tp, plan_for, spec
-
-
-def colocate(program: ir.Program, plan: Plan, *names: str,
-             split: tuple[int, ...] | None = None) -> Plan:
-    """``plan`` with the units ``names`` co-located on the backbone's first (encoder) or
-    last (generator) stage, as the planner writes them (``colocated``, ``gpus`` 0, the
-    backbone's tp, dp and first rank, one stage of all its layers), the other units laid
-    out again on the ranks left; ``split``: the backbone's layers per stage (uneven, as a
-    co-located plan balances its stages)."""
-    backbone = next(u for u in plan.units if u.role == "backbone")
-    if split is not None:
-        backbone = backbone.model_copy(update={"layers_per_stage": split})
-    units, first = [], 0
-    for u in plan.units:
-        if u.name in names:
-            continue
-        u = backbone if u.role == "backbone" else u
-        units.append(u.model_copy(update={"first_rank": first}))
-        first += u.gpus
-    host = next(u for u in units if u.role == "backbone")
-    hosted = [u.model_copy(update={
-        "colocated": True, "gpus": 0, "tp": host.tp, "dp": host.dp, "pp": 1, "vpp": 1,
-        "first_rank": host.first_rank, "microbatch_share": 1.0,
-        "layers_per_stage": (program.module(u.name).arch.pipeline_layers,)})
-        for u in plan.units if u.name in names]
-    order = {u.name: i for i, u in enumerate(plan.units)}
-    out = sorted(units + hosted, key=lambda u: order[u.name])
-    return plan.model_copy(update={"units": tuple(out), "num_gpus": first, "gpus_used": first})
+from tests.helpers.plans import (
+    colocate,
+)
+from tests.helpers.runs import check, check_tp, plan_for, spec
 
 
 def test_a_co_located_plan_places_its_units_on_the_backbones_stages():
@@ -106,7 +81,7 @@ def test_frozen_backbone_with_a_trainable_co_located_encoder():
 def test_checkpoints_reshard_between_co_located_and_disaggregated_plans(tmp_path):
     # The checkpoint's keys are the units' own ("units.vit...") wherever they ran: a
     # co-located run resumes under a disaggregated plan of the same spec and back.
-    from tests.train.test_checkpoint import PLAN_A, PROGRAM, _close, _go, _reference
+    from tests.helpers.checkpoints import PLAN_A, PROGRAM, _close, _go, _reference
 
     ref, _ = _reference()
     run_dir = tmp_path / "run"

@@ -20,7 +20,7 @@ from dtdsl.schedule.lower import lower
 from dtdsl.train.executor import StageExecutor
 from dtdsl.train.memplan import check_memory
 from tests.dist import run
-from tests.train.test_executor import plan_for
+from tests.helpers.runs import plan_for
 
 # Compiled and eager differ by float summation order only (inductor fuses and reorders
 # reductions), which Adam's first steps amplify: a relative tolerance on the losses.
@@ -147,7 +147,7 @@ def test_a_bundle_trains_compiled(tmp_path):
     # layers on the CPU (one line on stderr per graph) and trains as the reference does.
     from dtdsl import cli
     from dtdsl.train.reference import train_reference
-    from tests.codegen.test_bundle_run import launch_ok
+    from tests.helpers.bundle import launch_ok
 
     spec = tmp_path / "compiled_text.dt"
     spec.write_text(TEXT_SPEC.replace("COMPILE", "compile = true"))

@@ -18,10 +18,10 @@ from dtdsl.models.multimodal import build_model, encode
 from dtdsl.parallel.mesh import build_groups
 from dtdsl.schedule.lower import lower
 from dtdsl.train.executor import StageExecutor
-from tests.codegen.test_bundle_run import launch_ok, read_jsonl
 from tests.dist import run
+from tests.helpers.bundle import launch_ok, read_jsonl
+from tests.helpers.runs import PARAM_RMS, PARAM_RTOL, plan_for, reference
 from tests.specs import TINY, variant
-from tests.train.test_executor import PARAM_RMS, PARAM_RTOL, plan_for, reference
 
 STEPS = 3
 RTOL = 1e-4

@@ -13,7 +13,7 @@ from dtdsl.ir.plan import Plan
 from dtdsl.parallel.mesh import build_groups, cp_ulysses, rank_groups
 from dtdsl.schedule.lower import lower
 from tests.dist import run
-from tests.train.test_executor import LOSS_RTOL, PARAM_RMS, PARAM_RTOL, plan_for, reference, spec
+from tests.helpers.runs import LOSS_RTOL, PARAM_RMS, PARAM_RTOL, plan_for, reference, spec
 
 STEPS = 8       # the acceptance: 8+ steps
 
@@ -94,7 +94,7 @@ def test_hybrid_context_parallelism():
 
 def test_a_checkpoint_saved_at_cp_2_resumes_at_cp_1_and_back(tmp_path):
     # The CP ranks hold FSDP2 shards over dp x cp: DCP reshards them to any layout.
-    from tests.train.test_checkpoint import PLAN_A, PROGRAM, _close, _go, _reference
+    from tests.helpers.checkpoints import PLAN_A, PROGRAM, _close, _go, _reference
 
     ref, _ = _reference()
     _, cp2 = with_cp(PROGRAM, PLAN_A, 2, "ring")
@@ -134,7 +134,7 @@ def test_a_compiled_cp_bundle_dry_runs_and_trains_as_the_reference(tmp_path):
 
     from dtdsl import cli
     from dtdsl.train import dryrun
-    from tests.codegen.test_bundle_run import launch_ok, read_jsonl
+    from tests.helpers.bundle import launch_ok, read_jsonl
 
     root = Path(__file__).resolve().parents[2]
     text = (root / "specs" / "tiny_cpu.dt").read_text()

@@ -25,7 +25,7 @@ from dtdsl.train import dcp_safe
 from dtdsl.train.checkpoint import Checkpointer, checkpoint_root, complete_checkpoints
 from dtdsl.train.executor import StageExecutor
 from tests.dist import run
-from tests.train.test_checkpoint import PLAN_A, PROGRAM
+from tests.helpers.checkpoints import PLAN_A, PROGRAM
 
 
 class _Payload:

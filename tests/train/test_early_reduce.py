@@ -14,7 +14,8 @@ from dtdsl.parallel.mesh import build_groups
 from dtdsl.schedule.lower import lower
 from dtdsl.train.executor import StageExecutor
 from tests.dist import run
-from tests.train.test_executor import LOSS_RTOL, plan_for, reference, spec
+from tests.helpers.plans import chunked, interleaved
+from tests.helpers.runs import LOSS_RTOL, plan_for, reference, spec
 
 STEPS = 3
 
@@ -68,6 +69,17 @@ def test_a_backbones_layers_reduce_during_the_last_backward():
     program = spec(8)
     plan = plan_for(program, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, 2, 2),
                     ("gen", "generator", 1, 1, 1))
+    losses, _ = reference(program, STEPS)
+    torch.set_num_threads(1)
+    run(_train, plan.gpus_used, program, plan, losses, timeout=240)
+
+
+def test_an_interleaved_stages_chunk_0_layers_reduce_during_the_last_backward():
+    # Interleaved: only chunk 0's layers reduce early (``_train`` checks the count).
+    program = interleaved(spec(8))
+    plan = chunked(plan_for(program, ("vit", "encoder", 1, 1, 1),
+                            ("llm", "backbone", 1, 2, 2), ("gen", "generator", 1, 1, 1)),
+                   "llm")
     losses, _ = reference(program, STEPS)
     torch.set_num_threads(1)
     run(_train, plan.gpus_used, program, plan, losses, timeout=240)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-from functools import cache
 from pathlib import Path
 
 import pytest
@@ -22,18 +21,18 @@ from dtdsl.train.checkpoint import Checkpointer
 from dtdsl.train.executor import StageExecutor
 from dtdsl.train.lr import lr_at
 from dtdsl.train.optim import LossScale, StageOptimizer, optimizer_step
-from dtdsl.train.reference import train_reference
 from tests.dist import run
-from tests.train.test_executor import plan_for, spec
+from tests.helpers.fp16 import (
+    BF16_RTOL,
+    STEPS,
+    UNITS,
+    _reference,
+    _train,
+    fp16,
+)
+from tests.helpers.runs import plan_for, spec
 
-STEPS = 8
-BF16_RTOL = 0.03        # test_executor's bf16 test: within 3% of the fp32 reference
 DEFAULT_SCALE = 2.0 ** 16
-# Four ranks: the encoder, the backbone over two DP replicas, the generator; every
-# gradient crosses the broker (the backbone sends the encoder's, the generator the
-# backbone's) and FSDP2 reduces the backbone's over DP.
-UNITS = (("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, 2, 1),
-         ("gen", "generator", 1, 1, 1))
 INJECTED_RANK = 1       # the backbone's first DP replica
 INJECTED_STEP = 1       # an inf in one gradient there, after FSDP2's reduction
 OVERFLOW_STEP = 3       # every rank's scale made huge: the fp16 backward overflows
@@ -41,9 +40,6 @@ SAVED_AT = 3            # a checkpoint after 3 steps (before the overflow step)
 HUGE_SCALE = 2.0 ** 60
 
 
-def fp16(program: ir.Program, **train: object) -> ir.Program:
-    return program.model_copy(update={"train": program.train.model_copy(
-        update={"precision": "fp16", **train})})
 
 
 # ---- the loss scale, one process --------------------------------------------------------
@@ -128,39 +124,8 @@ def test_the_step_unscales_clips_skips_and_holds_the_learning_rate_schedule():
 # ---- fp16 training against the fp32 reference (gloo ranks) --------------------------------
 
 
-@cache
-def _reference(program: ir.Program, steps: int) -> tuple[tuple[float, float], ...]:
-    """The fp32 reference's (loss, gradient norm) per step."""
-    torch.set_num_threads(1)
-    return tuple((r["loss"], r["grad_norm"]) for r in train_reference(program, steps))
 
 
-def _train(rank: int, world: int, program: ir.Program, plan: Plan, out: str) -> None:
-    ex = StageExecutor(program, plan, lower(plan, program), rank=rank,
-                       groups=build_groups(plan))
-    # fp16 compute: the stage's parameters (fp32 shards) are gathered into fp16 ones.
-    assert ex.stage.compute_dtype == torch.float16
-    assert all(p.dtype == torch.float32 for p in ex.named_parameters().values())
-    # The gradients the generator sends the backbone: far below fp16's smallest
-    # subnormal (2**-24) unscaled in this model, so they cross in fp16 only scaled.
-    elements = [0, 0]       # nonzero, all: of the messages not wholly zero
-    send = ex.broker.send_backward
-
-    def counted(index: int, producer: str, consumer: str, grads: dict, samples: object
-                ) -> None:
-        for g in grads.values():
-            assert g.dtype == torch.float16
-            if g.any():
-                elements[0] += int((g != 0).sum())
-                elements[1] += g.numel()
-        send(index, producer, consumer, grads, samples)
-
-    ex.broker.send_backward = counted
-    results = ex.train(STEPS)
-    Path(out, f"{rank}.json").write_text(json.dumps(
-        {"steps": [{k: r[k] for k in ("loss", "grad_norm", "skipped", "loss_scale",
-                                      "skipped_steps")} for r in results],
-         "role": ex.role.role, "elements": elements}))
 
 
 def test_fp16_trains_within_the_bf16_tolerance_of_the_fp32_reference(tmp_path):
@@ -391,7 +356,7 @@ def test_fp16_trains_a_plan_with_co_located_units(tmp_path):
     encoder idle while the backbone's backward runs, and one that draws none all step
     has gradients for some of its stage's parameters (in fp32, accumulated) and none for
     others: both once broke FSDP2's mixed precision (bf16 as well) at the first step."""
-    from tests.train.test_colocated import colocate
+    from tests.helpers.plans import colocate
 
     steps = 4
     program = spec(8)

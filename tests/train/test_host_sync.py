@@ -33,8 +33,8 @@ from dtdsl.parallel.mesh import build_groups
 from dtdsl.schedule.lower import lower
 from dtdsl.train.executor import StageExecutor
 from tests.dist import run
-from tests.train.test_colocated import colocate
-from tests.train.test_executor import plan_for, spec
+from tests.helpers.plans import colocate
+from tests.helpers.runs import plan_for, spec
 
 _READ = torch.ops.aten._local_scalar_dense.default
 _COPIES = (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default)

@@ -8,26 +8,13 @@ import shutil
 
 import pytest
 
-from dtdsl.ir import program as ir
-from dtdsl.ir.plan import Plan, chunk_ranges
+from dtdsl.ir.plan import chunk_ranges
 from dtdsl.schedule.lower import lower
 from dtdsl.train.checkpoint import checkpoint_root, read_manifest
-from tests.train.test_executor import check, plan_for, spec
+from tests.helpers.plans import chunked, colocate, interleaved
+from tests.helpers.runs import TP_STEPS, check, check_tp, plan_for, spec
 
 STEPS = 8
-
-
-def interleaved(program: ir.Program, vpp: int = 2) -> ir.Program:
-    """``program`` with ``schedule = interleaved(virtual_stages=vpp)``."""
-    return program.model_copy(update={"train": program.train.model_copy(
-        update={"schedule": "interleaved", "virtual_stages": vpp})})
-
-
-def chunked(plan: Plan, unit: str, vpp: int = 2) -> Plan:
-    """``plan`` with ``unit`` interleaved over ``vpp`` model chunks per stage."""
-    units = tuple(u.model_copy(update={"vpp": vpp}) if u.name == unit else u
-                  for u in plan.units)
-    return plan.model_copy(update={"schedule": "interleaved", "units": units})
 
 
 def test_chunk_ranges():
@@ -57,7 +44,7 @@ def test_checkpoints_resume_interleaved_and_plain(tmp_path):
     # Checkpoint keys are the full model's names whatever the chunks: an interleaved
     # run's checkpoint resumes bitwise under its own plan, and resharded under plain
     # 1F1B and back.
-    from tests.train.test_checkpoint import PROGRAM, _close, _go, _reference
+    from tests.helpers.checkpoints import PROGRAM, _close, _go, _reference
 
     plain = plan_for(PROGRAM, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, 1, 2),
                      ("gen", "generator", 1, 1, 1))
@@ -92,8 +79,6 @@ def test_co_located_units_on_an_interleaved_data_parallel_backbone(split):
     # The encoder runs inside stage 0's chunk 0, the generator inside stage 1's last
     # chunk; DP 2 reduces chunk 0's layers early (the step's last backward is chunk 0's)
     # and the rest after it. (3, 1) leaves stage 1's chunk 1 without layers: the head.
-    from tests.train.test_colocated import colocate
-
     program = interleaved(spec(8))
     plan = chunked(colocate(program, plan_for(program, ("vit", "encoder", 1, 1, 1),
                                               ("llm", "backbone", 1, 2, 2),
@@ -101,23 +86,6 @@ def test_co_located_units_on_an_interleaved_data_parallel_backbone(split):
                             "vit", "gen", split=split), "llm")
     assert [u.name for u in lower(plan, program).units] == ["llm"]
     check(program, plan, STEPS)
-
-
-def test_chunk_zeros_layers_reduce_during_the_last_backward():
-    import torch
-
-    from tests.dist import run
-    from tests.train.test_early_reduce import STEPS as EARLY_STEPS
-    from tests.train.test_early_reduce import _train
-    from tests.train.test_executor import reference
-
-    program = interleaved(spec(8))
-    plan = chunked(plan_for(program, ("vit", "encoder", 1, 1, 1),
-                            ("llm", "backbone", 1, 2, 2), ("gen", "generator", 1, 1, 1)),
-                   "llm")
-    losses, _ = reference(program, EARLY_STEPS)
-    torch.set_num_threads(1)
-    run(_train, plan.gpus_used, program, plan, losses, timeout=240)
 
 
 def test_memcheck_measures_every_chunk_of_an_interleaved_stage():
@@ -171,8 +139,6 @@ def test_an_interleaved_encoder_into_an_interleaved_backbone():
 def test_interleaved_tensor_parallel_backbone():
     # Sequence parallelism's pieces travel between the chunks; the vocabulary-parallel
     # head and its loss are on the last chunk only.
-    from tests.train.test_executor import TP_STEPS, check_tp
-
     program = interleaved(spec(8))
     check_tp(program, chunked(plan_for(program, ("vit", "encoder", 1, 1, 1),
                                        ("llm", "backbone", 2, 1, 2),

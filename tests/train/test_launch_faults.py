@@ -30,9 +30,8 @@ from dtdsl.train.faults import (
     write_fatal,
 )
 from dtdsl.train.job import load_job
-from tests.codegen.test_bundle_run import (  # noqa: F401  (dataset is a fixture)
+from tests.helpers.bundle import (
     SPEC,
-    dataset,
     launch,
     launch_ok,
 )
@@ -350,7 +349,7 @@ def test_a_fault_on_one_node_stops_every_node_with_one_line(tmp_path, dataset): 
     directory): rank 4, on the last node, meets a full disk; every node stops with one
     line, the others saying it was met on another node."""
     from dtdsl.feed import wire
-    from tests.codegen.test_slurm import three_node_spec
+    from tests.helpers.bundle import three_node_spec
 
     bundle = tmp_path / "bundle"
     assert cli.main(["compile", str(three_node_spec(tmp_path)), "-o", str(bundle), "--data",

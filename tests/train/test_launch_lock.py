@@ -25,9 +25,8 @@ from dtdsl.train.rundir import (
     RunDirLock,
     check_launch_id,
 )
-from tests.codegen.test_bundle_run import (  # noqa: F401  (dataset is a fixture)
+from tests.helpers.bundle import (
     SPEC,
-    dataset,
     launch,
     launch_ok,
     read_jsonl,

@@ -22,7 +22,7 @@ from dtdsl.train.executor import StageExecutor
 from dtdsl.train.local_sgd import CORRUPT_ENV, corruption
 from dtdsl.train.reference import train_reference
 from tests.dist import run
-from tests.train.test_executor import PARAM_RTOL, plan_for, spec
+from tests.helpers.runs import PARAM_RTOL, plan_for, spec
 
 LOSS_RTOL = 1e-4
 
@@ -191,7 +191,7 @@ def test_a_bundle_run_drops_the_corrupted_replica(tmp_path):
     units the plan co-locates with it) at DP 2, the penalty on; the test hook corrupts
     replica 1 from step 11, after the z-test's warm-up of 10 synchronisations."""
     from dtdsl import cli
-    from tests.codegen.test_bundle_run import SPEC, launch_ok, read_jsonl
+    from tests.helpers.bundle import SPEC, launch_ok, read_jsonl
 
     text = SPEC.read_text()
     for old, new in (("global_batch     = 16", "global_batch     = 4"),

@@ -12,7 +12,7 @@ import pytest
 from dtdsl import cli
 from dtdsl.schedule.lower import lower
 from dtdsl.train.memplan import check_memory, in_flight_of
-from tests.train.test_executor import plan_for, spec
+from tests.helpers.runs import plan_for, spec
 
 ROOT = Path(__file__).resolve().parents[2]
 TOLERANCE = 0.15        # the issue's: every stage's measured peak within 15% of the plan's
@@ -49,7 +49,7 @@ def test_every_stage_of_a_small_plan_is_measured():
 
 
 def test_a_host_stage_is_measured_with_its_co_located_units():
-    from tests.train.test_colocated import colocate
+    from tests.helpers.plans import colocate
 
     program = spec(8)
     own = plan_for(program, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 2, 1, 2),

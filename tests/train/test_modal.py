@@ -18,8 +18,13 @@ from dtdsl.data.layout import layout_of
 from dtdsl.data.modal import drawn_tokens, encoder_inputs
 from dtdsl.data.sample import make_sample, sample_seed, sample_sizes
 from dtdsl.models.multimodal import build_model, encode, loss_normalizer, sample_sizes_of
-from tests.train.modal_specs import tiny_audio_image, tiny_modal
-from tests.train.test_executor import check, plan_for
+from tests.helpers.runs import check, plan_for
+from tests.train.modal_specs import (
+    _modal_text,
+    _root,
+    tiny_audio_image,
+    tiny_modal,
+)
 
 STEPS = 8
 
@@ -244,7 +249,7 @@ def test_tiny_audio_image_trains_as_the_reference():
 def test_co_located_audio_encoder_beside_an_image_encoder_unit():
     # The backbone's first stage runs beats itself and splices its embeddings with
     # those vit's unit sends, as `dtc plan` places tiny_audio_image.
-    from tests.train.test_colocated import colocate
+    from tests.helpers.plans import colocate
 
     program = tiny_modal(audio=True, batch=8)
     plan = colocate(program, plan_for(program, ("vit", "encoder", 1, 1, 1),
@@ -262,7 +267,7 @@ def _train_phased(rank: int, world: int, program, plan, losses, params) -> None:
     from dtdsl.parallel.mesh import build_groups
     from dtdsl.schedule.lower import lower
     from dtdsl.train.executor import StageExecutor
-    from tests.train.test_executor import LOSS_RTOL, PARAM_RMS, PARAM_RTOL
+    from tests.helpers.runs import LOSS_RTOL, PARAM_RMS, PARAM_RTOL
 
     groups = build_groups(plan)
     ex = StageExecutor(program, plan, lower(plan, program), rank=rank, groups=groups)
@@ -280,8 +285,8 @@ def test_phased_image_encoder_beside_an_audio_encoder_unit():
     # vit runs phased on the backbone's ranks; beats, a unit of its own, sends the
     # backbone's first stage its embeddings, spliced with the phased ones.
     from tests.dist import run
-    from tests.train.test_executor import reference
-    from tests.train.test_phased import phase
+    from tests.helpers.plans import phase
+    from tests.helpers.runs import reference
 
     program = tiny_modal(audio=True, batch=8)
     plan = phase(program, plan_for(program, ("vit", "encoder", 1, 1, 1),
@@ -296,8 +301,7 @@ def test_phased_image_encoder_beside_an_audio_encoder_unit():
 def test_two_co_located_encoders_train_and_a_phased_one_beside_another_is_refused():
     # Both encoders inside the backbone's first stage, spliced in the layout's order, as
     # `dtc plan` places specs/audio_image.dt.
-    from tests.train.test_colocated import colocate
-    from tests.train.test_phased import phase
+    from tests.helpers.plans import colocate, phase
 
     program = tiny_modal(audio=True, batch=8)
     plan = colocate(program, plan_for(program, ("vit", "encoder", 1, 1, 1),
@@ -321,7 +325,7 @@ def test_the_wire_carries_audio_and_video_items(tmp_path):
     from dtdsl.feed.protocol import read_batch
     from dtdsl.feed.worker import FeedContext, build_messages
     from dtdsl.parallel.mesh import role_of
-    from tests.feed.test_feed import _Message
+    from tests.helpers.feed import _Message
 
     spec = tmp_path / "modal.dt"
     text = (_root() / "specs" / "tiny_cpu.dt").read_text()
@@ -357,23 +361,8 @@ def test_the_wire_carries_audio_and_video_items(tmp_path):
         read_batch(_Message(meta, arrays), units, generators)
 
 
-def _root():
-    from pathlib import Path
-
-    return Path(__file__).resolve().parents[2]
 
 
-def _modal_text(text: str, frames: bool = False) -> str:
-    from tests.train import modal_specs as m
-
-    audio = m._AUDIO_FRAMES if frames else m._AUDIO
-    text = text.replace("  backbone llm {", audio + m._VIDEO + "  backbone llm {")
-    text = text.replace("projector vit -> llm : mlp(depth=2)",
-                        "projector vit -> llm : mlp(depth=2)\n  projector beats -> llm : "
-                        "mlp(depth=2)\n  projector clip -> llm : mlp(depth=2)")
-    text = text.replace("  image.gen_count", m._AUDIO_DATA + m._VIDEO_DATA + "  image.gen_count")
-    return text.replace("gpus          = 4", "gpus          = 6") \
-        .replace("gpus_per_node = 4", "gpus_per_node = 6")
 
 
 def _rank_of(ctx, unit: str) -> int:
@@ -470,9 +459,9 @@ def test_a_checkpoint_resumes_with_the_audio_encoder_moved_onto_the_backbone(tmp
     import json
 
     from tests.dist import run
-    from tests.train.test_checkpoint import _phase
-    from tests.train.test_colocated import colocate
-    from tests.train.test_executor import reference
+    from tests.helpers.checkpoints import _phase
+    from tests.helpers.plans import colocate
+    from tests.helpers.runs import reference
 
     program = tiny_modal(audio=True, batch=8)
     losses, params = reference(program, 4)

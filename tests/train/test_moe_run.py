@@ -7,23 +7,16 @@ from types import SimpleNamespace
 
 import torch
 
-from dtdsl.ir import program as ir
 from dtdsl.models.moe import MoE, moe_blocks, set_loss_scale, take_aux_losses
 from dtdsl.models.multimodal import build_model
 from dtdsl.train.reference import train_reference
-from tests.specs import TINY, program
-from tests.train.test_executor import check, plan_for
-
-STEPS = 8
-_DENSE = "ffn=256, vocab=512, swiglu)"
-
-
-def moe_spec(batch: int = 8, args: str = "experts=4, top_k=2, expert_ffn=64") -> ir.Program:
-    """tiny_cpu.dt with an MoE backbone and a global batch of ``batch``."""
-    text = TINY.read_text()
-    assert _DENSE in text
-    p = program(text.replace(_DENSE, _DENSE[:-1] + ", " + args + ")"))
-    return p.model_copy(update={"train": p.train.model_copy(update={"global_batch": batch})})
+from tests.helpers.moe import (
+    STEPS,
+    ir,
+    moe_spec,
+)
+from tests.helpers.runs import check, plan_for
+from tests.specs import program
 
 
 def test_moe_layers_replace_the_mlp():
@@ -111,12 +104,21 @@ def test_compile_refuses_what_the_runtime_does_not_run_yet():
                     ("gen", "generator", 1, 1, 1))
     assert not runtime_support(p, plan)
     llm = plan.unit("llm")
-    for update in ({"ep": 2}, {"tp": 2, "gpus": 4}):
+
+    def refused(program: ir.Program, update: dict) -> list[str]:
         units = tuple(u.model_copy(update=update) if u.name == "llm" else u
                       for u in plan.units)
-        found = [d for d in runtime_support(p, plan.model_copy(update={"units": units}))
-                 if d.code == "DT601"]
-        assert len(found) == 1 and "MoE module llm" in found[0].message, update
+        return [d.message for d in runtime_support(program, plan.model_copy(
+            update={"units": units})) if d.code == "DT601"]
+
+    found = refused(p, {"tp": 2, "gpus": 4})
+    assert len(found) == 1 and "MoE module llm" in found[0] and "tp 2" in found[0]
+    # Expert parallelism runs (tests/train/test_ep_run.py), but not under Local SGD,
+    # whose replicas would average different experts.
+    assert refused(p, {"ep": 2}) == []
+    local = p.model_copy(update={"train": p.train.model_copy(update={
+        "sync": p.train.sync.model_copy(update={"kind": "local_sgd"})})})
+    assert any("ep 2" in m and "Local SGD" in m for m in refused(local, {"ep": 2}))
     assert llm.ep == 1
     # A dense backbone at tp 2 is no concern of this check.
     dense = program()
@@ -165,7 +167,7 @@ def test_moe_backbone_trains_in_fp16_within_the_bf16_tolerance(tmp_path):
     import json
 
     from tests.dist import run
-    from tests.train import test_fp16 as f16
+    from tests.helpers import fp16 as f16
 
     p = moe_spec(args="experts=4, top_k=2, expert_ffn=64, aux_loss=0.1")
     plan = plan_for(f16.fp16(p), *f16.UNITS)

@@ -13,7 +13,7 @@ from dtdsl.train.memplan import (
     format_stages,
     nccl_buffer_bytes,
 )
-from tests.train.test_executor import plan_for, spec
+from tests.helpers.runs import plan_for, spec
 
 RING_PEER = NCCL_RING_CHANNELS * NCCL_BUFFSIZE_BYTES     # one ring neighbour
 P2P_PEER = NCCL_P2P_CHANNELS * NCCL_BUFFSIZE_BYTES       # one point-to-point peer

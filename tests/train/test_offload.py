@@ -22,8 +22,8 @@ from dtdsl.train.executor import StageExecutor
 from dtdsl.train.offload import OffloadAdamW, offloaded, offloaded_bytes
 from dtdsl.train.optim import StageOptimizer
 from tests.dist import run
-from tests.train.test_executor import plan_for, spec
-from tests.train.test_phased import phase
+from tests.helpers.plans import phase
+from tests.helpers.runs import plan_for, spec
 
 STEPS = 8
 

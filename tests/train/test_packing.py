@@ -22,8 +22,8 @@ from dtdsl.models.multimodal import (
     sample_layout,
 )
 from tests.dist import run
+from tests.helpers.runs import TP_STEPS, _train_tp, plan_for, reference
 from tests.specs import small, variant
-from tests.train.test_executor import TP_STEPS, _train_tp, plan_for, reference
 
 P8 = ImageTokens(patch=8)     # the tiny spec's image tokens: its patches
 
@@ -174,7 +174,7 @@ def test_a_packed_epoch_of_a_dataset_uses_every_sample_once(tmp_path):
     from dtdsl.driver import run_frontend
     from dtdsl.feed.source import DatasetSource
     from dtdsl.train.reference import train_reference
-    from tests.data.test_webdataset import write_shards
+    from tests.helpers.media import write_shards
     from tests.specs import TINY
     from tests.text_models import make_tokenizer
 

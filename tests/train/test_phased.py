@@ -5,112 +5,28 @@ reference."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
-from dtdsl.data.batch import sample_set
 from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan
-from dtdsl.parallel.mesh import phased_problems, phased_units, rank_groups
+from dtdsl.parallel.mesh import phased_problems
 from dtdsl.schedule.lower import lower
 from tests.dist import run
-from tests.train.test_executor import (
-    LOSS_RTOL,
-    PARAM_RMS,
-    PARAM_RTOL,
+from tests.helpers.phased import (
+    STEPS,
+    _train,
+)
+from tests.helpers.plans import (
+    phase,
+)
+from tests.helpers.runs import (
     TP_STEPS,
     plan_for,
     reference,
     reference_grad_norms,
     spec,
 )
-
-STEPS = 8       # the issue's acceptance: 8+ steps
-
-
-def phase(program: ir.Program, plan: Plan, name: str = "vit") -> Plan:
-    """``plan`` with encoder ``name`` phased over the backbone's ranks, as the planner
-    writes it (``UnitPlan.phased``: gpus 0, the backbone's tp and first rank, dp = its
-    dp x pp, one stage of all its layers, recomputed, a 1/pp share of a microbatch), the
-    other units laid out again on the ranks left."""
-    units, first = [], 0
-    for u in plan.units:
-        if u.name == name:
-            continue
-        units.append(u.model_copy(update={"first_rank": first}))
-        first += u.gpus
-    bb = next(u for u in units if u.role == "backbone")
-    # Co-located units run on the backbone's ranks.
-    units = [u.model_copy(update={"first_rank": bb.first_rank}) if u.colocated else u
-             for u in units]
-    enc = plan.unit(name).model_copy(update={
-        "phased": True, "gpus": 0, "tp": bb.tp, "dp": bb.dp * bb.pp, "pp": 1, "vpp": 1,
-        "first_rank": bb.first_rank, "recompute": True, "microbatch_share": 1 / bb.pp,
-        "layers_per_stage": (program.module(name).arch.pipeline_layers,)})
-    order = {u.name: i for i, u in enumerate(plan.units)}
-    out = sorted([*units, enc], key=lambda u: order[u.name])
-    return plan.model_copy(update={"units": tuple(out), "num_gpus": first, "gpus_used": first})
-
-
-def _train(rank: int, world: int, program: ir.Program, plan: Plan, losses: list[float],
-           params: dict, steps: int, norms: list[float] | None) -> None:
-    from dtdsl.parallel.mesh import build_groups
-    from dtdsl.train.executor import StageExecutor
-    from dtdsl.train.timelines import gather_timeline
-
-    groups = build_groups(plan)
-    assert groups.groups() == rank_groups(plan, rank)
-    schedule = lower(plan, program)
-    ex = StageExecutor(program, plan, schedule, rank=rank, groups=groups)
-    assert ex.p2p.check
-    results = ex.train(steps)
-    for r, want in zip(results, losses, strict=True):
-        assert math.isclose(r["loss"], want, rel_tol=LOSS_RTOL), (r["step"], r["loss"], want)
-    for r, want in zip(results, norms or (), strict=False):
-        assert math.isclose(r["grad_norm"], want, rel_tol=LOSS_RTOL), (r["step"], want)
-    # The schedule's actions, and around them the phases of each phased encoder this
-    # rank runs: its forward first, its backward (where it trains) before SYNC/OPT.
-    phased = phased_units(plan, ex.role)
-    events = results[-1]["events"]
-    kinds = [(e.unit, e.kind, e.microbatch) for e in events]
-    actions = [(ex.role.unit, a.kind.value, a.microbatch)
-               for a in schedule.stage(ex.role.unit, ex.role.stage).actions]
-    front = [(ex.role.unit, "F", None) for u in phased]
-    back = [(ex.role.unit, "B", None) for u in phased
-            if ex.stage.phased[u.name].trainable()]
-    tail = [a for a in actions if a[1] in ("SYNC", "OPT")]
-    body = [a for a in actions if a[1] not in ("SYNC", "OPT")]
-    assert kinds == front + body + back + tail, kinds
-    # One row per GPU: the phases are events of the backbone's rows.
-    timeline = gather_timeline(plan, steps - 1, events)
-    if timeline is not None:
-        assert {e.row for e in timeline.events} == \
-            {(u.name, s, r) for u in plan.units if u.gpus for s in range(u.pp)
-             for r in range(u.dp)}
-        assert len([e for e in timeline.events if e.kind == "F" and e.microbatch is None]) \
-            == plan.unit("llm").dp * plan.unit("llm").pp
-    # Every rank's parameters, the phased encoder's shards included, are the reference's.
-    full = ex.full_parameters()
-    if phased:
-        assert any(k.startswith("vit.") for k in full)
-    for name, p in full.items():
-        init, want = params[name]
-        assert p.shape == want.shape, name
-        if not p.requires_grad and not ex.named_parameters()[name].requires_grad:
-            assert torch.equal(p, want), name
-            continue
-        err = (p - want).norm().item()
-        assert err <= PARAM_RTOL * (want - init).norm().item() + 1e-7, (name, err)
-        assert err <= PARAM_RMS * want.numel() ** 0.5, (name, err)
-    # Every image patch of the batch is encoded once per TP index, on the rank the
-    # routing gives it.
-    patches = torch.tensor([results[-1]["processed"]["patches"] if ex.role.tp_index == 0
-                            else 0], dtype=torch.int64)
-    torch.distributed.all_reduce(patches)
-    want = int(sample_set(program, ex.batch.sizes).items["image"].sizes.sum())
-    assert int(patches) == want > 0, (int(patches), want)
 
 
 def check(program: ir.Program, plan: Plan, steps: int = STEPS, *,
@@ -164,7 +80,7 @@ def test_frozen_backbone_with_a_trainable_phased_encoder():
 
 
 def test_phased_encoder_with_a_co_located_generator():
-    from tests.train.test_colocated import colocate
+    from tests.helpers.plans import colocate
 
     program = spec(8)
     plan = phase(program, colocate(program, plan_for(program, ("vit", "encoder", 1, 1, 1),
@@ -179,7 +95,7 @@ def test_phased_encoder_with_a_co_located_generator():
 def test_checkpoints_reshard_between_phased_and_disaggregated_plans(tmp_path):
     # A phased run's checkpoint holds the encoder under its own names ("units.vit...",
     # its optimizer state too): it resumes under a disaggregated plan and back.
-    from tests.train.test_checkpoint import PLAN_A, PROGRAM, _close, _go, _reference
+    from tests.helpers.checkpoints import PLAN_A, PROGRAM, _close, _go, _reference
 
     ref, _ = _reference()
     run_dir = tmp_path / "run"

@@ -21,7 +21,7 @@ from statistics import fmean
 import pytest
 
 from dtdsl import cli
-from tests.codegen.test_bundle_run import launch_ok, read_jsonl
+from tests.helpers.bundle import launch_ok, read_jsonl
 
 # The targets benchmarks/predicted_vs_measured.py holds the ratios to. The encoder's passes
 # are small (one or two images): the runtime's fixed cost per pass (input preparation,

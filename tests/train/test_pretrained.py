@@ -24,9 +24,9 @@ from dtdsl.schedule.lower import lower
 from dtdsl.train.checkpoint import Checkpointer
 from dtdsl.train.executor import StageExecutor
 from tests.dist import run
+from tests.helpers.runs import LOSS_RTOL, PARAM_RMS, PARAM_RTOL, plan_for
+from tests.helpers.runs import reference as executor_reference
 from tests.hf_models import make_clip, make_decoder, make_unet, quiet
-from tests.train.test_executor import LOSS_RTOL, PARAM_RMS, PARAM_RTOL, plan_for
-from tests.train.test_executor import reference as executor_reference
 
 STEPS = 5
 SPEC = """
@@ -342,7 +342,7 @@ from dtdsl.driver import run_frontend
 from dtdsl.models.init import local_block
 from dtdsl.parallel.mesh import build_groups
 from dtdsl.train.stage import build_stage
-from tests.train.test_executor import plan_for
+from tests.helpers.runs import plan_for
 
 def hwm():
     return int(re.search(r"VmHWM:\\s+(\\d+)", open("/proc/self/status").read()).group(1)) << 10
@@ -410,7 +410,7 @@ def test_a_bundle_checks_its_pretrained_weights_before_it_starts(hf_dir, tmp_pat
     import shutil
 
     from dtdsl import cli
-    from tests.codegen.test_bundle_run import launch, launch_ok
+    from tests.helpers.bundle import launch, launch_ok
 
     weights = tmp_path / "llama"
     shutil.copytree(hf_dir / "llama", weights)

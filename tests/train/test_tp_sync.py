@@ -25,8 +25,8 @@ from dtdsl.schedule.lower import lower
 from dtdsl.train import stage as stage_module
 from dtdsl.train.executor import StageExecutor
 from tests.dist import run
-from tests.train.test_colocated import colocate
-from tests.train.test_executor import plan_for, spec
+from tests.helpers.plans import colocate
+from tests.helpers.runs import plan_for, spec
 
 STEPS = 3
 NOISE = 1e-3

@@ -63,7 +63,7 @@ train {
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> Path:
-    from tests.data.test_webdataset import write_shards
+    from tests.helpers.media import write_shards
 
     root = tmp_path_factory.mktemp("vae")
     make_unet(root / "sd", sd=2, prediction="epsilon", context=24, latent=8)
@@ -140,7 +140,7 @@ def _train(rank: int, world: int, prog, plan, losses, data: str) -> None:
     from dtdsl.parallel.mesh import build_groups
     from dtdsl.schedule.lower import lower
     from dtdsl.train.executor import StageExecutor
-    from tests.train.test_executor import LOSS_RTOL
+    from tests.helpers.runs import LOSS_RTOL
 
     groups = build_groups(plan)
     feed = LocalBatches(prog, plan, groups.role, source=DatasetSource(prog, data))
@@ -155,7 +155,7 @@ def test_a_run_with_vae_targets_equals_the_reference(root):
     from dtdsl.feed.source import DatasetSource
     from dtdsl.train.reference import train_reference
     from tests.dist import run
-    from tests.train.test_executor import plan_for
+    from tests.helpers.runs import plan_for
 
     prog = program(root)
     source = DatasetSource(prog, root / "shards")

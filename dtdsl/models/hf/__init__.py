@@ -210,6 +210,8 @@ def load_weights(module: nn.Module, family: str, arch: ir.TransformerArch | ir.U
     report = LoadReport()
     seen: set[int] = set()
     before = checkpoint.bytes_read
+    owners = {id(p): (owner, attr) for _, owner in module.named_modules()
+              for attr, p in owner.named_parameters(recurse=False)}
     for name, param in module.named_parameters(prefix=prefix.rstrip(".")):
         if id(param) in seen or (skip is not None and id(param) in skip):
             continue
@@ -219,7 +221,7 @@ def load_weights(module: nn.Module, family: str, arch: ir.TransformerArch | ir.U
         except KeyError:
             raise HFError(f"dtdsl's parameter {name} has no counterpart in a {family} "
                           "checkpoint") from None
-        local, full_shape, offsets = local_block(param)
+        local, full_shape, offsets = local_block(param, *owners[id(param)])
         stored = _stored_shape(checkpoint, source)
         if stored != tuple(full_shape):
             raise HFError(f"tensor {source.key!r} has shape {list(stored)}, but {name} needs "

@@ -1,0 +1,293 @@
+"""The checker's data part: a data block's fields, its tokenizer, and every quantity's
+distribution (empirical ones read from their file, bounded in size)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from dtdsl.diagnostics import did_you_mean
+from dtdsl.frontend import ast
+from dtdsl.frontend.schema import (
+    INVALID,
+    head_span,
+    resolve_call,
+    resolve_fields,
+)
+from dtdsl.frontend.tables import (
+    _COUNT,
+    _UNBOUNDED,
+    DATA_FIELDS,
+    DISTRIBUTIONS,
+    MAX_EMPIRICAL_BYTES,
+    MAX_EMPIRICAL_VALUES,
+    _field,
+    _ok,
+)
+from dtdsl.ir import program as ir
+
+_EXAMPLES = {
+    "tokens": "lognormal(median=256, sigma=0.8) clamp [16, 2048]",
+    "count": "zipf(a=1.6) clamp [0, 8]",
+    "gen_count": "choice([0, 1], p=[0.7, 0.3])",
+    "patches": "choice([256, 1024], p=[0.7, 0.3])",
+    "frames": "uniform(100, 1500)",
+}
+
+
+
+
+class DataChecks:
+    """``_Checker``'s data block (a mixin: ``self.ctx``, ``self._path``)."""
+
+    def _data(self, block: ast.DataBlock, modules: Mapping[str, Any]) -> Any:
+        ctx = self.ctx
+        fields = [i for i in block.items if isinstance(i, ast.Field)]
+        values = resolve_fields(fields, DATA_FIELDS, ctx, "data", head_span(block.span, 4))
+        tokenizer = self._tokenizer(fields, values, modules)
+        quantities: dict[str, ir.Quantity] = {}
+        seen: dict[str, ast.Distribution] = {}
+        ok = _ok(*values.values())
+        for item in block.items:
+            if not isinstance(item, ast.Distribution):
+                continue
+            key = f"{item.modality}.{item.quantity}"
+            if item.modality not in ir.QUANTITIES:
+                guess = did_you_mean(item.modality, ir.QUANTITIES)
+                ctx.error("DT205", f"unknown modality '{item.modality}' in data",
+                          item.target_span, notes=["modalities: " + ", ".join(ir.QUANTITIES)],
+                          hint=f"did you mean '{guess}'?" if guess else None)
+                ok = False
+                continue
+            names = ir.QUANTITIES[item.modality]
+            if item.quantity not in names:
+                guess = did_you_mean(item.quantity, names)
+                ctx.error("DT201", f"unknown quantity '{key}'", item.target_span,
+                          notes=[f"{item.modality} samples carry: " +
+                                 ", ".join(f"{item.modality}.{n}" for n in names)],
+                          hint=f"did you mean '{item.modality}.{guess}'?" if guess else None)
+                ok = False
+                continue
+            if key in seen:
+                ctx.error("DT202", f"'{key}' is given two distributions", item.target_span,
+                          notes=[f"the first is at line {seen[key].span.line}"])
+                ok = False
+                continue
+            seen[key] = item
+            quantity = self._quantity(item, key)
+            if quantity is INVALID:
+                ok = False
+            else:
+                quantities[key] = quantity
+
+        head = head_span(block.span, len("data"))
+        needed = {"text.tokens": "the backbone"}
+        for m in self.declared.values():  # invalid modules too: their data is not "unused"
+            if m.modality not in ir.MODALITIES:
+                continue
+            if m.role == "encoder":
+                sizes = {"image": ("count", "patches"), "video": ("count", "frames", "patches"),
+                         "audio": ("count", "frames")}[m.modality]
+                needed.update({f"{m.modality}.{q}": f"encoder {m.name}" for q in sizes})
+            elif m.role == "generator":
+                needed[f"{m.modality}.gen_count"] = f"generator {m.name}"
+        for key, user in needed.items():
+            if key not in seen:
+                ok = False
+                ctx.error("DT204", f"{user} needs a distribution for '{key}', which data does "
+                          "not give", head,
+                          hint=f"add e.g. `{key} ~ {_EXAMPLES[key.split('.')[1]]}`")
+        unsure = any(m.modality not in ir.MODALITIES for m in self.declared.values()
+                     if m.role != "backbone")
+        for key, item in seen.items():
+            if key not in needed and not unsure:
+                ctx.warning("DT501", f"data describes '{key}', but no module reads it",
+                            item.target_span, hint="remove it, or add the module that uses it")
+        if not ok or tokenizer is INVALID:
+            return INVALID
+        source_field = _field(fields, "source")
+        folder = values["image_folder"]
+        return ir.Data(name=block.name or "data", source=values["source"],
+                       samples=values["samples"], quantities=tuple(quantities.values()),
+                       span=block.span,
+                       source_span=source_field.value.span if source_field else None,
+                       tokenizer=tokenizer, chat=values["chat"],
+                       image_folder=str(self._path(folder)) if folder is not None else None)
+
+    def _tokenizer(self, fields: Sequence[ast.Field], values: Mapping[str, Any],
+                   modules: Mapping[str, Any]) -> Any:
+        """The absolute path of the data's tokenizer: the ``tokenizer`` field, else the
+        backbone's pretrained directory when it holds a ``tokenizer.json``; None for the
+        hashing tokenizer of synthetic data. Loaded here once (DT315 when it cannot be, or
+        its ids do not fit the backbone's vocabulary)."""
+        from dtdsl.data.text import TokenizerError, load_tokenizer
+
+        backbone = next((m for m in modules.values()
+                         if m is not INVALID and m.role == "backbone"), None)
+        field = _field(fields, "tokenizer")
+        if field is not None and values["tokenizer"] is not None:
+            path, span = self._path(values["tokenizer"]), field.value.span
+        elif backbone is not None and backbone.pretrained is not None and \
+                (Path(backbone.pretrained) / "tokenizer.json").is_file():
+            path, span = Path(backbone.pretrained), None
+        else:
+            return None
+        if backbone is None or not isinstance(getattr(backbone.arch, "vocab", None), int):
+            return str(path)
+        try:
+            load_tokenizer(path, backbone.arch.vocab, values["chat"])
+        except TokenizerError as err:
+            chat = _field(fields, "chat")
+            where = span or (chat.value.span if chat is not None else backbone.span)
+            return self.ctx.error("DT315", f"the tokenizer cannot be used: {err}", where,
+                                  hint="point `tokenizer` at a tokenizer.json or a Hugging "
+                                  "Face folder holding one, made for the backbone")
+        return str(path)
+
+    def _quantity(self, item: ast.Distribution, key: str) -> Any:
+        ctx = self.ctx
+        expr = item.dist
+        if isinstance(expr, ast.Number):  # `image.patches ~ 256` means constant(256)
+            expr = ast.Call(func="constant", func_span=expr.span, span=expr.span,
+                            args=(ast.Arg(name=None, value=expr, span=expr.span),))
+        if not isinstance(expr, ast.Call):
+            return ctx.error("DT206", f"'{key}' must follow a distribution such as "
+                             "lognormal(median=256, sigma=0.8)", expr.span)
+        if expr.func not in DISTRIBUTIONS:
+            guess = did_you_mean(expr.func, DISTRIBUTIONS)
+            return ctx.error("DT205", f"unknown distribution '{expr.func}'", expr.func_span,
+                             notes=["distributions: " + ", ".join(DISTRIBUTIONS)],
+                             hint=f"did you mean '{guess}'?" if guess else None)
+        params, positional = DISTRIBUTIONS[expr.func]
+        args = resolve_call(expr, params, ctx, f"{expr.func}() of {key}", positional)
+        low = high = None
+        if item.clamp is not None:
+            low = _COUNT.convert(item.clamp[0], ctx, f"the lower clamp of {key}")
+            high = _COUNT.convert(item.clamp[1], ctx, f"the upper clamp of {key}")
+            if _ok(low, high) and low > high:
+                ctx.error("DT208", f"clamp [{low:g}, {high:g}] of {key} is empty: the lower "
+                          "bound is above the upper", item.clamp[0].span)
+                low = INVALID
+        if not _ok(*args.values(), low, high):
+            return INVALID
+        dist = self._dist(expr, args, key)
+        if dist is INVALID:
+            return INVALID
+        if expr.func in _UNBOUNDED and high is None:
+            ctx.warning("DT502", f"{key} ~ {expr.func}(...) has no upper bound", expr.span,
+                        hint="add `clamp [low, high]` so one sample cannot take over a batch")
+        return ir.Quantity(modality=item.modality, name=item.quantity, dist=dist, low=low,
+                           high=high, span=item.span)
+
+    def _dist(self, call: ast.Call, args: dict[str, Any], key: str) -> Any:
+        ctx = self.ctx
+        func = call.func
+        if func == "constant":
+            return ir.Constant(value=args["value"])
+        if func == "uniform":
+            if args["low"] > args["high"]:
+                return ctx.error("DT208", f"uniform({args['low']:g}, {args['high']:g}) is "
+                                 "empty: low is above high", call.span)
+            return ir.Uniform(low=args["low"], high=args["high"])
+        if func == "lognormal":
+            return ir.LogNormal(median=args["median"], sigma=args["sigma"])
+        if func == "zipf":
+            return ir.Zipf(a=args["a"])
+        if func == "choice":
+            values = args["values"]
+            probs = args["p"] or tuple(1 / len(values) for _ in values)
+            if len(probs) != len(values):
+                return ctx.error("DT208", f"choice() has {len(values)} values but "
+                                 f"{len(probs)} probabilities", call.arg_span("p"))
+            total = math.fsum(probs)
+            if abs(total - 1) > 1e-6:
+                return ctx.error("DT208", f"the probabilities of choice() sum to {total:g}, "
+                                 "not 1", call.arg_span("p"),
+                                 hint="scale them so they add up to 1")
+            return ir.Choice(values=values, probs=probs)
+        return self._empirical(call, args, key)
+
+    def _empirical(self, call: ast.Call, args: dict[str, Any], key: str) -> Any:
+        ctx = self.ctx
+        span = call.arg_span("path")
+        if call.args and call.args[0].name is None:
+            span = call.args[0].span
+        path = Path(args["path"])
+        if not path.is_absolute():
+            path = self.base_dir / path
+        try:
+            size = path.stat().st_size
+            if size > MAX_EMPIRICAL_BYTES:
+                return ctx.error("DT309", f"{args['path']} is {size:,} bytes; empirical "
+                                 f"files are limited to {MAX_EMPIRICAL_BYTES:,}", span)
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            return ctx.error("DT309", f"no such file: {args['path']}", span,
+                             notes=[f"looked for {_shown(path)}"],
+                             hint="paths are relative to the spec's folder")
+        except OSError as err:
+            return ctx.error("DT309", f"cannot read {args['path']}: {err.strerror or err}",
+                             span)
+        try:
+            values = _parse_samples(raw, path.suffix, args["key"] or key)
+        except ValueError as err:
+            return ctx.error("DT309", f"{args['path']}: {err}", span,
+                             hint="give a JSON list of numbers, a JSON object of such lists "
+                             "by quantity, or one number per line")
+        return ir.Empirical(path=args["path"], key=args["key"],
+                            sha256=hashlib.sha256(raw).hexdigest(), values=values)
+
+    # ---- cluster ------------------------------------------------------------------------
+
+def _shown(path: Path) -> str:
+    """A path as a user would type it: relative to the working directory when inside it."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def _parse_samples(raw: bytes, suffix: str, key: str) -> tuple[float, ...]:
+    """Measured values from JSON (a list, or an object of lists by quantity) or text."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError("not UTF-8 text") from None
+    stripped = text.lstrip()
+    if suffix == ".json" or stripped.startswith(("[", "{")):
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"invalid JSON at line {err.lineno}: {err.msg}") from None
+        if isinstance(doc, dict):
+            if key not in doc:
+                raise ValueError(f"no key '{key}' (keys: {', '.join(list(doc)[:10])})")
+            doc = doc[key]
+            if isinstance(doc, dict) and "values" in doc:
+                doc = doc["values"]
+        if not isinstance(doc, list):
+            raise ValueError("expected a list of numbers")
+        items = doc
+    else:
+        items = [line.split("#")[0].strip() for line in text.splitlines()]
+        items = [i for i in items if i]
+    if not items:
+        raise ValueError("no values")
+    if len(items) > MAX_EMPIRICAL_VALUES:
+        raise ValueError(f"{len(items):,} values; at most {MAX_EMPIRICAL_VALUES:,}")
+    values = []
+    for i, item in enumerate(items):
+        if isinstance(item, bool) or not isinstance(item, (int, float, str)):
+            raise ValueError(f"value {i + 1} is not a number")
+        try:
+            value = float(item)
+        except ValueError:
+            raise ValueError(f"value {i + 1} ({str(item)[:20]!r}) is not a number") from None
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"value {i + 1} ({value:g}) is not a finite count >= 0")
+        values.append(value)
+    return tuple(values)

@@ -1,0 +1,1 @@
+"""What several test modules share (never imported from another test module)."""
