@@ -168,7 +168,7 @@ def _inputs(program: ir.Program, real: ir.Program, cost: Any, plan: Plan, role: 
     device = torch.device("cpu")
     if role.role != "encoder":
         return memplan._inputs(program, cost, plan, cost.unit(role.unit), role, share,
-                               dtype, device, False)
+                               dtype, device, False, role.is_first_stage)
     im = memplan._encoder_images(real, cost, role.unit, cost.unit(role.unit), share, False)
     side = max(1, round(im.side / math.sqrt(tokens)))
     arch = program.module(role.unit).arch
@@ -186,7 +186,7 @@ def _inputs(program: ir.Program, real: ir.Program, cost: Any, plan: Plan, role: 
 def _stand_in_loss(role: Any, out: Any) -> torch.Tensor:
     from dtdsl.train.memplan import _loss_of
 
-    return _loss_of(role, out)
+    return _loss_of(role, out, role.is_last_stage)
 
 
 def measure(program: ir.Program, real: ir.Program, cost: Any, plan: Plan, unit_name: str,
@@ -259,7 +259,7 @@ def measure(program: ir.Program, real: ir.Program, cost: Any, plan: Plan, unit_n
                             "own_s": own / repeats, "cum_s": cum / repeats})
         # The fastest microbatch: the least disturbed by other processes of a shared
         # machine (the median is kept too).
-        return {"stage": stage, "layers": built.stop - built.start, "tp": grid.tp,
+        return {"stage": stage, "layers": built.held_layers, "tp": grid.tp,
                 "hosted": [h.name for h in hosted_units(plan, role)],
                 "host_s": min(times), "median_s": statistics.median(times),
                 "warmup_s": warm_s,

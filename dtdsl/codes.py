@@ -489,8 +489,10 @@ instead. Today the runtime cannot train:
 - a phased encoder beside another encoder on the backbone's ranks (phased or
   co-located): a phased encoder runs there alone; any number of co-located
   encoders can;
-- interleaved pipeline schedules (a plan with vpp > 1, from
-  `schedule = interleaved(...)`): use `schedule = 1f1b` or `gpipe`;
+- an interleaved pipeline (a plan with vpp > 1, from
+  `schedule = interleaved(...)`) beside a phased encoder: use `schedule = 1f1b`,
+  or plan the encoder disaggregated or co-located (interleaved plans otherwise
+  run; `dtc compile` still refuses a lowering that would deadlock under NCCL);
 - a generator on more than one pipeline stage: constrain it with
   `pp(gen) == 1`;
 - the Megatron-LM baseline's rigid plans (`dtc plan --search baseline`): they
@@ -514,8 +516,8 @@ instead. Today the runtime cannot train:
   replica, and a replica's CP ranks would not sum their gradients): constrain
   `cp(MODULE) == 1` or use `sync = allreduce`.
 
-    train {
-      schedule = interleaved(virtual_stages=2)   # error: one model chunk per stage
+    constraints {
+      pp(gen) == 2     # error: a generator runs on one pipeline stage
     }
 """),
     "DT612": Code("An audio encoder's fbank does not split into whole patches", """

@@ -20,8 +20,8 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = ["BASELINES", "PLACEMENTS", "PLAN_VERSION", "Baseline", "Packing", "Placement", "Plan",
-           "Simulated", "UnitPlan", "cp_conflict", "cp_split", "place_units", "placement_order",
-           "split_layers", "straddling_tp_groups", "tp_spans_nodes"]
+           "Simulated", "UnitPlan", "chunk_ranges", "cp_conflict", "cp_split", "place_units",
+           "placement_order", "split_layers", "straddling_tp_groups", "tp_spans_nodes"]
 
 PLAN_VERSION = 1
 
@@ -304,6 +304,21 @@ def split_layers(layers: int, stages: int) -> tuple[int, ...]:
     """Layers per pipeline stage, as even as possible, the larger stages first."""
     base, extra = divmod(layers, stages)
     return tuple(base + (1 if i < extra else 0) for i in range(stages))
+
+
+def chunk_ranges(layers_per_stage: tuple[int, ...], vpp: int
+                 ) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Per pipeline stage, the ``[start, stop)`` of the unit's layers each of its ``vpp``
+    model chunks holds. Stage s's layers are split as evenly as possible over its chunks
+    (``split_layers``, the larger first), and chunk c of stage s is virtual stage
+    c * pp + s: the layers run through the virtual stages in that order, so stage s's
+    chunks are not contiguous. At vpp 1 each stage holds one range, its own layers."""
+    pp = len(layers_per_stage)
+    per_chunk = [split_layers(n, vpp) for n in layers_per_stage]
+    counts = [per_chunk[k % pp][k // pp] for k in range(pp * vpp)]   # by virtual stage
+    starts = [sum(counts[:k]) for k in range(pp * vpp)]
+    return tuple(tuple((starts[c * pp + s], starts[c * pp + s] + counts[c * pp + s])
+                       for c in range(vpp)) for s in range(pp))
 
 
 # ---- where units start -------------------------------------------------------------------

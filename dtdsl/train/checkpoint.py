@@ -156,15 +156,18 @@ class UnitLayout(_Model):
     colocated: bool = False     # ran on the backbone's stages (written since issue 27)
     phased: bool = False        # ran phased on the backbone's ranks (likewise)
     cp: int = 1                 # context parallelism (written since issue 30)
+    vpp: int = 1                # model chunks per stage (interleaved; likewise)
 
     @property
     def text(self) -> str:
-        """``vit:tp1dp2pp1``, or ``vit:colocated`` (``vit:phased``) for a unit that ran
-        on its host's stages (phased on the backbone's ranks)."""
+        """``vit:tp1dp2pp1`` (``llm:tp1dp1pp2vpp2`` interleaved), or ``vit:colocated``
+        (``vit:phased``) for a unit that ran on its host's stages (phased on the
+        backbone's ranks)."""
         if self.colocated or self.phased:
             return f"{self.name}:{'colocated' if self.colocated else 'phased'}"
         cp = f"cp{self.cp}" if self.cp > 1 else ""
-        return f"{self.name}:tp{self.tp}{cp}dp{self.dp}pp{self.pp}"
+        vpp = f"vpp{self.vpp}" if self.vpp > 1 else ""
+        return f"{self.name}:tp{self.tp}{cp}dp{self.dp}pp{self.pp}{vpp}"
 
 
 class Manifest(_Model):
@@ -653,7 +656,8 @@ class Checkpointer:
                     spec_sha256=self.spec_sha256, plan_sha256=self.plan_sha256,
                     world_size=plan.gpus_used,
                     units=tuple(UnitLayout(name=u.name, tp=u.tp, dp=u.dp, pp=u.pp, cp=u.cp,
-                                           colocated=u.colocated, phased=u.phased)
+                                           vpp=u.vpp, colocated=u.colocated,
+                                           phased=u.phased)
                                 for u in plan.units),
                     mode=self.mode, rng_torch=_rng_b64(torch.get_rng_state()), rng_cuda=cuda)
 

@@ -37,8 +37,15 @@ optimizer step (CUDA events on a GPU, host time on the CPU).
 ``train.timelines.gather_timeline`` collects the measured ``sim.timeline.Timeline`` of
 timed steps.
 
-Limits: interleaved schedules (vpp > 1), a generator over more than one pipeline stage
-and more than one phased encoder raise NotImplementedError.
+Interleaved 1F1B (a unit with vpp > 1): the rank's stage holds its model chunks (``Stage.
+chunks``, under one FSDP2 root); each action names its chunk, which picks the layers a
+pass runs (``train.passes``), the microbatch's stash (by chunk and microbatch) and, on a
+PP message, the peer's chunk. Only the unit's first virtual stage (stage 0, chunk 0)
+embeds and talks to the encoders, only its last (stage pp-1, chunk vpp-1) has the head
+and talks to the generators.
+
+Limits: a generator over more than one pipeline stage, more than one phased encoder and
+a phased encoder beside an interleaved backbone raise NotImplementedError.
 """
 
 from __future__ import annotations
@@ -55,36 +62,25 @@ import torch.distributed as dist
 
 from dtdsl.data.batch import BatchSource, LocalBatches, StepBatch
 from dtdsl.data.images import Pixels, pixel_norm
-from dtdsl.data.sample import PackedImages, Sample, image_encoder, pack_items, unpack_images
+from dtdsl.data.sample import PackedImages, Sample, pack_items, unpack_images
 from dtdsl.ir import program as ir
 from dtdsl.ir.layout import SequenceLayout, layout_of
-from dtdsl.ir.modal import EncoderInputs, encoder_inputs
 from dtdsl.ir.plan import Plan
 from dtdsl.ir.schedule import Action, ActionKind, Schedule
 from dtdsl.ir.sizes import SampleSizes
 from dtdsl.models.moe import moe_blocks, set_loss_scale, take_aux_losses
 from dtdsl.models.multimodal import (
     Normalizer,
-    backbone_input,
-    backbone_layers,
-    backbone_output,
     conditioning,
     conditioning_rows,
-    document_masks,
     document_targets,
-    encoder_input,
     encoder_items,
-    encoder_layers,
-    encoder_output,
     encoder_rows,
-    generator_step,
     packed_item_shapes,
     padded_width,
-    scatter_sequence,
     splice_items,
 )
 from dtdsl.parallel.broker import Broker, PendingSamples, StepSamples
-from dtdsl.parallel.cp import gather_sequence as cp_gather
 from dtdsl.parallel.device import to_device
 from dtdsl.parallel.ep import full_parameters
 from dtdsl.parallel.mesh import ProcessGroups, RankRole
@@ -92,36 +88,16 @@ from dtdsl.parallel.p2p import P2P, Received, TensorSpec
 from dtdsl.sim.timeline import Event
 from dtdsl.train import timelines
 from dtdsl.train.clock import StepClock, step_clock
-from dtdsl.train.cp_run import attach_cp, cp_inputs, sum_over_cp
+from dtdsl.train.cp_run import attach_cp, sum_over_cp
 from dtdsl.train.optim import LossScale, StageOptimizer, optimizer_step
+from dtdsl.train.passes import Units, stage_run
 from dtdsl.train.record import StepRecord
-from dtdsl.train.stage import Stage, build_stage, projector_between
+from dtdsl.train.stage import Stage, build_stage
 
 __all__ = ["StageExecutor", "StepRecord", "run_rank", "stage_run"]
 
 _FWD, _BWD = "F", "B"
 _COMM = (ActionKind.SEND_F, ActionKind.SEND_B, ActionKind.RECV_F, ActionKind.RECV_B)
-
-
-class _Units:
-    """The few ``model.Model`` attributes the model's step functions read, for the units
-    a stage holds (a rank never builds the whole model)."""
-
-    def __init__(self, program: ir.Program, units: Any, vaes: dict[str, Any] | None = None):
-        enc = image_encoder(program)
-        self.units = units
-        self.vaes = vaes or {}
-        self.patch = (enc.arch.patch or 1) if enc is not None else 1
-        self.inputs: EncoderInputs = encoder_inputs(program)
-        self.image_tokens = self.inputs       # every encoder's items' rows (ir.modal)
-        self.seq_len = program.train.seq_len
-        self.backbone = program.backbone.name
-        self.gen_proj = {g.name: projector_between(program, program.backbone.name, g.name)
-                         for g in program.generators}
-        self.archs = {m.name: m.arch for m in program.modules}
-
-    def unit(self, name: str) -> torch.nn.Module:
-        return self.units[name]
 
 
 class _PerPeer(dict):
@@ -159,11 +135,6 @@ class StageExecutor:
         self.role: RankRole = groups.role
         if self.role.rank != rank:
             raise ValueError(f"groups belong to rank {self.role.rank}, not {rank}")
-        for u in plan.units:
-            if u.vpp > 1:
-                raise NotImplementedError(
-                    f"unit {u.name} has vpp={u.vpp}: the executor does not run interleaved "
-                    "schedules yet; plan it with vpp=1")
         if self.role.role == "generator" and self.role.grid.pp != 1:
             raise NotImplementedError(f"generator {self.role.unit} has pp={self.role.grid.pp}: "
                                       "U-Net and DiT generators run on one pipeline stage")
@@ -174,8 +145,11 @@ class StageExecutor:
         self.device = torch.device(device)
         self.seed = program.train.seed if seed is None else seed
         self.actions: tuple[Action, ...] = schedule.stage(self.role.unit, self.role.stage).actions
-        self.sends_grad = any(a.kind is ActionKind.SEND_B for a in self.actions)
-        self.sends_forward = any(a.kind is ActionKind.SEND_F for a in self.actions)
+        # Model chunks (an interleaved unit's, vpp > 1): the one a pass runs, and those
+        # whose inputs' gradients are sent back and whose outputs go forward.
+        self.vpp, self._chunk = plan.unit(self.role.unit).vpp, 0
+        self._grad_chunks = {a.chunk for a in self.actions if a.kind is ActionKind.SEND_B}
+        self._fwd_chunks = {a.chunk for a in self.actions if a.kind is ActionKind.SEND_F}
         self.trains_in_schedule = any(a.kind is ActionKind.OPT for a in self.actions)
         backwards = [i for i, a in enumerate(self.actions) if a.kind is ActionKind.B]
         self._last_backward = backwards[-1] if backwards else -1
@@ -185,10 +159,10 @@ class StageExecutor:
         self.stage: Stage = build_stage(program, plan, self.role, groups.mesh, self.device,
                                         seed=self.seed, run=stage_run(self.role.role),
                                         initialize=initialize, phased=groups.phased,
-                                        phased_run=_run_encoder, ep=groups.ep)
-        if len(self.stage.phased) > 1:
-            raise NotImplementedError("one phased encoder: plan the other encoders as their "
-                                      "own units")
+                                        phased_run=stage_run("encoder"), ep=groups.ep)
+        if len(self.stage.phased) > 1 or (self.stage.phased and self.vpp > 1):
+            raise NotImplementedError("one phased encoder, beside a backbone of one model "
+                                      "chunk: plan the other encoders as their own units")
         self._cp = attach_cp(program, plan, self.stage, groups)
         # Embeddings of the phased encoder's outputs for this replica's samples (on the
         # backbone's first stage, between the phases), as autograd leaves.
@@ -202,7 +176,7 @@ class StageExecutor:
         self._phase_waiting: dict[int, tuple[list[int], Any]] = {}
         self._phase_due: dict[int, set[int]] = {}
         self._phase_sent_last_forward = False
-        self.model = _Units(program, self.stage.module.units)
+        self.model = Units(program, self.stage.module.units)
         self._moe = moe_blocks(self.stage.module)   # an MoE backbone's blocks, found once
         # Co-located modules this stage runs (a backbone's first stage: the encoder, its
         # last: the generators), on its own ranks and samples.
@@ -398,7 +372,7 @@ class StageExecutor:
         r = self.role
         self._ids = tuple(tuple(s.samples_of(r.unit, r.replica)) for s in self.steps)
         self.norm = batch.normalizer
-        self.micro: dict[int, _Micro] = {}
+        self.micro: dict[tuple[int, int], _Micro] = {}     # by (chunk, microbatch)
         self.lm = torch.zeros((), dtype=torch.float64, device=self.device)
         self.gen = torch.zeros((), dtype=torch.float64, device=self.device)
         # What this rank's stage took in this step, counted from the tensors themselves
@@ -414,7 +388,7 @@ class StageExecutor:
         batch = self._begin(step)
         # (kind, microbatch, clock mark) per event: the clock is read once the step's
         # actions are done (``train.clock``: on CUDA, events read with one sync).
-        marks: list[tuple[str, int | None, int]] = []
+        marks: list[tuple[str, int | None, int, int]] = []
         self.stage.begin_step()
         if timed:
             dist.barrier()     # a common origin for every rank's event times
@@ -426,7 +400,7 @@ class StageExecutor:
             mark = self.clock.begin()
             self._phase_forward(name)
             self.clock.end(mark)
-            marks.append((_FWD, None, mark))
+            marks.append((_FWD, None, mark, 0))
         for i, a in enumerate(self.actions):
             if a.kind in (ActionKind.SYNC, ActionKind.OPT):
                 continue
@@ -445,7 +419,7 @@ class StageExecutor:
             mark = self.clock.begin()
             self._run(i, a)
             self.clock.end(mark)
-            marks.append((a.kind.value, a.microbatch, mark))
+            marks.append((a.kind.value, a.microbatch, mark, a.chunk))
             if self._phase_due:
                 self._phase_grads_due(a)
         self.p2p.flush()    # the last sends (a last SEND_B) go out before the reduction
@@ -459,7 +433,7 @@ class StageExecutor:
                 mark = self.clock.begin()
                 self._phase_backward(name)
                 self.clock.end(mark)
-                marks.append((_BWD, None, mark))
+                marks.append((_BWD, None, mark, 0))
             # Every rank of the encoder's DP group reduces (or, frozen, reshards), its
             # share empty or not: ``Stage.reduce_gradients``.
             part.reduce_gradients()
@@ -486,9 +460,9 @@ class StageExecutor:
             self.local_sgd.after_step(step, time.perf_counter())
         self.clock.end(mark)
         if self.trains_in_schedule:
-            marks += [("SYNC", None, mark), ("OPT", None, mark)]
+            marks += [("SYNC", None, mark, 0), ("OPT", None, mark, 0)]
         spans = self.clock.read()
-        events = [self._event(kind, mb, spans[m]) for kind, mb, m in marks]
+        events = [self._event(kind, mb, spans[m], c) for kind, mb, m, c in marks]
         lm, gen, dp_bytes = result.totals
         compiled = self.stage.compiled
         return StepRecord(
@@ -538,12 +512,14 @@ class StageExecutor:
                 writer.close()
         return out
 
-    def _event(self, kind: str, microbatch: int | None, span: tuple[float, float]) -> Event:
+    def _event(self, kind: str, microbatch: int | None, span: tuple[float, float],
+               chunk: int) -> Event:
         """An event of this rank's row; ``span``: its (start_s, end_s) from the step's
         start, as the step's clock read them."""
         r = self.role
         return Event(unit=r.unit, stage=r.stage, replica=r.replica, rank=self._leader,
-                     kind=kind, microbatch=microbatch, start_s=span[0], end_s=span[1])
+                     kind=kind, microbatch=microbatch, chunk=chunk, start_s=span[0],
+                     end_s=span[1])
 
     def _sample(self, i: int) -> Sample:
         assert self.batch is not None
@@ -581,7 +557,7 @@ class StageExecutor:
         target, made on the host from the samples' sizes and copied without blocking: the
         head runs on those rows only, with no device round trip to find them. None on a
         stage without the head."""
-        if not self.role.is_last_stage or self.role.role != "backbone":
+        if not self._last or self.role.role != "backbone":
             return None
         tp = self.role.grid.tp
         width = padded_width(max((self._layout(i).length for i in ids), default=0), tp,
@@ -611,7 +587,7 @@ class StageExecutor:
 
     def _await_inputs(self, a: Action) -> None:
         """Wait for the receives pass ``a`` reads (they keep what they received)."""
-        mb = self.micro.get(a.microbatch)
+        mb = self.micro.get((a.chunk, a.microbatch))
         if mb is None:
             return
         waiting = mb.pending if a.kind is ActionKind.F else mb.grads_in
@@ -622,15 +598,17 @@ class StageExecutor:
         """Run action ``a``, the ``index``-th of this stage's list."""
         j = a.microbatch
         assert j is not None
-        mb = self.micro.setdefault(j, _Micro())
+        key = (a.chunk, j)      # an interleaved unit's chunks each keep their own stash
+        self._chunk = a.chunk   # the chunk the pass runs
+        mb = self.micro.setdefault(key, _Micro())
         kind = a.kind
         if kind is ActionKind.F:
             self._forward(j, mb)
         elif kind is ActionKind.B:
             self._backward(index, j, mb)
-            self.micro.pop(j)
+            self.micro.pop(key)
             if self.sends_grad:
-                self.micro[j] = _Micro(input_grads=mb.input_grads)
+                self.micro[key] = _Micro(input_grads=mb.input_grads)
         elif kind is ActionKind.SEND_F:
             self._send(a, j, mb.outbox, _FWD)
         elif kind is ActionKind.SEND_B:
@@ -639,7 +617,7 @@ class StageExecutor:
                 mb.input_grads.pop(a.peer_unit)
                 if mb.input_grads:
                     return
-            self.micro.pop(j, None)
+            self.micro.pop(key, None)
         elif kind is ActionKind.RECV_F:
             assert a.peer_unit is not None
             mb.pending[a.peer_unit] = self._recv(a, j, _FWD)
@@ -656,8 +634,8 @@ class StageExecutor:
         index = self._index(j)
         if a.peer_unit == self.role.unit:
             peer = self._pp_peer(a.peer_stage)
-            self.p2p.send(peer, list(payload),
-                          self._pp_label(direction, index, (self.role.stage, a.peer_stage)))
+            self.p2p.send(peer, list(payload), self._pp_label(direction, index, (
+                (self.role.stage, a.chunk), (a.peer_stage, a.peer_chunk))))
         elif direction == _FWD:
             self.broker.send_forward(index, self.role.unit, a.peer_unit, payload, self.steps[j])
         else:
@@ -666,9 +644,12 @@ class StageExecutor:
             self.broker.send_backward(index, a.peer_unit, self.role.unit, payload,
                                       self.steps[j])
 
-    def _pp_label(self, direction: str, index: int, stages: tuple[int, int]) -> str:
+    def _pp_label(self, direction: str, index: int,
+                  ends: tuple[tuple[int, int], tuple[int, int]]) -> str:
+        """A PP message's label, between two (stage, chunk), named by virtual stage."""
         r = self.role
-        return (f"{r.unit}.s{stages[0]}->{r.unit}.s{stages[1]} {direction} {index} "
+        src, dst = (c * r.grid.pp + s for s, c in ends)
+        return (f"{r.unit}.s{src}->{r.unit}.s{dst} {direction} {index} "
                 f"r{r.replica}t{r.tp_index}")
 
     def _recv(self, a: Action, j: int, direction: str) -> Received | PendingSamples:
@@ -677,8 +658,8 @@ class StageExecutor:
         if a.peer_unit == self.role.unit:
             peer = self._pp_peer(a.peer_stage)
             specs = self._pp_specs(j, direction)
-            return self.p2p.recv(peer, specs, self._pp_label(direction, index,
-                                                             (a.peer_stage, self.role.stage)))
+            return self.p2p.recv(peer, specs, self._pp_label(direction, index, (
+                (a.peer_stage, a.peer_chunk), (self.role.stage, a.chunk))))
         if direction == _FWD:
             return self.broker.recv_forward(index, a.peer_unit, self.role.unit, self.steps[j],
                                             self._edge_spec(a.peer_unit))
@@ -721,6 +702,21 @@ class StageExecutor:
         stage sends gradients back)."""
         t = t.clone()
         return t.requires_grad_(True) if self.sends_grad and t.is_floating_point() else t
+
+    @property
+    def sends_grad(self) -> bool:
+        """Whether the running chunk sends its inputs' gradients back."""
+        return self._chunk in self._grad_chunks
+
+    @property
+    def _first(self) -> bool:
+        """Whether the running chunk is the unit's first virtual stage."""
+        return self.role.is_first_stage and self._chunk == 0
+
+    @property
+    def _last(self) -> bool:
+        """Whether the running chunk is the unit's last virtual stage."""
+        return self.role.is_last_stage and self._chunk == self.vpp - 1
 
     # ---- phased encoders ----------------------------------------------------------------
 
@@ -900,10 +896,9 @@ class StageExecutor:
     # ---- forwards ---------------------------------------------------------------------------
 
     def _encoder_forward(self, j: int, mb: _Micro) -> None:
-        role = self.role
         ids, samples = list(self._ids[j]), [self._sample(i) for i in self._ids[j]]
         packed = self._pack(samples)
-        if role.is_first_stage:
+        if self._first:
             xs = None
             mb.inputs = None
             self.processed["patches"] += sum(g.shape[0] * g.shape[1] for g in packed.groups)
@@ -913,8 +908,8 @@ class StageExecutor:
             mb.inputs = xs
         mb.pending = {}
         ys = self.stage.module(packed.groups if xs is None else xs, first=xs is None,
-                               grids=packed.grids)
-        if role.is_last_stage:
+                               grids=packed.grids, chunk=self._chunk)
+        if self._last:
             outs = unpack_images(packed, ys, width=self._width)
             mb.outputs = dict(zip(ids, outs, strict=True))
             mb.outbox = {i: o.detach() for i, o in mb.outputs.items()}
@@ -926,9 +921,10 @@ class StageExecutor:
         role = self.role
         ids = list(self._ids[j])
         extra: dict[str, Any] = {}
-        if role.is_last_stage and self._hosted_generators:
+        extra["chunk"] = self._chunk
+        if self._last and self._hosted_generators:
             extra["generation"] = self._generation(ids)
-        if role.is_first_stage:
+        if self._first:
             samples = [self._sample(i) for i in ids]
             packs = {n: p for n in self._hosted_encoders
                      if (p := self._hosted_images(samples, n)) is not None}
@@ -994,7 +990,7 @@ class StageExecutor:
         aux = take_aux_losses(self._moe)
         if aux is not None and role.is_leader:
             self.lm += aux.to(self.lm.device).double()
-        if role.is_last_stage:
+        if self._last:
             loss_sum, hidden, gens = out
             assert self.norm is not None
             lm = loss_sum / max(1, self.norm.text_tokens)
@@ -1006,7 +1002,7 @@ class StageExecutor:
                 self.lm += lm.detach().double()
                 if gens:
                     self.gen += gen.detach().double()
-            if self.sends_forward:  # the generators' conditioning
+            if self._chunk in self._fwd_chunks:  # the generators' conditioning
                 conds = conditioning(hidden, [self._layout(i) for i in ids])
                 mb.outputs = dict(zip(ids, conds, strict=True))
                 mb.outbox = {i: c.detach() for i, c in mb.outputs.items()}
@@ -1121,148 +1117,8 @@ class StageExecutor:
             mb.input_grads = {i: grad(x) for i, x in mb.inputs.items()}
         else:
             mb.input_grads = [grad(x) for x in mb.inputs]
-        if self._cp is not None and self.role.is_first_stage:
+        if self._cp is not None and self._first:
             sum_over_cp(mb.input_grads, self._cp)
-
-
-def _encoder_pass(module: Any, name: str, xs: Sequence[torch.Tensor], *, first: bool,
-                  last: bool, start: int, stop: int | None,
-                  grids: Sequence[tuple[int, int]] | None) -> list[torch.Tensor]:
-    """Layers ``start:stop`` of encoder ``name`` on packed image groups ``xs``: from the
-    pixels (``first``), and through its projector into the backbone (``last``)."""
-    st = module.stage_state
-    enc = module.units[name]
-    if first:       # pixels to the compute dtype (the stage's root casts no input)
-        xs = encoder_input(enc, [x.to(st.dtype) for x in xs], grids)
-    ys = encoder_layers(enc, xs, start, stop)
-    if last:
-        proj = module.units[projector_between(st.program, name, st.program.backbone.name)]
-        # Per group, on its images' patch grid (what a compressing projector reads).
-        grids = [None] * len(ys) if grids is None else grids
-        return [proj(h, grid) for h, grid in zip(encoder_output(enc, ys), grids, strict=True)]
-    return ys
-
-
-def _run_encoder(module: Any, xs: Sequence[torch.Tensor], *, first: bool,
-                 grids: Sequence[tuple[int, int]] | None = None) -> list[torch.Tensor]:
-    st = module.stage_state
-    return _encoder_pass(module, st.role.unit, xs, first=first, last=st.role.is_last_stage,
-                         start=st.start, stop=st.stop, grids=grids)
-
-
-def _hosted(module: Any, role: str) -> list[str]:
-    """The co-located modules of ``role`` the stage runs (``StageState.hosted``)."""
-    st = module.stage_state
-    return [n for n in st.hosted if st.program.module(n).role == role]
-
-
-def _hosted_embeds(module: Any, packed: PackedImages, name: str | None = None
-                   ) -> list[torch.Tensor]:
-    """Each sample's tokens in backbone width from the stage's co-located encoder
-    ``name`` (default: its one) and its projector: the whole encoder, as an encoder unit
-    of one stage runs it."""
-    if name is None:
-        (name,) = _hosted(module, "encoder")
-    outs = _encoder_pass(module, name, packed.groups, first=True, last=True, start=0,
-                         stop=None, grids=packed.grids)
-    return unpack_images(packed, outs)
-
-
-def _hosted_losses(module: Any, hidden: torch.Tensor, layouts: Sequence[SequenceLayout],
-                   generation: dict[str, tuple[Sequence[Any], Sequence[Sequence[int]]]]
-                   ) -> dict[str, torch.Tensor]:
-    """Each co-located generator's summed loss (``generator_step``) on the conditioning
-    of the backbone's final hidden states: ``generation`` holds, per generator, every
-    sequence's targets and its documents' target counts."""
-    st = module.stage_state
-    conds = conditioning(hidden, layouts)
-    rows = [conditioning_rows(lay) for lay in layouts]
-    model = _Units(st.program, module.units, st.vaes)
-    out = {}
-    for name in _hosted(module, "generator"):
-        targets, counts = generation[name]
-        docs_c, docs_t = document_targets(conds, targets, rows, counts)
-        out[name] = generator_step(model, name, docs_c, docs_t)
-    return out
-
-
-def _run_backbone(module: Any, *, x: torch.Tensor | None = None,
-                  image_embeds: Sequence[torch.Tensor] | None = None,
-                  images: PackedImages | dict[str, PackedImages] | None = None,
-                  tokens: Sequence[torch.Tensor] | None = None,
-                  layouts: Sequence[SequenceLayout] | None = None,
-                  targets: torch.Tensor | None = None,
-                  loss_tokens: int | None = None,
-                  loss_rows: torch.Tensor | None = None,
-                  generation: dict[str, Any] | None = None,
-                  received: dict[str, Sequence[torch.Tensor]] | None = None
-                  ) -> tuple[Any, ...]:
-    """A backbone stage's forward: ``(activations, targets)`` on an inner stage,
-    ``(LM loss sum, final hidden states, {co-located generator: its loss sum})`` on the
-    last. The first stage embeds ``tokens`` with ``image_embeds`` (received) or with
-    what its co-located encoders make of ``images`` (per encoder where there are
-    several), spliced with the other encoders' ``received`` rows (per encoder, per
-    sample) in the layouts' order; the last runs its co-located
-    generators on ``generation`` (``_hosted_losses``)."""
-    st = module.stage_state
-    bb = module.units[st.role.unit]
-    assert layouts is not None
-    if x is None:
-        if isinstance(images, dict):    # several encoders: spliced in the layout's order
-            made = {n: _hosted_embeds(module, packed, n) for n, packed in images.items()}
-            rows = {**made, **(received or {})}
-            image_embeds = [splice_items({n: r[b] for n, r in rows.items()}, layouts[b])
-                            for b in range(len(layouts))]
-        elif images is not None:    # the co-located encoder, in the same autograd graph
-            image_embeds = _hosted_embeds(module, images)
-        assert image_embeds is not None and tokens is not None
-        batch = backbone_input(bb, image_embeds, tokens, layouts,
-                               cp=1 if st.cp is None else st.cp.size)
-        if st.cp is None:
-            x, targets = scatter_sequence(bb, batch.embeds), batch.targets
-        else:   # every CP rank built the whole microbatch: it keeps its shard
-            x = scatter_sequence(bb, st.cp.shard(batch.embeds))
-            targets = st.cp.shard(batch.targets)
-        positions, mask = batch.positions, batch.mask
-    else:
-        assert targets is not None
-        if st.cp is None:
-            positions, mask = document_masks(layouts, targets.shape[1], x.device)
-    assert targets is not None
-    cp = 1
-    if st.cp is not None:
-        cp = st.cp.size
-        positions, mask = cp_inputs(st.cp, layouts, targets.shape[1] * cp, x.device)
-    y = backbone_layers(bb, x, st.start, st.stop, positions=positions, mask=mask, cp=cp,
-                        lengths=[lay.length for lay in layouts] if cp == 1 else None)
-    if st.role.is_last_stage:
-        loss, hidden = backbone_output(bb, y, targets, loss_tokens=loss_tokens,
-                                       loss_rows=loss_rows)
-        if st.cp is not None and st.program.generators:
-            # The generators read the whole sequences' hidden states: gathered over CP.
-            hidden = cp_gather(hidden, st.cp, targets.shape[1] * cp)
-        gens = _hosted_losses(module, hidden, layouts, generation or {}) \
-            if _hosted(module, "generator") else {}
-        if st.cp is not None:
-            # Every CP rank runs the co-located generators on the same whole sequences:
-            # each takes 1 / cp of their loss (its gradients sum over dp x cp, and its
-            # total over the job), so the step's are the generators' own.
-            gens = {n: g / cp for n, g in gens.items()}
-        return loss, hidden, gens
-    return y, targets
-
-
-def _run_generator(module: Any, conds: Sequence[torch.Tensor], targets: Sequence[Any]
-                   ) -> torch.Tensor:
-    st = module.stage_state
-    return generator_step(_Units(st.program, module.units, st.vaes), st.role.unit, conds,
-                          targets)
-
-
-def stage_run(role: str) -> Any:
-    """The forward of a stage of a unit of ``role`` (``StageModule``'s ``run``)."""
-    return {"encoder": _run_encoder, "backbone": _run_backbone,
-            "generator": _run_generator}[role]
 
 
 def run_rank(program: ir.Program, plan: Plan, schedule: Schedule, *, steps: int, rank: int,

@@ -380,10 +380,11 @@ def _hosted_inputs(program: ir.Program, cost: Any, plan: Plan, role: Any, seq: i
 
 
 def _inputs(program: ir.Program, cost: Any, plan: Plan, unit: Any, role: Any, share: float,
-            dtype: torch.dtype, device: torch.device,
-            large: bool) -> Callable[[], tuple[tuple, dict]]:
+            dtype: torch.dtype, device: torch.device, large: bool,
+            first: bool) -> Callable[[], tuple[tuple, dict]]:
     """A function making the inputs of one microbatch for the stage's forward: a large
-    one (the cost model's 99th percentile) or an average one."""
+    one (the cost model's 99th percentile) or an average one; ``first``: for the unit's
+    first virtual stage (its embedding; stage 0's first chunk)."""
     module = program.module(role.unit)
     arch = module.arch
     train = program.train
@@ -398,7 +399,7 @@ def _inputs(program: ir.Program, cost: Any, plan: Plan, unit: Any, role: Any, sh
         local = s // cp
 
         def backbone() -> tuple[tuple, dict]:
-            if role.is_first_stage:
+            if first:
                 tokens = [torch.zeros(lay.text, dtype=torch.int64, device=device)
                           for lay in layouts]
                 embeds = [torch.zeros(0, h, dtype=dtype, device=device) for _ in range(b)]
@@ -415,7 +416,7 @@ def _inputs(program: ir.Program, cost: Any, plan: Plan, unit: Any, role: Any, sh
         im = _encoder_images(program, cost, role.unit, unit, share, large)
 
         def encoder() -> tuple[tuple, dict]:
-            if role.is_first_stage:
+            if first:
                 return ([torch.zeros(im.n, im.side * im.side, im.width, dtype=dtype,
                                      device=device)],), {"first": True}
             x = torch.zeros(im.n, im.rows, arch.hidden, dtype=dtype, device=device,
@@ -498,13 +499,14 @@ def _mean(q: ir.Quantity) -> float:
     return float(values.mean()) if len(values) else 1.0
 
 
-def _loss_of(role: Any, out: Any) -> torch.Tensor:
+def _loss_of(role: Any, out: Any, last: bool) -> torch.Tensor:
     """A scalar to differentiate standing in for the stage's loss and the gradients it
-    would receive: the loss where the stage has one, else every output."""
+    would receive: the loss where the stage (``last``: its chunk, the unit's last virtual
+    stage) has one, else every output."""
     if role.role == "generator":
         return out
     if role.role == "backbone":
-        if role.is_last_stage:      # the LM loss and the co-located generators'
+        if last:                    # the LM loss and the co-located generators'
             return out[0] + sum(out[2].values())
         return out[0].float().sum()
     return sum(o.float().sum() for o in out)
@@ -528,6 +530,21 @@ def _attach_cp(program: ir.Program, plan: Plan, built: Any, role: Any, world: An
                                        cp=cp_group(program, plan, role, group))
 
 
+def _optimizer(program: ir.Program, plan: Plan, trainable: list[Any]) -> Any:
+    """The stage's optimizer (``StageOptimizer``) over ``trainable``, its state made as
+    the first step makes it; None when nothing trains."""
+    from dtdsl.train.memcheck import init_optimizer_state
+    from dtdsl.train.optim import StageOptimizer
+
+    if not trainable:
+        return None
+    o = program.train.optimizer
+    opt = StageOptimizer(trainable, name=o.name, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                         weight_decay=o.weight_decay, offload=plan.offload_fraction(program))
+    init_optimizer_state(opt.optimizer)
+    return opt
+
+
 def _measure_stage(program: ir.Program, plan: Plan, schedule: Schedule, cost: Any,
                    unit: str, stage: int) -> StageMemory:
     from dtdsl.parallel.mesh import (
@@ -539,8 +556,7 @@ def _measure_stage(program: ir.Program, plan: Plan, schedule: Schedule, cost: An
         unit_mesh_shape,
     )
     from dtdsl.train.executor import stage_run
-    from dtdsl.train.memcheck import fake_world, init_optimizer_state, measure_peak
-    from dtdsl.train.optim import StageOptimizer
+    from dtdsl.train.memcheck import fake_world, measure_peak
     from dtdsl.train.stage import build_stage
 
     start_s = time.perf_counter()
@@ -568,25 +584,23 @@ def _measure_stage(program: ir.Program, plan: Plan, schedule: Schedule, cost: An
                             phased=meshes, phased_run=stage_run("encoder"))
         if grid.cp > 1:
             _attach_cp(program, plan, built, role, world)
-        trainable = built.trainable()
-        opt = None
-        if trainable:
-            o = program.train.optimizer
-            opt = StageOptimizer(trainable, name=o.name, lr=o.lr, betas=tuple(o.betas),
-                                 eps=o.eps, weight_decay=o.weight_decay,
-                                 offload=plan.offload_fraction(program))
-            init_optimizer_state(opt.optimizer)
-        makers = [_inputs(program, cost, plan, unit_cost, role, share, built.compute_dtype,
-                          world.device, large) for large in (True, False)]
+        opt = _optimizer(program, plan, built.trainable())
+        # Per model chunk (interleaved: the passes in flight cycle over them), a large and
+        # an average microbatch.
+        makers = [[_inputs(program, cost, plan, unit_cost, role, share, built.compute_dtype,
+                           world.device, large, role.is_first_stage and c == 0)
+                   for large in (True, False)] for c in range(u.vpp)]
         hosted = hosted_units(plan, role)
         trains = unit_cost.backward_factor > 0 or any(
             cost.unit(h.name).backward_factor > 0 for h in hosted + phased)
         phases = [_phase(program, cost, plan, p, role, built, world.device) for p in phased]
 
         def forward(i: int) -> Any:
-            args, kwargs = makers[0 if i == 0 else 1]()
-            out = built.module(*args, **kwargs)
-            return _loss_of(role, out) if trains else None
+            c = i % u.vpp
+            args, kwargs = makers[c][0 if i == 0 else 1]()
+            out = built.module(*args, **kwargs, **({"chunk": c} if u.vpp > 1 else {}))
+            return _loss_of(role, out, role.is_last_stage and c == u.vpp - 1) \
+                if trains else None
 
         def backward(loss: Any) -> None:
             with built.backward_context():
@@ -616,7 +630,7 @@ def _measure_stage(program: ir.Program, plan: Plan, schedule: Schedule, cost: An
         modules = (built.module, *(part.module for part in built.phased.values()))
         report = measure_peak(step, track=modules + ((opt.optimizer,) if opt else ()))
         host = _host_bytes(opt)
-    layers = built.stop - built.start if u.role != "generator" else unit_cost.layers
+    layers = built.held_layers if u.role != "generator" else unit_cost.layers
     predicted = _predicted_bytes(plan, cost, unit_cost, unit, stage, layers, share,
                                  hosted, phased)
     return StageMemory(unit=unit, stage=stage, rank=rank, in_flight=k,

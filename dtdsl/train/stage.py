@@ -72,7 +72,7 @@ import torch
 from torch import nn
 
 from dtdsl.ir import program as ir
-from dtdsl.ir.plan import Plan
+from dtdsl.ir.plan import Plan, chunk_ranges
 from dtdsl.models.multimodal import build_unit, init_unit, unit_spec
 from dtdsl.parallel.fsdp import (
     accumulate_unsharded,
@@ -139,10 +139,26 @@ class StageState:
     # Context parallelism (``parallel.cp.CPGroup``): the executor sets it on a backbone
     # stage with cp > 1; None otherwise.
     cp: Any = None
+    # Per model chunk (an interleaved unit's, ``ir.plan.chunk_ranges``), its [start, stop)
+    # of the unit's layers; empty for one chunk, [start, stop).
+    chunks: tuple[tuple[int, int], ...] = ()
 
     @property
     def seq_len(self) -> int:
         return self.program.train.seq_len
+
+    def layers_of(self, chunk: int) -> tuple[int, int]:
+        """The [start, stop) of the unit's layers model chunk ``chunk`` runs."""
+        return self.chunks[chunk] if self.chunks else (self.start, self.stop)
+
+    def first_of(self, chunk: int) -> bool:
+        """Whether chunk ``chunk`` is the unit's first virtual stage (its embedding)."""
+        return self.role.is_first_stage and chunk == 0
+
+    def last_of(self, chunk: int) -> bool:
+        """Whether chunk ``chunk`` is the unit's last virtual stage (its head, loss or
+        projector out)."""
+        return self.role.is_last_stage and chunk == max(0, len(self.chunks) - 1)
 
 
 class StageModule(nn.Module):
@@ -167,8 +183,11 @@ class Stage:
     module: StageModule
     role: RankRole
     start: int                      # [start, stop) of the unit's layers on this stage
-    stop: int
+    stop: int                       # (of its first chunk's first, last chunk's last)
     compute_dtype: torch.dtype
+    # Per model chunk of an interleaved unit (vpp > 1), its [start, stop): the stage holds
+    # those layers only, under one FSDP2 root. Empty for one chunk.
+    chunks: tuple[tuple[int, int], ...] = ()
     tp_sharded: set[str] = field(default_factory=set)   # names sharded over TP
     hosted: tuple[str, ...] = ()    # co-located modules it runs besides its unit
     layers: list[nn.Module] = field(default_factory=list)  # FSDP2 units, forward order
@@ -198,6 +217,11 @@ class Stage:
     early: list[nn.Module] | None = None
     early_tp: dict[int, list[nn.Parameter]] = field(default_factory=dict)  # by id(state)
     reducing_early: bool = False
+
+    @property
+    def held_layers(self) -> int:
+        """How many of the unit's layers the stage holds, over all its chunks."""
+        return sum(b - a for a, b in self.chunks) if self.chunks else self.stop - self.start
 
     @cached_property
     def fsdp_modules(self) -> list[nn.Module]:
@@ -344,7 +368,14 @@ class Stage:
         self.early = []
         if self.role.role != "backbone":
             return
-        own = {id(m) for m in self.module.units[self.role.unit].modules()}
+        unit = self.module.units[self.role.unit]
+        own = {id(m) for m in unit.modules()}
+        if self.chunks:
+            # Interleaved: the step's last backward is chunk 0's; the other chunks' layers
+            # ran their last backward before it, and reduce with the rest.
+            start, stop = self.chunks[0]
+            own = {id(m) for k, layer in unit.layers.items() if start <= int(k) < stop
+                   for m in layer.modules()}
         for layer in self.layers:
             member = layer._get_fsdp_state()
             params = [fp for g in param_groups(member) for fp in g.fsdp_params
@@ -430,9 +461,9 @@ def _strip(name: str) -> str:
     return name.removeprefix("units.")
 
 
-def _owned_layers(module: nn.Module, start: int, stop: int) -> None:
+def _owned_layers(module: nn.Module, ranges: tuple[tuple[int, int], ...]) -> None:
     for key in list(module.layers.keys()):
-        if not start <= int(key) < stop:
+        if not any(start <= int(key) < stop for start, stop in ranges):
             del module.layers[key]
 
 
@@ -650,7 +681,9 @@ def build_stage(program: ir.Program, plan: Plan, role: RankRole, mesh: Any,
     seed = program.train.seed if seed is None else seed
     compute_dtype = COMPUTE_DTYPES[program.train.precision]
     hosted = hosted_units(plan, role)
-    units, start, stop = _stage_units(program, plan, role, hosted, seed)
+    units, chunks = _stage_units(program, plan, role, hosted, seed)
+    start, stop = chunks[0][0], chunks[-1][1]
+    chunks = chunks if len(chunks) > 1 else ()
     experts = _expert_parallel(units, plan, role, ep)
     tp_sharded = _apply_tp(units, [role.unit] + [h.name for h in hosted if not h.tp_replicated],
                            role, mesh)
@@ -668,8 +701,8 @@ def build_stage(program: ir.Program, plan: Plan, role: RankRole, mesh: Any,
     names = tuple(h.name for h in hosted)
     stage.stage_state = StageState(program=program, role=role, start=start, stop=stop,
                                    dtype=compute_dtype, vaes=_vaes(program, generators, device),
-                                   hosted=names)
-    built = Stage(module=stage, role=role, start=start, stop=stop,
+                                   hosted=names, chunks=chunks)
+    built = Stage(module=stage, role=role, start=start, stop=stop, chunks=chunks,
                   compute_dtype=compute_dtype, tp_sharded=tp_sharded, layers=layers,
                   hosted=names, compiled=compiled,
                   tp_group=mesh["tp"].get_group() if role.grid.tp > 1 else None)
@@ -700,14 +733,15 @@ def _expert_parallel(units: dict[str, nn.Module], plan: Plan, role: RankRole,
 
 
 def _stage_units(program: ir.Program, plan: Plan, role: RankRole, hosted: list[Any],
-                 seed: int) -> tuple[dict[str, nn.Module], int, int]:
+                 seed: int) -> tuple[dict[str, nn.Module], tuple[tuple[int, int], ...]]:
     """The units of ``role``'s stage on the meta device, in forward order (FSDP2 gathers
     and hooks follow it: co-located encoders and their projectors, the stage's own unit
     with only its layers and ends, its projector, co-located generators and theirs), and
-    the stage's first and last-plus-one layer (0, 0 for a generator)."""
+    per model chunk its first and last-plus-one layer (``ir.plan.chunk_ranges``: one
+    chunk but for an interleaved unit; (0, 0) for a generator)."""
     name = role.unit
     units: dict[str, nn.Module] = {name: build_unit(program, name, seed, device="meta")}
-    start, stop = 0, 0
+    chunks: tuple[tuple[int, int], ...] = ((0, 0),)
     if role.role == "generator":
         proj = projector_between(program, program.backbone.name, name)
         units[proj] = build_unit(program, proj, seed, device="meta")
@@ -717,9 +751,8 @@ def _stage_units(program: ir.Program, plan: Plan, role: RankRole, hosted: list[A
         if len(split) != role.grid.pp or sum(split) != total:
             raise ValueError(f"unit {name}: layers_per_stage {split} does not split its "
                              f"{total} layers over pp={role.grid.pp} stages")
-        start = sum(split[:role.stage])
-        stop = start + split[role.stage]
-        _owned_layers(units[name], start, stop)
+        chunks = chunk_ranges(split, plan.unit(name).vpp)[role.stage]
+        _owned_layers(units[name], chunks)
         _owned_ends(units[name], role)
         if role.is_last_stage and role.role == "encoder":
             proj = projector_between(program, name, program.backbone.name)
@@ -731,7 +764,7 @@ def _stage_units(program: ir.Program, plan: Plan, role: RankRole, hosted: list[A
     order = [h.name for h in hosted if h.role == "encoder"]
     order = order + [_projector_of(program, n, "encoder") for n in order]
     order += [n for n in units if n not in order]
-    return {n: units[n] for n in order}, start, stop
+    return {n: units[n] for n in order}, chunks
 
 
 def _attach_phased(built: Stage, program: ir.Program, plan: Plan, device: torch.device, *,

@@ -430,14 +430,22 @@ def test_a_generator_on_two_pipeline_stages_is_refused(tmp_path, capsys):
     assert "2 pipeline stages" in err and "pp(gen) == 1" in err
 
 
-def test_an_interleaved_plan_is_refused_at_the_schedule_field(tmp_path, capsys):
-    err, lines = _unsupported(tmp_path, capsys, _INTERLEAVED)
-    assert lines == [_line_of(_INTERLEAVED, "schedule         = interleaved")]
-    assert "llm (vpp=2)" in err and "schedule = 1f1b" in err
+def test_an_interleaved_plan_is_refused_only_as_a_schedule_that_would_hang(tmp_path, capsys):
+    """The runtime runs interleaved plans (no DT601); compile still refuses this one, as
+    its lowering would deadlock under NCCL's one stream per communicator (gloo buffers
+    the sends that NCCL would block on): nothing is written."""
+    spec = tmp_path / "spec.dt"
+    spec.write_text(_INTERLEAVED)
+    capsys.readouterr()
+    assert compile_spec(spec, tmp_path / "bundle") == 2
+    err = capsys.readouterr().err
+    assert "DT601" not in err and "would hang on GPUs" in err
+    assert not (tmp_path / "bundle").exists()
 
 
-def test_an_interleaved_plan_read_with_plan_points_at_the_module(tmp_path, capsys):
-    """A plan from a file may interleave a unit that the spec's schedule does not name."""
+def test_an_interleaved_plan_beside_a_phased_encoder_is_refused(tmp_path):
+    """A plan from a file may interleave a unit that the spec's schedule does not name:
+    the runtime runs it, but not beside a phased encoder (DT601 at the module)."""
     from dtdsl.codegen.support import runtime_support
     from dtdsl.driver import run_frontend
     from dtdsl.ir.plan import Plan
@@ -448,8 +456,11 @@ def test_an_interleaved_plan_read_with_plan_points_at_the_module(tmp_path, capsy
     assert runtime_support(program, plan) == []
     units = tuple(u.model_copy(update={"vpp": 2}) if u.role == "backbone" else u
                   for u in plan.units)
+    assert runtime_support(program, plan.model_copy(update={"units": units})) == []
+    units = tuple(u.model_copy(update={"phased": True, "colocated": False})
+                  if u.name == "vit" else u for u in units)
     (diag,) = runtime_support(program, plan.model_copy(update={"units": units}))
-    assert diag.code == "DT601" and "llm (vpp=2)" in diag.message
+    assert diag.code == "DT601" and "(vpp=2)" in diag.message and "vit" in diag.message
     assert diag.span == program.module("llm").span
 
 
@@ -499,9 +510,9 @@ def test_compile_bundle_refuses_what_the_runtime_cannot_train(tmp_path):
 
 def test_compile_bundle_refuses_a_schedule_that_would_hang_under_nccl(tmp_path, monkeypatch):
     """Every bundle's schedule is held to NCCL's rules (``validate_nccl``) before anything
-    is written, whatever else refuses it: the interleaved lowering (refused as DT601
-    first, so set that check aside here) pairs sends with receives that wait behind
-    each other's sends (tests/schedule/test_validate.py)."""
+    is written, whatever else refuses it: the interleaved lowering (whatever DT601 may
+    say, set aside here) pairs sends with receives that wait behind each other's sends
+    (tests/schedule/test_validate.py)."""
     from dtdsl.codegen import compile as compile_module
     from dtdsl.codegen.compile import BundleOptions, compile_bundle
     from dtdsl.driver import run_frontend

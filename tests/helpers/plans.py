@@ -1,5 +1,6 @@
 """Plans laid out by hand as the planner writes them: units co-located on the
-backbone's first or last stage, an encoder phased over the backbone's ranks."""
+backbone's first or last stage, an encoder phased over the backbone's ranks, a unit
+interleaved over model chunks."""
 
 from __future__ import annotations
 
@@ -57,3 +58,16 @@ def phase(program: ir.Program, plan: Plan, name: str = "vit") -> Plan:
     order = {u.name: i for i, u in enumerate(plan.units)}
     out = sorted([*units, enc], key=lambda u: order[u.name])
     return plan.model_copy(update={"units": tuple(out), "num_gpus": first, "gpus_used": first})
+
+
+def interleaved(program: ir.Program, vpp: int = 2) -> ir.Program:
+    """``program`` with ``schedule = interleaved(virtual_stages=vpp)``."""
+    return program.model_copy(update={"train": program.train.model_copy(
+        update={"schedule": "interleaved", "virtual_stages": vpp})})
+
+
+def chunked(plan: Plan, unit: str, vpp: int = 2) -> Plan:
+    """``plan`` with ``unit`` interleaved over ``vpp`` model chunks per stage."""
+    units = tuple(u.model_copy(update={"vpp": vpp}) if u.name == unit else u
+                  for u in plan.units)
+    return plan.model_copy(update={"schedule": "interleaved", "units": units})

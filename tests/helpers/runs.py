@@ -97,8 +97,8 @@ def _train(rank: int, world: int, program: ir.Program, plan: Plan, losses: list[
     # the last actions, and the last events).
     actions = schedule.stage(ex.role.unit, ex.role.stage).actions
     events = results[-1]["events"]
-    assert [(e.kind, e.microbatch) for e in events] == \
-        [(a.kind.value, a.microbatch) for a in actions]
+    assert [(e.kind, e.microbatch, e.chunk) for e in events] == \
+        [(a.kind.value, a.microbatch, a.chunk) for a in actions]
     assert all(0 <= e.start_s <= e.end_s for e in events)
     # The whole timeline reaches rank 0 only.
     timeline = gather_timeline(plan, steps - 1, events)

@@ -14,6 +14,7 @@ from dtdsl.parallel.mesh import build_groups
 from dtdsl.schedule.lower import lower
 from dtdsl.train.executor import StageExecutor
 from tests.dist import run
+from tests.helpers.plans import chunked, interleaved
 from tests.helpers.runs import LOSS_RTOL, plan_for, reference, spec
 
 STEPS = 3
@@ -37,10 +38,11 @@ def _train(rank: int, world: int, program: ir.Program, plan: Plan,
     reduce = stage.reduce_gradients
 
     def reduce_and_look() -> None:
-        # On entry: have the backbone's layers' gradients reached their shards already?
-        # (FSDP2 registers the unsharded parameters on a module while it is gathered: read
-        # the shards through its state.)
-        shards = [fp.sharded_param for layer in stage.layers
+        # On entry: have the early layers' gradients (all the backbone's layers once
+        # learnt) reached their shards already? (FSDP2 registers the unsharded parameters
+        # on a module while it is gathered: read the shards through its state.)
+        early = stage.layers if stage.early is None else stage.early
+        shards = [fp.sharded_param for layer in early
                   for group in param_groups(layer._get_fsdp_state())
                   for fp in group.fsdp_params if fp.sharded_param.requires_grad]
         seen.append(bool(shards) and all(p.grad is not None for p in shards))
@@ -53,8 +55,11 @@ def _train(rank: int, world: int, program: ir.Program, plan: Plan,
     if ex.role.role != "backbone":
         assert stage.early == []
         return
-    n_layers = stage.stop - stage.start
+    # Interleaved, the layers of chunk 0 (whose backward is the step's last) only.
+    start, stop = stage.chunks[0] if stage.chunks else (stage.start, stage.stop)
+    n_layers = stop - start
     assert len(stage.early) == n_layers, (len(stage.early), n_layers)
+    assert len(stage.layers) == stage.held_layers
     # The first step learns which layers are early and reduces everything at its end;
     # from the second on, the layers' reduce-scatters ran inside the last backward.
     assert seen == [False] + [True] * (STEPS - 1), seen
@@ -64,6 +69,17 @@ def test_a_backbones_layers_reduce_during_the_last_backward():
     program = spec(8)
     plan = plan_for(program, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, 2, 2),
                     ("gen", "generator", 1, 1, 1))
+    losses, _ = reference(program, STEPS)
+    torch.set_num_threads(1)
+    run(_train, plan.gpus_used, program, plan, losses, timeout=240)
+
+
+def test_an_interleaved_stages_chunk_0_layers_reduce_during_the_last_backward():
+    # Interleaved: only chunk 0's layers reduce early (``_train`` checks the count).
+    program = interleaved(spec(8))
+    plan = chunked(plan_for(program, ("vit", "encoder", 1, 1, 1),
+                            ("llm", "backbone", 1, 2, 2), ("gen", "generator", 1, 1, 1)),
+                   "llm")
     losses, _ = reference(program, STEPS)
     torch.set_num_threads(1)
     run(_train, plan.gpus_used, program, plan, losses, timeout=240)
