@@ -78,7 +78,7 @@ class UnitCost:
     extra_stage_params: float        # embeddings, heads, projectors: on one stage
     trainable_params: float          # those that get gradients and optimizer state
     backward_factor: float
-    recompute: bool
+    recompute: ir.Recompute
     fwd_work: flops.Work             # per backbone microbatch, whole unit (expected)
     model_flops: float               # fwd + bwd FLOPs per backbone microbatch, for MFU
     act_bytes_per_layer: float       # per backbone microbatch, tp = 1, a large one (99th pct)
@@ -179,13 +179,25 @@ def _transformer_activation_bytes(hidden: int, ffn: int, kv_ratio: float, mlp_fa
     h, f = hidden, ffn
     norms = (14 if rms_norm else 4) * h
     whole = 4 * h
-    inner = 6 * h + 4 * kv_ratio * h + mlp_factor * f
+    core = _attention_core_bytes(h, 1.0)      # what selective recomputation drops
+    inner = 4 * h + core + 4 * kv_ratio * h + mlp_factor * f
     if cross_attention:     # its norm's input, normed input, queries, output, projection
         norms += 2 * h
         whole += 2 * h
-        inner += 6 * h
+        inner += 4 * h + core
     split = inner + (norms if sequence_parallel else 0)
     return tokens * (norms + whole + inner), tokens * split
+
+
+def _attention_core_bytes(width: float, tokens: float) -> float:
+    """What one attention core of a layer (``models.transformer.SelfAttention._core``:
+    rotary positions and scaled dot-product attention) alone keeps for backward, per
+    ``tokens``: attention's bf16 output (2 bytes a channel). Its rotated queries and keys
+    stand in for the projections' outputs the checkpoint keeps instead (the same size), and
+    its log-sum-exp statistics (4 bytes a head) are left out as in
+    ``_transformer_activation_bytes``; so selective recomputation saves this, all of it
+    divided by TP."""
+    return tokens * width * _BYTES_BF16
 
 
 def _per_microbatch(values: np.ndarray, micro_batch: int) -> np.ndarray:
@@ -225,6 +237,8 @@ class _Acc:
     act: float = 0.0
     act_split: float = 0.0
     act_tokens: float = 0.0       # tokens whose layer inputs recomputation keeps
+    core: float | None = None     # what a layer's attention cores alone keep (selective
+                                  # recomputation drops it); None: one core of act_tokens
     peak_ratio: float = 1.0       # the large microbatch over the mean one
     width: int = 0
     comm: float = 0.0
@@ -367,6 +381,10 @@ def _generator_cost(acc: _Acc, program: ir.Program, module: ir.Module, samples: 
         acc.act, acc.act_split = total * per_layer, (total - whole) * per_layer
         acc.act_tokens = total / arch.pipeline_layers / arch.channels * peak_items
         acc.width = arch.channels
+        # The attention ops' outputs (self and cross): what their cores keep.
+        acc.core = _attention_core_bytes(
+            sum(op.out_elements for op in ops if op.kind == "attention"),
+            peak_items / arch.pipeline_layers)
         conv_out = sum(op.out_elements for op in ops if op.kind == "conv")
         acc.comm = conv_out / 2 * _BYTES_BF16 * count   # one all-reduce per two convs
     else:
@@ -376,6 +394,7 @@ def _generator_cost(acc: _Acc, program: ir.Program, module: ir.Module, samples: 
             arch.hidden, arch.ffn, 1.0, 4, n * peak_items, cross_attention=True,
             rms_norm=False, sequence_parallel=False)
         acc.act_tokens, acc.width = n * peak_items, arch.hidden
+        acc.core = 2 * _attention_core_bytes(arch.hidden, acc.act_tokens)  # self and cross
         acc.comm = arch.layers * 3 * n * arch.hidden * _BYTES_BF16 * count
         acc.cp = (n * count, arch.hidden, arch.hidden)
     acc.work = per_item * count
@@ -410,17 +429,25 @@ def _unit_cost(program: ir.Program, module: ir.Module, samples: SampleSet,
                                                                      _generator_cost)
     boundary = part(acc, program, module, samples, params, bwd)
     recompute_layer = (0.0, 0.0)
-    if module.recompute:
+    mode = ir.Recompute.of(module.recompute)   # a bool where a caller copied one in
+    if mode is ir.Recompute.FULL:
         # Full recomputation keeps only each layer's input; backward redoes the forward,
         # one layer at a time: that layer's activations exist again while it runs.
         recompute_layer = (acc.act, acc.act_split)
         acc.act, acc.act_split = acc.act_tokens * acc.width * _BYTES_BF16, 0.0
+    elif mode is ir.Recompute.SELECTIVE:
+        # Selective: each layer keeps all but its attention cores' own tensors, made again
+        # one layer at a time in backward.
+        core = acc.core if acc.core is not None else \
+            _attention_core_bytes(acc.width, acc.act_tokens)
+        recompute_layer = (core, core)
+        acc.act, acc.act_split = acc.act - core, acc.act_split - core
     return UnitCost(
         name=module.name, role=module.role, layers=arch.pipeline_layers,
         params=acc.params, extra_stage_params=min(acc.extra, acc.params),
         trainable_params=acc.trainable_params, backward_factor=bwd,
         frozen_fwd_work=acc.frozen,
-        recompute=module.recompute, fwd_work=acc.work, model_flops=acc.model_flops,
+        recompute=mode, fwd_work=acc.work, model_flops=acc.model_flops,
         act_bytes_per_layer=acc.act, act_bytes_per_layer_tp_split=acc.act_split,
         act_peak_ratio=acc.peak_ratio,
         tp_comm_bytes=acc.comm, boundary_bytes=boundary, queries=tuple(acc.queries),

@@ -42,6 +42,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from dtdsl.ir import program as ir
 from dtdsl.models.attention import DocumentMask, dense_attention, document_attention
@@ -124,6 +125,10 @@ class SelfAttention(nn.Module):
         self.wo = nn.Linear(heads * head_dim, dim, bias=out_bias)
         self.wo.residual_out = True
 
+    # Selective recomputation (``parallel.recompute.apply_selective``): the attention core
+    # runs under a non-reentrant checkpoint, so what only it keeps is made again in backward.
+    recompute_core = False
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor | Rotation | None = None,
                 mask: DocumentMask | None = None) -> torch.Tensor:
         batch, seq, _ = x.shape
@@ -132,12 +137,27 @@ class SelfAttention(nn.Module):
         q = self.wq(x).view(batch, seq, -1, d)
         k = self.wk(x).view(batch, seq, -1, d)
         v = self.wv(x).view(batch, seq, -1, d)
+        if self.recompute_core:
+            out = checkpoint(self._core, q, k, v, positions, mask, use_reentrant=False)
+        else:
+            out = self._core(q, k, v, positions, mask)
+        return self.wo(out)
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              positions: torch.Tensor | Rotation | None, mask: DocumentMask | None
+              ) -> torch.Tensor:
+        """The attention core: rotary positions, then scaled dot-product attention of
+        the projections' ``[B, S, heads, D]`` outputs, as ``[B, S, heads * D]`` for the
+        output projection. Its saved tensors (rotated queries and keys, the values'
+        layout, attention's output and statistics) are what selective recomputation
+        drops: the projections' outputs it starts from are all it needs again."""
+        batch, seq = q.shape[:2]
         if self.rope is not None:
             if isinstance(positions, Rotation):     # the stage's, looked up once
                 q, k = positions.apply(q, k)
             else:
                 if positions is None:
-                    positions = torch.arange(seq, device=x.device)
+                    positions = torch.arange(seq, device=q.device)
                 q, k = apply_rotary(q, k, positions, self.rope)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if hasattr(mask, "attend"):
@@ -150,7 +170,7 @@ class SelfAttention(nn.Module):
             out = document_attention(q, k, v, mask)
         else:
             out = dense_attention(q, k, v, causal=self.causal)
-        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+        return out.transpose(1, 2).reshape(batch, seq, -1)
 
 
 class CrossAttention(nn.Module):
@@ -168,16 +188,28 @@ class CrossAttention(nn.Module):
         self.wo = nn.Linear(heads * head_dim, dim, bias=out_bias)
         self.wo.residual_out = True
 
+    recompute_core = False     # as ``SelfAttention.recompute_core``
+
     def forward(self, x: torch.Tensor, context: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
         batch, n, _ = x.shape
         m = context.shape[1]
         d = self.head_dim
-        q = self.wq(x).view(batch, n, -1, d).transpose(1, 2)
-        k = self.wk(context).view(batch, m, -1, d).transpose(1, 2)
-        v = self.wv(context).view(batch, m, -1, d).transpose(1, 2)
-        out = dense_attention(q, k, v, bias=bias)
-        return self.wo(out.transpose(1, 2).reshape(batch, n, -1))
+        q = self.wq(x).view(batch, n, -1, d)
+        k = self.wk(context).view(batch, m, -1, d)
+        v = self.wv(context).view(batch, m, -1, d)
+        if self.recompute_core:     # as ``SelfAttention.recompute_core``
+            return self.wo(checkpoint(_cross_core, q, k, v, bias, use_reentrant=False))
+        return self.wo(_cross_core(q, k, v, bias))
+
+
+def _cross_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """``CrossAttention``'s core: attention of the projections' ``[B, N, heads, D]``
+    queries over ``[B, M, heads, D]`` keys and values, as ``[B, N, heads * D]``."""
+    batch, n = q.shape[:2]
+    out = dense_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), bias=bias)
+    return out.transpose(1, 2).reshape(batch, n, -1)
 
 
 class MLP(nn.Module):
