@@ -371,11 +371,15 @@ class CostModel:
 
     def _recomputed_s(self, unit: UnitCost, tp: int, fwd: float) -> float:
         """What backward runs again of one microbatch's forward ``fwd``: all of it (full
-        recomputation), its attention (selective: attention FLOPs only), or nothing."""
+        recomputation), its attention cores (selective: the Q, K, V projections and
+        attention, ``UnitCost.selective_work``, analytic even with a profile), or
+        nothing."""
         if unit.recompute is ir.Recompute.FULL:
             return fwd
         if unit.recompute is ir.Recompute.SELECTIVE:
-            return self._attention_layer_s(unit, tp) * max(unit.layers, 1)
+            eff, w = self.params.efficiency, unit.selective_work
+            return (w.matmul / eff.matmul + w.attention / eff.attention) / \
+                (self.peak_flops * tp * unit.cp)
         return 0.0
 
     def tp_comm_time_s(self, unit: UnitCost, tp: int, across_nodes: bool = False) -> float:

@@ -125,33 +125,34 @@ class SelfAttention(nn.Module):
         self.wo = nn.Linear(heads * head_dim, dim, bias=out_bias)
         self.wo.residual_out = True
 
-    # Selective recomputation (``parallel.recompute.apply_selective``): the attention core
-    # runs under a non-reentrant checkpoint, so what only it keeps is made again in backward.
+    # Selective recomputation (``parallel.recompute``): the attention core runs under a
+    # non-reentrant checkpoint, so what only it keeps is made again in backward.
     recompute_core = False
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | Rotation | None = None,
                 mask: DocumentMask | None = None) -> torch.Tensor:
+        if self.recompute_core:
+            out = checkpoint(self._core, x, positions, mask, use_reentrant=False)
+        else:
+            out = self._core(x, positions, mask)
+        return self.wo(out)
+
+    def _core(self, x: torch.Tensor, positions: torch.Tensor | Rotation | None,
+              mask: DocumentMask | None) -> torch.Tensor:
+        """The attention core: the Q, K and V projections, rotary positions, scaled
+        dot-product attention, as ``[B, S, heads * D]`` for the output projection. What
+        it keeps for backward (the projections' outputs, the rotated queries and keys,
+        attention's statistics) is what selective recomputation drops: its input ``x``
+        (the normed input, kept by the layer anyway) is all it needs again; its output
+        (a view of attention's) the output projection keeps. Starting at the
+        projections, not at attention itself, is what makes it save anything: a
+        checkpoint keeps its inputs, and attention's are the queries, keys and values."""
         batch, seq, _ = x.shape
         d = self.head_dim
         # -1 heads: under tensor parallelism a rank's projections hold its heads only.
         q = self.wq(x).view(batch, seq, -1, d)
         k = self.wk(x).view(batch, seq, -1, d)
         v = self.wv(x).view(batch, seq, -1, d)
-        if self.recompute_core:
-            out = checkpoint(self._core, q, k, v, positions, mask, use_reentrant=False)
-        else:
-            out = self._core(q, k, v, positions, mask)
-        return self.wo(out)
-
-    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              positions: torch.Tensor | Rotation | None, mask: DocumentMask | None
-              ) -> torch.Tensor:
-        """The attention core: rotary positions, then scaled dot-product attention of
-        the projections' ``[B, S, heads, D]`` outputs, as ``[B, S, heads * D]`` for the
-        output projection. Its saved tensors (rotated queries and keys, the values'
-        layout, attention's output and statistics) are what selective recomputation
-        drops: the projections' outputs it starts from are all it needs again."""
-        batch, seq = q.shape[:2]
         if self.rope is not None:
             if isinstance(positions, Rotation):     # the stage's, looked up once
                 q, k = positions.apply(q, k)
@@ -192,24 +193,22 @@ class CrossAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, context: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.recompute_core:     # as ``SelfAttention.recompute_core``
+            return self.wo(checkpoint(self._core, x, context, bias, use_reentrant=False))
+        return self.wo(self._core(x, context, bias))
+
+    def _core(self, x: torch.Tensor, context: torch.Tensor,
+              bias: torch.Tensor | None) -> torch.Tensor:
+        """The projections and attention, as ``[B, N, heads * D]`` (``SelfAttention._core``
+        says why the projections are in it)."""
         batch, n, _ = x.shape
         m = context.shape[1]
         d = self.head_dim
-        q = self.wq(x).view(batch, n, -1, d)
-        k = self.wk(context).view(batch, m, -1, d)
-        v = self.wv(context).view(batch, m, -1, d)
-        if self.recompute_core:     # as ``SelfAttention.recompute_core``
-            return self.wo(checkpoint(_cross_core, q, k, v, bias, use_reentrant=False))
-        return self.wo(_cross_core(q, k, v, bias))
-
-
-def _cross_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                bias: torch.Tensor | None) -> torch.Tensor:
-    """``CrossAttention``'s core: attention of the projections' ``[B, N, heads, D]``
-    queries over ``[B, M, heads, D]`` keys and values, as ``[B, N, heads * D]``."""
-    batch, n = q.shape[:2]
-    out = dense_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), bias=bias)
-    return out.transpose(1, 2).reshape(batch, n, -1)
+        q = self.wq(x).view(batch, n, -1, d).transpose(1, 2)
+        k = self.wk(context).view(batch, m, -1, d).transpose(1, 2)
+        v = self.wv(context).view(batch, m, -1, d).transpose(1, 2)
+        out = dense_attention(q, k, v, bias=bias)
+        return out.transpose(1, 2).reshape(batch, n, -1)
 
 
 class MLP(nn.Module):
