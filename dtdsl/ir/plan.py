@@ -19,7 +19,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from dtdsl.ir.program import Recompute, RecomputeMode
+from dtdsl.ir.recompute import Recompute, RecomputeMode
 
 __all__ = ["BASELINES", "PLACEMENTS", "PLAN_VERSION", "Baseline", "Packing", "Placement", "Plan",
            "Simulated", "UnitPlan", "cp_conflict", "cp_split", "place_units", "placement_order",
