@@ -4,7 +4,10 @@ non-reentrant checkpoint, which changes no number, and keep less for backward.""
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
 
+import pytest
 import torch
 
 from dtdsl.data.sample import make_batch
@@ -13,6 +16,8 @@ from dtdsl.models.multimodal import build_model, loss_normalizer, microbatch_los
 from dtdsl.models.transformer import CrossAttention, SelfAttention
 from dtdsl.parallel.recompute import apply_ac
 from tests.helpers.runs import check, plan_for, spec
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _loss_and_grads(model, samples):
@@ -92,3 +97,23 @@ def test_selective_trains_as_the_reference():
     program = base.model_copy(update={"modules": modules})
     check(program, plan_for(program, ("vit", "encoder", 1, 1, 1),
                             ("llm", "backbone", 2, 1, 2), ("gen", "generator", 1, 1, 1)), 4)
+
+
+@pytest.mark.slow
+def test_memcheck_of_a_selective_backbone_is_within_the_tolerance(tmp_path, capsys):
+    """mllm_9b with its backbone's attention cores recomputed (`recompute = selective`):
+    every stage the runtime builds peaks within 15% of the cost model (measured: 5.8%
+    under, 1.7% and 4.8% over; the spec as shipped: 5.5%, 1.8% and 4.9%)."""
+    from dtdsl import cli
+
+    text = (ROOT / "specs" / "mllm_9b.dt").read_text()
+    head = "vocab=128256,\n                       swiglu)\n"
+    assert head in text
+    spec_path = tmp_path / "mllm_9b.dt"
+    spec_path.write_text(text.replace(head, head + "    recompute = selective\n", 1))
+    assert cli.main(["memcheck", str(spec_path), "--json", "--jobs", "2"]) == 0
+    stages = json.loads(capsys.readouterr().out)["stages"]
+    assert stages
+    for s in stages:
+        error = (s["measured_bytes"] - s["predicted_bytes"]) / s["predicted_bytes"]
+        assert abs(error) <= 0.15, (s["unit"], s["stage"], error)
