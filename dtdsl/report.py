@@ -64,7 +64,7 @@ def _role(plan: Plan, u) -> str:
     if u.phased:
         notes.append("phased on the backbone's GPUs, in its bubbles")
     if u.recompute:     # full, or selective (the attention core only)
-        notes.append("recompute" if u.recompute.value == "full" else "recompute selective")
+        notes.append("recompute selective" if u.recompute == "selective" else "recompute")
     if u.ep > 1:
         notes.append(f"experts over ep {u.ep}")
     return u.role + (f" ({', '.join(notes)})" if notes else "")
@@ -183,7 +183,7 @@ def baseline_layout(plan: Plan) -> str:
     parts.extend(f"{u.name} own stage tp {u.tp}" for u in plan.units
                  if u.role != "backbone" and not u.colocated)
     if any(u.recompute for u in plan.units):
-        selective = any(u.recompute.value == "selective" for u in plan.units)
+        selective = any(u.recompute == "selective" for u in plan.units)
         parts.append("recompute selective" if selective else "recompute")
     parts.append("padded to seq_len" if backbone.padding == "seq_len" else
                  "padded to the longest")

@@ -672,7 +672,7 @@ def _recomputing(program: ir.Program, plan: Plan) -> ir.Program:
     """``program`` with each module recomputing as the stage runs it: the more of its
     spec's ``recompute`` and its plan's (the planner raises it to make a layout fit;
     ``train.stage._recomputes``)."""
-    planned = {u.name: u.recompute for u in plan.units}
+    planned = {u.name: ir.Recompute.of(u.recompute) for u in plan.units}
     modules = []
     for m in program.modules:
         mode = max(ir.Recompute.of(m.recompute), planned.get(m.name, ir.Recompute.NONE),

@@ -510,7 +510,7 @@ def _recomputes(program: ir.Program, plan: Plan, name: str) -> ir.Recompute:
     its spec's ``recompute`` and its plan's (a planner may recompute to make a layout
     fit, ``UnitPlan.recompute``). Projectors have no layers of their own."""
     spec = ir.Recompute.of(getattr(unit_spec(program, name), "recompute", False))
-    planned = [u.recompute for u in plan.units if u.name == name]
+    planned = [ir.Recompute.of(u.recompute) for u in plan.units if u.name == name]
     return max([spec, *planned], key=lambda mode: mode.rank)
 
 
