@@ -63,8 +63,8 @@ def _role(plan: Plan, u) -> str:
                      " stage")
     if u.phased:
         notes.append("phased on the backbone's GPUs, in its bubbles")
-    if u.recompute:
-        notes.append("recompute")
+    if u.recompute:     # full, or selective (the attention core only)
+        notes.append("recompute selective" if u.recompute == "selective" else "recompute")
     if u.ep > 1:
         notes.append(f"experts over ep {u.ep}")
     return u.role + (f" ({', '.join(notes)})" if notes else "")
@@ -183,7 +183,8 @@ def baseline_layout(plan: Plan) -> str:
     parts.extend(f"{u.name} own stage tp {u.tp}" for u in plan.units
                  if u.role != "backbone" and not u.colocated)
     if any(u.recompute for u in plan.units):
-        parts.append("recompute")
+        selective = any(u.recompute == "selective" for u in plan.units)
+        parts.append("recompute selective" if selective else "recompute")
     parts.append("padded to seq_len" if backbone.padding == "seq_len" else
                  "padded to the longest")
     return ", ".join(parts)

@@ -359,15 +359,28 @@ class CostModel:
             fwd, bwd = fwd / unit.cp, bwd / unit.cp
             if not unit.backward_factor:
                 bwd = 0.0
-            elif unit.recompute:   # the profile measures without recomputation
-                bwd += fwd
+            else:   # the profile measures without recomputation
+                bwd += self._recomputed_s(unit, tp, fwd)
         else:
             fwd = self.compute_time_s(unit, tp)
-            bwd = unit.backward_factor * fwd + (fwd if unit.recompute and unit.backward_factor
-                                                 else 0.0)
+            bwd = unit.backward_factor * fwd + (self._recomputed_s(unit, tp, fwd)
+                                                 if unit.backward_factor else 0.0)
         cp_fwd, cp_bwd = self.cp_comm_time_s(unit, tp)
         ep_fwd, ep_bwd = self.ep_comm_time_s(unit, tp)
         return fwd + comm + cp_fwd + ep_fwd, bwd + bwd_comm + cp_bwd + ep_bwd
+
+    def _recomputed_s(self, unit: UnitCost, tp: int, fwd: float) -> float:
+        """What backward runs again of one microbatch's forward ``fwd``: all of it (full
+        recomputation), its attention cores (selective: the Q, K, V projections and
+        attention, ``UnitCost.selective_work``, analytic even with a profile), or
+        nothing."""
+        if unit.recompute is ir.Recompute.FULL:
+            return fwd
+        if unit.recompute is ir.Recompute.SELECTIVE:
+            eff, w = self.params.efficiency, unit.selective_work
+            return (w.matmul / eff.matmul + w.attention / eff.attention) / \
+                (self.peak_flops * tp * unit.cp)
+        return 0.0
 
     def tp_comm_time_s(self, unit: UnitCost, tp: int, across_nodes: bool = False) -> float:
         """All-reduces (reduce-scatter + all-gather with sequence parallelism) of one

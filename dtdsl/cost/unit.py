@@ -78,7 +78,7 @@ class UnitCost:
     extra_stage_params: float        # embeddings, heads, projectors: on one stage
     trainable_params: float          # those that get gradients and optimizer state
     backward_factor: float
-    recompute: bool
+    recompute: ir.Recompute
     fwd_work: flops.Work             # per backbone microbatch, whole unit (expected)
     model_flops: float               # fwd + bwd FLOPs per backbone microbatch, for MFU
     act_bytes_per_layer: float       # per backbone microbatch, tp = 1, a large one (99th pct)
@@ -93,6 +93,8 @@ class UnitCost:
                                      # image tokens) or generation targets (generator)
     recompute_layer_bytes: float = 0.0       # with recompute: one layer's activations, made
     recompute_layer_bytes_tp_split: float = 0.0  # again in backward (and what TP divides)
+    selective_work: flops.Work = flops.Work()  # of fwd_work, the attention cores' (what
+                                     # selective recomputation runs again in backward)
     tied_head_params: float = 0.0    # a tied LM head: the embedding again on the last stage
                                      # when the first is another (pp > 1)
     frozen_fwd_work: flops.Work = flops.Work()   # forward only, whole on every TP rank:
@@ -179,13 +181,35 @@ def _transformer_activation_bytes(hidden: int, ffn: int, kv_ratio: float, mlp_fa
     h, f = hidden, ffn
     norms = (14 if rms_norm else 4) * h
     whole = 4 * h
-    inner = 6 * h + 4 * kv_ratio * h + mlp_factor * f
+    # Q, K and V: what selective recomputation drops (``_attention_core_bytes``).
+    inner = _attention_core_bytes(h, kv_ratio, 1.0) + 4 * h + mlp_factor * f
     if cross_attention:     # its norm's input, normed input, queries, output, projection
         norms += 2 * h
         whole += 2 * h
-        inner += 6 * h
+        inner += _attention_core_bytes(h, 0.0, 1.0) + 4 * h
     split = inner + (norms if sequence_parallel else 0)
     return tokens * (norms + whole + inner), tokens * split
+
+
+def _attention_core_bytes(hidden: float, kv_ratio: float, tokens: float) -> float:
+    """What one attention core of a layer (``models.transformer.SelfAttention._core``:
+    the Q, K and V projections, rotary positions, scaled dot-product attention) alone
+    keeps for backward, per ``tokens``, bf16: the rotated queries (``hidden``) and keys
+    and the values (``kv_ratio`` x ``hidden`` each; 0 for a cross-attention's, whose keys
+    and values are the conditioning's, not per token). Its output stays (the output
+    projection's input is a view of it); its log-sum-exp statistics (4 bytes a head) are
+    left out as in ``_transformer_activation_bytes``. Selective recomputation saves this,
+    all of it divided by TP."""
+    return tokens * hidden * (1 + 2 * kv_ratio) * _BYTES_BF16
+
+
+def _qkv_share(arch: ir.TransformerArch) -> float:
+    """The Q, K and V projections' share of a layer's matmul FLOPs
+    (``flops.transformer_layer_matmul_per_token``): what selective recomputation runs
+    again of a unit's matmuls (the layers' share; an LM head's FLOPs are counted in the
+    whole, so a backbone's is a slight overestimate)."""
+    qkv = 2 * arch.hidden * arch.head_dim * (arch.heads + 2 * arch.kv_heads)
+    return qkv / flops.transformer_layer_matmul_per_token(arch)
 
 
 def _per_microbatch(values: np.ndarray, micro_batch: int) -> np.ndarray:
@@ -225,6 +249,9 @@ class _Acc:
     act: float = 0.0
     act_split: float = 0.0
     act_tokens: float = 0.0       # tokens whose layer inputs recomputation keeps
+    core: float = 0.0             # what a layer's attention cores alone keep (selective
+                                  # recomputation drops it), like act
+    core_work: flops.Work = field(default_factory=flops.Work)  # their forward, run again
     peak_ratio: float = 1.0       # the large microbatch over the mean one
     width: int = 0
     comm: float = 0.0
@@ -283,6 +310,9 @@ def _backbone_cost(acc: _Acc, program: ir.Program, module: ir.Module, samples: S
         arch.hidden, _active_ffn(arch), arch.kv_heads / arch.heads, _mlp_factor(arch),
         tokens, rms_norm=True, sequence_parallel=True)
     acc.act_tokens, acc.width, acc.peak_items = tokens, arch.hidden, tokens
+    acc.core = _attention_core_bytes(arch.hidden, arch.kv_heads / arch.heads, tokens)
+    acc.core_work = flops.Work(matmul=acc.work.matmul * _qkv_share(arch),
+                               attention=acc.work.attention)
     if arch.moe is not None:
         acc.ep = (flops.expert_params(module),
                   mean_tokens * flops.moe_dispatch_elements_per_token(arch),
@@ -323,6 +353,9 @@ def _encoder_cost(acc: _Acc, program: ir.Program, module: ir.Module, samples: Sa
         arch.hidden, arch.ffn, arch.kv_heads / arch.heads, _mlp_factor(arch), peak,
         rms_norm=False, sequence_parallel=False)
     acc.act_tokens, acc.width, acc.peak_items = peak, arch.hidden, peak
+    acc.core = _attention_core_bytes(arch.hidden, arch.kv_heads / arch.heads, peak)
+    acc.core_work = flops.Work(matmul=acc.work.matmul * _qkv_share(arch),
+                               attention=acc.work.attention)
     mean_tokens = float(tokens.mean()) * mb
     acc.comm = arch.layers * 2 * mean_tokens * arch.hidden * _BYTES_BF16
     acc.cp = (mean_tokens, arch.hidden, arch.hidden * arch.kv_heads / arch.heads)
@@ -367,6 +400,13 @@ def _generator_cost(acc: _Acc, program: ir.Program, module: ir.Module, samples: 
         acc.act, acc.act_split = total * per_layer, (total - whole) * per_layer
         acc.act_tokens = total / arch.pipeline_layers / arch.channels * peak_items
         acc.width = arch.channels
+        # Each attention op's core: the Q, K and V projections just before it.
+        qkv = [proj for i, op in enumerate(ops) if op.kind == "attention"
+               for proj in ops[i - 3:i]]
+        acc.core = sum(op.out_elements for op in qkv) * per_layer
+        acc.core_work = flops.Work(
+            matmul=sum(op.flops for op in qkv) * count,
+            attention=sum(op.flops for op in ops if op.kind == "attention") * count)
         conv_out = sum(op.out_elements for op in ops if op.kind == "conv")
         acc.comm = conv_out / 2 * _BYTES_BF16 * count   # one all-reduce per two convs
     else:
@@ -376,6 +416,14 @@ def _generator_cost(acc: _Acc, program: ir.Program, module: ir.Module, samples: 
             arch.hidden, arch.ffn, 1.0, 4, n * peak_items, cross_attention=True,
             rms_norm=False, sequence_parallel=False)
         acc.act_tokens, acc.width = n * peak_items, arch.hidden
+        # Self-attention's Q, K, V and cross-attention's Q per token (its K and V: the
+        # conditioning's); their projections' FLOPs as ``flops.dit_forward`` counts them.
+        acc.core = _attention_core_bytes(arch.hidden, 1.0, acc.act_tokens) + \
+            _attention_core_bytes(arch.hidden, 0.0, acc.act_tokens)
+        h, m = arch.hidden, cond_tokens
+        acc.core_work = flops.Work(
+            matmul=arch.layers * (n * 2 * h * h * 4 + 2 * 2 * m * arch.context_dim * h) * count,
+            attention=per_item.attention * count)
         acc.comm = arch.layers * 3 * n * arch.hidden * _BYTES_BF16 * count
         acc.cp = (n * count, arch.hidden, arch.hidden)
     acc.work = per_item * count
@@ -410,17 +458,24 @@ def _unit_cost(program: ir.Program, module: ir.Module, samples: SampleSet,
                                                                      _generator_cost)
     boundary = part(acc, program, module, samples, params, bwd)
     recompute_layer = (0.0, 0.0)
-    if module.recompute:
+    mode = ir.Recompute.of(module.recompute)   # a bool where a caller copied one in
+    if mode is ir.Recompute.FULL:
         # Full recomputation keeps only each layer's input; backward redoes the forward,
         # one layer at a time: that layer's activations exist again while it runs.
         recompute_layer = (acc.act, acc.act_split)
         acc.act, acc.act_split = acc.act_tokens * acc.width * _BYTES_BF16, 0.0
+    elif mode is ir.Recompute.SELECTIVE:
+        # Selective: each layer keeps all but its attention cores' own tensors, made again
+        # one layer at a time in backward.
+        recompute_layer = (acc.core, acc.core)
+        acc.act, acc.act_split = acc.act - acc.core, acc.act_split - acc.core
     return UnitCost(
         name=module.name, role=module.role, layers=arch.pipeline_layers,
         params=acc.params, extra_stage_params=min(acc.extra, acc.params),
         trainable_params=acc.trainable_params, backward_factor=bwd,
         frozen_fwd_work=acc.frozen,
-        recompute=module.recompute, fwd_work=acc.work, model_flops=acc.model_flops,
+        recompute=mode, fwd_work=acc.work, selective_work=acc.core_work,
+        model_flops=acc.model_flops,
         act_bytes_per_layer=acc.act, act_bytes_per_layer_tp_split=acc.act_split,
         act_peak_ratio=acc.peak_ratio,
         tp_comm_bytes=acc.comm, boundary_bytes=boundary, queries=tuple(acc.queries),

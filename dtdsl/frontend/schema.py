@@ -22,7 +22,7 @@ from dtdsl.source import Span
 __all__ = [
     "INVALID", "BoolKind", "CallKind", "Ctx", "EnumKind", "FloatKind", "FractionKind", "IntKind",
     "Kind",
-    "ListKind", "Param", "QuantityKind", "StrKind", "describe_expr", "head_span",
+    "ListKind", "Param", "QuantityKind", "StrKind", "SwitchKind", "describe_expr", "head_span",
     "resolve_call", "resolve_fields",
 ]
 
@@ -283,6 +283,17 @@ class EnumKind(Kind):
         return ctx.error("DT205", f"unknown {what} '{expr.name}'", expr.span,
                          notes=[f"{what} is one of: {listed}"],
                          hint=f"did you mean '{guess}'?" if guess else None)
+
+
+@dataclass(frozen=True)
+class SwitchKind(EnumKind):
+    """One of ``choices`` or ``true`` / ``false`` (a field that was a switch and grew
+    modes: ``recompute``); a bool is returned as it is, for the IR to read."""
+
+    def convert(self, expr, ctx, what):
+        if isinstance(expr, ast.Bool):
+            return expr.value
+        return super().convert(expr, ctx, what)
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from dtdsl.frontend.schema import (
     Param,
     QuantityKind,
     StrKind,
+    SwitchKind,
     describe_expr,
 )
 from dtdsl.ir import program as ir
@@ -39,7 +40,10 @@ MODULE_FIELDS = (
           doc='arch = transformer(...), unet(...), dit(...) or hf("DIR")'),
     Param("pretrained", StrKind(), doc='pretrained = "models/llama-3-8b"'),
     Param("frozen", BoolKind(), default=False),
-    Param("recompute", BoolKind(), default=False),
+    # What backward recomputes (``ir.program.Recompute``): true is full, false none.
+    Param("recompute", SwitchKind(choices=("none", "selective", "full"),
+                                  expects="true, false, none, selective or full"),
+          default=False),
     # How cp(...) > 1 splits its attention (dtdsl.parallel.cp).
     Param("context_parallel", EnumKind(choices=("ring", "ulysses", "hybrid")),
           default="ring"),

@@ -19,6 +19,8 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from dtdsl.ir.recompute import Recompute, RecomputeMode
+
 __all__ = ["BASELINES", "PLACEMENTS", "PLAN_VERSION", "Baseline", "Packing", "Placement", "Plan",
            "Simulated", "UnitPlan", "chunk_ranges", "cp_conflict", "cp_split", "place_units",
            "placement_order", "split_layers", "straddling_tp_groups", "tp_spans_nodes"]
@@ -49,9 +51,10 @@ class UnitPlan(BaseModel):
     # backbone's first stage; its backward (forward recomputed, one microbatch step at a
     # time) after the pipeline drains (Optimus; Megatron-LM's non-pipelined encoders).
     phased: bool = False
-    # Activation recomputation of every layer: the spec's setting, or the baseline's to
-    # make a layout fit (Megatron-LM's --recompute-granularity full).
-    recompute: bool = False
+    # Activation recomputation of its layers (``ir.program.Recompute``: none, selective,
+    # full): the spec's setting, or the planner's to make a layout fit (Megatron-LM's
+    # --recompute-granularity). An older plan's bool reads as full or none.
+    recompute: RecomputeMode = Recompute.NONE
     first_rank: int
     # How the backbone pads a microbatch: to its longest sequence (the runtime), or to
     # seq_len (Megatron-LM's LLaVA when the language model is pipelined, ``_preprocess_data``:

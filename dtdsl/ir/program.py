@@ -14,13 +14,15 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from dtdsl.ir.hardware import HOST_BW_BYTES_PER_S
+from dtdsl.ir.recompute import Recompute, RecomputeMode
 from dtdsl.source import Span
 
 __all__ = [
     "Arch", "AvgPool", "Choice", "Cluster", "Compression", "Constant", "DiTArch", "Dist",
     "Empirical", "Gpu", "HFSource", "ImageTokens", "IntDomain", "LRSchedule", "LogNormal",
     "MLPArch", "MoEArch", "Module", "ModuleConstraints", "Optimizer", "PixelShuffle",
-    "Program", "Projector", "Quantity", "Resampler", "RoPE", "Sync", "Train",
+    "Program", "Projector", "Quantity", "Recompute", "RecomputeMode", "Resampler", "RoPE",
+    "Sync", "Train",
     "TransformerArch", "UNetArch", "Uniform", "Zipf", "Data", "COND_TOKENS", "LR_SCHEDULES",
     "MODALITIES", "QUANTITIES", "ROLES", "SCHEDULES",
 ]
@@ -379,7 +381,7 @@ class Module(IRModel):
     modality: str | None
     arch: Arch
     frozen: bool = False
-    recompute: bool = False
+    recompute: RecomputeMode = Recompute.NONE
     span: Span
     hf: HFSource | None = None       # arch = hf("DIR"): where the architecture came from
     pretrained: str | None = None    # pretrained = "DIR": the weights, absolute

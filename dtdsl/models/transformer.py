@@ -42,6 +42,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from dtdsl.ir import program as ir
 from dtdsl.models.attention import DocumentMask, dense_attention, document_attention
@@ -124,8 +125,28 @@ class SelfAttention(nn.Module):
         self.wo = nn.Linear(heads * head_dim, dim, bias=out_bias)
         self.wo.residual_out = True
 
+    # Selective recomputation (``parallel.recompute``): the attention core runs under a
+    # non-reentrant checkpoint, so what only it keeps is made again in backward.
+    recompute_core = False
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor | Rotation | None = None,
                 mask: DocumentMask | None = None) -> torch.Tensor:
+        if self.recompute_core:
+            out = checkpoint(self._core, x, positions, mask, use_reentrant=False)
+        else:
+            out = self._core(x, positions, mask)
+        return self.wo(out)
+
+    def _core(self, x: torch.Tensor, positions: torch.Tensor | Rotation | None,
+              mask: DocumentMask | None) -> torch.Tensor:
+        """The attention core: the Q, K and V projections, rotary positions, scaled
+        dot-product attention, as ``[B, S, heads * D]`` for the output projection. What
+        it keeps for backward (the projections' outputs, the rotated queries and keys,
+        attention's statistics) is what selective recomputation drops: its input ``x``
+        (the normed input, kept by the layer anyway) is all it needs again; its output
+        (a view of attention's) the output projection keeps. Starting at the
+        projections, not at attention itself, is what makes it save anything: a
+        checkpoint keeps its inputs, and attention's are the queries, keys and values."""
         batch, seq, _ = x.shape
         d = self.head_dim
         # -1 heads: under tensor parallelism a rank's projections hold its heads only.
@@ -137,7 +158,7 @@ class SelfAttention(nn.Module):
                 q, k = positions.apply(q, k)
             else:
                 if positions is None:
-                    positions = torch.arange(seq, device=x.device)
+                    positions = torch.arange(seq, device=q.device)
                 q, k = apply_rotary(q, k, positions, self.rope)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if hasattr(mask, "attend"):
@@ -150,7 +171,7 @@ class SelfAttention(nn.Module):
             out = document_attention(q, k, v, mask)
         else:
             out = dense_attention(q, k, v, causal=self.causal)
-        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+        return out.transpose(1, 2).reshape(batch, seq, -1)
 
 
 class CrossAttention(nn.Module):
@@ -168,8 +189,18 @@ class CrossAttention(nn.Module):
         self.wo = nn.Linear(heads * head_dim, dim, bias=out_bias)
         self.wo.residual_out = True
 
+    recompute_core = False     # as ``SelfAttention.recompute_core``
+
     def forward(self, x: torch.Tensor, context: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.recompute_core:     # as ``SelfAttention.recompute_core``
+            return self.wo(checkpoint(self._core, x, context, bias, use_reentrant=False))
+        return self.wo(self._core(x, context, bias))
+
+    def _core(self, x: torch.Tensor, context: torch.Tensor,
+              bias: torch.Tensor | None) -> torch.Tensor:
+        """The projections and attention, as ``[B, N, heads * D]`` (``SelfAttention._core``
+        says why the projections are in it)."""
         batch, n, _ = x.shape
         m = context.shape[1]
         d = self.head_dim
@@ -177,7 +208,7 @@ class CrossAttention(nn.Module):
         k = self.wk(context).view(batch, m, -1, d).transpose(1, 2)
         v = self.wv(context).view(batch, m, -1, d).transpose(1, 2)
         out = dense_attention(q, k, v, bias=bias)
-        return self.wo(out.transpose(1, 2).reshape(batch, n, -1))
+        return out.transpose(1, 2).reshape(batch, n, -1)
 
 
 class MLP(nn.Module):

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from dtdsl.cost.model import CostModel
+from dtdsl.ir import program as ir
 from dtdsl.ir.plan import BASELINES, Baseline, Plan, Simulated
 from dtdsl.planner.baseline import (
     Candidate,
@@ -175,18 +176,23 @@ def _placements(cost: CostModel, num_gpus: int | None, search: str, placement: s
                 progress: Progress | None) -> dict[str, _Found]:
     """Each placement ``placement`` asks for, with its best plan (those with no layout
     that fits left out), each searched with the spec's recomputation and, where the spec
-    does not recompute everywhere, with every layer recomputed (``with_recompute``: a
-    layout that fits only so, as the baselines may take it; ``UnitPlan.recompute`` says
-    which the plan runs). On drawn batches every candidate (the ``estimate`` fastest at
+    does not recompute everywhere, with each layer's attention core recomputed and with
+    every layer recomputed (``with_recompute``: a layout that fits only so, selective
+    where it fits, as it costs less; ``UnitPlan.recompute`` says which the plan runs).
+    On drawn batches every candidate (the ``estimate`` fastest at
     mean work per placement) is estimated, the ``simulate`` best simulated, and each
     placement's best by estimate too where none of its own was. Raises ``Infeasible``
     where nothing fits: the disaggregated search's reason, or why nothing co-locates."""
     failure: Infeasible | None = None
     refusal = None
     variants = [("", cost)]
-    again = with_recompute(cost)
-    if again is not None:
-        variants.append((", recomputing", again))
+    # Each unit recomputing its attention cores, or its whole layers: the search keeps the
+    # fastest layout that fits, so the lighter mode where it fits (it costs less time).
+    for mode, label in ((ir.Recompute.SELECTIVE, ", recomputing attention"),
+                        (ir.Recompute.FULL, ", recomputing")):
+        again = with_recompute(cost, mode=mode)
+        if again is not None:
+            variants.append((label, again))
     variants += [(label + cp_label, priced.with_cp(cps)) for label, priced in list(variants)
                  for cp_label, cps in cp_choices(cost, num_gpus)]
     variants += [(label + ep_label, priced.with_ep(eps)) for label, priced in list(variants)

@@ -47,6 +47,7 @@ import numpy as np
 
 from dtdsl.cost.model import CostModel, build_cost_model
 from dtdsl.cost.samples import SampleSet, draw_samples
+from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan, UnitPlan, place_units
 from dtdsl.planner.evaluate import Evaluator
 from dtdsl.planner.result import Layout, make_plan, no_layout_fits
@@ -69,14 +70,17 @@ ESTIMATE_WITHIN = 1.5
 SIMULATED = 2
 
 
-def with_recompute(cost: CostModel, samples: SampleSet | None = None) -> CostModel | None:
-    """``cost`` with every module recomputing its layers' activations in backward; None
-    when the spec already recomputes everywhere. ``samples``: the draw ``cost`` was built
-    on, where the caller has it (``build_cost_model``)."""
+def with_recompute(cost: CostModel, samples: SampleSet | None = None,
+                   mode: ir.Recompute = ir.Recompute.FULL) -> CostModel | None:
+    """``cost`` with every module recomputing at least ``mode`` in backward (full: every
+    layer's activations, selective: each layer's attention core); None when the spec
+    already recomputes so much everywhere. ``samples``: the draw ``cost`` was built on,
+    where the caller has it (``build_cost_model``)."""
     program = cost.program
-    if all(m.recompute for m in program.modules):
+    if all(ir.Recompute.of(m.recompute).rank >= mode.rank for m in program.modules):
         return None
-    modules = tuple(m.model_copy(update={"recompute": True}) for m in program.modules)
+    modules = tuple(m if ir.Recompute.of(m.recompute).rank >= mode.rank else
+                    m.model_copy(update={"recompute": mode}) for m in program.modules)
     return build_cost_model(program.model_copy(update={"modules": modules}), cost.params,
                             profile=cost.profile, samples=samples)
 

@@ -145,7 +145,7 @@ def no_layout_fits(space) -> Infeasible:
                 notes=(f"{unit.name}: {unit.params / 1e9:.2f}B parameters, {unit.layers} "
                        "pipeline layers",),
                 hint="allow larger tp or pp, raise the memory share, use a smaller micro_batch "
-                     "or set `recompute = true`" + _cp_hint(program, unit))
+                     "or set `recompute = selective` (or `full`)" + _cp_hint(program, unit))
         gpus, tp, pp = min(options)
         cp = f" x cp {unit.cp}" if unit.cp > 1 else ""
         needs.append((unit.name, gpus, f"tp {tp}{cp} x pp {pp} x dp {dp}"))

@@ -24,6 +24,7 @@ from statistics import fmean
 
 from dtdsl.cost.model import CostModel, build_cost_model
 from dtdsl.ir.plan import Packing, Plan
+from dtdsl.ir.program import Recompute
 
 __all__ = ["ESTIMATED", "SIMULATED", "DrawnBatches", "SpecData", "near_plans",
            "packing_figures", "repriced", "simulate_plan"]
@@ -134,17 +135,20 @@ def packing_figures(cost: CostModel, plan: Plan, *, steps: int, iteration_time_s
 
 
 def _pricing(cost: CostModel, plan: Plan) -> CostModel:
-    """``cost``, or where ``plan`` recomputes every layer and ``cost``'s program does not,
-    ``cost`` with recomputation: the model that priced ``plan`` (at its units' context
-    parallelism)."""
+    """``cost``, or where ``plan`` recomputes more than ``cost``'s program (the planner's
+    selective or full variant), ``cost`` with that recomputation: the model that priced
+    ``plan`` (at its units' context parallelism)."""
     if any(u.cp != cost.unit(u.name).cp for u in plan.units):
         cost = cost.with_cp({u.name: u.cp for u in plan.units})
     if any(u.ep != cost.unit(u.name).ep for u in plan.units):
         cost = cost.with_ep({u.name: u.ep for u in plan.units})
-    if any(u.recompute and not cost.program.module(u.name).recompute for u in plan.units):
+    raised = [Recompute.of(u.recompute) for u in plan.units
+              if Recompute.of(u.recompute).rank >
+              Recompute.of(cost.program.module(u.name).recompute).rank]
+    if raised:
         from dtdsl.planner.baseline import with_recompute
 
-        return with_recompute(cost) or cost
+        return with_recompute(cost, mode=max(raised, key=lambda m: m.rank)) or cost
     return cost
 
 

@@ -682,6 +682,19 @@ def _host_bytes(opt: Any) -> int:
     return sum(-(-t.numel() * t.element_size() // grain) * grain for t in tensors)
 
 
+def _recomputing(program: ir.Program, plan: Plan) -> ir.Program:
+    """``program`` with each module recomputing as the stage runs it: the more of its
+    spec's ``recompute`` and its plan's (the planner raises it to make a layout fit;
+    ``train.stage._recomputes``)."""
+    planned = {u.name: ir.Recompute.of(u.recompute) for u in plan.units}
+    modules = []
+    for m in program.modules:
+        mode = max(ir.Recompute.of(m.recompute), planned.get(m.name, ir.Recompute.NONE),
+                   key=lambda r: r.rank)
+        modules.append(m if mode == m.recompute else m.model_copy(update={"recompute": mode}))
+    return program.model_copy(update={"modules": tuple(modules)})
+
+
 def check_memory(program: ir.Program, plan: Plan, *, cost: Any = None, jobs: int = 1,
                  progress: Callable[[int, int, str], None] | None = None) -> list[StageMemory]:
     """Measure every unit stage of ``plan`` (module docstring), in plan order. Each stage
@@ -693,7 +706,7 @@ def check_memory(program: ir.Program, plan: Plan, *, cost: Any = None, jobs: int
     from dtdsl.cost.model import build_cost_model
     from dtdsl.schedule.lower import lower
 
-    cost = cost if cost is not None else build_cost_model(program)
+    cost = cost if cost is not None else build_cost_model(_recomputing(program, plan))
     # The plan's optimizer offload (the spec's, or the planner's for offload=auto).
     cost = cost.with_offload(plan.offload_fraction(program))
     schedule = lower(plan, program)

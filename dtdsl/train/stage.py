@@ -536,13 +536,13 @@ def _tie_across_stages(stage: Stage, program: ir.Program, plan: Plan, mesh: Any)
         stage.tied_name = f"{role.unit}.tok_embeddings.weight"
 
 
-def _recomputes(program: ir.Program, plan: Plan, name: str) -> bool:
-    """Whether unit ``name``'s layers recompute their activations in backward: where its
-    spec says ``recompute = true``, or its plan does (a planner may recompute to make a
-    layout fit, ``UnitPlan.recompute``). Projectors have no layers of their own."""
-    if not getattr(unit_spec(program, name), "recompute", False):
-        return any(u.name == name and u.recompute for u in plan.units)
-    return True
+def _recomputes(program: ir.Program, plan: Plan, name: str) -> ir.Recompute:
+    """What unit ``name``'s layers recompute in backward (``ir.Recompute``): the more of
+    its spec's ``recompute`` and its plan's (a planner may recompute to make a layout
+    fit, ``UnitPlan.recompute``). Projectors have no layers of their own."""
+    spec = ir.Recompute.of(getattr(unit_spec(program, name), "recompute", False))
+    planned = [ir.Recompute.of(u.recompute) for u in plan.units if u.name == name]
+    return max([spec, *planned], key=lambda mode: mode.rank)
 
 
 def _projector_of(program: ir.Program, name: str, role: str) -> str:
@@ -610,8 +610,8 @@ def build_phased(program: ir.Program, plan: Plan, name: str, role: RankRole, mes
     tp_sharded = _apply_tp(units, [name] if not plan.unit(name).tp_replicated else [],
                            role, mesh)
     stage = StageModule(units, run)
-    apply_ac(stage.units, lambda unit: bool(getattr(unit_spec(program, unit), "recompute",
-                                                    False)))
+    apply_ac(stage.units, lambda unit: ir.Recompute.of(getattr(unit_spec(program, unit),
+                                                               "recompute", False)))
     layers = apply_fsdp(stage, stage.units, _replica_mesh(mesh, program), compute_dtype)
     _materialise(stage, program, device)
     # FSDP2 sets a root up at its first forward; a rank whose share of a step has no

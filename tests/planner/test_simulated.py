@@ -135,9 +135,9 @@ def test_the_plan_is_the_fastest_on_drawn_batches_of_the_best_estimated(cost):
 def test_a_layout_that_does_not_fit_packed_is_compared_with_the_packed_plan():
     """mllm_9b's optimum at mean work (eleven backbone stages of four replicas) holds one
     sample per microbatch; packed rows of 8192 positions do not fit its memory, so the
-    packing figure simulates the convex search's layout for packed data instead of a
-    layout no run could use."""
-    from dtdsl.planner.simulated import SpecData, packing_figures
+    packing figure simulates the planner's layout for packed data (its convex search,
+    with and without recomputation, at mean work) instead of a layout no run could use."""
+    from dtdsl.planner.simulated import SpecData, _pricing, packing_figures
 
     path = Path(__file__).resolve().parents[2] / "specs" / "mllm_9b.dt"
     cost_9b = build_cost_model(run_frontend(str(path), path.read_bytes()).program)
@@ -146,6 +146,8 @@ def test_a_layout_that_does_not_fit_packed_is_compared_with_the_packed_plan():
     packed_cost = data.cost(True)
     figures = packing_figures(cost_9b, unpacked, steps=1, iteration_time_s=1.0, data=data)
     assert figures.replanned and not figures.spec_packs
-    packed_plan = plan_convex(packed_cost, unpacked.num_gpus)
+    packed_plan = plan(packed_cost, unpacked.num_gpus, placement=unpacked.placement,
+                       compare_baseline=False)
     assert figures.packed_s == pytest.approx(
-        simulate_plan(packed_cost, packed_plan, policy=frozenset(), steps=1), rel=1e-12)
+        simulate_plan(_pricing(packed_cost, packed_plan), packed_plan, policy=frozenset(),
+                      steps=1), rel=1e-12)
