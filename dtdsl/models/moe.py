@@ -159,7 +159,13 @@ def expert_ffn(x: torch.Tensor, sizes: torch.Tensor, w1: torch.Tensor, w3: torch
     GEMM per projection where torch has one for these operands (``can_group``; ``grouped``
     forces the choice), else a loop over the experts."""
     if grouped is None:
-        grouped = can_group(x, w1, w3, w2)
+        # Fake tensors (``values_unknown``): torch's shape rule for the grouped GEMM takes
+        # bf16 only; the loop holds the same memory.
+        grouped = can_group(x, w1, w3, w2) and not (values_unknown(x)
+                                                     and x.dtype != torch.bfloat16)
+    split = sizes if isinstance(sizes, list) else None     # assumed sizes (assumed_kept)
+    if split is not None:
+        sizes = torch.tensor(split, device=x.device)
     if grouped:
         mm = _grouped_mm()
         offs = torch.cumsum(sizes, 0).to(torch.int32)
@@ -168,8 +174,38 @@ def expert_ffn(x: torch.Tensor, sizes: torch.Tensor, w1: torch.Tensor, w3: torch
         return mm(h, w2.transpose(-2, -1), offs=offs)
     # Every expert, even one with no rows: its weights then get zero gradients, not None.
     outs = [F.linear(act(F.linear(rows, w1[e])) * F.linear(rows, w3[e]), w2[e])
-            for e, rows in enumerate(torch.split(x, sizes.tolist()))]
+            for e, rows in enumerate(torch.split(x, split or sizes.tolist()))]
     return torch.cat(outs)
+
+
+def values_unknown(t: torch.Tensor) -> bool:
+    """Whether ``t``'s values cannot be read: a fake tensor (``dtc memcheck`` measures the
+    stages on them), on which the routing's data-dependent sizes cannot be computed."""
+    from torch._subclasses.fake_tensor import is_fake
+    return is_fake(t)
+
+
+def mean_counts(slots: int, experts: int) -> list[int]:
+    """The one rule for routed sizes where they cannot be known (``values_unknown``): every
+    expert gets the mean share of the slots (the first ``slots % experts`` one more), as
+    the cost model prices an MoE block (``cost.model``). Used only there: a real run
+    always routes by its router."""
+    base, extra = divmod(slots, experts)
+    return [base + (e < extra) for e in range(experts)]
+
+
+def assumed_kept(processes: int, tokens: int, config: MoEConfig) -> list[list[int]]:
+    """``kept_counts [processes, E]`` under ``mean_counts`` (every process ``tokens``
+    tokens, capacity applied as ``keep_counts`` does), as lists: sizes to read, where a
+    fake mode allows no real tensor."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    with unset_fake_temporarily():
+        counts = torch.tensor([mean_counts(tokens * config.top_k, config.experts)]
+                              * processes)
+        if config.capacity_factor is not None:
+            counts = keep_counts(counts, capacity(config.capacity_factor, tokens * processes,
+                                                  config.top_k, config.experts))
+        return counts.tolist()
 
 
 def _keep_within_capacity(sorted_experts: torch.Tensor, counts: torch.Tensor,
@@ -252,7 +288,7 @@ class MoE(nn.Module):
         (here, this one)."""
         return prob_sum
 
-    def experts_forward(self, x: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+    def experts_forward(self, x: torch.Tensor, sizes: Any) -> torch.Tensor:
         """The local experts on rows sorted by expert, ``sizes[e]`` rows each."""
         return expert_ffn(x, sizes, self.w1, self.w3, self.w2, self.act)
 
@@ -274,6 +310,8 @@ class MoE(nn.Module):
         slots of expert ``e`` it keeps)."""
         flat = routing.experts.reshape(-1)
         order = torch.argsort(flat, stable=True)
+        if values_unknown(flat):    # under ``mean_counts``: a static number of them
+            return order[:sum(keep)]
         sorted_experts = flat[order]
         counts = torch.bincount(flat, minlength=self.config.experts)
         return order[_keep_within_capacity(sorted_experts, counts, keep)]
@@ -295,23 +333,30 @@ class MoE(nn.Module):
         up is then the same however its sequences are grouped into microbatches and
         spread over ranks."""
         cfg = self.config
-        n = int(sequences.max()) + 1 if sequences.numel() else 0
+        unknown = values_unknown(sequences)
+        # Unknown values: as many sequences as tokens, at most (the sizes stay static).
+        n = sequences.numel() if unknown else \
+            int(sequences.max()) + 1 if sequences.numel() else 0
         if n == 0:
             return routing.probs.sum() * 0.0
-        tokens = torch.bincount(sequences, minlength=n).to(torch.float32).clamp(min=1)
+        tokens = (torch.zeros(n, device=sequences.device).index_add(
+            0, sequences, torch.ones(sequences.shape, device=sequences.device)) if unknown
+            else torch.bincount(sequences, minlength=n).to(torch.float32)).clamp(min=1)
         counts = torch.zeros(n, cfg.experts, device=sequences.device).index_put_(
             (sequences.repeat_interleave(cfg.top_k), routing.experts.reshape(-1)),
             torch.ones((), device=sequences.device), accumulate=True)
         probs = routing.probs.new_zeros(n, cfg.experts).index_add(0, sequences, routing.probs)
         return cfg.experts * torch.sum(counts / tokens[:, None] * probs / tokens[:, None])
 
-    def _balance(self, routing: Routing, all_counts: torch.Tensor
+    def _balance(self, routing: Routing, all_counts: torch.Tensor, tokens: int | None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(aux loss, kept slots ``[processes, E]``, dropped slots, slots per expert) over
-        the group's tokens (this process's alone without expert parallelism)."""
+        the group's tokens (this process's alone without expert parallelism); ``tokens``:
+        each process's, where the counts' values are unknown (``mean_counts``)."""
         cfg = self.config
         g_counts = all_counts.sum(0)
-        g_tokens = int(g_counts.sum()) // cfg.top_k      # every token has k slots
+        g_tokens = int(g_counts.sum()) // cfg.top_k if tokens is None \
+            else tokens * all_counts.shape[0]       # every token has k slots
         aux = load_balancing_loss(g_counts, self.reduce_prob_sum(routing.probs.sum(0)),
                                   g_tokens)
         if cfg.capacity_factor is None:
@@ -327,9 +372,15 @@ class MoE(nn.Module):
         x2 = x.reshape(-1, cfg.hidden)
         tokens = x2.shape[0]
         routing = self.route(x2)
-        counts = torch.bincount(routing.experts.reshape(-1), minlength=cfg.experts)
+        unknown = values_unknown(x2)
+        counts = torch.tensor(mean_counts(tokens * cfg.top_k, cfg.experts),
+                              device=x.device) if unknown else \
+            torch.bincount(routing.experts.reshape(-1), minlength=cfg.experts)
         all_counts = self.exchange_counts(counts)
-        aux, kept_counts, dropped, g_counts = self._balance(routing, all_counts)
+        aux, kept_counts, dropped, g_counts = self._balance(routing, all_counts,
+                                                            tokens if unknown else None)
+        if unknown:     # sizes to read (the all-to-all's splits): the same rule's, real
+            kept_counts = assumed_kept(all_counts.shape[0], tokens, cfg)
         if sequences is not None:
             aux = self.sequence_loss(routing, sequences)
         slots, kept = self.run_experts(x2, routing, kept_counts)
@@ -359,7 +410,9 @@ class MoE(nn.Module):
         batch, seq, hidden = x.shape
         if valid is None:
             valid = torch.ones(batch, seq, dtype=torch.bool, device=x.device)
-        rows = valid.reshape(-1).nonzero().squeeze(1)
+        # Unknown values (``values_unknown``): every row a token, a static size.
+        rows = torch.arange(batch * seq, device=x.device) if values_unknown(valid) \
+            else valid.reshape(-1).nonzero().squeeze(1)
         flat = x.reshape(-1, hidden)
         y = self.layer_output(self(flat[rows], sequences=torch.div(rows, seq,
                                                                    rounding_mode="floor")))

@@ -132,20 +132,32 @@ class ExpertParallelMoE(MoE):
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         n = self.local_experts
         rows = self.kept_slots(routing, kept_counts[self.rank])
+        # Assumed sizes (``models.moe.assumed_kept``, lists: fake tensors' values are
+        # unknown): the same arithmetic on a tensor made here, in the fake mode.
+        assumed = isinstance(kept_counts, list)
+        counts = torch.tensor(kept_counts, device=x.device) if assumed else kept_counts
         # Per destination rank, what this rank sends; per source rank, what it receives.
-        by_rank = kept_counts.reshape(self.ep, self.ep, n)   # [source, destination, expert]
-        send = by_rank[self.rank].sum(1).tolist()
+        by_rank = counts.reshape(self.ep, self.ep, n)   # [source, destination, expert]
         mine = by_rank[:, self.rank]                          # [source, local expert]
-        recv = mine.sum(1).tolist()
+        if assumed:
+            send = [sum(kept_counts[self.rank][d * n:(d + 1) * n]) for d in range(self.ep)]
+            recv = [sum(c[self.rank * n:(self.rank + 1) * n]) for c in kept_counts]
+        else:
+            send = by_rank[self.rank].sum(1).tolist()
+            recv = mine.sum(1).tolist()
         received = all_to_all(x[rows // self.config.top_k], recv, send, self.group)
         # Received rows come by source, then expert: regroup them by expert (stably, so
         # each expert's rows stay in (source, token) order) and back after.
-        expert = torch.repeat_interleave(torch.arange(n, device=x.device).repeat(self.ep),
-                                         mine.reshape(-1))
+        expert = torch.tensor([e for c in kept_counts for e in range(n)
+                               for _ in range(c[self.rank * n + e])], device=x.device) \
+            if assumed else torch.repeat_interleave(
+                torch.arange(n, device=x.device).repeat(self.ep), mine.reshape(-1))
         order = torch.argsort(expert, stable=True)
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=x.device)
-        y = self.experts_forward(received[order], mine.sum(0))[inverse]
+        sizes = [sum(c[self.rank * n + e] for c in kept_counts) for e in range(n)] \
+            if assumed else mine.sum(0)
+        y = self.experts_forward(received[order], sizes)[inverse]
         back = all_to_all(y, send, recv, self.group)
         return self.scatter_slots(x, routing, rows, back)
 
