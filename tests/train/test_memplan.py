@@ -117,3 +117,25 @@ def test_paper_scale_plans_match_the_memory_model(name, capsys, shipped_plan):
     # every stage of the plan, each once
     assert len({(s["unit"], s["stage"]) for s in stages}) == len(stages)
     print(f"{name}: {len(stages)} stages in {took:.1f} s")
+
+
+def test_an_moe_backbone_is_measured_at_ep_1_and_2():
+    # Fake tensors cannot route (their values are unknown): the blocks route as the cost
+    # model assumes (models.moe.mean_counts), and at ep 2 the stage gets its EP groups on
+    # the fake world. At dp 2 a rank keeps half the experts' AdamW state either way (FSDP
+    # shards them over the two replicas at ep 1; at ep 2 each holds its two experts
+    # whole, alone in its expert DP group), but at ep 1 FSDP gathers all four experts'
+    # weights for the forward, at ep 2 only the rank's own.
+    from tests.helpers.moe import moe_spec
+    from tests.train.test_ep_run import ARGS, ep_plan
+
+    p = moe_spec(args=ARGS)
+    by_ep = {}
+    for ep in (1, 2):
+        stages = check_memory(p, ep_plan(p, 2, 1, ep), jobs=2)
+        llm = next(s for s in stages if s.unit == "llm")
+        assert llm.measured_bytes > 0 and llm.predicted_bytes > 0
+        assert sum(llm.by_category.values()) == llm.measured_bytes
+        by_ep[ep] = llm
+    assert by_ep[2].by_category["optimizer_state"] == by_ep[1].by_category["optimizer_state"]
+    assert by_ep[2].by_category["params"] < by_ep[1].by_category["params"]
