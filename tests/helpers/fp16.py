@@ -73,3 +73,19 @@ def _train(rank: int, world: int, program: ir.Program, plan: Plan, out: str) -> 
                                       "skipped_steps")} for r in results],
          "role": ex.role.role, "elements": elements}))
 
+
+
+def check_within_bf16(program: ir.Program, plan: Plan, out: Path) -> None:
+    """``plan`` of ``program`` trained in fp16 on forked ranks (``_train``, results in
+    ``out``): every rank's losses and unscaled gradient norms within ``BF16_RTOL`` of the
+    fp32 reference, no step skipped."""
+    from tests.dist import run
+
+    want = _reference(program, STEPS)
+    run(_train, plan.gpus_used, fp16(program), plan, str(out), timeout=300)
+    for rank in range(plan.gpus_used):
+        got = json.loads((out / f"{rank}.json").read_text())["steps"]
+        assert [g["skipped"] for g in got] == [False] * STEPS, rank
+        for step, (g, (loss, norm)) in enumerate(zip(got, want, strict=True)):
+            assert abs(g["loss"] - loss) <= BF16_RTOL * abs(loss), (rank, step, g, loss)
+            assert abs(g["grad_norm"] - norm) <= BF16_RTOL * norm, (rank, step, g, norm)

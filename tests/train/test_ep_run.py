@@ -269,21 +269,12 @@ def test_expert_parallel_in_fp16_within_the_bf16_tolerance(tmp_path):
     """fp16 under EP (the experts' FSDP2 unit casts them like the rest; the aux gradient
     carries the loss scale): every rank's losses and unscaled gradient norms within
     test_fp16's bf16 tolerance of the fp32 reference, no step skipped."""
-    import json
-
     from tests.helpers import fp16 as f16
 
     p = moe_spec(args=ARGS)
     plan = with_ep(plan_for(f16.fp16(p), *f16.UNITS), 2)
     assert plan.unit("llm").dp == 2
-    want = f16._reference(p, f16.STEPS)
-    run(f16._train, plan.gpus_used, f16.fp16(p), plan, str(tmp_path), timeout=300)
-    for rank in range(plan.gpus_used):
-        got = json.loads((tmp_path / f"{rank}.json").read_text())["steps"]
-        assert [g["skipped"] for g in got] == [False] * f16.STEPS, rank
-        for step, (g, (loss, norm)) in enumerate(zip(got, want, strict=True)):
-            assert abs(g["loss"] - loss) <= f16.BF16_RTOL * abs(loss), (rank, step, g, loss)
-            assert abs(g["grad_norm"] - norm) <= f16.BF16_RTOL * norm, (rank, step, g, norm)
+    f16.check_within_bf16(p, plan, tmp_path)
 
 
 def test_resume_from_experts_sharded_over_their_expert_dp_group(tmp_path):
