@@ -6,22 +6,37 @@ kept (``full``); or only each attention's core (``selective``, Megatron-LM's
 the unit runs its Q, K and V projections, rotary positions and scaled dot-product
 attention under a non-reentrant checkpoint (``models.transformer.SelfAttention._core``),
 keeping every other activation. DiT blocks and the U-Net's transformer blocks are
-covered alike (their attention is the same modules; full recomputation wraps only the
-layers ``stage_layers`` finds, which a U-Net has none of). Which mode a unit runs is the
-spec's (``recompute = ...``) or the plan's (``UnitPlan.recompute``) decision:
-``train.stage`` says."""
+covered alike (their attention is the same modules). Full recomputation of a U-Net wraps
+each residual block and each spatial transformer: the layers the cost model counts for it
+(``ir.UNetArch.pipeline_layers``, a residual block with its attention), whose inputs it
+keeps. Which mode a unit runs is the spec's (``recompute = ...``) or the plan's
+(``UnitPlan.recompute``) decision: ``train.stage`` says."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 from torch import nn
 
 from dtdsl.ir.program import Recompute
 from dtdsl.models.transformer import CrossAttention, SelfAttention
+from dtdsl.models.unet import ResnetBlock, SpatialTransformer, UNet
 from dtdsl.parallel.fsdp import stage_layers
 
-__all__ = ["apply_ac"]
+__all__ = ["apply_ac", "recompute_layers"]
+
+
+def recompute_layers(units: Mapping[str, nn.Module]) -> Iterator[tuple[str, str, nn.Module]]:
+    """(unit, prefix in the unit, module) of what full recomputation wraps: the layers
+    FSDP2 shards (``stage_layers``) and, in a U-Net, every residual block and spatial
+    transformer of its down, middle and up blocks."""
+    yield from stage_layers(units)
+    for name, unit in units.items():
+        for at, net in unit.named_modules():
+            if isinstance(net, UNet):
+                for prefix, sub in net.named_modules():
+                    if isinstance(sub, (ResnetBlock, SpatialTransformer)):
+                        yield name, f"{at}.{prefix}" if at else prefix, sub
 
 
 def apply_ac(units: Mapping[str, nn.Module],
@@ -39,7 +54,7 @@ def apply_ac(units: Mapping[str, nn.Module],
                     sub.recompute_core = True
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    for unit_name, prefix, layer in list(stage_layers(units)):
+    for unit_name, prefix, layer in list(recompute_layers(units)):
         if Recompute.of(recomputes(unit_name)) is Recompute.FULL:
             parent_name, _, child = prefix.rpartition(".")
             parent = units[unit_name].get_submodule(parent_name)

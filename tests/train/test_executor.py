@@ -247,14 +247,15 @@ def test_bf16_trains_within_three_percent_of_the_fp32_reference(tmp_path):
 
 
 def test_recompute_and_a_cosine_schedule_match_the_reference():
-    # Activation checkpointing changes no number; the learning rate follows the schedule
-    # (warmup, then cosine to min_lr) in the runtime as in the reference. The schedule
-    # spans the run: 3 steps of warmup, then 5 of decay (a TP backbone: see TP_STEPS).
+    # Activation checkpointing (a U-Net's too) changes no number; the learning rate
+    # follows the schedule (warmup, then cosine to min_lr) in the runtime as in the
+    # reference. The schedule spans the run: 3 steps of warmup, then 5 of decay (a TP
+    # backbone: see TP_STEPS).
     from dtdsl.ir.program import LRSchedule
 
     steps = 8
     base = spec(8)
-    modules = tuple(m.model_copy(update={"recompute": m.name in ("vit", "llm")})
+    modules = tuple(m.model_copy(update={"recompute": m.name in ("vit", "llm", "gen")})
                     for m in base.modules)
     train = base.train.model_copy(update={"lr_schedule": LRSchedule(
         name="cosine", warmup=3, min_lr=1e-4), "steps": steps})
@@ -271,13 +272,19 @@ def _wrapped(rank: int, world: int, program: ir.Program, plan: Plan) -> None:
     wrapped = [m for m in ex.stage.module.modules() if isinstance(m, CheckpointWrapper)]
     if ex.role.unit == "llm":      # recompute = true: every layer of the stage
         assert len(wrapped) == ex.stage.stop - ex.stage.start > 0
+    elif ex.role.unit == "gen":    # a U-Net: each residual block and spatial transformer
+        arch = program.module("gen").arch
+        resnets = arch.pipeline_layers + 1          # the middle block has two
+        transformers = len(arch.attention_levels) * (2 * arch.res_blocks + 1) + 1
+        assert len(wrapped) == resnets + transformers
     else:
         assert not wrapped
 
 
 def test_recompute_wraps_the_layers_of_the_units_that_ask_for_it():
     base = spec(8)
-    modules = tuple(m.model_copy(update={"recompute": m.name == "llm"}) for m in base.modules)
+    modules = tuple(m.model_copy(update={"recompute": m.name in ("llm", "gen")})
+                    for m in base.modules)
     program = base.model_copy(update={"modules": modules})
     run(_wrapped, 4, program, plan_for(program, ("vit", "encoder", 1, 1, 1),
                                        ("llm", "backbone", 1, 1, 2),
