@@ -52,10 +52,11 @@ import torch.distributed as dist
 
 from dtdsl.data.batch import LocalBatches, StepBatch
 from dtdsl.ir import program as ir
+from dtdsl.ir.checkpoint import latest_checkpoint
 from dtdsl.ir.plan import Plan
 from dtdsl.parallel.mesh import build_groups
 from dtdsl.schedule.lower import lower
-from dtdsl.train.checkpoint import Checkpointer, latest_checkpoint
+from dtdsl.train.checkpoint import Checkpointer
 from dtdsl.train.executor import StageExecutor
 from tests.dist import run
 from tests.train.test_executor import plan_for, spec

@@ -13,10 +13,10 @@ from dtdsl.codegen.slurm import SlurmOptions
 from dtdsl.codegen.support import runtime_support
 from dtdsl.codegen.views import bundle_view
 from dtdsl.ir import program as ir
+from dtdsl.ir.job import CheckpointConfig, CostConfig, DataConfig, FeedConfig, Job
 from dtdsl.ir.plan import Plan
 from dtdsl.ir.schedule import Schedule
 from dtdsl.schedule.validate import ScheduleError, validate_nccl
-from dtdsl.train.job import CheckpointConfig, CostConfig, DataConfig, FeedConfig, Job
 
 __all__ = ["BundleOptions", "DEFAULT_MAX_RESTARTS", "DEFAULT_RDZV_PORT",
            "compile_bundle", "make_job"]

@@ -49,6 +49,7 @@ from dtdsl.errors import DtdslError
 from dtdsl.feed.wire import new_secret, write_secret
 from dtdsl.feed.worker import worker_fields
 from dtdsl.ir import program as ir
+from dtdsl.ir.job import Job
 from dtdsl.ir.plan import Plan
 from dtdsl.ir.schedule import Schedule, schedule_text
 from dtdsl.outdir import (
@@ -62,7 +63,6 @@ from dtdsl.outdir import (
     verify_owned,
 )
 from dtdsl.resources import templates_dir
-from dtdsl.train.job import Job
 
 __all__ = ["BundleError", "MANIFEST", "SECRET_FILE", "emit_bundle", "py_literal", "render"]
 

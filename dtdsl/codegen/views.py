@@ -16,10 +16,10 @@ from typing import Any
 
 from dtdsl.codegen.slurm import SlurmOptions
 from dtdsl.ir import program as ir
+from dtdsl.ir.job import Job, RankEntry
 from dtdsl.ir.plan import Plan
 from dtdsl.ir.schedule import Schedule
 from dtdsl.parallel.mesh import RankRole, UnitGrid, grids, hosted_units, phased_units
-from dtdsl.train.job import Job, RankEntry
 
 __all__ = ["BundleView", "RankFileView", "RankView", "bundle_view", "rank_file_name"]
 

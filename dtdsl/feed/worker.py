@@ -3,7 +3,7 @@ every trainer rank of their node its part, ahead of the trainers.
 
 Every node runs ``job.feed.workers_per_node`` workers for its own trainers (``launch.sh``
 starts them before torchrun). They meet over zmq ``ipc://`` sockets in the node's feed
-directory (``train.job.feed_dir``): a worker connects one ``Sender`` to each local
+directory (``feed.node.feed_dir``): a worker connects one ``Sender`` to each local
 trainer's inbox and one ``Subscriber`` to the node's announcements, so the sockets a
 process opens do not grow with the job. Worker ``w`` of ``W`` on a node owns the training
 steps ``s`` with ``s mod W == w``. For each it
@@ -92,10 +92,10 @@ class FeedContext:
     def __init__(self, bundle: Path, data_override: str | None = None):
         from dtdsl.data.batch import SyntheticSource
         from dtdsl.feed.source import DatasetSource
+        from dtdsl.ir.job import load_job
         from dtdsl.ir.plan import Plan
         from dtdsl.ir.program import Program
         from dtdsl.parallel.mesh import role_of
-        from dtdsl.train.job import load_job
 
         self.bundle = bundle
         self.job = job = load_job(bundle)
@@ -178,8 +178,8 @@ def run_worker(bundle: Path, index: int, *, run_dir: Path, feed_dir: Path,
     following them back when they restart, until they say they are done; the exit
     status."""
     from dtdsl.feed import wire
+    from dtdsl.feed.faults import fault_point
     from dtdsl.feed.protocol import BATCH, PROGRESS
-    from dtdsl.train.job import fault_point
 
     ctx = FeedContext(bundle, data)
     job = ctx.job
@@ -281,8 +281,8 @@ def _error_file(feed: Path, index: int) -> Path:
 
 def _report_error(feed: Path | None, index: int, err: BaseException) -> None:
     """Leave the error worker ``index`` is dying of where its supervisor reads it: one
-    line, marked ``fatal`` when no restart can change it (``train.faults``)."""
-    from dtdsl.train.faults import fatal_cause, one_line
+    line, marked ``fatal`` when no restart can change it (``feed.faults``)."""
+    from dtdsl.feed.faults import fatal_cause, one_line
 
     if feed is None:
         return
@@ -357,15 +357,15 @@ def supervise(bundle: Path, argv: Sequence[str], feed: Path | None = None) -> in
     to ``MAX_RESTARTS`` restarts in all; the exit status.
 
     A worker that fails ``CRASH_LOOP`` times within ``CRASH_WINDOW_S`` is in a crash loop,
-    and one whose error no restart changes (``train.faults``: a job key others may read,
+    and one whose error no restart changes (``feed.faults``: a job key others may read,
     bad data) fails for good at once: then the supervisor gives up, records the worker's
     last error as the launch's fatal record (``launch.sh`` stops the launch with that
     line) and stops the other workers. ``feed``: the node's feed directory, where a dying
     worker leaves its error."""
     import socket
 
-    from dtdsl.train.faults import record_fatal
-    from dtdsl.train.job import load_job
+    from dtdsl.feed.faults import record_fatal
+    from dtdsl.ir.job import load_job
 
     workers = load_job(bundle).feed.workers_per_node
     script = bundle / "workers" / "worker.py"
@@ -429,7 +429,7 @@ def _exit_text(code: int) -> str:
 def _check_expected(bundle: Path, expected: dict[str, Any]) -> None:
     """The worker program's stated configuration against job.json (a stale or edited
     program fails here)."""
-    from dtdsl.train.job import load_job
+    from dtdsl.ir.job import load_job
 
     job = load_job(bundle)
     actual = {"workers": job.feed.workers_per_node, "prefetch": job.feed.prefetch,
@@ -461,7 +461,7 @@ def main(bundle: Path, argv: Sequence[str] | None = None,
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(message)s")
-    from dtdsl.train.job import FEED_DIR_ENV, feed_dir
+    from dtdsl.feed.node import FEED_DIR_ENV, feed_dir
 
     given = args.feed_dir or os.environ.get(FEED_DIR_ENV)
     if args.all:      # where its workers leave their errors, be it fit for sockets or not
@@ -470,14 +470,14 @@ def main(bundle: Path, argv: Sequence[str] | None = None,
     try:
         where = feed_dir(args.feed_dir)
     except ValueError as err:
-        from dtdsl.train.faults import Fatal
+        from dtdsl.feed.faults import Fatal
 
         _report_error(Path(given) if given else None, args.index, Fatal(str(err)))
         raise SystemExit(f"worker.py: {err}") from None
     try:
         first = 0
         if args.resume:
-            from dtdsl.train.checkpoint import complete_checkpoints
+            from dtdsl.ir.checkpoint import complete_checkpoints
 
             done = complete_checkpoints(args.run_dir)
             first = done[-1][0] if done else 0

@@ -95,7 +95,6 @@ import base64
 import contextlib
 import hashlib
 import os
-import re
 import secrets
 import shutil
 import threading
@@ -103,137 +102,27 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict
-
-from dtdsl.errors import DtdslError
+from dtdsl.ir.checkpoint import (
+    MANIFEST,
+    MODES,
+    PROGRAM,
+    CheckpointError,
+    CheckpointMismatch,
+    Manifest,
+    UnitLayout,
+    checkpoint_root,
+    complete_checkpoints,
+    read_manifest,
+)
 
 __all__ = [
-    "FORMAT",
-    "MODES",
-    "PROGRAM",
-    "VERSION",
-    "CheckpointError",
-    "CheckpointMismatch",
     "Checkpointer",
-    "Manifest",
-    "checkpoint_root",
-    "complete_checkpoints",
-    "latest_checkpoint",
     "load_state_dict",
     "plan_sha256",
-    "read_manifest",
     "state_dict",
 ]
-
-FORMAT = "dtdsl-checkpoint"
-VERSION = 1
-MODES = ("sync", "thread")
-MANIFEST = "manifest.json"
-PROGRAM = "program.json"    # the checked spec it was trained from (``dtc export`` reads it)
-_NAME = re.compile(r"ckpt-(\d+)\Z")
-
-
-class CheckpointError(DtdslError, RuntimeError):
-    """A checkpoint that cannot be used here (another spec, missing tensors, bad files)."""
-
-
-class CheckpointMismatch(CheckpointError):
-    """A checkpoint this job can never load (another spec, metadata that is not DCP's):
-    no restart changes it (``train.faults`` ends the launch with its message)."""
-
-
-class _Model(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-
-class UnitLayout(_Model):
-    name: str
-    tp: int
-    dp: int
-    pp: int
-    colocated: bool = False     # ran on the backbone's stages (written since issue 27)
-    phased: bool = False        # ran phased on the backbone's ranks (likewise)
-    cp: int = 1                 # context parallelism (written since issue 30)
-    vpp: int = 1                # model chunks per stage (interleaved; likewise)
-
-    @property
-    def text(self) -> str:
-        """``vit:tp1dp2pp1`` (``llm:tp1dp1pp2vpp2`` interleaved), or ``vit:colocated``
-        (``vit:phased``) for a unit that ran on its host's stages (phased on the
-        backbone's ranks)."""
-        if self.colocated or self.phased:
-            return f"{self.name}:{'colocated' if self.colocated else 'phased'}"
-        cp = f"cp{self.cp}" if self.cp > 1 else ""
-        vpp = f"vpp{self.vpp}" if self.vpp > 1 else ""
-        return f"{self.name}:tp{self.tp}{cp}dp{self.dp}pp{self.pp}{vpp}"
-
-
-class Manifest(_Model):
-    """``manifest.json`` of one checkpoint (module docstring)."""
-
-    format: Literal["dtdsl-checkpoint"] = FORMAT
-    version: Literal[1] = VERSION
-    step: int                       # steps done
-    next_step: int                  # the data cursor: the step a resumed run starts with
-    spec: str
-    spec_sha256: str
-    plan_sha256: str
-    world_size: int
-    units: tuple[UnitLayout, ...]
-    mode: Literal["sync", "thread"]
-    num_tensors: int                # keys in the DCP checkpoint (the whole job's)
-    rng_torch: str                  # base64 of torch.get_rng_state() on rank 0
-    rng_cuda: str | None = None     # the same for the current CUDA device, if any
-
-
-# ---- files ------------------------------------------------------------------------------
-
-def checkpoint_root(run_dir: str | Path) -> Path:
-    """Where a run's checkpoints live."""
-    return Path(run_dir) / "checkpoints"
-
-
-def read_manifest(path: str | Path) -> Manifest:
-    """The manifest of the checkpoint directory ``path``; CheckpointError when it is
-    missing or invalid."""
-    file = Path(path) / MANIFEST
-    try:
-        return Manifest.model_validate_json(file.read_bytes())
-    except OSError as err:
-        raise CheckpointError(f"cannot read {file}: {err.strerror or err}") from None
-    except ValueError as err:
-        raise CheckpointError(f"{file} is not a checkpoint manifest: {err}") from None
-
-
-def complete_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
-    """The run's complete checkpoints as (steps done, directory), oldest first: directories
-    ``ckpt-<N>`` (no ``.tmp``) with DCP's ``.metadata`` and a valid manifest for step N."""
-    root = checkpoint_root(run_dir)
-    out = []
-    try:
-        entries = list(root.iterdir())
-    except OSError:
-        return []
-    for path in entries:
-        m = _NAME.match(path.name)
-        if m is None or not path.is_dir() or not (path / ".metadata").is_file():
-            continue
-        try:
-            manifest = read_manifest(path)
-        except CheckpointError:
-            continue
-        if manifest.step == int(m.group(1)):
-            out.append((manifest.step, path))
-    return sorted(out)
-
-
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint of the run, or None."""
-    done = complete_checkpoints(run_dir)
-    return done[-1][1] if done else None
-
 
 def plan_sha256(plan: Any) -> str:
     """The sha256 of a Plan's JSON (its text form)."""

@@ -354,9 +354,10 @@ def _shares(bundle: Path, job: Any, program: Any, plan: Any, steps: int,
     source = data_source(job, bundle, program, data)
     work_model = None
     if job.reorder:
+        from dtdsl.cost.model import job_cost_model
         from dtdsl.reorder.workload import WorkModel
 
-        work_model = WorkModel(job.cost.cost_model(program, bundle))
+        work_model = WorkModel(job_cost_model(job.cost, program, bundle))
     roles = [role_of(plan, r) for r in range(job.world_size)]
     out: list[list[int]] = [[] for _ in roles]
     for step in range(steps):
@@ -380,11 +381,11 @@ def dry_run(bundle: str | Path, *, node: int | None = None, steps: int = 1,
             data: str | None = None, max_fds: int = MAX_FDS,
             device_type: str | None = None, feed_bytes: bool = False) -> DryRun:
     """Check ``bundle`` (every rank, or node ``node``'s): the module docstring says what."""
+    from dtdsl.ir.job import load_job
     from dtdsl.ir.plan import Plan
     from dtdsl.ir.program import Program
     from dtdsl.ir.schedule import parse_schedule
     from dtdsl.parallel.mesh import cp_ulysses, role_of
-    from dtdsl.train.job import load_job
     from dtdsl.train.timelines import TELEMETRY_BYTES, telemetry_bytes, telemetry_every
 
     start = time.perf_counter()

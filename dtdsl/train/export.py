@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from dtdsl.ir import program as ir
+from dtdsl.ir.checkpoint import PROGRAM, CheckpointError, complete_checkpoints, read_manifest
 from dtdsl.outdir import (
     OutputError,
     Snapshot,
@@ -46,12 +47,6 @@ from dtdsl.outdir import (
     stage,
     verify_recorded,
     write_record,
-)
-from dtdsl.train.checkpoint import (
-    PROGRAM,
-    CheckpointError,
-    complete_checkpoints,
-    read_manifest,
 )
 from dtdsl.train.dcp_safe import SafeReader, UnsafeMetadata, read_metadata
 

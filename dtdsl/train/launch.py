@@ -50,14 +50,14 @@ start also moves an earlier run's checkpoints aside to ``checkpoints.replaced-<t
 so that a restart of this run cannot load them (``launch.sh`` refuses a fresh start into
 such a directory instead, and lets one launch at a time use it: ``train.rundir``).
 
-**Faults no restart changes** (``train.faults``): a stale bundle, a resume from a
+**Faults no restart changes** (``feed.faults``): a stale bundle, a resume from a
 checkpoint of another spec, a full disk, a job key others may read, bad weights or data.
 The rank that meets one records it for the launch and waits to be stopped; the launch's
 supervisor stops torchrun and prints the one line (``train.supervise``). Any other error
 is raised, and torchrun restarts the job.
 
 **Fault injection** (tests): ``DTDSL_FAULT=rank<r>@<s>`` kills trainer rank ``r`` with
-SIGKILL when it reaches step ``s``, once per run directory (``dtdsl.train.job.fault_point``,
+SIGKILL when it reaches step ``s``, once per run directory (``dtdsl.feed.faults.fault_point``,
 marker files under ``faults/``); torchrun then restarts every rank and they resume.
 ``rank<r>@<s>:enospc`` makes rank ``r``'s save of the checkpoint of step ``s`` fail as on
 a full disk (``OSError(ENOSPC)``), every time.
@@ -75,7 +75,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from dtdsl.train.job import RankEntry, RankProgram
+from dtdsl.ir.job import RankEntry, RankProgram
 from dtdsl.train.rundir import RECORDS
 
 __all__ = ["TIMELINE_RANKS", "data_source", "exit_process", "run"]
@@ -443,7 +443,7 @@ def _aside(run_dir: Path, name: str) -> Path:
 def _set_aside_checkpoints(run_dir: Path) -> None:
     """A fresh start: an earlier run's checkpoints in the same directory move aside, so a
     restart of this run cannot load them (module docstring)."""
-    from dtdsl.train.checkpoint import checkpoint_root
+    from dtdsl.ir.checkpoint import checkpoint_root
 
     root = checkpoint_root(run_dir)
     if root.is_dir() and any(root.iterdir()):
@@ -480,7 +480,7 @@ def _resume_decision(run_dir: Path, rank: int, asked: bool, restart: int
     restart there, so node 0's ranks would otherwise take the restart for a fresh start."""
     import torch.distributed as dist
 
-    from dtdsl.train.faults import Fatal
+    from dtdsl.feed.faults import Fatal
     from dtdsl.train.rundir import check_launch_id
 
     decision = [asked or restart > 0, restart > 0]
@@ -505,8 +505,8 @@ def _check_resumable(run_dir: Path, spec_sha256: str) -> None:
     """Fatal when the checkpoint a resume loads (the newest complete one) is of another
     spec: no restart changes that (``launch.sh``'s preflight says so before torchrun
     starts; this is for ``train.py`` run otherwise)."""
-    from dtdsl.train.checkpoint import CheckpointError, latest_checkpoint, read_manifest
-    from dtdsl.train.faults import Fatal
+    from dtdsl.feed.faults import Fatal
+    from dtdsl.ir.checkpoint import CheckpointError, latest_checkpoint, read_manifest
 
     path = latest_checkpoint(run_dir)
     if path is None:
@@ -538,11 +538,11 @@ def _load_bundle(bundle: Path, program: RankProgram, rank: int, world: int) -> A
     """The bundle's job, program, plan and schedule, checked against this rank program
     and the world torchrun started; Fatal when they do not fit (a restart reads the same
     files)."""
+    from dtdsl.feed.faults import Fatal
+    from dtdsl.ir.job import load_job
     from dtdsl.ir.plan import Plan
     from dtdsl.ir.program import Program
     from dtdsl.ir.schedule import parse_schedule
-    from dtdsl.train.faults import Fatal
-    from dtdsl.train.job import load_job
 
     try:
         job = load_job(bundle)
@@ -582,8 +582,8 @@ def run(program: RankProgram, bundle: str | Path, argv: Sequence[str] | None = N
     """Train this rank (``RANK`` / ``WORLD_SIZE`` from torchrun's environment) per the
     bundle at ``bundle``; the module docstring says how. Returns the exit status. An
     error no restart can change is recorded for the launch and ends it
-    (``train.faults``) instead of a torchrun restart."""
-    from dtdsl.train.faults import hold_if_fatal
+    (``feed.faults``) instead of a torchrun restart."""
+    from dtdsl.feed.faults import hold_if_fatal
 
     who = f"rank {os.environ.get('RANK', '?')}"
     try:
@@ -594,7 +594,7 @@ def run(program: RankProgram, bundle: str | Path, argv: Sequence[str] | None = N
 
 
 def _run(program: RankProgram, bundle: Path, argv: Sequence[str] | None, who: str) -> int:
-    from dtdsl.train.faults import hold_if_fatal
+    from dtdsl.feed.faults import hold_if_fatal
 
     args = _parse(argv)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -688,8 +688,10 @@ class _Trainer:
         if rank == 0:
             if self.first == 0 and not self.again:
                 _set_aside_records(self.run_dir)
+            from dtdsl.cost.model import job_cost_model
+
             self.log = _RunLog(self.run_dir, plan, program_ir, self.schedule, source,
-                               self.first, job.cost.cost_model(program_ir, self.bundle))
+                               self.first, job_cost_model(job.cost, program_ir, self.bundle))
             if self.first >= self.steps:
                 print(f"nothing to do: the run is at step {self.first} of {self.steps}",
                       flush=True)
@@ -703,7 +705,7 @@ class _Trainer:
             return LocalBatches(self.program_ir, self.plan, groups.role, source=source,
                                 policy=frozenset(job.reorder))
         from dtdsl.feed.client import RemoteBatches
-        from dtdsl.train.job import feed_dir
+        from dtdsl.feed.node import feed_dir
 
         local = int(os.environ.get("LOCAL_RANK", "0"))
         node = job.node_ranks(self.rank, local, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
@@ -712,7 +714,7 @@ class _Trainer:
                              node_ranks=node)
 
     def train(self) -> None:
-        from dtdsl.train.job import fault_point
+        from dtdsl.feed.faults import fault_point
         from dtdsl.train.timelines import gather_timeline, telemetry_every
 
         ex, ckpt, rank, every = self.ex, self.ckpt, self.rank, self.job.checkpoint.every

@@ -123,7 +123,7 @@ def check_key(bundle: Path, job: Any) -> list[str]:
 def check_resume(job: Any, run_dir: str | Path) -> list[str]:
     """Problems with the checkpoint a resumed run would load (the newest complete one):
     it must be of this bundle's spec (another plan is resharded, another spec is not)."""
-    from dtdsl.train.checkpoint import CheckpointError, complete_checkpoints, read_manifest
+    from dtdsl.ir.checkpoint import CheckpointError, complete_checkpoints, read_manifest
 
     done = complete_checkpoints(run_dir)
     if not done:
@@ -148,8 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-dir", help="the run directory (a checkpoint there: resuming)")
     parser.add_argument("--data", help="the data the launch reads instead of the bundle's")
     args = parser.parse_args(argv)
-    from dtdsl.train.checkpoint import complete_checkpoints
-    from dtdsl.train.job import load_job
+    from dtdsl.ir.checkpoint import complete_checkpoints
+    from dtdsl.ir.job import load_job
 
     bundle = Path(args.bundle)
     try:

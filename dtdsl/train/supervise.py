@@ -17,7 +17,7 @@ which, on every node alike,
    starts the node's preprocessing workers (``workers/worker.py --all``, logging to
    ``RUN_DIR/logs/workers-<host>-<pid>.log``) and the torchrun command it was given;
 4. watches them every ``POLL_S``: torchrun's exit ends the launch with its status; a
-   fatal record (``train.faults``: a rank or worker met an error no restart changes, or
+   fatal record (``feed.faults``: a rank or worker met an error no restart changes, or
    a node's workers gave up) stops torchrun and its ranks at once, and the launch exits
    with ``EXIT_FATAL`` (3) after one line, ``launch.sh: stopped: <who>: <cause>`` (the
    other nodes': ``launch.sh: stopped: on another node: <who>: <cause>``); so
@@ -50,13 +50,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dtdsl.train.faults import (
-    EXIT_FATAL,
-    FATAL_ENV,
-    FATAL_LOCAL_ENV,
-    read_fatal,
-    write_fatal,
-)
+from dtdsl.feed.faults import EXIT_FATAL, FATAL_ENV, FATAL_LOCAL_ENV, read_fatal, write_fatal
 from dtdsl.train.rundir import HEARTBEAT_S, RECORDS, RunDirBusy, RunDirLock, check_launch_id
 
 __all__ = ["GRACE_S", "POLL_S", "earlier_run", "fatal_file", "main", "trainer_env"]
@@ -68,7 +62,7 @@ _SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 def fatal_file(run_dir: str | Path, launch_id: str) -> Path:
-    """Where the launch ``launch_id`` keeps its fatal record (``train.faults``)."""
+    """Where the launch ``launch_id`` keeps its fatal record (``feed.faults``)."""
     return Path(run_dir) / "logs" / f"fatal-{launch_id}.txt"
 
 
@@ -211,7 +205,8 @@ class _Node:
         self.signalled = signum
 
     def run(self) -> int:
-        from dtdsl.train.job import feed_dir, load_job
+        from dtdsl.feed.node import feed_dir
+        from dtdsl.ir.job import load_job
 
         for sig in _SIGNALS:
             signal.signal(sig, self._on_signal)

@@ -160,7 +160,7 @@ def test_a_co_located_bundle_trains_resumes_and_exports(tmp_path):
     generator on its last, the backbone's layers split 1/3 over 2 stages of 2 replicas)
     trains as the reference through its workers, resumes from its checkpoint, and its
     checkpoint exports every module."""
-    from dtdsl.train.checkpoint import latest_checkpoint
+    from dtdsl.ir.checkpoint import latest_checkpoint
     from tests.helpers.plans import colocate
     from tests.helpers.runs import plan_for
 
@@ -214,7 +214,7 @@ def test_a_phased_plan_bundle_dry_runs_trains_resumes_and_exports(tmp_path):
     stage: 4 ranks, one node): it dry-runs (the encoder's DP group over the backbone's
     stages is one its ranks make), trains, resumes from its checkpoint, matches the
     reference, and exports every module."""
-    from dtdsl.train.checkpoint import latest_checkpoint
+    from dtdsl.ir.checkpoint import latest_checkpoint
     from tests.helpers.plans import colocate, phase
     from tests.helpers.runs import plan_for
 

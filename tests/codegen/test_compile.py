@@ -536,9 +536,10 @@ def test_compile_bundle_refuses_a_schedule_that_would_hang_under_nccl(tmp_path, 
 def test_the_bundle_predicts_with_the_plans_cost_model(tmp_path):
     """A bundle carries the cost model its plan was made with (efficiencies, or the
     measured profile copied in), so the run's predictions price batches the same way."""
+    from dtdsl.cost.model import job_cost_model
     from dtdsl.cost.profile import save_profile
     from dtdsl.driver import run_frontend
-    from dtdsl.train.job import load_job
+    from dtdsl.ir.job import load_job
     from tests.helpers.costs import _linear_profile
 
     spec = str(SPECS / "tiny_cpu.dt")
@@ -548,7 +549,7 @@ def test_the_bundle_predicts_with_the_plans_cost_model(tmp_path):
                      "-o", str(calibrated)]) == 0
     job = load_job(calibrated)
     assert (job.cost.matmul, job.cost.profile_file) == (0.4, None)
-    cost = job.cost.cost_model(program, calibrated)
+    cost = job_cost_model(job.cost, program, calibrated)
     assert cost.params.efficiency.matmul == 0.4 and cost.profile is None
 
     profile = tmp_path / "profile.json"
@@ -561,7 +562,7 @@ def test_the_bundle_predicts_with_the_plans_cost_model(tmp_path):
     assert job.cost.profile_file == "profile.json"
     assert json.loads((measured / "profile.json").read_text()) == \
         json.loads(profile.read_text())
-    cost = job.cost.cost_model(program, measured)
+    cost = job_cost_model(job.cost, program, measured)
     assert cost.profile is not None
     plan = json.loads((measured / "plan.json").read_text())
     llm = next(u for u in plan["units"] if u["name"] == "llm")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from dtdsl import cli
-from dtdsl.train.checkpoint import checkpoint_root, complete_checkpoints, read_manifest
+from dtdsl.ir.checkpoint import checkpoint_root, complete_checkpoints, read_manifest
 from tests.helpers.bundle import (
     DATASET_SAMPLES,
     SPEC,

@@ -17,8 +17,8 @@ from dtdsl.feed.client import FeedTimeout, RemoteBatches
 from dtdsl.feed.protocol import BATCH, read_batch
 from dtdsl.feed.source import DatasetSource, epoch_permutation, stream_indices
 from dtdsl.feed.worker import FeedContext, build_messages
+from dtdsl.ir.job import load_job
 from dtdsl.parallel.mesh import role_of
-from dtdsl.train.job import load_job
 from tests.helpers.feed import (
     _Message,
 )

@@ -19,11 +19,11 @@ import pytest
 from dtdsl import cli
 from dtdsl.feed import wire
 from dtdsl.feed.client import REPORT_ENV, FeedTimeout, RemoteBatches
+from dtdsl.feed.faults import FATAL_ENV, FATAL_LOCAL_ENV
 from dtdsl.feed.protocol import BATCH
 from dtdsl.feed.worker import CRASH_LOOP, CRASH_WINDOW_S, FeedContext, build_messages
+from dtdsl.ir.job import load_job
 from dtdsl.parallel.mesh import role_of
-from dtdsl.train.faults import FATAL_ENV, FATAL_LOCAL_ENV
-from dtdsl.train.job import load_job
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = ROOT / "specs" / "tiny_cpu.dt"

@@ -16,21 +16,20 @@ from unittest import mock
 import pytest
 
 from dtdsl.ir import program as ir
-from dtdsl.ir.plan import Plan
-from dtdsl.models.multimodal import build_model
-from dtdsl.parallel.mesh import build_groups
-from dtdsl.schedule.lower import lower
-from dtdsl.train.checkpoint import (
-    Checkpointer,
+from dtdsl.ir.checkpoint import (
     CheckpointError,
     Manifest,
     UnitLayout,
-    _commit,
     checkpoint_root,
     complete_checkpoints,
     latest_checkpoint,
     read_manifest,
 )
+from dtdsl.ir.plan import Plan
+from dtdsl.models.multimodal import build_model
+from dtdsl.parallel.mesh import build_groups
+from dtdsl.schedule.lower import lower
+from dtdsl.train.checkpoint import Checkpointer, _commit
 from dtdsl.train.executor import StageExecutor
 from tests.dist import run
 from tests.helpers.checkpoints import (
@@ -385,7 +384,7 @@ def test_an_abandoned_save_releases_its_thread(tmp_path):
 def test_a_failed_background_save_stops_the_run_at_once():
     from concurrent.futures import Future
 
-    from dtdsl.train.checkpoint import CheckpointError
+    from dtdsl.ir.checkpoint import CheckpointError
 
     ck = Checkpointer.__new__(Checkpointer)     # the save's bookkeeping alone
     done: Future = Future()

@@ -18,11 +18,12 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
 from dtdsl.ir import program as ir
+from dtdsl.ir.checkpoint import checkpoint_root, complete_checkpoints
 from dtdsl.ir.plan import Plan
 from dtdsl.parallel.mesh import build_groups
 from dtdsl.schedule.lower import lower
 from dtdsl.train import dcp_safe
-from dtdsl.train.checkpoint import Checkpointer, checkpoint_root, complete_checkpoints
+from dtdsl.train.checkpoint import Checkpointer
 from dtdsl.train.executor import StageExecutor
 from tests.dist import run
 from tests.helpers.checkpoints import PLAN_A, PROGRAM

@@ -215,7 +215,7 @@ def test_resume_across_a_change_of_ep_degree(tmp_path):
 
     from torch.distributed.checkpoint import FileSystemReader
 
-    from dtdsl.train.checkpoint import checkpoint_root
+    from dtdsl.ir.checkpoint import checkpoint_root
 
     p = moe_spec(args=ARGS)
     two, one = ep_plan(p, 2, 1, 2), ep_plan(p, 2, 1, 1)

@@ -25,8 +25,8 @@ def ckpt(tmp_path_factory) -> Path:
     import torch.distributed.checkpoint as dcp
 
     from dtdsl.driver import run_frontend
+    from dtdsl.ir.checkpoint import MANIFEST, PROGRAM, Manifest
     from dtdsl.models.multimodal import build_model
-    from dtdsl.train.checkpoint import MANIFEST, PROGRAM, Manifest
 
     spec = ROOT / "specs" / "tiny_cpu.dt"
     prog = run_frontend(str(spec), spec.read_bytes()).program

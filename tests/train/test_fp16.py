@@ -288,12 +288,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_an_fp16_bundle_compiles_and_its_run_log_counts_the_skips(tmp_path, capsys):
     from dtdsl import cli
+    from dtdsl.cost.model import job_cost_model
     from dtdsl.data.batch import LocalBatches, SyntheticSource
+    from dtdsl.ir.job import load_job
     from dtdsl.ir.program import Program
     from dtdsl.ir.schedule import parse_schedule
     from dtdsl.parallel.mesh import role_of
     from dtdsl.train import launch
-    from dtdsl.train.job import load_job
 
     text = (ROOT / "specs" / "tiny_cpu.dt").read_text()
     old = "precision        = fp32"
@@ -314,7 +315,7 @@ def test_an_fp16_bundle_compiles_and_its_run_log_counts_the_skips(tmp_path, caps
     source = SyntheticSource(program)
     (tmp_path / "run").mkdir()
     log = launch._RunLog(tmp_path / "run", plan, program, schedule, source, 0,
-                         job.cost.cost_model(program, bundle))
+                         job_cost_model(job.cost, program, bundle))
     scalars: list[dict] = []
     log.telemetry.put = lambda step, s, timeline, batch: scalars.append(s)
     feed = LocalBatches(program, plan, role_of(plan, 0), source=source,

@@ -8,9 +8,9 @@ import shutil
 
 import pytest
 
+from dtdsl.ir.checkpoint import checkpoint_root, read_manifest
 from dtdsl.ir.plan import chunk_ranges
 from dtdsl.schedule.lower import lower
-from dtdsl.train.checkpoint import checkpoint_root, read_manifest
 from tests.helpers.plans import chunked, colocate, interleaved
 from tests.helpers.runs import TP_STEPS, check, check_tp, plan_for, spec
 

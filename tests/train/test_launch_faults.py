@@ -1,4 +1,4 @@
-"""Faults no restart changes end a launch at once with one line (``train.faults``,
+"""Faults no restart changes end a launch at once with one line (``feed.faults``,
 ``train.supervise``): what counts as one, the fatal record, the preflight's checks, and
 launched bundles meeting a full disk, a changed spec on --resume, a job key others may
 read, and a dead worker pool."""
@@ -18,8 +18,7 @@ from pathlib import Path
 import pytest
 
 from dtdsl import cli
-from dtdsl.train.checkpoint import CheckpointError, Manifest, UnitLayout, checkpoint_root
-from dtdsl.train.faults import (
+from dtdsl.feed.faults import (
     EXIT_FATAL,
     FATAL_ENV,
     FATAL_LOCAL_ENV,
@@ -29,7 +28,8 @@ from dtdsl.train.faults import (
     read_fatal,
     write_fatal,
 )
-from dtdsl.train.job import load_job
+from dtdsl.ir.checkpoint import CheckpointError, Manifest, UnitLayout, checkpoint_root
+from dtdsl.ir.job import load_job
 from tests.helpers.bundle import (
     SPEC,
     launch,
@@ -79,9 +79,9 @@ def test_what_a_restart_cannot_change():
 
     assert fatal_cause(HFError("model.safetensors: tensor x has shape (2,)")) == \
         "model.safetensors: tensor x has shape (2,)"
+    from dtdsl.ir.checkpoint import CheckpointMismatch
     from dtdsl.models.hf.weights import WeightsFileError
     from dtdsl.models.vae import VAEError
-    from dtdsl.train.checkpoint import CheckpointMismatch
 
     for err in (WeightsFileError("model.safetensors: cut short"), VAEError("vae: bad config"),
                 CheckpointMismatch("ckpt-2 was written for spec s")):
@@ -114,7 +114,7 @@ def test_the_first_record_wins_and_a_full_run_directory_falls_back_to_the_node(t
 
 def test_a_failing_process_records_and_holds_only_for_what_no_restart_changes(
         tmp_path, monkeypatch):
-    from dtdsl.train import faults
+    from dtdsl.feed import faults
 
     class Clock:                        # the module's clock: its naps counted, not slept
         monotonic = staticmethod(time.monotonic)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from dtdsl import cli
-from dtdsl.train.checkpoint import complete_checkpoints
+from dtdsl.ir.checkpoint import complete_checkpoints
 from dtdsl.train.rundir import (
     LOCK_FILE,
     NODES_DIR,

@@ -11,14 +11,15 @@ from pathlib import Path
 import pytest
 
 from dtdsl import cli
+from dtdsl.cost.model import job_cost_model
 from dtdsl.data.batch import LocalBatches, SyntheticSource
+from dtdsl.ir.job import load_job
 from dtdsl.ir.plan import Plan
 from dtdsl.ir.program import Program
 from dtdsl.ir.schedule import parse_schedule
 from dtdsl.parallel.mesh import role_of
 from dtdsl.sim.tensorboard import TimelineWriter
 from dtdsl.train import launch
-from dtdsl.train.job import load_job
 
 ROOT = Path(__file__).resolve().parents[2]
 SLOW_S = 0.4        # one TensorBoard chart, made slow
@@ -54,7 +55,7 @@ def run_log(tmp_path):
     schedule = parse_schedule((bundle / job.schedule_file).read_text("utf-8"))
     source = SyntheticSource(program)
     (tmp_path / "run").mkdir()
-    cost = job.cost.cost_model(program, bundle)
+    cost = job_cost_model(job.cost, program, bundle)
 
     def make(writer_type):
         return launch._RunLog(tmp_path / "run", plan, program, schedule, source, 0, cost,

@@ -30,13 +30,14 @@ from __future__ import annotations
 import errno
 import os
 import re
+import signal
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 __all__ = ["EXIT_FATAL", "FATAL_ENV", "FATAL_LOCAL_ENV", "HOLD_S", "Fatal", "fatal_cause",
-           "hold_if_fatal", "one_line", "read_fatal", "record_fatal", "write_fatal"]
+           "fault_point", "hold_if_fatal", "one_line", "read_fatal", "record_fatal", "write_fatal"]
 
 FATAL_ENV = "DTDSL_FATAL_FILE"          # the launch's fatal record (run directory)
 FATAL_LOCAL_ENV = "DTDSL_FATAL_LOCAL"   # its node-local fallback (the feed directory)
@@ -59,7 +60,7 @@ _DISK_HINT = "; free space there, or choose another --run-dir"
 # Errors of the user's inputs, by module and class: a module never imported raised none.
 _INPUT_ERRORS = (("dtdsl.models.hf.fields", "HFError"), ("dtdsl.models.vae", "VAEError"),
                  ("dtdsl.data.shards", "DatasetError"), ("dtdsl.data.text", "TokenizerError"),
-                 ("dtdsl.train.checkpoint", "CheckpointMismatch"))
+                 ("dtdsl.ir.checkpoint", "CheckpointMismatch"))
 
 
 class Fatal(RuntimeError):
@@ -203,3 +204,22 @@ def hold_if_fatal(err: BaseException, who: str, hold_s: float = HOLD_S) -> None:
     deadline = time.monotonic() + hold_s
     while time.monotonic() < deadline:
         time.sleep(0.5)
+
+
+def fault_point(who: str, step: int, run_dir: Path) -> None:
+    """SIGKILL this process when ``DTDSL_FAULT`` names ``who`` at ``step`` (once per
+    run directory: a marker file records that it happened)."""
+    spec = os.environ.get("DTDSL_FAULT", "")
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        target, _, at = item.partition("@")
+        if target != who or not at.isdigit() or int(at) != step:
+            continue
+        marker = run_dir / "faults" / f"{who}@{step}"
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return
+        os.close(fd)
+        print(f"DTDSL_FAULT: killing {who} at step {step}", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -8,9 +8,6 @@ per-job secret of the preprocessing transport is a separate file (``job.key``).
 
 from __future__ import annotations
 
-import os
-import signal
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,8 +15,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["FEED_DIR_ENV", "JOB_VERSION", "CheckpointConfig", "CostConfig", "DataConfig",
-           "FeedConfig", "Job", "RankEntry", "RankProgram", "fault_point", "feed_dir", "load_job"]
+__all__ = ["JOB_VERSION", "CheckpointConfig", "CostConfig", "DataConfig", "FeedConfig", "Job",
+           "RankEntry", "RankProgram", "load_job"]
 
 JOB_VERSION = 2
 
@@ -42,7 +39,7 @@ class FeedConfig(_Model):
     """The preprocessing workers and their transport.
 
     Workers run on every node and serve that node's trainers only, over zmq ``ipc://``
-    sockets in a node-local directory (``feed_dir``: ``launch.sh`` makes one per node and
+    sockets in a node-local directory (``feed.node.feed_dir``: ``launch.sh`` makes one per node and
     exports it as ``DTDSL_FEED_DIR``). Nothing names a host: a node's trainers and workers
     find each other there, and the workers learn which global ranks the node holds from
     its first trainer's announcements, after torchrun's rendezvous has numbered the
@@ -72,51 +69,16 @@ class FeedConfig(_Model):
         return gpus_per_node + 3
 
 
-# The environment variable that names a node's feed directory (launch.sh sets it).
-FEED_DIR_ENV = "DTDSL_FEED_DIR"
-# A Unix socket path holds at most 107 bytes on Linux (sun_path); the longest name below
-# the feed directory is "trainer-NNNN".
-_IPC_PATH_MAX = 107
-
-
-def feed_dir(given: str | Path | None = None) -> Path:
-    """The node's feed directory: ``given``, else ``$DTDSL_FEED_DIR``. ValueError when
-    neither is set, or when the directory is missing or its socket paths would be too
-    long for a Unix socket."""
-    where = given if given is not None else os.environ.get(FEED_DIR_ENV)
-    if not where:
-        raise ValueError(f"no feed directory: launch.sh sets {FEED_DIR_ENV} (a node-local "
-                         "directory for the workers' sockets); give --feed-dir or set it")
-    path = Path(where).absolute()
-    if not path.is_dir():
-        raise ValueError(f"the feed directory {path} does not exist")
-    if len(str(path / "trainer-0000").encode()) > _IPC_PATH_MAX:
-        raise ValueError(f"the feed directory {path} is too long for Unix socket paths "
-                         f"({_IPC_PATH_MAX} bytes): set TMPDIR to a shorter directory")
-    return path
-
-
 class CostConfig(_Model):
     """The cost model the plan was made with, so the run's predictions (TensorBoard's
-    ``predicted/``) price its batches the same way: the analytic model's efficiencies, or
-    the measured profile (``dtc compile --profile``, copied into the bundle)."""
+    ``predicted/``) price its batches the same way (``cost.model.job_cost_model``): the
+    analytic model's efficiencies (None: its defaults, ``cost.unit.Efficiency``), or the
+    measured profile (``dtc compile --profile``, copied into the bundle)."""
 
-    matmul: float = Field(default=0.70, gt=0, le=1)
-    attention: float = Field(default=0.50, gt=0, le=1)
-    conv: float = Field(default=0.45, gt=0, le=1)
+    matmul: float | None = Field(default=None, gt=0, le=1)
+    attention: float | None = Field(default=None, gt=0, le=1)
+    conv: float | None = Field(default=None, gt=0, le=1)
     profile_file: str | None = None
-
-    def cost_model(self, program: Any, bundle: str | Path) -> Any:
-        """The plan's cost model for ``program`` (a ``cost.model.CostModel``)."""
-        from dtdsl.cost.model import CostParams, Efficiency, build_cost_model
-        from dtdsl.cost.profile import ProfileTable, load_profile
-
-        params = CostParams(efficiency=Efficiency(matmul=self.matmul,
-                                                  attention=self.attention, conv=self.conv))
-        table = None
-        if self.profile_file is not None:
-            table = ProfileTable(load_profile(Path(bundle) / self.profile_file))
-        return build_cost_model(program, params, profile=table)
 
 
 class CheckpointConfig(_Model):
@@ -213,22 +175,3 @@ class RankProgram:
     pp: int
     ranks: Mapping[int, RankEntry]          # global rank -> its entry
     schedule: tuple[str, ...]               # the stage's actions, text form
-
-
-def fault_point(who: str, step: int, run_dir: Path) -> None:
-    """SIGKILL this process when ``DTDSL_FAULT`` names ``who`` at ``step`` (once per
-    run directory: a marker file records that it happened)."""
-    spec = os.environ.get("DTDSL_FAULT", "")
-    for item in filter(None, (s.strip() for s in spec.split(","))):
-        target, _, at = item.partition("@")
-        if target != who or not at.isdigit() or int(at) != step:
-            continue
-        marker = run_dir / "faults" / f"{who}@{step}"
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            return
-        os.close(fd)
-        print(f"DTDSL_FAULT: killing {who} at step {step}", file=sys.stderr, flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
