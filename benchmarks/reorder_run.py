@@ -28,7 +28,7 @@ from pathlib import Path
 from _common import ROOT
 
 from dtdsl import cli
-from dtdsl.sim.timeline import Timeline
+from dtdsl.ir.timeline import Timeline
 
 SPEC = """spec reorder_run
 

@@ -19,10 +19,10 @@ from _common import ROOT, SHIPPED, cost, shipped, timed
 
 from dtdsl import cli
 from dtdsl.ir.schedule import Schedule, ScheduleUnit
+from dtdsl.ir.timeline import Event, Timeline, TimelineUnit
 from dtdsl.planner import plan
 from dtdsl.schedule.lower import GradientFlow, lower, lower_units
 from dtdsl.sim.gantt import render_gantt
-from dtdsl.sim.timeline import Event, Timeline, TimelineUnit
 
 
 def _big_timeline(pp: int = 32, m: int = 256) -> Timeline:

@@ -75,17 +75,12 @@ DEBT: dict[tuple[str, str], str] = {
     ("dtdsl.planner.simulated", "dtdsl.sim.simulate"): _PLANNER,
     ("dtdsl.planner.simulated", "dtdsl.reorder.workload"): _PLANNER,
     ("dtdsl.train.executor", "dtdsl.sim.tensorboard"): _LAUNCH,
-    ("dtdsl.train.executor", "dtdsl.sim.timeline"): _LAUNCH,
     ("dtdsl.train.launch", "dtdsl.report"): _LAUNCH,
     ("dtdsl.train.launch", "dtdsl.sim.run"): _LAUNCH,
     ("dtdsl.train.launch", "dtdsl.sim.simulate"): _LAUNCH,
     ("dtdsl.train.launch", "dtdsl.sim.tensorboard"): _LAUNCH,
     ("dtdsl.train.memplan", "dtdsl.report"): _LAUNCH,
     ("dtdsl.train.memplan", "dtdsl.schedule.lower"): _LAUNCH,
-    # Moved out of train.executor with the measured timelines (the same dependency).
-    ("dtdsl.train.timelines", "dtdsl.sim.timeline"): _LAUNCH,
-    # Moved out of train.executor with StepRecord, whose events are timeline Events.
-    ("dtdsl.train.record", "dtdsl.sim.timeline"): _LAUNCH,
 }
 
 # Import cycles that exist today (each a set of modules importing each other, lazily

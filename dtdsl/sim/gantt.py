@@ -25,8 +25,8 @@ from collections.abc import Sequence
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
+from dtdsl.ir.timeline import Event, Row, Timeline
 from dtdsl.report import format_seconds
-from dtdsl.sim.timeline import Event, Row, Timeline
 
 __all__ = ["MAX_ROWS", "render_gantt"]
 

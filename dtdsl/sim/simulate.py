@@ -53,8 +53,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from dtdsl.ir.schedule import ActionKind, Schedule
+from dtdsl.ir.timeline import Event, Timeline, TimelineUnit
 from dtdsl.schedule.validate import ScheduleError
-from dtdsl.sim.timeline import Event, Timeline, TimelineUnit
 
 __all__ = ["Durations", "SimResult", "Simulator", "simulate"]
 

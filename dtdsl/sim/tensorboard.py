@@ -26,8 +26,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from dtdsl.ir.timeline import Timeline
 from dtdsl.sim.gantt import render_gantt
-from dtdsl.sim.timeline import Timeline
 
 __all__ = ["TimelineWriter"]
 

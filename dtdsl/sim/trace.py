@@ -27,7 +27,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from dtdsl.sim.timeline import Event, Timeline
+from dtdsl.ir.timeline import Event, Timeline
 
 __all__ = ["trace_events", "write_trace"]
 

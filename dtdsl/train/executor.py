@@ -34,7 +34,7 @@ microbatch on the rank's own row. What a pass reads of its samples is ``train.in
 
 Timing (``train.clock``): each action's start and end are marks read once after the
 optimizer step (CUDA events on a GPU, host time on the CPU).
-``train.timelines.gather_timeline`` collects the measured ``sim.timeline.Timeline`` of
+``train.timelines.gather_timeline`` collects the measured ``ir.timeline.Timeline`` of
 timed steps.
 
 Interleaved 1F1B (a unit with vpp > 1): the rank's stage holds its model chunks (``Stage.
@@ -67,6 +67,7 @@ from dtdsl.ir.layout import SequenceLayout, layout_of
 from dtdsl.ir.plan import Plan
 from dtdsl.ir.schedule import Action, ActionKind, Schedule
 from dtdsl.ir.sizes import SampleSizes
+from dtdsl.ir.timeline import Event
 from dtdsl.models.moe import moe_blocks, set_loss_scale, take_aux_losses
 from dtdsl.models.multimodal import (
     Normalizer,
@@ -83,7 +84,6 @@ from dtdsl.parallel.device import to_device
 from dtdsl.parallel.ep import full_parameters
 from dtdsl.parallel.mesh import ProcessGroups, RankRole
 from dtdsl.parallel.p2p import P2P, Received, TensorSpec
-from dtdsl.sim.timeline import Event
 from dtdsl.train import timelines
 from dtdsl.train.clock import StepClock, step_clock
 from dtdsl.train.cp_run import attach_cp, sum_over_cp

@@ -388,7 +388,7 @@ class _TelemetryWork:
         from dtdsl.report import plan_markdown
 
         self.writer.add_text("plan", plan_markdown(plan))
-        # Per step the measured and the predicted timeline (``sim.timeline.Timeline``
+        # Per step the measured and the predicted timeline (``ir.timeline.Timeline``
         # JSON), for jobs small enough that their events stay small.
         self.timelines = open(run_dir / "timelines.jsonl", "a", encoding="utf-8") \
             if plan.gpus_used <= TIMELINE_RANKS else None  # noqa: SIM115

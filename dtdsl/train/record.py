@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TypedDict
 
-from dtdsl.sim.timeline import Event
+from dtdsl.ir.timeline import Event
 
 __all__ = ["StepRecord"]
 

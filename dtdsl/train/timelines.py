@@ -1,5 +1,5 @@
 """Measured timelines: each rank's events of a step gathered on rank 0 into the
-``Timeline`` the simulator's readers read (``sim.timeline``), within a byte budget per
+``Timeline`` the simulator's readers read (``ir.timeline``), within a byte budget per
 step (``telemetry_every``)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from dtdsl.ir.plan import Plan
 from dtdsl.ir.schedule import ActionKind, Schedule
-from dtdsl.sim.timeline import Event, Timeline, TimelineUnit
+from dtdsl.ir.timeline import Event, Timeline, TimelineUnit
 
 __all__ = ["TELEMETRY_BYTES", "gather_timeline", "measured_timeline", "telemetry_bytes",
            "telemetry_every"]

@@ -111,7 +111,7 @@ def test_in_process_bundle_matches_the_reference(tmp_path):
     assert [v for _, v in got] == pytest.approx(predicted_times(bundle, STEPS), rel=1e-6)
     # timelines.jsonl: both timelines of every step; a pass's measured time starts when
     # its inputs are there, so it is compute: within the step, never longer than it.
-    from dtdsl.sim.timeline import Timeline
+    from dtdsl.ir.timeline import Timeline
 
     lines = read_jsonl(run_dir / "timelines.jsonl")
     assert [line["step"] for line in lines] == list(range(STEPS))
@@ -197,7 +197,7 @@ def test_a_co_located_bundle_trains_resumes_and_exports(tmp_path):
     for m, ref in zip(metrics, reference_losses(3, spec=spec), strict=True):
         assert m["loss"] == pytest.approx(ref, rel=RTOL)
     # The measured timelines have the backbone's rows only, as the predicted ones.
-    from dtdsl.sim.timeline import Timeline
+    from dtdsl.ir.timeline import Timeline
 
     line = read_jsonl(run_dir / "timelines.jsonl")[-1]
     assert set(Timeline.from_json(line["measured"]).compute_s()) == {"llm.s0", "llm.s1"}
@@ -252,7 +252,7 @@ def test_a_phased_plan_bundle_dry_runs_trains_resumes_and_exports(tmp_path):
         assert m["loss"] == pytest.approx(ref, rel=RTOL)
     # The measured timelines have the backbone's rows only, as the predicted ones: the
     # phases are events there (F and B without a microbatch).
-    from dtdsl.sim.timeline import Timeline
+    from dtdsl.ir.timeline import Timeline
 
     line = read_jsonl(run_dir / "timelines.jsonl")[-1]
     measured = Timeline.from_json(line["measured"])

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan
 from dtdsl.ir.schedule import ScheduleUnit
+from dtdsl.ir.timeline import TimelineUnit
 from dtdsl.parallel.mesh import (
     MESH_DIMS,
     ProcessGroups,
@@ -28,7 +29,6 @@ from dtdsl.parallel.mesh import (
     role_of,
     unit_mesh_shape,
 )
-from dtdsl.sim.timeline import TimelineUnit
 from dtdsl.train.stage import tied_group_ranks, tied_pairs
 from tests.dist import ChildFailed, make_plan, run
 from tests.helpers.runs import LOSS_RTOL, PARAM_RTOL, plan_for, reference, spec

@@ -9,8 +9,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from dtdsl.ir.timeline import Event, Timeline, TimelineUnit
 from dtdsl.sim.gantt import MAX_ROWS, render_gantt
-from dtdsl.sim.timeline import Event, Timeline, TimelineUnit
 from dtdsl.sim.trace import trace_events, write_trace
 
 WHITE = (255, 255, 255)

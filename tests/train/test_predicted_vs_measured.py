@@ -102,7 +102,7 @@ class Comparison:
 def measure(work: Path, *, steps: int = STEPS) -> Comparison:
     """Profile, plan, compile and run the spec in ``work``; compare the steps after the
     first WARMUP."""
-    from dtdsl.sim.timeline import Timeline
+    from dtdsl.ir.timeline import Timeline
 
     spec = work / "spec.dt"
     spec.write_text(SPEC)
