@@ -51,7 +51,6 @@ _JOB = ("the bundle's Job schema and the fault/checkpoint pieces the worker need
         "move them into ir/ or feed/")
 _FILES = ("frontend.check reads HF configs, VAE configs and tokenizers: move those torch-free "
           "readers (models.hf.config, models.vae's config, data.text) into frontend/ or ir/")
-_GRAPH = "ir.graph computes FLOPs and sample sizes: move graph.py into cost/ (or flops into ir/)"
 _PLANNER = ("planner.simulated/baseline evaluate plans by scheduling, reordering and simulating: "
             "move that search above sim/ (planner helper's area)")
 _LAUNCH = ("train.launch/executor/memplan run the simulator and render reports for the "
@@ -66,8 +65,6 @@ DEBT: dict[tuple[str, str], str] = {
     ("dtdsl.frontend.check", "dtdsl.models.hf"): _FILES,
     ("dtdsl.frontend.check", "dtdsl.models.hf.config"): _FILES,
     ("dtdsl.frontend.check", "dtdsl.models.vae"): _FILES,
-    ("dtdsl.ir.graph", "dtdsl.cost.flops"): _GRAPH,
-    ("dtdsl.ir.graph", "dtdsl.cost.samples"): _GRAPH,
     ("dtdsl.planner.baseline", "dtdsl.reorder.split"): _PLANNER,
     ("dtdsl.planner.simulated", "dtdsl.schedule.lower"): _PLANNER,
     ("dtdsl.planner.simulated", "dtdsl.sim.estimate"): _PLANNER,

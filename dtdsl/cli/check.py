@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         elif result.ok and args.emit == "program" and result.program is not None:
             texts.append(result.program.model_dump_json(indent=2) + "\n")
         elif result.ok and args.emit == "graph" and result.program is not None:
-            from dtdsl.ir.graph import build_graph, graph_text
+            from dtdsl.cost.graph import build_graph, graph_text
 
             texts.append(graph_text(build_graph(result.program)))
         elif result.ok and args.emit in ("plan", "schedule") and result.program is not None:

@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dtdsl.ir.graph import build_graph, graph_dot, graph_text
+    from dtdsl.cost.graph import build_graph, graph_dot, graph_text
     from dtdsl.ir.plan import Plan
 
     result, code = load_program(args.spec)

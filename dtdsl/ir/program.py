@@ -34,7 +34,7 @@ LR_SCHEDULES = ("constant", "linear", "cosine")
 # The backbone states a generator is conditioned on, per document: its last 77 hidden
 # states (all of them when it has fewer), the length of the CLIP text context a Stable
 # Diffusion U-Net cross-attends to. The runtime (models.multimodal) takes them and the
-# cost model (cost.profile, cost.model, ir.graph) prices them: one value for both.
+# cost model (cost.profile, cost.model, cost.graph) prices them: one value for both.
 COND_TOKENS = 77
 # What a sample carries, per modality. `count`: items encoded by the modality's
 # encoder; `gen_count`: items its generator learns to produce; `patches`: tokens

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from dtdsl.cost import flops
+from dtdsl.cost.graph import build_graph
 from dtdsl.cost.model import build_cost_model
 from dtdsl.cost.samples import draw_samples, positions
 from dtdsl.ir import program as ir
-from dtdsl.ir.graph import build_graph
 from dtdsl.reorder.workload import WorkModel
 from tests.specs import program, variant
 

@@ -79,7 +79,7 @@ def test_drawn_items_are_shared_by_the_encoders_of_a_modality():
     assert gap.max() <= 3 and gap.any()
     # The stage graph (and the cost model and simulator, by the same key) reads each
     # encoder's own items.
-    from dtdsl.ir.graph import build_graph
+    from dtdsl.cost.graph import build_graph
 
     graph = build_graph(program, samples=64, seed=3)
     for name, key in (("beats", "audio"), ("beats2", "audio@beats2")):

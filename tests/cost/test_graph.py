@@ -9,8 +9,8 @@ from pathlib import Path
 import networkx as nx
 import pytest
 
+from dtdsl.cost.graph import build_graph, graph_dot, graph_text
 from dtdsl.driver import read_spec, run_frontend
-from dtdsl.ir.graph import build_graph, graph_dot, graph_text
 from dtdsl.ir.plan import Plan, UnitPlan, split_layers
 from dtdsl.ir.program import Program
 
