@@ -41,8 +41,6 @@ CLI_MODULES = {"dtdsl.cli", "dtdsl.data.cli", "dtdsl.clihelp"}
 
 # The (importer, imported) pairs that break the order today, grouped by the issue-33
 # move that removes them. Delete an entry when its move lands (the test insists).
-_PROFILE = ("cost.profile measures the torch models: move the measuring into train/, "
-            "keep Profile in cost")
 _SHARED_SIZES = ("the models take packed images (data.sample) and pixel normalisation "
                  "(data.images) from the data layer: move those torch-side helpers into models/")
 _FILES = ("frontend.check reads HF configs, VAE configs and tokenizers: move those torch-free "
@@ -52,8 +50,6 @@ _PLANNER = ("planner.simulated/baseline evaluate plans by scheduling, reordering
 _LAUNCH = ("train.launch/executor/memplan run the simulator and render reports for the "
            "launch: move those steps into codegen/ or the CLI, or sim's parts into cost/")
 DEBT: dict[tuple[str, str], str] = {
-    ("dtdsl.cost.profile", "dtdsl.models"): _PROFILE,
-    ("dtdsl.cost.profile", "dtdsl.train.optim"): _PROFILE,
     ("dtdsl.models.multimodal", "dtdsl.data.images"): _SHARED_SIZES,
     ("dtdsl.models.multimodal", "dtdsl.data.sample"): _SHARED_SIZES,
     ("dtdsl.frontend.check_data", "dtdsl.data.text"): _FILES,

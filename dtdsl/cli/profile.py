@@ -33,8 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dtdsl.cost.profile import profile_program, save_profile
+    from dtdsl.cost.profile import save_profile
     from dtdsl.report import progress_bar, render_profile, wide_console
+    from dtdsl.train.profile import profile_program
 
     _, program = open_program(args.spec)
     tps = None

@@ -20,13 +20,12 @@ from dtdsl.cost.profile import (
     ProfileError,
     ProfileTable,
     check_profile,
-    default_points,
     load_profile,
-    profile_program,
     save_profile,
 )
 from dtdsl.driver import run_frontend
 from dtdsl.ir import program as ir
+from dtdsl.train.profile import default_points, profile_program
 
 ROOT = Path(__file__).resolve().parents[2]
 
