@@ -8,7 +8,7 @@ test keeps the two equal).
 from __future__ import annotations
 
 from types import MappingProxyType
-from typing import NamedTuple
+from typing import Final, NamedTuple
 
 __all__ = ["CODES", "Code", "explain", "markdown"]
 
@@ -667,6 +667,77 @@ an error.
     constraints { ep(llm) == 4  dp(llm) == 2 }   # error: allow dp 4 or more
 """),
 })
+
+# Every code as a name (``from dtdsl.codes import DT601``), so that a misspelt code fails
+# at import; tests/test_codes.py keeps the names equal to CODES.
+DT000: Final = "DT000"
+DT001: Final = "DT001"
+DT002: Final = "DT002"
+DT003: Final = "DT003"
+DT009: Final = "DT009"
+DT101: Final = "DT101"
+DT102: Final = "DT102"
+DT103: Final = "DT103"
+DT104: Final = "DT104"
+DT105: Final = "DT105"
+DT107: Final = "DT107"
+DT108: Final = "DT108"
+DT201: Final = "DT201"
+DT202: Final = "DT202"
+DT203: Final = "DT203"
+DT204: Final = "DT204"
+DT205: Final = "DT205"
+DT206: Final = "DT206"
+DT207: Final = "DT207"
+DT208: Final = "DT208"
+DT301: Final = "DT301"
+DT302: Final = "DT302"
+DT303: Final = "DT303"
+DT304: Final = "DT304"
+DT305: Final = "DT305"
+DT306: Final = "DT306"
+DT307: Final = "DT307"
+DT309: Final = "DT309"
+DT310: Final = "DT310"
+DT311: Final = "DT311"
+DT312: Final = "DT312"
+DT316: Final = "DT316"
+DT313: Final = "DT313"
+DT314: Final = "DT314"
+DT315: Final = "DT315"
+DT317: Final = "DT317"
+DT318: Final = "DT318"
+DT401: Final = "DT401"
+DT402: Final = "DT402"
+DT403: Final = "DT403"
+DT404: Final = "DT404"
+DT406: Final = "DT406"
+DT407: Final = "DT407"
+DT410: Final = "DT410"
+DT411: Final = "DT411"
+DT501: Final = "DT501"
+DT502: Final = "DT502"
+DT503: Final = "DT503"
+DT504: Final = "DT504"
+DT505: Final = "DT505"
+DT601: Final = "DT601"
+DT612: Final = "DT612"
+DT613: Final = "DT613"
+DT620: Final = "DT620"
+DT621: Final = "DT621"
+DT622: Final = "DT622"
+DT630: Final = "DT630"
+DT631: Final = "DT631"
+DT632: Final = "DT632"
+DT633: Final = "DT633"
+DT634: Final = "DT634"
+DT635: Final = "DT635"
+DT640: Final = "DT640"
+DT641: Final = "DT641"
+DT642: Final = "DT642"
+DT643: Final = "DT643"
+DT644: Final = "DT644"
+DT645: Final = "DT645"
 
 
 def explain(code: str) -> str | None:

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from dtdsl.codes import DT009
 from dtdsl.diagnostics import Diagnostic, has_errors, sort_diagnostics
 from dtdsl.errors import DtdslError
 from dtdsl.frontend import ast
@@ -36,7 +37,7 @@ def _limit(diagnostics: tuple[Diagnostic, ...]) -> tuple[Diagnostic, ...]:
         return diagnostics
     cut = diagnostics[MAX_DIAGNOSTICS]
     return diagnostics[:MAX_DIAGNOSTICS] + (Diagnostic.error(
-        "DT009", f"too many problems: stopping after {MAX_DIAGNOSTICS}; "
+        DT009, f"too many problems: stopping after {MAX_DIAGNOSTICS}; "
         f"{len(diagnostics) - MAX_DIAGNOSTICS} more not reported", cut.span,
         hint="fix the first ones and check again"),)
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
+from dtdsl.codes import DT001, DT002, DT003
+
 __all__ = ["MAX_SPEC_BYTES", "Source", "Span", "SourceError", "decode_source"]
 
 # A real spec is a few KB; 128 KiB is forty times that. The cap bounds the time a
@@ -73,7 +75,7 @@ def decode_source(name: str, data: bytes) -> Source | SourceError:
     """Decode a spec's bytes, or say why they are not a spec."""
     if len(data) > MAX_SPEC_BYTES:
         return SourceError(
-            code="DT003",
+            code=DT003,
             message=f"spec is {len(data):,} bytes; specs are limited to {MAX_SPEC_BYTES:,} bytes",
             span=Span.point(1, 1),
             hint="a spec describes a job in a few hundred lines; keep measured data in a "
@@ -83,7 +85,7 @@ def decode_source(name: str, data: bytes) -> Source | SourceError:
     if nul >= 0:
         line, column = _position(data, nul)
         return SourceError(
-            code="DT002",
+            code=DT002,
             message="spec contains a NUL byte: this looks like a binary file, not a .dt spec",
             span=Span.point(line, column),
         )
@@ -92,7 +94,7 @@ def decode_source(name: str, data: bytes) -> Source | SourceError:
     except UnicodeDecodeError as err:
         line, column = _position(data, err.start)
         return SourceError(
-            code="DT001",
+            code=DT001,
             message=f"spec is not valid UTF-8: byte 0x{data[err.start]:02x} cannot start or "
             "continue a character here",
             span=Span.point(line, column),

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dtdsl.clihelp import EXIT_USAGE, load_program
+from dtdsl.codes import DT000
 from dtdsl.diagnostics import Diagnostic, render_text
 from dtdsl.driver import FrontendResult, UsageError
 from dtdsl.ir.program import Program
@@ -69,7 +70,7 @@ def slurm_option(check: Callable[..., str], *args: str) -> Callable[[str], str]:
 
 
 def usage_diagnostic(message: str) -> Diagnostic:
-    return Diagnostic.error("DT000", message, Span.point(1, 1))
+    return Diagnostic.error(DT000, message, Span.point(1, 1))
 
 
 def spec_dir(name: str) -> Path:

@@ -12,6 +12,7 @@ from dtdsl.codegen.emit import emit_bundle
 from dtdsl.codegen.slurm import SlurmOptions
 from dtdsl.codegen.support import runtime_support
 from dtdsl.codegen.views import bundle_view
+from dtdsl.codes import DT411
 from dtdsl.ir import program as ir
 from dtdsl.ir.job import CheckpointConfig, CostConfig, DataConfig, FeedConfig, Job
 from dtdsl.ir.plan import Plan
@@ -102,7 +103,7 @@ def compile_bundle(out: str | Path, *, source: bytes, spec_path: str, program: i
     those as diagnostics first: ``support.runtime_support``) or whose schedule could
     deadlock under NCCL's rules (``schedule.validate.validate_nccl``)."""
     refused = runtime_support(program, plan)
-    unsupported = [d for d in refused if d.code != "DT411"]
+    unsupported = [d for d in refused if d.code != DT411]
     if unsupported:
         raise ValueError("the runtime cannot train this spec yet: " +
                          "; ".join(d.message for d in unsupported))

@@ -13,13 +13,14 @@ on ranks of two nodes priced at NVLink bandwidth, as a plan edited by hand can h
 
 from __future__ import annotations
 
+from dtdsl.codes import DT411, DT601, DT622
 from dtdsl.diagnostics import Diagnostic
 from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan, UnitPlan, straddling_tp_groups
 
 __all__ = ["runtime_support", "tp_placement"]
 
-_CODE = "DT601"
+_CODE = DT601
 
 
 def _encoders(program: ir.Program) -> list[Diagnostic]:
@@ -189,7 +190,7 @@ def _context_parallel(program: ir.Program, plan: Plan) -> list[Diagnostic]:
                           program.cluster.gpus_per_node)
         if why is not None:
             out.append(Diagnostic.error(
-                "DT622", f"{u.name}'s plan splits its sequences over cp {u.cp} ranks "
+                DT622, f"{u.name}'s plan splits its sequences over cp {u.cp} ranks "
                 f"({module.context_parallel}) at tp {u.tp}, which its attention cannot "
                 f"run: {why}", module.span,
                 hint=f"plan again (dtc plan never picks it), or use `context_parallel = "
@@ -266,7 +267,7 @@ def tp_placement(program: ir.Program, plan: Plan) -> list[Diagnostic]:
         span = program.module(u.name).span if u.name in names else program.cluster.span
         shown = ", ".join(_ranks(g) for g in groups[:4]) + (", ..." if len(groups) > 4 else "")
         out.append(Diagnostic.error(
-            "DT411", f"{u.name}: its TP group of ranks {_ranks(first)} spans nodes "
+            DT411, f"{u.name}: its TP group of ranks {_ranks(first)} spans nodes "
             f"{first[0] // per_node} and {first[-1] // per_node} ({per_node} GPUs a node), "
             "but the plan priced its TP collectives at NVLink bandwidth", span,
             notes=[f"{len(groups)} of {u.name}'s {u.dp * u.pp} TP groups (tp {u.tp}, from "

@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from dtdsl.codes import DT314, DT315, DT317, DT505
 from dtdsl.data.paths import Refused, open_regular
 from dtdsl.data.shards import FORMAT, INDEX_NAME, Dataset, DatasetError, NoSamples
 from dtdsl.ir import program as ir
@@ -167,14 +168,14 @@ def data_diagnostics(program: ir.Program, base_dir: str | Path) -> list[Any]:
     if problem is not None:
         return [_nothing_left(source, problem, span) if _all_refused(source, base_dir)
                 else Diagnostic.error(
-            "DT314", f"data source {source!r} cannot be read: {problem}", span,
+            DT314, f"data source {source!r} cannot be read: {problem}", span,
             notes=["paths are relative to the spec's folder"],
             hint="point source at a dataset (`dtc data synth` writes one) or at WebDataset "
             "shards; to plan or compile without data, pass --synthetic (samples drawn from "
             "the spec's distributions)")]
     if program.data.tokenizer is None and not is_synthetic(source, base_dir):
         return [Diagnostic.error(
-            "DT315", f"data source {source!r} is real text, which needs a tokenizer", span,
+            DT315, f"data source {source!r} is real text, which needs a tokenizer", span,
             notes=["the hashing tokenizer is only for synthetic data (`dtc data synth`)"],
             hint='add `tokenizer = "PATH"` to the data block (a tokenizer.json or a '
             "Hugging Face folder), or give the backbone `pretrained` weights whose "
@@ -198,7 +199,7 @@ def _nothing_left(source: Any, why: str, span: Any) -> Any:
     from dtdsl.diagnostics import Diagnostic
 
     return Diagnostic.error(
-        "DT317", f"data source {source!r} has no sample to train on: {why}", span,
+        DT317, f"data source {source!r} has no sample to train on: {why}", span,
         notes=["dtdsl reads only files inside their folder (no `..`, no absolute paths, no "
                "symlink out of it) that are regular files (no FIFO or device)"],
         hint="fix the data or where its paths start (`image_folder` for a LLaVA JSON); "
@@ -223,13 +224,13 @@ def _survey(program: ir.Program, source: str, base_dir: str | Path, span: Any) -
     except NoSamples as err:
         return [_nothing_left(source, str(err), span)]
     except DatasetError as err:
-        return [Diagnostic.error("DT314", f"data source {source!r} cannot be read: {err}",
+        return [Diagnostic.error(DT314, f"data source {source!r} cannot be read: {err}",
                                  span, notes=["paths are relative to the spec's folder"])]
     with dataset:
         try:
             layouts = token_layouts(dataset, decoder.tokenizer, kinds=decoder.kinds)
         except DatasetError as err:
-            return [Diagnostic.error("DT314", f"data source {source!r} cannot be read: {err}",
+            return [Diagnostic.error(DT314, f"data source {source!r} cannot be read: {err}",
                                      span)]
         laid = [i for i, lay in enumerate(layouts) if lay is not None]
         told = left_out_text(dataset, {NO_LAYOUT: len(layouts) - len(laid)})
@@ -240,7 +241,7 @@ def _survey(program: ir.Program, source: str, base_dir: str | Path, span: Any) -
         out = []
         if told:
             out.append(Diagnostic.warning(
-                "DT505", f"data source {source!r}: {len(laid)} of its {len(layouts)} indexed "
+                DT505, f"data source {source!r}: {len(laid)} of its {len(layouts)} indexed "
                 f"samples can be trained on; {told}", span,
                 hint="`dtc data index SOURCE` lists what is left out and why"))
         out += _clamp_warnings(program, source, dataset, decoder, layouts, laid)
@@ -282,13 +283,13 @@ def _clamp_warnings(program: ir.Program, source: str, dataset: Any, decoder: Any
         what = "images" if o.key == "image.patches" else "samples"
         if o.above:
             out.append(Diagnostic.warning(
-                "DT505", f"data source {source!r}: {o.above} of {len(samples)} {what} are "
+                DT505, f"data source {source!r}: {o.above} of {len(samples)} {what} are "
                 f"above the {bounds} of {o.key}: {what_happens(o)}", where,
                 hint=f"widen the clamp to the data (`dtc data stats {source} --spec SPEC`), "
                 "or keep it to train on the data cut to it"))
         if o.below:
             out.append(Diagnostic.warning(
-                "DT505", f"data source {source!r}: {o.below} of {len(samples)} samples are "
+                DT505, f"data source {source!r}: {o.below} of {len(samples)} samples are "
                 f"below the {bounds} of {o.key}: they are used as they are (nothing is "
                 "padded)",
                 where, hint="lower the clamp's low to what the data holds"))

@@ -17,6 +17,31 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dtdsl.codes import (
+    DT202,
+    DT203,
+    DT204,
+    DT205,
+    DT206,
+    DT208,
+    DT301,
+    DT302,
+    DT303,
+    DT304,
+    DT305,
+    DT306,
+    DT310,
+    DT311,
+    DT312,
+    DT313,
+    DT316,
+    DT318,
+    DT501,
+    DT503,
+    DT504,
+    DT612,
+    DT613,
+)
 from dtdsl.diagnostics import Diagnostic, did_you_mean, has_errors
 from dtdsl.frontend import ast
 from dtdsl.frontend import moe as _moe
@@ -71,7 +96,7 @@ class _Checker(DataChecks, TrainChecks):
         blocks: dict[str, Any] = {}
         for block in self.spec.blocks:
             if block.kind in blocks:
-                ctx.error("DT202", f"a second '{block.kind}' block; a spec has one",
+                ctx.error(DT202, f"a second '{block.kind}' block; a spec has one",
                           head_span(block.span, len(block.kind)),
                           notes=[f"the first is at line {blocks[block.kind].span.line}"],
                           hint="merge the two blocks")
@@ -83,7 +108,7 @@ class _Checker(DataChecks, TrainChecks):
                               ("cluster", "cluster { gpu = H100  gpus = 8 }"),
                               ("train", "train { global_batch = 64  seq_len = 4096 }")):
             if kind not in blocks:
-                ctx.error("DT204", f"the spec has no '{kind}' block", start,
+                ctx.error(DT204, f"the spec has no '{kind}' block", start,
                           hint=f"add one, e.g. {example}")
 
         modules, projectors = self._model(blocks.get("model"))
@@ -123,11 +148,11 @@ class _Checker(DataChecks, TrainChecks):
             if len(item.name) > MAX_NAME_LENGTH:
                 # Still declared, so that projectors, constraints and the backbone count
                 # do not report it a second time as missing.
-                ctx.error("DT208", f"module name is {len(item.name)} characters long; "
+                ctx.error(DT208, f"module name is {len(item.name)} characters long; "
                           f"names are limited to {MAX_NAME_LENGTH}", item.name_span,
                           hint="choose a shorter name")
             if item.name in decls:
-                ctx.error("DT202", f"a second module named '{item.name}'", item.name_span,
+                ctx.error(DT202, f"a second module named '{item.name}'", item.name_span,
                           notes=[f"the first is at line {decls[item.name].span.line}"],
                           hint="give each module its own name")
                 continue
@@ -139,11 +164,11 @@ class _Checker(DataChecks, TrainChecks):
         head = head_span(block.span, len("model"))
         backbones = [d for d in decls.values() if d.role == "backbone"]
         if not backbones:
-            ctx.error("DT301", "the model has no backbone", head,
+            ctx.error(DT301, "the model has no backbone", head,
                       hint="add one: backbone llm { arch = transformer(layers=32, hidden=4096, "
                       "heads=32, vocab=128256) }")
         for extra in backbones[1:]:
-            ctx.error("DT301", f"the model has {len(backbones)} backbones "
+            ctx.error(DT301, f"the model has {len(backbones)} backbones "
                       f"({_listing([b.name for b in backbones])}); a spec trains exactly one",
                       extra.name_span, hint=f"make '{extra.name}' an encoder or a generator, "
                       "or remove it")
@@ -158,25 +183,25 @@ class _Checker(DataChecks, TrainChecks):
         modality = decl.modality
         if decl.role == "backbone":
             if modality is not None:
-                ctx.error("DT206", f"the backbone reads text and every projected modality; "
+                ctx.error(DT206, f"the backbone reads text and every projected modality; "
                           f"it takes no modality, but '{modality}' is given",
                           decl.modality_span, hint=f"write `backbone {decl.name} {{`")
                 modality = INVALID
         elif modality is None:
-            ctx.error("DT204", f"{where} needs a modality", decl.name_span,
+            ctx.error(DT204, f"{where} needs a modality", decl.name_span,
                       hint=f"write `{decl.role} {decl.name} (image) {{` "
                       f"(one of {', '.join(ir.MODALITIES)})")
             modality = INVALID
         elif modality not in ir.MODALITIES:
             guess = did_you_mean(modality, ir.MODALITIES)
-            ctx.error("DT205", f"unknown modality '{modality}'", decl.modality_span,
+            ctx.error(DT205, f"unknown modality '{modality}'", decl.modality_span,
                       notes=["modalities: " + ", ".join(ir.MODALITIES)],
                       hint=f"did you mean '{guess}'?" if guess else None)
             modality = INVALID
         arch = source = INVALID
         call, pretrained = fields["arch"], fields["pretrained"]
         if call is None and pretrained is None:
-            arch = ctx.error("DT204", f"{where} needs an architecture", decl.name_span,
+            arch = ctx.error(DT204, f"{where} needs an architecture", decl.name_span,
                              hint='write `arch = transformer(...)` (or unet, dit), `arch = '
                              'hf("DIR")` for a Hugging Face model, or `pretrained = "DIR"` '
                              "for its weights too")
@@ -209,7 +234,7 @@ class _Checker(DataChecks, TrainChecks):
         if text is INVALID or arch is INVALID:
             return INVALID
         if text is not None and (decl.role != "generator" or modality != "image"):
-            return ctx.error("DT306", f"only an image generator has a VAE; {decl.role} "
+            return ctx.error(DT306, f"only an image generator has a VAE; {decl.role} "
                              f"{decl.name} does not", field.value.span,
                              hint="remove the vae field")
         hf_unet = decl.role == "generator" and source not in (None, INVALID) and \
@@ -228,24 +253,24 @@ class _Checker(DataChecks, TrainChecks):
         try:
             cfg = VAEConfig.read(path)
         except VAEError as err:
-            return ctx.error("DT311", str(err), span,
+            return ctx.error(DT311, str(err), span,
                              hint="point vae at a diffusers AutoencoderKL folder (config.json "
                              "and safetensors)")
         want = getattr(arch, "latent_channels", None)
         if want is not None and cfg.latent_channels != want:
-            return ctx.error("DT312", f"the VAE in {path} makes {cfg.latent_channels}-channel "
+            return ctx.error(DT312, f"the VAE in {path} makes {cfg.latent_channels}-channel "
                              f"latents; generator {decl.name} denoises {want}", span,
                              hint="use the VAE the generator was trained with")
         # Its weights are read on every generator rank: checked here, headers only.
         try:
             problems = vae_problems(cfg)
         except WeightsFileError as err:
-            return ctx.error("DT316", err.message, span, hint=err.hint)
+            return ctx.error(DT316, err.message, span, hint=err.hint)
         except HFError as err:
-            return ctx.error("DT312", f"the VAE in {path}: {err.message}", span,
+            return ctx.error(DT312, f"the VAE in {path}: {err.message}", span,
                              hint=err.hint)
         if problems:
-            return ctx.error("DT312", f"the weights of the VAE in {path} do not fit its "
+            return ctx.error(DT312, f"the weights of the VAE in {path} do not fit its "
                              f"config: {problems[0]}", span, notes=problems[1:5])
         return cfg.arch()
 
@@ -254,12 +279,12 @@ class _Checker(DataChecks, TrainChecks):
         allowed = ROLE_ARCHS[decl.role]
         if call.func not in ARCHS:
             guess = did_you_mean(call.func, ARCHS)
-            return ctx.error("DT205", f"unknown architecture '{call.func}'", call.func_span,
+            return ctx.error(DT205, f"unknown architecture '{call.func}'", call.func_span,
                              notes=["architectures: transformer (encoders, backbone), "
                                     "unet and dit (generators)"],
                              hint=f"did you mean '{guess}'?" if guess else None)
         if call.func not in allowed:
-            return ctx.error("DT306", f"{_article(decl.role)} cannot be a {call.func}",
+            return ctx.error(DT306, f"{_article(decl.role)} cannot be a {call.func}",
                              call.func_span, notes=[
                                  f"{_article(decl.role)} is "
                                  + " or ".join(f"a {a}" for a in allowed if a != "hf")
@@ -297,18 +322,18 @@ class _Checker(DataChecks, TrainChecks):
             model = read_hf(self._path(text), role=decl.role, feature_layer=feature_layer)
         except HFError as err:
             missing = not self._path(text).exists() and not Path(text).is_absolute()
-            ctx.error("DT311", err.message, span, hint=err.hint or (
+            ctx.error(DT311, err.message, span, hint=err.hint or (
                 "paths are relative to the spec's folder" if missing else None))
             return INVALID, INVALID
         # A tower reads what it was trained on: Whisper audio, CLIP and SigLIP images.
         reads = "audio" if model.source.family == "whisper" else "image"
         if decl.role == "encoder" and modality not in (INVALID, reads):
             tower = "an audio" if reads == "audio" else "a vision"
-            ctx.error("DT306", f"{model.source.family} is {tower} tower; encoder {decl.name} "
+            ctx.error(DT306, f"{model.source.family} is {tower} tower; encoder {decl.name} "
                       f"reads {modality}", span, hint=f"write `encoder {decl.name} ({reads}) {{`")
             return INVALID, INVALID
         for note in model.notes:
-            ctx.warning("DT504", note, span)
+            ctx.warning(DT504, note, span)
         return model.arch, model.source
 
     def _pretrained(self, text: str, decl: ast.Module, arch: Any, source: Any) -> Any:
@@ -320,26 +345,26 @@ class _Checker(DataChecks, TrainChecks):
         ctx = self.ctx
         span = _field(decl.fields, "pretrained").value.span
         if source is INVALID or source is None:
-            return ctx.error("DT312", f"pretrained weights of {decl.role} {decl.name} are read "
+            return ctx.error(DT312, f"pretrained weights of {decl.role} {decl.name} are read "
                              f"into a Hugging Face architecture, and {arch.kind}(...) is "
                              "dtdsl's own", span,
                              hint=f'write `arch = hf("{text}")`, or leave arch out')
         try:
             weights = read_hf(self._path(text), role=decl.role)
         except HFError as err:
-            return ctx.error("DT311", err.message, span, hint=err.hint)
+            return ctx.error(DT311, err.message, span, hint=err.hint)
         if weights.source.family != source.family:
-            return ctx.error("DT312", f"{text} holds a {weights.source.family} model, but "
+            return ctx.error(DT312, f"{text} holds a {weights.source.family} model, but "
                              f"the architecture is a {source.family}", span)
         try:
             problems = pretrained_problems(weights, decl.role, arch)
         except WeightsFileError as err:
-            return ctx.error("DT316", err.message, span, hint=err.hint)
+            return ctx.error(DT316, err.message, span, hint=err.hint)
         except HFError as err:
-            return ctx.error("DT312", err.message, span, hint=err.hint)
+            return ctx.error(DT312, err.message, span, hint=err.hint)
         if problems:
             more = len(problems) - 5
-            return ctx.error("DT312", f"the weights in {text} do not fit {decl.role} "
+            return ctx.error(DT312, f"the weights in {text} do not fit {decl.role} "
                              f"{decl.name}: {problems[0]}", span,
                              notes=problems[1:5] + ([f"and {more} more"] if more > 0 else []),
                              hint="point pretrained at the checkpoint of this architecture")
@@ -355,26 +380,26 @@ class _Checker(DataChecks, TrainChecks):
             below = hidden // heads * heads
             sizes = [h for h in (below, below + heads) if h > 0]
             near = sorted(_divisors(hidden, 4096), key=lambda d: (abs(d - heads), d))[:3]
-            ctx.error("DT305", f"hidden {hidden} is not divisible by heads {heads}: each head "
+            ctx.error(DT305, f"hidden {hidden} is not divisible by heads {heads}: each head "
                       f"would get {hidden / heads:g} dimensions", call.arg_span("hidden"),
                       hint=f"use hidden={' or '.join(map(str, sizes))}, or heads="
                       f"{' or '.join(map(str, sorted(near)))}")
         if heads % kv_heads:
             ok = False
-            ctx.error("DT305", f"heads {heads} is not a multiple of kv_heads {kv_heads}: "
+            ctx.error(DT305, f"heads {heads} is not a multiple of kv_heads {kv_heads}: "
                       "grouped-query attention shares each KV head among an equal number of "
                       "query heads", call.arg_span("kv_heads"),
                       hint=f"kv_heads must divide {heads}: {_listing(_divisors(heads))}")
         if decl.role == "backbone" and not args["vocab"]:
             ok = False
-            ctx.error("DT204", "the backbone's transformer needs a vocabulary size",
+            ctx.error(DT204, "the backbone's transformer needs a vocabulary size",
                       call.span, hint="add vocab=128256 (Llama 3) or your tokenizer's size")
         if decl.role != "backbone" and args["vocab"]:
-            ctx.warning("DT501", f"{decl.role} {decl.name} has a vocabulary, which only the "
+            ctx.warning(DT501, f"{decl.role} {decl.name} has a vocabulary, which only the "
                         "backbone uses; it is ignored", call.arg_span("vocab"))
         if modality in ("image", "video") and args["patch"] is None:
             ok = False
-            ctx.error("DT204", f"encoder {decl.name} reads {modality}s and needs a patch size",
+            ctx.error(DT204, f"encoder {decl.name} reads {modality}s and needs a patch size",
                       call.span, hint="add patch=14 (ViT-H/14) or patch=16")
         ok = self._modal_args(decl, call, args, modality) and ok
         moe = _moe.resolve_moe(call, decl.role, decl.name, args["layers"],
@@ -401,7 +426,7 @@ class _Checker(DataChecks, TrainChecks):
         if modality == "audio" and decl.role == "encoder" and patch and bins % patch:
             ok = False
             fits = [m for m in (64, 80, 128, 256) if m % patch == 0] or [patch * 8]
-            ctx.error("DT612", f"encoder {decl.name} cuts its {bins}-bin fbank into {patch} x "
+            ctx.error(DT612, f"encoder {decl.name} cuts its {bins}-bin fbank into {patch} x "
                       f"{patch} patches, but {patch} does not divide {bins}",
                       call.arg_span("mel_bins"),
                       hint=f"use mel_bins={' or '.join(map(str, fits[:3]))}, or a patch that "
@@ -409,12 +434,12 @@ class _Checker(DataChecks, TrainChecks):
         if args["temporal_patch"] > 1 and not (decl.role == "encoder" and modality == "video"):
             ok = False
             what = f"{decl.role} {decl.name}" + (f" reads {modality}" if modality else "")
-            ctx.error("DT613", f"temporal_patch={args['temporal_patch']} patches frames in "
+            ctx.error(DT613, f"temporal_patch={args['temporal_patch']} patches frames in "
                       f"time, but {what}; only a video encoder has frames",
                       call.arg_span("temporal_patch"),
                       hint="remove temporal_patch, or read video with this encoder")
         if "mel_bins" in given and not (decl.role == "encoder" and modality == "audio"):
-            ctx.warning("DT501", f"{decl.role} {decl.name} has mel_bins, which only an audio "
+            ctx.warning(DT501, f"{decl.role} {decl.name} has mel_bins, which only an audio "
                         "encoder uses; it is ignored", call.arg_span("mel_bins"))
         return ok
 
@@ -428,26 +453,26 @@ class _Checker(DataChecks, TrainChecks):
         for res in args["attn_res"]:
             if res not in reachable:
                 ok = False
-                ctx.error("DT305", f"attn_res {res} is never reached: a U-Net with {levels} "
+                ctx.error(DT305, f"attn_res {res} is never reached: a U-Net with {levels} "
                           f"levels downsamples by {_listing(reachable)}",
                           call.arg_span("attn_res"),
                           hint="list downsampling factors where attention runs, e.g. "
                           f"[{', '.join(map(str, reversed(reachable[:3])))}]")
         if args["latent"] % (2 ** (levels - 1)):
             ok = False
-            ctx.error("DT305", f"latent {args['latent']} cannot be halved {levels - 1} times "
+            ctx.error(DT305, f"latent {args['latent']} cannot be halved {levels - 1} times "
                       f"for a U-Net with {levels} levels", call.arg_span("latent"),
                       hint=f"use a multiple of {2 ** (levels - 1)}, e.g. 64")
         for i, m in enumerate(args["mult"]):
             ch = args["channels"] * m
             if ch % args["groups"]:
                 ok = False
-                ctx.error("DT305", f"level {i} has {ch} channels, which GroupNorm cannot split "
+                ctx.error(DT305, f"level {i} has {ch} channels, which GroupNorm cannot split "
                           f"into {args['groups']} groups", call.arg_span("channels"),
                           hint="use channels divisible by groups (e.g. channels=320, groups=32)")
             if 2 ** i in args["attn_res"] and ch % args["head_dim"]:
                 ok = False
-                ctx.error("DT305", f"level {i} has {ch} channels, not a multiple of "
+                ctx.error(DT305, f"level {i} has {ch} channels, not a multiple of "
                           f"head_dim {args['head_dim']}", call.arg_span("head_dim"))
         if not ok:
             return INVALID
@@ -458,11 +483,11 @@ class _Checker(DataChecks, TrainChecks):
         ok = True
         if args["hidden"] % args["heads"]:
             ok = False
-            ctx.error("DT305", f"hidden {args['hidden']} is not divisible by heads "
+            ctx.error(DT305, f"hidden {args['hidden']} is not divisible by heads "
                       f"{args['heads']}", call.arg_span("hidden"))
         if args["latent"] % args["patch"]:
             ok = False
-            ctx.error("DT305", f"latent {args['latent']} is not divisible by patch "
+            ctx.error(DT305, f"latent {args['latent']} is not divisible by patch "
                       f"{args['patch']}", call.arg_span("patch"))
         if not ok:
             return INVALID
@@ -486,18 +511,18 @@ class _Checker(DataChecks, TrainChecks):
                 if name not in decls:
                     ok = False
                     guess = did_you_mean(name, decls)
-                    ctx.error("DT203", f"projector refers to '{name}', which is not a module",
+                    ctx.error(DT203, f"projector refers to '{name}', which is not a module",
                               span, notes=["modules: " + (", ".join(decls) or "none")],
                               hint=f"did you mean '{guess}'?" if guess else None)
             if not ok:
                 continue
             key = (item.source, item.target)
             if key in edges:
-                ctx.error("DT202", f"a second projector {item.source} -> {item.target}",
+                ctx.error(DT202, f"a second projector {item.source} -> {item.target}",
                           item.span, notes=[f"the first is at line {edges[key].span.line}"])
                 continue
             if item.source == item.target:
-                ctx.error("DT303", f"projector {item.source} -> {item.target} connects a module "
+                ctx.error(DT303, f"projector {item.source} -> {item.target} connects a module "
                           "to itself", item.span)
                 continue
             edges[key] = item
@@ -508,7 +533,7 @@ class _Checker(DataChecks, TrainChecks):
             if (b, a) in edges and (b, a) not in in_cycle:
                 in_cycle |= {(a, b), (b, a)}
                 later = max(item, edges[(b, a)], key=lambda p: (p.span.line, p.span.column))
-                ctx.error("DT303", f"projectors {a} -> {b} and {b} -> {a} form a cycle",
+                ctx.error(DT303, f"projectors {a} -> {b} and {b} -> {a} form a cycle",
                           later.span, hint="data flows encoder -> backbone -> generator; "
                           "remove the projector that points back")
         valid = {("encoder", "backbone"), ("backbone", "generator")}
@@ -519,12 +544,12 @@ class _Checker(DataChecks, TrainChecks):
             ra, rb = decls[a].role, decls[b].role
             if (ra, rb) not in valid:
                 if (rb, ra) in valid:
-                    ctx.error("DT302", f"projector {a} -> {b} points the wrong way: "
+                    ctx.error(DT302, f"projector {a} -> {b} points the wrong way: "
                               f"{'encoders feed' if rb == 'encoder' else 'the backbone feeds'} "
                               f"the {'backbone' if rb == 'encoder' else 'generators'}",
                               item.span, hint=f"write `projector {b} -> {a}`")
                 else:
-                    ctx.error("DT302", f"projector {a} -> {b} joins {_article(ra)} to "
+                    ctx.error(DT302, f"projector {a} -> {b} joins {_article(ra)} to "
                               f"{_article(rb)}; a projector joins an encoder to the backbone or "
                               "the backbone to a generator", item.span)
                 continue
@@ -538,11 +563,11 @@ class _Checker(DataChecks, TrainChecks):
                 if decl.name in named and not any(decl.name in e for e in edges):
                     continue  # its projectors have errors of their own
                 if decl.role == "encoder" and not any(a == decl.name for a, _ in edges):
-                    ctx.error("DT304", f"encoder {decl.name} feeds nothing", decl.name_span,
+                    ctx.error(DT304, f"encoder {decl.name} feeds nothing", decl.name_span,
                               hint=f"add `projector {decl.name} -> {backbone.name} : "
                               "mlp(depth=2)`")
                 if decl.role == "generator" and not any(b == decl.name for _, b in edges):
-                    ctx.error("DT304", f"generator {decl.name} is fed by nothing",
+                    ctx.error(DT304, f"generator {decl.name} is fed by nothing",
                               decl.name_span, hint=f"add `projector {backbone.name} -> "
                               f"{decl.name} : mlp(depth=2)`")
         return projectors
@@ -557,7 +582,7 @@ class _Checker(DataChecks, TrainChecks):
             return INVALID
         if call.func != "mlp":
             guess = did_you_mean(call.func, ["mlp"])
-            return ctx.error("DT205", f"unknown projector architecture '{call.func}'",
+            return ctx.error(DT205, f"unknown projector architecture '{call.func}'",
                              call.func_span, notes=["projectors are mlp(depth=..., hidden=...)"],
                              hint=f"did you mean '{guess}'?" if guess else None)
         args = resolve_call(call, MLP_ARGS, ctx, f"mlp() of {where}")
@@ -583,7 +608,7 @@ class _Checker(DataChecks, TrainChecks):
         table = COMPRESSIONS.get(call.func)
         if table is None:
             guess = did_you_mean(call.func, COMPRESSIONS)
-            return ctx.error("DT205", f"unknown token compression '{call.func}'",
+            return ctx.error(DT205, f"unknown token compression '{call.func}'",
                              call.func_span, notes=["compress is one of: "
                                                     + ", ".join(f"{n}(...)" for n in
                                                                 COMPRESSIONS)],
@@ -595,7 +620,7 @@ class _Checker(DataChecks, TrainChecks):
         if src.role != "encoder" or src.modality != "image":
             what = f"encoder {src.name} reads {src.modality}" if src.role == "encoder" \
                 else f"{src.name} is the {src.role}"
-            return ctx.error("DT318", f"{call.func}() compresses an image's patch grid, but "
+            return ctx.error(DT318, f"{call.func}() compresses an image's patch grid, but "
                              f"{what}", call.span,
                              hint="remove `compress` here: only an image encoder's projector "
                              "into the backbone compresses tokens")
@@ -610,7 +635,7 @@ class _Checker(DataChecks, TrainChecks):
         heads = args["heads"] or getattr(src.arch, "heads", 1)
         if width % heads:
             return self.ctx.error(
-                "DT318", f"a resampler of {heads} heads cannot split encoder {src.name}'s "
+                DT318, f"a resampler of {heads} heads cannot split encoder {src.name}'s "
                 f"width of {width}", call.arg_span("heads") if args["heads"] else call.span,
                 hint=f"heads must divide {width}: {_listing(_divisors(width, 1024))}")
         return ir.Resampler(queries=args["queries"], heads=heads)
@@ -631,7 +656,7 @@ class _Checker(DataChecks, TrainChecks):
             return spec
         fits = [k for k in range(2, 17) if side % k == 0]
         return self.ctx.error(
-            "DT318", f"pixel_shuffle({spec.factor}) needs a patch grid divisible by "
+            DT318, f"pixel_shuffle({spec.factor}) needs a patch grid divisible by "
             f"{spec.factor}, but encoder {src.name} reads {arch.image_size} x "
             f"{arch.image_size} images in patches of {patch}: a {side} x {side} grid",
             call.args[0].span if call.args else call.span,
@@ -646,7 +671,7 @@ class _Checker(DataChecks, TrainChecks):
                 all(p.frozen for p in projectors) and \
                 not has_errors(ctx.diagnostics):
             first = next(iter(modules.values()))
-            ctx.error("DT310", "every module and projector is frozen: nothing would be trained",
+            ctx.error(DT310, "every module and projector is frozen: nothing would be trained",
                       first.span, hint="unfreeze at least one module or projector")
         if train is not INVALID:
             for m in modules.values():
@@ -657,7 +682,7 @@ class _Checker(DataChecks, TrainChecks):
         longest = _largest(tokens) if tokens is not None else None
         if longest is not None and longest > train.seq_len:
             by_clamp = tokens.high is not None and longest == tokens.high
-            ctx.warning("DT503", f"text.tokens reaches {longest:g} but seq_len is "
+            ctx.warning(DT503, f"text.tokens reaches {longest:g} but seq_len is "
                         f"{train.seq_len}: longer samples will be truncated", tokens.span,
                         notes=[f"the {'clamp' if by_clamp else 'distribution'} allows "
                                f"{longest:g} text tokens in one sample"],
@@ -679,7 +704,7 @@ class _Checker(DataChecks, TrainChecks):
                                                     "leaves unscaled"))
         for limit, what in limits:
             if train.seq_len > limit:
-                self.ctx.error("DT313", f"seq_len {train.seq_len} is longer than {what} "
+                self.ctx.error(DT313, f"seq_len {train.seq_len} is longer than {what} "
                                f"({limit} tokens) of backbone {module.name}", train.span,
                                hint=f"set seq_len to at most {limit}")
 

@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from dtdsl.codes import DT201, DT202, DT204, DT205, DT206, DT208, DT309, DT315, DT501, DT502
 from dtdsl.diagnostics import did_you_mean
 from dtdsl.frontend import ast
 from dtdsl.frontend.schema import (
@@ -58,7 +59,7 @@ class DataChecks:
             key = f"{item.modality}.{item.quantity}"
             if item.modality not in ir.QUANTITIES:
                 guess = did_you_mean(item.modality, ir.QUANTITIES)
-                ctx.error("DT205", f"unknown modality '{item.modality}' in data",
+                ctx.error(DT205, f"unknown modality '{item.modality}' in data",
                           item.target_span, notes=["modalities: " + ", ".join(ir.QUANTITIES)],
                           hint=f"did you mean '{guess}'?" if guess else None)
                 ok = False
@@ -66,14 +67,14 @@ class DataChecks:
             names = ir.QUANTITIES[item.modality]
             if item.quantity not in names:
                 guess = did_you_mean(item.quantity, names)
-                ctx.error("DT201", f"unknown quantity '{key}'", item.target_span,
+                ctx.error(DT201, f"unknown quantity '{key}'", item.target_span,
                           notes=[f"{item.modality} samples carry: " +
                                  ", ".join(f"{item.modality}.{n}" for n in names)],
                           hint=f"did you mean '{item.modality}.{guess}'?" if guess else None)
                 ok = False
                 continue
             if key in seen:
-                ctx.error("DT202", f"'{key}' is given two distributions", item.target_span,
+                ctx.error(DT202, f"'{key}' is given two distributions", item.target_span,
                           notes=[f"the first is at line {seen[key].span.line}"])
                 ok = False
                 continue
@@ -98,14 +99,14 @@ class DataChecks:
         for key, user in needed.items():
             if key not in seen:
                 ok = False
-                ctx.error("DT204", f"{user} needs a distribution for '{key}', which data does "
+                ctx.error(DT204, f"{user} needs a distribution for '{key}', which data does "
                           "not give", head,
                           hint=f"add e.g. `{key} ~ {_EXAMPLES[key.split('.')[1]]}`")
         unsure = any(m.modality not in ir.MODALITIES for m in self.declared.values()
                      if m.role != "backbone")
         for key, item in seen.items():
             if key not in needed and not unsure:
-                ctx.warning("DT501", f"data describes '{key}', but no module reads it",
+                ctx.warning(DT501, f"data describes '{key}', but no module reads it",
                             item.target_span, hint="remove it, or add the module that uses it")
         if not ok or tokenizer is INVALID:
             return INVALID
@@ -143,7 +144,7 @@ class DataChecks:
         except TokenizerError as err:
             chat = _field(fields, "chat")
             where = span or (chat.value.span if chat is not None else backbone.span)
-            return self.ctx.error("DT315", f"the tokenizer cannot be used: {err}", where,
+            return self.ctx.error(DT315, f"the tokenizer cannot be used: {err}", where,
                                   hint="point `tokenizer` at a tokenizer.json or a Hugging "
                                   "Face folder holding one, made for the backbone")
         return str(path)
@@ -155,11 +156,11 @@ class DataChecks:
             expr = ast.Call(func="constant", func_span=expr.span, span=expr.span,
                             args=(ast.Arg(name=None, value=expr, span=expr.span),))
         if not isinstance(expr, ast.Call):
-            return ctx.error("DT206", f"'{key}' must follow a distribution such as "
+            return ctx.error(DT206, f"'{key}' must follow a distribution such as "
                              "lognormal(median=256, sigma=0.8)", expr.span)
         if expr.func not in DISTRIBUTIONS:
             guess = did_you_mean(expr.func, DISTRIBUTIONS)
-            return ctx.error("DT205", f"unknown distribution '{expr.func}'", expr.func_span,
+            return ctx.error(DT205, f"unknown distribution '{expr.func}'", expr.func_span,
                              notes=["distributions: " + ", ".join(DISTRIBUTIONS)],
                              hint=f"did you mean '{guess}'?" if guess else None)
         params, positional = DISTRIBUTIONS[expr.func]
@@ -169,7 +170,7 @@ class DataChecks:
             low = _COUNT.convert(item.clamp[0], ctx, f"the lower clamp of {key}")
             high = _COUNT.convert(item.clamp[1], ctx, f"the upper clamp of {key}")
             if _ok(low, high) and low > high:
-                ctx.error("DT208", f"clamp [{low:g}, {high:g}] of {key} is empty: the lower "
+                ctx.error(DT208, f"clamp [{low:g}, {high:g}] of {key} is empty: the lower "
                           "bound is above the upper", item.clamp[0].span)
                 low = INVALID
         if not _ok(*args.values(), low, high):
@@ -178,7 +179,7 @@ class DataChecks:
         if dist is INVALID:
             return INVALID
         if expr.func in _UNBOUNDED and high is None:
-            ctx.warning("DT502", f"{key} ~ {expr.func}(...) has no upper bound", expr.span,
+            ctx.warning(DT502, f"{key} ~ {expr.func}(...) has no upper bound", expr.span,
                         hint="add `clamp [low, high]` so one sample cannot take over a batch")
         return ir.Quantity(modality=item.modality, name=item.quantity, dist=dist, low=low,
                            high=high, span=item.span)
@@ -190,7 +191,7 @@ class DataChecks:
             return ir.Constant(value=args["value"])
         if func == "uniform":
             if args["low"] > args["high"]:
-                return ctx.error("DT208", f"uniform({args['low']:g}, {args['high']:g}) is "
+                return ctx.error(DT208, f"uniform({args['low']:g}, {args['high']:g}) is "
                                  "empty: low is above high", call.span)
             return ir.Uniform(low=args["low"], high=args["high"])
         if func == "lognormal":
@@ -201,11 +202,11 @@ class DataChecks:
             values = args["values"]
             probs = args["p"] or tuple(1 / len(values) for _ in values)
             if len(probs) != len(values):
-                return ctx.error("DT208", f"choice() has {len(values)} values but "
+                return ctx.error(DT208, f"choice() has {len(values)} values but "
                                  f"{len(probs)} probabilities", call.arg_span("p"))
             total = math.fsum(probs)
             if abs(total - 1) > 1e-6:
-                return ctx.error("DT208", f"the probabilities of choice() sum to {total:g}, "
+                return ctx.error(DT208, f"the probabilities of choice() sum to {total:g}, "
                                  "not 1", call.arg_span("p"),
                                  hint="scale them so they add up to 1")
             return ir.Choice(values=values, probs=probs)
@@ -222,20 +223,20 @@ class DataChecks:
         try:
             size = path.stat().st_size
             if size > MAX_EMPIRICAL_BYTES:
-                return ctx.error("DT309", f"{args['path']} is {size:,} bytes; empirical "
+                return ctx.error(DT309, f"{args['path']} is {size:,} bytes; empirical "
                                  f"files are limited to {MAX_EMPIRICAL_BYTES:,}", span)
             raw = path.read_bytes()
         except FileNotFoundError:
-            return ctx.error("DT309", f"no such file: {args['path']}", span,
+            return ctx.error(DT309, f"no such file: {args['path']}", span,
                              notes=[f"looked for {_shown(path)}"],
                              hint="paths are relative to the spec's folder")
         except OSError as err:
-            return ctx.error("DT309", f"cannot read {args['path']}: {err.strerror or err}",
+            return ctx.error(DT309, f"cannot read {args['path']}: {err.strerror or err}",
                              span)
         try:
             values = _parse_samples(raw, path.suffix, args["key"] or key)
         except ValueError as err:
-            return ctx.error("DT309", f"{args['path']}: {err}", span,
+            return ctx.error(DT309, f"{args['path']}: {err}", span,
                              hint="give a JSON list of numbers, a JSON object of such lists "
                              "by quantity, or one number per line")
         return ir.Empirical(path=args["path"], key=args["key"],

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dtdsl.codes import DT204, DT205, DT208, DT307, DT501, DT633
 from dtdsl.diagnostics import did_you_mean
 from dtdsl.frontend import ast
 from dtdsl.frontend.schema import (
@@ -57,13 +58,13 @@ class TrainChecks:
                                  peak_flops=args["peak"] or preset.peak_flops)
             else:
                 guess = did_you_mean(gpu_call.func, GPU_PRESETS)
-                ctx.error("DT205", f"unknown GPU '{gpu_call.func}'", gpu_call.func_span,
+                ctx.error(DT205, f"unknown GPU '{gpu_call.func}'", gpu_call.func_span,
                           notes=["presets: " + ", ".join(GPU_PRESETS) +
                                  "; any other GPU: custom(memory=..., peak=...)"],
                           hint=f"did you mean '{guess}'?" if guess else None)
         for bw in ("intra_node_bw", "inter_node_bw"):
             if values[bw] is None and preset is None and gpu is not INVALID:
-                values[bw] = ctx.error("DT204", f"cluster needs '{bw}' for a custom GPU",
+                values[bw] = ctx.error(DT204, f"cluster needs '{bw}' for a custom GPU",
                                        head, hint=f"add `{bw} = "
                                        f"{'400 GB/s' if bw.startswith('intra') else '400 Gb/s'}`")
         if not _ok(*values.values(), gpu):
@@ -73,7 +74,7 @@ class TrainChecks:
         if per_node is None:
             per_node = min(8, gpus)
         elif per_node > gpus:
-            ctx.warning("DT501", f"gpus_per_node {per_node} is more than the cluster's {gpus} "
+            ctx.warning(DT501, f"gpus_per_node {per_node} is more than the cluster's {gpus} "
                         f"GPUs; dtdsl uses {gpus}", _field(block.fields, "gpus_per_node").span)
             per_node = gpus
         return ir.Cluster(
@@ -98,7 +99,7 @@ class TrainChecks:
         if _ok(gb, mb) and gb % mb:
             f = _field(block.fields, "micro_batch")
             good = [d for d in _divisors(gb, 4096) if d <= max(mb * 4, 8)][-4:]
-            ctx.error("DT307", f"global_batch {gb} is not divisible by micro_batch {mb}",
+            ctx.error(DT307, f"global_batch {gb} is not divisible by micro_batch {mb}",
                       f.span if f else block.span,
                       hint=f"micro_batch must divide {gb}: e.g. {_listing(good)}")
             values["micro_batch"] = INVALID
@@ -119,7 +120,7 @@ class TrainChecks:
             return INVALID, INVALID
         if call.func not in _SCHEDULE_ARGS:
             guess = did_you_mean(call.func, _SCHEDULE_ARGS)
-            ctx.error("DT205", f"unknown schedule '{call.func}'", call.func_span,
+            ctx.error(DT205, f"unknown schedule '{call.func}'", call.func_span,
                       notes=["schedules: gpipe, 1f1b, interleaved(virtual_stages=2)"],
                       hint=f"did you mean '{guess}'?" if guess else None)
             return INVALID, INVALID
@@ -136,12 +137,12 @@ class TrainChecks:
             return INVALID
         if call.func not in ("adamw", "adam"):
             guess = did_you_mean(call.func, ("adamw", "adam"))
-            return ctx.error("DT205", f"unknown optimizer '{call.func}'", call.func_span,
+            return ctx.error(DT205, f"unknown optimizer '{call.func}'", call.func_span,
                              notes=["optimizers: adamw, adam"],
                              hint=f"did you mean '{guess}'?" if guess else None)
         args = resolve_call(call, _OPTIMIZER_ARGS, ctx, f"{call.func}()")
         if args["zero"] is not INVALID and args["zero"] > 1:
-            return ctx.error("DT208", f"ZeRO stage {args['zero']} is not supported; dtdsl "
+            return ctx.error(DT208, f"ZeRO stage {args['zero']} is not supported; dtdsl "
                              "shards optimizer state across data parallelism (stage 1), as "
                              "DistTrain does", call.arg_span("zero"),
                              hint="use zero=1 (or zero=0 to replicate optimizer state)")
@@ -162,7 +163,7 @@ class TrainChecks:
             return INVALID
         if call.func not in ("allreduce", "local_sgd"):
             guess = did_you_mean(call.func, ("allreduce", "local_sgd"))
-            return ctx.error("DT205", f"unknown sync '{call.func}'", call.func_span,
+            return ctx.error(DT205, f"unknown sync '{call.func}'", call.func_span,
                              notes=["sync: allreduce (every step), local_sgd(period=4, "
                                     "outer_lr=0.7, outer_momentum=0.9, penalty=false) or "
                                     "local_sgd(interval=30 s, ...)"],
@@ -175,7 +176,7 @@ class TrainChecks:
         if _ok(*args.values()) and args["period"] is not None and \
                 args["interval"] is not None:
             checked.append(ctx.error(
-                "DT633", "local_sgd takes a period in steps or an interval in seconds, not "
+                DT633, "local_sgd takes a period in steps or an interval in seconds, not "
                 "both", call.arg_span("interval"),
                 notes=[f"period={args['period']} syncs every {args['period']} steps; "
                        f"interval={args['interval']:g} s syncs when that much time has "
@@ -206,7 +207,7 @@ class TrainChecks:
             return INVALID
         if call.func not in _LR_SCHEDULE_ARGS:
             guess = did_you_mean(call.func, _LR_SCHEDULE_ARGS)
-            return ctx.error("DT205", f"unknown learning-rate schedule '{call.func}'",
+            return ctx.error(DT205, f"unknown learning-rate schedule '{call.func}'",
                              call.func_span,
                              notes=["learning-rate schedules: constant(warmup=0), "
                                     "linear(warmup=0, min_lr=0), cosine(warmup=0, min_lr=0)"],
@@ -215,13 +216,13 @@ class TrainChecks:
         warmup, min_lr = args["warmup"], args.get("min_lr", 0.0)
         if _ok(warmup, steps) and warmup > steps:
             default = "" if steps_given else " by default"
-            warmup = ctx.error("DT208", f"a warmup of {warmup:,} steps is longer than the "
+            warmup = ctx.error(DT208, f"a warmup of {warmup:,} steps is longer than the "
                                f"training: train.steps is {steps:,}{default}",
                                call.arg_span("warmup"),
                                notes=["the learning rate would never reach its peak"],
                                hint=f"warm up for at most {steps:,} steps, or raise steps")
         if _ok(min_lr, optimizer) and min_lr > optimizer.lr:
-            min_lr = ctx.error("DT208", f"min_lr {min_lr:g} is above the peak learning rate: "
+            min_lr = ctx.error(DT208, f"min_lr {min_lr:g} is above the peak learning rate: "
                                f"lr={optimizer.lr:g} of {optimizer.name}()",
                                call.arg_span("min_lr"),
                                notes=[f"{call.func}() decays from lr down to min_lr"],

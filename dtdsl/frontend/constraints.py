@@ -16,6 +16,22 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from dtdsl.codes import (
+    DT203,
+    DT205,
+    DT206,
+    DT401,
+    DT402,
+    DT403,
+    DT404,
+    DT406,
+    DT407,
+    DT620,
+    DT621,
+    DT643,
+    DT644,
+    DT645,
+)
 from dtdsl.diagnostics import did_you_mean
 from dtdsl.frontend import ast
 from dtdsl.frontend.fmt import expr_text
@@ -66,7 +82,7 @@ def _domain(c: ast.Constraint, ctx: Ctx) -> tuple[IntDomain, bool] | Any:
             if any(v is INVALID for v in items):
                 return INVALID
             if not items:
-                return ctx.error("DT403", f"{what} in {{}} allows no value", value.span)
+                return ctx.error(DT403, f"{what} in {{}} allows no value", value.span)
             return IntDomain(values=tuple(sorted(set(items)))), True
         if isinstance(value, ast.Range):
             low = _DEGREE.convert(value.low, ctx, f"the low end of {what}")
@@ -74,13 +90,13 @@ def _domain(c: ast.Constraint, ctx: Ctx) -> tuple[IntDomain, bool] | Any:
             if low is INVALID or high is INVALID:
                 return INVALID
             if low > high:
-                return ctx.error("DT403", f"{what} in {low}..{high} is empty", value.span,
+                return ctx.error(DT403, f"{what} in {low}..{high} is empty", value.span,
                                  hint=f"write {high}..{low}")
             return IntDomain(low=low, high=high), False
-        return ctx.error("DT206", f"{what} in ... needs a set such as {{1, 2, 4}}, a list or "
+        return ctx.error(DT206, f"{what} in ... needs a set such as {{1, 2, 4}}, a list or "
                          f"a range such as 1..8, not {describe_expr(value)}", value.span)
     if isinstance(value, (ast.SetExpr, ast.ListExpr, ast.Range)):
-        return ctx.error("DT206", f"{what} {c.op} ... compares with one number; use 'in' for "
+        return ctx.error(DT206, f"{what} {c.op} ... compares with one number; use 'in' for "
                          f"{describe_expr(value)}", value.span,
                          hint=f"write `{what} in ...`")
     n = _DEGREE.convert(value, ctx, what)
@@ -92,7 +108,7 @@ def _domain(c: ast.Constraint, ctx: Ctx) -> tuple[IntDomain, bool] | Any:
         return IntDomain(high=n), False
     if c.op == "<":
         if n <= 1:
-            return ctx.error("DT403", f"{what} < {n} allows no value", value.span)
+            return ctx.error(DT403, f"{what} < {n} allows no value", value.span)
         return IntDomain(high=n - 1), False
     if c.op == ">=":
         return IntDomain(low=n), False
@@ -103,7 +119,7 @@ def _rule(c: ast.Constraint, modules: Mapping[str, Module], declared: set[str],
           ctx: Ctx) -> _Rule | None:
     if c.axis not in AXES:
         guess = did_you_mean(c.axis, AXES)
-        ctx.error("DT205", f"unknown constraint '{c.axis}'", c.axis_span,
+        ctx.error(DT205, f"unknown constraint '{c.axis}'", c.axis_span,
                   notes=["constraints: tp, dp, pp, cp, ep, gpus (per module or *) and memory"],
                   hint=f"did you mean '{guess}'?" if guess else None)
         return None
@@ -111,13 +127,13 @@ def _rule(c: ast.Constraint, modules: Mapping[str, Module], declared: set[str],
         return None  # the module itself has errors, already reported
     if c.target != "*" and c.target not in modules:
         guess = did_you_mean(c.target, declared)
-        ctx.error("DT203", f"'{c.target}' in {c.axis}({c.target}) is not a module",
+        ctx.error(DT203, f"'{c.target}' in {c.axis}({c.target}) is not a module",
                   c.target_span, notes=["modules: " + (", ".join(modules) or "none")],
                   hint=f"did you mean '{guess}'?" if guess else "use * for every module")
         return None
     if c.axis == "memory":
         if c.op not in ("<=", "<"):
-            ctx.error("DT404", f"memory({c.target}) takes an upper bound: "
+            ctx.error(DT404, f"memory({c.target}) takes an upper bound: "
                       f"`memory({c.target}) <= 90%` or `<= 70 GiB`", c.span)
             return None
         if isinstance(c.value, ast.Number) and c.value.unit in ("%", None):
@@ -188,7 +204,7 @@ class _Resolver:
             if r.mem_bytes is not None and r.mem_bytes > gpu.memory_bytes:
                 ok = False
                 self.ctx.error(
-                    "DT404", f"{_rule_text(r)} is more than the GPU's memory "
+                    DT404, f"{_rule_text(r)} is more than the GPU's memory "
                     f"({gpu.name}: {_size_text(gpu.memory_bytes)})", r.node.value.span,
                     notes=[("an explicit size replaces the default share of "
                             f"{DEFAULT_MEMORY_FRACTION:.0%}, so it must fit on the GPU")],
@@ -206,9 +222,9 @@ class _Resolver:
             domain = domain.intersect(r.domain)
         if domain.is_empty():
             target = "*" if all(r.target == "*" for r in mine) else module.name
-            if self._once(("DT403", axis, tuple(map(id, mine)))):
+            if self._once((DT403, axis, tuple(map(id, mine)))):
                 self.ctx.error(
-                    "DT403", f"the constraints on {axis}({target}) allow no value",
+                    DT403, f"the constraints on {axis}({target}) allow no value",
                     mine[-1].node.span, notes=[f"together: {_where(mine)}"],
                     hint="loosen one of them")
             return INVALID
@@ -239,7 +255,7 @@ class _Resolver:
         layers = module.arch.pipeline_layers
         pp_rules = [r for r in rules if r.axis == "pp"]
         if pp.smallest > layers:
-            ok = ctx.error("DT407", f"pp({module.name}) needs at least {pp.smallest} pipeline "
+            ok = ctx.error(DT407, f"pp({module.name}) needs at least {pp.smallest} pipeline "
                            f"stages, but {module.name} has only {layers} layers to split",
                            pp_rules[-1].node.span if pp_rules else _header(module),
                            hint=f"allow pp <= {layers}")
@@ -248,7 +264,7 @@ class _Resolver:
             chunks = pinned_pp * self.train.virtual_stages
             if layers % chunks:
                 ok = ctx.error(
-                    "DT407", f"interleaved 1F1B with {self.train.virtual_stages} virtual stages "
+                    DT407, f"interleaved 1F1B with {self.train.virtual_stages} virtual stages "
                     f"splits {module.name} into pp x {self.train.virtual_stages} = {chunks} "
                     f"chunks, which do not divide its {layers} layers",
                     pp_rules[-1].node.span,
@@ -261,7 +277,7 @@ class _Resolver:
             if micro % pinned_dp:
                 good = [d for d in range(1, min(micro, 4096) + 1) if micro % d == 0][-6:]
                 ok = ctx.error(
-                    "DT406", f"dp({module.name}) == {pinned_dp} does not divide the "
+                    DT406, f"dp({module.name}) == {pinned_dp} does not divide the "
                     f"{micro} microbatches of a global batch ({self.train.global_batch} / "
                     f"micro_batch {self.train.micro_batch}); every backbone replica must get "
                     "the same number", dp_rules[-1].node.span,
@@ -288,7 +304,7 @@ class _Resolver:
         if not candidates:
             rule = rules[-1]
             return self.ctx.error(
-                "DT402", f"{_rule_text(rule)} asks for CP groups of at least "
+                DT402, f"{_rule_text(rule)} asks for CP groups of at least "
                 f"{domain.smallest} GPUs, but the cluster has only {self.cluster.num_gpus}",
                 rule.node.span, hint=f"allow cp({module.name}) <= {self.cluster.num_gpus}")
         tps = tp.candidates(upper)
@@ -301,7 +317,7 @@ class _Resolver:
 
         bad = {c: why(c) for c in candidates if why(c) is not None}
         good = tuple(c for c in candidates if c not in bad)
-        code = "DT620" if module.arch.kind == "unet" else "DT621"
+        code = DT620 if module.arch.kind == "unet" else DT621
         for rule in rules:
             if rule.target != module.name:
                 continue
@@ -313,7 +329,7 @@ class _Resolver:
                     f"(context_parallel = {method}): {bad[c]}", rule.node.value.span,
                     notes=["context parallelism splits each sequence over cp ranks "
                            "(dtdsl.parallel.cp)"],
-                    hint="allow cp 1 only (remove the constraint)" if code == "DT620" else
+                    hint="allow cp 1 only (remove the constraint)" if code == DT620 else
                     f"use context_parallel = ring for {module.name}, or a cp that divides "
                     "its heads" + (f": e.g. {', '.join(map(str, good))}" if good else ""))
                 return INVALID
@@ -341,7 +357,7 @@ class _Resolver:
         for rule in explicit:
             wrong = [t for t in bad if t in (rule.domain.values or ())]
             if wrong:
-                ctx.error("DT401", f"tp {_listing_tp(wrong)} cannot split {module.name}: "
+                ctx.error(DT401, f"tp {_listing_tp(wrong)} cannot split {module.name}: "
                           + "; ".join(f"{' and '.join(module.arch.tp_conflicts(t))} do not "
                                       f"split {t} ways" for t in wrong),
                           rule.node.value.span,
@@ -353,7 +369,7 @@ class _Resolver:
         if not good:
             source = f"the constraints ({_where(rules)})" if rules else \
                 f"the default candidates {{{', '.join(map(str, DEFAULT_TP))}}}"
-            return ctx.error("DT401", f"no TP degree allowed for {module.name} can split it: "
+            return ctx.error(DT401, f"no TP degree allowed for {module.name} can split it: "
                              f"{source} allow only {_listing_tp(candidates)}",
                              rules[-1].node.span if rules else _header(module),
                              notes=[f"tp {t}: {' and '.join(module.arch.tp_conflicts(t))} not "
@@ -364,7 +380,7 @@ class _Resolver:
         # The default candidates are a guess, not a request: only say something when they
         # leave no tensor parallelism at all. Values the user wrote are always explained.
         if dropped and (rules or good == [1]):
-            ctx.warning("DT401", f"{module.name} cannot use tp {_listing_tp(dropped, 'or')}; the "
+            ctx.warning(DT401, f"{module.name} cannot use tp {_listing_tp(dropped, 'or')}; the "
                         f"planner will choose from tp {_listing_tp(good)}",
                         rules[-1].node.span if rules else _header(module),
                         notes=[f"tp {t}: {' and '.join(module.arch.tp_conflicts(t))} do not "
@@ -386,7 +402,7 @@ class _Resolver:
                  if not any(m.arch.tp_conflicts(t) for m in covered)] or [1]
         size = f"{domain.smallest}" if domain.pinned() else f"at least {domain.smallest}"
         self.ctx.error(
-            "DT402", f"{' and '.join(_rule_text(r) for r in rules)} "
+            DT402, f"{' and '.join(_rule_text(r) for r in rules)} "
             f"{'asks' if len(rules) == 1 else 'ask'} for TP groups of "
             f"{size} GPUs, but the cluster has only {cluster.num_gpus}",
             rules[-1].node.span,
@@ -416,7 +432,7 @@ class _Resolver:
         options = sorted({k * s for s in unit_sizes for k in range(1, 64)
                           if (k * s) // s in dp and k * s <= max(2 * g, 8)})[:6]
         self.ctx.error(
-            "DT402", f"gpus({module.name}) == {g} cannot be tiled by tp x pp x dp with "
+            DT402, f"gpus({module.name}) == {g} cannot be tiled by tp x pp x dp with "
             f"{_axis_text('tp', tp)}, {_axis_text('pp', pp)} and {_axis_text('dp', dp)}",
             rule.node.span,
             notes=[f"{module.name}'s GPUs are split into TP groups of tp GPUs, pipelines of pp "
@@ -451,7 +467,7 @@ class _Resolver:
                 f"tp {c.tp.smallest} x pp {c.pp.smallest} x dp {c.dp.smallest}"
             notes.append(f"{name}: at least {n} ({why})")
         self.ctx.error(
-            "DT402", f"the constraints need at least {total} GPUs, but the cluster has "
+            DT402, f"the constraints need at least {total} GPUs, but the cluster has "
             f"{self.cluster.num_gpus}", self.gpus_span or Span.point(1, 1), notes=notes,
             hint=f"raise gpus to {total} or loosen the constraints")
 
@@ -471,11 +487,11 @@ def _ep_domain(module: Module, domain: IntDomain, dp: IntDomain, rules: Sequence
         if e == 1:
             return None
         if moe is None:
-            return "DT643", f"{module.name} is dense: it has no experts to split"
+            return DT643, f"{module.name} is dense: it has no experts to split"
         if moe.ep_conflicts(e):
-            return "DT644", f"{moe.experts} experts do not split {e} ways"
+            return DT644, f"{moe.experts} experts do not split {e} ways"
         if not any(d % e == 0 for d in dps):
-            return "DT645", (f"EP groups are carved from the data-parallel ranks, and no "
+            return DT645, (f"EP groups are carved from the data-parallel ranks, and no "
                              f"allowed dp ({dp.describe()}) is a multiple of {e}")
         return None
 
@@ -497,7 +513,7 @@ def _ep_domain(module: Module, domain: IntDomain, dp: IntDomain, rules: Sequence
                              hint=_ep_hint(module, moe, code))
     if not good:
         return IntDomain(values=(1,)) if moe is None else ctx.error(
-            "DT644", f"no EP degree allowed for {module.name} can split it: "
+            DT644, f"no EP degree allowed for {module.name} can split it: "
             f"{bad[candidates[0]][1]}" if candidates else
             f"the constraints on ep({module.name}) allow no EP degree of at most {upper}",
             rules[-1].node.span, hint=f"allow ep 1: `ep({module.name}) in {{1, ...}}`")
@@ -505,9 +521,9 @@ def _ep_domain(module: Module, domain: IntDomain, dp: IntDomain, rules: Sequence
 
 
 def _ep_hint(module: Module, moe: Any, code: str) -> str:
-    if code == "DT643":
+    if code == DT643:
         return f"remove the ep({module.name}) constraint (only an MoE backbone has experts)"
-    if code == "DT644":
+    if code == DT644:
         good = [e for e in range(1, min(moe.experts, 1024) + 1) if moe.experts % e == 0]
         return f"use an ep that divides {moe.experts}: {', '.join(map(str, good[:8]))}"
     return f"allow a dp that ep divides, e.g. `dp({module.name}) in {{...}}` with multiples of it"

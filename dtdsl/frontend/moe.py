@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from dtdsl.codes import DT640, DT641, DT642
 from dtdsl.frontend import ast
 from dtdsl.frontend.schema import BoolKind, Ctx, FloatKind, IntKind, Param
 from dtdsl.ir.program import MoEArch
@@ -48,12 +49,12 @@ def resolve_moe(call: ast.Call, role: str, name: str, layers: int, ffn: int,
     if not given:
         return None
     if args.get("experts") is None:
-        return ctx.error("DT640", f"{', '.join(given)} of {role} {name} describe a mixture of "
+        return ctx.error(DT640, f"{', '.join(given)} of {role} {name} describe a mixture of "
                          "experts, but it has no experts=", call.arg_span(given[0]),
                          hint="add experts=E (e.g. experts=8, top_k=2), or remove "
                               f"{', '.join(given)}")
     if role != "backbone":
-        return ctx.error("DT640", f"{role} {name} has experts, and only the backbone can be a "
+        return ctx.error(DT640, f"{role} {name} has experts, and only the backbone can be a "
                          "mixture of experts", call.arg_span("experts"),
                          notes=["the runtime's MoE block replaces the backbone's MLP "
                                 "(dtdsl.models.moe)"],
@@ -61,12 +62,12 @@ def resolve_moe(call: ast.Call, role: str, name: str, layers: int, ffn: int,
     experts = args["experts"]
     top_k = args.get("top_k") or min(DEFAULT_TOP_K, experts)
     if top_k > experts:
-        return ctx.error("DT641", f"top_k={top_k} routes each token to {top_k} experts, but "
+        return ctx.error(DT641, f"top_k={top_k} routes each token to {top_k} experts, but "
                          f"there are only {experts} experts", call.arg_span("top_k"),
                          hint=f"use top_k <= {experts}, or more experts")
     every = args.get("moe_every") or 1
     if every > layers:
-        return ctx.error("DT642", f"moe_every={every} makes every {every}th layer an MoE "
+        return ctx.error(DT642, f"moe_every={every} makes every {every}th layer an MoE "
                          f"layer, but {name} has only {layers} layers: none would hold "
                          "experts", call.arg_span("moe_every"),
                          hint=f"use moe_every <= {layers} (1: every layer)")

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from lark import Lark, Token, Transformer, v_args
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
 
+from dtdsl.codes import DT101, DT102, DT103, DT104, DT105, DT107, DT108
 from dtdsl.diagnostics import Diagnostic, did_you_mean
 from dtdsl.frontend import ast
 from dtdsl.resources import grammar_text
@@ -177,7 +178,7 @@ def _scan(text: str) -> _Scan:
             if len(stack) > MAX_NESTING:
                 return _Scan(comments=(), block_lines=(), too_deep=True, diagnostics=(
                     Diagnostic.error(
-                        "DT104", f"brackets nest more than {MAX_NESTING} deep here",
+                        DT104, f"brackets nest more than {MAX_NESTING} deep here",
                         Span.point(line, column),
                         hint="no spec needs this much nesting; check for a run of "
                         "unclosed brackets"),))
@@ -185,19 +186,19 @@ def _scan(text: str) -> _Scan:
             closer = m.group()
             if not stack:
                 diags.append(Diagnostic.error(
-                    "DT102", f"'{closer}' closes nothing", Span.point(line, column),
+                    DT102, f"'{closer}' closes nothing", Span.point(line, column),
                     hint="remove it, or add the bracket it should close"))
             elif _CLOSER[stack[-1][0]] != closer:
                 opener, where = stack.pop()
                 diags.append(Diagnostic.error(
-                    "DT102", f"'{closer}' does not match the '{opener}' opened at {where}; "
+                    DT102, f"'{closer}' does not match the '{opener}' opened at {where}; "
                     f"expected '{_CLOSER[opener]}'", Span.point(line, column),
                     notes=[f"'{opener}' opened at line {where.line}, column {where.column}"]))
             else:
                 stack.pop()
     for opener, where in reversed(stack[-5:]):
         diags.append(Diagnostic.error(
-            "DT102", f"'{opener}' is never closed", where,
+            DT102, f"'{opener}' is never closed", where,
             hint=f"add '{_CLOSER[opener]}' where the {'block' if opener == '{' else 'list'} ends"))
     return _Scan(comments=tuple(comments), block_lines=tuple(block_lines),
                  diagnostics=tuple(diags), too_deep=False)
@@ -218,11 +219,11 @@ def _span_at(text: str, offset: int, length: int, line_offset: int) -> Span:
 
 def _unit_diagnostic(word: str, where: Span, number: str = "") -> Diagnostic:
     if (number + word).lower() == "1f1b":
-        return Diagnostic.error("DT101", f"unexpected '{number}{word}'", where,
+        return Diagnostic.error(DT101, f"unexpected '{number}{word}'", where,
                                 hint="schedule names are lowercase: 1f1b")
     guess = did_you_mean(word, UNITS)
     return Diagnostic.error(
-        "DT107", f"unknown unit '{word}' after a number", where,
+        DT107, f"unknown unit '{word}' after a number", where,
         notes=["units: " + ", ".join(UNITS)],
         hint=f"did you mean '{guess}'?" if guess else "write the value without a unit, "
         "or with one of the units listed")
@@ -263,7 +264,7 @@ def _syntax_diagnostic(err: UnexpectedInput, text: str, line_offset: int) -> Dia
         where = Span.point(err.line + line_offset, err.column)
         char = text[err.pos_in_stream] if err.pos_in_stream < len(text) else ""
         if char == '"':
-            return Diagnostic.error("DT103", "string is not closed before the end of the line",
+            return Diagnostic.error(DT103, "string is not closed before the end of the line",
                                     where, hint='close it with a \'"\' on the same line')
         typo = _UNIT_TYPO.search(text[:err.pos_in_stream])
         if typo and char == "/":
@@ -275,7 +276,7 @@ def _syntax_diagnostic(err: UnexpectedInput, text: str, line_offset: int) -> Dia
             hint = "use straight double quotes (\") around strings"
         elif char == ";":
             hint = "statements need no separator; put each on its own line"
-        return Diagnostic.error("DT101", f"unexpected character {shown}", where, hint=hint)
+        return Diagnostic.error(DT101, f"unexpected character {shown}", where, hint=hint)
     assert isinstance(err, (UnexpectedToken, UnexpectedEOF)), type(err)
     token = getattr(err, "token", None)
     expected = _accepted(err) - {"$END"} if token is not None and token.type != "$END" \
@@ -283,7 +284,7 @@ def _syntax_diagnostic(err: UnexpectedInput, text: str, line_offset: int) -> Dia
     if token is None or token.type == "$END" or getattr(token, "line", None) is None:
         lines = text.split("\n")
         where = Span.point(len(lines) + line_offset, len(lines[-1]) + 1)
-        return Diagnostic.error("DT102", f"unexpected end of file; expected "
+        return Diagnostic.error(DT102, f"unexpected end of file; expected "
                                 f"{_describe_expected(expected)}", where)
     where = Span(line=token.line + line_offset, column=token.column,
                  end_line=token.end_line + line_offset, end_column=token.end_column)
@@ -310,7 +311,7 @@ def _syntax_diagnostic(err: UnexpectedInput, text: str, line_offset: int) -> Dia
     elif token.type == "EQUAL" and (word := re.search(r"([A-Za-z_]\w*)\s*$", before)) \
             and word.group(1) in _KEYWORD_AS_VALUE:
         hint = _KEYWORD_AS_VALUE[word.group(1)]
-    return Diagnostic.error("DT101", message, where, hint=hint)
+    return Diagnostic.error(DT101, message, where, hint=hint)
 
 
 def _syntax_errors(text: str, scan: _Scan, first: UnexpectedInput) -> list[Diagnostic]:
@@ -368,14 +369,14 @@ class _Builder(Transformer):
         value: int | float = 0
         if len(re.sub(r"\D", "", plain.split("e")[0].split("E")[0])) > MAX_DIGITS:
             self.diagnostics.append(Diagnostic.error(
-                "DT105", f"number has {len(plain)} digits; numbers are limited to {MAX_DIGITS}",
+                DT105, f"number has {len(plain)} digits; numbers are limited to {MAX_DIGITS}",
                 _span(tok), hint="no setting needs a number this large; use a unit suffix "
                 "(k, M, GiB, TFLOPS) for big values"))
         elif re.search(r"[.eE]", plain):
             value = float(plain)
             if not math.isfinite(value):
                 self.diagnostics.append(Diagnostic.error(
-                    "DT105", f"number {digits} is too large to represent", _span(tok)))
+                    DT105, f"number {digits} is too large to represent", _span(tok)))
                 value = 0.0
         else:
             value = int(plain)
@@ -394,7 +395,7 @@ class _Builder(Transformer):
                 if esc not in _ESCAPES:
                     col = tok.column + i
                     self.diagnostics.append(Diagnostic.error(
-                        "DT108", f"unknown escape '\\{esc}' in string",
+                        DT108, f"unknown escape '\\{esc}' in string",
                         Span(line=tok.line, column=col, end_line=tok.line, end_column=col + 2),
                         hint='escapes are \\" \\\\ \\n \\t; write \\\\ for a backslash'))
                 out.append(_ESCAPES.get(esc, esc))

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from dtdsl.codes import DT201, DT202, DT204, DT205, DT206, DT207, DT208
 from dtdsl.diagnostics import Diagnostic, did_you_mean
 from dtdsl.frontend import ast
 from dtdsl.frontend.units import DIMENSIONS, dimension_of
@@ -116,7 +117,7 @@ class Kind:
         raise NotImplementedError
 
     def _wrong_type(self, expr: ast.Node, ctx: Ctx, what: str, hint: str | None = None):
-        return ctx.error("DT206", f"{what} must be {self.expects}, not {describe_expr(expr)}",
+        return ctx.error(DT206, f"{what} must be {self.expects}, not {describe_expr(expr)}",
                          expr.span, hint=hint)
 
 
@@ -129,7 +130,7 @@ def _plain_number(expr: ast.Node, ctx: Ctx, what: str, kind: Kind) -> float | in
     dim = dimension_of(expr.unit)
     if dim == "count":
         return expr.value * DIMENSIONS["count"].factors[expr.unit]
-    return ctx.error("DT207", f"{what} is {kind.expects}, but {describe_expr(expr)} is "
+    return ctx.error(DT207, f"{what} is {kind.expects}, but {describe_expr(expr)} is "
                      f"{DIMENSIONS[dim].name}", expr.span,
                      hint=f"write it as a plain number: {expr.digits}")
 
@@ -148,7 +149,7 @@ def _check_range(value: float, expr: ast.Node, ctx: Ctx, what: str, low: float |
                      else f"at least {_format_value(low)}") + unit
         else:
             bound = f"at most {_format_value(high)}{unit}"
-        return ctx.error("DT208", f"{what} must be {bound}, not {_format_value(value)}{unit}",
+        return ctx.error(DT208, f"{what} must be {bound}, not {_format_value(value)}{unit}",
                          expr.span)
     return value
 
@@ -165,7 +166,7 @@ class IntKind(Kind):
             return value
         if isinstance(value, float):
             if not value.is_integer():
-                return ctx.error("DT206", f"{what} must be a whole number, not "
+                return ctx.error(DT206, f"{what} must be a whole number, not "
                                  f"{describe_expr(expr)}", expr.span)
             value = int(value)
         return _check_range(value, expr, ctx, what, self.low, self.high)
@@ -198,18 +199,18 @@ class QuantityKind(Kind):
     def convert(self, expr, ctx, what):
         dim = DIMENSIONS[self.dim]
         if not isinstance(expr, ast.Number):
-            return ctx.error("DT206", f"{what} must be {dim.name} such as {dim.example}, not "
+            return ctx.error(DT206, f"{what} must be {dim.name} such as {dim.example}, not "
                              f"{describe_expr(expr)}", expr.span)
         if expr.unit is None or expr.unit not in dim.factors:
             got = "a plain number" if expr.unit is None else \
                 DIMENSIONS[dimension_of(expr.unit)].name
-            return ctx.error("DT207", f"{what} must be {dim.name} such as {dim.example}, but "
+            return ctx.error(DT207, f"{what} must be {dim.name} such as {dim.example}, but "
                              f"{describe_expr(expr)} is {got}", expr.span,
                              hint=f"units for {dim.name}: " + ", ".join(dim.factors))
         value = expr.value * dim.factors[expr.unit]
         if self.low is not None and value <= self.low or \
                 self.high is not None and value > self.high:
-            return ctx.error("DT208", f"{what} of {describe_expr(expr)} is not believable",
+            return ctx.error(DT208, f"{what} of {describe_expr(expr)} is not believable",
                              expr.span, notes=[f"expected {dim.name} above "
                                                f"{_format_value(self.low or 0)} and at most "
                                                f"{_format_value(self.high)} in base units"])
@@ -230,10 +231,10 @@ class FractionKind(Kind):
         elif expr.unit is None:
             value = expr.value
         else:
-            return ctx.error("DT207", f"{what} must be {self.expects}, not "
+            return ctx.error(DT207, f"{what} must be {self.expects}, not "
                              f"{describe_expr(expr)}", expr.span)
         if not 0 < value <= 1:
-            return ctx.error("DT208", f"{what} must be above 0% and at most 100%, not "
+            return ctx.error(DT208, f"{what} must be above 0% and at most 100%, not "
                              f"{describe_expr(expr)}", expr.span)
         return float(value)
 
@@ -256,7 +257,7 @@ class StrKind(Kind):
     def convert(self, expr, ctx, what):
         if isinstance(expr, ast.String):
             if len(expr.value) > self.max_len:
-                return ctx.error("DT208", f"{what} is {len(expr.value):,} characters long; "
+                return ctx.error(DT208, f"{what} is {len(expr.value):,} characters long; "
                                  f"the limit is {self.max_len:,}", expr.span)
             return expr.value
         hint = None
@@ -275,12 +276,12 @@ class EnumKind(Kind):
         if isinstance(expr, ast.String):
             expr = ast.Name(name=expr.value, span=expr.span)
         if not isinstance(expr, ast.Name):
-            return ctx.error("DT206", f"{what} must be one of {listed}, not "
+            return ctx.error(DT206, f"{what} must be one of {listed}, not "
                              f"{describe_expr(expr)}", expr.span)
         if expr.name in self.choices:
             return expr.name
         guess = did_you_mean(expr.name, self.choices)
-        return ctx.error("DT205", f"unknown {what} '{expr.name}'", expr.span,
+        return ctx.error(DT205, f"unknown {what} '{expr.name}'", expr.span,
                          notes=[f"{what} is one of: {listed}"],
                          hint=f"did you mean '{guess}'?" if guess else None)
 
@@ -307,7 +308,7 @@ class ListKind(Kind):
         if not isinstance(expr, ast.ListExpr):
             return self._wrong_type(expr, ctx, what)
         if not self.min_len <= len(expr.items) <= self.max_len:
-            return ctx.error("DT208", f"{what} must have between {self.min_len} and "
+            return ctx.error(DT208, f"{what} must have between {self.min_len} and "
                              f"{self.max_len} items, not {len(expr.items)}", expr.span)
         values = [self.item.convert(item, ctx, f"each item of {what}") for item in expr.items]
         return INVALID if any(v is INVALID for v in values) else tuple(values)
@@ -347,7 +348,7 @@ def _lookup(name: str, span: Span, params: dict[str, Param], ctx: Ctx, where: st
     guess = did_you_mean(name, params)
     if guess:
         suggested.add(guess)
-    ctx.error("DT201", f"unknown {noun} '{name}' in {where}", span,
+    ctx.error(DT201, f"unknown {noun} '{name}' in {where}", span,
               notes=[f"{where} takes: " + ", ".join(params)],
               hint=f"did you mean '{guess}'?" if guess else None)
     return None
@@ -361,7 +362,7 @@ def _fill_defaults(values: dict[str, Any], params: dict[str, Param], ctx: Ctx, w
         if p.required and p.name in suggested:
             values[p.name] = INVALID  # "did you mean" already pointed at it
         elif p.required:
-            values[p.name] = ctx.error("DT204", f"{where} needs the {noun} '{p.name}'", span,
+            values[p.name] = ctx.error(DT204, f"{where} needs the {noun} '{p.name}'", span,
                                        hint=p.doc or None)
         else:
             values[p.name] = p.default
@@ -380,7 +381,7 @@ def resolve_fields(fields: Sequence[ast.Field], params: Sequence[Param], ctx: Ct
     suggested: set[str] = set()
     for f in fields:
         if f.key in first:
-            ctx.error("DT202", f"'{f.key}' is set twice in {where}", f.key_span,
+            ctx.error(DT202, f"'{f.key}' is set twice in {where}", f.key_span,
                       notes=[f"first set at line {first[f.key].span.line}"],
                       hint="remove one of them")
             continue
@@ -409,7 +410,7 @@ def resolve_call(call: ast.Call, params: Sequence[Param], ctx: Ctx, where: str,
             name, value = value.name, ast.Bool(value=True, span=value.span)
         if name is None:
             if position >= len(order):
-                ctx.error("DT206", f"{where} takes {'no' if not order else len(order)} "
+                ctx.error(DT206, f"{where} takes {'no' if not order else len(order)} "
                           f"positional argument{'s' if len(order) != 1 else ''}; name this "
                           "one", arg.span, notes=[f"{where} takes: " + ", ".join(table)],
                           hint=f"write it as {list(table)[0]}=..." if table else None)
@@ -417,7 +418,7 @@ def resolve_call(call: ast.Call, params: Sequence[Param], ctx: Ctx, where: str,
             name = order[position]
             position += 1
         if name in seen:
-            ctx.error("DT202", f"'{name}' is given twice in {where}", arg.span,
+            ctx.error(DT202, f"'{name}' is given twice in {where}", arg.span,
                       notes=[f"first given at {seen[name]}"])
             continue
         seen[name] = arg.span

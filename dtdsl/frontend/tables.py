@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from dtdsl.codes import DT630, DT631, DT632, DT634, DT635
 from dtdsl.frontend import ast
 from dtdsl.frontend import moe as _moe
 from dtdsl.frontend.schema import (
@@ -202,13 +203,13 @@ class _OffloadKind(Kind):
         if isinstance(expr, ast.Name) and expr.name == "auto":
             return "auto"
         if isinstance(expr, ast.Name) and expr.name.lower() == "nan":
-            return ctx.error("DT635", f"{what} is NaN: it must be a fraction between 0 and "
+            return ctx.error(DT635, f"{what} is NaN: it must be a fraction between 0 and "
                              "1", expr.span, hint="write offload=0.5, or offload=auto")
         value = FloatKind(expects=self.expects).convert(expr, ctx, what)
         if value is INVALID:
             return value
         if not 0.0 <= value <= 1.0:      # false for NaN and infinities too
-            return ctx.error("DT635", f"{what} of {describe_expr(expr)} is not a fraction: "
+            return ctx.error(DT635, f"{what} of {describe_expr(expr)} is not a fraction: "
                              "it must lie between 0 (all optimizer state on the GPU) and 1 "
                              "(all of it on the CPU)", expr.span,
                              hint="write offload=0.5, or offload=auto to let the planner "
@@ -272,13 +273,13 @@ _SYNC_ARGS = (
 )
 # (argument, code, test, what it must be, what to write instead) of local_sgd's bounds.
 _SYNC_RULES = (
-    ("period", "DT630", lambda v: v >= 1, "must be at least 1 step",
+    ("period", DT630, lambda v: v >= 1, "must be at least 1 step",
      "write period=1 or more (4 to 100 in EDiT's experiments)"),
-    ("outer_lr", "DT631", lambda v: math.isfinite(v) and v > 0, "must be above 0",
+    ("outer_lr", DT631, lambda v: math.isfinite(v) and v > 0, "must be above 0",
      "write a positive outer_lr (1.0: the plain average of the replicas; DiLoCo uses 0.7)"),
-    ("outer_momentum", "DT632", lambda v: 0 <= v < 1, "must be in [0, 1)",
+    ("outer_momentum", DT632, lambda v: 0 <= v < 1, "must be in [0, 1)",
      "write outer_momentum=0 for none, or e.g. 0.9 (DiLoCo's Nesterov momentum)"),
-    ("interval", "DT634", lambda v: math.isfinite(v) and v > 0, "s must be above 0",
+    ("interval", DT634, lambda v: math.isfinite(v) and v > 0, "s must be above 0",
      "write a positive duration such as interval=30 s"),
 )
 _WARMUP = Param("warmup", IntKind(0, 10**9), default=0)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from dtdsl.codes import DT410
 from dtdsl.ir.plan import Plan, UnitPlan, split_layers
 from dtdsl.source import Span
 
@@ -27,7 +28,7 @@ class Infeasible(Exception):
     span: Span | None
     notes: tuple[str, ...] = ()
     hint: str | None = None
-    code: str = "DT410"
+    code: str = DT410
 
     def __str__(self) -> str:
         return self.message
