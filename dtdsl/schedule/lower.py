@@ -95,6 +95,7 @@ from dtdsl.ir.schedule import (
     StageSchedule,
     VirtualStage,
 )
+from dtdsl.schedule.place import place_by_trace
 from dtdsl.schedule.validate import validate
 
 __all__ = ["GradientFlow", "LoweringError", "add_communication", "add_optimizer",
@@ -507,7 +508,10 @@ def add_optimizer(schedule: Schedule, flow: GradientFlow) -> Schedule:
 def lower_units(base: Schedule, flow: GradientFlow) -> Schedule:
     """Steps 1-3 and validation for the units of ``base`` (see ``lower``); for callers
     without a Program, e.g. synthetic pipelines (``GradientFlow.everywhere``)."""
-    schedule = add_optimizer(add_communication(lower_compute(base, flow)), flow)
+    schedule = add_communication(lower_compute(base, flow))
+    if any(u.vpp > 1 for u in base.units):
+        schedule = place_by_trace(schedule)
+    schedule = add_optimizer(schedule, flow)
     validate(schedule)
     return schedule
 
