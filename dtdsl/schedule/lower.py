@@ -3,9 +3,14 @@ sync and optimizer), then validation.
 
 1. ``lower_compute``: every unit stage's order of forwards and backwards.
 2. ``add_communication``: a receive before every pass that reads another stage's data,
-   a send after every pass whose output another stage reads.
+   a send after every pass whose output another stage reads. Where a unit interleaves
+   (vpp > 1), ``schedule.place.place_by_trace`` then moves each send and receive to
+   where an execution trace of the compute orders has it due, so that NCCL's groups
+   cannot deadlock (placed next to their passes, the interleaved order's do:
+   ``schedule.validate``, phase 4); 1F1B and GPipe keep step 2's placement, which pairs
+   their sends and receives step by step already.
 3. ``add_optimizer``: ``SYNC`` and ``OPT`` at the end of every stage that trains.
-4. ``validate`` (``dtdsl.schedule.validate``).
+4. ``validate`` (``dtdsl.schedule.validate``; ``dtc compile`` runs ``validate_nccl``).
 
 The composite pipeline
 ----------------------
