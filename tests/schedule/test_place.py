@@ -29,17 +29,21 @@ def unit(name: str, role: str, pp: int, vpp: int = 1) -> ScheduleUnit:
 # frozen encoder (no B); a frozen encoder whose projector trains (its last stage only);
 # a frozen backbone and encoder with a trainable generator (the generator's B only); the
 # backbone alone, as it is with co-located encoders and generators (which run inside its
-# first and last stages and add no rows).
-SURROUNDINGS = ["all", "frozen_encoder", "projector_only", "generator_only", "colocated"]
+# first and last stages and add no rows); deeper units (an encoder of 3 stages, a
+# generator of 4, which sets the backbone's microbatch groups where it is deeper).
+SURROUNDINGS = ["all", "frozen_encoder", "projector_only", "generator_only", "colocated",
+                "deep"]
 
 
 def schedule_of(pp: int, v: int, m: int, around: str) -> tuple[Schedule, GradientFlow]:
     units = [unit("llm", "backbone", pp, v)]
-    if around != "colocated":
+    if around == "deep":
+        units = [unit("vit", "encoder", 3), *units, unit("sd", "generator", 4)]
+    elif around != "colocated":
         units = [unit("vit", "encoder", 2), *units, unit("sd", "generator", 2)]
     base = Schedule.skeleton("interleaved", m, tuple(units))
     every = GradientFlow.everywhere(base).backward
-    drop = {"all": set(), "colocated": set(),
+    drop = {"all": set(), "colocated": set(), "deep": set(),
             "frozen_encoder": {vs for vs in every if vs[0] == "vit"},
             "projector_only": {("vit", 0, 0)},
             "generator_only": {vs for vs in every if vs[0] != "sd"}}[around]
