@@ -120,3 +120,26 @@ def test_schedules_without_chunks_keep_step_twos_placement(name: str):
     flow = GradientFlow.everywhere(base)
     assert lower_units(base, flow) == \
         add_optimizer(add_communication(lower_compute(base, flow)), flow)
+
+
+@pytest.mark.parametrize("pp,v,m,around", [(2, 2, 4, "all"), (4, 2, 9, "deep"),
+                                           (3, 3, 7, "frozen_encoder")])
+def test_the_placement_costs_no_simulated_time(pp: int, v: int, m: int, around: str):
+    # The simulator, like the runtime, waits for a receive only at the pass that reads it,
+    # and sends stay right after their passes: the placed schedule takes exactly the time
+    # of step 2's placement, whatever each pass and link takes.
+    import numpy as np
+
+    from dtdsl.sim.simulate import Durations, simulate
+
+    base, flow = schedule_of(pp, v, m, around)
+    placed = lower_units(base, flow)
+    unplaced = add_optimizer(add_communication(lower_compute(base, flow)), flow)
+    assert placed != unplaced
+    rng = np.random.default_rng(pp * 100 + m)
+    names = [u.name for u in base.units]
+    d = Durations(compute_s={u.name: rng.uniform(0.1, 2.0, size=(2, u.pp, u.vpp, m, u.dp))
+                             for u in base.units},
+                  link_s={(a, b): float(rng.uniform(0, 0.3)) for a in names for b in names})
+    assert simulate(placed, d).iteration_time_s == \
+        pytest.approx(simulate(unplaced, d).iteration_time_s, rel=1e-12)
