@@ -37,6 +37,12 @@ pairs each send with its own receive.
 
 The runtime (``train.executor``) waits for a receive only at the pass that reads it, and
 the simulator (``sim.simulate``) likewise, so a receive posted early costs no time there.
+It holds its buffer from its gap to that pass: data that would otherwise wait on the
+sender (whose send completes only once the receive is posted) waits on the receiver. In
+tests/schedule/test_place.py's grid a lone interleaved backbone's stage holds at most 9
+such receives at once, a generator behind a frozen backbone (which runs its forwards
+without a pause) 17; the memory plans (``train.memplan``, the cost model) count the
+stashed activations, not these buffers.
 """
 
 from __future__ import annotations
