@@ -581,8 +581,10 @@ def _measure_stage(program: ir.Program, plan: Plan, schedule: Schedule, cost: An
     zero = program.train.mesh_zero
     dp_lm = next(x.dp for x in plan.units if x.role == "backbone")
     share = dp_lm / u.dp
-    # Priced at the plan's cp, as the simulator prices it (``reorder.workload``).
-    unit_cost = replace(cost.unit(unit), cp=u.cp)
+    # Priced at the plan's cp, as the simulator prices it (``reorder.workload``), and at
+    # its ep, as the planner prices it (``CostModel.with_ep``): at ep 1 every expert
+    # would be priced on every rank.
+    unit_cost = replace(cost.unit(unit), cp=u.cp, ep=u.ep)
     from dtdsl.parallel.mesh import RankRole
 
     role = RankRole(rank=rank, grid=grid, stage=stage, replica=0, tp_index=0)
