@@ -723,7 +723,13 @@ def check_memory(program: ir.Program, plan: Plan, *, cost: Any = None, jobs: int
     from dtdsl.cost.model import build_cost_model
     from dtdsl.schedule.lower import lower
 
-    cost = cost if cost is not None else build_cost_model(_recomputing(program, plan))
+    # Priced as the stages run: recomputing where the plan raised it (the planner priced
+    # those units so; a given cost model, ``dtc memcheck``'s, is the spec's).
+    recomputing = _recomputing(program, plan)
+    if cost is None or any(cost.unit(m.name).recompute is not ir.Recompute.of(m.recompute)
+                           for m in recomputing.modules):
+        cost = build_cost_model(recomputing, None if cost is None else cost.params,
+                                profile=None if cost is None else cost.profile)
     # The plan's optimizer offload (the spec's, or the planner's for offload=auto).
     cost = cost.with_offload(plan.offload_fraction(program))
     schedule = lower(plan, program)

@@ -119,6 +119,30 @@ def test_paper_scale_plans_match_the_memory_model(name, capsys, shipped_plan):
     print(f"{name}: {len(stages)} stages in {took:.1f} s")
 
 
+@pytest.mark.slow
+def test_the_moe_spec_at_tp_1_matches_the_memory_model(capsys, tmp_path):
+    # specs/moe_vl_30b.dt with its backbone at tp 1 (the runtime splits experts over EP
+    # ranks, not over TP): every backbone stage's MoE activations
+    # (cost.unit._moe_block_bytes), its experts at the plan's ep, its recomputation where
+    # the planner raised it, at every in-flight count of the pipeline.
+    text = (ROOT / "specs" / "moe_vl_30b.dt").read_text()
+    pinned = text.replace("tp(llm)   in {1, 2, 4}", "tp(llm)   == 1")
+    assert pinned != text
+    spec_path = tmp_path / "moe_vl_30b.dt"
+    spec_path.write_text(pinned)
+    plan = tmp_path / "plan.json"
+    assert cli.main(["plan", str(spec_path), "--no-baseline", "-o", str(plan)]) == 0
+    capsys.readouterr()
+    assert cli.main(["memcheck", str(spec_path), "--json", "--plan", str(plan)]) == 0
+    stages = json.loads(capsys.readouterr().out)["stages"]
+    llm = [s for s in stages if s["unit"] == "llm"]
+    assert len(llm) > 1 and {s["in_flight"] for s in llm} != {1}
+    for s in llm:
+        error = (s["measured_bytes"] - s["predicted_bytes"]) / s["predicted_bytes"]
+        assert abs(error) <= TOLERANCE, (s["stage"], s["measured_bytes"], s["predicted_bytes"])
+    assert all(s["measured_bytes"] < s["capacity_bytes"] for s in stages)
+
+
 def test_an_moe_backbone_is_measured_at_ep_1_and_2():
     # Fake tensors cannot route (their values are unknown): the blocks route as the cost
     # model assumes (models.moe.mean_counts), and at ep 2 the stage gets its EP groups on
