@@ -154,17 +154,19 @@ def _moe_block_bytes(arch: ir.TransformerArch) -> tuple[float, float]:
     experts' dispatch and the shared expert read, priced as a dense MLP's input in
     ``_transformer_activation_bytes``), bf16 activations: (all, the part TP divides).
 
-    Measured with saved-tensor hooks (``tests/cost/test_unit.py``), per token with ``k``
+    Measured with saved-tensor hooks (``tests/cost/test_moe.py``), per token with ``k``
     slots: the rows sorted by expert that the experts' first GEMMs keep (``2 k h``), each
-    slot's SwiGLU intermediates (``8 k f``), the slots' outputs the routing weights
-    multiply (``2 k h``; placing and summing them keep nothing, ``models.moe.place_rows``);
+    slot's SwiGLU intermediates (``8 k f``), the slots' outputs that the combine's batched
+    product with the routing weights keeps (``2 k h``; placing them keeps only an index,
+    ``models.moe.place_rows``);
     the router's fp32 probabilities (``4 E``); the routing weights (bf16, and with
     ``norm_topk`` their fp32 values and sum) and the int64 indices (the top-k choices,
     each slot's token and place, the token's row and sequence: ``24 k + 16``); the
     shared expert's SwiGLU (``8 s``) and its gate's output and product (``2 h + 2``). At
-    ep > 1 the same: the all-to-alls keep nothing, the received rows regrouped by expert
-    are the sorted rows. The experts' and shared expert's intermediates are what TP
-    would divide (their columns)."""
+    ep > 1 the same (but for the regrouping's two int64 indices, ``16 k``, left out): the
+    all-to-alls keep nothing, the received rows regrouped by expert are the sorted rows.
+    The experts' and shared expert's intermediates are what TP would divide (their
+    columns; the runtime runs an MoE block at tp 1, ``codegen.support``)."""
     moe, h = arch.moe, arch.hidden
     k = moe.top_k
     split = 8 * k * moe.ffn + 8 * moe.shared_ffn
