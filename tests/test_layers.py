@@ -41,13 +41,9 @@ CLI_MODULES = {"dtdsl.cli", "dtdsl.data.cli", "dtdsl.clihelp"}
 
 # The (importer, imported) pairs that break the order today, grouped by the issue-33
 # move that removes them. Delete an entry when its move lands (the test insists).
-_SHARED_SIZES = ("the models take packed images (data.sample) and pixel normalisation "
-                 "(data.images) from the data layer: move those torch-side helpers into models/")
 _FILES = ("frontend.check reads HF configs, VAE configs and tokenizers: move those torch-free "
           "readers (models.hf.config, models.vae's config, data.text) into frontend/ or ir/")
 DEBT: dict[tuple[str, str], str] = {
-    ("dtdsl.models.multimodal", "dtdsl.data.images"): _SHARED_SIZES,
-    ("dtdsl.models.multimodal", "dtdsl.data.sample"): _SHARED_SIZES,
     ("dtdsl.frontend.check_data", "dtdsl.data.text"): _FILES,
     ("dtdsl.frontend.check", "dtdsl.models.hf"): _FILES,
     ("dtdsl.frontend.check", "dtdsl.models.hf.config"): _FILES,

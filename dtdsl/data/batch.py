@@ -36,19 +36,13 @@ import numpy as np
 import torch
 
 from dtdsl.cost.samples import ItemSet, SampleSet, item_key
-from dtdsl.data.sample import (
-    Sample,
-    image_encoder,
-    join_samples,
-    join_sizes,
-    make_sample,
-    sample_sizes,
-)
+from dtdsl.data.sample import join_samples, join_sizes, make_sample, sample_sizes
 from dtdsl.ir import program as ir
 from dtdsl.ir.layout import layout_of, pack
 from dtdsl.ir.modal import EncoderInputs, encoder_inputs
 from dtdsl.ir.plan import Plan
 from dtdsl.ir.sizes import SampleSizes
+from dtdsl.models.inputs import Sample, image_encoder
 from dtdsl.models.multimodal import Normalizer
 from dtdsl.parallel.broker import StepSamples
 
@@ -237,7 +231,7 @@ def reads_of(role: RankRole, plan: Plan, routing: Sequence[StepSamples]
 def _image_tokens(program: ir.Program) -> EncoderInputs:
     """Every encoder's rule for its items' tokens (``ir.modal.encoder_inputs``: an
     image's as ``Program.image_tokens``); ValueError for encoders the runtime has no data
-    for (``data.sample.image_encoder``)."""
+    for (``models.inputs.image_encoder``)."""
     image_encoder(program)
     return encoder_inputs(program)
 

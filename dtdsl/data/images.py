@@ -17,8 +17,8 @@ configuration.
 
 Resizing runs in the preprocessing workers (``decode``), which ship uint8 pixels: a
 quarter of the bytes of float32 ones on the wire, on the host-to-device copy and in pinned
-memory. Samples keep them uint8 up to the encoder's device, where ``Pixels`` normalises
-each packed group of same-sized images in one pass (``normalize``'s arithmetic: a
+memory. Samples keep them uint8 up to the encoder's device, where ``models.inputs.Pixels``
+normalises each packed group of same-sized images in one pass (``normalize``'s arithmetic: a
 per-channel affine, the same float32 operations in the same order, so equal to the bit):
 no float32 conversion on the feed's thread, no per-image work on the training thread.
 """
@@ -33,12 +33,10 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CLIP_MEAN", "CLIP_STD", "ImagePolicy", "Pixels", "normalize", "patch_grid",
-           "pixel_norm"]
+from dtdsl.models.inputs import HALF, encoder_norm
 
-CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
-HALF = (0.5, 0.5, 0.5)
+__all__ = ["ImagePolicy", "normalize", "patch_grid"]
+
 _RESAMPLE = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic", 4: "box", 5: "hamming"}
 
 
@@ -79,22 +77,24 @@ class ImagePolicy:
     def for_encoder(cls, module: Any, max_patches: int | None = None,
                     block: int = 1) -> ImagePolicy:
         """``block``: the multiple of patches a native-resolution grid's sides are
-        (``ImageTokens.block`` of the encoder's projector)."""
+        (``ImageTokens.block`` of the encoder's projector). Mean and std: the encoder's
+        (``models.inputs.encoder_norm``)."""
         arch = module.arch
         patch = getattr(arch, "patch", None) or 1
+        mean, std = encoder_norm(module)
         hf = getattr(module, "hf", None)
         if hf is None or hf.family not in ("clip", "siglip") or not arch.image_size:
-            return cls(patch=patch, max_patches=max_patches, block=block)
+            return cls(patch=patch, max_patches=max_patches, block=block, mean=mean, std=std)
         side = int(arch.image_size)
         if hf.family == "clip":
             base = cls(patch=patch, size=(side, side), shortest_edge=side, resample="bicubic",
-                       mean=CLIP_MEAN, std=CLIP_STD)
+                       mean=mean, std=std)
         else:
-            base = cls(patch=patch, size=(side, side), resample="bicubic")
+            base = cls(patch=patch, size=(side, side), resample="bicubic", mean=mean, std=std)
         return base._with_processor(Path(hf.path) / "preprocessor_config.json")
 
     def _with_processor(self, file: Path) -> ImagePolicy:
-        """This policy with what a ``preprocessor_config.json`` says instead."""
+        """This policy with the sizes a ``preprocessor_config.json`` says instead."""
         if not file.is_file():
             return self
         try:
@@ -113,11 +113,9 @@ class ImagePolicy:
                 "do_center_crop", True) else (edge, edge)
         elif isinstance(given, dict) and "height" in given:
             size, edge = (int(given["height"]), int(given["width"])), None
-        mean = tuple(config.get("image_mean", self.mean))
-        std = tuple(config.get("image_std", self.std))
         resample = _RESAMPLE.get(config.get("resample"), self.resample)
         return ImagePolicy(patch=self.patch, size=size, shortest_edge=edge,
-                           resample=resample, mean=mean, std=std)  # type: ignore[arg-type]
+                           resample=resample, mean=self.mean, std=self.std)
 
     def shape(self, width: int, height: int) -> tuple[int, int]:
         """The ``(height, width)`` in pixels an image of this size is given to the encoder."""
@@ -158,39 +156,3 @@ def normalize(pixels: Any, mean: tuple[float, ...] = HALF, std: tuple[float, ...
     m = torch.tensor(mean, dtype=torch.float32).view(3, 1, 1)
     s = torch.tensor(std, dtype=torch.float32).view(3, 1, 1)
     return x.div_(255.0).sub_(m).div_(s)
-
-
-def pixel_norm(program: Any) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """The mean and std the spec's image encoder normalises its pixels with (0.5 and 0.5
-    without one)."""
-    image = next((m for m in program.encoders if m.modality == "image"), None)
-    if image is None:
-        return HALF, HALF
-    policy = ImagePolicy.for_encoder(image)
-    return policy.mean, policy.std
-
-
-class Pixels:
-    """Images as the encoder reads them, made on their device (module docstring): uint8
-    ``[..., 3, H, W]`` normalised with ``mean`` and ``std`` (``normalize``'s arithmetic);
-    floating-point images (the synthetic data's, already normalised) as they are.
-
-    The per-channel constants are copied to ``device`` once, when it is made (per stage,
-    not per step): normalising then reads nothing from the host."""
-
-    def __init__(self, mean: tuple[float, ...], std: tuple[float, ...],
-                 device: Any = "cpu"):
-        import torch
-
-        self.mean = torch.tensor(mean, dtype=torch.float32).view(3, 1, 1).to(device)
-        self.std = torch.tensor(std, dtype=torch.float32).view(3, 1, 1).to(device)
-
-    def __call__(self, images: Any) -> Any:
-        import torch
-
-        if images.dtype != torch.uint8:
-            return images
-        if images.shape[-3] != 3:
-            raise ValueError(f"uint8 images of shape {tuple(images.shape)}: expected 3 "
-                             "colour channels before height and width")
-        return images.to(torch.float32).div_(255.0).sub_(self.mean).div_(self.std)

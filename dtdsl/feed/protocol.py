@@ -191,7 +191,7 @@ def _read_items(message: Any, pos: int, sizes: Any, step: int) -> dict[str, tupl
 
 def read_batch(message: Any, units: Sequence[str], generators: Sequence[str]) -> Any:
     """The ``runtime.batch.StepBatch`` of a valid ``batch`` message (images as sent: uint8
-    pixels the encoder's device normalises, ``data.images.Pixels``, or the synthetic
+    pixels the encoder's device normalises, ``models.inputs.Pixels``, or the synthetic
     data's float32). ValueError when it is inconsistent (a worker bug or a mismatched
     bundle)."""
     from dtdsl.data.batch import StepBatch
@@ -287,7 +287,7 @@ def _read_sample(message: Any, pos: int, parts: set[str], generators: Sequence[s
     ``layout`` (its ``SampleSizes``, None when the message carries none)."""
     import torch
 
-    from dtdsl.data.sample import GenTargets, Sample
+    from dtdsl.models.inputs import GenTargets, Sample
 
     arrays = message.arrays
     tokens = (message.tensor(f"p{pos}.tokens") if "tokens" in parts

@@ -19,7 +19,7 @@ during the run) keeps its place with a stand-in of its sizes, logged once and co
 
 **Tensors.** ``dtdsl.data.decode.Decoder`` gives numpy arrays; ``to_sample`` turns them
 into a ``runtime.data.Sample``: token ids as they are, images as their uint8 pixels
-(normalised on the encoder's device, ``data.images.Pixels``, with the encoder's mean and
+(normalised on the encoder's device, ``models.inputs.Pixels``, with the encoder's mean and
 std, ``image_norm``), the generators' latents, noise and timesteps as they are. The
 preprocessing workers ship the same uint8 images, so a launched run and ``dtc reference
 --data`` see identical tensors.
@@ -67,8 +67,8 @@ def stream_indices(seed: int, n: int, step: int, batch: int) -> list[int]:
 
 def image_norm(program: ir.Program) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """The mean and std the spec's image encoder normalises its pixels with
-    (``data.images.pixel_norm``)."""
-    from dtdsl.data.images import pixel_norm
+    (``models.inputs.pixel_norm``)."""
+    from dtdsl.models.inputs import pixel_norm
 
     return pixel_norm(program)
 
@@ -76,7 +76,7 @@ def image_norm(program: ir.Program) -> tuple[tuple[float, ...], tuple[float, ...
 def image_pixels(pixels: np.ndarray):
     """A decoded uint8 ``[3, H, W]`` image as the tensor a ``Sample`` holds: its pixels,
     uint8, in memory of its own (normalised on the encoder's device,
-    ``data.images.Pixels``). ValueError for anything else."""
+    ``models.inputs.Pixels``). ValueError for anything else."""
     import torch
 
     array = np.asarray(pixels)
@@ -92,7 +92,7 @@ def to_sample(step: int, position: int, decoded, parts: frozenset[str]):
     float32 arrays ``data.media`` makes)."""
     import torch
 
-    from dtdsl.data.sample import GenTargets, Sample
+    from dtdsl.models.inputs import GenTargets, Sample
 
     tokens = (torch.from_numpy(np.array(decoded.tokens, dtype=np.int64)) if "tokens" in parts
               else torch.empty(0, dtype=torch.int64))

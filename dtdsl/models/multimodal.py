@@ -10,7 +10,7 @@ The forward pass is three steps, one per kind of unit, each a plain function of 
 unit's torch modules and its inputs:
 
 - ``encode(model, samples)``: each sample's images (grouped by size, no padding, see
-  ``data.sample.pack_images``) through the ViT and the encoder->backbone projector (which
+  ``models.inputs.pack_images``) through the ViT and the encoder->backbone projector (which
   compresses each image's patch grid when the spec says so, ``models.mlp``): one
   ``[image tokens_i, hidden_llm]`` tensor per sample. Split into ``encoder_input`` and
   ``encoder_layers(encoder, xs, start, stop)`` for pipeline stages.
@@ -60,15 +60,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from dtdsl.cost.flops import lm_loss_chunk_rows
-from dtdsl.data.images import Pixels, pixel_norm
-from dtdsl.data.sample import (
-    GenTargets,
-    Sample,
-    image_encoder,
-    pack_images,
-    pack_items,
-    unpack_images,
-)
 from dtdsl.ir import program as ir
 from dtdsl.ir.layout import SequenceLayout, Tokens, layout_of
 from dtdsl.ir.modal import EncoderInputs, encoder_inputs
@@ -78,6 +69,16 @@ from dtdsl.models import build_module, build_projector, tie_weights
 from dtdsl.models.attention import DocumentMask, document_mask, key_bias
 from dtdsl.models.diffusion import noisy_and_target
 from dtdsl.models.init import init_module
+from dtdsl.models.inputs import (
+    GenTargets,
+    Pixels,
+    Sample,
+    image_encoder,
+    pack_images,
+    pack_items,
+    pixel_norm,
+    unpack_images,
+)
 from dtdsl.models.transformer import (
     Backbone,
     Encoder,

@@ -60,14 +60,13 @@ import torch
 import torch.distributed as dist
 
 from dtdsl.data.batch import BatchSource, LocalBatches, StepBatch
-from dtdsl.data.images import Pixels, pixel_norm
-from dtdsl.data.sample import PackedImages, Sample, unpack_images
 from dtdsl.ir import program as ir
 from dtdsl.ir.layout import SequenceLayout, layout_of
 from dtdsl.ir.plan import Plan
 from dtdsl.ir.schedule import Action, ActionKind, Schedule
 from dtdsl.ir.sizes import SampleSizes
 from dtdsl.ir.timeline import Event
+from dtdsl.models.inputs import PackedImages, Pixels, Sample, pixel_norm, unpack_images
 from dtdsl.models.moe import moe_blocks, set_loss_scale, take_aux_losses
 from dtdsl.models.multimodal import (
     Normalizer,
@@ -194,7 +193,7 @@ class StageExecutor(PhasedEncoder, PassInputs):
         self.dtype = self.stage.compute_dtype
         self._patch = self.model.patch
         # Images arrive as uint8 pixels (a dataset's) and are normalised on this device,
-        # per packed group (``data.images.Pixels``); its constants are copied here once.
+        # per packed group (``models.inputs.Pixels``); its constants are copied here once.
         self._pixels = Pixels(*pixel_norm(program), device=self.device) \
             if self._hosted_encoder or self.stage.phased or self.role.role == "encoder" \
             else None

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from dtdsl.data.sample import PackedImages, Sample, pack_items
+from dtdsl.models.inputs import PackedImages, Sample, pack_items
 from dtdsl.models.multimodal import (
     encoder_items,
     padded_width,
@@ -62,7 +62,7 @@ class PassInputs:
 
     def _pack(self, samples: Sequence[Sample], name: str | None = None) -> PackedImages:
         """The items of ``samples`` of encoder ``name`` (default: the one this rank
-        encodes), packed (``data.sample.pack_items``: uint8 pixels normalised on the
+        encodes), packed (``models.inputs.pack_items``: uint8 pixels normalised on the
         device)."""
         name = name or self._encoder
         assert name is not None

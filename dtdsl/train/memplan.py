@@ -313,7 +313,7 @@ def _generation_targets(program: ir.Program, name: str, unit: Any, share: float,
 def _targets(program: ir.Program, name: str, count: int, device: torch.device) -> Any:
     """``count`` generation targets of generator ``name`` (zero latents, the last
     timestep), one ``GenTargets``."""
-    from dtdsl.data.sample import GenTargets
+    from dtdsl.models.inputs import GenTargets
 
     arch = program.module(name).arch
     shape = (count, arch.latent_channels, arch.latent, arch.latent)
@@ -336,8 +336,8 @@ def _hosted_inputs(program: ir.Program, cost: Any, plan: Plan, role: Any, seq: i
     the encoders' items (``images``, spread over the sequences, whose text fills the
     rest; per encoder where there are several) and each generator's targets
     (``generation``)."""
-    from dtdsl.data.sample import PackedImages
     from dtdsl.ir.layout import sequence_layout
+    from dtdsl.models.inputs import PackedImages
     from dtdsl.parallel.mesh import hosted_units
 
     b = program.train.micro_batch

@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
-from dtdsl.data.sample import PackedImages, image_encoder, unpack_images
 from dtdsl.ir import program as ir
 from dtdsl.ir.layout import SequenceLayout
 from dtdsl.ir.modal import EncoderInputs, encoder_inputs
+from dtdsl.models.inputs import PackedImages, image_encoder, unpack_images
 from dtdsl.models.multimodal import (
     backbone_input,
     backbone_layers,

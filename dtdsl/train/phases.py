@@ -15,8 +15,8 @@ from collections.abc import Sequence
 
 import torch
 
-from dtdsl.data.sample import PackedImages, unpack_images
 from dtdsl.ir.schedule import Action, ActionKind
+from dtdsl.models.inputs import PackedImages, unpack_images
 from dtdsl.models.multimodal import (
     encoder_rows,
 )

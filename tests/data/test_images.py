@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from dtdsl.data.images import CLIP_MEAN, ImagePolicy, normalize
+from dtdsl.data.images import ImagePolicy, normalize
+from dtdsl.models.inputs import CLIP_MEAN
 
 
 def _tower(family: str, image_size: int, path, patch: int = 8):

@@ -5,16 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dtdsl.data.sample import (
-    DIFFUSION_STEPS,
-    Sample,
-    image_side,
-    make_batch,
-    make_sample,
-    pack_images,
-    unpack_images,
-)
+from dtdsl.data.sample import DIFFUSION_STEPS, image_side, make_batch, make_sample
 from dtdsl.models import Encoder
+from dtdsl.models.inputs import Sample, pack_images, unpack_images
 from tests.specs import program, variant
 
 

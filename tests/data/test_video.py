@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from dtdsl.data.images import CLIP_MEAN, CLIP_STD, ImagePolicy, normalize, patch_grid
+from dtdsl.data.images import ImagePolicy, normalize, patch_grid
 from dtdsl.data.shards import DatasetError
 from dtdsl.data.video import (
     FrameSampling,
@@ -28,6 +28,7 @@ from dtdsl.data.video import (
     patchify,
     sample_indices,
 )
+from dtdsl.models.inputs import CLIP_MEAN, CLIP_STD
 from tests.helpers.media import (
     BASE,
     CYCLE,

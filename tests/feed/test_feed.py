@@ -276,9 +276,9 @@ def test_images_travel_as_uint8_pixels_and_are_normalised_where_they_are_packed(
     pixels, a quarter of float32's bytes to pin and copy; ``Pixels`` normalises each packed
     group on the encoder's device to the bit of the float32 images the trainers used to
     make on the feed's thread (``normalize``)."""
-    from dtdsl.data.images import Pixels, normalize
-    from dtdsl.data.sample import pack_images
+    from dtdsl.data.images import normalize
     from dtdsl.feed.source import image_norm
+    from dtdsl.models.inputs import Pixels, pack_images
 
     ctx = FeedContext(bundle)
     units = [u.name for u in ctx.plan.units]
@@ -307,7 +307,7 @@ def test_images_travel_as_uint8_pixels_and_are_normalised_where_they_are_packed(
 
 
 def test_pixels_refuse_what_is_not_an_rgb_image():
-    from dtdsl.data.images import Pixels
+    from dtdsl.models.inputs import Pixels
 
     pixels = Pixels((0.5,) * 3, (0.5,) * 3)
     floats = torch.rand(2, 3, 4, 4)

@@ -109,7 +109,7 @@ def test_attention_never_crosses_a_document():
 
 def _documents(row):
     """The documents of a packed sample, each a sample of its own."""
-    from dtdsl.data.sample import Sample
+    from dtdsl.models.inputs import Sample
     from dtdsl.models.multimodal import sample_sizes_of
 
     out, t0, i0 = [], 0, 0

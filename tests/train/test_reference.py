@@ -8,7 +8,8 @@ import math
 import torch
 
 from dtdsl import cli
-from dtdsl.data.sample import make_batch, pack_images
+from dtdsl.data.sample import make_batch
+from dtdsl.models.inputs import pack_images
 from dtdsl.models.multimodal import (
     IGNORE,
     backbone_input,
