@@ -31,12 +31,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from dtdsl.ir import program as ir
+from dtdsl.models.ffn import activation
 
 __all__ = ["AvgPool", "PixelShuffle", "Projector", "Resampler", "build_compression",
            "projector_tp_conflicts"]
-
-_ACTIVATIONS = {"gelu": F.gelu, "silu": F.silu, "relu": F.relu}
-
 
 def _widths(arch: ir.MLPArch) -> list[int]:
     return [arch.in_dim] + [arch.hidden] * (arch.depth - 1) + [arch.out_dim]
@@ -150,7 +148,7 @@ class Projector(nn.Module):
             raise ValueError(f"tensor parallelism {tp} cannot split the projector's "
                              + ", ".join(conflicts))
         widths = _widths(arch)
-        self.activation = _ACTIVATIONS[arch.activation]
+        self.activation = activation(arch.activation)
         width = arch.in_dim
         if isinstance(compress, ir.PixelShuffle):
             width = arch.in_dim // compress.factor ** 2

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dtdsl.models.transformer import MLP, activation
+from dtdsl.models.ffn import MLP, activation
 
 __all__ = ["HF_MOE_FAMILIES", "MoE", "MoEConfig", "MoEOutput", "Routing", "build_moe",
            "can_group", "capacity", "expert_ffn", "hf_moe_keys", "keep_counts",

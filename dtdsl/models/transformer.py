@@ -37,7 +37,6 @@ with DTensor (``parallel.tp``).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +46,7 @@ from torch.utils.checkpoint import checkpoint
 from dtdsl.ir import program as ir
 from dtdsl.models.attention import DocumentMask, dense_attention, document_attention
 from dtdsl.models.audio import WhisperStem
+from dtdsl.models.ffn import MLP, activation
 from dtdsl.models.rope import RotaryTable, Rotation, apply_rotary
 
 __all__ = [
@@ -78,23 +78,6 @@ def sinusoidal_embedding(positions: torch.Tensor, dim: int,
     if dim % 2:
         emb = F.pad(emb, (0, 1))
     return emb
-
-
-def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.sigmoid(1.702 * x)
-
-
-def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    return F.gelu(x, approximate="tanh")
-
-
-_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "silu": F.silu, "gelu": F.gelu, "gelu_tanh": _gelu_tanh, "quick_gelu": _quick_gelu}
-
-
-def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The activation function called ``name`` (``ir.TransformerArch.activation``)."""
-    return _ACTIVATIONS[name]
 
 
 class SelfAttention(nn.Module):
@@ -209,27 +192,6 @@ class CrossAttention(nn.Module):
         v = self.wv(context).view(batch, m, -1, d).transpose(1, 2)
         out = dense_attention(q, k, v, bias=bias)
         return out.transpose(1, 2).reshape(batch, n, -1)
-
-
-class MLP(nn.Module):
-    """The feed-forward block; ``ffn`` is this rank's width. Gated (SwiGLU as Llama:
-    ``w2(act(w1 x) * w3 x)``) or plain (``w2(act(w1 x))``), ``act`` by name
-    (``activation``); ``tanh_gelu`` is DiT's shorthand for ``act="gelu_tanh"``."""
-
-    def __init__(self, dim: int, ffn: int, *, swiglu: bool = False, tanh_gelu: bool = False,
-                 act: str | None = None, bias: bool = False):
-        super().__init__()
-        name = act or ("silu" if swiglu else "gelu_tanh" if tanh_gelu else "gelu")
-        self.act = activation(name)
-        self.w1 = nn.Linear(dim, ffn, bias=bias)
-        self.w3 = nn.Linear(dim, ffn, bias=bias) if swiglu else None
-        self.w2 = nn.Linear(ffn, dim, bias=bias)
-        self.w2.residual_out = True
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.w3 is not None:
-            return self.w2(self.act(self.w1(x)) * self.w3(x))
-        return self.w2(self.act(self.w1(x)))
 
 
 def shard_size(value: int, tp: int, what: str) -> int:

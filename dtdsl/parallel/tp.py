@@ -34,7 +34,8 @@ from typing import Any
 
 from torch import nn
 
-from dtdsl.models.transformer import MLP, Backbone, CrossAttention, SelfAttention
+from dtdsl.models.ffn import MLP
+from dtdsl.models.transformer import Backbone, CrossAttention, SelfAttention
 
 __all__ = ["is_tp_sharded", "local_tensor", "parallelize_unit", "tp_conflicts"]
 
