@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan
@@ -169,3 +170,79 @@ def test_local_sgd_beside_context_parallelism_is_refused():
     assert not [d for d in runtime_support(program, plan) if d.code == "DT601"]
     found = [d for d in runtime_support(local, plan) if d.code == "DT601"]
     assert len(found) == 1 and "local_sgd beside context parallelism" in found[0].message
+
+
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+def test_encoder_context_parallel_matches_the_reference(method):
+    # The encoder unit shards each image's patch rows over its 2 CP ranks and gathers
+    # them whole before the projector; its leader sends the backbone what it gets at cp 1.
+    program = spec(8)
+    plan = plan_for(program, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, 1, 1),
+                    ("gen", "generator", 1, 1, 1))
+    check(*with_cp(program, plan, 2, method, name="vit"))
+
+
+def _encoder_at_cp(rank: int, world: int, cls: bool) -> None:
+    """The tiny spec's ViT on two groups of images (9 and 16 rows, or 10 and 17 with a
+    class token: padding to 2 x cp chunks in three of them),
+    whole in this process and sharded over ``world`` CP ranks (ring, then Ulysses), each
+    image bidirectional within itself: outputs and parameter gradients (summed over the
+    CP ranks, as the DP x CP reduction sums them) equal the whole tower's."""
+    import torch.distributed as dist
+
+    from dtdsl.models.multimodal import encoder_input, encoder_layers, encoder_output
+    from dtdsl.models.transformer import Encoder
+    from dtdsl.parallel.cp import CPGroup, gather_sequence
+    from dtdsl.train.cp_run import encoder_context
+
+    arch = spec(8).module("vit").arch
+    if cls:     # CLIP's tower: a class token, learned positions (bicubic to each grid)
+        arch = arch.model_copy(update={"cls_token": True, "positions": "learned",
+                                       "image_size": 32})
+    enc = Encoder(arch)
+    g = torch.Generator().manual_seed(0)
+    for p in enc.parameters():      # every rank the same weights
+        p.data = torch.randn(p.shape, generator=g) * 0.2
+    groups = [torch.randn(3, n, arch.patch_dim, generator=g) for n in (9, 16)]
+    grids = [(3, 3), (4, 4)]
+    seeds = [torch.randn(3, n, arch.hidden, generator=g) for n in (9, 16)]
+
+    def run(shards: CPGroup | None) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+        enc.zero_grad()
+        xs = encoder_input(enc, groups, grids)
+        if shards is None:
+            ys = encoder_layers(enc, xs)
+        else:
+            lengths = [x.shape[1] for x in xs]
+            xs = [shards.shard(x) for x in xs]
+            ys = encoder_layers(enc, xs, cp=[encoder_context(shards, 3, n, x.device)
+                                             for x, n in zip(xs, lengths, strict=True)])
+            ys = [gather_sequence(y, shards, n) for y, n in zip(ys, lengths, strict=True)]
+        outs = encoder_output(enc, ys)
+        # Every CP rank holds the whole output and its loss: 1 / cp of the gradient each.
+        scale = 1.0 if shards is None else 1.0 / shards.size
+        loss = sum((o * s).sum() for o, s in zip(outs, seeds, strict=True)) * scale
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in enc.named_parameters() if p.grad is not None}
+        if shards is not None:
+            for t in grads.values():
+                dist.all_reduce(t)
+        return [o.detach() for o in outs], grads
+
+    want, want_grads = run(None)
+    assert set(want_grads) == {n for n, _ in enc.named_parameters()}
+    for method in ("ring", "ulysses"):
+        group = dist.new_group(list(range(world)))
+        got, got_grads = run(CPGroup(method=method, size=world, rank=rank, group=group))
+        for o, w in zip(got, want, strict=True):
+            assert o.shape == w.shape
+            assert torch.allclose(o, w, rtol=1e-4, atol=1e-5), (method, (o - w).abs().max())
+        assert set(got_grads) == set(want_grads)
+        for name, w in want_grads.items():
+            err = (got_grads[name] - w).abs().max().item()
+            assert err <= 1e-4 * max(1.0, w.abs().max().item()), (method, name, err)
+
+
+@pytest.mark.parametrize("cls", [False, True])
+def test_encoder_cp_attention_equals_the_whole_tower(cls):
+    run(_encoder_at_cp, 2, cls, timeout=120)
