@@ -246,3 +246,30 @@ def _encoder_at_cp(rank: int, world: int, cls: bool) -> None:
 @pytest.mark.parametrize("cls", [False, True])
 def test_encoder_cp_attention_equals_the_whole_tower(cls):
     run(_encoder_at_cp, 2, cls, timeout=120)
+
+
+def test_encoder_context_parallel_with_a_pipeline():
+    # The encoder's stage s CP rank r sends its shards of each group to stage s+1's CP
+    # rank r; its last stage gathers them whole.
+    program = spec(8)
+    plan = plan_for(program, ("vit", "encoder", 1, 1, 2), ("llm", "backbone", 1, 1, 1),
+                    ("gen", "generator", 1, 1, 1))
+    check(*with_cp(program, plan, 2, "ring", name="vit"), steps=4)
+
+
+def test_memcheck_replays_an_encoder_cp_stage_at_its_shard():
+    # Each CP rank of the encoder's stages holds its shard of every image's rows (the
+    # first stage embeds them whole, the last gathers them whole for the projector).
+    from dtdsl.train.memplan import check_memory
+
+    def vit(cp: int) -> dict[int, float]:
+        program = spec(8)
+        plan = plan_for(program, ("vit", "encoder", 1, 1, 2), ("llm", "backbone", 1, 1, 1),
+                        ("gen", "generator", 1, 1, 1))
+        return {s.stage: s.measured_bytes
+                for s in check_memory(*with_cp(program, plan, cp, "ring", name="vit"))
+                if s.unit == "vit"}
+
+    one, two = vit(1), vit(2)
+    for stage in (0, 1):
+        assert two[stage] < 0.9 * one[stage], (stage, one, two)
