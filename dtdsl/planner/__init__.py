@@ -264,6 +264,12 @@ def _axis_choices(cost: CostModel, axis: str, num_gpus: int | None
     names = [u.name for u in cost.units]
     options = [getattr(program.constraints_for(n), axis).candidates(limit) or (1,)
                for n in names]
+    if axis == "cp":
+        # The runtime splits the backbone's and encoder units' sequences, never a
+        # generator's (DT601): one allowed cp 1 keeps it (co-located and phased layouts
+        # are searched without CP at all).
+        options = [(1,) if u.role == "generator" and 1 in o else o
+                   for u, o in zip(cost.units, options, strict=True)]
     out = []
     for combo in itertools.product(*options):
         if all(c == 1 for c in combo):

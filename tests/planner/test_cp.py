@@ -1,6 +1,6 @@
 """Context parallelism in the planner: cp enters the search only where a constraint allows
 it, the 128K spec needs it and gets it, GPUs are tp x cp x pp x dp, and compile takes it on
-the backbone only."""
+the backbone and on encoder units of their own ranks, never on a generator."""
 
 from __future__ import annotations
 
@@ -116,18 +116,32 @@ def test_the_planner_weighs_cp_against_none():
     assert p.iteration_time_s <= without.iteration_time_s + 1e-12
 
 
-def test_compile_takes_a_backbone_cp_plan_and_refuses_the_rest():
+def _at_cp(p, name: str, cp: int = 2, **update):
+    units = tuple(u.model_copy(update={"cp": cp, "gpus": cp * u.gpus, **update})
+                  if u.name == name else u for u in p.units)
+    return p.model_copy(update={"units": units})
+
+
+def test_compile_takes_backbone_and_encoder_cp_plans_and_refuses_the_rest():
     program = _tiny_cp()
     p = plan_exhaustive(build_cost_model(program).with_cp({"llm": 2}), 4)
     assert not [d for d in runtime_support(program, p) if "context" in d.message]
-    # cp on an encoder: the runtime splits the backbone's sequences only (DT601).
-    units = tuple(u.model_copy(update={"cp": 2, "gpus": 2 * u.gpus})
-                  if u.name == "vit" else u for u in p.units)
-    found = [d for d in runtime_support(program, p.model_copy(update={"units": units}))
-             if "context parallelism" in d.message]
-    assert [d.code for d in found] == ["DT601"]
-    assert "vit" in found[0].message and "cp(vit) == 1" in found[0].hint
-    assert found[0].span == program.module("vit").span
+    # cp on an encoder unit of its own ranks: its patch rows are sharded (runs).
+    assert not [d for d in runtime_support(program, _at_cp(p, "vit"))
+                if "context" in d.message]
+    # On a generator, and on an encoder run inside the backbone's stages: DT601.
+    for name, update in (("gen", {}), ("vit", {"colocated": True})):
+        found = [d for d in runtime_support(program, _at_cp(p, name, **update))
+                 if "context parallelism" in d.message]
+        assert [d.code for d in found] == ["DT601"], (name, found)
+        assert name in found[0].message and f"cp({name}) == 1" in found[0].hint
+        assert found[0].span == program.module(name).span
+    # An encoder's Ulysses degree its heads cannot take (4 heads over 8): DT622.
+    modules = tuple(m.model_copy(update={"context_parallel": "ulysses"})
+                    if m.name == "vit" else m for m in program.modules)
+    found = runtime_support(program.model_copy(update={"modules": modules}),
+                            _at_cp(p, "vit", 8))
+    assert [d.code for d in found if d.code == "DT622"] == ["DT622"]
     # A hand-edited Ulysses degree the heads cannot take (4 heads over 8): DT622.
     modules = tuple(m.model_copy(update={"context_parallel": "ulysses"})
                     if m.name == "llm" else m for m in program.modules)

@@ -273,3 +273,14 @@ def test_memcheck_replays_an_encoder_cp_stage_at_its_shard():
     one, two = vit(1), vit(2)
     for stage in (0, 1):
         assert two[stage] < 0.9 * one[stage], (stage, one, two)
+
+
+def test_a_video_encoder_at_cp_2_matches_the_reference():
+    # A Qwen2-VL-style clip encoder (2-frame patches) on its own two CP ranks, Ulysses,
+    # beside the image encoder at cp 1.
+    from tests.train.modal_specs import tiny_modal
+
+    program = tiny_modal(audio=False, video=True, batch=8)
+    plan = plan_for(program, ("vit", "encoder", 1, 1, 1), ("clip", "encoder", 1, 1, 1),
+                    ("llm", "backbone", 1, 1, 1), ("gen", "generator", 1, 1, 1))
+    check(*with_cp(program, plan, 2, "ulysses", name="clip"), steps=4)
