@@ -165,3 +165,44 @@ def test_reports_show_cp_only_where_a_unit_uses_it():
     assert "CP" not in plan_markdown(plain).split("\n")[2]
     assert "CP" in [c.header for c in plan_tables_stacked(with_cp)[0].columns]
     assert "llm tp 1 cp 2 dp" in baseline_layout(with_cp)
+
+
+def _long_video(vit_cp: str) -> ir.Program:
+    """The 128K spec with its ViT reading each sample's video as one clip (2-frame
+    patches, Qwen2-VL style: 64 to 128 frames of 1024 patches, 32K to 64K rows), Ulysses
+    on the ViT, and ``vit_cp`` its cp constraint."""
+    text = spec_text("mllm_72b_128k")
+    for old, new in (
+            ("encoder vit (image) {", "encoder vit (video) {"),
+            ("patch=14)", "patch=14, temporal_patch=2)\n    context_parallel = ulysses"),
+            ("    compress = pixel_shuffle(2)", "    # no compress"),
+            ("  image.count   ~ choice([96, 192, 256], p=[0.3, 0.4, 0.3])\n"
+             "  image.patches ~ 1024",
+             "  video.count   ~ constant(1)\n"
+             "  video.frames  ~ choice([64, 96, 128], p=[0.3, 0.4, 0.3])\n"
+             "  video.patches ~ 1024"),
+            ("cp(llm)   in {1, 2, 4, 8}", f"cp(llm)   in {{1, 2, 4, 8}}\n  {vit_cp}")):
+        assert old in text, old
+        text = text.replace(old, new)
+    return _program(text)
+
+
+def test_the_planner_splits_a_long_video_encoders_clips_where_it_pays():
+    cost = build_cost_model(_long_video("cp(vit) in {1, 2, 4, 8}"))
+    assert any(c["vit"] > 1 for _, c in cp_choices(cost))
+    p = plan(cost, compare_baseline=False)
+    assert p.unit("vit").cp > 1
+    _tiles(p)
+    assert not [d for d in runtime_support(cost.program, p) if d.code == "DT601"]
+    pinned = plan(build_cost_model(_long_video("cp(vit) == 1")), compare_baseline=False)
+    assert pinned.unit("vit").cp == 1
+    assert p.iteration_time_s < pinned.iteration_time_s
+
+
+def test_the_planner_never_splits_a_generator():
+    # cp(*) allows it everywhere; the runtime refuses a generator's (DT601).
+    cost = build_cost_model(_program(spec_text("tiny_cpu").replace(
+        *("  tp(*) in {1, 2}\n", "  tp(*) in {1, 2}\n  cp(*) in {1, 2}\n"))))
+    choices = [c for _, c in cp_choices(cost)]
+    assert {c["gen"] for c in choices} == {1}
+    assert {(c["vit"], c["llm"]) for c in choices} == {(1, 2), (2, 1), (2, 2)}
