@@ -284,3 +284,15 @@ def test_a_video_encoder_at_cp_2_matches_the_reference():
     plan = plan_for(program, ("vit", "encoder", 1, 1, 1), ("clip", "encoder", 1, 1, 1),
                     ("llm", "backbone", 1, 1, 1), ("gen", "generator", 1, 1, 1))
     check(*with_cp(program, plan, 2, "ulysses", name="clip"), steps=4)
+
+
+def test_hybrid_context_parallelism_on_an_encoder():
+    # The ViT over two nodes of two: Ulysses inside a node, the ring across.
+    program = spec(8)
+    plan = plan_for(program, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, 1, 1),
+                    ("gen", "generator", 1, 1, 1))
+    program, plan = with_cp(program, plan, 4, "hybrid", name="vit")
+    cluster = program.cluster.model_copy(update={"gpus_per_node": 2})
+    program = program.model_copy(update={"cluster": cluster})
+    assert cp_ulysses(program, plan) == {"vit": 2}
+    check(program, plan, steps=4)
