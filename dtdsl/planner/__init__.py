@@ -197,10 +197,12 @@ def _placements(cost: CostModel, num_gpus: int | None, search: str, placement: s
                  for cp_label, cps in cp_choices(cost, num_gpus)]
     variants += [(label + ep_label, priced.with_ep(eps)) for label, priced in list(variants)
                  for ep_label, eps in ep_choices(cost, num_gpus)]
-    # ep 1 (the cost model's own) only where the ep(...) constraints allow it.
+    # cp and ep 1 (the cost model's own) only where the cp(...) and ep(...) constraints
+    # allow them.
     program = cost.program
     variants = [(label, priced) for label, priced in variants
-                if all(u.ep in program.constraints_for(u.name).ep for u in priced.units)]
+                if all(u.ep in program.constraints_for(u.name).ep
+                       and u.cp in program.constraints_for(u.name).cp for u in priced.units)]
     candidates: list[tuple[str, Plan, CostModel]] = []
     for label, priced in variants:
         if any(u.cp > 1 for u in priced.units) and placement not in ("auto",

@@ -206,3 +206,14 @@ def test_the_planner_never_splits_a_generator():
     choices = [c for _, c in cp_choices(cost)]
     assert {c["gen"] for c in choices} == {1}
     assert {(c["vit"], c["llm"]) for c in choices} == {(1, 2), (2, 1), (2, 2)}
+
+
+def test_a_cp_constraint_without_1_is_kept():
+    # cp(vit) == 2: the cost model's own cp 1 is no candidate (nor is co-location, whose
+    # encoders run whole on the backbone's ranks); the ViT gets GPUs of its own at cp 2.
+    program = _program(spec_text("tiny_cpu").replace(*("  tp(*) in {1, 2}\n",
+                                                       "  tp(*) in {1, 2}\n  cp(vit) == 2\n")))
+    p = plan(build_cost_model(program), 4, compare_baseline=False)
+    assert p.unit("vit").cp == 2 and p.placement == "disaggregated"
+    _tiles(p)
+    assert not [d for d in runtime_support(program, p) if d.code == "DT601"]

@@ -129,7 +129,8 @@ def test_memcheck_replays_a_cp_stage_at_its_shard():
 
 
 @pytest.mark.slow
-def test_a_compiled_cp_bundle_dry_runs_and_trains_as_the_reference(tmp_path):
+@pytest.mark.parametrize("unit", ["llm", "vit"])
+def test_a_compiled_cp_bundle_dry_runs_and_trains_as_the_reference(tmp_path, unit):
     import json
     from pathlib import Path
 
@@ -140,15 +141,16 @@ def test_a_compiled_cp_bundle_dry_runs_and_trains_as_the_reference(tmp_path):
     root = Path(__file__).resolve().parents[2]
     text = (root / "specs" / "tiny_cpu.dt").read_text()
     spec = tmp_path / "tiny_cp.dt"
-    spec.write_text(text.replace("  tp(*) in {1, 2}\n", "  tp(*) in {1, 2}\n  cp(llm) == 2\n"))
+    spec.write_text(text.replace("  tp(*) in {1, 2}\n",
+                                 f"  tp(*) in {{1, 2}}\n  cp({unit}) == 2\n"))
     bundle = tmp_path / "bundle"
     assert cli.main(["compile", str(spec), "-o", str(bundle), "--synthetic",
                      "--workers", "0"]) == 0
     plan = json.loads((bundle / "plan.json").read_text())
-    assert {u["name"]: u["cp"] for u in plan["units"]}["llm"] == 2
+    assert {u["name"]: u["cp"] for u in plan["units"]}[unit] == 2
     report = dryrun.dry_run(bundle)
     assert report.ok, report.problems
-    assert any("llm.cp" in c.groups for c in report.ranks)
+    assert any(f"{unit}.cp" in c.groups for c in report.ranks)
     run_dir = tmp_path / "run"
     launch_ok(bundle, run_dir, "--steps", "2")
     ref = tmp_path / "reference.jsonl"
