@@ -298,3 +298,11 @@ def test_hybrid_context_parallelism_on_an_encoder():
     program = program.model_copy(update={"cluster": cluster})
     assert cp_ulysses(program, plan) == {"vit": 2}
     check(program, plan, steps=4)
+
+
+def test_encoder_context_parallel_with_tensor_parallelism():
+    # TP 2 x CP 2 on the ViT: each TP rank's 2 heads, Ulysses over its CP pair.
+    program = spec(8)
+    plan = plan_for(program, ("vit", "encoder", 2, 1, 1), ("llm", "backbone", 1, 1, 1),
+                    ("gen", "generator", 1, 1, 1))
+    check(*with_cp(program, plan, 2, "ulysses", name="vit"), steps=4)
