@@ -647,7 +647,8 @@ class StageExecutor(PhasedEncoder, PassInputs):
             arch = self.program.module(self.role.unit).arch
             # Context parallelism: each CP rank sends its PP peer its shard of each group.
             cp = self.role.grid.cp
-            return [TensorSpec((n, padded_length(rows, cp) // cp, arch.hidden), self.dtype)
+            return [TensorSpec((n, rows if cp == 1 else padded_length(rows, cp) // cp,
+                                arch.hidden), self.dtype)
                     for n, rows in self._encoder_groups(sizes)]
         seq = max((self._layout(i).length for i in self._ids[j]), default=0)
         # Sequence parallelism: each TP rank sends its PP peer its piece of the sequence;

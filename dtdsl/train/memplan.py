@@ -423,8 +423,9 @@ def _inputs(program: ir.Program, cost: Any, plan: Plan, unit: Any, role: Any, sh
                                      device=device)],), {"first": True}
             # Under context parallelism, this CP rank's shard of each image's rows.
             cp = role.grid.cp
-            x = torch.zeros(im.n, padded_length(im.rows, cp) // cp, arch.hidden, dtype=dtype,
-                            device=device, requires_grad=True)
+            rows = im.rows if cp == 1 else padded_length(im.rows, cp) // cp
+            x = torch.zeros(im.n, rows, arch.hidden, dtype=dtype, device=device,
+                            requires_grad=True)
             return ([x],), {"first": False, **({"lengths": [im.rows]} if cp > 1 else {})}
         return encoder
     count = _generation_targets(program, role.unit, unit, share, large)

@@ -277,15 +277,17 @@ def test_memcheck_replays_an_encoder_cp_stage_at_its_shard():
         assert two[stage] < 0.9 * one[stage], (stage, one, two)
 
 
-def test_a_video_encoder_at_cp_2_matches_the_reference():
-    # A Qwen2-VL-style clip encoder (2-frame patches) on its own two CP ranks, Ulysses,
-    # beside the image encoder at cp 1.
+@pytest.mark.parametrize("cp, method, pp", [(2, "ulysses", 1), (2, "ring", 2), (1, "ring", 2)])
+def test_a_video_encoder_at_cp_matches_the_reference(cp, method, pp):
+    # A Qwen2-VL-style clip encoder (2-frame patches: clips of 4 to 27 rows, odd ones
+    # among them) on its own CP ranks beside the image encoder at cp 1; over two stages
+    # the hops carry each CP rank's shards (whole rows, unpadded, at cp 1).
     from tests.train.modal_specs import tiny_modal
 
     program = tiny_modal(audio=False, video=True, batch=8)
-    plan = plan_for(program, ("vit", "encoder", 1, 1, 1), ("clip", "encoder", 1, 1, 1),
+    plan = plan_for(program, ("vit", "encoder", 1, 1, 1), ("clip", "encoder", 1, 1, pp),
                     ("llm", "backbone", 1, 1, 1), ("gen", "generator", 1, 1, 1))
-    check(*with_cp(program, plan, 2, "ulysses", name="clip"), steps=4)
+    check(*with_cp(program, plan, cp, method, name="clip"), steps=4)
 
 
 def test_hybrid_context_parallelism_on_an_encoder():
