@@ -489,10 +489,6 @@ instead. Today the runtime cannot train:
 - a phased encoder beside another encoder on the backbone's ranks (phased or
   co-located): a phased encoder runs there alone; any number of co-located
   encoders can;
-- an interleaved pipeline (a plan with vpp > 1, from
-  `schedule = interleaved(...)`) beside a phased encoder: use `schedule = 1f1b`,
-  or plan the encoder disaggregated or co-located (interleaved plans otherwise
-  run; `dtc compile` still refuses a lowering that would deadlock under NCCL);
 - a generator on more than one pipeline stage: constrain it with
   `pp(gen) == 1`;
 - the Megatron-LM baseline's rigid plans (`dtc plan --search baseline`): they

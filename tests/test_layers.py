@@ -59,10 +59,6 @@ DEBT: dict[tuple[str, str], str] = {
 CYCLE_DEBT: dict[frozenset[str], str] = {
     frozenset({"dtdsl.models.moe", "dtdsl.models.transformer"}):
         "moe uses transformer's MLP, transformer builds moe lazily: move MLP into models.mlp",
-    frozenset({"dtdsl.models", "dtdsl.models.hf"}):
-        "models.hf calls models.build_arch lazily: move build_arch out of models/__init__",
-    frozenset({"dtdsl.planner", "dtdsl.planner.simulated"}):
-        "planner.simulated re-plans via planner/__init__ lazily (goes with the _PLANNER move)",
 }
 
 

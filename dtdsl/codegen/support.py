@@ -40,20 +40,6 @@ def _encoders(program: ir.Program) -> list[Diagnostic]:
 
 def _plan(program: ir.Program, plan: Plan) -> list[Diagnostic]:
     out = []
-    interleaved = [u for u in plan.units if u.vpp > 1]
-    phased = [u for u in plan.units if u.phased]
-    if interleaved and phased:
-        train = program.train
-        span = train.schedule_span if train.schedule == "interleaved" and \
-            train.schedule_span is not None else program.module(interleaved[0].name).span
-        out.append(Diagnostic.error(
-            _CODE, f"the runtime does not run a phased encoder ({phased[0].name}) beside "
-            f"an interleaved pipeline; the plan interleaves {interleaved[0].name} "
-            f"(vpp={interleaved[0].vpp})", span,
-            notes=["the phased encoder's phases hand its embeddings to a backbone of one "
-                   "model chunk per stage"],
-            hint="write `schedule = 1f1b` in train, or plan the encoder as a unit of its "
-                 "own, and plan again"))
     if plan.rigid:
         out.append(Diagnostic.error(
             _CODE, "the plan is the Megatron-LM baseline, a layout to compare with: the "
@@ -292,10 +278,10 @@ def runtime_support(program: ir.Program, plan: Plan | None = None) -> list[Diagn
     """Errors (DT601) for what of ``program`` and ``plan`` the runtime cannot train yet: an
     encoder that is not a transformer over patches, an audio encoder without a patch
     size, and with a plan: a phased encoder beside another on the backbone, the
-    baseline's plans, interleaved units (vpp > 1) beside a phased encoder, generators
-    on more than one pipeline stage, co-located units placed other than on the
-    backbone's first or last stage and phased units other than encoders on all the backbone's ranks
-    (a phased generator), or any of these split by a TP degree that does not divide
+    baseline's plans, generators on more than one pipeline stage, co-located units placed
+    other than on the backbone's first or last stage and phased units other than encoders
+    on all the backbone's ranks (a phased generator), or any of these split by a TP degree
+    that does not divide
     them, encoders and generators with context parallelism (cp > 1), and (DT622) a
     backbone's cp its heads cannot take, an MoE backbone with ep, tp or cp above 1; and
     TP groups across nodes priced as within one (``tp_placement``, DT411).

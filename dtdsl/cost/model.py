@@ -39,7 +39,8 @@ encoder's bidirectional attention splits evenly without load balancing; its outp
 are gathered whole for the projector, priced too).
 
 Mixture of experts (``flops.moe_mlp_per_token``): FLOPs count a token's ``top_k`` experts
-(and the router and shared expert), memory every expert. Expert parallelism
+(and the router and shared expert), parameter memory every expert, activations what the
+block keeps for its ``top_k`` slots (``cost.unit._moe_block_bytes``). Expert parallelism
 (``UnitCost.ep``, ``with_ep``): each rank holds ``experts / ep`` of every MoE layer's
 experts (their weights and gradients / ep, their optimizer state sharded over the dp / ep
 replicas that hold the same experts: the same bytes as without EP), and

@@ -148,23 +148,51 @@ def _mlp_factor(arch: ir.TransformerArch) -> int:
     return 6 if arch.act == "quick_gelu" else 4
 
 
-def _active_ffn(arch: ir.TransformerArch) -> float:
-    """The FFN columns a token's activations run through, on average over the layers: an
-    MoE layer's ``top_k`` experts and shared expert (with the ``top_k`` rows of ``hidden``
-    its dispatch and combine keep, as columns), the MLP's elsewhere."""
-    moe = arch.moe
-    if moe is None:
-        return arch.ffn
-    n = moe.num_moe_layers(arch.layers)
-    per_moe = moe.top_k * moe.ffn + moe.shared_ffn + \
-        moe.top_k * arch.hidden * 2 / _mlp_factor(arch)
-    return (n * per_moe + (arch.layers - n) * arch.ffn) / arch.layers
+def _moe_block_bytes(arch: ir.TransformerArch) -> tuple[float, float]:
+    """Bytes per token that one MoE block (``models.moe.MoE.layer_forward``) keeps for
+    backward beyond its normed input (the gathered copy of it that the router, the
+    experts' dispatch and the shared expert read, priced as a dense MLP's input in
+    ``_transformer_activation_bytes``), bf16 activations: (all, the part TP divides).
+
+    Measured with saved-tensor hooks (``tests/cost/test_moe.py``), per token with ``k``
+    slots: the rows sorted by expert that the experts' first GEMMs keep (``2 k h``), each
+    slot's SwiGLU intermediates (``8 k f``), the slots' outputs that the combine's batched
+    product with the routing weights keeps (``2 k h``; placing them keeps only an index,
+    ``models.moe.place_rows``);
+    the router's fp32 probabilities (``4 E``); the routing weights (bf16, and with
+    ``norm_topk`` their fp32 values and sum) and the int64 indices (the top-k choices,
+    each slot's token and place, the token's row and sequence: ``24 k + 16``); the
+    shared expert's SwiGLU (``8 s``) and its gate's output and product (``2 h + 2``). At
+    ep > 1 the same (but for the regrouping's two int64 indices, ``16 k``, left out): the
+    all-to-alls keep nothing, the received rows regrouped by expert are the sorted rows.
+    The experts' and shared expert's intermediates are what TP would divide (their
+    columns; the runtime runs an MoE block at tp 1, ``codegen.support``)."""
+    moe, h = arch.moe, arch.hidden
+    k = moe.top_k
+    split = 8 * k * moe.ffn + 8 * moe.shared_ffn
+    routing = 4 * moe.experts + 2 * k + (4 * k + 4 if moe.norm_topk else 0) + 24 * k + 16
+    gate = 2 * h + 2 if moe.shared_gate else 0
+    return split + 4 * k * h + routing + gate, split
+
+
+def _layers_mlp_bytes(arch: ir.TransformerArch) -> tuple[float, float]:
+    """A layer's MLP bytes per token kept for backward beyond its normed input, on average
+    over the layers: an MoE layer's block (``_moe_block_bytes``), the MLP's
+    (``_mlp_factor`` per column) elsewhere; (all, the part TP divides)."""
+    dense = _mlp_factor(arch) * arch.ffn
+    if arch.moe is None:
+        return dense, dense
+    n = arch.moe.num_moe_layers(arch.layers)
+    moe, moe_split = _moe_block_bytes(arch)
+    rest = (arch.layers - n) * dense
+    return (n * moe + rest) / arch.layers, (n * moe_split + rest) / arch.layers
 
 
 def _transformer_activation_bytes(hidden: int, ffn: int, kv_ratio: float, mlp_factor: int,
                                   tokens: float, cross_attention: bool = False, *,
-                                  rms_norm: bool = True,
-                                  sequence_parallel: bool = True) -> tuple[float, float]:
+                                  rms_norm: bool = True, sequence_parallel: bool = True,
+                                  mlp_bytes: tuple[float, float] | None = None
+                                  ) -> tuple[float, float]:
     """Activation bytes one of the runtime's transformer layers keeps for backward (bf16
     activations), per ``tokens``: (all, the part TP divides).
 
@@ -174,7 +202,8 @@ def _transformer_activation_bytes(hidden: int, ffn: int, kv_ratio: float, mlp_fa
     LayerNorm: its input, 4 h); each block's normed input, which its projections keep
     (4 h); attention's rotated queries and keys, values, output and the output
     projection's input (6 h + 4 kv h); the MLP's intermediates (``mlp_factor`` f bytes:
-    SwiGLU 8 f, GELU 4 f, see ``_mlp_factor``).
+    SwiGLU 8 f, GELU 4 f, see ``_mlp_factor``), or ``mlp_bytes`` per token (all, the
+    part TP divides) in their place (an MoE backbone's, ``_layers_mlp_bytes``).
     Tensor parallelism divides the attention and MLP internals; with sequence
     parallelism (the backbone, ``parallel.tp``) the norms' state too, while the normed
     inputs the projections keep are gathered whole on every TP rank."""
@@ -182,7 +211,9 @@ def _transformer_activation_bytes(hidden: int, ffn: int, kv_ratio: float, mlp_fa
     norms = (14 if rms_norm else 4) * h
     whole = 4 * h
     # Q, K and V: what selective recomputation drops (``_attention_core_bytes``).
-    inner = _attention_core_bytes(h, kv_ratio, 1.0) + 4 * h + mlp_factor * f
+    mlp, mlp_split = mlp_bytes or (mlp_factor * f, mlp_factor * f)
+    whole += mlp - mlp_split
+    inner = _attention_core_bytes(h, kv_ratio, 1.0) + 4 * h + mlp_split
     if cross_attention:     # its norm's input, normed input, queries, output, projection
         norms += 2 * h
         whole += 2 * h
@@ -307,8 +338,8 @@ def _backbone_cost(acc: _Acc, program: ir.Program, module: ir.Module, samples: S
     tokens = train.seq_len * mb
     mean_tokens = float(padded.mean()) * mb
     acc.act, acc.act_split = _transformer_activation_bytes(
-        arch.hidden, _active_ffn(arch), arch.kv_heads / arch.heads, _mlp_factor(arch),
-        tokens, rms_norm=True, sequence_parallel=True)
+        arch.hidden, arch.ffn, arch.kv_heads / arch.heads, _mlp_factor(arch),
+        tokens, rms_norm=True, sequence_parallel=True, mlp_bytes=_layers_mlp_bytes(arch))
     acc.act_tokens, acc.width, acc.peak_items = tokens, arch.hidden, tokens
     acc.core = _attention_core_bytes(arch.hidden, arch.kv_heads / arch.heads, tokens)
     acc.core_work = flops.Work(matmul=acc.work.matmul * _qkv_share(arch),

@@ -54,8 +54,11 @@ samples). The ranks of a stage are ``ScheduleUnit.ranks(stage)``.
 leave for llm.s0"; which DP replica of the receiver gets which samples (fan-in and
 fan-out between replicas, ratios such as dp 2 -> 3 that do not divide) is the
 runtime broker's job and is not in the IR. Sends are asynchronous (posted, waited on
-at the end of the step); a receive blocks until its data has arrived. Every send has
-exactly one receive; the validator proves the order free of deadlock under these rules.
+at the end of the step); a receive is posted where it stands, and the pass that reads it
+waits until its data has arrived (so a receive may be posted passes early, as
+``schedule.place`` does). Every send has exactly one receive; the validator proves the
+order free of deadlock under these rules, and under NCCL's stricter ones
+(``validate_nccl``).
 
 *Topology.* Within a unit, model chunk c of stage s holds virtual stage k = c * pp + s
 (Megatron-LM's round-robin assignment), and k feeds k + 1. Across units, the last

@@ -15,8 +15,8 @@
    grouped GEMM per projection (``F.grouped_mm``, torch 2.13) where torch's takes the
    operands (16-byte aligned rows; on CUDA bf16 on sm90+; on CPU fp32 too), else a loop
    over the experts' contiguous runs of rows.
-5. **Combine**: each slot's output times its routing weight, summed back into its token's
-   row (``index_add``), in the input's order; plus the shared expert, a SwiGLU MLP of
+5. **Combine**: each slot's output times its routing weight, summed over the token's
+   ``k`` slots, in the input's order; plus the shared expert, a SwiGLU MLP of
    ``shared_ffn`` columns (several experts' worth merged into one, as DeepSeek's), times
    Qwen2-MoE's ``sigmoid(shared_gate x)`` when ``shared_gate``.
 
@@ -47,7 +47,8 @@ from dtdsl.models.transformer import MLP, activation
 
 __all__ = ["HF_MOE_FAMILIES", "MoE", "MoEConfig", "MoEOutput", "Routing", "build_moe",
            "can_group", "capacity", "expert_ffn", "hf_moe_keys", "keep_counts",
-           "load_balancing_loss", "load_hf_moe", "moe_blocks", "moe_config", "set_aux_weight",
+           "load_balancing_loss", "load_hf_moe", "moe_blocks", "moe_config", "place_rows",
+           "set_aux_weight",
            "set_loss_scale", "take_aux_losses", "to_hf_moe"]
 
 
@@ -176,6 +177,14 @@ def expert_ffn(x: torch.Tensor, sizes: torch.Tensor, w1: torch.Tensor, w3: torch
     outs = [F.linear(act(F.linear(rows, w1[e])) * F.linear(rows, w3[e]), w2[e])
             for e, rows in enumerate(torch.split(x, split or sizes.tolist()))]
     return torch.cat(outs)
+
+
+def place_rows(y: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
+    """``[n, ...]`` rows: ``y[i]`` at row ``rows[i]``, zeros elsewhere. Written with
+    ``index_put``, whose backward keeps only the index: ``index_copy`` would keep ``y``
+    itself for backward (a copy of every slot's output per MoE layer;
+    ``cost.unit._moe_block_bytes`` prices what stays)."""
+    return y.new_zeros(n, *y.shape[1:]).index_put((rows,), y)
 
 
 def values_unknown(t: torch.Tensor) -> bool:
@@ -322,9 +331,8 @@ class MoE(nn.Module):
         """Expert outputs ``y`` of slots ``rows`` placed at their slots (zero elsewhere),
         and the kept mask."""
         n = routing.experts.numel()
-        slots = x.new_zeros(n, x.shape[-1]).index_copy(0, rows, y)
         kept = torch.zeros(n, dtype=torch.bool, device=x.device).index_fill(0, rows, True)
-        return slots, kept
+        return place_rows(y, rows, n), kept
 
     def sequence_loss(self, routing: Routing, sequences: torch.Tensor) -> torch.Tensor:
         """The load-balancing loss of each sequence over its own tokens, summed over the
@@ -384,9 +392,11 @@ class MoE(nn.Module):
         if sequences is not None:
             aux = self.sequence_loss(routing, sequences)
         slots, kept = self.run_experts(x2, routing, kept_counts)
-        weighted = slots * routing.weights.reshape(-1, 1)
-        token = torch.arange(tokens, device=x.device).repeat_interleave(cfg.top_k)
-        out = x2.new_zeros(x2.shape).index_add(0, token, weighted)
+        # Slot ``t * k + j`` is token ``t``'s ``j``-th: one batched product of each token's
+        # weights and slots, which keeps those two for backward and makes no weighted
+        # copy of the slots (an ``index_add`` of them would keep that copy too).
+        out = torch.bmm(routing.weights[:, None, :],
+                        slots.view(tokens, cfg.top_k, cfg.hidden)).squeeze(1)
         if self.shared is not None:
             shared = self.shared(x2)
             if self.shared_gate is not None:
@@ -416,7 +426,7 @@ class MoE(nn.Module):
         flat = x.reshape(-1, hidden)
         y = self.layer_output(self(flat[rows], sequences=torch.div(rows, seq,
                                                                    rounding_mode="floor")))
-        return flat.new_zeros(flat.shape).index_copy(0, rows, y).view_as(x)
+        return place_rows(y, rows, flat.shape[0]).view_as(x)
 
     def layer_output(self, out: MoEOutput) -> torch.Tensor:
         """The block's output as a transformer layer adds it to the residual: ``out.out``,

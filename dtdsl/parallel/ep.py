@@ -145,7 +145,6 @@ class ExpertParallelMoE(MoE):
         else:
             send = by_rank[self.rank].sum(1).tolist()
             recv = mine.sum(1).tolist()
-        received = all_to_all(x[rows // self.config.top_k], recv, send, self.group)
         # Received rows come by source, then expert: regroup them by expert (stably, so
         # each expert's rows stay in (source, token) order) and back after.
         expert = torch.tensor([e for c in kept_counts for e in range(n)
@@ -157,8 +156,11 @@ class ExpertParallelMoE(MoE):
         inverse[order] = torch.arange(order.numel(), device=x.device)
         sizes = [sum(c[self.rank * n + e] for c in kept_counts) for e in range(n)] \
             if assumed else mine.sum(0)
-        y = self.experts_forward(received[order], sizes)[inverse]
-        back = all_to_all(y, send, recv, self.group)
+        # No name holds a buffer the next step no longer needs (the rows as received,
+        # the outputs before they go back): the block's peak is the one-process block's.
+        received = all_to_all(x[rows // self.config.top_k], recv, send, self.group)[order]
+        back = all_to_all(self.experts_forward(received, sizes)[inverse], send, recv,
+                          self.group)
         return self.scatter_slots(x, routing, rows, back)
 
 

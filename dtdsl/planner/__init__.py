@@ -43,7 +43,7 @@ from dtdsl.planner.simulated import (
 __all__ = ["EXHAUSTIVE_MAX_GPUS", "OFFLOAD_CHOICES", "PLACEMENTS", "SEARCHES", "Infeasible",
            "PlannerError", "cp_choices", "ep_choices", "plan",
            "plan_baseline", "plan_baselines", "plan_convex", "plan_exhaustive",
-           "simulate_plan"]
+           "replan_for_packing", "simulate_plan"]
 
 SEARCHES = ("convex", "exhaustive", "baseline")
 OFFLOAD_CHOICES = (0.0, 0.25, 0.5, 1.0)
@@ -149,8 +149,8 @@ def _plan(cost: CostModel, num_gpus: int | None = None, *, search: str = "convex
         return _compared(result, baselines)
     timed, priced = chosen_placement.time, chosen_placement.cost
     plain = timed if not policy else batches.mean_time(priced, result, frozenset())
-    packing = packing_figures(priced, result, steps=steps, iteration_time_s=timed, data=data,
-                              policy=policy)
+    packing = packing_figures(priced, result, steps=steps, iteration_time_s=timed,
+                              replan=replan_for_packing, data=data, policy=policy)
     result = result.model_copy(update={"simulated": Simulated(
         steps=steps, policy=tuple(sorted(policy)), iteration_time_s=timed,
         no_reorder_iteration_time_s=plain,
@@ -169,6 +169,14 @@ class _Found:
     cost: CostModel               # what priced it (the spec's, or with recomputation)
     scored: int = 1
     estimated: int = 0
+
+
+def replan_for_packing(cost: CostModel, chosen: Plan) -> Plan:
+    """The planner's layout for ``cost`` (the spec's data with ``train.packing`` toggled)
+    on ``chosen``'s GPUs, search and placement, at mean work (``packing_figures``)."""
+    return plan(cost, chosen.num_gpus, search=chosen.search
+                if chosen.search != "baseline" else "convex",
+                placement=chosen.placement, compare_baseline=False)
 
 
 def _placements(cost: CostModel, num_gpus: int | None, search: str, placement: str,

@@ -25,6 +25,7 @@ from statistics import fmean
 from dtdsl.cost.model import CostModel, build_cost_model
 from dtdsl.ir.plan import Packing, Plan
 from dtdsl.ir.program import Recompute
+from dtdsl.planner.result import Infeasible
 
 __all__ = ["ESTIMATED", "SIMULATED", "DrawnBatches", "SpecData", "near_plans",
            "packing_figures", "repriced", "simulate_plan"]
@@ -88,14 +89,15 @@ def repriced(plan: Plan, cost: CostModel, other: CostModel) -> Plan:
 
 
 def packing_figures(cost: CostModel, plan: Plan, *, steps: int, iteration_time_s: float,
-                    data: SpecData | None = None,
+                    replan: Callable[[CostModel, Plan], Plan], data: SpecData | None = None,
                     policy: frozenset[str] = frozenset()) -> Packing | None:
     """``plan`` on the first ``steps`` drawn batches routed under ``policy`` (the spec's
     reorder policy: what a run does either way), with ``train.packing`` as the spec sets
     it (``iteration_time_s``, already simulated so) and toggled (``data``: the spec's data
     both ways, shared with the baselines): the same layout repriced, or where it does not
     fit in memory the other way, the planner's layout for that setting at mean work
-    (``Packing.replanned``). None with a measured profile (it times the backbone on whole
+    (``Packing.replanned``: ``replan(cost, plan)`` plans it, or raises ``Infeasible``).
+    None with a measured profile (it times the backbone on whole
     sequences, not packed documents), or where nothing fits the other way."""
     if cost.profile is not None:
         return None
@@ -112,13 +114,8 @@ def packing_figures(cost: CostModel, plan: Plan, *, steps: int, iteration_time_s
         # does not fit in memory the other way, compare with what the planner gives that
         # setting (every placement, with and without recomputation, at mean work), not
         # with a layout no run could use.
-        from dtdsl.planner import Infeasible
-        from dtdsl.planner import plan as plan_again
-
         try:
-            layout = plan_again(other, plan.num_gpus, search=plan.search
-                                if plan.search != "baseline" else "convex",
-                                placement=plan.placement, compare_baseline=False)
+            layout = replan(other, plan)
         except Infeasible:
             return None
         other = _pricing(other, layout)

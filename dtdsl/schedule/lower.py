@@ -3,9 +3,14 @@ sync and optimizer), then validation.
 
 1. ``lower_compute``: every unit stage's order of forwards and backwards.
 2. ``add_communication``: a receive before every pass that reads another stage's data,
-   a send after every pass whose output another stage reads.
+   a send after every pass whose output another stage reads. Where a unit interleaves
+   (vpp > 1), ``schedule.place.place_by_trace`` then moves each send and receive to
+   where an execution trace of the compute orders has it due, so that NCCL's groups
+   cannot deadlock (placed next to their passes, the interleaved order's do:
+   ``schedule.validate``, phase 4); 1F1B and GPipe keep step 2's placement, which pairs
+   their sends and receives step by step already.
 3. ``add_optimizer``: ``SYNC`` and ``OPT`` at the end of every stage that trains.
-4. ``validate`` (``dtdsl.schedule.validate``).
+4. ``validate`` (``dtdsl.schedule.validate``; ``dtc compile`` runs ``validate_nccl``).
 
 The composite pipeline
 ----------------------
@@ -95,6 +100,7 @@ from dtdsl.ir.schedule import (
     StageSchedule,
     VirtualStage,
 )
+from dtdsl.schedule.place import place_by_trace
 from dtdsl.schedule.validate import validate
 
 __all__ = ["GradientFlow", "LoweringError", "add_communication", "add_optimizer",
@@ -507,7 +513,10 @@ def add_optimizer(schedule: Schedule, flow: GradientFlow) -> Schedule:
 def lower_units(base: Schedule, flow: GradientFlow) -> Schedule:
     """Steps 1-3 and validation for the units of ``base`` (see ``lower``); for callers
     without a Program, e.g. synthetic pipelines (``GradientFlow.everywhere``)."""
-    schedule = add_optimizer(add_communication(lower_compute(base, flow)), flow)
+    schedule = add_communication(lower_compute(base, flow))
+    if any(u.vpp > 1 for u in base.units):
+        schedule = place_by_trace(schedule)
+    schedule = add_optimizer(schedule, flow)
     validate(schedule)
     return schedule
 

@@ -21,7 +21,9 @@ schedule; the simulator and ``dtc simulate`` take any schedule phases 1-3 accept
 2. Pairing: every send has exactly one matching receive (same microbatch, direction,
    chunks and ends) and every receive one send.
 3. Deadlock: execute the schedule abstractly (sends never block, a receive waits until
-   its send has run). That is a topological walk of the dependency graph (program
+   its send has run; stricter than the runtime and the simulator, where only the pass
+   that reads a receive waits for it, so a schedule free of deadlock here is free of
+   it there). That is a topological walk of the dependency graph (program
    order within a stage, send -> receive across stages; F(j) -> B(j) holds by phase 1);
    if stages stop before their end the graph has a cycle, and each stuck stage's
    waiting receive is marked. Only receives can block, so the walk steps from receive
@@ -37,9 +39,12 @@ schedule; the simulator and ``dtc simulate`` take any schedule phases 1-3 accept
    that each send to the other in a group of its own, before the group that receives,
    wait forever on a GPU although every receive's send was reached (NCCL completes a
    send early only while it fits the connection's buffers, a few MiB: activations do
-   not). The interleaved lowering breaks this rule (its sends and receives do not pair
-   up step by step as Megatron-LM's combined ``send_forward_recv_backward`` groups do),
-   which the runtime refuses anyway (DT601); 1F1B and GPipe lowerings keep it.
+   not). Every lowering keeps this rule: 1F1B's and GPipe's sends and receives pair up
+   step by step next to their passes (Megatron-LM's combined
+   ``send_forward_recv_backward``); an interleaved unit's, placed next to their passes,
+   would not, so the lowering places them by an execution trace (``schedule.place``,
+   which says why that cannot deadlock, and tests/schedule/test_place.py checks it over
+   a grid of shapes).
 """
 
 from __future__ import annotations

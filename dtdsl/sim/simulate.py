@@ -2,10 +2,14 @@
 
 Semantics (those of ``dtdsl.ir.schedule`` and the validator): each unit stage runs its
 actions in program order; a forward or backward takes its duration; a send is posted
-when the stage reaches it and does not block; a receive blocks until the matching
-send was posted plus the transfer time on the link; SYNC and OPT take their durations.
-So every action starts at the later of the end of the previous action on its stage and
-the arrival of what it receives, and the iteration ends with the last action.
+when the stage reaches it and does not block; a receive is posted when the stage reaches
+it, and the pass that reads it (the next forward, or backward, of its chunk and
+microbatch) waits until the matching send was posted plus the transfer time on the link,
+as the runtime waits (``train.executor``: a run of sends and receives goes out at once, a
+pass waits for what it reads), so a receive posted early (``schedule.place``) costs no
+time; SYNC and OPT take their durations. So every pass starts at the later of the end of
+the previous action on its stage and the arrival of what it reads, and the iteration
+ends with the last action.
 
 Who waits for whom. Every data-parallel replica of a stage runs its own program with its
 own durations. Within a unit, replica r of one stage exchanges activations and gradients
@@ -21,8 +25,8 @@ the gradient sync, and data imbalance shows as each replica's own idle time.
 
 Speed: ``Simulator(schedule)`` compiles the schedule once into a topologically ordered
 list of nodes (forwards, backwards, SYNC, OPT; sends fold into the node before them and
-receives into the action after them, both take no time of their own; receives followed
-by a send become a wait node of no duration, so the send is posted after they arrive)
+receives into the pass that reads them, both take no time of their own; receives no pass
+reads, in a schedule the validator refuses, become a wait node of no duration at the end)
 with two inputs each, ``start = max(end[a] + wa, end[b] + wb)``; ``run(durations)`` is
 then one plain loop over the nodes, so many iterations with different sample costs share
 the compilation. 32 stages x 256 microbatches (16k passes) run in a few milliseconds.
@@ -217,7 +221,10 @@ class Simulator:
         for si, st in enumerate(schedule.stages):
             u = units[st.unit]
             nodes: list[int] = []
-            pending: list[tuple] = []        # receives waiting for the next node
+            pending: list[tuple] = []        # inputs of the next node (phased encoders)
+            # Receives by what reads them ((F or B, chunk, microbatch)): the runtime posts
+            # a receive where the schedule has it and waits for it at that pass only.
+            reads: dict[tuple, list[tuple]] = {}
             last = -1
             hosts = bool(self.bubbles) and st.unit == backbone.name
             if hosts:   # the encoder forwards of this stage's steps, before its first action
@@ -238,14 +245,8 @@ class Simulator:
                                     for name, owners in self.bubbles
                                     for s in set(owners) - {0}]
                 if kind.is_send:
-                    if pending:
-                        # A send after a receive is posted once that receive has
-                        # arrived: the receives become a node of no duration first.
-                        last = len(raw)
-                        raw.append(_Node(si, ActionKind.SYNC, _WAIT, st.unit, None, 0,
-                                         pending))
-                        nodes.append(last)
-                        pending = []
+                    # Posted at the end of the node before it, whatever the stage receives
+                    # in between (the runtime issues a run of sends and receives at once).
                     key = (kind.direction, a.unit, a.stage, a.chunk, a.peer_unit,
                            a.peer_stage, a.peer_chunk, a.microbatch)
                     producer[key] = last
@@ -259,7 +260,8 @@ class Simulator:
                     edge = None if a.peer_unit == a.unit else (
                         ((a.unit, a.peer_unit) if backward else (a.peer_unit, a.unit)),
                         a.microbatch, backward)
-                    pending.append((key, link_index.get((a.peer_unit, a.unit), -1), edge))
+                    reads.setdefault((kind.direction, a.chunk, a.microbatch), []).append(
+                        (key, link_index.get((a.peer_unit, a.unit), -1), edge))
                     continue
                 if kind is F or kind is B:
                     d = _FWD if kind is F else _BWD
@@ -273,13 +275,16 @@ class Simulator:
                                              for name, owners in self.bubbles
                                              if owners[a.microbatch] != 0]
                     producer[("bb_" + kind.value, a.microbatch)] = len(raw)
+                if kind is F or kind is B:
+                    pending = pending + reads.pop((kind, a.chunk, a.microbatch), [])
                 last = len(raw)
                 raw.append(_Node(si, kind, slot, st.unit, a.microbatch, a.chunk, pending))
                 nodes.append(last)
                 pending = []
             if not tail_done:
                 last = self._encoder_backwards(raw, nodes, producer, si, st.stage, base, m)
-            if pending:   # receives at the end of a stage: a node of no duration
+            pending += [d for waits in reads.values() for d in waits]
+            if pending:   # receives no pass reads: a node of no duration at the end
                 last = len(raw)
                 raw.append(_Node(si, ActionKind.SYNC, _WAIT, st.unit, None, 0, pending))
                 nodes.append(last)

@@ -216,17 +216,14 @@ def _p2p_peers(plan: Any, role: Any) -> int:
     """The ranks this rank may exchange activations with over the default group: its
     pipeline neighbours (interleaved, the first and last stage each other too), and for
     the TP leader of a unit's first or last stage, every
-    other unit's edge-stage replica leaders (the broker's pairs; an upper bound); with a
-    phased encoder, every backbone stage of its replica and TP index talks to the first
-    (the phases' hand-offs), neighbour or not."""
-    from dtdsl.parallel.mesh import grids, phased_units
+    other unit's edge-stage replica leaders (the broker's pairs; an upper bound). A phased
+    encoder's hand-offs go over the PP group (``train.phases``), counted with the groups."""
+    from dtdsl.parallel.mesh import grids
 
     peers = int(role.stage > 0) + int(role.stage < role.grid.pp - 1)
     if plan.unit(role.unit).vpp > 1 and role.grid.pp > 2 and \
             (role.is_first_stage or role.is_last_stage):
         peers += 1      # interleaved: the last stage's chunk c feeds stage 0's chunk c + 1
-    if phased_units(plan, role):
-        peers += max(0, role.grid.pp - 2) if role.is_first_stage else int(role.stage > 1)
     if role.is_leader and (role.is_first_stage or role.is_last_stage):
         peers += sum(g.dp * (1 if g.pp == 1 else 2) for g in grids(plan)
                      if g.name != role.unit)

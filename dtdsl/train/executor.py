@@ -44,8 +44,8 @@ PP message, the peer's chunk. Only the unit's first virtual stage (stage 0, chun
 embeds and talks to the encoders, only its last (stage pp-1, chunk vpp-1) has the head
 and talks to the generators.
 
-Limits: a generator over more than one pipeline stage, more than one phased encoder and
-a phased encoder beside an interleaved backbone raise NotImplementedError.
+Limits: a generator over more than one pipeline stage and more than one phased encoder
+raise NotImplementedError.
 """
 
 from __future__ import annotations
@@ -154,15 +154,19 @@ class StageExecutor(PhasedEncoder, PassInputs):
         backwards = [i for i, a in enumerate(self.actions) if a.kind is ActionKind.B]
         self._last_backward = backwards[-1] if backwards else -1
         self.p2p = P2P(self.device)
+        # A phased encoder's hand-offs between this replica's stages: a channel of their
+        # own, the PP group's (``train.phases``).
+        self.phase_p2p = P2P(self.device, group=groups.mesh.get_group("pp")) \
+            if groups.phased and self.role.grid.pp > 1 else None
         self.broker = Broker(plan, rank, self.p2p, groups)
         self._leader = self.role.grid.leader(self.role.stage, self.role.replica)
         self.stage: Stage = build_stage(program, plan, self.role, groups.mesh, self.device,
                                         seed=self.seed, run=stage_run(self.role.role),
                                         initialize=initialize, phased=groups.phased,
                                         phased_run=stage_run("encoder"), ep=groups.ep)
-        if len(self.stage.phased) > 1 or (self.stage.phased and self.vpp > 1):
-            raise NotImplementedError("one phased encoder, beside a backbone of one model "
-                                      "chunk: plan the other encoders as their own units")
+        if len(self.stage.phased) > 1:
+            raise NotImplementedError("one phased encoder: plan the other encoders as their "
+                                      "own units")
         self._cp = attach_cp(program, plan, self.stage, groups)
         # Embeddings of the phased encoder's outputs for this replica's samples (on the
         # backbone's first stage, between the phases), as autograd leaves.
@@ -175,7 +179,6 @@ class StageExecutor(PhasedEncoder, PassInputs):
         # gradients it has not sent yet, the steps it still waits for (``_phase_grads_due``).
         self._phase_waiting: dict[int, tuple[list[int], Any]] = {}
         self._phase_due: dict[int, set[int]] = {}
-        self._phase_sent_last_forward = False
         self.model = Units(program, self.stage.module.units)
         self._moe = moe_blocks(self.stage.module)   # an MoE backbone's blocks, found once
         # Co-located modules this stage runs (a backbone's first stage: the encoder, its
@@ -439,8 +442,9 @@ class StageExecutor(PhasedEncoder, PassInputs):
             part.reduce_gradients()
         self._phased_in, self._phase_packs = {}, {}
         self._phase_waiting, self._phase_due = {}, {}
-        self._phase_sent_last_forward = False
         self.p2p.wait_sends()
+        if self.phase_p2p is not None:
+            self.phase_p2p.wait_sends()
         if self.micro and any(m.pending or m.grads_in for m in self.micro.values()):
             raise RuntimeError(f"{self.role.unit}.s{self.role.stage}: step {step} ended "
                                "with receives nobody used; the schedule and the executor "

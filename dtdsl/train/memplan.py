@@ -586,8 +586,10 @@ def _measure_stage(program: ir.Program, plan: Plan, schedule: Schedule, cost: An
     zero = program.train.mesh_zero
     dp_lm = next(x.dp for x in plan.units if x.role == "backbone")
     share = dp_lm / u.dp
-    # Priced at the plan's cp, as the simulator prices it (``reorder.workload``).
-    unit_cost = replace(cost.unit(unit), cp=u.cp)
+    # Priced at the plan's cp, as the simulator prices it (``reorder.workload``), and at
+    # its ep, as the planner prices it (``CostModel.with_ep``): at ep 1 every expert
+    # would be priced on every rank.
+    unit_cost = replace(cost.unit(unit), cp=u.cp, ep=u.ep)
     from dtdsl.parallel.mesh import RankRole
 
     role = RankRole(rank=rank, grid=grid, stage=stage, replica=0, tp_index=0)
@@ -726,7 +728,13 @@ def check_memory(program: ir.Program, plan: Plan, *, cost: Any = None, jobs: int
     from dtdsl.cost.model import build_cost_model
     from dtdsl.schedule.lower import lower
 
-    cost = cost if cost is not None else build_cost_model(_recomputing(program, plan))
+    # Priced as the stages run: recomputing where the plan raised it (the planner priced
+    # those units so; a given cost model, ``dtc memcheck``'s, is the spec's).
+    recomputing = _recomputing(program, plan)
+    if cost is None or any(cost.unit(m.name).recompute is not ir.Recompute.of(m.recompute)
+                           for m in recomputing.modules):
+        cost = build_cost_model(recomputing, None if cost is None else cost.params,
+                                profile=None if cost is None else cost.profile)
     # The plan's optimizer offload (the spec's, or the planner's for offload=auto).
     cost = cost.with_offload(plan.offload_fraction(program))
     schedule = lower(plan, program)

@@ -1,6 +1,13 @@
 """A phased encoder's two phases on a backbone rank (a mixin of train.executor.StageExecutor):
 its forward for the whole step before the schedule's first action, embeddings sent to the
-backbone's first stage in the pipeline's bubbles, and its backward after the last."""
+backbone's first stage in the pipeline's bubbles, and its backward after the last.
+
+Its hand-offs between the replica's backbone stages (embeddings to the first stage, their
+gradients back) go over the PP group's own channel (``phase_p2p``), never the schedule's:
+in-order matching then pairs them whatever the schedule sends the same ranks (one model
+chunk or several), and on GPUs a hand-off waiting for its receiver (a gradient the later
+stage takes after its last action) holds up that channel's stream only, not the
+schedule's transfers behind it."""
 
 from __future__ import annotations
 
@@ -21,7 +28,7 @@ _FWD, _BWD = "F", "B"
 
 class PhasedEncoder:
     """``StageExecutor``'s phased-encoder part (module docstring); it reads the executor's
-    state (``self._sizes``, ``self.p2p``, ``self.stage``, ...)."""
+    state (``self._sizes``, ``self.phase_p2p``, ``self.stage``, ...)."""
 
     def _phased_embeds(self, i: int) -> torch.Tensor:
         """Sample ``i``'s embeddings from the forward phase (none for a sample without
@@ -91,8 +98,7 @@ class PhasedEncoder:
         (it does not wait for them to arrive); the first stage keeps its own and posts the
         receives of every other stage's, each waited for only before its forward of that
         step (``_phase_arrivals``), as autograd leaves for ``backbone_input``
-        (``_phased_in``). Both sides post these messages before any of the schedule's, so
-        in-order matching pairs them whatever the schedule sends the same ranks."""
+        (``_phased_in``)."""
         part = self.stage.phased[name]
         role = self.role
         trains = bool(part.trainable())
@@ -105,9 +111,9 @@ class PhasedEncoder:
             for j, order in self._phase_steps(name, role.stage):
                 with torch.no_grad():
                     mine = self._phase_encode(name, *packs[j])
-                self.p2p.send(self._pp_peer(0), [mine[i] for i in order],
-                              self._phase_label(name, _FWD, role.stage, 0, j))
-                self.p2p.flush()
+                self.phase_p2p.send(self._pp_peer(0), [mine[i] for i in order],
+                                    self._phase_label(name, _FWD, role.stage, 0, j))
+                self.phase_p2p.flush()
             return
         mine: dict[int, torch.Tensor] = {}
         with torch.no_grad():
@@ -117,12 +123,13 @@ class PhasedEncoder:
         for s in range(1, role.grid.pp):
             steps = self._phase_steps(name, s)
             for j, order in steps:
-                received = self.p2p.recv(self._pp_peer(s), self._phase_specs(order),
-                                         self._phase_label(name, _FWD, s, 0, j))
+                received = self.phase_p2p.recv(self._pp_peer(s), self._phase_specs(order),
+                                               self._phase_label(name, _FWD, s, 0, j))
                 self._phase_waiting.update((i, (order, received)) for i in order)
             if trains and steps:
                 self._phase_due[s] = {j for j, _ in steps}
-        self.p2p.flush()
+        if self.phase_p2p is not None:
+            self.phase_p2p.flush()
 
     def _phase_arrivals(self, a: Action) -> None:
         """Before the first stage's forward of a step: wait for the phased encoder's
@@ -140,26 +147,22 @@ class PhasedEncoder:
 
     def _phase_grads_due(self, a: Action) -> None:
         """After a first-stage action: send a later stage its share's embedding gradients
-        (one message) once the backward of every step it encoded has run here and, for
-        stage 1, the last forward's activations have been queued to it (in-order
-        matching: that rank receives them first). It runs its backward phase after its
-        last action, in the bubble the first stage's last backwards leave it."""
-        if a.kind is ActionKind.B:
+        (one message) once the backward of the first model chunk of every step it encoded
+        has run here (they are then complete). It runs its backward phase after its last
+        action, in the bubble the first stage's last backwards leave it."""
+        if a.kind is ActionKind.B and a.chunk == 0:
             for waiting in self._phase_due.values():
                 waiting.discard(a.microbatch)
-        last_send = a.kind is ActionKind.SEND_F and a.microbatch == len(self.steps) - 1
         for s in [s for s, waiting in self._phase_due.items() if not waiting]:
-            if s == 1 and not (last_send or self._phase_sent_last_forward):
-                continue
             self._phase_send_grads(s)
-        self._phase_sent_last_forward = self._phase_sent_last_forward or last_send
 
     def _phase_send_grads(self, stage: int) -> None:
         """Queue stage ``stage``'s share's embedding gradients to it (first stage)."""
         (name,) = self.stage.phased
         order = [i for _, ids in self._phase_steps(name, stage) for i in ids]
-        self.p2p.send(self._pp_peer(stage), [self._phase_grad(i) for i in order],
-                      self._phase_label(name, _BWD, 0, stage))
+        self.phase_p2p.send(self._pp_peer(stage), [self._phase_grad(i) for i in order],
+                            self._phase_label(name, _BWD, 0, stage))
+        self.phase_p2p.flush()
         self._phase_due.pop(stage)
 
     def _phase_grad(self, i: int) -> torch.Tensor:
@@ -176,7 +179,6 @@ class PhasedEncoder:
         if role.stage == 0:
             for s in list(self._phase_due):
                 self._phase_send_grads(s)
-            self.p2p.flush()
             grads = {i: self._phase_grad(i) for _, ids in self._phase_steps(name, 0)
                      for i in ids}
         else:
@@ -185,9 +187,9 @@ class PhasedEncoder:
             order = [i for _, ids in self._phase_steps(name, role.stage) for i in ids]
             grads = {}
             if order:
-                received = self.p2p.recv(self._pp_peer(0), self._phase_specs(order),
-                                         self._phase_label(name, _BWD, 0, role.stage))
-                self.p2p.flush()
+                received = self.phase_p2p.recv(self._pp_peer(0), self._phase_specs(order),
+                                               self._phase_label(name, _BWD, 0, role.stage))
+                self.phase_p2p.flush()
                 grads = dict(zip(order, received.wait(), strict=True))
         for ids, packed in self._phase_packs.pop(name):
             outs = self._phase_encode(name, ids, packed)

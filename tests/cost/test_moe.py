@@ -57,6 +57,42 @@ def test_flops_count_the_active_experts():
          + flops.transformer_layer_matmul_per_token(plain)) / 2)
 
 
+@pytest.mark.parametrize("update", [{}, {"top_k": 3, "norm_topk": False, "experts": 8},
+                                    {"shared_ffn": 128, "shared_gate": True}])
+def test_activation_bytes_are_what_the_block_keeps(update):
+    # The MoE block's tensors kept for backward (saved-tensor hooks, each storage once,
+    # parameters left out), bf16, per token: its normed input's copy (priced as a dense
+    # MLP's input) and _moe_block_bytes. Every slot is kept (dropless), so the sizes do
+    # not depend on where the router sends the tokens.
+    import torch
+
+    from dtdsl.cost.unit import _moe_block_bytes
+    from dtdsl.models.moe import MoE, moe_config
+
+    arch = moe_spec().backbone.arch
+    arch = arch.model_copy(update={"moe": arch.moe.model_copy(update=update)})
+    torch.manual_seed(0)
+    block = MoE(moe_config(arch)).to(torch.bfloat16)
+    params = {t.untyped_storage().data_ptr() for t in block.parameters()}
+    kept: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    batch, seq = 2, 96
+    x = torch.randn(batch, seq, arch.hidden, dtype=torch.bfloat16, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = block.layer_forward(x, None)
+    assert y.requires_grad
+    # Beyond the tokens' bytes, each sequence's balance loss keeps its expert counts and
+    # probabilities (fp32 rows of E) and its token count: per sequence, not per token.
+    extra = sum(kept.values()) - batch * seq * (2 * arch.hidden + _moe_block_bytes(arch)[0])
+    assert 0 <= extra <= batch * (2 * 4 * arch.moe.experts + 16)
+
+
 def test_expert_parallelism_divides_the_experts_memory():
     cost = build_cost_model(moe_spec())
     llm = cost.unit("llm")

@@ -137,6 +137,7 @@ def test_a_layout_that_does_not_fit_packed_is_compared_with_the_packed_plan():
     sample per microbatch; packed rows of 8192 positions do not fit its memory, so the
     packing figure simulates the planner's layout for packed data (its convex search,
     with and without recomputation, at mean work) instead of a layout no run could use."""
+    from dtdsl.planner import replan_for_packing
     from dtdsl.planner.simulated import SpecData, _pricing, packing_figures
 
     path = Path(__file__).resolve().parents[2] / "specs" / "mllm_9b.dt"
@@ -144,7 +145,8 @@ def test_a_layout_that_does_not_fit_packed_is_compared_with_the_packed_plan():
     unpacked = plan_convex(cost_9b)
     data = SpecData(cost_9b, 1)
     packed_cost = data.cost(True)
-    figures = packing_figures(cost_9b, unpacked, steps=1, iteration_time_s=1.0, data=data)
+    figures = packing_figures(cost_9b, unpacked, steps=1, iteration_time_s=1.0,
+                              replan=replan_for_packing, data=data)
     assert figures.replanned and not figures.spec_packs
     packed_plan = plan(packed_cost, unpacked.num_gpus, placement=unpacked.placement,
                        compare_baseline=False)

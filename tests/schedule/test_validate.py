@@ -19,7 +19,13 @@ from dtdsl.ir.schedule import (
     parse_schedule,
     schedule_text,
 )
-from dtdsl.schedule.lower import GradientFlow, lower_units
+from dtdsl.schedule.lower import (
+    GradientFlow,
+    add_communication,
+    add_optimizer,
+    lower_compute,
+    lower_units,
+)
 from dtdsl.schedule.validate import ScheduleError, format_grid, validate
 
 UNITS = (ScheduleUnit(name="vit", role="encoder", tp=1, dp=1, pp=1),
@@ -365,14 +371,18 @@ def test_every_1f1b_and_gpipe_lowering_keeps_nccls_rules():
 def test_sends_that_wait_for_each_others_receives_hang_under_nccl():
     from dtdsl.schedule.validate import validate_nccl
 
-    # The interleaved lowering (pp 2, 2 virtual stages) passes phases 1-3: every receive's
+    # The interleaved order (pp 2, 2 virtual stages) with every receive just before the
+    # pass that reads it and every send just after the pass that produces it (the
+    # lowering's step 2 alone, without schedule.place) passes phases 1-3: every receive's
     # send is reached. On GPUs, llm.s0 sends gradient 0 of chunk 1 in a group of its own
     # before the group that receives llm.s1's gradient 1 of chunk 1, and llm.s1 sends that
     # gradient before the group that receives gradient 0: each send waits for a receive
     # queued behind the other's send on one stream.
     units = (ScheduleUnit(name="llm", role="backbone", tp=1, dp=1, pp=2, vpp=2),)
     base = Schedule.skeleton("interleaved", 4, units)
-    schedule = lower_units(base, GradientFlow.everywhere(base))
+    flow = GradientFlow.everywhere(base)
+    schedule = add_optimizer(add_communication(lower_compute(base, flow)), flow)
+    validate(schedule)
     with pytest.raises(ScheduleError) as info:
         validate_nccl(schedule)
     err = info.value

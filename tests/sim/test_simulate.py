@@ -27,7 +27,8 @@ def _pipeline(name: str, p: int, m: int, *, vpp: int = 1, dp: int = 1) -> Schedu
 
 def reference(schedule: Schedule, durations: Durations) -> float:
     """Execute the actions one by one, every replica of every stage with its own clock: a
-    replica runs its next action when it can (a receive once its sends have been posted,
+    replica runs its next action when it can (a receive at once; the pass that reads it,
+    the next pass of its kind, chunk and microbatch, once its sends have been posted,
     plus the link time: from the same replica within a unit, from the replicas the routes
     name between units, all of them without routes; SYNC once every replica of the stage
     has reached it). Quadratic, obviously right."""
@@ -36,6 +37,8 @@ def reference(schedule: Schedule, durations: Durations) -> float:
     clock = {(st.where, r): 0.0 for st, r in lanes}
     pos = {(st.where, r): 0 for st, r in lanes}
     posted: dict[tuple, float] = {}
+    # Per lane and (F or B, chunk, microbatch): the receives the next such pass reads.
+    awaited: dict[tuple, list[tuple[tuple, float]]] = {}
     remaining = sum(len(st.actions) for st, _ in lanes)
 
     def senders(a, r: int) -> list[int]:
@@ -62,11 +65,15 @@ def reference(schedule: Schedule, durations: Durations) -> float:
                 elif a.kind.is_recv:
                     keys = [(a.kind.direction, a.peer_unit, a.peer_stage, a.peer_chunk, a.unit,
                              a.stage, a.chunk, a.microbatch, q) for q in senders(a, r)]
-                    if any(k not in posted for k in keys):
-                        break
                     link = durations.link_s.get((a.peer_unit, a.unit), 0.0)
-                    clock[lane] = max([t] + [posted[k] + link for k in keys])
+                    awaited.setdefault((lane, a.kind.direction, a.chunk, a.microbatch), []) \
+                        .extend((k, link) for k in keys)
                 elif a.kind.is_compute:
+                    reads = awaited.get((lane, a.kind, a.chunk, a.microbatch), [])
+                    if any(k not in posted for k, _ in reads):
+                        break
+                    t = max([t] + [posted[k] + link for k, link in reads])
+                    awaited.pop((lane, a.kind, a.chunk, a.microbatch), None)
                     arr = np.asarray(durations.compute_s[a.unit])
                     d = arr[0 if a.kind.value == "F" else 1, a.stage, a.chunk, a.microbatch, r]
                     clock[lane] = t + float(d)
@@ -280,9 +287,10 @@ def test_32_stages_by_256_microbatches_is_fast():
     assert best < 0.05, f"{best * 1e3:.1f} ms"
 
 
-def test_a_send_after_a_receive_waits_for_it():
-    # Valid, though the lowering never writes it: SEND_F1 follows RECV_B0 with no pass
-    # between, so it is posted when the gradient arrives (5.0) and reaches s1 at 5.5.
+def test_a_send_after_a_receive_does_not_wait_for_it():
+    # SEND_F1 follows RECV_B0 with no pass between: the runtime issues both at once, so
+    # the send is posted when F1 ends (2.0), not when the gradient arrives (5.0); only B0
+    # waits for that. s1's F1 starts when s1 is free (4.5), the activations long there.
     schedule = parse_schedule(
         "schedule 1f1b microbatches=2\n"
         "unit llm backbone tp=1 dp=1 pp=2 vpp=1 first_rank=0 share=1 layers=-\n"
@@ -292,10 +300,29 @@ def test_a_send_after_a_receive_waits_for_it():
     d = Durations.uniform(schedule, 1.0, 2.0, link_s=0.5)
     result = simulate(schedule, d)
     assert result.iteration_time_s == pytest.approx(reference(schedule, d))
-    assert result.iteration_time_s == pytest.approx(11.0)
+    assert result.iteration_time_s == pytest.approx(10.0)
     f1 = [e for e in result.timeline().events if e.stage == 1 and e.label == "F1"]
-    assert f1[0].start_s == pytest.approx(5.5)
+    assert f1[0].start_s == pytest.approx(4.5)
+    b0 = [e for e in result.timeline().events if e.stage == 0 and e.label == "B0"]
+    assert b0[0].start_s == pytest.approx(5.0)
     assert result.busy_s() == {"llm.s0": pytest.approx(6.0), "llm.s1": pytest.approx(6.0)}
+
+
+def test_a_receive_posted_early_waits_only_at_the_pass_that_reads_it():
+    # llm.s1 posts the receive of activations 1 before F0 (as schedule.place does): F0
+    # starts when activations 0 arrive (1.0), not activations 1 (2.0); F1 waits for them.
+    schedule = parse_schedule(
+        "schedule 1f1b microbatches=2\n"
+        "unit llm backbone tp=1 dp=1 pp=2 vpp=1 first_rank=0 share=1 layers=-\n"
+        "llm.s0: F0 SEND_F0>llm.s1 F1 SEND_F1>llm.s1 RECV_B0<llm.s1 B0 RECV_B1<llm.s1 B1\n"
+        "llm.s1: RECV_F0<llm.s0 RECV_F1<llm.s0 F0 B0 SEND_B0>llm.s0 F1 B1 SEND_B1>llm.s0\n")
+    validate(schedule)
+    d = Durations.uniform(schedule, 1.0, 2.0)
+    result = simulate(schedule, d)
+    assert result.iteration_time_s == pytest.approx(reference(schedule, d))
+    assert result.iteration_time_s == pytest.approx(9.0)
+    f0 = [e for e in result.timeline().events if e.stage == 1 and e.label == "F0"]
+    assert f0[0].start_s == pytest.approx(1.0)
 
 
 def test_receives_at_the_end_of_a_stage_take_no_time():

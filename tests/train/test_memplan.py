@@ -119,23 +119,53 @@ def test_paper_scale_plans_match_the_memory_model(name, capsys, shipped_plan):
     print(f"{name}: {len(stages)} stages in {took:.1f} s")
 
 
+@pytest.mark.slow
+def test_the_moe_spec_at_tp_1_matches_the_memory_model(capsys, tmp_path):
+    # specs/moe_vl_30b.dt with its backbone at tp 1 (the runtime splits experts over EP
+    # ranks, not over TP): every backbone stage's MoE activations
+    # (cost.unit._moe_block_bytes), its experts at the plan's ep, its recomputation where
+    # the planner raised it, at every in-flight count of the pipeline.
+    text = (ROOT / "specs" / "moe_vl_30b.dt").read_text()
+    pinned = text.replace("tp(llm)   in {1, 2, 4}", "tp(llm)   == 1")
+    assert pinned != text
+    spec_path = tmp_path / "moe_vl_30b.dt"
+    spec_path.write_text(pinned)
+    plan = tmp_path / "plan.json"
+    assert cli.main(["plan", str(spec_path), "--no-baseline", "-o", str(plan)]) == 0
+    capsys.readouterr()
+    assert cli.main(["memcheck", str(spec_path), "--json", "--plan", str(plan)]) == 0
+    stages = json.loads(capsys.readouterr().out)["stages"]
+    llm = [s for s in stages if s["unit"] == "llm"]
+    assert len(llm) > 1 and {s["in_flight"] for s in llm} != {1}
+    for s in llm:
+        error = (s["measured_bytes"] - s["predicted_bytes"]) / s["predicted_bytes"]
+        assert abs(error) <= TOLERANCE, (s["stage"], s["measured_bytes"], s["predicted_bytes"])
+    assert all(s["measured_bytes"] < s["capacity_bytes"] for s in stages)
+
+
 def test_an_moe_backbone_is_measured_at_ep_1_and_2():
     # Fake tensors cannot route (their values are unknown): the blocks route as the cost
     # model assumes (models.moe.mean_counts), and at ep 2 the stage gets its EP groups on
     # the fake world. At dp 2 a rank keeps half the experts' AdamW state either way (FSDP
     # shards them over the two replicas at ep 1; at ep 2 each holds its two experts
     # whole, alone in its expert DP group), but at ep 1 FSDP gathers all four experts'
-    # weights for the forward, at ep 2 only the rank's own.
+    # weights for the forward, at ep 2 only the rank's own. In bf16 (the cost model's
+    # activations), every stage within the tolerance: the MoE blocks' activations
+    # (cost.unit._moe_block_bytes) and the experts the plan's ep leaves a rank.
     from tests.helpers.moe import moe_spec
     from tests.train.test_ep_run import ARGS, ep_plan
 
     p = moe_spec(args=ARGS)
+    p = p.model_copy(update={"train": p.train.model_copy(update={"precision": "bf16"})})
     by_ep = {}
     for ep in (1, 2):
-        stages = check_memory(p, ep_plan(p, 2, 1, ep), jobs=2)
-        llm = next(s for s in stages if s.unit == "llm")
-        assert llm.measured_bytes > 0 and llm.predicted_bytes > 0
-        assert sum(llm.by_category.values()) == llm.measured_bytes
-        by_ep[ep] = llm
+        stages = [s for s in check_memory(p, ep_plan(p, 2, 2, ep), jobs=2) if s.unit == "llm"]
+        assert [s.stage for s in stages] == [0, 1]
+        for s in stages:
+            assert sum(s.by_category.values()) == s.measured_bytes
+            assert abs(s.error) <= TOLERANCE, (ep, s.stage, s.measured_bytes,
+                                               s.predicted_bytes)
+        by_ep[ep] = stages[0]
     assert by_ep[2].by_category["optimizer_state"] == by_ep[1].by_category["optimizer_state"]
     assert by_ep[2].by_category["params"] < by_ep[1].by_category["params"]
+    assert by_ep[2].predicted_bytes < by_ep[1].predicted_bytes

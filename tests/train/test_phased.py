@@ -18,6 +18,8 @@ from tests.helpers.phased import (
     _train,
 )
 from tests.helpers.plans import (
+    chunked,
+    interleaved,
     phase,
 )
 from tests.helpers.runs import (
@@ -42,6 +44,16 @@ def test_phased_encoder_on_a_two_stage_backbone():
     check(program, phase(program, plan_for(program, ("vit", "encoder", 1, 1, 1),
                                            ("llm", "backbone", 1, 1, 2),
                                            ("gen", "generator", 1, 1, 1))))
+
+
+def test_phased_encoder_beside_an_interleaved_backbone():
+    # Two model chunks per stage: the first stage's chunk-1 backwards come before the
+    # chunk-0 backwards that complete the embeddings' gradients, and the stages exchange
+    # pipeline messages both ways beside the phases' hand-offs (their own channel).
+    program = interleaved(spec(8))
+    check(program, phase(program, chunked(plan_for(program, ("vit", "encoder", 1, 1, 1),
+                                                   ("llm", "backbone", 1, 1, 2),
+                                                   ("gen", "generator", 1, 1, 1)), "llm")))
 
 
 def test_phased_encoder_on_a_pipelined_data_parallel_backbone():

@@ -158,7 +158,7 @@ def pretrained_problems(model: HFModel, role: str, arch: ir.TransformerArch | ir
     The work is bounded by the checkpoint, whatever the config claims: a module that
     needs more than twice the numbers the files hold is refused before it is built."""
     from dtdsl.cost.flops import module_params
-    from dtdsl.models import build_arch
+    from dtdsl.models.build import build_arch
     from dtdsl.source import Span
 
     if model.quantization is not None:
@@ -245,7 +245,7 @@ def load_hf(path: str | Path, *, feature_layer: int | None = None,
             ) -> nn.Module:
     """dtdsl's module for the Hugging Face model in ``path``, its weights loaded (module
     docstring); ``feature_layer``: read a vision tower up to that ``hidden_states`` index."""
-    from dtdsl.models import build_arch, tie_weights
+    from dtdsl.models.build import build_arch, tie_weights
 
     model = read_hf(path, feature_layer=feature_layer)
     with torch.device("meta"):
