@@ -499,10 +499,12 @@ instead. Today the runtime cannot train:
 - a phased generator (only encoders run phased: a generator's loss needs the
   backbone's outputs, inside the pipeline), or a phased encoder a hand-edited
   plan gives other than the backbone's ranks, its TP and dp x pp replicas;
-- context parallelism (a plan with cp > 1, from a `cp(...)` constraint) on an
-  encoder or a generator: the runtime splits the backbone's sequences only;
-  constrain the others with `cp(MODULE) == 1`. Nor does a phased encoder run
-  beside a backbone with cp > 1 (plan it disaggregated or co-located).
+- context parallelism (a plan with cp > 1, from a `cp(...)` constraint) on a
+  generator, or on a co-located or phased encoder (those run inside the
+  backbone's stages, whole): the runtime splits the backbone's sequences and an
+  encoder unit's patch rows on its own ranks only; constrain the others with
+  `cp(MODULE) == 1`. Nor does a phased encoder run beside a backbone with cp > 1
+  (plan it disaggregated or co-located).
 - an MoE backbone under tensor or context parallelism, or under expert
   parallelism (a plan with ep > 1) with `sync = local_sgd`: the stage splits
   the experts over EP groups of DP replicas, not by TP or CP, and Local SGD would

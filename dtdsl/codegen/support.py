@@ -152,10 +152,12 @@ def _phased(program: ir.Program, plan: Plan) -> list[Diagnostic]:
 
 
 def _context_parallel(program: ir.Program, plan: Plan) -> list[Diagnostic]:
-    """Context parallelism runs on the backbone (``parallel.cp`` in its attention,
-    ``train.executor``): DT601 for a plan that splits an encoder's or a generator's
-    sequences (cp > 1), DT622 for a backbone's cp that its heads cannot take (a plan read
-    with ``--plan`` need not be the planner's, which refuses those: DT621)."""
+    """Context parallelism runs on the backbone and on an encoder unit of its own ranks
+    (``parallel.cp`` in their attention, ``train.executor``): DT601 for a plan that
+    splits a generator's sequences or a co-located or phased encoder's (cp > 1: those run
+    inside the backbone's stages, whole), DT622 for a cp that the module's heads cannot
+    take (a plan read with ``--plan`` need not be the planner's, which refuses those:
+    DT621)."""
     from dtdsl.ir.plan import cp_conflict
 
     out = []
@@ -163,13 +165,18 @@ def _context_parallel(program: ir.Program, plan: Plan) -> list[Diagnostic]:
         if u.cp <= 1:
             continue
         module = program.module(u.name)
-        if u.role != "backbone":
+        hosted = u.colocated or u.phased
+        if u.role == "generator" or hosted:
+            what = f"{'co-located' if u.colocated else 'phased'} {u.role}" if hosted \
+                else u.role
             out.append(Diagnostic.error(
-                _CODE, f"the runtime runs context parallelism on the backbone only; the "
-                f"plan splits {u.role} {u.name}'s sequences over cp {u.cp} ranks "
-                f"({module.context_parallel})", module.span,
-                notes=["the executor shards the backbone's packed microbatches over its CP "
-                       "ranks; an encoder's patches and a generator's tokens stay whole"],
+                _CODE, f"the runtime runs context parallelism on the backbone and on "
+                f"encoder units of their own ranks; the plan splits {what} {u.name}'s "
+                f"sequences over cp {u.cp} ranks ({module.context_parallel})", module.span,
+                notes=["the executor shards the backbone's packed microbatches and an "
+                       "encoder unit's patch rows over their CP ranks; a generator's "
+                       "tokens, and an encoder run inside the backbone's stages, stay "
+                       "whole"],
                 hint=f"constrain it, `cp({u.name}) == 1` in constraints, and plan again"))
             continue
         why = cp_conflict(module.arch, module.context_parallel, u.cp, u.tp,

@@ -34,7 +34,9 @@ microbatch's tokens, so its compute (attention too: the load-balanced causal sha
 gives every rank the same share), TP collectives, pipeline transfers and activations are
 / cp; the parameters are not split, their gradients are reduced and their optimizer
 state sharded over dp x cp (Megatron-LM). On top, ``cp_comm_time_s``: the ring's K/V
-blocks behind the attention of the block before, Ulysses' all-to-alls in full.
+blocks behind the attention of the block before, Ulysses' all-to-alls in full (an
+encoder's bidirectional attention splits evenly without load balancing; its output rows
+are gathered whole for the projector, priced too).
 
 Mixture of experts (``flops.moe_mlp_per_token``): FLOPs count a token's ``top_k`` experts
 (and the router and shared expert), parameter memory every expert, activations what the
@@ -281,7 +283,9 @@ class CostModel:
         K and V, 2 x (S / r) x kv_width / (tp u) elements in bf16, to the next rank while
         the rank attends over the block it has (its attention / r): max(0, comm -
         compute) exposed per step. Backward sends K, V and their gradients: twice the
-        bytes, against the attention's backward."""
+        bytes, against the attention's backward. An encoder adds the gather of its
+        output rows before the projector (the whole unit's: spread over its stages as
+        the rest)."""
         c = unit.cp
         if c <= 1 or unit.cp_tokens <= 0:
             return 0.0, 0.0
@@ -306,6 +310,16 @@ class CostModel:
             attend = self._attention_layer_s(unit, tp) / ring
             fwd += layers * (ring - 1) * max(0.0, send - attend)
             bwd += layers * (ring - 1) * max(0.0, 2 * send - unit.backward_factor * attend)
+        if unit.role == "encoder":
+            # An encoder's last stage gathers each item's rows whole for its projector
+            # (``train.passes``): an all-gather of the rows' (c - 1) / c forward, an
+            # all-reduce of their gradients (twice the bytes) backward.
+            bw = cluster.intra_node_bw_bytes_per_s if tp * c <= node else \
+                cluster.inter_node_bw_bytes_per_s
+            gather = unit.cp_tokens * unit.cp_q_width * _BYTES_BF16 * (c - 1) / c / bw + \
+                _COLLECTIVE_LATENCY_S
+            fwd += gather
+            bwd += 2 * gather
         return fwd, (bwd if unit.backward_factor else 0.0)
 
     def tps(self, unit: UnitCost) -> tuple[int, ...] | None:

@@ -402,13 +402,18 @@ def encoder_output(encoder: Encoder, xs: Sequence[torch.Tensor]) -> list[torch.T
 
 
 def encoder_layers(encoder: Encoder, xs: Sequence[torch.Tensor], start: int = 0,
-                   stop: int | None = None) -> list[torch.Tensor]:
-    """Layers ``start:stop`` of the encoder on each group."""
+                   stop: int | None = None,
+                   cp: Sequence[tuple[torch.Tensor, Any]] | None = None
+                   ) -> list[torch.Tensor]:
+    """Layers ``start:stop`` of the encoder on each group. Under context parallelism
+    ``x`` is this CP rank's shard of each group and ``cp[k]`` group ``k``'s real
+    positions (what a rotary tower rotates by) and ``parallel.cp.CPContext``."""
     layers = layer_range(encoder, start, stop)
     out = []
-    for x in xs:
+    for k, x in enumerate(xs):
+        positions, mask = (None, None) if cp is None else cp[k]
         for layer in layers:
-            x = layer(x)
+            x = layer(x) if mask is None else layer(x, positions, mask)
         out.append(x)
     return out
 

@@ -259,6 +259,14 @@ def _ring_blocks(docs: torch.Tensor, size: int, rank: int, causal: bool,
     return tuple(steps)
 
 
+def _faked(block: Block, mode: Any) -> Block:
+    """``block`` with its mask tensors as ``mode``'s fake tensors."""
+    if block.bias is None:
+        return block
+    return Block(q=block.q, kv=block.kv, kind=block.kind, bias=mode.from_tensor(block.bias),
+                 empty_rows=mode.from_tensor(block.empty_rows))
+
+
 @dataclass(eq=False)
 class CPDocuments:
     """The document ids of whole packed sequences ``[B, L']`` on the host (padded to whole
@@ -320,12 +328,19 @@ class CPDocuments:
                              f"for {size} ring ranks: pad it (CPDocuments.from_full)")
         key = (size, rank, causal, torch.device(device), dtype)
         if key not in self._blocks:
+            from torch._guards import detect_fake_mode
             from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-            # Host work on the real ids, also inside ``dtc memcheck``'s fake world.
+            # Host work on the real ids, also inside ``dtc memcheck``'s fake world; there
+            # the masked blocks' masks then become fake tensors, as the kernels' other
+            # inputs are (a padded encoder row, a document boundary inside a chunk).
+            mode = detect_fake_mode()
             with unset_fake_temporarily():
-                self._blocks[key] = _ring_blocks(self.docs, size, rank, causal,
-                                                 torch.device(device), dtype)
+                steps = _ring_blocks(self.docs, size, rank, causal, torch.device(device),
+                                     dtype)
+            if mode is not None:
+                steps = tuple(tuple(_faked(b, mode) for b in step) for step in steps)
+            self._blocks[key] = steps
         return self._blocks[key]
 
     def document_mask(self, device: torch.device) -> DocumentMask:

@@ -205,10 +205,12 @@ def _placements(cost: CostModel, num_gpus: int | None, search: str, placement: s
                  for cp_label, cps in cp_choices(cost, num_gpus)]
     variants += [(label + ep_label, priced.with_ep(eps)) for label, priced in list(variants)
                  for ep_label, eps in ep_choices(cost, num_gpus)]
-    # ep 1 (the cost model's own) only where the ep(...) constraints allow it.
+    # cp and ep 1 (the cost model's own) only where the cp(...) and ep(...) constraints
+    # allow them.
     program = cost.program
     variants = [(label, priced) for label, priced in variants
-                if all(u.ep in program.constraints_for(u.name).ep for u in priced.units)]
+                if all(u.ep in program.constraints_for(u.name).ep
+                       and u.cp in program.constraints_for(u.name).cp for u in priced.units)]
     candidates: list[tuple[str, Plan, CostModel]] = []
     for label, priced in variants:
         if any(u.cp > 1 for u in priced.units) and placement not in ("auto",
@@ -272,6 +274,12 @@ def _axis_choices(cost: CostModel, axis: str, num_gpus: int | None
     names = [u.name for u in cost.units]
     options = [getattr(program.constraints_for(n), axis).candidates(limit) or (1,)
                for n in names]
+    if axis == "cp":
+        # The runtime splits the backbone's and encoder units' sequences, never a
+        # generator's (DT601): one allowed cp 1 keeps it (co-located and phased layouts
+        # are searched without CP at all).
+        options = [(1,) if u.role == "generator" and 1 in o else o
+                   for u, o in zip(cost.units, options, strict=True)]
     out = []
     for combo in itertools.product(*options):
         if all(c == 1 for c in combo):

@@ -1,7 +1,8 @@
-"""Context parallelism as the executor runs it on a backbone stage (``parallel.cp`` has the
-attention): the stage's ``CPGroup`` (``attach_cp``, ``cp_group``), each CP rank's positions and
-attention context for a microbatch (``cp_inputs``), and the encoders' embedding gradients
-summed over the CP ranks before the leader sends them (``sum_over_cp``)."""
+"""Context parallelism as the executor runs it on a backbone stage or an encoder unit's
+(``parallel.cp`` has the attention): the stage's ``CPGroup`` (``attach_cp``, ``cp_group``),
+each CP rank's positions and attention context for a microbatch (``cp_inputs``; an encoder
+group's, ``encoder_context``), and the encoders' embedding gradients summed over the CP
+ranks before the leader sends them (``sum_over_cp``)."""
 
 from __future__ import annotations
 
@@ -16,12 +17,12 @@ from dtdsl.ir import program as ir
 from dtdsl.ir.layout import SequenceLayout
 from dtdsl.ir.plan import Plan
 from dtdsl.models.multimodal import cp_document_ids
-from dtdsl.parallel.cp import CPContext, CPGroup
+from dtdsl.parallel.cp import CPContext, CPGroup, padded_length
 from dtdsl.parallel.device import to_device
 from dtdsl.parallel.mesh import ProcessGroups, RankRole, cp_ulysses
 from dtdsl.train.stage import Stage
 
-__all__ = ["attach_cp", "cp_group", "cp_inputs", "sum_over_cp"]
+__all__ = ["attach_cp", "cp_group", "cp_inputs", "encoder_context", "sum_over_cp"]
 
 
 def cp_inputs(cp: CPGroup, layouts: Sequence[SequenceLayout], width: int,
@@ -42,16 +43,35 @@ def cp_inputs(cp: CPGroup, layouts: Sequence[SequenceLayout], width: int,
     return cp.shard(positions), context
 
 
+def encoder_context(cp: CPGroup, batch: int, length: int, device: torch.device
+                    ) -> tuple[torch.Tensor, CPContext]:
+    """An encoder group's ``[batch, length]`` rows under context parallelism: this CP
+    rank's real positions ``[length' / cp]`` and the attention context. Each row is one
+    image or clip, bidirectional within itself (one document); the padding up to
+    ``length'`` (``parallel.cp.padded_length``) is a document of its own, as on the
+    backbone, so no real row attends to it."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    full = padded_length(length, cp.size)
+    with unset_fake_temporarily():      # host metadata, real under ``dtc memcheck`` too
+        docs = torch.zeros(batch, full, dtype=torch.long)
+        docs[:, length:] = 1
+        context = cp.context(docs)
+    positions = cp.shard(torch.arange(length, device=device), dim=0)
+    return positions, context
+
+
 def attach_cp(program: ir.Program, plan: Plan, stage: Stage, groups: ProcessGroups
                ) -> CPGroup | None:
     """The stage's ``CPGroup`` (None at cp 1), also put where its forward reads it
-    (``StageState.cp``); a backbone's only (DT623 at compile time says so)."""
+    (``StageState.cp``): a backbone's, or an encoder unit's on its own ranks (a
+    generator's is refused at compile time, DT601)."""
     role = groups.role
     if role.grid.cp == 1:
         return None
-    if role.role != "backbone":
+    if role.role not in ("backbone", "encoder"):
         raise NotImplementedError(f"{role.unit}: context parallelism runs on the backbone "
-                                  f"only, not on a {role.role}; plan it with cp 1")
+                                  f"and on encoders, not on a {role.role}; plan it with cp 1")
     cp = cp_group(program, plan, role, groups.cp)
     stage.module.stage_state = replace(stage.module.stage_state, cp=cp)
     return cp

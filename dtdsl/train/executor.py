@@ -79,6 +79,7 @@ from dtdsl.models.multimodal import (
     splice_items,
 )
 from dtdsl.parallel.broker import Broker, PendingSamples, StepSamples
+from dtdsl.parallel.cp import padded_length
 from dtdsl.parallel.device import to_device
 from dtdsl.parallel.ep import full_parameters
 from dtdsl.parallel.mesh import ProcessGroups, RankRole
@@ -647,9 +648,11 @@ class StageExecutor(PhasedEncoder, PassInputs):
         sizes = [self._sizes(i) for i in self._ids[j]]
         if self.role.role == "encoder":
             arch = self.program.module(self.role.unit).arch
-            return [TensorSpec((n, rows, arch.hidden), self.dtype)
-                    for n, rows in packed_item_shapes(sizes, self._inputs, self.role.unit,
-                                                      int(arch.cls_token))]
+            # Context parallelism: each CP rank sends its PP peer its shard of each group.
+            cp = self.role.grid.cp
+            return [TensorSpec((n, rows if cp == 1 else padded_length(rows, cp) // cp,
+                                arch.hidden), self.dtype)
+                    for n, rows in self._encoder_groups(sizes)]
         seq = max((self._layout(i).length for i in self._ids[j]), default=0)
         # Sequence parallelism: each TP rank sends its PP peer its piece of the sequence;
         # context parallelism: each CP rank its shard (``parallel.cp``).
@@ -685,9 +688,19 @@ class StageExecutor(PhasedEncoder, PassInputs):
 
     # ---- forwards ---------------------------------------------------------------------------
 
+    def _encoder_groups(self, sizes: list[Any]) -> list[tuple[int, int]]:
+        """This encoder unit's packed groups of samples ``sizes``: (items, rows after
+        the embedding) each, in ``_pack``'s order."""
+        arch = self.program.module(self.role.unit).arch
+        return packed_item_shapes(sizes, self._inputs, self.role.unit, int(arch.cls_token))
+
     def _encoder_forward(self, j: int, mb: _Micro) -> None:
         ids, samples = list(self._ids[j]), [self._sample(i) for i in self._ids[j]]
         packed = self._pack(samples)
+        # Under context parallelism a later stage receives shards: each group's whole
+        # length is known from the samples' sizes.
+        extra = {} if self._cp is None or self._first else {"lengths": [
+            rows for _, rows in self._encoder_groups([self._sizes(i) for i in ids])]}
         if self._first:
             xs = None
             mb.inputs = None
@@ -698,7 +711,7 @@ class StageExecutor(PhasedEncoder, PassInputs):
             mb.inputs = xs
         mb.pending = {}
         ys = self.stage.module(packed.groups if xs is None else xs, first=xs is None,
-                               grids=packed.grids, chunk=self._chunk)
+                               grids=packed.grids, chunk=self._chunk, **extra)
         if self._last:
             outs = unpack_images(packed, ys, width=self._width)
             mb.outputs = dict(zip(ids, outs, strict=True))

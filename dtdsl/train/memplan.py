@@ -413,15 +413,20 @@ def _inputs(program: ir.Program, cost: Any, plan: Plan, unit: Any, role: Any, sh
                         "layouts": layouts, "loss_tokens": b * local, **extra}
         return backbone
     if role.role == "encoder":
+        from dtdsl.parallel.cp import padded_length
+
         im = _encoder_images(program, cost, role.unit, unit, share, large)
 
         def encoder() -> tuple[tuple, dict]:
             if first:
                 return ([torch.zeros(im.n, im.side * im.side, im.width, dtype=dtype,
                                      device=device)],), {"first": True}
-            x = torch.zeros(im.n, im.rows, arch.hidden, dtype=dtype, device=device,
+            # Under context parallelism, this CP rank's shard of each image's rows.
+            cp = role.grid.cp
+            rows = im.rows if cp == 1 else padded_length(im.rows, cp) // cp
+            x = torch.zeros(im.n, rows, arch.hidden, dtype=dtype, device=device,
                             requires_grad=True)
-            return ([x],), {"first": False}
+            return ([x],), {"first": False, **({"lengths": [im.rows]} if cp > 1 else {})}
         return encoder
     count = _generation_targets(program, role.unit, unit, share, large)
     hidden = program.backbone.arch.hidden

@@ -33,7 +33,7 @@ from dtdsl.models.multimodal import (
     splice_items,
 )
 from dtdsl.parallel.cp import gather_sequence as cp_gather
-from dtdsl.train.cp_run import cp_inputs
+from dtdsl.train.cp_run import cp_inputs, encoder_context
 from dtdsl.train.stage import projector_between
 
 __all__ = ["Units", "stage_run"]
@@ -62,14 +62,34 @@ class Units:
 
 def _encoder_pass(module: Any, name: str, xs: Sequence[torch.Tensor], *, first: bool,
                   last: bool, start: int, stop: int | None,
-                  grids: Sequence[tuple[int, int]] | None) -> list[torch.Tensor]:
+                  grids: Sequence[tuple[int, int]] | None,
+                  lengths: Sequence[int] | None = None) -> list[torch.Tensor]:
     """Layers ``start:stop`` of encoder ``name`` on packed image groups ``xs``: from the
-    pixels (``first``), and through its projector into the backbone (``last``)."""
+    pixels (``first``), and through its projector into the backbone (``last``).
+    ``lengths``: each group's rows after the embedding, which a later stage under context
+    parallelism receives in shards."""
     st = module.stage_state
     enc = module.units[name]
     if first:       # pixels to the compute dtype (the stage's root casts no input)
         xs = encoder_input(enc, [x.to(st.dtype) for x in xs], grids)
-    ys = encoder_layers(enc, xs, start, stop)
+    # Context parallelism on the encoder's own ranks (a co-located encoder runs whole
+    # on the backbone's, whatever the backbone's cp): each group's rows are sharded
+    # after the embedding and gathered whole before the projector (``cp_run``).
+    cp = st.cp if st.role.unit == name else None
+    if cp is None:
+        ys = encoder_layers(enc, xs, start, stop)
+    else:
+        if first:
+            lengths = [x.shape[1] for x in xs]
+            xs = [cp.shard(x) for x in xs]
+        elif lengths is None:
+            raise ValueError(f"{name}: a later stage under context parallelism needs each "
+                             "group's whole length")
+        ys = encoder_layers(enc, xs, start, stop,
+                            cp=[encoder_context(cp, x.shape[0], n, x.device)
+                                for x, n in zip(xs, lengths, strict=True)])
+        if last:
+            ys = [cp_gather(y, cp, n) for y, n in zip(ys, lengths, strict=True)]
     if last:
         proj = module.units[projector_between(st.program, name, st.program.backbone.name)]
         # Per group, on its images' patch grid (what a compressing projector reads).
@@ -80,11 +100,11 @@ def _encoder_pass(module: Any, name: str, xs: Sequence[torch.Tensor], *, first: 
 
 def _run_encoder(module: Any, xs: Sequence[torch.Tensor], *, first: bool,
                  grids: Sequence[tuple[int, int]] | None = None,
-                 chunk: int = 0) -> list[torch.Tensor]:
+                 lengths: Sequence[int] | None = None, chunk: int = 0) -> list[torch.Tensor]:
     st = module.stage_state
     start, stop = st.layers_of(chunk)
     return _encoder_pass(module, st.role.unit, xs, first=first, last=st.last_of(chunk),
-                         start=start, stop=stop, grids=grids)
+                         start=start, stop=stop, grids=grids, lengths=lengths)
 
 
 def _hosted(module: Any, role: str) -> list[str]:

@@ -137,7 +137,7 @@ class StageState:
     vaes: dict[str, Any] = field(default_factory=dict)
     hosted: tuple[str, ...] = ()    # co-located modules the stage runs (hosted_units)
     # Context parallelism (``parallel.cp.CPGroup``): the executor sets it on a backbone
-    # stage with cp > 1; None otherwise.
+    # or encoder unit's stage with cp > 1; None otherwise.
     cp: Any = None
     # Per model chunk (an interleaved unit's, ``ir.plan.chunk_ranges``), its [start, stop)
     # of the unit's layers; empty for one chunk, [start, stop).

@@ -121,3 +121,19 @@ def test_hybrid_is_ulysses_inside_a_node_and_ring_across():
     send = block / cluster.inter_node_bw_bytes_per_s + _COLLECTIVE_LATENCY_S
     attend = cost._attention_layer_s(unit, tp) / r
     assert fwd == pytest.approx(llm.layers * (uly + (r - 1) * max(0.0, send - attend)))
+
+
+def test_an_encoder_adds_the_gather_of_its_output_rows(ring):
+    # Its CP collectives are the backbone's kind (attention split evenly), plus the
+    # last stage's all-gather of the rows for the projector (backward: an all-reduce).
+    vit = ring.with_cp({"vit": 2}).unit("vit")
+    assert vit.cp == 2 and vit.cp_tokens > 0 and vit.cp_q_width == ring.program.module(
+        "vit").arch.hidden
+    fwd, bwd = ring.cp_comm_time_s(vit, 1)
+    base_fwd, base_bwd = ring.cp_comm_time_s(replace(vit, role="backbone"), 1)
+    bw = ring.program.cluster.intra_node_bw_bytes_per_s
+    gather = vit.cp_tokens * vit.cp_q_width * _BYTES_BF16 / 2 / bw + _COLLECTIVE_LATENCY_S
+    assert fwd - base_fwd == pytest.approx(gather, rel=1e-9)
+    if vit.backward_factor:
+        assert bwd - base_bwd == pytest.approx(2 * gather, rel=1e-9)
+    assert ring.cp_comm_time_s(ring.unit("vit"), 1) == (0.0, 0.0)

@@ -1,6 +1,6 @@
 """Context parallelism in the planner: cp enters the search only where a constraint allows
 it, the 128K spec needs it and gets it, GPUs are tp x cp x pp x dp, and compile takes it on
-the backbone only."""
+the backbone and on encoder units of their own ranks, never on a generator."""
 
 from __future__ import annotations
 
@@ -116,18 +116,32 @@ def test_the_planner_weighs_cp_against_none():
     assert p.iteration_time_s <= without.iteration_time_s + 1e-12
 
 
-def test_compile_takes_a_backbone_cp_plan_and_refuses_the_rest():
+def _at_cp(p, name: str, cp: int = 2, **update):
+    units = tuple(u.model_copy(update={"cp": cp, "gpus": cp * u.gpus, **update})
+                  if u.name == name else u for u in p.units)
+    return p.model_copy(update={"units": units})
+
+
+def test_compile_takes_backbone_and_encoder_cp_plans_and_refuses_the_rest():
     program = _tiny_cp()
     p = plan_exhaustive(build_cost_model(program).with_cp({"llm": 2}), 4)
     assert not [d for d in runtime_support(program, p) if "context" in d.message]
-    # cp on an encoder: the runtime splits the backbone's sequences only (DT601).
-    units = tuple(u.model_copy(update={"cp": 2, "gpus": 2 * u.gpus})
-                  if u.name == "vit" else u for u in p.units)
-    found = [d for d in runtime_support(program, p.model_copy(update={"units": units}))
-             if "context parallelism" in d.message]
-    assert [d.code for d in found] == ["DT601"]
-    assert "vit" in found[0].message and "cp(vit) == 1" in found[0].hint
-    assert found[0].span == program.module("vit").span
+    # cp on an encoder unit of its own ranks: its patch rows are sharded (runs).
+    assert not [d for d in runtime_support(program, _at_cp(p, "vit"))
+                if "context" in d.message]
+    # On a generator, and on an encoder run inside the backbone's stages: DT601.
+    for name, update in (("gen", {}), ("vit", {"colocated": True})):
+        found = [d for d in runtime_support(program, _at_cp(p, name, **update))
+                 if "context parallelism" in d.message]
+        assert [d.code for d in found] == ["DT601"], (name, found)
+        assert name in found[0].message and f"cp({name}) == 1" in found[0].hint
+        assert found[0].span == program.module(name).span
+    # An encoder's Ulysses degree its heads cannot take (4 heads over 8): DT622.
+    modules = tuple(m.model_copy(update={"context_parallel": "ulysses"})
+                    if m.name == "vit" else m for m in program.modules)
+    found = runtime_support(program.model_copy(update={"modules": modules}),
+                            _at_cp(p, "vit", 8))
+    assert [d.code for d in found if d.code == "DT622"] == ["DT622"]
     # A hand-edited Ulysses degree the heads cannot take (4 heads over 8): DT622.
     modules = tuple(m.model_copy(update={"context_parallel": "ulysses"})
                     if m.name == "llm" else m for m in program.modules)
@@ -151,3 +165,55 @@ def test_reports_show_cp_only_where_a_unit_uses_it():
     assert "CP" not in plan_markdown(plain).split("\n")[2]
     assert "CP" in [c.header for c in plan_tables_stacked(with_cp)[0].columns]
     assert "llm tp 1 cp 2 dp" in baseline_layout(with_cp)
+
+
+def _long_video(vit_cp: str) -> ir.Program:
+    """The 128K spec with its ViT reading each sample's video as one clip (2-frame
+    patches, Qwen2-VL style: 64 to 128 frames of 1024 patches, 32K to 64K rows), Ulysses
+    on the ViT, and ``vit_cp`` its cp constraint."""
+    text = spec_text("mllm_72b_128k")
+    for old, new in (
+            ("encoder vit (image) {", "encoder vit (video) {"),
+            ("patch=14)", "patch=14, temporal_patch=2)\n    context_parallel = ulysses"),
+            ("    compress = pixel_shuffle(2)", "    # no compress"),
+            ("  image.count   ~ choice([96, 192, 256], p=[0.3, 0.4, 0.3])\n"
+             "  image.patches ~ 1024",
+             "  video.count   ~ constant(1)\n"
+             "  video.frames  ~ choice([64, 96, 128], p=[0.3, 0.4, 0.3])\n"
+             "  video.patches ~ 1024"),
+            ("cp(llm)   in {1, 2, 4, 8}", f"cp(llm)   in {{1, 2, 4, 8}}\n  {vit_cp}")):
+        assert old in text, old
+        text = text.replace(old, new)
+    return _program(text)
+
+
+def test_the_planner_splits_a_long_video_encoders_clips_where_it_pays():
+    cost = build_cost_model(_long_video("cp(vit) in {1, 2, 4, 8}"))
+    assert any(c["vit"] > 1 for _, c in cp_choices(cost))
+    p = plan(cost, compare_baseline=False)
+    assert p.unit("vit").cp > 1
+    _tiles(p)
+    assert not [d for d in runtime_support(cost.program, p) if d.code == "DT601"]
+    pinned = plan(build_cost_model(_long_video("cp(vit) == 1")), compare_baseline=False)
+    assert pinned.unit("vit").cp == 1
+    assert p.iteration_time_s < pinned.iteration_time_s
+
+
+def test_the_planner_never_splits_a_generator():
+    # cp(*) allows it everywhere; the runtime refuses a generator's (DT601).
+    cost = build_cost_model(_program(spec_text("tiny_cpu").replace(
+        *("  tp(*) in {1, 2}\n", "  tp(*) in {1, 2}\n  cp(*) in {1, 2}\n"))))
+    choices = [c for _, c in cp_choices(cost)]
+    assert {c["gen"] for c in choices} == {1}
+    assert {(c["vit"], c["llm"]) for c in choices} == {(1, 2), (2, 1), (2, 2)}
+
+
+def test_a_cp_constraint_without_1_is_kept():
+    # cp(vit) == 2: the cost model's own cp 1 is no candidate (nor is co-location, whose
+    # encoders run whole on the backbone's ranks); the ViT gets GPUs of its own at cp 2.
+    program = _program(spec_text("tiny_cpu").replace(*("  tp(*) in {1, 2}\n",
+                                                       "  tp(*) in {1, 2}\n  cp(vit) == 2\n")))
+    p = plan(build_cost_model(program), 4, compare_baseline=False)
+    assert p.unit("vit").cp == 2 and p.placement == "disaggregated"
+    _tiles(p)
+    assert not [d for d in runtime_support(program, p) if d.code == "DT601"]

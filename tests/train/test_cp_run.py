@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan
@@ -128,7 +129,8 @@ def test_memcheck_replays_a_cp_stage_at_its_shard():
 
 
 @pytest.mark.slow
-def test_a_compiled_cp_bundle_dry_runs_and_trains_as_the_reference(tmp_path):
+@pytest.mark.parametrize("unit", ["llm", "vit"])
+def test_a_compiled_cp_bundle_dry_runs_and_trains_as_the_reference(tmp_path, unit):
     import json
     from pathlib import Path
 
@@ -139,15 +141,16 @@ def test_a_compiled_cp_bundle_dry_runs_and_trains_as_the_reference(tmp_path):
     root = Path(__file__).resolve().parents[2]
     text = (root / "specs" / "tiny_cpu.dt").read_text()
     spec = tmp_path / "tiny_cp.dt"
-    spec.write_text(text.replace("  tp(*) in {1, 2}\n", "  tp(*) in {1, 2}\n  cp(llm) == 2\n"))
+    spec.write_text(text.replace("  tp(*) in {1, 2}\n",
+                                 f"  tp(*) in {{1, 2}}\n  cp({unit}) == 2\n"))
     bundle = tmp_path / "bundle"
     assert cli.main(["compile", str(spec), "-o", str(bundle), "--synthetic",
                      "--workers", "0"]) == 0
     plan = json.loads((bundle / "plan.json").read_text())
-    assert {u["name"]: u["cp"] for u in plan["units"]}["llm"] == 2
+    assert {u["name"]: u["cp"] for u in plan["units"]}[unit] == 2
     report = dryrun.dry_run(bundle)
     assert report.ok, report.problems
-    assert any("llm.cp" in c.groups for c in report.ranks)
+    assert any(f"{unit}.cp" in c.groups for c in report.ranks)
     run_dir = tmp_path / "run"
     launch_ok(bundle, run_dir, "--steps", "2")
     ref = tmp_path / "reference.jsonl"
@@ -169,3 +172,139 @@ def test_local_sgd_beside_context_parallelism_is_refused():
     assert not [d for d in runtime_support(program, plan) if d.code == "DT601"]
     found = [d for d in runtime_support(local, plan) if d.code == "DT601"]
     assert len(found) == 1 and "local_sgd beside context parallelism" in found[0].message
+
+
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+def test_encoder_context_parallel_matches_the_reference(method):
+    # The encoder unit shards each image's patch rows over its 2 CP ranks and gathers
+    # them whole before the projector; its leader sends the backbone what it gets at cp 1.
+    program = spec(8)
+    plan = plan_for(program, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, 1, 1),
+                    ("gen", "generator", 1, 1, 1))
+    check(*with_cp(program, plan, 2, method, name="vit"))
+
+
+def _encoder_at_cp(rank: int, world: int, cls: bool) -> None:
+    """The tiny spec's ViT on two groups of images (9 and 16 rows, or 10 and 17 with a
+    class token: padding to 2 x cp chunks in three of them),
+    whole in this process and sharded over ``world`` CP ranks (ring, then Ulysses), each
+    image bidirectional within itself: outputs and parameter gradients (summed over the
+    CP ranks, as the DP x CP reduction sums them) equal the whole tower's."""
+    import torch.distributed as dist
+
+    from dtdsl.models.multimodal import encoder_input, encoder_layers, encoder_output
+    from dtdsl.models.transformer import Encoder
+    from dtdsl.parallel.cp import CPGroup, gather_sequence
+    from dtdsl.train.cp_run import encoder_context
+
+    arch = spec(8).module("vit").arch
+    if cls:     # CLIP's tower: a class token, learned positions (bicubic to each grid)
+        arch = arch.model_copy(update={"cls_token": True, "positions": "learned",
+                                       "image_size": 32})
+    enc = Encoder(arch)
+    g = torch.Generator().manual_seed(0)
+    for p in enc.parameters():      # every rank the same weights
+        p.data = torch.randn(p.shape, generator=g) * 0.2
+    groups = [torch.randn(3, n, arch.patch_dim, generator=g) for n in (9, 16)]
+    grids = [(3, 3), (4, 4)]
+    seeds = [torch.randn(3, n, arch.hidden, generator=g) for n in (9, 16)]
+
+    def run(shards: CPGroup | None) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+        enc.zero_grad()
+        xs = encoder_input(enc, groups, grids)
+        if shards is None:
+            ys = encoder_layers(enc, xs)
+        else:
+            lengths = [x.shape[1] for x in xs]
+            xs = [shards.shard(x) for x in xs]
+            ys = encoder_layers(enc, xs, cp=[encoder_context(shards, 3, n, x.device)
+                                             for x, n in zip(xs, lengths, strict=True)])
+            ys = [gather_sequence(y, shards, n) for y, n in zip(ys, lengths, strict=True)]
+        outs = encoder_output(enc, ys)
+        # Every CP rank holds the whole output and its loss: 1 / cp of the gradient each.
+        scale = 1.0 if shards is None else 1.0 / shards.size
+        loss = sum((o * s).sum() for o, s in zip(outs, seeds, strict=True)) * scale
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in enc.named_parameters() if p.grad is not None}
+        if shards is not None:
+            for t in grads.values():
+                dist.all_reduce(t)
+        return [o.detach() for o in outs], grads
+
+    want, want_grads = run(None)
+    assert set(want_grads) == {n for n, _ in enc.named_parameters()}
+    for method in ("ring", "ulysses"):
+        group = dist.new_group(list(range(world)))
+        got, got_grads = run(CPGroup(method=method, size=world, rank=rank, group=group))
+        for o, w in zip(got, want, strict=True):
+            assert o.shape == w.shape
+            assert torch.allclose(o, w, rtol=1e-4, atol=1e-5), (method, (o - w).abs().max())
+        assert set(got_grads) == set(want_grads)
+        for name, w in want_grads.items():
+            err = (got_grads[name] - w).abs().max().item()
+            assert err <= 1e-4 * max(1.0, w.abs().max().item()), (method, name, err)
+
+
+@pytest.mark.parametrize("cls", [False, True])
+def test_encoder_cp_attention_equals_the_whole_tower(cls):
+    run(_encoder_at_cp, 2, cls, timeout=120)
+
+
+def test_encoder_context_parallel_with_a_pipeline():
+    # The encoder's stage s CP rank r sends its shards of each group to stage s+1's CP
+    # rank r; its last stage gathers them whole.
+    program = spec(8)
+    plan = plan_for(program, ("vit", "encoder", 1, 1, 2), ("llm", "backbone", 1, 1, 1),
+                    ("gen", "generator", 1, 1, 1))
+    check(*with_cp(program, plan, 2, "ring", name="vit"), steps=4)
+
+
+def test_memcheck_replays_an_encoder_cp_stage_at_its_shard():
+    # Each CP rank of the encoder's stages holds its shard of every image's rows (the
+    # first stage embeds them whole, the last gathers them whole for the projector).
+    from dtdsl.train.memplan import check_memory
+
+    def vit(cp: int) -> dict[int, float]:
+        program = spec(8)
+        plan = plan_for(program, ("vit", "encoder", 1, 1, 2), ("llm", "backbone", 1, 1, 1),
+                        ("gen", "generator", 1, 1, 1))
+        return {s.stage: s.measured_bytes
+                for s in check_memory(*with_cp(program, plan, cp, "ring", name="vit"))
+                if s.unit == "vit"}
+
+    one, two = vit(1), vit(2)
+    for stage in (0, 1):
+        assert two[stage] < 0.9 * one[stage], (stage, one, two)
+
+
+@pytest.mark.parametrize("cp, method, pp", [(2, "ulysses", 1), (2, "ring", 2), (1, "ring", 2)])
+def test_a_video_encoder_at_cp_matches_the_reference(cp, method, pp):
+    # A Qwen2-VL-style clip encoder (2-frame patches: clips of 4 to 27 rows, odd ones
+    # among them) on its own CP ranks beside the image encoder at cp 1; over two stages
+    # the hops carry each CP rank's shards (whole rows, unpadded, at cp 1).
+    from tests.train.modal_specs import tiny_modal
+
+    program = tiny_modal(audio=False, video=True, batch=8)
+    plan = plan_for(program, ("vit", "encoder", 1, 1, 1), ("clip", "encoder", 1, 1, pp),
+                    ("llm", "backbone", 1, 1, 1), ("gen", "generator", 1, 1, 1))
+    check(*with_cp(program, plan, cp, method, name="clip"), steps=4)
+
+
+def test_hybrid_context_parallelism_on_an_encoder():
+    # The ViT over two nodes of two: Ulysses inside a node, the ring across.
+    program = spec(8)
+    plan = plan_for(program, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, 1, 1),
+                    ("gen", "generator", 1, 1, 1))
+    program, plan = with_cp(program, plan, 4, "hybrid", name="vit")
+    cluster = program.cluster.model_copy(update={"gpus_per_node": 2})
+    program = program.model_copy(update={"cluster": cluster})
+    assert cp_ulysses(program, plan) == {"vit": 2}
+    check(program, plan, steps=4)
+
+
+def test_encoder_context_parallel_with_tensor_parallelism():
+    # TP 2 x CP 2 on the ViT: each TP rank's 2 heads, Ulysses over its CP pair.
+    program = spec(8)
+    plan = plan_for(program, ("vit", "encoder", 2, 1, 1), ("llm", "backbone", 1, 1, 1),
+                    ("gen", "generator", 1, 1, 1))
+    check(*with_cp(program, plan, 2, "ulysses", name="vit"), steps=4)
