@@ -397,7 +397,13 @@ global_batch / micro_batch.
     "DT407": Code("Pipeline parallelism does not fit the layers", """
 A module cannot have more pipeline stages than layers, and with interleaved 1F1B
 each stage holds `virtual_stages` chunks, so pp x virtual_stages must divide the
-layer count.
+layer count. A U-Net generator has one stage: its skip connections join each
+down-level to the up-level at the other end, so every cut between stages would be
+crossed by all the levels above it, and a constraint that rules out pp 1 for it is
+an error.
+
+    generator sd (image) { arch = unet(...) }
+    constraints { pp(sd) == 2 }     # error: allow pp 1
 """),
     "DT410": Code("No layout fits the cluster", """
 The planner found no layout of the modules that fits: some module does not fit

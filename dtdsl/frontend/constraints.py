@@ -259,6 +259,16 @@ class _Resolver:
                            f"stages, but {module.name} has only {layers} layers to split",
                            pp_rules[-1].node.span if pp_rules else _header(module),
                            hint=f"allow pp <= {layers}")
+        if module.arch.kind == "unet" and 1 not in pp.candidates(max(layers, 1)):
+            # Its skip connections join every down-level to the up-level at the other end
+            # of the network: any cut between stages is crossed by all the levels above it.
+            ok = ctx.error(DT407, f"pp({module.name}) allows no single stage, but a U-Net "
+                           f"generator runs on one pipeline stage",
+                           pp_rules[-1].node.span if pp_rules else _header(module),
+                           notes=["a U-Net's skip connections cross every cut between "
+                                  "stages; the planner keeps it on one stage"],
+                           hint=f"allow pp 1: `pp({module.name}) == 1`, or remove the "
+                                "constraint")
         pinned_pp = pp.pinned()
         if pinned_pp and self.train is not INVALID and self.train.schedule == "interleaved":
             chunks = pinned_pp * self.train.virtual_stages

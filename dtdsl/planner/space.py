@@ -92,8 +92,15 @@ class Space:
         return allowed
 
     def pps(self, i: int) -> tuple[int, ...]:
-        """Allowed pipeline depths: at most one stage per layer."""
-        return self.constraints[i].pp.candidates(min(self.units[i].layers, self.num_gpus))
+        """Allowed pipeline depths: at most one stage per layer. A generator gets one stage
+        where its constraints allow it: the planner never plans what the runtime refuses,
+        and the runtime runs a generator on one stage (``codegen.support``, DT601; a U-Net's
+        skip connections cross every cut, and ``frontend.constraints`` refuses a U-Net
+        constraint without pp 1, DT407)."""
+        allowed = self.constraints[i].pp.candidates(min(self.units[i].layers, self.num_gpus))
+        if self.units[i].role == "generator" and 1 in allowed:
+            return (1,)
+        return allowed
 
     def depths(self, i: int, *, dominated: bool = False) -> tuple[int, ...]:
         """The pipeline depths a search tries for unit i: the efficient ones
