@@ -28,6 +28,7 @@ from dtdsl.planner.baseline import (
 )
 from dtdsl.planner.exhaustive import MAX_GPUS as EXHAUSTIVE_MAX_GPUS
 from dtdsl.planner.exhaustive import plan_exhaustive
+from dtdsl.planner.lighten import lightened
 from dtdsl.planner.orchestrate import plan_convex
 from dtdsl.planner.placement import PLACEMENTS, colocated_layouts, colocation_refusal
 from dtdsl.planner.result import Infeasible, PlannerError
@@ -227,7 +228,8 @@ def _placements(cost: CostModel, num_gpus: int | None, search: str, placement: s
             else:
                 plans = [searched] if batches is None else near_plans(priced, searched,
                                                                       estimate)
-                candidates += [("disaggregated", p, priced) for p in plans]
+                # Each unit at the lightest recomputation its layout fits with.
+                candidates += [("disaggregated", *lightened(cost, p, priced)) for p in plans]
         for name in ("colocated", "phased"):
             # Co-located and phased units run on the backbone's ranks, laid out without CP.
             if placement not in ("auto", name) or any(u.cp > 1 for u in priced.units):

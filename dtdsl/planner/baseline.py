@@ -71,16 +71,20 @@ SIMULATED = 2
 
 
 def with_recompute(cost: CostModel, samples: SampleSet | None = None,
-                   mode: ir.Recompute = ir.Recompute.FULL) -> CostModel | None:
+                   mode: ir.Recompute = ir.Recompute.FULL, *,
+                   modes: dict[str, ir.Recompute] | None = None) -> CostModel | None:
     """``cost`` with every module recomputing at least ``mode`` in backward (full: every
-    layer's activations, selective: each layer's attention core); None when the spec
-    already recomputes so much everywhere. ``samples``: the draw ``cost`` was built on,
-    where the caller has it (``build_cost_model``)."""
+    layer's activations, selective: each layer's attention core), or with ``modes``
+    each named module at least its own (the planner's choice per unit); None when the
+    spec already recomputes so much everywhere. ``samples``: the draw ``cost`` was built
+    on, where the caller has it (``build_cost_model``)."""
     program = cost.program
-    if all(ir.Recompute.of(m.recompute).rank >= mode.rank for m in program.modules):
+    wanted = {m.name: mode if modes is None else modes.get(m.name, ir.Recompute.NONE)
+              for m in program.modules}
+    if all(ir.Recompute.of(m.recompute).rank >= wanted[m.name].rank for m in program.modules):
         return None
-    modules = tuple(m if ir.Recompute.of(m.recompute).rank >= mode.rank else
-                    m.model_copy(update={"recompute": mode}) for m in program.modules)
+    modules = tuple(m if ir.Recompute.of(m.recompute).rank >= wanted[m.name].rank else
+                    m.model_copy(update={"recompute": wanted[m.name]}) for m in program.modules)
     return build_cost_model(program.model_copy(update={"modules": modules}), cost.params,
                             profile=cost.profile, samples=samples)
 

@@ -139,13 +139,13 @@ def _pricing(cost: CostModel, plan: Plan) -> CostModel:
         cost = cost.with_cp({u.name: u.cp for u in plan.units})
     if any(u.ep != cost.unit(u.name).ep for u in plan.units):
         cost = cost.with_ep({u.name: u.ep for u in plan.units})
-    raised = [Recompute.of(u.recompute) for u in plan.units
+    raised = {u.name: Recompute.of(u.recompute) for u in plan.units
               if Recompute.of(u.recompute).rank >
-              Recompute.of(cost.program.module(u.name).recompute).rank]
+              Recompute.of(cost.program.module(u.name).recompute).rank}
     if raised:
         from dtdsl.planner.baseline import with_recompute
 
-        return with_recompute(cost, mode=max(raised, key=lambda m: m.rank)) or cost
+        return with_recompute(cost, modes=raised) or cost
     return cost
 
 
