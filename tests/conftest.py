@@ -158,6 +158,41 @@ def shipped_bundle(shipped_plan, tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def planned_compile(tmp_path_factory):
+    """``planned_compile(name)``: the bundle of ``dtc compile specs/<name>.dt --synthetic``
+    with no ``--plan`` (the compile plans for itself), run once per test run and spec text
+    (shared by the xdist workers). Several tests check that such a compile of a paper-scale
+    spec succeeds, and planning it takes most of a minute of CPU: they check the one real
+    run. A compile that fails fails every test that asks, with its output. Shared: read it,
+    never write into it."""
+    import hashlib
+    import io
+    import shutil
+
+    from dtdsl import cli
+
+    def get(name: str) -> Path:
+        spec = ROOT / "specs" / f"{name}.dt"
+        digest = hashlib.sha256(spec.read_bytes()).hexdigest()[:16]
+        with _shared(tmp_path_factory, f"planned_compile_{name}_{digest}") as folder:
+            out = folder / "bundle"
+            if not (folder / "done").exists():
+                shutil.rmtree(folder, ignore_errors=True)   # a compile cut short
+                folder.mkdir(parents=True)
+                said = io.StringIO()
+                with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
+                    code = cli.main(["compile", str(spec), "-o", str(out), "--synthetic"])
+                (folder / "said.txt").write_text(said.getvalue())
+                (folder / "code").write_text(str(code))
+                (folder / "done").touch()
+            code = int((folder / "code").read_text())
+            assert code == 0, (folder / "said.txt").read_text()
+        return out
+
+    return get
+
+
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory) -> Path:
     """The tiny spec's synthetic dataset, indexed (``tests.helpers.bundle.tiny_dataset``):

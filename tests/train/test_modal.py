@@ -371,20 +371,23 @@ def _rank_of(ctx, unit: str) -> int:
 
 
 @pytest.mark.parametrize("spec", ["tiny", "specs/audio_image.dt"])
-def test_audio_image_specs_compile(tmp_path, spec):
+def test_audio_image_specs_compile(tmp_path, spec, planned_compile):
     # The planner co-locates encoders and generators on the backbone's ranks (the tiny
-    # one, one encoder of two): dtc compile writes a bundle for the plan it makes.
+    # one, one encoder of two): dtc compile writes a bundle for the plan it makes. The
+    # shipped spec's compile is run once per test run (``planned_compile``, the same
+    # command) and shared with tests/codegen/test_compile.py.
     from dtdsl import cli
     from tests.train.modal_specs import AUDIO_IMAGE
 
     if spec == "tiny":
         path = tmp_path / "tiny_audio_image.dt"
         path.write_text(AUDIO_IMAGE)
+        assert cli.main(["compile", str(path), "-o", str(tmp_path / "bundle"),
+                         "--synthetic"]) == 0
+        bundle = tmp_path / "bundle"
     else:
-        path = _root() / spec
-    assert cli.main(["compile", str(path), "-o", str(tmp_path / "bundle"),
-                     "--synthetic"]) == 0
-    assert (tmp_path / "bundle" / "launch.sh").exists()
+        bundle = planned_compile(spec.removeprefix("specs/").removesuffix(".dt"))
+    assert (bundle / "launch.sh").exists()
 
 
 def test_two_image_encoders_train_as_the_reference():
