@@ -10,15 +10,20 @@ concrete samples. Draws are reproducible from the seed.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from dtdsl.ir import program as ir
-from dtdsl.ir.modal import InputRule, drawn_tokens
+from dtdsl.ir.layout import layout_of
+from dtdsl.ir.modal import InputRule, drawn_tokens, encoder_inputs
+from dtdsl.ir.sizes import SampleSizes
 
 __all__ = ["ItemSet", "SampleSet", "attention_squares", "backbone_sizes", "draw",
-           "draw_samples", "item_key", "microbatch_lengths", "microbatch_squares", "positions"]
+           "draw_samples", "item_key", "microbatch_lengths", "microbatch_squares", "positions",
+           "sized_samples"]
 
 
 def draw(quantity: ir.Quantity, n: int, rng: np.random.Generator) -> np.ndarray:
@@ -312,3 +317,49 @@ def _draw_documents(program: ir.Program, n: int, rng: np.random.Generator) -> Sa
             items[f"{module.modality}.gen"] = ItemSet(
                 counts=counts, sizes=np.ones(int(counts.sum()), dtype=np.int64))
     return SampleSet(text_tokens=text, items=items)
+
+
+def sized_samples(program: ir.Program, sizes: Sequence[SampleSizes]) -> SampleSet:
+    """The cost model's view of real samples: text tokens, and per encoder modality and
+    generated modality the items' sizes (patches per image, and its tokens in the backbone
+    where the projector compresses them; an audio or video clip's patches,
+    ``ir.modal``; one unit per generated item); of packed sequences also their
+    documents' squared lengths. Keys as the cost model's (``item_key``).
+
+    Torch-free: the telemetry process of a run (``train.launch``) simulates each step's
+    batch from its sizes without importing torch."""
+    rules = encoder_inputs(program)
+    tokens = program.image_tokens()
+    items: dict[str, ItemSet] = {}
+    for module in program.modules:
+        if module.role == "encoder":
+            key = item_key(program, module)
+            if module.name == rules.image:
+                shapes = [hw for sz in sizes for hw in sz.image_shapes]
+                items[key] = ItemSet(
+                    counts=np.array([len(sz.image_shapes) for sz in sizes], dtype=np.int64),
+                    sizes=np.array([math.prod(tokens.grid(h, w)) for h, w in shapes],
+                                   dtype=np.int64),
+                    backbone=None if tokens.compress is None else
+                    np.array([tokens(h, w) for h, w in shapes], dtype=np.int64))
+            else:
+                rule = rules.rule(module.name)
+                per = [sz.inputs.get(module.name, ()) for sz in sizes]
+                compress = rule.image is not None and rule.image.compress is not None
+                items[key] = ItemSet(
+                    counts=np.array([len(p) for p in per], dtype=np.int64),
+                    sizes=np.array([rule.patches(x) for p in per for x in p], dtype=np.int64),
+                    backbone=np.array([rule.tokens(x) for p in per for x in p],
+                                      dtype=np.int64) if compress else None)
+        elif module.role == "generator" and f"{module.modality}.gen" not in items:
+            counts = np.array([sz.gen_counts.get(module.name, 0) for sz in sizes],
+                              dtype=np.int64)
+            items[f"{module.modality}.gen"] = ItemSet(
+                counts=counts, sizes=np.ones(int(counts.sum()), dtype=np.int64))
+    squares = None
+    if any(sz.doc_text is not None for sz in sizes):
+        # Packed sequences: attention is priced per document (``flops.backbone_attention``).
+        squares = np.array([sum(n * n for _, n in layout_of(sz, rules, program.train.seq_len)
+                                .spans) for sz in sizes], dtype=float)
+    return SampleSet(text_tokens=np.array([sz.text_tokens for sz in sizes], dtype=np.int64),
+                     items=items, doc_squares=squares)

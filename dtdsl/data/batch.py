@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -35,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 
-from dtdsl.cost.samples import ItemSet, SampleSet, item_key
+from dtdsl.cost.samples import SampleSet, sized_samples
 from dtdsl.data.sample import join_samples, join_sizes, make_sample, sample_sizes
 from dtdsl.ir import program as ir
 from dtdsl.ir.layout import layout_of, pack
@@ -246,46 +245,10 @@ def normalizer_of(program: ir.Program, sizes: Sequence[SampleSizes]) -> Normaliz
 
 
 def sample_set(program: ir.Program, sizes: Sequence[SampleSizes]) -> SampleSet:
-    """The cost model's view of real samples: text tokens, and per encoder modality and
-    generated modality the items' sizes (patches per image, and its tokens in the backbone
-    where the projector compresses them; an audio or video clip's patches,
-    ``ir.modal``; one unit per generated item); of packed sequences also their
-    documents' squared lengths. Keys as the cost model's (``cost.samples.item_key``)."""
-    rules = _image_tokens(program)
-    tokens = program.image_tokens()
-    items: dict[str, ItemSet] = {}
-    for module in program.modules:
-        if module.role == "encoder":
-            key = item_key(program, module)
-            if module.name == rules.image:
-                shapes = [hw for sz in sizes for hw in sz.image_shapes]
-                items[key] = ItemSet(
-                    counts=np.array([len(sz.image_shapes) for sz in sizes], dtype=np.int64),
-                    sizes=np.array([math.prod(tokens.grid(h, w)) for h, w in shapes],
-                                   dtype=np.int64),
-                    backbone=None if tokens.compress is None else
-                    np.array([tokens(h, w) for h, w in shapes], dtype=np.int64))
-            else:
-                rule = rules.rule(module.name)
-                per = [sz.inputs.get(module.name, ()) for sz in sizes]
-                compress = rule.image is not None and rule.image.compress is not None
-                items[key] = ItemSet(
-                    counts=np.array([len(p) for p in per], dtype=np.int64),
-                    sizes=np.array([rule.patches(x) for p in per for x in p], dtype=np.int64),
-                    backbone=np.array([rule.tokens(x) for p in per for x in p],
-                                      dtype=np.int64) if compress else None)
-        elif module.role == "generator" and f"{module.modality}.gen" not in items:
-            counts = np.array([sz.gen_counts.get(module.name, 0) for sz in sizes],
-                              dtype=np.int64)
-            items[f"{module.modality}.gen"] = ItemSet(
-                counts=counts, sizes=np.ones(int(counts.sum()), dtype=np.int64))
-    squares = None
-    if any(sz.doc_text is not None for sz in sizes):
-        # Packed sequences: attention is priced per document (``flops.backbone_attention``).
-        squares = np.array([sum(n * n for _, n in layout_of(sz, rules, program.train.seq_len)
-                                .spans) for sz in sizes], dtype=float)
-    return SampleSet(text_tokens=np.array([sz.text_tokens for sz in sizes], dtype=np.int64),
-                     items=items, doc_squares=squares)
+    """``cost.samples.sized_samples`` (the cost model's view of real samples) of a program
+    the runtime has data for (``_image_tokens``: ValueError otherwise)."""
+    _image_tokens(program)
+    return sized_samples(program, sizes)
 
 
 def route_batch(plan: Plan, program: ir.Program, sizes: Sequence[SampleSizes],

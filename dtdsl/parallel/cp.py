@@ -662,7 +662,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: CPDocuments
     return out
 
 
-@torch.compiler.disable
+@torch._disable_dynamo     # lazy: dynamo (over a second of CPU) is imported at the first call
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                  docs: torch.Tensor | CPDocuments, method: str = "ring",
                  group: dist.ProcessGroup | None = None, mesh: Any = None,

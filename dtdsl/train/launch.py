@@ -242,8 +242,10 @@ class _Telemetry:
     pipe (``multiprocessing.Queue``): what crosses is pickled, which is safe here because
     both ends are this job's own processes and nothing else can write to the pipe. Per
     step only data crosses: the scalars, the measured timeline, the step's sample sizes
-    (``source.sizes``: no pixel) and routing; never the batch's tensors nor the data
-    source itself (the child needs neither).
+    (``source.sizes``: no pixel) and routing (``data.batch.routing_of``: numpy arrays);
+    never the batch's tensors nor the data source itself (the child needs neither). The
+    child does not import torch (about 1.5 CPU-s a launch): nothing it unpickles or runs
+    needs it (``sim.tensorboard``, ``cost.samples.sized_samples``).
 
     ``put`` only queues. Scalars are never dropped; the measured timeline of a step (and so
     its Gantt charts and prediction) is, when ``MAX_CHARTS_BEHIND`` of them already wait
@@ -260,7 +262,7 @@ class _Telemetry:
         import multiprocessing
 
         ctx = multiprocessing.get_context("spawn")
-        self.source = source
+        self.source, self.plan = source, plan
         self.skipped = 0
         self._failed: str | None = None
         self._closed = False
@@ -307,7 +309,9 @@ class _Telemetry:
             if timeline is not None:
                 self._charts.value += 1
         if timeline is not None:    # what the prediction of this very batch needs
-            sizes, routing = self.source.sizes(step), batch.routing
+            from dtdsl.data.batch import routing_of
+
+            sizes, routing = self.source.sizes(step), routing_of(self.plan, batch.routing)
         self._inbox.put((step, scalars, timeline, sizes, routing))
 
     def close(self) -> None:
@@ -375,14 +379,12 @@ class _TelemetryWork:
                  first_step: int, cost: Any, writer_type: Any = None):
         from dtdsl.reorder.workload import WorkModel
         from dtdsl.sim.simulate import Simulator
-        from dtdsl.sim.tensorboard import TimelineWriter
+        from dtdsl.sim.tensorboard import TimelineWriter, purge_from
 
         if first_step > 0 and (run_dir / "tb").is_dir():
             # Events of the steps that run again are purged from view (TensorBoard reads
             # the files in name order: this one sorts before the writer's below).
-            from torch.utils.tensorboard import SummaryWriter
-
-            SummaryWriter(log_dir=str(run_dir / "tb"), purge_step=first_step).close()
+            purge_from(run_dir / "tb", first_step)
         self.plan, self.program, self.cost = plan, program_ir, cost
         self.writer = (writer_type or TimelineWriter)(run_dir / "tb", prefix=True)
         from dtdsl.report import plan_markdown
@@ -420,13 +422,13 @@ class _TelemetryWork:
 def _prediction(cost: Any, plan: Any, program_ir: Any, simulator: Any, work_model: Any,
                step: int, sizes: Any, routing: Any) -> tuple[Any, dict[str, float]]:
     """The simulator's timeline of the very batch a step trained on (``sizes``: its
-    samples' sizes from the data source, ``routing``: the ``StepSamples`` the run used)
+    samples' sizes from the data source, ``routing``: the run's, ``data.batch.routing_of``)
     and its scalars, which the telemetry writes under ``predicted/``."""
-    from dtdsl.data.batch import routing_of, sample_set
+    from dtdsl.cost.samples import sized_samples
     from dtdsl.sim.run import simulate_routed
 
     r = simulate_routed(cost, plan, simulator, work_model, step,
-                        sample_set(program_ir, sizes), routing_of(plan, routing))
+                        sized_samples(program_ir, sizes), routing)
     return r.result.timeline(step=step), r.scalars()
 
 

@@ -342,6 +342,12 @@ def test_tensorboard_round_trip(tmp_path):
     assert [i.step for i in images] == [0, 1]
     expected = render_gantt(steps[0], width=500)
     assert (images[0].width, images[0].height) == (500, expected.shape[0])
+    import io
+
+    from PIL import Image
+
+    assert (np.asarray(Image.open(io.BytesIO(images[0].encoded_image_string))) ==
+            expected).all()     # the chart's very pixels (a PNG: lossless)
     text_tag = next(t for t in tags["tensors"] if t.startswith("plan"))
     text = acc.Tensors(text_tag)[0].tensor_proto.string_val[0].decode()
     assert "| llm | 8 |" in text
@@ -353,6 +359,24 @@ def test_tensorboard_round_trip(tmp_path):
             "measured/pipeline/bubble/llm.s0"} <= set(tags["scalars"])
     assert [i.step for i in acc.Images("predicted/pipeline/gantt")] == [0]   # gantt_every=2
     assert [i.width for i in acc.Images("measured/pipeline/gantt")] == [400]
+
+
+def test_a_purge_hides_the_steps_a_resumed_run_writes_again(tmp_path):
+    """``purge_from``: what ``train.launch`` writes before a run resumed at a step."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from dtdsl.sim.tensorboard import TimelineWriter, purge_from
+
+    with TimelineWriter(tmp_path) as writer:
+        for step in range(4):
+            writer.add_scalars(step, {"loss": float(step)})
+    purge_from(tmp_path, 2)
+    with TimelineWriter(tmp_path) as writer:
+        writer.add_scalars(2, {"loss": 20.0})
+    acc = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert [(s.step, s.value) for s in acc.Scalars("loss")] == [(0, 0.0), (1, 1.0),
+                                                                (2, 20.0)]
 
 
 def test_trace_overlapping_events_spill_into_lanes():

@@ -12,7 +12,7 @@ import pytest
 
 from dtdsl import cli
 from dtdsl.cost.model import job_cost_model
-from dtdsl.data.batch import LocalBatches, SyntheticSource
+from dtdsl.data.batch import LocalBatches, SyntheticSource, routing_of
 from dtdsl.ir.job import load_job
 from dtdsl.ir.plan import Plan
 from dtdsl.ir.program import Program
@@ -68,7 +68,8 @@ def run_log(tmp_path):
 
 def _started(tb: Path, timeout_s: float = 120.0) -> None:
     """Waits until the telemetry process has opened its TensorBoard file: its start
-    (a Python importing torch) competes for the CPU, which is not what is measured."""
+    (a Python importing this module, and so torch) competes for the CPU, which is not
+    what is measured."""
     deadline = time.monotonic() + timeout_s
     while not list(tb.glob("events.out.tfevents.*")):
         assert time.monotonic() < deadline, "the telemetry process never started"
@@ -82,7 +83,7 @@ def _a_timeline(parts, plan, feed):
 
     cost, program, schedule, source = parts
     return launch._prediction(cost, plan, program, Simulator(schedule), WorkModel(cost), 0,
-                              source.sizes(0), feed.batch(0).routing)[0]
+                              source.sizes(0), routing_of(plan, feed.batch(0).routing))[0]
 
 
 def _result(step: int) -> dict:
@@ -152,3 +153,19 @@ def test_the_telemetry_process_leaves_when_its_trainer_is_gone(tmp_path):
     # It could not start (no plan): reported, not raised.
     kind, text = outbox.get(timeout=10)
     assert kind == "failed" and text.startswith("telemetry could not start")
+
+
+def test_the_telemetry_process_does_not_import_torch(run_log, tmp_path):
+    """Its start is part of every launch (about 1.5 CPU-s for torch alone): the writer, the
+    prediction of a charted step and everything it unpickles are torch-free."""
+    from tests.helpers.telemetry import TorchWatchingWriter
+
+    make, feed, plan, parts = run_log
+    log = make(TorchWatchingWriter)
+    timeline = _a_timeline(parts, plan, feed)
+    for step in range(2):
+        log.step(_result(step), timeline, feed.batch(step), plan)
+    log.close()
+    assert log.telemetry.failed is None
+    assert len((tmp_path / "run" / "timelines.jsonl").read_text().splitlines()) == 2
+    assert (tmp_path / "run" / "torch").read_text() == "False"
