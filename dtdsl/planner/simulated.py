@@ -135,17 +135,18 @@ def _pricing(cost: CostModel, plan: Plan) -> CostModel:
     """``cost``, or where ``plan`` recomputes more than ``cost``'s program (the planner's
     selective or full variant), ``cost`` with that recomputation: the model that priced
     ``plan`` (at its units' context parallelism)."""
-    if any(u.cp != cost.unit(u.name).cp for u in plan.units):
-        cost = cost.with_cp({u.name: u.cp for u in plan.units})
-    if any(u.ep != cost.unit(u.name).ep for u in plan.units):
-        cost = cost.with_ep({u.name: u.ep for u in plan.units})
     raised = {u.name: Recompute.of(u.recompute) for u in plan.units
               if Recompute.of(u.recompute).rank >
               Recompute.of(cost.program.module(u.name).recompute).rank}
     if raised:
         from dtdsl.planner.baseline import with_recompute
 
-        return with_recompute(cost, modes=raised) or cost
+        # First: it builds the model again from the program, units at cp and ep 1.
+        cost = with_recompute(cost, modes=raised) or cost
+    if any(u.cp != cost.unit(u.name).cp for u in plan.units):
+        cost = cost.with_cp({u.name: u.cp for u in plan.units})
+    if any(u.ep != cost.unit(u.name).ep for u in plan.units):
+        cost = cost.with_ep({u.name: u.ep for u in plan.units})
     return cost
 
 

@@ -153,3 +153,19 @@ def test_a_layout_that_does_not_fit_packed_is_compared_with_the_packed_plan():
     assert figures.packed_s == pytest.approx(
         simulate_plan(_pricing(packed_cost, packed_plan), packed_plan, policy=frozenset(),
                       steps=1), rel=1e-12)
+
+
+def test_a_plan_is_priced_at_its_recompute_and_its_context_parallelism(cost):
+    """The model that priced a plan that recomputes where the spec does not and splits a
+    sequence: both at once (recomputation rebuilds the model from the program, whose
+    units are at cp 1, so cp must be applied after it)."""
+    from dtdsl.ir.program import Recompute
+    from dtdsl.planner.simulated import _pricing
+
+    base = plan_convex(cost)
+    units = tuple(u.model_copy(update={"cp": 2, "recompute": "full"})
+                  if u.role == "backbone" else u for u in base.units)
+    priced = _pricing(cost, base.model_copy(update={"units": units}))
+    llm = next(u.name for u in units if u.role == "backbone")
+    assert priced.unit(llm).cp == 2
+    assert priced.unit(llm).recompute is Recompute.FULL
