@@ -367,6 +367,11 @@ _SECOND_IMAGE_ENCODER = _tiny(
      "  projector vit -> llm : mlp(depth=2)\n  projector vit2 -> llm : mlp(depth=2)"),
     ("gpus          = 4", "gpus          = 5"))
 _GENERATOR_PP = _tiny(("  tp(*) in {1, 2}", "  tp(*) in {1, 2}\n  pp(gen) == 2"))
+# A DiT generator pinned to two stages: a valid spec the planner keeps, the runtime refuses.
+_UNET_ARCH = ("    arch = unet(channels=32, mult=[1, 2], res_blocks=1, attn_res=[2], latent=8, "
+              "head_dim=16,\n                context_dim=64, groups=8)")
+_DIT_PP = _tiny((_UNET_ARCH, "    arch = dit(layers=2, hidden=64, heads=4, ffn=128, patch=2, "
+                 "latent=8)"), ("  tp(*) in {1, 2}", "  tp(*) in {1, 2}\n  pp(gen) == 2"))
 _INTERLEAVED = _tiny(("= 1f1b", "= interleaved(virtual_stages=2)"),
                      ("  tp(*) in {1, 2}", "  tp(*) in {1, 2}\n  pp(llm) == 2"))
 
@@ -427,9 +432,22 @@ def test_audio_image_and_a_second_image_encoder_compile(tmp_path, capsys, planne
 
 
 def test_a_generator_on_two_pipeline_stages_is_refused(tmp_path, capsys):
-    err, lines = _unsupported(tmp_path, capsys, _GENERATOR_PP)
-    assert lines == [_line_of(_GENERATOR_PP, "generator gen (image)")]
+    err, lines = _unsupported(tmp_path, capsys, _DIT_PP)
+    assert lines == [_line_of(_DIT_PP, "generator gen (image)")]
     assert "2 pipeline stages" in err and "pp(gen) == 1" in err
+
+
+def test_a_unet_on_two_pipeline_stages_is_refused_when_checked(tmp_path, capsys):
+    """A U-Net's skip connections cross every cut: its constraint is DT407 at check
+    time, before planning; no bundle."""
+    spec = tmp_path / "spec.dt"
+    spec.write_text(_GENERATOR_PP)
+    capsys.readouterr()
+    assert compile_spec(spec, tmp_path / "bundle") == 1
+    err = capsys.readouterr().err
+    assert f"{spec}:{_line_of(_GENERATOR_PP, 'pp(gen) == 2')}:" in err
+    assert "error[DT407]" in err and "DT601" not in err
+    assert not (tmp_path / "bundle").exists()
 
 
 def test_an_interleaved_plan_compiles(tmp_path, capsys):
@@ -484,7 +502,7 @@ def test_the_baseline_plan_is_refused_by_compile_and_simulated(tmp_path, capsys)
     assert report["mean"]["iteration_time_s"] > 0
 
 
-@pytest.mark.parametrize("text", [_SECOND_IMAGE_ENCODER, _GENERATOR_PP])
+@pytest.mark.parametrize("text", [_SECOND_IMAGE_ENCODER, _DIT_PP])
 def test_plan_and_simulate_still_accept_what_compile_refuses(tmp_path, capsys, text):
     spec = tmp_path / "spec.dt"
     spec.write_text(text)
