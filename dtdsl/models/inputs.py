@@ -114,26 +114,34 @@ class PackedImages:
     grids: tuple[tuple[int, int], ...] = ()
 
 
+def _pack(items: Sequence[Sequence[torch.Tensor]],
+          prepare: Callable[[torch.Tensor], torch.Tensor],
+          patchify: Callable[[torch.Tensor], torch.Tensor],
+          grid: Callable[[tuple[int, ...]], tuple[int, ...]]) -> PackedImages:
+    """Every item of ``items`` (one sequence per sample) grouped by shape, in order of
+    first appearance; each group stacked, ``prepare``d and ``patchify``d, its patch grid
+    ``grid(shape)``."""
+    by_shape: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+    for i, sample_items in enumerate(items):
+        for j, item in enumerate(sample_items):
+            by_shape.setdefault(tuple(item.shape), []).append((i, j))
+    groups, owners, grids = [], [], []
+    for shape, members in by_shape.items():
+        groups.append(patchify(prepare(torch.stack([items[i][j] for i, j in members]))))
+        owners.append(tuple(members))
+        grids.append(grid(shape))
+    return PackedImages(groups=tuple(groups), owners=tuple(owners),
+                        counts=tuple(len(s) for s in items), grids=tuple(grids))
+
+
 def pack_images(images: Sequence[Sequence[torch.Tensor]], patch: int,
                 pixels: Callable[[torch.Tensor], torch.Tensor] | None = None) -> PackedImages:
     """Group every image of ``images`` (one sequence per sample) by its patch count, in
     order of first appearance, and patchify each group (``Encoder.patchify``). ``pixels``:
     applied to each group's stacked ``[B, 3, H, W]`` images first (``Pixels``:
     uint8 pixels normalised, one pass per group)."""
-    by_shape: dict[tuple[int, ...], list[tuple[int, int]]] = {}
-    for i, sample_images in enumerate(images):
-        for j, image in enumerate(sample_images):
-            by_shape.setdefault(tuple(image.shape), []).append((i, j))
-    groups, owners, grids = [], [], []
-    for shape, members in by_shape.items():
-        stacked = torch.stack([images[i][j] for i, j in members])
-        if pixels is not None:
-            stacked = pixels(stacked)
-        groups.append(Encoder.patchify(stacked, patch))
-        owners.append(tuple(members))
-        grids.append((shape[-2] // patch, shape[-1] // patch))
-    return PackedImages(groups=tuple(groups), owners=tuple(owners),
-                        counts=tuple(len(s) for s in images), grids=tuple(grids))
+    return _pack(images, pixels or (lambda x: x), lambda x: Encoder.patchify(x, patch),
+                 lambda shape: (shape[-2] // patch, shape[-1] // patch))
 
 
 def pack_items(items: Sequence[Sequence[torch.Tensor]], rule: InputRule,
@@ -143,18 +151,7 @@ def pack_items(items: Sequence[Sequence[torch.Tensor]], rule: InputRule,
     (``pixels`` applied to image groups only), ``grids`` the rule's patch grids."""
     if rule.modality == "image":
         return pack_images(items, rule.patch, pixels)
-    by_shape: dict[tuple[int, ...], list[tuple[int, int]]] = {}
-    for i, sample_items in enumerate(items):
-        for j, item in enumerate(sample_items):
-            by_shape.setdefault(tuple(item.shape), []).append((i, j))
-    groups, owners, grids = [], [], []
-    for shape, members in by_shape.items():
-        stacked = torch.stack([items[i][j] for i, j in members]).float()
-        groups.append(rule.patchify(stacked))
-        owners.append(tuple(members))
-        grids.append(rule.grid(shape))
-    return PackedImages(groups=tuple(groups), owners=tuple(owners),
-                        counts=tuple(len(s) for s in items), grids=tuple(grids))
+    return _pack(items, lambda x: x.float(), rule.patchify, rule.grid)
 
 
 def unpack_images(packed: PackedImages, outputs: Sequence[torch.Tensor],
