@@ -14,8 +14,8 @@ Hub's one tensor per expert (``Source.stack``), or rows of transformers 5's stac
 ``gate_up_proj``/``down_proj`` when a checkpoint holds those. Key prefixes (``model.``,
 ``vision_model.``, a LLaVA's ``language_model.``, a Whisper's ``model.encoder.``) are
 found in the checkpoint (``Checkpoint.prefix_for``). Whisper's stem
-(``patch_embed.conv1``/``conv2``) is its ``conv1``/``conv2``, one to one; its ``embed_positions`` is no dtdsl parameter (the fixed
-sinusoids, ``models.audio``).
+(``patch_embed.conv1``/``conv2``) is its ``conv1``/``conv2``, one to one; its
+``embed_positions`` is no dtdsl parameter (the fixed sinusoids, ``models.audio``).
 
 **Reading** (``Checkpoint``): a directory's ``*.safetensors`` (one file, or shards with
 their ``*.safetensors.index.json``), through ``safe_open``: ``read(key, offsets, shape)``
