@@ -215,9 +215,9 @@ describes a model dtdsl does not build. dtdsl reads `llama`, `mistral`,
 `clip` and `siglip` vision towers (image encoders; a full CLIP or SigLIP
 directory gives its vision tower) and diffusers' `UNet2DConditionModel` of
 Stable Diffusion 1.x/2.x (generators; a pipeline directory gives its `unet/`,
-with the noise schedule of its `scheduler/scheduler_config.json`). The message names what is not supported:
-another `model_type`, a rope scaling or activation dtdsl does not compute,
-SDXL's extra embeddings. A model of the wrong kind for the module's role is
+with the noise schedule of its `scheduler/scheduler_config.json`). The message
+names what is not supported: another `model_type`, a rope scaling or activation
+dtdsl does not compute, SDXL's extra embeddings. A model of the wrong kind for the module's role is
 refused too (a vision tower as the backbone). A generator's `vae = "DIR"` must be
 a diffusers `AutoencoderKL` folder (`DownEncoderBlock2D` blocks, SiLU). Paths are
 relative to the spec's folder.
