@@ -87,6 +87,7 @@ from dtdsl.parallel.p2p import P2P, Received, TensorSpec
 from dtdsl.train import timelines
 from dtdsl.train.clock import StepClock, step_clock
 from dtdsl.train.cp_run import attach_cp, sum_over_cp
+from dtdsl.train.handoff import Handed, PerPeer, Sink, grad_of, last_sends, sinks
 from dtdsl.train.inputs import PassInputs
 from dtdsl.train.optim import LossScale, StageOptimizer, optimizer_step
 from dtdsl.train.passes import Units, stage_run
@@ -97,11 +98,6 @@ from dtdsl.train.stage import Stage, build_stage
 __all__ = ["StageExecutor", "StepRecord", "run_rank", "stage_run"]
 
 _COMM = (ActionKind.SEND_F, ActionKind.SEND_B, ActionKind.RECV_F, ActionKind.RECV_B)
-
-
-class _PerPeer(dict):
-    """Per producing unit (an encoder), its per-sample tensors: a backbone first stage's
-    inputs and their gradients when several encoders feed it."""
 
 
 @dataclass
@@ -149,6 +145,7 @@ class StageExecutor(PhasedEncoder, PassInputs):
         self.vpp, self._chunk = plan.unit(self.role.unit).vpp, 0
         self._grad_chunks = {a.chunk for a in self.actions if a.kind is ActionKind.SEND_B}
         self._fwd_chunks = {a.chunk for a in self.actions if a.kind is ActionKind.SEND_F}
+        self._last_sends = last_sends(self.actions)     # the outbox is dropped after them
         self.trains_in_schedule = any(a.kind is ActionKind.OPT for a in self.actions)
         backwards = [i for i, a in enumerate(self.actions) if a.kind is ActionKind.B]
         self._last_backward = backwards[-1] if backwards else -1
@@ -575,9 +572,11 @@ class StageExecutor(PhasedEncoder, PassInputs):
                 self.micro[key] = _Micro(input_grads=mb.input_grads)
         elif kind is ActionKind.SEND_F:
             self._send(a, j, mb.outbox, _FWD)
+            if index in self._last_sends:
+                mb.outbox = None
         elif kind is ActionKind.SEND_B:
             self._send(a, j, mb.input_grads, _BWD)
-            if isinstance(mb.input_grads, _PerPeer):     # one SEND_B per encoder
+            if isinstance(mb.input_grads, PerPeer):     # one SEND_B per encoder
                 mb.input_grads.pop(a.peer_unit)
                 if mb.input_grads:
                     return
@@ -603,7 +602,7 @@ class StageExecutor(PhasedEncoder, PassInputs):
         elif direction == _FWD:
             self.broker.send_forward(index, self.role.unit, a.peer_unit, payload, self.steps[j])
         else:
-            if isinstance(payload, _PerPeer):   # several encoders: this one's gradients
+            if isinstance(payload, PerPeer):   # several encoders: this one's gradients
                 payload = payload[a.peer_unit]
             self.broker.send_backward(index, a.peer_unit, self.role.unit, payload,
                                       self.steps[j])
@@ -663,11 +662,13 @@ class StageExecutor(PhasedEncoder, PassInputs):
             specs.append(TensorSpec((len(sizes), seq), torch.int64))
         return specs
 
-    def _leaf(self, t: torch.Tensor) -> torch.Tensor:
+    def _leaf(self, t: torch.Tensor, hold: bool = True) -> Any:
         """A received tensor as an autograd leaf (own storage, gradient wanted when this
-        stage sends gradients back)."""
+        stage sends gradients back); not ``hold``: a ``handoff.Sink`` of it."""
         t = t.clone()
-        return t.requires_grad_(True) if self.sends_grad and t.is_floating_point() else t
+        if not (self.sends_grad and t.is_floating_point()):
+            return t
+        return t.requires_grad_(True) if hold else Sink(t)
 
     @property
     def sends_grad(self) -> bool:
@@ -713,9 +714,9 @@ class StageExecutor(PhasedEncoder, PassInputs):
         ys = self.stage.module(packed.groups if xs is None else xs, first=xs is None,
                                grids=packed.grids, chunk=self._chunk, **extra)
         if self._last:
-            outs = unpack_images(packed, ys, width=self._width)
-            mb.outputs = dict(zip(ids, outs, strict=True))
-            mb.outbox = {i: o.detach() for i, o in mb.outputs.items()}
+            outs = dict(zip(ids, unpack_images(packed, ys, width=self._width), strict=True))
+            mb.outbox = {i: o.detach() for i, o in outs.items()}
+            mb.outputs = {i: Handed(o) for i, o in outs.items()}
         else:
             mb.outputs = ys
             mb.outbox = [y.detach() for y in ys]
@@ -733,8 +734,8 @@ class StageExecutor(PhasedEncoder, PassInputs):
                      if (p := self._hosted_images(samples, n)) is not None}
             # The encoders of their own units: each sample's rows of every one, as
             # autograd leaves per encoder (each gets its own gradients back).
-            leaves = {peer: {i: self._leaf(t[i]) for i in ids}
-                      for peer, t in ((p, q.wait()) for p, q in mb.pending.items())}
+            leaves, slots = sinks({peer: {i: self._leaf(t[i], hold=False) for i in ids}
+                                   for peer, t in ((p, q.wait()) for p, q in mb.pending.items())})
             zero = torch.zeros(0, self._width, dtype=self.dtype, device=self.device)
             # One co-located encoder alone: its packed items; several, or beside received
             # embeddings: per encoder (spliced in ``_run_backbone``).
@@ -767,9 +768,9 @@ class StageExecutor(PhasedEncoder, PassInputs):
             # What SEND_B sends each encoder: its leaves' gradients (none for the phased
             # or co-located encoder, whose backward runs here).
             if len(leaves) > 1 or (leaves and (images is not None or self.stage.phased)):
-                mb.inputs = _PerPeer(leaves)
+                mb.inputs = PerPeer(slots)
             elif leaves:
-                (mb.inputs,) = leaves.values()
+                (mb.inputs,) = slots.values()
             else:
                 mb.inputs = None if images is not None else embeds
             tokens = [to_device(s.tokens, self.device) for s in samples]
@@ -807,8 +808,8 @@ class StageExecutor(PhasedEncoder, PassInputs):
                     self.gen += gen.detach().double()
             if self._chunk in self._fwd_chunks:  # the generators' conditioning
                 conds = conditioning(hidden, [self._layout(i) for i in ids])
-                mb.outputs = dict(zip(ids, conds, strict=True))
-                mb.outbox = {i: c.detach() for i, c in mb.outputs.items()}
+                mb.outbox = {i: c.detach() for i, c in zip(ids, conds, strict=True)}
+                mb.outputs = {i: Handed(c) for i, c in zip(ids, conds, strict=True)}
         else:
             y, targets = out
             mb.outputs = [y]
@@ -857,10 +858,10 @@ class StageExecutor(PhasedEncoder, PassInputs):
             # Per-sample outputs read by other units: sum what every consumer sent.
             for per_sample in received.values():
                 for i, g in per_sample.items():
-                    out = mb.outputs[i]
-                    if out.requires_grad:
-                        tensors.append(out)
-                        grads.append(g)
+                    if mb.outputs[i].requires_grad:     # a ``handoff.Handed``
+                        proxy, seed = mb.outputs[i].seed(g)
+                        tensors.append(proxy)
+                        grads.append(seed)
         elif mb.outputs is not None:
             (got,) = received.values()
             for out, g in zip(mb.outputs, got, strict=True):
@@ -873,16 +874,13 @@ class StageExecutor(PhasedEncoder, PassInputs):
         if not self.sends_grad:
             return
 
-        def grad(x: torch.Tensor) -> torch.Tensor:
-            return x.grad if x.grad is not None else torch.zeros_like(x)
-
-        if isinstance(mb.inputs, _PerPeer):
-            mb.input_grads = _PerPeer({peer: {i: grad(x) for i, x in xs.items()}
+        if isinstance(mb.inputs, PerPeer):
+            mb.input_grads = PerPeer({peer: {i: grad_of(x) for i, x in xs.items()}
                                        for peer, xs in mb.inputs.items()})
         elif isinstance(mb.inputs, dict):
-            mb.input_grads = {i: grad(x) for i, x in mb.inputs.items()}
+            mb.input_grads = {i: grad_of(x) for i, x in mb.inputs.items()}
         else:
-            mb.input_grads = [grad(x) for x in mb.inputs]
+            mb.input_grads = [grad_of(x) for x in mb.inputs]
         if self._cp is not None and self._first:
             sum_over_cp(mb.input_grads, self._cp)
 
