@@ -435,10 +435,19 @@ class CostModel:
         static = static + self._recompute_bytes(unit, tp, share)
         if unit.role == "backbone":     # the LM head's logits, where it is the first stage
             static = static + np.where(np.asarray(pp) == 1, self.logits_bytes(tp, unit.cp),
-                                       0.0)
+                                       0.0) + self.embedding_bytes()
         # One microbatch in flight may be a large one; the others are average (the sum of
         # several is far less skewed than one).
-        return static + chunk * per_layer * (1 + (count - 1) / unit.act_peak_ratio)
+        first = static + chunk * per_layer * (1 + (count - 1) / unit.act_peak_ratio)
+        if not unit.last_stage_act_bytes:
+            return first
+        # The last stage keeps more per microbatch (an encoder's projector), with fewer in
+        # flight: the heavier of the two (its parameters priced as the first's).
+        pp = np.asarray(pp)
+        held = microbatches if program.train.schedule == "gpipe" else np.minimum(
+            np.asarray(depth) - pp + 1, microbatches)
+        kept = np.ceil(unit.layers / pp) * per_layer + self._last_stage_bytes(unit, tp, share)
+        return np.maximum(first, static + kept * (1 + (held - 1) / unit.act_peak_ratio))
 
     def stage_memory_bytes(self, unit: UnitCost, *, tp: int, pp: int, dp: int, vpp: int,
                            stage: int, layers: int, depth: int, microbatches: int,
@@ -477,8 +486,19 @@ class CostModel:
         head = 0.0
         if unit.role == "backbone" and stage == pp - 1:
             head = float(self.logits_bytes(tp, unit.cp))
+        if unit.role == "backbone" and stage == 0:
+            head += self.embedding_bytes()
+        if stage == pp - 1:
+            per_layer = per_layer + self._last_stage_bytes(unit, tp, share) / max(layers, 1)
         return float(static + head +
                      layers * per_layer * (1 + (count - 1) / unit.act_peak_ratio))
+
+    @staticmethod
+    def _last_stage_bytes(unit: UnitCost, tp, share: float):
+        """What the last stage keeps per large microbatch outside its layers (an
+        encoder's projector: on whole rows, gathered over CP before it)."""
+        whole = unit.last_stage_act_bytes - unit.last_stage_act_bytes_tp_split
+        return (whole + unit.last_stage_act_bytes_tp_split / np.asarray(tp)) * share
 
     def _expert_optimizer_bytes(self, unit: UnitCost, layers, tp, dp):
         """What the optimizer state of ``layers`` layers' experts adds on a rank under
@@ -499,6 +519,16 @@ class CostModel:
         """With recomputation, the one layer whose activations backward makes again."""
         whole = unit.recompute_layer_bytes - unit.recompute_layer_bytes_tp_split
         return (whole + unit.recompute_layer_bytes_tp_split / np.asarray(tp)) * share / unit.cp
+
+    def embedding_bytes(self) -> float:
+        """What the backbone's first stage holds in a microbatch's backward beyond its
+        layers: every TP and CP rank embeds the whole microbatch
+        (``models.multimodal.backbone_input``) and keeps its piece, so the embedding's
+        backward meets the whole sequence's gradient (bf16) and its fp32 copy, which the
+        embedding's weight gradient is accumulated from: 6 bytes per element."""
+        train = self.program.train
+        return float(train.micro_batch * train.seq_len * self.program.backbone.arch.hidden
+                     * (_BYTES_BF16 + _BYTES_FP32))
 
     def logits_bytes(self, tp, cp: int = 1) -> float:
         """What the backbone's LM head holds at its peak: one chunk of its loss

@@ -93,6 +93,8 @@ class UnitCost:
                                      # image tokens) or generation targets (generator)
     recompute_layer_bytes: float = 0.0       # with recompute: one layer's activations, made
     recompute_layer_bytes_tp_split: float = 0.0  # again in backward (and what TP divides)
+    last_stage_act_bytes: float = 0.0        # kept on the last stage outside the layers
+    last_stage_act_bytes_tp_split: float = 0.0   # (an encoder's projector), like act_bytes
     selective_work: flops.Work = flops.Work()  # of fwd_work, the attention cores' (what
                                      # selective recomputation runs again in backward)
     tied_head_params: float = 0.0    # a tied LM head: the embedding again on the last stage
@@ -279,6 +281,7 @@ class _Acc:
     peak_items: float = 0.0       # a large microbatch's tokens or generation targets
     act: float = 0.0
     act_split: float = 0.0
+    last_act: tuple[float, float] = (0.0, 0.0)   # UnitCost.last_stage_act_bytes, _tp_split
     act_tokens: float = 0.0       # tokens whose layer inputs recomputation keeps
     core: float = 0.0             # what a layer's attention cores alone keep (selective
                                   # recomputation drops it), like act
@@ -398,11 +401,20 @@ def _encoder_cost(acc: _Acc, program: ir.Program, module: ir.Module, samples: Sa
     # compresses them (``ir.program.ImageTokens``); its MLP runs on those.
     mean_out = float(items.backbone_tokens().mean()) * mb
     images = float(items.counts.mean()) * mb
+    # What the last stage keeps of a large microbatch outside the layers (which full
+    # recomputation does not redo): the post-norm's input, and each projector's linear
+    # maps' inputs and activations' inputs, on the rows its MLP runs on (whole on every
+    # TP rank: the projector is replicated over the encoder's TP, ``add_projector``).
+    peak_out = peak * mean_out / max(float(tokens.mean()) * mb, 1.0)
+    kept = peak * arch.hidden * _BYTES_BF16 if arch.post_norm else 0.0
     for proj in program.projectors:
         if proj.source == module.name:
             acc.add_projector(proj, mean_out, upstream=not module.frozen,
                               compression=flops.compression_forward(proj, mean_patches,
                                                                     images))
+            kept += peak_out * (proj.arch.in_dim + 2 * (proj.arch.depth - 1) *
+                                proj.arch.hidden) * _BYTES_BF16
+    acc.last_act = (kept, 0.0)
     return mean_out * program.backbone.arch.hidden * _BYTES_BF16
 
 
@@ -494,7 +506,10 @@ def _unit_cost(program: ir.Program, module: ir.Module, samples: SampleSet,
         # Full recomputation keeps only each layer's input; backward redoes the forward,
         # one layer at a time: that layer's activations exist again while it runs.
         recompute_layer = (acc.act, acc.act_split)
-        acc.act, acc.act_split = acc.act_tokens * acc.width * _BYTES_BF16, 0.0
+        kept = acc.act_tokens * acc.width * _BYTES_BF16
+        # A backbone's layer input is its TP rank's piece of the sequence (sequence
+        # parallelism, ``parallel.tp``): TP divides it; an encoder's is whole on every rank.
+        acc.act, acc.act_split = kept, kept if module.role == "backbone" else 0.0
     elif mode is ir.Recompute.SELECTIVE:
         # Selective: each layer keeps all but its attention cores' own tensors, made again
         # one layer at a time in backward.
@@ -513,6 +528,7 @@ def _unit_cost(program: ir.Program, module: ir.Module, samples: SampleSet,
         first_stage_params=min(acc.first, acc.params), peak_items=acc.peak_items,
         recompute_layer_bytes=recompute_layer[0],
         recompute_layer_bytes_tp_split=recompute_layer[1], tied_head_params=acc.tied,
+        last_stage_act_bytes=acc.last_act[0], last_stage_act_bytes_tp_split=acc.last_act[1],
         model_attention_flops=acc.model_attention, tp_synced_params=acc.synced,
         tp_synced_extra_params=acc.synced_extra, cp_method=module.context_parallel,
         cp_tokens=acc.cp[0], cp_q_width=acc.cp[1], cp_kv_width=acc.cp[2],

@@ -59,11 +59,12 @@ def test_the_128k_spec_needs_cp_and_plans_with_it():
     llm = p.unit("llm")
     assert llm.cp > 1
     _tiles(p)
-    # Pinned to cp 1, nothing fits: one 128K-token sample's activations are too large.
+    # Pinned to cp 1, a 128K-token sample fits only on a shallow pipeline of the widest
+    # TP, recomputing: a far slower step.
     text = spec_text("mllm_72b_128k").replace("cp(llm)   in {1, 2, 4, 8}", "cp(llm) == 1")
-    with pytest.raises(Infeasible) as err:
-        plan(build_cost_model(_program(text)), compare_baseline=False)
-    assert "`cp(llm) in {1, 2, 4, 8}`" in err.value.hint
+    pinned = plan(build_cost_model(_program(text)), compare_baseline=False)
+    assert pinned.unit("llm").cp == 1
+    assert pinned.iteration_time_s > 1.3 * p.iteration_time_s
 
 
 def test_the_128k_plan_is_priced_at_its_cp():

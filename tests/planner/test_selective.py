@@ -68,7 +68,7 @@ def _searched(cost, mode: ir.Recompute | None):
 
 
 def test_selective_is_chosen_where_it_fits_and_costs_less_than_full():
-    cost = _cost(74)
+    cost = _cost(77)
     assert _searched(cost, None) is None            # memory forces recomputation
     selective = _searched(cost, ir.Recompute.SELECTIVE)
     full = _searched(cost, ir.Recompute.FULL)
@@ -91,7 +91,7 @@ def test_full_is_chosen_where_only_it_fits():
 
 
 def test_no_recomputation_where_the_layout_fits_without():
-    chosen = plan(_cost(76), 2, compare_baseline=False)
+    chosen = plan(_cost(80), 2, compare_baseline=False)
     assert [u.recompute for u in chosen.units] == [ir.Recompute.NONE]
 
 

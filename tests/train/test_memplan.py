@@ -98,7 +98,10 @@ def test_cli_json(capsys):
 
 @pytest.mark.slow
 # llava_sd: architectures read from Hugging Face configs (CLIP, Llama 3.1, the SD 2.1 U-Net).
-@pytest.mark.parametrize("name", ["mllm_9b", "mllm_15b", "mllm_72b", "llava_sd"])
+# mllm_72b_128k: context parallelism on the backbone (cp 8), full recomputation, a video
+# tower whose projector keeps a 128K-token sample's rows.
+@pytest.mark.parametrize("name", ["mllm_9b", "mllm_15b", "mllm_72b", "llava_sd",
+                                  "mllm_72b_128k"])
 def test_paper_scale_plans_match_the_memory_model(name, capsys, shipped_plan):
     # the plan memcheck would make (`dtc plan`'s), planned once a test process
     plan = shipped_plan(name)
