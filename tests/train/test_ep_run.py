@@ -17,6 +17,7 @@ from dtdsl.ir.plan import Plan
 from dtdsl.models.moe import MoE
 from dtdsl.parallel.ep import ExpertParallelMoE
 from dtdsl.parallel.mesh import build_groups, ep_lines, rank_groups, role_of
+from dtdsl.parallel.tp import local_tensor
 from dtdsl.schedule.lower import lower
 from dtdsl.train.executor import StageExecutor
 from dtdsl.train.reference import train_reference
@@ -36,8 +37,8 @@ def with_ep(plan: Plan, ep: int) -> Plan:
     return plan.model_copy(update={"units": units})
 
 
-def ep_plan(p: ir.Program, dp: int, pp: int, ep: int) -> Plan:
-    return with_ep(plan_for(p, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, dp, pp),
+def ep_plan(p: ir.Program, dp: int, pp: int, ep: int, tp: int = 1) -> Plan:
+    return with_ep(plan_for(p, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", tp, dp, pp),
                             ("gen", "generator", 1, 1, 1)), ep)
 
 
@@ -112,7 +113,14 @@ def _train(rank: int, world: int, p: ir.Program, plan: Plan, want: list[dict],
         assert math.isclose(r["grad_norm"], w["grad_norm"], rel_tol=1e-4), (r, w)
     role = ex.role
     blocks = [m for m in ex.stage.module.modules() if isinstance(m, MoE)]
-    if role.unit == "llm":
+    tp = plan.unit("llm").tp
+    if role.unit == "llm" and tp > 1:
+        # Each expert's columns split over TP: a DTensor of the full tensor, its block here.
+        for b in blocks:
+            assert b.tp_mesh is not None and b.w1.placements[-1].dim == 1
+            assert local_tensor(b.w1).shape[1] == 64 // tp
+            assert local_tensor(b.w2).shape[2] == 64 // tp
+    if role.unit == "llm" and plan.unit("llm").ep > 1:
         ep = plan.unit("llm").ep
         assert blocks and all(isinstance(b, ExpertParallelMoE) for b in blocks)
         mine = ep_lines(role, ep)["ep"].index(rank)
@@ -122,8 +130,7 @@ def _train(rank: int, world: int, p: ir.Program, plan: Plan, want: list[dict],
             # The experts' FSDP2 shard over the expert DP group only (ZeRO-1), or their
             # copy on each of its ranks (ZeRO 0).
             shards = edp if p.train.mesh_zero else 1
-            assert b.w1.to_local().shape[0] * shards == 4 // ep
-            assert b.w1.device_mesh.size() == edp
+            assert local_tensor(b.w1).shape[0] * shards == 4 // ep
             dropped = int(b.dropped_slots)
             assert (dropped > 0) == capacity, dropped
             # The group's drops, the same on every rank of the EP group.
@@ -178,6 +185,15 @@ def test_expert_parallel_with_pipeline_matches_the_reference():
     plan = colocate(p, ep_plan(p, 2, 2, 2), "vit", "gen")
     assert plan.gpus_used == 4
     check_ep(p, plan, steps=STEPS)
+
+
+def test_tp_inside_the_experts_matches_the_reference():
+    # tp 2 (sequence parallelism; every expert's columns split), dp 2 on 4 ranks, the
+    # encoder and generator co-located: every rank routes the whole sequence.
+    p = moe_spec(args=ARGS)
+    plan = colocate(p, ep_plan(p, 2, 1, 1, tp=2), "vit", "gen")
+    assert plan.gpus_used == 4
+    check_ep(p, plan)
 
 
 def _phase(rank: int, world: int, p: ir.Program, plan: Plan, run_dir: str, steps: int,
