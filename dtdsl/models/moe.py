@@ -257,6 +257,10 @@ class MoE(nn.Module):
     # Tensor parallelism inside the block (``parallel.tp.parallelize_moe``): the TP mesh,
     # None without it (module docstring, "Tensor parallelism").
     tp_mesh: Any = None
+    # The stacked experts' TP mesh where it is not ``tp_mesh``: under expert parallelism
+    # the expert DP mesh's (``parallel.mesh.ExpertGroups.tp_mesh``, same ranks), as
+    # FSDP2 shards them over that mesh.
+    experts_tp_mesh: Any = None
 
     def __init__(self, config: MoEConfig, *, first_expert: int = 0,
                  local_experts: int | None = None):

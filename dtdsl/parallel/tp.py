@@ -57,8 +57,12 @@ def _blocks(module: nn.Module) -> Iterator[tuple[str, nn.Module, list[tuple[str,
     from dtdsl.models.moe import MoE
     from dtdsl.models.unet import GEGLU
 
+    moe = []        # an MoE block's shared expert is counted with the block
     for name, block in module.named_modules():
+        if any(name.startswith(f"{m}.") or not m for m in moe):
+            continue
         if isinstance(block, MoE):
+            moe.append(name)
             cfg = block.config
             yield name, block, [("expert FFN columns", cfg.ffn)] + (
                 [("shared expert columns", cfg.shared_ffn)] if cfg.shared_ffn else [])
@@ -184,7 +188,8 @@ def parallelize_moe(block: nn.Module, tp_mesh: Any) -> None:
     shared expert likewise, the router and the shared expert's gate replicated, all as
     DTensors of their full tensors (made without a collective: on the meta device, or
     from the same values on every rank); the block then gathers the sequence and
-    reduce-scatters its output itself (``MoE.tp_mesh``)."""
+    reduce-scatters its output itself (``MoE.tp_mesh``). The stacked experts go on
+    ``block.experts_tp_mesh`` where the stage set one (expert parallelism)."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     for (path, attr), dim in _MOE_SPLITS.items():
@@ -195,7 +200,10 @@ def parallelize_moe(block: nn.Module, tp_mesh: Any) -> None:
         if param is None:
             continue
         placement = Replicate() if dim is None else Shard(dim)
-        dt = distribute_tensor(param.detach(), tp_mesh, [placement], src_data_rank=None)
+        mesh = tp_mesh
+        if attr in ("w1", "w3", "w2") and not path and block.experts_tp_mesh is not None:
+            mesh = block.experts_tp_mesh
+        dt = distribute_tensor(param.detach(), mesh, [placement], src_data_rank=None)
         setattr(owner, attr, nn.Parameter(dt, requires_grad=param.requires_grad))
     block.tp_mesh = tp_mesh
 

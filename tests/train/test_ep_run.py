@@ -187,11 +187,11 @@ def test_expert_parallel_with_pipeline_matches_the_reference():
     check_ep(p, plan, steps=STEPS)
 
 
-def test_tp_inside_the_experts_matches_the_reference():
-    # tp 2 (sequence parallelism; every expert's columns split), dp 2 on 4 ranks, the
-    # encoder and generator co-located: every rank routes the whole sequence.
+def test_tp_inside_the_experts_with_pipeline_matches_the_reference():
+    # tp 2 (sequence parallelism; every expert's columns split) and pp 2 on 4 ranks, the
+    # encoder and generator co-located: every TP rank routes the whole sequence.
     p = moe_spec(args=ARGS)
-    plan = colocate(p, ep_plan(p, 2, 1, 1, tp=2), "vit", "gen")
+    plan = colocate(p, ep_plan(p, 1, 2, 1, tp=2), "vit", "gen")
     assert plan.gpus_used == 4
     check_ep(p, plan)
 
@@ -311,5 +311,39 @@ def test_resume_from_experts_sharded_over_their_expert_dp_group(tmp_path):
         r = json.loads(out.read_text())
         assert r["first"] == 2 * i
         got += r["losses"]
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert abs(g - w["loss"]) <= LOSS_TOL, (step, g, w["loss"])
+
+
+def test_resume_from_experts_split_over_tp_and_ep(tmp_path):
+    """tp 2 x ep 2 (dp 2) on 4 ranks for 2 steps (each expert's columns split over TP
+    inside its EP rank: nested Shard(0), Shard(0) on (ep, ep_dp) and its column split on
+    tp in the checkpoint), resumed at tp 1 ep 2 for 2: every step's loss and the final
+    parameters are the reference's."""
+    import json
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from dtdsl.ir.checkpoint import checkpoint_root
+
+    p = moe_spec(args=ARGS)
+    first = colocate(p, ep_plan(p, 2, 1, 2, tp=2), "vit", "gen")
+    then = colocate(p, ep_plan(p, 2, 1, 2), "vit", "gen")
+    assert (first.gpus_used, then.gpus_used) == (4, 2)
+    want, params = reference(p, then, 4, grouped=False)
+    got = []
+    for i, plan in enumerate((first, then)):
+        out = tmp_path / f"{i}.json"
+        run(_phase, plan.gpus_used, p, plan, str(tmp_path), 2, str(out),
+            params if i else None, timeout=240)
+        r = json.loads(out.read_text())
+        assert r["first"] == 2 * i
+        got += r["losses"]
+        if i == 0:
+            meta = FileSystemReader(str(checkpoint_root(tmp_path) / "ckpt-2")).read_metadata()
+            entry = meta.state_dict_metadata["model.units.llm.layers.0.mlp.w1"]
+            assert tuple(entry.size) == (4, 64, 128)
+            assert sorted((c.offsets[0], c.offsets[1]) for c in entry.chunks) == [
+                (0, 0), (0, 32), (2, 0), (2, 32)]
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
         assert abs(g - w["loss"]) <= LOSS_TOL, (step, g, w["loss"])
