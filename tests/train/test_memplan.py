@@ -169,3 +169,17 @@ def test_an_moe_backbone_is_measured_at_ep_1_and_2():
     assert by_ep[2].by_category["optimizer_state"] == by_ep[1].by_category["optimizer_state"]
     assert by_ep[2].by_category["params"] < by_ep[1].by_category["params"]
     assert by_ep[2].predicted_bytes < by_ep[1].predicted_bytes
+
+
+def test_an_moe_backbone_is_measured_at_tp_2_ep_2():
+    # Each expert's columns split over TP inside its EP rank (parallel.tp.parallelize_moe):
+    # weights, gradients and state / tp, the routed rows and routing whole on every TP
+    # rank, the experts' intermediates / tp (cost.unit._moe_block_bytes), in bf16.
+    from tests.helpers.moe import moe_spec
+    from tests.train.test_ep_run import ARGS, ep_plan
+
+    p = moe_spec(args=ARGS)
+    p = p.model_copy(update={"train": p.train.model_copy(update={"precision": "bf16"})})
+    (stage,) = [s for s in check_memory(p, ep_plan(p, 2, 1, 2, tp=2), jobs=1)
+                if s.unit == "llm"]
+    assert abs(stage.error) <= TOLERANCE, (stage.measured_bytes, stage.predicted_bytes)
