@@ -258,7 +258,7 @@ class MoE(nn.Module):
     # None without it (module docstring, "Tensor parallelism").
     tp_mesh: Any = None
     # The stacked experts' TP mesh where it is not ``tp_mesh``: under expert parallelism
-    # the expert DP mesh's (``parallel.mesh.ExpertGroups.tp_mesh``, same ranks), as
+    # the expert DP mesh's (``parallel.mesh.ExpertGroups.mesh["tp"]``, same ranks), as
     # FSDP2 shards them over that mesh.
     experts_tp_mesh: Any = None
 

@@ -227,7 +227,7 @@ def expert_layout(ep: Any, dp_ranks: Sequence[int]) -> Any:
     tensor. Made from the groups there are (no collective, no new group)."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    e, tp = ep.degree, ep.tp_mesh
+    e, tp = ep.degree, ep.mesh["tp"]
     t, index = tp.size(), tp.get_local_rank()
     table = torch.tensor([[r - index + i for i in range(t)] for r in dp_ranks],
                          dtype=torch.int).reshape(-1, e, t).transpose(0, 1).contiguous()

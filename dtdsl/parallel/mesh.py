@@ -607,12 +607,6 @@ class ExpertGroups:
         return dist.get_world_size(self.group)
 
     @property
-    def tp_mesh(self) -> Any:
-        """``mesh``'s TP dimension (the unit's TP group; one rank at tp 1): the mesh of
-        the stacked experts' TP split (``parallel.tp.parallelize_moe``)."""
-        return self.mesh["tp"]
-
-    @property
     def dp_group(self) -> ProcessGroup:
         """The expert DP group: ``mesh``'s DP dimension (ZeRO decides which) of its ranks."""
         return self.mesh["dp_replicate" if self.mesh["dp_replicate"].size() > 1
@@ -763,20 +757,17 @@ def build_groups(plan: Plan, *, device_type: str = "cpu", zero: int = 1,
     mesh = _mesh(role.grid, groups, device_type, zero)
     cp = _cp_groups(plan, role, mine, device_type, ulysses or {})
     phased = _phased_meshes(plan, role, mesh, device_type, zero)
-    tp = mesh.get_group("tp")
-    return ProcessGroups(role=role, mesh=mesh, tp=tp, phased=phased, cp=cp,
-                         ep=_ep_groups(plan, role, mine, device_type, zero, tp))
+    return ProcessGroups(role=role, mesh=mesh, tp=mesh.get_group("tp"), phased=phased, cp=cp,
+                         ep=_ep_groups(plan, role, mine, device_type, zero, mesh["tp"]))
 
 
 def _ep_groups(plan: Plan, role: RankRole, mine: dict[str, tuple[int, ...]],
-               device_type: str, zero: int, tp: ProcessGroup | None = None
-               ) -> ExpertGroups | None:
+               device_type: str, zero: int, tp: Any = None) -> ExpertGroups | None:
     """This rank's ``ExpertGroups`` (None at ep 1), made after every other group: each
     unit with ep > 1 in plan order, its EP groups, then its expert DP groups, so that
     where groups are split from the default group every rank of the job takes part in the
-    same order. ``tp``: the unit's TP group at tp > 1, the experts' mesh's TP dimension
-    (``ExpertGroups.tp_mesh``: FSDP2 shards a TP-split expert over a mesh of the same
-    root as its TP mesh)."""
+    same order. ``tp``: the unit's TP mesh, whose group is the experts' mesh's ``tp`` (their
+    TP split's mesh: FSDP2 wants one root for a parameter's DP and TP meshes)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
@@ -805,7 +796,7 @@ def _ep_groups(plan: Plan, role: RankRole, mine: dict[str, tuple[int, ...]],
     dims = {"pp": _alone(role.rank, f"{role.unit}_ep_pp"),
             "dp_replicate": _alone(role.rank, f"{role.unit}_ep_dpr") if shard else made["ep_dp"],
             "dp_shard": made["ep_dp"] if shard else _alone(role.rank, f"{role.unit}_ep_dps"),
-            "tp": tp if tp is not None and role.grid.tp > 1
+            "tp": tp.get_group() if tp is not None and role.grid.tp > 1
             else _alone(role.rank, f"{role.unit}_ep_tp")}
     n, t = len(lines["ep_dp"]), role.grid.tp if tp is not None else 1
     # Each expert DP rank's TP group: TP is innermost in a unit's ranks (module docstring).

@@ -603,7 +603,7 @@ def _measure_stage(program: ir.Program, plan: Plan, schedule: Schedule, cost: An
         built = build_stage(program, plan, role, mesh, world.device,
                             run=stage_run(role.role), initialize=False, compile=False,
                             phased=meshes, phased_run=stage_run("encoder"),
-                            ep=_expert_groups(plan, role, zero, mesh.get_group("tp")))
+                            ep=_expert_groups(plan, role, zero, mesh["tp"]))
         if grid.cp > 1:
             _attach_cp(program, plan, built, role, world)
         opt = _optimizer(program, plan, built.trainable())

@@ -729,7 +729,7 @@ def _expert_parallel(units: dict[str, nn.Module], plan: Plan, role: RankRole,
     from dtdsl.parallel.ep import apply_ep
 
     for block in apply_ep(units[role.unit], ep.group):
-        block.experts_tp_mesh = ep.tp_mesh      # their TP split's (parallel.tp)
+        block.experts_tp_mesh = ep.mesh["tp"]      # their TP split's (parallel.tp)
     return ep.mesh
 
 
