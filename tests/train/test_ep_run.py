@@ -210,7 +210,8 @@ def _phase(rank: int, world: int, p: ir.Program, plan: Plan, run_dir: str, steps
     logs: list[str] = []
     ckpt = Checkpointer(ex, run_dir, keep=3, mode="sync", log=logs.append)
     first = ckpt.resume()
-    losses = [ex.run_step(step)["loss"] for step in range(first, first + steps)]
+    results = [ex.run_step(step) for step in range(first, first + steps)]
+    losses = [r["loss"] for r in results]
     ckpt.save(first + steps)
     ckpt.close()
     if want is not None:
@@ -220,7 +221,8 @@ def _phase(rank: int, world: int, p: ir.Program, plan: Plan, run_dir: str, steps
             assert err <= PARAM_RTOL * (final - init).norm().item() + 1e-7, (name, err)
             assert err <= PARAM_RMS * final.numel() ** 0.5, (name, err)
     if rank == 0:
-        Path(out).write_text(json.dumps({"first": first, "losses": losses, "logs": logs}))
+        Path(out).write_text(json.dumps({"first": first, "losses": losses, "logs": logs,
+                                         "norms": [r["grad_norm"] for r in results]}))
 
 
 def test_resume_across_a_change_of_ep_degree(tmp_path):
@@ -316,10 +318,11 @@ def test_resume_from_experts_sharded_over_their_expert_dp_group(tmp_path):
 
 
 def test_resume_from_experts_split_over_tp_and_ep(tmp_path):
-    """tp 2 x ep 2 (dp 2) on 4 ranks for 2 steps (each expert's columns split over TP
+    """tp 2 x ep 2 (dp 2) on 4 ranks for 5 steps (each expert's columns split over TP
     inside its EP rank: nested Shard(0), Shard(0) on (ep, ep_dp) and its column split on
-    tp in the checkpoint), resumed at tp 1 ep 2 for 2: every step's loss and the final
-    parameters are the reference's."""
+    tp in the checkpoint), resumed at tp 1 ep 2 for 3: every step's loss and gradient
+    norm (each expert's block counted once) and the final parameters are the
+    reference's."""
     import json
 
     from torch.distributed.checkpoint import FileSystemReader
@@ -330,20 +333,22 @@ def test_resume_from_experts_split_over_tp_and_ep(tmp_path):
     first = colocate(p, ep_plan(p, 2, 1, 2, tp=2), "vit", "gen")
     then = colocate(p, ep_plan(p, 2, 1, 2), "vit", "gen")
     assert (first.gpus_used, then.gpus_used) == (4, 2)
-    want, params = reference(p, then, 4, grouped=False)
-    got = []
-    for i, plan in enumerate((first, then)):
+    want, params = reference(p, then, STEPS, grouped=False)
+    got, norms = [], []
+    for i, (plan, steps) in enumerate(((first, 5), (then, 3))):
         out = tmp_path / f"{i}.json"
-        run(_phase, plan.gpus_used, p, plan, str(tmp_path), 2, str(out),
+        run(_phase, plan.gpus_used, p, plan, str(tmp_path), steps, str(out),
             params if i else None, timeout=240)
         r = json.loads(out.read_text())
-        assert r["first"] == 2 * i
+        assert r["first"] == 5 * i
         got += r["losses"]
+        norms += r["norms"]
         if i == 0:
-            meta = FileSystemReader(str(checkpoint_root(tmp_path) / "ckpt-2")).read_metadata()
+            meta = FileSystemReader(str(checkpoint_root(tmp_path) / "ckpt-5")).read_metadata()
             entry = meta.state_dict_metadata["model.units.llm.layers.0.mlp.w1"]
             assert tuple(entry.size) == (4, 64, 128)
             assert sorted((c.offsets[0], c.offsets[1]) for c in entry.chunks) == [
                 (0, 0), (0, 32), (2, 0), (2, 32)]
-    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+    for step, (g, n, w) in enumerate(zip(got, norms, want, strict=True)):
         assert abs(g - w["loss"]) <= LOSS_TOL, (step, g, w["loss"])
+        assert math.isclose(n, w["grad_norm"], rel_tol=1e-4), (step, n, w["grad_norm"])
