@@ -210,14 +210,14 @@ Unfreeze at least one (typically the projectors and the backbone).
 as `save_pretrained` of `transformers` or `diffusers` writes it: `config.json`
 and `*.safetensors` weights (one file, or shards with their index). The
 directory is missing, has no `config.json`, its config is not valid JSON, or it
-describes a model dtdsl does not build. dtdsl reads `llama`, `mistral` and
-`qwen2` decoders (backbones), `clip` and `siglip` vision towers (image encoders;
-a full CLIP or SigLIP directory gives its vision tower) and diffusers'
-`UNet2DConditionModel` of Stable Diffusion 1.x/2.x (generators; a pipeline
-directory gives its `unet/`, with the noise schedule of its
-`scheduler/scheduler_config.json`). The message names what is not supported:
-another `model_type`, a rope scaling or activation dtdsl does not compute,
-SDXL's extra embeddings. A model of the wrong kind for the module's role is
+describes a model dtdsl does not build. dtdsl reads `llama`, `mistral`,
+`qwen2`, `qwen3`, `qwen2_moe`, `qwen3_moe` and `mixtral` decoders (backbones),
+`clip` and `siglip` vision towers (image encoders; a full CLIP or SigLIP
+directory gives its vision tower) and diffusers' `UNet2DConditionModel` of
+Stable Diffusion 1.x/2.x (generators; a pipeline directory gives its `unet/`,
+with the noise schedule of its `scheduler/scheduler_config.json`). The message
+names what is not supported: another `model_type`, a rope scaling or activation
+dtdsl does not compute, SDXL's extra embeddings. A model of the wrong kind for the module's role is
 refused too (a vision tower as the backbone). A generator's `vae = "DIR"` must be
 a diffusers `AutoencoderKL` folder (`DownEncoderBlock2D` blocks, SiLU). Paths are
 relative to the spec's folder.

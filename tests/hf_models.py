@@ -43,13 +43,16 @@ def randomize(model: torch.nn.Module, seed: int, std: float = 0.2) -> torch.nn.M
 
 def make_decoder(path: Path, family: str = "llama", *, seed: int = 0, layers: int = 4,
                  hidden: int = 64, heads: int = 4, kv_heads: int = 2, ffn: int = 96,
-                 vocab: int = 128, dtype: torch.dtype | None = None, **config: Any) -> Path:
-    """A Llama (3, with rope scaling by default), Mistral or Qwen2 causal LM, stored in
-    ``dtype`` (default fp32)."""
+                 vocab: int = 128, dtype: torch.dtype | None = None,
+                 original_format: bool = True, **config: Any) -> Path:
+    """A Llama (3, with rope scaling by default), Mistral, Qwen2, Qwen3, Qwen2-MoE,
+    Qwen3-MoE or Mixtral causal LM, stored in ``dtype`` (default fp32); MoE experts in the
+    Hub's per-expert layout, or transformers 5's stacked one without ``original_format``."""
     import transformers
 
     quiet()
-    cls = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}[family]
+    cls = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3",
+           "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral"}[family]
     kwargs = dict(hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
                   num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
                   max_position_embeddings=1024)
@@ -62,7 +65,7 @@ def make_decoder(path: Path, family: str = "llama", *, seed: int = 0, layers: in
     model = randomize(getattr(transformers, f"{cls}ForCausalLM")(cfg), seed)
     if dtype is not None:
         model.to(dtype)
-    model.save_pretrained(path)
+    model.save_pretrained(path, save_original_format=original_format)
     return path
 
 

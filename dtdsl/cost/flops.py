@@ -157,6 +157,8 @@ def transformer_layer_params(arch: ir.TransformerArch, role: str = "encoder") ->
         attn += kv              # Whisper's key projection has no bias (``k_bias``)
     if arch.out_bias:
         attn += h
+    if arch.qk_norm:
+        attn += 2 * d           # one RMSNorm weight for the query heads, one for the keys
     mats = 3 if arch.swiglu else 2
     mlp = mats * h * f + ((mats - 1) * f + h if arch.mlp_bias else 0)
     experts, rest = moe_layer_params(arch)

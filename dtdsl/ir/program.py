@@ -77,7 +77,8 @@ class HFSource(IRModel):
     hf("DIR")``). Kept so that ``dtc export`` writes the same kind of model back."""
 
     path: str                  # the directory, absolute
-    family: Literal["llama", "mistral", "qwen2", "clip", "siglip", "unet", "whisper"]
+    family: Literal["llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral",
+                    "clip", "siglip", "unet", "whisper"]
     config: str                # the model's config.json (a CLIP/SigLIP's vision part), JSON
     config_sha256: str         # of the config file as read
     scheduler: str | None = None   # a U-Net's scheduler_config.json, JSON, when there is one
@@ -152,6 +153,9 @@ class TransformerArch(IRModel):
     activation: Literal["silu", "gelu", "gelu_tanh", "quick_gelu"] | None = None
     qkv_bias: bool = False
     out_bias: bool = False          # the attention output projection's bias
+    # Qwen3's QK-norm: an RMSNorm of each query and key head (weights of head_dim, eps
+    # norm_eps) after the projections, before the rotation.
+    qk_norm: bool = False
     mlp_bias: bool = False
     rope: RoPE = RoPE()             # backbones only
     tie_embeddings: bool = False    # backbones: the LM head is the token embedding

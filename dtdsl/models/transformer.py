@@ -93,7 +93,8 @@ class SelfAttention(nn.Module):
 
     def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, *,
                  causal: bool = False, rope: ir.RoPE | None = None, out_bias: bool = False,
-                 qkv_bias: bool = False, k_bias: bool | None = None):
+                 qkv_bias: bool = False, k_bias: bool | None = None,
+                 qk_norm_eps: float | None = None):
         super().__init__()
         if heads % kv_heads:
             raise ValueError(f"{heads} query heads cannot share {kv_heads} KV heads evenly")
@@ -107,6 +108,11 @@ class SelfAttention(nn.Module):
         self.wv = nn.Linear(dim, kv_heads * head_dim, bias=qkv_bias)
         self.wo = nn.Linear(heads * head_dim, dim, bias=out_bias)
         self.wo.residual_out = True
+        # Qwen3's QK-norm (``qk_norm_eps`` given): each head's query and key RMS-normed
+        # over its head_dim before the rotation, one weight shared by all heads.
+        if qk_norm_eps is not None:
+            self.q_norm = nn.RMSNorm(head_dim, eps=qk_norm_eps)
+            self.k_norm = nn.RMSNorm(head_dim, eps=qk_norm_eps)
 
     # Selective recomputation (``parallel.recompute``): the attention core runs under a
     # non-reentrant checkpoint, so what only it keeps is made again in backward.
@@ -136,6 +142,8 @@ class SelfAttention(nn.Module):
         q = self.wq(x).view(batch, seq, -1, d)
         k = self.wk(x).view(batch, seq, -1, d)
         v = self.wv(x).view(batch, seq, -1, d)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rope is not None:
             if isinstance(positions, Rotation):     # the stage's, looked up once
                 q, k = positions.apply(q, k)
@@ -225,7 +233,8 @@ class TransformerLayer(nn.Module):
         self.attn = SelfAttention(h, heads, kv_heads, arch.head_dim, causal=arch.causal,
                                   rope=arch.rope if role == "backbone" else None,
                                   qkv_bias=arch.qkv_bias, out_bias=arch.out_bias,
-                                  k_bias=arch.k_bias)
+                                  k_bias=arch.k_bias,
+                                  qk_norm_eps=arch.eps(role) if arch.qk_norm else None)
         self.mlp_norm = _norm(arch, role)
         # An MoE backbone's MoE layers hold the mixture of experts in the MLP's place
         # (``models.moe``; ``layer``: this layer's index, which says whether it is one).

@@ -138,7 +138,12 @@ def _parallelize_backbone(module: Backbone, tp_mesh: Any) -> None:
     )
 
     for layer in module.layers.values():
+        # QK-norm weights act on this rank's heads ([B, S, heads / tp, D], dimension 2
+        # sharded): replicated, their gradients summed over TP (torchtitan's Qwen3 plan).
+        norm_plan = {f"attn.{n}": SequenceParallel(sequence_dim=2, use_local_output=True)
+                     for n in ("q_norm", "k_norm") if hasattr(layer.attn, n)}
         attn_plan = {
+            **norm_plan,
             "attn_norm": SequenceParallel(use_local_output=True),
             "attn": PrepareModuleInput(input_layouts=(Shard(1), None, None),
                                        desired_input_layouts=(Replicate(), None, None)),

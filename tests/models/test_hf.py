@@ -36,6 +36,21 @@ DECODERS = {
     "mistral-head-dim": ("mistral", dict(head_dim=32, rope_theta=1e6)),
     "qwen2-tied": ("qwen2", dict(tie_word_embeddings=True)),
     "qwen2-mha": ("qwen2", dict(num_key_value_heads=4)),
+    "qwen3-head-dim": ("qwen3", dict(head_dim=24)),
+    # MoE decoders: experts of their own width, Qwen2-MoE's gated shared expert and
+    # dense layers between the MoE ones, Qwen3-MoE's renormalised top-k and QK-norm.
+    "qwen2-moe": ("qwen2_moe", dict(num_experts=4, num_experts_per_tok=2,
+                                    moe_intermediate_size=40,
+                                    shared_expert_intermediate_size=56,
+                                    decoder_sparse_step=2)),
+    "qwen3-moe": ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2,
+                                    moe_intermediate_size=40, norm_topk_prob=True)),
+    "qwen3-moe-stacked": ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2,
+                                            moe_intermediate_size=40,
+                                            original_format=False)),
+    "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "mixtral-stacked": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2,
+                                        original_format=False)),
 }
 
 
@@ -290,3 +305,66 @@ def _span():
     from dtdsl.source import Span
 
     return Span.point(1, 1)
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_an_expert_parallel_rank_reads_only_its_experts(stacked, tmp_path):
+    """A rank holding experts 2 and 3 of 4 reads their tensors (Hub per-expert keys, or
+    rows of transformers 5's stacked ones) and nothing of experts 0 and 1."""
+    from dtdsl.models.hf import checkpoint_prefixes, load_weights
+    from dtdsl.models.moe import MoE, moe_config
+
+    path = make_decoder(tmp_path / "in", "qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                        moe_intermediate_size=40, original_format=not stacked)
+    whole = load_hf(path)
+    arch = whole.arch
+    mine = MoE(moe_config(arch), first_expert=2, local_experts=2)
+    with Checkpoint(path) as ckpt:
+        assert ("experts" in checkpoint_prefixes("qwen3_moe", ckpt)) == stacked
+        report = load_weights(mine, "qwen3_moe", arch, ckpt, prefix="layers.1.mlp")
+    block = whole.layers["1"].mlp
+    for name in ("w1", "w3", "w2"):
+        assert torch.equal(getattr(mine, name), getattr(block, name)[2:4]), name
+    assert torch.equal(mine.router.weight, block.router.weight)
+    experts = 3 * 2 * 40 * 64 * 4
+    assert report.bytes_read == experts + 4 * 64 * 4        # two experts and the router
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_a_spec_written_moe_backbone_exports_as_its_family(family, tmp_path):
+    """An MoE backbone written in the language (no hf()) is written as the Hugging Face
+    family whose block computes it: Mixtral without a shared expert, Qwen2-MoE with one."""
+    import transformers
+
+    from dtdsl.models.build import build_arch
+
+    shared = 24 if family == "qwen2_moe" else 0
+    arch = ir.TransformerArch(layers=2, hidden=32, heads=4, kv_heads=2, ffn=40, vocab=64,
+                              swiglu=True, causal=True, qkv_bias=family == "qwen2_moe",
+                              moe=ir.MoEArch(experts=4, top_k=2, ffn=40, shared_ffn=shared,
+                                             shared_gate=bool(shared)))
+    ours = build_arch("backbone", arch)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3 + (p.dim() == 1))
+    ours.eval()
+    save_hf(ours, tmp_path / "out")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(theirs).__name__ == {"mixtral": "MixtralForCausalLM",
+                                     "qwen2_moe": "Qwen2MoeForCausalLM"}[family]
+    ids = torch.randint(0, 64, (2, 16), generator=gen)
+    with torch.no_grad():
+        assert rel(theirs(ids).logits, ours(ids)) < SAVE_RTOL
+
+
+def test_moe_configs_dtdsl_cannot_compute_are_refused(tmp_path):
+    path = make_decoder(tmp_path / "q", "qwen2_moe", num_experts=4, num_experts_per_tok=2,
+                        moe_intermediate_size=40, shared_expert_intermediate_size=56,
+                        mlp_only_layers=[0])
+    with pytest.raises(HFError, match="mlp_only_layers"):
+        read_hf(path)
+    path = make_decoder(tmp_path / "m", "mixtral", num_local_experts=4, num_experts_per_tok=2,
+                        router_jitter_noise=0.1)
+    with pytest.raises(HFError, match="router_jitter_noise"):
+        read_hf(path)

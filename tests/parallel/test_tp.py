@@ -196,3 +196,41 @@ def test_moe_conflicts_name_the_columns():
     block = MoE(MoEConfig(hidden=8, ffn=6, experts=4, top_k=2, shared_ffn=5))
     assert tp_conflicts(block, 2) == ["5 shared expert columns ()"]
     assert tp_conflicts(block, 4) == ["6 expert FFN columns ()", "5 shared expert columns ()"]
+
+
+def _compare_qk_norm(rank: int, world: int) -> None:
+    from dtdsl.ir import program as ir
+    from dtdsl.models.build import build_arch
+
+    arch = ir.TransformerArch(layers=2, hidden=32, heads=4, kv_heads=2, ffn=48, vocab=64,
+                              swiglu=True, causal=True, qk_norm=True)
+
+    def build() -> torch.nn.Module:
+        module = build_arch("backbone", arch)
+        gen = torch.Generator().manual_seed(SEED)
+        with torch.no_grad():
+            for p in module.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3 + (p.dim() == 1))
+        return module
+
+    gen = torch.Generator().manual_seed(5)
+    kwargs = {"tokens": torch.randint(0, 64, (2, 12), generator=gen)}
+    weight = torch.randn(2, 12, 64, generator=gen)
+    full = build()
+    want_out = _forward_backward(full, kwargs, weight)
+    want = {n: p.grad for n, p in full.named_parameters()}
+    shard = build()
+    parallelize_unit(shard, DeviceMesh("cpu", list(range(world))))
+    _close(_forward_backward(shard, kwargs, weight), want_out, "output")
+    norms = [n for n, _ in shard.named_parameters() if n.endswith(("q_norm.weight",
+                                                                    "k_norm.weight"))]
+    assert len(norms) == 2 * arch.layers
+    for n, p in shard.named_parameters():
+        g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        _close(g, want[n], n)
+
+
+def test_qk_norm_weights_take_every_head_s_gradient_under_tp():
+    """Qwen3's QK-norm weights act on each rank's own heads: their gradients are summed
+    over the TP group, equal to the single-process ones."""
+    run(_compare_qk_norm, 2, timeout=60)

@@ -1,6 +1,6 @@
 """Training from pretrained Hugging Face weights across gloo ranks: a tiny spec whose
-encoder (CLIP vision) and backbone (Llama 3 with rope scaling; Qwen2 with tied embeddings)
-are ``pretrained`` directories made here with ``transformers``. Each rank reads only the
+encoder (CLIP vision) and backbone (Llama 3 with rope scaling; Qwen2 with tied embeddings;
+Qwen3-MoE) are ``pretrained`` directories made here with ``transformers``. Each rank reads only the
 blocks of the checkpoint its shards cover; the run equals ``dtc reference``; ``dtc export``
 of its checkpoint loads in ``transformers`` with the reference's logits."""
 
@@ -81,6 +81,9 @@ def models(root: str) -> Path:
                  vocab=128)
     make_decoder(path / "qwen", "qwen2", layers=4, hidden=64, heads=4, kv_heads=2, ffn=96,
                  vocab=128, tie_word_embeddings=True)
+    make_decoder(path / "qwen3moe", "qwen3_moe", layers=4, hidden=64, heads=4, kv_heads=2,
+                 ffn=96, vocab=128, num_experts=4, num_experts_per_tok=2,
+                 moe_intermediate_size=48, norm_topk_prob=True, decoder_sparse_step=2)
     return path
 
 
@@ -142,13 +145,22 @@ def _stored(prog: ir.Program, unit: str, name: str) -> torch.Tensor | None:
         return t.flatten(1) if name == "patch_embed.weight" else t
     key = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight":
            "model.norm.weight", "output.weight": "lm_head.weight"}.get(name)
+    moe = re.fullmatch(r"layers\.(\d+)\.mlp\.(w1|w3|w2|router\.weight)", name)
+    if moe is not None and module.arch.moe is not None:     # the Hub's per-expert tensors
+        layer = f"model.layers.{moe.group(1)}.mlp."
+        if moe.group(2) == "router.weight":
+            return tensors[layer + "gate.weight"]
+        proj = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}[moe.group(2)]
+        return torch.stack([tensors[f"{layer}experts.{e}.{proj}.weight"]
+                            for e in range(module.arch.moe.experts)])
     if key is None:
         key = "model." + name
         for a, b in (("attn_norm", "input_layernorm"), ("mlp_norm", "post_attention_layernorm"),
                      ("attn.wq", "self_attn.q_proj"), ("attn.wk", "self_attn.k_proj"),
                      ("attn.wv", "self_attn.v_proj"), ("attn.wo", "self_attn.o_proj"),
                      ("mlp.w1", "mlp.gate_proj"), ("mlp.w3", "mlp.up_proj"),
-                     ("mlp.w2", "mlp.down_proj")):
+                     ("mlp.w2", "mlp.down_proj"), ("attn.q_norm", "self_attn.q_norm"),
+                     ("attn.k_norm", "self_attn.k_norm")):
             key = key.replace(a, b)
     if key not in tensors and module.arch.tie_embeddings:
         key = "model.embed_tokens.weight"
@@ -278,6 +290,9 @@ def _block_of(full: torch.Tensor, offsets, shape) -> torch.Tensor:
     # stage's embedding, their gradients summed (and the CLIP tower's own top, no
     # feature layer).
     ("qwen", None, (("vit", "encoder", 1, 1, 2), ("llm", "backbone", 1, 2, 2))),
+    # An MoE backbone with QK-norm (Qwen3-MoE): its experts read from the Hub's
+    # per-expert tensors, exported back to them.
+    ("qwen3moe", -2, (("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, 1, 2))),
 ])
 def test_pretrained_modules_train_as_the_reference(hf_dir, tmp_path, backbone, feature_layer,
                                                    layout):

@@ -2,7 +2,8 @@
 (``weights``), and the functions people call.
 
 - ``load_hf(DIR)`` returns dtdsl's module for a Hugging Face directory, its weights loaded:
-  a ``Backbone`` (Llama, Mistral, Qwen2: called on token ids it returns the logits), an
+  a ``Backbone`` (Llama, Mistral, Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE, Mixtral: called on
+  token ids it returns the logits), an
   ``Encoder`` (CLIP or SigLIP vision: called on pixel values it returns what the
   Hugging Face model returns as ``last_hidden_state``; Whisper's encoder: called on
   ``input_features [B, mel_bins, 3000]``, ``WhisperEncoder``'s) or a ``UNet`` (SD 1.x/2.x: called on
@@ -26,8 +27,16 @@ import torch
 from torch import nn
 
 from dtdsl.ir import program as ir
-from dtdsl.models.hf.config import HFError, HFModel, config_for, read_hf, scheduler_config_for
+from dtdsl.models.hf.config import (
+    HFError,
+    HFModel,
+    config_for,
+    native_family,
+    read_hf,
+    scheduler_config_for,
+)
 from dtdsl.models.hf.weights import (
+    DECODERS,
     QUANTISED_HINT,
     Checkpoint,
     HFTensor,
@@ -53,9 +62,13 @@ def checkpoint_prefixes(family: str, checkpoint: Checkpoint) -> dict[str, str]:
     """The key prefixes this checkpoint uses for a model of ``family`` (the Hub's when it
     holds nothing to tell by)."""
     default = hf_key_prefix(family)
-    if family in ("llama", "mistral", "qwen2"):
-        return {"body": checkpoint.prefix_for("embed_tokens.weight", default["body"]),
-                "head": checkpoint.prefix_for("lm_head.weight", default["head"])}
+    if family in DECODERS:
+        out = {"body": checkpoint.prefix_for("embed_tokens.weight", default["body"]),
+               "head": checkpoint.prefix_for("lm_head.weight", default["head"])}
+        # transformers 5's own layout of the experts (save_original_format=False).
+        if any(k.endswith(".mlp.experts.gate_up_proj") for k in checkpoint.keys()):
+            out["experts"] = "fused"
+        return out
     if family in ("clip", "siglip"):
         return {"body": checkpoint.prefix_for("embeddings.patch_embedding.weight",
                                               default["body"])}
@@ -94,12 +107,20 @@ def _positions_problem(checkpoint: Checkpoint, arch: ir.TransformerArch,
 
 def _stored_shape(checkpoint: Checkpoint, source: Source) -> tuple[int, ...]:
     """What the dtdsl tensor's full shape is, as the checkpoint stores it."""
+    if source.stack:
+        shapes = {checkpoint.shape(k) for k in source.stack}
+        if len(shapes) > 1:
+            raise HFError(f"tensors {source.stack[0]!r} ... {source.stack[-1]!r} have "
+                          f"shapes {sorted(list(s) for s in shapes)[:2]}: one block's "
+                          "experts differ in shape")
+        return (len(source.stack), *shapes.pop())
     shape = checkpoint.shape(source.key)
     if source.rows is not None:
-        if not shape or shape[0] < source.rows[1]:
-            raise HFError(f"tensor {source.key!r} has shape {list(shape)}, too small for rows "
-                          f"{source.rows[0]}..{source.rows[1]}")
-        shape = (source.rows[1] - source.rows[0], *shape[1:])
+        axis = source.axis
+        if len(shape) <= axis or shape[axis] < source.rows[1]:
+            raise HFError(f"tensor {source.key!r} has shape {list(shape)}, too small for "
+                          f"rows {source.rows[0]}..{source.rows[1]} of dimension {axis}")
+        shape = (*shape[:axis], source.rows[1] - source.rows[0], *shape[axis + 1:])
     if source.shape is not None:
         if shape != source.shape:
             raise HFError(f"tensor {source.key!r} has shape {list(shape)}, not "
@@ -124,8 +145,9 @@ def check_weights(module: nn.Module, family: str, arch: ir.TransformerArch | ir.
             problems.append(f"dtdsl's parameter {name} has no counterpart in a {family} "
                             "checkpoint")
             continue
-        if source.key not in checkpoint:
-            problems.append(f"no tensor {source.key!r} (for {name})")
+        missing = [k for k in source.keys if k not in checkpoint]
+        if missing:
+            problems.append(f"no tensor {missing[0]!r} (for {name})")
             continue
         try:
             stored = _stored_shape(checkpoint, source)
@@ -136,8 +158,9 @@ def check_weights(module: nn.Module, family: str, arch: ir.TransformerArch | ir.
         if stored != want:
             problems.append(f"tensor {source.key!r} has shape {list(stored)}, but {name} "
                             f"needs {list(want)}")
-        elif (problem := checkpoint.dtype_problem(source.key)) is not None:
-            quantised.append(problem)
+        else:
+            quantised += [p for k in source.keys
+                          if (p := checkpoint.dtype_problem(k)) is not None][:1]
     if quantised:
         raise WeightsFileError(quantised[0] + (f" (and {len(quantised) - 1} more tensors)"
                                                if len(quantised) > 1 else ""),
@@ -226,9 +249,9 @@ def load_weights(module: nn.Module, family: str, arch: ir.TransformerArch | ir.U
         if stored != tuple(full_shape):
             raise HFError(f"tensor {source.key!r} has shape {list(stored)}, but {name} needs "
                           f"{list(full_shape)}")
-        problem = checkpoint.dtype_problem(source.key)
-        if problem is not None:
-            raise WeightsFileError(problem, hint=QUANTISED_HINT)
+        for key in source.keys:
+            if (problem := checkpoint.dtype_problem(key)) is not None:
+                raise WeightsFileError(problem, hint=QUANTISED_HINT)
         if local.numel() == 0:
             continue
         block = checkpoint.read(source, offsets, local.shape)
@@ -286,7 +309,7 @@ def _family(arch: Any, role: str, source: ir.HFSource | None) -> str:
     if getattr(arch, "stem", None) == "whisper_conv":
         return "whisper"
     if role == "backbone":
-        return "llama"
+        return native_family(arch)
     return "clip" if getattr(arch, "cls_token", False) else "siglip"
 
 

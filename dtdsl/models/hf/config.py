@@ -7,7 +7,8 @@ exactly what the Hugging Face model computes, where its weights are, and an
 
 - decoders (backbones): ``model_type`` ``llama`` (Llama 2/3, with ``rope_scaling`` or
   ``rope_parameters``: default, linear, llama3, yarn, dynamic), ``mistral``, ``qwen2``
-  (Qwen2 and Qwen2.5: biases on Q, K and V);
+  (Qwen2 and Qwen2.5: biases on Q, K and V), ``qwen3`` (QK-norm), and the MoE decoders
+  ``qwen2_moe``, ``qwen3_moe`` and ``mixtral`` (``ir.MoEArch``, ``models.moe``);
 - vision towers (encoders): ``clip`` / ``clip_vision_model`` and ``siglip`` /
   ``siglip_vision_model`` (a full CLIP or SigLIP directory gives its vision tower), read up
   to ``feature_layer`` (the ``hidden_states`` index a projector reads, as LLaVA's
@@ -41,11 +42,17 @@ from dtdsl.ir import program as ir
 from dtdsl.models.hf.fields import Fields, HFError, named, open_regular, read_json, shown
 
 __all__ = [
-    "BACKBONE_TYPES", "ENCODER_TYPES", "HFError", "HFModel", "config_for", "read_hf",
-    "scheduler_config_for",
+    "BACKBONE_TYPES", "ENCODER_TYPES", "HFError", "HFModel", "MOE_TYPES", "config_for",
+    "native_family", "read_hf", "scheduler_config_for",
 ]
 
-BACKBONE_TYPES = ("llama", "mistral", "qwen2")
+BACKBONE_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral")
+# The decoders whose feed-forward is a mixture of experts in some layers (``models.moe``).
+MOE_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral")
+_CAUSAL_LM = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+              "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+              "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+              "mixtral": "MixtralForCausalLM"}
 ENCODER_TYPES = ("clip", "clip_vision_model", "siglip", "siglip_vision_model", "whisper")
 
 # transformers' config-class defaults (5.x; unchanged since 4.40) for the keys read here.
@@ -66,6 +73,37 @@ _DECODER_DEFAULTS: dict[str, dict[str, Any]] = {
               "rope_theta": 10000.0, "tie_word_embeddings": False, "attention_bias": True,
               "mlp_bias": False, "use_sliding_window": False, "sliding_window": 4096,
               "max_window_layers": 28},
+    "qwen3": {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016,
+              "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+              "head_dim": 128, "hidden_act": "silu", "max_position_embeddings": 32768,
+              "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False,
+              "attention_bias": False, "use_sliding_window": False, "sliding_window": 4096,
+              "max_window_layers": 28},
+    "qwen2_moe": {"vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 5632,
+                  "num_hidden_layers": 24, "num_attention_heads": 16,
+                  "num_key_value_heads": 16, "hidden_act": "silu",
+                  "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+                  "rope_theta": 10000.0, "tie_word_embeddings": False, "qkv_bias": True,
+                  "use_sliding_window": False, "sliding_window": 4096,
+                  "max_window_layers": 28, "decoder_sparse_step": 1,
+                  "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
+                  "num_experts_per_tok": 4, "num_experts": 60, "norm_topk_prob": False,
+                  "router_aux_loss_coef": 0.001, "mlp_only_layers": []},
+    "qwen3_moe": {"vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+                  "num_hidden_layers": 24, "num_attention_heads": 32, "num_key_value_heads": 4,
+                  "hidden_act": "silu", "max_position_embeddings": 32768,
+                  "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False,
+                  "attention_bias": False, "use_sliding_window": False,
+                  "sliding_window": 4096, "decoder_sparse_step": 1,
+                  "moe_intermediate_size": 768, "num_experts_per_tok": 8, "num_experts": 128,
+                  "norm_topk_prob": False, "router_aux_loss_coef": 0.001,
+                  "mlp_only_layers": []},
+    "mixtral": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+                "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                "hidden_act": "silu", "max_position_embeddings": 4096 * 32,
+                "rms_norm_eps": 1e-5, "rope_theta": 1e6, "tie_word_embeddings": False,
+                "sliding_window": None, "num_experts_per_tok": 2, "num_local_experts": 8,
+                "router_aux_loss_coef": 0.001, "router_jitter_noise": 0.0},
 }
 _VISION_DEFAULTS: dict[str, dict[str, Any]] = {
     "clip": {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
@@ -134,6 +172,7 @@ _MAX_LAYERS = 1024
 _MAX_HIDDEN = 1 << 17
 _MAX_HEADS = 4096
 _MAX_FFN = 1 << 20
+_MAX_EXPERTS = 1 << 12              # DeepSeek-V3: 256 routed experts
 _MAX_VOCAB = 1 << 24
 _MAX_POSITIONS = 1 << 27            # Llama 4 Scout reads 10M tokens: 2^23.3
 _MAX_IMAGE = 1 << 14                # pixels along a side
@@ -262,7 +301,43 @@ def _decoder(cfg: dict[str, Any], family: str) -> ir.TransformerArch:
         causal=True, kv_channels=head_dim if head_dim * heads != hidden else None,
         norm="rms", norm_eps=f.number("rms_norm_eps", gt=0, lt=1), activation="silu",
         rope=_rope(f), tie_embeddings=f.flag("tie_word_embeddings"),
-        sliding_window=_window(f, family, layers), **_biases(f, family))
+        sliding_window=_window(f, family, layers), qk_norm=family in ("qwen3", "qwen3_moe"),
+        moe=_moe(f, family, layers), **_biases(f, family))
+
+
+def _moe(f: Fields, family: str, layers: int) -> ir.MoEArch | None:
+    """The mixture of experts of an MoE decoder (None for a dense one): transformers'
+    routing is dropless, Mixtral's top-k weights always renormalised, Qwen2-MoE's shared
+    expert behind a sigmoid gate. Layer ``i`` holds experts when ``(i + 1) %
+    decoder_sparse_step == 0``; other layer choices (``mlp_only_layers``) and a router
+    that adds noise while training (Mixtral's ``router_jitter_noise``) are refused."""
+    if family not in MOE_TYPES:
+        return None
+    experts_key = "num_local_experts" if family == "mixtral" or (
+        not f.has("num_experts") and f.has("num_local_experts")) else "num_experts"
+    experts = f.integer(experts_key, high=_MAX_EXPERTS)
+    top_k = f.integer("num_experts_per_tok", high=experts)
+    if family == "mixtral":
+        jitter = f.number("router_jitter_noise", optional=True) or 0.0
+        if jitter:
+            raise HFError(f"router_jitter_noise {jitter:g}: dtdsl's router adds no noise "
+                          "to the routing logits", hint="set it to 0")
+        return ir.MoEArch(experts=experts, top_k=top_k,
+                          ffn=f.integer("intermediate_size", high=_MAX_FFN),
+                          aux_loss_coef=f.number("router_aux_loss_coef", ge=0))
+    only = f.raw("mlp_only_layers")
+    if only not in ([], None):
+        raise HFError(f"mlp_only_layers {shown(only)}: dtdsl's MoE layers are every "
+                      "decoder_sparse_step-th layer, with no exceptions",
+                      hint="give mlp_only_layers [] and choose decoder_sparse_step")
+    every = f.integer("decoder_sparse_step", high=layers)
+    shared = f.integer("shared_expert_intermediate_size", high=_MAX_FFN) \
+        if family == "qwen2_moe" else 0
+    return ir.MoEArch(experts=experts, top_k=top_k,
+                      ffn=f.integer("moe_intermediate_size", high=_MAX_FFN),
+                      shared_ffn=shared, shared_gate=shared > 0,
+                      norm_topk=f.flag("norm_topk_prob"), every=every,
+                      aux_loss_coef=f.number("router_aux_loss_coef", ge=0))
 
 
 def _window(f: Fields, family: str, layers: int) -> int | None:
@@ -274,7 +349,7 @@ def _window(f: Fields, family: str, layers: int) -> int | None:
 
     if family == "mistral":
         return window()
-    if family == "qwen2":
+    if family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         # max_window_layers: the layers below it attend fully (any count: one past the
         # layers means none slides).
         if f.flag("use_sliding_window") and \
@@ -287,8 +362,13 @@ def _window(f: Fields, family: str, layers: int) -> int | None:
 def _biases(f: Fields, family: str) -> dict[str, bool]:
     if family == "qwen2":
         return {"qkv_bias": True, "out_bias": False, "mlp_bias": False}
-    if family == "mistral":          # MistralAttention has no biases, whatever the config
+    if family == "qwen2_moe":
+        return {"qkv_bias": f.flag("qkv_bias"), "out_bias": False, "mlp_bias": False}
+    if family in ("mistral", "mixtral"):   # no biases in their attention, whatever the config
         return {"qkv_bias": False, "out_bias": False, "mlp_bias": False}
+    if family in ("qwen3", "qwen3_moe"):
+        attention = f.flag("attention_bias")
+        return {"qkv_bias": attention, "out_bias": attention, "mlp_bias": False}
     attention = f.flag("attention_bias")
     return {"qkv_bias": attention, "out_bias": attention, "mlp_bias": f.flag("mlp_bias")}
 
@@ -515,7 +595,8 @@ def _role_of(cfg: dict[str, Any], config_path: Path) -> str:
         return "encoder"
     raise HFError(f"model_type {named(model_type)} is not supported" if model_type else
                   f"{config_path} has no model_type",
-                  hint="dtdsl reads llama, mistral and qwen2 (backbones), clip and "
+                  hint="dtdsl reads llama, mistral, qwen2, qwen3, qwen2_moe, qwen3_moe "
+                  "and mixtral (backbones), clip and "
                   "siglip (vision towers), whisper (audio towers) and diffusers' "
                   "UNet2DConditionModel (generators)")
 
@@ -644,10 +725,8 @@ def config_for(arch: ir.TransformerArch | ir.UNetArch, role: str,
         if not (arch.swiglu and arch.norm_kind("backbone") == "rms" and arch.act == "silu"):
             raise HFError("no Hugging Face decoder computes this backbone (Llama, Mistral and "
                           "Qwen2 need swiglu and RMSNorm)")
-        family = source.family if source is not None else "llama"
-        out = {**base, "model_type": family,
-               "architectures": [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                                  "qwen2": "Qwen2ForCausalLM"}[family]],
+        family = source.family if source is not None else native_family(arch)
+        out = {**base, "model_type": family, "architectures": [_CAUSAL_LM[family]],
                "hidden_size": arch.hidden, "intermediate_size": arch.ffn,
                "num_hidden_layers": arch.layers, "num_attention_heads": arch.heads,
                "num_key_value_heads": arch.kv_heads, "vocab_size": arch.vocab,
@@ -655,9 +734,19 @@ def config_for(arch: ir.TransformerArch | ir.UNetArch, role: str,
                "head_dim": arch.head_dim, "tie_word_embeddings": arch.tie_embeddings,
                "rope_theta": arch.rope.theta, "rope_scaling": _rope_config(arch.rope)}
         out.pop("rope_parameters", None)
+        if arch.qk_norm != (family in ("qwen3", "qwen3_moe")):
+            raise HFError(f"a {family} has {'no ' if arch.qk_norm else ''}QK-norm")
+        if (arch.moe is not None) != (family in MOE_TYPES):
+            raise HFError(f"a {family} is {'dense' if arch.moe is not None else 'an MoE'}")
+        if arch.moe is not None:
+            out.update(_moe_config(arch, family))
         if family == "qwen2":
             if not arch.qkv_bias or arch.out_bias or arch.mlp_bias:
                 raise HFError("a Qwen2 has biases on Q, K and V only")
+        elif family == "qwen2_moe":
+            if arch.out_bias or arch.mlp_bias:
+                raise HFError("a Qwen2-MoE has biases on Q, K and V or on none")
+            out["qkv_bias"] = arch.qkv_bias
         else:
             if arch.qkv_bias != arch.out_bias:
                 raise HFError(f"a {family} has biases on all of Q, K, V and O or on none")
@@ -665,7 +754,9 @@ def config_for(arch: ir.TransformerArch | ir.UNetArch, role: str,
             if family == "llama":
                 out["mlp_bias"] = arch.mlp_bias
             elif arch.mlp_bias:
-                raise HFError("a Mistral has no MLP biases")
+                raise HFError(f"a {family} has no MLP biases")
+            if family in ("mistral", "mixtral") and arch.qkv_bias:
+                raise HFError(f"a {family} has no attention biases")
         if arch.rope.max_positions is not None:
             out["max_position_embeddings"] = arch.rope.max_positions
         if arch.sliding_window is not None:
@@ -684,6 +775,44 @@ def config_for(arch: ir.TransformerArch | ir.UNetArch, role: str,
            "num_channels": arch.in_channels or 3, "image_size": arch.image_size,
            "patch_size": arch.patch, "layer_norm_eps": arch.eps("encoder"),
            "hidden_act": _ACT_NAMES[arch.act]}
+    return out
+
+
+def native_family(arch: ir.TransformerArch) -> str:
+    """The Hugging Face family of a backbone written in the language (no ``hf()``)."""
+    moe = arch.moe
+    if moe is None:
+        return "qwen3" if arch.qk_norm else "llama"
+    if moe.shared_ffn:
+        return "qwen2_moe"
+    return "qwen3_moe" if arch.qk_norm else "mixtral"
+
+
+def _moe_config(arch: ir.TransformerArch, family: str) -> dict[str, Any]:
+    """The MoE keys of a ``family`` config for ``arch.moe`` (HFError where the family's
+    block cannot compute it)."""
+    moe = arch.moe
+    if moe.capacity_factor is not None:
+        raise HFError(f"a {family} routes without capacity: give capacity_factor none")
+    if family == "mixtral":
+        if not moe.norm_topk or moe.every != 1 or moe.shared_ffn:
+            raise HFError("a Mixtral renormalises its top-k weights in every layer and has "
+                          "no shared expert")
+        if moe.ffn != arch.ffn:
+            raise HFError(f"a Mixtral's experts are as wide as its ffn ({arch.ffn}), not "
+                          f"{moe.ffn}")
+        return {"num_local_experts": moe.experts, "num_experts_per_tok": moe.top_k,
+                "router_aux_loss_coef": moe.aux_loss_coef, "router_jitter_noise": 0.0}
+    if bool(moe.shared_ffn) != (family == "qwen2_moe") or (moe.shared_ffn and
+                                                          not moe.shared_gate):
+        raise HFError(f"a {family} has {'a gated' if family == 'qwen2_moe' else 'no'} "
+                      "shared expert")
+    out = {"num_experts": moe.experts, "num_experts_per_tok": moe.top_k,
+           "moe_intermediate_size": moe.ffn, "decoder_sparse_step": moe.every,
+           "norm_topk_prob": moe.norm_topk, "mlp_only_layers": [],
+           "router_aux_loss_coef": moe.aux_loss_coef}
+    if family == "qwen2_moe":
+        out["shared_expert_intermediate_size"] = moe.shared_ffn
     return out
 
 

@@ -9,11 +9,13 @@ of the same numbers: a diffusers GEGLU's fused ``ff.net.0.proj`` holds dtdsl's `
 (its first half of rows) and ``gate`` (its second half); an SD 1.x transformer's 1x1
 ``proj_in``/``proj_out`` convolutions ``[o, i, 1, 1]`` are dtdsl's linear ``[o, i]``; a
 vision tower's patch convolution ``[h, c, p, p]`` is dtdsl's linear map ``[h, c p^2]`` of
-flattened patches. Key prefixes (``model.``, ``vision_model.``, a LLaVA's
-``language_model.``, a Whisper's ``model.encoder.``) are found in the checkpoint
-(``Checkpoint.prefix_for``). Whisper's stem (``patch_embed.conv1``/``conv2``) is its
-``conv1``/``conv2``, one to one; its ``embed_positions`` is no dtdsl parameter (the fixed
-sinusoids, ``models.audio``).
+flattened patches; an MoE block's stacked experts ``w1``/``w3``/``w2`` ``[E, ...]`` are the
+Hub's one tensor per expert (``Source.stack``), or rows of transformers 5's stacked
+``gate_up_proj``/``down_proj`` when a checkpoint holds those. Key prefixes (``model.``,
+``vision_model.``, a LLaVA's ``language_model.``, a Whisper's ``model.encoder.``) are
+found in the checkpoint (``Checkpoint.prefix_for``). Whisper's stem
+(``patch_embed.conv1``/``conv2``) is its ``conv1``/``conv2``, one to one; its
+``embed_positions`` is no dtdsl parameter (the fixed sinusoids, ``models.audio``).
 
 **Reading** (``Checkpoint``): a directory's ``*.safetensors`` (one file, or shards with
 their ``*.safetensors.index.json``), through ``safe_open``: ``read(key, offsets, shape)``
@@ -49,9 +51,9 @@ from dtdsl.ir import program as ir
 from dtdsl.models.hf.config import HFError
 from dtdsl.models.hf.fields import open_regular, read_json, shown
 
-__all__ = ["Checkpoint", "FLOAT_DTYPES", "HFTensor", "QUANTISED_HINT", "Source", "TensorInfo",
-           "WEIGHT_FILES", "WeightsFileError", "hf_key_prefix", "hf_tensors", "read_header",
-           "source_of", "write_checkpoint"]
+__all__ = ["DECODERS", "Checkpoint", "FLOAT_DTYPES", "HFTensor", "QUANTISED_HINT", "Source",
+           "TensorInfo", "WEIGHT_FILES", "WeightsFileError", "hf_key_prefix", "hf_tensors",
+           "read_header", "source_of", "write_checkpoint"]
 
 # The file names transformers and diffusers write.
 WEIGHT_FILES = {"transformers": "model.safetensors",
@@ -61,13 +63,22 @@ _MAX_HEADER_KEYS = 1_000_000
 
 @dataclass(frozen=True)
 class Source:
-    """Where a dtdsl tensor is stored: ``key``, rows ``[rows[0], rows[1])`` of it (all when
-    None), and its stored ``shape`` when that differs from dtdsl's (a view: only the
-    dimensions after the first are regrouped)."""
+    """Where a dtdsl tensor is stored: ``key``, rows ``[rows[0], rows[1])`` of it along
+    dimension ``axis`` (all when None), and its stored ``shape`` when that differs from
+    dtdsl's (a view: only the dimensions after the first are regrouped). With ``stack``,
+    the dtdsl tensor's dimension 0 runs over those keys, one stored tensor each (an MoE
+    block's experts in the Hub's layout); ``key`` is the first of them."""
 
     key: str
     rows: tuple[int, int] | None = None
     shape: tuple[int, ...] | None = None
+    axis: int = 0
+    stack: tuple[str, ...] = ()
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """Every stored tensor the dtdsl tensor is made of."""
+        return self.stack or (self.key,)
 
 
 # ---- names ---------------------------------------------------------------------------------
@@ -96,6 +107,9 @@ _WHISPER_LAYER = {
 }
 _WHISPER_ENDS = {"patch_embed.conv1": "conv1", "patch_embed.conv2": "conv2",
                  "post_norm": "layer_norm"}
+_QK_NORM = {"attn.q_norm": "self_attn.q_norm", "attn.k_norm": "self_attn.k_norm"}
+DECODERS = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral")
+_MOE_PARAM = re.compile(r"layers\.(\d+)\.mlp\.(.+)$")
 _UNET_ATTN = {"wq": "to_q", "wk": "to_k", "wv": "to_v", "wo": "to_out.0"}
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)\.(weight|bias)$")
 
@@ -103,7 +117,7 @@ _LAYER = re.compile(r"layers\.(\d+)\.(.+)\.(weight|bias)$")
 def hf_key_prefix(family: str) -> dict[str, str]:
     """The key prefixes ``write_checkpoint`` gives a model of ``family`` (the Hub's layout:
     what ``from_pretrained`` of ``transformers`` 4 and 5 and ``diffusers`` load)."""
-    if family in ("llama", "mistral", "qwen2"):
+    if family in DECODERS:
         return {"body": "model.", "head": ""}
     if family in ("clip", "siglip"):
         return {"body": "vision_model."}
@@ -120,7 +134,7 @@ def source_of(family: str, name: str, arch: ir.TransformerArch | ir.UNetArch,
     pre = dict(hf_key_prefix(family))
     pre.update(prefixes or {})
     body = pre["body"]
-    if family in ("llama", "mistral", "qwen2"):
+    if family in DECODERS:
         if name == "tok_embeddings.weight":
             return Source(f"{body}embed_tokens.weight")
         if name == "norm.weight":
@@ -130,9 +144,13 @@ def source_of(family: str, name: str, arch: ir.TransformerArch | ir.UNetArch,
                 return Source(f"{body}embed_tokens.weight")
             return Source(f"{pre.get('head', '')}lm_head.weight")
         m = _LAYER.fullmatch(name)
-        if m and m.group(2) in _DECODER_LAYER:
-            return Source(f"{body}layers.{m.group(1)}.{_DECODER_LAYER[m.group(2)]}.{m.group(3)}")
-        raise KeyError(name)
+        table = {**_DECODER_LAYER, **_QK_NORM}
+        # An MoE layer's feed-forward is its experts (``_moe_source``), not an MLP.
+        experts = m is not None and arch.moe is not None and \
+            arch.moe.is_moe_layer(int(m.group(1))) and m.group(2).startswith("mlp.")
+        if m and m.group(2) in table and not experts:
+            return Source(f"{body}layers.{m.group(1)}.{table[m.group(2)]}.{m.group(3)}")
+        return _moe_source(family, name, arch, body, fused=pre.get("experts") == "fused")
     if family in ("clip", "siglip"):
         m = _LAYER.fullmatch(name)
         if m and m.group(2) in _VISION_LAYER:
@@ -149,6 +167,38 @@ def source_of(family: str, name: str, arch: ir.TransformerArch | ir.UNetArch,
     if family == "whisper":
         return _whisper_source(name, body)
     return _unet_source(name, arch, body)
+
+
+def _moe_source(family: str, name: str, arch: ir.TransformerArch, body: str, *,
+                fused: bool) -> Source:
+    """Where an MoE layer's parameter ``name`` is stored: the Hub's per-expert tensors
+    (``models.moe.hf_moe_keys``; ``stack``), or with ``fused`` transformers 5's stacked
+    ``mlp.experts.gate_up_proj [E, 2 ffn, hidden]`` (gate rows, then up) and
+    ``mlp.experts.down_proj`` (``save_pretrained(save_original_format=False)``)."""
+    from dtdsl.models.moe import HF_MOE_FAMILIES, hf_moe_keys, moe_config
+
+    m = _MOE_PARAM.fullmatch(name)
+    if m is None or family not in HF_MOE_FAMILIES or arch.moe is None or \
+            not arch.moe.is_moe_layer(int(m.group(1))):
+        raise KeyError(name)
+    layer, mine = f"{body}layers.{m.group(1)}.", m.group(2)
+    keys = hf_moe_keys(family, moe_config(arch))
+    if mine not in keys:
+        raise KeyError(name)
+    theirs = keys[mine]
+    if fused:
+        # transformers 5 names every family's block ``mlp`` (Mixtral's Hub name differs).
+        block = HF_MOE_FAMILIES[family][0]
+        if mine in ("w1", "w3"):
+            f = arch.moe.ffn
+            return Source(f"{layer}mlp.experts.gate_up_proj",
+                          rows=(0, f) if mine == "w1" else (f, 2 * f), axis=1)
+        if mine == "w2":
+            return Source(f"{layer}mlp.experts.down_proj")
+        return Source(f"{layer}mlp.{theirs[0][len(block):]}")
+    if mine in ("w1", "w3", "w2"):
+        return Source(layer + theirs[0], stack=tuple(layer + k for k in theirs))
+    return Source(layer + theirs[0])
 
 
 def _whisper_source(name: str, body: str) -> Source:
@@ -542,6 +592,10 @@ class Checkpoint:
         """The block of dtdsl shape ``shape`` at ``offsets`` (one per dimension of the dtdsl
         tensor) of the tensor ``source`` names, as stored (its dtype). A file that cannot
         be read (changed since its header was checked) is a WeightsFileError, one line."""
+        if source.stack:
+            first = int(offsets[0])
+            keys = source.stack[first:first + int(shape[0])]
+            return torch.stack([self.read(Source(k), offsets[1:], shape[1:]) for k in keys])
         stored = self.shape(source.key)
         rows = source.rows
         view = source.shape
@@ -557,7 +611,7 @@ class Checkpoint:
         try:
             with safe_open(str(file), framework="pt", device="cpu") as handle:
                 block = self._slice(source.key, handle.get_slice(source.key), stored, view,
-                                    base, offsets, shape)
+                                    base, source.axis, offsets, shape)
         except (SafetensorError, OSError) as err:
             raise WeightsFileError(f"{file} cannot be read: {str(err)[:200]}",
                                    hint="it changed since it was checked; compile again, "
@@ -569,7 +623,8 @@ class Checkpoint:
 
     @staticmethod
     def _slice(key: str, piece: Any, stored: Sequence[int], view: Sequence[int] | None,
-               base: int, offsets: Sequence[int], shape: Sequence[int]) -> torch.Tensor:
+               base: int, axis: int, offsets: Sequence[int], shape: Sequence[int]
+               ) -> torch.Tensor:
         if not shape:                                  # a scalar
             block = piece[:] if stored else piece[...]
         elif view is not None:
@@ -584,9 +639,9 @@ class Checkpoint:
             if len(stored) != len(shape):
                 raise HFError(f"tensor {key!r} has {len(stored)} dimensions, not "
                               f"{len(shape)}")
-            index = [slice(base + int(offsets[0]), base + int(offsets[0]) + int(shape[0]))]
-            index += [slice(int(o), int(o) + int(n)) for o, n in zip(offsets[1:], shape[1:],
-                                                                   strict=True)]
+            index = [slice(int(o) + (base if d == axis else 0),
+                           int(o) + (base if d == axis else 0) + int(n))
+                     for d, (o, n) in enumerate(zip(offsets, shape, strict=True))]
             block = piece[tuple(index)]
         return block
 
@@ -655,6 +710,26 @@ class HFTensor:
     make: Callable[[], torch.Tensor]
 
 
+def _stacked(name: str, src: Source, shape: tuple[tuple[int, ...], torch.dtype],
+             get: Callable[[str], torch.Tensor], dtype: torch.dtype | None
+             ) -> list[HFTensor]:
+    """One tensor per key of a stacked ``src``: slice ``i`` of dtdsl's ``name``. The full
+    tensor is fetched once for all its slices (they are written one after another)."""
+    dims, stored = shape
+    each = int(torch.Size(dims[1:]).numel()) * (dtype or stored).itemsize
+    held: dict[str, torch.Tensor] = {}
+
+    def make(i: int) -> torch.Tensor:
+        if name not in held:
+            held.clear()
+            full = get(name)
+            held[name] = full.to(dtype) if dtype is not None else full
+        return held[name][i].clone()
+
+    return [HFTensor(key=key, nbytes=each, make=lambda i=i: make(i))
+            for i, key in enumerate(src.stack)]
+
+
 def hf_tensors(family: str, arch: ir.TransformerArch | ir.UNetArch,
                shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
                get: Callable[[str], torch.Tensor], *, dtype: torch.dtype | None = None
@@ -663,10 +738,13 @@ def hf_tensors(family: str, arch: ir.TransformerArch | ir.UNetArch,
     (shape, dtype)}``), each made on demand from ``get(name)`` (the full dtdsl tensor): the
     GEGLU halves joined, kernels given their stored shape, cast to ``dtype`` if given."""
     groups: dict[str, list[tuple[str, Source]]] = {}
+    out = []
     for name in shapes:
         src = source_of(family, name, arch)
-        groups.setdefault(src.key, []).append((name, src))
-    out = []
+        if src.stack:
+            out += _stacked(name, src, shapes[name], get, dtype)
+        else:
+            groups.setdefault(src.key, []).append((name, src))
     for key, members in groups.items():
         members.sort(key=lambda m: m[1].rows or (0, 0))
         if len(members) > 1 and all(m[1].rows is None for m in members):
