@@ -192,29 +192,27 @@ def _context_parallel(program: ir.Program, plan: Plan) -> list[Diagnostic]:
 
 
 def _experts(program: ir.Program, plan: Plan) -> list[Diagnostic]:
-    """An MoE backbone under tensor parallelism (TP inside the experts is not built),
-    context parallelism (its layers route a row's tokens before its padding, which a cp
-    shard does not know), or expert parallelism with Local SGD (whose replicas average
-    every parameter, while an EP group's ranks hold different experts). Expert
-    parallelism itself runs (``parallel.ep`` in ``train.stage``)."""
+    """An MoE backbone under context parallelism (its layers route a row's tokens before
+    its padding, which a cp shard does not know), or expert parallelism with Local SGD
+    (whose replicas average every parameter, while an EP group's ranks hold different
+    experts). Expert parallelism and tensor parallelism inside the experts run
+    (``parallel.ep``, ``parallel.tp.parallelize_moe`` in ``train.stage``)."""
     out = []
     local = program.train.sync.local
     for u in plan.units:
         arch = program.module(u.name).arch
-        if getattr(arch, "moe", None) is None or (u.tp == 1 and u.cp == 1 and
-                                                  (u.ep == 1 or not local)):
+        if getattr(arch, "moe", None) is None or (u.cp == 1 and (u.ep == 1 or not local)):
             continue
-        what = f"tensor parallelism inside the experts (tp {u.tp})" if u.tp > 1 else \
-            f"context parallelism (cp {u.cp})" if u.cp > 1 else \
+        what = f"context parallelism (cp {u.cp})" if u.cp > 1 else \
             f"expert parallelism (ep {u.ep}) under Local SGD"
         out.append(Diagnostic.error(
             _CODE, f"the runtime does not run {what} for MoE module {u.name} yet",
             program.module(u.name).span,
-            notes=["the stage splits the experts over EP groups of DP replicas; it does "
-                   "not split them by TP, shard an MoE layer's sequence over CP ranks, or "
-                   "average replicas whose experts differ"],
-            hint=f"constrain it, `tp({u.name}) == 1` and `cp({u.name}) == 1` in "
-                 f"constraints (`ep({u.name}) == 1` under Local SGD), and plan again"))
+            notes=["the stage splits the experts over EP groups of DP replicas and their "
+                   "columns over TP; it does not shard an MoE layer's sequence over CP "
+                   "ranks, or average replicas whose experts differ"],
+            hint=f"constrain it, `cp({u.name}) == 1` in constraints (`ep({u.name}) == 1` "
+                 f"under Local SGD), and plan again"))
     return out
 
 

@@ -45,7 +45,12 @@ block keeps for its ``top_k`` slots (``cost.unit._moe_block_bytes``). Expert par
 experts (their weights and gradients / ep, their optimizer state sharded over the dp / ep
 replicas that hold the same experts: the same bytes as without EP), and
 ``ep_comm_time_s`` prices the dispatch and combine all-to-alls of every MoE layer, each
-way, at the EP group's bandwidth (NVLink while ep x tp x cp ranks fit in a node). The
+way, at the EP group's bandwidth (NVLink while ep x tp x cp ranks fit in a node). Tensor
+parallelism inside the experts divides their weights, gradients, optimizer state, GEMMs
+and intermediates by tp like a dense MLP's; the router runs whole on every TP rank
+(``UnitCost.tp_whole_matmul``), the block's sequence gather and reduce-scatter are a dense
+MLP's (``tp_comm_bytes``), and each TP rank's all-to-alls carry all its replica's routed
+rows (not 1 / tp of them: ``ep_comm_time_s``). The
 experts' gradients are priced as reduced over dp like the rest (their group is dp / ep:
 the ring's (n - 1) / n differs a little).
 """
@@ -249,11 +254,13 @@ class CostModel:
         """(forward, backward) seconds of one backbone microbatch's all-to-alls under
         expert parallelism: per MoE layer a dispatch and a combine, each sending the
         (ep - 1) / ep of a rank's routed rows (bf16) that go to other ranks, in ep - 1
-        steps; the backward exchanges the gradients the same way. A rank runs its 1 / (tp
-        cp) of the tokens (sequence and context parallelism). Zero at ep 1."""
+        steps; the backward exchanges the gradients the same way. A rank exchanges its 1 /
+        cp of the tokens (context parallelism), not 1 / tp: every TP rank routes the whole
+        sequence and sends all its routed rows, to the ranks holding its columns of their
+        experts (``models.moe``). Zero at ep 1."""
         if unit.ep <= 1 or not unit.ep_elements:
             return 0.0, 0.0
-        sent = 2 * unit.ep_elements * _BYTES_BF16 / (tp * unit.cp) * (unit.ep - 1) / unit.ep
+        sent = 2 * unit.ep_elements * _BYTES_BF16 / unit.cp * (unit.ep - 1) / unit.ep
         fwd = sent / self.ep_bandwidth(unit, tp) + \
             2 * unit.ep_layers * (unit.ep - 1) * _COLLECTIVE_LATENCY_S
         return fwd, (fwd if unit.backward_factor else 0.0)
@@ -263,8 +270,10 @@ class CostModel:
         on one rank of its CP group (analytic, whether or not there is a profile)."""
         eff = self.params.efficiency
         w = unit.fwd_work
-        return (w.matmul / eff.matmul + w.attention / eff.attention + w.conv / eff.conv) / \
-            (self.peak_flops * tp * unit.cp)
+        # An MoE backbone's routers run whole on every TP rank (``tp_whole_matmul``).
+        whole = unit.tp_whole_matmul * (1 - 1 / tp) / eff.matmul
+        return (w.matmul / eff.matmul + w.attention / eff.attention + w.conv / eff.conv
+                + whole * tp) / (self.peak_flops * tp * unit.cp)
 
     def _attention_layer_s(self, unit: UnitCost, tp: int) -> float:
         """One layer's forward attention of one microbatch on one rank of the CP group."""

@@ -122,6 +122,9 @@ class UnitCost:
     expert_params: float = 0.0
     ep_elements: float = 0.0
     ep_layers: int = 0
+    # Forward matmul FLOPs per microbatch that every TP rank runs whole: an MoE backbone's
+    # routers and shared-expert gates (each TP rank routes the whole sequence, models.moe).
+    tp_whole_matmul: float = 0.0
 
     @property
     def held_params(self) -> float:
@@ -167,8 +170,9 @@ def _moe_block_bytes(arch: ir.TransformerArch) -> tuple[float, float]:
     shared expert's SwiGLU (``8 s``) and its gate's output and product (``2 h + 2``). At
     ep > 1 the same (but for the regrouping's two int64 indices, ``16 k``, left out): the
     all-to-alls keep nothing, the received rows regrouped by expert are the sorted rows.
-    The experts' and shared expert's intermediates are what TP would divide (their
-    columns; the runtime runs an MoE block at tp 1, ``codegen.support``)."""
+    Under TP every rank keeps all of this for the whole sequence (it routes all of it,
+    ``models.moe``), but the experts' and shared expert's intermediates, which TP
+    divides (their columns): the part returned second."""
     moe, h = arch.moe, arch.hidden
     k = moe.top_k
     split = 8 * k * moe.ffn + 8 * moe.shared_ffn
@@ -291,6 +295,7 @@ class _Acc:
     comm: float = 0.0
     ep: tuple[float, float, int] = (0.0, 0.0, 0)   # experts' parameters, elements per
                                                   # all-to-all, MoE layers
+    tp_whole: float = 0.0       # UnitCost.tp_whole_matmul
     cp: tuple[float, float, float] = (0.0, 0.0, 0.0)   # UnitCost.cp_tokens, _q_, _kv_width
 
     queries: list[ProfileQuery] = field(default_factory=list)
@@ -351,6 +356,8 @@ def _backbone_cost(acc: _Acc, program: ir.Program, module: ir.Module, samples: S
         acc.ep = (flops.expert_params(module),
                   mean_tokens * flops.moe_dispatch_elements_per_token(arch),
                   arch.moe.num_moe_layers(arch.layers))
+        acc.tp_whole = mean_tokens * acc.ep[2] * 2 * arch.hidden * (
+            arch.moe.experts + (1 if arch.moe.shared_gate else 0))
     acc.comm = arch.layers * 2 * mean_tokens * arch.hidden * _BYTES_BF16
     acc.cp = (mean_tokens, arch.hidden, arch.hidden * arch.kv_heads / arch.heads)
     # The embedding on the first stage; the head (none of its own when tied to the
@@ -532,7 +539,8 @@ def _unit_cost(program: ir.Program, module: ir.Module, samples: SampleSet,
         model_attention_flops=acc.model_attention, tp_synced_params=acc.synced,
         tp_synced_extra_params=acc.synced_extra, cp_method=module.context_parallel,
         cp_tokens=acc.cp[0], cp_q_width=acc.cp[1], cp_kv_width=acc.cp[2],
-        expert_params=acc.ep[0], ep_elements=acc.ep[1], ep_layers=int(acc.ep[2]))
+        expert_params=acc.ep[0], ep_elements=acc.ep[1], ep_layers=int(acc.ep[2]),
+        tp_whole_matmul=acc.tp_whole)
 
 
 def _padded_to_seq_len(samples: SampleSet, micro_batch: int, seq_len: int,

@@ -30,13 +30,29 @@ Expert weights are stacked ``[experts, out, in]`` parameters (``w1``, ``w3``: ga
 an ``nn.Linear`` weight, so a Hugging Face checkpoint's per-expert tensor is one slice
 (``hf_moe_keys``, ``load_hf_moe``) and expert parallelism shards dimension 0
 (``parallel.ep``: a rank holds ``experts / ep`` of them, ``MoE.first_expert`` on).
+
+**Tensor parallelism** (``MoE.tp_mesh``, set by ``parallel.tp.parallelize_moe`` on a
+backbone under sequence parallelism): the block gathers the whole sequence from the TP
+ranks' pieces (as the dense MLP does), and every TP rank routes all of it, the same way:
+the router and the shared expert's gate are replicated, the routing identical on every
+rank. Gathering the tokens, not each rank's routed rows, moves ``top_k`` times fewer rows
+and keeps the routing (capacity drops, the per-sequence aux loss) the one-process
+block's; the router's work repeated on every rank is a ``hidden x experts`` GEMM, small
+beside the experts'. Each expert's ``w1``/``w3`` are split by columns (``Shard(1)`` of
+``[E, ffn, hidden]``) and ``w2`` by rows (``Shard(2)``), the shared expert likewise, so
+a rank computes every routed row through its columns of every expert and holds a partial
+sum of the block's output, which a reduce-scatter returns to the sequence pieces. The
+parameters stay DTensors of the full ``[E, ...]`` tensors (checkpoints reshard across TP
+degrees by themselves). Gradients: the input's and the replicated parameters' on each
+rank are its part of the sum (``Partial``, summed over TP once); the aux loss, the same
+on every rank, gives each ``1/tp`` of its gradient, so it counts once.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 import torch
@@ -47,8 +63,8 @@ from dtdsl.models.ffn import MLP, activation
 
 __all__ = ["HF_MOE_FAMILIES", "MoE", "MoEConfig", "MoEOutput", "Routing", "build_moe",
            "can_group", "capacity", "expert_ffn", "hf_moe_keys", "keep_counts",
-           "load_balancing_loss", "load_hf_moe", "moe_blocks", "moe_config", "place_rows",
-           "set_aux_weight",
+           "load_balancing_loss", "load_hf_moe", "local_shard", "moe_blocks", "moe_config",
+           "place_rows", "set_aux_weight",
            "set_loss_scale", "take_aux_losses", "to_hf_moe"]
 
 
@@ -238,6 +254,13 @@ class MoE(nn.Module):
     built it, ``parallel.ep``)."""
 
     rank = 0        # this process's row of ``exchange_counts`` (an EP rank sets its own)
+    # Tensor parallelism inside the block (``parallel.tp.parallelize_moe``): the TP mesh,
+    # None without it (module docstring, "Tensor parallelism").
+    tp_mesh: Any = None
+    # The stacked experts' TP mesh where it is not ``tp_mesh``: under expert parallelism
+    # the expert DP mesh's (``parallel.mesh.ExpertGroups.mesh["tp"]``, same ranks), as
+    # FSDP2 shards them over that mesh.
+    experts_tp_mesh: Any = None
 
     def __init__(self, config: MoEConfig, *, first_expert: int = 0,
                  local_experts: int | None = None):
@@ -280,12 +303,34 @@ class MoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> Routing:
         """The router on ``x [T, hidden]``."""
-        logits = F.linear(x, self.router.weight)
+        logits = F.linear(x, self.replicated(self.router.weight))
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.config.top_k, dim=-1)
         if self.config.norm_topk:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return Routing(logits, probs, weights.to(x.dtype), experts)
+
+    def replicated(self, weight: torch.Tensor) -> torch.Tensor:
+        """A parameter replicated over TP (the router, the shared expert's gate) as this
+        rank computes with it: under TP its gradient here is this rank's part of the sum
+        (its experts' columns' share of the combine), so it is marked ``Partial`` and
+        summed over TP once (FSDP2, before its reduce-scatter), not averaged."""
+        if self.tp_mesh is None:
+            return weight
+        from torch.distributed.tensor import Partial
+
+        return weight.to_local(grad_placements=[Partial()] * weight.device_mesh.ndim)
+
+    def shared_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared expert (times its gate, when it has one) on ``x [T, hidden]``; under
+        TP this rank's columns of it, a partial sum as the routed experts' output is."""
+        s = self.shared
+        out = s(x) if self.tp_mesh is None else F.linear(
+            s.act(F.linear(x, local_shard(s.w1.weight))) * F.linear(x, local_shard(
+                s.w3.weight)), local_shard(s.w2.weight))
+        if self.shared_gate is not None:
+            out = torch.sigmoid(F.linear(x, self.replicated(self.shared_gate.weight))) * out
+        return out
 
     def exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
         """Every process's slots per expert ``[processes, E]``, this one's row at
@@ -299,7 +344,8 @@ class MoE(nn.Module):
 
     def experts_forward(self, x: torch.Tensor, sizes: Any) -> torch.Tensor:
         """The local experts on rows sorted by expert, ``sizes[e]`` rows each."""
-        return expert_ffn(x, sizes, self.w1, self.w3, self.w2, self.act)
+        return expert_ffn(x, sizes, local_shard(self.w1), local_shard(self.w3),
+                          local_shard(self.w2), self.act)
 
     def run_experts(self, x: torch.Tensor, routing: Routing, kept_counts: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -398,10 +444,7 @@ class MoE(nn.Module):
         out = torch.bmm(routing.weights[:, None, :],
                         slots.view(tokens, cfg.top_k, cfg.hidden)).squeeze(1)
         if self.shared is not None:
-            shared = self.shared(x2)
-            if self.shared_gate is not None:
-                shared = torch.sigmoid(self.shared_gate(x2)) * shared
-            out = out + shared
+            out = out + self.shared_forward(x2)
         return MoEOutput(out.reshape(shape), routing.logits, aux, dropped,
                          kept.reshape(tokens, cfg.top_k), g_counts)
 
@@ -417,6 +460,8 @@ class MoE(nn.Module):
         ``valid [B, S]`` marks (a microbatch's tokens, not its padding) are routed, each
         sequence's balance loss over its own tokens (``sequence_loss``); padding rows
         get zeros. ``valid`` None: every row is a token."""
+        if self.tp_mesh is not None:    # this rank's piece of the sequence: gather it
+            x = _tp_gather(x, self.tp_mesh)
         batch, seq, hidden = x.shape
         if valid is None:
             valid = torch.ones(batch, seq, dtype=torch.bool, device=x.device)
@@ -426,7 +471,8 @@ class MoE(nn.Module):
         flat = x.reshape(-1, hidden)
         y = self.layer_output(self(flat[rows], sequences=torch.div(rows, seq,
                                                                    rounding_mode="floor")))
-        return place_rows(y, rows, flat.shape[0]).view_as(x)
+        out = place_rows(y, rows, flat.shape[0]).view_as(x)
+        return out if self.tp_mesh is None else _tp_reduce_scatter(out, self.tp_mesh)
 
     def layer_output(self, out: MoEOutput) -> torch.Tensor:
         """The block's output as a transformer layer adds it to the residual: ``out.out``,
@@ -442,7 +488,36 @@ class MoE(nn.Module):
             self.dropped_slots = self.dropped_slots + out.dropped.detach()
         if not (torch.is_grad_enabled() and aux.requires_grad):
             return out.out
-        return _AuxGrad.apply(out.out, aux, self.loss_scale.scale)
+        # Under TP every rank computes the same aux loss: each gives it 1/tp of its
+        # gradient, so the sums over TP (the router's, the input's) count it once.
+        share = 1 if self.tp_mesh is None else self.tp_mesh.size()
+        return _AuxGrad.apply(out.out, aux, self.loss_scale.scale / share)
+
+
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """This rank's block of a TP-sharded parameter (a DTensor; its gradient is that
+    block's), or ``t`` itself off a mesh."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+def _tp_gather(x: torch.Tensor, mesh: Any) -> torch.Tensor:
+    """The whole ``[B, S, hidden]`` from this TP rank's piece ``[B, S / tp, hidden]``
+    (all-gather); its gradient on each rank is a part of the sum (the rank's columns of
+    the experts), reduce-scattered back to the pieces in backward."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    return DTensor.from_local(x, mesh, [Shard(1)], run_check=False).redistribute(
+        mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+
+
+def _tp_reduce_scatter(y: torch.Tensor, mesh: Any) -> torch.Tensor:
+    """This rank's piece ``[B, S / tp, hidden]`` of the sum over TP of the ranks' partial
+    outputs ``[B, S, hidden]`` (reduce-scatter); in backward its gradient is gathered."""
+    from torch.distributed.tensor import DTensor, Partial, Shard
+
+    return DTensor.from_local(y, mesh, [Partial()], run_check=False).redistribute(
+        mesh, [Shard(1)]).to_local()
 
 
 class _AuxGrad(torch.autograd.Function):
@@ -471,12 +546,18 @@ def moe_config(arch) -> MoEConfig:
 def build_moe(arch, *, tp: int = 1) -> MoE:
     """The block of one MoE layer of ``arch``, all experts local (expert parallelism
     replaces it, ``parallel.ep``). Its aux loss counts ``aux_loss_coef`` times until
-    ``set_aux_weight`` says how many sequences a step has. ValueError for ``tp > 1``:
-    tensor parallelism inside the experts is not built."""
-    if tp != 1:
-        raise ValueError(f"tensor parallelism {tp} inside an MoE block is not built: run "
-                         "an MoE backbone at tp 1")
-    block = MoE(moe_config(arch))
+    ``set_aux_weight`` says how many sequences a step has. ``tp``: one TP rank's shard as
+    ``models.transformer``'s classes take it (each expert's and the shared expert's
+    columns over ``tp``: what a rank computes, for timing a layer); the runtime builds
+    ``tp = 1`` and shards the block with DTensor (``parallel.tp.parallelize_moe``).
+    ValueError when ``tp`` does not divide those columns."""
+    config = moe_config(arch)
+    if config.ffn % tp or config.shared_ffn % tp:
+        raise ValueError(f"tensor parallelism {tp} cannot split an expert's {config.ffn} "
+                         f"columns (shared expert: {config.shared_ffn}) evenly")
+    if tp > 1:
+        config = replace(config, ffn=config.ffn // tp, shared_ffn=config.shared_ffn // tp)
+    block = MoE(config)
     block.aux_weight = arch.moe.aux_loss_coef
     # The experts' down projections write into the residual stream (models.init).
     block.param_init_std = {"w2": 0.02 / math.sqrt(2 * max(1, arch.layers))}

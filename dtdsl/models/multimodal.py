@@ -614,8 +614,9 @@ def backbone_layers(backbone: Backbone, x: torch.Tensor, start: int = 0,
             x = layer(x, rotation, mask)
             continue
         if valid is None and lengths is not None:
+            # Over the whole sequence: under sequence parallelism an MoE block gathers it.
             ends = torch.tensor(lengths, device=x.device)[:, None]
-            valid = torch.arange(x.shape[1], device=x.device) < ends
+            valid = torch.arange(seq // cp, device=x.device) < ends
         x = layer(x, rotation, mask, valid)
     return x
 

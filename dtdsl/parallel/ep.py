@@ -217,19 +217,26 @@ def full_parameters(module: nn.Module, named: dict[str, torch.Tensor]
 
 
 def expert_layout(ep: Any, dp_ranks: Sequence[int]) -> Any:
-    """The DeviceMesh ``(ep, ep_dp)`` over a stage's DP ranks ``dp_ranks`` (replica order)
-    under expert parallelism (``ep``: its ``parallel.mesh.ExpertGroups``): column ``j``
-    the EP group of replicas ``j ep .. j ep + ep - 1``, row ``i`` the expert DP group of
-    EP rank ``i``. A stacked expert weight is ``Shard(0)`` over ``ep`` (EP rank ``i``:
-    experts ``[i E/ep, (i + 1) E/ep)``) and then as FSDP2 holds it over ``ep_dp``: so a
-    rank's block has its offset in the full ``[E, ...]`` tensor. Made from the groups
-    there are (no collective, no new group)."""
+    """The DeviceMesh ``(ep, ep_dp)`` over a stage's DP ranks ``dp_ranks`` (replica order,
+    at this rank's TP index) under expert parallelism (``ep``: its
+    ``parallel.mesh.ExpertGroups``), ``(ep, ep_dp, tp)`` where the experts are split over
+    TP too: column ``j`` the EP group of replicas ``j ep .. j ep + ep - 1``, row ``i`` the
+    expert DP group of EP rank ``i``. A stacked expert weight is ``Shard(0)`` over ``ep``
+    (EP rank ``i``: experts ``[i E/ep, (i + 1) E/ep)``), then as FSDP2 holds it over
+    ``ep_dp``, then its TP split: so a rank's block has its offset in the full ``[E, ...]``
+    tensor. Made from the groups there are (no collective, no new group)."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    e = ep.degree
-    table = torch.tensor(list(dp_ranks), dtype=torch.int).reshape(-1, e).T.contiguous()
-    return DeviceMesh.from_group([ep.group, ep.dp_group], ep.mesh.device_type,
-                                 mesh=table, mesh_dim_names=("ep", "ep_dp"))
+    e, tp = ep.degree, ep.mesh["tp"]
+    t, index = tp.size(), tp.get_local_rank()
+    table = torch.tensor([[r - index + i for i in range(t)] for r in dp_ranks],
+                         dtype=torch.int).reshape(-1, e, t).transpose(0, 1).contiguous()
+    if t == 1:
+        return DeviceMesh.from_group([ep.group, ep.dp_group], ep.mesh.device_type,
+                                     mesh=table[..., 0], mesh_dim_names=("ep", "ep_dp"))
+    return DeviceMesh.from_group([ep.group, ep.dp_group, tp.get_group()],
+                                 ep.mesh.device_type, mesh=table,
+                                 mesh_dim_names=("ep", "ep_dp", "tp"))
 
 
 def _expert_keys(module: nn.Module) -> dict[str, tuple[ExpertParallelMoE, str]]:
@@ -261,14 +268,16 @@ def global_experts(state: dict[str, Any], module: nn.Module, layout: Any) -> Non
     EP degree (ep 1 included) on load. In place."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    for key, (block, _) in _expert_keys(module).items():
+    for key, (block, attr) in _expert_keys(module).items():
+        split = getattr(getattr(block, attr), "placements", ())
+        tp = [pl for pl in split if pl.is_shard() and pl.dim > 0]     # its TP split
         for holder, k in _entries(state, key):
             t = holder[k]
             local = t.to_local() if isinstance(t, DTensor) else t
             shape = (block.config.experts, *t.shape[1:])
             sharded = local.shape[0] != t.shape[0]      # FSDP2 shards over ep_dp
             holder[k] = DTensor.from_local(
-                local, layout, [Shard(0), Shard(0) if sharded else Replicate()],
+                local, layout, [Shard(0), Shard(0) if sharded else Replicate(), *tp],
                 run_check=False, shape=torch.Size(shape),
                 stride=torch.empty(shape, device="meta").stride())
 

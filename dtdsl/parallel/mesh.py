@@ -758,15 +758,16 @@ def build_groups(plan: Plan, *, device_type: str = "cpu", zero: int = 1,
     cp = _cp_groups(plan, role, mine, device_type, ulysses or {})
     phased = _phased_meshes(plan, role, mesh, device_type, zero)
     return ProcessGroups(role=role, mesh=mesh, tp=mesh.get_group("tp"), phased=phased, cp=cp,
-                         ep=_ep_groups(plan, role, mine, device_type, zero))
+                         ep=_ep_groups(plan, role, mine, device_type, zero, mesh["tp"]))
 
 
 def _ep_groups(plan: Plan, role: RankRole, mine: dict[str, tuple[int, ...]],
-               device_type: str, zero: int) -> ExpertGroups | None:
+               device_type: str, zero: int, tp: Any = None) -> ExpertGroups | None:
     """This rank's ``ExpertGroups`` (None at ep 1), made after every other group: each
     unit with ep > 1 in plan order, its EP groups, then its expert DP groups, so that
     where groups are split from the default group every rank of the job takes part in the
-    same order."""
+    same order. ``tp``: the unit's TP mesh, whose group is the experts' mesh's ``tp`` (their
+    TP split's mesh: FSDP2 wants one root for a parameter's DP and TP meshes)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
@@ -795,10 +796,12 @@ def _ep_groups(plan: Plan, role: RankRole, mine: dict[str, tuple[int, ...]],
     dims = {"pp": _alone(role.rank, f"{role.unit}_ep_pp"),
             "dp_replicate": _alone(role.rank, f"{role.unit}_ep_dpr") if shard else made["ep_dp"],
             "dp_shard": made["ep_dp"] if shard else _alone(role.rank, f"{role.unit}_ep_dps"),
-            "tp": _alone(role.rank, f"{role.unit}_ep_tp")}
-    n = len(lines["ep_dp"])
-    table = torch.tensor(lines["ep_dp"], dtype=torch.int).reshape(
-        (1, 1, n, 1) if shard else (1, n, 1, 1))
+            "tp": tp.get_group() if tp is not None and role.grid.tp > 1
+            else _alone(role.rank, f"{role.unit}_ep_tp")}
+    n, t = len(lines["ep_dp"]), role.grid.tp if tp is not None else 1
+    # Each expert DP rank's TP group: TP is innermost in a unit's ranks (module docstring).
+    table = torch.tensor([[r - role.tp_index + i for i in range(t)] for r in lines["ep_dp"]],
+                         dtype=torch.int).reshape((1, 1, n, t) if shard else (1, n, 1, t))
     mesh = DeviceMesh.from_group([dims[d] for d in MESH_DIMS], device_type, mesh=table,
                                  mesh_dim_names=MESH_DIMS)
     return ExpertGroups(group=made["ep"], mesh=mesh)

@@ -12,7 +12,9 @@ anything is materialised, or on real weights):
   once). The projections are separate matrices, so each is a plain contiguous cut and a
   DCP checkpoint reshards between TP degrees by itself;
 * a backbone runs with sequence parallelism (``_parallelize_backbone``): norms on this
-  rank's piece of the sequence, attention and MLP gather it and reduce-scatter back;
+  rank's piece of the sequence, attention and MLP gather it and reduce-scatter back; an
+  MoE layer's block the same way (``parallelize_moe``: every expert's columns split, the
+  router replicated; ``models.moe``, "Tensor parallelism");
 * a backbone's token embedding is vocabulary-parallel (``RowwiseParallel`` on the embedding:
   a rank holds its rows of the vocabulary, ids it does not own embed to zero and the
   partial embeddings are all-reduced) and so is its LM head (``ColwiseParallel`` with
@@ -37,7 +39,8 @@ from torch import nn
 from dtdsl.models.ffn import MLP
 from dtdsl.models.transformer import Backbone, CrossAttention, SelfAttention
 
-__all__ = ["is_tp_sharded", "local_tensor", "parallelize_unit", "tp_conflicts"]
+__all__ = ["is_tp_sharded", "local_tensor", "parallelize_moe", "parallelize_unit",
+           "tp_conflicts"]
 
 _COL = ("wq", "wk", "wv", "w1", "w3", "value", "gate")
 _ROW = ("wo", "w2", "out")
@@ -51,10 +54,19 @@ def local_tensor(t: Any) -> Any:
 
 def _blocks(module: nn.Module) -> Iterator[tuple[str, nn.Module, list[tuple[str, int]]]]:
     """Every attention and MLP block with the counts a TP degree must divide."""
+    from dtdsl.models.moe import MoE
     from dtdsl.models.unet import GEGLU
 
+    moe = []        # an MoE block's shared expert is counted with the block
     for name, block in module.named_modules():
-        if isinstance(block, SelfAttention):
+        if any(name.startswith(f"{m}.") or not m for m in moe):
+            continue
+        if isinstance(block, MoE):
+            moe.append(name)
+            cfg = block.config
+            yield name, block, [("expert FFN columns", cfg.ffn)] + (
+                [("shared expert columns", cfg.shared_ffn)] if cfg.shared_ffn else [])
+        elif isinstance(block, SelfAttention):
             yield name, block, [("attention heads", block.wq.out_features // block.head_dim),
                                 ("KV heads", block.wk.out_features // block.head_dim)]
         elif isinstance(block, CrossAttention):
@@ -126,13 +138,11 @@ def _parallelize_backbone(module: Backbone, tp_mesh: Any) -> None:
     )
 
     for layer in module.layers.values():
-        mlp_plan = {f"mlp.{w}": ColwiseParallel() for w in ("w1", "w3")
-                    if getattr(layer.mlp, w, None) is not None}
         # QK-norm weights act on this rank's heads ([B, S, heads / tp, D], dimension 2
         # sharded): replicated, their gradients summed over TP (torchtitan's Qwen3 plan).
         norm_plan = {f"attn.{n}": SequenceParallel(sequence_dim=2, use_local_output=True)
                      for n in ("q_norm", "k_norm") if hasattr(layer.attn, n)}
-        parallelize_module(layer, tp_mesh, {
+        attn_plan = {
             **norm_plan,
             "attn_norm": SequenceParallel(use_local_output=True),
             "attn": PrepareModuleInput(input_layouts=(Shard(1), None, None),
@@ -140,7 +150,15 @@ def _parallelize_backbone(module: Backbone, tp_mesh: Any) -> None:
             "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(),
             "attn.wv": ColwiseParallel(),
             "attn.wo": RowwiseParallel(output_layouts=Shard(1)),
-            "mlp_norm": SequenceParallel(use_local_output=True),
+            "mlp_norm": SequenceParallel(use_local_output=True)}
+        if getattr(layer, "moe", False):    # the block gathers and scatters itself
+            parallelize_module(layer, tp_mesh, attn_plan)
+            parallelize_moe(layer.mlp, tp_mesh)
+            continue
+        mlp_plan = {f"mlp.{w}": ColwiseParallel() for w in ("w1", "w3")
+                    if getattr(layer.mlp, w, None) is not None}
+        parallelize_module(layer, tp_mesh, {
+            **attn_plan,
             "mlp": PrepareModuleInput(input_layouts=(Shard(1),),
                                       desired_input_layouts=(Replicate(),)),
             **mlp_plan,
@@ -160,6 +178,39 @@ def _parallelize_backbone(module: Backbone, tp_mesh: Any) -> None:
     # share one again (both Shard(0) over the vocabulary on the same mesh).
     module.tie()
     module.sp_mesh = tp_mesh
+
+
+# An MoE block's parameters under TP: (owner path, attribute) -> the dimension split, None
+# for replicated (``models.moe``, "Tensor parallelism").
+_MOE_SPLITS = {("", "w1"): 1, ("", "w3"): 1, ("", "w2"): 2, ("router", "weight"): None,
+               ("shared.w1", "weight"): 0, ("shared.w3", "weight"): 0,
+               ("shared.w2", "weight"): 1, ("shared_gate", "weight"): None}
+
+
+def parallelize_moe(block: nn.Module, tp_mesh: Any) -> None:
+    """Shard MoE block ``block`` (``models.moe.MoE``, or expert parallelism's) over
+    ``tp_mesh`` in place: each expert's ``w1``/``w3`` by columns, ``w2`` by rows, the
+    shared expert likewise, the router and the shared expert's gate replicated, all as
+    DTensors of their full tensors (made without a collective: on the meta device, or
+    from the same values on every rank); the block then gathers the sequence and
+    reduce-scatters its output itself (``MoE.tp_mesh``). The stacked experts go on
+    ``block.experts_tp_mesh`` where the stage set one (expert parallelism)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    for (path, attr), dim in _MOE_SPLITS.items():
+        owner = block
+        for part in filter(None, path.split(".")):
+            owner = getattr(owner, part, None)      # None: no shared expert, no gate
+        param = getattr(owner, attr, None)
+        if param is None:
+            continue
+        placement = Replicate() if dim is None else Shard(dim)
+        mesh = tp_mesh
+        if attr in ("w1", "w3", "w2") and not path and block.experts_tp_mesh is not None:
+            mesh = block.experts_tp_mesh
+        dt = distribute_tensor(param.detach(), mesh, [placement], src_data_rank=None)
+        setattr(owner, attr, nn.Parameter(dt, requires_grad=param.requires_grad))
+    block.tp_mesh = tp_mesh
 
 
 def is_tp_sharded(param: Any) -> bool:

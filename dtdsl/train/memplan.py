@@ -535,7 +535,7 @@ def _attach_cp(program: ir.Program, plan: Plan, built: Any, role: Any, world: An
                                        cp=cp_group(program, plan, role, group))
 
 
-def _expert_groups(plan: Plan, role: Any, zero: int) -> Any:
+def _expert_groups(plan: Plan, role: Any, zero: int, tp: Any = None) -> Any:
     """The measured rank's EP groups on the fake world (``ExpertGroups``, None at ep 1), as
     ``parallel.mesh.build_groups`` makes them for a run: its all-to-alls exchange nothing
     there, the routing's sizes assumed (``models.moe.mean_counts``)."""
@@ -546,7 +546,7 @@ def _expert_groups(plan: Plan, role: Any, zero: int) -> Any:
     if plan.unit(role.unit).ep == 1:
         return None
     with unset_fake_temporarily():      # its mesh's rank table is real, as the world's
-        return _ep_groups(plan, role, rank_groups(plan, role.rank, zero), "cpu", zero)
+        return _ep_groups(plan, role, rank_groups(plan, role.rank, zero), "cpu", zero, tp)
 
 
 def _optimizer(program: ir.Program, plan: Plan, trainable: list[Any]) -> Any:
@@ -603,7 +603,7 @@ def _measure_stage(program: ir.Program, plan: Plan, schedule: Schedule, cost: An
         built = build_stage(program, plan, role, mesh, world.device,
                             run=stage_run(role.role), initialize=False, compile=False,
                             phased=meshes, phased_run=stage_run("encoder"),
-                            ep=_expert_groups(plan, role, zero))
+                            ep=_expert_groups(plan, role, zero, mesh["tp"]))
         if grid.cp > 1:
             _attach_cp(program, plan, built, role, world)
         opt = _optimizer(program, plan, built.trainable())

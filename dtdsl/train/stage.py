@@ -728,7 +728,8 @@ def _expert_parallel(units: dict[str, nn.Module], plan: Plan, role: RankRole,
                          "ProcessGroups.ep)")
     from dtdsl.parallel.ep import apply_ep
 
-    apply_ep(units[role.unit], ep.group)
+    for block in apply_ep(units[role.unit], ep.group):
+        block.experts_tp_mesh = ep.mesh["tp"]      # their TP split's (parallel.tp)
     return ep.mesh
 
 

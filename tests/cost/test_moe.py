@@ -137,6 +137,24 @@ def test_all_to_alls_are_priced_at_the_ep_groups_bandwidth():
         (base[0] + fwd, base[1] + bwd))
     frozen = replace(two.unit("llm"), backward_factor=0.0)
     assert two.ep_comm_time_s(frozen, 1)[1] == 0.0
+    # At tp 2 every TP rank routes the whole sequence and sends all its routed rows.
+    assert two.ep_bandwidth(two.unit("llm"), 2) == cluster.intra_node_bw_bytes_per_s
+    assert two.ep_comm_time_s(two.unit("llm"), 2) == pytest.approx((fwd, bwd))
+
+
+def test_the_router_runs_whole_on_every_tp_rank():
+    # TP divides the experts' GEMMs; each TP rank runs the router (h x E per token and
+    # MoE layer) on the whole sequence (models.moe, "Tensor parallelism").
+    cost = build_cost_model(moe_spec())
+    llm = cost.unit("llm")
+    arch = cost.program.backbone.arch
+    assert llm.tp_whole_matmul == pytest.approx(
+        llm.cp_tokens * llm.ep_layers * 2 * arch.hidden * arch.moe.experts)
+    whole_s = llm.tp_whole_matmul / cost.params.efficiency.matmul / cost.peak_flops
+    assert cost.compute_time_s(llm, 2) == pytest.approx(
+        cost.compute_time_s(llm, 1) / 2 + whole_s / 2)
+    dense = replace(llm, tp_whole_matmul=0.0)
+    assert cost.compute_time_s(dense, 2) == pytest.approx(cost.compute_time_s(dense, 1) / 2)
 
 
 def test_ep_choices_follow_the_constraints():

@@ -296,3 +296,19 @@ def test_grouped_gemm_on_cuda_in_bf16_equals_the_fp32_loop(sizes):
         if want.numel():
             scale = want.abs().max().clamp_min(1.0)
             assert (got.float() - want).abs().max() <= 3e-2 * scale
+
+
+def test_a_tp_ranks_block_holds_its_columns_of_every_expert():
+    # build_moe at tp (a rank's shard, as models.transformer's classes take tp: what the
+    # profile times) splits each expert's and the shared expert's columns; the router
+    # stays whole (every TP rank routes the whole sequence).
+    from dtdsl.models.build import build_layer
+    from tests.helpers.moe import moe_spec
+
+    p = moe_spec(args="experts=4, top_k=2, expert_ffn=64, shared_experts=1")
+    block = build_layer(p.backbone, tp=2).mlp
+    assert isinstance(block, MoE)
+    assert tuple(block.w1.shape) == (4, 32, 128) and tuple(block.w2.shape) == (4, 128, 32)
+    assert block.shared.w1.out_features == 32 and block.router.out_features == 4
+    with pytest.raises(ValueError, match="cannot split an expert's 64 columns"):
+        moe.build_moe(p.backbone.arch, tp=3)

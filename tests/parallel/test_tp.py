@@ -142,6 +142,62 @@ def test_dit_tp2_matches_single_process():
     run(_compare_dit, 2, timeout=60)
 
 
+def _compare_moe(rank: int, world: int) -> None:
+    """The MoE block under TP (``parallelize_moe``) on this rank's piece of the sequence
+    against the one-process block on the whole one: a shared expert with its gate, a
+    capacity that drops, padding rows, the aux loss in the backward."""
+    from torch.distributed.tensor import Partial
+
+    from dtdsl.models.moe import MoE, MoEConfig
+    from dtdsl.parallel.tp import parallelize_moe
+
+    cfg = MoEConfig(hidden=8, ffn=4, experts=4, top_k=2, capacity_factor=1.0,
+                    shared_ffn=6, shared_gate=True)
+    torch.manual_seed(0)
+    full = MoE(cfg)
+    full.aux_weight = 0.3
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 6, cfg.hidden, generator=gen)
+    g = torch.randn(2, 6, cfg.hidden, generator=gen)
+    valid = torch.arange(6) < torch.tensor([[6], [4]])      # the second row: 2 of padding
+    xf = x.clone().requires_grad_()
+    (full.layer_forward(xf, valid) * g).sum().backward()
+
+    mesh = DeviceMesh("cpu", list(range(world)))
+    block = MoE(cfg)
+    block.aux_weight = 0.3
+    block.load_state_dict(full.state_dict())
+    parallelize_moe(block, mesh)
+    piece = slice(rank * 6 // world, (rank + 1) * 6 // world)
+    xp = x[:, piece].clone().requires_grad_()
+    out = block.layer_forward(xp, valid)
+    torch.testing.assert_close(out, full.layer_forward(x, valid)[:, piece].detach(),
+                               rtol=TOL, atol=TOL)
+    (out * g[:, piece]).sum().backward()
+    _close(xp.grad, xf.grad[:, piece], "input")
+    assert local_tensor(block.w1).shape == (4, 4 // world, 8)
+    assert local_tensor(block.w2).shape == (4, 8, 4 // world)
+    for n, p in block.named_parameters():
+        want = dict(full.named_parameters())[n]
+        assert torch.equal(p.full_tensor(), want.detach()), n
+        # A replicated parameter's gradient is each rank's part of the sum.
+        replicated = n in ("router.weight", "shared_gate.weight")
+        assert isinstance(p.grad.placements[0], Partial) == replicated, n
+        _close(p.grad.full_tensor(), want.grad, n)
+
+
+def test_moe_block_tp2_matches_single_process():
+    run(_compare_moe, 2, timeout=60)
+
+
+def test_moe_conflicts_name_the_columns():
+    from dtdsl.models.moe import MoE, MoEConfig
+
+    block = MoE(MoEConfig(hidden=8, ffn=6, experts=4, top_k=2, shared_ffn=5))
+    assert tp_conflicts(block, 2) == ["5 shared expert columns ()"]
+    assert tp_conflicts(block, 4) == ["6 expert FFN columns ()", "5 shared expert columns ()"]
+
+
 def _compare_qk_norm(rank: int, world: int) -> None:
     from dtdsl.ir import program as ir
     from dtdsl.models.build import build_arch

@@ -17,6 +17,7 @@ from dtdsl.ir.plan import Plan
 from dtdsl.models.moe import MoE
 from dtdsl.parallel.ep import ExpertParallelMoE
 from dtdsl.parallel.mesh import build_groups, ep_lines, rank_groups, role_of
+from dtdsl.parallel.tp import local_tensor
 from dtdsl.schedule.lower import lower
 from dtdsl.train.executor import StageExecutor
 from dtdsl.train.reference import train_reference
@@ -36,8 +37,8 @@ def with_ep(plan: Plan, ep: int) -> Plan:
     return plan.model_copy(update={"units": units})
 
 
-def ep_plan(p: ir.Program, dp: int, pp: int, ep: int) -> Plan:
-    return with_ep(plan_for(p, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, dp, pp),
+def ep_plan(p: ir.Program, dp: int, pp: int, ep: int, tp: int = 1) -> Plan:
+    return with_ep(plan_for(p, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", tp, dp, pp),
                             ("gen", "generator", 1, 1, 1)), ep)
 
 
@@ -112,7 +113,14 @@ def _train(rank: int, world: int, p: ir.Program, plan: Plan, want: list[dict],
         assert math.isclose(r["grad_norm"], w["grad_norm"], rel_tol=1e-4), (r, w)
     role = ex.role
     blocks = [m for m in ex.stage.module.modules() if isinstance(m, MoE)]
-    if role.unit == "llm":
+    tp = plan.unit("llm").tp
+    if role.unit == "llm" and tp > 1:
+        # Each expert's columns split over TP: a DTensor of the full tensor, its block here.
+        for b in blocks:
+            assert b.tp_mesh is not None and b.w1.placements[-1].dim == 1
+            assert local_tensor(b.w1).shape[1] == 64 // tp
+            assert local_tensor(b.w2).shape[2] == 64 // tp
+    if role.unit == "llm" and plan.unit("llm").ep > 1:
         ep = plan.unit("llm").ep
         assert blocks and all(isinstance(b, ExpertParallelMoE) for b in blocks)
         mine = ep_lines(role, ep)["ep"].index(rank)
@@ -122,8 +130,7 @@ def _train(rank: int, world: int, p: ir.Program, plan: Plan, want: list[dict],
             # The experts' FSDP2 shard over the expert DP group only (ZeRO-1), or their
             # copy on each of its ranks (ZeRO 0).
             shards = edp if p.train.mesh_zero else 1
-            assert b.w1.to_local().shape[0] * shards == 4 // ep
-            assert b.w1.device_mesh.size() == edp
+            assert local_tensor(b.w1).shape[0] * shards == 4 // ep
             dropped = int(b.dropped_slots)
             assert (dropped > 0) == capacity, dropped
             # The group's drops, the same on every rank of the EP group.
@@ -180,6 +187,15 @@ def test_expert_parallel_with_pipeline_matches_the_reference():
     check_ep(p, plan, steps=STEPS)
 
 
+def test_tp_inside_the_experts_with_pipeline_matches_the_reference():
+    # tp 2 (sequence parallelism; every expert's columns split) and pp 2 on 4 ranks, the
+    # encoder and generator co-located: every TP rank routes the whole sequence.
+    p = moe_spec(args=ARGS)
+    plan = colocate(p, ep_plan(p, 1, 2, 1, tp=2), "vit", "gen")
+    assert plan.gpus_used == 4
+    check_ep(p, plan)
+
+
 def _phase(rank: int, world: int, p: ir.Program, plan: Plan, run_dir: str, steps: int,
            out: str, want: dict | None) -> None:
     """Resume from ``run_dir`` (or start), train ``steps`` steps and save; rank 0 writes
@@ -194,7 +210,8 @@ def _phase(rank: int, world: int, p: ir.Program, plan: Plan, run_dir: str, steps
     logs: list[str] = []
     ckpt = Checkpointer(ex, run_dir, keep=3, mode="sync", log=logs.append)
     first = ckpt.resume()
-    losses = [ex.run_step(step)["loss"] for step in range(first, first + steps)]
+    results = [ex.run_step(step) for step in range(first, first + steps)]
+    losses = [r["loss"] for r in results]
     ckpt.save(first + steps)
     ckpt.close()
     if want is not None:
@@ -204,7 +221,8 @@ def _phase(rank: int, world: int, p: ir.Program, plan: Plan, run_dir: str, steps
             assert err <= PARAM_RTOL * (final - init).norm().item() + 1e-7, (name, err)
             assert err <= PARAM_RMS * final.numel() ** 0.5, (name, err)
     if rank == 0:
-        Path(out).write_text(json.dumps({"first": first, "losses": losses, "logs": logs}))
+        Path(out).write_text(json.dumps({"first": first, "losses": losses, "logs": logs,
+                                         "norms": [r["grad_norm"] for r in results]}))
 
 
 def test_resume_across_a_change_of_ep_degree(tmp_path):
@@ -297,3 +315,40 @@ def test_resume_from_experts_sharded_over_their_expert_dp_group(tmp_path):
         got += r["losses"]
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
         assert abs(g - w["loss"]) <= LOSS_TOL, (step, g, w["loss"])
+
+
+def test_resume_from_experts_split_over_tp_and_ep(tmp_path):
+    """tp 2 x ep 2 (dp 2) on 4 ranks for 5 steps (each expert's columns split over TP
+    inside its EP rank: nested Shard(0), Shard(0) on (ep, ep_dp) and its column split on
+    tp in the checkpoint), resumed at tp 1 ep 2 for 3: every step's loss and gradient
+    norm (each expert's block counted once) and the final parameters are the
+    reference's."""
+    import json
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from dtdsl.ir.checkpoint import checkpoint_root
+
+    p = moe_spec(args=ARGS)
+    first = colocate(p, ep_plan(p, 2, 1, 2, tp=2), "vit", "gen")
+    then = colocate(p, ep_plan(p, 2, 1, 2), "vit", "gen")
+    assert (first.gpus_used, then.gpus_used) == (4, 2)
+    want, params = reference(p, then, STEPS, grouped=False)
+    got, norms = [], []
+    for i, (plan, steps) in enumerate(((first, 5), (then, 3))):
+        out = tmp_path / f"{i}.json"
+        run(_phase, plan.gpus_used, p, plan, str(tmp_path), steps, str(out),
+            params if i else None, timeout=240)
+        r = json.loads(out.read_text())
+        assert r["first"] == 5 * i
+        got += r["losses"]
+        norms += r["norms"]
+        if i == 0:
+            meta = FileSystemReader(str(checkpoint_root(tmp_path) / "ckpt-5")).read_metadata()
+            entry = meta.state_dict_metadata["model.units.llm.layers.0.mlp.w1"]
+            assert tuple(entry.size) == (4, 64, 128)
+            assert sorted((c.offsets[0], c.offsets[1]) for c in entry.chunks) == [
+                (0, 0), (0, 32), (2, 0), (2, 32)]
+    for step, (g, n, w) in enumerate(zip(got, norms, want, strict=True)):
+        assert abs(g - w["loss"]) <= LOSS_TOL, (step, g, w["loss"])
+        assert math.isclose(n, w["grad_norm"], rel_tol=1e-4), (step, n, w["grad_norm"])

@@ -123,19 +123,17 @@ def test_paper_scale_plans_match_the_memory_model(name, capsys, shipped_plan):
 
 
 @pytest.mark.slow
-def test_the_moe_spec_at_tp_1_matches_the_memory_model(capsys, tmp_path):
-    # specs/moe_vl_30b.dt with its backbone at tp 1 (the runtime splits experts over EP
-    # ranks, not over TP): every backbone stage's MoE activations
-    # (cost.unit._moe_block_bytes), its experts at the plan's ep, its recomputation where
-    # the planner raised it, at every in-flight count of the pipeline.
-    text = (ROOT / "specs" / "moe_vl_30b.dt").read_text()
-    pinned = text.replace("tp(llm)   in {1, 2, 4}", "tp(llm)   == 1")
-    assert pinned != text
-    spec_path = tmp_path / "moe_vl_30b.dt"
-    spec_path.write_text(pinned)
+def test_the_moe_spec_matches_the_memory_model(capsys, tmp_path):
+    # specs/moe_vl_30b.dt as planned, its backbone at tp 2 (each expert's columns split,
+    # parallel.tp.parallelize_moe): every backbone stage's MoE activations
+    # (cost.unit._moe_block_bytes), its experts at the plan's tp and ep, its recomputation
+    # where the planner raised it, at every in-flight count of the pipeline.
+    spec_path = ROOT / "specs" / "moe_vl_30b.dt"
     plan = tmp_path / "plan.json"
     assert cli.main(["plan", str(spec_path), "--no-baseline", "-o", str(plan)]) == 0
     capsys.readouterr()
+    (llm_plan,) = [u for u in json.loads(plan.read_text())["units"] if u["name"] == "llm"]
+    assert llm_plan["tp"] == 2
     assert cli.main(["memcheck", str(spec_path), "--json", "--plan", str(plan)]) == 0
     stages = json.loads(capsys.readouterr().out)["stages"]
     llm = [s for s in stages if s["unit"] == "llm"]
@@ -172,3 +170,17 @@ def test_an_moe_backbone_is_measured_at_ep_1_and_2():
     assert by_ep[2].by_category["optimizer_state"] == by_ep[1].by_category["optimizer_state"]
     assert by_ep[2].by_category["params"] < by_ep[1].by_category["params"]
     assert by_ep[2].predicted_bytes < by_ep[1].predicted_bytes
+
+
+def test_an_moe_backbone_is_measured_at_tp_2_ep_2():
+    # Each expert's columns split over TP inside its EP rank (parallel.tp.parallelize_moe):
+    # weights, gradients and state / tp, the routed rows and routing whole on every TP
+    # rank, the experts' intermediates / tp (cost.unit._moe_block_bytes), in bf16.
+    from tests.helpers.moe import moe_spec
+    from tests.train.test_ep_run import ARGS, ep_plan
+
+    p = moe_spec(args=ARGS)
+    p = p.model_copy(update={"train": p.train.model_copy(update={"precision": "bf16"})})
+    (stage,) = [s for s in check_memory(p, ep_plan(p, 2, 1, 2, tp=2), jobs=1)
+                if s.unit == "llm"]
+    assert abs(stage.error) <= TOLERANCE, (stage.measured_bytes, stage.predicted_bytes)

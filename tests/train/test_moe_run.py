@@ -111,10 +111,14 @@ def test_compile_refuses_what_the_runtime_does_not_run_yet():
         return [d.message for d in runtime_support(program, plan.model_copy(
             update={"units": units})) if d.code == "DT601"]
 
-    found = refused(p, {"tp": 2, "gpus": 4})
-    assert len(found) == 1 and "MoE module llm" in found[0] and "tp 2" in found[0]
-    # Expert parallelism runs (tests/train/test_ep_run.py), but not under Local SGD,
-    # whose replicas would average different experts.
+    # Tensor parallelism inside the experts runs, with expert parallelism too
+    # (tests/train/test_ep_run.py); context parallelism does not.
+    assert refused(p, {"tp": 2, "gpus": 4}) == []
+    assert refused(p, {"tp": 2, "gpus": 4, "ep": 2}) == []
+    found = refused(p, {"cp": 2, "gpus": 4})
+    assert len(found) == 1 and "MoE module llm" in found[0] and "cp 2" in found[0]
+    # Expert parallelism runs, but not under Local SGD, whose replicas would average
+    # different experts.
     assert refused(p, {"ep": 2}) == []
     local = p.model_copy(update={"train": p.train.model_copy(update={
         "sync": p.train.sync.model_copy(update={"kind": "local_sgd"})})})
