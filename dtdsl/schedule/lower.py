@@ -86,6 +86,7 @@ the alternation is valid nothing moves and the order is exactly Megatron's or to
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 
 from dtdsl.cost.flops import input_needs_grad
@@ -105,9 +106,9 @@ from dtdsl.schedule.validate import validate
 
 __all__ = ["GradientFlow", "LoweringError", "add_communication", "add_optimizer",
            "gradient_flow", "group_sizes", "interleaved_order", "lower", "lower_compute",
-           "lower_units"]
+           "lower_units", "split_weights"]
 
-F, B = ActionKind.F, ActionKind.B
+F, B, W = ActionKind.F, ActionKind.B, ActionKind.W
 SEND_F, RECV_F = ActionKind.SEND_F, ActionKind.RECV_F
 SEND_B, RECV_B = ActionKind.SEND_B, ActionKind.RECV_B
 
@@ -359,15 +360,43 @@ def _orders(base: Schedule, flow: GradientFlow, groups: Groups
         if v > 1 and base.name != "interleaved":
             raise LoweringError(f"{u.name}: vpp {v} under the {base.name} schedule; only "
                                 "the interleaved schedule has model chunks")
+        if v > 1 and base.name == "zero_bubble":
+            raise LoweringError(f"{u.name}: vpp {v} under the zero_bubble schedule; only "
+                                "the interleaved schedule has model chunks")
         if v == 1:
+            warmups = {}
             for s in reversed(range(u.pp)):
                 fwd = [(j, 0) for j in range(m)]
                 bwd = fwd if (u.name, s, 0) in flow.backward else []
                 warmup = m if base.name == "gpipe" else min(m, demand((u.name, s, 0)))
+                warmups[s] = warmup if bwd else m
                 orders[(u.name, s)] = _one_f_one_b(fwd, bwd, warmup)
+            if base.name == "zero_bubble":
+                held = max(warmups.values()) + 1
+                for s, warmup in warmups.items():
+                    if (u.name, s, 0) in flow.trains:
+                        orders[(u.name, s)] = split_weights(orders[(u.name, s)],
+                                                            max(0, held - warmup - 1))
             continue
         orders.update(_interleaved(u, m, flow, consumer_reads, demand, groups))
     return orders
+
+
+def split_weights(order: Sequence[Pass], deferred: int) -> list[Pass]:
+    """ZB-H1 (module docstring, Zero bubble): ``order`` with each backward split into
+    its ``B`` and a ``W`` that runs once ``deferred`` more backwards have run (the oldest
+    first, as torch.distributed.pipelining's zero-bubble orders), the last ``deferred``
+    after the stage's last pass."""
+    out: list[Pass] = []
+    pending: deque[tuple[int, int]] = deque()
+    for kind, j, c in order:
+        out.append((kind, j, c))
+        if kind is B:
+            pending.append((j, c))
+            if len(pending) > deferred:
+                out.append((W, *pending.popleft()))
+    out += [(W, j, c) for j, c in pending]
+    return out
 
 
 def _makespan(base: Schedule, flow: GradientFlow,
