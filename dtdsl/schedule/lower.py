@@ -487,7 +487,10 @@ def _interleaved(u: ScheduleUnit, m: int, flow: GradientFlow,
 def add_communication(schedule: Schedule) -> Schedule:
     """Step 2: receive what a pass reads from another stage just before it, send what it
     produces for another stage just after it. A consumer sends gradients back to the
-    producers that run a backward of that microbatch and chunk."""
+    producers that run a backward of that microbatch and chunk. A ``W`` (zero_bubble)
+    moves past the receives of the pass after it: it reads and sends nothing, and where
+    it stood it would split the run of a backward's sends and the next pass's receives,
+    one NCCL group in 1F1B (``validate_nccl``), in two."""
     backward = {(st.unit, st.stage, a.chunk, a.microbatch)
                 for st in schedule.stages for a in st.actions if a.kind is B}
     stages = []
@@ -495,10 +498,15 @@ def add_communication(schedule: Schedule) -> Schedule:
         unit, stage = st.unit, st.stage
         links: dict[int, tuple[tuple[VirtualStage, ...], tuple[VirtualStage, ...]]] = {}
         out: list[Action] = []
+        weights: list[Action] = []
         for a in st.actions:
             kind = a.kind
+            if kind is W:
+                weights.append(a)
+                continue
             if kind is not F and kind is not B:
-                out.append(a)
+                out += weights + [a]
+                weights = []
                 continue
             j, c = a.microbatch, a.chunk
             if c not in links:
@@ -508,7 +516,7 @@ def add_communication(schedule: Schedule) -> Schedule:
                 out += [Action(unit=unit, stage=stage, kind=RECV_F, microbatch=j, chunk=c,
                                peer_unit=p[0], peer_stage=p[1], peer_chunk=p[2])
                         for p in producers]
-                out.append(a)
+                out += weights + [a]
                 out += [Action(unit=unit, stage=stage, kind=SEND_F, microbatch=j, chunk=c,
                                peer_unit=q[0], peer_stage=q[1], peer_chunk=q[2])
                         for q in consumers]
@@ -516,10 +524,12 @@ def add_communication(schedule: Schedule) -> Schedule:
                 out += [Action(unit=unit, stage=stage, kind=RECV_B, microbatch=j, chunk=c,
                                peer_unit=q[0], peer_stage=q[1], peer_chunk=q[2])
                         for q in consumers if (*q, j) in backward]
-                out.append(a)
+                out += weights + [a]
                 out += [Action(unit=unit, stage=stage, kind=SEND_B, microbatch=j, chunk=c,
                                peer_unit=p[0], peer_stage=p[1], peer_chunk=p[2])
                         for p in producers if (*p, j) in backward]
+            weights = []
+        out += weights
         stages.append(StageSchedule(unit=unit, stage=stage, actions=tuple(out)))
     return schedule.with_stages(tuple(stages))
 
