@@ -5,6 +5,7 @@ simulator measures against 1F1B's: F + B - W per stage boundary instead of F + B
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from dtdsl.ir.schedule import Action, ActionKind, Schedule, StageSchedule, parse_action
@@ -166,3 +167,18 @@ def test_w_belongs_to_the_zero_bubble_schedule():
     schedule = lowered("1f1b", 2, unit("llm", "backbone", 1))
     with pytest.raises(ScheduleError, match="zero_bubble schedule's, not 1f1b's"):
         validate(_with_row(schedule, 0, ["F0", "B0", "W0", "F1", "B1", "W1", "SYNC", "OPT"]))
+
+
+def test_weight_seconds_are_part_of_the_backward():
+    schedule = lowered("zero_bubble", 4, unit("llm", "backbone", 2))
+    d = Durations.uniform(schedule, 1.0, 2.0)
+    with pytest.raises(ValueError, match="exceeds the backward"):
+        simulate(schedule, Durations(compute_s=d.compute_s,
+                                     weight_s={"llm": np.full((2, 1, 4, 1), 2.5)}))
+    with pytest.raises(ValueError, match="weight_s\\['llm'\\] has shape"):
+        simulate(schedule, Durations(compute_s=d.compute_s,
+                                     weight_s={"llm": np.full((2, 4, 1), 1.0)}))
+    # A 1F1B schedule runs whole backwards: its weight seconds change nothing.
+    plain = lowered("1f1b", 4, unit("llm", "backbone", 2))
+    assert simulate(plain, Durations.uniform(plain, 1.0, 2.0, weight_s=1.0)) \
+        .iteration_time_s == simulate(plain, Durations.uniform(plain, 1.0, 2.0)).iteration_time_s
