@@ -122,7 +122,7 @@ quantity is missing. The hint shows what to add. Examples: the backbone needs
 A name that must be one of a fixed set is not: an architecture (transformer,
 unet, dit, mlp), a distribution (constant, uniform, lognormal, zipf, choice,
 empirical), a GPU preset (A100, H100, H800, H200 or custom(...)), a schedule
-(gpipe, 1f1b, interleaved), an optimizer (adamw, adam), a learning-rate
+(gpipe, 1f1b, interleaved, zero_bubble), an optimizer (adamw, adam), a learning-rate
 schedule (constant, linear, cosine), a precision, a reorder policy, a modality or
 a constraint. The message suggests the closest name.
 
@@ -497,6 +497,9 @@ instead. Today the runtime cannot train:
   encoders can;
 - a generator on more than one pipeline stage: constrain it with
   `pp(gen) == 1`;
+- the `zero_bubble` schedule (planned and simulated; the executor does not
+  split a backward into input-gradient and weight-gradient passes yet): write
+  `schedule = 1f1b`;
 - the Megatron-LM baseline's rigid plans (`dtc plan --search baseline`): they
   are layouts to compare with;
 - a co-located unit a hand-edited plan places off the backbone's first (last)

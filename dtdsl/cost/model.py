@@ -395,6 +395,29 @@ class CostModel:
         ep_fwd, ep_bwd = self.ep_comm_time_s(unit, tp)
         return fwd + comm + cp_fwd + ep_fwd, bwd + bwd_comm + cp_bwd + ep_bwd
 
+    @staticmethod
+    def weight_grad_share(unit: UnitCost) -> float:
+        """Of ``unit``'s backward, the share its weight gradients take: what the zero_bubble
+        schedule's ``W`` pass runs, its ``B`` the rest (``dtdsl.sim.simulate.Durations.
+        weight_s``, ``planner.evaluate``). The one rule: the backward's time split by
+        FLOPs. Every forward GEMM (and convolution) has one weight-gradient GEMM of its
+        FLOPs; the input gradients (one GEMM more each), the attention cores' backward (no
+        weights) and what recomputation runs again are the ``B``'s. TP, CP and EP
+        collectives are split the same way (the input gradients' all-reduce is the
+        ``B``'s in truth: a small share at NVLink speed). A unit without trainable
+        parameters has no ``W``."""
+        if not unit.trainable or not unit.backward_factor:
+            return 0.0
+        w = unit.fwd_work
+        if unit.recompute is ir.Recompute.FULL:
+            again = w.total
+        elif unit.recompute is ir.Recompute.SELECTIVE:
+            again = unit.selective_work.total
+        else:
+            again = 0.0
+        backward = unit.backward_factor * w.total + again
+        return min(1.0, (w.matmul + w.conv) / backward) if backward > 0 else 0.0
+
     def _recomputed_s(self, unit: UnitCost, tp: int, fwd: float) -> float:
         """What backward runs again of one microbatch's forward ``fwd``: all of it (full
         recomputation), its attention cores (selective: the Q, K, V projections and

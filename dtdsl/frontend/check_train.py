@@ -121,7 +121,8 @@ class TrainChecks:
         if call.func not in _SCHEDULE_ARGS:
             guess = did_you_mean(call.func, _SCHEDULE_ARGS)
             ctx.error(DT205, f"unknown schedule '{call.func}'", call.func_span,
-                      notes=["schedules: gpipe, 1f1b, interleaved(virtual_stages=2)"],
+                      notes=["schedules: gpipe, 1f1b, interleaved(virtual_stages=2), "
+                             "zero_bubble"],
                       hint=f"did you mean '{guess}'?" if guess else None)
             return INVALID, INVALID
         args = resolve_call(call, _SCHEDULE_ARGS[call.func], ctx, f"{call.func} schedule", 1)

@@ -252,6 +252,7 @@ _SCHEDULE_ARGS = {
     "gpipe": (),
     "1f1b": (),
     "interleaved": (Param("virtual_stages", IntKind(2, 64), default=2),),
+    "zero_bubble": (),
 }
 _OPTIMIZER_ARGS = (
     Param("lr", FloatKind(low=0, high=10, low_exclusive=True), default=1e-4),

@@ -186,7 +186,7 @@ class Plan(BaseModel):
     global_batch: int
     micro_batch: int
     num_microbatches: int                 # per backbone replica and iteration
-    schedule: Literal["gpipe", "1f1b", "interleaved"]
+    schedule: Literal["gpipe", "1f1b", "interleaved", "zero_bubble"]
     iteration_time_s: float
     warmup_time_s: float
     steady_time_s: float

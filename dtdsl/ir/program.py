@@ -29,7 +29,7 @@ __all__ = [
 
 ROLES = ("encoder", "backbone", "generator")
 MODALITIES = ("image", "audio", "video")
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 # The backbone states a generator is conditioned on, per document: its last 77 hidden
 # states (all of them when it has fewer), the length of the CLIP text context a Stable
@@ -707,7 +707,7 @@ class Train(IRModel):
     global_batch: int
     micro_batch: int
     seq_len: int
-    schedule: Literal["gpipe", "1f1b", "interleaved"]
+    schedule: Literal["gpipe", "1f1b", "interleaved", "zero_bubble"]
     virtual_stages: int
     optimizer: Optimizer
     # The default is today's constant learning rate, so Programs written before the

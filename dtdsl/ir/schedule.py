@@ -9,6 +9,10 @@ Actions
 Each action belongs to one unit stage (``llm.s1``) and is one of
 
 - ``F`` / ``B``: forward / backward of microbatch j through model chunk c of the stage;
+- ``W``: the weight gradients of microbatch j's backward, run apart from its ``B`` (which
+  then computes only the gradients of the stage's input and of the activations: the
+  zero-bubble schedule, Qi et al. 2023); always after its ``B``, on a stage that trains.
+  Without a ``W`` a ``B`` computes both, as in every other schedule;
 - ``SEND_F`` / ``RECV_F``: activations of microbatch j leaving chunk c for the peer
   stage's chunk (and arriving there); ``SEND_B`` / ``RECV_B``: the gradients of those
   activations going the other way;
@@ -21,6 +25,7 @@ peer's chunk 0 are not written)::
 
     llm.s1:F3              forward of microbatch 3 on stage 1 of unit llm
     llm.s1:B3c1            backward of microbatch 3, model chunk 1 (interleaved 1F1B)
+    llm.s1:W3              weight gradients of microbatch 3 (zero_bubble)
     vit.s0:SEND_F3>llm.s0  vit's last stage sends microbatch 3's activations to llm.s0
     llm.s0:RECV_F3<vit.s0  ... which llm.s0 receives
     llm.s3:SEND_F3>llm.s0c1  the last stage's chunk 0 feeds chunk 1 of stage 0
@@ -84,13 +89,14 @@ __all__ = [
     "parse_action", "parse_schedule", "schedule_text",
 ]
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved")
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
 ROLES = ("encoder", "backbone", "generator")
 
 
 class ActionKind(StrEnum):
     F = "F"
     B = "B"
+    W = "W"
     SEND_F = "SEND_F"
     RECV_F = "RECV_F"
     SEND_B = "SEND_B"
@@ -122,7 +128,7 @@ class ActionKind(StrEnum):
 
 # Membership tests on frozensets: schedules have tens of thousands of actions, and these
 # are asked of every one in the lowering and the validator.
-_COMPUTE = frozenset({ActionKind.F, ActionKind.B})
+_COMPUTE = frozenset({ActionKind.F, ActionKind.B, ActionKind.W})
 _SENDS = frozenset({ActionKind.SEND_F, ActionKind.SEND_B})
 _RECVS = frozenset({ActionKind.RECV_F, ActionKind.RECV_B})
 _COMM = _SENDS | _RECVS
@@ -130,14 +136,14 @@ _STEP = frozenset({ActionKind.SYNC, ActionKind.OPT})
 _DIRECTION: dict[ActionKind, ActionKind | None] = {
     ActionKind.F: ActionKind.F, ActionKind.SEND_F: ActionKind.F, ActionKind.RECV_F: ActionKind.F,
     ActionKind.B: ActionKind.B, ActionKind.SEND_B: ActionKind.B, ActionKind.RECV_B: ActionKind.B,
-    ActionKind.SYNC: None, ActionKind.OPT: None,
+    ActionKind.W: None, ActionKind.SYNC: None, ActionKind.OPT: None,
 }
 
 
 _ID = r"[A-Za-z_][A-Za-z0-9_]*"
 _NUM = r"0|[1-9][0-9]*"
 _LOCAL_RE = re.compile(
-    rf"(?P<kind>SEND_F|RECV_F|SEND_B|RECV_B|SYNC|OPT|F|B)(?P<mb>{_NUM})?(?:c(?P<chunk>{_NUM}))?"
+    rf"(?P<kind>SEND_F|RECV_F|SEND_B|RECV_B|SYNC|OPT|F|B|W)(?P<mb>{_NUM})?(?:c(?P<chunk>{_NUM}))?"
     rf"(?:(?P<dir>[<>])(?P<peer_unit>{_ID})\.s(?P<peer_stage>{_NUM})"
     rf"(?:c(?P<peer_chunk>{_NUM}))?)?")
 _PREFIX_RE = re.compile(rf"(?P<unit>{_ID})\.s(?P<stage>{_NUM}):")
@@ -225,7 +231,7 @@ class Action:
 def _parse_local(unit: str, stage: int, text: str) -> Action:
     m = _LOCAL_RE.fullmatch(text)
     if m is None:
-        raise ValueError(f"not an action: {text!r} (expected e.g. F3, B3c1, SEND_F3>llm.s0, "
+        raise ValueError(f"not an action: {text!r} (expected e.g. F3, B3c1, W3, SEND_F3>llm.s0, "
                          "RECV_B3<llm.s2, SYNC or OPT)")
     kind = ActionKind(m["kind"])
     direction = m["dir"]
@@ -313,7 +319,7 @@ VirtualStage = tuple[str, int, int]
 class Schedule:
     """Every unit stage's actions for one iteration (see the module docstring)."""
 
-    name: Literal["gpipe", "1f1b", "interleaved"]
+    name: Literal["gpipe", "1f1b", "interleaved", "zero_bubble"]
     num_microbatches: int
     units: tuple[ScheduleUnit, ...]
     stages: tuple[StageSchedule, ...]

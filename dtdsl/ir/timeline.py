@@ -30,8 +30,8 @@ from typing import Any, Literal
 __all__ = ["COMPUTE_KINDS", "Event", "Timeline", "TimelineUnit", "TIMELINE_VERSION"]
 
 TIMELINE_VERSION = 1
-COMPUTE_KINDS = frozenset({"F", "B"})
-KINDS = frozenset({"F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "SYNC", "OPT"})
+COMPUTE_KINDS = frozenset({"F", "B", "W"})
+KINDS = frozenset({"F", "B", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "SYNC", "OPT"})
 
 Row = tuple[str, int, int]   # (unit, stage, replica)
 

@@ -93,10 +93,14 @@ def baseline_cost(cost: CostModel, *, packing: bool | None = None,
                   pad_to_seq_len: bool | None = None,
                   samples: SampleSet | None = None) -> CostModel:
     """``cost`` with ``train.packing`` and the backbone's padding to ``seq_len`` set as
-    given (None: as they are); ``cost`` itself when nothing changes. ``samples``: the
-    draw of the resulting program's data (``build_cost_model``), where the caller has
-    it."""
+    given (None: as they are), and the zero_bubble schedule run as 1F1B (Megatron-LM
+    mainline has no zero-bubble schedule); ``cost`` itself when nothing changes.
+    ``samples``: the draw of the resulting program's data (``build_cost_model``), where
+    the caller has it."""
     program, params = cost.program, cost.params
+    if program.train.schedule == "zero_bubble":
+        program = program.model_copy(update={"train": program.train.model_copy(
+            update={"schedule": "1f1b"})})
     if packing is not None and packing != program.train.packing:
         program = program.model_copy(update={"train": program.train.model_copy(
             update={"packing": packing})})
@@ -114,10 +118,11 @@ class StageWork:
     """Forward and backward seconds of one microbatch on a pipeline's stages: ``fwd`` and
     ``bwd`` per layer, plus what the first (last) stage runs besides its layers (a
     co-located encoder, generator) and what every stage of a deeper pipeline adds (its
-    transfers, once each way)."""
+    transfers, once each way); ``wgt``: of ``bwd``, the weight gradients' (zero_bubble)."""
 
     fwd: float
     bwd: float
+    wgt: float = 0.0
     first: tuple[float, float] = (0.0, 0.0)
     last: tuple[float, float] = (0.0, 0.0)
     hop: float = 0.0
@@ -211,7 +216,8 @@ def _fastest_splits(table: _SplitTable, work: StageWork, microbatches
     """``megatron_split`` for each of ``microbatches`` at once. Of the middle stages,
     which are equal, only the last can bound 1F1B's time (``one_f_one_b_time``: each
     later equal stage's bound is at least the one before's), so three stages stand for
-    the pipeline."""
+    the pipeline. Under ZB-H1 (``work.wgt``) a stage's part in the latencies shrinks by
+    twice its W, at most by its backward (``planner.evaluate``)."""
     pp, v = table.pp, table.vpp
     hop = work.hop if pp > 1 else 0.0
     ms = np.asarray(microbatches, dtype=float)[:, None]
@@ -227,17 +233,19 @@ def _fastest_splits(table: _SplitTable, work: StageWork, microbatches
         fm = table.middle * work.fwd + hop
         bm = table.middle * work.bwd + hop
         t0, tm, tl = f0 + b0, fm + bm, fl + bl
+        l0, lm, ll = (b - 2 * np.minimum(n * work.wgt, b / 2) for n, b in
+                      ((table.first, b0), (table.middle, bm), (table.last, bl)))
+        a0, am, al = f0 + l0, fm + lm, fl + ll
         middles = pp - 2
-        after0 = middles * tm + tl
 
         def stage(before, t, after, f, b, ahead):
             return before / v + ms * t + np.maximum(0.0, (after - ahead * f) / v) + \
                 np.maximum(0.0, (after - ahead * b) / v)
 
-        times = np.maximum(stage(0.0, t0, after0, f0, b0, pp - 1),
-                           stage(t0 + middles * tm, tl, 0.0, fl, bl, 0))
+        times = np.maximum(stage(0.0, t0, middles * am + al, f0, l0, pp - 1),
+                           stage(a0 + middles * am, tl, 0.0, fl, ll, 0))
         if middles:
-            times = np.maximum(times, stage(t0 + (middles - 1) * tm, tm, tl, fm, bm, 1))
+            times = np.maximum(times, stage(a0 + (middles - 1) * am, tm, al, fm, lm, 1))
     # Rounded so that float noise does not decide a tie; the table's order breaks ties.
     best = np.argmin(np.round(times, 12), axis=1)
     return [(table.split(int(k)), float(times[i, k])) for i, k in enumerate(best)]
@@ -386,7 +394,8 @@ class Colocation:
         layers = ev.units[b].layers
         first = [self.fwd_bwd(i, tp, across) for i in self.enc]
         last = [self.fwd_bwd(i, tp, across) for i in self.gen]
-        return StageWork(fwd=fwd / layers, bwd=bwd / layers,
+        wgt = ev.cost.weight_grad_share(ev.units[b]) if ev.schedule == "zero_bubble" else 0.0
+        return StageWork(fwd=fwd / layers, bwd=bwd / layers, wgt=wgt * bwd / layers,
                          first=(sum(f for f, _ in first), sum(b_ for _, b_ in first)),
                          last=(sum(f for f, _ in last), sum(b_ for _, b_ in last)),
                          hop=float(ev.cost.hop_time_s(ev.units[b], tp, 1.0)))
@@ -495,9 +504,11 @@ class Colocation:
         held = sum(m * ev.units[i].boundary_bytes for i in self.phase)
         stages = [0] + ([1] if pp > 2 else []) + ([pp - 1] if pp > 1 else [])
         fits, heaviest = True, 0.0
+        zb = ev.schedule == "zero_bubble"   # deferred Ws: each stage holds the first's count
         for s in stages:
+            depth = (pp if zb else pp - s) + downstream
             mem = cost.stage_memory_bytes(unit, tp=tp, pp=pp, dp=dp, vpp=v, stage=s,
-                                          layers=split[s], depth=pp - s + downstream,
+                                          layers=split[s], depth=depth,
                                           microbatches=m,
                                           share=1.0)
             heaviest = max(heaviest, mem)

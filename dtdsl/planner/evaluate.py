@@ -105,6 +105,14 @@ class Evaluator:
         fwd_x, bwd_x = self.fwd_bwd(index, tp, True)
         return np.where(across, fwd_x, fwd), np.where(across, bwd_x, bwd)
 
+    def weight_s(self, index: int, bwd):
+        """Of a stage's backward seconds ``bwd``, what ZB-H1's bubble can hide: its weight
+        gradients (``CostModel.weight_grad_share``) up to half of it; 0 unless the
+        schedule is zero_bubble."""
+        if self.schedule != "zero_bubble":
+            return 0.0
+        return np.minimum(self.cost.weight_grad_share(self.units[index]) * bwd, bwd / 2)
+
     def microbatches(self, dp_lm: int) -> int:
         return self.total_microbatches // dp_lm
 
@@ -157,7 +165,11 @@ class Evaluator:
             vpps.append(v)
             # Megatron-LM's interleaved 1F1B: m T + (pp - 1) T / v in all, so the warm-up
             # is T (1 + (pp - 1) / v); DistTrain's T pp / v drops T (1 - 1/v). Equal at v 1.
-            warm.append(t * (1 + (pps[i] - 1) / v) + hops)
+            # ZB-H1 (zero_bubble): each of the pp - 1 bubbles shrinks from F + B + W to
+            # F + B - W, never below F (schedule.lower's W fills it): T less twice W, at
+            # most less the whole backward.
+            wgt = self.weight_s(i, share * bwd * np.ceil(unit.layers / pps[i]) / unit.layers)
+            warm.append(t + (t - 2 * wgt) * (pps[i] - 1) / v + hops)
             sync.append(cost.dp_sync_time_s(unit, work_tp[i], pps[i], dps[i],
                                             replicated_over=tps[i] if replicated[i] else 1))
         enc = [i for i in range(n) if self.roles[i] == "encoder"]

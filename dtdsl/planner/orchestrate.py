@@ -10,7 +10,8 @@ integers and evaluated exactly (``Evaluator``). With T_u linear in 1/g_u:
                W_x >= c_u + h_u g_u             for u in x     (warm-up: (dp_lm/dp_u) C_u / vpp
                                                                 plus point-to-point hops 2 (pp - 1);
                                                                 DistTrain's T pp / vpp, at most the
-                                                                exact T (1 + (pp - 1) / vpp))
+                                                                exact T (1 + (pp - 1) / vpp); under
+                                                                zero_bubble C_u less twice its W)
                sum_u g_u <= N                                  (the GPU budget)
                lo_u <= g_u <= hi_u                             (memory: the smallest pp that fits;
                                                                 at most one stage per layer)
@@ -113,10 +114,12 @@ def relaxation_bounds(space: Space, cands: Candidates, *, coarse: bool = False) 
     share = dp_lm[:, None] / dp
     stage_gpus = tp * dp * space.cps           # one stage of each unit: tp x cp x dp
     c_fwd_bwd = np.zeros(tp.shape)
+    c_hidden = np.zeros(tp.shape)      # zero_bubble: twice the W its bubbles hide
     for i in range(n):
         for t in np.unique(tp[:, i]):
             fwd, bwd = ev.fwd_bwd(i, int(t))
             c_fwd_bwd[tp[:, i] == t, i] = fwd + bwd
+            c_hidden[tp[:, i] == t, i] = 2 * ev.weight_s(i, bwd)
     pp_lo = np.zeros(tp.shape, dtype=int)
     pp_hi = np.zeros(tp.shape, dtype=int)
     vmax = np.ones(n)
@@ -152,7 +155,8 @@ def relaxation_bounds(space: Space, cands: Candidates, *, coarse: bool = False) 
     room = space.num_gpus - (floors.sum(axis=1, keepdims=True) - floors)
     pp_hi = np.minimum(pp_hi, room // stage_gpus)
     a = share * c_fwd_bwd * stage_gpus
-    warm = share * c_fwd_bwd / vmax
+    # ZB-H1's T + (T - 2 W) (pp - 1) is at least pp (T - 2 W) >= C - 2 W of the whole unit.
+    warm = share * (c_fwd_bwd - c_hidden) / vmax
     hop0 = hop * stage_gpus
     lo = (stage_gpus * pp_lo).astype(float)
     hi = (stage_gpus * pp_hi).astype(float)
@@ -261,7 +265,7 @@ class _IntegerBound:
     no shorter warm-up), every unit is held to the depths that reach t, between its
     memory floor and what the budget leaves once every other unit has its fewest such
     stages, and its warm-up and sync are taken at their least over those depths. The
-    terms are ``Evaluator.evaluate``'s: 1F1B warm-up with hops, ZeRO-1 sync, and an
+    terms are ``Evaluator.evaluate``'s: 1F1B (or ZB-H1) warm-up with hops, ZeRO-1 sync, and an
     interleaved warm-up at DistTrain's T pp / v, below the evaluator's. A layout whose
     slowest stage is t is bounded by that level's value, one slower than every level by
     the closed-form rest at the next level's t. The least of these, never below the
@@ -279,6 +283,7 @@ class _IntegerBound:
             self.pp[i, :len(d)] = d
         self.fwd_bwd = {(i, t): sum(ev.fwd_bwd(i, t))
                         for i in range(space.n) for t in space.tps(i)}
+        self.bwd = {(i, t): ev.fwd_bwd(i, t)[1] for i in range(space.n) for t in space.tps(i)}
 
     def __call__(self, cands: np.ndarray) -> np.ndarray:
         space, rel, ev = self.space, self.rel, self.space.evaluator
@@ -294,16 +299,18 @@ class _IntegerBound:
         t_stage, warm, sync = np.empty(shape), np.empty(shape), np.empty(shape)
         for i, unit in enumerate(space.units):
             c = np.array([self.fwd_bwd[i, int(x)] for x in tp[:, i]])
+            bwd = np.array([self.bwd[i, int(x)] for x in tp[:, i]])
             hop = cost.hop_time_s(unit, tp[:, i], share[:, i])[:, None]
             p = self.pp[i][None, :]
-            t = (share[:, i] * c)[:, None] * np.ceil(unit.layers / np.maximum(p, 1)) / \
-                unit.layers + np.where(p > 1, 2 * hop, 0.0)
+            part = np.ceil(unit.layers / np.maximum(p, 1)) / unit.layers
+            t = (share[:, i] * c)[:, None] * part + np.where(p > 1, 2 * hop, 0.0)
+            wgt = ev.weight_s(i, (share[:, i] * bwd)[:, None] * part)     # zero_bubble
             v = ev.vpp(i, np.maximum(p, 1), m[:, None])
             t_stage[:, i] = t
             # Interleaved: DistTrain's T pp / v, below Evaluator's T (1 + (pp - 1) / v) and
             # below any schedule that sends one microbatch through pp v chunks of T / v.
             interleaved = t * p / v
-            warm[:, i] = np.where(v > 1, interleaved, t * (1 + (p - 1) / v)) + \
+            warm[:, i] = np.where(v > 1, interleaved, t + (t - 2 * wgt) * (p - 1) / v) + \
                 2 * (p - 1) * hop
             sync[:, i] = cost.dp_sync_time_s(unit, tp[:, i][:, None], np.maximum(p, 1),
                                              dp[:, i][:, None])

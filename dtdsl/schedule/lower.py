@@ -86,6 +86,7 @@ the alternation is valid nothing moves and the order is exactly Megatron's or to
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 
 from dtdsl.cost.flops import input_needs_grad
@@ -105,9 +106,9 @@ from dtdsl.schedule.validate import validate
 
 __all__ = ["GradientFlow", "LoweringError", "add_communication", "add_optimizer",
            "gradient_flow", "group_sizes", "interleaved_order", "lower", "lower_compute",
-           "lower_units"]
+           "lower_units", "split_weights"]
 
-F, B = ActionKind.F, ActionKind.B
+F, B, W = ActionKind.F, ActionKind.B, ActionKind.W
 SEND_F, RECV_F = ActionKind.SEND_F, ActionKind.RECV_F
 SEND_B, RECV_B = ActionKind.SEND_B, ActionKind.RECV_B
 
@@ -359,15 +360,43 @@ def _orders(base: Schedule, flow: GradientFlow, groups: Groups
         if v > 1 and base.name != "interleaved":
             raise LoweringError(f"{u.name}: vpp {v} under the {base.name} schedule; only "
                                 "the interleaved schedule has model chunks")
+        if v > 1 and base.name == "zero_bubble":
+            raise LoweringError(f"{u.name}: vpp {v} under the zero_bubble schedule; only "
+                                "the interleaved schedule has model chunks")
         if v == 1:
+            warmups = {}
             for s in reversed(range(u.pp)):
                 fwd = [(j, 0) for j in range(m)]
                 bwd = fwd if (u.name, s, 0) in flow.backward else []
                 warmup = m if base.name == "gpipe" else min(m, demand((u.name, s, 0)))
+                warmups[s] = warmup if bwd else m
                 orders[(u.name, s)] = _one_f_one_b(fwd, bwd, warmup)
+            if base.name == "zero_bubble":
+                held = max(warmups.values()) + 1
+                for s, warmup in warmups.items():
+                    if (u.name, s, 0) in flow.trains:
+                        orders[(u.name, s)] = split_weights(orders[(u.name, s)],
+                                                            max(0, held - warmup - 1))
             continue
         orders.update(_interleaved(u, m, flow, consumer_reads, demand, groups))
     return orders
+
+
+def split_weights(order: Sequence[Pass], deferred: int) -> list[Pass]:
+    """ZB-H1 (module docstring, Zero bubble): ``order`` with each backward split into
+    its ``B`` and a ``W`` that runs once ``deferred`` more backwards have run (the oldest
+    first, as torch.distributed.pipelining's zero-bubble orders), the last ``deferred``
+    after the stage's last pass."""
+    out: list[Pass] = []
+    pending: deque[tuple[int, int]] = deque()
+    for kind, j, c in order:
+        out.append((kind, j, c))
+        if kind is B:
+            pending.append((j, c))
+            if len(pending) > deferred:
+                out.append((W, *pending.popleft()))
+    out += [(W, j, c) for j, c in pending]
+    return out
 
 
 def _makespan(base: Schedule, flow: GradientFlow,
@@ -458,7 +487,10 @@ def _interleaved(u: ScheduleUnit, m: int, flow: GradientFlow,
 def add_communication(schedule: Schedule) -> Schedule:
     """Step 2: receive what a pass reads from another stage just before it, send what it
     produces for another stage just after it. A consumer sends gradients back to the
-    producers that run a backward of that microbatch and chunk."""
+    producers that run a backward of that microbatch and chunk. A ``W`` (zero_bubble)
+    moves past the receives of the pass after it: it reads and sends nothing, and where
+    it stood it would split the run of a backward's sends and the next pass's receives,
+    one NCCL group in 1F1B (``validate_nccl``), in two."""
     backward = {(st.unit, st.stage, a.chunk, a.microbatch)
                 for st in schedule.stages for a in st.actions if a.kind is B}
     stages = []
@@ -466,10 +498,15 @@ def add_communication(schedule: Schedule) -> Schedule:
         unit, stage = st.unit, st.stage
         links: dict[int, tuple[tuple[VirtualStage, ...], tuple[VirtualStage, ...]]] = {}
         out: list[Action] = []
+        weights: list[Action] = []
         for a in st.actions:
             kind = a.kind
+            if kind is W:
+                weights.append(a)
+                continue
             if kind is not F and kind is not B:
-                out.append(a)
+                out += weights + [a]
+                weights = []
                 continue
             j, c = a.microbatch, a.chunk
             if c not in links:
@@ -479,7 +516,7 @@ def add_communication(schedule: Schedule) -> Schedule:
                 out += [Action(unit=unit, stage=stage, kind=RECV_F, microbatch=j, chunk=c,
                                peer_unit=p[0], peer_stage=p[1], peer_chunk=p[2])
                         for p in producers]
-                out.append(a)
+                out += weights + [a]
                 out += [Action(unit=unit, stage=stage, kind=SEND_F, microbatch=j, chunk=c,
                                peer_unit=q[0], peer_stage=q[1], peer_chunk=q[2])
                         for q in consumers]
@@ -487,10 +524,12 @@ def add_communication(schedule: Schedule) -> Schedule:
                 out += [Action(unit=unit, stage=stage, kind=RECV_B, microbatch=j, chunk=c,
                                peer_unit=q[0], peer_stage=q[1], peer_chunk=q[2])
                         for q in consumers if (*q, j) in backward]
-                out.append(a)
+                out += weights + [a]
                 out += [Action(unit=unit, stage=stage, kind=SEND_B, microbatch=j, chunk=c,
                                peer_unit=p[0], peer_stage=p[1], peer_chunk=p[2])
                         for p in producers if (*p, j) in backward]
+            weights = []
+        out += weights
         stages.append(StageSchedule(unit=unit, stage=stage, actions=tuple(out)))
     return schedule.with_stages(tuple(stages))
 

@@ -13,10 +13,12 @@ schedule; the simulator and ``dtc simulate`` take any schedule phases 1-3 accept
 1. Each stage alone: every unit stage present and its actions its own; microbatches,
    chunks and peers in range, peers the right neighbours (``Schedule.producers`` /
    ``consumers``); each (chunk, microbatch) forwarded exactly once; backwards at most
-   once, after their forward, for all microbatches of a chunk or none; a forward reads
+   once, after their forward, for all microbatches of a chunk or none; weight-gradient
+   passes (``W``, zero_bubble) at most once, after their backward, for all backwards
+   of a chunk or none, only in a zero_bubble schedule; a forward reads
    its input: a ``RECV_F`` from every producer before it; sends after the pass that
    produces their data, receives of gradients before the backward that uses them;
-   at most one ``SYNC`` and ``OPT``, ``SYNC`` after the last backward and followed by
+   at most one ``SYNC`` and ``OPT``, ``SYNC`` after the last backward (and ``W``) and followed by
    ``OPT``, no forward after ``SYNC`` (the step ends the iteration).
 2. Pairing: every send has exactly one matching receive (same microbatch, direction,
    chunks and ends) and every receive one send.
@@ -56,7 +58,7 @@ from dtdsl.ir.schedule import Action, ActionKind, Schedule
 
 _SENDS = frozenset({ActionKind.SEND_F, ActionKind.SEND_B})
 _COMM = frozenset({ActionKind.SEND_F, ActionKind.SEND_B, ActionKind.RECV_F, ActionKind.RECV_B})
-F, B, SYNC, OPT = ActionKind.F, ActionKind.B, ActionKind.SYNC, ActionKind.OPT
+F, B, W, SYNC, OPT = ActionKind.F, ActionKind.B, ActionKind.W, ActionKind.SYNC, ActionKind.OPT
 SEND_F, SEND_B = ActionKind.SEND_F, ActionKind.SEND_B
 RECV_F, RECV_B = ActionKind.RECV_F, ActionKind.RECV_B
 
@@ -146,6 +148,7 @@ class _Row:
                       False: [set(q) for q in self.consumers]}
         self.fwd: dict[tuple[int, int], int] = {}
         self.bwd: dict[tuple[int, int], int] = {}
+        self.wgt: dict[tuple[int, int], int] = {}
         self.sync: int | None = None
         self.opt: int | None = None
         self.skip: set[int] = set()     # slots already reported: no follow-up problems
@@ -203,6 +206,15 @@ class _Row:
             elif key not in self.fwd:
                 self.bad(f"{_describe(a)} comes before its forward F{mb}{_chunk_name(c)}", k)
             self.bwd.setdefault(key, k)
+        elif kind is W:
+            if schedule.name != "zero_bubble":
+                self.bad(f"{_describe(a)}: weight-gradient passes are the zero_bubble "
+                         f"schedule's, not {schedule.name}'s", k)
+            elif key in self.wgt:
+                self.bad(f"{_describe(a)} appears twice", k)
+            elif key not in self.bwd:
+                self.bad(f"{_describe(a)} comes before its backward B{mb}{_chunk_name(c)}", k)
+            self.wgt.setdefault(key, k)
         elif kind is SYNC:
             if self.sync is not None:
                 self.bad(f"{_describe(a)} appears twice", k)
@@ -230,6 +242,12 @@ class _Row:
                 self.problems.append(f"{st.where} runs backwards of chunk {c} for some "
                                      f"microbatches but not for {_ranges(missing)}")
                 self.marks.add((self.i, ROW))
+            done_w = [j for j in range(m) if (c, j) in self.wgt]
+            if done_w and len(done_w) < len(done_b):
+                missing = [j for j in done_b if (c, j) not in self.wgt]
+                self.problems.append(f"{st.where} splits the weight gradients of chunk {c} "
+                                     f"off some backwards but not off {_ranges(missing)}")
+                self.marks.add((self.i, ROW))
 
     def ordered(self) -> None:
         """A forward reads its input: a receive from every producer must precede it; a
@@ -238,7 +256,7 @@ class _Row:
         fwd, bwd, end = self.fwd, self.bwd, len(self.st.actions)
         for k, a in enumerate(self.st.actions):
             kind = a.kind
-            if kind is F or kind is B or kind is SYNC or kind is OPT:
+            if kind is F or kind is B or kind is W or kind is SYNC or kind is OPT:
                 if kind is F and k not in self.skip:
                     got = received.get((a.chunk, a.microbatch), ())
                     for p in self.producers[a.chunk]:
@@ -275,6 +293,8 @@ class _Row:
             self.bad(f"{where}:SYNC on a stage that runs no backward", sync)
         elif max(self.bwd.values()) > sync:
             self.bad(f"{where}:SYNC before the stage's last backward", sync)
+        elif max(self.wgt.values(), default=-1) > sync:
+            self.bad(f"{where}:SYNC before the stage's last weight-gradient pass", sync)
         elif self.opt is None:
             self.bad(f"{where}:SYNC without an OPT after it", sync)
 

@@ -106,7 +106,7 @@ def render_gantt(timeline: Timeline, *, width: int = 1600, title: str | None = N
         events = events_by_row.get(row, ())
         # Communication first so compute covers it: the mark only shows while the row waits.
         for e in events:
-            if e.kind not in ("F", "B", "SYNC", "OPT"):
+            if e.kind not in ("F", "B", "W", "SYNC", "OPT"):
                 xa, xb = _span_px(e, t0, scale, plot_x0, plot_x1)
                 draw.rectangle((xa, y1 - _COMM_MARK_H + 1, xb, y1), fill=_COMM)
         for e in events:
@@ -114,7 +114,7 @@ def render_gantt(timeline: Timeline, *, width: int = 1600, title: str | None = N
                 xa, xb = _span_px(e, t0, scale, plot_x0, plot_x1)
                 draw.rectangle((xa, y0, xb, y1), fill=_SYNC if e.kind == "SYNC" else _OPT)
         for e in events:
-            if e.kind not in ("F", "B"):
+            if e.kind not in ("F", "B", "W"):
                 continue
             xa, xb = _span_px(e, t0, scale, plot_x0, plot_x1)
             if xb - xa >= 3:
@@ -155,7 +155,7 @@ def _layout_rows(timeline: Timeline) -> tuple[list[Row], dict[Row, list[Event]],
         stages.setdefault(row[:2], []).append(row)
 
     def cost(row: Row) -> tuple[float, float, int]:
-        compute = [e for e in by_row.get(row, ()) if e.kind in ("F", "B")]
+        compute = [e for e in by_row.get(row, ()) if e.kind in ("F", "B", "W")]
         last = max((e.end_s for e in compute), default=-math.inf)
         return last, sum(e.duration_s for e in compute), -row[2]
 

@@ -62,8 +62,12 @@ from dtdsl.schedule.validate import ScheduleError
 
 __all__ = ["Durations", "SimResult", "Simulator", "simulate"]
 
-F, B = ActionKind.F, ActionKind.B
-_FWD, _BWD = 0, 1
+F, B, W = ActionKind.F, ActionKind.B, ActionKind.W
+_FWD, _BWD, _WGT = 0, 1, 2
+# Rows of a unit's pass durations in the simulator: forward, backward (input gradients
+# only where the schedule runs a W for it), weight gradients.
+_ROWS = 3
+_ROW = {F: _FWD, B: _BWD, W: _WGT}
 # The duration slot of a node that only waits for receives (no action of its own).
 _WAIT = -2
 
@@ -74,6 +78,10 @@ class Durations:
 
     ``compute_s[unit]``: shape (2, pp, vpp, M, dp): forward (index 0) and backward (1)
     seconds of microbatch step j through model chunk c of stage s on replica r.
+    ``weight_s[unit]``: shape (pp, vpp, M, dp): of each backward, the seconds of its weight
+    gradients (``dtdsl.cost.model.CostModel.weight_grad_share``). Where the schedule runs a
+    ``W`` for a backward, the ``W`` takes these and the ``B`` the rest; a ``B`` without
+    its ``W`` takes the whole backward. Missing: W passes take no time.
     ``link_s[(src, dst)]``: seconds a transfer from unit ``src`` to unit ``dst`` takes
     (activations from src to dst, or gradients from src back to dst; src == dst for the
     hops between a unit's own stages); missing links take no time.
@@ -92,22 +100,26 @@ class Durations:
     opt_s: Mapping[str, np.ndarray] = field(default_factory=dict)
     routes: Mapping[tuple[str, str], np.ndarray] = field(default_factory=dict)
     bubbles: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    weight_s: Mapping[str, np.ndarray] = field(default_factory=dict)
 
     @staticmethod
     def uniform(schedule: Schedule, forward_s: float, backward_s: float, *,
-                link_s: float = 0.0) -> Durations:
-        """Every pass of every stage takes the same time (chunks split it evenly)."""
+                link_s: float = 0.0, weight_s: float = 0.0) -> Durations:
+        """Every pass of every stage takes the same time (chunks split it evenly);
+        ``weight_s`` of each ``backward_s`` is its weight gradients'."""
         m = schedule.num_microbatches
-        compute = {}
+        compute, weights = {}, {}
         for u in schedule.units:
             shape = (2, u.pp, u.vpp, m, u.dp)
             arr = np.empty(shape)
             arr[_FWD] = forward_s / u.vpp
             arr[_BWD] = backward_s / u.vpp
             compute[u.name] = arr
+            if weight_s:
+                weights[u.name] = np.full(shape[1:], weight_s / u.vpp)
         names = [u.name for u in schedule.units]
         links = {(a, b): link_s for a in names for b in names} if link_s else {}
-        return Durations(compute_s=compute, link_s=links)
+        return Durations(compute_s=compute, link_s=links, weight_s=weights)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -145,7 +157,7 @@ class SimResult:
         sim = self.simulator
         busy = 0.0
         for name, _, _, _ in sim._dims:
-            arr = np.asarray(self.durations.compute_s[name], dtype=float)
+            arr = sim.passes(self.durations, name)
             busy += float(arr[sim.compute_used[name]].sum())
         rows = sum(u.pp * u.dp for u in sim.schedule.units)
         return 1.0 - busy / (rows * t) if t > 0 and rows else 0.0
@@ -191,12 +203,13 @@ class Simulator:
         # one chunk, the backbone's replicas).
         self._dims = [(u.name, u.pp, u.vpp, u.dp) for u in schedule.units] + [
             (name, 1, 1, backbone.dp) for name, _ in self.bubbles]
-        # Flat index of a pass's duration: per unit a block of 2 * pp * vpp * m entries.
+        # Flat index of a pass's duration: per unit a block of 3 * pp * vpp * m entries
+        # (forward, backward, weight gradients).
         base: dict[str, int] = {}
         offset = 0
         for name, pp, vpp, _ in self._dims:
             base[name] = offset
-            offset += 2 * pp * vpp * m
+            offset += _ROWS * pp * vpp * m
         self._compute_base = base
         self._num_compute = offset
         self._links = sorted({(a.unit, a.peer_unit) for st in schedule.stages
@@ -263,10 +276,9 @@ class Simulator:
                     reads.setdefault((kind.direction, a.chunk, a.microbatch), []).append(
                         (key, link_index.get((a.peer_unit, a.unit), -1), edge))
                     continue
-                if kind is F or kind is B:
-                    d = _FWD if kind is F else _BWD
-                    slot = base[u.name] + (((d * u.pp + st.stage) * u.vpp + a.chunk) * m
-                                           + a.microbatch)
+                if kind.is_compute:
+                    slot = base[u.name] + (((_ROW[kind] * u.pp + st.stage) * u.vpp + a.chunk)
+                                           * m + a.microbatch)
                 else:
                     slot = -1
                 if hosts and st.stage == 0 and a.chunk == 0 and kind in (F, B):
@@ -405,7 +417,7 @@ class Simulator:
         used = np.zeros(self._num_compute, dtype=bool)
         used[[node.slot for node in raw if node.slot >= 0]] = True
         self.compute_used = {
-            name: used[base[name]:base[name] + 2 * pp * vpp * m].reshape(2, pp, vpp, m)
+            name: used[base[name]:base[name] + _ROWS * pp * vpp * m].reshape(_ROWS, pp, vpp, m)
             for name, pp, vpp, _ in self._dims}
         self.stage_compute = stage_compute
         self._stage_nodes = stage_nodes
@@ -454,16 +466,36 @@ class Simulator:
 
     # ---- running ----------------------------------------------------------------------------
 
+    def passes(self, durations: Durations, name: str) -> np.ndarray:
+        """Unit ``name``'s seconds per pass, shape (3, pp, vpp, M, dp): forward, backward
+        and weight gradients, the backward less its ``weight_s`` where the schedule runs
+        that backward's ``W`` (``Durations``)."""
+        m = self.schedule.num_microbatches
+        pp, vpp, dp = next((p, v, d) for n, p, v, d in self._dims if n == name)
+        arr = np.asarray(durations.compute_s[name], dtype=float)
+        want = (2, pp, vpp, m, dp)
+        if arr.shape != want:
+            raise ValueError(f"compute_s[{name!r}] has shape {arr.shape}, expected "
+                             f"{want} (pass, stage, chunk, microbatch, replica)")
+        out = np.zeros((_ROWS, *want[1:]))
+        out[:2] = arr
+        split = self.compute_used[name][_WGT]
+        if name in durations.weight_s and split.any():
+            w = np.asarray(durations.weight_s[name], dtype=float)
+            if w.shape != want[1:]:
+                raise ValueError(f"weight_s[{name!r}] has shape {w.shape}, expected "
+                                 f"{want[1:]} (stage, chunk, microbatch, replica)")
+            if np.any(w > arr[_BWD] * (1 + 1e-9)):
+                raise ValueError(f"weight_s[{name!r}] exceeds the backward it is part of")
+            out[_WGT] = np.where(split[..., None], w, 0.0)
+            out[_BWD] = arr[_BWD] - out[_WGT]
+        return out
+
     def _flat_durations(self, durations: Durations) -> tuple[np.ndarray, np.ndarray]:
         """Per flat compute slot: the slowest replica's seconds; per link: seconds."""
-        m = self.schedule.num_microbatches
         flat = np.zeros(self._num_compute + 1)   # last entry: slot -1 reads 0
-        for name, pp, vpp, dp in self._dims:
-            arr = np.asarray(durations.compute_s[name], dtype=float)
-            want = (2, pp, vpp, m, dp)
-            if arr.shape != want:
-                raise ValueError(f"compute_s[{name!r}] has shape {arr.shape}, expected "
-                                 f"{want} (pass, stage, chunk, microbatch, replica)")
+        for name, _, _, _ in self._dims:
+            arr = self.passes(durations, name)
             lo = self._compute_base[name]
             flat[lo:lo + arr[..., 0].size] = arr.max(axis=-1).ravel()
         if not np.all(np.isfinite(flat)) or flat.min() < 0:
@@ -545,8 +577,8 @@ class Simulator:
     def _run_replicas(self, durations: Durations, dur: np.ndarray,
                       links: np.ndarray) -> SimResult:
         """The iteration replica by replica (see the module docstring)."""
-        per_unit = [np.asarray(durations.compute_s[name], dtype=float)
-                    .reshape(-1, dp).tolist() for name, _, _, dp in self._dims]
+        per_unit = [self.passes(durations, name).reshape(-1, dp).tolist()
+                    for name, _, _, dp in self._dims]
         link = links.tolist()
         feeders = self._feeders(durations)
         tail = dur.tolist()
@@ -596,8 +628,7 @@ class Simulator:
         tunits = tuple(TimelineUnit(name=u.name, role=u.role, pp=u.pp, dp=u.dp, tp=u.tp,
                                     first_rank=u.first_rank) for u in schedule.units)
         by_name = {u.name: u for u in tunits}
-        compute = {name: np.asarray(arr, dtype=float)
-                   for name, arr in result.durations.compute_s.items()}
+        compute = {name: self.passes(result.durations, name) for name, _, _, _ in self._dims}
         start = result.start_s.tolist()
         events: list[Event] = []
         encoders = {name for name, _ in self.bubbles}
@@ -624,7 +655,7 @@ class Simulator:
                 result.replica_start_s[node, :tu.dp].tolist()
             name = str(kind)
             if slot >= 0:
-                d = compute[unit][0 if name == "F" else 1, stage, c, j].tolist()
+                d = compute[unit][_ROW[kind], stage, c, j].tolist()
                 events += [Event(unit=unit, stage=stage, replica=r, rank=ranks[r], kind=name,
                                  microbatch=j, chunk=c, start_s=t0[r], end_s=t0[r] + d[r])
                            for r in range(tu.dp)]

@@ -33,7 +33,7 @@ __all__ = ["trace_events", "write_trace"]
 
 _COMPUTE_TRACK = 0
 _COMM_TRACK = 1
-_CATEGORY = {"F": "compute", "B": "compute", "OPT": "optimizer", "SYNC": "comm",
+_CATEGORY = {"F": "compute", "B": "compute", "W": "compute", "OPT": "optimizer", "SYNC": "comm",
              "SEND_F": "comm", "RECV_F": "comm", "SEND_B": "comm", "RECV_B": "comm"}
 
 # A track key: (stage, replica, track, lane); the steps track sorts before every stage.

@@ -1,6 +1,9 @@
 """A routed global batch's durations for the simulator (``iteration_durations``): per pass,
 stage, chunk, step and replica, seconds: the plan's per-microbatch times scaled by the work
-routed there (``reorder.workload``), transfers and gradient sync from the cost model."""
+routed there (``reorder.workload``), transfers and gradient sync from the cost model. Under
+the zero_bubble schedule, the weight gradients' share of each unit's own backward
+(``CostModel.weight_grad_share``) is its ``W``'s; a co-located module's backward stays
+whole in the host stage's ``B``."""
 
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ def iteration_durations(plan: Plan, cost: CostModel, schedule: Schedule, routing
     step, as SYNC: ``UnitPlan.dp_sync_time_s``) of one iteration."""
     seconds = _per_sample_seconds(plan)
     compute = {}
+    weights = {}        # zero_bubble: the W's seconds of each backward (module docstring)
     links: dict[tuple[str, str], float] = {}
     sync = {}
     by_name = {u.name: u for u in plan.units}
@@ -42,6 +46,9 @@ def iteration_durations(plan: Plan, cost: CostModel, schedule: Schedule, routing
         arr[0] = (f * stage_scale)[:, None, None, None] * loads[None, None]
         arr[1] = (b * stage_scale)[:, None, None, None] * loads[None, None]
         compute[u.name] = arr
+        if schedule.name == "zero_bubble":
+            # Before co-located passes join the stage's: their backwards stay whole (B).
+            weights[u.name] = arr[1] * cost.weight_grad_share(cost.unit(u.name))
         # Priced at the plan's context parallelism: each CP rank sends its share.
         unit_cost = replace(cost.unit(u.name), cp=u.cp)
         hop = float(cost.hop_time_s(unit_cost, 1 if u.tp_replicated else u.tp,
@@ -88,4 +95,4 @@ def iteration_durations(plan: Plan, cost: CostModel, schedule: Schedule, routing
             routes[(backbone.name, u.name)] = routing.pairs(backbone.name, backbone.dp,
                                                             u.name, u.dp)
     return Durations(compute_s=compute, link_s=links, sync_s=sync, routes=routes,
-                     bubbles=tuple(bubbles))
+                     bubbles=tuple(bubbles), weight_s=weights)

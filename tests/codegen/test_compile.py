@@ -374,6 +374,7 @@ _DIT_PP = _tiny((_UNET_ARCH, "    arch = dit(layers=2, hidden=64, heads=4, ffn=1
                  "latent=8)"), ("  tp(*) in {1, 2}", "  tp(*) in {1, 2}\n  pp(gen) == 2"))
 _INTERLEAVED = _tiny(("= 1f1b", "= interleaved(virtual_stages=2)"),
                      ("  tp(*) in {1, 2}", "  tp(*) in {1, 2}\n  pp(llm) == 2"))
+_ZERO_BUBBLE = _tiny(("= 1f1b", "= zero_bubble"))
 
 
 def _unsupported(tmp_path: Path, capsys, text: str | None, spec: Path | None = None
@@ -448,6 +449,14 @@ def test_a_unet_on_two_pipeline_stages_is_refused_when_checked(tmp_path, capsys)
     assert f"{spec}:{_line_of(_GENERATOR_PP, 'pp(gen) == 2')}:" in err
     assert "error[DT407]" in err and "DT601" not in err
     assert not (tmp_path / "bundle").exists()
+
+
+def test_the_zero_bubble_schedule_is_refused(tmp_path, capsys):
+    """Planned and simulated, but the executor runs every backward whole: DT601 at the
+    schedule's line until it splits them, never a bundle that trains 1F1B instead."""
+    err, lines = _unsupported(tmp_path, capsys, _ZERO_BUBBLE)
+    assert lines == [_line_of(_ZERO_BUBBLE, "schedule         = zero_bubble")]
+    assert "zero_bubble" in err and "schedule = 1f1b" in err
 
 
 def test_an_interleaved_plan_compiles(tmp_path, capsys):

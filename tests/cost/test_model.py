@@ -141,12 +141,14 @@ def test_microbatches_in_flight_per_schedule():
 
 
 def test_activation_memory_follows_the_schedule():
-    gpipe = build_cost_model(program("mllm_9b", (("schedule         = 1f1b",
-                                                  "schedule         = gpipe"),)))
-    onef = build_cost_model(program("mllm_9b"))
+    gpipe = build_cost_model(program("mllm_9b", (("= zero_bubble", "= gpipe"),)))
+    onef = build_cost_model(program("mllm_9b", (("= zero_bubble", "= 1f1b"),)))
+    zb = build_cost_model(program("mllm_9b"))
     args = {"tp": 4, "pp": 4, "dp": 8, "vpp": 1, "depth": 4, "microbatches": 32, "share": 1.0}
     assert gpipe.memory_bytes(gpipe.unit("llm"), **args) > \
         2 * onef.memory_bytes(onef.unit("llm"), **args)
+    # ZB-H1 keeps 1F1B's microbatches in flight at the first stage.
+    assert zb.memory_bytes(zb.unit("llm"), **args) == onef.memory_bytes(onef.unit("llm"), **args)
 
 
 def test_tp_communication_uses_the_intra_node_link():

@@ -514,6 +514,9 @@ GOLDEN_CASES = {
     "interleaved_p2_v2_m5_gen2": ("interleaved", 5, (unit("llm", "backbone", 2, vpp=2),
                                                      unit("sd", "generator", 2, first_rank=2))),
     "dag_2enc_2gen": ("1f1b", 4, DAG),
+    "zero_bubble_p3_m5_gen1": ("zero_bubble", 5, (unit("vit", "encoder", 1),
+                                                  unit("llm", "backbone", 3, first_rank=1),
+                                                  unit("sd", "generator", 1, first_rank=4))),
 }
 
 

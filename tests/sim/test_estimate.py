@@ -21,9 +21,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @cache
-def _cost(name: str):
+def _cost(name: str, schedule: str | None = None):
+    """A shipped spec's cost model (``schedule``: its train.schedule replaced)."""
     path = ROOT / "specs" / f"{name}.dt"
     program = run_frontend(str(path), path.read_bytes()).program
+    if schedule is not None:
+        program = program.model_copy(update={"train": program.train.model_copy(
+            update={"schedule": schedule})})
     return build_cost_model(program, CostParams(samples=1024))
 
 
@@ -80,13 +84,15 @@ def test_variation_costs_the_deeper_pipeline_more_without_reordering():
 
 
 def test_the_estimate_ranks_layouts_as_the_simulator_does():
-    """On the 9B spec the layout the simulator finds fastest on a drawn batch under the
-    spec's policy is not the fastest at mean work, and the estimate ranks it first."""
+    """On the 9B spec under 1F1B the layout the simulator finds fastest on a drawn batch
+    under the spec's policy is not the fastest at mean work, and the estimate ranks it
+    first. (The spec as shipped runs zero_bubble, whose variation the estimate's 1F1B
+    chain overstates on deep pipelines: docs/planned.md.)"""
     from dtdsl.planner.evaluate import Evaluator
     from dtdsl.planner.result import make_plan
     from dtdsl.planner.shortlist import near_layouts
 
-    cost = _cost("mllm_9b")
+    cost = _cost("mllm_9b", "1f1b")
     gpus = cost.program.cluster.num_gpus
     ev = Evaluator(cost, gpus)
     best = plan_convex(cost)

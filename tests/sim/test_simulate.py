@@ -31,8 +31,11 @@ def reference(schedule: Schedule, durations: Durations) -> float:
     the next pass of its kind, chunk and microbatch, once its sends have been posted,
     plus the link time: from the same replica within a unit, from the replicas the routes
     name between units, all of them without routes; SYNC once every replica of the stage
-    has reached it). Quadratic, obviously right."""
+    has reached it). A W (zero_bubble) takes its ``weight_s``, its B the backward less
+    that. Quadratic, obviously right."""
     units = {u.name: u for u in schedule.units}
+    split = {(a.unit, a.stage, a.chunk, a.microbatch) for st in schedule.stages
+             for a in st.actions if a.kind.value == "W"}
     lanes = [(st, r) for st in schedule.stages for r in range(units[st.unit].dp)]
     clock = {(st.where, r): 0.0 for st, r in lanes}
     pos = {(st.where, r): 0 for st, r in lanes}
@@ -76,6 +79,10 @@ def reference(schedule: Schedule, durations: Durations) -> float:
                     awaited.pop((lane, a.kind, a.chunk, a.microbatch), None)
                     arr = np.asarray(durations.compute_s[a.unit])
                     d = arr[0 if a.kind.value == "F" else 1, a.stage, a.chunk, a.microbatch, r]
+                    where = (a.unit, a.stage, a.chunk, a.microbatch)
+                    w = float(np.asarray(durations.weight_s[a.unit])[where[1:] + (r,)]) \
+                        if where in split and a.unit in durations.weight_s else 0.0
+                    d = w if a.kind.value == "W" else d - (w if a.kind.value == "B" else 0.0)
                     clock[lane] = t + float(d)
                 else:
                     others = [(st.where, q) for q in range(units[st.unit].dp)]
