@@ -514,11 +514,12 @@ instead. Today the runtime cannot train:
   encoder unit's patch rows on its own ranks only; constrain the others with
   `cp(MODULE) == 1`. Nor does a phased encoder run beside a backbone with cp > 1
   (plan it disaggregated or co-located).
-- an MoE backbone under context parallelism, or under expert parallelism (a
-  plan with ep > 1) with `sync = local_sgd`: the stage splits the experts over
-  EP groups of DP replicas and their columns over TP, not a layer's sequence
-  over CP, and Local SGD would average replicas holding different experts;
-  constrain it with `cp(MODULE) == 1` (`ep(MODULE) == 1` under Local SGD).
+- an MoE backbone with a `capacity_factor` under context parallelism (an
+  expert's capacity counts one process's tokens, and a CP rank holds a part of
+  each sequence's), or under expert parallelism (a plan with ep > 1) with
+  `sync = local_sgd` (Local SGD would average replicas holding different
+  experts): route dropless or constrain `cp(MODULE) == 1` (`ep(MODULE) == 1`
+  under Local SGD).
 - `sync = local_sgd(...)` beside context parallelism (every DP rank is a whole
   replica, and a replica's CP ranks would not sum their gradients): constrain
   `cp(MODULE) == 1` or use `sync = allreduce`.

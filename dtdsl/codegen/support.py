@@ -207,27 +207,29 @@ def _context_parallel(program: ir.Program, plan: Plan) -> list[Diagnostic]:
 
 
 def _experts(program: ir.Program, plan: Plan) -> list[Diagnostic]:
-    """An MoE backbone under context parallelism (its layers route a row's tokens before
-    its padding, which a cp shard does not know), or expert parallelism with Local SGD
-    (whose replicas average every parameter, while an EP group's ranks hold different
-    experts). Expert parallelism and tensor parallelism inside the experts run
-    (``parallel.ep``, ``parallel.tp.parallelize_moe`` in ``train.stage``)."""
+    """An MoE backbone with a capacity under context parallelism (an expert's capacity
+    counts the tokens of one process, and a CP rank holds a part of each sequence's), or
+    expert parallelism with Local SGD (whose replicas average every parameter, while an EP
+    group's ranks hold different experts). Expert parallelism, tensor parallelism inside
+    the experts and dropless routing under context parallelism run (``parallel.ep``,
+    ``parallel.tp.parallelize_moe`` in ``train.stage``, ``models.moe.MoE.cp``)."""
     out = []
     local = program.train.sync.local
     for u in plan.units:
-        arch = program.module(u.name).arch
-        if getattr(arch, "moe", None) is None or (u.cp == 1 and (u.ep == 1 or not local)):
+        moe = getattr(program.module(u.name).arch, "moe", None)
+        capped = u.cp > 1 and moe is not None and moe.capacity_factor is not None
+        if moe is None or not (capped or (u.ep > 1 and local)):
             continue
-        what = f"context parallelism (cp {u.cp})" if u.cp > 1 else \
+        what = f"context parallelism (cp {u.cp}) with an expert capacity" if capped else \
             f"expert parallelism (ep {u.ep}) under Local SGD"
         out.append(Diagnostic.error(
             _CODE, f"the runtime does not run {what} for MoE module {u.name} yet",
             program.module(u.name).span,
-            notes=["the stage splits the experts over EP groups of DP replicas and their "
-                   "columns over TP; it does not shard an MoE layer's sequence over CP "
-                   "ranks, or average replicas whose experts differ"],
-            hint=f"constrain it, `cp({u.name}) == 1` in constraints (`ep({u.name}) == 1` "
-                 f"under Local SGD), and plan again"))
+            notes=["an expert's capacity is counted over one process's tokens, which under "
+                   "context parallelism are a part of each sequence's; Local SGD's "
+                   "replicas would average experts that differ"],
+            hint=f"route dropless (no capacity_factor) or constrain `cp({u.name}) == 1`; "
+                 f"under Local SGD, `ep({u.name}) == 1`; then plan again"))
     return out
 
 

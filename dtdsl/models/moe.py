@@ -257,6 +257,9 @@ class MoE(nn.Module):
     # Tensor parallelism inside the block (``parallel.tp.parallelize_moe``): the TP mesh,
     # None without it (module docstring, "Tensor parallelism").
     tp_mesh: Any = None
+    # Under context parallelism, the stage's ``parallel.cp.CPGroup`` (``train.cp_run.use_cp``):
+    # a sequence's tokens are spread over its ranks, and so are its balance statistics.
+    cp: Any = None
     # The stacked experts' TP mesh where it is not ``tp_mesh``: under expert parallelism
     # the expert DP mesh's (``parallel.mesh.ExpertGroups.mesh["tp"]``, same ranks), as
     # FSDP2 shards them over that mesh.
@@ -380,26 +383,39 @@ class MoE(nn.Module):
         kept = torch.zeros(n, dtype=torch.bool, device=x.device).index_fill(0, rows, True)
         return place_rows(y, rows, n), kept
 
-    def sequence_loss(self, routing: Routing, sequences: torch.Tensor) -> torch.Tensor:
+    def sequence_loss(self, routing: Routing, sequences: torch.Tensor,
+                      n: int | None = None) -> torch.Tensor:
         """The load-balancing loss of each sequence over its own tokens, summed over the
         sequences (DeepSeek-V3's sequence-wise balance loss; Megatron-LM's
-        ``seq_aux_loss``): ``sequences [T]`` the sequence of each token. What a step adds
-        up is then the same however its sequences are grouped into microbatches and
-        spread over ranks."""
+        ``seq_aux_loss``): ``sequences [T]`` the sequence of each token, of ``n`` (default:
+        as many as they name). What a step adds up is then the same however its sequences
+        are grouped into microbatches and spread over ranks. Under context parallelism
+        (``cp``) each statistic is summed over the CP ranks first (the probabilities'
+        gradients flow back to each rank's tokens), so every CP rank has the sequence's
+        whole loss."""
         cfg = self.config
         unknown = values_unknown(sequences)
         # Unknown values: as many sequences as tokens, at most (the sizes stay static).
-        n = sequences.numel() if unknown else \
-            int(sequences.max()) + 1 if sequences.numel() else 0
+        if n is None or unknown:
+            n = sequences.numel() if unknown else \
+                int(sequences.max()) + 1 if sequences.numel() else 0
         if n == 0:
             return routing.probs.sum() * 0.0
-        tokens = (torch.zeros(n, device=sequences.device).index_add(
-            0, sequences, torch.ones(sequences.shape, device=sequences.device)) if unknown
-            else torch.bincount(sequences, minlength=n).to(torch.float32)).clamp(min=1)
+        tokens = torch.zeros(n, device=sequences.device).index_add(
+            0, sequences, torch.ones(sequences.shape, device=sequences.device))
         counts = torch.zeros(n, cfg.experts, device=sequences.device).index_put_(
             (sequences.repeat_interleave(cfg.top_k), routing.experts.reshape(-1)),
             torch.ones((), device=sequences.device), accumulate=True)
         probs = routing.probs.new_zeros(n, cfg.experts).index_add(0, sequences, routing.probs)
+        if self.cp is not None:
+            import torch.distributed as dist
+            from torch.distributed.nn.functional import all_reduce
+
+            for group in self.cp.groups():
+                dist.all_reduce(tokens, group=group)
+                dist.all_reduce(counts, group=group)
+                probs = all_reduce(probs, group=group)
+        tokens = tokens.clamp(min=1)
         return cfg.experts * torch.sum(counts / tokens[:, None] * probs / tokens[:, None])
 
     def _balance(self, routing: Routing, all_counts: torch.Tensor, tokens: int | None
@@ -418,9 +434,11 @@ class MoE(nn.Module):
         cap = capacity(cfg.capacity_factor, g_tokens, cfg.top_k, cfg.experts)
         return aux, keep_counts(all_counts, cap), (g_counts - cap).clamp(min=0).sum(), g_counts
 
-    def forward(self, x: torch.Tensor, sequences: torch.Tensor | None = None) -> MoEOutput:
+    def forward(self, x: torch.Tensor, sequences: torch.Tensor | None = None,
+                n_sequences: int | None = None) -> MoEOutput:
         """The block on ``x [..., hidden]``; with ``sequences`` (the sequence of each of
-        its tokens) the aux loss is ``sequence_loss``'s, else the whole batch's."""
+        its tokens, of ``n_sequences``) the aux loss is ``sequence_loss``'s, else the whole
+        batch's."""
         cfg = self.config
         shape = x.shape
         x2 = x.reshape(-1, cfg.hidden)
@@ -436,7 +454,7 @@ class MoE(nn.Module):
         if unknown:     # sizes to read (the all-to-all's splits): the same rule's, real
             kept_counts = assumed_kept(all_counts.shape[0], tokens, cfg)
         if sequences is not None:
-            aux = self.sequence_loss(routing, sequences)
+            aux = self.sequence_loss(routing, sequences, n_sequences)
         slots, kept = self.run_experts(x2, routing, kept_counts)
         # Slot ``t * k + j`` is token ``t``'s ``j``-th: one batched product of each token's
         # weights and slots, which keeps those two for backward and makes no weighted
@@ -470,7 +488,8 @@ class MoE(nn.Module):
             else valid.reshape(-1).nonzero().squeeze(1)
         flat = x.reshape(-1, hidden)
         y = self.layer_output(self(flat[rows], sequences=torch.div(rows, seq,
-                                                                   rounding_mode="floor")))
+                                                                   rounding_mode="floor"),
+                                   n_sequences=batch))
         out = place_rows(y, rows, flat.shape[0]).view_as(x)
         return out if self.tp_mesh is None else _tp_reduce_scatter(out, self.tp_mesh)
 
@@ -488,9 +507,11 @@ class MoE(nn.Module):
             self.dropped_slots = self.dropped_slots + out.dropped.detach()
         if not (torch.is_grad_enabled() and aux.requires_grad):
             return out.out
-        # Under TP every rank computes the same aux loss: each gives it 1/tp of its
-        # gradient, so the sums over TP (the router's, the input's) count it once.
-        share = 1 if self.tp_mesh is None else self.tp_mesh.size()
+        # Under TP (and CP) every rank computes the same aux loss: each gives it 1/tp
+        # (1/(tp cp)) of its gradient, so the sums over TP (the router's, the input's) and
+        # over CP (the probabilities') count it once.
+        share = (1 if self.tp_mesh is None else self.tp_mesh.size()) * \
+            (1 if self.cp is None else self.cp.size)
         return _AuxGrad.apply(out.out, aux, self.loss_scale.scale / share)
 
 

@@ -604,8 +604,7 @@ def backbone_layers(backbone: Backbone, x: torch.Tensor, start: int = 0,
     and MLP gather the whole sequence, ``parallel.tp``). Under context parallelism over
     ``cp`` ranks ``x`` is this rank's shard, ``positions`` its real positions and
     ``mask`` the microbatch's ``parallel.cp.CPContext``. ``lengths``: each row's tokens
-    before its padding, which an MoE layer routes alone (all rows when None; an MoE
-    backbone runs at cp 1, ``codegen.support``)."""
+    before its padding, which an MoE layer routes alone (all rows when None)."""
     seq = x.shape[1] * sequence_parallel_degree(backbone) * cp
     rotation = backbone.rotation(positions, seq, x.device)    # once for all the layers
     valid = None        # [B, S]: the tokens, made for the first MoE layer only
@@ -614,9 +613,12 @@ def backbone_layers(backbone: Backbone, x: torch.Tensor, start: int = 0,
             x = layer(x, rotation, mask)
             continue
         if valid is None and lengths is not None:
-            # Over the whole sequence: under sequence parallelism an MoE block gathers it.
+            # Over the whole sequence: under sequence parallelism an MoE block gathers it;
+            # under context parallelism, this CP rank's shard of it.
             ends = torch.tensor(lengths, device=x.device)[:, None]
-            valid = torch.arange(seq // cp, device=x.device) < ends
+            valid = torch.arange(seq, device=x.device) < ends
+            if cp > 1:
+                valid = mask.cp.shard(valid)
         x = layer(x, rotation, mask, valid)
     return x
 

@@ -22,7 +22,7 @@ from dtdsl.parallel.device import to_device
 from dtdsl.parallel.mesh import ProcessGroups, RankRole, cp_ulysses
 from dtdsl.train.stage import Stage
 
-__all__ = ["attach_cp", "cp_group", "cp_inputs", "encoder_context", "sum_over_cp"]
+__all__ = ["attach_cp", "cp_group", "cp_inputs", "encoder_context", "sum_over_cp", "use_cp"]
 
 
 def cp_inputs(cp: CPGroup, layouts: Sequence[SequenceLayout], width: int,
@@ -73,8 +73,19 @@ def attach_cp(program: ir.Program, plan: Plan, stage: Stage, groups: ProcessGrou
         raise NotImplementedError(f"{role.unit}: context parallelism runs on the backbone "
                                   f"and on encoders, not on a {role.role}; plan it with cp 1")
     cp = cp_group(program, plan, role, groups.cp)
-    stage.module.stage_state = replace(stage.module.stage_state, cp=cp)
+    use_cp(stage.module, cp)
     return cp
+
+
+def use_cp(module: Any, cp: CPGroup) -> None:
+    """Give a stage's root ``module`` its ``CPGroup``: where its forward reads it
+    (``StageState.cp``) and its MoE blocks (each sequence's balance statistics are summed
+    over the CP ranks, ``models.moe.MoE.sequence_loss``)."""
+    from dtdsl.models.moe import moe_blocks
+
+    module.stage_state = replace(module.stage_state, cp=cp)
+    for block in moe_blocks(module):
+        block.cp = cp
 
 
 def cp_group(program: ir.Program, plan: Plan, role: RankRole, group: Any) -> CPGroup:

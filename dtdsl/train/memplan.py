@@ -523,7 +523,7 @@ def _attach_cp(program: ir.Program, plan: Plan, built: Any, role: Any, world: An
     are allocated as in the run)."""
     from dtdsl.parallel.cp import MESH_DIMS as CP_DIMS
     from dtdsl.parallel.mesh import cp_ulysses
-    from dtdsl.train.cp_run import cp_group
+    from dtdsl.train.cp_run import cp_group, use_cp
 
     u = cp_ulysses(program, plan).get(role.unit, 1)
     cp = role.grid.cp
@@ -531,8 +531,7 @@ def _attach_cp(program: ir.Program, plan: Plan, built: Any, role: Any, world: An
         group = world.device_mesh(role.cp_ranks, (cp,), ("cp",)).get_group()
     else:
         group = world.device_mesh(role.cp_ranks, (cp // u, u), CP_DIMS)
-    built.module.stage_state = replace(built.module.stage_state,
-                                       cp=cp_group(program, plan, role, group))
+    use_cp(built.module, cp_group(program, plan, role, group))
 
 
 def _expert_groups(plan: Plan, role: Any, zero: int, tp: Any = None) -> Any:

@@ -194,7 +194,7 @@ def _run_backbone(module: Any, *, x: torch.Tensor | None = None,
         positions, mask = cp_inputs(st.cp, layouts, targets.shape[1] * cp, x.device)
     start, stop = st.layers_of(chunk)
     y = backbone_layers(bb, x, start, stop, positions=positions, mask=mask, cp=cp,
-                        lengths=[lay.length for lay in layouts] if cp == 1 else None)
+                        lengths=[lay.length for lay in layouts])
     if st.last_of(chunk):
         loss, hidden = backbone_output(bb, y, targets, loss_tokens=loss_tokens,
                                        loss_rows=loss_rows)

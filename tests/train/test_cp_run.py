@@ -308,3 +308,15 @@ def test_encoder_context_parallel_with_tensor_parallelism():
     plan = plan_for(program, ("vit", "encoder", 2, 1, 1), ("llm", "backbone", 1, 1, 1),
                     ("gen", "generator", 1, 1, 1))
     check(*with_cp(program, plan, 2, "ulysses", name="vit"), steps=4)
+
+
+@pytest.mark.parametrize("method,tp", [("ring", 1), ("ulysses", 1), ("ring", 2)])
+def test_an_moe_backbone_under_context_parallelism_matches_the_reference(method, tp):
+    """Each CP rank routes its shard's tokens; a sequence's balance loss sums its
+    statistics over the CP ranks (an aux weight large enough to show in the losses)."""
+    from tests.helpers.moe import moe_spec
+
+    program = moe_spec(args="experts=4, top_k=2, expert_ffn=64, aux_loss=0.1")
+    plan = plan_for(program, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", tp, 1, 1),
+                    ("gen", "generator", 1, 1, 1))
+    check(*with_cp(program, plan, 2, method), steps=STEPS if tp == 1 else 4)

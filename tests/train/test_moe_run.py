@@ -112,10 +112,13 @@ def test_compile_refuses_what_the_runtime_does_not_run_yet():
             update={"units": units})) if d.code == "DT601"]
 
     # Tensor parallelism inside the experts runs, with expert parallelism too
-    # (tests/train/test_ep_run.py); context parallelism does not.
+    # (tests/train/test_ep_run.py); context parallelism runs dropless
+    # (tests/train/test_cp_run.py), not with a capacity, which counts one process's tokens.
     assert refused(p, {"tp": 2, "gpus": 4}) == []
     assert refused(p, {"tp": 2, "gpus": 4, "ep": 2}) == []
-    found = refused(p, {"cp": 2, "gpus": 4})
+    assert refused(p, {"cp": 2, "gpus": 4}) == []
+    capped = moe_spec(args="experts=4, top_k=2, expert_ffn=64, capacity=1.5")
+    found = refused(capped, {"cp": 2, "gpus": 4})
     assert len(found) == 1 and "MoE module llm" in found[0] and "cp 2" in found[0]
     # Expert parallelism runs, but not under Local SGD, whose replicas would average
     # different experts.
