@@ -288,8 +288,8 @@ class StageExecutor(PhasedEncoder, PassInputs):
             tag = f"{self.role.unit}.s{self.role.stage}" if module is self.stage.module \
                 else f"{self.role.unit}.s{self.role.stage}.phased"
             parts.append((mesh, params, counted, [names[id(p)] for p in params], tag,
-                          None if opt is None else opt.optimizer))
-        return StageSync(parts, config_of(sync),
+                          None if opt is None else opt.optimizer, module))
+        return StageSync(parts, config_of(sync), unit=self.role.unit,
                          tp_group=self.stage.tp_group if self.role.grid.tp > 1 else None)
 
     def _stepping(self) -> list[Any]:
@@ -513,6 +513,8 @@ class StageExecutor(PhasedEncoder, PassInputs):
         finally:
             if writer is not None:
                 writer.close()
+        if self.local_sgd is not None:     # no half-synchronised model after training
+            self.local_sgd.settle()
         return out
 
     def _event(self, kind: str, microbatch: int | None, span: tuple[float, float],

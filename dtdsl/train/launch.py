@@ -751,6 +751,8 @@ class _Trainer:
         # Every rank waits here for rank 0's commit of the last save and for the saving
         # thread to end (rank 0 also for every rank to get here): no rank leaves, nor
         # destroys the process group, with a save in flight.
+        if self.ex.local_sgd is not None:     # the last synchronisation's layers land
+            self.ex.local_sgd.settle()
         self.ckpt.close()
         self.ckpt = None
         if hasattr(self.feed, "close"):
