@@ -265,17 +265,14 @@ class StageExecutor(PhasedEncoder, PassInputs):
 
     def _build_local_sgd(self) -> Any:
         """``train.local_sgd.StageSync`` over this rank's FSDP2 roots when the spec says
-        ``sync = local_sgd(...)`` (the roots' DP meshes are then laid out as whole
-        replicas, ``ir.Train.mesh_zero``); None for synchronous DP."""
+        ``sync = local_sgd(...)`` (the roots' DP meshes are then laid out in replicas,
+        ``ir.Train.mesh_zero`` and ``replica_dp``); None for synchronous DP."""
         sync = self.program.train.sync
         if not sync.local:
             return None
         from dtdsl.train.local_sgd import StageSync, config_of
 
         meshes = [self.groups.mesh] + [self.groups.phased[n] for n in self.stage.phased]
-        if any(m["dp_shard"].size() != 1 for m in meshes):
-            raise ValueError("sync = local_sgd needs whole replicas: build the groups with "
-                             "zero=program.train.mesh_zero (mesh.build_groups)")
         names = {id(p): k for k, p in self.stage.named_parameters().items()}
         parts = []
         for (module, opt), mesh in zip(self._parts, meshes, strict=True):
@@ -391,7 +388,7 @@ class StageExecutor(PhasedEncoder, PassInputs):
         # (kind, microbatch, clock mark) per event: the clock is read once the step's
         # actions are done (``train.clock``: on CUDA, events read with one sync).
         marks: list[tuple[str, int | None, int, int]] = []
-        self.stage.begin_step()
+        self.stage.begin_step(skip=self.local_sgd.pending_modules() if self.local_sgd else ())
         if timed:
             dist.barrier()     # a common origin for every rank's event times
         self._t0 = time.perf_counter()

@@ -668,7 +668,8 @@ class _Trainer:
             _set_aside_checkpoints(self.run_dir)
         groups = build_groups(plan, device_type=self.device.type,
                               ulysses=cp_ulysses(program_ir, plan),
-                              zero=program_ir.train.mesh_zero)
+                              zero=program_ir.train.mesh_zero,
+                              replica_dp=program_ir.train.replica_dp)
         # The samples' source: read by the in-process feed, and by rank 0's predictions.
         source = (data_source(job, self.bundle, program_ir, self.args.data)
                   if job.feed.workers == 0 or rank == 0 else None)

@@ -88,9 +88,10 @@ def layer_groups(root: nn.Module, unit: str | None, params: Sequence[torch.Tenso
     return ([(root, rest)] if rest else []) + groups
 
 
-def _fsdp_params(root: nn.Module) -> dict[int, Any]:
-    """FSDP2's ``FSDPParam`` of each sharded parameter under ``root``, by id (the
-    registered ``nn.Parameter`` is its ``sharded_param`` between steps)."""
+def _fsdp_params(root: nn.Module) -> dict[int, tuple[Any, nn.Module]]:
+    """FSDP2's ``FSDPParam`` of each sharded parameter under ``root`` and the FSDP2
+    module whose group holds it, by the parameter's id (the registered ``nn.Parameter``
+    is its ``sharded_param`` between steps)."""
     from torch.distributed.fsdp import FSDPModule
 
     out = {}
@@ -98,7 +99,7 @@ def _fsdp_params(root: nn.Module) -> dict[int, Any]:
         if isinstance(m, FSDPModule):
             for group in m._get_fsdp_state()._fsdp_param_groups:
                 for fp in group.fsdp_params:
-                    out[id(fp.sharded_param)] = fp
+                    out[id(fp.sharded_param)] = (fp, m)
     return out
 
 
@@ -131,7 +132,11 @@ class Overlap:
                  groups: Sequence[tuple[nn.Module, Sequence[torch.Tensor]]]) -> None:
         self.sync, self.root = sync, root
         self.groups = [(m, list(ps)) for m, ps in groups]
-        self._fsdp: dict[int, Any] | None = None
+        self._fsdp: dict[int, tuple[Any, nn.Module]] = {}
+        # Per group, the FSDP2 modules that hold its parameters, in module order; per
+        # such module (by id), the groups it holds parameters of.
+        self._owners: list[list[nn.Module]] = []
+        self._holds: dict[int, set[int]] = {}
         self._flights: list[Any] = []       # per group issued so far, in order
         self._applied: set[int] = set()
         self._hooks: list[Any] = []
@@ -147,7 +152,11 @@ class Overlap:
         must not gather them)."""
         if not self.active:
             return []
-        return [m for i, (m, _) in enumerate(self.groups) if i not in self._applied]
+        out: dict[int, nn.Module] = {}
+        for i, owners in enumerate(self._owners):
+            if i not in self._applied:
+                out.update((id(m), m) for m in owners)
+        return list(out.values())
 
     def start(self) -> None:
         """After ``LocalSGD.begin_sync``: issue the first groups' all-reduces and hook
@@ -155,7 +164,14 @@ class Overlap:
         if self.active:
             raise RuntimeError("local_sgd: a layer-wise synchronisation is already running")
         self.active = True
-        self._fsdp = _fsdp_params(self.root)
+        if not self._owners:        # FSDP2's parameters exist once its lazy init ran
+            self._fsdp = _fsdp_params(self.root)
+            self._owners = [list({id(self._fsdp[id(p)][1]): self._fsdp[id(p)][1]
+                                  for p in ps if id(p) in self._fsdp}.values())
+                            for _, ps in self.groups]
+            for i, owners in enumerate(self._owners):
+                for m in owners:
+                    self._holds.setdefault(id(m), set()).add(i)
         self._flights, self._applied = [], set()
         self._issue(AHEAD - 1)
         self._hooks = [module.register_forward_pre_hook(self._hook_for(i), prepend=True)
@@ -171,21 +187,29 @@ class Overlap:
         def hook(_module: nn.Module, _args: Any) -> None:
             if index not in self._applied:
                 self.by_hook += 1
-            self._finish_group(index)
+            self._finish_group(index, gather=True)
         return hook
 
     @torch.no_grad()
-    def _finish_group(self, index: int) -> None:
+    def _finish_group(self, index: int, *, gather: bool = False) -> None:
         if index in self._applied:
             return
         self._issue(index + AHEAD)
         self.sync.end_layer(self._flights[index])
-        fsdp = self._fsdp or {}
         for p in self.groups[index][1]:
-            if id(p) in fsdp:
-                _write_through(fsdp[id(p)])
+            if id(p) in self._fsdp:
+                _write_through(self._fsdp[id(p)][0])
         self._applied.add(index)
         self._hooks[index].remove()
+        hooked = self.groups[index][0]
+        for m in self._owners[index]:
+            # An FSDP2 module of the group other than the hooked one (a co-located unit's
+            # layer in group 0), now whole: gathered here, in module order on every rank
+            # of the replica, as ``Stage.begin_step`` would have (it may sit idle in a
+            # microbatch on one rank and not another). A no-op where already gathered.
+            # Not from ``settle``: between steps every group stays sharded.
+            if gather and m is not hooked and self._holds[id(m)] <= self._applied:
+                m.unshard(async_op=True)
 
     @torch.no_grad()
     def settle(self) -> None:

@@ -493,7 +493,8 @@ class StageSync:
     """Local SGD of one rank's FSDP2 roots (its stage, each phased encoder), built by the
     executor. ``parts``: per root with trainable parameters, ``(mesh, params, counted,
     names, tag, optimizer, module)``: its DeviceMesh laid out for ZeRO 0
-    (``ir.Train.mesh_zero``: ``dp_replicate`` joins the replicas, one rank each), its
+    (``ir.Train.mesh_zero``: ``dp_replicate`` joins the replicas, ``dp_shard`` a
+    replica's ranks, ``parallel.replicas``: over which FSDP2 shards it), its
     trainable parameters, whether each counts in the penalty's norm on this rank, their
     names, its tag, its torch optimizer and its root module (None: no layer-wise
     overlap); ``tp_group``: the roots' TP group (None at tp 1), over which norms are
@@ -522,8 +523,14 @@ class StageSync:
             if replicas < 2 or not params:
                 continue
             groups = layer_groups(module, unit, params) if module is not None else []
+            shard_group = tp_group
+            if mesh["dp_shard"].size() > 1:     # a replica of several ranks (replica_dp)
+                if tp_group is not None:
+                    raise NotImplementedError("local_sgd replicas of several ranks beside "
+                                              "TP (DT601)")
+                shard_group = mesh.get_group("dp_shard")
             sync = LocalSGD(params, cfg, group=mesh.get_group("dp_replicate"),
-                            shard_group=tp_group, counted=counted,
+                            shard_group=shard_group, counted=counted,
                             layers=[ps for _, ps in groups] or None)
             self.syncs.append((sync, replicas, mesh.get_local_rank("dp_replicate")))
             self._names.append((list(names), tag, optimizer))
