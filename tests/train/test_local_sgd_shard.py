@@ -20,7 +20,7 @@ from dtdsl.train.executor import StageExecutor
 from dtdsl.train.reference import train_reference
 from tests.dist import run
 from tests.helpers.runs import PARAM_RTOL, plan_for, spec
-from tests.train.test_local_sgd_wire import local
+from tests.train.test_local_sgd_wire import _phase, local
 
 LOSS_RTOL = 1e-4
 
@@ -49,6 +49,23 @@ def test_the_mesh_splits_dp_into_replicas_of_consecutive_ranks():
     # One replica of every rank (replica_dp=1) and synchronous DP are unchanged.
     assert rank_groups(plan, first + 3, 0)["dp_replicate"] == tuple(range(first, first + 4))
     assert rank_groups(plan, first + 3, 1)["dp_shard"] == tuple(range(first, first + 4))
+
+
+def test_replica_dp_must_divide_each_dp_and_is_not_built_beside_tp():
+    from dtdsl.codegen.support import runtime_support
+
+    program = local(spec(8), period=2, replica_dp=2)
+    assert not runtime_support(program, dp4(program))
+    odd = local(spec(6), period=2, replica_dp=2)
+    plan = plan_for(odd, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, 3, 1),
+                    ("gen", "generator", 1, 1, 1))
+    (diag,) = runtime_support(odd, plan)
+    assert diag.code == "DT636" and "dp 3" in diag.message and diag.hint
+    wide = dp4(program)
+    wide = wide.model_copy(update={"units": tuple(
+        u.model_copy(update={"tp": 2}) if u.name == "llm" else u for u in wide.units)})
+    assert [d.code for d in runtime_support(program, wide)
+            if "replica_dp" in d.message] == ["DT601"]
 
 
 def _train(rank: int, world: int, program: ir.Program, plan: Plan, steps: int,
@@ -80,8 +97,13 @@ def _distributed(program: ir.Program, plan: Plan, steps: int, overlap: bool) -> 
         return [torch.load(f"{out}.{r}") for r in range(plan.gpus_used)]
 
 
-def test_two_replicas_of_two_shards_match_the_reference():
-    program = local(spec(8), period=2, outer_lr=0.7, outer_momentum=0.9, replica_dp=2)
+@pytest.mark.parametrize("penalty", [False, True])
+def test_two_replicas_of_two_shards_match_the_reference(penalty):
+    # With the penalty the replicas' weights are 1 / their pseudo-gradient norms (global
+    # over a replica's two shards: a wrong shard-group sum would weigh them wrongly), and
+    # the clip keeps the synchronisation blocking (``train.layerwise``).
+    program = local(spec(8), period=2, outer_lr=0.7, outer_momentum=0.9, replica_dp=2,
+                    penalty=penalty)
     plan = dp4(program)
     steps = 8
     torch.set_num_threads(1)
@@ -107,14 +129,47 @@ def test_two_replicas_of_two_shards_match_the_reference():
                                for k in sharded)
         assert r["replicas"] == [(2, 2)]
         # The layer-wise overlap ran: syncs after steps 1, 3, 5 in the next forward.
-        assert r["counts"] and all(h == 3 * n and s == n for h, s, n in r["counts"])
+        assert r["counts"] and all((h, s) == ((0, 0) if penalty else (3 * n, n))
+                                   for h, s, n in r["counts"])
     # Two replicas of 2 ranks is not four replicas of 1: the check can fail.
     four = [x["loss"] for x in train_reference(
-        local(spec(8), period=2, outer_lr=0.7, outer_momentum=0.9), steps, plan=plan)]
+        local(spec(8), period=2, outer_lr=0.7, outer_momentum=0.9, penalty=penalty), steps,
+        plan=plan)]
     assert max(abs(a - b) for a, b in zip(four, want, strict=True)) > 1e-4
+    if penalty:
+        return
     # ... and the overlapped sync equals the blocking one bitwise.
     block = _distributed(program, plan, steps, False)
     for a, b in zip(ranks, block, strict=True):
         assert a["losses"] == b["losses"]
         for name, p in a["local"].items():
             assert torch.equal(p, b["local"][name]), name
+
+
+@pytest.mark.usefixtures("deterministic")
+def test_resume_of_sharded_replicas_equals_an_uninterrupted_run(tmp_path):
+    # Saved after step 4 (period 2: a synchronising step, its layers' outer steps still
+    # to land in the next forward): each rank saves its shard of its replica's
+    # parameters, optimizer state, anchor and momentum; the resumed run continues
+    # bitwise as the uninterrupted one.
+    program = local(spec(8), period=2, outer_lr=0.7, outer_momentum=0.9, penalty=True,
+                    replica_dp=2)
+    plan = dp4(program)
+
+    def go(run_dir, steps, save_at, name):
+        out = str(tmp_path / name)
+        run(_phase, plan.gpus_used, program, plan, str(run_dir), steps, save_at, out,
+            timeout=300)
+        return [torch.load(f"{out}.{r}") for r in range(plan.gpus_used)]
+
+    whole = go(tmp_path / "whole", 6, None, "whole")
+    go(tmp_path / "split", 4, 4, "first")
+    second = go(tmp_path / "split", 2, None, "second")
+    assert second[0]["first"] == 4
+    assert second[0]["losses"] == whole[0]["losses"][4:]
+    for a, b in zip(whole, second, strict=True):
+        assert a["stats"] == b["stats"]
+        for name, p in a["params"].items():
+            assert torch.equal(p, b["params"][name]), name
+    llm = [r for r in whole if r["stats"]]
+    assert len(llm) == 4 and llm[0]["stats"][0][3] == 3      # three synchronisations
