@@ -10,11 +10,18 @@ import tempfile
 
 import pytest
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan
 from dtdsl.models.multimodal import build_model
-from dtdsl.parallel.mesh import build_groups, dim_groups, rank_groups, unit_mesh_shape
+from dtdsl.parallel.mesh import (
+    UnitGrid,
+    build_groups,
+    dim_groups,
+    rank_groups,
+    unit_mesh_shape,
+)
 from dtdsl.schedule.lower import lower
 from dtdsl.train.executor import StageExecutor
 from dtdsl.train.reference import train_reference
@@ -26,7 +33,8 @@ LOSS_RTOL = 1e-4
 
 
 def dp4(program: ir.Program) -> Plan:
-    """The tiny spec with its backbone on 4 DP ranks (5..., after the encoder's rank)."""
+    """The tiny spec with its backbone on 4 DP ranks (6 ranks with the encoder's and the
+    generator's)."""
     return plan_for(program, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, 4, 1),
                     ("gen", "generator", 1, 1, 1))
 
@@ -36,8 +44,6 @@ def test_the_mesh_splits_dp_into_replicas_of_consecutive_ranks():
     plan = dp4(program)
     llm = plan.unit("llm")
     first = llm.first_rank
-    from dtdsl.parallel.mesh import UnitGrid
-
     assert unit_mesh_shape(UnitGrid.of(llm), 0, 2) == (1, 2, 2, 1)
     assert unit_mesh_shape(UnitGrid.of(llm), 0) == (1, 4, 1, 1)
     # Rank first + 3: replica 1, shard 1: synchronised with first + 1, sharded with + 2.
@@ -74,7 +80,24 @@ def _train(rank: int, world: int, program: ir.Program, plan: Plan, steps: int,
                           replica_dp=program.train.replica_dp)
     ex = StageExecutor(program, plan, lower(plan, program), rank=rank, groups=groups)
     ex.local_sgd.overlap = overlap
-    results = ex.train(steps)
+    results = []
+    for step in range(steps):
+        results.append(ex.run_step(step))
+        # (With the penalty's clip the synchronisation blocks: nothing is left running.)
+        for o in ex.local_sgd._overlaps if step == 1 and ex.local_sgd.overlap and \
+                not ex.local_sgd.cfg.clips else ():
+            # Between a synchronising step and the next forward: each group's hook is
+            # its module's first forward pre-hook, ahead of FSDP2's gather (the layers of
+            # the replica's 2 ranks are FSDP2 units of their own).
+            assert o is not None and o.active and len(o.groups) > 1
+            for (module, _), hook in zip(o.groups, o._hooks, strict=True):
+                assert next(iter(module._forward_pre_hooks)) == hook.id
+            layers = [m for m, _ in o.groups[1:]]
+            assert all(isinstance(m, FSDPModule) and len(m._forward_pre_hooks) >= 2
+                       for m in layers)
+            # ... and Stage.begin_step will leave them (and the root) to it.
+            assert {id(m) for m, _ in o.groups} <= {id(m) for m in o.pending_modules}
+    ex.local_sgd.settle()     # as train() ends
     local_params = {k: (v.to_local() if hasattr(v, "to_local") else v).clone()
                     for k, v in ex.named_parameters().items()}
     counts = [(o.by_hook, o.by_settle, len(o.groups)) for o in ex.local_sgd._overlaps
@@ -85,8 +108,7 @@ def _train(rank: int, world: int, program: ir.Program, plan: Plan, steps: int,
     torch.save({"losses": [r["loss"] for r in results], "local": local_params,
                 "counts": counts, "shapes": shapes, "full": full,
                 "bytes": [r["dp_sync_bytes"] for r in results],
-                "replicas": [(r, s.replicas) for s, r, _ in
-                             [(s, n, i) for s, n, i in ex.local_sgd.syncs]]},
+                "replicas": [(n, s.replicas) for s, n, _ in ex.local_sgd.syncs]},
                f"{out}.{rank}")
 
 
