@@ -36,7 +36,9 @@ also written into the unsharded one (``_write_through``: the same cast copy FSDP
 the forward computes with the very values the blocking path gives). On a replica of
 several ranks each layer is an FSDP2 unit of its own, gathered by its own pre-forward
 after the hook (``Stage.begin_step`` leaves a layer with an outer step to come
-ungathered: ``pending_modules``).
+ungathered: ``pending_modules``); a co-located unit's layers, FSDP2 units in group 0, are
+gathered by the root's hook once group 0's outer step has landed, in module order on every
+rank of the replica (a microbatch may leave them idle on one rank and not another).
 
 **Same numbers.** Every block's arithmetic is ``LocalSGD.sync_layer``'s: the same weighted
 pseudo-gradient, the same all-reduce (asynchronous on gloo and NCCL computes what the
