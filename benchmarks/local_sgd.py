@@ -4,7 +4,7 @@ simulated iteration time on a paper-scale plan (the cost model's figures: no clu
 then the tiny spec's convergence over its steps in the single-process reference semantics
 (``dtc reference``) with the backbone at DP 2.
 
-    python benchmarks/local_sgd.py [--spec mllm_72b] [--period 4] [--steps 200]
+    python benchmarks/local_sgd.py [--spec mllm_72b] [--period 4] [--replica-dp 8] [--steps 200]
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def _figures(program: ir.Program, the_plan: Plan) -> tuple[float, float]:
     return sent, sum(times) / len(times)
 
 
-def paper_scale(name: str, period: int) -> None:
+def paper_scale(name: str, period: int, replica_dp: int = 1) -> None:
     base = with_sync(name, "allreduce")
     local = with_sync(name, f"local_sgd(period={period}, outer_lr=0.7, outer_momentum=0.9)")
     base_plan = make_plan(build_cost_model(base), base.cluster.num_gpus,
@@ -63,6 +63,15 @@ def paper_scale(name: str, period: int) -> None:
     rows = [("allreduce", *_figures(base, base_plan)),
             (f"local_sgd(period={period}), same plan",
              *_figures(local, _resync(local, base_plan)))]
+    if replica_dp > 1:
+        sharded = with_sync(name, f"local_sgd(period={period}, outer_lr=0.7, "
+                            f"outer_momentum=0.9, replica_dp={replica_dp})")
+        odd = [u.name for u in base_plan.units if u.dp > 1 and u.dp % replica_dp]
+        if odd:
+            print(f"replica_dp={replica_dp} does not divide the dp of {', '.join(odd)}")
+        else:
+            rows.append((f"  ... replica_dp={replica_dp}, same plan",
+                         *_figures(sharded, _resync(sharded, base_plan))))
     try:
         own = make_plan(build_cost_model(local), local.cluster.num_gpus,
                         compare_baseline=False)
@@ -134,13 +143,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--spec", default="mllm_72b")
     parser.add_argument("--period", type=int, default=4)
+    parser.add_argument("--replica-dp", type=int, default=1,
+                        help="also price replicas of this many DP ranks (local_sgd replica_dp)")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch", type=int, default=None,
                         help="the tiny spec's global batch (a multiple of 4; default its own)")
     parser.add_argument("--skip-paper", action="store_true")
     args = parser.parse_args()
     if not args.skip_paper:
-        paper_scale(args.spec, args.period)
+        paper_scale(args.spec, args.period, args.replica_dp)
         print()
     tiny(args.steps, args.period, args.batch)
 

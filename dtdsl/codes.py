@@ -624,6 +624,18 @@ CPU); a negative number, one above 1, an infinity or NaN is an error.
     optimizer = adamw(lr=1e-4, offload=0.5)    # half of it on the CPU
     optimizer = adamw(lr=1e-4, offload=auto)   # the planner chooses
 """),
+    "DT636": Code("Local SGD replica size does not divide a unit's data parallelism", """
+`local_sgd(replica_dp=N)` makes each Local SGD replica N data-parallel ranks
+that shard its parameters (FSDP, EDiT's model sharding group) and meet the
+other replicas every `period` steps (EDiT's model synchronisation group). N
+must be at least 1, and every unit the plan gives dp > 1 needs N to divide its
+dp: it has dp / N replicas (a unit with dp 1 is one replica on one rank).
+Constrain the units' dp to multiples of N.
+
+    train { sync = local_sgd(period=4, replica_dp=0) }   # error: at least 1
+    train { sync = local_sgd(period=4, replica_dp=2) }
+    constraints { dp(llm) == 3 }    # error at compile: 2 does not divide 3
+"""),
     "DT640": Code("Mixture-of-experts arguments without experts, or off the backbone", """
 `experts=E` makes a backbone's MLPs mixtures of E experts; `top_k`,
 `expert_ffn`, `shared_experts`, `capacity`, `moe_every`, `aux_loss` and
@@ -740,6 +752,7 @@ DT632: Final = "DT632"
 DT633: Final = "DT633"
 DT634: Final = "DT634"
 DT635: Final = "DT635"
+DT636: Final = "DT636"
 DT640: Final = "DT640"
 DT641: Final = "DT641"
 DT642: Final = "DT642"

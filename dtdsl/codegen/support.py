@@ -13,7 +13,7 @@ on ranks of two nodes priced at NVLink bandwidth, as a plan edited by hand can h
 
 from __future__ import annotations
 
-from dtdsl.codes import DT411, DT601, DT622
+from dtdsl.codes import DT411, DT601, DT622, DT636
 from dtdsl.diagnostics import Diagnostic
 from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan, UnitPlan, straddling_tp_groups
@@ -67,6 +67,7 @@ def _plan(program: ir.Program, plan: Plan) -> list[Diagnostic]:
                  "search"))
         return out
     out += _colocated(program, plan) + _phased(program, plan) + _local_sgd_cp(program, plan)
+    out += _local_sgd_replicas(program, plan)
     for u in plan.units:
         if u.role == "generator" and u.pp > 1:
             out.append(Diagnostic.error(
@@ -246,6 +247,34 @@ def _local_sgd_cp(program: ir.Program, plan: Plan) -> list[Diagnostic]:
                "ranks of one replica must still sum their gradients every step"],
         hint=f"constrain it, `cp({u.name}) == 1` in constraints, or use sync = allreduce")
         for u in plan.units if u.cp > 1]
+
+
+def _local_sgd_replicas(program: ir.Program, plan: Plan) -> list[Diagnostic]:
+    """``local_sgd(replica_dp=N)``: N must divide every dp > 1 (DT636); replicas of
+    several ranks are not built beside TP or a phased encoder (DT601: the penalty's norm
+    would need one group over a replica's DP and TP ranks; a phased encoder's DP group is
+    its own mesh)."""
+    sync = program.train.sync
+    if not sync.local or sync.replica_dp == 1:
+        return []
+    out = []
+    for u in plan.units:
+        if u.dp > 1 and u.dp % sync.replica_dp:
+            out.append(Diagnostic.error(
+                DT636, f"local_sgd replica_dp={sync.replica_dp} does not divide {u.name}'s "
+                f"dp {u.dp}", program.train.span,
+                notes=[f"each replica is {sync.replica_dp} DP ranks; {u.name} would have "
+                       f"{u.dp / sync.replica_dp:g} replicas"],
+                hint=f"constrain `dp({u.name})` to a multiple of {sync.replica_dp} and plan "
+                     "again, or change replica_dp"))
+        elif sync.replica_ranks(u.dp) > 1 and (u.tp > 1 or any(v.phased for v in plan.units)):
+            what = f"tp {u.tp}" if u.tp > 1 else "a phased encoder"
+            out.append(Diagnostic.error(
+                _CODE, f"the runtime does not run local_sgd replicas of several ranks "
+                f"(replica_dp={sync.replica_dp}) beside {what} yet ({u.name})",
+                program.train.span, hint=f"constrain `tp({u.name}) == 1`, plan {u.name} "
+                "as its own unit, or use replica_dp=1"))
+    return out
 
 
 def _ranks(group: range) -> str:

@@ -101,20 +101,32 @@ _OFFLOAD_LINK_BYTES = 12
 _TP_SYNC_GRAD_BYTES = 4
 
 
+def _state_shard(program: ir.Program, dp):
+    """Over how many of a unit's ``dp`` DP ranks FSDP2 shards its fp32 parameters and
+    optimizer state: all under ZeRO >= 1; under Local SGD one replica's
+    (``ir.Sync.replica_ranks``: ``replica_dp``, 1 by default: whole replicas)."""
+    dp = np.asarray(dp)
+    if program.train.mesh_zero >= 1:
+        return dp
+    return np.gcd(np.rint(dp).astype(np.int64), program.train.replica_dp).astype(float)
+
+
 def _local_sgd_bytes(program: ir.Program, dp):
     """Bytes per trained parameter Local SGD keeps (``train.local_sgd``): the fp32 anchor
-    and outer momentum, on units with more than one replica."""
+    and outer momentum, sharded like the replica (``_state_shard``), on units with more
+    than one replica."""
     if not program.train.sync.local:
         return 0.0
-    return np.where(np.asarray(dp) > 1, 2 * _BYTES_FP32, 0)
+    shard = _state_shard(program, dp)
+    return np.where(np.asarray(dp) > shard, 2 * _BYTES_FP32 / shard, 0)
 
 
-def _frozen_master_bytes(precision: str, dp, zero: int):
+def _frozen_master_bytes(program: ir.Program, dp):
     """Bytes per frozen parameter beyond its compute copy: under mixed precision FSDP2 keeps
     the fp32 parameter sharded over DP (a trained one's is in its optimizer bytes)."""
-    if precision == "fp32":
+    if program.train.precision == "fp32":
         return 0.0
-    return 4 / (np.asarray(dp) if zero >= 1 else 1)
+    return 4 / _state_shard(program, dp)
 
 
 
@@ -452,9 +464,8 @@ class CostModel:
         dp = np.asarray(dp) * unit.cp        # optimizer state sharded over dp x cp
         stage = unit.stage_params(pp) / tp
         trained = stage * unit.trainable_params / unit.params if unit.params else 0.0
-        zero = program.train.mesh_zero
-        static = stage * weight_b + trained * (grad_b + optim_b / (dp if zero >= 1 else 1)) \
-            + (stage - trained) * _frozen_master_bytes(program.train.precision, dp, zero) \
+        static = stage * weight_b + trained * (grad_b + optim_b / _state_shard(program, dp)) \
+            + (stage - trained) * _frozen_master_bytes(program, dp) \
             + trained * _local_sgd_bytes(program, dp) \
             + self._expert_optimizer_bytes(unit, np.ceil(unit.layers / np.asarray(pp)), tp, dp)
         per_layer = (unit.act_bytes_per_layer - unit.act_bytes_per_layer_tp_split
@@ -502,9 +513,9 @@ class CostModel:
                 params += unit.tied_head_params
         params /= tp
         trained = params * unit.trainable_params / unit.params if unit.params else 0.0
-        zero = self.program.train.mesh_zero
-        static = params * weight_b + trained * (grad_b + optim_b / (dp if zero >= 1 else 1)) \
-            + (params - trained) * _frozen_master_bytes(self.program.train.precision, dp, zero) \
+        shard = _state_shard(self.program, dp)
+        static = params * weight_b + trained * (grad_b + optim_b / shard) \
+            + (params - trained) * _frozen_master_bytes(self.program, dp) \
             + trained * _local_sgd_bytes(self.program, dp) \
             + self._expert_optimizer_bytes(unit, layers, tp, dp)
         per_layer = (unit.act_bytes_per_layer - unit.act_bytes_per_layer_tp_split
@@ -619,7 +630,7 @@ class CostModel:
                          max(unit.params, 1.0), unit.tp_synced_extra_params)
         layers = np.where(whole, unit.trainable_params, unit.tp_synced_params) - extra
         # FSDP2 shards every gradient over DP (ZeRO-1); ZeRO-0 keeps it whole.
-        shard = np.asarray(dp, dtype=float) if self.program.train.mesh_zero >= 1 else 1.0
+        shard = _state_shard(self.program, np.asarray(dp, dtype=float))
         per_param = _TP_SYNC_GRAD_BYTES / shard
         cluster = self.program.cluster
         bw = np.where(ranks <= cluster.gpus_per_node, cluster.intra_node_bw_bytes_per_s,
@@ -664,20 +675,33 @@ class CostModel:
 
     def _local_sgd_coefficients(self, unit: UnitCost, tp, dp) -> tuple:
         """``_dp_sync_coefficients`` under ``sync = local_sgd`` (``train.local_sgd``): no
-        gradient crosses replicas; every ``period`` steps the replicas all-reduce their
-        fp32 pseudo-gradients (the master weights' dtype), after the optimizer step and
-        not overlapped, priced per step as 1 / period of it. An ``interval`` depends on
+        gradient crosses replicas; every ``period`` steps the ``dp / N`` replicas (N =
+        ``replica_dp`` ranks each) all-reduce their fp32 pseudo-gradients (the master
+        weights' dtype), each rank its 1 / N shard, priced per step as 1 / period of it
+        and not overlapped (the layer-wise overlap with the next forward,
+        ``train.layerwise``, is not credited: an upper bound). An ``interval`` depends on
         the step time this model is computing: priced as a sync every step (an upper
-        bound). Each replica's optimizer steps its whole TP shard (ZeRO 0)."""
+        bound). Inside a replica of N > 1 ranks FSDP2 reduce-scatters the bf16 gradients
+        and all-gathers the parameters every step (half an all-reduce each, within a
+        node where N fits in one). Each replica's optimizer steps its TP shard's 1 / N."""
         sync = self.program.train.sync
         every = 1.0 if sync.interval_s is not None else float(sync.period)
-        bw = self.program.cluster.inter_node_bw_bytes_per_s
+        cluster = self.program.cluster
+        bw = cluster.inter_node_bw_bytes_per_s
         dp = np.asarray(dp, dtype=float)
-        per_param = unit.trainable_params / unit.params * _BYTES_FP32 / np.asarray(tp)
-        latency = all_reduce_time_s(0.0, dp, bw)
-        fixed = all_reduce_time_s(unit.extra_stage_params * per_param, dp, bw) / every
-        per_layer = (all_reduce_time_s((unit.params - unit.extra_stage_params) / unit.layers
-                                       * per_param, dp, bw) - latency) / every
+        shard = _state_shard(self.program, dp)
+        replicas = dp / shard
+        trained = unit.trainable_params / unit.params / np.asarray(tp)
+        per_param = trained * _BYTES_FP32 / shard
+        layer = (unit.params - unit.extra_stage_params) / unit.layers
+        latency = all_reduce_time_s(0.0, replicas, bw)
+        fixed = all_reduce_time_s(unit.extra_stage_params * per_param, replicas, bw) / every
+        per_layer = (all_reduce_time_s(layer * per_param, replicas, bw) - latency) / every
+        inside = np.where(shard <= cluster.gpus_per_node, cluster.intra_node_bw_bytes_per_s, bw)
+        fixed = fixed + all_reduce_time_s(unit.extra_stage_params * trained * _BYTES_BF16,
+                                          shard, inside)
+        per_layer = per_layer + all_reduce_time_s(layer * trained * _BYTES_BF16, shard, inside) \
+            - all_reduce_time_s(0.0, shard, inside)
         opt_fixed, opt_layer = self._optimizer_coefficients(unit, tp, dp)
         return fixed + opt_fixed, per_layer + opt_layer
 
@@ -686,7 +710,9 @@ class CostModel:
         ``dp_sync_coefficients`` prices them (a ring collective sends (n - 1) / n of its
         data per step of reduce-scatter or all-gather): synchronous DP's gradient
         reduce-scatter (bf16 in this model) and ZeRO-1's parameter all-gather, or
-        Local SGD's fp32 all-reduce every ``period`` steps, amortised."""
+        Local SGD's fp32 all-reduce of a replica's shard across the replicas every
+        ``period`` steps, amortised, plus FSDP2's traffic inside a replica of several
+        ranks (``_local_sgd_coefficients``)."""
         if not unit.trainable or dp * unit.cp <= 1:
             return 0.0
         n = float(dp * unit.cp)
@@ -694,7 +720,10 @@ class CostModel:
         sync = self.program.train.sync
         if sync.local:
             every = 1.0 if sync.interval_s is not None else float(sync.period)
-            return float(params * _BYTES_FP32 * 2 * (n - 1) / n / every)
+            shard = float(_state_shard(self.program, n))
+            r = n / shard
+            return float(params / shard * _BYTES_FP32 * 2 * (r - 1) / r / every
+                         + params * _BYTES_BF16 * 2 * (shard - 1) / shard)
         # An all-reduce (ZeRO 0), or a reduce-scatter and an all-gather (ZeRO-1): the same.
         return float(params * _BYTES_BF16 * 2 * (n - 1) / n)
 
@@ -713,8 +742,7 @@ class CostModel:
         shape = np.broadcast(np.asarray(tp), np.asarray(dp)).shape
         if not rate:
             return np.zeros(shape), np.zeros(shape)
-        shard = np.asarray(tp, dtype=float) * (
-            np.asarray(dp, dtype=float) if self.program.train.mesh_zero >= 1 else 1.0)
+        shard = np.asarray(tp, dtype=float) * _state_shard(self.program, dp)
         trained = unit.trainable_params / unit.params
         fixed = unit.extra_stage_params * trained / shard * rate
         per_layer = (unit.params - unit.extra_stage_params) / unit.layers * trained / shard \

@@ -156,7 +156,7 @@ class TrainChecks:
 
     def _sync(self, call: ast.Call | None | Any) -> Any:
         """``sync = allreduce`` (the default) or ``sync = local_sgd(period=H | interval=T,
-        outer_lr=..., outer_momentum=..., penalty=...)``."""
+        outer_lr=..., outer_momentum=..., penalty=..., replica_dp=...)``."""
         ctx = self.ctx
         if call is None:
             return ir.Sync()
@@ -187,7 +187,8 @@ class TrainChecks:
             return INVALID
         return ir.Sync(kind="local_sgd", period=args["period"] or 1,
                        interval_s=args["interval"], outer_lr=args["outer_lr"],
-                       outer_momentum=args["outer_momentum"], penalty=args["penalty"])
+                       outer_momentum=args["outer_momentum"], penalty=args["penalty"],
+                       replica_dp=args["replica_dp"])
 
     def _sync_bound(self, call: ast.Call, args: dict[str, Any], name: str, code: str,
                     ok: Any, need: str, hint: str) -> Any:

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dtdsl.codes import DT630, DT631, DT632, DT634, DT635
+from dtdsl.codes import DT630, DT631, DT632, DT634, DT635, DT636
 from dtdsl.frontend import ast
 from dtdsl.frontend import moe as _moe
 from dtdsl.frontend.schema import (
@@ -271,6 +271,7 @@ _SYNC_ARGS = (
     Param("outer_lr", FloatKind(), default=1.0),
     Param("outer_momentum", FloatKind(), default=0.0),
     Param("penalty", BoolKind(), default=False),
+    Param("replica_dp", IntKind(), default=1),
 )
 # (argument, code, test, what it must be, what to write instead) of local_sgd's bounds.
 _SYNC_RULES = (
@@ -282,6 +283,8 @@ _SYNC_RULES = (
      "write outer_momentum=0 for none, or e.g. 0.9 (DiLoCo's Nesterov momentum)"),
     ("interval", DT634, lambda v: math.isfinite(v) and v > 0, "s must be above 0",
      "write a positive duration such as interval=30 s"),
+    ("replica_dp", DT636, lambda v: v >= 1, "must be at least 1 rank",
+     "write replica_dp=1 (every DP rank a replica) or the DP ranks one replica shards over"),
 )
 _WARMUP = Param("warmup", IntKind(0, 10**9), default=0)
 _MIN_LR = Param("min_lr", FloatKind(low=0, high=10), default=0.0)

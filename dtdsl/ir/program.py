@@ -689,7 +689,8 @@ class Sync(IRModel):
     steps on its own samples, and every ``period`` steps (or, A-EDiT, every ``interval_s``
     seconds) the replicas average their pseudo-gradients and take a DiLoCo outer step
     (``outer_lr``, Nesterov ``outer_momentum``), with EDiT's pseudo-gradient penalty when
-    ``penalty``."""
+    ``penalty``. ``replica_dp``: DP ranks per replica (EDiT's model sharding group: FSDP
+    shards the replica's parameters over them; 1: every DP rank is a whole replica)."""
 
     kind: Literal["allreduce", "local_sgd"] = "allreduce"
     period: int = 1
@@ -697,10 +698,16 @@ class Sync(IRModel):
     outer_lr: float = 1.0
     outer_momentum: float = 0.0
     penalty: bool = False
+    replica_dp: int = 1
 
     @property
     def local(self) -> bool:
         return self.kind == "local_sgd"
+
+    def replica_ranks(self, dp: int) -> int:
+        """The DP ranks of one replica of a unit of ``dp`` DP ranks: ``replica_dp``, or
+        1 for a unit of one rank (DT636 refuses a ``replica_dp`` dividing neither)."""
+        return math.gcd(dp, self.replica_dp) if self.local else dp
 
 
 class Train(IRModel):
@@ -742,6 +749,12 @@ class Train(IRModel):
         optimizer's, except under Local SGD, where every DP rank is a whole replica (the
         (replicate, shard) mesh of ZeRO 0: one replica per ``dp_replicate`` index)."""
         return 0 if self.sync.local else self.optimizer.zero
+
+    @property
+    def replica_dp(self) -> int:
+        """DP ranks per Local SGD replica (``Sync.replica_dp``; 1 without Local SGD): the
+        ``dp_shard`` size of the ZeRO-0 mesh (``parallel.mesh.unit_mesh_shape``)."""
+        return self.sync.replica_dp if self.sync.local else 1
 
     @property
     def num_microbatches(self) -> int:

@@ -55,22 +55,20 @@ DeviceMesh (``ep_mesh``).
 **Meshes and groups.** ``build_groups`` gives each rank its unit's ``DeviceMesh`` over
 the unit's ranks, shaped ``(pp, dp_replicate, dp_shard, tp)`` (``MESH_DIMS``): the DP
 ranks are a shard dimension under ZeRO >= 1 (FSDP2 shards over it) and a replicate
-dimension under ZeRO 0. Its TP dimension is the TP group above, its DP dimensions the DP
-group, its PP dimension the PP group. The mesh is assembled (``DeviceMesh.from_group``)
-from the groups this rank is a member of and nothing else (``rank_groups``, a pure
-function of the plan, so a dry run checks exactly what runs): at most three groups of
-more than one rank (one of the two DP dimensions is always of size one), created one
-dimension after the other in ``MESH_DIMS`` order by their members alone
+dimension under ZeRO 0; under Local SGD with replicas of N ranks (``local_sgd(replica_dp=
+N)``) each replica's N consecutive DP ranks are the shard dimension and the ranks at the
+same place in every replica the replicate one. The mesh is assembled
+(``DeviceMesh.from_group``) from the groups this rank is a member of and nothing else
+(``rank_groups``, a pure function of the plan, so a dry run checks exactly what runs),
+created one dimension after the other in ``MESH_DIMS`` order by their members alone
 (``new_group(..., use_local_synchronization=True)``). No rank takes part in another
 unit's groups (except a phased encoder's, which runs on its backbone's ranks: one DP
 group more per phased encoder, created after the unit's, last), so a 1170-rank job
-creates a few groups per rank instead of every group of every unit on every rank, and
-with gloo (a full mesh of sockets per group) a rank
-holds sockets to its TP, DP and PP peers only. The order is the same on every rank and
-every rank is in one group of each kind, so no two creations wait on each other (the
-groups of the first dimension complete, then those of the next); and torch names such a
-group after its ranks and the number of groups its process made before, so every rank
-must have made as many before ``build_groups`` (none: it runs first).
+creates a few groups per rank, and with gloo a rank holds sockets to its TP, DP and PP
+peers only. The order is the same on every rank and every rank is in one group of each
+kind, so no two creations wait on each other; and torch names such a group after its
+ranks and the number of groups its process made before, so every rank must have made as
+many before ``build_groups`` (none: it runs first).
 
 A dimension on which a rank is alone (tp = 1, pp = 1, the DP dimension ZeRO does not use,
 dp = 1) gets no process group of one rank: it gets a group of torch's ``fake`` backend,
@@ -92,6 +90,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
+
+from dtdsl.parallel.replicas import dp_lines, shards
 
 if TYPE_CHECKING:   # torch is imported where groups are built: planning tools never pay for it
     from torch.distributed import ProcessGroup
@@ -423,24 +423,22 @@ def phased_role(plan: Plan, unit: UnitPlan, rank: int) -> RankRole:
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
-def unit_mesh_shape(grid: UnitGrid, zero: int) -> tuple[int, int, int, int]:
+def unit_mesh_shape(grid: UnitGrid, zero: int, replica_dp: int = 1) -> tuple[int, ...]:
     """The unit's mesh shape ``(pp, dp_replicate, dp_shard, tp)``: data parallelism
     shards (ZeRO >= 1) or replicates (ZeRO 0) over the DP ranks (``dp x cp`` of them:
-    module docstring)."""
-    dp = grid.dp * grid.cp
-    return (grid.pp, 1, dp, grid.tp) if zero >= 1 else (grid.pp, dp, 1, grid.tp)
+    module docstring); under Local SGD with ``replica_dp`` ranks per replica, ``dp /
+    replica_dp`` replicas of ``replica_dp`` consecutive DP ranks each."""
+    n = shards(grid.dp * grid.cp, zero, replica_dp)
+    return (grid.pp, grid.dp * grid.cp // n, n, grid.tp)
 
 
-def _lines(role: RankRole, zero: int) -> dict[str, tuple[int, ...]]:
+def _lines(role: RankRole, zero: int, replica_dp: int = 1) -> dict[str, tuple[int, ...]]:
     """The ranks along each mesh dimension through ``role.rank`` (the rank alone on a
     dimension of size one), in mesh order: ``unit_mesh_shape``'s dimensions are the PP,
-    DP and TP groups of the grid."""
-    alone = (role.rank,)
-    shard = zero >= 1
-    return {"pp": role.pp_ranks,
-            "dp_replicate": alone if shard else role.dp_ranks,
-            "dp_shard": role.dp_ranks if shard else alone,
-            "tp": role.tp_ranks}
+    DP and TP groups of the grid (the DP group split into its replicas' shards)."""
+    ranks = role.dp_ranks
+    dp = dp_lines(ranks, shards(len(ranks), zero, replica_dp), ranks.index(role.rank))
+    return {"pp": role.pp_ranks, **dp, "tp": role.tp_ranks}
 
 
 def cp_ulysses(program: Any, plan: Plan) -> dict[str, int]:
@@ -488,8 +486,8 @@ def _cp_family(plan: Plan, unit: str, dim: str, ulysses: int) -> tuple[tuple[int
     return tuple(x for x in out if len(x) > 1)
 
 
-def rank_groups(plan: Plan, rank: int, zero: int = 1,
-                ulysses: dict[str, int] | None = None) -> dict[str, tuple[int, ...]]:
+def rank_groups(plan: Plan, rank: int, zero: int = 1, ulysses: dict[str, int] | None = None,
+                replica_dp: int = 1) -> dict[str, tuple[int, ...]]:
     """The process groups ``build_groups`` creates on ``rank``: mesh dimension -> the
     member ranks (ascending, so group rank = mesh coordinate), in creation order; the
     dimensions this rank is alone on are left out (they get no group, module docstring);
@@ -497,7 +495,8 @@ def rank_groups(plan: Plan, rank: int, zero: int = 1,
     (``ulysses``: ``cp_ulysses``) ``<unit>.cp_ring`` and ``<unit>.cp_ulysses``, after the
     mesh's. Pure: a dry run compares it with what torch built without running the job."""
     role = role_of(plan, rank)
-    out = {dim: ranks for dim, ranks in _lines(role, zero).items() if len(ranks) > 1}
+    out = {dim: ranks for dim, ranks in _lines(role, zero, replica_dp).items()
+           if len(ranks) > 1}
     for dim, ranks in _cp_lines(role, (ulysses or {}).get(role.unit, 1)).items():
         if len(ranks) > 1:
             out[f"{role.unit}.{dim}"] = ranks
@@ -567,16 +566,21 @@ def phased_groups(plan: Plan, unit: str, zero: int = 1) -> tuple[tuple[int, ...]
     return tuple(g for g in grid.dp_groups() if len(g) > 1)
 
 
-def dim_groups(plan: Plan, dim: str, zero: int = 1) -> tuple[tuple[int, ...], ...]:
+def dim_groups(plan: Plan, dim: str, zero: int = 1, replica_dp: int = 1) -> tuple[Any, ...]:
     """Every group of mesh dimension ``dim`` in the job (units in plan order, groups of
     one rank left out): the split of the default group that ``split_group`` makes."""
     if dim not in MESH_DIMS:
         raise ValueError(f"{dim!r} is not a mesh dimension ({', '.join(MESH_DIMS)})")
     out: list[tuple[int, ...]] = []
     for g in grids(plan):
-        if unit_mesh_shape(g, zero)[MESH_DIMS.index(dim)] > 1:
-            family = {"pp": g.pp_groups, "tp": g.tp_groups}.get(dim, g.dp_groups)
-            out.extend(family())
+        if unit_mesh_shape(g, zero, replica_dp)[MESH_DIMS.index(dim)] > 1:
+            if dim.startswith("dp"):     # each DP group's lines (``_lines``)
+                n = shards(g.dp * g.cp, zero, replica_dp)
+                out.extend(dp_lines(ranks, n, i)[dim] for ranks in g.dp_groups()
+                           for i in (range(n) if dim == "dp_replicate" else
+                                     range(0, len(ranks), n)))
+            else:
+                out.extend({"pp": g.pp_groups, "tp": g.tp_groups}[dim]())
     return tuple(out)
 
 
@@ -723,7 +727,7 @@ def _alone(rank: int, desc: str) -> ProcessGroup:
 
 
 def build_groups(plan: Plan, *, device_type: str = "cpu", zero: int = 1,
-                 ulysses: dict[str, int] | None = None) -> ProcessGroups:
+                 ulysses: dict[str, int] | None = None, replica_dp: int = 1) -> ProcessGroups:
     """This rank's groups (``rank_groups``) and its unit's DeviceMesh over them
     (``MESH_DIMS``, the unit's ranks laid out as in the module docstring, TP innermost),
     then its unit's CP group(s) (``ulysses``: the hybrid units' Ulysses degrees,
@@ -741,12 +745,12 @@ def build_groups(plan: Plan, *, device_type: str = "cpu", zero: int = 1,
         raise ValueError(f"the plan uses {_world(plan)} ranks but the world size is {world}")
     rank = dist.get_rank()
     role = role_of(plan, rank)
-    mine = rank_groups(plan, rank, zero, ulysses)
+    mine = rank_groups(plan, rank, zero, ulysses, replica_dp)
     groups = []
     for dim in MESH_DIMS:       # the same order on every rank: module docstring
         desc = f"{role.unit}_{dim}"
-        group = new_subgroup(mine.get(dim), lambda dim=dim: dim_groups(plan, dim, zero),
-                             desc=desc)
+        group = new_subgroup(mine.get(dim), lambda dim=dim: dim_groups(
+            plan, dim, zero, replica_dp), desc=desc)
         if group is None:
             group = _alone(rank, desc)
         elif tuple(dist.get_process_group_ranks(group)) != mine.get(dim):
@@ -754,7 +758,7 @@ def build_groups(plan: Plan, *, device_type: str = "cpu", zero: int = 1,
                                f"{dist.get_process_group_ranks(group)}, the plan says "
                                f"{mine.get(dim)}")
         groups.append(group)
-    mesh = _mesh(role.grid, groups, device_type, zero)
+    mesh = _mesh(role.grid, groups, device_type, zero, replica_dp)
     cp = _cp_groups(plan, role, mine, device_type, ulysses or {})
     phased = _phased_meshes(plan, role, mesh, device_type, zero)
     return ProcessGroups(role=role, mesh=mesh, tp=mesh.get_group("tp"), phased=phased, cp=cp,
@@ -849,13 +853,14 @@ def _cp_groups(plan: Plan, role: RankRole, mine: dict[str, tuple[int, ...]],
     return out
 
 
-def _mesh(grid: UnitGrid, groups: list[Any], device_type: str, zero: int) -> Any:
+def _mesh(grid: UnitGrid, groups: list[Any], device_type: str, zero: int,
+          replica_dp: int = 1) -> Any:
     """The DeviceMesh of ``grid`` over ``groups`` (one per mesh dimension)."""
     import torch
     from torch.distributed.device_mesh import DeviceMesh
 
     table = torch.arange(grid.first_rank, grid.first_rank + grid.size,
-                         dtype=torch.int).reshape(unit_mesh_shape(grid, zero))
+                         dtype=torch.int).reshape(unit_mesh_shape(grid, zero, replica_dp))
     return DeviceMesh.from_group(groups, device_type, mesh=table, mesh_dim_names=MESH_DIMS)
 
 

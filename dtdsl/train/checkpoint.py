@@ -193,6 +193,9 @@ def state_dict(ex: Any) -> dict[str, Any]:
     are the live ones: stage a copy before training goes on."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
+    local = getattr(ex, "local_sgd", None)
+    if local is not None:     # a layer-wise synchronisation in flight ends first
+        local.settle()
     out: dict[str, Any] = {"model": {}}
     for module, opt in _parts(ex):
         if opt is None:
@@ -209,7 +212,6 @@ def state_dict(ex: Any) -> dict[str, Any]:
         global_experts(out, ex.stage.module, expert_layout(ep, ex.role.dp_ranks))
     if ex.loss_scale is not None:
         out["loss_scale"] = _scale_tensors(ex.loss_scale.state())
-    local = getattr(ex, "local_sgd", None)
     if local is not None and local.syncs:
         # Local SGD's anchor, outer momentum, statistics and each replica's parameters
         # (``local_sgd.StageSync.state_dict``).

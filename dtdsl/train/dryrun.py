@@ -122,16 +122,21 @@ def _open_fds() -> int:
 # ------------------------------------------------------------------------------ groups
 
 
-def _expected_groups(plan: Any, role: Any, zero: int, ulysses: dict[str, int] | None = None
-                     ) -> dict[str, tuple[int, ...]]:
+def _expected_groups(plan: Any, role: Any, zero: int, ulysses: dict[str, int] | None = None,
+                     replica_dp: int = 1) -> dict[str, tuple[int, ...]]:
     """The groups ``role``'s rank must be in: its unit's TP, DP and PP groups of more
-    than one rank, and a phased encoder's DP group where it is one of its own
-    (``mesh.rank_groups``: ``"<unit>.<dimension>"``)."""
+    than one rank (the DP group split in two under Local SGD with replicas of several
+    ranks: ``dp_replicate`` and ``dp_shard``), and a phased encoder's DP group where it
+    is one of its own (``mesh.rank_groups``: ``"<unit>.<dimension>"``)."""
     from dtdsl.parallel.mesh import rank_groups
 
-    named = {"tp": role.tp_ranks, "dp": role.dp_ranks, "pp": role.pp_ranks}
-    named.update({k: v for k, v in rank_groups(plan, role.rank, zero, ulysses).items()
-                  if "." in k})
+    mine = rank_groups(plan, role.rank, zero, ulysses, replica_dp)
+    named = {"tp": role.tp_ranks, "pp": role.pp_ranks}
+    if "dp_replicate" in mine and "dp_shard" in mine:
+        named.update({k: mine[k] for k in ("dp_replicate", "dp_shard")})
+    else:
+        named["dp"] = role.dp_ranks
+    named.update({k: v for k, v in mine.items() if "." in k})
     return {k: tuple(sorted(v)) for k, v in named.items() if len(v) > 1}
 
 
@@ -171,7 +176,7 @@ class _Recorded:
 
 
 def _check_groups(plan: Any, rank: int, zero: int, device_type: str,
-                  ulysses: dict[str, int] | None = None
+                  ulysses: dict[str, int] | None = None, replica_dp: int = 1
                   ) -> tuple[dict[str, tuple[int, ...]], int, list[str]]:
     """Bring up ``rank``'s groups over the fake backend: its groups, the placeholders it
     holds for dimensions it is alone on (groups of one rank of torch's ``fake`` backend:
@@ -185,12 +190,13 @@ def _check_groups(plan: Any, rank: int, zero: int, device_type: str,
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         with _Recorded(rank) as recorded:
-            build_groups(plan, device_type=device_type, zero=zero, ulysses=ulysses)
+            build_groups(plan, device_type=device_type, zero=zero, ulysses=ulysses,
+                         replica_dp=replica_dp)
     finally:
         dist.destroy_process_group()
     placeholders = [m for m, backend in recorded.made if backend == "fake" and len(m) == 1]
     real = [m for m, backend in recorded.made if not (backend == "fake" and len(m) == 1)]
-    want = _expected_groups(plan, role_of(plan, rank), zero, ulysses)
+    want = _expected_groups(plan, role_of(plan, rank), zero, ulysses, replica_dp)
     problems = []
     for name, members in want.items():
         if members not in real:
@@ -425,7 +431,8 @@ def dry_run(bundle: str | Path, *, node: int | None = None, steps: int = 1,
             for local, r in enumerate(ranks):
                 role = role_of(plan, r)
                 groups, alone, problems = _check_groups(plan, r, zero, device_type,
-                                                        cp_ulysses(program, plan))
+                                                        cp_ulysses(program, plan),
+                                                        program.train.replica_dp)
                 report.problems += problems
                 fds = _trainer_descriptors(report, role, groups, plan, local)
                 if fds > max_fds:

@@ -262,17 +262,14 @@ class StageExecutor(PhasedEncoder, PassInputs):
 
     def _build_local_sgd(self) -> Any:
         """``train.local_sgd.StageSync`` over this rank's FSDP2 roots when the spec says
-        ``sync = local_sgd(...)`` (the roots' DP meshes are then laid out as whole
-        replicas, ``ir.Train.mesh_zero``); None for synchronous DP."""
+        ``sync = local_sgd(...)`` (the roots' DP meshes are then laid out in replicas,
+        ``ir.Train.mesh_zero`` and ``replica_dp``); None for synchronous DP."""
         sync = self.program.train.sync
         if not sync.local:
             return None
         from dtdsl.train.local_sgd import StageSync, config_of
 
         meshes = [self.groups.mesh] + [self.groups.phased[n] for n in self.stage.phased]
-        if any(m["dp_shard"].size() != 1 for m in meshes):
-            raise ValueError("sync = local_sgd needs whole replicas: build the groups with "
-                             "zero=program.train.mesh_zero (mesh.build_groups)")
         names = {id(p): k for k, p in self.stage.named_parameters().items()}
         parts = []
         for (module, opt), mesh in zip(self._parts, meshes, strict=True):
@@ -285,8 +282,8 @@ class StageExecutor(PhasedEncoder, PassInputs):
             tag = f"{self.role.unit}.s{self.role.stage}" if module is self.stage.module \
                 else f"{self.role.unit}.s{self.role.stage}.phased"
             parts.append((mesh, params, counted, [names[id(p)] for p in params], tag,
-                          None if opt is None else opt.optimizer))
-        return StageSync(parts, config_of(sync),
+                          None if opt is None else opt.optimizer, module))
+        return StageSync(parts, config_of(sync), unit=self.role.unit,
                          tp_group=self.stage.tp_group if self.role.grid.tp > 1 else None)
 
     def _stepping(self) -> list[Any]:
@@ -388,7 +385,7 @@ class StageExecutor(PhasedEncoder, PassInputs):
         # (kind, microbatch, clock mark) per event: the clock is read once the step's
         # actions are done (``train.clock``: on CUDA, events read with one sync).
         marks: list[tuple[str, int | None, int, int]] = []
-        self.stage.begin_step()
+        self.stage.begin_step(skip=self.local_sgd.pending_modules() if self.local_sgd else ())
         if timed:
             dist.barrier()     # a common origin for every rank's event times
         self._t0 = time.perf_counter()
@@ -510,6 +507,8 @@ class StageExecutor(PhasedEncoder, PassInputs):
         finally:
             if writer is not None:
                 writer.close()
+        if self.local_sgd is not None:     # no half-synchronised model after training
+            self.local_sgd.settle()
         return out
 
     def _event(self, kind: str, microbatch: int | None, span: tuple[float, float],

@@ -668,7 +668,8 @@ class _Trainer:
             _set_aside_checkpoints(self.run_dir)
         groups = build_groups(plan, device_type=self.device.type,
                               ulysses=cp_ulysses(program_ir, plan),
-                              zero=program_ir.train.mesh_zero)
+                              zero=program_ir.train.mesh_zero,
+                              replica_dp=program_ir.train.replica_dp)
         # The samples' source: read by the in-process feed, and by rank 0's predictions.
         source = (data_source(job, self.bundle, program_ir, self.args.data)
                   if job.feed.workers == 0 or rank == 0 else None)
@@ -751,6 +752,8 @@ class _Trainer:
         # Every rank waits here for rank 0's commit of the last save and for the saving
         # thread to end (rank 0 also for every rank to get here): no rank leaves, nor
         # destroys the process group, with a save in flight.
+        if self.ex.local_sgd is not None:     # the last synchronisation's layers land
+            self.ex.local_sgd.settle()
         self.ckpt.close()
         self.ckpt = None
         if hasattr(self.feed, "close"):

@@ -60,7 +60,9 @@ clip needs the norm of the *averaged* pseudo-gradient over every layer, which ex
 after the last layer's all-reduce: with ``clip_norm`` set, ``sync_layer`` keeps the layer's
 average and ``finish_sync`` applies every layer's outer step (the communication still
 overlaps; the element-wise update waits). ``maybe_sync`` is ``begin_sync``, ``sync_layer``
-for each layer in order, ``finish_sync``.
+for each layer in order, ``finish_sync``. ``sync_layer`` is ``start_layer`` (the weighted
+pseudo-gradients and their all-reduces, optionally not waited for) then ``end_layer``
+(wait, apply): ``train.layerwise`` splits the two around the next step's forward.
 
 **A-EDiT.** With ``interval`` set, a replica wants to synchronise once ``elapsed_s`` (its
 own clock's seconds since the last synchronisation) reaches ``interval``; the wish is
@@ -288,20 +290,41 @@ class LocalSGD:
     def sync_layer(self, params: Sequence[torch.Tensor]) -> None:
         """Average one layer's pseudo-gradients over the replicas (and, without clipping,
         apply its outer step); between ``begin_sync`` and ``finish_sync``."""
+        self.end_layer(self.start_layer(params))
+
+    @torch.no_grad()
+    def start_layer(self, params: Sequence[torch.Tensor], *, async_op: bool = False
+                    ) -> list[tuple[torch.Tensor, torch.Tensor | None, object]]:
+        """``sync_layer``'s first half: each block's weighted pseudo-gradient and its
+        replica all-reduce, issued (``async_op``: not waited for; ``train.layerwise``
+        overlaps it with the forward). ``end_layer`` takes what it returns."""
         if self._weights is None:
             raise RuntimeError("local_sgd sync_layer called outside begin_sync/finish_sync")
         me = dist.get_rank(self.group)
+        out: list[tuple[torch.Tensor, torch.Tensor | None, object]] = []
         for p in params:
             if id(p) not in self._anchor or id(p) in self._done:
                 raise ValueError("local_sgd sync_layer got a parameter it does not manage "
                                  "or has synced already in this synchronisation")
             self._done.add(id(p))
-            loc = _local(p)
-            if not self._weights:     # every replica anomalous: back to the anchor
-                loc.copy_(self._anchor[id(p)])
+            if not self._weights:     # every replica anomalous: nothing to average
+                out.append((p, None, None))
                 continue
             d = self._delta(p).mul_(self._weights[me])
-            dist.all_reduce(d, group=self.group)
+            out.append((p, d, dist.all_reduce(d, group=self.group, async_op=async_op)))
+        return out
+
+    @torch.no_grad()
+    def end_layer(self, flight: Sequence[tuple[torch.Tensor, torch.Tensor | None, object]]
+                  ) -> None:
+        """``sync_layer``'s second half: wait for ``start_layer``'s all-reduces, then apply
+        the outer step (kept for ``finish_sync`` with clipping), or roll back."""
+        for p, d, work in flight:
+            if d is None:             # every replica anomalous: back to the anchor
+                _local(p).copy_(self._anchor[id(p)])
+                continue
+            if work is not None:
+                work.wait()
             if self.cfg.clips:
                 self._pending.append((p, d))
             else:
@@ -468,29 +491,50 @@ class ReplicaScaled:
 
 class StageSync:
     """Local SGD of one rank's FSDP2 roots (its stage, each phased encoder), built by the
-    executor. ``parts``: per root with trainable parameters, ``(mesh, params, counted)``:
-    its DeviceMesh laid out for ZeRO 0 (``ir.Train.mesh_zero``: ``dp_replicate`` joins
-    the replicas, one rank each), its trainable parameters and whether each counts in
-    the penalty's norm on this rank; ``tp_group``: the roots' TP group (None at tp 1), over
-    which norms are summed. A root whose unit has one replica has nothing to sync."""
+    executor. ``parts``: per root with trainable parameters, ``(mesh, params, counted,
+    names, tag, optimizer, module)``: its DeviceMesh laid out for ZeRO 0
+    (``ir.Train.mesh_zero``: ``dp_replicate`` joins the replicas, ``dp_shard`` a
+    replica's ranks, ``parallel.replicas``: over which FSDP2 shards it), its
+    trainable parameters, whether each counts in the penalty's norm on this rank, their
+    names, its tag, its torch optimizer and its root module (None: no layer-wise
+    overlap); ``tp_group``: the roots' TP group (None at tp 1), over which norms are
+    summed; ``unit``: the stage's own unit, whose layers synchronise one by one
+    (``train.layerwise``). A root whose unit has one replica has nothing to sync.
+
+    ``overlap`` (True): synchronise layer by layer during the next step's forward
+    (``train.layerwise``), except with clipping; False: block at the step's end."""
 
     def __init__(self, parts: Sequence[tuple[object, Sequence[torch.Tensor], Sequence[bool],
-                                             Sequence[str], str, object]],
-                 cfg: LocalSGDConfig, *, tp_group: dist.ProcessGroup | None = None) -> None:
+                                             Sequence[str], str, object, object]],
+                 cfg: LocalSGDConfig, *, tp_group: dist.ProcessGroup | None = None,
+                 unit: str | None = None, overlap: bool = True) -> None:
         import time
 
-        self.cfg = cfg
+        from dtdsl.train.layerwise import Overlap, layer_groups
+
+        self.cfg, self.overlap = cfg, overlap
+        # Per sync: its layer-wise synchronisation (None: blocking only).
+        self._overlaps: list[Overlap | None] = []
         self.syncs: list[tuple[LocalSGD, int, int]] = []     # (sync, replicas, replica)
         # Per sync: its parameters' names, its tag and its (torch) inner optimizer.
         self._names: list[tuple[list[str], str, object]] = []
-        for mesh, params, counted, names, tag, optimizer in parts:
+        for mesh, params, counted, names, tag, optimizer, module in parts:
             replicas = mesh["dp_replicate"].size()
             if replicas < 2 or not params:
                 continue
+            groups = layer_groups(module, unit, params) if module is not None else []
+            shard_group = tp_group
+            if mesh["dp_shard"].size() > 1:     # a replica of several ranks (replica_dp)
+                if tp_group is not None:
+                    raise NotImplementedError("local_sgd replicas of several ranks beside "
+                                              "TP (DT601)")
+                shard_group = mesh.get_group("dp_shard")
             sync = LocalSGD(params, cfg, group=mesh.get_group("dp_replicate"),
-                            shard_group=tp_group, counted=counted)
+                            shard_group=shard_group, counted=counted,
+                            layers=[ps for _, ps in groups] or None)
             self.syncs.append((sync, replicas, mesh.get_local_rank("dp_replicate")))
             self._names.append((list(names), tag, optimizer))
+            self._overlaps.append(Overlap(sync, module, groups) if groups else None)
         self.hook = corruption()
         if self.hook is not None and self.syncs and dist.get_rank() == 0:
             # A test hook that damages a replica: never silently, in a real run.
@@ -511,7 +555,10 @@ class StageSync:
 
     def decide(self, step: int, now_s: float) -> bool:
         """Whether step ``step`` ends with a synchronisation (every rank of each replica
-        group calls it every step: with an interval it is a collective)."""
+        group calls it every step, before the optimizer step: with an interval it is a
+        collective). First finishes the last synchronisation's layers that this step's
+        forward did not reach (``settle``)."""
+        self.settle()
         # Each root decides with its own replica group (they may differ: a phased
         # encoder's DP group is not its stage's).
         self._due = [s.due(step, now_s - since) if self.cfg.interval is not None
@@ -533,19 +580,25 @@ class StageSync:
     @torch.no_grad()
     def after_step(self, step: int, now_s: float) -> None:
         """After the inner optimizer step ``step``: the test hook's damage, then the
-        synchronisation ``decide`` chose (not overlapped with the next forward yet)."""
+        synchronisation ``decide`` chose: its norms and weights now, its layers during the
+        next step's forward (``train.layerwise``), or all now (clipping, ``overlap``
+        off, a root without layer groups)."""
         if not any(self._due):
             return
-        for (sync, _, replica), due in zip(self.syncs, self._due, strict=True):
+        for (sync, _, replica), due, overlap in zip(self.syncs, self._due, self._overlaps,
+                                                    strict=True):
             if not due:
                 continue
             if self.hook is not None and self.hook.applies(replica, step):
                 corrupt(sync.params, [sync.anchor_of(p) for p in sync.params],
                         self.hook.scale)
             sync.begin_sync()
-            for layer in sync.layers:
-                sync.sync_layer(layer)
-            sync.finish_sync()
+            if overlap is not None and self.overlap and not self.cfg.clips:
+                overlap.start()
+            else:
+                for layer in sync.layers:
+                    sync.sync_layer(layer)
+                sync.finish_sync()
             self._report(sync, replica, step)
         self._since = [now_s if due else since
                        for due, since in zip(self._due, self._since, strict=True)]
@@ -568,6 +621,20 @@ class StageSync:
             print(f"local_sgd: {tag} step {step}: dropped replica(s) {dropped} (pseudo-"
                   "gradient norm anomalous)", flush=True)
 
+    def settle(self) -> None:
+        """Finish any layer-wise synchronisation still running (collective over the
+        replica groups: every rank calls it at the same point). The executor calls it
+        before each optimizer step and at the end of training, a checkpoint before it
+        reads anything."""
+        for overlap in self._overlaps:
+            if overlap is not None:
+                overlap.settle()
+
+    def pending_modules(self) -> list[torch.nn.Module]:
+        """The modules whose outer step the running synchronisation has yet to apply
+        (``Stage.begin_step`` leaves them ungathered)."""
+        return [m for o in self._overlaps if o is not None for m in o.pending_modules]
+
     def start_clock(self, now_s: float) -> None:
         """A-EDiT's clock starts (training starts or resumes)."""
         self._since = [now_s] * len(self.syncs)
@@ -580,13 +647,15 @@ class StageSync:
         """What a checkpoint keeps of Local SGD: per parameter its anchor and outer
         momentum (``anchor.<name>``, ``momentum.<name>``: the same on every replica, shaped
         like the parameter, DTensors with its placements: each rank writes its block,
-        once); every replica's own parameters and inner optimizer state
+        once; a running synchronisation is finished first: ``settle``); every replica's
+        own parameters and inner optimizer state
         (``replica<r>.<name>``, ``replica<r>.optim.<name>.<state>``: between two
         synchronisations they differ, and the model's and optimizer's entries hold one
         replica's); per synchronised root its norm statistics (``stats.<tag>``: mean,
         variance, norms seen, synchronisations). Anchors and momenta are the live tensors,
         the replicas' values copies (a load must not write them into the parameters
         before the model's entries are set). Empty when nothing is synchronised."""
+        self.settle()
         out: dict[str, torch.Tensor] = {}
         for (sync, _, replica), (names, tag, opt) in zip(self.syncs, self._names,
                                                           strict=True):

@@ -582,7 +582,7 @@ def _measure_stage(program: ir.Program, plan: Plan, schedule: Schedule, cost: An
     rank = grid.rank(stage, 0, 0)
     u = plan.unit(unit)
     k = in_flight_of(schedule, unit, stage)
-    zero = program.train.mesh_zero
+    zero, replica_dp = program.train.mesh_zero, program.train.replica_dp
     dp_lm = next(x.dp for x in plan.units if x.role == "backbone")
     share = dp_lm / u.dp
     # Priced at the plan's cp, as the simulator prices it (``reorder.workload``), and at
@@ -594,7 +594,7 @@ def _measure_stage(program: ir.Program, plan: Plan, schedule: Schedule, cost: An
     role = RankRole(rank=rank, grid=grid, stage=stage, replica=0, tp_index=0)
     phased = phased_units(plan, role)
     with fake_world(plan.gpus_used, rank, "cpu") as world:
-        mesh = world.device_mesh(grid.ranks, unit_mesh_shape(grid, zero), MESH_DIMS)
+        mesh = world.device_mesh(grid.ranks, unit_mesh_shape(grid, zero, replica_dp), MESH_DIMS)
         meshes = {}
         for p in phased:
             g = phased_grid(plan, p)

@@ -144,8 +144,10 @@ def _local_sgd_reference(program: ir.Program, plan: Any, model: Model, source: S
                          steps: int, first_step: int, pad_to: int | None
                          ) -> Iterator[dict[str, float | int]]:
     """``sync = local_sgd`` in one process (docs/language.md). Every plan unit of ``dp``
-    replicas has ``dp`` copies; a sample runs through the copy of each unit the plan's
-    routing sends it to (``data.batch.route_batch``, as the runtime routes it), each
+    DP ranks has ``dp / replica_dp`` copies (replicas; ``ir.Sync.replica_ranks``); a
+    sample runs through the copy of each unit the plan's routing sends it to
+    (``data.batch.route_batch``, as the runtime routes it: DP rank ``r`` is in replica
+    ``r // replica_dp``, whose ranks' gradients FSDP2 sums), each
     copy's gradients times its unit's replica count step with an optimizer of its own
     after one job-wide clip (the root mean square over replicas, ``local_sgd.ReplicaScaled``),
     and every ``period`` steps each unit's copies synchronise (``ReferenceLocalSGD``).
@@ -159,7 +161,8 @@ def _local_sgd_reference(program: ir.Program, plan: Any, model: Model, source: S
         raise ValueError("local_sgd(interval=...) synchronises by the replicas' clocks, "
                          "which one process does not have: give the reference a period")
     owners = _owners(program)
-    dps = {u.name: u.dp for u in plan.units}
+    ranks = {u.name: train.sync.replica_ranks(u.dp) for u in plan.units}
+    dps = {u.name: u.dp // ranks[u.name] for u in plan.units}
     replicas = {n: dps.get(owners[n], 1) for n in model.units}
     copies = [model] + [copy.deepcopy(model) for _ in range(max(replicas.values()) - 1)]
     trained = {(n, r): [p for p in copies[r].units[n].parameters() if p.requires_grad]
@@ -193,7 +196,8 @@ def _local_sgd_reference(program: ir.Program, plan: Any, model: Model, source: S
                 key = tuple(micro.assignment[u.name][k] for u in plan.units)
                 groups.setdefault(key, []).append(i)
             for key, ids in groups.items():
-                replica_of = {u.name: r for u, r in zip(plan.units, key, strict=True)}
+                replica_of = {u.name: r // ranks[u.name]
+                              for u, r in zip(plan.units, key, strict=True)}
                 replica_of.update({n: 0 for n in owners.values() if n not in replica_of})
                 view = _view(model, copies, replica_of, owners)
                 parts = microbatch_loss(view, [samples[i] for i in ids], norm, pad_to)

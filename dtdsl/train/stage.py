@@ -268,21 +268,24 @@ class Stage:
         return [p for p in self.module.parameters() if p.requires_grad] + \
             [p for part in self.phased.values() for p in part.trainable()]
 
-    def begin_step(self) -> None:
+    def begin_step(self, skip: Any = ()) -> None:
         """Before the step's first action: all-gather every FSDP2 group's parameters, in
         forward order, on every DP rank alike (ZeRO-1: the parameters stay whole for the
         step), and accumulate gradients unsharded (in fp32, FSDP2's reduce dtype) until
         ``reduce_gradients``. Gathering here, not lazily at each module's first call,
         keeps the DP ranks' collectives in step even when a replica's microbatch leaves a
-        module idle (an encoder replica with no images in it)."""
+        module idle (an encoder replica with no images in it). ``skip``: modules whose
+        Local SGD outer step is still to land (``train.layerwise``): gathered by their
+        own pre-forward, after it (every rank of the replica runs them, in order)."""
         from torch.distributed.fsdp import FSDPModule
 
         if not isinstance(self.module, FSDPModule):
             return
         accumulate_unsharded(self.fsdp_modules, last=False)
         self.reducing_early = False
+        held = {id(m) for m in skip}
         handles = [m.unshard(async_op=True)     # FSDP2's pre-forward waits for each
-                   for m in [self.module, *self.layers]]
+                   for m in [self.module, *self.layers] if id(m) not in held]
         if not self.gathered:
             # FSDP2 makes a group's unsharded parameters at its first wait. A backward's
             # final callback visits every group, under mixed precision reading those

@@ -52,7 +52,39 @@ def test_local_sgd_values():
 def test_local_sgd_lays_the_mesh_out_as_whole_replicas():
     p = _program("local_sgd(period=2)")
     assert p.train.optimizer.zero == 1 and p.train.mesh_zero == 0
+    assert p.train.replica_dp == 1 and p.train.sync.replica_ranks(8) == 1
     assert _program(None).train.mesh_zero == 1
+
+
+def test_replica_dp_makes_replicas_of_several_ranks():
+    p = _program("local_sgd(period=2, replica_dp=4)")
+    assert p.train.replica_dp == 4 and p.train.mesh_zero == 0
+    # A unit of dp 8: 2 replicas of 4 ranks; a unit of one rank: one replica of one.
+    assert p.train.sync.replica_ranks(8) == 4 and p.train.sync.replica_ranks(1) == 1
+    assert _program("allreduce").train.replica_dp == 1
+
+
+def test_the_cost_model_prices_replicas_of_several_ranks():
+    from dtdsl.cost.model import build_cost_model
+
+    whole = build_cost_model(_program("local_sgd(period=4)"))
+    split = build_cost_model(_program("local_sgd(period=4, replica_dp=4)"))
+    unit, tp, pp, dp = "llm", 2, 2, 8
+    u = whole.unit(unit)
+    trained = u.stage_params(pp) / tp * u.trainable_params / u.params
+    # Across the 2 replicas each rank all-reduces its quarter in fp32 every 4 steps;
+    # inside a replica FSDP2 reduce-scatters and all-gathers bf16 every step.
+    assert split.dp_sync_bytes(split.unit(unit), tp, pp, dp) == pytest.approx(
+        trained / 4 * 4 * 2 * (1 / 2) / 4 + trained * 2 * 2 * 3 / 4)
+    assert whole.dp_sync_bytes(u, tp, pp, dp) == pytest.approx(trained * 4 * 2 * 7 / 8 / 4)
+    # Memory: the optimizer state (12 bytes), anchor and momentum (8) sharded over 4.
+    args = dict(tp=tp, pp=pp, dp=dp, vpp=1, depth=1, microbatches=8, share=1.0)
+    saved = float(whole.memory_bytes(u, **args)) - float(
+        split.memory_bytes(split.unit(unit), **args))
+    assert saved == pytest.approx(trained * (12 + 8) * 3 / 4, rel=1e-6)
+    # The sync's time: less to all-reduce across fewer replicas, plus FSDP2 inside.
+    assert float(split.dp_sync_time_s(split.unit(unit), tp, pp, dp)) != pytest.approx(
+        float(whole.dp_sync_time_s(u, tp, pp, dp)))
 
 
 @pytest.mark.parametrize("sync, code", [
@@ -64,6 +96,8 @@ def test_local_sgd_lays_the_mesh_out_as_whole_replicas():
     ("local_sgd(outer_momentum=-0.1)", "DT632"),
     ("local_sgd(period=4, interval=30 s)", "DT633"),
     ("local_sgd(interval=0 s)", "DT634"),
+    ("local_sgd(replica_dp=0)", "DT636"),
+    ("local_sgd(replica_dp=1.5)", "DT206"),
     ("local_sgd(period=2.5)", "DT206"),
     ("local_sgd(interval=3 GiB)", "DT207"),
     ("local_sgd(periods=2)", "DT201"),

@@ -141,7 +141,8 @@ def _phase(rank: int, world: int, program: ir.Program, plan: Plan, run_dir: str,
     from dtdsl.train.checkpoint import Checkpointer
 
     ex = StageExecutor(program, plan, lower(plan, program), rank=rank,
-                       groups=build_groups(plan, zero=program.train.mesh_zero))
+                       groups=build_groups(plan, zero=program.train.mesh_zero,
+                                           replica_dp=program.train.replica_dp))
     ckpt = Checkpointer(ex, run_dir, keep=3, mode="sync", log=lambda _line: None)
     first = ckpt.resume()
     losses = []
