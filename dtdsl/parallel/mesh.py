@@ -62,19 +62,15 @@ same place in every replica the replicate one. The mesh is assembled
 (``rank_groups``, a pure function of the plan, so a dry run checks exactly what runs),
 created one dimension after the other in ``MESH_DIMS`` order by their members alone
 (``new_group(..., use_local_synchronization=True)``). No rank takes part in another
-unit's groups (except a phased encoder's, which runs on its backbone's ranks: one DP
-group more per phased encoder, created after the unit's, last), so a 1170-rank job
-creates a few groups per rank, and with gloo a rank holds sockets to its TP, DP and PP
-peers only. The order is the same on every rank and every rank is in one group of each
-kind, so no two creations wait on each other; and torch names such a group after its
-ranks and the number of groups its process made before, so every rank must have made as
-many before ``build_groups`` (none: it runs first).
+unit's groups (but a phased encoder's DP group, made last), so a 1170-rank job makes a
+few groups per rank, and with gloo a rank holds sockets to its TP, DP and PP peers only.
+The order is the same on every rank, every rank is in one group of each kind, and torch
+names a group after its ranks and the groups its process made before: every rank must
+have made as many before ``build_groups`` (none: it runs first).
 
 A dimension on which a rank is alone (tp = 1, pp = 1, the DP dimension ZeRO does not use,
-dp = 1) gets no process group of one rank: it gets a group of torch's ``fake`` backend,
-the placeholder torch's DeviceMesh and torchtitan give disabled dimensions (no
-communicator, no socket, nothing sent), set to raise on any collective. FSDP2 and
-DTensor never communicate over a dimension of size one, so nothing reaches it.
+dp = 1) gets a group of torch's ``fake`` backend (torch's and torchtitan's placeholder for
+a disabled dimension: no communicator, nothing sent), set to raise on any collective.
 
 Where the default group is bound to a device (NCCL with ``device_id``, as on GPUs), torch
 creates communicators with ``ncclCommSplit``, collective over the default group, and a
