@@ -36,7 +36,7 @@ from dtdsl.models.transformer import (
     sinusoidal_embedding,
 )
 
-__all__ = ["DiT", "DiTBlock", "patch_tokens"]
+__all__ = ["DiT", "DiTBlock"]
 
 
 def _modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -72,11 +72,6 @@ class DiTBlock(nn.Module):
         x = x + gate1 * self.attn(_modulate(self.norm1(x), shift1, scale1))
         x = x + self.cross(self.norm2(x), context, bias)
         return x + gate2 * self.mlp(_modulate(self.norm3(x), shift2, scale2))
-
-
-def patch_tokens(arch: ir.DiTArch) -> int:
-    """The tokens a DiT runs per target: its latent's patches."""
-    return (arch.latent // arch.patch) ** 2
 
 
 class DiT(nn.Module):

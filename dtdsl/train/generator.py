@@ -17,8 +17,8 @@ through the projector, the loss out (``models.multimodal.generator_step``). A Di
 - the last stage unembeds and takes the loss: a DiT predicts the noise
   (``models.diffusion``), which it reads from its own samples, as every stage reads the
   timesteps and each target's context rows (its adaLN code and padding mask): nothing but
-  the two tensors travels, forward or back (``dit_message_shapes``, what the cost model
-  prices: ``cost.unit``)."""
+  the two tensors travels, forward or back (``cost.flops.dit_stage_message``, what the
+  cost model's hop between a unit's stages prices)."""
 
 from __future__ import annotations
 
@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
+from dtdsl.cost.flops import dit_stage_message
 from dtdsl.ir import program as ir
 from dtdsl.models.attention import key_bias
-from dtdsl.models.dit import patch_tokens
 from dtdsl.models.inputs import GenTargets
 from dtdsl.models.multimodal import (
     conditioning_rows,
@@ -41,14 +41,7 @@ from dtdsl.parallel.device import to_device
 from dtdsl.parallel.p2p import TensorSpec
 from dtdsl.train.stage import projector_between
 
-__all__ = ["GeneratorPasses", "dit_message_shapes", "run_dit_stage"]
-
-
-def dit_message_shapes(arch: ir.DiTArch, targets: int) -> tuple[tuple[int, ...], ...]:
-    """The shapes of what a DiT's stage sends the next for a microbatch of ``targets``
-    generation targets (and its gradients, back): the tokens and the context."""
-    return ((targets, patch_tokens(arch), arch.hidden),
-            (targets, ir.COND_TOKENS, arch.context_dim))
+__all__ = ["GeneratorPasses", "run_dit_stage"]
 
 
 def _split(targets: Sequence[GenTargets], counts: Sequence[Sequence[int]]
@@ -86,7 +79,7 @@ def run_dit_stage(module: Any, *, targets: Sequence[GenTargets], rows: Sequence[
             return torch.zeros((), device=device)
         if first:
             return tuple(torch.zeros(shape, dtype=st.dtype, device=device)
-                         for shape in dit_message_shapes(arch, 0))
+                         for shape in dit_stage_message(arch, 0))
         return x, context
     batch = GenTargets.cat([targets[k] for k in docs])
     if first:
@@ -154,5 +147,5 @@ class GeneratorPasses:
         """What a DiT stage's PP message of microbatch ``j`` holds, either way."""
         name = self.role.unit
         targets = sum(self._sizes(i).gen_counts.get(name, 0) for i in self._ids[j])
-        return [TensorSpec(shape, self.dtype) for shape in
-                dit_message_shapes(self.program.module(name).arch, targets)]
+        return [TensorSpec(tuple(int(n) for n in shape), self.dtype) for shape in
+                dit_stage_message(self.program.module(name).arch, targets)]

@@ -1,7 +1,7 @@
 """A generator's pipeline depth: a U-Net never takes more than one stage (its skip
 connections cross every cut), refused in the spec (DT407) when a constraint rules pp 1 out,
-and the planner keeps every generator it may on one stage, the only depth the runtime
-runs (DT601)."""
+and the planner keeps it on one stage, the only depth the runtime runs it at (DT601); a
+DiT's blocks split over stages as a transformer's (``train.generator``)."""
 
 from __future__ import annotations
 
@@ -46,17 +46,17 @@ def _space(text: str) -> tuple[Space, int]:
     return space, gen
 
 
-def test_the_space_offers_a_generator_one_stage():
-    for text in (_UNET, _DIT):
-        space, gen = _space(text + "constraints { pp(sd) in {1, 2, 4} }\n")
-        assert space.units[gen].layers > 1    # it could be split: the rule is what keeps it
-        assert space.pps(gen) == (1,)
-        # The backbone's depths are untouched.
-        assert len(space.pps(space.backbone)) > 1
+def test_the_space_offers_a_unet_one_stage_and_a_dit_more():
+    space, gen = _space(_UNET + "constraints { pp(sd) in {1, 2, 4} }\n")
+    assert space.units[gen].layers > 1    # it could be split: the rule is what keeps it
+    assert space.pps(gen) == (1,)
+    # The backbone's depths are untouched.
+    assert len(space.pps(space.backbone)) > 1
+    space, gen = _space(_DIT + "constraints { pp(sd) in {1, 2, 4} }\n")
+    assert space.pps(gen) == (1, 2, 4)
 
 
 def test_a_dit_pinned_to_two_stages_keeps_its_constraint():
-    # The runtime refuses it at compile time (DT601); the planner does not override a pin.
     space, gen = _space(_DIT + "constraints { pp(sd) == 2 }\n")
     assert space.pps(gen) == (2,)
 

@@ -55,3 +55,16 @@ def test_a_dit_on_two_stages_compiles():
 def test_a_dit_on_two_stages_trains_as_the_reference():
     program = dit_program()
     check(program, _plan(program), steps=STEPS)
+
+
+def test_an_interleaved_dit_trains_as_the_reference():
+    # Two model chunks per stage (the planner interleaves a DiT whose blocks split into
+    # pp x vpp chunks): stage 0 holds blocks 0 and 2, stage 1 blocks 1 and 3; the
+    # conditioning enters at the first virtual stage, the loss leaves the last.
+    from dtdsl.schedule.lower import lower
+    from tests.helpers.plans import chunked, interleaved
+
+    program = interleaved(dit_program())
+    plan = chunked(_plan(program), "gen")
+    assert {a.chunk for a in lower(plan, program).stage("gen", 0).actions} == {0, 1}
+    check(program, plan, steps=STEPS)
