@@ -5,6 +5,10 @@ single-process reference does."""
 
 from __future__ import annotations
 
+import json
+import shutil
+
+import pytest
 import torch
 
 from dtdsl.codegen.support import runtime_support
@@ -68,3 +72,49 @@ def test_an_interleaved_dit_trains_as_the_reference():
     plan = chunked(_plan(program), "gen")
     assert {a.chunk for a in lower(plan, program).stage("gen", 0).actions} == {0, 1}
     check(program, plan, steps=STEPS)
+
+
+@pytest.mark.usefixtures("deterministic")   # compares losses bitwise
+def test_a_split_dit_resumes_bitwise_and_under_one_stage(tmp_path):
+    # A checkpoint holds the whole model under its single-process names, whatever stage
+    # held a block: the same plan resumes bitwise, a plan with the DiT on one stage
+    # reshards it and stays on the reference.
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from dtdsl.ir.checkpoint import checkpoint_root, read_manifest
+    from dtdsl.models.multimodal import build_model
+    from tests.dist import run
+    from tests.helpers.checkpoints import _close, _phase
+    from tests.helpers.runs import reference
+
+    program = dit_program()
+    two = _plan(program)
+    one = plan_for(program, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, 1, 1),
+                   ("gen", "generator", 1, 1, 1))
+
+    def go(plan, run_dir, steps, saves, name):
+        out = tmp_path / name
+        run(_phase, plan.gpus_used, program, plan, str(run_dir), steps, saves, str(out),
+            None, timeout=240)
+        return json.loads(out.read_text())
+
+    ref, _ = reference(program, 6)
+    a_dir = tmp_path / "a"
+    a = go(two, a_dir, 6, {3: "sync"}, "a.json")
+    assert a["first"] == 0
+    _close(a["losses"], ref)
+    ckpt = checkpoint_root(a_dir) / "ckpt-3"
+    assert [u.text for u in read_manifest(ckpt).units] == [
+        "vit:tp1dp1pp1", "llm:tp1dp1pp1", "gen:tp1dp1pp2"]
+    keys = {k for k in FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+            if k.startswith("model.")}
+    assert keys == {f"model.{n}" for n, _ in build_model(program).named_parameters()}
+    for name, plan in (("same", two), ("one", one)):
+        shutil.copytree(ckpt, checkpoint_root(tmp_path / name) / "ckpt-3")
+        b = go(plan, tmp_path / name, 3, {}, f"{name}.json")
+        assert b["first"] == 3
+        if plan is two:
+            assert b["losses"] == a["losses"][3:]
+        else:
+            assert "resharded from" in b["logs"][0]
+            _close(b["losses"], ref[3:])
