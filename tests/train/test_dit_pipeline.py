@@ -108,7 +108,18 @@ def test_a_split_dit_resumes_bitwise_and_under_one_stage(tmp_path):
         "vit:tp1dp1pp1", "llm:tp1dp1pp1", "gen:tp1dp1pp2"]
     keys = {k for k in FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
             if k.startswith("model.")}
-    assert keys == {f"model.{n}" for n, _ in build_model(program).named_parameters()}
+    whole = dict(build_model(program).named_parameters())
+    assert keys == {f"model.{n}" for n in whole}
+    # `dtc export` writes the DiT under dtdsl's names, whole, from the split run's save.
+    from safetensors import safe_open
+
+    from dtdsl.train.export import export_checkpoint
+
+    export_checkpoint(ckpt, tmp_path / "export", units=["gen"])
+    with safe_open(str(tmp_path / "export" / "gen" / "model.safetensors"), "pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}   # noqa: SIM118
+    assert shapes == {n.removeprefix("units.gen."): tuple(p.shape)
+                      for n, p in whole.items() if n.startswith("units.gen.")}
     for name, plan in (("same", two), ("one", one)):
         shutil.copytree(ckpt, checkpoint_root(tmp_path / name) / "ckpt-3")
         b = go(plan, tmp_path / name, 3, {}, f"{name}.json")
@@ -118,3 +129,21 @@ def test_a_split_dit_resumes_bitwise_and_under_one_stage(tmp_path):
         else:
             assert "resharded from" in b["logs"][0]
             _close(b["losses"], ref[3:])
+
+
+def test_memcheck_measures_each_stage_of_a_split_dit():
+    # `dtc memcheck` builds each of the DiT's stages alone on fake tensors and runs its
+    # passes: the first from the conditioning, the second from the tokens and context.
+    from dtdsl.train.memplan import check_memory
+    from tests.helpers.plans import chunked, interleaved
+
+    program = dit_program()
+    for prog, plan in ((program, _plan(program)),
+                       (interleaved(program), chunked(_plan(program), "gen"))):
+        stages = {(s.unit, s.stage): s for s in check_memory(prog, plan, jobs=1)}
+        first, last = stages[("gen", 0)], stages[("gen", 1)]
+        for s in (first, last):
+            assert s.measured_bytes > 0 and s.predicted_bytes > 0
+            assert sum(s.by_category.values()) == s.measured_bytes
+        # The projector into the DiT (fp32 weights, Adam's moments) lives on the first.
+        assert first.by_category["params"] > last.by_category["params"]
