@@ -20,12 +20,14 @@ from tests.specs import variant
 STEPS = 8
 
 
+_UNET = """arch = unet(channels=32, mult=[1, 2], res_blocks=1, attn_res=[2], latent=8, head_dim=16,
+                context_dim=64, groups=8)"""
+_DIT = "arch = dit(layers=4, hidden=32, heads=2, ffn=64, patch=2, latent=8, latent_channels=4)"
+
+
 def dit_program(batch: int = 8) -> ir.Program:
     """tiny_cpu with its U-Net generator a 4-block DiT, a global batch of ``batch``."""
-    p = variant("""arch = unet(channels=32, mult=[1, 2], res_blocks=1, attn_res=[2], latent=8, head_dim=16,
-                context_dim=64, groups=8)""",
-                "arch = dit(layers=4, hidden=32, heads=2, ffn=64, patch=2, latent=8, "
-                "latent_channels=4)")
+    p = variant(_UNET, _DIT)
     return p.model_copy(update={"train": p.train.model_copy(update={"global_batch": batch})})
 
 
@@ -147,3 +149,26 @@ def test_memcheck_measures_each_stage_of_a_split_dit():
             assert sum(s.by_category.values()) == s.measured_bytes
         # The projector into the DiT (fp32 weights, Adam's moments) lives on the first.
         assert first.by_category["params"] > last.by_category["params"]
+
+
+def test_a_bundle_with_a_split_dit_comes_up(tmp_path):
+    # `dtc compile` plans the DiT pinned to two stages; the dry run brings every rank up:
+    # the DiT's PP group, and both its stages read their samples' targets.
+    from dtdsl import cli
+    from dtdsl.ir.plan import Plan
+    from dtdsl.train import dryrun
+    from tests.specs import TINY
+
+    spec = tmp_path / "dit.dt"
+    spec.write_text(TINY.read_text().replace(_UNET, _DIT).replace(
+        "  tp(*) in {1, 2}", "  tp(*) in {1, 2}\n  pp(gen) == 2"))
+    assert cli.main(["compile", str(spec), "-o", str(tmp_path / "b"), "--synthetic"]) == 0
+    plan = Plan.model_validate_json((tmp_path / "b" / "plan.json").read_bytes())
+    assert plan.unit("gen").pp == 2
+    report = dryrun.dry_run(tmp_path / "b", steps=2)
+    assert report.ok, report.problems[:20]
+    gen = [c for c in report.ranks if c.unit == "gen"]
+    assert {c.stage for c in gen} == {0, 1}
+    assert all("pp" in c.groups for c in gen)
+    for stage in (0, 1):
+        assert sum(sum(c.samples_per_step) for c in gen if c.stage == stage) > 0
