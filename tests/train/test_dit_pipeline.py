@@ -63,6 +63,20 @@ def test_a_dit_on_two_stages_trains_as_the_reference():
     check(program, _plan(program), steps=STEPS)
 
 
+def test_a_recomputed_dit_on_three_stages_trains_as_the_reference():
+    # A middle stage passes the context on, its gradient summed with its own blocks'
+    # (and, in a microbatch without targets, both tensors through untouched); each block
+    # recomputed in backward.
+    program = dit_program()
+    modules = tuple(m.model_copy(update={"recompute": ir.Recompute.FULL})
+                    if m.name == "gen" else m for m in program.modules)
+    program = program.model_copy(update={"modules": modules})
+    plan = plan_for(program, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, 1, 1),
+                    ("gen", "generator", 1, 1, 3))
+    assert plan.unit("gen").layers_per_stage == (2, 1, 1)
+    check(program, plan, steps=STEPS)
+
+
 def test_an_interleaved_dit_trains_as_the_reference():
     # Two model chunks per stage (the planner interleaves a DiT whose blocks split into
     # pp x vpp chunks): stage 0 holds blocks 0 and 2, stage 1 blocks 1 and 3; the
