@@ -87,3 +87,21 @@ def test_the_planner_puts_a_unet_that_fits_on_one_stage():
                   placement="disaggregated", compare_baseline=False)
     (gen,) = [u for u in result.units if u.role == "generator"]
     assert gen.pp == 1
+
+
+def test_the_planner_splits_a_large_dit_and_the_runtime_takes_the_plan():
+    # A DiT of 8 wide blocks, the slowest unit by far: the planner gives it several
+    # stages (the fastest layout on 8 GPUs), a plan `dtc compile` accepts.
+    from dtdsl.codegen.support import runtime_support
+
+    text = _large_unet("1 GiB").replace(
+        "arch = unet(channels=640, mult=[1, 2], res_blocks=1, attn_res=[2], latent=8, "
+        "head_dim=16,\n                context_dim=64, groups=8)",
+        "arch = dit(layers=8, hidden=1024, heads=8, patch=2, latent=8, latent_channels=4)")
+    assert "dit(" in text
+    program = from_text(text)
+    result = plan(build_cost_model(program), placement="disaggregated",
+                  compare_baseline=False)
+    (gen,) = [u for u in result.units if u.role == "generator"]
+    assert gen.pp > 1 and sum(gen.layers_per_stage) == 8
+    assert runtime_support(program, result) == []
