@@ -186,3 +186,13 @@ def test_a_bundle_with_a_split_dit_comes_up(tmp_path):
     assert all("pp" in c.groups for c in gen)
     for stage in (0, 1):
         assert sum(sum(c.samples_per_step) for c in gen if c.stage == stage) > 0
+
+
+def test_a_dit_on_two_stages_under_tensor_parallelism():
+    # Each TP rank sends its peer of the next stage the whole tokens and context (the
+    # blocks' activations are replicated over TP); its heads and MLP split on both stages.
+    from tests.helpers.runs import check_tp
+
+    program = dit_program()
+    check_tp(program, plan_for(program, ("vit", "encoder", 1, 1, 1),
+                               ("llm", "backbone", 1, 1, 1), ("gen", "generator", 2, 1, 2)))
