@@ -135,6 +135,10 @@ class StageExecutor(PhasedEncoder, PassInputs, GeneratorPasses):
         self.role: RankRole = groups.role
         if self.role.rank != rank:
             raise ValueError(f"groups belong to rank {self.role.rank}, not {rank}")
+        if self.role.role == "generator" and self.role.grid.pp != 1 and \
+                not isinstance(program.module(self.role.unit).arch, ir.DiTArch):
+            raise NotImplementedError(f"generator {self.role.unit} has pp={self.role.grid.pp}: "
+                                      "a U-Net runs on one pipeline stage")
         if schedule.num_microbatches != plan.num_microbatches:
             raise ValueError(f"schedule of {schedule.num_microbatches} microbatches for a "
                              f"plan of {plan.num_microbatches}")
