@@ -495,8 +495,9 @@ instead. Today the runtime cannot train:
 - a phased encoder beside another encoder on the backbone's ranks (phased or
   co-located): a phased encoder runs there alone; any number of co-located
   encoders can;
-- a generator on more than one pipeline stage: constrain it with
-  `pp(gen) == 1`;
+- a U-Net generator on more than one pipeline stage, which only a hand-edited
+  plan gives it (its skip connections cross every cut; the planner keeps it on
+  one, DT407): plan again. A DiT generator's blocks split over stages;
 - the `zero_bubble` schedule (planned and simulated; the executor does not
   split a backward into input-gradient and weight-gradient passes yet): write
   `schedule = 1f1b`;
@@ -525,7 +526,7 @@ instead. Today the runtime cannot train:
   `cp(MODULE) == 1` or use `sync = allreduce`.
 
     constraints {
-      pp(gen) == 2     # error: a generator runs on one pipeline stage
+      cp(gen) == 2     # error: a generator's tokens are not split over CP ranks
     }
 """),
     "DT612": Code("An audio encoder's fbank does not split into whole patches", """

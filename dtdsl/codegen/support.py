@@ -69,12 +69,13 @@ def _plan(program: ir.Program, plan: Plan) -> list[Diagnostic]:
     out += _colocated(program, plan) + _phased(program, plan) + _local_sgd_cp(program, plan)
     out += _local_sgd_replicas(program, plan)
     for u in plan.units:
-        if u.role == "generator" and u.pp > 1:
+        if u.role == "generator" and u.pp > 1 and \
+                not isinstance(program.module(u.name).arch, ir.DiTArch):
             out.append(Diagnostic.error(
                 _CODE, f"generator {u.name} is planned on {u.pp} pipeline stages; the runtime "
-                "runs a U-Net or DiT generator on one stage", program.module(u.name).span,
-                notes=["the executor keeps a generator's layers on one stage (a U-Net's "
-                       "skip connections cross every level)"],
+                "runs a U-Net generator on one stage", program.module(u.name).span,
+                notes=["a U-Net's skip connections cross every cut between stages; a DiT "
+                       "generator may take several (``train.generator``)"],
                 hint=f"constrain it to one stage, `pp({u.name}) == 1` in constraints, and "
                 "plan again"))
     return out
@@ -322,13 +323,13 @@ def runtime_support(program: ir.Program, plan: Plan | None = None) -> list[Diagn
     """Errors (DT601) for what of ``program`` and ``plan`` the runtime cannot train yet: an
     encoder that is not a transformer over patches, an audio encoder without a patch
     size, the zero_bubble schedule, and with a plan: a phased encoder beside another on
-    the backbone, the baseline's plans, generators on more than one pipeline stage,
+    the backbone, the baseline's plans, U-Net generators on more than one pipeline stage,
     co-located units placed other than on the backbone's first or last stage and phased
     units other than encoders on all the backbone's ranks (a phased generator), or any of
     these split by a TP degree that does not divide them, encoders and generators with
     context parallelism (cp > 1), and (DT622) a backbone's cp its heads cannot take, an
-    MoE backbone with ep, tp or cp above 1; and TP groups across nodes priced as within
-    one (``tp_placement``, DT411).
+    MoE backbone with a capacity under cp or with ep under Local SGD; and TP groups across
+    nodes priced as within one (``tp_placement``, DT411).
 
     Without ``plan`` only the spec's own features are checked (before planning)."""
     out = _encoders(program) + _schedule(program)

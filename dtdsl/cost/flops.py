@@ -343,6 +343,15 @@ def dit_tokens(arch: ir.DiTArch) -> int:
     return (arch.latent // arch.patch) ** 2
 
 
+def dit_stage_message(arch: ir.DiTArch, targets: float) -> tuple[tuple[float, ...], ...]:
+    """The shapes a DiT's pipeline stage sends the next for a microbatch of ``targets``
+    generation targets, and their gradients back: the tokens ``[targets, patches,
+    hidden]`` and the cross-attention context ``[targets, COND_TOKENS, context_dim]``
+    every block reads. What ``train.generator`` sends and the cost model's hop prices."""
+    return ((targets, dit_tokens(arch), arch.hidden),
+            (targets, ir.COND_TOKENS, arch.context_dim))
+
+
 def dit_forward(arch: ir.DiTArch, cond_tokens: int = 77) -> Work:
     """One image through a DiT with cross-attention: patch embedding, layers of
     self-attention, cross-attention and MLP, the final projection to patches."""

@@ -5,6 +5,7 @@ parameters, activation bytes, the sizes a profile is queried at; and the knobs
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -428,7 +429,9 @@ def _encoder_cost(acc: _Acc, program: ir.Program, module: ir.Module, samples: Sa
 def _generator_cost(acc: _Acc, program: ir.Program, module: ir.Module, samples: SampleSet,
                     params: CostParams, bwd: float) -> float:
     """A generator's part of ``_unit_cost``: ``acc`` filled from its targets and its
-    projector; no boundary of its own (0.0)."""
+    projector; its boundary bytes returned: what a DiT's stage sends the next for a mean
+    microbatch's targets (``flops.dit_stage_message``: the tokens and the context every
+    block reads, the gradients of both back), nothing for a U-Net, which no pipeline cuts."""
     train = program.train
     mb = train.micro_batch
     arch = module.arch
@@ -485,7 +488,11 @@ def _generator_cost(acc: _Acc, program: ir.Program, module: ir.Module, samples: 
     for proj in program.projectors:
         if proj.target == module.name:
             acc.add_projector(proj, cond_tokens * count, upstream=True)
-    return 0.0
+    acc.first = acc.extra       # the projector runs where the conditioning enters
+    if isinstance(arch, ir.UNetArch):
+        return 0.0
+    return sum(math.prod(shape) for shape in flops.dit_stage_message(arch, count)) * \
+        _BYTES_BF16
 
 
 def _unit_cost(program: ir.Program, module: ir.Module, samples: SampleSet,

@@ -13,6 +13,12 @@ Tensor parallelism: heads and the MLP width are divided by ``tp``; each block's
 adaLN projection is row-parallel over a slice of the replicated conditioning; the
 patch embedding and the final projection are replicated (see ``transformer.py``
 for what a shard does and leaves out).
+
+Pipeline parallelism: ``forward`` is ``embed``, ``run_blocks`` and ``unembed`` in turn, and
+a pipeline stage runs its share of them (``train.passes``): the first embeds, each its
+blocks (``blocks`` is keyed by the block's index, so a stage that deletes the others keeps
+every name the whole model has), the last unembeds. Every block reads the timestep code
+and the context: a stage makes the code from the timesteps (``timestep_code``).
 """
 
 from __future__ import annotations
@@ -79,7 +85,7 @@ class DiT(nn.Module):
         self.latent_channels = arch.latent_channels
         patch_dim = arch.latent_channels * arch.patch ** 2
         self.patch_embed = nn.Linear(patch_dim, arch.hidden, bias=False)
-        self.blocks = nn.ModuleList(DiTBlock(arch, tp=tp) for _ in range(arch.layers))
+        self.blocks = nn.ModuleDict({str(i): DiTBlock(arch, tp=tp) for i in range(arch.layers)})
         self.norm_out = nn.LayerNorm(arch.hidden, elementwise_affine=False, eps=1e-6)
         self.proj_out = nn.Linear(arch.hidden, patch_dim, bias=False)
         self.proj_out.zero_init = True
@@ -88,21 +94,45 @@ class DiT(nn.Module):
     def forward(self, latent: torch.Tensor, timesteps: torch.Tensor,
                 context: torch.Tensor, context_bias: torch.Tensor | None = None
                 ) -> torch.Tensor:
+        x = self.embed(latent)
+        x = self.run_blocks(x, self.timestep_code(timesteps, x.dtype), context, context_bias)
+        return self.unembed(x, latent.shape)
+
+    def embed(self, latent: torch.Tensor) -> torch.Tensor:
+        """``[B, latent_channels, H, W]`` latents to ``[B, H W / patch^2, hidden]`` tokens:
+        the patch embedding plus the fixed 2-D sin/cos position code (half the width per
+        axis), as in DiT."""
         b, c, hgt, wid = latent.shape
         p = self.patch
         gh, gw = hgt // p, wid // p
         x = latent.reshape(b, c, gh, p, gw, p).permute(0, 2, 4, 1, 3, 5).reshape(
             b, gh * gw, c * p * p)
         x = self.patch_embed(x)
-        # Fixed 2-D sin/cos position code (half the width per axis), as in DiT.
         rows = torch.arange(gh, device=x.device).repeat_interleave(gw)
         cols = torch.arange(gw, device=x.device).repeat(gh)
         half = self.hidden // 2
         pos = torch.cat([sinusoidal_embedding(rows, half),
                          sinusoidal_embedding(cols, self.hidden - half)], dim=-1)
-        x = x + pos.to(x.dtype)
-        cond = sinusoidal_embedding(timesteps, self.hidden).to(x.dtype)
-        for block in self.blocks:
-            x = block(x, cond, context, context_bias)
+        return x + pos.to(x.dtype)
+
+    def timestep_code(self, timesteps: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``[B]`` timesteps to the ``[B, hidden]`` code every block's adaLN reads."""
+        return sinusoidal_embedding(timesteps, self.hidden).to(dtype)
+
+    def run_blocks(self, x: torch.Tensor, cond: torch.Tensor, context: torch.Tensor,
+                   context_bias: torch.Tensor | None = None, start: int = 0,
+                   stop: int | None = None) -> torch.Tensor:
+        """Blocks ``start:stop`` (those this module holds) on tokens ``x``."""
+        stop = len(self.blocks) if stop is None else stop
+        for i in range(start, stop):
+            x = self.blocks[str(i)](x, cond, context, context_bias)
+        return x
+
+    def unembed(self, x: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
+        """Tokens back to latents of ``shape`` ``[B, latent_channels, H, W]``: the final
+        norm and projection, the patches put back in place."""
+        b, c, hgt, wid = shape
+        p = self.patch
+        gh, gw = hgt // p, wid // p
         x = self.proj_out(self.norm_out(x))
         return x.reshape(b, gh, gw, c, p, p).permute(0, 3, 1, 4, 2, 5).reshape(b, c, hgt, wid)

@@ -120,8 +120,10 @@ __all__ = [
     "loss_normalizer",
     "loss_tokens",
     "microbatch_loss",
+    "noised_latents",
     "packed_item_shapes",
     "packed_shapes",
+    "padded_context",
     "scatter_sequence",
     "sequence_length",
     "sequence_parallel_degree",
@@ -766,18 +768,10 @@ def generator_step(model: Model, name: str, cond: Sequence[torch.Tensor],
     vaes = getattr(model, "vaes", {})
     vae = vaes[name] if name in vaes else None
     if members:
-        context, keep = _padded_context(projector, members)
+        context, keep = padded_context(projector, members)
         batch = GenTargets.cat([t for _, t in members])
-        if batch.latents is not None:
-            x0 = batch.latents.to(device)
-        else:       # a VAE generator: its frozen encoder makes the latents (no gradient)
-            if vae is None:
-                raise ValueError(f"generator {name}'s targets are images, but it has no VAE")
-            assert batch.pixels is not None and batch.eps is not None
-            pixels = batch.pixels.to(device).float().div_(127.5).sub_(1.0)
-            x0 = vae.latents(pixels, batch.eps.to(device))
-        noise, steps = batch.noise.to(device), batch.timesteps.to(device)
-        noisy, target = noisy_and_target(arch, x0, noise, steps)
+        noisy, target = noised_latents(arch, name, batch, vae, device)
+        steps = batch.timesteps.to(device)
         # In the compute dtype of the generator's parameters (bf16 under mixed precision:
         # the context comes out of its projector in it); the error in fp32.
         pred = generator(noisy.to(context.dtype), steps, context,
@@ -786,8 +780,24 @@ def generator_step(model: Model, name: str, cond: Sequence[torch.Tensor],
     return total
 
 
-def _padded_context(projector: nn.Module, members: Sequence[tuple[torch.Tensor, GenTargets]]
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+def noised_latents(arch: ir.UNetArch | ir.DiTArch, name: str, batch: GenTargets, vae: Any,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(noisy latents, prediction target)`` of generator ``name``'s targets ``batch``
+    (``models.diffusion.noisy_and_target``): its clean latents, or those its frozen
+    ``vae`` makes of its target images (no gradient)."""
+    if batch.latents is not None:
+        x0 = batch.latents.to(device)
+    else:
+        if vae is None:
+            raise ValueError(f"generator {name}'s targets are images, but it has no VAE")
+        assert batch.pixels is not None and batch.eps is not None
+        pixels = batch.pixels.to(device).float().div_(127.5).sub_(1.0)
+        x0 = vae.latents(pixels, batch.eps.to(device))
+    return noisy_and_target(arch, x0, batch.noise.to(device), batch.timesteps.to(device))
+
+
+def padded_context(projector: nn.Module, members: Sequence[tuple[torch.Tensor, GenTargets]]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """The projected conditioning of every target ``[targets, COND_TOKENS, dim]``, each
     sample's rows repeated for its targets and zero-padded, with the ``[targets,
     COND_TOKENS]`` boolean of its real rows."""

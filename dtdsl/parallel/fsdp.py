@@ -44,9 +44,9 @@ def stage_layers(units: Mapping[str, nn.Module]) -> Iterator[tuple[str, str, nn.
             for key, layer in layers.items():
                 yield name, f"layers.{key}", layer
         blocks = getattr(unit, "blocks", None)
-        if isinstance(blocks, nn.ModuleList) and not isinstance(layers, nn.ModuleDict):
-            for i, block in enumerate(blocks):
-                yield name, f"blocks.{i}", block
+        if isinstance(blocks, nn.ModuleDict) and not isinstance(layers, nn.ModuleDict):
+            for key, block in blocks.items():     # a DiT's, by index (a stage's share)
+                yield name, f"blocks.{key}", block
 
 
 def replica_mesh(mesh: Any, *, local_sgd: bool) -> Any:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dtdsl.ir import program as ir
 from dtdsl.ir.plan import cp_conflict
 from dtdsl.planner.evaluate import Evaluator
 
@@ -92,13 +93,16 @@ class Space:
         return allowed
 
     def pps(self, i: int) -> tuple[int, ...]:
-        """Allowed pipeline depths: at most one stage per layer. A generator gets one stage
-        where its constraints allow it: the planner never plans what the runtime refuses,
-        and the runtime runs a generator on one stage (``codegen.support``, DT601; a U-Net's
+        """Allowed pipeline depths: at most one stage per layer. A U-Net generator gets one
+        stage where its constraints allow it: the planner never plans what the runtime
+        refuses, and the runtime runs a U-Net on one stage (``codegen.support``, DT601; its
         skip connections cross every cut, and ``frontend.constraints`` refuses a U-Net
-        constraint without pp 1, DT407)."""
+        constraint without pp 1, DT407). A DiT's blocks split as a transformer's
+        (``train.generator``)."""
         allowed = self.constraints[i].pp.candidates(min(self.units[i].layers, self.num_gpus))
-        if self.units[i].role == "generator" and 1 in allowed:
+        unit = self.units[i]
+        if unit.role == "generator" and 1 in allowed and \
+                isinstance(self.program.module(unit.name).arch, ir.UNetArch):
             return (1,)
         return allowed
 

@@ -128,9 +128,9 @@ def compile_blocks(stage: nn.Module) -> Iterator[tuple[str, nn.Module, Marks]]:
                     continue
                 yield f"{unit_name}.layers.{key}", layer, marks
         blocks = getattr(unit, "blocks", None)
-        if isinstance(blocks, nn.ModuleList) and not isinstance(layers, nn.ModuleDict):
-            for i, block in enumerate(blocks):
-                yield f"{unit_name}.blocks.{i}", block, Marks()
+        if isinstance(blocks, nn.ModuleDict) and not isinstance(layers, nn.ModuleDict):
+            for key, block in blocks.items():
+                yield f"{unit_name}.blocks.{key}", block, Marks()
         # A U-Net's feature maps have the spec's latent size (one per generator) and its
         # context COND_TOKENS rows (a short document's padded, models.multimodal): only
         # their batch (the microbatch's targets) varies. Symbolic rows and

@@ -44,8 +44,9 @@ PP message, the peer's chunk. Only the unit's first virtual stage (stage 0, chun
 embeds and talks to the encoders, only its last (stage pp-1, chunk vpp-1) has the head
 and talks to the generators.
 
-Limits: a generator over more than one pipeline stage and more than one phased encoder
-raise NotImplementedError.
+A generator's passes, and a DiT's over several pipeline stages, are ``train.generator``.
+
+Limits: more than one phased encoder raises NotImplementedError.
 """
 
 from __future__ import annotations
@@ -72,7 +73,6 @@ from dtdsl.models.multimodal import (
     Normalizer,
     conditioning,
     conditioning_rows,
-    document_targets,
     encoder_rows,
     packed_item_shapes,
     padded_width,
@@ -87,6 +87,7 @@ from dtdsl.parallel.p2p import P2P, Received, TensorSpec
 from dtdsl.train import timelines
 from dtdsl.train.clock import StepClock, step_clock
 from dtdsl.train.cp_run import attach_cp, sum_over_cp
+from dtdsl.train.generator import GeneratorPasses
 from dtdsl.train.handoff import Handed, PerPeer, Sink, grad_of, last_sends, sinks
 from dtdsl.train.inputs import PassInputs
 from dtdsl.train.optim import LossScale, StageOptimizer, optimizer_step
@@ -113,7 +114,7 @@ class _Micro:
     input_grads: Any = None     # what SEND_B sends
 
 
-class StageExecutor(PhasedEncoder, PassInputs):
+class StageExecutor(PhasedEncoder, PassInputs, GeneratorPasses):
     """Runs one rank's stage of ``schedule`` (see the module docstring).
 
     ``groups``: this rank's ``mesh.build_groups(plan)``; ``device``: the rank's device
@@ -130,9 +131,10 @@ class StageExecutor(PhasedEncoder, PassInputs):
         self.role: RankRole = groups.role
         if self.role.rank != rank:
             raise ValueError(f"groups belong to rank {self.role.rank}, not {rank}")
-        if self.role.role == "generator" and self.role.grid.pp != 1:
+        if self.role.role == "generator" and self.role.grid.pp != 1 and \
+                not isinstance(program.module(self.role.unit).arch, ir.DiTArch):
             raise NotImplementedError(f"generator {self.role.unit} has pp={self.role.grid.pp}: "
-                                      "U-Net and DiT generators run on one pipeline stage")
+                                      "a U-Net runs on one pipeline stage")
         if schedule.num_microbatches != plan.num_microbatches:
             raise ValueError(f"schedule of {schedule.num_microbatches} microbatches for a "
                              f"plan of {plan.num_microbatches}")
@@ -651,6 +653,8 @@ class StageExecutor(PhasedEncoder, PassInputs):
             return [TensorSpec((n, rows if cp == 1 else padded_length(rows, cp) // cp,
                                 arch.hidden), self.dtype)
                     for n, rows in self._encoder_groups(sizes)]
+        if self.role.role == "generator":
+            return self._generator_specs(j)
         seq = max((self._layout(i).length for i in self._ids[j]), default=0)
         # Sequence parallelism: each TP rank sends its PP peer its piece of the sequence;
         # context parallelism: each CP rank its shard (``parallel.cp``).
@@ -813,29 +817,6 @@ class StageExecutor(PhasedEncoder, PassInputs):
             y, targets = out
             mb.outputs = [y]
             mb.outbox = [y.detach(), targets]
-
-    def _generator_forward(self, j: int, mb: _Micro) -> None:
-        name = self.role.unit
-        ids, samples = list(self._ids[j]), [self._sample(i) for i in self._ids[j]]
-        if len(mb.pending) != 1:
-            raise RuntimeError(f"{name}: F{j} without the backbone's conditioning")
-        (pending,) = mb.pending.values()
-        per_sample = pending.wait()
-        mb.pending = {}
-        conds = {i: self._leaf(per_sample[i]) for i in ids}
-        mb.inputs = conds
-        targets = [to_device(s.targets[name], self.device) for s in samples]
-        # A packed sequence's documents each have their own conditioning and targets.
-        docs_c, docs_t = document_targets(
-            [conds[i] for i in ids], targets,
-            [conditioning_rows(self._layout(i)) for i in ids],
-            [self._doc_targets(i, name) for i in ids])
-        self.processed["targets"] += sum(len(t) for t in docs_t)
-        gen_sum = self.stage.module(docs_c, docs_t)
-        assert self.norm is not None
-        mb.loss = gen_sum / max(1, self.norm.gen_targets)
-        if self.role.is_leader:     # TP ranks hold the same loss: count it once
-            self.gen += mb.loss.detach().double()
 
     # ---- backward ---------------------------------------------------------------------------
 

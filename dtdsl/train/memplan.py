@@ -432,10 +432,21 @@ def _inputs(program: ir.Program, cost: Any, plan: Plan, unit: Any, role: Any, sh
     hidden = program.backbone.arch.hidden
 
     def generator() -> tuple[tuple, dict]:
-        conds = [torch.zeros(16, hidden, dtype=dtype, device=device, requires_grad=True)
-                 for _ in range(count)]
         targets = [_targets(program, role.unit, 1, device) for _ in range(count)]
-        return (conds, targets), {}
+        conds = [torch.zeros(16, hidden, dtype=dtype, device=device, requires_grad=True)
+                 for _ in range(count)] if first else None
+        if role.grid.pp == 1:
+            return (conds, targets), {}
+        # A DiT's stage (``train.generator``): the first from the conditioning, the others
+        # from the previous stage's tokens and context.
+        kwargs: dict[str, Any] = {"targets": targets, "rows": [16] * count, "conds": conds}
+        if not first:
+            from dtdsl.cost.flops import dit_stage_message
+
+            kwargs["x"], kwargs["context"] = (
+                torch.zeros(shape, dtype=dtype, device=device, requires_grad=True)
+                for shape in dit_stage_message(arch, count))
+        return (), kwargs
     return generator
 
 
@@ -508,8 +519,8 @@ def _loss_of(role: Any, out: Any, last: bool) -> torch.Tensor:
     """A scalar to differentiate standing in for the stage's loss and the gradients it
     would receive: the loss where the stage (``last``: its chunk, the unit's last virtual
     stage) has one, else every output."""
-    if role.role == "generator":
-        return out
+    if role.role == "generator":    # its loss, or a DiT's tokens and context on
+        return out if last else sum(o.float().sum() for o in out)
     if role.role == "backbone":
         if last:                    # the LM loss and the co-located generators'
             return out[0] + sum(out[2].values())
@@ -651,7 +662,7 @@ def _measure_stage(program: ir.Program, plan: Plan, schedule: Schedule, cost: An
         modules = (built.module, *(part.module for part in built.phased.values()))
         report = measure_peak(step, track=modules + ((opt.optimizer,) if opt else ()))
         host = _host_bytes(opt)
-    layers = built.held_layers if u.role != "generator" else unit_cost.layers
+    layers = built.held_layers if u.role != "generator" or u.pp > 1 else unit_cost.layers
     predicted = _predicted_bytes(plan, cost, unit_cost, unit, stage, layers, share,
                                  hosted, phased)
     return StageMemory(unit=unit, stage=stage, rank=rank, in_flight=k,

@@ -34,6 +34,7 @@ from dtdsl.models.multimodal import (
 )
 from dtdsl.parallel.cp import gather_sequence as cp_gather
 from dtdsl.train.cp_run import cp_inputs, encoder_context
+from dtdsl.train.generator import run_dit_stage
 from dtdsl.train.stage import projector_between
 
 __all__ = ["Units", "stage_run"]
@@ -212,9 +213,13 @@ def _run_backbone(module: Any, *, x: torch.Tensor | None = None,
     return y, targets
 
 
-def _run_generator(module: Any, conds: Sequence[torch.Tensor], targets: Sequence[Any]
-                   ) -> torch.Tensor:
+def _run_generator(module: Any, *args: Any, **kwargs: Any) -> Any:
+    """A generator's stage: the whole generator on one stage (``generator_step``'s loss
+    of ``(conds, targets)``), or a DiT's share of several (``train.generator``)."""
     st = module.stage_state
+    if st.role.grid.pp > 1:
+        return run_dit_stage(module, *args, **kwargs)
+    conds, targets = args
     return generator_step(Units(st.program, module.units, st.vaes), st.role.unit, conds,
                           targets)
 

@@ -465,9 +465,12 @@ def _strip(name: str) -> str:
 
 
 def _owned_layers(module: nn.Module, ranges: tuple[tuple[int, int], ...]) -> None:
-    for key in list(module.layers.keys()):
+    """Delete the layers (a DiT's blocks) that no range of ``ranges`` holds; the rest keep
+    their keys, the whole model's indices."""
+    layers = module.layers if hasattr(module, "layers") else module.blocks
+    for key in list(layers.keys()):
         if not any(start <= int(key) < stop for start, stop in ranges):
-            del module.layers[key]
+            del layers[key]
 
 
 def _owned_ends(module: nn.Module, role: RankRole) -> None:
@@ -486,6 +489,11 @@ def _owned_ends(module: nn.Module, role: RankRole) -> None:
             module.norm = module.output = None
         if not role.is_first_stage and not (module.tied and role.is_last_stage):
             module.tok_embeddings = None
+    else:   # a DiT generator over several stages: the patches in first, out last
+        if not role.is_first_stage:
+            module.patch_embed = None
+        if not role.is_last_stage:
+            module.proj_out = None
 
 
 def tied_pairs(program: ir.Program, plan: Plan) -> tuple[tuple[int, int], ...]:
@@ -699,7 +707,8 @@ def build_stage(program: ir.Program, plan: Plan, role: RankRole, mesh: Any,
     # Only now is anything allocated: this rank's DP shards of its TP shards, each
     # element initialised from its position in the full tensor.
     _materialise(stage, program, device)
-    generators = ([role.unit] if role.role == "generator" else []) + \
+    # A generator's VAE makes its latents where they enter it: its first stage.
+    generators = ([role.unit] if role.role == "generator" and role.is_first_stage else []) + \
         [h.name for h in hosted if h.role == "generator"]
     names = tuple(h.name for h in hosted)
     stage.stage_state = StageState(program=program, role=role, start=start, stop=stop,
@@ -742,11 +751,14 @@ def _stage_units(program: ir.Program, plan: Plan, role: RankRole, hosted: list[A
     and hooks follow it: co-located encoders and their projectors, the stage's own unit
     with only its layers and ends, its projector, co-located generators and theirs), and
     per model chunk its first and last-plus-one layer (``ir.plan.chunk_ranges``: one
-    chunk but for an interleaved unit; (0, 0) for a generator)."""
+    chunk but for an interleaved unit; (0, 0) for a generator on one stage, which runs
+    whole: a U-Net, or a DiT at pp 1). A DiT over several stages holds its share of the
+    blocks, its patch embedding and the projector into it on its first stage, its final
+    projection on its last."""
     name = role.unit
     units: dict[str, nn.Module] = {name: build_unit(program, name, seed, device="meta")}
     chunks: tuple[tuple[int, int], ...] = ((0, 0),)
-    if role.role == "generator":
+    if role.role == "generator" and role.grid.pp == 1:
         proj = projector_between(program, program.backbone.name, name)
         units[proj] = build_unit(program, proj, seed, device="meta")
     else:
@@ -760,6 +772,9 @@ def _stage_units(program: ir.Program, plan: Plan, role: RankRole, hosted: list[A
         _owned_ends(units[name], role)
         if role.is_last_stage and role.role == "encoder":
             proj = projector_between(program, name, program.backbone.name)
+            units[proj] = build_unit(program, proj, seed, device="meta")
+        if role.is_first_stage and role.role == "generator":
+            proj = projector_between(program, program.backbone.name, name)
             units[proj] = build_unit(program, proj, seed, device="meta")
     for h in hosted:
         units[h.name] = build_unit(program, h.name, seed, device="meta")

@@ -283,6 +283,29 @@ def test_pipeline_transfers_are_split_by_tp_under_sequence_parallelism():
                        [c.hop_time_s(llm, 1), c.hop_time_s(llm, 4)])
 
 
+def test_a_dits_stages_send_its_tokens_and_context_a_unets_nothing():
+    """What a DiT's pipeline stage sends the next per microbatch (``train.generator``):
+    the tokens and the cross-attention context of its mean targets, whole on every TP
+    rank; a U-Net, which keeps one stage, sends nothing. Both have their projector on the
+    first stage, where the conditioning enters."""
+    from tests.train.modal_specs import tiny_audio_image
+
+    p = tiny_audio_image()
+    params = CostParams()
+    samples = draw_samples(p, params.samples, params.seed)
+    c = build_cost_model(p, params, samples=samples)
+    dit, unet = c.unit("audiogen"), c.unit("sd")
+    arch = p.module("audiogen").arch
+    targets = float(samples.items["audio.gen"].counts.mean()) * p.train.micro_batch
+    per_target = flops.dit_tokens(arch) * arch.hidden + ir.COND_TOKENS * arch.context_dim
+    assert dit.boundary_bytes == pytest.approx(targets * per_target * 2)    # bf16
+    assert unet.boundary_bytes == 0.0
+    for tp in (1, 2):
+        assert c.hop_time_s(dit, tp) == pytest.approx(c.p2p_time_s(dit.boundary_bytes))
+    for g in (dit, unet):
+        assert g.first_stage_params == g.extra_stage_params > 0
+
+
 # ---- attention per document (packed sequences) ----------------------------------------------
 
 def _packed(name: str) -> ir.Program:

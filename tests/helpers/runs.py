@@ -64,7 +64,7 @@ def plan_for(program: ir.Program, *units: tuple[str, str, int, int, int]) -> Pla
     assert rest == 0
     fixed = tuple(u.model_copy(update={
         "layers_per_stage": split_layers(program.module(u.name).arch.pipeline_layers, u.pp)
-        if u.role != "generator" else (1,) * u.pp,
+        if u.role != "generator" or u.pp > 1 else (1,) * u.pp,   # a DiT's split blocks
         "microbatch_share": dp_lm / u.dp}) for u in base.units)
     return base.model_copy(update={"units": fixed, "global_batch": program.train.global_batch,
                                    "micro_batch": mb, "num_microbatches": m})

@@ -1,7 +1,7 @@
 """A generator's pipeline depth: a U-Net never takes more than one stage (its skip
 connections cross every cut), refused in the spec (DT407) when a constraint rules pp 1 out,
-and the planner keeps every generator it may on one stage, the only depth the runtime
-runs (DT601)."""
+and the planner keeps it on one stage, the only depth the runtime runs it at (DT601); a
+DiT's blocks split over stages as a transformer's (``train.generator``)."""
 
 from __future__ import annotations
 
@@ -46,17 +46,17 @@ def _space(text: str) -> tuple[Space, int]:
     return space, gen
 
 
-def test_the_space_offers_a_generator_one_stage():
-    for text in (_UNET, _DIT):
-        space, gen = _space(text + "constraints { pp(sd) in {1, 2, 4} }\n")
-        assert space.units[gen].layers > 1    # it could be split: the rule is what keeps it
-        assert space.pps(gen) == (1,)
-        # The backbone's depths are untouched.
-        assert len(space.pps(space.backbone)) > 1
+def test_the_space_offers_a_unet_one_stage_and_a_dit_more():
+    space, gen = _space(_UNET + "constraints { pp(sd) in {1, 2, 4} }\n")
+    assert space.units[gen].layers > 1    # it could be split: the rule is what keeps it
+    assert space.pps(gen) == (1,)
+    # The backbone's depths are untouched.
+    assert len(space.pps(space.backbone)) > 1
+    space, gen = _space(_DIT + "constraints { pp(sd) in {1, 2, 4} }\n")
+    assert space.pps(gen) == (1, 2, 4)
 
 
 def test_a_dit_pinned_to_two_stages_keeps_its_constraint():
-    # The runtime refuses it at compile time (DT601); the planner does not override a pin.
     space, gen = _space(_DIT + "constraints { pp(sd) == 2 }\n")
     assert space.pps(gen) == (2,)
 
@@ -87,3 +87,21 @@ def test_the_planner_puts_a_unet_that_fits_on_one_stage():
                   placement="disaggregated", compare_baseline=False)
     (gen,) = [u for u in result.units if u.role == "generator"]
     assert gen.pp == 1
+
+
+def test_the_planner_splits_a_large_dit_and_the_runtime_takes_the_plan():
+    # A DiT of 8 wide blocks, the slowest unit by far: the planner gives it several
+    # stages (the fastest layout on 8 GPUs), a plan `dtc compile` accepts.
+    from dtdsl.codegen.support import runtime_support
+
+    text = _large_unet("1 GiB").replace(
+        "arch = unet(channels=640, mult=[1, 2], res_blocks=1, attn_res=[2], latent=8, "
+        "head_dim=16,\n                context_dim=64, groups=8)",
+        "arch = dit(layers=8, hidden=1024, heads=8, patch=2, latent=8, latent_channels=4)")
+    assert "dit(" in text
+    program = from_text(text)
+    result = plan(build_cost_model(program), placement="disaggregated",
+                  compare_baseline=False)
+    (gen,) = [u for u in result.units if u.role == "generator"]
+    assert gen.pp > 1 and sum(gen.layers_per_stage) == 8
+    assert runtime_support(program, result) == []
