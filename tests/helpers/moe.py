@@ -6,7 +6,9 @@ from __future__ import annotations
 import torch
 
 from dtdsl.ir import program as ir
+from dtdsl.ir.plan import Plan
 from dtdsl.models.moe import MoE
+from tests.helpers.runs import plan_for
 from tests.specs import TINY, program
 
 
@@ -70,3 +72,19 @@ _DENSE = "ffn=256, vocab=512, swiglu)"
 
 
 STEPS = 8
+
+
+ARGS = "experts=4, top_k=2, expert_ffn=64, aux_loss=0.1"
+
+
+def with_ep(plan: Plan, ep: int) -> Plan:
+    """``plan`` with expert parallelism ``ep`` on its backbone."""
+    units = tuple(u.model_copy(update={"ep": ep}) if u.role == "backbone" else u
+                  for u in plan.units)
+    return plan.model_copy(update={"units": units})
+
+
+def ep_plan(p: ir.Program, dp: int, pp: int, ep: int, tp: int = 1) -> Plan:
+    """The tiny spec's plan with the backbone at ``tp`` x ``dp`` x ``pp`` and ``ep``."""
+    return with_ep(plan_for(p, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", tp, dp, pp),
+                            ("gen", "generator", 1, 1, 1)), ep)

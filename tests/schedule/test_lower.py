@@ -13,7 +13,7 @@ from dtdsl.cost.model import CostParams, build_cost_model
 from dtdsl.driver import read_spec, run_frontend
 from dtdsl.ir.plan import Plan
 from dtdsl.ir.program import Program
-from dtdsl.ir.schedule import ActionKind, Schedule, ScheduleUnit, parse_schedule, schedule_text
+from dtdsl.ir.schedule import ActionKind, Schedule, parse_schedule, schedule_text
 from dtdsl.planner import plan
 from dtdsl.schedule.lower import (
     GradientFlow,
@@ -28,26 +28,11 @@ from dtdsl.schedule.lower import (
     lower_units,
 )
 from dtdsl.schedule.validate import validate
+from tests.helpers.schedules import FLAGS, frozen_program, lowered, passes, unit
 
 ROOT = Path(__file__).resolve().parents[2]
 SPECS = sorted((ROOT / "specs").glob("*.dt"))
 GOLDEN = ROOT / "tests" / "golden" / "schedule"
-
-
-def unit(name: str, role: str, pp: int = 1, **kw) -> ScheduleUnit:
-    return ScheduleUnit(name=name, role=role, tp=kw.pop("tp", 1), dp=kw.pop("dp", 1), pp=pp,
-                        **kw)
-
-
-def lowered(name: str, m: int, *units: ScheduleUnit) -> Schedule:
-    base = Schedule.skeleton(name, m, units)
-    return lower_units(base, GradientFlow.everywhere(base))
-
-
-def passes(schedule: Schedule, unit_name: str, stage: int) -> list[str]:
-    """The stage's forwards and backwards in order, in their text form."""
-    return [a.format_local() for a in schedule.stage(unit_name, stage).actions
-            if a.kind.is_compute]
 
 
 def kinds(schedule: Schedule, unit_name: str, stage: int) -> set[ActionKind]:
@@ -287,59 +272,6 @@ def test_lowering_in_steps():
 
 
 # ---- frozen modules --------------------------------------------------------------------------
-
-SPEC = """
-spec frozen_mix
-model {{
-  encoder vit (image) {{
-    arch = transformer(layers=4, hidden=64, heads=4, ffn=128, patch=8)
-    frozen = {vit}
-  }}
-  encoder beats (audio) {{
-    arch = transformer(layers=4, hidden=64, heads=4, ffn=128, patch=16, in_channels=1)
-    frozen = {beats}
-  }}
-  backbone llm {{
-    arch = transformer(layers=8, hidden=128, heads=4, kv_heads=2, ffn=256, vocab=512, swiglu)
-    frozen = {llm}
-  }}
-  generator sd (image) {{
-    arch = unet(channels=32, mult=[1, 2], res_blocks=1, attn_res=[2], latent=8, head_dim=16,
-                context_dim=64, groups=8)
-    frozen = {sd}
-  }}
-  generator audiogen (audio) {{
-    arch = dit(layers=4, hidden=64, heads=4, patch=2, latent=8, latent_channels=4)
-    frozen = {audiogen}
-  }}
-  projector vit -> llm {{ arch = mlp(depth=2)  frozen = {vit_to_llm} }}
-  projector beats -> llm {{ arch = mlp(depth=2)  frozen = {beats_to_llm} }}
-  projector llm -> sd {{ arch = mlp(depth=2)  frozen = {llm_to_sd} }}
-  projector llm -> audiogen {{ arch = mlp(depth=2)  frozen = {llm_to_audiogen} }}
-}}
-data mixed {{
-  text.tokens     ~ constant(64)
-  image.count     ~ 1
-  image.patches   ~ 16
-  image.gen_count ~ 1
-  audio.count     ~ 1
-  audio.frames    ~ 64
-  audio.gen_count ~ 1
-}}
-cluster {{ gpu = H100  gpus = 16 }}
-train {{ global_batch = 16  micro_batch = 1  seq_len = 512 }}
-"""
-FLAGS = ("vit", "beats", "llm", "sd", "audiogen", "vit_to_llm", "beats_to_llm", "llm_to_sd",
-         "llm_to_audiogen")
-
-
-def frozen_program(*frozen: str) -> Program:
-    assert set(frozen) <= set(FLAGS)
-    text = SPEC.format(**{f: "true" if f in frozen else "false" for f in FLAGS})
-    result = run_frontend("frozen_mix.dt", text.encode())
-    assert result.ok, [d.message for d in result.diagnostics]
-    return result.program
-
 
 def lower_frozen(*frozen: str, name: str = "1f1b", m: int = 4, llm_vpp: int = 1) -> Schedule:
     """vit 2 stages, beats 1, llm 2 (interleaved when ``llm_vpp`` > 1), sd 2, audiogen 1."""

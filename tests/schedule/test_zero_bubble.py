@@ -12,7 +12,7 @@ from dtdsl.ir.schedule import Action, ActionKind, Schedule, StageSchedule, parse
 from dtdsl.schedule.lower import LoweringError, gradient_flow, lower_units, split_weights
 from dtdsl.schedule.validate import ScheduleError, validate, validate_nccl
 from dtdsl.sim.simulate import Durations, simulate
-from tests.schedule.test_lower import frozen_program, lowered, passes, unit
+from tests.helpers.schedules import frozen_program, lowered, passes, unit
 
 F, B, W = ActionKind.F, ActionKind.B, ActionKind.W
 

@@ -22,24 +22,11 @@ from dtdsl.schedule.lower import lower
 from dtdsl.train.executor import StageExecutor
 from dtdsl.train.reference import train_reference
 from tests.dist import run
-from tests.helpers.moe import STEPS, moe_spec
+from tests.helpers.moe import ARGS, STEPS, ep_plan, moe_spec, with_ep
 from tests.helpers.plans import colocate
 from tests.helpers.runs import PARAM_RMS, PARAM_RTOL, plan_for
 
-ARGS = "experts=4, top_k=2, expert_ffn=64, aux_loss=0.1"
 LOSS_TOL = 1e-4     # the issue's: every step's loss within 1e-4 of the reference's
-
-
-def with_ep(plan: Plan, ep: int) -> Plan:
-    """``plan`` with expert parallelism ``ep`` on its backbone."""
-    units = tuple(u.model_copy(update={"ep": ep}) if u.role == "backbone" else u
-                  for u in plan.units)
-    return plan.model_copy(update={"units": units})
-
-
-def ep_plan(p: ir.Program, dp: int, pp: int, ep: int, tp: int = 1) -> Plan:
-    return with_ep(plan_for(p, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", tp, dp, pp),
-                            ("gen", "generator", 1, 1, 1)), ep)
 
 
 class GroupedSource(SyntheticSource):

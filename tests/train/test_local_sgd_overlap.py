@@ -21,8 +21,8 @@ from dtdsl.train.executor import StageExecutor
 from dtdsl.train.layerwise import Overlap, layer_groups
 from dtdsl.train.local_sgd import LocalSGD, LocalSGDConfig
 from tests.dist import run
+from tests.helpers.local_sgd import dp2, local, resumed_as_uninterrupted
 from tests.helpers.runs import spec
-from tests.train.test_local_sgd_wire import _phase, dp2, local
 
 # -- the mechanism, on a plain module ----------------------------------------------------------
 
@@ -150,20 +150,4 @@ def test_a_checkpoint_at_a_synchronising_step_is_whole(tmp_path):
     # still to come in the next forward; the save must finish them first, and a resumed
     # run continue as an uninterrupted one.
     program = local(spec(4), period=2, outer_lr=0.7, outer_momentum=0.9)
-    plan = dp2(program)
-
-    def go(run_dir, steps, save_at, name):
-        out = str(tmp_path / name)
-        run(_phase, plan.gpus_used, program, plan, str(run_dir), steps, save_at, out,
-            timeout=240)
-        return [torch.load(f"{out}.{r}") for r in range(plan.gpus_used)]
-
-    whole = go(tmp_path / "whole", 6, None, "whole")
-    go(tmp_path / "split", 4, 4, "first")
-    second = go(tmp_path / "split", 2, None, "second")
-    assert second[0]["first"] == 4
-    assert second[0]["losses"] == whole[0]["losses"][4:]
-    for a, b in zip(whole, second, strict=True):
-        assert a["stats"] == b["stats"]
-        for name, p in a["params"].items():
-            assert torch.equal(p, b["params"][name]), name
+    resumed_as_uninterrupted(tmp_path, program, dp2(program), steps=6, save_at=4)

@@ -26,8 +26,8 @@ from dtdsl.schedule.lower import lower
 from dtdsl.train.executor import StageExecutor
 from dtdsl.train.reference import train_reference
 from tests.dist import run
+from tests.helpers.local_sgd import local, resumed_as_uninterrupted
 from tests.helpers.runs import PARAM_RTOL, plan_for, spec
-from tests.train.test_local_sgd_wire import _phase, local
 
 LOSS_RTOL = 1e-4
 
@@ -176,23 +176,8 @@ def test_resume_of_sharded_replicas_equals_an_uninterrupted_run(tmp_path):
     # bitwise as the uninterrupted one.
     program = local(spec(8), period=2, outer_lr=0.7, outer_momentum=0.9, penalty=True,
                     replica_dp=2)
-    plan = dp4(program)
-
-    def go(run_dir, steps, save_at, name):
-        out = str(tmp_path / name)
-        run(_phase, plan.gpus_used, program, plan, str(run_dir), steps, save_at, out,
-            timeout=300)
-        return [torch.load(f"{out}.{r}") for r in range(plan.gpus_used)]
-
-    whole = go(tmp_path / "whole", 6, None, "whole")
-    go(tmp_path / "split", 4, 4, "first")
-    second = go(tmp_path / "split", 2, None, "second")
-    assert second[0]["first"] == 4
-    assert second[0]["losses"] == whole[0]["losses"][4:]
-    for a, b in zip(whole, second, strict=True):
-        assert a["stats"] == b["stats"]
-        for name, p in a["params"].items():
-            assert torch.equal(p, b["params"][name]), name
+    whole = resumed_as_uninterrupted(tmp_path, program, dp4(program), steps=6, save_at=4,
+                                     timeout=300)
     llm = [r for r in whole if r["stats"]]
     assert len(llm) == 4 and llm[0]["stats"][0][3] == 3      # three synchronisations
 

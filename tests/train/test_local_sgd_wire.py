@@ -22,20 +22,10 @@ from dtdsl.train.executor import StageExecutor
 from dtdsl.train.local_sgd import CORRUPT_ENV, corruption
 from dtdsl.train.reference import train_reference
 from tests.dist import run
-from tests.helpers.runs import PARAM_RTOL, plan_for, spec
+from tests.helpers.local_sgd import dp2, local, resumed_as_uninterrupted
+from tests.helpers.runs import PARAM_RTOL, spec
 
 LOSS_RTOL = 1e-4
-
-
-def local(program: ir.Program, **sync) -> ir.Program:
-    """``program`` with ``train.sync = local_sgd(**sync)``."""
-    return program.model_copy(update={"train": program.train.model_copy(update={
-        "sync": ir.Sync(kind="local_sgd", **sync)})})
-
-
-def dp2(program: ir.Program) -> Plan:
-    return plan_for(program, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, 2, 1),
-                    ("gen", "generator", 1, 1, 1))
 
 
 def _train(rank: int, world: int, program: ir.Program, plan: Plan, steps: int, out: str,
@@ -134,54 +124,12 @@ def test_the_corruption_hook_is_checked():
             corruption({CORRUPT_ENV: bad})
 
 
-def _phase(rank: int, world: int, program: ir.Program, plan: Plan, run_dir: str,
-           steps: int, save_at: int | None, out: str) -> None:
-    """Resume from ``run_dir`` (or start), train ``steps`` steps, save after ``save_at``;
-    every rank writes its losses, parameters and Local SGD statistics to ``out``."""
-    from dtdsl.train.checkpoint import Checkpointer
-
-    ex = StageExecutor(program, plan, lower(plan, program), rank=rank,
-                       groups=build_groups(plan, zero=program.train.mesh_zero,
-                                           replica_dp=program.train.replica_dp))
-    ckpt = Checkpointer(ex, run_dir, keep=3, mode="sync", log=lambda _line: None)
-    first = ckpt.resume()
-    losses = []
-    for step in range(first, first + steps):
-        losses.append(ex.run_step(step)["loss"])
-        if step + 1 == save_at:
-            ckpt.save(step + 1)
-    ckpt.close()
-    stats = [(s.stats.mean, s.stats.var, s.stats.seen, s.stats.syncs)
-             for s, _, _ in ex.local_sgd.syncs]
-    # Every replica's own parameters (not gathered over replicas: they differ).
-    local = {k: (v.to_local() if hasattr(v, "to_local") else v).clone()
-             for k, v in ex.named_parameters().items()}
-    torch.save({"first": first, "losses": losses, "stats": stats, "params": local},
-               f"{out}.{rank}")
-
-
 @pytest.mark.usefixtures("deterministic")
 def test_resume_mid_period_equals_an_uninterrupted_run(tmp_path):
     # A save after step 3 of period 2: the replicas differ there, and the anchor, the
     # outer momentum and the penalty's statistics are all in play.
     program = local(spec(4), period=2, outer_lr=0.7, outer_momentum=0.9, penalty=True)
-    plan = dp2(program)
-
-    def go(run_dir, steps, save_at, name):
-        out = str(tmp_path / name)
-        run(_phase, plan.gpus_used, program, plan, str(run_dir), steps, save_at, out,
-            timeout=240)
-        return [torch.load(f"{out}.{r}") for r in range(plan.gpus_used)]
-
-    whole = go(tmp_path / "whole", 6, None, "whole")
-    go(tmp_path / "split", 3, 3, "first")
-    second = go(tmp_path / "split", 3, None, "second")
-    assert second[0]["first"] == 3
-    assert second[0]["losses"] == whole[0]["losses"][3:]
-    for a, b in zip(whole, second, strict=True):
-        assert a["stats"] == b["stats"]
-        for name, p in a["params"].items():
-            assert torch.equal(p, b["params"][name]), name
+    whole = resumed_as_uninterrupted(tmp_path, program, dp2(program), steps=6, save_at=3)
     llm = [r for r in whole if r["stats"]]
     assert llm and llm[0]["stats"][0][3] == 3      # three synchronisations
 

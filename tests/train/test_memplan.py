@@ -161,8 +161,7 @@ def test_an_moe_backbone_is_measured_at_ep_1_and_2():
     # weights for the forward, at ep 2 only the rank's own. In bf16 (the cost model's
     # activations), every stage within the tolerance: the MoE blocks' activations
     # (cost.unit._moe_block_bytes) and the experts the plan's ep leaves a rank.
-    from tests.helpers.moe import moe_spec
-    from tests.train.test_ep_run import ARGS, ep_plan
+    from tests.helpers.moe import ARGS, ep_plan, moe_spec
 
     p = moe_spec(args=ARGS)
     p = p.model_copy(update={"train": p.train.model_copy(update={"precision": "bf16"})})
@@ -184,8 +183,7 @@ def test_an_moe_backbone_is_measured_at_tp_2_ep_2():
     # Each expert's columns split over TP inside its EP rank (parallel.tp.parallelize_moe):
     # weights, gradients and state / tp, the routed rows and routing whole on every TP
     # rank, the experts' intermediates / tp (cost.unit._moe_block_bytes), in bf16.
-    from tests.helpers.moe import moe_spec
-    from tests.train.test_ep_run import ARGS, ep_plan
+    from tests.helpers.moe import ARGS, ep_plan, moe_spec
 
     p = moe_spec(args=ARGS)
     p = p.model_copy(update={"train": p.train.model_copy(update={"precision": "bf16"})})
