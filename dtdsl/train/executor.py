@@ -94,6 +94,7 @@ from dtdsl.train.passes import Units, stage_run
 from dtdsl.train.phases import _BWD, _FWD, PhasedEncoder
 from dtdsl.train.record import StepRecord
 from dtdsl.train.stage import Stage, build_stage
+from dtdsl.train.zerobubble import SplitBackward
 
 __all__ = ["StageExecutor", "StepRecord", "run_rank", "stage_run"]
 
@@ -164,6 +165,7 @@ class StageExecutor(PhasedEncoder, PassInputs):
             raise NotImplementedError("one phased encoder: plan the other encoders as their "
                                       "own units")
         self._cp = attach_cp(program, plan, self.stage, groups)
+        self.split = SplitBackward(self.stage, self.actions)    # B and W (zero_bubble)
         # Embeddings of the phased encoder's outputs for this replica's samples (on the
         # backbone's first stage, between the phases), as autograd leaves.
         self._phased_in: dict[int, torch.Tensor] = {}
@@ -561,6 +563,8 @@ class StageExecutor(PhasedEncoder, PassInputs):
         assert j is not None
         key = (a.chunk, j)      # an interleaved unit's chunks each keep their own stash
         self._chunk = a.chunk   # the chunk the pass runs
+        if a.kind is ActionKind.W:
+            return self.split.weights(key)
         mb = self.micro.setdefault(key, _Micro())
         kind = a.kind
         if kind is ActionKind.F:
@@ -868,9 +872,8 @@ class StageExecutor(PhasedEncoder, PassInputs):
                 if out.requires_grad:
                     tensors.append(out)
                     grads.append(g)
-        if tensors:
-            with self.stage.backward_context():
-                torch.autograd.backward(tensors, grads)
+        if tensors:     # whole, or zero_bubble's B (``train.zerobubble``)
+            self.split.backward((self._chunk, j), tensors, grads)
         if not self.sends_grad:
             return
 

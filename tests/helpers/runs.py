@@ -93,6 +93,12 @@ def _train(rank: int, world: int, program: ir.Program, plan: Plan, losses: list[
     results = ex.train(steps, metrics_path=metrics)
     for r, want in zip(results, losses, strict=True):
         assert math.isclose(r["loss"], want, rel_tol=LOSS_RTOL), (r["step"], r["loss"], want)
+    if ex.split.split and ex.role.role == "backbone":
+        # zero_bubble: the backbone's backwards ran as a B and a W (train.zerobubble);
+        # a first stage's microbatch without received rows (text only) whole in its W
+        ran = ex.split.ran
+        assert ran["split"] > 0 and set(ran) <= ({"split", "in W"} if ex.role.stage == 0
+                                                   else {"split"}), (ex.role, ran)
     # Every action of the stage is in the measured events, in order (SYNC and OPT are
     # the last actions, and the last events).
     actions = schedule.stage(ex.role.unit, ex.role.stage).actions
