@@ -4,11 +4,14 @@ single-process reference (multi-rank gloo runs)."""
 
 from __future__ import annotations
 
+import pytest
+
 from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan
 from dtdsl.ir.schedule import ActionKind
 from dtdsl.schedule.lower import lower
-from tests.helpers.runs import check, plan_for, spec
+from tests.helpers.plans import colocate
+from tests.helpers.runs import check, check_tp, plan_for, spec
 
 STEPS = 8
 
@@ -32,3 +35,40 @@ def test_zero_bubble_backbone_over_two_stages_matches_the_reference():
         kinds = [a.kind for a in schedule.stage("llm", s).actions]
         assert kinds.count(ActionKind.W) == kinds.count(ActionKind.B) > 0
     check(program, plan, STEPS)
+
+
+def test_zero_bubble_over_three_stages_with_co_located_units():
+    # The encoder runs in stage 0's B (no W of its own: its images want no gradient, so
+    # a microbatch's whole backward of stage 0 may run in its W), the generator in stage
+    # 2's; the middle stage splits every backward.
+    program = zero_bubble(spec(8))
+    plan = zb_plan(colocate(program, plan_for(program, ("vit", "encoder", 1, 1, 1),
+                                              ("llm", "backbone", 1, 1, 3),
+                                              ("gen", "generator", 1, 1, 1)), "vit", "gen"))
+    assert [u.name for u in lower(plan, program).units] == ["llm"]
+    check(program, plan, STEPS)
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_zero_bubble_data_parallel_fsdp(recompute):
+    # DP 2: FSDP2 neither reduces nor reshards in a B (the W needs the unsharded weights)
+    # and reduce-scatters once, after the stage's last W. Full recomputation (torch's
+    # non-reentrant checkpoint) recomputes in B and again in W: the same gradients.
+    program = zero_bubble(spec(8))
+    plan = zb_plan(colocate(program, plan_for(program, ("vit", "encoder", 1, 1, 1),
+                                              ("llm", "backbone", 1, 2, 2),
+                                              ("gen", "generator", 1, 1, 1)), "vit", "gen"))
+    plan = plan.model_copy(update={"units": tuple(
+        u.model_copy(update={"recompute": recompute}) if u.role == "backbone" else u
+        for u in plan.units)})
+    check(program, plan, STEPS)
+
+
+def test_zero_bubble_tensor_parallel_backbone():
+    # TP 2 over 2 stages: the weights W differentiates are DTensors (sequence
+    # parallelism's pieces, the vocabulary-parallel head under loss_parallel).
+    program = zero_bubble(spec(8))
+    plan = zb_plan(colocate(program, plan_for(program, ("vit", "encoder", 1, 1, 1),
+                                              ("llm", "backbone", 2, 1, 2),
+                                              ("gen", "generator", 1, 1, 1)), "vit", "gen"))
+    check_tp(program, plan)
