@@ -497,9 +497,6 @@ instead. Today the runtime cannot train:
   encoders can;
 - a generator on more than one pipeline stage: constrain it with
   `pp(gen) == 1`;
-- the `zero_bubble` schedule (planned and simulated; the executor does not
-  split a backward into input-gradient and weight-gradient passes yet): write
-  `schedule = 1f1b`;
 - the Megatron-LM baseline's rigid plans (`dtc plan --search baseline`): they
   are layouts to compare with;
 - a co-located unit a hand-edited plan places off the backbone's first (last)
