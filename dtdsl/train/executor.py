@@ -13,6 +13,7 @@ Each global rank is one (stage, replica, cp_index, tp_index) of one unit
    - ``F`` / ``B``: the stage's slice of the unit (with the units co-located on it) on
      this replica's samples; losses are already divided by the global denominators, so
      they are summed. ``B`` keeps the gradients of the stage's inputs for ``SEND_B``.
+     Under zero_bubble ``B`` and ``W`` split a backward (``train.zerobubble``).
    - ``SEND_*`` / ``RECV_*``: within a unit, ``parallel.p2p.P2P`` to the neighbour stage
      of the same replica and TP index (receives name their shapes from the plan and the
      sample sizes, so a message is one transfer; consecutive communication actions go out

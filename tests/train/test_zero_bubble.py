@@ -72,3 +72,15 @@ def test_zero_bubble_tensor_parallel_backbone():
                                               ("llm", "backbone", 2, 1, 2),
                                               ("gen", "generator", 1, 1, 1)), "vit", "gen"))
     check_tp(program, plan)
+
+
+def test_zero_bubble_in_fp16(tmp_path):
+    # fp16's loss scale seeds B; W's weight gradients (fp16, FSDP2's unsharded weights)
+    # join the fp32 accumulation FSDP2 keeps between the B's: within bf16's tolerance of
+    # the fp32 reference, no step skipped.
+    from tests.helpers.fp16 import check_within_bf16
+
+    program = zero_bubble(spec(8))
+    plan = zb_plan(plan_for(program, ("vit", "encoder", 1, 1, 1),
+                            ("llm", "backbone", 1, 1, 2), ("gen", "generator", 1, 1, 1)))
+    check_within_bf16(program, plan, tmp_path)     # trains fp16(program)
