@@ -4,9 +4,12 @@ single-process reference (multi-rank gloo runs)."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 from dtdsl.ir import program as ir
+from dtdsl.ir.checkpoint import checkpoint_root
 from dtdsl.ir.plan import Plan
 from dtdsl.ir.schedule import ActionKind
 from dtdsl.schedule.lower import lower
@@ -84,3 +87,23 @@ def test_zero_bubble_in_fp16(tmp_path):
     plan = zb_plan(plan_for(program, ("vit", "encoder", 1, 1, 1),
                             ("llm", "backbone", 1, 1, 2), ("gen", "generator", 1, 1, 1)))
     check_within_bf16(program, plan, tmp_path)     # trains fp16(program)
+
+
+@pytest.mark.usefixtures("deterministic")   # compares losses bitwise
+def test_zero_bubble_resumes_like_an_uninterrupted_run(tmp_path):
+    # W's pending weight gradients never cross a step (the last W runs before the
+    # reduction), so a checkpoint after a step holds everything: a run resumed from
+    # ckpt-2 takes the uninterrupted run's steps 2 and 3 bitwise.
+    from tests.helpers.checkpoints import PROGRAM, _close, _go, _reference
+
+    plan = zb_plan(plan_for(PROGRAM, ("vit", "encoder", 1, 1, 1),
+                            ("llm", "backbone", 1, 1, 2), ("gen", "generator", 1, 1, 1)))
+    assert any(a.kind is ActionKind.W for a in lower(plan, PROGRAM).stage("llm", 1).actions)
+    ref, _ = _reference()
+    a = _go(plan, tmp_path / "a", 4, {2: "sync"}, tmp_path / "a.json")
+    assert a["first"] == 0
+    _close(a["losses"], ref[:4])
+    same = tmp_path / "same"
+    shutil.copytree(checkpoint_root(tmp_path / "a") / "ckpt-2", checkpoint_root(same) / "ckpt-2")
+    s = _go(plan, same, 2, {}, tmp_path / "same.json")
+    assert s["first"] == 2 and s["losses"] == a["losses"][2:4]
