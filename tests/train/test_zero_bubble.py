@@ -13,8 +13,10 @@ from dtdsl.ir.checkpoint import checkpoint_root
 from dtdsl.ir.plan import Plan
 from dtdsl.ir.schedule import ActionKind
 from dtdsl.schedule.lower import lower
-from tests.helpers.plans import colocate
-from tests.helpers.runs import check, check_tp, plan_for, spec
+from tests.dist import run
+from tests.helpers.phased import _train as train_phased
+from tests.helpers.plans import colocate, phase
+from tests.helpers.runs import check, check_tp, plan_for, reference, spec
 
 STEPS = 8
 
@@ -107,3 +109,15 @@ def test_zero_bubble_resumes_like_an_uninterrupted_run(tmp_path):
     shutil.copytree(checkpoint_root(tmp_path / "a") / "ckpt-2", checkpoint_root(same) / "ckpt-2")
     s = _go(plan, same, 2, {}, tmp_path / "same.json")
     assert s["first"] == 2 and s["losses"] == a["losses"][2:4]
+
+
+def test_zero_bubble_beside_a_phased_encoder():
+    # The phased encoder's embeddings are leaves of the backbone's first stage: its B
+    # gives them their gradients (the backward phase, after the last W, reads them).
+    program = zero_bubble(spec(8))
+    plan = zb_plan(phase(program, plan_for(program, ("vit", "encoder", 1, 1, 1),
+                                           ("llm", "backbone", 1, 1, 2),
+                                           ("gen", "generator", 1, 1, 1))))
+    losses, params = reference(program, STEPS)
+    # tests.helpers.phased's run: the phases' events around the schedule's actions
+    run(train_phased, plan.gpus_used, program, plan, losses, params, STEPS, None, timeout=240)
