@@ -4,15 +4,21 @@ single-process reference (multi-rank gloo runs)."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
+from types import SimpleNamespace
 
 import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from dtdsl.ir import program as ir
 from dtdsl.ir.checkpoint import checkpoint_root
 from dtdsl.ir.plan import Plan
 from dtdsl.ir.schedule import ActionKind
 from dtdsl.schedule.lower import lower
+from dtdsl.train.zerobubble import SplitBackward
 from tests.dist import run
 from tests.helpers.phased import _train as train_phased
 from tests.helpers.plans import colocate, phase
@@ -28,7 +34,60 @@ def zero_bubble(program: ir.Program) -> ir.Program:
 
 
 def zb_plan(plan: Plan) -> Plan:
+    """``plan`` lowered as zero_bubble."""
     return plan.model_copy(update={"schedule": "zero_bubble"})
+
+
+class _Tower(nn.Module):
+    """Two layers over a received activation, optionally checkpointed (recomputed in
+    backward), and a weight (``bias``) only an extra loss reads."""
+
+    def __init__(self, recompute: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(6, 8), nn.Linear(8, 4)
+        self.bias = nn.Parameter(torch.randn(4))
+        self.recompute = recompute
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        def block(x: torch.Tensor) -> torch.Tensor:
+            return self.b(torch.tanh(self.a(x)))
+
+        return checkpoint(block, x, use_reentrant=False) if self.recompute else block(x)
+
+
+def _losses(tower: _Tower, x: torch.Tensor, extra: bool) -> list[torch.Tensor]:
+    out = [tower(x).square().sum()]
+    return out + [tower.bias.exp().sum()] if extra else out
+
+
+@pytest.mark.parametrize(("recompute", "wants_grad", "extra", "ran"), [
+    (False, True, False, "split"),
+    (True, True, False, "split"),       # the checkpoint recomputes in B and again in W
+    (False, False, False, "in W"),      # no input to send a gradient to: whole in W
+    (False, True, True, "in B"),        # a weight no input reaches: whole in B
+])
+def test_b_then_w_gives_a_whole_backwards_gradients(recompute, wants_grad, extra, ran):
+    x0 = torch.randn(3, 6, generator=torch.Generator().manual_seed(1))
+    whole, split = _Tower(recompute), _Tower(recompute)
+    x = x0.clone().requires_grad_(wants_grad)
+    torch.autograd.backward(_losses(whole, x, extra))
+    stage = SimpleNamespace(module=split, backward_context=contextlib.nullcontext)
+    runner = SplitBackward(stage, [SimpleNamespace(kind=ActionKind.W)])
+    assert stage.early == []    # no layer reduces early: its W comes after the last B
+    xs = x0.clone().requires_grad_(wants_grad)
+    losses = _losses(split, xs, extra)
+    runner.backward((0, 3), losses, [torch.ones(()) for _ in losses])
+    assert runner.ran == {ran: 1}
+    if wants_grad:      # B gave the input its gradient
+        torch.testing.assert_close(xs.grad, x.grad, rtol=0, atol=0)
+    # B computed no weight gradient (unless it ran whole)
+    assert all((p.grad is None) == (ran != "in B") for p in split.parameters())
+    runner.weights((0, 3))
+    assert not runner.pending
+    want = dict(whole.named_parameters())
+    for name, p in split.named_parameters():
+        torch.testing.assert_close(p.grad, want[name].grad, rtol=1e-6, atol=1e-7)
 
 
 def test_zero_bubble_backbone_over_two_stages_matches_the_reference():
