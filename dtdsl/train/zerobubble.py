@@ -33,7 +33,10 @@ post-backward per group and its final callback, as torch's ``perform_reduce_grad
 Recomputation (``torch.utils.checkpoint``, non-reentrant) runs in ``B`` when it first
 unpacks a checkpointed block's saved tensors; ``W`` is a new autograd call, which
 recomputes the block again (the checkpoint keeps its recomputed tensors per call): the
-gradients are right, the recomputation is paid twice.
+gradients are right, the recomputation is paid twice. A block under ``torch.compile``
+(``train.compiled``) has one backward node for all its gradients: ``W`` runs it again
+(right gradients, checked with the aot_eager backend; the block's backward paid about
+twice).
 """
 
 from __future__ import annotations
