@@ -498,9 +498,6 @@ instead. Today the runtime cannot train:
 - a U-Net generator on more than one pipeline stage, which only a hand-edited
   plan gives it (its skip connections cross every cut; the planner keeps it on
   one, DT407): plan again. A DiT generator's blocks split over stages;
-- the `zero_bubble` schedule (planned and simulated; the executor does not
-  split a backward into input-gradient and weight-gradient passes yet): write
-  `schedule = 1f1b`;
 - the Megatron-LM baseline's rigid plans (`dtc plan --search baseline`): they
   are layouts to compare with;
 - a co-located unit a hand-edited plan places off the backbone's first (last)

@@ -23,21 +23,6 @@ __all__ = ["runtime_support", "tp_placement"]
 _CODE = DT601
 
 
-def _schedule(program: ir.Program) -> list[Diagnostic]:
-    """The zero-bubble schedule: planned and simulated, but the executor does not yet run
-    a backward as separate input-gradient (``B``) and weight-gradient (``W``) passes."""
-    train = program.train
-    if train.schedule != "zero_bubble":
-        return []
-    return [Diagnostic.error(
-        _CODE, "the runtime does not run the zero_bubble schedule yet: its executor runs "
-        "each backward whole, not split into input-gradient and weight-gradient passes",
-        train.schedule_span or train.span,
-        notes=["`dtc plan` and `dtc simulate` price zero_bubble (ZB-H1); training it "
-               "needs the split backward in dtdsl.train"],
-        hint="write `schedule = 1f1b` (or interleaved) to compile")]
-
-
 def _encoders(program: ir.Program) -> list[Diagnostic]:
     """Encoders the runtime cannot feed: one that is not a transformer (over patches, or
     over fbank frames: an audio encoder without a patch size reads a frame a token, and
@@ -322,7 +307,7 @@ def tp_placement(program: ir.Program, plan: Plan) -> list[Diagnostic]:
 def runtime_support(program: ir.Program, plan: Plan | None = None) -> list[Diagnostic]:
     """Errors (DT601) for what of ``program`` and ``plan`` the runtime cannot train yet: an
     encoder that is not a transformer over patches, an audio encoder without a patch
-    size, the zero_bubble schedule, and with a plan: a phased encoder beside another on
+    size, and with a plan: a phased encoder beside another on
     the backbone, the baseline's plans, U-Net generators on more than one pipeline stage,
     co-located units placed other than on the backbone's first or last stage and phased
     units other than encoders on all the backbone's ranks (a phased generator), or any of
@@ -332,7 +317,7 @@ def runtime_support(program: ir.Program, plan: Plan | None = None) -> list[Diagn
     nodes priced as within one (``tp_placement``, DT411).
 
     Without ``plan`` only the spec's own features are checked (before planning)."""
-    out = _encoders(program) + _schedule(program)
+    out = _encoders(program)
     if plan is not None:
         out += _plan(program, plan) + tp_placement(program, plan) + \
             _context_parallel(program, plan) + _experts(program, plan)

@@ -13,6 +13,7 @@ Each global rank is one (stage, replica, cp_index, tp_index) of one unit
    - ``F`` / ``B``: the stage's slice of the unit (with the units co-located on it) on
      this replica's samples; losses are already divided by the global denominators, so
      they are summed. ``B`` keeps the gradients of the stage's inputs for ``SEND_B``.
+     Under zero_bubble ``B`` and ``W`` split a backward (``train.zerobubble``).
    - ``SEND_*`` / ``RECV_*``: within a unit, ``parallel.p2p.P2P`` to the neighbour stage
      of the same replica and TP index (receives name their shapes from the plan and the
      sample sizes, so a message is one transfer; consecutive communication actions go out
@@ -95,6 +96,7 @@ from dtdsl.train.passes import Units, stage_run
 from dtdsl.train.phases import _BWD, _FWD, PhasedEncoder
 from dtdsl.train.record import StepRecord
 from dtdsl.train.stage import Stage, build_stage
+from dtdsl.train.zerobubble import SplitBackward
 
 __all__ = ["StageExecutor", "StepRecord", "run_rank", "stage_run"]
 
@@ -166,6 +168,7 @@ class StageExecutor(PhasedEncoder, PassInputs, GeneratorPasses):
             raise NotImplementedError("one phased encoder: plan the other encoders as their "
                                       "own units")
         self._cp = attach_cp(program, plan, self.stage, groups)
+        self.split = SplitBackward(self.stage, self.actions)    # B and W (zero_bubble)
         # Embeddings of the phased encoder's outputs for this replica's samples (on the
         # backbone's first stage, between the phases), as autograd leaves.
         self._phased_in: dict[int, torch.Tensor] = {}
@@ -562,6 +565,8 @@ class StageExecutor(PhasedEncoder, PassInputs, GeneratorPasses):
         assert j is not None
         key = (a.chunk, j)      # an interleaved unit's chunks each keep their own stash
         self._chunk = a.chunk   # the chunk the pass runs
+        if a.kind is ActionKind.W:
+            return self.split.weights(key)
         mb = self.micro.setdefault(key, _Micro())
         kind = a.kind
         if kind is ActionKind.F:
@@ -848,9 +853,8 @@ class StageExecutor(PhasedEncoder, PassInputs, GeneratorPasses):
                 if out.requires_grad:
                     tensors.append(out)
                     grads.append(g)
-        if tensors:
-            with self.stage.backward_context():
-                torch.autograd.backward(tensors, grads)
+        if tensors:     # whole, or zero_bubble's B (``train.zerobubble``)
+            self.split.backward((self._chunk, j), tensors, grads)
         if not self.sends_grad:
             return
 

@@ -223,14 +223,18 @@ def format_stages(stages: list[StageMemory]) -> list[str]:
 
 def in_flight_of(schedule: Schedule, unit: str, stage: int) -> int:
     """The most microbatches the stage has run forward and not yet backward at once (every
-    microbatch it runs, for a stage that runs no backward)."""
+    microbatch it runs, for a stage that runs no backward). Under zero_bubble a
+    microbatch is held until its ``W``: its ``B`` keeps the graph for the weight
+    gradients (``train.zerobubble``), nearly all of what the forward saved."""
+    actions = schedule.stage(unit, stage).actions
+    done = ActionKind.W if any(a.kind is ActionKind.W for a in actions) else ActionKind.B
     outstanding = peak = 0
     has_backward = False
-    for a in schedule.stage(unit, stage).actions:
+    for a in actions:
         if a.kind is ActionKind.F:
             outstanding += 1
             peak = max(peak, outstanding)
-        elif a.kind is ActionKind.B:
+        elif a.kind is done:
             outstanding -= 1
             has_backward = True
     return peak if has_backward else 1
@@ -244,7 +248,9 @@ def _depth(plan: Plan, unit: str, stage: int) -> int:
     gen = max((g.pp for g in plan.units if g.role == "generator" and not g.colocated),
               default=0)
     backbone = next(g.pp for g in plan.units if g.role == "backbone")
-    own = u.pp - stage
+    # Under zero_bubble a backbone stage's deferred Ws keep their microbatches: each
+    # stage holds the first stage's count (the planner's rule, ``planner.baseline``).
+    own = u.pp if plan.schedule == "zero_bubble" and u.role == "backbone" else u.pp - stage
     if u.role == "encoder":
         return own + backbone + gen
     if u.role == "backbone":

@@ -469,12 +469,23 @@ def test_a_unet_on_two_pipeline_stages_is_refused_when_checked(tmp_path, capsys)
     assert not (tmp_path / "bundle").exists()
 
 
-def test_the_zero_bubble_schedule_is_refused(tmp_path, capsys):
-    """Planned and simulated, but the executor runs every backward whole: DT601 at the
-    schedule's line until it splits them, never a bundle that trains 1F1B instead."""
-    err, lines = _unsupported(tmp_path, capsys, _ZERO_BUBBLE)
-    assert lines == [_line_of(_ZERO_BUBBLE, "schedule         = zero_bubble")]
-    assert "zero_bubble" in err and "schedule = 1f1b" in err
+def test_a_zero_bubble_plan_compiles(tmp_path, capsys):
+    """The runtime runs zero_bubble (``train.zerobubble``): no DT601, and the bundle's
+    schedule splits each backbone backward into its B and W
+    (tests/codegen/test_zero_bubble_bundle.py launches one)."""
+    from dtdsl.ir.schedule import ActionKind, parse_schedule
+
+    spec = tmp_path / "spec.dt"
+    spec.write_text(_ZERO_BUBBLE)
+    capsys.readouterr()
+    assert compile_spec(spec, tmp_path / "bundle") == 0
+    assert "DT601" not in capsys.readouterr().err
+    text = (tmp_path / "bundle" / "schedule.txt").read_text()
+    schedule = parse_schedule("\n".join(line for line in text.splitlines()
+                                        if not line.startswith("#")))
+    assert schedule.name == "zero_bubble"
+    kinds = [a.kind for st in schedule.stages if st.unit == "llm" for a in st.actions]
+    assert kinds.count(ActionKind.W) == kinds.count(ActionKind.B) > 0
 
 
 def test_an_interleaved_plan_compiles(tmp_path, capsys):

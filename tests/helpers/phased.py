@@ -16,6 +16,7 @@ from tests.helpers.runs import (
     LOSS_RTOL,
     PARAM_RMS,
     PARAM_RTOL,
+    _split_as_planned,
 )
 
 STEPS = 8       # the acceptance: 8+ steps
@@ -38,6 +39,7 @@ def _train(rank: int, world: int, program: ir.Program, plan: Plan, losses: list[
         assert math.isclose(r["loss"], want, rel_tol=LOSS_RTOL), (r["step"], r["loss"], want)
     for r, want in zip(results, norms or (), strict=False):
         assert math.isclose(r["grad_norm"], want, rel_tol=LOSS_RTOL), (r["step"], want)
+    _split_as_planned(ex)
     # The schedule's actions, and around them the phases of each phased encoder this
     # rank runs: its forward first, its backward (where it trains) before SYNC/OPT.
     phased = phased_units(plan, ex.role)
