@@ -154,8 +154,7 @@ class StageExecutor(PhasedEncoder, PassInputs, GeneratorPasses):
         backwards = [i for i, a in enumerate(self.actions) if a.kind is ActionKind.B]
         self._last_backward = backwards[-1] if backwards else -1
         self.p2p = P2P(self.device)
-        # A phased encoder's hand-offs between this replica's stages: a channel of their
-        # own, the PP group's (``train.phases``).
+        # A phased encoder's hand-offs between this replica's stages: the PP group's channel.
         self.phase_p2p = P2P(self.device, group=groups.mesh.get_group("pp")) \
             if groups.phased and self.role.grid.pp > 1 else None
         self.broker = Broker(plan, rank, self.p2p, groups)
@@ -169,8 +168,7 @@ class StageExecutor(PhasedEncoder, PassInputs, GeneratorPasses):
                                       "own units")
         self._cp = attach_cp(program, plan, self.stage, groups)
         self.split = SplitBackward(self.stage, self.actions)    # B and W (zero_bubble)
-        # Embeddings of the phased encoder's outputs for this replica's samples (on the
-        # backbone's first stage, between the phases), as autograd leaves.
+        # The phased encoder's embeddings of this replica's samples (first stage), as leaves.
         self._phased_in: dict[int, torch.Tensor] = {}
         # Per phased encoder, this rank's share of the step: (samples, their packed
         # images) per microbatch step, from the forward phase to the backward phase.
