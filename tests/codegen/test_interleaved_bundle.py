@@ -4,40 +4,26 @@ ordering check on): it trains like the single-process reference."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from dtdsl import cli
-from dtdsl.ir.schedule import parse_schedule
 from dtdsl.schedule.validate import validate_nccl
-from tests.helpers.bundle import RTOL, SPEC, launch_ok, read_jsonl, reference_losses
+from tests.helpers.bundle import (
+    RTOL,
+    compiled_schedule,
+    launch_ok,
+    read_jsonl,
+    reference_losses,
+    two_stage_spec,
+)
 
 STEPS = 8
 
 
-def interleaved_spec(where: Path) -> Path:
-    """tiny_cpu with ``schedule = interleaved(virtual_stages=2)`` and a backbone of two
-    pipeline stages."""
-    text = SPEC.read_text()
-    for old in ("schedule         = 1f1b", "  tp(*) in {1, 2}\n"):
-        assert old in text, old
-    spec = where / "tiny_interleaved.dt"
-    spec.write_text(text.replace("schedule         = 1f1b",
-                                 "schedule         = interleaved(virtual_stages=2)")
-                    .replace("  tp(*) in {1, 2}\n", "  tp(*) in {1, 2}\n  pp(llm) == 2\n"))
-    return spec
-
-
 @pytest.mark.slow
 def test_interleaved_bundle_matches_the_reference(tmp_path):
-    spec = interleaved_spec(tmp_path)
+    spec = two_stage_spec(tmp_path, "interleaved(virtual_stages=2)")
     bundle = tmp_path / "bundle"
-    assert cli.main(["compile", str(spec), "-o", str(bundle), "--synthetic",
-                     "--workers", "0"]) == 0
-    text = "\n".join(line for line in (bundle / "schedule.txt").read_text().splitlines()
-                     if not line.startswith("#"))
-    schedule = parse_schedule(text)
+    schedule = compiled_schedule(spec, bundle)
     llm = schedule.unit("llm")
     assert (llm.pp, llm.vpp) == (2, 2)
     validate_nccl(schedule)

@@ -4,38 +4,27 @@ P2P ordering check on): its backbone's backwards split into B and W
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from dtdsl import cli
-from dtdsl.ir.schedule import ActionKind, parse_schedule
+from dtdsl.ir.schedule import ActionKind
 from dtdsl.schedule.validate import validate_nccl
-from tests.helpers.bundle import RTOL, SPEC, launch_ok, read_jsonl, reference_losses
+from tests.helpers.bundle import (
+    RTOL,
+    compiled_schedule,
+    launch_ok,
+    read_jsonl,
+    reference_losses,
+    two_stage_spec,
+)
 
 STEPS = 8
 
 
-def zero_bubble_spec(where: Path) -> Path:
-    """tiny_cpu with ``schedule = zero_bubble`` and a backbone of two pipeline stages."""
-    text = SPEC.read_text()
-    for old in ("schedule         = 1f1b", "  tp(*) in {1, 2}\n"):
-        assert old in text, old
-    spec = where / "tiny_zero_bubble.dt"
-    spec.write_text(text.replace("schedule         = 1f1b", "schedule         = zero_bubble")
-                    .replace("  tp(*) in {1, 2}\n", "  tp(*) in {1, 2}\n  pp(llm) == 2\n"))
-    return spec
-
-
 @pytest.mark.slow
 def test_zero_bubble_bundle_matches_the_reference(tmp_path):
-    spec = zero_bubble_spec(tmp_path)
+    spec = two_stage_spec(tmp_path, "zero_bubble")
     bundle = tmp_path / "bundle"
-    assert cli.main(["compile", str(spec), "-o", str(bundle), "--synthetic",
-                     "--workers", "0"]) == 0
-    text = "\n".join(line for line in (bundle / "schedule.txt").read_text().splitlines()
-                     if not line.startswith("#"))
-    schedule = parse_schedule(text)
+    schedule = compiled_schedule(spec, bundle)
     assert schedule.name == "zero_bubble" and schedule.unit("llm").pp == 2
     assert any(a.kind is ActionKind.W for a in schedule.stage("llm", 1).actions)
     validate_nccl(schedule)

@@ -113,3 +113,26 @@ def three_node_spec(where: Path) -> Path:
                     .replace("gpus_per_node = 4", "gpus_per_node = 2")
                     .replace("checkpoint_every = 10", "checkpoint_every = 2"))
     return spec
+
+
+def two_stage_spec(where: Path, schedule: str) -> Path:
+    """tiny_cpu with ``schedule = SCHEDULE`` and a backbone of two pipeline stages."""
+    text = SPEC.read_text()
+    for old in ("schedule         = 1f1b", "  tp(*) in {1, 2}\n"):
+        assert old in text, old
+    spec = where / "tiny_two_stages.dt"
+    spec.write_text(text.replace("schedule         = 1f1b", f"schedule         = {schedule}")
+                    .replace("  tp(*) in {1, 2}\n", "  tp(*) in {1, 2}\n  pp(llm) == 2\n"))
+    return spec
+
+
+def compiled_schedule(spec: Path, bundle: Path):
+    """``dtc compile`` of ``spec`` into ``bundle`` (synthetic data, no workers), and the
+    bundle's schedule parsed back from its ``schedule.txt``."""
+    from dtdsl.ir.schedule import parse_schedule
+
+    assert cli.main(["compile", str(spec), "-o", str(bundle), "--synthetic",
+                     "--workers", "0"]) == 0
+    text = "\n".join(line for line in (bundle / "schedule.txt").read_text().splitlines()
+                     if not line.startswith("#"))
+    return parse_schedule(text)
