@@ -158,9 +158,14 @@ def _backward_input(tensors: list[torch.Tensor], grads: list[torch.Tensor],
         for h in handles:
             h.remove()
     for x, g in zip(values, got, strict=True):
-        if g is not None:
-            x.grad = g if x.grad is None else x.grad + g
+        _accumulate(x, g)
     return groups
+
+
+def _accumulate(x: torch.Tensor, g: torch.Tensor | None) -> None:
+    """Add gradient ``g`` (None: none came) to ``x.grad``, as autograd's own accumulation."""
+    if g is not None:
+        x.grad = g if x.grad is None else x.grad + g
 
 
 def _backward_weight(groups: list[dict[str, Any]]) -> None:
@@ -194,6 +199,4 @@ def _backward_weight(groups: list[dict[str, Any]]) -> None:
         for h in handles:
             h.remove()
     for acc, dw in zip(order, dws, strict=True):
-        if dw is not None:
-            w = acc.variable
-            w.grad = dw if w.grad is None else w.grad + dw
+        _accumulate(acc.variable, dw)
