@@ -26,6 +26,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--jobs", type=positive_int, default=os.cpu_count() or 1, metavar="N",
                         help="stages measured at once, each in a process of its own (default: "
                         "the CPU count)")
+    parser.add_argument("--every-microbatch", action="store_true",
+                        help="run every microbatch a stage keeps in flight (default: four, "
+                        "each of the others holding what an average one held: the same "
+                        "peak, in time that does not grow with the pipeline's depth)")
     add_placement(parser, given_plan=True)
 
 
@@ -41,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_ERRORS
     the_plan, _ = planned
     with progress_bar("memcheck", enabled=not args.json and sys.stderr.isatty()) as bar:
-        stages = check_memory(program, the_plan, cost=cost, jobs=args.jobs, progress=bar)
+        stages = check_memory(program, the_plan, cost=cost, jobs=args.jobs, progress=bar,
+                              every_microbatch=args.every_microbatch)
     if args.json:
         print(json.dumps({"stages": [s.as_json() for s in stages]}, indent=2))
     else:

@@ -102,6 +102,7 @@ __all__ = [
     "CATEGORIES",
     "CUDA_ALLOCATION_GRANULARITY_BYTES",
     "FakeWorld",
+    "InFlight",
     "MemoryReport",
     "fake_world",
     "init_optimizer_state",
@@ -279,6 +280,9 @@ class _StepTracker(_mem_tracker.MemTracker):
         self.propagating = 0
         self.peak_phase = "forward"
         self._saved_propagate: Any = None
+        # Bytes per device and category held by work the step stands for but does not
+        # run (``InFlight.hold``): counted in every peak while set.
+        self.virtual: dict[Any, dict[Any, int]] = {}
 
     def __enter__(self) -> _StepTracker:
         if self._depth == 0:
@@ -373,10 +377,13 @@ class _StepTracker(_mem_tracker.MemTracker):
 
     def _update_peak_stats(self, peak_state: Any) -> None:
         for dev, snap in self._curr_mem_snap.items():
-            total = snap[_mem_tracker._TOTAL_KEY]
+            extra = self.virtual.get(dev, {})
+            total = snap[_mem_tracker._TOTAL_KEY] + sum(extra.values())
             if self._peak_mem.get(dev, 0) < total:
                 self._peak_mem[dev] = total
-                self._peak_mem_snap[dev] = dict(snap)
+                self._peak_mem_snap[dev] = {
+                    key: n + extra.get(key, 0) for key, n in snap.items()
+                } | {_mem_tracker._TOTAL_KEY: total}
                 self.peak_phase = _PHASES[
                     2 if self._in_opt else 1 if self._mod_tracker.is_bw else 0]
 
@@ -423,11 +430,37 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer, *, chunk: int = 32) -
             p.grad = None
 
 
+class InFlight:
+    """What a step run under ``measure_peak(..., in_flight=True)`` is handed: marks of
+    the bytes alive now, and bytes held by work the step stands for without running it
+    (``train.memplan``: microbatches in flight like one it ran), counted in every peak
+    until released."""
+
+    def __init__(self, tracker: _StepTracker):
+        self._tracker = tracker
+
+    def mark(self) -> dict[Any, dict[Any, int]]:
+        """The bytes alive now, per device and category."""
+        return {dev: dict(snap) for dev, snap in self._tracker._curr_mem_snap.items()}
+
+    def hold(self, before: dict[Any, dict[Any, int]], after: dict[Any, dict[Any, int]],
+             times: int) -> None:
+        """Hold ``times`` more of what was made between marks ``before`` and ``after``
+        (nothing at 0: released)."""
+        total = _mem_tracker._TOTAL_KEY
+        self._tracker.virtual = {
+            dev: {key: times * (n - before.get(dev, {}).get(key, 0))
+                  for key, n in snap.items() if key != total}
+            for dev, snap in after.items()} if times else {}
+        self._tracker._update_peak_stats(None)
+
+
 def measure_peak(
-    step_fn: Callable[[], None],
+    step_fn: Callable[..., None],
     *,
     track: Iterable[torch.nn.Module | torch.optim.Optimizer | torch.Tensor] = (),
     allocation_granularity_bytes: int = CUDA_ALLOCATION_GRANULARITY_BYTES,
+    in_flight: bool = False,
 ) -> MemoryReport:
     """Run ``step_fn`` once under a memory tracker and report this rank's peak.
 
@@ -435,7 +468,8 @@ def measure_peak(
     optimizers and tensors that exist before the call and should count from the start
     (a module's parameters otherwise count from its first forward, an optimizer's state
     from its first step inside ``step_fn``). Every storage counts
-    ``allocation_granularity_bytes``-rounded (1: exact bytes)."""
+    ``allocation_granularity_bytes``-rounded (1: exact bytes). ``in_flight``: ``step_fn``
+    is called with an ``InFlight``."""
     if allocation_granularity_bytes < 1:
         raise ValueError("allocation_granularity_bytes must be positive")
     gc.collect()
@@ -444,7 +478,7 @@ def measure_peak(
                            _rounded_size(allocation_granularity_bytes)):
         tracker.track_external(*track)
         with tracker:
-            step_fn()
+            step_fn(InFlight(tracker)) if in_flight else step_fn()
         gc.collect()
         peak = _by_category(tracker.get_tracker_snapshot("peak"))
         final = _by_category(tracker.get_tracker_snapshot("current"))

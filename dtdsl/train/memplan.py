@@ -11,7 +11,9 @@ forwards as its schedule keeps in flight at once (the most microbatches it has r
 forward and not yet backward in its action list), their backwards, the gradient
 reduction and the optimizer step, in 1F1B's order at its fullest: after the first
 backward the gradients exist, and one more forward brings the in-flight microbatches
-back to their most. The microbatches are those the cost model budgets for:
+back to their most (of these, four run; each of the others holds what an average one
+that ran held, its tensors being the same: ``_ran``). The microbatches are those the
+cost model budgets for:
 one large microbatch in flight and the others average (a backbone microbatch is always
 ``micro_batch`` sequences of ``seq_len`` tokens, the dense LM head over all of them; an
 encoder's the 99th percentile of a microbatch's image tokens, then the mean; a
@@ -113,6 +115,9 @@ class StageMemory:
     # The optimizer state the rank keeps in host memory (``adamw(..., offload=F)``,
     # ``train.offload``): not in ``measured_bytes``, which is the device's.
     host_bytes: int = 0
+    # Of the microbatches in flight, how many the measurement ran (``_ran``): the others
+    # held what an average one it ran holds.
+    ran: int = 0
 
     @property
     def error(self) -> float:
@@ -134,6 +139,7 @@ class StageMemory:
                 "measured_bytes": int(self.measured_bytes),
                 "nccl_bytes": self.nccl_bytes, "nccl_by_group": dict(self.nccl),
                 "capacity_bytes": int(self.capacity_bytes), "in_flight": self.in_flight,
+                "ran": self.ran,
                 "peak_phase": self.peak_phase, "by_category": dict(self.by_category),
                 "compiled": self.compiled, "host_bytes": self.host_bytes}
 
@@ -218,6 +224,10 @@ def format_stages(stages: list[StageMemory]) -> list[str]:
         if s.host_bytes:
             lines.append(f"{'  optimizer on the CPU':<32}{format_bytes(s.host_bytes):>12}"
                          f"{'':>8}{'':>12}  Adam moments offloaded (not in measured)")
+    held = [s for s in stages if s.ran < s.in_flight]
+    if held:
+        lines.append(f"{len(held)} stage(s) ran {_RAN} of their microbatches in flight; each of "
+                     "the others held what an average one held (--every-microbatch runs all)")
     return lines
 
 
@@ -580,8 +590,25 @@ def _optimizer(program: ir.Program, plan: Plan, trainable: list[Any]) -> Any:
     return opt
 
 
+# Microbatches in flight a stage's measurement runs (``_ran``): the large one, two
+# average ones (the bytes one holds: the difference of marks around the second's
+# forward), and the one whose forward meets the rest, held.
+_RAN = 4
+
+
+def _ran(in_flight: int, vpp: int, every_microbatch: bool) -> int:
+    """How many of a stage's ``in_flight`` microbatches its measurement runs; each of the
+    others holds what an average one the stage ran holds, from its forward to the first
+    backward of an average one (``InFlight.hold``): microbatches of the same size make the
+    same tensors, so the peak is the same, and the measurement's time no longer grows
+    with the pipeline's depth (``in_flight`` is up to pp). Every one where asked
+    (``every_microbatch``; ``dtc memcheck --every-microbatch``), and for interleaved
+    stages, whose forwards cycle over model chunks of their own."""
+    return in_flight if every_microbatch or vpp > 1 else min(in_flight, _RAN)
+
+
 def _measure_stage(program: ir.Program, plan: Plan, schedule: Schedule, cost: Any,
-                   unit: str, stage: int) -> StageMemory:
+                   unit: str, stage: int, every_microbatch: bool = False) -> StageMemory:
     from dtdsl.parallel.mesh import (
         MESH_DIMS,
         grids,
@@ -644,19 +671,29 @@ def _measure_stage(program: ir.Program, plan: Plan, schedule: Schedule, cost: An
             with built.backward_context():
                 loss.backward()
 
-        def step() -> None:
+        def step(flight: Any) -> None:
             # 1F1B's steady state at its fullest: k microbatches forward (one of them
             # large), one backward (from now on the gradients exist), one more forward
-            # (k in flight again, next to the gradients), then the rest backward.
+            # (k in flight again, next to the gradients), then the rest backward. Past
+            # ``ran`` of them, the others in flight are held, not run (``_ran``).
             built.begin_step()
             held = [ph.forward() for ph in phases]      # the phased encoders' forward phase
-            outs = [forward(i) for i in range(k)]
+            outs, marks = [], []
+            for i in range(ran):
+                if i == ran - 1 and ran < k:        # its forward with k - 1 others held
+                    flight.hold(*marks, k - ran)
+                outs.append(forward(i))
+                if i in (1, 2):                     # around an average microbatch's forward
+                    marks.append(flight.mark())
             if trains:
                 backward(outs.pop(0))
                 outs.append(forward(k))
+                backward(outs.pop(0))               # an average one's, k - 1 others held
+                flight.hold({}, {}, 0)              # the rest with fewer: never the peak
                 while outs:
                     backward(outs.pop(0))
                 built.reduce_gradients()
+            flight.hold({}, {}, 0)
             outs.clear()
             for ph, embeds in zip(phases, held, strict=True):
                 ph.backward(embeds)
@@ -666,12 +703,14 @@ def _measure_stage(program: ir.Program, plan: Plan, schedule: Schedule, cost: An
                 opt.zero_grad()
 
         modules = (built.module, *(part.module for part in built.phased.values()))
-        report = measure_peak(step, track=modules + ((opt.optimizer,) if opt else ()))
+        ran = _ran(k, u.vpp, every_microbatch)
+        report = measure_peak(step, track=modules + ((opt.optimizer,) if opt else ()),
+                              in_flight=True)
         host = _host_bytes(opt)
     layers = built.held_layers if u.role != "generator" or u.pp > 1 else unit_cost.layers
     predicted = _predicted_bytes(plan, cost, unit_cost, unit, stage, layers, share,
                                  hosted, phased)
-    return StageMemory(unit=unit, stage=stage, rank=rank, in_flight=k,
+    return StageMemory(unit=unit, stage=stage, rank=rank, in_flight=k, ran=ran,
                        predicted_bytes=predicted, measured_bytes=report.peak_bytes - host,
                        capacity_bytes=program.cluster.gpu.memory_bytes,
                        by_category={**report.by_category, "optimizer_state":
@@ -734,11 +773,13 @@ def _recomputing(program: ir.Program, plan: Plan) -> ir.Program:
 
 
 def check_memory(program: ir.Program, plan: Plan, *, cost: Any = None, jobs: int = 1,
-                 progress: Callable[[int, int, str], None] | None = None) -> list[StageMemory]:
+                 progress: Callable[[int, int, str], None] | None = None,
+                 every_microbatch: bool = False) -> list[StageMemory]:
     """Measure every unit stage of ``plan`` (module docstring), in plan order. Each stage
     is measured in a process of its own, forked from this one (a fake world leaves
     process-wide state behind: process group names, DeviceMesh and DTensor caches), up
-    to ``jobs`` at a time."""
+    to ``jobs`` at a time. ``every_microbatch``: run every microbatch in flight
+    (``_ran``)."""
     import multiprocessing
 
     from dtdsl.cost.model import build_cost_model
@@ -769,7 +810,8 @@ def check_memory(program: ir.Program, plan: Plan, *, cost: Any = None, jobs: int
     try:
         with context.Pool(max(1, jobs), maxtasksperchild=1) as pool:
             pending = [pool.apply_async(_measure_in_child,
-                                        (program, plan, schedule, cost, u, s))
+                                        (program, plan, schedule, cost, u, s,
+                                         every_microbatch))
                        for u, s in todo]
             for i, task in enumerate(pending):
                 results[i] = task.get()
@@ -802,6 +844,6 @@ def _import_runtime() -> None:
 
 
 def _measure_in_child(program: ir.Program, plan: Plan, schedule: Schedule, cost: Any,
-                      unit: str, stage: int) -> StageMemory:
+                      unit: str, stage: int, every_microbatch: bool) -> StageMemory:
     torch.set_num_threads(1)
-    return _measure_stage(program, plan, schedule, cost, unit, stage)
+    return _measure_stage(program, plan, schedule, cost, unit, stage, every_microbatch)
