@@ -607,6 +607,30 @@ def _ran(in_flight: int, vpp: int, every_microbatch: bool) -> int:
     return in_flight if every_microbatch or vpp > 1 else min(in_flight, _RAN)
 
 
+def _in_flight_passes(forward: Callable[[int], Any], backward: Callable[[Any], None],
+                      flight: Any, k: int, ran: int, trains: bool) -> None:
+    """1F1B's steady state at its fullest: ``k`` microbatches forward (the first large),
+    one backward (from now on the gradients exist), one more forward (``k`` in flight
+    again, next to the gradients), then the rest backward. Past ``ran`` of them the
+    others in flight are held, not run (``_ran``)."""
+    outs, marks = [], []
+    for i in range(ran):
+        if i == ran - 1 and ran < k:        # its forward with k - 1 others held
+            flight.hold(*marks, k - ran)
+        outs.append(forward(i))
+        if i in (1, 2):                     # around an average microbatch's forward
+            marks.append(flight.mark())
+    if trains:
+        backward(outs.pop(0))
+        outs.append(forward(k))
+        backward(outs.pop(0))               # an average one's, k - 1 others held
+        flight.hold({}, {}, 0)              # the rest with fewer: never the peak
+        while outs:
+            backward(outs.pop(0))
+    flight.hold({}, {}, 0)
+    outs.clear()
+
+
 def _measure_stage(program: ir.Program, plan: Plan, schedule: Schedule, cost: Any,
                    unit: str, stage: int, every_microbatch: bool = False) -> StageMemory:
     from dtdsl.parallel.mesh import (
@@ -672,29 +696,11 @@ def _measure_stage(program: ir.Program, plan: Plan, schedule: Schedule, cost: An
                 loss.backward()
 
         def step(flight: Any) -> None:
-            # 1F1B's steady state at its fullest: k microbatches forward (one of them
-            # large), one backward (from now on the gradients exist), one more forward
-            # (k in flight again, next to the gradients), then the rest backward. Past
-            # ``ran`` of them, the others in flight are held, not run (``_ran``).
             built.begin_step()
             held = [ph.forward() for ph in phases]      # the phased encoders' forward phase
-            outs, marks = [], []
-            for i in range(ran):
-                if i == ran - 1 and ran < k:        # its forward with k - 1 others held
-                    flight.hold(*marks, k - ran)
-                outs.append(forward(i))
-                if i in (1, 2):                     # around an average microbatch's forward
-                    marks.append(flight.mark())
+            _in_flight_passes(forward, backward, flight, k, ran, trains)
             if trains:
-                backward(outs.pop(0))
-                outs.append(forward(k))
-                backward(outs.pop(0))               # an average one's, k - 1 others held
-                flight.hold({}, {}, 0)              # the rest with fewer: never the peak
-                while outs:
-                    backward(outs.pop(0))
                 built.reduce_gradients()
-            flight.hold({}, {}, 0)
-            outs.clear()
             for ph, embeds in zip(phases, held, strict=True):
                 ph.backward(embeds)
             held.clear()
