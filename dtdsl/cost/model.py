@@ -45,7 +45,9 @@ block keeps for its ``top_k`` slots (``cost.unit._moe_block_bytes``). Expert par
 experts (their weights and gradients / ep, their optimizer state sharded over the dp / ep
 replicas that hold the same experts: the same bytes as without EP), and
 ``ep_comm_time_s`` prices the dispatch and combine all-to-alls of every MoE layer, each
-way, at the EP group's bandwidth (NVLink while ep x tp x cp ranks fit in a node). Tensor
+way, on the EP group's links (NVLink to the peers on the rank's node, the network to the
+others); the experts' GEMMs run slower than large ones on few rows per expert, faster with
+the ep times more rows EP gives each (``cost.gemm``, ``expert_gemm_slowdown``). Tensor
 parallelism inside the experts divides their weights, gradients, optimizer state, GEMMs
 and intermediates by tp like a dense MLP's; the router runs whole on every TP rank
 (``UnitCost.tp_whole_matmul``), the block's sequence gather and reduce-scatter are a dense
