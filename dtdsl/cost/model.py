@@ -45,7 +45,9 @@ block keeps for its ``top_k`` slots (``cost.unit._moe_block_bytes``). Expert par
 experts (their weights and gradients / ep, their optimizer state sharded over the dp / ep
 replicas that hold the same experts: the same bytes as without EP), and
 ``ep_comm_time_s`` prices the dispatch and combine all-to-alls of every MoE layer, each
-way, at the EP group's bandwidth (NVLink while ep x tp x cp ranks fit in a node). Tensor
+way, on the EP group's links (NVLink to the peers on the rank's node, the network to the
+others); the experts' GEMMs run slower than large ones on few rows per expert, faster with
+the ep times more rows EP gives each (``cost.gemm``, ``expert_gemm_slowdown``). Tensor
 parallelism inside the experts divides their weights, gradients, optimizer state, GEMMs
 and intermediates by tp like a dense MLP's; the router runs whole on every TP rank
 (``UnitCost.tp_whole_matmul``), the block's sequence gather and reduce-scatter are a dense
@@ -64,6 +66,7 @@ from typing import Any
 import numpy as np
 
 from dtdsl.cost import flops
+from dtdsl.cost.gemm import expert_gemm_slowdown
 from dtdsl.cost.profile import ProfileTable, load_profile
 from dtdsl.cost.samples import (
     SampleSet,
@@ -78,7 +81,7 @@ from dtdsl.cost.unit import (
     _unit_cost,
 )
 from dtdsl.ir import program as ir
-from dtdsl.ir.hardware import CPU_ADAM_PARAMS_PER_S
+from dtdsl.ir.hardware import CPU_ADAM_PARAMS_PER_S, hbm_bandwidth
 from dtdsl.ir.plan import cp_split
 
 __all__ = [
@@ -253,39 +256,65 @@ class CostModel:
         units = tuple(replace(u, ep=int(eps.get(u.name, u.ep))) for u in self.units)
         return replace(self, units=units)
 
-    def ep_bandwidth(self, unit: UnitCost, tp: int) -> float:
-        """The link an EP group's all-to-alls cross: its ep replicas are tp x cp ranks
-        apart (TP innermost), so ep x tp x cp consecutive ranks hold it, within a node
-        (NVLink) while they fit in one."""
-        cluster = self.program.cluster
-        if unit.ep * tp * unit.cp <= cluster.gpus_per_node:
-            return cluster.intra_node_bw_bytes_per_s
-        return cluster.inter_node_bw_bytes_per_s
-
     def ep_comm_time_s(self, unit: UnitCost, tp: int) -> tuple[float, float]:
         """(forward, backward) seconds of one backbone microbatch's all-to-alls under
         expert parallelism: per MoE layer a dispatch and a combine, each sending the
-        (ep - 1) / ep of a rank's routed rows (bf16) that go to other ranks, in ep - 1
-        steps; the backward exchanges the gradients the same way. A rank exchanges its 1 /
-        cp of the tokens (context parallelism), not 1 / tp: every TP rank routes the whole
-        sequence and sends all its routed rows, to the ranks holding its columns of their
-        experts (``models.moe``). Zero at ep 1."""
+        (ep - 1) / ep of a rank's routed rows (bf16) that go to other ranks; the backward
+        exchanges the gradients the same way. A rank exchanges its 1 / cp of the tokens
+        (context parallelism), not 1 / tp: every TP rank routes the whole sequence and
+        sends all its routed rows, to the ranks holding its columns of their experts
+        (``models.moe``). The EP group's ranks are tp x cp apart (TP innermost): those on
+        the rank's node get their rows over NVLink, the others over the network, at the
+        same time (the slower of the two). One all-to-all sends to every peer at once (one
+        group of sends, ``torch.distributed.all_to_all_single``): one collective step's
+        latency, not one a peer. Zero at ep 1."""
         if unit.ep <= 1 or not unit.ep_elements:
             return 0.0, 0.0
-        sent = 2 * unit.ep_elements * _BYTES_BF16 / unit.cp * (unit.ep - 1) / unit.ep
-        fwd = sent / self.ep_bandwidth(unit, tp) + \
-            2 * unit.ep_layers * (unit.ep - 1) * _COLLECTIVE_LATENCY_S
+        cluster = self.program.cluster
+        data = 2 * unit.ep_elements * _BYTES_BF16 / unit.cp
+        near = max(1, min(unit.ep, cluster.gpus_per_node // (tp * unit.cp)))
+        fwd = max(data * (near - 1) / unit.ep / cluster.intra_node_bw_bytes_per_s,
+                  data * (unit.ep - near) / unit.ep / cluster.inter_node_bw_bytes_per_s) + \
+            2 * unit.ep_layers * _COLLECTIVE_LATENCY_S
         return fwd, (fwd if unit.backward_factor else 0.0)
+
+    def expert_gemm_slowdown(self, unit: UnitCost, tp: int) -> tuple:
+        """(forward, input gradient, weight gradient) slowdown of the unit's routed
+        experts' GEMMs at TP ``tp`` (``cost.gemm``): each local expert gets ep / cp times
+        its rows at ep 1 (the EP group's rows for its experts, each of cp ranks a 1 / cp
+        of the tokens) on every TP rank, over ``ffn / tp`` of its columns. 1s without
+        experts."""
+        if not unit.expert_matmul:
+            return 1.0, 1.0, 1.0
+        hidden, ffn = unit.expert_dims
+        rows = unit.expert_rows * unit.ep / unit.cp
+        return tuple(float(x) for x in expert_gemm_slowdown(
+            rows, hidden, ffn / tp, flops_per_s=self.peak_flops * self.params.efficiency.matmul,
+            hbm_bytes_per_s=hbm_bandwidth(self.program.cluster.gpu.name)))
 
     def compute_time_s(self, unit: UnitCost, tp: int) -> float:
         """Forward compute of one backbone microbatch through the whole unit at TP ``tp``
         on one rank of its CP group (analytic, whether or not there is a profile)."""
         eff = self.params.efficiency
         w = unit.fwd_work
-        # An MoE backbone's routers run whole on every TP rank (``tp_whole_matmul``).
+        # An MoE backbone's routers run whole on every TP rank (``tp_whole_matmul``); its
+        # experts' GEMMs run slower than large ones (``expert_gemm_slowdown``).
         whole = unit.tp_whole_matmul * (1 - 1 / tp) / eff.matmul
+        experts = unit.expert_matmul * (self.expert_gemm_slowdown(unit, tp)[0] - 1) / \
+            eff.matmul
         return (w.matmul / eff.matmul + w.attention / eff.attention + w.conv / eff.conv
-                + whole * tp) / (self.peak_flops * tp * unit.cp)
+                + whole * tp + experts) / (self.peak_flops * tp * unit.cp)
+
+    def expert_backward_extra_s(self, unit: UnitCost, tp: int) -> float:
+        """What the experts' backward GEMMs take beyond ``backward_factor`` times their
+        forward (``compute_time_s``): an input gradient at the forward's slowdown, a weight
+        gradient (trained units) at its own."""
+        if not unit.expert_matmul or not unit.backward_factor:
+            return 0.0
+        fwd, _, wgrad = self.expert_gemm_slowdown(unit, tp)
+        base = unit.expert_matmul / self.params.efficiency.matmul / \
+            (self.peak_flops * tp * unit.cp)
+        return base * max(unit.backward_factor - 1, 0.0) * (wgrad - fwd)
 
     def _attention_layer_s(self, unit: UnitCost, tp: int) -> float:
         """One layer's forward attention of one microbatch on one rank of the CP group."""
@@ -402,7 +431,8 @@ class CostModel:
         else:
             fwd = self.compute_time_s(unit, tp)
             bwd = unit.backward_factor * fwd + (self._recomputed_s(unit, tp, fwd)
-                                                 if unit.backward_factor else 0.0)
+                                                 if unit.backward_factor else 0.0) + \
+                self.expert_backward_extra_s(unit, tp)
         cp_fwd, cp_bwd = self.cp_comm_time_s(unit, tp)
         ep_fwd, ep_bwd = self.ep_comm_time_s(unit, tp)
         return fwd + comm + cp_fwd + ep_fwd, bwd + bwd_comm + cp_bwd + ep_bwd

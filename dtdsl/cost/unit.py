@@ -123,6 +123,12 @@ class UnitCost:
     expert_params: float = 0.0
     ep_elements: float = 0.0
     ep_layers: int = 0
+    # The routed experts' GEMMs (``cost.gemm``): their forward FLOPs per microbatch (of
+    # ``fwd_work.matmul``), the rows each expert gets per microbatch at ep 1 and cp 1 (its
+    # tokens x top_k / experts), and an expert's (hidden, columns).
+    expert_matmul: float = 0.0
+    expert_rows: float = 0.0
+    expert_dims: tuple[int, int] = (0, 0)
     # Forward matmul FLOPs per microbatch that every TP rank runs whole: an MoE backbone's
     # routers and shared-expert gates (each TP rank routes the whole sequence, models.moe).
     tp_whole_matmul: float = 0.0
@@ -296,6 +302,7 @@ class _Acc:
     comm: float = 0.0
     ep: tuple[float, float, int] = (0.0, 0.0, 0)   # experts' parameters, elements per
                                                   # all-to-all, MoE layers
+    experts: tuple[float, float, tuple[int, int]] = (0.0, 0.0, (0, 0))  # UnitCost.expert_*
     tp_whole: float = 0.0       # UnitCost.tp_whole_matmul
     cp: tuple[float, float, float] = (0.0, 0.0, 0.0)   # UnitCost.cp_tokens, _q_, _kv_width
 
@@ -359,6 +366,9 @@ def _backbone_cost(acc: _Acc, program: ir.Program, module: ir.Module, samples: S
                   arch.moe.num_moe_layers(arch.layers))
         acc.tp_whole = mean_tokens * acc.ep[2] * 2 * arch.hidden * (
             arch.moe.experts + (1 if arch.moe.shared_gate else 0))
+        moe = arch.moe
+        acc.experts = (mean_tokens * acc.ep[2] * moe.top_k * 2 * arch.hidden * 3 * moe.ffn,
+                       mean_tokens * moe.top_k / moe.experts, (arch.hidden, moe.ffn))
     acc.comm = arch.layers * 2 * mean_tokens * arch.hidden * _BYTES_BF16
     acc.cp = (mean_tokens, arch.hidden, arch.hidden * arch.kv_heads / arch.heads)
     # The embedding on the first stage; the head (none of its own when tied to the
@@ -547,6 +557,8 @@ def _unit_cost(program: ir.Program, module: ir.Module, samples: SampleSet,
         tp_synced_extra_params=acc.synced_extra, cp_method=module.context_parallel,
         cp_tokens=acc.cp[0], cp_q_width=acc.cp[1], cp_kv_width=acc.cp[2],
         expert_params=acc.ep[0], ep_elements=acc.ep[1], ep_layers=int(acc.ep[2]),
+        expert_matmul=acc.experts[0], expert_rows=acc.experts[1],
+        expert_dims=acc.experts[2],
         tp_whole_matmul=acc.tp_whole)
 
 
