@@ -3,7 +3,8 @@
     bytes --decode--> Source --parse--> AST --check--> Program --> (graph, plan, ... later)
 
 Each stage is a function of its input that returns a new value and its
-diagnostics; the driver never runs a stage after one that reported errors.
+diagnostics; the driver never runs a stage after one that reported errors. The check
+reads the files a spec names through the resolve stage (``resolve.SpecFiles``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dtdsl.frontend import ast
 from dtdsl.frontend.check import check
 from dtdsl.frontend.parser import parse
 from dtdsl.ir.program import Program
+from dtdsl.resolve import SpecFiles
 from dtdsl.source import MAX_SPEC_BYTES, Source, SourceError, decode_source
 
 __all__ = ["STAGES", "FrontendResult", "UsageError", "read_spec", "run_frontend"]
@@ -108,7 +110,7 @@ def run_frontend(name: str, data: bytes, *, stop_after: str = "program",
                                   diagnostics=_limit(sort_diagnostics(parsed.diagnostics)))
         if base_dir is None:
             base_dir = Path(name).resolve().parent if name != "<stdin>" else Path.cwd()
-        checked = check(parsed.spec, source, base_dir=base_dir)
+        checked = check(parsed.spec, source, files=SpecFiles(base_dir))
     return FrontendResult(name=name, source=source, spec=parsed.spec, program=checked.program,
                           diagnostics=_limit(parsed.diagnostics +
                                              sort_diagnostics(checked.diagnostics)))

@@ -5,7 +5,8 @@ backbone, projectors that join existing modules in the right direction, no
 cycles, every module connected), types, units and ranges, the architecture's
 own consistency (hidden divisible by heads, heads by KV heads, ...), the data
 distributions, and hands the constraints to ``dtdsl.frontend.constraints`` for
-the parallelism checks. All findings are reported, not just the first.
+the parallelism checks. All findings are reported, not just the first. It reads
+no file: what a spec names on disk it asks of a ``frontend.files.Files``.
 """
 
 from __future__ import annotations
@@ -31,10 +32,8 @@ from dtdsl.codes import (
     DT305,
     DT306,
     DT310,
-    DT311,
     DT312,
     DT313,
-    DT316,
     DT318,
     DT501,
     DT503,
@@ -48,6 +47,7 @@ from dtdsl.frontend import moe as _moe
 from dtdsl.frontend.check_data import DataChecks
 from dtdsl.frontend.check_train import TrainChecks
 from dtdsl.frontend.constraints import resolve_constraints
+from dtdsl.frontend.files import Files
 from dtdsl.frontend.schema import (
     INVALID,
     Ctx,
@@ -83,10 +83,10 @@ class CheckResult:
 
 
 class _Checker(DataChecks, TrainChecks):
-    def __init__(self, spec: ast.Spec, source: Source, base_dir: Path) -> None:
+    def __init__(self, spec: ast.Spec, source: Source, files: Files) -> None:
         self.spec = spec
         self.source = source
-        self.base_dir = base_dir
+        self.files = files
         self.ctx = Ctx()
         self.declared: dict[str, ast.Module] = {}  # every module, valid or not
 
@@ -240,39 +240,10 @@ class _Checker(DataChecks, TrainChecks):
         hf_unet = decl.role == "generator" and source not in (None, INVALID) and \
             source.family == "unet"
         if text is None and not hf_unet:
-            return None     # no file to read: no torch import (dtc check stays light)
-        from dtdsl.models.hf import HFError, WeightsFileError
-        from dtdsl.models.vae import VAEConfig, VAEError, find_vae, vae_problems
-
-        if text is not None:
-            path, span = self._path(text), field.value.span
-        elif (found := find_vae(source.path)) is not None:
-            path, span = found, decl.name_span
-        else:
-            return None
-        try:
-            cfg = VAEConfig.read(path)
-        except VAEError as err:
-            return ctx.error(DT311, str(err), span,
-                             hint="point vae at a diffusers AutoencoderKL folder (config.json "
-                             "and safetensors)")
-        want = getattr(arch, "latent_channels", None)
-        if want is not None and cfg.latent_channels != want:
-            return ctx.error(DT312, f"the VAE in {path} makes {cfg.latent_channels}-channel "
-                             f"latents; generator {decl.name} denoises {want}", span,
-                             hint="use the VAE the generator was trained with")
-        # Its weights are read on every generator rank: checked here, headers only.
-        try:
-            problems = vae_problems(cfg)
-        except WeightsFileError as err:
-            return ctx.error(DT316, err.message, span, hint=err.hint)
-        except HFError as err:
-            return ctx.error(DT312, f"the VAE in {path}: {err.message}", span,
-                             hint=err.hint)
-        if problems:
-            return ctx.error(DT312, f"the weights of the VAE in {path} do not fit its "
-                             f"config: {problems[0]}", span, notes=problems[1:5])
-        return cfg.arch()
+            return None     # no file named: nothing to resolve
+        return self.files.vae(ctx, text, field.value.span if text is not None else None,
+                              source, decl.name, decl.name_span,
+                              getattr(arch, "latent_channels", None))
 
     def _arch(self, call: ast.Call, decl: ast.Module, modality: Any) -> Any:
         ctx = self.ctx
@@ -306,69 +277,36 @@ class _Checker(DataChecks, TrainChecks):
             return self._unet(call, args)
         return self._dit(call, args)
 
-    def _path(self, text: str) -> Path:
-        """A path of the spec: relative to the spec's folder, ``~`` expanded, absolute."""
-        path = Path(text).expanduser()
-        return (path if path.is_absolute() else self.base_dir / path).resolve()
-
     def _hf_model(self, text: str, feature_layer: int | None, decl: ast.Module, modality: Any,
                   span: Span) -> tuple[Any, Any]:
         """``(architecture, ir.HFSource)`` of the Hugging Face model in directory ``text``
-        (``hf("DIR")``, or ``pretrained`` alone), or ``(INVALID, INVALID)`` with a DT311."""
-        from dtdsl.models.hf.config import HFError, read_hf
-
+        (``hf("DIR")``, or ``pretrained`` alone), or ``(INVALID, INVALID)``."""
         ctx = self.ctx
-        try:
-            model = read_hf(self._path(text), role=decl.role, feature_layer=feature_layer)
-        except HFError as err:
-            missing = not self._path(text).exists() and not Path(text).is_absolute()
-            ctx.error(DT311, err.message, span, hint=err.hint or (
-                "paths are relative to the spec's folder" if missing else None))
+        model = self.files.hf_model(ctx, text, decl.role, feature_layer, span)
+        if model is INVALID:
             return INVALID, INVALID
+        arch, source, notes = model
         # A tower reads what it was trained on: Whisper audio, CLIP and SigLIP images.
-        reads = "audio" if model.source.family == "whisper" else "image"
+        reads = "audio" if source.family == "whisper" else "image"
         if decl.role == "encoder" and modality not in (INVALID, reads):
             tower = "an audio" if reads == "audio" else "a vision"
-            ctx.error(DT306, f"{model.source.family} is {tower} tower; encoder {decl.name} "
+            ctx.error(DT306, f"{source.family} is {tower} tower; encoder {decl.name} "
                       f"reads {modality}", span, hint=f"write `encoder {decl.name} ({reads}) {{`")
             return INVALID, INVALID
-        for note in model.notes:
+        for note in notes:
             ctx.warning(DT504, note, span)
-        return model.arch, model.source
+        return arch, source
 
     def _pretrained(self, text: str, decl: ast.Module, arch: Any, source: Any) -> Any:
         """The absolute directory of a module's pretrained weights, checked against its
-        architecture (every tensor there, in its shape, floating point; every file's
-        header checked against the file; nothing read but the headers)."""
-        from dtdsl.models.hf import HFError, WeightsFileError, pretrained_problems, read_hf
-
-        ctx = self.ctx
+        architecture by ``self.files``."""
         span = _field(decl.fields, "pretrained").value.span
         if source is INVALID or source is None:
-            return ctx.error(DT312, f"pretrained weights of {decl.role} {decl.name} are read "
-                             f"into a Hugging Face architecture, and {arch.kind}(...) is "
-                             "dtdsl's own", span,
-                             hint=f'write `arch = hf("{text}")`, or leave arch out')
-        try:
-            weights = read_hf(self._path(text), role=decl.role)
-        except HFError as err:
-            return ctx.error(DT311, err.message, span, hint=err.hint)
-        if weights.source.family != source.family:
-            return ctx.error(DT312, f"{text} holds a {weights.source.family} model, but "
-                             f"the architecture is a {source.family}", span)
-        try:
-            problems = pretrained_problems(weights, decl.role, arch)
-        except WeightsFileError as err:
-            return ctx.error(DT316, err.message, span, hint=err.hint)
-        except HFError as err:
-            return ctx.error(DT312, err.message, span, hint=err.hint)
-        if problems:
-            more = len(problems) - 5
-            return ctx.error(DT312, f"the weights in {text} do not fit {decl.role} "
-                             f"{decl.name}: {problems[0]}", span,
-                             notes=problems[1:5] + ([f"and {more} more"] if more > 0 else []),
-                             hint="point pretrained at the checkpoint of this architecture")
-        return str(weights.weights_dir)
+            return self.ctx.error(DT312, f"pretrained weights of {decl.role} {decl.name} are "
+                                  f"read into a Hugging Face architecture, and {arch.kind}(...) "
+                                  "is dtdsl's own", span,
+                                  hint=f'write `arch = hf("{text}")`, or leave arch out')
+        return self.files.pretrained(self.ctx, text, decl.role, decl.name, arch, source, span)
 
     def _transformer(self, call, decl, modality, args) -> Any:
         ctx = self.ctx
@@ -709,8 +647,8 @@ class _Checker(DataChecks, TrainChecks):
                                hint=f"set seq_len to at most {limit}")
 
 
-def check(spec: ast.Spec, source: Source, *, base_dir: Path | None = None) -> CheckResult:
-    """Resolve a parsed spec into a Program; paths in the spec are relative to ``base_dir``."""
-    checker = _Checker(spec, source, base_dir or Path.cwd())
+def check(spec: ast.Spec, source: Source, *, files: Files) -> CheckResult:
+    """Resolve a parsed spec into a Program, the files it names read through ``files``."""
+    checker = _Checker(spec, source, files)
     program = checker.run()
     return CheckResult(program=program, diagnostics=tuple(checker.ctx.diagnostics))

@@ -1,16 +1,13 @@
 """The checker's data part: a data block's fields, its tokenizer, and every quantity's
-distribution (empirical ones read from their file, bounded in size)."""
+distribution (an empirical one's file, and the tokenizer, read through ``frontend.files``)."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
-from dtdsl.codes import DT201, DT202, DT204, DT205, DT206, DT208, DT309, DT315, DT501, DT502
+from dtdsl.codes import DT201, DT202, DT204, DT205, DT206, DT208, DT501, DT502
 from dtdsl.diagnostics import did_you_mean
 from dtdsl.frontend import ast
 from dtdsl.frontend.schema import (
@@ -24,8 +21,6 @@ from dtdsl.frontend.tables import (
     _UNBOUNDED,
     DATA_FIELDS,
     DISTRIBUTIONS,
-    MAX_EMPIRICAL_BYTES,
-    MAX_EMPIRICAL_VALUES,
     _field,
     _ok,
 )
@@ -40,10 +35,8 @@ _EXAMPLES = {
 }
 
 
-
-
 class DataChecks:
-    """``_Checker``'s data block (a mixin: ``self.ctx``, ``self._path``)."""
+    """``_Checker``'s data block (a mixin: ``self.ctx``, ``self.files``)."""
 
     def _data(self, block: ast.DataBlock, modules: Mapping[str, Any]) -> Any:
         ctx = self.ctx
@@ -117,37 +110,21 @@ class DataChecks:
                        span=block.span,
                        source_span=source_field.value.span if source_field else None,
                        tokenizer=tokenizer, chat=values["chat"],
-                       image_folder=str(self._path(folder)) if folder is not None else None)
+                       image_folder=str(self.files.path(folder)) if folder is not None else None)
 
     def _tokenizer(self, fields: Sequence[ast.Field], values: Mapping[str, Any],
                    modules: Mapping[str, Any]) -> Any:
-        """The absolute path of the data's tokenizer: the ``tokenizer`` field, else the
-        backbone's pretrained directory when it holds a ``tokenizer.json``; None for the
-        hashing tokenizer of synthetic data. Loaded here once (DT315 when it cannot be, or
-        its ids do not fit the backbone's vocabulary)."""
-        from dtdsl.data.text import TokenizerError, load_tokenizer
-
+        """The data's tokenizer, resolved by ``self.files`` (the ``tokenizer`` field, else
+        the backbone's pretrained folder; None for the hashing tokenizer of synthetic data)."""
         backbone = next((m for m in modules.values()
                          if m is not INVALID and m.role == "backbone"), None)
-        field = _field(fields, "tokenizer")
-        if field is not None and values["tokenizer"] is not None:
-            path, span = self._path(values["tokenizer"]), field.value.span
-        elif backbone is not None and backbone.pretrained is not None and \
-                (Path(backbone.pretrained) / "tokenizer.json").is_file():
-            path, span = Path(backbone.pretrained), None
-        else:
-            return None
-        if backbone is None or not isinstance(getattr(backbone.arch, "vocab", None), int):
-            return str(path)
-        try:
-            load_tokenizer(path, backbone.arch.vocab, values["chat"])
-        except TokenizerError as err:
-            chat = _field(fields, "chat")
-            where = span or (chat.value.span if chat is not None else backbone.span)
-            return self.ctx.error(DT315, f"the tokenizer cannot be used: {err}", where,
-                                  hint="point `tokenizer` at a tokenizer.json or a Hugging "
-                                  "Face folder holding one, made for the backbone")
-        return str(path)
+        field, chat = _field(fields, "tokenizer"), _field(fields, "chat")
+        given = field is not None and values["tokenizer"] is not None
+        if not given and (backbone is None or backbone.pretrained is None):
+            return None     # no file named: synthetic data's hashing tokenizer
+        return self.files.tokenizer(self.ctx, values["tokenizer"] if given else None,
+                                    field.value.span if given else None, backbone,
+                                    values["chat"], chat.value.span if chat is not None else None)
 
     def _quantity(self, item: ast.Distribution, key: str) -> Any:
         ctx = self.ctx
@@ -213,82 +190,7 @@ class DataChecks:
         return self._empirical(call, args, key)
 
     def _empirical(self, call: ast.Call, args: dict[str, Any], key: str) -> Any:
-        ctx = self.ctx
         span = call.arg_span("path")
         if call.args and call.args[0].name is None:
             span = call.args[0].span
-        path = Path(args["path"])
-        if not path.is_absolute():
-            path = self.base_dir / path
-        try:
-            size = path.stat().st_size
-            if size > MAX_EMPIRICAL_BYTES:
-                return ctx.error(DT309, f"{args['path']} is {size:,} bytes; empirical "
-                                 f"files are limited to {MAX_EMPIRICAL_BYTES:,}", span)
-            raw = path.read_bytes()
-        except FileNotFoundError:
-            return ctx.error(DT309, f"no such file: {args['path']}", span,
-                             notes=[f"looked for {_shown(path)}"],
-                             hint="paths are relative to the spec's folder")
-        except OSError as err:
-            return ctx.error(DT309, f"cannot read {args['path']}: {err.strerror or err}",
-                             span)
-        try:
-            values = _parse_samples(raw, path.suffix, args["key"] or key)
-        except ValueError as err:
-            return ctx.error(DT309, f"{args['path']}: {err}", span,
-                             hint="give a JSON list of numbers, a JSON object of such lists "
-                             "by quantity, or one number per line")
-        return ir.Empirical(path=args["path"], key=args["key"],
-                            sha256=hashlib.sha256(raw).hexdigest(), values=values)
-
-    # ---- cluster ------------------------------------------------------------------------
-
-def _shown(path: Path) -> str:
-    """A path as a user would type it: relative to the working directory when inside it."""
-    try:
-        return str(path.resolve().relative_to(Path.cwd()))
-    except ValueError:
-        return str(path)
-
-
-def _parse_samples(raw: bytes, suffix: str, key: str) -> tuple[float, ...]:
-    """Measured values from JSON (a list, or an object of lists by quantity) or text."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise ValueError("not UTF-8 text") from None
-    stripped = text.lstrip()
-    if suffix == ".json" or stripped.startswith(("[", "{")):
-        try:
-            doc = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"invalid JSON at line {err.lineno}: {err.msg}") from None
-        if isinstance(doc, dict):
-            if key not in doc:
-                raise ValueError(f"no key '{key}' (keys: {', '.join(list(doc)[:10])})")
-            doc = doc[key]
-            if isinstance(doc, dict) and "values" in doc:
-                doc = doc["values"]
-        if not isinstance(doc, list):
-            raise ValueError("expected a list of numbers")
-        items = doc
-    else:
-        items = [line.split("#")[0].strip() for line in text.splitlines()]
-        items = [i for i in items if i]
-    if not items:
-        raise ValueError("no values")
-    if len(items) > MAX_EMPIRICAL_VALUES:
-        raise ValueError(f"{len(items):,} values; at most {MAX_EMPIRICAL_VALUES:,}")
-    values = []
-    for i, item in enumerate(items):
-        if isinstance(item, bool) or not isinstance(item, (int, float, str)):
-            raise ValueError(f"value {i + 1} is not a number")
-        try:
-            value = float(item)
-        except ValueError:
-            raise ValueError(f"value {i + 1} ({str(item)[:20]!r}) is not a number") from None
-        if not math.isfinite(value) or value < 0:
-            raise ValueError(f"value {i + 1} ({value:g}) is not a finite count >= 0")
-        values.append(value)
-    return tuple(values)
+        return self.files.empirical(self.ctx, args["path"], args["key"], key, span)

@@ -43,6 +43,12 @@ projector), built so that memory matches the plan:
    single-process reference holds there). No rank ever holds or reads a tensor, or a
    shard, it does not own.
 
+``build_stage`` composes these as named steps: ``_stage_units`` (0, 1),
+``_apply_parallelisms`` (1b to 4's sharding, with compilation: torchtitan's
+``parallelize.py``), ``_materialise`` (4's allocation), ``_assemble`` (the ``Stage``,
+its ``StageState`` and the generators' VAEs), then tied embeddings, phased encoders and
+initialisation.
+
 **FSDP2** (``fully_shard``) is the data parallelism and ZeRO of every stage, with the spec's
 ``MixedPrecisionPolicy``: ``precision = bf16`` computes in bf16 parameters and activations,
 keeps fp32 master weights (the sharded parameters) and optimizer state, and reduces
@@ -66,7 +72,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -628,12 +634,8 @@ def build_phased(program: ir.Program, plan: Plan, name: str, role: RankRole, mes
     # FSDP2 sets a root up at its first forward; a rank whose share of a step has no
     # images runs none, yet reduces with the others (``Stage.reduce_gradients``).
     stage._get_fsdp_state()._lazy_init()
-    total = program.module(name).arch.layers
-    stage.stage_state = StageState(program=program, role=role, start=0, stop=total,
-                                   dtype=compute_dtype)
-    return Stage(module=stage, role=role, start=0, stop=total, compute_dtype=compute_dtype,
-                 tp_sharded=tp_sharded, layers=layers,
-                 tp_group=mesh["tp"].get_group() if role.grid.tp > 1 else None)
+    return _assemble(_Parallel(stage, tp_sharded, None, layers), program, role, [],
+                     ((0, program.module(name).arch.layers),), mesh, device)
 
 
 def _apply_tp(units: dict[str, nn.Module], names: list[str], role: RankRole,
@@ -690,11 +692,35 @@ def build_stage(program: ir.Program, plan: Plan, role: RankRole, mesh: Any,
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPStageModule\) "
                             r"returned a view tensor")
     seed = program.train.seed if seed is None else seed
-    compute_dtype = COMPUTE_DTYPES[program.train.precision]
     hosted = hosted_units(plan, role)
     units, chunks = _stage_units(program, plan, role, hosted, seed)
-    start, stop = chunks[0][0], chunks[-1][1]
-    chunks = chunks if len(chunks) > 1 else ()
+    parts = _apply_parallelisms(units, program, plan, role, mesh, device, hosted=hosted,
+                                run=run, compile=compile, ep=ep)
+    # Only now is anything allocated: this rank's DP shards of its TP shards, each
+    # element initialised from its position in the full tensor.
+    _materialise(parts.module, program, device)
+    built = _assemble(parts, program, role, hosted, chunks, mesh, device)
+    _tie_across_stages(built, program, plan, mesh)
+    _attach_phased(built, program, plan, device, seed=seed, meshes=phased, run=phased_run)
+    if initialize:
+        built.initialize(program, seed)
+    return built
+
+
+class _Parallel(NamedTuple):
+    """A stage's units parallelised (``_apply_parallelisms``), still on meta."""
+
+    module: StageModule
+    tp_sharded: set[str]    # parameters sharded over TP, "<unit>.<param>"
+    compiled: Any           # train.compiled.CompiledBlocks, or None
+    layers: list[nn.Module]  # FSDP2 units, forward order
+
+
+def _apply_parallelisms(units: dict[str, nn.Module], program: ir.Program, plan: Plan,
+                        role: RankRole, mesh: Any, device: torch.device, *, hosted: list[Any],
+                        run: Any, compile: bool | None, ep: Any) -> _Parallel:
+    """Expert, tensor parallelism, recomputation, compilation and FSDP2, in that order
+    (as torchtitan's ``parallelize.py``), over the meta ``units`` of a stage."""
     experts = _expert_parallel(units, plan, role, ep)
     tp_sharded = _apply_tp(units, [role.unit] + [h.name for h in hosted if not h.tp_replicated],
                            role, mesh)
@@ -702,27 +728,31 @@ def build_stage(program: ir.Program, plan: Plan, role: RankRole, mesh: Any,
     apply_ac(stage.units, lambda unit: _recomputes(program, plan, unit))
     compiled = _compile(stage, program, role, device, compile)
     # ZeRO-1: shard over DP; ZeRO-0: replicate over DP (HSDP with shards of one rank).
-    layers = apply_fsdp(stage, stage.units, _replica_mesh(mesh, program), compute_dtype,
-                        experts=experts)
-    # Only now is anything allocated: this rank's DP shards of its TP shards, each
-    # element initialised from its position in the full tensor.
-    _materialise(stage, program, device)
+    layers = apply_fsdp(stage, stage.units, _replica_mesh(mesh, program),
+                        COMPUTE_DTYPES[program.train.precision], experts=experts)
+    return _Parallel(stage, tp_sharded, compiled, layers)
+
+
+def _assemble(parts: _Parallel, program: ir.Program, role: RankRole, hosted: list[Any],
+              chunks: tuple[tuple[int, int], ...], mesh: Any, device: torch.device) -> Stage:
+    """The ``Stage`` around a materialised stage module and its ``StageState``: its
+    layers (``chunks``, per model chunk, as ``_stage_units`` gives them), the units it
+    hosts, the VAEs of the generators whose latents it makes, and its TP group."""
+    stage = parts.module
+    start, stop = chunks[0][0], chunks[-1][1]
+    chunks = chunks if len(chunks) > 1 else ()
+    dtype = COMPUTE_DTYPES[program.train.precision]
     # A generator's VAE makes its latents where they enter it: its first stage.
     generators = ([role.unit] if role.role == "generator" and role.is_first_stage else []) + \
         [h.name for h in hosted if h.role == "generator"]
     names = tuple(h.name for h in hosted)
     stage.stage_state = StageState(program=program, role=role, start=start, stop=stop,
-                                   dtype=compute_dtype, vaes=_vaes(program, generators, device),
+                                   dtype=dtype, vaes=_vaes(program, generators, device),
                                    hosted=names, chunks=chunks)
-    built = Stage(module=stage, role=role, start=start, stop=stop, chunks=chunks,
-                  compute_dtype=compute_dtype, tp_sharded=tp_sharded, layers=layers,
-                  hosted=names, compiled=compiled,
-                  tp_group=mesh["tp"].get_group() if role.grid.tp > 1 else None)
-    _tie_across_stages(built, program, plan, mesh)
-    _attach_phased(built, program, plan, device, seed=seed, meshes=phased, run=phased_run)
-    if initialize:
-        built.initialize(program, seed)
-    return built
+    return Stage(module=stage, role=role, start=start, stop=stop, chunks=chunks,
+                 compute_dtype=dtype, tp_sharded=parts.tp_sharded, layers=parts.layers,
+                 hosted=names, compiled=parts.compiled,
+                 tp_group=mesh["tp"].get_group() if role.grid.tp > 1 else None)
 
 
 def _expert_parallel(units: dict[str, nn.Module], plan: Plan, role: RankRole,
