@@ -83,6 +83,7 @@ groups across the job (``dim_groups``). Other code creating groups does so throu
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -502,33 +503,42 @@ def rank_groups(plan: Plan, rank: int, zero: int = 1, ulysses: dict[str, int] | 
             ranks = _lines(phased_role(plan, u, rank), zero)[dim]
             if len(ranks) > 1:
                 out[f"{u.name}.{dim}"] = ranks
-    for dim, ranks in ep_lines(role, plan.unit(role.unit).ep).items():
+    for dim, ranks in ep_lines(role, plan.unit(role.unit).ep, replica_dp).items():
         if len(ranks) > 1:
             out[f"{role.unit}.{dim}"] = ranks
     return out
 
 
-def ep_lines(role: RankRole, ep: int) -> dict[str, tuple[int, ...]]:
+def ep_lines(role: RankRole, ep: int, replica_dp: int = 1) -> dict[str, tuple[int, ...]]:
     """The EP group (``ep``) and the expert DP group (``ep_dp``) through ``role.rank``
-    (module docstring: EP groups of consecutive replicas); none at ep 1. ValueError where
-    ``ep`` does not divide the unit's dp, or the unit has context parallelism."""
+    (module docstring: EP groups of consecutive replicas); none at ep 1. ``replica_dp``
+    > 1: Local SGD replicas of that many consecutive DP ranks (``parallel.replicas``),
+    each EP group inside one replica and the expert DP group the replica's own ranks
+    holding the same experts. ValueError where ``ep`` does not divide the unit's dp (a
+    replica's ranks), or the unit has context parallelism."""
     if ep == 1:
         return {}
     grid = role.grid
-    if ep < 1 or grid.dp % ep or grid.cp != 1:
-        raise ValueError(f"{role.unit}: expert parallelism {ep} over dp {grid.dp} (cp "
-                         f"{grid.cp}); ep must divide dp, without context parallelism")
+    span = math.gcd(grid.dp, replica_dp) if replica_dp > 1 else grid.dp
+    if ep < 1 or span % ep or grid.cp != 1:
+        within = f" (Local SGD replicas of {span})" if span != grid.dp else ""
+        raise ValueError(f"{role.unit}: expert parallelism {ep} over dp {grid.dp}{within} "
+                         f"(cp {grid.cp}); ep must divide dp and a replica's ranks, "
+                         "without context parallelism")
     ranks = role.dp_ranks
     first = role.replica - role.replica % ep
-    return {"ep": ranks[first:first + ep], "ep_dp": ranks[role.replica % ep::ep]}
+    block = role.replica - role.replica % span
+    return {"ep": ranks[first:first + ep],
+            "ep_dp": ranks[block + role.replica % ep:block + span:ep]}
 
 
-def _ep_family(plan: Plan, unit: str, dim: str) -> tuple[tuple[int, ...], ...]:
+def _ep_family(plan: Plan, unit: str, dim: str, replica_dp: int = 1
+               ) -> tuple[tuple[int, ...], ...]:
     """Every group of ``unit``'s expert-parallel dimension ``dim`` (``ep_lines``), groups
     of one rank left out: the split of the default group ``split_group`` makes for it."""
     out: list[tuple[int, ...]] = []
     for rank in plan.unit(unit).ranks:
-        ranks = ep_lines(role_of(plan, rank), plan.unit(unit).ep)[dim]
+        ranks = ep_lines(role_of(plan, rank), plan.unit(unit).ep, replica_dp)[dim]
         if len(ranks) > 1 and ranks not in out:
             out.append(ranks)
     return tuple(out)
@@ -599,6 +609,11 @@ class ExpertGroups:
 
     group: ProcessGroup
     mesh: Any
+    # Local SGD with replicas of several ranks (``parallel.replicas``): ``mesh``'s
+    # ``dp_shard`` is the replica's own ranks holding the same experts (FSDP2 shards them
+    # there) and its ``dp_replicate`` the ranks at the same place in the other replicas,
+    # which hold the same experts and meet in ``train.local_sgd``'s synchronisation.
+    replicas: bool = False
 
     @property
     def degree(self) -> int:
@@ -608,9 +623,10 @@ class ExpertGroups:
 
     @property
     def dp_group(self) -> ProcessGroup:
-        """The expert DP group: ``mesh``'s DP dimension (ZeRO decides which) of its ranks."""
+        """The expert DP group: ``mesh``'s DP dimension (ZeRO decides which) of its ranks;
+        under Local SGD the replica's own (``replicas``)."""
         return self.mesh["dp_replicate" if self.mesh["dp_replicate"].size() > 1
-                         else "dp_shard"].get_group()
+                         and not self.replicas else "dp_shard"].get_group()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -758,16 +774,20 @@ def build_groups(plan: Plan, *, device_type: str = "cpu", zero: int = 1,
     cp = _cp_groups(plan, role, mine, device_type, ulysses or {})
     phased = _phased_meshes(plan, role, mesh, device_type, zero)
     return ProcessGroups(role=role, mesh=mesh, tp=mesh.get_group("tp"), phased=phased, cp=cp,
-                         ep=_ep_groups(plan, role, mine, device_type, zero, mesh["tp"]))
+                         ep=_ep_groups(plan, role, mine, device_type, zero, mesh,
+                                       replica_dp))
 
 
 def _ep_groups(plan: Plan, role: RankRole, mine: dict[str, tuple[int, ...]],
-               device_type: str, zero: int, tp: Any = None) -> ExpertGroups | None:
+               device_type: str, zero: int, mesh: Any = None,
+               replica_dp: int = 1) -> ExpertGroups | None:
     """This rank's ``ExpertGroups`` (None at ep 1), made after every other group: each
     unit with ep > 1 in plan order, its EP groups, then its expert DP groups, so that
     where groups are split from the default group every rank of the job takes part in the
-    same order. ``tp``: the unit's TP mesh, whose group is the experts' mesh's ``tp`` (their
-    TP split's mesh: FSDP2 wants one root for a parameter's DP and TP meshes)."""
+    same order. ``mesh``: the unit's DeviceMesh, whose ``tp`` group is the experts'
+    mesh's (their TP split's mesh: FSDP2 wants one root for a parameter's DP and TP
+    meshes) and, under Local SGD with replicas of several ranks (``replica_dp`` > 1),
+    whose ``dp_replicate`` group is too (``ExpertGroups.replicas``)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
@@ -778,8 +798,8 @@ def _ep_groups(plan: Plan, role: RankRole, mine: dict[str, tuple[int, ...]],
             continue
         for dim in ("ep", "ep_dp"):
             key = f"{g.name}.{dim}"
-            group = new_subgroup(mine.get(key), lambda dim=dim, g=g: _ep_family(plan, g.name, dim),
-                                 desc=f"{g.name}_{dim}")
+            group = new_subgroup(mine.get(key), lambda dim=dim, g=g: _ep_family(
+                plan, g.name, dim, replica_dp), desc=f"{g.name}_{dim}")
             if g.name != role.unit:
                 continue
             if group is None:
@@ -791,20 +811,37 @@ def _ep_groups(plan: Plan, role: RankRole, mine: dict[str, tuple[int, ...]],
             made[dim] = group
     if not made:
         return None
-    lines = ep_lines(role, plan.unit(role.unit).ep)
-    shard = zero >= 1
-    dims = {"pp": _alone(role.rank, f"{role.unit}_ep_pp"),
-            "dp_replicate": _alone(role.rank, f"{role.unit}_ep_dpr") if shard else made["ep_dp"],
-            "dp_shard": made["ep_dp"] if shard else _alone(role.rank, f"{role.unit}_ep_dps"),
-            "tp": tp.get_group() if tp is not None and role.grid.tp > 1
-            else _alone(role.rank, f"{role.unit}_ep_tp")}
-    n, t = len(lines["ep_dp"]), role.grid.tp if tp is not None else 1
-    # Each expert DP rank's TP group: TP is innermost in a unit's ranks (module docstring).
-    table = torch.tensor([[r - role.tp_index + i for i in range(t)] for r in lines["ep_dp"]],
-                         dtype=torch.int).reshape((1, 1, n, t) if shard else (1, n, 1, t))
+    e = plan.unit(role.unit).ep
+    replicas = replica_dp > 1 and zero == 0
+    span = math.gcd(role.grid.dp, replica_dp) if replicas else role.grid.dp
+    tp = mesh["tp"] if mesh is not None else None
+    t = role.grid.tp if tp is not None else 1
+    # Per replica (one without Local SGD), its ranks holding this rank's experts (the
+    # expert DP group of ``ep_lines``), each with its TP group: TP is innermost in a
+    # unit's ranks (module docstring).
+    dp = role.dp_ranks
+    table = torch.tensor([[[dp[k * span + j] - role.tp_index + i for i in range(t)]
+                           for j in range(role.replica % e, span, e)]
+                          for k in range(role.grid.dp // span)], dtype=torch.int)
+    dims = {"pp": _alone(role.rank, f"{role.unit}_ep_pp")}
+    if replicas:
+        # The replicas at this rank's place (the unit's dp_replicate line), then the
+        # replica's own ranks with the same experts.
+        dims.update(dp_replicate=mesh["dp_replicate"].get_group(), dp_shard=made["ep_dp"])
+        table = table.reshape(1, *table.shape)
+    elif zero >= 1:
+        dims.update(dp_replicate=_alone(role.rank, f"{role.unit}_ep_dpr"),
+                    dp_shard=made["ep_dp"])
+        table = table.reshape(1, 1, -1, t)
+    else:
+        dims.update(dp_replicate=made["ep_dp"],
+                    dp_shard=_alone(role.rank, f"{role.unit}_ep_dps"))
+        table = table.reshape(1, -1, 1, t)
+    dims["tp"] = tp.get_group() if tp is not None and role.grid.tp > 1 \
+        else _alone(role.rank, f"{role.unit}_ep_tp")
     mesh = DeviceMesh.from_group([dims[d] for d in MESH_DIMS], device_type, mesh=table,
                                  mesh_dim_names=MESH_DIMS)
-    return ExpertGroups(group=made["ep"], mesh=mesh)
+    return ExpertGroups(group=made["ep"], mesh=mesh, replicas=replicas)
 
 
 def _cp_groups(plan: Plan, role: RankRole, mine: dict[str, tuple[int, ...]],

@@ -204,18 +204,19 @@ def state_dict(ex: Any) -> dict[str, Any]:
         model, optim = get_state_dict(module, [opt])
         out["model"].update(model)
         out.setdefault("optim", {}).update(optim["state"])
-    ep = getattr(getattr(ex, "groups", None), "ep", None)
-    if ep is not None:
-        # Expert parallelism: each expert once, under its single-process name and shape.
-        from dtdsl.parallel.ep import expert_layout, global_experts
-
-        global_experts(out, ex.stage.module, expert_layout(ep, ex.role.dp_ranks))
     if ex.loss_scale is not None:
         out["loss_scale"] = _scale_tensors(ex.loss_scale.state())
     if local is not None and local.syncs:
         # Local SGD's anchor, outer momentum, statistics and each replica's parameters
         # (``local_sgd.StageSync.state_dict``).
         out["local_sgd"] = local.state_dict()
+    ep = getattr(getattr(ex, "groups", None), "ep", None)
+    if ep is not None:
+        # Expert parallelism: each expert once (per Local SGD replica), under its
+        # single-process name and shape.
+        from dtdsl.parallel.ep import expert_layout, global_experts
+
+        global_experts(out, ex.stage.module, expert_layout(ep, ex.role.dp_ranks))
     return out
 
 

@@ -703,7 +703,7 @@ def build_stage(program: ir.Program, plan: Plan, role: RankRole, mesh: Any,
     compiled = _compile(stage, program, role, device, compile)
     # ZeRO-1: shard over DP; ZeRO-0: replicate over DP (HSDP with shards of one rank).
     layers = apply_fsdp(stage, stage.units, _replica_mesh(mesh, program), compute_dtype,
-                        experts=experts)
+                        experts=None if experts is None else _replica_mesh(experts, program))
     # Only now is anything allocated: this rank's DP shards of its TP shards, each
     # element initialised from its position in the full tensor.
     _materialise(stage, program, device)
