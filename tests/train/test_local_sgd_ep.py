@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from dtdsl.ir import program as ir
@@ -180,3 +181,29 @@ def test_ep_in_replicas_matches_the_reference_and_resumes_at_ep_1(tmp_path):
         for name, p in a["full"].items():
             err = (p - b["full"][name]).norm().item()
             assert err <= PARAM_RTOL * (p - init[name]).norm().item() + 1e-7, (name, err)
+
+
+def _planned(replica_dp: int) -> tuple[ir.Program, Plan]:
+    from dtdsl.cost.model import build_cost_model
+    from dtdsl.planner import plan
+    from tests.specs import TINY, program
+
+    text = TINY.read_text().replace("vocab=512, swiglu)", "vocab=512, swiglu, " + ARGS + ")")
+    text = text.replace("  checkpoint_every = 10\n", "  checkpoint_every = 10\n  sync = "
+                        f"local_sgd(period=2, replica_dp={replica_dp})\n")
+    text = text.replace("tp(*) in {1, 2}", "tp(*) == 1\n  ep(llm) == 2")
+    cost = build_cost_model(program(text))
+    return cost.program, plan(cost, compare_baseline=False)
+
+
+def test_the_planner_plans_ep_inside_replicas_only():
+    from dtdsl.codegen.support import runtime_support
+    from dtdsl.planner.result import Infeasible
+
+    program, planned = _planned(2)
+    llm = planned.unit("llm")
+    assert llm.ep == 2 and program.train.sync.replica_ranks(llm.dp) % 2 == 0
+    assert not runtime_support(program, planned)
+    # Whole replicas (one rank each) hold no EP group: nothing to plan.
+    with pytest.raises(Infeasible):
+        _planned(1)
