@@ -207,3 +207,26 @@ def test_the_planner_plans_ep_inside_replicas_only():
     # Whole replicas (one rank each) hold no EP group: nothing to plan.
     with pytest.raises(Infeasible):
         _planned(1)
+
+
+def test_the_cost_model_prices_a_ranks_own_experts():
+    from dtdsl.cost.model import build_cost_model
+
+    cost = build_cost_model(spec())
+    one, two = cost.unit("llm"), cost.with_ep({"llm": 2}).unit("llm")
+    experts = one.expert_params * one.trainable_params / one.params
+    assert experts > 0 and two.ep == 2
+    # dp 4 = 2 replicas of 2. Local SGD all-reduces a rank's 1 / 2 of the replica's
+    # parameters at ep 1 and at ep 2 alike (at ep 2: its 2 of 4 experts, whole on it);
+    # inside a replica FSDP2 no longer moves the experts at ep 2 (each is on one rank
+    # there): 2 bytes x 2 (n - 1) / n at n = 2 of each expert parameter less.
+    at_one = cost.dp_sync_bytes(one, 1, 1, 4)
+    at_two = cost.with_ep({"llm": 2}).dp_sync_bytes(two, 1, 1, 4)
+    assert at_one - at_two == pytest.approx(2 * experts)
+    # The optimizer state, anchor and outer momentum of a rank's experts are sharded
+    # over the replica's ranks holding them (one at ep 2), not over the replica's 2.
+    model = cost.with_ep({"llm": 2})
+    layers = one.layers
+    extra = model._expert_optimizer_bytes(two, layers, 1, 4)
+    per = model.optimizer_bytes_per_param() / 2 + 4
+    assert extra == pytest.approx(two.expert_params / 2 * per)
