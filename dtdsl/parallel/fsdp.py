@@ -66,9 +66,10 @@ def apply_fsdp(stage: nn.Module, units: Mapping[str, nn.Module], mesh: Any,
 
     ``experts``: under expert parallelism, what the experts shard and reduce over: the
     expert DP group (``parallel.mesh``, ``ExpertGroups.mesh`` as ``replica_mesh`` takes
-    it: under Local SGD the replica's own ranks holding them). Each expert-parallel block's stacked experts
-    (``parallel.ep.EXPERT_PARAMS``), which differ between the ranks of its EP group, are
-    then left out of their layer's unit and make a unit of their own over that mesh (the
+    it: under Local SGD the replica's own ranks holding them). Each expert-parallel
+    block's stacked experts (``parallel.ep.EXPERT_PARAMS``), which differ between the
+    ranks of its EP group, are then left out of their layer's unit and make a unit of
+    their own over that mesh (the
     block, its replicated router and shared expert ignored there, left to the layer),
     listed after its layer: FSDP2 shards and reduces them over the ranks holding the same
     experts only."""

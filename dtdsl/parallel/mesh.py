@@ -50,7 +50,11 @@ whole DP group as before). Consecutive replicas keep an EP group's all-to-alls i
 node where the DP ranks are laid out node by node. Both are groups of their own
 (``<unit>.ep``, ``<unit>.ep_dp`` in ``rank_groups``; ``ProcessGroups.ep``), made after
 every other group (``build_groups``), the expert DP group the one dimension of a
-DeviceMesh (``ep_mesh``).
+DeviceMesh (``ep_mesh``). Under Local SGD with replicas of N ranks (``replica_dp``) each
+EP group lies inside one replica (ep divides N, DT636) and the expert DP group is the
+replica's own N / ep ranks at the same EP rank; the ranks at the same place in the
+other replicas (the unit's ``dp_replicate`` line) hold the same experts, and Local SGD
+synchronises the experts with them as it does the rest (``ExpertGroups.replicas``).
 
 **Meshes and groups.** ``build_groups`` gives each rank its unit's ``DeviceMesh`` over
 the unit's ranks, shaped ``(pp, dp_replicate, dp_shard, tp)`` (``MESH_DIMS``): the DP
@@ -88,6 +92,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from dtdsl.parallel.ep_groups import ExpertGroups, ep_lines
 from dtdsl.parallel.replicas import dp_lines, shards
 
 if TYPE_CHECKING:   # torch is imported where groups are built: planning tools never pay for it
@@ -509,29 +514,6 @@ def rank_groups(plan: Plan, rank: int, zero: int = 1, ulysses: dict[str, int] | 
     return out
 
 
-def ep_lines(role: RankRole, ep: int, replica_dp: int = 1) -> dict[str, tuple[int, ...]]:
-    """The EP group (``ep``) and the expert DP group (``ep_dp``) through ``role.rank``
-    (module docstring: EP groups of consecutive replicas); none at ep 1. ``replica_dp``
-    > 1: Local SGD replicas of that many consecutive DP ranks (``parallel.replicas``),
-    each EP group inside one replica and the expert DP group the replica's own ranks
-    holding the same experts. ValueError where ``ep`` does not divide the unit's dp (a
-    replica's ranks), or the unit has context parallelism."""
-    if ep == 1:
-        return {}
-    grid = role.grid
-    span = math.gcd(grid.dp, replica_dp) if replica_dp > 1 else grid.dp
-    if ep < 1 or span % ep or grid.cp != 1:
-        within = f" (Local SGD replicas of {span})" if span != grid.dp else ""
-        raise ValueError(f"{role.unit}: expert parallelism {ep} over dp {grid.dp}{within} "
-                         f"(cp {grid.cp}); ep must divide dp and a replica's ranks, "
-                         "without context parallelism")
-    ranks = role.dp_ranks
-    first = role.replica - role.replica % ep
-    block = role.replica - role.replica % span
-    return {"ep": ranks[first:first + ep],
-            "ep_dp": ranks[block + role.replica % ep:block + span:ep]}
-
-
 def _ep_family(plan: Plan, unit: str, dim: str, replica_dp: int = 1
                ) -> tuple[tuple[int, ...], ...]:
     """Every group of ``unit``'s expert-parallel dimension ``dim`` (``ep_lines``), groups
@@ -599,34 +581,6 @@ def data_parallel_mesh(mesh: Any) -> Any:
     if mesh["dp_replicate"].size() == 1:
         return mesh["dp_shard"]
     return mesh["dp_replicate", "dp_shard"]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ExpertGroups:
-    """An MoE backbone rank's expert parallelism (module docstring): ``group``, its EP
-    group (the all-to-alls of ``parallel.ep``); ``mesh``, the DeviceMesh (``MESH_DIMS``)
-    of its expert DP group, over which FSDP2 shards and reduces its experts."""
-
-    group: ProcessGroup
-    mesh: Any
-    # Local SGD with replicas of several ranks (``parallel.replicas``): ``mesh``'s
-    # ``dp_shard`` is the replica's own ranks holding the same experts (FSDP2 shards them
-    # there) and its ``dp_replicate`` the ranks at the same place in the other replicas,
-    # which hold the same experts and meet in ``train.local_sgd``'s synchronisation.
-    replicas: bool = False
-
-    @property
-    def degree(self) -> int:
-        import torch.distributed as dist
-
-        return dist.get_world_size(self.group)
-
-    @property
-    def dp_group(self) -> ProcessGroup:
-        """The expert DP group: ``mesh``'s DP dimension (ZeRO decides which) of its ranks;
-        under Local SGD the replica's own (``replicas``)."""
-        return self.mesh["dp_replicate" if self.mesh["dp_replicate"].size() > 1
-                         and not self.replicas else "dp_shard"].get_group()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -20,7 +20,9 @@ gathers a full tensor. Frozen modules' weights are saved too and loaded with the
 Under expert parallelism an EP rank's stacked expert weights (and their Adam moments)
 are saved as DTensors of the full ``[experts, ...]`` tensor on the ``(ep, ep_dp)`` mesh
 (``parallel.ep.global_experts``), so each expert is written once under its
-single-process name and a run resumes at any EP degree, ep 1 included.
+single-process name and a run resumes at any EP degree, ep 1 included. Under Local SGD
+the layout is per replica (every replica holds all the experts), and the anchor, outer
+momentum and each replica's own copies of the experts are saved the same way.
 The loss scale of an fp16 run (``optim.LossScale``) is the same on every rank: plain
 scalar tensors, written once (DCP keeps one copy of a replicated tensor) and read by
 every rank, so a resumed run goes on with the scale, its growth counter and its count of
