@@ -49,8 +49,9 @@ def ep_lines(role: Any, ep: int, replica_dp: int = 1) -> dict[str, tuple[int, ..
     (``role``: a ``parallel.mesh.RankRole``; EP groups of consecutive replicas, module
     docstring); none at ep 1. ``replica_dp`` > 1: Local SGD replicas of that many
     consecutive DP ranks (``parallel.replicas``), each EP group inside one replica and
-    the expert DP group the replica's own ranks holding the same experts. ValueError where ``ep`` does not divide the unit's dp (a
-    replica's ranks), or the unit has context parallelism."""
+    the expert DP group the replica's own ranks holding the same experts. ValueError
+    where ``ep`` does not divide the unit's dp (a replica's ranks), or the unit has
+    context parallelism."""
     if ep == 1:
         return {}
     grid = role.grid
