@@ -233,8 +233,8 @@ def expert_layout(ep: Any, dp_ranks: Sequence[int]) -> Any:
     e, tp = ep.degree, ep.mesh["tp"]
     t, index = tp.size(), tp.get_local_rank()
     span = e * dist.get_world_size(ep.dp_group)      # the replica's DP ranks (all of dp)
-    i = list(dp_ranks).index(dist.get_rank())
-    dp_ranks = dp_ranks[i - i % span:i - i % span + span]
+    at = list(dp_ranks).index(dist.get_rank())
+    dp_ranks = dp_ranks[at - at % span:at - at % span + span]
     table = torch.tensor([[r - index + i for i in range(t)] for r in dp_ranks],
                          dtype=torch.int).reshape(-1, e, t).transpose(0, 1).contiguous()
     if t == 1:
