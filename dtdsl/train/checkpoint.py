@@ -707,6 +707,12 @@ class Checkpointer:
         start = time.perf_counter()
         state = state_dict(self.ex)
         try:
+            if "local_sgd" in state:
+                # Written under fewer Local SGD replicas: what it lacks starts from the
+                # saved model (``local_sgd.StageSync.load_state_dict``).
+                saved = dcp_safe.read_metadata(path).state_dict_metadata
+                state["local_sgd"] = {k: v for k, v in state["local_sgd"].items()
+                                      if f"local_sgd.{k}" in saved}
             dcp.load(state, checkpoint_id=str(path), storage_reader=dcp_safe.SafeReader(path))
         except dcp_safe.UnsafeMetadata as err:
             raise CheckpointMismatch(f"cannot load {path}: {err}") from None

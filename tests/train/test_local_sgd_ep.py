@@ -87,6 +87,10 @@ def _train(rank: int, world: int, program: ir.Program, plan: Plan, run_dir: str,
     ex = StageExecutor(program, plan, lower(plan, program), rank=rank, groups=groups)
     ckpt = Checkpointer(ex, run_dir, keep=3, mode="sync", log=lambda _line: None)
     first = ckpt.resume()
+    # Whether each synchronised parameter starts at its anchor with no outer momentum
+    # (a resume from a checkpoint of fewer replicas: Local SGD starts again there).
+    anchored = [torch.equal(s.anchor_of(p), local_tensor(p)) and not s.momentum_of(p).any()
+                for s, _, _ in ex.local_sgd.syncs for p in s.params]
     results = []
     for step in range(first, first + steps):
         results.append(ex.run_step(step))
@@ -97,7 +101,8 @@ def _train(rank: int, world: int, program: ir.Program, plan: Plan, run_dir: str,
     blocks = [m for m in ex.stage.module.modules() if isinstance(m, ExpertParallelMoE)]
     mine = {"first": first, "losses": [r["loss"] for r in results],
             "bytes": [r["dp_sync_bytes"] for r in results],
-            "experts": [(b.first_expert, b.local_experts) for b in blocks]}
+            "experts": [(b.first_expert, b.local_experts) for b in blocks],
+            "anchored": anchored}
     if ex.local_sgd.syncs:      # several replicas
         (sync, replicas, mine["replica"]), = ex.local_sgd.syncs
         experts = {id(getattr(b, n)) for b in blocks for n in EXPERT_PARAMS}
@@ -130,12 +135,7 @@ def test_ep_in_replicas_matches_the_reference_and_resumes_elsewhere(tmp_path):
     torch.set_num_threads(1)
     model = build_model(program)
     init = {n.removeprefix("units."): p.detach().clone() for n, p in model.named_parameters()}
-    want, synced = [], {}
-    for r in train_reference(program, STEPS, model=model, plan=two):
-        want.append(r["loss"])
-        if r["step"] + 1 == SAVE_AT:     # synchronised: every replica's copy is this one
-            synced = {n.removeprefix("units."): p.detach().clone()
-                      for n, p in model.named_parameters()}
+    want = [r["loss"] for r in train_reference(program, STEPS, model=model, plan=two)]
     ref = {n.removeprefix("units."): p for n, p in model.named_parameters()}
 
     ranks = _launch(tmp_path, program, two, "whole", STEPS, SAVE_AT)
@@ -191,15 +191,20 @@ def test_ep_in_replicas_matches_the_reference_and_resumes_elsewhere(tmp_path):
             assert err <= PARAM_RTOL * (p - init[name]).norm().item() + 1e-7, (name, err)
 
     # Loaded at dp 2 (one replica of 2 ranks, ep 2): the model the replicas agreed on at
-    # the synchronisation the checkpoint was saved after.
+    # the synchronisation the checkpoint was saved after, whose loss on step 4's batch is
+    # the reference's.
     single = colocate(program, ep_plan(program, 2, 1, 2), "vit", "gen")
-    (first, *_) = _launch(tmp_path, program, single, "single", 0, None)
-    assert first["first"] == SAVE_AT and "replica" not in first
-    assert first["experts"] == [(0, 2)] * layers
-    for name, p in first["full"].items():
-        err = (p - synced[name]).norm().item()
-        assert err <= PARAM_RTOL * (synced[name] - init[name]).norm().item() + 1e-7, \
-            (name, err)
+    (alone, _) = _launch(tmp_path, program, single, "single", 2, SAVE_AT + 1)
+    assert alone["first"] == SAVE_AT and "replica" not in alone
+    assert alone["experts"] == [(0, 2)] * layers
+    assert abs(alone["losses"][0] - want[SAVE_AT]) <= LOSS_TOL
+    # ... and saved after step 5, resumed by 2 replicas again: both start from the saved
+    # model (its loss at step 5 the one replica's), anchored there, and train on.
+    grown = _launch(tmp_path, program, two, "grown", 2, None)
+    assert grown[0]["first"] == SAVE_AT + 1
+    assert all(r["anchored"] and all(r["anchored"]) for r in grown)
+    assert math.isclose(grown[0]["losses"][0], alone["losses"][1], rel_tol=1e-5)
+    assert all(math.isfinite(x) for x in grown[0]["losses"])
 
 
 def _planned(replica_dp: int) -> tuple[ir.Program, Plan]:
