@@ -619,7 +619,7 @@ CPU); a negative number, one above 1, an infinity or NaN is an error.
     optimizer = adamw(lr=1e-4, offload=0.5)    # half of it on the CPU
     optimizer = adamw(lr=1e-4, offload=auto)   # the planner chooses
 """),
-    "DT636": Code("Local SGD replica size does not divide a unit's data parallelism", """
+    "DT636": Code("Local SGD replicas do not divide a unit's DP or hold its EP groups", """
 `local_sgd(replica_dp=N)` makes each Local SGD replica N data-parallel ranks
 that shard its parameters (FSDP, EDiT's model sharding group) and meet the
 other replicas every `period` steps (EDiT's model synchronisation group). N
