@@ -514,10 +514,7 @@ instead. Today the runtime cannot train:
   (plan it disaggregated or co-located).
 - an MoE backbone with a `capacity_factor` under context parallelism (an
   expert's capacity counts one process's tokens, and a CP rank holds a part of
-  each sequence's), or under expert parallelism (a plan with ep > 1) with
-  `sync = local_sgd` (Local SGD would average replicas holding different
-  experts): route dropless or constrain `cp(MODULE) == 1` (`ep(MODULE) == 1`
-  under Local SGD).
+  each sequence's): route dropless or constrain `cp(MODULE) == 1`.
 - `sync = local_sgd(...)` beside context parallelism (every DP rank is a whole
   replica, and a replica's CP ranks would not sum their gradients): constrain
   `cp(MODULE) == 1` or use `sync = allreduce`.
@@ -622,7 +619,7 @@ CPU); a negative number, one above 1, an infinity or NaN is an error.
     optimizer = adamw(lr=1e-4, offload=0.5)    # half of it on the CPU
     optimizer = adamw(lr=1e-4, offload=auto)   # the planner chooses
 """),
-    "DT636": Code("Local SGD replica size does not divide a unit's data parallelism", """
+    "DT636": Code("Local SGD replicas do not divide a unit's DP or hold its EP groups", """
 `local_sgd(replica_dp=N)` makes each Local SGD replica N data-parallel ranks
 that shard its parameters (FSDP, EDiT's model sharding group) and meet the
 other replicas every `period` steps (EDiT's model synchronisation group). N
@@ -630,9 +627,15 @@ must be at least 1, and every unit the plan gives dp > 1 needs N to divide its
 dp: it has dp / N replicas (a unit with dp 1 is one replica on one rank).
 Constrain the units' dp to multiples of N.
 
+An MoE backbone with expert parallelism (ep > 1) needs its EP groups inside
+the replicas: ep must divide N (the ranks of an EP group hold different
+experts, which only the ranks at the same place in the other replicas share).
+Whole replicas (N = 1) leave no room for EP: give N a multiple of ep.
+
     train { sync = local_sgd(period=4, replica_dp=0) }   # error: at least 1
     train { sync = local_sgd(period=4, replica_dp=2) }
     constraints { dp(llm) == 3 }    # error at compile: 2 does not divide 3
+    constraints { ep(llm) == 4 }    # error at compile: 4 does not divide 2
 """),
     "DT640": Code("Mixture-of-experts arguments without experts, or off the backbone", """
 `experts=E` makes a backbone's MLPs mixtures of E experts; `top_k`,

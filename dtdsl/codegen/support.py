@@ -194,29 +194,24 @@ def _context_parallel(program: ir.Program, plan: Plan) -> list[Diagnostic]:
 
 
 def _experts(program: ir.Program, plan: Plan) -> list[Diagnostic]:
-    """An MoE backbone with a capacity under context parallelism (an expert's capacity
-    counts the tokens of one process, and a CP rank holds a part of each sequence's), or
-    expert parallelism with Local SGD (whose replicas average every parameter, while an EP
-    group's ranks hold different experts). Expert parallelism, tensor parallelism inside
-    the experts and dropless routing under context parallelism run (``parallel.ep``,
-    ``parallel.tp.parallelize_moe`` in ``train.stage``, ``models.moe.MoE.cp``)."""
+    """An MoE backbone with a capacity under context parallelism: an expert's capacity
+    counts the tokens of one process, and a CP rank holds a part of each sequence's.
+    Expert parallelism (under Local SGD too: ``_local_sgd_replicas``), tensor parallelism
+    inside the experts and dropless routing under context parallelism run
+    (``parallel.ep``, ``parallel.tp.parallelize_moe`` in ``train.stage``,
+    ``models.moe.MoE.cp``)."""
     out = []
-    local = program.train.sync.local
     for u in plan.units:
         moe = getattr(program.module(u.name).arch, "moe", None)
-        capped = u.cp > 1 and moe is not None and moe.capacity_factor is not None
-        if moe is None or not (capped or (u.ep > 1 and local)):
+        if moe is None or u.cp == 1 or moe.capacity_factor is None:
             continue
-        what = f"context parallelism (cp {u.cp}) with an expert capacity" if capped else \
-            f"expert parallelism (ep {u.ep}) under Local SGD"
         out.append(Diagnostic.error(
-            _CODE, f"the runtime does not run {what} for MoE module {u.name} yet",
-            program.module(u.name).span,
+            _CODE, f"the runtime does not run context parallelism (cp {u.cp}) with an "
+            f"expert capacity for MoE module {u.name} yet", program.module(u.name).span,
             notes=["an expert's capacity is counted over one process's tokens, which under "
-                   "context parallelism are a part of each sequence's; Local SGD's "
-                   "replicas would average experts that differ"],
+                   "context parallelism are a part of each sequence's"],
             hint=f"route dropless (no capacity_factor) or constrain `cp({u.name}) == 1`; "
-                 f"under Local SGD, `ep({u.name}) == 1`; then plan again"))
+                 "then plan again"))
     return out
 
 
@@ -236,15 +231,29 @@ def _local_sgd_cp(program: ir.Program, plan: Plan) -> list[Diagnostic]:
 
 
 def _local_sgd_replicas(program: ir.Program, plan: Plan) -> list[Diagnostic]:
-    """``local_sgd(replica_dp=N)``: N must divide every dp > 1 (DT636); replicas of
+    """``local_sgd(replica_dp=N)``: N must divide every dp > 1, and a unit's ep its
+    replica's ranks (``ir.Sync.replica_ranks``: an EP group lies inside one replica)
+    (DT636); replicas of
     several ranks are not built beside TP or a phased encoder (DT601: the penalty's norm
     would need one group over a replica's DP and TP ranks; a phased encoder's DP group is
     its own mesh)."""
     sync = program.train.sync
-    if not sync.local or sync.replica_dp == 1:
+    if not sync.local:
         return []
     out = []
     for u in plan.units:
+        if u.ep > 1 and sync.replica_ranks(u.dp) % u.ep:
+            out.append(Diagnostic.error(
+                DT636, f"{u.name}'s expert parallelism (ep {u.ep}) does not fit in a "
+                f"local_sgd replica of {sync.replica_ranks(u.dp)} DP rank(s)",
+                program.train.span,
+                notes=["an EP group's ranks hold different experts: it must lie inside "
+                       "one replica, whose ranks hold a whole model between "
+                       "synchronisations"],
+                hint=f"use local_sgd(replica_dp=N) with N a multiple of {u.ep} that "
+                     f"divides dp({u.name}), or constrain `ep({u.name}) == 1`"))
+        if sync.replica_dp == 1:
+            continue
         if u.dp > 1 and u.dp % sync.replica_dp:
             out.append(Diagnostic.error(
                 DT636, f"local_sgd replica_dp={sync.replica_dp} does not divide {u.name}'s "
@@ -313,7 +322,8 @@ def runtime_support(program: ir.Program, plan: Plan | None = None) -> list[Diagn
     units other than encoders on all the backbone's ranks (a phased generator), or any of
     these split by a TP degree that does not divide them, encoders and generators with
     context parallelism (cp > 1), and (DT622) a backbone's cp its heads cannot take, an
-    MoE backbone with a capacity under cp or with ep under Local SGD; and TP groups across
+    MoE backbone with a capacity under cp; (DT636) Local SGD replicas that do not divide
+    a unit's dp, or that its EP groups do not fit in; and TP groups across
     nodes priced as within one (``tp_placement``, DT411).
 
     Without ``plan`` only the spec's own features are checked (before planning)."""

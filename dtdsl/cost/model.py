@@ -577,15 +577,20 @@ class CostModel:
         """What the optimizer state of ``layers`` layers' experts adds on a rank under
         expert parallelism beyond the dense rule (dp x cp shards of what the rank holds):
         a rank's experts / ep are sharded over the dp / ep replicas holding them, so
-        their state is the experts' over dp, ep times the dense rule's. Zero at ep 1,
-        frozen or without ZeRO (the state is whole either way)."""
-        zero = self.program.train.mesh_zero
-        if unit.ep <= 1 or not unit.trainable or zero < 1:
+        their state is the experts' over dp, ep times the dense rule's. Under Local SGD
+        the same inside a replica of N ranks (``_state_shard``): experts / ep over the
+        N / ep ranks holding them, the anchor and outer momentum too. Zero at ep 1,
+        frozen or with whole state (ZeRO 0 without Local SGD)."""
+        local = self.program.train.sync.local
+        if unit.ep <= 1 or not unit.trainable or (self.program.train.mesh_zero < 1
+                                                   and not local):
             return 0.0
-        optim_b = self.optimizer_bytes_per_param()
+        shard = _state_shard(self.program, dp)
+        per_param = self.optimizer_bytes_per_param() / shard + \
+            _local_sgd_bytes(self.program, dp)
         held = unit.expert_params / max(unit.layers, 1) * np.asarray(layers) / unit.ep / \
             np.asarray(tp)
-        return held * optim_b * (unit.ep - 1) / np.asarray(dp)
+        return held * per_param * (unit.ep - 1)
 
     @staticmethod
     def _recompute_bytes(unit: UnitCost, tp, share: float):
@@ -730,8 +735,14 @@ class CostModel:
         inside = np.where(shard <= cluster.gpus_per_node, cluster.intra_node_bw_bytes_per_s, bw)
         fixed = fixed + all_reduce_time_s(unit.extra_stage_params * trained * _BYTES_BF16,
                                           shard, inside)
-        per_layer = per_layer + all_reduce_time_s(layer * trained * _BYTES_BF16, shard, inside) \
-            - all_reduce_time_s(0.0, shard, inside)
+        # Under EP a rank's experts / ep go over the shard / ep ranks holding them.
+        experts = unit.expert_params / unit.layers if unit.ep > 1 else 0.0
+        own = np.maximum(shard / unit.ep, 1.0) if unit.ep > 1 else shard
+        per_layer = per_layer + all_reduce_time_s((layer - experts) * trained * _BYTES_BF16,
+                                                  shard, inside) \
+            - all_reduce_time_s(0.0, shard, inside) \
+            + all_reduce_time_s(experts / unit.ep * trained * _BYTES_BF16, own, inside) \
+            - all_reduce_time_s(0.0, own, inside)
         opt_fixed, opt_layer = self._optimizer_coefficients(unit, tp, dp)
         return fixed + opt_fixed, per_layer + opt_layer
 
@@ -752,8 +763,16 @@ class CostModel:
             every = 1.0 if sync.interval_s is not None else float(sync.period)
             shard = float(_state_shard(self.program, n))
             r = n / shard
-            return float(params / shard * _BYTES_FP32 * 2 * (r - 1) / r / every
-                         + params * _BYTES_BF16 * 2 * (shard - 1) / shard)
+            # Under EP the stage's experts / ep (in ``params``) are sharded over the
+            # shard / ep ranks of the replica holding them: a rank syncs experts / shard.
+            experts = float(unit.expert_params / max(unit.layers, 1) *
+                            np.ceil(unit.layers / pp) / unit.ep / tp *
+                            unit.trainable_params / unit.params)
+            own = max(shard / unit.ep, 1.0)
+            synced = (params + experts * (unit.ep - 1)) / shard
+            return float(synced * _BYTES_FP32 * 2 * (r - 1) / r / every
+                         + (params - experts) * _BYTES_BF16 * 2 * (shard - 1) / shard
+                         + experts * _BYTES_BF16 * 2 * (own - 1) / own)
         # An all-reduce (ZeRO 0), or a reduce-scatter and an all-gather (ZeRO-1): the same.
         return float(params * _BYTES_BF16 * 2 * (n - 1) / n)
 

@@ -224,11 +224,17 @@ def expert_layout(ep: Any, dp_ranks: Sequence[int]) -> Any:
     expert DP group of EP rank ``i``. A stacked expert weight is ``Shard(0)`` over ``ep``
     (EP rank ``i``: experts ``[i E/ep, (i + 1) E/ep)``), then as FSDP2 holds it over
     ``ep_dp``, then its TP split: so a rank's block has its offset in the full ``[E, ...]``
-    tensor. Made from the groups there are (no collective, no new group)."""
+    tensor. Under Local SGD (``ExpertGroups.replicas``) the mesh is over this rank's
+    replica only: every replica holds (and saves) all the experts. Made from the groups
+    there are (no collective, no new group)."""
+    import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
     e, tp = ep.degree, ep.mesh["tp"]
     t, index = tp.size(), tp.get_local_rank()
+    span = e * dist.get_world_size(ep.dp_group)      # the replica's DP ranks (all of dp)
+    at = list(dp_ranks).index(dist.get_rank())
+    dp_ranks = dp_ranks[at - at % span:at - at % span + span]
     table = torch.tensor([[r - index + i for i in range(t)] for r in dp_ranks],
                          dtype=torch.int).reshape(-1, e, t).transpose(0, 1).contiguous()
     if t == 1:
@@ -253,10 +259,25 @@ def _expert_keys(module: nn.Module) -> dict[str, tuple[ExpertParallelMoE, str]]:
 
 def _entries(state: dict[str, Any], key: str) -> list[tuple[dict[str, Any], str]]:
     """Where ``state`` (``train.checkpoint.state_dict``'s) holds tensors shaped as
-    parameter ``key``: the model's entry and its Adam moments."""
+    parameter ``key``: the model's entry and its Adam moments; under Local SGD its anchor,
+    outer momentum and each replica's copy and moments (``train.local_sgd.StageSync.
+    state_dict``'s keys, named as the stage names parameters: ``units.`` left out)."""
     out = [(state["model"], key)] if key in state.get("model", {}) else []
-    moments = state.get("optim", {}).get(key, {})
-    return out + [(moments, k) for k in ("exp_avg", "exp_avg_sq") if k in moments]
+    moments = {}
+    if key in state.get("optim", {}):
+        # A copy: ``Optimizer.state_dict`` hands out the live per-parameter dicts, and
+        # the optimizer must keep its own tensors when training goes on after a save.
+        state["optim"][key] = moments = dict(state["optim"][key])
+    out += [(moments, k) for k in ("exp_avg", "exp_avg_sq") if k in moments]
+    local = state.get("local_sgd", {})
+    name = key.removeprefix("units.")
+    for k in local:
+        head, _, rest = k.partition(".")
+        if rest == name and (head in ("anchor", "momentum") or head.startswith("replica")) \
+                or head.startswith("replica") and rest in (f"optim.{name}.exp_avg",
+                                                          f"optim.{name}.exp_avg_sq"):
+            out.append((local, k))
+    return out
 
 
 def global_experts(state: dict[str, Any], module: nn.Module, layout: Any) -> None:

@@ -64,10 +64,12 @@ def apply_fsdp(stage: nn.Module, units: Mapping[str, nn.Module], mesh: Any,
     The root casts no input: a generator's targets (its noise and clean latents) stay
     fp32 for the loss; the stage's forward casts what its modules read.
 
-    ``experts``: under expert parallelism, the expert DP mesh (``parallel.mesh``,
-    ``ExpertGroups.mesh``). Each expert-parallel block's stacked experts
-    (``parallel.ep.EXPERT_PARAMS``), which differ between the ranks of its EP group, are
-    then left out of their layer's unit and make a unit of their own over that mesh (the
+    ``experts``: under expert parallelism, what the experts shard and reduce over: the
+    expert DP group (``parallel.mesh``, ``ExpertGroups.mesh`` as ``replica_mesh`` takes
+    it: under Local SGD the replica's own ranks holding them). Each expert-parallel
+    block's stacked experts (``parallel.ep.EXPERT_PARAMS``), which differ between the
+    ranks of its EP group, are then left out of their layer's unit and make a unit of
+    their own over that mesh (the
     block, its replicated router and shared expert ignored there, left to the layer),
     listed after its layer: FSDP2 shards and reduces them over the ranks holding the same
     experts only."""
@@ -89,7 +91,7 @@ def apply_fsdp(stage: nn.Module, units: Mapping[str, nn.Module], mesh: Any,
         layers.append(layer)
         for block in blocks:
             shared = {p for n, p in block.named_parameters() if n not in EXPERT_PARAMS}
-            fully_shard(block, mesh=data_parallel_mesh(experts), mp_policy=mp,
+            fully_shard(block, mesh=experts, mp_policy=mp,
                         reshard_after_forward=False, ignored_params=shared or None)
             sum_gradients(block)
             layers.append(block)

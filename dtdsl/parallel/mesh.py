@@ -50,7 +50,11 @@ whole DP group as before). Consecutive replicas keep an EP group's all-to-alls i
 node where the DP ranks are laid out node by node. Both are groups of their own
 (``<unit>.ep``, ``<unit>.ep_dp`` in ``rank_groups``; ``ProcessGroups.ep``), made after
 every other group (``build_groups``), the expert DP group the one dimension of a
-DeviceMesh (``ep_mesh``).
+DeviceMesh (``ep_mesh``). Under Local SGD with replicas of N ranks (``replica_dp``) each
+EP group lies inside one replica (ep divides N, DT636) and the expert DP group is the
+replica's own N / ep ranks at the same EP rank; the ranks at the same place in the
+other replicas (the unit's ``dp_replicate`` line) hold the same experts, and Local SGD
+synchronises the experts with them as it does the rest (``ExpertGroups.replicas``).
 
 **Meshes and groups.** ``build_groups`` gives each rank its unit's ``DeviceMesh`` over
 the unit's ranks, shaped ``(pp, dp_replicate, dp_shard, tp)`` (``MESH_DIMS``): the DP
@@ -83,10 +87,12 @@ groups across the job (``dim_groups``). Other code creating groups does so throu
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from dtdsl.parallel.ep_groups import ExpertGroups, ep_lines
 from dtdsl.parallel.replicas import dp_lines, shards
 
 if TYPE_CHECKING:   # torch is imported where groups are built: planning tools never pay for it
@@ -502,33 +508,19 @@ def rank_groups(plan: Plan, rank: int, zero: int = 1, ulysses: dict[str, int] | 
             ranks = _lines(phased_role(plan, u, rank), zero)[dim]
             if len(ranks) > 1:
                 out[f"{u.name}.{dim}"] = ranks
-    for dim, ranks in ep_lines(role, plan.unit(role.unit).ep).items():
+    for dim, ranks in ep_lines(role, plan.unit(role.unit).ep, replica_dp).items():
         if len(ranks) > 1:
             out[f"{role.unit}.{dim}"] = ranks
     return out
 
 
-def ep_lines(role: RankRole, ep: int) -> dict[str, tuple[int, ...]]:
-    """The EP group (``ep``) and the expert DP group (``ep_dp``) through ``role.rank``
-    (module docstring: EP groups of consecutive replicas); none at ep 1. ValueError where
-    ``ep`` does not divide the unit's dp, or the unit has context parallelism."""
-    if ep == 1:
-        return {}
-    grid = role.grid
-    if ep < 1 or grid.dp % ep or grid.cp != 1:
-        raise ValueError(f"{role.unit}: expert parallelism {ep} over dp {grid.dp} (cp "
-                         f"{grid.cp}); ep must divide dp, without context parallelism")
-    ranks = role.dp_ranks
-    first = role.replica - role.replica % ep
-    return {"ep": ranks[first:first + ep], "ep_dp": ranks[role.replica % ep::ep]}
-
-
-def _ep_family(plan: Plan, unit: str, dim: str) -> tuple[tuple[int, ...], ...]:
+def _ep_family(plan: Plan, unit: str, dim: str, replica_dp: int = 1
+               ) -> tuple[tuple[int, ...], ...]:
     """Every group of ``unit``'s expert-parallel dimension ``dim`` (``ep_lines``), groups
     of one rank left out: the split of the default group ``split_group`` makes for it."""
     out: list[tuple[int, ...]] = []
     for rank in plan.unit(unit).ranks:
-        ranks = ep_lines(role_of(plan, rank), plan.unit(unit).ep)[dim]
+        ranks = ep_lines(role_of(plan, rank), plan.unit(unit).ep, replica_dp)[dim]
         if len(ranks) > 1 and ranks not in out:
             out.append(ranks)
     return tuple(out)
@@ -589,28 +581,6 @@ def data_parallel_mesh(mesh: Any) -> Any:
     if mesh["dp_replicate"].size() == 1:
         return mesh["dp_shard"]
     return mesh["dp_replicate", "dp_shard"]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ExpertGroups:
-    """An MoE backbone rank's expert parallelism (module docstring): ``group``, its EP
-    group (the all-to-alls of ``parallel.ep``); ``mesh``, the DeviceMesh (``MESH_DIMS``)
-    of its expert DP group, over which FSDP2 shards and reduces its experts."""
-
-    group: ProcessGroup
-    mesh: Any
-
-    @property
-    def degree(self) -> int:
-        import torch.distributed as dist
-
-        return dist.get_world_size(self.group)
-
-    @property
-    def dp_group(self) -> ProcessGroup:
-        """The expert DP group: ``mesh``'s DP dimension (ZeRO decides which) of its ranks."""
-        return self.mesh["dp_replicate" if self.mesh["dp_replicate"].size() > 1
-                         else "dp_shard"].get_group()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -758,16 +728,20 @@ def build_groups(plan: Plan, *, device_type: str = "cpu", zero: int = 1,
     cp = _cp_groups(plan, role, mine, device_type, ulysses or {})
     phased = _phased_meshes(plan, role, mesh, device_type, zero)
     return ProcessGroups(role=role, mesh=mesh, tp=mesh.get_group("tp"), phased=phased, cp=cp,
-                         ep=_ep_groups(plan, role, mine, device_type, zero, mesh["tp"]))
+                         ep=_ep_groups(plan, role, mine, device_type, zero, mesh,
+                                       replica_dp))
 
 
 def _ep_groups(plan: Plan, role: RankRole, mine: dict[str, tuple[int, ...]],
-               device_type: str, zero: int, tp: Any = None) -> ExpertGroups | None:
+               device_type: str, zero: int, mesh: Any = None,
+               replica_dp: int = 1) -> ExpertGroups | None:
     """This rank's ``ExpertGroups`` (None at ep 1), made after every other group: each
     unit with ep > 1 in plan order, its EP groups, then its expert DP groups, so that
     where groups are split from the default group every rank of the job takes part in the
-    same order. ``tp``: the unit's TP mesh, whose group is the experts' mesh's ``tp`` (their
-    TP split's mesh: FSDP2 wants one root for a parameter's DP and TP meshes)."""
+    same order. ``mesh``: the unit's DeviceMesh, whose ``tp`` group is the experts'
+    mesh's (their TP split's mesh: FSDP2 wants one root for a parameter's DP and TP
+    meshes) and, under Local SGD with replicas of several ranks (``replica_dp`` > 1),
+    whose ``dp_replicate`` group is too (``ExpertGroups.replicas``)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
@@ -778,8 +752,8 @@ def _ep_groups(plan: Plan, role: RankRole, mine: dict[str, tuple[int, ...]],
             continue
         for dim in ("ep", "ep_dp"):
             key = f"{g.name}.{dim}"
-            group = new_subgroup(mine.get(key), lambda dim=dim, g=g: _ep_family(plan, g.name, dim),
-                                 desc=f"{g.name}_{dim}")
+            group = new_subgroup(mine.get(key), lambda dim=dim, g=g: _ep_family(
+                plan, g.name, dim, replica_dp), desc=f"{g.name}_{dim}")
             if g.name != role.unit:
                 continue
             if group is None:
@@ -791,20 +765,37 @@ def _ep_groups(plan: Plan, role: RankRole, mine: dict[str, tuple[int, ...]],
             made[dim] = group
     if not made:
         return None
-    lines = ep_lines(role, plan.unit(role.unit).ep)
-    shard = zero >= 1
-    dims = {"pp": _alone(role.rank, f"{role.unit}_ep_pp"),
-            "dp_replicate": _alone(role.rank, f"{role.unit}_ep_dpr") if shard else made["ep_dp"],
-            "dp_shard": made["ep_dp"] if shard else _alone(role.rank, f"{role.unit}_ep_dps"),
-            "tp": tp.get_group() if tp is not None and role.grid.tp > 1
-            else _alone(role.rank, f"{role.unit}_ep_tp")}
-    n, t = len(lines["ep_dp"]), role.grid.tp if tp is not None else 1
-    # Each expert DP rank's TP group: TP is innermost in a unit's ranks (module docstring).
-    table = torch.tensor([[r - role.tp_index + i for i in range(t)] for r in lines["ep_dp"]],
-                         dtype=torch.int).reshape((1, 1, n, t) if shard else (1, n, 1, t))
+    e = plan.unit(role.unit).ep
+    replicas = replica_dp > 1 and zero == 0
+    span = math.gcd(role.grid.dp, replica_dp) if replicas else role.grid.dp
+    tp = mesh["tp"] if mesh is not None else None
+    t = role.grid.tp if tp is not None else 1
+    # Per replica (one without Local SGD), its ranks holding this rank's experts (the
+    # expert DP group of ``ep_lines``), each with its TP group: TP is innermost in a
+    # unit's ranks (module docstring).
+    dp = role.dp_ranks
+    table = torch.tensor([[[dp[k * span + j] - role.tp_index + i for i in range(t)]
+                           for j in range(role.replica % e, span, e)]
+                          for k in range(role.grid.dp // span)], dtype=torch.int)
+    dims = {"pp": _alone(role.rank, f"{role.unit}_ep_pp")}
+    if replicas:
+        # The replicas at this rank's place (the unit's dp_replicate line), then the
+        # replica's own ranks with the same experts.
+        dims.update(dp_replicate=mesh["dp_replicate"].get_group(), dp_shard=made["ep_dp"])
+        table = table.reshape(1, *table.shape)
+    elif zero >= 1:
+        dims.update(dp_replicate=_alone(role.rank, f"{role.unit}_ep_dpr"),
+                    dp_shard=made["ep_dp"])
+        table = table.reshape(1, 1, -1, t)
+    else:
+        dims.update(dp_replicate=made["ep_dp"],
+                    dp_shard=_alone(role.rank, f"{role.unit}_ep_dps"))
+        table = table.reshape(1, -1, 1, t)
+    dims["tp"] = tp.get_group() if tp is not None and role.grid.tp > 1 \
+        else _alone(role.rank, f"{role.unit}_ep_tp")
     mesh = DeviceMesh.from_group([dims[d] for d in MESH_DIMS], device_type, mesh=table,
                                  mesh_dim_names=MESH_DIMS)
-    return ExpertGroups(group=made["ep"], mesh=mesh)
+    return ExpertGroups(group=made["ep"], mesh=mesh, replicas=replicas)
 
 
 def _cp_groups(plan: Plan, role: RankRole, mine: dict[str, tuple[int, ...]],

@@ -120,7 +120,7 @@ class Space:
         domain = self.constraints[self.backbone].dp
         ep = self.units[self.backbone].ep     # EP groups are carved from its DP ranks
         return tuple(d for d in divisors(self.total_microbatches)
-                     if d <= self.num_gpus and d in domain and d % ep == 0)
+                     if d <= self.num_gpus and d in domain and self.ep_fits(d, ep))
 
     def dps(self, i: int, dp_lm: int) -> tuple[int, ...]:
         if i == self.backbone:
@@ -128,7 +128,13 @@ class Space:
         domain = self.constraints[i].dp
         ep = self.units[i].ep
         return tuple(d for d in divisors(dp_lm * self.micro_batch)
-                     if d <= self.num_gpus and d in domain and d % ep == 0)
+                     if d <= self.num_gpus and d in domain and self.ep_fits(d, ep))
+
+    def ep_fits(self, dp: int, ep: int) -> bool:
+        """Whether ``dp`` DP ranks take EP groups of ``ep``: ep divides dp, and under
+        Local SGD a replica's ranks (``ir.Sync.replica_ranks``; an EP group lies inside
+        one replica, ``parallel.mesh.ep_lines``, DT636)."""
+        return self.program.train.sync.replica_ranks(dp) % ep == 0
 
     def gpus_allowed(self, i: int, gpus) -> np.ndarray:
         """Does unit i's gpus constraint allow these counts (an array)?"""

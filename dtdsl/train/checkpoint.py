@@ -20,7 +20,9 @@ gathers a full tensor. Frozen modules' weights are saved too and loaded with the
 Under expert parallelism an EP rank's stacked expert weights (and their Adam moments)
 are saved as DTensors of the full ``[experts, ...]`` tensor on the ``(ep, ep_dp)`` mesh
 (``parallel.ep.global_experts``), so each expert is written once under its
-single-process name and a run resumes at any EP degree, ep 1 included.
+single-process name and a run resumes at any EP degree, ep 1 included. Under Local SGD
+the layout is per replica (every replica holds all the experts), and the anchor, outer
+momentum and each replica's own copies of the experts are saved the same way.
 The loss scale of an fp16 run (``optim.LossScale``) is the same on every rank: plain
 scalar tensors, written once (DCP keeps one copy of a replicated tensor) and read by
 every rank, so a resumed run goes on with the scale, its growth counter and its count of
@@ -204,18 +206,19 @@ def state_dict(ex: Any) -> dict[str, Any]:
         model, optim = get_state_dict(module, [opt])
         out["model"].update(model)
         out.setdefault("optim", {}).update(optim["state"])
-    ep = getattr(getattr(ex, "groups", None), "ep", None)
-    if ep is not None:
-        # Expert parallelism: each expert once, under its single-process name and shape.
-        from dtdsl.parallel.ep import expert_layout, global_experts
-
-        global_experts(out, ex.stage.module, expert_layout(ep, ex.role.dp_ranks))
     if ex.loss_scale is not None:
         out["loss_scale"] = _scale_tensors(ex.loss_scale.state())
     if local is not None and local.syncs:
         # Local SGD's anchor, outer momentum, statistics and each replica's parameters
         # (``local_sgd.StageSync.state_dict``).
         out["local_sgd"] = local.state_dict()
+    ep = getattr(getattr(ex, "groups", None), "ep", None)
+    if ep is not None:
+        # Expert parallelism: each expert once (per Local SGD replica), under its
+        # single-process name and shape.
+        from dtdsl.parallel.ep import expert_layout, global_experts
+
+        global_experts(out, ex.stage.module, expert_layout(ep, ex.role.dp_ranks))
     return out
 
 
@@ -704,6 +707,12 @@ class Checkpointer:
         start = time.perf_counter()
         state = state_dict(self.ex)
         try:
+            if "local_sgd" in state:
+                # Written under fewer Local SGD replicas: what it lacks starts from the
+                # saved model (``local_sgd.StageSync.load_state_dict``).
+                saved = dcp_safe.read_metadata(path).state_dict_metadata
+                state["local_sgd"] = {k: v for k, v in state["local_sgd"].items()
+                                      if f"local_sgd.{k}" in saved}
             dcp.load(state, checkpoint_id=str(path), storage_reader=dcp_safe.SafeReader(path))
         except dcp_safe.UnsafeMetadata as err:
             raise CheckpointMismatch(f"cannot load {path}: {err}") from None

@@ -272,6 +272,11 @@ class StageExecutor(PhasedEncoder, PassInputs, GeneratorPasses):
             return None
         from dtdsl.train.local_sgd import StageSync, config_of
 
+        ep = self.plan.unit(self.role.unit).ep
+        if ep > 1 and sync.replica_ranks(self.role.grid.dp) % ep:
+            # Replicas would average experts that differ (DT636 at compile time).
+            raise ValueError(f"{self.role.unit}: ep {ep} does not fit in a local_sgd "
+                             f"replica of {sync.replica_ranks(self.role.grid.dp)} rank(s)")
         meshes = [self.groups.mesh] + [self.groups.phased[n] for n in self.stage.phased]
         names = {id(p): k for k, p in self.stage.named_parameters().items()}
         parts = []

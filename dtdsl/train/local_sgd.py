@@ -677,10 +677,17 @@ class StageSync:
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Restore ``state_dict``'s values (loaded in place by DCP) into the live state,
         after the model's and optimizer's entries: anchors, momenta, this replica's
-        parameters and optimizer state, the statistics."""
+        parameters and optimizer state, the statistics. A checkpoint of fewer replicas
+        (``train.checkpoint`` leaves out what it lacks) gives a replica it has no entries
+        for the model's (one replica's: the same on all after a synchronisation), and
+        without an anchor Local SGD starts again from the loaded model: anchored there,
+        no outer momentum, no statistics."""
         for (sync, _, replica), (names, tag, opt) in zip(self.syncs, self._names,
                                                           strict=True):
             for p, name in zip(sync.params, names, strict=True):
+                if f"anchor.{name}" not in state:
+                    sync.anchor_of(p).copy_(_local(p))
+                    sync.momentum_of(p).zero_()
                 pairs = [(f"anchor.{name}", sync.anchor_of(p)),
                          (f"momentum.{name}", sync.momentum_of(p)),
                          (f"replica{replica}.{name}", _local(p))]
@@ -688,10 +695,11 @@ class StageSync:
                           for key, value in opt.state.get(p, {}).items()
                           if isinstance(value, torch.Tensor)]
                 for key, live in pairs:
-                    loaded = _local(state[key])
+                    loaded = _local(state[key]) if key in state else live
                     if loaded.data_ptr() != live.data_ptr():
                         live.copy_(loaded)
-            mean, var, seen, syncs = state[f"stats.{tag}"].tolist()
+            stats = state.get(f"stats.{tag}")
+            mean, var, seen, syncs = (0.0, 0.0, 0, 0) if stats is None else stats.tolist()
             sync.stats = NormStats(mean=mean, var=var, seen=int(seen), syncs=int(syncs))
 
 

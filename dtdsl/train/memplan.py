@@ -561,7 +561,8 @@ def _attach_cp(program: ir.Program, plan: Plan, built: Any, role: Any, world: An
     use_cp(built.module, cp_group(program, plan, role, group))
 
 
-def _expert_groups(plan: Plan, role: Any, zero: int, tp: Any = None) -> Any:
+def _expert_groups(plan: Plan, role: Any, zero: int, mesh: Any = None,
+                   replica_dp: int = 1) -> Any:
     """The measured rank's EP groups on the fake world (``ExpertGroups``, None at ep 1), as
     ``parallel.mesh.build_groups`` makes them for a run: its all-to-alls exchange nothing
     there, the routing's sizes assumed (``models.moe.mean_counts``)."""
@@ -572,7 +573,8 @@ def _expert_groups(plan: Plan, role: Any, zero: int, tp: Any = None) -> Any:
     if plan.unit(role.unit).ep == 1:
         return None
     with unset_fake_temporarily():      # its mesh's rank table is real, as the world's
-        return _ep_groups(plan, role, rank_groups(plan, role.rank, zero), "cpu", zero, tp)
+        return _ep_groups(plan, role, rank_groups(plan, role.rank, zero, None, replica_dp),
+                          "cpu", zero, mesh, replica_dp)
 
 
 def _optimizer(program: ir.Program, plan: Plan, trainable: list[Any]) -> Any:
@@ -670,7 +672,7 @@ def _measure_stage(program: ir.Program, plan: Plan, schedule: Schedule, cost: An
         built = build_stage(program, plan, role, mesh, world.device,
                             run=stage_run(role.role), initialize=False, compile=False,
                             phased=meshes, phased_run=stage_run("encoder"),
-                            ep=_expert_groups(plan, role, zero, mesh["tp"]))
+                            ep=_expert_groups(plan, role, zero, mesh, replica_dp))
         if grid.cp > 1:
             _attach_cp(program, plan, built, role, world)
         opt = _optimizer(program, plan, built.trainable())

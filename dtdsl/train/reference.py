@@ -176,6 +176,7 @@ def _local_sgd_reference(program: ir.Program, plan: Any, model: Model, source: S
     syncs = {n: ReferenceLocalSGD(trained[(n, 0)], cfg) for n in model.units
              if replicas[n] > 1 and trained[(n, 0)]}
     hook = corruption()
+    blocks = [b for c in copies for b in moe_blocks(c)]
     policy = frozenset(train.reorder)
     work = None
     if policy:
@@ -203,8 +204,12 @@ def _local_sgd_reference(program: ir.Program, plan: Any, model: Model, source: S
                 parts = microbatch_loss(view, [samples[i] for i in ids], norm, pad_to)
                 if parts.total.requires_grad:
                     parts.total.backward()
-                total += parts.total.item()
-                lm += parts.lm_sum.item() / max(1, norm.text_tokens)
+                # An MoE backbone's aux losses, reported with the LM loss as
+                # ``train_reference`` reports them (their gradients are in the backward).
+                aux = take_aux_losses(blocks)
+                aux = 0.0 if aux is None else aux.item()
+                total += parts.total.item() + aux
+                lm += parts.lm_sum.item() / max(1, norm.text_tokens) + aux
                 gen += parts.gen_sum.item() / max(1, norm.gen_targets)
         grad_norm = _clip_replicas(trained, replicas, train.grad_clip)
         for opt in optimizers:

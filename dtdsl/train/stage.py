@@ -728,6 +728,7 @@ def _apply_parallelisms(units: dict[str, nn.Module], program: ir.Program, plan: 
     apply_ac(stage.units, lambda unit: _recomputes(program, plan, unit))
     compiled = _compile(stage, program, role, device, compile)
     # ZeRO-1: shard over DP; ZeRO-0: replicate over DP (HSDP with shards of one rank).
+    experts = None if experts is None else _replica_mesh(experts, program)
     layers = apply_fsdp(stage, stage.units, _replica_mesh(mesh, program),
                         COMPUTE_DTYPES[program.train.precision], experts=experts)
     return _Parallel(stage, tp_sharded, compiled, layers)

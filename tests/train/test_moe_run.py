@@ -120,12 +120,12 @@ def test_compile_refuses_what_the_runtime_does_not_run_yet():
     capped = moe_spec(args="experts=4, top_k=2, expert_ffn=64, capacity=1.5")
     found = refused(capped, {"cp": 2, "gpus": 4})
     assert len(found) == 1 and "MoE module llm" in found[0] and "cp 2" in found[0]
-    # Expert parallelism runs, but not under Local SGD, whose replicas would average
-    # different experts.
+    # Expert parallelism runs, under Local SGD too where its groups lie inside a replica
+    # (DT636 otherwise: tests/train/test_local_sgd_ep.py).
     assert refused(p, {"ep": 2}) == []
     local = p.model_copy(update={"train": p.train.model_copy(update={
-        "sync": p.train.sync.model_copy(update={"kind": "local_sgd"})})})
-    assert any("ep 2" in m and "Local SGD" in m for m in refused(local, {"ep": 2}))
+        "sync": p.train.sync.model_copy(update={"kind": "local_sgd", "replica_dp": 2})})})
+    assert refused(local, {"ep": 2}) == []
     assert llm.ep == 1
     # A dense backbone at tp 2 is no concern of this check.
     dense = program()
