@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="stages measured at once, each in a process of its own (default: "
                         "the CPU count)")
     parser.add_argument("--every-microbatch", action="store_true",
-                        help="run every microbatch a stage keeps in flight (default: four, "
+                        help="run every microbatch a stage keeps in flight (default: three, "
                         "each of the others holding what an average one held: the same "
                         "peak, in time that does not grow with the pipeline's depth)")
     add_placement(parser, given_plan=True)

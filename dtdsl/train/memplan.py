@@ -11,7 +11,7 @@ forwards as its schedule keeps in flight at once (the most microbatches it has r
 forward and not yet backward in its action list), their backwards, the gradient
 reduction and the optimizer step, in 1F1B's order at its fullest: after the first
 backward the gradients exist, and one more forward brings the in-flight microbatches
-back to their most (of these, four run; each of the others holds what an average one
+back to their most (of these, three run; each of the others holds what an average one
 that ran held, its tensors being the same: ``_ran``). The microbatches are those the
 cost model budgets for:
 one large microbatch in flight and the others average (a backbone microbatch is always
@@ -592,10 +592,10 @@ def _optimizer(program: ir.Program, plan: Plan, trainable: list[Any]) -> Any:
     return opt
 
 
-# Microbatches in flight a stage's measurement runs (``_ran``): the large one, two
-# average ones (the bytes one holds: the difference of marks around the second's
-# forward), and the one whose forward meets the rest, held.
-_RAN = 4
+# Microbatches in flight a stage's measurement runs (``_ran``): the large one, an
+# average one (the bytes it holds: the difference of marks around its forward), and the
+# one whose forward meets the rest, held.
+_RAN = 3
 
 
 def _ran(in_flight: int, vpp: int, every_microbatch: bool) -> int:
@@ -620,7 +620,7 @@ def _in_flight_passes(forward: Callable[[int], Any], backward: Callable[[Any], N
         if i == ran - 1 and ran < k:        # its forward with k - 1 others held
             flight.hold(*marks, k - ran)
         outs.append(forward(i))
-        if i in (1, 2):                     # around an average microbatch's forward
+        if i in (0, 1):                     # around an average microbatch's forward
             marks.append(flight.mark())
     if trains:
         backward(outs.pop(0))
