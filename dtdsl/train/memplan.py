@@ -50,7 +50,7 @@ from __future__ import annotations
 import gc
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -739,8 +739,10 @@ def _recomputing(program: ir.Program, plan: Plan) -> ir.Program:
 
 
 def check_memory(program: ir.Program, plan: Plan, *, cost: Any = None, jobs: int = 1,
-                 progress: Callable[[int, int, str], None] | None = None) -> list[StageMemory]:
-    """Measure every unit stage of ``plan`` (module docstring), in plan order. Each stage
+                 progress: Callable[[int, int, str], None] | None = None,
+                 units: Collection[str] | None = None) -> list[StageMemory]:
+    """Measure every unit stage of ``plan`` (module docstring), in plan order; ``units``:
+    only those units' stages (a paper-scale backbone's take minutes). Each stage
     is measured in a process of its own, forked from this one (a fake world leaves
     process-wide state behind: process group names, DeviceMesh and DTensor caches), up
     to ``jobs`` at a time."""
@@ -761,7 +763,7 @@ def check_memory(program: ir.Program, plan: Plan, *, cost: Any = None, jobs: int
     schedule = lower(plan, program)
     # Co-located and phased units are measured with the backbone stages that run them.
     todo = [(u.name, s) for u in plan.units if not (u.colocated or u.phased)
-            for s in range(u.pp)]
+            and (units is None or u.name in units) for s in range(u.pp)]
     if progress is not None:
         progress(0, len(todo), "")
     context = multiprocessing.get_context("fork")

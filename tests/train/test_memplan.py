@@ -67,6 +67,10 @@ def test_every_stage_of_a_small_plan_is_measured():
     llm = stages[1]
     assert llm.by_category["optimizer_state"] > 0
     assert frozen.by_category["optimizer_state"] < llm.by_category["optimizer_state"]
+    # Some units' stages only, the same measurements.
+    only = check_memory(program, plan, jobs=2, units=["llm"])
+    assert [(s.unit, s.stage, s.measured_bytes) for s in only] == [
+        (s.unit, s.stage, s.measured_bytes) for s in stages if s.unit == "llm"]
 
 
 def test_a_host_stage_is_measured_with_its_co_located_units():
