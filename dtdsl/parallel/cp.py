@@ -36,8 +36,10 @@ tests run with the P2P ordering check on).
 
 **Ulysses**: an all-to-all (``torch.distributed.nn.functional.all_to_all_single``,
 differentiable) turns sequence shards into head shards: each rank gets ``H/c`` heads of the
-whole sequence, runs ``models.attention.document_attention`` on it, and a second
-all-to-all gives the sequence shards back. The heads must divide by ``c``; KV heads too,
+whole sequence, runs ``models.attention.document_attention`` on it (bidirectional, on rows
+that share their documents, as an encoder group's do: each document's dense attention,
+``_span_attention``, with no mask at all), and a second all-to-all gives the sequence
+shards back. The heads must divide by ``c``; KV heads too,
 or, when fewer than ``c``, divide ``c``: then each is repeated ``c / H_kv`` times before the
 exchange (as Megatron-LM does) and autograd sums the copies' gradients.
 
@@ -280,11 +282,14 @@ class CPDocuments:
     _masks: dict[torch.device, DocumentMask] = field(default_factory=dict, repr=False)
 
     _single: bool = field(default=False, init=False, repr=False)
+    _shared: list[tuple[int, int]] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.docs = self.docs.detach().to("cpu", torch.int64)
         _check_documents(self.docs)
         self._single = bool((self.docs == 0).all())
+        if bool((self.docs == self.docs[:1]).all()):
+            self._shared = self.spans()[0]
 
     @classmethod
     def from_full(cls, docs: torch.Tensor, size: int) -> CPDocuments:
@@ -318,6 +323,13 @@ class CPDocuments:
         """Whether every sequence is one document, without padding: plain causal
         attention."""
         return self._single
+
+    @property
+    def shared_spans(self) -> list[tuple[int, int]] | None:
+        """The documents as ``(first position, length)`` runs when every sequence has the
+        same ones (an encoder group's rows: one image or clip each, then the padding to
+        whole chunks), else None."""
+        return self._shared
 
     def ring_blocks(self, size: int, rank: int, device: torch.device, dtype: torch.dtype,
                     causal: bool = True) -> tuple[tuple[Block, ...], ...]:
@@ -624,6 +636,17 @@ def _ulysses_order(ring_size: int, ring_rank: int, uly: int, n: int) -> torch.Te
     return _chunk_index([where[chunk] for chunk in sorted(gathered)], n)
 
 
+def _span_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    spans: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """Bidirectional attention of ``[B, H, L, D]`` queries within each of ``spans``
+    (``(first position, length)`` runs covering ``0..L-1``, the same in every row) over
+    the keys and values of the same span: ``dense_attention`` per span, on views of
+    ``q``, ``k`` and ``v`` (no mask, no copy), the outputs joined along the sequence."""
+    outs = [dense_attention(q[:, :, a:a + n], k[:, :, a:a + n], v[:, :, a:a + n])
+            for a, n in spans]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+
 # ---------------------------------------------------------------------------- API
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: CPDocuments,
@@ -651,9 +674,16 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: CPDocuments
         out = dense_attention(q, k, v, causal=True)
     elif ring is None and causal:
         out = document_attention(q, k, v, docs.document_mask(q.device))
+    elif ring is None and not causal and docs.shared_spans is not None:
+        # Bidirectional on the whole sequence, every row the same documents (an
+        # encoder's rows and their padding): each document's own dense attention. The
+        # ring's blocks would keep an additive [B, 1, m, m] mask for every block a
+        # document boundary crosses, each microbatch until its backward.
+        out = _span_attention(q, k, v, docs.shared_spans)
     else:
-        # Bidirectional attention on the whole sequence (models.attention's masks are
-        # causal): the ring's blocks on a ring of one rank, which sends nothing.
+        # Bidirectional attention on the whole sequence, documents differing by row
+        # (models.attention's masks are causal): the ring's blocks on a ring of one
+        # rank, which sends nothing.
         ring = ring or _RingGroup(None, 1, 0, -1, -1)
         steps = docs.ring_blocks(ring.size, ring.rank, q.device, q.dtype, causal)
         out = _Ring.apply(q, k, v, steps, ring, scale)

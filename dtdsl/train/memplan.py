@@ -52,7 +52,7 @@ from __future__ import annotations
 import gc
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -282,8 +282,12 @@ class _Images:
 def _encoder_images(program: ir.Program, cost: Any, name: str, unit: Any, share: float,
                     large: bool) -> _Images:
     """The items of encoder ``name``'s large (the cost model's 99th percentile) or
-    average microbatch, as the cost model budgets them: square grids of about an average
-    item's patches (an image's, an audio clip's or a video clip's, ``ir.modal``)."""
+    average microbatch, as the cost model budgets them: as many items as its rows hold
+    of an average item (an image's, an audio clip's or a video clip's, ``ir.modal``;
+    one at least), square grids that share its rows equally. Whole average items would
+    overshoot the budget by up to one item: a large microbatch of one video clip 1.33
+    times the average (the 99th percentile of 64 to 128 frames) would be two average
+    clips, 1.5 times its rows."""
     from dtdsl.ir.modal import InputRule, drawn_tokens
 
     module = program.module(name)
@@ -292,22 +296,23 @@ def _encoder_images(program: ir.Program, cost: Any, name: str, unit: Any, share:
     tokens = max(1, int(math.ceil(unit.peak_items * share
                                   / (1.0 if large else unit.act_peak_ratio))))
     data = cost.program.data
+    cls = int(arch.cls_token)                       # a class token's row too
     if rule.image is not None:
         items = data.get("image", "patches")
-        per_image = 256 if items is None else max(1, int(round(_mean(items))))
-        # A square grid the projector's compression divides (pixel shuffle: whole k x k
-        # blocks), as the data's own images are rounded.
-        side = rule.image.square_side(per_image)
+        per_item = 256 if items is None else max(1, int(round(_mean(items))))
     else:
         m = rule.modality
         frames, patches = data.get(m, "frames"), data.get(m, "patches")
         size = 256 if frames is None else max(1, int(round(_mean(frames))))
         per = None if patches is None else np.array([max(1, int(round(_mean(patches))))])
         per_item = int(drawn_tokens(rule, np.array([size]), per)[0])
-        side = max(1, round(math.sqrt(per_item)))
-    rows = side * side + int(arch.cls_token)        # a class token's row too
-    return _Images(n=max(1, math.ceil(tokens / rows)), side=side, rows=rows,
-                   width=rule.patch_dim)
+    n = max(1, round(tokens / (per_item + cls)))
+    patches = max(1.0, tokens / n - cls)
+    # An image's a square grid the projector's compression divides (pixel shuffle: whole
+    # k x k blocks), as the data's own images are rounded.
+    side = rule.image.square_side(patches) if rule.image is not None else \
+        max(1, round(math.sqrt(patches)))
+    return _Images(n=n, side=side, rows=side * side + cls, width=rule.patch_dim)
 
 
 def _item_rows(program: ir.Program, name: str, side: int) -> int:
@@ -782,8 +787,10 @@ def _recomputing(program: ir.Program, plan: Plan) -> ir.Program:
 
 def check_memory(program: ir.Program, plan: Plan, *, cost: Any = None, jobs: int = 1,
                  progress: Callable[[int, int, str], None] | None = None,
-                 every_microbatch: bool = False) -> list[StageMemory]:
-    """Measure every unit stage of ``plan`` (module docstring), in plan order. Each stage
+                 every_microbatch: bool = False,
+                 units: Collection[str] | None = None) -> list[StageMemory]:
+    """Measure every unit stage of ``plan`` (module docstring), in plan order; ``units``:
+    only those units' stages (a paper-scale backbone's take minutes). Each stage
     is measured in a process of its own, forked from this one (a fake world leaves
     process-wide state behind: process group names, DeviceMesh and DTensor caches), up
     to ``jobs`` at a time. ``every_microbatch``: run every microbatch in flight
@@ -805,7 +812,7 @@ def check_memory(program: ir.Program, plan: Plan, *, cost: Any = None, jobs: int
     schedule = lower(plan, program)
     # Co-located and phased units are measured with the backbone stages that run them.
     todo = [(u.name, s) for u in plan.units if not (u.colocated or u.phased)
-            for s in range(u.pp)]
+            and (units is None or u.name in units) for s in range(u.pp)]
     if progress is not None:
         progress(0, len(todo), "")
     context = multiprocessing.get_context("fork")
