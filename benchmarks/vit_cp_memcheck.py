@@ -1,7 +1,7 @@
 """``dtc memcheck`` of a video encoder under tensor and context parallelism (issue 30): the
-ViT stage of the long-video variant of ``specs/mllm_72b_128k.dt`` (``tests/planner/
-test_cp.py``'s ``_long_video``: one clip of 64 to 128 frames a sample, 32K to 64K rows,
-Ulysses on the ViT), planned now, and its miniature (``tests/train/test_memplan.py``'s
+ViT stage of the long-video variant of ``specs/mllm_72b_128k.dt``
+(``tests/helpers/planning.py``'s ``long_video``: one clip of 64 to 128 frames a sample,
+32K to 64K rows, Ulysses on the ViT), planned now, and its miniature (``tests/train/test_memplan.py``'s
 ``_video_vit``: tp 2 x cp 2). Only the ViT's stages are measured (the 72B backbone's take
 minutes each).
 
@@ -60,7 +60,7 @@ def main() -> None:
     from dtdsl.cost.model import build_cost_model
     from dtdsl.planner import plan
     from dtdsl.train.memplan import check_memory
-    from tests.planner.test_cp import _long_video
+    from tests.helpers.planning import long_video
     from tests.train.test_memplan import _video_vit
 
     print(f"{'case':<26}{'stage':<8}{'flight':>6}{'predicted':>12}{'measured':>12}"
@@ -68,7 +68,7 @@ def main() -> None:
     _rows(check_memory(*_video_vit(), jobs=1, units=["vit"]), "tiny tp 2 x cp 2")
     if args.no_paper:
         return
-    cost = build_cost_model(_long_video("cp(vit) in {1, 2, 4, 8}"))
+    cost = build_cost_model(long_video("cp(vit) in {1, 2, 4, 8}"))
     p = plan(cost, compare_baseline=False)
     vit = p.unit("vit")
     _rows(check_memory(cost.program, p, cost=cost, units=["vit"]),

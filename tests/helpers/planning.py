@@ -58,3 +58,27 @@ def exact_candidate_optimum(space: Space, tps, dps, *, allowed: bool = False) ->
             ok = ok & space.gpus_allowed(i, stage[i] * grids[i])
     return float(np.where(ok, est.iteration_time_s, np.inf).min()) if ok.any() else np.inf
 
+
+@cache
+def spec_text(name: str) -> str:
+    return read_spec(str(ROOT / "specs" / f"{name}.dt"))[1].decode()
+
+
+def long_video(vit_cp: str) -> ir.Program:
+    """The 128K spec with its ViT reading each sample's video as one clip (2-frame
+    patches, Qwen2-VL style: 64 to 128 frames of 1024 patches, 32K to 64K rows), Ulysses
+    on the ViT, and ``vit_cp`` its cp constraint."""
+    text = spec_text("mllm_72b_128k")
+    for old, new in (
+            ("encoder vit (image) {", "encoder vit (video) {"),
+            ("patch=14)", "patch=14, temporal_patch=2)\n    context_parallel = ulysses"),
+            ("    compress = pixel_shuffle(2)", "    # no compress"),
+            ("  image.count   ~ choice([96, 192, 256], p=[0.3, 0.4, 0.3])\n"
+             "  image.patches ~ 1024",
+             "  video.count   ~ constant(1)\n"
+             "  video.frames  ~ choice([64, 96, 128], p=[0.3, 0.4, 0.3])\n"
+             "  video.patches ~ 1024"),
+            ("cp(llm)   in {1, 2, 4, 8}", f"cp(llm)   in {{1, 2, 4, 8}}\n  {vit_cp}")):
+        assert old in text, old
+        text = text.replace(old, new)
+    return from_text(text)

@@ -1,6 +1,6 @@
 """Plans laid out by hand as the planner writes them: units co-located on the
 backbone's first or last stage, an encoder phased over the backbone's ranks, a unit
-interleaved over model chunks."""
+interleaved over model chunks, a unit at context parallelism (``with_cp``)."""
 
 from __future__ import annotations
 
@@ -71,3 +71,22 @@ def chunked(plan: Plan, unit: str, vpp: int = 2) -> Plan:
     units = tuple(u.model_copy(update={"vpp": vpp}) if u.name == unit else u
                   for u in plan.units)
     return plan.model_copy(update={"schedule": "interleaved", "units": units})
+
+
+def with_cp(program: ir.Program, plan: Plan, cp: int, method: str, name: str = "llm"
+            ) -> tuple[ir.Program, Plan]:
+    """``program`` with ``name``'s ``context_parallel = method`` and ``plan`` with its
+    unit at ``cp`` (cp times the GPUs), the units laid out again in order."""
+    modules = tuple(m.model_copy(update={"context_parallel": method}) if m.name == name
+                    else m for m in program.modules)
+    program = program.model_copy(update={"modules": modules})
+    units, first = [], 0
+    for u in plan.units:
+        update: dict = {"first_rank": first}
+        if u.name == name:
+            update.update(cp=cp, gpus=u.gpus * cp)
+        u = u.model_copy(update=update)
+        units.append(u)
+        first += u.gpus
+    return program, plan.model_copy(update={"units": tuple(units), "num_gpus": first,
+                                            "gpus_used": first})

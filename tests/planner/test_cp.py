@@ -15,6 +15,7 @@ from dtdsl.driver import read_spec, run_frontend
 from dtdsl.ir import program as ir
 from dtdsl.planner import Infeasible, cp_choices, plan, plan_convex, plan_exhaustive
 from dtdsl.planner.baseline import with_recompute
+from tests.helpers.planning import long_video, spec_text
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = sorted(p.stem for p in (ROOT / "specs").glob("*.dt") if p.stem != "mllm_72b_128k")
@@ -24,11 +25,6 @@ def _program(text: str, name: str = "t.dt") -> ir.Program:
     result = run_frontend(name, text.encode())
     assert result.ok, [d.message for d in result.diagnostics]
     return result.program
-
-
-@cache
-def spec_text(name: str) -> str:
-    return read_spec(str(ROOT / "specs" / f"{name}.dt"))[1].decode()
 
 
 @cache
@@ -168,34 +164,14 @@ def test_reports_show_cp_only_where_a_unit_uses_it():
     assert "llm tp 1 cp 2 dp" in baseline_layout(with_cp)
 
 
-def _long_video(vit_cp: str) -> ir.Program:
-    """The 128K spec with its ViT reading each sample's video as one clip (2-frame
-    patches, Qwen2-VL style: 64 to 128 frames of 1024 patches, 32K to 64K rows), Ulysses
-    on the ViT, and ``vit_cp`` its cp constraint."""
-    text = spec_text("mllm_72b_128k")
-    for old, new in (
-            ("encoder vit (image) {", "encoder vit (video) {"),
-            ("patch=14)", "patch=14, temporal_patch=2)\n    context_parallel = ulysses"),
-            ("    compress = pixel_shuffle(2)", "    # no compress"),
-            ("  image.count   ~ choice([96, 192, 256], p=[0.3, 0.4, 0.3])\n"
-             "  image.patches ~ 1024",
-             "  video.count   ~ constant(1)\n"
-             "  video.frames  ~ choice([64, 96, 128], p=[0.3, 0.4, 0.3])\n"
-             "  video.patches ~ 1024"),
-            ("cp(llm)   in {1, 2, 4, 8}", f"cp(llm)   in {{1, 2, 4, 8}}\n  {vit_cp}")):
-        assert old in text, old
-        text = text.replace(old, new)
-    return _program(text)
-
-
 def test_the_planner_splits_a_long_video_encoders_clips_where_it_pays():
-    cost = build_cost_model(_long_video("cp(vit) in {1, 2, 4, 8}"))
+    cost = build_cost_model(long_video("cp(vit) in {1, 2, 4, 8}"))
     assert any(c["vit"] > 1 for _, c in cp_choices(cost))
     p = plan(cost, compare_baseline=False)
     assert p.unit("vit").cp > 1
     _tiles(p)
     assert not [d for d in runtime_support(cost.program, p) if d.code == "DT601"]
-    pinned = plan(build_cost_model(_long_video("cp(vit) == 1")), compare_baseline=False)
+    pinned = plan(build_cost_model(long_video("cp(vit) == 1")), compare_baseline=False)
     assert pinned.unit("vit").cp == 1
     assert p.iteration_time_s < pinned.iteration_time_s
 

@@ -14,28 +14,10 @@ from dtdsl.ir.plan import Plan
 from dtdsl.parallel.mesh import build_groups, cp_ulysses, rank_groups
 from dtdsl.schedule.lower import lower
 from tests.dist import run
+from tests.helpers.plans import with_cp
 from tests.helpers.runs import LOSS_RTOL, PARAM_RMS, PARAM_RTOL, plan_for, reference, spec
 
 STEPS = 8       # the issue's acceptance: 8+ steps
-
-
-def with_cp(program: ir.Program, plan: Plan, cp: int, method: str, name: str = "llm"
-            ) -> tuple[ir.Program, Plan]:
-    """``program`` with ``name``'s ``context_parallel = method`` and ``plan`` with its
-    unit at ``cp`` (cp times the GPUs), the units laid out again in order."""
-    modules = tuple(m.model_copy(update={"context_parallel": method}) if m.name == name
-                    else m for m in program.modules)
-    program = program.model_copy(update={"modules": modules})
-    units, first = [], 0
-    for u in plan.units:
-        update: dict = {"first_rank": first}
-        if u.name == name:
-            update.update(cp=cp, gpus=u.gpus * cp)
-        u = u.model_copy(update=update)
-        units.append(u)
-        first += u.gpus
-    return program, plan.model_copy(update={"units": tuple(units), "num_gpus": first,
-                                            "gpus_used": first})
 
 
 def _train(rank: int, world: int, program: ir.Program, plan: Plan, losses: list[float],

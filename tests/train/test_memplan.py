@@ -240,9 +240,9 @@ def test_a_long_video_microbatch_is_one_clip_of_its_rows():
     # about that size. Whole average clips made it two (98568 rows, 1.5 times the budget).
     from dtdsl.cost.model import build_cost_model
     from dtdsl.train.memplan import _encoder_images
-    from tests.planner.test_cp import _long_video
+    from tests.helpers.planning import long_video
 
-    cost = build_cost_model(_long_video("cp(vit) in {1, 2, 4, 8}"))
+    cost = build_cost_model(long_video("cp(vit) in {1, 2, 4, 8}"))
     unit = cost.unit("vit")
     large = _encoder_images(cost.program, cost, "vit", unit, 1.0, True)
     assert (large.n, large.rows) == (1, 65536) == (1, unit.peak_items)
@@ -261,9 +261,9 @@ def _video_vit() -> tuple[Any, Any]:
     microbatch), Ulysses on it, bf16 (the memory model's activations), and a plan with
     the ViT at tp 2 x cp 2 (one head a rank after the all-to-all, each clip padded to
     whole chunks of the CP layout)."""
+    from tests.helpers.plans import with_cp
     from tests.helpers.runs import plan_for
     from tests.specs import TINY, program
-    from tests.train.test_cp_run import with_cp
 
     text = TINY.read_text()
     for old, new in (
