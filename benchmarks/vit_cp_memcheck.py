@@ -2,8 +2,8 @@
 ViT stage of the long-video variant of ``specs/mllm_72b_128k.dt``
 (``tests/helpers/planning.py``'s ``long_video``: one clip of 64 to 128 frames a sample,
 32K to 64K rows, Ulysses on the ViT), planned now, and its miniature
-(``tests/train/test_memplan.py``'s ``_video_vit``: tp 2 x cp 2). Only the ViT's stages are measured (the 72B backbone's take
-minutes each).
+(``tests/train/test_memplan.py``'s ``_video_vit``: tp 2 x cp 2). Only the ViT's stages
+are measured (the 72B backbone's take minutes each).
 
 On the development machine (error = measured / predicted - 1; plan: ViT tp 4 x cp 4 x
 dp 4, 8 microbatches in flight; capacity 74.5 GiB, 90% of it 67.1 GiB):
