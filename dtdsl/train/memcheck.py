@@ -445,14 +445,17 @@ class InFlight:
 
     def hold(self, before: dict[Any, dict[Any, int]], after: dict[Any, dict[Any, int]],
              times: int) -> None:
-        """Hold ``times`` more of what was made between marks ``before`` and ``after``
-        (nothing at 0: released)."""
+        """Hold ``times`` more of what was made between marks ``before`` and ``after``."""
         total = _mem_tracker._TOTAL_KEY
         self._tracker.virtual = {
             dev: {key: times * (n - before.get(dev, {}).get(key, 0))
                   for key, n in snap.items() if key != total}
-            for dev, snap in after.items()} if times else {}
+            for dev, snap in after.items()}
         self._tracker._update_peak_stats(None)
+
+    def release(self) -> None:
+        """Hold nothing more from now on."""
+        self._tracker.virtual = {}
 
 
 def measure_peak(

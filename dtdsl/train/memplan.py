@@ -631,10 +631,10 @@ def _in_flight_passes(forward: Callable[[int], Any], backward: Callable[[Any], N
         backward(outs.pop(0))
         outs.append(forward(k))
         backward(outs.pop(0))               # an average one's, k - 1 others held
-        flight.hold({}, {}, 0)              # the rest with fewer: never the peak
+        flight.release()                    # the rest with fewer: never the peak
         while outs:
             backward(outs.pop(0))
-    flight.hold({}, {}, 0)
+    flight.release()
     outs.clear()
 
 
