@@ -101,16 +101,18 @@ def colocated_layouts(cost: CostModel, num_gpus: int | None = None, *,
     candidates = evaluated = 0
     for here, phased in _arrangements(space, others, placement):
         mixed = _Mixed(space, Colocation(ev, counts, colocated=here, phased=phased))
+        to_beat: dict[int, float] = {}      # per depth, this arrangement's best time so far
         for tp in space.tps(b):
             for dp in dp_lms:
                 if tp * dp > num_gpus or any(dp not in space.dps(i, dp) for i in here):
                     continue
                 candidates += 1
                 evaluated += int(pps.size)
-                for choice in mixed.best(tp, dp, pps):
+                for choice in mixed.best(tp, dp, pps, to_beat):
                     key = (here, phased, choice.pp)
                     if key not in best or choice.time < best[key].time:
                         best[key] = choice
+                        to_beat[choice.pp] = choice.time
     solve = time.perf_counter() - start
     plans = [c.mixed.plan(c, search=search, solve_time_s=solve, candidates=candidates,
                           evaluated=evaluated) for c in best.values()]
@@ -219,8 +221,12 @@ class _Mixed:
         out.sort(key=lambda o: (o.stage_s, o.tp * o.dp))
         return out
 
-    def best(self, tp: int, dp: int, pps: np.ndarray) -> list[_Choice]:
-        """The fastest layout at each backbone depth that fits (none where none does)."""
+    def best(self, tp: int, dp: int, pps: np.ndarray,
+             to_beat: dict[int, float] | None = None) -> list[_Choice]:
+        """The fastest layout at each backbone depth that fits (none where none does), or
+        that is faster than ``to_beat[depth]`` where given: a depth whose time without the
+        phased encoders' exposure (never negative) already reaches it is not priced
+        further (their greedy is most of a search's time)."""
         co, ev = self.co, self.co.ev
         m = ev.microbatches(dp)
         # The phased encoders' exposure (a greedy over the microbatches) only for the
@@ -236,6 +242,11 @@ class _Mixed:
                 continue
             options = [self._options(i, dp, p) for i in self.own]
             if any(not o for o in options):
+                continue
+            # Each term of the time below is at least its part here (float sums of
+            # nonnegative terms are monotone), so no layout of this depth can beat it.
+            if to_beat is not None and p in to_beat and float(figures.time[k] - figures.sync[k]) \
+                    + self.edge_s + float(figures.sync[k]) >= to_beat[p]:
                 continue
             pipeline = float(figures.time[k] - figures.sync[k]) + \
                 co.bubbles_s(tp, p, bool(figures.across[k]), split, m)

@@ -427,3 +427,24 @@ def test_the_end_of_a_step_averages_tp_replicated_gradients_over_tp():
     llm = model.unit("llm")
     assert llm.tp_synced_params == 0
     assert model.tp_sync_coefficients(llm, 8, 2) == (0.0, 0.0)
+
+
+def test_scalar_questions_are_answered_from_the_memo_as_computed():
+    """``CostModel``'s memory and synchronisation answers for scalar arguments are kept
+    (the planner asks them again for every placement): the same values as a fresh model's,
+    and array arguments computed as arrays."""
+    import numpy as np
+
+    from dtdsl.cost.model import build_cost_model
+    from tests.helpers.planning import program
+
+    spec = program("mllm_9b")
+    warm, fresh = build_cost_model(spec), build_cost_model(spec)
+    unit = warm.unit("llm")
+    args = (unit, 2, 4, 8, 1, 4, 16, 1.0)
+    first = warm.memory_bytes(*args)
+    assert warm.memory_bytes(*args) == first == build_cost_model(spec).memory_bytes(
+        fresh.unit("llm"), *args[1:])
+    assert warm.dp_sync_time_s(unit, 2, 4, 8) == fresh.dp_sync_time_s(fresh.unit("llm"), 2, 4, 8)
+    many = warm.memory_bytes(unit, 2, np.array([4, 8]), 8, 1, 4, 16, 1.0)
+    assert isinstance(many, np.ndarray) and many[0] == first

@@ -197,3 +197,31 @@ def test_a_small_encoder_runs_in_the_pipelines_bubbles():
     (enc,) = [u for u in small.units if u.phased]
     phases = small.num_microbatches * (enc.fwd_time_s + enc.bwd_time_s)
     assert fit.exposed_f + fit.exposed_b < 0.8 * phases
+
+
+@pytest.mark.parametrize("placement", ["colocated", "phased"])
+def test_layouts_that_cannot_win_are_left_unpriced_without_changing_the_result(
+        placement, monkeypatch):
+    """``_Mixed.best`` skips a depth whose time before the phased encoders' exposure
+    already reaches the best found: the layouts are those of the search that prices every
+    depth, to the bit."""
+    from dtdsl.planner import placement as module
+
+    priced = cost("mllm_9b")
+    pruned = colocated_layouts(priced, placement=placement)
+    skipped = []
+    best = module._Mixed.best
+
+    def every_depth(self, tp, dp, pps, to_beat=None):
+        full = best(self, tp, dp, pps)
+        kept = best(self, tp, dp, pps, to_beat)
+        skipped.append(len(full) - len(kept))
+        return full
+
+    monkeypatch.setattr(module._Mixed, "best", every_depth)
+
+    def timeless(plans):
+        return [p.model_copy(update={"solve_time_s": 0.0}) for p in plans]
+
+    assert timeless(colocated_layouts(priced, placement=placement)) == timeless(pruned)
+    assert sum(skipped) > 0, "nothing was left unpriced"
