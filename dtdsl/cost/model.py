@@ -59,8 +59,6 @@ the ring's (n - 1) / n differs a little).
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -69,6 +67,7 @@ import numpy as np
 
 from dtdsl.cost import flops
 from dtdsl.cost.gemm import expert_gemm_slowdown
+from dtdsl.cost.memo import memo_on_scalars
 from dtdsl.cost.profile import ProfileTable, load_profile
 from dtdsl.cost.samples import (
     SampleSet,
@@ -180,32 +179,6 @@ def in_flight(schedule: str, layers: int, pp, vpp, depth, microbatches):
 
 
 
-
-
-_SCALARS = (int, float, str, np.number, np.bool_)
-
-
-def _memo_on_scalars(method: Callable[..., Any]) -> Callable[..., Any]:
-    """``method(self, unit, ...)`` kept per (unit, arguments) in the model's ``_times`` when
-    every argument is a Python scalar: the planner asks the same few layouts' memory and
-    synchronisation of every candidate placement (tens of thousands of numpy calls on
-    scalars). Array arguments, and array results, are computed each time."""
-    name = method.__name__
-
-    @functools.wraps(method)
-    def memo(self: CostModel, unit: UnitCost, *args: Any, **kwargs: Any) -> Any:
-        if not all(isinstance(a, _SCALARS) for a in (*args, *kwargs.values())):
-            return method(self, unit, *args, **kwargs)
-        key = (name, id(unit), args, tuple(sorted(kwargs.items())))
-        hit = self._times.get(key)
-        if hit is None or hit[0] is not unit:
-            value = method(self, unit, *args, **kwargs)
-            parts = value if isinstance(value, tuple) else (value,)
-            if any(isinstance(v, np.ndarray) for v in parts):
-                return value
-            hit = self._times[key] = (unit, value)
-        return hit[1]
-    return memo
 
 
 @dataclass(frozen=True)
@@ -512,7 +485,7 @@ class CostModel:
         return float(unit.layers * all_reduce_time_s(per_layer, tp,
                                                      self._tp_bandwidth(tp, across_nodes)))
 
-    @_memo_on_scalars
+    @memo_on_scalars
     def memory_bytes(self, unit: UnitCost, tp: int, pp, dp: int, vpp, depth,
                      microbatches: int, share: float):
         """Peak memory of one GPU of the unit's first stage (``pp``, ``vpp`` and ``depth``
@@ -551,7 +524,7 @@ class CostModel:
         kept = np.ceil(unit.layers / pp) * per_layer + self._last_stage_bytes(unit, tp, share)
         return np.maximum(first, static + kept * (1 + (held - 1) / unit.act_peak_ratio))
 
-    @_memo_on_scalars
+    @memo_on_scalars
     def stage_memory_bytes(self, unit: UnitCost, *, tp: int, pp: int, dp: int, vpp: int,
                            stage: int, layers: int, depth: int, microbatches: int,
                            share: float) -> float:
@@ -653,7 +626,7 @@ class CostModel:
                           np.vectorize(flops.lm_loss_chunk_rows, otypes=[float])(columns))
         return rows * columns * 16.0
 
-    @_memo_on_scalars
+    @memo_on_scalars
     def dp_sync_coefficients(self, unit: UnitCost, tp, dp, *, replicated_over=1) -> tuple:
         """(fixed_s, per_layer_s) with the end of a step on one stage, its exposed
         data-parallel communication, the TP average of its replicated parameters'
@@ -844,7 +817,7 @@ class CostModel:
             out[tps == t] = self.fwd_bwd_time_s(unit, int(t))[which] / max(unit.layers, 1)
         return out if out.ndim else out[()]
 
-    @_memo_on_scalars
+    @memo_on_scalars
     def dp_sync_time_s(self, unit: UnitCost, tp, pp, dp, *, replicated_over=1):
         """The end of a step on the unit's heaviest stage: its exposed gradient
         synchronisation and its optimizer step (``dp_sync_coefficients``)."""
