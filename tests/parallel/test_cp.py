@@ -185,7 +185,7 @@ def _heads_refused(rank, world):
 
 
 def test_ulysses_refuses_heads_that_do_not_divide():
-    run(_heads_refused, 2)
+    run(_heads_refused, 2, timeout=120)   # seconds alone; under a loaded suite, more
 
 
 # ------------------------------------------------------------------ blocks skipped
