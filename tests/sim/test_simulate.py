@@ -8,10 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dtdsl.cost.model import CostParams, build_cost_model
 from dtdsl.driver import run_frontend
+from dtdsl.ir.plan import Plan
 from dtdsl.ir.schedule import Schedule, ScheduleUnit, parse_schedule
-from dtdsl.planner import plan
 from dtdsl.schedule.lower import GradientFlow, lower, lower_units
 from dtdsl.schedule.validate import validate
 from dtdsl.sim.simulate import Durations, Simulator, simulate
@@ -205,20 +204,13 @@ def test_routes_of_the_wrong_shape_are_refused():
         simulate(schedule, bad)
 
 
-def _spec_schedules():
-    out = []
-    for name in ("tiny_cpu", "mllm_9b", "audio_image"):
-        path = ROOT / "specs" / f"{name}.dt"
-        program = run_frontend(str(path), path.read_bytes()).program
-        cost = build_cost_model(program, CostParams(samples=512))
-        the_plan = plan(cost, program.cluster.num_gpus, compare_baseline=False)
-        out.append(pytest.param(lower(the_plan, program), id=name))
-    return out
-
-
-@pytest.fixture(scope="module", params=_spec_schedules())
-def spec_schedule(request) -> Schedule:
-    return request.param
+@pytest.fixture(scope="module", params=["tiny_cpu", "mllm_9b", "audio_image"])
+def spec_schedule(request, shipped_plan) -> Schedule:
+    """A shipped spec's schedule as ``dtc plan`` plans it (planned once per test run, when
+    a test asks: not at collection, in every xdist worker)."""
+    path = ROOT / "specs" / f"{request.param}.dt"
+    program = run_frontend(str(path), path.read_bytes()).program
+    return lower(Plan.model_validate_json(shipped_plan(request.param).read_text()), program)
 
 
 def test_matches_the_reference_on_shipped_specs(spec_schedule):
