@@ -205,12 +205,14 @@ def test_routes_of_the_wrong_shape_are_refused():
 
 
 @pytest.fixture(scope="module", params=["tiny_cpu", "mllm_9b", "audio_image"])
-def spec_schedule(request, shipped_plan) -> Schedule:
-    """A shipped spec's schedule as ``dtc plan`` plans it (planned once per test run, when
-    a test asks: not at collection, in every xdist worker)."""
+def spec_schedule(request, planned_compile) -> Schedule:
+    """A shipped spec's schedule as ``dtc compile`` plans it: the compile that
+    tests/codegen/test_compile.py checks, run once per test run (not at collection, in
+    every xdist worker: audio_image's planning takes most of a minute of CPU)."""
     path = ROOT / "specs" / f"{request.param}.dt"
     program = run_frontend(str(path), path.read_bytes()).program
-    return lower(Plan.model_validate_json(shipped_plan(request.param).read_text()), program)
+    plan = Plan.model_validate_json((planned_compile(request.param) / "plan.json").read_text())
+    return lower(plan, program)
 
 
 def test_matches_the_reference_on_shipped_specs(spec_schedule):
