@@ -14,23 +14,19 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("script", "figure", "args"), [
-    ("step_vs_torch.py", r"runtime/plain step time \(median of per-step ratios\): "
-                         r"(\d+\.\d+)", ("--precision", "fp32")),
-    ("step_vs_torch.py", r"runtime/plain step time \(median of per-step ratios\): "
-                         r"(\d+\.\d+)", ("--precision", "bf16")),
-])
-def test_runtime_benchmark_runs(script, figure, args):
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / script), "--steps", "5",
-                           "--warmup", "2", *args], capture_output=True, text=True,
-                          timeout=600, check=False)
+def test_runtime_benchmark_runs():
+    # fp32, the same losses up to summation order. Its bf16 run (and the compiled loop's)
+    # is tests/test_gpu_check.py's smoke run of the step_vs_torch section. The ratio is a
+    # timing: printed, never bounded here.
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "step_vs_torch.py"), "--steps",
+                           "5", "--warmup", "2", "--precision", "fp32"], capture_output=True,
+                          text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     drift = re.search(r"max rel diff (\d\.\de[-+]\d+)", proc.stdout)     # same losses
-    # the same losses: fp32 up to summation order, bf16 within its rounding
-    limit = 1e-4 if "fp32" in args else 1e-2
-    assert drift and float(drift.group(1)) < limit, proc.stdout[-2000:]
-    found = re.search(figure, proc.stdout)
-    assert found and 0.2 < float(found.group(1)) < 5, proc.stdout[-2000:]
+    assert drift and float(drift.group(1)) < 1e-4, proc.stdout[-2000:]
+    found = re.search(r"runtime/plain step time \(median of per-step ratios\): (\d+\.\d+)",
+                      proc.stdout)
+    assert found and float(found.group(1)) > 0, proc.stdout[-2000:]
 
 
 @pytest.mark.slow
