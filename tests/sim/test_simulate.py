@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import numpy as np
@@ -273,19 +272,11 @@ def test_bad_durations_are_refused():
         Simulator(schedule).run(Durations(compute_s={"llm": bad}))
 
 
-def test_32_stages_by_256_microbatches_is_fast():
+def test_32_stages_by_256_microbatches():
+    # How fast it runs (the target: 10 ms) is benchmarks/simulate_time.py's figure.
     schedule = _pipeline("1f1b", 32, 256)
-    sim = Simulator(schedule)
-    d = Durations.uniform(schedule, 1.0, 2.0)
-    best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        result = sim.run(d)
-        best = min(best, time.perf_counter() - t)
+    result = Simulator(schedule).run(Durations.uniform(schedule, 1.0, 2.0))
     assert result.iteration_time_s == pytest.approx((256 + 31) * 3.0)
-    # The target is 10 ms (benchmarks/simulate_time.py measures it); a shared CI machine
-    # gets slack, a regression to per-action Python objects would not fit.
-    assert best < 0.05, f"{best * 1e3:.1f} ms"
 
 
 def test_a_send_after_a_receive_does_not_wait_for_it():
