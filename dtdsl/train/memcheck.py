@@ -283,6 +283,12 @@ class _StepTracker(_mem_tracker.MemTracker):
         # Bytes per device and category held by work the step stands for but does not
         # run (``InFlight.hold``): counted in every peak while set.
         self.virtual: dict[Any, dict[Any, int]] = {}
+        # ``measure_peak(holds=...)``: the counts of held work, and per count its own
+        # peak (per device: total, snapshot) and phase; ``virtual`` is then what one
+        # held piece of work holds, counted ``n`` times in count ``n``'s peak.
+        self.holds: tuple[int, ...] | None = None
+        self.held_peaks: list[dict[Any, tuple[int, dict[Any, int]]]] = []
+        self.held_phases: list[str] = []
 
     def __enter__(self) -> _StepTracker:
         if self._depth == 0:
@@ -293,12 +299,19 @@ class _StepTracker(_mem_tracker.MemTracker):
             self._saved_propagate = ShardingPropagator._propagate_tensor_meta_non_cached
             ShardingPropagator._propagate_tensor_meta_non_cached = _ignoring_propagation(
                 self, self._saved_propagate)
+        first = self._depth == 0
         try:
             super().__enter__()
         except BaseException:
             if self._depth == 0:
                 ShardingPropagator._propagate_tensor_meta_non_cached = self._saved_propagate
             raise
+        if first and self.holds is not None:
+            # Every count starts where MemTracker starts its peak: what is alive now.
+            start = {dev: (total, dict(self._peak_mem_snap[dev]))
+                     for dev, total in self._peak_mem.items()}
+            self.held_peaks = [dict(start) for _ in self.holds]
+            self.held_phases = ["forward"] * len(self.holds)
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -376,6 +389,9 @@ class _StepTracker(_mem_tracker.MemTracker):
         return super()._track_module_params_and_buffers(module, install_grad_hooks=hooks)
 
     def _update_peak_stats(self, peak_state: Any) -> None:
+        if self.holds is not None:
+            self._update_held_peaks()
+            return
         for dev, snap in self._curr_mem_snap.items():
             extra = self.virtual.get(dev, {})
             total = snap[_mem_tracker._TOTAL_KEY] + sum(extra.values())
@@ -386,6 +402,21 @@ class _StepTracker(_mem_tracker.MemTracker):
                 } | {_mem_tracker._TOTAL_KEY: total}
                 self.peak_phase = _PHASES[
                     2 if self._in_opt else 1 if self._mod_tracker.is_bw else 0]
+
+
+    def _update_held_peaks(self) -> None:
+        """``_update_peak_stats`` once per count ``n`` of ``holds``, with ``n`` times the
+        held bytes: integer for integer what a tracker holding ``n`` of them finds."""
+        phase = _PHASES[2 if self._in_opt else 1 if self._mod_tracker.is_bw else 0]
+        for j, n in enumerate(self.holds or ()):
+            peaks = self.held_peaks[j]
+            for dev, snap in self._curr_mem_snap.items():
+                extra = {key: n * b for key, b in self.virtual.get(dev, {}).items()}
+                total = snap[_mem_tracker._TOTAL_KEY] + sum(extra.values())
+                if peaks.get(dev, (0, {}))[0] < total:
+                    peaks[dev] = (total, {key: b + extra.get(key, 0) for key, b in snap.items()}
+                                  | {_mem_tracker._TOTAL_KEY: total})
+                    self.held_phases[j] = phase
 
 
 def _rounded_size(granularity_bytes: int) -> Callable[[Any], int]:
@@ -444,8 +475,14 @@ class InFlight:
         return {dev: dict(snap) for dev, snap in self._tracker._curr_mem_snap.items()}
 
     def hold(self, before: dict[Any, dict[Any, int]], after: dict[Any, dict[Any, int]],
-             times: int) -> None:
-        """Hold ``times`` more of what was made between marks ``before`` and ``after``."""
+             times: int | None = None) -> None:
+        """Hold ``times`` more of what was made between marks ``before`` and ``after``.
+        Under ``measure_peak(holds=...)`` leave ``times`` out: each count of ``holds``
+        holds that many (one step, one report per count)."""
+        if (times is None) != (self._tracker.holds is not None):
+            raise ValueError("InFlight.hold takes times unless measure_peak was given holds, "
+                             "and only then")
+        times = 1 if times is None else times
         total = _mem_tracker._TOTAL_KEY
         self._tracker.virtual = {
             dev: {key: times * (n - before.get(dev, {}).get(key, 0))
@@ -464,7 +501,8 @@ def measure_peak(
     track: Iterable[torch.nn.Module | torch.optim.Optimizer | torch.Tensor] = (),
     allocation_granularity_bytes: int = CUDA_ALLOCATION_GRANULARITY_BYTES,
     in_flight: bool = False,
-) -> MemoryReport:
+    holds: Sequence[int] | None = None,
+) -> MemoryReport | tuple[MemoryReport, ...]:
     """Run ``step_fn`` once under a memory tracker and report this rank's peak.
 
     Meant for a :func:`fake_world` (it works on real tensors too). ``track``: modules,
@@ -472,23 +510,39 @@ def measure_peak(
     (a module's parameters otherwise count from its first forward, an optimizer's state
     from its first step inside ``step_fn``). Every storage counts
     ``allocation_granularity_bytes``-rounded (1: exact bytes). ``in_flight``: ``step_fn``
-    is called with an ``InFlight``."""
+    is called with an ``InFlight``. ``holds`` (counts, ``n >= 0``; implies ``in_flight``):
+    one ``MemoryReport`` per count instead of one, that of the same step whose
+    ``InFlight.hold`` holds ``n`` (its own peak, categories and phase; the final bytes are
+    the same in all): one replay for several stages that differ only in how many
+    microbatches they hold (``train.memgroups``)."""
     if allocation_granularity_bytes < 1:
         raise ValueError("allocation_granularity_bytes must be positive")
+    if holds is not None and (not holds or min(holds) < 0):
+        raise ValueError(f"holds must be counts of zero or more, not {tuple(holds)}")
     gc.collect()
     tracker = _StepTracker()
+    tracker.holds = None if holds is None else tuple(holds)
     with mock.patch.object(_mem_tracker._WeakRefInfo, "_calculate_mem_consumed",
                            _rounded_size(allocation_granularity_bytes)):
         tracker.track_external(*track)
         with tracker:
-            step_fn(InFlight(tracker)) if in_flight else step_fn()
+            step_fn(InFlight(tracker)) if in_flight or holds is not None else step_fn()
         gc.collect()
-        peak = _by_category(tracker.get_tracker_snapshot("peak"))
         final = _by_category(tracker.get_tracker_snapshot("current"))
+        if holds is not None:
+            return tuple(_report({dev: snap for dev, (_, snap) in peaks.items()}, phase, final)
+                         for peaks, phase in zip(tracker.held_peaks, tracker.held_phases,
+                                                 strict=True))
+        return _report(tracker.get_tracker_snapshot("peak"), tracker.peak_phase, final)
+
+
+def _report(peak_snapshot: dict[Any, dict[Any, int]], phase: str,
+            final: dict[str, int]) -> MemoryReport:
+    peak = _by_category(peak_snapshot)
     return MemoryReport(
         peak_bytes=sum(peak.values()),
         by_category=MappingProxyType(peak),
-        peak_phase=tracker.peak_phase,
+        peak_phase=phase,
         final_bytes=sum(final.values()),
-        final_by_category=MappingProxyType(final),
+        final_by_category=MappingProxyType(dict(final)),
     )

@@ -160,6 +160,45 @@ def test_linear_stack_peak_matches_hand_count():
     assert "backward" in str(report)
 
 
+def _held_step(times: int | None, holds: tuple[int, ...] | None = None) -> object:
+    """A Linear stack's step with two microbatches in flight, ``times`` (or each count of
+    ``holds``) more like the first held during the second's forward."""
+    with fake_world(world_size=1, rank=0) as world:
+        with torch.device(world.device):
+            model = nn.Sequential(*(nn.Linear(64, 64, bias=False) for _ in range(3)))
+        opt = torch.optim.AdamW(model.parameters(), fused=True)
+        init_optimizer_state(opt)
+
+        def step(flight) -> None:
+            before = flight.mark()
+            outs = [model(torch.randn(32, 64, device=world.device))]
+            flight.hold(before, flight.mark(), *(() if times is None else (times,)))
+            outs.append(model(torch.randn(32, 64, device=world.device)))
+            flight.release()
+            for out in outs:
+                out.sum().backward()
+            outs.clear()
+            opt.step()
+            opt.zero_grad()
+
+        return measure_peak(step, track=(model, opt), allocation_granularity_bytes=1,
+                            in_flight=True, holds=holds)
+
+
+def test_one_step_reports_each_hold_count_as_its_own_step_would():
+    counts = (0, 1, 2, 40)
+    several = _held_step(None, holds=counts)
+    alone = tuple(_held_step(n) for n in counts)
+    assert several == alone
+    # The counts are told apart: few held peak in the backward, many while held.
+    assert several[0].peak_phase == "backward" and several[-1].peak_phase == "forward"
+    assert several[-1].peak_bytes > several[0].peak_bytes
+    with pytest.raises(ValueError, match="holds"):
+        _held_step(3, holds=counts)
+    with pytest.raises(ValueError, match="holds"):
+        _held_step(None)
+
+
 def test_worlds_follow_one_another_in_one_process():
     first = _linear_stack_step(128, 2, 64)
     assert not dist.is_initialized()
