@@ -104,6 +104,8 @@ class StageMemory:
     capacity_bytes: float
     by_category: dict[str, int]
     peak_phase: str
+    # The seconds of the replay that measured it: for stages measured by one replay
+    # (``train.memgroups``), that shared replay's, the same for each.
     time_s: float
     # Whether the plan's rank runs its blocks compiled (``ir.Train.compiles`` for a GPU
     # rank). The fake world measures the eager modules either way: dynamo does not trace
@@ -615,15 +617,17 @@ def _ran(in_flight: int, vpp: int, every_microbatch: bool) -> int:
 
 
 def _in_flight_passes(forward: Callable[[int], Any], backward: Callable[[Any], None],
-                      flight: Any, k: int, ran: int, trains: bool) -> None:
+                      flight: Any, k: int, ran: int, trains: bool,
+                      grouped: bool = False) -> None:
     """1F1B's steady state at its fullest: ``k`` microbatches forward (the first large),
     one backward (from now on the gradients exist), one more forward (``k`` in flight
     again, next to the gradients), then the rest backward. Past ``ran`` of them the
-    others in flight are held, not run (``_ran``)."""
+    others in flight are held, not run (``_ran``); ``grouped``: as many as each count of
+    the measurement's ``holds`` (``train.memgroups``; ``k`` the most in flight)."""
     outs, marks = [], []
     for i in range(ran):
         if i == ran - 1 and ran < k:        # its forward with k - 1 others held
-            flight.hold(*marks, k - ran)
+            flight.hold(*marks, *(() if grouped else (k - ran,)))
         outs.append(forward(i))
         if i in (0, 1):                     # around an average microbatch's forward
             marks.append(flight.mark())
@@ -639,7 +643,11 @@ def _in_flight_passes(forward: Callable[[int], Any], backward: Callable[[Any], N
 
 
 def _measure_stage(program: ir.Program, plan: Plan, schedule: Schedule, cost: Any,
-                   unit: str, stage: int, every_microbatch: bool = False) -> StageMemory:
+                   unit: str, stage: int, every_microbatch: bool = False,
+                   others: tuple[int, ...] = ()) -> list[StageMemory]:
+    """Replay ``stage`` of ``unit`` and measure it, and with it the unit's ``others``
+    stages, whose replay is the same but for the microbatches held (``train.memgroups``):
+    their StageMemory in the order ``stage``, ``others``."""
     from dtdsl.parallel.mesh import (
         MESH_DIMS,
         grids,
@@ -656,7 +664,8 @@ def _measure_stage(program: ir.Program, plan: Plan, schedule: Schedule, cost: An
     grid = next(g for g in grids(plan) if g.name == unit)
     rank = grid.rank(stage, 0, 0)
     u = plan.unit(unit)
-    k = in_flight_of(schedule, unit, stage)
+    ks = [in_flight_of(schedule, unit, s) for s in (stage, *others)]
+    k = max(ks)
     zero, replica_dp = program.train.mesh_zero, program.train.replica_dp
     dp_lm = next(x.dp for x in plan.units if x.role == "backbone")
     share = dp_lm / u.dp
@@ -705,7 +714,7 @@ def _measure_stage(program: ir.Program, plan: Plan, schedule: Schedule, cost: An
         def step(flight: Any) -> None:
             built.begin_step()
             held = [ph.forward() for ph in phases]      # the phased encoders' forward phase
-            _in_flight_passes(forward, backward, flight, k, ran, trains)
+            _in_flight_passes(forward, backward, flight, k, ran, trains, bool(others))
             if trains:
                 built.reduce_gradients()
             for ph, embeds in zip(phases, held, strict=True):
@@ -716,22 +725,40 @@ def _measure_stage(program: ir.Program, plan: Plan, schedule: Schedule, cost: An
                 opt.zero_grad()
 
         modules = (built.module, *(part.module for part in built.phased.values()))
-        ran = _ran(k, u.vpp, every_microbatch)
-        report = measure_peak(step, track=modules + ((opt.optimizer,) if opt else ()),
-                              in_flight=True)
+        ran = _ran(ks[0], u.vpp, every_microbatch)
+        track = modules + ((opt.optimizer,) if opt else ())
+        reports = measure_peak(step, track=track, holds=tuple(n - ran for n in ks)) \
+            if others else (measure_peak(step, track=track, in_flight=True),)
         host = _host_bytes(opt)
     layers = built.held_layers if u.role != "generator" or u.pp > 1 else unit_cost.layers
+    time_s = time.perf_counter() - start_s
+    return [_stage_memory(program, plan, cost, unit_cost, unit, s, n, ran, report, host,
+                          layers, share, time_s)
+            for s, n, report in zip((stage, *others), ks, reports, strict=True)]
+
+
+def _stage_memory(program: ir.Program, plan: Plan, cost: Any, unit_cost: Any, unit: str,
+                  stage: int, k: int, ran: int, report: Any, host: int, layers: int,
+                  share: float, time_s: float) -> StageMemory:
+    """Stage ``stage`` of ``unit``'s StageMemory from its measurement ``report`` (and the
+    optimizer state kept on the host, ``host``): its own rank, prediction and NCCL
+    buffers."""
+    from dtdsl.parallel.mesh import RankRole, grids, hosted_units, phased_units
+
+    grid = next(g for g in grids(plan) if g.name == unit)
+    role = RankRole(rank=grid.rank(stage, 0, 0), grid=grid, stage=stage, replica=0, tp_index=0)
     predicted = _predicted_bytes(plan, cost, unit_cost, unit, stage, layers, share,
-                                 hosted, phased)
-    return StageMemory(unit=unit, stage=stage, rank=rank, in_flight=k, ran=ran,
+                                 hosted_units(plan, role), phased_units(plan, role))
+    zero = program.train.mesh_zero
+    return StageMemory(unit=unit, stage=stage, rank=role.rank, in_flight=k, ran=ran,
                        predicted_bytes=predicted, measured_bytes=report.peak_bytes - host,
                        capacity_bytes=program.cluster.gpu.memory_bytes,
                        by_category={**report.by_category, "optimizer_state":
                                     report.by_category["optimizer_state"] - host},
-                       peak_phase=report.peak_phase, host_bytes=host,
-                       time_s=time.perf_counter() - start_s,
+                       peak_phase=report.peak_phase, host_bytes=host, time_s=time_s,
                        compiled=program.train.compiles(_RANK_DEVICE),
-                       nccl=nccl_buffer_bytes(plan, rank, zero=zero, backend=_RANK_BACKEND))
+                       nccl=nccl_buffer_bytes(plan, role.rank, zero=zero,
+                                              backend=_RANK_BACKEND))
 
 
 def _predicted_bytes(plan: Plan, cost: Any, unit_cost: Any, unit: str, stage: int,
@@ -788,17 +815,20 @@ def _recomputing(program: ir.Program, plan: Plan) -> ir.Program:
 def check_memory(program: ir.Program, plan: Plan, *, cost: Any = None, jobs: int = 1,
                  progress: Callable[[int, int, str], None] | None = None,
                  every_microbatch: bool = False,
-                 units: Collection[str] | None = None) -> list[StageMemory]:
+                 units: Collection[str] | None = None,
+                 group: bool = True) -> list[StageMemory]:
     """Measure every unit stage of ``plan`` (module docstring), in plan order; ``units``:
     only those units' stages (a paper-scale backbone's take minutes). Each stage
     is measured in a process of its own, forked from this one (a fake world leaves
     process-wide state behind: process group names, DeviceMesh and DTensor caches), up
-    to ``jobs`` at a time. ``every_microbatch``: run every microbatch in flight
-    (``_ran``)."""
+    to ``jobs`` at a time; stages whose replays are the same but for the microbatches
+    held are measured by one (``train.memgroups``; ``group=False``: each by its own, the
+    same results). ``every_microbatch``: run every microbatch in flight (``_ran``)."""
     import multiprocessing
 
     from dtdsl.cost.model import build_cost_model
     from dtdsl.schedule.lower import lower
+    from dtdsl.train.memgroups import replay_groups
 
     # Priced as the stages run: recomputing where the plan raised it (the planner priced
     # those units so; a given cost model, ``dtc memcheck``'s, is the spec's).
@@ -813,6 +843,8 @@ def check_memory(program: ir.Program, plan: Plan, *, cost: Any = None, jobs: int
     # Co-located and phased units are measured with the backbone stages that run them.
     todo = [(u.name, s) for u in plan.units if not (u.colocated or u.phased)
             and (units is None or u.name in units) for s in range(u.pp)]
+    groups = replay_groups(program, plan, schedule, todo, every_microbatch) if group \
+        else [(i,) for i in range(len(todo))]
     if progress is not None:
         progress(0, len(todo), "")
     context = multiprocessing.get_context("fork")
@@ -825,13 +857,14 @@ def check_memory(program: ir.Program, plan: Plan, *, cost: Any = None, jobs: int
     try:
         with context.Pool(max(1, jobs), maxtasksperchild=1) as pool:
             pending = [pool.apply_async(_measure_in_child,
-                                        (program, plan, schedule, cost, u, s,
-                                         every_microbatch))
-                       for u, s in todo]
-            for i, task in enumerate(pending):
-                results[i] = task.get()
-                if progress is not None:
-                    progress(i + 1, len(todo), f"{todo[i][0]}.s{todo[i][1]}")
+                                        (program, plan, schedule, cost, *todo[g[0]],
+                                         every_microbatch, tuple(todo[i][1] for i in g[1:])))
+                       for g in groups]
+            for g, task in zip(groups, pending, strict=True):
+                for i, measured in zip(g, task.get(), strict=True):
+                    results[i] = measured
+                    if progress is not None:
+                        progress(len(results), len(todo), f"{todo[i][0]}.s{todo[i][1]}")
     finally:
         gc.unfreeze()
     return [results[i] for i in range(len(todo))]
@@ -859,6 +892,8 @@ def _import_runtime() -> None:
 
 
 def _measure_in_child(program: ir.Program, plan: Plan, schedule: Schedule, cost: Any,
-                      unit: str, stage: int, every_microbatch: bool) -> StageMemory:
+                      unit: str, stage: int, every_microbatch: bool,
+                      others: tuple[int, ...]) -> list[StageMemory]:
     torch.set_num_threads(1)
-    return _measure_stage(program, plan, schedule, cost, unit, stage, every_microbatch)
+    return _measure_stage(program, plan, schedule, cost, unit, stage, every_microbatch,
+                          others)

@@ -92,6 +92,31 @@ def test_microbatches_held_as_a_run_one_give_the_peak_of_running_them():
             (b.measured_bytes, b.by_category, b.peak_phase), (a.unit, a.stage)
 
 
+def test_middle_backbone_stages_share_one_replay():
+    # A 4-stage backbone: its middle stages hold the same layers and run the same three
+    # microbatches, holding 1 and 0 more (in flight 4 and 3): one replay measures both
+    # (train.memgroups), each exactly as its own replay does.
+    from dataclasses import replace
+
+    from dtdsl.train.memgroups import replay_groups
+
+    program = spec(16)
+    plan = plan_for(program, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, 1, 4),
+                    ("gen", "generator", 1, 1, 1))
+    todo = [("vit", 0), *(("llm", s) for s in range(4)), ("gen", 0)]
+    schedule = lower(plan, program)
+    assert replay_groups(program, plan, schedule, todo, False) == [
+        (0,), (1,), (2, 3), (4,), (5,)]
+    # Every microbatch run: their replays differ (4 and 3 microbatches).
+    assert replay_groups(program, plan, schedule, todo, True) == [(i,) for i in range(6)]
+    grouped = check_memory(program, plan, jobs=2, units=["llm"])
+    alone = check_memory(program, plan, jobs=2, units=["llm"], group=False)
+    assert [(s.in_flight, s.ran) for s in grouped] == [(5, 3), (4, 3), (3, 3), (2, 2)]
+    assert grouped[1].time_s == grouped[2].time_s       # the one replay's
+    assert [replace(s, time_s=0.0) for s in grouped] == [replace(s, time_s=0.0) for s in alone]
+    assert grouped[1].measured_bytes > grouped[2].measured_bytes     # one more held
+
+
 def test_a_host_stage_is_measured_with_its_co_located_units():
     from tests.helpers.plans import colocate
 
