@@ -31,17 +31,16 @@ from typing import Any
 
 from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan
-from dtdsl.ir.schedule import Schedule
 
 __all__ = ["replay_groups", "replay_key"]
 
 
-def replay_key(program: ir.Program, plan: Plan, schedule: Schedule, unit: str, stage: int,
-               every_microbatch: bool) -> tuple[Any, ...] | None:
-    """What the replay of ``stage`` of ``unit`` depends on besides its count of held
-    microbatches (module docstring), or None for a stage measured alone."""
+def replay_key(program: ir.Program, plan: Plan, unit: str, stage: int,
+               ran: int) -> tuple[Any, ...] | None:
+    """What the replay of ``stage`` of ``unit``, which runs ``ran`` microbatches
+    (``memplan._ran``), depends on besides its count of held ones (module docstring), or
+    None for a stage measured alone."""
     from dtdsl.parallel.mesh import RankRole, grids, hosted_units, phased_units
-    from dtdsl.train.memplan import _ran, in_flight_of
 
     u = plan.unit(unit)
     if u.role != "backbone" or u.colocated or u.phased or u.vpp != 1 \
@@ -57,17 +56,16 @@ def replay_key(program: ir.Program, plan: Plan, schedule: Schedule, unit: str, s
     moe = getattr(arch, "moe", None)
     layers = tuple(moe is not None and bool(moe.is_moe_layer(i))
                    for i in range(start, start + split[stage]))
-    ran = _ran(in_flight_of(schedule, unit, stage), u.vpp, every_microbatch)
     return (unit, ran, layers, tuple(p.name for p in phased_units(plan, role)))
 
 
-def replay_groups(program: ir.Program, plan: Plan, schedule: Schedule,
-                  todo: Sequence[tuple[str, int]],
-                  every_microbatch: bool) -> list[tuple[int, ...]]:
-    """``todo``'s stages (``(unit, stage)``) as groups of their indices, each replayed
-    once, in the order of their first stage; a stage of its own where its key is None."""
+def replay_groups(program: ir.Program, plan: Plan, todo: Sequence[tuple[str, int]],
+                  ran: Sequence[int]) -> list[tuple[int, ...]]:
+    """``todo``'s stages (``(unit, stage)``, each running ``ran`` of its microbatches) as
+    groups of their indices, each replayed once, in the order of their first stage; a
+    stage of its own where its key is None."""
     groups: dict[Any, list[int]] = {}
     for i, (unit, stage) in enumerate(todo):
-        key = replay_key(program, plan, schedule, unit, stage, every_microbatch)
+        key = replay_key(program, plan, unit, stage, ran[i])
         groups.setdefault(("alone", i) if key is None else key, []).append(i)
     return sorted((tuple(g) for g in groups.values()), key=lambda g: g[0])

@@ -843,8 +843,9 @@ def check_memory(program: ir.Program, plan: Plan, *, cost: Any = None, jobs: int
     # Co-located and phased units are measured with the backbone stages that run them.
     todo = [(u.name, s) for u in plan.units if not (u.colocated or u.phased)
             and (units is None or u.name in units) for s in range(u.pp)]
-    groups = replay_groups(program, plan, schedule, todo, every_microbatch) if group \
-        else [(i,) for i in range(len(todo))]
+    ran = [_ran(in_flight_of(schedule, u, s), plan.unit(u).vpp, every_microbatch)
+           for u, s in todo]
+    groups = replay_groups(program, plan, todo, ran) if group else [(i,) for i in range(len(todo))]
     if progress is not None:
         progress(0, len(todo), "")
     context = multiprocessing.get_context("fork")

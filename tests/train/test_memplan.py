@@ -99,16 +99,21 @@ def test_middle_backbone_stages_share_one_replay():
     from dataclasses import replace
 
     from dtdsl.train.memgroups import replay_groups
+    from dtdsl.train.memplan import _ran
 
     program = spec(16)
     plan = plan_for(program, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, 1, 4),
                     ("gen", "generator", 1, 1, 1))
     todo = [("vit", 0), *(("llm", s) for s in range(4)), ("gen", 0)]
     schedule = lower(plan, program)
-    assert replay_groups(program, plan, schedule, todo, False) == [
-        (0,), (1,), (2, 3), (4,), (5,)]
+
+    def groups(every: bool) -> list[tuple[int, ...]]:
+        ran = [_ran(in_flight_of(schedule, u, s), 1, every) for u, s in todo]
+        return replay_groups(program, plan, todo, ran)
+
+    assert groups(False) == [(0,), (1,), (2, 3), (4,), (5,)]
     # Every microbatch run: their replays differ (4 and 3 microbatches).
-    assert replay_groups(program, plan, schedule, todo, True) == [(i,) for i in range(6)]
+    assert groups(True) == [(i,) for i in range(6)]
     grouped = check_memory(program, plan, jobs=2, units=["llm"])
     alone = check_memory(program, plan, jobs=2, units=["llm"], group=False)
     assert [(s.in_flight, s.ran) for s in grouped] == [(5, 3), (4, 3), (3, 3), (2, 2)]
