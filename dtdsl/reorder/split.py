@@ -54,35 +54,36 @@ def one_f_one_b_times(fwd_s: Sequence[float], bwd_s: Sequence[float], m: int,
     has arrived; the passes are taken in ``_one_f_one_b_order``, which depends on the
     shape alone (the planner times many layouts of one shape)."""
     pp = len(fwd_s)
-    # Flat per-pass tables (cell s * m + j), the order's kinds telling where a pass's
-    # input comes from: the planner times thousands of layouts, this loop is its core.
-    f_start = [0.0] * (pp * m)
-    f_end = [0.0] * (pp * m)
-    b_end = [0.0] * (pp * m)
-    free = [0.0] * pp
-    stages, cells, kinds = _flat_order(pp, m)
-    for s, k, kind in zip(stages, cells, kinds, strict=True):
-        if kind == _F_FIRST:
-            start = free[s]                 # max(free[s], 0.0), as max() picks
-            if start < 0.0:
-                start = 0.0
-            f_start[k] = start
-            free[s] = f_end[k] = start + fwd_s[s]
-        elif kind == _F_NEXT:
-            ready = f_end[k - m] + hop_s
-            start = free[s]
+    n = pp * m
+    # One table of pass ends (a forward's at its cell s * m + j, a backward's at n + cell,
+    # a 0.0 at 2n for what waits on nothing) and one of starts: each pass starts at the
+    # later of its stage's previous pass's end and its input's (plus the hop where the
+    # input crossed a stage), the comparisons and sums of a pass-by-pass timing, so the
+    # same floats. The planner times thousands of layouts: this loop is its core.
+    end = [0.0] * (2 * n + 1)
+    begin = [0.0] * (2 * n)
+    durations = [*fwd_s, *bwd_s]
+    outs, prevs, deps, durs, hops = _flat_order(pp, m)
+    if hop_s == 0.0:
+        # x + 0.0 is x for every time here (none is -0.0), so the hop is left out.
+        for o, p, d, t in zip(outs, prevs, deps, durs, strict=True):
+            start = end[p]
+            ready = end[d]
             if ready > start:
                 start = ready
-            f_start[k] = start
-            free[s] = f_end[k] = start + fwd_s[s]
-        else:
-            ready = b_end[k + m] + hop_s if kind == _B_NEXT else f_end[k]
-            start = free[s]
+            begin[o] = start
+            end[o] = start + durations[t]
+    else:
+        hop_of = (0.0, hop_s)
+        for o, p, d, t, h in zip(outs, prevs, deps, durs, hops, strict=True):
+            start = end[p]
+            ready = end[d] + hop_of[h]
             if ready > start:
                 start = ready
-            free[s] = b_end[k] = start + bwd_s[s]
-    return ([f_start[s * m:(s + 1) * m] for s in range(pp)],
-            [b_end[s * m:(s + 1) * m] for s in range(pp)])
+            begin[o] = start
+            end[o] = start + durations[t]
+    return ([begin[s * m:(s + 1) * m] for s in range(pp)],
+            [end[n + s * m:n + (s + 1) * m] for s in range(pp)])
 
 
 def _one_f_one_b_order(pp: int, m: int) -> tuple[tuple[int, bool, int], ...]:
@@ -123,26 +124,37 @@ def _one_f_one_b_order(pp: int, m: int) -> tuple[tuple[int, bool, int], ...]:
     return tuple(seq)
 
 
-# Where a pass's input comes from (``_flat_order``): the first stage's forwards from the
-# data, a later stage's from the stage before, the last stage's backwards from its own
-# forward, an earlier stage's from the stage after.
-_F_FIRST, _F_NEXT, _B_LAST, _B_NEXT = range(4)
-
-
 @functools.lru_cache(maxsize=1024)
-def _flat_order(pp: int, m: int) -> tuple[array, array, array]:
-    """``_one_f_one_b_order`` as three compact arrays: each pass's stage, cell
-    (s * m + j) and kind (``_F_FIRST``...). Kept for many shapes (the planner times
-    hundreds of (pp, m) in one search, over and over), so small: 12 bytes a pass."""
-    stages, cells, kinds = array("i"), array("i"), array("b")
+def _flat_order(pp: int, m: int) -> tuple[array, array, array, array, array]:
+    """``_one_f_one_b_order`` as five compact arrays, one entry a pass, indices into
+    ``one_f_one_b_times``' tables (n = pp * m): where the pass's end goes (cell
+    s * m + j for a forward, n + cell for a backward), where its stage's previous pass
+    ended and where its input did (2n, a 0.0, for none: a stage's first pass, the first
+    stage's forwards, which wait on the data alone), its seconds (s for a forward, pp + s
+    for a backward) and whether its input crossed a stage (a hop: a later stage's
+    forward, an earlier stage's backward; the last stage's backward waits on its own
+    forward). Kept for many shapes (the planner times hundreds of (pp, m) in one search,
+    over and over), so small: 17 bytes a pass."""
+    n = pp * m
+    outs, prevs, deps, durs, hops = (array("i"), array("i"), array("i"), array("i"),
+                                     array("b"))
+    last = [2 * n] * pp
     for s, forward, j in _one_f_one_b_order(pp, m):
-        stages.append(s)
-        cells.append(s * m + j)
+        k = s * m + j
+        out = k if forward else n + k
         if forward:
-            kinds.append(_F_NEXT if s > 0 else _F_FIRST)
+            dep = k - m if s > 0 else 2 * n
+            crossed = s > 0
         else:
-            kinds.append(_B_NEXT if s < pp - 1 else _B_LAST)
-    return stages, cells, kinds
+            dep = n + k + m if s < pp - 1 else k
+            crossed = s < pp - 1
+        outs.append(out)
+        prevs.append(last[s])
+        deps.append(dep)
+        durs.append(s if forward else pp + s)
+        hops.append(1 if crossed else 0)
+        last[s] = out
+    return outs, prevs, deps, durs, hops
 
 
 @functools.lru_cache(maxsize=1024)

@@ -154,6 +154,34 @@ def test_times_are_the_event_loops_on_tied_seconds(pp, m, data):
     assert one_f_one_b_times(fwd, bwd, m, hop) == one_f_one_b_events(fwd, bwd, m, hop)
 
 
+@settings(max_examples=150, deadline=None)
+@given(pp=st.integers(1, 20), m=st.integers(1, 30), data=st.data())
+def test_times_without_a_hop_are_the_event_loops(pp, m, data):
+    """``one_f_one_b_times`` leaves a zero hop out of its sums (the planner's case): the
+    same floats as the event loop's, which adds it."""
+    fwd = data.draw(st.lists(_SECONDS, min_size=pp, max_size=pp))
+    bwd = data.draw(st.lists(_SECONDS, min_size=pp, max_size=pp))
+    assert one_f_one_b_times(fwd, bwd, m, 0.0) == one_f_one_b_events(fwd, bwd, m, 0.0)
+
+
+@pytest.mark.parametrize(("pp", "m"), [(1, 1), (1, 5), (2, 1), (4, 3), (5, 16), (13, 7)])
+def test_every_pass_waits_on_passes_timed_before_it(pp, m):
+    """``_flat_order``: each pass once, after its stage's previous pass and its input
+    (or on the 0.0 cell), with the hop exactly where its input crossed a stage."""
+    n = pp * m
+    outs, prevs, deps, durs, hops = split._flat_order(pp, m)
+    assert sorted(outs) == list(range(2 * n))
+    done = {2 * n}
+    for o, p, d, t, h in zip(outs, prevs, deps, durs, hops, strict=True):
+        assert p in done and d in done
+        backward, s = o >= n, (o % n) // m
+        assert t == (pp + s if backward else s)
+        want = (o + m if s < pp - 1 else o - n) if backward else \
+            (o - m if s > 0 else 2 * n)
+        assert (d, h) == (want, int(want != 2 * n and want != o - n))
+        done.add(o)
+
+
 def test_no_nan_is_taken_for_a_time():
     assert not math.isnan(bubble_owners([1.0] * 14, [2.0] * 14, 30, 0.5, 1.0).exposed_f)
 
