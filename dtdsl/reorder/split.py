@@ -294,11 +294,25 @@ def _greedy_narrow(state: _Bubbles, pp: int, m: int, ef: float, eb: float) -> Bu
         o_at, o_top, o_second = top_o.at, top_o.top, top_o.second
         best = None
         for s in range(pp - 1, 0, -1):
+            # max(a, b) spelt ``b if b > a else a``, as max() decides (the later value
+            # only when strictly greater): the same floats without its call.
             t = enc_end[s] + ef
-            d = max(delays[s], t - f0j, t - first[s])
-            o = max(0.0, max(last[s], ready1 if s == 1 else ready2) + back[s] + eb - end)
-            c = max(d_second if s == d_at else d_top, d) + \
-                max(o_second if s == o_at else o_top, o)
+            d = delays[s]
+            x = t - f0j
+            if x > d:
+                d = x
+            x = t - first[s]
+            if x > d:
+                d = x
+            r = last[s]
+            x = ready1 if s == 1 else ready2
+            if x > r:
+                r = x
+            x = r + back[s] + eb - end
+            o = x if x > 0.0 else 0.0
+            dl = d_second if s == d_at else d_top
+            ov = o_second if s == o_at else o_top
+            c = (d if d > dl else dl) + (o if o > ov else ov)
             if best is None or c < best[0] - _TIE_S:
                 best = (c, s, t, d, o)
         t = enc_end[0] + ef
