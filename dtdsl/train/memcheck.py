@@ -403,18 +403,21 @@ class _StepTracker(_mem_tracker.MemTracker):
                 self.peak_phase = _PHASES[
                     2 if self._in_opt else 1 if self._mod_tracker.is_bw else 0]
 
-
     def _update_held_peaks(self) -> None:
         """``_update_peak_stats`` once per count ``n`` of ``holds``, with ``n`` times the
-        held bytes: integer for integer what a tracker holding ``n`` of them finds."""
+        held bytes: integer for integer what a tracker holding ``n`` of them finds (the
+        held total summed once an op, not once a count)."""
         phase = _PHASES[2 if self._in_opt else 1 if self._mod_tracker.is_bw else 0]
-        for j, n in enumerate(self.holds or ()):
-            peaks = self.held_peaks[j]
-            for dev, snap in self._curr_mem_snap.items():
-                extra = {key: n * b for key, b in self.virtual.get(dev, {}).items()}
-                total = snap[_mem_tracker._TOTAL_KEY] + sum(extra.values())
+        for dev, snap in self._curr_mem_snap.items():
+            held = self.virtual.get(dev, {})
+            held_total = sum(held.values())
+            base = snap[_mem_tracker._TOTAL_KEY]
+            for j, n in enumerate(self.holds or ()):
+                total = base + n * held_total
+                peaks = self.held_peaks[j]
                 if peaks.get(dev, (0, {}))[0] < total:
-                    peaks[dev] = (total, {key: b + extra.get(key, 0) for key, b in snap.items()}
+                    peaks[dev] = (total, {key: b + n * held.get(key, 0)
+                                          for key, b in snap.items()}
                                   | {_mem_tracker._TOTAL_KEY: total})
                     self.held_phases[j] = phase
 
