@@ -50,3 +50,25 @@ def test_host_overhead_reports_every_unit(tmp_path):
         assert unit["eager"]["over_gpu"] == pytest.approx(unit["eager"]["host_s"]
                                                           / unit["gpu_s"])
     assert "target" in proc.stdout and "tiny_cpu" in proc.stdout
+
+
+def test_suite_cpu_counts_the_tests_and_the_processes_they_start(tmp_path):
+    # One test that runs `dtc explain` three times as subprocesses, without xdist: each dtc
+    # process is recorded by kind, the test by its file, and what no process recorded
+    # (nothing forks here) is the rest of the tree's CPU, never negative.
+    import json
+
+    out = tmp_path / "cpu"
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "suite_cpu.py"), "--workers", "0",
+                           "--out", str(out), "tests/test_cli.py::test_explain"],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["tests"] == 1 and summary["tree_cpu_s"] > 0
+    assert summary["by_kind"]["dtc"]["processes"] == 3
+    assert summary["by_kind"]["pytest (main)"]["processes"] == 1
+    assert summary["by_kind"]["forked children (not recorded: the rest)"]["cpu_s"] >= 0
+    assert list(summary["by_file"]) == ["tests/test_cli.py"]
+    rows = (out / "processes.tsv").read_text().splitlines()
+    assert sum(r.startswith("dtc\t") and "explain" in r for r in rows) == 3
+    assert "by kind of process" in proc.stdout
