@@ -106,6 +106,7 @@ __all__ = [
     "MemoryReport",
     "fake_world",
     "init_optimizer_state",
+    "measure_held_peaks",
     "measure_peak",
 ]
 
@@ -278,14 +279,14 @@ class _StepTracker(_mem_tracker.MemTracker):
     def __init__(self) -> None:
         super().__init__()
         self.propagating = 0
-        self.peak_phase = "forward"
         self._saved_propagate: Any = None
         # Bytes per device and category held by work the step stands for but does not
         # run (``InFlight.hold``): counted in every peak while set.
         self.virtual: dict[Any, dict[Any, int]] = {}
-        # ``measure_peak(holds=...)``: the counts of held work, and per count its own
-        # peak (per device: total, snapshot) and phase; ``virtual`` is then what one
-        # held piece of work holds, counted ``n`` times in count ``n``'s peak.
+        # ``measure_held_peaks``: the counts of held work, and per count its own peak
+        # (per device: total, snapshot) and phase; ``virtual`` is then what one held
+        # piece of work holds, counted ``n`` times in count ``n``'s peak. None
+        # (``measure_peak``): one peak, ``virtual`` counted once.
         self.holds: tuple[int, ...] | None = None
         self.held_peaks: list[dict[Any, tuple[int, dict[Any, int]]]] = []
         self.held_phases: list[str] = []
@@ -306,12 +307,12 @@ class _StepTracker(_mem_tracker.MemTracker):
             if self._depth == 0:
                 ShardingPropagator._propagate_tensor_meta_non_cached = self._saved_propagate
             raise
-        if first and self.holds is not None:
+        if first:
             # Every count starts where MemTracker starts its peak: what is alive now.
             start = {dev: (total, dict(self._peak_mem_snap[dev]))
                      for dev, total in self._peak_mem.items()}
-            self.held_peaks = [dict(start) for _ in self.holds]
-            self.held_phases = ["forward"] * len(self.holds)
+            self.held_peaks = [dict(start) for _ in self._counts]
+            self.held_phases = ["forward"] * len(self._counts)
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -388,31 +389,20 @@ class _StepTracker(_mem_tracker.MemTracker):
         hooks = install_grad_hooks and all(p.requires_grad for p in module.parameters())
         return super()._track_module_params_and_buffers(module, install_grad_hooks=hooks)
 
-    def _update_peak_stats(self, peak_state: Any) -> None:
-        if self.holds is not None:
-            self._update_held_peaks()
-            return
-        for dev, snap in self._curr_mem_snap.items():
-            extra = self.virtual.get(dev, {})
-            total = snap[_mem_tracker._TOTAL_KEY] + sum(extra.values())
-            if self._peak_mem.get(dev, 0) < total:
-                self._peak_mem[dev] = total
-                self._peak_mem_snap[dev] = {
-                    key: n + extra.get(key, 0) for key, n in snap.items()
-                } | {_mem_tracker._TOTAL_KEY: total}
-                self.peak_phase = _PHASES[
-                    2 if self._in_opt else 1 if self._mod_tracker.is_bw else 0]
+    @property
+    def _counts(self) -> tuple[int, ...]:
+        return (1,) if self.holds is None else self.holds
 
-    def _update_held_peaks(self) -> None:
-        """``_update_peak_stats`` once per count ``n`` of ``holds``, with ``n`` times the
-        held bytes: integer for integer what a tracker holding ``n`` of them finds (the
-        held total summed once an op, not once a count)."""
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        """Each count ``n``'s peak with ``n`` times the held bytes (``virtual``): integer
+        for integer what a tracker holding ``n`` of them finds (the held total summed
+        once an op, not once a count)."""
         phase = _PHASES[2 if self._in_opt else 1 if self._mod_tracker.is_bw else 0]
         for dev, snap in self._curr_mem_snap.items():
             held = self.virtual.get(dev, {})
             held_total = sum(held.values())
             base = snap[_mem_tracker._TOTAL_KEY]
-            for j, n in enumerate(self.holds or ()):
+            for j, n in enumerate(self._counts):
                 total = base + n * held_total
                 peaks = self.held_peaks[j]
                 if peaks.get(dev, (0, {}))[0] < total:
@@ -480,11 +470,11 @@ class InFlight:
     def hold(self, before: dict[Any, dict[Any, int]], after: dict[Any, dict[Any, int]],
              times: int | None = None) -> None:
         """Hold ``times`` more of what was made between marks ``before`` and ``after``.
-        Under ``measure_peak(holds=...)`` leave ``times`` out: each count of ``holds``
-        holds that many (one step, one report per count)."""
+        Under ``measure_held_peaks`` leave ``times`` out: each of its counts holds that
+        many (one step, one report per count)."""
         if (times is None) != (self._tracker.holds is not None):
-            raise ValueError("InFlight.hold takes times unless measure_peak was given holds, "
-                             "and only then")
+            raise ValueError("InFlight.hold takes times under measure_peak, not under "
+                             "measure_held_peaks (whose holds are the counts)")
         times = 1 if times is None else times
         total = _mem_tracker._TOTAL_KEY
         self._tracker.virtual = {
@@ -504,8 +494,7 @@ def measure_peak(
     track: Iterable[torch.nn.Module | torch.optim.Optimizer | torch.Tensor] = (),
     allocation_granularity_bytes: int = CUDA_ALLOCATION_GRANULARITY_BYTES,
     in_flight: bool = False,
-    holds: Sequence[int] | None = None,
-) -> MemoryReport | tuple[MemoryReport, ...]:
+) -> MemoryReport:
     """Run ``step_fn`` once under a memory tracker and report this rank's peak.
 
     Meant for a :func:`fake_world` (it works on real tensors too). ``track``: modules,
@@ -513,30 +502,44 @@ def measure_peak(
     (a module's parameters otherwise count from its first forward, an optimizer's state
     from its first step inside ``step_fn``). Every storage counts
     ``allocation_granularity_bytes``-rounded (1: exact bytes). ``in_flight``: ``step_fn``
-    is called with an ``InFlight``. ``holds`` (counts, ``n >= 0``; implies ``in_flight``):
-    one ``MemoryReport`` per count instead of one, that of the same step whose
-    ``InFlight.hold`` holds ``n`` (its own peak, categories and phase; the final bytes are
-    the same in all): one replay for several stages that differ only in how many
-    microbatches they hold (``train.memgroups``)."""
-    if allocation_granularity_bytes < 1:
-        raise ValueError("allocation_granularity_bytes must be positive")
-    if holds is not None and (not holds or min(holds) < 0):
+    is called with an ``InFlight``."""
+    return _measure(step_fn, track, allocation_granularity_bytes, in_flight, None)[0]
+
+
+def measure_held_peaks(
+    step_fn: Callable[[InFlight], None],
+    holds: Sequence[int],
+    *,
+    track: Iterable[torch.nn.Module | torch.optim.Optimizer | torch.Tensor] = (),
+    allocation_granularity_bytes: int = CUDA_ALLOCATION_GRANULARITY_BYTES,
+) -> tuple[MemoryReport, ...]:
+    """``measure_peak(step_fn, in_flight=True)`` for several counts of held work at once:
+    one ``MemoryReport`` per count ``n >= 0`` of ``holds``, that of the same step whose
+    ``InFlight.hold`` (given no ``times``) holds ``n`` (its own peak, categories and
+    phase; the final bytes are the same in all). One replay for several stages that
+    differ only in how many microbatches they hold (``train.memgroups``)."""
+    if not holds or min(holds) < 0:
         raise ValueError(f"holds must be counts of zero or more, not {tuple(holds)}")
+    return _measure(step_fn, track, allocation_granularity_bytes, True, tuple(holds))
+
+
+def _measure(step_fn: Callable[..., None], track: Iterable[Any], granularity: int,
+             in_flight: bool, holds: tuple[int, ...] | None) -> tuple[MemoryReport, ...]:
+    if granularity < 1:
+        raise ValueError("allocation_granularity_bytes must be positive")
     gc.collect()
     tracker = _StepTracker()
-    tracker.holds = None if holds is None else tuple(holds)
+    tracker.holds = holds
     with mock.patch.object(_mem_tracker._WeakRefInfo, "_calculate_mem_consumed",
-                           _rounded_size(allocation_granularity_bytes)):
+                           _rounded_size(granularity)):
         tracker.track_external(*track)
         with tracker:
-            step_fn(InFlight(tracker)) if in_flight or holds is not None else step_fn()
+            step_fn(InFlight(tracker)) if in_flight else step_fn()
         gc.collect()
         final = _by_category(tracker.get_tracker_snapshot("current"))
-        if holds is not None:
-            return tuple(_report({dev: snap for dev, (_, snap) in peaks.items()}, phase, final)
-                         for peaks, phase in zip(tracker.held_peaks, tracker.held_phases,
-                                                 strict=True))
-        return _report(tracker.get_tracker_snapshot("peak"), tracker.peak_phase, final)
+        return tuple(_report({dev: snap for dev, (_, snap) in peaks.items()}, phase, final)
+                     for peaks, phase in zip(tracker.held_peaks, tracker.held_phases,
+                                             strict=True))
 
 
 def _report(peak_snapshot: dict[Any, dict[Any, int]], phase: str,

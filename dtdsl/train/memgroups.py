@@ -6,7 +6,7 @@ modules, the same shapes), the same activations in, the same microbatches run
 (``memplan._ran``: three of them). They differ in how many microbatches they hold in
 flight, ``k``, of which the ``k - ran`` not run are held virtually (``InFlight.hold``),
 and in their rank, which only names the place of the same shards (replica 0, TP index 0,
-the same mesh shapes). One replay under ``measure_peak(holds=...)`` then measures them
+the same mesh shapes). One replay under ``memcheck.measure_held_peaks`` then measures them
 all, each with its own count held: its own peak, categories and phase, integer for
 integer those of replaying it alone (a count of zero adds zero bytes to every snapshot:
 a stage that holds none may share the replay of ones that hold some).

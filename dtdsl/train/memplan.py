@@ -657,7 +657,7 @@ def _measure_stage(program: ir.Program, plan: Plan, schedule: Schedule, cost: An
         unit_mesh_shape,
     )
     from dtdsl.train.executor import stage_run
-    from dtdsl.train.memcheck import fake_world, measure_peak
+    from dtdsl.train.memcheck import fake_world, measure_held_peaks, measure_peak
     from dtdsl.train.stage import build_stage
 
     start_s = time.perf_counter()
@@ -727,7 +727,7 @@ def _measure_stage(program: ir.Program, plan: Plan, schedule: Schedule, cost: An
         modules = (built.module, *(part.module for part in built.phased.values()))
         ran = _ran(ks[0], u.vpp, every_microbatch)
         track = modules + ((opt.optimizer,) if opt else ())
-        reports = measure_peak(step, track=track, holds=tuple(n - ran for n in ks)) \
+        reports = measure_held_peaks(step, tuple(n - ran for n in ks), track=track) \
             if others else (measure_peak(step, track=track, in_flight=True),)
         host = _host_bytes(opt)
     layers = built.held_layers if u.role != "generator" or u.pp > 1 else unit_cost.layers

@@ -27,6 +27,7 @@ from dtdsl.train.memcheck import (
     MemoryReport,
     fake_world,
     init_optimizer_state,
+    measure_held_peaks,
     measure_peak,
 )
 
@@ -181,8 +182,11 @@ def _held_step(times: int | None, holds: tuple[int, ...] | None = None) -> objec
             opt.step()
             opt.zero_grad()
 
-        return measure_peak(step, track=(model, opt), allocation_granularity_bytes=1,
-                            in_flight=True, holds=holds)
+        if holds is None:
+            return measure_peak(step, track=(model, opt), allocation_granularity_bytes=1,
+                                in_flight=True)
+        return measure_held_peaks(step, holds, track=(model, opt),
+                                  allocation_granularity_bytes=1)
 
 
 def test_one_step_reports_each_hold_count_as_its_own_step_would():
