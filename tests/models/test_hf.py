@@ -368,3 +368,56 @@ def test_moe_configs_dtdsl_cannot_compute_are_refused(tmp_path):
                         router_jitter_noise=0.1)
     with pytest.raises(HFError, match="router_jitter_noise"):
         read_hf(path)
+
+
+def _sliding_layers(config) -> bool:
+    """Whether transformers' model of ``config`` has a layer whose attention slides."""
+    window = getattr(config, "sliding_window", None)
+    if not window or config.model_type == "llama":      # Llama's attention never slides
+        return False
+    kinds = getattr(config, "layer_types", None)
+    return kinds is None or "sliding_attention" in kinds
+
+
+@pytest.mark.parametrize(("family", "extra"), [
+    ("llama", dict(sliding_window=64)),               # a key Llama's attention ignores
+    ("mistral", dict(sliding_window=64)),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=64, max_window_layers=1)),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=64, max_window_layers=4)),
+    ("qwen2", dict(use_sliding_window=False, sliding_window=64, max_window_layers=1)),
+    ("qwen3", dict(use_sliding_window=True, sliding_window=64, max_window_layers=0)),
+    ("qwen2_moe", dict(use_sliding_window=True, sliding_window=64, max_window_layers=1)),
+    ("qwen2_moe", dict(use_sliding_window=True, sliding_window=64, max_window_layers=0)),
+    ("qwen3_moe", dict(use_sliding_window=True, sliding_window=64, max_window_layers=9)),
+    # written by hand: layer_types says what slides, whatever max_window_layers says
+    ("qwen2", dict(use_sliding_window=True, sliding_window=64, max_window_layers=9,
+                   layer_types=["full_attention", "sliding_attention"])),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=64, max_window_layers=0,
+                   layer_types=["full_attention", "full_attention"])),
+], ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}={v[k]}" for k in sorted(v)
+                                                        if k != "sliding_window"))
+def test_the_sliding_window_is_the_one_transformers_applies(family, extra, tmp_path):
+    # dtdsl computes full attention and holds seq_len to a window where any layer of
+    # transformers' model slides (DT313): the window must be there exactly then.
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(family, hidden_size=64, intermediate_size=96,
+                                  num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, vocab_size=128, **extra)
+    config.save_pretrained(tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    if "layer_types" not in extra:          # what transformers reads when a config has none
+        written.pop("layer_types", None)
+        (tmp_path / "config.json").write_text(json.dumps(written))
+    want = 64 if _sliding_layers(AutoConfig.from_pretrained(tmp_path)) else None
+    assert read_hf(tmp_path).arch.sliding_window == want
+
+
+def test_layer_types_that_are_not_one_kind_per_layer_are_refused(tmp_path):
+    config = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 96,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "vocab_size": 128, "use_sliding_window": True, "sliding_window": 64}
+    for bad in (["sliding_attention"], ["full_attention", "chunked_attention"], "sliding"):
+        (tmp_path / "config.json").write_text(json.dumps({**config, "layer_types": bad}))
+        with pytest.raises(HFError, match="layer_types"):
+            read_hf(tmp_path)

@@ -62,7 +62,8 @@ DECODER_KEYS = ["hidden_size", "num_attention_heads", "num_key_value_heads",
                 "num_hidden_layers", "hidden_act", "head_dim", "intermediate_size",
                 "vocab_size", "rms_norm_eps", "tie_word_embeddings", "max_position_embeddings",
                 "rope_theta", "rope_scaling", "rope_parameters", "sliding_window",
-                "use_sliding_window", "max_window_layers", "attention_bias", "mlp_bias",
+                "use_sliding_window", "max_window_layers", "layer_types", "attention_bias",
+                "mlp_bias",
                 "partial_rotary_factor", "model_type", "quantization_config",
                 "rope_parameters.rope_theta", "rope_parameters.rope_type",
                 "rope_parameters.factor", "rope_parameters.low_freq_factor",
@@ -226,6 +227,8 @@ ISSUE = [
     ("unet", "transformer_layers_per_block", 10**6, "config key "
      "'transformer_layers_per_block' is 1000000"),
     ("unet", "norm_eps", float("inf"), "config key 'norm_eps' is Infinity"),
+    ("unet", "flip_sin_to_cos", False, "flip_sin_to_cos = false (a flag) is not supported "
+     "(dtdsl's U-Net is SD 1.x/2.x's: flip_sin_to_cos = true)"),
     ("scheduler", "beta_end", 2, "scheduler config key 'beta_end' is 2, not a number at "
      "least 0 and below 1"),
     ("scheduler", "num_train_timesteps", 10**12, "scheduler config key "

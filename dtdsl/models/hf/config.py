@@ -341,22 +341,31 @@ def _moe(f: Fields, family: str, layers: int) -> ir.MoEArch | None:
 
 
 def _window(f: Fields, family: str, layers: int) -> int | None:
-    """The sliding attention window, or None. It changes nothing while a sequence fits in
-    it; the checker holds seq_len to it."""
+    """The sliding attention window if any layer slides (as transformers decides it), or
+    None. It changes nothing while a sequence fits in it; the checker holds seq_len to it."""
     def window() -> int | None:       # left out: the class default; null: none
         return f.integer("sliding_window", high=_MAX_POSITIONS, optional=True,
                          null_default=False)
 
-    if family == "mistral":
+    if family in ("mistral", "mixtral"):
         return window()
-    if family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
-        # max_window_layers: the layers below it attend fully (any count: one past the
-        # layers means none slides).
-        if f.flag("use_sliding_window") and \
-                f.integer("max_window_layers", low=0, high=1 << 20) < layers:
-            return window()
-        return None
-    return f.integer("sliding_window", high=_MAX_POSITIONS, optional=True)
+    if family not in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") or \
+            not f.flag("use_sliding_window"):
+        return None     # Llama has no sliding attention, whatever its config says
+    if family == "qwen3_moe":           # every layer slides
+        return window()
+    if f.has("layer_types"):            # written by transformers >= 4.53, and what it reads
+        kinds = f.texts("layer_types", count=layers, per=" (one per layer)")
+        for kind in kinds:
+            f.require(kind in ("full_attention", "sliding_attention"), "layer_types", kinds,
+                      "a list of 'full_attention' and 'sliding_attention'")
+        slides = "sliding_attention" in kinds
+    else:
+        # max_window_layers (any count): Qwen2 and Qwen3 slide the layers from it on,
+        # Qwen2-MoE every other layer below it.
+        below = f.integer("max_window_layers", low=0, high=1 << 20)
+        slides = below > 0 if family == "qwen2_moe" else below < layers
+    return window() if slides else None
 
 
 def _biases(f: Fields, family: str) -> dict[str, bool]:
@@ -477,7 +486,7 @@ def _unet(cfg: dict[str, Any], scheduler: dict[str, Any] | None) -> ir.UNetArch:
             got = float(got)
         if got != want:
             raise HFError(f"{key} = {named(got)} is not supported (dtdsl's U-Net is SD "
-                          f"1.x/2.x's: {key} = {want!r})")
+                          f"1.x/2.x's: {key} = {json.dumps(want)})")
     f = Fields(cfg, defaults=_UNET_DEFAULTS)
     boc, attention = _unet_levels(f)
     levels = len(boc)
