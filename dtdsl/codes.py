@@ -492,6 +492,8 @@ instead. Today the runtime cannot train:
 - an encoder that is not a `transformer(...)` (over patches; an audio encoder
   without `patch` reads its fbank a frame a token, and one with `in_channels`
   above 1 an fbank per channel: both train);
+- an image or video encoder over other than 3 channels (`in_channels`, a
+  Hugging Face tower's `num_channels`): the data path decodes RGB;
 - a phased encoder beside another encoder on the backbone's ranks (phased or
   co-located): a phased encoder runs there alone; any number of co-located
   encoders can;

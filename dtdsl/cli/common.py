@@ -277,17 +277,21 @@ def runtime_plan(plan_path: str | None, result: FrontendResult, program: Program
     """``plan_and_schedule`` for a command that builds the runtime (compile, memcheck):
     None after printing DT601 errors for what the runtime cannot train yet, the spec's own
     features before planning (no need to wait for the planner), the plan's after."""
+    if refused(result, program):
+        return None
+    planned = plan_and_schedule(plan_path, result, program, cost, placement=placement)
+    if planned is None or refused(result, program, planned[0]):
+        return None
+    return planned
+
+
+def refused(result: FrontendResult, program: Program, plan: Plan | None = None) -> bool:
+    """True after printing DT601 errors for what of the spec (and ``plan``) the runtime
+    cannot train yet (``codegen.support.runtime_support``)."""
     from dtdsl.codegen.support import runtime_support
 
     assert result.source is not None
-    unsupported = runtime_support(program)
-    planned = None
-    if not unsupported:
-        planned = plan_and_schedule(plan_path, result, program, cost, placement=placement)
-        if planned is None:
-            return None
-        unsupported = runtime_support(program, planned[0])
+    unsupported = runtime_support(program, plan)
     if unsupported:
         sys.stderr.write(render_text(unsupported, result.source, result.name))
-        return None
-    return planned
+    return bool(unsupported)

@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from dtdsl.cli.common import open_program, read_plan, solve
+from dtdsl.cli.common import open_program, read_plan, refused, solve
 from dtdsl.clihelp import EXIT_ERRORS, EXIT_OK, positive_int
 from dtdsl.driver import UsageError
 
@@ -45,6 +45,8 @@ def run(args: argparse.Namespace) -> int:
     from dtdsl.train.reference import train_reference
 
     result, program = open_program(args.spec)
+    if refused(result, program):        # what the runtime cannot train, the reference cannot
+        return EXIT_ERRORS
     if args.micro_batch is not None and args.micro_batch > program.train.global_batch:
         raise UsageError(f"--micro-batch {args.micro_batch} is larger than the global batch "
                          f"of {program.train.global_batch}")

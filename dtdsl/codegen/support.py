@@ -26,7 +26,8 @@ _CODE = DT601
 def _encoders(program: ir.Program) -> list[Diagnostic]:
     """Encoders the runtime cannot feed: one that is not a transformer (over patches, or
     over fbank frames: an audio encoder without a patch size reads a frame a token, and
-    one of several input channels an fbank per channel, ``ir.modal``)."""
+    one of several input channels an fbank per channel, ``ir.modal``), and an image or
+    video encoder over other than 3 channels (the data path decodes RGB)."""
     out = []
     for module in program.encoders:
         arch = module.arch
@@ -35,6 +36,14 @@ def _encoders(program: ir.Program) -> list[Diagnostic]:
                 _CODE, f"the runtime has no {arch.kind} encoder: '{module.name}' must "
                 "be a transformer over patches", module.span,
                 hint=f"give {module.name} `arch = transformer(...)`"))
+        elif module.modality in ("image", "video") and arch.in_channels not in (None, 3):
+            out.append(Diagnostic.error(
+                _CODE, f"{module.modality} encoder '{module.name}' reads {arch.in_channels} "
+                "channels; the runtime feeds images as 3 RGB channels", module.span,
+                notes=["the data path decodes every image and video frame to RGB and "
+                       "normalises 3 channels (`models.inputs`)"],
+                hint=f"give {module.name} an encoder over 3 channels (`in_channels = 3`, or "
+                     "a Hugging Face tower with `num_channels` 3)"))
     return out
 
 

@@ -757,3 +757,17 @@ def test_the_planners_placements_compile(tmp_path, placement):
     assert compile_spec(SPECS / "tiny_cpu.dt", out, "--placement", placement) == 0
     written = Plan.model_validate_json((out / "plan.json").read_text())
     assert written.placement == placement
+
+
+@pytest.mark.parametrize("channels", [1, 4])
+def test_an_image_encoder_over_other_than_three_channels_is_refused(tmp_path, capsys,
+                                                                    channels):
+    # The data path decodes RGB: a ViT (or a Hugging Face tower's num_channels) over 1 or 4
+    # channels is DT601 where the runtime would build it, `dtc reference` included.
+    text = _tiny(("ffn=128, patch=8)", f"ffn=128, patch=8, in_channels={channels})"))
+    err, lines = _unsupported(tmp_path, capsys, text)
+    assert lines == [_line_of(text, "encoder vit (image)")]
+    assert f"reads {channels} channels" in err and "3 RGB channels" in err
+    assert cli.main(["reference", str(tmp_path / "spec.dt"), "--steps", "1", "-q"]) == 1
+    err = capsys.readouterr().err
+    assert "error[DT601]" in err and "Traceback" not in err
