@@ -88,5 +88,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             traceback.print_exc()
         print(f"dtc: internal compiler error: {type(err).__name__}: {err}. This is a bug in "
               f"dtc, not in your spec; please report it at {BUG_REPORT} with the spec "
-              "(rerun with --debug for the traceback).", file=sys.stderr)
+              f"(rerun as `dtc --debug {args.command} ...` for the traceback).",
+              file=sys.stderr)
         return EXIT_INTERNAL
