@@ -118,9 +118,13 @@ class ImagePolicy:
                            resample=resample, mean=self.mean, std=self.std)
 
     def shape(self, width: int, height: int) -> tuple[int, int]:
-        """The ``(height, width)`` in pixels an image of this size is given to the encoder."""
+        """The ``(height, width)`` in pixels an image of this size is given to the encoder.
+        A fixed size is cut to whole patches: a patch embedding (a convolution, kernel =
+        stride = patch) never reads the pixels right of and below the last whole patch
+        (SigLIP-so400m: 384 x 384 in patches of 14, a 27 x 27 grid of 378 pixels)."""
         if self.size is not None:
-            return self.size
+            h, w = self.size
+            return h // self.patch * self.patch, w // self.patch * self.patch
         gw, gh = patch_grid(width, height, self.patch, self.max_patches, self.block)
         return gh * self.patch, gw * self.patch
 
@@ -129,7 +133,8 @@ class ImagePolicy:
         from PIL import Image
 
         method = getattr(Image.Resampling, self.resample.upper())
-        h, w = self.shape(img.width, img.height)
+        kept = self.shape(img.width, img.height)
+        h, w = self.size if self.size is not None else kept
         if self.shortest_edge is not None:
             # transformers' rule: the shorter side exact, the longer int(edge * long / short)
             edge, short, long = self.shortest_edge, min(img.size), max(img.size)
@@ -141,6 +146,8 @@ class ImagePolicy:
             img = img.crop((left, top, left + w, top + h))
         elif img.size != (w, h):
             img = img.resize((w, h), method)
+        if kept != (h, w):                  # the pixels no patch reads
+            img = img.crop((0, 0, kept[1], kept[0]))
         return np.ascontiguousarray(np.asarray(img).transpose(2, 0, 1))
 
 

@@ -310,8 +310,11 @@ class Encoder(nn.Module):
     def patchify(images: torch.Tensor, patch: int) -> torch.Tensor:
         """``[B, C, H, W]`` images to ``[B, (H/p)(W/p), C p^2]`` flattened patches, each in
         ``(channel, row, column)`` order: a ``kernel = stride = p`` convolution's weights
-        flattened the same way apply to them as a linear map."""
+        flattened the same way apply to them as a linear map (which, as the convolution,
+        never reads the pixels right of and below the last whole patch)."""
         b, c, hgt, wid = images.shape
+        if hgt % patch or wid % patch:
+            images = images[:, :, :hgt - hgt % patch, :wid - wid % patch]
         x = images.reshape(b, c, hgt // patch, patch, wid // patch, patch)
         return x.permute(0, 2, 4, 1, 3, 5).reshape(b, (hgt // patch) * (wid // patch),
                                                    c * patch * patch)

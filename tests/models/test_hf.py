@@ -421,3 +421,44 @@ def test_layer_types_that_are_not_one_kind_per_layer_are_refused(tmp_path):
         (tmp_path / "config.json").write_text(json.dumps({**config, "layer_types": bad}))
         with pytest.raises(HFError, match="layer_types"):
             read_hf(tmp_path)
+
+
+@pytest.mark.parametrize("kind", ["siglip", "clip"])
+def test_a_tower_whose_image_is_not_whole_patches_reads_what_transformers_reads(kind,
+                                                                              tmp_path):
+    # SigLIP-so400m reads 384 x 384 images in patches of 14 (27 x 27, the last 6 pixels of
+    # each side unread by its patch convolution): here 40 x 40 in patches of 6. The data
+    # path gives the tower the pixels it reads, and it computes what transformers does on
+    # the image processor's whole image.
+    import numpy as np
+    from PIL import Image
+    from transformers import (
+        CLIPImageProcessorPil,
+        CLIPVisionModel,
+        SiglipImageProcessorPil,
+        SiglipVisionModel,
+    )
+
+    from dtdsl.data.images import ImagePolicy, normalize
+
+    make = make_siglip if kind == "siglip" else make_clip
+    path = make(tmp_path / "in", image=40, patch=6)
+    ours = load_hf(path)
+    assert ours.pos_embed.weight.shape[0] == 36 + (kind == "clip")    # (40 // 6)^2 (+ CLS)
+    cls = SiglipVisionModel if kind == "siglip" else CLIPVisionModel
+    theirs = cls.from_pretrained(path).eval()
+    processor = SiglipImageProcessorPil(size={"height": 40, "width": 40}) if kind == "siglip" \
+        else CLIPImageProcessorPil(size={"shortest_edge": 40},
+                                   crop_size={"height": 40, "width": 40})
+    module = type("M", (), {"arch": ours.arch, "hf": type("H", (), {
+        "family": kind, "path": str(path)})})()
+    policy = ImagePolicy.for_encoder(module)
+    img = Image.fromarray(np.random.default_rng(5).integers(0, 255, (50, 70, 3),
+                                                            dtype=np.uint8))
+    pixels = policy.resize(img)
+    assert pixels.shape == (3, 36, 36) and policy.shape(70, 50) == (36, 36)
+    whole = torch.from_numpy(processor(images=img, return_tensors="np")["pixel_values"])
+    with torch.no_grad():
+        got = ours(normalize(pixels, policy.mean, policy.std)[None])
+        assert rel(got, theirs(whole).last_hidden_state) < LOAD_RTOL
+        assert rel(ours(whole), got) == 0.0          # the unread pixels change nothing

@@ -397,8 +397,8 @@ def _vision(f: Fields, family: str, feature_layer: int | None
                       hint="dtdsl computes quick_gelu, gelu and gelu_pytorch_tanh")
     image = f.integer("image_size", high=_MAX_IMAGE)
     patch = f.integer("patch_size", high=_MAX_PATCH)
-    if image % patch:
-        raise HFError(f"image_size {image} is not a multiple of patch_size {patch}")
+    if image < patch:
+        raise HFError(f"image_size {image} is smaller than patch_size {patch}")
     layers, post_norm = total, family == "siglip"
     if feature_layer is not None:
         layers = total + 1 + feature_layer if feature_layer < 0 else feature_layer
