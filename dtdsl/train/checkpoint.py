@@ -97,6 +97,7 @@ import base64
 import contextlib
 import hashlib
 import os
+import re
 import secrets
 import shutil
 import threading
@@ -171,11 +172,16 @@ def _commit(tmp: Path, manifest: Manifest, keep: int, program: str | None = None
     return final
 
 
+_LEFT_BEHIND = re.compile(r"ckpt-\d+\.(tmp|old)\Z")    # an interrupted save's, or a replaced one
+
+
 def _remove_incomplete(run_dir: Path) -> None:
+    """The folders an interrupted save left (``ckpt-<N>.tmp``, ``ckpt-<N>.old``); nothing
+    else in the folder, and no link (``rmtree`` of a link removes nothing)."""
     root = checkpoint_root(run_dir)
     if root.is_dir():
         for path in root.iterdir():
-            if path.name.endswith((".tmp", ".old")) and path.is_dir():
+            if _LEFT_BEHIND.match(path.name) and path.is_dir() and not path.is_symlink():
                 shutil.rmtree(path, ignore_errors=True)
 
 

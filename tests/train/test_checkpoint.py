@@ -198,6 +198,26 @@ def test_an_interrupted_save_is_not_loaded_and_is_removed(tmp_path):
     assert sorted(p.name for p in root.iterdir()) == ["ckpt-1"]
 
 
+def test_a_resume_removes_only_what_an_interrupted_save_left(tmp_path):
+    # ckpt-<N>.tmp and ckpt-<N>.old are dtdsl's; a user's folder of another name (even
+    # one ending in .old), a file, and a link to a folder outside stay as they were.
+    from dtdsl.train.checkpoint import _remove_incomplete
+
+    root = checkpoint_root(tmp_path)
+    outside = tmp_path / "outside.old"
+    for folder in ("ckpt-2.tmp", "ckpt-3.old", "my-notes.old", "ckpt-x.tmp", "ckpt-4"):
+        (root / folder).mkdir(parents=True)
+        (root / folder / "f").write_text("x")
+    (root / "notes.tmp").write_text("x")
+    outside.mkdir()
+    (outside / "f").write_text("x")
+    (root / "ckpt-5.old").symlink_to(outside, target_is_directory=True)
+    _remove_incomplete(tmp_path)
+    assert sorted(p.name for p in root.iterdir()) == [
+        "ckpt-4", "ckpt-5.old", "ckpt-x.tmp", "my-notes.old", "notes.tmp"]
+    assert (root / "my-notes.old" / "f").read_text() == "x" and (outside / "f").exists()
+
+
 def test_another_spec_is_refused(tmp_path):
     _go(PLAN_A, tmp_path, 1, {1: "sync"}, tmp_path / "a.json")
     path = checkpoint_root(tmp_path) / "ckpt-1" / "manifest.json"
