@@ -104,6 +104,12 @@ def test_simulate_refuses_plans_that_do_not_fit_the_spec(capsys, tmp_path):
         "does not split": lambda p: p["units"][llm].update(layers_per_stage=[1, 1, 1]),
         "at least 1": lambda p: p["units"][llm].update(pp=0),
         "finite": lambda p: p["units"][llm].update(fwd_time_s=-1.0),
+        # a job of another size or schedule than the spec's, launched as the plan says
+        "gpus_used is 9999, its units hold": lambda p: p.update(gpus_used=9999),
+        "more than num_gpus": lambda p: p.update(num_gpus=1),
+        "not 0 (the units hold ranks back to back": lambda p: [
+            u.update(first_rank=u["first_rank"] + 1) for u in p["units"] if u["gpus"]],
+        "schedule is gpipe, the spec's is 1f1b": lambda p: p.update(schedule="gpipe"),
     }
     for words, edit in edits.items():
         bad = json.loads(json.dumps(good))
@@ -113,6 +119,14 @@ def test_simulate_refuses_plans_that_do_not_fit_the_spec(capsys, tmp_path):
         code, _, err = run(capsys, "simulate", TINY, "--plan", str(path), "--steps", "1",
                            "--logdir", str(tmp_path / "tb"))
         assert code == 2 and "does not fit the spec" in err and words in err, (words, err)
+    # A value of the wrong type: one line naming the field, no validation report.
+    bad = json.loads(json.dumps(good))
+    bad["units"][llm]["recompute"] = "rm -rf"
+    path.write_text(json.dumps(bad))
+    code, _, err = run(capsys, "simulate", TINY, "--plan", str(path), "--steps", "1",
+                       "--logdir", str(tmp_path / "tb"))
+    assert code == 2 and f"units.{llm}.recompute: Value error, 'rm -rf'" in err, err
+    assert len(err.strip().splitlines()) == 1 and "pydantic" not in err, err
 
 
 def test_simulate_logdir_errors(capsys, tmp_path, monkeypatch):

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 __all__ = ["PROGRESS_AFTER_S", "SIMULATE_STEPS", "Parser", "Stop", "add_placement",
            "add_plan_options", "cost_model", "efficiency", "open_program",
-           "plan_and_schedule", "plan_problems", "read_plan", "report_infeasible",
+           "plan_and_schedule", "plan_problems", "read_plan", "refused", "report_infeasible",
            "runtime_plan", "slurm_option", "solve", "spec_dir", "usage_diagnostic"]
 
 # Drawn batches dtc plan optimises for by default (and compile and memcheck plan with).
@@ -175,10 +175,18 @@ def solve(result: FrontendResult, program: Program, cost: CostModel | None,
 
 def read_plan(path: str, program: Program) -> Plan:
     """A Plan JSON from ``dtc plan -o``, checked against ``program``'s units."""
+    from pydantic import ValidationError
+
     from dtdsl.ir.plan import Plan
 
     try:
         the_plan = Plan.model_validate_json(Path(path).read_bytes())
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "the document"
+        more = f" (and {err.error_count() - 1} more)" if err.error_count() > 1 else ""
+        raise UsageError(f"cannot read plan {path}: {where}: {first['msg']}{more}; plan the "
+                         "spec again (`dtc plan SPEC -o plan.json`)") from None
     except (OSError, ValueError) as err:
         raise UsageError(f"cannot read plan {path}: {err}") from None
     if the_plan.spec_sha256 != program.source_sha256:
@@ -208,6 +216,9 @@ def plan_problems(the_plan: Plan, program: Program) -> list[str]:
                                 ("micro_batch", the_plan.micro_batch, train.micro_batch)):
         if planned != spec:
             out.append(f"{name} is {planned}, the spec's is {spec}")
+    if the_plan.schedule != train.schedule:
+        out.append(f"schedule is {the_plan.schedule}, the spec's is {train.schedule}")
+    out += _rank_problems(the_plan)
     backbones = [u for u in the_plan.units if u.role == "backbone"]
     if len(backbones) != 1:
         return out + [f"{len(backbones)} backbone units, not 1"]
@@ -245,6 +256,22 @@ def plan_problems(the_plan: Plan, program: Program) -> list[str]:
         if not all(math.isfinite(t) and t >= 0 for t in times):
             out.append(f"{u.name}: fwd_time_s, bwd_time_s and dp_sync_time_s must be finite "
                        "and >= 0")
+    return out
+
+
+def _rank_problems(the_plan: Plan) -> list[str]:
+    """The units that hold GPUs tile ranks 0..gpus_used-1 back to back (``ir.plan``), within
+    the plan's GPUs: a hand-edited count would launch that many ranks."""
+    out, at = [], 0
+    for u in sorted((u for u in the_plan.units if u.gpus), key=lambda u: u.first_rank):
+        if u.first_rank != at:
+            out.append(f"{u.name}: first_rank {u.first_rank}, not {at} (the units hold ranks "
+                       "back to back from 0)")
+        at = max(at, u.first_rank + u.gpus)
+    if the_plan.gpus_used != at:
+        out.append(f"gpus_used is {the_plan.gpus_used}, its units hold {at} GPUs")
+    if the_plan.gpus_used > the_plan.num_gpus:
+        out.append(f"gpus_used {the_plan.gpus_used} is more than num_gpus {the_plan.num_gpus}")
     return out
 
 
