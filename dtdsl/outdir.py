@@ -334,7 +334,7 @@ def read_record(folder: Path) -> dict[str, Listed] | None:
             listed[name] = Listed(sha256=frozenset({sha}), size=size)
     except OSError as err:
         raise OutputError(f"cannot read {path}: {err.strerror or err}") from None
-    except (ValueError, KeyError, TypeError, AttributeError) as err:
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
         raise OutputError(f"{path} is not a record dtdsl wrote ({err}); nothing was changed: "
                           "remove the folder by hand if it is yours") from None
     return listed

@@ -238,7 +238,7 @@ def _earlier(out: Path) -> dict[str, Listed]:
         raise
     except OSError as err:
         raise BundleError(f"cannot read {manifest}: {err.strerror or err}") from None
-    except (ValueError, KeyError, TypeError, AttributeError) as err:
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
         raise BundleError(f"{manifest} is not a bundle manifest dtdsl wrote ({err}); nothing "
                           "was changed: remove the folder by hand if it is yours") from None
     return listed

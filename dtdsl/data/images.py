@@ -99,7 +99,9 @@ class ImagePolicy:
             return self
         try:
             config = json.loads(file.read_text())
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
+            return self
+        if not isinstance(config, dict):
             return self
         size, edge = self.size, self.shortest_edge
         given = config.get("size")

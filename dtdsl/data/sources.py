@@ -48,7 +48,7 @@ def is_dtdsl_dataset(path: str | Path) -> bool:
             head = f.read(4096)
         return f'"format": "{FORMAT}"'.encode() in head or \
             json.loads(index.read_bytes()).get("format") == FORMAT
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):
         return False
 
 

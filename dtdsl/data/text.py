@@ -236,8 +236,10 @@ class HFTokenizer:
         if config_file.is_file():
             try:
                 config = json.loads(config_file.read_text())
-            except (OSError, ValueError) as err:
+            except (OSError, ValueError, RecursionError) as err:
                 raise TokenizerError(f"{config_file} is not readable JSON: {err}") from None
+            if not isinstance(config, dict):
+                raise TokenizerError(f"{config_file} is not a JSON object")
         # What the post-processor adds around a text (Llama's BOS): the library's own rule.
         bare = tok.encode("a", add_special_tokens=False).ids
         full = tok.encode("a", add_special_tokens=True).ids

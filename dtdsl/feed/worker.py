@@ -307,7 +307,7 @@ def _last_error(feed: Path | None, index: int) -> tuple[str | None, bool]:
         said = json.loads(path.read_text("utf-8"))
         path.unlink()
         return str(said["error"]), bool(said.get("fatal"))
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
         return None, False
 
 

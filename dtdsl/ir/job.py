@@ -147,7 +147,7 @@ def _version_of(path: Path) -> Any:
 
     try:
         return json.loads(path.read_bytes()).get("version")
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):
         return None
 
 

@@ -218,7 +218,7 @@ def encoder_norm(module: Any) -> tuple[tuple[float, ...], tuple[float, ...]]:
     file = Path(hf.path) / "preprocessor_config.json"
     try:
         config = json.loads(file.read_text()) if file.is_file() else {}
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         config = {}
     if not isinstance(config, dict):
         return mean, std

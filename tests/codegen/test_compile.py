@@ -175,6 +175,19 @@ def test_a_manifest_naming_a_path_outside_is_refused_before_anything_goes(
     assert tree_of(out) == before
 
 
+@pytest.mark.parametrize("text", ["[" * 100_000, "[]", '{"files": 3}'])
+def test_a_manifest_that_is_not_one_is_refused_in_one_line(tmp_path, capsys, text):
+    out = tmp_path / "b"
+    assert compile_spec(SPECS / "tiny_cpu.dt", out) == 0
+    (out / "manifest.json").write_text(text)
+    before = tree_of(out)
+    capsys.readouterr()
+    assert compile_spec(SPECS / "tiny_cpu.dt", out, "--overwrite") == 2
+    err = capsys.readouterr().err
+    assert "is not a bundle manifest dtdsl wrote" in err and "Traceback" not in err, err
+    assert tree_of(out) == before
+
+
 def test_links_are_refused_and_what_they_point_to_untouched(tmp_path, capsys):
     out = tmp_path / "b"
     assert compile_spec(SPECS / "tiny_cpu.dt", out) == 0

@@ -4,6 +4,8 @@ special tokens, chat formats, image placeholders and the loss mask, held against
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -152,6 +154,13 @@ def test_tokenizers_that_cannot_be_used_say_why(tmp_path, llama, chatml):
     with pytest.raises(TokenizerError, match="needs the special token <|im_start|>"):
         load_tokenizer(llama, 512, chat="chatml")
     assert load_tokenizer(chatml / "tokenizer.json", 512).chat.name == "chatml"
+    # tokenizer_config.json nested past Python's recursion limit, or not an object
+    for name, text in (("deep", "[" * 100_000), ("list", "[1, 2]")):
+        folder = tmp_path / name
+        shutil.copytree(llama, folder)
+        (folder / "tokenizer_config.json").write_text(text)
+        with pytest.raises(TokenizerError, match="tokenizer_config.json is not"):
+            load_tokenizer(folder, 512)
 
 
 # ---- the layout rule ---------------------------------------------------------------------
