@@ -462,3 +462,13 @@ def test_a_tower_whose_image_is_not_whole_patches_reads_what_transformers_reads(
         got = ours(normalize(pixels, policy.mean, policy.std)[None])
         assert rel(got, theirs(whole).last_hidden_state) < LOAD_RTOL
         assert rel(ours(whole), got) == 0.0          # the unread pixels change nothing
+
+
+def test_a_config_that_writes_a_key_twice_is_refused(tmp_path):
+    # Python's json keeps the last value, other readers the first: neither is trusted.
+    path = make_decoder(tmp_path / "llama", "llama")
+    text = (path / "config.json").read_text()
+    assert text.rstrip().endswith("}")
+    (path / "config.json").write_text(text.rstrip()[:-1] + ', "hidden_size": 4096}')
+    with pytest.raises(HFError, match="key 'hidden_size' is written twice in one object"):
+        read_hf(path)

@@ -241,6 +241,17 @@ def open_regular(path: Path, *, error: Callable[..., Exception] = HFError) -> Bi
         raise
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are each written once: libraries disagree on which of two
+    values they read (Python's json the last), so neither is trusted."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        again = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ValueError(f"key {named(again)} is written twice in one object")
+    return out
+
+
 def read_json(path: Path, what: str, *, limit: int = 4 << 20,
               error: Callable[..., Exception] = HFError) -> tuple[dict[str, Any], str]:
     """The JSON object in ``path`` (a ``what``: "model config") and the sha256 of the
@@ -251,7 +262,7 @@ def read_json(path: Path, what: str, *, limit: int = 4 << 20,
     if len(data) > limit:
         raise error(f"{path} is over {limit >> 20} MB; a {what} is a few KB")
     try:
-        value = json.loads(data)
+        value = json.loads(data, object_pairs_hook=_unique_keys)
     except (UnicodeDecodeError, ValueError, RecursionError) as err:
         raise error(f"{path} is not valid JSON: {str(err)[:120]}") from None
     if not isinstance(value, dict):
