@@ -77,7 +77,7 @@ def _records(data: bytes, path: Path) -> Iterator[tuple[int, int, Any]]:
             if line.strip():
                 try:
                     yield at, len(line), json.loads(line)
-                except ValueError:
+                except (ValueError, RecursionError):      # nested past the parser's depth
                     yield at, len(line), None
             at += len(line) + 1
         return
@@ -102,6 +102,9 @@ def _records(data: bytes, path: Path) -> Iterator[tuple[int, int, Any]]:
             value, end = decoder.raw_decode(text, i)
         except ValueError as err:
             raise DatasetError(f"{path} is not valid JSON: {err}") from None
+        except RecursionError:
+            raise DatasetError(f"{path} is not JSON dtc reads: a record nests deeper than "
+                               "the parser goes") from None
         byte += len(text[prev:i].encode())
         size = len(text[i:end].encode())
         yield byte, size, value
@@ -205,6 +208,53 @@ def _clips(kind: str, names: Any, folder: Path) -> list[list[Any]] | str:
     return out
 
 
+def _count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _valid_sample(s: Any, size: int) -> bool:
+    """Whether a cached sample entry is one ``_entry`` writes, its byte range inside the
+    JSON of ``size`` bytes (a cache someone else may have written is checked first)."""
+    if not (isinstance(s, dict) and isinstance(s.get("key"), str) and _count(s.get("offset"))
+            and _count(s.get("size")) and s["offset"] + s["size"] <= size
+            and _count(s.get("text_bytes")) and _count(s.get("text_tokens"))
+            and isinstance(s.get("images"), list)):
+        return False
+    for im in s["images"]:
+        if not (isinstance(im, list) and len(im) == 5 and isinstance(im[0], str)
+                and im[1] in _FORMATS.values() and all(_count(x) for x in im[2:])
+                and im[2] > 0 and im[3] > 0):
+            return False
+    for kind in ("audio", "video"):
+        clips = s.get(kind)
+        if not isinstance(clips, list):
+            return False
+        for clip in clips:
+            if not (isinstance(clip, list) and len(clip) == 3 and isinstance(clip[0], str)
+                    and _count(clip[1])):
+                return False
+            try:
+                ClipInfo.from_json(clip[2])
+            except ValueError:
+                return False
+    return True
+
+
+def _valid_index(data: Mapping[str, Any], path: Path, folder: Path) -> bool:
+    """Whether a cached index can be used as it is (else it is built again)."""
+    samples, skipped = data.get("samples"), data.get("skipped")
+    if not (data.get("json") == str(path) and data.get("image_folder") == str(folder)
+            and isinstance(samples, list) and isinstance(skipped, dict)
+            and all(isinstance(k, str) and _count(v) for k, v in skipped.items())):
+        return False
+    try:
+        size = path.stat().st_size
+    except OSError:
+        return False
+    return all(_valid_sample(s, size) for s in samples) and \
+        len({s["key"] for s in samples}) == len(samples)
+
+
 def build_index(path: str | Path, image_folder: str | Path | None = None, *,
                 cache_dir: str | Path | None = None,
                 progress: Callable[[int, int], None] | None = None,
@@ -218,11 +268,8 @@ def build_index(path: str | Path, image_folder: str | Path | None = None, *,
     except OSError as err:
         raise DatasetError(f"cannot read {path}: {err.strerror or err}") from None
     data = None if rebuild else read_cache(target, INDEX_FORMAT, INDEX_VERSION)
-    if data is not None:
-        try:
-            return LlavaIndex(path, folder, tuple(data["samples"]), data["skipped"], target)
-        except (KeyError, TypeError):
-            pass        # unreadable: build it again
+    if data is not None and _valid_index(data, path, folder):
+        return LlavaIndex(path, folder, tuple(data["samples"]), data["skipped"], target)
     try:
         raw = read_regular(path)
     except Refused as err:
@@ -327,7 +374,7 @@ class LlavaDataset:
         try:
             buf = os.pread(file.fileno(), entry["size"], entry["offset"])
             record = json.loads(buf)
-        except (OSError, ValueError) as err:
+        except (OSError, ValueError, RecursionError) as err:
             raise DatasetError(f"{where} changed since it was indexed: record "
                                f"{entry['key']} does not read ({err})") from None
         if not isinstance(record, dict):

@@ -25,7 +25,8 @@ extension starts with ``gen`` is an audio generator's target, the rest an audio
 encoder's input (a ``gen`` video is not read: nothing generates video). Keys
 starting with ``__`` and members of no extension are ignored. When two shards hold the
 same key (two runs of a writer, both from 000000), every key is qualified by its shard's
-name (``000003/000042``).
+name (``000003/000042``); a key still repeated (twice in one shard) is further qualified
+by its position in the index (``000000/0001@2``), so every sample is judged by itself.
 
 **The index** (``WebIndex``): every sample's members (offset, size, CRC-32), its text size
 and token count (``shards.count_text_tokens``), each image's width and height (from its
@@ -38,13 +39,18 @@ modification time): a changed shard makes a new index. What cannot be a sample i
 and skipped, never a traceback: a member that is cut off (a truncated tar: the samples
 before it stay), an image whose header does not decode, text that is not UTF-8 or is
 empty, a sample with no text, an audio or video member that does not read as one
-(``unreadable audio``, ``unreadable video``). ``WebIndex.skipped`` has the counts by
-reason.
+(``unreadable audio``, ``unreadable video``), a GNU sparse member (``sparse tar member``:
+not read, its holes would be zeros of any declared size), JSON nested past the parser's
+depth (``unreadable json``). ``WebIndex.skipped`` has the counts by reason. A cached
+index is checked entry by entry (types, ranges, every member inside its shard, unique
+keys) and built again when it does not check.
 
 **Truncated tars.** ``tarfile`` ends a listing quietly at the first header it cannot read,
 so a tar cut at a header boundary (no end-of-archive blocks), inside a header or at a
 damaged header reads as a shorter archive, and one cut inside a member fails only when
-that member is read. The scan therefore checks how each tar ends: the block after the
+that member is read (a member, or a long-name or PAX header, whose declared size runs
+past the file's end is such a cut, found before anything is read). The scan therefore
+checks how each tar ends: the block after the
 last member must be the end-of-archive block of zeros. A shard that ends any other way
 is noted in ``WebIndex.problems`` (where it stops, how many samples before that are
 kept), and the sample being read at the cut is counted as ``cut off (truncated tar)``
@@ -95,6 +101,7 @@ _BRACE = re.compile(r"\{([^{}]*)\}")
 _RANGE = re.compile(r"(\d+)\.\.(\d+)")
 _MAX_EXPANSION = 10_000_000
 CUT_OFF = "cut off (truncated tar)"
+SPARSE = "sparse tar member"
 
 
 def expand_source(pattern: str) -> list[str]:
@@ -266,7 +273,7 @@ def _finish(scan: _Scan, shard: int, key: str, members: list[list[Any]],
     if meta_member is not None:
         try:
             record = json.loads(blobs["json"])
-        except (UnicodeDecodeError, ValueError):
+        except (UnicodeDecodeError, ValueError, RecursionError):
             return scan.skip("unreadable json")
         if not isinstance(record, dict):
             return scan.skip("unreadable json")
@@ -292,36 +299,72 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}" + ("" if n == 1 else "s")
 
 
+class _Bounded:
+    """A shard file for ``tarfile`` whose reads never ask for more than is left in it: a
+    header declaring a member (a long name, PAX records) larger than the file would
+    otherwise allocate that size before finding the file short."""
+
+    def __init__(self, file: Any, size: int):
+        self._file, self._size = file, size
+
+    def read(self, n: int = -1) -> bytes:
+        left = max(0, self._size - self._file.tell())
+        return self._file.read(left if n is None or n < 0 else min(n, left))
+
+    def seek(self, *args: Any) -> int:
+        return int(self._file.seek(*args))
+
+    def tell(self) -> int:
+        return int(self._file.tell())
+
+
 def _scan_shard(path: Path, shard: int, scan: _Scan) -> None:
     key: str | None = None
     members: list[list[Any]] = []
     blobs: dict[str, bytes] = {}
+    bad: str | None = None          # why the sample being read cannot be one
     before = len(scan.samples)
     problem = None
     size = 0
     last: tarfile.TarInfo | None = None
+
+    def finish() -> None:
+        if bad is not None:
+            scan.skip(bad)
+        elif key is not None:
+            _finish(scan, shard, key, members, blobs)
+
     try:
-        with open_regular(path) as f, tarfile.open(fileobj=f, mode="r:") as tar:
-            size = os.fstat(f.fileno()).st_size
-            for info in tar:
-                last = info
-                if not info.isfile():
-                    continue
-                split = _split(info.name)
-                if split is None:
-                    continue
-                k, ext = split
-                if k != key:
-                    if key is not None:
-                        _finish(scan, shard, key, members, blobs)
-                    key, members, blobs = k, [], {}
-                data = tar.extractfile(info).read()      # type: ignore[union-attr]
-                if len(data) != info.size:
-                    raise EOFError(f"{info.name} is cut off")
-                members.append([ext, info.offset_data, info.size, zlib.crc32(data)])
-                blobs[ext] = data
-            # Where the listing stopped: an end-of-archive block must be there.
-            problem = _end_problem(os.pread(f.fileno(), _BLOCK, tar.offset), tar.offset)
+        with open_regular(path) as f:
+            size = os.fstat(f.fileno()).st_size     # before tarfile reads a byte
+            with tarfile.open(fileobj=_Bounded(f, size), mode="r:") as tar:  # type: ignore[arg-type]
+                for info in tar:
+                    last = info
+                    if not info.isfile():
+                        continue
+                    split = _split(info.name)
+                    if split is None:
+                        continue
+                    k, ext = split
+                    if k != key:
+                        finish()
+                        key, members, blobs, bad = k, [], {}, None
+                    if info.sparse is not None:
+                        # A GNU sparse member (no WebDataset writer makes one): its holes
+                        # would be read as zeros up to the size it declares. Not read.
+                        bad = SPARSE
+                        continue
+                    if info.offset_data + info.size > size:
+                        raise EOFError(f"{info.name} is cut off")   # never read past the end
+                    if bad is not None:
+                        continue
+                    data = tar.extractfile(info).read()      # type: ignore[union-attr]
+                    if len(data) != info.size:
+                        raise EOFError(f"{info.name} is cut off")
+                    members.append([ext, info.offset_data, info.size, zlib.crc32(data)])
+                    blobs[ext] = data
+                # Where the listing stopped: an end-of-archive block must be there.
+                problem = _end_problem(os.pread(f.fileno(), _BLOCK, tar.offset), tar.offset)
     except Refused as err:
         raise DatasetError(str(err)) from None
     except (tarfile.TarError, EOFError, OSError) as err:
@@ -336,8 +379,7 @@ def _scan_shard(path: Path, shard: int, scan: _Scan) -> None:
         else:
             problem = f"it ends at byte {size:,}, inside the member after {last.name} ({err})"
     if problem is None:
-        if key is not None:
-            _finish(scan, shard, key, members, blobs)
+        finish()
         return
     # A truncated or damaged tar: the samples before the damage stay; the one being read
     # at the cut may lack members, and goes.
@@ -369,6 +411,85 @@ class WebIndex:
     problems: tuple[str, ...] = ()    # per damaged shard, what is wrong (truncated tars)
 
 
+def _unique_keys(samples: list[dict[str, Any]], shards: Sequence[Path]) -> None:
+    """Make the samples' keys unique, in place. Keys name samples in the run's records
+    (consumption logs, the decode check), so two samples must never share one: shards of
+    two runs of a writer often both start at 000000, and then every key says its shard
+    too; a key repeated within one shard (a writer run twice into the same tar) then says
+    its position in the index as well, so each sample is judged by itself."""
+    if len({s["key"] for s in samples}) == len(samples):
+        return
+    for s in samples:
+        s["key"] = f"{shards[s['shard']].stem}/{s['key']}"
+    if len({s["key"] for s in samples}) == len(samples):
+        return
+    seen: dict[str, int] = {}
+    for s in samples:
+        seen[s["key"]] = seen.get(s["key"], 0) + 1
+    for i, s in enumerate(samples):
+        if seen[s["key"]] > 1:
+            s["key"] = f"{s['key']}@{i}"
+    if len({s["key"] for s in samples}) < len(samples):     # "@i" met a real key
+        for i, s in enumerate(samples):
+            s["key"] = f"{i}/{s['key']}"
+
+
+def _count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _valid_sample(s: Any, sizes: Sequence[int]) -> bool:
+    """Whether a cached sample entry is one ``_finish`` writes, every member inside its
+    shard (a cache is a file someone else may have written: checked before it is used)."""
+    from dtdsl.data.media import media_kind
+
+    if not (isinstance(s, dict) and isinstance(s.get("key"), str) and _count(s.get("shard"))
+            and s["shard"] < len(sizes) and isinstance(s.get("members"), list)
+            and s["members"] and isinstance(s.get("text"), str)
+            and _count(s.get("text_bytes")) and _count(s.get("text_tokens"))
+            and isinstance(s.get("images"), list) and isinstance(s.get("clips"), list)):
+        return False
+    size = sizes[s["shard"]]
+    names = set()
+    for m in s["members"]:
+        if not (isinstance(m, list) and len(m) == 4 and isinstance(m[0], str)
+                and all(_count(x) for x in m[1:]) and m[1] >= _BLOCK
+                and m[1] + m[2] <= size and m[3] < 2 ** 32 and m[0] not in names):
+            return False
+        names.add(m[0])
+    if s["text"] not in names or s["text"] not in _TEXT_EXT:
+        return False
+    for im in s["images"]:
+        if not (isinstance(im, list) and len(im) == 3 and isinstance(im[0], str)
+                and im[0] in names and _image_ext(im[0]) is not None
+                and _count(im[1]) and _count(im[2]) and im[1] > 0 and im[2] > 0):
+            return False
+    for clip in s["clips"]:
+        if not (isinstance(clip, list) and len(clip) == 2 and isinstance(clip[0], str)
+                and clip[0] in names and media_kind(clip[0]) is not None):
+            return False
+        try:
+            ClipInfo.from_json(clip[1])
+        except ValueError:
+            return False
+    return True
+
+
+def _valid_index(data: Mapping[str, Any], shards: Sequence[Path]) -> bool:
+    """Whether a cached index can be used as it is (else it is built again)."""
+    samples, skipped, problems = data.get("samples"), data.get("skipped"), data.get("problems")
+    if not (isinstance(samples, list) and isinstance(skipped, dict)
+            and all(isinstance(k, str) and _count(v) for k, v in skipped.items())
+            and isinstance(problems, list) and all(isinstance(p, str) for p in problems)):
+        return False
+    try:
+        sizes = [p.stat().st_size for p in shards]
+    except OSError:
+        return False
+    return all(_valid_sample(s, sizes) for s in samples) and \
+        len({s["key"] for s in samples}) == len(samples)
+
+
 def build_index(shards: Sequence[Path], *, cache_dir: str | Path | None = None,
                 progress: Callable[[int, int], None] | None = None,
                 rebuild: bool = False) -> WebIndex:
@@ -377,22 +498,16 @@ def build_index(shards: Sequence[Path], *, cache_dir: str | Path | None = None,
     shards = [Path(p) for p in shards]
     target = index_path(shards, cache_dir)
     data = None if rebuild else read_cache(target, INDEX_FORMAT, INDEX_VERSION)
-    if data is not None and data.get("shards") == [str(p) for p in shards]:
-        try:
-            return WebIndex(tuple(shards), tuple(data["samples"]), data["skipped"], target,
-                            tuple(data["problems"]))
-        except (KeyError, TypeError):
-            pass          # unreadable: build it again
+    if data is not None and data.get("shards") == [str(p) for p in shards] and \
+            _valid_index(data, shards):
+        return WebIndex(tuple(shards), tuple(data["samples"]), data["skipped"], target,
+                        tuple(data["problems"]))
     scan = _Scan()
     for i, path in enumerate(shards):
         _scan_shard(path, i, scan)
         if progress is not None:
             progress(i + 1, len(shards))
-    # Keys name samples in the run's records, so they must be unique: shards of two runs
-    # of a writer often both start at 000000, and then every key says its shard too.
-    if len({s["key"] for s in scan.samples}) < len(scan.samples):
-        for s in scan.samples:
-            s["key"] = f"{shards[s['shard']].stem}/{s['key']}"
+    _unique_keys(scan.samples, shards)
     index = WebIndex(tuple(shards), tuple(scan.samples), dict(scan.skipped), target,
                      tuple(scan.problems))
     body = {"format": INDEX_FORMAT, "version": INDEX_VERSION,
