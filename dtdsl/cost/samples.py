@@ -157,20 +157,19 @@ def draw_samples(program: ir.Program, n: int, seed: int = 0) -> SampleSet:
     samples')."""
     if not program.train.packing:
         return _cut(program, _draw_documents(program, n, np.random.default_rng(seed)))
-    from dtdsl.ir.layout import pack
+    from dtdsl.ir.layout import Packer
 
     rng = np.random.default_rng(seed)
-    seq_len = program.train.seq_len
+    packer = Packer(program.train.seq_len)
     docs: list[SampleSet] = []
-    rows: list[list[int]] = []
-    while len(rows) < n:
-        # Draw more documents and pack everything drawn so far (packing is a function of
-        # the stream, so a longer stream only closes more sequences).
+    closed = False
+    while not closed:
+        # Draw more documents and pack them on from where the stream stopped (closed
+        # sequences only: the open ones wait for the documents after them).
         docs.append(_cut(program, _draw_documents(program, max(2 * n, 64), rng)))
-        stream = _concat(docs)
         # Python ints: pack compares each length with every open sequence's room.
-        rows = pack(positions(stream).tolist(), seq_len, rows=n)   # closed sequences only
-    return _join(stream, rows)
+        closed = packer.feed(positions(docs[-1]).tolist(), rows=n)
+    return _join(_concat(docs), packer.done)
 
 
 def positions(samples: SampleSet) -> np.ndarray:

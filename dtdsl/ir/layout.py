@@ -32,7 +32,7 @@ from dtdsl.ir.program import ImageTokens
 if TYPE_CHECKING:
     from dtdsl.ir.sizes import SampleSizes
 
-__all__ = ["SequenceLayout", "Tokens", "concat", "fit", "layout_of", "pack", "placements",
+__all__ = ["Packer", "SequenceLayout", "Tokens", "concat", "fit", "layout_of", "pack", "placements",
            "sequence_layout"]
 
 # What gives an item its tokens: every encoder's rule, or (a program with one image
@@ -195,6 +195,42 @@ def concat(layouts: Sequence[SequenceLayout], seq_len: int) -> SequenceLayout:
                           items=tuple(items) if any(lay.items for lay in layouts) else ())
 
 
+class Packer:
+    """``pack``'s state, fed a part of the stream at a time: packing is a function of the
+    stream, so feeding it in parts closes the same sequences as feeding it whole."""
+
+    def __init__(self, seq_len: int, window: int = 16):
+        self.seq_len, self.window = seq_len, window
+        self.done: list[list[int]] = []         # closed sequences, in the order they closed
+        self.open_rows: list[list[int]] = []
+        self._room: list[int] = []
+        self._fed = 0
+
+    def feed(self, lengths: Iterable[int], rows: int | None = None) -> bool:
+        """Pack the next documents of the stream (their indices count on from the last
+        part's); True, with the rest not fed, once ``rows`` sequences have closed."""
+        seq_len, room, open_rows = self.seq_len, self._room, self.open_rows
+        for n in lengths:
+            i = self._fed
+            self._fed += 1
+            if n > seq_len:
+                raise ValueError(f"document {i} has {n} positions, more than seq_len "
+                                 f"{seq_len}")
+            k = next((k for k, r in enumerate(room) if r >= n), None)
+            if k is None:
+                open_rows.append([i])
+                room.append(seq_len - n)
+                if len(open_rows) > self.window:
+                    self.done.append(open_rows.pop(0))
+                    room.pop(0)
+            else:
+                open_rows[k].append(i)
+                room[k] -= n
+            if rows is not None and len(self.done) >= rows:
+                return True
+        return False
+
+
 def pack(lengths: Iterable[int], seq_len: int, *, rows: int | None = None,
          window: int = 16) -> list[list[int]]:
     """Documents of these lengths (each at most ``seq_len``) packed into sequences of
@@ -203,27 +239,11 @@ def pack(lengths: Iterable[int], seq_len: int, *, rows: int | None = None,
     sequences as lists of document indices, in the order they close (the open ones at
     the end, oldest first). With ``rows``, only closed sequences, at most that many,
     stopping once that many have closed: the documents still open are not used."""
-    done: list[list[int]] = []
-    open_rows: list[list[int]] = []
-    room: list[int] = []
-    for i, n in enumerate(lengths):
-        if n > seq_len:
-            raise ValueError(f"document {i} has {n} positions, more than seq_len {seq_len}")
-        k = next((k for k, r in enumerate(room) if r >= n), None)
-        if k is None:
-            open_rows.append([i])
-            room.append(seq_len - n)
-            if len(open_rows) > window:
-                done.append(open_rows.pop(0))
-                room.pop(0)
-        else:
-            open_rows[k].append(i)
-            room[k] -= n
-        if rows is not None and len(done) >= rows:
-            return done[:rows]
-    # The stream ended: with ``rows``, only what closed (the caller draws more); without,
-    # the open sequences too.
-    return done if rows is not None else done + open_rows
+    packer = Packer(seq_len, window)
+    packer.feed(lengths, rows)
+    # The stream ended (or ``rows`` closed): with ``rows``, only what closed (the caller
+    # draws more); without, the open sequences too.
+    return packer.done if rows is not None else packer.done + packer.open_rows
 
 
 def fit(sizes: SampleSizes, tokens: Tokens, seq_len: int) -> SampleSizes:

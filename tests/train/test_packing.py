@@ -48,6 +48,25 @@ def test_first_fit_in_a_window_of_open_sequences():
         pack([11], 10)
 
 
+@pytest.mark.parametrize("part", [1, 7, 64])
+def test_a_stream_packed_in_parts_closes_the_sequences_of_the_whole(part):
+    # draw_samples packs each new draw on from where the stream stopped (it re-packed
+    # the whole stream each time: quadratic, minutes for short samples in long rows).
+    import numpy as np
+
+    from dtdsl.ir.layout import Packer
+
+    lengths = np.random.default_rng(part).integers(1, 300, 2000).tolist()
+    for rows in (None, 40):
+        packer = Packer(1024)
+        for at in range(0, len(lengths), part):
+            if packer.feed(lengths[at:at + part], rows):
+                break
+        got = packer.done if rows is not None else packer.done + packer.open_rows
+        assert got == pack(lengths, 1024, rows=rows)
+    assert len(got) == 40
+
+
 def test_documents_keep_their_layouts_in_a_packed_sequence():
     a = SampleSizes(text_tokens=5, image_shapes=((16, 16),), gen_counts={"g": 1},
                     image_at=(1,), trained=((1, 5),))
