@@ -178,7 +178,9 @@ hint shows, or remove the module.
 The architecture's numbers do not fit together:
 
 - transformer: `hidden` must be divisible by `heads`; `heads` by `kv_heads`
-  (grouped-query attention shares each KV head among equal groups).
+  (grouped-query attention shares each KV head among equal groups); a
+  backbone's heads need an even number of dimensions (rotary position
+  embeddings turn pairs of them).
 - unet: every `attn_res` must be a downsampling factor the U-Net reaches
   (1, 2, 4, ... for its levels), `latent` must halve once per level, the
   channels of every level must divide into `groups` GroupNorm groups and into

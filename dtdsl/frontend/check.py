@@ -322,6 +322,17 @@ class _Checker(DataChecks, TrainChecks):
                       f"would get {hidden / heads:g} dimensions", call.arg_span("hidden"),
                       hint=f"use hidden={' or '.join(map(str, sizes))}, or heads="
                       f"{' or '.join(map(str, sorted(near)))}")
+        elif decl.role == "backbone" and (hidden // heads) % 2:
+            ok = False
+            even = sorted((h for h in _divisors(hidden, 4096)
+                           if (hidden // h) % 2 == 0 and h % kv_heads == 0),
+                          key=lambda h: (abs(h - heads), h))
+            ctx.error(DT305, f"the backbone's heads have {hidden // heads} dimensions "
+                      f"(hidden {hidden} / heads {heads}), an odd number: rotary position "
+                      "embeddings turn pairs of a head's dimensions", call.arg_span("hidden"),
+                      hint=f"use a hidden that is an even multiple of {heads} (e.g. "
+                      f"{(hidden // heads + 1) * heads})" + (f", or heads={even[0]}" if even
+                                                             else ""))
         if heads % kv_heads:
             ok = False
             ctx.error(DT305, f"heads {heads} is not a multiple of kv_heads {kv_heads}: "

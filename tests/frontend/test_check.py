@@ -322,3 +322,15 @@ def test_an_encoder_or_generator_may_need_no_gpu_of_its_own():
     assert "llm: at least 1" in "\n".join(d.notes)
     deep = text.replace("tp(*) in {1, 2}", "tp(*) in {1, 2}\n  pp(vit) == 2")
     assert "DT402" in errors(deep)
+
+
+def test_a_backbone_head_of_odd_dimensions_is_dt305_and_an_encoders_is_not():
+    # Rotary embeddings turn pairs of a head's dimensions: the backbone's (120 / 8 = 15)
+    # cannot be odd; a ViT's heads (sinusoidal positions, 60 / 4 = 15) can.
+    backbone = "transformer(layers=8, hidden=128, heads=8, kv_heads=2, vocab=100, swiglu)"
+    (d,) = [d for d in diagnostics(BASE.replace(backbone, backbone.replace("128", "120")))
+            if d.code == "DT305"]
+    assert "15 dimensions (hidden 120 / heads 8), an odd number" in d.message
+    assert "e.g. 128" in d.hint and "heads=6" in d.hint       # 120 / 6 = 20, kv_heads 2
+    vit = "transformer(layers=4, hidden=64, heads=4, patch=8)"
+    assert errors(BASE.replace(vit, vit.replace("64", "60"))) == []

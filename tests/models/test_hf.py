@@ -472,3 +472,9 @@ def test_a_config_that_writes_a_key_twice_is_refused(tmp_path):
     (path / "config.json").write_text(text.rstrip()[:-1] + ', "hidden_size": 4096}')
     with pytest.raises(HFError, match="key 'hidden_size' is written twice in one object"):
         read_hf(path)
+
+
+def test_a_decoder_head_of_odd_dimensions_is_refused(tmp_path):
+    path = make_decoder(tmp_path / "qwen", "qwen3", head_dim=15)
+    with pytest.raises(HFError, match="head_dim 15 is odd: rotary position embeddings"):
+        read_hf(path)

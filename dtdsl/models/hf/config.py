@@ -294,6 +294,9 @@ def _decoder(cfg: dict[str, Any], family: str) -> ir.TransformerArch:
             raise HFError(f"hidden_size {hidden} is not divisible by num_attention_heads "
                           f"{heads} and the config gives no head_dim")
         head_dim = hidden // heads
+    if head_dim % 2:
+        raise HFError(f"head_dim {head_dim} is odd: rotary position embeddings turn pairs of "
+                      "a head's dimensions")
     return ir.TransformerArch(
         layers=layers, hidden=hidden, heads=heads, kv_heads=kv,
         ffn=f.integer("intermediate_size", high=_MAX_FFN),
