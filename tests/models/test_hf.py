@@ -475,6 +475,9 @@ def test_a_config_that_writes_a_key_twice_is_refused(tmp_path):
 
 
 def test_a_decoder_head_of_odd_dimensions_is_refused(tmp_path):
-    path = make_decoder(tmp_path / "qwen", "qwen3", head_dim=15)
+    # (transformers refuses to make one: the config is edited by hand)
+    path = make_decoder(tmp_path / "qwen", "qwen3", head_dim=16)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "head_dim": 15}))
     with pytest.raises(HFError, match="head_dim 15 is odd: rotary position embeddings"):
         read_hf(path)
