@@ -104,7 +104,16 @@ def make_plan(ev, search: str, layout: Layout, *, solve_time_s: float, candidate
 
 
 def _gb(num_bytes: float) -> str:
-    return f"{num_bytes / 1e9:.1f} GB"
+    """A memory size: GB as the cluster block writes them, smaller ones in MB or bytes
+    (a limit of 15 MiB is not "0.0 GB")."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if num_bytes >= size:
+            return f"{num_bytes / size:.1f} {unit}"
+    return f"{num_bytes:.0f} B"
+
+
+def _share(fraction: float) -> str:
+    return f"{fraction:.0%}" if fraction >= 0.01 else f"{fraction:.2%}"
 
 
 def _cp_hint(program, unit) -> str:
@@ -140,7 +149,7 @@ def no_layout_fits(space) -> Infeasible:
                 top_pp + space.min_downstream_pp(i), space.total_microbatches // lm, lm / dp))
             return Infeasible(
                 f"{unit.name} does not fit in {_gb(limit)} per GPU "
-                f"({limit / gpu_memory:.0%} of {_gb(gpu_memory)}) at any allowed layout: even "
+                f"({_share(limit / gpu_memory)} of {_gb(gpu_memory)}) at any allowed layout: even "
                 f"at tp {max(tps)} and pp {top_pp} its first pipeline stage needs {_gb(mem)}",
                 program.module(unit.name).span,
                 notes=(f"{unit.name}: {unit.params / 1e9:.2f}B parameters, {unit.layers} "
@@ -163,7 +172,7 @@ def no_layout_fits(space) -> Infeasible:
         limit = ev.memory_limit[i]
         return Infeasible(
             f"{name} needs at least {most} GPUs to fit in {_gb(limit)} per GPU "
-            f"({limit / gpu_memory:.0%} of {_gb(gpu_memory)}) at tp <= {max(space.tps(i))}; "
+            f"({_share(limit / gpu_memory)} of {_gb(gpu_memory)}) at tp <= {max(space.tps(i))}; "
             f"all modules together need at least {total}, the cluster has {space.num_gpus}",
             span, notes=notes,
             hint=f"give the cluster at least {total} GPUs, or allow larger tp or pp")
