@@ -414,7 +414,7 @@ that fit need more GPUs together than the cluster has. The message names the
 binding constraint and the numbers: how much memory a module's first pipeline
 stage needs, or how many GPUs each module needs at the least.
 
-    llm needs at least 96 GPUs to fit in 72 GB (90% of 80 GB) at tp <= 8;
+    llm needs at least 96 GPUs to fit in 67.1 GiB per GPU (90% of 74.5 GiB) at tp <= 8;
     the cluster has 64
 
 Give the cluster more GPUs, allow larger TP or PP, raise the memory share

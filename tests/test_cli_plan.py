@@ -343,7 +343,7 @@ def test_the_progress_bar_appears_only_after_its_delay(monkeypatch):
 
 
 def test_an_infeasible_memory_limit_is_written_in_its_own_units(capsys, tmp_path):
-    # 15 MiB a GPU: the message says 15.7 MB and 0.37% of the GPU, not "0.0 GB" and "0%".
+    # 15 MiB a GPU: the message says 15.0 MiB and 0.37% of the GPU, not "0.0 GB" and "0%".
     spec = tmp_path / "small.dt"
     text = Path(TINY).read_text()
     assert "  tp(*) in {1, 2}" in text
@@ -351,4 +351,4 @@ def test_an_infeasible_memory_limit_is_written_in_its_own_units(capsys, tmp_path
                     .replace('  source = "data/tiny"\n', ""))      # synthetic samples
     code, _, err = run(capsys, "plan", str(spec))
     assert code == 1 and "error[DT410]" in err
-    assert "to fit in 15.7 MB per GPU (0.37% of 4.3 GB)" in err, err
+    assert "to fit in 15.0 MiB per GPU (0.37% of 4.0 GiB)" in err, err

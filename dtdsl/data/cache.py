@@ -18,7 +18,7 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-__all__ = ["cache_path", "read_cache", "user_cache_dir", "write_cache"]
+__all__ = ["cache_path", "is_count", "read_cache", "user_cache_dir", "write_cache"]
 
 
 def user_cache_dir() -> Path:
@@ -36,6 +36,11 @@ def cache_path(beside: Path, name: str, cache_dir: str | Path | None = None) -> 
     if os.access(beside, os.W_OK) or folder.is_dir():
         return folder / name
     return user_cache_dir() / name
+
+
+def is_count(x: Any) -> bool:
+    """Whether a value read from a cache is a count (an int, not a bool, at least 0)."""
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
 def read_cache(path: Path, fmt: str, version: int) -> dict[str, Any] | None:

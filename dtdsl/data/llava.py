@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dtdsl.data.cache import cache_path, read_cache, write_cache
+from dtdsl.data.cache import cache_path, is_count, read_cache, write_cache
 from dtdsl.data.paths import MISSING, Refused, inside, open_regular, read_regular
 from dtdsl.data.shards import (
     ClipInfo,
@@ -208,21 +208,17 @@ def _clips(kind: str, names: Any, folder: Path) -> list[list[Any]] | str:
     return out
 
 
-def _count(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
-
-
 def _valid_sample(s: Any, size: int) -> bool:
     """Whether a cached sample entry is one ``_entry`` writes, its byte range inside the
     JSON of ``size`` bytes (a cache someone else may have written is checked first)."""
-    if not (isinstance(s, dict) and isinstance(s.get("key"), str) and _count(s.get("offset"))
-            and _count(s.get("size")) and s["offset"] + s["size"] <= size
-            and _count(s.get("text_bytes")) and _count(s.get("text_tokens"))
+    if not (isinstance(s, dict) and isinstance(s.get("key"), str) and is_count(s.get("offset"))
+            and is_count(s.get("size")) and s["offset"] + s["size"] <= size
+            and is_count(s.get("text_bytes")) and is_count(s.get("text_tokens"))
             and isinstance(s.get("images"), list)):
         return False
     for im in s["images"]:
         if not (isinstance(im, list) and len(im) == 5 and isinstance(im[0], str)
-                and im[1] in _FORMATS.values() and all(_count(x) for x in im[2:])
+                and im[1] in _FORMATS.values() and all(is_count(x) for x in im[2:])
                 and im[2] > 0 and im[3] > 0):
             return False
     for kind in ("audio", "video"):
@@ -231,7 +227,7 @@ def _valid_sample(s: Any, size: int) -> bool:
             return False
         for clip in clips:
             if not (isinstance(clip, list) and len(clip) == 3 and isinstance(clip[0], str)
-                    and _count(clip[1])):
+                    and is_count(clip[1])):
                 return False
             try:
                 ClipInfo.from_json(clip[2])
@@ -245,7 +241,7 @@ def _valid_index(data: Mapping[str, Any], path: Path, folder: Path) -> bool:
     samples, skipped = data.get("samples"), data.get("skipped")
     if not (data.get("json") == str(path) and data.get("image_folder") == str(folder)
             and isinstance(samples, list) and isinstance(skipped, dict)
-            and all(isinstance(k, str) and _count(v) for k, v in skipped.items())):
+            and all(isinstance(k, str) and is_count(v) for k, v in skipped.items())):
         return False
     try:
         size = path.stat().st_size

@@ -75,7 +75,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dtdsl.data.cache import cache_path, read_cache, write_cache
+from dtdsl.data.cache import cache_path, is_count, read_cache, write_cache
 from dtdsl.data.paths import MISSING, Refused, inside, open_regular
 from dtdsl.data.shards import (
     ClipInfo,
@@ -434,26 +434,22 @@ def _unique_keys(samples: list[dict[str, Any]], shards: Sequence[Path]) -> None:
             s["key"] = f"{i}/{s['key']}"
 
 
-def _count(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
-
-
 def _valid_sample(s: Any, sizes: Sequence[int]) -> bool:
     """Whether a cached sample entry is one ``_finish`` writes, every member inside its
     shard (a cache is a file someone else may have written: checked before it is used)."""
     from dtdsl.data.media import media_kind
 
-    if not (isinstance(s, dict) and isinstance(s.get("key"), str) and _count(s.get("shard"))
+    if not (isinstance(s, dict) and isinstance(s.get("key"), str) and is_count(s.get("shard"))
             and s["shard"] < len(sizes) and isinstance(s.get("members"), list)
             and s["members"] and isinstance(s.get("text"), str)
-            and _count(s.get("text_bytes")) and _count(s.get("text_tokens"))
+            and is_count(s.get("text_bytes")) and is_count(s.get("text_tokens"))
             and isinstance(s.get("images"), list) and isinstance(s.get("clips"), list)):
         return False
     size = sizes[s["shard"]]
     names = set()
     for m in s["members"]:
         if not (isinstance(m, list) and len(m) == 4 and isinstance(m[0], str)
-                and all(_count(x) for x in m[1:]) and m[1] >= _BLOCK
+                and all(is_count(x) for x in m[1:]) and m[1] >= _BLOCK
                 and m[1] + m[2] <= size and m[3] < 2 ** 32 and m[0] not in names):
             return False
         names.add(m[0])
@@ -462,7 +458,7 @@ def _valid_sample(s: Any, sizes: Sequence[int]) -> bool:
     for im in s["images"]:
         if not (isinstance(im, list) and len(im) == 3 and isinstance(im[0], str)
                 and im[0] in names and _image_ext(im[0]) is not None
-                and _count(im[1]) and _count(im[2]) and im[1] > 0 and im[2] > 0):
+                and is_count(im[1]) and is_count(im[2]) and im[1] > 0 and im[2] > 0):
             return False
     for clip in s["clips"]:
         if not (isinstance(clip, list) and len(clip) == 2 and isinstance(clip[0], str)
@@ -479,7 +475,7 @@ def _valid_index(data: Mapping[str, Any], shards: Sequence[Path]) -> bool:
     """Whether a cached index can be used as it is (else it is built again)."""
     samples, skipped, problems = data.get("samples"), data.get("skipped"), data.get("problems")
     if not (isinstance(samples, list) and isinstance(skipped, dict)
-            and all(isinstance(k, str) and _count(v) for k, v in skipped.items())
+            and all(isinstance(k, str) and is_count(v) for k, v in skipped.items())
             and isinstance(problems, list) and all(isinstance(p, str) for p in problems)):
         return False
     try:

@@ -10,6 +10,7 @@ import numpy as np
 
 from dtdsl.codes import DT410
 from dtdsl.ir.plan import Plan, UnitPlan, split_layers
+from dtdsl.report import format_bytes
 from dtdsl.source import Span
 
 __all__ = ["Infeasible", "Layout", "PlannerError", "make_plan", "no_layout_fits"]
@@ -103,17 +104,11 @@ def make_plan(ev, search: str, layout: Layout, *, solve_time_s: float, candidate
         units=tuple(units))
 
 
-def _gb(num_bytes: float) -> str:
-    """A memory size: GB as the cluster block writes them, smaller ones in MB or bytes
-    (a limit of 15 MiB is not "0.0 GB")."""
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if num_bytes >= size:
-            return f"{num_bytes / size:.1f} {unit}"
-    return f"{num_bytes:.0f} B"
-
-
-def _share(fraction: float) -> str:
-    return f"{fraction:.0%}" if fraction >= 0.01 else f"{fraction:.2%}"
+def _limit(limit: float, gpu_memory: float) -> str:
+    """"15.0 MiB per GPU (0.37% of 4.0 GiB)": a small share to two decimals, not 0%."""
+    share = limit / gpu_memory
+    percent = f"{share:.0%}" if share >= 0.01 else f"{share:.2%}"
+    return f"{format_bytes(limit)} per GPU ({percent} of {format_bytes(gpu_memory)})"
 
 
 def _cp_hint(program, unit) -> str:
@@ -148,9 +143,9 @@ def no_layout_fits(space) -> Infeasible:
                 unit, max(tps), top_pp, dp, ev.vpp(i, top_pp),
                 top_pp + space.min_downstream_pp(i), space.total_microbatches // lm, lm / dp))
             return Infeasible(
-                f"{unit.name} does not fit in {_gb(limit)} per GPU "
-                f"({_share(limit / gpu_memory)} of {_gb(gpu_memory)}) at any allowed layout: even "
-                f"at tp {max(tps)} and pp {top_pp} its first pipeline stage needs {_gb(mem)}",
+                f"{unit.name} does not fit in {_limit(limit, gpu_memory)} at any allowed "
+                f"layout: even at tp {max(tps)} and pp {top_pp} its first pipeline stage "
+                f"needs {format_bytes(mem)}",
                 program.module(unit.name).span,
                 notes=(f"{unit.name}: {unit.params / 1e9:.2f}B parameters, {unit.layers} "
                        "pipeline layers",),
@@ -171,8 +166,8 @@ def no_layout_fits(space) -> Infeasible:
         i = [u.name for u in space.units].index(name)
         limit = ev.memory_limit[i]
         return Infeasible(
-            f"{name} needs at least {most} GPUs to fit in {_gb(limit)} per GPU "
-            f"({_share(limit / gpu_memory)} of {_gb(gpu_memory)}) at tp <= {max(space.tps(i))}; "
+            f"{name} needs at least {most} GPUs to fit in {_limit(limit, gpu_memory)} at tp <= "
+            f"{max(space.tps(i))}; "
             f"all modules together need at least {total}, the cluster has {space.num_gpus}",
             span, notes=notes,
             hint=f"give the cluster at least {total} GPUs, or allow larger tp or pp")
