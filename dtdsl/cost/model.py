@@ -189,8 +189,18 @@ class CostModel:
     params: CostParams
     units: tuple[UnitCost, ...]
     profile: ProfileTable | None = None
+    # The draw of the program's data the units were priced on (``build_cost_model``):
+    # variants of the program that draw alike (recomputation, cp, ep) price on it again.
+    samples: SampleSet | None = field(default=None, repr=False, compare=False)
     # fwd_bwd_time_s per (unit, tp): asked for every layout the planner evaluates.
     _times: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def drawn(self) -> SampleSet:
+        """The draw the units were priced on: ``samples``, or drawn as
+        ``build_cost_model`` draws it."""
+        if self.samples is not None:
+            return self.samples
+        return draw_samples(self.program, self.params.samples, self.params.seed)
 
     def unit(self, name: str) -> UnitCost:
         for u in self.units:
@@ -876,7 +886,8 @@ def build_cost_model(program: ir.Program, params: CostParams | None = None, *,
     if samples is None:
         samples = draw_samples(program, params.samples, params.seed)
     units = tuple(_unit_cost(program, m, samples, params) for m in program.modules)
-    return CostModel(program=program, params=params, units=units, profile=profile)
+    return CostModel(program=program, params=params, units=units, profile=profile,
+                     samples=samples)
 
 
 def job_cost_model(config: Any, program: Any, bundle: str | Path) -> CostModel:

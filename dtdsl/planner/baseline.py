@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dtdsl.cost.model import CostModel, build_cost_model
-from dtdsl.cost.samples import SampleSet, draw_samples
+from dtdsl.cost.samples import SampleSet
 from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan, UnitPlan, place_units
 from dtdsl.planner.evaluate import Evaluator
@@ -77,7 +77,7 @@ def with_recompute(cost: CostModel, samples: SampleSet | None = None,
     layer's activations, selective: each layer's attention core), or with ``modes``
     each named module at least its own (the planner's choice per unit); None when the
     spec already recomputes so much everywhere. ``samples``: the draw ``cost`` was built
-    on, where the caller has it (``build_cost_model``)."""
+    on (``build_cost_model``; by default ``cost.samples``): recomputation draws alike."""
     program = cost.program
     wanted = {m.name: mode if modes is None else modes.get(m.name, ir.Recompute.NONE)
               for m in program.modules}
@@ -86,7 +86,8 @@ def with_recompute(cost: CostModel, samples: SampleSet | None = None,
     modules = tuple(m if ir.Recompute.of(m.recompute).rank >= wanted[m.name].rank else
                     m.model_copy(update={"recompute": wanted[m.name]}) for m in program.modules)
     return build_cost_model(program.model_copy(update={"modules": modules}), cost.params,
-                            profile=cost.profile, samples=samples)
+                            profile=cost.profile,
+                            samples=cost.samples if samples is None else samples)
 
 
 def baseline_cost(cost: CostModel, *, packing: bool | None = None,
@@ -601,7 +602,7 @@ def baseline_candidates(cost: CostModel, num_gpus: int | None = None, *,
     if not placements or set(placements) - set(PLACEMENTS):
         raise ValueError(f"placements must be some of {PLACEMENTS}, not {placements!r}")
     if samples is None:
-        samples = draw_samples(cost.program, cost.params.samples, cost.params.seed)
+        samples = cost.drawn()
     search = _Search(num_gpus)
     evs: dict[tuple[bool, bool], Evaluator] = {}
     for pad in (False, True):

@@ -187,9 +187,10 @@ class SpecData:
         from dtdsl.cost.samples import draw_samples
 
         if packing not in self._references:
-            params = self.spec_cost.params
-            self._references[packing] = draw_samples(self.program(packing), params.samples,
-                                                     params.seed)
+            spec = self.spec_cost
+            self._references[packing] = (
+                spec.drawn() if packing == spec.program.train.packing else
+                draw_samples(self.program(packing), spec.params.samples, spec.params.seed))
         return self._references[packing]
 
     def cost(self, packing: bool) -> CostModel:

@@ -107,7 +107,7 @@ class WorkModel:
 
     def __init__(self, cost: CostModel) -> None:
         self.cost = cost
-        reference = draw_samples(cost.program, cost.params.samples, cost.params.seed)
+        reference = cost.drawn()
         self._means = {timed: {name: float(v.mean()) for name, v in
                                _raw_work(cost, reference, timed=timed).items()}
                        for timed in (True, False)}

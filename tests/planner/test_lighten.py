@@ -51,3 +51,24 @@ def test_a_plan_at_the_specs_recomputation_is_kept():
     result = plan(cost, placement="disaggregated", compare_baseline=False)
     assert not any(u.recompute for u in result.units)
     assert lightened(cost, result, cost) == (result, cost)
+
+
+def test_recomputing_variants_price_on_the_draw_they_were_built_on(monkeypatch):
+    # Recomputation changes no sample: the variants the planner and the lightening price
+    # reuse the cost model's draw (a packed spec at a long seq_len took a second a draw,
+    # a dozen of them a plan).
+    import dtdsl.cost.model as model
+
+    cost = _tight()
+    drawn = cost.drawn()
+
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("drew the samples again")
+
+    monkeypatch.setattr(model, "draw_samples", refuse)
+    for again in (with_recompute(cost), with_recompute(cost, mode=ir.Recompute.SELECTIVE),
+                  with_recompute(cost, modes={"llm": ir.Recompute.FULL})):
+        assert again is not None and again.drawn() is drawn
+        assert again.units != cost.units          # priced again, on the same draw
+    result = plan(cost, placement="disaggregated", compare_baseline=False)
+    assert any(u.recompute for u in result.units)
