@@ -28,7 +28,7 @@ from dtdsl.cost.model import CostModel
 from dtdsl.ir.plan import PLACEMENTS, Plan, place_units
 from dtdsl.planner.baseline import Colocation, colocated_plan
 from dtdsl.planner.evaluate import Evaluator
-from dtdsl.planner.space import Space, efficient_pps
+from dtdsl.planner.space import Space
 
 __all__ = ["PLACEMENTS", "colocated_layouts", "colocation_refusal", "plan_fits"]
 
@@ -82,7 +82,8 @@ def colocated_layouts(cost: CostModel, num_gpus: int | None = None, *,
     the others take GPUs of their own beside it (``_Mixed``). A co-located module is
     split by the backbone's TP groups, or replicated over them where it cannot be
     (``Colocation.replicated``); every backbone TP, every backbone DP that each of them
-    allows, the depths that are not dominated (``efficient_pps``). ``search``: the
+    allows, the depths that are not dominated (``Space.depths``: every allowed one under a
+    ``gpus`` constraint, which may need a dominated one). ``search``: the
     Plans' search field. ``placement`` "phased": every non-empty set of encoders runs
     phased on the backbone's GPUs (``Colocation``'s ``phased``), with every set of the
     other modules co-located as above."""
@@ -94,7 +95,7 @@ def colocated_layouts(cost: CostModel, num_gpus: int | None = None, *,
     space = Space(ev)
     b = space.backbone
     others = [i for i in range(space.n) if i != b]
-    pps = np.asarray(efficient_pps(ev.units[b].layers, space.pps(b)), dtype=int)
+    pps = np.asarray(space.depths(b), dtype=int)
     dp_lms = space.dp_lms()
     counts = tuple(space.total_microbatches // dp for dp in dp_lms)
     best: dict[tuple[frozenset[int], frozenset[int], int], _Choice] = {}

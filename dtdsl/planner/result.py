@@ -120,6 +120,23 @@ def _cp_hint(program, unit) -> str:
     return f", or allow context parallelism: `cp({unit.name}) in {{1, 2, 4, 8}}`"
 
 
+def _constrained_counts(space, i: int) -> dict[int, str]:
+    """Unit i's GPU counts (tp x cp x pp x dp, within the budget) at which it fits in
+    memory, over every allowed TP, pipeline depth and DP, with one such layout each."""
+    counts: dict[int, str] = {}
+    cp = int(space.evaluator.cps[i])
+    tps = space.tps(i)
+    for lm in space.dp_lms():
+        for dp in space.dps(i, lm):
+            fits = space.smallest_fitting_pp(i, np.array(tps), np.full(len(tps), dp),
+                                             np.full(len(tps), lm))
+            for tp, first in zip(tps, fits, strict=True):
+                for pp in (p for p in space.pps(i) if first and p >= first):
+                    if tp * cp * pp * dp <= space.num_gpus:
+                        counts.setdefault(tp * cp * pp * dp, f"tp {tp} x pp {pp} x dp {dp}")
+    return counts
+
+
 def no_layout_fits(space) -> Infeasible:
     """Why nothing fits: a module that fits in memory at no allowed TP and PP, or the
     modules' smallest fitting layouts need more GPUs together than the budget."""
@@ -151,25 +168,44 @@ def no_layout_fits(space) -> Infeasible:
                        "pipeline layers",),
                 hint="allow larger tp or pp, raise the memory share, use a smaller micro_batch "
                      "or set `recompute = selective` (or `full`)" + _cp_hint(program, unit))
-        gpus, tp, pp = min(options)
         cp = f" x cp {unit.cp}" if unit.cp > 1 else ""
-        needs.append((unit.name, gpus, f"tp {tp}{cp} x pp {pp} x dp {dp}"))
-    total = sum(g for _, g, _ in needs)
+        domain = space.constraints[i].gpus
+        if domain.low == 1 and domain.high is None and domain.values is None:
+            gpus, tp, pp = min(options)
+            needs.append((unit.name, gpus, f"tp {tp}{cp} x pp {pp} x dp {dp}", ""))
+            continue
+        counts = _constrained_counts(space, i)
+        allowed = {g: how for g, how in counts.items() if space.gpus_allowed(i, g)}
+        if not allowed:
+            return Infeasible(
+                f"{unit.name}'s constraint gpus in {domain.describe()} allows none of its "
+                f"layouts on {space.num_gpus} GPUs",
+                program.module(unit.name).span,
+                notes=(f"{unit.name} fits in memory on "
+                       + (", ".join(map(str, sorted(counts))) or "no count") + " GPUs "
+                       "(tp x pp x dp within its other constraints)",),
+                hint=f"allow one of those counts in gpus({unit.name})")
+        gpus = min(allowed)
+        constraint = f"gpus({unit.name}) in {domain.describe()}"
+        needs.append((unit.name, gpus, f"{allowed[gpus]}{cp}, {constraint}", constraint))
+    total = sum(n[1] for n in needs)
     notes = tuple(f"{n}: at least {g} GPU{'s' if g != 1 else ''} ({how})"
-                  for n, g, how in needs)
+                  for n, g, how, _ in needs)
     span = cluster.gpus_span or cluster.span
     if space.num_gpus != cluster.num_gpus:
         notes += (f"planned for {space.num_gpus} GPUs (the spec's cluster has "
                   f"{cluster.num_gpus})",)
     if total > space.num_gpus:
-        name, most, _ = max(needs, key=lambda x: x[1])
+        name, most, _, constraint = max(needs, key=lambda x: x[1])
         i = [u.name for u in space.units].index(name)
         limit = ev.memory_limit[i]
+        why = f"({constraint})" if constraint else \
+            f"to fit in {_limit(limit, gpu_memory)} at tp <= {max(space.tps(i))}"
         return Infeasible(
-            f"{name} needs at least {most} GPUs to fit in {_limit(limit, gpu_memory)} at tp <= "
-            f"{max(space.tps(i))}; "
+            f"{name} needs at least {most} GPUs {why}; "
             f"all modules together need at least {total}, the cluster has {space.num_gpus}",
             span, notes=notes,
-            hint=f"give the cluster at least {total} GPUs, or allow larger tp or pp")
+            hint=f"give the cluster at least {total} GPUs, or "
+                 + (f"loosen {constraint}" if constraint else "allow larger tp or pp"))
     return Infeasible(f"no layout satisfies the constraints together on {space.num_gpus} GPUs",
                       span, notes=notes, hint="loosen the dp, pp or gpus constraints")

@@ -305,3 +305,39 @@ def test_mfu_is_reported_in_both_conventions():
     half = float(np.mean(flops.backbone_forward(arch, lengths.astype(float)).total)) * 3 * \
         train.global_batch
     assert half + extra == pytest.approx(whole, rel=1e-9)
+
+
+def _tiny_with(constraints: str):
+    text = (ROOT / "specs" / "tiny_cpu.dt").read_text()
+    return from_text(text.replace("tp(*) in {1, 2}", "tp(*) in {1, 2}\n  " + constraints))
+
+
+def test_a_gpus_constraint_that_needs_a_dominated_depth_co_locates():
+    # 3 GPUs for the backbone is pp 3 (dp 3 does not divide the 8 microbatches), a depth
+    # no faster than pp 4: the co-located search tries it where the constraint asks
+    # for it, as the disaggregated one does (its encoder and generator then need 5).
+    result = plan(build_cost_model(_tiny_with("gpus(llm) == 3")), compare_baseline=False)
+    llm = result.unit("llm")
+    assert (llm.gpus, llm.pp) == (3, 3)
+    assert result.gpus_used <= 4
+
+
+def test_a_gpus_constraint_no_layout_reaches_is_named():
+    with pytest.raises(Infeasible) as err:
+        plan(build_cost_model(_tiny_with("gpus(llm) in {3, 5}\n  pp(llm) in {1, 2}")),
+             compare_baseline=False)
+    exc = err.value
+    assert exc.code == "DT410"
+    assert exc.message == "llm's constraint gpus in {3, 5} allows none of its layouts on 4 GPUs"
+    assert exc.notes == ("llm fits in memory on 1, 2, 4 GPUs (tp x pp x dp within its other "
+                         "constraints)",)
+
+
+def test_a_unit_held_to_more_gpus_by_its_constraint_says_so():
+    # The generator's own 2 GPUs and the backbone's 3 (its constraint, not its memory)
+    # leave none for the encoder but one: 6 of 4 on the disaggregated search.
+    with pytest.raises(Infeasible) as err:
+        plan_convex(build_cost_model(_tiny_with("gpus(llm) == 3\n  gpus(gen) == 1")), 4)
+    exc = err.value
+    assert "llm needs at least 3 GPUs (gpus(llm) in {3})" in exc.message, exc.message
+    assert "llm: at least 3 GPUs (tp 1 x pp 3 x dp 1, gpus(llm) in {3})" in exc.notes
