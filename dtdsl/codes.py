@@ -485,6 +485,21 @@ they are. The message gives the count and what happens to them:
 Widen the clamp to what the data holds (`dtc data stats SOURCE --spec SPEC`
 prints the distribution), or fix the data.
 """),
+    "DT506": Code("A module gets nothing from the data source", """
+The spec's `source` is read, and none of its samples carries what an encoder or
+a generator reads: an image (audio, video) encoder with no sample holding such
+an input, or an image (audio) generator with no generation target. That module
+would train on nothing, while the plan and its speedups are priced on the data
+block's distributions, which say it has work:
+
+    encoder vit (image) { ... }
+    data d { image.count ~ zipf(a=2.0) clamp [0, 3]  source = "text_only.jsonl" }
+    # warning: none of its 64 samples carries an image input: encoder vit would
+    #          train on nothing
+
+Train on data that carries the modality (`dtc data stats SOURCE` counts each
+sample's images, clips and targets), or remove the module from the model.
+"""),
     "DT601": Code("The runtime cannot train this yet", """
 The spec (or its plan) is valid, and `dtc check`, `dtc plan` and `dtc simulate`
 accept it, but `dtc compile` stops before writing a bundle because the runtime
@@ -745,6 +760,7 @@ DT502: Final = "DT502"
 DT503: Final = "DT503"
 DT504: Final = "DT504"
 DT505: Final = "DT505"
+DT506: Final = "DT506"
 DT601: Final = "DT601"
 DT612: Final = "DT612"
 DT613: Final = "DT613"

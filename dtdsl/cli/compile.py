@@ -18,7 +18,7 @@ from dtdsl.cli.common import (
 )
 from dtdsl.clihelp import EXIT_ERRORS, EXIT_OK, positive_int
 from dtdsl.codegen.slurm import slurm_name, slurm_time
-from dtdsl.diagnostics import render_text
+from dtdsl.diagnostics import has_errors, render_text
 from dtdsl.driver import FrontendResult, UsageError
 from dtdsl.ir.program import Program
 
@@ -121,8 +121,9 @@ def _data_ready(args: argparse.Namespace, result: FrontendResult, program: Progr
                          "drawn from the spec's distributions)")
     found = data_diagnostics(program, spec_dir(result.name))
     if found:
+        # Warnings (samples left out, a module the data gives nothing) are said and the
+        # bundle written; an error stops it.
         assert result.source is not None
         sys.stderr.write(render_text(found, result.source, result.name))
-        return False
-    return True
+    return not has_errors(found)
 

@@ -12,7 +12,8 @@
 a launch's preflight and of ``--data``. ``data_diagnostics`` is ``dtc check``'s and
 ``dtc compile``'s: what ``source_problem`` finds (DT314), then the source opened (indexed
 once) and its samples counted as a run counts them: nothing to train on is DT317,
-samples left out or outside the spec's clamps (``data.clamps``) the warning DT505.
+samples left out or outside the spec's clamps (``data.clamps``) the warning DT505, an
+encoder or generator whose modality no sample carries DT506.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from dtdsl.codes import DT314, DT315, DT317, DT505
+from dtdsl.codes import DT314, DT315, DT317, DT505, DT506
 from dtdsl.data.paths import Refused, open_regular
 from dtdsl.data.shards import FORMAT, INDEX_NAME, Dataset, DatasetError, NoSamples
 from dtdsl.ir import program as ir
@@ -245,6 +246,40 @@ def _survey(program: ir.Program, source: str, base_dir: str | Path, span: Any) -
                 f"samples can be trained on; {told}", span,
                 hint="`dtc data index SOURCE` lists what is left out and why"))
         out += _clamp_warnings(program, source, dataset, decoder, layouts, laid)
+        out += _idle_modules(program, source, dataset, laid)
+    return out
+
+
+def _idle_modules(program: ir.Program, source: str, dataset: Any,
+                  laid: Sequence[int]) -> list[Any]:
+    """DT506 per encoder (generator) whose modality none of the trainable samples carries
+    as an input (a target): it would train on nothing, priced on the data block's
+    distributions all the same."""
+    from dtdsl.diagnostics import Diagnostic
+
+    infos = [dataset.info(i) for i in laid]
+    carried = {
+        ("encoder", "image"): any(x.images for x in infos),
+        ("encoder", "audio"): any(x.audio_count for x in infos),
+        ("encoder", "video"): any(x.videos for x in infos),
+        ("generator", "image"): any(x.gen_images for x in infos),
+        ("generator", "audio"): any(x.gen_audio_count for x in infos),
+    }
+    out = []
+    for module in (*program.encoders, *program.generators):
+        if carried.get((module.role, module.modality), True):
+            continue
+        what = f"{module.modality} " + ("input" if module.role == "encoder" else
+                                         "generation target")
+        article = "an" if what[0] in "aeiou" else "a"
+        out.append(Diagnostic.warning(
+            DT506, f"data source {source!r}: none of its {len(infos)} samples carries "
+            f"{article} {what}: {module.role} {module.name} would train on nothing",
+            module.span,
+            notes=["the plan prices the data block's distributions, not what the source "
+                   "holds"],
+            hint=f"train on data with {what}s (`dtc data stats {source}` "
+            f"counts them), or remove {module.name} from the model"))
     return out
 
 

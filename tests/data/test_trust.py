@@ -335,6 +335,32 @@ def test_data_index_and_check_report_a_truncated_tar(tmp_path, capsys):
     assert cli.main(["check", str(spec)]) == 0
     err = capsys.readouterr().err
     assert "warning[DT505]" in err and "000001.tar is truncated" in err
+    # A warning is said and the bundle written (the samples before the cut train).
+    assert cli.main(["compile", str(spec), "-o", str(tmp_path / "bundle")]) == 0
+    err = capsys.readouterr().err
+    assert "warning[DT505]" in err and (tmp_path / "bundle" / "launch.sh").is_file()
+
+
+def test_a_module_the_source_gives_nothing_is_dt506(tmp_path, capsys):
+    # Text-only conversations: the image encoder has no input and the image generator
+    # no target. Both are said at their modules; the plan prices the data block.
+    (tmp_path / "set").mkdir()
+    records = [{"id": str(k), "conversations": _turns(placeholders=0)} for k in range(12)]
+    (tmp_path / "set" / "llava.json").write_text(json.dumps(records))
+    spec = _real_spec(tmp_path, 'source = "set/llava.json"')
+    assert cli.main(["check", str(spec)]) == 0
+    err = capsys.readouterr().err.replace("\n", " ")
+    assert err.count("warning[DT506]") == 2, err
+    assert "none of its 12 samples carries an image input: encoder vit would train on " \
+        "nothing" in err
+    assert "none of its 12 samples carries an image generation target: generator gen " \
+        "would train on nothing" in err
+    # With images, the encoder has work: only the generator is said.
+    _varied_llava(tmp_path / "img", [1] * 6, [5] * 6)
+    spec = _real_spec(tmp_path, 'source = "img/llava.json"\n  image_folder = "img/images"')
+    assert cli.main(["check", str(spec)]) == 0
+    err = capsys.readouterr().err
+    assert err.count("warning[DT506]") == 1 and "generator gen" in err, err
 
 
 # ---- nothing to train on, samples outside the clamps ----------------------------------------
