@@ -69,11 +69,16 @@ def check_name(name: object, record: str) -> str:
 
 def real_dir(path: Path) -> bool:
     """Whether ``path`` is a folder (False: nothing there). OutputError for a symbolic
-    link (dtdsl never writes through one) or a file."""
+    link (dtdsl never writes through one), a file, or a path that cannot be one (a file
+    among its parents, a name too long)."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
         return False
+    except NotADirectoryError:
+        raise OutputError(f"{path}: one of its parents is a file, not a folder") from None
+    except OSError as err:
+        raise OutputError(f"{path}: {err.strerror or err}") from None
     if stat.S_ISLNK(st.st_mode):
         raise OutputError(f"{path} is a symbolic link; dtdsl does not write through links: "
                           "give the real folder, or a new one")
@@ -282,7 +287,7 @@ class Staged:
             self.path.rmdir()
             return
         os.chmod(self.path, stat.S_IMODE(os.lstat(target).st_mode))
-        aside = fresh_dir(target.parent, f".{target.name}.dtdsl-old-")
+        aside = fresh_dir(target.parent, f".{_short(target.name)}.dtdsl-old-")
         os.replace(target, aside)
         try:
             os.replace(self.path, target)
@@ -299,8 +304,15 @@ def stage(target: Path, snapshot: Snapshot, last: str = RECORD) -> Staged:
     """A fresh folder beside ``target`` (verified as ``snapshot``) for its new contents,
     ``last`` the record that completes them."""
     target = Path(os.path.abspath(target))      # "." has no name and no folder beside it
-    return Staged(target=target, path=fresh_dir(target.parent, f".{target.name}.dtdsl-new-"),
+    return Staged(target=target, path=fresh_dir(target.parent,
+                                                f".{_short(target.name)}.dtdsl-new-"),
                   snapshot=snapshot, last=last)
+
+
+def _short(name: str, limit: int = 96) -> str:
+    """``name`` cut to at most ``limit`` UTF-8 bytes: the temporary folders named after
+    a target stay within a file name's 255 bytes, whatever the target's length."""
+    return os.fsdecode(os.fsencode(name)[:limit])
 
 
 def write_record(folder: Path, **fields: Any) -> None:

@@ -62,7 +62,9 @@ def _data(program: ir.Program, spec_dir: Path, out: Path, options: BundleOptions
     else:
         raise ValueError("the spec's data block names no source: give a dataset or ask for "
                          "synthetic samples")
-    rel = os.path.relpath(os.path.normpath(where), out.absolute())
+    # Between the real folders: a `..` climbs from where a link leads, not from the
+    # path's text (an output folder reached through a symbolic link).
+    rel = os.path.relpath(os.path.realpath(where), os.path.realpath(out))
     return DataConfig(kind="dataset", path=Path(rel).as_posix())
 
 

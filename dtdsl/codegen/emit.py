@@ -329,8 +329,8 @@ def emit_bundle(out: str | Path, *, source: bytes, program: ir.Program, plan: Pl
     files = _files(source, program, plan, schedule, job, view, profile)
     files.append(_manifest(view, files))
     snapshot, earlier = _verify(out, overwrite, [f.path for f in files] + [SECRET_FILE])
-    staged = stage(out, snapshot, last=MANIFEST) if not earlier else None
     try:
+        staged = stage(out, snapshot, last=MANIFEST) if not earlier else None
         staging = staged.path if staged is not None else fresh_dir(out, _STAGING)
         try:
             _write_files(staging, files)

@@ -784,3 +784,38 @@ def test_an_image_encoder_over_other_than_three_channels_is_refused(tmp_path, ca
     assert cli.main(["reference", str(tmp_path / "spec.dt"), "--steps", "1", "-q"]) == 1
     err = capsys.readouterr().err
     assert "error[DT601]" in err and "Traceback" not in err
+
+
+def test_an_output_folder_reached_through_a_link_finds_its_data(tmp_path):
+    # The bundle's relative data path is taken between the real folders: `..` climbs from
+    # where a link in the output path leads, not from the path as written.
+    spec = tmp_path / "tiny.dt"
+    spec.write_text((SPECS / "tiny_cpu.dt").read_text())
+    data = tmp_path / "data" / "tiny"
+    assert cli.main(["data", "synth", str(spec), "-q", "--samples", "8"]) == 0
+    (tmp_path / "x" / "y" / "z").mkdir(parents=True)
+    (tmp_path / "deep").symlink_to(tmp_path / "x" / "y" / "z")
+    out = tmp_path / "deep" / "bundle"
+    assert compile_spec(spec, out, "--real-data") == 0
+    path = json.loads((out / "job.json").read_text())["data"]["path"]
+    assert (out / path).resolve() == data.resolve()
+    assert (Path(os.path.realpath(out)) / path).resolve() == data.resolve()
+
+
+@pytest.mark.parametrize("case", ["parent is a file", "name too long"])
+def test_an_output_path_that_cannot_be_a_folder_is_one_line(tmp_path, capsys, case):
+    if case == "parent is a file":
+        (tmp_path / "afile").write_text("mine")
+        out, want = tmp_path / "afile" / "sub", "one of its parents is a file"
+    else:
+        # 240 bytes is a valid name; the temporary folder beside it must be one too.
+        out, want = tmp_path / ("a" * 240), None
+    code = compile_spec(SPECS / "tiny_cpu.dt", out)
+    err = capsys.readouterr().err
+    assert "internal" not in err and "Traceback" not in err, err
+    if want is None:
+        assert code == 0 and (out / "launch.sh").is_file()
+        assert [p.name for p in tmp_path.iterdir()] == [out.name]
+    else:
+        assert code == 2 and want in err, err
+        assert (tmp_path / "afile").read_text() == "mine"
