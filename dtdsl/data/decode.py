@@ -391,12 +391,14 @@ class Decoder:
                                      for k, v in (inputs or {}).items()})
 
     def _open(self, raw: RawSample, image: EncodedImage):
-        from PIL import Image
+        """The image's pixels in RGB (``_on_white``); DatasetError where they do not
+        decode."""
+        from dtdsl.data.shard_format import open_image
 
         try:
-            img = Image.open(io.BytesIO(image.data))
+            img = open_image(io.BytesIO(image.data))
             img.load()
-            return img if img.mode == "RGB" else img.convert("RGB")
+            return img if img.mode == "RGB" else _on_white(img)
         except Exception as err:  # noqa: BLE001 - Pillow raises many kinds on broken data
             # (OSError for a corrupt or cut-off body, SyntaxError, ValueError, EOFError,
             # struct.error, DecompressionBombError for malformed headers and chunks)
@@ -512,3 +514,14 @@ def _per_frame(shape: tuple[int, ...]) -> str:
     if len(shape) == 2:
         return f"{shape[1]} bins"
     return " x ".join(map(str, shape[1:-1])) + f" channels of {shape[-1]} bins"
+
+
+def _on_white(img: Any) -> Any:
+    """A Pillow image of any mode in RGB as transformers' ``convert_to_rgb`` makes it (the
+    CLIP and SigLIP processors'): laid over a white background, so a transparent pixel
+    is white, not the colour stored under it (``convert("RGB")`` drops the alpha)."""
+    from PIL import Image
+
+    rgba = img.convert("RGBA")
+    white = Image.new("RGBA", rgba.size, (255, 255, 255))
+    return Image.alpha_composite(white, rgba).convert("RGB")

@@ -53,6 +53,7 @@ from dtdsl.data.shards import (
     RawSample,
     SampleInfo,
     count_text_tokens,
+    turn_text,
 )
 
 __all__ = ["INDEX_FORMAT", "LlavaDataset", "LlavaIndex", "build_index", "is_llava_source"]
@@ -133,9 +134,9 @@ class LlavaIndex:
 
 def _image_header(file: Path) -> tuple[str, int, int, int]:
     """Format, width, height and size in bytes of an image (its header only)."""
-    from PIL import Image
+    from dtdsl.data.shard_format import open_image
 
-    with open_regular(file) as f, Image.open(f) as img:     # the header, not the pixels
+    with open_regular(file) as f, open_image(f) as img:     # the header, not the pixels
         fmt = _FORMATS.get(img.format or "")
         if fmt is None:
             raise OSError(f"{img.format} images are not read")
@@ -154,7 +155,7 @@ def _entry(position: int, offset: int, size: int, record: Any, folder: Path,
     turns = record.get("conversations")
     if not isinstance(turns, list) or not turns or not all(
             isinstance(t, dict) and str(t.get("from", t.get("role", ""))).lower() in _ROLES
-            and isinstance(t.get("value", ""), str) for t in turns):
+            and isinstance(turn_text(t), str) for t in turns):
         return skip("no conversation")
     names = record.get("image")
     names = [] if names is None else [names] if isinstance(names, str) else names
@@ -177,7 +178,7 @@ def _entry(position: int, offset: int, size: int, record: Any, folder: Path,
         if isinstance(found, str):
             return skip(found)
         clips[kind] = found
-    text = "\n".join(str(t.get("value", "")) for t in turns)
+    text = "\n".join(turn_text(t) for t in turns)
     key = record.get("id", position)
     return {"key": str(key), "offset": offset, "size": size, "text_bytes": len(text.encode()),
             "text_tokens": count_text_tokens(text), "images": images, **clips}
@@ -382,7 +383,7 @@ class LlavaDataset:
         """Sample ``i``'s text and conversation, without its images' bytes."""
         record = self._record(i)
         turns = record["conversations"]
-        text = "\n".join(str(t.get("value", "")) for t in turns)
+        text = "\n".join(str(turn_text(t)) for t in turns)
         return RawSample(key=self._infos[i].key, text=text, meta={"conversations": turns})
 
     def read(self, i: int) -> RawSample:

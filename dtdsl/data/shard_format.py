@@ -21,7 +21,7 @@ from dtdsl.errors import DtdslError
 __all__ = ["DEFAULT_SAMPLES_PER_SHARD", "FORMAT", "INDEX_NAME", "VERSION", "ClipInfo",
            "DatasetError", "DatasetExists", "EncodedAudio", "EncodedClip", "EncodedImage",
            "Member", "NoSamples", "RawSample", "SampleInfo", "count_text_tokens",
-           "sample_key", "shard_name", "text_pieces"]
+           "open_image", "sample_key", "shard_name", "text_pieces", "turn_text"]
 
 FORMAT = "dtdsl-shards"
 VERSION = 1
@@ -32,9 +32,21 @@ _RESERVED = frozenset({"key", "images", "gen_images", "audio", "gen_audio"})
 _IMAGE_EXT = {"png": "png", "jpeg": "jpg"}
 _EXT_FORMAT = {"png": "png", "jpg": "jpeg"}
 _SHARD = re.compile(r"shard-\d{6,}\.tar")
+# The image formats read, by Pillow's names: Pillow identifies a file by its bytes, not its
+# name, and would open any format it has a plugin for (its EPS plugin runs Ghostscript on
+# the file): a dataset's image is opened as one of these or not at all.
+PIL_FORMATS = ("JPEG", "PNG", "WEBP")
 # One text token per word (a run of letters, digits or underscores) and per other
 # non-space character: the rule of the index's text_tokens and of decode.Tokenizer.
 _PIECE = re.compile(r"\w+|[^\w\s]")
+
+
+def open_image(file: Any) -> Any:
+    """``PIL.Image.open(file)`` of a JPEG, PNG or WebP image only (``PIL_FORMATS``); as
+    Pillow, ``UnidentifiedImageError`` (an OSError) for anything else."""
+    from PIL import Image
+
+    return Image.open(file, formats=PIL_FORMATS)
 
 
 class DatasetError(DtdslError):
@@ -53,6 +65,13 @@ class NoSamples(DatasetError):
 def text_pieces(text: str) -> list[str]:
     """The pieces (tokens) of ``text``: words and single punctuation characters."""
     return _PIECE.findall(text)
+
+
+def turn_text(turn: Mapping[str, Any]) -> Any:
+    """A conversation turn's text: LLaVA's ``value``, or ``content`` as the chat format
+    of ``{"role": ..., "content": ...}`` turns writes it (not a string where neither is
+    one: the caller's check refuses it)."""
+    return turn.get("value", turn.get("content", ""))
 
 
 def count_text_tokens(text: str) -> int:
@@ -186,10 +205,10 @@ def _record(raw: RawSample) -> dict[str, Any]:
 
 def _check_image(raw: RawSample, image: EncodedImage) -> None:
     """The bytes are the format and size the sample says (Pillow reads only the header)."""
-    from PIL import Image, UnidentifiedImageError
+    from PIL import UnidentifiedImageError
 
     try:
-        with Image.open(io.BytesIO(image.data)) as img:
+        with open_image(io.BytesIO(image.data)) as img:
             found, size = (img.format or "").lower(), img.size
     except (UnidentifiedImageError, OSError) as err:
         raise ValueError(f"sample {raw.key}: an image is not a readable file: {err}") from None

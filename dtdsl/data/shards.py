@@ -91,6 +91,7 @@ from dtdsl.data.shard_format import (
     sample_key,
     shard_name,
     text_pieces,
+    turn_text,
 )
 from dtdsl.outdir import (
     Listed,
@@ -125,6 +126,7 @@ __all__ = [
     "sample_key",
     "shard_name",
     "text_pieces",
+    "turn_text",
     "write_dataset",
 ]
 

@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from dtdsl.data.shards import DatasetError, text_pieces
+from dtdsl.data.shards import DatasetError, text_pieces, turn_text
 from dtdsl.errors import DtdslError
 
 __all__ = [
@@ -305,7 +305,7 @@ class HFTokenizer:
             parts.append((missing, False))
             parts.append((text + eos, True))
         else:
-            turns = [(self._role(t), str(t.get("value", ""))) for t in conversation]
+            turns = [(self._role(t), str(turn_text(t))) for t in conversation]
             missing = self._missing("".join(v for _, v in turns), counts)
             chat = self.chat
             for role, value in turns:

@@ -93,9 +93,15 @@ __all__ = ["INDEX_FORMAT", "WebDataset", "WebIndex", "build_index", "expand_sour
            "index_path", "resolve_shards"]
 
 INDEX_FORMAT = "dtdsl-webdataset-index"
-INDEX_VERSION = 3          # 2: how each tar ends is checked (problems); 3: audio, video
+INDEX_VERSION = 4          # 2: how each tar ends is checked (problems); 3: audio, video;
+                           # 4: images in natural order, other image formats skipped
 _BLOCK = tarfile.BLOCKSIZE
 _IMAGE_EXT = {"jpg": "jpeg", "jpeg": "jpeg", "png": "png", "webp": "webp"}
+# Image members of formats not read (``shard_format.PIL_FORMATS``): their sample is
+# skipped, counted, rather than trained as text alone.
+_OTHER_IMAGE_EXT = frozenset({"gif", "bmp", "tif", "tiff", "ppm", "pgm", "pbm", "pnm",
+                              "ico", "jp2", "avif", "heic", "heif"})
+REPEATED = "member repeated in a sample"
 _TEXT_EXT = ("txt", "text", "caption")
 _BRACE = re.compile(r"\{([^{}]*)\}")
 _RANGE = re.compile(r"(\d+)\.\.(\d+)")
@@ -231,9 +237,9 @@ def _clips(key: str, members: list[list[Any]], blobs: dict[str, bytes]
 
 
 def _image_size(data: bytes) -> tuple[int, int]:
-    from PIL import Image
+    from dtdsl.data.shard_format import open_image
 
-    with Image.open(io.BytesIO(data)) as img:     # reads the header, not the pixels
+    with open_image(io.BytesIO(data)) as img:     # reads the header, not the pixels
         return int(img.width), int(img.height)
 
 
@@ -259,8 +265,14 @@ def _finish(scan: _Scan, shard: int, key: str, members: list[list[Any]],
         return scan.skip("text not UTF-8")
     if not text.strip():
         return scan.skip("empty text")
+    other = next((n.rsplit(".", 1)[-1] for n, *_ in members
+                  if n.rsplit(".", 1)[-1] in _OTHER_IMAGE_EXT), None)
+    if other is not None:
+        return scan.skip(f"{other} image (jpg, png and webp are read)")
     images = []
-    for name, *_ in members:
+    # In the order of their names' numbers (``2.png`` before ``10.png``): a writer that
+    # sorts names as text (webdataset's TarWriter) stores ``10`` before ``2``.
+    for name, *_ in sorted(members, key=lambda m: _natural(m[0])):
         if _image_ext(name) is not None:
             try:
                 images.append([name, *_image_size(blobs[name])])
@@ -357,6 +369,11 @@ def _scan_shard(path: Path, shard: int, scan: _Scan) -> None:
                     if info.offset_data + info.size > size:
                         raise EOFError(f"{info.name} is cut off")   # never read past the end
                     if bad is not None:
+                        continue
+                    if ext in blobs:
+                        # Two members of one name: which one is the sample's? (webdataset
+                        # refuses the tar.) The sample is skipped, counted.
+                        bad = REPEATED
                         continue
                     data = tar.extractfile(info).read()      # type: ignore[union-attr]
                     if len(data) != info.size:

@@ -67,3 +67,72 @@ def test_dtdsls_vit_reads_native_resolution_under_a_patch_budget():
     assert policy.resize(_image(64, 32)).shape == (3, 24, 48)
     x = normalize(np.full((3, 2, 2), 255, dtype=np.uint8))
     assert x.dtype.is_floating_point and float(x.min()) == float(x.max()) == 1.0
+
+
+def _encoded(img, fmt: str):
+    import io
+
+    from dtdsl.data.shard_format import EncodedImage
+
+    buf = io.BytesIO()
+    img.save(buf, fmt)
+    return EncodedImage(format=fmt.lower(), data=buf.getvalue(), width=img.width,
+                        height=img.height)
+
+
+@pytest.mark.parametrize("mode", ["RGBA", "LA", "P-transparent", "L", "CMYK"])
+def test_images_of_other_modes_decode_as_transformers_converts_them(mode, tmp_path):
+    # transformers' processors lay an image with alpha over white (convert_to_rgb): a
+    # transparent pixel is white, not the colour stored under it.
+    from PIL import Image
+    from transformers import CLIPImageProcessorPil
+
+    from dtdsl.data.decode import Decoder
+
+    rng = np.random.default_rng(5)
+    rgba = rng.integers(0, 255, (24, 36, 4), dtype=np.uint8)
+    rgba[:8, :, 3] = 0                                   # a fully transparent band
+    img = Image.fromarray(rgba, "RGBA")
+    if mode == "LA":
+        img = img.convert("LA")
+    elif mode == "P-transparent":
+        img = img.convert("RGB").quantize(16)
+        img.info["transparency"] = 3
+    elif mode in ("L", "CMYK"):
+        img = img.convert(mode)
+    fmt = "JPEG" if mode == "CMYK" else "PNG"
+    data = _encoded(img, fmt)
+    decoded = Decoder._open(None, SimpleNamespace(key="k"), data)
+    assert decoded.mode == "RGB"
+    policy = ImagePolicy.for_encoder(_tower("clip", 32, tmp_path))
+    ours = normalize(policy.resize(decoded), policy.mean, policy.std).numpy()
+    theirs = CLIPImageProcessorPil(size={"shortest_edge": 32},
+                                   crop_size={"height": 32, "width": 32})
+    from PIL import Image as PILImage
+    import io
+    want = theirs(images=PILImage.open(io.BytesIO(data.data)),
+                  return_tensors="np")["pixel_values"][0]
+    np.testing.assert_allclose(ours, want, atol=1e-5)
+    if mode == "RGBA":
+        assert np.asarray(decoded)[:8].min() == 255      # white where it is transparent
+
+
+def test_only_jpeg_png_and_webp_are_opened(tmp_path):
+    # Pillow picks a plugin by the bytes: a PostScript file named .jpg would be handed
+    # to Ghostscript. A dataset's image is one of three formats or unreadable.
+    import io
+
+    from PIL import Image, UnidentifiedImageError
+
+    from dtdsl.data.shard_format import open_image
+
+    for fmt in ("EPS", "BMP", "GIF", "TIFF", "PPM"):
+        buf = io.BytesIO()
+        Image.new("RGB", (8, 8), (10, 20, 30)).save(buf, fmt)
+        with pytest.raises(UnidentifiedImageError):
+            open_image(io.BytesIO(buf.getvalue()))
+    for fmt in ("JPEG", "PNG", "WEBP"):
+        buf = io.BytesIO()
+        Image.new("RGB", (8, 8)).save(buf, fmt)
+        with open_image(io.BytesIO(buf.getvalue())) as img:
+            assert img.format == fmt

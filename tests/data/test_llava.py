@@ -256,3 +256,27 @@ def test_a_pipeline_trains_on_conversations_as_the_reference(tmp_path):
     losses = [r["loss"] for r in train_reference(program, 3, source=source)]
     plan = plan_for(program, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, 1, 2))
     run(_train_llava, plan.gpus_used, program, plan, losses, data, timeout=300)
+
+
+def test_role_and_content_turns_read_as_from_and_value(tmp_path):
+    # The chat format's {"role", "content"} turns: their text is read, not dropped (the
+    # record check took "role" and the text came from "value" alone, empty).
+    from dtdsl.feed.source import DatasetSource
+
+    records = write_llava(tmp_path / "a", n=8)
+    program = _program(tmp_path / "a")
+    roles = {"human": "user", "gpt": "assistant"}
+    chat = [{**r, "conversations": [{"role": roles[t["from"]], "content": t["value"]}
+                                    for t in r["conversations"]]} for r in records]
+    (tmp_path / "a" / "chat.json").write_text(json.dumps(chat))
+    plain = DatasetSource(program, tmp_path / "a" / "llava.json")
+    other = DatasetSource(program, tmp_path / "a" / "chat.json")
+    assert other.keys(0) == plain.keys(0)
+    for got, want in zip(other.sizes(0), plain.sizes(0), strict=True):
+        assert (got.text_tokens, got.trained, got.image_at) == \
+            (want.text_tokens, want.trained, want.image_at)
+    for position in range(len(plain.keys(0))):
+        assert np.array_equal(other.decode(0, position).tokens,
+                              plain.decode(0, position).tokens)
+    assert LlavaDataset.open(tmp_path / "a" / "chat.json").read_text(0).text == \
+        LlavaDataset.open(tmp_path / "a" / "llava.json").read_text(0).text

@@ -81,6 +81,41 @@ def test_damaged_samples_are_counted_and_skipped(tmp_path):
         ds.read(i)
 
 
+def _png(w: int, h: int, fmt: str = "PNG") -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (w, h), (w, h, 7)).save(buf, fmt)
+    return buf.getvalue()
+
+
+def test_images_keep_their_names_numeric_order_and_other_members_are_counted(tmp_path):
+    # webdataset's TarWriter stores a sample's members sorted as text (10 before 2); the
+    # <image> tags go with the images in their numbers' order. A format not read (gif)
+    # and a member written twice skip their sample, counted, instead of training it as
+    # text alone or with the second copy twice.
+    import webdataset as wds
+
+    root = tmp_path / "s"
+    root.mkdir()
+    with wds.TarWriter(str(root / "000000.tar")) as sink:
+        sink.write({"__key__": "many", "txt": "eleven images",
+                    **{f"{i}.png": _png(10 + i, 4) for i in range(11)}})
+        sink.write({"__key__": "gif", "txt": "a gif", "gif": _png(8, 8, "GIF")})
+    with tarfile.open(root / "000000.tar", "a") as tar:
+        for name, data in (("twice.png", _png(40, 30)), ("twice.png", _png(4000, 1)),
+                           ("twice.txt", b"two of one name")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    ds = WebDataset.open(root)
+    assert [ds.key(i) for i in range(len(ds))] == ["many"]
+    assert ds.info(0).images == tuple((10 + i, 4) for i in range(11))
+    assert [im.width for im in ds.read(0).images] == [10 + i for i in range(11)]
+    assert ds.skipped == {"gif image (jpg, png and webp are read)": 1,
+                          "member repeated in a sample": 1}
+
+
 def test_sources_that_cannot_be_read_say_why(tmp_path):
     assert "no such file" in source_problem("missing/{0..3}.tar", tmp_path)
     (tmp_path / "empty").mkdir()
