@@ -8,7 +8,9 @@ It lives apart from ``dtdsl.cli`` so that ``dtdsl.data.cli`` can use it without 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import stat
 import sys
 import tempfile
 from collections.abc import Callable
@@ -59,16 +61,58 @@ def load_program(path: str) -> tuple[FrontendResult | None, int]:
     return result, EXIT_OK
 
 
-def write_file(path: str, text: str) -> None:
-    """Write a whole file or nothing: a temporary file beside it, renamed into place."""
+# An existing output file is read this far to tell whether dtdsl wrote it.
+_OURS_READ = 64 << 20
+
+
+def check_output(path: str, ours: Callable[[bytes], bool], what: str) -> Path:
+    """``path`` as ``write_file`` may write it (before long work: ``dtc profile``): new,
+    or a regular file ``ours`` recognises as ``what``; UsageError otherwise."""
     target = Path(path)
-    if target.is_dir():
-        raise UsageError(f"{path} is a directory; give a file name")
+    try:
+        st = os.lstat(target)
+    except FileNotFoundError:
+        st = None
+    except OSError as err:
+        raise UsageError(f"cannot write {path}: {err.strerror or err}") from None
+    if st is not None:
+        if stat.S_ISLNK(st.st_mode):
+            raise UsageError(f"{path} is a symbolic link; dtdsl does not write through "
+                             "links: give another file name")
+        if stat.S_ISDIR(st.st_mode):
+            raise UsageError(f"{path} is a directory; give a file name")
+        if not stat.S_ISREG(st.st_mode) or st.st_size > _OURS_READ or \
+                not ours(_read(target)):
+            raise UsageError(f"{path} exists and is not {what} dtdsl wrote; nothing was "
+                             "changed: give another file name, or remove it first")
+    return target
+
+
+def write_file(path: str, text: str, ours: Callable[[bytes], bool], what: str) -> None:
+    """Write a whole file or nothing: a temporary file beside it, renamed into place (mode
+    0644). An existing file is replaced only where ``ours`` recognises its bytes as
+    ``what`` this command writes (dtdsl never writes over a file it did not write): a
+    link, a folder or another file is a UsageError, and nothing changes."""
+    target = check_output(path, ours, what)
     try:
         fd, tmp = tempfile.mkstemp(dir=target.parent if str(target.parent) else ".",
                                    prefix=f".{target.name}.", suffix=".tmp")
+    except OSError as err:
+        raise UsageError(f"cannot write {path}: {err.strerror or err}") from None
+    try:
         with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
+            os.fchmod(f.fileno(), 0o644)
             f.write(text)
         os.replace(tmp, target)
     except OSError as err:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
         raise UsageError(f"cannot write {path}: {err.strerror or err}") from None
+
+
+def _read(path: Path) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read(_OURS_READ + 1)
+    except OSError:
+        return b""

@@ -148,3 +148,39 @@ def test_internal_errors_exit_3_without_traceback(monkeypatch, capsys):
 def test_runs_from_any_folder(tmp_path: Path):
     code, _, err = dtc("check", str(SPECS[0]), cwd=tmp_path)
     assert code == 0, err
+
+
+def test_output_files_replace_only_what_dtdsl_wrote(tmp_path, capsys):
+    # plan, graph and data stats -o: a new file (0644), or one this command wrote; the
+    # spec itself, a user's notes, a link or a folder are refused and left as they are.
+    import os
+    import stat
+
+    spec = tmp_path / "tiny.dt"
+    spec.write_text((ROOT / "specs" / "tiny_cpu.dt").read_text()
+                    .replace('  source = "data/tiny"\n', ""))
+    plan = tmp_path / "plan.json"
+    for _ in range(2):                           # new, then its own earlier plan
+        assert cli.main(["plan", str(spec), "--no-baseline", "-o", str(plan)]) == 0
+        assert stat.S_IMODE(os.stat(plan).st_mode) == 0o644
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    link = tmp_path / "link.json"
+    link.symlink_to(plan)
+    before = plan.read_bytes()
+    for target, why in ((spec, "is not a plan dtdsl wrote"),
+                        (notes, "is not a plan dtdsl wrote"),
+                        (link, "is a symbolic link"), (tmp_path, "is a directory")):
+        capsys.readouterr()
+        assert cli.main(["plan", str(spec), "--no-baseline", "-o", str(target)]) == 2
+        assert why in capsys.readouterr().err, target
+    assert notes.read_text() == "mine" and plan.read_bytes() == before
+    assert spec.read_text().startswith("# A tiny multimodal")
+    assert sorted(p.name for p in tmp_path.iterdir()) == \
+        ["link.json", "notes.txt", "plan.json", "tiny.dt"]          # no temporary left
+    graph = tmp_path / "graph.dot"
+    for _ in range(2):
+        assert cli.main(["graph", str(spec), "--dot", "-o", str(graph)]) == 0
+    assert cli.main(["graph", str(spec), "-o", str(graph)]) == 0      # text over DOT
+    assert cli.main(["graph", str(spec), "-o", str(plan)]) == 2
+    assert "is not a stage graph dtdsl wrote" in capsys.readouterr().err

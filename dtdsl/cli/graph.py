@@ -43,8 +43,14 @@ def run(args: argparse.Namespace) -> int:
     graph = build_graph(result.program, plan)
     text = graph_dot(graph) if args.dot else graph_text(graph)
     if args.output:
-        write_file(args.output, text)
+        write_file(args.output, text, _is_graph, "a stage graph")
     else:
         sys.stdout.write(text)
     return EXIT_OK
 
+
+def _is_graph(data: bytes) -> bool:
+    """Whether ``data`` is a stage graph as ``dtc graph`` writes it (text or DOT)."""
+    head, _, rest = data.partition(b"\n")
+    return (head.startswith(b"graph ") and rest.startswith(b"nodes:")) or \
+        (head.startswith(b"digraph ") and head.endswith(b"{"))

@@ -77,10 +77,20 @@ def run(args: argparse.Namespace) -> int:
         raise RuntimeError(f"the planner failed: {err}") from err
     text = the_plan.model_dump_json(indent=2) + "\n"
     if args.output:
-        write_file(args.output, text)
+        write_file(args.output, text, _is_plan, "a plan")
     if args.json:
         sys.stdout.write(text)
     else:
         render_plan(the_plan, wide_console())
     return EXIT_OK
 
+
+def _is_plan(data: bytes) -> bool:
+    """Whether ``data`` is a plan's JSON (``dtc plan -o`` replaces only one)."""
+    from dtdsl.ir.plan import Plan
+
+    try:
+        Plan.model_validate_json(data)
+    except ValueError:
+        return False
+    return True

@@ -138,6 +138,7 @@ def save_profile(profile: Profile, path: str | os.PathLike) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent or ".", prefix=path.name, suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
+            os.fchmod(f.fileno(), 0o644)
             f.write(text)
         os.replace(tmp, path)
     except BaseException:

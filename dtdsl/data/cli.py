@@ -90,7 +90,14 @@ def _cmd_synth(args: argparse.Namespace) -> int:
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
-    from dtdsl.data.stats import DEFAULT_PATCH, measure, stats_json, stats_table, summarize
+    from dtdsl.data.stats import (
+        DEFAULT_PATCH,
+        is_stats_json,
+        measure,
+        stats_json,
+        stats_table,
+        summarize,
+    )
     from dtdsl.report import wide_console
 
     patch, max_patches = args.patch or DEFAULT_PATCH, None
@@ -134,7 +141,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
         title += "; " + told
     text = stats_json(values)
     if args.output:
-        write_file(args.output, text)
+        write_file(args.output, text, is_stats_json, "a stats JSON")
     if args.json:
         sys.stdout.write(text)
     else:

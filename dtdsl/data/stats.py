@@ -168,6 +168,19 @@ def stats_table(stats: list[QuantityStats]):
     return table
 
 
+def is_stats_json(data: bytes) -> bool:
+    """Whether ``data`` is ``stats_json``'s: an object of quantities, each a list of
+    numbers."""
+    try:
+        found = json.loads(data)
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(found, dict) and all(
+        isinstance(k, str) and isinstance(v, list) and
+        all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)
+        for k, v in found.items())
+
+
 def stats_json(values: dict[str, list[int]]) -> str:
     """``{"quantity": [values...]}`` with one quantity per line."""
     lines = [f"  {json.dumps(name)}: {json.dumps(items)}" for name, items in values.items()]

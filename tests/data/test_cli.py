@@ -142,3 +142,12 @@ def test_stats_errors(tmp_path: Path, tiny_dataset: Path, capsys):
     assert "not allowed with argument" in capsys.readouterr().err
     assert dtc("data", "stats", str(tiny_dataset), "--json", "-o", str(tmp_path)) == 2
     assert "is a directory" in capsys.readouterr().err
+    # Its own earlier JSON is replaced; a file it did not write is not.
+    (tmp_path / "mine.json").write_text('{"notes": "mine"}')
+    assert dtc("data", "stats", str(tiny_dataset), "--json", "-o",
+               str(tmp_path / "mine.json")) == 2
+    assert "is not a stats JSON dtdsl wrote" in capsys.readouterr().err
+    assert (tmp_path / "mine.json").read_text() == '{"notes": "mine"}'
+    for _ in range(2):
+        assert dtc("data", "stats", str(tiny_dataset), "--json", "-o",
+                   str(tmp_path / "s.json")) == 0
