@@ -4,6 +4,7 @@ slurm.sbatch."""
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
@@ -89,8 +90,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(err)) from None
     ranks = the_plan.gpus_used
     # Several nodes (more ranks than a node has GPUs): Slurm, or launch.sh on every node.
-    how = (f"sbatch {Path(args.output) / 'slurm.sbatch'}"
-           if ranks > program.cluster.gpus_per_node else f"{Path(args.output) / 'launch.sh'}")
+    # Quoted: the line is for pasting into a shell, whatever the folder's name holds.
+    how = (f"sbatch {shlex.quote(str(Path(args.output) / 'slurm.sbatch'))}"
+           if ranks > program.cluster.gpus_per_node else
+           shlex.quote(str(Path(args.output) / "launch.sh")))
     print(f"dtc: wrote {len(written)} files to {args.output} ({ranks} ranks); launch with "
           f"{how}", file=sys.stderr)
     return EXIT_OK

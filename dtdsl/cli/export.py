@@ -48,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
                              units=units, program=program,
                              log=lambda line: print(f"dtc export: {line}", file=sys.stderr))
     hf = sum(u.hf for u in done)
-    print(f"dtc: exported {len(done)} units to {out} ({hf} as Hugging Face models)",
+    print(f"dtc: exported {len(done)} unit{'s' if len(done) != 1 else ''} to {out} "
+          f"({hf} as Hugging Face model{'s' if hf != 1 else ''})",
           file=sys.stderr)
     return EXIT_OK
 

@@ -224,9 +224,9 @@ class _Node:
             with contextlib.suppress(OSError):
                 self.shared.unlink()
         preflight = [sys.executable, "-m", "dtdsl.train.preflight", str(self.bundle),
-                     "--run-dir", str(self.run_dir)]
+                     f"--run-dir={self.run_dir}"]
         if self.args.data is not None:
-            preflight += ["--data", self.args.data]
+            preflight.append(f"--data={self.args.data}")     # a value, whatever it starts with
         if subprocess.run(preflight, stdin=subprocess.DEVNULL, check=False).returncode:
             return 2
         if self.signalled is not None:
@@ -252,9 +252,9 @@ class _Node:
 
     def _start_workers(self, env: dict[str, str], fd: int) -> subprocess.Popen:
         argv = [sys.executable, str(self.bundle / "workers" / "worker.py"), "--all",
-                "--run-dir", str(self.run_dir), "--steps", str(self.args.steps)]
+                f"--run-dir={self.run_dir}", "--steps", str(self.args.steps)]
         if self.args.data is not None:
-            argv += ["--data", self.args.data]
+            argv.append(f"--data={self.args.data}")
         if self.args.resume:
             argv.append("--resume")
         log = self.run_dir / "logs" / f"workers-{self.host}-{os.getpid()}.log"

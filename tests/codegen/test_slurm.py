@@ -239,13 +239,37 @@ def test_dry_run_runs_preflight_then_the_dry_run_module(tmp_path, one_node, thre
         assert not run_dir.exists()                   # no workers, no torchrun, no logs
         return log.read_text().splitlines()
 
-    assert dry(one_node) == [f"-m dtdsl.train.preflight {one_node} --run-dir {run_dir}",
+    assert dry(one_node) == [f"-m dtdsl.train.preflight {one_node} --run-dir={run_dir}",
                              f"-m dtdsl.train.dryrun {one_node}"]
     b = three_nodes
-    assert dry(b) == [f"-m dtdsl.train.preflight {b} --run-dir {run_dir}",
+    assert dry(b) == [f"-m dtdsl.train.preflight {b} --run-dir={run_dir}",
                       f"-m dtdsl.train.dryrun {b}"]            # every node's ranks
     assert dry(b, "--node-rank", "1", "--data", "d")[1:] == [f"-m dtdsl.train.dryrun {b} --node 1"]
-    assert "--data d" in log.read_text().splitlines()[0]
+    assert "--data=d" in log.read_text().splitlines()[0]
+    # A path that starts with "-" stays a value ("--run-dir=-x"); launch.sh started
+    # through a link finds its bundle.
+    assert dry(b, "--data", "-d")[0].endswith(" --data=-d")
+    link = tmp_path / "mylaunch"
+    link.symlink_to(b / "launch.sh")
+    log.unlink(missing_ok=True)
+    proc = subprocess.run(["bash", str(link), "--dry-run", "--run-dir", str(run_dir)],
+                          env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 7, proc.stderr
+    assert log.read_text().splitlines()[1] == f"-m dtdsl.train.dryrun {b}"
+
+
+@pytest.mark.parametrize("args", [["--run-dir"], ["--run-dir", ""], ["--data", "--dry-run"],
+                                  ["--steps"]])
+def test_an_option_without_its_value_is_one_line(tmp_path, one_node, args):
+    # Not bash's "$2: unbound variable", not the next option taken as a folder, not ""
+    # as the current directory.
+    python, log = fake_python(tmp_path)
+    proc = subprocess.run(["bash", str(one_node / "launch.sh"), *args, "--dry-run"],
+                          env={**os.environ, "PYTHON": str(python)}, capture_output=True,
+                          text=True, timeout=60, check=False, cwd=tmp_path)
+    assert proc.returncode == 2 and \
+        proc.stderr == f"launch.sh: {args[0]} wants a value (see --help)\n", proc.stderr
+    assert not log.exists()
 
 
 @pytest.mark.slow

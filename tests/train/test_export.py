@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import warnings
 from pathlib import Path
 
@@ -54,10 +55,14 @@ def tree_of(folder: Path) -> dict[str, bytes]:
             for p in sorted(folder.rglob("*")) if p.is_symlink() or p.is_file()}
 
 
-def test_an_export_records_its_files_and_overwrite_replaces_it(ckpt, tmp_path):
+def test_an_export_records_its_files_and_overwrite_replaces_it(ckpt, tmp_path, capsys):
     out = tmp_path / "out"
     assert export(ckpt, out) == 0
+    assert f"dtc: exported {len(UNITS)} units to {out}" in capsys.readouterr().err
     first = tree_of(out)
+    # Readable by whoever may read config.json (safetensors writes 0600 by itself).
+    modes = {stat.S_IMODE(p.stat().st_mode) for p in out.rglob("*") if p.is_file()}
+    assert modes == {0o644}, modes
     assert sorted(p.name for p in out.iterdir()) == UNITS
     for unit in UNITS:
         record = json.loads((out / unit / RECORD).read_text())

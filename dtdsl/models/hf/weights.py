@@ -692,6 +692,7 @@ def write_checkpoint(directory: str | Path, tensors: Iterable[HFTensor], *, libr
     for name, shard in zip(names, shards, strict=False):
         data = {t.key: t.make().contiguous() for t in shard}
         save_file(data, str(directory / name), metadata=meta)
+        os.chmod(directory / name, 0o644)       # safetensors writes 0600; config.json is 0644
         del data
         weight_map.update({t.key: name for t in shard})
     if len(shards) > 1:
