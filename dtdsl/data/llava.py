@@ -59,9 +59,11 @@ from dtdsl.data.shards import (
 __all__ = ["INDEX_FORMAT", "LlavaDataset", "LlavaIndex", "build_index", "is_llava_source"]
 
 INDEX_FORMAT = "dtdsl-llava-index"
-INDEX_VERSION = 3          # 2: image paths checked (data.paths); 3: audio and video
+INDEX_VERSION = 4          # 2: image paths checked (data.paths); 3: audio and video;
+                           # 4: a byte order mark before the records
 _FORMATS = {"JPEG": "jpeg", "PNG": "png", "WEBP": "webp"}
 _ROLES = frozenset({"human", "gpt", "system", "user", "assistant"})
+_BOM = b"\xef\xbb\xbf"
 
 
 def is_llava_source(path: str | Path) -> bool:
@@ -72,9 +74,11 @@ def is_llava_source(path: str | Path) -> bool:
 def _records(data: bytes, path: Path) -> Iterator[tuple[int, int, Any]]:
     """``(byte offset, byte size, value)`` of each record of a JSON array or JSON Lines."""
     text = data.decode("utf-8")
+    # A UTF-8 byte order mark (Windows tools write one) is not part of the first record.
+    bom = len(_BOM) if data.startswith(_BOM) else 0
     if path.suffix == ".jsonl":
-        at = 0
-        for line in data.split(b"\n"):
+        at = bom
+        for line in data[bom:].split(b"\n"):
             if line.strip():
                 try:
                     yield at, len(line), json.loads(line)
@@ -83,7 +87,7 @@ def _records(data: bytes, path: Path) -> Iterator[tuple[int, int, Any]]:
             at += len(line) + 1
         return
     decoder = json.JSONDecoder()
-    i = 0
+    i = 1 if bom else 0
     while i < len(text) and text[i].isspace():
         i += 1
     if i == len(text) or text[i] != "[":

@@ -108,7 +108,7 @@ def source_problem(source: str | Sequence[str], base_dir: str | Path = ".") -> s
     index is missing or corrupt, an empty folder, or a first shard that is not a tar.
     Reads the index or the first shard's first header, nothing more."""
     from dtdsl.data.llava import is_llava_source
-    from dtdsl.data.webdataset import resolve_shards
+    from dtdsl.data.webdataset import compressed_problem, resolve_shards
 
     base = Path(base_dir)
     path = _resolve(source, base)
@@ -126,6 +126,10 @@ def source_problem(source: str | Sequence[str], base_dir: str | Path = ".") -> s
     except DatasetError as err:
         return str(err)
     try:
+        with open_regular(shards[0]) as f:
+            why = compressed_problem(shards[0], f.read(8))
+        if why is not None:
+            return why
         with open_regular(shards[0]) as f, tarfile.open(fileobj=f, mode="r:") as tar:
             if tar.next() is None:
                 return f"{shards[0]} is an empty tar"
@@ -140,7 +144,7 @@ def _json_problem(path: Path) -> str | None:
     """Why a LLaVA-style JSON cannot be read (its first bytes only), or None."""
     try:
         with open_regular(path) as f:
-            head = f.read(4096).lstrip()
+            head = f.read(4096).removeprefix(b"\xef\xbb\xbf").lstrip()   # a byte order mark
     except Refused as err:
         return str(err)
     except OSError as err:

@@ -278,5 +278,23 @@ def test_role_and_content_turns_read_as_from_and_value(tmp_path):
     for position in range(len(plain.keys(0))):
         assert np.array_equal(other.decode(0, position).tokens,
                               plain.decode(0, position).tokens)
-    assert LlavaDataset.open(tmp_path / "a" / "chat.json").read_text(0).text == \
-        LlavaDataset.open(tmp_path / "a" / "llava.json").read_text(0).text
+    images = tmp_path / "a" / "images"
+    assert LlavaDataset.open(tmp_path / "a" / "chat.json", images).read_text(0).text == \
+        LlavaDataset.open(tmp_path / "a" / "llava.json", images).read_text(0).text
+
+
+@pytest.mark.parametrize("suffix", [".json", ".jsonl"])
+def test_a_byte_order_mark_before_the_records_is_read_past(tmp_path, suffix):
+    records = write_llava(tmp_path, n=6)
+    plain = tmp_path / f"plain{suffix}"
+    marked = tmp_path / f"marked{suffix}"
+    body = (json.dumps(records) if suffix == ".json" else
+            "\n".join(json.dumps(r) for r in records) + "\n").encode()
+    plain.write_bytes(body)
+    marked.write_bytes(b"\xef\xbb\xbf" + body)
+    assert source_problem(str(marked), tmp_path) is None
+    want = LlavaDataset.open(plain, tmp_path / "images")
+    got = LlavaDataset.open(marked, tmp_path / "images")
+    assert len(got) == len(want) == 6 and not got.skipped
+    for i in range(6):
+        assert got.read_text(i).text == want.read_text(i).text

@@ -210,3 +210,19 @@ def test_real_text_needs_a_tokenizer_and_stats_count_with_it(tmp_path, capsys):
     with open_dataset("shards", base_dir=tmp_path) as ds:
         texts = [ds.read(i).text for i in range(len(ds))]
     assert stats["text.tokens"] == [len(theirs(t)["input_ids"]) + 1 for t in texts]
+
+
+def test_a_compressed_shard_says_so(tmp_path, capsys):
+    # webdataset streams .tar.gz; dtdsl reads each sample in place, from a plain tar.
+    import gzip
+
+    write_shards(tmp_path / "s", n=4, per_shard=4)
+    (tmp_path / "z").mkdir()
+    (tmp_path / "z" / "000000.tar").write_bytes(
+        gzip.compress((tmp_path / "s" / "000000.tar").read_bytes()))
+    want = f"{tmp_path / 'z' / '000000.tar'} is gzip-compressed: dtdsl reads plain tar shards"
+    assert want in source_problem(str(tmp_path / "z"), tmp_path)
+    with pytest.raises(DatasetError, match="is gzip-compressed"):
+        WebDataset.open(tmp_path / "z")
+    assert cli.main(["data", "index", str(tmp_path / "z")]) == 2
+    assert want in capsys.readouterr().err
