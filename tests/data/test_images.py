@@ -84,6 +84,8 @@ def _encoded(img, fmt: str):
 def test_images_of_other_modes_decode_as_transformers_converts_them(mode, tmp_path):
     # transformers' processors lay an image with alpha over white (convert_to_rgb): a
     # transparent pixel is white, not the colour stored under it.
+    import io
+
     from PIL import Image
     from transformers import CLIPImageProcessorPil
 
@@ -108,9 +110,7 @@ def test_images_of_other_modes_decode_as_transformers_converts_them(mode, tmp_pa
     ours = normalize(policy.resize(decoded), policy.mean, policy.std).numpy()
     theirs = CLIPImageProcessorPil(size={"shortest_edge": 32},
                                    crop_size={"height": 32, "width": 32})
-    from PIL import Image as PILImage
-    import io
-    want = theirs(images=PILImage.open(io.BytesIO(data.data)),
+    want = theirs(images=Image.open(io.BytesIO(data.data)),
                   return_tensors="np")["pixel_values"][0]
     np.testing.assert_allclose(ours, want, atol=1e-5)
     if mode == "RGBA":

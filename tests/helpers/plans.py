@@ -53,7 +53,7 @@ def phase(program: ir.Program, plan: Plan, name: str = "vit") -> Plan:
              for u in units]
     enc = plan.unit(name).model_copy(update={
         "phased": True, "gpus": 0, "tp": bb.tp, "dp": bb.dp * bb.pp, "pp": 1, "vpp": 1,
-        "first_rank": bb.first_rank, "recompute": True, "microbatch_share": 1 / bb.pp,
+        "first_rank": bb.first_rank, "recompute": ir.Recompute.FULL, "microbatch_share": 1 / bb.pp,
         "layers_per_stage": (program.module(name).arch.pipeline_layers,)})
     order = {u.name: i for i, u in enumerate(plan.units)}
     out = sorted([*units, enc], key=lambda u: order[u.name])

@@ -264,7 +264,7 @@ def test_expert_parallel_recomputed_matches_the_reference():
     # Recomputation runs each MoE layer's forward again in backward, its all-to-alls
     # too: every rank of the EP group recomputes the same layers in the same order.
     p = moe_spec(args=ARGS)
-    modules = tuple(m.model_copy(update={"recompute": True}) if m.name == "llm" else m
+    modules = tuple(m.model_copy(update={"recompute": ir.Recompute.FULL}) if m.name == "llm" else m
                     for m in p.modules)
     p = p.model_copy(update={"modules": modules})
     check_ep(p, ep_plan(p, 2, 1, 2), steps=4)

@@ -143,7 +143,7 @@ def test_moe_backbone_recomputed_matches_the_reference():
     # Recomputation runs each MoE layer's forward again in backward: its aux loss must
     # not be counted twice, nor its gradient given twice.
     p = moe_spec(args="experts=4, top_k=2, expert_ffn=64, aux_loss=0.1")
-    modules = tuple(m.model_copy(update={"recompute": True}) if m.name == "llm" else m
+    modules = tuple(m.model_copy(update={"recompute": ir.Recompute.FULL}) if m.name == "llm" else m
                     for m in p.modules)
     p = p.model_copy(update={"modules": modules})
     check(p, plan_for(p, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, 2, 1),
