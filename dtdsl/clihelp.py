@@ -15,6 +15,7 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from dtdsl.diagnostics import render_text
 from dtdsl.driver import FrontendResult, UsageError, read_spec, run_frontend
@@ -86,6 +87,18 @@ def check_output(path: str, ours: Callable[[bytes], bool], what: str) -> Path:
             raise UsageError(f"{path} exists and is not {what} dtdsl wrote; nothing was "
                              "changed: give another file name, or remove it first")
     return target
+
+
+def parses_as(model: Any) -> Callable[[bytes], bool]:
+    """``write_file``'s ``ours`` for a JSON file of a pydantic ``model`` (a plan, a
+    profile): whether the bytes validate as one."""
+    def ours(data: bytes) -> bool:
+        try:
+            model.model_validate_json(data)
+        except ValueError:
+            return False
+        return True
+    return ours
 
 
 def write_file(path: str, text: str, ours: Callable[[bytes], bool], what: str) -> None:

@@ -13,7 +13,14 @@ from dtdsl.cli.common import (
     open_program,
     report_infeasible,
 )
-from dtdsl.clihelp import EXIT_ERRORS, EXIT_OK, non_negative, positive_int, write_file
+from dtdsl.clihelp import (
+    EXIT_ERRORS,
+    EXIT_OK,
+    non_negative,
+    parses_as,
+    positive_int,
+    write_file,
+)
 from dtdsl.driver import UsageError
 
 __all__ = ["HELP", "NAME", "add_arguments", "run"]
@@ -53,6 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from dtdsl.ir.plan import Plan
     from dtdsl.planner import EXHAUSTIVE_MAX_GPUS, Infeasible, PlannerError, plan
     from dtdsl.report import progress_bar, render_plan, wide_console
 
@@ -77,20 +85,10 @@ def run(args: argparse.Namespace) -> int:
         raise RuntimeError(f"the planner failed: {err}") from err
     text = the_plan.model_dump_json(indent=2) + "\n"
     if args.output:
-        write_file(args.output, text, _is_plan, "a plan")
+        write_file(args.output, text, parses_as(Plan), "a plan")
     if args.json:
         sys.stdout.write(text)
     else:
         render_plan(the_plan, wide_console())
     return EXIT_OK
 
-
-def _is_plan(data: bytes) -> bool:
-    """Whether ``data`` is a plan's JSON (``dtc plan -o`` replaces only one)."""
-    from dtdsl.ir.plan import Plan
-
-    try:
-        Plan.model_validate_json(data)
-    except ValueError:
-        return False
-    return True

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from dtdsl.cli.common import open_program
-from dtdsl.clihelp import EXIT_OK, check_output, positive_int
+from dtdsl.clihelp import EXIT_OK, check_output, parses_as, positive_int
 from dtdsl.driver import UsageError
 
 __all__ = ["HELP", "NAME", "add_arguments", "run"]
@@ -33,13 +33,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dtdsl.cost.profile import save_profile
+    from dtdsl.cost.profile import Profile, save_profile
     from dtdsl.report import progress_bar, render_profile, wide_console
     from dtdsl.train.profile import profile_program
 
     _, program = open_program(args.spec)
     # A file in the way stops it before the measuring, not after.
-    check_output(args.output, _is_profile, "a profile")
+    check_output(args.output, parses_as(Profile), "a profile")
     tps = None
     if args.tp:
         try:
@@ -55,20 +55,10 @@ def run(args: argparse.Namespace) -> int:
                                       num_threads=args.threads, progress=progress)
     except ValueError as err:
         raise UsageError(str(err)) from None
-    check_output(args.output, _is_profile, "a profile")
+    check_output(args.output, parses_as(Profile), "a profile")
     save_profile(profile, args.output)
     if not args.quiet:
         render_profile(profile, wide_console(stderr=True))
         print(f"wrote {args.output}", file=sys.stderr)
     return EXIT_OK
 
-
-def _is_profile(data: bytes) -> bool:
-    """Whether ``data`` is a profile's JSON (``dtc profile -o`` replaces only one)."""
-    from dtdsl.cost.profile import Profile
-
-    try:
-        Profile.model_validate_json(data)
-    except ValueError:
-        return False
-    return True
