@@ -145,7 +145,9 @@ rate (989 TFLOPS), and counts no unit at all.
 """),
     "DT208": Code("Value out of range", """
 A value is outside what the setting allows or what is believable: sizes must be
-positive, probabilities between 0 and 1 summing to 1, clamps non-empty, lr
+positive, probabilities between 0 and 1 summing to 1, clamps non-empty, a
+sample's items at most 4,096 (`image.count`, `gen_count`) and its sizes at most
+2^31 - 1 (an unclamped tail is cut there), lr
 above 0, the ZeRO stage 0 or 1, a learning-rate warmup between 0 and the
 training's `steps`, a `min_lr` no higher than the optimizer's `lr`, and so on.
 The message names the allowed range.

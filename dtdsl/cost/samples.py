@@ -44,8 +44,8 @@ def draw(quantity: ir.Quantity, n: int, rng: np.random.Generator) -> np.ndarray:
     else:  # pragma: no cover - the union is closed
         raise AssertionError(type(dist).__name__)
     values = np.asarray(values, dtype=float)
-    if quantity.low is not None or quantity.high is not None:
-        values = np.clip(values, quantity.low, quantity.high)
+    high = quantity.limit if quantity.high is None else min(quantity.high, quantity.limit)
+    values = np.clip(values, quantity.low, high)
     return np.rint(values).astype(np.int64)
 
 

@@ -158,8 +158,17 @@ class DataChecks:
         if expr.func in _UNBOUNDED and high is None:
             ctx.warning(DT502, f"{key} ~ {expr.func}(...) has no upper bound", expr.span,
                         hint="add `clamp [low, high]` so one sample cannot take over a batch")
-        return ir.Quantity(modality=item.modality, name=item.quantity, dist=dist, low=low,
-                           high=high, span=item.span)
+        quantity = ir.Quantity(modality=item.modality, name=item.quantity, dist=dist,
+                               low=low, high=high, span=item.span)
+        top = quantity.largest()
+        if top is not None and top > quantity.limit:
+            what = "items" if item.quantity in ir.QUANTITY_LIMITS else "positions"
+            return ctx.error(
+                DT208, f"{key} reaches {top:,.0f}, more {what} than one sample can have "
+                f"({quantity.limit:,})", item.clamp[1].span if item.clamp is not None and
+                high == top else expr.span,
+                hint=f"keep {key} at most {quantity.limit:,} (`clamp [low, high]` bounds it)")
+        return quantity
 
     def _dist(self, call: ast.Call, args: dict[str, Any], key: str) -> Any:
         ctx = self.ctx

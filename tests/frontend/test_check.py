@@ -334,3 +334,35 @@ def test_a_backbone_head_of_odd_dimensions_is_dt305_and_an_encoders_is_not():
     assert "e.g. 128" in d.hint and "heads=6" in d.hint       # 120 / 6 = 20, kv_heads 2
     vit = "transformer(layers=4, hidden=64, heads=4, patch=8)"
     assert errors(BASE.replace(vit, vit.replace("64", "60"))) == []
+
+
+@pytest.mark.parametrize("old, new, where", [
+    ("image.gen_count ~ 1", "image.gen_count ~ choice([0, 5000000], p=[0.7, 0.3])",
+     "image.gen_count reaches 5,000,000, more items than one sample can have (4,096)"),
+    ("image.count   ~ zipf(1.5) clamp [0, 4]", "image.count ~ zipf(1.5) clamp [0, 10000]",
+     "image.count reaches 10,000, more items"),
+    ("image.patches ~ 64", "image.patches ~ choice([9223372036854775808, 1])",
+     "image.patches reaches 9,223,372,036,854,775,808, more positions than one sample "
+     "can have (2,147,483,647)"),
+    ("image.patches ~ 64", "image.patches ~ uniform(1, 1e12)", "more positions"),
+])
+def test_a_quantity_no_sample_could_have_is_dt208(old, new, where):
+    # A count or size past the bound made the planner allocate one element per drawn
+    # item (45 GiB for 5M targets a sample) or overflow int64.
+    text = GENERATOR.replace("MULT", "[1]")
+    assert old in text
+    found = [d for d in diagnostics(text.replace(old, new)) if d.severity.value == "error"]
+    assert [d.code for d in found] == ["DT208"] and where in found[0].message, \
+        [d.message for d in found]
+
+
+def test_an_unclamped_count_is_drawn_within_the_bound():
+    import numpy as np
+
+    from dtdsl.cost.samples import draw
+
+    p = program(BASE.replace("zipf(1.5) clamp [0, 4]", "zipf(1.01)"))
+    q = p.data.get("image", "count")
+    assert q.largest() is None
+    values = draw(q, 20000, np.random.default_rng(0))
+    assert values.max() == 4096 and values.min() >= 0       # the tail, clipped
