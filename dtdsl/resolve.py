@@ -9,9 +9,12 @@ checked without torch.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import inspect
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +27,24 @@ from dtdsl.source import Span
 __all__ = ["SpecFiles"]
 
 
+def _unreadable(code: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A reader whose path the system refuses (a name too long, a file among its folders)
+    reports ``code`` at its span, as a missing file does, not an internal error."""
+    def wrap(method: Callable[..., Any]) -> Callable[..., Any]:
+        signature = inspect.signature(method)
+
+        @functools.wraps(method)
+        def reader(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return method(*args, **kwargs)
+            except OSError as err:
+                bound = signature.bind(*args, **kwargs).arguments
+                return bound["ctx"].error(code, f"cannot read {bound['text']}: "
+                                          f"{err.strerror or err}", bound["span"])
+        return reader
+    return wrap
+
+
 class SpecFiles:
     """The files of one spec, its relative paths taken from ``base_dir`` (its folder)."""
 
@@ -34,6 +55,7 @@ class SpecFiles:
         path = Path(text).expanduser()
         return (path if path.is_absolute() else self.base_dir / path).resolve()
 
+    @_unreadable(DT311)
     def hf_model(self, ctx: Ctx, text: str, role: str, feature_layer: int | None,
                  span: Span) -> Any:
         from dtdsl.models.hf.config import HFError, read_hf
@@ -46,6 +68,7 @@ class SpecFiles:
                 "paths are relative to the spec's folder" if missing else None))
         return model.arch, model.source, tuple(model.notes)
 
+    @_unreadable(DT311)
     def pretrained(self, ctx: Ctx, text: str, role: str, name: str, arch: Any,
                    source: ir.HFSource, span: Span) -> Any:
         """Every tensor there, in its shape, floating point; every file's header checked
@@ -73,6 +96,7 @@ class SpecFiles:
                              hint="point pretrained at the checkpoint of this architecture")
         return str(weights.weights_dir)
 
+    @_unreadable(DT311)
     def vae(self, ctx: Ctx, text: str | None, span: Span | None, source: Any, name: str,
             name_span: Span, latent_channels: int | None) -> Any:
         from dtdsl.models.hf import HFError, WeightsFileError
@@ -107,6 +131,7 @@ class SpecFiles:
                              f"config: {problems[0]}", span, notes=problems[1:5])
         return cfg.arch()
 
+    @_unreadable(DT315)
     def tokenizer(self, ctx: Ctx, text: str | None, span: Span | None, backbone: Any,
                   chat: Any, chat_span: Span | None) -> Any:
         if text is not None:
@@ -135,12 +160,18 @@ class SpecFiles:
         path = Path(text)
         if not path.is_absolute():
             path = self.base_dir / path
+        from dtdsl.data.paths import Refused, open_regular
+
         try:
-            size = path.stat().st_size
-            if size > MAX_EMPIRICAL_BYTES:
-                return ctx.error(DT309, f"{text} is {size:,} bytes; empirical "
-                                 f"files are limited to {MAX_EMPIRICAL_BYTES:,}", span)
-            raw = path.read_bytes()
+            # A regular file only (a device or FIFO would be read without end), and no
+            # more of it than the limit.
+            with open_regular(path) as f:
+                raw = f.read(MAX_EMPIRICAL_BYTES + 1)
+            if len(raw) > MAX_EMPIRICAL_BYTES:
+                return ctx.error(DT309, f"{text} is over {MAX_EMPIRICAL_BYTES:,} bytes; "
+                                 "empirical files are limited to that", span)
+        except Refused as err:
+            return ctx.error(DT309, str(err), span)
         except FileNotFoundError:
             return ctx.error(DT309, f"no such file: {text}", span,
                              notes=[f"looked for {_shown(path)}"],

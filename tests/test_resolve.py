@@ -78,3 +78,28 @@ def test_a_spec_naming_an_hf_folder_still_gets_its_diagnostics(tmp_path, capsys)
     found = json.loads(capsys.readouterr().out)["diagnostics"]
     assert [(d["code"], d["line"]) for d in found] == [("DT311", 4)]
     assert found[0]["hint"] == "paths are relative to the spec's folder"
+
+
+def test_paths_the_system_refuses_are_their_readers_diagnostics(tmp_path, capsys):
+    # A 300-character name (ENAMETOOLONG) where a spec names an HF model, pretrained
+    # weights, a VAE, a tokenizer or its data; a device as an empirical distribution
+    # (it was read without end).
+    long = "A" * 300
+    tiny = (ROOT / "specs" / "tiny_cpu.dt").read_text()
+    cases = {
+        "DT311": tiny.replace("arch = transformer(layers=4, hidden=128, heads=4, kv_heads=2, "
+                              "ffn=256, vocab=512, swiglu)", f'arch = hf("{long}")'),
+        "DT315": tiny.replace('source = "data/tiny"', f'tokenizer = "{long}"'),
+        "DT314": tiny.replace('source = "data/tiny"', f'source = "{long}"'),
+        "DT309": tiny.replace("image.count     ~ zipf(a=2.0) clamp [0, 3]",
+                              'image.count     ~ empirical("/dev/zero")'),
+    }
+    for code, text in cases.items():
+        assert text != tiny, code
+        spec = tmp_path / f"{code}.dt"
+        spec.write_text(text)
+        assert main(["check", str(spec)]) == 1, code
+        err = capsys.readouterr().err
+        assert f"error[{code}]" in err and "internal" not in err, (code, err)
+    assert "/dev/zero is a device, not a regular file" in \
+        (main(["check", str(tmp_path / "DT309.dt")]), capsys.readouterr().err)[1]

@@ -105,8 +105,16 @@ def is_synthetic(source: str | Sequence[str], base_dir: str | Path = ".") -> boo
 
 def source_problem(source: str | Sequence[str], base_dir: str | Path = ".") -> str | None:
     """Why ``source`` cannot be read, or None: it names no file, a dtdsl dataset whose
-    index is missing or corrupt, an empty folder, or a first shard that is not a tar.
-    Reads the index or the first shard's first header, nothing more."""
+    index is missing or corrupt, an empty folder, or a first shard that is not a tar, or
+    a path the system refuses (a name too long). Reads the index or the first shard's
+    first header, nothing more."""
+    try:
+        return _source_problem(source, base_dir)
+    except OSError as err:
+        return f"cannot read {source}: {err.strerror or err}"
+
+
+def _source_problem(source: str | Sequence[str], base_dir: str | Path) -> str | None:
     from dtdsl.data.llava import is_llava_source
     from dtdsl.data.webdataset import compressed_problem, resolve_shards
 
@@ -195,7 +203,7 @@ def _all_refused(source: str | Sequence[str], base_dir: str | Path) -> bool:
         resolve_shards(source, base_dir)
     except NoSamples:
         return True
-    except DatasetError:
+    except (DatasetError, OSError):
         return False
     return False
 

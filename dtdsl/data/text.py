@@ -195,6 +195,8 @@ def tokenizer_path(path: str | Path) -> Path:
         raise TokenizerError(f"{p} has no tokenizer.json")
     if p.is_file():
         return p
+    if p.exists():
+        raise TokenizerError(f"{p} is not a file or a folder (a device, a socket?)")
     raise TokenizerError(f"{p} does not exist")
 
 

@@ -20,6 +20,8 @@ from dtdsl.frontend import ast
 __all__ = ["LINE_WIDTH", "expr_text", "format_spec"]
 
 LINE_WIDTH = 100
+# The widest line whose end-of-line comment is lined up with its run's (``_Printer.items``).
+ALIGN_MAX = LINE_WIDTH
 _INDENT = "  "
 _TIGHT_UNITS = ("%", "k", "M")
 
@@ -192,12 +194,15 @@ class _Printer:
                 commented.setdefault(runs[i], []).append((len(self.out), len(lines[0])))
             lines[-1] += comment
             self._emit(lines, item.span.end_line)
-        # End-of-line comments of one run line up, two spaces past its longest commented line.
+        # End-of-line comments of one run line up, two spaces past its longest commented line
+        # of at most ALIGN_MAX characters; a longer line keeps its comment where it is (one
+        # long value would otherwise pad every comment of the run out to it).
         for entries in commented.values():
-            column = max(width for _, width in entries)
+            column = max((width for _, width in entries if width <= ALIGN_MAX), default=0)
             for index, width in entries:
-                code, comment = self.out[index][:width], self.out[index][width:]
-                self.out[index] = code.ljust(column) + comment
+                if width <= column:
+                    code, comment = self.out[index][:width], self.out[index][width:]
+                    self.out[index] = code.ljust(column) + comment
 
     def _alignment(self, items: Sequence[ast.Node]) -> tuple[list[int], list[int | None]]:
         """Per statement: the width to pad its left side to (the widest in its run), and

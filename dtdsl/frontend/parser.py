@@ -259,6 +259,17 @@ _KEYWORD_AS_VALUE = {
 }
 
 
+# How much of the text before an error the hints' patterns look at: they match at its
+# end, and over a whole long block (a 60 KB comment) backtracking made them quadratic.
+_TAIL = 512
+
+
+def _tail(text: str, end: int) -> tuple[str, int]:
+    """The last ``_TAIL`` characters of ``text[:end]`` and where they start in ``text``."""
+    start = max(0, end - _TAIL)
+    return text[start:end], start
+
+
 def _syntax_diagnostic(err: UnexpectedInput, text: str, line_offset: int) -> Diagnostic:
     if isinstance(err, UnexpectedCharacters):
         where = Span.point(err.line + line_offset, err.column)
@@ -266,10 +277,11 @@ def _syntax_diagnostic(err: UnexpectedInput, text: str, line_offset: int) -> Dia
         if char == '"':
             return Diagnostic.error(DT103, "string is not closed before the end of the line",
                                     where, hint='close it with a \'"\' on the same line')
-        typo = _UNIT_TYPO.search(text[:err.pos_in_stream])
+        tail, at = _tail(text, err.pos_in_stream)
+        typo = _UNIT_TYPO.search(tail)
         if typo and char == "/":
             return _unit_diagnostic(typo.group(1) + "/", _span_at(
-                text, typo.start(1), len(typo.group(1)) + 1, line_offset))
+                text, at + typo.start(1), len(typo.group(1)) + 1, line_offset))
         shown = repr(char) if char.isprintable() else f"U+{ord(char):04X}"
         hint = None
         if char in "\u201c\u201d\u2018\u2019":
@@ -288,7 +300,7 @@ def _syntax_diagnostic(err: UnexpectedInput, text: str, line_offset: int) -> Dia
                                 f"{_describe_expected(expected)}", where)
     where = Span(line=token.line + line_offset, column=token.column,
                  end_line=token.end_line + line_offset, end_column=token.end_column)
-    before = text[:token.start_pos]
+    before, at = _tail(text, token.start_pos)
     after = text[token.end_pos:token.end_pos + 80]
     number = re.search(r"(\d+)[ \t]*$", before)
     if token.type == "NAME" and number \
@@ -297,7 +309,7 @@ def _syntax_diagnostic(err: UnexpectedInput, text: str, line_offset: int) -> Dia
     typo = _UNIT_TYPO.search(before)
     if typo and expected and expected <= {"EQUAL", "DOT"}:
         digit = before[typo.start()]
-        return _unit_diagnostic(typo.group(1), _span_at(text, typo.start(1),
+        return _unit_diagnostic(typo.group(1), _span_at(text, at + typo.start(1),
                                                         len(typo.group(1)), line_offset),
                                 digit if typo.start(1) == typo.start() + 1 else "")
     message = f"unexpected {_describe_token(token)}; expected {_describe_expected(expected)}"

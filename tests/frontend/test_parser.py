@@ -146,3 +146,39 @@ def test_keyword_field_is_an_unknown_field_wherever_it_stands():
 def test_keywords_that_stay_keywords_get_a_clear_hint(text, word):
     (d,) = parse(Source(name="t.dt", text=text)).diagnostics
     assert d.code == "DT101" and word in d.hint and "reserved" not in d.hint
+
+
+def test_a_unit_typo_far_into_a_long_block_is_still_placed():
+    # The hints look at the text just before the error (a bounded tail): the span is
+    # still where the typo is, after a long comment.
+    text = "cluster {\n  # " + "x" * 5000 + "\n  m = 80 Gib\n}\n"
+    (diag,) = run_frontend("t.dt", text.encode(), stop_after="ast").diagnostics
+    assert diag.code == "DT107" and (diag.span.line, diag.span.column) == (3, 10)
+
+
+def test_a_syntax_error_after_a_long_run_of_letters_is_found_at_once():
+    # `x = 1 = 2` after 120,000 letters: the keyword hint's pattern ran over the whole
+    # block before the `=` and backtracked at every letter (85 s at 60 KB; quadratic).
+    import threading
+
+    text = "train {\n  # " + "a" * 120_000 + "\n  x = 1 = 2\n}\n"
+    found: list = []
+    worker = threading.Thread(target=lambda: found.extend(
+        run_frontend("t.dt", text.encode(), stop_after="ast").diagnostics), daemon=True)
+    worker.start()
+    worker.join(60)             # a hang guard, not a timing: it takes well under a second
+    assert not worker.is_alive(), "the syntax error's hints are still searching"
+    assert [(d.code, d.span.line) for d in found] == [("DT101", 3)]
+
+
+def test_one_long_line_does_not_push_its_runs_comments_out():
+    from dtdsl.frontend.fmt import ALIGN_MAX, format_spec
+
+    text = ('data d {\n  source = "' + "s" * 150 + '"  # where\n'
+            '  samples = 10  # how many\n  tokenizer = "t"  # which\n}\n')
+    spec = _parse(text)
+    out = format_spec(spec)
+    lines = out.splitlines()
+    assert lines[2].index("#") == lines[3].index("#") < ALIGN_MAX, out
+    assert lines[1].endswith('"  # where')
+    assert format_spec(_parse(out)) == out                         # idempotent
