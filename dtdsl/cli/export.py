@@ -40,6 +40,9 @@ def run(args: argparse.Namespace) -> int:
     if args.spec is not None:
         _, program = open_program(args.spec)
     out = Path(args.output)
+    if out.is_symlink():
+        raise UsageError(f"{out} is a symbolic link; dtdsl does not write through links: "
+                         "give the real folder, or a new one")
     if out.is_dir() and any(out.iterdir()) and not args.overwrite:
         raise UsageError(f"{out} is not empty; pass --overwrite to write into it")
     units = tuple(u for u in args.units.split(",") if u) if args.units else None

@@ -82,8 +82,12 @@ def find_checkpoint(path: str | Path, step: int | None = None) -> Path:
         raise CheckpointError(f"{path} is not a run directory or a checkpoint")
     done = complete_checkpoints(path)
     if not done:
+        # A bundle's folder for its run's (launch.sh's default run directory).
+        bundle = (path / "job.json").is_file() and (path / "run").is_dir()
         raise CheckpointError(f"{path} has no complete checkpoint (looked in "
-                              f"{path / 'checkpoints'})")
+                              f"{path / 'checkpoints'})" +
+                              (f"; it is a bundle: its run is {path / 'run'}" if bundle
+                               else ""))
     if step is None:
         return done[-1][1]
     for n, found in done:
