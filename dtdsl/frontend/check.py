@@ -419,10 +419,17 @@ class _Checker(DataChecks, TrainChecks):
                 ctx.error(DT305, f"level {i} has {ch} channels, which GroupNorm cannot split "
                           f"into {args['groups']} groups", call.arg_span("channels"),
                           hint="use channels divisible by groups (e.g. channels=320, groups=32)")
-            if 2 ** i in args["attn_res"] and ch % args["head_dim"]:
+            # Attention runs at the attn_res levels and in the middle block, at the
+            # deepest level whatever attn_res says.
+            middle = i == len(args["mult"]) - 1
+            if (2 ** i in args["attn_res"] or middle) and ch % args["head_dim"]:
                 ok = False
-                ctx.error(DT305, f"level {i} has {ch} channels, not a multiple of "
-                          f"head_dim {args['head_dim']}", call.arg_span("head_dim"))
+                where = " (the middle block's attention)" if middle and \
+                    2 ** i not in args["attn_res"] else ""
+                ctx.error(DT305, f"level {i}{where} has {ch} channels, not a multiple of "
+                          f"head_dim {args['head_dim']}", call.arg_span("head_dim"),
+                          hint=f"use a head_dim that divides {ch}, e.g. "
+                          f"{math.gcd(ch, args['head_dim'])}")
         if not ok:
             return INVALID
         return ir.UNetArch(**args)

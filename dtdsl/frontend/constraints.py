@@ -256,7 +256,8 @@ class _Resolver:
         pp_rules = [r for r in rules if r.axis == "pp"]
         if pp.smallest > layers:
             ok = ctx.error(DT407, f"pp({module.name}) needs at least {pp.smallest} pipeline "
-                           f"stages, but {module.name} has only {layers} layers to split",
+                           f"stages, but {module.name} has only {layers} layer"
+                           f"{'s' if layers != 1 else ''} to split",
                            pp_rules[-1].node.span if pp_rules else _header(module),
                            hint=f"allow pp <= {layers}")
         if module.arch.kind == "unet" and 1 not in pp.candidates(max(layers, 1)):
@@ -368,8 +369,8 @@ class _Resolver:
             wrong = [t for t in bad if t in (rule.domain.values or ())]
             if wrong:
                 ctx.error(DT401, f"tp {_listing_tp(wrong)} cannot split {module.name}: "
-                          + "; ".join(f"{' and '.join(module.arch.tp_conflicts(t))} do not "
-                                      f"split {t} ways" for t in wrong),
+                          + "; ".join(f"{' and '.join(module.arch.tp_conflicts(t))} cannot "
+                                      f"be split {t} ways" for t in wrong),
                           rule.node.value.span,
                           notes=["tensor parallelism shards heads and FFN columns evenly "
                                  "across the TP group (Megatron-LM fails at launch otherwise)"],
@@ -393,8 +394,8 @@ class _Resolver:
             ctx.warning(DT401, f"{module.name} cannot use tp {_listing_tp(dropped, 'or')}; the "
                         f"planner will choose from tp {_listing_tp(good)}",
                         rules[-1].node.span if rules else _header(module),
-                        notes=[f"tp {t}: {' and '.join(module.arch.tp_conflicts(t))} do not "
-                               f"split {t} ways" for t in dropped],
+                        notes=[f"tp {t}: {' and '.join(module.arch.tp_conflicts(t))} cannot "
+                               f"be split {t} ways" for t in dropped],
                         hint=f"TP degrees that work for {module.name}: {hint_values}; say so "
                         f"with `tp({module.name}) in {{...}}` to silence this")
         return IntDomain(values=tuple(good))

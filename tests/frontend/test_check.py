@@ -366,3 +366,30 @@ def test_an_unclamped_count_is_drawn_within_the_bound():
     assert q.largest() is None
     values = draw(q, 20000, np.random.default_rng(0))
     assert values.max() == 4096 and values.min() >= 0       # the tail, clipped
+
+
+UNET = "unet(channels=320, mult=MULT, res_blocks=1, latent=32)"
+
+
+@pytest.mark.parametrize("unet, where", [
+    # The middle block attends at the deepest level whatever attn_res lists: 32 channels
+    # there made 0 heads of 64, which passed check and failed every rank at build time.
+    ("unet(channels=32, mult=[1, 1], res_blocks=1, attn_res=[], latent=32, head_dim=64)",
+     "level 1 (the middle block's attention) has 32 channels, not a multiple of head_dim 64"),
+    ("unet(channels=32, mult=[2, 3], res_blocks=1, attn_res=[1], latent=32, head_dim=64, "
+     "groups=8)", "level 1 (the middle block's attention) has 96 channels"),
+    ("unet(channels=64, mult=[2, 3], res_blocks=1, attn_res=[1], latent=32, head_dim=24, "
+     "groups=8)", "level 0 has 128 channels, not a multiple of head_dim 24"),
+])
+def test_every_level_a_u_net_attends_at_fits_its_heads(unet, where):
+    text = GENERATOR.replace(UNET, unet)
+    assert unet in text
+    found = [d for d in diagnostics(text) if d.severity.value == "error"]
+    assert [d.code for d in found] == ["DT305"] and where in found[0].message, \
+        [d.message for d in found]
+
+
+def test_a_u_net_whose_middle_block_splits_into_heads_is_accepted():
+    text = GENERATOR.replace(UNET, "unet(channels=320, mult=[1, 2], res_blocks=1, "
+                                   "attn_res=[], latent=32, head_dim=64)")
+    assert program(text).module("sd").arch.level_heads(1) == 10
