@@ -676,8 +676,16 @@ class _Trainer:
         self.feed = self._feed(groups, source)
         # A resumed run takes every parameter from its checkpoint: nothing is initialised
         # or read from pretrained weights first (unless it finds no checkpoint).
-        self.ex = StageExecutor(program_ir, plan, self.schedule, rank=rank, groups=groups,
-                                feed=self.feed, device=self.device, initialize=not self.resume)
+        try:
+            self.ex = StageExecutor(program_ir, plan, self.schedule, rank=rank,
+                                    groups=groups, feed=self.feed, device=self.device,
+                                    initialize=not self.resume)
+        except ValueError as err:
+            # The bundle's program and plan build the same modules on every attempt: a
+            # module they cannot build is no restart's to change.
+            from dtdsl.feed.faults import Fatal
+
+            raise Fatal(f"cannot build this rank's stage: {err}") from err
         # Collective (its store keys' nonce is broadcast): every rank builds it here.
         self.ckpt = Checkpointer(self.ex, self.run_dir, keep=job.checkpoint.keep,
                                  mode=self.args.checkpoint_mode, spec_sha256=job.spec_sha256)

@@ -270,6 +270,29 @@ def test_a_full_disk_stops_the_launch_with_one_line_and_no_restart(tmp_path, bun
 
 
 @pytest.mark.slow
+def test_a_stage_no_rank_can_build_stops_the_launch_with_one_line(tmp_path, bundle):
+    # A program the checker would refuse, written into the bundle by hand: the generator
+    # rank cannot build its U-Net (0 heads of 128 at its attention level) on any attempt,
+    # so the launch stops at once with the reason instead of torchrun's restarts.
+    import json
+    import shutil
+
+    edited = tmp_path / "bundle"
+    shutil.copytree(bundle, edited)
+    program = json.loads((edited / "program.json").read_text())
+    gen = next(m for m in program["modules"] if m["name"] == "gen")
+    gen["arch"]["head_dim"] = 128
+    (edited / "program.json").write_text(json.dumps(program))
+    proc = launch(edited, tmp_path / "run", "--steps", "2", timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == EXIT_FATAL, out[-6000:]
+    said = [line for line in out.splitlines() if line.startswith("launch.sh: stopped:")]
+    assert len(said) == 1 and "cannot build this rank's stage: " in said[0] and \
+        "0 attention heads" in said[0], out[-6000:]
+    assert _attempts(out) == 1 and "restart" not in out, out[-6000:]
+
+
+@pytest.mark.slow
 def test_a_changed_spec_on_resume_and_a_loose_key_stop_before_torchrun(
         tmp_path, bundle, dataset):  # noqa: F811
     run_dir = tmp_path / "run"
