@@ -51,7 +51,8 @@ so that a restart of this run cannot load them (``launch.sh`` refuses a fresh st
 such a directory instead, and lets one launch at a time use it: ``train.rundir``).
 
 **Faults no restart changes** (``feed.faults``): a stale bundle, a resume from a
-checkpoint of another spec, a full disk, a job key others may read, bad weights or data.
+checkpoint of another spec, a full disk, a job key others may read, bad weights or data,
+a stage the bundle's program and plan cannot build.
 The rank that meets one records it for the launch and waits to be stopped; the launch's
 supervisor stops torchrun and prints the one line (``train.supervise``). Any other error
 is raised, and torchrun restarts the job.
