@@ -20,16 +20,17 @@ from typing import Any
 from dtdsl.diagnostics import render_text
 from dtdsl.driver import FrontendResult, UsageError, read_spec, run_frontend
 from dtdsl.errors import EXIT_ERRORS, EXIT_INTERNAL, EXIT_OK, EXIT_USAGE
+from dtdsl.ir.program import MAX_CLUSTER_GPUS
 
 __all__ = [
     "EXIT_ERRORS", "EXIT_INTERNAL", "EXIT_OK", "EXIT_USAGE", "int_at_least", "load_program",
-    "non_negative", "positive_int", "write_file",
+    "gpu_count", "non_negative", "positive_int", "write_file",
 ]
 
 
 
-def int_at_least(low: int) -> Callable[[str], int]:
-    """An argparse type: a whole number of at least ``low``."""
+def int_at_least(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: a whole number of at least ``low`` (and at most ``high``)."""
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -38,12 +39,15 @@ def int_at_least(low: int) -> Callable[[str], int]:
                 from None
         if value < low:
             raise argparse.ArgumentTypeError(f"expected at least {low}, not {value}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"expected at most {high:,}, not {value:,}")
         return value
     return parse
 
 
 positive_int = int_at_least(1)
 non_negative = int_at_least(0)
+gpu_count = int_at_least(1, MAX_CLUSTER_GPUS)        # --gpus: as a cluster block's gpus
 
 
 def load_program(path: str) -> tuple[FrontendResult | None, int]:
@@ -74,6 +78,8 @@ def check_output(path: str, ours: Callable[[bytes], bool], what: str) -> Path:
         st = os.lstat(target)
     except FileNotFoundError:
         st = None
+        if not target.parent.is_dir():
+            raise UsageError(f"cannot write {path}: no folder {target.parent}") from None
     except OSError as err:
         raise UsageError(f"cannot write {path}: {err.strerror or err}") from None
     if st is not None:

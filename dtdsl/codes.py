@@ -302,8 +302,8 @@ that is not an array of records, every shard refused (see DT317 for a source wit
 nothing left to train on). WebDataset shards and a LLaVA JSON are indexed here once
 (cached beside them, as `dtc data index SOURCE` does).
 
-To plan or compile without data on purpose, pass `--synthetic`: the bundle then
-trains on samples drawn from the spec's distributions. `dtc compile --data
+To check or compile without data on purpose, pass `--synthetic` (`dtc plan` reads
+no data): the bundle then trains on samples drawn from the spec's distributions. `dtc compile --data
 SOURCE` reads another source instead.
 """),
     "DT315": Code("Tokenizer unusable", """

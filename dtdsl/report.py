@@ -46,6 +46,11 @@ def format_bytes(num_bytes: float) -> str:
     return f"{num_bytes:.0f} B"
 
 
+def _count(n: int, one: str, many: str) -> str:
+    """``n`` and the noun that goes with it: "1 microbatch", "4 microbatches"."""
+    return f"{n} {one if n == 1 else many}"
+
+
 def _layers(per_stage: tuple[int, ...]) -> str:
     if len(set(per_stage)) == 1:
         return f"{per_stage[0]}" if len(per_stage) == 1 else f"{per_stage[0]} x{len(per_stage)}"
@@ -85,7 +90,8 @@ def plan_table(plan: Plan) -> Table:
     unit microbatch on the slowest stage; memory of the first stage's GPUs). A CP column
     where a unit uses context parallelism."""
     title = (f"{plan.spec}: {plan.search} plan, {plan.gpus_used} of {plan.num_gpus} GPUs, "
-             f"{plan.schedule}, {plan.num_microbatches} microbatches per replica")
+             f"{plan.schedule}, {_count(plan.num_microbatches, 'microbatch', 'microbatches')} per "
+             "replica")
     table = Table(title=title, title_justify="left")
     for name, justify in (("unit", "left"), ("role", "left"), ("GPUs", "right"),
                           ("TP", "right"), *((("CP", "right"),) if _uses_cp(plan) else ()),
@@ -278,7 +284,8 @@ def plan_markdown(plan: Plan) -> str:
             format_seconds(u.fwd_time_s), format_seconds(u.bwd_time_s),
             format_seconds(u.dp_sync_time_s), format_bytes(u.memory_bytes)]) + " |")
     title = (f"**{plan.spec}**: {plan.search} plan, {plan.gpus_used} of {plan.num_gpus} GPUs, "
-             f"{plan.schedule}, {plan.num_microbatches} microbatches per replica")
+             f"{plan.schedule}, {_count(plan.num_microbatches, 'microbatch', 'microbatches')} per "
+             "replica")
     summary = "\n".join(f"    {line}" for line in _summary(plan))
     return f"{title}\n\n" + "\n".join(rows) + f"\n\n{summary}\n"
 
@@ -295,7 +302,8 @@ def plan_tables_stacked(plan: Plan) -> tuple[Table, Table]:
     """``plan_table`` for narrow terminals: the layout, then the costs, each with its
     unit column (names and roles wrap; numbers never do)."""
     title = (f"{plan.spec}: {plan.search} plan, {plan.gpus_used} of {plan.num_gpus} GPUs, "
-             f"{plan.schedule}, {plan.num_microbatches} microbatches per replica")
+             f"{plan.schedule}, {_count(plan.num_microbatches, 'microbatch', 'microbatches')} per "
+             "replica")
     layout = Table(title=title, title_justify="left")
     layout.add_column("unit", overflow="fold", ratio=1)
     layout.add_column("role", overflow="fold", ratio=1)

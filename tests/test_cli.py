@@ -184,3 +184,58 @@ def test_output_files_replace_only_what_dtdsl_wrote(tmp_path, capsys):
     assert cli.main(["graph", str(spec), "-o", str(graph)]) == 0      # text over DOT
     assert cli.main(["graph", str(spec), "-o", str(plan)]) == 2
     assert "is not a stage graph dtdsl wrote" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, said", [
+    (["plan", "TINY", "--gpus", "1000000"], "argument --gpus: expected at most 131,072"),
+    (["compile", "TINY", "-o", "OUT", "--synthetic", "--max-restarts", "-2"],
+     "argument --max-restarts: expected at least 0, not -2"),
+    (["compile", "TINY", "-o", "OUT", "--synthetic", "--workers", "-1"],
+     "argument --workers: expected at least 0, not -1"),
+    (["profile", "TINY", "-o", "OUT", "--device", "tpu"],
+     "argument --device: cpu, cuda or cuda:N, not 'tpu'"),
+])
+def test_bad_option_values_are_argparse_lines(tmp_path, capsys, args, said):
+    args = [str(ROOT / "specs" / "tiny_cpu.dt") if a == "TINY" else
+            str(tmp_path / "out") if a == "OUT" else a for a in args]
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(args)
+    assert exit_.value.code == 2 and said in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_plan_reading_commands_refuse_another_specs_plan_alike(tmp_path, capsys):
+    # graph read a plan by itself: another spec's was an internal error, a broken one
+    # pydantic's report; it checks the plan as simulate, memcheck and compile do.
+    spec = tmp_path / "other.dt"
+    spec.write_text((ROOT / "specs" / "tiny_cpu.dt").read_text()
+                    .replace("generator gen", "generator sd").replace("llm -> gen", "llm -> sd")
+                    .replace('  source = "data/tiny"\n', ""))
+    plan = tmp_path / "plan.json"
+    assert cli.main(["plan", str(spec), "--no-baseline", "-o", str(plan)]) == 0
+    (tmp_path / "broken.json").write_text('{"version": 1}')
+    tiny = str(ROOT / "specs" / "tiny_cpu.dt")
+    capsys.readouterr()
+    assert cli.main(["graph", tiny, "--plan", str(plan)]) == 2
+    err = capsys.readouterr().err
+    assert "has units gen" not in err and "plan this spec again" in err and \
+        "internal" not in err, err
+    assert cli.main(["graph", tiny, "--plan", str(tmp_path / "broken.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot read plan" in err, err
+
+
+def test_profile_into_a_missing_folder_stops_before_it_measures(tmp_path, capsys):
+    assert cli.main(["profile", str(ROOT / "specs" / "tiny_cpu.dt"), "-o",
+                     str(tmp_path / "none" / "p.json")]) == 2
+    assert f"cannot write {tmp_path / 'none' / 'p.json'}: no folder" in \
+        capsys.readouterr().err
+
+
+def test_a_cluster_larger_than_the_planner_solves_is_dt208(tmp_path, capsys):
+    spec = tmp_path / "big.dt"
+    spec.write_text((ROOT / "specs" / "tiny_cpu.dt").read_text()
+                    .replace("gpus          = 4", "gpus          = 200000")
+                    .replace('  source = "data/tiny"\n', ""))
+    assert cli.main(["check", str(spec)]) == 1
+    assert "error[DT208]" in capsys.readouterr().err

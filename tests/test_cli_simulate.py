@@ -64,8 +64,19 @@ def test_simulate_writes_scalars_gantt_text_and_trace(capsys, tmp_path):
 def test_simulate_table_and_plan_file(capsys, tmp_path):
     plan_path = tmp_path / "plan.json"
     assert run(capsys, "plan", TINY, "-o", str(plan_path), "--no-baseline")[0] == 0
+    # A trace.json dtdsl did not write stops it before it simulates; its own is replaced.
+    (tmp_path / "tb").mkdir()
+    (tmp_path / "tb" / "trace.json").write_text("precious")
+    code, _, err = run(capsys, "simulate", TINY, "--plan", str(plan_path), "--steps", "2",
+                       "--logdir", str(tmp_path / "tb"))
+    assert code == 2 and "trace.json exists and is not a trace dtdsl wrote" in err, err
+    assert (tmp_path / "tb" / "trace.json").read_text() == "precious"
+    (tmp_path / "tb" / "trace.json").unlink()
     code, out, err = run(capsys, "simulate", TINY, "--plan", str(plan_path), "--steps", "2",
-                         "--logdir", str(tmp_path / "tb"))
+                         "--logdir", str(tmp_path / "tb"), "--overwrite")
+    assert code == 0, err
+    code, out, err = run(capsys, "simulate", TINY, "--plan", str(plan_path), "--steps", "2",
+                         "--logdir", str(tmp_path / "tb"), "--overwrite")
     assert code == 0, err
     for word in ("simulated steps", "iteration", "MFU", "planned", "tensorboard --logdir",
                  "trace"):
@@ -146,7 +157,7 @@ def test_simulate_logdir_errors(capsys, tmp_path, monkeypatch):
     (logdir / "trace.json").mkdir(parents=True)
     code, _, err = run(capsys, "simulate", TINY, "--logdir", str(logdir), "--steps", "1",
                        "--reorder", "none")
-    assert code == 2 and "cannot write" in err and "trace.json" in err
+    assert code == 2 and "trace.json is a directory" in err   # said before simulating
 
 
 def test_simulate_refuses_to_mix_runs_in_one_logdir(capsys, tmp_path, monkeypatch):

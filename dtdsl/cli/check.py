@@ -24,7 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", choices=("text", "json"), default="text")
     parser.add_argument("--emit", choices=(*STAGES, "graph", "plan", "schedule"),
                         help="print the text form of a stage (ast: the syntax tree with spans; "
-                        "program: the resolved program as JSON; graph: the stage graph)")
+                        "program: the resolved program as JSON; graph: the stage graph; "
+                        "plan: the plan as JSON; schedule: every stage's actions)")
     parser.add_argument("--synthetic", action="store_true",
                         help="do not check that the data source can be read (a spec planned, "
                         "or compiled to train on samples drawn from its distributions; "

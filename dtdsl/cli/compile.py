@@ -17,7 +17,7 @@ from dtdsl.cli.common import (
     slurm_option,
     spec_dir,
 )
-from dtdsl.clihelp import EXIT_ERRORS, EXIT_OK, positive_int
+from dtdsl.clihelp import EXIT_ERRORS, EXIT_OK, non_negative, positive_int
 from dtdsl.codegen.slurm import slurm_name, slurm_time
 from dtdsl.diagnostics import has_errors, render_text
 from dtdsl.driver import FrontendResult, UsageError
@@ -37,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_plan_options(parser)
     parser.add_argument("--steps", type=positive_int, metavar="N",
                         help="training steps (default: the spec's train.steps)")
-    parser.add_argument("--workers", type=int, metavar="N",
+    parser.add_argument("--workers", type=non_negative, metavar="N",
                         help="preprocessing worker processes, spread over the nodes: each "
                         "node runs ceil(N / nodes) for its own trainers (default: "
                         "cluster.cpu_workers; 0 builds batches inside the trainers)")
@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="slurm.sbatch's partition (#SBATCH --partition)")
     parser.add_argument("--account", type=slurm_option(slurm_name, "account"), metavar="A",
                         help="slurm.sbatch's account (#SBATCH --account)")
-    parser.add_argument("--max-restarts", type=int, metavar="N",
+    parser.add_argument("--max-restarts", type=non_negative, metavar="N",
                         help="torchrun restarts after a failed rank, each resuming from the "
                         "newest checkpoint (default 3)")
     parser.add_argument("--overwrite", action="store_true",

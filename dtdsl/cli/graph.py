@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
+from dtdsl.cli.common import read_plan
 from dtdsl.clihelp import EXIT_OK, load_program, write_file
-from dtdsl.driver import UsageError
 
 __all__ = ["HELP", "NAME", "add_arguments", "run"]
 
@@ -25,21 +24,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from dtdsl.cost.graph import build_graph, graph_dot, graph_text
-    from dtdsl.ir.plan import Plan
 
     result, code = load_program(args.spec)
     if result is None:
         return code
-    plan = None
-    if args.plan:
-        try:
-            plan = Plan.model_validate_json(Path(args.plan).read_bytes())
-        except (OSError, ValueError) as err:
-            raise UsageError(f"cannot read plan {args.plan}: {err}") from None
-        assert result.program is not None
-        if plan.spec_sha256 != result.program.source_sha256:
-            print(f"dtc: warning: {args.plan} was planned for another revision of the spec",
-                  file=sys.stderr)
+    assert result.program is not None
+    # Checked against the spec as every command that reads a plan checks it.
+    plan = read_plan(args.plan, result.program) if args.plan else None
     graph = build_graph(result.program, plan)
     text = graph_dot(graph) if args.dot else graph_text(graph)
     if args.output:

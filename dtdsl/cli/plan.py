@@ -16,9 +16,9 @@ from dtdsl.cli.common import (
 from dtdsl.clihelp import (
     EXIT_ERRORS,
     EXIT_OK,
+    gpu_count,
     non_negative,
     parses_as,
-    positive_int,
     write_file,
 )
 from dtdsl.driver import UsageError
@@ -31,7 +31,7 @@ HELP = "choose GPUs and TP/DP/PP for every module"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("spec", metavar="SPEC", help="spec file ('-' for stdin)")
-    parser.add_argument("--gpus", type=positive_int, metavar="N",
+    parser.add_argument("--gpus", type=gpu_count, metavar="N",
                         help="plan for N GPUs instead of the spec's cluster.gpus")
     parser.add_argument("--search", choices=("convex", "exhaustive", "baseline"),
                         default="convex", help="convex: DistTrain's Algorithm 1 (default); "

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 from dtdsl.cli.common import open_program
-from dtdsl.clihelp import EXIT_OK, check_output, parses_as, positive_int
+from dtdsl.clihelp import EXIT_OK, check_output, non_negative, parses_as, positive_int
 from dtdsl.driver import UsageError
 
 __all__ = ["HELP", "NAME", "add_arguments", "run"]
@@ -25,8 +26,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "allows up to 8)")
     parser.add_argument("--repeats", type=positive_int, default=3,
                         help="timed passes per point (the median is kept)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed passes per point")
-    parser.add_argument("--device", help="cpu or cuda (default: cuda when there is one)")
+    parser.add_argument("--warmup", type=non_negative, default=1,
+                        help="untimed passes per point")
+    parser.add_argument("--device", type=_device,
+                        help="cpu, cuda or cuda:N (default: cuda when there is one)")
     parser.add_argument("--threads", type=positive_int, default=1,
                         help="torch CPU threads while measuring (default 1)")
     parser.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
@@ -62,3 +65,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {args.output}", file=sys.stderr)
     return EXIT_OK
 
+
+def _device(text: str) -> str:
+    """``--device``: cpu, cuda or cuda:N (argparse's one-line error otherwise)."""
+    if re.fullmatch(r"cpu|cuda(:\d+)?", text) is None:
+        raise argparse.ArgumentTypeError(f"cpu, cuda or cuda:N, not {text!r}")
+    return text

@@ -16,7 +16,7 @@ from dtdsl.cli.common import (
     open_program,
     plan_and_schedule,
 )
-from dtdsl.clihelp import EXIT_ERRORS, EXIT_OK, positive_int
+from dtdsl.clihelp import EXIT_ERRORS, EXIT_OK, check_output, gpu_count, positive_int
 from dtdsl.driver import UsageError
 
 __all__ = ["HELP", "NAME", "add_arguments", "run"]
@@ -31,7 +31,7 @@ HELP = ("simulate training steps of a plan: TensorBoard "
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("spec", metavar="SPEC", help="spec file ('-' for stdin)")
     add_plan_options(parser)
-    parser.add_argument("--gpus", type=positive_int, metavar="N",
+    parser.add_argument("--gpus", type=gpu_count, metavar="N",
                         help="plan for N GPUs instead of the spec's cluster")
     parser.add_argument("--steps", type=positive_int, default=4,
                         help="training steps (global batches) to simulate (default 4)")
@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     from dtdsl.sim.run import simulate_steps
     from dtdsl.sim.simulate import Simulator
     from dtdsl.sim.tensorboard import TimelineWriter
-    from dtdsl.sim.trace import write_trace
+    from dtdsl.sim.trace import is_trace, write_trace
 
     result, program = open_program(args.spec)
     cost = cost_model(args, program)
@@ -74,6 +74,9 @@ def run(args: argparse.Namespace) -> int:
         logdir.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise UsageError(f"cannot create {args.logdir}: {err.strerror or err}") from None
+    # The trace it writes replaces only an earlier one (checked before simulating).
+    trace_path = logdir / "trace.json"
+    check_output(str(trace_path), is_trace, "a trace")
     earlier = sorted(logdir.glob("events.out.tfevents.*"))
     if earlier and not args.overwrite:
         raise UsageError(f"--logdir {args.logdir} already holds TensorBoard events of an "
@@ -105,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         if policy:
             baseline = list(simulate_steps(program, cost, the_plan, schedule,
                                            steps=args.steps, policy=frozenset(), **shared))
-    trace_path = logdir / "trace.json"
+    check_output(str(trace_path), is_trace, "a trace")
     try:
         write_trace(trace_path, timelines)
     except OSError as err:

@@ -215,10 +215,12 @@ def _cmd_index(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _text_options(parser: argparse.ArgumentParser) -> None:
+def _text_options(parser: argparse.ArgumentParser, *, spec: bool) -> None:
     parser.add_argument("--tokenizer", metavar="PATH",
                         help="count text tokens with this tokenizer.json (or a Hugging Face "
-                        "folder holding one); default: the spec's, else words and marks")
+                        "folder holding one); default: " + ("the spec's (--spec), else "
+                                                            if spec else "") +
+                        "words and marks")
     parser.add_argument("--chat", choices=("chatml", "llama3", "llava"),
                         help="the chat format of conversations (default: the tokenizer's)")
     parser.add_argument("--image-folder", metavar="DIR",
@@ -264,7 +266,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      "and video encoders")
     how.add_argument("--patch", type=positive_int, metavar="PX",
                      help="patch size in pixels for image.patches (default 14)")
-    _text_options(stats)
+    _text_options(stats, spec=True)
     stats.add_argument("--json", action="store_true",
                        help='print {"quantity": [values...]} instead of the table')
     stats.add_argument("-o", "--output", metavar="FILE",
@@ -278,5 +280,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        ".json/.jsonl")
     index.add_argument("--rebuild", action="store_true",
                        help="read every shard again even if an index of them exists")
-    _text_options(index)
+    _text_options(index, spec=False)
     index.set_defaults(func=_cmd_index)

@@ -184,7 +184,7 @@ def data_diagnostics(program: ir.Program, base_dir: str | Path) -> list[Any]:
             DT314, f"data source {source!r} cannot be read: {problem}", span,
             notes=["paths are relative to the spec's folder"],
             hint="point source at a dataset (`dtc data synth` writes one) or at WebDataset "
-            "shards; to plan or compile without data, pass --synthetic (samples drawn from "
+            "shards; to check or compile without data, pass --synthetic (samples drawn from "
             "the spec's distributions)")]
     if program.data.tokenizer is None and not is_synthetic(source, base_dir):
         return [Diagnostic.error(

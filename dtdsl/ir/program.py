@@ -619,6 +619,11 @@ class Quantity(IRModel):
         return top
 
 
+# The most GPUs a cluster may have: the planner's convex solve holds to 2^17 (at 150k its
+# solver failed on the tiny spec). The checker's bound and ``--gpus``'s.
+MAX_CLUSTER_GPUS = 1 << 17
+
+
 # The largest value of a quantity one sample can have: its items (``count``,
 # ``gen_count``: images, clips, targets) and any size (tokens, patches, frames). The
 # checker refuses a distribution or clamp above it (DT208); every draw is clipped to it,

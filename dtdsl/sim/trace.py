@@ -107,6 +107,21 @@ def trace_events(timelines: Timeline | Iterable[Timeline]) -> dict[str, Any]:
     return {"traceEvents": meta + events, "displayTimeUnit": "ms"}
 
 
+def is_trace(data: bytes) -> bool:
+    """Whether ``data`` is a trace ``write_trace`` writes (a JSON object of trace events;
+    ``dtc simulate`` replaces only one)."""
+    if data[:2] == b"\x1f\x8b":
+        try:
+            data = gzip.decompress(data)
+        except (OSError, EOFError):
+            return False
+    try:
+        found = json.loads(data)
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(found, dict) and isinstance(found.get("traceEvents"), list)
+
+
 def write_trace(path: str | Path, timelines: Timeline | Iterable[Timeline]) -> Path:
     """Write ``trace_events(timelines)`` to ``path`` (gzip-compressed when it ends in .gz,
     which Perfetto and chrome://tracing both open); returns the path."""

@@ -308,7 +308,10 @@ def test_hostile_strings_stay_inert_data(tmp_path, text):
 
 def test_bad_options_are_usage_errors(tmp_path, capsys):
     out = tmp_path / "b"
-    assert compile_spec(SPECS / "tiny_cpu.dt", out, "--workers", "-1") == 2
+    with pytest.raises(SystemExit) as exit_:     # argparse's line, not pydantic's report
+        compile_spec(SPECS / "tiny_cpu.dt", out, "--workers", "-1")
+    assert exit_.value.code == 2
+    assert "argument --workers: expected at least 0, not -1" in capsys.readouterr().err
     assert compile_spec(SPECS / "tiny_cpu.dt", out, "--data", "x", "--synthetic") == 2
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_:     # gone: the feed names no host
