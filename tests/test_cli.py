@@ -239,3 +239,17 @@ def test_a_cluster_larger_than_the_planner_solves_is_dt208(tmp_path, capsys):
                     .replace('  source = "data/tiny"\n', ""))
     assert cli.main(["check", str(spec)]) == 1
     assert "error[DT208]" in capsys.readouterr().err
+
+
+def test_reference_refuses_a_model_this_machine_cannot_hold(capsys, monkeypatch):
+    # The reference trains every module in one fp32 process: mllm_9b's 9.55B parameters
+    # need 16 bytes each; said at once instead of thrashing until the kernel kills it.
+    import os
+
+    pages = 1 << 20                                  # a 4 GiB machine, whatever this one is
+    real = os.sysconf
+    monkeypatch.setattr(os, "sysconf", lambda name: pages if name == "SC_PHYS_PAGES"
+                        else 4096 if name == "SC_PAGE_SIZE" else real(name))
+    assert cli.main(["reference", str(ROOT / "specs" / "mllm_9b.dt"), "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "its 9.55B parameters need at least 142.4 GiB" in err and "has 4.0 GiB" in err, err

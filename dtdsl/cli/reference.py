@@ -50,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
     if args.micro_batch is not None and args.micro_batch > program.train.global_batch:
         raise UsageError(f"--micro-batch {args.micro_batch} is larger than the global batch "
                          f"of {program.train.global_batch}")
+    _fits_in_memory(program)
     steps = args.steps or program.train.steps
     source = None
     if args.data is not None:
@@ -97,3 +98,30 @@ def run(args: argparse.Namespace) -> int:
             out.close()
     return EXIT_OK
 
+
+def _fits_in_memory(program) -> None:
+    """UsageError where the whole model's fp32 training state (weights, gradients and
+    Adam's moments: the cost model's bytes per parameter) is more than this machine's
+    memory: the reference trains every module in one process, and a paper-scale spec
+    would only thrash and be killed."""
+    import os
+
+    from dtdsl.cost import flops
+    from dtdsl.cost.model import param_bytes
+    from dtdsl.report import format_bytes
+
+    params = sum(flops.module_params(m) for m in program.modules) + sum(
+        flops.projector_params(p.arch) + flops.compression_params(p)
+        for p in program.projectors)
+    need = params * param_bytes("fp32")
+    try:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return
+    if need > have:
+        raise UsageError(f"dtc reference trains {program.name} whole, in one process, in "
+                         f"fp32: its {params / 1e9:.2f}B parameters need at least "
+                         f"{format_bytes(need)} for weights, gradients and Adam's moments, "
+                         f"and this machine has {format_bytes(have)}; it is for specs "
+                         "small enough to train on one machine (the bundle spreads a large "
+                         "one over its GPUs)")

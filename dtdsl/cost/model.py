@@ -93,6 +93,7 @@ __all__ = [
 _BYTES_FP32 = 4
 # Bytes per parameter: (weights, gradient buffer, optimizer state) by precision.
 _PARAM_BYTES = {"bf16": (2, 4, 12), "fp16": (2, 4, 12), "fp32": (4, 4, 8)}
+
 _COLLECTIVE_LATENCY_S = 20e-6   # per ring step
 OFFLOADED_BYTES_PER_PARAM = 8
 """Device bytes the optimizer offload frees per offloaded parameter: Adam's two fp32
@@ -177,8 +178,10 @@ def in_flight(schedule: str, layers: int, pp, vpp, depth, microbatches):
             np.where(interleaved, np.ceil(layers / (pp * vpp)), per_stage))
 
 
-
-
+def param_bytes(precision: str) -> int:
+    """Bytes per trained parameter in ``precision``: its weights, gradient and optimizer
+    state (``_PARAM_BYTES``), before any sharding."""
+    return sum(_PARAM_BYTES[precision])
 
 
 @dataclass(frozen=True)
