@@ -180,8 +180,12 @@ def _open(source: str, program: Program | None, *, rebuild: bool = False,
     """A dataset, WebDataset shards or a LLaVA JSON, indexed with a progress bar on stderr
     when needed."""
     from dtdsl.data.sources import open_dataset
+    from dtdsl.driver import UsageError
     from dtdsl.report import progress_bar
 
+    if source.endswith(".dt") and Path(source).is_file():
+        raise UsageError(f"{source} is a spec, not a dataset: give the dataset as SOURCE "
+                         "(and the spec with --spec, for `data stats`)")
     with progress_bar(f"indexing {source}", enabled=sys.stderr.isatty()) as bar:
         return open_dataset(source, program=program, rebuild=rebuild,
                             image_folder=image_folder,

@@ -78,6 +78,8 @@ def find_checkpoint(path: str | Path, step: int | None = None) -> Path:
         if step is not None and read_manifest(path).step != step:
             raise CheckpointError(f"{path} holds step {read_manifest(path).step}, not {step}")
         return path
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such file or directory")
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a run directory or a checkpoint")
     done = complete_checkpoints(path)

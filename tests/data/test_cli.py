@@ -151,3 +151,10 @@ def test_stats_errors(tmp_path: Path, tiny_dataset: Path, capsys):
     for _ in range(2):
         assert dtc("data", "stats", str(tiny_dataset), "--json", "-o",
                    str(tmp_path / "s.json")) == 0
+
+
+def test_a_spec_given_as_the_dataset_says_so(capsys):
+    # It read as a truncated tar.
+    for command in ("stats", "index"):
+        assert dtc("data", command, str(TINY)) == 2
+        assert f"{TINY} is a spec, not a dataset" in capsys.readouterr().err
