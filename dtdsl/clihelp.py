@@ -20,7 +20,7 @@ from typing import Any
 from dtdsl.diagnostics import render_text
 from dtdsl.driver import FrontendResult, UsageError, read_spec, run_frontend
 from dtdsl.errors import EXIT_ERRORS, EXIT_INTERNAL, EXIT_OK, EXIT_USAGE
-from dtdsl.ir.program import MAX_CLUSTER_GPUS
+from dtdsl.ir.bounds import MAX_CLUSTER_GPUS
 
 __all__ = [
     "EXIT_ERRORS", "EXIT_INTERNAL", "EXIT_OK", "EXIT_USAGE", "int_at_least", "load_program",

@@ -60,15 +60,13 @@ the ring's (n - 1) / n differs a little).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from dtdsl.cost import flops
 from dtdsl.cost.gemm import expert_gemm_slowdown
 from dtdsl.cost.memo import memo_on_scalars
-from dtdsl.cost.profile import ProfileTable, load_profile
+from dtdsl.cost.profile import ProfileTable
 from dtdsl.cost.samples import (
     SampleSet,
     draw_samples,
@@ -87,7 +85,7 @@ from dtdsl.ir.plan import cp_split
 
 __all__ = [
     "OFFLOADED_BYTES_PER_PARAM", "CostModel", "CostParams", "Efficiency", "ProfileQuery",
-    "UnitCost", "all_reduce_time_s", "build_cost_model", "in_flight", "job_cost_model",
+    "UnitCost", "all_reduce_time_s", "build_cost_model", "in_flight", "param_bytes",
 ]
 
 _BYTES_FP32 = 4
@@ -891,17 +889,3 @@ def build_cost_model(program: ir.Program, params: CostParams | None = None, *,
     units = tuple(_unit_cost(program, m, samples, params) for m in program.modules)
     return CostModel(program=program, params=params, units=units, profile=profile,
                      samples=samples)
-
-
-def job_cost_model(config: Any, program: Any, bundle: str | Path) -> CostModel:
-    """The cost model a bundle's plan was made with (its ``ir.job.CostConfig``), for
-    ``program``, so the run's predictions (TensorBoard's ``predicted/``) price its batches
-    the same way: the analytic model's efficiencies, or the measured profile copied into
-    the bundle."""
-    given = {kind: getattr(config, kind) for kind in ("matmul", "attention", "conv")}
-    params = CostParams(efficiency=Efficiency(
-        **{kind: value for kind, value in given.items() if value is not None}))
-    table = None
-    if config.profile_file is not None:
-        table = ProfileTable(load_profile(Path(bundle) / config.profile_file))
-    return build_cost_model(program, params, profile=table)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dtdsl.ir import program as ir
+from dtdsl.ir.bounds import quantity_limit
 from dtdsl.ir.layout import layout_of
 from dtdsl.ir.modal import InputRule, drawn_tokens, encoder_inputs
 from dtdsl.ir.sizes import SampleSizes
@@ -44,7 +45,8 @@ def draw(quantity: ir.Quantity, n: int, rng: np.random.Generator) -> np.ndarray:
     else:  # pragma: no cover - the union is closed
         raise AssertionError(type(dist).__name__)
     values = np.asarray(values, dtype=float)
-    high = quantity.limit if quantity.high is None else min(quantity.high, quantity.limit)
+    limit = quantity_limit(quantity)
+    high = limit if quantity.high is None else min(quantity.high, limit)
     values = np.clip(values, quantity.low, high)
     return np.rint(values).astype(np.int64)
 

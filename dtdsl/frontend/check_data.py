@@ -25,6 +25,7 @@ from dtdsl.frontend.tables import (
     _ok,
 )
 from dtdsl.ir import program as ir
+from dtdsl.ir.bounds import QUANTITY_LIMITS, largest, quantity_limit
 
 _EXAMPLES = {
     "tokens": "lognormal(median=256, sigma=0.8) clamp [16, 2048]",
@@ -160,14 +161,14 @@ class DataChecks:
                         hint="add `clamp [low, high]` so one sample cannot take over a batch")
         quantity = ir.Quantity(modality=item.modality, name=item.quantity, dist=dist,
                                low=low, high=high, span=item.span)
-        top = quantity.largest()
-        if top is not None and top > quantity.limit:
-            what = "items" if item.quantity in ir.QUANTITY_LIMITS else "positions"
+        top, limit = largest(quantity), quantity_limit(quantity)
+        if top is not None and top > limit:
+            what = "items" if item.quantity in QUANTITY_LIMITS else "positions"
             return ctx.error(
                 DT208, f"{key} reaches {top:,.0f}, more {what} than one sample can have "
-                f"({quantity.limit:,})", item.clamp[1].span if item.clamp is not None and
+                f"({limit:,})", item.clamp[1].span if item.clamp is not None and
                 high == top else expr.span,
-                hint=f"keep {key} at most {quantity.limit:,} (`clamp [low, high]` bounds it)")
+                hint=f"keep {key} at most {limit:,} (`clamp [low, high]` bounds it)")
         return quantity
 
     def _dist(self, call: ast.Call, args: dict[str, Any], key: str) -> Any:

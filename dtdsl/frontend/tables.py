@@ -28,6 +28,7 @@ from dtdsl.frontend.schema import (
     describe_expr,
 )
 from dtdsl.ir import program as ir
+from dtdsl.ir.bounds import MAX_CLUSTER_GPUS
 
 MAX_NAME_LENGTH = 64
 MAX_EMPIRICAL_BYTES = 64 << 20
@@ -152,7 +153,7 @@ DATA_FIELDS = (
 CLUSTER_FIELDS = (
     Param("gpu", CallKind(allow_bare=True), required=True,
           doc="gpu = H800, or custom(memory=..., peak=...)"),
-    Param("gpus", IntKind(1, ir.MAX_CLUSTER_GPUS), required=True, doc="gpus = 64"),
+    Param("gpus", IntKind(1, MAX_CLUSTER_GPUS), required=True, doc="gpus = 64"),
     Param("gpus_per_node", IntKind(1, 64)),
     Param("intra_node_bw", QuantityKind(dim="bandwidth", low=0, high=1e14)),
     Param("inter_node_bw", QuantityKind(dim="bandwidth", low=0, high=1e14)),

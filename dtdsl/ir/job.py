@@ -71,7 +71,7 @@ class FeedConfig(_Model):
 
 class CostConfig(_Model):
     """The cost model the plan was made with, so the run's predictions (TensorBoard's
-    ``predicted/``) price its batches the same way (``cost.model.job_cost_model``): the
+    ``predicted/``) price its batches the same way (``cost.job.job_cost_model``): the
     analytic model's efficiencies (None: its defaults, ``cost.unit.Efficiency``), or the
     measured profile (``dtc compile --profile``, copied into the bundle)."""
 

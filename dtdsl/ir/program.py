@@ -601,41 +601,6 @@ class Quantity(IRModel):
     def key(self) -> str:
         return f"{self.modality}.{self.name}"
 
-    @property
-    def limit(self) -> int:
-        """The largest value a sample can have of this quantity (``QUANTITY_LIMITS``)."""
-        return quantity_limit(self.name)
-
-    def largest(self) -> float | None:
-        """The largest value the distribution and clamp allow; None where nothing bounds
-        it (a lognormal or zipf without a clamp)."""
-        dist = self.dist
-        top = (dist.value if isinstance(dist, Constant) else
-               dist.high if isinstance(dist, Uniform) else
-               max(dist.values) if isinstance(dist, (Choice, Empirical)) and dist.values
-               else None)
-        if self.high is not None:
-            top = self.high if top is None else min(top, self.high)
-        return top
-
-
-# The most GPUs a cluster may have: the planner's convex solve holds to 2^17 (at 150k its
-# solver failed on the tiny spec). The checker's bound and ``--gpus``'s.
-MAX_CLUSTER_GPUS = 1 << 17
-
-
-# The largest value of a quantity one sample can have: its items (``count``,
-# ``gen_count``: images, clips, targets) and any size (tokens, patches, frames). The
-# checker refuses a distribution or clamp above it (DT208); every draw is clipped to it,
-# the tail of an unclamped lognormal or zipf too (``cost.samples.draw``).
-QUANTITY_LIMITS = {"count": 4096, "gen_count": 4096}
-SIZE_LIMIT = 2**31 - 1
-
-
-def quantity_limit(name: str) -> int:
-    """``QUANTITY_LIMITS``' bound of quantity ``name`` (``SIZE_LIMIT`` for a size)."""
-    return QUANTITY_LIMITS.get(name, SIZE_LIMIT)
-
 
 class Data(IRModel):
     name: str

@@ -357,7 +357,7 @@ def _shares(bundle: Path, job: Any, program: Any, plan: Any, steps: int,
     source = data_source(job, bundle, program, data)
     work_model = None
     if job.reorder:
-        from dtdsl.cost.model import job_cost_model
+        from dtdsl.cost.job import job_cost_model
         from dtdsl.reorder.workload import WorkModel
 
         work_model = WorkModel(job_cost_model(job.cost, program, bundle))

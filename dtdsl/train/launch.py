@@ -700,7 +700,7 @@ class _Trainer:
         if rank == 0:
             if self.first == 0 and not self.again:
                 _set_aside_records(self.run_dir)
-            from dtdsl.cost.model import job_cost_model
+            from dtdsl.cost.job import job_cost_model
 
             self.log = _RunLog(self.run_dir, plan, program_ir, self.schedule, source,
                                self.first, job_cost_model(job.cost, program_ir, self.bundle))

@@ -288,7 +288,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_an_fp16_bundle_compiles_and_its_run_log_counts_the_skips(tmp_path, capsys):
     from dtdsl import cli
-    from dtdsl.cost.model import job_cost_model
+    from dtdsl.cost.job import job_cost_model
     from dtdsl.data.batch import LocalBatches, SyntheticSource
     from dtdsl.ir.job import load_job
     from dtdsl.ir.program import Program

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from dtdsl import cli
-from dtdsl.cost.model import job_cost_model
+from dtdsl.cost.job import job_cost_model
 from dtdsl.data.batch import LocalBatches, SyntheticSource, routing_of
 from dtdsl.ir.job import load_job
 from dtdsl.ir.plan import Plan
