@@ -116,7 +116,7 @@ def source_problem(source: str | Sequence[str], base_dir: str | Path = ".") -> s
 
 def _source_problem(source: str | Sequence[str], base_dir: str | Path) -> str | None:
     from dtdsl.data.llava import is_llava_source
-    from dtdsl.data.webdataset import compressed_problem, resolve_shards
+    from dtdsl.data.webdataset import COMPRESSED_HEAD, compressed_problem, resolve_shards
 
     base = Path(base_dir)
     path = _resolve(source, base)
@@ -135,7 +135,7 @@ def _source_problem(source: str | Sequence[str], base_dir: str | Path) -> str | 
         return str(err)
     try:
         with open_regular(shards[0]) as f:
-            why = compressed_problem(shards[0], f.read(8))
+            why = compressed_problem(shards[0], f.read(COMPRESSED_HEAD))
         if why is not None:
             return why
         with open_regular(shards[0]) as f, tarfile.open(fileobj=f, mode="r:") as tar:

@@ -332,13 +332,17 @@ class _Bounded:
 
 # Magic bytes of the compressions a shard may have been written with (webdataset reads
 # .tar.gz as a stream); dtdsl reads each member in place, so a shard is a plain tar.
+COMPRESSED_HEAD = 263         # a tar header's magic ends there
 _COMPRESSED = ((b"\x1f\x8b", "gzip", "gunzip"), (b"BZh", "bzip2", "bunzip2"),
                (b"\xfd7zXZ\x00", "xz", "unxz"), (b"\x28\xb5\x2f\xfd", "zstd", "unzstd"))
 
 
 def compressed_problem(path: Path, head: bytes) -> str | None:
-    """Why a shard that starts with ``head`` cannot be read: it is compressed (None: it
-    is not)."""
+    """Why a shard that starts with ``head`` (its first ``COMPRESSED_HEAD`` bytes) cannot
+    be read: it is compressed (None: it is not, or it is a tar: a member's name may start
+    with "BZh")."""
+    if head[257:262] == b"ustar":
+        return None
     for magic, kind, tool in _COMPRESSED:
         if head.startswith(magic):
             return (f"{path} is {kind}-compressed: dtdsl reads plain tar shards, each "
@@ -365,7 +369,7 @@ def _scan_shard(path: Path, shard: int, scan: _Scan) -> None:
     try:
         with open_regular(path) as f:
             size = os.fstat(f.fileno()).st_size     # before tarfile reads a byte
-            why = compressed_problem(path, os.pread(f.fileno(), 8, 0))
+            why = compressed_problem(path, os.pread(f.fileno(), COMPRESSED_HEAD, 0))
             if why is not None:
                 raise DatasetError(why)
             with tarfile.open(fileobj=_Bounded(f, size), mode="r:") as tar:  # type: ignore[arg-type]

@@ -226,3 +226,11 @@ def test_a_compressed_shard_says_so(tmp_path, capsys):
         WebDataset.open(tmp_path / "z")
     assert cli.main(["data", "index", str(tmp_path / "z")]) == 2
     assert want in capsys.readouterr().err
+    # A plain tar whose first member's name starts as bzip2's magic ("BZh") is a tar.
+    (tmp_path / "t").mkdir()
+    with tarfile.open(tmp_path / "t" / "000000.tar", "w") as tar:
+        info = tarfile.TarInfo("BZh91.txt")
+        info.size = 9
+        tar.addfile(info, io.BytesIO(b"a caption"))
+    assert source_problem(str(tmp_path / "t"), tmp_path) is None
+    assert len(WebDataset.open(tmp_path / "t")) == 1
