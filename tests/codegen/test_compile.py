@@ -618,7 +618,7 @@ def test_compile_bundle_refuses_a_schedule_that_would_hang_under_nccl(tmp_path):
 def test_the_bundle_predicts_with_the_plans_cost_model(tmp_path):
     """A bundle carries the cost model its plan was made with (efficiencies, or the
     measured profile copied in), so the run's predictions price batches the same way."""
-    from dtdsl.cost.model import job_cost_model
+    from dtdsl.cost.job import job_cost_model
     from dtdsl.cost.profile import save_profile
     from dtdsl.driver import run_frontend
     from dtdsl.ir.job import load_job
