@@ -110,9 +110,7 @@ def _fits_in_memory(program) -> None:
     from dtdsl.cost.model import param_bytes
     from dtdsl.report import format_bytes
 
-    params = sum(flops.module_params(m) for m in program.modules) + sum(
-        flops.projector_params(p.arch) + flops.compression_params(p)
-        for p in program.projectors)
+    params = flops.program_params(program)
     need = params * param_bytes("fp32")
     try:
         have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

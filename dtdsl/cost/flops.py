@@ -388,6 +388,17 @@ def compression_params(proj: ir.Projector) -> float:
     return c.queries * w + 4 * w * w + 4 * w
 
 
+def projector_total_params(proj: ir.Projector) -> float:
+    """A projector's parameters: its MLP's and its compression's."""
+    return projector_params(proj.arch) + compression_params(proj)
+
+
+def program_params(program: ir.Program) -> float:
+    """Every module's and projector's parameters: the whole model."""
+    return sum(module_params(m) for m in program.modules) + \
+        sum(projector_total_params(p) for p in program.projectors)
+
+
 def compression_forward(proj: ir.Projector, patches: float, images: float) -> Work:
     """The forward work of a projector's token compression on ``images`` images of
     ``patches`` patches in all (the MLP after it runs on the tokens it leaves): a

@@ -317,7 +317,7 @@ class _Acc:
             (compression or flops.Work())
         self.work = self.work + w
         self.model_flops += w.total * (1 + flops.backward_factor(proj, upstream))
-        params = flops.projector_params(proj.arch) + flops.compression_params(proj)
+        params = flops.projector_total_params(proj)
         self.params += params
         self.extra += params
         if not proj.frozen:

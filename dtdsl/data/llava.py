@@ -63,7 +63,7 @@ INDEX_VERSION = 4          # 2: image paths checked (data.paths); 3: audio and v
                            # 4: a byte order mark before the records
 _FORMATS = {"JPEG": "jpeg", "PNG": "png", "WEBP": "webp"}
 _ROLES = frozenset({"human", "gpt", "system", "user", "assistant"})
-_BOM = b"\xef\xbb\xbf"
+BOM = b"\xef\xbb\xbf"           # a UTF-8 byte order mark, before the records
 
 
 def is_llava_source(path: str | Path) -> bool:
@@ -75,7 +75,7 @@ def _records(data: bytes, path: Path) -> Iterator[tuple[int, int, Any]]:
     """``(byte offset, byte size, value)`` of each record of a JSON array or JSON Lines."""
     text = data.decode("utf-8")
     # A UTF-8 byte order mark (Windows tools write one) is not part of the first record.
-    bom = len(_BOM) if data.startswith(_BOM) else 0
+    bom = len(BOM) if data.startswith(BOM) else 0
     if path.suffix == ".jsonl":
         at = bom
         for line in data[bom:].split(b"\n"):

@@ -136,11 +136,12 @@ def _source_problem(source: str | Sequence[str], base_dir: str | Path) -> str | 
     try:
         with open_regular(shards[0]) as f:
             why = compressed_problem(shards[0], f.read(COMPRESSED_HEAD))
-        if why is not None:
-            return why
-        with open_regular(shards[0]) as f, tarfile.open(fileobj=f, mode="r:") as tar:
-            if tar.next() is None:
-                return f"{shards[0]} is an empty tar"
+            if why is not None:
+                return why
+            f.seek(0)
+            with tarfile.open(fileobj=f, mode="r:") as tar:
+                if tar.next() is None:
+                    return f"{shards[0]} is an empty tar"
     except Refused as err:
         return str(err)
     except (tarfile.TarError, OSError, EOFError) as err:
@@ -150,9 +151,11 @@ def _source_problem(source: str | Sequence[str], base_dir: str | Path) -> str | 
 
 def _json_problem(path: Path) -> str | None:
     """Why a LLaVA-style JSON cannot be read (its first bytes only), or None."""
+    from dtdsl.data.llava import BOM
+
     try:
         with open_regular(path) as f:
-            head = f.read(4096).removeprefix(b"\xef\xbb\xbf").lstrip()   # a byte order mark
+            head = f.read(4096).removeprefix(BOM).lstrip()
     except Refused as err:
         return str(err)
     except OSError as err:
