@@ -192,6 +192,8 @@ def tokenizer_path(path: str | Path) -> Path:
             raise TokenizerError(
                 f"{p} has a SentencePiece tokenizer.model but no tokenizer.json; write one "
                 "with transformers: AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)")
+        if found.exists():
+            raise TokenizerError(f"{found} is not a regular file (a device, a socket?)")
         raise TokenizerError(f"{p} has no tokenizer.json")
     if p.is_file():
         return p
@@ -233,6 +235,12 @@ class HFTokenizer:
             tok = Tokenizer.from_str(raw.decode("utf-8"))
         except (OSError, UnicodeDecodeError, Exception) as err:  # noqa: BLE001
             raise TokenizerError(f"{file} is not a tokenizers tokenizer.json: {err}") from None
+        # A file saved after a padded or truncated encode keeps those settings, and every
+        # encode would honour them (pad ids between images, answers cut short); transformers
+        # overrides them on each call, and so do we, once.
+        reset = tok.padding is not None or tok.truncation is not None
+        tok.no_padding()
+        tok.no_truncation()
         config: dict[str, Any] = {}
         config_file = file.parent / "tokenizer_config.json"
         if config_file.is_file():
@@ -243,8 +251,8 @@ class HFTokenizer:
             if not isinstance(config, dict):
                 raise TokenizerError(f"{config_file} is not a JSON object")
         # What the post-processor adds around a text (Llama's BOS): the library's own rule.
-        bare = tok.encode("a", add_special_tokens=False).ids
-        full = tok.encode("a", add_special_tokens=True).ids
+        bare = _encode(tok, "a", file).ids
+        full = _encode(tok, "a", file, special=True).ids
         at = next((i for i in range(len(full) - len(bare) + 1)
                    if full[i:i + len(bare)] == bare), 0)
         prefix = list(full[:at])
@@ -277,16 +285,19 @@ class HFTokenizer:
                                  f"{fmt.marker}, which {file} does not have")
         digest = hashlib.sha256(raw)
         digest.update(json.dumps([prefix, eos, fmt.name]).encode())
+        if reset:
+            digest.update(b"without its padding and truncation")
         return cls(path=file, tokenizer=tok, prefix=tuple(prefix), eos=eos, eos_text=eos_text,
                    chat=fmt, fingerprint=digest.hexdigest())
 
     @property
     def vocab_size(self) -> int:
-        return int(self.tokenizer.get_vocab_size(with_added_tokens=True))
+        """One more than its largest id (ids may leave gaps: their count is not the bound)."""
+        return 1 + max(self.tokenizer.get_vocab(with_added_tokens=True).values(), default=-1)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``, no special tokens added (those written in it are read)."""
-        return list(self.tokenizer.encode(text, add_special_tokens=False).ids) if text else []
+        return list(_encode(self.tokenizer, text, self.path).ids) if text else []
 
     def layout(self, text: str, images: int,
                conversation: Sequence[Mapping[str, Any]] | None = None,
@@ -350,7 +361,7 @@ class HFTokenizer:
         def flush() -> None:
             nonlocal stretch, spans
             if stretch:
-                enc = self.tokenizer.encode(stretch, add_special_tokens=False)
+                enc = _encode(self.tokenizer, stretch, self.path)
                 ids.extend(enc.ids)
                 flags.extend(any(s < b and e > a for a, b in spans) for s, e in enc.offsets)
             stretch, spans = "", []
@@ -386,6 +397,15 @@ class HFTokenizer:
         return role
 
 
+def _encode(tok: Any, text: str, file: Path, *, special: bool = False) -> Any:
+    """``tok.encode(text)``; the library's own errors (a bare Exception: a WordLevel model
+    without its unknown token meeting an unknown word) as TokenizerError."""
+    try:
+        return tok.encode(text, add_special_tokens=special)
+    except Exception as err:  # noqa: BLE001
+        raise TokenizerError(f"{file} cannot tokenize the text: {err}") from None
+
+
 def load_tokenizer(path: str | Path | None, vocab: int, chat: str | None = None
                    ) -> HFTokenizer | HashTokenizer:
     """The tokenizer at ``path`` for a backbone of ``vocab`` ids, or the hashing one when
@@ -394,8 +414,8 @@ def load_tokenizer(path: str | Path | None, vocab: int, chat: str | None = None
         return HashTokenizer(vocab)
     tok = HFTokenizer.load(path, chat)
     if tok.vocab_size > vocab:
-        raise TokenizerError(f"{tok.path} has {tok.vocab_size} token ids, more than the "
-                             f"backbone's vocabulary of {vocab}")
+        raise TokenizerError(f"{tok.path} has token ids up to {tok.vocab_size - 1}, beyond "
+                             f"the backbone's vocabulary of {vocab}")
     return tok
 
 

@@ -146,10 +146,14 @@ def test_tokenizers_that_cannot_be_used_say_why(tmp_path, llama, chatml):
     (tmp_path / "sp" / "tokenizer.model").write_bytes(b"\0")
     with pytest.raises(TokenizerError, match="save_pretrained"):
         load_tokenizer(tmp_path / "sp", 512)
+    (tmp_path / "dev").mkdir()
+    (tmp_path / "dev" / "tokenizer.json").symlink_to("/dev/zero")
+    with pytest.raises(TokenizerError, match="tokenizer.json is not a regular file"):
+        load_tokenizer(tmp_path / "dev", 512)
     (tmp_path / "junk.json").write_text("{}")
     with pytest.raises(TokenizerError, match="not a tokenizers"):
         load_tokenizer(tmp_path / "junk.json", 512)
-    with pytest.raises(TokenizerError, match="more than the backbone's vocabulary of 128"):
+    with pytest.raises(TokenizerError, match="beyond the backbone's vocabulary of 128"):
         load_tokenizer(llama, 128)
     with pytest.raises(TokenizerError, match="needs the special token <|im_start|>"):
         load_tokenizer(llama, 512, chat="chatml")
@@ -161,6 +165,50 @@ def test_tokenizers_that_cannot_be_used_say_why(tmp_path, llama, chatml):
         (folder / "tokenizer_config.json").write_text(text)
         with pytest.raises(TokenizerError, match="tokenizer_config.json is not"):
             load_tokenizer(folder, 512)
+
+
+def test_a_tokenizer_saved_padded_or_truncated_encodes_as_transformers_does(tmp_path, llama):
+    """A tokenizer.json keeps the padding and truncation of the encode before its save;
+    transformers' tokenizer ignores them unless asked, and so do we (no pad ids between
+    images, no answer cut short)."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    text = "hello world, the quick brown fox jumps over the lazy dog again and again"
+    plain = HFTokenizer.load(llama)
+    want = PreTrainedTokenizerFast.from_pretrained(str(llama))(text).input_ids
+    for name, setting in (("padded", lambda t: t.enable_padding(length=64)),
+                          ("truncated", lambda t: t.enable_truncation(max_length=4))):
+        folder = tmp_path / name
+        shutil.copytree(llama, folder)
+        tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        setting(tok)
+        tok.save(str(folder / "tokenizer.json"))
+        loaded = HFTokenizer.load(folder)
+        assert list(loaded.prefix) + loaded.encode(text) == want, name
+        assert (loaded.layout(text, 1).ids.tolist()
+                == plain.layout(text, 1).ids.tolist()), name
+        assert loaded.fingerprint != plain.fingerprint     # an index of the old reading
+
+
+def test_a_tokenizer_is_bounded_by_its_largest_id_and_its_errors_are_ours(tmp_path):
+    """Ids with gaps: the largest, not their count, must fit the backbone. The library's
+    own errors (a WordLevel model with no unknown token) are TokenizerErrors."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    sparse = Tokenizer(models.WordLevel({"a": 0, "b": 3, "far": 5000}, unk_token="a"))
+    sparse.pre_tokenizer = pre_tokenizers.Whitespace()
+    sparse.save(str(tmp_path / "sparse.json"))
+    assert HFTokenizer.load(tmp_path / "sparse.json").vocab_size == 5001
+    with pytest.raises(TokenizerError, match="ids up to 5000, beyond the backbone's "
+                                             "vocabulary of 512"):
+        load_tokenizer(tmp_path / "sparse.json", 512)
+    no_unk = Tokenizer(models.WordLevel({"a": 0, "b": 1}))
+    no_unk.pre_tokenizer = pre_tokenizers.Whitespace()
+    no_unk.save(str(tmp_path / "no_unk.json"))
+    tok = load_tokenizer(tmp_path / "no_unk.json", 512)
+    with pytest.raises(TokenizerError, match="cannot tokenize the text: .*Missing"):
+        tok.layout("a b c", 0)
 
 
 # ---- the layout rule ---------------------------------------------------------------------
