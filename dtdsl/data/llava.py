@@ -183,8 +183,12 @@ def _entry(position: int, offset: int, size: int, record: Any, folder: Path,
             return skip(found)
         clips[kind] = found
     text = "\n".join(turn_text(t) for t in turns)
+    try:
+        text_bytes = len(text.encode())
+    except UnicodeEncodeError:       # JSON's "\ud800": a lone surrogate, no character
+        return skip("text not UTF-8")
     key = record.get("id", position)
-    return {"key": str(key), "offset": offset, "size": size, "text_bytes": len(text.encode()),
+    return {"key": str(key), "offset": offset, "size": size, "text_bytes": text_bytes,
             "text_tokens": count_text_tokens(text), "images": images, **clips}
 
 
@@ -208,7 +212,7 @@ def _clips(kind: str, names: Any, folder: Path) -> list[list[Any]] | str:
                 else f"missing {kind}"
         except FileNotFoundError:
             return f"missing {kind}"
-        except (DatasetError, OSError):
+        except (DatasetError, OSError, UnicodeEncodeError):   # a path no file can have
             return f"unreadable {kind}"
     return out
 

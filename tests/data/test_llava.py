@@ -137,6 +137,21 @@ def test_records_images_and_damage(tmp_path):
             ds.read(0)
 
 
+
+def test_a_lone_surrogate_skips_its_record(tmp_path):
+    """JSON may escape half a UTF-16 pair ("\\ud800"): no character, text no tokenizer
+    or file system takes. Its record is skipped and counted, as WebDataset's txt is."""
+    good = write_llava(tmp_path, n=2)
+    records = json.loads((tmp_path / "llava.json").read_text())
+    records += [{"id": "half", "conversations": [{"from": "human", "value": "bad \ud800 x"},
+                                                 {"from": "gpt", "value": "y"}]},
+                {"id": "clip", "audio": "a\ud800.wav",
+                 "conversations": [{"from": "human", "value": "<audio>"}]}]
+    (tmp_path / "llava.json").write_text(json.dumps(records))     # ASCII, escaped
+    with open_dataset("llava.json", base_dir=tmp_path, image_folder=tmp_path / "images") as ds:
+        assert [ds.key(i) for i in range(len(ds))] == [r["id"] for r in good]
+        assert ds.skipped == {"text not UTF-8": 1, "unreadable audio": 1}
+
 def test_json_sources_that_cannot_be_read_say_why(tmp_path):
     assert "No such file" in source_problem("missing.json", tmp_path)
     (tmp_path / "empty.json").write_text("  ")
