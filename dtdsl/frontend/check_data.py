@@ -123,6 +123,8 @@ class DataChecks:
         given = field is not None and values["tokenizer"] is not None
         if not given and (backbone is None or backbone.pretrained is None):
             return None     # no file named: synthetic data's hashing tokenizer
+        if values["chat"] is INVALID:
+            return INVALID  # the chat format's own error says it; no tokenizer to load
         return self.files.tokenizer(self.ctx, values["tokenizer"] if given else None,
                                     field.value.span if given else None, backbone,
                                     values["chat"], chat.value.span if chat is not None else None)

@@ -197,9 +197,14 @@ def test_tokenizers_that_do_not_fit_are_dt315_at_the_field(hf):
     assert d.message.endswith("nowhere does not exist") and d.span.line == line
     make_tokenizer(hf / "big")                       # 400 ids for a vocabulary of 128
     result = _with_data(hf, '  tokenizer = "big"\n', 'pretrained = "llama"')
-    assert "more than the backbone's vocabulary of 128" in result.diagnostics[0].message
+    assert "beyond the backbone's vocabulary of 128" in result.diagnostics[0].message
     make_decoder(hf / "llama512b", vocab=512)
     result = _with_data(hf, '  tokenizer = "big"\n  chat = "llama3"\n',
                         'pretrained = "llama512b"')
     assert codes(result) == ["DT315"] and "<|start_header_id|>" in \
+        result.diagnostics[0].message
+    # an unknown chat format is its own error, and the only one (no tokenizer loaded for it)
+    result = _with_data(hf, '  tokenizer = "big"\n  chat = "gemma"\n',
+                        'pretrained = "llama512b"')
+    assert codes(result) == ["DT205"] and "unknown data.chat 'gemma'" in \
         result.diagnostics[0].message
