@@ -14,7 +14,10 @@ of those places are open to someone the job does not trust:
 - **A run directory.** ``dtc export RUN_DIR`` and ``--resume`` read ``.metadata`` from a
   directory someone else may have written. ``SafeReader`` reads it with an unpickler that
   resolves only DCP's metadata classes and the torch types in them (``_Allowed``), and
-  checks that every storage entry names a plain file inside the checkpoint directory.
+  checks that every storage entry names a regular file inside the checkpoint directory
+  (not a link, not a pipe) that holds the bytes the entry claims. Its non-tensor entries,
+  which DCP's default planner reads with a full unpickler, are read by ``SafeLoadPlanner``
+  with torch's ``weights_only`` one (plain data, no code).
 
 What stays trusted, and is documented as such (``docs/codegen.md``, "Trust
 boundaries"): the process group's own connections (``dcp.load`` runs its planning over
@@ -31,20 +34,21 @@ import hmac
 import io
 import pathlib
 import pickle
+import stat
 import struct
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgpack
 import torch
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint import filesystem as _fs
 from torch.distributed.checkpoint import metadata as _md
 from torch.distributed.checkpoint import planner as _pl
 from torch.distributed.checkpoint import storage as _st
 
-__all__ = ["ALLOWED", "MAGIC", "SafeReader", "UnsafeMetadata", "decode", "encode",
-           "read_metadata", "seal", "unseal"]
+__all__ = ["ALLOWED", "MAGIC", "SafeLoadPlanner", "SafeReader", "UnsafeMetadata", "decode",
+           "encode", "read_metadata", "seal", "unseal"]
 
 # Every class a DCP save plan, write result or metadata is made of; nothing else is built.
 ALLOWED: dict[str, type] = {
@@ -310,6 +314,50 @@ def _check_metadata(metadata: Any, directory: pathlib.Path, file: pathlib.Path) 
         if not (type(info.offset) is int and type(info.length) is int and
                 info.offset >= 0 and info.length >= 0):
             raise UnsafeMetadata(f"{file}: the entry of {index} has a bad offset or length")
+        if getattr(info, "transform_descriptors", None):    # dtdsl writes none
+            raise UnsafeMetadata(f"{file}: the entry of {index} asks for transforms "
+                                 f"{info.transform_descriptors!r:.120}")
+    _check_files(storage, directory)
+
+
+def _check_files(storage: dict[Any, Any], directory: pathlib.Path) -> None:
+    """Every file the storage table names is a regular file (``lstat``: a link is not
+    followed, a pipe would block a read) holding the bytes its entries claim."""
+    ends: dict[str, int] = {}
+    for info in storage.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0),
+                                       info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        path = directory / name
+        try:
+            st = path.lstat()
+        except FileNotFoundError:
+            raise UnsafeMetadata(f"{path} is missing") from None
+        except OSError as err:
+            raise UnsafeMetadata(f"cannot read {path}: {err.strerror or err}") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafeMetadata(f"{path} is not a regular file (a link, a pipe?)")
+        if st.st_size < end:
+            raise UnsafeMetadata(f"{path} holds {st.st_size:,} bytes, its entries reach "
+                                 f"byte {end:,}: it was cut short")
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner but for non-tensor entries, which it reads with
+    ``torch.load(weights_only=False)``: each is first read by torch's restricted unpickler
+    (plain Python data and tensors; no other global, so no code), and only then, those same
+    bytes, by the default; anything else is ``UnsafeMetadata``."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        start = value.tell()
+        try:
+            torch.load(value, weights_only=True)
+        except Exception as err:
+            first = (str(err).splitlines() or [type(err).__name__])[0]
+            raise UnsafeMetadata(f"the entry {read_item.dest_index.fqn} is not plain data: "
+                                 f"{first[:200]}") from None
+        value.seek(start)
+        super().load_bytes(read_item, value)
 
 
 class SafeReader(FileSystemReader):

@@ -143,6 +143,78 @@ def test_metadata_reader_refuses_code_and_escapes(tmp_path):
     assert state["step"] == 7 and state["name"] == "x"
 
 
+def test_a_non_tensor_entry_is_read_as_plain_data_or_refused(tmp_path):
+    """DCP's default planner reads a non-tensor entry with a full unpickler: a .metadata of
+    allowed classes could point one at a planted file. ``SafeLoadPlanner`` reads plain data
+    and refuses the rest; nothing runs."""
+    import io
+
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    ok = tmp_path / "ok"
+    dcp.save(_state(), checkpoint_id=str(ok), no_dist=True)
+
+    def load(path):
+        state = {"model": {k: torch.empty_like(v) for k, v in _state()["model"].items()},
+                 "step": 0, "name": ""}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.load(state, storage_reader=dcp_safe.SafeReader(path),
+                     planner=dcp_safe.SafeLoadPlanner(), no_dist=True)
+        return state
+
+    got = load(ok)
+    assert (got["step"], got["name"]) == (7, "x")
+    marker = tmp_path / "pwned"
+    buf = io.BytesIO()
+    torch.save(_Payload(marker), buf)
+    (ok / "__9_0.distcp").write_bytes(buf.getvalue())
+    meta = FileSystemReader(str(ok)).read_metadata()
+    (key,) = [k for k in meta.storage_data if k.fqn == "name"]
+    meta.storage_data[key] = _StorageInfo("__9_0.distcp", 0, len(buf.getvalue()))
+    (ok / ".metadata").write_bytes(pickle.dumps(meta))
+    dcp_safe.read_metadata(ok)          # every class allowed, every file there
+    with pytest.raises((dcp_safe.UnsafeMetadata, CheckpointException),
+                       match="name is not plain data"):
+        load(ok)
+    assert not marker.exists()
+
+
+def test_the_files_a_metadata_names_are_whole_regular_files(tmp_path):
+    import os
+    import shutil
+
+    ok = tmp_path / "ok"
+    dcp.save(_state(), checkpoint_id=str(ok), no_dist=True)
+    (shard,) = sorted(p.name for p in ok.iterdir() if p.suffix == ".distcp")
+    size = (ok / shard).stat().st_size
+
+    def damaged(name, how):
+        folder = tmp_path / name
+        shutil.copytree(ok, folder)
+        how(folder / shard)
+        return folder
+
+    cases = {
+        "missing": (lambda p: p.unlink(), "is missing"),
+        "cut": (lambda p: os.truncate(p, size // 2), "it was cut short"),
+        "pipe": (lambda p: (p.unlink(), os.mkfifo(p)), "not a regular file"),
+        "link": (lambda p: (p.rename(tmp_path / "elsewhere"), p.symlink_to(tmp_path /
+                                                                          "elsewhere")),
+                 "not a regular file"),
+    }
+    for name, (how, words) in cases.items():
+        with pytest.raises(dcp_safe.UnsafeMetadata, match=words):
+            dcp_safe.read_metadata(damaged(name, how))
+    meta = FileSystemReader(str(ok)).read_metadata()
+    for info in meta.storage_data.values():
+        info.transform_descriptors = ["zstd"]
+    (ok / ".metadata").write_bytes(pickle.dumps(meta))
+    with pytest.raises(dcp_safe.UnsafeMetadata, match="asks for transforms"):
+        dcp_safe.read_metadata(ok)
+
+
 def test_export_of_a_run_with_a_planted_metadata_runs_nothing(tmp_path, capsys):
     from dtdsl import cli
 
