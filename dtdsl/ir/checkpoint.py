@@ -8,13 +8,14 @@ import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from dtdsl.errors import DtdslError
 
 __all__ = ["FORMAT", "MANIFEST", "MODES", "PROGRAM", "VERSION", "CheckpointError",
            "CheckpointMismatch", "Manifest", "UnitLayout", "checkpoint_root",
-           "complete_checkpoints", "latest_checkpoint", "read_manifest"]
+           "complete_checkpoints", "damaged_checkpoints", "latest_checkpoint",
+           "read_manifest"]
 
 FORMAT = "dtdsl-checkpoint"
 VERSION = 1
@@ -76,6 +77,14 @@ class Manifest(_Model):
     rng_torch: str                  # base64 of torch.get_rng_state() on rank 0
     rng_cuda: str | None = None     # the same for the current CUDA device, if any
 
+    @model_validator(mode="after")
+    def _cursor_at_the_step(self) -> Manifest:
+        # Every checkpoint is taken between steps: the data resumes where the weights are.
+        if self.step < 0 or self.next_step != self.step:
+            raise ValueError(f"step {self.step} and next_step {self.next_step} must be equal "
+                             "and at least 0 (a checkpoint is taken between steps)")
+        return self
+
 
 # ---- files ------------------------------------------------------------------------------
 
@@ -92,6 +101,11 @@ def read_manifest(path: str | Path) -> Manifest:
         return Manifest.model_validate_json(file.read_bytes())
     except OSError as err:
         raise CheckpointError(f"cannot read {file}: {err.strerror or err}") from None
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(map(str, first["loc"]))
+        raise CheckpointError(f"{file} is not a checkpoint manifest: "
+                              f"{where + ': ' if where else ''}{first['msg']}") from None
     except ValueError as err:
         raise CheckpointError(f"{file} is not a checkpoint manifest: {err}") from None
 
@@ -99,23 +113,45 @@ def read_manifest(path: str | Path) -> Manifest:
 def complete_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
     """The run's complete checkpoints as (steps done, directory), oldest first: directories
     ``ckpt-<N>`` (no ``.tmp``) with DCP's ``.metadata`` and a valid manifest for step N."""
+    return [(n, path) for n, path, problem in _scan(run_dir) if problem is None]
+
+
+def damaged_checkpoints(run_dir: str | Path) -> list[tuple[Path, str]]:
+    """The ``ckpt-<N>`` directories newer than the newest complete checkpoint that are not
+    complete, each with what is wrong. dtdsl renames a save into place only once it is
+    whole, so one of these was damaged or edited since: resuming from an older one would
+    silently go back, and write over it."""
+    found = _scan(run_dir)
+    newest = max((n for n, _, problem in found if problem is None), default=-1)
+    return [(path, problem) for n, path, problem in found
+            if problem is not None and n > newest]
+
+
+def _scan(run_dir: str | Path) -> list[tuple[int, Path, str | None]]:
+    """Every ``ckpt-<N>`` directory of the run as (N, directory, why it is not a complete
+    checkpoint or None), by N."""
     root = checkpoint_root(run_dir)
-    out = []
     try:
         entries = list(root.iterdir())
     except OSError:
         return []
+    out: list[tuple[int, Path, str | None]] = []
     for path in entries:
         m = _NAME.match(path.name)
-        if m is None or not path.is_dir() or not (path / ".metadata").is_file():
+        if m is None or not path.is_dir():
+            continue
+        n = int(m.group(1))
+        if not (path / ".metadata").is_file():
+            out.append((n, path, "it has no DCP .metadata"))
             continue
         try:
             manifest = read_manifest(path)
-        except CheckpointError:
+        except CheckpointError as err:
+            out.append((n, path, str(err)))
             continue
-        if manifest.step == int(m.group(1)):
-            out.append((manifest.step, path))
-    return sorted(out)
+        out.append((n, path, None if manifest.step == n else
+                    f"its manifest says step {manifest.step}"))
+    return sorted(out, key=lambda e: e[0])
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:

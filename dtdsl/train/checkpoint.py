@@ -175,6 +175,22 @@ def _commit(tmp: Path, manifest: Manifest, keep: int, program: str | None = None
 _LEFT_BEHIND = re.compile(r"ckpt-\d+\.(tmp|old)\Z")    # an interrupted save's, or a replaced one
 
 
+def _unloadable(run_dir: Path, path: Path, why: str) -> str:
+    """Why the checkpoint at ``path`` cannot be loaded, and what to do about it."""
+    older = [p for _, p in complete_checkpoints(run_dir) if p != path]
+    hint = (f"; move it out of {path.parent} to resume from {older[-1].name}" if older
+            else "")
+    return f"cannot load {path}: {why}{hint}"
+
+
+def _first_failure(err: BaseException) -> str:
+    """The first rank's error of DCP's CheckpointException, in one line."""
+    for rank, (exc, _) in sorted(getattr(err, "failures", {}).items()):
+        line = (str(exc).strip().splitlines() or [""])[-1][:300]
+        return f"rank {rank}: {type(exc).__name__}: {line}"
+    return str(err).strip().splitlines()[0]
+
+
 def _remove_incomplete(run_dir: Path) -> None:
     """The folders an interrupted save left (``ckpt-<N>.tmp``, ``ckpt-<N>.old``); nothing
     else in the folder, and no link (``rmtree`` of a link removes nothing)."""
@@ -687,6 +703,7 @@ class Checkpointer:
         from; 0 when there is none. Collective. Removes interrupted saves first."""
         import torch
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
 
         from dtdsl.train import dcp_safe
 
@@ -713,15 +730,21 @@ class Checkpointer:
         start = time.perf_counter()
         state = state_dict(self.ex)
         try:
+            saved = dcp_safe.read_metadata(path).state_dict_metadata
             if "local_sgd" in state:
                 # Written under fewer Local SGD replicas: what it lacks starts from the
                 # saved model (``local_sgd.StageSync.load_state_dict``).
-                saved = dcp_safe.read_metadata(path).state_dict_metadata
                 state["local_sgd"] = {k: v for k, v in state["local_sgd"].items()
                                       if f"local_sgd.{k}" in saved}
-            dcp.load(state, checkpoint_id=str(path), storage_reader=dcp_safe.SafeReader(path))
+            dcp.load(state, checkpoint_id=str(path), storage_reader=dcp_safe.SafeReader(path),
+                     planner=dcp_safe.SafeLoadPlanner())
         except dcp_safe.UnsafeMetadata as err:
-            raise CheckpointMismatch(f"cannot load {path}: {err}") from None
+            raise CheckpointMismatch(_unloadable(self.run_dir, path, str(err))) from None
+        except CheckpointException as err:
+            # A rank's own reading failed (the collectives around it worked): the files
+            # are what they are, and a restart would read them again.
+            raise CheckpointMismatch(_unloadable(self.run_dir, path, _first_failure(err))
+                                     ) from None
         except Exception as err:
             raise CheckpointError(f"cannot load {path}: {err}") from err
         load_state_dict(self.ex, state)

@@ -122,10 +122,24 @@ def check_key(bundle: Path, job: Any) -> list[str]:
 
 def check_resume(job: Any, run_dir: str | Path) -> list[str]:
     """Problems with the checkpoint a resumed run would load (the newest complete one):
-    it must be of this bundle's spec (another plan is resharded, another spec is not)."""
-    from dtdsl.ir.checkpoint import CheckpointError, complete_checkpoints, read_manifest
+    it must be of this bundle's spec (another plan is resharded, another spec is not), its
+    files whole (``dcp_safe.read_metadata``), and no newer ``ckpt-<N>`` damaged."""
+    from dtdsl.ir.checkpoint import (
+        CheckpointError,
+        checkpoint_root,
+        complete_checkpoints,
+        damaged_checkpoints,
+        read_manifest,
+    )
+    from dtdsl.train.dcp_safe import UnsafeMetadata, read_metadata
 
     done = complete_checkpoints(run_dir)
+    damaged = damaged_checkpoints(run_dir)
+    if damaged:
+        path, why = damaged[-1]
+        then = f"resume from {done[-1][1].name}" if done else "start over"
+        return [f"{path} is not a complete checkpoint ({why}); move it out of "
+                f"{checkpoint_root(run_dir)} to {then}"]
     if not done:
         return []
     path = done[-1][1]
@@ -138,6 +152,12 @@ def check_resume(job: Any, run_dir: str | Path) -> list[str]:
                 f"{manifest.spec_sha256[:12]}...) but this bundle is of spec {job.spec} "
                 f"(sha256 {job.spec_sha256[:12]}...): resume it with the bundle it was "
                 "trained with, or choose another --run-dir"]
+    try:
+        read_metadata(path)     # its files there, whole, regular: no restart loop on them
+    except UnsafeMetadata as err:
+        then = (f"resume from {done[-2][1].name}" if len(done) > 1 else "start over")
+        return [f"cannot load {path}: {err}; move it out of {checkpoint_root(run_dir)} "
+                f"to {then}"]
     return []
 
 

@@ -22,6 +22,7 @@ from dtdsl.ir.checkpoint import (
     UnitLayout,
     checkpoint_root,
     complete_checkpoints,
+    damaged_checkpoints,
     latest_checkpoint,
     read_manifest,
 )
@@ -77,6 +78,14 @@ def test_only_complete_checkpoints_count(tmp_path):
     assert latest_checkpoint(tmp_path) == checkpoint_root(tmp_path) / "ckpt-2"
     with pytest.raises(CheckpointError, match="not a checkpoint manifest"):
         read_manifest(checkpoint_root(tmp_path) / "ckpt-14")
+    # Newer than the newest complete one: dtdsl renames only whole saves into place.
+    assert [(p.name, why.split(":")[0]) for p, why in damaged_checkpoints(tmp_path)] == [
+        ("ckpt-6", f"cannot read {checkpoint_root(tmp_path) / 'ckpt-6' / 'manifest.json'}"),
+        ("ckpt-8", "its manifest says step 7"), ("ckpt-10", "it has no DCP .metadata"),
+        ("ckpt-14", "it has no DCP .metadata")]
+    # a checkpoint is taken between steps: its data cursor is its step
+    with pytest.raises(ValueError, match="step 4 and next_step 1 must be equal"):
+        Manifest.model_validate({**_manifest(4).model_dump(), "next_step": 1})
 
 
 def test_commit_renames_last_and_keeps_the_newest(tmp_path):
@@ -225,6 +234,17 @@ def test_another_spec_is_refused(tmp_path):
     data["spec_sha256"] = "f" * 64
     path.write_text(json.dumps(data))
     with pytest.raises(AssertionError, match="resume only with the same spec"):
+        _go(PLAN_A, tmp_path, 1, {}, tmp_path / "b.json")
+
+
+def test_a_damaged_checkpoint_is_refused_once_not_retried(tmp_path):
+    """Files that fail to load fail again after a restart: CheckpointMismatch, whose message
+    ends the launch (feed.faults), naming what to move aside."""
+    _go(PLAN_A, tmp_path, 1, {1: "sync"}, tmp_path / "a.json")
+    shard = max(checkpoint_root(tmp_path).glob("ckpt-1/*.distcp"),
+                key=lambda p: p.stat().st_size)
+    shard.write_bytes(bytes(shard.stat().st_size))          # whole, but zeros
+    with pytest.raises(AssertionError, match=r"CheckpointMismatch: cannot load \S*ckpt-1: "):
         _go(PLAN_A, tmp_path, 1, {}, tmp_path / "b.json")
 
 

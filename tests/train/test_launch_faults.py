@@ -12,10 +12,14 @@ import signal
 import socket
 import subprocess
 import sys
+import shutil
 import time
+import warnings
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
 
 from dtdsl import cli
 from dtdsl.feed.faults import (
@@ -170,8 +174,9 @@ def bundle(tmp_path_factory, dataset) -> Path:  # noqa: F811
 
 def _fake_checkpoint(run_dir: Path, step: int, spec_sha256: str) -> Path:
     path = checkpoint_root(run_dir) / f"ckpt-{step}"
-    path.mkdir(parents=True)
-    (path / ".metadata").write_bytes(b"x")
+    with warnings.catch_warnings():     # DCP's note that it saves in one process
+        warnings.filterwarnings("ignore", message=".*single process")
+        dcp.save({"x": torch.zeros(4)}, checkpoint_id=str(path), no_dist=True)
     manifest = Manifest(step=step, next_step=step, spec="other", spec_sha256=spec_sha256,
                         plan_sha256="b" * 64, world_size=1,
                         units=(UnitLayout(name="u", tp=1, dp=1, pp=1),), mode="sync",
@@ -206,6 +211,30 @@ def test_preflight_refuses_a_loose_key_and_a_checkpoint_of_another_spec(tmp_path
                     "it with the bundle it was trained with, or choose another --run-dir"]
     with pytest.raises(Fatal, match="was written for spec other"):
         _check_resumable(run_dir, job.spec_sha256)
+    # Its files cut short, or a newer ckpt-N damaged: one line before torchrun, not a
+    # restart loop on files that stay as they are (or a silent step back over them).
+    shutil.rmtree(newest)
+    newest = _fake_checkpoint(run_dir, 4, job.spec_sha256)
+    (shard,) = newest.glob("*.distcp")
+    os.truncate(shard, 3)
+    assert check_resume(job, run_dir) == [
+        f"cannot load {newest}: {shard} holds 3 bytes, its entries reach byte "
+        f"{_end(newest):,}: it was cut short; move it out of {checkpoint_root(run_dir)} to "
+        "resume from ckpt-2"]
+    shutil.rmtree(newest)
+    damaged = _fake_checkpoint(run_dir, 6, job.spec_sha256)
+    (damaged / "manifest.json").write_text("{")
+    (said,) = check_resume(job, run_dir)
+    assert said.startswith(f"{damaged} is not a complete checkpoint (") and said.endswith(
+        f"; move it out of {checkpoint_root(run_dir)} to resume from ckpt-2")
+
+
+def _end(ckpt: Path) -> int:
+    """Where the storage table's entries end (read by DCP's reader: our own test's file)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = FileSystemReader(str(ckpt)).read_metadata()
+    return max(i.offset + i.length for i in meta.storage_data.values())
 
 
 def test_a_fatal_stop_kills_torchrun_and_its_ranks_at_once(tmp_path):
