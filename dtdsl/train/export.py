@@ -28,16 +28,27 @@ else's model there, is refused (ExportError) before anything is written.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import re
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from dtdsl.ir import program as ir
-from dtdsl.ir.checkpoint import PROGRAM, CheckpointError, complete_checkpoints, read_manifest
+from dtdsl.ir.checkpoint import (
+    PROGRAM,
+    CheckpointError,
+    complete_checkpoints,
+    damaged_checkpoints,
+    read_manifest,
+)
 from dtdsl.outdir import (
     OutputError,
     Snapshot,
@@ -48,7 +59,7 @@ from dtdsl.outdir import (
     verify_recorded,
     write_record,
 )
-from dtdsl.train.dcp_safe import SafeReader, UnsafeMetadata, read_metadata
+from dtdsl.train.dcp_safe import SafeLoadPlanner, SafeReader, UnsafeMetadata, read_metadata
 
 __all__ = ["BATCH_BYTES", "ExportError", "ExportedUnit", "export_checkpoint",
            "find_checkpoint"]
@@ -83,6 +94,11 @@ def find_checkpoint(path: str | Path, step: int | None = None) -> Path:
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a run directory or a checkpoint")
     done = complete_checkpoints(path)
+    damaged = damaged_checkpoints(path) if step is None else []
+    if damaged:
+        raise CheckpointError(f"the newest checkpoint, {damaged[-1][0]}, is not complete "
+                              f"({damaged[-1][1]}); name an older one with --step" +
+                              (f" (the newest complete: --step {done[-1][0]})" if done else ""))
     if not done:
         # A bundle's folder for its run's (launch.sh's default run directory).
         bundle = (path / "job.json").is_file() and (path / "run").is_dir()
@@ -123,9 +139,22 @@ class _Reader:
                 size += nbytes
             with warnings.catch_warnings():     # DCP's note that it loads in one process
                 warnings.filterwarnings("ignore", message=".*single process")
-                self._dcp.load(batch, storage_reader=SafeReader(self.path), no_dist=True)
+                try:
+                    self._dcp.load(batch, storage_reader=SafeReader(self.path),
+                                   planner=SafeLoadPlanner(), no_dist=True)
+                except (Exception, CheckpointException) as err:
+                    raise CheckpointError(f"cannot read {self.path}: {_why(err)}") from None
             self._cache.update(batch)
         return self._cache.pop(key)
+
+
+def _why(err: BaseException) -> str:
+    """An error of DCP's reading in one line (a CheckpointException's first failure)."""
+    failures = getattr(err, "failures", None)
+    if failures:
+        err = next(iter(failures.values()))[0]
+    line = (str(err).strip().splitlines() or [""])[-1]
+    return f"{type(err).__name__}: {line[:300]}"
 
 
 def _program(ckpt: Path, spec_program: ir.Program | None) -> ir.Program:
@@ -156,6 +185,7 @@ def export_checkpoint(path: str | Path, out: str | Path, *, step: int | None = N
 
     ckpt = find_checkpoint(path, step)
     prog = _program(ckpt, program)
+    log(f"reading {ckpt} (after step {read_manifest(ckpt).step})")
     try:
         metadata = read_metadata(ckpt).state_dict_metadata
     except UnsafeMetadata as err:
@@ -171,11 +201,16 @@ def export_checkpoint(path: str | Path, out: str | Path, *, step: int | None = N
     shapes = {}
     for name in names:
         prefix = f"model.units.{name}."
-        shapes[name] = {k[len(prefix):]: (tuple(v.size), v.properties.dtype)
-                        for k, v in metadata.items() if k.startswith(prefix)}
+        entries = {k[len(prefix):]: v for k, v in metadata.items() if k.startswith(prefix)}
+        odd = next((k for k, v in entries.items() if not isinstance(v, TensorStorageMetadata)),
+                   None)
+        if odd is not None:
+            raise CheckpointError(f"{ckpt}: {prefix}{odd} is not a tensor")
+        shapes[name] = {k: (tuple(v.size), v.properties.dtype) for k, v in entries.items()}
         if not shapes[name]:
             raise CheckpointError(f"{ckpt} holds no parameters of {name}")
     out = Path(out)
+    created = not os.path.lexists(out)
     try:
         snapshots = _verify_out(out, names)
         staged: list[Staged] = []
@@ -193,10 +228,16 @@ def export_checkpoint(path: str | Path, out: str | Path, *, step: int | None = N
         except BaseException:
             for s in staged:
                 s.discard()
+            if created:             # the folder this export made, as it was: gone
+                with contextlib.suppress(OSError):
+                    out.rmdir()
             raise
     except OutputError as err:
         raise ExportError(str(err)) from None
     return done
+
+
+_LEFT = re.compile(r"\..*\.dtdsl-(new|old)-[^/]*\Z", re.DOTALL)   # outdir.stage's folders
 
 
 def _verify_out(out: Path, names: Sequence[str]) -> dict[str, Snapshot]:
@@ -208,6 +249,10 @@ def _verify_out(out: Path, names: Sequence[str]) -> dict[str, Snapshot]:
         for entry in sorted(out.iterdir()):
             if entry.name in names:
                 continue
+            if _LEFT.match(entry.name):
+                raise OutputError(f"{out} holds {entry.name}, left by an export that was "
+                                  "interrupted (or one still running): when none runs, "
+                                  "remove it and export again")
             if entry.is_symlink() or not entry.is_dir() or read_record(entry) is None:
                 raise OutputError(f"{out} holds {entry.name}, which dtdsl did not export; "
                                   "nothing was changed: move it away, or export into "

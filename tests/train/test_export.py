@@ -181,3 +181,39 @@ def test_a_file_is_not_an_output_folder(ckpt, tmp_path, capsys):
         assert export(ckpt, tmp_path / "file", *extra) == 2
         assert f"{tmp_path / 'file'} exists and is not a directory" in capsys.readouterr().err
     assert (tmp_path / "file").read_text() == "mine"
+
+
+def test_a_damaged_checkpoint_is_one_line_and_leaves_no_folder(ckpt, tmp_path, capsys):
+    import shutil
+
+    from dtdsl.ir.checkpoint import checkpoint_root
+
+    run = tmp_path / "run"
+    good = checkpoint_root(run) / "ckpt-1"
+    shutil.copytree(ckpt, good)
+    assert export(run, tmp_path / "ok", "--units", "vit") == 0
+    assert f"reading {good} (after step 1)" in capsys.readouterr().err
+    # A newer ckpt-N that is not whole: not skipped in silence for an older one.
+    newer = checkpoint_root(run) / "ckpt-3"
+    shutil.copytree(ckpt, newer)
+    (newer / "manifest.json").write_text("{")
+    assert export(run, tmp_path / "out") == 2
+    err = capsys.readouterr().err
+    assert f"the newest checkpoint, {newer}, is not complete ({newer}/manifest.json is " \
+           "not a checkpoint manifest: Invalid JSON: EOF while parsing an object at line 1 " \
+           "column 1); name an older one with --step (the newest complete: --step 1)" in err
+    assert export(run, tmp_path / "out", "--step", "1", "--units", "vit") == 0
+    capsys.readouterr()
+    # A shard whole in size but not a torch file: one line, and no folder made for it.
+    shard = max(good.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    shard.write_bytes(bytes(shard.stat().st_size))
+    out = tmp_path / "never"
+    assert export(good, out) == 2
+    err = capsys.readouterr().err
+    assert f"cannot read {good}: " in err and "Traceback" not in err
+    assert not out.exists()
+    # What an interrupted export leaves beside its units is named as such.
+    (tmp_path / "ok" / ".llm.dtdsl-new-0a1b2c").mkdir()
+    assert export(ckpt, tmp_path / "ok", "--overwrite", "--units", "vit") == 2
+    assert "holds .llm.dtdsl-new-0a1b2c, left by an export that was interrupted" in \
+        capsys.readouterr().err
