@@ -33,11 +33,12 @@ import re
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-__all__ = ["EXIT_FATAL", "FATAL_ENV", "FATAL_LOCAL_ENV", "HOLD_S", "Fatal", "fatal_cause",
-           "fault_point", "hold_if_fatal", "one_line", "read_fatal", "record_fatal", "write_fatal"]
+__all__ = ["EXIT_FATAL", "FATAL_ENV", "FATAL_LOCAL_ENV", "HOLD_S", "Fatal", "die_with_parent",
+           "fatal_cause", "fault_point", "hold_if_fatal", "one_line", "read_fatal",
+           "record_fatal", "write_fatal"]
 
 FATAL_ENV = "DTDSL_FATAL_FILE"          # the launch's fatal record (run directory)
 FATAL_LOCAL_ENV = "DTDSL_FATAL_LOCAL"   # its node-local fallback (the feed directory)
@@ -223,3 +224,21 @@ def fault_point(who: str, step: int, run_dir: Path) -> None:
         os.close(fd)
         print(f"DTDSL_FAULT: killing {who} at step {step}", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def die_with_parent(parent: int) -> Callable[[], None] | None:
+    """A ``preexec_fn``: the child gets SIGTERM when its parent (a supervisor) dies
+    (Linux), so that a supervisor killed with SIGKILL leaves no worker and no torchrun
+    behind; elsewhere nothing."""
+    def set_up() -> None:
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGTERM)       # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            return
+        if os.getppid() != parent:              # it died before prctl
+            os._exit(1)
+
+    return set_up if sys.platform.startswith("linux") else None

@@ -311,23 +311,6 @@ def _last_error(feed: Path | None, index: int) -> tuple[str | None, bool]:
         return None, False
 
 
-def _die_with_parent(parent: int) -> Any:
-    """A ``preexec_fn``: the child gets SIGTERM when its parent (the supervisor) dies
-    (Linux), so that a killed supervisor leaves no worker behind; elsewhere nothing."""
-    def set_up() -> None:
-        try:
-            import ctypes
-
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(1, signal.SIGTERM)       # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            return
-        if os.getppid() != parent:              # it died before prctl
-            os._exit(1)
-
-    return set_up if sys.platform.startswith("linux") else None
-
-
 class _Failures:
     """A worker's recent failures: too many too fast is a crash loop, not bad luck."""
 
@@ -364,7 +347,7 @@ def supervise(bundle: Path, argv: Sequence[str], feed: Path | None = None) -> in
     worker leaves its error."""
     import socket
 
-    from dtdsl.feed.faults import record_fatal
+    from dtdsl.feed.faults import die_with_parent, record_fatal
     from dtdsl.ir.job import load_job
 
     workers = load_job(bundle).feed.workers_per_node
@@ -374,7 +357,7 @@ def supervise(bundle: Path, argv: Sequence[str], feed: Path | None = None) -> in
 
     def start(i: int) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, str(script), "--index", str(i), *argv],
-                                preexec_fn=_die_with_parent(me))  # noqa: PLW1509
+                                preexec_fn=die_with_parent(me))  # noqa: PLW1509
 
     def stop(signum: int, frame: Any) -> None:
         raise SystemExit(128 + signum)      # so that the workers are stopped below

@@ -50,7 +50,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dtdsl.feed.faults import EXIT_FATAL, FATAL_ENV, FATAL_LOCAL_ENV, read_fatal, write_fatal
+from dtdsl.feed.faults import (
+    EXIT_FATAL,
+    FATAL_ENV,
+    FATAL_LOCAL_ENV,
+    die_with_parent,
+    read_fatal,
+    write_fatal,
+)
 from dtdsl.train.rundir import HEARTBEAT_S, RECORDS, RunDirBusy, RunDirLock, check_launch_id
 
 __all__ = ["GRACE_S", "POLL_S", "earlier_run", "fatal_file", "main", "trainer_env"]
@@ -245,9 +252,12 @@ class _Node:
         fd = self.lock.inheritable_fd()
         if job.feed.workers_per_node > 0:
             self.workers = self._start_workers(env, fd)
+        # Each in a session of its own (the group kill of ``_kill_tree``), and sent SIGTERM
+        # should this supervisor die, even by SIGKILL: no headless job trains on.
         self.torchrun = subprocess.Popen(self.command, env=trainer_env(env),
-                                         stdin=subprocess.DEVNULL,
-                                         start_new_session=True, pass_fds=(fd,))
+                                         stdin=subprocess.DEVNULL, start_new_session=True,
+                                         pass_fds=(fd,),
+                                         preexec_fn=die_with_parent(os.getpid()))  # noqa: PLW1509
         return self._watch()
 
     def _start_workers(self, env: dict[str, str], fd: int) -> subprocess.Popen:
@@ -261,7 +271,8 @@ class _Node:
         with open(log, "ab") as out:
             return subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=out,
                                     stderr=subprocess.STDOUT, start_new_session=True,
-                                    pass_fds=(fd,))
+                                    pass_fds=(fd,),
+                                    preexec_fn=die_with_parent(os.getpid()))  # noqa: PLW1509
 
     def _record(self) -> str | None:
         """What to say of the launch's fatal record, if there is one: its line, after

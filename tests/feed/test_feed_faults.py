@@ -200,3 +200,38 @@ def test_a_killed_worker_is_still_restarted(bundle, tmp_path):
     err = log.read_text()
     assert "was killed by SIGKILL); restarting it (1/20)" in err, err[-3000:]
     assert "giving up" not in err and not (tmp_path / "fatal.txt").exists()
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie waiting for its reaper does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG: Linux")
+def test_a_supervisor_killed_by_sigkill_takes_its_children_along():
+    """torchrun and the workers run in sessions of their own (no group kill reaches them):
+    without a parent-death signal they would train on, headless, after ``kill -9``."""
+    code = ("import os, subprocess, sys, time\n"
+            "from dtdsl.feed.faults import die_with_parent\n"
+            "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'],\n"
+            "                         start_new_session=True,\n"
+            "                         preexec_fn=die_with_parent(os.getpid()))\n"
+            "print(child.pid, flush=True)\n"
+            "time.sleep(60)\n")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        assert _alive(child)
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(child)
+    finally:
+        parent.kill()
+        parent.wait()
