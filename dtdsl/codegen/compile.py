@@ -14,6 +14,7 @@ from dtdsl.codegen.support import runtime_support
 from dtdsl.codegen.views import bundle_view
 from dtdsl.codes import DT411
 from dtdsl.ir import program as ir
+from dtdsl.ir.checkpoint import program_sha256
 from dtdsl.ir.job import CheckpointConfig, CostConfig, DataConfig, FeedConfig, Job
 from dtdsl.ir.plan import Plan
 from dtdsl.ir.schedule import Schedule
@@ -75,7 +76,8 @@ def make_job(program: ir.Program, plan: Plan, data: DataConfig, options: BundleO
     per_node = min(program.cluster.gpus_per_node, world)
     nodes = math.ceil(world / per_node)
     workers = program.cluster.cpu_workers if options.workers is None else options.workers
-    return Job(spec=program.name, spec_sha256=program.source_sha256, world_size=world,
+    return Job(spec=program.name, spec_sha256=program.source_sha256,
+               program_sha256=program_sha256(program), world_size=world,
                nodes=nodes, gpus_per_node=per_node,
                steps=options.steps or program.train.steps,
                reorder=tuple(sorted(program.train.reorder)), data=data,

@@ -4,9 +4,11 @@ Torch-free: the preprocessing workers and ``dtc`` read them too."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
@@ -15,7 +17,7 @@ from dtdsl.errors import DtdslError
 __all__ = ["FORMAT", "MANIFEST", "MODES", "PROGRAM", "VERSION", "CheckpointError",
            "CheckpointMismatch", "Manifest", "UnitLayout", "checkpoint_root",
            "complete_checkpoints", "damaged_checkpoints", "latest_checkpoint",
-           "read_manifest"]
+           "program_sha256", "read_manifest", "same_spec"]
 
 FORMAT = "dtdsl-checkpoint"
 VERSION = 1
@@ -76,6 +78,7 @@ class Manifest(_Model):
     num_tensors: int                # keys in the DCP checkpoint (the whole job's)
     rng_torch: str                  # base64 of torch.get_rng_state() on rank 0
     rng_cuda: str | None = None     # the same for the current CUDA device, if any
+    program_sha256: str | None = None   # ``program_sha256`` (None: written before it was)
 
     @model_validator(mode="after")
     def _cursor_at_the_step(self) -> Manifest:
@@ -84,6 +87,33 @@ class Manifest(_Model):
             raise ValueError(f"step {self.step} and next_step {self.next_step} must be equal "
                              "and at least 0 (a checkpoint is taken between steps)")
         return self
+
+
+def program_sha256(program: Any) -> str:
+    """A digest of what a spec means: its checked program without the places in the text
+    (spans), the file's name and the text's own digest. A comment, a reformatting (``dtc
+    fmt``) or a move leave it as it was; any setting changes it."""
+    def strip(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: strip(v) for k, v in value.items()
+                    if k not in _TEXT_ONLY and not k.endswith("_span")}
+        if isinstance(value, list):
+            return [strip(v) for v in value]
+        return value
+
+    body = json.dumps(strip(program.model_dump(mode="json")), sort_keys=True,
+                      separators=(",", ":"))
+    return hashlib.sha256(body.encode()).hexdigest()
+
+
+_TEXT_ONLY = frozenset({"span", "source_name", "source_sha256"})
+
+
+def same_spec(manifest: Manifest, spec_sha256: str, program: str | None) -> bool:
+    """Whether a checkpoint's spec is this job's: the same text, or (where both digests
+    are known) the same program written differently."""
+    return manifest.spec_sha256 == spec_sha256 or (
+        program is not None and manifest.program_sha256 == program)
 
 
 # ---- files ------------------------------------------------------------------------------

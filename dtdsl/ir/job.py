@@ -92,6 +92,7 @@ class Job(_Model):
     version: Literal[2] = JOB_VERSION
     spec: str                      # the spec's name
     spec_sha256: str
+    program_sha256: str | None = None   # ir.checkpoint.program_sha256
     world_size: int = Field(ge=1)
     nodes: int = Field(ge=1)
     gpus_per_node: int = Field(ge=1)

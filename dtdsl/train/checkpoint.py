@@ -117,7 +117,9 @@ from dtdsl.ir.checkpoint import (
     UnitLayout,
     checkpoint_root,
     complete_checkpoints,
+    program_sha256,
     read_manifest,
+    same_spec,
 )
 
 __all__ = [
@@ -539,6 +541,7 @@ class Checkpointer:
         self.nice = nice
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.spec_sha256 = spec_sha256 or ex.program.source_sha256
+        self.program_sha256 = program_sha256(ex.program)
         self.plan_sha256 = plan_sha256(ex.plan)
         self.log = log or (lambda text: print(text, flush=True))
         # The saves' keys in the store: unique to this Checkpointer (a restarted job may
@@ -569,7 +572,8 @@ class Checkpointer:
             cuda = _rng_b64(torch.cuda.get_rng_state())
         plan, program = self.ex.plan, self.ex.program
         return dict(step=step, next_step=step, spec=program.name,
-                    spec_sha256=self.spec_sha256, plan_sha256=self.plan_sha256,
+                    spec_sha256=self.spec_sha256, program_sha256=self.program_sha256,
+                    plan_sha256=self.plan_sha256,
                     world_size=plan.gpus_used,
                     units=tuple(UnitLayout(name=u.name, tp=u.tp, dp=u.dp, pp=u.pp, cp=u.cp,
                                            vpp=u.vpp, colocated=u.colocated,
@@ -722,7 +726,7 @@ class Checkpointer:
             return 0
         path = checkpoint_root(self.run_dir) / f"ckpt-{step}"
         manifest = read_manifest(path)
-        if manifest.spec_sha256 != self.spec_sha256:
+        if not same_spec(manifest, self.spec_sha256, self.program_sha256):
             raise CheckpointMismatch(
                 f"{path} was written for spec {manifest.spec} (sha256 "
                 f"{manifest.spec_sha256[:12]}...), this job runs sha256 "

@@ -47,7 +47,9 @@ from dtdsl.ir.checkpoint import (
     CheckpointError,
     complete_checkpoints,
     damaged_checkpoints,
+    program_sha256,
     read_manifest,
+    same_spec,
 )
 from dtdsl.outdir import (
     OutputError,
@@ -160,7 +162,7 @@ def _why(err: BaseException) -> str:
 def _program(ckpt: Path, spec_program: ir.Program | None) -> ir.Program:
     manifest = read_manifest(ckpt)
     if spec_program is not None:
-        if spec_program.source_sha256 != manifest.spec_sha256:
+        if not same_spec(manifest, spec_program.source_sha256, program_sha256(spec_program)):
             raise CheckpointError(f"{ckpt} was trained from another spec (sha256 "
                                   f"{manifest.spec_sha256[:12]}...)")
         return spec_program

@@ -504,12 +504,13 @@ def _resume_decision(run_dir: Path, rank: int, asked: bool, restart: int
     return bool(decision[0]), bool(decision[1])
 
 
-def _check_resumable(run_dir: Path, spec_sha256: str) -> None:
+def _check_resumable(run_dir: Path, spec_sha256: str, program_sha256: str | None = None
+                     ) -> None:
     """Fatal when the checkpoint a resume loads (the newest complete one) is of another
     spec: no restart changes that (``launch.sh``'s preflight says so before torchrun
     starts; this is for ``train.py`` run otherwise)."""
     from dtdsl.feed.faults import Fatal
-    from dtdsl.ir.checkpoint import CheckpointError, latest_checkpoint, read_manifest
+    from dtdsl.ir.checkpoint import CheckpointError, latest_checkpoint, read_manifest, same_spec
 
     path = latest_checkpoint(run_dir)
     if path is None:
@@ -518,7 +519,7 @@ def _check_resumable(run_dir: Path, spec_sha256: str) -> None:
         manifest = read_manifest(path)
     except CheckpointError as err:
         raise Fatal(str(err)) from None
-    if manifest.spec_sha256 != spec_sha256:
+    if not same_spec(manifest, spec_sha256, program_sha256):
         raise Fatal(f"{path} was written for spec {manifest.spec} (sha256 "
                     f"{manifest.spec_sha256[:12]}...), this bundle's spec is sha256 "
                     f"{spec_sha256[:12]}...: resume it with the bundle it was trained "
@@ -691,7 +692,7 @@ class _Trainer:
         self.ckpt = Checkpointer(self.ex, self.run_dir, keep=job.checkpoint.keep,
                                  mode=self.args.checkpoint_mode, spec_sha256=job.spec_sha256)
         if self.resume and rank == 0:
-            _check_resumable(self.run_dir, job.spec_sha256)
+            _check_resumable(self.run_dir, job.spec_sha256, job.program_sha256)
             print(f"resuming (torchrun restart {self.restart})" if self.restart else
                   "resuming", flush=True)
         self.first = self.ckpt.resume() if self.resume else 0

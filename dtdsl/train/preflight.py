@@ -130,6 +130,7 @@ def check_resume(job: Any, run_dir: str | Path) -> list[str]:
         complete_checkpoints,
         damaged_checkpoints,
         read_manifest,
+        same_spec,
     )
     from dtdsl.train.dcp_safe import UnsafeMetadata, read_metadata
 
@@ -147,7 +148,7 @@ def check_resume(job: Any, run_dir: str | Path) -> list[str]:
         manifest = read_manifest(path)
     except CheckpointError as err:
         return [str(err)]
-    if manifest.spec_sha256 != job.spec_sha256:
+    if not same_spec(manifest, job.spec_sha256, job.program_sha256):
         return [f"{path} was written for spec {manifest.spec} (sha256 "
                 f"{manifest.spec_sha256[:12]}...) but this bundle is of spec {job.spec} "
                 f"(sha256 {job.spec_sha256[:12]}...): resume it with the bundle it was "

@@ -24,6 +24,7 @@ from dtdsl.ir.checkpoint import (
     complete_checkpoints,
     damaged_checkpoints,
     latest_checkpoint,
+    program_sha256,
     read_manifest,
 )
 from dtdsl.ir.plan import Plan
@@ -231,10 +232,14 @@ def test_another_spec_is_refused(tmp_path):
     _go(PLAN_A, tmp_path, 1, {1: "sync"}, tmp_path / "a.json")
     path = checkpoint_root(tmp_path) / "ckpt-1" / "manifest.json"
     data = json.loads(path.read_text())
-    data["spec_sha256"] = "f" * 64
-    path.write_text(json.dumps(data))
+    assert data["program_sha256"] == program_sha256(PROGRAM)
+    # Another text of the same program (a comment, dtc fmt): resumed.
+    path.write_text(json.dumps({**data, "spec_sha256": "f" * 64}))
+    assert _go(PLAN_A, tmp_path, 1, {}, tmp_path / "b.json")["first"] == 1
+    # Another program: refused.
+    path.write_text(json.dumps({**data, "spec_sha256": "f" * 64, "program_sha256": "e" * 64}))
     with pytest.raises(AssertionError, match="resume only with the same spec"):
-        _go(PLAN_A, tmp_path, 1, {}, tmp_path / "b.json")
+        _go(PLAN_A, tmp_path, 1, {}, tmp_path / "c.json")
 
 
 def test_a_damaged_checkpoint_is_refused_once_not_retried(tmp_path):

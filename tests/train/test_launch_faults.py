@@ -8,11 +8,11 @@ from __future__ import annotations
 import errno
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
-import shutil
 import time
 import warnings
 from pathlib import Path
@@ -172,7 +172,8 @@ def bundle(tmp_path_factory, dataset) -> Path:  # noqa: F811
     return out
 
 
-def _fake_checkpoint(run_dir: Path, step: int, spec_sha256: str) -> Path:
+def _fake_checkpoint(run_dir: Path, step: int, spec_sha256: str,
+                     program_sha256: str | None = None) -> Path:
     path = checkpoint_root(run_dir) / f"ckpt-{step}"
     with warnings.catch_warnings():     # DCP's note that it saves in one process
         warnings.filterwarnings("ignore", message=".*single process")
@@ -180,7 +181,7 @@ def _fake_checkpoint(run_dir: Path, step: int, spec_sha256: str) -> Path:
     manifest = Manifest(step=step, next_step=step, spec="other", spec_sha256=spec_sha256,
                         plan_sha256="b" * 64, world_size=1,
                         units=(UnitLayout(name="u", tp=1, dp=1, pp=1),), mode="sync",
-                        num_tensors=0, rng_torch="")
+                        num_tensors=0, rng_torch="", program_sha256=program_sha256)
     (path / "manifest.json").write_text(manifest.model_dump_json())
     return path
 
@@ -213,6 +214,12 @@ def test_preflight_refuses_a_loose_key_and_a_checkpoint_of_another_spec(tmp_path
         _check_resumable(run_dir, job.spec_sha256)
     # Its files cut short, or a newer ckpt-N damaged: one line before torchrun, not a
     # restart loop on files that stay as they are (or a silent step back over them).
+    shutil.rmtree(newest)
+    # the same program in another text (a comment, dtc fmt): resumable
+    assert job.program_sha256 is not None
+    newest = _fake_checkpoint(run_dir, 4, "c" * 64, job.program_sha256)
+    assert check_resume(job, run_dir) == []
+    _check_resumable(run_dir, job.spec_sha256, job.program_sha256)
     shutil.rmtree(newest)
     newest = _fake_checkpoint(run_dir, 4, job.spec_sha256)
     (shard,) = newest.glob("*.distcp")
