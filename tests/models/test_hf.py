@@ -370,6 +370,16 @@ def test_moe_configs_dtdsl_cannot_compute_are_refused(tmp_path):
         read_hf(path)
 
 
+def test_a_config_that_sets_dropout_is_refused(tmp_path):
+    """dtdsl's modules have no dropout: training without the config's would differ from
+    transformers' in silence. Zero (what published checkpoints store) reads."""
+    read_hf(make_decoder(tmp_path / "zero", "llama", attention_dropout=0.0))
+    with pytest.raises(HFError, match="attention_dropout 0.1: dtdsl trains without dropout"):
+        read_hf(make_decoder(tmp_path / "llama", "llama", attention_dropout=0.1))
+    with pytest.raises(HFError, match="attention_dropout 0.2: dtdsl trains without dropout"):
+        read_hf(make_clip(tmp_path / "clip", full=True, attention_dropout=0.2))
+
+
 def _sliding_layers(config) -> bool:
     """Whether transformers' model of ``config`` has a layer whose attention slides."""
     window = getattr(config, "sliding_window", None)

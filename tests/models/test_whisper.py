@@ -181,6 +181,8 @@ def test_positions_that_are_not_the_sinusoids_are_refused(tmp_path):
     ({"d_model": 35, "encoder_attention_heads": 5}, "'d_model' is 35, not even"),
     ({"encoder_attention_heads": 5}, "encoder_attention_heads"),
     ({"num_mel_bins": 0}, "num_mel_bins"),
+    ({"dropout": 0.1}, "dropout 0.1: dtdsl trains without dropout"),
+    ({"encoder_layerdrop": 0.1}, "encoder_layerdrop 0.1: dtdsl trains without dropout"),
 ])
 def test_unsupported_whisper_configs_name_the_key(change, message, tmp_path):
     cfg = {"model_type": "whisper", "d_model": 32, "encoder_layers": 1,

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -270,6 +271,19 @@ def _heads(f: Fields, hidden: int) -> int:
     f.require(heads <= hidden, "num_attention_heads", heads,
               f"at most hidden_size {hidden} (a head has at least one dimension)")
     return heads
+
+
+_DROPOUT = re.compile(r"dropout|layerdrop|pdrop")
+
+
+def _no_dropout(cfg: dict[str, Any], unused: Sequence[str] = ()) -> None:
+    """HFError for a dropout the config sets: dtdsl's modules have none, and training
+    without what the config asks would differ from transformers' in silence."""
+    for key, value in cfg.items():
+        if (_DROPOUT.search(key) and key not in unused and isinstance(value, (int, float))
+                and not isinstance(value, bool) and value != 0):
+            raise HFError(f"{key} {value:g}: dtdsl trains without dropout",
+                          hint="set it to 0 (most published checkpoints do)")
 
 
 def _decoder(cfg: dict[str, Any], family: str) -> ir.TransformerArch:
@@ -653,10 +667,12 @@ def read_hf(path: str | Path, *, role: str | None = None,
     scheduler_text = None
     if found_role == "backbone":
         family = cfg["model_type"]
+        _no_dropout(cfg)
         arch = _decoder(cfg, family)
         stored = cfg
     elif cfg.get("model_type") == "whisper":
         family = "whisper"
+        _no_dropout(cfg, unused=("decoder_layerdrop",))     # dtdsl trains the encoder
         arch = _whisper(Fields(cfg, defaults=_WHISPER_DEFAULTS))
         stored = cfg            # the whole model's: dtc export writes its decoder back too
     elif found_role == "encoder":
@@ -665,6 +681,7 @@ def read_hf(path: str | Path, *, role: str | None = None,
         if cfg["model_type"] in ("clip", "siglip"):
             f = f.object("vision_config", defaults=_VISION_DEFAULTS[family]) or Fields(
                 {}, defaults=_VISION_DEFAULTS[family])
+        _no_dropout(f.data)
         arch, source_layers = _vision(f, family, feature_layer)
         stored = {**f.data, "model_type": f"{family}_vision_model"}
     else:
