@@ -744,7 +744,9 @@ class _Trainer:
             timeline = gather_timeline(self.plan, step, result["events"],
                                        device=self.device) if timed else None
             saved = None
-            if every > 0 and (step + 1) % every == 0:
+            # And after the last step (as torchtitan and Megatron-LM save at the end): a
+            # run's final weights are not lost for not ending on a multiple.
+            if every > 0 and ((step + 1) % every == 0 or step + 1 == self.steps):
                 _disk_fault(rank, step + 1, self.run_dir)
                 saved = ckpt.save(step + 1)
             if self.log is not None:

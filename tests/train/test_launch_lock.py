@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from dtdsl import cli
-from dtdsl.ir.checkpoint import complete_checkpoints
+from dtdsl.ir.checkpoint import checkpoint_root, complete_checkpoints
 from dtdsl.train.rundir import (
     LOCK_FILE,
     NODES_DIR,
@@ -197,7 +198,10 @@ def test_two_launches_on_one_run_directory(tmp_path, bundle):
 @pytest.mark.slow
 def test_a_rerun_without_resume_never_empties_the_earlier_metrics(tmp_path, bundle):
     run_dir = tmp_path / "run"
-    launch_ok(bundle, run_dir, "--steps", "1")      # no checkpoint (every 2 steps)
+    launch_ok(bundle, run_dir, "--steps", "1")
+    assert [s for s, _ in complete_checkpoints(run_dir)] == [1]     # after its last step
+    # as a run stopped before its first checkpoint left it (a run saves after its last step)
+    shutil.rmtree(checkpoint_root(run_dir))
     earlier = (run_dir / "metrics.jsonl").read_bytes()
     assert len(earlier.splitlines()) == 1 and not complete_checkpoints(run_dir)
     proc = launch(bundle, run_dir, "--steps", "1", timeout=60)
