@@ -234,10 +234,11 @@ class _Node:
                      f"--run-dir={self.run_dir}"]
         if self.args.data is not None:
             preflight.append(f"--data={self.args.data}")     # a value, whatever it starts with
-        if subprocess.run(preflight, stdin=subprocess.DEVNULL, check=False).returncode:
+        failed = subprocess.run(preflight, stdin=subprocess.DEVNULL, check=False).returncode
+        if self.signalled is not None:      # the preflight too was stopped by it
+            return self._stopped()
+        if failed:
             return 2
-        if self.signalled is not None:
-            return 128 + self.signalled
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         # The node's workers and trainers meet here (zmq ipc sockets): node-local.
         self.feed = Path(tempfile.mkdtemp(prefix="dtdsl-feed."))
@@ -287,10 +288,12 @@ class _Node:
         assert self.torchrun is not None
         while True:
             if self.signalled is not None:
-                _stop(self.workers, signal.SIGTERM, WORKERS_GRACE_S)
+                # The trainers first: each ends its step (its data still coming) and
+                # waits for the save in flight to commit (``launch._StopAtStep``).
                 _stop(self.torchrun, signal.SIGTERM, GRACE_S)
                 _kill_tree(self.torchrun)
-                return 128 + self.signalled
+                _stop(self.workers, signal.SIGTERM, WORKERS_GRACE_S)
+                return self._stopped()
             line = self._record()
             if line is not None:
                 return self._fatal(line)
@@ -307,6 +310,17 @@ class _Node:
                 else:
                     return self._workers_failed(self.workers.returncode)
             time.sleep(POLL_S)
+
+    def _stopped(self) -> int:
+        """One line for a launch stopped by a signal, and its exit status (128 + it)."""
+        from dtdsl.ir.checkpoint import latest_checkpoint
+
+        assert self.signalled is not None
+        newest = latest_checkpoint(self.run_dir)
+        then = (f"--resume continues from {newest.name}" if newest is not None else
+                "no checkpoint yet: --resume starts it again at step 0")
+        _say(f"stopped by {signal.Signals(self.signalled).name}; {then}")
+        return 128 + self.signalled
 
     def _workers_failed(self, code: int) -> int:
         """The node's worker supervisor ended with a failure: it has written the record

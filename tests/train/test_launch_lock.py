@@ -217,3 +217,37 @@ def test_a_rerun_without_resume_never_empties_the_earlier_metrics(tmp_path, bund
     aside = [p for p in run_dir.iterdir() if p.name.startswith("replaced-")]
     assert len(aside) == 1 and (aside[0] / "metrics.jsonl").read_bytes() == earlier
     assert [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == [0]
+
+
+@pytest.mark.slow
+def test_a_signal_ends_the_run_at_a_step_with_its_checkpoint_committed(tmp_path, bundle):
+    """SIGTERM (Slurm's time limit, a Ctrl-C passed on) while ckpt-2 is still being
+    written in the background: the trainers end their step and wait for the save, the
+    launch says so in one line, and --resume continues from it."""
+    run_dir = tmp_path / "run"
+    out = tmp_path / "out"
+    with open(out, "w") as sink:
+        proc = subprocess.Popen(["bash", str(bundle / "launch.sh"), "--run-dir", str(run_dir),
+                                 "--steps", "6"], stdout=sink, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHON": sys.executable},
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while "step 2/6" not in out.read_text() and time.monotonic() < deadline:
+            assert proc.poll() is None, out.read_text()[-3000:]
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=120) == 128 + signal.SIGTERM, out.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = out.read_text()
+    done = [s for s, _ in complete_checkpoints(run_dir)]
+    assert done and done[0] == 2, text[-3000:]
+    assert not list(checkpoint_root(run_dir).glob("*.tmp")), text[-3000:]
+    assert "stopping before step" in text and "on SIGTERM" in text, text[-3000:]
+    assert "Connection closed" not in text, text[-3000:]      # every rank at the same step
+    assert f"launch.sh: stopped by SIGTERM; --resume continues from ckpt-{done[-1]}" in text
+    resumed = launch_ok(bundle, run_dir, "--steps", "6", "--resume")
+    assert f"resumed from {checkpoint_root(run_dir)}/ckpt-{done[-1]}" in resumed.stdout
+    assert [s for s, _ in complete_checkpoints(run_dir)][-1] == 6
