@@ -608,11 +608,10 @@ def _run(program: RankProgram, bundle: Path, argv: Sequence[str] | None, who: st
               f"{world} started); exiting", flush=True)
         return 0
     trainer = _Trainer(args, job, program_ir, plan, schedule, bundle, rank)
-    stop = _StopAtStep.install()
     trainer.start()
     try:
         trainer.setup()
-        trainer.train(stop)
+        trainer.train()
         trainer.finish()
     except Exception as err:
         # Recorded before the cleanup below, which may wait on peers or a save.
@@ -620,48 +619,7 @@ def _run(program: RankProgram, bundle: Path, argv: Sequence[str] | None, who: st
         raise
     finally:
         trainer.close()
-    return 0 if not stop.stopped else 128 + (stop.signum or 15)
-
-
-class _StopAtStep:
-    """SIGTERM or SIGINT (torchrun passes on the launch's stop; Slurm's time limit) ends
-    the run at a step boundary instead of at once: the save in flight commits (``finish``
-    waits for it) rather than dying as ``ckpt-N.tmp``. The ranks agree on the step through
-    the default group's store, without a collective: the first to see a signal at the
-    boundary before step ``k`` posts ``k + 1`` (ranks are within a step of each other:
-    every step ends in job-wide collectives), and every rank stops at the first boundary
-    at or past the posted step."""
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self.stopped = False
-        self._posted = False
-        self._key = f"dtdsl/stop/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-
-    def before(self, step: int) -> bool:
-        """Whether to stop before ``step`` (a store lookup each step)."""
-        import torch.distributed.distributed_c10d as c10d
-
-        store = c10d._get_default_store()
-        if self.signum is not None and not self._posted:
-            store.compare_set(self._key, "", str(step + 1))     # the first post stands
-            self._posted = True
-        self.stopped = store.check([self._key]) and step >= int(store.get(self._key))
-        return self.stopped
-
-    @classmethod
-    def install(cls) -> _StopAtStep:
-        import signal
-        import threading
-
-        stop = cls()
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, stop._on_signal)
-        return stop
-
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        self.signum = signum
+    return 0
 
 
 class _Trainer:
@@ -768,9 +726,7 @@ class _Trainer:
                              feed_dir=feed_dir(self.args.feed_dir), local_rank=local,
                              node_ranks=node)
 
-    def train(self, stop: _StopAtStep | None = None) -> None:
-        import signal
-
+    def train(self) -> None:
         from dtdsl.feed.faults import fault_point
         from dtdsl.train.timelines import gather_timeline, telemetry_every
 
@@ -781,12 +737,6 @@ class _Trainer:
         if ex.local_sgd is not None:     # A-EDiT's interval counts from here, not from setup
             ex.local_sgd.start_clock(start)
         for step in range(self.first, self.steps):
-            if stop is not None and stop.before(step):
-                if rank == 0:
-                    why = signal.Signals(stop.signum).name if stop.signum else "a signal"
-                    print(f"stopping before step {step + 1}/{self.steps} on {why}: a "
-                          "checkpoint in flight commits first", flush=True)
-                break
             fault_point(f"rank{rank}", step, self.run_dir)
             ckpt.poll()     # a failed background save stops the run now
             timed = (step - self.first) % telemetry == 0

@@ -206,10 +206,12 @@ class _Node:
         self.workers: subprocess.Popen | None = None
         self.torchrun: subprocess.Popen | None = None
         self.signalled: int | None = None
+        self.signals = 0
         self.host = socket.gethostname()
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.signalled = signum
+        self.signals += 1
 
     def run(self) -> int:
         from dtdsl.feed.node import feed_dir
@@ -288,8 +290,10 @@ class _Node:
         assert self.torchrun is not None
         while True:
             if self.signalled is not None:
-                # The trainers first: each ends its step (its data still coming) and
-                # waits for the save in flight to commit (``launch._StopAtStep``).
+                # A save in flight commits first (the trainers still train meanwhile, and
+                # die at once on their SIGTERM: blocked in a collective, a rank could not
+                # run a Python handler); then the trainers, then their data.
+                self._let_saves_commit(GRACE_S)
                 _stop(self.torchrun, signal.SIGTERM, GRACE_S)
                 _kill_tree(self.torchrun)
                 _stop(self.workers, signal.SIGTERM, WORKERS_GRACE_S)
@@ -311,6 +315,30 @@ class _Node:
                     return self._workers_failed(self.workers.returncode)
             time.sleep(POLL_S)
 
+    def _let_saves_commit(self, limit_s: float) -> None:
+        """Wait up to ``limit_s`` for the checkpoints being written when the signal came
+        (``ckpt-N.tmp``) to be committed or given up, while torchrun runs; a second signal
+        stops the wait."""
+        from dtdsl.ir.checkpoint import checkpoint_root
+
+        first = self.signals
+        try:
+            writing = list(checkpoint_root(self.run_dir).glob("ckpt-*.tmp"))
+        except OSError:
+            return
+        if writing:
+            _say(f"{self.signalled_name()}: waiting for {writing[-1].name} to be committed "
+                 f"(at most {limit_s:g} s; signal again to stop now)")
+        deadline = time.monotonic() + limit_s
+        while (any(p.exists() for p in writing) and time.monotonic() < deadline
+               and self.signals == first and self.torchrun is not None
+               and self.torchrun.poll() is None):
+            time.sleep(POLL_S)
+
+    def signalled_name(self) -> str:
+        assert self.signalled is not None
+        return signal.Signals(self.signalled).name
+
     def _stopped(self) -> int:
         """One line for a launch stopped by a signal, and its exit status (128 + it)."""
         from dtdsl.ir.checkpoint import latest_checkpoint
@@ -319,7 +347,7 @@ class _Node:
         newest = latest_checkpoint(self.run_dir)
         then = (f"--resume continues from {newest.name}" if newest is not None else
                 "no checkpoint yet: --resume starts it again at step 0")
-        _say(f"stopped by {signal.Signals(self.signalled).name}; {then}")
+        _say(f"stopped by {self.signalled_name()}; {then}")
         return 128 + self.signalled
 
     def _workers_failed(self, code: int) -> int:

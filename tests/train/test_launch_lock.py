@@ -220,10 +220,10 @@ def test_a_rerun_without_resume_never_empties_the_earlier_metrics(tmp_path, bund
 
 
 @pytest.mark.slow
-def test_a_signal_ends_the_run_at_a_step_with_its_checkpoint_committed(tmp_path, bundle):
-    """SIGTERM (Slurm's time limit, a Ctrl-C passed on) while ckpt-2 is still being
-    written in the background: the trainers end their step and wait for the save, the
-    launch says so in one line, and --resume continues from it."""
+def test_a_signal_stops_the_run_after_its_checkpoint_in_flight_commits(tmp_path, bundle):
+    """SIGTERM (Slurm's time limit, a Ctrl-C) while ckpt-2 is still being written in the
+    background: the launch lets the save commit before it stops the trainers, says so in
+    one line, and --resume continues from it."""
     run_dir = tmp_path / "run"
     out = tmp_path / "out"
     with open(out, "w") as sink:
@@ -244,9 +244,10 @@ def test_a_signal_ends_the_run_at_a_step_with_its_checkpoint_committed(tmp_path,
     text = out.read_text()
     done = [s for s, _ in complete_checkpoints(run_dir)]
     assert done and done[0] == 2, text[-3000:]
-    assert not list(checkpoint_root(run_dir).glob("*.tmp")), text[-3000:]
-    assert "stopping before step" in text and "on SIGTERM" in text, text[-3000:]
-    assert "Connection closed" not in text, text[-3000:]      # every rank at the same step
+    # a save begun after the signal (the trainers train on while one commits) may be cut
+    # short: a .tmp a resume removes, never one of the saves in flight at the signal
+    for left in checkpoint_root(run_dir).glob("*.tmp"):
+        assert int(left.name[len("ckpt-"):-len(".tmp")]) > done[0], text[-3000:]
     assert f"launch.sh: stopped by SIGTERM; --resume continues from ckpt-{done[-1]}" in text
     resumed = launch_ok(bundle, run_dir, "--steps", "6", "--resume")
     assert f"resumed from {checkpoint_root(run_dir)}/ckpt-{done[-1]}" in resumed.stdout
