@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from functools import cache
 from pathlib import Path
 
@@ -27,6 +28,26 @@ def launch(bundle: Path, run_dir: Path, *extra: str, timeout: float = 300,
                            *extra],
                           capture_output=True, text=True, timeout=timeout, env=full,
                           check=False)
+
+
+def launch_in_background(bundle: Path, run_dir: Path, out: Path, *extra: str
+                         ) -> subprocess.Popen:
+    """``launch.sh`` started in a session of its own (a group to signal), its output
+    (both streams) going to ``out``."""
+    with open(out, "w") as sink:
+        return subprocess.Popen(["bash", str(bundle / "launch.sh"), "--run-dir", str(run_dir),
+                                 *extra], stdout=sink, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHON": sys.executable},
+                                start_new_session=True)
+
+
+def wait_for_output(proc: subprocess.Popen, out: Path, text: str, timeout: float) -> None:
+    """Wait until ``text`` is in ``out`` (the launch still running), for ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while text not in out.read_text() and time.monotonic() < deadline:
+        assert proc.poll() is None, out.read_text()[-3000:]
+        time.sleep(0.05)
+    assert text in out.read_text(), out.read_text()[-3000:]
 
 
 def worker_log(run_dir: Path) -> str:

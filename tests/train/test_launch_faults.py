@@ -37,7 +37,9 @@ from dtdsl.ir.job import load_job
 from tests.helpers.bundle import (
     SPEC,
     launch,
+    launch_in_background,
     launch_ok,
+    wait_for_output,
 )
 
 # ---- what no restart changes ----------------------------------------------------------------
@@ -374,16 +376,9 @@ def _worker_supervisor(launcher: int, bundle: Path) -> int | None:
 def test_a_dead_worker_pool_ends_the_launch_with_one_line(tmp_path, bundle):
     run_dir = tmp_path / "run"
     out = tmp_path / "out"
-    with open(out, "w") as sink:
-        proc = subprocess.Popen(["bash", str(bundle / "launch.sh"), "--run-dir", str(run_dir),
-                                 "--steps", "200"], stdout=sink, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHON": sys.executable},
-                                start_new_session=True)
+    proc = launch_in_background(bundle, run_dir, out, "--steps", "200")
     try:
-        deadline = time.monotonic() + 180
-        while "step 2/200" not in out.read_text() and time.monotonic() < deadline:
-            assert proc.poll() is None, out.read_text()[-3000:]
-            time.sleep(0.2)
+        wait_for_output(proc, out, "step 2/200", 180)
         workers = _worker_supervisor(proc.pid, bundle)
         assert workers is not None
         os.kill(workers, signal.SIGKILL)

@@ -29,8 +29,10 @@ from dtdsl.train.rundir import (
 from tests.helpers.bundle import (
     SPEC,
     launch,
+    launch_in_background,
     launch_ok,
     read_jsonl,
+    wait_for_output,
 )
 
 
@@ -159,17 +161,9 @@ def _files(run_dir: Path) -> dict[str, bytes]:
 def test_two_launches_on_one_run_directory(tmp_path, bundle):
     run_dir = tmp_path / "run"
     out = tmp_path / "first.out"
-    with open(out, "w") as sink:
-        first = subprocess.Popen(["bash", str(bundle / "launch.sh"), "--run-dir", str(run_dir),
-                                  "--steps", "6"], stdout=sink, stderr=subprocess.STDOUT,
-                                 env={**os.environ, "PYTHON": sys.executable},
-                                 start_new_session=True)
+    first = launch_in_background(bundle, run_dir, out, "--steps", "6")
     try:
-        deadline = time.monotonic() + 120
-        while "step 1/6" not in out.read_text() and time.monotonic() < deadline:
-            assert first.poll() is None, out.read_text()[-3000:]
-            time.sleep(0.2)
-        assert "step 1/6" in out.read_text()
+        wait_for_output(first, out, "step 1/6", 120)
         before = _files(run_dir)
         # A fresh start and a resume, both refused at once with one line.
         for extra in ((), ("--resume",)):
@@ -226,16 +220,9 @@ def test_a_signal_stops_the_run_after_its_checkpoint_in_flight_commits(tmp_path,
     one line, and --resume continues from it."""
     run_dir = tmp_path / "run"
     out = tmp_path / "out"
-    with open(out, "w") as sink:
-        proc = subprocess.Popen(["bash", str(bundle / "launch.sh"), "--run-dir", str(run_dir),
-                                 "--steps", "6"], stdout=sink, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHON": sys.executable},
-                                start_new_session=True)
+    proc = launch_in_background(bundle, run_dir, out, "--steps", "6")
     try:
-        deadline = time.monotonic() + 120
-        while "step 2/6" not in out.read_text() and time.monotonic() < deadline:
-            assert proc.poll() is None, out.read_text()[-3000:]
-            time.sleep(0.05)
+        wait_for_output(proc, out, "step 2/6", 120)
         os.killpg(proc.pid, signal.SIGTERM)
         assert proc.wait(timeout=120) == 128 + signal.SIGTERM, out.read_text()[-3000:]
     finally:
