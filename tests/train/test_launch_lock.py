@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -157,47 +158,70 @@ def _files(run_dir: Path) -> dict[str, bytes]:
             if p.is_file() and "logs" not in p.parts and NODES_DIR not in p.parts}
 
 
-@pytest.mark.slow
-def test_two_launches_on_one_run_directory(tmp_path, bundle):
-    run_dir = tmp_path / "run"
-    out = tmp_path / "first.out"
-    first = launch_in_background(bundle, run_dir, out, "--steps", "6")
+@dataclass
+class FirstRun:
+    """A launch of 5 steps and the launches refused while it ran."""
+    run_dir: Path
+    out: Path
+    pid: int
+    returncode: int
+    before: dict[str, bytes]        # its files when the others were refused
+    refused: list[subprocess.CompletedProcess[str]]
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory, bundle) -> FirstRun:
+    """5 steps (ckpt-2, ckpt-4, and ckpt-5 after its last step); at its step 1 a fresh
+    start and a resume on its run directory. The rerun test starts from a copy of it."""
+    where = tmp_path_factory.mktemp("first")
+    run_dir, out = where / "run", where / "first.out"
+    first = launch_in_background(bundle, run_dir, out, "--steps", "5")
     try:
-        wait_for_output(first, out, "step 1/6", 120)
+        wait_for_output(first, out, "step 1/5", 120)
         before = _files(run_dir)
-        # A fresh start and a resume, both refused at once with one line.
-        for extra in ((), ("--resume",)):
-            proc = launch(bundle, run_dir, "--steps", "6", *extra, timeout=60)
-            assert proc.returncode == 2, proc.stdout + proc.stderr
-            assert proc.stdout == ""
-            lines = proc.stderr.splitlines()
-            assert len(lines) == 1 and f"{run_dir} is in use by launch " in lines[0] and \
-                f"pid {first.pid}" in lines[0], proc.stderr
-        assert first.wait(timeout=300) == 0, out.read_text()[-3000:]
+        refused = [launch(bundle, run_dir, "--steps", "5", *extra, timeout=60)
+                   for extra in ((), ("--resume",))]
+        returncode = first.wait(timeout=300)
     finally:
         if first.poll() is None:
             os.killpg(first.pid, signal.SIGKILL)
+    return FirstRun(run_dir, out, first.pid, returncode, before, refused)
+
+
+@pytest.mark.slow
+def test_two_launches_on_one_run_directory(first_run):
+    run_dir = first_run.run_dir
+    # A fresh start and a resume, both refused at once with one line.
+    for proc in first_run.refused:
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert proc.stdout == ""
+        lines = proc.stderr.splitlines()
+        assert len(lines) == 1 and f"{run_dir} is in use by launch " in lines[0] and \
+            f"pid {first_run.pid}" in lines[0], proc.stderr
+    assert first_run.returncode == 0, first_run.out.read_text()[-3000:]
     after = _files(run_dir)
     # the first run's files went on untouched by the refused ones: what it had then is
     # there still (metrics and samples grew by lines)
-    for name, data in before.items():
+    for name, data in first_run.before.items():
         if name.endswith(".jsonl"):
             assert after[name].startswith(data), name
-    assert [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == list(range(6))
-    assert [s for s, _ in complete_checkpoints(run_dir)] == [2, 4, 6]
+    assert [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == list(range(5))
+    assert [s for s, _ in complete_checkpoints(run_dir)] == [2, 4, 5]   # 5: its last step
     assert not [p for p in run_dir.iterdir() if "replaced" in p.name]
     assert [p.name for p in (run_dir / "launches").iterdir()] != []
 
 
 @pytest.mark.slow
-def test_a_rerun_without_resume_never_empties_the_earlier_metrics(tmp_path, bundle):
+def test_a_rerun_without_resume_never_empties_the_earlier_metrics(tmp_path, bundle,
+                                                                   first_run):
+    # A copy of first_run's directory (a launch fewer than a run of its own), left as a
+    # run stopped before its first checkpoint leaves it.
     run_dir = tmp_path / "run"
-    launch_ok(bundle, run_dir, "--steps", "1")
-    assert [s for s, _ in complete_checkpoints(run_dir)] == [1]     # after its last step
-    # as a run stopped before its first checkpoint left it (a run saves after its last step)
+    shutil.copytree(first_run.run_dir, run_dir)
+    assert [s for s, _ in complete_checkpoints(run_dir)] == [2, 4, 5]  # after its last step
     shutil.rmtree(checkpoint_root(run_dir))
     earlier = (run_dir / "metrics.jsonl").read_bytes()
-    assert len(earlier.splitlines()) == 1 and not complete_checkpoints(run_dir)
+    assert len(earlier.splitlines()) == 5 and not complete_checkpoints(run_dir)
     proc = launch(bundle, run_dir, "--steps", "1", timeout=60)
     assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
     assert proc.stderr.splitlines() == [
