@@ -36,7 +36,9 @@ FAKE_SLURM = Path(__file__).resolve().parent / "fake_slurm"
 # host names, gpu10 comes first. (Here every "node" is this machine, so the rendezvous
 # orders them by process id: the bundle must not care either way.)
 NODELIST = "gpu2,gpu9,gpu10"
-STEPS = 5
+# Rank 4 dies as step 3 begins and the job resumes at step 2: 4 steps train steps 2
+# and 3 again after the resume.
+STEPS = 4
 
 
 

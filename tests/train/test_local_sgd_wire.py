@@ -138,7 +138,8 @@ def test_resume_mid_period_equals_an_uninterrupted_run(tmp_path):
 def test_a_bundle_run_drops_the_corrupted_replica(tmp_path):
     """A compiled bundle launched with launch.sh: the tiny spec with its backbone (and the
     units the plan co-locates with it) at DP 2, the penalty on; the test hook corrupts
-    replica 1 from step 11, after the z-test's warm-up of 10 synchronisations."""
+    replica 1 from step 10, the first synchronisation after the z-test's warm-up of 10
+    (steps 0..9 at period 1): 11 steps, the last the one it drops."""
     from dtdsl import cli
     from tests.helpers.bundle import SPEC, launch_ok, read_jsonl
 
@@ -154,14 +155,14 @@ def test_a_bundle_run_drops_the_corrupted_replica(tmp_path):
     bundle = tmp_path / "bundle"
     assert cli.main(["compile", str(spec), "-o", str(bundle), "--synthetic"]) == 0
     run_dir = tmp_path / "run"
-    proc = launch_ok(bundle, run_dir, "--steps", "12",
-                     env={CORRUPT_ENV: "replica=1,scale=30,from_step=11"})
+    proc = launch_ok(bundle, run_dir, "--steps", "11",
+                     env={CORRUPT_ENV: "replica=1,scale=30,from_step=10"})
     said = [line for line in (proc.stdout + proc.stderr).splitlines()
             if line.startswith("local_sgd:")]
-    assert said == ["local_sgd: llm.s0 step 11: dropped replica(s) [1] (pseudo-gradient "
+    assert said == ["local_sgd: llm.s0 step 10: dropped replica(s) [1] (pseudo-gradient "
                     "norm anomalous)"], proc.stdout[-3000:]
     metrics = read_jsonl(run_dir / "metrics.jsonl")
-    assert len(metrics) == 12 and all(m["dp_sync_bytes"] > 0 for m in metrics)
+    assert len(metrics) == 11 and all(m["dp_sync_bytes"] > 0 for m in metrics)
 
 
 def test_dtc_reference_follows_the_plan(tmp_path):
