@@ -23,7 +23,7 @@ from dtdsl.train.executor import StageExecutor
 from dtdsl.train.reference import train_reference
 from dtdsl.train.timelines import gather_timeline
 from tests.dist import make_plan, run
-from tests.specs import program as tiny
+from tests.specs import variant
 
 # The runtime's acceptance (its issue): 20 steps equal to the reference, which the plain
 # DP and PP layouts run (tests/train/test_executor.py). The other layouts run 8: a layout
@@ -32,11 +32,16 @@ from tests.specs import program as tiny
 ACCEPTANCE_STEPS = 20
 STEPS = 8
 # A unit under tensor parallelism runs every op through DTensor, whose sharding
-# propagation is cached by shape: as the microbatches here differ in sequence length
-# (and image count), each op pays it anew, and a step of a TP backbone costs several
-# times a plain one. The TP layouts match the reference from the first step on; these
-# steps take Adam's moments through several updates.
+# propagation is cached by shape: each microbatch of a new width pays it anew for every
+# op, and a step of a TP backbone costs several times a plain one. The TP layouts match
+# the reference from the first step on; these steps take Adam's moments through several
+# updates.
 TP_STEPS = 6
+# The runtime tests' text lengths: two, an even and an odd one (the images still vary the
+# widths). Drawn from the tiny spec's lognormal, nearly every microbatch had a width of its
+# own, and DTensor's propagation was half of a TP test's CPU.
+TEXT_TOKENS = ("text.tokens     ~ lognormal(median=48, sigma=0.5) clamp [8, 192]",
+               "text.tokens     ~ choice([40, 47])")
 LOSS_RTOL = 1e-4
 PARAM_RTOL = 5e-3     # of the norm of a parameter's update over the steps
 PARAM_RMS = 1e-4      # and the root-mean-square difference per tensor within this (the issue's
@@ -50,8 +55,9 @@ torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
 
 
 def spec(batch: int, *, frozen: tuple[str, ...] = ()) -> ir.Program:
-    """tiny_cpu with a global batch of ``batch`` and the named modules/projectors frozen."""
-    p = tiny()
+    """tiny_cpu (its text lengths ``TEXT_TOKENS``) with a global batch of ``batch`` and the
+    named modules/projectors frozen."""
+    p = variant(*TEXT_TOKENS)
     modules = tuple(m.model_copy(update={"frozen": True}) if m.name in frozen else m
                     for m in p.modules)
     projectors = tuple(q.model_copy(update={"frozen": True}) if q.name in frozen else q
