@@ -329,11 +329,12 @@ class _StepTracker(_mem_tracker.MemTracker):
             return func(*args, **kwargs)
         if DTensor in types:
             return NotImplemented       # DTensor runs first, then its local ops come here
-        if func is _WAIT_TENSOR and active_fake_mode():
+        fake = active_fake_mode()       # the same after ``func``: modes nest
+        if func is _WAIT_TENSOR and fake:
             res = args[0]
         else:
             res = func(*args, **kwargs)
-        if active_fake_mode() is self._fake_mode_on_entry:
+        if fake is self._fake_mode_on_entry:
             if self._in_opt:
                 reftype = _mem_tracker._MemRefType.OPT
             elif self._mod_tracker.is_bw and not self._in_ac:
@@ -397,10 +398,9 @@ class _StepTracker(_mem_tracker.MemTracker):
         """Each count ``n``'s peak with ``n`` times the held bytes (``virtual``): integer
         for integer what a tracker holding ``n`` of them finds (the held total summed
         once an op, not once a count)."""
-        phase = _PHASES[2 if self._in_opt else 1 if self._mod_tracker.is_bw else 0]
         for dev, snap in self._curr_mem_snap.items():
             held = self.virtual.get(dev, {})
-            held_total = sum(held.values())
+            held_total = sum(held.values()) if held else 0
             base = snap[_mem_tracker._TOTAL_KEY]
             for j, n in enumerate(self._counts):
                 total = base + n * held_total
@@ -409,7 +409,8 @@ class _StepTracker(_mem_tracker.MemTracker):
                     peaks[dev] = (total, {key: b + n * held.get(key, 0)
                                           for key, b in snap.items()}
                                   | {_mem_tracker._TOTAL_KEY: total})
-                    self.held_phases[j] = phase
+                    self.held_phases[j] = _PHASES[
+                        2 if self._in_opt else 1 if self._mod_tracker.is_bw else 0]
 
 
 def _rounded_size(granularity_bytes: int) -> Callable[[Any], int]:

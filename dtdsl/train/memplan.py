@@ -816,14 +816,16 @@ def check_memory(program: ir.Program, plan: Plan, *, cost: Any = None, jobs: int
                  progress: Callable[[int, int, str], None] | None = None,
                  every_microbatch: bool = False,
                  units: Collection[str] | None = None,
-                 group: bool = True) -> list[StageMemory]:
+                 group: bool = True,
+                 stages: Collection[tuple[str, int]] | None = None) -> list[StageMemory]:
     """Measure every unit stage of ``plan`` (module docstring), in plan order; ``units``:
-    only those units' stages (a paper-scale backbone's take minutes). Each stage
-    is measured in a process of its own, forked from this one (a fake world leaves
-    process-wide state behind: process group names, DeviceMesh and DTensor caches), up
-    to ``jobs`` at a time; stages whose replays are the same but for the microbatches
-    held are measured by one (``train.memgroups``; ``group=False``: each by its own, the
-    same results). ``every_microbatch``: run every microbatch in flight (``_ran``)."""
+    only those units' stages (a paper-scale backbone's take minutes); ``stages``: only
+    those ``(unit, stage)``. Each stage is measured in a process of its own, forked
+    from this one (a fake world leaves process-wide state behind: process group names,
+    DeviceMesh and DTensor caches), up to ``jobs`` at a time; stages whose replays are
+    the same but for the microbatches held are measured by one (``train.memgroups``;
+    ``group=False``: each by its own, the same results). ``every_microbatch``: run
+    every microbatch in flight (``_ran``)."""
     import multiprocessing
 
     from dtdsl.cost.model import build_cost_model
@@ -842,7 +844,8 @@ def check_memory(program: ir.Program, plan: Plan, *, cost: Any = None, jobs: int
     schedule = lower(plan, program)
     # Co-located and phased units are measured with the backbone stages that run them.
     todo = [(u.name, s) for u in plan.units if not (u.colocated or u.phased)
-            and (units is None or u.name in units) for s in range(u.pp)]
+            and (units is None or u.name in units) for s in range(u.pp)
+            if stages is None or (u.name, s) in stages]
     ran = [_ran(in_flight_of(schedule, u, s), plan.unit(u).vpp, every_microbatch)
            for u, s in todo]
     groups = replay_groups(program, plan, todo, ran) if group else [(i,) for i in range(len(todo))]
@@ -856,7 +859,7 @@ def check_memory(program: ir.Program, plan: Plan, *, cost: Any = None, jobs: int
     # with them (a pass that also copies every page it touches).
     gc.freeze()
     try:
-        with context.Pool(max(1, jobs), maxtasksperchild=1) as pool:
+        with context.Pool(max(1, min(jobs, len(groups))), maxtasksperchild=1) as pool:
             pending = [pool.apply_async(_measure_in_child,
                                         (program, plan, schedule, cost, *todo[g[0]],
                                          every_microbatch, tuple(todo[i][1] for i in g[1:])))

@@ -133,11 +133,15 @@ def test_a_host_stage_is_measured_with_its_co_located_units():
     assert list(both) == [("llm", 0), ("llm", 1)]     # nothing of their own to measure
     # Each host stage against the same stage hosting the other unit only: the same
     # microbatches in flight on the first stage, and on the last the generator's
-    # weights and AdamW state besides the backbone's.
+    # weights and AdamW state besides the backbone's. (Only the stage compared is
+    # measured: the other one hosts the same unit as in ``both``.)
     gen_only = {(s.unit, s.stage): s
-                for s in check_memory(program, colocate(program, own, "gen"), jobs=2)}
+                for s in check_memory(program, colocate(program, own, "gen"), jobs=2,
+                                      stages=[("llm", 0)])}
     vit_only = {(s.unit, s.stage): s
-                for s in check_memory(program, colocate(program, own, "vit"), jobs=2)}
+                for s in check_memory(program, colocate(program, own, "vit"), jobs=2,
+                                      stages=[("llm", 1)])}
+    assert list(gen_only) == [("llm", 0)] and list(vit_only) == [("llm", 1)]
     first, without = both[("llm", 0)], gen_only[("llm", 0)]
     assert first.measured_bytes > without.measured_bytes
     assert first.predicted_bytes > without.predicted_bytes
