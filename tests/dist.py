@@ -54,6 +54,9 @@ def _child(rank: int, fn: Callable[..., Any], world: int, tmp: str, pg_timeout: 
                             timeout=datetime.timedelta(seconds=pg_timeout))
     try:
         fn(rank, world, *args)
+        # No rank leaves before all are up: gloo's connect on a slow rank fails ("closed
+        # by peer") when a fast one with no collective to wait on has exited already.
+        dist.barrier()
     except BaseException:
         # Leave the traceback for the parent, stamped with the time: when one rank fails,
         # its peers fail next ("connection closed"), and the earliest is the cause.

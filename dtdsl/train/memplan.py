@@ -814,26 +814,23 @@ def _recomputing(program: ir.Program, plan: Plan) -> ir.Program:
 
 def check_memory(program: ir.Program, plan: Plan, *, cost: Any = None, jobs: int = 1,
                  progress: Callable[[int, int, str], None] | None = None,
-                 every_microbatch: bool = False,
-                 units: Collection[str] | None = None,
-                 group: bool = True,
-                 stages: Collection[tuple[str, int]] | None = None) -> list[StageMemory]:
-    """Measure every unit stage of ``plan`` (module docstring), in plan order; ``units``:
-    only those units' stages (a paper-scale backbone's take minutes); ``stages``: only
-    those ``(unit, stage)``. Each stage is measured in a process of its own, forked
-    from this one (a fake world leaves process-wide state behind: process group names,
-    DeviceMesh and DTensor caches), up to ``jobs`` at a time; stages whose replays are
-    the same but for the microbatches held are measured by one (``train.memgroups``;
-    ``group=False``: each by its own, the same results). ``every_microbatch``: run
-    every microbatch in flight (``_ran``)."""
+                 every_microbatch: bool = False, units: Collection[str] | None = None,
+                 group: bool = True, stages: Collection[tuple[str, int]] | None = None
+                 ) -> list[StageMemory]:
+    """Measure every unit stage of ``plan`` (module docstring) in plan order, or those of
+    ``units`` (a paper-scale backbone's take minutes), or the ``(unit, stage)`` pairs in
+    ``stages``, each in a process forked from this one (a fake world leaves process group
+    names, DeviceMesh and DTensor caches behind), up to ``jobs`` at a time; stages whose
+    replays differ only in the microbatches held by one (``train.memgroups``; ``group=False``:
+    each by its own, the same results). ``every_microbatch``: run every one in flight."""
     import multiprocessing
 
     from dtdsl.cost.model import build_cost_model
     from dtdsl.schedule.lower import lower
     from dtdsl.train.memgroups import replay_groups
 
-    # Priced as the stages run: recomputing where the plan raised it (the planner priced
-    # those units so; a given cost model, ``dtc memcheck``'s, is the spec's).
+    # Priced as the stages run: recomputing where the plan raised it (as the planner
+    # priced them; a given cost model, ``dtc memcheck``'s, is the spec's).
     recomputing = _recomputing(program, plan)
     if cost is None or any(cost.unit(m.name).recompute is not ir.Recompute.of(m.recompute)
                            for m in recomputing.modules):
