@@ -103,6 +103,7 @@ def test_infeasible_plan_is_a_diagnostic_at_the_gpus_line(capsys):
     (("--efficiency", "matmul=1.5"), "--efficiency takes"),
     (("--efficiency", "tensor=0.5"), "--efficiency takes"),
     (("--profile", "/nonexistent/profile.json"), "cannot use profile"),
+    (("--search", "baseline", "--placement", "disaggregated"), "use one or the other"),
 ])
 def test_plan_usage_errors(capsys, args, message):
     code, _, err = run(capsys, "plan", M72, *args)

@@ -144,10 +144,11 @@ def add_placement(parser: argparse.ArgumentParser, *, given_plan: bool) -> None:
     from dtdsl.ir.plan import PLACEMENTS
 
     parser.add_argument(
-        "--placement", choices=PLACEMENTS, default="auto" if not given_plan else None,
+        "--placement", choices=PLACEMENTS, default=None,
         help="disaggregated: every module on GPUs of its own; colocated: encoders on the "
         "backbone's first pipeline stage, generators on its last; auto: both weighed, the "
-        "faster kept (default)" + ("; not with --plan" if given_plan else ""))
+        "faster kept (default)" + ("; not with --plan" if given_plan else
+                                   "; not with --search baseline"))
 
 
 def solve(result: FrontendResult, program: Program, cost: CostModel | None,

@@ -70,12 +70,17 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--search exhaustive tries every layout and stops at "
                          f"{EXHAUSTIVE_MAX_GPUS} GPUs; this plan is for {num_gpus} "
                          "(use --gpus or the convex search)")
+    if args.search == "baseline" and args.placement is not None:
+        raise UsageError("--placement chooses where dtdsl's planner puts the encoders and "
+                         "generators; --search baseline plans Megatron-LM's layout, which "
+                         "places them itself: use one or the other")
     cost = cost_model(args, program)
     try:
         # One bar for every phase (the baselines, the search, the drawn batches), each
         # named in its note; shown where planning takes more than two seconds.
         with progress_bar("planning", delay_s=PROGRESS_AFTER_S) as progress:
-            the_plan = plan(cost, num_gpus, search=args.search, placement=args.placement,
+            the_plan = plan(cost, num_gpus, search=args.search,
+                            placement=args.placement or "auto",
                             compare_baseline=not args.no_baseline, progress=progress,
                             simulate_steps=args.simulate_steps)
     except Infeasible as err:
