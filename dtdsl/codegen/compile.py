@@ -25,7 +25,6 @@ __all__ = ["BundleOptions", "DEFAULT_MAX_RESTARTS", "DEFAULT_RDZV_PORT",
 
 DEFAULT_RDZV_PORT = 29500       # torchrun's rendezvous on multi-node launches
 MAX_MESSAGE_BYTES = 1 << 30
-KEEP_CHECKPOINTS = 3
 PROFILE_FILE = "profile.json"    # the measured profile the plan was made with
 # torchrun restarts every rank after one fails and the job resumes from its newest
 # checkpoint (runtime.checkpoint): a few restarts ride out a lost rank without a person.
@@ -86,7 +85,7 @@ def make_job(program: ir.Program, plan: Plan, data: DataConfig, options: BundleO
                                prefetch=options.prefetch,
                                max_message_bytes=MAX_MESSAGE_BYTES),
                checkpoint=CheckpointConfig(every=program.train.checkpoint_every,
-                                           keep=KEEP_CHECKPOINTS),
+                                           keep=program.train.keep_checkpoints),
                cost=_cost_config(options.cost))
 
 

@@ -114,6 +114,19 @@ def test_refuses_a_non_bundle_directory_and_overwrites_a_bundle(tmp_path, capsys
     assert json.loads((out2 / "job.json").read_text())["steps"] == 3
 
 
+def test_the_bundle_checkpoints_as_the_spec_says(tmp_path):
+    # checkpoint_every and keep_checkpoints reach job.json, which the ranks' Checkpointer
+    # reads (keep_checkpoints was once a constant 3 whatever the spec said).
+    text = (SPECS / "tiny_cpu.dt").read_text()
+    assert "checkpoint_every = 10" in text
+    spec = tmp_path / "tiny_keep.dt"
+    spec.write_text(text.replace("checkpoint_every = 10",
+                                 "checkpoint_every = 4\n  keep_checkpoints = 5"))
+    assert compile_spec(spec, tmp_path / "b") == 0
+    job = json.loads((tmp_path / "b" / "job.json").read_text())
+    assert (job["checkpoint"]["every"], job["checkpoint"]["keep"]) == (4, 5)
+
+
 def tree_of(folder: Path) -> dict[str, bytes]:
     """Every file and link under ``folder``, links as the path they hold."""
     return {p.relative_to(folder).as_posix(): (b"-> " + os.fsencode(p.readlink())
