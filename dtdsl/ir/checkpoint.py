@@ -91,12 +91,14 @@ class Manifest(_Model):
 
 def program_sha256(program: Any) -> str:
     """A digest of what a spec means: its checked program without the places in the text
-    (spans), the file's name and the text's own digest. A comment, a reformatting (``dtc
-    fmt``) or a move leave it as it was; any setting changes it."""
+    (spans), the file's name and the text's own digest, and without when and how many
+    checkpoints are kept (``_NOT_TRAINING``). A comment, a reformatting (``dtc fmt``), a
+    move or another ``checkpoint_every`` leave it as it was; any other setting changes it."""
     def strip(value: Any) -> Any:
         if isinstance(value, dict):
             return {k: strip(v) for k, v in value.items()
-                    if k not in _TEXT_ONLY and not k.endswith("_span")}
+                    if k not in _TEXT_ONLY and k not in _NOT_TRAINING
+                    and not k.endswith("_span")}
         if isinstance(value, list):
             return [strip(v) for v in value]
         return value
@@ -107,6 +109,8 @@ def program_sha256(program: Any) -> str:
 
 
 _TEXT_ONLY = frozenset({"span", "source_name", "source_sha256"})
+# Settings of train that change no step's numbers: a resume may change them.
+_NOT_TRAINING = frozenset({"checkpoint_every", "keep_checkpoints"})
 
 
 def same_spec(manifest: Manifest, spec_sha256: str, program: str | None) -> bool:

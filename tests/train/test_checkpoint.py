@@ -242,6 +242,17 @@ def test_another_spec_is_refused(tmp_path):
         _go(PLAN_A, tmp_path, 1, {}, tmp_path / "c.json")
 
 
+def test_the_program_digest_leaves_out_the_text_and_the_checkpoint_cadence():
+    from tests.specs import program, variant
+
+    base = program_sha256(program())
+    same = [variant("# A tiny multimodal", "# A small multimodal"),
+            variant("checkpoint_every = 10", "checkpoint_every = 3"),
+            variant("checkpoint_every = 10", "checkpoint_every = 10\n  keep_checkpoints = 7")]
+    assert [program_sha256(p) for p in same] == [base] * 3
+    assert program_sha256(variant("steps            = 20", "steps            = 21")) != base
+
+
 def test_a_damaged_checkpoint_is_refused_once_not_retried(tmp_path):
     """Files that fail to load fail again after a restart: CheckpointMismatch, whose message
     ends the launch (feed.faults), naming what to move aside."""
