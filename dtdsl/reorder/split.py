@@ -269,7 +269,15 @@ def bubble_owners(fwd_s: Sequence[float], bwd_s: Sequence[float], m: int,
         return BubbleFit((0,) * m, m * enc_fwd_s, m * enc_bwd_s)
     state = _Bubbles(fwd_s, bwd_s, m, hop_s)
     greedy = _greedy_wide if pp >= _WIDE_STAGES else _greedy_narrow
-    return greedy(state, pp, m, enc_fwd_s, enc_bwd_s)
+    fit = greedy(state, pp, m, enc_fwd_s, enc_bwd_s)
+    # Looking one step ahead, the greedy can end past what an equal share for every stage,
+    # in order, exposes at most (a stage's own share: ceil(m / pp) steps); then that share.
+    if fit.exposed_f + fit.exposed_b > -(-m // pp) * (enc_fwd_s + enc_bwd_s):
+        even = tuple(j * pp // m for j in range(m))
+        f, b = bubble_exposure(fwd_s, bwd_s, even, [enc_fwd_s] * m, [enc_bwd_s] * m, hop_s)
+        if f + b < fit.exposed_f + fit.exposed_b:
+            return BubbleFit(even, f, b)
+    return fit
 
 
 # From this many stages on, a step's trials as numpy vectors beat a Python loop over them.

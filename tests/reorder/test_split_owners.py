@@ -1,6 +1,7 @@
 """``reorder.split.bubble_owners`` made fast (its greedy priced stage by stage, or as
 numpy vectors on deep pipelines) against the plain greedy it replaced, kept here as the
-reference: the same owners and the same seconds, to the bit, on many random pipelines."""
+reference (with the equal share it falls back to): the same owners and the same seconds,
+to the bit, on many random pipelines."""
 
 from __future__ import annotations
 
@@ -77,7 +78,18 @@ def _ref_owners(fwd_s, bwd_s, m, enc_fwd_s, enc_bwd_s, hop_s=0.0) -> BubbleFit:
         _, s, t, d, o = best
         owners.append(s)
         state.add(s, enc_bwd_s, t, d, o)
-    return BubbleFit(tuple(owners), *state.exposed())
+    fit = BubbleFit(tuple(owners), *state.exposed())
+    # Past the bound of an equal share for every stage in order: that share, if better.
+    if fit.exposed_f + fit.exposed_b > -(-m // pp) * (enc_fwd_s + enc_bwd_s):
+        even = tuple(j * pp // m for j in range(m))
+        state = _RefBubbles(fwd_s, bwd_s, m, hop_s)
+        for j, s in enumerate(even):
+            _, t, d, o = state.trial(s, j, enc_fwd_s, enc_bwd_s)
+            state.add(s, enc_bwd_s, t, d, o)
+        f, b = state.exposed()
+        if f + b < fit.exposed_f + fit.exposed_b:
+            return BubbleFit(even, f, b)
+    return fit
 
 
 # ---- the comparisons --------------------------------------------------------------------

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from dtdsl.cost.model import CostParams, build_cost_model
@@ -104,6 +104,7 @@ def test_bad_owners_are_refused():
 @given(pp=st.integers(1, 6), m=st.integers(1, 24),
        ef=st.floats(0.0, 3.0), eb=st.floats(0.0, 6.0),
        layers=st.lists(st.integers(1, 4), min_size=6, max_size=6))
+@example(pp=4, m=4, ef=3.0, eb=3.0, layers=[1, 1, 1, 2, 1, 1])   # the greedy alone: 7 s > 6
 def test_owners_cover_every_step_and_the_estimate_is_the_simulators(pp, m, ef, eb, layers):
     fwd = [1.0 * n for n in layers[:pp]]
     bwd = [2.0 * n for n in layers[:pp]]
