@@ -821,7 +821,7 @@ def check_memory(program: ir.Program, plan: Plan, *, cost: Any = None, jobs: int
     ``units`` (a paper-scale backbone's take minutes), or the ``(unit, stage)`` pairs in
     ``stages``, each in a process forked from this one (a fake world leaves process group
     names, DeviceMesh and DTensor caches behind), up to ``jobs`` at a time; stages whose
-    replays differ only in the microbatches held by one (``train.memgroups``; ``group=False``:
+    replays differ only in the microbatches held share one (``train.memgroups``; ``group=False``:
     each by its own, the same results). ``every_microbatch``: run every one in flight."""
     import multiprocessing
 
