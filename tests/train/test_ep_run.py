@@ -174,9 +174,19 @@ def test_ep_groups_are_consecutive_replicas():
 # loss and gradient norm, the layout and the final parameters checked.
 
 
-def test_expert_parallel_with_capacity_matches_the_grouped_reference():
+def _recomputed(p: ir.Program) -> ir.Program:
+    modules = tuple(m.model_copy(update={"recompute": ir.Recompute.FULL}) if m.name == "llm"
+                    else m for m in p.modules)
+    return p.model_copy(update={"modules": modules})
+
+
+def test_expert_parallel_recomputed_with_capacity_matches_the_grouped_reference():
     # 4 steps: the drops and their grouped reference show from the first step on.
-    p = moe_spec(args=ARGS + ", capacity=0.5")
+    # Recomputation (merged here from test_expert_parallel_recomputed_matches_the_reference,
+    # the same ep 2 x dp 2 layout) runs each MoE layer's forward again in backward, its
+    # all-to-alls too: every rank of the EP group recomputes the same layers in the same
+    # order, and drops the same slots again.
+    p = _recomputed(moe_spec(args=ARGS + ", capacity=0.5"))
     check_ep(p, ep_plan(p, 2, 1, 2), steps=4, capacity=True)
 
 
@@ -274,14 +284,8 @@ def test_experts_sharded_over_their_expert_dp_group(zero):
     check_ep(p, plan, steps=4)
 
 
-def test_expert_parallel_recomputed_matches_the_reference():
-    # Recomputation runs each MoE layer's forward again in backward, its all-to-alls
-    # too: every rank of the EP group recomputes the same layers in the same order.
-    p = moe_spec(args=ARGS)
-    modules = tuple(m.model_copy(update={"recompute": ir.Recompute.FULL}) if m.name == "llm" else m
-                    for m in p.modules)
-    p = p.model_copy(update={"modules": modules})
-    check_ep(p, ep_plan(p, 2, 1, 2), steps=4)
+# test_expert_parallel_recomputed_matches_the_reference merged into
+# test_expert_parallel_recomputed_with_capacity_matches_the_grouped_reference (ep 2, dp 2).
 
 
 def test_expert_parallel_in_fp16_within_the_bf16_tolerance(tmp_path):

@@ -83,11 +83,8 @@ def test_aux_gradient_carries_fp16s_loss_scale():
                                    msg=name)
 
 
-def test_moe_backbone_data_parallel_matches_the_reference():
-    # 4 steps: Adam's moments through several updates.
-    p = moe_spec()
-    check(p, plan_for(p, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, 2, 1),
-                      ("gen", "generator", 1, 1, 1)), steps=4)
+# test_moe_backbone_data_parallel_matches_the_reference (dp 2, 4 steps) merged into
+# test_moe_backbone_recomputed_matches_the_reference: the same layout, recomputed.
 
 
 def test_moe_backbone_pipeline_matches_the_reference():
@@ -142,7 +139,8 @@ def test_compile_refuses_what_the_runtime_does_not_run_yet():
 
 def test_moe_backbone_recomputed_matches_the_reference():
     # Recomputation runs each MoE layer's forward again in backward: its aux loss must
-    # not be counted twice, nor its gradient given twice.
+    # not be counted twice, nor its gradient given twice. Data parallel (dp 2): the run
+    # of test_moe_backbone_data_parallel_matches_the_reference, merged here.
     p = moe_spec(args="experts=4, top_k=2, expert_ffn=64, aux_loss=0.1")
     modules = tuple(m.model_copy(update={"recompute": ir.Recompute.FULL}) if m.name == "llm" else m
                     for m in p.modules)
