@@ -60,10 +60,18 @@ def token_ids(tokens: int, hidden: int, first: int = 0, seed: int = 0) -> torch.
     return x
 
 
-def moe_spec(batch: int = 8, args: str = "experts=4, top_k=2, expert_ffn=64") -> ir.Program:
-    """tiny_cpu.dt with an MoE backbone and a global batch of ``batch``."""
+def moe_spec(batch: int = 8, args: str = "experts=4, top_k=2, expert_ffn=64", *,
+             two_lengths: bool = False) -> ir.Program:
+    """tiny_cpu.dt with an MoE backbone and a global batch of ``batch``; ``two_lengths``:
+    its text lengths ``tests.helpers.runs.TEXT_TOKENS``' two (fewer microbatch widths for
+    DTensor's sharding propagation to pay for under tensor parallelism)."""
     text = TINY.read_text()
     assert _DENSE in text
+    if two_lengths:
+        from tests.helpers.runs import TEXT_TOKENS
+
+        assert TEXT_TOKENS[0] in text
+        text = text.replace(*TEXT_TOKENS)
     p = program(text.replace(_DENSE, _DENSE[:-1] + ", " + args + ")"))
     return p.model_copy(update={"train": p.train.model_copy(update={"global_batch": batch})})
 

@@ -18,6 +18,9 @@ from tests.helpers.plans import with_cp
 from tests.helpers.runs import LOSS_RTOL, PARAM_RMS, PARAM_RTOL, plan_for, reference, spec
 
 STEPS = 8       # the issue's acceptance: 8+ steps
+# The runs' global batch: 2 microbatches of 2 (as many as the two-stage pipelines' stages,
+# enough for 1F1B); each claim here is per microbatch (its CP shards, their hops).
+BATCH = 4
 
 
 def _train(rank: int, world: int, program: ir.Program, plan: Plan, losses: list[float],
@@ -44,14 +47,17 @@ def check(program: ir.Program, plan: Plan, steps: int = STEPS) -> None:
     run(_train, plan.gpus_used, program, plan, losses, params, steps, timeout=300)
 
 
-def tiny_cp(cp: int, method: str, *, tp: int = 1, pp: int = 1) -> tuple[ir.Program, Plan]:
-    program = spec(8)
+def tiny_cp(cp: int, method: str, *, tp: int = 1, pp: int = 1, batch: int = BATCH
+            ) -> tuple[ir.Program, Plan]:
+    program = spec(batch)
     plan = plan_for(program, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", tp, 1, pp),
                     ("gen", "generator", 1, 1, 1))
     return with_cp(program, plan, cp, method)
 
 
-@pytest.mark.parametrize("method", ["ring", "ulysses"])
+# ring removed: test_context_parallel_with_a_pipeline runs the same backbone ring
+# attention at cp 2 for the same 8 steps, with the pipeline too.
+@pytest.mark.parametrize("method", ["ulysses"])
 def test_backbone_context_parallel_matches_the_reference(method):
     check(*tiny_cp(2, method))
 
@@ -80,18 +86,24 @@ def test_a_checkpoint_saved_at_cp_2_resumes_at_cp_1_and_back(tmp_path):
     from tests.helpers.checkpoints import PLAN_A, PROGRAM, _close, _go, _reference
 
     ref, _ = _reference()
-    _, cp2 = with_cp(PROGRAM, PLAN_A, 2, "ring")
+    # cp 2 at dp 1 (4 ranks, FSDP2 over its 2 CP ranks), plan A (dp 2) between.
+    _, cp2 = with_cp(PROGRAM, plan_for(PROGRAM, ("vit", "encoder", 1, 1, 1),
+                                       ("llm", "backbone", 1, 1, 1),
+                                       ("gen", "generator", 1, 1, 1)), 2, "ring")
+    assert cp2.gpus_used == 4
     run_dir = tmp_path / "run"
-    a = _go(cp2, run_dir, 4, {4: "sync"}, tmp_path / "a.json", want_at=4)
+    # 2 steps at cp 2 before the first save (Adam's state through two updates), 2 at cp 1,
+    # 2 at cp 2 again: the cp 2 run's parameters are checked at its end (step 6).
+    a = _go(cp2, run_dir, 2, {2: "sync"}, tmp_path / "a.json")
     assert a["first"] == 0
-    _close(a["losses"], ref[:4])
-    b = _go(PLAN_A, run_dir, 2, {6: "thread"}, tmp_path / "b.json", want_at=6)
-    assert b["first"] == 4
-    assert "resharded from vit:tp1dp1pp1 llm:tp1cp2dp2pp1" in b["logs"][0], b["logs"]
-    _close(b["losses"], ref[4:6])
-    c = _go(cp2, run_dir, 2, {}, tmp_path / "c.json", want_at=8)
-    assert c["first"] == 6 and "resharded from" in c["logs"][0]
-    _close(c["losses"], ref[6:8])
+    _close(a["losses"], ref[:2])
+    b = _go(PLAN_A, run_dir, 2, {4: "thread"}, tmp_path / "b.json", want_at=4)
+    assert b["first"] == 2
+    assert "resharded from vit:tp1dp1pp1 llm:tp1cp2dp1pp1" in b["logs"][0], b["logs"]
+    _close(b["losses"], ref[2:4])
+    c = _go(cp2, run_dir, 2, {}, tmp_path / "c.json", want_at=6)
+    assert c["first"] == 4 and "resharded from" in c["logs"][0]
+    _close(c["losses"], ref[4:6])
 
 
 def test_memcheck_replays_a_cp_stage_at_its_shard():
@@ -100,9 +112,10 @@ def test_memcheck_replays_a_cp_stage_at_its_shard():
     from dtdsl.train.memplan import check_memory
 
     def llm(cp: int) -> dict[int, tuple[float, float]]:
-        program, plan = tiny_cp(cp, "ring", pp=2)
-        return {s.stage: (s.measured_bytes, s.error) for s in check_memory(program, plan)
-                if s.unit == "llm"}
+        program, plan = tiny_cp(cp, "ring", pp=2, batch=8)
+        # Only the backbone's stages replayed: the claim is about them alone.
+        return {s.stage: (s.measured_bytes, s.error)
+                for s in check_memory(program, plan, units=("llm",)) if s.unit == "llm"}
 
     one, two = llm(1), llm(2)
     for stage in (0, 1):
@@ -111,8 +124,9 @@ def test_memcheck_replays_a_cp_stage_at_its_shard():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("unit", ["llm", "vit"])
-def test_a_compiled_cp_bundle_dry_runs_and_trains_as_the_reference(tmp_path, unit):
+def test_a_compiled_cp_bundle_dry_runs_and_trains_as_the_reference(tmp_path):
+    # One bundle with the backbone and the encoder both at cp 2 (one launch for both;
+    # 5 ranks: vit 2, llm 2, gen 1).
     import json
     from pathlib import Path
 
@@ -123,16 +137,22 @@ def test_a_compiled_cp_bundle_dry_runs_and_trains_as_the_reference(tmp_path, uni
     root = Path(__file__).resolve().parents[2]
     text = (root / "specs" / "tiny_cpu.dt").read_text()
     spec = tmp_path / "tiny_cp.dt"
-    spec.write_text(text.replace("  tp(*) in {1, 2}\n",
-                                 f"  tp(*) in {{1, 2}}\n  cp({unit}) == 2\n"))
+    for old, new in (("  tp(*) in {1, 2}\n", "  tp(*) in {1, 2}\n  cp(llm) == 2\n  cp(vit) == 2\n"),
+                     ("  gpus          = 4\n", "  gpus          = 5\n"),
+                     ("  gpus_per_node = 4\n", "  gpus_per_node = 5\n")):
+        assert old in text
+        text = text.replace(old, new)
+    spec.write_text(text)
     bundle = tmp_path / "bundle"
     assert cli.main(["compile", str(spec), "-o", str(bundle), "--synthetic",
                      "--workers", "0"]) == 0
     plan = json.loads((bundle / "plan.json").read_text())
-    assert {u["name"]: u["cp"] for u in plan["units"]}[unit] == 2
+    cps = {u["name"]: u["cp"] for u in plan["units"]}
+    assert cps["llm"] == cps["vit"] == 2
     report = dryrun.dry_run(bundle)
     assert report.ok, report.problems
-    assert any(f"{unit}.cp" in c.groups for c in report.ranks)
+    for unit in ("llm", "vit"):
+        assert any(f"{unit}.cp" in c.groups for c in report.ranks), unit
     run_dir = tmp_path / "run"
     launch_ok(bundle, run_dir, "--steps", "2")
     ref = tmp_path / "reference.jsonl"
@@ -160,7 +180,7 @@ def test_local_sgd_beside_context_parallelism_is_refused():
 def test_encoder_context_parallel_matches_the_reference(method):
     # The encoder unit shards each image's patch rows over its 2 CP ranks and gathers
     # them whole before the projector; its leader sends the backbone what it gets at cp 1.
-    program = spec(8)
+    program = spec(BATCH)
     plan = plan_for(program, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, 1, 1),
                     ("gen", "generator", 1, 1, 1))
     check(*with_cp(program, plan, 2, method, name="vit"))
@@ -235,7 +255,7 @@ def test_encoder_cp_attention_equals_the_whole_tower(cls):
 def test_encoder_context_parallel_with_a_pipeline():
     # The encoder's stage s CP rank r sends its shards of each group to stage s+1's CP
     # rank r; its last stage gathers them whole.
-    program = spec(8)
+    program = spec(BATCH)
     plan = plan_for(program, ("vit", "encoder", 1, 1, 2), ("llm", "backbone", 1, 1, 1),
                     ("gen", "generator", 1, 1, 1))
     check(*with_cp(program, plan, 2, "ring", name="vit"), steps=4)
@@ -250,8 +270,10 @@ def test_memcheck_replays_an_encoder_cp_stage_at_its_shard():
         program = spec(8)
         plan = plan_for(program, ("vit", "encoder", 1, 1, 2), ("llm", "backbone", 1, 1, 1),
                         ("gen", "generator", 1, 1, 1))
+        # Only the encoder's stages replayed: the claim is about them alone.
         return {s.stage: s.measured_bytes
-                for s in check_memory(*with_cp(program, plan, cp, "ring", name="vit"))
+                for s in check_memory(*with_cp(program, plan, cp, "ring", name="vit"),
+                                      units=("vit",))
                 if s.unit == "vit"}
 
     one, two = vit(1), vit(2)
@@ -266,7 +288,7 @@ def test_a_video_encoder_at_cp_matches_the_reference(cp, method, pp):
     # the hops carry each CP rank's shards (whole rows, unpadded, at cp 1).
     from tests.train.modal_specs import tiny_modal
 
-    program = tiny_modal(audio=False, video=True, batch=8)
+    program = tiny_modal(audio=False, video=True, batch=BATCH)
     plan = plan_for(program, ("vit", "encoder", 1, 1, 1), ("clip", "encoder", 1, 1, pp),
                     ("llm", "backbone", 1, 1, 1), ("gen", "generator", 1, 1, 1))
     check(*with_cp(program, plan, cp, method, name="clip"), steps=4)
@@ -274,7 +296,7 @@ def test_a_video_encoder_at_cp_matches_the_reference(cp, method, pp):
 
 def test_hybrid_context_parallelism_on_an_encoder():
     # The ViT over two nodes of two: Ulysses inside a node, the ring across.
-    program = spec(8)
+    program = spec(BATCH)
     plan = plan_for(program, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, 1, 1),
                     ("gen", "generator", 1, 1, 1))
     program, plan = with_cp(program, plan, 4, "hybrid", name="vit")
@@ -286,19 +308,22 @@ def test_hybrid_context_parallelism_on_an_encoder():
 
 def test_encoder_context_parallel_with_tensor_parallelism():
     # TP 2 x CP 2 on the ViT: each TP rank's 2 heads, Ulysses over its CP pair.
-    program = spec(8)
+    program = spec(BATCH)
     plan = plan_for(program, ("vit", "encoder", 2, 1, 1), ("llm", "backbone", 1, 1, 1),
                     ("gen", "generator", 1, 1, 1))
     check(*with_cp(program, plan, 2, "ulysses", name="vit"), steps=4)
 
 
-@pytest.mark.parametrize("method,tp", [("ring", 1), ("ulysses", 1), ("ring", 2)])
+# ring-1 removed: ring-2 runs the same MoE routing under ring attention at cp 2, with TP too.
+@pytest.mark.parametrize("method,tp", [("ulysses", 1), ("ring", 2)])
 def test_an_moe_backbone_under_context_parallelism_matches_the_reference(method, tp):
     """Each CP rank routes its shard's tokens; a sequence's balance loss sums its
     statistics over the CP ranks (an aux weight large enough to show in the losses)."""
     from tests.helpers.moe import moe_spec
 
-    program = moe_spec(args="experts=4, top_k=2, expert_ffn=64, aux_loss=0.1")
+    # Its text lengths two (fewer widths for TP's DTensor propagation to pay for).
+    program = moe_spec(batch=BATCH, args="experts=4, top_k=2, expert_ffn=64, aux_loss=0.1",
+                       two_lengths=True)
     plan = plan_for(program, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", tp, 1, 1),
                     ("gen", "generator", 1, 1, 1))
     check(*with_cp(program, plan, 2, method), steps=STEPS if tp == 1 else 4)

@@ -25,12 +25,15 @@ from dtdsl.train.executor import StageExecutor
 from dtdsl.train.reference import train_reference
 from tests.dist import run
 from tests.helpers.local_sgd import local
-from tests.helpers.moe import ARGS, STEPS, ep_plan, moe_spec
+from tests.helpers.moe import ARGS, ep_plan, moe_spec
 from tests.helpers.plans import colocate
 from tests.helpers.runs import PARAM_RTOL
 
 LOSS_TOL = 1e-4
-SAVE_AT = 4         # a synchronising step (period 2): its outer steps still to land
+SAVE_AT = 2         # a synchronising step (period 2): its outer steps still to land
+# Syncs after steps 1 and 3: one before the save (the outer momentum it holds), one after
+# it in the resumed run.
+STEPS = 4
 
 
 def spec() -> ir.Program:
@@ -159,7 +162,7 @@ def test_ep_in_replicas_matches_the_reference_and_resumes_elsewhere(tmp_path):
         # It synchronises its own two experts of each layer, whole (the expert DP group
         # inside a replica is one rank): half of the experts, not all of them.
         assert r["expert_bytes"] == layers * 2 * per_expert * 4
-        # Syncs after steps 1, 3, 5, 7 (period 2): bytes then, none between.
+        # Syncs after steps 1, 3 (period 2): bytes then, none between.
         assert all((b > 0) == (step % 2 == 1) for step, b in enumerate(r["bytes"]))
     # The job's bytes at a sync: every rank's share once (the dense parameters are split
     # over a replica's 2 ranks, the experts over its EP group): per replica one copy of
@@ -191,15 +194,16 @@ def test_ep_in_replicas_matches_the_reference_and_resumes_elsewhere(tmp_path):
             assert err <= PARAM_RTOL * (p - init[name]).norm().item() + 1e-7, (name, err)
 
     # Loaded at dp 2 (one replica of 2 ranks, ep 2): the model the replicas agreed on at
-    # the synchronisation the checkpoint was saved after, whose loss on step 4's batch is
-    # the reference's.
+    # the synchronisation the checkpoint was saved after, whose loss on step SAVE_AT's
+    # batch is the reference's.
     single = colocate(program, ep_plan(program, 2, 1, 2), "vit", "gen")
     (alone, _) = _launch(tmp_path, program, single, "single", 2, SAVE_AT + 1)
     assert alone["first"] == SAVE_AT and "replica" not in alone
     assert alone["experts"] == [(0, 2)] * layers
     assert abs(alone["losses"][0] - want[SAVE_AT]) <= LOSS_TOL
-    # ... and saved after step 5, resumed by 2 replicas again: both start from the saved
-    # model (its loss at step 5 the one replica's), anchored there, and train on.
+    # ... and saved after step SAVE_AT + 1, resumed by 2 replicas again: both start from
+    # the saved model (its loss at that step the one replica's), anchored there, and
+    # train on.
     grown = _launch(tmp_path, program, two, "grown", 2, None)
     assert grown[0]["first"] == SAVE_AT + 1
     assert all(r["anchored"] and all(r["anchored"]) for r in grown)

@@ -11,7 +11,6 @@ from dtdsl.models.moe import MoE, moe_blocks, set_loss_scale, take_aux_losses
 from dtdsl.models.multimodal import build_model
 from dtdsl.train.reference import train_reference
 from tests.helpers.moe import (
-    STEPS,
     ir,
     moe_spec,
 )
@@ -84,16 +83,15 @@ def test_aux_gradient_carries_fp16s_loss_scale():
                                    msg=name)
 
 
-def test_moe_backbone_data_parallel_matches_the_reference():
-    p = moe_spec()
-    check(p, plan_for(p, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, 2, 1),
-                      ("gen", "generator", 1, 1, 1)), steps=STEPS)
+# test_moe_backbone_data_parallel_matches_the_reference (dp 2, 4 steps) merged into
+# test_moe_backbone_recomputed_matches_the_reference: the same layout, recomputed.
 
 
 def test_moe_backbone_pipeline_matches_the_reference():
+    # 4 steps: Adam's moments through several updates (4 microbatches over 2 stages).
     p = moe_spec(args="experts=4, top_k=2, expert_ffn=64, aux_loss=0.1")
     check(p, plan_for(p, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, 1, 2),
-                      ("gen", "generator", 1, 1, 1)), steps=STEPS)
+                      ("gen", "generator", 1, 1, 1)), steps=4)
 
 
 def test_compile_refuses_what_the_runtime_does_not_run_yet():
@@ -141,7 +139,8 @@ def test_compile_refuses_what_the_runtime_does_not_run_yet():
 
 def test_moe_backbone_recomputed_matches_the_reference():
     # Recomputation runs each MoE layer's forward again in backward: its aux loss must
-    # not be counted twice, nor its gradient given twice.
+    # not be counted twice, nor its gradient given twice. Data parallel (dp 2): the run
+    # of test_moe_backbone_data_parallel_matches_the_reference, merged here.
     p = moe_spec(args="experts=4, top_k=2, expert_ffn=64, aux_loss=0.1")
     modules = tuple(m.model_copy(update={"recompute": ir.Recompute.FULL}) if m.name == "llm" else m
                     for m in p.modules)
@@ -167,12 +166,7 @@ def test_moe_layers_are_left_out_of_compiled_blocks():
     assert names == dense and len(dense) < len(layers)
 
 
-def test_moe_backbone_trains_in_fp16_within_the_bf16_tolerance(tmp_path):
-    """fp16 with an MoE backbone whose aux loss counts (the gradient that joins inside its
-    layers carries the loss scale): every rank's losses and unscaled gradient norms within
-    test_fp16's bf16 tolerance of the fp32 reference, no step skipped."""
-    from tests.helpers import fp16 as f16
-
-    p = moe_spec(args="experts=4, top_k=2, expert_ffn=64, aux_loss=0.1")
-    plan = plan_for(f16.fp16(p), *f16.UNITS)
-    f16.check_within_bf16(p, plan, tmp_path)
+# test_moe_backbone_trains_in_fp16_within_the_bf16_tolerance removed:
+# tests/train/test_ep_run.py's test_expert_parallel_in_fp16_within_the_bf16_tolerance trains
+# the same spec (aux loss 0.1) in fp16 at the same dp 2 against the same tolerance, with
+# its experts split over EP 2 too.
