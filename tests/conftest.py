@@ -200,3 +200,16 @@ def dataset(tmp_path_factory) -> Path:
     from tests.helpers.bundle import tiny_dataset
 
     return tiny_dataset(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory):
+    """``tests.helpers.bundle.TinyRun``: the tiny bundle (a checkpoint every 2 steps, 2
+    workers, its dataset) launched for 8 steps, once per test run (shared by the xdist
+    workers): the fault, launch-lock, launch-fault and fed-bundle tests all check this one
+    run (a launch is some 25 s of CPU, nearly all of it starting processes). Shared: read
+    it, never write into it; a test that launches against it copies it first."""
+    from tests.helpers.bundle import tiny_run_in
+
+    with _shared(tmp_path_factory, "tiny_run") as folder:
+        return tiny_run_in(folder)

@@ -6,45 +6,40 @@ finished run further the same way."""
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 
 import pytest
 
-from dtdsl import cli
 from dtdsl.ir.checkpoint import checkpoint_root, complete_checkpoints, read_manifest
 from tests.helpers.bundle import (
+    CKPT_EVERY,
     DATASET_SAMPLES,
-    SPEC,
+    SHARED_STEPS,
     consumed,
     launch,
-    launch_ok,
     read_jsonl,
     worker_log,
 )
 
-EVERY = 2           # checkpoint every 2 steps
-STEPS = 8           # an epoch is 3 steps: epochs 0 and 1 whole, 2 begun
+EVERY = CKPT_EVERY  # checkpoint every 2 steps
+STEPS = SHARED_STEPS  # 8: an epoch is 3 steps: epochs 0 and 1 whole, 2 begun
 KILL = "rank1@5"    # rank 1 (the backbone's first DP replica) dies as step 5 begins
+assert (EVERY, STEPS) == (2, 8)
 
 
 @pytest.fixture(scope="module")
-def bundle(tmp_path_factory, dataset) -> Path:  # noqa: F811
-    where = tmp_path_factory.mktemp("fault")
-    spec = where / "tiny_ckpt.dt"
-    text = SPEC.read_text()
-    assert "checkpoint_every = 10" in text
-    spec.write_text(text.replace("checkpoint_every = 10", f"checkpoint_every = {EVERY}"))
-    out = where / "bundle"
-    assert cli.main(["compile", str(spec), "-o", str(out), "--data", str(dataset),
-                     "--workers", "2"]) == 0
-    return out
+def bundle(tiny_run) -> Path:
+    """tiny_cpu with a checkpoint every 2 steps and 2 workers: the shared run's bundle."""
+    return tiny_run.bundle
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory, bundle) -> Path:
-    run_dir = tmp_path_factory.mktemp("fault") / "run"
-    launch_ok(bundle, run_dir, "--steps", str(STEPS))
-    return run_dir
+def uninterrupted(tiny_run) -> Path:
+    """The uninterrupted run: the shared one (``tests/conftest.py``'s ``tiny_run``, the
+    launch-lock tests' first run too: its refused launches change none of its files)."""
+    assert tiny_run.returncode == 0, tiny_run.out.read_text()[-3000:]
+    return tiny_run.run_dir
 
 
 def _check_epochs(run_dir: Path) -> None:
@@ -64,8 +59,11 @@ def test_a_killed_rank_restarts_the_job_from_its_checkpoint(tmp_path, bundle, un
     assert [s for s, _ in complete_checkpoints(uninterrupted)] == [4, 6, 8]   # keep 3
     _check_epochs(uninterrupted)
 
-    # A fresh start into a run directory with checkpoints is refused.
-    proc = launch(bundle, uninterrupted, "--steps", str(STEPS))
+    # A fresh start into a run directory with checkpoints is refused (a copy of the
+    # shared run's).
+    copy = tmp_path / "uninterrupted"
+    shutil.copytree(uninterrupted, copy)
+    proc = launch(bundle, copy, "--steps", str(STEPS))
     assert proc.returncode == 2 and "--resume continues it" in proc.stderr
 
     # Rank 1 and worker 1 are killed; torchrun restarts the trainers (the workers' own

@@ -162,8 +162,10 @@ def test_the_second_tower_reads_each_image_at_its_own_size(tmp_path):
 def test_a_bundle_with_two_towers_per_modality_trains_on_webdataset_media(tmp_path):
     # jpg, flac and mp4 members written by webdataset's ShardWriter; each audio tower
     # makes its own fbank of each clip. The run's sizes (an epoch) priced as the layout
-    # places them and decoded to those shapes; one launch (7 ranks: beats2 a unit of its
-    # own with DP 2, the others on the backbone's stages): 6 steps as dtc reference
+    # places them and decoded to those shapes; one launch of 3 ranks (beats2 a unit of
+    # its own, the other encoders on the backbone's 2 replicas; not hybrid_text's 7, where
+    # beats2 has DP 2: test_media's bundle launches an encoder unit of its own at DP 2,
+    # and the towers' claims need no more): 6 steps as dtc reference
     # trains them, every sample once per epoch per unit (24 samples, 3 steps an epoch:
     # 6 steps are the two whole epochs checked).
     from tests.helpers.bundle import (
@@ -177,13 +179,20 @@ def test_a_bundle_with_two_towers_per_modality_trains_on_webdataset_media(tmp_pa
     keys = write_media_shards(tmp_path / "shards", n=24, per_shard=8)
     make_tokenizer(tmp_path / "tok")
     spec = tmp_path / "hybrid.dt"
-    spec.write_text(hybrid_text("shards/{000000..000002}.tar", video=True, tokenizer=True))
+    text = hybrid_text("shards/{000000..000002}.tar", video=True, tokenizer=True)
+    for old, new in (("gpus          = 7", "gpus          = 3"),
+                     ("gpus_per_node = 7", "gpus_per_node = 3"),
+                     ("  tp(*) in {1, 2}\n", "  tp(*) in {1, 2}\n  dp(beats2) == 1\n")):
+        assert old in text, old
+        text = text.replace(old, new)
+    spec.write_text(text)
     bundle = tmp_path / "bundle"
     assert cli.main(["compile", str(spec), "-o", str(bundle), "--workers", "2"]) == 0
     import json
 
     units = {u["name"]: u for u in json.loads((bundle / "plan.json").read_text())["units"]}
-    assert units["beats2"]["gpus"] == 2 and units["vit2"]["colocated"]
+    assert units["beats2"]["gpus"] == 1 and units["vit2"]["colocated"]
+    assert units["llm"]["dp"] == 2
     from dtdsl.feed.source import DatasetSource
 
     program = _program(spec)

@@ -558,14 +558,24 @@ def test_a_bundle_run_skips_an_image_that_does_not_decode_as_the_reference_does(
     """Launched with its workers, a tiny bundle over data with a corrupt image finishes
     (no crash loop), its workers say which sample they skip and why, the sample is never
     trained on, and the losses are the reference's."""
-    from tests.helpers.bundle import launch_ok, read_jsonl, reference_losses, worker_log
+    from tests.helpers.bundle import (
+        launch_ok,
+        on_two_ranks,
+        read_jsonl,
+        reference_losses,
+        worker_log,
+    )
 
     with_images = image_samples(tiny, 48)
     bad = with_images[len(with_images) // 2]
     data = corrupt_dataset(tmp_path / "d", tiny, 48, {bad: ("cut", 0.3)})
     key = f"{bad:08d}"
+    # On 2 ranks (tiny_cpu's layout at DP 2): the skip is the workers', whatever the
+    # replicas they feed.
+    spec = tmp_path / "tiny_cpu.dt"
+    spec.write_text(on_two_ranks(TINY.read_text()))
     bundle = tmp_path / "bundle"
-    assert cli.main(["compile", str(TINY), "-o", str(bundle), "--data", str(data),
+    assert cli.main(["compile", str(spec), "-o", str(bundle), "--data", str(data),
                      "--workers", "1"]) == 0
     run_dir = tmp_path / "run"
     launch_ok(bundle, run_dir, "--steps", "2")

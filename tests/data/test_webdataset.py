@@ -148,6 +148,7 @@ def test_a_bundle_trains_on_webdataset_shards_and_consumes_each_key_once(tmp_pat
         SPEC,
         consumed,
         launch_ok,
+        on_two_ranks,
         read_jsonl,
         reference_losses,
         worker_log,
@@ -156,7 +157,9 @@ def test_a_bundle_trains_on_webdataset_shards_and_consumes_each_key_once(tmp_pat
     keys = write_shards(tmp_path / "shards", n=48, per_shard=10)
     make_tokenizer(tmp_path / "tok")
     spec = tmp_path / "tiny.dt"
-    spec.write_text(SPEC.read_text().replace(
+    # On 2 ranks (tiny_cpu's layout at DP 2, both launches): the claims are the workers'
+    # reading of the shards, whatever the replicas they feed.
+    spec.write_text(on_two_ranks(SPEC.read_text()).replace(
         'source = "data/tiny"', 'source = "shards/{000000..000004}.tar"\n  tokenizer = "tok"'))
     bundle = tmp_path / "bundle"
     assert cli.main(["compile", str(spec), "-o", str(bundle), "--workers", "2"]) == 0

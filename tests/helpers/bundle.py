@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
@@ -112,7 +113,11 @@ FEED_STEPS = 4
 
 def tiny_dataset(tmp_path_factory) -> Path:
     """The tiny spec's synthetic dataset of ``DATASET_SAMPLES`` samples, indexed."""
-    out = tmp_path_factory.mktemp("data") / "tiny"
+    return tiny_dataset_in(tmp_path_factory.mktemp("data") / "tiny")
+
+
+def tiny_dataset_in(out: Path) -> Path:
+    """``tiny_dataset``, written to ``out``."""
     assert cli.main(["data", "synth", str(SPEC), "-o", str(out), "--samples",
                      str(DATASET_SAMPLES), "-q"]) == 0
     # Indexed once here, as a launch's preflight indexes it (its tokens counted): so no
@@ -121,6 +126,95 @@ def tiny_dataset(tmp_path_factory) -> Path:
 
     assert check_data(run_frontend(str(SPEC), SPEC.read_bytes()).program, str(out)) == []
     return out
+
+
+CKPT_EVERY = 2          # the shared run's checkpoints: every 2 steps
+SHARED_STEPS = 8        # the shared run: an epoch is 3 steps, epochs 0 and 1 whole, 2 begun
+
+
+@dataclass
+class TinyRun:
+    """One launch shared by the tests of several modules (``tests/conftest.py``'s
+    ``tiny_run``): tiny_cpu with a checkpoint every ``CKPT_EVERY`` steps and 2 workers
+    (``bundle``, of ``spec``) on its dataset, launched for ``SHARED_STEPS`` steps into ``run_dir``
+    (its output in ``out``); at its step 1 a fresh start and a resume on its run directory
+    (``refused``), its files as they were then (``before``). Shared: read it, never write
+    into it (launch against a copy)."""
+    dataset: Path
+    spec: Path
+    bundle: Path
+    run_dir: Path
+    out: Path
+    pid: int
+    returncode: int
+    before: dict[str, bytes]
+    refused: list[subprocess.CompletedProcess[str]]
+
+    def bundle_copy(self, where: Path) -> Path:
+        """A copy of ``bundle`` in ``where`` (``where/bundle``) to change or launch, its
+        dataset reached as from the original: a bundle names it by a path relative to
+        itself (``../data/tiny``), so ``where/data`` links to the shared one's folder."""
+        import shutil
+
+        where.mkdir(parents=True, exist_ok=True)
+        (where / "data").symlink_to(self.dataset.parent, target_is_directory=True)
+        shutil.copytree(self.bundle, where / "bundle")
+        return where / "bundle"
+
+
+def run_files(run_dir: Path) -> dict[str, bytes]:
+    """A run directory's files (but its logs and its launches' node files) by name."""
+    from dtdsl.train.rundir import NODES_DIR
+
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*"))
+            if p.is_file() and "logs" not in p.parts and NODES_DIR not in p.parts}
+
+
+def tiny_run_in(folder: Path) -> TinyRun:
+    """``TinyRun`` made in ``folder`` (or read back from it, made there before)."""
+    import pickle
+    import shutil
+    import signal
+
+    record = folder / "run.pickle"
+    if record.exists():
+        return pickle.loads(record.read_bytes())
+    shutil.rmtree(folder, ignore_errors=True)       # one cut short
+    folder.mkdir(parents=True)
+    dataset = tiny_dataset_in(folder / "data" / "tiny")
+    spec = folder / "tiny_ckpt.dt"
+    text = SPEC.read_text()
+    assert "checkpoint_every = 10" in text
+    spec.write_text(text.replace("checkpoint_every = 10", f"checkpoint_every = {CKPT_EVERY}"))
+    bundle = folder / "bundle"
+    assert cli.main(["compile", str(spec), "-o", str(bundle), "--data", str(dataset),
+                     "--workers", "2"]) == 0
+    run_dir, out = folder / "run", folder / "run.out"
+    steps = str(SHARED_STEPS)
+    first = launch_in_background(bundle, run_dir, out, "--steps", steps)
+    try:
+        wait_for_output(first, out, f"step 1/{steps}", 120)
+        before = run_files(run_dir)
+        refused = [launch(bundle, run_dir, "--steps", steps, *extra, timeout=60)
+                   for extra in ((), ("--resume",))]
+        returncode = first.wait(timeout=300)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+    made = TinyRun(dataset, spec, bundle, run_dir, out, first.pid, returncode, before, refused)
+    record.write_bytes(pickle.dumps(made))
+    return made
+
+
+def on_two_ranks(text: str) -> str:
+    """tiny_cpu's text (``text``, edited or not) on 2 GPUs instead of 4: the same layout
+    (the backbone data-parallel, the encoder and the generator co-located on its ranks) at
+    DP 2 instead of 4, for a launch whose claim needs replicas but not four (two ranks
+    fewer to start: some 10 s of CPU a launch)."""
+    for old in ("gpus          = 4", "gpus_per_node = 4"):
+        assert old in text, old
+    return text.replace("gpus          = 4", "gpus          = 2") \
+        .replace("gpus_per_node = 4", "gpus_per_node = 2")
 
 
 def three_node_spec(where: Path) -> Path:

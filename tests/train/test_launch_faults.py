@@ -38,7 +38,6 @@ from tests.helpers.bundle import (
     SPEC,
     launch,
     launch_in_background,
-    launch_ok,
     wait_for_output,
 )
 
@@ -164,14 +163,17 @@ def test_a_failing_process_records_and_holds_only_for_what_no_restart_changes(
 # ---- the preflight's checks, and the rank's own ---------------------------------------------
 
 @pytest.fixture(scope="module")
-def bundle(tmp_path_factory, dataset) -> Path:  # noqa: F811
-    where = tmp_path_factory.mktemp("faults")
-    spec = where / "tiny_ckpt.dt"
-    spec.write_text(SPEC.read_text().replace("checkpoint_every = 10", "checkpoint_every = 2"))
-    out = where / "bundle"
-    assert cli.main(["compile", str(spec), "-o", str(out), "--data", str(dataset),
-                     "--workers", "2"]) == 0
-    return out
+def bundle(tiny_run) -> Path:
+    """tiny_cpu with a checkpoint every 2 steps and 2 workers on its dataset: the shared
+    run's bundle (``tests/conftest.py``'s ``tiny_run``). Shared: a test that changes it
+    (its key's mode) changes a copy."""
+    return tiny_run.bundle
+
+
+@pytest.fixture(scope="module")
+def dataset(tiny_run) -> Path:
+    """The tiny spec's dataset: the shared run's (one made fewer)."""
+    return tiny_run.dataset
 
 
 def _fake_checkpoint(run_dir: Path, step: int, spec_sha256: str,
@@ -188,10 +190,11 @@ def _fake_checkpoint(run_dir: Path, step: int, spec_sha256: str,
     return path
 
 
-def test_preflight_refuses_a_loose_key_and_a_checkpoint_of_another_spec(tmp_path, bundle):
+def test_preflight_refuses_a_loose_key_and_a_checkpoint_of_another_spec(tmp_path, tiny_run):
     from dtdsl.train.launch import _check_resumable
     from dtdsl.train.preflight import check_key, check_resume
 
+    bundle = tiny_run.bundle_copy(tmp_path)        # its key's mode changed: a copy
     job = load_job(bundle)
     key = bundle / job.secret_file
     assert check_key(bundle, job) == []
@@ -308,15 +311,13 @@ def test_a_full_disk_stops_the_launch_with_one_line_and_no_restart(tmp_path, bun
 
 
 @pytest.mark.slow
-def test_a_stage_no_rank_can_build_stops_the_launch_with_one_line(tmp_path, bundle):
+def test_a_stage_no_rank_can_build_stops_the_launch_with_one_line(tmp_path, tiny_run):
     # A program the checker would refuse, written into the bundle by hand: the generator
     # rank cannot build its U-Net (0 heads of 128 at its attention level) on any attempt,
     # so the launch stops at once with the reason instead of torchrun's restarts.
     import json
-    import shutil
 
-    edited = tmp_path / "bundle"
-    shutil.copytree(bundle, edited)
+    edited = tiny_run.bundle_copy(tmp_path)
     program = json.loads((edited / "program.json").read_text())
     gen = next(m for m in program["modules"] if m["name"] == "gen")
     gen["arch"]["head_dim"] = 128
@@ -332,21 +333,24 @@ def test_a_stage_no_rank_can_build_stops_the_launch_with_one_line(tmp_path, bund
 
 @pytest.mark.slow
 def test_a_changed_spec_on_resume_and_a_loose_key_stop_before_torchrun(
-        tmp_path, bundle, dataset):  # noqa: F811
+        tmp_path, dataset, tiny_run):  # noqa: F811
+    # A run with checkpoints: a copy of the shared one's (ckpt-4, ckpt-6, ckpt-8).
+    assert tiny_run.returncode == 0, tiny_run.out.read_text()[-3000:]
     run_dir = tmp_path / "run"
-    launch_ok(bundle, run_dir, "--steps", "2")
+    shutil.copytree(tiny_run.run_dir, run_dir)
     other = tmp_path / "other"
     spec = tmp_path / "other.dt"
     assert "seed             = 1234" in SPEC.read_text()
     spec.write_text(SPEC.read_text().replace("seed             = 1234", "seed             = 4321"))
     assert cli.main(["compile", str(spec), "-o", str(other), "--data", str(dataset),
                      "--workers", "2"]) == 0
-    proc = launch(other, run_dir, "--steps", "4", "--resume", timeout=120)
+    proc = launch(other, run_dir, "--steps", "10", "--resume", timeout=120)
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout == "" and len(proc.stderr.splitlines()) == 1, proc.stderr
-    assert f"{run_dir}/checkpoints/ckpt-2 was written for spec tiny_cpu (sha256 " in \
+    assert f"{run_dir}/checkpoints/ckpt-8 was written for spec tiny_cpu (sha256 " in \
         proc.stderr and "resume it with the bundle it was trained with" in proc.stderr
-    # a job key that others may read
+    # a job key that others may read (of a copy of the shared bundle)
+    bundle = tiny_run.bundle_copy(tmp_path / "copy")
     key = bundle / load_job(bundle).secret_file
     key.chmod(0o640)
     try:

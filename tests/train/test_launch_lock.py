@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -28,11 +27,14 @@ from dtdsl.train.rundir import (
     check_launch_id,
 )
 from tests.helpers.bundle import (
-    SPEC,
+    SHARED_STEPS,
+    TinyRun,
     launch,
     launch_in_background,
     launch_ok,
+    on_two_ranks,
     read_jsonl,
+    run_files,
     wait_for_output,
 )
 
@@ -143,49 +145,26 @@ def test_a_start_at_step_0_sets_an_earlier_runs_records_aside(tmp_path, capsys):
 # ---- launched bundles ---------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def bundle(tmp_path_factory, dataset) -> Path:  # noqa: F811
-    where = tmp_path_factory.mktemp("lock")
-    spec = where / "tiny_ckpt.dt"
-    spec.write_text(SPEC.read_text().replace("checkpoint_every = 10", "checkpoint_every = 2"))
-    out = where / "bundle"
-    assert cli.main(["compile", str(spec), "-o", str(out), "--data", str(dataset),
-                     "--workers", "2"]) == 0
-    return out
-
-
-def _files(run_dir: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*"))
-            if p.is_file() and "logs" not in p.parts and NODES_DIR not in p.parts}
-
-
-@dataclass
-class FirstRun:
-    """A launch of 5 steps and the launches refused while it ran."""
-    run_dir: Path
-    out: Path
-    pid: int
-    returncode: int
-    before: dict[str, bytes]        # its files when the others were refused
-    refused: list[subprocess.CompletedProcess[str]]
+def first_run(tiny_run) -> TinyRun:
+    """The shared run (``tests/conftest.py``'s ``tiny_run``, test_fault's uninterrupted
+    run too): 8 steps (ckpt-4, ckpt-6, ckpt-8 kept of every 2nd); at its step 1 a fresh
+    start and a resume on its run directory. The rerun test starts from a copy of it."""
+    assert SHARED_STEPS == 8
+    return tiny_run
 
 
 @pytest.fixture(scope="module")
-def first_run(tmp_path_factory, bundle) -> FirstRun:
-    """5 steps (ckpt-2, ckpt-4, and ckpt-5 after its last step); at its step 1 a fresh
-    start and a resume on its run directory. The rerun test starts from a copy of it."""
-    where = tmp_path_factory.mktemp("first")
-    run_dir, out = where / "run", where / "first.out"
-    first = launch_in_background(bundle, run_dir, out, "--steps", "5")
-    try:
-        wait_for_output(first, out, "step 1/5", 120)
-        before = _files(run_dir)
-        refused = [launch(bundle, run_dir, "--steps", "5", *extra, timeout=60)
-                   for extra in ((), ("--resume",))]
-        returncode = first.wait(timeout=300)
-    finally:
-        if first.poll() is None:
-            os.killpg(first.pid, signal.SIGKILL)
-    return FirstRun(run_dir, out, first.pid, returncode, before, refused)
+def two_ranks(tmp_path_factory, tiny_run) -> Path:
+    """The shared run's bundle on 2 ranks and 1 worker (its layout at DP 2), for the
+    launches of the tests below: their claims (a run directory's records, a signal's
+    handling) are the launch's and every rank's alike, 4 ranks add nothing to them."""
+    where = tmp_path_factory.mktemp("two")
+    spec = where / "tiny_ckpt.dt"
+    spec.write_text(on_two_ranks(tiny_run.spec.read_text()))
+    out = where / "bundle"
+    assert cli.main(["compile", str(spec), "-o", str(out), "--data", str(tiny_run.dataset),
+                     "--workers", "1"]) == 0
+    return out
 
 
 @pytest.mark.slow
@@ -199,29 +178,31 @@ def test_two_launches_on_one_run_directory(first_run):
         assert len(lines) == 1 and f"{run_dir} is in use by launch " in lines[0] and \
             f"pid {first_run.pid}" in lines[0], proc.stderr
     assert first_run.returncode == 0, first_run.out.read_text()[-3000:]
-    after = _files(run_dir)
+    after = run_files(run_dir)
     # the first run's files went on untouched by the refused ones: what it had then is
     # there still (metrics and samples grew by lines)
     for name, data in first_run.before.items():
         if name.endswith(".jsonl"):
             assert after[name].startswith(data), name
-    assert [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == list(range(5))
-    assert [s for s, _ in complete_checkpoints(run_dir)] == [2, 4, 5]   # 5: its last step
+    assert [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == list(range(8))
+    assert [s for s, _ in complete_checkpoints(run_dir)] == [4, 6, 8]   # keep 3
     assert not [p for p in run_dir.iterdir() if "replaced" in p.name]
     assert [p.name for p in (run_dir / "launches").iterdir()] != []
 
 
 @pytest.mark.slow
-def test_a_rerun_without_resume_never_empties_the_earlier_metrics(tmp_path, bundle,
+def test_a_rerun_without_resume_never_empties_the_earlier_metrics(tmp_path, two_ranks,
                                                                    first_run):
     # A copy of first_run's directory (a launch fewer than a run of its own), left as a
-    # run stopped before its first checkpoint leaves it.
+    # run stopped before its first checkpoint leaves it; the launches on it are
+    # two_ranks's (without a checkpoint nothing ties the directory to one bundle).
+    bundle = two_ranks
     run_dir = tmp_path / "run"
     shutil.copytree(first_run.run_dir, run_dir)
-    assert [s for s, _ in complete_checkpoints(run_dir)] == [2, 4, 5]  # after its last step
+    assert [s for s, _ in complete_checkpoints(run_dir)] == [4, 6, 8]
     shutil.rmtree(checkpoint_root(run_dir))
     earlier = (run_dir / "metrics.jsonl").read_bytes()
-    assert len(earlier.splitlines()) == 5 and not complete_checkpoints(run_dir)
+    assert len(earlier.splitlines()) == 8 and not complete_checkpoints(run_dir)
     proc = launch(bundle, run_dir, "--steps", "1", timeout=60)
     assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
     assert proc.stderr.splitlines() == [
@@ -235,13 +216,17 @@ def test_a_rerun_without_resume_never_empties_the_earlier_metrics(tmp_path, bund
     aside = [p for p in run_dir.iterdir() if p.name.startswith("replaced-")]
     assert len(aside) == 1 and (aside[0] / "metrics.jsonl").read_bytes() == earlier
     assert [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == [0]
+    # a checkpoint after its last step, off the every-2-steps cadence (the shared run's
+    # last step, 8, is on it)
+    assert [s for s, _ in complete_checkpoints(run_dir)] == [1]
 
 
 @pytest.mark.slow
-def test_a_signal_stops_the_run_after_its_checkpoint_in_flight_commits(tmp_path, bundle):
+def test_a_signal_stops_the_run_after_its_checkpoint_in_flight_commits(tmp_path, two_ranks):
     """SIGTERM (Slurm's time limit, a Ctrl-C) while ckpt-2 is still being written in the
     background: the launch lets the save commit before it stops the trainers, says so in
     one line, and --resume continues from it."""
+    bundle = two_ranks
     run_dir = tmp_path / "run"
     out = tmp_path / "out"
     proc = launch_in_background(bundle, run_dir, out, "--steps", "6")

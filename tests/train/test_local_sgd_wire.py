@@ -153,7 +153,10 @@ def test_a_bundle_run_drops_the_corrupted_replica(tmp_path):
     spec = tmp_path / "tiny_lsgd.dt"
     spec.write_text(text)
     bundle = tmp_path / "bundle"
-    assert cli.main(["compile", str(spec), "-o", str(bundle), "--synthetic"]) == 0
+    # Synthetic batches made in the ranks (no preprocessing workers): the claim is the
+    # replicas' synchronisation; test_bundle_run's in-process test runs this feed too.
+    assert cli.main(["compile", str(spec), "-o", str(bundle), "--synthetic",
+                     "--workers", "0"]) == 0
     run_dir = tmp_path / "run"
     proc = launch_ok(bundle, run_dir, "--steps", "11",
                      env={CORRUPT_ENV: "replica=1,scale=30,from_step=10"})
