@@ -172,13 +172,12 @@ def run_files(run_dir: Path) -> dict[str, bytes]:
 
 def tiny_run_in(folder: Path) -> TinyRun:
     """``TinyRun`` made in ``folder`` (or read back from it, made there before)."""
-    import pickle
     import shutil
     import signal
 
-    record = folder / "run.pickle"
+    record = folder / "run.json"
     if record.exists():
-        return pickle.loads(record.read_bytes())
+        return _read_record(record)
     shutil.rmtree(folder, ignore_errors=True)       # one cut short
     folder.mkdir(parents=True)
     dataset = tiny_dataset_in(folder / "data" / "tiny")
@@ -202,8 +201,36 @@ def tiny_run_in(folder: Path) -> TinyRun:
         if first.poll() is None:
             os.killpg(first.pid, signal.SIGKILL)
     made = TinyRun(dataset, spec, bundle, run_dir, out, first.pid, returncode, before, refused)
-    record.write_bytes(pickle.dumps(made))
+    _write_record(record, made)
     return made
+
+
+def _write_record(path: Path, run: TinyRun) -> None:
+    """``run`` as JSON (the other xdist workers read it back: ``_read_record``)."""
+    import base64
+    import json
+
+    doc = {"paths": {k: str(getattr(run, k)) for k in _PATHS},
+           "pid": run.pid, "returncode": run.returncode,
+           "before": {k: base64.b64encode(v).decode() for k, v in run.before.items()},
+           "refused": [{"args": p.args, "returncode": p.returncode, "stdout": p.stdout,
+                        "stderr": p.stderr} for p in run.refused]}
+    path.with_suffix(".tmp").write_text(json.dumps(doc))
+    path.with_suffix(".tmp").replace(path)
+
+
+def _read_record(path: Path) -> TinyRun:
+    import base64
+    import json
+
+    doc = json.loads(path.read_text())
+    return TinyRun(**{k: Path(v) for k, v in doc["paths"].items()}, pid=doc["pid"],
+                   returncode=doc["returncode"],
+                   before={k: base64.b64decode(v) for k, v in doc["before"].items()},
+                   refused=[subprocess.CompletedProcess(**p) for p in doc["refused"]])
+
+
+_PATHS = ("dataset", "spec", "bundle", "run_dir", "out")
 
 
 def on_two_ranks(text: str) -> str:
