@@ -127,12 +127,35 @@ PLAN_C = plan_for(PROGRAM, ("vit", "encoder", 2, 1, 1), ("llm", "backbone", 1, 1
 
 
 
+@pytest.fixture(scope="module")
+def plan_a_run(tmp_path_factory) -> tuple[Path, dict]:
+    """Plan A from scratch: a synchronous save after 2 steps, one in the background after
+    4; its run directory and rank 0's output. One run for the module: each test that
+    resumes from it, damages or interrupts it, does so in a copy (``_copy_of_a``)."""
+    import torch
+
+    folder = tmp_path_factory.mktemp("plan_a")
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)    # as ``deterministic``
+    try:
+        a = _go(PLAN_A, folder / "a", 4, {2: "sync", 4: "thread"}, folder / "a.json",
+                want_at=4)
+    finally:
+        torch.use_deterministic_algorithms(before)
+    return folder / "a", a
+
+
+def _copy_of_a(plan_a_run: tuple[Path, dict], to: Path) -> dict:
+    shutil.copytree(plan_a_run[0], to)
+    return plan_a_run[1]
+
+
 @pytest.mark.usefixtures("deterministic")   # compares losses bitwise
-def test_save_resume_and_reshard(tmp_path):
+def test_save_resume_and_reshard(tmp_path, plan_a_run):
     ref, _ = _reference()
     a_dir = tmp_path / "a"
     # Plan A from scratch: a synchronous save after 2 steps, one in the background after 4.
-    a = _go(PLAN_A, a_dir, 4, {2: "sync", 4: "thread"}, tmp_path / "a.json", want_at=4)
+    a = _copy_of_a(plan_a_run, a_dir)
     assert a["first"] == 0
     _close(a["losses"], ref[:4])
     assert [s for s, _ in complete_checkpoints(a_dir)] == [2, 4]
@@ -175,12 +198,8 @@ def test_save_resume_and_reshard(tmp_path):
     assert {f.split("_")[2] for f in files["model.units.llm.layers.0.attn.wq.weight"]} == \
         {"1", "2"}
 
-    # The same plan from ckpt-2 (in a run directory of its own): bitwise the same losses.
-    same = tmp_path / "same"
-    shutil.copytree(checkpoint_root(a_dir) / "ckpt-2", checkpoint_root(same) / "ckpt-2")
-    s = _go(PLAN_A, same, 2, {}, tmp_path / "same.json")
-    assert s["first"] == 2 and s["losses"] == a["losses"][2:4]
-    assert "same plan" in s["logs"][0]
+    # The same plan from ckpt-2, bitwise the same losses:
+    # test_an_interrupted_save_is_not_loaded_and_is_removed resumes it there.
 
     # Plan B (backbone and generator TP 2) from A's background save: resharded by DCP,
     # matches the reference; it saves its TP shards as they are.
@@ -195,17 +214,22 @@ def test_save_resume_and_reshard(tmp_path):
     _close(c["losses"], ref[6:8])
 
 
-def test_an_interrupted_save_is_not_loaded_and_is_removed(tmp_path):
+@pytest.mark.usefixtures("deterministic")   # compares losses bitwise
+def test_an_interrupted_save_is_not_loaded_and_is_removed(tmp_path, plan_a_run):
     ref, _ = _reference()
-    _go(PLAN_A, tmp_path, 2, {1: "sync", 2: "sync"}, tmp_path / "a.json")
-    # Simulate a save of step 2 interrupted before its commit.
-    root = checkpoint_root(tmp_path)
-    (root / "ckpt-2" / "manifest.json").unlink()
-    (root / "ckpt-2").rename(root / "ckpt-2.tmp")
-    r = _go(PLAN_A, tmp_path, 1, {}, tmp_path / "r.json")
-    assert r["first"] == 1
-    _close(r["losses"], ref[1:2])
-    assert sorted(p.name for p in root.iterdir()) == ["ckpt-1"]
+    a = _copy_of_a(plan_a_run, tmp_path / "a")
+    # Simulate plan A's save of step 4 interrupted before its commit.
+    root = checkpoint_root(tmp_path / "a")
+    (root / "ckpt-4" / "manifest.json").unlink()
+    (root / "ckpt-4").rename(root / "ckpt-4.tmp")
+    r = _go(PLAN_A, tmp_path / "a", 2, {}, tmp_path / "r.json")
+    assert r["first"] == 2
+    _close(r["losses"], ref[2:4])
+    assert sorted(p.name for p in root.iterdir()) == ["ckpt-2"]
+    # The same plan from ckpt-2: bitwise the run's own losses (test_save_resume_and_reshard's
+    # same-plan resume).
+    assert r["losses"] == a["losses"][2:4]
+    assert "same plan" in r["logs"][0]
 
 
 def test_a_resume_removes_only_what_an_interrupted_save_left(tmp_path):
@@ -228,18 +252,18 @@ def test_a_resume_removes_only_what_an_interrupted_save_left(tmp_path):
     assert (root / "my-notes.old" / "f").read_text() == "x" and (outside / "f").exists()
 
 
-def test_another_spec_is_refused(tmp_path):
-    _go(PLAN_A, tmp_path, 1, {1: "sync"}, tmp_path / "a.json")
-    path = checkpoint_root(tmp_path) / "ckpt-1" / "manifest.json"
+def test_another_spec_is_refused(tmp_path, plan_a_run):
+    _copy_of_a(plan_a_run, tmp_path / "a")
+    path = checkpoint_root(tmp_path / "a") / "ckpt-4" / "manifest.json"
     data = json.loads(path.read_text())
     assert data["program_sha256"] == program_sha256(PROGRAM)
     # Another text of the same program (a comment, dtc fmt): resumed.
     path.write_text(json.dumps({**data, "spec_sha256": "f" * 64}))
-    assert _go(PLAN_A, tmp_path, 1, {}, tmp_path / "b.json")["first"] == 1
+    assert _go(PLAN_A, tmp_path / "a", 1, {}, tmp_path / "b.json")["first"] == 4
     # Another program: refused.
     path.write_text(json.dumps({**data, "spec_sha256": "f" * 64, "program_sha256": "e" * 64}))
     with pytest.raises(AssertionError, match="resume only with the same spec"):
-        _go(PLAN_A, tmp_path, 1, {}, tmp_path / "c.json")
+        _go(PLAN_A, tmp_path / "a", 1, {}, tmp_path / "c.json")
 
 
 def test_the_program_digest_leaves_out_the_text_and_the_checkpoint_cadence():
@@ -253,15 +277,15 @@ def test_the_program_digest_leaves_out_the_text_and_the_checkpoint_cadence():
     assert program_sha256(variant("steps            = 20", "steps            = 21")) != base
 
 
-def test_a_damaged_checkpoint_is_refused_once_not_retried(tmp_path):
+def test_a_damaged_checkpoint_is_refused_once_not_retried(tmp_path, plan_a_run):
     """Files that fail to load fail again after a restart: CheckpointMismatch, whose message
     ends the launch (feed.faults), naming what to move aside."""
-    _go(PLAN_A, tmp_path, 1, {1: "sync"}, tmp_path / "a.json")
-    shard = max(checkpoint_root(tmp_path).glob("ckpt-1/*.distcp"),
+    _copy_of_a(plan_a_run, tmp_path / "a")
+    shard = max(checkpoint_root(tmp_path / "a").glob("ckpt-4/*.distcp"),
                 key=lambda p: p.stat().st_size)
     shard.write_bytes(bytes(shard.stat().st_size))          # whole, but zeros
-    with pytest.raises(AssertionError, match=r"CheckpointMismatch: cannot load \S*ckpt-1: "):
-        _go(PLAN_A, tmp_path, 1, {}, tmp_path / "b.json")
+    with pytest.raises(AssertionError, match=r"CheckpointMismatch: cannot load \S*ckpt-4: "):
+        _go(PLAN_A, tmp_path / "a", 1, {}, tmp_path / "b.json")
 
 
 def _frozen(rank: int, world: int, program: ir.Program, plan: Plan, run_dir: str,

@@ -25,7 +25,9 @@ from tests.dist import run
 from tests.helpers.plans import phase
 from tests.helpers.runs import plan_for, spec
 
-STEPS = 8
+# Bitwise claims (offload or not, resumed or not): a difference shows from the first
+# update of an offloaded parameter on; 4 steps take Adam's moments through a few updates.
+STEPS = 4
 
 
 def offload(program: ir.Program, fraction: float, **train: object) -> ir.Program:
@@ -200,7 +202,7 @@ def test_a_checkpoint_resumes_under_another_offload(tmp_path):
     program = spec(8)
     plan = plan_for(program, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, 2, 1),
                     ("gen", "generator", 1, 1, 1))
-    half = 4
+    half = STEPS // 2
 
     def go(fraction: float, run_dir: Path, steps: int, save_at: int | None) -> dict:
         out = tmp_path / f"out-{fraction}-{run_dir.name}.pt"
