@@ -12,9 +12,11 @@ from dtdsl.ir.checkpoint import checkpoint_root, read_manifest
 from dtdsl.ir.plan import chunk_ranges
 from dtdsl.schedule.lower import lower
 from tests.helpers.plans import chunked, colocate, interleaved
-from tests.helpers.runs import TP_STEPS, check, check_tp, plan_for, spec
+from tests.helpers.runs import check, check_tp, plan_for, spec
 
-STEPS = 8
+# 4 steps: a chunk that ran out of order shows from the first step, and Adam's moments
+# go through several updates.
+STEPS = 4
 
 
 def test_chunk_ranges():
@@ -138,8 +140,9 @@ def test_an_interleaved_encoder_into_an_interleaved_backbone():
 
 def test_interleaved_tensor_parallel_backbone():
     # Sequence parallelism's pieces travel between the chunks; the vocabulary-parallel
-    # head and its loss are on the last chunk only.
+    # head and its loss are on the last chunk only. (STEPS, not TP_STEPS: TP matches
+    # from its first step.)
     program = interleaved(spec(8))
     check_tp(program, chunked(plan_for(program, ("vit", "encoder", 1, 1, 1),
                                        ("llm", "backbone", 2, 1, 2),
-                                       ("gen", "generator", 1, 1, 1)), "llm"), TP_STEPS)
+                                       ("gen", "generator", 1, 1, 1)), "llm"), STEPS)
