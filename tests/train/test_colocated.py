@@ -108,11 +108,11 @@ def _reference_every_step() -> tuple[list[float], dict[int, dict]]:
 def test_checkpoints_reshard_between_co_located_phased_and_disaggregated_plans(tmp_path):
     # The checkpoint's keys are the units' own ("units.vit...", its optimizer state too)
     # wherever they ran, co-located or phased: one run resumed under another plan at
-    # each save, co-located -> disaggregated (plan A) -> phased -> plan A -> co-located
-    # under TP -> phased under TP, each leg's losses and final parameters the
-    # reference's. (It was two runs of three legs: co-located -> A -> co-located TP, and
-    # test_phased's phased -> A -> phased TP; their legs are shorter here, the same
-    # reshards.)
+    # each save, co-located -> phased under TP -> disaggregated (plan A) -> co-located
+    # under TP, each leg's losses and final parameters the reference's. (It was two runs
+    # of three legs, co-located -> A -> co-located TP and test_phased's phased -> A ->
+    # phased TP: a leg's CPU is mostly its start and checkpoint, not its steps. Here
+    # every kind of plan saves, and every kind but the first resumes, resharded.)
     from tests.helpers.checkpoints import PLAN_A, PROGRAM, TOTAL, _close, _phase
 
     def units(tp: int, dp: int) -> Plan:
@@ -120,27 +120,25 @@ def test_checkpoints_reshard_between_co_located_phased_and_disaggregated_plans(t
                         ("gen", "generator", 1, 1, 1))
 
     ref, params = _reference_every_step()
-    legs = [  # (plan, steps, save mode after them, what the resume logs)
-        (colocate(PROGRAM, units(1, 2), "vit", "gen", split=(1, 3)), 2, "sync", None),
-        (PLAN_A, 1, "thread", "resharded from vit:colocated llm:tp1dp2pp2 gen:colocated"),
-        (phase(PROGRAM, units(1, 2)), 2, "sync", "resharded from vit:tp1dp1pp1 "),
-        (PLAN_A, 1, "thread", "resharded from vit:phased llm:tp1dp2pp2 gen:tp1dp1pp1"),
-        (colocate(PROGRAM, units(2, 1), "vit", "gen", split=(3, 1)), 1, "sync",
-         "resharded from vit:tp1dp1pp1 "),
-        (phase(PROGRAM, units(2, 1)), 1, None, "resharded from vit:colocated "),
+    legs = [  # (plan, save mode after its 2 steps, what its resume logs)
+        (colocate(PROGRAM, units(1, 2), "vit", "gen", split=(1, 3)), "sync", None),
+        (phase(PROGRAM, units(2, 1)), "thread",
+         "resharded from vit:colocated llm:tp1dp2pp2 gen:colocated"),
+        (PLAN_A, "sync", "resharded from vit:phased llm:tp2dp1pp2 gen:tp1dp1pp1"),
+        (colocate(PROGRAM, units(2, 1), "vit", "gen", split=(3, 1)), None,
+         "resharded from vit:tp1dp1pp1 llm:tp1dp2pp1 gen:tp1dp1pp1"),
     ]
     run_dir, step = tmp_path / "run", 0
-    for i, (plan, steps, mode, log) in enumerate(legs):
+    for i, (plan, mode, log) in enumerate(legs):
         out = tmp_path / f"{i}.json"
-        saves = {step + steps: mode} if mode else {}
-        run(_phase, plan.gpus_used, PROGRAM, plan, str(run_dir), steps, saves, str(out),
-            params[step + steps], timeout=240)
+        run(_phase, plan.gpus_used, PROGRAM, plan, str(run_dir), 2,
+            {step + 2: mode} if mode else {}, str(out), params[step + 2], timeout=240)
         got = json.loads(out.read_text())
         assert got["first"] == step, (i, got["first"])
         if log is not None:
             assert log in got["logs"][0], (i, got["logs"])
-        _close(got["losses"], ref[step:step + steps])
-        step += steps
+        _close(got["losses"], ref[step:step + 2])
+        step += 2
     assert step == TOTAL
 
 
