@@ -19,7 +19,7 @@ from tests.helpers.plans import (
     colocate,
     phase,
 )
-from tests.helpers.runs import check, check_tp, plan_for, spec
+from tests.helpers.runs import check, plan_for, spec
 
 
 def test_a_co_located_plan_places_its_units_on_the_backbones_stages():
@@ -56,22 +56,10 @@ def test_co_located_generator():
                             "gen", split=(3, 1)))
 
 
-def test_both_co_located_with_tensor_parallelism():
-    # The U-Net's blocks split over the backbone's TP group of 2, the encoder whole on
-    # both TP ranks (``tp_replicated``: the planner's choice for a module the backbone's
-    # TP degree cannot split), counted once in the norm. (Both split: the case of
-    # test_zero_bubble's test_zero_bubble_tensor_parallel_backbone, same units on the
-    # same TP 2 x PP 2 backbone, its gradient norms checked too.)
-    program = spec(8)
-    plan = colocate(program, plan_for(program, ("vit", "encoder", 1, 1, 1),
-                                      ("llm", "backbone", 2, 1, 2),
-                                      ("gen", "generator", 1, 1, 1)),
-                    "vit", "gen", split=(1, 3))
-    plan = plan.model_copy(update={"units": tuple(
-        u.model_copy(update={"tp_replicated": u.name == "vit"}) for u in plan.units)})
-    # 4 steps: a TP layout matches from its first step, and Adam's moments go through
-    # several updates (TP_STEPS' 6 cost ~2.5 CPU-s a step here).
-    check_tp(program, plan, 4, grad_norms=True)
+# Co-located units under the backbone's TP 2 x PP 2: test_zero_bubble's
+# test_zero_bubble_tensor_parallel_backbone runs both split (their TP shards and the
+# gradient norms checked), test_phased's test_phased_encoder_with_tensor_parallelism the
+# generator co-located under 1F1B, split and whole on both TP ranks (``tp_replicated``).
 
 
 def test_frozen_backbone_with_a_trainable_co_located_encoder():

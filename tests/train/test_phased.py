@@ -61,17 +61,24 @@ def test_phased_encoder_on_a_pipelined_data_parallel_backbone():
                                            ("gen", "generator", 1, 1, 1))))
 
 
-@pytest.mark.parametrize("replicated", [False, True], ids=["sharded", "vit-replicated"])
+@pytest.mark.parametrize("replicated", ["gen", "vit"], ids=["sharded", "vit-replicated"])
 def test_phased_encoder_with_tensor_parallelism(replicated):
     # The encoder's blocks split over the backbone's TP group of 2 (its DP group: the
-    # ranks of one TP index over both stages), or whole on both TP ranks.
+    # ranks of one TP index over both stages), or whole on both TP ranks; beside it the
+    # generator co-located on the last stage, whole on both TP ranks (``tp_replicated``:
+    # the planner's choice for a module the backbone's TP degree cannot split) or its
+    # blocks split, counted once in the norm. (The co-located generator took over
+    # test_colocated's TP test: one run for a phased and a co-located unit under TP.)
+    from tests.helpers.plans import colocate
+
     program = spec(8)
-    plan = phase(program, plan_for(program, ("vit", "encoder", 1, 1, 1),
-                                   ("llm", "backbone", 2, 1, 2),
-                                   ("gen", "generator", 1, 1, 1)))
+    plan = phase(program, colocate(program, plan_for(program, ("vit", "encoder", 1, 1, 1),
+                                                     ("llm", "backbone", 2, 1, 2),
+                                                     ("gen", "generator", 1, 1, 1)),
+                                   "gen", split=(3, 1)))
     plan = plan.model_copy(update={"units": tuple(
-        u.model_copy(update={"tp_replicated": replicated and u.name == "vit"})
-        for u in plan.units)})
+        u.model_copy(update={"tp_replicated": u.name == replicated}) for u in plan.units)})
+    assert plan.gpus_used == 4
     # 4 steps: a TP layout matches from its first step, and Adam's moments go through
     # several updates (TP_STEPS' 6 cost ~2.5 CPU-s a step here).
     check(program, plan, 4, grad_norms=True)
