@@ -111,7 +111,7 @@ def test_phased_encoder_with_a_co_located_generator():
 
 # Phased <-> other plans' checkpoints: test_colocated's
 # test_checkpoints_reshard_between_co_located_phased_and_disaggregated_plans (one run
-# through co-located, phased under TP, disaggregated plan A and co-located under TP).
+# through co-located, phased under TP and disaggregated plan A).
 
 
 def test_memcheck_counts_the_phased_encoder_on_every_backbone_rank():
