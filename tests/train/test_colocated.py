@@ -4,7 +4,11 @@ by the runtime and held against the single-process reference."""
 
 from __future__ import annotations
 
+import json
+from functools import cache
+
 import pytest
+import torch
 
 from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan
@@ -13,8 +17,9 @@ from dtdsl.schedule.lower import lower
 from tests.dist import run
 from tests.helpers.plans import (
     colocate,
+    phase,
 )
-from tests.helpers.runs import check, check_tp, plan_for, spec
+from tests.helpers.runs import check, plan_for, spec
 
 
 def test_a_co_located_plan_places_its_units_on_the_backbones_stages():
@@ -51,19 +56,10 @@ def test_co_located_generator():
                             "gen", split=(3, 1)))
 
 
-@pytest.mark.parametrize("replicated", [(), ("vit",)], ids=["sharded", "vit-replicated"])
-def test_both_co_located_with_tensor_parallelism(replicated):
-    # The encoder's and the U-Net's blocks split over the backbone's TP group of 2, or
-    # the encoder whole on both TP ranks (``tp_replicated``: the planner's choice for a
-    # module the backbone's TP degree cannot split), counted once in the norm.
-    program = spec(8)
-    plan = colocate(program, plan_for(program, ("vit", "encoder", 1, 1, 1),
-                                      ("llm", "backbone", 2, 1, 2),
-                                      ("gen", "generator", 1, 1, 1)),
-                    "vit", "gen", split=(1, 3))
-    plan = plan.model_copy(update={"units": tuple(
-        u.model_copy(update={"tp_replicated": u.name in replicated}) for u in plan.units)})
-    check_tp(program, plan, grad_norms=True)
+# Co-located units under the backbone's TP 2 x PP 2: test_zero_bubble's
+# test_zero_bubble_tensor_parallel_backbone runs both split (their TP shards and the
+# gradient norms checked), test_phased's test_phased_encoder_with_tensor_parallelism the
+# generator co-located under 1F1B, split and whole on both TP ranks (``tp_replicated``).
 
 
 def test_frozen_backbone_with_a_trainable_co_located_encoder():
@@ -78,31 +74,59 @@ def test_frozen_backbone_with_a_trainable_co_located_encoder():
     check(program, plan)
 
 
-def test_checkpoints_reshard_between_co_located_and_disaggregated_plans(tmp_path):
-    # The checkpoint's keys are the units' own ("units.vit...") wherever they ran: a
-    # co-located run resumes under a disaggregated plan of the same spec and back.
-    from tests.helpers.checkpoints import PLAN_A, PROGRAM, _close, _go, _reference
+@cache
+def _reference_every_step() -> tuple[list[float], dict[int, dict]]:
+    """tests.helpers.checkpoints' reference (its PROGRAM, TOTAL steps): the losses, and
+    after every step each parameter's (initial, value then)."""
+    from dtdsl.models.multimodal import build_model
+    from dtdsl.train.reference import train_reference
+    from tests.helpers.checkpoints import PROGRAM, TOTAL
 
-    ref, _ = _reference()
-    run_dir = tmp_path / "run"
-    hosted = colocate(PROGRAM, plan_for(PROGRAM, ("vit", "encoder", 1, 1, 1),
-                                        ("llm", "backbone", 1, 2, 2),
-                                        ("gen", "generator", 1, 1, 1)),
-                      "vit", "gen", split=(1, 3))
-    a = _go(hosted, run_dir, 4, {4: "sync"}, tmp_path / "a.json", want_at=4)
-    assert a["first"] == 0
-    _close(a["losses"], ref[:4])
-    b = _go(PLAN_A, run_dir, 2, {6: "thread"}, tmp_path / "b.json", want_at=6)
-    assert b["first"] == 4
-    assert "resharded from vit:colocated llm:tp1dp2pp2 gen:colocated" in b["logs"][0]
-    _close(b["losses"], ref[4:6])
-    tp = colocate(PROGRAM, plan_for(PROGRAM, ("vit", "encoder", 1, 1, 1),
-                                    ("llm", "backbone", 2, 1, 2),
-                                    ("gen", "generator", 1, 1, 1)), "vit", "gen",
-                  split=(3, 1))
-    c = _go(tp, run_dir, 2, {}, tmp_path / "c.json", want_at=8)
-    assert c["first"] == 6 and "resharded from" in c["logs"][0]
-    _close(c["losses"], ref[6:8])
+    torch.set_num_threads(1)
+    model = build_model(PROGRAM)
+    init = {n: p.detach().clone() for n, p in model.named_parameters()}
+    losses, params = [], {}
+    for r in train_reference(PROGRAM, TOTAL, model=model):
+        losses.append(r["loss"])
+        params[r["step"] + 1] = {n.removeprefix("units."): (init[n], p.detach().clone())
+                                 for n, p in model.named_parameters()}
+    return losses, params
+
+
+def test_checkpoints_reshard_between_co_located_phased_and_disaggregated_plans(tmp_path):
+    # The checkpoint's keys are the units' own ("units.vit...", its optimizer state too)
+    # wherever they ran, co-located or phased: one run resumed under another plan at
+    # each save, co-located -> phased under TP -> disaggregated (plan A), each leg's
+    # losses and final parameters the reference's. (It was two runs of three legs,
+    # co-located -> A -> co-located TP and test_phased's phased -> A -> phased TP: a
+    # leg's CPU, ~9 s, is mostly its start and checkpoint, not its steps. Here every
+    # kind of plan saves and a TP plan resumes; a disaggregated save resumed co-located:
+    # test_modal's test_a_checkpoint_resumes_with_the_audio_encoder_moved_onto_the_backbone.)
+    from tests.helpers.checkpoints import PLAN_A, PROGRAM, _close, _phase
+
+    def units(tp: int, dp: int) -> Plan:
+        return plan_for(PROGRAM, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", tp, dp, 2),
+                        ("gen", "generator", 1, 1, 1))
+
+    ref, params = _reference_every_step()
+    legs = [  # (plan, save mode after its 2 steps, what its resume logs)
+        (colocate(PROGRAM, units(1, 2), "vit", "gen", split=(1, 3)), "sync", None),
+        (phase(PROGRAM, units(2, 1)), "thread",
+         "resharded from vit:colocated llm:tp1dp2pp2 gen:colocated"),
+        (PLAN_A, None, "resharded from vit:phased llm:tp2dp1pp2 gen:tp1dp1pp1"),
+    ]
+    run_dir, step = tmp_path / "run", 0
+    for i, (plan, mode, log) in enumerate(legs):
+        out = tmp_path / f"{i}.json"
+        run(_phase, plan.gpus_used, PROGRAM, plan, str(run_dir), 2,
+            {step + 2: mode} if mode else {}, str(out), params[step + 2], timeout=240)
+        got = json.loads(out.read_text())
+        assert got["first"] == step, (i, got["first"])
+        if log is not None:
+            assert log in got["logs"][0], (i, got["logs"])
+        _close(got["losses"], ref[step:step + 2])
+        step += 2
+    assert step == 6
 
 
 def _wrapped(rank: int, world: int, program: ir.Program, plan: Plan) -> None:

@@ -12,9 +12,11 @@ from dtdsl.ir.checkpoint import checkpoint_root, read_manifest
 from dtdsl.ir.plan import chunk_ranges
 from dtdsl.schedule.lower import lower
 from tests.helpers.plans import chunked, colocate, interleaved
-from tests.helpers.runs import TP_STEPS, check, check_tp, plan_for, spec
+from tests.helpers.runs import check, check_tp, plan_for, spec
 
-STEPS = 8
+# 4 steps: a chunk that ran out of order shows from the first step, and Adam's moments
+# go through several updates.
+STEPS = 4
 
 
 def test_chunk_ranges():
@@ -100,8 +102,11 @@ def test_memcheck_measures_every_chunk_of_an_interleaved_stage():
     assert [in_flight_of(lower(plan, program), "llm", s) for s in (0, 1)] == [6, 4]
     assert [in_flight_of(lower(plain, program), "llm", s) for s in (0, 1)] == [3, 2]
     got = {(s.unit, s.stage): s for s in check_memory(program, plan, jobs=2)}
-    want = {(s.unit, s.stage): s for s in check_memory(program, plain, jobs=2)}
-    assert list(got) == list(want)
+    # Plain 1F1B: the backbone's stages only (the encoder's and generator's units are
+    # the same in both plans).
+    want = {(s.unit, s.stage): s for s in check_memory(
+        program, plain, jobs=2, stages={("llm", 0), ("llm", 1)})}
+    assert list(got) == [("vit", 0), ("llm", 0), ("llm", 1), ("gen", 0)]
     for key in [("llm", 0), ("llm", 1)]:
         # Two layers each, as at vpp 1 (layers 0 and 2 on stage 0, 1 and 3 on stage 1).
         for what in ("params", "optimizer_state"):
@@ -138,8 +143,9 @@ def test_an_interleaved_encoder_into_an_interleaved_backbone():
 
 def test_interleaved_tensor_parallel_backbone():
     # Sequence parallelism's pieces travel between the chunks; the vocabulary-parallel
-    # head and its loss are on the last chunk only.
+    # head and its loss are on the last chunk only. (STEPS, not TP_STEPS: TP matches
+    # from its first step.)
     program = interleaved(spec(8))
     check_tp(program, chunked(plan_for(program, ("vit", "encoder", 1, 1, 1),
                                        ("llm", "backbone", 2, 1, 2),
-                                       ("gen", "generator", 1, 1, 1)), "llm"), TP_STEPS)
+                                       ("gen", "generator", 1, 1, 1)), "llm"), STEPS)

@@ -23,7 +23,7 @@ from dtdsl.models.multimodal import (
     sample_layout,
 )
 from tests.dist import run
-from tests.helpers.runs import TP_STEPS, _train_tp, plan_for, reference
+from tests.helpers.runs import _train_tp, plan_for, reference
 from tests.specs import small, variant
 
 P8 = ImageTokens(patch=8)     # the tiny spec's image tokens: its patches
@@ -179,12 +179,14 @@ def test_packed_sizes_are_priced_by_their_documents():
     (("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, 2, 1), ("gen", "generator", 1, 1, 1)),
 ], ids=["tp2-sp-pp2", "dp2"])
 def test_a_packed_run_equals_the_reference(layout):
-    # As many steps as the TP tests train (test_executor.TP_STEPS): each step's loss and
-    # the final parameters are held to the reference.
+    # Each step's loss and the final parameters are held to the reference. 4 steps (not
+    # TP_STEPS' 6): attention across a document shows from the first step, and Adam's
+    # moments go through several updates.
     program = packed(8)
-    losses, params = reference(program, TP_STEPS)
+    steps = 4
+    losses, params = reference(program, steps)
     plan = plan_for(program, *layout)
-    run(_train_tp, plan.gpus_used, program, plan, losses, params, TP_STEPS, timeout=300)
+    run(_train_tp, plan.gpus_used, program, plan, losses, params, steps, timeout=300)
 
 
 def test_a_packed_epoch_of_a_dataset_uses_every_sample_once(tmp_path):
