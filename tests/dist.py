@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import importlib
 import os
 import tempfile
 import time
@@ -32,6 +33,12 @@ import torch.multiprocessing as mp
 from dtdsl.ir.plan import Plan, UnitPlan, split_layers
 
 __all__ = ["ChildFailed", "make_plan", "run"]
+
+# Modules the runtime imports on first use (lazily): imported once here, before the forks,
+# not again in every rank of every run.
+for _name in ("dtdsl.cost.model", "dtdsl.reorder.workload", "dtdsl.train.checkpoint",
+              "numpy.ma", "torch.distributed.checkpoint", "torch._functorch.aot_autograd"):
+    importlib.import_module(_name)
 
 
 class ChildFailed(AssertionError):
