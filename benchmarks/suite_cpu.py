@@ -13,8 +13,9 @@ it exits. Forked children (``tests.dist``'s ranks, memcheck's replays) leave wit
 On a 2-core machine the suite fits in 20 minutes only if it needs at most about 38
 CPU-minutes (2026-11-29: 65.2, of which 61% in forked ranks, 21% in bundle launches'
 processes, 16% in the pytest workers themselves). Prints the breakdown; writes
-``tests.tsv`` (test, CPU s, wall s), ``processes.tsv`` (kind, CPU s, wall s, argv) and
-``summary.json`` to ``--out`` (default: a new temporary folder).
+``tests.tsv`` (test, CPU s, wall s, and of the CPU the pytest process's own),
+``processes.tsv`` (kind, CPU s, wall s, argv) and ``summary.json`` to ``--out`` (default: a
+new temporary folder).
 """
 
 from __future__ import annotations
@@ -60,13 +61,15 @@ import pytest
 def _cpu():
     a = resource.getrusage(resource.RUSAGE_SELF)
     b = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
+    own = a.ru_utime + a.ru_stime
+    return own + b.ru_utime + b.ru_stime, own
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    cpu, wall = _cpu(), time.perf_counter()
+    (cpu, own), wall = _cpu(), time.perf_counter()
     yield
+    (cpu2, own2), wall2 = _cpu(), time.perf_counter()
     with open(os.environ["DTDSL_SUITE_CPU_TESTS"], "a") as f:
-        f.write(f"{item.nodeid}\\t{_cpu() - cpu:.3f}\\t{time.perf_counter() - wall:.3f}\\n")
+        f.write(f"{item.nodeid}\\t{cpu2 - cpu:.3f}\\t{wall2 - wall:.3f}\\t{own2 - own:.3f}\\n")
 '''
 
 # (what the argv holds, kind): the first that matches names a process.
@@ -112,7 +115,7 @@ def summarise(tests: list[list[str]], procs: list[list[str]], tree_cpu: float,
     by_kind["forked children (not recorded: the rest)"] = {
         "cpu_s": round(max(0.0, tree_cpu - recorded_cpu), 1), "processes": None}
     files: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0, 0])
-    for nodeid, cpu, test_wall in tests:
+    for nodeid, cpu, test_wall, _ in tests:
         entry = files[nodeid.partition("::")[0]]
         entry[0] += float(cpu)
         entry[1] += float(test_wall)
@@ -169,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         wall = time.perf_counter() - start
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
     tree_cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    tests = _read_tsv(tests_tsv, 3)
+    tests = _read_tsv(tests_tsv, 4)
     procs = _read_tsv(procs_tsv, 4)
     (out / "tests.tsv").write_text("".join("\t".join(r) + "\n" for r in tests))
     (out / "processes.tsv").write_text("".join(

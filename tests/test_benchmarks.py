@@ -69,6 +69,9 @@ def test_suite_cpu_counts_the_tests_and_the_processes_they_start(tmp_path):
     assert summary["by_kind"]["pytest (main)"]["processes"] == 1
     assert summary["by_kind"]["forked children (not recorded: the rest)"]["cpu_s"] >= 0
     assert list(summary["by_file"]) == ["tests/test_cli.py"]
+    (test,) = [r.split("\t") for r in (out / "tests.tsv").read_text().splitlines()]
+    assert test[0] == "tests/test_cli.py::test_explain"
+    assert 0 <= float(test[3]) <= float(test[1])     # the pytest process's own, of the CPU
     rows = (out / "processes.tsv").read_text().splitlines()
     assert sum(r.startswith("dtc\t") and "explain" in r for r in rows) == 3
     assert "by kind of process" in proc.stdout
