@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -84,24 +83,26 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@contextlib.contextmanager
-def _shared(tmp_path_factory, name: str) -> Iterator[Path]:
-    """``name``'s folder in this run's temporary directory, shared by every pytest-xdist
-    worker of the run (this process's own without xdist), held locked against the other
-    workers in the ``with``: the one that finds it unmade makes it while the others wait,
-    so a paper-scale plan or bundle is made once a run, not once a worker."""
-    import fcntl
+@pytest.fixture(scope="session", autouse=True)
+def _shared_folder(tmp_path_factory) -> None:
+    """``tests.helpers.shared``'s folder: in this run's temporary directory, shared by every
+    pytest-xdist worker of the run (this process's own without xdist), so a paper-scale
+    plan, a bundle run or a reference is made once a run, not once a worker."""
+    from tests.helpers import shared
 
     base = tmp_path_factory.getbasetemp()
-    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared"
-    root.mkdir(exist_ok=True)
-    with open(root / f"{name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)        # released when the file closes
-        yield root / name
+    shared.ROOT = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared"
+
+
+def _shared(name: str) -> contextlib.AbstractContextManager[Path]:
+    """``tests.helpers.shared.locked``: ``name``'s folder, locked against the other workers."""
+    from tests.helpers.shared import locked
+
+    return locked(name)
 
 
 @pytest.fixture(scope="session")
-def shipped_plan(tmp_path_factory):
+def shipped_plan():
     """``shipped_plan(name)``: the Plan JSON of ``specs/<name>.dt`` that ``dtc compile`` and
     ``dtc memcheck`` plan by default (``dtc plan --no-baseline -o``, the same call),
     planned once per test run and spec text (shared by the xdist workers): the
@@ -115,7 +116,7 @@ def shipped_plan(tmp_path_factory):
     def get(name: str) -> Path:
         spec = ROOT / "specs" / f"{name}.dt"
         digest = hashlib.sha256(spec.read_bytes()).hexdigest()[:16]
-        with _shared(tmp_path_factory, f"plan_{name}_{digest}") as folder:
+        with _shared(f"plan_{name}_{digest}") as folder:
             out = folder / "plan.json"
             if not out.exists():
                 folder.mkdir(parents=True, exist_ok=True)
@@ -131,7 +132,7 @@ def shipped_plan(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def shipped_bundle(shipped_plan, tmp_path_factory):
+def shipped_bundle(shipped_plan):
     """``shipped_bundle(name)``: ``dtc compile specs/<name>.dt --synthetic`` of
     ``shipped_plan(name)``, compiled once per test run (shared by the xdist workers): the
     same files as a compile that plans (but for ``job.key``). Shared: read it, never
@@ -143,7 +144,7 @@ def shipped_bundle(shipped_plan, tmp_path_factory):
 
     def get(name: str) -> Path:
         plan = shipped_plan(name)
-        with _shared(tmp_path_factory, f"bundle_{plan.parent.name}") as folder:
+        with _shared(f"bundle_{plan.parent.name}") as folder:
             out = folder / "bundle"
             if not (folder / "done").exists():
                 shutil.rmtree(folder, ignore_errors=True)   # a compile cut short
@@ -159,7 +160,7 @@ def shipped_bundle(shipped_plan, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def planned_compile(tmp_path_factory):
+def planned_compile():
     """``planned_compile(name)``: the bundle of ``dtc compile specs/<name>.dt --synthetic``
     with no ``--plan`` (the compile plans for itself), run once per test run and spec text
     (shared by the xdist workers). Several tests check that such a compile of a paper-scale
@@ -175,7 +176,7 @@ def planned_compile(tmp_path_factory):
     def get(name: str) -> Path:
         spec = ROOT / "specs" / f"{name}.dt"
         digest = hashlib.sha256(spec.read_bytes()).hexdigest()[:16]
-        with _shared(tmp_path_factory, f"planned_compile_{name}_{digest}") as folder:
+        with _shared(f"planned_compile_{name}_{digest}") as folder:
             out = folder / "bundle"
             if not (folder / "done").exists():
                 shutil.rmtree(folder, ignore_errors=True)   # a compile cut short
@@ -203,7 +204,7 @@ def dataset(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_run(tmp_path_factory):
+def tiny_run():
     """``tests.helpers.bundle.TinyRun``: the tiny bundle (a checkpoint every 2 steps, 2
     workers, its dataset) launched for 8 steps, once per test run (shared by the xdist
     workers): the fault, launch-lock, launch-fault and fed-bundle tests all check this one
@@ -211,5 +212,5 @@ def tiny_run(tmp_path_factory):
     it, never write into it; a test that launches against it copies it first."""
     from tests.helpers.bundle import tiny_run_in
 
-    with _shared(tmp_path_factory, "tiny_run") as folder:
+    with _shared("tiny_run") as folder:
         return tiny_run_in(folder)

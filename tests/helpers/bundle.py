@@ -15,6 +15,7 @@ from pathlib import Path
 from dtdsl import cli
 from dtdsl.driver import run_frontend
 from dtdsl.train.reference import train_reference
+from tests.helpers import shared
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = ROOT / "specs" / "tiny_cpu.dt"
@@ -89,8 +90,11 @@ def reference_losses(steps: int, data: Path | None = None, spec: Path = SPEC) ->
 
 @cache
 def _synthetic_reference(steps: int, name: str, text: bytes) -> tuple[float, ...]:
-    program = run_frontend(name, text).program
-    return tuple(r["loss"] for r in train_reference(program, steps))
+    def make() -> list[float]:
+        program = run_frontend(name, text).program
+        return [r["loss"] for r in train_reference(program, steps)]
+
+    return tuple(shared.json_value(f"synthetic-{shared.digest(steps, name, text)}", make))
 
 
 def read_jsonl(path: Path) -> list[dict]:

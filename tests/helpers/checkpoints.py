@@ -27,6 +27,7 @@ from dtdsl.train.checkpoint import (
 from dtdsl.train.executor import StageExecutor
 from dtdsl.train.reference import train_reference
 from tests.dist import run
+from tests.helpers import shared
 from tests.helpers.runs import LOSS_RTOL, PARAM_RMS, PARAM_RTOL, plan_for, spec
 
 PROGRAM = spec(8)
@@ -42,17 +43,29 @@ PLAN_A = plan_for(PROGRAM, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, 2
 @cache
 def _reference() -> tuple[list[float], dict[int, dict[str, tuple[torch.Tensor, ...]]]]:
     """The reference's losses of TOTAL steps, and per step count in (4, 6, 8) every
-    parameter's (initial, value after that many steps)."""
-    torch.set_num_threads(1)
-    model = build_model(PROGRAM)
-    init = {n: p.detach().clone() for n, p in model.named_parameters()}
-    losses, params = [], {}
-    for r in train_reference(PROGRAM, TOTAL, model=model):
-        losses.append(r["loss"])
-        if r["step"] + 1 in (4, 6, 8):
-            params[r["step"] + 1] = {n.removeprefix("units."): (init[n], p.detach().clone())
-                                     for n, p in model.named_parameters()}
-    return losses, params
+    parameter's (initial, value after that many steps): run once a test run
+    (``tests.helpers.shared``)."""
+    def make() -> tuple[dict[str, torch.Tensor], list[float]]:
+        torch.set_num_threads(1)
+        model = build_model(PROGRAM)
+        tensors = {f"init/{n.removeprefix('units.')}": p.detach().clone()
+                   for n, p in model.named_parameters()}
+        losses = []
+        for r in train_reference(PROGRAM, TOTAL, model=model):
+            losses.append(r["loss"])
+            if r["step"] + 1 in _AT:
+                tensors.update({f"{r['step'] + 1}/{n.removeprefix('units.')}": p.detach().clone()
+                                for n, p in model.named_parameters()})
+        return tensors, losses
+
+    tensors, losses = shared.tensors_and_json(
+        f"checkpoints-{shared.digest(PROGRAM, TOTAL, _AT)}", make)
+    names = [k.removeprefix("init/") for k in tensors if k.startswith("init/")]
+    return losses, {at: {n: (tensors[f"init/{n}"], tensors[f"{at}/{n}"]) for n in names}
+                    for at in _AT}
+
+
+_AT = (4, 6, 8)     # the step counts whose parameters the reference keeps
 
 
 

@@ -15,6 +15,7 @@ from dtdsl.parallel.mesh import build_groups
 from dtdsl.schedule.lower import lower
 from dtdsl.train.executor import StageExecutor
 from dtdsl.train.reference import train_reference
+from tests.helpers import shared
 
 STEPS = 8
 
@@ -40,9 +41,14 @@ def fp16(program: ir.Program, **train: object) -> ir.Program:
 
 @cache
 def _reference(program: ir.Program, steps: int) -> tuple[tuple[float, float], ...]:
-    """The fp32 reference's (loss, gradient norm) per step."""
-    torch.set_num_threads(1)
-    return tuple((r["loss"], r["grad_norm"]) for r in train_reference(program, steps))
+    """The fp32 reference's (loss, gradient norm) per step: computed once a test run
+    (``tests.helpers.shared``)."""
+    def make() -> list[list[float]]:
+        torch.set_num_threads(1)
+        return [[r["loss"], r["grad_norm"]] for r in train_reference(program, steps)]
+
+    pairs = shared.json_value(f"fp32-{shared.digest(program, steps)}", make)
+    return tuple((loss, norm) for loss, norm in pairs)
 
 
 

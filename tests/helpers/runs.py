@@ -23,6 +23,7 @@ from dtdsl.train.executor import StageExecutor
 from dtdsl.train.reference import train_reference
 from dtdsl.train.timelines import gather_timeline
 from tests.dist import make_plan, run
+from tests.helpers import shared
 from tests.specs import variant
 
 # The runtime's acceptance (its issue): 20 steps equal to the reference, which the plain
@@ -85,14 +86,22 @@ def plan_for(program: ir.Program, *units: tuple[str, str, int, int, int]) -> Pla
 def reference(program: ir.Program, steps: int = STEPS
               ) -> tuple[list[float], dict[str, tuple[torch.Tensor, ...]]]:
     """The reference's losses over ``steps``, and per parameter its (initial, final)
-    values."""
-    torch.set_num_threads(1)
-    model = build_model(program)
-    init = {n: p.detach().clone() for n, p in model.named_parameters()}
-    losses = [r["loss"] for r in train_reference(program, steps, model=model)]
-    params = {n.removeprefix("units."): (init[n], p.detach().clone())
-              for n, p in model.named_parameters()}
-    return losses, params
+    values: run once a test run (``tests.helpers.shared``)."""
+    def make() -> tuple[dict[str, torch.Tensor], list[float]]:
+        torch.set_num_threads(1)
+        model = build_model(program)
+        init = {n: p.detach().clone() for n, p in model.named_parameters()}
+        losses = [r["loss"] for r in train_reference(program, steps, model=model)]
+        tensors = {}
+        for n, p in model.named_parameters():
+            tensors[f"init/{n.removeprefix('units.')}"] = init[n]
+            tensors[f"final/{n.removeprefix('units.')}"] = p.detach().clone()
+        return tensors, losses
+
+    tensors, losses = shared.tensors_and_json(f"reference-{shared.digest(program, steps)}",
+                                              make)
+    names = [k.removeprefix("init/") for k in tensors if k.startswith("init/")]
+    return losses, {n: (tensors[f"init/{n}"], tensors[f"final/{n}"]) for n in names}
 
 
 def _split_as_planned(ex: StageExecutor) -> None:
@@ -194,9 +203,13 @@ def _train_tp(rank: int, world: int, program: ir.Program, plan: Plan, losses: li
 
 @cache
 def reference_grad_norms(program: ir.Program, steps: int) -> list[float]:
-    """The reference's global gradient norm (before clipping) at each of ``steps``."""
-    torch.set_num_threads(1)
-    return [r["grad_norm"] for r in train_reference(program, steps)]
+    """The reference's global gradient norm (before clipping) at each of ``steps``: computed
+    once a test run (``tests.helpers.shared``)."""
+    def make() -> list[float]:
+        torch.set_num_threads(1)
+        return [r["grad_norm"] for r in train_reference(program, steps)]
+
+    return shared.json_value(f"grad-norms-{shared.digest(program, steps)}", make)
 
 
 def check_tp(program: ir.Program, plan: Plan, steps: int = TP_STEPS, *,

@@ -154,7 +154,7 @@ def test_co_located_modules_recompute_as_their_spec_or_plan_says():
                                       ("llm", "backbone", 1, 1, 2),
                                       ("gen", "generator", 1, 1, 1)), "vit")
     plan = plan.model_copy(update={"units": tuple(
-        u.model_copy(update={"recompute": u.name == "vit"}) for u in plan.units)})
+        u.model_copy(update={"recompute": ir.Recompute.of(u.name == "vit")}) for u in plan.units)})
     run(_wrapped, plan.gpus_used, program, plan, timeout=120)
 
 

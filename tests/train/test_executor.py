@@ -261,8 +261,7 @@ def test_recompute_and_a_cosine_schedule_match_the_reference():
 
     steps = TP_STEPS
     base = spec(8)
-    modules = tuple(m.model_copy(update={"recompute": m.name in ("vit", "llm", "gen")})
-                    for m in base.modules)
+    modules = tuple(m.model_copy(update={"recompute": ir.Recompute.FULL}) for m in base.modules)
     train = base.train.model_copy(update={"lr_schedule": LRSchedule(
         name="cosine", warmup=2, min_lr=1e-4), "steps": steps})
     program = base.model_copy(update={"modules": modules, "train": train})
@@ -289,7 +288,7 @@ def _wrapped(rank: int, world: int, program: ir.Program, plan: Plan) -> None:
 
 def test_recompute_wraps_the_layers_of_the_units_that_ask_for_it():
     base = spec(8)
-    modules = tuple(m.model_copy(update={"recompute": m.name in ("llm", "gen")})
+    modules = tuple(m.model_copy(update={"recompute": ir.Recompute.of(m.name in ("llm", "gen"))})
                     for m in base.modules)
     program = base.model_copy(update={"modules": modules})
     run(_wrapped, 4, program, plan_for(program, ("vit", "encoder", 1, 1, 1),

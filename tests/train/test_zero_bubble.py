@@ -118,16 +118,14 @@ def test_zero_bubble_over_three_stages_with_co_located_units():
 def test_zero_bubble_data_parallel_fsdp():
     # DP 2: FSDP2 neither reduces nor reshards in a B (the W needs the unsharded weights)
     # and reduce-scatters once, after the stage's last W. Full recomputation (torch's
-    # non-reentrant checkpoint) recomputes in B and again in W: the same gradients.
-    # (Without recomputation, the same DP-2 reduce: the case "none" removed, the other
-    # zero-bubble runs split backwards without it.)
-    recompute = "full"
+    # non-reentrant checkpoint) recomputes in B and again in W: the same gradients. (The
+    # other zero-bubble runs split backwards without recomputation.)
     program = zero_bubble(spec(8))
     plan = zb_plan(colocate(program, plan_for(program, ("vit", "encoder", 1, 1, 1),
                                               ("llm", "backbone", 1, 2, 2),
                                               ("gen", "generator", 1, 1, 1)), "vit", "gen"))
     plan = plan.model_copy(update={"units": tuple(
-        u.model_copy(update={"recompute": recompute}) if u.role == "backbone" else u
+        u.model_copy(update={"recompute": ir.Recompute.FULL}) if u.role == "backbone" else u
         for u in plan.units)})
     check(program, plan, STEPS)
 
