@@ -1,10 +1,16 @@
 """A bundle fed by its preprocessing workers under the whole-pipeline reorder policy: a tiny
 spec with widely varying lengths and a two-stage backbone, launched with launch.sh
-(torchrun, gloo). The workers route every step as the simulator does (samples of similar
-work grouped into microbatch steps, the steps ordered for 1F1B): each sample is trained
+(torchrun, gloo, the P2P ordering check on). The workers route every step as the
+simulator does (samples of similar work grouped into microbatch steps, the steps ordered
+for 1F1B, as ``route_batch`` orders them whatever the schedule): each sample is trained
 once per epoch, in the order ``route_batch`` gives, and the losses match the
 single-process reference (data order) within 1e-4, since a step's loss is a sum over
-its samples divided by denominators of the whole batch."""
+its samples divided by denominators of the whole batch.
+
+Its schedule is interleaved (two virtual stages a rank; ``dtc compile``'s schedule keeps
+NCCL's rules, ``schedule.validate.validate_nccl``): the same launch is the interleaved
+bundle that trains like the single-process reference (tests/codegen/
+test_interleaved_bundle.py's test before, merged here to share one torchrun launch)."""
 
 from __future__ import annotations
 
@@ -15,22 +21,28 @@ import pytest
 
 from dtdsl import cli
 from dtdsl.driver import run_frontend
+from dtdsl.ir.schedule import parse_schedule
+from dtdsl.schedule.validate import validate_nccl
 from tests.helpers.bundle import RTOL, launch_ok, read_jsonl, reference_losses
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLES = 16        # two global batches of 8: one epoch in two steps
-STEPS = 3
+# Into a second epoch, and Adam's state through a few updates (the interleaved test's 8
+# steps before the merge: its claim needs no more).
+STEPS = 4
 
 
 def varying_spec(tmp: Path) -> Path:
     """``tiny_cpu`` with lengths from 8 to 320 tokens, a backbone of two pipeline stages
-    and microbatches of two samples: grouping by work changes which samples share one."""
+    (each two virtual stages: interleaved) and microbatches of two samples: grouping by
+    work changes which samples share one."""
     text = (ROOT / "specs" / "tiny_cpu.dt").read_text()
     for old, new in (
             ("lognormal(median=48, sigma=0.5) clamp [8, 192]",
              "lognormal(median=48, sigma=1.0) clamp [8, 320]"),
             ("global_batch     = 16", "global_batch     = 8"),
-            ("tp(*) in {1, 2}", "tp(*) == 1\n  pp(llm) == 2")):
+            ("tp(*) in {1, 2}", "tp(*) == 1\n  pp(llm) == 2"),
+            ("schedule         = 1f1b", "schedule         = interleaved(virtual_stages=2)")):
         assert old in text, old
         text = text.replace(old, new)
     path = tmp / "varying.dt"
@@ -39,7 +51,8 @@ def varying_spec(tmp: Path) -> Path:
 
 
 @pytest.mark.slow
-def test_reordered_bundle_trains_each_sample_once_and_matches_the_reference(tmp_path):
+def test_reordered_interleaved_bundle_trains_each_sample_once_and_matches_the_reference(
+        tmp_path):
     spec = varying_spec(tmp_path)
     data = tmp_path / "data"
     assert cli.main(["data", "synth", str(spec), "-o", str(data), "--samples",
@@ -51,8 +64,14 @@ def test_reordered_bundle_trains_each_sample_once_and_matches_the_reference(tmp_
                      "--workers", "1", "--placement", "disaggregated"]) == 0
     plan = json.loads((bundle / "plan.json").read_text())
     assert {u["name"]: u["pp"] for u in plan["units"]}["llm"] == 2
+    schedule = parse_schedule("\n".join(
+        line for line in (bundle / "schedule.txt").read_text().splitlines()
+        if not line.startswith("#")))
+    llm = schedule.unit("llm")
+    assert (llm.pp, llm.vpp) == (2, 2)
+    validate_nccl(schedule)
     run_dir = tmp_path / "run"
-    launch_ok(bundle, run_dir, "--steps", str(STEPS))
+    launch_ok(bundle, run_dir, "--steps", str(STEPS), env={"DTDSL_P2P_CHECK": "1"})
 
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(STEPS))
