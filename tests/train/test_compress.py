@@ -91,6 +91,8 @@ def test_memcheck_measures_a_compressing_projector(compress):
     program = _program(compress)
     plan = plan_for(program, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, 1, 1),
                     ("gen", "generator", 1, 1, 1))
-    stages = check_memory(program, plan, jobs=1)
-    assert [s.unit for s in stages] == ["vit", "llm", "gen"]
+    # The encoder's and the backbone's stages, whose rows the compression sets (the
+    # generator's replay, a third of the CPU, holds no compressed token).
+    stages = check_memory(program, plan, jobs=1, units=("vit", "llm"))
+    assert [s.unit for s in stages] == ["vit", "llm"]
     assert all(s.measured_bytes > 0 for s in stages)
