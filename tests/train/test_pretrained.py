@@ -28,7 +28,9 @@ from tests.helpers.runs import LOSS_RTOL, PARAM_RMS, PARAM_RTOL, plan_for
 from tests.helpers.runs import reference as executor_reference
 from tests.hf_models import make_clip, make_decoder, make_unet, quiet
 
-STEPS = 5
+# Adam's state through a few updates (5 before): the runs' claims (pretrained weights
+# loaded, trained as the reference, resumed and exported) need no more.
+STEPS = 4
 SPEC = """
 spec pretrained_tiny
 
