@@ -1,7 +1,7 @@
 """Token compression at run time: multi-rank runs of the tiny spec with each compression
 (the projector under the encoder's FSDP, its TP, its pipeline's last stage) train as the
 single-process reference does; a compiled bundle's run against ``dtc reference`` is
-tests/codegen/test_zero_bubble_bundle.py's."""
+tests/codegen/test_slurm.py's three-node job's."""
 
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ def test_multi_rank_runs_match_the_reference(compress, vit):
 
 
 # The compiled bundle of a compressing projector (avg_pool(2)) against dtc reference:
-# tests/codegen/test_zero_bubble_bundle.py, whose zero_bubble launch carries it.
+# tests/codegen/test_slurm.py's three-node job carries it.
 
 
 @pytest.mark.parametrize("compress", ["pixel_shuffle(2)", "avg_pool(2)", "resampler(queries=4)"])
