@@ -501,7 +501,7 @@ def test_a_unet_on_two_pipeline_stages_is_refused_when_checked(tmp_path, capsys)
 def test_a_zero_bubble_plan_compiles(tmp_path, capsys):
     """The runtime runs zero_bubble (``train.zerobubble``): no DT601, and the bundle's
     schedule splits each backbone backward into its B and W
-    (tests/codegen/test_zero_bubble_bundle.py launches one)."""
+    (tests/codegen/test_slurm.py's three-node job launches one)."""
     from dtdsl.ir.schedule import ActionKind, parse_schedule
 
     spec = tmp_path / "spec.dt"
@@ -520,7 +520,7 @@ def test_a_zero_bubble_plan_compiles(tmp_path, capsys):
 def test_an_interleaved_plan_compiles(tmp_path, capsys):
     """The runtime runs interleaved plans (no DT601), and their lowering keeps NCCL's
     rules (``schedule.place``): the bundle is written, its schedule interleaved
-    (tests/codegen/test_interleaved_bundle.py launches one)."""
+    (tests/codegen/test_bundle_reorder.py launches one)."""
     from dtdsl.ir.schedule import parse_schedule
 
     spec = tmp_path / "spec.dt"

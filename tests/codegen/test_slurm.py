@@ -3,7 +3,8 @@ srun and scontrol as bash scripts that run every "node" on this machine): the #S
 settings, the bundle found from any directory, the README's first command, --dry-run's
 command line, and a three-node job with a spare that trains like the single-process
 reference and resumes from its checkpoint on every node after a rank of the last node is
-killed."""
+killed (its plan a zero_bubble schedule with a compressing projector: the zero_bubble and
+the compressing bundles' launch too)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,6 @@ from tests.helpers.bundle import (
     RTOL,
     SPEC,
     read_jsonl,
-    reference_losses,
     three_node_spec,
 )
 
@@ -337,15 +337,48 @@ def test_sbatch_from_anywhere_finds_its_bundle(tmp_path, node_tmp, three_nodes):
 
 # ---- a three-node job --------------------------------------------------------------------
 
+def zero_bubble_three_node_spec(where: Path) -> Path:
+    """``three_node_spec`` with a zero_bubble schedule, a backbone of two pipeline stages
+    (no TP) and a compressing vision projector (``avg_pool(2)``)."""
+    text = three_node_spec(where).read_text()
+    for old, new in (("schedule         = 1f1b", "schedule         = zero_bubble"),
+                     # No TP (its DTensor passes cost CPU no claim here needs): the
+                     # backbone dp 2 x pp 2, the generator the fifth rank.
+                     ("  tp(*) in {1, 2}\n", "  tp(*) == 1\n  pp(llm) == 2\n"),
+                     ("projector vit -> llm : mlp(depth=2)",
+                      "projector vit -> llm { arch = mlp(depth=2)  compress = avg_pool(2) }")):
+        assert old in text, old
+        text = text.replace(old, new)
+    spec = where / "three_nodes_zero_bubble.dt"
+    spec.write_text(text)
+    return spec
+
+
+# The job's plan is also tests/codegen/test_zero_bubble_bundle.py's test and tests/train/
+# test_compress.py's bundle test before (merged here to share this launch): a zero_bubble
+# schedule (the backbone's backwards split into B and W, ``train.zerobubble``) of two
+# backbone stages, launched with the P2P ordering check on, and a compressing projector;
+# it trains as ``dtc reference`` does.
 @pytest.mark.slow
 def test_three_slurm_nodes_train_like_the_reference_and_resume_after_a_killed_rank(
         tmp_path, node_tmp, dataset):  # noqa: F811
+    from dtdsl.ir.schedule import ActionKind, parse_schedule
+    from dtdsl.schedule.validate import validate_nccl
+
+    spec = zero_bubble_three_node_spec(tmp_path)
     bundle = tmp_path / "bundle"
-    assert cli.main(["compile", str(three_node_spec(tmp_path)), "-o", str(bundle), "--data",
-                     str(dataset), "--workers", "2"]) == 0
+    assert cli.main(["compile", str(spec), "-o", str(bundle), "--data", str(dataset),
+                     "--workers", "2"]) == 0
     job = json.loads((bundle / "job.json").read_text())
     assert (job["world_size"], job["nodes"], job["gpus_per_node"]) == (5, 3, 2)
     assert job["feed"]["workers_per_node"] == 1
+    schedule = parse_schedule("\n".join(
+        line for line in (bundle / "schedule.txt").read_text().splitlines()
+        if not line.startswith("#")))
+    assert schedule.name == "zero_bubble" and schedule.unit("llm").pp == 2
+    assert any(a.kind is ActionKind.W for a in schedule.stage("llm", 1).actions)
+    validate_nccl(schedule)
+    assert json.loads((bundle / "plan.json").read_text())["gpus_used"] >= 2
     run_dir = tmp_path / "run"
     submit = tmp_path / "submit"
     submit.mkdir()
@@ -353,7 +386,7 @@ def test_three_slurm_nodes_train_like_the_reference_and_resume_after_a_killed_ra
     # 5, is the spare). It dies as step 3 begins; with synchronous saves ckpt-2 was
     # committed before any rank began step 2 (every step starts with a barrier), and
     # ckpt-4 cannot have begun: the job must resume from ckpt-2 at step 2.
-    env = slurm_env(tmp_path, node_tmp, DTDSL_FAULT="rank4@3")
+    env = slurm_env(tmp_path, node_tmp, DTDSL_FAULT="rank4@3", DTDSL_P2P_CHECK="1")
     status, out, job_id = sbatch(
         submit, os.path.relpath(bundle / "slurm.sbatch", submit), "--run-dir", str(run_dir),
         "--steps", str(STEPS), "--checkpoint-mode", "sync", env=env)
@@ -376,11 +409,16 @@ def test_three_slurm_nodes_train_like_the_reference_and_resume_after_a_killed_ra
     assert sorted(nodes) == ["[0, 1]", "[2, 3]", "[4]"]
     assert re.search(r"^\d: rank 5: a spare \(the plan's ranks are 0\.\.4\); exiting$", out,
                      re.M), out[-8000:]
-    # One line per step, the re-run's, equal to the single-process reference.
+    # One line per step, the re-run's, equal to the single-process reference (``dtc
+    # reference`` on the same data).
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(STEPS))
-    for m, ref in zip(metrics, reference_losses(STEPS, dataset), strict=True):
-        assert m["loss"] == pytest.approx(ref, rel=RTOL)
+    ref = tmp_path / "reference.jsonl"
+    assert cli.main(["reference", str(spec), "--steps", str(STEPS), "--data", str(dataset),
+                     "--threads", "1", "--out", str(ref)]) == 0
+    want = [r["loss"] for r in read_jsonl(ref)]
+    assert len(want) == STEPS
+    assert [m["loss"] for m in metrics] == pytest.approx(want, rel=RTOL)
     # One launch, resumed in it; every node's feed directory removed.
     assert [p.name for p in (run_dir / "launches").iterdir()] == [f"slurm-{job_id}"]
     assert not list((tmp_path / "tmp").glob("dtdsl-feed.*"))

@@ -1,16 +1,15 @@
 """Token compression at run time: multi-rank runs of the tiny spec with each compression
 (the projector under the encoder's FSDP, its TP, its pipeline's last stage) train as the
-single-process reference does, and so does a compiled bundle against ``dtc reference``."""
+single-process reference does; a compiled bundle's run against ``dtc reference`` is
+tests/codegen/test_slurm.py's three-node job's."""
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
 import torch
 
-from dtdsl import cli
 from dtdsl.data.batch import SyntheticSource
 from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan
@@ -19,18 +18,12 @@ from dtdsl.parallel.mesh import build_groups
 from dtdsl.schedule.lower import lower
 from dtdsl.train.executor import StageExecutor
 from tests.dist import run
-from tests.helpers.bundle import launch_ok, read_jsonl
 from tests.helpers.runs import PARAM_RMS, PARAM_RTOL, plan_for, reference
-from tests.specs import TINY, variant
+from tests.specs import variant
 
 STEPS = 3
 RTOL = 1e-4
 SHORT = "projector vit -> llm : mlp(depth=2)"
-
-
-def _spec_text(compress: str) -> str:
-    return TINY.read_text().replace(
-        SHORT, f"projector vit -> llm {{ arch = mlp(depth=2)  compress = {compress} }}")
 
 
 def _program(compress: str, batch: int = 8) -> ir.Program:
@@ -85,23 +78,8 @@ def test_multi_rank_runs_match_the_reference(compress, vit):
     run(_train, plan.gpus_used, program, plan, losses, params, timeout=240)
 
 
-@pytest.mark.slow
-def test_a_compiled_bundle_matches_dtc_reference(tmp_path):
-    spec = tmp_path / "tiny_pool.dt"
-    spec.write_text(_spec_text("avg_pool(2)"))
-    bundle = tmp_path / "bundle"
-    assert cli.main(["compile", str(spec), "-o", str(bundle), "--synthetic",
-                     "--workers", "0"]) == 0
-    plan = json.loads((bundle / "plan.json").read_text())
-    assert plan["gpus_used"] >= 2
-    run_dir = tmp_path / "run"
-    launch_ok(bundle, run_dir, "--steps", str(STEPS))
-    ref = tmp_path / "reference.jsonl"
-    assert cli.main(["reference", str(spec), "--steps", str(STEPS), "--out", str(ref)]) == 0
-    want = [r["loss"] for r in read_jsonl(ref)]
-    got = [m["loss"] for m in read_jsonl(run_dir / "metrics.jsonl")]
-    assert len(got) == len(want) == STEPS
-    assert got == pytest.approx(want, rel=RTOL)
+# The compiled bundle of a compressing projector (avg_pool(2)) against dtc reference:
+# tests/codegen/test_slurm.py's three-node job carries it.
 
 
 @pytest.mark.parametrize("compress", ["pixel_shuffle(2)", "avg_pool(2)", "resampler(queries=4)"])
@@ -113,6 +91,8 @@ def test_memcheck_measures_a_compressing_projector(compress):
     program = _program(compress)
     plan = plan_for(program, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, 1, 1),
                     ("gen", "generator", 1, 1, 1))
-    stages = check_memory(program, plan, jobs=1)
-    assert [s.unit for s in stages] == ["vit", "llm", "gen"]
+    # The encoder's and the backbone's stages, whose rows the compression sets (the
+    # generator's replay, a third of the CPU, holds no compressed token).
+    stages = check_memory(program, plan, jobs=1, units=("vit", "llm"))
+    assert [s.unit for s in stages] == ["vit", "llm"]
     assert all(s.measured_bytes > 0 for s in stages)
