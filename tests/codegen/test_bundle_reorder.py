@@ -8,13 +8,11 @@ single-process reference (data order) within 1e-4, since a step's loss is a sum 
 its samples divided by denominators of the whole batch.
 
 Its schedule is interleaved (two virtual stages a rank; ``dtc compile``'s schedule keeps
-NCCL's rules, ``schedule.validate.validate_nccl``): the same launch is the interleaved
-bundle that trains like the single-process reference (tests/codegen/
-test_interleaved_bundle.py's test before, merged here to share one torchrun launch).
+NCCL's rules, ``schedule.validate.validate_nccl``): the launch is also the suite's
+interleaved bundle that trains like the single-process reference.
 
 Its plan is priced by this machine's profile (``dtc profile``), and the run writes, for
-every step and stage, the measured time next to the profile's prediction
-(tests/train/test_predicted_vs_measured.py's run before, merged here too; the timings
+every step and stage, the measured time next to the profile's prediction (the timings
 themselves are benchmarks/predicted_vs_measured.py's)."""
 
 from __future__ import annotations

@@ -354,11 +354,10 @@ def zero_bubble_three_node_spec(where: Path) -> Path:
     return spec
 
 
-# The job's plan is also tests/codegen/test_zero_bubble_bundle.py's test and tests/train/
-# test_compress.py's bundle test before (merged here to share this launch): a zero_bubble
-# schedule (the backbone's backwards split into B and W, ``train.zerobubble``) of two
-# backbone stages, launched with the P2P ordering check on, and a compressing projector;
-# it trains as ``dtc reference`` does.
+# The job is also the suite's zero_bubble bundle and its compressing projector's: a
+# zero_bubble schedule (the backbone's backwards split into B and W, ``train.zerobubble``)
+# of two backbone stages, launched with the P2P ordering check on, and an avg_pool(2)
+# projector; it trains as ``dtc reference`` does.
 @pytest.mark.slow
 def test_three_slurm_nodes_train_like_the_reference_and_resume_after_a_killed_rank(
         tmp_path, node_tmp, dataset):  # noqa: F811
