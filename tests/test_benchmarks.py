@@ -17,7 +17,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 def test_runtime_benchmark_runs():
     # fp32, the same losses up to summation order. Its bf16 run (and the compiled loop's)
     # is tests/test_gpu_check.py's smoke run of the step_vs_torch section. The ratio is a
-    # timing: printed, never bounded here. 4 steps (5 before): Adam's state through a few
+    # timing: printed, never bounded here. 4 steps: Adam's state through a few
     # updates for the losses' drift, 3 timed steps for a median.
     proc = subprocess.run([sys.executable, str(BENCHMARKS / "step_vs_torch.py"), "--steps",
                            "4", "--warmup", "1", "--precision", "fp32"], capture_output=True,

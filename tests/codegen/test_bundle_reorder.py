@@ -31,8 +31,7 @@ from tests.helpers.bundle import RTOL, launch_ok, read_jsonl, reference_losses
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLES = 16        # two global batches of 8: one epoch in two steps
-# Into a second epoch, and Adam's state through a few updates (the interleaved test's 8
-# steps before the merge: its claim needs no more).
+# Into a second epoch, and Adam's state through a few updates: the claim needs no more.
 STEPS = 4
 
 

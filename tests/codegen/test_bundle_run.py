@@ -36,6 +36,8 @@ def fed_run(tiny_run) -> Path:
 
 @pytest.mark.slow
 def test_fed_bundle_matches_the_reference_and_consumes_an_epoch_once(fed_run, tiny_run):
+    # (Three workers, one killed at step 3 and restarted: tests/data/test_webdataset.py's
+    # bundle test. A killed worker of this bundle: tests/codegen/test_fault.py.)
     metrics = read_jsonl(fed_run / "metrics.jsonl")[:FEED_STEPS]
     for m, ref in zip(metrics, reference_losses(FEED_STEPS, tiny_run.dataset), strict=True):
         assert m["loss"] == pytest.approx(ref, rel=RTOL)
@@ -47,12 +49,6 @@ def test_fed_bundle_matches_the_reference_and_consumes_an_epoch_once(fed_run, ti
         assert len(set(per_step[3])) == 16          # the next epoch has begun
     log = worker_log(fed_run)
     assert "worker 0: step 0 sent" in log and "worker 1: step 1 sent" in log
-
-
-# Three workers instead of two, one of them killed at step 3 and restarted, delivering the
-# same batches and losses: removed here, tests/data/test_webdataset.py's bundle test runs
-# that same scenario (3 workers, worker0@3) end to end, and tests/codegen/test_fault.py kills
-# a worker (worker1@3) of this bundle on this dataset.
 
 
 @pytest.mark.slow

@@ -157,9 +157,7 @@ def _spec(tmp_path: Path, source: str, frames: bool = False) -> Path:
 
 
 @pytest.mark.slow
-# [False] (the patched audio encoder, on flac) removed: tests/data/test_hybrid.py's bundle
-# test trains that encoder (beats, patch 4, beside beats2) and clip on flac and mp4 members
-# end to end; [True] launches the same layout (6 ranks, the same plan) as [False] did.
+# (The patched audio encoder, on flac, trains in tests/data/test_hybrid.py's bundle test.)
 @pytest.mark.parametrize("frames", [True])
 def test_a_bundle_with_audio_and_video_encoders_trains_on_webdataset_media(tmp_path, frames):
     # frames: the audio encoder without a patch (a token per fbank frame), on flac and

@@ -55,8 +55,7 @@ def tiny_cp(cp: int, method: str, *, tp: int = 1, pp: int = 1, batch: int = BATC
     return with_cp(program, plan, cp, method)
 
 
-# ring removed: test_context_parallel_with_a_pipeline runs the same backbone ring
-# attention at cp 2 for the same 8 steps, with the pipeline too.
+# (Ring attention at cp 2 trains in test_context_parallel_with_a_pipeline.)
 @pytest.mark.parametrize("method", ["ulysses"])
 def test_backbone_context_parallel_matches_the_reference(method):
     check(*tiny_cp(2, method))
@@ -314,7 +313,7 @@ def test_encoder_context_parallel_with_tensor_parallelism():
     check(*with_cp(program, plan, 2, "ulysses", name="vit"), steps=4)
 
 
-# ring-1 removed: ring-2 runs the same MoE routing under ring attention at cp 2, with TP too.
+# Ring attention with TP 2: one run covers its MoE routing at cp 2 and TP together.
 @pytest.mark.parametrize("method,tp", [("ulysses", 1), ("ring", 2)])
 def test_an_moe_backbone_under_context_parallelism_matches_the_reference(method, tp):
     """Each CP rank routes its shard's tokens; a sequence's balance loss sums its

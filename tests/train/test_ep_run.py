@@ -169,11 +169,6 @@ def test_ep_groups_are_consecutive_replicas():
         ep_lines(role_of(plan, 2), 3)
 
 
-# test_expert_parallel_backbone_matches_the_reference (ep 2, dp 2) removed:
-# test_resume_across_a_change_of_ep_degree trains that layout for 5 of its 7 steps, every
-# loss and gradient norm, the layout and the final parameters checked.
-
-
 def _recomputed(p: ir.Program) -> ir.Program:
     modules = tuple(m.model_copy(update={"recompute": ir.Recompute.FULL}) if m.name == "llm"
                     else m for m in p.modules)
@@ -182,8 +177,7 @@ def _recomputed(p: ir.Program) -> ir.Program:
 
 def test_expert_parallel_recomputed_with_capacity_matches_the_grouped_reference():
     # 4 steps: the drops and their grouped reference show from the first step on.
-    # Recomputation (merged here from test_expert_parallel_recomputed_matches_the_reference,
-    # the same ep 2 x dp 2 layout) runs each MoE layer's forward again in backward, its
+    # Recomputation (ep 2 x dp 2) runs each MoE layer's forward again in backward, its
     # all-to-alls too: every rank of the EP group recomputes the same layers in the same
     # order, and drops the same slots again.
     p = _recomputed(moe_spec(args=ARGS + ", capacity=0.5"))
@@ -197,10 +191,6 @@ def test_expert_parallel_with_pipeline_matches_the_reference():
     assert plan.gpus_used == 4
     # 4 steps: Adam's moments through several updates.
     check_ep(p, plan, steps=4)
-
-
-# test_tp_inside_the_experts_with_pipeline_matches_the_reference merged into
-# test_resume_from_experts_split_over_tp_and_ep: it resumes at that layout (tp 2, pp 2).
 
 
 def _phase(rank: int, world: int, p: ir.Program, plan: Plan, run_dir: str, steps: int,
@@ -270,8 +260,7 @@ def test_resume_across_a_change_of_ep_degree(tmp_path):
         assert math.isclose(n, w["grad_norm"], rel_tol=1e-4), (step, n, w["grad_norm"])
 
 
-# zero 1 merged into test_resume_from_experts_sharded_over_their_expert_dp_group, whose
-# first phase trains that layout (dp 4, ep 2, ZeRO-1), its losses, norms and layout checked.
+# (ZeRO-1 trains in test_resume_from_experts_sharded_over_their_expert_dp_group's first phase.)
 @pytest.mark.parametrize("zero", [0])
 def test_experts_sharded_over_their_expert_dp_group(zero):
     # dp 4, ep 2 on 4 ranks: each expert FSDP-sharded over the 2 replicas holding it
@@ -282,10 +271,6 @@ def test_experts_sharded_over_their_expert_dp_group(zero):
     plan = colocate(p, ep_plan(p, 4, 1, 2), "vit", "gen")
     assert plan.gpus_used == 4
     check_ep(p, plan, steps=4)
-
-
-# test_expert_parallel_recomputed_matches_the_reference merged into
-# test_expert_parallel_recomputed_with_capacity_matches_the_grouped_reference (ep 2, dp 2).
 
 
 def test_expert_parallel_in_fp16_within_the_bf16_tolerance(tmp_path):

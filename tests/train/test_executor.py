@@ -155,8 +155,7 @@ def test_generator_tensor_parallel():
                                ("llm", "backbone", 1, 1, 1), ("gen", "generator", 2, 1, 1)))
 
 
-# pp 2 (tp2-pp2) removed: test_recompute_and_a_cosine_schedule_match_the_reference trains
-# the same layout (backbone TP 2 x PP 2) against the reference's losses and parameters.
+# (Backbone TP 2 x PP 2 trains in test_recompute_and_a_cosine_schedule_match_the_reference.)
 def test_backbone_tensor_parallel():
     # Only the last stage's TP leader adds the LM loss to the reported total.
     program = spec(8)

@@ -59,6 +59,8 @@ def test_aux_gradient_reaches_the_router():
         build_model(program()).unit("llm"))) is None
 
 
+# (An MoE backbone trains in fp16 in test_ep_run's
+# test_expert_parallel_in_fp16_within_the_bf16_tolerance.)
 def test_aux_gradient_carries_fp16s_loss_scale():
     """Under fp16 every backward starts from the loss scale; the aux losses' gradient,
     which joins inside the layers, must carry it too: every gradient (the router's, fed
@@ -81,10 +83,6 @@ def test_aux_gradient_carries_fp16s_loss_scale():
     for name, g in grads[0].items():
         torch.testing.assert_close(grads[1][name], 1024.0 * g, rtol=1e-12, atol=0,
                                    msg=name)
-
-
-# test_moe_backbone_data_parallel_matches_the_reference (dp 2, 4 steps) merged into
-# test_moe_backbone_recomputed_matches_the_reference: the same layout, recomputed.
 
 
 def test_moe_backbone_pipeline_matches_the_reference():
@@ -139,8 +137,8 @@ def test_compile_refuses_what_the_runtime_does_not_run_yet():
 
 def test_moe_backbone_recomputed_matches_the_reference():
     # Recomputation runs each MoE layer's forward again in backward: its aux loss must
-    # not be counted twice, nor its gradient given twice. Data parallel (dp 2): the run
-    # of test_moe_backbone_data_parallel_matches_the_reference, merged here.
+    # not be counted twice, nor its gradient given twice. Data parallel (dp 2): the MoE
+    # backbone's data-parallel run.
     p = moe_spec(args="experts=4, top_k=2, expert_ffn=64, aux_loss=0.1")
     modules = tuple(m.model_copy(update={"recompute": ir.Recompute.FULL}) if m.name == "llm" else m
                     for m in p.modules)
@@ -164,9 +162,3 @@ def test_moe_layers_are_left_out_of_compiled_blocks():
     names = [name for name, _, _ in compile_blocks(stage)]
     dense = [f"llm.layers.{k}" for k, layer in layers.items() if not getattr(layer, "moe", False)]
     assert names == dense and len(dense) < len(layers)
-
-
-# test_moe_backbone_trains_in_fp16_within_the_bf16_tolerance removed:
-# tests/train/test_ep_run.py's test_expert_parallel_in_fp16_within_the_bf16_tolerance trains
-# the same spec (aux loss 0.1) in fp16 at the same dp 2 against the same tolerance, with
-# its experts split over EP 2 too.

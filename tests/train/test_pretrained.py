@@ -28,7 +28,7 @@ from tests.helpers.runs import LOSS_RTOL, PARAM_RMS, PARAM_RTOL, plan_for
 from tests.helpers.runs import reference as executor_reference
 from tests.hf_models import make_clip, make_decoder, make_unet, quiet
 
-# Adam's state through a few updates (5 before): the runs' claims (pretrained weights
+# Adam's state through a few updates: the runs' claims (pretrained weights
 # loaded, trained as the reference, resumed and exported) need no more.
 STEPS = 4
 SPEC = """

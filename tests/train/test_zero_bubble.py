@@ -137,9 +137,8 @@ def test_zero_bubble_tensor_parallel_backbone():
     plan = zb_plan(colocate(program, plan_for(program, ("vit", "encoder", 1, 1, 1),
                                               ("llm", "backbone", 2, 1, 2),
                                               ("gen", "generator", 1, 1, 1)), "vit", "gen"))
-    # Both co-located units split over TP, their gradients counted once in the norm
-    # (test_colocated's 1F1B run of this layout was removed for this one). 4 steps: a TP
-    # layout matches from its first step, and Adam's moments go through several updates.
+    # Both co-located units split over TP, their gradients counted once in the norm. 4 steps:
+    # a TP layout matches from its first step, and Adam's moments go through several updates.
     check_tp(program, plan, STEPS, grad_norms=True)
 
 
