@@ -123,7 +123,9 @@ def _distributed(program: ir.Program, plan: Plan, steps: int, overlap: bool) -> 
         return [torch.load(f"{out}.{r}") for r in range(plan.gpus_used)]
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+# fp32 removed: test_local_sgd_shard's two_replicas_of_two_shards[False] holds the
+# overlapped fp32 sync to the blocking one bitwise.
+@pytest.mark.parametrize("precision", ["bf16"])
 def test_overlapped_equals_blocking_bitwise(precision):
     # One microbatch a replica: bitwise equality does not depend on the accumulation.
     base = local(spec(4), period=2, outer_lr=0.7, outer_momentum=0.9)
@@ -147,9 +149,9 @@ def test_overlapped_equals_blocking_bitwise(precision):
 
 @pytest.mark.usefixtures("deterministic")
 def test_a_checkpoint_at_a_synchronising_step_is_whole(tmp_path):
-    # Saved after step 3 (period 2: a synchronising step): the layers' outer steps are
+    # Saved after step 1 (period 2: a synchronising step): the layers' outer steps are
     # still to come in the next forward; the save must finish them first, and a resumed
-    # run continue as an uninterrupted one.
+    # run continue as an uninterrupted one. (Resumed for step 2 alone, the forward that
+    # takes the outer steps: a later synchronising step adds nothing to the claim.)
     program = local(spec(4), period=2, outer_lr=0.7, outer_momentum=0.9)
-    # Resumed for step 4 alone: the forward that takes the outer steps.
-    resumed_as_uninterrupted(tmp_path, program, dp2(program), steps=5, save_at=4)
+    resumed_as_uninterrupted(tmp_path, program, dp2(program), steps=3, save_at=2)
