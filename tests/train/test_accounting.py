@@ -21,8 +21,11 @@ P8 = ir.ImageTokens(patch=8)      # the tiny spec's image tokens: its patches
 
 # Two steps: each step's counts are checked on their own; a second step draws other sizes.
 STEPS = 2
-# Two microbatches of two (the phased test's two stages need two): the claim is per sample.
+# Two microbatches of two (the phased test's two stages need two; unpacked, fewer samples
+# may draw no image in a step); packed on one stage, one microbatch: the claim is per
+# sample, not per batch size.
 RUN_BATCH = 4
+ONE_STAGE_PACKED_BATCH = 2
 
 
 def tiny(packing: bool, batch: int = 8) -> ir.Program:
@@ -74,7 +77,7 @@ def test_each_unit_processes_what_the_simulator_assumed(packing):
 def test_a_stage_with_co_located_units_processes_what_the_simulator_assumed():
     from tests.helpers.plans import colocate
 
-    program = tiny(True, RUN_BATCH)
+    program = tiny(True, ONE_STAGE_PACKED_BATCH)
     plan = colocate(program, plan_for(program, ("vit", "encoder", 1, 1, 1),
                                       ("llm", "backbone", 1, 1, 1),
                                       ("gen", "generator", 1, 1, 1)), "vit", "gen")
