@@ -385,7 +385,8 @@ def _check(program: ir.Program, plan: Plan) -> None:
 def test_zero0_replicates_over_data_parallel_tensor_parallel_ranks():
     # HSDP (replicate 2 x shard 1) next to TP 2 on the backbone, a placeholder shard
     # dimension under it; the encoder's two replicas too.
-    program = _zero0(spec(8))
+    # One microbatch a replica: the claim is where ZeRO-0 replicates, not accumulation.
+    program = _zero0(spec(4))
     _check(program, plan_for(program, ("vit", "encoder", 1, 2, 1),
                              ("llm", "backbone", 2, 2, 1), ("gen", "generator", 1, 1, 1)))
 
@@ -413,7 +414,7 @@ def test_tied_pairs_and_the_group_they_add():
 
 
 def test_a_tied_embedding_over_three_stages_sums_over_its_own_pair():
-    program = _tied(spec(8))
+    program = _tied(spec(6))     # three microbatches, one per stage: enough for 1F1B
     _check(program, plan_for(program, ("vit", "encoder", 1, 1, 1),
                              ("llm", "backbone", 1, 1, 3), ("gen", "generator", 1, 1, 1)))
 

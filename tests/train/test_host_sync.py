@@ -134,15 +134,14 @@ def _steps(rank: int, world: int, program: ir.Program, plan: Plan) -> None:
     torch.Tensor.tolist = logged_tolist
     try:
         with _HostReads(phase, reads):
-            for step in (1, 2):
-                ex.run_step(step)
+            ex.run_step(1)      # one steady step: the claim is per step
     finally:
         torch.Tensor.tolist = tolist
     inside = {k: n for k, n in reads.items() if k[0].startswith("action")}
     assert not inside, f"rank {rank}: host reads inside actions: {inside}"
     # After the actions: the optimizer's one message, read once per step.
     step = {k: n for k, n in reads.items() if k[0] == "step"}
-    assert sum(step.values()) == 2, f"rank {rank}: host reads in two steps: {step}"
+    assert sum(step.values()) == 1, f"rank {rank}: host reads in one step: {step}"
     if ex._pixels is not None and ex.role.is_first_stage:
         # The feed's uint8 pixels reached the device and were normalised inside F.
         assert set(normalised) == {("action F", torch.uint8)}, normalised
@@ -158,7 +157,9 @@ def _steps(rank: int, world: int, program: ir.Program, plan: Plan) -> None:
      ("vit",)),
 ], ids=["pp", "tp2", "colocated"])
 def test_a_step_reads_the_device_once_after_its_last_action(layout, hosted):
-    program = spec(8)
+    # Two microbatches (the pipeline's two stages need two): every action kind runs more
+    # than once in a step; more add nothing to a per-step count.
+    program = spec(4)
     plan = plan_for(program, *layout)
     if hosted:
         plan = colocate(program, plan, *hosted)

@@ -123,31 +123,35 @@ def _distributed(program: ir.Program, plan: Plan, steps: int, overlap: bool) -> 
         return [torch.load(f"{out}.{r}") for r in range(plan.gpus_used)]
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+# fp32 removed: test_local_sgd_shard.py::test_two_replicas_of_two_shards_match_the_reference
+# [False] holds the overlapped fp32 sync to the blocking one bitwise.
+@pytest.mark.parametrize("precision", ["bf16"])
 def test_overlapped_equals_blocking_bitwise(precision):
-    base = local(spec(8), period=2, outer_lr=0.7, outer_momentum=0.9)
+    # One microbatch a replica: bitwise equality does not depend on the accumulation.
+    base = local(spec(4), period=2, outer_lr=0.7, outer_momentum=0.9)
     program = base.model_copy(update={"train": base.train.model_copy(
         update={"precision": precision})})
     plan = dp2(program)
-    steps = 6       # synchronisations after steps 1, 3 and 5
+    steps = 4       # synchronisations after steps 1 and 3
     over = _distributed(program, plan, steps, True)
     block = _distributed(program, plan, steps, False)
     for a, b in zip(over, block, strict=True):
         assert a["losses"] == b["losses"]
         for name, p in a["params"].items():
             assert torch.equal(p, b["params"][name]), name
-    # The backbone's two replicas overlapped: the syncs after steps 1 and 3 landed in
-    # the forward's hooks (every group reached), the last one at the end of training.
+    # The backbone's two replicas overlapped: the sync after step 1 landed in the next
+    # forward's hooks (every group reached), the last one at the end of training.
     counts = [c for r in over for c in r["counts"]]
-    assert counts and all(hook == 2 * n and settle == n and n > 1
+    assert counts and all(hook == n and settle == n and n > 1
                           for hook, settle, n in counts), counts
     assert all(not c for r in block for c in r["counts"] if c[0])
 
 
 @pytest.mark.usefixtures("deterministic")
 def test_a_checkpoint_at_a_synchronising_step_is_whole(tmp_path):
-    # Saved after step 3 (period 2: a synchronising step): the layers' outer steps are
+    # Saved after step 1 (period 2: a synchronising step): the layers' outer steps are
     # still to come in the next forward; the save must finish them first, and a resumed
-    # run continue as an uninterrupted one.
+    # run continue as an uninterrupted one. (Resumed for step 2 alone, the forward that
+    # takes the outer steps: a later synchronising step adds nothing to the claim.)
     program = local(spec(4), period=2, outer_lr=0.7, outer_momentum=0.9)
-    resumed_as_uninterrupted(tmp_path, program, dp2(program), steps=6, save_at=4)
+    resumed_as_uninterrupted(tmp_path, program, dp2(program), steps=3, save_at=2)

@@ -60,8 +60,10 @@ def test_a_data_parallel_unit_links_every_replica():
 
 
 def test_memcheck_reports_the_buffers_on_a_line_of_their_own():
-    plan = _plan(1, 1, 1)
-    stages = check_memory(spec(16), plan, jobs=2)
+    # The backbone's stage alone (it has a broker link both ways), on 2 microbatches: the
+    # claim is how a stage's report shows its buffers.
+    plan = _plan(1, 1, 1, batch=4)
+    stages = check_memory(spec(4), plan, jobs=2, units=("llm",))
     assert all(s.nccl == nccl_buffer_bytes(plan, s.rank) for s in stages)
     lines = format_stages(stages)
     nccl = [line for line in lines if line.lstrip().startswith("+ NCCL buffers")]

@@ -159,7 +159,8 @@ def test_a_run_with_vae_targets_equals_the_reference(root):
 
     prog = program(root)
     source = DatasetSource(prog, root / "shards")
-    losses = [r["loss"] for r in train_reference(prog, 3, source=source)]
+    # Two steps: the second's loss is of the weights the VAE targets' gradients trained.
+    losses = [r["loss"] for r in train_reference(prog, 2, source=source)]
     plan = plan_for(prog, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, 1, 1),
                     ("gen", "generator", 2, 1, 1))
     run(_train, plan.gpus_used, prog, plan, losses, str(root / "shards"), timeout=300)
