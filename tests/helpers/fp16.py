@@ -52,7 +52,8 @@ def _reference(program: ir.Program, steps: int) -> tuple[tuple[float, float], ..
 
 
 
-def _train(rank: int, world: int, program: ir.Program, plan: Plan, out: str) -> None:
+def _train(rank: int, world: int, program: ir.Program, plan: Plan, out: str,
+           steps: int = STEPS) -> None:
     ex = StageExecutor(program, plan, lower(plan, program), rank=rank,
                        groups=build_groups(plan))
     # fp16 compute: the stage's parameters (fp32 shards) are gathered into fp16 ones.
@@ -73,7 +74,7 @@ def _train(rank: int, world: int, program: ir.Program, plan: Plan, out: str) -> 
         send(index, producer, consumer, grads, samples)
 
     ex.broker.send_backward = counted
-    results = ex.train(STEPS)
+    results = ex.train(steps)
     Path(out, f"{rank}.json").write_text(json.dumps(
         {"steps": [{k: r[k] for k in ("loss", "grad_norm", "skipped", "loss_scale",
                                       "skipped_steps")} for r in results],

@@ -64,8 +64,7 @@ def _count(rank: int, world: int, program: ir.Program, plan: Plan) -> None:
 
 
 @pytest.mark.slow
-# packed removed here: the co-located test below runs packing through the same counts of
-# every unit (patches, positions, text tokens, targets), the phased test too.
+# (Packed, the same counts of every unit: the co-located and phased tests below.)
 @pytest.mark.parametrize("packing", [False], ids=["one-per-sequence"])
 def test_each_unit_processes_what_the_simulator_assumed(packing):
     program = tiny(packing, RUN_BATCH)

@@ -57,8 +57,7 @@ def _check(pp: int, dp: int) -> None:
     run(_train_owned, plan.gpus_used, program, plan, losses, params, STEPS, timeout=300)
 
 
-# (2, 2) and (3, 1) removed: (3, 2) runs DP replicas and a third stage together, (2, 1)
-# the two-stage pipeline without DP.
+# (3, 2): DP replicas and a third stage together; (2, 1): the two-stage pipeline alone.
 @pytest.mark.parametrize("pp,dp", [(2, 1), (3, 2)])
 def test_bubble_phased_encoder_matches_the_reference(pp, dp):
     _check(pp, dp)

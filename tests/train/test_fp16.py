@@ -127,26 +127,16 @@ def test_the_step_unscales_clips_skips_and_holds_the_learning_rate_schedule():
 
 
 
-# Four steps (not the helper's 8): Adam's state through a few updates, every step at the
-# initial scale; the tolerance is per step.
+# Four steps: Adam's state through a few updates, every step at the initial scale; the
+# tolerance is per step.
 RUN_STEPS = 4
-
-
-def _train_run_steps(rank: int, world: int, program: ir.Program, plan: Plan, out: str
-                     ) -> None:
-    """``tests.helpers.fp16._train`` over ``RUN_STEPS`` (its ``STEPS`` set in this forked
-    rank only)."""
-    from tests.helpers import fp16 as helper
-
-    helper.STEPS = RUN_STEPS
-    _train(rank, world, program, plan, out)
 
 
 def test_fp16_trains_within_the_bf16_tolerance_of_the_fp32_reference(tmp_path):
     program = spec(8)
     plan = plan_for(fp16(program), *UNITS)
     want = _reference(program, RUN_STEPS)
-    run(_train_run_steps, plan.gpus_used, fp16(program), plan, str(tmp_path), timeout=300)
+    run(_train, plan.gpus_used, fp16(program), plan, str(tmp_path), RUN_STEPS, timeout=300)
     records = [json.loads((tmp_path / f"{rank}.json").read_text())
                for rank in range(plan.gpus_used)]
     (gen,) = [r for r in records if r["role"] == "generator"]

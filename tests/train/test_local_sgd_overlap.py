@@ -123,8 +123,8 @@ def _distributed(program: ir.Program, plan: Plan, steps: int, overlap: bool) -> 
         return [torch.load(f"{out}.{r}") for r in range(plan.gpus_used)]
 
 
-# fp32 removed: test_local_sgd_shard.py::test_two_replicas_of_two_shards_match_the_reference
-# [False] holds the overlapped fp32 sync to the blocking one bitwise.
+# (In fp32: tests/train/test_local_sgd_shard.py's co-located test holds the overlapped sync
+# to the blocking one bitwise.)
 @pytest.mark.parametrize("precision", ["bf16"])
 def test_overlapped_equals_blocking_bitwise(precision):
     # One microbatch a replica: bitwise equality does not depend on the accumulation.
