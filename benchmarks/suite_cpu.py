@@ -11,8 +11,8 @@ it exits. Forked children (``tests.dist``'s ranks, memcheck's replays) leave wit
 ``os._exit`` and write nothing: theirs is the rest of the process tree's CPU.
 
 On a 2-core machine the suite fits in 20 minutes only if it needs at most about 38
-CPU-minutes (2026-11-29: 65.2, of which 61% in forked ranks, 21% in bundle launches'
-processes, 16% in the pytest workers themselves). Prints the breakdown; writes
+CPU-minutes (2026-11-29: 46.7 in 24.6 minutes, of which 59% in forked ranks, 22% in
+bundle launches' processes, 19% in the pytest workers themselves). Prints the breakdown; writes
 ``tests.tsv`` (test, CPU s, wall s, and of the CPU the pytest process's own),
 ``processes.tsv`` (kind, CPU s, wall s, argv) and ``summary.json`` to ``--out`` (default: a
 new temporary folder).

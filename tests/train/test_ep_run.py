@@ -318,8 +318,7 @@ def test_resume_from_experts_split_over_tp_and_ep(tmp_path):
     expert's columns split, every TP rank routing the whole sequence; the encoder and
     generator co-located) for 3: every step's loss and gradient norm (each expert's
     block counted once), each phase's MoE layout and the final parameters are the
-    reference's. (This resume took over test_tp_inside_the_experts_with_pipeline's
-    layout, which trained 8 steps of its own.)"""
+    reference's: the suite's run of TP inside the experts with a pipeline."""
     import json
 
     from torch.distributed.checkpoint import FileSystemReader
