@@ -189,8 +189,7 @@ def test_expert_parallel_with_pipeline_matches_the_reference():
     p = moe_spec(args=ARGS)
     plan = colocate(p, ep_plan(p, 2, 2, 2), "vit", "gen")
     assert plan.gpus_used == 4
-    # 4 steps: Adam's moments through several updates.
-    check_ep(p, plan, steps=4)
+    check_ep(p, plan)       # the acceptance: ep 2, 8+ steps (STEPS)
 
 
 def _phase(rank: int, world: int, p: ir.Program, plan: Plan, run_dir: str, steps: int,

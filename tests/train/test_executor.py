@@ -20,6 +20,7 @@ from dtdsl.train.executor import StageExecutor, run_rank
 from tests.dist import run
 from tests.helpers.runs import (
     ACCEPTANCE_STEPS,
+    STEPS,
     TP_STEPS,
     check,
     check_tp,
@@ -239,12 +240,11 @@ def test_bf16_trains_within_three_percent_of_the_fp32_reference(tmp_path):
         update={"precision": "bf16"})})
     plan = plan_for(bf16, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 2, 2, 1),
                     ("gen", "generator", 1, 1, 1))
-    # TP_STEPS: a TP backbone (see there); the fp32 reference is the TP tests' own.
-    losses, _ = reference(program, TP_STEPS)          # fp32, one process
+    losses, _ = reference(program, STEPS)          # fp32, one process
     out = tmp_path / "losses.json"
     run(_train_bf16, plan.gpus_used, bf16, plan, losses, str(out), timeout=300)
     got = json.loads(out.read_text())
-    assert len(got) == TP_STEPS
+    assert len(got) == STEPS
     for step, (g, want) in enumerate(zip(got, losses, strict=True)):
         assert abs(g - want) <= 0.03 * abs(want), (step, g, want)
     assert got != losses, "bf16 computed exactly the fp32 losses: it did not run in bf16"

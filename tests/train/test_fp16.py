@@ -24,6 +24,7 @@ from dtdsl.train.optim import LossScale, StageOptimizer, optimizer_step
 from tests.dist import run
 from tests.helpers.fp16 import (
     BF16_RTOL,
+    STEPS,
     UNITS,
     _reference,
     _train,
@@ -127,9 +128,8 @@ def test_the_step_unscales_clips_skips_and_holds_the_learning_rate_schedule():
 
 
 
-# Four steps: Adam's state through a few updates, every step at the initial scale; the
-# tolerance is per step.
-RUN_STEPS = 4
+# The acceptance: the tiny spec in fp16, 8+ steps within the bf16 tolerance.
+RUN_STEPS = STEPS
 
 
 def test_fp16_trains_within_the_bf16_tolerance_of_the_fp32_reference(tmp_path):

@@ -29,6 +29,7 @@ from tests.train.modal_specs import (
 # 4 steps: an encoder's items spliced or routed wrongly show from the first step, and
 # Adam's moments go through several updates.
 STEPS = 4
+ACCEPTANCE_STEPS = 8    # the acceptance: an audio encoder, with a video one, 8+ steps
 
 
 def test_audio_items_are_fbank_patches_and_their_tokens_follow_the_rule():
@@ -229,7 +230,7 @@ def test_audio_and_video_encoders_train_as_the_reference():
     # between them (``packed_item_shapes``).
     check(program, plan_for(program, ("vit", "encoder", 1, 1, 1), ("beats", "encoder", 1, 1, 1),
                             ("clip", "encoder", 1, 1, 2), ("llm", "backbone", 1, 1, 1),
-                            ("gen", "generator", 1, 1, 1)), steps=STEPS)
+                            ("gen", "generator", 1, 1, 1)), steps=ACCEPTANCE_STEPS)
 
 
 def test_tiny_audio_image_trains_as_the_reference():
@@ -256,7 +257,7 @@ def test_co_located_audio_encoder_beside_an_image_encoder_unit():
                                       ("llm", "backbone", 1, 1, 2),
                                       ("gen", "generator", 1, 1, 1)), "beats")
     assert runtime_support(program, plan) == []
-    check(program, plan, steps=STEPS)
+    check(program, plan, steps=ACCEPTANCE_STEPS)
 
 
 def _train_phased(rank: int, world: int, program, plan, losses, params) -> None:
