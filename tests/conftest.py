@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import shared
+
 # Every process the tests start (launched bundles, torchrun, gloo children) checks that its
 # point-to-point transfers are matched as NCCL would match them (dtdsl.parallel.p2p).
 os.environ.setdefault("DTDSL_P2P_CHECK", "1")
@@ -88,17 +90,8 @@ def _shared_folder(tmp_path_factory) -> None:
     """``tests.helpers.shared``'s folder: in this run's temporary directory, shared by every
     pytest-xdist worker of the run (this process's own without xdist), so a paper-scale
     plan, a bundle run or a reference is made once a run, not once a worker."""
-    from tests.helpers import shared
-
     base = tmp_path_factory.getbasetemp()
     shared.ROOT = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared"
-
-
-def _shared(name: str) -> contextlib.AbstractContextManager[Path]:
-    """``tests.helpers.shared.locked``: ``name``'s folder, locked against the other workers."""
-    from tests.helpers.shared import locked
-
-    return locked(name)
 
 
 @pytest.fixture(scope="session")
@@ -116,7 +109,7 @@ def shipped_plan():
     def get(name: str) -> Path:
         spec = ROOT / "specs" / f"{name}.dt"
         digest = hashlib.sha256(spec.read_bytes()).hexdigest()[:16]
-        with _shared(f"plan_{name}_{digest}") as folder:
+        with shared.locked(f"plan_{name}_{digest}") as folder:
             out = folder / "plan.json"
             if not out.exists():
                 folder.mkdir(parents=True, exist_ok=True)
@@ -144,7 +137,7 @@ def shipped_bundle(shipped_plan):
 
     def get(name: str) -> Path:
         plan = shipped_plan(name)
-        with _shared(f"bundle_{plan.parent.name}") as folder:
+        with shared.locked(f"bundle_{plan.parent.name}") as folder:
             out = folder / "bundle"
             if not (folder / "done").exists():
                 shutil.rmtree(folder, ignore_errors=True)   # a compile cut short
@@ -176,7 +169,7 @@ def planned_compile():
     def get(name: str) -> Path:
         spec = ROOT / "specs" / f"{name}.dt"
         digest = hashlib.sha256(spec.read_bytes()).hexdigest()[:16]
-        with _shared(f"planned_compile_{name}_{digest}") as folder:
+        with shared.locked(f"planned_compile_{name}_{digest}") as folder:
             out = folder / "bundle"
             if not (folder / "done").exists():
                 shutil.rmtree(folder, ignore_errors=True)   # a compile cut short
@@ -212,5 +205,5 @@ def tiny_run():
     it, never write into it; a test that launches against it copies it first."""
     from tests.helpers.bundle import tiny_run_in
 
-    with _shared("tiny_run") as folder:
+    with shared.locked("tiny_run") as folder:
         return tiny_run_in(folder)

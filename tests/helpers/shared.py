@@ -10,8 +10,10 @@ import hashlib
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 ROOT: Path | None = None
 
@@ -34,37 +36,43 @@ def digest(*parts: object) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
-def tensors_and_json(name: str, make: Callable[[], tuple[dict[str, torch.Tensor], object]]
-                     ) -> tuple[dict[str, torch.Tensor], object]:
-    """``make()``'s (tensors, JSON-able value), made once a test run in the shared folder
-    (``name``: a ``digest`` of what makes it) and read back by the other workers; made
-    here alone where no shared folder is set (a process outside pytest)."""
-    from safetensors.torch import load_file, save_file
-
+def computed(name: str, make: Callable[[], Any], write: Callable[[Any, Path], None],
+             read: Callable[[Path], Any]) -> Any:
+    """``make()``'s value, made once a test run in the shared folder (``name``: a ``digest``
+    of what makes it; ``write`` puts it at a path, ``read`` reads it back) and read back by
+    the other workers; made here alone where no shared folder is set (outside pytest)."""
     if ROOT is None:
         return make()
     with locked(name) as path:
         if path.exists():
-            with open(path.with_suffix(".json")) as f:
-                return load_file(path), json.load(f)
-        tensors, value = make()
+            return read(path)
+        value = make()
         tmp = path.with_suffix(".tmp")
-        save_file({k: t.contiguous() for k, t in tensors.items()}, tmp)
-        path.with_suffix(".json").write_text(json.dumps(value))
-        tmp.replace(path)       # last: its presence says both files are whole
-        return tensors, value
+        write(value, tmp)
+        tmp.replace(path)       # last: its presence says the value is whole
+        return value
 
 
 def json_value(name: str, make: Callable[[], object]) -> object:
-    """``make()``'s JSON-able value, made once a test run (``tensors_and_json``)."""
-    if ROOT is None:
-        return make()
-    with locked(name) as path:
-        if path.exists():
-            with open(path) as f:
-                return json.load(f)
-        value = make()
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(value))
-        tmp.replace(path)
-        return value
+    """``make()``'s JSON-able value, made once a test run (``computed``)."""
+    return computed(name, make, lambda value, path: path.write_text(json.dumps(value)),
+                    lambda path: json.loads(path.read_text()))
+
+
+def tensors_and_json(name: str, make: Callable[[], tuple[dict[str, torch.Tensor], object]]
+                     ) -> tuple[dict[str, torch.Tensor], object]:
+    """``make()``'s (tensors, JSON-able value), made once a test run (``computed``): the
+    tensors in a safetensors file, the value in the JSON of its metadata."""
+    from safetensors.torch import load_file, safe_open, save_file
+
+    def write(value: tuple[dict[str, torch.Tensor], object], path: Path) -> None:
+        tensors, doc = value
+        save_file({k: t.contiguous() for k, t in tensors.items()}, path,
+                  metadata={"value": json.dumps(doc)})
+
+    def read(path: Path) -> tuple[dict[str, torch.Tensor], object]:
+        with safe_open(path, framework="pt") as f:
+            doc = json.loads(f.metadata()["value"])
+        return load_file(path), doc
+
+    return computed(name, make, write, read)
