@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from dtdsl.models.inputs import HALF, encoder_norm
+from dtdsl.ir.modal import HALF, encoder_norm
 
 __all__ = ["ImagePolicy", "normalize", "patch_grid"]
 
@@ -78,7 +78,7 @@ class ImagePolicy:
                     block: int = 1) -> ImagePolicy:
         """``block``: the multiple of patches a native-resolution grid's sides are
         (``ImageTokens.block`` of the encoder's projector). Mean and std: the encoder's
-        (``models.inputs.encoder_norm``)."""
+        (``ir.modal.encoder_norm``)."""
         arch = module.arch
         patch = getattr(arch, "patch", None) or 1
         mean, std = encoder_norm(module)

@@ -20,7 +20,7 @@ during the run) keeps its place with a stand-in of its sizes, logged once and co
 **Tensors.** ``dtdsl.data.decode.Decoder`` gives numpy arrays; ``to_sample`` turns them
 into a ``runtime.data.Sample``: token ids as they are, images as their uint8 pixels
 (normalised on the encoder's device, ``models.inputs.Pixels``, with the encoder's mean and
-std, ``image_norm``), the generators' latents, noise and timesteps as they are. The
+std, ``ir.modal.pixel_norm``), the generators' latents, noise and timesteps as they are. The
 preprocessing workers ship the same uint8 images, so a launched run and ``dtc reference
 --data`` see identical tensors.
 """
@@ -38,7 +38,7 @@ import numpy as np
 
 from dtdsl.ir import program as ir
 
-__all__ = ["DatasetSource", "epoch_permutation", "image_norm", "image_pixels", "stream_indices",
+__all__ = ["DatasetSource", "epoch_permutation", "image_pixels", "stream_indices",
            "to_sample"]
 
 log = logging.getLogger("dtdsl.feed.source")
@@ -63,14 +63,6 @@ def stream_indices(seed: int, n: int, step: int, batch: int) -> list[int]:
             perms[epoch] = epoch_permutation(seed, epoch, n)
         out.append(int(perms[epoch][at]))
     return out
-
-
-def image_norm(program: ir.Program) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """The mean and std the spec's image encoder normalises its pixels with
-    (``models.inputs.pixel_norm``)."""
-    from dtdsl.models.inputs import pixel_norm
-
-    return pixel_norm(program)
 
 
 def image_pixels(pixels: np.ndarray):

@@ -48,10 +48,12 @@ policy.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -61,7 +63,12 @@ from dtdsl.ir.clips import audio_rows, clip_tokens, padded_frames
 if TYPE_CHECKING:       # the cost model reads these rules without importing torch
     import torch
 
-__all__ = ["EncoderInputs", "InputRule", "drawn_tokens", "encoder_inputs"]
+__all__ = ["CLIP_MEAN", "CLIP_STD", "HALF", "EncoderInputs", "InputRule", "drawn_tokens",
+           "encoder_inputs", "encoder_norm", "pixel_norm"]
+
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+HALF = (0.5, 0.5, 0.5)
 
 
 @dataclass(frozen=True)
@@ -253,3 +260,31 @@ def drawn_tokens(rule: InputRule, sizes: np.ndarray, patches: np.ndarray | None 
         return clip_tokens(padded_frames(sizes, rule.temporal_patch), side * side,
                            rule.temporal_patch)
     return sizes
+
+
+def encoder_norm(module: Any) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The mean and std image encoder ``module`` normalises its pixels with: a Hugging Face
+    CLIP or SigLIP tower's image processor's (``preprocessor_config.json``'s
+    ``image_mean`` and ``image_std``), else its family's (CLIP's, SigLIP's 0.5); 0.5 for
+    dtdsl's own ViT (pixels to ``[-1, 1]``)."""
+    arch = module.arch
+    hf = getattr(module, "hf", None)
+    if hf is None or hf.family not in ("clip", "siglip") or not getattr(arch, "image_size",
+                                                                        None):
+        return HALF, HALF
+    mean, std = (CLIP_MEAN, CLIP_STD) if hf.family == "clip" else (HALF, HALF)
+    file = Path(hf.path) / "preprocessor_config.json"
+    try:
+        config = json.loads(file.read_text()) if file.is_file() else {}
+    except (OSError, ValueError, RecursionError):
+        config = {}
+    if not isinstance(config, dict):
+        return mean, std
+    return tuple(config.get("image_mean", mean)), tuple(config.get("image_std", std))
+
+
+def pixel_norm(program: Any) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The mean and std the spec's image encoder normalises its pixels with
+    (``encoder_norm``; 0.5 and 0.5 without one)."""
+    image = next((m for m in program.encoders if m.modality == "image"), None)
+    return (HALF, HALF) if image is None else encoder_norm(image)

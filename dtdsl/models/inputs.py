@@ -12,10 +12,8 @@ into one ``[tokens_i, D]`` tensor per sample (its images' tokens in order).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,14 +22,9 @@ from dtdsl.ir import program as ir
 from dtdsl.ir.modal import InputRule
 from dtdsl.models.transformer import Encoder
 
-__all__ = ["CLIP_MEAN", "CLIP_STD", "HALF", "GenTargets", "PackedImages", "Pixels", "Sample",
-           "encoder_norm", "image_encoder", "pack_images", "pack_items", "pixel_norm",
+__all__ = ["GenTargets", "PackedImages", "Pixels", "Sample",
+           "image_encoder", "pack_images", "pack_items",
            "unpack_images"]
-
-CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
-HALF = (0.5, 0.5, 0.5)
-
 
 @dataclass(frozen=True, eq=False)
 class GenTargets:
@@ -202,31 +195,3 @@ class Pixels:
             raise ValueError(f"uint8 images of shape {tuple(images.shape)}: expected 3 "
                              "colour channels before height and width")
         return images.to(torch.float32).div_(255.0).sub_(self.mean).div_(self.std)
-
-
-def encoder_norm(module: Any) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """The mean and std image encoder ``module`` normalises its pixels with: a Hugging Face
-    CLIP or SigLIP tower's image processor's (``preprocessor_config.json``'s
-    ``image_mean`` and ``image_std``), else its family's (CLIP's, SigLIP's 0.5); 0.5 for
-    dtdsl's own ViT (pixels to ``[-1, 1]``)."""
-    arch = module.arch
-    hf = getattr(module, "hf", None)
-    if hf is None or hf.family not in ("clip", "siglip") or not getattr(arch, "image_size",
-                                                                        None):
-        return HALF, HALF
-    mean, std = (CLIP_MEAN, CLIP_STD) if hf.family == "clip" else (HALF, HALF)
-    file = Path(hf.path) / "preprocessor_config.json"
-    try:
-        config = json.loads(file.read_text()) if file.is_file() else {}
-    except (OSError, ValueError, RecursionError):
-        config = {}
-    if not isinstance(config, dict):
-        return mean, std
-    return tuple(config.get("image_mean", mean)), tuple(config.get("image_std", std))
-
-
-def pixel_norm(program: Any) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """The mean and std the spec's image encoder normalises its pixels with
-    (``encoder_norm``; 0.5 and 0.5 without one)."""
-    image = next((m for m in program.encoders if m.modality == "image"), None)
-    return (HALF, HALF) if image is None else encoder_norm(image)

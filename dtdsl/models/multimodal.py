@@ -62,7 +62,7 @@ from torch import nn
 from dtdsl.cost.flops import lm_loss_chunk_rows
 from dtdsl.ir import program as ir
 from dtdsl.ir.layout import SequenceLayout, Tokens, layout_of
-from dtdsl.ir.modal import EncoderInputs, encoder_inputs
+from dtdsl.ir.modal import EncoderInputs, encoder_inputs, pixel_norm
 from dtdsl.ir.program import COND_TOKENS
 from dtdsl.ir.sizes import SampleSizes
 from dtdsl.models import build_module, build_projector, tie_weights
@@ -76,7 +76,6 @@ from dtdsl.models.inputs import (
     image_encoder,
     pack_images,
     pack_items,
-    pixel_norm,
     unpack_images,
 )
 from dtdsl.models.transformer import (

@@ -64,11 +64,12 @@ import torch.distributed as dist
 from dtdsl.data.batch import BatchSource, LocalBatches, StepBatch
 from dtdsl.ir import program as ir
 from dtdsl.ir.layout import SequenceLayout, layout_of
+from dtdsl.ir.modal import pixel_norm
 from dtdsl.ir.plan import Plan
 from dtdsl.ir.schedule import Action, ActionKind, Schedule
 from dtdsl.ir.sizes import SampleSizes
 from dtdsl.ir.timeline import Event
-from dtdsl.models.inputs import PackedImages, Pixels, Sample, pixel_norm, unpack_images
+from dtdsl.models.inputs import PackedImages, Pixels, Sample, unpack_images
 from dtdsl.models.moe import moe_blocks, set_loss_scale, take_aux_losses
 from dtdsl.models.multimodal import (
     Normalizer,

@@ -132,7 +132,6 @@ def check_resume(job: Any, run_dir: str | Path) -> list[str]:
         read_manifest,
         same_spec,
     )
-    from dtdsl.train.dcp_safe import UnsafeMetadata, read_metadata
 
     done = complete_checkpoints(run_dir)
     damaged = damaged_checkpoints(run_dir)
@@ -143,6 +142,10 @@ def check_resume(job: Any, run_dir: str | Path) -> list[str]:
                 f"{checkpoint_root(run_dir)} to {then}"]
     if not done:
         return []
+    # Imported here: DCP's metadata classes import torch, which a first run's check needs
+    # nowhere else.
+    from dtdsl.train.dcp_safe import UnsafeMetadata, read_metadata
+
     path = done[-1][1]
     try:
         manifest = read_manifest(path)

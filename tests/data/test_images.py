@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from dtdsl.data.images import ImagePolicy, normalize
-from dtdsl.models.inputs import CLIP_MEAN
+from dtdsl.ir.modal import CLIP_MEAN
 
 
 def _tower(family: str, image_size: int, path, patch: int = 8):

@@ -28,7 +28,7 @@ from dtdsl.data.video import (
     patchify,
     sample_indices,
 )
-from dtdsl.models.inputs import CLIP_MEAN, CLIP_STD
+from dtdsl.ir.modal import CLIP_MEAN, CLIP_STD
 from tests.helpers.media import (
     BASE,
     CYCLE,

@@ -277,14 +277,14 @@ def test_images_travel_as_uint8_pixels_and_are_normalised_where_they_are_packed(
     group on the encoder's device to the bit of the float32 images the trainers used to
     make on the feed's thread (``normalize``)."""
     from dtdsl.data.images import normalize
-    from dtdsl.feed.source import image_norm
+    from dtdsl.ir.modal import pixel_norm
     from dtdsl.models.inputs import Pixels, pack_images
 
     ctx = FeedContext(bundle)
     units = [u.name for u in ctx.plan.units]
     generators = [g.name for g in ctx.program.generators]
     source = DatasetSource(ctx.program, ctx.source.path)
-    mean, std = image_norm(ctx.program)
+    mean, std = pixel_norm(ctx.program)
     patch = next(m for m in ctx.program.encoders).arch.patch
     checked = 0
     for rank, (meta, arrays) in enumerate(build_messages(ctx, 0)):

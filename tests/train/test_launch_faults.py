@@ -190,6 +190,18 @@ def _fake_checkpoint(run_dir: Path, step: int, spec_sha256: str,
     return path
 
 
+def test_a_first_runs_preflight_passes_without_importing_torch(tmp_path, tiny_run):
+    # launch.sh runs it on every node before torchrun: a first run's checks (data, key,
+    # no checkpoint) read files only, so it starts in a fraction of torch's import time.
+    code = ("import sys\n"
+            "from dtdsl.train.preflight import main\n"
+            f"rc = main([{str(tiny_run.bundle)!r}, '--run-dir', {str(tmp_path / 'run')!r}])\n"
+            "print(rc, 'torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.split() == ["0", "False"], out.stdout + out.stderr
+
+
 def test_preflight_refuses_a_loose_key_and_a_checkpoint_of_another_spec(tmp_path, tiny_run):
     from dtdsl.train.launch import _check_resumable
     from dtdsl.train.preflight import check_key, check_resume
