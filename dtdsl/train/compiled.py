@@ -226,10 +226,25 @@ def _logged(name: str, compiled: Callable[..., Any], marks: Marks, rank: int,
     return call
 
 
+def _cacheable_attention() -> None:
+    """Let AOTAutograd's cache keep graphs with attention: dynamo writes
+    ``dense_attention``'s ``sdpa_kernel`` into the graph as calls of
+    ``torch.nn.attention``'s ``_backend_from_string`` (a name to an enum) and
+    ``_sdpa_kernel`` (sets the backends, as the context does), functions of torch the cache
+    does not know, so it bypassed every such graph: each rank and each restart traced and
+    partitioned it anew. Keyed by torch's version, as they are torch's."""
+    from torch._inductor import config
+
+    for name in ("_backend_from_string", "_sdpa_kernel"):
+        config.unsafe_marked_cacheable_functions.setdefault(f"torch.nn.attention.{name}",
+                                                            torch.__version__)
+
+
 def apply_compile(stage: nn.Module, *, rank: int = 0) -> CompiledBlocks:
     """Compile every block of ``stage`` (a ``StageModule``) in place (module docstring):
     after tensor parallelism and activation checkpointing, before ``fully_shard``."""
     out = CompiledBlocks()
+    _cacheable_attention()
     kinds: dict[Any, set[tuple[Any, ...]]] = {}
     for name, block, marks in list(compile_blocks(stage)):
         code = type(block).forward.__code__

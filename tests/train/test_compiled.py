@@ -75,11 +75,16 @@ def _losses(rank: int, world: int, program: ir.Program, plan: Plan, steps: int,
     results = [ex.run_step(s) for s in range(steps)]
     compiled = ex.stage.compiled
     if rank == 0:
+        from torch._dynamo.utils import counters
+
+        aot = counters["aot_autograd"]
         with open(out["file"], "w") as f:
             f.write(repr({"losses": [r["loss"] for r in results],
                           "blocks": compiled.blocks if compiled else None,
                           "graphs": compiled.graphs if compiled else None,
-                          "lengths": sorted(lengths)}))
+                          "lengths": sorted(lengths),
+                          "aot_cache": {k: aot[f"autograd_cache_{k}"]
+                                        for k in ("bypass", "miss", "hit")}}))
 
 
 def _run(program: ir.Program, plan: Plan, steps: int, tmp_path, tag: str) -> dict:
@@ -103,6 +108,10 @@ def _compare(tmp_path, tp: int, recompute: bool = False) -> None:
     # kind of layer: the first compile is already dynamic in the length, so one graph.
     assert len(got["lengths"]) >= 10, got["lengths"]
     assert got["graphs"] == 1, got["graphs"]
+    # AOTAutograd's cache keeps the layer's graph, attention's sdpa_kernel in it
+    # (``compiled._cacheable_attention``): a restart or another rank reads it back.
+    cache = got["aot_cache"]
+    assert cache["bypass"] == 0 and cache["miss"] + cache["hit"] >= 1, cache
 
 
 def test_compiled_stage_trains_as_eager(tmp_path):
