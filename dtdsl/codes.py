@@ -658,6 +658,16 @@ Whole replicas (N = 1) leave no room for EP: give N a multiple of ep.
     constraints { dp(llm) == 3 }    # error at compile: 2 does not divide 3
     constraints { ep(llm) == 4 }    # error at compile: 4 does not divide 2
 """),
+    "DT637": Code("Local SGD penalty warm-up negative or without the penalty", """
+`local_sgd(penalty=true, penalty_warmup=N)` lets the pseudo-gradient penalty's
+z-test drop replicas from the N-th synchronisation on (counted from 0; the
+synchronisations before it only feed the test's moving mean and variance). N
+must be a whole number of at least 0, and it means nothing without
+`penalty=true`.
+
+    train { sync = local_sgd(period=4, penalty=true, penalty_warmup=-1) }  # error: 0 or more
+    train { sync = local_sgd(period=4, penalty_warmup=2) }   # error: add penalty=true
+"""),
     "DT640": Code("Mixture-of-experts arguments without experts, or off the backbone", """
 `experts=E` makes a backbone's MLPs mixtures of E experts; `top_k`,
 `expert_ffn`, `shared_experts`, `capacity`, `moe_every`, `aux_loss` and
@@ -776,6 +786,7 @@ DT633: Final = "DT633"
 DT634: Final = "DT634"
 DT635: Final = "DT635"
 DT636: Final = "DT636"
+DT637: Final = "DT637"
 DT640: Final = "DT640"
 DT641: Final = "DT641"
 DT642: Final = "DT642"

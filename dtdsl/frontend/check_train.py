@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dtdsl.codes import DT204, DT205, DT208, DT307, DT501, DT633
+from dtdsl.codes import DT204, DT205, DT208, DT307, DT501, DT633, DT637
 from dtdsl.diagnostics import did_you_mean
 from dtdsl.frontend import ast
 from dtdsl.frontend.schema import (
@@ -156,7 +156,8 @@ class TrainChecks:
 
     def _sync(self, call: ast.Call | None | Any) -> Any:
         """``sync = allreduce`` (the default) or ``sync = local_sgd(period=H | interval=T,
-        outer_lr=..., outer_momentum=..., penalty=..., replica_dp=...)``."""
+        outer_lr=..., outer_momentum=..., penalty=..., penalty_warmup=...,
+        replica_dp=...)``."""
         ctx = self.ctx
         if call is None:
             return ir.Sync()
@@ -183,12 +184,18 @@ class TrainChecks:
                        f"interval={args['interval']:g} s syncs when that much time has "
                        "passed (A-EDiT)"],
                 hint="remove one of them"))
+        if args["penalty"] is False and "penalty_warmup" in {a.name for a in call.args}:
+            checked.append(ctx.error(
+                DT637, f"local_sgd penalty_warmup={args['penalty_warmup']} without "
+                "penalty=true: the penalty is off, so its warm-up would be ignored",
+                call.arg_span("penalty_warmup"),
+                hint="write penalty=true, or remove penalty_warmup"))
         if not _ok(*args.values(), *checked):
             return INVALID
         return ir.Sync(kind="local_sgd", period=args["period"] or 1,
                        interval_s=args["interval"], outer_lr=args["outer_lr"],
                        outer_momentum=args["outer_momentum"], penalty=args["penalty"],
-                       replica_dp=args["replica_dp"])
+                       penalty_warmup=args["penalty_warmup"], replica_dp=args["replica_dp"])
 
     def _sync_bound(self, call: ast.Call, args: dict[str, Any], name: str, code: str,
                     ok: Any, need: str, hint: str) -> Any:

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dtdsl.codes import DT630, DT631, DT632, DT634, DT635, DT636
+from dtdsl.codes import DT630, DT631, DT632, DT634, DT635, DT636, DT637
 from dtdsl.frontend import ast
 from dtdsl.frontend import moe as _moe
 from dtdsl.frontend.schema import (
@@ -272,6 +272,7 @@ _SYNC_ARGS = (
     Param("outer_lr", FloatKind(), default=1.0),
     Param("outer_momentum", FloatKind(), default=0.0),
     Param("penalty", BoolKind(), default=False),
+    Param("penalty_warmup", IntKind(), default=ir.PENALTY_WARMUP),
     Param("replica_dp", IntKind(), default=1),
 )
 # (argument, code, test, what it must be, what to write instead) of local_sgd's bounds.
@@ -284,6 +285,9 @@ _SYNC_RULES = (
      "write outer_momentum=0 for none, or e.g. 0.9 (DiLoCo's Nesterov momentum)"),
     ("interval", DT634, lambda v: math.isfinite(v) and v > 0, "s must be above 0",
      "write a positive duration such as interval=30 s"),
+    ("penalty_warmup", DT637, lambda v: v >= 0, "must be at least 0 synchronisations",
+     f"write penalty_warmup=0 (the z-test from the first synchronisation) or more "
+     f"({ir.PENALTY_WARMUP} by default)"),
     ("replica_dp", DT636, lambda v: v >= 1, "must be at least 1 rank",
      "write replica_dp=1 (every DP rank a replica) or the DP ranks one replica shards over"),
 )

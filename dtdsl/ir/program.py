@@ -24,7 +24,7 @@ __all__ = [
     "Program", "Projector", "Quantity", "Recompute", "RecomputeMode", "Resampler", "RoPE",
     "Sync", "Train",
     "TransformerArch", "UNetArch", "Uniform", "Zipf", "Data", "COND_TOKENS", "LR_SCHEDULES",
-    "MODALITIES", "QUANTITIES", "ROLES", "SCHEDULES",
+    "MODALITIES", "PENALTY_WARMUP", "QUANTITIES", "ROLES", "SCHEDULES",
 ]
 
 ROLES = ("encoder", "backbone", "generator")
@@ -36,6 +36,9 @@ LR_SCHEDULES = ("constant", "linear", "cosine")
 # Diffusion U-Net cross-attends to. The runtime (models.multimodal) takes them and the
 # cost model (cost.profile, cost.model, cost.graph) prices them: one value for both.
 COND_TOKENS = 77
+# Local SGD's synchronisations before the pseudo-gradient penalty's z-test applies: the
+# language's default (local_sgd(penalty_warmup=...)) and train.local_sgd's.
+PENALTY_WARMUP = 10
 # What a sample carries, per modality. `count`: items encoded by the modality's
 # encoder; `gen_count`: items its generator learns to produce; `patches`: tokens
 # per image (per frame for video); `frames`: tokens per audio clip, frames per video.
@@ -689,7 +692,8 @@ class Sync(IRModel):
     steps on its own samples, and every ``period`` steps (or, A-EDiT, every ``interval_s``
     seconds) the replicas average their pseudo-gradients and take a DiLoCo outer step
     (``outer_lr``, Nesterov ``outer_momentum``), with EDiT's pseudo-gradient penalty when
-    ``penalty``. ``replica_dp``: DP ranks per replica (EDiT's model sharding group: FSDP
+    ``penalty`` (its z-test from the ``penalty_warmup``-th synchronisation on, counted
+    from 0). ``replica_dp``: DP ranks per replica (EDiT's model sharding group: FSDP
     shards the replica's parameters over them; 1: every DP rank is a whole replica)."""
 
     kind: Literal["allreduce", "local_sgd"] = "allreduce"
@@ -698,6 +702,7 @@ class Sync(IRModel):
     outer_lr: float = 1.0
     outer_momentum: float = 0.0
     penalty: bool = False
+    penalty_warmup: int = PENALTY_WARMUP
     replica_dp: int = 1
 
     @property

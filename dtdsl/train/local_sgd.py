@@ -46,10 +46,11 @@ their norms, so that every worker contributes equally to the update direction";
           var = (1 - alpha) * (var + alpha * delta^2);  the first value sets mu = G, var = 0
 
 The warm-up: the z-test applies from the ``warmup_syncs``-th synchronisation on (counted
-from 0, rolled-back ones included). The paper's own formula text was not available to
-this project (only the summary above); the 1/G weighting and the exponentially weighted
-variance are this module's reading of it and are written down here so that
-:func:`reference_local_sgd` and the distributed code share one definition.
+from 0, rolled-back ones included), set by the spec's ``local_sgd(penalty_warmup=N)``
+(default ``ir.program.PENALTY_WARMUP``, 10). The paper's own formula text was not
+available to this project (only the summary above); the 1/G weighting and the
+exponentially weighted variance are this module's reading of it and are written down
+here so that :func:`reference_local_sgd` and the distributed code share one definition.
 
 **Layer-wise synchronisation.** EDiT synchronises layer by layer in the forward, overlapping
 the replica all-reduce of layer ``l`` with the compute of layer ``l-1``. ``begin_sync``
@@ -79,6 +80,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from dtdsl.ir.program import PENALTY_WARMUP
+
 __all__ = ["CORRUPT_ENV", "Corruption", "LocalSGD", "LocalSGDConfig", "NormStats",
            "ReferenceLocalSGD", "ReplicaScaled", "StageSync", "config_of", "corruption",
            "penalty_weights", "reference_local_sgd"]
@@ -97,7 +100,7 @@ class LocalSGDConfig:
     penalty: bool = False
     z_threshold: float = 3.0
     ema_alpha: float = 0.02
-    warmup_syncs: int = 10
+    warmup_syncs: int = PENALTY_WARMUP
     clip_norm: float | None = 1.0
 
     def __post_init__(self) -> None:
@@ -455,7 +458,7 @@ def config_of(sync: object) -> LocalSGDConfig:
     """The ``LocalSGDConfig`` of a program's ``train.sync`` (``ir.Sync``, local_sgd)."""
     return LocalSGDConfig(period=sync.period, interval=sync.interval_s,
                           outer_lr=sync.outer_lr, outer_momentum=sync.outer_momentum,
-                          penalty=sync.penalty)
+                          penalty=sync.penalty, warmup_syncs=sync.penalty_warmup)
 
 
 @torch.no_grad()

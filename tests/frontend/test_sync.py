@@ -1,12 +1,13 @@
 """``train { sync = ... }``: synchronous DP by default, EDiT's Local SGD when asked, and
-the diagnostics of its bad values (DT630-DT634)."""
+the diagnostics of its bad values (DT630-DT634, DT636, DT637)."""
 
 from __future__ import annotations
 
 import pytest
 
 from dtdsl.driver import run_frontend
-from dtdsl.ir.program import Program, Sync, Train
+from dtdsl.frontend.fmt import format_spec
+from dtdsl.ir.program import PENALTY_WARMUP, Program, Sync, Train
 from tests.helpers.checks import BASE
 
 TRAIN = "train { global_batch = 32  micro_batch = 2  seq_len = 512 }"
@@ -47,6 +48,34 @@ def test_local_sgd_values():
                                                                                 False)
     assert _program("local_sgd(interval=500 ms)").train.sync.interval_s == 0.5
     assert _program("local_sgd(interval=30)").train.sync.interval_s == 30.0
+
+
+def test_penalty_warmup_values():
+    s = _program("local_sgd(period=1, penalty=true, penalty_warmup=2)").train.sync
+    assert (s.penalty, s.penalty_warmup) == (True, 2)
+    assert _program("local_sgd(penalty=true, penalty_warmup=0)").train.sync.penalty_warmup == 0
+    assert _program("local_sgd(penalty=true)").train.sync.penalty_warmup == PENALTY_WARMUP
+
+
+def test_penalty_warmup_is_refused_negative_or_without_the_penalty():
+    negative = [d for d in _result("local_sgd(penalty=true, penalty_warmup=-1)").diagnostics
+                if d.severity.value == "error"]
+    assert [d.code for d in negative] == ["DT637"]
+    assert "penalty_warmup -1" in negative[0].message and "penalty_warmup=0" in negative[0].hint
+    for sync in ("local_sgd(penalty_warmup=2)", "local_sgd(penalty=false, penalty_warmup=2)"):
+        off = [d for d in _result(sync).diagnostics if d.severity.value == "error"]
+        assert [d.code for d in off] == ["DT637"], sync
+        assert "penalty_warmup=2 without penalty=true" in off[0].message
+        assert off[0].hint == "write penalty=true, or remove penalty_warmup"
+
+
+def test_fmt_keeps_penalty_warmup():
+    result = _result("local_sgd(period=1, penalty=true, penalty_warmup=2)")
+    once = format_spec(result.spec)
+    assert "penalty_warmup=2" in once.replace(" ", "")
+    again = run_frontend("t.dt", once.encode())
+    assert again.ok and again.program.train.sync == result.program.train.sync
+    assert format_spec(again.spec) == once
 
 
 def test_local_sgd_lays_the_mesh_out_as_whole_replicas():
@@ -97,6 +126,9 @@ def test_the_cost_model_prices_replicas_of_several_ranks():
     ("local_sgd(period=4, interval=30 s)", "DT633"),
     ("local_sgd(interval=0 s)", "DT634"),
     ("local_sgd(replica_dp=0)", "DT636"),
+    ("local_sgd(penalty=true, penalty_warmup=-3)", "DT637"),
+    ("local_sgd(penalty_warmup=2)", "DT637"),
+    ("local_sgd(penalty=true, penalty_warmup=1.5)", "DT206"),
     ("local_sgd(replica_dp=1.5)", "DT206"),
     ("local_sgd(period=2.5)", "DT206"),
     ("local_sgd(interval=3 GiB)", "DT207"),

@@ -10,7 +10,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dtdsl.train.local_sgd import LocalSGD, LocalSGDConfig, ReferenceLocalSGD, reference_local_sgd
+from dtdsl.ir import program as ir
+from dtdsl.train.local_sgd import (
+    LocalSGD,
+    LocalSGDConfig,
+    ReferenceLocalSGD,
+    config_of,
+    reference_local_sgd,
+)
 from tests.dist import run
 
 STEPS = 9
@@ -347,3 +354,13 @@ def test_bad_settings_are_refused():
         LocalSGDConfig(interval=-1)
     with pytest.raises(ValueError, match="clip_norm 0"):
         LocalSGDConfig(clip_norm=0)
+
+
+def test_a_programs_sync_is_its_config():
+    sync = ir.Sync(kind="local_sgd", period=3, outer_lr=0.7, outer_momentum=0.9,
+                   penalty=True, penalty_warmup=2)
+    assert config_of(sync) == LocalSGDConfig(period=3, outer_lr=0.7, outer_momentum=0.9,
+                                             penalty=True, warmup_syncs=2)
+    # Unset, the program's warm-up is the runtime's default.
+    assert config_of(ir.Sync(kind="local_sgd", penalty=True)).warmup_syncs == \
+        LocalSGDConfig().warmup_syncs == ir.PENALTY_WARMUP

@@ -108,10 +108,12 @@ def test_period_one_plain_average_and_sgd_is_synchronous_dp():
 
 
 def test_the_penalty_drops_a_corrupted_replica(monkeypatch):
-    program = local(spec(4), period=1, penalty=True)
+    # The z-test applies from sync 2 (step 2 at period 1); replica 1 is corrupted at the
+    # last step, 3, which drops it.
+    program = local(spec(4), period=1, penalty=True, penalty_warmup=2)
     plan = dp2(program)
-    monkeypatch.setenv(CORRUPT_ENV, "replica=1,scale=30,from_step=11")
-    ranks, _ = distributed(program, plan, 12)
+    monkeypatch.setenv(CORRUPT_ENV, "replica=1,scale=30,from_step=3")
+    ranks, _ = distributed(program, plan, 4)
     llm = [r for r in ranks if r["weights"]]
     assert llm and all(r["weights"] == [[1.0, 0.0]] for r in llm)
 
@@ -137,15 +139,16 @@ def test_resume_mid_period_equals_an_uninterrupted_run(tmp_path):
 @pytest.mark.slow
 def test_a_bundle_run_drops_the_corrupted_replica(tmp_path):
     """A compiled bundle launched with launch.sh: the tiny spec with its backbone (and the
-    units the plan co-locates with it) at DP 2, the penalty on; the test hook corrupts
-    replica 1 from step 10, the first synchronisation after the z-test's warm-up of 10
-    (steps 0..9 at period 1): 11 steps, the last the one it drops."""
+    units the plan co-locates with it) at DP 2, the penalty on with a warm-up of 2; the
+    test hook corrupts replica 1 from step 2, the first synchronisation the z-test applies
+    to (steps 0 and 1 at period 1 feed it): 3 steps, the last the one it drops."""
     from dtdsl import cli
     from tests.helpers.bundle import SPEC, launch_ok, read_jsonl
 
     text = SPEC.read_text()
     for old, new in (("global_batch     = 16", "global_batch     = 4"),
-                     ("  seed ", "  sync             = local_sgd(period=1, penalty=true)\n"
+                     ("  seed ", "  sync             = local_sgd(period=1, penalty=true, "
+                      "penalty_warmup=2)\n"
                       "  seed "),
                      ("  tp(*) in {1, 2}", "  tp(*) in {1, 2}\n  dp(llm) == 2")):
         assert old in text
@@ -158,14 +161,14 @@ def test_a_bundle_run_drops_the_corrupted_replica(tmp_path):
     assert cli.main(["compile", str(spec), "-o", str(bundle), "--synthetic",
                      "--workers", "0"]) == 0
     run_dir = tmp_path / "run"
-    proc = launch_ok(bundle, run_dir, "--steps", "11",
-                     env={CORRUPT_ENV: "replica=1,scale=30,from_step=10"})
+    proc = launch_ok(bundle, run_dir, "--steps", "3",
+                     env={CORRUPT_ENV: "replica=1,scale=30,from_step=2"})
     said = [line for line in (proc.stdout + proc.stderr).splitlines()
             if line.startswith("local_sgd:")]
-    assert said == ["local_sgd: llm.s0 step 10: dropped replica(s) [1] (pseudo-gradient "
+    assert said == ["local_sgd: llm.s0 step 2: dropped replica(s) [1] (pseudo-gradient "
                     "norm anomalous)"], proc.stdout[-3000:]
     metrics = read_jsonl(run_dir / "metrics.jsonl")
-    assert len(metrics) == 11 and all(m["dp_sync_bytes"] > 0 for m in metrics)
+    assert len(metrics) == 3 and all(m["dp_sync_bytes"] > 0 for m in metrics)
 
 
 def test_dtc_reference_follows_the_plan(tmp_path):
