@@ -312,12 +312,46 @@ def _rng_tensor(text: str) -> Any:
     return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
 
 
-def _cpu_copy(state: Any) -> Any:
-    """A copy of a state dict with every tensor (DTensors: their local shards) in CPU
-    memory, as ``dcp.async_save`` stages it."""
-    from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+def _layout(state: Any) -> Any:
+    """What a staged copy of ``state`` must match to be reused: its nesting, keys and each
+    tensor's (local) shape, dtype and, for a DTensor, placements."""
+    import torch
+    from torch.distributed.tensor import DTensor
 
-    return _copy_state_dict(state, _create_cpu_state_dict(state))
+    if isinstance(state, dict):
+        return tuple((k, _layout(v)) for k, v in state.items())
+    if isinstance(state, (list, tuple)):
+        return (type(state).__name__, *(_layout(v) for v in state))
+    if isinstance(state, DTensor):
+        return ("dtensor", tuple(state._local_tensor.shape), state.dtype, state.placements)
+    if isinstance(state, torch.Tensor):
+        return ("tensor", tuple(state.shape), state.dtype)
+    return type(state).__name__
+
+
+class _Staging:
+    """The CPU copy of a state dict that a ``thread``-mode save writes while training
+    goes on (DTensors: their local shards), in buffers kept from save to save, pinned
+    where the tensors are on CUDA (a fast device-to-host copy), as DCP's ``DefaultStager``
+    caches its staged state dict: one copy into them per save, not an allocation of the
+    whole state (and, for a DTensor, a deep copy of it first)."""
+
+    def __init__(self, pin: bool) -> None:
+        self._pin = pin
+        self._buffers: Any = None
+        self._layout: Any = None
+
+    def copy(self, state: Any) -> Any:
+        from torch.distributed._state_dict_utils import (
+            _copy_state_dict,
+            _create_cpu_state_dict,
+        )
+
+        layout = _layout(state)
+        if layout != self._layout:
+            self._buffers = _create_cpu_state_dict(state, pin_memory=self._pin)
+            self._layout = layout
+        return _copy_state_dict(state, self._buffers)
 
 
 def _lower_priority(nice: int) -> None:
@@ -554,6 +588,8 @@ class Checkpointer:
         self._pending: Future | None = None
         self._thread: threading.Thread | None = None     # the save in flight's (thread)
         self._exchange: _Exchange | None = None           # and its exchange
+        # thread mode: the CPU copy a save writes (pinned for a CUDA rank's tensors)
+        self._staging = _Staging(pin=ex.device.type == "cuda")
         self.saved: list[int] = []          # steps committed (every rank: rank 0's commit)
         self.loaded: int | None = None      # the checkpoint ``resume`` loaded, if any
 
@@ -600,7 +636,7 @@ class Checkpointer:
             return time.perf_counter() - start
         # The CPU copy here (training changes the tensors next), the rest in a thread of
         # our own at a lower CPU priority: it issues no collective (module docstring).
-        staged = _cpu_copy(state)
+        staged = self._staging.copy(state)
         done: Future = Future()
 
         def write() -> None:

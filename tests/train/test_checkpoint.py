@@ -395,7 +395,7 @@ def _late_commit(rank: int, world: int, program: ir.Program, plan: Plan,
     ex = StageExecutor(program, plan, lower(plan, program), rank=rank,
                        groups=build_groups(plan))
     ck = Checkpointer(ex, run_dir, mode="thread", log=lambda _: None)
-    copy, commit = checkpoint._cpu_copy, checkpoint._commit
+    copy, commit = checkpoint._Staging.copy, checkpoint._commit
 
     def late(tmp: Path, manifest: Manifest, *args: Any) -> Path:
         if manifest.step == 2:
@@ -407,7 +407,8 @@ def _late_commit(rank: int, world: int, program: ir.Program, plan: Plan,
         return [t.name for t in threading.enumerate() if t.name == "dtdsl-checkpoint"]
 
     with mock.patch.object(checkpoint, "_commit", late), \
-            mock.patch.object(checkpoint, "_cpu_copy", lambda s: _SlowToFree(copy(s))):
+            mock.patch.object(checkpoint._Staging, "copy",
+                              lambda self, s: _SlowToFree(copy(self, s))):
         ck.save(1)
         ck.wait()
         # Every rank's wait returns once rank 0 has committed, and once the saving thread
@@ -474,3 +475,31 @@ def test_a_failed_background_save_stops_the_run_at_once():
     with pytest.raises(CheckpointError, match="background checkpoint save failed.*No space"):
         ck.poll()
     ck.poll()                                  # said once
+
+
+def test_a_thread_saves_staged_copy_reuses_its_buffers_while_the_state_keeps_its_layout():
+    import torch
+
+    from dtdsl.train.checkpoint import _Staging
+
+    staging = _Staging(pin=False)
+    state = {"model": {"w": torch.arange(6.0).view(2, 3)},
+             "optim": {"state": {"w": {"step": torch.tensor(1.0), "exp_avg": torch.ones(2, 3)}},
+                       "param_groups": [{"lr": 0.1, "params": ["w"]}]}}
+    first = staging.copy(state)
+    assert torch.equal(first["model"]["w"], state["model"]["w"])
+    assert first["model"]["w"].data_ptr() != state["model"]["w"].data_ptr()
+    buffer = first["model"]["w"].data_ptr()
+    # The next save's values in the same buffers, the plain values the state's own.
+    state["model"]["w"].mul_(-1)
+    state["optim"]["param_groups"][0]["lr"] = 0.05
+    second = staging.copy(state)
+    assert second["model"]["w"].data_ptr() == buffer
+    assert torch.equal(second["model"]["w"], -torch.arange(6.0).view(2, 3))
+    assert second["optim"]["param_groups"][0]["lr"] == 0.05
+    # Another layout (a tensor reshaped, an entry added): buffers of its own.
+    state["model"]["w"] = torch.zeros(3, 2)
+    state["model"]["b"] = torch.ones(2)
+    third = staging.copy(state)
+    assert set(third["model"]) == {"w", "b"} and third["model"]["w"].shape == (3, 2)
+    assert third["model"]["w"].data_ptr() != buffer
