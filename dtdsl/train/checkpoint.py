@@ -74,10 +74,11 @@ the global metadata anyway). ``resume`` (rank 0's choice of step, broadcast) and
 ``dcp.load`` run on the training thread over the default group.
 
 **Saving modes** (``Checkpointer``): ``sync`` saves and commits on the training thread;
-``thread`` copies the rank's shards to CPU memory (DCP's staging) on the training thread,
-then a background thread saves that copy and (rank 0) commits, at a lower CPU priority
-than the training (nice +10 for the thread, Linux). This is what ``dcp.async_save``'s
-thread mode does, with the commit in the same thread. At most one save is in flight: the
+``thread`` copies the rank's shards to CPU memory (DCP's staging, into buffers kept from
+save to save, pinned on CUDA: ``_Staging``) on the training thread, then a background
+thread saves that copy and (rank 0) commits, at a lower CPU priority than the training
+(nice +10 for the thread, Linux). This is what ``dcp.async_save``'s thread mode does,
+with the commit in the same thread. At most one save is in flight: the
 next save, and ``wait``/``close``/``resume``, first wait for it: for rank 0's commit, and
 for its thread to end (joined, not only its result: a daemon thread still freeing the
 staged copy when the interpreter exits is killed inside torch's tensor deallocation,
