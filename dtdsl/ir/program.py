@@ -18,26 +18,23 @@ from dtdsl.ir.recompute import Recompute, RecomputeMode
 from dtdsl.source import Span
 
 __all__ = [
-    "Arch", "AvgPool", "Choice", "Cluster", "Compression", "Constant", "DiTArch", "Dist",
-    "Empirical", "Gpu", "HFSource", "ImageTokens", "IntDomain", "LRSchedule", "LogNormal",
-    "MLPArch", "MoEArch", "Module", "ModuleConstraints", "Optimizer", "PixelShuffle",
-    "Program", "Projector", "Quantity", "Recompute", "RecomputeMode", "Resampler", "RoPE",
-    "Sync", "Train",
-    "TransformerArch", "UNetArch", "Uniform", "Zipf", "Data", "COND_TOKENS", "LR_SCHEDULES",
-    "MODALITIES", "PENALTY_WARMUP", "QUANTITIES", "ROLES", "SCHEDULES",
+    "Arch", "AvgPool", "Choice", "Cluster", "Compression", "COND_TOKENS", "Constant", "Data",
+    "Dist", "DiTArch", "Empirical", "Gpu", "HFSource", "ImageTokens", "IntDomain", "LogNormal",
+    "LR_SCHEDULES", "LRSchedule", "MLPArch", "MODALITIES", "Module", "ModuleConstraints",
+    "MoEArch", "Optimizer", "PENALTY_WARMUP", "PixelShuffle", "Program", "Projector",
+    "QUANTITIES", "Quantity", "Recompute", "RecomputeMode", "Resampler", "ROLES", "RoPE",
+    "SCHEDULES", "Sync", "Train", "TransformerArch", "UNetArch", "Uniform", "Zipf",
 ]
 
 ROLES = ("encoder", "backbone", "generator")
 MODALITIES = ("image", "audio", "video")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
 LR_SCHEDULES = ("constant", "linear", "cosine")
-# The backbone states a generator is conditioned on, per document: its last 77 hidden
-# states (all of them when it has fewer), the length of the CLIP text context a Stable
-# Diffusion U-Net cross-attends to. The runtime (models.multimodal) takes them and the
-# cost model (cost.profile, cost.model, cost.graph) prices them: one value for both.
+# The backbone states a generator is conditioned on, per document: its last 77 (all when
+# fewer), the CLIP text context a Stable Diffusion U-Net cross-attends to; the runtime
+# (models.multimodal) and the cost model (cost.profile, cost.model, cost.graph) read it.
 COND_TOKENS = 77
-# Local SGD's synchronisations before the pseudo-gradient penalty's z-test applies: the
-# language's default (local_sgd(penalty_warmup=...)) and train.local_sgd's.
+# Local SGD syncs before its penalty's z-test applies: local_sgd(penalty_warmup=...)'s default.
 PENALTY_WARMUP = 10
 # What a sample carries, per modality. `count`: items encoded by the modality's
 # encoder; `gen_count`: items its generator learns to produce; `patches`: tokens
@@ -661,9 +658,8 @@ class Optimizer(IRModel):
     eps: float = 1e-8
     weight_decay: float = 0.01   # AdamW's usual default, as the checker fills in
     zero: int = 1
-    # The fraction of each rank's optimizer state and update kept on the CPU (train.offload),
-    # or "auto": the planner chooses one (Plan.offload). Defaulted so that Programs written
-    # before the field existed (a bundle's program.json) still read.
+    # The fraction of each rank's optimizer state and update on the CPU (train.offload), or
+    # "auto" (the planner's, Plan.offload); defaulted, so older program.json files read.
     offload: float | Literal["auto"] = 0.0
 
     @field_validator("offload")
@@ -686,15 +682,14 @@ class LRSchedule(IRModel):
 
 
 class Sync(IRModel):
-    """How data-parallel replicas agree (``train { sync = ... }``). ``allreduce``: the
-    gradients are reduced over DP every step (synchronous data parallelism).
-    ``local_sgd``: EDiT's Local SGD (``train.local_sgd``): every DP rank is a replica that
-    steps on its own samples, and every ``period`` steps (or, A-EDiT, every ``interval_s``
-    seconds) the replicas average their pseudo-gradients and take a DiLoCo outer step
-    (``outer_lr``, Nesterov ``outer_momentum``), with EDiT's pseudo-gradient penalty when
-    ``penalty`` (its z-test from the ``penalty_warmup``-th synchronisation on, counted
-    from 0). ``replica_dp``: DP ranks per replica (EDiT's model sharding group: FSDP
-    shards the replica's parameters over them; 1: every DP rank is a whole replica)."""
+    """How data-parallel replicas agree (``train { sync = ... }``). ``allreduce``: gradients
+    reduced over DP every step. ``local_sgd``: EDiT's Local SGD (``train.local_sgd``): every
+    DP rank is a replica stepping on its own samples; every ``period`` steps (A-EDiT: every
+    ``interval_s`` seconds) the replicas average their pseudo-gradients and take a DiLoCo
+    outer step (``outer_lr``, Nesterov ``outer_momentum``), with EDiT's pseudo-gradient
+    penalty when ``penalty`` (its z-test from sync ``penalty_warmup`` on, counted from 0).
+    ``replica_dp``: DP ranks per replica (EDiT's model sharding group: FSDP shards the
+    replica's parameters over them; 1: every DP rank is a whole replica)."""
 
     kind: Literal["allreduce", "local_sgd"] = "allreduce"
     period: int = 1
