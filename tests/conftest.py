@@ -21,11 +21,6 @@ os.environ.setdefault("DTDSL_P2P_CHECK", "1")
 # threads, 1.5 s at one). Set before torch or numpy is imported; a test that wants more
 # threads sets them itself.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# Inductor compiles its C++ kernels in the compiling process, not in a pool of worker
-# processes of its own (one per core by default, each importing torch: on CI's 2 cores
-# beside the suite's other processes they add CPU, not speed; a cold compile of
-# test_compiled's stage took 31 CPU-s with the pool, 27 without).
-os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = sorted((ROOT / "specs").glob("*.dt"))
