@@ -2,20 +2,22 @@
 
     python benchmarks/suite_cpu.py [--workers 2] [--out DIR] [PYTEST PATH ...]
 
-Runs pytest as ``.ci/run`` does (``-n 2 --dist worksteal``, bytecode caches written; the
-whole suite unless paths are given) with two recorders on ``PYTHONPATH``: a pytest plugin
-that writes each test's CPU (its worker's and the children it reaped) and wall time, and a
-``sitecustomize`` that makes every Python process the suite starts (a bundle's trainer
-ranks, preprocessing workers, torchrun's agent, preflight, ``dtc``) write its own CPU when
-it exits. Forked children (``tests.dist``'s ranks, memcheck's replays) leave with
-``os._exit`` and write nothing: theirs is the rest of the process tree's CPU.
+Runs pytest as ``.ci/run`` does on a fresh machine (``-n 2 --dist worksteal``, bytecode
+caches written, inductor's compile caches in a new empty folder unless ``--inductor-cache``
+names one; the whole suite unless paths are given) with two recorders on ``PYTHONPATH``: a
+pytest plugin that writes each test's CPU (its worker's and the children it reaped) and
+wall time, and a ``sitecustomize`` that makes every Python process the suite starts (a
+bundle's trainer ranks, preprocessing workers, torchrun's agent, preflight, ``dtc``) write
+its own CPU when it exits. Forked children (``tests.dist``'s ranks, memcheck's replays)
+leave with ``os._exit`` and write nothing: theirs is the rest of the process tree's CPU.
 
 On a 2-core machine the suite fits in 20 minutes only if it needs at most about 38
-CPU-minutes (2026-11-29: 46.7 in 24.6 minutes, of which 59% in forked ranks, 22% in
-bundle launches' processes, 19% in the pytest workers themselves). Prints the breakdown; writes
-``tests.tsv`` (test, CPU s, wall s, and of the CPU the pytest process's own),
-``processes.tsv`` (kind, CPU s, wall s, argv) and ``summary.json`` to ``--out`` (default: a
-new temporary folder).
+CPU-minutes (2026-11-29, inductor's caches empty as on CI: 48.2 in 25.6 minutes, of which
+65% in forked ranks, 17% in bundle launches' processes, 18% in the pytest workers
+themselves; with the caches of earlier runs the compiled tests take some 200 CPU-s less).
+Prints the breakdown; writes ``tests.tsv`` (test, CPU s, wall s, and of the CPU the pytest
+process's own), ``processes.tsv`` (kind, CPU s, wall s, argv) and ``summary.json`` to
+``--out`` (default: a new temporary folder).
 """
 
 from __future__ import annotations
@@ -147,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", default="2", help="pytest-xdist workers (-n), 0 for none")
     parser.add_argument("--out", type=Path, help="folder for the TSVs and summary.json")
     parser.add_argument("--top", type=int, default=25, help="test files to print")
+    parser.add_argument("--inductor-cache", type=Path,
+                        help="inductor's cache folder to use (default: a new empty one, as "
+                             "on CI's fresh machine)")
     args = parser.parse_args(argv)
     out = args.out or Path(tempfile.mkdtemp(prefix="suite-cpu-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -162,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
                                                           env.get("PYTHONPATH")]))
         env["DTDSL_SUITE_CPU_TESTS"] = str(tests_tsv)
         env["DTDSL_SUITE_CPU_PROCS"] = str(procs_tsv)
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(args.inductor_cache or
+                                             Path(recorders, "inductor-cache"))
         command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                    "-p", "dtdsl_suite_cpu", *args.paths]
         if args.workers != "0":
