@@ -184,7 +184,8 @@ class TrainChecks:
                        f"interval={args['interval']:g} s syncs when that much time has "
                        "passed (A-EDiT)"],
                 hint="remove one of them"))
-        if args["penalty"] is False and "penalty_warmup" in {a.name for a in call.args}:
+        if args["penalty"] is False and _ok(args["penalty_warmup"]) and \
+                "penalty_warmup" in {a.name for a in call.args}:
             checked.append(ctx.error(
                 DT637, f"local_sgd penalty_warmup={args['penalty_warmup']} without "
                 "penalty=true: the penalty is off, so its warm-up would be ignored",

@@ -22,9 +22,9 @@ from dtdsl.ir import program as ir
 from dtdsl.ir.modal import InputRule
 from dtdsl.models.transformer import Encoder
 
-__all__ = ["GenTargets", "PackedImages", "Pixels", "Sample",
-           "image_encoder", "pack_images", "pack_items",
-           "unpack_images"]
+__all__ = ["GenTargets", "PackedImages", "Pixels", "Sample", "image_encoder", "pack_images",
+           "pack_items", "unpack_images"]
+
 
 @dataclass(frozen=True, eq=False)
 class GenTargets:

@@ -232,12 +232,14 @@ def _cacheable_attention() -> None:
     ``torch.nn.attention``'s ``_backend_from_string`` (a name to an enum) and
     ``_sdpa_kernel`` (sets the backends, as the context does), functions of torch the cache
     does not know, so it bypassed every such graph: each rank and each restart traced and
-    partitioned it anew. Keyed by torch's version, as they are torch's."""
+    partitioned it anew. Keyed by torch's version, as they are torch's; named as the cache
+    names a graph's function (a renamed one fails here, not silently)."""
     from torch._inductor import config
+    from torch.nn import attention
 
-    for name in ("_backend_from_string", "_sdpa_kernel"):
-        config.unsafe_marked_cacheable_functions.setdefault(f"torch.nn.attention.{name}",
-                                                            torch.__version__)
+    for fn in (attention._backend_from_string, attention._sdpa_kernel):
+        config.unsafe_marked_cacheable_functions.setdefault(
+            f"{fn.__module__}.{fn.__name__}", torch.__version__)
 
 
 def apply_compile(stage: nn.Module, *, rank: int = 0) -> CompiledBlocks:

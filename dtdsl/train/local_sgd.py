@@ -47,7 +47,7 @@ their norms, so that every worker contributes equally to the update direction";
 
 The warm-up: the z-test applies from the ``warmup_syncs``-th synchronisation on (counted
 from 0, rolled-back ones included), set by the spec's ``local_sgd(penalty_warmup=N)``
-(default ``ir.program.PENALTY_WARMUP``, 10). The paper's own formula text was not
+(default ``ir.program.PENALTY_WARMUP``). The paper's own formula text was not
 available to this project (only the summary above); the 1/G weighting and the
 exponentially weighted variance are this module's reading of it and are written down
 here so that :func:`reference_local_sgd` and the distributed code share one definition.

@@ -67,6 +67,10 @@ def test_penalty_warmup_is_refused_negative_or_without_the_penalty():
         assert [d.code for d in off] == ["DT637"], sync
         assert "penalty_warmup=2 without penalty=true" in off[0].message
         assert off[0].hint == "write penalty=true, or remove penalty_warmup"
+    # A value that is no whole number is that error alone, not also one about the penalty.
+    bad = [d for d in _result("local_sgd(penalty_warmup=2.5)").diagnostics
+           if d.severity.value == "error"]
+    assert [d.code for d in bad] == ["DT206"], [d.message for d in bad]
 
 
 def test_fmt_keeps_penalty_warmup():
