@@ -668,6 +668,21 @@ must be a whole number of at least 0, and it means nothing without
     train { sync = local_sgd(period=4, penalty=true, penalty_warmup=-1) }  # error: 0 or more
     train { sync = local_sgd(period=4, penalty_warmup=2) }   # error: add penalty=true
 """),
+    "DT638": Code("Async TP without compiled blocks", """
+`async_tp = true` runs each TP all-gather before a matmul and each
+reduce-scatter after one in per-rank chunks over symmetric memory, the transfer
+of one chunk behind the matmul of another (torch's micro-pipelined TP). Inductor
+rewrites the compiled blocks' graphs to do it, so it needs them compiled:
+`compile = false` would leave every collective synchronous. It runs on CUDA GPUs
+with NCCL; a bundle launched on CPUs (gloo) stops at its first rank with this
+said. The cost model prices the TP collectives it hides (and so does Megatron-LM
+baselines' `--tp-comm-overlap`), for every unit at TP 2 or more.
+
+    train {
+      async_tp = true
+      compile  = false      # error: remove compile = false
+    }
+"""),
     "DT640": Code("Mixture-of-experts arguments without experts, or off the backbone", """
 `experts=E` makes a backbone's MLPs mixtures of E experts; `top_k`,
 `expert_ffn`, `shared_experts`, `capacity`, `moe_every`, `aux_loss` and
@@ -787,6 +802,7 @@ DT634: Final = "DT634"
 DT635: Final = "DT635"
 DT636: Final = "DT636"
 DT637: Final = "DT637"
+DT638: Final = "DT638"
 DT640: Final = "DT640"
 DT641: Final = "DT641"
 DT642: Final = "DT642"

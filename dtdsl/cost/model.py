@@ -64,6 +64,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from dtdsl.cost import flops
+from dtdsl.cost.comm import async_tp_exposed_s
 from dtdsl.cost.gemm import expert_gemm_slowdown
 from dtdsl.cost.memo import memo_on_scalars
 from dtdsl.cost.profile import ProfileTable
@@ -432,6 +433,11 @@ class CostModel:
                         ) -> tuple[float, float]:
         comm = self.tp_comm_time_s(unit, tp, across_nodes)
         bwd_comm = comm if unit.backward_factor else 0.0
+        if self.program.train.async_tp and unit.role == "backbone":     # cost.comm
+            mm = unit.fwd_work.matmul / self.params.efficiency.matmul / \
+                (self.peak_flops * tp * unit.cp)
+            comm, bwd_comm = (async_tp_exposed_s(comm, mm, tp), async_tp_exposed_s(
+                bwd_comm, unit.backward_factor * mm, tp))
         if self.profile is not None:
             fwd, bwd = self.measured_time_s(unit, tp)
             # Measured on whole sequences: a CP rank runs 1 / cp of the work.

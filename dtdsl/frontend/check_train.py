@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dtdsl.codes import DT204, DT205, DT208, DT307, DT501, DT633, DT637
+from dtdsl.codes import DT204, DT205, DT208, DT307, DT501, DT633, DT637, DT638
 from dtdsl.diagnostics import did_you_mean
 from dtdsl.frontend import ast
 from dtdsl.frontend.schema import (
@@ -103,6 +103,13 @@ class TrainChecks:
                       f.span if f else block.span,
                       hint=f"micro_batch must divide {gb}: e.g. {_listing(good)}")
             values["micro_batch"] = INVALID
+        if values["async_tp"] is True and values["compile"] is False:
+            f = _field(block.fields, "compile")
+            ctx.error(DT638, "async_tp = true needs compiled blocks: inductor rewrites their "
+                      "graphs to overlap TP's collectives, and compile = false leaves them "
+                      "eager", f.span if f else block.span,
+                      hint="remove compile = false (blocks compile on CUDA GPUs by default)")
+            values["async_tp"] = INVALID
         sync = self._sync(values["sync"])
         if not _ok(*values.values(), schedule, virtual, optimizer, lr_schedule, sync):
             return INVALID

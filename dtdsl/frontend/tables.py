@@ -247,6 +247,7 @@ TRAIN_FIELDS = (
     Param("packing", BoolKind(), default=False),
     # None (unset): compiled where the rank runs on a CUDA device (ir.Train.compiles).
     Param("compile", BoolKind(), default=None),
+    Param("async_tp", BoolKind(), default=False),
     Param("sync", CallKind(allow_bare=True)),
 )
 _SCHEDULE_ARGS = {

@@ -717,8 +717,7 @@ class Train(IRModel):
     schedule: Literal["gpipe", "1f1b", "interleaved", "zero_bubble"]
     virtual_stages: int
     optimizer: Optimizer
-    # The default is today's constant learning rate, so Programs written before the
-    # field existed (a bundle's program.json) still read.
+    # Defaulted (a constant rate) so that earlier Programs (program.json) still read.
     lr_schedule: LRSchedule = LRSchedule()
     precision: Literal["bf16", "fp16", "fp32"]
     reorder: tuple[Literal["intra", "inter"], ...]
@@ -728,16 +727,17 @@ class Train(IRModel):
     keep_checkpoints: int
     grad_clip: float
     span: Span
-    # Sequence packing: each of the global_batch sequences is documents packed up to
-    # seq_len (ir.layout.pack), as Megatron-LM counts batches of packed data; False: one
-    # sample per sequence. Defaulted so that earlier Programs still read.
+    # Sequence packing: each sequence is documents packed up to seq_len (ir.layout.pack),
+    # as Megatron-LM counts batches; False: one sample per sequence.
     packing: bool = False
     # torch.compile of every transformer layer and U-Net block (train.compiled): True on
     # every device, False never, None (unset) where the rank runs on a CUDA device. Read
     # through ``compiles``, the one rule the runtime and dtc memcheck share.
     compile: bool | None = None
-    # The `schedule = ...` and `precision = ...` fields when the spec writes them, for
-    # diagnostics of later stages (dtc compile's runtime support).
+    # Micro-pipelined TP in the compiled blocks (parallel.tp.enable_async_tp; priced by
+    # cost.comm.async_tp_exposed_s). Defaulted so that earlier Programs still read.
+    async_tp: bool = False
+    # The `schedule` and `precision` fields' spans, for later stages' diagnostics.
     schedule_span: Span | None = None
     precision_span: Span | None = None
     # Defaulted (synchronous DP, as before the field existed) so earlier Programs read.

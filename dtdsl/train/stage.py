@@ -598,15 +598,46 @@ def _vaes(program: ir.Program, generators: list[str], device: torch.device) -> d
     return out
 
 
-def _compile(stage: StageModule, program: ir.Program, role: RankRole, device: torch.device,
-             compile: bool | None) -> Any:
+def _compile(stage: StageModule, program: ir.Program, role: RankRole, mesh: Any,
+             device: torch.device, compile: bool | None) -> Any:
     """The stage's blocks compiled (``train.compiled``) when ``compile`` says so, or when
-    unset, the spec's rule for this device; None when not."""
-    if not (program.train.compiles(torch.device(device).type) if compile is None else compile):
+    unset, the spec's rule for this device, with async TP first where the spec asks for it
+    (``_async_tp``); None when not compiled."""
+    compiling = program.train.compiles(torch.device(device).type) if compile is None \
+        else compile
+    if program.train.async_tp:
+        _async_tp(mesh, compiling)
+    if not compiling:
         return None
     from dtdsl.train.compiled import apply_compile
 
     return apply_compile(stage, rank=role.rank)
+
+
+def _async_tp(mesh: Any, compiling: bool) -> None:
+    """``train.async_tp`` on this rank's TP group (``parallel.tp.enable_async_tp``), or a
+    ``Fatal`` error where it cannot run: a rank on a CPU or gloo, or one that does not
+    compile its blocks. Nothing on a TP group of one rank, or in a fake-collective world
+    (``dtc memcheck``, ``benchmarks/host_overhead.py``), whose collectives move nothing."""
+    import torch.distributed as dist
+
+    tp = mesh["tp"]
+    if tp.size() == 1:
+        return
+    backend = dist.get_backend(tp.get_group())
+    if backend == "fake":
+        return
+    if tp.device_type != "cuda" or backend != "nccl" or not compiling:
+        from dtdsl.feed.faults import Fatal
+
+        raise Fatal(f"train.async_tp = true runs TP's collectives in compiled blocks on CUDA "
+                    f"GPUs with NCCL; this rank's TP group of {tp.size()} runs on "
+                    f"{tp.device_type} ({backend})"
+                    + ("" if compiling else ", its blocks not compiled")
+                    + ": set async_tp = false to run here")
+    from dtdsl.parallel.tp import enable_async_tp
+
+    enable_async_tp(tp)
 
 
 def build_phased(program: ir.Program, plan: Plan, name: str, role: RankRole, mesh: Any,
@@ -726,7 +757,7 @@ def _apply_parallelisms(units: dict[str, nn.Module], program: ir.Program, plan: 
                            role, mesh)
     stage = StageModule(units, run)
     apply_ac(stage.units, lambda unit: _recomputes(program, plan, unit))
-    compiled = _compile(stage, program, role, device, compile)
+    compiled = _compile(stage, program, role, mesh, device, compile)
     # ZeRO-1: shard over DP; ZeRO-0: replicate over DP (HSDP with shards of one rank).
     experts = None if experts is None else _replica_mesh(experts, program)
     layers = apply_fsdp(stage, stage.units, _replica_mesh(mesh, program),
