@@ -97,11 +97,9 @@ def test_checkpoints_reshard_between_co_located_phased_and_disaggregated_plans(t
     # The checkpoint's keys are the units' own ("units.vit...", its optimizer state too)
     # wherever they ran, co-located or phased: one run resumed under another plan at
     # each save, co-located -> phased under TP -> disaggregated (plan A), each leg's
-    # losses and final parameters the reference's. (It was two runs of three legs,
-    # co-located -> A -> co-located TP and test_phased's phased -> A -> phased TP: a
-    # leg's CPU, ~9 s, is mostly its start and checkpoint, not its steps. Here every
-    # kind of plan saves and a TP plan resumes; a disaggregated save resumed co-located:
-    # test_modal's test_a_checkpoint_resumes_with_the_audio_encoder_moved_onto_the_backbone.)
+    # losses and final parameters the reference's. Every kind of plan saves and a TP plan
+    # resumes; a disaggregated save resumed co-located is test_modal's
+    # test_a_checkpoint_resumes_with_the_audio_encoder_moved_onto_the_backbone.
     from tests.helpers.checkpoints import PLAN_A, PROGRAM, _close, _phase
 
     def units(tp: int, dp: int) -> Plan:
