@@ -28,6 +28,10 @@ a section that would start past the budget is recorded as skipped:
    ten most expensive kernels.
 6. ``memory``: the runtime step's peak allocated device memory in section 3 against what
    ``dtc memcheck`` predicts and measures for the same spec and plan.
+7. ``host``: ``benchmarks/host_overhead.py --device cuda`` on ``specs/mllm_9b.dt``'s plan:
+   each measured stage at its own sizes, compiled, the host's time to issue one microbatch
+   beside the GPU's time for it and the plan's (its budget does not fit the default
+   ``--budget``: ask for it, ``--sections host --budget 300``).
 
 Without a CUDA GPU (and without ``--device cpu``) it says so, writes
 ``{"gpu": false, ...}`` and exits 0. Exit status 1 when a section failed.
@@ -56,7 +60,8 @@ sys.path.insert(0, str(ROOT))
 
 __all__ = ["SECTIONS", "main"]
 
-SECTIONS = ("env", "layer_mfu", "step_vs_torch", "bundle", "multimodal", "trace", "memory")
+SECTIONS = ("env", "layer_mfu", "step_vs_torch", "bundle", "multimodal", "trace", "memory",
+            "host")
 TOOL = "dtdsl gpu_check"
 REPORT = "gpu_check.json"
 TRACE = "trace.json.gz"
@@ -66,7 +71,7 @@ BUNDLE_RTOL = 0.03
 # Each section's most seconds (on an H100; compile time included). A section starts only
 # while its budget fits in what is left of the whole run's.
 BUDGET_S = {"env": 30, "layer_mfu": 150, "step_vs_torch": 170, "bundle": 70,
-            "multimodal": 90, "trace": 0, "memory": 50}
+            "multimodal": 90, "trace": 0, "memory": 50, "host": 240}
 ATTENTION_KERNEL = re.compile(r"flash|cudnn|efficient|fmha|flex|attention|sdpa|scaled_dot",
                               re.IGNORECASE)
 
@@ -115,6 +120,7 @@ class Sizes:
     bundle_layers: int
     bundle_hidden: int
     bundle_steps: int
+    host_args: tuple[str, ...]      # benchmarks/host_overhead.py's
 
 
 FULL = Sizes(matmul=8192, layer_spec="mllm_9b", layer_tokens=(2048, 8192), warmup=3,
@@ -123,14 +129,19 @@ FULL = Sizes(matmul=8192, layer_spec="mllm_9b", layer_tokens=(2048, 8192), warmu
                         "4", "--ffn", "5632", "--vocab", "32000", "--seq", "2048",
                         "--micro-batch", "2", "--batch", "16", "--steps", "20", "--warmup",
                         "3"),
-             bundle_layers=4, bundle_hidden=256, bundle_steps=6)
+             bundle_layers=4, bundle_hidden=256, bundle_steps=6,
+             host_args=("mllm_9b", "--device", "cuda", "--modes", "compiled", "--warmup", "2",
+                        "--repeats", "5"))
 # aot_eager: the compiled paths' tracing without inductor's C++ builds on a CPU.
 SMOKE = Sizes(matmul=256, layer_spec="tiny_cpu", layer_tokens=(64, 128), warmup=1, iters=2,
               compile_backend="aot_eager",
               step_args=("--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2",
                          "--ffn", "128", "--vocab", "256", "--seq", "128", "--micro-batch",
                          "2", "--batch", "4", "--steps", "3", "--warmup", "1"),
-              bundle_layers=2, bundle_hidden=64, bundle_steps=2)
+              bundle_layers=2, bundle_hidden=64, bundle_steps=2,
+              # The tiny spec as it is, eager: inductor's C++ builds would be most of it.
+              host_args=("tiny_cpu", "--device", "cpu", "--modes", "eager", "--shrink", "1",
+                         "--tokens", "1", "--warmup", "1", "--repeats", "2"))
 
 
 def _say(start: float, text: str) -> None:
@@ -645,10 +656,45 @@ class Context:
         return rc, "\n".join(lines)
 
 
+def section_host(ctx: Context) -> dict[str, Any]:
+    """``benchmarks/host_overhead.py`` (``Sizes.host_args``): per measured stage, the host's
+    time to issue one microbatch, the GPU's time for it (on CUDA) and the plan's."""
+    result = ctx.work / "host.json"
+    left = ctx.section_deadline - time.perf_counter()
+    rc, tail = ctx.child([str(ROOT / "benchmarks" / "host_overhead.py"), *ctx.sizes.host_args,
+                          "--json", str(result)], left, "host")
+    if rc != 0 or not result.exists():
+        raise RuntimeError(f"host_overhead exited {rc}: {tail[-2000:]}")
+    found = json.loads(result.read_text())
+    stages = []
+    for row in found["units"]:
+        for mode in ("eager", "compiled"):
+            got = row.get(mode)
+            if got is None:
+                continue
+            entry = {"stage": f"{row['unit']} s{row['stage']}", "mode": mode,
+                     "hosted": row.get("hosted", [])}
+            if "error" in got:
+                entry["error"] = got["error"][:600]
+            else:
+                entry.update(host_ms=got["host_s"] * 1e3, planned_gpu_ms=row["gpu_s"] * 1e3,
+                             host_over_planned=got["over_gpu"])
+                if "gpu_s" in got:
+                    entry.update(gpu_ms=got["gpu_s"] * 1e3,
+                                 host_over_gpu=got["host_s"] / got["gpu_s"])
+            stages.append(entry)
+    out: dict[str, Any] = {"spec": found["spec"], "device": found["device"],
+                           "stages": stages, "target": found["target"], "met": found["met"]}
+    failed = [s["stage"] for s in stages if "error" in s]
+    if failed:
+        out["error"] = f"stages {', '.join(failed)} failed: see their error"
+    return out
+
+
 RUNNERS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "env": section_env, "layer_mfu": section_layer_mfu, "step_vs_torch": section_step,
     "bundle": section_bundle, "multimodal": section_multimodal, "trace": section_trace,
-    "memory": section_memory}
+    "memory": section_memory, "host": section_host}
 
 
 def run_sections(ctx: Context, report: Report, budget_s: float,
@@ -733,6 +779,12 @@ def summary(report: Report) -> list[str]:
     mem = s.get("memory", {})
     if "measured_over_predicted" in mem:
         lines.append(f"memory: measured/predicted {mem['measured_over_predicted']:.2f}")
+    for st in s.get("host", {}).get("stages", []):
+        if "host_ms" in st:
+            gpu = f", GPU {st['gpu_ms']:.1f} ms ({st['host_over_gpu']:.2f})" \
+                if "gpu_ms" in st else ""
+            lines.append(f"host {st['stage']} {st['mode']}: {st['host_ms']:.1f} ms{gpu}, plan "
+                         f"{st['planned_gpu_ms']:.1f} ms ({st['host_over_planned']:.2f})")
     lines += [f"{k}: {v['status']}" + (f" ({v.get('error', v.get('reason'))})"[:300]
                                       if v["status"] != "ok" else "") for k, v in s.items()]
     return lines
