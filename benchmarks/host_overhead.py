@@ -61,7 +61,8 @@ do too): that stage's arithmetic is no longer small there (tens of seconds a mic
 **On a GPU** (``--device cuda``): the spec's own sizes and precision, the same stage and
 fake collectives; the host's time to issue a microbatch from an idle device (it never
 waits on a full launch queue: a microbatch is some hundreds of kernels) beside the GPU's
-time for it (CUDA events around it). Host time under the GPU's means the GPU was kept busy.
+time for it (CUDA events around it). The GPU's time includes any wait for the host: a
+host time close to it says the GPU waited, in part of the microbatch at least.
 
     python benchmarks/host_overhead.py [SPEC] [--plan plan.json] [--units vit,llm]
         [--shrink 16] [--repeats 5] [--device cpu|cuda]
