@@ -55,8 +55,8 @@ median too.
 **Stages.** Of each unit with GPUs of its own, its slowest stage and every stage that
 runs co-located units (a backbone's first and last), each against its GPU time as the plan
 prices it: the slowest stage's by its share of the layers, plus the co-located units'.
-A co-located encoder's images keep their sizes on the CPU (the sequences that hold them
-do too): that stage's arithmetic is no longer small there (tens of seconds a microbatch).
+A co-located encoder's items have their patches divided by ``--tokens`` as the sequence
+that holds them is (their count is the average microbatch's).
 
 **On a GPU** (``--device cuda``): the spec's own sizes and precision, the same stage and
 fake collectives; the host's time to issue a microbatch from an idle device (it never
@@ -65,7 +65,7 @@ time for it (CUDA events around it). The GPU's time includes any wait for the ho
 host time close to it says the GPU waited, in part of the microbatch at least.
 
     python benchmarks/host_overhead.py [SPEC] [--plan plan.json] [--units vit,llm]
-        [--shrink 16] [--repeats 5] [--device cpu|cuda]
+        [--shrink 16] [--repeats 5] [--device cpu|cuda] [--stages 0,2]
         [--json benchmarks/results/host_overhead-<spec>[-cuda].json]
 """
 
@@ -74,6 +74,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import dataclasses
 import io
 import json
 import math
@@ -221,6 +222,33 @@ def _inputs(program: ir.Program, real: ir.Program, cost: Any, plan: Plan, role: 
     return encoder
 
 
+@contextlib.contextmanager
+def _hosted_items_shrunk(tokens: int):
+    """While ``memplan`` makes a backbone stage's inputs: its co-located encoders' items
+    with their patches divided by ``tokens``, as the sequence that holds them is (their
+    count is the average microbatch's; ``memplan._encoder_images`` wrapped)."""
+    from dtdsl.ir.modal import InputRule
+    from dtdsl.train import memplan
+
+    own = memplan._encoder_images
+
+    def shrunk(program: ir.Program, *args: Any) -> Any:
+        im = own(program, *args)
+        if tokens == 1:
+            return im
+        rule = InputRule.of(program, program.module(args[1]))
+        patches = max(1.0, im.side * im.side / tokens)
+        side = rule.image.square_side(patches) if rule.image is not None else \
+            max(1, round(math.sqrt(patches)))
+        return dataclasses.replace(im, side=side, rows=im.rows - im.side ** 2 + side ** 2)
+
+    memplan._encoder_images = shrunk
+    try:
+        yield
+    finally:
+        memplan._encoder_images = own
+
+
 def _stand_in_loss(role: Any, out: Any) -> torch.Tensor:
     from dtdsl.train.memplan import _loss_of
 
@@ -248,11 +276,6 @@ def measure(program: ir.Program, real: ir.Program, cost: Any, plan: Plan, unit_n
     grid = next(g for g in grids(plan) if g.name == unit_name)
     role = RankRole(rank=grid.rank(stage, 0, 0), grid=grid, stage=stage, replica=0,
                     tp_index=0)
-    if any(h.role == "encoder" for h in hosted_units(plan, role)):
-        # Its co-located encoder's images keep their sizes (``memplan``'s): so does the
-        # sequence that holds them.
-        program = program.model_copy(update={"train": program.train.model_copy(
-            update={"seq_len": real.train.seq_len})})
     dist.init_process_group("fake", store=FakeStore(), rank=role.rank,
                             world_size=plan.gpus_used)
     try:
@@ -261,7 +284,9 @@ def measure(program: ir.Program, real: ir.Program, cost: Any, plan: Plan, unit_n
         mesh = DeviceMesh(device.type, table, mesh_dim_names=MESH_DIMS)
         built = build_stage(program, plan, role, mesh, device,
                             run=stage_run(role.role), compile=compile)
-        make = _inputs(program, real, cost, plan, role, built.compute_dtype, tokens, device)
+        with _hosted_items_shrunk(tokens):
+            make = _inputs(program, real, cost, plan, role, built.compute_dtype, tokens,
+                           device)
         trains = any(p.requires_grad for p in built.module.parameters())
 
         def microbatch() -> None:
@@ -369,6 +394,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--modes", default="eager,compiled")
+    parser.add_argument("--stages", help="comma-separated stage indices (default: each "
+                        "unit's slowest and those that run co-located units)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                         help="cuda: the spec's own sizes and precision on the GPU, its "
                         "measured time beside the plan's (--shrink and --tokens unused)")
@@ -393,7 +420,9 @@ def main() -> None:
                      for m in modes) + "  graphs")
     for name in names:
         unit = plan.unit(name)
-        for stage in measured_stages(plan, name):
+        stages = measured_stages(plan, name) if args.stages is None else \
+            [int(s) for s in args.stages.split(",") if int(s) < unit.pp]
+        for stage in stages:
             row: dict[str, Any] = {"unit": name, "role": unit.role, "stage": stage}
             for mode in modes:
                 got = _run_one(args, plan, name, stage, mode == "compiled")
