@@ -30,29 +30,6 @@ def test_runtime_benchmark_runs():
     assert found and float(found.group(1)) > 0, proc.stdout[-2000:]
 
 
-@pytest.mark.slow
-def test_host_overhead_reports_every_unit(tmp_path):
-    # The tiny spec's plan, eager only (compiling takes minutes on this CPU): every unit
-    # with GPUs of its own gets a host time and the plan's GPU time, in the JSON too; its
-    # backbone stage runs the co-located encoder and generator, priced with them.
-    import json
-
-    out = tmp_path / "host.json"
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / "host_overhead.py"), "tiny_cpu",
-                           "--modes", "eager", "--warmup", "1", "--repeats", "1",
-                           "--json", str(out)], capture_output=True, text=True,
-                          timeout=600, check=False)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    report = json.loads(out.read_text())
-    assert [(u["unit"], u["hosted"]) for u in report["units"]] == [("llm", ["vit", "gen"])]
-    for unit in report["units"]:
-        assert "error" not in unit["eager"], unit
-        assert unit["gpu_s"] > 0 and unit["eager"]["host_s"] > 0, unit
-        assert unit["eager"]["over_gpu"] == pytest.approx(unit["eager"]["host_s"]
-                                                          / unit["gpu_s"])
-    assert "target" in proc.stdout and "tiny_cpu" in proc.stdout
-
-
 def test_suite_cpu_counts_the_tests_and_the_processes_they_start(tmp_path):
     # One test that runs `dtc explain` three times as subprocesses, without xdist: each dtc
     # process is recorded by kind, the test by its file, and what no process recorded

@@ -131,10 +131,13 @@ def test_the_smoke_run_exercises_every_section_on_the_cpu(tmp_path):
     (stage,) = sections["memory"]["memcheck"]
     assert stage["predicted_bytes"] > 0 and stage["measured_bytes"] > 0
 
-    # The tiny plan's one backbone stage, eager on the CPU: no GPU time beside the plan's.
+    # benchmarks/host_overhead.py on the tiny plan, eager on the CPU: its one backbone
+    # stage runs the co-located encoder and generator, priced with them; no GPU time
+    # beside the plan's.
     (host,) = sections["host"]["stages"]
-    assert (host["stage"], host["mode"]) == ("llm s0", "eager")
+    assert (host["stage"], host["mode"], host["hosted"]) == ("llm s0", "eager", ["vit", "gen"])
     assert host["host_ms"] > 0 and host["planned_gpu_ms"] > 0 and "gpu_ms" not in host
+    assert host["host_over_planned"] == pytest.approx(host["host_ms"] / host["planned_gpu_ms"])
 
 
 def test_the_targets_read_the_8k_layer_and_the_step_against_the_compiled_loop():
