@@ -675,8 +675,9 @@ of one chunk behind the matmul of another (torch's micro-pipelined TP). Inductor
 rewrites the compiled blocks' graphs to do it, so it needs them compiled:
 `compile = false` would leave every collective synchronous. It runs on CUDA GPUs
 with NCCL; a bundle launched on CPUs (gloo) stops at its first rank with this
-said. The cost model prices the TP collectives it hides (and so does Megatron-LM
-baselines' `--tp-comm-overlap`), for every unit at TP 2 or more.
+said. The cost model prices the backbone's TP collectives it hides (sequence
+parallelism's all-gathers and reduce-scatters), in the Megatron-LM baselines too
+(Megatron-LM's `--tp-comm-overlap`).
 
     train {
       async_tp = true
