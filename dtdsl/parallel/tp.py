@@ -46,17 +46,16 @@ _COL = ("wq", "wk", "wv", "w1", "w3", "value", "gate")
 _ROW = ("wo", "w2", "out")
 
 
-def enable_async_tp(tp_mesh: Any) -> None:
+def enable_async_tp() -> None:
     """Async TP for the blocks compiled after this (``train.async_tp``), as torchtitan's
     ``maybe_enable_async_tp``: inductor's micro-pipelining pass rewrites each sequence-
-    parallel all-gather before a matmul, and each reduce-scatter after one, into per-rank
-    chunks over symmetric memory on ``tp_mesh``'s group, one chunk's transfer behind
-    another's matmul (``cost.comm``). CUDA and NCCL only (the caller checks)."""
+    parallel all-gather before a matmul, and each reduce-scatter after one, into fused
+    ops that move per-rank chunks over symmetric memory (set up for the group by the ops
+    themselves: torch 2.13 needs no ``enable_symm_mem_for_group``), one chunk's transfer
+    behind another's matmul (``cost.comm``). CUDA and NCCL only (the caller checks)."""
     import torch._inductor.config as inductor_config
-    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 
     inductor_config._micro_pipeline_tp = True
-    enable_symm_mem_for_group(tp_mesh.get_group().group_name)
 
 
 def local_tensor(t: Any) -> Any:

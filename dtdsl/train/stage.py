@@ -637,7 +637,7 @@ def _async_tp(mesh: Any, compiling: bool) -> None:
                     + ": set async_tp = false to run here")
     from dtdsl.parallel.tp import enable_async_tp
 
-    enable_async_tp(tp)
+    enable_async_tp()
 
 
 def build_phased(program: ir.Program, plan: Plan, name: str, role: RankRole, mesh: Any,
