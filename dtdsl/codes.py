@@ -438,7 +438,9 @@ or move the unit's `first_rank` to a multiple of its tp.
     # ---- warnings (DT5xx)
     "DT501": Code("Ignored or unused setting", """
 A setting has no effect: a data quantity no module reads, a vocabulary on a
-module other than the backbone, more GPUs per node than the cluster has.
+module other than the backbone, more GPUs per node than the cluster has; and, from
+`dtc compile` and `dtc memcheck` once the plan is known, `async_tp = true` on a
+plan where no unit runs tensor parallelism (nothing to overlap).
 """),
     "DT502": Code("Unbounded distribution", """
 A lognormal or zipf distribution has no upper clamp, so rare samples can be

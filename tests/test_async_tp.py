@@ -106,3 +106,30 @@ def test_a_fake_worlds_tp_group_is_left_as_it_is():
         mesh = world.device_mesh(range(2), (1, 1, 1, 2), MESH_DIMS)
         _async_tp(mesh, True)
     assert not torch._inductor.config._micro_pipeline_tp
+
+
+def test_a_plan_without_tensor_parallelism_warns_that_async_tp_does_nothing(tmp_path, capsys):
+    from dtdsl import cli
+    from dtdsl.codegen.support import runtime_support
+    from tests.helpers.runs import plan_for
+
+    program = _result("  async_tp = true").program
+    with_tp = plan_for(program, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 2, 2, 1))
+    assert runtime_support(program, with_tp) == []
+    without = plan_for(program, ("vit", "encoder", 1, 1, 1), ("llm", "backbone", 1, 2, 1))
+    (warning,) = runtime_support(program, without)
+    assert (warning.code, warning.severity.value) == ("DT501", "warning")
+    assert "no unit of the plan runs tensor parallelism" in warning.message
+    plain = _result("").program
+    assert runtime_support(plain, without) == []
+    # dtc compile prints it and writes the bundle all the same.
+    spec = (ROOT / "specs" / "tiny_cpu.dt").read_text()
+    assert "  seed             = 1234\n" in spec
+    path = tmp_path / "tiny.dt"
+    path.write_text(spec.replace("  seed             = 1234\n",
+                                 "  seed             = 1234\n  async_tp = true\n"))
+    capsys.readouterr()
+    assert cli.main(["compile", str(path), "-o", str(tmp_path / "out"), "--synthetic"]) == 0
+    err = capsys.readouterr().err
+    assert "warning[DT501]" in err and "async_tp" in err, err
+    assert (tmp_path / "out" / "job.json").is_file()

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from dtdsl.clihelp import EXIT_USAGE, load_program
 from dtdsl.codes import DT000
-from dtdsl.diagnostics import Diagnostic, render_text
+from dtdsl.diagnostics import Diagnostic, has_errors, render_text
 from dtdsl.driver import FrontendResult, UsageError
 from dtdsl.ir.program import Program
 from dtdsl.source import Span
@@ -315,11 +315,12 @@ def runtime_plan(plan_path: str | None, result: FrontendResult, program: Program
 
 def refused(result: FrontendResult, program: Program, plan: Plan | None = None) -> bool:
     """True after printing DT601 errors for what of the spec (and ``plan``) the runtime
-    cannot train yet (``codegen.support.runtime_support``)."""
+    cannot train yet (``codegen.support.runtime_support``); its warnings are printed and
+    refuse nothing."""
     from dtdsl.codegen.support import runtime_support
 
     assert result.source is not None
-    unsupported = runtime_support(program, plan)
-    if unsupported:
-        sys.stderr.write(render_text(unsupported, result.source, result.name))
-    return bool(unsupported)
+    found = runtime_support(program, plan)
+    if found:
+        sys.stderr.write(render_text(found, result.source, result.name))
+    return has_errors(found)

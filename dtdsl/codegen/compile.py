@@ -13,6 +13,7 @@ from dtdsl.codegen.slurm import SlurmOptions
 from dtdsl.codegen.support import runtime_support
 from dtdsl.codegen.views import bundle_view
 from dtdsl.codes import DT411
+from dtdsl.diagnostics import Severity
 from dtdsl.ir import program as ir
 from dtdsl.ir.checkpoint import program_sha256
 from dtdsl.ir.job import CheckpointConfig, CostConfig, DataConfig, FeedConfig, Job
@@ -105,7 +106,7 @@ def compile_bundle(out: str | Path, *, source: bytes, spec_path: str, program: i
     runtime cannot train, whose TP groups span nodes unpriced (``dtc compile`` reports
     those as diagnostics first: ``support.runtime_support``) or whose schedule could
     deadlock under NCCL's rules (``schedule.validate.validate_nccl``)."""
-    refused = runtime_support(program, plan)
+    refused = [d for d in runtime_support(program, plan) if d.severity is Severity.ERROR]
     unsupported = [d for d in refused if d.code != DT411]
     if unsupported:
         raise ValueError("the runtime cannot train this spec yet: " +

@@ -8,12 +8,14 @@ entry names the missing part and what to write instead; remove an entry when the
 runtime learns to run it.
 
 It also refuses a plan whose costs are not what its ranks will see (DT411): a TP group
-on ranks of two nodes priced at NVLink bandwidth, as a plan edited by hand can have.
+on ranks of two nodes priced at NVLink bandwidth, as a plan edited by hand can have; and
+warns (DT501) of a setting the plan leaves without effect: ``async_tp`` where no unit runs
+tensor parallelism.
 """
 
 from __future__ import annotations
 
-from dtdsl.codes import DT411, DT601, DT622, DT636
+from dtdsl.codes import DT411, DT501, DT601, DT622, DT636
 from dtdsl.diagnostics import Diagnostic
 from dtdsl.ir import program as ir
 from dtdsl.ir.plan import Plan, UnitPlan, straddling_tp_groups
@@ -322,6 +324,18 @@ def tp_placement(program: ir.Program, plan: Plan) -> list[Diagnostic]:
     return out
 
 
+def _async_tp(program: ir.Program, plan: Plan) -> list[Diagnostic]:
+    """A warning (DT501) for ``train.async_tp`` on a plan that runs no unit at tp > 1: the
+    setting overlaps TP collectives, and there are none."""
+    if not program.train.async_tp or any(u.tp > 1 and not u.tp_replicated
+                                         for u in plan.units):
+        return []
+    return [Diagnostic.warning(
+        DT501, "train.async_tp = true, but no unit of the plan runs tensor parallelism: "
+        "there is no TP collective to overlap", program.train.span,
+        hint="set async_tp = false, or plan with a tp above 1 for the backbone")]
+
+
 def runtime_support(program: ir.Program, plan: Plan | None = None) -> list[Diagnostic]:
     """Errors (DT601) for what of ``program`` and ``plan`` the runtime cannot train yet: an
     encoder that is not a transformer over patches, an audio encoder without a patch
@@ -333,11 +347,13 @@ def runtime_support(program: ir.Program, plan: Plan | None = None) -> list[Diagn
     context parallelism (cp > 1), and (DT622) a backbone's cp its heads cannot take, an
     MoE backbone with a capacity under cp; (DT636) Local SGD replicas that do not divide
     a unit's dp, or that its EP groups do not fit in; and TP groups across
-    nodes priced as within one (``tp_placement``, DT411).
+    nodes priced as within one (``tp_placement``, DT411); and warnings (DT501) for what
+    the plan leaves without effect (``_async_tp``).
 
     Without ``plan`` only the spec's own features are checked (before planning)."""
     out = _encoders(program)
     if plan is not None:
         out += _plan(program, plan) + tp_placement(program, plan) + \
-            _context_parallel(program, plan) + _experts(program, plan)
+            _context_parallel(program, plan) + _experts(program, plan) + \
+            _async_tp(program, plan)
     return out
