@@ -390,7 +390,9 @@ class _TelemetryWork:
         self.writer = (writer_type or TimelineWriter)(run_dir / "tb", prefix=True)
         from dtdsl.report import plan_markdown
 
-        self.writer.add_text("plan", plan_markdown(plan))
+        # At the step the run starts from: a resumed run's plan (the same or another it
+        # resharded to) beside the one before, the steps before it kept.
+        self.writer.add_text("plan", plan_markdown(plan), step=first_step)
         # Per step the measured and the predicted timeline (``ir.timeline.Timeline``
         # JSON), for jobs small enough that their events stay small.
         self.timelines = open(run_dir / "timelines.jsonl", "a", encoding="utf-8") \

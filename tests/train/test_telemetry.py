@@ -169,3 +169,16 @@ def test_the_telemetry_process_does_not_import_torch(run_log, tmp_path):
     assert log.telemetry.failed is None
     assert len((tmp_path / "run" / "timelines.jsonl").read_text().splitlines()) == 2
     assert (tmp_path / "run" / "torch").read_text() == "False"
+
+
+def test_a_resumed_run_writes_its_plan_at_the_step_it_starts_from(run_log, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _, _, plan, (cost, program, schedule, _) = run_log
+    run_dir = tmp_path / "run"
+    for first_step in (0, 3):
+        launch._TelemetryWork(run_dir, plan, program, schedule, first_step, cost).close()
+    acc = EventAccumulator(str(run_dir / "tb"), size_guidance={"tensors": 0})
+    acc.Reload()
+    (tag,) = [t for t in acc.Tags()["tensors"] if t.startswith("plan")]
+    assert [e.step for e in acc.Tensors(tag)] == [0, 3]
