@@ -2,7 +2,7 @@
 ``launch.sh`` parses its arguments, then ``exec``s
 
     python -m dtdsl.train.supervise BUNDLE --run-dir DIR [--steps N] [--data D] [--resume]
-        -- python -m torch.distributed.run ... BUNDLE/train.py ...
+        -- python -m dtdsl.train.torchrun ... BUNDLE/train.py ...
 
 which, on every node alike,
 

@@ -161,7 +161,7 @@ def test_sbatch_settings_given_and_to_fill_in(tmp_path, three_nodes):
             assert gone not in everything, gone
     # torchrun is never told a node rank: its rendezvous orders the nodes
     launch = (three_nodes / "launch.sh").read_text()
-    torchrun = launch[launch.index('"$PYTHON" -m torch.distributed.run'):]
+    torchrun = launch[launch.index('"$PYTHON" -m dtdsl.train.torchrun'):]
     assert "--node-rank" not in torchrun and '--nproc-per-node "$GPUS_PER_NODE"' in torchrun
 
 

@@ -245,6 +245,7 @@ def test_a_signal_stops_the_run_after_its_checkpoint_in_flight_commits(tmp_path,
     for left in checkpoint_root(run_dir).glob("*.tmp"):
         assert int(left.name[len("ckpt-"):-len(".tmp")]) > done[0], text[-3000:]
     assert f"launch.sh: stopped by SIGTERM; --resume continues from ckpt-{done[-1]}" in text
+    assert "SignalException" not in text, text[-3000:]   # torchrun stops without a traceback
     resumed = launch_ok(bundle, run_dir, "--steps", "6", "--resume")
     assert f"resumed from {checkpoint_root(run_dir)}/ckpt-{done[-1]}" in resumed.stdout
     assert [s for s, _ in complete_checkpoints(run_dir)][-1] == 6
