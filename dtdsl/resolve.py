@@ -208,6 +208,8 @@ def _parse_samples(raw: bytes, suffix: str, key: str) -> tuple[float, ...]:
             doc = json.loads(text)
         except json.JSONDecodeError as err:
             raise ValueError(f"invalid JSON at line {err.lineno}: {err.msg}") from None
+        except (ValueError, RecursionError):    # an integer over 4300 digits, deep nesting
+            raise ValueError("invalid JSON: a number too long, or nested too deep") from None
         if isinstance(doc, dict):
             if key not in doc:
                 raise ValueError(f"no key '{key}' (keys: {', '.join(list(doc)[:10])})")
@@ -232,6 +234,8 @@ def _parse_samples(raw: bytes, suffix: str, key: str) -> tuple[float, ...]:
             value = float(item)
         except ValueError:
             raise ValueError(f"value {i + 1} ({str(item)[:20]!r}) is not a number") from None
+        except OverflowError:       # an integer past a float's range
+            raise ValueError(f"value {i + 1} is larger than a count can be") from None
         if not math.isfinite(value) or value < 0:
             raise ValueError(f"value {i + 1} ({value:g}) is not a finite count >= 0")
         values.append(value)

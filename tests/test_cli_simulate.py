@@ -121,6 +121,16 @@ def test_simulate_refuses_plans_that_do_not_fit_the_spec(capsys, tmp_path):
         "not 0 (the units hold ranks back to back": lambda p: [
             u.update(first_rank=u["first_rank"] + 1) for u in p["units"] if u["gpus"]],
         "schedule is gpipe, the spec's is 1f1b": lambda p: p.update(schedule="gpipe"),
+        # degrees that would hang the lowering or the rank files, or fail only at launch
+        "vpp 1000000000 is more than its 4 layers": lambda p: p["units"][llm].update(
+            vpp=10**9),
+        "a cluster has at most 131072 GPUs": lambda p: p.update(num_gpus=4_000_000),
+        "cp 1000000: more than the 131072 GPUs": lambda p: p["units"][llm].update(cp=10**6),
+        "tp 8 cannot split its 4 attention heads and 2 KV heads": lambda p: p["units"][
+            llm].update(tp=8),
+        "tp 4 is not one the spec's constraints allow": lambda p: p["units"][llm].update(
+            tp=4),
+        "llm: ep 2, but it has no experts": lambda p: p["units"][llm].update(ep=2),
     }
     for words, edit in edits.items():
         bad = json.loads(json.dumps(good))
@@ -251,3 +261,25 @@ def test_reorder_inter_bad_input(capsys, tmp_path):
     code, _, err = run(capsys, "reorder", "inter", "--costs", str(tmp_path / "none.json"),
                        "--stages", "2")
     assert code == 2 and "cannot read costs" in err
+
+
+def test_a_plans_expert_parallelism_splits_the_experts_and_the_data_parallel_ranks(
+        shipped_plan):
+    from dtdsl.cli.common import plan_problems
+    from dtdsl.driver import run_frontend
+    from dtdsl.ir.plan import Plan
+
+    spec = ROOT / "specs" / "moe_vl_30b.dt"
+    program = run_frontend(str(spec), spec.read_bytes()).program
+    plan = Plan.model_validate_json(shipped_plan("moe_vl_30b").read_text())
+    assert plan_problems(plan, program) == []
+    (llm,) = [u for u in plan.units if u.role == "backbone"]
+
+    def problems(**update):
+        return plan_problems(plan.model_copy(update={"units": tuple(
+            u.model_copy(update=update) if u is llm else u for u in plan.units)}), program)
+
+    assert any("ep 3 cannot split its 128 experts" in p for p in problems(ep=3))
+    odd = llm.dp * 2      # 128 experts split, but not the dp ranks (a power of two above dp)
+    assert any(f"ep {odd} must divide dp {llm.dp}" in p for p in problems(ep=odd))
+    assert any("ep 0" not in p and "at least 1" in p for p in problems(ep=0))

@@ -15,6 +15,7 @@ from dtdsl.clihelp import EXIT_USAGE, load_program
 from dtdsl.codes import DT000
 from dtdsl.diagnostics import Diagnostic, has_errors, render_text
 from dtdsl.driver import FrontendResult, UsageError
+from dtdsl.ir.bounds import MAX_CLUSTER_GPUS
 from dtdsl.ir.program import Program
 from dtdsl.source import Span
 
@@ -233,8 +234,12 @@ def plan_problems(the_plan: Plan, program: Program) -> list[str]:
         module = program.module(u.name)
         if u.role != module.role:
             out.append(f"{u.name}: role {u.role} in the plan, {module.role} in the spec")
-        if min(u.tp, u.dp, u.pp, u.vpp, u.cp) < 1:
-            out.append(f"{u.name}: tp, dp, pp, vpp and cp must be at least 1")
+        if min(u.tp, u.dp, u.pp, u.vpp, u.cp, u.ep) < 1:
+            out.append(f"{u.name}: tp, dp, pp, vpp, cp and ep must be at least 1")
+            continue
+        degrees = _degree_problems(u, module, program.constraints_for(u.name))
+        if degrees:
+            out += degrees
             continue
         if u.colocated and (u.gpus != 0 or u.role == "backbone"):
             out.append(f"{u.name}: a co-located unit holds no GPU of its own (it runs on "
@@ -260,9 +265,46 @@ def plan_problems(the_plan: Plan, program: Program) -> list[str]:
     return out
 
 
+def _degree_problems(u: Any, module: Any, allowed: Any) -> list[str]:
+    """A unit's degrees against what its module can take and the spec allows (a plan edited
+    by hand; ``Plan`` checks their types only): each within the largest cluster, vpp within
+    its layers, tp splitting its heads and widths, ep its experts and its dp (without
+    context parallelism, ``parallel.ep_groups``), and a unit of GPUs of its own within its
+    ``constraints``."""
+    degrees = {"tp": u.tp, "dp": u.dp, "pp": u.pp, "cp": u.cp, "ep": u.ep}
+    huge = [f"{k} {v}" for k, v in degrees.items() if v > MAX_CLUSTER_GPUS]
+    if huge:
+        return [f"{u.name}: {', '.join(huge)}: more than the {MAX_CLUSTER_GPUS} GPUs a "
+                "cluster can have"]
+    out = []
+    arch = module.arch
+    if u.vpp > arch.pipeline_layers:
+        out.append(f"{u.name}: vpp {u.vpp} is more than its {arch.pipeline_layers} layers")
+    conflicts = () if u.tp_replicated else arch.tp_conflicts(u.tp)
+    if conflicts:
+        out.append(f"{u.name}: tp {u.tp} cannot split its {' and '.join(conflicts)}")
+    moe = getattr(arch, "moe", None)
+    if u.ep > 1 and moe is None:
+        out.append(f"{u.name}: ep {u.ep}, but it has no experts")
+    elif u.ep > 1:
+        if moe.ep_conflicts(u.ep):
+            out.append(f"{u.name}: ep {u.ep} cannot split its {moe.experts} experts")
+        if u.dp % u.ep or u.cp != 1:
+            out.append(f"{u.name}: ep {u.ep} must divide dp {u.dp}, without context "
+                       f"parallelism (cp {u.cp})")
+    if not (u.colocated or u.phased):
+        out += [f"{u.name}: {k} {v} is not one the spec's constraints allow"
+                for k, v in degrees.items() if v not in getattr(allowed, k)]
+    return out
+
+
 def _rank_problems(the_plan: Plan) -> list[str]:
     """The units that hold GPUs tile ranks 0..gpus_used-1 back to back (``ir.plan``), within
-    the plan's GPUs: a hand-edited count would launch that many ranks."""
+    the plan's GPUs (and the largest cluster's): a hand-edited count would launch that many
+    ranks."""
+    if max(the_plan.num_gpus, the_plan.gpus_used) > MAX_CLUSTER_GPUS:
+        return [f"num_gpus {the_plan.num_gpus} and gpus_used {the_plan.gpus_used}: a cluster "
+                f"has at most {MAX_CLUSTER_GPUS} GPUs"]
     out, at = [], 0
     for u in sorted((u for u in the_plan.units if u.gpus), key=lambda u: u.first_rank):
         if u.first_rank != at:

@@ -44,8 +44,14 @@ class ProfileError(DtdslError, ValueError):
     """A profile that cannot be read or does not cover what was asked of it."""
 
 
+# Longer than any one measurement of a module at one size (a forward and backward on one
+# rank), and than any optimizer step per parameter: a larger value is not a measurement.
+MAX_TIME_S = 3600.0
+MAX_OPTIMIZER_S_PER_PARAM = 1e-3
+
+
 class _Model(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", kw_only=True)
+    model_config = ConfigDict(frozen=True, extra="forbid", kw_only=True, allow_inf_nan=False)
 
 
 class DeviceInfo(_Model):
@@ -65,8 +71,8 @@ class PartPoint(_Model):
 
     name: str
     count: int = Field(ge=1)
-    fwd_time_s: float = Field(ge=0)
-    bwd_time_s: float = Field(ge=0)
+    fwd_time_s: float = Field(ge=0, le=MAX_TIME_S)
+    bwd_time_s: float = Field(ge=0, le=MAX_TIME_S)
     saved_bytes: int = Field(ge=0)        # tensors saved for backward (activation stash)
     peak_memory_bytes: int = Field(ge=0)  # CUDA: peak above what was allocated before
 
@@ -77,8 +83,8 @@ class Point(_Model):
 
     tp: int = Field(ge=1)
     x: int = Field(ge=1)
-    fwd_time_s: float = Field(ge=0)
-    bwd_time_s: float = Field(ge=0)
+    fwd_time_s: float = Field(ge=0, le=MAX_TIME_S)
+    bwd_time_s: float = Field(ge=0, le=MAX_TIME_S)
     peak_memory_bytes: int = Field(ge=0)
     parts: tuple[PartPoint, ...]
 
@@ -101,6 +107,8 @@ class ModuleProfile(_Model):
             if (p.tp, p.x) in seen:
                 raise ValueError(f"module {self.name!r} has two points at tp={p.tp}, x={p.x}")
             seen.add((p.tp, p.x))
+        if self.points and not any(p.fwd_time_s > 0 for p in self.points):
+            raise ValueError(f"module {self.name!r} measured no forward time at any point")
         return self
 
 
@@ -117,7 +125,8 @@ class Profile(_Model):
     modules: tuple[ModuleProfile, ...]
     # The spec's optimizer step (the runtime's kernel: fused or foreach) per fp32
     # parameter it updates; None in profiles written before it was measured.
-    optimizer_s_per_param: float | None = Field(default=None, ge=0)
+    optimizer_s_per_param: float | None = Field(default=None, ge=0,
+                                                le=MAX_OPTIMIZER_S_PER_PARAM)
 
     def module(self, name: str) -> ModuleProfile:
         """The profile of module or projector ``name`` (ProfileError if absent)."""
@@ -164,6 +173,9 @@ def load_profile(path: str | os.PathLike, *, program: ir.Program | None = None) 
     except json.JSONDecodeError as err:
         raise ProfileError(f"{path} is not valid JSON: {err.msg} at line {err.lineno} "
                            f"column {err.colno}") from None
+    except (ValueError, RecursionError):    # an integer over 4300 digits, deep nesting
+        raise ProfileError(f"{path} is not valid JSON: a number too long, or nested too "
+                           "deep") from None
     if not isinstance(raw, dict) or "version" not in raw:
         raise ProfileError(f"{path} is not a dtc profile: expected a JSON object with a "
                            "'version' field")

@@ -265,3 +265,30 @@ def test_the_profile_times_the_optimizer_step(measured):
     profile, _ = measured
     assert profile.optimizer_s_per_param is not None
     assert 1e-11 < profile.optimizer_s_per_param < 1e-6
+
+
+def test_load_refuses_values_no_measurement_gives(tmp_path):
+    # Each would otherwise reach the planner as a solver failure or a wrong infeasibility.
+    path = tmp_path / "p.json"
+    good = json.loads(synthetic({1: [(10, 1.0, 2.0)]}).model_dump_json())
+    point = ("modules", 0, "points", 0)
+
+    def edited(where, key, value):
+        data = json.loads(json.dumps(good))
+        node = data
+        for k in where:
+            node = node[k]
+        node[key] = value
+        return json.dumps(data)
+
+    for text, words in (
+            (edited(point, "fwd_time_s", 0.0), "measured no forward time"),
+            (edited(point, "fwd_time_s", 1e9), "less than or equal to 3600"),
+            (edited(point, "bwd_time_s", float("inf")).replace("Infinity", "1e999"),
+             "finite number"),
+            (edited((), "optimizer_s_per_param", 1e300), "less than or equal to 0.001"),
+            ("[" * 100_000, "nested too deep"),
+            ("[1" + "0" * 5000 + "]", "a number too long")):
+        path.write_text(text)
+        with pytest.raises(ProfileError, match=words):
+            load_profile(path)

@@ -104,6 +104,14 @@ def test_empirical_distribution(tmp_path: Path):
     p = program(spec, base_dir=tmp_path)
     assert p.data.get("image", "patches").dist.values == (256.0, 1024.0, 256.0)
     assert p.data.get("text", "tokens").dist.values == (100.0, 200.0)
+    # Values no measurement gives: one diagnostic each, never an internal error.
+    for text, words in (("[1" + "0" * 400 + "]", "value 1 is larger than a count can be"),
+                        ("[" * 100_000, "nested too deep"),
+                        ("[1" + "0" * 5000 + "]", "a number too long")):
+        (tmp_path / "stats.json").write_text(text)
+        result = run_frontend("t.dt", spec.encode(), base_dir=tmp_path)
+        assert [d.code for d in result.diagnostics] == ["DT309"], result.diagnostics
+        assert words in result.diagnostics[0].message, result.diagnostics[0].message
 
 
 def test_int_domain():

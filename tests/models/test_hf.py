@@ -378,6 +378,9 @@ def test_a_config_that_sets_dropout_is_refused(tmp_path):
         read_hf(make_decoder(tmp_path / "llama", "llama", attention_dropout=0.1))
     with pytest.raises(HFError, match="attention_dropout 0.2: dtdsl trains without dropout"):
         read_hf(make_clip(tmp_path / "clip", full=True, attention_dropout=0.2))
+    # an integer past a float's range: said as written, not an OverflowError
+    with pytest.raises(HFError, match="attention_dropout an integer of 401 digits: dtdsl"):
+        read_hf(make_decoder(tmp_path / "huge", "llama", attention_dropout=10**400))
 
 
 def _sliding_layers(config) -> bool:

@@ -282,7 +282,9 @@ def _no_dropout(cfg: dict[str, Any], unused: Sequence[str] = ()) -> None:
     for key, value in cfg.items():
         if (_DROPOUT.search(key) and key not in unused and isinstance(value, (int, float))
                 and not isinstance(value, bool) and value != 0):
-            raise HFError(f"{key} {value:g}: dtdsl trains without dropout",
+            shown = f"{value:g}" if abs(value) < 1e300 else \
+                f"an integer of {len(str(abs(value)))} digits"   # past a float's range
+            raise HFError(f"{key} {shown}: dtdsl trains without dropout",
                           hint="set it to 0 (most published checkpoints do)")
 
 
