@@ -16,12 +16,12 @@ from dtdsl.codes import DT000
 from dtdsl.diagnostics import Diagnostic, has_errors, render_text
 from dtdsl.driver import FrontendResult, UsageError
 from dtdsl.ir.bounds import MAX_CLUSTER_GPUS
-from dtdsl.ir.program import Program
+from dtdsl.ir.program import Module, ModuleConstraints, Program
 from dtdsl.source import Span
 
 if TYPE_CHECKING:
     from dtdsl.cost.model import CostModel, Efficiency
-    from dtdsl.ir.plan import Plan
+    from dtdsl.ir.plan import Plan, UnitPlan
     from dtdsl.ir.schedule import Schedule
 
 __all__ = ["PROGRESS_AFTER_S", "SIMULATE_STEPS", "Parser", "Stop", "add_placement",
@@ -265,7 +265,7 @@ def plan_problems(the_plan: Plan, program: Program) -> list[str]:
     return out
 
 
-def _degree_problems(u: Any, module: Any, allowed: Any) -> list[str]:
+def _degree_problems(u: UnitPlan, module: Module, allowed: ModuleConstraints) -> list[str]:
     """A unit's degrees against what its module can take and the spec allows (a plan edited
     by hand; ``Plan`` checks their types only): each within the largest cluster, vpp within
     its layers, tp splitting its heads and widths, ep its experts and its dp (without
