@@ -223,6 +223,14 @@ def test_plan_reading_commands_refuse_another_specs_plan_alike(tmp_path, capsys)
     assert cli.main(["graph", tiny, "--plan", str(tmp_path / "broken.json")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "cannot read plan" in err, err
+    # A FIFO or a device is refused at once (reading it would never end).
+    import os
+
+    os.mkfifo(tmp_path / "fifo.json")
+    for path, kind in ((tmp_path / "fifo.json", "a FIFO"), ("/dev/zero", "a device")):
+        assert cli.main(["graph", tiny, "--plan", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert f"is {kind}, not a regular file" in err, err
 
 
 def test_profile_into_a_missing_folder_stops_before_it_measures(tmp_path, capsys):

@@ -4,12 +4,17 @@ a distributed run must match."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TextIO
 
 from dtdsl.cli.common import open_program, read_plan, refused, solve
-from dtdsl.clihelp import EXIT_ERRORS, EXIT_OK, positive_int
+from dtdsl.clihelp import EXIT_ERRORS, EXIT_OK, check_output, positive_int
 from dtdsl.driver import UsageError
 
 __all__ = ["HELP", "NAME", "add_arguments", "run"]
@@ -61,15 +66,10 @@ def run(args: argparse.Namespace) -> int:
             source = DatasetSource(program, args.data)
         except (DatasetError, ValueError) as err:
             raise UsageError(f"cannot read dataset {args.data}: {err}") from None
-    out = sys.stdout if args.out in (None, "-") else None
-    if out is None:
-        target = Path(args.out)
-        if target.is_dir():
-            raise UsageError(f"{args.out} is a directory; give a file name")
-        try:
-            out = open(target, "w", encoding="utf-8", newline="\n")  # noqa: SIM115
-        except OSError as err:
-            raise UsageError(f"cannot write {args.out}: {err.strerror or err}") from None
+    # A file: new, or an earlier run's output (never another file), checked before the work;
+    # the lines go to a temporary file beside it, renamed into place when all are written.
+    target = None if args.out in (None, "-") else \
+        check_output(args.out, _reference_lines, "a dtc reference output")
     if args.threads:
         torch.set_num_threads(args.threads)
     the_plan = None
@@ -83,20 +83,52 @@ def run(args: argparse.Namespace) -> int:
         print("dtc: note: --plan is read only with sync = local_sgd; synchronous data "
               "parallelism has the same losses under every plan", file=sys.stderr)
     start = time.perf_counter()
-    try:
-        for record in train_reference(program, steps, micro_batch=args.micro_batch,
-                                      seed=args.seed, source=source, plan=the_plan):
-            out.write(json.dumps(record) + "\n")
-            out.flush()
-            if not args.quiet:
-                print(f"step {record['step'] + 1}/{steps}  loss {record['loss']:.6f}  "
-                      f"({time.perf_counter() - start:.1f} s)", file=sys.stderr)
-    except ValueError as err:
-        raise UsageError(f"cannot train {result.name}: {err}") from None
-    finally:
-        if out is not sys.stdout:
-            out.close()
+    with _lines_to(target) as out:
+        try:
+            for record in train_reference(program, steps, micro_batch=args.micro_batch,
+                                          seed=args.seed, source=source, plan=the_plan):
+                out.write(json.dumps(record) + "\n")
+                out.flush()
+                if not args.quiet:
+                    print(f"step {record['step'] + 1}/{steps}  loss {record['loss']:.6f}  "
+                          f"({time.perf_counter() - start:.1f} s)", file=sys.stderr)
+        except ValueError as err:
+            raise UsageError(f"cannot train {result.name}: {err}") from None
     return EXIT_OK
+
+
+def _reference_lines(data: bytes) -> bool:
+    """``check_output``'s ``ours``: JSON lines, each a step's record with its loss."""
+    try:
+        lines = data.decode("utf-8").splitlines()
+        records = [json.loads(line) for line in lines]
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return False
+    return bool(records) and all(isinstance(r, dict) and {"step", "loss"} <= r.keys()
+                                 for r in records)
+
+
+@contextlib.contextmanager
+def _lines_to(target: Path | None) -> Iterator[TextIO]:
+    """stdout, or a temporary file beside ``target`` renamed onto it when the block ends
+    without an error (removed when it raises: ``target`` stays as it was)."""
+    if target is None:
+        yield sys.stdout
+        return
+    try:
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.",
+                                   suffix=".tmp")
+    except OSError as err:
+        raise UsageError(f"cannot write {target}: {err.strerror or err}") from None
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
+            os.fchmod(f.fileno(), 0o644)
+            yield f
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def _fits_in_memory(program) -> None:

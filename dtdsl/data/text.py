@@ -233,7 +233,9 @@ class HFTokenizer:
         try:
             raw = file.read_bytes()
             tok = Tokenizer.from_str(raw.decode("utf-8"))
-        except (OSError, UnicodeDecodeError, Exception) as err:  # noqa: BLE001
+        except BaseException as err:
+            if not _library_failure(err):
+                raise
             raise TokenizerError(f"{file} is not a tokenizers tokenizer.json: {err}") from None
         # A file saved after a padded or truncated encode keeps those settings, and every
         # encode would honour them (pad ids between images, answers cut short); transformers
@@ -402,8 +404,17 @@ def _encode(tok: Any, text: str, file: Path, *, special: bool = False) -> Any:
     without its unknown token meeting an unknown word) as TokenizerError."""
     try:
         return tok.encode(text, add_special_tokens=special)
-    except Exception as err:  # noqa: BLE001
+    except BaseException as err:
+        if not _library_failure(err):
+            raise
         raise TokenizerError(f"{file} cannot tokenize the text: {err}") from None
+
+
+def _library_failure(err: BaseException) -> bool:
+    """Whether ``err`` is the tokenizers library failing on what it was given: an Exception,
+    or the ``PanicException`` its Rust code raises on a file it cannot take (a
+    BaseException, which ``except Exception`` lets through); not an interrupt or exit."""
+    return isinstance(err, Exception) or type(err).__name__ == "PanicException"
 
 
 def load_tokenizer(path: str | Path | None, vocab: int, chat: str | None = None

@@ -317,7 +317,47 @@ def _check_metadata(metadata: Any, directory: pathlib.Path, file: pathlib.Path) 
         if getattr(info, "transform_descriptors", None):    # dtdsl writes none
             raise UnsafeMetadata(f"{file}: the entry of {index} asks for transforms "
                                  f"{info.transform_descriptors!r:.120}")
+    _check_entries(metadata.state_dict_metadata, storage, file)
     _check_files(storage, directory)
+
+
+def _check_entries(entries: dict[Any, Any], storage: dict[Any, Any],
+                   file: pathlib.Path) -> None:
+    """Every tensor entry a dtype and a shape of sizes >= 0 whose bytes its files can
+    hold (a reader allocates it whole), and chunks inside it: what a reader builds
+    tensors from."""
+    held = sum(info.length for info in storage.values())
+    for key, entry in entries.items():
+        if isinstance(entry, _md.BytesStorageMetadata):
+            continue
+        where = f"{file}: the entry {key!r:.80}"
+        if not isinstance(entry, _md.TensorStorageMetadata):
+            raise UnsafeMetadata(f"{where} is neither a tensor nor bytes")
+        props, size = entry.properties, entry.size
+        if not (isinstance(props, _md.TensorProperties) and isinstance(props.dtype,
+                                                                        torch.dtype)):
+            raise UnsafeMetadata(f"{where} has no dtype")
+        if not (isinstance(size, torch.Size) and _sizes(size)):
+            raise UnsafeMetadata(f"{where} has a shape of other than sizes >= 0")
+        nbytes = props.dtype.itemsize
+        for d in size:
+            nbytes *= d
+        if nbytes > held:
+            raise UnsafeMetadata(f"{where} claims {nbytes} bytes, more than its files hold "
+                                 f"({held})")
+        for chunk in entry.chunks:
+            if not (isinstance(chunk, _md.ChunkStorageMetadata) and
+                    _sizes(chunk.offsets) and _sizes(chunk.sizes) and
+                    len(chunk.offsets) == len(chunk.sizes) == len(size) and
+                    all(o + n <= d for o, n, d in zip(chunk.offsets, chunk.sizes, size,
+                                                      strict=True))):
+                raise UnsafeMetadata(f"{where} has a chunk outside its shape")
+
+
+def _sizes(values: Any) -> bool:
+    """Whether ``values`` is a sequence of ints >= 0."""
+    return isinstance(values, (tuple, list, torch.Size)) and \
+        all(type(v) is int and v >= 0 for v in values)
 
 
 def _check_files(storage: dict[Any, Any], directory: pathlib.Path) -> None:

@@ -4,6 +4,7 @@ special tokens, chat formats, image placeholders and the loss mask, held against
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import numpy as np
@@ -153,6 +154,12 @@ def test_tokenizers_that_cannot_be_used_say_why(tmp_path, llama, chatml):
     (tmp_path / "junk.json").write_text("{}")
     with pytest.raises(TokenizerError, match="not a tokenizers"):
         load_tokenizer(tmp_path / "junk.json", 512)
+    # A file the library's Rust code panics on (a PanicException, not an Exception).
+    (tmp_path / "panic.json").write_text(json.dumps({
+        "version": "1.0", "model": {"type": "WordLevel", "unk_token": "a", "vocab": {"a": 0}},
+        "normalizer": {"type": "Precompiled", "precompiled_charsmap": "/////wAAAAA="}}))
+    with pytest.raises(TokenizerError, match="not a tokenizers tokenizer.json: .*precompiled"):
+        load_tokenizer(tmp_path / "panic.json", 512)
     with pytest.raises(TokenizerError, match="beyond the backbone's vocabulary of 128"):
         load_tokenizer(llama, 128)
     with pytest.raises(TokenizerError, match="needs the special token <|im_start|>"):

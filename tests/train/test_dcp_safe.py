@@ -272,3 +272,41 @@ def test_a_store_attacker_changes_nothing_and_is_reported(tmp_path):
     # What was committed loads (through the safe reader) like any checkpoint.
     meta = dcp_safe.read_metadata(checkpoint_root(tmp_path) / "ckpt-2")
     assert any(k.startswith("model.") for k in meta.state_dict_metadata)
+
+
+def test_a_metadata_whose_tensor_entries_no_reader_can_build_is_refused(tmp_path):
+    import shutil
+
+    ok = tmp_path / "ok"
+    dcp.save(_state(), checkpoint_id=str(ok), no_dist=True)
+    dcp_safe.read_metadata(ok)
+
+    def entry(meta):
+        return meta.state_dict_metadata["model.w"]
+
+    def no_dtype(meta):
+        entry(meta).properties = None
+
+    def text_shape(meta):
+        entry(meta).size = ("3", "4")
+
+    def negative(meta):
+        entry(meta).size = torch.Size([3, -5])
+
+    def huge(meta):
+        entry(meta).size = torch.Size([1 << 20, 1 << 22])
+
+    def chunk_outside(meta):
+        entry(meta).chunks[0].sizes = torch.Size([30, 4])
+
+    cases = {no_dtype: "has no dtype", text_shape: "a shape of other than sizes",
+             negative: "a shape of other than sizes", huge: "more than its files hold",
+             chunk_outside: "a chunk outside its shape"}
+    for edit, words in cases.items():
+        folder = tmp_path / edit.__name__
+        shutil.copytree(ok, folder)
+        meta = FileSystemReader(str(ok)).read_metadata()
+        edit(meta)
+        (folder / ".metadata").write_bytes(pickle.dumps(meta))
+        with pytest.raises(dcp_safe.UnsafeMetadata, match=words):
+            dcp_safe.read_metadata(folder)

@@ -142,4 +142,12 @@ def test_cli_writes_one_line_per_step(tmp_path, capsys):
     assert "step 2/2" in capsys.readouterr().err
     assert cli.main(["reference", str(TINY), "--steps", "1", "--out", str(tmp_path)]) == 2
     assert "directory" in capsys.readouterr().err
+    # An earlier output is replaced; any other file is left as it was, checked before training.
+    assert cli.main(["reference", str(TINY), "--steps", "1", "--out", str(out), "-q"]) == 0
+    assert [json.loads(line)["step"] for line in out.read_text().splitlines()] == [0]
+    mine = tmp_path / "notes.txt"
+    mine.write_text("precious\n")
+    assert cli.main(["reference", str(TINY), "--steps", "1", "--out", str(mine)]) == 2
+    assert "is not a dtc reference output dtdsl wrote" in capsys.readouterr().err
+    assert mine.read_text() == "precious\n" and not list(tmp_path.glob(".*.tmp"))
     assert cli.main(["reference", str(tmp_path / "missing.dt"), "--steps", "1"]) == 2
