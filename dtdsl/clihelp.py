@@ -13,9 +13,9 @@ import os
 import stat
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from dtdsl.diagnostics import render_text
 from dtdsl.driver import FrontendResult, UsageError, read_spec, run_frontend
@@ -108,25 +108,35 @@ def parses_as(model: Any) -> Callable[[bytes], bool]:
 
 
 def write_file(path: str, text: str, ours: Callable[[bytes], bool], what: str) -> None:
-    """Write a whole file or nothing: a temporary file beside it, renamed into place (mode
-    0644). An existing file is replaced only where ``ours`` recognises its bytes as
-    ``what`` this command writes (dtdsl never writes over a file it did not write): a
-    link, a folder or another file is a UsageError, and nothing changes."""
-    target = check_output(path, ours, what)
+    """Write a whole file or nothing (``replacing``). An existing file is replaced only
+    where ``ours`` recognises its bytes as ``what`` this command writes (dtdsl never writes
+    over a file it did not write): a link, a folder or another file is a UsageError, and
+    nothing changes."""
+    with replacing(check_output(path, ours, what)) as f:
+        f.write(text)
+
+
+@contextlib.contextmanager
+def replacing(target: Path) -> Iterator[TextIO]:
+    """A text file whose lines become ``target`` whole (mode 0644) when the block ends: a
+    temporary file beside it, renamed into place; removed if the block raises, ``target``
+    left as it was. ``check_output`` first: this replaces whatever is there."""
     try:
         fd, tmp = tempfile.mkstemp(dir=target.parent if str(target.parent) else ".",
                                    prefix=f".{target.name}.", suffix=".tmp")
     except OSError as err:
-        raise UsageError(f"cannot write {path}: {err.strerror or err}") from None
+        raise UsageError(f"cannot write {target}: {err.strerror or err}") from None
     try:
         with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
             os.fchmod(f.fileno(), 0o644)
-            f.write(text)
+            yield f
         os.replace(tmp, target)
-    except OSError as err:
+    except BaseException as err:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
-        raise UsageError(f"cannot write {path}: {err.strerror or err}") from None
+        if isinstance(err, OSError):
+            raise UsageError(f"cannot write {target}: {err.strerror or err}") from None
+        raise
 
 
 def _read(path: Path) -> bytes:

@@ -6,15 +6,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import sys
-import tempfile
-from collections.abc import Iterator
-from pathlib import Path
-from typing import TextIO
 
 from dtdsl.cli.common import open_program, read_plan, refused, solve
-from dtdsl.clihelp import EXIT_ERRORS, EXIT_OK, check_output, positive_int
+from dtdsl.clihelp import EXIT_ERRORS, EXIT_OK, check_output, positive_int, replacing
 from dtdsl.driver import UsageError
 
 __all__ = ["HELP", "NAME", "add_arguments", "run"]
@@ -83,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         print("dtc: note: --plan is read only with sync = local_sgd; synchronous data "
               "parallelism has the same losses under every plan", file=sys.stderr)
     start = time.perf_counter()
-    with _lines_to(target) as out:
+    with contextlib.nullcontext(sys.stdout) if target is None else replacing(target) as out:
         try:
             for record in train_reference(program, steps, micro_batch=args.micro_batch,
                                           seed=args.seed, source=source, plan=the_plan):
@@ -106,29 +101,6 @@ def _reference_lines(data: bytes) -> bool:
         return False
     return bool(records) and all(isinstance(r, dict) and {"step", "loss"} <= r.keys()
                                  for r in records)
-
-
-@contextlib.contextmanager
-def _lines_to(target: Path | None) -> Iterator[TextIO]:
-    """stdout, or a temporary file beside ``target`` renamed onto it when the block ends
-    without an error (removed when it raises: ``target`` stays as it was)."""
-    if target is None:
-        yield sys.stdout
-        return
-    try:
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.",
-                                   suffix=".tmp")
-    except OSError as err:
-        raise UsageError(f"cannot write {target}: {err.strerror or err}") from None
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
-            os.fchmod(f.fileno(), 0o644)
-            yield f
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def _fits_in_memory(program) -> None:

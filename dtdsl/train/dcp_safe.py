@@ -32,6 +32,7 @@ import enum
 import hashlib
 import hmac
 import io
+import math
 import pathlib
 import pickle
 import stat
@@ -339,9 +340,7 @@ def _check_entries(entries: dict[Any, Any], storage: dict[Any, Any],
             raise UnsafeMetadata(f"{where} has no dtype")
         if not (isinstance(size, torch.Size) and _sizes(size)):
             raise UnsafeMetadata(f"{where} has a shape of other than sizes >= 0")
-        nbytes = props.dtype.itemsize
-        for d in size:
-            nbytes *= d
+        nbytes = math.prod(size) * props.dtype.itemsize
         if nbytes > held:
             raise UnsafeMetadata(f"{where} claims {nbytes} bytes, more than its files hold "
                                  f"({held})")
