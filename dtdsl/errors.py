@@ -12,7 +12,10 @@ exception reaching the CLI is a bug in dtdsl (exit ``EXIT_INTERNAL``).
 
 from __future__ import annotations
 
-__all__ = ["EXIT_ERRORS", "EXIT_INTERNAL", "EXIT_OK", "EXIT_USAGE", "DtdslError"]
+from typing import Any
+
+__all__ = ["EXIT_ERRORS", "EXIT_INTERNAL", "EXIT_OK", "EXIT_USAGE", "DtdslError",
+           "validation_problems"]
 
 # 0 no errors, 1 errors in a spec (or `fmt --check` found changes), 2 bad input (the
 # command line, a file or dataset it names), 3 an internal error (a bug in dtdsl).
@@ -24,3 +27,12 @@ class DtdslError(Exception):
     ``exit_code``."""
 
     exit_code = EXIT_USAGE
+
+
+def validation_problems(err: Any, limit: int = 1) -> str:
+    """A pydantic ``ValidationError`` in one line: its first ``limit`` problems, each after
+    the field it is in (none for the whole document), and how many more there are."""
+    problems = "; ".join(": ".join(filter(None, (".".join(map(str, e["loc"])), e["msg"])))
+                         for e in err.errors()[:limit])
+    more = err.error_count() - limit
+    return problems + (f" (and {more} more)" if more > 0 else "")

@@ -15,6 +15,7 @@ from dtdsl.clihelp import EXIT_USAGE, load_program
 from dtdsl.codes import DT000
 from dtdsl.diagnostics import Diagnostic, has_errors, render_text
 from dtdsl.driver import FrontendResult, UsageError
+from dtdsl.errors import validation_problems
 from dtdsl.ir.bounds import MAX_CLUSTER_GPUS
 from dtdsl.ir.program import Module, ModuleConstraints, Program
 from dtdsl.source import Span
@@ -195,10 +196,7 @@ def read_plan(path: str, program: Program) -> Plan:
     except Refused as err:
         raise UsageError(f"cannot read plan: {err}") from None
     except ValidationError as err:
-        first = err.errors()[0]
-        where = ".".join(str(part) for part in first["loc"]) or "the document"
-        more = f" (and {err.error_count() - 1} more)" if err.error_count() > 1 else ""
-        raise UsageError(f"cannot read plan {path}: {where}: {first['msg']}{more}; plan the "
+        raise UsageError(f"cannot read plan {path}: {validation_problems(err)}; plan the "
                          "spec again (`dtc plan SPEC -o plan.json`)") from None
     except (OSError, ValueError) as err:
         raise UsageError(f"cannot read plan {path}: {err}") from None

@@ -45,7 +45,12 @@ def run(args: argparse.Namespace) -> int:
                          "give the real folder, or a new one")
     if out.is_dir() and any(out.iterdir()) and not args.overwrite:
         raise UsageError(f"{out} is not empty; pass --overwrite to write into it")
-    units = tuple(u for u in args.units.split(",") if u) if args.units else None
+    units = None
+    if args.units is not None:
+        units = tuple(u for u in args.units.split(",") if u)
+        if not units:
+            raise UsageError(f"--units {args.units!r} names no unit: name them (A,B), or "
+                             "leave --units out to export every one")
     # A CheckpointError or HFError is the user's to act on: dtc prints it (DtdslError).
     done = export_checkpoint(args.run_dir, out, step=args.step, dtype=args.dtype,
                              units=units, program=program,

@@ -29,7 +29,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from dtdsl.errors import DtdslError
+from dtdsl.errors import DtdslError, validation_problems
 from dtdsl.ir import program as ir
 
 __all__ = [
@@ -185,11 +185,8 @@ def load_profile(path: str | os.PathLike, *, program: ir.Program | None = None) 
     try:
         profile = Profile.model_validate(raw)
     except ValidationError as err:
-        problems = "; ".join(
-            f"{'.'.join(map(str, e['loc'])) or '(top)'}: {e['msg']}" for e in err.errors()[:3])
-        more = f" (and {err.error_count() - 3} more)" if err.error_count() > 3 else ""
         raise ProfileError(f"{path} is not a valid version {PROFILE_VERSION} profile: "
-                           f"{problems}{more}") from None
+                           f"{validation_problems(err, limit=3)}") from None
     if program is not None:
         check_profile(profile, program)
     return profile

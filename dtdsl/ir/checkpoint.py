@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
-from dtdsl.errors import DtdslError
+from dtdsl.errors import DtdslError, validation_problems
 
 __all__ = ["FORMAT", "MANIFEST", "MODES", "PROGRAM", "VERSION", "CheckpointError",
            "CheckpointMismatch", "Manifest", "UnitLayout", "checkpoint_root",
@@ -136,10 +136,8 @@ def read_manifest(path: str | Path) -> Manifest:
     except OSError as err:
         raise CheckpointError(f"cannot read {file}: {err.strerror or err}") from None
     except ValidationError as err:
-        first = err.errors()[0]
-        where = ".".join(map(str, first["loc"]))
         raise CheckpointError(f"{file} is not a checkpoint manifest: "
-                              f"{where + ': ' if where else ''}{first['msg']}") from None
+                              f"{validation_problems(err)}") from None
     except ValueError as err:
         raise CheckpointError(f"{file} is not a checkpoint manifest: {err}") from None
 

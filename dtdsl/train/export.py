@@ -38,9 +38,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from pydantic import ValidationError
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from dtdsl.errors import validation_problems
 from dtdsl.ir import program as ir
 from dtdsl.ir.checkpoint import (
     PROGRAM,
@@ -171,6 +173,9 @@ def _program(ckpt: Path, spec_program: ir.Program | None) -> ir.Program:
     except OSError:
         raise CheckpointError(f"{ckpt} has no {PROGRAM} (written before dtdsl kept it): "
                               "give the spec it was trained from with --spec") from None
+    except ValidationError as err:
+        raise CheckpointError(f"{ckpt / PROGRAM} is not a program: "
+                              f"{validation_problems(err)}") from None
     except ValueError as err:
         raise CheckpointError(f"{ckpt / PROGRAM} is not a program: {err}") from None
 
@@ -212,7 +217,7 @@ def export_checkpoint(path: str | Path, out: str | Path, *, step: int | None = N
         if not shapes[name]:
             raise CheckpointError(f"{ckpt} holds no parameters of {name}")
     out = Path(out)
-    created = not os.path.lexists(out)
+    made = _missing_folders(out)
     try:
         snapshots = _verify_out(out, names)
         staged: list[Staged] = []
@@ -230,13 +235,23 @@ def export_checkpoint(path: str | Path, out: str | Path, *, step: int | None = N
         except BaseException:
             for s in staged:
                 s.discard()
-            if created:             # the folder this export made, as it was: gone
+            for folder in made:     # the folders this export made, if still empty: gone
                 with contextlib.suppress(OSError):
-                    out.rmdir()
+                    folder.rmdir()
             raise
     except OutputError as err:
         raise ExportError(str(err)) from None
     return done
+
+
+def _missing_folders(path: Path) -> list[Path]:
+    """``path`` and each of its parents that does not exist yet, deepest first."""
+    missing = []
+    path = Path(os.path.abspath(path))
+    while not os.path.lexists(path) and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    return missing
 
 
 _LEFT = re.compile(r"\..*\.dtdsl-(new|old)-[^/]*\Z", re.DOTALL)   # outdir.stage's folders

@@ -217,3 +217,41 @@ def test_a_damaged_checkpoint_is_one_line_and_leaves_no_folder(ckpt, tmp_path, c
     assert export(ckpt, tmp_path / "ok", "--overwrite", "--units", "vit") == 2
     assert "holds .llm.dtdsl-new-0a1b2c, left by an export that was interrupted" in \
         capsys.readouterr().err
+
+
+def test_units_that_name_none_are_refused(ckpt, tmp_path, capsys):
+    for units in (",,", ""):
+        assert export(ckpt, tmp_path / "out", "--units", units) == 2
+        assert f"--units {units!r} names no unit" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_failed_export_removes_the_folders_it_made(ckpt, tmp_path, capsys):
+    import shutil
+
+    bad = tmp_path / "ckpt-1"
+    shutil.copytree(ckpt, bad)
+    shard = max(bad.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    shard.write_bytes(bytes(shard.stat().st_size))
+    (tmp_path / "kept").mkdir()
+    assert export(bad, tmp_path / "kept" / "new" / "deeper" / "out") == 2
+    assert f"cannot read {bad}: " in capsys.readouterr().err
+    assert list((tmp_path / "kept").iterdir()) == []       # its own parent stays
+
+
+def test_a_program_that_is_not_one_is_one_line(ckpt, tmp_path, capsys):
+    import shutil
+
+    from dtdsl.ir.checkpoint import PROGRAM
+
+    bad = tmp_path / "ckpt-1"
+    shutil.copytree(ckpt, bad)
+    program = json.loads((bad / PROGRAM).read_text())
+    del program["modules"]
+    program["name"] = 7
+    (bad / PROGRAM).write_text(json.dumps(program))
+    assert export(bad, tmp_path / "out") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert f"{bad / PROGRAM} is not a program: " in err and "(and 1 more)" in err
+    assert not (tmp_path / "out").exists()
