@@ -117,8 +117,8 @@ def write_file(path: str, text: str, ours: Callable[[bytes], bool], what: str) -
 
 
 @contextlib.contextmanager
-def replacing(target: Path) -> Iterator[TextIO]:
-    """A text file whose lines become ``target`` whole (mode 0644) when the block ends: a
+def replacing(target: Path, mode: int = 0o644) -> Iterator[TextIO]:
+    """A text file whose lines become ``target`` whole (``mode``) when the block ends: a
     temporary file beside it, renamed into place; removed if the block raises, ``target``
     left as it was. ``check_output`` first: this replaces whatever is there."""
     try:
@@ -128,7 +128,7 @@ def replacing(target: Path) -> Iterator[TextIO]:
         raise UsageError(f"cannot write {target}: {err.strerror or err}") from None
     try:
         with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
-            os.fchmod(f.fileno(), 0o644)
+            os.fchmod(f.fileno(), mode)
             yield f
         os.replace(tmp, target)
     except BaseException as err:

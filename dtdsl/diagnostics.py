@@ -29,6 +29,7 @@ __all__ = [
 ]
 
 _MAX_SHOWN_LINE = 100  # characters of a source line shown around the caret
+_MAX_SHOWN_MESSAGE = 1000  # characters of a message, note or hint (the rest counted)
 MAX_SHOWN = 100  # diagnostics shown in full per file on the terminal
 
 
@@ -89,6 +90,15 @@ def _printable(text: str) -> str:
     return "".join(c if c.isprintable() or c == " " else "?" for c in text.expandtabs(1))
 
 
+def _shown(text: str) -> str:
+    """A message, note or hint as one printable line of at most ``_MAX_SHOWN_MESSAGE``
+    characters (a name or path from the input may be anything, and any length)."""
+    if len(text) > _MAX_SHOWN_MESSAGE:
+        text = f"{text[:_MAX_SHOWN_MESSAGE]}... ({len(text) - _MAX_SHOWN_MESSAGE:,} more " \
+               "characters)"
+    return _printable(text)
+
+
 def _excerpt(lines: Sequence[str], span: Span) -> list[str]:
     if not 1 <= span.line <= len(lines):
         return []
@@ -125,12 +135,12 @@ def render_text(diagnostics: Sequence[Diagnostic], source: Source | None, name: 
     source_lines = source.lines() if source is not None else []
     for diag in diagnostics[:limit]:
         lines = [f"{name}:{diag.span.line}:{diag.span.column}: "
-                 f"{diag.severity.value}[{diag.code}]: {diag.message}"]
+                 f"{diag.severity.value}[{diag.code}]: {_shown(diag.message)}"]
         if source is not None:
             lines += _excerpt(source_lines, diag.span)
-        lines += [f"  = note: {note}" for note in diag.notes]
+        lines += [f"  = note: {_shown(note)}" for note in diag.notes]
         if diag.hint:
-            lines.append(f"  = hint: {diag.hint}")
+            lines.append(f"  = hint: {_shown(diag.hint)}")
         blocks.append("\n".join(lines))
     errors = sum(d.severity is Severity.ERROR for d in diagnostics)
     warnings = len(diagnostics) - errors

@@ -66,18 +66,28 @@ def read_spec(path: str) -> tuple[str, bytes]:
     if path == "-":
         return "<stdin>", sys.stdin.buffer.read(MAX_SPEC_BYTES + 1)
     try:
-        info = os.stat(path)
+        # Opened without blocking (a FIFO's open waits for a writer), then checked: only a
+        # regular file is read (a FIFO or a device would never end, or never start).
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         raise UsageError(f"no such file: {path}") from None
+    except IsADirectoryError:
+        raise UsageError(f"{path} is a directory; give a .dt file") from None
     except OSError as err:
         raise UsageError(f"cannot read {path}: {err.strerror or err}") from None
-    if stat.S_ISDIR(info.st_mode):
-        raise UsageError(f"{path} is a directory; give a .dt file")
     try:
-        with open(path, "rb") as f:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise UsageError(f"{path} is a directory; give a .dt file")
+        if not stat.S_ISREG(mode):
+            raise UsageError(f"{path} is not a regular file; give a .dt file")
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "rb", closefd=False) as f:
             return path, f.read(MAX_SPEC_BYTES + 1)
     except OSError as err:
         raise UsageError(f"cannot read {path}: {err.strerror or err}") from None
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager

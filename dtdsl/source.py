@@ -76,7 +76,7 @@ def decode_source(name: str, data: bytes) -> Source | SourceError:
     if len(data) > MAX_SPEC_BYTES:
         return SourceError(
             code=DT003,
-            message=f"spec is {len(data):,} bytes; specs are limited to {MAX_SPEC_BYTES:,} bytes",
+            message=f"spec is more than {MAX_SPEC_BYTES:,} bytes, the limit of a spec",
             span=Span.point(1, 1),
             hint="a spec describes a job in a few hundred lines; keep measured data in a "
             "separate file and read it with empirical(\"file.json\")",
@@ -102,4 +102,6 @@ def decode_source(name: str, data: bytes) -> Source | SourceError:
         )
     if text.startswith("\ufeff"):
         text = text[1:]
+    if "\r" in text and "\n" not in text:     # classic Mac OS line endings: lone CRs
+        text = text.replace("\r", "\n")
     return Source(name=name, text=text)

@@ -116,6 +116,34 @@ def test_fmt_check_diff_and_write(tmp_path: Path):
     assert out == "train {\n  seed = 1\n}\n"
 
 
+def test_fmt_writes_through_a_link_keeping_the_mode(tmp_path: Path):
+    import os
+    import stat
+
+    spec = tmp_path / "real.dt"
+    spec.write_text("train {steps=3}\n")
+    spec.chmod(0o600)
+    (tmp_path / "link.dt").symlink_to(spec)
+    assert dtc("fmt", str(tmp_path / "link.dt"))[0] == 0
+    assert (tmp_path / "link.dt").is_symlink()
+    assert spec.read_text() == "train {\n  steps = 3\n}\n"
+    assert stat.S_IMODE(os.stat(spec).st_mode) == 0o600
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.dt", "real.dt"]
+
+
+def test_a_spec_that_is_no_regular_file_is_refused_at_once(tmp_path: Path):
+    import os
+
+    os.mkfifo(tmp_path / "fifo.dt")
+    for command in ("check", "fmt"):
+        code, _, err = dtc(command, str(tmp_path / "fifo.dt"))
+        assert code == 2 and "fifo.dt is not a regular file" in err, err
+        code, _, err = dtc(command, "/dev/zero")
+        assert code == 2 and "/dev/zero is not a regular file" in err, err
+    code, _, err = dtc("check", str(tmp_path))
+    assert code == 2 and "is a directory; give a .dt file" in err, err
+
+
 def test_fmt_refuses_syntax_errors(tmp_path: Path):
     spec = tmp_path / "x.dt"
     spec.write_text("train { seed = }\n")

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import os
+import stat
 import sys
+from pathlib import Path
 
-from dtdsl.clihelp import EXIT_ERRORS, EXIT_OK, EXIT_USAGE
+from dtdsl.clihelp import EXIT_ERRORS, EXIT_OK, EXIT_USAGE, replacing
 from dtdsl.diagnostics import render_text
 from dtdsl.driver import UsageError, read_spec, run_frontend
 from dtdsl.frontend.fmt import format_spec
@@ -54,7 +57,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"would reformat {name}", file=sys.stderr)
             exit_code = max(exit_code, EXIT_ERRORS)
         elif not args.diff:
-            with open(path, "w", encoding="utf-8", newline="\n") as f:
+            # Whole or not at all (a full disk leaves the spec as it was), through a link
+            # to the file it names, which keeps its mode.
+            real = Path(os.path.realpath(path))
+            with replacing(real, mode=stat.S_IMODE(os.stat(real).st_mode)) as f:
                 f.write(formatted)
             print(f"reformatted {name}", file=sys.stderr)
     return exit_code

@@ -113,7 +113,20 @@ SPARSE = "sparse tar member"
 def expand_source(pattern: str) -> list[str]:
     """The paths a brace pattern names, in order (``a{1..3}`` -> ``a1 a2 a3``; a range keeps
     its first bound's zero padding; ``{x,y}`` alternatives). ValueError for a range that
-    runs backwards or expands too far."""
+    runs backwards, or for more than ``_MAX_EXPANSION`` paths in all (counted before any
+    is made: ``{0..99999}/{0..99999}`` names 1e10)."""
+    count = 1
+    for body in _BRACE.findall(pattern):
+        r = _RANGE.fullmatch(body)
+        if r and int(r.group(2)) < int(r.group(1)):
+            raise ValueError(f"the range {{{body}}} runs backwards")
+        count *= int(r.group(2)) - int(r.group(1)) + 1 if r else body.count(",") + 1
+        if count > _MAX_EXPANSION:
+            raise ValueError(f"{pattern!r} names more than {_MAX_EXPANSION:,} files")
+    return _expand(pattern)
+
+
+def _expand(pattern: str) -> list[str]:
     m = _BRACE.search(pattern)
     if m is None:
         return [pattern]
@@ -121,17 +134,13 @@ def expand_source(pattern: str) -> list[str]:
     r = _RANGE.fullmatch(body)
     if r:
         lo, hi = int(r.group(1)), int(r.group(2))
-        if hi < lo:
-            raise ValueError(f"the range {{{body}}} runs backwards")
-        if hi - lo >= _MAX_EXPANSION:
-            raise ValueError(f"the range {{{body}}} names more than {_MAX_EXPANSION:,} files")
         width = len(r.group(1))
         items = [str(i).zfill(width) for i in range(lo, hi + 1)]
     else:
         items = body.split(",")
     out = []
     for item in items:
-        out.extend(expand_source(pattern[:m.start()] + item + pattern[m.end():]))
+        out.extend(_expand(pattern[:m.start()] + item + pattern[m.end():]))
     return out
 
 

@@ -38,6 +38,7 @@ TOP_KEYWORDS = ("spec", "model", "data", "cluster", "train", "constraints")
 
 _SCAN = re.compile(
     r'"(?:[^"\\\n]|\\[^\n])*"'          # a string: brackets and '#' inside do not count
+    r'|(?P<unclosed>"(?:[^"\\\n]|\\[^\n])*\\?)(?=\n|\Z)'   # one the line or file ends
     r"|(?P<comment>#[^\n]*)"
     r"|(?P<open>[{\[(])|(?P<close>[}\])])"
     r"|(?P<newline>\n)"
@@ -167,7 +168,11 @@ def _scan(text: str) -> _Scan:
             line, line_start = line + 1, m.end()
             continue
         column = m.start() - line_start + 1
-        if kind == "comment":
+        if kind == "unclosed":
+            diags.append(Diagnostic.error(
+                DT103, "string is not closed before the end of the line",
+                Span.point(line, column), hint='close it with a \'"\' on the same line'))
+        elif kind == "comment":
             comments.append(ast.Comment(text=m.group().rstrip("\r"), span=Span(
                 line=line, column=column, end_line=line, end_column=column + len(m.group()))))
         elif kind == "top":
@@ -196,7 +201,9 @@ def _scan(text: str) -> _Scan:
                     notes=[f"'{opener}' opened at line {where.line}, column {where.column}"]))
             else:
                 stack.pop()
-    for opener, where in reversed(stack[-5:]):
+    # An unclosed string may hold the closing brackets: the string is the error to show.
+    unclosed = any(d.code == DT103 for d in diags)
+    for opener, where in reversed(stack[-5:] if not unclosed else []):
         diags.append(Diagnostic.error(
             DT102, f"'{opener}' is never closed", where,
             hint=f"add '{_CLOSER[opener]}' where the {'block' if opener == '{' else 'list'} ends"))

@@ -33,6 +33,10 @@ from dtdsl.ir.bounds import MAX_CLUSTER_GPUS
 MAX_NAME_LENGTH = 64
 MAX_EMPIRICAL_BYTES = 64 << 20
 MAX_EMPIRICAL_VALUES = 10_000_000
+# Samples a step: beyond the largest batches trained (CLIP's 32K), and what the planner
+# simulates in about a minute on a few GPUs (its drawn batches grow with it: a 16K batch on
+# 4 GPUs took 35 s and 1.5 GB).
+MAX_GLOBAL_BATCH = 65_536
 
 # ---- parameter tables (docs/language.md lists the same) -------------------------
 
@@ -150,16 +154,20 @@ DATA_FIELDS = (
     Param("image_folder", StrKind(), doc='image_folder = "coco/train2017"'),
 )
 
+# A link slower than 100 kB/s (0.8 Mb/s) carries no training job: the planner's solver
+# fails on transfer times some 1e12 times its compute times.
+MIN_LINK_BW = 1e5
+
 CLUSTER_FIELDS = (
     Param("gpu", CallKind(allow_bare=True), required=True,
           doc="gpu = H800, or custom(memory=..., peak=...)"),
     Param("gpus", IntKind(1, MAX_CLUSTER_GPUS), required=True, doc="gpus = 64"),
     Param("gpus_per_node", IntKind(1, 64)),
-    Param("intra_node_bw", QuantityKind(dim="bandwidth", low=0, high=1e14)),
-    Param("inter_node_bw", QuantityKind(dim="bandwidth", low=0, high=1e14)),
+    Param("intra_node_bw", QuantityKind(dim="bandwidth", low=MIN_LINK_BW, high=1e14)),
+    Param("inter_node_bw", QuantityKind(dim="bandwidth", low=MIN_LINK_BW, high=1e14)),
     Param("cpu_workers", IntKind(0, 100_000), default=1),
     # The host link (PCIe) per GPU, which optimizer offload crosses (ir.hardware).
-    Param("host_bw", QuantityKind(dim="bandwidth", low=0, high=1e14)),
+    Param("host_bw", QuantityKind(dim="bandwidth", low=MIN_LINK_BW, high=1e14)),
 )
 _GPU_OVERRIDES = (
     Param("memory", QuantityKind(dim="size", low=2**20, high=2**50)),
@@ -231,7 +239,8 @@ class _SecondsKind(Kind):
 
 
 TRAIN_FIELDS = (
-    Param("global_batch", IntKind(1, 10**7), required=True, doc="global_batch = 1920"),
+    Param("global_batch", IntKind(1, MAX_GLOBAL_BATCH), required=True,
+          doc="global_batch = 1920"),
     Param("micro_batch", IntKind(1, 10**6), default=1),
     Param("seq_len", IntKind(16, 10**7), required=True, doc="seq_len = 8192"),
     Param("schedule", CallKind(allow_bare=True)),

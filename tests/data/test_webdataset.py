@@ -26,6 +26,10 @@ def test_brace_patterns_expand_like_webdatasets():
     assert expand_source("plain.tar") == ["plain.tar"]
     with pytest.raises(ValueError, match="runs backwards"):
         expand_source("{5..1}")
+    # Counted before any name is made: 1e10 names in all, each range well under the bound.
+    for pattern in ("s/{0..99999}/{0..99999}.tar", "{a,b}/{0..9999999}"):
+        with pytest.raises(ValueError, match="names more than 10,000,000 files"):
+            expand_source(pattern)
 
 
 def test_samples_are_grouped_by_key_with_their_sizes(tmp_path):

@@ -181,6 +181,31 @@ def test_contradicting_wildcard_constraints_are_reported_once():
     assert "tp(*)" in found[0].message
 
 
+def test_a_link_slower_than_any_network_is_not_believable():
+    for field in ("inter_node_bw = 1e-12 Mb/s", "intra_node_bw = 1e-300 GB/s",
+                  "host_bw = 0.5 Mb/s"):
+        found = diagnostics(BASE.replace("inter_node_bw = 200 Gb/s", field))
+        assert [d.code for d in found] == ["DT208"], [d.message for d in found]
+    assert not errors(BASE.replace("inter_node_bw = 200 Gb/s", "inter_node_bw = 1 Mb/s"))
+
+
+def test_a_global_batch_past_any_trained_is_refused_before_planning():
+    found = diagnostics(BASE.replace("global_batch = 32", "global_batch = 10M"))
+    assert [d.code for d in found] == ["DT208"], [d.message for d in found]
+    assert not errors(BASE.replace("global_batch = 32", "global_batch = 64k"))
+
+
+def test_a_name_of_any_length_is_shown_in_one_short_line():
+    from dtdsl.diagnostics import render_text
+    from dtdsl.driver import run_frontend as frontend
+
+    text = BASE.replace("train {", "train {\n  " + "x" * 100_000 + " = 1\n", 1)
+    result = frontend("long.dt", text.encode())
+    shown = render_text(result.diagnostics, result.source, "long.dt")
+    assert max(len(line) for line in shown.splitlines()) < 1_200, shown[:300]
+    assert "unknown field 'xxx" in shown and "more characters)" in shown
+
+
 def test_too_long_module_name_is_the_only_error():
     for name in ("llm", "vit"):
         found = diagnostics(BASE.replace(name, "m" * 70))

@@ -82,6 +82,7 @@ def test_strings_and_escapes():
     (b"train { x = " + b"9" * 400 + b" }", "DT105"),
     (b"train { x = 1e400 }", "DT105"),
     (b'train { x = "open }', "DT103"),
+    (b'train { x = "open', "DT103"),     # at the end of the file, in an open block
     (b"train { x = (1 }", "DT102"),
     (b"train { x = 1", "DT102"),
     (b"train { x = 1 ; }", "DT101"),
@@ -95,6 +96,18 @@ def test_bad_input_gets_located_diagnostics(data: bytes, code: str | None):
         return
     assert codes and codes[0][0] == code
     assert all(line >= 1 and column >= 1 for _, line, column in codes)
+
+
+def test_lone_carriage_returns_end_lines():
+    lf = b"train {\n  steps = 3\n  x = \"a\n}\n"
+    assert _codes(lf.replace(b"\n", b"\r")) == _codes(lf) == [("DT103", 3, 7)]
+
+
+def test_an_oversized_spec_says_so_without_a_wrong_size():
+    from dtdsl.source import decode_source
+
+    err = decode_source("big.dt", b"#" * (MAX_SPEC_BYTES + 1))
+    assert err.message == f"spec is more than {MAX_SPEC_BYTES:,} bytes, the limit of a spec"
 
 
 def test_nesting_just_under_the_limit_parses():
