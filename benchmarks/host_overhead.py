@@ -41,7 +41,9 @@ against its own and their GPU times (a co-located encoder's images, and the sequ
 holds them, at their own sizes). What a microbatch is: the cost model's average one (as
 ``dtc memcheck`` builds it, ``train.memplan``): a backbone microbatch of ``micro_batch``
 sequences of ``seq_len`` positions (the first stage embeds the tokens, the last runs the
-LM head and its loss), an encoder's average images (one group of the mean image size: a
+LM head and its loss; longer than the average microbatch the plan prices, so a GPU's time
+here is more than the plan's while the host's hardly depends on the length), an encoder's
+average images (one group of the mean image size: a
 microbatch of k sizes runs its layers k times), a generator's average targets. Included:
 the stage's forward and backward as the executor calls them, with FSDP2's hooks (its
 parameters gathered once per step, as ZeRO-1 does) and DTensor. Excluded: what happens
