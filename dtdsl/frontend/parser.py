@@ -40,6 +40,7 @@ _SCAN = re.compile(
     r'"(?:[^"\\\n]|\\[^\n])*"'          # a string: brackets and '#' inside do not count
     r'|(?P<unclosed>"(?:[^"\\\n]|\\[^\n])*\\?)(?=\n|\Z)'   # one the line or file ends
     r"|(?P<comment>#[^\n]*)"
+    r"|(?P<control>[\x00-\x08\x0b\x0e-\x1f\x7f])"    # not whitespace: an escape, say
     r"|(?P<open>[{\[(])|(?P<close>[}\])])"
     r"|(?P<newline>\n)"
     r"|^[ \t]*(?P<top>" + "|".join(TOP_KEYWORDS) + r")\b",
@@ -160,6 +161,7 @@ def _scan(text: str) -> _Scan:
     comments: list[ast.Comment] = []
     block_lines: list[int] = []
     diags: list[Diagnostic] = []
+    lexical: list[Diagnostic] = []      # unclosed strings, control characters
     stack: list[tuple[str, Span]] = []
     line, line_start = 1, 0
     for m in _SCAN.finditer(text):
@@ -169,9 +171,14 @@ def _scan(text: str) -> _Scan:
             continue
         column = m.start() - line_start + 1
         if kind == "unclosed":
-            diags.append(Diagnostic.error(
+            lexical.append(Diagnostic.error(
                 DT103, "string is not closed before the end of the line",
                 Span.point(line, column), hint='close it with a \'"\' on the same line'))
+        elif kind == "control":
+            lexical.append(Diagnostic.error(
+                DT101, f"unexpected character U+{ord(m.group()):04X}", Span.point(line, column),
+                hint="a control character has no place in a spec outside strings and "
+                "comments (a terminal's colour codes pasted with it?): remove it"))
         elif kind == "comment":
             comments.append(ast.Comment(text=m.group().rstrip("\r"), span=Span(
                 line=line, column=column, end_line=line, end_column=column + len(m.group()))))
@@ -201,9 +208,11 @@ def _scan(text: str) -> _Scan:
                     notes=[f"'{opener}' opened at line {where.line}, column {where.column}"]))
             else:
                 stack.pop()
-    # An unclosed string may hold the closing brackets: the string is the error to show.
-    unclosed = any(d.code == DT103 for d in diags)
-    for opener, where in reversed(stack[-5:] if not unclosed else []):
+    # An unclosed string may hold the closing brackets, a pasted escape sequence open one
+    # ("\x1b[31m"): they are the errors to show, not brackets left open at the end.
+    if lexical:
+        diags, stack = diags + lexical, []
+    for opener, where in reversed(stack[-5:]):
         diags.append(Diagnostic.error(
             DT102, f"'{opener}' is never closed", where,
             hint=f"add '{_CLOSER[opener]}' where the {'block' if opener == '{' else 'list'} ends"))

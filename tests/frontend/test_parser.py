@@ -98,6 +98,11 @@ def test_bad_input_gets_located_diagnostics(data: bytes, code: str | None):
     assert all(line >= 1 and column >= 1 for _, line, column in codes)
 
 
+def test_a_pasted_escape_sequence_is_the_error_shown():
+    assert _codes(b"train {\n  seed\x1b[31m = 1\n}\n")[0] == ("DT101", 2, 7)
+    assert _codes(b"train {\x0c seed = 1 }\n") == []      # a form feed is whitespace
+
+
 def test_lone_carriage_returns_end_lines():
     lf = b"train {\n  steps = 3\n  x = \"a\n}\n"
     assert _codes(lf.replace(b"\n", b"\r")) == _codes(lf) == [("DT103", 3, 7)]
