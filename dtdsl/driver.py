@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import os
-import stat
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,6 +23,7 @@ from dtdsl.frontend import ast
 from dtdsl.frontend.check import check
 from dtdsl.frontend.parser import parse
 from dtdsl.ir.program import Program
+from dtdsl.outdir import read_regular
 from dtdsl.resolve import SpecFiles
 from dtdsl.source import MAX_SPEC_BYTES, Source, SourceError, decode_source
 
@@ -66,28 +65,15 @@ def read_spec(path: str) -> tuple[str, bytes]:
     if path == "-":
         return "<stdin>", sys.stdin.buffer.read(MAX_SPEC_BYTES + 1)
     try:
-        # Opened without blocking (a FIFO's open waits for a writer), then checked: only a
-        # regular file is read (a FIFO or a device would never end, or never start).
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        # Only a regular file (a FIFO or a device would never end); a longer one than a
+        # spec may be is read up to the bound, for decode_source to refuse (DT003).
+        return path, read_regular(path, MAX_SPEC_BYTES)
     except FileNotFoundError:
         raise UsageError(f"no such file: {path}") from None
-    except IsADirectoryError:
-        raise UsageError(f"{path} is a directory; give a .dt file") from None
     except OSError as err:
         raise UsageError(f"cannot read {path}: {err.strerror or err}") from None
-    try:
-        mode = os.fstat(fd).st_mode
-        if stat.S_ISDIR(mode):
-            raise UsageError(f"{path} is a directory; give a .dt file")
-        if not stat.S_ISREG(mode):
-            raise UsageError(f"{path} is not a regular file; give a .dt file")
-        os.set_blocking(fd, True)
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            return path, f.read(MAX_SPEC_BYTES + 1)
-    except OSError as err:
-        raise UsageError(f"cannot read {path}: {err.strerror or err}") from None
-    finally:
-        os.close(fd)
+    except ValueError as err:
+        raise UsageError(f"{err}; give a .dt file") from None
 
 
 @contextlib.contextmanager

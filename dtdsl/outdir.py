@@ -36,7 +36,7 @@ from typing import Any
 
 from dtdsl.errors import DtdslError
 
-__all__ = ["RECORD", "Listed", "OutputError", "Snapshot", "Staged", "check_name",
+__all__ = ["RECORD", "Listed", "OutputError", "Snapshot", "Staged", "check_name", "read_regular",
            "file_sha256", "fresh_dir", "read_record", "real_dir", "replace_folder", "stage",
            "verify_owned", "verify_recorded", "write_record"]
 
@@ -49,6 +49,25 @@ Keep = Callable[[str, os.stat_result], bool]
 
 class OutputError(DtdslError, ValueError):
     """An output folder dtdsl will not write into or replace; the message names why."""
+
+
+def read_regular(path: str | os.PathLike[str], limit: int) -> bytes:
+    """The bytes of ``path``, at most ``limit + 1`` (more than ``limit``: the file is longer
+    than the caller takes), if it is a regular file. Opened without blocking (a FIFO's open
+    waits for a writer) and checked before it is read: a FIFO or a device would never end.
+    OSError for what the system says; ValueError for a file of another kind."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+            raise ValueError(f"{os.fspath(path)} is {kind}")
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(limit + 1)
+    finally:
+        os.close(fd)
+    return data
 
 
 def file_sha256(path: str | os.PathLike[str]) -> str:

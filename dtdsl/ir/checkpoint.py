@@ -4,15 +4,17 @@ Torch-free: the preprocessing workers and ``dtc`` read them too."""
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
 from dtdsl.errors import DtdslError, validation_problems
+from dtdsl.outdir import read_regular
 
 __all__ = ["FORMAT", "MANIFEST", "MODES", "PROGRAM", "VERSION", "CheckpointError",
            "CheckpointMismatch", "Manifest", "UnitLayout", "checkpoint_root",
@@ -78,6 +80,16 @@ class Manifest(_Model):
     num_tensors: int                # keys in the DCP checkpoint (the whole job's)
     rng_torch: str                  # base64 of torch.get_rng_state() on rank 0
     rng_cuda: str | None = None     # the same for the current CUDA device, if any
+
+    @field_validator("rng_torch", "rng_cuda")
+    @classmethod
+    def _base64(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                base64.b64decode(value, validate=True)
+            except ValueError:
+                raise ValueError("not base64") from None
+        return value
     program_sha256: str | None = None   # ``program_sha256`` (None: written before it was)
 
     @model_validator(mode="after")
@@ -127,12 +139,19 @@ def checkpoint_root(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
+# A manifest lists a few fields per unit: kilobytes.
+MAX_MANIFEST_BYTES = 1 << 20
+
+
 def read_manifest(path: str | Path) -> Manifest:
     """The manifest of the checkpoint directory ``path``; CheckpointError when it is
     missing or invalid."""
     file = Path(path) / MANIFEST
     try:
-        return Manifest.model_validate_json(file.read_bytes())
+        data = read_regular(file, MAX_MANIFEST_BYTES)
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise ValueError(f"more than {MAX_MANIFEST_BYTES >> 20} MiB, which no manifest is")
+        return Manifest.model_validate_json(data)
     except OSError as err:
         raise CheckpointError(f"cannot read {file}: {err.strerror or err}") from None
     except ValidationError as err:

@@ -11,9 +11,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+
+from dtdsl.errors import validation_problems
 
 __all__ = ["JOB_VERSION", "CheckpointConfig", "CostConfig", "DataConfig", "FeedConfig", "Job",
            "RankEntry", "RankProgram", "load_job"]
@@ -23,6 +25,17 @@ JOB_VERSION = 2
 
 class _Model(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+def _in_bundle(name: str) -> str:
+    """A file of the bundle, named relative to it: no absolute path, no '..' out of it."""
+    path = Path(name)
+    if not name or path.is_absolute() or ".." in path.parts:
+        raise ValueError(f"{name!r} is not a file inside the bundle")
+    return name
+
+
+BundleFile = Annotated[str, AfterValidator(_in_bundle)]
 
 
 class DataConfig(_Model):
@@ -78,7 +91,7 @@ class CostConfig(_Model):
     matmul: float | None = Field(default=None, gt=0, le=1)
     attention: float | None = Field(default=None, gt=0, le=1)
     conv: float | None = Field(default=None, gt=0, le=1)
-    profile_file: str | None = None
+    profile_file: BundleFile | None = None
 
 
 class CheckpointConfig(_Model):
@@ -102,10 +115,10 @@ class Job(_Model):
     feed: FeedConfig
     checkpoint: CheckpointConfig
     cost: CostConfig = Field(default_factory=CostConfig)
-    program_file: str = "program.json"
-    plan_file: str = "plan.json"
-    schedule_file: str = "schedule.txt"
-    secret_file: str = "job.key"
+    program_file: BundleFile = "program.json"
+    plan_file: BundleFile = "plan.json"
+    schedule_file: BundleFile = "schedule.txt"
+    secret_file: BundleFile = "job.key"
 
     @property
     def launched(self) -> int:
@@ -140,7 +153,8 @@ def load_job(bundle: str | Path) -> Job:
             raise ValueError(f"{path} was written by another dtc (job version {version}, "
                              f"this one reads {JOB_VERSION}): compile the bundle again") \
                 from None
-        raise ValueError(f"{path} is not a valid job description: {err}") from None
+        why = validation_problems(err) if isinstance(err, ValidationError) else str(err)
+        raise ValueError(f"{path} is not a valid job description: {why}") from None
 
 
 def _version_of(path: Path) -> Any:

@@ -307,10 +307,15 @@ def _rng_b64(state: Any) -> str:
     return base64.b64encode(bytes(state.numpy().tobytes())).decode()
 
 
-def _rng_tensor(text: str) -> Any:
+def _rng_state(text: str, like: Any) -> Any:
+    """A generator's state from its base64 ``text`` (the manifest's), or None where it is
+    not one of the size ``like`` (the generator's own state) has."""
     import torch
 
-    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+    raw = base64.b64decode(text)
+    if len(raw) != like.numel():
+        return None
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 
 def _layout(state: Any) -> Any:
@@ -788,11 +793,18 @@ class Checkpointer:
                                      ) from None
         except Exception as err:
             raise CheckpointError(f"cannot load {path}: {err}") from err
+        rng = _rng_state(manifest.rng_torch, torch.get_rng_state())
+        cuda = manifest.rng_cuda is not None and torch.cuda.is_available()
+        rng_cuda = _rng_state(manifest.rng_cuda, torch.cuda.get_rng_state()) if cuda else None
+        if rng is None or (cuda and rng_cuda is None):
+            raise CheckpointMismatch(_unloadable(
+                self.run_dir, path, "its manifest's random number generator state is not "
+                "one torch wrote"))
         load_state_dict(self.ex, state)
         self.loaded = step
-        torch.set_rng_state(_rng_tensor(manifest.rng_torch))
-        if manifest.rng_cuda is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state(_rng_tensor(manifest.rng_cuda))
+        torch.set_rng_state(rng)
+        if rng_cuda is not None:
+            torch.cuda.set_rng_state(rng_cuda)
         if self.rank == 0:
             layout = " ".join(u.text for u in manifest.units)
             how = ("same plan" if manifest.plan_sha256 == self.plan_sha256 else

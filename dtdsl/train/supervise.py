@@ -88,6 +88,21 @@ def _say(text: str) -> None:
     print(f"launch.sh: {text}", file=sys.stderr, flush=True)
 
 
+def unusable_run_dir(run_dir: Path) -> str | None:
+    """Why no launch may write ``run_dir``: it is the filesystem's root, or a folder of
+    records dtdsl writes and prunes there (``logs/``, ``tb/``: a resumed run cuts its
+    TensorBoard events back to the checkpoint's step) is a symbolic link, which would take
+    those writes into whatever folder it names."""
+    if os.path.realpath(run_dir) == os.path.realpath(os.sep):
+        return f"--run-dir {run_dir} is the filesystem's root: give a folder of its own"
+    for name in ("logs", "tb"):
+        if (run_dir / name).is_symlink():
+            return (f"{run_dir / name} is a symbolic link; dtdsl writes and prunes its "
+                    "records there, not through a link: make it a folder, or choose "
+                    "another --run-dir")
+    return None
+
+
 def earlier_run(run_dir: Path) -> str | None:
     """Why a fresh start may not use ``run_dir`` (an earlier run's checkpoints or records
     are there), or None."""
@@ -390,6 +405,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_launch_id(launch_id)
     except ValueError as err:
         _say(str(err))
+        return 2
+    problem = unusable_run_dir(Path(args.run_dir))
+    if problem is not None:
+        _say(problem)
         return 2
     lock = RunDirLock(args.run_dir, launch_id)
     try:
