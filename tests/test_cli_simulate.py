@@ -265,9 +265,9 @@ def test_reorder_inter_bad_input(capsys, tmp_path):
 
 def test_a_plans_expert_parallelism_splits_the_experts_and_the_data_parallel_ranks(
         shipped_plan):
-    from dtdsl.cli.common import plan_problems
     from dtdsl.driver import run_frontend
     from dtdsl.ir.plan import Plan
+    from dtdsl.ir.plan_check import plan_problems
 
     spec = ROOT / "specs" / "moe_vl_30b.dt"
     program = run_frontend(str(spec), spec.read_bytes()).program

@@ -120,6 +120,36 @@ def check_key(bundle: Path, job: Any) -> list[str]:
     return []
 
 
+def check_plan(bundle: Path, job: Any, program: ir.Program) -> list[str]:
+    """Problems with the bundle's plan (``ir.plan_check``, as ``dtc`` checks a plan it is
+    given) and the job's world (its ranks, the plan's): an edited bundle stops here, in
+    one line each, not on every rank at every restart."""
+    from pydantic import ValidationError
+
+    from dtdsl.errors import validation_problems
+    from dtdsl.ir.plan import Plan
+    from dtdsl.ir.plan_check import plan_problems
+
+    path = bundle / job.plan_file
+    try:
+        plan = Plan.model_validate_json(path.read_bytes())
+    except OSError as err:
+        return [f"cannot read {path}: {err.strerror or err}; compile the bundle again"]
+    except ValidationError as err:
+        return [f"{path} is not a plan: {validation_problems(err)}; compile the bundle again"]
+    if sorted(u.name for u in plan.units) != sorted(m.name for m in program.modules):
+        return [f"{path} does not plan the units of {job.program_file}; compile the bundle "
+                "again"]
+    problems = [f"{path}: {p}" for p in plan_problems(plan, program)]
+    if job.world_size != plan.gpus_used:
+        problems.append(f"job.json's world_size {job.world_size} is not the plan's "
+                        f"{plan.gpus_used} GPUs")
+    if job.launched < job.world_size:
+        problems.append(f"job.json's {job.nodes} nodes of {job.gpus_per_node} GPUs cannot "
+                        f"hold its world_size {job.world_size}")
+    return [f"{p}; compile the bundle again" for p in problems[:5]] if problems else []
+
+
 def check_resume(job: Any, run_dir: str | Path) -> list[str]:
     """Problems with the checkpoint a resumed run would load (the newest complete one):
     it must be of this bundle's spec (another plan is resharded, another spec is not), its
@@ -181,8 +211,18 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"launch.sh: {err}", file=sys.stderr)
         return 2
-    program = ir.Program.model_validate_json((bundle / job.program_file).read_bytes())
-    problems: list[str] = []
+    try:
+        program = ir.Program.model_validate_json((bundle / job.program_file).read_bytes())
+    except (OSError, ValueError) as err:
+        why = err.strerror if isinstance(err, OSError) else "not a program"
+        print(f"launch.sh: cannot read {bundle / job.program_file}: {why}; compile the "
+              "bundle again", file=sys.stderr)
+        return 2
+    problems = check_plan(bundle, job, program)
+    if problems:        # nothing else of the bundle is to be trusted
+        for line in problems:
+            print(f"launch.sh: {line}", file=sys.stderr)
+        return 2
     if args.data is not None or job.data.kind == "dataset":
         source = args.data if args.data is not None else str(bundle / str(job.data.path))
         problems += check_data(program, source)

@@ -10,9 +10,9 @@ from functools import cache
 import pytest
 
 from dtdsl import cli
-from dtdsl.cli.common import plan_problems
 from dtdsl.cost.model import build_cost_model
 from dtdsl.ir.plan import Plan
+from dtdsl.ir.plan_check import plan_problems
 from dtdsl.planner import Infeasible, plan
 from dtdsl.planner.placement import colocated_layouts, plan_fits
 from tests.helpers.planning import cost, from_text, program

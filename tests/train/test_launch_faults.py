@@ -481,3 +481,35 @@ def test_trainers_get_expandable_segments_unless_the_allocator_is_configured():
     mine = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}
     assert trainer_env(mine) == mine
     assert trainer_env({"PYTORCH_ALLOC_CONF": "x"}) == {"PYTORCH_ALLOC_CONF": "x"}
+
+
+def test_preflight_refuses_an_edited_plan_and_world_in_one_line_each(tmp_path, tiny_run):
+    import json
+
+    from dtdsl.train.preflight import check_plan, main
+
+    bundle = tiny_run.bundle_copy(tmp_path)
+    job = load_job(bundle)
+    from dtdsl.ir.program import Program
+
+    program = Program.model_validate_json((bundle / job.program_file).read_bytes())
+    assert check_plan(bundle, job, program) == []
+    plan_path = bundle / job.plan_file
+    plan = json.loads(plan_path.read_text())
+    plan["units"][0]["tp"] = -1
+    plan_path.write_text(json.dumps(plan))
+    said = check_plan(bundle, job, program)
+    assert said and all("\n" not in line and line.endswith("compile the bundle again")
+                        for line in said), said
+    assert "tp, dp, pp, vpp, cp and ep must be at least 1" in said[0]
+    assert main([str(bundle)]) == 2
+    plan["units"][0]["tp"] = "x"
+    plan_path.write_text(json.dumps(plan))
+    assert check_plan(bundle, job, program)[0].startswith(
+        f"{plan_path} is not a plan: units.0.tp")
+    shutil.copy(tiny_run.bundle / job.plan_file, plan_path)
+    for world in (job.world_size + 1, 10**9):
+        wrong = job.model_copy(update={"world_size": world})
+        said = check_plan(bundle, wrong, program)
+        assert f"job.json's world_size {world} is not the plan's {job.world_size} GPUs" \
+            in said[0], said
