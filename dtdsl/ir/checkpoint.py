@@ -179,8 +179,8 @@ def damaged_checkpoints(run_dir: str | Path) -> list[tuple[Path, str]]:
 
 
 def _scan(run_dir: str | Path) -> list[tuple[int, Path, str | None]]:
-    """Every ``ckpt-<N>`` directory of the run as (N, directory, why it is not a complete
-    checkpoint or None), by N."""
+    """Every ``ckpt-<N>`` of the run as (N, path, why it is not a complete checkpoint or
+    None), by N: one that is no directory (a file, a FIFO) is not one."""
     root = checkpoint_root(run_dir)
     try:
         entries = list(root.iterdir())
@@ -189,19 +189,21 @@ def _scan(run_dir: str | Path) -> list[tuple[int, Path, str | None]]:
     out: list[tuple[int, Path, str | None]] = []
     for path in entries:
         m = _NAME.match(path.name)
-        if m is None or not path.is_dir():
+        if m is None:
             continue
         n = int(m.group(1))
-        if not (path / ".metadata").is_file():
-            out.append((n, path, "it has no DCP .metadata"))
-            continue
-        try:
-            manifest = read_manifest(path)
-        except CheckpointError as err:
-            out.append((n, path, str(err)))
-            continue
-        out.append((n, path, None if manifest.step == n else
-                    f"its manifest says step {manifest.step}"))
+        problem: str | None = None
+        if not path.is_dir():
+            problem = "it is not a directory"
+        elif not (path / ".metadata").is_file():
+            problem = "it has no DCP .metadata"
+        else:
+            try:
+                step = read_manifest(path).step
+                problem = None if step == n else f"its manifest says step {step}"
+            except CheckpointError as err:
+                problem = str(err)
+        out.append((n, path, problem))
     return sorted(out, key=lambda e: e[0])
 
 

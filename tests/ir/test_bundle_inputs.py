@@ -88,3 +88,14 @@ def test_a_run_directory_is_no_root_and_its_records_no_links(tmp_path):
         run.mkdir()
         (run / name).symlink_to(tmp_path / "elsewhere")
         assert f"{run / name} is a symbolic link" in unusable_run_dir(run)
+
+
+def test_a_newer_ckpt_that_is_no_folder_is_damaged_not_ignored(tmp_path):
+    from dtdsl.ir.checkpoint import checkpoint_root, damaged_checkpoints
+
+    root = checkpoint_root(tmp_path)
+    root.mkdir()
+    os.mkfifo(root / "ckpt-9")
+    (root / "ckpt-10").write_text("")
+    assert damaged_checkpoints(tmp_path) == [(root / "ckpt-9", "it is not a directory"),
+                                              (root / "ckpt-10", "it is not a directory")]

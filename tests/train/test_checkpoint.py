@@ -83,7 +83,8 @@ def test_only_complete_checkpoints_count(tmp_path):
     assert [(p.name, why.split(":")[0]) for p, why in damaged_checkpoints(tmp_path)] == [
         ("ckpt-6", f"cannot read {checkpoint_root(tmp_path) / 'ckpt-6' / 'manifest.json'}"),
         ("ckpt-8", "its manifest says step 7"), ("ckpt-10", "it has no DCP .metadata"),
-        ("ckpt-14", "it has no DCP .metadata")]
+        # a file where a save would rename its folder: the save at step 12 would fail
+        ("ckpt-12", "it is not a directory"), ("ckpt-14", "it has no DCP .metadata")]
     # a checkpoint is taken between steps: its data cursor is its step
     with pytest.raises(ValueError, match="step 4 and next_step 1 must be equal"):
         Manifest.model_validate({**_manifest(4).model_dump(), "next_step": 1})
