@@ -11,9 +11,17 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from dtdsl.errors import DtdslError, validation_problems
+from dtdsl.ir.bounds import MAX_CLUSTER_GPUS
 from dtdsl.outdir import read_regular
 
 __all__ = ["FORMAT", "MANIFEST", "MODES", "PROGRAM", "VERSION", "CheckpointError",
@@ -44,13 +52,13 @@ class _Model(BaseModel):
 
 class UnitLayout(_Model):
     name: str
-    tp: int
-    dp: int
-    pp: int
+    tp: int = Field(ge=1, le=MAX_CLUSTER_GPUS)
+    dp: int = Field(ge=1, le=MAX_CLUSTER_GPUS)
+    pp: int = Field(ge=1, le=MAX_CLUSTER_GPUS)
     colocated: bool = False     # ran on the backbone's stages (written since issue 27)
     phased: bool = False        # ran phased on the backbone's ranks (likewise)
-    cp: int = 1                 # context parallelism (written since issue 30)
-    vpp: int = 1                # model chunks per stage (interleaved; likewise)
+    cp: int = Field(default=1, ge=1, le=MAX_CLUSTER_GPUS)   # context parallelism (issue 30)
+    vpp: int = Field(default=1, ge=1, le=MAX_CLUSTER_GPUS)  # model chunks per stage
 
     @property
     def text(self) -> str:
@@ -74,7 +82,7 @@ class Manifest(_Model):
     spec: str
     spec_sha256: str
     plan_sha256: str
-    world_size: int
+    world_size: int = Field(ge=1, le=MAX_CLUSTER_GPUS)
     units: tuple[UnitLayout, ...]
     mode: Literal["sync", "thread"]
     num_tensors: int                # keys in the DCP checkpoint (the whole job's)

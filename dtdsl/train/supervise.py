@@ -95,6 +95,9 @@ def unusable_run_dir(run_dir: Path) -> str | None:
     those writes into whatever folder it names."""
     if os.path.realpath(run_dir) == os.path.realpath(os.sep):
         return f"--run-dir {run_dir} is the filesystem's root: give a folder of its own"
+    if run_dir.is_symlink() and not run_dir.exists():
+        return (f"--run-dir {run_dir} is a symbolic link to {os.readlink(run_dir)}, which "
+                "does not exist: make that folder, or give another")
     for name in ("logs", "tb"):
         if (run_dir / name).is_symlink():
             return (f"{run_dir / name} is a symbolic link; dtdsl writes and prunes its "

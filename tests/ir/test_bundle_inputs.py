@@ -45,6 +45,17 @@ def test_a_generator_state_that_is_not_base64_is_no_manifest(tmp_path):
             read_manifest(tmp_path)
 
 
+def test_a_manifests_world_and_layouts_are_counts(tmp_path):
+    text = json.loads(_manifest().model_dump_json())
+    unit = {"name": "llm", "tp": 1, "dp": 1, "pp": 1}
+    for changed, where in (({"world_size": -5}, "world_size"),
+                           ({"world_size": 10**9}, "world_size"),
+                           ({"units": [{**unit, "tp": -1}]}, "units.0.tp")):
+        (tmp_path / MANIFEST).write_text(json.dumps({**text, **changed}))
+        with pytest.raises(CheckpointError, match=f"manifest: {where}: Input should be"):
+            read_manifest(tmp_path)
+
+
 def test_a_generator_state_of_another_size_is_not_loaded():
     import base64
 
@@ -81,6 +92,8 @@ def test_a_run_directory_is_no_root_and_its_records_no_links(tmp_path):
     from dtdsl.train.supervise import unusable_run_dir
 
     assert "filesystem's root" in unusable_run_dir(Path("/"))
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    assert "which does not exist" in unusable_run_dir(tmp_path / "dangling")
     assert unusable_run_dir(tmp_path / "new") is None
     (tmp_path / "elsewhere").mkdir()
     for name in ("logs", "tb"):
