@@ -23,7 +23,7 @@ from dtdsl.frontend import ast
 from dtdsl.frontend.check import check
 from dtdsl.frontend.parser import parse
 from dtdsl.ir.program import Program
-from dtdsl.outdir import read_regular
+from dtdsl.outdir import read_bounded
 from dtdsl.resolve import SpecFiles
 from dtdsl.source import MAX_SPEC_BYTES, Source, SourceError, decode_source
 
@@ -67,7 +67,7 @@ def read_spec(path: str) -> tuple[str, bytes]:
     try:
         # Only a regular file (a FIFO or a device would never end); a longer one than a
         # spec may be is read up to the bound, for decode_source to refuse (DT003).
-        return path, read_regular(path, MAX_SPEC_BYTES)
+        return path, read_bounded(path, MAX_SPEC_BYTES)
     except FileNotFoundError:
         raise UsageError(f"no such file: {path}") from None
     except OSError as err:

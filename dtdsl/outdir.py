@@ -36,9 +36,9 @@ from typing import Any
 
 from dtdsl.errors import DtdslError
 
-__all__ = ["RECORD", "Listed", "OutputError", "Snapshot", "Staged", "check_name", "read_regular",
-           "file_sha256", "fresh_dir", "read_record", "real_dir", "replace_folder", "stage",
-           "verify_owned", "verify_recorded", "write_record"]
+__all__ = ["Listed", "OutputError", "RECORD", "Snapshot", "Staged", "check_name", "file_kind",
+           "file_sha256", "fresh_dir", "read_bounded", "read_record", "real_dir", "replace_folder",
+           "stage", "verify_owned", "verify_recorded", "write_record"]
 
 RECORD = "dtdsl-manifest.json"      # what a Hugging Face directory of dtdsl's holds
 _RECORD_FORMAT = "dtdsl-files"
@@ -51,7 +51,16 @@ class OutputError(DtdslError, ValueError):
     """An output folder dtdsl will not write into or replace; the message names why."""
 
 
-def read_regular(path: str | os.PathLike[str], limit: int) -> bytes:
+_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"),
+          (stat.S_ISBLK, "a device"), (stat.S_ISDIR, "a directory"))
+
+
+def file_kind(mode: int) -> str:
+    """What a file of ``st_mode`` ``mode`` that is not a regular file is, in words."""
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+def read_bounded(path: str | os.PathLike[str], limit: int) -> bytes:
     """The bytes of ``path``, at most ``limit + 1`` (more than ``limit``: the file is longer
     than the caller takes), if it is a regular file. Opened without blocking (a FIFO's open
     waits for a writer) and checked before it is read: a FIFO or a device would never end.
@@ -60,8 +69,7 @@ def read_regular(path: str | os.PathLike[str], limit: int) -> bytes:
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
-            raise ValueError(f"{os.fspath(path)} is {kind}")
+            raise ValueError(f"{os.fspath(path)} is {file_kind(mode)}, not a regular file")
         os.set_blocking(fd, True)
         with os.fdopen(fd, "rb", closefd=False) as f:
             data = f.read(limit + 1)

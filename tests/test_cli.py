@@ -137,11 +137,11 @@ def test_a_spec_that_is_no_regular_file_is_refused_at_once(tmp_path: Path):
     os.mkfifo(tmp_path / "fifo.dt")
     for command in ("check", "fmt"):
         code, _, err = dtc(command, str(tmp_path / "fifo.dt"))
-        assert code == 2 and "fifo.dt is not a regular file" in err, err
+        assert code == 2 and "fifo.dt is a FIFO, not a regular file" in err, err
         code, _, err = dtc(command, "/dev/zero")
-        assert code == 2 and "/dev/zero is not a regular file" in err, err
+        assert code == 2 and "/dev/zero is a device, not a regular file" in err, err
     code, _, err = dtc("check", str(tmp_path))
-    assert code == 2 and "is a directory; give a .dt file" in err, err
+    assert code == 2 and "is a directory, not a regular file; give a .dt file" in err, err
 
 
 def test_fmt_refuses_syntax_errors(tmp_path: Path):

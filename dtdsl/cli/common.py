@@ -16,7 +16,7 @@ from dtdsl.codes import DT000
 from dtdsl.diagnostics import Diagnostic, has_errors, render_text
 from dtdsl.driver import FrontendResult, UsageError
 from dtdsl.errors import validation_problems
-from dtdsl.ir.plan_check import plan_problems
+from dtdsl.ir.plan_check import MAX_PLAN_BYTES, plan_problems
 from dtdsl.ir.program import Program
 from dtdsl.source import Span
 
@@ -34,8 +34,6 @@ __all__ = ["PROGRESS_AFTER_S", "SIMULATE_STEPS", "Parser", "Stop", "add_placemen
 SIMULATE_STEPS = 2
 # Work shorter than this shows no progress bar.
 PROGRESS_AFTER_S = 2.0
-# A plan file larger than this is not one: dtc plan's for 1,172 GPUs is some kilobytes.
-MAX_PLAN_BYTES = 16 << 20
 
 
 class Stop(Exception):  # noqa: N818 - a way out of a command, not an error
@@ -182,19 +180,16 @@ def read_plan(path: str, program: Program) -> Plan:
     """A Plan JSON from ``dtc plan -o``, checked against ``program``'s units."""
     from pydantic import ValidationError
 
-    from dtdsl.data.paths import Refused, open_regular
     from dtdsl.ir.plan import Plan
+    from dtdsl.outdir import read_bounded
 
     try:
         # A regular file, read up to a bound (a FIFO or a device would never end).
-        with open_regular(path) as f:
-            data = f.read(MAX_PLAN_BYTES + 1)
+        data = read_bounded(path, MAX_PLAN_BYTES)
         if len(data) > MAX_PLAN_BYTES:
             raise UsageError(f"cannot read plan {path}: over {MAX_PLAN_BYTES >> 20} MiB, "
                              "more than any plan dtc writes")
         the_plan = Plan.model_validate_json(data)
-    except Refused as err:
-        raise UsageError(f"cannot read plan: {err}") from None
     except ValidationError as err:
         raise UsageError(f"cannot read plan {path}: {validation_problems(err)}; plan the "
                          "spec again (`dtc plan SPEC -o plan.json`)") from None

@@ -27,6 +27,8 @@ import stat
 from pathlib import Path
 from typing import BinaryIO
 
+from dtdsl.outdir import file_kind
+
 __all__ = ["ABSOLUTE", "MISSING", "NOT_REGULAR", "OUTSIDE", "Refused", "inside",
            "open_regular", "read_regular", "regular_file"]
 
@@ -34,8 +36,6 @@ ABSOLUTE = "absolute path"
 OUTSIDE = "outside its folder"
 NOT_REGULAR = "not a regular file"
 MISSING = "missing"
-_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"),
-          (stat.S_ISBLK, "a device"), (stat.S_ISDIR, "a directory"))
 
 
 class Refused(Exception):
@@ -45,10 +45,6 @@ class Refused(Exception):
     def __init__(self, reason: str, message: str):
         super().__init__(message)
         self.reason = reason
-
-
-def _kind(mode: int) -> str:
-    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
 
 
 def _within(path: str, folder: str) -> bool:
@@ -86,7 +82,7 @@ def regular_file(path: str | os.PathLike[str], *, shown: str | None = None) -> P
         raise Refused(NOT_REGULAR, f"cannot read {where}: "
                       f"{getattr(err, 'strerror', None) or err}") from None
     if not stat.S_ISREG(st.st_mode):
-        raise Refused(NOT_REGULAR, f"{where} is {_kind(st.st_mode)}, not a regular file")
+        raise Refused(NOT_REGULAR, f"{where} is {file_kind(st.st_mode)}, not a regular file")
     return Path(path)
 
 
@@ -107,7 +103,7 @@ def open_regular(path: str | os.PathLike[str]) -> BinaryIO:
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            raise Refused(NOT_REGULAR, f"{path} is {_kind(mode)}, not a regular file")
+            raise Refused(NOT_REGULAR, f"{path} is {file_kind(mode)}, not a regular file")
         os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")
     except BaseException:

@@ -22,7 +22,7 @@ from pydantic import (
 
 from dtdsl.errors import DtdslError, validation_problems
 from dtdsl.ir.bounds import MAX_CLUSTER_GPUS
-from dtdsl.outdir import read_regular
+from dtdsl.outdir import read_bounded
 
 __all__ = ["FORMAT", "MANIFEST", "MODES", "PROGRAM", "VERSION", "CheckpointError",
            "CheckpointMismatch", "Manifest", "UnitLayout", "checkpoint_root",
@@ -88,6 +88,7 @@ class Manifest(_Model):
     num_tensors: int                # keys in the DCP checkpoint (the whole job's)
     rng_torch: str                  # base64 of torch.get_rng_state() on rank 0
     rng_cuda: str | None = None     # the same for the current CUDA device, if any
+    program_sha256: str | None = None   # ``program_sha256`` (None: written before it was)
 
     @field_validator("rng_torch", "rng_cuda")
     @classmethod
@@ -98,7 +99,6 @@ class Manifest(_Model):
             except ValueError:
                 raise ValueError("not base64") from None
         return value
-    program_sha256: str | None = None   # ``program_sha256`` (None: written before it was)
 
     @model_validator(mode="after")
     def _cursor_at_the_step(self) -> Manifest:
@@ -156,7 +156,7 @@ def read_manifest(path: str | Path) -> Manifest:
     missing or invalid."""
     file = Path(path) / MANIFEST
     try:
-        data = read_regular(file, MAX_MANIFEST_BYTES)
+        data = read_bounded(file, MAX_MANIFEST_BYTES)
         if len(data) > MAX_MANIFEST_BYTES:
             raise ValueError(f"more than {MAX_MANIFEST_BYTES >> 20} MiB, which no manifest is")
         return Manifest.model_validate_json(data)

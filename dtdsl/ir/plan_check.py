@@ -10,7 +10,10 @@ from dtdsl.ir.bounds import MAX_CLUSTER_GPUS
 from dtdsl.ir.plan import Plan, UnitPlan
 from dtdsl.ir.program import Module, ModuleConstraints, Program
 
-__all__ = ["plan_problems"]
+__all__ = ["MAX_PLAN_BYTES", "plan_problems"]
+
+# A plan file larger than this is not one: dtc plan's for 1,172 GPUs is some kilobytes.
+MAX_PLAN_BYTES = 16 << 20
 
 
 def plan_problems(the_plan: Plan, program: Program) -> list[str]:

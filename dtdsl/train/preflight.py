@@ -128,15 +128,22 @@ def check_plan(bundle: Path, job: Any, program: ir.Program) -> list[str]:
 
     from dtdsl.errors import validation_problems
     from dtdsl.ir.plan import Plan
-    from dtdsl.ir.plan_check import plan_problems
+    from dtdsl.ir.plan_check import MAX_PLAN_BYTES, plan_problems
+    from dtdsl.outdir import read_bounded
 
     path = bundle / job.plan_file
     try:
-        plan = Plan.model_validate_json(path.read_bytes())
+        data = read_bounded(path, MAX_PLAN_BYTES)
+        if len(data) > MAX_PLAN_BYTES:
+            return [f"{path} is more than {MAX_PLAN_BYTES >> 20} MiB, which no plan is; "
+                    "compile the bundle again"]
+        plan = Plan.model_validate_json(data)
     except OSError as err:
         return [f"cannot read {path}: {err.strerror or err}; compile the bundle again"]
     except ValidationError as err:
         return [f"{path} is not a plan: {validation_problems(err)}; compile the bundle again"]
+    except ValueError as err:       # not a regular file
+        return [f"{err}; compile the bundle again"]
     if sorted(u.name for u in plan.units) != sorted(m.name for m in program.modules):
         return [f"{path} does not plan the units of {job.program_file}; compile the bundle "
                 "again"]
@@ -211,8 +218,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"launch.sh: {err}", file=sys.stderr)
         return 2
+    from dtdsl.outdir import read_bounded
+
     try:
-        program = ir.Program.model_validate_json((bundle / job.program_file).read_bytes())
+        # A regular file (a FIFO would hang every launch here); a program holds at most a
+        # few empirical distributions of MAX_EMPIRICAL_VALUES values: far below 1 GiB.
+        program = ir.Program.model_validate_json(read_bounded(bundle / job.program_file,
+                                                              1 << 30))
     except (OSError, ValueError) as err:
         why = err.strerror if isinstance(err, OSError) else "not a program"
         print(f"launch.sh: cannot read {bundle / job.program_file}: {why}; compile the "
